@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Create .venv and install prismlm with its test extras. Idempotent: re-running only checks.
+# torch is installed first and pinned, so pip takes the CPU build instead of a multi-GB CUDA one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"

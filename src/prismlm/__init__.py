@@ -1,0 +1,10 @@
+"""prismlm — prototype language models (PRISM): predictions as sparse mixtures of data-anchored prototypes."""
+
+from prismlm.config import (DataConfig, LossConfig, ModelConfig, PrototypeConfig, RunConfig,
+                            TrainConfig)
+from prismlm.model import PrismLM, PrismOutput, decompose
+
+__version__ = "0.1.0"
+
+__all__ = ["DataConfig", "LossConfig", "ModelConfig", "PrismLM", "PrismOutput", "PrototypeConfig",
+           "RunConfig", "TrainConfig", "decompose", "__version__"]

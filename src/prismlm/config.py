@@ -1,0 +1,373 @@
+"""Typed configuration: one dataclass per concern, validated on construction.
+
+Every field is documented where it is declared. ``from_dict`` rejects unknown keys so a typo in a
+config file or a CLI override fails loudly instead of silently training the wrong model. Named presets
+(``tiny``, ``cpu-small``, ``gpt2-124m``, ``gpt2-medium``, ``gpt2-large``, ``xl-1.6b``) live at the bottom.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid or unknown."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
+    """Build a dataclass from a dict, rejecting unknown keys and recursing into nested configs."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        sub = _NESTED.get((cls.__name__, name))
+        if sub is not None and value is not None:
+            value = _from_dict(sub, value, f"{where}.{name}")
+        elif isinstance(value, list) and name == "betas":
+            value = tuple(value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+@dataclass
+class PrototypeConfig:
+    """The PRISM prototype head (spec §1.2–1.4)."""
+
+    num_prototypes: int = 512
+    """K: number of learned prototypes in the bank P (K × d)."""
+    top_k: int = 8
+    """k: prototypes kept per token after ReLU(cos); activations are exactly k-sparse or fewer."""
+    chunk_size: int = 4096
+    """Tokens per chunk when computing the (tokens × K) cosine matrix, so memory stays bounded for
+    large K: peak extra memory is chunk_size × K floats, never B·T × K."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_prototypes >= 1, f"num_prototypes must be >= 1, got {self.num_prototypes}")
+        _check(1 <= self.top_k <= self.num_prototypes,
+               f"top_k must be in [1, num_prototypes={self.num_prototypes}], got {self.top_k}")
+        _check(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
+
+
+@dataclass
+class ModelConfig:
+    """GPT backbone (GPT-2 layout) plus an optional prototype head."""
+
+    vocab_size: int = 8192
+    """Vocabulary size V; set from the tokenizer when data is prepared."""
+    block_size: int = 128
+    """Context length T (maximum sequence length)."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 128
+    """Model width d."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention and MLP outputs (0 for small-data runs)."""
+    bias: bool = True
+    """Use biases in Linear and LayerNorm layers (GPT-2 does)."""
+    tie_weights: bool = True
+    """Tie the token embedding and the output head W (GPT-2 does)."""
+    prototypes: PrototypeConfig | None = field(default_factory=PrototypeConfig)
+    """Prototype head; ``None`` gives the matched dense baseline (same backbone, plain linear head)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prototypes, dict):
+            self.prototypes = _from_dict(PrototypeConfig, self.prototypes, "model.prototypes")
+        _check(self.vocab_size >= 2, f"vocab_size must be >= 2, got {self.vocab_size}")
+        _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _check(self.n_layer >= 1, f"n_layer must be >= 1, got {self.n_layer}")
+        _check(self.n_head >= 1 and self.n_embd % self.n_head == 0,
+               f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")
+        _check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def is_prism(self) -> bool:
+        return self.prototypes is not None
+
+
+@dataclass
+class LossConfig:
+    """Weights of the PRISM objective L = CE + λ_rec REC + λ₁ R1 + λ₂ R2 (spec §2)."""
+
+    lambda_rec: float = 1.0
+    """Weight of REC = mean ‖r‖²/‖z‖² (residual energy share)."""
+    lambda_r1: float = 0.1
+    """Weight of R1 = mean over prototypes of min over batch tokens (1 − cos(p_i, z_t))."""
+    lambda_r2: float = 0.1
+    """Weight of R2 = mean over tokens of min over prototypes (1 − cos(z_t, p_i))."""
+    warmup_steps: int = 0
+    """The three prototype weights ramp linearly from 0 to their value over this many optimizer
+    steps, so the backbone first learns language before it is pulled onto the prototypes."""
+
+    def __post_init__(self) -> None:
+        for name in ("lambda_rec", "lambda_r1", "lambda_r2"):
+            _check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        _check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    def weights_at(self, step: int) -> dict[str, float]:
+        """Loss weights at an optimizer step (warm-up applied); CE always has weight 1."""
+        ramp = 1.0 if self.warmup_steps == 0 else min(1.0, (step + 1) / self.warmup_steps)
+        return {"ce": 1.0, "rec": self.lambda_rec * ramp, "r1": self.lambda_r1 * ramp,
+                "r2": self.lambda_r2 * ramp}
+
+
+@dataclass
+class DataConfig:
+    """Which corpus and tokenizer, and how token shards are built (see ``prismlm.data``)."""
+
+    corpus: str = "builtin"
+    """``builtin`` (Gutenberg + State of the Union, offline), a folder/glob/file of .txt/.jsonl/.parquet,
+    or ``hf:NAME[:CONFIG][@SPLIT]`` for a Hugging Face dataset (needs a network)."""
+    tokenizer: str = "bpe-8192"
+    """``bpe-N`` trains a byte-level BPE with N tokens on the train split; ``gpt2`` is the real GPT-2
+    BPE (offline); ``hf:NAME`` any Hugging Face tokenizer; or a path to a saved tokenizer."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl/.parquet/HF corpora."""
+    val_fraction: float = 0.02
+    """Share of documents (by a stable hash of the document id) held out for validation."""
+    seed: int = 0
+    """Seed of the train/validation split hash."""
+    max_docs: int | None = None
+    """Use only the first N documents (smoke tests)."""
+    max_chars_per_doc: int | None = None
+    """Truncate each document to N characters (smoke tests)."""
+    data_dir: str | None = None
+    """Where shards are written; default ``$PRISM_DATA`` or ``~/.cache/prismlm/data``."""
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.val_fraction < 1.0, f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        _check(self.max_docs is None or self.max_docs >= 1, "max_docs must be >= 1")
+        _check(self.max_chars_per_doc is None or self.max_chars_per_doc >= 1, "max_chars_per_doc must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, schedule, logging and checkpointing."""
+
+    batch_size: int = 16
+    """Sequences per micro-batch per process."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (per process). Global batch =
+    batch_size × grad_accum × world_size sequences."""
+    max_steps: int = 1000
+    """Optimizer steps to train for."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr``."""
+    warmup_steps: int = 50
+    """Linear learning-rate warm-up steps."""
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    """``cosine``: warm-up then cosine decay; ``wsd``: warm-up, stable, then linear decay over the last
+    ``decay_fraction`` of steps."""
+    decay_fraction: float = 0.2
+    """Share of steps spent decaying in the ``wsd`` schedule."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on biases, norms, embeddings' positions or prototypes —
+    decaying prototypes would shrink the reconstruction they must provide)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    eval_interval: int = 100
+    """Run validation every N steps (and at the end)."""
+    eval_batches: int = 8
+    """Validation micro-batches per evaluation (a fixed set, identical across runs)."""
+    log_interval: int = 10
+    """Write a metrics line every N steps."""
+    ckpt_interval: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """How many of the most recent checkpoints to keep on disk (older ones are deleted)."""
+    seed: int = 1337
+    """Seed of initialisation, data order and dropout."""
+    device: str = "auto"
+    """``auto`` (cuda if available, else cpu), ``cpu``, ``cuda``, ``cuda:1``…"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Autocast dtype: ``auto`` is bf16 on CUDA, float32 on CPU."""
+    compile: bool = False
+    """Wrap the model in ``torch.compile`` (GPU runs)."""
+    num_threads: int | None = None
+    """torch CPU threads (None: torch's default)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.betas, list):
+            self.betas = tuple(self.betas)  # type: ignore[assignment]
+        _check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        _check(self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}")
+        _check(self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
+        _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        _check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(self.schedule in ("cosine", "wsd"), f"schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
+        _check(0 < self.decay_fraction <= 1, f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        _check(self.grad_clip >= 0, f"grad_clip must be >= 0, got {self.grad_clip}")
+        _check(self.eval_interval >= 1 and self.eval_batches >= 1 and self.log_interval >= 1,
+               "eval_interval, eval_batches and log_interval must be >= 1")
+        _check(self.ckpt_interval >= 0, f"ckpt_interval must be >= 0, got {self.ckpt_interval}")
+        _check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        _check(self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto/float32/bfloat16, got {self.dtype!r}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate at an optimizer step (0-based)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        min_lr = self.lr * self.min_lr_ratio
+        if self.schedule == "wsd":
+            decay_start = int(self.max_steps * (1 - self.decay_fraction))
+            if step < decay_start:
+                return self.lr
+            frac = (step - decay_start) / max(1, self.max_steps - decay_start)
+            return self.lr - (self.lr - min_lr) * min(1.0, frac)
+        frac = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
+        return min_lr + 0.5 * (self.lr - min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs; saved resolved in every run folder."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    preset: str | None = None
+    """Name of the preset this config started from (informational)."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        return _from_dict(cls, data, "config")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "RunConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_name(cls, name: str) -> "RunConfig":
+        """A named preset: ``tiny``, ``cpu-small``, ``gpt2-124m``, ``gpt2-medium``, ``gpt2-large``, ``xl-1.6b``."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        cfg = cls.from_dict(PRESETS[name])
+        cfg.preset = name
+        return cfg
+
+    def override(self, dotted: dict[str, Any]) -> "RunConfig":
+        """Return a copy with ``{"train.lr": 1e-3, "model.prototypes": None}``-style overrides applied."""
+        data = self.to_dict()
+        for key, value in dotted.items():
+            parts = key.split(".")
+            node = data
+            for p in parts[:-1]:
+                if not isinstance(node.get(p), dict):
+                    if p in node and node[p] is None and p == "prototypes":
+                        node[p] = asdict(PrototypeConfig())
+                    else:
+                        raise ConfigError(f"override {key!r}: {p!r} is not a config section")
+                node = node[p]
+            if parts[-1] not in node:
+                raise ConfigError(f"override {key!r}: unknown key {parts[-1]!r}; valid: {sorted(node)}")
+            node[parts[-1]] = value
+        return RunConfig.from_dict(data)
+
+    def dense(self) -> "RunConfig":
+        """The matched dense baseline: same everything, no prototype head."""
+        return self.override({"model.prototypes": None})
+
+
+_NESTED: dict[tuple[str, str], type] = {
+    ("RunConfig", "model"): ModelConfig,
+    ("RunConfig", "loss"): LossConfig,
+    ("RunConfig", "data"): DataConfig,
+    ("RunConfig", "train"): TrainConfig,
+    ("ModelConfig", "prototypes"): PrototypeConfig,
+}
+
+
+def _preset(model: dict, proto: dict | None, train: dict, data: dict | None = None, loss: dict | None = None) -> dict:
+    m = dict(model)
+    m["prototypes"] = proto
+    return {"model": m, "train": train, "data": data or {}, "loss": loss or {}}
+
+
+# Why these numbers: `tiny` is the test-suite size (d=32, 2 layers, K=64) that trains in seconds on one
+# CPU core; `cpu-small` is the demo (d=128, 4 layers, K=512, k=8), the size at which the loss/coverage
+# trade-off was measured on this kind of 2-core machine (shared/notes/objective-tradeoff.md); the GPT-2
+# presets follow the GPT-2 family shapes with the paper's prototype banks (K=8,192 at 124M, 16,384 at 1.6B).
+PRESETS: dict[str, dict] = {
+    "tiny": _preset(
+        dict(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=32),
+        dict(num_prototypes=64, top_k=4),
+        dict(batch_size=8, max_steps=50, lr=3e-3, warmup_steps=5, eval_interval=25, eval_batches=2, log_interval=5),
+        dict(tokenizer="bpe-512"),
+    ),
+    "cpu-small": _preset(
+        dict(vocab_size=8192, block_size=128, n_layer=4, n_head=4, n_embd=128),
+        dict(num_prototypes=512, top_k=8),
+        dict(batch_size=16, max_steps=600, lr=3e-3, warmup_steps=50, eval_interval=200, eval_batches=8),
+        dict(tokenizer="bpe-8192"),
+        dict(lambda_rec=1.0, lambda_r1=0.1, lambda_r2=0.1, warmup_steps=100),
+    ),
+    "gpt2-124m": _preset(
+        dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+        dict(num_prototypes=8192, top_k=8),
+        dict(batch_size=16, grad_accum=32, max_steps=20000, lr=6e-4, warmup_steps=700, eval_interval=500,
+             eval_batches=50),
+        dict(tokenizer="gpt2"),
+        dict(warmup_steps=1000),
+    ),
+    "gpt2-medium": _preset(
+        dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+        dict(num_prototypes=8192, top_k=8),
+        dict(batch_size=16, grad_accum=32, max_steps=40000, lr=3e-4, warmup_steps=700, eval_interval=1000,
+             eval_batches=50),
+        dict(tokenizer="gpt2"),
+        dict(warmup_steps=1000),
+    ),
+    "gpt2-large": _preset(
+        dict(vocab_size=50304, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
+        dict(num_prototypes=16384, top_k=8),
+        dict(batch_size=8, grad_accum=64, max_steps=60000, lr=2.5e-4, warmup_steps=700, eval_interval=1000,
+             eval_batches=50),
+        dict(tokenizer="gpt2"),
+        dict(warmup_steps=1000),
+    ),
+    "xl-1.6b": _preset(
+        dict(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
+        dict(num_prototypes=16384, top_k=8),
+        dict(batch_size=8, grad_accum=64, max_steps=100000, lr=2e-4, warmup_steps=700, eval_interval=1000,
+             eval_batches=50),
+        dict(tokenizer="gpt2"),
+        dict(warmup_steps=1000),
+    ),
+}
+
+
+def replace(cfg: T, **changes: Any) -> T:
+    """``dataclasses.replace`` re-exported for convenience (re-runs validation)."""
+    return dataclasses.replace(cfg, **changes)  # type: ignore[type-var]

@@ -1,0 +1,5 @@
+"""Evaluation: perplexity and coverage metrics."""
+
+from prismlm.eval.metrics import CoverageAccumulator, evaluate
+
+__all__ = ["CoverageAccumulator", "evaluate"]

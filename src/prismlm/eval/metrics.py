@@ -1,0 +1,105 @@
+"""Validation metrics: loss/perplexity and the PRISM coverage metrics (spec §2).
+
+Coverage, over a sample of tokens:
+- ``r1_bar`` = mean_i max_t cos(p_i, z_t): does each prototype sit on real data?
+- ``r2``     = mean_t max_i cos(z_t, p_i): is each token covered by some prototype?
+- ``dead_prototypes``: prototypes never active (a > 0 in any top-k) over the sample;
+- ``residual_share`` = mean_t ‖r_t‖ / ‖z_t‖: how much of each hidden state the prototypes leave out.
+All accumulate across batches in O(K) memory, so the sample can be as large as wanted.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from prismlm.model import PrismLM, PrismOutput
+
+
+@dataclass
+class CoverageAccumulator:
+    """Streams PrismOutputs and reduces them to coverage metrics."""
+
+    num_prototypes: int
+    proto_max: torch.Tensor | None = None  # (K,) running max_t cos(p_i, z_t)
+    counts: torch.Tensor | None = None  # (K,) number of tokens where prototype i is active
+    token_cos_sum: float = 0.0
+    residual_share_sum: float = 0.0
+    tokens: int = 0
+
+    def update(self, out: PrismOutput) -> None:
+        assert out.proto_max_cos is not None and out.indices is not None
+        pm = out.proto_max_cos.detach().float()
+        self.proto_max = pm if self.proto_max is None else torch.maximum(self.proto_max, pm)
+        active = out.indices[out.activations > 0]  # (n_active,)
+        c = torch.bincount(active.flatten(), minlength=self.num_prototypes).cpu()
+        self.counts = c if self.counts is None else self.counts + c
+        self.token_cos_sum += float(out.token_max_cos.detach().float().sum())
+        ratio = out.residual.detach().float().norm(dim=-1) / out.hidden.detach().float().norm(dim=-1).clamp_min(1e-8)
+        self.residual_share_sum += float(ratio.sum())
+        self.tokens += out.token_max_cos.numel()
+
+    def result(self) -> dict[str, float]:
+        if self.tokens == 0 or self.proto_max is None or self.counts is None:
+            return {}
+        dead = int((self.counts == 0).sum())
+        return {
+            "r1_bar": float(self.proto_max.mean()),
+            "r2": self.token_cos_sum / self.tokens,
+            "dead_prototypes": dead,
+            "dead_fraction": dead / self.num_prototypes,
+            "residual_share": self.residual_share_sum / self.tokens,
+        }
+
+
+def eval_sequence_ids(num_sequences: int, max_sequences: int) -> np.ndarray:
+    """A fixed, evenly spread set of validation sequence ids (identical for every run on the shard)."""
+    n = min(num_sequences, max_sequences)
+    return np.unique(np.linspace(0, num_sequences - 1, n).round().astype(np.int64))
+
+
+@torch.no_grad()
+def evaluate(
+    model: PrismLM,
+    shard,
+    *,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int,
+    device: torch.device | str = "cpu",
+    autocast: torch.autocast | None = None,
+    loss_weights: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """Validation loss, perplexity and (for PRISM) coverage on a fixed sample of ``shard``'s sequences."""
+    was_training = model.training
+    model.eval()
+    n_seq = shard.num_sequences(seq_len)
+    if n_seq < 1:
+        raise ValueError(f"the validation split has fewer than {seq_len + 1} tokens; use more data or a smaller block_size")
+    ids = eval_sequence_ids(n_seq, batch_size * max_batches)
+    cov = CoverageAccumulator(model.prototypes.num_prototypes) if model.is_prism else None
+    sums: dict[str, float] = {}
+    n_tokens = 0
+    for start in range(0, len(ids), batch_size):
+        batch = torch.from_numpy(shard.sequences(ids[start:start + batch_size], seq_len)).to(device)
+        x, y = batch[:, :-1], batch[:, 1:]
+        with autocast or nullcontext():
+            out = model(x, y, loss_weights=loss_weights)
+        ntok = y.numel()
+        n_tokens += ntok
+        for name, value in out.losses.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * ntok
+        if cov is not None:
+            cov.update(out)
+    model.train(was_training)
+    metrics = {f"val_{k}": v / n_tokens for k, v in sums.items()}
+    metrics["val_loss"] = metrics["val_ce"]
+    metrics["val_ppl"] = math.exp(min(metrics["val_ce"], 50.0))
+    metrics["val_tokens"] = n_tokens
+    if cov is not None:
+        metrics.update(cov.result())
+    return metrics

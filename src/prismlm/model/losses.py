@@ -1,0 +1,41 @@
+"""The PRISM objective (spec §2) as pure functions of tensors.
+
+L = CE + λ_rec·REC + λ₁·R1 + λ₂·R2. The R1/R2 functions take the already-reduced maxima that the
+prototype layer computes from its single similarity pass, so no second N × K matrix is ever built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1) -> torch.Tensor:
+    """Mean next-token cross-entropy. logits (..., V), targets (...) int64."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 → fp32, fp64 stays
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=ignore_index)
+
+
+def reconstruction_loss(residual: torch.Tensor, hidden: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """REC = mean over tokens of ‖r_t‖² / ‖z_t‖². residual, hidden: (N, d)."""
+    return (residual.pow(2).sum(-1) / hidden.float().pow(2).sum(-1).clamp_min(eps)).mean()
+
+
+def r1_loss(proto_max_cos: torch.Tensor) -> torch.Tensor:
+    """R1 (prototype → data) = mean_i min_t (1 − cos(p_i, z_t)) = mean_i (1 − max_t cos). Input (K,)."""
+    return (1.0 - proto_max_cos).mean()
+
+
+def r2_loss(token_max_cos: torch.Tensor) -> torch.Tensor:
+    """R2 (data → prototype) = mean_t min_i (1 − cos(z_t, p_i)) = mean_t (1 − max_i cos). Input (N,)."""
+    return (1.0 - token_max_cos).mean()
+
+
+def total_loss(terms: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
+    """Weighted sum of the loss terms present in ``terms`` (a dense model only has ``ce``)."""
+    total = terms["ce"] * weights.get("ce", 1.0)
+    for name, value in terms.items():
+        if name != "ce" and weights.get(name, 0.0) != 0.0:
+            total = total + weights[name] * value
+    return total

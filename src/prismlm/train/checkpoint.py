@@ -1,0 +1,152 @@
+"""Checkpoints: safetensors weights + JSON config + manifest + optimizer/RNG/data-position state.
+
+Layout of a run folder::
+
+    runs/NAME/
+      config.json  env.json  metrics.jsonl
+      checkpoints/
+        latest                      # text file: name of the newest complete checkpoint
+        step-000600/
+          model.safetensors         # weights (tied tensors stored once)
+          config.json               # the resolved RunConfig
+          manifest.json             # what produced it: step, model sha256, data manifest key, versions
+          trainer_state.pt          # optimizer, RNG states, data position (resume only)
+          tokenizer/                # the tokenizer, so the checkpoint is self-contained
+
+A checkpoint is written to ``step-XXXXXX.tmp`` and renamed into place, and ``latest`` is replaced
+atomically after that, so a crash never leaves a half-written checkpoint that ``--resume`` would pick.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model, save_model
+
+from prismlm.config import RunConfig
+from prismlm.model import PrismLM
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not match what it is used with."""
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: PrismLM,
+    cfg: RunConfig,
+    *,
+    trainer_state: dict[str, Any] | None = None,
+    tokenizer: Any = None,
+    data_manifest: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write a complete checkpoint atomically and prune old ones; returns its folder."""
+    from prismlm import __version__
+
+    ckpt_root = Path(run_dir) / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    final, tmp = ckpt_root / name, ckpt_root / (name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))
+    cfg.to_json(tmp / "config.json")
+    if tokenizer is not None:
+        tokenizer.save(tmp / "tokenizer")
+    if trainer_state is not None:
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+    manifest = {
+        "kind": "prismlm-checkpoint",
+        "step": step,
+        "model_sha256": sha256_file(tmp / "model.safetensors"),
+        "is_prism": model.is_prism,
+        "num_parameters": model.num_parameters(),
+        "data": {k: data_manifest.get(k) for k in ("key", "corpus", "tokenizer")} if data_manifest else None,
+        "prismlm_version": __version__,
+        "torch_version": torch.__version__,
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _atomic_write_text(ckpt_root / "latest", name + "\n")
+    complete = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """Resolve a run folder (→ its latest checkpoint), a ``checkpoints/`` folder, or a checkpoint folder."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no such run or checkpoint: {path}")
+    if (path / "model.safetensors").exists():
+        return path
+    for root in (path / "checkpoints", path):
+        latest = root / "latest"
+        if latest.exists():
+            ckpt = root / latest.read_text().strip()
+            if (ckpt / "model.safetensors").exists():
+                return ckpt
+            raise CheckpointError(f"{latest} points to {ckpt.name}, which is missing or incomplete")
+    raise CheckpointError(f"{path} holds no checkpoint (expected model.safetensors or checkpoints/latest)")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    model: PrismLM
+    config: RunConfig
+    manifest: dict[str, Any]
+    tokenizer: Any | None
+
+    def trainer_state(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+        f = self.path / "trainer_state.pt"
+        if not f.exists():
+            raise CheckpointError(f"{self.path} has no trainer_state.pt; it cannot be resumed")
+        return torch.load(f, map_location=map_location, weights_only=False)
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
+    """Load a model (and its tokenizer) from a run folder or checkpoint folder."""
+    ckpt = find_checkpoint(path)
+    for required in ("config.json", "manifest.json"):
+        if not (ckpt / required).exists():
+            raise CheckpointError(f"checkpoint {ckpt} is incomplete: {required} is missing")
+    cfg = RunConfig.from_json(ckpt / "config.json")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    model = PrismLM(cfg.model)
+    missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=False, device=str(device))
+    if missing or unexpected:
+        raise CheckpointError(f"{ckpt}: weights do not match config.json (missing {sorted(missing)[:5]}, "
+                              f"unexpected {sorted(unexpected)[:5]})")
+    model.to(device).eval()
+    tokenizer = None
+    if (ckpt / "tokenizer").exists():
+        from prismlm.data.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(ckpt / "tokenizer")
+    return Checkpoint(path=ckpt, model=model, config=cfg, manifest=manifest, tokenizer=tokenizer)

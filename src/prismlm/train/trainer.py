@@ -1,0 +1,288 @@
+"""The trainer: one function, ``train(cfg, out_dir)``, for a laptop CPU, one GPU, or ``torchrun``.
+
+Per optimizer step: ``grad_accum`` micro-batches (DDP gradient sync only on the last), AdamW with a
+warm-up + cosine/WSD schedule, global-norm clipping, bf16 autocast on CUDA. Metrics go to
+``metrics.jsonl`` (one JSON object per line) and a progress bar; validation runs every
+``eval_interval`` steps; checkpoints are atomic and hold everything ``--resume`` needs to continue
+bit-for-bit where the run stopped (weights, optimizer, RNG, data position).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm.auto import tqdm
+
+from prismlm.config import RunConfig
+from prismlm.eval.metrics import evaluate
+from prismlm.model import PrismLM
+from prismlm.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from prismlm.train.distributed import DistInfo, all_reduce_mean, barrier, cleanup, init_distributed
+from prismlm.train.sampler import SequenceSampler
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    checkpoint: Path
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The last validation metrics."""
+    model: PrismLM | None = None
+
+
+def round_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """Pad the embedding to a multiple of 64 (GPT-2's 50,257 → 50,304): faster matmuls, no effect on outputs."""
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def build_optimizer(model: PrismLM, cfg: RunConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only. Prototypes are not decayed: shrinking them would shrink the
+    reconstruction ẑ = Σ a_i p_i they must provide (a ≤ 1 is a cosine, so scale lives in ‖p_i‖)."""
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 and not name.startswith("prototypes.") else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=cfg.train.betas, fused=device.type == "cuda")
+
+
+def autocast_for(cfg: RunConfig, device: torch.device) -> torch.autocast | None:
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype == "float32":
+        return None
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def _git_revision() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[3]
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5)
+        if rev.returncode != 0:
+            return None
+        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment_info(info: DistInfo, device: torch.device, seed: int) -> dict[str, Any]:
+    """What a reader needs to reproduce a run: code revision, package versions, hardware, seed."""
+    versions = {}
+    for pkg in ("prismlm", "torch", "numpy", "tokenizers", "safetensors"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "git_revision": _git_revision(),
+        "command": sys.argv,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": versions,
+        "device": str(device),
+        "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "world_size": info.world_size,
+        "torch_threads": torch.get_num_threads(),
+        "seed": seed,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+class MetricsLog:
+    """Append-only JSONL log; on resume, lines past the resumed step are dropped so the log stays exact."""
+
+    def __init__(self, path: Path, resume_step: int | None, enabled: bool):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        if resume_step is not None and path.exists():
+            kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            path.write_text("".join(ln + "\n" for ln in kept))
+        elif resume_step is None:
+            path.write_text("")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def train(
+    cfg: RunConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    shards: Any = None,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> TrainResult:
+    """Train ``cfg`` into ``out_dir``.
+
+    ``shards``: a prepared ``ShardSet`` (else prepared from ``cfg.data``, once, by rank 0).
+    ``resume``: continue from ``out_dir``'s latest checkpoint (the config saved there is used).
+    ``stop_after``: stop (with a checkpoint) after this many steps of *this* call — simulates an
+    interruption in tests; the schedule still follows ``cfg.train.max_steps``.
+    """
+    from prismlm.data.shards import prepare_from_config
+
+    out_dir = Path(out_dir)
+    info, device = init_distributed(cfg.train.device)
+    try:
+        if cfg.train.num_threads:
+            torch.set_num_threads(cfg.train.num_threads)
+        start_step, state = 0, None
+        if resume:
+            ckpt = load_checkpoint(find_checkpoint(out_dir), device="cpu")
+            cfg = ckpt.config  # the run's own config; a resumed run never silently changes its recipe
+            state = ckpt.trainer_state()
+            start_step = int(state["step"])
+        # --- data: rank 0 prepares (or reuses) the shards; the others wait and load them
+        if shards is None:
+            if info.is_main:
+                shards = prepare_from_config(cfg.data, show_progress=progress)
+            barrier(info)
+            if not info.is_main:
+                shards = prepare_from_config(cfg.data, show_progress=False)
+        vocab = round_vocab(shards.tokenizer.vocab_size)
+        if cfg.model.vocab_size != vocab:
+            cfg = cfg.override({"model.vocab_size": vocab})
+        if shards.train.num_sequences(cfg.model.block_size) < 1:
+            raise ValueError("the training split is shorter than one block; use more data or a smaller block_size")
+
+        torch.manual_seed(cfg.train.seed)
+        model = PrismLM(cfg.model).to(device)
+        if resume:
+            model.load_state_dict(ckpt.model.state_dict())
+        optimizer = build_optimizer(model, cfg, device)
+        if state is not None:
+            optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"]["torch"])
+            if device.type == "cuda" and state["rng"].get("cuda") is not None:
+                torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+        # Per-rank dropout streams differ; rank 0 keeps the single-process stream.
+        if info.rank > 0 and state is None:
+            torch.manual_seed(cfg.train.seed + 1000 * info.rank)
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if info.enabled else model
+        fwd_model = torch.compile(ddp_model) if cfg.train.compile else ddp_model
+        autocast = autocast_for(cfg, device)
+
+        T = cfg.model.block_size
+        tc = cfg.train
+        sampler = SequenceSampler(shards.train.num_sequences(T), tc.batch_size, tc.grad_accum, info.world_size, tc.seed)
+        if info.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            cfg.to_json(out_dir / "config.json")
+            env = environment_info(info, device, tc.seed)
+            env["data_manifest"] = shards.manifest
+            (out_dir / "env.json").write_text(json.dumps(env, indent=2, default=str) + "\n")
+            n_params = model.num_parameters()
+            kind = "PRISM" if model.is_prism else "dense"
+            extra = (f" (backbone {model.num_parameters(prototypes=False) / 1e6:.2f}M + prototypes "
+                     f"{cfg.model.prototypes.num_prototypes}×{cfg.model.n_embd})") if model.is_prism else ""
+            print(f"[prismlm] {kind} model: {n_params / 1e6:.2f}M parameters{extra}; "
+                  f"train {len(shards.train):,} tokens / {sampler.n:,} sequences of {T}; "
+                  f"global batch {sampler.global_batch} × {T} tokens; device {device}, world {info.world_size}",
+                  file=sys.stderr)
+        log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None, info.is_main)
+
+        def do_eval() -> dict[str, float]:
+            return evaluate(model, shards.val, seq_len=T, batch_size=tc.batch_size, max_batches=tc.eval_batches,
+                            device=device, autocast=autocast, loss_weights=cfg.loss.weights_at(step))
+
+        def do_checkpoint(at_step: int) -> Path | None:
+            path = None
+            if info.is_main:
+                trainer_state = {
+                    "step": at_step,
+                    "optimizer": optimizer.state_dict(),
+                    "rng": {"torch": torch.get_rng_state(),
+                            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+                    "data": {"sequences_consumed": at_step * sampler.global_batch, "epoch": sampler.epoch_at(at_step)},
+                }
+                path = save_checkpoint(out_dir, at_step, model, cfg, trainer_state=trainer_state,
+                                       tokenizer=shards.tokenizer, data_manifest=shards.manifest,
+                                       keep=tc.keep_checkpoints)
+            barrier(info)
+            return path
+
+        end_step = tc.max_steps if stop_after is None else min(tc.max_steps, start_step + stop_after)
+        bar = tqdm(total=tc.max_steps, initial=start_step, disable=not (progress and info.is_main),
+                   desc="train", unit="step", dynamic_ncols=True)
+        model.train()
+        step = start_step
+        last_eval: dict[str, float] = {}
+        t_last, tokens_since = time.perf_counter(), 0
+        for step in range(start_step, end_step):
+            lr = tc.lr_at(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            weights = cfg.loss.weights_at(step)
+            terms_sum: dict[str, float] = {}
+            for micro in range(tc.grad_accum):
+                ids = sampler.micro_indices(step, micro, info.rank)
+                batch = torch.from_numpy(shards.train.sequences(ids, T)).to(device, non_blocking=True)
+                x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each
+                sync = nullcontext() if (not info.enabled or micro == tc.grad_accum - 1) else ddp_model.no_sync()
+                with sync:
+                    with autocast or nullcontext():
+                        out = fwd_model(x, y, loss_weights=weights)
+                    (out.loss / tc.grad_accum).backward()
+                for name, value in out.losses.items():
+                    terms_sum[name] = terms_sum.get(name, 0.0) + float(value.detach()) / tc.grad_accum
+                terms_sum["loss"] = terms_sum.get("loss", 0.0) + float(out.loss.detach()) / tc.grad_accum
+                tokens_since += x.numel() * info.world_size
+            grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip) if tc.grad_clip > 0
+                         else torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            done = step + 1
+            bar.update(1)
+            if done % tc.log_interval == 0 or done == tc.max_steps:
+                loss_t = all_reduce_mean(torch.tensor(terms_sum["loss"], device=device), info)
+                now = time.perf_counter()
+                record = {"step": done, "lr": lr, "grad_norm": float(grad_norm),
+                          **{f"train_{k}": v for k, v in terms_sum.items()}, "train_loss": float(loss_t),
+                          "tokens_per_s": tokens_since / max(now - t_last, 1e-9), "epoch": sampler.epoch_at(done)}
+                t_last, tokens_since = now, 0
+                log.write(record)
+                bar.set_postfix(loss=f"{record['train_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if done % tc.eval_interval == 0 or done == tc.max_steps:
+                last_eval = do_eval()
+                log.write({"step": done, **last_eval})
+                if info.is_main and progress:
+                    bar.write(_format_eval(done, last_eval))
+            if tc.ckpt_interval and done % tc.ckpt_interval == 0 and done != end_step:
+                do_checkpoint(done)
+        bar.close()
+        final_step = max(end_step, start_step)
+        ckpt_path = do_checkpoint(final_step)
+        return TrainResult(run_dir=out_dir, checkpoint=ckpt_path or find_checkpoint(out_dir), step=final_step,
+                           metrics=last_eval, model=model)
+    finally:
+        cleanup(info)
+
+
+def _format_eval(step: int, m: dict[str, float]) -> str:
+    s = f"step {step}: val loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.1f})"
+    if "r1_bar" in m:
+        s += (f" | R̄1 {m['r1_bar']:.3f} R2 {m['r2']:.3f} residual {m['residual_share']:.3f} "
+              f"dead {m['dead_prototypes']}")
+    return s

@@ -1,0 +1,193 @@
+"""Model identities, loss references, and basic learning behaviour (tiny configs, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prismlm import ModelConfig, PrismLM, PrototypeConfig, RunConfig, decompose
+from prismlm.config import ConfigError, LossConfig, TrainConfig
+from prismlm.model import losses as L
+from prismlm.model.prototypes import PrototypeLayer
+
+
+def tiny_model_config(**proto) -> ModelConfig:
+    return ModelConfig(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=32,
+                       prototypes=PrototypeConfig(**{"num_prototypes": 64, "top_k": 4, **proto}))
+
+
+def test_logits_equal_prototype_slices_plus_residual_float64():
+    torch.manual_seed(0)
+    model = PrismLM(tiny_model_config()).double().eval()
+    # make activations non-trivial: place prototypes on real hidden states plus noise
+    x = torch.randint(0, 97, (3, 32))
+    with torch.no_grad():
+        z = model.backbone(x).reshape(-1, 32)
+        model.prototypes.weight.copy_(z[torch.randperm(z.shape[0])[:64]] + 0.3 * torch.randn(64, 32, dtype=torch.float64))
+    out = model(x)
+    assert (out.activations > 0).any()
+    for tokens in (x, torch.randint(0, 97, (3, 32))):  # actual next tokens and arbitrary tokens
+        dec = decompose(model, out, tokens)
+        torch.testing.assert_close(dec.prototype_slices.sum(-1) + dec.residual_slice, dec.logit, rtol=0, atol=1e-10)
+    # the full logit vector too: ℓ = W r + Σ a_i W p_i
+    sig = model.signatures()  # (K, V)
+    full = model.lm_head(out.residual) + torch.einsum("btk,btkv->btv", out.activations, sig[out.indices])
+    torch.testing.assert_close(full, out.logits, rtol=0, atol=1e-10)
+
+
+def test_activations_nonnegative_and_k_sparse():
+    torch.manual_seed(1)
+    model = PrismLM(tiny_model_config(top_k=5))
+    out = model(torch.randint(0, 97, (4, 32)))
+    assert out.indices.shape == (4, 32, 5) and out.activations.shape == (4, 32, 5)
+    assert (out.activations >= 0).all()
+    assert ((out.activations > 0).sum(-1) <= 5).all()
+    # indices within a token are distinct and sorted by decreasing cosine
+    assert (out.indices.sort(-1).values.diff(dim=-1) != 0).all()
+
+
+def naive_prototype_reference(z: torch.Tensor, P: torch.Tensor, k: int):
+    """Loop-based reference of the spec's formulas, for small N and K."""
+    N, K = z.shape[0], P.shape[0]
+    cos = torch.empty(N, K, dtype=z.dtype)
+    for t in range(N):
+        for i in range(K):
+            cos[t, i] = torch.dot(z[t], P[i]) / (z[t].norm() * P[i].norm())
+    recon = torch.zeros_like(z)
+    for t in range(N):
+        top = torch.topk(cos[t], k).indices
+        for i in top:
+            recon[t] += torch.relu(cos[t, i]) * P[i]
+    r = z - recon
+    rec = torch.stack([r[t].pow(2).sum() / z[t].pow(2).sum() for t in range(N)]).mean()
+    r1 = torch.stack([min(1 - cos[t, i] for t in range(N)) for i in range(K)]).mean()
+    r2 = torch.stack([min(1 - cos[t, i] for i in range(K)) for t in range(N)]).mean()
+    return recon, rec, r1, r2
+
+
+@pytest.mark.parametrize("chunk_size", [7, 4096])
+def test_losses_match_naive_reference(chunk_size):
+    torch.manual_seed(2)
+    N, K, d, k = 23, 11, 8, 3
+    z = torch.randn(N, d, dtype=torch.float64)
+    layer = PrototypeLayer(d, PrototypeConfig(num_prototypes=K, top_k=k, chunk_size=chunk_size)).double()
+    out = layer(z)
+    recon, rec, r1, r2 = naive_prototype_reference(z, layer.weight.detach(), k)
+    torch.testing.assert_close(out.reconstruction, recon)
+    torch.testing.assert_close(L.reconstruction_loss(out.residual, z), rec)
+    torch.testing.assert_close(L.r1_loss(out.proto_max_cos), r1)
+    torch.testing.assert_close(L.r2_loss(out.token_max_cos), r2)
+    logits, targets = torch.randn(5, 7, dtype=torch.float64), torch.randint(0, 7, (5,))
+    ce_ref = torch.stack([-torch.log_softmax(logits[i], -1)[targets[i]] for i in range(5)]).mean()
+    torch.testing.assert_close(L.cross_entropy(logits, targets), ce_ref)
+
+
+def test_loss_gradients_reach_prototypes_and_backbone():
+    torch.manual_seed(3)
+    model = PrismLM(tiny_model_config())
+    x = torch.randint(0, 97, (2, 32))
+    out = model(x, x, loss_weights=LossConfig().weights_at(10))
+    for name in ("rec", "r1", "r2"):
+        model.zero_grad()
+        out2 = model(x, x)
+        out2.losses[name].backward()
+        assert model.prototypes.weight.grad.abs().sum() > 0, name
+        assert model.transformer.h[0].mlp.c_fc.weight.grad.abs().sum() > 0, name
+    assert set(out.losses) == {"ce", "rec", "r1", "r2"}
+
+
+def test_dense_baseline_matches_backbone_and_has_no_prototypes():
+    cfg = tiny_model_config()
+    torch.manual_seed(4)
+    prism = PrismLM(cfg)
+    torch.manual_seed(4)
+    dense = PrismLM(ModelConfig(**{**cfg.__dict__, "prototypes": None}))
+    x = torch.randint(0, 97, (2, 32))
+    assert dense.num_parameters() == prism.num_parameters(prototypes=False)
+    assert prism.num_parameters() - dense.num_parameters() == 64 * 32  # overhead d·K
+    out = dense(x, x)
+    assert out.indices is None and set(out.losses) == {"ce"}
+    torch.testing.assert_close(out.logits, prism(x).logits)  # same backbone init → same logits
+
+
+def test_overfits_tiny_batch():
+    torch.manual_seed(5)
+    model = PrismLM(tiny_model_config())
+    x = torch.randint(0, 97, (4, 33))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    weights = LossConfig(lambda_rec=0.5, lambda_r1=0.05, lambda_r2=0.05).weights_at(0)
+    first = None
+    for _ in range(150):
+        out = model(x[:, :-1], x[:, 1:], loss_weights=weights)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        first = first if first is not None else out.losses["ce"].item()
+    assert float(out.losses["ce"]) < 0.2 * first
+    assert float(out.losses["rec"]) < 0.7  # prototypes learned to reconstruct part of z
+
+
+def test_chunked_selection_equals_unchunked():
+    torch.manual_seed(6)
+    z = torch.randn(50, 16)
+    a = PrototypeLayer(16, PrototypeConfig(num_prototypes=30, top_k=4, chunk_size=7))
+    b = PrototypeLayer(16, PrototypeConfig(num_prototypes=30, top_k=4, chunk_size=1000))
+    b.load_state_dict(a.state_dict())
+    oa, ob = a(z), b(z)
+    assert torch.equal(oa.indices, ob.indices) and torch.equal(oa.proto_argmax, ob.proto_argmax)
+    torch.testing.assert_close(oa.residual, ob.residual)
+
+
+def test_outputs_do_not_depend_on_batch_composition():
+    torch.manual_seed(7)
+    model = PrismLM(tiny_model_config()).double().eval()
+    x = torch.randint(0, 97, (4, 32))
+    full = model(x)
+    for i in range(4):
+        one = model(x[i:i + 1])
+        torch.testing.assert_close(one.logits[0], full.logits[i])
+        assert torch.equal(one.indices[0], full.indices[i])
+
+
+def test_generate_shapes_and_context_crop():
+    torch.manual_seed(8)
+    model = PrismLM(tiny_model_config()).eval()
+    y = model.generate(torch.zeros(2, 30, dtype=torch.long), 10, temperature=0.0)
+    assert y.shape == (2, 40)
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_config_validation_and_unknown_keys():
+    with pytest.raises(ConfigError, match="unknown key"):
+        RunConfig.from_dict({"model": {"n_embed": 3}})
+    with pytest.raises(ConfigError, match="top_k"):
+        PrototypeConfig(num_prototypes=4, top_k=5)
+    with pytest.raises(ConfigError, match="must divide"):
+        ModelConfig(n_embd=30, n_head=4)
+    with pytest.raises(ConfigError, match="unknown preset"):
+        RunConfig.from_name("huge")
+    cfg = RunConfig.from_name("tiny").override({"train.lr": 1e-4, "model.prototypes.top_k": 2})
+    assert cfg.train.lr == 1e-4 and cfg.model.prototypes.top_k == 2
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.dense().model.prototypes is None
+    assert cfg.dense().override({"model.prototypes.num_prototypes": 8}).model.prototypes.num_prototypes == 8
+
+
+def test_schedules():
+    tc = TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    assert tc.lr_at(0) == pytest.approx(0.1) and tc.lr_at(9) == pytest.approx(1.0)
+    assert tc.lr_at(99) == pytest.approx(0.1, abs=1e-3)
+    wsd = TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.2)
+    assert wsd.lr_at(50) == 1.0 and wsd.lr_at(90) == pytest.approx(0.5)
+    lc = LossConfig(lambda_rec=1.0, warmup_steps=10)
+    assert lc.weights_at(0)["rec"] == pytest.approx(0.1) and lc.weights_at(100)["rec"] == 1.0
+
+
+def test_presets_parameter_counts():
+    """The paper's reference point: a 124M GPT-2 with K = 8,192 prototypes has ≈130M parameters."""
+    with torch.device("meta"):
+        m = PrismLM(RunConfig.from_name("gpt2-124m").model)
+    assert 124e6 < m.num_parameters(prototypes=False) < 125e6
+    assert 130e6 < m.num_parameters() < 131.5e6
