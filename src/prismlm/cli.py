@@ -204,7 +204,7 @@ def demo(
 
 def run_demo(*, preset: str = "cpu-small", steps: Optional[int] = None, out: Path = Path("runs/demo"),
              max_docs: Optional[int] = None, max_chars_per_doc: Optional[int] = None,
-             overrides: list[str] = (), progress: bool = True) -> dict:
+             overrides: list[str] = (), progress: bool = True, index_sequences: Optional[int] = None) -> dict:
     from prismlm.train.trainer import train as run_train
 
     extra = list(overrides)
@@ -221,6 +221,19 @@ def run_demo(*, preset: str = "cpu-small", steps: Optional[int] = None, out: Pat
             print(text.replace("\n", " ") + "\n")
     metrics = evaluate_run(out, batches=cfg.train.eval_batches, device="cpu")
     print_metrics(metrics, f"eval {out}")
+    if cfg.model.is_prism:
+        # Why a cap: the demo indexes a sample so it stays a demo; `prism index RUN` indexes everything.
+        n_index = index_sequences if index_sequences is not None else (64 if preset == "tiny" else 1024)
+        console.rule(f"prototype index ({n_index} training sequences) and one explained generation")
+        idx = build_run_index(out, max_sequences=n_index, device="cpu", progress=progress)
+        _print_index_summary(idx, idx.path)
+        from prismlm.explore import render_terminal, write_html
+
+        expl = explain_run(out, "It is a truth universally acknowledged", generate=12, seed=0, device="cpu")
+        render_terminal(expl, Console())
+        write_html(expl, out / "explain.html")
+        expl.to_json(out / "explain.json")
+        console.print(f"report → {out / 'explain.html'}; next: prism explain {out} \"your text\" --html report.html")
     return metrics
 
 
@@ -230,3 +243,337 @@ def main() -> None:  # pragma: no cover - entry point
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())
+
+
+# ----- prototype index, labels, explanations (spec §3.1) ------------------------------------------------
+def _attribution_errors() -> tuple[type[BaseException], ...]:
+    from prismlm.attribution.index import IndexError_
+    from prismlm.data.shards import ShardError
+    from prismlm.data.tokenizer import TokenizerError
+    from prismlm.train.checkpoint import CheckpointError
+
+    return (IndexError_, ShardError, TokenizerError, CheckpointError, ConfigError, ValueError, FileNotFoundError)
+
+
+def _run_dir(run: Path, ckpt) -> Path:
+    """The run folder of a checkpoint (``RUN/checkpoints/step-N`` → ``RUN``); a bare checkpoint is its own."""
+    p = ckpt.path
+    return p.parent.parent if p.parent.name == "checkpoints" else Path(run)
+
+
+def _parse_part(part: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in part.split("/"))
+    except ValueError:
+        _fail(f"--part expects i/n (e.g. 0/4), got {part!r}")
+    if not (n >= 1 and 0 <= i < n):
+        _fail(f"--part i/n needs 0 <= i < n, got {part!r}")
+    return i, n
+
+
+def resolve_shards(ckpt, shards_dir: Optional[Path] = None, index_manifest: Optional[dict] = None):
+    """The token shards of a run: ``--shards``, else the index's recorded folder, else prepared (reused) from
+    the run's data config; refused if their key differs from the one the checkpoint was trained on."""
+    from prismlm.data.shards import ShardError, load_shards, prepare_from_config
+
+    want = (ckpt.manifest.get("data") or {}).get("key")
+    if shards_dir is not None:
+        shards = load_shards(shards_dir)
+    else:
+        shards = None
+        root = (index_manifest or {}).get("shards_root")
+        if root and Path(root).exists():
+            try:
+                shards = load_shards(root)
+            except ShardError:
+                shards = None
+        if shards is None:
+            shards = prepare_from_config(ckpt.config.data, show_progress=False)
+    if want is not None and shards.manifest["key"] != want:
+        raise ShardError(f"token shards {shards.root} (key {shards.manifest['key'][:16]}…) are not the ones checkpoint "
+                         f"{ckpt.path} was trained on (key {want[:16]}…); pass --shards with the training shards")
+    return shards
+
+
+def build_run_index(run: Path, *, top_n: int = 32, max_sequences: Optional[int] = None, batch_size: int = 16,
+                    part: tuple[int, int] = (0, 1), out: Optional[Path] = None, resume: bool = False,
+                    checkpoint_every: int = 50, shards_dir: Optional[Path] = None, labels: bool = True,
+                    device: str = "auto", progress: bool = True):
+    """``prism index`` as a function: build (or resume) a run's prototype index and, when complete, its
+    rule labels. Returns the ``PrototypeIndex``."""
+    from prismlm.attribution import build_index, rule_labels, save_labels
+    from prismlm.attribution.index import IndexError_
+    from prismlm.train.checkpoint import load_checkpoint
+    from prismlm.train.distributed import resolve_device
+    from prismlm.train.trainer import autocast_for
+
+    dev = resolve_device(device)
+    ckpt = load_checkpoint(run, device=dev)
+    if not ckpt.model.is_prism:
+        raise IndexError_(f"{ckpt.path} is a dense baseline: it has no prototypes to index")
+    if out is None:
+        out = _run_dir(run, ckpt) / ("index" if part == (0, 1) else f"index-part-{part[0]}-of-{part[1]}")
+    prev = None
+    if resume and (out / "manifest.json").exists():
+        from prismlm.attribution import PrototypeIndex
+
+        prev = PrototypeIndex.load(out)
+        if prev.complete:
+            console.print(f"{out} is already complete; nothing to resume")
+    elif resume:
+        console.print(f"[yellow]no partial index in {out}; starting from the beginning[/]")
+    shards = resolve_shards(ckpt, shards_dir, prev.manifest if prev is not None else None)
+    if prev is not None and prev.complete:
+        idx = prev.attach(shards)
+    else:
+        idx = build_index(ckpt, shards, top_n=top_n, batch_size=batch_size, max_sequences=max_sequences, part=part,
+                          resume_from=prev, out=out, checkpoint_every=checkpoint_every, device=dev,
+                          autocast=autocast_for(ckpt.config, dev), progress=progress)
+    if labels and idx.complete and idx.manifest["part"] == [0, 1]:
+        save_labels(rule_labels(idx), out)
+    return idx
+
+
+def _print_index_summary(idx, out: Path) -> None:
+    cov = idx.coverage()
+    m = idx.manifest
+    console.print(f"index at {out}: {m['tokens']:,} tokens of {m['universe']:,} sequences × {m['block_size']} "
+                  f"(covered {m['covered']}), K={idx.num_prototypes}, top-{idx.top_n} neighbours"
+                  + (f", {m['tokens_per_s_last_run']:,.0f} tokens/s" if m.get("tokens_per_s_last_run") else "")
+                  + ("" if idx.complete else " — [yellow]incomplete: rerun with --resume[/]"))
+    print_metrics({k: v for k, v in cov.items()}, f"coverage over the indexed tokens ({out})")
+
+
+@app.command("index")
+def index_cmd(
+    run: Path = typer.Argument(..., help="Run folder or checkpoint folder of a PRISM model."),
+    top_n: int = typer.Option(32, help="Nearest training contexts kept per prototype."),
+    max_sequences: Optional[int] = typer.Option(None, help="Index only the first N training sequences (default: all)."),
+    batch_size: int = typer.Option(16, help="Sequences per forward pass (keep it equal across parts)."),
+    part: str = typer.Option("0/1", help="Build part i of n (i/n) of the sequences; combine with `prism index-merge`."),
+    out: Optional[Path] = typer.Option(None, help="Index folder (default RUN/index, or RUN/index-part-i-of-n)."),
+    resume: bool = typer.Option(False, help="Continue a partial index in --out after its last saved batch."),
+    checkpoint_every: int = typer.Option(50, help="Save the partial index every N batches (0: only at the end)."),
+    shards: Optional[Path] = typer.Option(None, help="Token shard folder (default: the run's, from its data config)."),
+    labels: bool = typer.Option(True, help="Also write rule-based labels (labels.json) when the index is complete."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda…"),
+    progress: bool = typer.Option(True, help="Show a progress bar with tokens/s."),
+) -> None:
+    """Build the prototype index: each prototype's nearest training contexts, activation statistics, coverage."""
+    pt = _parse_part(part)
+    try:
+        idx = build_run_index(run, top_n=top_n, max_sequences=max_sequences, batch_size=batch_size, part=pt, out=out,
+                              resume=resume, checkpoint_every=checkpoint_every, shards_dir=shards, labels=labels,
+                              device=device, progress=progress)
+    except _attribution_errors() as e:
+        _fail(str(e))
+    _print_index_summary(idx, idx.path)
+
+
+@app.command("index-merge")
+def index_merge_cmd(
+    out: Path = typer.Argument(..., help="Folder of the merged index."),
+    parts: list[Path] = typer.Argument(..., help="Partial index folders (from `prism index --part i/n`)."),
+    labels: bool = typer.Option(True, help="Write rule-based labels when the merged index is complete."),
+) -> None:
+    """Merge partial indexes (disjoint parts of the same model and shards) into one — equal to one pass."""
+    from prismlm.attribution import PrototypeIndex, merge_indexes, rule_labels, save_labels
+    from prismlm.data.shards import ShardError, load_shards
+
+    try:
+        idx = merge_indexes([PrototypeIndex.load(p) for p in parts])
+        idx.save(out)
+        if labels and idx.complete:
+            try:
+                idx.attach(load_shards(idx.manifest["shards_root"]))
+                save_labels(rule_labels(idx), out)
+            except (ShardError, OSError) as e:
+                console.print(f"[yellow]labels skipped ({e}); run `prism label` with the run folder[/]")
+    except _attribution_errors() as e:
+        _fail(str(e))
+    _print_index_summary(idx, out)
+
+
+def _open_index(run: Path, ckpt, index_dir: Optional[Path], shards_dir: Optional[Path], *, required: bool):
+    from prismlm.attribution import PrototypeIndex
+    from prismlm.attribution.index import IndexError_
+
+    path = index_dir or _run_dir(run, ckpt) / "index"
+    if not (path / "manifest.json").exists():
+        if required or index_dir is not None:
+            raise IndexError_(f"no prototype index at {path}; build it with `prism index {run}`")
+        return None
+    idx = PrototypeIndex.load(path, checkpoint=ckpt)
+    idx.attach(resolve_shards(ckpt, shards_dir, idx.manifest))
+    return idx
+
+
+@app.command("label")
+def label_cmd(
+    run: Path = typer.Argument(..., help="Run folder or checkpoint folder (its index must exist)."),
+    index: Optional[Path] = typer.Option(None, help="Index folder (default RUN/index)."),
+    labeller: str = typer.Option("rules", help="rules (offline) or openai (an OpenAI-compatible endpoint)."),
+    endpoint: Optional[str] = typer.Option(None, help="Base URL of the OpenAI-compatible API (with --labeller openai)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model name for the endpoint (with --labeller openai)."),
+    api_key_env: str = typer.Option("OPENAI_API_KEY", help="Environment variable holding the API key."),
+    ids: Optional[str] = typer.Option(None, help="Comma-separated prototype ids to relabel with the LLM (default all)."),
+    shards: Optional[Path] = typer.Option(None, help="Token shard folder (default: the index's / the run's)."),
+) -> None:
+    """Label every prototype from its neighbourhood (rules; optionally an LLM endpoint). Writes labels.json."""
+    from prismlm.attribution import llm_labels, rule_labels, save_labels
+    from prismlm.train.checkpoint import load_checkpoint
+
+    if labeller not in ("rules", "openai"):
+        _fail(f"--labeller must be 'rules' or 'openai', got {labeller!r}")
+    if labeller == "openai" and (not endpoint or not model):
+        _fail("--labeller openai needs --endpoint URL and --model NAME")
+    try:
+        ckpt = load_checkpoint(run)
+        idx = _open_index(run, ckpt, index, shards, required=True)
+        labs = rule_labels(idx)
+        if labeller == "openai":
+            sel = [int(x) for x in ids.split(",")] if ids else None
+            labs = llm_labels(idx, labs, endpoint=endpoint, model=model, api_key_env=api_key_env, ids=sel)
+        path = save_labels(labs, idx.path)
+    except _attribution_errors() as e:
+        _fail(str(e))
+    cats: dict[str, int] = {}
+    for v in labs.values():
+        cats[v["category"]] = cats.get(v["category"], 0) + 1
+    console.print(f"labels for {len(labs)} prototypes → {path}; categories: "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))
+
+
+def explain_run(run: Path, prompt: str, *, generate: int = 0, index_dir: Optional[Path] = None,
+                use_index: bool = True, shards_dir: Optional[Path] = None, temperature: float = 0.8,
+                top_k: Optional[int] = 50, seed: int = 0, neighbours: int = 5, device: str = "auto"):
+    """``prism explain`` as a function: returns an ``Explanation`` of the prompt (or of a generation)."""
+    from prismlm.attribution import explain, explain_generation
+    from prismlm.train.checkpoint import load_checkpoint
+    from prismlm.train.distributed import resolve_device
+
+    ckpt = load_checkpoint(run, device=resolve_device(device))
+    if ckpt.tokenizer is None:
+        raise ValueError(f"{ckpt.path} has no tokenizer; cannot encode a prompt")
+    if not ckpt.model.is_prism:
+        raise ValueError(f"{ckpt.path} is a dense baseline: it has no prototypes to explain with")
+    idx = _open_index(run, ckpt, index_dir, shards_dir, required=False) if use_index else None
+    if generate > 0:
+        return explain_generation(ckpt, None, prompt, generate, temperature=temperature, top_k=top_k, seed=seed,
+                                  index=idx, neighbours=neighbours)
+    expl = explain(ckpt, None, prompt, index=idx, neighbours=neighbours)
+    if idx is None:
+        expl.notes.append(f"no prototype index: build one with `prism index {run}` for neighbourhoods and labels")
+    return expl
+
+
+@app.command("explain")
+def explain_cmd(
+    run: Path = typer.Argument(..., help="Run folder or checkpoint folder of a PRISM model."),
+    prompt: str = typer.Argument("", help="Text to explain (empty: the first prediction after end-of-text)."),
+    generate_n: int = typer.Option(0, "--generate", "-g", help="Sample N tokens after the prompt and explain them."),
+    index: Optional[Path] = typer.Option(None, help="Index folder (default RUN/index if it exists)."),
+    use_index: bool = typer.Option(True, "--use-index/--no-index", help="Use the prototype index if there is one."),
+    shards: Optional[Path] = typer.Option(None, help="Token shard folder (default: the index's / the run's)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the explanation as JSON."),
+    html_out: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
+    top: int = typer.Option(3, help="Prototypes shown per token in the terminal."),
+    neighbours: int = typer.Option(5, help="Training snippets per prototype card."),
+    temperature: float = typer.Option(0.8, help="Sampling temperature for --generate (0 = greedy)."),
+    top_k: Optional[int] = typer.Option(50, help="Sample from the top-k tokens only."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda…"),
+) -> None:
+    """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly."""
+    from prismlm.explore import render_terminal, write_html
+
+    try:
+        expl = explain_run(run, prompt, generate=generate_n, index_dir=index, use_index=use_index, shards_dir=shards,
+                           temperature=temperature, top_k=top_k, seed=seed, neighbours=neighbours, device=device)
+    except _attribution_errors() as e:
+        _fail(str(e))
+    render_terminal(expl, Console(), top=top)
+    if json_out:
+        expl.to_json(json_out)
+        console.print(f"JSON → {json_out}")
+    if html_out:
+        write_html(expl, html_out)
+        console.print(f"HTML → {html_out}")
+
+
+@app.command("prototypes")
+def prototypes_cmd(
+    run: Path = typer.Argument(..., help="Run folder or checkpoint folder of a PRISM model."),
+    search: Optional[str] = typer.Option(None, help="Only prototypes whose label or category contains TEXT."),
+    token: Optional[str] = typer.Option(None, help="Prototypes that push this token most (signature W p_i)."),
+    id_: Optional[int] = typer.Option(None, "--id", help="Show one prototype's card (neighbours, histogram, tokens)."),
+    index: Optional[Path] = typer.Option(None, help="Index folder (default RUN/index if it exists)."),
+    shards: Optional[Path] = typer.Option(None, help="Token shard folder (default: the index's / the run's)."),
+    limit: int = typer.Option(20, help="Rows to list."),
+    neighbours: int = typer.Option(8, help="Snippets shown with --id."),
+) -> None:
+    """List or search prototypes by label, category or token; --id N shows one prototype's card."""
+    import torch
+
+    from prismlm.attribution import prototype_card
+    from prismlm.train.checkpoint import load_checkpoint
+
+    try:
+        ckpt = load_checkpoint(run)
+        if not ckpt.model.is_prism:
+            raise ValueError(f"{ckpt.path} is a dense baseline: it has no prototypes")
+        idx = _open_index(run, ckpt, index, shards, required=False)
+        labs = idx.labels() if idx is not None else {}
+        tok = ckpt.tokenizer
+        K = ckpt.model.prototypes.num_prototypes
+        out = Console()
+        if id_ is not None:
+            card = prototype_card(ckpt, tok, id_, index=idx, labels=labs, neighbours=neighbours)
+            out.print(f"[bold]#{card.id}[/] {card.label or ''} [dim]({card.category or 'unlabelled'})[/]")
+            if card.stats:
+                s = card.stats
+                out.print(f"active on {s['count']:,} tokens ({s['frequency']:.2%}), mean activation "
+                          f"{s['mean_activation']:.3f}, nearest context cos {s['max_similarity']:.3f}")
+                out.print("activation histogram [0,1]: " + " ".join(str(c) for c in s["histogram"]))
+            out.print("top tokens of W p_i: " + "  ".join(f"{t!r} {v:.2f}" for t, v in card.top_tokens))
+            for nb in card.neighbours:
+                out.print(f"  {nb.similarity:.3f}  {nb.snippet!r}  [dim]{nb.doc_id}:{nb.position}[/]", markup=True,
+                          highlight=False)
+            if idx is None:
+                out.print("[dim]no index: build one with `prism index` for neighbourhoods and labels[/]")
+            return
+        ids = list(range(K))
+        score: dict[int, float] = {}
+        if token is not None:
+            tid = tok.encode(token)
+            if len(tid) != 1:
+                raise ValueError(f"--token {token!r} is {len(tid)} tokens {tid}; give a single token "
+                                 f"(e.g. with its leading space: ' the')")
+            with torch.no_grad():
+                col = ckpt.model.signatures()[:, tid[0]].float()  # (K,)
+            score = {i: float(col[i]) for i in ids}
+            ids.sort(key=lambda i: -score[i])
+        elif idx is not None:
+            ids.sort(key=lambda i: -int(idx.counts[i]))
+        if search:
+            q = search.lower()
+            ids = [i for i in ids if q in (labs.get(i, {}).get("label", "") + " " +
+                                           labs.get(i, {}).get("category", "")).lower()]
+        table = Table(title=f"prototypes of {run}" + (f" pushing {token!r}" if token else "")
+                      + (f" matching {search!r}" if search else ""))
+        for col_name in ("id", "label", "category", "active", "W p_i top tokens") + (("(W p_i)_tok",) if token else ()):
+            table.add_column(col_name)
+        with torch.no_grad():
+            sig = ckpt.model.signatures(torch.tensor(ids[:limit], dtype=torch.long)).float() if ids else None
+        for row, i in enumerate(ids[:limit]):
+            v = sig[row].clone()
+            v[tok.vocab_size:] = -float("inf")
+            top = ", ".join(repr(tok.id_to_token(int(t))) for t in v.topk(5).indices)
+            lab = labs.get(i, {})
+            table.add_row(str(i), lab.get("label", ""), lab.get("category", ""),
+                          f"{int(idx.counts[i]):,}" if idx is not None else "-", top,
+                          *((f"{score[i]:.2f}",) if token else ()))
+        out.print(table)
+        out.print(f"[dim]{len(ids)} of {K} prototypes match[/]")
+    except _attribution_errors() as e:
+        _fail(str(e))

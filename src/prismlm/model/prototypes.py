@@ -46,8 +46,7 @@ class PrototypeLayer(nn.Module):
     def __init__(self, d: int, cfg: PrototypeConfig):
         super().__init__()
         self.cfg = cfg
-        # Unit-variance rows have norm ≈ √d, the scale of a LayerNorm output, so ẑ can match ‖z‖.
-        self.weight = nn.Parameter(torch.randn(cfg.num_prototypes, d))  # (K, d)
+        self.weight = nn.Parameter(torch.randn(cfg.num_prototypes, d) * cfg.init_std)  # (K, d)
 
     @property
     def num_prototypes(self) -> int:

@@ -1,0 +1,358 @@
+"""Exact per-token explanations (spec §1.5, §3.1): one forward pass, then index look-ups.
+
+For every position t of a text, the logit of the chosen next token y is split exactly as
+
+    ℓ_{t,y} = Σ_{i∈K_t} a_{t,i} (W p_i)_y  +  (W r_t)_y
+
+with ``prismlm.model.decompose`` on the model's one ``PrismOutput`` — no second forward path. Each
+active prototype comes with its label (``labels.json``), the top tokens of its signature ``W p_i`` and,
+with a ``PrototypeIndex``, its nearest training contexts as snippets with the target token marked.
+
+**Shares.** A logit can be negative or near zero, so a slice's share is taken of the total absolute
+contribution: ``share_i = slice_i / (Σ_j |slice_j| + |residual|)`` (signed; the |shares| of the
+prototypes and the residual add up to 1).
+
+**Edge cases** (none raises):
+
+- empty text → the explanation of the first prediction, from the end-of-text token alone;
+- text longer than the context window → only the last ``block_size`` tokens are explained (the model
+  cannot see more); ``truncated_tokens`` says how many were dropped from the front;
+- characters never seen in training → a byte-level BPE (``bpe-N``, ``gpt2``) encodes them as byte tokens
+  (there is no unknown token; their byte pieces are shown as-is); a Hugging Face tokenizer with an unk
+  token maps them to it;
+- the last position has no next token in the text: its chosen token is ``next_token`` if given, else the
+  model's argmax (``chosen_by="argmax"``); in a generation it is the sampled token (``"sampled"``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from prismlm.attribution.index import (IndexMismatchError, Neighbour, PrototypeIndex, UnknownPrototypeError,
+                                       model_identity)
+from prismlm.model import decompose
+
+__all__ = ["Explanation", "PrototypeCard", "PrototypeSlice", "TokenExplanation", "explain", "explain_generation",
+           "prototype_card"]
+
+
+@dataclass
+class PrototypeSlice:
+    """One active prototype's part of a logit."""
+
+    id: int
+    activation: float
+    """a_{t,i} = relu(cos(z_t, p_i)) ≥ 0."""
+    slice: float
+    """a_{t,i} (W p_i)_y: its additive part of the chosen token's logit."""
+    share: float
+    """slice / (Σ|slices| + |residual slice|), signed."""
+    label: str | None = None
+    category: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class TokenExplanation:
+    """The decomposition at one position: ``logit == Σ prototype slices + residual_slice``."""
+
+    position: int
+    token_id: int
+    token: str
+    """The input token at this position (the last token of the context)."""
+    next_id: int
+    next_token: str
+    """The chosen next token whose logit is explained."""
+    chosen_by: str
+    """``text`` (the actual next token), ``argmax``, ``sampled`` or ``given``."""
+    logit: float
+    prob: float
+    """softmax probability of the chosen token."""
+    residual_slice: float
+    residual_share: float
+    prototypes: list[PrototypeSlice]
+    """Every active prototype (a > 0), by decreasing |slice|; inactive ones contribute exactly 0."""
+    total: float
+    """Σ slices + residual slice, summed in the model's dtype."""
+    error: float
+    """total − logit (float rounding only; ~1e-16 relative in float64)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["prototypes"] = [p.to_dict() for p in self.prototypes]
+        return d
+
+
+@dataclass
+class PrototypeCard:
+    """What a reader needs to understand one prototype."""
+
+    id: int
+    label: str | None
+    category: str | None
+    top_tokens: list[tuple[str, float]]
+    """Tokens with the largest entries of the signature W p_i, with their values."""
+    neighbours: list[Neighbour] = field(default_factory=list)
+    """Nearest training contexts (needs an index with shards)."""
+    stats: dict[str, Any] | None = None
+    """Activation count, frequency, mean activation, histogram (needs an index)."""
+    evidence: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "label": self.label, "category": self.category,
+                "top_tokens": [[t, v] for t, v in self.top_tokens],
+                "neighbours": [n.to_dict() for n in self.neighbours], "stats": self.stats, "evidence": self.evidence}
+
+
+@dataclass
+class Explanation:
+    """A whole text (or generation), position by position, plus a card per prototype used."""
+
+    text: str
+    token_ids: list[int]
+    """The tokens the model saw (after truncation)."""
+    tokens: list[str]
+    positions: list[TokenExplanation]
+    prototypes: dict[int, PrototypeCard]
+    truncated_tokens: int = 0
+    """Tokens dropped from the front because the input was longer than block_size."""
+    prompt_tokens: int | None = None
+    """For a generation: how many of ``token_ids`` are the prompt."""
+    model_sha256: str | None = None
+    index: str | None = None
+    """Path of the prototype index used, if any."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_abs_error(self) -> float:
+        return max((abs(p.error) for p in self.positions), default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "tokens": self.tokens,
+                "truncated_tokens": self.truncated_tokens, "prompt_tokens": self.prompt_tokens,
+                "model_sha256": self.model_sha256, "index": self.index, "notes": self.notes,
+                "max_abs_error": self.max_abs_error,
+                "positions": [p.to_dict() for p in self.positions],
+                "prototypes": {str(k): v.to_dict() for k, v in sorted(self.prototypes.items())}}
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1, ensure_ascii=False)
+        if path is not None:
+            Path(path).write_text(text + "\n", encoding="utf-8")
+        return text
+
+
+def _split(model: Any) -> tuple[Any, Any]:
+    """(PrismLM, Checkpoint or None)."""
+    if hasattr(model, "model") and hasattr(model, "manifest"):
+        return model.model, model
+    return model, None
+
+
+def _check_index(index: PrototypeIndex, net: Any, ckpt: Any) -> list[str]:
+    K = net.prototypes.num_prototypes
+    if index.num_prototypes != K:
+        raise IndexMismatchError(f"prototype index{'' if index.path is None else ' ' + str(index.path)} has "
+                                 f"{index.num_prototypes} prototypes, the model has {K}: it was built for "
+                                 f"model {index.manifest['model_sha256']}")
+    if ckpt is not None:
+        index.check(checkpoint=ckpt)
+        return []
+    if str(index.manifest["model_sha256"]).startswith("weights:"):
+        index.check(model_sha256=model_identity(net))
+        return []
+    return ["the model was passed without its checkpoint, so the index's model hash was not verified"]
+
+
+def _token_str(tokenizer: Any, i: int) -> str:
+    return tokenizer.id_to_token(i) if tokenizer is not None else f"<{i}>"
+
+
+def prototype_card(model: Any, tokenizer: Any, i: int, *, index: PrototypeIndex | None = None,
+                   labels: dict[int, dict] | None = None, neighbours: int = 5, signature_tokens: int = 10,
+                   ) -> PrototypeCard:
+    """A card for prototype ``i``: label, signature top tokens and (with an index) neighbourhood and
+    activation statistics. An id outside [0, K) raises ``UnknownPrototypeError``."""
+    net, _ = _split(model)
+    K = net.prototypes.num_prototypes
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < K:
+        raise UnknownPrototypeError(f"unknown prototype id {i!r}: the model has {K} prototypes (ids 0–{K - 1})")
+    return _cards(net, tokenizer, [i], index, labels or {}, neighbours, signature_tokens)[i]
+
+
+@torch.no_grad()
+def _cards(net: Any, tokenizer: Any, ids: list[int], index: PrototypeIndex | None, labels: dict[int, dict],
+           neighbours: int, signature_tokens: int) -> dict[int, PrototypeCard]:
+    if not ids:
+        return {}
+    sig = net.signatures(torch.tensor(ids, device=next(net.parameters()).device)).float()  # (n, V)
+    vocab = tokenizer.vocab_size if tokenizer is not None else sig.shape[1]
+    sig[:, vocab:] = -float("inf")  # padded ids are not real tokens
+    vals, toks = sig.topk(min(signature_tokens, vocab), dim=-1)  # (n, m)
+    cards = {}
+    for row, i in enumerate(ids):
+        lab = labels.get(i, {})
+        cards[i] = PrototypeCard(
+            id=i, label=lab.get("label"), category=lab.get("category"), evidence=lab.get("evidence"),
+            top_tokens=[(_token_str(tokenizer, int(t)), float(v)) for t, v in zip(toks[row], vals[row])],
+            neighbours=index.neighbours(i, neighbours) if index is not None else [],
+            stats=index.stats(i) if index is not None else None)
+    return cards
+
+
+@torch.no_grad()
+def explain(
+    model: Any,
+    tokenizer: Any,
+    text_or_ids: str | Sequence[int] | torch.Tensor,
+    *,
+    index: PrototypeIndex | None = None,
+    labels: dict[int, dict] | None = None,
+    targets: Sequence[int] | None = None,
+    next_token: int | None = None,
+    neighbours: int = 5,
+    signature_tokens: int = 10,
+    _chosen_by: Sequence[str] | None = None,
+) -> Explanation:
+    """Explain every next-token logit of a text: active prototypes, activations, slices, residual.
+
+    ``model``: a loaded ``Checkpoint`` (then ``tokenizer`` may be None and the index's model hash is
+    checked) or a PRISM ``PrismLM``. ``text_or_ids``: a string or token ids. ``targets``: the chosen
+    token at every position (default: the text's next token, and for the last position ``next_token`` or
+    the model's argmax). ``labels``: prototype id → {label, category} (default: the index's
+    ``labels.json``). Edge cases are listed in the module docstring; they never raise.
+    """
+    net, ckpt = _split(model)
+    if tokenizer is None and ckpt is not None:
+        tokenizer = ckpt.tokenizer
+    if not getattr(net, "is_prism", False):
+        raise ValueError("explain needs a PRISM model: the dense baseline has no prototypes to explain with")
+    notes: list[str] = []
+    if index is not None:
+        notes += _check_index(index, net, ckpt)
+        if labels is None:
+            labels = index.labels()
+    labels = labels or {}
+    if isinstance(text_or_ids, str):
+        text = text_or_ids
+        ids = tokenizer.encode(text) if text else []
+    else:
+        ids = [int(t) for t in (text_or_ids.reshape(-1).tolist() if isinstance(text_or_ids, torch.Tensor)
+                                else text_or_ids)]
+        text = tokenizer.decode(ids) if tokenizer is not None else ""
+    chosen_by = list(_chosen_by) if _chosen_by is not None else None
+    V = net.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"token id(s) {bad[:5]} outside the model's vocabulary [0, {V})")
+    if not ids:
+        eot = tokenizer.eot_id if tokenizer is not None else 0
+        ids = [eot]
+        notes.append("empty input: explaining the first prediction from the end-of-text token")
+    T = net.config.block_size
+    truncated = max(0, len(ids) - T)
+    if truncated:
+        ids = ids[truncated:]
+        if targets is not None:
+            targets = list(targets)[truncated:]
+        if chosen_by is not None:
+            chosen_by = chosen_by[truncated:]
+        notes.append(f"input longer than the context window: the first {truncated} tokens were dropped")
+    dev = next(net.parameters()).device
+    x = torch.tensor([ids], dtype=torch.long, device=dev)  # (1, n)
+    out = net(x)  # the model's one PrismOutput
+    n = len(ids)
+    valid = tokenizer.vocab_size if tokenizer is not None else V
+    if targets is not None:
+        tgt = [int(t) for t in targets]
+        if len(tgt) != n:
+            raise ValueError(f"targets must give one token per position ({n}), got {len(tgt)}")
+        how = chosen_by or ["given"] * n
+    else:
+        if next_token is None:
+            next_token = int(out.logits[0, -1, :valid].argmax())
+            last = "argmax"
+        else:
+            last = "given"
+        tgt = ids[1:] + [int(next_token)]
+        how = chosen_by or (["text"] * (n - 1) + [last])
+    y = torch.tensor([tgt], dtype=torch.long, device=dev)  # (1, n)
+    dec = decompose(net, out, y)
+    logp = torch.log_softmax(out.logits[0].double(), dim=-1).gather(-1, y[0, :, None]).squeeze(-1)  # (n,)
+    slices = dec.prototype_slices[0]  # (n, k)
+    resid = dec.residual_slice[0]  # (n,)
+    total = slices.sum(-1) + resid  # (n,) in the model's dtype
+    logit = dec.logit[0]
+    denom = slices.abs().sum(-1) + resid.abs()  # (n,)
+    acts, pids = out.activations[0], out.indices[0]  # (n, k)
+    positions = []
+    used: set[int] = set()
+    for t in range(n):
+        d = float(denom[t]) or 1.0
+        protos = []
+        for a, i, s in zip(acts[t].tolist(), pids[t].tolist(), slices[t].tolist()):
+            if a <= 0:
+                continue  # a = 0 gives a slice of exactly 0
+            lab = labels.get(int(i), {})
+            protos.append(PrototypeSlice(id=int(i), activation=a, slice=s, share=s / d, label=lab.get("label"),
+                                         category=lab.get("category")))
+            used.add(int(i))
+        protos.sort(key=lambda p: -abs(p.slice))
+        positions.append(TokenExplanation(
+            position=t, token_id=ids[t], token=_token_str(tokenizer, ids[t]), next_id=tgt[t],
+            next_token=_token_str(tokenizer, tgt[t]), chosen_by=how[t], logit=float(logit[t]),
+            prob=float(logp[t].exp()), residual_slice=float(resid[t]), residual_share=float(resid[t]) / d,
+            prototypes=protos, total=float(total[t]), error=float(total[t] - logit[t])))
+    cards = _cards(net, tokenizer, sorted(used), index, labels, neighbours, signature_tokens)
+    return Explanation(
+        text=text, token_ids=ids, tokens=[_token_str(tokenizer, i) for i in ids], positions=positions,
+        prototypes=cards, truncated_tokens=truncated,
+        model_sha256=model_identity(ckpt) if ckpt is not None else None,
+        index=str(index.path) if index is not None and index.path is not None else None, notes=notes)
+
+
+def explain_generation(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    n: int = 20,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+    index: PrototypeIndex | None = None,
+    labels: dict[int, dict] | None = None,
+    neighbours: int = 5,
+    signature_tokens: int = 10,
+) -> Explanation:
+    """Sample ``n`` tokens after ``prompt`` with ``model.generate``, then explain each sampled token's
+    logit (the sampled tokens are the chosen tokens) with one forward over the whole sequence.
+
+    Exact for the logits used at sampling time while prompt + n ≤ block_size; beyond, generation slides
+    its window and the explanation covers the last ``block_size`` tokens in one window.
+    """
+    net, ckpt = _split(model)
+    if tokenizer is None and ckpt is not None:
+        tokenizer = ckpt.tokenizer
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
+    dev = next(net.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    full = net.generate(torch.tensor([ids], device=dev), n, temperature=temperature, top_k=top_k,
+                        generator=gen)[0].tolist()
+    p = len(ids)
+    how = ["text"] * (p - 1) + ["sampled"] * n  # position t chooses full[t + 1]
+    expl = explain(model, tokenizer, full[:-1], index=index, labels=labels, targets=full[1:], neighbours=neighbours,
+                   signature_tokens=signature_tokens, _chosen_by=how)
+    expl.prompt_tokens = max(0, p - expl.truncated_tokens)
+    expl.text = tokenizer.decode(full[expl.truncated_tokens:])
+    expl.notes.append(f"generated {n} tokens (temperature {temperature}, top_k {top_k}, seed {seed})")
+    return expl

@@ -1,0 +1,625 @@
+"""The prototype index (spec §3.1): every prototype's top-N nearest training contexts, in one pass.
+
+One streaming pass of a trained model over its training shard records, for each of the K prototypes,
+
+- its **neighbourhood**: the N training contexts with the highest ``cos(z_t, p_i)`` over *all* tokens
+  (not only tokens where i is active — the R̄1 notion), as global token offsets and similarities;
+- how often it is active (in a token's top-k with a > 0), the sum of its activations and a histogram of
+  them (``bins`` fixed bins on [0, 1]);
+- the coverage metrics of ``prismlm.eval.metrics`` over the indexed tokens: R̄1 = mean_i max_t cos
+  (``top_sim[:, 0].mean()``), R2 = mean_t max_i cos, dead prototypes, residual share.
+
+**Training contexts.** The trainer trains on aligned sequences ``shard.train.sequence(j, T)`` (tokens
+``[j·T, j·T + T + 1)``). Position t of sequence j has hidden state z_t (context ``x_0..x_t`` of that
+window) and target ``x_{t+1}``; the index stores the global offset ``j·T + t`` of the context's last
+token (int64). ``shard.locate(offset + 1)`` gives the target's document and position.
+
+**Memory** is O(K·N + chunk·K) plus O(K·bins): independent of corpus size. The (tokens × K) cosine
+matrix exists one chunk at a time.
+
+**Exact merging.** Candidates are ordered by (similarity desc, offset asc) — a total order, because
+offsets are unique — so the top-N of a union is the top-N of the top-Ns: ``merge(A, B)`` equals one pass
+bit for bit, provided the similarities themselves are bit-identical. They are when the same sequences
+go through the model in the same batches: batches always cover a fixed grid of sequence ids
+``[b·B, (b+1)·B)`` (B = ``batch_size``) and parts are whole batches, so use the same ``batch_size`` for
+the parts and the single pass. (With another batch size the similarities can differ in the last bit.)
+The float sums behind R2 and the residual share add in a different order and agree to rounding.
+
+**Parts and resume.** ``part=(i, n)`` indexes the i-th of n contiguous, batch-aligned slices of the
+sequences ``[0, L)`` (``L = min(num_sequences, max_sequences)``); the index records the sequence ranges
+it covers, so ``merge`` refuses overlapping parts and a resumed build continues after the last finished
+batch (``checkpoint_every`` saves periodically).
+
+**Artifact.** A folder with ``index.safetensors`` (tensors) and ``manifest.json`` (kind, format version,
+the checkpoint's ``model_sha256``, the shards' key, split, top_n, K, T, covered sequences, tokens,
+dates, prismlm version). Loading it for another checkpoint or corpus raises ``IndexMismatchError``
+naming both hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+__all__ = [
+    "FORMAT_VERSION",
+    "IndexError_",
+    "IndexMismatchError",
+    "Neighbour",
+    "PrototypeIndex",
+    "UnknownPrototypeError",
+    "build_index",
+    "merge_indexes",
+    "model_identity",
+    "part_range",
+]
+
+FORMAT_VERSION = 1
+KIND = "prismlm-prototype-index"
+TENSORS_FILE = "index.safetensors"
+MANIFEST_FILE = "manifest.json"
+LABELS_FILE = "labels.json"
+_NO_OFFSET = -1  # empty slot of the (K, N) table (similarity -inf): fewer than N tokens seen
+
+
+class IndexError_(ValueError):
+    """A prototype index is missing, incomplete, or cannot be combined as asked."""
+
+
+class IndexMismatchError(IndexError_):
+    """The index was built from another checkpoint or another corpus than the one it is used with."""
+
+
+class UnknownPrototypeError(IndexError_, KeyError):
+    """A prototype id outside [0, K)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+def model_identity(model_or_ckpt: Any) -> str:
+    """What ties an index to a model: the checkpoint manifest's ``model_sha256`` for a loaded
+    ``Checkpoint``; for a bare ``PrismLM``, ``weights:<sha256 of its state dict>`` (stable for equal
+    weights, but not equal to a checkpoint's file hash — pass the checkpoint where you have one)."""
+    manifest = getattr(model_or_ckpt, "manifest", None)
+    if isinstance(manifest, dict) and manifest.get("model_sha256"):
+        return str(manifest["model_sha256"])
+    model = getattr(model_or_ckpt, "model", model_or_ckpt)
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return "weights:" + h.hexdigest()
+
+
+def _unwrap(model_or_ckpt: Any):
+    return getattr(model_or_ckpt, "model", model_or_ckpt)
+
+
+def part_range(num_sequences: int, batch_size: int, part: tuple[int, int]) -> tuple[int, int]:
+    """Sequence range [start, stop) of part i of n: contiguous, whole batches of ``batch_size``."""
+    i, n = part
+    if not (n >= 1 and 0 <= i < n):
+        raise IndexError_(f"part must be i/n with 0 <= i < n, got {i}/{n}")
+    nb = math.ceil(num_sequences / batch_size)
+    b0, b1 = (i * nb) // n, ((i + 1) * nb) // n
+    return min(b0 * batch_size, num_sequences), min(b1 * batch_size, num_sequences)
+
+
+def _merge_ranges(ranges: list[list[int]]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if a >= b:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _overlap(r1: list[list[int]], r2: list[list[int]]) -> list[int] | None:
+    for a, b in r1:
+        for c, d in r2:
+            if max(a, c) < min(b, d):
+                return [max(a, c), min(b, d)]
+    return None
+
+
+def _topn_merge(sim: torch.Tensor, off: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of (sim, off) candidates (K, M) → the top-n per row by (sim desc, offset asc), exactly.
+
+    Two stable sorts: by offset ascending, then by similarity descending (ties keep offset order).
+    """
+    order = torch.argsort(off, dim=1, stable=True)
+    sim, off = sim.gather(1, order), off.gather(1, order)
+    order = torch.argsort(sim, dim=1, descending=True, stable=True)[:, :n]
+    return sim.gather(1, order), off.gather(1, order)
+
+
+def _chunk_topn(sim_t: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """sim_t (K, M), columns in offset order → per row the top-n column indices by (sim desc, column asc).
+
+    ``topk`` is fast but picks arbitrarily among equal values at the boundary (equal cosines do occur:
+    identical contexts at position 0 of two sequences). Rows where the n-th value is tied beyond the
+    cut are redone with a stable sort, so the result is exact.
+    """
+    n = min(n, sim_t.shape[1])
+    vals, idx = sim_t.topk(n, dim=1)  # (K, n)
+    tied = (sim_t >= vals[:, -1:]).sum(1) > n  # (K,)
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        s, o = torch.sort(sim_t[rows], dim=1, descending=True, stable=True)
+        vals[rows], idx[rows] = s[:, :n], o[:, :n]
+    return vals, idx
+
+
+@dataclass
+class Neighbour:
+    """One training context of a prototype's neighbourhood."""
+
+    offset: int
+    """Global token offset j·T + t of the context's last token in the training shard."""
+    similarity: float
+    """cos(z_t, p_i)."""
+    doc_index: int | None = None
+    """Index of the target token's document in the shard."""
+    doc_id: str | None = None
+    """That document's id."""
+    position: int | None = None
+    """Position of the target token (x_{t+1}) in its document."""
+    target_id: int | None = None
+    """The next token x_{t+1} the context predicted in training."""
+    target: str | None = None
+    """Its text."""
+    before: str = ""
+    """Decoded context before the target (within the target's document)."""
+    after: str = ""
+    """Decoded text after the target."""
+
+    @property
+    def snippet(self) -> str:
+        """Plain-text snippet with the target token marked: ``…context⟦target⟧after…``."""
+        return f"{self.before}⟦{self.target}⟧{self.after}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"offset": self.offset, "similarity": self.similarity, "doc_index": self.doc_index,
+                "doc_id": self.doc_id, "position": self.position, "target_id": self.target_id,
+                "target": self.target, "before": self.before, "after": self.after, "snippet": self.snippet}
+
+
+@dataclass
+class PrototypeIndex:
+    """Per-prototype neighbourhoods and activation statistics over (part of) a training shard."""
+
+    top_sim: torch.Tensor
+    """(K, N) float32 (float64 for a float64 model): similarities of each prototype's N nearest contexts, descending (-inf = empty)."""
+    top_offset: torch.Tensor
+    """(K, N) int64: their global token offsets (-1 = empty); ties ordered by offset ascending."""
+    counts: torch.Tensor
+    """(K,) int64: tokens where the prototype is active (in the top-k with a > 0)."""
+    act_sum: torch.Tensor
+    """(K,) float64: sum of its activations over those tokens."""
+    hist: torch.Tensor
+    """(K, bins) int64: histogram of its non-zero activations on ``bins`` equal bins of [0, 1]."""
+    manifest: dict[str, Any]
+    """kind, format_version, model_sha256, shard_key, split, top_n, num_prototypes, block_size, bins,
+    batch_size, universe, target, covered, tokens, token_max_cos_sum, residual_share_sum, created…"""
+    shards: Any = field(default=None, repr=False, compare=False)
+    """The ``ShardSet`` the offsets point into (needed for snippets)."""
+    tokenizer: Any = field(default=None, repr=False, compare=False)
+    path: Path | None = field(default=None, compare=False)
+
+    # ----- sizes and metrics -------------------------------------------------------------------------
+    @property
+    def num_prototypes(self) -> int:
+        return int(self.top_sim.shape[0])
+
+    @property
+    def top_n(self) -> int:
+        return int(self.top_sim.shape[1])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.manifest["tokens"])
+
+    @property
+    def complete(self) -> bool:
+        """True when the covered sequences are the whole target range (nothing left to resume)."""
+        return _merge_ranges(self.manifest["covered"]) == [list(self.manifest["target"])]
+
+    def coverage(self) -> dict[str, float]:
+        """R̄1, R2, dead prototypes and residual share over the indexed tokens (definitions of
+        ``prismlm.eval.metrics.CoverageAccumulator``)."""
+        n = self.tokens
+        if n == 0:
+            return {}
+        dead = int((self.counts == 0).sum())
+        return {"r1_bar": float(self.top_sim[:, 0].double().mean()),
+                "r2": self.manifest["token_max_cos_sum"] / n,
+                "dead_prototypes": dead,
+                "dead_fraction": dead / self.num_prototypes,
+                "residual_share": self.manifest["residual_share_sum"] / n,
+                "tokens": n}
+
+    def dead_prototypes(self) -> list[int]:
+        return (self.counts == 0).nonzero().squeeze(1).tolist()
+
+    def _check_id(self, i: int) -> int:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise UnknownPrototypeError(f"prototype id must be an integer, got {i!r}")
+        if not 0 <= int(i) < self.num_prototypes:
+            raise UnknownPrototypeError(
+                f"unknown prototype id {int(i)}: this index has {self.num_prototypes} prototypes (ids 0–"
+                f"{self.num_prototypes - 1})")
+        return int(i)
+
+    def stats(self, i: int) -> dict[str, Any]:
+        """Activation count, mean activation, frequency and histogram of prototype ``i``."""
+        i = self._check_id(i)
+        c = int(self.counts[i])
+        return {"id": i, "count": c, "frequency": c / max(1, self.tokens),
+                "mean_activation": float(self.act_sum[i]) / c if c else 0.0,
+                "max_similarity": float(self.top_sim[i, 0]),
+                "histogram": self.hist[i].tolist(), "bins": int(self.manifest["bins"])}
+
+    # ----- neighbourhoods ----------------------------------------------------------------------------
+    def neighbours(self, i: int, n: int | None = None, *, before: int = 12, after: int = 3,
+                   shards: Any = None) -> list[Neighbour]:
+        """Prototype ``i``'s nearest training contexts (at most ``n``), with snippets when shards are
+        attached: ``before`` tokens of context and ``after`` tokens after the marked target, clipped to
+        the target's document."""
+        i = self._check_id(i)
+        shards = shards if shards is not None else self.shards
+        out = []
+        for s, o in zip(self.top_sim[i].tolist(), self.top_offset[i].tolist()):
+            if o == _NO_OFFSET or (n is not None and len(out) >= n):
+                break
+            nb = Neighbour(offset=int(o), similarity=float(s))
+            if shards is not None:
+                _fill_snippet(nb, shards, self.tokenizer or shards.tokenizer, before, after)
+            out.append(nb)
+        return out
+
+    # ----- identity checks ---------------------------------------------------------------------------
+    def check(self, *, checkpoint: Any = None, model_sha256: str | None = None, shards: Any = None,
+              shard_key: str | None = None) -> None:
+        """Raise ``IndexMismatchError`` unless the index was built from this checkpoint and these shards."""
+        if checkpoint is not None:
+            model_sha256 = model_identity(checkpoint)
+        if model_sha256 is not None and model_sha256 != self.manifest["model_sha256"]:
+            raise IndexMismatchError(
+                f"prototype index{_where(self.path)} was built for model {self.manifest['model_sha256']}, "
+                f"but this checkpoint's model is {model_sha256}; rebuild it with `prism index`")
+        if shards is not None:
+            shard_key = shards.manifest["key"]
+        if shard_key is not None and shard_key != self.manifest["shard_key"]:
+            raise IndexMismatchError(
+                f"prototype index{_where(self.path)} was built on token shards {self.manifest['shard_key']}, "
+                f"but these shards are {shard_key}; rebuild it with `prism index` on this corpus")
+
+    def attach(self, shards: Any) -> "PrototypeIndex":
+        """Attach the shards the offsets point into (checked against the manifest); returns self."""
+        self.check(shards=shards)
+        self.shards = shards
+        self.tokenizer = self.tokenizer or shards.tokenizer
+        return self
+
+    # ----- persistence -------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write ``index.safetensors`` + ``manifest.json`` atomically (a ``.tmp`` folder renamed into
+        place; ``labels.json`` already in the folder is kept)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({"top_sim": self.top_sim.contiguous(), "top_offset": self.top_offset.contiguous(),
+                   "counts": self.counts.contiguous(), "act_sum": self.act_sum.contiguous(),
+                   "hist": self.hist.contiguous()}, str(tmp / TENSORS_FILE))
+        manifest = dict(self.manifest)
+        manifest["covered"] = _merge_ranges(manifest["covered"])
+        manifest["complete"] = manifest["covered"] == [list(manifest["target"])]
+        manifest["saved"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        if (path / LABELS_FILE).exists():
+            shutil.copy2(path / LABELS_FILE, tmp / LABELS_FILE)
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+        self.path = path
+        self.manifest = manifest
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, *, checkpoint: Any = None, model_sha256: str | None = None,
+             shards: Any = None, shard_key: str | None = None) -> "PrototypeIndex":
+        """Open a saved index; with ``checkpoint``/``model_sha256`` and ``shards``/``shard_key`` it is
+        checked against them (``IndexMismatchError``), and ``shards`` are attached for snippets."""
+        path = Path(path)
+        if not (path / MANIFEST_FILE).exists() or not (path / TENSORS_FILE).exists():
+            raise IndexError_(f"{path} is not a prototype index (expected {MANIFEST_FILE} and {TENSORS_FILE}); "
+                              f"build one with `prism index RUN`")
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        if manifest.get("kind") != KIND:
+            raise IndexError_(f"{path}/{MANIFEST_FILE}: kind {manifest.get('kind')!r}, expected {KIND!r}")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise IndexError_(f"{path}: index format {manifest.get('format_version')!r}, this prismlm reads "
+                              f"{FORMAT_VERSION}; rebuild it with `prism index`")
+        t = load_file(str(path / TENSORS_FILE))
+        idx = cls(top_sim=t["top_sim"], top_offset=t["top_offset"], counts=t["counts"], act_sum=t["act_sum"],
+                  hist=t["hist"], manifest=manifest, path=path)
+        if tuple(idx.top_sim.shape) != (manifest["num_prototypes"], manifest["top_n"]):
+            raise IndexError_(f"{path}: tensor shapes {tuple(idx.top_sim.shape)} do not match the manifest")
+        idx.check(checkpoint=checkpoint, model_sha256=model_sha256, shards=shards, shard_key=shard_key)
+        if shards is not None:
+            idx.attach(shards)
+        return idx
+
+    def labels(self) -> dict[int, dict[str, Any]]:
+        """``labels.json`` of this index's folder (prototype id → {label, category, evidence}), or {}."""
+        if self.path is None or not (self.path / LABELS_FILE).exists():
+            return {}
+        return {int(k): v for k, v in json.loads((self.path / LABELS_FILE).read_text()).items()}
+
+
+def _where(path: Path | None) -> str:
+    return f" {path}" if path is not None else ""
+
+
+def _fill_snippet(nb: Neighbour, shards: Any, tokenizer: Any, before: int, after: int) -> None:
+    shard = shards.train
+    target_off = nb.offset + 1
+    d, pos = shard.locate(target_off)
+    start, end = int(shard.doc_offsets[d]), int(shard.doc_offsets[d + 1])  # end includes the eot
+    a, b = max(start, target_off - before), min(end, target_off + 1 + after)
+    toks = np.asarray(shard.tokens[a:b], dtype=np.int64)
+    k = target_off - a
+    nb.doc_index, nb.position = d, pos
+    nb.doc_id = shard.doc_ids[d] if d < len(shard.doc_ids) else None
+    nb.target_id = int(toks[k])
+    nb.before = tokenizer.decode(toks[:k].tolist())
+    nb.target = tokenizer.decode([int(toks[k])])
+    nb.after = tokenizer.decode(toks[k + 1:].tolist())
+
+
+# ----- building --------------------------------------------------------------------------------------
+class _Builder:
+    """Streaming state: the running (K, N) table and the O(K) statistics."""
+
+    def __init__(self, K: int, n: int, bins: int, device: torch.device, dtype: torch.dtype = torch.float32):
+        self.K, self.n, self.bins = K, n, bins
+        self.top_sim = torch.full((K, n), -math.inf, device=device, dtype=dtype)
+        self.top_off = torch.full((K, n), _NO_OFFSET, dtype=torch.long, device=device)
+        self.counts = torch.zeros(K, dtype=torch.long, device=device)
+        self.act_sum = torch.zeros(K, dtype=torch.float64, device=device)
+        self.hist = torch.zeros(K * bins, dtype=torch.long, device=device)
+        self.token_cos_sum = 0.0
+        self.residual_sum = 0.0
+        self.tokens = 0
+
+    @classmethod
+    def from_index(cls, idx: PrototypeIndex, device: torch.device) -> "_Builder":
+        b = cls(idx.num_prototypes, idx.top_n, int(idx.manifest["bins"]), device, idx.top_sim.dtype)
+        b.top_sim, b.top_off = idx.top_sim.to(device), idx.top_offset.to(device)
+        b.counts, b.act_sum = idx.counts.to(device), idx.act_sum.to(device)
+        b.hist = idx.hist.to(device).reshape(-1)
+        b.token_cos_sum = float(idx.manifest["token_max_cos_sum"])
+        b.residual_sum = float(idx.manifest["residual_share_sum"])
+        b.tokens = int(idx.manifest["tokens"])
+        return b
+
+    @torch.no_grad()
+    def update(self, out: Any, p_unit: torch.Tensor, base_offsets: torch.Tensor, chunk: int) -> None:
+        """One model output over B aligned sequences; ``base_offsets`` (B,) = j·T of each sequence."""
+        z = out.hidden  # (B, T, d)
+        B, T, d = z.shape
+        offsets = (base_offsets[:, None] + torch.arange(T, device=z.device)[None, :]).reshape(-1)  # (B·T,)
+        z_unit = F.normalize(z.reshape(B * T, d).to(p_unit.dtype), dim=-1)  # (B·T, d)
+        for s in range(0, B * T, chunk):  # offsets ascend along rows: column index order = offset order
+            sim_t = p_unit @ z_unit[s:s + chunk].T  # (K, n_chunk) — the only K × tokens matrix
+            vals, cols = _chunk_topn(sim_t, self.n)  # (K, ≤N)
+            cand_sim = torch.cat([self.top_sim, vals.to(self.top_sim.dtype)], dim=1)  # (K, N + ≤N)
+            cand_off = torch.cat([self.top_off, offsets[s:s + chunk][cols]], dim=1)
+            self.top_sim, self.top_off = _topn_merge(cand_sim, cand_off, self.n)
+        act = out.activations.reshape(-1).float()  # (B·T·k,)
+        ids = out.indices.reshape(-1)
+        on = act > 0
+        ids, act = ids[on], act[on]
+        self.counts += torch.bincount(ids, minlength=self.K)
+        self.act_sum.index_add_(0, ids, act.double())
+        b = (act * self.bins).long().clamp_(0, self.bins - 1)
+        self.hist += torch.bincount(ids * self.bins + b, minlength=self.K * self.bins)
+        self.token_cos_sum += float(out.token_max_cos.double().sum())
+        ratio = out.residual.double().norm(dim=-1) / z.double().norm(dim=-1).clamp_min(1e-8)
+        self.residual_sum += float(ratio.sum())
+        self.tokens += B * T
+
+    def to_index(self, manifest: dict[str, Any]) -> PrototypeIndex:
+        manifest = {**manifest, "tokens": self.tokens, "token_max_cos_sum": self.token_cos_sum,
+                    "residual_share_sum": self.residual_sum}
+        return PrototypeIndex(top_sim=self.top_sim.cpu(), top_offset=self.top_off.cpu(), counts=self.counts.cpu(),
+                              act_sum=self.act_sum.cpu(), hist=self.hist.reshape(self.K, self.bins).cpu(),
+                              manifest=manifest)
+
+
+def build_index(
+    model: Any,
+    shards: Any,
+    *,
+    top_n: int = 32,
+    batch_size: int = 8,
+    max_sequences: int | None = None,
+    part: tuple[int, int] = (0, 1),
+    resume_from: str | Path | PrototypeIndex | None = None,
+    out: str | Path | None = None,
+    checkpoint_every: int = 0,
+    bins: int = 20,
+    chunk_size: int | None = None,
+    model_sha256: str | None = None,
+    device: str | torch.device | None = None,
+    autocast: Any = None,
+    progress: bool = True,
+    stop_after_batches: int | None = None,
+) -> PrototypeIndex:
+    """One streaming pass of ``model`` over ``shards.train``; returns a ``PrototypeIndex``.
+
+    ``model``: a loaded ``Checkpoint`` (preferred: the index records its ``model_sha256``) or a
+    ``PrismLM`` (then ``model_sha256`` or a weights hash identifies it). ``part=(i, n)``: index only the
+    i-th of n batch-aligned slices of the first ``max_sequences`` sequences; ``prism index-merge``
+    combines the parts. ``resume_from``: a partial index (or its folder) to continue after its last
+    finished batch. ``out`` + ``checkpoint_every``: save there every that many batches (and at the end).
+    ``stop_after_batches``: stop early (simulates an interruption in tests).
+    """
+    ident = model_sha256 or model_identity(model)
+    net = _unwrap(model)
+    if not getattr(net, "is_prism", False):
+        raise IndexError_("a prototype index needs a PRISM model; this is the dense baseline")
+    if top_n < 1:
+        raise IndexError_(f"top_n must be >= 1, got {top_n}")
+    dev = torch.device(device) if device is not None else next(net.parameters()).device
+    T = net.config.block_size
+    K = net.prototypes.num_prototypes
+    n_all = shards.train.num_sequences(T)
+    universe = n_all if max_sequences is None else min(n_all, max_sequences)
+    if universe < 1:
+        raise IndexError_(f"the training split has no complete sequence of {T + 1} tokens to index")
+
+    if resume_from is not None:
+        prev = resume_from if isinstance(resume_from, PrototypeIndex) else PrototypeIndex.load(resume_from)
+        prev.check(model_sha256=ident, shards=shards)
+        m = prev.manifest
+        if (m["top_n"], m["universe"], m["bins"]) != (top_n, universe, bins) or list(m["part"]) != list(part):
+            raise IndexError_(
+                f"cannot resume: the partial index has top_n={m['top_n']}, max sequences {m['universe']}, "
+                f"bins={m['bins']}, part {m['part'][0]}/{m['part'][1]}; this build asks for top_n={top_n}, "
+                f"{universe}, bins={bins}, part {part[0]}/{part[1]}")
+        batch_size = int(m["batch_size"])  # the batch grid must stay the same
+        builder = _Builder.from_index(prev, dev)
+        start, stop = m["target"]
+        covered = _merge_ranges(m["covered"])
+        done_to = covered[-1][1] if covered else start
+        if covered and covered != [[start, done_to]]:
+            raise IndexError_(f"cannot resume: covered ranges {covered} are not one prefix of the target {m['target']}")
+        manifest = dict(m)
+    else:
+        start, stop = part_range(universe, batch_size, part)
+        done_to = start
+        # similarities are stored in float32, or float64 for a float64 model (exactness tests)
+        sim_dtype = torch.promote_types(net.prototypes.weight.dtype, torch.float32)
+        builder = _Builder(K, top_n, bins, dev, sim_dtype)
+        from prismlm import __version__
+
+        manifest = {
+            "kind": KIND, "format_version": FORMAT_VERSION, "model_sha256": ident,
+            "shard_key": shards.manifest["key"], "shards_root": str(Path(getattr(shards, "root", "")).resolve()), "split": "train",
+            "top_n": top_n, "num_prototypes": K, "block_size": T, "top_k": net.prototypes.cfg.top_k,
+            "bins": bins, "batch_size": batch_size, "universe": universe, "part": list(part),
+            "target": [start, stop], "covered": [], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "prismlm_version": __version__, "torch_version": torch.__version__,
+        }
+    chunk = chunk_size or net.prototypes.cfg.chunk_size
+    p = net.prototypes.weight.detach()
+    p_unit = F.normalize(p.to(torch.promote_types(p.dtype, torch.float32)), dim=-1).to(dev)  # (K, d)
+    was_training = net.training
+    net.eval()
+    total_tokens = (stop - start) * T
+    bar = tqdm(total=total_tokens, initial=(done_to - start) * T, disable=not progress, desc="index",
+               unit="tok", unit_scale=True, dynamic_ncols=True)
+    t0, tok0 = time.perf_counter(), 0
+    batches = 0
+    elapsed = 0.0
+    try:
+        j = done_to
+        while j < stop:
+            j1 = min(stop, (j // batch_size + 1) * batch_size)  # fixed grid of batches
+            ids = np.arange(j, j1, dtype=np.int64)
+            x = torch.from_numpy(shards.train.sequences(ids, T)[:, :-1]).to(dev)  # (B, T)
+            with torch.no_grad(), (autocast or nullcontext()):
+                fo = net(x)  # the model's one PrismOutput
+            builder.update(fo, p_unit, torch.from_numpy(ids * T).to(dev), chunk)
+            manifest["covered"] = _merge_ranges(manifest["covered"] + [[j, j1]])
+            j = j1
+            batches += 1
+            tok0 += x.numel()
+            bar.update(x.numel())
+            elapsed = time.perf_counter() - t0
+            bar.set_postfix(tok_s=f"{tok0 / max(elapsed, 1e-9):,.0f}")
+            if out is not None and checkpoint_every and batches % checkpoint_every == 0 and j < stop:
+                builder.to_index(manifest).save(out)
+            if stop_after_batches is not None and batches >= stop_after_batches:
+                break
+    finally:
+        bar.close()
+        net.train(was_training)
+    manifest["build_seconds"] = manifest.get("build_seconds", 0.0) + elapsed
+    manifest["tokens_per_s_last_run"] = tok0 / max(elapsed, 1e-9) if tok0 else None
+    idx = builder.to_index(manifest)
+    idx.shards, idx.tokenizer = shards, shards.tokenizer
+    if out is not None:
+        idx.save(out)
+    return idx
+
+
+def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:
+    """Combine partial indexes of the same model, shards and settings over disjoint sequence ranges.
+
+    The result equals one pass over the union (exactly for the tables and counts, to rounding for the
+    float sums) — see the module docstring for the batch-grid condition.
+    """
+    if not parts:
+        raise IndexError_("nothing to merge")
+    first = parts[0].manifest
+    for p in parts[1:]:
+        m = p.manifest
+        if m["model_sha256"] != first["model_sha256"]:
+            raise IndexMismatchError(f"cannot merge indexes of different models: {first['model_sha256']} vs "
+                                     f"{m['model_sha256']}")
+        if m["shard_key"] != first["shard_key"]:
+            raise IndexMismatchError(f"cannot merge indexes of different shards: {first['shard_key']} vs "
+                                     f"{m['shard_key']}")
+        for key in ("top_n", "num_prototypes", "block_size", "bins", "universe"):
+            if m[key] != first[key]:
+                raise IndexError_(f"cannot merge: {key} differs ({first[key]} vs {m[key]})")
+    covered: list[list[int]] = []
+    for p in parts:
+        ov = _overlap(covered, _merge_ranges(p.manifest["covered"]))
+        if ov is not None:
+            raise IndexError_(f"cannot merge: parts overlap on sequences [{ov[0]}, {ov[1]}) — each sequence must "
+                              f"be indexed once")
+        covered = _merge_ranges(covered + p.manifest["covered"])
+    sim = torch.cat([p.top_sim for p in parts], dim=1)
+    off = torch.cat([p.top_offset for p in parts], dim=1)
+    top_sim, top_off = _topn_merge(sim, off, parts[0].top_n)
+    manifest = dict(first)
+    targets = _merge_ranges([list(p.manifest["target"]) for p in parts])
+    manifest.update({
+        "covered": covered, "part": [0, 1],
+        "target": [targets[0][0], targets[-1][1]] if len(targets) == 1 else [0, first["universe"]],
+        "tokens": sum(int(p.manifest["tokens"]) for p in parts),
+        "token_max_cos_sum": sum(float(p.manifest["token_max_cos_sum"]) for p in parts),
+        "residual_share_sum": sum(float(p.manifest["residual_share_sum"]) for p in parts),
+        "build_seconds": sum(float(p.manifest.get("build_seconds", 0.0)) for p in parts),
+        "merged_from": len(parts), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
+    manifest.pop("tokens_per_s_last_run", None)
+    return PrototypeIndex(top_sim=top_sim, top_offset=top_off, counts=sum(p.counts for p in parts),
+                          act_sum=sum(p.act_sum for p in parts), hist=sum(p.hist for p in parts),
+                          manifest=manifest, shards=parts[0].shards, tokenizer=parts[0].tokenizer)

@@ -1,0 +1,216 @@
+"""Automatic prototype labels from neighbourhoods: a rule-based labeller, and an optional LLM labeller.
+
+**Rules** (offline, deterministic). A prototype adds ``a (W p_i)`` to the next-token logits, so what it
+stands for shows first in the *targets* of its nearest training contexts (the tokens that followed),
+then in the last token of those contexts, then in context words that are frequent around it and rare in
+the corpus. Each target token gets a class — ``punctuation``, ``layout`` (newlines/spaces),
+``number``, ``morphology`` (a word-internal piece: no leading space, e.g. ``ing``), ``grammar``
+(closed-class function words), ``name`` (capitalised word), ``boundary`` (end of text) or
+``content`` — and the category is the class of at least half of the targets, else of the context's last
+tokens, else ``mixed``. The label names the dominant next tokens (``→ "the"|"a"``), the dominant
+previous token (``after "of"``) and, for content prototypes, up to three distinctive context words.
+The paper's taxonomy (~35% morphology, ~20% grammatical scaffolding, domains, numbers/time, names,
+URLs, boilerplate) is the target; these rules cover its surface classes.
+
+**LLM** (optional, off by default, never needed offline): ``llm_labels`` sends each prototype's
+snippets to an OpenAI-compatible ``/chat/completions`` endpoint (``urllib``, API key read from an
+environment variable) and asks for a JSON label and category; any failure keeps the rule label and
+records the error in the evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import string
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prismlm.attribution.index import LABELS_FILE, PrototypeIndex
+
+__all__ = ["CATEGORIES", "classify_token", "corpus_token_counts", "llm_labels", "rule_labels", "save_labels",
+           "load_labels"]
+
+CATEGORIES = ("morphology", "grammar", "punctuation", "layout", "number", "name", "boundary", "content", "mixed")
+
+# Closed-class English words: the "grammatical scaffolding" of the paper's taxonomy.
+_FUNCTION_WORDS = frozenset("""
+a an the this that these those some any no every each all both either neither
+of in on at by for with from to into onto upon over under about above below between through during
+before after since until against among within without across along around behind beyond near
+and or but nor so yet if then than because while although though unless whether as
+i me my mine we us our ours you your yours he him his she her hers it its they them their theirs
+who whom whose which what where when why how there here
+is am are was were be been being have has had do does did will would shall should can could may might
+must not very too also just only even still
+""".split())
+_NUMBER_WORDS = frozenset("one two three four five six seven eight nine ten eleven twelve hundred thousand "
+                          "million billion first second third fourth fifth".split())
+_PUNCT = set(string.punctuation) | set("“”‘’—–…«»")
+
+
+def classify_token(tok: str, *, eot: str | None = None) -> str:
+    """The surface class of one decoded token (see the module docstring)."""
+    if eot is not None and tok == eot:
+        return "boundary"
+    if tok == "" or tok.isspace():
+        return "layout"
+    s = tok.strip()
+    if all(c in _PUNCT for c in s):
+        return "punctuation"
+    if any(c.isdigit() for c in s) or s.lower() in _NUMBER_WORDS:
+        return "number"
+    if s.lower() in _FUNCTION_WORDS:
+        return "grammar"
+    starts_word = tok[:1].isspace() or tok[:1] in _PUNCT
+    if not starts_word and s.isalpha():
+        return "morphology"
+    if s[:1].isupper():
+        return "name"
+    return "content"
+
+
+def corpus_token_counts(shards: Any, chunk: int = 1 << 24) -> np.ndarray:
+    """Token frequencies of the training split, streamed in chunks (O(V) memory)."""
+    toks = shards.train.tokens
+    V = shards.tokenizer.vocab_size
+    counts = np.zeros(V, dtype=np.int64)
+    for s in range(0, len(toks), chunk):
+        counts += np.bincount(np.asarray(toks[s:s + chunk], dtype=np.int64), minlength=V)[:V]
+    return counts
+
+
+def _q(tok: str) -> str:
+    return json.dumps(tok, ensure_ascii=False)
+
+
+def rule_labels(index: PrototypeIndex, *, shards: Any = None, neighbours: int | None = None,
+                context: int = 8, corpus_counts: np.ndarray | None = None) -> dict[int, dict[str, Any]]:
+    """Label every prototype of ``index`` from its neighbourhood (shards attached or given).
+
+    Returns prototype id → {label, category, evidence}; evidence holds the next-token and previous-token
+    counts, distinctive context words (log-ratio of the neighbourhood's frequency to the corpus's,
+    add-one smoothed) and whether the prototype is dead.
+    """
+    shards = shards if shards is not None else index.shards
+    if shards is None:
+        raise ValueError("rule labels need the token shards the index points into (attach them to the index)")
+    tok = shards.tokenizer
+    eot = tok.decode([tok.eot_id])
+    counts = corpus_token_counts(shards) if corpus_counts is None else corpus_counts
+    total = float(counts.sum()) or 1.0
+    train = shards.train.tokens
+    out: dict[int, dict[str, Any]] = {}
+    for i in range(index.num_prototypes):
+        nbs = index.neighbours(i, neighbours, before=0, after=0, shards=shards)
+        nexts: Counter[int] = Counter()
+        prevs: Counter[int] = Counter()
+        ctx: Counter[int] = Counter()
+        for nb in nbs:
+            nexts[int(nb.target_id)] += 1
+            prevs[int(train[nb.offset])] += 1
+            a = max(int(shards.train.doc_offsets[nb.doc_index]), nb.offset + 1 - context)
+            ctx.update(int(t) for t in np.asarray(train[a:nb.offset + 1]))
+        n = max(1, len(nbs))
+        classes = Counter(classify_token(tok.decode([t]), eot=eot) for t in nexts.elements())
+        prev_classes = Counter(classify_token(tok.decode([t]), eot=eot) for t in prevs.elements())
+        cls, c = classes.most_common(1)[0] if classes else ("mixed", 0)
+        if c / n < 0.5:
+            pcls, pc = prev_classes.most_common(1)[0] if prev_classes else ("mixed", 0)
+            cls = pcls if pc / n >= 0.5 else "mixed"
+        ctx_n = float(sum(ctx.values())) or 1.0
+        scores = []
+        for t, k in ctx.items():
+            word = tok.decode([t]).strip()
+            if k < 2 or len(word) < 3 or not word.isalpha() or word.lower() in _FUNCTION_WORDS:
+                continue
+            scores.append((math.log((k / ctx_n) / ((counts[t] + 1) / total)), word))
+        distinctive = [w for _, w in sorted(scores, reverse=True)[:3]]
+        top_next = [(tok.decode([t]), k) for t, k in nexts.most_common(3)]
+        top_prev = [(tok.decode([t]), k) for t, k in prevs.most_common(3)]
+        parts = []
+        if top_next:
+            shown = [t for t, k in top_next if k / n >= 0.15] or [top_next[0][0]]
+            parts.append("→ " + "|".join(_q(t) for t in shown[:3]))
+        if top_prev and top_prev[0][1] / n >= 0.5:
+            parts.append(f"after {_q(top_prev[0][0])}")
+        if distinctive and cls in ("content", "mixed", "name"):
+            parts.append("ctx: " + ", ".join(distinctive))
+        dead = bool(index.counts[i] == 0)
+        label = ("(dead) " if dead else "") + " ".join(parts)
+        out[i] = {"label": label[:80], "category": cls, "evidence": {
+            "next_tokens": top_next, "previous_tokens": top_prev, "distinctive_words": distinctive,
+            "next_token_classes": dict(classes), "neighbours": len(nbs), "dead": dead, "labeller": "rules"}}
+    return out
+
+
+def save_labels(labels: dict[int, dict[str, Any]], index_dir: str | Path) -> Path:
+    """Write ``labels.json`` next to the index."""
+    path = Path(index_dir) / LABELS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({str(k): v for k, v in sorted(labels.items())}, indent=1, ensure_ascii=False) + "\n",
+                   encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def load_labels(index_dir: str | Path) -> dict[int, dict[str, Any]]:
+    path = Path(index_dir) / LABELS_FILE
+    if not path.exists():
+        return {}
+    return {int(k): v for k, v in json.loads(path.read_text(encoding="utf-8")).items()}
+
+
+_PROMPT = """You label prototypes of a language model. A prototype is a direction in the model's hidden
+space; below are the training contexts nearest to it, with the token that came next marked ⟦like this⟧,
+and the tokens the prototype pushes up most. Reply with JSON only: {{"label": "<at most 6 words>",
+"category": "<one of {cats}>"}}.
+
+Top pushed tokens: {top}
+Nearest contexts:
+{snips}"""
+
+
+def llm_labels(index: PrototypeIndex, base: dict[int, dict[str, Any]], *, endpoint: str, model: str,
+               api_key_env: str = "OPENAI_API_KEY", ids: list[int] | None = None, neighbours: int = 8,
+               timeout: float = 30.0, signature_tokens: dict[int, list[str]] | None = None) -> dict[int, dict[str, Any]]:
+    """Relabel prototypes with an OpenAI-compatible chat endpoint (``{endpoint}/chat/completions``).
+
+    ``base``: the rule labels, kept where a request fails. The key is read from ``api_key_env`` (may be
+    unset for local servers). Only called when asked (``prism label --labeller openai``).
+    """
+    url = endpoint.rstrip("/") + ("" if endpoint.rstrip("/").endswith("/chat/completions") else "/chat/completions")
+    key = os.environ.get(api_key_env, "")
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    out = {k: dict(v) for k, v in base.items()}
+    for i in ids if ids is not None else range(index.num_prototypes):
+        snips = "\n".join(f"- {nb.snippet!r}" for nb in index.neighbours(i, neighbours))
+        top = ", ".join(repr(t) for t in (signature_tokens or {}).get(i, [])) or "(not given)"
+        body = {"model": model, "temperature": 0,
+                "messages": [{"role": "user", "content": _PROMPT.format(cats=", ".join(CATEGORIES), top=top,
+                                                                          snips=snips)}]}
+        entry = out.setdefault(i, {"label": "", "category": "mixed", "evidence": {}})
+        ev = dict(entry.get("evidence") or {})
+        try:
+            req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                reply = json.loads(resp.read().decode())
+            content = reply["choices"][0]["message"]["content"]
+            m = re.search(r"\{.*\}", content, re.S)
+            parsed = json.loads(m.group(0) if m else content)
+            label = str(parsed["label"]).strip()[:80]
+            cat = str(parsed.get("category", entry.get("category", "mixed"))).strip().lower()
+            entry["label"] = label
+            entry["category"] = cat if cat in CATEGORIES else entry.get("category", "mixed")
+            ev.update({"labeller": f"llm:{model}", "rule_label": base.get(i, {}).get("label")})
+        except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError, TypeError) as e:
+            ev["llm_error"] = f"{type(e).__name__}: {e}"[:200]
+        entry["evidence"] = ev
+    return out

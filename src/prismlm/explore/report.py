@@ -1,0 +1,157 @@
+"""Views of an ``Explanation``: a readable terminal view (``rich``) and a self-contained HTML report.
+
+The HTML file needs no network: CSS and JS are inline, the data is embedded as JSON. Tokens are coloured
+by their residual share (how much of the logit the prototypes leave unexplained); clicking a token shows
+its chosen next token, logit, residual slice and every active prototype's slice; prototype cards show the
+label, nearest training contexts with the target token marked (``<mark>``), the activation histogram
+(inline SVG) and the top tokens of the signature W p_i.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+__all__ = ["render_html", "render_terminal", "write_html"]
+
+
+def _vis(tok: str) -> str:
+    return tok.replace("\n", "↵").replace("\t", "⇥")
+
+
+def render_terminal(expl: Any, console: Console | None = None, *, top: int = 3, max_rows: int = 64) -> None:
+    """Token by token: chosen next token, logit, top prototypes (label and share), residual share.
+
+    For a generation only the generated tokens are listed."""
+    console = console or Console()
+    for note in expl.notes:
+        console.print(f"[dim]note: {note}[/]")
+    rows = [p for p in expl.positions if p.chosen_by == "sampled"] or expl.positions
+    table = Table(title="per-token explanation: logit = Σ prototype slices + residual slice", show_lines=False)
+    for col, just in (("pos", "right"), ("context →", "left"), ("next", "left"), ("logit", "right"),
+                      ("p", "right"), ("top prototypes (id label share)", "left"), ("resid", "right")):
+        table.add_column(col, justify=just, overflow="fold")
+    for p in rows[-max_rows:]:
+        protos = Text()
+        for s in p.prototypes[:top]:
+            protos.append(f"#{s.id} ", style="bold cyan")
+            protos.append(f"{(s.label or '')[:32]} ", style="dim")
+            protos.append(f"{s.share:+.0%}  ", style="green" if s.slice >= 0 else "red")
+        if len(p.prototypes) > top:
+            protos.append(f"(+{len(p.prototypes) - top})", style="dim")
+        table.add_row(str(p.position), repr(_vis(p.token))[1:-1], repr(_vis(p.next_token))[1:-1]
+                      + ("" if p.chosen_by in ("text", "sampled") else f" ({p.chosen_by})"),
+                      f"{p.logit:.2f}", f"{p.prob:.2f}", protos, f"{p.residual_share:+.0%}")
+    console.print(table)
+    console.print(f"[dim]max |Σ slices + residual − logit| = {expl.max_abs_error:.2e} over {len(expl.positions)} "
+                  f"positions; {len(expl.prototypes)} prototypes used[/]")
+
+
+def _hist_svg(hist: list[int], w: int = 200, h: int = 48) -> str:
+    if not hist:
+        return ""
+    m = max(hist) or 1
+    bw = w / len(hist)
+    bars = "".join(
+        f'<rect x="{i * bw:.1f}" y="{h - 14 - (h - 16) * c / m:.1f}" width="{bw - 1:.1f}" '
+        f'height="{(h - 16) * c / m:.1f}"><title>[{i / len(hist):.2f}, {(i + 1) / len(hist):.2f}): {c}</title></rect>'
+        for i, c in enumerate(hist))
+    return (f'<svg class="hist" width="{w}" height="{h}" viewBox="0 0 {w} {h}">{bars}'
+            f'<text x="0" y="{h - 2}">0</text><text x="{w - 8}" y="{h - 2}">1</text></svg>')
+
+
+def _card_html(c: dict[str, Any]) -> str:
+    e = html.escape
+    snips = "".join(
+        f'<li><span class="sim">{n["similarity"]:.3f}</span> {e(n["before"])}<mark>{e(n["target"] or "")}</mark>'
+        f'{e(n["after"])} <span class="doc">{e(str(n["doc_id"]))}:{n["position"]}</span></li>'
+        for n in c["neighbours"])
+    toks = " ".join(f'<code>{e(repr(t)[1:-1])}</code><sub>{v:.2f}</sub>' for t, v in c["top_tokens"])
+    st = c.get("stats") or {}
+    stats = (f'active on {st["count"]:,} tokens ({st["frequency"]:.2%}), mean activation '
+             f'{st["mean_activation"]:.3f}' if st else "no index: neighbourhood not available")
+    return (f'<div class="card" id="p{c["id"]}"><h3>#{c["id"]} <span class="lab">{e(c["label"] or "")}</span> '
+            f'<span class="cat">{e(c["category"] or "")}</span></h3><div class="stats">{stats}</div>'
+            f'{_hist_svg(st.get("histogram", []))}<div class="toks">W p<sub>i</sub> top tokens: {toks}</div>'
+            f'<ol class="snips">{snips}</ol></div>')
+
+
+_CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:1.5em;color:#222;max-width:1100px}
+#text span.t{cursor:pointer;border-radius:3px;padding:1px 0;white-space:pre-wrap}
+#text span.t.sel{outline:2px solid #36c}
+#text span.gen{text-decoration:underline dotted #888}
+#detail{margin:1em 0;padding:.6em;border:1px solid #ddd;border-radius:6px;min-height:3em}
+table{border-collapse:collapse}td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:left}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+.card{border:1px solid #ddd;border-radius:6px;padding:.5em .8em;margin:.6em 0}
+.card h3{margin:.1em 0;font-size:15px}.lab{font-weight:normal}.cat{font-size:12px;background:#eef;padding:1px 6px;border-radius:8px}
+.stats,.doc,.sim{color:#666;font-size:12px}mark{background:#fd6}
+.hist rect{fill:#69c}.hist text{font-size:9px;fill:#888}
+.snips li{font-family:ui-monospace,monospace;font-size:12px;white-space:pre-wrap}
+code{background:#f4f4f4;padding:0 3px}.pos{color:#070}.neg{color:#b00}
+"""
+
+_JS = """
+const D = JSON.parse(document.getElementById('data').textContent);
+const esc = s => s.replace(/[&<>"]/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
+function show(i){
+  document.querySelectorAll('#text span.t').forEach(s => s.classList.toggle('sel', +s.dataset.i === i));
+  const p = D.positions[i];
+  let h = `<b>${esc(JSON.stringify(p.token))}</b> → <b>${esc(JSON.stringify(p.next_token))}</b> (${p.chosen_by}),
+    logit ${p.logit.toFixed(3)}, p ${p.prob.toFixed(3)}; Σ slices + residual = ${p.total.toFixed(4)}
+    <table><tr><th>prototype</th><th>label</th><th>activation</th><th>slice</th><th>share</th></tr>`;
+  for (const s of p.prototypes) h += `<tr><td><a href="#p${s.id}">#${s.id}</a></td><td>${esc(s.label||'')}</td>
+    <td class="num">${s.activation.toFixed(3)}</td><td class="num ${s.slice>=0?'pos':'neg'}">${s.slice.toFixed(3)}</td>
+    <td class="num">${(100*s.share).toFixed(1)}%</td></tr>`;
+  h += `<tr><td>residual</td><td></td><td></td><td class="num">${p.residual_slice.toFixed(3)}</td>
+    <td class="num">${(100*p.residual_share).toFixed(1)}%</td></tr></table>`;
+  document.getElementById('detail').innerHTML = h;
+  const ids = new Set(p.prototypes.map(s => s.id));
+  document.querySelectorAll('.card').forEach(c => c.style.display = ids.has(+c.id.slice(1)) ? '' : 'none');
+}
+document.querySelectorAll('#text span.t').forEach(s => s.onclick = () => show(+s.dataset.i));
+document.getElementById('all').onclick = () => document.querySelectorAll('.card').forEach(c => c.style.display = '');
+"""
+
+
+def render_html(expl: Any, *, title: str = "PRISM explanation") -> str:
+    """A self-contained HTML page (inline CSS/JS/SVG, embedded JSON; no network)."""
+    d = expl.to_dict()
+    spans = []
+    start_gen = d["prompt_tokens"] if d["prompt_tokens"] is not None else None
+    for p in d["positions"]:
+        r = min(1.0, abs(p["residual_share"]))
+        color = f"rgba(230,80,60,{0.08 + 0.6 * r:.2f})"  # redder = more left to the residual
+        cls = "t gen" if start_gen is not None and p["position"] >= start_gen else "t"
+        spans.append(f'<span class="{cls}" data-i="{p["position"]}" style="background:{color}" '
+                     f'title="next {html.escape(repr(p["next_token"]))}: residual {p["residual_share"]:+.0%}">'
+                     f'{html.escape(p["token"])}</span>')
+    cards = "".join(_card_html(c) for c in d["prototypes"].values())
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in d["notes"])
+    data = json.dumps(d, ensure_ascii=False).replace("</", "<\\/")
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>{_CSS}</style></head><body>
+<h1>{html.escape(title)}</h1>
+<p>Each next-token logit is an exact sum of prototype slices and one residual slice
+(max error {d['max_abs_error']:.1e}). Tokens are shaded by the residual's share of the logit; click a token.
+Model {html.escape(str(d['model_sha256'] or 'n/a'))[:24]}…, index {html.escape(str(d['index'] or 'none'))}.</p>
+<ul>{notes}</ul>
+<div id="text">{''.join(spans)}</div>
+<div id="detail">Click a token to see its prototypes.</div>
+<h2>Prototypes <button id="all">show all</button></h2>{cards}
+<script type="application/json" id="data">{data}</script>
+<script>{_JS}</script></body></html>
+"""
+
+
+def write_html(expl: Any, path: str | Path, **kw: Any) -> Path:
+    path = Path(path)
+    path.write_text(render_html(expl, **kw), encoding="utf-8")
+    return path
