@@ -329,7 +329,7 @@ def build_run_index(run: Path, *, top_n: int = 32, max_sequences: Optional[int] 
         idx = build_index(ckpt, shards, top_n=top_n, batch_size=batch_size, max_sequences=max_sequences, part=part,
                           resume_from=prev, out=out, checkpoint_every=checkpoint_every, device=dev,
                           autocast=autocast_for(ckpt.config, dev), progress=progress)
-    if labels and idx.complete and idx.manifest["part"] == [0, 1]:
+    if labels and idx.covers_all:
         save_labels(rule_labels(idx), out)
     return idx
 
@@ -340,7 +340,8 @@ def _print_index_summary(idx, out: Path) -> None:
     console.print(f"index at {out}: {m['tokens']:,} tokens of {m['universe']:,} sequences × {m['block_size']} "
                   f"(covered {m['covered']}), K={idx.num_prototypes}, top-{idx.top_n} neighbours"
                   + (f", {m['tokens_per_s_last_run']:,.0f} tokens/s" if m.get("tokens_per_s_last_run") else "")
-                  + ("" if idx.complete else " — [yellow]incomplete: rerun with --resume[/]"))
+                  + ("" if idx.complete else " — [yellow]incomplete: rerun with --resume[/]")
+                  + ("" if idx.covers_all or not idx.complete else " — a part: combine with `prism index-merge`"))
     print_metrics({k: v for k, v in cov.items()}, f"coverage over the indexed tokens ({out})")
 
 
@@ -383,7 +384,7 @@ def index_merge_cmd(
     try:
         idx = merge_indexes([PrototypeIndex.load(p) for p in parts])
         idx.save(out)
-        if labels and idx.complete:
+        if labels and idx.covers_all:
             try:
                 idx.attach(load_shards(idx.manifest["shards_root"]))
                 save_labels(rule_labels(idx), out)

@@ -243,6 +243,11 @@ class PrototypeIndex:
         """True when the covered sequences are the whole target range (nothing left to resume)."""
         return _merge_ranges(self.manifest["covered"]) == [list(self.manifest["target"])]
 
+    @property
+    def covers_all(self) -> bool:
+        """True when every sequence of ``[0, universe)`` is indexed (a whole index, not a part)."""
+        return _merge_ranges(self.manifest["covered"]) == [[0, int(self.manifest["universe"])]]
+
     def coverage(self) -> dict[str, float]:
         """R̄1, R2, dead prototypes and residual share over the indexed tokens (definitions of
         ``prismlm.eval.metrics.CoverageAccumulator``)."""

@@ -34,20 +34,22 @@ def render_terminal(expl: Any, console: Console | None = None, *, top: int = 3, 
         console.print(f"[dim]note: {note}[/]")
     rows = [p for p in expl.positions if p.chosen_by == "sampled"] or expl.positions
     table = Table(title="per-token explanation: logit = Σ prototype slices + residual slice", show_lines=False)
-    for col, just in (("pos", "right"), ("context →", "left"), ("next", "left"), ("logit", "right"),
-                      ("p", "right"), ("top prototypes (id label share)", "left"), ("resid", "right")):
-        table.add_column(col, justify=just, overflow="fold")
+    table.add_column("pos", justify="right", no_wrap=True)
+    table.add_column("token → next", no_wrap=True, overflow="ellipsis", max_width=22, min_width=10)
+    table.add_column("logit", justify="right", no_wrap=True, min_width=6)
+    table.add_column("resid", justify="right", no_wrap=True, min_width=5)
+    table.add_column("top prototypes: id, share, label", no_wrap=True, overflow="ellipsis")
     for p in rows[-max_rows:]:
         protos = Text()
-        for s in p.prototypes[:top]:
-            protos.append(f"#{s.id} ", style="bold cyan")
-            protos.append(f"{(s.label or '')[:32]} ", style="dim")
-            protos.append(f"{s.share:+.0%}  ", style="green" if s.slice >= 0 else "red")
+        for j, s in enumerate(p.prototypes[:top]):
+            protos.append(("\n" if j else "") + f"#{s.id} ", style="bold cyan")
+            protos.append(f"{s.share:+.0%} ", style="green" if s.slice >= 0 else "red")
+            protos.append(f"{(s.label or '')[:40]}", style="dim")
         if len(p.prototypes) > top:
-            protos.append(f"(+{len(p.prototypes) - top})", style="dim")
-        table.add_row(str(p.position), repr(_vis(p.token))[1:-1], repr(_vis(p.next_token))[1:-1]
-                      + ("" if p.chosen_by in ("text", "sampled") else f" ({p.chosen_by})"),
-                      f"{p.logit:.2f}", f"{p.prob:.2f}", protos, f"{p.residual_share:+.0%}")
+            protos.append(f" (+{len(p.prototypes) - top})", style="dim")
+        how = "" if p.chosen_by in ("text", "sampled") else f" ({p.chosen_by})"
+        table.add_row(str(p.position), f"{_vis(p.token)!r}→{_vis(p.next_token)!r}{how}", f"{p.logit:.2f}",
+                      f"{p.residual_share:+.0%}", protos)
     console.print(table)
     console.print(f"[dim]max |Σ slices + residual − logit| = {expl.max_abs_error:.2e} over {len(expl.positions)} "
                   f"positions; {len(expl.prototypes)} prototypes used[/]")
