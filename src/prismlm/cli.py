@@ -237,12 +237,6 @@ def run_demo(*, preset: str = "cpu-small", steps: Optional[int] = None, out: Pat
     return metrics
 
 
-def main() -> None:  # pragma: no cover - entry point
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())
 
 
 # ----- prototype index, labels, explanations (spec §3.1) ------------------------------------------------
@@ -578,3 +572,18 @@ def prototypes_cmd(
         out.print(f"[dim]{len(ids)} of {K} prototypes match[/]")
     except _attribution_errors() as e:
         _fail(str(e))
+
+
+from prismlm.attribution.commands import register as _register_attribution  # noqa: E402
+from prismlm.control.commands import register as _register_control  # noqa: E402
+
+_register_attribution(app)
+_register_control(app)
+
+
+def main() -> None:  # pragma: no cover - entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,1 @@
+"""Control: prototype suppression, sparse controllers, multiple-choice tasks, judges, SAE baseline."""
