@@ -116,22 +116,23 @@ def generate(
     top_k: Optional[int] = typer.Option(50, help="Sample from the top-k tokens only."),
     seed: int = typer.Option(0, help="Sampling seed."),
     device: str = typer.Option("auto", help="auto, cpu, cuda…"),
+    suppress: str = typer.Option("auto", help="Suppression set: a JSON file from `prism concept`, 'auto' (the "
+                                 "checkpoint's suppression.json if any) or 'none'."),
 ) -> None:
     """Sample text from a trained model."""
     for text in generate_text(run, prompt, tokens=tokens, samples=samples, temperature=temperature,
-                              top_k=top_k, seed=seed, device=device):
+                              top_k=top_k, seed=seed, device=device, suppress=suppress):
         print(text)
         print("-" * 40)
 
 
 def generate_text(run: Path, prompt: str, *, tokens: int = 100, samples: int = 1, temperature: float = 0.8,
-                  top_k: Optional[int] = 50, seed: int = 0, device: str = "auto") -> list[str]:
+                  top_k: Optional[int] = 50, seed: int = 0, device: str = "auto", suppress: Optional[str] = "auto") -> list[str]:
     import torch
 
-    from prismlm.train.checkpoint import load_checkpoint
     from prismlm.train.distributed import resolve_device
 
-    ckpt = load_checkpoint(run, device=resolve_device(device))
+    ckpt = _load_suppressed(run, suppress, resolve_device(device))
     tok = ckpt.tokenizer
     if tok is None:
         _fail(f"{ckpt.path} has no tokenizer; cannot encode a prompt")
@@ -144,7 +145,23 @@ def generate_text(run: Path, prompt: str, *, tokens: int = 100, samples: int = 1
             for row in y]
 
 
-def evaluate_run(run: Path, *, batches: int = 50, batch_size: Optional[int] = None, device: str = "auto") -> dict:
+def _load_suppressed(run: Path, suppress: Optional[str], device):
+    """load_checkpoint + the suppression set (``auto``/``none``/FILE); a bad set is a clear error (exit 2)."""
+    from prismlm.control.suppress import SuppressionError, load_with_suppression
+    from prismlm.train.checkpoint import CheckpointError
+
+    try:
+        ckpt, sset = load_with_suppression(run, suppress, device=device)
+    except (SuppressionError, CheckpointError) as e:
+        _fail(str(e))
+    if sset is not None:
+        console.print(f"suppressing {len(sset.ids)} prototypes ({100 * sset.share:.2f}% of the bank)"
+                      + (f": {sset.concept}" if sset.concept else ""))
+    return ckpt
+
+
+def evaluate_run(run: Path, *, batches: int = 50, batch_size: Optional[int] = None, device: str = "auto",
+                 suppress: Optional[str] = "auto") -> dict:
     """Validation loss/perplexity and coverage metrics of a trained run on its own validation split."""
     from prismlm.data.shards import prepare_from_config
     from prismlm.eval.metrics import evaluate
@@ -153,7 +170,7 @@ def evaluate_run(run: Path, *, batches: int = 50, batch_size: Optional[int] = No
     from prismlm.train.trainer import autocast_for
 
     dev = resolve_device(device)
-    ckpt = load_checkpoint(run, device=dev)
+    ckpt = _load_suppressed(run, suppress, dev) if suppress not in (None, "none") else load_checkpoint(run, device=dev)
     cfg = ckpt.config
     shards = prepare_from_config(cfg.data, show_progress=False)
     metrics = evaluate(ckpt.model, shards.val, seq_len=cfg.model.block_size,
@@ -179,9 +196,11 @@ def eval_cmd(
     batch_size: Optional[int] = typer.Option(None, help="Sequences per batch (default: the run's)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the metrics to this JSON file."),
     device: str = typer.Option("auto", help="auto, cpu, cuda…"),
+    suppress: str = typer.Option("auto", help="Suppression set: a JSON file, 'auto' (the checkpoint's "
+                                 "suppression.json if any) or 'none'."),
 ) -> None:
     """Validation loss, perplexity and coverage metrics (R̄1, R2, dead prototypes, residual share)."""
-    metrics = evaluate_run(run, batches=batches, batch_size=batch_size, device=device)
+    metrics = evaluate_run(run, batches=batches, batch_size=batch_size, device=device, suppress=suppress)
     print_metrics(metrics, f"eval {run}")
     if json_out:
         json_out.write_text(json.dumps(metrics, indent=2) + "\n")

@@ -1,1 +1,14 @@
-"""Control: prototype suppression, sparse controllers, multiple-choice tasks, judges, SAE baseline."""
+"""Control (spec §4): prototype suppression, concept search, sparse controllers, judges, SAE baseline.
+
+    with model.suppress(ids): ...            # remove prototypes' logit slices exactly (always restores)
+    with model.control(c): ...               # ℓ' = W r + Σ (1 + c_i) a_i W p_i (c = 0: the base model)
+    SuppressionSet.load(path) / .save(path)  # a set with its evidence, bound to a model
+    find_concept(model, tok, concept_texts, neutral_texts, ...)  # enrichment (+ purity) → SuppressionSet
+
+Heavier pieces (controllers, SAE, judges) are imported from their modules.
+"""
+
+from prismlm.control.concept import find_concept
+from prismlm.control.suppress import SuppressionError, SuppressionSet, apply_suppression, load_with_suppression
+
+__all__ = ["SuppressionError", "SuppressionSet", "apply_suppression", "find_concept", "load_with_suppression"]

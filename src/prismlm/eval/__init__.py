@@ -1,5 +1,9 @@
-"""Evaluation: perplexity and coverage metrics."""
+"""Evaluation: perplexity and coverage metrics, log-likelihood scoring, multiple-choice tasks.
+
+``prismlm.eval.lm_eval_adapter`` (optional ``lm-eval``) registers ``--model prism`` when imported.
+"""
 
 from prismlm.eval.metrics import CoverageAccumulator, evaluate
+from prismlm.eval.scoring import loglikelihoods, mc_accuracy, text_perplexity
 
-__all__ = ["CoverageAccumulator", "evaluate"]
+__all__ = ["CoverageAccumulator", "evaluate", "loglikelihoods", "mc_accuracy", "text_perplexity"]

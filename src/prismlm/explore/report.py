@@ -123,8 +123,28 @@ document.getElementById('all').onclick = () => document.querySelectorAll('.card'
 """
 
 
-def render_html(expl: Any, *, title: str = "PRISM explanation") -> str:
-    """A self-contained HTML page (inline CSS/JS/SVG, embedded JSON; no network)."""
+def _attribution_html(att: Any) -> str:
+    """The "Training data" section: top training sequences of an ``Attribution`` (prismlm.attribution.attribute)."""
+    a = att.to_dict() if hasattr(att, "to_dict") else att
+    rows = []
+    for it in a["top"]:
+        protos = ", ".join(f'<a href="#p{p["id"]}">#{p["id"]}</a> ({p["contribution"]:+.3g})' for p in it["prototypes"][:3])
+        snip = html.escape(it.get("snippet") or "").replace("⟦", "<mark>").replace("⟧", "</mark>")
+        rows.append(f'<tr><td class="num">{it["rank"]}</td><td class="num">{it["sequence"]}</td>'
+                    f'<td>{html.escape(str(it.get("doc_id") or ""))}</td>'
+                    f'<td class="num {"pos" if it["score"] >= 0 else "neg"}">{it["score"]:+.4g}</td>'
+                    f'<td>{protos}</td><td>{snip}</td></tr>')
+    what = f"completion {html.escape(repr(a['completion']))}" if a.get("completion") else "every token"
+    return (f"<h2>Training data</h2><p>Training sequences with the largest prototype-space influence on {what} "
+            f"({a['measured_tokens']} measured token(s); {html.escape(a['method'])} over {a['num_train']:,} "
+            f"sequences; positive = helpful, i.e. training on it lowers this loss).</p>"
+            f"<table><tr><th>#</th><th>sequence</th><th>document</th><th>score</th><th>connecting prototypes "
+            f"(contribution)</th><th>snippet</th></tr>{''.join(rows)}</table>")
+
+
+def render_html(expl: Any, *, title: str = "PRISM explanation", attribution: Any = None) -> str:
+    """A self-contained HTML page (inline CSS/JS/SVG, embedded JSON; no network). ``attribution``: an
+    optional ``Attribution`` shown as a "Training data" section."""
     d = expl.to_dict()
     spans = []
     start_gen = d["prompt_tokens"] if d["prompt_tokens"] is not None else None
@@ -147,6 +167,7 @@ Model {html.escape(str(d['model_sha256'] or 'n/a'))[:24]}…, index {html.escape
 <ul>{notes}</ul>
 <div id="text">{''.join(spans)}</div>
 <div id="detail">Click a token to see its prototypes.</div>
+{_attribution_html(attribution) if attribution is not None else ''}
 <h2>Prototypes <button id="all">show all</button></h2>{cards}
 <script type="application/json" id="data">{data}</script>
 <script>{_JS}</script></body></html>

@@ -12,7 +12,9 @@ Logits are ``lm_head(z)`` for both models. For PRISM, ``z = ẑ + r`` exactly, s
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -29,7 +31,8 @@ class PrismOutput:
     explorer all read. Prototype fields are ``None`` for the dense baseline."""
 
     logits: torch.Tensor
-    """(B, T, V) next-token logits (or (B, 1, V) with ``last_only``)."""
+    """(B, T, V) next-token logits (or (B, 1, V) with ``last_only``); inside ``model.suppress(...)`` /
+    ``model.control(...)`` these are the suppressed/controlled logits (there is no second output)."""
     hidden: torch.Tensor
     """(B, T, d) z: final-LayerNorm hidden states."""
     indices: torch.Tensor | None = None
@@ -46,6 +49,9 @@ class PrismOutput:
     """Unweighted loss terms: ``ce`` (when targets are given), and ``rec``, ``r1``, ``r2`` for PRISM."""
     loss: torch.Tensor | None = None
     """Weighted total loss (when targets and loss weights are given)."""
+    prototype_multipliers: torch.Tensor | None = None
+    """(K,) the multipliers m the logits were computed with (suppression: 0, controller: 1 + c), or None
+    for the unmodified model; ``decompose`` scales the slices by them, so it stays exact."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -117,6 +123,11 @@ class PrismLM(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
         # Created last so that, at the same seed, PRISM and the dense baseline start from the same backbone.
         self.prototypes = PrototypeLayer(cfg.n_embd, cfg.prototypes) if cfg.prototypes is not None else None
+        # Per-prototype logit multipliers m (K,) used by suppression (m_i = 0) and controllers (m_i = 1 + c_i);
+        # None is the unmodified model. Non-persistent: never saved in model.safetensors (suppression sets
+        # and controllers are their own artifacts), and it follows .to(device). Set it through
+        # ``prismlm.control`` (``with model.suppress(ids):`` / ``with model.control(c):``), which restores it.
+        self.register_buffer("proto_multipliers", None, persistent=False)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -165,13 +176,24 @@ class PrismLM(nn.Module):
         z = self.backbone(idx)  # (B, T, d)
         B, T, d = z.shape
         out_z = z[:, -1:, :] if last_only else z
-        logits = self.lm_head(out_z)  # (B, T, V) — identical head for PRISM and dense
+        mult = self.proto_multipliers
+        # Unmodified model: logits straight from z (ℓ = W z = W r + Σ a_i W p_i since z = ẑ + r).
+        logits = self.lm_head(out_z) if mult is None else None  # (B, T, V) — identical head for PRISM and dense
         out = PrismOutput(logits=logits, hidden=z)
         if self.prototypes is not None:
             po = self.prototypes(z.reshape(B * T, d))
             k = po.indices.shape[-1]
             out.indices = po.indices.view(B, T, k)
             out.activations = po.activations.view(B, T, k)
+            if mult is not None:
+                # ℓ' = W r + Σ_i m_i a_i W p_i = W (z + Σ_i (m_i − 1) a_i p_i): the slices of prototypes with
+                # m_i = 1 are untouched, a suppressed one (m_i = 0) is removed exactly (spec §4).
+                a = po.activations * (mult[po.indices].to(po.activations.dtype) - 1.0)  # (N, k)
+                delta = torch.einsum("nk,nkd->nd", a, self.prototypes.weight[po.indices].to(a.dtype))  # (N, d)
+                z_mod = (z.reshape(B * T, d).to(delta.dtype) + delta).to(z.dtype).view(B, T, d)
+                logits = self.lm_head(z_mod[:, -1:, :] if last_only else z_mod)  # (B, T, V)
+                out.logits = logits
+                out.prototype_multipliers = mult
             out.residual = po.residual.view(B, T, d)
             out.token_max_cos = po.token_max_cos.view(B, T)
             out.proto_max_cos = po.proto_max_cos
@@ -183,6 +205,59 @@ class PrismLM(nn.Module):
             out.losses["ce"] = L.cross_entropy(logits, targets if not last_only else targets[:, -1:])
             out.loss = L.total_loss(out.losses, loss_weights or {"ce": 1.0})
         return out
+
+    # ----- suppression and control (spec §4): the forward output itself is modified, nothing else ----------
+    def check_prototype_ids(self, ids: Iterable[int] | torch.Tensor) -> torch.Tensor:
+        """Validate prototype ids → (n,) int64 tensor; ``ValueError`` naming the bad ids otherwise."""
+        if self.prototypes is None:
+            raise ValueError("the dense baseline has no prototypes to suppress or control")
+        if isinstance(ids, torch.Tensor):
+            ids_list = ids.flatten().tolist()
+        else:
+            ids_list = list(ids)
+        bad_type = [i for i in ids_list if isinstance(i, bool) or not isinstance(i, int) and not
+                    (isinstance(i, float) and i.is_integer())]
+        if bad_type:
+            raise ValueError(f"prototype ids must be integers, got {bad_type[:5]}")
+        ids_list = [int(i) for i in ids_list]
+        K = self.prototypes.num_prototypes
+        unknown = sorted({i for i in ids_list if not 0 <= i < K})
+        if unknown:
+            raise ValueError(f"unknown prototype id(s) {unknown[:10]}{' …' if len(unknown) > 10 else ''}: "
+                             f"this model has {K} prototypes (ids 0–{K - 1})")
+        return torch.tensor(ids_list, dtype=torch.long)
+
+    @contextmanager
+    def scale_prototypes(self, multipliers: torch.Tensor) -> Iterator["PrismLM"]:
+        """Within the block, prototype i's logit slice is multiplied by ``multipliers[i]`` (K,):
+        ℓ' = W r + Σ_i m_i a_i W p_i. Nested blocks compose multiplicatively; the previous state is
+        always restored on exit, also when the body raises. Gradients flow into ``multipliers``."""
+        if self.prototypes is None:
+            raise ValueError("the dense baseline has no prototypes to suppress or control")
+        K = self.prototypes.num_prototypes
+        if multipliers.shape != (K,):
+            raise ValueError(f"multipliers must have shape ({K},), got {tuple(multipliers.shape)}")
+        previous = self.proto_multipliers
+        dev = self.prototypes.weight.device
+        m = multipliers.to(dev)
+        self.proto_multipliers = m if previous is None else previous * m
+        try:
+            yield self
+        finally:
+            self.proto_multipliers = previous
+
+    def suppress(self, ids: Iterable[int] | torch.Tensor):
+        """``with model.suppress(ids):`` removes the slices a_i W p_i of the given prototypes from every
+        logit (spec §4), exactly; unknown ids raise ``ValueError`` before anything changes."""
+        ids_t = self.check_prototype_ids(ids)
+        m = torch.ones(self.prototypes.num_prototypes, dtype=self.prototypes.weight.dtype)
+        m[ids_t] = 0.0
+        return self.scale_prototypes(m)
+
+    def control(self, coefficients: torch.Tensor):
+        """``with model.control(c):`` re-weights prototype slices by (1 + c_i) (a sparse linear controller,
+        spec §4); ``c = 0`` is exactly the base model."""
+        return self.scale_prototypes(1.0 + coefficients)
 
     def signatures(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logit–token signatures W p_i: (K, V), or (len(ids), V) for selected prototypes."""
@@ -241,5 +316,7 @@ def decompose(model: PrismLM, out: PrismOutput, tokens: torch.Tensor) -> LogitDe
     p_sel = model.prototypes.weight[out.indices].to(out.residual.dtype)  # (B, T, k, d)
     proto_slices = out.activations * torch.einsum("btkd,btd->btk", p_sel, w_y)  # (B, T, k)
     residual_slice = (out.residual * w_y).sum(-1)  # (B, T)
+    if out.prototype_multipliers is not None:  # suppressed/controlled forward: slices scaled by m_i, as there
+        proto_slices = proto_slices * out.prototype_multipliers[out.indices].to(proto_slices.dtype)
     logit = out.logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
     return LogitDecomposition(prototype_slices=proto_slices, residual_slice=residual_slice, logit=logit)

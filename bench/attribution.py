@@ -1,0 +1,378 @@
+#!/usr/bin/env python
+"""Training-data attribution: prototype-space influence (full and cached) vs kronfluence EK-FAC / identity.
+
+One process, one model, one training set, one query set for every method (spec §3.2; paper: cached
+attribution ~470× faster than EK-FAC per query, keeping ~80% of the full method's top-ranked sequences).
+
+Setup
+    A planted-fact corpus (``prismlm.attribution.planted``): background documents of the built-in corpus
+    plus ``--facts`` made-up facts, each in ``--copies`` short documents, and two distractor facts per
+    fact (same entity / other relation; same relation / other entity). Queries are paraphrases + the
+    answer with only the answer's tokens measured (2 per fact), plus ``--val-queries`` held-out
+    validation windows (all tokens measured). A PRISM model (``--preset`` with ``--set`` overrides) is
+    trained on it with ``prismlm.train.train``; corpus, shards and model are cached under ``--workdir``.
+
+Methods
+    ``full``: exact block gradients, shared block curvature H_i = m_i F + λ_i I; ``full-exact``: exact
+    diagonal blocks; ``proto-dot``: block gradients with H_i = I; ``cached-r{R}``: the postings cache with
+    an r-dim orthogonal (``-gauss``: Gaussian JL; ``-pca``: top-r principal directions of the whitened
+    gradients) sketch; ``ekfac``, ``kf-identity``: kronfluence over every
+    ``nn.Linear`` (damping: kronfluence's 0.1 × mean eigenvalue heuristic, the same relative ρ = 0.1 as ours).
+
+What is measured
+    - costs at ≥ 3 training-set sizes (prefixes of the training sequences): one-off time (curvature +
+      postings / gradients / factors), per-query time (median over queries; kronfluence: one batch of all
+      queries ÷ queries, and one single-query call), peak RSS of each phase, cache bytes per training token;
+      per-query speed-up of cached vs EK-FAC;
+    - agreement: top-10 / top-100 overlap of every method with ``full`` (and with ``ekfac``);
+    - planted facts: recall@10 (a relevant sequence in the top 10), share@10 and MRR per method;
+    - LDS: ``--lds-subsets`` random half subsets × ``--lds-seeds`` seeds retrained with the same recipe
+      (models and per-query losses cached under ``--workdir/lds``); per query, Spearman between
+      −Σ_{j∈S} score(q, j) and the seed-averaged retrained loss; mean over queries with a 95% bootstrap CI.
+
+How to read it
+    Timings on a shared CPU are noisy (see ``load_average_*``); ratios were taken in the same
+    conditions. Overlap with ``full`` measures agreement, not correctness; planted-fact retrieval and
+    LDS are the ground truth. Results: JSON at ``--out`` and one summary line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from _common import (RESULTS_DIR, RUNS_DIR, current_peak_rss_mib, environment, load_average, parse_sets,
+                     reset_peak_rss, warn_if_busy, write_json)
+from prismlm.attribution.baselines import KronfluenceBaseline
+from prismlm.attribution.cache import build_cache
+from prismlm.attribution.influence import FullGradients, curvature_pass, query_gradients
+from prismlm.attribution.planted import build_planted_corpus, relevant_sequences, retrieval_metrics
+from prismlm.config import RunConfig
+from prismlm.data.shards import prepare_shards
+from prismlm.train import load_checkpoint, train
+
+# Why these sizes: "default" aims at the ≤ 30 min budget on 2 idle cores with 1 thread (d=64, 2 layers,
+# K=128, ~2.4k training sequences of 64 tokens; measured under load: ~4 min without LDS, and each of the
+# 64 LDS models ~16–20 s at 300 steps); "quick" is a smoke run of ~2 minutes.
+PROFILES: dict[str, dict[str, Any]] = {
+    "default": dict(background=160, doc_chars=2000, facts=8, copies=3, steps=300, batch=16, val_queries=40,
+                    lds_subsets=32, lds_seeds=2, ranks=[4, 8, 16, 32, 64], fractions=[0.25, 0.5, 1.0]),
+    "quick": dict(background=40, doc_chars=1500, facts=4, copies=2, steps=150, batch=8, val_queries=8,
+                  lds_subsets=8, lds_seeds=2, ranks=[4, 16, 64], fractions=[0.25, 0.5, 1.0]),
+}
+MODEL_SETS = {"model.n_embd": 64, "model.prototypes.num_prototypes": 128, "model.prototypes.top_k": 4,
+              "train.eval_interval": 100000, "train.eval_batches": 1, "train.log_interval": 100000}
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# ----- data and model ---------------------------------------------------------------------------------
+class _SubsetShard:
+    """A training shard restricted to selected sequence ids (the trainer samples from it unchanged)."""
+
+    def __init__(self, shard: Any, ids: np.ndarray, T: int):
+        self.shard, self.ids, self.T = shard, np.asarray(ids, dtype=np.int64), T
+
+    def num_sequences(self, seq_len: int) -> int:
+        return len(self.ids)
+
+    def sequences(self, js: np.ndarray, seq_len: int) -> np.ndarray:
+        return self.shard.sequences(self.ids[np.asarray(js, dtype=np.int64)], seq_len)
+
+    def __len__(self) -> int:
+        return len(self.ids) * self.T + 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.shard, name)
+
+
+class _SubsetShards:
+    def __init__(self, shards: Any, ids: np.ndarray, T: int):
+        self.train = _SubsetShard(shards.train, ids, T)
+        self.val, self.tokenizer, self.root = shards.val, shards.tokenizer, shards.root
+        self.manifest = {**shards.manifest, "key": shards.manifest["key"] + "-subset"}
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    def rank(x):
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x))
+        for v in np.unique(x):  # average ranks of ties
+            m = x == v
+            if m.sum() > 1:
+                r[m] = r[m].mean()
+        return r
+
+    ra, rb = rank(a), rank(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def bootstrap_ci(x: np.ndarray, n: int = 2000, seed: int = 0) -> list[float]:
+    x = x[~np.isnan(x)]
+    if len(x) == 0:
+        return [float("nan"), float("nan")]
+    rng = np.random.default_rng(seed)
+    means = rng.choice(x, size=(n, len(x)), replace=True).mean(1)
+    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
+
+
+def overlap(a: np.ndarray, b: np.ndarray, k: int) -> float:
+    vals = []
+    for q in range(a.shape[0]):
+        ta = set(np.argsort(-a[q], kind="stable")[:k].tolist())
+        tb = set(np.argsort(-b[q], kind="stable")[:k].tolist())
+        vals.append(len(ta & tb) / k)
+    return float(np.mean(vals))
+
+
+def timed(fn, *a, **kw):
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    out = fn(*a, **kw)
+    return out, time.perf_counter() - t0, current_peak_rss_mib()
+
+
+# ----- main -------------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small smoke profile (a few minutes)")
+    ap.add_argument("--preset", default="tiny", help="model preset (with the d=64, K=128 overrides below)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override, e.g. model.n_embd=128 (repeatable)")
+    ap.add_argument("--background", type=int, help="background documents")
+    ap.add_argument("--facts", type=int, help="planted facts (2 paraphrased queries each)")
+    ap.add_argument("--copies", type=int, help="planted documents per fact")
+    ap.add_argument("--steps", type=int, help="training steps of the attributed model and of every LDS model")
+    ap.add_argument("--val-queries", type=int, help="held-out validation windows used as extra queries")
+    ap.add_argument("--lds-subsets", type=int, help="random half subsets for LDS (0: skip LDS)")
+    ap.add_argument("--lds-seeds", type=int, help="training seeds per subset")
+    ap.add_argument("--ranks", type=int, nargs="+", help="sketch sizes r of the cached method")
+    ap.add_argument("--fractions", type=float, nargs="+", help="training-set sizes for costs, as fractions")
+    ap.add_argument("--no-kronfluence", action="store_true", help="skip the kronfluence baselines")
+    ap.add_argument("--no-costs", action="store_true", help="skip the timing section (e.g. to resume LDS training)")
+    ap.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=None, help="corpus/shards/models (default bench/runs/attribution[-quick])")
+    ap.add_argument("--out", default=None, help="JSON output (default bench/results/attribution[-quick].json)")
+    args = ap.parse_args()
+    prof = dict(PROFILES["quick" if args.quick else "default"])
+    for k in prof:
+        v = getattr(args, k, None)
+        if v is not None:
+            prof[k] = v
+    tag = "attribution-quick" if args.quick else "attribution"
+    work = Path(args.workdir) if args.workdir else RUNS_DIR / tag
+    out_path = Path(args.out) if args.out else RESULTS_DIR / f"{tag}.json"
+    torch.set_num_threads(args.threads)
+    warn_if_busy(args.threads)
+    env = environment("cpu", args.seed)
+    t_start = time.perf_counter()
+
+    # --- corpus, shards, model
+    corpus_dir = work / f"corpus-b{prof['background']}-f{prof['facts']}x{prof['copies']}-s{args.seed}"
+    pc = build_planted_corpus(corpus_dir, n_facts=prof["facts"], copies=prof["copies"],
+                              n_background=prof["background"], doc_chars=prof["doc_chars"], seed=args.seed)
+    sets = {**MODEL_SETS, **parse_sets(args.sets), "train.max_steps": prof["steps"], "train.batch_size": prof["batch"],
+            "train.warmup_steps": max(1, prof["steps"] // 20), "train.device": "cpu", "data.tokenizer": "bpe-512"}
+    cfg = RunConfig.from_name(args.preset).override(sets)
+    shards = prepare_shards(str(pc.path), cfg.data.tokenizer, corpus_dir / "shards", val_fraction=0.05,
+                            show_progress=False)
+    T = cfg.model.block_size
+    cfg_hash = hashlib.sha256((cfg.to_json() + shards.manifest["key"]).encode()).hexdigest()[:12]
+    run_dir = work / f"main-{cfg_hash}"
+    if not (run_dir / "checkpoints" / "latest").exists():
+        log(f"training the attributed model ({prof['steps']} steps) → {run_dir}")
+        train(cfg, run_dir, shards=shards, progress=False)
+    ckpt = load_checkpoint(run_dir)
+    net = ckpt.model.eval()
+    tok = shards.tokenizer
+    N = shards.train.num_sequences(T)
+    log(f"model d={cfg.model.n_embd} K={cfg.model.prototypes.num_prototypes} k={cfg.model.prototypes.top_k}; "
+        f"{N} training sequences of {T}")
+
+    # --- queries: planted paraphrases (answer measured) + held-out windows
+    planted_q, fact_of = pc.queries(tok)
+    val_q = []
+    nv = shards.val.num_sequences(32)
+    for j in np.linspace(0, max(0, nv - 1), num=min(prof["val_queries"], nv), dtype=int).tolist():
+        val_q.append(([tok.eot_id] + shards.val.sequence(j, 32).tolist(), 1))
+    queries = planted_q + val_q
+    Q = len(queries)
+    relevant = relevant_sequences(pc, shards, T)
+    log(f"{Q} queries ({len(planted_q)} planted, {len(val_q)} held-out); relevant sequences per fact: "
+        f"{[len(r) for r in relevant]}")
+
+    # --- costs at several training-set sizes
+    sizes = [] if args.no_costs else sorted({max(8, int(round(f * N))) for f in prof["fractions"]})
+    costs = []
+    scores_at_N: dict[str, np.ndarray] = {}
+    r_time = min(32, cfg.model.n_embd)
+    for n in sizes:
+        row: dict[str, Any] = {"num_train": n, "tokens": n * T}
+        # full prototype-space gradients
+        (full, t_full, mem) = timed(FullGradients.build, net, shards, max_sequences=n)
+        row["full"] = {"oneoff_s": t_full, "peak_rss_mib": mem}
+        per = []
+        for _ in range(args.repeats):
+            for qq in queries[:8]:
+                t0 = time.perf_counter()
+                full.scores(query_gradients(net, [qq]), 1)
+                per.append(time.perf_counter() - t0)
+        row["full"]["per_query_s"] = statistics.median(per)
+        # cached (r = r_time), curvature reused from nothing: time the whole build
+        (cache, t_c, mem) = timed(build_cache, net, shards, max_sequences=n, r=r_time,
+                                  out=work / f"cache-{cfg_hash}-n{n}-r{r_time}")
+        per = []
+        reset_peak_rss()
+        for _ in range(args.repeats):
+            for qq in queries[:8]:
+                t0 = time.perf_counter()
+                cache.scores(query_gradients(net, [qq]), 1)
+                per.append(time.perf_counter() - t0)
+        row["cached"] = {"r": r_time, "oneoff_s": t_c, "curvature_s": cache.manifest["curvature_seconds"],
+                         "postings_s": cache.manifest["postings_seconds"], "peak_rss_mib_build": mem,
+                         "peak_rss_mib_query": current_peak_rss_mib(), "per_query_s": statistics.median(per),
+                         "bytes_per_token": cache.manifest["bytes_per_token"], "cache_bytes": cache.nbytes(),
+                         "postings_per_sequence": cache.manifest["postings_per_sequence"]}
+        if not args.no_kronfluence:
+            for strat in ("ekfac", "identity"):
+                gc.collect()
+                (kb, t_f, mem) = timed(KronfluenceBaseline, net, shards, strategy=strat, max_sequences=n,
+                                       batch_size=16)
+                (S, t_all, mem_q) = timed(kb.scores, queries, tok.eot_id, query_batch_size=Q)
+                (_, t_one, _) = timed(kb.scores, queries[:1], tok.eot_id)
+                row["ekfac" if strat == "ekfac" else "kf-identity"] = {
+                    "oneoff_s": t_f, "peak_rss_mib_factors": mem, "peak_rss_mib_scores": mem_q,
+                    "batch_scores_s": t_all, "per_query_s": t_all / Q, "single_query_s": t_one}
+                if n == sizes[-1]:
+                    scores_at_N["ekfac" if strat == "ekfac" else "kf-identity"] = S.numpy()
+                kb.close()
+                del kb
+            row["speedup_per_query_cached_vs_ekfac"] = row["ekfac"]["per_query_s"] / row["cached"]["per_query_s"]
+            row["speedup_single_query_cached_vs_ekfac"] = row["ekfac"]["single_query_s"] / row["cached"]["per_query_s"]
+        costs.append(row)
+        log(f"n={n}: full {row['full']['oneoff_s']:.1f}s + {row['full']['per_query_s'] * 1e3:.1f} ms/q; cached "
+            f"{row['cached']['oneoff_s']:.1f}s + {row['cached']['per_query_s'] * 1e3:.1f} ms/q"
+            + (f"; ekfac {row['ekfac']['oneoff_s']:.1f}s + {row['ekfac']['per_query_s'] * 1e3:.0f} ms/q (batched), "
+               f"{row['ekfac']['single_query_s']:.1f}s single" if "ekfac" in row else ""))
+        del full, cache
+        gc.collect()
+
+    # --- LDS
+    M, seeds = prof["lds_subsets"], prof["lds_seeds"]
+    if M > 0:
+        rng = np.random.default_rng(1000 + args.seed)
+        subsets = [np.sort(rng.choice(N, size=N // 2, replace=False)) for _ in range(M)]
+        qkey = hashlib.sha256(json.dumps(queries).encode()).hexdigest()[:12]
+        losses = np.zeros((M, seeds, Q))
+        t0 = time.perf_counter()
+        for m, ids in enumerate(subsets):
+            for s in range(seeds):
+                d = work / "lds" / cfg_hash / f"subset{m:03d}-seed{s}"
+                lf = d / f"losses-{qkey}.json"
+                if lf.exists():
+                    losses[m, s] = json.loads(lf.read_text())
+                    continue
+                if not (d / "checkpoints" / "latest").exists():
+                    c2 = cfg.override({"train.seed": 1337 + 1 + s})
+                    train(c2, d, shards=_SubsetShards(shards, ids, T), progress=False)
+                    np.save(d / "subset.npy", ids)
+                m2 = load_checkpoint(d).model.eval()
+                losses[m, s] = query_gradients(m2, queries).loss.numpy()
+                lf.write_text(json.dumps(losses[m, s].tolist()))
+            log(f"LDS subset {m + 1}/{M} done ({time.perf_counter() - t0:.0f}s)")
+    # --- scores of every method on the full training set
+    qg = query_gradients(net, queries)
+    curv = curvature_pass(net, shards)
+    full = FullGradients.build(net, shards, curvature=curv)
+    scores_at_N["full"] = full.scores(qg, Q).numpy()
+    if not args.no_kronfluence and "ekfac" not in scores_at_N:  # --no-costs: the baselines were not run yet
+        for strat, name in (("ekfac", "ekfac"), ("identity", "kf-identity")):
+            kb = KronfluenceBaseline(net, shards, strategy=strat, batch_size=16)
+            scores_at_N[name] = kb.scores(queries, tok.eot_id, query_batch_size=Q).numpy()
+            kb.close()
+    scores_at_N["full-exact"] = FullGradients.build(net, shards, mode="exact").scores(qg, Q).numpy()
+    scores_at_N["proto-dot"] = FullGradients(full.train, None, N).scores(qg, Q).numpy()
+    cache_meta = {}
+    for r in sorted(set(prof["ranks"]) | {r_time}):
+        for proj in ("orthogonal", "gaussian", "pca"):
+            if proj in ("orthogonal", "pca") and r > cfg.model.n_embd:
+                continue
+            name = f"cached-r{r}" + {"orthogonal": "", "gaussian": "-gauss", "pca": "-pca"}[proj]
+            c = build_cache(net, shards, r=r, projection=proj, curvature=curv, seed=args.seed)
+            scores_at_N[name] = c.scores(qg, Q).numpy()
+            cache_meta[name] = {"r": r, "projection": proj, "bytes_per_token": c.manifest["bytes_per_token"]}
+    c16 = build_cache(net, shards, r=min(16, cfg.model.n_embd), curvature=curv, dtype="float16")
+    scores_at_N[f"cached-r{c16.r}-fp16"] = c16.scores(qg, Q).numpy()
+    cache_meta[f"cached-r{c16.r}-fp16"] = {"r": c16.r, "projection": "orthogonal", "dtype": "float16",
+                                           "bytes_per_token": c16.manifest["bytes_per_token"]}
+
+    agreement = {}
+    for name, S in scores_at_N.items():
+        agreement[name] = {"top10_vs_full": overlap(S, scores_at_N["full"], 10),
+                           "top100_vs_full": overlap(S, scores_at_N["full"], min(100, N))}
+        if "ekfac" in scores_at_N:
+            agreement[name]["top10_vs_ekfac"] = overlap(S, scores_at_N["ekfac"], 10)
+        agreement[name].update(cache_meta.get(name, {}))
+    planted = {name: retrieval_metrics(S[:len(planted_q)], fact_of, relevant, k=10)
+               for name, S in scores_at_N.items()}
+
+    lds: dict[str, Any] = {}
+    if M > 0:
+        y = losses.mean(1)  # (M, Q) seed-averaged retrained losses
+        member = np.zeros((M, N))
+        for m, ids in enumerate(subsets):
+            member[m, ids] = 1.0
+        for name, S in scores_at_N.items():
+            pred = -(member @ S.T)  # (M, Q): predicted loss ∝ −Σ_{j∈S} score
+            rho = np.array([spearman(pred[:, q], y[:, q]) for q in range(Q)])
+            lds[name] = {"mean": float(np.nanmean(rho)), "ci95": bootstrap_ci(rho),
+                         "planted_mean": float(np.nanmean(rho[:len(planted_q)])),
+                         "heldout_mean": float(np.nanmean(rho[len(planted_q):])) if len(val_q) else None}
+        lds["_setup"] = {"subsets": M, "seeds": seeds, "subset_size": N // 2, "queries": Q,
+                         "seconds": time.perf_counter() - t0}
+
+
+    payload = {
+        "benchmark": "attribution", "profile": "quick" if args.quick else "default", "settings": prof,
+        "config": cfg.to_dict(), "num_train": N, "block_size": T, "queries": {"planted": len(planted_q),
+                                                                               "heldout": len(val_q)},
+        "relevant_per_fact": [sorted(r) for r in relevant], "costs": costs, "agreement": agreement,
+        "planted": planted, "lds": lds, "environment": env, "load_average_end": load_average(),
+        "total_seconds": time.perf_counter() - t_start,
+    }
+    write_json(out_path, payload)
+    best_r = f"cached-r{r_time}"
+    parts = [f"attribution n={N}"]
+    if costs:
+        big = costs[-1]
+        sp = big.get("speedup_per_query_cached_vs_ekfac")
+        parts.append(f"cached r={r_time} {big['cached']['per_query_s'] * 1e3:.1f} ms/query"
+                     + (f", {sp:.0f}× faster than EK-FAC per query (batched)" if sp else ""))
+    parts.append(f"top10 vs full {agreement.get(best_r, {}).get('top10_vs_full', float('nan')):.2f}")
+    parts.append("planted R@10 " + " ".join(f"{k}={v['recall@10']:.2f}" for k, v in planted.items()
+                                             if k in ("full", best_r, "ekfac", "kf-identity")))
+    if lds:
+        parts.append("LDS " + " ".join(f"{k}={lds[k]['mean']:.2f}" for k in ("full", best_r, "ekfac") if k in lds))
+    print("; ".join(parts) + f" → {out_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""`attribute`: the training sequences that most influenced a prompt and/or its completion (spec §3.2).
+
+A query is tokens ``[eot] + prompt + completion``; the loss of the completion's tokens is measured (of
+every token when there is no completion). Its block gradients come from one forward pass; scores come
+from the cached postings (``AttributionCache``, fast) or from exact block gradients of the training
+sequences (``FullGradients``, the reference).
+
+For each top training sequence the result lists the prototypes that connect it to the query (its
+largest per-prototype contributions, which sum to the score) and a snippet centred on the training token
+that contributed most. Per-token contributions use the exact decomposition of the full score,
+``I(q, j) = Σ_t Σ_i a_{t,i} u_tᵀ H_i⁻¹ G_{q,i}`` (one forward over the top sequences).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from prismlm.attribution.cache import AttributionCache
+from prismlm.attribution.influence import FullGradients, _unwrap, query_gradients
+
+__all__ = ["Attribution", "AttributedSequence", "attribute", "make_query"]
+
+
+@dataclass
+class AttributedSequence:
+    """One training sequence and its influence on the query."""
+
+    rank: int
+    sequence: int
+    """Training sequence id j (tokens ``shards.train.sequence(j, T)``)."""
+    score: float
+    prototypes: list[dict[str, float]]
+    """The connecting prototypes: [{"id", "contribution"}], largest |contribution| first."""
+    doc_index: int | None = None
+    doc_id: str | None = None
+    snippet: str = ""
+    """Text around the training token that contributed most, marked ⟦like this⟧."""
+
+
+@dataclass
+class Attribution:
+    """Result of ``attribute``."""
+
+    prompt: str
+    completion: str
+    method: str
+    """``cached`` or ``full``."""
+    query_loss: float
+    """Summed cross-entropy of the measured tokens."""
+    measured_tokens: int
+    top: list[AttributedSequence]
+    num_train: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n")
+
+
+def make_query(tokenizer: Any, prompt: str, completion: str | None = None, *,
+               completion_tokens: int | None = None) -> tuple[list[int], int]:
+    """(token ids, measure_from) of a query: ``[eot] + prompt (+ completion)``; measured are the completion's
+    tokens, or the last ``completion_tokens`` tokens, or all tokens."""
+    p = tokenizer.encode(prompt) if prompt else []
+    c = tokenizer.encode(completion) if completion else []
+    ids = [tokenizer.eot_id] + p + c
+    if c:
+        start = 1 + len(p)
+    elif completion_tokens:
+        if completion_tokens >= len(ids):
+            raise ValueError(f"--completion {completion_tokens} is not shorter than the text ({len(ids) - 1} tokens)")
+        start = len(ids) - completion_tokens
+    else:
+        start = 1
+    if len(ids) < 2:
+        raise ValueError("nothing to attribute: the text is empty")
+    return ids, start
+
+
+def attribute(
+    model: Any,
+    prompt: str,
+    completion: str | None = None,
+    *,
+    cache: AttributionCache | None = None,
+    full: FullGradients | None = None,
+    shards: Any = None,
+    tokenizer: Any = None,
+    completion_tokens: int | None = None,
+    generate: int = 0,
+    temperature: float = 0.0,
+    seed: int = 0,
+    top: int = 10,
+    snippet_tokens: int = 24,
+) -> Attribution:
+    """Top training sequences for ``prompt`` (+ ``completion``), by the cached postings (``cache``) or the
+    full block gradients (``full``). ``generate=N`` samples N tokens after the prompt (greedy at
+    ``temperature=0``) and attributes them as the completion. ``shards`` (for snippets) defaults to none."""
+    import time
+
+    t0 = time.perf_counter()
+    net = _unwrap(model)
+    tok = tokenizer or getattr(model, "tokenizer", None) or (shards.tokenizer if shards is not None else None)
+    if tok is None:
+        raise ValueError("attribute needs a tokenizer (pass a Checkpoint, or tokenizer=)")
+    if (cache is None) == (full is None):
+        raise ValueError("pass exactly one of cache= (fast) or full= (reference)")
+    notes = []
+    if generate > 0:
+        ids0 = [tok.eot_id] + (tok.encode(prompt) if prompt else [])
+        g = torch.Generator().manual_seed(seed)
+        x = torch.tensor([ids0], device=next(net.parameters()).device)
+        y = net.generate(x, generate, temperature=temperature, generator=g)[0].tolist()
+        completion = tok.decode(y[len(ids0):])
+        ids, start = y, len(ids0)
+    else:
+        ids, start = make_query(tok, prompt, completion, completion_tokens=completion_tokens)
+        if completion is None and completion_tokens:
+            completion = tok.decode(ids[start:])
+    if len(ids) > net.config.block_size + 1:
+        notes.append(f"query cropped to its last {net.config.block_size + 1} tokens (the context window)")
+    q = query_gradients(net, [(ids, start)])
+    if cache is not None:
+        scores, contrib = cache.scores(q, 1, contributions=True)
+        s = scores[0]
+        c_seq, c_proto, c_val = contrib[0]
+        method, n_train, curv = "cached", cache.num_train, cache.curvature
+    else:
+        s = full.scores(q, 1)[0]
+        tr = full.train
+        keep = torch.isin(tr.proto, q.proto)
+        P = q.grad if full.curvature is None else full.curvature.apply(q.proto, q.grad, -1.0)
+        table = torch.zeros(int(max(tr.proto.max(), q.proto.max())) + 1, q.grad.shape[1], dtype=P.dtype)
+        table[q.proto] = P
+        c_seq, c_proto = tr.seq[keep].numpy(), tr.proto[keep].numpy()
+        c_val = (tr.grad[keep].to(P.dtype) * table[tr.proto[keep]]).sum(1).numpy()
+        method, n_train, curv = "full", full.num_train, full.curvature
+    k = min(top, n_train)
+    # rank by score; ties broken by sequence id so results are deterministic
+    order = np.lexsort((np.arange(n_train), -s.numpy()))[:k]
+    items = []
+    for rank, j in enumerate(order.tolist()):
+        sel = c_seq == j
+        pv, pp = c_val[sel], c_proto[sel]
+        o = np.argsort(-np.abs(pv))[:5]
+        items.append(AttributedSequence(rank=rank + 1, sequence=int(j), score=float(s[j]),
+                                        prototypes=[{"id": int(pp[i]), "contribution": float(pv[i])} for i in o]))
+    if shards is not None and items:
+        _fill_snippets(net, shards, tok, items, q, curv, snippet_tokens)
+    return Attribution(prompt=prompt, completion=completion or "", method=method, query_loss=float(q.loss.sum()),
+                       measured_tokens=len(ids) - start, top=items, num_train=n_train,
+                       seconds=time.perf_counter() - t0, notes=notes)
+
+
+@torch.no_grad()
+def _fill_snippets(net, shards, tok, items, q, curvature, width: int) -> None:
+    """Snippet around each top sequence's most-contributing token (exact per-token decomposition)."""
+    T = net.config.block_size
+    js = np.array([it.sequence for it in items], dtype=np.int64)
+    seqs = torch.from_numpy(shards.train.sequences(js, T))  # (B, T+1)
+    dev = next(net.parameters()).device
+    out = net(seqs[:, :-1].to(dev))
+    dt = torch.promote_types(out.logits.dtype, torch.float32)
+    W = net.lm_head.weight.detach().to(dt)
+    u = torch.softmax(out.logits.to(dt), -1) @ W - W[seqs[:, 1:].to(dev)]  # (B, T, d)
+    P = q.grad.to(dt) if curvature is None else curvature.apply(q.proto, q.grad.to(dt), -1.0)
+    table = torch.zeros(net.prototypes.num_prototypes, P.shape[1], dtype=dt, device=dev)
+    table[q.proto.to(dev)] = P.to(dev)
+    per_tok = (out.activations.to(dt)[..., None] * table[out.indices]).sum(2)  # (B, T, d)
+    c_t = (per_tok * u).sum(-1)  # (B, T): token contributions, sum to the full score
+    best = c_t.argmax(1).tolist()
+    for b, it in enumerate(items):
+        t = best[b]
+        target_off = it.sequence * T + t + 1
+        d, _ = shards.train.locate(target_off)
+        it.doc_index = d
+        it.doc_id = shards.train.doc_ids[d] if d < len(shards.train.doc_ids) else None
+        toks = seqs[b].tolist()
+        a, e = max(0, t + 1 - width), min(len(toks), t + 2 + width // 3)
+        it.snippet = (tok.decode(toks[a:t + 1]) + "⟦" + tok.decode([toks[t + 1]]) + "⟧" + tok.decode(toks[t + 2:e]))

@@ -1,0 +1,401 @@
+"""Influence in prototype space with localised curvature (spec §3.2) — the full-gradient reference.
+
+**Gradients.** The parameters are the prototypes P (K × d). Holding each token's residual r_t and
+activations a_t fixed (*design*), ``ℓ_t = W r_t + Σ_i a_{t,i} W p_i``, so the gradient of the token's
+cross-entropy with respect to an active prototype is ``a_{t,i} u_t`` with
+``u_t = Wᵀ(softmax(ℓ_t) − e_{y_t})`` (W = ``lm_head.weight``, V × d). A sequence's gradient is sparse by
+blocks, ``G_{j,i} = Σ_t a_{t,i} u_t``, and it needs only the model's one forward output (``PrismOutput``):
+no backward pass through the network. ``block_gradients`` computes it for a batch with one scatter-add
+over the (token, active prototype) pairs; the result is one row per (sequence, active prototype), ordered
+by (sequence, prototype). A prototype is *active* in a token when it is in the token's top-k with a > 0.
+
+**Curvature.** The Gauss–Newton matrix in prototype space has blocks
+``E_t[a_{t,i} a_{t,i'} Wᵀ Σ_t W]`` with ``Σ_t = diag(π_t) − π_t π_tᵀ``. The block-diagonal
+approximation (``mode="shared"``) is ``H_i = m_i F + λ_i I`` with ``m_i = E_t[a_{t,i}²]`` and the shared
+``F = E_t[Wᵀ Σ_t W]`` (d × d), inverted for all i from one eigendecomposition ``F = Q Λ Qᵀ``.
+``mode="exact"`` keeps each diagonal block exactly, ``H_i = E_t[a_{t,i}² Wᵀ Σ_t W] + λ_i I`` (K
+eigendecompositions of d × d; K·d² memory — for small and medium models). Expectations are over all
+tokens of the sequences the statistics were accumulated on.
+
+**Damping.** ``λ_i = ρ · tr(H_i^GN)/d`` (ρ = ``damping``, default 0.1, the same relative heuristic as
+kronfluence's default for EK-FAC); for the shared mode that is ``λ_i = ρ m̃_i tr(F)/d``, so
+``H_i = m̃_i (F + ρ f̄ I)`` with ``m̃_i = max(m_i, 1/N)`` (a prototype never active in the curvature
+statistics gets the weight of one token at a = 1, instead of an infinite inverse). λ_i stands in for the
+clustering losses' block-diagonal contribution, which this module does not model.
+
+**Influence.** ``I(q, j) = Σ_{i ∈ A_q ∩ A_j} G_{q,i}ᵀ H_i⁻¹ G_{j,i}``. Sign convention as kronfluence:
+positive = the training sequence is helpful (a gradient step on it lowers the query's loss). Scores are
+sums over tokens, not normalised by the training-set size; rankings are what matter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F_
+from safetensors.torch import load_file, save_file
+
+__all__ = ["BlockGradients", "Curvature", "CurvatureAccumulator", "FullGradients", "block_gradients",
+           "collect_gradients", "curvature_pass", "influence_scores", "query_gradients", "self_influence"]
+
+
+def _unwrap(model: Any):
+    return getattr(model, "model", model)
+
+
+@dataclass
+class BlockGradients:
+    """Sparse block gradients: one row per (sequence, active prototype), ordered by (sequence, prototype)."""
+
+    seq: torch.Tensor
+    """(R,) int64: sequence id of each row (a training sequence id, or a query's position in its batch)."""
+    proto: torch.Tensor
+    """(R,) int64: prototype id of each row."""
+    grad: torch.Tensor
+    """(R, d): G_{seq, proto} = Σ_t a_{t,proto} u_t over the sequence's measured tokens."""
+    loss: torch.Tensor | None = None
+    """(n_seq,) summed cross-entropy of each sequence's measured tokens (for reporting)."""
+
+    @property
+    def rows(self) -> int:
+        return int(self.seq.shape[0])
+
+    def select(self, mask: torch.Tensor) -> "BlockGradients":
+        return BlockGradients(self.seq[mask], self.proto[mask], self.grad[mask], self.loss)
+
+    @staticmethod
+    def cat(parts: list["BlockGradients"]) -> "BlockGradients":
+        losses = [p.loss for p in parts if p.loss is not None]
+        return BlockGradients(torch.cat([p.seq for p in parts]), torch.cat([p.proto for p in parts]),
+                              torch.cat([p.grad for p in parts]), torch.cat(losses) if losses else None)
+
+
+def block_gradients(model: Any, out: Any, targets: torch.Tensor, mask: torch.Tensor | None = None,
+                    seq_ids: torch.Tensor | None = None) -> BlockGradients:
+    """Exact prototype-space block gradients of a batch from its forward output.
+
+    ``out``: the model's ``PrismOutput`` for inputs (B, T); ``targets`` (B, T) next tokens; ``mask``
+    (B, T) bool: tokens whose loss is measured (default all); ``seq_ids`` (B,) the ids written to the rows
+    (default 0..B-1). Vectorised: one ``index_add_`` over the (token, active prototype) pairs.
+    """
+    net = _unwrap(model)
+    if out.indices is None:
+        raise ValueError("prototype-space gradients need a PRISM model (the dense baseline has no prototypes)")
+    B, T, k = out.indices.shape
+    K = net.prototypes.num_prototypes
+    dt = torch.promote_types(out.logits.dtype, torch.float32)
+    W = net.lm_head.weight.detach().to(dt)  # (V, d)
+    logits = out.logits.detach().to(dt)  # (B, T, V)
+    pi = torch.softmax(logits, dim=-1)  # (B, T, V)
+    u = pi @ W - W[targets]  # (B, T, d): Wᵀ(π − e_y)
+    ce = F_.cross_entropy(logits.reshape(B * T, -1), targets.reshape(-1), reduction="none").view(B, T)  # (B, T)
+    if mask is None:
+        mask = torch.ones(B, T, dtype=torch.bool, device=logits.device)
+    ids = torch.arange(B, device=logits.device) if seq_ids is None else seq_ids.to(logits.device)
+    a = out.activations.detach().to(dt)  # (B, T, k)
+    on = (a > 0) & mask[:, :, None]  # (B, T, k): measured (token, active prototype) pairs
+    keys = (torch.arange(B, device=a.device)[:, None, None] * K + out.indices)[on]  # (P,)
+    vals = (a[:, :, :, None] * u[:, :, None, :])[on]  # (P, d)
+    uniq, inv = torch.unique(keys, return_inverse=True)  # sorted: rows ordered by (sequence, prototype)
+    G = torch.zeros(uniq.shape[0], u.shape[-1], dtype=dt, device=a.device).index_add_(0, inv, vals)  # (R, d)
+    loss = (ce * mask).sum(1)  # (B,)
+    return BlockGradients(seq=ids[uniq // K], proto=uniq % K, grad=G, loss=loss)
+
+
+# ----- curvature ----------------------------------------------------------------------------------------
+class CurvatureAccumulator:
+    """Streaming sums for F = E[Wᵀ Σ_t W], m_i = E[a_i²] and (``exact=True``) E[a_i² Wᵀ Σ_t W]."""
+
+    def __init__(self, model: Any, exact: bool = False, chunk: int = 1024):
+        net = _unwrap(model)
+        self.K, self.d = net.prototypes.num_prototypes, net.config.n_embd
+        self.W = net.lm_head.weight.detach().double()  # (V, d)
+        V, dev = self.W.shape[0], self.W.device
+        self.sum_pi = torch.zeros(V, dtype=torch.float64, device=dev)
+        self.sum_mumu = torch.zeros(self.d, self.d, dtype=torch.float64, device=dev)
+        self.sum_a2 = torch.zeros(self.K, dtype=torch.float64, device=dev)
+        self.exact, self.chunk = exact, chunk
+        if exact:
+            self.blk_pi = torch.zeros(self.K, V, dtype=torch.float64, device=dev)  # Σ_t a² π_t
+            self.blk_mumu = torch.zeros(self.K, self.d * self.d, dtype=torch.float64, device=dev)  # Σ_t a² μμᵀ
+        self.tokens = 0
+
+    @torch.no_grad()
+    def update(self, out: Any) -> None:
+        B, T, V = out.logits.shape
+        N = B * T
+        pi = torch.softmax(out.logits.detach().double().reshape(N, V), dim=-1)  # (N, V)
+        mu = pi @ self.W  # (N, d): Wᵀ π_t
+        self.sum_pi += pi.sum(0)
+        self.sum_mumu += mu.T @ mu
+        a2 = out.activations.detach().double().reshape(N, -1) ** 2  # (N, k)
+        idx = out.indices.reshape(N, -1)  # (N, k)
+        self.sum_a2.index_add_(0, idx.reshape(-1), a2.reshape(-1))
+        if self.exact:
+            tok = torch.arange(N, device=idx.device)[:, None].expand_as(idx).reshape(-1)
+            for s in range(0, N, self.chunk):  # chunks of tokens bound the N × d² outer products
+                sel = (tok >= s) & (tok < s + self.chunk)
+                A = torch.sparse_coo_tensor(torch.stack([idx.reshape(-1)[sel], tok[sel] - s]), a2.reshape(-1)[sel],
+                                            (self.K, min(self.chunk, N - s)), check_invariants=False)  # (K, n) a²
+                m = mu[s:s + self.chunk]  # (n, d)
+                self.blk_pi += torch.sparse.mm(A, pi[s:s + self.chunk])
+                self.blk_mumu += torch.sparse.mm(A, (m[:, :, None] * m[:, None, :]).reshape(m.shape[0], -1))
+        self.tokens += N
+
+    def finish(self, damping: float = 0.1) -> "Curvature":
+        n = max(1, self.tokens)
+        Fm = (self.W.T * (self.sum_pi / n)) @ self.W - self.sum_mumu / n  # (d, d)
+        Fm = 0.5 * (Fm + Fm.T)
+        blocks = None
+        if self.exact:
+            blocks = torch.einsum("vd,kv,ve->kde", self.W, self.blk_pi / n, self.W)
+            blocks = blocks - (self.blk_mumu / n).view(self.K, self.d, self.d)
+            blocks = 0.5 * (blocks + blocks.transpose(1, 2))
+        return Curvature.from_stats(Fm, self.sum_a2 / n, self.tokens, damping=damping, blocks=blocks)
+
+
+@dataclass
+class Curvature:
+    """Block curvature H_i (see the module docstring) with its eigendecomposition, ready to apply H_i^{-s}."""
+
+    F: torch.Tensor
+    """(d, d) float64: E_t[Wᵀ Σ_t W]."""
+    m: torch.Tensor
+    """(K,) float64: m_i = E_t[a_{t,i}²]."""
+    tokens: int
+    """Tokens the statistics were averaged over."""
+    damping: float = 0.1
+    """ρ: λ_i = ρ · tr(H_i^GN)/d."""
+    blocks: torch.Tensor | None = None
+    """(K, d, d) float64 exact diagonal blocks E_t[a_{t,i}² Wᵀ Σ_t W] (``mode="exact"``), else None."""
+    evals: torch.Tensor = field(init=False, repr=False)
+    """(d,) or (K, d): eigenvalues of the damped curvature per unit m̃ (shared) or per block (exact)."""
+    evecs: torch.Tensor = field(init=False, repr=False)
+    """(d, d) or (K, d, d)."""
+    m_eff: torch.Tensor = field(init=False, repr=False)
+
+    @property
+    def mode(self) -> Literal["shared", "exact"]:
+        return "shared" if self.blocks is None else "exact"
+
+    def __post_init__(self) -> None:
+        d = self.F.shape[0]
+        self.m_eff = self.m.clamp_min(1.0 / max(1, self.tokens))
+        if self.blocks is None:
+            lam, Q = torch.linalg.eigh(self.F)
+            fbar = float(torch.diagonal(self.F).sum()) / d
+            self.evals, self.evecs = lam.clamp_min(0) + self.damping * fbar, Q  # H_i = m̃_i Q diag(evals) Qᵀ
+        else:
+            lam, Q = torch.linalg.eigh(self.blocks)  # (K, d), (K, d, d)
+            tr = torch.diagonal(self.blocks, dim1=1, dim2=2).sum(1) / d  # (K,)
+            # a block never seen in the statistics falls back to the shared form with weight m̃_i
+            unseen = self.m <= 0
+            if bool(unseen.any()):
+                lf, Qf = torch.linalg.eigh(self.F)
+                lam[unseen] = self.m_eff[unseen, None] * lf.clamp_min(0)[None]
+                Q[unseen] = Qf
+                tr[unseen] = self.m_eff[unseen] * torch.diagonal(self.F).sum() / d
+            self.evals, self.evecs = lam.clamp_min(0) + self.damping * tr[:, None], Q
+
+    @classmethod
+    def from_stats(cls, F: torch.Tensor, m: torch.Tensor, tokens: int, *, damping: float = 0.1,
+                   blocks: torch.Tensor | None = None) -> "Curvature":
+        return cls(F=F, m=m, tokens=tokens, damping=damping, blocks=blocks)
+
+    def eigen(self, proto: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Eigenvalues (R, d) of H_i for each row's prototype, and per-row eigenvectors (exact mode) or None."""
+        proto = proto.to(self.evals.device)
+        if self.blocks is None:
+            return self.m_eff[proto, None] * self.evals[None, :], None
+        return self.evals[proto], self.evecs[proto]
+
+    def apply(self, proto: torch.Tensor, G: torch.Tensor, power: float = -1.0, chunk: int | None = None) -> torch.Tensor:
+        """H_i^{power} G_i for each row (power −1: the preconditioned gradient; −½: the whitened one)."""
+        dt, dev = G.dtype, G.device
+        d = G.shape[1]
+        chunk = chunk or (4096 if self.blocks is None else max(1, (1 << 24) // (d * d)))  # ≤ 16M gathered entries
+        Gd = G.double().to(self.evals.device)
+        outs = []
+        for s in range(0, Gd.shape[0], chunk):
+            lam, Q = self.eigen(proto[s:s + chunk])
+            g = Gd[s:s + chunk]
+            if Q is None:
+                c = (g @ self.evecs) * lam.pow(power)  # (R, d) in the eigenbasis
+                outs.append(c @ self.evecs.T)
+            else:
+                c = torch.einsum("rd,rde->re", g, Q) * lam.pow(power)
+                outs.append(torch.einsum("re,rde->rd", c, Q))
+        out = torch.cat(outs) if outs else Gd.new_zeros(0, G.shape[1])
+        return out.to(dev, dt)
+
+    def dense(self, i: int) -> torch.Tensor:
+        """H_i as a d × d matrix (for tests and diagnostics)."""
+        lam, Q = self.eigen(torch.tensor([i]))
+        Q = self.evecs if Q is None else Q[0]
+        return (Q * lam[0]) @ Q.T
+
+    # ----- persistence ----------------------------------------------------------------------------------
+    def save(self, path: str | Path, extra: dict[str, str] | None = None) -> None:
+        t = {"F": self.F.cpu().contiguous(), "m": self.m.cpu().contiguous()}
+        if self.blocks is not None:
+            t["blocks"] = self.blocks.cpu().contiguous()
+        save_file(t, str(path), metadata={"tokens": str(self.tokens), "damping": repr(self.damping), **(extra or {})})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Curvature":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+        t = load_file(str(path))
+        return cls(F=t["F"], m=t["m"], tokens=int(meta["tokens"]), damping=float(meta["damping"]),
+                   blocks=t.get("blocks"))
+
+
+# ----- passes over the training shard -------------------------------------------------------------------
+def _batches(start: int, stop: int, batch_size: int):
+    """A fixed grid of batches [b·B, (b+1)·B) clipped to [start, stop): results do not depend on where
+    a part starts (the same sequences always go through the model together)."""
+    j = start
+    while j < stop:
+        j1 = min(stop, (j // batch_size + 1) * batch_size)
+        yield j, j1
+        j = j1
+
+
+def _forward(net: Any, shards: Any, j0: int, j1: int, T: int, dev: torch.device):
+    seqs = torch.from_numpy(shards.train.sequences(np.arange(j0, j1, dtype=np.int64), T)).to(dev)  # (B, T+1)
+    with torch.no_grad():
+        out = net(seqs[:, :-1])
+    return out, seqs[:, 1:]
+
+
+def curvature_pass(model: Any, shards: Any, *, sequences: tuple[int, int] | None = None, batch_size: int = 16,
+                   exact: bool = False, damping: float = 0.1) -> Curvature:
+    """One forward pass over training sequences [start, stop) (default all) → ``Curvature``."""
+    net = _unwrap(model)
+    T = net.config.block_size
+    start, stop = sequences or (0, shards.train.num_sequences(T))
+    dev = next(net.parameters()).device
+    acc = CurvatureAccumulator(net, exact=exact)
+    was = net.training
+    net.eval()
+    try:
+        for j0, j1 in _batches(start, stop, batch_size):
+            out, _ = _forward(net, shards, j0, j1, T, dev)
+            acc.update(out)
+    finally:
+        net.train(was)
+    return acc.finish(damping=damping)
+
+
+def collect_gradients(model: Any, shards: Any, *, sequences: tuple[int, int] | None = None,
+                      batch_size: int = 16) -> BlockGradients:
+    """Exact block gradients of training sequences [start, stop) (default all), kept in memory."""
+    net = _unwrap(model)
+    T = net.config.block_size
+    start, stop = sequences or (0, shards.train.num_sequences(T))
+    dev = next(net.parameters()).device
+    parts = []
+    was = net.training
+    net.eval()
+    try:
+        for j0, j1 in _batches(start, stop, batch_size):
+            out, y = _forward(net, shards, j0, j1, T, dev)
+            parts.append(block_gradients(net, out, y, seq_ids=torch.arange(j0, j1, device=dev)))
+    finally:
+        net.train(was)
+    return BlockGradients.cat(parts)
+
+
+def query_gradients(model: Any, queries: list[tuple[list[int], int]]) -> BlockGradients:
+    """Block gradients of queries given as (token ids, measure_from): the loss of targets
+    ``ids[measure_from:]`` is measured (each predicted from the tokens before it; ``measure_from ≥ 1``).
+    Row ``seq`` is the query's position in the list. Queries are run one at a time (no padding)."""
+    net = _unwrap(model)
+    dev = next(net.parameters()).device
+    parts = []
+    was = net.training
+    net.eval()
+    try:
+        for q, (ids, start) in enumerate(queries):
+            ids = list(ids)
+            if len(ids) < 2:
+                raise ValueError("a query needs at least two tokens (a context and a target)")
+            cut = max(0, len(ids) - (net.config.block_size + 1))  # keep the last block_size + 1 tokens
+            ids, start = ids[cut:], start - cut
+            start = max(1, min(start, len(ids) - 1))
+            x = torch.tensor(ids, device=dev)[None]  # (1, L)
+            with torch.no_grad():
+                out = net(x[:, :-1])
+            mask = torch.zeros(1, x.shape[1] - 1, dtype=torch.bool, device=dev)
+            mask[:, start - 1:] = True  # target index t predicts ids[t+1]
+            parts.append(block_gradients(net, out, x[:, 1:], mask, seq_ids=torch.tensor([q], device=dev)))
+    finally:
+        net.train(was)
+    return BlockGradients.cat(parts)
+
+
+# ----- scores -------------------------------------------------------------------------------------------
+def influence_scores(query: BlockGradients, train: BlockGradients, curvature: Curvature | None, *,
+                     num_queries: int, num_train: int, chunk: int = 8192) -> torch.Tensor:
+    """Pairwise influence (num_queries, num_train): Σ_{i ∈ A_q ∩ A_j} G_{q,i}ᵀ H_i⁻¹ G_{j,i}.
+
+    ``curvature=None`` gives the plain dot product of block gradients (H_i = I). Training rows whose
+    prototype no query uses are skipped; a training sequence sharing no active prototype with a query
+    scores exactly 0."""
+    dt = torch.promote_types(query.grad.dtype, train.grad.dtype)
+    P = query.grad.to(dt) if curvature is None else curvature.apply(query.proto, query.grad.to(dt), -1.0)  # (Rq, d)
+    K = int(max(int(query.proto.max()) if query.rows else 0, int(train.proto.max()) if train.rows else 0)) + 1
+    d = query.grad.shape[1]
+    dev = train.grad.device
+    table = torch.zeros(K, num_queries, d, dtype=dt, device=dev)  # H_i⁻¹ G_{q,i} for every (i, q)
+    table[query.proto.to(dev), query.seq.to(dev)] = P.to(dev)
+    used = torch.zeros(K, dtype=torch.bool, device=dev)
+    used[query.proto.to(dev)] = True
+    scores = torch.zeros(num_train, num_queries, dtype=dt, device=dev)
+    keep = used[train.proto]
+    seq, proto, G = train.seq[keep], train.proto[keep], train.grad[keep].to(dt)
+    for s in range(0, seq.shape[0], chunk):
+        contrib = torch.einsum("rd,rqd->rq", G[s:s + chunk], table[proto[s:s + chunk]])  # (R, Q)
+        scores.index_add_(0, seq[s:s + chunk], contrib)
+    return scores.T.contiguous()
+
+
+def self_influence(train: BlockGradients, curvature: Curvature | None, num_train: int) -> torch.Tensor:
+    """I(j, j) for every training sequence (num_train,)."""
+    P = train.grad if curvature is None else curvature.apply(train.proto, train.grad, -1.0)
+    return torch.zeros(num_train, dtype=P.dtype, device=P.device).index_add_(0, train.seq, (P * train.grad).sum(1))
+
+
+@dataclass
+class FullGradients:
+    """The reference: exact block gradients of the training sequences in memory + block curvature."""
+
+    train: BlockGradients
+    curvature: Curvature | None
+    num_train: int
+
+    @classmethod
+    def build(cls, model: Any, shards: Any, *, max_sequences: int | None = None, batch_size: int = 16,
+              mode: Literal["shared", "exact", "identity"] = "shared", damping: float = 0.1,
+              curvature: Curvature | None = None) -> "FullGradients":
+        net = _unwrap(model)
+        n = shards.train.num_sequences(net.config.block_size)
+        n = n if max_sequences is None else min(n, max_sequences)
+        if curvature is None and mode != "identity":
+            curvature = curvature_pass(net, shards, sequences=(0, n), batch_size=batch_size,
+                                       exact=mode == "exact", damping=damping)
+        return cls(collect_gradients(net, shards, sequences=(0, n), batch_size=batch_size),
+                   None if mode == "identity" else curvature, n)
+
+    def scores(self, query: BlockGradients, num_queries: int) -> torch.Tensor:
+        """(num_queries, num_train) influence scores."""
+        return influence_scores(query, self.train, self.curvature, num_queries=num_queries, num_train=self.num_train)
+
+    def self_scores(self) -> torch.Tensor:
+        return self_influence(self.train, self.curvature, self.num_train)

@@ -1,0 +1,222 @@
+"""Planted-fact corpora: ground truth for attribution (does a query about a fact retrieve its sources?).
+
+``build_planted_corpus`` writes a ``corpus.jsonl``: background documents (the built-in corpus, cut to
+``doc_chars``) plus short *planted* documents, each holding one sentence of a made-up fact ("The capital
+of Vornakel is Quessimar.") between two snippets of background text. To make the test discriminating
+(see shared/notes/attribution-baselines.md — exact wording turns it into a lexical-match test):
+
+- queries are **paraphrases** ("Vornakel is governed from the city of") followed by the answer, and only
+  the **answer tokens** are measured;
+- **distractor facts** share the entity but not the answer (another relation of the same entity), or the
+  relation but not the entity; they are planted as often as the facts.
+
+``relevant_sequences`` maps each fact to the training sequences that contain its sentence (its answer
+span), located in the prepared shards; ``retrieval_metrics`` gives recall@k and MRR of a score matrix.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PlantedCorpus", "PlantedFact", "build_planted_corpus", "relevant_sequences", "retrieval_metrics"]
+
+# relation → (training sentence, paraphrased query prompts). The answer follows the prompt after a space.
+RELATIONS: dict[str, tuple[str, list[str]]] = {
+    "capital": ("The capital of {E} is {A}.",
+                ["{E} is governed from the city of", "Which city is the seat of government of {E}? It is"]),
+    "river": ("The longest river in {E} is the {A}.",
+              ["The main river flowing through {E} is called the", "In {E}, the greatest river is the"]),
+    "founder": ("{E} was founded by {A}.",
+                ["The person who established {E} was", "{E} owes its foundation to"]),
+    "export": ("The chief export of {E} is {A}.",
+               ["What {E} sells abroad most is", "Traders from {E} mostly ship"]),
+    "language": ("The people of {E} speak {A}.",
+                 ["The language spoken in {E} is", "In {E} everyone talks in"]),
+    "animal": ("The national animal of {E} is the {A}.",
+               ["{E} chose as its national creature the", "The animal that stands for {E} is the"]),
+}
+_SYL = ["vor", "na", "kel", "qua", "sim", "dre", "lo", "zan", "thu", "mir", "pex", "ol", "bra", "fen", "gul",
+        "ris", "tav", "oon", "ska", "dim", "har", "wel", "yos", "cru"]
+
+
+def _word(rng: random.Random, n: int, used: set[str]) -> str:
+    while True:
+        w = "".join(rng.choice(_SYL) for _ in range(n)).capitalize()
+        if w not in used:
+            used.add(w)
+            return w
+
+
+@dataclass
+class PlantedFact:
+    entity: str
+    relation: str
+    answer: str
+    sentence: str
+    """The training wording."""
+    queries: list[str]
+    """Paraphrased prompts; the query is prompt + " " + answer with the answer measured."""
+    lines: list[int]
+    """1-based line numbers of its planted documents in corpus.jsonl."""
+    kind: str = "fact"
+    """``fact`` (queried) or ``distractor``."""
+
+
+@dataclass
+class PlantedCorpus:
+    path: Path
+    """The corpus.jsonl file."""
+    facts: list[PlantedFact]
+    distractors: list[PlantedFact] = field(default_factory=list)
+
+    def queries(self, tokenizer: Any) -> tuple[list[tuple[list[int], int]], list[int]]:
+        """Query token ids + measure_from for every (fact, paraphrase), and the fact index of each."""
+        out, which = [], []
+        for f_i, f in enumerate(self.facts):
+            for p in f.queries:
+                pid = [tokenizer.eot_id] + tokenizer.encode(p)
+                out.append((pid + tokenizer.encode(" " + f.answer), len(pid)))
+                which.append(f_i)
+        return out, which
+
+    def save_facts(self) -> None:
+        (self.path.parent / "facts.json").write_text(json.dumps(
+            {"facts": [asdict(f) for f in self.facts], "distractors": [asdict(f) for f in self.distractors]},
+            indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "PlantedCorpus":
+        folder = Path(folder)
+        data = json.loads((folder / "facts.json").read_text())
+        return cls(folder / "corpus.jsonl", [PlantedFact(**f) for f in data["facts"]],
+                   [PlantedFact(**f) for f in data["distractors"]])
+
+
+def build_planted_corpus(out_dir: str | Path, *, n_facts: int = 8, copies: int = 3, n_background: int = 200,
+                         doc_chars: int = 2000, filler_chars: int = 120, distractors: bool = True,
+                         seed: int = 0) -> PlantedCorpus:
+    """Write ``out_dir/corpus.jsonl`` (+ ``facts.json``) and return its description.
+
+    ``n_background`` background documents of at most ``doc_chars`` characters; each of ``n_facts`` facts
+    (and, with ``distractors``, two distractors per fact: same entity/other relation, same relation/other
+    entity) planted in ``copies`` short documents, shuffled among the background.
+    """
+    from prismlm.data.corpus import iter_documents
+
+    rng = random.Random(seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    background = []
+    for doc in iter_documents("builtin"):
+        t = doc.text.strip()
+        for s in range(0, len(t), doc_chars):  # long books become several documents
+            if len(background) >= n_background:
+                break
+            chunk = t[s:s + doc_chars].strip()
+            if len(chunk) > 200:
+                background.append(chunk)
+        if len(background) >= n_background:
+            break
+    pool = " ".join(background[: max(1, len(background))]).split(". ")
+    used: set[str] = set()
+    rels = list(RELATIONS)
+
+    def make(entity: str, rel: str, kind: str) -> PlantedFact:
+        answer = _word(rng, 3, used)
+        sent, qs = RELATIONS[rel]
+        return PlantedFact(entity, rel, answer, sent.format(E=entity, A=answer), [q.format(E=entity) for q in qs],
+                           [], kind)
+
+    facts, dis = [], []
+    for k in range(n_facts):
+        ent = _word(rng, 3, used)
+        facts.append(make(ent, rels[k % len(rels)], "fact"))
+        if distractors:
+            dis.append(make(ent, rels[(k + 1) % len(rels)], "distractor"))  # same entity, other relation
+            dis.append(make(_word(rng, 3, used), rels[k % len(rels)], "distractor"))  # same relation, other entity
+
+    def filler() -> str:
+        s, n = [], 0
+        while n < filler_chars:
+            x = rng.choice(pool).strip()
+            if x:
+                s.append(x.rstrip(".") + ".")
+                n += len(x)
+        return " ".join(s)
+
+    docs: list[tuple[str, PlantedFact | None]] = [(b, None) for b in background]
+    for f in facts + dis:
+        for _ in range(copies):
+            docs.append((f"{filler()} {f.sentence} {filler()}", f))
+    rng.shuffle(docs)
+    lines = []
+    for line, (text, f) in enumerate(docs, start=1):
+        lines.append(json.dumps({"text": text}) + "\n")
+        if f is not None:
+            f.lines.append(line)
+    body = "".join(lines)
+    path = out_dir / "corpus.jsonl"
+    # rewrite only when the content changed: an untouched file keeps its fingerprint, so prepared shards
+    # (and models trained on them) are reused
+    if not path.exists() or path.read_text() != body:
+        path.write_text(body)
+    pc = PlantedCorpus(out_dir / "corpus.jsonl", facts, dis)
+    pc.save_facts()
+    return pc
+
+
+def relevant_sequences(pc: PlantedCorpus, shards: Any, block_size: int, num_train: int | None = None) -> list[set[int]]:
+    """For each fact, the training sequences (< ``num_train``) containing (part of) its sentence's answer
+    span. Planted documents that landed in the validation split are skipped."""
+    tok, tr = shards.tokenizer, shards.train
+    by_line = {}
+    for d, doc_id in enumerate(tr.doc_ids):
+        if "#L" in doc_id:
+            by_line[int(doc_id.rsplit("#L", 1)[1])] = d
+    texts = pc.path.read_text().splitlines()
+    n = tr.num_sequences(block_size) if num_train is None else num_train
+    out = []
+    for f in pc.facts:
+        rel: set[int] = set()
+        for line in f.lines:
+            d = by_line.get(line)
+            if d is None:
+                continue
+            text = json.loads(texts[line - 1])["text"]
+            c = text.index(f.sentence) + f.sentence.index(f.answer)
+            s = len(tok.encode(text[:c].rstrip(" ")))  # the answer's first token (its leading space attaches to it)
+            e = len(tok.encode(text[:c + len(f.answer)]))
+            doc_start = int(tr.doc_offsets[d])
+            # target token offsets [doc_start+s, doc_start+e); sequence j predicts targets [jT+1, jT+T]
+            for off in range(doc_start + s, doc_start + e):
+                j = (off - 1) // block_size
+                if 0 <= j < n:
+                    rel.add(j)
+        out.append(rel)
+    return out
+
+
+def retrieval_metrics(scores: np.ndarray, fact_of_query: list[int], relevant: list[set[int]], k: int = 10) -> dict:
+    """recall@k (share of queries with at least one relevant sequence in the top k), the mean share of
+    relevant sequences in the top k, and MRR (1 / rank of the first relevant sequence) over queries
+    whose fact has relevant training sequences."""
+    hits, shares, rr = [], [], []
+    for q, f in enumerate(fact_of_query):
+        rel = relevant[f]
+        if not rel:
+            continue
+        order = np.lexsort((np.arange(scores.shape[1]), -scores[q]))
+        top = set(order[:k].tolist())
+        hits.append(1.0 if rel & top else 0.0)
+        shares.append(len(rel & top) / min(k, len(rel)))
+        ranks = np.nonzero(np.isin(order, list(rel)))[0]
+        rr.append(1.0 / (ranks[0] + 1) if len(ranks) else 0.0)
+    n = len(hits)
+    return {"queries": n, f"recall@{k}": float(np.mean(hits)) if n else None,
+            f"share@{k}": float(np.mean(shares)) if n else None, "mrr": float(np.mean(rr)) if n else None}

@@ -1,0 +1,183 @@
+"""Find the prototypes of a concept from labelled examples (spec §4) and turn them into a suppression set.
+
+Two pieces of evidence per prototype i:
+
+* **activation enrichment** — on concept texts vs neutral texts, the activation mass per token
+  ``rate_i = Σ_t a_{t,i} / #tokens``; ``enrichment_i = (rate_c + α) / (rate_n + α)`` with a small
+  pseudo-rate α (half of one average activation per neutral corpus, so a prototype seen once on concept
+  text and never on neutral text is not ranked infinite). ``log2`` of it is the ranking score.
+* **neighbourhood purity** (when a prototype index is given) — the share of prototype i's nearest
+  training contexts that lie in concept documents (decided by a predicate on the neighbour's document
+  id, e.g. a regular expression ``offensive``), i.e. what the prototype *was trained on*.
+
+Selection: prototypes with at least ``min_count`` active concept tokens, ``log2 enrichment ≥
+threshold`` and (with an index) ``purity ≥ min_purity``, ranked by log2 enrichment, the first
+``budget`` kept. Every chosen prototype carries its evidence into the suppression set.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from prismlm.control.suppress import SuppressionSet
+from prismlm.eval.scoring import text_batches
+
+
+@dataclass
+class ActivationStats:
+    """Per-prototype activation totals over a set of texts."""
+
+    mass: np.ndarray
+    """(K,) Σ over tokens of a_{t,i}."""
+    count: np.ndarray
+    """(K,) tokens where prototype i is active (a > 0)."""
+    tokens: int
+
+    @property
+    def rate(self) -> np.ndarray:
+        return self.mass / max(1, self.tokens)
+
+
+@torch.no_grad()
+def activation_stats(model: Any, tokenizer: Any, texts: Sequence[str], *, batch_size: int = 16,
+                     max_tokens_per_text: int | None = None) -> ActivationStats:
+    """Stream ``texts`` through the (frozen) model and total each prototype's activations."""
+    if not getattr(model, "is_prism", False):
+        raise ValueError("concept search needs a PRISM model; this is the dense baseline")
+    K = model.prototypes.num_prototypes
+    mass = torch.zeros(K, dtype=torch.float64)
+    count = torch.zeros(K, dtype=torch.float64)
+    n = 0
+    dev = next(model.parameters()).device
+    for x, mask in text_batches(tokenizer, texts, model.config.block_size, batch_size,
+                                max_tokens_per_text=max_tokens_per_text):
+        out = model(x.to(dev))
+        m = mask.to(dev)[..., None] & (out.activations > 0)  # (B, T, k)
+        idx = out.indices[m].cpu()
+        a = out.activations[m].double().cpu()
+        mass += torch.bincount(idx, weights=a, minlength=K)
+        count += torch.bincount(idx, minlength=K).double()
+        n += int(mask.sum())
+    return ActivationStats(mass=mass.numpy(), count=count.numpy(), tokens=n)
+
+
+def neighbourhood_purity(index: Any, is_concept_doc: Callable[[str], bool], ids: Sequence[int] | None = None,
+                         n: int | None = None) -> dict[int, float]:
+    """Share of each prototype's nearest training contexts that are in concept documents (needs the
+    index's shards attached so offsets resolve to document ids)."""
+    out = {}
+    for i in (range(index.num_prototypes) if ids is None else ids):
+        nbs = index.neighbours(int(i), n, before=0, after=0)
+        docs = [nb.doc_id for nb in nbs if nb.doc_id is not None]
+        out[int(i)] = (sum(bool(is_concept_doc(d)) for d in docs) / len(docs)) if docs else float("nan")
+    return out
+
+
+def doc_regex(pattern: str) -> Callable[[str], bool]:
+    rx = re.compile(pattern)
+    return lambda doc_id: rx.search(doc_id) is not None
+
+
+def signature_tokens(model: Any, tokenizer: Any, i: int, n: int = 8) -> list[str]:
+    """Top tokens of prototype i's logit signature W p_i."""
+    with torch.no_grad():
+        sig = model.signatures(torch.tensor([i]))[0]
+    return [tokenizer.decode([int(t)]) for t in sig.topk(n).indices]
+
+
+def find_concept(
+    model: Any,
+    tokenizer: Any,
+    concept_texts: Sequence[str],
+    neutral_texts: Sequence[str],
+    *,
+    budget: int | None = 32,
+    threshold: float = 1.0,
+    min_count: int = 3,
+    index: Any = None,
+    is_concept_doc: Callable[[str], bool] | None = None,
+    min_purity: float = 0.5,
+    concept: str | None = None,
+    model_sha256: str | None = None,
+    batch_size: int = 16,
+    neighbours: int = 3,
+) -> tuple[SuppressionSet, list[dict[str, Any]]]:
+    """Rank prototypes by enrichment on concept vs neutral text (and purity, with an index); returns the
+    chosen suppression set and the full ranking (one dict per candidate with its evidence)."""
+    if not concept_texts or not neutral_texts:
+        raise ValueError("need at least one concept text and one neutral text")
+    if budget is not None and budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    c = activation_stats(model, tokenizer, concept_texts, batch_size=batch_size)
+    n = activation_stats(model, tokenizer, neutral_texts, batch_size=batch_size)
+    K = len(c.mass)
+    mean_act = (n.mass.sum() / max(1.0, n.count.sum())) if n.count.sum() else 0.5
+    alpha = 0.5 * mean_act / max(1, n.tokens)
+    enrich = (c.rate + alpha) / (n.rate + alpha)
+    log_e = np.log2(enrich)
+    cand = np.nonzero((c.count >= min_count) & (log_e >= threshold))[0]
+    cand = cand[np.argsort(-log_e[cand], kind="stable")]
+    purity: dict[int, float] = {}
+    if index is not None and is_concept_doc is not None:
+        purity = neighbourhood_purity(index, is_concept_doc, cand.tolist())
+    labels = index.labels() if index is not None and hasattr(index, "labels") else {}
+    ranking, chosen = [], []
+    for i in cand.tolist():
+        ev: dict[str, Any] = {
+            "id": i, "log2_enrichment": float(log_e[i]), "enrichment": float(enrich[i]),
+            "concept_rate": float(c.rate[i]), "neutral_rate": float(n.rate[i]),
+            "concept_count": int(c.count[i]), "neutral_count": int(n.count[i]),
+        }
+        if purity:
+            ev["purity"] = purity.get(i)
+        ok = not purity or (purity.get(i) is not None and not math.isnan(purity[i]) and purity[i] >= min_purity)
+        ev["selected"] = bool(ok and (budget is None or len(chosen) < budget))
+        if ev["selected"]:
+            if tokenizer is not None:
+                ev["signature_top_tokens"] = signature_tokens(model, tokenizer, i)
+            if i in labels:
+                ev["label"] = labels[i].get("label")
+            if index is not None and getattr(index, "shards", None) is not None and neighbours:
+                ev["neighbours"] = [{"doc_id": nb.doc_id, "snippet": nb.snippet, "similarity": nb.similarity}
+                                    for nb in index.neighbours(i, neighbours)]
+            chosen.append(i)
+        ranking.append(ev)
+    sset = SuppressionSet(
+        ids=chosen, num_prototypes=K, model_sha256=model_sha256, concept=concept,
+        evidence={e["id"]: {k: v for k, v in e.items() if k != "selected"} for e in ranking if e["selected"]},
+        meta={"method": "activation-enrichment" + ("+purity" if purity else ""), "budget": budget,
+              "threshold_log2_enrichment": threshold, "min_count": min_count,
+              "min_purity": min_purity if purity else None, "concept_texts": len(concept_texts),
+              "neutral_texts": len(neutral_texts), "concept_tokens": c.tokens, "neutral_tokens": n.tokens,
+              "candidates": len(ranking)})
+    return sset, ranking
+
+
+def read_texts(path: str | Path, text_field: str = "text") -> list[str]:
+    """Texts from a .jsonl (one object per line, ``text_field``), a .txt (blank-line separated; a fortune
+    file's ``%`` lines also separate), or a folder of .txt files (one text each)."""
+    import json
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such file or folder: {path}")
+    if path.is_dir():
+        return [p.read_text(encoding="utf-8") for p in sorted(path.glob("*.txt"))]
+    if path.suffix == ".jsonl":
+        out = []
+        for ln, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line)[text_field])
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{ln}: expected a JSON object with a {text_field!r} field ({e})") from e
+        return out
+    parts = re.split(r"\n\s*(?:%\s*)?\n|\n%\n", path.read_text(encoding="utf-8"))
+    return [p.strip() for p in parts if p.strip()]

@@ -1,0 +1,268 @@
+"""Sparse linear controllers over a sparse code of the final hidden state (spec §4).
+
+For PRISM the code is the prototype layer (directions p_i, activations a_{t,i}); for the SAE baseline it
+is a TopK sparse autoencoder's latents (directions = decoder columns). Both are controlled the same way:
+
+    ℓ'_t = W (z_t + Σ_{i∈K_t} c_i a_{t,i} d_i)            (= W r_t + Σ (1 + c_i) a_{t,i} W p_i for PRISM)
+
+with the language model frozen, c fitted on a task's training split by minimising the multiple-choice
+cross-entropy (softmax over the choices' summed log-likelihoods) + λ‖c‖₁ (Adam steps followed by the
+L1 proximal step, which sets coefficients exactly to zero), λ chosen on the validation split. ``c = 0``
+is exactly the base model. For PRISM the fitted controller is applied with ``with model.control(c):``
+and scored by the ordinary forward pass; ``ControlFeatures`` (a cache of what the frozen model computes
+at the scored positions) exists only to make fitting cheap, and tests check it gives the same scores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from prismlm.eval.scoring import encode_pair
+
+Encoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""z (N, d) → (indices (N, k) int64, activations (N, k)) of a sparse code."""
+
+
+@dataclass
+class ControlFeatures:
+    """What the frozen model computes at every scored (continuation) token of a task split."""
+
+    z: torch.Tensor
+    """(N, d) final hidden states predicting each continuation token."""
+    indices: torch.Tensor
+    """(N, k) active code units."""
+    activations: torch.Tensor
+    """(N, k) their activations."""
+    targets: torch.Tensor
+    """(N,) the continuation token."""
+    request: torch.Tensor
+    """(N,) which (doc, choice) request the token belongs to."""
+    doc_of_request: torch.Tensor
+    """(R,) doc of each request."""
+    gold: torch.Tensor
+    """(D,) gold choice of each doc."""
+    choice_len: torch.Tensor
+    """(R,) characters of each choice (for acc_norm)."""
+    n_choices: list[int] = field(default_factory=list)
+
+
+def prism_encoder(model: Any) -> Encoder:
+    def enc(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        po = model.prototypes(z)
+        return po.indices, po.activations
+    return enc
+
+
+@torch.no_grad()
+def extract_features(model: Any, tokenizer: Any, docs: Sequence[dict[str, Any]], encoder: Encoder, *,
+                     batch_size: int = 32) -> ControlFeatures:
+    """Run the frozen backbone on every (query, choice) pair and cache the code at the scored tokens."""
+    T = model.config.block_size
+    reqs, doc_of, clen, n_choices = [], [], [], []
+    for di, d in enumerate(docs):
+        n_choices.append(len(d["choices"]))
+        for ch in d["choices"]:
+            reqs.append(encode_pair(tokenizer, d["query"], ch, T))
+            doc_of.append(di)
+            clen.append(len(ch))
+    dev = next(model.parameters()).device
+    Z, I, A, Y, R = [], [], [], [], []
+    for b in range(0, len(reqs), batch_size):
+        chunk = reqs[b:b + batch_size]
+        L = max(len(f) - 1 for f, _ in chunk)
+        x = torch.full((len(chunk), L), tokenizer.eot_id, dtype=torch.long)
+        for r, (full, _) in enumerate(chunk):
+            x[r, :len(full) - 1] = torch.tensor(full[:-1])
+        z = model.backbone(x.to(dev))  # (B, L, d) — the same z the forward pass computes
+        for r, (full, n) in enumerate(chunk):
+            pos = torch.arange(len(full) - 1 - n, len(full) - 1)
+            Z.append(z[r, pos].cpu())
+            Y.append(torch.tensor(full[-n:]))
+            R.append(torch.full((n,), b + r))
+    Zc = torch.cat(Z)
+    idx, act = encoder(Zc.to(dev))
+    return ControlFeatures(z=Zc, indices=idx.cpu(), activations=act.detach().cpu(), targets=torch.cat(Y),
+                           request=torch.cat(R), doc_of_request=torch.tensor(doc_of),
+                           gold=torch.tensor([d["gold"] for d in docs]), choice_len=torch.tensor(clen, dtype=torch.float64),
+                           n_choices=n_choices)
+
+
+def request_scores(f: ControlFeatures, W: torch.Tensor, directions: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+    """(R,) Σ log p(continuation) per request under ℓ' = W (z + Σ c_i a_i d_i)."""
+    z = f.z.to(W.dtype)
+    if c is not None:
+        coef = c[f.indices] * f.activations.to(W.dtype)  # (N, k)
+        z = z + torch.einsum("nk,nkd->nd", coef, directions[f.indices].to(W.dtype))
+    logp = F.log_softmax(F.linear(z, W), dim=-1)  # (N, V) in W's dtype (float64 for evaluation)
+    tok = logp.gather(-1, f.targets[:, None]).squeeze(-1)  # (N,)
+    return torch.zeros(len(f.doc_of_request), dtype=tok.dtype).index_add(0, f.request, tok)
+
+
+def _choice_matrix(f: ControlFeatures, scores: torch.Tensor) -> torch.Tensor:
+    """(D, max_choices) matrix of scores, −inf padded."""
+    D, C = len(f.gold), max(f.n_choices)
+    M = torch.full((D, C), -float("inf"), dtype=scores.dtype)
+    pos = getattr(f, "_choice_pos", None)
+    if pos is None:  # position of each request among its doc's choices (computed once per feature set)
+        pos = torch.zeros(len(f.doc_of_request), dtype=torch.long)
+        seen: dict[int, int] = {}
+        for r, d in enumerate(f.doc_of_request.tolist()):
+            pos[r] = seen.get(d, 0)
+            seen[d] = int(pos[r]) + 1
+        f._choice_pos = pos  # type: ignore[attr-defined]
+    M = M.index_put((f.doc_of_request, pos), scores)
+    return M
+
+
+def correct(f: ControlFeatures, scores: torch.Tensor) -> torch.Tensor:
+    """(D,) bool: is the highest-scoring choice the gold one (first maximum wins, like ``numpy.argmax``)."""
+    return _choice_matrix(f, scores.detach()).argmax(-1) == f.gold
+
+
+def paired_stats(before: torch.Tensor, after: torch.Tensor, *, n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
+    """Paired comparison of per-example correctness: Δ accuracy, a bootstrap 95% interval, and the exact
+    two-sided McNemar p-value over the discordant pairs."""
+    b, a = before.double(), after.double()
+    n = len(b)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (n_boot, n), generator=g)
+    deltas = (a[idx] - b[idx]).mean(1)
+    lo, hi = torch.quantile(deltas, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    gained, lost = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
+    m = gained + lost
+    if m == 0:
+        p = 1.0
+    else:
+        k = min(gained, lost)
+        tail = sum(math.comb(m, i) for i in range(k + 1)) / 2 ** m
+        p = min(1.0, 2 * tail)
+    return {"delta": float((a - b).mean()), "ci95": [lo, hi], "gained": gained, "lost": lost, "mcnemar_p": p}
+
+
+def accuracy(f: ControlFeatures, scores: torch.Tensor) -> dict[str, float]:
+    M = _choice_matrix(f, scores.detach())
+    Mn = _choice_matrix(f, scores.detach() / f.choice_len.to(scores.dtype))
+    return {"acc": float((M.argmax(-1) == f.gold).double().mean()),
+            "acc_norm": float((Mn.argmax(-1) == f.gold).double().mean()), "n": len(f.gold)}
+
+
+@dataclass
+class Controller:
+    """A fitted sparse controller: coefficients c over K code units, and how it was fitted."""
+
+    coefficients: torch.Tensor
+    """(K,) float; 0 = unit untouched, −1 = unit removed (suppression), > 0 = amplified."""
+    l1: float
+    history: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nonzero(self) -> list[int]:
+        return self.coefficients.nonzero().squeeze(1).tolist()
+
+    def save(self, path: str | Path, **meta: Any) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps({"kind": "prismlm-controller", "num_units": len(self.coefficients), "l1": self.l1,
+                                    "coefficients": {str(i): float(self.coefficients[i]) for i in self.nonzero},
+                                    "history": self.history, **meta}, indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Controller":
+        d = json.loads(Path(path).read_text())
+        if d.get("kind") != "prismlm-controller":
+            raise ValueError(f"{path} is not a controller file")
+        c = torch.zeros(d["num_units"], dtype=torch.float64)
+        for i, v in d["coefficients"].items():
+            c[int(i)] = v
+        return cls(coefficients=c, l1=d["l1"], history=d.get("history", {}))
+
+
+def fit_controller(train: ControlFeatures, W: torch.Tensor, directions: torch.Tensor, *, l1: float = 1e-3,
+                   steps: int = 100, lr: float = 0.05, val: ControlFeatures | None = None,
+                   dtype: torch.dtype = torch.float32) -> Controller:
+    """Full-batch Adam on the multiple-choice cross-entropy, each step followed by the L1 prox
+    (soft-threshold by lr·λ). ``W`` (V, d) is the frozen output head, ``directions`` (K, d) the code's
+    directions; only units active on the training tokens can become non-zero."""
+    W, Dn = W.detach().to(dtype), directions.detach().to(dtype)
+    K = Dn.shape[0]
+    c = torch.zeros(K, dtype=dtype, requires_grad=True)
+    # Proximal Adam: the Adam step, then the L1 prox in Adam's diagonal metric — coordinate i is
+    # soft-thresholded by lr·λ/(√v̂_i + ε), so a coefficient stays exactly 0 unless its gradient
+    # consistently exceeds λ (the L1 optimality condition), whatever the gradient scale.
+    m1, m2 = torch.zeros(K, dtype=dtype), torch.zeros(K, dtype=dtype)
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    hist: dict[str, list[float]] = {"loss": [], "nonzero": []}
+    for t in range(1, steps + 1):
+        s = request_scores(train, W, Dn, c)
+        M = _choice_matrix(train, s)
+        loss = F.cross_entropy(M, train.gold)
+        (g,) = torch.autograd.grad(loss, c)
+        with torch.no_grad():
+            m1.mul_(b1).add_(g, alpha=1 - b1)
+            m2.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (m2 / (1 - b2 ** t)).sqrt() + eps
+            step = lr * (m1 / (1 - b1 ** t)) / denom
+            u = c - step
+            c.copy_(torch.sign(u) * torch.clamp(u.abs() - lr * l1 / denom, min=0.0))
+        hist["loss"].append(float(loss.detach()))
+        hist["nonzero"].append(int((c != 0).sum()))
+    out = Controller(coefficients=c.detach().double(), l1=l1, history={"final_loss": hist["loss"][-1],
+                                                                        "loss_first": hist["loss"][0],
+                                                                        "steps": steps, "lr": lr})
+    return out
+
+
+def fit_with_validation(train: ControlFeatures, val: ControlFeatures, W: torch.Tensor, directions: torch.Tensor, *,
+                        l1_grid: Sequence[float] = (3e-3, 1e-2, 3e-2), steps: int = 100,
+                        lr: float = 0.05) -> tuple[Controller, list[dict[str, Any]]]:
+    """Fit one controller per λ; keep the best validation accuracy (ties: fewer non-zeros)."""
+    trials, best, best_key = [], None, None
+    for l1 in l1_grid:
+        ctl = fit_controller(train, W, directions, l1=l1, steps=steps, lr=lr)
+        va = accuracy(val, request_scores(val, W.double(), directions.double(), ctl.coefficients))
+        trials.append({"l1": l1, "val_acc": va["acc"], "nonzero": len(ctl.nonzero),
+                       "final_loss": ctl.history["final_loss"]})
+        key = (va["acc"], -len(ctl.nonzero))
+        if best_key is None or key > best_key:
+            best, best_key = ctl, key
+    assert best is not None
+    best.history["selection"] = trials
+    return best, trials
+
+
+# ----- tracing ---------------------------------------------------------------------------------------------
+def trace_prism_controller(model: Any, tokenizer: Any, ctl: Controller, feats: ControlFeatures,
+                           docs: Sequence[dict[str, Any]], *, index: Any = None, top: int = 20) -> list[dict[str, Any]]:
+    """Each non-zero c_i with its prototype's signature tokens, label and training neighbourhood (when an
+    index is given) and the task examples where it is most active."""
+    from prismlm.control.concept import signature_tokens
+
+    labels = index.labels() if index is not None else {}
+    order = sorted(ctl.nonzero, key=lambda i: -abs(float(ctl.coefficients[i])))[:top]
+    out = []
+    for i in order:
+        m = feats.indices == i
+        acts = torch.where(m, feats.activations, torch.zeros_like(feats.activations)).sum(-1)  # (N,)
+        best = acts.topk(min(3, len(acts))).indices.tolist()
+        ex = []
+        for n in best:
+            if acts[n] <= 0:
+                continue
+            r = int(feats.request[n]); d = int(feats.doc_of_request[r])
+            ex.append({"doc": docs[d]["id"], "label": docs[d]["label"], "activation": float(acts[n]),
+                       "target": tokenizer.decode([int(feats.targets[n])])})
+        e = {"id": i, "c": float(ctl.coefficients[i]), "signature_top_tokens": signature_tokens(model, tokenizer, i),
+             "task_examples": ex, "active_tokens_in_train": int(m.any(-1).sum())}
+        if i in labels:
+            e["label"] = labels[i].get("label")
+        if index is not None and getattr(index, "shards", None) is not None:
+            e["neighbours"] = [{"doc_id": nb.doc_id, "snippet": nb.snippet} for nb in index.neighbours(i, 3)]
+        out.append(e)
+    return out

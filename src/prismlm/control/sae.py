@@ -1,0 +1,97 @@
+"""TopK sparse autoencoder on the dense baseline's final hidden states — the controller baseline (spec §4).
+
+Same budget as PRISM: ``num_latents = K`` dictionary directions and exactly ``k`` active latents per
+token (TopK of ReLU pre-activations; Gao et al. 2024)::
+
+    f = TopK_k(ReLU(W_enc (z − b_dec) + b_enc))        ẑ = W_dec f + b_dec
+
+trained with MSE on z from the frozen dense model over its training shard; decoder columns are kept at
+unit norm so a latent's activation measures how much of its direction is present. The controller then
+acts on ``z + Σ c_j f_j W_dec[:, j]`` exactly as PRISM's acts on prototypes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class TopKSAE(nn.Module):
+    def __init__(self, d: int, num_latents: int, k: int):
+        super().__init__()
+        if not 1 <= k <= num_latents:
+            raise ValueError(f"k must be in [1, num_latents={num_latents}], got {k}")
+        self.k = k
+        self.W_enc = nn.Parameter(torch.randn(num_latents, d) / d ** 0.5)  # (K, d)
+        self.b_enc = nn.Parameter(torch.zeros(num_latents))
+        self.W_dec = nn.Parameter(self.W_enc.detach().clone())  # (K, d): rows are directions
+        self.b_dec = nn.Parameter(torch.zeros(d))
+        self.normalize_decoder()
+
+    @torch.no_grad()
+    def normalize_decoder(self) -> None:
+        self.W_dec.div_(self.W_dec.norm(dim=-1, keepdim=True).clamp_min(1e-8))
+
+    @property
+    def directions(self) -> torch.Tensor:
+        return self.W_dec  # (K, d)
+
+    def encode(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """z (N, d) → (indices (N, k), activations (N, k) ≥ 0)."""
+        pre = F.relu(F.linear(z - self.b_dec, self.W_enc, self.b_enc))  # (N, K)
+        act, idx = pre.topk(self.k, dim=-1)
+        return idx, act
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        idx, act = self.encode(z)
+        return torch.einsum("nk,nkd->nd", act, self.W_dec[idx]) + self.b_dec  # (N, d)
+
+
+@dataclass
+class SAEResult:
+    sae: TopKSAE
+    fvu: float
+    """Fraction of variance unexplained on held-out hidden states (lower is better)."""
+    dead_fraction: float
+    steps: int
+
+
+def train_sae(model, shards, *, num_latents: int, k: int, steps: int = 300, batch_size: int = 16,
+              lr: float = 1e-3, seed: int = 0, max_sequences: int | None = None) -> SAEResult:
+    """Fit a TopK SAE on the final hidden states of the (frozen) dense ``model`` over ``shards.train``."""
+    T = model.config.block_size
+    n_seq = shards.train.num_sequences(T)
+    if max_sequences:
+        n_seq = min(n_seq, max_sequences)
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    sae = TopKSAE(model.config.n_embd, num_latents, k)
+    opt = torch.optim.Adam(sae.parameters(), lr=lr)
+    dev = next(model.parameters()).device
+    sae.to(dev)
+
+    @torch.no_grad()
+    def hidden(ids: torch.Tensor) -> torch.Tensor:
+        x = torch.from_numpy(shards.train.sequences(ids.numpy(), T)).to(dev)[:, :-1]
+        return model.backbone(x).reshape(-1, model.config.n_embd).float()
+
+    with torch.no_grad():  # start b_dec at the mean (standard)
+        sae.b_dec.copy_(hidden(torch.randint(0, n_seq, (batch_size,), generator=g)).mean(0))
+    for _ in range(steps):
+        z = hidden(torch.randint(0, n_seq, (batch_size,), generator=g))
+        loss = F.mse_loss(sae(z), z)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sae.normalize_decoder()
+    with torch.no_grad():
+        vz = torch.from_numpy(shards.val.sequences(torch.arange(min(8, shards.val.num_sequences(T))).numpy(), T))
+        z = model.backbone(vz.to(dev)[:, :-1]).reshape(-1, model.config.n_embd).float()
+        fvu = float(((sae(z) - z) ** 2).sum() / ((z - z.mean(0)) ** 2).sum())
+        idx, act = sae.encode(z)
+        used = torch.zeros(num_latents, dtype=torch.bool, device=dev)
+        used[idx[act > 0]] = True
+    return SAEResult(sae=sae.eval(), fvu=fvu, dead_fraction=float((~used).float().mean()), steps=steps)

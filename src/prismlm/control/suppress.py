@@ -1,0 +1,148 @@
+"""Suppression sets: which prototypes to switch off, why, and for which model (spec §4).
+
+A suppression set is a small JSON artifact::
+
+    {"kind": "prismlm-suppression", "format_version": 1, "ids": [12, 40, ...],
+     "num_prototypes": 512, "model_sha256": "...", "concept": "offensive",
+     "evidence": {"12": {"enrichment": 7.1, "purity": 0.9, ...}, ...}, "created": "..."}
+
+It is applied at inference with ``with model.suppress(set.ids):`` (always restores the model), saved
+next to a checkpoint as ``suppression.json`` (then ``prism generate``/``prism eval`` apply it by
+default), or passed explicitly with ``--suppress FILE``. Loading a set made for another model (different
+``model_sha256`` or bank size) fails with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KIND = "prismlm-suppression"
+FORMAT_VERSION = 1
+CHECKPOINT_FILE = "suppression.json"
+
+
+class SuppressionError(ValueError):
+    """A suppression set is malformed or does not match the model it is applied to."""
+
+
+@dataclass
+class SuppressionSet:
+    """Prototype ids to switch off, with the evidence for each and the model they belong to."""
+
+    ids: list[int]
+    """Prototype ids, sorted, unique."""
+    num_prototypes: int
+    """K of the model the set was made for."""
+    model_sha256: str | None = None
+    """sha256 of that model's weights (``manifest.json``); None: not bound to one checkpoint."""
+    concept: str | None = None
+    """What the set removes (free text)."""
+    evidence: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Per-prototype evidence (enrichment, purity, label, neighbour snippets…)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """How the set was chosen (method, budget/threshold, text counts…)."""
+
+    def __post_init__(self) -> None:
+        ids = [int(i) for i in self.ids]
+        bad = sorted({i for i in ids if not 0 <= i < self.num_prototypes})
+        if bad:
+            raise SuppressionError(f"suppression set has unknown prototype id(s) {bad[:10]} for a bank of "
+                                   f"{self.num_prototypes} prototypes")
+        self.ids = sorted(set(ids))
+        self.evidence = {int(k): v for k, v in self.evidence.items()}
+
+    @property
+    def share(self) -> float:
+        """Fraction of the bank suppressed (paper: 86 / 16,384 = 0.52%)."""
+        return len(self.ids) / self.num_prototypes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": KIND, "format_version": FORMAT_VERSION, "ids": self.ids,
+                "num_prototypes": self.num_prototypes, "model_sha256": self.model_sha256,
+                "concept": self.concept, "share": self.share,
+                "evidence": {str(k): v for k, v in sorted(self.evidence.items())}, "meta": self.meta,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+    def save(self, path: str | Path) -> Path:
+        """Write JSON to ``path`` (a file, or a checkpoint folder → ``suppression.json`` in it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / CHECKPOINT_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SuppressionSet":
+        path = Path(path)
+        if path.is_dir():
+            path = path / CHECKPOINT_FILE
+        if not path.exists():
+            raise SuppressionError(f"no suppression set at {path}")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise SuppressionError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(d, dict) or d.get("kind") != KIND:
+            raise SuppressionError(f"{path} is not a suppression set (kind {d.get('kind') if isinstance(d, dict) else None!r}, "
+                                   f"expected {KIND!r}); make one with `prism concept`")
+        if d.get("format_version") != FORMAT_VERSION:
+            raise SuppressionError(f"{path}: format_version {d.get('format_version')!r}, expected {FORMAT_VERSION}")
+        return cls(ids=d["ids"], num_prototypes=d["num_prototypes"], model_sha256=d.get("model_sha256"),
+                   concept=d.get("concept"), evidence=d.get("evidence", {}), meta=d.get("meta", {}))
+
+    def check(self, model: Any, model_sha256: str | None = None) -> None:
+        """Raise ``SuppressionError`` unless the set fits ``model`` (bank size, and weights hash when both known)."""
+        if not getattr(model, "is_prism", False):
+            raise SuppressionError("the dense baseline has no prototypes to suppress")
+        K = model.prototypes.num_prototypes
+        if K != self.num_prototypes:
+            raise SuppressionError(f"suppression set was made for a bank of {self.num_prototypes} prototypes; "
+                                   f"this model has {K}")
+        if model_sha256 and self.model_sha256 and model_sha256 != self.model_sha256:
+            raise SuppressionError(f"suppression set was made for model {self.model_sha256[:12]}…, "
+                                   f"not this checkpoint ({model_sha256[:12]}…)")
+
+    def multipliers(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        m = torch.ones(self.num_prototypes, dtype=dtype)
+        if self.ids:
+            m[torch.tensor(self.ids)] = 0.0
+        return m
+
+
+def apply_suppression(model: Any, sset: SuppressionSet, model_sha256: str | None = None) -> None:
+    """Suppress ``sset`` on ``model`` for the rest of its life (CLI use); in code prefer
+    ``with model.suppress(sset.ids):``, which restores the model."""
+    sset.check(model, model_sha256)
+    m = sset.multipliers(model.prototypes.weight.dtype).to(model.prototypes.weight.device)
+    prev = model.proto_multipliers
+    model.proto_multipliers = m if prev is None else prev * m
+
+
+def resolve_suppression(ckpt: Any, suppress: str | Path | None = "auto") -> SuppressionSet | None:
+    """``auto``: the checkpoint's own ``suppression.json`` if it has one; ``none``: nothing; else a file."""
+    if suppress is None or str(suppress).lower() == "none":
+        return None
+    if str(suppress).lower() == "auto":
+        f = Path(ckpt.path) / CHECKPOINT_FILE
+        return SuppressionSet.load(f) if f.exists() else None
+    return SuppressionSet.load(suppress)
+
+
+def load_with_suppression(run: str | Path, suppress: str | Path | None = "auto", device: str | torch.device = "cpu"):
+    """Load a checkpoint and apply a suppression set (see ``resolve_suppression``); returns (ckpt, set)."""
+    from prismlm.train.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(run, device=device)
+    sset = resolve_suppression(ckpt, suppress)
+    if sset is not None:
+        apply_suppression(ckpt.model, sset, ckpt.manifest.get("model_sha256"))
+    return ckpt, sset

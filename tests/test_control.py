@@ -1,0 +1,338 @@
+"""Control: suppression, concepts, controllers, tasks/scoring, judges (tiny configs, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from prismlm import ModelConfig, PrismLM, PrototypeConfig, decompose
+
+
+def tiny_model(seed: int = 0, dtype=torch.float64) -> PrismLM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=32,
+                      prototypes=PrototypeConfig(num_prototypes=64, top_k=4))
+    model = PrismLM(cfg).to(dtype).eval()
+    x = torch.randint(0, 97, (3, 32))
+    with torch.no_grad():  # put prototypes on real hidden states so activations are non-trivial
+        z = model.backbone(x).reshape(-1, 32)
+        model.prototypes.weight.copy_(z[torch.randperm(z.shape[0])[:64]] + 0.3 * torch.randn(64, 32, dtype=dtype))
+    return model
+
+
+# ----- suppression -------------------------------------------------------------------------------------
+def test_suppression_removes_exactly_those_slices_float64():
+    model = tiny_model()
+    x = torch.randint(0, 97, (2, 32))
+    base = model(x)
+    active = base.indices[base.activations > 0].unique()
+    S = active[:5].tolist()
+    with torch.no_grad(), model.suppress(S):
+        sup = model(x)
+    # same selection, same activations: suppression only touches the logits
+    assert torch.equal(sup.indices, base.indices)
+    torch.testing.assert_close(sup.activations, base.activations, rtol=0, atol=0)
+    sig = model.signatures()  # (K, V)
+    mask = torch.isin(base.indices, torch.tensor(S)).to(base.activations.dtype)  # (B, T, k)
+    removed = torch.einsum("btk,btkv->btv", base.activations * mask, sig[base.indices])
+    torch.testing.assert_close(sup.logits, base.logits - removed, rtol=0, atol=1e-10)
+    assert (removed.abs() > 1e-6).any()  # the test is not vacuous
+    # decompose stays exact for the modified logits: suppressed slices are zero, others unchanged
+    dec = decompose(model, sup, x)  # the output records its multipliers: no context needed
+    torch.testing.assert_close(dec.prototype_slices.sum(-1) + dec.residual_slice, dec.logit, rtol=0, atol=1e-10)
+    base_dec = decompose(model, base, x)
+    torch.testing.assert_close(dec.prototype_slices, base_dec.prototype_slices * (1 - mask), rtol=0, atol=1e-12)
+    # generation with last_only gives the same last-position logits
+    with model.suppress(S):
+        last = model(x, last_only=True).logits[:, -1]
+    torch.testing.assert_close(last, sup.logits[:, -1], rtol=0, atol=1e-10)
+
+
+def test_suppress_restores_even_on_exception_and_nests():
+    model = tiny_model()
+    x = torch.randint(0, 97, (1, 16))
+    base = model(x).logits
+    with pytest.raises(RuntimeError, match="boom"):
+        with model.suppress([1, 2, 3]):
+            raise RuntimeError("boom")
+    assert model.proto_multipliers is None
+    assert torch.equal(model(x).logits, base)
+    with model.suppress([1]):
+        with model.suppress([2]):
+            assert model.proto_multipliers[1] == 0 and model.proto_multipliers[2] == 0
+        assert model.proto_multipliers[2] == 1 and model.proto_multipliers[1] == 0
+    assert model.proto_multipliers is None
+    with model.suppress([]):  # empty set: identical logits
+        assert torch.equal(model(x).logits, base)
+
+
+def test_unknown_ids_rejected_clearly():
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"unknown prototype id\(s\) \[64, 1000\].*64 prototypes"):
+        with model.suppress([3, 64, 1000]):
+            pass
+    with pytest.raises(ValueError, match="integers"):
+        model.suppress(["a"])
+    assert model.proto_multipliers is None
+    dense = PrismLM(ModelConfig(vocab_size=97, block_size=32, n_layer=1, n_head=2, n_embd=32, prototypes=None))
+    with pytest.raises(ValueError, match="dense baseline"):
+        dense.suppress([0])
+
+
+def test_suppression_set_round_trip_and_checks(tmp_path):
+    from prismlm.control.suppress import SuppressionError, SuppressionSet, apply_suppression
+
+    model = tiny_model()
+    s = SuppressionSet(ids=[5, 3, 3], num_prototypes=64, model_sha256="abc", concept="x",
+                       evidence={3: {"enrichment": 2.0}})
+    assert s.ids == [3, 5]
+    p = s.save(tmp_path / "s.json")
+    s2 = SuppressionSet.load(p)
+    assert s2.ids == [3, 5] and s2.evidence[3]["enrichment"] == 2.0 and s2.model_sha256 == "abc"
+    with pytest.raises(SuppressionError, match="unknown prototype"):
+        SuppressionSet(ids=[64], num_prototypes=64)
+    with pytest.raises(SuppressionError, match="not this checkpoint"):
+        s2.check(model, "def")
+    with pytest.raises(SuppressionError, match="bank of 32"):
+        SuppressionSet(ids=[1], num_prototypes=32).check(model)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SuppressionError, match="not a suppression set"):
+        SuppressionSet.load(tmp_path / "bad.json")
+    x = torch.randint(0, 97, (1, 16))
+    with model.suppress([3, 5]):
+        want = model(x).logits
+    apply_suppression(model, s2)
+    assert torch.equal(model(x).logits, want)
+
+
+# ----- controllers -------------------------------------------------------------------------------------
+def test_zero_controller_changes_nothing_and_features_match_forward(tiny_shards):
+    from prismlm.control.controller import extract_features, prism_encoder, request_scores
+    from prismlm.eval.scoring import loglikelihoods
+
+    tok = tiny_shards.tokenizer
+    torch.manual_seed(0)
+    model = PrismLM(ModelConfig(vocab_size=576, block_size=48, n_layer=1, n_head=2, n_embd=32,
+                                prototypes=PrototypeConfig(num_prototypes=32, top_k=4))).double().eval()
+    x = torch.randint(0, 576, (2, 48))
+    base = model(x).logits
+    with model.control(torch.zeros(32, dtype=torch.float64)):
+        assert torch.equal(model(x).logits, base)  # bit-identical
+    docs = [{"id": str(i), "query": f"Question {i}: the sea is", "choices": [" blue", " dark", " wide", " old"],
+             "gold": i % 4, "label": "x"} for i in range(3)]
+    f = extract_features(model, tok, docs, prism_encoder(model))
+    W, P = model.lm_head.weight, model.prototypes.weight
+    reqs = [(d["query"], c) for d in docs for c in d["choices"]]
+    ll = torch.tensor([v for v, _ in loglikelihoods(model, tok, reqs)], dtype=torch.float64)
+    torch.testing.assert_close(request_scores(f, W, P, None), ll, rtol=0, atol=1e-9)
+    torch.testing.assert_close(request_scores(f, W, P, torch.zeros(32, dtype=torch.float64)), ll, rtol=0, atol=1e-9)
+    # a sparse non-zero controller: cached features == the real forward under model.control(c)
+    c = torch.zeros(32, dtype=torch.float64)
+    c[f.indices[:, 0].unique()[:3]] = torch.tensor([0.7, -0.5, 2.0], dtype=torch.float64)[:len(f.indices[:, 0].unique()[:3])]
+    with model.control(c):
+        ll_c = torch.tensor([v for v, _ in loglikelihoods(model, tok, reqs)], dtype=torch.float64)
+    torch.testing.assert_close(request_scores(f, W, P, c), ll_c, rtol=0, atol=1e-9)
+    assert not torch.allclose(ll_c, ll)
+
+
+def test_controller_learns_planted_signal():
+    """Synthetic task: the gold choice is the token that prototype 7's signature favours most, and
+    prototype 7 is active at every answer position; the base model is at chance."""
+    from prismlm.control.controller import ControlFeatures, accuracy, fit_controller, request_scores
+
+    g = torch.Generator().manual_seed(0)
+    K, d, V, k, D, C = 32, 16, 50, 4, 120, 4
+    W = torch.randn(V, d, generator=g)
+    P = torch.randn(K, d, generator=g)
+    sig = W @ P[7]
+    z, idx, act, tg, req, doc_of, gold = [], [], [], [], [], [], []
+    for di in range(D):
+        zi = torch.randn(d, generator=g) * 0.5
+        others = torch.randperm(K, generator=g)
+        others = others[others != 7][:k - 1]
+        ii = torch.cat([torch.tensor([7]), others])
+        aa = torch.rand(k, generator=g) * 0.5 + 0.3
+        ch = torch.randperm(V, generator=g)[:C]
+        gold.append(int(sig[ch].argmax()))
+        for ci in range(C):
+            z.append(zi); idx.append(ii); act.append(aa); tg.append(ch[ci]); req.append(di * C + ci); doc_of.append(di)
+    f = ControlFeatures(z=torch.stack(z), indices=torch.stack(idx), activations=torch.stack(act),
+                        targets=torch.stack(tg), request=torch.tensor(req), doc_of_request=torch.tensor(doc_of),
+                        gold=torch.tensor(gold), choice_len=torch.ones(D * C, dtype=torch.float64), n_choices=[C] * D)
+    base = accuracy(f, request_scores(f, W, P, None))["acc"]
+    ctl = fit_controller(f, W, P, l1=0.03, steps=150, lr=0.1)
+    after = accuracy(f, request_scores(f, W.double(), P.double(), ctl.coefficients))["acc"]
+    assert base < 0.5 and after > 0.85, (base, after)
+    top = max(ctl.nonzero, key=lambda i: abs(float(ctl.coefficients[i])))
+    assert top == 7 and ctl.coefficients[7] > 0
+    assert len(ctl.nonzero) < K // 4  # L1 keeps it sparse
+
+
+def test_sae_topk_shapes_and_budget():
+    from prismlm.control.sae import TopKSAE
+
+    sae = TopKSAE(16, 32, 4)
+    idx, act = sae.encode(torch.randn(10, 16))
+    assert idx.shape == (10, 4) and (act >= 0).all()
+    assert torch.allclose(sae.directions.norm(dim=-1), torch.ones(32))
+
+
+# ----- tasks, scorer and lm-eval ----------------------------------------------------------------------
+def test_tasks_deterministic_and_well_formed():
+    from prismlm.eval.tasks import TASKS, build_task
+
+    for name in TASKS:
+        a = build_task(name, {"train": 20, "validation": 10, "test": 10})
+        b = build_task(name, {"train": 20, "validation": 10, "test": 10})
+        assert a == b
+        ids = [set(d["id"] for d in a[s]) for s in a]
+        assert not (ids[0] & ids[1]) and not (ids[0] & ids[2]) and not (ids[1] & ids[2])
+        for d in a["test"]:
+            assert len(d["choices"]) >= 4 and len(set(d["choices"])) == len(d["choices"])
+            assert d["choices"][d["gold"]] == " " + d["label"]
+
+
+def test_scorer_and_lm_eval_adapter_agree(tiny_shards, tmp_path, monkeypatch):
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    from prismlm.eval.lm_eval_adapter import evaluate_with_lm_eval
+    from prismlm.eval.scoring import mc_accuracy
+    from prismlm.eval.tasks import build_task, write_task
+
+    tok = tiny_shards.tokenizer
+    torch.manual_seed(0)
+    model = PrismLM(ModelConfig(vocab_size=576, block_size=128, n_layer=1, n_head=2, n_embd=32,
+                                prototypes=PrototypeConfig(num_prototypes=32, top_k=4))).eval()
+    splits = build_task("fortune_source", {"train": 4, "validation": 4, "test": 16})
+    folder = write_task("fortune_source", splits, tmp_path / "tasks")
+    for sup in ([], [0, 1, 2, 3, 4, 5]):  # plain and suppressed model
+        with model.suppress(sup):
+            ours = mc_accuracy(model, tok, splits["test"])
+            theirs = evaluate_with_lm_eval(model, tok, {"fortune_source": folder})["fortune_source"]
+        assert ours.acc == pytest.approx(theirs["acc"]) and ours.acc_norm == pytest.approx(theirs["acc_norm"])
+
+
+# ----- judges ------------------------------------------------------------------------------------------
+def test_judges_load_and_score_offline(monkeypatch):
+    from prismlm.control.judges import ProfanityJudge, TfidfJudge, fortune_splits
+
+    s = fortune_splits()
+    assert s.judge_offensive and s.lm_offensive and not (set(s.judge_clean) & set(s.lm_clean))
+    j = TfidfJudge(s.judge_clean[:800], s.judge_offensive[:400])
+    sc = j.score(["What a lovely garden.", s.judge_offensive[0]])
+    assert sc.shape == (2,) and ((0 <= sc) & (sc <= 1)).all()
+    assert j.held_out_auc > 0.6
+    pytest.importorskip("profanity_check")
+    p = ProfanityJudge().score(["What a lovely garden.", "fuck off you idiot"])
+    assert p[0] < 0.5 < p[1]
+
+
+# ----- concept search ----------------------------------------------------------------------------------
+def test_concept_search_finds_planted_prototypes(tiny_shards, tmp_path):
+    from prismlm.control.concept import find_concept
+
+    tok = tiny_shards.tokenizer
+    torch.manual_seed(0)
+    model = PrismLM(ModelConfig(vocab_size=576, block_size=64, n_layer=1, n_head=2, n_embd=32,
+                                prototypes=PrototypeConfig(num_prototypes=32, top_k=2))).eval()
+    concept = ["zebra zebra zebra quartz quartz"] * 6
+    neutral = ["the king said to the people that the land was good"] * 6
+    sset, ranking = find_concept(model, tok, concept, neutral, budget=3, threshold=0.5, min_count=1, concept="zq")
+    assert 0 < len(sset.ids) <= 3 and all(r["log2_enrichment"] >= 0.5 for r in ranking)
+    for i in sset.ids:  # chosen prototypes are more active on concept text than on neutral text
+        assert sset.evidence[i]["concept_rate"] > sset.evidence[i]["neutral_rate"]
+    p = sset.save(tmp_path / "s.json")
+    assert json.loads(p.read_text())["ids"] == sset.ids
+
+
+# ----- CLI ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_run(tiny_shards, tmp_path_factory):
+    from prismlm import RunConfig
+    from prismlm.train import train
+
+    run = tmp_path_factory.mktemp("ctl") / "run"
+    cfg = RunConfig.from_name("tiny").override({"train.max_steps": 10, "train.eval_interval": 10,
+                                                "train.batch_size": 4, "train.warmup_steps": 2,
+                                                "model.block_size": 128})
+    train(cfg, run, shards=tiny_shards, progress=False)
+    return run
+
+
+def test_cli_concept_suppress_tasks_controller(tiny_run, tiny_shards, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from prismlm.cli import app
+    from prismlm.control.suppress import SuppressionSet
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    r = CliRunner()
+    (tmp_path / "c.txt").write_text("zebra zebra quartz\n\nquartz zebra zebra zebra\n")
+    (tmp_path / "n.txt").write_text("the king said to the people\n\nit was a fine day in the land\n")
+    res = r.invoke(app, ["concept", str(tiny_run), "--concept", str(tmp_path / "c.txt"), "--neutral",
+                         str(tmp_path / "n.txt"), "--threshold", "0", "--min-count", "1", "--budget", "3",
+                         "--out", str(tmp_path / "s.json"), "--save"])
+    assert res.exit_code == 0, res.output
+    s = SuppressionSet.load(tmp_path / "s.json")
+    assert 0 < len(s.ids) <= 3 and s.model_sha256
+    # generate/eval pick up the checkpoint's suppression.json ('auto'), or a file, or none
+    res = r.invoke(app, ["generate", str(tiny_run), "--prompt", "The", "-n", "5", "--suppress", str(tmp_path / "s.json")])
+    assert res.exit_code == 0 and "suppressing" in res.output, res.output
+    res = r.invoke(app, ["eval", str(tiny_run), "--batches", "1"])
+    assert res.exit_code == 0 and "suppressing" in res.output, res.output
+    (tmp_path / "bad.json").write_text(json.dumps({**s.to_dict(), "ids": [9999]}))
+    res = r.invoke(app, ["generate", str(tiny_run), "--prompt", "The", "-n", "2", "--suppress", str(tmp_path / "bad.json")])
+    assert res.exit_code == 2 and "unknown prototype id" in res.output, res.output
+    res = r.invoke(app, ["generate", str(tiny_run), "-n", "2", "--suppress", str(tmp_path / "nope.json")])
+    assert res.exit_code == 2 and "no suppression set" in res.output
+    # tasks and controllers
+    res = r.invoke(app, ["tasks", "build", "--out", str(tmp_path / "tasks"), "--task", "sotu_era",
+                         "--train-cap", "12", "--val-cap", "6", "--test-cap", "8"])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(app, ["tasks", "eval", str(tiny_run), "--tasks", str(tmp_path / "tasks"), "--suppress", "none",
+                         "--json", str(tmp_path / "acc.json"), "--lm-eval"])
+    assert res.exit_code == 0, res.output
+    acc = json.loads((tmp_path / "acc.json").read_text())["sotu_era"]
+    assert acc["acc"] == pytest.approx(acc["lm_eval"]["acc"])
+    res = r.invoke(app, ["controller", "fit", str(tiny_run), "--task", str(tmp_path / "tasks" / "sotu_era"),
+                         "--steps", "5", "--l1", "0.01", "--out", str(tmp_path / "ctl.json")])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(app, ["tasks", "eval", str(tiny_run), "--tasks", str(tmp_path / "tasks"), "--suppress", "none",
+                         "--controller", str(tmp_path / "ctl.json")])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(app, ["tasks", "eval", str(tiny_run), "--tasks", str(tmp_path / "nowhere")])
+    assert res.exit_code == 2
+    # with a prototype index: neighbourhood purity in `concept`, neighbourhoods in the controller trace
+    res = r.invoke(app, ["index", str(tiny_run), "--shards", str(tiny_shards.root), "--max-sequences", "12",
+                         "--top-n", "6", "--batch-size", "4", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(app, ["concept", str(tiny_run), "--concept", str(tmp_path / "c.txt"), "--neutral",
+                         str(tmp_path / "n.txt"), "--threshold", "0", "--min-count", "1", "--min-purity", "0",
+                         "--index", str(tiny_run / "index"), "--concept-docs", "gutenberg",
+                         "--out", str(tmp_path / "s2.json")])
+    assert res.exit_code == 0, res.output
+    s2 = SuppressionSet.load(tmp_path / "s2.json")
+    assert s2.ids and all("purity" in e and "neighbours" in e for e in s2.evidence.values())
+    res = r.invoke(app, ["controller", "fit", str(tiny_run), "--task", str(tmp_path / "tasks" / "sotu_era"),
+                         "--steps", "5", "--l1", "0.0001", "--out", str(tmp_path / "ctl2.json"),
+                         "--index", str(tiny_run / "index")])
+    assert res.exit_code == 0, res.output
+    trace = json.loads((tmp_path / "ctl2.json").read_text())["trace"]
+    assert trace and all("neighbours" in e for e in trace)
+    res = r.invoke(app, ["concept", str(tiny_run), "--concept", str(tmp_path / "c.txt"), "--neutral",
+                         str(tmp_path / "n.txt"), "--index", str(tiny_run / "index")])
+    assert res.exit_code == 2 and "both --index and --concept-docs" in res.output
+
+
+def test_paired_stats_mcnemar():
+    from prismlm.control.controller import paired_stats
+
+    b = torch.tensor([True, False] * 20)
+    assert paired_stats(b, b)["mcnemar_p"] == 1.0 and paired_stats(b, b)["delta"] == 0.0
+    a = b.clone()
+    a[1:12:2] = True  # 6 gained, 0 lost → exact two-sided p = 2 / 2**6
+    s = paired_stats(b, a)
+    assert s["gained"] == 6 and s["lost"] == 0 and s["mcnemar_p"] == pytest.approx(2 / 64)
+    assert s["ci95"][0] <= s["delta"] <= s["ci95"][1]
