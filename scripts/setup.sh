@@ -7,4 +7,4 @@ PY=${PYTHON:-python3}
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test]" "torch==2.13.0"  # keep the CPU torch: no resolver upgrade
