@@ -274,6 +274,13 @@ def test_cli_attribute(trained, tiny_shards, tmp_path):
     data = json.loads((tmp_path / "a.json").read_text())
     assert len(data["top"]) == 4 and data["measured_tokens"] == 2 and data["method"] == "cached"
     assert all(x["prototypes"] and "⟦" in x["snippet"] for x in data["top"])
+    # the same attribution inside `prism explain`'s report, for a generation's sampled tokens
+    res = r.invoke(app, ["explain", str(run), "The President", "--generate", "3", "--attribute", "--shards", sh,
+                         "--json", str(tmp_path / "e.json"), "--html", str(tmp_path / "e.html")])
+    assert res.exit_code == 0, res.output
+    assert "Training data" in (tmp_path / "e.html").read_text()
+    data = json.loads((tmp_path / "e.json").read_text())
+    assert data["attribution"]["measured_tokens"] == 3 and data["attribution"]["top"]
     res = r.invoke(app, ["attribute", str(run), "The", "--generate", "3", "--method", "full", "--max-sequences", "8",
                          "--shards", sh, "--top", "2"])
     assert res.exit_code == 0, res.output

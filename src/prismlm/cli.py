@@ -496,22 +496,42 @@ def explain_cmd(
     temperature: float = typer.Option(0.8, help="Sampling temperature for --generate (0 = greedy)."),
     top_k: Optional[int] = typer.Option(50, help="Sample from the top-k tokens only."),
     seed: int = typer.Option(0, help="Sampling seed."),
+    attribute: bool = typer.Option(False, "--attribute", help="Add the top training sequences for the text (its "
+                                   "generated part with --generate) to the report: prototype-space influence "
+                                   "from the run's attribution cache (`prism attribute-cache`)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda…"),
 ) -> None:
     """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly."""
+    from prismlm.attribution.commands import attribute_run
     from prismlm.explore import render_terminal, write_html
 
+    attribution = None
     try:
         expl = explain_run(run, prompt, generate=generate_n, index_dir=index, use_index=use_index, shards_dir=shards,
                            temperature=temperature, top_k=top_k, seed=seed, neighbours=neighbours, device=device)
+        if attribute:
+            # attribute exactly the tokens that were explained (inputs + the last chosen token); with
+            # --generate, measure the sampled tokens only
+            ids = list(expl.token_ids)
+            if expl.prompt_tokens is not None or len(ids) < 2:  # a generation ends with its last sampled token
+                ids.append(expl.positions[-1].next_id)
+            completion = len(ids) - expl.prompt_tokens if expl.prompt_tokens is not None else None
+            attribution = attribute_run(run, expl.text, completion=completion or None, shards_dir=shards,
+                                        device=device, token_ids=ids)
     except _attribution_errors() as e:
         _fail(str(e))
     render_terminal(expl, Console(), top=top)
+    if attribution is not None:
+        Console().print("top training sequences: " + ", ".join(
+            f"#{it.sequence} ({it.score:+.3g})" for it in attribution.top[:5]))
     if json_out:
-        expl.to_json(json_out)
+        if attribution is None:
+            expl.to_json(json_out)
+        else:
+            json_out.write_text(json.dumps({**expl.to_dict(), "attribution": attribution.to_dict()}, indent=2) + "\n")
         console.print(f"JSON → {json_out}")
     if html_out:
-        write_html(expl, html_out)
+        write_html(expl, html_out, attribution=attribution)
         console.print(f"HTML → {html_out}")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -101,10 +101,13 @@ def attribute(
     seed: int = 0,
     top: int = 10,
     snippet_tokens: int = 24,
+    token_ids: Sequence[int] | None = None,
 ) -> Attribution:
     """Top training sequences for ``prompt`` (+ ``completion``), by the cached postings (``cache``) or the
     full block gradients (``full``). ``generate=N`` samples N tokens after the prompt (greedy at
-    ``temperature=0``) and attributes them as the completion. ``shards`` (for snippets) defaults to none."""
+    ``temperature=0``) and attributes them as the completion. ``shards`` (for snippets) defaults to none.
+    ``token_ids`` attributes exactly these tokens (e.g. an explained generation, whose text would not
+    always re-tokenize to the same ids); ``completion_tokens`` then counts from their end."""
     import time
 
     t0 = time.perf_counter()
@@ -115,7 +118,15 @@ def attribute(
     if (cache is None) == (full is None):
         raise ValueError("pass exactly one of cache= (fast) or full= (reference)")
     notes = []
-    if generate > 0:
+    if token_ids is not None:
+        ids = [int(t) for t in token_ids]
+        if len(ids) < 2:
+            raise ValueError("nothing to attribute: fewer than two tokens")
+        if completion_tokens and completion_tokens >= len(ids):
+            raise ValueError(f"completion_tokens {completion_tokens} is not shorter than the {len(ids)} tokens")
+        start = len(ids) - completion_tokens if completion_tokens else 1
+        prompt, completion = tok.decode(ids[:start]), tok.decode(ids[start:])
+    elif generate > 0:
         ids0 = [tok.eot_id] + (tok.encode(prompt) if prompt else [])
         g = torch.Generator().manual_seed(seed)
         x = torch.tensor([ids0], device=next(net.parameters()).device)

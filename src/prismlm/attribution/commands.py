@@ -36,8 +36,8 @@ def build_run_cache(run: Path, *, r: Optional[int] = None, projection: str = "or
 def attribute_run(run: Path, text: str, *, answer: Optional[str] = None, completion: Optional[int] = None,
                   generate: int = 0, top: int = 10, method: str = "cached", cache_dir: Optional[Path] = None,
                   shards_dir: Optional[Path] = None, max_sequences: Optional[int] = None, temperature: float = 0.0,
-                  seed: int = 0, device: str = "auto"):
-    """``prism attribute`` as a function: returns an ``Attribution``."""
+                  seed: int = 0, device: str = "auto", token_ids: Optional[list[int]] = None):
+    """``prism attribute`` as a function: returns an ``Attribution`` (of ``token_ids`` exactly, if given)."""
     from prismlm.attribution.attribute import attribute
     from prismlm.attribution.cache import AttributionCache
     from prismlm.attribution.index import IndexError_
@@ -67,7 +67,7 @@ def attribute_run(run: Path, text: str, *, answer: Optional[str] = None, complet
         shards = resolve_shards(ckpt, shards_dir)
         kw["full"] = FullGradients.build(ckpt, shards, max_sequences=max_sequences)
     return attribute(ckpt, text, answer, shards=shards, completion_tokens=completion, generate=generate, top=top,
-                     temperature=temperature, seed=seed, **kw)
+                     temperature=temperature, seed=seed, token_ids=token_ids, **kw)
 
 
 def register(app: typer.Typer) -> None:
