@@ -19,7 +19,7 @@ from prismlm.attribution import (IndexError_, IndexMismatchError, PrototypeIndex
                                  explain, explain_generation, llm_labels, merge_indexes, prototype_card, rule_labels,
                                  save_labels)
 from prismlm.attribution.labels import CATEGORIES
-from prismlm.train import load_checkpoint, train
+from conftest import train_tiny_run
 
 T = 64  # tiny preset block_size
 
@@ -27,11 +27,7 @@ T = 64  # tiny preset block_size
 @pytest.fixture(scope="module")
 def trained(tiny_shards, tmp_path_factory):
     """A tiny PRISM trained for 20 steps on the tiny shards, loaded back as a Checkpoint."""
-    run = tmp_path_factory.mktemp("attr") / "run"
-    cfg = RunConfig.from_name("tiny").override({"train.max_steps": 20, "train.eval_interval": 20,
-                                                "train.batch_size": 4, "train.warmup_steps": 2})
-    train(cfg, run, shards=tiny_shards, progress=False)
-    return load_checkpoint(run), run
+    return train_tiny_run(tiny_shards, tmp_path_factory.mktemp("attr"), steps=20, batch_size=4, warmup_steps=2)
 
 
 def _double(ckpt):

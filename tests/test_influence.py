@@ -17,19 +17,16 @@ from prismlm.attribution.cache import AttributionCache, build_cache, merge_cache
 from prismlm.attribution.index import IndexError_, IndexMismatchError
 from prismlm.attribution.influence import (BlockGradients, FullGradients, block_gradients, collect_gradients,
                                            curvature_pass, influence_scores, query_gradients, self_influence)
-from prismlm.train import load_checkpoint, train
+from prismlm.train import train
+from conftest import train_tiny_run
 
 N_SEQ = 24
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_shards, tmp_path_factory):
-    run = tmp_path_factory.mktemp("infl") / "run"
     # 150 steps: at 20 the tiny model uses ~6 of its 64 prototypes; at 150 about 20, so block sparsity is real
-    cfg = RunConfig.from_name("tiny").override({"train.max_steps": 150, "train.eval_interval": 1000,
-                                                "train.batch_size": 8, "train.warmup_steps": 5})
-    train(cfg, run, shards=tiny_shards, progress=False)
-    return load_checkpoint(run), run
+    return train_tiny_run(tiny_shards, tmp_path_factory.mktemp("infl"), steps=150, batch_size=8, warmup_steps=5)
 
 
 @pytest.fixture(scope="module")

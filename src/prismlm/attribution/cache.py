@@ -43,7 +43,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from prismlm.attribution.index import (IndexError_, IndexMismatchError, _merge_ranges, _overlap, model_identity,
+from prismlm.attribution.index import (IndexError_, IndexMismatchError, _merge_ranges, _overlap, check_provenance,
+                                       model_identity,
                                        part_range)
 from prismlm.attribution.influence import BlockGradients, Curvature, _batches, _forward, _unwrap, block_gradients, \
     curvature_pass
@@ -130,18 +131,8 @@ class AttributionCache:
               shard_key: str | None = None) -> None:
         """Raise ``IndexMismatchError`` unless the cache was built from this checkpoint and these shards."""
         where = f" {self.path}" if self.path else ""
-        if checkpoint is not None:
-            model_sha256 = model_identity(checkpoint)
-        if model_sha256 is not None and model_sha256 != self.manifest["model_sha256"]:
-            raise IndexMismatchError(
-                f"attribution cache{where} was built for model {self.manifest['model_sha256']}, but this "
-                f"checkpoint's model is {model_sha256}; rebuild it with `prism attribute-cache`")
-        if shards is not None:
-            shard_key = shards.manifest["key"]
-        if shard_key is not None and shard_key != self.manifest["shard_key"]:
-            raise IndexMismatchError(
-                f"attribution cache{where} was built on token shards {self.manifest['shard_key']}, but these "
-                f"shards are {shard_key}; rebuild it with `prism attribute-cache` on this corpus")
+        check_provenance(self.manifest, what=f"attribution cache{where}", rebuild="prism attribute-cache",
+                         checkpoint=checkpoint, model_sha256=model_sha256, shards=shards, shard_key=shard_key)
 
     # ----- queries --------------------------------------------------------------------------------------
     def sketch_query(self, query: BlockGradients) -> torch.Tensor:

@@ -107,6 +107,25 @@ def model_identity(model_or_ckpt: Any) -> str:
     return "weights:" + h.hexdigest()
 
 
+
+def check_provenance(manifest: dict[str, Any], *, what: str, rebuild: str, checkpoint: Any = None,
+                     model_sha256: str | None = None, shards: Any = None, shard_key: str | None = None) -> None:
+    """Refuse an artifact (index, attribution cache, …) built from another model or corpus.
+
+    ``manifest`` holds the ``model_sha256`` and ``shard_key`` the artifact was built from; ``what`` names
+    it in the message and ``rebuild`` is the command that rebuilds it."""
+    if checkpoint is not None:
+        model_sha256 = model_identity(checkpoint)
+    if model_sha256 is not None and model_sha256 != manifest["model_sha256"]:
+        raise IndexMismatchError(f"{what} was built for model {manifest['model_sha256']}, but this checkpoint's "
+                                 f"model is {model_sha256}; rebuild it with `{rebuild}`")
+    if shards is not None:
+        shard_key = shards.manifest["key"]
+    if shard_key is not None and shard_key != manifest["shard_key"]:
+        raise IndexMismatchError(f"{what} was built on token shards {manifest['shard_key']}, but these shards are "
+                                 f"{shard_key}; rebuild it with `{rebuild}` on this corpus")
+
+
 def _unwrap(model_or_ckpt: Any):
     return getattr(model_or_ckpt, "model", model_or_ckpt)
 
@@ -305,18 +324,8 @@ class PrototypeIndex:
     def check(self, *, checkpoint: Any = None, model_sha256: str | None = None, shards: Any = None,
               shard_key: str | None = None) -> None:
         """Raise ``IndexMismatchError`` unless the index was built from this checkpoint and these shards."""
-        if checkpoint is not None:
-            model_sha256 = model_identity(checkpoint)
-        if model_sha256 is not None and model_sha256 != self.manifest["model_sha256"]:
-            raise IndexMismatchError(
-                f"prototype index{_where(self.path)} was built for model {self.manifest['model_sha256']}, "
-                f"but this checkpoint's model is {model_sha256}; rebuild it with `prism index`")
-        if shards is not None:
-            shard_key = shards.manifest["key"]
-        if shard_key is not None and shard_key != self.manifest["shard_key"]:
-            raise IndexMismatchError(
-                f"prototype index{_where(self.path)} was built on token shards {self.manifest['shard_key']}, "
-                f"but these shards are {shard_key}; rebuild it with `prism index` on this corpus")
+        check_provenance(self.manifest, what=f"prototype index{_where(self.path)}", rebuild="prism index",
+                         checkpoint=checkpoint, model_sha256=model_sha256, shards=shards, shard_key=shard_key)
 
     def attach(self, shards: Any) -> "PrototypeIndex":
         """Attach the shards the offsets point into (checked against the manifest); returns self."""
