@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prismlm import RunConfig
 from prismlm.attribution import (IndexError_, IndexMismatchError, PrototypeIndex, UnknownPrototypeError, build_index,
                                  explain, explain_generation, llm_labels, merge_indexes, prototype_card, rule_labels,
                                  save_labels)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from prismlm import ModelConfig, PrismLM, PrototypeConfig, RunConfig, decompose
 from prismlm.config import ConfigError, LossConfig, TrainConfig

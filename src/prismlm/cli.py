@@ -11,7 +11,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from prismlm.cli_common import console
+from prismlm.cli_common import fail as _fail
 from prismlm.config import PRESETS, ConfigError, RunConfig
+from prismlm.runs import build_run_index, evaluate_run, explain_run, generate_text, open_index, user_errors
 
 app = typer.Typer(
     add_completion=False,
@@ -19,7 +22,6 @@ app = typer.Typer(
     help="prismlm: train, sample and evaluate prototype language models (PRISM).",
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
 PRESET_NAMES = ", ".join(sorted(PRESETS))
 
 
@@ -52,11 +54,6 @@ def build_config(
         shortcuts["data.tokenizer"] = tokenizer
     cfg = cfg.override({**shortcuts, **_parse_overrides(overrides)})
     return cfg.dense() if dense else cfg
-
-
-def _fail(msg: str) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
-    raise typer.Exit(code=2)
 
 
 @app.command()
@@ -120,64 +117,14 @@ def generate(
                                  "checkpoint's suppression.json if any) or 'none'."),
 ) -> None:
     """Sample text from a trained model."""
-    for text in generate_text(run, prompt, tokens=tokens, samples=samples, temperature=temperature,
-                              top_k=top_k, seed=seed, device=device, suppress=suppress):
+    try:
+        texts = generate_text(run, prompt, tokens=tokens, samples=samples, temperature=temperature, top_k=top_k,
+                              seed=seed, device=device, suppress=suppress)
+    except user_errors() as e:
+        _fail(str(e))
+    for text in texts:
         print(text)
         print("-" * 40)
-
-
-def generate_text(run: Path, prompt: str, *, tokens: int = 100, samples: int = 1, temperature: float = 0.8,
-                  top_k: Optional[int] = 50, seed: int = 0, device: str = "auto", suppress: Optional[str] = "auto") -> list[str]:
-    import torch
-
-    from prismlm.train.distributed import resolve_device
-
-    ckpt = _load_suppressed(run, suppress, resolve_device(device))
-    tok = ckpt.tokenizer
-    if tok is None:
-        _fail(f"{ckpt.path} has no tokenizer; cannot encode a prompt")
-    ids = tok.encode(prompt) if prompt else [tok.eot_id]
-    dev = next(ckpt.model.parameters()).device
-    x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    y = ckpt.model.generate(x, tokens, temperature=temperature, top_k=top_k, generator=gen)
-    return [tok.decode(row[len(ids) if prompt else 1:].tolist()) if not prompt else prompt + tok.decode(row[len(ids):].tolist())
-            for row in y]
-
-
-def _load_suppressed(run: Path, suppress: Optional[str], device):
-    """load_checkpoint + the suppression set (``auto``/``none``/FILE); a bad set is a clear error (exit 2)."""
-    from prismlm.control.suppress import SuppressionError, load_with_suppression
-    from prismlm.train.checkpoint import CheckpointError
-
-    try:
-        ckpt, sset = load_with_suppression(run, suppress, device=device)
-    except (SuppressionError, CheckpointError) as e:
-        _fail(str(e))
-    if sset is not None:
-        console.print(f"suppressing {len(sset.ids)} prototypes ({100 * sset.share:.2f}% of the bank)"
-                      + (f": {sset.concept}" if sset.concept else ""))
-    return ckpt
-
-
-def evaluate_run(run: Path, *, batches: int = 50, batch_size: Optional[int] = None, device: str = "auto",
-                 suppress: Optional[str] = "auto") -> dict:
-    """Validation loss/perplexity and coverage metrics of a trained run on its own validation split."""
-    from prismlm.data.shards import prepare_from_config
-    from prismlm.eval.metrics import evaluate
-    from prismlm.train.checkpoint import load_checkpoint
-    from prismlm.train.distributed import resolve_device
-    from prismlm.train.trainer import autocast_for
-
-    dev = resolve_device(device)
-    ckpt = _load_suppressed(run, suppress, dev) if suppress not in (None, "none") else load_checkpoint(run, device=dev)
-    cfg = ckpt.config
-    shards = prepare_from_config(cfg.data, show_progress=False)
-    metrics = evaluate(ckpt.model, shards.val, seq_len=cfg.model.block_size,
-                       batch_size=batch_size or cfg.train.batch_size, max_batches=batches, device=dev,
-                       autocast=autocast_for(cfg, dev))
-    metrics["step"] = ckpt.manifest.get("step")
-    return metrics
 
 
 def print_metrics(metrics: dict, title: str = "evaluation") -> None:
@@ -200,7 +147,10 @@ def eval_cmd(
                                  "suppression.json if any) or 'none'."),
 ) -> None:
     """Validation loss, perplexity and coverage metrics (R̄1, R2, dead prototypes, residual share)."""
-    metrics = evaluate_run(run, batches=batches, batch_size=batch_size, device=device, suppress=suppress)
+    try:
+        metrics = evaluate_run(run, batches=batches, batch_size=batch_size, device=device, suppress=suppress)
+    except user_errors() as e:
+        _fail(str(e))
     print_metrics(metrics, f"eval {run}")
     if json_out:
         json_out.write_text(json.dumps(metrics, indent=2) + "\n")
@@ -233,7 +183,7 @@ def run_demo(*, preset: str = "cpu-small", steps: Optional[int] = None, out: Pat
         extra.append(f"data.max_chars_per_doc={max_chars_per_doc}")
     cfg = build_config(preset, None, extra, steps=steps, corpus="builtin")
     console.rule(f"[bold]prism demo[/]: {preset} PRISM on the built-in corpus")
-    result = run_train(cfg, out, progress=progress)
+    run_train(cfg, out, progress=progress)
     console.rule("samples")
     for prompt in ("The ", "It is a truth universally acknowledged"):
         for text in generate_text(out, prompt, tokens=40, samples=1, temperature=0.8, seed=0, device="cpu"):
@@ -259,21 +209,6 @@ def run_demo(*, preset: str = "cpu-small", steps: Optional[int] = None, out: Pat
 
 
 # ----- prototype index, labels, explanations (spec §3.1) ------------------------------------------------
-def _attribution_errors() -> tuple[type[BaseException], ...]:
-    from prismlm.attribution.index import IndexError_
-    from prismlm.data.shards import ShardError
-    from prismlm.data.tokenizer import TokenizerError
-    from prismlm.train.checkpoint import CheckpointError
-
-    return (IndexError_, ShardError, TokenizerError, CheckpointError, ConfigError, ValueError, FileNotFoundError)
-
-
-def _run_dir(run: Path, ckpt) -> Path:
-    """The run folder of a checkpoint (``RUN/checkpoints/step-N`` → ``RUN``); a bare checkpoint is its own."""
-    p = ckpt.path
-    return p.parent.parent if p.parent.name == "checkpoints" else Path(run)
-
-
 def _parse_part(part: str) -> tuple[int, int]:
     try:
         i, n = (int(x) for x in part.split("/"))
@@ -282,69 +217,6 @@ def _parse_part(part: str) -> tuple[int, int]:
     if not (n >= 1 and 0 <= i < n):
         _fail(f"--part i/n needs 0 <= i < n, got {part!r}")
     return i, n
-
-
-def resolve_shards(ckpt, shards_dir: Optional[Path] = None, index_manifest: Optional[dict] = None):
-    """The token shards of a run: ``--shards``, else the index's recorded folder, else prepared (reused) from
-    the run's data config; refused if their key differs from the one the checkpoint was trained on."""
-    from prismlm.data.shards import ShardError, load_shards, prepare_from_config
-
-    want = (ckpt.manifest.get("data") or {}).get("key")
-    if shards_dir is not None:
-        shards = load_shards(shards_dir)
-    else:
-        shards = None
-        root = (index_manifest or {}).get("shards_root")
-        if root and Path(root).exists():
-            try:
-                shards = load_shards(root)
-            except ShardError:
-                shards = None
-        if shards is None:
-            shards = prepare_from_config(ckpt.config.data, show_progress=False)
-    if want is not None and shards.manifest["key"] != want:
-        raise ShardError(f"token shards {shards.root} (key {shards.manifest['key'][:16]}…) are not the ones checkpoint "
-                         f"{ckpt.path} was trained on (key {want[:16]}…); pass --shards with the training shards")
-    return shards
-
-
-def build_run_index(run: Path, *, top_n: int = 32, max_sequences: Optional[int] = None, batch_size: int = 16,
-                    part: tuple[int, int] = (0, 1), out: Optional[Path] = None, resume: bool = False,
-                    checkpoint_every: int = 50, shards_dir: Optional[Path] = None, labels: bool = True,
-                    device: str = "auto", progress: bool = True):
-    """``prism index`` as a function: build (or resume) a run's prototype index and, when complete, its
-    rule labels. Returns the ``PrototypeIndex``."""
-    from prismlm.attribution import build_index, rule_labels, save_labels
-    from prismlm.attribution.index import IndexError_
-    from prismlm.train.checkpoint import load_checkpoint
-    from prismlm.train.distributed import resolve_device
-    from prismlm.train.trainer import autocast_for
-
-    dev = resolve_device(device)
-    ckpt = load_checkpoint(run, device=dev)
-    if not ckpt.model.is_prism:
-        raise IndexError_(f"{ckpt.path} is a dense baseline: it has no prototypes to index")
-    if out is None:
-        out = _run_dir(run, ckpt) / ("index" if part == (0, 1) else f"index-part-{part[0]}-of-{part[1]}")
-    prev = None
-    if resume and (out / "manifest.json").exists():
-        from prismlm.attribution import PrototypeIndex
-
-        prev = PrototypeIndex.load(out)
-        if prev.complete:
-            console.print(f"{out} is already complete; nothing to resume")
-    elif resume:
-        console.print(f"[yellow]no partial index in {out}; starting from the beginning[/]")
-    shards = resolve_shards(ckpt, shards_dir, prev.manifest if prev is not None else None)
-    if prev is not None and prev.complete:
-        idx = prev.attach(shards)
-    else:
-        idx = build_index(ckpt, shards, top_n=top_n, batch_size=batch_size, max_sequences=max_sequences, part=part,
-                          resume_from=prev, out=out, checkpoint_every=checkpoint_every, device=dev,
-                          autocast=autocast_for(ckpt.config, dev), progress=progress)
-    if labels and idx.covers_all:
-        save_labels(rule_labels(idx), out)
-    return idx
 
 
 def _print_index_summary(idx, out: Path) -> None:
@@ -379,7 +251,7 @@ def index_cmd(
         idx = build_run_index(run, top_n=top_n, max_sequences=max_sequences, batch_size=batch_size, part=pt, out=out,
                               resume=resume, checkpoint_every=checkpoint_every, shards_dir=shards, labels=labels,
                               device=device, progress=progress)
-    except _attribution_errors() as e:
+    except user_errors() as e:
         _fail(str(e))
     _print_index_summary(idx, idx.path)
 
@@ -403,23 +275,9 @@ def index_merge_cmd(
                 save_labels(rule_labels(idx), out)
             except (ShardError, OSError) as e:
                 console.print(f"[yellow]labels skipped ({e}); run `prism label` with the run folder[/]")
-    except _attribution_errors() as e:
+    except user_errors() as e:
         _fail(str(e))
     _print_index_summary(idx, out)
-
-
-def _open_index(run: Path, ckpt, index_dir: Optional[Path], shards_dir: Optional[Path], *, required: bool):
-    from prismlm.attribution import PrototypeIndex
-    from prismlm.attribution.index import IndexError_
-
-    path = index_dir or _run_dir(run, ckpt) / "index"
-    if not (path / "manifest.json").exists():
-        if required or index_dir is not None:
-            raise IndexError_(f"no prototype index at {path}; build it with `prism index {run}`")
-        return None
-    idx = PrototypeIndex.load(path, checkpoint=ckpt)
-    idx.attach(resolve_shards(ckpt, shards_dir, idx.manifest))
-    return idx
 
 
 @app.command("label")
@@ -443,42 +301,19 @@ def label_cmd(
         _fail("--labeller openai needs --endpoint URL and --model NAME")
     try:
         ckpt = load_checkpoint(run)
-        idx = _open_index(run, ckpt, index, shards, required=True)
+        idx = open_index(run, ckpt, index, shards, required=True)
         labs = rule_labels(idx)
         if labeller == "openai":
             sel = [int(x) for x in ids.split(",")] if ids else None
             labs = llm_labels(idx, labs, endpoint=endpoint, model=model, api_key_env=api_key_env, ids=sel)
         path = save_labels(labs, idx.path)
-    except _attribution_errors() as e:
+    except user_errors() as e:
         _fail(str(e))
     cats: dict[str, int] = {}
     for v in labs.values():
         cats[v["category"]] = cats.get(v["category"], 0) + 1
     console.print(f"labels for {len(labs)} prototypes → {path}; categories: "
                   + ", ".join(f"{k} {v}" for k, v in sorted(cats.items(), key=lambda kv: -kv[1])))
-
-
-def explain_run(run: Path, prompt: str, *, generate: int = 0, index_dir: Optional[Path] = None,
-                use_index: bool = True, shards_dir: Optional[Path] = None, temperature: float = 0.8,
-                top_k: Optional[int] = 50, seed: int = 0, neighbours: int = 5, device: str = "auto"):
-    """``prism explain`` as a function: returns an ``Explanation`` of the prompt (or of a generation)."""
-    from prismlm.attribution import explain, explain_generation
-    from prismlm.train.checkpoint import load_checkpoint
-    from prismlm.train.distributed import resolve_device
-
-    ckpt = load_checkpoint(run, device=resolve_device(device))
-    if ckpt.tokenizer is None:
-        raise ValueError(f"{ckpt.path} has no tokenizer; cannot encode a prompt")
-    if not ckpt.model.is_prism:
-        raise ValueError(f"{ckpt.path} is a dense baseline: it has no prototypes to explain with")
-    idx = _open_index(run, ckpt, index_dir, shards_dir, required=False) if use_index else None
-    if generate > 0:
-        return explain_generation(ckpt, None, prompt, generate, temperature=temperature, top_k=top_k, seed=seed,
-                                  index=idx, neighbours=neighbours)
-    expl = explain(ckpt, None, prompt, index=idx, neighbours=neighbours)
-    if idx is None:
-        expl.notes.append(f"no prototype index: build one with `prism index {run}` for neighbourhoods and labels")
-    return expl
 
 
 @app.command("explain")
@@ -518,7 +353,7 @@ def explain_cmd(
             completion = len(ids) - expl.prompt_tokens if expl.prompt_tokens is not None else None
             attribution = attribute_run(run, expl.text, completion=completion or None, shards_dir=shards,
                                         device=device, token_ids=ids)
-    except _attribution_errors() as e:
+    except user_errors() as e:
         _fail(str(e))
     render_terminal(expl, Console(), top=top)
     if attribution is not None:
@@ -556,7 +391,7 @@ def prototypes_cmd(
         ckpt = load_checkpoint(run)
         if not ckpt.model.is_prism:
             raise ValueError(f"{ckpt.path} is a dense baseline: it has no prototypes")
-        idx = _open_index(run, ckpt, index, shards, required=False)
+        idx = open_index(run, ckpt, index, shards, required=False)
         labs = idx.labels() if idx is not None else {}
         tok = ckpt.tokenizer
         K = ckpt.model.prototypes.num_prototypes
@@ -609,7 +444,7 @@ def prototypes_cmd(
                           *((f"{score[i]:.2f}",) if token else ()))
         out.print(table)
         out.print(f"[dim]{len(ids)} of {K} prototypes match[/]")
-    except _attribution_errors() as e:
+    except user_errors() as e:
         _fail(str(e))
 
 

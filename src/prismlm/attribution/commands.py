@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 import typer
 
+from prismlm.cli_common import fail as _fail
+
 
 def build_run_cache(run: Path, *, r: Optional[int] = None, projection: str = "orthogonal", mode: str = "shared",
                     damping: float = 0.1, max_sequences: Optional[int] = None, batch_size: int = 16,
@@ -14,7 +16,7 @@ def build_run_cache(run: Path, *, r: Optional[int] = None, projection: str = "or
                     device: str = "auto"):
     """``prism attribute-cache`` as a function: build RUN/attribution-cache (or ``out``)."""
     from prismlm.attribution.cache import build_cache
-    from prismlm.cli import _run_dir, resolve_shards
+    from prismlm.runs import resolve_shards, run_dir
     from prismlm.train.checkpoint import load_checkpoint
     from prismlm.train.distributed import resolve_device
 
@@ -28,7 +30,7 @@ def build_run_cache(run: Path, *, r: Optional[int] = None, projection: str = "or
     if dtype not in ("float16", "float32", "float64"):
         raise ValueError(f"--dtype must be float16, float32 or float64, got {dtype!r}")
     shards = resolve_shards(ckpt, shards_dir)
-    out = out or _run_dir(run, ckpt) / "attribution-cache"
+    out = out or run_dir(run, ckpt) / "attribution-cache"
     return build_cache(ckpt, shards, r=r, projection=projection, mode=mode, damping=damping,  # type: ignore[arg-type]
                        max_sequences=max_sequences, batch_size=batch_size, dtype=dtype, out=out)  # type: ignore[arg-type]
 
@@ -42,7 +44,7 @@ def attribute_run(run: Path, text: str, *, answer: Optional[str] = None, complet
     from prismlm.attribution.cache import AttributionCache
     from prismlm.attribution.index import IndexError_
     from prismlm.attribution.influence import FullGradients
-    from prismlm.cli import _run_dir, resolve_shards
+    from prismlm.runs import resolve_shards, run_dir
     from prismlm.train.checkpoint import load_checkpoint
     from prismlm.train.distributed import resolve_device
 
@@ -55,7 +57,7 @@ def attribute_run(run: Path, text: str, *, answer: Optional[str] = None, complet
         raise ValueError(f"--method must be cached or full, got {method!r}")
     kw: dict[str, Any] = {}
     if method == "cached":
-        path = cache_dir or _run_dir(run, ckpt) / "attribution-cache"
+        path = cache_dir or run_dir(run, ckpt) / "attribution-cache"
         if not (path / "manifest.json").exists():
             raise IndexError_(f"no attribution cache at {path}; build it with `prism attribute-cache {run}` "
                               f"(or use --method full)")
@@ -78,13 +80,9 @@ def register(app: typer.Typer) -> None:
     console = Console()
 
     def _errors():
-        from prismlm.cli import _attribution_errors
+        from prismlm.runs import user_errors
 
-        return _attribution_errors()
-
-    def _fail(msg: str) -> None:
-        console.print(f"[bold red]error:[/] {msg}")
-        raise typer.Exit(code=2)
+        return user_errors()
 
     @app.command("attribute-cache")
     def attribute_cache_cmd(
@@ -158,7 +156,7 @@ def register(app: typer.Typer) -> None:
             res.to_json(json_out)
             console.print(f"JSON → {json_out}")
         if html_out:
-            from prismlm.cli import explain_run
+            from prismlm.runs import explain_run
             from prismlm.explore import write_html
 
             try:  # the explanation of the attributed text (prompt + completion), with the index if there is one

@@ -16,40 +16,28 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-console = Console(stderr=True)
-
-
-def _fail(msg: str) -> None:
-    console.print(f"[bold red]error:[/] {msg}")
-    raise typer.Exit(code=2)
+from prismlm.cli_common import console
+from prismlm.cli_common import fail as _fail
+from prismlm.runs import load_run, open_index, user_errors
 
 
 def _load(run: Path, suppress: Optional[str] = "auto"):
-    from prismlm.control.suppress import SuppressionError, load_with_suppression
-    from prismlm.train.checkpoint import CheckpointError
-
+    """The run's checkpoint with its suppression set applied (exit 2 on a bad run or set)."""
     try:
-        ckpt, sset = load_with_suppression(run, suppress, device="cpu")
-    except (SuppressionError, CheckpointError) as e:
+        ckpt = load_run(run, suppress, "cpu")
+    except user_errors() as e:
         _fail(str(e))
     if ckpt.tokenizer is None:
         _fail(f"{ckpt.path} has no tokenizer")
-    if sset is not None:
-        console.print(f"suppressing {len(sset.ids)} prototypes ({100 * sset.share:.2f}% of K)")
     return ckpt
 
 
 def _open_index(ckpt, index: Path):
     """A prototype index checked against the checkpoint, with its training shards attached (exit 2 otherwise)."""
-    from prismlm.attribution.index import PrototypeIndex
-    from prismlm.cli import resolve_shards
-
     try:
-        idx = PrototypeIndex.load(index, checkpoint=ckpt)
-        idx.attach(resolve_shards(ckpt, None, idx.manifest))
-    except Exception as e:  # noqa: BLE001 - any failure to open the index is a user error here
+        return open_index(index, ckpt, index, None, required=True)
+    except user_errors() as e:
         _fail(f"cannot use index {index}: {e}")
-    return idx
 
 
 def concept_cmd(
@@ -201,8 +189,6 @@ def controller_fit(
                                                     "training neighbourhood."),
 ) -> None:
     """Fit a sparse linear controller c (LM frozen) on a task; report test accuracy before → after."""
-    import torch
-
     from prismlm.control.controller import (accuracy, extract_features, fit_with_validation, prism_encoder,
                                             request_scores, trace_prism_controller)
     from prismlm.eval.tasks import TaskError, load_split

@@ -73,7 +73,7 @@ def extract_features(model: Any, tokenizer: Any, docs: Sequence[dict[str, Any]],
             doc_of.append(di)
             clen.append(len(ch))
     dev = next(model.parameters()).device
-    Z, I, A, Y, R = [], [], [], [], []
+    Z, Y, R = [], [], []
     for b in range(0, len(reqs), batch_size):
         chunk = reqs[b:b + batch_size]
         L = max(len(f) - 1 for f, _ in chunk)

@@ -55,7 +55,7 @@ class PrismEvalLM(LM):
             (text,) = r.args
             ids = self.tokenizer.encode(text)
             T = self.model.config.block_size
-            total, prev = 0.0, ""
+            total = 0.0
             # windows of block_size tokens, each conditioned on end-of-text (simple, exact for short texts)
             for s in range(0, len(ids), T):
                 chunk = self.tokenizer.decode(ids[s:s + T])
