@@ -54,12 +54,11 @@ def evaluate_run(run: Path, *, batches: int = 50, batch_size: Optional[int] = No
     """Validation loss/perplexity and coverage metrics of a trained run on its own validation split."""
     from prismlm.data.shards import prepare_from_config
     from prismlm.eval.metrics import evaluate
-    from prismlm.train.checkpoint import load_checkpoint
     from prismlm.train.distributed import resolve_device
     from prismlm.train.trainer import autocast_for
 
     dev = resolve_device(device)
-    ckpt = load_run(run, suppress, dev) if suppress not in (None, "none") else load_checkpoint(run, device=dev)
+    ckpt = load_run(run, suppress, dev)
     cfg = ckpt.config
     shards = prepare_from_config(cfg.data, show_progress=False)
     metrics = evaluate(ckpt.model, shards.val, seq_len=cfg.model.block_size,
