@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -100,7 +101,8 @@ def train(
         _fail(str(e))
     out = out or Path("runs") / f"{cfg.preset or 'custom'}-{'prism' if cfg.model.is_prism else 'dense'}"
     result = run_train(cfg, out, resume=resume, progress=progress)
-    console.print(f"checkpoint: {result.checkpoint}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one line from rank 0 only
+        console.print(f"checkpoint: {result.checkpoint}")
 
 
 @app.command()
