@@ -55,6 +55,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
+
 __all__ = [
     "FORMAT_VERSION",
     "IndexError_",
@@ -271,15 +273,9 @@ class PrototypeIndex:
         """R̄1, R2, dead prototypes and residual share over the indexed tokens (definitions of
         ``prismlm.eval.metrics.CoverageAccumulator``)."""
         n = self.tokens
-        if n == 0:
-            return {}
-        dead = int((self.counts == 0).sum())
-        return {"r1_bar": float(self.top_sim[:, 0].double().mean()),
-                "r2": self.manifest["token_max_cos_sum"] / n,
-                "dead_prototypes": dead,
-                "dead_fraction": dead / self.num_prototypes,
-                "residual_share": self.manifest["residual_share_sum"] / n,
-                "tokens": n}
+        metrics = coverage_metrics(self.top_sim[:, 0], self.counts, self.manifest["token_max_cos_sum"],
+                                   self.manifest["residual_share_sum"], n)
+        return {**metrics, "tokens": n} if metrics else {}
 
     def dead_prototypes(self) -> list[int]:
         return (self.counts == 0).nonzero().squeeze(1).tolist()
@@ -453,18 +449,16 @@ class _Builder:
             cand_sim = torch.cat([self.top_sim, vals.to(self.top_sim.dtype)], dim=1)  # (K, N + ≤N)
             cand_off = torch.cat([self.top_off, offsets[s:s + chunk][cols]], dim=1)
             self.top_sim, self.top_off = _topn_merge(cand_sim, cand_off, self.n)
-        act = out.activations.reshape(-1).float()  # (B·T·k,)
-        ids = out.indices.reshape(-1)
-        on = act > 0
-        ids, act = ids[on], act[on]
+        ids, act = active_prototypes(out)  # (n_active,) each
+        act = act.float()
         self.counts += torch.bincount(ids, minlength=self.K)
         self.act_sum.index_add_(0, ids, act.double())
         b = (act * self.bins).long().clamp_(0, self.bins - 1)
         self.hist += torch.bincount(ids * self.bins + b, minlength=self.K * self.bins)
-        self.token_cos_sum += float(out.token_max_cos.double().sum())
-        ratio = out.residual.double().norm(dim=-1) / z.double().norm(dim=-1).clamp_min(1e-8)
-        self.residual_sum += float(ratio.sum())
-        self.tokens += B * T
+        token_cos, residual, n = coverage_sums(out)
+        self.token_cos_sum += token_cos
+        self.residual_sum += residual
+        self.tokens += n
 
     def to_index(self, manifest: dict[str, Any]) -> PrototypeIndex:
         manifest = {**manifest, "tokens": self.tokens, "token_max_cos_sum": self.token_cos_sum,

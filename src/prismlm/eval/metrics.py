@@ -20,6 +20,37 @@ import torch
 from prismlm.model import PrismLM, PrismOutput
 
 
+def active_prototypes(out: PrismOutput) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, activations) of every (token, prototype) pair with a > 0 in ``out`` — flat (n_active,) each."""
+    act = out.activations.detach().reshape(-1)
+    ids = out.indices.reshape(-1)
+    on = act > 0
+    return ids[on], act[on]
+
+
+def coverage_sums(out: PrismOutput) -> tuple[float, float, int]:
+    """Per-batch sums that coverage metrics average over tokens, in float64 so streamed sums do not drift:
+    (Σ_t max_i cos(z_t, p_i), Σ_t ‖r_t‖/‖z_t‖, number of tokens)."""
+    token_cos = float(out.token_max_cos.detach().double().sum())
+    ratio = out.residual.detach().double().norm(dim=-1) / out.hidden.detach().double().norm(dim=-1).clamp_min(1e-8)
+    return token_cos, float(ratio.sum()), out.token_max_cos.numel()
+
+
+def coverage_metrics(proto_max: torch.Tensor, counts: torch.Tensor, token_cos_sum: float,
+                     residual_share_sum: float, tokens: int) -> dict[str, float]:
+    """R̄1, R2, dead prototypes and residual share from streamed statistics (definitions above)."""
+    if tokens == 0:
+        return {}
+    dead = int((counts == 0).sum())
+    return {
+        "r1_bar": float(proto_max.double().mean()),
+        "r2": token_cos_sum / tokens,
+        "dead_prototypes": dead,
+        "dead_fraction": dead / counts.numel(),
+        "residual_share": residual_share_sum / tokens,
+    }
+
+
 @dataclass
 class CoverageAccumulator:
     """Streams PrismOutputs and reduces them to coverage metrics."""
@@ -35,25 +66,18 @@ class CoverageAccumulator:
         assert out.proto_max_cos is not None and out.indices is not None
         pm = out.proto_max_cos.detach().float()
         self.proto_max = pm if self.proto_max is None else torch.maximum(self.proto_max, pm)
-        active = out.indices[out.activations > 0]  # (n_active,)
-        c = torch.bincount(active.flatten(), minlength=self.num_prototypes).cpu()
+        ids, _ = active_prototypes(out)
+        c = torch.bincount(ids, minlength=self.num_prototypes).cpu()
         self.counts = c if self.counts is None else self.counts + c
-        self.token_cos_sum += float(out.token_max_cos.detach().float().sum())
-        ratio = out.residual.detach().float().norm(dim=-1) / out.hidden.detach().float().norm(dim=-1).clamp_min(1e-8)
-        self.residual_share_sum += float(ratio.sum())
-        self.tokens += out.token_max_cos.numel()
+        token_cos, residual, n = coverage_sums(out)
+        self.token_cos_sum += token_cos
+        self.residual_share_sum += residual
+        self.tokens += n
 
     def result(self) -> dict[str, float]:
-        if self.tokens == 0 or self.proto_max is None or self.counts is None:
+        if self.proto_max is None or self.counts is None:
             return {}
-        dead = int((self.counts == 0).sum())
-        return {
-            "r1_bar": float(self.proto_max.mean()),
-            "r2": self.token_cos_sum / self.tokens,
-            "dead_prototypes": dead,
-            "dead_fraction": dead / self.num_prototypes,
-            "residual_share": self.residual_share_sum / self.tokens,
-        }
+        return coverage_metrics(self.proto_max, self.counts, self.token_cos_sum, self.residual_share_sum, self.tokens)
 
 
 def eval_sequence_ids(num_sequences: int, max_sequences: int) -> np.ndarray:

@@ -39,7 +39,7 @@ class TrainResult:
     checkpoint: Path
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
-    """The last validation metrics."""
+    """The last validation metrics (rank 0; empty on the other ranks of a torchrun job)."""
     model: PrismLM | None = None
 
 
@@ -264,10 +264,12 @@ def train(
                 t_last, tokens_since = now, 0
                 log.write(record)
                 bar.set_postfix(loss=f"{record['train_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if done % tc.eval_interval == 0 or done == tc.max_steps:
+            # Validation on rank 0 only: every rank would compute the same numbers on the same fixed
+            # sample; the other ranks wait at their next gradient all-reduce.
+            if info.is_main and (done % tc.eval_interval == 0 or done == tc.max_steps):
                 last_eval = do_eval()
                 log.write({"step": done, **last_eval})
-                if info.is_main and progress:
+                if progress:
                     bar.write(_format_eval(done, last_eval))
             if tc.ckpt_interval and done % tc.ckpt_interval == 0 and done != end_step:
                 do_checkpoint(done)
