@@ -8,14 +8,16 @@ What is run, in one process, on the same inputs:
  2. A TopK SAE with the same K and k as PRISM's bank, trained on the dense model's final hidden states.
  3. The four tasks of ``prismlm.eval.tasks`` (train/validation/test). For each task and each side:
     base accuracy on test (c = 0), a controller fitted on train with the LM frozen (λ chosen on
-    validation from ``--l1``), accuracy on test after. For PRISM the test accuracy after is also
+    validation from ``--l1``), accuracy on test after. Next to it the *choice-prior* baseline: one
+    learned bias per choice string on top of the same base scores (no reading of the query), i.e. how
+    much of a controller's gain a label preference alone gives. For PRISM the test accuracy after is also
     measured through the model's own forward (``with model.control(c)`` + our scorer) and must agree
     with the cached-feature computation.
  4. Each non-zero PRISM coefficient of each task is traced to its prototype (signature tokens, the task
     training examples where it is most active).
 
 Output: JSON at ``--out`` (default ``bench/results/control[-quick].json``) and one summary line.
-``--quick``: tiny models (~5 min); default: small models within ≤ 30 min on 2 idle cores.
+``--quick``: tiny models (~5 min); default: small models (2,400 steps each) in ~20 min on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import torch
 
 from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, parse_sets, write_json
 from prismlm.config import RunConfig
-from prismlm.control.controller import (accuracy, correct, extract_features, fit_with_validation, paired_stats,
-                                        prism_encoder, request_scores, trace_prism_controller)
+from prismlm.control.controller import (accuracy, correct, extract_features, fit_choice_prior, fit_with_validation,
+                                        paired_stats, prism_encoder, request_scores, trace_prism_controller)
 from prismlm.control.sae import train_sae
 from prismlm.data.shards import prepare_shards
 from prismlm.eval.scoring import mc_accuracy
@@ -45,7 +47,7 @@ SIZES = {
     "small": ({"model.n_layer": 4, "model.n_head": 4, "model.n_embd": 128, "model.block_size": 128,
                "model.prototypes.num_prototypes": 512, "model.prototypes.top_k": 8, "train.batch_size": 8,
                "train.eval_interval": 10000, "train.eval_batches": 4},
-              400, 800, {"train": 300, "validation": 100, "test": 300}),
+              400, 2400, {"train": 300, "validation": 100, "test": 300}),
 }
 
 
@@ -114,7 +116,10 @@ def main() -> None:
             s0 = request_scores(feats["test"], W.double(), directions.double(), None)
             s1 = request_scores(feats["test"], W.double(), directions.double(), ctl.coefficients)
             before, after = accuracy(feats["test"], s0), accuracy(feats["test"], s1)
+            prior = fit_choice_prior(feats["train"], request_scores(feats["train"], W.double(), directions.double(), None))
+            prior_acc = accuracy(feats["test"], prior.scores(feats["test"], s0))
             r = {"test_before": before, "test_after": after, "delta_acc": after["acc"] - before["acc"],
+                 "choice_prior": prior_acc, "delta_acc_choice_prior": prior_acc["acc"] - before["acc"],
                  "paired": paired_stats(correct(feats["test"], s0), correct(feats["test"], s1), seed=args.seed),
                  "nonzero": len(ctl.nonzero), "l1": ctl.l1, "selection": trials}
             if side == "prism":
@@ -133,18 +138,23 @@ def main() -> None:
               f"{row['prism']['paired']['mcnemar_p']:.3f} SAE {row['sae']['paired']['mcnemar_p']:.3f} [{row['seconds']:.0f}s]",
               file=sys.stderr)
     avg = {side: 100 * sum(r[side]["delta_acc"] for r in rows.values()) / len(rows) for side in ("prism", "sae")}
+    avg_prior = {side: 100 * sum(r[side]["delta_acc_choice_prior"] for r in rows.values()) / len(rows)
+                 for side in ("prism", "sae")}
     payload = {"benchmark": "control", "size": size, "steps": steps, "docs": docs, "config": base.to_dict(),
                "environment": env, "train_seconds": train_s, "train_metrics": train_metrics,
                "sae": {"num_latents": K, "k": k, "fvu": sae_res.fvu, "dead_fraction": sae_res.dead_fraction,
                        "steps": sae_res.steps, "seconds": sae_s},
-               "tasks": rows, "avg_delta_points": avg, "paper_avg_delta_points": {"prism": 2.72, "sae": 0.32},
+               "tasks": rows, "avg_delta_points": avg, "avg_delta_points_choice_prior": avg_prior,
+               "paper_avg_delta_points": {"prism": 2.72, "sae": 0.32},
                "total_seconds": time.time() - t0, "load_average_end": load_average()}
     out = args.out or RESULTS_DIR / f"control{'-quick' if size == 'quick' else ''}.json"
     write_json(out, payload)
     per = "; ".join(f"{t} P {100 * r['prism']['test_before']['acc']:.1f}→{100 * r['prism']['test_after']['acc']:.1f} "
-                    f"({r['prism']['nonzero']}) S {100 * r['sae']['test_before']['acc']:.1f}→"
-                    f"{100 * r['sae']['test_after']['acc']:.1f} ({r['sae']['nonzero']})" for t, r in rows.items())
+                    f"({r['prism']['nonzero']}, prior {100 * r['prism']['choice_prior']['acc']:.1f}) S "
+                    f"{100 * r['sae']['test_before']['acc']:.1f}→{100 * r['sae']['test_after']['acc']:.1f} "
+                    f"({r['sae']['nonzero']}, prior {100 * r['sae']['choice_prior']['acc']:.1f})" for t, r in rows.items())
     print(f"control[{size}]: avg Δacc PRISM {avg['prism']:+.2f} pts vs SAE {avg['sae']:+.2f} pts (paper +2.72 vs +0.32); "
+          f"choice-prior baseline PRISM {avg_prior['prism']:+.2f} SAE {avg_prior['sae']:+.2f}; "
           f"{per}; {payload['total_seconds']:.0f}s → {out}")
 
 

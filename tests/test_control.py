@@ -170,6 +170,45 @@ def test_controller_learns_planted_signal():
     assert len(ctl.nonzero) < K // 4  # L1 keeps it sparse
 
 
+def _choice_features(choice_sets: list[list[str]], gold: list[int], base: torch.Tensor):
+    """Features of a synthetic task carrying only what the choice-prior baseline reads."""
+    from prismlm.control.controller import ControlFeatures
+
+    doc_of = [d for d, cs in enumerate(choice_sets) for _ in cs]
+    R = len(doc_of)
+    return ControlFeatures(z=torch.zeros(R, 1), indices=torch.zeros(R, 1, dtype=torch.long), activations=torch.zeros(R, 1),
+                           targets=torch.zeros(R, dtype=torch.long), request=torch.arange(R),
+                           doc_of_request=torch.tensor(doc_of), gold=torch.tensor(gold),
+                           choice_len=torch.ones(R, dtype=torch.float64), n_choices=[len(c) for c in choice_sets],
+                           choice_text=[t for cs in choice_sets for t in cs]), base[:R]
+
+
+def test_choice_prior_learns_a_label_preference_and_nothing_else():
+    """Gold is always " C" (at a random position) and base scores are noise: the prior alone gets every
+    test example right; with unseen choice strings it leaves the scores untouched."""
+    from prismlm.control.controller import accuracy, fit_choice_prior
+
+    g = torch.Generator().manual_seed(0)
+
+    def task(n: int):
+        sets, gold = [], []
+        for _ in range(n):
+            cs = [" A", " B", " C", " D"]
+            perm = torch.randperm(4, generator=g).tolist()
+            cs = [cs[i] for i in perm]
+            sets.append(cs)
+            gold.append(cs.index(" C"))
+        return _choice_features(sets, gold, torch.randn(4 * n, generator=g, dtype=torch.float64))
+
+    (tr, s_tr), (te, s_te) = task(80), task(40)
+    prior = fit_choice_prior(tr, s_tr)
+    assert accuracy(te, s_te)["acc"] < 0.5
+    assert accuracy(te, prior.scores(te, s_te))["acc"] == 1.0
+    assert max(prior.bias, key=prior.bias.get) == " C"
+    unseen, s_un = _choice_features([[" w", " x", " y", " z"]], [0], torch.randn(4, generator=g, dtype=torch.float64))
+    assert torch.equal(prior.scores(unseen, s_un), s_un)
+
+
 def test_sae_topk_shapes_and_budget():
     from prismlm.control.sae import TopKSAE
 
@@ -177,6 +216,25 @@ def test_sae_topk_shapes_and_budget():
     idx, act = sae.encode(torch.randn(10, 16))
     assert idx.shape == (10, 4) and (act >= 0).all()
     assert torch.allclose(sae.directions.norm(dim=-1), torch.ones(32))
+
+
+def test_sae_aux_loss_trains_only_dead_latents():
+    from prismlm.control.sae import TopKSAE
+
+    torch.manual_seed(0)
+    sae = TopKSAE(16, 32, 4)
+    z = torch.randn(50, 16)
+    idx, act = sae.encode(z)
+    recon = sae.decode(idx, act) + sae.b_dec
+    torch.testing.assert_close(recon, sae(z))
+    assert sae.aux_loss(z, recon, torch.zeros(32, dtype=torch.bool), 8) == 0  # nothing dead: no aux term
+    dead = torch.zeros(32, dtype=torch.bool)
+    dead[[3, 7, 11]] = True
+    loss = sae.aux_loss(z, recon.detach(), dead, 8)
+    assert loss > 0
+    loss.backward()
+    touched = sae.W_dec.grad.abs().sum(-1) > 0  # only dead latents' directions get the aux gradient
+    assert touched[dead].all() and not touched[~dead].any()
 
 
 # ----- tasks, scorer and lm-eval ----------------------------------------------------------------------
@@ -192,6 +250,20 @@ def test_tasks_deterministic_and_well_formed():
         for d in a["test"]:
             assert len(d["choices"]) >= 4 and len(set(d["choices"])) == len(d["choices"])
             assert d["choices"][d["gold"]] == " " + d["label"]
+
+
+def test_gutenberg_ending_task_choices_are_passage_continuations():
+    from prismlm.data.corpus import gutenberg_documents
+    from prismlm.eval.tasks import build_task
+
+    splits = build_task("gutenberg_ending", {"train": 5, "validation": 5, "test": 20})
+    books = {d.id: " ".join(d.text.split()) for d in gutenberg_documents()}
+    for d in splits["test"]:
+        assert all(len(c.split()) == 12 for c in d["choices"])  # equal length: no length cue
+        gold = d["query"] + d["choices"][d["gold"]]  # the passage, continued by its gold ending
+        assert gold in books[d["id"].rsplit("/p", 1)[0]]
+        assert all(d["query"] + c not in books[d["id"].rsplit("/p", 1)[0]]
+                   for i, c in enumerate(d["choices"]) if i != d["gold"])
 
 
 def test_scorer_and_lm_eval_adapter_agree(tiny_shards, tmp_path, monkeypatch):
@@ -245,6 +317,49 @@ def test_concept_search_finds_planted_prototypes(tiny_shards, tmp_path):
         assert sset.evidence[i]["concept_rate"] > sset.evidence[i]["neutral_rate"]
     p = sset.save(tmp_path / "s.json")
     assert json.loads(p.read_text())["ids"] == sset.ids
+
+
+def test_concept_contribution_is_the_exact_derivative_of_the_loglikelihood(tiny_shards):
+    """contribution_i = ∂/∂m_i Σ_t log p(x_{t+1} | x_≤t) at m = 1, where m_i scales prototype i's slice."""
+    from prismlm.control.concept import activation_stats
+
+    tok = tiny_shards.tokenizer
+    torch.manual_seed(0)
+    model = PrismLM(ModelConfig(vocab_size=576, block_size=64, n_layer=1, n_head=2, n_embd=32,
+                                prototypes=PrototypeConfig(num_prototypes=32, top_k=3))).double().eval()
+    text = "the king said to the people that the land was good, and zebra quartz"
+    stats = activation_stats(model, tok, [text])
+    x = torch.tensor([tok.encode(text)])
+    m = torch.ones(32, dtype=torch.float64, requires_grad=True)
+    with model.scale_prototypes(m):
+        logits = model(x).logits[0, :-1]
+    ll = torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).sum()
+    (grad,) = torch.autograd.grad(ll, m)
+    assert grad.abs().max() > 1e-4  # not vacuous
+    torch.testing.assert_close(torch.from_numpy(stats.contribution), grad, rtol=1e-7, atol=1e-10)
+
+
+def test_concept_search_rank_by_contribution_and_subset(tiny_shards):
+    from prismlm.control.concept import find_concept
+    from prismlm.control.suppress import SuppressionError
+
+    tok = tiny_shards.tokenizer
+    torch.manual_seed(0)
+    model = PrismLM(ModelConfig(vocab_size=576, block_size=64, n_layer=1, n_head=2, n_embd=32,
+                                prototypes=PrototypeConfig(num_prototypes=32, top_k=2))).eval()
+    concept = ["zebra zebra zebra quartz quartz"] * 6
+    neutral = ["the king said to the people that the land was good"] * 6
+    sset, ranking = find_concept(model, tok, concept, neutral, budget=None, threshold=0.0, min_count=1)
+    keys = [r["contribution_nats_per_token"] for r in ranking]
+    assert keys == sorted(keys, reverse=True) and all(k > 0 for k in keys)  # ranked, positive contribution
+    assert sset.meta["rank_by"] == "contribution" and sset.ids
+    top = [r["id"] for r in ranking if r["selected"]][:1]
+    sub = sset.subset(top)
+    assert sub.ids == top and set(sub.evidence) == set(top)
+    with pytest.raises(SuppressionError, match="not in this suppression set"):
+        sset.subset([i for i in range(32) if i not in sset.ids][:1])
+    with pytest.raises(ValueError, match="rank_by"):
+        find_concept(model, tok, concept, neutral, rank_by="magic")
 
 
 # ----- CLI ---------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
     with model.suppress(ids): ...            # remove prototypes' logit slices exactly (always restores)
     with model.control(c): ...               # ℓ' = W r + Σ (1 + c_i) a_i W p_i (c = 0: the base model)
     SuppressionSet.load(path) / .save(path)  # a set with its evidence, bound to a model
-    find_concept(model, tok, concept_texts, neutral_texts, ...)  # enrichment (+ purity) → SuppressionSet
+    find_concept(model, tok, concept_texts, neutral_texts, ...)  # contribution + enrichment (+ purity) → SuppressionSet
 
 Heavier pieces (controllers, SAE, judges) are imported from their modules.
 """

@@ -48,6 +48,8 @@ def concept_cmd(
     concept_docs: Optional[str] = typer.Option(None, help="Regex on training document ids marking concept documents (purity)."),
     budget: Optional[int] = typer.Option(32, help="At most this many prototypes (0 = none; use --no-budget for no cap)."),
     no_budget: bool = typer.Option(False, help="No cap: keep every prototype passing the thresholds."),
+    rank_by: str = typer.Option("contribution", help="Ranking: 'contribution' (nats/token the prototype adds to concept "
+                                                     "vs neutral text, first order) or 'enrichment' (log2 activation ratio)."),
     threshold: float = typer.Option(1.0, help="Minimum log2 activation enrichment (concept vs neutral)."),
     min_count: int = typer.Option(3, help="Minimum concept tokens where the prototype is active."),
     min_purity: float = typer.Option(0.5, help="Minimum neighbourhood purity (with --index and --concept-docs)."),
@@ -56,7 +58,8 @@ def concept_cmd(
     save: bool = typer.Option(False, help="Also save it as the checkpoint's suppression.json (applied by default)."),
     top: int = typer.Option(15, help="Rows of the ranking to print."),
 ) -> None:
-    """Find the prototypes of a concept (activation enrichment, neighbourhood purity) → a suppression set."""
+    """Find the prototypes of a concept (log-likelihood contribution, activation enrichment, neighbourhood
+    purity) → a suppression set."""
     from prismlm.control.concept import doc_regex, find_concept, read_texts
 
     ckpt = _load(run, "none")
@@ -71,7 +74,7 @@ def concept_cmd(
         _fail("neighbourhood purity needs both --index and --concept-docs")
     try:
         sset, ranking = find_concept(ckpt.model, ckpt.tokenizer, ctexts, ntexts, budget=None if no_budget else budget,
-                                     threshold=threshold, min_count=min_count, index=idx,
+                                     rank_by=rank_by, threshold=threshold, min_count=min_count, index=idx,
                                      is_concept_doc=doc_regex(concept_docs) if concept_docs else None,
                                      min_purity=min_purity, concept=name,
                                      model_sha256=ckpt.manifest.get("model_sha256"))
@@ -81,11 +84,11 @@ def concept_cmd(
 
     t = Table(title=f"concept {name or ''}: {len(sset.ids)} of {len(ranking)} candidates selected "
                     f"({100 * sset.share:.2f}% of K={sset.num_prototypes})")
-    for col in ("id", "log2 enr.", "concept/neutral rate", "purity", "selected", "top tokens"):
+    for col in ("id", "contribution", "log2 enr.", "concept/neutral rate", "purity", "selected", "top tokens"):
         t.add_column(col)
     for r in ranking[:top]:
         ev = sset.evidence.get(r["id"], {})
-        t.add_row(str(r["id"]), f"{r['log2_enrichment']:.2f}", f"{r['concept_rate']:.4f}/{r['neutral_rate']:.4f}",
+        t.add_row(str(r["id"]), f"{r['contribution_nats_per_token']:.4f}", f"{r['log2_enrichment']:.2f}", f"{r['concept_rate']:.4f}/{r['neutral_rate']:.4f}",
                   "-" if r.get("purity") is None else f"{r['purity']:.2f}", "yes" if r["selected"] else "",
                   " ".join(repr(x) for x in ev.get("signature_top_tokens", [])[:5]))
     Console().print(t)

@@ -1,7 +1,15 @@
 """Find the prototypes of a concept from labelled examples (spec §4) and turn them into a suppression set.
 
-Two pieces of evidence per prototype i:
+Three pieces of evidence per prototype i:
 
+* **log-likelihood contribution** (the default ranking) — what removing the prototype's slice would do,
+  to first order, to the log-probability of the text that actually follows: at every position t where i
+  is active, ``c_{t,i} = a_{t,i} · p_i · (W[y_{t+1}] − Wᵀ softmax(ℓ_t))`` (the slice's directional
+  derivative of ``log p(y_{t+1})``; exact slices, one gather per active pair). ``contribution_i =
+  Σ_t c_{t,i} / #tokens`` on concept text minus the same on neutral text, in nats per token: how much more
+  the prototype supports concept text than neutral text. Prototypes that are generically useful
+  (punctuation, syntax) support both alike and score ≈ 0, even when they fire more often on the concept
+  texts' genre — which is what pure activation enrichment picks up.
 * **activation enrichment** — on concept texts vs neutral texts, the activation mass per token
   ``rate_i = Σ_t a_{t,i} / #tokens``; ``enrichment_i = (rate_c + α) / (rate_n + α)`` with a small
   pseudo-rate α (half of one average activation per neutral corpus, so a prototype seen once on concept
@@ -10,9 +18,13 @@ Two pieces of evidence per prototype i:
   training contexts that lie in concept documents (decided by a predicate on the neighbour's document
   id, e.g. a regular expression ``offensive``), i.e. what the prototype *was trained on*.
 
-Selection: prototypes with at least ``min_count`` active concept tokens, ``log2 enrichment ≥
-threshold`` and (with an index) ``purity ≥ min_purity``, ranked by log2 enrichment, the first
-``budget`` kept. Every chosen prototype carries its evidence into the suppression set.
+Selection: candidates are prototypes with at least ``min_count`` active concept tokens, ``log2
+enrichment ≥ threshold`` and (with an index) ``purity ≥ min_purity``; they are ranked by contribution
+(``rank_by="contribution"``, the default; a candidate also needs a positive contribution) or by log2
+enrichment (``rank_by="enrichment"``); the first ``budget`` are kept. Enrichment alone over-selects
+prototypes of the concept texts' *form* (dialogue, punctuation); contribution alone over-selects frequent
+generic prototypes (a tiny per-token difference times many tokens); the filter plus the ranking asks
+for both: fires mostly on the concept and supports what the concept texts say. Every chosen prototype carries its evidence into the suppression set.
 """
 
 from __future__ import annotations
@@ -39,6 +51,8 @@ class ActivationStats:
     count: np.ndarray
     """(K,) tokens where prototype i is active (a > 0)."""
     tokens: int
+    contribution: np.ndarray | None = None
+    """(K,) Σ over scored positions of c_{t,i}, the slice's first-order effect on log p(next token)."""
 
     @property
     def rate(self) -> np.ndarray:
@@ -48,24 +62,41 @@ class ActivationStats:
 @torch.no_grad()
 def activation_stats(model: Any, tokenizer: Any, texts: Sequence[str], *, batch_size: int = 16,
                      max_tokens_per_text: int | None = None) -> ActivationStats:
-    """Stream ``texts`` through the (frozen) model and total each prototype's activations."""
+    """Stream ``texts`` through the (frozen) model and total each prototype's activations and its
+    log-likelihood contribution (see the module docstring)."""
     if not getattr(model, "is_prism", False):
         raise ValueError("concept search needs a PRISM model; this is the dense baseline")
     K = model.prototypes.num_prototypes
     mass = torch.zeros(K, dtype=torch.float64)
     count = torch.zeros(K, dtype=torch.float64)
+    contrib = torch.zeros(K, dtype=torch.float64)
     n = 0
     dev = next(model.parameters()).device
+    W = model.lm_head.weight  # (V, d)
+    P = model.prototypes.weight  # (K, d)
     for x, mask in text_batches(tokenizer, texts, model.config.block_size, batch_size,
                                 max_tokens_per_text=max_tokens_per_text):
-        out = model(x.to(dev))
-        m = mask.to(dev)[..., None] & (out.activations > 0)  # (B, T, k)
+        x, mask = x.to(dev), mask.to(dev)
+        out = model(x)
+        m = mask[..., None] & (out.activations > 0)  # (B, T, k)
         idx = out.indices[m].cpu()
         a = out.activations[m].double().cpu()
         mass += torch.bincount(idx, weights=a, minlength=K)
         count += torch.bincount(idx, minlength=K).double()
         n += int(mask.sum())
-    return ActivationStats(mass=mass.numpy(), count=count.numpy(), tokens=n)
+        # contribution at positions with a next token inside the same text window: (B, T-1)
+        scored = mask[:, :-1] & mask[:, 1:]
+        probs = torch.softmax(out.logits[:, :-1], -1).to(W.dtype)  # (B, T-1, V)
+        direction = W[x[:, 1:]] - probs @ W  # (B, T-1, d): ∂ log p(y) / ∂ (pre-head vector)
+        pm = m[:, :-1] & scored[..., None]  # (B, T-1, k)
+        d_sel = direction[..., None, :].expand(*pm.shape, direction.shape[-1])[pm]  # (pairs, d)
+        i_sel = out.indices[:, :-1][pm]
+        c = out.activations[:, :-1][pm].to(W.dtype) * (P[i_sel] * d_sel).sum(-1)  # (pairs,)
+        contrib += torch.bincount(i_sel.cpu(), weights=c.double().cpu(), minlength=K)
+    return ActivationStats(mass=mass.numpy(), count=count.numpy(), tokens=n, contribution=contrib.numpy())
+
+
+RANKINGS = {"contribution": "loglik-contribution", "enrichment": "activation-enrichment"}
 
 
 def neighbourhood_purity(index: Any, is_concept_doc: Callable[[str], bool], ids: Sequence[int] | None = None,
@@ -99,6 +130,7 @@ def find_concept(
     neutral_texts: Sequence[str],
     *,
     budget: int | None = 32,
+    rank_by: str = "contribution",
     threshold: float = 1.0,
     min_count: int = 3,
     index: Any = None,
@@ -109,10 +141,13 @@ def find_concept(
     batch_size: int = 16,
     neighbours: int = 3,
 ) -> tuple[SuppressionSet, list[dict[str, Any]]]:
-    """Rank prototypes by enrichment on concept vs neutral text (and purity, with an index); returns the
-    chosen suppression set and the full ranking (one dict per candidate with its evidence)."""
+    """Rank prototypes by log-likelihood contribution or activation enrichment on concept vs neutral text
+    (filtered by neighbourhood purity, with an index); returns the chosen suppression set and the full
+    ranking (one dict per candidate with its evidence)."""
     if not concept_texts or not neutral_texts:
         raise ValueError("need at least one concept text and one neutral text")
+    if rank_by not in RANKINGS:
+        raise ValueError(f"rank_by must be one of {', '.join(RANKINGS)}, got {rank_by!r}")
     if budget is not None and budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     c = activation_stats(model, tokenizer, concept_texts, batch_size=batch_size)
@@ -122,8 +157,13 @@ def find_concept(
     alpha = 0.5 * mean_act / max(1, n.tokens)
     enrich = (c.rate + alpha) / (n.rate + alpha)
     log_e = np.log2(enrich)
-    cand = np.nonzero((c.count >= min_count) & (log_e >= threshold))[0]
-    cand = cand[np.argsort(-log_e[cand], kind="stable")]
+    contribution = c.contribution / max(1, c.tokens) - n.contribution / max(1, n.tokens)  # (K,) nats/token
+    ok = (c.count >= min_count) & (log_e >= threshold)
+    if rank_by == "contribution":
+        ok &= contribution > 0
+    key = contribution if rank_by == "contribution" else log_e
+    cand = np.nonzero(ok)[0]
+    cand = cand[np.argsort(-key[cand], kind="stable")]
     purity: dict[int, float] = {}
     if index is not None and is_concept_doc is not None:
         purity = neighbourhood_purity(index, is_concept_doc, cand.tolist())
@@ -131,7 +171,8 @@ def find_concept(
     ranking, chosen = [], []
     for i in cand.tolist():
         ev: dict[str, Any] = {
-            "id": i, "log2_enrichment": float(log_e[i]), "enrichment": float(enrich[i]),
+            "id": i, "contribution_nats_per_token": float(contribution[i]),
+            "log2_enrichment": float(log_e[i]), "enrichment": float(enrich[i]),
             "concept_rate": float(c.rate[i]), "neutral_rate": float(n.rate[i]),
             "concept_count": int(c.count[i]), "neutral_count": int(n.count[i]),
         }
@@ -152,7 +193,7 @@ def find_concept(
     sset = SuppressionSet(
         ids=chosen, num_prototypes=K, model_sha256=model_sha256, concept=concept,
         evidence={e["id"]: {k: v for k, v in e.items() if k != "selected"} for e in ranking if e["selected"]},
-        meta={"method": "activation-enrichment" + ("+purity" if purity else ""), "budget": budget,
+        meta={"method": RANKINGS[rank_by] + ("+purity" if purity else ""), "rank_by": rank_by, "budget": budget,
               "threshold_log2_enrichment": threshold, "min_count": min_count,
               "min_purity": min_purity if purity else None, "concept_texts": len(concept_texts),
               "neutral_texts": len(neutral_texts), "concept_tokens": c.tokens, "neutral_tokens": n.tokens,

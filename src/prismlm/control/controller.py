@@ -51,6 +51,8 @@ class ControlFeatures:
     choice_len: torch.Tensor
     """(R,) characters of each choice (for acc_norm)."""
     n_choices: list[int] = field(default_factory=list)
+    choice_text: list[str] = field(default_factory=list)
+    """(R,) the choice string of each request (for the choice-prior baseline)."""
 
 
 def prism_encoder(model: Any) -> Encoder:
@@ -65,13 +67,14 @@ def extract_features(model: Any, tokenizer: Any, docs: Sequence[dict[str, Any]],
                      batch_size: int = 32) -> ControlFeatures:
     """Run the frozen backbone on every (query, choice) pair and cache the code at the scored tokens."""
     T = model.config.block_size
-    reqs, doc_of, clen, n_choices = [], [], [], []
+    reqs, doc_of, clen, n_choices, texts = [], [], [], [], []
     for di, d in enumerate(docs):
         n_choices.append(len(d["choices"]))
         for ch in d["choices"]:
             reqs.append(encode_pair(tokenizer, d["query"], ch, T))
             doc_of.append(di)
             clen.append(len(ch))
+            texts.append(ch)
     dev = next(model.parameters()).device
     Z, Y, R = [], [], []
     for b in range(0, len(reqs), batch_size):
@@ -91,7 +94,7 @@ def extract_features(model: Any, tokenizer: Any, docs: Sequence[dict[str, Any]],
     return ControlFeatures(z=Zc, indices=idx.cpu(), activations=act.detach().cpu(), targets=torch.cat(Y),
                            request=torch.cat(R), doc_of_request=torch.tensor(doc_of),
                            gold=torch.tensor([d["gold"] for d in docs]), choice_len=torch.tensor(clen, dtype=torch.float64),
-                           n_choices=n_choices)
+                           n_choices=n_choices, choice_text=texts)
 
 
 def request_scores(f: ControlFeatures, W: torch.Tensor, directions: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
@@ -235,6 +238,42 @@ def fit_with_validation(train: ControlFeatures, val: ControlFeatures, W: torch.T
     assert best is not None
     best.history["selection"] = trials
     return best, trials
+
+
+# ----- choice-prior baseline ---------------------------------------------------------------------------------
+@dataclass
+class ChoicePrior:
+    """A learned additive preference per choice *string* (``score' = score + b[choice]``), context-free:
+    the most a controller could gain without reading the query. On a classification task with a fixed
+    label set (authors, eras) it is a calibration of the label prior; on a task whose every example has
+    its own choices it changes nothing on test (unseen strings get 0)."""
+
+    bias: dict[str, float]
+
+    def scores(self, f: ControlFeatures, base_scores: torch.Tensor) -> torch.Tensor:
+        b = torch.tensor([self.bias.get(t, 0.0) for t in f.choice_text], dtype=base_scores.dtype)
+        return base_scores + b
+
+
+def fit_choice_prior(train: ControlFeatures, base_scores: torch.Tensor, *, steps: int = 300,
+                     lr: float = 0.1) -> ChoicePrior:
+    """Fit one bias per distinct choice string of the training split by full-batch Adam on the same
+    multiple-choice cross-entropy as the controllers (base scores fixed: the LM is not involved)."""
+    if not train.choice_text:
+        raise ValueError("these features carry no choice strings; re-extract them with extract_features")
+    vocab = sorted(set(train.choice_text))
+    pos = {t: i for i, t in enumerate(vocab)}
+    cid = torch.tensor([pos[t] for t in train.choice_text])
+    base = base_scores.detach().double()
+    b = torch.zeros(len(vocab), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([b], lr=lr)
+    for _ in range(steps):
+        loss = F.cross_entropy(_choice_matrix(train, base + b[cid]), train.gold)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    bias = b.detach()
+    return ChoicePrior(bias={t: float(bias[i]) for t, i in pos.items()})
 
 
 # ----- tracing ---------------------------------------------------------------------------------------------

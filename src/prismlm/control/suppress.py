@@ -18,7 +18,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -61,6 +61,16 @@ class SuppressionSet:
     def share(self) -> float:
         """Fraction of the bank suppressed (paper: 86 / 16,384 = 0.52%)."""
         return len(self.ids) / self.num_prototypes
+
+    def subset(self, ids: Sequence[int]) -> "SuppressionSet":
+        """The same set restricted to ``ids`` (evidence kept for those; every id must be in the set)."""
+        missing = sorted(set(int(i) for i in ids) - set(self.ids))
+        if missing:
+            raise SuppressionError(f"prototype id(s) {missing[:10]} are not in this suppression set")
+        keep = {int(i) for i in ids}
+        return SuppressionSet(ids=sorted(keep), num_prototypes=self.num_prototypes, model_sha256=self.model_sha256,
+                              concept=self.concept, evidence={i: e for i, e in self.evidence.items() if i in keep},
+                              meta={**self.meta, "subset_of": len(self.ids)})
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": KIND, "format_version": FORMAT_VERSION, "ids": self.ids,

