@@ -264,6 +264,8 @@ def test_gutenberg_ending_task_choices_are_passage_continuations():
         assert gold in books[d["id"].rsplit("/p", 1)[0]]
         assert all(d["query"] + c not in books[d["id"].rsplit("/p", 1)[0]]
                    for i, c in enumerate(d["choices"]) if i != d["gold"])
+    answers = {sp: {c for d in docs for c in d["choices"]} for sp, docs in splits.items()}
+    assert not answers["train"] & answers["test"]  # no answer string crosses splits (a prior cannot leak)
 
 
 def test_scorer_and_lm_eval_adapter_agree(tiny_shards, tmp_path, monkeypatch):
@@ -302,15 +304,24 @@ def test_judges_load_and_score_offline(monkeypatch):
 
 
 # ----- concept search ----------------------------------------------------------------------------------
+CONCEPT = ["zebra zebra zebra quartz quartz"] * 6
+NEUTRAL = ["the king said to the people that the land was good"] * 6
+
+
+def _concept_model(top_k: int = 2) -> PrismLM:
+    torch.manual_seed(0)
+    return PrismLM(ModelConfig(vocab_size=576, block_size=64, n_layer=1, n_head=2, n_embd=32,
+                               prototypes=PrototypeConfig(num_prototypes=32, top_k=top_k))).eval()
+
+
+def _concept_setup(tiny_shards):
+    return tiny_shards.tokenizer, _concept_model(), CONCEPT, NEUTRAL
+
+
 def test_concept_search_finds_planted_prototypes(tiny_shards, tmp_path):
     from prismlm.control.concept import find_concept
 
-    tok = tiny_shards.tokenizer
-    torch.manual_seed(0)
-    model = PrismLM(ModelConfig(vocab_size=576, block_size=64, n_layer=1, n_head=2, n_embd=32,
-                                prototypes=PrototypeConfig(num_prototypes=32, top_k=2))).eval()
-    concept = ["zebra zebra zebra quartz quartz"] * 6
-    neutral = ["the king said to the people that the land was good"] * 6
+    tok, model, concept, neutral = _concept_setup(tiny_shards)
     sset, ranking = find_concept(model, tok, concept, neutral, budget=3, threshold=0.5, min_count=1, concept="zq")
     assert 0 < len(sset.ids) <= 3 and all(r["log2_enrichment"] >= 0.5 for r in ranking)
     for i in sset.ids:  # chosen prototypes are more active on concept text than on neutral text
@@ -324,9 +335,7 @@ def test_concept_contribution_is_the_exact_derivative_of_the_loglikelihood(tiny_
     from prismlm.control.concept import activation_stats
 
     tok = tiny_shards.tokenizer
-    torch.manual_seed(0)
-    model = PrismLM(ModelConfig(vocab_size=576, block_size=64, n_layer=1, n_head=2, n_embd=32,
-                                prototypes=PrototypeConfig(num_prototypes=32, top_k=3))).double().eval()
+    model = _concept_model(top_k=3).double()
     text = "the king said to the people that the land was good, and zebra quartz"
     stats = activation_stats(model, tok, [text])
     x = torch.tensor([tok.encode(text)])
@@ -343,12 +352,7 @@ def test_concept_search_rank_by_contribution_and_subset(tiny_shards):
     from prismlm.control.concept import find_concept
     from prismlm.control.suppress import SuppressionError
 
-    tok = tiny_shards.tokenizer
-    torch.manual_seed(0)
-    model = PrismLM(ModelConfig(vocab_size=576, block_size=64, n_layer=1, n_head=2, n_embd=32,
-                                prototypes=PrototypeConfig(num_prototypes=32, top_k=2))).eval()
-    concept = ["zebra zebra zebra quartz quartz"] * 6
-    neutral = ["the king said to the people that the land was good"] * 6
+    tok, model, concept, neutral = _concept_setup(tiny_shards)
     sset, ranking = find_concept(model, tok, concept, neutral, budget=None, threshold=0.0, min_count=1)
     keys = [r["contribution_nats_per_token"] for r in ranking]
     assert keys == sorted(keys, reverse=True) and all(k > 0 for k in keys)  # ranked, positive contribution

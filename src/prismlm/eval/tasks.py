@@ -174,6 +174,9 @@ _BUILDERS: dict[str, tuple[Callable[[], Iterator[tuple[str, str, str, str]]], st
 }
 
 
+PER_EXAMPLE_ANSWERS = frozenset({"gutenberg_ending"})
+
+
 def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[dict[str, Any]]]:
     """All splits of one task, in memory (deterministic)."""
     if name not in _BUILDERS:
@@ -181,10 +184,14 @@ def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[
     caps = {**DEFAULT_CAPS, **(caps or {})}
     raw_fn, tpl, n_choices = _BUILDERS[name]
     raw = list(raw_fn())
-    pool = sorted({label for *_, label in raw})
+    # classification tasks draw distractors from the whole label set; a task whose every example has its
+    # own answer (an ending) draws them from its own split, so no answer string crosses splits
+    per_split = name in PER_EXAMPLE_ANSWERS
+    pools = {s: sorted({label for group, *_, label in raw if not per_split or split_for(group) == s}) for s in SPLITS}
     splits: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
     for group, ex_id, p, label in raw:
-        splits[split_for(group)].append(_mc(ex_id, p, label, pool, tpl, n_choices))
+        s = split_for(group)
+        splits[s].append(_mc(ex_id, p, label, pools[s], tpl, n_choices))
     for s in SPLITS:
         items = sorted(splits[s], key=lambda d: _h("order:" + d["id"]))
         splits[s] = items[:caps[s]]
