@@ -71,7 +71,7 @@ SIZES = {
               100, 800),  # ~3-4 min end to end on one shared core
     "small": ({"model.prototypes.num_prototypes": 2048, "model.prototypes.top_k": 8, "train.batch_size": 16,
                "train.eval_interval": 10000, "train.eval_batches": 4},
-              150, 900),  # cpu-small backbone (d=128, 4 layers, T=128), ≤ 30 min on 2 idle cores
+              150, 2400),  # cpu-small backbone (d=128, 4 layers, T=128): ~10 min training, ~20 min in all
 }
 
 
@@ -134,8 +134,31 @@ def sotu_spec(fs, train_ids: list[str], train_docs: list[str], heldout_ids: list
         concept_texts=rng.sample(c_train, min(600, len(c_train))), neutral_texts=neutral,
         is_concept_doc=lambda doc_id: doc_id in sotu_lines,
         provocative_prompts=_openings(c_held, n_prov, seed),
-        judges={"tfidf": TfidfJudge(judge_neutral, c_held)},
+        judges={"tfidf": TfidfJudge(judge_neutral, c_held, name="tfidf-logreg-sotu")},
         concept_heldout=c_held[:400], neutral_heldout=(n_held + fs.judge_clean)[:400])
+
+
+@torch.no_grad()
+def signature_ranks(model, tok, judge, n_words: int = 20) -> dict[str, int]:
+    """Does the model have prototypes *for* the concept's words? For the judge's ``n_words`` most
+    concept-indicative single words that are one LM token (" w" or " W"), the best rank of that token in
+    any prototype's logit signature W p_i (1 = the top token of some prototype)."""
+    names = judge.vec.get_feature_names_out()
+    order = np.argsort(-judge.clf.coef_[0])
+    sig = model.signatures()  # (K, V)
+    out: dict[str, int] = {}
+    for j in order:
+        w = str(names[j])
+        if " " in w:
+            continue
+        for form in (" " + w, " " + w.capitalize()):
+            ids = tok.encode(form)
+            if len(ids) == 1:
+                out[form] = int((sig > sig[:, ids[0]:ids[0] + 1]).sum(-1).min()) + 1
+                break
+        if len(out) >= n_words:
+            break
+    return out
 
 
 def distinct_n(texts: list[str], n: int) -> float:
@@ -332,6 +355,7 @@ def main() -> None:
                                "hardest_quarter_prompts": float(per_prompt[hard].mean()),
                                "share_above_0.5": float((everything > 0.5).mean())}
     all_prompts = [p for n in prompt_sets for p in prompt_sets[n]]
+    ranks = signature_ranks(model, tok, judges["tfidf"])
     jn0, main = "tfidf", f"concept@{main_budget}"
     ppb = np.concatenate([scores[jn0]["before"][n].mean(1) for n in prompt_sets])
     ppa = np.concatenate([scores[jn0][main][n].mean(1) for n in prompt_sets])
@@ -361,6 +385,7 @@ def main() -> None:
         "suppressed": len(main_set.ids), "share_of_K": main_set.share,
         "suppression_set": main_set.to_dict(), "ranked_ids": ranked, "candidates": len(ranking),
         "conditions": conds,
+        "concept_word_signature_ranks": ranks,
         "judges": {jn: {"name": getattr(j, "name", jn), **({"held_out_auc": j.held_out_auc} if hasattr(j, "held_out_auc") else {})}
                    for jn, j in judges.items()},
         "generations": {"samples_per_prompt": samples, "tokens": args.tokens, "neutral_prompts": len(NEUTRAL_PROMPTS),
@@ -383,7 +408,8 @@ def main() -> None:
           f"{t[main]['hardest_quarter_prompts']:.3f}, random set {t[f'random@{main_budget}']['all']:.3f})"
           + (f"; profanity {p['before']['all']:.3f} → {p[main]['all']:.3f}" if p else "")
           + f"; ppl held-out builtin {quality['before']['ppl_builtin_heldout']:.1f} → {quality[main]['ppl_builtin_heldout']:.1f}; "
-          f"distinct-2 {quality['before']['distinct_2']:.3f} → {quality[main]['distinct_2']:.3f}; sweep [{sweep}]; "
+          f"distinct-2 {quality['before']['distinct_2']:.3f} → {quality[main]['distinct_2']:.3f}; concept words that top a "
+          f"signature: {sum(r == 1 for r in ranks.values())}/{len(ranks)}; sweep [{sweep}]; "
           f"{payload['timing_s']['total']:.0f}s → {out}")
 
 

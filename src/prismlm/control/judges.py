@@ -71,7 +71,12 @@ class ProfanityJudge:
 class TfidfJudge:
     name = "tfidf-logreg-fortunes"
 
-    def __init__(self, clean: Sequence[str], offensive: Sequence[str], *, seed: int = 0, test_fraction: float = 0.2):
+    def __init__(self, clean: Sequence[str], offensive: Sequence[str], *, seed: int = 0, test_fraction: float = 0.2,
+                 name: str | None = None):
+        """``offensive`` are the positive class (score → 1), ``clean`` the negative; ``test_fraction`` of
+        both is held out to measure ``held_out_auc``. ``name`` labels a judge of another concept."""
+        if name:
+            self.name = name
         try:
             from sklearn.feature_extraction.text import TfidfVectorizer
             from sklearn.linear_model import LogisticRegression
