@@ -259,7 +259,8 @@ def main() -> None:
 
     t_train = time.time()
     ckpt = None
-    if args.reuse:  # the same config already trained in this folder (training is deterministic): skip it
+    if args.reuse:  # the same config was already trained in this folder: skip training (a rerun would differ
+        # only by multi-thread float nondeterminism)
         try:
             old = load_checkpoint(find_checkpoint(run_root / "run"))
             want = cfg.override({"model.vocab_size": old.config.model.vocab_size}).to_dict()
