@@ -385,6 +385,21 @@ def _round_robin(streams: list[Iterator[Document]]) -> Iterator[Document]:
                 live.remove(it)
 
 
+def _pack(items: list[str], target: int, sep_len: int) -> tuple[list[list[str]], list[str], int]:
+    """Greedy grouping: a group closes once Σ (len(item) + sep_len) reaches ``target``. Returns the
+    closed groups, the open tail group and the tail's size."""
+    groups: list[list[str]] = []
+    cur: list[str] = []
+    size = 0
+    for it in items:
+        cur.append(it)
+        size += len(it) + sep_len
+        if size >= target:
+            groups.append(cur)
+            cur, size = [], 0
+    return groups, cur, size
+
+
 def split_paragraphs(text: str, target_chars: int = GUTENBERG_DOC_CHARS) -> list[str]:
     """Cut ``text`` at blank lines into chunks of about ``target_chars``.
 
@@ -399,31 +414,16 @@ def split_paragraphs(text: str, target_chars: int = GUTENBERG_DOC_CHARS) -> list
             paras.append(p)
             continue
         # an over-long "paragraph" (verse or a play without blank lines): cut at line ends
-        piece: list[str] = []
-        n = 0
-        for line in p.split("\n"):
-            piece.append(line)
-            n += len(line) + 1
-            if n >= target_chars:
-                paras.append("\n".join(piece))
-                piece, n = [], 0
-        if piece:
-            paras.append("\n".join(piece))
-    chunks: list[str] = []
-    cur: list[str] = []
-    size = 0
-    for p in paras:
-        cur.append(p)
-        size += len(p) + 2
-        if size >= target_chars:
-            chunks.append("\n\n".join(cur))
-            cur, size = [], 0
-    if cur:
+        pieces, tail, _ = _pack(p.split("\n"), target_chars, 1)
+        paras.extend("\n".join(g) for g in pieces + ([tail] if tail else []))
+    groups, tail, size = _pack(paras, target_chars, 2)
+    chunks = ["\n\n".join(g) for g in groups]
+    if tail:
         # a short tail is merged into the previous chunk rather than left as a stub
         if chunks and size < target_chars // 4:
-            chunks[-1] = chunks[-1] + "\n\n" + "\n\n".join(cur)
+            chunks[-1] = chunks[-1] + "\n\n" + "\n\n".join(tail)
         else:
-            chunks.append("\n\n".join(cur))
+            chunks.append("\n\n".join(tail))
     return chunks
 
 
