@@ -7,9 +7,9 @@ Three pieces of evidence per prototype i:
   is active, ``c_{t,i} = a_{t,i} · p_i · (W[y_{t+1}] − Wᵀ softmax(ℓ_t))`` (the slice's directional
   derivative of ``log p(y_{t+1})``; exact slices, one gather per active pair). ``contribution_i =
   Σ_t c_{t,i} / #tokens`` on concept text minus the same on neutral text, in nats per token: how much more
-  the prototype supports concept text than neutral text. Prototypes that are generically useful
-  (punctuation, syntax) support both alike and score ≈ 0, even when they fire more often on the concept
-  texts' genre — which is what pure activation enrichment picks up.
+  the prototype supports concept text than neutral text. Generically useful prototypes (punctuation,
+  syntax) support both alike, so their per-token excess is small even when they fire more often on the
+  concept texts' genre — which is what pure activation enrichment picks up.
 * **activation enrichment** — on concept texts vs neutral texts, the activation mass per token
   ``rate_i = Σ_t a_{t,i} / #tokens``; ``enrichment_i = (rate_c + α) / (rate_n + α)`` with a small
   pseudo-rate α (half of one average activation per neutral corpus, so a prototype seen once on concept
@@ -24,7 +24,8 @@ enrichment ≥ threshold`` and (with an index) ``purity ≥ min_purity``; they a
 enrichment (``rank_by="enrichment"``); the first ``budget`` are kept. Enrichment alone over-selects
 prototypes of the concept texts' *form* (dialogue, punctuation); contribution alone over-selects frequent
 generic prototypes (a tiny per-token difference times many tokens); the filter plus the ranking asks
-for both: fires mostly on the concept and supports what the concept texts say. Every chosen prototype carries its evidence into the suppression set.
+for both: fires mostly on the concept and supports what the concept texts say. Every chosen prototype
+carries its evidence into the suppression set.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 
 from prismlm.control.suppress import SuppressionSet
 from prismlm.eval.scoring import text_batches
+from prismlm.model.gpt import decompose
 
 
 @dataclass
@@ -84,15 +86,18 @@ def activation_stats(model: Any, tokenizer: Any, texts: Sequence[str], *, batch_
         mass += torch.bincount(idx, weights=a, minlength=K)
         count += torch.bincount(idx, minlength=K).double()
         n += int(mask.sum())
-        # contribution at positions with a next token inside the same text window: (B, T-1)
-        scored = mask[:, :-1] & mask[:, 1:]
-        probs = torch.softmax(out.logits[:, :-1], -1).to(W.dtype)  # (B, T-1, V)
-        direction = W[x[:, 1:]] - probs @ W  # (B, T-1, d): ∂ log p(y) / ∂ (pre-head vector)
-        pm = m[:, :-1] & scored[..., None]  # (B, T-1, k)
-        d_sel = direction[..., None, :].expand(*pm.shape, direction.shape[-1])[pm]  # (pairs, d)
-        i_sel = out.indices[:, :-1][pm]
-        c = out.activations[:, :-1][pm].to(W.dtype) * (P[i_sel] * d_sel).sum(-1)  # (pairs,)
-        contrib += torch.bincount(i_sel.cpu(), weights=c.double().cpu(), minlength=K)
+        # contribution = exact slice of the next token − the slice's expectation under the model's own
+        # distribution, at positions whose next token is inside the same text window
+        nxt = torch.roll(x, -1, dims=1)  # (B, T): next token (the last column is never scored)
+        scored = mask & torch.roll(mask, -1, dims=1)
+        scored[:, -1] = False
+        target_slices = decompose(model, out, nxt).prototype_slices  # (B, T, k): a_{t,i} p_i·W[y_{t+1}]
+        expected_row = torch.softmax(out.logits, -1).to(W.dtype) @ W  # (B, T, d): E_{v~p_t} W[v]
+        expected_slices = out.activations.to(W.dtype) * torch.einsum(
+            "btkd,btd->btk", P[out.indices], expected_row)  # (B, T, k)
+        pm = m & scored[..., None]  # (B, T, k)
+        c = (target_slices.to(W.dtype) - expected_slices)[pm]  # (pairs,)
+        contrib += torch.bincount(out.indices[pm].cpu(), weights=c.double().cpu(), minlength=K)
     return ActivationStats(mass=mass.numpy(), count=count.numpy(), tokens=n, contribution=contrib.numpy())
 
 
