@@ -36,6 +36,7 @@ import hashlib
 import json
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -163,18 +164,30 @@ def _gutenberg_ending_raw(per_doc: int = 6, ending_words: int = 12) -> Iterator[
             yield group, ex_id, " ".join(words[:half]), " ".join(words[half:half + ending_words])
 
 
-_BUILDERS: dict[str, tuple[Callable[[], Iterator[tuple[str, str, str, str]]], str, int]] = {
-    "gutenberg_author": (_gutenberg_raw, "Passage: {passage}\nQuestion: Who wrote this passage?\nAnswer:", 4),
-    "sotu_era": (lambda: _sotu_raw("era"), "State of the Union paragraph: {passage}\nQuestion: In which years "
-                 "was this delivered?\nAnswer:", 4),
-    "sotu_president": (lambda: _sotu_raw("president"), "State of the Union paragraph: {passage}\nQuestion: Which "
-                       "president delivered this?\nAnswer:", 4),
-    "fortune_source": (_fortune_raw, "Text: {passage}\nQuestion: Where does this text come from?\nAnswer:", 5),
-    "gutenberg_ending": (_gutenberg_ending_raw, "{passage}", 4),
+@dataclass(frozen=True)
+class TaskSpec:
+    """How one task is built."""
+
+    raw: Callable[[], Iterator[tuple[str, str, str, str]]]
+    """yields (group for the split, example id, passage, answer)"""
+    template: str
+    """the query, with ``{passage}``"""
+    n_choices: int
+    answers_per_example: bool = False
+    """False: a classification task, distractors come from the whole label set. True: every example has
+    its own answer (an ending), distractors come from the example's own split, so no answer string
+    crosses splits."""
+
+
+_BUILDERS: dict[str, TaskSpec] = {
+    "gutenberg_author": TaskSpec(_gutenberg_raw, "Passage: {passage}\nQuestion: Who wrote this passage?\nAnswer:", 4),
+    "sotu_era": TaskSpec(lambda: _sotu_raw("era"), "State of the Union paragraph: {passage}\nQuestion: In which years "
+                         "was this delivered?\nAnswer:", 4),
+    "sotu_president": TaskSpec(lambda: _sotu_raw("president"), "State of the Union paragraph: {passage}\nQuestion: "
+                               "Which president delivered this?\nAnswer:", 4),
+    "fortune_source": TaskSpec(_fortune_raw, "Text: {passage}\nQuestion: Where does this text come from?\nAnswer:", 5),
+    "gutenberg_ending": TaskSpec(_gutenberg_ending_raw, "{passage}", 4, answers_per_example=True),
 }
-
-
-PER_EXAMPLE_ANSWERS = frozenset({"gutenberg_ending"})
 
 
 def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[dict[str, Any]]]:
@@ -182,16 +195,14 @@ def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[
     if name not in _BUILDERS:
         raise TaskError(f"unknown task {name!r}; choose from {list(TASKS)}")
     caps = {**DEFAULT_CAPS, **(caps or {})}
-    raw_fn, tpl, n_choices = _BUILDERS[name]
-    raw = list(raw_fn())
-    # classification tasks draw distractors from the whole label set; a task whose every example has its
-    # own answer (an ending) draws them from its own split, so no answer string crosses splits
-    per_split = name in PER_EXAMPLE_ANSWERS
-    pools = {s: sorted({label for group, *_, label in raw if not per_split or split_for(group) == s}) for s in SPLITS}
+    spec = _BUILDERS[name]
+    raw = list(spec.raw())
+    pools = {s: sorted({label for group, *_, label in raw if not spec.answers_per_example or split_for(group) == s})
+             for s in SPLITS}
     splits: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
     for group, ex_id, p, label in raw:
         s = split_for(group)
-        splits[s].append(_mc(ex_id, p, label, pools[s], tpl, n_choices))
+        splits[s].append(_mc(ex_id, p, label, pools[s], spec.template, spec.n_choices))
     for s in SPLITS:
         items = sorted(splits[s], key=lambda d: _h("order:" + d["id"]))
         splits[s] = items[:caps[s]]
