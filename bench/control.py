@@ -31,7 +31,7 @@ import torch
 
 from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, parse_sets, write_json
 from prismlm.config import RunConfig
-from prismlm.control.controller import (accuracy, correct, extract_features, fit_choice_prior, fit_with_validation,
+from prismlm.control.controller import (accuracy, correct, extract_features, fit_and_test, fit_choice_prior,
                                         paired_stats, prism_encoder, request_scores, trace_prism_controller)
 from prismlm.control.sae import train_sae
 from prismlm.data.shards import prepare_shards
@@ -111,11 +111,9 @@ def main() -> None:
                                              ("sae", dense, sae_encoder, sae.directions)):
             feats = {s: extract_features(model, tok, d, enc) for s, d in splits.items()}
             W = model.lm_head.weight
-            ctl, trials = fit_with_validation(feats["train"], feats["validation"], W, directions, l1_grid=args.l1,
-                                              steps=args.ctl_steps, lr=args.ctl_lr)
-            s0 = request_scores(feats["test"], W.double(), directions.double(), None)
-            s1 = request_scores(feats["test"], W.double(), directions.double(), ctl.coefficients)
-            before, after = accuracy(feats["test"], s0), accuracy(feats["test"], s1)
+            res = fit_and_test(feats, W, directions, l1_grid=args.l1, steps=args.ctl_steps, lr=args.ctl_lr)
+            ctl, trials, s0, s1 = res.controller, res.trials, res.test_scores_before, res.test_scores_after
+            before, after = res.before, res.after
             prior = fit_choice_prior(feats["train"], request_scores(feats["train"], W.double(), directions.double(), None))
             prior_acc = accuracy(feats["test"], prior.scores(feats["test"], s0))
             r = {"test_before": before, "test_after": after, "delta_acc": after["acc"] - before["acc"],

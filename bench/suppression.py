@@ -49,7 +49,9 @@ from prismlm.control.concept import activation_stats, doc_regex, find_concept
 from prismlm.control.judges import TfidfJudge, default_judges, fortune_splits
 from prismlm.data.corpus import iter_documents
 from prismlm.data.shards import prepare_shards
+from prismlm.eval.metrics import distinct_n
 from prismlm.eval.scoring import text_perplexity
+from prismlm.runs import sample_continuations
 from prismlm.train.trainer import train
 
 NEUTRAL_PROMPTS = ["The weather this morning", "My grandmother always said", "The president told Congress",
@@ -161,28 +163,12 @@ def signature_ranks(model, tok, judge, n_words: int = 20) -> dict[str, int]:
     return out
 
 
-def distinct_n(texts: list[str], n: int) -> float:
-    grams, total = set(), 0
-    for t in texts:
-        w = t.split()
-        g = [tuple(w[i:i + n]) for i in range(len(w) - n + 1)]
-        grams.update(g)
-        total += len(g)
-    return len(grams) / max(1, total)
-
-
 @torch.no_grad()
 def generate(model, tok, prompts: list[str], samples: int, tokens: int, seed: int, temperature: float,
              top_k: int) -> list[list[str]]:
     """``samples`` continuations per prompt (continuation text only), one seeded generator per prompt."""
-    out = []
-    for j, p in enumerate(prompts):
-        ids = tok.encode(p)
-        x = torch.tensor([ids] * samples, dtype=torch.long)
-        g = torch.Generator().manual_seed(seed + j)
-        y = model.generate(x, tokens, temperature=temperature, top_k=top_k, generator=g)
-        out.append([tok.decode(r[len(ids):].tolist()) for r in y])
-    return out
+    return [sample_continuations(model, tok, p, samples=samples, tokens=tokens, temperature=temperature, top_k=top_k,
+                                 generator=torch.Generator().manual_seed(seed + j)) for j, p in enumerate(prompts)]
 
 
 def main() -> None:

@@ -303,6 +303,14 @@ def test_judges_load_and_score_offline(monkeypatch):
     assert p[0] < 0.5 < p[1]
 
 
+def test_distinct_n_counts_repetition():
+    from prismlm.eval.metrics import distinct_n
+
+    assert distinct_n(["a b c d"], 2) == 1.0
+    assert distinct_n(["a b a b a b"], 2) == 2 / 5  # (a b), (b a) over 5 bigrams
+    assert distinct_n(["one"], 2) == 0.0  # no bigram at all
+
+
 # ----- concept search ----------------------------------------------------------------------------------
 CONCEPT = ["zebra zebra zebra quartz quartz"] * 6
 NEUTRAL = ["the king said to the people that the land was good"] * 6

@@ -26,15 +26,25 @@ def generate_text(run: Path, prompt: str, *, tokens: int = 100, samples: int = 1
     from prismlm.train.distributed import resolve_device
 
     ckpt = load_run(run, suppress, resolve_device(device))
-    tok = ckpt.tokenizer
-    if tok is None:
+    if ckpt.tokenizer is None:
         raise ValueError(f"{ckpt.path} has no tokenizer; cannot encode a prompt")
-    ids = tok.encode(prompt) if prompt else [tok.eot_id]
     dev = next(ckpt.model.parameters()).device
-    x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    y = ckpt.model.generate(x, tokens, temperature=temperature, top_k=top_k, generator=gen)
-    return [prompt + tok.decode(row[len(ids) if prompt else 1:].tolist()) for row in y]
+    return [prompt + c for c in sample_continuations(ckpt.model, ckpt.tokenizer, prompt, samples=samples, tokens=tokens,
+                                                     temperature=temperature, top_k=top_k, generator=gen)]
+
+
+def sample_continuations(model, tokenizer, prompt: str, *, samples: int, tokens: int, temperature: float,
+                         top_k: Optional[int], generator) -> list[str]:
+    """``samples`` sampled continuations of ``prompt`` (continuation text only; an empty prompt starts
+    from the end-of-text token), one batch through ``model.generate``."""
+    import torch
+
+    ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
+    dev = next(model.parameters()).device
+    x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)
+    y = model.generate(x, tokens, temperature=temperature, top_k=top_k, generator=generator)
+    return [tokenizer.decode(row[len(ids) if prompt else 1:].tolist()) for row in y]
 
 
 def load_run(run: Path, suppress: Optional[str], device):

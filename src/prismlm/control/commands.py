@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from prismlm.cli_common import console
 from prismlm.cli_common import fail as _fail
@@ -91,7 +90,7 @@ def concept_cmd(
         t.add_row(str(r["id"]), f"{r['contribution_nats_per_token']:.4f}", f"{r['log2_enrichment']:.2f}", f"{r['concept_rate']:.4f}/{r['neutral_rate']:.4f}",
                   "-" if r.get("purity") is None else f"{r['purity']:.2f}", "yes" if r["selected"] else "",
                   " ".join(repr(x) for x in ev.get("signature_top_tokens", [])[:5]))
-    Console().print(t)
+    console.print(t)
     if out:
         console.print(f"suppression set: {sset.save(out)}")
     if save:
@@ -192,8 +191,7 @@ def controller_fit(
                                                     "training neighbourhood."),
 ) -> None:
     """Fit a sparse linear controller c (LM frozen) on a task; report test accuracy before → after."""
-    from prismlm.control.controller import (accuracy, extract_features, fit_with_validation, prism_encoder,
-                                            request_scores, trace_prism_controller)
+    from prismlm.control.controller import extract_features, fit_and_test, prism_encoder, trace_prism_controller
     from prismlm.eval.tasks import TaskError, load_split
 
     ckpt = _load(run, "none")
@@ -205,10 +203,8 @@ def controller_fit(
     except TaskError as e:
         _fail(str(e))
     feats = {s: extract_features(model, ckpt.tokenizer, d, prism_encoder(model)) for s, d in splits.items()}
-    W, P = model.lm_head.weight, model.prototypes.weight
-    ctl, trials = fit_with_validation(feats["train"], feats["validation"], W, P, l1_grid=l1, steps=steps, lr=lr)
-    before = accuracy(feats["test"], request_scores(feats["test"], W.double(), P.double(), None))
-    after = accuracy(feats["test"], request_scores(feats["test"], W.double(), P.double(), ctl.coefficients))
+    res = fit_and_test(feats, model.lm_head.weight, model.prototypes.weight, l1_grid=l1, steps=steps, lr=lr)
+    ctl, before, after = res.controller, res.before, res.after
     idx = _open_index(ckpt, index) if index is not None else None
     trace = trace_prism_controller(model, ckpt.tokenizer, ctl, feats["train"], splits["train"], index=idx)
     for e in trace[:10]:

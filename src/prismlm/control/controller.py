@@ -240,6 +240,30 @@ def fit_with_validation(train: ControlFeatures, val: ControlFeatures, W: torch.T
     return best, trials
 
 
+@dataclass
+class ControllerResult:
+    """A controller fitted on train (λ chosen on validation) and its test scores before and after."""
+
+    controller: Controller
+    trials: list[dict[str, Any]]
+    test_scores_before: torch.Tensor
+    """(R,) float64 request scores of the test split with c = 0"""
+    test_scores_after: torch.Tensor
+    before: dict[str, float]
+    after: dict[str, float]
+
+
+def fit_and_test(feats: dict[str, ControlFeatures], W: torch.Tensor, directions: torch.Tensor, *,
+                 l1_grid: Sequence[float] = (3e-3, 1e-2, 3e-2), steps: int = 100, lr: float = 0.05) -> ControllerResult:
+    """The protocol used by ``prism controller fit`` and ``bench/control.py``: fit on ``feats["train"]``,
+    choose λ on ``feats["validation"]``, score ``feats["test"]`` with c = 0 and with the fitted c."""
+    ctl, trials = fit_with_validation(feats["train"], feats["validation"], W, directions, l1_grid=l1_grid,
+                                      steps=steps, lr=lr)
+    s0 = request_scores(feats["test"], W.double(), directions.double(), None)
+    s1 = request_scores(feats["test"], W.double(), directions.double(), ctl.coefficients)
+    return ControllerResult(ctl, trials, s0, s1, accuracy(feats["test"], s0), accuracy(feats["test"], s1))
+
+
 # ----- choice-prior baseline ---------------------------------------------------------------------------------
 @dataclass
 class ChoicePrior:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -127,3 +128,16 @@ def evaluate(
     if cov is not None:
         metrics.update(cov.result())
     return metrics
+
+
+def distinct_n(texts: Sequence[str], n: int) -> float:
+    """Distinct-n of generations (Li et al. 2016): distinct whitespace n-grams / all n-grams, pooled over
+    ``texts`` (0 when there is none). A drop means repetitive text."""
+    grams: set[tuple[str, ...]] = set()
+    total = 0
+    for t in texts:
+        w = t.split()
+        g = [tuple(w[i:i + n]) for i in range(len(w) - n + 1)]
+        grams.update(g)
+        total += len(g)
+    return len(grams) / max(1, total)
