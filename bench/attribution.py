@@ -5,7 +5,7 @@ One process, one model, one training set, one query set for every method (spec Â
 attribution ~470Ã— faster than EK-FAC per query, keeping ~80% of the full method's top-ranked sequences).
 
 Setup
-    A planted-fact corpus (``prismlm.attribution.planted``): background documents of the built-in corpus
+    A planted-fact corpus (``prismlm.tda.planted``): background documents of the built-in corpus
     plus ``--facts`` made-up facts, each in ``--copies`` short documents, and two distractor facts per
     fact (same entity / other relation; same relation / other entity). Queries are paraphrases + the
     answer with only the answer's tokens measured (2 per fact), plus ``--val-queries`` held-out
@@ -53,10 +53,10 @@ import torch
 
 from _common import (RESULTS_DIR, RUNS_DIR, current_peak_rss_mib, environment, load_average, parse_sets,
                      reset_peak_rss, warn_if_busy, write_json)
-from prismlm.attribution.baselines import KronfluenceBaseline
-from prismlm.attribution.cache import build_cache
-from prismlm.attribution.influence import FullGradients, curvature_pass, query_gradients
-from prismlm.attribution.planted import build_planted_corpus, relevant_sequences, retrieval_metrics
+from prismlm.tda.baselines import KronfluenceBaseline
+from prismlm.tda.cache import build_cache
+from prismlm.tda.influence import FullGradients, curvature_pass, query_gradients
+from prismlm.tda.planted import build_planted_corpus, relevant_sequences, retrieval_metrics
 from prismlm.config import RunConfig
 from prismlm.data.shards import prepare_shards
 from prismlm.train import load_checkpoint, train

@@ -51,7 +51,7 @@ from prismlm.data.corpus import iter_documents
 from prismlm.data.shards import prepare_shards
 from prismlm.eval.metrics import distinct_n
 from prismlm.eval.scoring import text_perplexity
-from prismlm.runs import sample_continuations
+from prismlm.app.operations import sample_continuations
 from prismlm.train.trainer import train
 
 NEUTRAL_PROMPTS = ["The weather this morning", "My grandmother always said", "The president told Congress",
@@ -241,7 +241,8 @@ def main() -> None:
                                                      "train.device": "cpu", "train.seed": 1337 + args.seed,
                                                      "data.corpus": str(corpus), "data.tokenizer": "bpe-4096",
                                                      **parse_sets(args.set)})
-    from prismlm.train.checkpoint import CheckpointError, find_checkpoint, load_checkpoint
+    from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
+    from prismlm.errors import CheckpointError
 
     t_train = time.time()
     ckpt = None
@@ -276,7 +277,7 @@ def main() -> None:
     index = None
     t_idx = time.time()
     if not args.no_index:
-        from prismlm.attribution.index import build_index
+        from prismlm.explain.index import build_index
 
         index = build_index(ckpt, shards, top_n=16, batch_size=32, progress=False)
         index.attach(shards)

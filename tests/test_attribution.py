@@ -14,10 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prismlm.attribution import (IndexError_, IndexMismatchError, PrototypeIndex, UnknownPrototypeError, build_index,
-                                 explain, explain_generation, llm_labels, merge_indexes, prototype_card, rule_labels,
-                                 save_labels)
-from prismlm.attribution.labels import CATEGORIES
+from prismlm.errors import ArtifactError, ArtifactMismatch, UnknownPrototypeError
+from prismlm.explain import PrototypeIndex, build_index, explain, explain_generation, llm_labels, merge_indexes, prototype_card, rule_labels, save_labels
+from prismlm.explain.labels import CATEGORIES
 from conftest import train_tiny_run
 
 T = 64  # tiny preset block_size
@@ -70,7 +69,7 @@ def test_partial_indexes_merge_to_one_pass_and_resume(trained, tiny_shards, tmp_
     assert merged.covers_all and merged.manifest["covered"] == [[0, 22]]
     for k, v in full.coverage().items():
         assert merged.coverage()[k] == pytest.approx(v, rel=1e-12)
-    with pytest.raises(IndexError_, match="overlap"):
+    with pytest.raises(ArtifactError, match="overlap"):
         merge_indexes([parts[0], parts[0]])
     # interrupted after 2 batches, saved, resumed from disk: same as one pass
     out = tmp_path / "partial"
@@ -79,7 +78,7 @@ def test_partial_indexes_merge_to_one_pass_and_resume(trained, tiny_shards, tmp_
     resumed = build_index(ckpt, tiny_shards, resume_from=out, out=out, **kw)
     assert resumed.complete and torch.equal(resumed.top_offset, full.top_offset)
     assert torch.equal(resumed.counts, full.counts)
-    with pytest.raises(IndexError_, match="cannot resume"):
+    with pytest.raises(ArtifactError, match="cannot resume"):
         build_index(ckpt, tiny_shards, resume_from=out, **{**kw, "top_n": 4})
 
 
@@ -111,13 +110,13 @@ def test_mismatch_and_unknown_prototype_errors(trained, tiny_shards, tmp_path):
     idx = build_index(ckpt, tiny_shards, top_n=4, batch_size=4, max_sequences=4, progress=False)
     idx.save(tmp_path / "index")
     other = "f" * 64
-    with pytest.raises(IndexMismatchError) as e:
+    with pytest.raises(ArtifactMismatch) as e:
         PrototypeIndex.load(tmp_path / "index", model_sha256=other)
     assert other in str(e.value) and ckpt.manifest["model_sha256"] in str(e.value)
-    with pytest.raises(IndexMismatchError, match="token shards"):
+    with pytest.raises(ArtifactMismatch, match="token shards"):
         PrototypeIndex.load(tmp_path / "index", shard_key="0" * 64)
     fake = SimpleNamespace(model=ckpt.model, manifest={"model_sha256": other}, tokenizer=ckpt.tokenizer, path=ckpt.path)
-    with pytest.raises(IndexMismatchError, match=other):
+    with pytest.raises(ArtifactMismatch, match=other):
         explain(fake, None, "hello", index=idx)
     with pytest.raises(UnknownPrototypeError, match="unknown prototype id 9999"):
         idx.neighbours(9999)
@@ -125,7 +124,7 @@ def test_mismatch_and_unknown_prototype_errors(trained, tiny_shards, tmp_path):
         idx.stats(-1)
     with pytest.raises(UnknownPrototypeError, match="unknown prototype id 9999"):
         prototype_card(ckpt, None, 9999)
-    with pytest.raises(IndexError_, match="not a prototype index"):
+    with pytest.raises(ArtifactError, match="not a prototype index"):
         PrototypeIndex.load(tmp_path)
 
 

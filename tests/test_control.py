@@ -82,7 +82,8 @@ def test_unknown_ids_rejected_clearly():
 
 
 def test_suppression_set_round_trip_and_checks(tmp_path):
-    from prismlm.control.suppress import SuppressionError, SuppressionSet, apply_suppression
+    from prismlm.control.suppress import SuppressionSet, apply_suppression
+    from prismlm.errors import SuppressionError
 
     model = tiny_model()
     s = SuppressionSet(ids=[5, 3, 3], num_prototypes=64, model_sha256="abc", concept="x",
@@ -271,7 +272,7 @@ def test_gutenberg_ending_task_choices_are_passage_continuations():
 def test_scorer_and_lm_eval_adapter_agree(tiny_shards, tmp_path, monkeypatch):
     pytest.importorskip("lm_eval")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
-    from prismlm.eval.lm_eval_adapter import evaluate_with_lm_eval
+    from prismlm.app.lm_eval_adapter import evaluate_with_lm_eval
     from prismlm.eval.scoring import mc_accuracy
     from prismlm.eval.tasks import build_task, write_task
 
@@ -358,7 +359,7 @@ def test_concept_contribution_is_the_exact_derivative_of_the_loglikelihood(tiny_
 
 def test_concept_search_rank_by_contribution_and_subset(tiny_shards):
     from prismlm.control.concept import find_concept
-    from prismlm.control.suppress import SuppressionError
+    from prismlm.errors import SuppressionError
 
     tok, model, concept, neutral = _concept_setup(tiny_shards)
     sset, ranking = find_concept(model, tok, concept, neutral, budget=None, threshold=0.0, min_count=1)

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from prismlm import RunConfig
-from prismlm.attribution.attribute import attribute
-from prismlm.attribution.cache import AttributionCache, build_cache, merge_caches
-from prismlm.attribution.index import IndexError_, IndexMismatchError
-from prismlm.attribution.influence import (BlockGradients, FullGradients, block_gradients, collect_gradients,
+from prismlm.tda.attribute import attribute
+from prismlm.tda.cache import AttributionCache, build_cache, merge_caches
+from prismlm.errors import ArtifactError, ArtifactMismatch
+from prismlm.tda.influence import (BlockGradients, FullGradients, block_gradients, collect_gradients,
                                            curvature_pass, influence_scores, query_gradients, self_influence)
 from prismlm.train import train
 from conftest import train_tiny_run
@@ -125,7 +125,7 @@ def test_batch_size_and_sharding_invariance(c64, tiny_shards, tmp_path):
     assert np.array_equal(merged.offsets, ref.offsets) and np.array_equal(merged.seq, ref.seq)
     assert np.array_equal(np.asarray(merged.sketch), np.asarray(ref.sketch))
     assert torch.equal(merged.scores(q, 2), ref.scores(q, 2))
-    with pytest.raises(IndexError_, match="overlap"):
+    with pytest.raises(ArtifactError, match="overlap"):
         merge_caches([parts[0], parts[0]])
     # full scores do not depend on the batch size either
     g4 = collect_gradients(c64.model, tiny_shards, sequences=(0, N_SEQ), batch_size=4)
@@ -166,16 +166,16 @@ def test_cache_round_trip_and_mismatch_refused(trained, tiny_shards, tmp_path):
     assert isinstance(back.sketch, np.memmap)
     q = query_gradients(ckpt.model, _queries(ckpt.tokenizer))
     assert torch.equal(back.scores(q, 2), cache.scores(q, 2))
-    with pytest.raises(IndexMismatchError, match="built for model"):
+    with pytest.raises(ArtifactMismatch, match="built for model"):
         AttributionCache.load(tmp_path / "cache", model_sha256="0" * 64)
     other = copy.deepcopy(ckpt.model)
     with torch.no_grad():
         other.prototypes.weight.add_(0.01)
-    with pytest.raises(IndexMismatchError, match="rebuild it"):
+    with pytest.raises(ArtifactMismatch, match="rebuild it"):
         back.check(checkpoint=other)
-    with pytest.raises(IndexMismatchError, match="token shards"):
+    with pytest.raises(ArtifactMismatch, match="token shards"):
         back.check(shard_key="deadbeef")
-    with pytest.raises(IndexError_, match="no attribution cache"):
+    with pytest.raises(ArtifactError, match="no attribution cache"):
         AttributionCache.load(tmp_path / "nowhere")
 
 
@@ -195,7 +195,7 @@ def test_attribute_api_full_and_cached_agree(trained, tiny_shards):
 
 
 def test_planted_facts_rank_top10(tmp_path):
-    from prismlm.attribution.planted import build_planted_corpus, relevant_sequences, retrieval_metrics
+    from prismlm.tda.planted import build_planted_corpus, relevant_sequences, retrieval_metrics
     from prismlm.data.shards import prepare_shards
 
     pc = build_planted_corpus(tmp_path / "planted", n_facts=4, copies=2, n_background=30, doc_chars=1000, seed=0)
@@ -216,7 +216,7 @@ def test_planted_facts_rank_top10(tmp_path):
 
 def test_kronfluence_ekfac_end_to_end(trained, tiny_shards):
     pytest.importorskip("kronfluence")
-    from prismlm.attribution.baselines import KronfluenceBaseline
+    from prismlm.tda.baselines import KronfluenceBaseline
 
     ckpt, _ = trained
     before = {k: v.clone() for k, v in ckpt.model.state_dict().items()}

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from prismlm import ModelConfig, PrismLM, PrototypeConfig, RunConfig, decompose
-from prismlm.config import ConfigError, LossConfig, TrainConfig
+from prismlm.config import LossConfig, TrainConfig
+from prismlm.errors import ConfigError
 from prismlm.model import losses as L
 from prismlm.model.prototypes import PrototypeLayer
 

@@ -4,7 +4,7 @@ from prismlm.config import (DataConfig, LossConfig, ModelConfig, PrototypeConfig
                             TrainConfig)
 from prismlm.model import PrismLM, PrismOutput, decompose
 
-__version__ = "0.1.0"
+from prismlm._version import __version__
 
 __all__ = ["DataConfig", "LossConfig", "ModelConfig", "PrismLM", "PrismOutput", "PrototypeConfig",
            "RunConfig", "TrainConfig", "decompose", "__version__"]

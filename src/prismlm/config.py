@@ -13,12 +13,11 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from prismlm.errors import ConfigError
 
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid or unknown."""
 
 
 def _check(cond: bool, msg: str) -> None:

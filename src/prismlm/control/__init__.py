@@ -9,6 +9,6 @@ Heavier pieces (controllers, SAE, judges) are imported from their modules.
 """
 
 from prismlm.control.concept import find_concept
-from prismlm.control.suppress import SuppressionError, SuppressionSet, apply_suppression, load_with_suppression
+from prismlm.control.suppress import SuppressionSet, apply_suppression, load_with_suppression
 
-__all__ = ["SuppressionError", "SuppressionSet", "apply_suppression", "find_concept", "load_with_suppression"]
+__all__ = [ "SuppressionSet", "apply_suppression", "find_concept", "load_with_suppression"]

@@ -17,10 +17,9 @@ from typing import Sequence
 import numpy as np
 
 from prismlm.eval.tasks import read_fortunes
+from prismlm.errors import DependencyError
 
 
-class JudgeUnavailable(RuntimeError):
-    """An optional judge's package is not installed."""
 
 
 def _u(text: str) -> float:
@@ -59,7 +58,7 @@ class ProfanityJudge:
         try:
             from profanity_check import predict_prob
         except ImportError as e:  # pragma: no cover - depends on the optional extra
-            raise JudgeUnavailable("the profanity judge needs the optional extra: pip install alt-profanity-check==1.9.1") from e
+            raise DependencyError("the profanity judge needs the optional extra: pip install alt-profanity-check==1.9.1") from e
         self._predict = predict_prob
 
     def score(self, texts: Sequence[str]) -> np.ndarray:
@@ -82,7 +81,7 @@ class TfidfJudge:
             from sklearn.linear_model import LogisticRegression
             from sklearn.metrics import roc_auc_score
         except ImportError as e:  # pragma: no cover
-            raise JudgeUnavailable("the TF-IDF judge needs scikit-learn") from e
+            raise DependencyError("the TF-IDF judge needs scikit-learn") from e
         texts = list(clean) + list(offensive)
         y = np.array([0] * len(clean) + [1] * len(offensive))
         rng = np.random.default_rng(seed)
@@ -107,6 +106,6 @@ def default_judges(splits: FortuneSplits | None = None) -> dict[str, object]:
     judges: dict[str, object] = {"tfidf": TfidfJudge(splits.judge_clean, splits.judge_offensive)}
     try:
         judges["profanity"] = ProfanityJudge()
-    except JudgeUnavailable:
+    except DependencyError:
         pass
     return judges

@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from prismlm.errors import SuppressionError
 
 KIND = "prismlm-suppression"
 FORMAT_VERSION = 1
 CHECKPOINT_FILE = "suppression.json"
 
 
-class SuppressionError(ValueError):
-    """A suppression set is malformed or does not match the model it is applied to."""
 
 
 @dataclass

@@ -7,11 +7,10 @@ Typical use::
     x = ss.train.sequences(np.array([0, 5]), 256)    # (2, 257) int64
 """
 
-from .corpus import CorpusError, Document, corpus_fingerprint, iter_documents, split_of
-from .shards import ShardError, ShardSet, TokenShard, default_data_dir, load_shards, prepare_shards
-from .tokenizer import (
+from prismlm.data.corpus import Document, corpus_fingerprint, iter_documents, split_of
+from prismlm.data.shards import ShardSet, TokenShard, default_data_dir, load_shards, prepare_shards
+from prismlm.data.tokenizer import (
     Tokenizer,
-    TokenizerError,
     gpt2_tokenizer,
     hf_tokenizer,
     resolve_tokenizer,
@@ -19,9 +18,7 @@ from .tokenizer import (
     train_bpe,
 )
 
-__all__ = [
-    "CorpusError", "Document", "corpus_fingerprint", "iter_documents", "split_of",
-    "ShardError", "ShardSet", "TokenShard", "default_data_dir", "load_shards", "prepare_shards",
-    "Tokenizer", "TokenizerError", "gpt2_tokenizer", "hf_tokenizer", "resolve_tokenizer",
+__all__ = [ "Document", "corpus_fingerprint", "iter_documents", "split_of", "ShardSet", "TokenShard", "default_data_dir", "load_shards", "prepare_shards",
+    "Tokenizer", "gpt2_tokenizer", "hf_tokenizer", "resolve_tokenizer",
     "token_dtype", "train_bpe",
 ]

@@ -26,10 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from prismlm.errors import CorpusError
 
 __all__ = [
     "Document",
-    "CorpusError",
     "iter_documents",
     "split_of",
     "corpus_fingerprint",
@@ -60,8 +60,6 @@ class Document:
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
-class CorpusError(ValueError):
-    """A corpus spec or file is unusable; the message names the file (and line)."""
 
 
 # ---------------------------------------------------------------------------

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 from tqdm.auto import tqdm
 
-from .corpus import CorpusError, Document, _package_version, corpus_fingerprint, iter_documents, split_hash
-from .tokenizer import Tokenizer, _describe, resolve_tokenizer, token_dtype
+from prismlm.data.corpus import Document, _package_version, corpus_fingerprint, iter_documents, split_hash
+from prismlm.data.tokenizer import Tokenizer, _describe, resolve_tokenizer, token_dtype
+from prismlm.errors import CorpusError, ShardError
 
-__all__ = ["TokenShard", "ShardSet", "ShardError", "prepare_shards", "load_shards", "default_data_dir"]
+__all__ = ["TokenShard", "ShardSet", "prepare_shards", "load_shards", "default_data_dir"]
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -48,8 +49,6 @@ if TYPE_CHECKING:
     from prismlm.config import DataConfig
 
 
-class ShardError(ValueError):
-    """A shard directory is incomplete, corrupt, or does not match its tokenizer."""
 
 
 class TokenShard:

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+from prismlm.errors import TokenizerError
 
 __all__ = [
     "Tokenizer",
-    "TokenizerError",
     "EOT_TOKEN",
     "train_bpe",
     "gpt2_tokenizer",
@@ -43,8 +43,6 @@ _TOKENIZER_FILE = "tokenizer.json"
 _EOT_CANDIDATES = (EOT_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]", "<|im_end|>")
 
 
-class TokenizerError(ValueError):
-    """A tokenizer spec or directory is unusable; the message says why."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

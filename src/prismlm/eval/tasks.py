@@ -39,6 +39,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from prismlm.errors import TaskError
 
 TASKS = ("gutenberg_author", "sotu_era", "sotu_president", "fortune_source", "gutenberg_ending")
 SPLITS = ("train", "validation", "test")
@@ -48,8 +49,6 @@ FORTUNE_SOURCES = {"fortunes": "a fortune cookie", "limerick": "a limerick", "mu
                    "startrek": "Star Trek", "zippy": "Zippy the Pinhead"}
 
 
-class TaskError(ValueError):
-    """A task name is unknown or its source data is missing."""
 
 
 def _h(s: str) -> float:

@@ -124,7 +124,7 @@ document.getElementById('all').onclick = () => document.querySelectorAll('.card'
 
 
 def _attribution_html(att: Any) -> str:
-    """The "Training data" section: top training sequences of an ``Attribution`` (prismlm.attribution.attribute)."""
+    """The "Training data" section: top training sequences of an ``Attribution`` (prismlm.tda.attribute)."""
     a = att.to_dict() if hasattr(att, "to_dict") else att
     rows = []
     for it in a["top"]:

@@ -1,7 +1,7 @@
 """Training: trainer, checkpoints, data order, torchrun integration."""
 
-from prismlm.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
+from prismlm.train.checkpoint import Checkpoint, find_checkpoint, load_checkpoint, save_checkpoint
 from prismlm.train.trainer import TrainResult, train
 
-__all__ = ["Checkpoint", "CheckpointError", "TrainResult", "find_checkpoint", "load_checkpoint", "save_checkpoint",
+__all__ = ["Checkpoint", "TrainResult", "find_checkpoint", "load_checkpoint", "save_checkpoint",
            "train"]

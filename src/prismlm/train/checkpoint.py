@@ -32,10 +32,9 @@ from safetensors.torch import load_model, save_model
 
 from prismlm.config import RunConfig
 from prismlm.model import PrismLM
+from prismlm.errors import CheckpointError
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not match what it is used with."""
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -64,7 +63,7 @@ def save_checkpoint(
     keep: int = 2,
 ) -> Path:
     """Write a complete checkpoint atomically and prune old ones; returns its folder."""
-    from prismlm import __version__
+    from prismlm._version import __version__
 
     ckpt_root = Path(run_dir) / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)

@@ -15,9 +15,9 @@ from typing import Optional
 
 import typer
 
-from prismlm.cli_common import console
-from prismlm.cli_common import fail as _fail
-from prismlm.runs import load_run, open_index, user_errors
+from prismlm.cli.console import console
+from prismlm.cli.console import fail as _fail
+from prismlm.app.operations import load_run, open_index, user_errors
 
 
 def _load(run: Path, suppress: Optional[str] = "auto"):
@@ -108,7 +108,8 @@ def tasks_build(
     train_cap: int = typer.Option(400), val_cap: int = typer.Option(100), test_cap: int = typer.Option(200),
 ) -> None:
     """Build the multiple-choice tasks deterministically (lm-eval-readable)."""
-    from prismlm.eval.tasks import TASKS, TaskError, build_tasks
+    from prismlm.eval.tasks import TASKS, build_tasks
+    from prismlm.errors import TaskError
 
     try:
         folders = build_tasks(out, task or list(TASKS), {"train": train_cap, "validation": val_cap, "test": test_cap})
@@ -149,7 +150,8 @@ def tasks_eval(
     import torch
 
     from prismlm.eval.scoring import mc_accuracy
-    from prismlm.eval.tasks import TaskError, load_split
+    from prismlm.eval.tasks import load_split
+    from prismlm.errors import TaskError
 
     ckpt = _load(run, suppress)
     folders = _task_folders(tasks, task)
@@ -171,7 +173,7 @@ def tasks_eval(
                 _fail(str(e))
             results[n] = mc_accuracy(ckpt.model, ckpt.tokenizer, docs).to_dict()
             if lm_eval and split == "test":
-                from prismlm.eval.lm_eval_adapter import evaluate_with_lm_eval
+                from prismlm.app.lm_eval_adapter import evaluate_with_lm_eval
 
                 results[n]["lm_eval"] = evaluate_with_lm_eval(ckpt.model, ckpt.tokenizer, {n: f})[n]
             console.print(f"{n} [{split}]: {results[n]}")
@@ -192,7 +194,8 @@ def controller_fit(
 ) -> None:
     """Fit a sparse linear controller c (LM frozen) on a task; report test accuracy before → after."""
     from prismlm.control.controller import extract_features, fit_and_test, prism_encoder, trace_prism_controller
-    from prismlm.eval.tasks import TaskError, load_split
+    from prismlm.eval.tasks import load_split
+    from prismlm.errors import TaskError
 
     ckpt = _load(run, "none")
     model = ckpt.model

@@ -12,7 +12,7 @@ from typing import Optional
 
 from rich.console import Console
 
-from prismlm.config import ConfigError
+from prismlm.errors import ConfigError
 
 console = Console(stderr=True)
 
@@ -81,13 +81,13 @@ def evaluate_run(run: Path, *, batches: int = 50, batch_size: Optional[int] = No
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean the user asked for something wrong (bad path, mismatched artifact, bad value): the
     CLI prints them as one line and exits 2, with no traceback."""
-    from prismlm.attribution.index import IndexError_
-    from prismlm.data.shards import ShardError
-    from prismlm.data.tokenizer import TokenizerError
-    from prismlm.control.suppress import SuppressionError
-    from prismlm.train.checkpoint import CheckpointError
+    from prismlm.errors import ArtifactError
+    from prismlm.errors import ShardError
+    from prismlm.errors import TokenizerError
+    from prismlm.errors import SuppressionError
+    from prismlm.errors import CheckpointError
 
-    return (IndexError_, ShardError, TokenizerError, CheckpointError, SuppressionError, ConfigError, ValueError,
+    return (ArtifactError, ShardError, TokenizerError, CheckpointError, SuppressionError, ConfigError, ValueError,
             FileNotFoundError)
 
 
@@ -100,7 +100,8 @@ def run_dir(run: Path, ckpt) -> Path:
 def resolve_shards(ckpt, shards_dir: Optional[Path] = None, index_manifest: Optional[dict] = None):
     """The token shards of a run: ``--shards``, else the index's recorded folder, else prepared (reused) from
     the run's data config; refused if their key differs from the one the checkpoint was trained on."""
-    from prismlm.data.shards import ShardError, load_shards, prepare_from_config
+    from prismlm.data.shards import load_shards, prepare_from_config
+    from prismlm.errors import ShardError
 
     want = (ckpt.manifest.get("data") or {}).get("key")
     if shards_dir is not None:
@@ -127,8 +128,8 @@ def build_run_index(run: Path, *, top_n: int = 32, max_sequences: Optional[int] 
                     device: str = "auto", progress: bool = True):
     """``prism index`` as a function: build (or resume) a run's prototype index and, when complete, its
     rule labels. Returns the ``PrototypeIndex``."""
-    from prismlm.attribution import build_index, rule_labels, save_labels
-    from prismlm.attribution.index import IndexError_
+    from prismlm.explain import build_index, rule_labels, save_labels
+    from prismlm.errors import ArtifactError
     from prismlm.train.checkpoint import load_checkpoint
     from prismlm.train.distributed import resolve_device
     from prismlm.train.trainer import autocast_for
@@ -136,12 +137,12 @@ def build_run_index(run: Path, *, top_n: int = 32, max_sequences: Optional[int] 
     dev = resolve_device(device)
     ckpt = load_checkpoint(run, device=dev)
     if not ckpt.model.is_prism:
-        raise IndexError_(f"{ckpt.path} is a dense baseline: it has no prototypes to index")
+        raise ArtifactError(f"{ckpt.path} is a dense baseline: it has no prototypes to index")
     if out is None:
         out = run_dir(run, ckpt) / ("index" if part == (0, 1) else f"index-part-{part[0]}-of-{part[1]}")
     prev = None
     if resume and (out / "manifest.json").exists():
-        from prismlm.attribution import PrototypeIndex
+        from prismlm.explain import PrototypeIndex
 
         prev = PrototypeIndex.load(out)
         if prev.complete:
@@ -161,13 +162,13 @@ def build_run_index(run: Path, *, top_n: int = 32, max_sequences: Optional[int] 
 
 
 def open_index(run: Path, ckpt, index_dir: Optional[Path], shards_dir: Optional[Path], *, required: bool):
-    from prismlm.attribution import PrototypeIndex
-    from prismlm.attribution.index import IndexError_
+    from prismlm.explain import PrototypeIndex
+    from prismlm.errors import ArtifactError
 
     path = index_dir or run_dir(run, ckpt) / "index"
     if not (path / "manifest.json").exists():
         if required or index_dir is not None:
-            raise IndexError_(f"no prototype index at {path}; build it with `prism index {run}`")
+            raise ArtifactError(f"no prototype index at {path}; build it with `prism index {run}`")
         return None
     idx = PrototypeIndex.load(path, checkpoint=ckpt)
     idx.attach(resolve_shards(ckpt, shards_dir, idx.manifest))
@@ -178,7 +179,7 @@ def explain_run(run: Path, prompt: str, *, generate: int = 0, index_dir: Optiona
                 use_index: bool = True, shards_dir: Optional[Path] = None, temperature: float = 0.8,
                 top_k: Optional[int] = 50, seed: int = 0, neighbours: int = 5, device: str = "auto"):
     """``prism explain`` as a function: returns an ``Explanation`` of the prompt (or of a generation)."""
-    from prismlm.attribution import explain, explain_generation
+    from prismlm.explain import explain, explain_generation
     from prismlm.train.checkpoint import load_checkpoint
     from prismlm.train.distributed import resolve_device
 

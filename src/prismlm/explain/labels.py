@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from prismlm.attribution.index import LABELS_FILE, PrototypeIndex
+from prismlm.explain.index import LABELS_FILE, PrototypeIndex
 
 __all__ = ["CATEGORIES", "classify_token", "corpus_token_counts", "llm_labels", "rule_labels", "save_labels",
            "load_labels"]

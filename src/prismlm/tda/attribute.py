@@ -21,8 +21,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from prismlm.attribution.cache import AttributionCache
-from prismlm.attribution.influence import FullGradients, _unwrap, query_gradients
+from prismlm.tda.cache import AttributionCache
+from prismlm.tda.influence import FullGradients, _unwrap, query_gradients
 
 __all__ = ["Attribution", "AttributedSequence", "attribute", "make_query"]
 

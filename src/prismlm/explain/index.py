@@ -32,7 +32,7 @@ batch (``checkpoint_every`` saves periodically).
 
 **Artifact.** A folder with ``index.safetensors`` (tensors) and ``manifest.json`` (kind, format version,
 the checkpoint's ``model_sha256``, the shards' key, split, top_n, K, T, covered sequences, tokens,
-dates, prismlm version). Loading it for another checkpoint or corpus raises ``IndexMismatchError``
+dates, prismlm version). Loading it for another checkpoint or corpus raises ``ArtifactMismatch``
 naming both hashes.
 """
 
@@ -56,14 +56,12 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
+from prismlm.errors import ArtifactError, ArtifactMismatch, UnknownPrototypeError
 
 __all__ = [
     "FORMAT_VERSION",
-    "IndexError_",
-    "IndexMismatchError",
     "Neighbour",
     "PrototypeIndex",
-    "UnknownPrototypeError",
     "build_index",
     "merge_indexes",
     "model_identity",
@@ -78,19 +76,10 @@ LABELS_FILE = "labels.json"
 _NO_OFFSET = -1  # empty slot of the (K, N) table (similarity -inf): fewer than N tokens seen
 
 
-class IndexError_(ValueError):
-    """A prototype index is missing, incomplete, or cannot be combined as asked."""
 
 
-class IndexMismatchError(IndexError_):
-    """The index was built from another checkpoint or another corpus than the one it is used with."""
 
 
-class UnknownPrototypeError(IndexError_, KeyError):
-    """A prototype id outside [0, K)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 def model_identity(model_or_ckpt: Any) -> str:
@@ -119,12 +108,12 @@ def check_provenance(manifest: dict[str, Any], *, what: str, rebuild: str, check
     if checkpoint is not None:
         model_sha256 = model_identity(checkpoint)
     if model_sha256 is not None and model_sha256 != manifest["model_sha256"]:
-        raise IndexMismatchError(f"{what} was built for model {manifest['model_sha256']}, but this checkpoint's "
+        raise ArtifactMismatch(f"{what} was built for model {manifest['model_sha256']}, but this checkpoint's "
                                  f"model is {model_sha256}; rebuild it with `{rebuild}`")
     if shards is not None:
         shard_key = shards.manifest["key"]
     if shard_key is not None and shard_key != manifest["shard_key"]:
-        raise IndexMismatchError(f"{what} was built on token shards {manifest['shard_key']}, but these shards are "
+        raise ArtifactMismatch(f"{what} was built on token shards {manifest['shard_key']}, but these shards are "
                                  f"{shard_key}; rebuild it with `{rebuild}` on this corpus")
 
 
@@ -136,7 +125,7 @@ def part_range(num_sequences: int, batch_size: int, part: tuple[int, int]) -> tu
     """Sequence range [start, stop) of part i of n: contiguous, whole batches of ``batch_size``."""
     i, n = part
     if not (n >= 1 and 0 <= i < n):
-        raise IndexError_(f"part must be i/n with 0 <= i < n, got {i}/{n}")
+        raise ArtifactError(f"part must be i/n with 0 <= i < n, got {i}/{n}")
     nb = math.ceil(num_sequences / batch_size)
     b0, b1 = (i * nb) // n, ((i + 1) * nb) // n
     return min(b0 * batch_size, num_sequences), min(b1 * batch_size, num_sequences)
@@ -319,7 +308,7 @@ class PrototypeIndex:
     # ----- identity checks ---------------------------------------------------------------------------
     def check(self, *, checkpoint: Any = None, model_sha256: str | None = None, shards: Any = None,
               shard_key: str | None = None) -> None:
-        """Raise ``IndexMismatchError`` unless the index was built from this checkpoint and these shards."""
+        """Raise ``ArtifactMismatch`` unless the index was built from this checkpoint and these shards."""
         check_provenance(self.manifest, what=f"prototype index{_where(self.path)}", rebuild="prism index",
                          checkpoint=checkpoint, model_sha256=model_sha256, shards=shards, shard_key=shard_key)
 
@@ -362,22 +351,22 @@ class PrototypeIndex:
     def load(cls, path: str | Path, *, checkpoint: Any = None, model_sha256: str | None = None,
              shards: Any = None, shard_key: str | None = None) -> "PrototypeIndex":
         """Open a saved index; with ``checkpoint``/``model_sha256`` and ``shards``/``shard_key`` it is
-        checked against them (``IndexMismatchError``), and ``shards`` are attached for snippets."""
+        checked against them (``ArtifactMismatch``), and ``shards`` are attached for snippets."""
         path = Path(path)
         if not (path / MANIFEST_FILE).exists() or not (path / TENSORS_FILE).exists():
-            raise IndexError_(f"{path} is not a prototype index (expected {MANIFEST_FILE} and {TENSORS_FILE}); "
+            raise ArtifactError(f"{path} is not a prototype index (expected {MANIFEST_FILE} and {TENSORS_FILE}); "
                               f"build one with `prism index RUN`")
         manifest = json.loads((path / MANIFEST_FILE).read_text())
         if manifest.get("kind") != KIND:
-            raise IndexError_(f"{path}/{MANIFEST_FILE}: kind {manifest.get('kind')!r}, expected {KIND!r}")
+            raise ArtifactError(f"{path}/{MANIFEST_FILE}: kind {manifest.get('kind')!r}, expected {KIND!r}")
         if manifest.get("format_version") != FORMAT_VERSION:
-            raise IndexError_(f"{path}: index format {manifest.get('format_version')!r}, this prismlm reads "
+            raise ArtifactError(f"{path}: index format {manifest.get('format_version')!r}, this prismlm reads "
                               f"{FORMAT_VERSION}; rebuild it with `prism index`")
         t = load_file(str(path / TENSORS_FILE))
         idx = cls(top_sim=t["top_sim"], top_offset=t["top_offset"], counts=t["counts"], act_sum=t["act_sum"],
                   hist=t["hist"], manifest=manifest, path=path)
         if tuple(idx.top_sim.shape) != (manifest["num_prototypes"], manifest["top_n"]):
-            raise IndexError_(f"{path}: tensor shapes {tuple(idx.top_sim.shape)} do not match the manifest")
+            raise ArtifactError(f"{path}: tensor shapes {tuple(idx.top_sim.shape)} do not match the manifest")
         idx.check(checkpoint=checkpoint, model_sha256=model_sha256, shards=shards, shard_key=shard_key)
         if shards is not None:
             idx.attach(shards)
@@ -499,23 +488,23 @@ def build_index(
     ident = model_sha256 or model_identity(model)
     net = _unwrap(model)
     if not getattr(net, "is_prism", False):
-        raise IndexError_("a prototype index needs a PRISM model; this is the dense baseline")
+        raise ArtifactError("a prototype index needs a PRISM model; this is the dense baseline")
     if top_n < 1:
-        raise IndexError_(f"top_n must be >= 1, got {top_n}")
+        raise ArtifactError(f"top_n must be >= 1, got {top_n}")
     dev = torch.device(device) if device is not None else next(net.parameters()).device
     T = net.config.block_size
     K = net.prototypes.num_prototypes
     n_all = shards.train.num_sequences(T)
     universe = n_all if max_sequences is None else min(n_all, max_sequences)
     if universe < 1:
-        raise IndexError_(f"the training split has no complete sequence of {T + 1} tokens to index")
+        raise ArtifactError(f"the training split has no complete sequence of {T + 1} tokens to index")
 
     if resume_from is not None:
         prev = resume_from if isinstance(resume_from, PrototypeIndex) else PrototypeIndex.load(resume_from)
         prev.check(model_sha256=ident, shards=shards)
         m = prev.manifest
         if (m["top_n"], m["universe"], m["bins"]) != (top_n, universe, bins) or list(m["part"]) != list(part):
-            raise IndexError_(
+            raise ArtifactError(
                 f"cannot resume: the partial index has top_n={m['top_n']}, max sequences {m['universe']}, "
                 f"bins={m['bins']}, part {m['part'][0]}/{m['part'][1]}; this build asks for top_n={top_n}, "
                 f"{universe}, bins={bins}, part {part[0]}/{part[1]}")
@@ -525,7 +514,7 @@ def build_index(
         covered = _merge_ranges(m["covered"])
         done_to = covered[-1][1] if covered else start
         if covered and covered != [[start, done_to]]:
-            raise IndexError_(f"cannot resume: covered ranges {covered} are not one prefix of the target {m['target']}")
+            raise ArtifactError(f"cannot resume: covered ranges {covered} are not one prefix of the target {m['target']}")
         manifest = dict(m)
     else:
         start, stop = part_range(universe, batch_size, part)
@@ -533,7 +522,7 @@ def build_index(
         # similarities are stored in float32, or float64 for a float64 model (exactness tests)
         sim_dtype = torch.promote_types(net.prototypes.weight.dtype, torch.float32)
         builder = _Builder(K, top_n, bins, dev, sim_dtype)
-        from prismlm import __version__
+        from prismlm._version import __version__
 
         manifest = {
             "kind": KIND, "format_version": FORMAT_VERSION, "model_sha256": ident,
@@ -593,24 +582,24 @@ def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:
     float sums) — see the module docstring for the batch-grid condition.
     """
     if not parts:
-        raise IndexError_("nothing to merge")
+        raise ArtifactError("nothing to merge")
     first = parts[0].manifest
     for p in parts[1:]:
         m = p.manifest
         if m["model_sha256"] != first["model_sha256"]:
-            raise IndexMismatchError(f"cannot merge indexes of different models: {first['model_sha256']} vs "
+            raise ArtifactMismatch(f"cannot merge indexes of different models: {first['model_sha256']} vs "
                                      f"{m['model_sha256']}")
         if m["shard_key"] != first["shard_key"]:
-            raise IndexMismatchError(f"cannot merge indexes of different shards: {first['shard_key']} vs "
+            raise ArtifactMismatch(f"cannot merge indexes of different shards: {first['shard_key']} vs "
                                      f"{m['shard_key']}")
         for key in ("top_n", "num_prototypes", "block_size", "bins", "universe"):
             if m[key] != first[key]:
-                raise IndexError_(f"cannot merge: {key} differs ({first[key]} vs {m[key]})")
+                raise ArtifactError(f"cannot merge: {key} differs ({first[key]} vs {m[key]})")
     covered: list[list[int]] = []
     for p in parts:
         ov = _overlap(covered, _merge_ranges(p.manifest["covered"]))
         if ov is not None:
-            raise IndexError_(f"cannot merge: parts overlap on sequences [{ov[0]}, {ov[1]}) — each sequence must "
+            raise ArtifactError(f"cannot merge: parts overlap on sequences [{ov[0]}, {ov[1]}) — each sequence must "
                               f"be indexed once")
         covered = _merge_ranges(covered + p.manifest["covered"])
     sim = torch.cat([p.top_sim for p in parts], dim=1)

@@ -23,7 +23,7 @@ multiply-adds.
 float16/32/64), ``projection.npy`` (r × d float64), ``curvature.safetensors``, ``manifest.json`` (kind,
 format, model_sha256, shard_key, r, projection, seed, covered sequences, tokens, postings, bytes per
 training token, build seconds). The arrays are memory-mapped on load. Loading the cache for another
-checkpoint or another corpus raises ``IndexMismatchError`` (the prototype index's error), naming both.
+checkpoint or another corpus raises ``ArtifactMismatch`` (the prototype index's error), naming both.
 
 **Parts.** ``build_cache(..., part=(i, n))`` caches one batch-aligned slice of the sequences (give every
 part the same ``curvature``); ``merge_caches`` concatenates parts into one cache equal to a single pass.
@@ -43,10 +43,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from prismlm.attribution.index import (IndexError_, IndexMismatchError, _merge_ranges, _overlap, check_provenance,
-                                       model_identity,
-                                       part_range)
-from prismlm.attribution.influence import BlockGradients, Curvature, _batches, _forward, _unwrap, block_gradients, \
+from prismlm.explain.index import _merge_ranges, _overlap, check_provenance, model_identity, part_range
+from prismlm.errors import ArtifactError, ArtifactMismatch
+from prismlm.tda.influence import BlockGradients, Curvature, _batches, _forward, _unwrap, block_gradients, \
     curvature_pass
 
 __all__ = ["AttributionCache", "build_cache", "make_projection", "merge_caches"]
@@ -61,24 +60,24 @@ def make_projection(d: int, r: int, kind: Literal["identity", "orthogonal", "gau
     """The fixed r × d sketch matrix R (float64)."""
     if kind == "identity":
         if r != d:
-            raise IndexError_(f"projection 'identity' needs r = d = {d}, got r = {r}")
+            raise ArtifactError(f"projection 'identity' needs r = d = {d}, got r = {r}")
         return np.eye(d)
     g = torch.Generator().manual_seed(seed)
     if kind == "gaussian":
         return (torch.randn(r, d, generator=g, dtype=torch.float64) / math.sqrt(r)).numpy()
     if kind == "orthogonal":
         if r > d:
-            raise IndexError_(f"projection 'orthogonal' needs r <= d = {d}, got r = {r}")
+            raise ArtifactError(f"projection 'orthogonal' needs r <= d = {d}, got r = {r}")
         q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
         return (q[:, :r].T * math.sqrt(d / r)).numpy()
-    raise IndexError_(f"unknown projection {kind!r}: use identity, orthogonal, gaussian or pca")
+    raise ArtifactError(f"unknown projection {kind!r}: use identity, orthogonal, gaussian or pca")
 
 
 def _pca_projection(net: Any, shards: Any, curvature: Curvature, r: int, n: int, batch_size: int) -> np.ndarray:
     """Top-r eigenvectors (rows) of the second moment of whitened block gradients of sequences [0, n)."""
     d = net.config.n_embd
     if r > d:
-        raise IndexError_(f"projection 'pca' needs r <= d = {d}, got r = {r}")
+        raise ArtifactError(f"projection 'pca' needs r <= d = {d}, got r = {r}")
     T, dev = net.config.block_size, next(net.parameters()).device
     C = torch.zeros(d, d, dtype=torch.float64)
     for j0, j1 in _batches(0, n, batch_size):
@@ -129,7 +128,7 @@ class AttributionCache:
     # ----- identity checks ------------------------------------------------------------------------------
     def check(self, *, checkpoint: Any = None, model_sha256: str | None = None, shards: Any = None,
               shard_key: str | None = None) -> None:
-        """Raise ``IndexMismatchError`` unless the cache was built from this checkpoint and these shards."""
+        """Raise ``ArtifactMismatch`` unless the cache was built from this checkpoint and these shards."""
         where = f" {self.path}" if self.path else ""
         check_provenance(self.manifest, what=f"attribution cache{where}", rebuild="prism attribute-cache",
                          checkpoint=checkpoint, model_sha256=model_sha256, shards=shards, shard_key=shard_key)
@@ -188,10 +187,10 @@ class AttributionCache:
              mmap: bool = True) -> "AttributionCache":
         path = Path(path)
         if not (path / "manifest.json").exists():
-            raise IndexError_(f"no attribution cache at {path}; build it with `prism attribute-cache`")
+            raise ArtifactError(f"no attribution cache at {path}; build it with `prism attribute-cache`")
         manifest = json.loads((path / "manifest.json").read_text())
         if manifest.get("kind") != KIND:
-            raise IndexError_(f"{path} is not an attribution cache (kind {manifest.get('kind')!r})")
+            raise ArtifactError(f"{path} is not an attribution cache (kind {manifest.get('kind')!r})")
         mode = "r" if mmap else None
         c = cls(offsets=np.load(path / "offsets.npy"), seq=np.load(path / "seq.npy", mmap_mode=mode),
                 sketch=np.load(path / "sketch.npy", mmap_mode=mode), projection=np.load(path / "projection.npy"),
@@ -249,17 +248,17 @@ def build_cache(
     ident = model_sha256 or model_identity(model)
     net = _unwrap(model)
     if not getattr(net, "is_prism", False):
-        raise IndexError_("an attribution cache needs a PRISM model; this is the dense baseline")
+        raise ArtifactError("an attribution cache needs a PRISM model; this is the dense baseline")
     d, K, T = net.config.n_embd, net.prototypes.num_prototypes, net.config.block_size
     r = d if r is None else int(r)
     if r < 1:
-        raise IndexError_(f"r must be >= 1, got {r}")
+        raise ArtifactError(f"r must be >= 1, got {r}")
     if projection != "pca":
         R = torch.from_numpy(make_projection(d, r, projection, seed))  # (r, d)
     n_all = shards.train.num_sequences(T)
     universe = n_all if max_sequences is None else min(n_all, max_sequences)
     if universe < 1:
-        raise IndexError_(f"the training split has no complete sequence of {T + 1} tokens")
+        raise ArtifactError(f"the training split has no complete sequence of {T + 1} tokens")
     start, stop = part_range(universe, batch_size, part)
     t0 = time.perf_counter()
     if curvature is None:
@@ -320,7 +319,7 @@ def build_cache(
         proto = np.concatenate(lists["proto"]) if lists["proto"] else np.zeros(0, np.int32)
         sketch = np.concatenate(lists["sketch"]) if lists["sketch"] else np.zeros((0, r), npdt)
         offsets, seq_o, sk_o = _finalise(seq, proto, sketch, K, None, npdt, r)
-    from prismlm import __version__
+    from prismlm._version import __version__
 
     P = len(seq_o)
     bytes_postings = P * (4 + r * np.dtype(npdt).itemsize)
@@ -359,25 +358,25 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
     """Combine caches of disjoint sequence ranges (same model, shards, curvature, projection) into one,
     equal to a single pass (postings grouped by prototype, ascending sequence id within each)."""
     if not parts:
-        raise IndexError_("nothing to merge")
+        raise ArtifactError("nothing to merge")
     first = parts[0].manifest
     for p in parts[1:]:
         m = p.manifest
         for key in ("model_sha256", "shard_key"):
             if m[key] != first[key]:
-                raise IndexMismatchError(f"cannot merge caches: {key} differs ({first[key]} vs {m[key]})")
+                raise ArtifactMismatch(f"cannot merge caches: {key} differs ({first[key]} vs {m[key]})")
         for key in ("r", "projection", "seed", "dtype", "num_prototypes", "universe", "curvature_mode"):
             if m[key] != first[key]:
-                raise IndexError_(f"cannot merge caches: {key} differs ({first[key]} vs {m[key]})")
+                raise ArtifactError(f"cannot merge caches: {key} differs ({first[key]} vs {m[key]})")
         if not (np.array_equal(p.projection, parts[0].projection)
                 and torch.equal(p.curvature.F, parts[0].curvature.F) and torch.equal(p.curvature.m, parts[0].curvature.m)):
-            raise IndexError_("cannot merge caches built with different curvature or projection; pass the same "
+            raise ArtifactError("cannot merge caches built with different curvature or projection; pass the same "
                               "`curvature` to every part")
     covered: list[list[int]] = []
     for p in parts:
         ov = _overlap(covered, _merge_ranges(p.manifest["covered"]))
         if ov is not None:
-            raise IndexError_(f"cannot merge caches: parts overlap on sequences [{ov[0]}, {ov[1]})")
+            raise ArtifactError(f"cannot merge caches: parts overlap on sequences [{ov[0]}, {ov[1]})")
         covered = _merge_ranges(covered + p.manifest["covered"])
     parts = sorted(parts, key=lambda p: p.manifest["covered"][0][0] if p.manifest["covered"] else 0)
     K = parts[0].num_prototypes

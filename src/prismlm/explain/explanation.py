@@ -33,8 +33,8 @@ from typing import Any, Sequence
 
 import torch
 
-from prismlm.attribution.index import (IndexMismatchError, Neighbour, PrototypeIndex, UnknownPrototypeError,
-                                       model_identity)
+from prismlm.explain.index import Neighbour, PrototypeIndex, model_identity
+from prismlm.errors import ArtifactMismatch, UnknownPrototypeError
 from prismlm.model import decompose
 
 __all__ = ["Explanation", "PrototypeCard", "PrototypeSlice", "TokenExplanation", "explain", "explain_generation",
@@ -159,7 +159,7 @@ def _split(model: Any) -> tuple[Any, Any]:
 def _check_index(index: PrototypeIndex, net: Any, ckpt: Any) -> list[str]:
     K = net.prototypes.num_prototypes
     if index.num_prototypes != K:
-        raise IndexMismatchError(f"prototype index{'' if index.path is None else ' ' + str(index.path)} has "
+        raise ArtifactMismatch(f"prototype index{'' if index.path is None else ' ' + str(index.path)} has "
                                  f"{index.num_prototypes} prototypes, the model has {K}: it was built for "
                                  f"model {index.manifest['model_sha256']}")
     if ckpt is not None:

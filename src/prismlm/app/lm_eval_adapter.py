@@ -7,7 +7,7 @@ model is evaluated as such. ``lm-eval`` is an optional dependency (``pip install
 
 From the shell, lm-eval must import this module first; ``prism tasks eval --lm-eval`` does that, or::
 
-    python -m prismlm.eval.lm_eval_adapter \
+    python -m prismlm.app.lm_eval_adapter \
         --model prism --model_args pretrained=runs/x --tasks prism_sotu_era --include_path tasks/
 """
 
@@ -88,7 +88,7 @@ def evaluate_with_lm_eval(model: Any, tokenizer: Any, task_folders: dict[str, st
 
 
 def main() -> None:  # pragma: no cover - thin wrapper over lm-eval's own CLI
-    """``python -m prismlm.eval.lm_eval_adapter ARGS``: lm-eval's command line with ``--model prism`` registered."""
+    """``python -m prismlm.app.lm_eval_adapter ARGS``: lm-eval's command line with ``--model prism`` registered."""
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()

@@ -12,10 +12,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from prismlm.cli_common import console
-from prismlm.cli_common import fail as _fail
-from prismlm.config import PRESETS, ConfigError, RunConfig
-from prismlm.runs import build_run_index, evaluate_run, explain_run, generate_text, open_index, user_errors
+from prismlm.cli.console import console
+from prismlm.cli.console import fail as _fail
+from prismlm.config import PRESETS, RunConfig
+from prismlm.errors import ConfigError
+from prismlm.app.operations import build_run_index, evaluate_run, explain_run, generate_text, open_index, user_errors
 
 app = typer.Typer(
     add_completion=False,
@@ -67,7 +68,7 @@ def prepare(
     max_docs: Optional[int] = typer.Option(None, help="Use only the first N documents."),
 ) -> None:
     """Tokenize a corpus into memory-mapped token shards (reused if already built)."""
-    from prismlm.data.corpus import CorpusError
+    from prismlm.errors import CorpusError
     from prismlm.data.shards import prepare_shards
 
     try:
@@ -265,8 +266,9 @@ def index_merge_cmd(
     labels: bool = typer.Option(True, help="Write rule-based labels when the merged index is complete."),
 ) -> None:
     """Merge partial indexes (disjoint parts of the same model and shards) into one — equal to one pass."""
-    from prismlm.attribution import PrototypeIndex, merge_indexes, rule_labels, save_labels
-    from prismlm.data.shards import ShardError, load_shards
+    from prismlm.explain import PrototypeIndex, merge_indexes, rule_labels, save_labels
+    from prismlm.data.shards import load_shards
+    from prismlm.errors import ShardError
 
     try:
         idx = merge_indexes([PrototypeIndex.load(p) for p in parts])
@@ -294,7 +296,7 @@ def label_cmd(
     shards: Optional[Path] = typer.Option(None, help="Token shard folder (default: the index's / the run's)."),
 ) -> None:
     """Label every prototype from its neighbourhood (rules; optionally an LLM endpoint). Writes labels.json."""
-    from prismlm.attribution import llm_labels, rule_labels, save_labels
+    from prismlm.explain import llm_labels, rule_labels, save_labels
     from prismlm.train.checkpoint import load_checkpoint
 
     if labeller not in ("rules", "openai"):
@@ -339,7 +341,7 @@ def explain_cmd(
     device: str = typer.Option("auto", help="auto, cpu, cuda…"),
 ) -> None:
     """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly."""
-    from prismlm.attribution.commands import attribute_run
+    from prismlm.cli.attribution import attribute_run
     from prismlm.explore import render_terminal, write_html
 
     attribution = None
@@ -386,7 +388,7 @@ def prototypes_cmd(
     """List or search prototypes by label, category or token; --id N shows one prototype's card."""
     import torch
 
-    from prismlm.attribution import prototype_card
+    from prismlm.explain import prototype_card
     from prismlm.train.checkpoint import load_checkpoint
 
     try:
@@ -450,8 +452,8 @@ def prototypes_cmd(
         _fail(str(e))
 
 
-from prismlm.attribution.commands import register as _register_attribution  # noqa: E402
-from prismlm.control.commands import register as _register_control  # noqa: E402
+from prismlm.cli.attribution import register as _register_attribution  # noqa: E402
+from prismlm.cli.control import register as _register_control  # noqa: E402
 
 _register_attribution(app)
 _register_control(app)

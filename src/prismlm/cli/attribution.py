@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from prismlm.cli_common import fail as _fail
+from prismlm.cli.console import fail as _fail
 
 
 def build_run_cache(run: Path, *, r: Optional[int] = None, projection: str = "orthogonal", mode: str = "shared",
@@ -15,8 +15,8 @@ def build_run_cache(run: Path, *, r: Optional[int] = None, projection: str = "or
                     dtype: str = "float32", out: Optional[Path] = None, shards_dir: Optional[Path] = None,
                     device: str = "auto"):
     """``prism attribute-cache`` as a function: build RUN/attribution-cache (or ``out``)."""
-    from prismlm.attribution.cache import build_cache
-    from prismlm.runs import resolve_shards, run_dir
+    from prismlm.tda.cache import build_cache
+    from prismlm.app.operations import resolve_shards, run_dir
     from prismlm.train.checkpoint import load_checkpoint
     from prismlm.train.distributed import resolve_device
 
@@ -40,11 +40,11 @@ def attribute_run(run: Path, text: str, *, answer: Optional[str] = None, complet
                   shards_dir: Optional[Path] = None, max_sequences: Optional[int] = None, temperature: float = 0.0,
                   seed: int = 0, device: str = "auto", token_ids: Optional[list[int]] = None):
     """``prism attribute`` as a function: returns an ``Attribution`` (of ``token_ids`` exactly, if given)."""
-    from prismlm.attribution.attribute import attribute
-    from prismlm.attribution.cache import AttributionCache
-    from prismlm.attribution.index import IndexError_
-    from prismlm.attribution.influence import FullGradients
-    from prismlm.runs import resolve_shards, run_dir
+    from prismlm.tda.attribute import attribute
+    from prismlm.tda.cache import AttributionCache
+    from prismlm.errors import ArtifactError
+    from prismlm.tda.influence import FullGradients
+    from prismlm.app.operations import resolve_shards, run_dir
     from prismlm.train.checkpoint import load_checkpoint
     from prismlm.train.distributed import resolve_device
 
@@ -59,7 +59,7 @@ def attribute_run(run: Path, text: str, *, answer: Optional[str] = None, complet
     if method == "cached":
         path = cache_dir or run_dir(run, ckpt) / "attribution-cache"
         if not (path / "manifest.json").exists():
-            raise IndexError_(f"no attribution cache at {path}; build it with `prism attribute-cache {run}` "
+            raise ArtifactError(f"no attribution cache at {path}; build it with `prism attribute-cache {run}` "
                               f"(or use --method full)")
         cache = AttributionCache.load(path, checkpoint=ckpt)
         shards = resolve_shards(ckpt, shards_dir, cache.manifest)
@@ -80,7 +80,7 @@ def register(app: typer.Typer) -> None:
     console = Console()
 
     def _errors():
-        from prismlm.runs import user_errors
+        from prismlm.app.operations import user_errors
 
         return user_errors()
 
@@ -156,7 +156,7 @@ def register(app: typer.Typer) -> None:
             res.to_json(json_out)
             console.print(f"JSON → {json_out}")
         if html_out:
-            from prismlm.runs import explain_run
+            from prismlm.app.operations import explain_run
             from prismlm.explore import write_html
 
             try:  # the explanation of the attributed text (prompt + completion), with the index if there is one

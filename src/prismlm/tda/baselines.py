@@ -5,7 +5,7 @@
 sequence j = ``shards.train.sequence(j, T)``); with ``sample=True`` the labels are drawn from the model's
 own softmax (true Fisher). The measurement is the summed cross-entropy of a query's measured tokens
 (e.g. an answer's tokens only), the same quantity the prototype-space methods attribute. Positive score =
-helpful (a step on the training sequence lowers the query's loss), as in ``prismlm.attribution.influence``.
+helpful (a step on the training sequence lowers the query's loss), as in ``prismlm.tda.influence``.
 
 **Tracked modules.** Every ``nn.Linear`` of the network (``c_attn``, ``c_proj``, ``c_fc``, ``lm_head``);
 the model calls each once per forward and uses no subclass or ``F.linear`` on their weights.

@@ -1,0 +1,96 @@
+"""The one error hierarchy of prismlm.
+
+Every mistake a user can make — a bad option, a missing or corrupt file, an artifact that belongs to
+another model — raises a ``PrismError``. Its message names the file or option at fault, and ``fix`` (when
+known) is the command or change that repairs it. The CLI prints a ``PrismError`` as one line and exits
+with code 2; any other exception is a bug in prismlm and keeps its traceback.
+
+Each kind also derives from the built-in exception a caller would expect (``ValueError`` for a bad value,
+``KeyError`` for an unknown id), so ``except ValueError`` in user code keeps working; prismlm itself only
+ever catches ``PrismError``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class PrismError(Exception):
+    """A user-facing error: the message says what is wrong and where; ``fix`` says how to repair it."""
+
+    def __init__(self, message: str, *, fix: str | None = None, path: str | Path | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+        self.path = Path(path) if path is not None else None
+
+    def __str__(self) -> str:
+        return self.message if not self.fix else f"{self.message} (fix: {self.fix})"
+
+
+class ConfigError(PrismError, ValueError):
+    """A configuration value, option or ``--set`` override is invalid or unknown."""
+
+
+class DataError(PrismError, ValueError):
+    """Input data is unusable: a corpus, a tokenizer, token shards, task files, example texts."""
+
+
+class CorpusError(DataError):
+    """A corpus spec or file is unusable; the message names the file (and line)."""
+
+
+class TokenizerError(DataError):
+    """A tokenizer spec or directory is unusable; the message says why."""
+
+
+class ShardError(DataError):
+    """A shard directory is incomplete, corrupt, or does not match its tokenizer."""
+
+
+class TaskError(DataError):
+    """A task name is unknown or its source data is missing."""
+
+
+class CheckpointError(PrismError, ValueError):
+    """A checkpoint is missing, incomplete or does not match what it is used with."""
+
+
+class ArtifactError(PrismError, ValueError):
+    """A derived artifact (prototype index, attribution cache, labels) is missing, incomplete or cannot be
+    combined as asked."""
+
+
+class ArtifactCorrupt(ArtifactError):
+    """An artifact's bytes do not match its manifest (truncated, flipped, torn)."""
+
+
+class ArtifactMismatch(ArtifactError):
+    """An artifact was built from another checkpoint or another corpus than the one it is used with."""
+
+
+class ModelError(PrismError, ValueError):
+    """An operation does not apply to this model (e.g. prototypes asked of the dense baseline) or got an
+    argument outside the model's range (bad prototype ids, wrong tensor shapes)."""
+
+
+class UnknownPrototypeError(ModelError, KeyError):
+    """A prototype id outside [0, K)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return PrismError.__str__(self)
+
+
+class SuppressionError(PrismError, ValueError):
+    """A suppression set is malformed or does not match the model it is applied to."""
+
+
+class DependencyError(PrismError, RuntimeError):
+    """An optional package needed for this operation is not installed; ``fix`` names the pip extra."""
+
+
+__all__ = [
+    "ArtifactCorrupt", "ArtifactError", "ArtifactMismatch", "CheckpointError", "ConfigError", "CorpusError",
+    "DataError", "DependencyError", "ModelError", "PrismError", "ShardError", "SuppressionError", "TaskError",
+    "TokenizerError", "UnknownPrototypeError",
+]
