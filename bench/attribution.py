@@ -50,15 +50,24 @@ from typing import Any
 
 import numpy as np
 import torch
+from _common import (
+    RESULTS_DIR,
+    RUNS_DIR,
+    current_peak_rss_mib,
+    environment,
+    load_average,
+    parse_sets,
+    reset_peak_rss,
+    warn_if_busy,
+    write_json,
+)
 
-from _common import (RESULTS_DIR, RUNS_DIR, current_peak_rss_mib, environment, load_average, parse_sets,
-                     reset_peak_rss, warn_if_busy, write_json)
+from prismlm.config import RunConfig
+from prismlm.data.shards import prepare_shards
 from prismlm.tda.baselines import KronfluenceBaseline
 from prismlm.tda.cache import build_cache
 from prismlm.tda.influence import FullGradients, curvature_pass, query_gradients
 from prismlm.tda.planted import build_planted_corpus, relevant_sequences, retrieval_metrics
-from prismlm.config import RunConfig
-from prismlm.data.shards import prepare_shards
 from prismlm.train import load_checkpoint, train
 
 # Why these sizes: "default" aims at the ≤ 30 min budget on 2 idle cores with 1 thread (d=64, 2 layers,

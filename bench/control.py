@@ -28,11 +28,20 @@ import time
 from pathlib import Path
 
 import torch
-
 from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, parse_sets, write_json
+
 from prismlm.config import RunConfig
-from prismlm.control.controller import (accuracy, correct, extract_features, fit_and_test, fit_choice_prior,
-                                        paired_stats, prism_encoder, request_scores, trace_prism_controller)
+from prismlm.control.controller import (
+    accuracy,
+    correct,
+    extract_features,
+    fit_and_test,
+    fit_choice_prior,
+    paired_stats,
+    prism_encoder,
+    request_scores,
+    trace_prism_controller,
+)
 from prismlm.control.sae import train_sae
 from prismlm.data.shards import prepare_shards
 from prismlm.eval.scoring import mc_accuracy

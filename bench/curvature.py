@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-
 from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, parse_sets, write_json
+
 from prismlm.config import RunConfig
 from prismlm.data.shards import prepare_shards
 from prismlm.train import train

@@ -29,11 +29,11 @@ import time
 
 import numpy as np
 import torch
-
 from _common import RESULTS_DIR, environment, fmt_rate, load_average, parse_sets, warn_if_busy, write_json
-from prismlm.explain import build_index, explain_generation
+
 from prismlm.config import RunConfig
 from prismlm.data.shards import prepare_shards
+from prismlm.explain import build_index, explain_generation
 from prismlm.model import PrismLM
 from prismlm.train.trainer import round_vocab
 

@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from _common import RESULTS_DIR, RUNS_DIR, environment, parse_sets, warn_if_busy, write_json
+
 from prismlm.config import PRESETS, RunConfig
 from prismlm.data.shards import prepare_from_config
 from prismlm.eval.metrics import evaluate

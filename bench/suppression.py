@@ -36,14 +36,15 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
-
 from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, parse_sets, write_json
+
+from prismlm.app.operations import sample_continuations
 from prismlm.config import RunConfig
 from prismlm.control.concept import activation_stats, doc_regex, find_concept
 from prismlm.control.judges import TfidfJudge, default_judges, fortune_splits
@@ -51,7 +52,6 @@ from prismlm.data.corpus import iter_documents
 from prismlm.data.shards import prepare_shards
 from prismlm.eval.metrics import distinct_n
 from prismlm.eval.scoring import text_perplexity
-from prismlm.app.operations import sample_continuations
 from prismlm.train.trainer import train
 
 NEUTRAL_PROMPTS = ["The weather this morning", "My grandmother always said", "The president told Congress",
@@ -241,8 +241,8 @@ def main() -> None:
                                                      "train.device": "cpu", "train.seed": 1337 + args.seed,
                                                      "data.corpus": str(corpus), "data.tokenizer": "bpe-4096",
                                                      **parse_sets(args.set)})
-    from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
     from prismlm.errors import CheckpointError
+    from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 
     t_train = time.time()
     ckpt = None

@@ -13,11 +13,21 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import train_tiny_run
 
 from prismlm.errors import ArtifactError, ArtifactMismatch, UnknownPrototypeError
-from prismlm.explain import PrototypeIndex, build_index, explain, explain_generation, llm_labels, merge_indexes, prototype_card, rule_labels, save_labels
+from prismlm.explain import (
+    PrototypeIndex,
+    build_index,
+    explain,
+    explain_generation,
+    llm_labels,
+    merge_indexes,
+    prototype_card,
+    rule_labels,
+    save_labels,
+)
 from prismlm.explain.labels import CATEGORIES
-from conftest import train_tiny_run
 
 T = 64  # tiny preset block_size
 

@@ -8,7 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prismlm.data import Tokenizer, corpus_fingerprint, gpt2_tokenizer, hf_tokenizer, iter_documents, load_shards, prepare_shards, resolve_tokenizer, split_of, train_bpe
+from prismlm.data import (
+    Tokenizer,
+    corpus_fingerprint,
+    gpt2_tokenizer,
+    hf_tokenizer,
+    iter_documents,
+    load_shards,
+    prepare_shards,
+    resolve_tokenizer,
+    split_of,
+    train_bpe,
+)
 from prismlm.errors import CorpusError, ShardError
 
 SAMPLE = (

@@ -10,15 +10,23 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import train_tiny_run
 
 from prismlm import RunConfig
+from prismlm.errors import ArtifactError, ArtifactMismatch
 from prismlm.tda.attribute import attribute
 from prismlm.tda.cache import AttributionCache, build_cache, merge_caches
-from prismlm.errors import ArtifactError, ArtifactMismatch
-from prismlm.tda.influence import (BlockGradients, FullGradients, block_gradients, collect_gradients,
-                                           curvature_pass, influence_scores, query_gradients, self_influence)
+from prismlm.tda.influence import (
+    BlockGradients,
+    FullGradients,
+    block_gradients,
+    collect_gradients,
+    curvature_pass,
+    influence_scores,
+    query_gradients,
+    self_influence,
+)
 from prismlm.train import train
-from conftest import train_tiny_run
 
 N_SEQ = 24
 
@@ -195,8 +203,8 @@ def test_attribute_api_full_and_cached_agree(trained, tiny_shards):
 
 
 def test_planted_facts_rank_top10(tmp_path):
-    from prismlm.tda.planted import build_planted_corpus, relevant_sequences, retrieval_metrics
     from prismlm.data.shards import prepare_shards
+    from prismlm.tda.planted import build_planted_corpus, relevant_sequences, retrieval_metrics
 
     pc = build_planted_corpus(tmp_path / "planted", n_facts=4, copies=2, n_background=30, doc_chars=1000, seed=0)
     sh = prepare_shards(str(pc.path), "bpe-512", tmp_path / "shards", val_fraction=0.02, show_progress=False)

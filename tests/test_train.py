@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from prismlm import RunConfig
-from prismlm.train import load_checkpoint, train
 from prismlm.errors import CheckpointError
+from prismlm.train import load_checkpoint, train
 from prismlm.train.sampler import SequenceSampler
 
 HERE = Path(__file__).parent

@@ -1,10 +1,8 @@
 """prismlm — prototype language models (PRISM): predictions as sparse mixtures of data-anchored prototypes."""
 
-from prismlm.config import (DataConfig, LossConfig, ModelConfig, PrototypeConfig, RunConfig,
-                            TrainConfig)
-from prismlm.model import PrismLM, PrismOutput, decompose
-
 from prismlm._version import __version__
+from prismlm.config import DataConfig, LossConfig, ModelConfig, PrototypeConfig, RunConfig, TrainConfig
+from prismlm.model import PrismLM, PrismOutput, decompose
 
 __all__ = ["DataConfig", "LossConfig", "ModelConfig", "PrismLM", "PrismOutput", "PrototypeConfig",
            "RunConfig", "TrainConfig", "decompose", "__version__"]

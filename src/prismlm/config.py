@@ -13,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+
 from prismlm.errors import ConfigError
 
 T = TypeVar("T")
@@ -258,11 +259,11 @@ class RunConfig:
     """Name of the preset this config started from (informational)."""
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         return _from_dict(cls, data, "config")
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "RunConfig":
+    def from_json(cls, path: str | Path) -> RunConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_dict(self) -> dict[str, Any]:
@@ -275,7 +276,7 @@ class RunConfig:
         return text
 
     @classmethod
-    def from_name(cls, name: str) -> "RunConfig":
+    def from_name(cls, name: str) -> RunConfig:
         """A named preset: ``tiny``, ``cpu-small``, ``gpt2-124m``, ``gpt2-medium``, ``gpt2-large``, ``xl-1.6b``."""
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
@@ -283,7 +284,7 @@ class RunConfig:
         cfg.preset = name
         return cfg
 
-    def override(self, dotted: dict[str, Any]) -> "RunConfig":
+    def override(self, dotted: dict[str, Any]) -> RunConfig:
         """Return a copy with ``{"train.lr": 1e-3, "model.prototypes": None}``-style overrides applied."""
         data = self.to_dict()
         for key, value in dotted.items():
@@ -301,7 +302,7 @@ class RunConfig:
             node[parts[-1]] = value
         return RunConfig.from_dict(data)
 
-    def dense(self) -> "RunConfig":
+    def dense(self) -> RunConfig:
         """The matched dense baseline: same everything, no prototype head."""
         return self.override({"model.prototypes": None})
 

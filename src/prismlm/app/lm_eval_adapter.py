@@ -33,9 +33,9 @@ class PrismEvalLM(LM):
         if model is None:
             if pretrained is None:
                 raise ValueError("--model prism needs model_args pretrained=RUN_OR_CHECKPOINT")
-            from prismlm.control.suppress import load_with_suppression
-
             import torch
+
+            from prismlm.control.suppress import load_with_suppression
 
             # lm-eval's CLI defaults to a CUDA device; fall back to the CPU where there is none
             dev = device if device and (str(device).startswith("cpu") or torch.cuda.is_available()) else "cpu"

@@ -8,7 +8,6 @@ into a one-line message and exit code 2.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from rich.console import Console
 
@@ -18,8 +17,8 @@ console = Console(stderr=True)
 
 
 def generate_text(run: Path, prompt: str, *, tokens: int = 100, samples: int = 1, temperature: float = 0.8,
-                  top_k: Optional[int] = 50, seed: int = 0, device: str = "auto",
-                  suppress: Optional[str] = "auto") -> list[str]:
+                  top_k: int | None = 50, seed: int = 0, device: str = "auto",
+                  suppress: str | None = "auto") -> list[str]:
     """``prism generate`` as a function: ``samples`` continuations of ``prompt`` (prompt included)."""
     import torch
 
@@ -35,7 +34,7 @@ def generate_text(run: Path, prompt: str, *, tokens: int = 100, samples: int = 1
 
 
 def sample_continuations(model, tokenizer, prompt: str, *, samples: int, tokens: int, temperature: float,
-                         top_k: Optional[int], generator) -> list[str]:
+                         top_k: int | None, generator) -> list[str]:
     """``samples`` sampled continuations of ``prompt`` (continuation text only; an empty prompt starts
     from the end-of-text token), one batch through ``model.generate``."""
     import torch
@@ -47,7 +46,7 @@ def sample_continuations(model, tokenizer, prompt: str, *, samples: int, tokens:
     return [tokenizer.decode(row[len(ids) if prompt else 1:].tolist()) for row in y]
 
 
-def load_run(run: Path, suppress: Optional[str], device):
+def load_run(run: Path, suppress: str | None, device):
     """load_checkpoint + the suppression set (``auto``: the checkpoint's own, ``none``, or a FILE);
     a bad set raises ``SuppressionError``."""
     from prismlm.control.suppress import load_with_suppression
@@ -59,8 +58,8 @@ def load_run(run: Path, suppress: Optional[str], device):
     return ckpt
 
 
-def evaluate_run(run: Path, *, batches: int = 50, batch_size: Optional[int] = None, device: str = "auto",
-                 suppress: Optional[str] = "auto") -> dict:
+def evaluate_run(run: Path, *, batches: int = 50, batch_size: int | None = None, device: str = "auto",
+                 suppress: str | None = "auto") -> dict:
     """Validation loss/perplexity and coverage metrics of a trained run on its own validation split."""
     from prismlm.data.shards import prepare_from_config
     from prismlm.eval.metrics import evaluate
@@ -81,11 +80,7 @@ def evaluate_run(run: Path, *, batches: int = 50, batch_size: Optional[int] = No
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean the user asked for something wrong (bad path, mismatched artifact, bad value): the
     CLI prints them as one line and exits 2, with no traceback."""
-    from prismlm.errors import ArtifactError
-    from prismlm.errors import ShardError
-    from prismlm.errors import TokenizerError
-    from prismlm.errors import SuppressionError
-    from prismlm.errors import CheckpointError
+    from prismlm.errors import ArtifactError, CheckpointError, ShardError, SuppressionError, TokenizerError
 
     return (ArtifactError, ShardError, TokenizerError, CheckpointError, SuppressionError, ConfigError, ValueError,
             FileNotFoundError)
@@ -97,7 +92,7 @@ def run_dir(run: Path, ckpt) -> Path:
     return p.parent.parent if p.parent.name == "checkpoints" else Path(run)
 
 
-def resolve_shards(ckpt, shards_dir: Optional[Path] = None, index_manifest: Optional[dict] = None):
+def resolve_shards(ckpt, shards_dir: Path | None = None, index_manifest: dict | None = None):
     """The token shards of a run: ``--shards``, else the index's recorded folder, else prepared (reused) from
     the run's data config; refused if their key differs from the one the checkpoint was trained on."""
     from prismlm.data.shards import load_shards, prepare_from_config
@@ -122,14 +117,14 @@ def resolve_shards(ckpt, shards_dir: Optional[Path] = None, index_manifest: Opti
     return shards
 
 
-def build_run_index(run: Path, *, top_n: int = 32, max_sequences: Optional[int] = None, batch_size: int = 16,
-                    part: tuple[int, int] = (0, 1), out: Optional[Path] = None, resume: bool = False,
-                    checkpoint_every: int = 50, shards_dir: Optional[Path] = None, labels: bool = True,
+def build_run_index(run: Path, *, top_n: int = 32, max_sequences: int | None = None, batch_size: int = 16,
+                    part: tuple[int, int] = (0, 1), out: Path | None = None, resume: bool = False,
+                    checkpoint_every: int = 50, shards_dir: Path | None = None, labels: bool = True,
                     device: str = "auto", progress: bool = True):
     """``prism index`` as a function: build (or resume) a run's prototype index and, when complete, its
     rule labels. Returns the ``PrototypeIndex``."""
-    from prismlm.explain import build_index, rule_labels, save_labels
     from prismlm.errors import ArtifactError
+    from prismlm.explain import build_index, rule_labels, save_labels
     from prismlm.train.checkpoint import load_checkpoint
     from prismlm.train.distributed import resolve_device
     from prismlm.train.trainer import autocast_for
@@ -161,9 +156,9 @@ def build_run_index(run: Path, *, top_n: int = 32, max_sequences: Optional[int] 
     return idx
 
 
-def open_index(run: Path, ckpt, index_dir: Optional[Path], shards_dir: Optional[Path], *, required: bool):
-    from prismlm.explain import PrototypeIndex
+def open_index(run: Path, ckpt, index_dir: Path | None, shards_dir: Path | None, *, required: bool):
     from prismlm.errors import ArtifactError
+    from prismlm.explain import PrototypeIndex
 
     path = index_dir or run_dir(run, ckpt) / "index"
     if not (path / "manifest.json").exists():
@@ -175,9 +170,9 @@ def open_index(run: Path, ckpt, index_dir: Optional[Path], shards_dir: Optional[
     return idx
 
 
-def explain_run(run: Path, prompt: str, *, generate: int = 0, index_dir: Optional[Path] = None,
-                use_index: bool = True, shards_dir: Optional[Path] = None, temperature: float = 0.8,
-                top_k: Optional[int] = 50, seed: int = 0, neighbours: int = 5, device: str = "auto"):
+def explain_run(run: Path, prompt: str, *, generate: int = 0, index_dir: Path | None = None,
+                use_index: bool = True, shards_dir: Path | None = None, temperature: float = 0.8,
+                top_k: int | None = 50, seed: int = 0, neighbours: int = 5, device: str = "auto"):
     """``prism explain`` as a function: returns an ``Explanation`` of the prompt (or of a generation)."""
     from prismlm.explain import explain, explain_generation
     from prismlm.train.checkpoint import load_checkpoint

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
 from prismlm.cli.console import fail as _fail
 
 
-def build_run_cache(run: Path, *, r: Optional[int] = None, projection: str = "orthogonal", mode: str = "shared",
-                    damping: float = 0.1, max_sequences: Optional[int] = None, batch_size: int = 16,
-                    dtype: str = "float32", out: Optional[Path] = None, shards_dir: Optional[Path] = None,
+def build_run_cache(run: Path, *, r: int | None = None, projection: str = "orthogonal", mode: str = "shared",
+                    damping: float = 0.1, max_sequences: int | None = None, batch_size: int = 16,
+                    dtype: str = "float32", out: Path | None = None, shards_dir: Path | None = None,
                     device: str = "auto"):
     """``prism attribute-cache`` as a function: build RUN/attribution-cache (or ``out``)."""
-    from prismlm.tda.cache import build_cache
     from prismlm.app.operations import resolve_shards, run_dir
+    from prismlm.tda.cache import build_cache
     from prismlm.train.checkpoint import load_checkpoint
     from prismlm.train.distributed import resolve_device
 
@@ -35,16 +35,16 @@ def build_run_cache(run: Path, *, r: Optional[int] = None, projection: str = "or
                        max_sequences=max_sequences, batch_size=batch_size, dtype=dtype, out=out)  # type: ignore[arg-type]
 
 
-def attribute_run(run: Path, text: str, *, answer: Optional[str] = None, completion: Optional[int] = None,
-                  generate: int = 0, top: int = 10, method: str = "cached", cache_dir: Optional[Path] = None,
-                  shards_dir: Optional[Path] = None, max_sequences: Optional[int] = None, temperature: float = 0.0,
-                  seed: int = 0, device: str = "auto", token_ids: Optional[list[int]] = None):
+def attribute_run(run: Path, text: str, *, answer: str | None = None, completion: int | None = None,
+                  generate: int = 0, top: int = 10, method: str = "cached", cache_dir: Path | None = None,
+                  shards_dir: Path | None = None, max_sequences: int | None = None, temperature: float = 0.0,
+                  seed: int = 0, device: str = "auto", token_ids: list[int] | None = None):
     """``prism attribute`` as a function: returns an ``Attribution`` (of ``token_ids`` exactly, if given)."""
+    from prismlm.app.operations import resolve_shards, run_dir
+    from prismlm.errors import ArtifactError
     from prismlm.tda.attribute import attribute
     from prismlm.tda.cache import AttributionCache
-    from prismlm.errors import ArtifactError
     from prismlm.tda.influence import FullGradients
-    from prismlm.app.operations import resolve_shards, run_dir
     from prismlm.train.checkpoint import load_checkpoint
     from prismlm.train.distributed import resolve_device
 
@@ -87,15 +87,15 @@ def register(app: typer.Typer) -> None:
     @app.command("attribute-cache")
     def attribute_cache_cmd(
         run: Path = typer.Argument(..., help="Run folder or checkpoint folder of a PRISM model."),
-        r: Optional[int] = typer.Option(None, "--r", help="Sketch size per posting (default d: exact scores)."),
+        r: int | None = typer.Option(None, "--r", help="Sketch size per posting (default d: exact scores)."),
         projection: str = typer.Option("orthogonal", help="Sketch matrix: orthogonal, gaussian, pca or identity."),
         curvature: str = typer.Option("shared", help="Block curvature: shared (m_i F + λ_i I) or exact."),
         damping: float = typer.Option(0.1, help="Relative damping ρ: λ_i = ρ·tr(H_i)/d."),
-        max_sequences: Optional[int] = typer.Option(None, help="Cache only the first N training sequences."),
+        max_sequences: int | None = typer.Option(None, help="Cache only the first N training sequences."),
         batch_size: int = typer.Option(16, help="Sequences per forward pass."),
         dtype: str = typer.Option("float32", help="Sketch storage: float16, float32 or float64."),
-        out: Optional[Path] = typer.Option(None, help="Output folder (default RUN/attribution-cache)."),
-        shards: Optional[Path] = typer.Option(None, help="Token shard folder (default: the run's)."),
+        out: Path | None = typer.Option(None, help="Output folder (default RUN/attribution-cache)."),
+        shards: Path | None = typer.Option(None, help="Token shard folder (default: the run's)."),
         device: str = typer.Option("auto", help="auto, cpu, cuda…"),
     ) -> None:
         """Build the postings cache for fast prototype-space attribution (one pass over the training data)."""
@@ -115,18 +115,18 @@ def register(app: typer.Typer) -> None:
     def attribute_cmd(
         run: Path = typer.Argument(..., help="Run folder or checkpoint folder of a PRISM model."),
         text: str = typer.Argument(..., help="Prompt (or prompt + completion with --completion N)."),
-        answer: Optional[str] = typer.Option(None, help="A completion to attribute: only its tokens are measured."),
-        completion: Optional[int] = typer.Option(None, help="Measure only the last N tokens of TEXT."),
+        answer: str | None = typer.Option(None, help="A completion to attribute: only its tokens are measured."),
+        completion: int | None = typer.Option(None, help="Measure only the last N tokens of TEXT."),
         generate_n: int = typer.Option(0, "--generate", "-g", help="Generate N tokens after TEXT and attribute them."),
         top: int = typer.Option(10, help="Training sequences to show."),
         method: str = typer.Option("cached", help="cached (postings cache) or full (exact block gradients)."),
-        cache: Optional[Path] = typer.Option(None, help="Cache folder (default RUN/attribution-cache)."),
-        shards: Optional[Path] = typer.Option(None, help="Token shard folder (default: the cache's / the run's)."),
-        max_sequences: Optional[int] = typer.Option(None, help="--method full: first N training sequences only."),
+        cache: Path | None = typer.Option(None, help="Cache folder (default RUN/attribution-cache)."),
+        shards: Path | None = typer.Option(None, help="Token shard folder (default: the cache's / the run's)."),
+        max_sequences: int | None = typer.Option(None, help="--method full: first N training sequences only."),
         temperature: float = typer.Option(0.0, help="Sampling temperature for --generate (0 = greedy)."),
         seed: int = typer.Option(0, help="Sampling seed."),
-        json_out: Optional[Path] = typer.Option(None, "--json", help="Write the result as JSON."),
-        html_out: Optional[Path] = typer.Option(None, "--html", help="Write the `prism explain` HTML report of the "
+        json_out: Path | None = typer.Option(None, "--json", help="Write the result as JSON."),
+        html_out: Path | None = typer.Option(None, "--html", help="Write the `prism explain` HTML report of the "
                                                                     "text with a Training data section."),
         device: str = typer.Option("auto", help="auto, cpu, cuda…"),
     ) -> None:

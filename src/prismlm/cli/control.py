@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
+from prismlm.app.operations import load_run, open_index, user_errors
 from prismlm.cli.console import console
 from prismlm.cli.console import fail as _fail
-from prismlm.app.operations import load_run, open_index, user_errors
 
 
-def _load(run: Path, suppress: Optional[str] = "auto"):
+def _load(run: Path, suppress: str | None = "auto"):
     """The run's checkpoint with its suppression set applied (exit 2 on a bad run or set)."""
     try:
         ckpt = load_run(run, suppress, "cpu")
@@ -43,17 +42,17 @@ def concept_cmd(
     run: Path = typer.Argument(..., help="Run folder or checkpoint folder (a PRISM model)."),
     concept: Path = typer.Option(..., help="Concept examples: .jsonl (field 'text'), .txt (blank-line or %-separated) or a folder of .txt."),
     neutral: Path = typer.Option(..., help="Neutral examples, same formats."),
-    index: Optional[Path] = typer.Option(None, help="A prototype index (`prism index`) for neighbourhood purity."),
-    concept_docs: Optional[str] = typer.Option(None, help="Regex on training document ids marking concept documents (purity)."),
-    budget: Optional[int] = typer.Option(32, help="At most this many prototypes (0 = none; use --no-budget for no cap)."),
+    index: Path | None = typer.Option(None, help="A prototype index (`prism index`) for neighbourhood purity."),
+    concept_docs: str | None = typer.Option(None, help="Regex on training document ids marking concept documents (purity)."),
+    budget: int | None = typer.Option(32, help="At most this many prototypes (0 = none; use --no-budget for no cap)."),
     no_budget: bool = typer.Option(False, help="No cap: keep every prototype passing the thresholds."),
     rank_by: str = typer.Option("contribution", help="Ranking: 'contribution' (nats/token the prototype adds to concept "
                                                      "vs neutral text, first order) or 'enrichment' (log2 activation ratio)."),
     threshold: float = typer.Option(1.0, help="Minimum log2 activation enrichment (concept vs neutral)."),
     min_count: int = typer.Option(3, help="Minimum concept tokens where the prototype is active."),
     min_purity: float = typer.Option(0.5, help="Minimum neighbourhood purity (with --index and --concept-docs)."),
-    name: Optional[str] = typer.Option(None, help="Name of the concept (stored in the set)."),
-    out: Optional[Path] = typer.Option(None, help="Write the suppression set here (default: print only)."),
+    name: str | None = typer.Option(None, help="Name of the concept (stored in the set)."),
+    out: Path | None = typer.Option(None, help="Write the suppression set here (default: print only)."),
     save: bool = typer.Option(False, help="Also save it as the checkpoint's suppression.json (applied by default)."),
     top: int = typer.Option(15, help="Rows of the ranking to print."),
 ) -> None:
@@ -108,8 +107,8 @@ def tasks_build(
     train_cap: int = typer.Option(400), val_cap: int = typer.Option(100), test_cap: int = typer.Option(200),
 ) -> None:
     """Build the multiple-choice tasks deterministically (lm-eval-readable)."""
-    from prismlm.eval.tasks import TASKS, build_tasks
     from prismlm.errors import TaskError
+    from prismlm.eval.tasks import TASKS, build_tasks
 
     try:
         folders = build_tasks(out, task or list(TASKS), {"train": train_cap, "validation": val_cap, "test": test_cap})
@@ -140,18 +139,18 @@ def tasks_eval(
     task: list[str] = typer.Option([], help="Only these tasks (repeatable)."),
     split: str = typer.Option("test", help="train, validation or test."),
     suppress: str = typer.Option("auto", help="Suppression set file, 'auto' or 'none'."),
-    controller: Optional[Path] = typer.Option(None, help="A controller JSON (`prism controller fit`) to apply."),
+    controller: Path | None = typer.Option(None, help="A controller JSON (`prism controller fit`) to apply."),
     lm_eval: bool = typer.Option(False, "--lm-eval", help="Also score with lm-eval's evaluator (same numbers)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the accuracies here."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the accuracies here."),
 ) -> None:
     """Multiple-choice accuracy (acc, acc_norm) with our log-likelihood scorer."""
     from contextlib import nullcontext
 
     import torch
 
+    from prismlm.errors import TaskError
     from prismlm.eval.scoring import mc_accuracy
     from prismlm.eval.tasks import load_split
-    from prismlm.errors import TaskError
 
     ckpt = _load(run, suppress)
     folders = _task_folders(tasks, task)
@@ -189,13 +188,13 @@ def controller_fit(
     steps: int = typer.Option(100, help="Full-batch optimisation steps."),
     lr: float = typer.Option(0.05, help="Step size."),
     out: Path = typer.Option(Path("controller.json"), help="Where to write the controller."),
-    index: Optional[Path] = typer.Option(None, help="A prototype index: trace each coefficient to its label and "
+    index: Path | None = typer.Option(None, help="A prototype index: trace each coefficient to its label and "
                                                     "training neighbourhood."),
 ) -> None:
     """Fit a sparse linear controller c (LM frozen) on a task; report test accuracy before → after."""
     from prismlm.control.controller import extract_features, fit_and_test, prism_encoder, trace_prism_controller
-    from prismlm.eval.tasks import load_split
     from prismlm.errors import TaskError
+    from prismlm.eval.tasks import load_split
 
     ckpt = _load(run, "none")
     model = ckpt.model

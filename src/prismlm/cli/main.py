@@ -6,17 +6,16 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from prismlm.app.operations import build_run_index, evaluate_run, explain_run, generate_text, open_index, user_errors
 from prismlm.cli.console import console
 from prismlm.cli.console import fail as _fail
 from prismlm.config import PRESETS, RunConfig
 from prismlm.errors import ConfigError
-from prismlm.app.operations import build_run_index, evaluate_run, explain_run, generate_text, open_index, user_errors
 
 app = typer.Typer(
     add_completion=False,
@@ -42,8 +41,8 @@ def _parse_overrides(pairs: list[str]) -> dict:
 
 
 def build_config(
-    preset: str, config_file: Optional[Path], overrides: list[str], *, dense: bool = False,
-    steps: Optional[int] = None, corpus: Optional[str] = None, tokenizer: Optional[str] = None,
+    preset: str, config_file: Path | None, overrides: list[str], *, dense: bool = False,
+    steps: int | None = None, corpus: str | None = None, tokenizer: str | None = None,
 ) -> RunConfig:
     """Preset (or JSON file) → CLI shortcuts → ``--set`` overrides, validated at each stage."""
     cfg = RunConfig.from_json(config_file) if config_file else RunConfig.from_name(preset)
@@ -62,14 +61,14 @@ def build_config(
 def prepare(
     corpus: str = typer.Option("builtin", help="builtin, a folder/glob/file of .txt/.jsonl/.parquet, or hf:NAME."),
     tokenizer: str = typer.Option("bpe-8192", help="bpe-N (train), gpt2, hf:NAME, or a saved tokenizer path."),
-    out: Optional[Path] = typer.Option(None, help="Shard folder (default: a keyed folder under ~/.cache/prismlm/data)."),
+    out: Path | None = typer.Option(None, help="Shard folder (default: a keyed folder under ~/.cache/prismlm/data)."),
     text_field: str = typer.Option("text", help="Text field of .jsonl/.parquet/HF corpora."),
     val_fraction: float = typer.Option(0.02, help="Share of documents held out for validation."),
-    max_docs: Optional[int] = typer.Option(None, help="Use only the first N documents."),
+    max_docs: int | None = typer.Option(None, help="Use only the first N documents."),
 ) -> None:
     """Tokenize a corpus into memory-mapped token shards (reused if already built)."""
-    from prismlm.errors import CorpusError
     from prismlm.data.shards import prepare_shards
+    from prismlm.errors import CorpusError
 
     try:
         shards = prepare_shards(corpus, tokenizer, out, val_fraction=val_fraction, text_field=text_field,
@@ -83,13 +82,13 @@ def prepare(
 @app.command()
 def train(
     preset: str = typer.Option("cpu-small", help=f"Named preset: {PRESET_NAMES}."),
-    config: Optional[Path] = typer.Option(None, help="A RunConfig JSON file (replaces the preset)."),
-    out: Optional[Path] = typer.Option(None, help="Run folder (default runs/<preset>-<prism|dense>)."),
+    config: Path | None = typer.Option(None, help="A RunConfig JSON file (replaces the preset)."),
+    out: Path | None = typer.Option(None, help="Run folder (default runs/<preset>-<prism|dense>)."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set train.lr=1e-3 (repeatable)."),
     dense: bool = typer.Option(False, help="Train the matched dense baseline (no prototype head)."),
-    steps: Optional[int] = typer.Option(None, help="Optimizer steps (overrides train.max_steps)."),
-    corpus: Optional[str] = typer.Option(None, help="Corpus spec (overrides data.corpus)."),
-    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer spec (overrides data.tokenizer)."),
+    steps: int | None = typer.Option(None, help="Optimizer steps (overrides train.max_steps)."),
+    corpus: str | None = typer.Option(None, help="Corpus spec (overrides data.corpus)."),
+    tokenizer: str | None = typer.Option(None, help="Tokenizer spec (overrides data.tokenizer)."),
     resume: bool = typer.Option(False, help="Continue the run in --out from its latest checkpoint."),
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
@@ -113,7 +112,7 @@ def generate(
     tokens: int = typer.Option(100, "--tokens", "-n", help="New tokens per sample."),
     samples: int = typer.Option(1, help="Number of samples."),
     temperature: float = typer.Option(0.8, help="Sampling temperature (0 = greedy)."),
-    top_k: Optional[int] = typer.Option(50, help="Sample from the top-k tokens only."),
+    top_k: int | None = typer.Option(50, help="Sample from the top-k tokens only."),
     seed: int = typer.Option(0, help="Sampling seed."),
     device: str = typer.Option("auto", help="auto, cpu, cuda…"),
     suppress: str = typer.Option("auto", help="Suppression set: a JSON file from `prism concept`, 'auto' (the "
@@ -143,8 +142,8 @@ def print_metrics(metrics: dict, title: str = "evaluation") -> None:
 def eval_cmd(
     run: Path = typer.Argument(..., help="Run folder or checkpoint folder."),
     batches: int = typer.Option(50, help="Validation batches (a fixed, evenly spread sample)."),
-    batch_size: Optional[int] = typer.Option(None, help="Sequences per batch (default: the run's)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the metrics to this JSON file."),
+    batch_size: int | None = typer.Option(None, help="Sequences per batch (default: the run's)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the metrics to this JSON file."),
     device: str = typer.Option("auto", help="auto, cpu, cuda…"),
     suppress: str = typer.Option("auto", help="Suppression set: a JSON file, 'auto' (the checkpoint's "
                                  "suppression.json if any) or 'none'."),
@@ -162,10 +161,10 @@ def eval_cmd(
 @app.command()
 def demo(
     preset: str = typer.Option("cpu-small", help=f"Preset to train: {PRESET_NAMES}."),
-    steps: Optional[int] = typer.Option(None, help="Optimizer steps (default: the preset's)."),
+    steps: int | None = typer.Option(None, help="Optimizer steps (default: the preset's)."),
     out: Path = typer.Option(Path("runs/demo"), help="Run folder."),
-    max_docs: Optional[int] = typer.Option(None, help="Use only the first N documents of the built-in corpus."),
-    max_chars_per_doc: Optional[int] = typer.Option(None, help="Truncate each document (smoke tests)."),
+    max_docs: int | None = typer.Option(None, help="Use only the first N documents of the built-in corpus."),
+    max_chars_per_doc: int | None = typer.Option(None, help="Truncate each document (smoke tests)."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field (repeatable)."),
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
@@ -174,9 +173,9 @@ def demo(
              overrides=set_, progress=progress)
 
 
-def run_demo(*, preset: str = "cpu-small", steps: Optional[int] = None, out: Path = Path("runs/demo"),
-             max_docs: Optional[int] = None, max_chars_per_doc: Optional[int] = None,
-             overrides: list[str] = (), progress: bool = True, index_sequences: Optional[int] = None) -> dict:
+def run_demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Path("runs/demo"),
+             max_docs: int | None = None, max_chars_per_doc: int | None = None,
+             overrides: list[str] = (), progress: bool = True, index_sequences: int | None = None) -> dict:
     from prismlm.train.trainer import train as run_train
 
     extra = list(overrides)
@@ -237,13 +236,13 @@ def _print_index_summary(idx, out: Path) -> None:
 def index_cmd(
     run: Path = typer.Argument(..., help="Run folder or checkpoint folder of a PRISM model."),
     top_n: int = typer.Option(32, help="Nearest training contexts kept per prototype."),
-    max_sequences: Optional[int] = typer.Option(None, help="Index only the first N training sequences (default: all)."),
+    max_sequences: int | None = typer.Option(None, help="Index only the first N training sequences (default: all)."),
     batch_size: int = typer.Option(16, help="Sequences per forward pass (keep it equal across parts)."),
     part: str = typer.Option("0/1", help="Build part i of n (i/n) of the sequences; combine with `prism index-merge`."),
-    out: Optional[Path] = typer.Option(None, help="Index folder (default RUN/index, or RUN/index-part-i-of-n)."),
+    out: Path | None = typer.Option(None, help="Index folder (default RUN/index, or RUN/index-part-i-of-n)."),
     resume: bool = typer.Option(False, help="Continue a partial index in --out after its last saved batch."),
     checkpoint_every: int = typer.Option(50, help="Save the partial index every N batches (0: only at the end)."),
-    shards: Optional[Path] = typer.Option(None, help="Token shard folder (default: the run's, from its data config)."),
+    shards: Path | None = typer.Option(None, help="Token shard folder (default: the run's, from its data config)."),
     labels: bool = typer.Option(True, help="Also write rule-based labels (labels.json) when the index is complete."),
     device: str = typer.Option("auto", help="auto, cpu, cuda…"),
     progress: bool = typer.Option(True, help="Show a progress bar with tokens/s."),
@@ -266,9 +265,9 @@ def index_merge_cmd(
     labels: bool = typer.Option(True, help="Write rule-based labels when the merged index is complete."),
 ) -> None:
     """Merge partial indexes (disjoint parts of the same model and shards) into one — equal to one pass."""
-    from prismlm.explain import PrototypeIndex, merge_indexes, rule_labels, save_labels
     from prismlm.data.shards import load_shards
     from prismlm.errors import ShardError
+    from prismlm.explain import PrototypeIndex, merge_indexes, rule_labels, save_labels
 
     try:
         idx = merge_indexes([PrototypeIndex.load(p) for p in parts])
@@ -287,13 +286,13 @@ def index_merge_cmd(
 @app.command("label")
 def label_cmd(
     run: Path = typer.Argument(..., help="Run folder or checkpoint folder (its index must exist)."),
-    index: Optional[Path] = typer.Option(None, help="Index folder (default RUN/index)."),
+    index: Path | None = typer.Option(None, help="Index folder (default RUN/index)."),
     labeller: str = typer.Option("rules", help="rules (offline) or openai (an OpenAI-compatible endpoint)."),
-    endpoint: Optional[str] = typer.Option(None, help="Base URL of the OpenAI-compatible API (with --labeller openai)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Model name for the endpoint (with --labeller openai)."),
+    endpoint: str | None = typer.Option(None, help="Base URL of the OpenAI-compatible API (with --labeller openai)."),
+    model: str | None = typer.Option(None, "--model", help="Model name for the endpoint (with --labeller openai)."),
     api_key_env: str = typer.Option("OPENAI_API_KEY", help="Environment variable holding the API key."),
-    ids: Optional[str] = typer.Option(None, help="Comma-separated prototype ids to relabel with the LLM (default all)."),
-    shards: Optional[Path] = typer.Option(None, help="Token shard folder (default: the index's / the run's)."),
+    ids: str | None = typer.Option(None, help="Comma-separated prototype ids to relabel with the LLM (default all)."),
+    shards: Path | None = typer.Option(None, help="Token shard folder (default: the index's / the run's)."),
 ) -> None:
     """Label every prototype from its neighbourhood (rules; optionally an LLM endpoint). Writes labels.json."""
     from prismlm.explain import llm_labels, rule_labels, save_labels
@@ -325,15 +324,15 @@ def explain_cmd(
     run: Path = typer.Argument(..., help="Run folder or checkpoint folder of a PRISM model."),
     prompt: str = typer.Argument("", help="Text to explain (empty: the first prediction after end-of-text)."),
     generate_n: int = typer.Option(0, "--generate", "-g", help="Sample N tokens after the prompt and explain them."),
-    index: Optional[Path] = typer.Option(None, help="Index folder (default RUN/index if it exists)."),
+    index: Path | None = typer.Option(None, help="Index folder (default RUN/index if it exists)."),
     use_index: bool = typer.Option(True, "--use-index/--no-index", help="Use the prototype index if there is one."),
-    shards: Optional[Path] = typer.Option(None, help="Token shard folder (default: the index's / the run's)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the explanation as JSON."),
-    html_out: Optional[Path] = typer.Option(None, "--html", help="Write a self-contained HTML report."),
+    shards: Path | None = typer.Option(None, help="Token shard folder (default: the index's / the run's)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the explanation as JSON."),
+    html_out: Path | None = typer.Option(None, "--html", help="Write a self-contained HTML report."),
     top: int = typer.Option(3, help="Prototypes shown per token in the terminal."),
     neighbours: int = typer.Option(5, help="Training snippets per prototype card."),
     temperature: float = typer.Option(0.8, help="Sampling temperature for --generate (0 = greedy)."),
-    top_k: Optional[int] = typer.Option(50, help="Sample from the top-k tokens only."),
+    top_k: int | None = typer.Option(50, help="Sample from the top-k tokens only."),
     seed: int = typer.Option(0, help="Sampling seed."),
     attribute: bool = typer.Option(False, "--attribute", help="Add the top training sequences for the text (its "
                                    "generated part with --generate) to the report: prototype-space influence "
@@ -377,11 +376,11 @@ def explain_cmd(
 @app.command("prototypes")
 def prototypes_cmd(
     run: Path = typer.Argument(..., help="Run folder or checkpoint folder of a PRISM model."),
-    search: Optional[str] = typer.Option(None, help="Only prototypes whose label or category contains TEXT."),
-    token: Optional[str] = typer.Option(None, help="Prototypes that push this token most (signature W p_i)."),
-    id_: Optional[int] = typer.Option(None, "--id", help="Show one prototype's card (neighbours, histogram, tokens)."),
-    index: Optional[Path] = typer.Option(None, help="Index folder (default RUN/index if it exists)."),
-    shards: Optional[Path] = typer.Option(None, help="Token shard folder (default: the index's / the run's)."),
+    search: str | None = typer.Option(None, help="Only prototypes whose label or category contains TEXT."),
+    token: str | None = typer.Option(None, help="Prototypes that push this token most (signature W p_i)."),
+    id_: int | None = typer.Option(None, "--id", help="Show one prototype's card (neighbours, histogram, tokens)."),
+    index: Path | None = typer.Option(None, help="Index folder (default RUN/index if it exists)."),
+    shards: Path | None = typer.Option(None, help="Token shard folder (default: the index's / the run's)."),
     limit: int = typer.Option(20, help="Rows to list."),
     neighbours: int = typer.Option(8, help="Snippets shown with --id."),
 ) -> None:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +178,7 @@ class Controller:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "Controller":
+    def load(cls, path: str | Path) -> Controller:
         d = json.loads(Path(path).read_text())
         if d.get("kind") != "prismlm-controller":
             raise ValueError(f"{path} is not a controller file")

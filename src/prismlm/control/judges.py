@@ -11,15 +11,13 @@ Both expose ``score(texts) -> np.ndarray`` of probabilities in [0, 1] (higher = 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from prismlm.eval.tasks import read_fortunes
 from prismlm.errors import DependencyError
-
-
+from prismlm.eval.tasks import read_fortunes
 
 
 def _u(text: str) -> float:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
+
 from prismlm.errors import SuppressionError
 
 KIND = "prismlm-suppression"
@@ -61,7 +63,7 @@ class SuppressionSet:
         """Fraction of the bank suppressed (paper: 86 / 16,384 = 0.52%)."""
         return len(self.ids) / self.num_prototypes
 
-    def subset(self, ids: Sequence[int]) -> "SuppressionSet":
+    def subset(self, ids: Sequence[int]) -> SuppressionSet:
         """The same set restricted to ``ids`` (evidence kept for those; every id must be in the set)."""
         missing = sorted(set(int(i) for i in ids) - set(self.ids))
         if missing:
@@ -90,7 +92,7 @@ class SuppressionSet:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "SuppressionSet":
+    def load(cls, path: str | Path) -> SuppressionSet:
         path = Path(path)
         if path.is_dir():
             path = path / CHECKPOINT_FILE

@@ -433,7 +433,7 @@ def load_shards(path: str | Path, *, verify: bool = False) -> ShardSet:
     return ShardSet(root, shards["train"], shards["val"], tok, manifest)
 
 
-def prepare_from_config(data: "DataConfig", *, show_progress: bool = True) -> ShardSet:
+def prepare_from_config(data: DataConfig, *, show_progress: bool = True) -> ShardSet:
     """``prepare_shards`` for a :class:`~prismlm.config.DataConfig` (the trainer's and CLI's entry point)."""
     return prepare_shards(data.corpus, data.tokenizer, val_fraction=data.val_fraction, seed=data.seed,
                           text_field=data.text_field, max_docs=data.max_docs,

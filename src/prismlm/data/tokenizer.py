@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
 from prismlm.errors import TokenizerError
 
 __all__ = [

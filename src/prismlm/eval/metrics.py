@@ -11,9 +11,9 @@ All accumulate across batches in O(K) memory, so the sample can be as large as w
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -10,8 +10,9 @@ returns — so a suppressed or controlled model (``with model.suppress(...)``) i
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F

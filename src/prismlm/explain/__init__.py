@@ -2,8 +2,15 @@
 contexts, activation statistics and coverage in one streaming pass), exact per-token explanations, and
 prototype labels."""
 
-from prismlm.explain.explanation import (Explanation, PrototypeCard, PrototypeSlice, TokenExplanation, explain,
-                                         explain_generation, prototype_card)
+from prismlm.explain.explanation import (
+                                         Explanation,
+                                         PrototypeCard,
+                                         PrototypeSlice,
+                                         TokenExplanation,
+                                         explain,
+                                         explain_generation,
+                                         prototype_card,
+)
 from prismlm.explain.index import Neighbour, PrototypeIndex, build_index, merge_indexes, model_identity
 from prismlm.explain.labels import llm_labels, load_labels, rule_labels, save_labels
 

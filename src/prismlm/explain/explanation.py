@@ -27,14 +27,15 @@ prototypes and the residual add up to 1).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from prismlm.explain.index import Neighbour, PrototypeIndex, model_identity
 from prismlm.errors import ArtifactMismatch, UnknownPrototypeError
+from prismlm.explain.index import Neighbour, PrototypeIndex, model_identity
 from prismlm.model import decompose
 
 __all__ = ["Explanation", "PrototypeCard", "PrototypeSlice", "TokenExplanation", "explain", "explain_generation",

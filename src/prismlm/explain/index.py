@@ -55,8 +55,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
 from prismlm.errors import ArtifactError, ArtifactMismatch, UnknownPrototypeError
+from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
 
 __all__ = [
     "FORMAT_VERSION",
@@ -312,7 +312,7 @@ class PrototypeIndex:
         check_provenance(self.manifest, what=f"prototype index{_where(self.path)}", rebuild="prism index",
                          checkpoint=checkpoint, model_sha256=model_sha256, shards=shards, shard_key=shard_key)
 
-    def attach(self, shards: Any) -> "PrototypeIndex":
+    def attach(self, shards: Any) -> PrototypeIndex:
         """Attach the shards the offsets point into (checked against the manifest); returns self."""
         self.check(shards=shards)
         self.shards = shards
@@ -349,7 +349,7 @@ class PrototypeIndex:
 
     @classmethod
     def load(cls, path: str | Path, *, checkpoint: Any = None, model_sha256: str | None = None,
-             shards: Any = None, shard_key: str | None = None) -> "PrototypeIndex":
+             shards: Any = None, shard_key: str | None = None) -> PrototypeIndex:
         """Open a saved index; with ``checkpoint``/``model_sha256`` and ``shards``/``shard_key`` it is
         checked against them (``ArtifactMismatch``), and ``shards`` are attached for snippets."""
         path = Path(path)
@@ -415,7 +415,7 @@ class _Builder:
         self.tokens = 0
 
     @classmethod
-    def from_index(cls, idx: PrototypeIndex, device: torch.device) -> "_Builder":
+    def from_index(cls, idx: PrototypeIndex, device: torch.device) -> _Builder:
         b = cls(idx.num_prototypes, idx.top_n, int(idx.manifest["bins"]), device, idx.top_sim.dtype)
         b.top_sim, b.top_off = idx.top_sim.to(device), idx.top_offset.to(device)
         b.counts, b.act_sum = idx.counts.to(device), idx.act_sum.to(device)

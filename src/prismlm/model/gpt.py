@@ -12,9 +12,9 @@ Logits are ``lm_head(z)`` for both models. For PRISM, ``z = ẑ + r`` exactly, s
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -228,7 +228,7 @@ class PrismLM(nn.Module):
         return torch.tensor(ids_list, dtype=torch.long)
 
     @contextmanager
-    def scale_prototypes(self, multipliers: torch.Tensor) -> Iterator["PrismLM"]:
+    def scale_prototypes(self, multipliers: torch.Tensor) -> Iterator[PrismLM]:
         """Within the block, prototype i's logit slice is multiplied by ``multipliers[i]`` (K,):
         ℓ' = W r + Σ_i m_i a_i W p_i. Nested blocks compose multiplicatively; the previous state is
         always restored on exit, also when the body raises. Gradients flow into ``multipliers``."""

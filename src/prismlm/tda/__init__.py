@@ -2,10 +2,17 @@
 block curvature, the postings cache, ``attribute``; whole-network baselines live in
 ``prismlm.tda.baselines`` (kronfluence, imported on use)."""
 
-from prismlm.tda.attribute import Attribution, AttributedSequence, attribute
+from prismlm.tda.attribute import AttributedSequence, Attribution, attribute
 from prismlm.tda.cache import AttributionCache, build_cache, merge_caches
-from prismlm.tda.influence import (BlockGradients, Curvature, FullGradients, block_gradients, curvature_pass,
-                                   influence_scores, query_gradients)
+from prismlm.tda.influence import (
+                                   BlockGradients,
+                                   Curvature,
+                                   FullGradients,
+                                   block_gradients,
+                                   curvature_pass,
+                                   influence_scores,
+                                   query_gradients,
+)
 
 __all__ = ["Attribution", "AttributedSequence", "AttributionCache", "BlockGradients", "Curvature", "FullGradients",
            "attribute", "block_gradients", "build_cache", "curvature_pass", "influence_scores", "merge_caches",

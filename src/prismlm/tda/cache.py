@@ -43,10 +43,17 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from prismlm.explain.index import _merge_ranges, _overlap, check_provenance, model_identity, part_range
 from prismlm.errors import ArtifactError, ArtifactMismatch
-from prismlm.tda.influence import BlockGradients, Curvature, _batches, _forward, _unwrap, block_gradients, \
-    curvature_pass
+from prismlm.explain.index import _merge_ranges, _overlap, check_provenance, model_identity, part_range
+from prismlm.tda.influence import (
+    BlockGradients,
+    Curvature,
+    _batches,
+    _forward,
+    _unwrap,
+    block_gradients,
+    curvature_pass,
+)
 
 __all__ = ["AttributionCache", "build_cache", "make_projection", "merge_caches"]
 
@@ -184,7 +191,7 @@ class AttributionCache:
 
     @classmethod
     def load(cls, path: str | Path, *, checkpoint: Any = None, model_sha256: str | None = None, shards: Any = None,
-             mmap: bool = True) -> "AttributionCache":
+             mmap: bool = True) -> AttributionCache:
         path = Path(path)
         if not (path / "manifest.json").exists():
             raise ArtifactError(f"no attribution cache at {path}; build it with `prism attribute-cache`")

@@ -64,11 +64,11 @@ class BlockGradients:
     def rows(self) -> int:
         return int(self.seq.shape[0])
 
-    def select(self, mask: torch.Tensor) -> "BlockGradients":
+    def select(self, mask: torch.Tensor) -> BlockGradients:
         return BlockGradients(self.seq[mask], self.proto[mask], self.grad[mask], self.loss)
 
     @staticmethod
-    def cat(parts: list["BlockGradients"]) -> "BlockGradients":
+    def cat(parts: list[BlockGradients]) -> BlockGradients:
         losses = [p.loss for p in parts if p.loss is not None]
         return BlockGradients(torch.cat([p.seq for p in parts]), torch.cat([p.proto for p in parts]),
                               torch.cat([p.grad for p in parts]), torch.cat(losses) if losses else None)
@@ -146,7 +146,7 @@ class CurvatureAccumulator:
                 self.blk_mumu += torch.sparse.mm(A, (m[:, :, None] * m[:, None, :]).reshape(m.shape[0], -1))
         self.tokens += N
 
-    def finish(self, damping: float = 0.1) -> "Curvature":
+    def finish(self, damping: float = 0.1) -> Curvature:
         n = max(1, self.tokens)
         Fm = (self.W.T * (self.sum_pi / n)) @ self.W - self.sum_mumu / n  # (d, d)
         Fm = 0.5 * (Fm + Fm.T)
@@ -203,7 +203,7 @@ class Curvature:
 
     @classmethod
     def from_stats(cls, F: torch.Tensor, m: torch.Tensor, tokens: int, *, damping: float = 0.1,
-                   blocks: torch.Tensor | None = None) -> "Curvature":
+                   blocks: torch.Tensor | None = None) -> Curvature:
         return cls(F=F, m=m, tokens=tokens, damping=damping, blocks=blocks)
 
     def eigen(self, proto: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -246,7 +246,7 @@ class Curvature:
         save_file(t, str(path), metadata={"tokens": str(self.tokens), "damping": repr(self.damping), **(extra or {})})
 
     @classmethod
-    def load(cls, path: str | Path) -> "Curvature":
+    def load(cls, path: str | Path) -> Curvature:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
@@ -383,7 +383,7 @@ class FullGradients:
     @classmethod
     def build(cls, model: Any, shards: Any, *, max_sequences: int | None = None, batch_size: int = 16,
               mode: Literal["shared", "exact", "identity"] = "shared", damping: float = 0.1,
-              curvature: Curvature | None = None) -> "FullGradients":
+              curvature: Curvature | None = None) -> FullGradients:
         net = _unwrap(model)
         n = shards.train.num_sequences(net.config.block_size)
         n = n if max_sequences is None else min(n, max_sequences)

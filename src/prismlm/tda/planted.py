@@ -91,7 +91,7 @@ class PlantedCorpus:
             indent=2) + "\n")
 
     @classmethod
-    def load(cls, folder: str | Path) -> "PlantedCorpus":
+    def load(cls, folder: str | Path) -> PlantedCorpus:
         folder = Path(folder)
         data = json.loads((folder / "facts.json").read_text())
         return cls(folder / "corpus.jsonl", [PlantedFact(**f) for f in data["facts"]],

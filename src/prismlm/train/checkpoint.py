@@ -31,10 +31,8 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from prismlm.config import RunConfig
-from prismlm.model import PrismLM
 from prismlm.errors import CheckpointError
-
-
+from prismlm.model import PrismLM
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
