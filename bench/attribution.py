@@ -62,7 +62,7 @@ from _common import (
     write_json,
 )
 
-from prismlm.config import RunConfig
+from prismlm.config import AttributionConfig, RunConfig
 from prismlm.data.shards import prepare_shards
 from prismlm.tda.baselines import KronfluenceBaseline
 from prismlm.tda.cache import build_cache
@@ -246,7 +246,7 @@ def main() -> None:
                 per.append(time.perf_counter() - t0)
         row["full"]["per_query_s"] = statistics.median(per)
         # cached (r = r_time), curvature reused from nothing: time the whole build
-        (cache, t_c, mem) = timed(build_cache, net, shards, max_sequences=n, r=r_time,
+        (cache, t_c, mem) = timed(build_cache, net, shards, AttributionConfig(max_sequences=n, r=r_time),
                                   out=work / f"cache-{cfg_hash}-n{n}-r{r_time}")
         per = []
         reset_peak_rss()
@@ -325,10 +325,10 @@ def main() -> None:
             if proj in ("orthogonal", "pca") and r > cfg.model.n_embd:
                 continue
             name = f"cached-r{r}" + {"orthogonal": "", "gaussian": "-gauss", "pca": "-pca"}[proj]
-            c = build_cache(net, shards, r=r, projection=proj, curvature=curv, seed=args.seed)
+            c = build_cache(net, shards, AttributionConfig(r=r, projection=proj, seed=args.seed), curvature=curv)
             scores_at_N[name] = c.scores(qg, Q).numpy()
             cache_meta[name] = {"r": r, "projection": proj, "bytes_per_token": c.manifest["bytes_per_token"]}
-    c16 = build_cache(net, shards, r=min(16, cfg.model.n_embd), curvature=curv, dtype="float16")
+    c16 = build_cache(net, shards, AttributionConfig(r=min(16, cfg.model.n_embd), dtype="float16"), curvature=curv)
     scores_at_N[f"cached-r{c16.r}-fp16"] = c16.scores(qg, Q).numpy()
     cache_meta[f"cached-r{c16.r}-fp16"] = {"r": c16.r, "projection": "orthogonal", "dtype": "float16",
                                            "bytes_per_token": c16.manifest["bytes_per_token"]}

@@ -107,7 +107,7 @@ def _check_cos_hessian() -> float:
     z, p = torch.randn(3, 5, generator=g, dtype=torch.float64), torch.randn(3, 5, generator=g, dtype=torch.float64)
     err = 0.0
     for r in range(3):
-        h = torch.autograd.functional.hessian(lambda q: F.cosine_similarity(z[r], q, dim=0), p[r])
+        h = torch.autograd.functional.hessian(lambda q, zr=z[r]: F.cosine_similarity(zr, q, dim=0), p[r])
         err = max(err, float((h - _cos_hessian(z[r:r + 1], p[r:r + 1])[0]).abs().max()))
     return err
 

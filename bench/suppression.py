@@ -279,7 +279,8 @@ def main() -> None:
     if not args.no_index:
         from prismlm.explain.index import build_index
 
-        index = build_index(ckpt, shards, top_n=16, batch_size=32, progress=False)
+        index = build_index(model, shards, top_n=16, batch_size=32, progress=False,
+                            model_sha256=ckpt.manifest.get("model_sha256"))
         index.attach(shards)
     idx_s = time.time() - t_idx
     rng = random.Random(args.seed)

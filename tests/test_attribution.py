@@ -39,7 +39,7 @@ def trained(tiny_shards, tmp_path_factory):
 
 
 def _double(ckpt):
-    """A float64 copy of the checkpoint (same manifest, so index checks still apply)."""
+    """A float64 copy of the checkpoint's model, with its manifest (for ``model_sha256``) and tokenizer."""
     return SimpleNamespace(model=copy.deepcopy(ckpt.model).double(), manifest=ckpt.manifest,
                            tokenizer=ckpt.tokenizer, path=ckpt.path)
 
@@ -49,7 +49,7 @@ def test_neighbourhood_equals_brute_force(trained, tiny_shards):
     c64 = _double(ckpt)
     n_seq, top_n = 10, 6
     # chunk_size smaller than a batch so the streaming merge runs inside and across batches
-    idx = build_index(c64, tiny_shards, top_n=top_n, batch_size=3, max_sequences=n_seq, chunk_size=50,
+    idx = build_index(c64.model, tiny_shards, top_n=top_n, batch_size=3, max_sequences=n_seq, chunk_size=50,
                       progress=False)
     assert idx.top_sim.dtype == torch.float64 and idx.tokens == n_seq * T
     x = torch.from_numpy(tiny_shards.train.sequences(np.arange(n_seq), T)[:, :-1])
@@ -68,9 +68,9 @@ def test_neighbourhood_equals_brute_force(trained, tiny_shards):
 
 def test_partial_indexes_merge_to_one_pass_and_resume(trained, tiny_shards, tmp_path):
     ckpt, _ = trained
-    kw = dict(top_n=8, batch_size=4, max_sequences=22, progress=False)
-    full = build_index(ckpt, tiny_shards, **kw)
-    parts = [build_index(ckpt, tiny_shards, part=(i, 3), **kw) for i in range(3)]
+    kw = dict(top_n=8, batch_size=4, max_sequences=22, progress=False, model_sha256=ckpt.manifest["model_sha256"])
+    full = build_index(ckpt.model, tiny_shards, **kw)
+    parts = [build_index(ckpt.model, tiny_shards, part=(i, 3), **kw) for i in range(3)]
     assert sum(p.tokens for p in parts) == full.tokens and not parts[0].covers_all and parts[0].complete
     merged = merge_indexes([parts[2], parts[0], parts[1]])  # order does not matter
     for name in ("top_sim", "top_offset", "counts", "hist"):
@@ -83,22 +83,23 @@ def test_partial_indexes_merge_to_one_pass_and_resume(trained, tiny_shards, tmp_
         merge_indexes([parts[0], parts[0]])
     # interrupted after 2 batches, saved, resumed from disk: same as one pass
     out = tmp_path / "partial"
-    half = build_index(ckpt, tiny_shards, out=out, stop_after_batches=2, **kw)
+    half = build_index(ckpt.model, tiny_shards, out=out, stop_after_batches=2, **kw)
     assert not half.complete and PrototypeIndex.load(out).manifest["covered"] == [[0, 8]]
-    resumed = build_index(ckpt, tiny_shards, resume_from=out, out=out, **kw)
+    resumed = build_index(ckpt.model, tiny_shards, resume_from=out, out=out, **kw)
     assert resumed.complete and torch.equal(resumed.top_offset, full.top_offset)
     assert torch.equal(resumed.counts, full.counts)
     with pytest.raises(ArtifactError, match="cannot resume"):
-        build_index(ckpt, tiny_shards, resume_from=out, **{**kw, "top_n": 4})
+        build_index(ckpt.model, tiny_shards, resume_from=out, **{**kw, "top_n": 4})
 
 
 def test_index_save_load_round_trip(trained, tiny_shards, tmp_path):
     ckpt, _ = trained
-    idx = build_index(ckpt, tiny_shards, top_n=5, batch_size=4, max_sequences=8, progress=False)
+    idx = build_index(ckpt.model, tiny_shards, top_n=5, batch_size=4, max_sequences=8, progress=False,
+                      model_sha256=ckpt.manifest["model_sha256"])
     idx.save(tmp_path / "index")
     labels = rule_labels(idx)
     save_labels(labels, tmp_path / "index")
-    back = PrototypeIndex.load(tmp_path / "index", checkpoint=ckpt, shards=tiny_shards)
+    back = PrototypeIndex.load(tmp_path / "index", model_sha256=ckpt.manifest["model_sha256"], shards=tiny_shards)
     for name in ("top_sim", "top_offset", "counts", "act_sum", "hist"):
         a, b = getattr(idx, name), getattr(back, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
@@ -117,7 +118,8 @@ def test_index_save_load_round_trip(trained, tiny_shards, tmp_path):
 
 def test_mismatch_and_unknown_prototype_errors(trained, tiny_shards, tmp_path):
     ckpt, _ = trained
-    idx = build_index(ckpt, tiny_shards, top_n=4, batch_size=4, max_sequences=4, progress=False)
+    idx = build_index(ckpt.model, tiny_shards, top_n=4, batch_size=4, max_sequences=4, progress=False,
+                      model_sha256=ckpt.manifest["model_sha256"])
     idx.save(tmp_path / "index")
     other = "f" * 64
     with pytest.raises(ArtifactMismatch) as e:
@@ -125,15 +127,14 @@ def test_mismatch_and_unknown_prototype_errors(trained, tiny_shards, tmp_path):
     assert other in str(e.value) and ckpt.manifest["model_sha256"] in str(e.value)
     with pytest.raises(ArtifactMismatch, match="token shards"):
         PrototypeIndex.load(tmp_path / "index", shard_key="0" * 64)
-    fake = SimpleNamespace(model=ckpt.model, manifest={"model_sha256": other}, tokenizer=ckpt.tokenizer, path=ckpt.path)
     with pytest.raises(ArtifactMismatch, match=other):
-        explain(fake, None, "hello", index=idx)
+        explain(ckpt.model, ckpt.tokenizer, "hello", model_sha256=other, index=idx)
     with pytest.raises(UnknownPrototypeError, match="unknown prototype id 9999"):
         idx.neighbours(9999)
     with pytest.raises(UnknownPrototypeError, match="unknown prototype id -1"):
         idx.stats(-1)
     with pytest.raises(UnknownPrototypeError, match="unknown prototype id 9999"):
-        prototype_card(ckpt, None, 9999)
+        prototype_card(ckpt.model, None, 9999)
     with pytest.raises(ArtifactError, match="not a prototype index"):
         PrototypeIndex.load(tmp_path)
 
@@ -141,9 +142,10 @@ def test_mismatch_and_unknown_prototype_errors(trained, tiny_shards, tmp_path):
 def test_slices_plus_residual_equal_logit_float64(trained, tiny_shards):
     ckpt, _ = trained
     c64 = _double(ckpt)
-    idx = build_index(c64, tiny_shards, top_n=4, batch_size=4, max_sequences=4, progress=False)
-    expl = explain(c64, None, "It is a truth universally acknowledged, that a single man", index=idx,
-                   labels=rule_labels(idx))
+    sha = c64.manifest["model_sha256"]
+    idx = build_index(c64.model, tiny_shards, top_n=4, batch_size=4, max_sequences=4, progress=False, model_sha256=sha)
+    expl = explain(c64.model, c64.tokenizer, "It is a truth universally acknowledged, that a single man",
+                   model_sha256=sha, index=idx, labels=rule_labels(idx))
     assert len(expl.positions) == len(ckpt.tokenizer.encode("It is a truth universally acknowledged, that a single man"))
     for p in expl.positions:
         assert math.fsum([s.slice for s in p.prototypes] + [p.residual_slice]) == pytest.approx(p.logit, abs=1e-10)
@@ -154,7 +156,7 @@ def test_slices_plus_residual_equal_logit_float64(trained, tiny_shards):
     card = expl.prototypes[expl.positions[0].prototypes[0].id]
     assert card.neighbours and card.stats and len(card.top_tokens) == 10 and card.label is not None
     # generation: the sampled tokens are the chosen tokens, one forward explains them exactly
-    gen = explain_generation(c64, None, "The ", 6, seed=1, index=idx)
+    gen = explain_generation(c64.model, c64.tokenizer, "The ", 6, model_sha256=sha, seed=1, index=idx)
     sampled = [p for p in gen.positions if p.chosen_by == "sampled"]
     assert len(sampled) == 6 and gen.prompt_tokens == len(ckpt.tokenizer.encode("The "))
     assert [p.next_id for p in sampled] == gen.token_ids[gen.prompt_tokens:] + [sampled[-1].next_id]
@@ -165,27 +167,27 @@ def test_slices_plus_residual_equal_logit_float64(trained, tiny_shards):
 def test_explain_edge_cases_never_crash(trained):
     ckpt, _ = trained
     tok = ckpt.tokenizer
-    empty = explain(ckpt, None, "")
+    empty = explain(ckpt.model, tok, "")
     assert len(empty.positions) == 1 and empty.token_ids == [tok.eot_id] and "empty" in empty.notes[0]
     long_text = "the quick brown fox jumps over the lazy dog. " * 20
     n = len(tok.encode(long_text))
-    longer = explain(ckpt, None, long_text)
+    longer = explain(ckpt.model, tok, long_text)
     assert n > T and longer.truncated_tokens == n - T and len(longer.positions) == T
     weird = "日本語 🦄 ∮ E⋅da = Q — ǅ"
     ids = tok.encode(weird)
     assert tok.decode(ids) == weird  # byte-level BPE: bytes, never an unknown token
-    out = explain(ckpt, None, weird)
+    out = explain(ckpt.model, tok, weird)
     assert len(out.positions) == len(ids) and out.max_abs_error < 1e-4
-    assert len(explain(ckpt, None, [5, 6, 7]).positions) == 3  # ids work too
+    assert len(explain(ckpt.model, tok, [5, 6, 7]).positions) == 3  # ids work too
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        explain(ckpt, None, [10 ** 6])
-    long_gen = explain_generation(ckpt, None, long_text, 3, seed=0)
+        explain(ckpt.model, tok, [10 ** 6])
+    long_gen = explain_generation(ckpt.model, tok, long_text, 3, seed=0)
     assert long_gen.truncated_tokens > 0 and len(long_gen.positions) == T
 
 
 def test_labels_rules_and_optional_llm(trained, tiny_shards):
     ckpt, _ = trained
-    idx = build_index(ckpt, tiny_shards, top_n=6, batch_size=4, max_sequences=8, progress=False)
+    idx = build_index(ckpt.model, tiny_shards, top_n=6, batch_size=4, max_sequences=8, progress=False)
     labels = rule_labels(idx)
     assert set(labels) == set(range(idx.num_prototypes))
     assert all(v["category"] in CATEGORIES and v["label"] for v in labels.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,7 +83,7 @@ def test_unknown_ids_rejected_clearly():
 
 
 def test_suppression_set_round_trip_and_checks(tmp_path):
-    from prismlm.control.suppress import SuppressionSet, apply_suppression
+    from prismlm.control.suppress import SuppressionSet
     from prismlm.errors import SuppressionError
 
     model = tiny_model()
@@ -104,8 +105,11 @@ def test_suppression_set_round_trip_and_checks(tmp_path):
     x = torch.randint(0, 97, (1, 16))
     with model.suppress([3, 5]):
         want = model(x).logits
-    apply_suppression(model, s2)
-    assert torch.equal(model(x).logits, want)
+    base = model(x).logits
+    with model.intervene(s2.intervention()):
+        assert torch.equal(model(x).logits, want)
+    assert torch.equal(model(x).logits, base)  # restored: nothing changed the model for good
+    assert not torch.equal(want, base)
 
 
 # ----- controllers -------------------------------------------------------------------------------------
@@ -158,7 +162,12 @@ def test_controller_learns_planted_signal():
         ch = torch.randperm(V, generator=g)[:C]
         gold.append(int(sig[ch].argmax()))
         for ci in range(C):
-            z.append(zi); idx.append(ii); act.append(aa); tg.append(ch[ci]); req.append(di * C + ci); doc_of.append(di)
+            z.append(zi)
+            idx.append(ii)
+            act.append(aa)
+            tg.append(ch[ci])
+            req.append(di * C + ci)
+            doc_of.append(di)
     f = ControlFeatures(z=torch.stack(z), indices=torch.stack(idx), activations=torch.stack(act),
                         targets=torch.stack(tg), request=torch.tensor(req), doc_of_request=torch.tensor(doc_of),
                         gold=torch.tensor(gold), choice_len=torch.ones(D * C, dtype=torch.float64), n_choices=[C] * D)
@@ -210,13 +219,82 @@ def test_choice_prior_learns_a_label_preference_and_nothing_else():
     assert torch.equal(prior.scores(unseen, s_un), s_un)
 
 
-def test_sae_topk_shapes_and_budget():
+class _TokenSplit:
+    """A token stream with the shard contract: sequence j = tokens[j·T : j·T + T + 1]."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def num_sequences(self, T):
+        return (len(self.tokens) - 1) // T
+
+    def sequences(self, js, T):
+        import numpy as np
+
+        return np.stack([self.tokens[j * T: j * T + T + 1] for j in np.asarray(js)]).astype(np.int64)
+
+
+class _SparseCodeModel(torch.nn.Module):
+    """A stand-in dense model whose hidden state for token v is a fixed sparse code: 2 of 12 unit atoms with
+    coefficients in [1, 2] — data with known sparse structure for the SAE."""
+
+    def __init__(self, d=16, atoms=12, vocab=300, block_size=8):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        A = torch.randn(atoms, d, generator=g)
+        A = A / A.norm(dim=-1, keepdim=True)
+        codes = torch.zeros(vocab, atoms)
+        for v in range(vocab):
+            codes[v, torch.randperm(atoms, generator=g)[:2]] = 1 + torch.rand(2, generator=g)
+        self.register_buffer("table", codes @ A)  # (vocab, d)
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # train_sae reads the device from the parameters
+        self.config = SimpleNamespace(block_size=block_size, n_embd=d)
+
+    def backbone(self, x):
+        return self.table[x]  # (B, T, d)
+
+
+def test_sae_topk_is_exactly_k_sparse_and_decodes_its_latents():
     from prismlm.control.sae import TopKSAE
 
+    torch.manual_seed(0)
     sae = TopKSAE(16, 32, 4)
-    idx, act = sae.encode(torch.randn(10, 16))
-    assert idx.shape == (10, 4) and (act >= 0).all()
+    with pytest.raises(ValueError, match="k must be"):
+        TopKSAE(16, 32, 33)
+    with torch.no_grad():
+        sae.b_enc.fill_(0.5)  # every pre-activation positive: exactly k non-zero latents per token
+        sae.b_dec.normal_()
+    z = torch.randn(10, 16)
+    idx, act = sae.encode(z)
+    pre = torch.relu((z - sae.b_dec) @ sae.W_enc.T + sae.b_enc)  # (N, K), computed independently
+    assert idx.shape == (10, 4) and ((act > 0).sum(-1) == 4).all()
+    torch.testing.assert_close(act, pre.gather(1, idx))
+    others = pre.scatter(1, idx, -1.0)  # every unselected latent is no larger than the smallest selected one
+    assert (others.max(-1).values <= act.min(-1).values).all()
+    assert all(len(set(r.tolist())) == 4 for r in idx)
+    want = torch.stack([sum(act[n, j] * sae.W_dec[idx[n, j]] for j in range(4)) for n in range(10)]) + sae.b_dec
+    torch.testing.assert_close(sae(z), want)
     assert torch.allclose(sae.directions.norm(dim=-1), torch.ones(32))
+
+
+def test_sae_training_lowers_reconstruction_error_on_sparse_data():
+    import numpy as np
+
+    from prismlm.control.sae import train_sae
+
+    model = _SparseCodeModel()
+    rng = np.random.default_rng(0)
+    shards = SimpleNamespace(train=_TokenSplit(rng.integers(0, 300, 8 * 200 + 1)),
+                             val=_TokenSplit(rng.integers(0, 300, 8 * 40 + 1)))
+    before = train_sae(model, shards, num_latents=24, k=2, steps=0, eval_sequences=40)
+    after = train_sae(model, shards, num_latents=24, k=2, steps=300, batch_size=16, lr=1e-2, eval_sequences=40)
+    assert after.steps == 300 and after.fvu < 0.25 * before.fvu and after.fvu < 0.15, (before.fvu, after.fvu)
+    sae = after.sae
+    torch.testing.assert_close(sae.directions.norm(dim=-1), torch.ones(24))  # unit decoder rows after training
+    z = model.backbone(torch.from_numpy(shards.val.tokens[:64]))
+    idx, act = sae.encode(z)
+    assert idx.shape == (64, 2) and ((act > 0).sum(-1) <= 2).all() and (act >= 0).all()
+    assert 0.0 <= after.dead_fraction < 1.0
 
 
 def test_sae_aux_loss_trains_only_dead_latents():
@@ -233,6 +311,13 @@ def test_sae_aux_loss_trains_only_dead_latents():
     dead[[3, 7, 11]] = True
     loss = sae.aux_loss(z, recon.detach(), dead, 8)
     assert loss > 0
+    # the value: MSE of the error z − ẑ against the dead latents' own top-min(aux_k, #dead) reconstruction
+    pre = torch.relu((z - sae.b_dec) @ sae.W_enc.T + sae.b_enc).detach()[:, dead]  # (N, 3): all dead latents
+    want = ((pre @ sae.W_dec.detach()[dead] - (z - recon).detach()) ** 2).mean()
+    torch.testing.assert_close(loss.detach(), want)
+    two = torch.relu((z - sae.b_dec) @ sae.W_enc.T + sae.b_enc).detach().masked_fill(~dead, 0).topk(2, -1)
+    want2 = ((torch.einsum("nk,nkd->nd", two.values, sae.W_dec.detach()[two.indices]) - (z - recon).detach()) ** 2)
+    torch.testing.assert_close(sae.aux_loss(z, recon.detach(), dead, 2).detach(), want2.mean())
     loss.backward()
     touched = sae.W_dec.grad.abs().sum(-1) > 0  # only dead latents' directions get the aux gradient
     assert touched[dead].all() and not touched[~dead].any()
@@ -408,7 +493,7 @@ def test_cli_concept_suppress_tasks_controller(tiny_run, tiny_shards, tmp_path, 
     # generate/eval pick up the checkpoint's suppression.json ('auto'), or a file, or none
     res = r.invoke(app, ["generate", str(tiny_run), "--prompt", "The", "-n", "5", "--suppress", str(tmp_path / "s.json")])
     assert res.exit_code == 0 and "suppressing" in res.output, res.output
-    res = r.invoke(app, ["eval", str(tiny_run), "--batches", "1"])
+    res = r.invoke(app, ["eval", str(tiny_run), "--batches", "1", "--shards", str(tiny_shards.root)])
     assert res.exit_code == 0 and "suppressing" in res.output, res.output
     (tmp_path / "bad.json").write_text(json.dumps({**s.to_dict(), "ids": [9999]}))
     res = r.invoke(app, ["generate", str(tiny_run), "--prompt", "The", "-n", "2", "--suppress", str(tmp_path / "bad.json")])

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from conftest import train_tiny_run
 
-from prismlm import RunConfig
+from prismlm import AttributionConfig, RunConfig
+from prismlm.artifacts import model_identity
 from prismlm.errors import ArtifactError, ArtifactMismatch
 from prismlm.tda.attribute import attribute
 from prismlm.tda.cache import AttributionCache, build_cache, merge_caches
@@ -77,8 +78,9 @@ def test_curvature_matches_brute_force(c64, tiny_shards):
     T = net.config.block_size
     cur = curvature_pass(net, tiny_shards, sequences=(0, 2), batch_size=2, exact=True, damping=0.0)
     x = torch.from_numpy(tiny_shards.train.sequences(np.arange(2), T))[:, :-1]
-    out = net(x)
-    W = net.lm_head.weight.double()
+    with torch.no_grad():
+        out = net(x)
+    W = net.lm_head.weight.detach().double()
     pi = torch.softmax(out.logits.reshape(-1, W.shape[0]), -1)
     Sig = torch.diag_embed(pi) - pi[:, :, None] * pi[:, None, :]  # (N, V, V)
     GN = torch.einsum("vd,nvw,we->nde", W, Sig, W)  # (N, d, d)
@@ -88,13 +90,23 @@ def test_curvature_matches_brute_force(c64, tiny_shards):
     blocks = torch.einsum("ni,nde->ide", a ** 2, GN) / GN.shape[0]
     assert torch.allclose(cur.blocks, blocks, atol=1e-12)
     assert torch.allclose(cur.m, (a ** 2).mean(0), atol=1e-15)
-    # H_i^{-1} applied through the eigendecomposition equals a dense solve
-    sh = curvature_pass(net, tiny_shards, sequences=(0, 2), batch_size=2, damping=0.1)
-    g = torch.randn(3, cur.F.shape[0], dtype=torch.float64)
-    ids = torch.tensor([0, 5, 9])
-    for c in (sh, cur):
-        want = torch.stack([torch.linalg.solve(c.dense(int(i)), g[r]) for r, i in enumerate(ids)])
-        assert torch.allclose(c.apply(ids, g, -1.0), want, atol=1e-8 * want.abs().max())
+    # H_i⁻¹ G against torch.linalg.solve on H_i built explicitly from the definitions (not from dense()):
+    # shared: H_i = m̃_i F + λ_i I, exact: H_i = E_t[a_i² Wᵀ Σ_t W] + λ_i I, λ_i = ρ·tr(·)/d, m̃_i = max(m_i, 1/N)
+    rho, N, d = 0.1, GN.shape[0], GN.shape[1]
+    m_eff = torch.clamp((a ** 2).mean(0), min=1.0 / N)
+    eye = torch.eye(d, dtype=torch.float64)
+    sh = curvature_pass(net, tiny_shards, sequences=(0, 2), batch_size=2, damping=rho)
+    ex = curvature_pass(net, tiny_shards, sequences=(0, 2), batch_size=2, damping=rho, exact=True)
+    used = (a > 0).any(0).nonzero().flatten()
+    ids = torch.cat([used[:3], (a == 0).all(0).nonzero().flatten()[:1]])  # seen prototypes and an unseen one
+    g = torch.randn(len(ids), d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for c, H in ((sh, [m_eff[i] * GN.mean(0) + rho * m_eff[i] * torch.trace(GN.mean(0)) / d * eye for i in ids]),
+                 (ex, [blocks[i] + rho * torch.trace(blocks[i]) / d * eye if (a[:, i] > 0).any()
+                       else m_eff[i] * (GN.mean(0) + rho * torch.trace(GN.mean(0)) / d * eye) for i in ids])):
+        want = torch.stack([torch.linalg.solve(H[r], g[r]) for r in range(len(ids))])
+        torch.testing.assert_close(c.apply(ids, g, -1.0), want, rtol=1e-8, atol=1e-9 * float(want.abs().max()))
+        torch.testing.assert_close(c.apply(ids, g, 1.0), torch.stack([H[r] @ g[r] for r in range(len(ids))]),
+                                   rtol=1e-9, atol=1e-14)
 
 
 def test_cache_r_equals_d_equals_full_and_self_influence(c64, tiny_shards):
@@ -102,8 +114,8 @@ def test_cache_r_equals_d_equals_full_and_self_influence(c64, tiny_shards):
     q = query_gradients(c64.model, _queries(c64.tokenizer))
     S = full.scores(q, 2)
     for proj in ("identity", "orthogonal", "pca"):
-        cache = build_cache(c64, tiny_shards, max_sequences=N_SEQ, batch_size=5, projection=proj, dtype="float64",
-                            curvature=full.curvature)
+        cache = build_cache(c64.model, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=5, projection=proj,
+                                                                      dtype="float64"), curvature=full.curvature)
         assert torch.allclose(cache.scores(q, 2), S, rtol=1e-10, atol=1e-9)
     # self-influence = diagonal of pairwise train × train
     tr = full.train
@@ -123,11 +135,12 @@ def test_batch_size_and_sharding_invariance(c64, tiny_shards, tmp_path):
     cur7 = curvature_pass(c64.model, tiny_shards, sequences=(0, N_SEQ), batch_size=7)
     assert torch.allclose(cur.F, cur7.F, rtol=1e-12) and torch.allclose(cur.m, cur7.m, rtol=1e-12)
     q = query_gradients(c64.model, _queries(c64.tokenizer))
-    ref = build_cache(c64, tiny_shards, max_sequences=N_SEQ, batch_size=4, r=16, dtype="float64", curvature=cur)
-    other = build_cache(c64, tiny_shards, max_sequences=N_SEQ, batch_size=7, r=16, dtype="float64", curvature=cur)
+    opts = dict(max_sequences=N_SEQ, r=16, dtype="float64")
+    ref = build_cache(c64.model, tiny_shards, AttributionConfig(batch_size=4, **opts), curvature=cur)
+    other = build_cache(c64.model, tiny_shards, AttributionConfig(batch_size=7, **opts), curvature=cur)
     assert np.array_equal(ref.offsets, other.offsets) and np.array_equal(ref.seq, other.seq)
     assert torch.allclose(ref.scores(q, 2), other.scores(q, 2), rtol=1e-10, atol=1e-9)
-    parts = [build_cache(c64, tiny_shards, max_sequences=N_SEQ, batch_size=4, r=16, dtype="float64", curvature=cur,
+    parts = [build_cache(c64.model, tiny_shards, AttributionConfig(batch_size=4, **opts), curvature=cur,
                          part=(i, 3), out=tmp_path / f"p{i}") for i in (2, 0, 1)]
     merged = merge_caches(parts, out=tmp_path / "merged")
     assert np.array_equal(merged.offsets, ref.offsets) and np.array_equal(merged.seq, ref.seq)
@@ -144,7 +157,8 @@ def test_batch_size_and_sharding_invariance(c64, tiny_shards, tmp_path):
 
 def test_no_shared_prototype_scores_exactly_zero(c64, tiny_shards):
     full = FullGradients.build(c64.model, tiny_shards, max_sequences=N_SEQ, batch_size=8)
-    cache = build_cache(c64, tiny_shards, max_sequences=N_SEQ, batch_size=8, r=8, curvature=full.curvature)
+    cache = build_cache(c64.model, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8),
+                        curvature=full.curvature)
     q = query_gradients(c64.model, _queries(c64.tokenizer)[:1])
     tr = full.train
     # a query whose active prototypes are exactly those training sequence j never activates
@@ -166,11 +180,12 @@ def test_no_shared_prototype_scores_exactly_zero(c64, tiny_shards):
 
 def test_cache_round_trip_and_mismatch_refused(trained, tiny_shards, tmp_path):
     ckpt, _ = trained
-    cache = build_cache(ckpt, tiny_shards, max_sequences=N_SEQ, batch_size=8, r=8, out=tmp_path / "cache")
+    cache = build_cache(ckpt.model, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8),
+                        out=tmp_path / "cache", model_sha256=ckpt.manifest["model_sha256"])
     m = json.loads((tmp_path / "cache" / "manifest.json").read_text())
     assert m["model_sha256"] == ckpt.manifest["model_sha256"] and m["shard_key"] == tiny_shards.manifest["key"]
     assert m["bytes_per_token"] == pytest.approx(m["postings"] * (4 + 8 * 4) / (N_SEQ * 64))
-    back = AttributionCache.load(tmp_path / "cache", checkpoint=ckpt, shards=tiny_shards)
+    back = AttributionCache.load(tmp_path / "cache", model_sha256=ckpt.manifest["model_sha256"], shards=tiny_shards)
     assert isinstance(back.sketch, np.memmap)
     q = query_gradients(ckpt.model, _queries(ckpt.tokenizer))
     assert torch.equal(back.scores(q, 2), cache.scores(q, 2))
@@ -180,7 +195,7 @@ def test_cache_round_trip_and_mismatch_refused(trained, tiny_shards, tmp_path):
     with torch.no_grad():
         other.prototypes.weight.add_(0.01)
     with pytest.raises(ArtifactMismatch, match="rebuild it"):
-        back.check(checkpoint=other)
+        back.check(model_sha256=model_identity(other))
     with pytest.raises(ArtifactMismatch, match="token shards"):
         back.check(shard_key="deadbeef")
     with pytest.raises(ArtifactError, match="no attribution cache"):
@@ -189,16 +204,17 @@ def test_cache_round_trip_and_mismatch_refused(trained, tiny_shards, tmp_path):
 
 def test_attribute_api_full_and_cached_agree(trained, tiny_shards):
     ckpt, _ = trained
-    full = FullGradients.build(ckpt, tiny_shards, max_sequences=N_SEQ, batch_size=8)
-    cache = build_cache(ckpt, tiny_shards, max_sequences=N_SEQ, batch_size=8, curvature=full.curvature)
-    a = attribute(ckpt, "The President said", " that the", full=full, shards=tiny_shards, top=5)
-    b = attribute(ckpt, "The President said", " that the", cache=cache, shards=tiny_shards, top=5)
+    net, tok = ckpt.model, ckpt.tokenizer
+    full = FullGradients.build(net, tiny_shards, max_sequences=N_SEQ, batch_size=8)
+    cache = build_cache(net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8), curvature=full.curvature)
+    a = attribute(net, tok, "The President said", " that the", full=full, shards=tiny_shards, top=5)
+    b = attribute(net, tok, "The President said", " that the", cache=cache, shards=tiny_shards, top=5)
     assert [x.sequence for x in a.top] == [x.sequence for x in b.top]
     assert a.measured_tokens == len(ckpt.tokenizer.encode(" that the"))
     for x in a.top:
         assert sum(p["contribution"] for p in x.prototypes) == pytest.approx(x.score, rel=1e-4) or len(x.prototypes) == 5
         assert "⟦" in x.snippet and x.doc_id is not None
-    g = attribute(ckpt, "The", cache=cache, generate=3, top=3)
+    g = attribute(net, tok, "The", cache=cache, generate=3, top=3)
     assert g.completion and g.measured_tokens == 3 and len(g.top) == 3
 
 
@@ -218,8 +234,28 @@ def test_planted_facts_rank_top10(tmp_path):
     full = FullGradients.build(net, sh, batch_size=16)
     m = retrieval_metrics(full.scores(q, len(qs)).numpy(), which, rel, k=10)
     assert m["recall@10"] == 1.0, m
-    cache = build_cache(net, sh, batch_size=16, curvature=full.curvature)
+    cache = build_cache(net, sh, AttributionConfig(batch_size=16), curvature=full.curvature)
     assert retrieval_metrics(cache.scores(q, len(qs)).numpy(), which, rel, k=10)["recall@10"] == 1.0
+
+
+def _linear_grad_dot_products(model, shards, queries, n_train):
+    """(Q, n_train) Σ over nn.Linear modules of ⟨∇ L_q, ∇ L_j⟩ by torch.autograd: L_j the summed CE of training
+    sequence j (all T targets), L_q the summed CE of the query's measured targets ids[measure_from:] only.
+    The tied lm_head/wte weight is untied first so that lm_head's gradient is that of its own use only (what
+    kronfluence tracks on the lm_head module)."""
+    net = copy.deepcopy(model).float().eval()
+    net.transformer.wte.weight = torch.nn.Parameter(net.lm_head.weight.detach().clone())
+    params = [p for m in net.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()]
+    T = net.config.block_size
+
+    def grad(ids, measured):
+        x = torch.as_tensor(np.asarray(ids, dtype=np.int64))[None]
+        ce = F.cross_entropy(net(x[:, :-1]).logits[0].float(), x[0, 1:], reduction="none")
+        return torch.cat([g.reshape(-1) for g in torch.autograd.grad((ce * measured).sum(), params)]).double()
+
+    gq = torch.stack([grad(ids, torch.arange(1, len(ids)) >= s) for ids, s in queries])  # target t = ids[t+1]
+    gj = torch.stack([grad(shards.train.sequence(j, T), torch.ones(T, dtype=torch.bool)) for j in range(n_train)])
+    return gq @ gj.T
 
 
 def test_kronfluence_ekfac_end_to_end(trained, tiny_shards):
@@ -230,7 +266,7 @@ def test_kronfluence_ekfac_end_to_end(trained, tiny_shards):
     before = {k: v.clone() for k, v in ckpt.model.state_dict().items()}
     qs = _queries(ckpt.tokenizer)
     for strategy in ("ekfac", "identity"):
-        kb = KronfluenceBaseline(ckpt, tiny_shards, strategy=strategy, max_sequences=12, batch_size=6)
+        kb = KronfluenceBaseline(ckpt.model, tiny_shards, strategy=strategy, max_sequences=12, batch_size=6)
         S = kb.scores(qs, pad_id=ckpt.tokenizer.eot_id)
         assert S.shape == (2, 12) and torch.isfinite(S).all() and S.abs().max() > 0
         from kronfluence.module.tracked_module import TrackedModule
@@ -238,24 +274,44 @@ def test_kronfluence_ekfac_end_to_end(trained, tiny_shards):
         tracked = [n for n, m in kb.net.named_modules() if isinstance(m, TrackedModule)]
         assert "lm_head" in tracked and len(tracked) == 4 * ckpt.model.config.n_layer + 1  # every nn.Linear
         kb.close()
+        if strategy == "identity":  # no curvature: scores are plain gradient dot products — check them exactly
+            torch.testing.assert_close(S, _linear_grad_dot_products(ckpt.model, tiny_shards, qs, 12), rtol=2e-4,
+                                       atol=2e-4 * float(S.abs().max()))
     # the caller's model is untouched (kronfluence rewrites modules of a copy)
     assert all(torch.equal(v, ckpt.model.state_dict()[k]) for k, v in before.items())
     assert type(ckpt.model.lm_head) is torch.nn.Linear
 
 
+def _autograd_prototype_grad(net, ids, measured):
+    """∇_P Σ_{t measured} CE_t by torch.autograd, with r_t and a_t held fixed (spec §3.2): (K, d)."""
+    x = torch.as_tensor(ids)[None]
+    out = net(x[:, :-1])
+    P = net.prototypes.weight.detach().clone().requires_grad_(True)
+    logits = net.lm_head(out.residual.detach()
+                         + torch.einsum("btk,btkd->btd", out.activations.detach(), P[out.indices]))
+    ce = F.cross_entropy(logits[0], x[0, 1:], reduction="none")
+    (g,) = torch.autograd.grad((ce * measured).sum(), P)
+    return g
+
+
 def test_identity_dot_product_matches_autograd_for_one_query(c64, tiny_shards):
-    """Identity-mode prototype-space scores equal ⟨∇_P L_q, ∇_P L_j⟩ by autograd (r_t, a_t fixed)."""
+    """Identity-mode prototype-space scores equal ⟨∇_P L_q, ∇_P L_j⟩ with both gradients from torch.autograd."""
     net = c64.model
     T = net.config.block_size
     g = collect_gradients(net, tiny_shards, sequences=(0, 4), batch_size=4)
-    q = query_gradients(net, _queries(c64.tokenizer)[:1])
+    (ids, start), = _queries(c64.tokenizer)[:1]
+    q = query_gradients(net, [(ids, start)])
     S = influence_scores(q, g, None, num_queries=1, num_train=4)[0]
-    Gq = torch.zeros_like(net.prototypes.weight).index_add_(0, q.proto, q.grad)
+    measured = torch.arange(len(ids) - 1) + 1 >= start  # target t is ids[t+1]; targets ids[start:] measured
+    Gq = _autograd_prototype_grad(net, ids, measured)
+    assert Gq.abs().sum() > 0
+    seqs = tiny_shards.train.sequences(np.arange(4), T)
+    Gs = [_autograd_prototype_grad(net, seqs[j], torch.ones(T, dtype=torch.bool)) for j in range(4)]
     for j in range(4):
-        Gj = torch.zeros_like(net.prototypes.weight).index_add_(0, g.proto[g.seq == j], g.grad[g.seq == j])
-        assert S[j].item() == pytest.approx(float((Gq * Gj).sum()), rel=1e-10)
-    Gj = torch.zeros_like(net.prototypes.weight).index_add_(0, g.proto[g.seq == 0], g.grad[g.seq == 0])
-    assert self_influence(g, None, 4)[0].item() == pytest.approx(float((Gj * Gj).sum()), rel=1e-10)
+        assert S[j].item() == pytest.approx(float((Gq * Gs[j]).sum()), rel=1e-10, abs=1e-12)
+    self_s = self_influence(g, None, 4)
+    for j in range(4):
+        assert self_s[j].item() == pytest.approx(float((Gs[j] * Gs[j]).sum()), rel=1e-10)
 
 
 def test_cli_attribute(trained, tiny_shards, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from prismlm import ModelConfig, PrismLM, PrototypeConfig, RunConfig, decompose
 from prismlm.config import LossConfig, TrainConfig
@@ -36,15 +37,131 @@ def test_logits_equal_prototype_slices_plus_residual_float64():
     torch.testing.assert_close(full, out.logits, rtol=0, atol=1e-10)
 
 
-def test_activations_nonnegative_and_k_sparse():
+def _full_cosines(z: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+    """(N, K) cos(z_t, p_i) from explicitly normalised vectors (independent of the layer's code)."""
+    zn = torch.stack([v / torch.sqrt((v * v).sum()) for v in z])
+    pn = torch.stack([v / torch.sqrt((v * v).sum()) for v in P])
+    return zn @ pn.T
+
+
+def test_prototype_layer_exact_topk_relu_cosines_float64():
+    """k non-zeros per token, indices by decreasing cosine, a = ReLU(cos) of the selected prototypes."""
     torch.manual_seed(1)
-    model = PrismLM(tiny_model_config(top_k=5))
-    out = model(torch.randint(0, 97, (4, 32)))
-    assert out.indices.shape == (4, 32, 5) and out.activations.shape == (4, 32, 5)
-    assert (out.activations >= 0).all()
-    assert ((out.activations > 0).sum(-1) <= 5).all()
-    # indices within a token are distinct and sorted by decreasing cosine
-    assert (out.indices.sort(-1).values.diff(dim=-1) != 0).all()
+    N, d, K, k = 40, 32, 64, 5
+    z = torch.randn(N, d, dtype=torch.float64)
+    layer = PrototypeLayer(d, PrototypeConfig(num_prototypes=K, top_k=k, chunk_size=16)).double()
+    with torch.no_grad():
+        layer.weight.mul_(torch.rand(K, 1, dtype=torch.float64) * 3 + 0.1)  # norms differ: cos ≠ dot product
+    out = layer(z)
+    cos = _full_cosines(z, layer.weight.detach())
+    order = cos.argsort(dim=-1, descending=True)
+    assert out.indices.dtype == torch.int64 and out.indices.shape == (N, k)
+    assert torch.equal(out.indices, order[:, :k])  # the top-k, sorted by decreasing cosine (PrototypeOutput doc)
+    sel = cos.gather(1, out.indices)
+    assert (sel.diff(dim=-1) <= 0).all()
+    assert (sel > 0).all()  # with K=64 random directions every token's top 5 cosines are positive ...
+    assert ((out.activations > 0).sum(-1) == k).all()  # ... so exactly k non-zeros per token
+    assert (out.activations >= 0).all() and out.activations.dtype == torch.float64
+    torch.testing.assert_close(out.activations, torch.relu(sel), rtol=0, atol=1e-14)
+    recon = torch.stack([sum(out.activations[t, s] * layer.weight[out.indices[t, s]] for s in range(k))
+                         for t in range(N)]).detach()
+    torch.testing.assert_close(out.reconstruction, recon, rtol=0, atol=1e-13)
+    assert torch.equal(out.residual, z - out.reconstruction)  # z = ẑ + r exactly
+    torch.testing.assert_close(out.token_max_cos, cos.max(1).values, rtol=0, atol=1e-14)
+    torch.testing.assert_close(out.proto_max_cos, cos.max(0).values, rtol=0, atol=1e-14)
+    assert torch.equal(out.proto_argmax, cos.argmax(0))
+    # tokens anti-aligned with every prototype: still k indices, all activations exactly 0, r = z
+    pos = PrototypeLayer(d, PrototypeConfig(num_prototypes=K, top_k=k)).double()
+    with torch.no_grad():
+        pos.weight.copy_(torch.rand(K, d, dtype=torch.float64) + 0.05)  # positive orthant
+    neg = -torch.rand(3, d, dtype=torch.float64) - 0.05
+    o = pos(neg)
+    assert o.indices.shape == (3, k) and torch.equal(o.indices, _full_cosines(neg, pos.weight.detach())
+                                                     .argsort(-1, descending=True)[:, :k])
+    assert (o.activations == 0).all() and torch.equal(o.residual, neg)
+    # low-precision inputs are decomposed in float32 (spec §6: selection and cosines in fp32)
+    assert layer.float()(z.bfloat16()).activations.dtype == torch.float32
+
+
+def test_prototype_layer_gradients_equal_a_dense_reference():
+    """REC, R1 and R2 gradients w.r.t. P and z equal autograd through the N × K definitions (top-k fixed)."""
+    torch.manual_seed(11)
+    N, d, K, k = 30, 32, 64, 4
+    z0 = torch.randn(N, d, dtype=torch.float64)
+    layer = PrototypeLayer(d, PrototypeConfig(num_prototypes=K, top_k=k, chunk_size=8)).double()
+    z = z0.clone().requires_grad_(True)
+    out = layer(z)
+    loss = (L.reconstruction_loss(out.residual, z) + 0.7 * L.r1_loss(out.proto_max_cos)
+            + 0.3 * L.r2_loss(out.token_max_cos))
+    gP, gz = torch.autograd.grad(loss, [layer.weight, z])
+    P = layer.weight.detach().clone().requires_grad_(True)
+    z2 = z0.clone().requires_grad_(True)
+    cos = (z2 / z2.norm(dim=-1, keepdim=True)) @ (P / P.norm(dim=-1, keepdim=True)).T  # (N, K)
+    top = cos.detach().topk(k, dim=-1).indices
+    a = torch.zeros(N, K, dtype=torch.float64).scatter(1, top, 1.0) * torch.relu(cos)  # dense a, zeros off top-k
+    r = z2 - a @ P
+    ref = ((r ** 2).sum(-1) / (z2 ** 2).sum(-1)).mean() + 0.7 * (1 - cos.max(0).values).mean() \
+        + 0.3 * (1 - cos.max(1).values).mean()
+    rP, rz = torch.autograd.grad(ref, [P, z2])
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-13, atol=0)
+    torch.testing.assert_close(gP, rP, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(gz, rz, rtol=1e-10, atol=1e-13)
+
+
+def test_r1_gives_gradient_to_prototypes_never_selected():
+    """R1 (prototype → data) pulls every prototype toward its nearest token, also one in no top-k."""
+    torch.manual_seed(12)
+    d, K, k = 32, 64, 2
+    z = torch.randn(20, d, dtype=torch.float64)
+    layer = PrototypeLayer(d, PrototypeConfig(num_prototypes=K, top_k=k)).double()
+    with torch.no_grad():
+        layer.weight[:40].copy_(z.repeat(2, 1) + 0.01 * torch.randn(40, d, dtype=torch.float64))  # 2 near each token
+    out = layer(z)
+    unused = sorted(set(range(K)) - set(out.indices.flatten().tolist()))
+    assert len(unused) >= 10
+    L.r1_loss(out.proto_max_cos).backward()
+    g = layer.weight.grad
+    assert (g[unused].norm(dim=-1) > 0).all()
+    # the gradient moves each unused prototype toward its best token: cos rises along −g
+    with torch.no_grad():
+        p = layer.weight[unused]
+        zt = z[out.proto_argmax[unused]]
+        before = F.cosine_similarity(p, zt)
+        after = F.cosine_similarity(p - 1e-3 * g[unused], zt)
+    assert (after > before).all()
+    # R2 and REC give an unused prototype no gradient (they only see the selected ones)
+    layer.weight.grad = None
+    (L.r2_loss(layer(z).token_max_cos) + L.reconstruction_loss(layer(z).residual, z)).backward()
+    assert (layer.weight.grad[unused] == 0).all()
+
+
+def test_loss_functions_edge_cases():
+    # REC: a zero hidden state is divided by eps, not by 0; float64 stays float64 (no float32 rounding)
+    r = torch.tensor([[3.0, 4.0], [1.0, 0.0]], dtype=torch.float64)
+    h = torch.tensor([[0.0, 0.0], [0.0, 1.0 + 1e-9]], dtype=torch.float64)
+    want = (25.0 / 1e-8 + 1.0 / (1.0 + 1e-9) ** 2) / 2
+    assert L.reconstruction_loss(r, h).item() == pytest.approx(want, rel=1e-15)
+    assert L.reconstruction_loss(r, h, eps=1.0).item() == pytest.approx((25.0 + 1.0 / (1.0 + 1e-9) ** 2) / 2, rel=1e-15)
+    # R1 / R2 are means of 1 − max cos
+    assert L.r1_loss(torch.tensor([1.0, 0.5, -1.0])).item() == pytest.approx((0 + 0.5 + 2.0) / 3)
+    assert L.r2_loss(torch.tensor([0.25, 0.75])).item() == pytest.approx(0.5)
+    # CE: ignore_index −1 by default, targets of any shape, bf16 logits computed in fp32
+    logits = torch.randn(2, 3, 5, dtype=torch.float64)
+    y = torch.tensor([[0, -1, 4], [2, 2, -1]])
+    keep = y.reshape(-1) != -1
+    lp = torch.log_softmax(logits.reshape(-1, 5), -1)[keep]
+    want_ce = -lp[torch.arange(int(keep.sum())), y.reshape(-1)[keep]].mean()
+    assert L.cross_entropy(logits, y).item() == pytest.approx(want_ce.item(), rel=1e-14)
+    y7 = torch.where(y == -1, 7, y)
+    assert L.cross_entropy(logits, torch.where(y == -1, -7, y), ignore_index=-7).item() == pytest.approx(want_ce.item())
+    assert L.cross_entropy(logits, y7.clamp_max(4)).item() != pytest.approx(want_ce.item())
+    assert L.cross_entropy(logits.bfloat16(), y.clamp_min(0)).dtype == torch.float32
+    # total: ce weighted by weights["ce"] (default 1), other terms only with a non-zero weight
+    terms = {"ce": torch.tensor(2.0), "rec": torch.tensor(3.0), "r1": torch.tensor(5.0), "r2": torch.tensor(7.0)}
+    assert L.total_loss(terms, {}).item() == 2.0
+    assert L.total_loss(terms, {"ce": 0.5, "rec": 2.0, "r1": 0.0}).item() == 1.0 + 6.0
+    assert L.total_loss(terms, {"r2": -1.0, "r1": 0.1}).item() == pytest.approx(2.0 - 7.0 + 0.5)
+    assert L.total_loss({"ce": torch.tensor(2.0)}, {"rec": 4.0}).item() == 2.0
 
 
 def naive_prototype_reference(z: torch.Tensor, P: torch.Tensor, k: int):

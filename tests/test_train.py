@@ -48,8 +48,12 @@ def test_resume_is_exact(tiny_shards, tmp_path):
     assert resumed.step == 12
     for (name, p), (_, q) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(p, q), name
-    lines = lambda run: [json.loads(s) for s in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-    drop = lambda recs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in recs]
+    def lines(run):
+        return [json.loads(s) for s in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    def drop(recs):
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in recs]
+
     assert drop(lines("full")) == drop(lines("split"))
 
 

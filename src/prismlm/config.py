@@ -100,6 +100,7 @@ class ModelConfig:
         _check(self.vocab_size >= 2, f"vocab_size must be >= 2, got {self.vocab_size}")
         _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         _check(self.n_layer >= 1, f"n_layer must be >= 1, got {self.n_layer}")
+        _check(self.n_embd >= 1, f"n_embd must be >= 1, got {self.n_embd}")
         _check(self.n_head >= 1 and self.n_embd % self.n_head == 0,
                f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")
         _check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
@@ -216,7 +217,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
-            self.betas = tuple(self.betas)  # type: ignore[assignment]
+            self.betas = tuple(self.betas)  # JSON gives a list
         _check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
         _check(self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}")
         _check(self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
@@ -245,6 +246,63 @@ class TrainConfig:
             return self.lr - (self.lr - min_lr) * min(1.0, frac)
         frac = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
         return min_lr + 0.5 * (self.lr - min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+@dataclass
+class AttributionConfig:
+    """Options of training-data attribution in prototype space (spec §3.2): the postings cache built by
+    ``prismlm.tda.build_cache`` and ``prism attribute-cache``. Recorded in the cache's manifest."""
+
+    r: int | None = None
+    """Sketch size per posting (``--r``). None: d (the model width), for which ``identity``,
+    ``orthogonal`` and ``pca`` projections give exact scores; smaller r trades accuracy for bytes."""
+    projection: Literal["identity", "orthogonal", "gaussian", "pca"] = "orthogonal"
+    """The fixed r × d sketch matrix R (``--projection``): ``identity`` (r = d), ``orthogonal`` (random
+    orthonormal rows scaled by √(d/r)), ``gaussian`` (JL, N(0, 1/r)), or ``pca`` (top-r principal
+    directions of the whitened block gradients, fitted on ``pca_sequences`` sequences)."""
+    seed: int = 0
+    """Seed of the random ``orthogonal``/``gaussian`` projection."""
+    pca_sequences: int = 256
+    """Training sequences the ``pca`` projection is fitted on (the first ones)."""
+    curvature_mode: Literal["shared", "exact"] = "shared"
+    """Block curvature (``--curvature``): ``shared`` (H_i = m_i F + λ_i I, one d × d eigendecomposition)
+    or ``exact`` (each diagonal block exactly: K eigendecompositions, K·d² memory)."""
+    damping: float = 0.1
+    """Relative damping ρ (``--damping``): λ_i = ρ · tr(H_i)/d."""
+    max_sequences: int | None = None
+    """Cache only the first N training sequences (``--max-sequences``); None: all of them. The curvature
+    statistics are taken over the same sequences."""
+    batch_size: int = 16
+    """Sequences per forward pass (``--batch-size``). Parts built separately and merged must use the
+    same value (batches follow a fixed grid of sequence ids)."""
+    dtype: Literal["float16", "float32", "float64"] = "float32"
+    """Storage type of the sketches (``--dtype``)."""
+
+    def __post_init__(self) -> None:
+        _check(self.r is None or (isinstance(self.r, int) and self.r >= 1),
+               f"attribution option r (--r) must be a positive integer or None (= d), got {self.r!r}")
+        _check(self.projection in ("identity", "orthogonal", "gaussian", "pca"),
+               f"attribution option projection (--projection) must be identity, orthogonal, gaussian or pca, "
+               f"got {self.projection!r}")
+        _check(isinstance(self.seed, int), f"attribution option seed must be an integer, got {self.seed!r}")
+        _check(self.pca_sequences >= 1, f"attribution option pca_sequences must be >= 1, got {self.pca_sequences}")
+        _check(self.curvature_mode in ("shared", "exact"),
+               f"attribution option curvature_mode (--curvature) must be shared or exact, got {self.curvature_mode!r}")
+        _check(math.isfinite(self.damping) and self.damping >= 0,
+               f"attribution option damping (--damping) must be a finite number >= 0, got {self.damping!r}")
+        _check(self.max_sequences is None or self.max_sequences >= 1,
+               f"attribution option max_sequences (--max-sequences) must be >= 1 or None (all), "
+               f"got {self.max_sequences!r}")
+        _check(self.batch_size >= 1, f"attribution option batch_size (--batch-size) must be >= 1, got {self.batch_size}")
+        _check(self.dtype in ("float16", "float32", "float64"),
+               f"attribution option dtype (--dtype) must be float16, float32 or float64, got {self.dtype!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AttributionConfig:
+        return _from_dict(cls, data, "attribution config")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
@@ -301,6 +359,13 @@ class RunConfig:
                 raise ConfigError(f"override {key!r}: unknown key {parts[-1]!r}; valid: {sorted(node)}")
             node[parts[-1]] = value
         return RunConfig.from_dict(data)
+
+    def override_strings(self, pairs: list[str] | tuple[str, ...]) -> RunConfig:
+        """``["train.lr=1e-3", "model.prototypes=null"]`` (the CLI's ``--set``) → a validated copy. Each
+        value is converted to the declared type of its field (int, float, bool, str, a Literal choice,
+        or ``null``/``none`` for an optional field); a value that does not convert raises ``ConfigError``
+        naming the key, the value and the type expected."""
+        return self.override(parse_overrides(pairs))
 
     def dense(self) -> RunConfig:
         """The matched dense baseline: same everything, no prototype head."""
@@ -378,3 +443,92 @@ PRESETS: dict[str, dict] = {
 def replace(cfg: T, **changes: Any) -> T:
     """``dataclasses.replace`` re-exported for convenience (re-runs validation)."""
     return dataclasses.replace(cfg, **changes)  # type: ignore[type-var]
+
+
+def _field_type(dotted: str) -> Any:
+    """The declared type of a dotted config key (``train.lr`` → float), or ``None`` if unknown."""
+    import typing
+
+    cls: Any = RunConfig
+    hint: Any = None
+    for part in dotted.split("."):
+        if cls is None or not dataclasses.is_dataclass(cls):
+            return None
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return None
+        hint = hints[part]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        cls = next((a for a in ([hint] + args) if dataclasses.is_dataclass(a)), None)
+    return hint
+
+
+def _convert(key: str, raw: str, hint: Any) -> Any:
+    """Convert the string ``raw`` to ``hint`` (a field type), or raise ``ConfigError``."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and raw.strip().lower() in ("null", "none"):
+            return None
+        errors = []
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return _convert(key, raw, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"--set {key}={raw!r}: " + "; ".join(errors))
+    if origin is Literal:
+        if raw in [str(a) for a in args]:
+            return next(a for a in args if str(a) == raw)
+        raise ConfigError(f"--set {key}={raw!r}: expected one of {list(args)}")
+    if dataclasses.is_dataclass(hint):
+        if raw.strip().lower() in ("null", "none"):
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--set {key}={raw!r}: expected a JSON object or null") from e
+    if hint is bool:
+        low = raw.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"--set {key}={raw!r}: expected true or false")
+    if hint is int:
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise ConfigError(f"--set {key}={raw!r}: expected an integer") from None
+    if hint is float:
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            raise ConfigError(f"--set {key}={raw!r}: expected a number") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"--set {key}={raw!r}: expected a finite number")
+        return value
+    if hint is str:
+        return raw
+    try:  # lists, dicts and anything else: JSON
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def parse_overrides(pairs: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``["train.lr=1e-3", "model.prototypes=null"]`` → ``{"train.lr": 0.001, "model.prototypes": None}``,
+    each value converted to its field's declared type (see ``RunConfig.override_strings``)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set expects KEY=VALUE, got {pair!r}")
+        key, raw = (x.strip() for x in pair.split("=", 1))
+        hint = _field_type(key)
+        if hint is None:  # unknown key: let override() name the valid ones
+            out[key] = raw
+            continue
+        out[key] = _convert(key, raw, hint)
+    return out

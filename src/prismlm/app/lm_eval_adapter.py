@@ -35,19 +35,23 @@ class PrismEvalLM(LM):
                 raise ValueError("--model prism needs model_args pretrained=RUN_OR_CHECKPOINT")
             import torch
 
-            from prismlm.control.suppress import load_with_suppression
+            from prismlm.app.run import Run
 
             # lm-eval's CLI defaults to a CUDA device; fall back to the CPU where there is none
             dev = device if device and (str(device).startswith("cpu") or torch.cuda.is_available()) else "cpu"
-            ckpt, _ = load_with_suppression(Path(pretrained), suppress, device=dev)
-            model, tokenizer = ckpt.model, ckpt.tokenizer
+            run = Run.open(Path(pretrained), device=str(dev), suppress=suppress)
+            model, tokenizer, interventions = run.model, run.tokenizer, run.interventions
+        else:
+            interventions = ()
         if tokenizer is None:
             raise ValueError("the prism lm-eval adapter needs a tokenizer")
         self.model, self.tokenizer = model.eval(), tokenizer
+        self.interventions = interventions
         self._bs = int(batch_size) if batch_size not in (None, "auto") else 32
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        return loglikelihoods(self.model, self.tokenizer, [r.args for r in requests], batch_size=self._bs)
+        with self.model.intervene(*self.interventions):
+            return loglikelihoods(self.model, self.tokenizer, [r.args for r in requests], batch_size=self._bs)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         out = []
@@ -57,9 +61,10 @@ class PrismEvalLM(LM):
             T = self.model.config.block_size
             total = 0.0
             # windows of block_size tokens, each conditioned on end-of-text (simple, exact for short texts)
-            for s in range(0, len(ids), T):
-                chunk = self.tokenizer.decode(ids[s:s + T])
-                total += loglikelihoods(self.model, self.tokenizer, [("", chunk)], batch_size=1)[0][0]
+            with self.model.intervene(*self.interventions):
+                for s in range(0, len(ids), T):
+                    chunk = self.tokenizer.decode(ids[s:s + T])
+                    total += loglikelihoods(self.model, self.tokenizer, [("", chunk)], batch_size=1)[0][0]
             out.append(total)
         return out
 

@@ -1,193 +1,341 @@
-"""Operations on a run folder — load, sample, evaluate, index, explain — as importable functions.
+"""Operations on an opened ``Run``: sample, evaluate, index, label, explain, look up prototypes.
 
-The ``prism`` CLI (``prismlm.cli``) and the command modules of ``attribution`` and ``control`` are thin
-wrappers over these; they raise the exceptions of ``user_errors()`` for user mistakes, which the CLI turns
-into a one-line message and exit code 2.
+Each ``prism`` command is one of these plain functions (or one in ``app.attribution``, ``app.control``,
+``app.training``). They return values — dataclasses, lists, dicts — and never print; user mistakes raise
+``prismlm.errors.PrismError``. The CLI derives its options from their signatures and docstrings.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from rich.console import Console
+import torch
 
-from prismlm.errors import ConfigError
+from prismlm.app.run import Run
+from prismlm.data.shards import ShardSet, load_shards
+from prismlm.data.tokenizer import Tokenizer
+from prismlm.errors import ConfigError, DataError, PrismError
+from prismlm.eval.metrics import evaluate as evaluate_model
+from prismlm.explain import (
+    Explanation,
+    PrototypeCard,
+    PrototypeIndex,
+    build_index,
+    explain,
+    explain_generation,
+    llm_labels,
+    merge_indexes,
+    prototype_card,
+    rule_labels,
+    save_labels,
+)
+from prismlm.model import PrismLM
 
-console = Console(stderr=True)
+
+def parse_part(part: str) -> tuple[int, int]:
+    """``"i/n"`` → (i, n) with 0 <= i < n; ``ConfigError`` otherwise."""
+    try:
+        i, n = (int(x) for x in part.split("/"))
+    except ValueError:
+        raise ConfigError(f"--part expects i/n (e.g. 0/4), got {part!r}") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise ConfigError(f"--part i/n needs 0 <= i < n, got {part!r}")
+    return i, n
 
 
-def generate_text(run: Path, prompt: str, *, tokens: int = 100, samples: int = 1, temperature: float = 0.8,
-                  top_k: int | None = 50, seed: int = 0, device: str = "auto",
-                  suppress: str | None = "auto") -> list[str]:
-    """``prism generate`` as a function: ``samples`` continuations of ``prompt`` (prompt included)."""
-    import torch
-
-    from prismlm.train.distributed import resolve_device
-
-    ckpt = load_run(run, suppress, resolve_device(device))
-    if ckpt.tokenizer is None:
-        raise ValueError(f"{ckpt.path} has no tokenizer; cannot encode a prompt")
-    dev = next(ckpt.model.parameters()).device
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    return [prompt + c for c in sample_continuations(ckpt.model, ckpt.tokenizer, prompt, samples=samples, tokens=tokens,
-                                                     temperature=temperature, top_k=top_k, generator=gen)]
-
-
-def sample_continuations(model, tokenizer, prompt: str, *, samples: int, tokens: int, temperature: float,
-                         top_k: int | None, generator) -> list[str]:
+# ----- sampling and evaluation ----------------------------------------------------------------------------
+def sample_continuations(model: PrismLM, tokenizer: Tokenizer, prompt: str, *, samples: int, tokens: int,
+                         temperature: float, top_k: int | None, generator: torch.Generator | None) -> list[str]:
     """``samples`` sampled continuations of ``prompt`` (continuation text only; an empty prompt starts
     from the end-of-text token), one batch through ``model.generate``."""
-    import torch
-
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     dev = next(model.parameters()).device
-    x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)
+    x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)  # (samples, T)
     y = model.generate(x, tokens, temperature=temperature, top_k=top_k, generator=generator)
     return [tokenizer.decode(row[len(ids) if prompt else 1:].tolist()) for row in y]
 
 
-def load_run(run: Path, suppress: str | None, device):
-    """load_checkpoint + the suppression set (``auto``: the checkpoint's own, ``none``, or a FILE);
-    a bad set raises ``SuppressionError``."""
-    from prismlm.control.suppress import load_with_suppression
+def generate(run: Run, prompt: str = "", *, tokens: int = 100, samples: int = 1, temperature: float = 0.8,
+             top_k: int | None = 50, seed: int = 0) -> list[str]:
+    """Sample text from a trained model (with the run's interventions applied).
 
-    ckpt, sset = load_with_suppression(run, suppress, device=device)
-    if sset is not None:
-        console.print(f"suppressing {len(sset.ids)} prototypes ({100 * sset.share:.2f}% of the bank)"
-                      + (f": {sset.concept}" if sset.concept else ""))
-    return ckpt
+    Args:
+        prompt: Text to continue (empty: start from end-of-text).
+        tokens: New tokens per sample.
+        samples: Number of samples.
+        temperature: Sampling temperature (0 = greedy).
+        top_k: Sample from the top-k tokens only.
+        seed: Sampling seed.
+    """
+    if tokens < 0 or samples < 1:
+        raise ConfigError(f"--tokens must be >= 0 and --samples >= 1, got {tokens} and {samples}")
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    gen = torch.Generator(device=run.device).manual_seed(seed)
+    with run.intervened() as model:
+        conts = sample_continuations(model, run.tokenizer, prompt, samples=samples, tokens=tokens,
+                                     temperature=temperature, top_k=top_k, generator=gen)
+    return [prompt + c for c in conts]
 
 
-def evaluate_run(run: Path, *, batches: int = 50, batch_size: int | None = None, device: str = "auto",
-                 suppress: str | None = "auto") -> dict:
-    """Validation loss/perplexity and coverage metrics of a trained run on its own validation split."""
-    from prismlm.data.shards import prepare_from_config
-    from prismlm.eval.metrics import evaluate
-    from prismlm.train.distributed import resolve_device
-    from prismlm.train.trainer import autocast_for
+def evaluate(run: Run, *, batches: int = 50, batch_size: int | None = None,
+             shards: Path | None = None) -> dict[str, float | int | None]:
+    """Validation loss, perplexity and coverage metrics (R̄1, R2, dead prototypes, residual share) on the
+    run's own validation split.
 
-    dev = resolve_device(device)
-    ckpt = load_run(run, suppress, dev)
-    cfg = ckpt.config
-    shards = prepare_from_config(cfg.data, show_progress=False)
-    metrics = evaluate(ckpt.model, shards.val, seq_len=cfg.model.block_size,
-                       batch_size=batch_size or cfg.train.batch_size, max_batches=batches, device=dev,
-                       autocast=autocast_for(cfg, dev))
-    metrics["step"] = ckpt.manifest.get("step")
+    Args:
+        batches: Validation batches (a fixed, evenly spread sample).
+        batch_size: Sequences per batch (default: the run's).
+        shards: Token shard folder the run was trained on (default: prepared from its data config).
+    """
+    if batches < 1:
+        raise ConfigError(f"--batches must be >= 1, got {batches}")
+    cfg = run.config
+    shard_set = run.shards(shards)
+    with run.intervened() as model:
+        metrics: dict[str, float | int | None] = dict(evaluate_model(
+            model, shard_set.val, seq_len=cfg.model.block_size, batch_size=batch_size or cfg.train.batch_size,
+            max_batches=batches, device=run.device, autocast=run.autocast()))
+    metrics["step"] = run.step
     return metrics
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that mean the user asked for something wrong (bad path, mismatched artifact, bad value): the
-    CLI prints them as one line and exits 2, with no traceback."""
-    from prismlm.errors import ArtifactError, CheckpointError, ShardError, SuppressionError, TokenizerError
+# ----- prototype index and labels ------------------------------------------------------------------------
+@dataclass
+class IndexResult:
+    """What ``build_run_index`` made, and what a user should know about it."""
 
-    return (ArtifactError, ShardError, TokenizerError, CheckpointError, SuppressionError, ConfigError, ValueError,
-            FileNotFoundError)
-
-
-def run_dir(run: Path, ckpt) -> Path:
-    """The run folder of a checkpoint (``RUN/checkpoints/step-N`` → ``RUN``); a bare checkpoint is its own."""
-    p = ckpt.path
-    return p.parent.parent if p.parent.name == "checkpoints" else Path(run)
+    index: PrototypeIndex
+    path: Path
+    notes: list[str] = field(default_factory=list)
 
 
-def resolve_shards(ckpt, shards_dir: Path | None = None, index_manifest: dict | None = None):
-    """The token shards of a run: ``--shards``, else the index's recorded folder, else prepared (reused) from
-    the run's data config; refused if their key differs from the one the checkpoint was trained on."""
-    from prismlm.data.shards import load_shards, prepare_from_config
-    from prismlm.errors import ShardError
+def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = None, batch_size: int = 16,
+                    part: str = "0/1", out: Path | None = None, resume: bool = False, checkpoint_every: int = 50,
+                    shards: Path | None = None, labels: bool = True, progress: bool = True) -> IndexResult:
+    """Build the prototype index: each prototype's nearest training contexts, activation statistics,
+    coverage; with ``labels``, rule-based labels once complete.
 
-    want = (ckpt.manifest.get("data") or {}).get("key")
-    if shards_dir is not None:
-        shards = load_shards(shards_dir)
-    else:
-        shards = None
-        root = (index_manifest or {}).get("shards_root")
-        if root and Path(root).exists():
-            try:
-                shards = load_shards(root)
-            except ShardError:
-                shards = None
-        if shards is None:
-            shards = prepare_from_config(ckpt.config.data, show_progress=False)
-    if want is not None and shards.manifest["key"] != want:
-        raise ShardError(f"token shards {shards.root} (key {shards.manifest['key'][:16]}…) are not the ones checkpoint "
-                         f"{ckpt.path} was trained on (key {want[:16]}…); pass --shards with the training shards")
-    return shards
-
-
-def build_run_index(run: Path, *, top_n: int = 32, max_sequences: int | None = None, batch_size: int = 16,
-                    part: tuple[int, int] = (0, 1), out: Path | None = None, resume: bool = False,
-                    checkpoint_every: int = 50, shards_dir: Path | None = None, labels: bool = True,
-                    device: str = "auto", progress: bool = True):
-    """``prism index`` as a function: build (or resume) a run's prototype index and, when complete, its
-    rule labels. Returns the ``PrototypeIndex``."""
-    from prismlm.errors import ArtifactError
-    from prismlm.explain import build_index, rule_labels, save_labels
-    from prismlm.train.checkpoint import load_checkpoint
-    from prismlm.train.distributed import resolve_device
-    from prismlm.train.trainer import autocast_for
-
-    dev = resolve_device(device)
-    ckpt = load_checkpoint(run, device=dev)
-    if not ckpt.model.is_prism:
-        raise ArtifactError(f"{ckpt.path} is a dense baseline: it has no prototypes to index")
-    if out is None:
-        out = run_dir(run, ckpt) / ("index" if part == (0, 1) else f"index-part-{part[0]}-of-{part[1]}")
+    Args:
+        top_n: Nearest training contexts kept per prototype.
+        max_sequences: Index only the first N training sequences (default: all).
+        batch_size: Sequences per forward pass (keep it equal across parts).
+        part: Build part i of n (i/n) of the sequences; combine with `prism index-merge`.
+        out: Index folder (default RUN/index, or RUN/index-part-i-of-n).
+        resume: Continue a partial index in --out after its last saved batch.
+        checkpoint_every: Save the partial index every N batches (0: only at the end).
+        shards: Token shard folder (default: the run's, from its data config).
+        labels: Also write rule-based labels (labels.json) when the index is complete.
+        progress: Show a progress bar with tokens/s.
+    """
+    model = run.prism_model("a prototype index")
+    pt = parse_part(part)
+    out = out or run.folder / ("index" if pt == (0, 1) else f"index-part-{pt[0]}-of-{pt[1]}")
+    notes: list[str] = []
     prev = None
     if resume and (out / "manifest.json").exists():
-        from prismlm.explain import PrototypeIndex
-
         prev = PrototypeIndex.load(out)
         if prev.complete:
-            console.print(f"{out} is already complete; nothing to resume")
+            notes.append(f"{out} is already complete; nothing to resume")
     elif resume:
-        console.print(f"[yellow]no partial index in {out}; starting from the beginning[/]")
-    shards = resolve_shards(ckpt, shards_dir, prev.manifest if prev is not None else None)
+        notes.append(f"no partial index in {out}; started from the beginning")
+    shard_set = run.shards(shards, prev.manifest.get("shards_root") if prev is not None else None)
     if prev is not None and prev.complete:
-        idx = prev.attach(shards)
+        idx = prev.attach(shard_set)
     else:
-        idx = build_index(ckpt, shards, top_n=top_n, batch_size=batch_size, max_sequences=max_sequences, part=part,
-                          resume_from=prev, out=out, checkpoint_every=checkpoint_every, device=dev,
-                          autocast=autocast_for(ckpt.config, dev), progress=progress)
+        idx = build_index(model, shard_set, top_n=top_n, batch_size=batch_size,
+                          max_sequences=max_sequences, part=pt, resume_from=prev, out=out, model_sha256=run.identity,
+                          checkpoint_every=checkpoint_every, device=run.device,
+                          autocast=run.autocast(), progress=progress)
     if labels and idx.covers_all:
         save_labels(rule_labels(idx), out)
-    return idx
+    return IndexResult(index=idx, path=out, notes=notes)
 
 
-def open_index(run: Path, ckpt, index_dir: Path | None, shards_dir: Path | None, *, required: bool):
-    from prismlm.errors import ArtifactError
-    from prismlm.explain import PrototypeIndex
+def merge_index_parts(out: Path, parts: list[Path], *, labels: bool = True) -> IndexResult:
+    """Merge partial indexes (disjoint parts of the same model and shards) into one — equal to one pass.
 
-    path = index_dir or run_dir(run, ckpt) / "index"
-    if not (path / "manifest.json").exists():
-        if required or index_dir is not None:
-            raise ArtifactError(f"no prototype index at {path}; build it with `prism index {run}`")
-        return None
-    idx = PrototypeIndex.load(path, checkpoint=ckpt)
-    idx.attach(resolve_shards(ckpt, shards_dir, idx.manifest))
-    return idx
+    Args:
+        out: Folder of the merged index.
+        parts: Partial index folders (from `prism index --part i/n`).
+        labels: Write rule-based labels when the merged index is complete.
+    """
+    idx = merge_indexes([PrototypeIndex.load(p) for p in parts])
+    idx.save(out)
+    notes: list[str] = []
+    if labels and idx.covers_all:
+        try:
+            idx.attach(load_shards(idx.manifest["shards_root"]))
+            save_labels(rule_labels(idx), out)
+        except (PrismError, OSError) as e:
+            notes.append(f"labels skipped ({e}); run `prism label` with the run folder")
+    return IndexResult(index=idx, path=out, notes=notes)
 
 
-def explain_run(run: Path, prompt: str, *, generate: int = 0, index_dir: Path | None = None,
-                use_index: bool = True, shards_dir: Path | None = None, temperature: float = 0.8,
-                top_k: int | None = 50, seed: int = 0, neighbours: int = 5, device: str = "auto"):
-    """``prism explain`` as a function: returns an ``Explanation`` of the prompt (or of a generation)."""
-    from prismlm.explain import explain, explain_generation
-    from prismlm.train.checkpoint import load_checkpoint
-    from prismlm.train.distributed import resolve_device
+@dataclass
+class LabelResult:
+    labels: dict[int, dict]
+    path: Path
 
-    ckpt = load_checkpoint(run, device=resolve_device(device))
-    if ckpt.tokenizer is None:
-        raise ValueError(f"{ckpt.path} has no tokenizer; cannot encode a prompt")
-    if not ckpt.model.is_prism:
-        raise ValueError(f"{ckpt.path} is a dense baseline: it has no prototypes to explain with")
-    idx = open_index(run, ckpt, index_dir, shards_dir, required=False) if use_index else None
+    def categories(self) -> dict[str, int]:
+        """How many prototypes fall in each category, most common first."""
+        cats: dict[str, int] = {}
+        for v in self.labels.values():
+            cats[v["category"]] = cats.get(v["category"], 0) + 1
+        return dict(sorted(cats.items(), key=lambda kv: -kv[1]))
+
+
+def label_prototypes(run: Run, *, index: Path | None = None, labeller: str = "rules", endpoint: str | None = None,
+                     model: str | None = None, api_key_env: str = "OPENAI_API_KEY", ids: str | None = None,
+                     shards: Path | None = None) -> LabelResult:
+    """Label every prototype from its neighbourhood (rules; optionally an LLM endpoint). Writes labels.json.
+
+    Args:
+        index: Index folder (default RUN/index).
+        labeller: rules (offline) or openai (an OpenAI-compatible endpoint).
+        endpoint: Base URL of the OpenAI-compatible API (with --labeller openai).
+        model: Model name for the endpoint (with --labeller openai).
+        api_key_env: Environment variable holding the API key.
+        ids: Comma-separated prototype ids to relabel with the LLM (default all).
+        shards: Token shard folder (default: the index's / the run's).
+    """
+    if labeller not in ("rules", "openai"):
+        raise ConfigError(f"--labeller must be 'rules' or 'openai', got {labeller!r}")
+    if labeller == "openai" and (not endpoint or not model):
+        raise ConfigError("--labeller openai needs --endpoint URL and --model NAME")
+    idx = run.index(index, shards, required=True)
+    assert idx is not None
+    labs = rule_labels(idx)
+    if labeller == "openai":
+        assert endpoint is not None and model is not None
+        try:
+            sel = [int(x) for x in ids.split(",")] if ids else None
+        except ValueError:
+            raise ConfigError(f"--ids expects comma-separated integers, got {ids!r}") from None
+        labs = llm_labels(idx, labs, endpoint=endpoint, model=model, api_key_env=api_key_env, ids=sel)
+    assert idx.path is not None  # an index opened from a folder knows it
+    return LabelResult(labels=labs, path=save_labels(labs, idx.path))
+
+
+# ----- explanations ----------------------------------------------------------------------------------------
+def explain_text(run: Run, prompt: str = "", *, generate: int = 0, index: Path | None = None,
+                 use_index: bool = True, shards: Path | None = None, temperature: float = 0.8,
+                 top_k: int | None = 50, seed: int = 0, neighbours: int = 5) -> Explanation:
+    """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly.
+
+    Args:
+        prompt: Text to explain (empty: the first prediction after end-of-text).
+        generate: Sample N tokens after the prompt and explain them.
+        index: Index folder (default RUN/index if it exists).
+        use_index: Use the prototype index if there is one.
+        shards: Token shard folder (default: the index's / the run's).
+        temperature: Sampling temperature for --generate (0 = greedy).
+        top_k: Sample from the top-k tokens only.
+        seed: Sampling seed.
+        neighbours: Training snippets per prototype card.
+    """
+    model = run.prism_model("an explanation")
+    tokenizer = run.tokenizer
+    idx = run.index(index, shards) if use_index else None
     if generate > 0:
-        return explain_generation(ckpt, None, prompt, generate, temperature=temperature, top_k=top_k, seed=seed,
-                                  index=idx, neighbours=neighbours)
-    expl = explain(ckpt, None, prompt, index=idx, neighbours=neighbours)
+        return explain_generation(model, tokenizer, prompt, generate, model_sha256=run.identity,
+                                  temperature=temperature, top_k=top_k, seed=seed, index=idx, neighbours=neighbours)
+    expl = explain(model, tokenizer, prompt, model_sha256=run.identity, index=idx, neighbours=neighbours)
     if idx is None:
-        expl.notes.append(f"no prototype index: build one with `prism index {run}` for neighbourhoods and labels")
+        expl.notes.append(f"no prototype index: build one with `prism index {run.path}` for neighbourhoods and labels")
     return expl
+
+
+# ----- looking prototypes up -----------------------------------------------------------------------------
+@dataclass
+class PrototypeRow:
+    """One line of a prototype listing."""
+
+    id: int
+    label: str
+    category: str
+    active_tokens: int | None
+    """How many indexed tokens it is active on (None without an index)."""
+    top_tokens: list[str]
+    """The tokens W p_i pushes most."""
+    token_push: float | None = None
+    """(W p_i)_tok for the token searched for, if any."""
+
+
+@dataclass
+class PrototypeListing:
+    rows: list[PrototypeRow]
+    matched: int
+    num_prototypes: int
+    has_index: bool
+
+
+def find_prototypes(run: Run, *, search: str | None = None, token: str | None = None, index: Path | None = None,
+                    shards: Path | None = None, limit: int = 20) -> PrototypeListing:
+    """List or search prototypes by label, category or token.
+
+    Args:
+        search: Only prototypes whose label or category contains TEXT.
+        token: Prototypes that push this token most (signature W p_i).
+        index: Index folder (default RUN/index if it exists).
+        shards: Token shard folder (default: the index's / the run's).
+        limit: Rows to list.
+    """
+    model = run.prism_model("listing prototypes")
+    assert model.prototypes is not None
+    tok = run.tokenizer
+    idx = run.index(index, shards)
+    labs = idx.labels() if idx is not None else {}
+    K = model.prototypes.num_prototypes
+    ids = list(range(K))
+    score: dict[int, float] = {}
+    if token is not None:
+        tid = tok.encode(token)
+        if len(tid) != 1:
+            raise DataError(f"--token {token!r} is {len(tid)} tokens {tid}; give a single token "
+                            f"(e.g. with its leading space: ' the')")
+        with torch.no_grad():
+            col = model.signatures()[:, tid[0]].float()  # (K,)
+        score = {i: float(col[i]) for i in ids}
+        ids.sort(key=lambda i: -score[i])
+    elif idx is not None:
+        ids.sort(key=lambda i: -int(idx.counts[i]))
+    if search:
+        q = search.lower()
+        ids = [i for i in ids if q in (labs.get(i, {}).get("label", "") + " "
+                                       + labs.get(i, {}).get("category", "")).lower()]
+    rows: list[PrototypeRow] = []
+    if ids:
+        with torch.no_grad():
+            sig = model.signatures(torch.tensor(ids[:limit], dtype=torch.long, device=run.device)).float()  # (n, V)
+        sig[:, tok.vocab_size:] = -float("inf")
+        top = sig.topk(5, dim=-1).indices  # (n, 5)
+        for row, i in enumerate(ids[:limit]):
+            lab = labs.get(i, {})
+            rows.append(PrototypeRow(id=i, label=lab.get("label", ""), category=lab.get("category", ""),
+                                     active_tokens=int(idx.counts[i]) if idx is not None else None,
+                                     top_tokens=[tok.id_to_token(int(t)) for t in top[row]],
+                                     token_push=score.get(i) if token is not None else None))
+    return PrototypeListing(rows=rows, matched=len(ids), num_prototypes=K, has_index=idx is not None)
+
+
+def show_prototype(run: Run, prototype: int, *, index: Path | None = None, shards: Path | None = None,
+                   neighbours: int = 8) -> tuple[PrototypeCard, bool]:
+    """One prototype's card (label, statistics, top tokens of W p_i, nearest training contexts); the
+    second value says whether an index was available."""
+    model = run.prism_model("a prototype card")
+    idx = run.index(index, shards)
+    labs = idx.labels() if idx is not None else {}
+    card = prototype_card(model, run.tokenizer, prototype, index=idx, labels=labs, neighbours=neighbours)
+    return card, idx is not None
+
+
+def open_shards(path: Path) -> ShardSet:
+    """Token shards at ``path`` (``ShardError`` naming what is missing)."""
+    return load_shards(path)
+
+
+__all__ = ["IndexResult", "LabelResult", "PrototypeListing", "PrototypeRow", "build_run_index", "evaluate",
+           "explain_text", "find_prototypes", "generate", "label_prototypes", "merge_index_parts", "open_shards",
+           "parse_part", "sample_continuations", "show_prototype"]

@@ -1,4 +1,8 @@
-"""What every ``prism`` command module shares: the stderr console and the one way to fail."""
+"""The consoles every ``prism`` command renders through, and the one way to fail.
+
+Results (tables, generated text) go to stdout; status lines and errors go to stderr, so a command's output
+can be piped.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,15 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 console = Console(stderr=True)
+"""Status lines, progress and errors (stderr)."""
+stdout = Console(highlight=False)
+"""Results: tables and text (stdout)."""
 
 
 def fail(msg: str) -> NoReturn:
     """Print ``error: msg`` and exit with code 2 (a user mistake: no traceback)."""
-    console.print(f"[bold red]error:[/] {msg}")
+    console.print("[bold red]error:[/] " + escape(msg), highlight=False)
     raise typer.Exit(code=2)

@@ -1,6 +1,7 @@
 """Control (spec §4): prototype suppression, concept search, sparse controllers, judges, SAE baseline.
 
     with model.suppress(ids): ...            # remove prototypes' logit slices exactly (always restores)
+    with model.intervene(sset.intervention(), Control(c)): ...  # interventions as values, composed
     with model.control(c): ...               # ℓ' = W r + Σ (1 + c_i) a_i W p_i (c = 0: the base model)
     SuppressionSet.load(path) / .save(path)  # a set with its evidence, bound to a model
     find_concept(model, tok, concept_texts, neutral_texts, ...)  # contribution + enrichment (+ purity) → SuppressionSet
@@ -9,6 +10,6 @@ Heavier pieces (controllers, SAE, judges) are imported from their modules.
 """
 
 from prismlm.control.concept import find_concept
-from prismlm.control.suppress import SuppressionSet, apply_suppression, load_with_suppression
+from prismlm.control.suppress import SuppressionSet
 
-__all__ = [ "SuppressionSet", "apply_suppression", "find_concept", "load_with_suppression"]
+__all__ = ["SuppressionSet", "find_concept"]

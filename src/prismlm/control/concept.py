@@ -35,14 +35,20 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from prismlm.control.suppress import SuppressionSet
+from prismlm.errors import ConfigError, DataError, ModelError
 from prismlm.eval.scoring import text_batches
 from prismlm.model.gpt import decompose
+
+if TYPE_CHECKING:
+    from prismlm.data.tokenizer import Tokenizer
+    from prismlm.explain.index import PrototypeIndex
+    from prismlm.model import PrismLM
 
 
 @dataclass
@@ -54,7 +60,7 @@ class ActivationStats:
     count: np.ndarray
     """(K,) tokens where prototype i is active (a > 0)."""
     tokens: int
-    contribution: np.ndarray | None = None
+    contribution: np.ndarray
     """(K,) Σ over scored positions of c_{t,i}, the slice's first-order effect on log p(next token)."""
 
     @property
@@ -63,12 +69,12 @@ class ActivationStats:
 
 
 @torch.no_grad()
-def activation_stats(model: Any, tokenizer: Any, texts: Sequence[str], *, batch_size: int = 16,
+def activation_stats(model: PrismLM, tokenizer: Tokenizer, texts: Sequence[str], *, batch_size: int = 16,
                      max_tokens_per_text: int | None = None) -> ActivationStats:
     """Stream ``texts`` through the (frozen) model and total each prototype's activations and its
     log-likelihood contribution (see the module docstring)."""
-    if not getattr(model, "is_prism", False):
-        raise ValueError("concept search needs a PRISM model; this is the dense baseline")
+    if model.prototypes is None:
+        raise ModelError("concept search needs a PRISM model; this is the dense baseline")
     K = model.prototypes.num_prototypes
     mass = torch.zeros(K, dtype=torch.float64)
     count = torch.zeros(K, dtype=torch.float64)
@@ -81,6 +87,7 @@ def activation_stats(model: Any, tokenizer: Any, texts: Sequence[str], *, batch_
                                 max_tokens_per_text=max_tokens_per_text):
         x, mask = x.to(dev), mask.to(dev)
         out = model(x)
+        assert out.activations is not None and out.indices is not None  # a PRISM model (checked above)
         m = mask[..., None] & (out.activations > 0)  # (B, T, k)
         idx = out.indices[m].cpu()
         a = out.activations[m].double().cpu()
@@ -105,11 +112,11 @@ def activation_stats(model: Any, tokenizer: Any, texts: Sequence[str], *, batch_
 RANKINGS = {"contribution": "loglik-contribution", "enrichment": "activation-enrichment"}
 
 
-def neighbourhood_purity(index: Any, is_concept_doc: Callable[[str], bool], ids: Sequence[int] | None = None,
+def neighbourhood_purity(index: PrototypeIndex, is_concept_doc: Callable[[str], bool], ids: Sequence[int] | None = None,
                          n: int | None = None) -> dict[int, float]:
     """Share of each prototype's nearest training contexts that are in concept documents (needs the
     index's shards attached so offsets resolve to document ids)."""
-    out = {}
+    out: dict[int, float] = {}
     for i in (range(index.num_prototypes) if ids is None else ids):
         nbs = index.neighbours(int(i), n, before=0, after=0)
         docs = [nb.doc_id for nb in nbs if nb.doc_id is not None]
@@ -122,7 +129,7 @@ def doc_regex(pattern: str) -> Callable[[str], bool]:
     return lambda doc_id: rx.search(doc_id) is not None
 
 
-def signature_tokens(model: Any, tokenizer: Any, i: int, n: int = 8) -> list[str]:
+def signature_tokens(model: PrismLM, tokenizer: Tokenizer, i: int, n: int = 8) -> list[str]:
     """Top tokens of prototype i's logit signature W p_i."""
     with torch.no_grad():
         sig = model.signatures(torch.tensor([i]))[0]
@@ -130,8 +137,8 @@ def signature_tokens(model: Any, tokenizer: Any, i: int, n: int = 8) -> list[str
 
 
 def find_concept(
-    model: Any,
-    tokenizer: Any,
+    model: PrismLM,
+    tokenizer: Tokenizer,
     concept_texts: Sequence[str],
     neutral_texts: Sequence[str],
     *,
@@ -139,7 +146,7 @@ def find_concept(
     rank_by: str = "contribution",
     threshold: float = 1.0,
     min_count: int = 3,
-    index: Any = None,
+    index: PrototypeIndex | None = None,
     is_concept_doc: Callable[[str], bool] | None = None,
     min_purity: float = 0.5,
     concept: str | None = None,
@@ -151,11 +158,11 @@ def find_concept(
     (filtered by neighbourhood purity, with an index); returns the chosen suppression set and the full
     ranking (one dict per candidate with its evidence)."""
     if not concept_texts or not neutral_texts:
-        raise ValueError("need at least one concept text and one neutral text")
+        raise DataError("need at least one concept text and one neutral text")
     if rank_by not in RANKINGS:
-        raise ValueError(f"rank_by must be one of {', '.join(RANKINGS)}, got {rank_by!r}")
+        raise ConfigError(f"rank_by must be one of {', '.join(RANKINGS)}, got {rank_by!r}")
     if budget is not None and budget < 0:
-        raise ValueError(f"budget must be >= 0, got {budget}")
+        raise ConfigError(f"budget must be >= 0, got {budget}")
     c = activation_stats(model, tokenizer, concept_texts, batch_size=batch_size)
     n = activation_stats(model, tokenizer, neutral_texts, batch_size=batch_size)
     K = len(c.mass)
@@ -174,7 +181,8 @@ def find_concept(
     if index is not None and is_concept_doc is not None:
         purity = neighbourhood_purity(index, is_concept_doc, cand.tolist())
     labels = index.labels() if index is not None and hasattr(index, "labels") else {}
-    ranking, chosen = [], []
+    ranking: list[dict[str, Any]] = []
+    chosen: list[int] = []
     for i in cand.tolist():
         ev: dict[str, Any] = {
             "id": i, "contribution_nats_per_token": float(contribution[i]),
@@ -184,8 +192,8 @@ def find_concept(
         }
         if purity:
             ev["purity"] = purity.get(i)
-        ok = not purity or (purity.get(i) is not None and not math.isnan(purity[i]) and purity[i] >= min_purity)
-        ev["selected"] = bool(ok and (budget is None or len(chosen) < budget))
+        pure = not purity or (purity.get(i) is not None and not math.isnan(purity[i]) and purity[i] >= min_purity)
+        ev["selected"] = bool(pure and (budget is None or len(chosen) < budget))
         if ev["selected"]:
             if tokenizer is not None:
                 ev["signature_top_tokens"] = signature_tokens(model, tokenizer, i)

@@ -20,12 +20,18 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.nn.functional as F
 
+from prismlm.errors import ArtifactError, DataError
 from prismlm.eval.scoring import encode_pair
+
+if TYPE_CHECKING:
+    from prismlm.data.tokenizer import Tokenizer
+    from prismlm.explain.index import PrototypeIndex
+    from prismlm.model import PrismLM
 
 Encoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """z (N, d) → (indices (N, k) int64, activations (N, k)) of a sparse code."""
@@ -54,21 +60,29 @@ class ControlFeatures:
     n_choices: list[int] = field(default_factory=list)
     choice_text: list[str] = field(default_factory=list)
     """(R,) the choice string of each request (for the choice-prior baseline)."""
+    _choice_pos: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    """(R,) position of each request among its doc's choices (cached by ``_choice_matrix``)."""
 
 
-def prism_encoder(model: Any) -> Encoder:
+def prism_encoder(model: PrismLM) -> Encoder:
+    prototypes = model.require_prototypes()
+
     def enc(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        po = model.prototypes(z)
+        po = prototypes(z)
         return po.indices, po.activations
     return enc
 
 
 @torch.no_grad()
-def extract_features(model: Any, tokenizer: Any, docs: Sequence[dict[str, Any]], encoder: Encoder, *,
+def extract_features(model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[str, Any]], encoder: Encoder, *,
                      batch_size: int = 32) -> ControlFeatures:
     """Run the frozen backbone on every (query, choice) pair and cache the code at the scored tokens."""
     T = model.config.block_size
-    reqs, doc_of, clen, n_choices, texts = [], [], [], [], []
+    reqs: list[tuple[list[int], int]] = []
+    doc_of: list[int] = []
+    clen: list[int] = []
+    n_choices: list[int] = []
+    texts: list[str] = []
     for di, d in enumerate(docs):
         n_choices.append(len(d["choices"]))
         for ch in d["choices"]:
@@ -77,7 +91,9 @@ def extract_features(model: Any, tokenizer: Any, docs: Sequence[dict[str, Any]],
             clen.append(len(ch))
             texts.append(ch)
     dev = next(model.parameters()).device
-    Z, Y, R = [], [], []
+    Z: list[torch.Tensor] = []
+    Y: list[torch.Tensor] = []
+    R: list[torch.Tensor] = []
     for b in range(0, len(reqs), batch_size):
         chunk = reqs[b:b + batch_size]
         L = max(len(f) - 1 for f, _ in chunk)
@@ -113,14 +129,14 @@ def _choice_matrix(f: ControlFeatures, scores: torch.Tensor) -> torch.Tensor:
     """(D, max_choices) matrix of scores, −inf padded."""
     D, C = len(f.gold), max(f.n_choices)
     M = torch.full((D, C), -float("inf"), dtype=scores.dtype)
-    pos = getattr(f, "_choice_pos", None)
+    pos = f._choice_pos
     if pos is None:  # position of each request among its doc's choices (computed once per feature set)
         pos = torch.zeros(len(f.doc_of_request), dtype=torch.long)
         seen: dict[int, int] = {}
         for r, d in enumerate(f.doc_of_request.tolist()):
             pos[r] = seen.get(d, 0)
             seen[d] = int(pos[r]) + 1
-        f._choice_pos = pos  # type: ignore[attr-defined]
+        f._choice_pos = pos
     M = M.index_put((f.doc_of_request, pos), scores)
     return M
 
@@ -130,7 +146,15 @@ def correct(f: ControlFeatures, scores: torch.Tensor) -> torch.Tensor:
     return _choice_matrix(f, scores.detach()).argmax(-1) == f.gold
 
 
-def paired_stats(before: torch.Tensor, after: torch.Tensor, *, n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
+class PairedStats(TypedDict):
+    delta: float
+    ci95: list[float]
+    gained: int
+    lost: int
+    mcnemar_p: float
+
+
+def paired_stats(before: torch.Tensor, after: torch.Tensor, *, n_boot: int = 2000, seed: int = 0) -> PairedStats:
     """Paired comparison of per-example correctness: Δ accuracy, a bootstrap 95% interval, and the exact
     two-sided McNemar p-value over the discordant pairs."""
     b, a = before.double(), after.double()
@@ -181,7 +205,7 @@ class Controller:
     def load(cls, path: str | Path) -> Controller:
         d = json.loads(Path(path).read_text())
         if d.get("kind") != "prismlm-controller":
-            raise ValueError(f"{path} is not a controller file")
+            raise ArtifactError(f"{path} is not a controller file", path=path)
         c = torch.zeros(d["num_units"], dtype=torch.float64)
         for i, v in d["coefficients"].items():
             c[int(i)] = v
@@ -227,7 +251,9 @@ def fit_with_validation(train: ControlFeatures, val: ControlFeatures, W: torch.T
                         l1_grid: Sequence[float] = (3e-3, 1e-2, 3e-2), steps: int = 100,
                         lr: float = 0.05) -> tuple[Controller, list[dict[str, Any]]]:
     """Fit one controller per λ; keep the best validation accuracy (ties: fewer non-zeros)."""
-    trials, best, best_key = [], None, None
+    trials: list[dict[str, Any]] = []
+    best: Controller | None = None
+    best_key: tuple[float, int] | None = None
     for l1 in l1_grid:
         ctl = fit_controller(train, W, directions, l1=l1, steps=steps, lr=lr)
         va = accuracy(val, request_scores(val, W.double(), directions.double(), ctl.coefficients))
@@ -285,7 +311,7 @@ def fit_choice_prior(train: ControlFeatures, base_scores: torch.Tensor, *, steps
     """Fit one bias per distinct choice string of the training split by full-batch Adam on the same
     multiple-choice cross-entropy as the controllers (base scores fixed: the LM is not involved)."""
     if not train.choice_text:
-        raise ValueError("these features carry no choice strings; re-extract them with extract_features")
+        raise DataError("these features carry no choice strings; re-extract them with extract_features")
     vocab = sorted(set(train.choice_text))
     pos = {t: i for i, t in enumerate(vocab)}
     cid = torch.tensor([pos[t] for t in train.choice_text])
@@ -302,27 +328,28 @@ def fit_choice_prior(train: ControlFeatures, base_scores: torch.Tensor, *, steps
 
 
 # ----- tracing ---------------------------------------------------------------------------------------------
-def trace_prism_controller(model: Any, tokenizer: Any, ctl: Controller, feats: ControlFeatures,
-                           docs: Sequence[dict[str, Any]], *, index: Any = None, top: int = 20) -> list[dict[str, Any]]:
+def trace_prism_controller(model: PrismLM, tokenizer: Tokenizer, ctl: Controller, feats: ControlFeatures,
+                           docs: Sequence[dict[str, Any]], *, index: PrototypeIndex | None = None, top: int = 20) -> list[dict[str, Any]]:
     """Each non-zero c_i with its prototype's signature tokens, label and training neighbourhood (when an
     index is given) and the task examples where it is most active."""
     from prismlm.control.concept import signature_tokens
 
     labels = index.labels() if index is not None else {}
     order = sorted(ctl.nonzero, key=lambda i: -abs(float(ctl.coefficients[i])))[:top]
-    out = []
+    out: list[dict[str, Any]] = []
     for i in order:
         m = feats.indices == i
         acts = torch.where(m, feats.activations, torch.zeros_like(feats.activations)).sum(-1)  # (N,)
         best = acts.topk(min(3, len(acts))).indices.tolist()
-        ex = []
+        ex: list[dict[str, Any]] = []
         for n in best:
             if acts[n] <= 0:
                 continue
-            r = int(feats.request[n]); d = int(feats.doc_of_request[r])
+            r = int(feats.request[n])
+            d = int(feats.doc_of_request[r])
             ex.append({"doc": docs[d]["id"], "label": docs[d]["label"], "activation": float(acts[n]),
                        "target": tokenizer.decode([int(feats.targets[n])])})
-        e = {"id": i, "c": float(ctl.coefficients[i]), "signature_top_tokens": signature_tokens(model, tokenizer, i),
+        e: dict[str, Any] = {"id": i, "c": float(ctl.coefficients[i]), "signature_top_tokens": signature_tokens(model, tokenizer, i),
              "task_examples": ex, "active_tokens_in_train": int(m.any(-1).sum())}
         if i in labels:
             e["label"] = labels[i].get("label")

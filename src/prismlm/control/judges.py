@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -98,10 +99,18 @@ class TfidfJudge:
         return self.clf.predict_proba(self.vec.transform(list(texts)))[:, 1]
 
 
-def default_judges(splits: FortuneSplits | None = None) -> dict[str, object]:
+class Judge(Protocol):
+    """What every judge exposes: probabilities in [0, 1] (higher = more offensive), one per text."""
+
+    name: str
+
+    def score(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+def default_judges(splits: FortuneSplits | None = None) -> dict[str, Judge]:
     """The in-domain judge (always) and the profanity judge (when the optional extra is installed)."""
     splits = splits or fortune_splits()
-    judges: dict[str, object] = {"tfidf": TfidfJudge(splits.judge_clean, splits.judge_offensive)}
+    judges: dict[str, Judge] = {"tfidf": TfidfJudge(splits.judge_clean, splits.judge_offensive)}
     try:
         judges["profanity"] = ProfanityJudge()
     except DependencyError:

@@ -19,10 +19,15 @@ acts on ``z + Σ c_j f_j W_dec[:, j]`` exactly as PRISM's acts on prototypes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet
+    from prismlm.model import PrismLM
 
 
 class TopKSAE(nn.Module):
@@ -80,7 +85,7 @@ class SAEResult:
     steps: int
 
 
-def train_sae(model, shards, *, num_latents: int, k: int, steps: int = 300, batch_size: int = 16,
+def train_sae(model: PrismLM, shards: ShardSet, *, num_latents: int, k: int, steps: int = 300, batch_size: int = 16,
               lr: float = 1e-3, seed: int = 0, max_sequences: int | None = None, aux_k: int | None = None,
               aux_weight: float = 1.0, dead_steps: int = 50, eval_sequences: int = 64) -> SAEResult:
     """Fit a TopK SAE on the final hidden states of the (frozen) dense ``model`` over ``shards.train``

@@ -19,11 +19,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from prismlm.artifacts import atomic_write_text
 from prismlm.errors import SuppressionError
+from prismlm.model.interventions import Suppress
+
+if TYPE_CHECKING:
+    from prismlm.model import PrismLM
 
 KIND = "prismlm-suppression"
 FORMAT_VERSION = 1
@@ -86,9 +91,7 @@ class SuppressionSet:
         if path.is_dir():
             path = path / CHECKPOINT_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
-        tmp.replace(path)
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2, default=str) + "\n")
         return path
 
     @classmethod
@@ -110,9 +113,9 @@ class SuppressionSet:
         return cls(ids=d["ids"], num_prototypes=d["num_prototypes"], model_sha256=d.get("model_sha256"),
                    concept=d.get("concept"), evidence=d.get("evidence", {}), meta=d.get("meta", {}))
 
-    def check(self, model: Any, model_sha256: str | None = None) -> None:
+    def check(self, model: PrismLM, model_sha256: str | None = None) -> None:
         """Raise ``SuppressionError`` unless the set fits ``model`` (bank size, and weights hash when both known)."""
-        if not getattr(model, "is_prism", False):
+        if model.prototypes is None:
             raise SuppressionError("the dense baseline has no prototypes to suppress")
         K = model.prototypes.num_prototypes
         if K != self.num_prototypes:
@@ -122,38 +125,12 @@ class SuppressionSet:
             raise SuppressionError(f"suppression set was made for model {self.model_sha256[:12]}…, "
                                    f"not this checkpoint ({model_sha256[:12]}…)")
 
+    def intervention(self) -> Suppress:
+        """This set as an intervention value: ``with model.intervene(sset.intervention()):``."""
+        return Suppress.of(self.ids, self.concept)
+
     def multipliers(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         m = torch.ones(self.num_prototypes, dtype=dtype)
         if self.ids:
             m[torch.tensor(self.ids)] = 0.0
         return m
-
-
-def apply_suppression(model: Any, sset: SuppressionSet, model_sha256: str | None = None) -> None:
-    """Suppress ``sset`` on ``model`` for the rest of its life (CLI use); in code prefer
-    ``with model.suppress(sset.ids):``, which restores the model."""
-    sset.check(model, model_sha256)
-    m = sset.multipliers(model.prototypes.weight.dtype).to(model.prototypes.weight.device)
-    prev = model.proto_multipliers
-    model.proto_multipliers = m if prev is None else prev * m
-
-
-def resolve_suppression(ckpt: Any, suppress: str | Path | None = "auto") -> SuppressionSet | None:
-    """``auto``: the checkpoint's own ``suppression.json`` if it has one; ``none``: nothing; else a file."""
-    if suppress is None or str(suppress).lower() == "none":
-        return None
-    if str(suppress).lower() == "auto":
-        f = Path(ckpt.path) / CHECKPOINT_FILE
-        return SuppressionSet.load(f) if f.exists() else None
-    return SuppressionSet.load(suppress)
-
-
-def load_with_suppression(run: str | Path, suppress: str | Path | None = "auto", device: str | torch.device = "cpu"):
-    """Load a checkpoint and apply a suppression set (see ``resolve_suppression``); returns (ckpt, set)."""
-    from prismlm.train.checkpoint import load_checkpoint
-
-    ckpt = load_checkpoint(run, device=device)
-    sset = resolve_suppression(ckpt, suppress)
-    if sset is not None:
-        apply_suppression(ckpt.model, sset, ckpt.manifest.get("model_sha256"))
-    return ckpt, sset

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 from tqdm.auto import tqdm
 
+from prismlm.artifacts import atomic_write_text, sha256_file
 from prismlm.data.corpus import Document, _package_version, corpus_fingerprint, iter_documents, split_hash
 from prismlm.data.tokenizer import Tokenizer, _describe, resolve_tokenizer, token_dtype
 from prismlm.errors import CorpusError, ShardError
@@ -185,7 +186,7 @@ class _SplitWriter:
 
     def write(self, arr: np.ndarray, doc_ids: list[str], lengths: np.ndarray, keys: list[float],
               nbytes: int, nchars: int) -> None:
-        buf = memoryview(np.ascontiguousarray(arr)).cast("B")
+        buf = np.ascontiguousarray(arr).data.cast("B")
         self.f.write(buf)
         self.sha.update(buf)
         ends = self.offsets[-1] + np.cumsum(lengths)
@@ -368,18 +369,8 @@ def prepare_shards(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "prismlm_version": _package_version(),
     }
-    tmp = root / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, mpath)
+    atomic_write_text(mpath, json.dumps(manifest, indent=1) + "\n")
     return load_shards(root)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def load_shards(path: str | Path, *, verify: bool = False) -> ShardSet:
@@ -424,7 +415,7 @@ def load_shards(path: str | Path, *, verify: bool = False) -> ShardSet:
         if size != info["num_tokens"] * dtype.itemsize:
             raise ShardError(f"{bin_path}: {size} bytes, manifest says {info['num_tokens']} tokens of "
                              f"{dtype}; the file is truncated or was replaced")
-        if verify and _sha256_file(bin_path) != info["sha256"]:
+        if verify and sha256_file(bin_path) != info["sha256"]:
             raise ShardError(f"{bin_path}: sha256 checksum mismatch with manifest.json")
         shards[s] = TokenShard(bin_path, root / f"{s}.docs.npy", root / f"{s}.ids.json", dtype)
         if shards[s].num_docs != info["num_docs"]:

@@ -185,7 +185,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 8192, *, show_progress: bo
         show_progress=show_progress,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return Tokenizer(tok, f"bpe-{vocab_size}", tok.token_to_id(EOT_TOKEN))
+    eot = tok.token_to_id(EOT_TOKEN)
+    if eot is None:  # a special token of the trainer: always in the vocabulary
+        raise TokenizerError(f"the trained BPE has no {EOT_TOKEN} token")
+    return Tokenizer(tok, f"bpe-{vocab_size}", eot)
 
 
 def gpt2_tokenizer() -> Tokenizer:

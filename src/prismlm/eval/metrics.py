@@ -14,15 +14,22 @@ import math
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from prismlm.model import PrismLM, PrismOutput
+from prismlm.errors import DataError, ModelError
+from prismlm.model import PrismLM, PrismOutput, eval_mode
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import TokenShard
 
 
 def active_prototypes(out: PrismOutput) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, activations) of every (token, prototype) pair with a > 0 in ``out`` — flat (n_active,) each."""
+    if out.activations is None or out.indices is None:
+        raise ModelError("active prototypes need a PRISM forward output (the dense baseline has no prototypes)")
     act = out.activations.detach().reshape(-1)
     ids = out.indices.reshape(-1)
     on = act > 0
@@ -32,6 +39,8 @@ def active_prototypes(out: PrismOutput) -> tuple[torch.Tensor, torch.Tensor]:
 def coverage_sums(out: PrismOutput) -> tuple[float, float, int]:
     """Per-batch sums that coverage metrics average over tokens, in float64 so streamed sums do not drift:
     (Σ_t max_i cos(z_t, p_i), Σ_t ‖r_t‖/‖z_t‖, number of tokens)."""
+    if out.token_max_cos is None or out.residual is None:
+        raise ModelError("coverage needs a PRISM forward output (the dense baseline has no prototypes)")
     token_cos = float(out.token_max_cos.detach().double().sum())
     ratio = out.residual.detach().double().norm(dim=-1) / out.hidden.detach().double().norm(dim=-1).clamp_min(1e-8)
     return token_cos, float(ratio.sum()), out.token_max_cos.numel()
@@ -90,7 +99,7 @@ def eval_sequence_ids(num_sequences: int, max_sequences: int) -> np.ndarray:
 @torch.no_grad()
 def evaluate(
     model: PrismLM,
-    shard,
+    shard: TokenShard,
     *,
     seq_len: int,
     batch_size: int,
@@ -100,27 +109,25 @@ def evaluate(
     loss_weights: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Validation loss, perplexity and (for PRISM) coverage on a fixed sample of ``shard``'s sequences."""
-    was_training = model.training
-    model.eval()
-    n_seq = shard.num_sequences(seq_len)
-    if n_seq < 1:
-        raise ValueError(f"the validation split has fewer than {seq_len + 1} tokens; use more data or a smaller block_size")
-    ids = eval_sequence_ids(n_seq, batch_size * max_batches)
-    cov = CoverageAccumulator(model.prototypes.num_prototypes) if model.is_prism else None
-    sums: dict[str, float] = {}
-    n_tokens = 0
-    for start in range(0, len(ids), batch_size):
-        batch = torch.from_numpy(shard.sequences(ids[start:start + batch_size], seq_len)).to(device)
-        x, y = batch[:, :-1], batch[:, 1:]
-        with autocast or nullcontext():
-            out = model(x, y, loss_weights=loss_weights)
-        ntok = y.numel()
-        n_tokens += ntok
-        for name, value in out.losses.items():
-            sums[name] = sums.get(name, 0.0) + float(value) * ntok
-        if cov is not None:
-            cov.update(out)
-    model.train(was_training)
+    with eval_mode(model):
+        n_seq = shard.num_sequences(seq_len)
+        if n_seq < 1:
+            raise DataError(f"the validation split has fewer than {seq_len + 1} tokens; use more data or a smaller block_size")
+        ids = eval_sequence_ids(n_seq, batch_size * max_batches)
+        cov = CoverageAccumulator(model.prototypes.num_prototypes) if model.prototypes is not None else None
+        sums: dict[str, float] = {}
+        n_tokens = 0
+        for start in range(0, len(ids), batch_size):
+            batch = torch.from_numpy(shard.sequences(ids[start:start + batch_size], seq_len)).to(device)
+            x, y = batch[:, :-1], batch[:, 1:]
+            with autocast or nullcontext():
+                out = model(x, y, loss_weights=loss_weights)
+            ntok = y.numel()
+            n_tokens += ntok
+            for name, value in out.losses.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * ntok
+            if cov is not None:
+                cov.update(out)
     metrics = {f"val_{k}": v / n_tokens for k, v in sums.items()}
     metrics["val_loss"] = metrics["val_ce"]
     metrics["val_ppl"] = math.exp(min(metrics["val_ce"], 50.0))

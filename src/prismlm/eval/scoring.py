@@ -12,25 +12,31 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
+from prismlm.errors import DataError
 
-def encode_pair(tokenizer: Any, context: str, continuation: str, block_size: int) -> tuple[list[int], int]:
+if TYPE_CHECKING:
+    from prismlm.data.tokenizer import Tokenizer
+    from prismlm.model import PrismLM
+
+
+def encode_pair(tokenizer: Tokenizer, context: str, continuation: str, block_size: int) -> tuple[list[int], int]:
     """→ (token ids of context+continuation cut to block_size + 1 from the left, continuation length)."""
     ctx = tokenizer.encode(context) if context else [tokenizer.eot_id]
     cont = tokenizer.encode(continuation)
     if not cont:
-        raise ValueError(f"continuation {continuation!r} encodes to no tokens")
+        raise DataError(f"continuation {continuation!r} encodes to no tokens")
     if len(cont) > block_size:
-        raise ValueError(f"continuation of {len(cont)} tokens does not fit the context window ({block_size})")
+        raise DataError(f"continuation of {len(cont)} tokens does not fit the context window ({block_size})")
     full = (ctx + cont)[-(block_size + 1):]
     return full, len(cont)
 
 
-def text_batches(tokenizer: Any, texts: Sequence[str], block_size: int, batch_size: int, *,
+def text_batches(tokenizer: Tokenizer, texts: Sequence[str], block_size: int, batch_size: int, *,
                  max_tokens_per_text: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Texts → right-padded batches (x (B, T) int64, mask (B, T) bool); a text longer than block_size is
     split into windows of block_size tokens (each scored from its own start)."""
@@ -54,14 +60,14 @@ def text_batches(tokenizer: Any, texts: Sequence[str], block_size: int, batch_si
 
 
 @torch.no_grad()
-def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str]], *,
+def loglikelihoods(model: PrismLM, tokenizer: Tokenizer, requests: Sequence[tuple[str, str]], *,
                    batch_size: int = 32) -> list[tuple[float, bool]]:
     """For each (context, continuation): (Σ log p(continuation | context), whether it is the greedy
     continuation) — the ``lm-eval`` ``loglikelihood`` contract."""
     T = model.config.block_size
     enc = [encode_pair(tokenizer, c, x, T) for c, x in requests]
     dev = next(model.parameters()).device
-    results: list[tuple[float, bool] | None] = [None] * len(enc)
+    results: dict[int, tuple[float, bool]] = {}
     order = sorted(range(len(enc)), key=lambda i: -len(enc[i][0]))  # similar lengths together
     for b in range(0, len(order), batch_size):
         ids = order[b:b + batch_size]
@@ -77,7 +83,7 @@ def loglikelihoods(model: Any, tokenizer: Any, requests: Sequence[tuple[str, str
             tgt = torch.tensor(full[-n:])
             lp = F.log_softmax(logits[r, pos].double(), dim=-1).cpu()  # (n, V): only the scored positions
             results[i] = (float(lp[torch.arange(n), tgt].sum()), bool((lp.argmax(-1) == tgt).all()))
-    return results  # type: ignore[return-value]
+    return [results[i] for i in range(len(enc))]
 
 
 @dataclass
@@ -92,14 +98,16 @@ class MCResult:
         return {"acc": self.acc, "acc_norm": self.acc_norm, "n": self.n}
 
 
-def mc_accuracy(model: Any, tokenizer: Any, docs: Sequence[dict[str, Any]], *, batch_size: int = 32) -> MCResult:
+def mc_accuracy(model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[str, Any]], *, batch_size: int = 32) -> MCResult:
     """Accuracy of multiple-choice docs ``{"query", "choices", "gold"}`` as lm-eval computes it: ``acc``
     picks the choice with the highest log-likelihood, ``acc_norm`` divides it by the choice's length in
     characters (first maximum wins on ties, like ``numpy.argmax``)."""
     reqs = [(d["query"], ch) for d in docs for ch in d["choices"]]
     lls = [ll for ll, _ in loglikelihoods(model, tokenizer, reqs, batch_size=batch_size)]
     k = 0
-    preds, per_doc, correct, correct_n = [], [], 0, 0
+    preds: list[int] = []
+    per_doc: list[list[float]] = []
+    correct = correct_n = 0
     for d in docs:
         ll = lls[k:k + len(d["choices"])]
         k += len(d["choices"])
@@ -115,7 +123,7 @@ def mc_accuracy(model: Any, tokenizer: Any, docs: Sequence[dict[str, Any]], *, b
 
 
 @torch.no_grad()
-def text_perplexity(model: Any, tokenizer: Any, texts: Sequence[str], *, batch_size: int = 16,
+def text_perplexity(model: PrismLM, tokenizer: Tokenizer, texts: Sequence[str], *, batch_size: int = 16,
                     max_tokens_per_text: int | None = None) -> dict[str, float]:
     """Token-level perplexity of ``texts`` (each window of block_size tokens scored from its start)."""
     dev = next(model.parameters()).device

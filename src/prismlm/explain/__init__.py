@@ -2,6 +2,7 @@
 contexts, activation statistics and coverage in one streaming pass), exact per-token explanations, and
 prototype labels."""
 
+from prismlm.artifacts import model_identity
 from prismlm.explain.explanation import (
                                          Explanation,
                                          PrototypeCard,
@@ -11,7 +12,7 @@ from prismlm.explain.explanation import (
                                          explain_generation,
                                          prototype_card,
 )
-from prismlm.explain.index import Neighbour, PrototypeIndex, build_index, merge_indexes, model_identity
+from prismlm.explain.index import Neighbour, PrototypeIndex, build_index, merge_indexes
 from prismlm.explain.labels import llm_labels, load_labels, rule_labels, save_labels
 
 __all__ = ["Explanation", "Neighbour", "PrototypeCard", "PrototypeIndex", "PrototypeSlice", "TokenExplanation",

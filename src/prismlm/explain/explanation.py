@@ -30,13 +30,18 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prismlm.errors import ArtifactMismatch, UnknownPrototypeError
-from prismlm.explain.index import Neighbour, PrototypeIndex, model_identity
+from prismlm.artifacts import model_identity
+from prismlm.errors import ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
+from prismlm.explain.index import Neighbour, PrototypeIndex
 from prismlm.model import decompose
+
+if TYPE_CHECKING:
+    from prismlm.data.tokenizer import Tokenizer
+    from prismlm.model import PrismLM
 
 __all__ = ["Explanation", "PrototypeCard", "PrototypeSlice", "TokenExplanation", "explain", "explain_generation",
            "prototype_card"]
@@ -150,38 +155,33 @@ class Explanation:
         return text
 
 
-def _split(model: Any) -> tuple[Any, Any]:
-    """(PrismLM, Checkpoint or None)."""
-    if hasattr(model, "model") and hasattr(model, "manifest"):
-        return model.model, model
-    return model, None
-
-
-def _check_index(index: PrototypeIndex, net: Any, ckpt: Any) -> list[str]:
-    K = net.prototypes.num_prototypes
+def _check_index(index: PrototypeIndex, net: PrismLM, model_sha256: str | None) -> list[str]:
+    K = net.require_prototypes().num_prototypes
     if index.num_prototypes != K:
         raise ArtifactMismatch(f"prototype index{'' if index.path is None else ' ' + str(index.path)} has "
-                                 f"{index.num_prototypes} prototypes, the model has {K}: it was built for "
-                                 f"model {index.manifest['model_sha256']}")
-    if ckpt is not None:
-        index.check(checkpoint=ckpt)
+                               f"{index.num_prototypes} prototypes, the model has {K}: it was built for "
+                               f"model {index.manifest['model_sha256']}")
+    if model_sha256 is not None:
+        index.check(model_sha256=model_sha256)
         return []
     if str(index.manifest["model_sha256"]).startswith("weights:"):
         index.check(model_sha256=model_identity(net))
         return []
-    return ["the model was passed without its checkpoint, so the index's model hash was not verified"]
+    return ["the model was passed without its model_sha256, so the index's model hash was not verified"]
 
 
-def _token_str(tokenizer: Any, i: int) -> str:
+def _token_str(tokenizer: Tokenizer | None, i: int) -> str:
     return tokenizer.id_to_token(i) if tokenizer is not None else f"<{i}>"
 
 
-def prototype_card(model: Any, tokenizer: Any, i: int, *, index: PrototypeIndex | None = None,
+def prototype_card(model: PrismLM, tokenizer: Tokenizer | None, i: int, *, index: PrototypeIndex | None = None,
                    labels: dict[int, dict] | None = None, neighbours: int = 5, signature_tokens: int = 10,
                    ) -> PrototypeCard:
     """A card for prototype ``i``: label, signature top tokens and (with an index) neighbourhood and
     activation statistics. An id outside [0, K) raises ``UnknownPrototypeError``."""
-    net, _ = _split(model)
+    net = model
+    if net.prototypes is None:
+        raise ModelError("prototype cards need a PRISM model: the dense baseline has no prototypes")
     K = net.prototypes.num_prototypes
     if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < K:
         raise UnknownPrototypeError(f"unknown prototype id {i!r}: the model has {K} prototypes (ids 0–{K - 1})")
@@ -189,7 +189,7 @@ def prototype_card(model: Any, tokenizer: Any, i: int, *, index: PrototypeIndex 
 
 
 @torch.no_grad()
-def _cards(net: Any, tokenizer: Any, ids: list[int], index: PrototypeIndex | None, labels: dict[int, dict],
+def _cards(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], index: PrototypeIndex | None, labels: dict[int, dict],
            neighbours: int, signature_tokens: int) -> dict[int, PrototypeCard]:
     if not ids:
         return {}
@@ -210,10 +210,11 @@ def _cards(net: Any, tokenizer: Any, ids: list[int], index: PrototypeIndex | Non
 
 @torch.no_grad()
 def explain(
-    model: Any,
-    tokenizer: Any,
+    model: PrismLM,
+    tokenizer: Tokenizer | None,
     text_or_ids: str | Sequence[int] | torch.Tensor,
     *,
+    model_sha256: str | None = None,
     index: PrototypeIndex | None = None,
     labels: dict[int, dict] | None = None,
     targets: Sequence[int] | None = None,
@@ -224,26 +225,28 @@ def explain(
 ) -> Explanation:
     """Explain every next-token logit of a text: active prototypes, activations, slices, residual.
 
-    ``model``: a loaded ``Checkpoint`` (then ``tokenizer`` may be None and the index's model hash is
-    checked) or a PRISM ``PrismLM``. ``text_or_ids``: a string or token ids. ``targets``: the chosen
+    ``model``: a PRISM ``PrismLM``; ``tokenizer``: its tokenizer (None: token ids only, shown as
+    ``<id>``); ``model_sha256``: the checkpoint's ``manifest["model_sha256"]``, checked against the index
+    and recorded in the explanation. ``text_or_ids``: a string or token ids. ``targets``: the chosen
     token at every position (default: the text's next token, and for the last position ``next_token`` or
     the model's argmax). ``labels``: prototype id → {label, category} (default: the index's
     ``labels.json``). Edge cases are listed in the module docstring; they never raise.
     """
-    net, ckpt = _split(model)
-    if tokenizer is None and ckpt is not None:
-        tokenizer = ckpt.tokenizer
-    if not getattr(net, "is_prism", False):
-        raise ValueError("explain needs a PRISM model: the dense baseline has no prototypes to explain with")
+    net = model
+    if not net.is_prism:
+        raise ModelError("explain needs a PRISM model: the dense baseline has no prototypes to explain with")
     notes: list[str] = []
     if index is not None:
-        notes += _check_index(index, net, ckpt)
+        notes += _check_index(index, net, model_sha256)
         if labels is None:
             labels = index.labels()
     labels = labels or {}
     if isinstance(text_or_ids, str):
         text = text_or_ids
-        ids = tokenizer.encode(text) if text else []
+        if text and tokenizer is None:
+            raise ConfigError("explain needs a tokenizer to encode text: pass `tokenizer=` (the checkpoint's) "
+                              "or token ids")
+        ids = tokenizer.encode(text) if text and tokenizer is not None else []
     else:
         ids = [int(t) for t in (text_or_ids.reshape(-1).tolist() if isinstance(text_or_ids, torch.Tensor)
                                 else text_or_ids)]
@@ -252,7 +255,7 @@ def explain(
     V = net.config.vocab_size
     bad = [t for t in ids if not 0 <= t < V]
     if bad:
-        raise ValueError(f"token id(s) {bad[:5]} outside the model's vocabulary [0, {V})")
+        raise ModelError(f"token id(s) {bad[:5]} outside the model's vocabulary [0, {V})")
     if not ids:
         eot = tokenizer.eot_id if tokenizer is not None else 0
         ids = [eot]
@@ -274,7 +277,7 @@ def explain(
     if targets is not None:
         tgt = [int(t) for t in targets]
         if len(tgt) != n:
-            raise ValueError(f"targets must give one token per position ({n}), got {len(tgt)}")
+            raise ConfigError(f"targets must give one token per position ({n}), got {len(tgt)}")
         how = chosen_by or ["given"] * n
     else:
         if next_token is None:
@@ -315,16 +318,17 @@ def explain(
     return Explanation(
         text=text, token_ids=ids, tokens=[_token_str(tokenizer, i) for i in ids], positions=positions,
         prototypes=cards, truncated_tokens=truncated,
-        model_sha256=model_identity(ckpt) if ckpt is not None else None,
+        model_sha256=model_sha256,
         index=str(index.path) if index is not None and index.path is not None else None, notes=notes)
 
 
 def explain_generation(
-    model: Any,
-    tokenizer: Any,
+    model: PrismLM,
+    tokenizer: Tokenizer,
     prompt: str,
     n: int = 20,
     *,
+    model_sha256: str | None = None,
     temperature: float = 0.8,
     top_k: int | None = 50,
     seed: int = 0,
@@ -339,11 +343,9 @@ def explain_generation(
     Exact for the logits used at sampling time while prompt + n ≤ block_size; beyond, generation slides
     its window and the explanation covers the last ``block_size`` tokens in one window.
     """
-    net, ckpt = _split(model)
-    if tokenizer is None and ckpt is not None:
-        tokenizer = ckpt.tokenizer
+    net = model
     if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+        raise ConfigError(f"n (tokens to generate) must be >= 1, got {n}")
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     dev = next(net.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -351,7 +353,7 @@ def explain_generation(
                         generator=gen)[0].tolist()
     p = len(ids)
     how = ["text"] * (p - 1) + ["sampled"] * n  # position t chooses full[t + 1]
-    expl = explain(model, tokenizer, full[:-1], index=index, labels=labels, targets=full[1:], neighbours=neighbours,
+    expl = explain(model, tokenizer, full[:-1], model_sha256=model_sha256, index=index, labels=labels, targets=full[1:], neighbours=neighbours,
                    signature_tokens=signature_tokens, _chosen_by=how)
     expl.prompt_tokens = max(0, p - expl.truncated_tokens)
     expl.text = tokenizer.decode(full[expl.truncated_tokens:])

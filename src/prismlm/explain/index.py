@@ -38,16 +38,14 @@ naming both hashes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -55,8 +53,23 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from prismlm.errors import ArtifactError, ArtifactMismatch, UnknownPrototypeError
+from prismlm.artifacts import (
+    atomic_dir,
+    check_provenance,
+    merge_ranges,
+    model_identity,
+    overlap,
+    part_range,
+    provenance,
+)
+from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
 from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
+from prismlm.model import PrismOutput, eval_mode
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet
+    from prismlm.data.tokenizer import Tokenizer
+    from prismlm.model import PrismLM
 
 __all__ = [
     "FORMAT_VERSION",
@@ -64,7 +77,6 @@ __all__ = [
     "PrototypeIndex",
     "build_index",
     "merge_indexes",
-    "model_identity",
     "part_range",
 ]
 
@@ -74,81 +86,6 @@ TENSORS_FILE = "index.safetensors"
 MANIFEST_FILE = "manifest.json"
 LABELS_FILE = "labels.json"
 _NO_OFFSET = -1  # empty slot of the (K, N) table (similarity -inf): fewer than N tokens seen
-
-
-
-
-
-
-
-
-def model_identity(model_or_ckpt: Any) -> str:
-    """What ties an index to a model: the checkpoint manifest's ``model_sha256`` for a loaded
-    ``Checkpoint``; for a bare ``PrismLM``, ``weights:<sha256 of its state dict>`` (stable for equal
-    weights, but not equal to a checkpoint's file hash — pass the checkpoint where you have one)."""
-    manifest = getattr(model_or_ckpt, "manifest", None)
-    if isinstance(manifest, dict) and manifest.get("model_sha256"):
-        return str(manifest["model_sha256"])
-    model = getattr(model_or_ckpt, "model", model_or_ckpt)
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return "weights:" + h.hexdigest()
-
-
-
-def check_provenance(manifest: dict[str, Any], *, what: str, rebuild: str, checkpoint: Any = None,
-                     model_sha256: str | None = None, shards: Any = None, shard_key: str | None = None) -> None:
-    """Refuse an artifact (index, attribution cache, …) built from another model or corpus.
-
-    ``manifest`` holds the ``model_sha256`` and ``shard_key`` the artifact was built from; ``what`` names
-    it in the message and ``rebuild`` is the command that rebuilds it."""
-    if checkpoint is not None:
-        model_sha256 = model_identity(checkpoint)
-    if model_sha256 is not None and model_sha256 != manifest["model_sha256"]:
-        raise ArtifactMismatch(f"{what} was built for model {manifest['model_sha256']}, but this checkpoint's "
-                                 f"model is {model_sha256}; rebuild it with `{rebuild}`")
-    if shards is not None:
-        shard_key = shards.manifest["key"]
-    if shard_key is not None and shard_key != manifest["shard_key"]:
-        raise ArtifactMismatch(f"{what} was built on token shards {manifest['shard_key']}, but these shards are "
-                                 f"{shard_key}; rebuild it with `{rebuild}` on this corpus")
-
-
-def _unwrap(model_or_ckpt: Any):
-    return getattr(model_or_ckpt, "model", model_or_ckpt)
-
-
-def part_range(num_sequences: int, batch_size: int, part: tuple[int, int]) -> tuple[int, int]:
-    """Sequence range [start, stop) of part i of n: contiguous, whole batches of ``batch_size``."""
-    i, n = part
-    if not (n >= 1 and 0 <= i < n):
-        raise ArtifactError(f"part must be i/n with 0 <= i < n, got {i}/{n}")
-    nb = math.ceil(num_sequences / batch_size)
-    b0, b1 = (i * nb) // n, ((i + 1) * nb) // n
-    return min(b0 * batch_size, num_sequences), min(b1 * batch_size, num_sequences)
-
-
-def _merge_ranges(ranges: list[list[int]]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for a, b in sorted(ranges):
-        if a >= b:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
-
-def _overlap(r1: list[list[int]], r2: list[list[int]]) -> list[int] | None:
-    for a, b in r1:
-        for c, d in r2:
-            if max(a, c) < min(b, d):
-                return [max(a, c), min(b, d)]
-    return None
 
 
 def _topn_merge(sim: torch.Tensor, off: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,9 +167,9 @@ class PrototypeIndex:
     manifest: dict[str, Any]
     """kind, format_version, model_sha256, shard_key, split, top_n, num_prototypes, block_size, bins,
     batch_size, universe, target, covered, tokens, token_max_cos_sum, residual_share_sum, created…"""
-    shards: Any = field(default=None, repr=False, compare=False)
+    shards: ShardSet | None = field(default=None, repr=False, compare=False)
     """The ``ShardSet`` the offsets point into (needed for snippets)."""
-    tokenizer: Any = field(default=None, repr=False, compare=False)
+    tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
     path: Path | None = field(default=None, compare=False)
 
     # ----- sizes and metrics -------------------------------------------------------------------------
@@ -251,12 +188,12 @@ class PrototypeIndex:
     @property
     def complete(self) -> bool:
         """True when the covered sequences are the whole target range (nothing left to resume)."""
-        return _merge_ranges(self.manifest["covered"]) == [list(self.manifest["target"])]
+        return merge_ranges(self.manifest["covered"]) == [list(self.manifest["target"])]
 
     @property
     def covers_all(self) -> bool:
         """True when every sequence of ``[0, universe)`` is indexed (a whole index, not a part)."""
-        return _merge_ranges(self.manifest["covered"]) == [[0, int(self.manifest["universe"])]]
+        return merge_ranges(self.manifest["covered"]) == [[0, int(self.manifest["universe"])]]
 
     def coverage(self) -> dict[str, float]:
         """R̄1, R2, dead prototypes and residual share over the indexed tokens (definitions of
@@ -289,13 +226,13 @@ class PrototypeIndex:
 
     # ----- neighbourhoods ----------------------------------------------------------------------------
     def neighbours(self, i: int, n: int | None = None, *, before: int = 12, after: int = 3,
-                   shards: Any = None) -> list[Neighbour]:
+                   shards: ShardSet | None = None) -> list[Neighbour]:
         """Prototype ``i``'s nearest training contexts (at most ``n``), with snippets when shards are
         attached: ``before`` tokens of context and ``after`` tokens after the marked target, clipped to
         the target's document."""
         i = self._check_id(i)
         shards = shards if shards is not None else self.shards
-        out = []
+        out: list[Neighbour] = []
         for s, o in zip(self.top_sim[i].tolist(), self.top_offset[i].tolist()):
             if o == _NO_OFFSET or (n is not None and len(out) >= n):
                 break
@@ -306,13 +243,16 @@ class PrototypeIndex:
         return out
 
     # ----- identity checks ---------------------------------------------------------------------------
-    def check(self, *, checkpoint: Any = None, model_sha256: str | None = None, shards: Any = None,
+    def check(self, *, model_sha256: str | None = None, shards: ShardSet | None = None,
               shard_key: str | None = None) -> None:
-        """Raise ``ArtifactMismatch`` unless the index was built from this checkpoint and these shards."""
+        """Raise ``ArtifactMismatch`` unless the index was built from this model (``model_sha256``: a
+        checkpoint's ``manifest["model_sha256"]``) and these shards (``shards`` or their ``shard_key``)."""
+        if shards is not None:
+            shard_key = shards.manifest["key"]
         check_provenance(self.manifest, what=f"prototype index{_where(self.path)}", rebuild="prism index",
-                         checkpoint=checkpoint, model_sha256=model_sha256, shards=shards, shard_key=shard_key)
+                         model_sha256=model_sha256, shard_key=shard_key)
 
-    def attach(self, shards: Any) -> PrototypeIndex:
+    def attach(self, shards: ShardSet) -> PrototypeIndex:
         """Attach the shards the offsets point into (checked against the manifest); returns self."""
         self.check(shards=shards)
         self.shards = shards
@@ -324,34 +264,26 @@ class PrototypeIndex:
         """Write ``index.safetensors`` + ``manifest.json`` atomically (a ``.tmp`` folder renamed into
         place; ``labels.json`` already in the folder is kept)."""
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({"top_sim": self.top_sim.contiguous(), "top_offset": self.top_offset.contiguous(),
-                   "counts": self.counts.contiguous(), "act_sum": self.act_sum.contiguous(),
-                   "hist": self.hist.contiguous()}, str(tmp / TENSORS_FILE))
         manifest = dict(self.manifest)
-        manifest["covered"] = _merge_ranges(manifest["covered"])
+        manifest["covered"] = merge_ranges(manifest["covered"])
         manifest["complete"] = manifest["covered"] == [list(manifest["target"])]
         manifest["saved"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-        if (path / LABELS_FILE).exists():
-            shutil.copy2(path / LABELS_FILE, tmp / LABELS_FILE)
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        with atomic_dir(path) as tmp:
+            save_file({"top_sim": self.top_sim.contiguous(), "top_offset": self.top_offset.contiguous(),
+                       "counts": self.counts.contiguous(), "act_sum": self.act_sum.contiguous(),
+                       "hist": self.hist.contiguous()}, str(tmp / TENSORS_FILE))
+            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+            if (path / LABELS_FILE).exists():
+                shutil.copy2(path / LABELS_FILE, tmp / LABELS_FILE)
         self.path = path
         self.manifest = manifest
         return path
 
     @classmethod
-    def load(cls, path: str | Path, *, checkpoint: Any = None, model_sha256: str | None = None,
-             shards: Any = None, shard_key: str | None = None) -> PrototypeIndex:
-        """Open a saved index; with ``checkpoint``/``model_sha256`` and ``shards``/``shard_key`` it is
-        checked against them (``ArtifactMismatch``), and ``shards`` are attached for snippets."""
+    def load(cls, path: str | Path, *, model_sha256: str | None = None, shards: ShardSet | None = None,
+             shard_key: str | None = None) -> PrototypeIndex:
+        """Open a saved index; with ``model_sha256`` and ``shards``/``shard_key`` it is checked against
+        them (``ArtifactMismatch``), and ``shards`` are attached for snippets."""
         path = Path(path)
         if not (path / MANIFEST_FILE).exists() or not (path / TENSORS_FILE).exists():
             raise ArtifactError(f"{path} is not a prototype index (expected {MANIFEST_FILE} and {TENSORS_FILE}); "
@@ -367,7 +299,7 @@ class PrototypeIndex:
                   hist=t["hist"], manifest=manifest, path=path)
         if tuple(idx.top_sim.shape) != (manifest["num_prototypes"], manifest["top_n"]):
             raise ArtifactError(f"{path}: tensor shapes {tuple(idx.top_sim.shape)} do not match the manifest")
-        idx.check(checkpoint=checkpoint, model_sha256=model_sha256, shards=shards, shard_key=shard_key)
+        idx.check(model_sha256=model_sha256, shards=shards, shard_key=shard_key)
         if shards is not None:
             idx.attach(shards)
         return idx
@@ -383,7 +315,7 @@ def _where(path: Path | None) -> str:
     return f" {path}" if path is not None else ""
 
 
-def _fill_snippet(nb: Neighbour, shards: Any, tokenizer: Any, before: int, after: int) -> None:
+def _fill_snippet(nb: Neighbour, shards: ShardSet, tokenizer: Tokenizer, before: int, after: int) -> None:
     shard = shards.train
     target_off = nb.offset + 1
     d, pos = shard.locate(target_off)
@@ -426,7 +358,7 @@ class _Builder:
         return b
 
     @torch.no_grad()
-    def update(self, out: Any, p_unit: torch.Tensor, base_offsets: torch.Tensor, chunk: int) -> None:
+    def update(self, out: PrismOutput, p_unit: torch.Tensor, base_offsets: torch.Tensor, chunk: int) -> None:
         """One model output over B aligned sequences; ``base_offsets`` (B,) = j·T of each sequence."""
         z = out.hidden  # (B, T, d)
         B, T, d = z.shape
@@ -458,8 +390,8 @@ class _Builder:
 
 
 def build_index(
-    model: Any,
-    shards: Any,
+    model: PrismLM,
+    shards: ShardSet,
     *,
     top_n: int = 32,
     batch_size: int = 8,
@@ -472,28 +404,29 @@ def build_index(
     chunk_size: int | None = None,
     model_sha256: str | None = None,
     device: str | torch.device | None = None,
-    autocast: Any = None,
+    autocast: torch.autocast | None = None,
     progress: bool = True,
     stop_after_batches: int | None = None,
 ) -> PrototypeIndex:
     """One streaming pass of ``model`` over ``shards.train``; returns a ``PrototypeIndex``.
 
-    ``model``: a loaded ``Checkpoint`` (preferred: the index records its ``model_sha256``) or a
-    ``PrismLM`` (then ``model_sha256`` or a weights hash identifies it). ``part=(i, n)``: index only the
+    ``model``: a PRISM ``PrismLM``; ``model_sha256``: its identity recorded in the index (pass the
+    checkpoint's ``manifest["model_sha256"]``; None: a hash of the weights, ``model_identity``). ``part=(i, n)``: index only the
     i-th of n batch-aligned slices of the first ``max_sequences`` sequences; ``prism index-merge``
     combines the parts. ``resume_from``: a partial index (or its folder) to continue after its last
     finished batch. ``out`` + ``checkpoint_every``: save there every that many batches (and at the end).
     ``stop_after_batches``: stop early (simulates an interruption in tests).
     """
-    ident = model_sha256 or model_identity(model)
-    net = _unwrap(model)
-    if not getattr(net, "is_prism", False):
-        raise ArtifactError("a prototype index needs a PRISM model; this is the dense baseline")
+    net = model
+    if net.prototypes is None:
+        raise ModelError("a prototype index needs a PRISM model; this is the dense baseline (it has no prototypes)")
     if top_n < 1:
-        raise ArtifactError(f"top_n must be >= 1, got {top_n}")
+        raise ConfigError(f"top_n must be >= 1, got {top_n} (option --top-n)")
+    protos = net.prototypes
+    ident = model_sha256 or model_identity(net)
     dev = torch.device(device) if device is not None else next(net.parameters()).device
     T = net.config.block_size
-    K = net.prototypes.num_prototypes
+    K = protos.num_prototypes
     n_all = shards.train.num_sequences(T)
     universe = n_all if max_sequences is None else min(n_all, max_sequences)
     if universe < 1:
@@ -511,7 +444,7 @@ def build_index(
         batch_size = int(m["batch_size"])  # the batch grid must stay the same
         builder = _Builder.from_index(prev, dev)
         start, stop = m["target"]
-        covered = _merge_ranges(m["covered"])
+        covered = merge_ranges(m["covered"])
         done_to = covered[-1][1] if covered else start
         if covered and covered != [[start, done_to]]:
             raise ArtifactError(f"cannot resume: covered ranges {covered} are not one prefix of the target {m['target']}")
@@ -520,52 +453,49 @@ def build_index(
         start, stop = part_range(universe, batch_size, part)
         done_to = start
         # similarities are stored in float32, or float64 for a float64 model (exactness tests)
-        sim_dtype = torch.promote_types(net.prototypes.weight.dtype, torch.float32)
+        sim_dtype = torch.promote_types(protos.weight.dtype, torch.float32)
         builder = _Builder(K, top_n, bins, dev, sim_dtype)
-        from prismlm._version import __version__
-
         manifest = {
             "kind": KIND, "format_version": FORMAT_VERSION, "model_sha256": ident,
-            "shard_key": shards.manifest["key"], "shards_root": str(Path(getattr(shards, "root", "")).resolve()), "split": "train",
-            "top_n": top_n, "num_prototypes": K, "block_size": T, "top_k": net.prototypes.cfg.top_k,
+            "shard_key": shards.manifest["key"], "shards_root": str(Path(shards.root).resolve()),
+            "split": "train",
+            "top_n": top_n, "num_prototypes": K, "block_size": T, "top_k": protos.cfg.top_k,
             "bins": bins, "batch_size": batch_size, "universe": universe, "part": list(part),
             "target": [start, stop], "covered": [], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "prismlm_version": __version__, "torch_version": torch.__version__,
+            **provenance(),
         }
-    chunk = chunk_size or net.prototypes.cfg.chunk_size
-    p = net.prototypes.weight.detach()
+    chunk = chunk_size or protos.cfg.chunk_size
+    p = protos.weight.detach()
     p_unit = F.normalize(p.to(torch.promote_types(p.dtype, torch.float32)), dim=-1).to(dev)  # (K, d)
-    was_training = net.training
-    net.eval()
     total_tokens = (stop - start) * T
     bar = tqdm(total=total_tokens, initial=(done_to - start) * T, disable=not progress, desc="index",
                unit="tok", unit_scale=True, dynamic_ncols=True)
     t0, tok0 = time.perf_counter(), 0
     batches = 0
     elapsed = 0.0
-    try:
-        j = done_to
-        while j < stop:
-            j1 = min(stop, (j // batch_size + 1) * batch_size)  # fixed grid of batches
-            ids = np.arange(j, j1, dtype=np.int64)
-            x = torch.from_numpy(shards.train.sequences(ids, T)[:, :-1]).to(dev)  # (B, T)
-            with torch.no_grad(), (autocast or nullcontext()):
-                fo = net(x)  # the model's one PrismOutput
-            builder.update(fo, p_unit, torch.from_numpy(ids * T).to(dev), chunk)
-            manifest["covered"] = _merge_ranges(manifest["covered"] + [[j, j1]])
-            j = j1
-            batches += 1
-            tok0 += x.numel()
-            bar.update(x.numel())
-            elapsed = time.perf_counter() - t0
-            bar.set_postfix(tok_s=f"{tok0 / max(elapsed, 1e-9):,.0f}")
-            if out is not None and checkpoint_every and batches % checkpoint_every == 0 and j < stop:
-                builder.to_index(manifest).save(out)
-            if stop_after_batches is not None and batches >= stop_after_batches:
-                break
-    finally:
-        bar.close()
-        net.train(was_training)
+    with eval_mode(net):
+        try:
+            j = done_to
+            while j < stop:
+                j1 = min(stop, (j // batch_size + 1) * batch_size)  # fixed grid of batches
+                ids = np.arange(j, j1, dtype=np.int64)
+                x = torch.from_numpy(shards.train.sequences(ids, T)[:, :-1]).to(dev)  # (B, T)
+                with torch.no_grad(), (autocast or nullcontext()):
+                    fo = net(x)  # the model's one PrismOutput
+                builder.update(fo, p_unit, torch.from_numpy(ids * T).to(dev), chunk)
+                manifest["covered"] = merge_ranges(manifest["covered"] + [[j, j1]])
+                j = j1
+                batches += 1
+                tok0 += x.numel()
+                bar.update(x.numel())
+                elapsed = time.perf_counter() - t0
+                bar.set_postfix(tok_s=f"{tok0 / max(elapsed, 1e-9):,.0f}")
+                if out is not None and checkpoint_every and batches % checkpoint_every == 0 and j < stop:
+                    builder.to_index(manifest).save(out)
+                if stop_after_batches is not None and batches >= stop_after_batches:
+                    break
+        finally:
+            bar.close()
     manifest["build_seconds"] = manifest.get("build_seconds", 0.0) + elapsed
     manifest["tokens_per_s_last_run"] = tok0 / max(elapsed, 1e-9) if tok0 else None
     idx = builder.to_index(manifest)
@@ -597,16 +527,16 @@ def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:
                 raise ArtifactError(f"cannot merge: {key} differs ({first[key]} vs {m[key]})")
     covered: list[list[int]] = []
     for p in parts:
-        ov = _overlap(covered, _merge_ranges(p.manifest["covered"]))
+        ov = overlap(covered, merge_ranges(p.manifest["covered"]))
         if ov is not None:
             raise ArtifactError(f"cannot merge: parts overlap on sequences [{ov[0]}, {ov[1]}) — each sequence must "
                               f"be indexed once")
-        covered = _merge_ranges(covered + p.manifest["covered"])
+        covered = merge_ranges(covered + p.manifest["covered"])
     sim = torch.cat([p.top_sim for p in parts], dim=1)
     off = torch.cat([p.top_offset for p in parts], dim=1)
     top_sim, top_off = _topn_merge(sim, off, parts[0].top_n)
     manifest = dict(first)
-    targets = _merge_ranges([list(p.manifest["target"]) for p in parts])
+    targets = merge_ranges([list(p.manifest["target"]) for p in parts])
     manifest.update({
         "covered": covered, "part": [0, 1],
         "target": [targets[0][0], targets[-1][1]] if len(targets) == 1 else [0, first["universe"]],
@@ -617,6 +547,9 @@ def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:
         "merged_from": len(parts), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
     manifest.pop("tokens_per_s_last_run", None)
-    return PrototypeIndex(top_sim=top_sim, top_offset=top_off, counts=sum(p.counts for p in parts),
-                          act_sum=sum(p.act_sum for p in parts), hist=sum(p.hist for p in parts),
+    first_part, rest = parts[0], parts[1:]  # sums start from the first part (0 + x would change nothing)
+    return PrototypeIndex(top_sim=top_sim, top_offset=top_off,
+                          counts=sum((p.counts for p in rest), first_part.counts),
+                          act_sum=sum((p.act_sum for p in rest), first_part.act_sum),
+                          hist=sum((p.hist for p in rest), first_part.hist),
                           manifest=manifest, shards=parts[0].shards, tokenizer=parts[0].tokenizer)

@@ -29,11 +29,16 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from prismlm.artifacts import atomic_write_text
+from prismlm.errors import ArtifactError
 from prismlm.explain.index import LABELS_FILE, PrototypeIndex
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet
 
 __all__ = ["CATEGORIES", "classify_token", "corpus_token_counts", "llm_labels", "rule_labels", "save_labels",
            "load_labels"]
@@ -77,7 +82,7 @@ def classify_token(tok: str, *, eot: str | None = None) -> str:
     return "content"
 
 
-def corpus_token_counts(shards: Any, chunk: int = 1 << 24) -> np.ndarray:
+def corpus_token_counts(shards: ShardSet, chunk: int = 1 << 24) -> np.ndarray:
     """Token frequencies of the training split, streamed in chunks (O(V) memory)."""
     toks = shards.train.tokens
     V = shards.tokenizer.vocab_size
@@ -91,7 +96,7 @@ def _q(tok: str) -> str:
     return json.dumps(tok, ensure_ascii=False)
 
 
-def rule_labels(index: PrototypeIndex, *, shards: Any = None, neighbours: int | None = None,
+def rule_labels(index: PrototypeIndex, *, shards: ShardSet | None = None, neighbours: int | None = None,
                 context: int = 8, corpus_counts: np.ndarray | None = None) -> dict[int, dict[str, Any]]:
     """Label every prototype of ``index`` from its neighbourhood (shards attached or given).
 
@@ -101,7 +106,8 @@ def rule_labels(index: PrototypeIndex, *, shards: Any = None, neighbours: int | 
     """
     shards = shards if shards is not None else index.shards
     if shards is None:
-        raise ValueError("rule labels need the token shards the index points into (attach them to the index)")
+        raise ArtifactError("rule labels need the token shards the index points into: attach them with "
+                            "`index.attach(shards)` or pass `shards=`")
     tok = shards.tokenizer
     eot = tok.decode([tok.eot_id])
     counts = corpus_token_counts(shards) if corpus_counts is None else corpus_counts
@@ -114,6 +120,7 @@ def rule_labels(index: PrototypeIndex, *, shards: Any = None, neighbours: int | 
         prevs: Counter[int] = Counter()
         ctx: Counter[int] = Counter()
         for nb in nbs:
+            assert nb.target_id is not None and nb.doc_index is not None  # filled from the shards
             nexts[int(nb.target_id)] += 1
             prevs[int(train[nb.offset])] += 1
             a = max(int(shards.train.doc_offsets[nb.doc_index]), nb.offset + 1 - context)
@@ -154,10 +161,8 @@ def rule_labels(index: PrototypeIndex, *, shards: Any = None, neighbours: int | 
 def save_labels(labels: dict[int, dict[str, Any]], index_dir: str | Path) -> Path:
     """Write ``labels.json`` next to the index."""
     path = Path(index_dir) / LABELS_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({str(k): v for k, v in sorted(labels.items())}, indent=1, ensure_ascii=False) + "\n",
-                   encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({str(k): v for k, v in sorted(labels.items())}, indent=1,
+                                       ensure_ascii=False) + "\n")
     return path
 
 

@@ -12,11 +12,15 @@ from __future__ import annotations
 import html
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from prismlm.explain.explanation import Explanation
+    from prismlm.tda.attribute import Attribution
 
 __all__ = ["render_html", "render_terminal", "write_html"]
 
@@ -25,7 +29,7 @@ def _vis(tok: str) -> str:
     return tok.replace("\n", "↵").replace("\t", "⇥")
 
 
-def render_terminal(expl: Any, console: Console | None = None, *, top: int = 3, max_rows: int = 64) -> None:
+def render_terminal(expl: Explanation, console: Console | None = None, *, top: int = 3, max_rows: int = 64) -> None:
     """Token by token: chosen next token, logit, top prototypes (label and share), residual share.
 
     For a generation only the generated tokens are listed."""
@@ -123,9 +127,10 @@ document.getElementById('all').onclick = () => document.querySelectorAll('.card'
 """
 
 
-def _attribution_html(att: Any) -> str:
-    """The "Training data" section: top training sequences of an ``Attribution`` (prismlm.tda.attribute)."""
-    a = att.to_dict() if hasattr(att, "to_dict") else att
+def _attribution_html(att: Attribution | dict[str, Any]) -> str:
+    """The "Training data" section: top training sequences of an ``Attribution`` (prismlm.tda.attribute),
+    or its ``to_dict()``."""
+    a = att if isinstance(att, dict) else att.to_dict()
     rows = []
     for it in a["top"]:
         protos = ", ".join(f'<a href="#p{p["id"]}">#{p["id"]}</a> ({p["contribution"]:+.3g})' for p in it["prototypes"][:3])
@@ -142,7 +147,8 @@ def _attribution_html(att: Any) -> str:
             f"(contribution)</th><th>snippet</th></tr>{''.join(rows)}</table>")
 
 
-def render_html(expl: Any, *, title: str = "PRISM explanation", attribution: Any = None) -> str:
+def render_html(expl: Explanation, *, title: str = "PRISM explanation",
+                attribution: Attribution | dict[str, Any] | None = None) -> str:
     """A self-contained HTML page (inline CSS/JS/SVG, embedded JSON; no network). ``attribution``: an
     optional ``Attribution`` shown as a "Training data" section."""
     d = expl.to_dict()
@@ -174,7 +180,8 @@ Model {html.escape(str(d['model_sha256'] or 'n/a'))[:24]}…, index {html.escape
 """
 
 
-def write_html(expl: Any, path: str | Path, **kw: Any) -> Path:
+def write_html(expl: Explanation, path: str | Path, *, title: str = "PRISM explanation",
+               attribution: Attribution | dict[str, Any] | None = None) -> Path:
     path = Path(path)
-    path.write_text(render_html(expl, **kw), encoding="utf-8")
+    path.write_text(render_html(expl, title=title, attribution=attribution), encoding="utf-8")
     return path

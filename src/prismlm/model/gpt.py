@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from prismlm.config import ModelConfig
+from prismlm.errors import ModelError
 from prismlm.model import losses as L
+from prismlm.model.interventions import Intervention, check_ids, combined_multipliers
 from prismlm.model.prototypes import PrototypeLayer
 
 
@@ -100,13 +102,27 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Backbone(nn.ModuleDict):
+    """The GPT-2 ``transformer`` container: a ``ModuleDict`` whose entries are declared here for the type
+    checker only (the modules live in the dict, so state-dict keys stay ``transformer.wte.weight`` …)."""
+
+    wte: nn.Embedding
+    wpe: nn.Embedding
+    drop: nn.Dropout
+    h: nn.ModuleList
+    ln_f: nn.LayerNorm
+
+
 class PrismLM(nn.Module):
     """GPT backbone + prototype head. ``PrismLM(cfg)`` with ``cfg.prototypes=None`` is the dense baseline."""
+
+    prototypes: PrototypeLayer | None
+    proto_multipliers: torch.Tensor | None  # a non-persistent buffer, see __init__
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.transformer = nn.ModuleDict(dict(
+        self.transformer = Backbone(dict(
             wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
             drop=nn.Dropout(cfg.dropout),
@@ -142,9 +158,16 @@ class PrismLM(nn.Module):
     def is_prism(self) -> bool:
         return self.prototypes is not None
 
+    def require_prototypes(self, what: str = "prototypes") -> PrototypeLayer:
+        """The prototype layer, or ``ModelError`` ("the dense baseline has no {what}")."""
+        if self.prototypes is None:
+            raise ModelError(f"the dense baseline has no {what}")
+        return self.prototypes
+
     def num_parameters(self, *, prototypes: bool = True) -> int:
         """Unique parameters (tied weights counted once); ``prototypes=False`` leaves out the bank."""
-        seen, total = set(), 0
+        seen: set[int] = set()
+        total = 0
         for name, p in self.named_parameters():
             if id(p) in seen or (not prototypes and name.startswith("prototypes.")):
                 continue
@@ -156,7 +179,7 @@ class PrismLM(nn.Module):
         """idx (B, T) int64 → z (B, T, d), the final-LayerNorm hidden states."""
         B, T = idx.shape
         if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds the context window block_size={self.config.block_size}")
+            raise ModelError(f"sequence length {T} exceeds the context window block_size={self.config.block_size}")
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, d)
         for block in self.transformer.h:
@@ -177,22 +200,23 @@ class PrismLM(nn.Module):
         B, T, d = z.shape
         out_z = z[:, -1:, :] if last_only else z
         mult = self.proto_multipliers
-        # Unmodified model: logits straight from z (ℓ = W z = W r + Σ a_i W p_i since z = ẑ + r).
-        logits = self.lm_head(out_z) if mult is None else None  # (B, T, V) — identical head for PRISM and dense
+        po = self.prototypes(z.reshape(B * T, d)) if self.prototypes is not None else None
+        if po is None or mult is None:
+            # Unmodified model: logits straight from z (ℓ = W z = W r + Σ a_i W p_i since z = ẑ + r).
+            logits = self.lm_head(out_z)  # (B, T, V) — identical head for PRISM and dense
+        else:
+            # ℓ' = W r + Σ_i m_i a_i W p_i = W (z + Σ_i (m_i − 1) a_i p_i): the slices of prototypes with
+            # m_i = 1 are untouched, a suppressed one (m_i = 0) is removed exactly (spec §4).
+            a = po.activations * (mult[po.indices].to(po.activations.dtype) - 1.0)  # (N, k)
+            delta = torch.einsum("nk,nkd->nd", a, self.require_prototypes().weight[po.indices].to(a.dtype))  # (N, d)
+            z_mod = (z.reshape(B * T, d).to(delta.dtype) + delta).to(z.dtype).view(B, T, d)
+            logits = self.lm_head(z_mod[:, -1:, :] if last_only else z_mod)  # (B, T, V)
         out = PrismOutput(logits=logits, hidden=z)
-        if self.prototypes is not None:
-            po = self.prototypes(z.reshape(B * T, d))
+        if po is not None:
             k = po.indices.shape[-1]
             out.indices = po.indices.view(B, T, k)
             out.activations = po.activations.view(B, T, k)
             if mult is not None:
-                # ℓ' = W r + Σ_i m_i a_i W p_i = W (z + Σ_i (m_i − 1) a_i p_i): the slices of prototypes with
-                # m_i = 1 are untouched, a suppressed one (m_i = 0) is removed exactly (spec §4).
-                a = po.activations * (mult[po.indices].to(po.activations.dtype) - 1.0)  # (N, k)
-                delta = torch.einsum("nk,nkd->nd", a, self.prototypes.weight[po.indices].to(a.dtype))  # (N, d)
-                z_mod = (z.reshape(B * T, d).to(delta.dtype) + delta).to(z.dtype).view(B, T, d)
-                logits = self.lm_head(z_mod[:, -1:, :] if last_only else z_mod)  # (B, T, V)
-                out.logits = logits
                 out.prototype_multipliers = mult
             out.residual = po.residual.view(B, T, d)
             out.token_max_cos = po.token_max_cos.view(B, T)
@@ -208,24 +232,23 @@ class PrismLM(nn.Module):
 
     # ----- suppression and control (spec §4): the forward output itself is modified, nothing else ----------
     def check_prototype_ids(self, ids: Iterable[int] | torch.Tensor) -> torch.Tensor:
-        """Validate prototype ids → (n,) int64 tensor; ``ValueError`` naming the bad ids otherwise."""
+        """Validate prototype ids → (n,) int64 tensor; ``ModelError`` naming the bad ids otherwise."""
         if self.prototypes is None:
-            raise ValueError("the dense baseline has no prototypes to suppress or control")
-        if isinstance(ids, torch.Tensor):
-            ids_list = ids.flatten().tolist()
-        else:
-            ids_list = list(ids)
-        bad_type = [i for i in ids_list if isinstance(i, bool) or not isinstance(i, int) and not
-                    (isinstance(i, float) and i.is_integer())]
-        if bad_type:
-            raise ValueError(f"prototype ids must be integers, got {bad_type[:5]}")
-        ids_list = [int(i) for i in ids_list]
-        K = self.prototypes.num_prototypes
-        unknown = sorted({i for i in ids_list if not 0 <= i < K})
-        if unknown:
-            raise ValueError(f"unknown prototype id(s) {unknown[:10]}{' …' if len(unknown) > 10 else ''}: "
-                             f"this model has {K} prototypes (ids 0–{K - 1})")
-        return torch.tensor(ids_list, dtype=torch.long)
+            raise ModelError("the dense baseline has no prototypes to suppress or control")
+        ids_list = ids if isinstance(ids, torch.Tensor) else list(ids)
+        return torch.tensor(check_ids(ids_list, self.prototypes.num_prototypes), dtype=torch.long)
+
+    def intervene(self, *interventions: Intervention) -> AbstractContextManager[PrismLM]:
+        """``with model.intervene(Suppress.of(ids), Control(c)):`` applies interventions (values from
+        ``prismlm.model.interventions``) for the block, multiplied together; the model is restored on exit.
+        With no interventions it is a no-op (also on the dense baseline)."""
+        if not interventions:
+            return nullcontext(self)
+        if self.prototypes is None:
+            raise ModelError("the dense baseline has no prototypes to suppress or control")
+        m = combined_multipliers(interventions, self.prototypes.num_prototypes)
+        assert m is not None
+        return self.scale_prototypes(m.to(self.prototypes.weight.dtype))
 
     @contextmanager
     def scale_prototypes(self, multipliers: torch.Tensor) -> Iterator[PrismLM]:
@@ -233,10 +256,10 @@ class PrismLM(nn.Module):
         ℓ' = W r + Σ_i m_i a_i W p_i. Nested blocks compose multiplicatively; the previous state is
         always restored on exit, also when the body raises. Gradients flow into ``multipliers``."""
         if self.prototypes is None:
-            raise ValueError("the dense baseline has no prototypes to suppress or control")
+            raise ModelError("the dense baseline has no prototypes to suppress or control")
         K = self.prototypes.num_prototypes
         if multipliers.shape != (K,):
-            raise ValueError(f"multipliers must have shape ({K},), got {tuple(multipliers.shape)}")
+            raise ModelError(f"multipliers must have shape ({K},), got {tuple(multipliers.shape)}")
         previous = self.proto_multipliers
         dev = self.prototypes.weight.device
         m = multipliers.to(dev)
@@ -246,15 +269,16 @@ class PrismLM(nn.Module):
         finally:
             self.proto_multipliers = previous
 
-    def suppress(self, ids: Iterable[int] | torch.Tensor):
+    def suppress(self, ids: Iterable[int] | torch.Tensor) -> AbstractContextManager[PrismLM]:
         """``with model.suppress(ids):`` removes the slices a_i W p_i of the given prototypes from every
         logit (spec §4), exactly; unknown ids raise ``ValueError`` before anything changes."""
         ids_t = self.check_prototype_ids(ids)
-        m = torch.ones(self.prototypes.num_prototypes, dtype=self.prototypes.weight.dtype)
+        protos = self.require_prototypes("prototypes to suppress or control")
+        m = torch.ones(protos.num_prototypes, dtype=protos.weight.dtype)
         m[ids_t] = 0.0
         return self.scale_prototypes(m)
 
-    def control(self, coefficients: torch.Tensor):
+    def control(self, coefficients: torch.Tensor) -> AbstractContextManager[PrismLM]:
         """``with model.control(c):`` re-weights prototype slices by (1 + c_i) (a sparse linear controller,
         spec §4); ``c = 0`` is exactly the base model."""
         return self.scale_prototypes(1.0 + coefficients)
@@ -262,7 +286,7 @@ class PrismLM(nn.Module):
     def signatures(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logit–token signatures W p_i: (K, V), or (len(ids), V) for selected prototypes."""
         if self.prototypes is None:
-            raise ValueError("the dense baseline has no prototypes")
+            raise ModelError("the dense baseline has no prototypes")
         p = self.prototypes.weight if ids is None else self.prototypes.weight[ids]
         return self.lm_head(p)
 
@@ -310,10 +334,10 @@ class LogitDecomposition:
 def decompose(model: PrismLM, out: PrismOutput, tokens: torch.Tensor) -> LogitDecomposition:
     """Split the logit of ``tokens`` (B, T) at every position into prototype slices plus a residual slice."""
     if out.indices is None or out.activations is None or out.residual is None:
-        raise ValueError("decompose needs a PRISM forward output (the dense baseline has no prototypes)")
+        raise ModelError("decompose needs a PRISM forward output (the dense baseline has no prototypes)")
     W = model.lm_head.weight  # (V, d)
     w_y = W[tokens].to(out.residual.dtype)  # (B, T, d): the output row of each chosen token
-    p_sel = model.prototypes.weight[out.indices].to(out.residual.dtype)  # (B, T, k, d)
+    p_sel = model.require_prototypes().weight[out.indices].to(out.residual.dtype)  # (B, T, k, d)
     proto_slices = out.activations * torch.einsum("btkd,btd->btk", p_sel, w_y)  # (B, T, k)
     residual_slice = (out.residual * w_y).sum(-1)  # (B, T)
     if out.prototype_multipliers is not None:  # suppressed/controlled forward: slices scaled by m_i, as there

@@ -19,7 +19,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
 
 def reconstruction_loss(residual: torch.Tensor, hidden: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """REC = mean over tokens of ‖r_t‖² / ‖z_t‖². residual, hidden: (N, d)."""
-    return (residual.pow(2).sum(-1) / hidden.float().pow(2).sum(-1).clamp_min(eps)).mean()
+    hidden = hidden.to(torch.promote_types(hidden.dtype, torch.float32))  # bf16 → fp32, fp64 stays fp64
+    return (residual.pow(2).sum(-1) / hidden.pow(2).sum(-1).clamp_min(eps)).mean()
 
 
 def r1_loss(proto_max_cos: torch.Tensor) -> torch.Tensor:

@@ -4,16 +4,9 @@ block curvature, the postings cache, ``attribute``; whole-network baselines live
 
 from prismlm.tda.attribute import AttributedSequence, Attribution, attribute
 from prismlm.tda.cache import AttributionCache, build_cache, merge_caches
-from prismlm.tda.influence import (
-                                   BlockGradients,
-                                   Curvature,
-                                   FullGradients,
-                                   block_gradients,
-                                   curvature_pass,
-                                   influence_scores,
-                                   query_gradients,
-)
+from prismlm.tda.gradients import BlockGradients, block_gradients, output_gradients, query_table
+from prismlm.tda.influence import Curvature, FullGradients, curvature_pass, influence_scores, query_gradients
 
 __all__ = ["Attribution", "AttributedSequence", "AttributionCache", "BlockGradients", "Curvature", "FullGradients",
            "attribute", "block_gradients", "build_cache", "curvature_pass", "influence_scores", "merge_caches",
-           "query_gradients"]
+           "output_gradients", "query_gradients", "query_table"]

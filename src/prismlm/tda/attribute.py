@@ -17,13 +17,21 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from prismlm.errors import ConfigError, ModelError
+from prismlm.model import eval_mode
 from prismlm.tda.cache import AttributionCache
-from prismlm.tda.influence import FullGradients, _unwrap, query_gradients
+from prismlm.tda.gradients import BlockGradients, output_gradients, query_table
+from prismlm.tda.influence import Curvature, FullGradients, query_gradients
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet
+    from prismlm.data.tokenizer import Tokenizer
+    from prismlm.model import PrismLM
 
 __all__ = ["Attribution", "AttributedSequence", "attribute", "make_query"]
 
@@ -67,7 +75,7 @@ class Attribution:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n")
 
 
-def make_query(tokenizer: Any, prompt: str, completion: str | None = None, *,
+def make_query(tokenizer: Tokenizer, prompt: str, completion: str | None = None, *,
                completion_tokens: int | None = None) -> tuple[list[int], int]:
     """(token ids, measure_from) of a query: ``[eot] + prompt (+ completion)``; measured are the completion's
     tokens, or the last ``completion_tokens`` tokens, or all tokens."""
@@ -78,24 +86,25 @@ def make_query(tokenizer: Any, prompt: str, completion: str | None = None, *,
         start = 1 + len(p)
     elif completion_tokens:
         if completion_tokens >= len(ids):
-            raise ValueError(f"--completion {completion_tokens} is not shorter than the text ({len(ids) - 1} tokens)")
+            raise ConfigError(f"--completion {completion_tokens} is not shorter than the text ({len(ids) - 1} "
+                              f"tokens); measure fewer tokens")
         start = len(ids) - completion_tokens
     else:
         start = 1
     if len(ids) < 2:
-        raise ValueError("nothing to attribute: the text is empty")
+        raise ConfigError("nothing to attribute: the text is empty; give a prompt or a completion")
     return ids, start
 
 
 def attribute(
-    model: Any,
+    model: PrismLM,
+    tokenizer: Tokenizer,
     prompt: str,
     completion: str | None = None,
     *,
     cache: AttributionCache | None = None,
     full: FullGradients | None = None,
-    shards: Any = None,
-    tokenizer: Any = None,
+    shards: ShardSet | None = None,
     completion_tokens: int | None = None,
     generate: int = 0,
     temperature: float = 0.0,
@@ -105,26 +114,27 @@ def attribute(
     token_ids: Sequence[int] | None = None,
 ) -> Attribution:
     """Top training sequences for ``prompt`` (+ ``completion``), by the cached postings (``cache``) or the
-    full block gradients (``full``). ``generate=N`` samples N tokens after the prompt (greedy at
+    full block gradients (``full``) of the PRISM ``model`` (``tokenizer``: its tokenizer). ``generate=N`` samples N tokens after the prompt (greedy at
     ``temperature=0``) and attributes them as the completion. ``shards`` (for snippets) defaults to none.
     ``token_ids`` attributes exactly these tokens (e.g. an explained generation, whose text would not
     always re-tokenize to the same ids); ``completion_tokens`` then counts from their end."""
     import time
 
     t0 = time.perf_counter()
-    net = _unwrap(model)
-    tok = tokenizer or getattr(model, "tokenizer", None) or (shards.tokenizer if shards is not None else None)
-    if tok is None:
-        raise ValueError("attribute needs a tokenizer (pass a Checkpoint, or tokenizer=)")
+    net, tok = model, tokenizer
+    if net.prototypes is None:
+        raise ModelError("prototype-space attribution needs a PRISM model; this is the dense baseline (it has no "
+                         "prototypes)")
     if (cache is None) == (full is None):
-        raise ValueError("pass exactly one of cache= (fast) or full= (reference)")
+        raise ConfigError("pass exactly one of cache= (fast, the postings cache) or full= (reference)")
     notes = []
     if token_ids is not None:
         ids = [int(t) for t in token_ids]
         if len(ids) < 2:
-            raise ValueError("nothing to attribute: fewer than two tokens")
+            raise ConfigError("nothing to attribute: token_ids holds fewer than two tokens")
         if completion_tokens and completion_tokens >= len(ids):
-            raise ValueError(f"completion_tokens {completion_tokens} is not shorter than the {len(ids)} tokens")
+            raise ConfigError(f"completion_tokens {completion_tokens} is not shorter than the {len(ids)} tokens; "
+                              f"measure fewer tokens")
         start = len(ids) - completion_tokens if completion_tokens else 1
         prompt, completion = tok.decode(ids[:start]), tok.decode(ids[start:])
     elif generate > 0:
@@ -141,20 +151,21 @@ def attribute(
     if len(ids) > net.config.block_size + 1:
         notes.append(f"query cropped to its last {net.config.block_size + 1} tokens (the context window)")
     q = query_gradients(net, [(ids, start)])
+    curv: Curvature | None
     if cache is not None:
         scores, contrib = cache.scores(q, 1, contributions=True)
         s = scores[0]
         c_seq, c_proto, c_val = contrib[0]
         method, n_train, curv = "cached", cache.num_train, cache.curvature
     else:
+        assert full is not None
         s = full.scores(q, 1)[0]
         tr = full.train
         keep = torch.isin(tr.proto, q.proto)
-        P = q.grad if full.curvature is None else full.curvature.apply(q.proto, q.grad, -1.0)
-        table = torch.zeros(int(max(tr.proto.max(), q.proto.max())) + 1, q.grad.shape[1], dtype=P.dtype)
-        table[q.proto] = P
+        K = int(max(tr.proto.max(), q.proto.max())) + 1
+        table = query_table(q, full.curvature, K, 1)[:, 0]  # (K, d): H_i⁻¹ G_{q,i} (one query)
         c_seq, c_proto = tr.seq[keep].numpy(), tr.proto[keep].numpy()
-        c_val = (tr.grad[keep].to(P.dtype) * table[tr.proto[keep]]).sum(1).numpy()
+        c_val = (tr.grad[keep].to(table.dtype) * table[tr.proto[keep]]).sum(1).numpy()
         method, n_train, curv = "full", full.num_train, full.curvature
     k = min(top, n_train)
     # rank by score; ties broken by sequence id so results are deterministic
@@ -168,25 +179,26 @@ def attribute(
                                         prototypes=[{"id": int(pp[i]), "contribution": float(pv[i])} for i in o]))
     if shards is not None and items:
         _fill_snippets(net, shards, tok, items, q, curv, snippet_tokens)
+    assert q.loss is not None  # query_gradients measures every query's loss
     return Attribution(prompt=prompt, completion=completion or "", method=method, query_loss=float(q.loss.sum()),
                        measured_tokens=len(ids) - start, top=items, num_train=n_train,
                        seconds=time.perf_counter() - t0, notes=notes)
 
 
 @torch.no_grad()
-def _fill_snippets(net, shards, tok, items, q, curvature, width: int) -> None:
+def _fill_snippets(net: PrismLM, shards: ShardSet, tok: Tokenizer, items: list[AttributedSequence],
+                   q: BlockGradients, curvature: Curvature | None, width: int) -> None:
     """Snippet around each top sequence's most-contributing token (exact per-token decomposition)."""
     T = net.config.block_size
     js = np.array([it.sequence for it in items], dtype=np.int64)
     seqs = torch.from_numpy(shards.train.sequences(js, T))  # (B, T+1)
     dev = next(net.parameters()).device
-    out = net(seqs[:, :-1].to(dev))
+    with eval_mode(net):
+        out = net(seqs[:, :-1].to(dev))
+    assert out.activations is not None and out.indices is not None and net.prototypes is not None
     dt = torch.promote_types(out.logits.dtype, torch.float32)
-    W = net.lm_head.weight.detach().to(dt)
-    u = torch.softmax(out.logits.to(dt), -1) @ W - W[seqs[:, 1:].to(dev)]  # (B, T, d)
-    P = q.grad.to(dt) if curvature is None else curvature.apply(q.proto, q.grad.to(dt), -1.0)
-    table = torch.zeros(net.prototypes.num_prototypes, P.shape[1], dtype=dt, device=dev)
-    table[q.proto.to(dev)] = P.to(dev)
+    u = output_gradients(net, out.logits, seqs[:, 1:].to(dev))  # (B, T, d)
+    table = query_table(q, curvature, net.prototypes.num_prototypes, 1, dtype=dt, device=dev)[:, 0]  # (K, d)
     per_tok = (out.activations.to(dt)[..., None] * table[out.indices]).sum(2)  # (B, T, d)
     c_t = (per_tok * u).sum(-1)  # (B, T): token contributions, sum to the full score
     best = c_t.argmax(1).tolist()

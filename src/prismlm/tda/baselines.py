@@ -24,10 +24,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet
+    from prismlm.model import PrismLM
 
 __all__ = ["KronfluenceBaseline", "PrismTask", "QueryDataset", "TrainDataset"]
 
@@ -35,7 +39,7 @@ __all__ = ["KronfluenceBaseline", "PrismTask", "QueryDataset", "TrainDataset"]
 class TrainDataset(torch.utils.data.Dataset):
     """Training sequences [0, n) exactly as the trainer sees them: ``(T+1,)`` tokens, all T targets measured."""
 
-    def __init__(self, shards: Any, block_size: int, n: int):
+    def __init__(self, shards: ShardSet, block_size: int, n: int):
         self.shards, self.T, self.n = shards, block_size, n
 
     def __len__(self) -> int:
@@ -103,8 +107,9 @@ def PrismTask():  # noqa: N802 - a factory so that importing this module does no
 class KronfluenceBaseline:
     """Fit kronfluence factors once on the training sequences, then score query batches against them."""
 
-    model: Any
-    shards: Any
+    model: PrismLM
+    """The model (PRISM or the dense baseline); deep-copied, never modified."""
+    shards: ShardSet
     strategy: str = "ekfac"
     """identity, diagonal, kfac or ekfac."""
     max_sequences: int | None = None
@@ -120,7 +125,7 @@ class KronfluenceBaseline:
         from kronfluence.arguments import FactorArguments
 
         logging.getLogger("kronfluence").setLevel(logging.WARNING)
-        net = copy.deepcopy(getattr(self.model, "model", self.model)).float().eval()
+        net = copy.deepcopy(self.model).float().eval()
         self.T = net.config.block_size
         n_all = self.shards.train.num_sequences(self.T)
         self.n = n_all if self.max_sequences is None else min(n_all, self.max_sequences)

@@ -33,33 +33,39 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
-from prismlm.errors import ArtifactError, ArtifactMismatch
-from prismlm.explain.index import _merge_ranges, _overlap, check_provenance, model_identity, part_range
-from prismlm.tda.influence import (
-    BlockGradients,
-    Curvature,
-    _batches,
-    _forward,
-    _unwrap,
-    block_gradients,
-    curvature_pass,
+from prismlm.artifacts import (
+    atomic_dir,
+    check_provenance,
+    merge_ranges,
+    model_identity,
+    overlap,
+    part_range,
+    provenance,
 )
+from prismlm.config import AttributionConfig
+from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError
+from prismlm.model import eval_mode
+from prismlm.tda.gradients import BlockGradients, block_gradients
+from prismlm.tda.influence import Curvature, _batches, _forward, curvature_pass
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet
+    from prismlm.model import PrismLM
 
 __all__ = ["AttributionCache", "build_cache", "make_projection", "merge_caches"]
 
 KIND = "prismlm-attribution-cache"
 FORMAT_VERSION = 1
-_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
+_DTYPES: dict[str, type[np.floating]] = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 
 
 def make_projection(d: int, r: int, kind: Literal["identity", "orthogonal", "gaussian", "pca"] = "orthogonal",
@@ -67,24 +73,25 @@ def make_projection(d: int, r: int, kind: Literal["identity", "orthogonal", "gau
     """The fixed r × d sketch matrix R (float64)."""
     if kind == "identity":
         if r != d:
-            raise ArtifactError(f"projection 'identity' needs r = d = {d}, got r = {r}")
+            raise ConfigError(f"projection 'identity' needs r = d = {d}, got r = {r}; leave r unset (--r) or "
+                              f"choose another projection")
         return np.eye(d)
     g = torch.Generator().manual_seed(seed)
     if kind == "gaussian":
         return (torch.randn(r, d, generator=g, dtype=torch.float64) / math.sqrt(r)).numpy()
     if kind == "orthogonal":
         if r > d:
-            raise ArtifactError(f"projection 'orthogonal' needs r <= d = {d}, got r = {r}")
+            raise ConfigError(f"projection 'orthogonal' needs r <= d = {d}, got r = {r} (option --r)")
         q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
         return (q[:, :r].T * math.sqrt(d / r)).numpy()
-    raise ArtifactError(f"unknown projection {kind!r}: use identity, orthogonal, gaussian or pca")
+    raise ConfigError(f"unknown projection {kind!r} (option --projection): use identity, orthogonal, gaussian or pca")
 
 
-def _pca_projection(net: Any, shards: Any, curvature: Curvature, r: int, n: int, batch_size: int) -> np.ndarray:
+def _pca_projection(net: PrismLM, shards: ShardSet, curvature: Curvature, r: int, n: int, batch_size: int) -> np.ndarray:
     """Top-r eigenvectors (rows) of the second moment of whitened block gradients of sequences [0, n)."""
     d = net.config.n_embd
     if r > d:
-        raise ArtifactError(f"projection 'pca' needs r <= d = {d}, got r = {r}")
+        raise ConfigError(f"projection 'pca' needs r <= d = {d}, got r = {r} (option --r)")
     T, dev = net.config.block_size, next(net.parameters()).device
     C = torch.zeros(d, d, dtype=torch.float64)
     for j0, j1 in _batches(0, n, batch_size):
@@ -133,12 +140,15 @@ class AttributionCache:
         return int(self.seq.nbytes + self.sketch.nbytes + self.offsets.nbytes)
 
     # ----- identity checks ------------------------------------------------------------------------------
-    def check(self, *, checkpoint: Any = None, model_sha256: str | None = None, shards: Any = None,
+    def check(self, *, model_sha256: str | None = None, shards: ShardSet | None = None,
               shard_key: str | None = None) -> None:
-        """Raise ``ArtifactMismatch`` unless the cache was built from this checkpoint and these shards."""
+        """Raise ``ArtifactMismatch`` unless the cache was built from this model (``model_sha256``: a
+        checkpoint's ``manifest["model_sha256"]``) and these shards (``shards`` or their ``shard_key``)."""
         where = f" {self.path}" if self.path else ""
+        if shards is not None:
+            shard_key = shards.manifest["key"]
         check_provenance(self.manifest, what=f"attribution cache{where}", rebuild="prism attribute-cache",
-                         checkpoint=checkpoint, model_sha256=model_sha256, shards=shards, shard_key=shard_key)
+                         model_sha256=model_sha256, shard_key=shard_key)
 
     # ----- queries --------------------------------------------------------------------------------------
     def sketch_query(self, query: BlockGradients) -> torch.Tensor:
@@ -175,45 +185,45 @@ class AttributionCache:
     # ----- persistence ----------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        np.save(tmp / "offsets.npy", np.asarray(self.offsets))
-        np.save(tmp / "seq.npy", np.asarray(self.seq))
-        np.save(tmp / "sketch.npy", np.asarray(self.sketch))
-        np.save(tmp / "projection.npy", self.projection)
-        self.curvature.save(tmp / "curvature.safetensors")
-        (tmp / "manifest.json").write_text(json.dumps(self.manifest, indent=2) + "\n")
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        with atomic_dir(path) as tmp:
+            np.save(tmp / "offsets.npy", np.asarray(self.offsets))
+            np.save(tmp / "seq.npy", np.asarray(self.seq))
+            np.save(tmp / "sketch.npy", np.asarray(self.sketch))
+            np.save(tmp / "projection.npy", self.projection)
+            self.curvature.save(tmp / "curvature.safetensors")
+            (tmp / "manifest.json").write_text(json.dumps(self.manifest, indent=2) + "\n")
         self.path = path
         return path
 
     @classmethod
-    def load(cls, path: str | Path, *, checkpoint: Any = None, model_sha256: str | None = None, shards: Any = None,
+    def load(cls, path: str | Path, *, model_sha256: str | None = None, shards: ShardSet | None = None,
              mmap: bool = True) -> AttributionCache:
+        """Open a saved cache (arrays memory-mapped when ``mmap``); with ``model_sha256`` and ``shards`` it
+        is checked against them (``ArtifactMismatch``)."""
         path = Path(path)
         if not (path / "manifest.json").exists():
             raise ArtifactError(f"no attribution cache at {path}; build it with `prism attribute-cache`")
         manifest = json.loads((path / "manifest.json").read_text())
         if manifest.get("kind") != KIND:
             raise ArtifactError(f"{path} is not an attribution cache (kind {manifest.get('kind')!r})")
-        mode = "r" if mmap else None
+        mode: Literal["r"] | None = "r" if mmap else None
         c = cls(offsets=np.load(path / "offsets.npy"), seq=np.load(path / "seq.npy", mmap_mode=mode),
                 sketch=np.load(path / "sketch.npy", mmap_mode=mode), projection=np.load(path / "projection.npy"),
                 curvature=Curvature.load(path / "curvature.safetensors"), manifest=manifest, path=path)
-        c.check(checkpoint=checkpoint, model_sha256=model_sha256, shards=shards)
+        c.check(model_sha256=model_sha256, shards=shards)
         return c
 
 
 def _finalise(seq: np.ndarray, proto: np.ndarray, sketch: np.ndarray, K: int, out_dir: Path | None,
-              dtype: np.dtype, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              dtype: type[np.floating], r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Group postings by prototype (stable: sequence order kept) into CSR arrays (memory-mapped when
     ``out_dir`` is given)."""
     order = np.argsort(proto, kind="stable")
     offsets = np.zeros(K + 1, dtype=np.int64)
     np.cumsum(np.bincount(proto, minlength=K), out=offsets[1:])
     P = len(order)
+    seq_o: np.ndarray
+    sk_o: np.ndarray
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         seq_o = np.lib.format.open_memmap(out_dir / "seq.npy", mode="w+", dtype=np.int32, shape=(P,))
@@ -229,136 +239,124 @@ def _finalise(seq: np.ndarray, proto: np.ndarray, sketch: np.ndarray, K: int, ou
 
 
 def build_cache(
-    model: Any,
-    shards: Any,
+    model: PrismLM,
+    shards: ShardSet,
+    config: AttributionConfig | None = None,
     *,
-    r: int | None = None,
-    projection: Literal["identity", "orthogonal", "gaussian", "pca"] = "orthogonal",
-    seed: int = 0,
-    pca_sequences: int = 256,
-    curvature: Curvature | None = None,
-    mode: Literal["shared", "exact"] = "shared",
-    damping: float = 0.1,
-    max_sequences: int | None = None,
-    part: tuple[int, int] = (0, 1),
-    batch_size: int = 16,
-    dtype: Literal["float16", "float32", "float64"] = "float32",
     out: str | Path | None = None,
+    curvature: Curvature | None = None,
+    part: tuple[int, int] = (0, 1),
     model_sha256: str | None = None,
 ) -> AttributionCache:
-    """Build the postings cache of ``model`` (a ``Checkpoint`` or ``PrismLM``) over ``shards.train``.
+    """Build the postings cache of a PRISM ``model`` over ``shards.train``.
 
-    ``r``: sketch size (default d); ``curvature``: reuse one (required to make parts agree), else a
-    curvature pass over the first ``max_sequences`` sequences is made first; ``part=(i, n)``: only the
-    i-th batch-aligned slice; ``out``: write the artifact there (postings go to memory-mapped files).
+    ``config``: the attribution options (sketch size and projection, curvature mode and damping, sequences,
+    batch size, storage dtype; default ``AttributionConfig()``). ``out``: write the artifact there
+    (postings go to memory-mapped files). ``curvature``: reuse one (required to make parts agree), else a
+    curvature pass over the first ``config.max_sequences`` sequences is made first. ``part=(i, n)``: only
+    the i-th batch-aligned slice. ``model_sha256``: the identity recorded in the manifest (pass the
+    checkpoint's ``manifest["model_sha256"]``; None: a hash of the weights, ``model_identity``).
     """
-    ident = model_sha256 or model_identity(model)
-    net = _unwrap(model)
-    if not getattr(net, "is_prism", False):
-        raise ArtifactError("an attribution cache needs a PRISM model; this is the dense baseline")
+    cfg = config if config is not None else AttributionConfig()
+    net = model
+    if net.prototypes is None:
+        raise ModelError("an attribution cache needs a PRISM model; this is the dense baseline (it has no prototypes)")
+    ident = model_sha256 or model_identity(net)
     d, K, T = net.config.n_embd, net.prototypes.num_prototypes, net.config.block_size
-    r = d if r is None else int(r)
-    if r < 1:
-        raise ArtifactError(f"r must be >= 1, got {r}")
+    r = d if cfg.r is None else int(cfg.r)
+    projection, batch_size, dtype = cfg.projection, cfg.batch_size, cfg.dtype
     if projection != "pca":
-        R = torch.from_numpy(make_projection(d, r, projection, seed))  # (r, d)
+        R = torch.from_numpy(make_projection(d, r, projection, cfg.seed))  # (r, d)
     n_all = shards.train.num_sequences(T)
-    universe = n_all if max_sequences is None else min(n_all, max_sequences)
+    universe = n_all if cfg.max_sequences is None else min(n_all, cfg.max_sequences)
     if universe < 1:
         raise ArtifactError(f"the training split has no complete sequence of {T + 1} tokens")
     start, stop = part_range(universe, batch_size, part)
     t0 = time.perf_counter()
     if curvature is None:
         curvature = curvature_pass(net, shards, sequences=(0, universe), batch_size=batch_size,
-                                   exact=mode == "exact", damping=damping)
+                                   exact=cfg.curvature_mode == "exact", damping=cfg.damping)
     if projection == "pca":
-        was = net.training
-        net.eval()
-        try:
-            R = torch.from_numpy(_pca_projection(net, shards, curvature, r, min(universe, pca_sequences), batch_size))
-        finally:
-            net.train(was)
+        with eval_mode(net):
+            R = torch.from_numpy(_pca_projection(net, shards, curvature, r, min(universe, cfg.pca_sequences),
+                                                 batch_size))
     t_curv = time.perf_counter() - t0
     npdt = _DTYPES[dtype]
     dev = next(net.parameters()).device
     out_dir = Path(out) if out is not None else None
     tmp_dir = None
+    files = {}
+    lists: dict[str, list[np.ndarray]] = {"seq": [], "proto": [], "sketch": []}
     if out_dir is not None:
         tmp_dir = out_dir.with_name(out_dir.name + ".build")
         shutil.rmtree(tmp_dir, ignore_errors=True)
         tmp_dir.mkdir(parents=True)
         files = {k: open(tmp_dir / f"{k}.raw", "wb") for k in ("seq", "proto", "sketch")}
-    else:
-        lists: dict[str, list[np.ndarray]] = {"seq": [], "proto": [], "sketch": []}
     t1 = time.perf_counter()
-    was = net.training
-    net.eval()
     tokens = 0
     try:
-        for j0, j1 in _batches(start, stop, batch_size):
-            fo, y = _forward(net, shards, j0, j1, T, dev)
-            bg = block_gradients(net, fo, y, seq_ids=torch.arange(j0, j1, device=dev))
-            sk = curvature.apply(bg.proto.cpu(), bg.grad.double().cpu(), -0.5) @ R.T  # (rows, r)
-            rows = {"seq": bg.seq.cpu().numpy().astype(np.int32), "proto": bg.proto.cpu().numpy().astype(np.int32),
-                    "sketch": sk.numpy().astype(npdt)}
-            tokens += (j1 - j0) * T
-            for k, v in rows.items():
-                if out_dir is not None:
-                    files[k].write(np.ascontiguousarray(v).tobytes())
-                else:
-                    lists[k].append(v)
+        with eval_mode(net):
+            for j0, j1 in _batches(start, stop, batch_size):
+                fo, y = _forward(net, shards, j0, j1, T, dev)
+                bg = block_gradients(net, fo, y, seq_ids=torch.arange(j0, j1, device=dev))
+                sk = curvature.apply(bg.proto.cpu(), bg.grad.double().cpu(), -0.5) @ R.T  # (rows, r)
+                rows = {"seq": bg.seq.cpu().numpy().astype(np.int32),
+                        "proto": bg.proto.cpu().numpy().astype(np.int32), "sketch": sk.numpy().astype(npdt)}
+                tokens += (j1 - j0) * T
+                for k, v in rows.items():
+                    if out_dir is not None:
+                        files[k].write(np.ascontiguousarray(v).tobytes())
+                    else:
+                        lists[k].append(v)
     finally:
-        net.train(was)
-        if out_dir is not None:
-            for f in files.values():
-                f.close()
+        for f in files.values():
+            f.close()
     t_pass = time.perf_counter() - t1
-    if out_dir is not None:
-        seq = np.fromfile(tmp_dir / "seq.raw", dtype=np.int32)
-        proto = np.fromfile(tmp_dir / "proto.raw", dtype=np.int32)
-        sketch = np.memmap(tmp_dir / "sketch.raw", dtype=npdt, mode="r", shape=(len(seq), r)) if len(seq) else \
-            np.zeros((0, r), npdt)
-        stage = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(stage, ignore_errors=True)
-        offsets, seq_o, sk_o = _finalise(seq, proto, sketch, K, stage, npdt, r)
-    else:
+    manifest: dict[str, Any] = {
+        "kind": KIND, "format_version": FORMAT_VERSION, "model_sha256": ident,
+        "shard_key": shards.manifest["key"], "shards_root": str(Path(shards.root).resolve()),
+        "split": "train", "num_prototypes": K, "d": d, "block_size": T, "r": r, "projection": projection,
+        "seed": cfg.seed, "pca_sequences": cfg.pca_sequences if projection == "pca" else None, "dtype": dtype,
+        "curvature_mode": curvature.mode, "damping": curvature.damping,
+        "curvature_tokens": curvature.tokens, "batch_size": batch_size, "universe": universe,
+        "part": list(part), "covered": [[start, stop]] if stop > start else [], "tokens": tokens,
+    }
+
+    def _finish(P: int) -> None:
+        bytes_postings = P * (4 + r * np.dtype(npdt).itemsize)
+        manifest.update({
+            "postings": P, "postings_per_sequence": P / max(1, stop - start),
+            "bytes_postings": bytes_postings, "bytes_per_token": bytes_postings / max(1, tokens),
+            "curvature_seconds": t_curv, "postings_seconds": t_pass,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **provenance(),
+        })
+
+    if out_dir is None:
         seq = np.concatenate(lists["seq"]) if lists["seq"] else np.zeros(0, np.int32)
         proto = np.concatenate(lists["proto"]) if lists["proto"] else np.zeros(0, np.int32)
         sketch = np.concatenate(lists["sketch"]) if lists["sketch"] else np.zeros((0, r), npdt)
         offsets, seq_o, sk_o = _finalise(seq, proto, sketch, K, None, npdt, r)
-    from prismlm._version import __version__
-
-    P = len(seq_o)
-    bytes_postings = P * (4 + r * np.dtype(npdt).itemsize)
-    manifest = {
-        "kind": KIND, "format_version": FORMAT_VERSION, "model_sha256": ident,
-        "shard_key": shards.manifest["key"], "shards_root": str(Path(getattr(shards, "root", "")).resolve()),
-        "split": "train", "num_prototypes": K, "d": d, "block_size": T, "r": r, "projection": projection,
-        "seed": seed, "pca_sequences": pca_sequences if projection == "pca" else None, "dtype": dtype,
-        "curvature_mode": curvature.mode, "damping": curvature.damping,
-        "curvature_tokens": curvature.tokens, "batch_size": batch_size, "universe": universe,
-        "part": list(part), "covered": [[start, stop]] if stop > start else [], "tokens": tokens,
-        "postings": P, "postings_per_sequence": P / max(1, stop - start),
-        "bytes_postings": bytes_postings, "bytes_per_token": bytes_postings / max(1, tokens),
-        "curvature_seconds": t_curv, "postings_seconds": t_pass, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "prismlm_version": __version__, "torch_version": torch.__version__,
-    }
-    cache = AttributionCache(offsets=offsets, seq=seq_o, sketch=sk_o, projection=R.numpy(), curvature=curvature,
-                             manifest=manifest)
-    if out_dir is not None:
-        # arrays already written as .npy under stage; add the small files and move into place
-        seq_o.flush()
-        sk_o.flush()
-        del seq_o, sk_o
+        _finish(len(seq_o))
+        return AttributionCache(offsets=offsets, seq=seq_o, sketch=sk_o, projection=R.numpy(), curvature=curvature,
+                                manifest=manifest)
+    assert tmp_dir is not None
+    seq = np.fromfile(tmp_dir / "seq.raw", dtype=np.int32)
+    proto = np.fromfile(tmp_dir / "proto.raw", dtype=np.int32)
+    sketch = np.memmap(tmp_dir / "sketch.raw", dtype=npdt, mode="r", shape=(len(seq), r)) if len(seq) else \
+        np.zeros((0, r), npdt)
+    with atomic_dir(out_dir) as stage:  # the sorted arrays are written as .npy under the stage
+        offsets, seq_o, sk_o = _finalise(seq, proto, sketch, K, stage, npdt, r)
+        _finish(len(seq_o))
+        for arr in (seq_o, sk_o):
+            if isinstance(arr, np.memmap):
+                arr.flush()
+        del seq_o, sk_o, sketch
         np.save(stage / "offsets.npy", offsets)
         np.save(stage / "projection.npy", R.numpy())
         curvature.save(stage / "curvature.safetensors")
         (stage / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(stage, out_dir)
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        cache = AttributionCache.load(out_dir)
-    return cache
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    return AttributionCache.load(out_dir)
 
 
 def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -> AttributionCache:
@@ -381,10 +379,10 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
                               "`curvature` to every part")
     covered: list[list[int]] = []
     for p in parts:
-        ov = _overlap(covered, _merge_ranges(p.manifest["covered"]))
+        ov = overlap(covered, merge_ranges(p.manifest["covered"]))
         if ov is not None:
             raise ArtifactError(f"cannot merge caches: parts overlap on sequences [{ov[0]}, {ov[1]})")
-        covered = _merge_ranges(covered + p.manifest["covered"])
+        covered = merge_ranges(covered + p.manifest["covered"])
     parts = sorted(parts, key=lambda p: p.manifest["covered"][0][0] if p.manifest["covered"] else 0)
     K = parts[0].num_prototypes
     seq = np.concatenate([np.asarray(p.seq) for p in parts])

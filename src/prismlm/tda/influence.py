@@ -30,88 +30,35 @@ sums over tokens, not normalised by the training-set size; rankings are what mat
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F_
 from safetensors.torch import load_file, save_file
+
+from prismlm.errors import ConfigError, ModelError
+from prismlm.model import eval_mode
+from prismlm.tda.gradients import BlockGradients, block_gradients, precondition, query_table
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet
+    from prismlm.model import PrismLM, PrismOutput
 
 __all__ = ["BlockGradients", "Curvature", "CurvatureAccumulator", "FullGradients", "block_gradients",
            "collect_gradients", "curvature_pass", "influence_scores", "query_gradients", "self_influence"]
-
-
-def _unwrap(model: Any):
-    return getattr(model, "model", model)
-
-
-@dataclass
-class BlockGradients:
-    """Sparse block gradients: one row per (sequence, active prototype), ordered by (sequence, prototype)."""
-
-    seq: torch.Tensor
-    """(R,) int64: sequence id of each row (a training sequence id, or a query's position in its batch)."""
-    proto: torch.Tensor
-    """(R,) int64: prototype id of each row."""
-    grad: torch.Tensor
-    """(R, d): G_{seq, proto} = Σ_t a_{t,proto} u_t over the sequence's measured tokens."""
-    loss: torch.Tensor | None = None
-    """(n_seq,) summed cross-entropy of each sequence's measured tokens (for reporting)."""
-
-    @property
-    def rows(self) -> int:
-        return int(self.seq.shape[0])
-
-    def select(self, mask: torch.Tensor) -> BlockGradients:
-        return BlockGradients(self.seq[mask], self.proto[mask], self.grad[mask], self.loss)
-
-    @staticmethod
-    def cat(parts: list[BlockGradients]) -> BlockGradients:
-        losses = [p.loss for p in parts if p.loss is not None]
-        return BlockGradients(torch.cat([p.seq for p in parts]), torch.cat([p.proto for p in parts]),
-                              torch.cat([p.grad for p in parts]), torch.cat(losses) if losses else None)
-
-
-def block_gradients(model: Any, out: Any, targets: torch.Tensor, mask: torch.Tensor | None = None,
-                    seq_ids: torch.Tensor | None = None) -> BlockGradients:
-    """Exact prototype-space block gradients of a batch from its forward output.
-
-    ``out``: the model's ``PrismOutput`` for inputs (B, T); ``targets`` (B, T) next tokens; ``mask``
-    (B, T) bool: tokens whose loss is measured (default all); ``seq_ids`` (B,) the ids written to the rows
-    (default 0..B-1). Vectorised: one ``index_add_`` over the (token, active prototype) pairs.
-    """
-    net = _unwrap(model)
-    if out.indices is None:
-        raise ValueError("prototype-space gradients need a PRISM model (the dense baseline has no prototypes)")
-    B, T, k = out.indices.shape
-    K = net.prototypes.num_prototypes
-    dt = torch.promote_types(out.logits.dtype, torch.float32)
-    W = net.lm_head.weight.detach().to(dt)  # (V, d)
-    logits = out.logits.detach().to(dt)  # (B, T, V)
-    pi = torch.softmax(logits, dim=-1)  # (B, T, V)
-    u = pi @ W - W[targets]  # (B, T, d): Wᵀ(π − e_y)
-    ce = F_.cross_entropy(logits.reshape(B * T, -1), targets.reshape(-1), reduction="none").view(B, T)  # (B, T)
-    if mask is None:
-        mask = torch.ones(B, T, dtype=torch.bool, device=logits.device)
-    ids = torch.arange(B, device=logits.device) if seq_ids is None else seq_ids.to(logits.device)
-    a = out.activations.detach().to(dt)  # (B, T, k)
-    on = (a > 0) & mask[:, :, None]  # (B, T, k): measured (token, active prototype) pairs
-    keys = (torch.arange(B, device=a.device)[:, None, None] * K + out.indices)[on]  # (P,)
-    vals = (a[:, :, :, None] * u[:, :, None, :])[on]  # (P, d)
-    uniq, inv = torch.unique(keys, return_inverse=True)  # sorted: rows ordered by (sequence, prototype)
-    G = torch.zeros(uniq.shape[0], u.shape[-1], dtype=dt, device=a.device).index_add_(0, inv, vals)  # (R, d)
-    loss = (ce * mask).sum(1)  # (B,)
-    return BlockGradients(seq=ids[uniq // K], proto=uniq % K, grad=G, loss=loss)
 
 
 # ----- curvature ----------------------------------------------------------------------------------------
 class CurvatureAccumulator:
     """Streaming sums for F = E[Wᵀ Σ_t W], m_i = E[a_i²] and (``exact=True``) E[a_i² Wᵀ Σ_t W]."""
 
-    def __init__(self, model: Any, exact: bool = False, chunk: int = 1024):
-        net = _unwrap(model)
+    def __init__(self, model: PrismLM, exact: bool = False, chunk: int = 1024):
+        net = model
+        if net.prototypes is None:
+            raise ModelError("prototype-space curvature needs a PRISM model (the dense baseline has no prototypes)")
         self.K, self.d = net.prototypes.num_prototypes, net.config.n_embd
         self.W = net.lm_head.weight.detach().double()  # (V, d)
         V, dev = self.W.shape[0], self.W.device
@@ -125,7 +72,8 @@ class CurvatureAccumulator:
         self.tokens = 0
 
     @torch.no_grad()
-    def update(self, out: Any) -> None:
+    def update(self, out: PrismOutput) -> None:
+        assert out.activations is not None and out.indices is not None, "a PRISM model's output"
         B, T, V = out.logits.shape
         N = B * T
         pi = torch.softmax(out.logits.detach().double().reshape(N, V), dim=-1)  # (N, V)
@@ -257,7 +205,7 @@ class Curvature:
 
 
 # ----- passes over the training shard -------------------------------------------------------------------
-def _batches(start: int, stop: int, batch_size: int):
+def _batches(start: int, stop: int, batch_size: int) -> Iterator[tuple[int, int]]:
     """A fixed grid of batches [b·B, (b+1)·B) clipped to [start, stop): results do not depend on where
     a part starts (the same sequences always go through the model together)."""
     j = start
@@ -267,65 +215,57 @@ def _batches(start: int, stop: int, batch_size: int):
         j = j1
 
 
-def _forward(net: Any, shards: Any, j0: int, j1: int, T: int, dev: torch.device):
+def _forward(net: PrismLM, shards: ShardSet, j0: int, j1: int, T: int,
+             dev: torch.device) -> tuple[PrismOutput, torch.Tensor]:
     seqs = torch.from_numpy(shards.train.sequences(np.arange(j0, j1, dtype=np.int64), T)).to(dev)  # (B, T+1)
     with torch.no_grad():
         out = net(seqs[:, :-1])
     return out, seqs[:, 1:]
 
 
-def curvature_pass(model: Any, shards: Any, *, sequences: tuple[int, int] | None = None, batch_size: int = 16,
+def curvature_pass(model: PrismLM, shards: ShardSet, *, sequences: tuple[int, int] | None = None, batch_size: int = 16,
                    exact: bool = False, damping: float = 0.1) -> Curvature:
     """One forward pass over training sequences [start, stop) (default all) → ``Curvature``."""
-    net = _unwrap(model)
+    net = model
     T = net.config.block_size
     start, stop = sequences or (0, shards.train.num_sequences(T))
     dev = next(net.parameters()).device
     acc = CurvatureAccumulator(net, exact=exact)
-    was = net.training
-    net.eval()
-    try:
+    with eval_mode(net):
         for j0, j1 in _batches(start, stop, batch_size):
             out, _ = _forward(net, shards, j0, j1, T, dev)
             acc.update(out)
-    finally:
-        net.train(was)
     return acc.finish(damping=damping)
 
 
-def collect_gradients(model: Any, shards: Any, *, sequences: tuple[int, int] | None = None,
+def collect_gradients(model: PrismLM, shards: ShardSet, *, sequences: tuple[int, int] | None = None,
                       batch_size: int = 16) -> BlockGradients:
     """Exact block gradients of training sequences [start, stop) (default all), kept in memory."""
-    net = _unwrap(model)
+    net = model
     T = net.config.block_size
     start, stop = sequences or (0, shards.train.num_sequences(T))
     dev = next(net.parameters()).device
     parts = []
-    was = net.training
-    net.eval()
-    try:
+    with eval_mode(net):
         for j0, j1 in _batches(start, stop, batch_size):
             out, y = _forward(net, shards, j0, j1, T, dev)
             parts.append(block_gradients(net, out, y, seq_ids=torch.arange(j0, j1, device=dev)))
-    finally:
-        net.train(was)
     return BlockGradients.cat(parts)
 
 
-def query_gradients(model: Any, queries: list[tuple[list[int], int]]) -> BlockGradients:
+def query_gradients(model: PrismLM, queries: list[tuple[list[int], int]]) -> BlockGradients:
     """Block gradients of queries given as (token ids, measure_from): the loss of targets
     ``ids[measure_from:]`` is measured (each predicted from the tokens before it; ``measure_from ≥ 1``).
     Row ``seq`` is the query's position in the list. Queries are run one at a time (no padding)."""
-    net = _unwrap(model)
+    net = model
     dev = next(net.parameters()).device
     parts = []
-    was = net.training
-    net.eval()
-    try:
+    with eval_mode(net):
         for q, (ids, start) in enumerate(queries):
             ids = list(ids)
             if len(ids) < 2:
-                raise ValueError("a query needs at least two tokens (a context and a target)")
+                raise ConfigError(f"query {q} has {len(ids)} token(s); a query needs at least two (a context and "
+                                  f"a target)")
             cut = max(0, len(ids) - (net.config.block_size + 1))  # keep the last block_size + 1 tokens
             ids, start = ids[cut:], start - cut
             start = max(1, min(start, len(ids) - 1))
@@ -335,8 +275,6 @@ def query_gradients(model: Any, queries: list[tuple[list[int], int]]) -> BlockGr
             mask = torch.zeros(1, x.shape[1] - 1, dtype=torch.bool, device=dev)
             mask[:, start - 1:] = True  # target index t predicts ids[t+1]
             parts.append(block_gradients(net, out, x[:, 1:], mask, seq_ids=torch.tensor([q], device=dev)))
-    finally:
-        net.train(was)
     return BlockGradients.cat(parts)
 
 
@@ -349,12 +287,9 @@ def influence_scores(query: BlockGradients, train: BlockGradients, curvature: Cu
     prototype no query uses are skipped; a training sequence sharing no active prototype with a query
     scores exactly 0."""
     dt = torch.promote_types(query.grad.dtype, train.grad.dtype)
-    P = query.grad.to(dt) if curvature is None else curvature.apply(query.proto, query.grad.to(dt), -1.0)  # (Rq, d)
     K = int(max(int(query.proto.max()) if query.rows else 0, int(train.proto.max()) if train.rows else 0)) + 1
-    d = query.grad.shape[1]
     dev = train.grad.device
-    table = torch.zeros(K, num_queries, d, dtype=dt, device=dev)  # H_i⁻¹ G_{q,i} for every (i, q)
-    table[query.proto.to(dev), query.seq.to(dev)] = P.to(dev)
+    table = query_table(query, curvature, K, num_queries, dtype=dt, device=dev)  # H_i⁻¹ G_{q,i} for every (i, q)
     used = torch.zeros(K, dtype=torch.bool, device=dev)
     used[query.proto.to(dev)] = True
     scores = torch.zeros(num_train, num_queries, dtype=dt, device=dev)
@@ -368,7 +303,7 @@ def influence_scores(query: BlockGradients, train: BlockGradients, curvature: Cu
 
 def self_influence(train: BlockGradients, curvature: Curvature | None, num_train: int) -> torch.Tensor:
     """I(j, j) for every training sequence (num_train,)."""
-    P = train.grad if curvature is None else curvature.apply(train.proto, train.grad, -1.0)
+    P = precondition(train, curvature)
     return torch.zeros(num_train, dtype=P.dtype, device=P.device).index_add_(0, train.seq, (P * train.grad).sum(1))
 
 
@@ -381,10 +316,12 @@ class FullGradients:
     num_train: int
 
     @classmethod
-    def build(cls, model: Any, shards: Any, *, max_sequences: int | None = None, batch_size: int = 16,
+    def build(cls, model: PrismLM, shards: ShardSet, *, max_sequences: int | None = None, batch_size: int = 16,
               mode: Literal["shared", "exact", "identity"] = "shared", damping: float = 0.1,
               curvature: Curvature | None = None) -> FullGradients:
-        net = _unwrap(model)
+        if mode not in ("shared", "exact", "identity"):
+            raise ConfigError(f"curvature mode must be shared, exact or identity, got {mode!r}")
+        net = model
         n = shards.train.num_sequences(net.config.block_size)
         n = n if max_sequences is None else min(n, max_sequences)
         if curvature is None and mode != "identity":

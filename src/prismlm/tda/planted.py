@@ -20,9 +20,13 @@ import json
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet
+    from prismlm.data.tokenizer import Tokenizer
 
 __all__ = ["PlantedCorpus", "PlantedFact", "build_planted_corpus", "relevant_sequences", "retrieval_metrics"]
 
@@ -75,7 +79,7 @@ class PlantedCorpus:
     facts: list[PlantedFact]
     distractors: list[PlantedFact] = field(default_factory=list)
 
-    def queries(self, tokenizer: Any) -> tuple[list[tuple[list[int], int]], list[int]]:
+    def queries(self, tokenizer: Tokenizer) -> tuple[list[tuple[list[int], int]], list[int]]:
         """Query token ids + measure_from for every (fact, paraphrase), and the fact index of each."""
         out, which = [], []
         for f_i, f in enumerate(self.facts):
@@ -112,7 +116,7 @@ def build_planted_corpus(out_dir: str | Path, *, n_facts: int = 8, copies: int =
     rng = random.Random(seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    background = []
+    background: list[str] = []
     for doc in iter_documents("builtin"):
         t = doc.text.strip()
         for s in range(0, len(t), doc_chars):  # long books become several documents
@@ -156,10 +160,10 @@ def build_planted_corpus(out_dir: str | Path, *, n_facts: int = 8, copies: int =
             docs.append((f"{filler()} {f.sentence} {filler()}", f))
     rng.shuffle(docs)
     lines = []
-    for line, (text, f) in enumerate(docs, start=1):
+    for line, (text, fact) in enumerate(docs, start=1):
         lines.append(json.dumps({"text": text}) + "\n")
-        if f is not None:
-            f.lines.append(line)
+        if fact is not None:
+            fact.lines.append(line)
     body = "".join(lines)
     path = out_dir / "corpus.jsonl"
     # rewrite only when the content changed: an untouched file keeps its fingerprint, so prepared shards
@@ -171,11 +175,11 @@ def build_planted_corpus(out_dir: str | Path, *, n_facts: int = 8, copies: int =
     return pc
 
 
-def relevant_sequences(pc: PlantedCorpus, shards: Any, block_size: int, num_train: int | None = None) -> list[set[int]]:
+def relevant_sequences(pc: PlantedCorpus, shards: ShardSet, block_size: int, num_train: int | None = None) -> list[set[int]]:
     """For each fact, the training sequences (< ``num_train``) containing (part of) its sentence's answer
     span. Planted documents that landed in the validation split are skipped."""
     tok, tr = shards.tokenizer, shards.train
-    by_line = {}
+    by_line: dict[int, int] = {}
     for d, doc_id in enumerate(tr.doc_ids):
         if "#L" in doc_id:
             by_line[int(doc_id.rsplit("#L", 1)[1])] = d
@@ -185,14 +189,14 @@ def relevant_sequences(pc: PlantedCorpus, shards: Any, block_size: int, num_trai
     for f in pc.facts:
         rel: set[int] = set()
         for line in f.lines:
-            d = by_line.get(line)
-            if d is None:
+            doc = by_line.get(line)
+            if doc is None:
                 continue
             text = json.loads(texts[line - 1])["text"]
             c = text.index(f.sentence) + f.sentence.index(f.answer)
             s = len(tok.encode(text[:c].rstrip(" ")))  # the answer's first token (its leading space attaches to it)
             e = len(tok.encode(text[:c + len(f.answer)]))
-            doc_start = int(tr.doc_offsets[d])
+            doc_start = int(tr.doc_offsets[doc])
             # target token offsets [doc_start+s, doc_start+e); sequence j predicts targets [jT+1, jT+T]
             for off in range(doc_start + s, doc_start + e):
                 j = (off - 1) // block_size

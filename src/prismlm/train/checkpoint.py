@@ -19,34 +19,22 @@ atomically after that, so a crash never leaves a half-written checkpoint that ``
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_model, save_model
 
+from prismlm.artifacts import atomic_dir, atomic_write_text, provenance, sha256_file
 from prismlm.config import RunConfig
 from prismlm.errors import CheckpointError
 from prismlm.model import PrismLM
 
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+if TYPE_CHECKING:
+    from prismlm.data.tokenizer import Tokenizer
 
 
 def save_checkpoint(
@@ -56,40 +44,34 @@ def save_checkpoint(
     cfg: RunConfig,
     *,
     trainer_state: dict[str, Any] | None = None,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     data_manifest: dict[str, Any] | None = None,
     keep: int = 2,
 ) -> Path:
     """Write a complete checkpoint atomically and prune old ones; returns its folder."""
-    from prismlm._version import __version__
-
     ckpt_root = Path(run_dir) / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
-    final, tmp = ckpt_root / name, ckpt_root / (name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    cfg.to_json(tmp / "config.json")
-    if tokenizer is not None:
-        tokenizer.save(tmp / "tokenizer")
-    if trainer_state is not None:
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-    manifest = {
-        "kind": "prismlm-checkpoint",
-        "step": step,
-        "model_sha256": sha256_file(tmp / "model.safetensors"),
-        "is_prism": model.is_prism,
-        "num_parameters": model.num_parameters(),
-        "data": {k: data_manifest.get(k) for k in ("key", "corpus", "tokenizer")} if data_manifest else None,
-        "prismlm_version": __version__,
-        "torch_version": torch.__version__,
-    }
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _atomic_write_text(ckpt_root / "latest", name + "\n")
-    complete = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    final = ckpt_root / name
+    with atomic_dir(final) as tmp:  # step-XXXXXX.tmp, renamed into place
+        save_model(model, str(tmp / "model.safetensors"))
+        cfg.to_json(tmp / "config.json")
+        if tokenizer is not None:
+            tokenizer.save(tmp / "tokenizer")
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / "trainer_state.pt")
+        manifest = {
+            "kind": "prismlm-checkpoint",
+            "step": step,
+            "model_sha256": sha256_file(tmp / "model.safetensors"),
+            "is_prism": model.is_prism,
+            "num_parameters": model.num_parameters(),
+            "data": {k: data_manifest.get(k) for k in ("key", "corpus", "tokenizer")} if data_manifest else None,
+            **provenance(),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write_text(ckpt_root / "latest", name + "\n")
+    complete = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir() and not p.name.endswith((".tmp", ".old")))
     for old in complete[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -118,7 +100,13 @@ class Checkpoint:
     model: PrismLM
     config: RunConfig
     manifest: dict[str, Any]
-    tokenizer: Any | None
+    tokenizer: Tokenizer | None
+
+    def require_tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer; ``CheckpointError`` when it was saved without one."""
+        if self.tokenizer is None:
+            raise CheckpointError(f"checkpoint {self.path} has no tokenizer/ folder", path=self.path)
+        return self.tokenizer
 
     def trainer_state(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:
         f = self.path / "trainer_state.pt"
@@ -141,7 +129,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Che
         raise CheckpointError(f"{ckpt}: weights do not match config.json (missing {sorted(missing)[:5]}, "
                               f"unexpected {sorted(unexpected)[:5]})")
     model.to(device).eval()
-    tokenizer = None
+    tokenizer: Tokenizer | None = None
     if (ckpt / "tokenizer").exists():
         from prismlm.data.tokenizer import Tokenizer
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from prismlm.errors import DataError
+
 
 class SequenceSampler:
     def __init__(self, num_sequences: int, batch_size: int, grad_accum: int, world_size: int, seed: int):
         if num_sequences < 1:
-            raise ValueError("the training split has no full sequence; use a smaller block_size or more data")
+            raise DataError("the training split has no full sequence; use a smaller block_size or more data")
         self.n = num_sequences
         self.batch_size = batch_size
         self.grad_accum = grad_accum

@@ -19,18 +19,22 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 from prismlm.config import RunConfig
+from prismlm.errors import DataError
 from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from prismlm.train.distributed import DistInfo, all_reduce_mean, barrier, cleanup, init_distributed
 from prismlm.train.sampler import SequenceSampler
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet
 
 
 @dataclass
@@ -51,7 +55,9 @@ def round_vocab(vocab_size: int, multiple: int = 64) -> int:
 def build_optimizer(model: PrismLM, cfg: RunConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only. Prototypes are not decayed: shrinking them would shrink the
     reconstruction ẑ = Σ a_i p_i they must provide (a ≤ 1 is a cosine, so scale lives in ‖p_i‖)."""
-    decay, no_decay, seen = [], [], set()
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
@@ -85,7 +91,7 @@ def _git_revision() -> str | None:
 
 def environment_info(info: DistInfo, device: torch.device, seed: int) -> dict[str, Any]:
     """What a reader needs to reproduce a run: code revision, package versions, hardware, seed."""
-    versions = {}
+    versions: dict[str, str | None] = {}
     for pkg in ("prismlm", "torch", "numpy", "tokenizers", "safetensors"):
         try:
             versions[pkg] = metadata.version(pkg)
@@ -130,7 +136,7 @@ def train(
     out_dir: str | Path,
     *,
     resume: bool = False,
-    shards: Any = None,
+    shards: ShardSet | None = None,
     progress: bool = True,
     stop_after: int | None = None,
 ) -> TrainResult:
@@ -158,14 +164,15 @@ def train(
         if shards is None:
             if info.is_main:
                 shards = prepare_from_config(cfg.data, show_progress=progress)
-            barrier(info)
-            if not info.is_main:
+                barrier(info)
+            else:
+                barrier(info)
                 shards = prepare_from_config(cfg.data, show_progress=False)
         vocab = round_vocab(shards.tokenizer.vocab_size)
         if cfg.model.vocab_size != vocab:
             cfg = cfg.override({"model.vocab_size": vocab})
         if shards.train.num_sequences(cfg.model.block_size) < 1:
-            raise ValueError("the training split is shorter than one block; use more data or a smaller block_size")
+            raise DataError("the training split is shorter than one block; use more data or a smaller block_size")
 
         torch.manual_seed(cfg.train.seed)
         model = PrismLM(cfg.model).to(device)
@@ -180,7 +187,8 @@ def train(
         # Per-rank dropout streams differ; rank 0 keeps the single-process stream.
         if info.rank > 0 and state is None:
             torch.manual_seed(cfg.train.seed + 1000 * info.rank)
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if info.enabled else model
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if info.enabled else None
+        ddp_model: torch.nn.Module = ddp if ddp is not None else model
         fwd_model = torch.compile(ddp_model) if cfg.train.compile else ddp_model
         autocast = autocast_for(cfg, device)
 
@@ -196,7 +204,7 @@ def train(
             n_params = model.num_parameters()
             kind = "PRISM" if model.is_prism else "dense"
             extra = (f" (backbone {model.num_parameters(prototypes=False) / 1e6:.2f}M + prototypes "
-                     f"{cfg.model.prototypes.num_prototypes}×{cfg.model.n_embd})") if model.is_prism else ""
+                     f"{model.prototypes.num_prototypes}×{cfg.model.n_embd})") if model.prototypes is not None else ""
             print(f"[prismlm] {kind} model: {n_params / 1e6:.2f}M parameters{extra}; "
                   f"train {len(shards.train):,} tokens / {sampler.n:,} sequences of {T}; "
                   f"global batch {sampler.global_batch} × {T} tokens; device {device}, world {info.world_size}",
@@ -240,7 +248,7 @@ def train(
                 ids = sampler.micro_indices(step, micro, info.rank)
                 batch = torch.from_numpy(shards.train.sequences(ids, T)).to(device, non_blocking=True)
                 x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each
-                sync = nullcontext() if (not info.enabled or micro == tc.grad_accum - 1) else ddp_model.no_sync()
+                sync = nullcontext() if (ddp is None or micro == tc.grad_accum - 1) else ddp.no_sync()
                 with sync:
                     with autocast or nullcontext():
                         out = fwd_model(x, y, loss_weights=weights)

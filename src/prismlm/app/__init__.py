@@ -1,0 +1,28 @@
+"""The application layer: open a run once (``Run``), then do an operation — each ``prism`` command is one
+plain function here, returning values, never printing; user mistakes raise ``prismlm.errors.PrismError``.
+
+    from prismlm.app import Run, generate, explain_text
+    run = Run.open("runs/demo")
+    print(generate(run, "It is a truth", tokens=20)[0])
+"""
+
+from prismlm.app.attribution import attribute_explanation, attribute_text, build_run_cache
+from prismlm.app.control import build_task_folders, evaluate_tasks, find_run_concept, fit_controller
+from prismlm.app.operations import (
+                                    build_run_index,
+                                    evaluate,
+                                    explain_text,
+                                    find_prototypes,
+                                    generate,
+                                    label_prototypes,
+                                    merge_index_parts,
+                                    sample_continuations,
+                                    show_prototype,
+)
+from prismlm.app.run import Progress, Run
+from prismlm.app.training import build_config, demo, prepare, train
+
+__all__ = ["Progress", "Run", "attribute_explanation", "attribute_text", "build_config", "build_run_cache",
+           "build_run_index", "build_task_folders", "demo", "evaluate", "evaluate_tasks", "explain_text",
+           "find_prototypes", "find_run_concept", "fit_controller", "generate", "label_prototypes",
+           "merge_index_parts", "prepare", "sample_continuations", "show_prototype", "train"]

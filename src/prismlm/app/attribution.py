@@ -1,0 +1,94 @@
+"""Training-data attribution operations: build the postings cache, attribute a text to training sequences."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prismlm.app.run import Run
+from prismlm.config import AttributionConfig
+from prismlm.errors import ConfigError
+from prismlm.explain import Explanation
+from prismlm.tda.attribute import Attribution, attribute
+from prismlm.tda.cache import AttributionCache, build_cache
+from prismlm.tda.influence import FullGradients
+
+PROJECTIONS = ("identity", "orthogonal", "gaussian", "pca")
+CURVATURES = ("shared", "exact")
+DTYPES = ("float16", "float32", "float64")
+
+
+def build_run_cache(run: Run, *, r: int | None = None, projection: str = "orthogonal", curvature: str = "shared",
+                    damping: float = 0.1, max_sequences: int | None = None, batch_size: int = 16,
+                    dtype: str = "float32", out: Path | None = None, shards: Path | None = None) -> AttributionCache:
+    """Build the postings cache for fast prototype-space attribution (one pass over the training data).
+
+    Args:
+        r: Sketch size per posting (default d: exact scores).
+        projection: Sketch matrix: orthogonal, gaussian, pca or identity.
+        curvature: Block curvature: shared (m_i F + λ_i I) or exact.
+        damping: Relative damping ρ: λ_i = ρ·tr(H_i)/d.
+        max_sequences: Cache only the first N training sequences.
+        batch_size: Sequences per forward pass.
+        dtype: Sketch storage: float16, float32 or float64.
+        out: Output folder (default RUN/attribution-cache).
+        shards: Token shard folder (default: the run's).
+    """
+    model = run.prism_model("prototype-space attribution")
+    config = AttributionConfig.from_dict({  # validates every option (ConfigError naming it)
+        "r": r, "projection": projection, "curvature_mode": curvature, "damping": damping,
+        "max_sequences": max_sequences, "batch_size": batch_size, "dtype": dtype})
+    shard_set = run.shards(shards)
+    return build_cache(model, shard_set, config, out=out or run.folder / "attribution-cache",
+                       model_sha256=run.identity)
+
+
+def attribute_text(run: Run, text: str, *, answer: str | None = None, completion: int | None = None,
+                   generate: int = 0, top: int = 10, method: str = "cached", cache: Path | None = None,
+                   shards: Path | None = None, max_sequences: int | None = None, temperature: float = 0.0,
+                   seed: int = 0, token_ids: list[int] | None = None) -> Attribution:
+    """The training sequences that most influenced TEXT (or its completion), with the prototypes that
+    connect them and snippets.
+
+    Args:
+        text: Prompt (or prompt + completion with --completion N).
+        answer: A completion to attribute: only its tokens are measured.
+        completion: Measure only the last N tokens of TEXT.
+        generate: Generate N tokens after TEXT and attribute them.
+        top: Training sequences to show.
+        method: cached (postings cache) or full (exact block gradients).
+        cache: Cache folder (default RUN/attribution-cache).
+        shards: Token shard folder (default: the cache's / the run's).
+        max_sequences: --method full: first N training sequences only.
+        temperature: Sampling temperature for --generate (0 = greedy).
+        seed: Sampling seed.
+        token_ids: Attribute exactly these token ids (library use; the text is then only a label).
+    """
+    run.prism_model("prototype-space attribution")
+    if sum(x is not None and x != 0 for x in (answer, completion, generate)) > 1:
+        raise ConfigError("use at most one of --answer, --completion and --generate")
+    if method == "cached":
+        c = run.cache(cache, shards)
+        return attribute(run.model, run.tokenizer, text, answer,
+                         shards=run.shards(shards, c.manifest.get("shards_root")),
+                         completion_tokens=completion, generate=generate, top=top, temperature=temperature,
+                         seed=seed, token_ids=token_ids, cache=c)
+    if method == "full":
+        shard_set = run.shards(shards)
+        full = FullGradients.build(run.model, shard_set, max_sequences=max_sequences)
+        return attribute(run.model, run.tokenizer, text, answer, shards=shard_set, completion_tokens=completion,
+                         generate=generate, top=top, temperature=temperature, seed=seed, token_ids=token_ids,
+                         full=full)
+    raise ConfigError(f"--method must be cached or full, got {method!r}")
+
+
+def attribute_explanation(run: Run, expl: Explanation, *, shards: Path | None = None) -> Attribution:
+    """Attribute exactly the tokens an explanation explained (its inputs + the last chosen token); for an
+    explained generation, measure the sampled tokens only."""
+    ids = list(expl.token_ids)
+    if expl.prompt_tokens is not None or len(ids) < 2:  # a generation ends with its last sampled token
+        ids.append(expl.positions[-1].next_id)
+    completion = len(ids) - expl.prompt_tokens if expl.prompt_tokens is not None else None
+    return attribute_text(run, expl.text, completion=completion or None, shards=shards, token_ids=ids)
+
+
+__all__ = ["CURVATURES", "DTYPES", "PROJECTIONS", "attribute_explanation", "attribute_text", "build_run_cache"]

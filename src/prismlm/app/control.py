@@ -1,0 +1,178 @@
+"""Control operations: find a concept's prototypes, build and evaluate tasks, fit controllers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prismlm.app.run import Run
+from prismlm.control.concept import doc_regex, find_concept, read_texts
+from prismlm.control.controller import Controller, extract_features, fit_and_test, prism_encoder, trace_prism_controller
+from prismlm.control.suppress import SuppressionSet
+from prismlm.errors import ConfigError, DataError, TaskError
+from prismlm.eval.scoring import mc_accuracy
+from prismlm.eval.tasks import TASKS, build_tasks, load_split
+from prismlm.model import Control
+
+
+@dataclass
+class ConceptResult:
+    """A concept's suppression set and the ranking of every candidate prototype."""
+
+    suppression: SuppressionSet
+    ranking: list[dict[str, Any]]
+    saved: list[Path]
+    """Where the set was written (``--out``, the checkpoint with ``--save``)."""
+
+
+def find_run_concept(run: Run, concept: Path, neutral: Path, *, index: Path | None = None,
+                     concept_docs: str | None = None, budget: int | None = 32, no_budget: bool = False,
+                     rank_by: str = "contribution", threshold: float = 1.0, min_count: int = 3,
+                     min_purity: float = 0.5, name: str | None = None, out: Path | None = None,
+                     save: bool = False) -> ConceptResult:
+    """Find the prototypes of a concept (log-likelihood contribution, activation enrichment, neighbourhood
+    purity) → a suppression set.
+
+    Args:
+        concept: Concept examples: .jsonl (field 'text'), .txt (blank-line or %-separated) or a folder of .txt.
+        neutral: Neutral examples, same formats.
+        index: A prototype index (`prism index`) for neighbourhood purity.
+        concept_docs: Regex on training document ids marking concept documents (purity).
+        budget: At most this many prototypes (0 = none; use --no-budget for no cap).
+        no_budget: No cap: keep every prototype passing the thresholds.
+        rank_by: Ranking: 'contribution' (nats/token the prototype adds to concept vs neutral text, first order) or 'enrichment' (log2 activation ratio).
+        threshold: Minimum log2 activation enrichment (concept vs neutral).
+        min_count: Minimum concept tokens where the prototype is active.
+        min_purity: Minimum neighbourhood purity (with --index and --concept-docs).
+        name: Name of the concept (stored in the set).
+        out: Write the suppression set here (default: print only).
+        save: Also save it as the checkpoint's suppression.json (applied by default).
+    """
+    model = run.prism_model("`prism concept`")
+    if (index is None) != (concept_docs is None):
+        raise ConfigError("neighbourhood purity needs both --index and --concept-docs")
+    try:
+        ctexts, ntexts = read_texts(concept), read_texts(neutral)
+    except FileNotFoundError as e:
+        raise DataError(str(e), fix="check the --concept / --neutral path") from e
+    idx = run.index(index, required=True) if index is not None else None
+    try:
+        rx = doc_regex(concept_docs) if concept_docs else None
+    except Exception as e:  # re.error
+        raise ConfigError(f"--concept-docs {concept_docs!r} is not a valid regular expression: {e}") from e
+    sset, ranking = find_concept(model, run.tokenizer, ctexts, ntexts, budget=None if no_budget else budget,
+                                 rank_by=rank_by, threshold=threshold, min_count=min_count, index=idx,
+                                 is_concept_doc=rx, min_purity=min_purity, concept=name, model_sha256=run.identity)
+    saved = []
+    if out:
+        saved.append(sset.save(out))
+    if save:
+        saved.append(sset.save(run.checkpoint.path))
+    return ConceptResult(suppression=sset, ranking=ranking, saved=saved)
+
+
+def build_task_folders(out: Path = Path("tasks"), *, task: list[str] | None = None, train_cap: int = 400,
+                       val_cap: int = 100, test_cap: int = 200) -> dict[str, Path]:
+    """Build the multiple-choice tasks deterministically (lm-eval-readable).
+
+    Args:
+        out: Folder to write <task>/{train,validation,test}.jsonl + <task>.yaml.
+        task: Task name (repeatable; default all).
+        train_cap: Examples in the train split at most.
+        val_cap: Examples in the validation split at most.
+        test_cap: Examples in the test split at most.
+    """
+    return build_tasks(out, task or list(TASKS), {"train": train_cap, "validation": val_cap, "test": test_cap})
+
+
+def task_folders(tasks: Path, names: list[str]) -> dict[str, Path]:
+    """Task name → folder under ``tasks`` (a task folder itself, or a folder of task folders)."""
+    if (tasks / "test.jsonl").exists():
+        return {tasks.name: tasks}
+    found = {p.parent.name: p.parent for p in sorted(tasks.glob("*/test.jsonl"))}
+    if names:
+        missing = [n for n in names if n not in found]
+        if missing:
+            raise TaskError(f"task(s) {missing} not found under {tasks}; have {sorted(found)}")
+        found = {n: found[n] for n in names}
+    if not found:
+        raise TaskError(f"no tasks under {tasks}", fix=f"prism tasks build --out {tasks}")
+    return found
+
+
+def load_controller(path: Path) -> Controller:
+    """A controller file from `prism controller fit` (``DataError`` naming the file otherwise)."""
+    try:
+        return Controller.load(path)
+    except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read controller {path}: {e}", fix="fit one with `prism controller fit`") from e
+
+
+def evaluate_tasks(run: Run, *, tasks: Path = Path("tasks"), task: list[str] | None = None, split: str = "test",
+                   controller: Path | None = None, lm_eval: bool = False) -> dict[str, dict[str, Any]]:
+    """Multiple-choice accuracy (acc, acc_norm) with our log-likelihood scorer.
+
+    Args:
+        tasks: A task folder or a folder of task folders.
+        task: Only these tasks (repeatable).
+        split: train, validation or test.
+        controller: A controller JSON (`prism controller fit`) to apply.
+        lm_eval: Also score with lm-eval's evaluator (same numbers).
+    """
+    folders = task_folders(tasks, task or [])
+    extra: tuple[Control, ...] = ()
+    if controller is not None:
+        ctl = load_controller(controller)
+        extra = (Control(ctl.coefficients.to(torch.float32), label=str(controller)),)
+    results: dict[str, dict[str, Any]] = {}
+    with run.model.intervene(*run.interventions, *extra) as model:
+        for n, f in folders.items():
+            docs = load_split(f, split)
+            results[n] = mc_accuracy(model, run.tokenizer, docs).to_dict()
+            if lm_eval and split == "test":
+                from prismlm.app.lm_eval_adapter import evaluate_with_lm_eval
+
+                results[n]["lm_eval"] = evaluate_with_lm_eval(model, run.tokenizer, {n: f})[n]
+    return results
+
+
+@dataclass
+class ControllerResult:
+    controller: Controller
+    before: dict[str, float]
+    after: dict[str, float]
+    trace: list[dict[str, Any]]
+    path: Path
+
+
+def fit_controller(run: Run, task: Path, *, l1: list[float] | None = None, steps: int = 100, lr: float = 0.05,
+                   out: Path = Path("controller.json"), index: Path | None = None) -> ControllerResult:
+    """Fit a sparse linear controller c (LM frozen) on a task; report test accuracy before → after.
+
+    Args:
+        task: A task folder (with train/validation/test.jsonl).
+        l1: L1 strengths to try (chosen on validation; repeatable).
+        steps: Full-batch optimisation steps.
+        lr: Step size.
+        out: Where to write the controller.
+        index: A prototype index: trace each coefficient to its label and training neighbourhood.
+    """
+    model = run.prism_model("a controller over prototypes (see bench/control.py for the SAE baseline)")
+    assert model.prototypes is not None
+    splits = {s: load_split(task, s) for s in ("train", "validation", "test")}
+    feats = {s: extract_features(model, run.tokenizer, d, prism_encoder(model)) for s, d in splits.items()}
+    res = fit_and_test(feats, model.lm_head.weight, model.prototypes.weight, l1_grid=l1 or [3e-3, 1e-2, 3e-2],
+                       steps=steps, lr=lr)
+    idx = run.index(index, required=True) if index is not None else None
+    trace = trace_prism_controller(model, run.tokenizer, res.controller, feats["train"], splits["train"], index=idx)
+    res.controller.save(out, task=str(task), model_sha256=run.identity, test_before=res.before,
+                        test_after=res.after, trace=trace)
+    return ControllerResult(controller=res.controller, before=res.before, after=res.after, trace=trace, path=out)
+
+
+__all__ = ["ConceptResult", "ControllerResult", "build_task_folders", "evaluate_tasks", "find_run_concept",
+           "fit_controller", "load_controller", "task_folders"]

@@ -1,0 +1,198 @@
+"""``Run``: a run folder opened once — model, tokenizer, identity, shards, index, cache, interventions.
+
+Every operation of the application layer (``prismlm.app``) takes a ``Run``. Opening resolves the checkpoint
+(``RUN`` or ``RUN/checkpoints/step-N``), its suppression set and the device; the derived artifacts (token
+shards, prototype index, attribution cache) are opened lazily, checked against the checkpoint, and kept.
+Interventions (suppression sets, controllers, scaling) are values held by the run and applied only inside
+``with run.intervened():`` — the model itself is never changed for good.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from prismlm.config import RunConfig
+from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
+from prismlm.data.shards import ShardSet, load_shards, prepare_from_config
+from prismlm.data.tokenizer import Tokenizer
+from prismlm.errors import ArtifactError, DataError, PrismError, ShardError
+from prismlm.model import Intervention, PrismLM, Suppress
+from prismlm.train.checkpoint import Checkpoint, load_checkpoint
+from prismlm.train.distributed import resolve_device
+from prismlm.train.trainer import autocast_for
+
+if TYPE_CHECKING:
+    from prismlm.explain.index import PrototypeIndex
+    from prismlm.tda.cache import AttributionCache
+
+Progress = Callable[[str, int, int | None], None]
+"""A progress callback: ``progress(stage, done, total)``; ``total`` is ``None`` when unknown. The
+application layer reports through it and never prints; the CLI renders it."""
+
+
+def no_progress(stage: str, done: int, total: int | None) -> None:
+    """The default progress callback: report nothing."""
+
+
+def open_device(spec: str) -> torch.device:
+    """``auto``, ``cpu``, ``cuda``, ``cuda:1`` → a device; ``PrismError`` for one that is not there."""
+    try:
+        return resolve_device(spec)
+    except (RuntimeError, ValueError) as e:
+        raise PrismError(f"--device {spec!r}: {e}", fix="use --device cpu or auto") from e
+
+
+def resolve_suppression(checkpoint: Checkpoint, suppress: str | Path | None) -> SuppressionSet | None:
+    """``auto``: the checkpoint's own ``suppression.json`` if it has one; ``none``/``None``: nothing; else a
+    file. The set is checked against the checkpoint (bank size, model hash)."""
+    if suppress is None or str(suppress).lower() == "none":
+        return None
+    if str(suppress).lower() == "auto":
+        f = checkpoint.path / CHECKPOINT_FILE
+        if not f.exists():
+            return None
+        sset = SuppressionSet.load(f)
+    else:
+        sset = SuppressionSet.load(suppress)
+    sset.check(checkpoint.model, checkpoint.manifest.get("model_sha256"))
+    return sset
+
+
+@dataclass
+class Run:
+    """A trained run, opened once. Build with ``Run.open(path)``."""
+
+    path: Path
+    """What the user named: a run folder or a checkpoint folder."""
+    checkpoint: Checkpoint
+    """The loaded checkpoint (model in eval mode on ``device``)."""
+    device: torch.device
+    suppression: SuppressionSet | None = None
+    """The suppression set applied by default (the checkpoint's own or ``--suppress FILE``)."""
+    interventions: tuple[Intervention, ...] = ()
+    """Every intervention applied inside ``intervened()``, the suppression set's first."""
+    _shards: dict[str, ShardSet] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path, *, device: str = "auto", suppress: str | Path | None = "auto",
+             interventions: tuple[Intervention, ...] = ()) -> Run:
+        """Load the checkpoint of ``path`` on ``device`` with its suppression set (``auto``: the
+        checkpoint's own, ``none``, or a FILE) and any further ``interventions``."""
+        dev = open_device(device)
+        ckpt = load_checkpoint(path, device=dev)
+        ckpt.model.eval()
+        sset = resolve_suppression(ckpt, suppress)
+        ivs = ((Suppress.of(sset.ids, sset.concept),) if sset is not None else ()) + tuple(interventions)
+        return cls(path=Path(path), checkpoint=ckpt, device=dev, suppression=sset, interventions=ivs)
+
+    # ----- what the run is ---------------------------------------------------------------------------------
+    @property
+    def model(self) -> PrismLM:
+        return self.checkpoint.model
+
+    @property
+    def config(self) -> RunConfig:
+        return self.checkpoint.config
+
+    @property
+    def identity(self) -> str | None:
+        """The checkpoint's model hash (``model_sha256`` of its manifest): what artifacts are tied to."""
+        return self.checkpoint.manifest.get("model_sha256")
+
+    @property
+    def step(self) -> int | None:
+        return self.checkpoint.manifest.get("step")
+
+    @property
+    def folder(self) -> Path:
+        """The run folder (``RUN/checkpoints/step-N`` → ``RUN``); a bare checkpoint is its own."""
+        p = self.checkpoint.path
+        return p.parent.parent if p.parent.name == "checkpoints" else self.path
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        tok = self.checkpoint.tokenizer
+        if tok is None:
+            raise DataError(f"{self.checkpoint.path} has no tokenizer; cannot encode text",
+                            fix="retrain, or copy the tokenizer/ folder of its shards into the checkpoint")
+        return tok
+
+    def prism_model(self, what: str = "this operation") -> PrismLM:
+        """The model, or ``ModelError`` if it is the dense baseline (no prototypes)."""
+        from prismlm.errors import ModelError
+
+        if not self.model.is_prism:
+            raise ModelError(f"{self.checkpoint.path} is a dense baseline: {what} needs a PRISM model "
+                             "(one with a prototype head)")
+        return self.model
+
+    def autocast(self) -> torch.autocast | None:
+        """The run's autocast context (bf16 on GPU by default, per ``train.dtype``), or ``None``."""
+        return autocast_for(self.config, self.device)
+
+    @contextmanager
+    def intervened(self) -> Iterator[PrismLM]:
+        """``with run.intervened() as model:`` — the model with the run's interventions applied."""
+        with self.model.intervene(*self.interventions) as m:
+            yield m
+
+    # ----- derived artifacts, opened lazily and checked against the checkpoint ------------------------------
+    def shards(self, shards_dir: Path | None = None, recorded_root: str | None = None) -> ShardSet:
+        """The token shards the run was trained on: ``shards_dir``, else the folder an artifact recorded
+        (``recorded_root``), else prepared (reused) from the run's data config. Refused (``ShardError``)
+        if their key differs from the checkpoint's."""
+        key = str(shards_dir) if shards_dir is not None else f"recorded:{recorded_root}"
+        if key in self._shards:
+            return self._shards[key]
+        want = (self.checkpoint.manifest.get("data") or {}).get("key")
+        shards: ShardSet | None = None
+        if shards_dir is not None:
+            shards = load_shards(shards_dir)
+        else:
+            if recorded_root and Path(recorded_root).exists():
+                try:
+                    shards = load_shards(recorded_root)
+                except ShardError:
+                    shards = None
+            if shards is None:
+                shards = prepare_from_config(self.config.data, show_progress=False)
+        if want is not None and shards.manifest["key"] != want:
+            raise ShardError(f"token shards {shards.root} (key {shards.manifest['key'][:16]}…) are not the ones "
+                             f"checkpoint {self.checkpoint.path} was trained on (key {want[:16]}…)",
+                             fix="pass --shards with the training shards")
+        self._shards[key] = shards
+        return shards
+
+    def index(self, index_dir: Path | None = None, shards_dir: Path | None = None, *,
+              required: bool = False) -> PrototypeIndex | None:
+        """The prototype index (``index_dir`` or ``RUN/index``) checked against the checkpoint, shards
+        attached; ``None`` if there is none and it is not ``required`` (then ``ArtifactError``)."""
+        from prismlm.explain.index import PrototypeIndex
+
+        path = index_dir or self.folder / "index"
+        if not (path / "manifest.json").exists():
+            if required or index_dir is not None:
+                raise ArtifactError(f"no prototype index at {path}", fix=f"prism index {self.path}")
+            return None
+        idx = PrototypeIndex.load(path, model_sha256=self.identity)
+        idx.attach(self.shards(shards_dir, idx.manifest.get("shards_root")))
+        return idx
+
+    def cache(self, cache_dir: Path | None = None, shards_dir: Path | None = None) -> AttributionCache:
+        """The attribution cache (``cache_dir`` or ``RUN/attribution-cache``) checked against the
+        checkpoint and the shards."""
+        from prismlm.tda.cache import AttributionCache
+
+        path = cache_dir or self.folder / "attribution-cache"
+        if not (path / "manifest.json").exists():
+            raise ArtifactError(f"no attribution cache at {path}",
+                                fix=f"prism attribute-cache {self.path} (or use --method full)")
+        cache = AttributionCache.load(path, model_sha256=self.identity)
+        cache.check(shards=self.shards(shards_dir, cache.manifest.get("shards_root")))
+        return cache

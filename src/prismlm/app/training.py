@@ -1,0 +1,119 @@
+"""Data and training operations: resolve a config, tokenize a corpus, train, and the end-to-end demo."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prismlm.app.operations import IndexResult, build_run_index, evaluate, explain_text, generate
+from prismlm.app.run import Progress, Run, no_progress
+from prismlm.config import PRESETS, RunConfig
+from prismlm.data.shards import ShardSet, prepare_shards
+from prismlm.errors import ConfigError
+from prismlm.explain import Explanation
+from prismlm.train.trainer import TrainResult
+from prismlm.train.trainer import train as train_model
+
+PRESET_NAMES = ", ".join(sorted(PRESETS))
+
+
+def build_config(preset: str = "cpu-small", config: Path | None = None, overrides: list[str] | None = None, *,
+                 dense: bool = False, steps: int | None = None, corpus: str | None = None,
+                 tokenizer: str | None = None) -> RunConfig:
+    """Preset (or JSON file) → shortcuts (steps, corpus, tokenizer) → ``--set`` overrides converted to each
+    field's type, validated at each stage (``ConfigError`` naming the key)."""
+    if config is not None:
+        if not Path(config).exists():
+            raise ConfigError(f"no config file at {config}", fix="pass a RunConfig JSON (e.g. RUN/config.json)")
+        cfg = RunConfig.from_json(config)
+    else:
+        cfg = RunConfig.from_name(preset)
+    shortcuts = []
+    if steps is not None:
+        shortcuts.append(f"train.max_steps={steps}")
+    if corpus is not None:
+        shortcuts.append(f"data.corpus={corpus}")
+    if tokenizer is not None:
+        shortcuts.append(f"data.tokenizer={tokenizer}")
+    cfg = cfg.override_strings([*shortcuts, *(overrides or [])])
+    return cfg.dense() if dense else cfg
+
+
+def default_run_folder(cfg: RunConfig) -> Path:
+    """``runs/<preset>-<prism|dense>``."""
+    return Path("runs") / f"{cfg.preset or 'custom'}-{'prism' if cfg.model.is_prism else 'dense'}"
+
+
+def prepare(corpus: str = "builtin", tokenizer: str = "bpe-8192", *, out: Path | None = None,
+            text_field: str = "text", val_fraction: float = 0.02, max_docs: int | None = None) -> ShardSet:
+    """Tokenize a corpus into memory-mapped token shards (reused if already built).
+
+    Args:
+        corpus: builtin, a folder/glob/file of .txt/.jsonl/.parquet, or hf:NAME.
+        tokenizer: bpe-N (train), gpt2, hf:NAME, or a saved tokenizer path.
+        out: Shard folder (default: a keyed folder under ~/.cache/prismlm/data).
+        text_field: Text field of .jsonl/.parquet/HF corpora.
+        val_fraction: Share of documents held out for validation.
+        max_docs: Use only the first N documents.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    return prepare_shards(corpus, tokenizer, out, val_fraction=val_fraction, text_field=text_field, max_docs=max_docs)
+
+
+def train(cfg: RunConfig, out: Path, *, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Train ``cfg`` into the run folder ``out`` (``resume``: from its latest checkpoint)."""
+    return train_model(cfg, out, resume=resume, progress=progress)
+
+
+@dataclass
+class DemoResult:
+    """Everything the demo made: the run, samples, metrics, the index and one explained generation."""
+
+    run_folder: Path
+    train: TrainResult
+    samples: list[str]
+    metrics: dict[str, float | int | None]
+    index: IndexResult | None = None
+    explanation: Explanation | None = None
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+DEMO_PROMPTS = ("The ", "It is a truth universally acknowledged")
+
+
+def demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Path("runs/demo"),
+         max_docs: int | None = None, max_chars_per_doc: int | None = None, overrides: list[str] | None = None,
+         progress: bool = True, index_sequences: int | None = None,
+         on_stage: Progress = no_progress) -> DemoResult:
+    """The whole pipeline on the built-in corpus: prepare data, train a small PRISM, sample, evaluate,
+    index a sample of the training data and explain one generation. ``on_stage(stage, i, n)`` is called
+    as each of the n stages starts."""
+    extra = list(overrides or [])
+    if max_docs is not None:
+        extra.append(f"data.max_docs={max_docs}")
+    if max_chars_per_doc is not None:
+        extra.append(f"data.max_chars_per_doc={max_chars_per_doc}")
+    cfg = build_config(preset, None, extra, steps=steps, corpus="builtin")
+    stages = 5 if cfg.model.is_prism else 3
+    on_stage("train", 0, stages)
+    result = train(cfg, out, progress=progress)
+    run = Run.open(out, device="cpu")
+    on_stage("sample", 1, stages)
+    samples = [t for p in DEMO_PROMPTS for t in generate(run, p, tokens=40, samples=1, temperature=0.8, seed=0)]
+    on_stage("evaluate", 2, stages)
+    metrics = evaluate(run, batches=cfg.train.eval_batches)
+    demo_result = DemoResult(run_folder=out, train=result, samples=samples, metrics=metrics)
+    if cfg.model.is_prism:
+        # Why a cap: the demo indexes a sample so it stays a demo; `prism index RUN` indexes everything.
+        n_index = index_sequences if index_sequences is not None else (64 if preset == "tiny" else 1024)
+        on_stage(f"index ({n_index} training sequences)", 3, stages)
+        demo_result.index = build_run_index(run, max_sequences=n_index, progress=progress)
+        on_stage("explain", 4, stages)
+        run = Run.open(out, device="cpu")  # reopen: picks up the index just built
+        demo_result.explanation = explain_text(run, DEMO_PROMPTS[1], generate=12, seed=0)
+    return demo_result
+
+
+__all__ = ["DEMO_PROMPTS", "DemoResult", "PRESET_NAMES", "build_config", "default_run_folder", "demo", "prepare",
+           "train"]

@@ -1,0 +1,156 @@
+"""What every on-disk artifact shares: atomic writes, file hashes, provenance checks, sequence ranges.
+
+The lowest layer of prismlm: it imports only the standard library, torch, ``prismlm.errors`` and
+``prismlm._version``, so every other layer (model, data, train, explain, tda, control) can use it.
+
+- **Atomic writes.** ``atomic_write_text`` / ``atomic_write_bytes`` write ``<name>.tmp`` next to the
+  target and rename it into place; ``atomic_dir`` stages a whole folder as ``<name>.tmp`` and renames it
+  in, keeping the previous folder (as ``<name>.old``) until the rename is done. A crash leaves either the
+  old artifact or the new one, never a torn one.
+- **Hashes.** ``sha256_file`` (streamed); ``model_identity`` (a hash of a module's weights, for a model
+  passed without its checkpoint).
+- **Provenance.** ``provenance()`` is the version block every manifest records; ``check_provenance``
+  refuses an artifact built from another model or corpus (``ArtifactMismatch``).
+- **Ranges and parts.** ``part_range`` is the batch-aligned slice of part i of n; artifacts built in parts record the sequence ranges ``[[start, stop), …]`` they cover;
+  ``merge_ranges`` normalises a list of them and ``overlap`` finds a sequence range two lists share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prismlm.errors import ArtifactMismatch, ConfigError
+
+__all__ = ["atomic_dir", "atomic_write_bytes", "atomic_write_text", "check_provenance", "merge_ranges",
+           "model_identity", "overlap", "part_range", "provenance", "sha256_file"]
+
+
+# ----- atomic writes ---------------------------------------------------------------------------------------
+def _tmp(path: Path, suffix: str = ".tmp") -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through ``<path>.tmp`` renamed into place; returns ``path``."""
+    path = Path(path)
+    tmp = _tmp(path)
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to ``path`` through ``<path>.tmp`` renamed into place; returns ``path``."""
+    return atomic_write_bytes(path, text.encode(encoding))
+
+
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Stage a folder and rename it into place: ``with atomic_dir(out) as stage: <write files in stage>``.
+
+    ``stage`` is a fresh, empty ``<out>.tmp`` (a stale one from a crash is removed first). On a normal
+    exit the existing ``out`` (if any) is renamed to ``<out>.old``, the stage to ``out``, and only then
+    is ``<out>.old`` removed; on an exception the stage is removed and ``out`` is left untouched."""
+    path = Path(path)
+    stage, old = _tmp(path), _tmp(path, ".old")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(stage, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ----- hashes ----------------------------------------------------------------------------------------------
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes, read in chunks of ``chunk`` bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_identity(model: torch.nn.Module) -> str:
+    """``weights:<sha256 of the state dict>`` — what ties an artifact to a model passed without its
+    checkpoint (stable for equal weights, but not equal to a checkpoint's ``model_sha256``, the hash of
+    its ``model.safetensors`` file: pass that where you have a checkpoint)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return "weights:" + h.hexdigest()
+
+
+# ----- provenance ------------------------------------------------------------------------------------------
+def provenance() -> dict[str, str]:
+    """The versions every artifact manifest records: ``prismlm_version`` and ``torch_version``."""
+    from prismlm._version import __version__
+
+    return {"prismlm_version": __version__, "torch_version": torch.__version__}
+
+
+def check_provenance(manifest: dict[str, Any], *, what: str, rebuild: str, model_sha256: str | None = None,
+                     shard_key: str | None = None) -> None:
+    """Refuse an artifact (index, attribution cache, …) built from another model or corpus.
+
+    ``manifest`` holds the ``model_sha256`` and ``shard_key`` the artifact was built from; ``what`` names
+    it in the message and ``rebuild`` is the command that rebuilds it. A None ``model_sha256`` or
+    ``shard_key`` is not checked. Raises ``ArtifactMismatch`` naming both hashes."""
+    if model_sha256 is not None and model_sha256 != manifest["model_sha256"]:
+        raise ArtifactMismatch(f"{what} was built for model {manifest['model_sha256']}, but this checkpoint's "
+                               f"model is {model_sha256}; rebuild it with `{rebuild}`")
+    if shard_key is not None and shard_key != manifest["shard_key"]:
+        raise ArtifactMismatch(f"{what} was built on token shards {manifest['shard_key']}, but these shards are "
+                               f"{shard_key}; rebuild it with `{rebuild}` on this corpus")
+
+
+# ----- sequence ranges -------------------------------------------------------------------------------------
+def merge_ranges(ranges: list[list[int]]) -> list[list[int]]:
+    """Sorted, disjoint, non-empty ``[start, stop)`` ranges covering the same sequences as ``ranges``
+    (adjacent and overlapping ranges are joined; empty ones dropped)."""
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if a >= b:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def overlap(r1: list[list[int]], r2: list[list[int]]) -> list[int] | None:
+    """The first ``[start, stop)`` shared by a range of ``r1`` and a range of ``r2``, or None."""
+    for a, b in r1:
+        for c, d in r2:
+            if max(a, c) < min(b, d):
+                return [max(a, c), min(b, d)]
+    return None
+
+
+def part_range(num_sequences: int, batch_size: int, part: tuple[int, int]) -> tuple[int, int]:
+    """Sequence range [start, stop) of part i of n of ``[0, num_sequences)``: contiguous, whole batches of
+    ``batch_size`` (so parts built separately go through the model in the same batches as one pass)."""
+    i, n = part
+    if not (n >= 1 and 0 <= i < n):
+        raise ConfigError(f"part must be i/n with 0 <= i < n, got {i}/{n} (e.g. --part 0/4 for the first of 4)")
+    nb = math.ceil(num_sequences / batch_size)
+    b0, b1 = (i * nb) // n, ((i + 1) * nb) // n
+    return min(b0 * batch_size, num_sequences), min(b1 * batch_size, num_sequences)

@@ -1,0 +1,137 @@
+"""Typer commands derived from the application layer's function signatures and docstrings.
+
+An operation such as ``generate(run: Run, prompt: str = "", *, tokens: int = 100, …)`` with an ``Args:``
+section in its docstring becomes ``prism generate RUN [--prompt …] [--tokens …] [--device …] [--suppress …]``:
+names, types, defaults and help come from the operation, so the CLI never re-declares them. A renderer
+``render(result, *, json_out: Path | None = None, …)`` adds its own (output) options the same way.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from prismlm.app.run import Run
+from prismlm.cli.console import fail
+from prismlm.errors import PrismError
+
+RUN_HELP = "Run folder or checkpoint folder."
+DEVICE_HELP = "auto, cpu, cuda…"
+SUPPRESS_HELP = ("Suppression set: a JSON file from `prism concept`, 'auto' (the checkpoint's suppression.json "
+                 "if any) or 'none'.")
+
+
+def arg_help(func: Callable[..., Any]) -> dict[str, str]:
+    """The ``Args:`` section of a Google-style docstring → {parameter: help}."""
+    doc = inspect.getdoc(func) or ""
+    m = re.search(r"^Args:\n((?:[ \t]+.*\n?|\n)*)", doc, re.M)
+    if not m:
+        return {}
+    known = set(inspect.signature(func).parameters)
+    out: dict[str, str] = {}
+    name = None
+    for line in m.group(1).splitlines():
+        head = re.match(r"^\s*(\w+):\s*(.*)$", line)
+        if head and head.group(1) in known:
+            name = head.group(1)
+            out[name] = head.group(2).strip()
+        elif name and line.strip():
+            out[name] += " " + line.strip()
+    return out
+
+
+def _first_parameter(func: Callable[..., Any]) -> str:
+    """The name of a renderer's first parameter: the operation's result, not an option."""
+    return next(iter(inspect.signature(func).parameters))
+
+
+def summary(func: Callable[..., Any]) -> str:
+    """The docstring up to its ``Args:`` section (the command's help)."""
+    doc = inspect.getdoc(func) or ""
+    return doc.split("\nArgs:")[0].strip().replace("``", "`")
+
+
+def _params(func: Callable[..., Any], skip: set[str], decls: dict[str, list[str]],
+            arguments: set[str]) -> list[inspect.Parameter]:
+    hints = typing.get_type_hints(func)
+    helps = arg_help(func)
+    out = []
+    for p in inspect.signature(func).parameters.values():
+        if p.name in skip or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        annotation = hints.get(p.name, str)
+        default = ... if p.default is inspect.Parameter.empty else p.default
+        if isinstance(default, tuple):  # typer wants lists for repeatable options
+            default = list(default)
+        if default is None and typing.get_origin(annotation) in (typing.Union, type(int | None)) \
+                and any(typing.get_origin(a) is list for a in typing.get_args(annotation)):
+            default = []  # an optional list becomes a repeatable option that may be absent
+            annotation = next(a for a in typing.get_args(annotation) if typing.get_origin(a) is list)
+        help_text = helps.get(p.name, "")
+        if p.name in arguments:
+            info = typer.Argument(default, help=help_text)
+        else:
+            info = typer.Option(default, *decls.get(p.name, []), help=help_text)
+        out.append(inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation))
+    return out
+
+
+def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callable[..., None] | None = None, *,
+            opens_run: bool = True, arguments: set[str] | None = None, decls: dict[str, list[str]] | None = None,
+            skip: set[str] | None = None, suppress_default: str = "auto") -> None:
+    """Register ``op`` as ``prism NAME``. With ``opens_run`` the first argument is RUN and ``--device`` /
+    ``--suppress`` open the ``Run`` passed to ``op``. ``render(result, run=…, **its options)`` prints the
+    result. Positional arguments: ``arguments`` (plus a required first parameter after ``run``)."""
+    decls = decls or {}
+    skip = set(skip or ()) | ({"run"} if opens_run else set())
+    positional = set(arguments or ())
+    op_params = _params(op, skip, decls, positional)
+    op_names = {p.name for p in op_params}
+    # a renderer option with the name of an operation option (e.g. --shards) is one option, given to both
+    render_all = _params(render, {"run", _first_parameter(render)}, decls, set()) if render is not None else []
+    render_names = {p.name for p in render_all}
+    render_params = [p for p in render_all if p.name not in op_names]
+    head: list[inspect.Parameter] = []
+    tail: list[inspect.Parameter] = []
+    if opens_run:
+        head.append(inspect.Parameter("run", inspect.Parameter.KEYWORD_ONLY, annotation=Path,
+                                      default=typer.Argument(..., help=RUN_HELP)))
+        tail += [inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, annotation=str,
+                                   default=typer.Option("auto", help=DEVICE_HELP)),
+                 inspect.Parameter("suppress", inspect.Parameter.KEYWORD_ONLY, annotation=str,
+                                   default=typer.Option(suppress_default, help=SUPPRESS_HELP))]
+
+    def run_command(**kwargs: Any) -> None:
+        op_kwargs = {k: v for k, v in kwargs.items() if k in op_names}
+        render_kwargs = {k: v for k, v in kwargs.items() if k in render_names}
+        try:
+            run = None
+            if opens_run:
+                run = Run.open(kwargs["run"], device=kwargs["device"], suppress=kwargs["suppress"])
+                if run.suppression is not None:
+                    from prismlm.cli.console import console
+
+                    s = run.suppression
+                    console.print(f"suppressing {len(s.ids)} prototypes ({100 * s.share:.2f}% of the bank)"
+                                  + (f": {s.concept}" if s.concept else ""))
+                result = op(run, **op_kwargs)
+            else:
+                result = op(**op_kwargs)
+            if render is not None:
+                extra = {"run": run} if "run" in inspect.signature(render).parameters else {}
+                render(result, **extra, **render_kwargs)
+        except PrismError as e:
+            fail(str(e))
+
+    params = head + [p for p in op_params if p.name in positional] + \
+        [p for p in op_params if p.name not in positional] + tail + render_params
+    run_command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    run_command.__doc__ = summary(op)
+    run_command.__name__ = name.replace("-", "_")
+    app.command(name, help=summary(op))(run_command)

@@ -1,0 +1,116 @@
+"""Prototype-space gradients (spec §3.2) — the one copy of u_t, of the block gradients and of the
+preconditioned query table, used by the full-gradient reference, the postings cache and ``attribute``.
+
+Holding each token's residual r_t and activations a_t fixed, ``ℓ_t = W r_t + Σ_i a_{t,i} W p_i``
+(W = ``lm_head.weight``, V × d), so the gradient of the token's cross-entropy with respect to an active
+prototype p_i is ``a_{t,i} u_t`` with the output-side factor
+
+    u_t = Wᵀ(softmax(ℓ_t) − e_{y_t})            (``output_gradients``)
+
+A sequence's gradient is sparse by blocks, ``G_{j,i} = Σ_t a_{t,i} u_t`` (``block_gradients``), and needs
+only the model's one forward output: no backward pass. Scores pair a query's preconditioned blocks
+``H_i⁻¹ G_{q,i}`` (``query_table``) with training blocks ``G_{j,i}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F_
+
+from prismlm.errors import ModelError
+
+if TYPE_CHECKING:
+    from prismlm.model import PrismLM, PrismOutput
+    from prismlm.tda.influence import Curvature
+
+__all__ = ["BlockGradients", "block_gradients", "output_gradients", "precondition", "query_table"]
+
+
+@dataclass
+class BlockGradients:
+    """Sparse block gradients: one row per (sequence, active prototype), ordered by (sequence, prototype)."""
+
+    seq: torch.Tensor
+    """(R,) int64: sequence id of each row (a training sequence id, or a query's position in its batch)."""
+    proto: torch.Tensor
+    """(R,) int64: prototype id of each row."""
+    grad: torch.Tensor
+    """(R, d): G_{seq, proto} = Σ_t a_{t,proto} u_t over the sequence's measured tokens."""
+    loss: torch.Tensor | None = None
+    """(n_seq,) summed cross-entropy of each sequence's measured tokens (for reporting)."""
+
+    @property
+    def rows(self) -> int:
+        return int(self.seq.shape[0])
+
+    def select(self, mask: torch.Tensor) -> BlockGradients:
+        return BlockGradients(self.seq[mask], self.proto[mask], self.grad[mask], self.loss)
+
+    @staticmethod
+    def cat(parts: list[BlockGradients]) -> BlockGradients:
+        losses = [p.loss for p in parts if p.loss is not None]
+        return BlockGradients(torch.cat([p.seq for p in parts]), torch.cat([p.proto for p in parts]),
+                              torch.cat([p.grad for p in parts]), torch.cat(losses) if losses else None)
+
+
+def output_gradients(model: PrismLM, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """u_t = Wᵀ(π_t − e_{y_t}) for every token: (B, T, d) from ``logits`` (B, T, V) and ``targets`` (B, T).
+
+    Computed in ``promote(logits.dtype, float32)`` (float64 for a float64 model); W is the model's
+    ``lm_head.weight``, detached."""
+    dt = torch.promote_types(logits.dtype, torch.float32)
+    W = model.lm_head.weight.detach().to(dt)  # (V, d)
+    pi = torch.softmax(logits.detach().to(dt), dim=-1)  # (B, T, V)
+    return pi @ W - W[targets]  # (B, T, d): Wᵀ(π − e_y)
+
+
+def block_gradients(model: PrismLM, out: PrismOutput, targets: torch.Tensor, mask: torch.Tensor | None = None,
+                    seq_ids: torch.Tensor | None = None) -> BlockGradients:
+    """Exact prototype-space block gradients of a batch from its forward output.
+
+    ``out``: the model's ``PrismOutput`` for inputs (B, T); ``targets`` (B, T) next tokens; ``mask``
+    (B, T) bool: tokens whose loss is measured (default all); ``seq_ids`` (B,) the ids written to the rows
+    (default 0..B-1). Vectorised: one ``index_add_`` over the (token, active prototype) pairs.
+    """
+    if out.indices is None or out.activations is None or model.prototypes is None:
+        raise ModelError("prototype-space gradients need a PRISM model (the dense baseline has no prototypes)")
+    B, T, k = out.indices.shape
+    K = model.prototypes.num_prototypes
+    dt = torch.promote_types(out.logits.dtype, torch.float32)
+    logits = out.logits.detach().to(dt)  # (B, T, V)
+    u = output_gradients(model, logits, targets)  # (B, T, d)
+    ce = F_.cross_entropy(logits.reshape(B * T, -1), targets.reshape(-1), reduction="none").view(B, T)  # (B, T)
+    if mask is None:
+        mask = torch.ones(B, T, dtype=torch.bool, device=logits.device)
+    ids = torch.arange(B, device=logits.device) if seq_ids is None else seq_ids.to(logits.device)
+    a = out.activations.detach().to(dt)  # (B, T, k)
+    on = (a > 0) & mask[:, :, None]  # (B, T, k): measured (token, active prototype) pairs
+    keys = (torch.arange(B, device=a.device)[:, None, None] * K + out.indices)[on]  # (P,)
+    vals = (a[:, :, :, None] * u[:, :, None, :])[on]  # (P, d)
+    uniq, inv = torch.unique(keys, return_inverse=True)  # sorted: rows ordered by (sequence, prototype)
+    G = torch.zeros(uniq.shape[0], u.shape[-1], dtype=dt, device=a.device).index_add_(0, inv, vals)  # (R, d)
+    loss = (ce * mask).sum(1)  # (B,)
+    return BlockGradients(seq=ids[uniq // K], proto=uniq % K, grad=G, loss=loss)
+
+
+def precondition(query: BlockGradients, curvature: Curvature | None,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(R, d): H_i⁻¹ G_{q,i} for each row of ``query`` (its gradient itself when ``curvature`` is None,
+    i.e. H_i = I), in ``dtype`` (default the gradients' dtype)."""
+    G = query.grad if dtype is None else query.grad.to(dtype)
+    return G if curvature is None else curvature.apply(query.proto, G, -1.0)
+
+
+def query_table(query: BlockGradients, curvature: Curvature | None, num_prototypes: int, num_queries: int, *,
+                dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """(K, Q, d): ``table[i, q] = H_i⁻¹ G_{q,i}`` for every prototype i active in query q, zeros elsewhere.
+
+    The influence of a training block (j, i) on query q is then ``G_{j,i} · table[i, q]``."""
+    P = precondition(query, curvature, dtype)  # (Rq, d)
+    dev = P.device if device is None else device
+    table = torch.zeros(num_prototypes, num_queries, P.shape[1], dtype=P.dtype, device=dev)
+    table[query.proto.to(dev), query.seq.to(dev)] = P.to(dev)
+    return table

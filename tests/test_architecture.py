@@ -1,0 +1,131 @@
+"""The layers import one way. Every import is counted, including those inside functions (ast walk).
+
+    config, errors, artifacts, _version  ←  model, data  ←  eval  ←  train  ←  explain, tda  ←  control
+    ←  app  ←  explore  ←  cli
+
+typer and rich (the terminal front end) are imported only by cli/ and explore/.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "prismlm"
+
+LAYER = {
+    "_version": 0, "errors": 0, "artifacts": 0.3, "config": 0.5,
+    "model": 1, "data": 1,
+    "eval": 2, "train": 2.5,
+    "explain": 3, "tda": 3,
+    "control": 4,
+    "app": 5,
+    "explore": 6,
+    "cli": 7,
+    "__init__": 10,  # the package facade re-exports the core classes for users
+}
+FRONT_END_ONLY = {"typer", "rich", "click"}
+
+
+def _unit(module: str) -> str | None:
+    """``prismlm.tda.cache`` → ``tda``; ``prismlm`` (the facade) → ``__init__``; other packages → None."""
+    parts = module.split(".")
+    if parts[0] != "prismlm":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """Every imported module of a file (absolute; relative imports resolved), with its line."""
+    rel = path.relative_to(SRC.parent).with_suffix("") if path.is_relative_to(SRC.parent) else Path(path.stem)
+    pkg = list(rel.parts[:-1])  # the package a relative import starts from
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.append((mod, node.lineno))
+            # `from prismlm import app` imports the subpackage prismlm.app
+            if mod == "prismlm":
+                out += [(f"prismlm.{a.name}", node.lineno) for a in node.names]
+    return out
+
+
+def _edges() -> dict[tuple[str, str], list[str]]:
+    edges: dict[tuple[str, str], list[str]] = {}
+    for f in SRC.rglob("*.py"):
+        rel = f.relative_to(SRC)
+        src = rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.name != "__init__.py" else "__init__"
+        for mod, line in _imports(f):
+            dst = _unit(mod)
+            if dst is None or dst == src:
+                continue
+            if mod == "prismlm" and dst == "__init__":
+                continue  # `from prismlm import app`: counted through the subpackage above
+            edges.setdefault((src, dst), []).append(f"{rel}:{line}")
+    return edges
+
+
+def test_every_unit_has_a_layer():
+    units = {p.name.removesuffix(".py") for p in SRC.iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")}
+    assert units - set(LAYER) == set(), "a new subpackage needs a place in LAYER"
+
+
+def test_imports_point_down_the_layers():
+    wrong = [f"{src} → {dst} ({', '.join(where[:3])})" for (src, dst), where in sorted(_edges().items())
+             if dst != "__init__" and LAYER.get(dst, 99) >= LAYER.get(src, -1)]
+    assert wrong == [], "imports that climb up (or sideways) a layer:\n" + "\n".join(wrong)
+
+
+def test_library_does_not_import_the_package_facade():
+    # prismlm/__init__ imports the model; a low layer importing it would climb back up
+    wrong = [f"{src} ({', '.join(where[:3])})" for (src, dst), where in _edges().items()
+             if dst == "__init__" and src not in ("cli", "explore", "app")]
+    assert wrong == []
+
+
+def test_no_cycles_between_units():
+    graph: dict[str, set[str]] = {}
+    for src, dst in _edges():
+        graph.setdefault(src, set()).add(dst)
+    seen: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(u: str, stack: list[str]) -> list[str] | None:
+        seen[u] = 1
+        for v in sorted(graph.get(u, ())):
+            if seen.get(v) == 1:
+                return stack + [u, v]
+            if v not in seen:
+                cycle = visit(v, stack + [u])
+                if cycle:
+                    return cycle
+        seen[u] = 2
+        return None
+
+    for u in sorted(graph):
+        if u not in seen:
+            cycle = visit(u, [])
+            assert cycle is None, "import cycle: " + " → ".join(cycle)
+
+
+@pytest.mark.parametrize("package", sorted(p for p in LAYER if LAYER[p] < LAYER["explore"]))
+def test_no_terminal_front_end_below_the_cli(package):
+    files = [SRC / f"{package}.py"] if (SRC / f"{package}.py").exists() else sorted((SRC / package).rglob("*.py"))
+    bad = [f"{f.relative_to(SRC)}:{line} imports {mod}" for f in files for mod, line in _imports(f)
+           if mod.split(".")[0] in FRONT_END_ONLY]
+    assert bad == []
+
+
+def test_the_checker_sees_function_level_imports(tmp_path):
+    """The walk counts an import inside a function body (the kind that hid the old cycles)."""
+    f = tmp_path / "m.py"
+    f.write_text("def g():\n    from prismlm.cli.main import app\n    return app\n")
+    assert ("prismlm.cli.main", 2) in _imports(f)
