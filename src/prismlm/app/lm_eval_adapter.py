@@ -19,17 +19,21 @@ from typing import Any
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from prismlm.data.tokenizer import Tokenizer
 from prismlm.eval.scoring import loglikelihoods
+from prismlm.model import Intervention, PrismLM
 
 
 @register_model("prism")
 class PrismEvalLM(LM):
     """A PRISM (or dense) checkpoint, or an in-memory model + tokenizer, as an lm-eval ``LM``."""
 
-    def __init__(self, pretrained: str | None = None, *, model: Any = None, tokenizer: Any = None,
+    def __init__(self, pretrained: str | None = None, *, model: PrismLM | None = None,
+                 tokenizer: Tokenizer | None = None,
                  suppress: str | None = "auto", batch_size: int | str | None = 32, device: str | None = "cpu",
                  **_: Any) -> None:
         super().__init__()
+        interventions: tuple[Intervention, ...]
         if model is None:
             if pretrained is None:
                 raise ValueError("--model prism needs model_args pretrained=RUN_OR_CHECKPOINT")
@@ -72,7 +76,7 @@ class PrismEvalLM(LM):
         raise NotImplementedError("the prism adapter scores log-likelihoods only (multiple-choice tasks)")
 
 
-def evaluate_with_lm_eval(model: Any, tokenizer: Any, task_folders: dict[str, str | Path], *,
+def evaluate_with_lm_eval(model: PrismLM, tokenizer: Tokenizer, task_folders: dict[str, str | Path], *,
                           split_limit: int | None = None, batch_size: int = 32) -> dict[str, dict[str, float]]:
     """Run lm-eval's own evaluator on our task folders (built by ``prismlm.eval.tasks``) with an
     in-memory model; returns task → {acc, acc_norm}."""

@@ -1,0 +1,140 @@
+"""The error model at the CLI boundary: a ``PrismError`` is one line and exit 2, anything else keeps its
+traceback; ``--set`` values are converted to each field's type; options come from the operations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from prismlm import app as ops
+from prismlm._version import __version__
+from prismlm.cli import app
+from prismlm.cli.derive import arg_help
+from prismlm.config import RunConfig, parse_overrides
+from prismlm.errors import (
+    ArtifactError,
+    ArtifactMismatch,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    PrismError,
+    ShardError,
+    SuppressionError,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_shards, tmp_path_factory):
+    from conftest import train_tiny_run
+
+    return train_tiny_run(tiny_shards, tmp_path_factory.mktemp("cli"), steps=4, batch_size=4, warmup_steps=1)[1]
+
+
+def _run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_version():
+    res = _run("--version")
+    assert res.exit_code == 0 and res.output.strip() == f"prismlm {__version__}"
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.lr=abc", "expected a number"),
+    ("model.n_layer=1.5", "expected an integer"),
+    ("model.n_embd=-32", "n_embd must be >= 1"),
+    ("train.lr=nan", "expected a finite number"),
+    ("train.lr=Infinity", "expected a finite number"),
+    ("train.lrr=1", "unknown key"),
+    ("train.schedule=linear", "expected one of"),
+    ("nokey", "KEY=VALUE"),
+])
+def test_bad_set_values_are_one_line_errors(tmp_path, override, expected):
+    res = _run("train", "--preset", "tiny", "--set", override, "--out", str(tmp_path / "r"))
+    assert res.exit_code == 2, res.output
+    assert "error:" in res.output and expected in res.output
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "r").exists()  # nothing was started
+
+
+def test_set_values_take_the_declared_types():
+    got = parse_overrides(["train.lr=3e-4", "model.n_layer=3", "model.prototypes=null", "train.compile=true",
+                           "data.corpus=builtin", "model.prototypes.num_prototypes=128"])
+    assert got == {"train.lr": 3e-4, "model.n_layer": 3, "model.prototypes": None, "train.compile": True,
+                   "data.corpus": "builtin", "model.prototypes.num_prototypes": 128}
+    assert type(got["train.lr"]) is float and type(got["model.n_layer"]) is int
+    cfg = RunConfig.from_name("tiny").override_strings(["model.prototypes.top_k=8", "train.lr=0.01"])
+    assert cfg.model.prototypes is not None and cfg.model.prototypes.top_k == 8 and cfg.train.lr == 0.01
+    with pytest.raises(ConfigError, match="top_k"):
+        RunConfig.from_name("tiny").override_strings(["model.prototypes.top_k=x"])
+
+
+def test_user_mistakes_on_a_missing_run_are_one_line(tmp_path):
+    for cmd in (["generate", str(tmp_path / "nope")], ["eval", str(tmp_path / "nope")],
+                ["explain", str(tmp_path / "nope"), "x"], ["attribute", str(tmp_path / "nope"), "x"]):
+        res = _run(*cmd)
+        assert res.exit_code == 2 and "error:" in res.output and "Traceback" not in res.output, (cmd, res.output)
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
+    """Only PrismError is a user mistake: any other exception propagates (exit 1 with the exception)."""
+    def boom(*a, **k):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(ops.training, "prepare_shards", boom)
+    res = _run("prepare", "--out", str(tmp_path / "s"))
+    assert res.exit_code == 1 and isinstance(res.exception, ZeroDivisionError)
+
+
+def test_every_error_kind_is_a_prism_error_with_its_fix():
+    for kind in (ConfigError, DataError, ShardError, CheckpointError, ArtifactError, ArtifactMismatch,
+                 SuppressionError):
+        assert issubclass(kind, PrismError)
+    e = ArtifactError("no prototype index at runs/a/index", fix="prism index runs/a")
+    assert str(e) == "no prototype index at runs/a/index (fix: prism index runs/a)"
+    assert isinstance(e, ValueError)  # callers' `except ValueError` keeps working
+
+
+def test_cli_options_come_from_the_operation_signature_and_docstring():
+    helps = arg_help(ops.generate)
+    assert set(helps) == {"prompt", "tokens", "samples", "temperature", "top_k", "seed"}
+    res = _run("generate", "--help")
+    for opt in ("--prompt", "--tokens", "--samples", "--temperature", "--top-k", "--seed", "--device", "--suppress"):
+        assert opt in res.output
+    assert "New tokens per sample." in res.output
+
+
+def test_prepare_errors_name_the_corpus(tmp_path):
+    res = _run("prepare", "--corpus", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "s"))
+    assert res.exit_code == 2 and "missing.txt" in res.output
+
+
+def test_suppression_value_round_trips_through_run(tiny_run, tiny_shards, tmp_path):
+    """A suppression file given to ``Run.open`` is a value: generation is changed inside the operation and
+    the model itself stays unmodified."""
+    import torch
+
+    from prismlm.app import Run
+    from prismlm.control.suppress import SuppressionSet
+
+    base = Run.open(tiny_run, device="cpu", suppress="none")
+    K = base.model.prototypes.num_prototypes
+    SuppressionSet(ids=list(range(0, K, 2)), num_prototypes=K).save(tmp_path / "s.json")
+    run = Run.open(tiny_run, device="cpu", suppress=str(tmp_path / "s.json"))
+    assert run.model.proto_multipliers is None  # opening changed nothing
+    x = torch.tensor([run.tokenizer.encode("The sea was calm")])
+    with run.intervened() as m:
+        suppressed = m(x).logits
+        assert m.proto_multipliers is not None
+    assert run.model.proto_multipliers is None
+    with base.model.suppress(range(0, K, 2)):
+        want = base.model(x).logits
+    assert torch.allclose(suppressed, want)
+    assert ops.generate(run, "The", tokens=4, seed=1) == ops.generate(run, "The", tokens=4, seed=1)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kind": "prismlm-suppression", "format_version": 1, "ids": [1],
+                               "num_prototypes": K + 1}))
+    with pytest.raises(SuppressionError, match="bank of"):
+        Run.open(tiny_run, device="cpu", suppress=str(bad))
