@@ -79,8 +79,14 @@ def test_prototype_layer_exact_topk_relu_cosines_float64():
     assert o.indices.shape == (3, k) and torch.equal(o.indices, _full_cosines(neg, pos.weight.detach())
                                                      .argsort(-1, descending=True)[:, :k])
     assert (o.activations == 0).all() and torch.equal(o.residual, neg)
-    # low-precision inputs are decomposed in float32 (spec §6: selection and cosines in fp32)
-    assert layer.float()(z.bfloat16()).activations.dtype == torch.float32
+    # low precision (bf16 bank and inputs) is decomposed in float32 (spec §6: selection and cosines in fp32)
+    lo = PrototypeLayer(d, PrototypeConfig(num_prototypes=K, top_k=k)).bfloat16()
+    zb = z.bfloat16()
+    ob = lo(zb)
+    assert ob.activations.dtype == torch.float32 and ob.residual.dtype == torch.float32
+    cos_b = _full_cosines(zb.double(), lo.weight.detach().double())
+    assert torch.equal(ob.indices, cos_b.argsort(dim=-1, descending=True)[:, :k])
+    torch.testing.assert_close(ob.activations.double(), torch.relu(cos_b.gather(1, ob.indices)), rtol=1e-6, atol=1e-6)
 
 
 def test_prototype_layer_gradients_equal_a_dense_reference():
@@ -141,6 +147,9 @@ def test_loss_functions_edge_cases():
     h = torch.tensor([[0.0, 0.0], [0.0, 1.0 + 1e-9]], dtype=torch.float64)
     want = (25.0 / 1e-8 + 1.0 / (1.0 + 1e-9) ** 2) / 2
     assert L.reconstruction_loss(r, h).item() == pytest.approx(want, rel=1e-15)
+    r32, hb = torch.randn(6, 8), torch.randn(6, 8).bfloat16()  # a bf16 hidden state is lifted to fp32 first
+    want32 = (r32.pow(2).sum(-1) / hb.float().pow(2).sum(-1)).mean()
+    assert L.reconstruction_loss(r32, hb).item() == pytest.approx(want32.item(), rel=1e-6)
     assert L.reconstruction_loss(r, h, eps=1.0).item() == pytest.approx((25.0 + 1.0 / (1.0 + 1e-9) ** 2) / 2, rel=1e-15)
     # R1 / R2 are means of 1 − max cos
     assert L.r1_loss(torch.tensor([1.0, 0.5, -1.0])).item() == pytest.approx((0 + 0.5 + 2.0) / 3)

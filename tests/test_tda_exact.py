@@ -218,6 +218,7 @@ def test_block_gradient_rows_select_and_cat():
     assert c.grad[3].tolist() == [1.0, 1.0] and c.loss.tolist() == [1.0, 2.0]
     s = a.select(a.proto == 3)
     assert s.rows == 2 and s.seq.tolist() == [0, 1] and s.grad.tolist() == [[0.0, 1.0], [4.0, 5.0]]
+    assert s.proto.tolist() == [3, 3] and s.loss is a.loss
     assert BlockGradients.cat([b, b]).loss is None
 
 
@@ -334,7 +335,10 @@ def test_exact_block_curvature_from_the_definitions(net, shards):
     torch.testing.assert_close(small.apply(ids, g), want, rtol=1e-9, atol=tol)
 
 
-def test_curvature_save_load_round_trip(net, shards, tmp_path):
+def test_curvature_save_load_round_trip(net, shards, tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    monkeypatch.chdir(tmp_path)  # nothing but the given path can be read
     g = torch.randn(3, D, dtype=torch.float64)
     ids = torch.tensor([0, 1, 63])
     for exact in (False, True):
@@ -344,6 +348,8 @@ def test_curvature_save_load_round_trip(net, shards, tmp_path):
         assert back.mode == cur.mode and back.tokens == cur.tokens and back.damping == 0.25
         assert torch.equal(back.F, cur.F) and torch.equal(back.m, cur.m)
         assert torch.equal(back.apply(ids, g), cur.apply(ids, g))
+        with safe_open(str(tmp_path / "c.safetensors"), framework="pt") as f:
+            assert f.metadata()["note"] == "x"
     # the dataclass default damping is the documented ρ = 0.1
     plain = Curvature.from_stats(cur.F, cur.m, cur.tokens)
     assert plain.damping == RHO and Curvature(F=cur.F, m=cur.m, tokens=cur.tokens).damping == RHO
@@ -436,3 +442,144 @@ def test_output_gradients_precondition_and_query_table(net, shards):
         want_t[p, s] = pre[r]
     torch.testing.assert_close(table, want_t, rtol=1e-12, atol=0)
     assert query_table(q, None, 8, 3, dtype=torch.float32).dtype == torch.float32
+
+
+# ----- edge cases and contracts (each pins a behaviour the reference tests above do not reach) --------------
+def test_every_tensor_is_made_on_the_inputs_device(net, shards):
+    """Under a different default device (meta), every result still lives on the model's device and is unchanged:
+    no tensor is created without an explicit device."""
+    ex = curvature_pass(net, shards, sequences=(0, 4), exact=True)  # sparse accumulation: outside the context
+    qs = _query_set(net)
+    want = {}
+    for name, cur in (("shared", None), ("exact", ex)):
+        full = FullGradients.build(net, shards, max_sequences=4, batch_size=3, curvature=cur)
+        q = query_gradients(net, qs)
+        want[name] = (full.scores(q, 2), full.self_scores(), query_table(q, full.curvature, K, 2),
+                      full.curvature.apply(q.proto, q.grad))
+    with torch.device("meta"):
+        for name, cur in (("shared", None), ("exact", ex)):
+            full = FullGradients.build(net, shards, max_sequences=4, batch_size=3, curvature=cur)
+            q = query_gradients(net, qs)
+            got = (full.scores(q, 2), full.self_scores(), query_table(q, full.curvature, K, 2),
+                   full.curvature.apply(q.proto, q.grad))
+            for a, b in zip(got, want[name], strict=True):
+                assert a.device.type == "cpu"
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * float(b.abs().max()))
+            assert full.train.seq.device.type == "cpu" and q.seq.device.type == "cpu"
+        x = _seqs(shards, 0, 2)
+        bg = block_gradients(net, net(x[:, :-1]), x[:, 1:])  # default mask and sequence ids
+        assert bg.seq.device.type == "cpu" and sorted(set(bg.seq.tolist())) == [0, 1]
+
+
+def test_guards_on_models_outputs_and_queries(net):
+    dense = PrismLM(ModelConfig(vocab_size=V, block_size=T, n_layer=1, n_head=2, n_embd=D, prototypes=None))
+    with pytest.raises(ModelError, match=r"^prototype-space curvature needs a PRISM model \(the dense baseline"):
+        CurvatureAccumulator(dense)
+    x = torch.randint(0, V, (1, 4))
+    out = net(x)
+    msg = r"^prototype-space gradients need a PRISM model \(the dense baseline has no prototypes\)$"
+    for bad in (SimpleNamespace(indices=None, logits=out.logits, activations=out.activations),
+                SimpleNamespace(indices=out.indices, logits=out.logits, activations=None)):
+        with pytest.raises(ModelError, match=msg):
+            block_gradients(net, bad, x)
+    with pytest.raises(ModelError, match=msg):
+        block_gradients(dense, out, x)
+    # a two-token query is the shortest valid one: one context token, one measured target
+    q = query_gradients(net, [([3, 4], 1)])
+    g, loss = query_reference(net, [3, 4], 1)
+    torch.testing.assert_close(dense_blocks(q, 1)[0], g, rtol=0, atol=1e-12)
+    with pytest.raises(ConfigError, match="at least two"):
+        query_gradients(net, [([3, 4], 1), ([7], 1)])
+
+
+def test_curvature_defaults_and_tiny_statistics(net):
+    """Defaults: the accumulator is shared-mode with ρ = 0.1; with one token, m̃_i = max(m_i, 1/1) and F is
+    that token's Wᵀ Σ_t W."""
+    acc = CurvatureAccumulator(net)
+    with torch.no_grad():
+        out = net(torch.tensor([[5]]))
+    acc.update(out)
+    cur = acc.finish()
+    assert cur.mode == "shared" and cur.tokens == 1 and cur.damping == RHO
+    W = net.lm_head.weight.detach()
+    p = torch.softmax(out.logits[0, 0], -1)
+    Fm = W.T @ (torch.diag(p) - torch.outer(p, p)) @ W
+    torch.testing.assert_close(cur.F, Fm, rtol=0, atol=1e-12)
+    unseen = next(i for i in range(K) if i not in out.indices.flatten().tolist())
+    H = Fm + RHO * torch.trace(Fm) / D * torch.eye(D, dtype=torch.float64)  # m̃ = max(0, 1/1) = 1
+    torch.testing.assert_close(cur.dense(unseen), H, rtol=1e-10, atol=1e-12)
+    seen = int(out.indices[0, 0, 0])
+    m = float(out.activations[0, 0, 0]) ** 2
+    torch.testing.assert_close(cur.dense(seen), max(m, 1.0) * H, rtol=1e-10, atol=1e-12)
+    # many rows in few chunks (rows > d): every row is transformed
+    g = torch.randn(45, D, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    ids = torch.full((45,), unseen)
+    want = torch.linalg.solve(H, g.T).T
+    torch.testing.assert_close(cur.apply(ids, g, chunk=4), want, rtol=1e-9, atol=1e-10 * float(want.abs().max()))
+
+
+def test_curvature_pass_and_collect_default_to_every_sequence(net, shards):
+    a = curvature_pass(net, shards)
+    b = curvature_pass(net, shards, sequences=(0, N_SEQ))
+    assert a.tokens == N_SEQ * T and torch.equal(a.F, b.F) and torch.equal(a.m, b.m)
+    g = collect_gradients(net, shards)
+    assert torch.equal(g.seq, collect_gradients(net, shards, sequences=(0, N_SEQ)).seq)
+
+
+def test_full_gradients_mode_checks_and_identity_needs_no_curvature(net, shards, monkeypatch):
+    with pytest.raises(ConfigError, match="curvature mode must be shared, exact or identity, got 'dense'"):
+        FullGradients.build(net, shards, mode="dense")
+
+    def no_pass(*a, **k):
+        raise AssertionError("identity mode computed a curvature")
+
+    # the damping reaches the curvature pass
+    assert FullGradients.build(net, shards, max_sequences=3, damping=0.3).curvature.damping == 0.3
+    monkeypatch.setattr(infl, "curvature_pass", no_pass)
+    full = FullGradients.build(net, shards, max_sequences=3, mode="identity")
+    assert full.curvature is None and full.num_train == 3
+
+
+def test_influence_scores_dtypes_and_prototype_ranges(net, shards):
+    full = FullGradients.build(net, shards, max_sequences=4)
+    tr, cur = full.train, full.curvature
+    g = torch.randn(2, D, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    p_in = int(tr.proto[0])
+    p_out = int(tr.proto.max()) + 3  # a query prototype beyond every training row's prototype
+    q = BlockGradients(torch.tensor([0, 1]), torch.tensor([p_in, p_out]), g)
+    S = influence_scores(q, tr, None, num_queries=2, num_train=4)  # identity: any prototype id is valid
+    assert torch.count_nonzero(S[1]) == 0 and torch.count_nonzero(S[0]) > 0
+    q = BlockGradients(torch.tensor([0, 1]), torch.tensor([p_in, int(tr.proto.min())]), g)
+    # mixed precision: the scores are computed in the wider dtype of the two
+    S32q = influence_scores(BlockGradients(q.seq, q.proto, g.float()), tr, cur, num_queries=2, num_train=4)
+    want = influence_scores(BlockGradients(q.seq, q.proto, g.float().double()), tr, cur, num_queries=2, num_train=4)
+    assert S32q.dtype == torch.float64
+    torch.testing.assert_close(S32q, want, rtol=1e-12, atol=0)
+    tr32 = BlockGradients(tr.seq, tr.proto, tr.grad.float())
+    S32t = influence_scores(q, tr32, cur, num_queries=2, num_train=4)
+    want_t = influence_scores(q, BlockGradients(tr.seq, tr.proto, tr.grad.float().double()), cur, num_queries=2,
+                              num_train=4)
+    assert S32t.dtype == torch.float64
+    torch.testing.assert_close(S32t, want_t, rtol=1e-12, atol=0)
+    # no training rows at all: zeros of the right shape
+    none = BlockGradients(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                          torch.zeros(0, D, dtype=torch.float64))
+    assert torch.equal(influence_scores(q, none, cur, num_queries=2, num_train=4), torch.zeros(2, 4,
+                                                                                               dtype=torch.float64))
+
+
+def test_low_precision_logits_are_lifted_to_float32(net):
+    x = torch.randint(0, V, (2, 6))
+    out = net(x)
+    y = torch.randint(0, V, (2, 6))
+    lo = SimpleNamespace(logits=out.logits.bfloat16(), indices=out.indices, activations=out.activations.float())
+    want = output_gradients(net, lo.logits.float(), y)
+    u = output_gradients(net, lo.logits, y)
+    assert u.dtype == torch.float32
+    torch.testing.assert_close(u, want, rtol=1e-6, atol=1e-6)
+    bg = block_gradients(net, lo, y)
+    ref = block_gradients(net, SimpleNamespace(logits=lo.logits.float(), indices=out.indices,
+                                               activations=out.activations.float()), y)
+    assert bg.grad.dtype == torch.float32
+    torch.testing.assert_close(bg.grad, ref.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(bg.loss, ref.loss, rtol=1e-6, atol=1e-6)
