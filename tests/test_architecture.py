@@ -1,6 +1,6 @@
 """The layers import one way. Every import is counted, including those inside functions (ast walk).
 
-    config, errors, artifacts, _version  ←  model, data  ←  eval  ←  train  ←  explain, tda  ←  control
+    config, errors, artifacts, progress, _version  ←  model, data  ←  eval  ←  train  ←  explain, tda  ←  control
     ←  app  ←  explore  ←  cli
 
 typer and rich (the terminal front end) are imported only by cli/ and explore/.
@@ -16,7 +16,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "prismlm"
 
 LAYER = {
-    "_version": 0, "errors": 0, "artifacts": 0.3, "config": 0.5,
+    "_version": 0, "errors": 0, "progress": 0, "artifacts": 0.3, "config": 0.5,
     "model": 1, "data": 1,
     "eval": 2, "train": 2.5,
     "explain": 3, "tda": 3,

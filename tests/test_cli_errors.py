@@ -138,3 +138,21 @@ def test_suppression_value_round_trips_through_run(tiny_run, tiny_shards, tmp_pa
                                "num_prototypes": K + 1}))
     with pytest.raises(SuppressionError, match="bank of"):
         Run.open(tiny_run, device="cpu", suppress=str(bad))
+
+
+def test_attribution_options_are_the_attribution_config(tiny_run):
+    """`prism attribute-cache` options are AttributionConfig's fields (help from their docstrings); a bad
+    value is refused by the dataclass's own validation, as one line."""
+    import dataclasses
+
+    from prismlm.cli.derive import field_docs
+    from prismlm.config import AttributionConfig
+
+    res = _run("attribute-cache", "--help")
+    assert res.exit_code == 0
+    for f in dataclasses.fields(AttributionConfig):
+        flag = {"curvature_mode": "--curvature"}.get(f.name, "--" + f.name.replace("_", "-"))
+        assert flag in res.output, flag
+    assert field_docs(AttributionConfig)["seed"] == "Seed of the random ``orthogonal``/``gaussian`` projection."
+    res = _run("attribute-cache", str(tiny_run), "--damping", "-1", "--device", "cpu")
+    assert res.exit_code == 2 and "damping" in res.output and "Traceback" not in res.output

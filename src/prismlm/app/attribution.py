@@ -8,38 +8,28 @@ from prismlm.app.run import Run
 from prismlm.config import AttributionConfig
 from prismlm.errors import ConfigError
 from prismlm.explain import Explanation
+from prismlm.progress import Progress
 from prismlm.tda.attribute import Attribution, attribute
 from prismlm.tda.cache import AttributionCache, build_cache
 from prismlm.tda.influence import FullGradients
 
-PROJECTIONS = ("identity", "orthogonal", "gaussian", "pca")
-CURVATURES = ("shared", "exact")
-DTYPES = ("float16", "float32", "float64")
+DEFAULT_ATTRIBUTION = AttributionConfig()
 
 
-def build_run_cache(run: Run, *, r: int | None = None, projection: str = "orthogonal", curvature: str = "shared",
-                    damping: float = 0.1, max_sequences: int | None = None, batch_size: int = 16,
-                    dtype: str = "float32", out: Path | None = None, shards: Path | None = None) -> AttributionCache:
+def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *, out: Path | None = None,
+                    shards: Path | None = None, progress: Progress = True) -> AttributionCache:
     """Build the postings cache for fast prototype-space attribution (one pass over the training data).
 
     Args:
-        r: Sketch size per posting (default d: exact scores).
-        projection: Sketch matrix: orthogonal, gaussian, pca or identity.
-        curvature: Block curvature: shared (m_i F + λ_i I) or exact.
-        damping: Relative damping ρ: λ_i = ρ·tr(H_i)/d.
-        max_sequences: Cache only the first N training sequences.
-        batch_size: Sequences per forward pass.
-        dtype: Sketch storage: float16, float32 or float64.
+        config: How to build it (sketch size, projection, curvature, damping, …): ``AttributionConfig``,
+            the one set of options the CLI, the cache builder and the bench read.
         out: Output folder (default RUN/attribution-cache).
         shards: Token shard folder (default: the run's).
+        progress: Show progress bars (curvature pass, postings pass).
     """
     model = run.prism_model("prototype-space attribution")
-    config = AttributionConfig.from_dict({  # validates every option (ConfigError naming it)
-        "r": r, "projection": projection, "curvature_mode": curvature, "damping": damping,
-        "max_sequences": max_sequences, "batch_size": batch_size, "dtype": dtype})
-    shard_set = run.shards(shards)
-    return build_cache(model, shard_set, config, out=out or run.folder / "attribution-cache",
-                       model_sha256=run.identity)
+    return build_cache(model, run.shards(shards), config, out=out or run.folder / "attribution-cache",
+                       model_sha256=run.identity, progress=progress)
 
 
 def attribute_text(run: Run, text: str, *, answer: str | None = None, completion: int | None = None,
@@ -91,4 +81,4 @@ def attribute_explanation(run: Run, expl: Explanation, *, shards: Path | None = 
     return attribute_text(run, expl.text, completion=completion or None, shards=shards, token_ids=ids)
 
 
-__all__ = ["CURVATURES", "DTYPES", "PROJECTIONS", "attribute_explanation", "attribute_text", "build_run_cache"]
+__all__ = ["DEFAULT_ATTRIBUTION", "attribute_explanation", "attribute_text", "build_run_cache"]

@@ -31,6 +31,7 @@ from prismlm.explain import (
     save_labels,
 )
 from prismlm.model import PrismLM
+from prismlm.progress import Progress
 
 
 def parse_part(part: str) -> tuple[int, int]:
@@ -113,7 +114,7 @@ class IndexResult:
 
 def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = None, batch_size: int = 16,
                     part: str = "0/1", out: Path | None = None, resume: bool = False, checkpoint_every: int = 50,
-                    shards: Path | None = None, labels: bool = True, progress: bool = True) -> IndexResult:
+                    shards: Path | None = None, labels: bool = True, progress: Progress = True) -> IndexResult:
     """Build the prototype index: each prototype's nearest training contexts, activation statistics,
     coverage; with ``labels``, rule-based labels once complete.
 

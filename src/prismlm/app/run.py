@@ -31,13 +31,14 @@ if TYPE_CHECKING:
     from prismlm.explain.index import PrototypeIndex
     from prismlm.tda.cache import AttributionCache
 
-Progress = Callable[[str, int, int | None], None]
-"""A progress callback: ``progress(stage, done, total)``; ``total`` is ``None`` when unknown. The
-application layer reports through it and never prints; the CLI renders it."""
+StageFn = Callable[[str, int, int | None], None]
+"""Called as ``on_stage(stage, i, n)`` when stage i of n of a multi-stage operation starts. Progress
+within a stage goes through ``prismlm.progress`` (``progress=`` arguments): the application layer never
+prints."""
 
 
-def no_progress(stage: str, done: int, total: int | None) -> None:
-    """The default progress callback: report nothing."""
+def no_stages(stage: str, i: int, n: int | None) -> None:
+    """The default stage callback: report nothing."""
 
 
 def open_device(spec: str) -> torch.device:

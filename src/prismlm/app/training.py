@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prismlm.app.operations import IndexResult, build_run_index, evaluate, explain_text, generate
-from prismlm.app.run import Progress, Run, no_progress
+from prismlm.app.run import Run, StageFn, no_stages
 from prismlm.config import PRESETS, RunConfig
 from prismlm.data.shards import ShardSet, prepare_shards
 from prismlm.errors import ConfigError
 from prismlm.explain import Explanation
+from prismlm.progress import Progress
 from prismlm.train.trainer import TrainResult
 from prismlm.train.trainer import train as train_model
 
@@ -45,7 +46,8 @@ def default_run_folder(cfg: RunConfig) -> Path:
 
 
 def prepare(corpus: str = "builtin", tokenizer: str = "bpe-8192", *, out: Path | None = None,
-            text_field: str = "text", val_fraction: float = 0.02, max_docs: int | None = None) -> ShardSet:
+            text_field: str = "text", val_fraction: float = 0.02, max_docs: int | None = None,
+            progress: Progress = True) -> ShardSet:
     """Tokenize a corpus into memory-mapped token shards (reused if already built).
 
     Args:
@@ -55,15 +57,39 @@ def prepare(corpus: str = "builtin", tokenizer: str = "bpe-8192", *, out: Path |
         text_field: Text field of .jsonl/.parquet/HF corpora.
         val_fraction: Share of documents held out for validation.
         max_docs: Use only the first N documents.
+        progress: Show a progress bar.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"--val-fraction must be in (0, 1), got {val_fraction}")
-    return prepare_shards(corpus, tokenizer, out, val_fraction=val_fraction, text_field=text_field, max_docs=max_docs)
+    return prepare_shards(corpus, tokenizer, out, val_fraction=val_fraction, text_field=text_field, max_docs=max_docs,
+                          show_progress=progress)
 
 
-def train(cfg: RunConfig, out: Path, *, resume: bool = False, progress: bool = True) -> TrainResult:
+def train(cfg: RunConfig, out: Path, *, resume: bool = False, progress: Progress = True) -> TrainResult:
     """Train ``cfg`` into the run folder ``out`` (``resume``: from its latest checkpoint)."""
     return train_model(cfg, out, resume=resume, progress=progress)
+
+
+def train_from_options(*, preset: str = "cpu-small", config: Path | None = None, out: Path | None = None,
+                       overrides: list[str] | None = None, dense: bool = False, steps: int | None = None,
+                       corpus: str | None = None, tokenizer: str | None = None, resume: bool = False,
+                       progress: Progress = True) -> TrainResult:
+    """Train a PRISM model (or the dense baseline). Works under `torchrun` for data parallelism.
+
+    Args:
+        preset: Named preset: tiny, cpu-small, gpt2-124m, gpt2-medium, gpt2-large, xl-1.6b.
+        config: A RunConfig JSON file (replaces the preset).
+        out: Run folder (default runs/<preset>-<prism|dense>).
+        overrides: Override a config field: --set train.lr=1e-3 (repeatable).
+        dense: Train the matched dense baseline (no prototype head).
+        steps: Optimizer steps (overrides train.max_steps).
+        corpus: Corpus spec (overrides data.corpus).
+        tokenizer: Tokenizer spec (overrides data.tokenizer).
+        resume: Continue the run in --out from its latest checkpoint.
+        progress: Show a progress bar.
+    """
+    cfg = build_config(preset, config, overrides, dense=dense, steps=steps, corpus=corpus, tokenizer=tokenizer)
+    return train(cfg, out or default_run_folder(cfg), resume=resume, progress=progress)
 
 
 @dataclass
@@ -84,11 +110,22 @@ DEMO_PROMPTS = ("The ", "It is a truth universally acknowledged")
 
 def demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Path("runs/demo"),
          max_docs: int | None = None, max_chars_per_doc: int | None = None, overrides: list[str] | None = None,
-         progress: bool = True, index_sequences: int | None = None,
-         on_stage: Progress = no_progress) -> DemoResult:
+         progress: Progress = True, index_sequences: int | None = None,
+         on_stage: StageFn = no_stages) -> DemoResult:
     """The whole pipeline on the built-in corpus: prepare data, train a small PRISM, sample, evaluate,
-    index a sample of the training data and explain one generation. ``on_stage(stage, i, n)`` is called
-    as each of the n stages starts."""
+    index a sample of the training data and explain one generation.
+
+    Args:
+        preset: Preset to train: tiny, cpu-small, gpt2-124m, gpt2-medium, gpt2-large, xl-1.6b.
+        steps: Optimizer steps (default: the preset's).
+        out: Run folder.
+        max_docs: Use only the first N documents of the built-in corpus.
+        max_chars_per_doc: Truncate each document (smoke tests).
+        overrides: Override a config field (repeatable).
+        progress: Show progress bars.
+        index_sequences: Training sequences to index (default 1024; 64 for the tiny preset).
+        on_stage: Called as ``on_stage(stage, i, n)`` when each of the n stages starts.
+    """
     extra = list(overrides or [])
     if max_docs is not None:
         extra.append(f"data.max_docs={max_docs}")
@@ -116,4 +153,4 @@ def demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Pat
 
 
 __all__ = ["DEMO_PROMPTS", "DemoResult", "PRESET_NAMES", "build_config", "default_run_folder", "demo", "prepare",
-           "train"]
+           "train", "train_from_options"]

@@ -8,8 +8,11 @@ names, types, defaults and help come from the operation, so the CLI never re-dec
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import inspect
 import re
+import textwrap
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +23,7 @@ import typer
 from prismlm.app.run import Run
 from prismlm.cli.console import fail
 from prismlm.errors import PrismError
+from prismlm.progress import Progress
 
 RUN_HELP = "Run folder or checkpoint folder."
 DEVICE_HELP = "auto, cpu, cuda…"
@@ -57,8 +61,43 @@ def summary(func: Callable[..., Any]) -> str:
     return doc.split("\nArgs:")[0].strip().replace("``", "`")
 
 
-def _params(func: Callable[..., Any], skip: set[str], decls: dict[str, list[str]],
-            arguments: set[str]) -> list[inspect.Parameter]:
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under a dataclass's fields (``x: int = 0`` then ``\"\"\"doc\"\"\"``)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0]
+        assert isinstance(body, ast.ClassDef)
+        for stmt, nxt in zip(body.body, body.body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _config_params(name: str, cls: type, default: object, decls: dict[str, list[str]]) -> list[inspect.Parameter]:
+    """One option per field of the config dataclass ``cls`` (help from the field's docstring; the flag
+    named in it as (``--flag``) if any), defaults from ``default`` (an instance) or ``cls()``."""
+    base = default if isinstance(default, cls) else cls()
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        doc = docs.get(f.name, "")
+        flag = re.search(r"\(``(--[\w-]+)``\)", doc)
+        names = decls.get(f.name) or ([flag.group(1)] if flag else [])
+        help_text = re.sub(r"\s*\(``--[\w-]+``\)", "", doc).replace("``", "`")
+        info = typer.Option(getattr(base, f.name), *names, help=help_text)
+        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=hints[f.name]))
+    return out
+
+
+def _params(func: Callable[..., Any], skip: set[str], decls: dict[str, list[str]], arguments: set[str],
+            groups: dict[str, tuple[type, list[str]]] | None = None) -> list[inspect.Parameter]:
+    """Typer parameters for ``func``'s parameters; a parameter typed with a config dataclass is expanded
+    into one option per field and recorded in ``groups`` (name → (class, field names))."""
     hints = typing.get_type_hints(func)
     helps = arg_help(func)
     out = []
@@ -66,6 +105,13 @@ def _params(func: Callable[..., Any], skip: set[str], decls: dict[str, list[str]
         if p.name in skip or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         annotation = hints.get(p.name, str)
+        if annotation == Progress:  # the terminal shows a bar or nothing: a --progress/--no-progress flag
+            annotation = bool
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation) and groups is not None:
+            fields = _config_params(p.name, annotation, p.default, decls)
+            groups[p.name] = (annotation, [f.name for f in fields])
+            out += fields
+            continue
         default = ... if p.default is inspect.Parameter.empty else p.default
         if isinstance(default, tuple):  # typer wants lists for repeatable options
             default = list(default)
@@ -84,14 +130,18 @@ def _params(func: Callable[..., Any], skip: set[str], decls: dict[str, list[str]
 
 def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callable[..., None] | None = None, *,
             opens_run: bool = True, arguments: set[str] | None = None, decls: dict[str, list[str]] | None = None,
-            skip: set[str] | None = None, suppress_default: str = "auto") -> None:
+            skip: set[str] | None = None, suppress_default: str = "auto",
+            fixed: dict[str, Any] | None = None) -> None:
     """Register ``op`` as ``prism NAME``. With ``opens_run`` the first argument is RUN and ``--device`` /
     ``--suppress`` open the ``Run`` passed to ``op``. ``render(result, run=…, **its options)`` prints the
-    result. Positional arguments: ``arguments`` (plus a required first parameter after ``run``)."""
+    result. Positional arguments: ``arguments``. ``fixed``: keyword arguments the CLI itself gives ``op``
+    (e.g. a progress callback that renders to the terminal); they are not options."""
     decls = decls or {}
-    skip = set(skip or ()) | ({"run"} if opens_run else set())
+    fixed = fixed or {}
+    skip = set(skip or ()) | set(fixed) | ({"run"} if opens_run else set())
     positional = set(arguments or ())
-    op_params = _params(op, skip, decls, positional)
+    groups: dict[str, tuple[type, list[str]]] = {}
+    op_params = _params(op, skip, decls, positional, groups)
     op_names = {p.name for p in op_params}
     # a renderer option with the name of an operation option (e.g. --shards) is one option, given to both
     render_all = _params(render, {"run", _first_parameter(render)}, decls, set()) if render is not None else []
@@ -108,7 +158,13 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
                                    default=typer.Option(suppress_default, help=SUPPRESS_HELP))]
 
     def run_command(**kwargs: Any) -> None:
-        op_kwargs = {k: v for k, v in kwargs.items() if k in op_names}
+        op_kwargs = {**{k: v for k, v in kwargs.items() if k in op_names}, **fixed}
+        for group, (cls, names) in groups.items():  # re-assemble config dataclasses (validated on construction)
+            values = {n: op_kwargs.pop(n) for n in names}
+            try:
+                op_kwargs[group] = cls(**values)
+            except PrismError as e:
+                fail(str(e))
         render_kwargs = {k: v for k, v in kwargs.items() if k in render_names}
         try:
             run = None

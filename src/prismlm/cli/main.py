@@ -19,7 +19,7 @@ from prismlm._version import __version__
 from prismlm.app.control import ConceptResult, ControllerResult
 from prismlm.app.operations import IndexResult, LabelResult
 from prismlm.app.run import Run
-from prismlm.app.training import PRESET_NAMES, DemoResult, default_run_folder
+from prismlm.app.training import DemoResult
 from prismlm.cli.console import console, fail, stdout
 from prismlm.cli.derive import command
 from prismlm.data.shards import ShardSet
@@ -27,6 +27,7 @@ from prismlm.errors import PrismError
 from prismlm.explain import Explanation
 from prismlm.explore import render_terminal, write_html
 from prismlm.tda import Attribution, AttributionCache
+from prismlm.train.trainer import TrainResult
 
 app = typer.Typer(
     add_completion=False,
@@ -71,50 +72,16 @@ def render_shards(shards: ShardSet) -> None:
 command(app, "prepare", ops.prepare, render_shards, opens_run=False)
 
 
-@app.command()
-def train(
-    preset: str = typer.Option("cpu-small", help=f"Named preset: {PRESET_NAMES}."),
-    config: Path | None = typer.Option(None, help="A RunConfig JSON file (replaces the preset)."),
-    out: Path | None = typer.Option(None, help="Run folder (default runs/<preset>-<prism|dense>)."),
-    set_: list[str] = typer.Option([], "--set", help="Override a config field: --set train.lr=1e-3 (repeatable)."),
-    dense: bool = typer.Option(False, help="Train the matched dense baseline (no prototype head)."),
-    steps: int | None = typer.Option(None, help="Optimizer steps (overrides train.max_steps)."),
-    corpus: str | None = typer.Option(None, help="Corpus spec (overrides data.corpus)."),
-    tokenizer: str | None = typer.Option(None, help="Tokenizer spec (overrides data.tokenizer)."),
-    resume: bool = typer.Option(False, help="Continue the run in --out from its latest checkpoint."),
-    progress: bool = typer.Option(True, help="Show a progress bar."),
-) -> None:
-    """Train a PRISM model (or the dense baseline). Works under ``torchrun`` for data parallelism."""
-    try:
-        cfg = ops.build_config(preset, config, set_, dense=dense, steps=steps, corpus=corpus, tokenizer=tokenizer)
-        result = ops.train(cfg, out or default_run_folder(cfg), resume=resume, progress=progress)
-    except PrismError as e:
-        fail(str(e))
+def render_trained(result: TrainResult) -> None:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one line from rank 0 only
         console.print(f"checkpoint: {result.checkpoint}")
 
 
-@app.command()
-def demo(
-    preset: str = typer.Option("cpu-small", help=f"Preset to train: {PRESET_NAMES}."),
-    steps: int | None = typer.Option(None, help="Optimizer steps (default: the preset's)."),
-    out: Path = typer.Option(Path("runs/demo"), help="Run folder."),
-    max_docs: int | None = typer.Option(None, help="Use only the first N documents of the built-in corpus."),
-    max_chars_per_doc: int | None = typer.Option(None, help="Truncate each document (smoke tests)."),
-    set_: list[str] = typer.Option([], "--set", help="Override a config field (repeatable)."),
-    progress: bool = typer.Option(True, help="Show progress bars."),
-) -> None:
-    """The whole pipeline on the built-in corpus: prepare data, train a small PRISM, sample, evaluate,
-    index a sample of the training data and explain one generation."""
-    def on_stage(stage: str, i: int, n: int | None) -> None:
-        console.rule(f"[bold]prism demo[/] {i + 1}/{n}: {stage}")
+def _on_stage(stage: str, i: int, n: int | None) -> None:
+    console.rule(f"[bold]prism demo[/] {i + 1}/{n}: {stage}")
 
-    try:
-        res = ops.demo(preset=preset, steps=steps, out=out, max_docs=max_docs, max_chars_per_doc=max_chars_per_doc,
-                       overrides=set_, progress=progress, on_stage=on_stage)
-    except PrismError as e:
-        fail(str(e))
-    render_demo(res)
+
+command(app, "train", ops.train_from_options, render_trained, opens_run=False, decls={"overrides": ["--set"]})
 
 
 def render_demo(res: DemoResult) -> None:
@@ -130,6 +97,10 @@ def render_demo(res: DemoResult) -> None:
         write_html(res.explanation, out / "explain.html")
         res.explanation.to_json(out / "explain.json")
         console.print(f"report → {out / 'explain.html'}; next: prism explain {out} \"your text\" --html report.html")
+
+
+command(app, "demo", ops.demo, render_demo, opens_run=False, decls={"overrides": ["--set"]},
+        fixed={"on_stage": _on_stage})
 
 
 # ----- sampling and evaluation ----------------------------------------------------------------------------

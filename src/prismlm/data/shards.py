@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from prismlm.artifacts import atomic_write_text, sha256_file
 from prismlm.data.corpus import Document, _package_version, corpus_fingerprint, iter_documents, split_hash
 from prismlm.data.tokenizer import Tokenizer, _describe, resolve_tokenizer, token_dtype
 from prismlm.errors import CorpusError, ShardError
+from prismlm.progress import Progress, Reporter
 
 __all__ = ["TokenShard", "ShardSet", "prepare_shards", "load_shards", "default_data_dir"]
 
@@ -255,7 +255,7 @@ def prepare_shards(
     text_field: str = "text",
     max_docs: int | None = None,
     max_chars_per_doc: int | None = None,
-    show_progress: bool = True,
+    show_progress: Progress = True,
     cache_dir: str | Path | None = None,
 ) -> ShardSet:
     """Tokenise ``corpus`` into train/val shards, or reuse a matching cache.
@@ -300,7 +300,7 @@ def prepare_shards(
                 yield d.text
 
     t0 = time.perf_counter()
-    tok = resolve_tokenizer(tokenizer, train_texts, show_progress=show_progress)
+    tok = resolve_tokenizer(tokenizer, train_texts, show_progress=show_progress is True)
     t_tok = time.perf_counter() - t0
     dtype = token_dtype(tok.vocab_size)
     writers = {s: _SplitWriter(root, s, dtype) for s in SPLITS}
@@ -308,7 +308,7 @@ def prepare_shards(
     seen: set[str] = set()
     n_docs = n_tokens = 0
     t1 = time.perf_counter()
-    bar = tqdm(desc=f"tokenize {corpus}", unit="doc", disable=not show_progress, dynamic_ncols=True)
+    bar = Reporter(show_progress, f"tokenize {corpus}", unit="doc")
     try:
         for batch in _batches(docs()):
             encoded = tok.encode_batch([d.text for d in batch])
@@ -334,8 +334,7 @@ def prepare_shards(
                     raise CorpusError(f"duplicate document id {d.id!r} in corpus {corpus!r}")
                 seen.add(d.id)
             n_docs += len(batch)
-            bar.update(len(batch))
-            bar.set_postfix(tokens=f"{n_tokens:,}", tok_s=f"{n_tokens / (time.perf_counter() - t1):,.0f}")
+            bar.update(len(batch), tokens=n_tokens, tokens_per_s=round(n_tokens / (time.perf_counter() - t1)))
     finally:
         bar.close()
         for w in writers.values():
@@ -424,7 +423,7 @@ def load_shards(path: str | Path, *, verify: bool = False) -> ShardSet:
     return ShardSet(root, shards["train"], shards["val"], tok, manifest)
 
 
-def prepare_from_config(data: DataConfig, *, show_progress: bool = True) -> ShardSet:
+def prepare_from_config(data: DataConfig, *, show_progress: Progress = True) -> ShardSet:
     """``prepare_shards`` for a :class:`~prismlm.config.DataConfig` (the trainer's and CLI's entry point)."""
     return prepare_shards(data.corpus, data.tokenizer, val_fraction=data.val_fraction, seed=data.seed,
                           text_field=data.text_field, max_docs=data.max_docs,

@@ -51,7 +51,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from prismlm.artifacts import (
     atomic_dir,
@@ -65,6 +64,7 @@ from prismlm.artifacts import (
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
 from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
 from prismlm.model import PrismOutput, eval_mode
+from prismlm.progress import Progress, Reporter
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
@@ -405,7 +405,7 @@ def build_index(
     model_sha256: str | None = None,
     device: str | torch.device | None = None,
     autocast: torch.autocast | None = None,
-    progress: bool = True,
+    progress: Progress = True,
     stop_after_batches: int | None = None,
 ) -> PrototypeIndex:
     """One streaming pass of ``model`` over ``shards.train``; returns a ``PrototypeIndex``.
@@ -468,8 +468,7 @@ def build_index(
     p = protos.weight.detach()
     p_unit = F.normalize(p.to(torch.promote_types(p.dtype, torch.float32)), dim=-1).to(dev)  # (K, d)
     total_tokens = (stop - start) * T
-    bar = tqdm(total=total_tokens, initial=(done_to - start) * T, disable=not progress, desc="index",
-               unit="tok", unit_scale=True, dynamic_ncols=True)
+    bar = Reporter(progress, "index", total_tokens, unit="tok", initial=(done_to - start) * T)
     t0, tok0 = time.perf_counter(), 0
     batches = 0
     elapsed = 0.0
@@ -487,9 +486,8 @@ def build_index(
                 j = j1
                 batches += 1
                 tok0 += x.numel()
-                bar.update(x.numel())
                 elapsed = time.perf_counter() - t0
-                bar.set_postfix(tok_s=f"{tok0 / max(elapsed, 1e-9):,.0f}")
+                bar.update(x.numel(), tokens_per_s=round(tok0 / max(elapsed, 1e-9)))
                 if out is not None and checkpoint_every and batches % checkpoint_every == 0 and j < stop:
                     builder.to_index(manifest).save(out)
                 if stop_after_batches is not None and batches >= stop_after_batches:

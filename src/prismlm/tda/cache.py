@@ -54,6 +54,7 @@ from prismlm.artifacts import (
 from prismlm.config import AttributionConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError
 from prismlm.model import eval_mode
+from prismlm.progress import Progress, Reporter
 from prismlm.tda.gradients import BlockGradients, block_gradients
 from prismlm.tda.influence import Curvature, _batches, _forward, curvature_pass
 
@@ -247,6 +248,7 @@ def build_cache(
     curvature: Curvature | None = None,
     part: tuple[int, int] = (0, 1),
     model_sha256: str | None = None,
+    progress: Progress = False,
 ) -> AttributionCache:
     """Build the postings cache of a PRISM ``model`` over ``shards.train``.
 
@@ -275,7 +277,7 @@ def build_cache(
     t0 = time.perf_counter()
     if curvature is None:
         curvature = curvature_pass(net, shards, sequences=(0, universe), batch_size=batch_size,
-                                   exact=cfg.curvature_mode == "exact", damping=cfg.damping)
+                                   exact=cfg.curvature_mode == "exact", damping=cfg.damping, progress=progress)
     if projection == "pca":
         with eval_mode(net):
             R = torch.from_numpy(_pca_projection(net, shards, curvature, r, min(universe, cfg.pca_sequences),
@@ -295,7 +297,7 @@ def build_cache(
     t1 = time.perf_counter()
     tokens = 0
     try:
-        with eval_mode(net):
+        with eval_mode(net), Reporter(progress, "postings", stop - start, unit="seq") as bar:
             for j0, j1 in _batches(start, stop, batch_size):
                 fo, y = _forward(net, shards, j0, j1, T, dev)
                 bg = block_gradients(net, fo, y, seq_ids=torch.arange(j0, j1, device=dev))
@@ -303,6 +305,7 @@ def build_cache(
                 rows = {"seq": bg.seq.cpu().numpy().astype(np.int32),
                         "proto": bg.proto.cpu().numpy().astype(np.int32), "sketch": sk.numpy().astype(npdt)}
                 tokens += (j1 - j0) * T
+                bar.update(j1 - j0)
                 for k, v in rows.items():
                     if out_dir is not None:
                         files[k].write(np.ascontiguousarray(v).tobytes())

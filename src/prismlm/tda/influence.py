@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from prismlm.errors import ConfigError, ModelError
 from prismlm.model import eval_mode
+from prismlm.progress import Progress, Reporter
 from prismlm.tda.gradients import BlockGradients, block_gradients, precondition, query_table
 
 if TYPE_CHECKING:
@@ -224,17 +225,18 @@ def _forward(net: PrismLM, shards: ShardSet, j0: int, j1: int, T: int,
 
 
 def curvature_pass(model: PrismLM, shards: ShardSet, *, sequences: tuple[int, int] | None = None, batch_size: int = 16,
-                   exact: bool = False, damping: float = 0.1) -> Curvature:
+                   exact: bool = False, damping: float = 0.1, progress: Progress = False) -> Curvature:
     """One forward pass over training sequences [start, stop) (default all) → ``Curvature``."""
     net = model
     T = net.config.block_size
     start, stop = sequences or (0, shards.train.num_sequences(T))
     dev = next(net.parameters()).device
     acc = CurvatureAccumulator(net, exact=exact)
-    with eval_mode(net):
+    with eval_mode(net), Reporter(progress, "curvature", stop - start, unit="seq") as bar:
         for j0, j1 in _batches(start, stop, batch_size):
             out, _ = _forward(net, shards, j0, j1, T, dev)
             acc.update(out)
+            bar.update(j1 - j0)
     return acc.finish(damping=damping)
 
 

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm.auto import tqdm
 
 from prismlm.config import RunConfig
 from prismlm.errors import DataError
 from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM
+from prismlm.progress import Progress, Reporter
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from prismlm.train.distributed import DistInfo, all_reduce_mean, barrier, cleanup, init_distributed
 from prismlm.train.sampler import SequenceSampler
@@ -137,7 +137,7 @@ def train(
     *,
     resume: bool = False,
     shards: ShardSet | None = None,
-    progress: bool = True,
+    progress: Progress = True,
     stop_after: int | None = None,
 ) -> TrainResult:
     """Train ``cfg`` into ``out_dir``.
@@ -205,10 +205,9 @@ def train(
             kind = "PRISM" if model.is_prism else "dense"
             extra = (f" (backbone {model.num_parameters(prototypes=False) / 1e6:.2f}M + prototypes "
                      f"{model.prototypes.num_prototypes}×{cfg.model.n_embd})") if model.prototypes is not None else ""
-            print(f"[prismlm] {kind} model: {n_params / 1e6:.2f}M parameters{extra}; "
-                  f"train {len(shards.train):,} tokens / {sampler.n:,} sequences of {T}; "
-                  f"global batch {sampler.global_batch} × {T} tokens; device {device}, world {info.world_size}",
-                  file=sys.stderr)
+            model_line = (f"[prismlm] {kind} model: {n_params / 1e6:.2f}M parameters{extra}; "
+                          f"train {len(shards.train):,} tokens / {sampler.n:,} sequences of {T}; "
+                          f"global batch {sampler.global_batch} × {T} tokens; device {device}, world {info.world_size}")
         log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None, info.is_main)
 
         def do_eval() -> dict[str, float]:
@@ -232,8 +231,9 @@ def train(
             return path
 
         end_step = tc.max_steps if stop_after is None else min(tc.max_steps, start_step + stop_after)
-        bar = tqdm(total=tc.max_steps, initial=start_step, disable=not (progress and info.is_main),
-                   desc="train", unit="step", dynamic_ncols=True)
+        bar = Reporter(progress, "train", tc.max_steps, unit="step", initial=start_step, enabled=info.is_main)
+        if info.is_main:
+            bar.message(model_line)
         model.train()
         step = start_step
         last_eval: dict[str, float] = {}
@@ -262,7 +262,7 @@ def train(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             done = step + 1
-            bar.update(1)
+            shown: dict[str, float] = {}
             if done % tc.log_interval == 0 or done == tc.max_steps:
                 loss_t = all_reduce_mean(torch.tensor(terms_sum["loss"], device=device), info)
                 now = time.perf_counter()
@@ -271,14 +271,14 @@ def train(
                           "tokens_per_s": tokens_since / max(now - t_last, 1e-9), "epoch": sampler.epoch_at(done)}
                 t_last, tokens_since = now, 0
                 log.write(record)
-                bar.set_postfix(loss=f"{record['train_loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                shown = {"loss": record["train_loss"], "tokens_per_s": round(record["tokens_per_s"])}
+            bar.update(1, **shown)
             # Validation on rank 0 only: every rank would compute the same numbers on the same fixed
             # sample; the other ranks wait at their next gradient all-reduce.
             if info.is_main and (done % tc.eval_interval == 0 or done == tc.max_steps):
                 last_eval = do_eval()
                 log.write({"step": done, **last_eval})
-                if progress:
-                    bar.write(_format_eval(done, last_eval))
+                bar.message(_format_eval(done, last_eval))
             if tc.ckpt_interval and done % tc.ckpt_interval == 0 and done != end_step:
                 do_checkpoint(done)
         bar.close()

@@ -1,0 +1,80 @@
+"""Long work reports progress through one callback and then prints nothing; the default is a tqdm bar."""
+
+from __future__ import annotations
+
+import pytest
+
+from prismlm.progress import ProgressEvent, Reporter
+
+
+def test_reporter_modes(capfd):
+    events: list[ProgressEvent] = []
+    with Reporter(events.append, "work", 5, unit="seq") as r:
+        r.update(2, loss=1.5)
+        r.message("halfway")
+        r.update(3)
+    assert [(e.done, e.message, e.finished) for e in events] == [(2, None, False), (2, "halfway", False),
+                                                                 (5, None, False), (5, None, True)]
+    assert events[-2].info == {"loss": 1.5}  # figures persist until replaced
+    assert capfd.readouterr() == ("", "")
+    with Reporter(False, "work", 5) as r:
+        r.update(5)
+        r.message("quiet")
+    assert capfd.readouterr() == ("", "")
+    with Reporter(True, "work", 5) as r:
+        r.update(5)
+        r.message("shown")
+    out, err = capfd.readouterr()
+    assert out == "" and "work" in err and "shown" in err
+    with Reporter(events.append, "other", 1, enabled=False) as r:  # e.g. a non-main rank under torchrun
+        r.update(1)
+    assert events[-1].stage == "work"
+
+
+def test_prepare_train_index_cache_report_through_the_callback(tiny_shards, tmp_path, capfd):
+    from prismlm import RunConfig
+    from prismlm.config import AttributionConfig
+    from prismlm.data.shards import prepare_shards
+    from prismlm.explain import build_index
+    from prismlm.tda import build_cache
+    from prismlm.train import load_checkpoint, train
+
+    events: list[ProgressEvent] = []
+    prepare_shards("builtin", "bpe-512", tmp_path / "shards", max_docs=12, max_chars_per_doc=2000,
+                   show_progress=events.append)
+    tok = [e for e in events if e.stage.startswith("tokenize")]
+    assert tok and tok[-1].finished and tok[-1].done == 12 and tok[-1].info["tokens"] > 0
+
+    events.clear()
+    cfg = RunConfig.from_name("tiny").override({"train.max_steps": 4, "train.eval_interval": 2, "train.batch_size": 2,
+                                                "train.warmup_steps": 1, "train.log_interval": 1})
+    train(cfg, tmp_path / "run", shards=tiny_shards, progress=events.append)
+    steps = [e.done for e in events if e.stage == "train" and e.message is None and not e.finished]
+    assert steps == [1, 2, 3, 4] and all(e.total == 4 for e in events)
+    messages = [e.message for e in events if e.message]
+    assert "PRISM model" in messages[0] and sum("val loss" in m for m in messages) == 2
+    assert "loss" in events[-1].info and events[-1].finished
+
+    ckpt = load_checkpoint(tmp_path / "run")
+    events.clear()
+    build_index(ckpt.model, tiny_shards, top_n=4, max_sequences=6, batch_size=4, progress=events.append)
+    T = cfg.model.block_size
+    assert [e.done for e in events if not e.finished] == [4 * T, 6 * T] and events[-1].total == 6 * T
+
+    events.clear()
+    build_cache(ckpt.model, tiny_shards, AttributionConfig(r=8, max_sequences=6, batch_size=4), progress=events.append)
+    assert [(e.stage, e.done) for e in events if e.finished] == [("curvature", 6), ("postings", 6)]
+    assert capfd.readouterr() == ("", ""), "with a callback, nothing is printed"
+
+
+@pytest.mark.parametrize("flag, shown", [("--progress", True), ("--no-progress", False)])
+def test_cli_progress_flag(tiny_shards, tmp_path, flag, shown):
+    """The CLI's --progress/--no-progress maps to a bar (stderr) or nothing."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "prismlm.cli", "prepare", "--corpus", "builtin", "--tokenizer",
+                           "bpe-512", "--max-docs", "5", "--out", str(tmp_path / "s"), flag],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("tokenize builtin" in proc.stderr) == shown
