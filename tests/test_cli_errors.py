@@ -76,6 +76,7 @@ def test_user_mistakes_on_a_missing_run_are_one_line(tmp_path):
                 ["explain", str(tmp_path / "nope"), "x"], ["attribute", str(tmp_path / "nope"), "x"]):
         res = _run(*cmd)
         assert res.exit_code == 2 and "error:" in res.output and "Traceback" not in res.output, (cmd, res.output)
+        assert len(res.output.strip().splitlines()) == 1, res.output  # one line, not wrapped
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):

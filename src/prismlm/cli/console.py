@@ -20,5 +20,6 @@ stdout = Console(highlight=False)
 
 def fail(msg: str) -> NoReturn:
     """Print ``error: msg`` and exit with code 2 (a user mistake: no traceback)."""
-    console.print("[bold red]error:[/] " + escape(msg), highlight=False)
+    # soft_wrap: the message stays one line whatever the terminal width (greppable, copyable)
+    console.print("[bold red]error:[/] " + escape(msg), highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
