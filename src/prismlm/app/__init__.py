@@ -16,6 +16,7 @@ from prismlm.app.operations import (
                                     generate,
                                     label_prototypes,
                                     merge_index_parts,
+                                    prototypes,
                                     sample_continuations,
                                     show_prototype,
 )
@@ -25,4 +26,4 @@ from prismlm.app.training import build_config, demo, prepare, train, train_from_
 __all__ = ["Run", "StageFn", "attribute_explanation", "attribute_text", "build_config", "build_run_cache",
            "build_run_index", "build_task_folders", "demo", "evaluate", "evaluate_tasks", "explain_text",
            "find_prototypes", "find_run_concept", "fit_controller", "generate", "label_prototypes",
-           "merge_index_parts", "prepare", "sample_continuations", "show_prototype", "train", "train_from_options"]
+           "merge_index_parts", "prepare", "prototypes", "sample_continuations", "show_prototype", "train", "train_from_options"]

@@ -321,15 +321,41 @@ def find_prototypes(run: Run, *, search: str | None = None, token: str | None = 
     return PrototypeListing(rows=rows, matched=len(ids), num_prototypes=K, has_index=idx is not None)
 
 
+@dataclass
+class PrototypeView:
+    """One prototype's card, and whether an index was there to fill its neighbourhood."""
+
+    card: PrototypeCard
+    has_index: bool
+
+
 def show_prototype(run: Run, prototype: int, *, index: Path | None = None, shards: Path | None = None,
-                   neighbours: int = 8) -> tuple[PrototypeCard, bool]:
-    """One prototype's card (label, statistics, top tokens of W p_i, nearest training contexts); the
-    second value says whether an index was available."""
+                   neighbours: int = 8) -> PrototypeView:
+    """One prototype's card: label, statistics, top tokens of W p_i, nearest training contexts."""
     model = run.prism_model("a prototype card")
     idx = run.index(index, shards)
     labs = idx.labels() if idx is not None else {}
     card = prototype_card(model, run.tokenizer, prototype, index=idx, labels=labs, neighbours=neighbours)
-    return card, idx is not None
+    return PrototypeView(card=card, has_index=idx is not None)
+
+
+def prototypes(run: Run, *, search: str | None = None, token: str | None = None, id: int | None = None,
+               index: Path | None = None, shards: Path | None = None, limit: int = 20,
+               neighbours: int = 8) -> PrototypeListing | PrototypeView:
+    """List or search prototypes by label, category or token; --id N shows one prototype's card.
+
+    Args:
+        search: Only prototypes whose label or category contains TEXT.
+        token: Prototypes that push this token most (signature W p_i).
+        id: Show one prototype's card (neighbours, histogram, tokens).
+        index: Index folder (default RUN/index if it exists).
+        shards: Token shard folder (default: the index's / the run's).
+        limit: Rows to list.
+        neighbours: Snippets shown with --id.
+    """
+    if id is not None:
+        return show_prototype(run, id, index=index, shards=shards, neighbours=neighbours)
+    return find_prototypes(run, search=search, token=token, index=index, shards=shards, limit=limit)
 
 
 def open_shards(path: Path) -> ShardSet:
@@ -337,6 +363,6 @@ def open_shards(path: Path) -> ShardSet:
     return load_shards(path)
 
 
-__all__ = ["IndexResult", "LabelResult", "PrototypeListing", "PrototypeRow", "build_run_index", "evaluate",
+__all__ = ["IndexResult", "LabelResult", "PrototypeListing", "PrototypeRow", "PrototypeView", "prototypes", "build_run_index", "evaluate",
            "explain_text", "find_prototypes", "generate", "label_prototypes", "merge_index_parts", "open_shards",
            "parse_part", "sample_continuations", "show_prototype"]

@@ -12,18 +12,18 @@ import os
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from prismlm import app as ops
 from prismlm._version import __version__
 from prismlm.app.control import ConceptResult, ControllerResult
-from prismlm.app.operations import IndexResult, LabelResult
+from prismlm.app.operations import IndexResult, LabelResult, PrototypeListing, PrototypeView
 from prismlm.app.run import Run
 from prismlm.app.training import DemoResult
-from prismlm.cli.console import console, fail, stdout
+from prismlm.cli.console import console, stdout
 from prismlm.cli.derive import command
 from prismlm.data.shards import ShardSet
-from prismlm.errors import PrismError
 from prismlm.explain import Explanation
 from prismlm.explore import render_terminal, write_html
 from prismlm.tda import Attribution, AttributionCache
@@ -176,50 +176,35 @@ command(app, "explain", ops.explain_text, render_explanation, arguments={"prompt
                "json_out": ["--json"], "html_out": ["--html"]})
 
 
-@app.command("prototypes")
-def prototypes_cmd(
-    run: Path = typer.Argument(..., help="Run folder or checkpoint folder of a PRISM model."),
-    search: str | None = typer.Option(None, help="Only prototypes whose label or category contains TEXT."),
-    token: str | None = typer.Option(None, help="Prototypes that push this token most (signature W p_i)."),
-    id_: int | None = typer.Option(None, "--id", help="Show one prototype's card (neighbours, histogram, tokens)."),
-    index: Path | None = typer.Option(None, help="Index folder (default RUN/index if it exists)."),
-    shards: Path | None = typer.Option(None, help="Token shard folder (default: the index's / the run's)."),
-    limit: int = typer.Option(20, help="Rows to list."),
-    neighbours: int = typer.Option(8, help="Snippets shown with --id."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda…"),
-) -> None:
-    """List or search prototypes by label, category or token; --id N shows one prototype's card."""
-    try:
-        r = Run.open(run, device=device, suppress="none")
-        if id_ is not None:
-            card, has_index = ops.show_prototype(r, id_, index=index, shards=shards, neighbours=neighbours)
-            stdout.print(f"[bold]#{card.id}[/] {card.label or ''} [dim]({card.category or 'unlabelled'})[/]")
-            if card.stats:
-                s = card.stats
-                stdout.print(f"active on {s['count']:,} tokens ({s['frequency']:.2%}), mean activation "
-                             f"{s['mean_activation']:.3f}, nearest context cos {s['max_similarity']:.3f}")
-                stdout.print("activation histogram [0,1]: " + " ".join(str(c) for c in s["histogram"]))
-            stdout.print("top tokens of W p_i: " + "  ".join(f"{t!r} {v:.2f}" for t, v in card.top_tokens),
-                         markup=False)
-            for nb in card.neighbours:
-                stdout.print(f"  {nb.similarity:.3f}  {nb.snippet!r}  {nb.doc_id}:{nb.position}", markup=False)
-            if not has_index:
-                stdout.print("[dim]no index: build one with `prism index` for neighbourhoods and labels[/]")
-            return
-        listing = ops.find_prototypes(r, search=search, token=token, index=index, shards=shards, limit=limit)
-    except PrismError as e:
-        fail(str(e))
-    table = Table(title=f"prototypes of {run}" + (f" pushing {token!r}" if token else "")
-                  + (f" matching {search!r}" if search else ""))
-    for col_name in ("id", "label", "category", "active", "W p_i top tokens") + (("(W p_i)_tok",) if token else ()):
+def render_prototypes(res: PrototypeListing | PrototypeView, run: Run) -> None:
+    if isinstance(res, PrototypeView):
+        card = res.card
+        stdout.print(f"[bold]#{card.id}[/] {escape(card.label or '')} [dim]({escape(card.category or 'unlabelled')})[/]")
+        if card.stats:
+            s = card.stats
+            stdout.print(f"active on {s['count']:,} tokens ({s['frequency']:.2%}), mean activation "
+                         f"{s['mean_activation']:.3f}, nearest context cos {s['max_similarity']:.3f}")
+            stdout.print("activation histogram [0,1]: " + " ".join(str(c) for c in s["histogram"]), markup=False)
+        stdout.print("top tokens of W p_i: " + "  ".join(f"{t!r} {v:.2f}" for t, v in card.top_tokens), markup=False)
+        for nb in card.neighbours:
+            stdout.print(f"  {nb.similarity:.3f}  {nb.snippet!r}  {nb.doc_id}:{nb.position}", markup=False)
+        if not res.has_index:
+            stdout.print("[dim]no index: build one with `prism index` for neighbourhoods and labels[/]")
+        return
+    table = Table(title=f"prototypes of {run.path}")
+    token_col = any(row.token_push is not None for row in res.rows)
+    for col_name in ("id", "label", "category", "active", "W p_i top tokens") + (("(W p_i)_tok",) if token_col else ()):
         table.add_column(col_name)
-    for row in listing.rows:
-        table.add_row(str(row.id), row.label, row.category,
+    for row in res.rows:
+        table.add_row(str(row.id), escape(row.label), escape(row.category),
                       f"{row.active_tokens:,}" if row.active_tokens is not None else "-",
-                      ", ".join(repr(t) for t in row.top_tokens),
-                      *((f"{row.token_push:.2f}",) if token and row.token_push is not None else ()))
+                      escape(", ".join(repr(t) for t in row.top_tokens)),
+                      *((f"{row.token_push:.2f}",) if row.token_push is not None else ()))
     stdout.print(table)
-    stdout.print(f"[dim]{listing.matched} of {listing.num_prototypes} prototypes match[/]")
+    stdout.print(f"[dim]{res.matched} of {res.num_prototypes} prototypes match[/]")
+
+
+command(app, "prototypes", ops.prototypes, render_prototypes, suppress_default="none")
 
 
 # ----- training-data attribution (spec §3.2) ------------------------------------------------------------
