@@ -200,11 +200,13 @@ class PrismLM(nn.Module):
         B, T, d = z.shape
         out_z = z[:, -1:, :] if last_only else z
         mult = self.proto_multipliers
+        # Unmodified model: logits straight from z (ℓ = W z = W r + Σ a_i W p_i since z = ẑ + r). Why lm_head
+        # runs before the prototype layer: the order fixes how autograd sums the two gradients into z, and
+        # keeping it keeps training bit-for-bit reproducible across versions (a reordering moved losses by 1e-8).
+        logits = self.lm_head(out_z) if mult is None or self.prototypes is None else None  # (B, T, V)
         po = self.prototypes(z.reshape(B * T, d)) if self.prototypes is not None else None
-        if po is None or mult is None:
-            # Unmodified model: logits straight from z (ℓ = W z = W r + Σ a_i W p_i since z = ẑ + r).
-            logits = self.lm_head(out_z)  # (B, T, V) — identical head for PRISM and dense
-        else:
+        if logits is None:
+            assert po is not None and mult is not None
             # ℓ' = W r + Σ_i m_i a_i W p_i = W (z + Σ_i (m_i − 1) a_i p_i): the slices of prototypes with
             # m_i = 1 are untouched, a suppressed one (m_i = 0) is removed exactly (spec §4).
             a = po.activations * (mult[po.indices].to(po.activations.dtype) - 1.0)  # (N, k)
