@@ -51,6 +51,44 @@ def test_suppression_removes_exactly_those_slices_float64():
     torch.testing.assert_close(last, sup.logits[:, -1], rtol=0, atol=1e-10)
 
 
+def test_interventions_compose_as_values_against_a_hand_built_reference():
+    """intervene(Suppress, Control, Scale) gives ℓ = W (r + Σ_i m_i a_i p_i) with m the product of the
+    three, computed here by hand from the unmodified forward output; the model is restored on exit."""
+    from prismlm.errors import ModelError
+    from prismlm.model import Control, Scale, Suppress
+
+    model = tiny_model()
+    K = model.prototypes.num_prototypes
+    x = torch.randint(0, 97, (2, 32))
+    base = model(x)
+    gen = torch.Generator().manual_seed(0)
+    c = torch.zeros(K, dtype=torch.float64)
+    c[base.indices[0, :, 0]] = 0.5  # a controller on prototypes that are active
+    f = 1.0 + torch.rand(K, generator=gen, dtype=torch.float64)
+    ids = base.indices[1, 3].tolist()
+    m = torch.ones(K, dtype=torch.float64) * (1.0 + c) * f
+    m[ids] = 0.0
+    p = model.prototypes.weight[base.indices]  # (B, T, k, d)
+    z_ref = base.residual + (m[base.indices] * base.activations).unsqueeze(-1).mul(p).sum(-2)  # (B, T, d)
+    want = model.lm_head(z_ref)
+    with model.intervene(Suppress.of(ids), Control(c), Scale(f)) as mm:
+        got = mm(x).logits
+    assert torch.allclose(got, want, atol=1e-10)
+    assert model.proto_multipliers is None and torch.equal(model(x).logits, base.logits)
+    with model.intervene():  # no interventions: the model as it is
+        assert torch.equal(model(x).logits, base.logits)
+    with pytest.raises(ModelError, match="shape"):
+        with model.intervene(Scale(torch.ones(K + 1))):
+            pass
+    with pytest.raises(ModelError, match="unknown prototype"):
+        with model.intervene(Suppress.of([K])):
+            pass
+    with pytest.raises(RuntimeError, match="body"):
+        with model.intervene(Suppress.of(ids)):
+            raise RuntimeError("body")
+    assert model.proto_multipliers is None
+
+
 def test_suppress_restores_even_on_exception_and_nests():
     model = tiny_model()
     x = torch.randint(0, 97, (1, 16))

@@ -4,7 +4,7 @@ Every intervention is a per-prototype multiplier m (K,) on the logit slices, ℓ
 
     Suppress(ids)          m_i = 0 for the given prototypes, 1 elsewhere (removes their slices exactly)
     Control(coefficients)  m_i = 1 + c_i (a sparse linear controller; c = 0 is the base model)
-    Scale(multipliers)     m_i given directly
+    Scale(factors)         m_i given directly
 
 They are plain immutable values: a run, a web request or a bench holds a tuple of them and applies it with
 ``with model.intervene(*interventions):``, which multiplies them together and always restores the model
@@ -35,8 +35,8 @@ class Suppress:
         return cls(tuple(int(i) for i in ids), label)
 
     def multipliers(self, num_prototypes: int) -> torch.Tensor:
-        """(K,) float32: 0 at ``ids``, 1 elsewhere."""
-        m = torch.ones(num_prototypes, dtype=torch.float32)
+        """(K,) float64: 0 at ``ids``, 1 elsewhere."""
+        m = torch.ones(num_prototypes, dtype=torch.float64)
         if self.ids:
             m[torch.tensor(check_ids(self.ids, num_prototypes), dtype=torch.long)] = 0.0
         return m
@@ -51,21 +51,19 @@ class Control:
     label: str | None = None
 
     def multipliers(self, num_prototypes: int) -> torch.Tensor:
-        _check_shape(self.coefficients, num_prototypes, "controller coefficients")
-        return 1.0 + self.coefficients.detach().to(torch.float32).cpu()
+        return 1.0 + _per_prototype(self.coefficients, num_prototypes, "controller coefficients")
 
 
 @dataclass(frozen=True)
 class Scale:
     """Multiply prototype i's slice by ``multipliers[i]`` (0 removes it, 2 doubles it)."""
 
-    multipliers_: torch.Tensor
+    factors: torch.Tensor
     """(K,) m."""
     label: str | None = None
 
     def multipliers(self, num_prototypes: int) -> torch.Tensor:
-        _check_shape(self.multipliers_, num_prototypes, "multipliers")
-        return self.multipliers_.detach().to(torch.float32).cpu()
+        return _per_prototype(self.factors, num_prototypes, "scale factors")
 
 
 Intervention = Suppress | Control | Scale
@@ -95,6 +93,9 @@ def combined_multipliers(interventions: Iterable[Intervention], num_prototypes: 
     return m
 
 
-def _check_shape(t: torch.Tensor, num_prototypes: int, what: str) -> None:
+def _per_prototype(t: torch.Tensor, num_prototypes: int, what: str) -> torch.Tensor:
+    """A (K,) tensor as float64 on the CPU, detached (multipliers are combined in float64 and cast to the
+    model's dtype once); ``ModelError`` for another shape."""
     if tuple(t.shape) != (num_prototypes,):
         raise ModelError(f"{what} must have shape ({num_prototypes},), got {tuple(t.shape)}")
+    return t.detach().to(torch.float64).cpu()
