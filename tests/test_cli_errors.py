@@ -157,3 +157,66 @@ def test_attribution_options_are_the_attribution_config(tiny_run):
     assert field_docs(AttributionConfig)["seed"] == "Seed of the random ``orthogonal``/``gaussian`` projection."
     res = _run("attribute-cache", str(tiny_run), "--damping", "-1", "--device", "cpu")
     assert res.exit_code == 2 and "damping" in res.output and "Traceback" not in res.output
+
+
+def test_more_user_mistakes_are_one_line(tiny_run, tiny_shards, tmp_path):
+    """Found by review: each of these printed a traceback or misbehaved before."""
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "fine"}\nnot json\n')
+    (tmp_path / "n.txt").write_text("neutral text\n\nmore neutral text\n")
+    (tmp_path / "cfg.json").write_text("{not json")
+    cases = [
+        (["concept", str(tiny_run), "--concept", str(bad_json), "--neutral", str(tmp_path / "n.txt")], "bad.jsonl:2"),
+        (["generate", str(tiny_run), "--top-k", "0", "-n", "2"], "--top-k"),
+        (["explain", str(tiny_run), "x", "-g", "2", "--top-k", "-5"], "--top-k"),
+        (["index", str(tiny_run), "--batch-size", "0", "--no-progress", "--shards", str(tiny_shards.root)],
+         "--batch-size"),
+        (["eval", str(tiny_run), "--batch-size", "0", "--shards", str(tiny_shards.root)], "--batch-size"),
+        (["prototypes", str(tiny_run), "--limit", "-3"], "--limit"),
+        (["train", "--config", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "r")], "not valid JSON"),
+    ]
+    for cmd, expected in cases:
+        res = _run(*cmd)
+        assert res.exit_code == 2 and expected in res.output and "Traceback" not in res.output, (cmd, res.output)
+
+
+def test_a_truncated_index_is_reported_corrupt(tiny_run, tiny_shards, tmp_path):
+    import shutil
+
+    from prismlm.app import Run, build_run_index
+    from prismlm.errors import ArtifactCorrupt
+
+    run = Run.open(tiny_run, device="cpu", suppress="none")
+    res = build_run_index(run, max_sequences=8, out=tmp_path / "idx", shards=tiny_shards.root, progress=False)
+    assert run.index(tmp_path / "idx", tiny_shards.root) is run.index(tmp_path / "idx")  # opened once, kept
+    broken = tmp_path / "broken"
+    shutil.copytree(res.path, broken)
+    f = broken / "index.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(ArtifactCorrupt, match="index.safetensors"):
+        Run.open(tiny_run, device="cpu").index(broken, tiny_shards.root)
+    out = _run("explain", str(tiny_run), "x", "--index", str(broken), "--shards", str(tiny_shards.root))
+    assert out.exit_code == 2 and "cannot be read" in out.output and "Traceback" not in out.output
+
+
+def test_suppress_is_offered_only_where_it_is_applied(tiny_run, tmp_path):
+    """`--suppress` changes what `explain` shows (the suppressed slices are gone); commands that do not
+    apply interventions do not offer the option."""
+    from prismlm.control.suppress import SuppressionSet
+
+    for cmd in ("generate", "eval", "explain"):
+        assert "--suppress" in _run(cmd, "--help").output
+    for cmd in ("index", "label", "prototypes", "attribute", "attribute-cache", "concept"):
+        assert "--suppress" not in _run(cmd, "--help").output, cmd
+    base = tmp_path / "base.json"
+    assert _run("explain", str(tiny_run), "The sea was calm", "--no-index", "--suppress", "none",
+                "--json", str(base)).exit_code == 0
+    used = sorted({p["id"] for pos in json.loads(base.read_text())["positions"] for p in pos["prototypes"]})
+    SuppressionSet(ids=used[:3], num_prototypes=64).save(tmp_path / "s.json")
+    sup = tmp_path / "sup.json"
+    res = _run("explain", str(tiny_run), "The sea was calm", "--no-index", "--suppress", str(tmp_path / "s.json"),
+               "--json", str(sup))
+    assert res.exit_code == 0, res.output
+    shown = {p["id"] for pos in json.loads(sup.read_text())["positions"] for p in pos["prototypes"]
+             if p.get("slice", 1.0) != 0.0}
+    assert not shown & set(used[:3])

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from prismlm.errors import ArtifactMismatch, ConfigError
+from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, ConfigError, PrismError
 
 __all__ = ["atomic_dir", "atomic_write_bytes", "atomic_write_text", "check_provenance", "merge_ranges",
            "model_identity", "overlap", "part_range", "provenance", "sha256_file"]
@@ -77,6 +77,18 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
 
 
 # ----- hashes ----------------------------------------------------------------------------------------------
+@contextmanager
+def reading(path: str | Path, what: str, fix: str | None = None) -> Iterator[None]:
+    """Read an artifact's file inside this block: a truncated or garbled file (whatever the reader raises:
+    safetensors, numpy, json, EOF) becomes ``ArtifactCorrupt`` naming the file and the rebuild command."""
+    try:
+        yield
+    except PrismError:
+        raise
+    except Exception as e:  # noqa: BLE001 — any failure to parse the bytes is a corrupt artifact
+        raise ArtifactCorrupt(f"{what} {path} cannot be read ({type(e).__name__}: {e})", fix=fix, path=path) from e
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     """Hex sha256 of a file's bytes, read in chunks of ``chunk`` bytes."""
     h = hashlib.sha256()
@@ -149,6 +161,8 @@ def part_range(num_sequences: int, batch_size: int, part: tuple[int, int]) -> tu
     """Sequence range [start, stop) of part i of n of ``[0, num_sequences)``: contiguous, whole batches of
     ``batch_size`` (so parts built separately go through the model in the same batches as one pass)."""
     i, n = part
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     if not (n >= 1 and 0 <= i < n):
         raise ConfigError(f"part must be i/n with 0 <= i < n, got {i}/{n} (e.g. --part 0/4 for the first of 4)")
     nb = math.ceil(num_sequences / batch_size)

@@ -322,7 +322,16 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> RunConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """A config file (e.g. ``RUN/config.json``); ``ConfigError`` naming the file if it is missing or
+        not valid JSON."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"no config file at {path}", fix="pass a RunConfig JSON (e.g. RUN/config.json)")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -87,8 +87,4 @@ class Reporter:
         self.close()
 
 
-def is_enabled(progress: Progress) -> bool:
-    return bool(progress)
-
-
-__all__ = ["Progress", "ProgressEvent", "ProgressFn", "Reporter", "is_enabled"]
+__all__ = ["Progress", "ProgressEvent", "ProgressFn", "Reporter"]

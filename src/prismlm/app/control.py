@@ -129,7 +129,7 @@ def evaluate_tasks(run: Run, *, tasks: Path = Path("tasks"), task: list[str] | N
         ctl = load_controller(controller)
         extra = (Control(ctl.coefficients.to(torch.float32), label=str(controller)),)
     results: dict[str, dict[str, Any]] = {}
-    with run.model.intervene(*run.interventions, *extra) as model:
+    with run.intervened(*extra) as model:
         for n, f in folders.items():
             docs = load_split(f, split)
             results[n] = mc_accuracy(model, run.tokenizer, docs).to_dict()
@@ -149,7 +149,7 @@ class ControllerResult:
     path: Path
 
 
-def fit_controller(run: Run, task: Path, *, l1: list[float] | None = None, steps: int = 100, lr: float = 0.05,
+def fit_controller(run: Run, task: Path, *, l1: tuple[float, ...] = (3e-3, 1e-2, 3e-2), steps: int = 100, lr: float = 0.05,
                    out: Path = Path("controller.json"), index: Path | None = None) -> ControllerResult:
     """Fit a sparse linear controller c (LM frozen) on a task; report test accuracy before → after.
 
@@ -163,11 +163,11 @@ def fit_controller(run: Run, task: Path, *, l1: list[float] | None = None, steps
     """
     model = run.prism_model("a controller over prototypes (see bench/control.py for the SAE baseline)")
     assert model.prototypes is not None
+    idx = run.index(index, required=True) if index is not None else None  # before the fit: fail fast on a bad path
     splits = {s: load_split(task, s) for s in ("train", "validation", "test")}
     feats = {s: extract_features(model, run.tokenizer, d, prism_encoder(model)) for s, d in splits.items()}
-    res = fit_and_test(feats, model.lm_head.weight, model.prototypes.weight, l1_grid=l1 or [3e-3, 1e-2, 3e-2],
+    res = fit_and_test(feats, model.lm_head.weight, model.prototypes.weight, l1_grid=list(l1),
                        steps=steps, lr=lr)
-    idx = run.index(index, required=True) if index is not None else None
     trace = trace_prism_controller(model, run.tokenizer, res.controller, feats["train"], splits["train"], index=idx)
     res.controller.save(out, task=str(task), model_sha256=run.identity, test_before=res.before,
                         test_after=res.after, trace=trace)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from prismlm.app.run import Run
-from prismlm.data.shards import ShardSet, load_shards
+from prismlm.data.shards import load_shards
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ConfigError, DataError, PrismError
 from prismlm.eval.metrics import evaluate as evaluate_model
@@ -45,6 +45,16 @@ def parse_part(part: str) -> tuple[int, int]:
     return i, n
 
 
+def check_sampling(tokens: int, temperature: float, top_k: int | None, samples: int = 1) -> None:
+    """``ConfigError`` naming the option for sampling settings that cannot work."""
+    if tokens < 0 or samples < 1:
+        raise ConfigError(f"--tokens must be >= 0 and --samples >= 1, got {tokens} and {samples}")
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"--top-k must be >= 1 (or omitted for the whole vocabulary), got {top_k}")
+
+
 # ----- sampling and evaluation ----------------------------------------------------------------------------
 def sample_continuations(model: PrismLM, tokenizer: Tokenizer, prompt: str, *, samples: int, tokens: int,
                          temperature: float, top_k: int | None, generator: torch.Generator | None) -> list[str]:
@@ -69,10 +79,7 @@ def generate(run: Run, prompt: str = "", *, tokens: int = 100, samples: int = 1,
         top_k: Sample from the top-k tokens only.
         seed: Sampling seed.
     """
-    if tokens < 0 or samples < 1:
-        raise ConfigError(f"--tokens must be >= 0 and --samples >= 1, got {tokens} and {samples}")
-    if temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    check_sampling(tokens, temperature, top_k, samples)
     gen = torch.Generator(device=run.device).manual_seed(seed)
     with run.intervened() as model:
         conts = sample_continuations(model, run.tokenizer, prompt, samples=samples, tokens=tokens,
@@ -90,8 +97,8 @@ def evaluate(run: Run, *, batches: int = 50, batch_size: int | None = None,
         batch_size: Sequences per batch (default: the run's).
         shards: Token shard folder the run was trained on (default: prepared from its data config).
     """
-    if batches < 1:
-        raise ConfigError(f"--batches must be >= 1, got {batches}")
+    if batches < 1 or (batch_size is not None and batch_size < 1):
+        raise ConfigError(f"--batches and --batch-size must be >= 1, got {batches} and {batch_size}")
     cfg = run.config
     shard_set = run.shards(shards)
     with run.intervened() as model:
@@ -151,6 +158,7 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
                           autocast=run.autocast(), progress=progress)
     if labels and idx.covers_all:
         save_labels(rule_labels(idx), out)
+    run.forget(out)
     return IndexResult(index=idx, path=out, notes=notes)
 
 
@@ -237,12 +245,16 @@ def explain_text(run: Run, prompt: str = "", *, generate: int = 0, index: Path |
         neighbours: Training snippets per prototype card.
     """
     model = run.prism_model("an explanation")
+    check_sampling(generate, temperature, top_k)
     tokenizer = run.tokenizer
     idx = run.index(index, shards) if use_index else None
-    if generate > 0:
-        return explain_generation(model, tokenizer, prompt, generate, model_sha256=run.identity,
-                                  temperature=temperature, top_k=top_k, seed=seed, index=idx, neighbours=neighbours)
-    expl = explain(model, tokenizer, prompt, model_sha256=run.identity, index=idx, neighbours=neighbours)
+    with run.intervened():  # a suppressed or controlled run is explained as it predicts (decompose stays exact)
+        if generate > 0:
+            expl = explain_generation(model, tokenizer, prompt, generate, model_sha256=run.identity,
+                                      temperature=temperature, top_k=top_k, seed=seed, index=idx,
+                                      neighbours=neighbours)
+        else:
+            expl = explain(model, tokenizer, prompt, model_sha256=run.identity, index=idx, neighbours=neighbours)
     if idx is None:
         expl.notes.append(f"no prototype index: build one with `prism index {run.path}` for neighbourhoods and labels")
     return expl
@@ -283,6 +295,8 @@ def find_prototypes(run: Run, *, search: str | None = None, token: str | None = 
         shards: Token shard folder (default: the index's / the run's).
         limit: Rows to list.
     """
+    if limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
     model = run.prism_model("listing prototypes")
     assert model.prototypes is not None
     tok = run.tokenizer
@@ -358,11 +372,6 @@ def prototypes(run: Run, *, search: str | None = None, token: str | None = None,
     return find_prototypes(run, search=search, token=token, index=index, shards=shards, limit=limit)
 
 
-def open_shards(path: Path) -> ShardSet:
-    """Token shards at ``path`` (``ShardError`` naming what is missing)."""
-    return load_shards(path)
-
-
 __all__ = ["IndexResult", "LabelResult", "PrototypeListing", "PrototypeRow", "PrototypeView", "prototypes", "build_run_index", "evaluate",
-           "explain_text", "find_prototypes", "generate", "label_prototypes", "merge_index_parts", "open_shards",
+           "explain_text", "find_prototypes", "generate", "label_prototypes", "merge_index_parts",
            "parse_part", "sample_continuations", "show_prototype"]

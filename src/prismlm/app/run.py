@@ -21,8 +21,8 @@ from prismlm.config import RunConfig
 from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
 from prismlm.data.shards import ShardSet, load_shards, prepare_from_config
 from prismlm.data.tokenizer import Tokenizer
-from prismlm.errors import ArtifactError, DataError, PrismError, ShardError
-from prismlm.model import Intervention, PrismLM, Suppress
+from prismlm.errors import ArtifactError, PrismError, ShardError
+from prismlm.model import Intervention, PrismLM
 from prismlm.train.checkpoint import Checkpoint, load_checkpoint
 from prismlm.train.distributed import resolve_device
 from prismlm.train.trainer import autocast_for
@@ -79,6 +79,9 @@ class Run:
     interventions: tuple[Intervention, ...] = ()
     """Every intervention applied inside ``intervened()``, the suppression set's first."""
     _shards: dict[str, ShardSet] = field(default_factory=dict, repr=False)
+    """Opened shards, by how they were asked for and by their resolved root (each is opened once)."""
+    _artifacts: dict[tuple[str, Path], object] = field(default_factory=dict, repr=False)
+    """Opened index / cache, by kind and folder."""
 
     @classmethod
     def open(cls, path: str | Path, *, device: str = "auto", suppress: str | Path | None = "auto",
@@ -89,7 +92,7 @@ class Run:
         ckpt = load_checkpoint(path, device=dev)
         ckpt.model.eval()
         sset = resolve_suppression(ckpt, suppress)
-        ivs = ((Suppress.of(sset.ids, sset.concept),) if sset is not None else ()) + tuple(interventions)
+        ivs = ((sset.intervention(),) if sset is not None else ()) + tuple(interventions)
         return cls(path=Path(path), checkpoint=ckpt, device=dev, suppression=sset, interventions=ivs)
 
     # ----- what the run is ---------------------------------------------------------------------------------
@@ -118,11 +121,7 @@ class Run:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        tok = self.checkpoint.tokenizer
-        if tok is None:
-            raise DataError(f"{self.checkpoint.path} has no tokenizer; cannot encode text",
-                            fix="retrain, or copy the tokenizer/ folder of its shards into the checkpoint")
-        return tok
+        return self.checkpoint.require_tokenizer()
 
     def prism_model(self, what: str = "this operation") -> PrismLM:
         """The model, or ``ModelError`` if it is the dense baseline (no prototypes)."""
@@ -138,19 +137,27 @@ class Run:
         return autocast_for(self.config, self.device)
 
     @contextmanager
-    def intervened(self) -> Iterator[PrismLM]:
-        """``with run.intervened() as model:`` — the model with the run's interventions applied."""
-        with self.model.intervene(*self.interventions) as m:
+    def intervened(self, *extra: Intervention) -> Iterator[PrismLM]:
+        """``with run.intervened() as model:`` — the model with the run's interventions (and ``extra``
+        ones, e.g. a controller given to one operation) applied; restored on exit."""
+        with self.model.intervene(*self.interventions, *extra) as m:
             yield m
 
     # ----- derived artifacts, opened lazily and checked against the checkpoint ------------------------------
+    def forget(self, path: Path) -> None:
+        """Drop an opened index or cache at ``path`` (after rebuilding it), so the next call re-reads it."""
+        for kind in ("index", "cache"):
+            self._artifacts.pop((kind, path), None)
+
     def shards(self, shards_dir: Path | None = None, recorded_root: str | None = None) -> ShardSet:
         """The token shards the run was trained on: ``shards_dir``, else the folder an artifact recorded
         (``recorded_root``), else prepared (reused) from the run's data config. Refused (``ShardError``)
         if their key differs from the checkpoint's."""
-        key = str(shards_dir) if shards_dir is not None else f"recorded:{recorded_root}"
+        key = str(Path(shards_dir).resolve()) if shards_dir is not None else f"recorded:{recorded_root}"
         if key in self._shards:
             return self._shards[key]
+        if shards_dir is None and "config" in self._shards:  # already prepared from the data config
+            return self._shards["config"]
         want = (self.checkpoint.manifest.get("data") or {}).get("key")
         shards: ShardSet | None = None
         if shards_dir is not None:
@@ -163,11 +170,13 @@ class Run:
                     shards = None
             if shards is None:
                 shards = prepare_from_config(self.config.data, show_progress=False)
+                self._shards["config"] = shards
         if want is not None and shards.manifest["key"] != want:
             raise ShardError(f"token shards {shards.root} (key {shards.manifest['key'][:16]}…) are not the ones "
                              f"checkpoint {self.checkpoint.path} was trained on (key {want[:16]}…)",
                              fix="pass --shards with the training shards")
         self._shards[key] = shards
+        self._shards.setdefault(str(Path(shards.root).resolve()), shards)
         return shards
 
     def index(self, index_dir: Path | None = None, shards_dir: Path | None = None, *,
@@ -177,12 +186,15 @@ class Run:
         from prismlm.explain.index import PrototypeIndex
 
         path = index_dir or self.folder / "index"
+        if ("index", path) in self._artifacts:
+            return self._artifacts["index", path]  # type: ignore[return-value]
         if not (path / "manifest.json").exists():
             if required or index_dir is not None:
                 raise ArtifactError(f"no prototype index at {path}", fix=f"prism index {self.path}")
             return None
         idx = PrototypeIndex.load(path, model_sha256=self.identity)
         idx.attach(self.shards(shards_dir, idx.manifest.get("shards_root")))
+        self._artifacts["index", path] = idx
         return idx
 
     def cache(self, cache_dir: Path | None = None, shards_dir: Path | None = None) -> AttributionCache:
@@ -191,9 +203,12 @@ class Run:
         from prismlm.tda.cache import AttributionCache
 
         path = cache_dir or self.folder / "attribution-cache"
+        if ("cache", path) in self._artifacts:
+            return self._artifacts["cache", path]  # type: ignore[return-value]
         if not (path / "manifest.json").exists():
             raise ArtifactError(f"no attribution cache at {path}",
                                 fix=f"prism attribute-cache {self.path} (or use --method full)")
         cache = AttributionCache.load(path, model_sha256=self.identity)
         cache.check(shards=self.shards(shards_dir, cache.manifest.get("shards_root")))
+        self._artifacts["cache", path] = cache
         return cache

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prismlm.app.operations import IndexResult, build_run_index, evaluate, explain_text, generate
 from prismlm.app.run import Run, StageFn, no_stages
-from prismlm.config import PRESETS, RunConfig
+from prismlm.config import RunConfig
 from prismlm.data.shards import ShardSet, prepare_shards
 from prismlm.errors import ConfigError
 from prismlm.explain import Explanation
@@ -15,20 +15,13 @@ from prismlm.progress import Progress
 from prismlm.train.trainer import TrainResult
 from prismlm.train.trainer import train as train_model
 
-PRESET_NAMES = ", ".join(sorted(PRESETS))
-
 
 def build_config(preset: str = "cpu-small", config: Path | None = None, overrides: list[str] | None = None, *,
                  dense: bool = False, steps: int | None = None, corpus: str | None = None,
                  tokenizer: str | None = None) -> RunConfig:
     """Preset (or JSON file) → shortcuts (steps, corpus, tokenizer) → ``--set`` overrides converted to each
     field's type, validated at each stage (``ConfigError`` naming the key)."""
-    if config is not None:
-        if not Path(config).exists():
-            raise ConfigError(f"no config file at {config}", fix="pass a RunConfig JSON (e.g. RUN/config.json)")
-        cfg = RunConfig.from_json(config)
-    else:
-        cfg = RunConfig.from_name(preset)
+    cfg = RunConfig.from_json(config) if config is not None else RunConfig.from_name(preset)
     shortcuts = []
     if steps is not None:
         shortcuts.append(f"train.max_steps={steps}")
@@ -65,11 +58,6 @@ def prepare(corpus: str = "builtin", tokenizer: str = "bpe-8192", *, out: Path |
                           show_progress=progress)
 
 
-def train(cfg: RunConfig, out: Path, *, resume: bool = False, progress: Progress = True) -> TrainResult:
-    """Train ``cfg`` into the run folder ``out`` (``resume``: from its latest checkpoint)."""
-    return train_model(cfg, out, resume=resume, progress=progress)
-
-
 def train_from_options(*, preset: str = "cpu-small", config: Path | None = None, out: Path | None = None,
                        overrides: list[str] | None = None, dense: bool = False, steps: int | None = None,
                        corpus: str | None = None, tokenizer: str | None = None, resume: bool = False,
@@ -89,7 +77,7 @@ def train_from_options(*, preset: str = "cpu-small", config: Path | None = None,
         progress: Show a progress bar.
     """
     cfg = build_config(preset, config, overrides, dense=dense, steps=steps, corpus=corpus, tokenizer=tokenizer)
-    return train(cfg, out or default_run_folder(cfg), resume=resume, progress=progress)
+    return train_model(cfg, out or default_run_folder(cfg), resume=resume, progress=progress)
 
 
 @dataclass
@@ -134,7 +122,7 @@ def demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Pat
     cfg = build_config(preset, None, extra, steps=steps, corpus="builtin")
     stages = 5 if cfg.model.is_prism else 3
     on_stage("train", 0, stages)
-    result = train(cfg, out, progress=progress)
+    result = train_model(cfg, out, progress=progress)
     run = Run.open(out, device="cpu")
     on_stage("sample", 1, stages)
     samples = [t for p in DEMO_PROMPTS for t in generate(run, p, tokens=40, samples=1, temperature=0.8, seed=0)]
@@ -147,10 +135,9 @@ def demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Pat
         on_stage(f"index ({n_index} training sequences)", 3, stages)
         demo_result.index = build_run_index(run, max_sequences=n_index, progress=progress)
         on_stage("explain", 4, stages)
-        run = Run.open(out, device="cpu")  # reopen: picks up the index just built
         demo_result.explanation = explain_text(run, DEMO_PROMPTS[1], generate=12, seed=0)
     return demo_result
 
 
-__all__ = ["DEMO_PROMPTS", "DemoResult", "PRESET_NAMES", "build_config", "default_run_folder", "demo", "prepare",
-           "train", "train_from_options"]
+__all__ = ["DEMO_PROMPTS", "DemoResult", "build_config", "default_run_folder", "demo", "prepare",
+           "train_from_options"]

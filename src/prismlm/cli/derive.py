@@ -115,6 +115,9 @@ def _params(func: Callable[..., Any], skip: set[str], decls: dict[str, list[str]
         default = ... if p.default is inspect.Parameter.empty else p.default
         if isinstance(default, tuple):  # typer wants lists for repeatable options
             default = list(default)
+        args = typing.get_args(annotation)
+        if typing.get_origin(annotation) is tuple and len(args) == 2 and args[1] is Ellipsis:
+            annotation = list[args[0]]  # type: ignore[valid-type]  # tuple[X, ...] → a repeatable option
         if default is None and typing.get_origin(annotation) in (typing.Union, type(int | None)) \
                 and any(typing.get_origin(a) is list for a in typing.get_args(annotation)):
             default = []  # an optional list becomes a repeatable option that may be absent
@@ -130,10 +133,11 @@ def _params(func: Callable[..., Any], skip: set[str], decls: dict[str, list[str]
 
 def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callable[..., None] | None = None, *,
             opens_run: bool = True, arguments: set[str] | None = None, decls: dict[str, list[str]] | None = None,
-            skip: set[str] | None = None, suppress_default: str = "auto",
+            skip: set[str] | None = None, suppressible: bool = False,
             fixed: dict[str, Any] | None = None) -> None:
-    """Register ``op`` as ``prism NAME``. With ``opens_run`` the first argument is RUN and ``--device`` /
-    ``--suppress`` open the ``Run`` passed to ``op``. ``render(result, run=…, **its options)`` prints the
+    """Register ``op`` as ``prism NAME``. With ``opens_run`` the first argument is RUN and ``--device``
+    opens the ``Run`` passed to ``op``; ``suppressible`` (operations that apply the run's interventions)
+    adds ``--suppress`` (default: the checkpoint's own set); other commands open the run unsuppressed. ``render(result, run=…, **its options)`` prints the
     result. Positional arguments: ``arguments``. ``fixed``: keyword arguments the CLI itself gives ``op``
     (e.g. a progress callback that renders to the terminal); they are not options."""
     decls = decls or {}
@@ -152,10 +156,11 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
     if opens_run:
         head.append(inspect.Parameter("run", inspect.Parameter.KEYWORD_ONLY, annotation=Path,
                                       default=typer.Argument(..., help=RUN_HELP)))
-        tail += [inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, annotation=str,
-                                   default=typer.Option("auto", help=DEVICE_HELP)),
-                 inspect.Parameter("suppress", inspect.Parameter.KEYWORD_ONLY, annotation=str,
-                                   default=typer.Option(suppress_default, help=SUPPRESS_HELP))]
+        tail.append(inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, annotation=str,
+                                      default=typer.Option("auto", help=DEVICE_HELP)))
+        if suppressible:
+            tail.append(inspect.Parameter("suppress", inspect.Parameter.KEYWORD_ONLY, annotation=str,
+                                          default=typer.Option("auto", help=SUPPRESS_HELP)))
 
     def run_command(**kwargs: Any) -> None:
         op_kwargs = {**{k: v for k, v in kwargs.items() if k in op_names}, **fixed}
@@ -169,7 +174,8 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
         try:
             run = None
             if opens_run:
-                run = Run.open(kwargs["run"], device=kwargs["device"], suppress=kwargs["suppress"])
+                run = Run.open(kwargs["run"], device=kwargs["device"],
+                               suppress=kwargs["suppress"] if suppressible else "none")
                 if run.suppression is not None:
                     from prismlm.cli.console import console
 

@@ -121,8 +121,8 @@ def render_eval(metrics: dict, run: Run, *, json_out: Path | None = None) -> Non
         _write_json(json_out, metrics)
 
 
-command(app, "generate", ops.generate, render_texts, decls={"tokens": ["--tokens", "-n"]})
-command(app, "eval", ops.evaluate, render_eval, decls={"json_out": ["--json"]})
+command(app, "generate", ops.generate, render_texts, suppressible=True, decls={"tokens": ["--tokens", "-n"]})
+command(app, "eval", ops.evaluate, render_eval, suppressible=True, decls={"json_out": ["--json"]})
 
 
 # ----- prototype index, labels, explanations (spec §3.1) ------------------------------------------------
@@ -170,8 +170,8 @@ def render_explanation(expl: Explanation, run: Run, *, json_out: Path | None = N
 
 command(app, "index", ops.build_run_index, render_index)
 command(app, "index-merge", ops.merge_index_parts, render_index, opens_run=False, arguments={"out", "parts"})
-command(app, "label", ops.label_prototypes, render_labels, suppress_default="none")
-command(app, "explain", ops.explain_text, render_explanation, arguments={"prompt"},
+command(app, "label", ops.label_prototypes, render_labels)
+command(app, "explain", ops.explain_text, render_explanation, arguments={"prompt"}, suppressible=True,
         decls={"generate": ["--generate", "-g"], "use_index": ["--use-index/--no-index"],
                "json_out": ["--json"], "html_out": ["--html"]})
 
@@ -204,7 +204,7 @@ def render_prototypes(res: PrototypeListing | PrototypeView, run: Run) -> None:
     stdout.print(f"[dim]{res.matched} of {res.num_prototypes} prototypes match[/]")
 
 
-command(app, "prototypes", ops.prototypes, render_prototypes, suppress_default="none")
+command(app, "prototypes", ops.prototypes, render_prototypes)
 
 
 # ----- training-data attribution (spec §3.2) ------------------------------------------------------------
@@ -217,7 +217,7 @@ def render_cache(c: AttributionCache) -> None:
 
 
 def render_attribution(res: Attribution, run: Run, *, json_out: Path | None = None,
-                       html_out: Path | None = None) -> None:
+                       html_out: Path | None = None, shards: Path | None = None) -> None:
     """Output options.
 
     Args:
@@ -242,14 +242,13 @@ def render_attribution(res: Attribution, run: Run, *, json_out: Path | None = No
         res.to_json(json_out)
         console.print(f"JSON → {json_out}")
     if html_out:  # the explanation of the attributed text (prompt + completion), with the index if there is one
-        write_html(ops.explain_text(run, res.prompt + res.completion), html_out, attribution=res)
+        write_html(ops.explain_text(run, res.prompt + res.completion, shards=shards), html_out, attribution=res)
         console.print(f"HTML → {html_out}")
 
 
-command(app, "attribute-cache", ops.build_run_cache, render_cache, suppress_default="none")
+command(app, "attribute-cache", ops.build_run_cache, render_cache)
 command(app, "attribute", ops.attribute_text, render_attribution, arguments={"text"}, skip={"token_ids"},
-        suppress_default="none", decls={"generate": ["--generate", "-g"], "json_out": ["--json"],
-                                        "html_out": ["--html"]})
+        decls={"generate": ["--generate", "-g"], "json_out": ["--json"], "html_out": ["--html"]})
 
 
 # ----- control (spec §4) ----------------------------------------------------------------------------------
@@ -301,11 +300,12 @@ def render_controller(res: ControllerResult) -> None:
                   f"non-zero coefficients (λ={res.controller.l1}); controller: {res.path}")
 
 
-command(app, "concept", ops.find_run_concept, render_concept, suppress_default="none")
+command(app, "concept", ops.find_run_concept, render_concept)
 tasks_app = typer.Typer(help="Multiple-choice tasks: build them, evaluate a model on them.", no_args_is_help=True)
 controller_app = typer.Typer(help="Sparse linear controllers over prototypes.", no_args_is_help=True)
 command(tasks_app, "build", ops.build_task_folders, render_task_folders, opens_run=False)
-command(tasks_app, "eval", ops.evaluate_tasks, render_task_results, decls={"json_out": ["--json"]})
-command(controller_app, "fit", ops.fit_controller, render_controller, suppress_default="none")
+command(tasks_app, "eval", ops.evaluate_tasks, render_task_results, suppressible=True,
+        decls={"json_out": ["--json"]})
+command(controller_app, "fit", ops.fit_controller, render_controller)
 app.add_typer(tasks_app, name="tasks")
 app.add_typer(controller_app, name="controller")

@@ -222,7 +222,7 @@ def read_texts(path: str | Path, text_field: str = "text") -> list[str]:
 
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"no such file or folder: {path}")
+        raise DataError(f"no such file or folder: {path}", fix="check the --concept / --neutral path")
     if path.is_dir():
         return [p.read_text(encoding="utf-8") for p in sorted(path.glob("*.txt"))]
     if path.suffix == ".jsonl":
@@ -232,7 +232,7 @@ def read_texts(path: str | Path, text_field: str = "text") -> list[str]:
                 try:
                     out.append(json.loads(line)[text_field])
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{ln}: expected a JSON object with a {text_field!r} field ({e})") from e
+                    raise DataError(f"{path}:{ln}: expected a JSON object with a {text_field!r} field ({e})") from e
         return out
     parts = re.split(r"\n\s*(?:%\s*)?\n|\n%\n", path.read_text(encoding="utf-8"))
     return [p.strip() for p in parts if p.strip()]

@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from prismlm.errors import ConfigError
+
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.model import PrismLM
@@ -34,7 +36,7 @@ class TopKSAE(nn.Module):
     def __init__(self, d: int, num_latents: int, k: int):
         super().__init__()
         if not 1 <= k <= num_latents:
-            raise ValueError(f"k must be in [1, num_latents={num_latents}], got {k}")
+            raise ConfigError(f"k must be in [1, num_latents={num_latents}], got {k}")
         self.k = k
         self.W_enc = nn.Parameter(torch.randn(num_latents, d) / d ** 0.5)  # (K, d)
         self.b_enc = nn.Parameter(torch.zeros(num_latents))

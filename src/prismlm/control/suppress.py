@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from prismlm.artifacts import atomic_write_text
 from prismlm.errors import SuppressionError
 from prismlm.model.interventions import Suppress
@@ -128,9 +126,3 @@ class SuppressionSet:
     def intervention(self) -> Suppress:
         """This set as an intervention value: ``with model.intervene(sset.intervention()):``."""
         return Suppress.of(self.ids, self.concept)
-
-    def multipliers(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        m = torch.ones(self.num_prototypes, dtype=dtype)
-        if self.ids:
-            m[torch.tensor(self.ids)] = 0.0
-        return m

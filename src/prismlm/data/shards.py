@@ -34,7 +34,7 @@ import numpy as np
 from prismlm.artifacts import atomic_write_text, sha256_file
 from prismlm.data.corpus import Document, _package_version, corpus_fingerprint, iter_documents, split_hash
 from prismlm.data.tokenizer import Tokenizer, _describe, resolve_tokenizer, token_dtype
-from prismlm.errors import CorpusError, ShardError
+from prismlm.errors import ConfigError, CorpusError, ShardError
 from prismlm.progress import Progress, Reporter
 
 __all__ = ["TokenShard", "ShardSet", "prepare_shards", "load_shards", "default_data_dir"]
@@ -266,7 +266,7 @@ def prepare_shards(
     extreme split hash is moved over, so both splits are usable.
     """
     if not 0.0 <= val_fraction <= 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1], got {val_fraction}")
+        raise ConfigError(f"--val-fraction must be in [0, 1], got {val_fraction}")
     opts = {"text_field": text_field, "max_docs": max_docs, "max_chars_per_doc": max_chars_per_doc}
     fp = corpus_fingerprint(corpus, **opts)
     key_src = {"format": FORMAT_VERSION, "corpus_fingerprint": fp, "tokenizer": _tokenizer_key(tokenizer),

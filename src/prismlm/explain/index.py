@@ -60,6 +60,7 @@ from prismlm.artifacts import (
     overlap,
     part_range,
     provenance,
+    reading,
 )
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
 from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
@@ -288,13 +289,15 @@ class PrototypeIndex:
         if not (path / MANIFEST_FILE).exists() or not (path / TENSORS_FILE).exists():
             raise ArtifactError(f"{path} is not a prototype index (expected {MANIFEST_FILE} and {TENSORS_FILE}); "
                               f"build one with `prism index RUN`")
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        with reading(path / MANIFEST_FILE, "prototype index manifest", fix="prism index RUN"):
+            manifest = json.loads((path / MANIFEST_FILE).read_text())
         if manifest.get("kind") != KIND:
             raise ArtifactError(f"{path}/{MANIFEST_FILE}: kind {manifest.get('kind')!r}, expected {KIND!r}")
         if manifest.get("format_version") != FORMAT_VERSION:
             raise ArtifactError(f"{path}: index format {manifest.get('format_version')!r}, this prismlm reads "
                               f"{FORMAT_VERSION}; rebuild it with `prism index`")
-        t = load_file(str(path / TENSORS_FILE))
+        with reading(path / TENSORS_FILE, "prototype index", fix="prism index RUN"):
+            t = load_file(str(path / TENSORS_FILE))
         idx = cls(top_sim=t["top_sim"], top_offset=t["top_offset"], counts=t["counts"], act_sum=t["act_sum"],
                   hist=t["hist"], manifest=manifest, path=path)
         if tuple(idx.top_sim.shape) != (manifest["num_prototypes"], manifest["top_n"]):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from prismlm.config import ModelConfig
 from prismlm.errors import ModelError
 from prismlm.model import losses as L
-from prismlm.model.interventions import Intervention, check_ids, combined_multipliers
+from prismlm.model.interventions import Intervention, Suppress, check_ids, combined_multipliers
 from prismlm.model.prototypes import PrototypeLayer
 
 
@@ -273,12 +273,9 @@ class PrismLM(nn.Module):
 
     def suppress(self, ids: Iterable[int] | torch.Tensor) -> AbstractContextManager[PrismLM]:
         """``with model.suppress(ids):`` removes the slices a_i W p_i of the given prototypes from every
-        logit (spec §4), exactly; unknown ids raise ``ValueError`` before anything changes."""
-        ids_t = self.check_prototype_ids(ids)
-        protos = self.require_prototypes("prototypes to suppress or control")
-        m = torch.ones(protos.num_prototypes, dtype=protos.weight.dtype)
-        m[ids_t] = 0.0
-        return self.scale_prototypes(m)
+        logit (spec §4), exactly; unknown ids raise ``ModelError`` before anything changes. Shorthand for
+        ``model.intervene(Suppress.of(ids))``."""
+        return self.intervene(Suppress.of(self.check_prototype_ids(ids).tolist()))
 
     def control(self, coefficients: torch.Tensor) -> AbstractContextManager[PrismLM]:
         """``with model.control(c):`` re-weights prototype slices by (1 + c_i) (a sparse linear controller,

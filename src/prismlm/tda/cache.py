@@ -50,6 +50,7 @@ from prismlm.artifacts import (
     overlap,
     part_range,
     provenance,
+    reading,
 )
 from prismlm.config import AttributionConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError
@@ -204,13 +205,15 @@ class AttributionCache:
         path = Path(path)
         if not (path / "manifest.json").exists():
             raise ArtifactError(f"no attribution cache at {path}; build it with `prism attribute-cache`")
-        manifest = json.loads((path / "manifest.json").read_text())
+        with reading(path / "manifest.json", "attribution cache manifest", fix="prism attribute-cache RUN"):
+            manifest = json.loads((path / "manifest.json").read_text())
         if manifest.get("kind") != KIND:
             raise ArtifactError(f"{path} is not an attribution cache (kind {manifest.get('kind')!r})")
         mode: Literal["r"] | None = "r" if mmap else None
-        c = cls(offsets=np.load(path / "offsets.npy"), seq=np.load(path / "seq.npy", mmap_mode=mode),
-                sketch=np.load(path / "sketch.npy", mmap_mode=mode), projection=np.load(path / "projection.npy"),
-                curvature=Curvature.load(path / "curvature.safetensors"), manifest=manifest, path=path)
+        with reading(path, "attribution cache", fix="prism attribute-cache RUN"):
+            c = cls(offsets=np.load(path / "offsets.npy"), seq=np.load(path / "seq.npy", mmap_mode=mode),
+                    sketch=np.load(path / "sketch.npy", mmap_mode=mode), projection=np.load(path / "projection.npy"),
+                    curvature=Curvature.load(path / "curvature.safetensors"), manifest=manifest, path=path)
         c.check(model_sha256=model_sha256, shards=shards)
         return c
 
