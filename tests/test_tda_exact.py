@@ -272,6 +272,20 @@ def test_query_gradients_measure_exactly_the_requested_targets(net):
 
 
 # ----- curvature -------------------------------------------------------------------------------------------
+def test_curvature_pass_reports_progress_per_batch_and_is_silent_by_default(net, shards, capfd):
+    """One event per batch of the fixed grid (sequences [1, 4) with batch 2: [1, 2), [2, 4)), then a
+    final one; the default prints nothing."""
+    from prismlm.progress import ProgressEvent
+
+    events: list[ProgressEvent] = []
+    curvature_pass(net, shards, sequences=(1, 4), batch_size=2, progress=events.append)
+    assert [(e.stage, e.done, e.total, e.unit, e.finished) for e in events] == [
+        ("curvature", 1, 3, "seq", False), ("curvature", 3, 3, "seq", False), ("curvature", 3, 3, "seq", True)]
+    capfd.readouterr()
+    curvature_pass(net, shards, sequences=(1, 4), batch_size=2)
+    assert capfd.readouterr() == ("", "")
+
+
 def test_shared_curvature_is_m_times_F_plus_damping_from_the_definitions(net, shards):
     """H_i = m̃_i F + λ_i I, λ_i = ρ·tr(m̃_i F)/d, m̃_i = max(m_i, 1/N), checked as explicit matrices."""
     ref = explicit_curvature(net, _seqs(shards, 0, 5)[:, :-1])
