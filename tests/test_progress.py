@@ -67,14 +67,21 @@ def test_prepare_train_index_cache_report_through_the_callback(tiny_shards, tmp_
     assert capfd.readouterr() == ("", ""), "with a callback, nothing is printed"
 
 
-@pytest.mark.parametrize("flag, shown", [("--progress", True), ("--no-progress", False)])
-def test_cli_progress_flag(tiny_shards, tmp_path, flag, shown):
-    """The CLI's --progress/--no-progress maps to a bar (stderr) or nothing."""
+@pytest.mark.parametrize("flag", ["--progress", "--no-progress"])
+def test_cli_logs_plain_lines_when_not_on_a_terminal(tmp_path, flag):
+    """Output captured to a file (not a terminal) or --no-progress: plain log lines, no carriage returns."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "prismlm.cli", "prepare", "--corpus", "builtin", "--tokenizer",
-                           "bpe-512", "--max-docs", "5", "--out", str(tmp_path / "s"), flag],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "prismlm.cli", "train", "--preset", "tiny", "--steps", "4",
+                           "--set", "train.log_interval=2", "--set", "train.eval_interval=4",
+                           "--set", "data.max_docs=30", "--set", "data.max_chars_per_doc=2000",
+                           "--corpus", "builtin", "--out", str(tmp_path / "run"), flag],
+                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                            "PRISM_DATA": str(tmp_path / "data")})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert ("tokenize builtin" in proc.stderr) == shown
+    err = proc.stderr
+    assert "\r" not in err
+    assert "[tokenize builtin]" in err and "done" in err  # the corpus was prepared in this call
+    assert "[train] 2/4 step | loss" in err and "[train] 4/4 step | loss" in err
+    assert "step 4: val loss" in err and "PRISM model" in err

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, ConfigError, PrismError
+from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, ConfigError, PrismError, RunError
 
 __all__ = ["atomic_dir", "atomic_write_bytes", "atomic_write_text", "check_provenance", "merge_ranges",
            "model_identity", "overlap", "part_range", "provenance", "sha256_file"]
@@ -87,6 +87,56 @@ def reading(path: str | Path, what: str, fix: str | None = None) -> Iterator[Non
         raise
     except Exception as e:  # noqa: BLE001 — any failure to parse the bytes is a corrupt artifact
         raise ArtifactCorrupt(f"{what} {path} cannot be read ({type(e).__name__}: {e})", fix=fix, path=path) from e
+
+
+class FileLock:
+    """An exclusive, non-blocking lock on ``path`` (``fcntl.flock``), released on exit or when the process
+    dies — so a crashed writer never leaves a stale lock. The holder writes its pid, host and start time
+    into the file so that a refused second writer can say who holds it."""
+
+    def __init__(self, path: str | Path, what: str) -> None:
+        self.path, self.what = Path(path), what
+        self._fd: int | None = None
+
+    def acquire(self) -> FileLock:
+        import fcntl
+        import json
+        import socket
+        import time
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raw = os.read(fd, 4096).decode("utf-8", "replace").strip()
+            os.close(fd)
+            try:
+                h = json.loads(raw)
+                holder = f"pid {h['pid']} on {h['host']} (since {h['since']})"
+            except (ValueError, KeyError, TypeError):
+                holder = "another process"
+            raise RunError(f"{self.what} is being written by {holder} (lock {self.path})",
+                           fix="wait for it to finish, or use another folder") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> FileLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:

@@ -56,6 +56,11 @@ class CheckpointError(PrismError, ValueError):
     """A checkpoint is missing, incomplete or does not match what it is used with."""
 
 
+class RunError(PrismError, RuntimeError):
+    """A run folder cannot be written as asked: it already holds a run, another process is writing it,
+    a resume has nothing to do, or training diverged (NaN/Inf loss; the last good checkpoint is kept)."""
+
+
 class ArtifactError(PrismError, ValueError):
     """A derived artifact (prototype index, attribution cache, labels) is missing, incomplete or cannot be
     combined as asked."""
@@ -91,6 +96,6 @@ class DependencyError(PrismError, RuntimeError):
 
 __all__ = [
     "ArtifactCorrupt", "ArtifactError", "ArtifactMismatch", "CheckpointError", "ConfigError", "CorpusError",
-    "DataError", "DependencyError", "ModelError", "PrismError", "ShardError", "SuppressionError", "TaskError",
+    "DataError", "DependencyError", "ModelError", "PrismError", "RunError", "ShardError", "SuppressionError", "TaskError",
     "TokenizerError", "UnknownPrototypeError",
 ]

@@ -61,7 +61,7 @@ def prepare(corpus: str = "builtin", tokenizer: str = "bpe-8192", *, out: Path |
 def train_from_options(*, preset: str = "cpu-small", config: Path | None = None, out: Path | None = None,
                        overrides: list[str] | None = None, dense: bool = False, steps: int | None = None,
                        corpus: str | None = None, tokenizer: str | None = None, resume: bool = False,
-                       progress: Progress = True) -> TrainResult:
+                       overwrite: bool = False, progress: Progress = True) -> TrainResult:
     """Train a PRISM model (or the dense baseline). Works under `torchrun` for data parallelism.
 
     Args:
@@ -70,14 +70,16 @@ def train_from_options(*, preset: str = "cpu-small", config: Path | None = None,
         out: Run folder (default runs/<preset>-<prism|dense>).
         overrides: Override a config field: --set train.lr=1e-3 (repeatable).
         dense: Train the matched dense baseline (no prototype head).
-        steps: Optimizer steps (overrides train.max_steps).
+        steps: Optimizer steps (overrides train.max_steps; with --resume, train on to this step).
         corpus: Corpus spec (overrides data.corpus).
         tokenizer: Tokenizer spec (overrides data.tokenizer).
         resume: Continue the run in --out from its latest checkpoint.
+        overwrite: Replace a run already in --out (without it, such a folder is refused).
         progress: Show a progress bar.
     """
     cfg = build_config(preset, config, overrides, dense=dense, steps=steps, corpus=corpus, tokenizer=tokenizer)
-    return train_model(cfg, out or default_run_folder(cfg), resume=resume, progress=progress)
+    return train_model(cfg, out or default_run_folder(cfg), resume=resume, overwrite=overwrite,
+                       extend_to=steps if resume else None, progress=progress)
 
 
 @dataclass
@@ -98,7 +100,7 @@ DEMO_PROMPTS = ("The ", "It is a truth universally acknowledged")
 
 def demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Path("runs/demo"),
          max_docs: int | None = None, max_chars_per_doc: int | None = None, overrides: list[str] | None = None,
-         progress: Progress = True, index_sequences: int | None = None,
+         progress: Progress = True, index_sequences: int | None = None, overwrite: bool = False,
          on_stage: StageFn = no_stages) -> DemoResult:
     """The whole pipeline on the built-in corpus: prepare data, train a small PRISM, sample, evaluate,
     index a sample of the training data and explain one generation.
@@ -112,6 +114,7 @@ def demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Pat
         overrides: Override a config field (repeatable).
         progress: Show progress bars.
         index_sequences: Training sequences to index (default 1024; 64 for the tiny preset).
+        overwrite: Replace an earlier run in --out (without it, such a folder is refused).
         on_stage: Called as ``on_stage(stage, i, n)`` when each of the n stages starts.
     """
     extra = list(overrides or [])
@@ -122,7 +125,7 @@ def demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Pat
     cfg = build_config(preset, None, extra, steps=steps, corpus="builtin")
     stages = 5 if cfg.model.is_prism else 3
     on_stage("train", 0, stages)
-    result = train_model(cfg, out, progress=progress)
+    result = train_model(cfg, out, progress=progress, overwrite=overwrite)
     run = Run.open(out, device="cpu")
     on_stage("sample", 1, stages)
     samples = [t for p in DEMO_PROMPTS for t in generate(run, p, tokens=40, samples=1, temperature=0.8, seed=0)]

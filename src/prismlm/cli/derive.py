@@ -21,7 +21,7 @@ from typing import Any
 import typer
 
 from prismlm.app.run import Run
-from prismlm.cli.console import fail
+from prismlm.cli.console import fail, progress_for
 from prismlm.errors import PrismError
 from prismlm.progress import Progress
 
@@ -147,6 +147,8 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
     groups: dict[str, tuple[type, list[str]]] = {}
     op_params = _params(op, skip, decls, positional, groups)
     op_names = {p.name for p in op_params}
+    op_hints = typing.get_type_hints(op)
+    progress_names = {n for n in op_names if op_hints.get(n) == Progress}  # --progress/--no-progress flags
     # a renderer option with the name of an operation option (e.g. --shards) is one option, given to both
     render_all = _params(render, {"run", _first_parameter(render)}, decls, set()) if render is not None else []
     render_names = {p.name for p in render_all}
@@ -164,6 +166,8 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
 
     def run_command(**kwargs: Any) -> None:
         op_kwargs = {**{k: v for k, v in kwargs.items() if k in op_names}, **fixed}
+        for n in progress_names:
+            op_kwargs[n] = progress_for(bool(op_kwargs[n]))
         for group, (cls, names) in groups.items():  # re-assemble config dataclasses (validated on construction)
             values = {n: op_kwargs.pop(n) for n in names}
             try:

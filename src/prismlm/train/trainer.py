@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from prismlm.artifacts import FileLock
 from prismlm.config import RunConfig
-from prismlm.errors import DataError
+from prismlm.errors import CheckpointError, DataError, RunError
 from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM
 from prismlm.progress import Progress, Reporter
@@ -112,15 +113,29 @@ def environment_info(info: DistInfo, device: torch.device, seed: int) -> dict[st
     }
 
 
+def _records(text: str) -> list[str]:
+    """The complete JSON lines of a metrics log; a torn line (a kill or a full disk mid-write) is dropped."""
+    out = []
+    for ln in text.splitlines():
+        try:
+            if ln.strip() and isinstance(json.loads(ln), dict):
+                out.append(ln)
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
 class MetricsLog:
-    """Append-only JSONL log; on resume, lines past the resumed step are dropped so the log stays exact."""
+    """Append-only JSONL log; on resume, lines past the resumed step (and torn lines) are dropped so the log
+    stays exact."""
 
     def __init__(self, path: Path, resume_step: int | None, enabled: bool):
         self.path, self.enabled = path, enabled
         if not enabled:
             return
         if resume_step is not None and path.exists():
-            kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            kept = [ln for ln in _records(path.read_text(errors="replace"))
+                    if json.loads(ln).get("step", 0) <= resume_step]
             path.write_text("".join(ln + "\n" for ln in kept))
         elif resume_step is None:
             path.write_text("")
@@ -139,11 +154,18 @@ def train(
     shards: ShardSet | None = None,
     progress: Progress = True,
     stop_after: int | None = None,
+    overwrite: bool = False,
+    extend_to: int | None = None,
 ) -> TrainResult:
     """Train ``cfg`` into ``out_dir``.
 
     ``shards``: a prepared ``ShardSet`` (else prepared from ``cfg.data``, once, by rank 0).
-    ``resume``: continue from ``out_dir``'s latest checkpoint (the config saved there is used).
+    ``resume``: continue from ``out_dir``'s latest checkpoint (the config saved there is used);
+    ``extend_to``: with ``resume``, train until this step (the schedule is stretched to it); a finished run
+    resumed without it is refused rather than silently doing nothing.
+    ``overwrite``: replace a run already in ``out_dir`` (otherwise refused: a run is never lost to a re-run).
+    A lock on ``out_dir/.lock`` refuses a second writer at once. A NaN/Inf loss stops training with
+    ``RunError``; the last good checkpoint stays.
     ``stop_after``: stop (with a checkpoint) after this many steps of *this* call — simulates an
     interruption in tests; the schedule still follows ``cfg.train.max_steps``.
     """
@@ -151,15 +173,32 @@ def train(
 
     out_dir = Path(out_dir)
     info, device = init_distributed(cfg.train.device)
+    lock = FileLock(out_dir / ".lock", f"run folder {out_dir}") if info.is_main else None
     try:
+        if lock is not None:
+            _check_run_folder(out_dir, resume=resume, overwrite=overwrite)
+            lock.acquire()
+            if overwrite and not resume:
+                _clear_run_folder(out_dir)
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         start_step, state = 0, None
         if resume:
-            ckpt = load_checkpoint(find_checkpoint(out_dir), device="cpu")
+            try:
+                ckpt = load_checkpoint(find_checkpoint(out_dir), device="cpu")
+            except CheckpointError as e:
+                raise CheckpointError(f"cannot resume {out_dir}: {e}", fix="start it without --resume") from e
             cfg = ckpt.config  # the run's own config; a resumed run never silently changes its recipe
             state = ckpt.trainer_state()
             start_step = int(state["step"])
+            if extend_to is not None:
+                if extend_to <= start_step:
+                    raise RunError(f"{out_dir} is already at step {start_step}; --steps {extend_to} would not "
+                                   "train further", fix=f"pass --steps greater than {start_step}")
+                cfg = cfg.override({"train.max_steps": extend_to})
+            elif start_step >= cfg.train.max_steps:
+                raise RunError(f"{out_dir} already finished its {cfg.train.max_steps} steps; nothing to resume",
+                               fix=f"pass --steps N (> {start_step}) with --resume to train further")
         # --- data: rank 0 prepares (or reuses) the shards; the others wait and load them
         if shards is None:
             if info.is_main:
@@ -173,6 +212,10 @@ def train(
             cfg = cfg.override({"model.vocab_size": vocab})
         if shards.train.num_sequences(cfg.model.block_size) < 1:
             raise DataError("the training split is shorter than one block; use more data or a smaller block_size")
+        if shards.val.num_sequences(cfg.model.block_size) < 1:  # refused now, not at the first evaluation
+            raise DataError(f"the validation split of {shards.root} holds {len(shards.val)} tokens, fewer than one "
+                            f"block of {cfg.model.block_size + 1}", fix="use a corpus with more documents, a larger "
+                            "--set data.val_fraction, or a smaller model.block_size")
 
         torch.manual_seed(cfg.train.seed)
         model = PrismLM(cfg.model).to(device)
@@ -257,6 +300,12 @@ def train(
                     terms_sum[name] = terms_sum.get(name, 0.0) + float(value.detach()) / tc.grad_accum
                 terms_sum["loss"] = terms_sum.get("loss", 0.0) + float(out.loss.detach()) / tc.grad_accum
                 tokens_since += x.numel() * info.world_size
+            if not math.isfinite(terms_sum["loss"]):  # diverged: stop before the optimizer spreads it
+                last = find_checkpoint(out_dir) if (out_dir / "checkpoints" / "latest").exists() else None
+                raise RunError(f"the training loss became {terms_sum['loss']} at step {step + 1} of {out_dir}"
+                               + (f"; the last good checkpoint is {last}" if last else "; no checkpoint was saved"),
+                               fix="lower train.lr (or raise train.warmup_steps / lower train.grad_clip) and "
+                                   "resume with --resume, or start again with --overwrite")
             grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip) if tc.grad_clip > 0
                          else torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
             optimizer.step()
@@ -287,7 +336,37 @@ def train(
         return TrainResult(run_dir=out_dir, checkpoint=ckpt_path or find_checkpoint(out_dir), step=final_step,
                            metrics=last_eval, model=model)
     finally:
+        if lock is not None:
+            lock.release()
         cleanup(info)
+
+
+_RUN_FILES = ("config.json", "env.json", "metrics.jsonl", "checkpoints")
+
+
+def _check_run_folder(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a new run in a folder that holds one, unless ``overwrite``; refuse to resume a
+    folder that does not exist (before the lock would create it)."""
+    if resume and not out_dir.exists():
+        raise CheckpointError(f"cannot resume {out_dir}: no such run", fix="start it without --resume")
+    if resume or overwrite or not out_dir.exists():
+        return
+    held = [name for name in _RUN_FILES if (out_dir / name).exists()]
+    if held:
+        raise RunError(f"{out_dir} already holds a run ({', '.join(held)})",
+                       fix="continue it with --resume, replace it with --overwrite, or choose another --out")
+
+
+def _clear_run_folder(out_dir: Path) -> None:
+    """``--overwrite``: remove the previous run's files (only those a run writes)."""
+    import shutil
+
+    for name in _RUN_FILES:
+        p = out_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
 
 
 def _format_eval(step: int, m: dict[str, float]) -> str:

@@ -1,0 +1,118 @@
+"""Runs that cannot be lost: re-runs refused, one writer per run folder, torn logs survived, resumes that
+do what they say, divergence stopped with the last good checkpoint kept, tiny validation splits refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from prismlm import RunConfig
+from prismlm.artifacts import FileLock
+from prismlm.errors import CheckpointError, DataError, RunError
+from prismlm.train import load_checkpoint, train
+
+
+def tiny_cfg(**over) -> RunConfig:
+    base = {"train.max_steps": 4, "train.eval_interval": 1000, "train.batch_size": 2, "train.warmup_steps": 1,
+            "train.log_interval": 1}
+    return RunConfig.from_name("tiny").override({**base, **over})
+
+
+def _snapshot(run):
+    return {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
+            and p.name != ".lock"}
+
+
+def test_a_rerun_is_refused_and_leaves_the_run_untouched(tiny_shards, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_cfg(), run, shards=tiny_shards, progress=False)
+    before = _snapshot(run)
+    with pytest.raises(RunError, match="already holds a run") as e:
+        train(tiny_cfg(**{"train.seed": 7}), run, shards=tiny_shards, progress=False)
+    assert "--resume" in str(e.value) and "--overwrite" in str(e.value)
+    assert _snapshot(run) == before
+    res = train(tiny_cfg(**{"train.seed": 7, "train.max_steps": 2}), run, shards=tiny_shards, progress=False,
+                overwrite=True)
+    assert res.step == 2 and sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000002"]
+    assert [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 2]
+
+
+def test_a_second_writer_is_refused_at_once(tiny_shards, tmp_path):
+    run = tmp_path / "run"
+    with FileLock(run / ".lock", f"run folder {run}"):  # another trainer holds the folder
+        with pytest.raises(RunError, match=r"being written by pid \d+"):
+            train(tiny_cfg(), run, shards=tiny_shards, progress=False)
+    train(tiny_cfg(), run, shards=tiny_shards, progress=False)  # released: now it can start
+
+
+def test_resume_survives_a_torn_metrics_line(tiny_shards, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_cfg(**{"train.ckpt_interval": 2}), run, shards=tiny_shards, progress=False, stop_after=2)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "train_lo')  # a kill or a full disk in the middle of a write
+    res = train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True)
+    assert res.step == 4
+    steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 4]
+
+
+def test_resume_extends_or_refuses_never_does_nothing(tiny_shards, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_cfg(), run, shards=tiny_shards, progress=False)
+    with pytest.raises(RunError, match="already finished its 4 steps"):
+        train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True)
+    with pytest.raises(RunError, match="already at step 4"):
+        train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True, extend_to=3)
+    res = train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True, extend_to=6)
+    assert res.step == 6 and load_checkpoint(run).config.train.max_steps == 6
+    with pytest.raises(CheckpointError, match="no such run"):
+        train(tiny_cfg(), tmp_path / "nothing", shards=tiny_shards, progress=False, resume=True)
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tiny_shards, tmp_path, monkeypatch):
+    from prismlm.model import losses
+
+    real, calls = losses.cross_entropy, {"n": 0}
+
+    def diverging(logits, targets, *a, **k):
+        calls["n"] += 1
+        out = real(logits, targets, *a, **k)
+        return out * float("nan") if calls["n"] > 3 else out  # finite for steps 1–3, NaN from step 4
+
+    monkeypatch.setattr(losses, "cross_entropy", diverging)
+    run = tmp_path / "run"
+    with pytest.raises(RunError, match="became nan at step 4") as e:
+        train(tiny_cfg(**{"train.max_steps": 6, "train.ckpt_interval": 2}), run, shards=tiny_shards, progress=False)
+    assert "step-000002" in str(e.value)
+    ckpt = load_checkpoint(run)
+    assert ckpt.manifest["step"] == 2
+    assert all(torch.isfinite(p).all() for p in ckpt.model.parameters())
+
+
+def test_a_validation_split_too_small_is_refused_before_training(tmp_path):
+    from prismlm.data.shards import prepare_shards
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):  # short documents: the one held out for validation is shorter than a block
+        (corpus / f"doc{i}.txt").write_text(f"Call me Ishmael, number {i}. Some years ago, never mind how long.")
+    shards = prepare_shards(str(corpus), "bpe-300", tmp_path / "shards", val_fraction=0.01, show_progress=False)
+    assert len(shards.val) < 65
+    with pytest.raises(DataError, match="validation split"):
+        train(tiny_cfg(), tmp_path / "run", shards=shards, progress=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_cli_refuses_a_rerun_in_one_line(tiny_shards, tmp_path):
+    from typer.testing import CliRunner
+
+    from prismlm.cli import app
+
+    run = tmp_path / "run"
+    train(tiny_cfg(), run, shards=tiny_shards, progress=False)
+    res = CliRunner().invoke(app, ["train", "--preset", "tiny", "--out", str(run), "--steps", "2"])
+    assert res.exit_code == 2 and "already holds a run" in res.output and "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) == 1
