@@ -116,3 +116,57 @@ def test_cli_refuses_a_rerun_in_one_line(tiny_shards, tmp_path):
     res = CliRunner().invoke(app, ["train", "--preset", "tiny", "--out", str(run), "--steps", "2"])
     assert res.exit_code == 2 and "already holds a run" in res.output and "Traceback" not in res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def _trained(tiny_shards, root):
+    run = root / "run"
+    train(tiny_cfg(), run, shards=tiny_shards, progress=False)
+    return run, load_checkpoint(run).path
+
+
+def test_flipped_weight_bytes_are_refused(tiny_shards, tmp_path):
+    from typer.testing import CliRunner
+
+    from prismlm.cli import app
+    from prismlm.errors import ArtifactCorrupt
+
+    run, ck = _trained(tiny_shards, tmp_path)
+    w = ck / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-100] ^= 0x40  # one bit of one weight
+    w.write_bytes(bytes(data))
+    with pytest.raises(ArtifactCorrupt, match="model.safetensors"):
+        load_checkpoint(run)
+    res = CliRunner().invoke(app, ["generate", str(run), "-n", "2"])
+    assert res.exit_code == 2 and "model.safetensors" in res.output and "Traceback" not in res.output
+
+
+def test_an_edited_config_or_a_cut_trainer_state_is_refused(tiny_shards, tmp_path):
+    from prismlm.errors import ArtifactCorrupt, ArtifactMismatch
+
+    run, ck = _trained(tiny_shards, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["model"]["prototypes"]["top_k"] = 8  # loads silently on old main (residual share 0.27 → 0.74)
+    (ck / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    with pytest.raises(ArtifactMismatch, match="config.json"):
+        load_checkpoint(run)
+    run2, ck2 = _trained(tiny_shards, tmp_path / "b")
+    st = ck2 / "trainer_state.pt"
+    st.write_bytes(st.read_bytes()[:-50])
+    with pytest.raises(ArtifactCorrupt, match="trainer_state.pt"):
+        train(tiny_cfg(), run2, shards=tiny_shards, progress=False, resume=True, extend_to=6)
+
+
+def test_prism_verify_checks_every_artifact(tiny_shards, tmp_path):
+    from typer.testing import CliRunner
+
+    from prismlm.cli import app
+
+    run, ck = _trained(tiny_shards, tmp_path)
+    res = CliRunner().invoke(app, ["verify", str(run), "--shards", str(tiny_shards.root)])
+    assert res.exit_code == 0, res.output
+    for f in ("model.safetensors", "trainer_state.pt", "config.json", "tokenizer/", "train.bin"):
+        assert f in res.output, f
+    (ck / "tokenizer" / "tokenizer.json").write_text("{}")
+    res = CliRunner().invoke(app, ["verify", str(run), "--shards", str(tiny_shards.root)])
+    assert res.exit_code == 2 and "tokenizer" in res.output and "Traceback" not in res.output

@@ -19,6 +19,7 @@ from prismlm.app.operations import (
                                     prototypes,
                                     sample_continuations,
                                     show_prototype,
+                                    verify_run,
 )
 from prismlm.app.run import Run, StageFn
 from prismlm.app.training import build_config, demo, prepare, train_from_options
@@ -26,4 +27,4 @@ from prismlm.app.training import build_config, demo, prepare, train_from_options
 __all__ = ["Run", "StageFn", "attribute_explanation", "attribute_text", "build_config", "build_run_cache",
            "build_run_index", "build_task_folders", "demo", "evaluate", "evaluate_tasks", "explain_text",
            "find_prototypes", "find_run_concept", "fit_controller", "generate", "label_prototypes",
-           "merge_index_parts", "prepare", "prototypes", "sample_continuations", "show_prototype", "train_from_options"]
+           "merge_index_parts", "prepare", "prototypes", "sample_continuations", "show_prototype", "train_from_options", "verify_run"]

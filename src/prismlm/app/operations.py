@@ -32,6 +32,7 @@ from prismlm.explain import (
 )
 from prismlm.model import PrismLM
 from prismlm.progress import Progress
+from prismlm.train.checkpoint import verify_checkpoint
 
 
 def parse_part(part: str) -> tuple[int, int]:
@@ -260,6 +261,47 @@ def explain_text(run: Run, prompt: str = "", *, generate: int = 0, index: Path |
     return expl
 
 
+# ----- verification ---------------------------------------------------------------------------------------
+@dataclass
+class VerifyReport:
+    """What ``verify_run`` checked (each file against its manifest), and what it could not find."""
+
+    checked: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+def verify_run(run: Run, *, shards: Path | None = None, index: Path | None = None,
+               cache: Path | None = None) -> VerifyReport:
+    """Check every artifact of a run against its manifest with full checksums: checkpoint files (weights,
+    trainer state, config, tokenizer), token shards, prototype index, attribution cache. A corrupt or
+    foreign one is refused with its file name and the command that rebuilds it.
+
+    Args:
+        shards: Token shard folder (default: the run's).
+        index: Index folder (default RUN/index if it exists).
+        cache: Attribution cache folder (default RUN/attribution-cache if it exists).
+    """
+    ckpt = run.checkpoint
+    checked = [str(ckpt.path / f) for f in verify_checkpoint(ckpt.path, ckpt.manifest, full=True)]
+    notes: list[str] = []
+    shard_set = run.shards(shards)
+    load_shards(shard_set.root, verify=True)  # sha256 of every shard file
+    checked.append(f"{shard_set.root} (train.bin, val.bin, offsets, tokenizer)")
+    idx = run.index(index) if run.model.is_prism else None
+    if idx is not None:
+        checked.append(str(idx.path))
+    else:
+        notes.append("no prototype index")
+    cache_dir = cache or run.folder / "attribution-cache"
+    if run.model.is_prism and (cache is not None or (cache_dir / "manifest.json").exists()):
+        checked.append(str(run.cache(cache, shards).path))
+    else:
+        notes.append("no attribution cache")
+    if run.suppression is not None:
+        checked.append(str(ckpt.path / "suppression.json"))
+    return VerifyReport(checked=checked, notes=notes)
+
+
 # ----- looking prototypes up -----------------------------------------------------------------------------
 @dataclass
 class PrototypeRow:
@@ -372,6 +414,6 @@ def prototypes(run: Run, *, search: str | None = None, token: str | None = None,
     return find_prototypes(run, search=search, token=token, index=index, shards=shards, limit=limit)
 
 
-__all__ = ["IndexResult", "LabelResult", "PrototypeListing", "PrototypeRow", "PrototypeView", "prototypes", "build_run_index", "evaluate",
+__all__ = ["VerifyReport", "verify_run", "IndexResult", "LabelResult", "PrototypeListing", "PrototypeRow", "PrototypeView", "prototypes", "build_run_index", "evaluate",
            "explain_text", "find_prototypes", "generate", "label_prototypes", "merge_index_parts",
            "parse_part", "sample_continuations", "show_prototype"]

@@ -18,7 +18,7 @@ from rich.table import Table
 from prismlm import app as ops
 from prismlm._version import __version__
 from prismlm.app.control import ConceptResult, ControllerResult
-from prismlm.app.operations import IndexResult, LabelResult, PrototypeListing, PrototypeView
+from prismlm.app.operations import IndexResult, LabelResult, PrototypeListing, PrototypeView, VerifyReport
 from prismlm.app.run import Run
 from prismlm.app.training import DemoResult
 from prismlm.cli.console import console, stdout
@@ -205,6 +205,17 @@ def render_prototypes(res: PrototypeListing | PrototypeView, run: Run) -> None:
 
 
 command(app, "prototypes", ops.prototypes, render_prototypes)
+
+
+def render_verify(res: VerifyReport) -> None:
+    for f in res.checked:
+        console.print(f"ok  {f}", markup=False, highlight=False, soft_wrap=True)
+    for n in res.notes:
+        console.print(f"[dim]{n}[/]")
+    console.print(f"verified {len(res.checked)} artifacts against their manifests")
+
+
+command(app, "verify", ops.verify_run, render_verify, suppressible=True)
 
 
 # ----- training-data attribution (spec §3.2) ------------------------------------------------------------

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_model, save_model
 
-from prismlm.artifacts import atomic_dir, atomic_write_text, provenance, sha256_file
+from prismlm.artifacts import atomic_dir, atomic_write_text, provenance, reading, sha256_file
 from prismlm.config import RunConfig
-from prismlm.errors import CheckpointError
+from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, CheckpointError
 from prismlm.model import PrismLM
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ def save_checkpoint(
             tokenizer.save(tmp / "tokenizer")
         if trainer_state is not None:
             torch.save(trainer_state, tmp / "trainer_state.pt")
+        files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {
             "kind": "prismlm-checkpoint",
             "step": step,
@@ -67,6 +69,7 @@ def save_checkpoint(
             "is_prism": model.is_prism,
             "num_parameters": model.num_parameters(),
             "data": {k: data_manifest.get(k) for k in ("key", "corpus", "tokenizer")} if data_manifest else None,
+            "files": files,
             **provenance(),
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -115,14 +118,51 @@ class Checkpoint:
         return torch.load(f, map_location=map_location, weights_only=False)
 
 
+# Files up to this size are hashed on every load; larger ones get a size check (and a full checksum with
+# `prism verify`). The weights are always hashed: their sha256 is the model's identity.
+VERIFY_ON_LOAD_BYTES = 64 << 20
+
+
+def verify_checkpoint(ckpt: Path, manifest: dict[str, Any], *, full: bool = False) -> list[str]:
+    """Check a checkpoint's files against its manifest: every recorded file present with its size; sha256
+    of the weights and of every file up to ``VERIFY_ON_LOAD_BYTES`` (all files with ``full``). Raises
+    ``ArtifactCorrupt`` (a file changed or truncated) or ``ArtifactMismatch`` (an edited config); returns
+    the files checked by hash. Checkpoints from before per-file records are checked by their weights."""
+    checked = []
+    weights = ckpt / "model.safetensors"
+    if manifest.get("model_sha256") and sha256_file(weights) != manifest["model_sha256"]:
+        raise ArtifactCorrupt(f"{weights} does not match the sha256 recorded in {ckpt / 'manifest.json'}: "
+                              "the weights are corrupt", fix="restore the file or use an earlier checkpoint",
+                              path=weights)
+    checked.append("model.safetensors")
+    for rel, rec in (manifest.get("files") or {}).items():
+        f = ckpt / rel
+        if rel == "model.safetensors":
+            continue
+        if not f.is_file():
+            raise ArtifactCorrupt(f"checkpoint {ckpt} is incomplete: {rel} is missing", path=f)
+        if f.stat().st_size != rec["bytes"] or ((full or rec["bytes"] <= VERIFY_ON_LOAD_BYTES)
+                                                 and sha256_file(f) != rec["sha256"]):
+            kind = ArtifactMismatch if rel == "config.json" else ArtifactCorrupt
+            raise kind(f"{f} was changed after the checkpoint was saved (its size or sha256 differs from "
+                       f"{ckpt / 'manifest.json'})", fix="restore the file, or retrain to change the recipe",
+                       path=f)
+        if full or rec["bytes"] <= VERIFY_ON_LOAD_BYTES:
+            checked.append(rel)
+    return checked
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
-    """Load a model (and its tokenizer) from a run folder or checkpoint folder."""
+    """Load a model (and its tokenizer) from a run folder or checkpoint folder, verified against its
+    manifest (``verify_checkpoint``)."""
     ckpt = find_checkpoint(path)
     for required in ("config.json", "manifest.json"):
         if not (ckpt / required).exists():
             raise CheckpointError(f"checkpoint {ckpt} is incomplete: {required} is missing")
+    with reading(ckpt / "manifest.json", "checkpoint manifest"):
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+    verify_checkpoint(ckpt, manifest)
     cfg = RunConfig.from_json(ckpt / "config.json")
-    manifest = json.loads((ckpt / "manifest.json").read_text())
     model = PrismLM(cfg.model)
     missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=False, device=str(device))
     if missing or unexpected:
