@@ -170,3 +170,29 @@ def test_prism_verify_checks_every_artifact(tiny_shards, tmp_path):
     (ck / "tokenizer" / "tokenizer.json").write_text("{}")
     res = CliRunner().invoke(app, ["verify", str(run), "--shards", str(tiny_shards.root)])
     assert res.exit_code == 2 and "tokenizer" in res.output and "Traceback" not in res.output
+
+
+def test_concurrent_preparation_yields_identical_verified_shards(tmp_path):
+    """Two processes preparing the same corpus into one folder: one builds, the other waits and reuses;
+    both end with the same shards, verified by checksum, and no temp files are left."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from prismlm.data.shards import prepare_shards, load_shards; "
+            "s = prepare_shards('builtin', 'bpe-300', sys.argv[1], max_docs=25, max_chars_per_doc=3000, "
+            "show_progress=False); load_shards(s.root, verify=True); "
+            "print(json.dumps({'key': s.manifest['key'], 'sha': s.manifest['splits']['train']['sha256'], "
+            "'reused': s.reused}))")
+    out = tmp_path / "shards"
+    env = {**os.environ, "PRISM_DATA": str(tmp_path / "data")}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-2000:]
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert results[0]["key"] == results[1]["key"] and results[0]["sha"] == results[1]["sha"]
+    assert sorted(r["reused"] for r in results) == [False, True]  # one built, the other reused
+    assert not list(out.glob("*.tmp"))

@@ -94,8 +94,8 @@ class FileLock:
     dies — so a crashed writer never leaves a stale lock. The holder writes its pid, host and start time
     into the file so that a refused second writer can say who holds it."""
 
-    def __init__(self, path: str | Path, what: str) -> None:
-        self.path, self.what = Path(path), what
+    def __init__(self, path: str | Path, what: str, *, wait: bool = False) -> None:
+        self.path, self.what, self.wait = Path(path), what, wait
         self._fd: int | None = None
 
     def acquire(self) -> FileLock:
@@ -107,7 +107,8 @@ class FileLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # wait=True: block until the holder is done (e.g. another process preparing the same shards)
+            fcntl.flock(fd, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raw = os.read(fd, 4096).decode("utf-8", "replace").strip()
             os.close(fd)

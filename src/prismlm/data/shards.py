@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from prismlm.artifacts import atomic_write_text, sha256_file
+from prismlm.artifacts import FileLock, atomic_write_text, sha256_file
 from prismlm.data.corpus import Document, _package_version, corpus_fingerprint, iter_documents, split_hash
 from prismlm.data.tokenizer import Tokenizer, _describe, resolve_tokenizer, token_dtype
 from prismlm.errors import ConfigError, CorpusError, ShardError
@@ -175,7 +175,7 @@ class _SplitWriter:
 
     def __init__(self, root: Path, split: str, dtype: np.dtype) -> None:
         self.root, self.split, self.dtype = root, split, dtype
-        self.tmp = root / f"{split}.bin.tmp"
+        self.tmp = root / f"{split}.bin.{os.getpid()}.tmp"  # unique per process
         self.f: BinaryIO = open(self.tmp, "wb")
         self.sha = hashlib.sha256()
         self.offsets: list[int] = [0]
@@ -275,20 +275,54 @@ def prepare_shards(
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_data_dir()
     root = Path(out_dir) if out_dir is not None else cache / f"{_slug(corpus)}-{key[:12]}"
     mpath = root / "manifest.json"
-    if mpath.exists():
+    done = _reuse(root, key)
+    if done is not None:
+        return done
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ShardError(f"cannot create the shard folder {root}: {e}", fix="pass --out to a writable folder "
+                         "or set PRISM_DATA") from e
+    # One writer per shard folder: a second process preparing the same key waits here, then reuses the
+    # shards the first one finished (the manifest is written last, so it marks them complete).
+    with FileLock(root / ".lock", f"shard folder {root}", wait=True):
+        done = _reuse(root, key)
+        if done is not None:
+            return done
+        mpath.unlink(missing_ok=True)  # a crash mid-rebuild must not leave a stale "complete" marker
         try:
-            old = json.loads(mpath.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            old = {}
-        if old.get("key") == key:
-            try:
-                ss = load_shards(root)
-                ss.reused = True
-                return ss
-            except ShardError:
-                pass  # incomplete or damaged: rebuild below
-    root.mkdir(parents=True, exist_ok=True)
-    mpath.unlink(missing_ok=True)  # a crash mid-rebuild must not leave a stale "complete" marker
+            return _build(root, key, corpus, tokenizer, fp, opts, val_fraction, seed, text_field, max_docs,
+                          max_chars_per_doc, show_progress)
+        except BaseException:
+            for tmp in root.glob("*.tmp"):  # a failed build leaves no half-written files behind
+                tmp.unlink(missing_ok=True)
+            raise
+
+
+def _reuse(root: Path, key: str) -> ShardSet | None:
+    """The complete shards at ``root`` if their manifest has ``key``; None if absent, another key, or damaged."""
+    mpath = root / "manifest.json"
+    if not mpath.exists():
+        return None
+    try:
+        old = json.loads(mpath.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if old.get("key") != key:
+        return None
+    try:
+        ss = load_shards(root)
+    except ShardError:
+        return None  # incomplete or damaged: rebuild
+    ss.reused = True
+    return ss
+
+
+def _build(root: Path, key: str, corpus: str, tokenizer: str, fp: str, opts: dict[str, Any], val_fraction: float,
+           seed: int, text_field: str, max_docs: int | None, max_chars_per_doc: int | None,
+           show_progress: Progress) -> ShardSet:
+    """Tokenize the corpus into ``root`` (holding its lock); the manifest is written last."""
+    mpath = root / "manifest.json"
 
     def docs() -> Iterator[Document]:
         return iter_documents(corpus, text_field=text_field, max_docs=max_docs,
