@@ -220,3 +220,43 @@ def test_suppress_is_offered_only_where_it_is_applied(tiny_run, tmp_path):
     shown = {p["id"] for pos in json.loads(sup.read_text())["positions"] for p in pos["prototypes"]
              if p.get("slice", 1.0) != 0.0}
     assert not shown & set(used[:3])
+
+
+@pytest.mark.parametrize("ids", [[1.7], ["5"], [True], None, [[1, 2]]])
+def test_malformed_suppression_ids_are_refused(tiny_run, tmp_path, ids):
+    (tmp_path / "s.json").write_text(json.dumps({"kind": "prismlm-suppression", "format_version": 1, "ids": ids,
+                                                 "num_prototypes": 64}))
+    res = _run("generate", str(tiny_run), "-n", "2", "--suppress", str(tmp_path / "s.json"))
+    assert res.exit_code == 2 and "ids must be a list of integers" in res.output and "Traceback" not in res.output
+
+
+def test_text_that_is_not_valid_unicode_is_handled_everywhere(tiny_run, tiny_shards, tmp_path):
+    """Lone surrogates (what Python makes of undecodable argv bytes) go through generate, explain and
+    attribute instead of crashing; other odd strings too."""
+    from prismlm import app as ops
+    from prismlm.app import Run
+
+    run = Run.open(tiny_run, device="cpu", suppress="none")
+    texts = ["\ud800", "a\udcffb", "\x00\x01", "é\u200b\U0001f600", "", " " * 300, "\ufffd" * 5]
+    for t in texts:
+        assert ops.generate(run, t, tokens=2)[0].startswith(t)
+        expl = ops.explain_text(run, t, use_index=False)
+        assert expl.positions
+    ops.build_run_cache(run, ops.attribution.AttributionConfig(r=4, max_sequences=8, batch_size=4),
+                        out=tmp_path / "cache", shards=tiny_shards.root, progress=False)
+    res = ops.attribute_text(run, "The \udcff sea", cache=tmp_path / "cache", shards=tiny_shards.root, top=2)
+    assert res.top
+    out = _run("explain", str(tiny_run), "lone \udcff surrogate", "--no-index")
+    assert out.exit_code == 0, out.output
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["generate", "--samples", "0"], "--samples"),
+    (["generate", "--temperature", "nan"], "--temperature"),
+    (["generate", "-n", "-1"], "--tokens"),
+    (["explain", "x", "--generate", "-5", "--no-index"], "--generate must be >= 0"),
+    (["explain", "x", "--generate", "1000000", "--no-index"], "--generate"),
+])
+def test_numeric_options_are_range_checked(tiny_run, args, expected):
+    res = _run(args[0], str(tiny_run), *args[1:])
+    assert res.exit_code == 2 and expected in res.output and "Traceback" not in res.output, res.output

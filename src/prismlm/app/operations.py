@@ -7,6 +7,7 @@ Each ``prism`` command is one of these plain functions (or one in ``app.attribut
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,12 +47,15 @@ def parse_part(part: str) -> tuple[int, int]:
     return i, n
 
 
-def check_sampling(tokens: int, temperature: float, top_k: int | None, samples: int = 1) -> None:
+def check_sampling(tokens: int, temperature: float, top_k: int | None, samples: int = 1,
+                   tokens_flag: str = "--tokens") -> None:
     """``ConfigError`` naming the option for sampling settings that cannot work."""
-    if tokens < 0 or samples < 1:
-        raise ConfigError(f"--tokens must be >= 0 and --samples >= 1, got {tokens} and {samples}")
-    if temperature < 0:
-        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    if tokens < 0:
+        raise ConfigError(f"{tokens_flag} must be >= 0, got {tokens}")
+    if samples < 1:
+        raise ConfigError(f"--samples must be >= 1, got {samples}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"--temperature must be a finite number >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k must be >= 1 (or omitted for the whole vocabulary), got {top_k}")
 
@@ -246,7 +250,10 @@ def explain_text(run: Run, prompt: str = "", *, generate: int = 0, index: Path |
         neighbours: Training snippets per prototype card.
     """
     model = run.prism_model("an explanation")
-    check_sampling(generate, temperature, top_k)
+    check_sampling(generate, temperature, top_k, tokens_flag="--generate")
+    if generate > model.config.block_size:  # one explanation covers one context window
+        raise ConfigError(f"--generate must be at most the context window ({model.config.block_size} tokens), "
+                          f"got {generate}")
     tokenizer = run.tokenizer
     idx = run.index(index, shards) if use_index else None
     with run.intervened():  # a suppressed or controlled run is explained as it predicts (decompose stays exact)

@@ -53,6 +53,13 @@ class SuppressionSet:
     """How the set was chosen (method, budget/threshold, text counts…)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ids, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int)
+                                                          for i in self.ids):
+            raise SuppressionError(f"suppression set ids must be a list of integers, got {self.ids!r:.80}")
+        if isinstance(self.num_prototypes, bool) or not isinstance(self.num_prototypes, int) \
+                or self.num_prototypes < 1:
+            raise SuppressionError(f"suppression set num_prototypes must be a positive integer, "
+                                   f"got {self.num_prototypes!r}")
         ids = [int(i) for i in self.ids]
         bad = sorted({i for i in ids if not 0 <= i < self.num_prototypes})
         if bad:
@@ -108,6 +115,9 @@ class SuppressionSet:
                                    f"expected {KIND!r}); make one with `prism concept`")
         if d.get("format_version") != FORMAT_VERSION:
             raise SuppressionError(f"{path}: format_version {d.get('format_version')!r}, expected {FORMAT_VERSION}")
+        missing = [k for k in ("ids", "num_prototypes") if k not in d]
+        if missing:
+            raise SuppressionError(f"{path} lacks {', '.join(missing)}; make the set with `prism concept`")
         return cls(ids=d["ids"], num_prototypes=d["num_prototypes"], model_sha256=d.get("model_sha256"),
                    concept=d.get("concept"), evidence=d.get("evidence", {}), meta=d.get("meta", {}))
 

@@ -51,6 +51,18 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
+def clean_text(text: str) -> str:
+    """``text`` with every lone surrogate (not valid Unicode; Python makes them from undecodable bytes with
+    ``surrogateescape``) replaced by U+FFFD, so it can be encoded as UTF-8."""
+    if not isinstance(text, str):
+        raise TokenizerError(f"expected text (str), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus a name and the end-of-text id.
 
@@ -81,15 +93,17 @@ class Tokenizer:
         return token_dtype(self.vocab_size)
 
     def encode(self, text: str) -> list[int]:
-        """Ids of ``text``, without any BOS/EOS a post-processor would add."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Ids of ``text``, without any BOS/EOS a post-processor would add. Text that is not valid Unicode
+        (lone surrogates, e.g. undecodable bytes of a command-line argument) is encoded with U+FFFD in their
+        place rather than failing."""
+        return self._tok.encode(clean_text(text), add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encode many texts in parallel (Rust threads in ``tokenizers``)."""
         if not texts:
             return []
         fast = getattr(self._tok, "encode_batch_fast", None)  # no offsets: faster, tokenizers>=0.20
-        encs = (fast or self._tok.encode_batch)(list(texts), add_special_tokens=False)
+        encs = (fast or self._tok.encode_batch)([clean_text(t) for t in texts], add_special_tokens=False)
         return [e.ids for e in encs]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
