@@ -196,3 +196,49 @@ def test_concurrent_preparation_yields_identical_verified_shards(tmp_path):
     assert results[0]["key"] == results[1]["key"] and results[0]["sha"] == results[1]["sha"]
     assert sorted(r["reused"] for r in results) == [False, True]  # one built, the other reused
     assert not list(out.glob("*.tmp"))
+
+
+def test_a_kill_while_resaving_a_step_loses_nothing(tiny_shards, tmp_path):
+    """Re-saving a step moves the live checkpoint aside only once its replacement is complete; a kill
+    between the two renames leaves `step-N.old`, which loading and the next save recover."""
+    import os
+
+    from prismlm.artifacts import atomic_dir
+
+    run, ck = _trained(tiny_shards, tmp_path)
+    os.replace(ck, ck.with_name(ck.name + ".old"))  # the state a kill between the renames leaves
+    assert load_checkpoint(run).path.name == ck.name + ".old"
+    with atomic_dir(ck) as stage:  # the next save of that step puts the live copy back first
+        assert ck.exists() and stage.exists()
+        (stage / "x").write_text("new")
+    assert (ck / "x").exists() and not ck.with_name(ck.name + ".old").exists()
+
+
+def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    import os
+
+    from prismlm.artifacts import atomic_write_text
+
+    target = tmp_path / "m.json"
+    atomic_write_text(target, "old")
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        atomic_write_text(target, "new")
+    assert target.read_text() == "old" and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_full_disk_while_checkpointing_is_one_line(tiny_shards, tmp_path, monkeypatch):
+    import errno
+
+    import prismlm.train.trainer as trainer_mod
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "checkpoints"))
+
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", full)
+    with pytest.raises(RunError, match="No space left on device"):
+        train(tiny_cfg(), tmp_path / "run", shards=tiny_shards, progress=False)

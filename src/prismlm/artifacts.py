@@ -40,11 +40,19 @@ def _tmp(path: Path, suffix: str = ".tmp") -> Path:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` through ``<path>.tmp`` renamed into place; returns ``path``."""
+    """Write ``data`` to ``path`` through ``<path>.tmp`` (flushed to disk) renamed into place; a failed write
+    (a full disk) removes the temp file and leaves ``path`` as it was. Returns ``path``."""
     path = Path(path)
     tmp = _tmp(path)
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -62,6 +70,8 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     is ``<out>.old`` removed; on an exception the stage is removed and ``out`` is left untouched."""
     path = Path(path)
     stage, old = _tmp(path), _tmp(path, ".old")
+    if old.exists() and not path.exists():  # a crash between the two renames below: put the live one back
+        os.replace(old, path)
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:

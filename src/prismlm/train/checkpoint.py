@@ -93,6 +93,9 @@ def find_checkpoint(path: str | Path) -> Path:
             ckpt = root / latest.read_text().strip()
             if (ckpt / "model.safetensors").exists():
                 return ckpt
+            previous = ckpt.with_name(ckpt.name + ".old")  # killed while re-saving this step: the live copy
+            if (previous / "model.safetensors").exists():
+                return previous
             raise CheckpointError(f"{latest} points to {ckpt.name}, which is missing or incomplete")
     raise CheckpointError(f"{path} holds no checkpoint (expected model.safetensors or checkpoints/latest)")
 

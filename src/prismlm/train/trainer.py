@@ -9,6 +9,7 @@ bit-for-bit where the run stopped (weights, optimizer, RNG, data position).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import platform
@@ -335,12 +336,18 @@ def train(
         ckpt_path = do_checkpoint(final_step)
         return TrainResult(run_dir=out_dir, checkpoint=ckpt_path or find_checkpoint(out_dir), step=final_step,
                            metrics=last_eval, model=model)
+    except OSError as e:
+        if e.errno in _WRITE_ERRORS:  # read-only folder, no permission, full disk: the user's to fix
+            raise RunError(f"cannot write {e.filename or out_dir}: {e.strerror}",
+                           fix="free disk space or choose a writable --out; resume later with --resume") from e
+        raise
     finally:
         if lock is not None:
             lock.release()
         cleanup(info)
 
 
+_WRITE_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
 _RUN_FILES = ("config.json", "env.json", "metrics.jsonl", "checkpoints")
 
 
