@@ -348,3 +348,50 @@ def test_tiny_corpus_gets_val_doc_and_default_dir(tmp_path: Path, monkeypatch: p
     ss1 = prepare_shards(str(d), "gpt2", val_fraction=1.0, show_progress=False)
     assert ss1.train.num_docs == 1 and ss1.val.num_docs == 0 and len(ss1.val) == 0
     assert ss1.val.num_sequences(8) == 0
+
+
+def test_long_documents_encode_in_pieces_with_the_same_ids():
+    """Cutting a long text at `text_pieces` boundaries gives exactly the ids of encoding it whole, for the
+    real GPT-2 BPE and a trained byte-level BPE; double spaces, newlines and a space-less run included."""
+    import random
+
+    import numpy as np
+
+    from prismlm.data.shards import encode_documents, text_pieces
+    from prismlm.data.tokenizer import resolve_tokenizer, train_bpe
+
+    rng = random.Random(0)
+    words = ["the", "sea", "  was", "calm,", "\n\nand", "ship's", "x" * 300, "é", "42", "\t"]
+    text = " ".join(rng.choice(words) for _ in range(6000))
+    pieces = text_pieces(text, size=997)
+    assert len(pieces) > 10 and "".join(pieces) == text
+    for tok in (resolve_tokenizer("gpt2"), train_bpe([text[:20000]], 300, show_progress=False)):
+        whole = tok.encode(text)
+        got = [ids for p in pieces for ids in tok.encode(p)]
+        assert got == whole
+        (arr,) = encode_documents(tok, [text], np.dtype(np.uint16))
+        assert arr.tolist() == whole
+
+
+def test_preparing_a_50mb_one_line_corpus_stays_under_1gb(tmp_path):
+    """A memory ceiling, not a timing: peak RSS of the preparing process (≈250 MB of it is torch + Python)."""
+    import random
+    import subprocess
+    import sys
+
+    rng = random.Random(0)
+    words = ["the", "sea", "was", "calm", "and", "ship", "sailed", "under", "a", "grey", "sky", "whale"]
+    f = tmp_path / "one-line.txt"
+    with open(f, "w") as out:
+        for _ in range(50):
+            out.write(" ".join(rng.choice(words) for _ in range(230_000)) + " ")
+    assert f.stat().st_size > 50e6 and b"\n" not in f.read_bytes()[:1_000_000]
+    proc = subprocess.run([sys.executable, "-c",
+                           "import sys, resource; from prismlm.data.shards import prepare_shards; "
+                           "s = prepare_shards(sys.argv[1], 'gpt2', sys.argv[2], show_progress=False); "
+                           "print(len(s.train), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
+                           str(f), str(tmp_path / "shards")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tokens, peak_kb = (int(x) for x in proc.stdout.split())
+    assert tokens > 10_000_000
+    assert peak_kb < 1024 * 1024, f"peak RSS {peak_kb / 1024:.0f} MB"

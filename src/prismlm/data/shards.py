@@ -245,6 +245,55 @@ def _batches(docs: Iterator[Document]) -> Iterator[list[Document]]:
         yield batch
 
 
+# Why 256 K characters: the tokenizer's working memory grows with the length of one input (a 9.6 MB
+# one-line document peaked at 1.3 GB); pieces of this size keep it small, and there are few enough of them
+# that the per-call overhead does not matter.
+PIECE_CHARS = 1 << 18
+
+
+def text_pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
+    """``text`` cut into pieces of about ``size`` characters, each cut just before a single space that
+    follows a non-space character and precedes one — a boundary where byte-level (GPT-2-style) and
+    Metaspace pre-tokenizers already split, so encoding the pieces gives the same ids as the whole text.
+    Text with no such space in a window is cut at the window (the rare case of a megabyte without spaces)."""
+    if len(text) <= size:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > size:
+        cut = start + size
+        while cut > start and not (text[cut] == " " and not text[cut - 1].isspace()
+                                   and cut + 1 < len(text) and not text[cut + 1].isspace()):
+            cut -= 1
+        if cut == start:
+            cut = start + size
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def encode_documents(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> list[np.ndarray]:
+    """Token ids of each text as a ``dtype`` array; long texts are encoded in pieces (``text_pieces``), a few
+    pieces per call, and each piece's ids become an array at once, so memory stays bounded whatever the
+    length of one document (Python int lists cost ~36 bytes a token)."""
+    pieces = [text_pieces(t) for t in texts]
+    flat: list[np.ndarray] = []
+    call: list[str] = []
+    chars = 0
+    for piece in (p for ps in pieces for p in ps):  # calls of at most ~2 pieces' worth of characters
+        if call and chars + len(piece) > 2 * PIECE_CHARS:
+            flat.extend(np.asarray(ids, dtype=dtype) for ids in tok.encode_batch(call))
+            call, chars = [], 0
+        call.append(piece)
+        chars += len(piece)
+    flat.extend(np.asarray(ids, dtype=dtype) for ids in tok.encode_batch(call))
+    out, i = [], 0
+    for ps in pieces:
+        out.append(flat[i] if len(ps) == 1 else np.concatenate(flat[i:i + len(ps)]))
+        i += len(ps)
+    return out
+
+
 def prepare_shards(
     corpus: str = "builtin",
     tokenizer: str = "bpe-8192",
@@ -331,7 +380,7 @@ def _build(root: Path, key: str, corpus: str, tokenizer: str, fp: str, opts: dic
     def train_texts() -> Iterator[str]:
         for d in docs():
             if split_hash(d.id, seed) >= val_fraction:
-                yield d.text
+                yield from text_pieces(d.text)  # a huge one-line document, in bounded pieces
 
     t0 = time.perf_counter()
     tok = resolve_tokenizer(tokenizer, train_texts, show_progress=show_progress is True)
@@ -345,7 +394,7 @@ def _build(root: Path, key: str, corpus: str, tokenizer: str, fp: str, opts: dic
     bar = Reporter(show_progress, f"tokenize {corpus}", unit="doc")
     try:
         for batch in _batches(docs()):
-            encoded = tok.encode_batch([d.text for d in batch])
+            encoded = encode_documents(tok, [d.text for d in batch], dtype)
             for split in SPLITS:
                 sel = [i for i, d in enumerate(batch)
                        if (split_hash(d.id, seed) < val_fraction) == (split == "val")]
