@@ -242,3 +242,46 @@ def test_a_full_disk_while_checkpointing_is_one_line(tiny_shards, tmp_path, monk
     monkeypatch.setattr(trainer_mod, "save_checkpoint", full)
     with pytest.raises(RunError, match="No space left on device"):
         train(tiny_cfg(), tmp_path / "run", shards=tiny_shards, progress=False)
+
+
+def test_flipped_index_and_cache_bytes_are_refused_by_name(tiny_shards, tmp_path):
+    """A flipped similarity in the index (old main showed 4.9e25) or a flipped sketch in the cache (old main
+    changed results silently) is refused on load, naming the file and the rebuild command."""
+    from prismlm.config import AttributionConfig
+    from prismlm.errors import ArtifactCorrupt
+    from prismlm.explain import PrototypeIndex, build_index
+    from prismlm.tda import AttributionCache, build_cache
+
+    run, _ = _trained(tiny_shards, tmp_path)
+    model = load_checkpoint(run).model
+    build_index(model, tiny_shards, top_n=4, max_sequences=8, batch_size=4, out=run / "index", progress=False)
+    build_cache(model, tiny_shards, AttributionConfig(r=4, max_sequences=8, batch_size=4), out=run / "cache")
+    PrototypeIndex.load(run / "index")
+    AttributionCache.load(run / "cache")
+    for path in (run / "index" / "index.safetensors", run / "cache" / "sketch.npy"):
+        data = bytearray(path.read_bytes())
+        data[-7] ^= 0x10
+        path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactCorrupt, match=r"index\.safetensors.*prism index"):
+        PrototypeIndex.load(run / "index")
+    with pytest.raises(ArtifactCorrupt, match=r"sketch\.npy.*prism attribute-cache"):
+        AttributionCache.load(run / "cache")
+
+
+def test_large_files_get_a_sampled_check_on_load_and_a_full_one_on_verify(tmp_path, monkeypatch):
+    import prismlm.artifacts as artifacts
+    from prismlm.errors import ArtifactCorrupt
+
+    f = tmp_path / "big.bin"
+    f.write_bytes(bytes(range(256)) * 40_000)  # 10 MB
+    rec = artifacts.file_records(tmp_path, ["big.bin"])
+    monkeypatch.setattr(artifacts, "VERIFY_ON_LOAD_BYTES", 1 << 20)  # treat it as large
+    data = bytearray(f.read_bytes())
+    data[5_000_000] ^= 1  # between the sampled blocks: the cheap check cannot see it …
+    f.write_bytes(bytes(data))
+    assert artifacts.verify_files(tmp_path, rec, what="test", fix="-") == ["big.bin"]
+    with pytest.raises(ArtifactCorrupt):  # … the full one can
+        artifacts.verify_files(tmp_path, rec, what="test", fix="-", full=True)
+    f.write_bytes(bytes(data[:-1]))  # a truncation is caught by the size
+    with pytest.raises(ArtifactCorrupt, match="big.bin"):
+        artifacts.verify_files(tmp_path, rec, what="test", fix="-")

@@ -159,6 +159,58 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+# Files up to this size are hashed whole on every load; larger ones get their size and a sampled hash (64
+# blocks of 64 KiB spread over the file, ~4 MiB read) on load, and a full sha256 with `prism verify`.
+VERIFY_ON_LOAD_BYTES = 64 << 20
+_SAMPLE_BLOCK, _SAMPLE_BLOCKS = 1 << 16, 64
+
+
+def sampled_sha256(path: str | Path) -> str:
+    """sha256 of 64 blocks of 64 KiB at evenly spread offsets (plus the size): a cheap check that catches
+    truncation, zeroed regions and most overwrites of a large file without reading all of it."""
+    path = Path(path)
+    n = path.stat().st_size
+    h = hashlib.sha256(str(n).encode())
+    with open(path, "rb") as f:
+        for k in range(_SAMPLE_BLOCKS):
+            f.seek(max(0, (n - _SAMPLE_BLOCK) * k // max(1, _SAMPLE_BLOCKS - 1)))
+            h.update(f.read(_SAMPLE_BLOCK))
+    return h.hexdigest()
+
+
+def file_records(folder: str | Path, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Size, sha256 and sampled sha256 of files in ``folder`` (``names``, or every file but manifest.json):
+    what a manifest records so that loading can verify them."""
+    folder = Path(folder)
+    paths = [folder / n for n in names] if names is not None else \
+        [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "manifest.json"]
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p),
+                                               "sample_sha256": sampled_sha256(p)} for p in paths}
+
+
+def verify_files(folder: str | Path, records: dict[str, dict[str, Any]] | None, *, what: str, fix: str,
+                 full: bool = False, skip: tuple[str, ...] = ()) -> list[str]:
+    """Check files against their ``file_records``: present, same size; the full sha256 for files up to
+    ``VERIFY_ON_LOAD_BYTES`` (all with ``full``), the sampled one for larger files. ``ArtifactCorrupt``
+    naming the file and ``fix`` otherwise. Returns the names checked. No records (an artifact written
+    before they existed): nothing to check."""
+    folder = Path(folder)
+    checked = []
+    for rel, rec in (records or {}).items():
+        if rel in skip:
+            continue
+        f = folder / rel
+        if not f.is_file():
+            raise ArtifactCorrupt(f"{what} {folder} is incomplete: {rel} is missing", fix=fix, path=f)
+        whole = full or rec["bytes"] <= VERIFY_ON_LOAD_BYTES
+        if f.stat().st_size != rec["bytes"] or (sha256_file(f) != rec["sha256"] if whole
+                                                 else sampled_sha256(f) != rec.get("sample_sha256", "")):
+            raise ArtifactCorrupt(f"{f} was changed after the {what} was written (its size or sha256 differs "
+                                  f"from {folder / 'manifest.json'})", fix=fix, path=f)
+        checked.append(rel)
+    return checked
+
+
 def model_identity(model: torch.nn.Module) -> str:
     """``weights:<sha256 of the state dict>`` — what ties an artifact to a model passed without its
     checkpoint (stable for equal weights, but not equal to a checkpoint's ``model_sha256``, the hash of

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from prismlm.app.run import Run
+from prismlm.artifacts import verify_files
 from prismlm.data.shards import load_shards
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ConfigError, DataError, PrismError
@@ -295,13 +296,18 @@ def verify_run(run: Run, *, shards: Path | None = None, index: Path | None = Non
     load_shards(shard_set.root, verify=True)  # sha256 of every shard file
     checked.append(f"{shard_set.root} (train.bin, val.bin, offsets, tokenizer)")
     idx = run.index(index) if run.model.is_prism else None
-    if idx is not None:
+    if idx is not None and idx.path is not None:
+        verify_files(idx.path, idx.manifest.get("files"), what="prototype index", fix="prism index RUN", full=True)
         checked.append(str(idx.path))
     else:
         notes.append("no prototype index")
     cache_dir = cache or run.folder / "attribution-cache"
     if run.model.is_prism and (cache is not None or (cache_dir / "manifest.json").exists()):
-        checked.append(str(run.cache(cache, shards).path))
+        c = run.cache(cache, shards)
+        assert c.path is not None  # a cache opened from a folder knows it
+        verify_files(c.path, c.manifest.get("files"), what="attribution cache", fix="prism attribute-cache RUN",
+                     full=True)
+        checked.append(str(c.path))
     else:
         notes.append("no attribution cache")
     if run.suppression is not None:

@@ -55,12 +55,14 @@ from safetensors.torch import load_file, save_file
 from prismlm.artifacts import (
     atomic_dir,
     check_provenance,
+    file_records,
     merge_ranges,
     model_identity,
     overlap,
     part_range,
     provenance,
     reading,
+    verify_files,
 )
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
 from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
@@ -273,6 +275,7 @@ class PrototypeIndex:
             save_file({"top_sim": self.top_sim.contiguous(), "top_offset": self.top_offset.contiguous(),
                        "counts": self.counts.contiguous(), "act_sum": self.act_sum.contiguous(),
                        "hist": self.hist.contiguous()}, str(tmp / TENSORS_FILE))
+            manifest["files"] = file_records(tmp, [TENSORS_FILE])
             (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
             if (path / LABELS_FILE).exists():
                 shutil.copy2(path / LABELS_FILE, tmp / LABELS_FILE)
@@ -296,6 +299,7 @@ class PrototypeIndex:
         if manifest.get("format_version") != FORMAT_VERSION:
             raise ArtifactError(f"{path}: index format {manifest.get('format_version')!r}, this prismlm reads "
                               f"{FORMAT_VERSION}; rebuild it with `prism index`")
+        verify_files(path, manifest.get("files"), what="prototype index", fix="rebuild it with `prism index RUN`")
         with reading(path / TENSORS_FILE, "prototype index", fix="prism index RUN"):
             t = load_file(str(path / TENSORS_FILE))
         idx = cls(top_sim=t["top_sim"], top_offset=t["top_offset"], counts=t["counts"], act_sum=t["act_sum"],

@@ -45,12 +45,14 @@ import torch
 from prismlm.artifacts import (
     atomic_dir,
     check_provenance,
+    file_records,
     merge_ranges,
     model_identity,
     overlap,
     part_range,
     provenance,
     reading,
+    verify_files,
 )
 from prismlm.config import AttributionConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError
@@ -193,6 +195,7 @@ class AttributionCache:
             np.save(tmp / "sketch.npy", np.asarray(self.sketch))
             np.save(tmp / "projection.npy", self.projection)
             self.curvature.save(tmp / "curvature.safetensors")
+            self.manifest["files"] = file_records(tmp)
             (tmp / "manifest.json").write_text(json.dumps(self.manifest, indent=2) + "\n")
         self.path = path
         return path
@@ -209,6 +212,8 @@ class AttributionCache:
             manifest = json.loads((path / "manifest.json").read_text())
         if manifest.get("kind") != KIND:
             raise ArtifactError(f"{path} is not an attribution cache (kind {manifest.get('kind')!r})")
+        verify_files(path, manifest.get("files"), what="attribution cache",
+                     fix="rebuild it with `prism attribute-cache RUN`")
         mode: Literal["r"] | None = "r" if mmap else None
         with reading(path, "attribution cache", fix="prism attribute-cache RUN"):
             c = cls(offsets=np.load(path / "offsets.npy"), seq=np.load(path / "seq.npy", mmap_mode=mode),
@@ -360,6 +365,7 @@ def build_cache(
         np.save(stage / "offsets.npy", offsets)
         np.save(stage / "projection.npy", R.numpy())
         curvature.save(stage / "curvature.safetensors")
+        manifest["files"] = file_records(stage)
         (stage / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     return AttributionCache.load(out_dir)

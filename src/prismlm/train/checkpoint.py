@@ -28,7 +28,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_model, save_model
 
-from prismlm.artifacts import atomic_dir, atomic_write_text, provenance, reading, sha256_file
+from prismlm.artifacts import (
+    atomic_dir,
+    atomic_write_text,
+    file_records,
+    provenance,
+    reading,
+    sha256_file,
+    verify_files,
+)
 from prismlm.config import RunConfig
 from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, CheckpointError
 from prismlm.model import PrismLM
@@ -60,8 +68,7 @@ def save_checkpoint(
             tokenizer.save(tmp / "tokenizer")
         if trainer_state is not None:
             torch.save(trainer_state, tmp / "trainer_state.pt")
-        files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = file_records(tmp)
         manifest = {
             "kind": "prismlm-checkpoint",
             "step": step,
@@ -121,38 +128,24 @@ class Checkpoint:
         return torch.load(f, map_location=map_location, weights_only=False)
 
 
-# Files up to this size are hashed on every load; larger ones get a size check (and a full checksum with
-# `prism verify`). The weights are always hashed: their sha256 is the model's identity.
-VERIFY_ON_LOAD_BYTES = 64 << 20
-
-
 def verify_checkpoint(ckpt: Path, manifest: dict[str, Any], *, full: bool = False) -> list[str]:
-    """Check a checkpoint's files against its manifest: every recorded file present with its size; sha256
-    of the weights and of every file up to ``VERIFY_ON_LOAD_BYTES`` (all files with ``full``). Raises
-    ``ArtifactCorrupt`` (a file changed or truncated) or ``ArtifactMismatch`` (an edited config); returns
-    the files checked by hash. Checkpoints from before per-file records are checked by their weights."""
-    checked = []
+    """Check a checkpoint's files against its manifest (``artifacts.verify_files``); the weights are always
+    hashed whole (their sha256 is the model's identity). An edited config is ``ArtifactMismatch``, any other
+    changed file ``ArtifactCorrupt``. Checkpoints from before per-file records are checked by their weights.
+    Returns the files checked."""
     weights = ckpt / "model.safetensors"
     if manifest.get("model_sha256") and sha256_file(weights) != manifest["model_sha256"]:
         raise ArtifactCorrupt(f"{weights} does not match the sha256 recorded in {ckpt / 'manifest.json'}: "
                               "the weights are corrupt", fix="restore the file or use an earlier checkpoint",
                               path=weights)
-    checked.append("model.safetensors")
-    for rel, rec in (manifest.get("files") or {}).items():
-        f = ckpt / rel
-        if rel == "model.safetensors":
-            continue
-        if not f.is_file():
-            raise ArtifactCorrupt(f"checkpoint {ckpt} is incomplete: {rel} is missing", path=f)
-        if f.stat().st_size != rec["bytes"] or ((full or rec["bytes"] <= VERIFY_ON_LOAD_BYTES)
-                                                 and sha256_file(f) != rec["sha256"]):
-            kind = ArtifactMismatch if rel == "config.json" else ArtifactCorrupt
-            raise kind(f"{f} was changed after the checkpoint was saved (its size or sha256 differs from "
-                       f"{ckpt / 'manifest.json'})", fix="restore the file, or retrain to change the recipe",
-                       path=f)
-        if full or rec["bytes"] <= VERIFY_ON_LOAD_BYTES:
-            checked.append(rel)
-    return checked
+    fix = "restore the file or use an earlier checkpoint (or retrain to change the recipe)"
+    try:
+        return ["model.safetensors"] + verify_files(ckpt, manifest.get("files"), what="checkpoint", fix=fix,
+                                                    full=full, skip=("model.safetensors",))
+    except ArtifactCorrupt as e:
+        if e.path is not None and e.path.name == "config.json":
+            raise ArtifactMismatch(e.message, fix=fix, path=e.path) from None
+        raise
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
