@@ -285,3 +285,34 @@ def test_large_files_get_a_sampled_check_on_load_and_a_full_one_on_verify(tmp_pa
     f.write_bytes(bytes(data[:-1]))  # a truncation is caught by the size
     with pytest.raises(ArtifactCorrupt, match="big.bin"):
         artifacts.verify_files(tmp_path, rec, what="test", fix="-")
+
+
+def test_shard_bytes_overwritten_with_valid_tokens_are_refused(tmp_path):
+    """Old main trained silently on a train.bin whose bytes were overwritten with in-range tokens."""
+    import numpy as np
+
+    from prismlm.data.shards import load_shards, prepare_shards
+    from prismlm.errors import ShardError
+
+    s = prepare_shards("builtin", "bpe-300", tmp_path / "shards", max_docs=20, max_chars_per_doc=3000,
+                       show_progress=False)
+    f = s.root / "train.bin"
+    arr = np.fromfile(f, dtype=s.train.dtype)
+    arr[: 1 << 16] = 7  # valid token ids, same size
+    arr.tofile(f)
+    with pytest.raises(ShardError, match="train.bin.*overwritten"):
+        load_shards(s.root)
+
+
+def test_index_resume_refuses_another_models_index(tiny_shards, tmp_path):
+    from prismlm.app import Run, build_run_index
+    from prismlm.errors import ArtifactMismatch
+
+    run_a, _ = _trained(tiny_shards, tmp_path / "a")
+    train(tiny_cfg(**{"train.seed": 3}), tmp_path / "b" / "run", shards=tiny_shards, progress=False)
+    a = Run.open(run_a, device="cpu")
+    build_run_index(a, max_sequences=8, shards=tiny_shards.root, progress=False)
+    b = Run.open(tmp_path / "b" / "run", device="cpu")
+    with pytest.raises(ArtifactMismatch, match="built for model"):
+        build_run_index(b, out=run_a / "index", resume=True, max_sequences=8, shards=tiny_shards.root,
+                        progress=False)

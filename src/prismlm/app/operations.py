@@ -149,7 +149,7 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
     notes: list[str] = []
     prev = None
     if resume and (out / "manifest.json").exists():
-        prev = PrototypeIndex.load(out)
+        prev = PrototypeIndex.load(out, model_sha256=run.identity)  # never resume another model's index
         if prev.complete:
             notes.append(f"{out} is already complete; nothing to resume")
     elif resume:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from prismlm.artifacts import FileLock, atomic_write_text, sha256_file
+from prismlm.artifacts import FileLock, atomic_write_text, sampled_sha256, sha256_file
 from prismlm.data.corpus import Document, _package_version, corpus_fingerprint, iter_documents, split_hash
 from prismlm.data.tokenizer import Tokenizer, _describe, resolve_tokenizer, token_dtype
 from prismlm.errors import ConfigError, CorpusError, ShardError
@@ -433,11 +433,12 @@ def _build(root: Path, key: str, corpus: str, tokenizer: str, fp: str, opts: dic
     split_info: dict[str, Any] = {}
     for split, w in writers.items():
         os.replace(w.tmp, root / f"{split}.bin")
+        sample = sampled_sha256(root / f"{split}.bin")
         np.save(root / f"{split}.docs.npy", np.asarray(w.offsets, dtype=np.int64))
         (root / f"{split}.ids.json").write_text(json.dumps(w.ids), encoding="utf-8")
         split_info[split] = {"num_docs": len(w.ids), "num_tokens": int(w.offsets[-1]),
                              "num_bytes": w.num_bytes, "num_chars": w.num_chars,
-                             "sha256": w.sha.hexdigest()}
+                             "sha256": w.sha.hexdigest(), "sample_sha256": sample}
     manifest = {
         "format_version": FORMAT_VERSION,
         "key": key,
@@ -498,7 +499,12 @@ def load_shards(path: str | Path, *, verify: bool = False) -> ShardSet:
             raise ShardError(f"{bin_path}: {size} bytes, manifest says {info['num_tokens']} tokens of "
                              f"{dtype}; the file is truncated or was replaced")
         if verify and sha256_file(bin_path) != info["sha256"]:
-            raise ShardError(f"{bin_path}: sha256 checksum mismatch with manifest.json")
+            raise ShardError(f"{bin_path}: sha256 checksum mismatch with manifest.json",
+                             fix="prepare the shards again (delete the folder, then `prism prepare`)")
+        if not verify and info.get("sample_sha256") and sampled_sha256(bin_path) != info["sample_sha256"]:
+            raise ShardError(f"{bin_path}: its content differs from manifest.json (sampled checksum); the file "
+                             "was overwritten", fix="prepare the shards again (delete the folder, then "
+                             "`prism prepare`)")
         shards[s] = TokenShard(bin_path, root / f"{s}.docs.npy", root / f"{s}.ids.json", dtype)
         if shards[s].num_docs != info["num_docs"]:
             raise ShardError(f"{root / f'{s}.docs.npy'}: {shards[s].num_docs} documents, manifest says "
