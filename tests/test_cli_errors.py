@@ -281,3 +281,20 @@ def test_fuzzed_text_never_crashes_explain_or_generate(tiny_run):
         assert expl.positions and abs(expl.positions[-1].logit - sum(
             p.slice for p in expl.positions[-1].prototypes) - expl.positions[-1].residual_slice) < 1e-3
     assert ops.generate(run, "\udcff\x00\U0001f600", tokens=3, samples=2)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["index", "{run}", "--top-n", "0"], "--top-n"),
+    (["index", "{run}", "--max-sequences", "0"], "--max-sequences"),
+    (["attribute", "{run}", "x", "--top", "0"], "--top"),
+    (["attribute", "{run}", "x", "--completion", "0"], "--completion"),
+    (["concept", "{run}", "--concept", "c", "--neutral", "n", "--min-purity", "2"], "--min-purity"),
+    (["controller", "fit", "{run}", "--task", "t", "--steps", "0"], "--steps"),
+    (["controller", "fit", "{run}", "--task", "t", "--lr", "nan"], "--lr"),
+    (["tasks", "eval", "{run}", "--split", "dev"], "--split"),
+    (["tasks", "build", "--train-cap", "0"], "--train-cap"),
+    (["explain", "{run}", "x", "--neighbours", "-1", "--no-index"], "--neighbours"),
+])
+def test_every_numeric_option_is_range_checked(tiny_run, args, flag):
+    res = _run(*[a.replace("{run}", str(tiny_run)) for a in args])
+    assert res.exit_code == 2 and flag in res.output and "Traceback" not in res.output, res.output

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from prismlm.app.run import Run
+from prismlm.app.run import Run, require
 from prismlm.config import AttributionConfig
 from prismlm.errors import ConfigError
 from prismlm.explain import Explanation
@@ -53,6 +54,11 @@ def attribute_text(run: Run, text: str, *, answer: str | None = None, completion
         seed: Sampling seed.
         token_ids: Attribute exactly these token ids (library use; the text is then only a label).
     """
+    require(top >= 1, "--top", ">= 1", top)
+    require(completion is None or completion >= 1, "--completion", ">= 1", completion)
+    require(generate >= 0, "--generate", ">= 0", generate)
+    require(max_sequences is None or max_sequences >= 1, "--max-sequences", ">= 1", max_sequences)
+    require(math.isfinite(temperature) and temperature >= 0, "--temperature", "a finite number >= 0", temperature)
     run.prism_model("prototype-space attribution")
     if sum(x is not None and x != 0 for x in (answer, completion, generate)) > 1:
         raise ConfigError("use at most one of --answer, --completion and --generate")

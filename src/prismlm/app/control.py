@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from prismlm.app.run import Run
+from prismlm.app.run import Run, require
 from prismlm.control.concept import doc_regex, find_concept, read_texts
 from prismlm.control.controller import Controller, extract_features, fit_and_test, prism_encoder, trace_prism_controller
 from prismlm.control.suppress import SuppressionSet
@@ -52,6 +53,10 @@ def find_run_concept(run: Run, concept: Path, neutral: Path, *, index: Path | No
         out: Write the suppression set here (default: print only).
         save: Also save it as the checkpoint's suppression.json (applied by default).
     """
+    require(budget is None or budget >= 0, "--budget", ">= 0", budget)
+    require(min_count >= 1, "--min-count", ">= 1", min_count)
+    require(0.0 <= min_purity <= 1.0, "--min-purity", "in [0, 1]", min_purity)
+    require(math.isfinite(threshold), "--threshold", "a finite number", threshold)
     model = run.prism_model("`prism concept`")
     if (index is None) != (concept_docs is None):
         raise ConfigError("neighbourhood purity needs both --index and --concept-docs")
@@ -86,6 +91,7 @@ def build_task_folders(out: Path = Path("tasks"), *, task: list[str] | None = No
         val_cap: Examples in the validation split at most.
         test_cap: Examples in the test split at most.
     """
+    require(min(train_cap, val_cap, test_cap) >= 1, "--train-cap/--val-cap/--test-cap", ">= 1", (train_cap, val_cap, test_cap))
     return build_tasks(out, task or list(TASKS), {"train": train_cap, "validation": val_cap, "test": test_cap})
 
 
@@ -123,6 +129,7 @@ def evaluate_tasks(run: Run, *, tasks: Path = Path("tasks"), task: list[str] | N
         controller: A controller JSON (`prism controller fit`) to apply.
         lm_eval: Also score with lm-eval's evaluator (same numbers).
     """
+    require(split in ("train", "validation", "test"), "--split", "train, validation or test", split)
     folders = task_folders(tasks, task or [])
     extra: tuple[Control, ...] = ()
     if controller is not None:
@@ -161,6 +168,9 @@ def fit_controller(run: Run, task: Path, *, l1: tuple[float, ...] = (3e-3, 1e-2,
         out: Where to write the controller.
         index: A prototype index: trace each coefficient to its label and training neighbourhood.
     """
+    require(steps >= 1, "--steps", ">= 1", steps)
+    require(math.isfinite(lr) and lr > 0, "--lr", "a finite number > 0", lr)
+    require(len(l1) >= 1 and all(math.isfinite(x) and x >= 0 for x in l1), "--l1", "finite numbers >= 0", list(l1))
     model = run.prism_model("a controller over prototypes (see bench/control.py for the SAE baseline)")
     assert model.prototypes is not None
     idx = run.index(index, required=True) if index is not None else None  # before the fit: fail fast on a bad path

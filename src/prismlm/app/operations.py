@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from prismlm.app.run import Run
+from prismlm.app.run import Run, require
 from prismlm.artifacts import verify_files
 from prismlm.data.shards import load_shards
 from prismlm.data.tokenizer import Tokenizer
@@ -143,6 +143,9 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
         labels: Also write rule-based labels (labels.json) when the index is complete.
         progress: Show a progress bar with tokens/s.
     """
+    require(top_n >= 1, "--top-n", ">= 1", top_n)
+    require(max_sequences is None or max_sequences >= 1, "--max-sequences", ">= 1", max_sequences)
+    require(checkpoint_every >= 0, "--checkpoint-every", ">= 0", checkpoint_every)
     model = run.prism_model("a prototype index")
     pt = parse_part(part)
     out = out or run.folder / ("index" if pt == (0, 1) else f"index-part-{pt[0]}-of-{pt[1]}")
@@ -250,6 +253,7 @@ def explain_text(run: Run, prompt: str = "", *, generate: int = 0, index: Path |
         seed: Sampling seed.
         neighbours: Training snippets per prototype card.
     """
+    require(neighbours >= 0, "--neighbours", ">= 0", neighbours)
     model = run.prism_model("an explanation")
     check_sampling(generate, temperature, top_k, tokens_flag="--generate")
     if generate > model.config.block_size:  # one explanation covers one context window
@@ -401,6 +405,7 @@ class PrototypeView:
 def show_prototype(run: Run, prototype: int, *, index: Path | None = None, shards: Path | None = None,
                    neighbours: int = 8) -> PrototypeView:
     """One prototype's card: label, statistics, top tokens of W p_i, nearest training contexts."""
+    require(neighbours >= 0, "--neighbours", ">= 0", neighbours)
     model = run.prism_model("a prototype card")
     idx = run.index(index, shards)
     labs = idx.labels() if idx is not None else {}

@@ -21,7 +21,7 @@ from prismlm.config import RunConfig
 from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
 from prismlm.data.shards import ShardSet, load_shards, prepare_from_config
 from prismlm.data.tokenizer import Tokenizer
-from prismlm.errors import ArtifactError, PrismError, ShardError
+from prismlm.errors import ArtifactError, ConfigError, PrismError, ShardError
 from prismlm.model import Intervention, PrismLM
 from prismlm.train.checkpoint import Checkpoint, load_checkpoint
 from prismlm.train.distributed import resolve_device
@@ -39,6 +39,12 @@ prints."""
 
 def no_stages(stage: str, i: int, n: int | None) -> None:
     """The default stage callback: report nothing."""
+
+
+def require(ok: bool, flag: str, rule: str, value: object) -> None:
+    """``ConfigError`` "FLAG must be RULE, got VALUE" unless ``ok``: the range check of every numeric option."""
+    if not ok:
+        raise ConfigError(f"{flag} must be {rule}, got {value!r}")
 
 
 def open_device(spec: str) -> torch.device:
