@@ -316,3 +316,34 @@ def test_index_resume_refuses_another_models_index(tiny_shards, tmp_path):
     with pytest.raises(ArtifactMismatch, match="built for model"):
         build_run_index(b, out=run_a / "index", resume=True, max_sequences=8, shards=tiny_shards.root,
                         progress=False)
+
+
+def test_truncated_cache_files_are_refused_by_name(tiny_shards, tmp_path):
+    from prismlm.config import AttributionConfig
+    from prismlm.errors import ArtifactCorrupt
+    from prismlm.tda import AttributionCache, build_cache
+
+    run, _ = _trained(tiny_shards, tmp_path)
+    build_cache(load_checkpoint(run).model, tiny_shards, AttributionConfig(r=4, max_sequences=8, batch_size=4),
+                out=run / "cache")
+    for name in ("offsets.npy", "curvature.safetensors", "seq.npy"):
+        f = run / "cache" / name
+        good = f.read_bytes()
+        f.write_bytes(good[: len(good) // 2])
+        with pytest.raises(ArtifactCorrupt, match=name.replace(".", r"\.")):
+            AttributionCache.load(run / "cache")
+        f.write_bytes(good)
+    AttributionCache.load(run / "cache")
+
+
+def test_example_files_that_are_not_utf8_are_one_line(tiny_shards, tmp_path):
+    from typer.testing import CliRunner
+
+    from prismlm.cli import app
+
+    run, _ = _trained(tiny_shards, tmp_path)
+    (tmp_path / "c.txt").write_bytes(b"good text\n\nbad \xff\xfe bytes\n")
+    (tmp_path / "n.txt").write_text("neutral words\n\nmore neutral\n")
+    res = CliRunner().invoke(app, ["concept", str(run), "--concept", str(tmp_path / "c.txt"),
+                                   "--neutral", str(tmp_path / "n.txt")])
+    assert res.exit_code == 2 and "not valid UTF-8 at byte 15 (line 3)" in res.output, res.output

@@ -215,6 +215,17 @@ def find_concept(
     return sset, ranking
 
 
+def _read_utf8(path: Path) -> str:
+    """A text file's contents; ``DataError`` naming the file and the byte offset if it is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}: not valid UTF-8 at byte {e.start} (line {line}): {e.reason}",
+                        fix="re-save the file as UTF-8") from None
+
+
 def read_texts(path: str | Path, text_field: str = "text") -> list[str]:
     """Texts from a .jsonl (one object per line, ``text_field``), a .txt (blank-line separated; a fortune
     file's ``%`` lines also separate), or a folder of .txt files (one text each)."""
@@ -224,15 +235,15 @@ def read_texts(path: str | Path, text_field: str = "text") -> list[str]:
     if not path.exists():
         raise DataError(f"no such file or folder: {path}", fix="check the --concept / --neutral path")
     if path.is_dir():
-        return [p.read_text(encoding="utf-8") for p in sorted(path.glob("*.txt"))]
+        return [_read_utf8(p) for p in sorted(path.glob("*.txt"))]
     if path.suffix == ".jsonl":
         out = []
-        for ln, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for ln, line in enumerate(_read_utf8(path).splitlines(), 1):
             if line.strip():
                 try:
                     out.append(json.loads(line)[text_field])
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
                     raise DataError(f"{path}:{ln}: expected a JSON object with a {text_field!r} field ({e})") from e
         return out
-    parts = re.split(r"\n\s*(?:%\s*)?\n|\n%\n", path.read_text(encoding="utf-8"))
+    parts = re.split(r"\n\s*(?:%\s*)?\n|\n%\n", _read_utf8(path))
     return [p.strip() for p in parts if p.strip()]
