@@ -317,3 +317,22 @@ def test_presets_parameter_counts():
         m = PrismLM(RunConfig.from_name("gpt2-124m").model)
     assert 124e6 < m.num_parameters(prototypes=False) < 125e6
     assert 130e6 < m.num_parameters() < 131.5e6
+
+
+
+def test_prototype_layer_ignores_autocast_same_topk_and_exact_reconstruction():
+    """Under CPU bf16 autocast the layer computes in float32: the same top-k, activations and residual as
+    without autocast, bit for bit, and z = ẑ + r to float32 precision."""
+    from prismlm.config import PrototypeConfig
+    from prismlm.model.prototypes import PrototypeLayer
+
+    torch.manual_seed(0)
+    layer = PrototypeLayer(64, PrototypeConfig(num_prototypes=256, top_k=8, init_std=1.0))
+    z = torch.randn(96, 64)
+    ref = layer(z)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(z)
+    assert got.activations.dtype == torch.float32 and got.residual.dtype == torch.float32
+    assert torch.equal(got.indices, ref.indices)
+    assert torch.equal(got.activations, ref.activations) and torch.equal(got.residual, ref.residual)
+    torch.testing.assert_close(got.reconstruction + got.residual, z, rtol=0, atol=1e-5)

@@ -76,6 +76,13 @@ class PrototypeLayer(nn.Module):
 
     def forward(self, z: torch.Tensor) -> PrototypeOutput:
         """z: (N, d) hidden states (the backbone's final LayerNorm output)."""
+        # Autocast off inside the layer: under bf16 autocast the similarity matmul and the einsums would run
+        # in bf16 even on float32 inputs, changing which prototypes are selected (measured: 4 of 96 tokens)
+        # and breaking the z = ẑ + r identity at ~1e-3. Selection, cosines and the decomposition are float32.
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            return self._forward(z)
+
+    def _forward(self, z: torch.Tensor) -> PrototypeOutput:
         p = self.weight  # (K, d)
         # bf16/fp16 inputs are lifted to float32; float64 stays float64 (exactness tests).
         dt = torch.promote_types(z.dtype, torch.float32)
