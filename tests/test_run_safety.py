@@ -347,3 +347,21 @@ def test_example_files_that_are_not_utf8_are_one_line(tiny_shards, tmp_path):
     res = CliRunner().invoke(app, ["concept", str(run), "--concept", str(tmp_path / "c.txt"),
                                    "--neutral", str(tmp_path / "n.txt")])
     assert res.exit_code == 2 and "not valid UTF-8 at byte 15 (line 3)" in res.output, res.output
+
+
+def test_train_on_a_missing_empty_or_one_document_corpus_is_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from prismlm.cli import app
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "doc.txt").write_text("Call me Ishmael. " * 400)
+    cases = [(str(tmp_path / "missing"), "does not exist"), (str(tmp_path / "empty"), "empty"),
+             (str(tmp_path / "one"), "validation split")]
+    for corpus, expected in cases:
+        res = CliRunner().invoke(app, ["train", "--preset", "tiny", "--corpus", corpus, "--tokenizer", "bpe-300",
+                                       "--out", str(tmp_path / "run")], env={"PRISM_DATA": str(tmp_path / "data")})
+        assert res.exit_code == 2 and expected in res.output.lower() and "Traceback" not in res.output, \
+            (corpus, res.output)
+        assert not (tmp_path / "run" / "checkpoints").exists()
