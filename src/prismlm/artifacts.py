@@ -17,10 +17,14 @@ The lowest layer of prismlm: it imports only the standard library, torch, ``pris
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import math
 import os
 import shutil
+import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -109,11 +113,6 @@ class FileLock:
         self._fd: int | None = None
 
     def acquire(self) -> FileLock:
-        import fcntl
-        import json
-        import socket
-        import time
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -137,8 +136,6 @@ class FileLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            import fcntl
-
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

@@ -51,14 +51,10 @@ def parse_part(part: str) -> tuple[int, int]:
 def check_sampling(tokens: int, temperature: float, top_k: int | None, samples: int = 1,
                    tokens_flag: str = "--tokens") -> None:
     """``ConfigError`` naming the option for sampling settings that cannot work."""
-    if tokens < 0:
-        raise ConfigError(f"{tokens_flag} must be >= 0, got {tokens}")
-    if samples < 1:
-        raise ConfigError(f"--samples must be >= 1, got {samples}")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ConfigError(f"--temperature must be a finite number >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ConfigError(f"--top-k must be >= 1 (or omitted for the whole vocabulary), got {top_k}")
+    require(tokens >= 0, tokens_flag, ">= 0", tokens)
+    require(samples >= 1, "--samples", ">= 1", samples)
+    require(math.isfinite(temperature) and temperature >= 0, "--temperature", "a finite number >= 0", temperature)
+    require(top_k is None or top_k >= 1, "--top-k", ">= 1 (or omitted for the whole vocabulary)", top_k)
 
 
 # ----- sampling and evaluation ----------------------------------------------------------------------------
@@ -103,8 +99,8 @@ def evaluate(run: Run, *, batches: int = 50, batch_size: int | None = None,
         batch_size: Sequences per batch (default: the run's).
         shards: Token shard folder the run was trained on (default: prepared from its data config).
     """
-    if batches < 1 or (batch_size is not None and batch_size < 1):
-        raise ConfigError(f"--batches and --batch-size must be >= 1, got {batches} and {batch_size}")
+    require(batches >= 1, "--batches", ">= 1", batches)
+    require(batch_size is None or batch_size >= 1, "--batch-size", ">= 1", batch_size)
     cfg = run.config
     shard_set = run.shards(shards)
     with run.intervened() as model:
@@ -354,8 +350,7 @@ def find_prototypes(run: Run, *, search: str | None = None, token: str | None = 
         shards: Token shard folder (default: the index's / the run's).
         limit: Rows to list.
     """
-    if limit < 1:
-        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    require(limit >= 1, "--limit", ">= 1", limit)
     model = run.prism_model("listing prototypes")
     assert model.prototypes is not None
     tok = run.tokenizer

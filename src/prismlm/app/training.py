@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prismlm.app.operations import IndexResult, build_run_index, evaluate, explain_text, generate
-from prismlm.app.run import Run, StageFn, no_stages
+from prismlm.app.run import Run, StageFn, no_stages, require
 from prismlm.config import RunConfig
 from prismlm.data.shards import ShardSet, prepare_shards
-from prismlm.errors import ConfigError
 from prismlm.explain import Explanation
 from prismlm.progress import Progress
 from prismlm.train.trainer import TrainResult
@@ -52,8 +51,7 @@ def prepare(corpus: str = "builtin", tokenizer: str = "bpe-8192", *, out: Path |
         max_docs: Use only the first N documents.
         progress: Show a progress bar.
     """
-    if not 0.0 < val_fraction < 1.0:
-        raise ConfigError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    require(0.0 < val_fraction < 1.0, "--val-fraction", "in (0, 1)", val_fraction)
     return prepare_shards(corpus, tokenizer, out, val_fraction=val_fraction, text_field=text_field, max_docs=max_docs,
                           show_progress=progress)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prismlm.errors import ModelError
+from prismlm.errors import ModelError, UnknownPrototypeError
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def check_ids(ids: Sequence[int] | torch.Tensor, num_prototypes: int) -> list[in
     out = [int(i) for i in raw]
     unknown = sorted({i for i in out if not 0 <= i < num_prototypes})
     if unknown:
-        raise ModelError(f"unknown prototype id(s) {unknown[:10]}{' …' if len(unknown) > 10 else ''}: "
+        raise UnknownPrototypeError(f"unknown prototype id(s) {unknown[:10]}{' …' if len(unknown) > 10 else ''}: "
                          f"this model has {num_prototypes} prototypes (ids 0–{num_prototypes - 1})")
     return out
 

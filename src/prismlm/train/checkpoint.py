@@ -72,7 +72,7 @@ def save_checkpoint(
         manifest = {
             "kind": "prismlm-checkpoint",
             "step": step,
-            "model_sha256": sha256_file(tmp / "model.safetensors"),
+            "model_sha256": files["model.safetensors"]["sha256"],  # hashed once, by file_records
             "is_prism": model.is_prism,
             "num_parameters": model.num_parameters(),
             "data": {k: data_manifest.get(k) for k in ("key", "corpus", "tokenizer")} if data_manifest else None,
