@@ -8,3 +8,9 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]" "torch==2.13.0"  # keep the CPU torch: no resolver upgrade
+# kronfluence declares torchvision, and pip resolves a CUDA build of it that does not match the CPU torch
+# ("operator torchvision::nms does not exist"): transformers' model classes then fail to import. Nothing
+# in prismlm, kronfluence or transformers' text models needs torchvision, so it is removed.
+if .venv/bin/python -m pip show -q torchvision >/dev/null 2>&1; then
+  .venv/bin/python -m pip uninstall -y -q torchvision
+fi

@@ -11,6 +11,11 @@ from prismlm.config import (
     TrainConfig,
 )
 from prismlm.model import PrismLM, PrismOutput, decompose
+from prismlm.model.hf_auto import register_when_imported
 
 __all__ = ["AttributionConfig", "DataConfig", "LossConfig", "ModelConfig", "PrismLM", "PrismOutput", "PrototypeConfig",
            "RunConfig", "TrainConfig", "decompose", "__version__"]
+
+# AutoConfig / AutoModelForCausalLM learn the "prism" model type (exported runs, `prism export`): now if
+# transformers is already imported, else right after it is — never importing it here (it costs seconds).
+register_when_imported()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -93,16 +94,43 @@ class ModelConfig:
     """Tie the token embedding and the output head W (GPT-2 does)."""
     prototypes: PrototypeConfig | None = field(default_factory=PrototypeConfig)
     """Prototype head; ``None`` gives the matched dense baseline (same backbone, plain linear head)."""
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"
+    """MLP non-linearity of the built-in GPT: exact GELU, or GPT-2's tanh approximation (``gelu_tanh``) so
+    GPT-2 weights load with equal logits (the two differ by ~2e-3 in the logits)."""
+    layer_norm_eps: float = 1e-5
+    """ε of the built-in GPT's LayerNorms (GPT-2 and PyTorch's default: 1e-5)."""
+    lm_head_bias: bool = False
+    """The unembedding has a bias b (ℓ = W z + b), as some Hugging Face models do; b is then its own,
+    constant slice of every logit's decomposition."""
+    backbone: Literal["gpt", "hf"] = "gpt"
+    """``gpt``: the built-in GPT-2-layout decoder; ``hf``: a Hugging Face causal LM's base model rebuilt from
+    ``hf_config`` (``prism retrofit``), whose final hidden states z feed the prototype head and W."""
+    hf_config: dict[str, Any] | None = None
+    """With ``backbone="hf"``: the transformers config (``PretrainedConfig.to_dict()``) the backbone is
+    rebuilt from; ``n_layer``, ``n_head``, ``n_embd`` and ``vocab_size`` are copied from it."""
+    lora_rank: int = 0
+    """LoRA adapters (``peft``) of this rank on every ``nn.Linear`` of the backbone, scaled by α/r = 2
+    (0: none). Retrofit stage 2 with ``--unfreeze lora`` trains only them and the bank; the adapters' B
+    matrices start at zero, so the model starts exactly as the pretrained one."""
 
     def __post_init__(self) -> None:
         if isinstance(self.prototypes, dict):
             self.prototypes = _from_dict(PrototypeConfig, self.prototypes, "model.prototypes")
+        _check(self.activation in ("gelu", "gelu_tanh"), f"activation must be gelu or gelu_tanh, got {self.activation!r}")
+        _check(self.layer_norm_eps > 0, f"layer_norm_eps must be > 0, got {self.layer_norm_eps}")
+        _check(self.backbone in ("gpt", "hf"), f"backbone must be gpt or hf, got {self.backbone!r}")
+        _check((self.backbone == "hf") == (self.hf_config is not None),
+               "model.hf_config must be given exactly when model.backbone is 'hf'")
+        _check(self.lora_rank >= 0, f"lora_rank must be >= 0, got {self.lora_rank}")
+        if self.hf_config is not None:
+            _check(isinstance(self.hf_config, dict) and "model_type" in self.hf_config,
+                   "model.hf_config must be a transformers config dict with a model_type")
         _check(self.vocab_size >= 2, f"vocab_size must be >= 2, got {self.vocab_size}")
         _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         _check(self.n_layer >= 1, f"n_layer must be >= 1, got {self.n_layer}")
         _check(self.n_embd >= 1, f"n_embd must be >= 1, got {self.n_embd}")
-        _check(self.n_head >= 1 and self.n_embd % self.n_head == 0,
-               f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")
+        _check(self.n_head >= 1 and (self.n_embd % self.n_head == 0 or self.backbone == "hf"),
+               f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")  # an HF backbone has its own head_dim
         _check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
@@ -214,6 +242,17 @@ class TrainConfig:
     """Wrap the model in ``torch.compile`` (GPU runs)."""
     num_threads: int | None = None
     """torch CPU threads (None: torch's default)."""
+    trainable: str = "all"
+    """Which parameters train: ``all``; ``prototypes`` (only the bank: the backbone and W stay frozen, so
+    every logit is exactly the pretrained model's); ``last-N`` (the bank, the last N blocks and the final
+    norm); ``lora`` (the bank and the LoRA adapters of ``model.lora_rank``). Retrofitting
+    (``prism retrofit --unfreeze``) sets it."""
+    frozen_steps: int = 0
+    """Retrofit stage 1: for the first N optimizer steps only the prototype bank trains (whatever
+    ``trainable`` says), starting the head from a pretrained backbone without disturbing it."""
+    backbone_lr_ratio: float = 1.0
+    """Learning rate of the non-prototype parameters as a fraction of ``lr`` (the bank always uses
+    ``lr``): fine-tuning a pretrained backbone wants a smaller step than a fresh prototype bank."""
 
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
@@ -232,6 +271,10 @@ class TrainConfig:
         _check(self.ckpt_interval >= 0, f"ckpt_interval must be >= 0, got {self.ckpt_interval}")
         _check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         _check(self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto/float32/bfloat16, got {self.dtype!r}")
+        _check(self.trainable in ("all", "prototypes", "lora") or re.fullmatch(r"last-[1-9]\d*", self.trainable) is not None,
+               f"trainable must be all, prototypes, lora or last-N (N >= 1), got {self.trainable!r}")
+        _check(self.frozen_steps >= 0, f"frozen_steps must be >= 0, got {self.frozen_steps}")
+        _check(0 < self.backbone_lr_ratio <= 1, f"backbone_lr_ratio must be in (0, 1], got {self.backbone_lr_ratio}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate at an optimizer step (0-based)."""

@@ -19,6 +19,7 @@ from prismlm import app as ops
 from prismlm._version import __version__
 from prismlm.app.control import ConceptResult, ControllerResult
 from prismlm.app.operations import IndexResult, LabelResult, PrototypeListing, PrototypeView, VerifyReport
+from prismlm.app.retrofit import retrofit_model
 from prismlm.app.run import Run
 from prismlm.app.training import DemoResult
 from prismlm.cli.console import console, stdout
@@ -82,6 +83,8 @@ def _on_stage(stage: str, i: int, n: int | None) -> None:
 
 
 command(app, "train", ops.train_from_options, render_trained, opens_run=False, decls={"overrides": ["--set"]})
+command(app, "retrofit", retrofit_model, render_trained, opens_run=False,
+        decls={"source": ["--from"], "overrides": ["--set"]})
 
 
 def render_demo(res: DemoResult) -> None:
@@ -216,6 +219,18 @@ def render_verify(res: VerifyReport) -> None:
 
 
 command(app, "verify", ops.verify_run, render_verify, suppressible=True)
+
+
+def render_export(out: Path) -> None:
+    stdout.print(f"exported → {out}", markup=False)
+    for f in sorted(out.iterdir()):
+        stdout.print(f"  {f.name}  {f.stat().st_size:,} bytes", markup=False)
+    console.print(f"load: AutoModelForCausalLM.from_pretrained({str(out)!r}) after `import prismlm` (or with "
+                  f"trust_remote_code=True); lm_eval --model hf --model_args "
+                  f"pretrained={out},trust_remote_code=True", markup=False, highlight=False, soft_wrap=True)
+
+
+command(app, "export", ops.export_run, render_export, suppressible=True, arguments={"out"})
 
 
 # ----- training-data attribution (spec §3.2) ------------------------------------------------------------

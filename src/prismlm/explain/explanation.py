@@ -37,7 +37,7 @@ import torch
 from prismlm.artifacts import model_identity
 from prismlm.errors import ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
 from prismlm.explain.index import Neighbour, PrototypeIndex
-from prismlm.model import decompose
+from prismlm.model import PrismOutput, decompose
 
 if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
@@ -196,13 +196,14 @@ def _cards(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], index: Pro
     sig = net.signatures(torch.tensor(ids, device=next(net.parameters()).device)).float()  # (n, V)
     vocab = tokenizer.vocab_size if tokenizer is not None else sig.shape[1]
     sig[:, vocab:] = -float("inf")  # padded ids are not real tokens
-    vals, toks = sig.topk(min(signature_tokens, vocab), dim=-1)  # (n, m)
+    vals_t, toks_t = sig.topk(min(signature_tokens, vocab), dim=-1)  # (n, m)
+    vals, toks = vals_t.tolist(), toks_t.tolist()  # once, not one tensor indexing per value
     cards = {}
     for row, i in enumerate(ids):
         lab = labels.get(i, {})
         cards[i] = PrototypeCard(
             id=i, label=lab.get("label"), category=lab.get("category"), evidence=lab.get("evidence"),
-            top_tokens=[(_token_str(tokenizer, int(t)), float(v)) for t, v in zip(toks[row], vals[row])],
+            top_tokens=[(_token_str(tokenizer, t), v) for t, v in zip(toks[row], vals[row])],
             neighbours=index.neighbours(i, neighbours) if index is not None else [],
             stats=index.stats(i) if index is not None else None)
     return cards
@@ -287,21 +288,39 @@ def explain(
             last = "given"
         tgt = ids[1:] + [int(next_token)]
         how = chosen_by or (["text"] * (n - 1) + [last])
+    return _explain_output(net, tokenizer, ids, out, tgt, how, text=text, truncated=truncated, notes=notes,
+                           index=index, labels=labels, model_sha256=model_sha256, neighbours=neighbours,
+                           signature_tokens=signature_tokens)
+
+
+@torch.no_grad()
+def _explain_output(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], out: PrismOutput, tgt: list[int],
+                    how: list[str], *, text: str, truncated: int, notes: list[str], index: PrototypeIndex | None,
+                    labels: dict[int, dict], model_sha256: str | None, neighbours: int,
+                    signature_tokens: int) -> Explanation:
+    """The explanation of ``ids`` (n tokens) from the model's output for them: ``out`` holds (1, n, ·)
+    logits, prototype indices, activations and residuals; ``tgt`` (n) the chosen next tokens, ``how``
+    (n) how each was chosen."""
+    assert out.activations is not None and out.indices is not None
+    dev = out.logits.device
+    n = len(ids)
     y = torch.tensor([tgt], dtype=torch.long, device=dev)  # (1, n)
     dec = decompose(net, out, y)
     logp = torch.log_softmax(out.logits[0].double(), dim=-1).gather(-1, y[0, :, None]).squeeze(-1)  # (n,)
-    slices = dec.prototype_slices[0]  # (n, k)
-    resid = dec.residual_slice[0]  # (n,)
-    total = slices.sum(-1) + resid  # (n,) in the model's dtype
-    logit = dec.logit[0]
-    denom = slices.abs().sum(-1) + resid.abs()  # (n,)
-    acts, pids = out.activations[0], out.indices[0]  # (n, k)
+    slices_t = dec.prototype_slices[0]  # (n, k)
+    resid_t = dec.residual_slice[0]  # (n,)
+    total_t = slices_t.sum(-1) + resid_t  # (n,) in the model's dtype
+    # Python lists once (not one tensor indexing per value): same values, as float() of each element.
+    total, error = total_t.tolist(), (total_t - dec.logit[0]).tolist()
+    logit, prob = dec.logit[0].tolist(), logp.exp().tolist()
+    resid, denom = resid_t.tolist(), (slices_t.abs().sum(-1) + resid_t.abs()).tolist()
+    acts, pids, slices = out.activations[0].tolist(), out.indices[0].tolist(), slices_t.tolist()  # (n, k) each
     positions = []
     used: set[int] = set()
     for t in range(n):
-        d = float(denom[t]) or 1.0
+        d = denom[t] or 1.0
         protos = []
-        for a, i, s in zip(acts[t].tolist(), pids[t].tolist(), slices[t].tolist()):
+        for a, i, s in zip(acts[t], pids[t], slices[t]):
             if a <= 0:
                 continue  # a = 0 gives a slice of exactly 0
             lab = labels.get(int(i), {})
@@ -311,9 +330,9 @@ def explain(
         protos.sort(key=lambda p: -abs(p.slice))
         positions.append(TokenExplanation(
             position=t, token_id=ids[t], token=_token_str(tokenizer, ids[t]), next_id=tgt[t],
-            next_token=_token_str(tokenizer, tgt[t]), chosen_by=how[t], logit=float(logit[t]),
-            prob=float(logp[t].exp()), residual_slice=float(resid[t]), residual_share=float(resid[t]) / d,
-            prototypes=protos, total=float(total[t]), error=float(total[t] - logit[t])))
+            next_token=_token_str(tokenizer, tgt[t]), chosen_by=how[t], logit=logit[t], prob=prob[t],
+            residual_slice=resid[t], residual_share=resid[t] / d, prototypes=protos, total=total[t],
+            error=error[t]))
     cards = _cards(net, tokenizer, sorted(used), index, labels, neighbours, signature_tokens)
     return Explanation(
         text=text, token_ids=ids, tokens=[_token_str(tokenizer, i) for i in ids], positions=positions,
@@ -337,25 +356,74 @@ def explain_generation(
     neighbours: int = 5,
     signature_tokens: int = 10,
 ) -> Explanation:
-    """Sample ``n`` tokens after ``prompt`` with ``model.generate``, then explain each sampled token's
-    logit (the sampled tokens are the chosen tokens) with one forward over the whole sequence.
+    """Sample ``n`` tokens after ``prompt`` (as ``model.generate`` does, with the KV cache) and explain
+    each sampled token's logit (the sampled tokens are the chosen tokens).
 
-    Exact for the logits used at sampling time while prompt + n ≤ block_size; beyond, generation slides
-    its window and the explanation covers the last ``block_size`` tokens in one window.
+    While prompt + n − 1 ≤ block_size the explanation is read off the generation's own forward
+    outputs — the prompt's prefill (every position) and each cached decode step (one position) — so it
+    decomposes exactly the logits the tokens were sampled from, and no second forward runs. Beyond,
+    generation slides its window (every position shifts), and the explanation is one forward over the
+    last ``block_size`` tokens.
     """
     net = model
     if n < 1:
         raise ConfigError(f"n (tokens to generate) must be >= 1, got {n}")
+    if not net.is_prism:
+        raise ModelError("explain needs a PRISM model: the dense baseline has no prototypes to explain with")
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     dev = next(net.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
-    full = net.generate(torch.tensor([ids], device=dev), n, temperature=temperature, top_k=top_k,
-                        generator=gen)[0].tolist()
+    x = torch.tensor([ids], device=dev)  # (1, p)
     p = len(ids)
     how = ["text"] * (p - 1) + ["sampled"] * n  # position t chooses full[t + 1]
-    expl = explain(model, tokenizer, full[:-1], model_sha256=model_sha256, index=index, labels=labels, targets=full[1:], neighbours=neighbours,
-                   signature_tokens=signature_tokens, _chosen_by=how)
-    expl.prompt_tokens = max(0, p - expl.truncated_tokens)
-    expl.text = tokenizer.decode(full[expl.truncated_tokens:])
-    expl.notes.append(f"generated {n} tokens (temperature {temperature}, top_k {top_k}, seed {seed})")
+    note = f"generated {n} tokens (temperature {temperature}, top_k {top_k}, seed {seed})"
+    if p + n - 1 > net.config.block_size:
+        full = net.generate(x, n, temperature=temperature, top_k=top_k, generator=gen)[0].tolist()
+        expl = explain(model, tokenizer, full[:-1], model_sha256=model_sha256, index=index, labels=labels,
+                       targets=full[1:], neighbours=neighbours, signature_tokens=signature_tokens, _chosen_by=how)
+        expl.prompt_tokens = max(0, p - expl.truncated_tokens)
+        expl.text = tokenizer.decode(full[expl.truncated_tokens:])
+        expl.notes.append(note)
+        return expl
+    notes: list[str] = []
+    if index is not None:
+        notes += _check_index(index, net, model_sha256)
+        if labels is None:
+            labels = index.labels()
+    outs, new = [], []
+    with torch.no_grad():
+        # generate_steps' own loop (what generate runs): its inference-mode tensors are joined by _concat
+        # outside inference mode, which gives ordinary tensors without generate_steps' per-step copies
+        for out, nxt in net._decode(x, n, temperature=temperature, top_k=top_k, generator=gen, use_cache=True,
+                                    prefill_logits=True):
+            outs.append(out)
+            new.append(nxt)
+        full = ids + torch.cat(new, dim=1)[0].tolist()  # p + n tokens
+        # The steps' outputs cover positions 0 … p − 1 (prefill), then p … p + n − 2 (one per decode step).
+        out = _concat(outs)
+        if out.indices is None:  # unmodified model: the steps skipped the prototype layer; one call for all
+            out = net.add_prototype_fields(out)
+    expl = _explain_output(net, tokenizer, full[:-1], out, full[1:], how, text=tokenizer.decode(full),
+                           truncated=0, notes=notes + [note], index=index, labels=labels or {},
+                           model_sha256=model_sha256, neighbours=neighbours, signature_tokens=signature_tokens)
+    expl.prompt_tokens = p
     return expl
+
+
+def _concat(outs: list[PrismOutput]) -> PrismOutput:
+    """One ``PrismOutput`` (1, n, ·) of a whole sequence from the outputs of consecutive cached steps of
+    ``generate_steps``: per-token fields joined along the sequence, ``proto_max_cos`` the max over steps.
+    Prototype fields stay None when the steps did not compute them."""
+
+    def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if ts[0] is None else torch.cat([t for t in ts if t is not None], dim=1)
+
+    logits, hidden = cat([o.logits for o in outs]), cat([o.hidden for o in outs])
+    assert logits is not None and hidden is not None
+    first = outs[0]
+    pmc = [o.proto_max_cos for o in outs if o.proto_max_cos is not None]
+    return PrismOutput(
+        logits=logits, hidden=hidden, indices=cat([o.indices for o in outs]),
+        activations=cat([o.activations for o in outs]), residual=cat([o.residual for o in outs]),
+        token_max_cos=cat([o.token_max_cos for o in outs]),
+        proto_max_cos=torch.stack(pmc).amax(0) if pmc else None, prototype_multipliers=first.prototype_multipliers)

@@ -106,3 +106,38 @@ class PrototypeLayer(nn.Module):
             proto_max_cos=proto_max_cos,
             proto_argmax=proto_argmax,
         )
+
+
+@torch.no_grad()
+def seed_prototypes(hidden: torch.Tensor, num_prototypes: int, top_k: int, *,
+                    generator: torch.Generator | None = None) -> torch.Tensor:
+    """Prototypes anchored to real data from step 0: k-means++ seeding in cosine distance over sampled final
+    hidden states, then one scale fitted so the layer's k-sparse reconstruction matches z on the sample.
+
+    hidden: (N, d) hidden states z of real training tokens, N >= num_prototypes. Returns (K, d): each row is
+    s · z_j for a chosen token j (a real context, up to one shared scale s). Why a scale: with a_i = cos ≤ 1
+    and k active prototypes, raw z_j would over-reconstruct about k-fold; s = ⟨z, ẑ⟩ / ⟨ẑ, ẑ⟩ over the sample
+    is the least-squares fix and leaves every direction (hence every selection) unchanged.
+    """
+    n, _ = hidden.shape
+    if n < num_prototypes:
+        raise ValueError(f"need at least {num_prototypes} hidden states to seed {num_prototypes} prototypes, got {n}")
+    x = hidden.double()
+    unit = F.normalize(x, dim=-1)  # (N, d)
+    chosen = torch.empty(num_prototypes, dtype=torch.long)
+    chosen[0] = torch.randint(n, (1,), generator=generator)
+    dist = (1.0 - unit @ unit[chosen[0]]).clamp_min(0.0)  # (N,) cosine distance to the nearest pick so far
+    # k-means++ is sequential by definition (each pick is drawn given all previous ones): K iterations of an
+    # (N,) vector update, never a loop over tokens.
+    for i in range(1, num_prototypes):
+        total = dist.sum()
+        weights = dist / total if total > 0 else torch.full_like(dist, 1.0 / n)
+        chosen[i] = torch.multinomial(weights, 1, generator=generator)
+        dist = torch.minimum(dist, (1.0 - unit @ unit[chosen[i]]).clamp_min(0.0))
+    protos = x[chosen]  # (K, d)
+    p_unit = F.normalize(protos, dim=-1)  # (K, d)
+    cos = unit @ p_unit.T  # (N, K)
+    top = cos.topk(min(top_k, num_prototypes), dim=-1)
+    recon = torch.einsum("nk,nkd->nd", F.relu(top.values), protos[top.indices])  # (N, d)
+    scale = (x * recon).sum() / (recon * recon).sum().clamp_min(1e-30)
+    return (scale * protos).to(hidden.dtype)

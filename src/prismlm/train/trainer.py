@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from prismlm.artifacts import FileLock
 from prismlm.config import RunConfig
-from prismlm.errors import CheckpointError, DataError, RunError
+from prismlm.errors import CheckpointError, ConfigError, DataError, RunError
 from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM
 from prismlm.progress import Progress, Reporter
@@ -56,17 +56,62 @@ def round_vocab(vocab_size: int, multiple: int = 64) -> int:
 
 def build_optimizer(model: PrismLM, cfg: RunConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only. Prototypes are not decayed: shrinking them would shrink the
-    reconstruction ẑ = Σ a_i p_i they must provide (a ≤ 1 is a cosine, so scale lives in ‖p_i‖)."""
-    decay: list[torch.nn.Parameter] = []
-    no_decay: list[torch.nn.Parameter] = []
+    reconstruction ẑ = Σ a_i p_i they must provide (a ≤ 1 is a cosine, so scale lives in ‖p_i‖).
+
+    Every parameter that ``cfg.train.trainable`` can ever train is in a group from the start (so the
+    optimizer state of a retrofit keeps one shape through both stages); each group's ``lr_scale`` (1 for the
+    bank, ``train.backbone_lr_ratio`` for the rest) multiplies the scheduled learning rate."""
+    allowed = trainable_names(model, cfg.train.trainable)
+    ratio = cfg.train.backbone_lr_ratio
+    groups: dict[str, list[torch.nn.Parameter]] = {"decay": [], "no_decay": [], "prototypes": []}
     seen: set[int] = set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name not in allowed or id(p) in seen:
             continue
         seen.add(id(p))
-        (decay if p.dim() >= 2 and not name.startswith("prototypes.") else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=cfg.train.betas, fused=device.type == "cuda")
+        is_bank = name.startswith("prototypes.")
+        # Why the bank joins no_decay when the ratios agree: the two-group layout of every earlier run, so
+        # their optimizer states still load on --resume.
+        kind = "decay" if p.dim() >= 2 and not is_bank else "prototypes" if is_bank and ratio != 1.0 else "no_decay"
+        groups[kind].append(p)
+    spec = [{"params": groups["decay"], "weight_decay": cfg.train.weight_decay, "lr_scale": ratio},
+            {"params": groups["no_decay"], "weight_decay": 0.0, "lr_scale": ratio},
+            {"params": groups["prototypes"], "weight_decay": 0.0, "lr_scale": 1.0}]
+    return torch.optim.AdamW([g for g in spec if g["params"]], lr=cfg.train.lr, betas=cfg.train.betas,
+                             fused=device.type == "cuda")
+
+
+def trainable_names(model: PrismLM, policy: str) -> set[str]:
+    """Names of the parameters a ``train.trainable`` policy trains (tied weights under every name):
+    ``all``; ``prototypes`` (the bank only); ``last-N`` (the bank, the last N blocks, the final norm)."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    if policy == "all":
+        return names
+    keep = {n for n in names if n.startswith("prototypes.")}
+    if policy == "prototypes":
+        return keep
+    if policy == "lora":
+        adapters = {n for n in names if ".lora_" in n}
+        if not adapters:
+            raise ConfigError("train.trainable=lora but the model has no LoRA adapters", fix="set model.lora_rank")
+        return keep | adapters
+    n_last = int(policy.removeprefix("last-"))
+    blocks, final_norms = model.block_prefixes(), model.final_norm_prefixes()
+    if n_last > len(blocks):
+        raise ConfigError(f"train.trainable={policy}: the model has only {len(blocks)} blocks",
+                          fix=f"use last-{len(blocks)} or all")
+    prefixes = tuple(blocks[-n_last:]) + tuple(final_norms)
+    return keep | {n for n in names if n.startswith(prefixes)}
+
+
+def set_trainable(model: PrismLM, names: set[str]) -> None:
+    """``requires_grad`` on exactly ``names``: frozen parameters get no gradient, so backward stops at them
+    (with a frozen backbone it never enters it)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in names:
+            p.requires_grad_(True)
 
 
 def autocast_for(cfg: RunConfig, device: torch.device) -> torch.autocast | None:
@@ -157,6 +202,7 @@ def train(
     stop_after: int | None = None,
     overwrite: bool = False,
     extend_to: int | None = None,
+    initial_state: dict[str, torch.Tensor] | None = None,
 ) -> TrainResult:
     """Train ``cfg`` into ``out_dir``.
 
@@ -167,6 +213,9 @@ def train(
     ``overwrite``: replace a run already in ``out_dir`` (otherwise refused: a run is never lost to a re-run).
     A lock on ``out_dir/.lock`` refuses a second writer at once. A NaN/Inf loss stops training with
     ``RunError``; the last good checkpoint stays.
+    ``initial_state``: start a new run from these weights (a ``PrismLM`` state dict: a pretrained backbone with
+    a seeded bank, see ``prismlm.train.retrofit``) instead of a random init; the vocabulary is then the
+    model's, not rounded. ``train.trainable`` / ``train.frozen_steps`` choose what trains.
     ``stop_after``: stop (with a checkpoint) after this many steps of *this* call — simulates an
     interruption in tests; the schedule still follows ``cfg.train.max_steps``.
     """
@@ -208,9 +257,16 @@ def train(
             else:
                 barrier(info)
                 shards = prepare_from_config(cfg.data, show_progress=False)
-        vocab = round_vocab(shards.tokenizer.vocab_size)
-        if cfg.model.vocab_size != vocab:
-            cfg = cfg.override({"model.vocab_size": vocab})
+        if initial_state is None and not resume:
+            vocab = round_vocab(shards.tokenizer.vocab_size)
+            if cfg.model.vocab_size != vocab:
+                cfg = cfg.override({"model.vocab_size": vocab})
+        elif cfg.model.vocab_size < shards.tokenizer.vocab_size:
+            raise DataError(f"the tokenizer of {shards.root} has {shards.tokenizer.vocab_size} ids but the model only "
+                            f"{cfg.model.vocab_size}", fix="prepare the corpus with the model's own tokenizer")
+        if info.enabled and cfg.train.frozen_steps > 0 and cfg.train.trainable != "prototypes":
+            raise ConfigError("train.frozen_steps (a two-stage retrofit) changes which parameters train mid-run, "
+                              "which DistributedDataParallel does not allow", fix="run it in one process")
         if shards.train.num_sequences(cfg.model.block_size) < 1:
             raise DataError("the training split is shorter than one block; use more data or a smaller block_size")
         if shards.val.num_sequences(cfg.model.block_size) < 1:  # refused now, not at the first evaluation
@@ -222,7 +278,13 @@ def train(
         model = PrismLM(cfg.model).to(device)
         if resume:
             model.load_state_dict(ckpt.model.state_dict())
+        elif initial_state is not None:
+            model.load_state_dict(initial_state)
         optimizer = build_optimizer(model, cfg, device)
+        stage_names = {"frozen": trainable_names(model, "prototypes"),
+                       "main": trainable_names(model, cfg.train.trainable)}
+        stage = "frozen" if start_step < cfg.train.frozen_steps else "main"
+        set_trainable(model, stage_names[stage])
         if state is not None:
             optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng"]["torch"])
@@ -284,8 +346,12 @@ def train(
         t_last, tokens_since = time.perf_counter(), 0
         for step in range(start_step, end_step):
             lr = tc.lr_at(step)
+            if stage == "frozen" and step >= tc.frozen_steps:  # retrofit stage 2: the backbone joins
+                stage = "main"
+                set_trainable(model, stage_names[stage])
+                bar.message(f"step {step}: stage 2, training {tc.trainable} parameters")
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)
             weights = cfg.loss.weights_at(step)
             terms_sum: dict[str, float] = {}
             for micro in range(tc.grad_accum):

@@ -1,0 +1,103 @@
+"""Register the ``prism`` model type with transformers' Auto classes once transformers is imported.
+
+``import prismlm`` must stay fast, and importing transformers' modelling code costs seconds, so the facade
+never imports it. ``register_when_imported()`` instead:
+
+* registers right away (``prismlm.model.hf_model.register``) when ``transformers`` is already imported;
+* otherwise puts a small finder on ``sys.meta_path`` that lets the normal finders locate ``transformers``,
+  and runs the registration right after the package has finished executing — then removes itself. So
+  ``import prismlm; from transformers import AutoModelForCausalLM`` (in either order) knows ``prism``.
+
+A registration failure (e.g. an incompatible transformers release) never breaks ``import transformers``:
+it becomes a warning. This module imports nothing outside the standard library.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+__all__ = ["register_now", "register_when_imported"]
+
+_TARGET = "transformers"
+_lock = threading.Lock()
+
+
+def register_now() -> bool:
+    """Register ``prism`` with the Auto classes; False (with a warning) when that fails."""
+    try:
+        from prismlm.model.hf_model import register
+
+        register()
+    except Exception as e:  # noqa: BLE001 — never break the user's import of transformers
+        warnings.warn(f"prismlm could not register the 'prism' model type with transformers "
+                      f"({type(e).__name__}: {e}); AutoModelForCausalLM will not know exported PRISM models "
+                      "(load them with trust_remote_code=True)", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: it asks the other finders for ``transformers`` and wraps the found loader's
+    ``exec_module`` so that the registration runs when the package has executed."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _TARGET:
+            return None
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None) if spec is not None else None
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec  # not installed (the import fails as usual), or an exotic loader: leave it alone
+        original = loader.exec_module
+        hook = self
+
+        def exec_module(module: ModuleType) -> None:
+            try:
+                original(module)
+            finally:
+                try:
+                    del loader.exec_module  # the loader's own method again
+                except AttributeError:
+                    pass
+            hook.remove()
+            register_now()
+
+        loader.exec_module = exec_module
+        return spec
+
+    def remove(self) -> None:
+        with _lock:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+
+
+def _installed() -> _RegisterAfterImport | None:
+    return next((f for f in sys.meta_path if isinstance(f, _RegisterAfterImport)), None)
+
+
+def register_when_imported() -> Any:
+    """Register now if transformers is imported, else once it is (see the module docstring). Returns the
+    installed finder, or None when it registered (or tried to) right away. Idempotent."""
+    if _TARGET in sys.modules:
+        register_now()
+        return None
+    with _lock:
+        hook = _installed()
+        if hook is None:
+            hook = _RegisterAfterImport()
+            sys.meta_path.insert(0, hook)
+    return hook

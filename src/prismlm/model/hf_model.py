@@ -1,0 +1,402 @@
+"""PRISM as a Hugging Face transformers model: ``PrismConfig`` + ``PrismForCausalLM``.
+
+``PrismForCausalLM`` wraps one ``PrismLM`` (``self.prism``; PRISM or the dense baseline, any backbone) behind
+the transformers interface, so an exported run loads with ``AutoModelForCausalLM.from_pretrained(folder)``,
+generates with ``generate()`` and is scored by ``lm_eval --model hf``. The wrapper only calls
+``PrismLM(ModelConfig)`` and its forward; the logits are the run's own, bit for bit.
+
+* **Config.** ``PrismConfig.prism_model`` is the prismlm ``ModelConfig`` as a dict — the source of truth; the
+  standard fields transformers and lm-eval read (``vocab_size``, ``hidden_size``, ``num_hidden_layers``,
+  ``num_attention_heads``, ``max_position_embeddings`` = block_size, ``tie_word_embeddings``) are derived
+  from it on every construction, so they can never disagree with the model.
+* **Interventions baked in.** ``suppressed_prototypes`` (ids whose slices are removed) and, for controllers
+  or scaling, ``prototype_multipliers`` (K floats) are applied in every forward with
+  ``PrismLM.scale_prototypes``, exactly as ``with run.intervened():`` does.
+* **Outputs.** ``PrismCausalLMOutput`` is a ``CausalLMOutputWithPast`` that also carries
+  ``prototype_indices``/``prototype_activations`` (B, T, k) and ``residual`` (B, T, d) (``None`` for dense).
+* **Cache.** ``generate()`` runs the prompt once, then one token per step against a transformers
+  ``DynamicCache`` passed straight to ``PrismLM.forward(cache=…)``. Past block_size the window slides and
+  every step recomputes the last block_size tokens without a cache — ``PrismLM.generate``'s semantics, so
+  greedy decoding gives the same tokens.
+* **Padding.** The model has learned absolute positions and no padding mask: right padding is harmless
+  (causal attention never looks ahead), left padding is refused (``ModelError``).
+* **Tied weights.** The mapping transformers uses to save and re-tie shared parameters is read off the
+  wrapped model (parameters that are the same object), never assumed: an untied model is never tied.
+
+``register()`` makes ``AutoConfig``/``AutoModelForCausalLM`` know the ``prism`` model type; importing
+``prismlm`` arranges it (``prismlm.model.hf_auto``). ``save_pretrained`` also writes two small
+``trust_remote_code`` shims (``configuration_prism.py``, ``modeling_prism.py``) that import these classes
+from the installed prismlm, so ``trust_remote_code=True`` works without importing prismlm first.
+
+transformers is optional: importing this module without it raises ``DependencyError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from prismlm.config import ModelConfig, _from_dict
+from prismlm.errors import ConfigError, DependencyError, ModelError
+from prismlm.model.gpt import PrismLM
+from prismlm.model.interventions import Intervention, check_ids, combined_multipliers
+
+try:
+    from transformers import (
+        GenerationConfig,
+        GenerationMixin,
+        PretrainedConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerFast,
+    )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise DependencyError(f"the Hugging Face interface of prismlm needs the transformers package ({e})",
+                          fix="pip install 'prismlm[hf]'") from e
+
+__all__ = ["MODEL_TYPE", "PrismCausalLMOutput", "PrismConfig", "PrismForCausalLM", "fast_tokenizer", "register",
+           "write_remote_code"]
+
+MODEL_TYPE = "prism"
+AUTO_MAP = {"AutoConfig": "configuration_prism.PrismConfig",
+            "AutoModelForCausalLM": "modeling_prism.PrismForCausalLM"}
+_REMOTE_CODE = {
+    "configuration_prism.py": '"""`trust_remote_code=True` entry point: PrismConfig lives in the installed prismlm package '
+                              '(pip install prismlm)."""\n\nfrom prismlm.model.hf_model import PrismConfig\n\n'
+                              '__all__ = ["PrismConfig"]\n',
+    "modeling_prism.py": '"""`trust_remote_code=True` entry point: PrismForCausalLM lives in the installed prismlm package '
+                         '(pip install prismlm)."""\n\nfrom prismlm.model.hf_model import PrismConfig, PrismForCausalLM\n\n'
+                         '__all__ = ["PrismConfig", "PrismForCausalLM"]\n',
+}
+# transformers ≥ 5.x (late) names the cache `cache`; earlier releases `past_key_values`
+_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+# derived from prism_model on every construction; values saved in config.json are recomputed, not trusted
+_DERIVED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
+            "tie_word_embeddings")
+
+
+def write_remote_code(folder: str | os.PathLike[str]) -> list[Path]:
+    """Write the ``trust_remote_code`` shims into ``folder``; returns their paths."""
+    out = []
+    for name, text in _REMOTE_CODE.items():
+        p = Path(folder) / name
+        p.write_text(text, encoding="utf-8")
+        out.append(p)
+    return out
+
+
+class PrismConfig(PretrainedConfig):
+    """transformers config of a PRISM (or dense) model: the prismlm ``ModelConfig`` plus the standard fields."""
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, prism_model: dict[str, Any] | None = None, *,
+                 suppressed_prototypes: Sequence[int] | None = None,
+                 prototype_multipliers: Sequence[float] | None = None,
+                 prism_source: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """``prism_model``: ``dataclasses.asdict(ModelConfig)`` (default: ``ModelConfig()``).
+        ``suppressed_prototypes``: prototype ids whose logit slices are removed in every forward.
+        ``prototype_multipliers``: K per-prototype multipliers (controllers, scaling); when given, the
+        suppressed ids are the ones with multiplier 0. ``prism_source``: where the weights came from."""
+        cfg = self._model_config(prism_model if prism_model is not None else asdict(ModelConfig()))
+        for k in _DERIVED:
+            kwargs.pop(k, None)
+        kwargs.setdefault("auto_map", dict(AUTO_MAP))
+        # generation fields: transformers' base config drops them from kwargs, so they are set here
+        use_cache = bool(kwargs.pop("use_cache", True))
+        bos, eos, pad = (kwargs.pop(k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id"))
+        super().__init__(**kwargs)
+        self.use_cache = use_cache
+        self.prism_model = asdict(cfg)
+        self.vocab_size = cfg.vocab_size
+        self.hidden_size = cfg.n_embd
+        self.num_hidden_layers = cfg.n_layer
+        self.num_attention_heads = cfg.n_head
+        self.max_position_embeddings = cfg.block_size
+        self.tie_word_embeddings = bool(cfg.tie_weights)  # re-checked against the weights by PrismForCausalLM
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = bos, eos, pad
+        if prototype_multipliers is not None:
+            mult = [float(m) for m in prototype_multipliers]
+            self.prototype_multipliers: list[float] | None = mult
+            self.suppressed_prototypes: list[int] = [i for i, m in enumerate(mult) if m == 0.0]
+        else:
+            self.prototype_multipliers = None
+            self.suppressed_prototypes = sorted({int(i) for i in suppressed_prototypes or ()})
+        self.prism_source = prism_source
+
+    @staticmethod
+    def _model_config(data: dict[str, Any]) -> ModelConfig:
+        try:
+            return _from_dict(ModelConfig, dict(data), "prism_model")
+        except ConfigError as e:
+            raise ConfigError(f"config.json: {e.message}", fix="export the run again with this prismlm version") from e
+
+    def model_config(self) -> ModelConfig:
+        """The prismlm ``ModelConfig`` this config describes."""
+        return self._model_config(self.prism_model)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: Any) -> None:
+        """``config.json`` plus the ``trust_remote_code`` shims its ``auto_map`` names."""
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        write_remote_code(save_directory)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class: Any = "AutoConfig") -> None:
+        """Kept a no-op: transformers calls it after a ``trust_remote_code`` load and would then copy this
+        module into every saved folder; ``save_pretrained`` ships the import shims instead."""
+
+
+@dataclasses.dataclass
+class PrismCausalLMOutput(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus the PRISM decomposition of every position of the forward's input.
+
+    The prototype fields cover all input positions even when ``logits_to_keep`` trims the logits."""
+
+    prototype_indices: torch.LongTensor | None = None
+    """(B, T, k) the top-k prototype ids of each token; None for the dense baseline."""
+    prototype_activations: torch.FloatTensor | None = None
+    """(B, T, k) their non-negative activations a_i."""
+    residual: torch.FloatTensor | None = None
+    """(B, T, d) r = z − Σ a_i p_i."""
+
+
+def _shared_parameters(module: torch.nn.Module) -> dict[str, str]:
+    """{name: first name} for every parameter that is the same object as an earlier one (tied weights)."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
+def _check_attention_mask(mask: torch.Tensor | None) -> None:
+    """Accept no mask, all ones, or right padding (each row ones then zeros); refuse anything else."""
+    if mask is None:
+        return
+    if mask.dim() != 2:
+        raise ModelError(f"attention_mask must be (batch, sequence) of 0/1, got shape {tuple(mask.shape)}")
+    m = mask.bool()
+    if bool(m.all()):
+        return
+    if bool((m[:, 1:] & ~m[:, :-1]).any()):
+        raise ModelError("attention_mask has padding before tokens (left padding): PRISM models have learned "
+                         "absolute positions and no padding mask, so a left-padded row would be shifted",
+                         fix="pad on the right (tokenizer.padding_side = 'right') or use batch size 1")
+
+
+class PrismForCausalLM(PreTrainedModel, GenerationMixin):
+    """A ``PrismLM`` (``self.prism``) as a transformers causal LM."""
+
+    config_class = PrismConfig
+    base_model_prefix = "prism"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules: list[str] = []
+
+    def __init__(self, config: PrismConfig, prism: PrismLM | None = None) -> None:
+        """``prism``: an existing ``PrismLM`` to wrap as is (its config must be ``config.model_config()``);
+        default a new one (weights from ``from_pretrained`` or ``from_prism``)."""
+        super().__init__(config)
+        cfg = config.model_config()
+        if prism is not None and asdict(prism.config) != asdict(cfg):
+            raise ModelError("the PrismLM to wrap has another config than config.prism_model")
+        self.prism = prism if prism is not None else PrismLM(cfg)
+        # transformers drops the targets of this mapping when saving and re-ties them when loading; read off
+        # the weights, so a dense model with an untied head is never tied (and a tied one always is)
+        tied = _shared_parameters(self)
+        self._tied_weights_keys = tied or None  # type: ignore[assignment]
+        config.tie_word_embeddings = bool(tied)
+        self._multipliers = self._baked_multipliers(config)
+        self._multiplier_tensor: torch.Tensor | None = None
+        self.post_init()
+
+    def _baked_multipliers(self, config: PrismConfig) -> tuple[float, ...] | None:
+        """The (K,) multipliers recorded in the config, checked against the bank; None when there are none."""
+        mult, ids = config.prototype_multipliers, config.suppressed_prototypes
+        if mult is None and not ids:
+            return None
+        if self.prism.prototypes is None:
+            raise ModelError("config.json suppresses or scales prototypes, but the model is a dense baseline "
+                             "(it has no prototypes)")
+        K = self.prism.prototypes.num_prototypes
+        if mult is not None:
+            if len(mult) != K:
+                raise ModelError(f"config.json: prototype_multipliers has {len(mult)} entries, the model has {K} "
+                                 "prototypes")
+            return tuple(mult)
+        out = [1.0] * K
+        for i in check_ids(list(ids), K):
+            out[i] = 0.0
+        return tuple(out)
+
+    @property
+    def prototype_multipliers(self) -> torch.Tensor | None:
+        """(K,) the baked-in multipliers (0: suppressed) on the bank's device and dtype, or None."""
+        if self._multipliers is None or self.prism.prototypes is None:
+            return None
+        w = self.prism.prototypes.weight
+        t = self._multiplier_tensor
+        if t is None or t.device != w.device or t.dtype != w.dtype:
+            # combined in float64 and cast once, as PrismLM.intervene does: the same tensor as the run's
+            t = torch.tensor(self._multipliers, dtype=torch.float64).to(device=w.device, dtype=w.dtype)
+            self._multiplier_tensor = t
+        return t
+
+    # ----- construction from prismlm ---------------------------------------------------------------------------
+    @classmethod
+    def from_prism(cls, model: PrismLM, *, interventions: Sequence[Intervention] = (),
+                   bos_token_id: int | None = None, eos_token_id: int | None = None,
+                   pad_token_id: int | None = None, prism_source: dict[str, Any] | None = None) -> PrismForCausalLM:
+        """A float32 CPU copy of ``model`` with ``interventions`` (suppression sets, controllers, scaling)
+        baked in: its logits are those of ``with model.intervene(*interventions): model(x)``."""
+        mult = None
+        if interventions:
+            if model.prototypes is None:
+                raise ModelError("the dense baseline has no prototypes to suppress or control")
+            m = combined_multipliers(interventions, model.prototypes.num_prototypes)
+            assert m is not None
+            mult = m.tolist()
+        binary = mult is not None and all(v in (0.0, 1.0) for v in mult)
+        config = PrismConfig(asdict(model.config),
+                             suppressed_prototypes=[i for i, v in enumerate(mult) if v == 0.0] if binary and mult else None,
+                             prototype_multipliers=None if binary else mult,
+                             bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                             prism_source=prism_source)
+        hf = cls(config)
+        state = {k: v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu()
+                 for k, v in model.state_dict().items()}
+        hf.prism.load_state_dict(state)
+        hf.float()
+        hf.generation_config = GenerationConfig(bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                                                pad_token_id=pad_token_id, max_length=model.config.block_size)
+        return hf.eval()
+
+    # ----- transformers hooks ------------------------------------------------------------------------------------
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """PrismLM initialises itself; weights come from ``from_pretrained``/``from_prism``."""
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class: Any = "AutoModel") -> None:
+        """A no-op, as ``PrismConfig.register_for_auto_class``."""
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        backbone: Any = self.prism.transformer  # the built-in GPT's, or a transformers base model
+        get = getattr(backbone, "get_input_embeddings", None)
+        emb = get() if callable(get) else backbone.wte
+        assert isinstance(emb, torch.nn.Module)
+        return emb
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.prism.lm_head
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                past_key_values: Any = None, use_cache: bool | None = None, labels: torch.LongTensor | None = None,
+                return_dict: bool | None = None, *, cache: Any = None, logits_to_keep: int = 0,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: Any) -> PrismCausalLMOutput | tuple:
+        """input_ids (B, T) → logits (B, T, V) (the last ``logits_to_keep`` positions when > 0).
+
+        ``cache``/``past_key_values``: a transformers ``Cache`` holding the P earlier tokens; input_ids are
+        then the T tokens after them (P + T <= block_size). ``use_cache`` (default ``config.use_cache``)
+        creates one when none is given and returns it. ``labels`` (B, T): mean next-token cross-entropy
+        (shifted inside, -100 ignored). ``attention_mask``: all ones or right padding."""
+        if inputs_embeds is not None:
+            raise ModelError("PRISM models take input_ids, not inputs_embeds")
+        if input_ids is None:
+            raise ModelError("input_ids is required")
+        _check_attention_mask(attention_mask)
+        cache = cache if cache is not None else past_key_values
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if not use_cache:
+            cache = None
+        elif cache is None:
+            from transformers import DynamicCache
+
+            try:
+                cache = DynamicCache(config=self.config)
+            except TypeError:  # releases whose DynamicCache takes no config
+                cache = DynamicCache()
+        last_only = logits_to_keep == 1
+        with self.baked_in():
+            out = self.prism(input_ids, last_only=last_only, cache=cache)
+        logits = out.logits
+        if logits_to_keep and not last_only:
+            logits = logits[:, -logits_to_keep:, :]
+        loss = None
+        if labels is not None:
+            full = out.logits if not last_only and not logits_to_keep else None
+            if full is None:
+                raise ModelError("labels need the logits of every position (logits_to_keep=0)")
+            loss = F.cross_entropy(full[:, :-1, :].float().reshape(-1, full.size(-1)),
+                                   labels[:, 1:].reshape(-1).to(full.device), ignore_index=-100)
+        result = PrismCausalLMOutput(loss=loss, logits=logits, prototype_indices=out.indices,
+                                     prototype_activations=out.activations, residual=out.residual,
+                                     **{_CACHE_FIELD: cache})
+        use_dict = return_dict if return_dict is not None else self.config.return_dict
+        return result if use_dict else result.to_tuple()
+
+    @contextmanager
+    def baked_in(self) -> Iterator[PrismLM]:
+        """``with model.baked_in() as prism:`` the wrapped ``PrismLM`` with the config's suppression set or
+        multipliers applied (what ``forward`` runs under)."""
+        m = self.prototype_multipliers
+        with self.prism.scale_prototypes(m) if m is not None else nullcontext(self.prism) as prism:
+            yield prism
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, next_sequence_length: int | None = None,
+                                      cache: Any = None, attention_mask: torch.Tensor | None = None,
+                                      inputs_embeds: torch.Tensor | None = None, is_first_iteration: bool | None = False,
+                                      past_key_values: Any = None, **kwargs: Any) -> dict[str, Any]:
+        """What the next generation step runs: the tokens the cache has not seen, or — once the sequence is
+        longer than block_size (or without a cache) — the last block_size tokens, uncached (a stale cache
+        is left unused, as in ``PrismLM.generate_steps``)."""
+        if inputs_embeds is not None:
+            raise ModelError("PRISM models generate from input_ids, not inputs_embeds")
+        cache = cache if cache is not None else past_key_values
+        bs = self.prism.config.block_size
+        L = input_ids.shape[1]
+        past = cache.get_seq_length() if cache is not None else 0
+        if cache is not None and L <= bs and past < L:
+            feed, step_cache = input_ids[:, past:], cache
+        else:
+            feed, step_cache = input_ids[:, -bs:], None
+        inputs: dict[str, Any] = {"input_ids": feed.contiguous(), "attention_mask": attention_mask,
+                                  _CACHE_FIELD: step_cache}
+        skip = {"labels", "position_ids", "token_type_ids", "cache_position", "next_sequence_length"}
+        for k, v in kwargs.items():
+            if k not in skip and k not in inputs:
+                inputs[k] = v
+        if step_cache is None:
+            inputs["use_cache"] = False  # a window step: nothing to append to, nothing to return
+        return inputs
+
+
+def fast_tokenizer(backend: Any, eot_token: str, *, max_length: int) -> PreTrainedTokenizerFast:
+    """A transformers fast tokenizer over (a copy of) a ``tokenizers.Tokenizer`` whose end-of-text token is
+    its eos, bos and pad token (GPT-2's convention; an empty context starts from it, as prismlm's scoring
+    does), padding on the right (the model refuses left padding)."""
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    # a copy: the transformers wrapper may change the backend's padding/truncation settings
+    return PreTrainedTokenizerFast(tokenizer_object=BackendTokenizer.from_str(backend.to_str()),
+                                   eos_token=eot_token, bos_token=eot_token, pad_token=eot_token,
+                                   model_max_length=max_length, padding_side="right",
+                                   clean_up_tokenization_spaces=False)
+
+
+def register() -> None:
+    """Teach ``AutoConfig`` and ``AutoModelForCausalLM`` the ``prism`` model type (idempotent)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoConfig.register(MODEL_TYPE, PrismConfig, exist_ok=True)
+    AutoModelForCausalLM.register(PrismConfig, PrismForCausalLM, exist_ok=True)

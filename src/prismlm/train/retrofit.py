@@ -1,0 +1,228 @@
+"""Retrofit: put a prototype head on a pretrained causal LM (spec §6), then train it.
+
+Stage 1 trains only the bank with the backbone and W frozen: the logits are exactly the pretrained model's
+(ℓ = W z is computed from z, which the bank does not touch), and every logit becomes k prototype slices plus
+a residual. Stage 2 (optional, ``train.trainable`` = ``last-N`` or ``all`` after ``train.frozen_steps``)
+fine-tunes jointly with CE + REC + R1 + R2. The prototypes start as real hidden states of the corpus
+(``seed_prototypes``: k-means++ in cosine distance), so they are data-anchored from step 0.
+
+Sources: a prismlm run (e.g. a dense baseline), or a transformers causal LM folder / hub name. GPT-2 weights
+go into the built-in GPT; other families keep their own base model (``prismlm.model.hf_backbone``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from prismlm.config import ModelConfig, PrototypeConfig, RunConfig
+from prismlm.data.shards import ShardSet, default_data_dir
+from prismlm.data.tokenizer import Tokenizer, hf_tokenizer
+from prismlm.errors import CheckpointError, ModelError, TokenizerError
+from prismlm.model import PrismLM
+from prismlm.model.hf_backbone import (
+    check_linear_logits_config,
+    check_same_logits,
+    gpt2_activation,
+    gpt2_state_dict,
+    hidden_size_of,
+    input_embedding_weight,
+    split_causal_lm,
+    transformers_module,
+)
+from prismlm.model.prototypes import seed_prototypes
+from prismlm.progress import Progress
+from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
+from prismlm.train.trainer import TrainResult, train
+
+DEFAULT_MAX_BLOCK = 1024
+"""Longest context a retrofit uses by default (training windows, generation crop): the model's own if shorter."""
+
+
+@dataclass
+class Pretrained:
+    """A pretrained causal LM, in prismlm's terms, ready to carry a prototype head."""
+
+    source: str
+    """What the user named (a run folder, a transformers folder or a hub name)."""
+    model: ModelConfig
+    """Its architecture as a ``ModelConfig`` (``prototypes=None``)."""
+    state: dict[str, torch.Tensor]
+    """Backbone and unembedding weights under ``PrismLM``'s names."""
+    tokenizer: Tokenizer
+    """The model's own tokenizer."""
+    reference: nn.Module | None = None
+    """The original transformers model, kept to check that prismlm reproduces its logits."""
+
+
+def load_pretrained(source: str, *, block_size: int | None = None) -> Pretrained:
+    """A prismlm run/checkpoint, or a transformers causal LM (folder, or hub name when online), as a
+    ``Pretrained``. ``block_size``: context to use (default: the model's, at most ``DEFAULT_MAX_BLOCK``)."""
+    path = Path(source).expanduser()
+    if path.exists() and not _is_transformers_folder(path):
+        try:
+            ckpt_dir = find_checkpoint(path)
+        except CheckpointError:
+            ckpt_dir = None
+        if ckpt_dir is not None:
+            return _from_run(source, ckpt_dir, block_size)
+    return _from_transformers(source, block_size)
+
+
+def _is_transformers_folder(path: Path) -> bool:
+    """A folder written by ``save_pretrained``: its config.json names a model_type (a prismlm checkpoint's
+    config.json is a RunConfig, which has none)."""
+    try:
+        return "model_type" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _from_run(source: str, ckpt_dir: Path, block_size: int | None) -> Pretrained:
+    ckpt = load_checkpoint(ckpt_dir)
+    cfg = ckpt.config.model
+    state = {k: v for k, v in ckpt.model.state_dict().items() if not k.startswith("prototypes.")}
+    if block_size is not None and block_size != cfg.block_size:
+        if cfg.backbone != "gpt" or block_size > cfg.block_size:
+            raise ModelError(f"--block-size {block_size}: {source} has a context of {cfg.block_size}",
+                             fix=f"use a block size <= {cfg.block_size}")
+        state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:block_size].clone()
+        cfg = _replace(cfg, block_size=block_size)
+    return Pretrained(source=source, model=_replace(cfg, prototypes=None), state=state,
+                      tokenizer=ckpt.require_tokenizer())
+
+
+def _from_transformers(source: str, block_size: int | None) -> Pretrained:
+    tf = transformers_module()
+    try:
+        config = tf.AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{source} is neither a prismlm run nor a transformers model (a folder with a config.json "
+                         f"naming a model_type, or a hub name): {str(e).splitlines()[0]}",
+                         fix="pass a run folder, a saved transformers causal LM, or a hub name when online",
+                         path=Path(source)) from e
+    check_linear_logits_config(config, source)
+    try:
+        hf_lm = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    except ValueError as e:
+        raise ModelError(f"{source} is a {config.model_type} model, not a causal language model "
+                         f"({str(e).splitlines()[0]})", fix="retrofit a decoder-only *ForCausalLM") from e
+    hf_lm.eval()
+    local = Path(source).expanduser()
+    # transformers 5 makes an empty tokenizer for a folder without tokenizer files instead of failing
+    if local.is_dir() and not any((local / f).exists() for f in _TOKENIZER_FILES):
+        raise TokenizerError(f"{source} has no usable tokenizer: none of {', '.join(_TOKENIZER_FILES)} is there",
+                             fix="save the model's tokenizer next to it (tokenizer.save_pretrained(folder))",
+                             path=local)
+    try:
+        tokenizer = hf_tokenizer(source)
+    except TokenizerError as e:
+        raise TokenizerError(f"{source} has no usable tokenizer: {e.message}",
+                             fix="save the model's tokenizer next to it (tokenizer.save_pretrained(folder))") from e
+    text = config.get_text_config()
+    context = getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None) or DEFAULT_MAX_BLOCK
+    bs = block_size if block_size is not None else min(int(context), DEFAULT_MAX_BLOCK)
+    if bs > context:
+        raise ModelError(f"--block-size {bs}: {source} has a context of {context}", fix=f"use <= {context}")
+    base, head = split_causal_lm(hf_lm, source)
+    vocab = int(head.weight.shape[0])
+    if tokenizer.vocab_size > vocab:
+        raise TokenizerError(f"{source}: its tokenizer has {tokenizer.vocab_size} ids but the model only {vocab}")
+    tied = head.weight is input_embedding_weight(base)
+    common: dict[str, Any] = dict(vocab_size=vocab, block_size=bs, n_layer=int(text.num_hidden_layers),
+                                  n_embd=hidden_size_of(config), dropout=0.0, tie_weights=tied, prototypes=None)
+    if config.model_type == "gpt2":  # GPT-2's layout is the built-in GPT's: copy the weights in
+        model_cfg = ModelConfig(**common, n_head=int(text.n_head), bias=True, lm_head_bias=head.bias is not None,
+                                activation=gpt2_activation(text, source),  # type: ignore[arg-type]
+                                layer_norm_eps=float(text.layer_norm_epsilon))
+        state = gpt2_state_dict(hf_lm.state_dict(), bs)
+    else:
+        model_cfg = ModelConfig(**common, n_head=int(text.num_attention_heads), backbone="hf",
+                                hf_config=config.to_dict(), lm_head_bias=head.bias is not None)
+        state = {f"transformer.{k}": v for k, v in base.state_dict().items()}
+        state["lm_head.weight"] = head.weight.detach()
+        if head.bias is not None:
+            state["lm_head.bias"] = head.bias.detach()
+    return Pretrained(source=source, model=model_cfg, state=state, tokenizer=tokenizer, reference=hf_lm)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:
+    from prismlm.config import replace
+
+    return replace(cfg, **changes)
+
+
+def build_model(pre: Pretrained, prototypes: PrototypeConfig | None) -> PrismLM:
+    """``PrismLM`` with the pretrained weights (and an untrained bank when ``prototypes`` is given), checked
+    against the original transformers model's logits when there is one."""
+    cfg = _replace(pre.model, prototypes=prototypes)
+    model = PrismLM(cfg)
+    ours = model.base_state_keys()  # pretrained key → ours (they differ under LoRA adapters)
+    unexpected = [k for k in pre.state if k not in ours]
+    missing, _ = model.load_state_dict({ours[k]: v for k, v in pre.state.items() if k in ours}, strict=False)
+    missing = [m for m in missing if not m.startswith("prototypes.") and ".lora_" not in m]
+    if missing or unexpected:
+        raise ModelError(f"{pre.source}: weights do not fit the model (missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]})")
+    model.eval()
+    if pre.reference is not None:
+        check_same_logits(pre.reference, model, cfg.vocab_size, cfg.block_size, pre.source)
+    return model
+
+
+def save_tokenizer(tok: Tokenizer, data_dir: str | None) -> Path:
+    """Store the model's tokenizer where shards are cached, by content (so the run config can name it)."""
+    root = (Path(data_dir).expanduser() if data_dir else default_data_dir()) / "tokenizers" / tok.fingerprint[:16]
+    if not (root / "tokenizer.json").exists():
+        tok.save(root)
+    return root
+
+
+@torch.no_grad()
+def sample_hidden(model: PrismLM, shards: ShardSet, num_tokens: int, *, batch_size: int = 16,
+                  seed: int = 0) -> torch.Tensor:
+    """Final hidden states z of ``num_tokens`` tokens from randomly drawn training sequences → (N, d) float32.
+    Every position of a drawn sequence is kept (neighbouring tokens are as real as any)."""
+    T = model.config.block_size
+    n_seq = shards.train.num_sequences(T)
+    want = min(n_seq, math.ceil(num_tokens / T))
+    rng = np.random.default_rng(seed)
+    ids = np.sort(rng.choice(n_seq, size=want, replace=False))
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, want, batch_size):  # batches of sequences
+        x = torch.from_numpy(shards.train.sequences(ids[start:start + batch_size], T)[:, :-1].astype(np.int64))
+        out.append(model.backbone(x.to(device)).reshape(-1, model.config.n_embd).float().cpu())  # (b·T, d)
+    return torch.cat(out)[:num_tokens]
+
+
+def retrofit(pre: Pretrained, cfg: RunConfig, out_dir: str | Path, *, shards: ShardSet, progress: Progress = True,
+             overwrite: bool = False, seed_tokens: int | None = None) -> TrainResult:
+    """Seed a prototype bank on ``pre``'s hidden states of ``shards`` and train ``cfg`` (whose model is
+    ``pre.model`` with prototypes, ``train.trainable``/``frozen_steps`` the stages) into ``out_dir``."""
+    protos = cfg.model.prototypes
+    if protos is None:
+        raise ModelError("retrofit needs a prototype head (model.prototypes is null)")
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(pre, protos)
+    n_tokens = seed_tokens if seed_tokens is not None else max(16 * protos.num_prototypes, 8192)
+    hidden = sample_hidden(model, shards, n_tokens, seed=cfg.train.seed)
+    if hidden.shape[0] < protos.num_prototypes:
+        raise ModelError(f"the training split holds {hidden.shape[0]} tokens, fewer than the "
+                         f"{protos.num_prototypes} prototypes to seed", fix="use more data or fewer prototypes")
+    bank = seed_prototypes(hidden, protos.num_prototypes, protos.top_k,
+                           generator=torch.Generator().manual_seed(cfg.train.seed))
+    assert model.prototypes is not None
+    model.prototypes.weight.data.copy_(bank)
+    return train(cfg, out_dir, shards=shards, progress=progress, overwrite=overwrite,
+                 initial_state=model.state_dict())

@@ -1,0 +1,385 @@
+"""``prism export`` and the transformers interface (``prismlm.model.hf_model``): an exported run loads with
+``AutoModelForCausalLM`` (registered by ``import prismlm``, or through ``trust_remote_code``), gives the run's
+logits and prototype decomposition, generates the same greedy tokens as ``PrismLM.generate`` (with the KV
+cache, also past block_size), ships a tokenizer that encodes as the run's, keeps the run's suppression set,
+and is scored by lm-eval's own ``HFLM`` as by our scorer (tiny trained run, CPU, offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import train_tiny_run
+
+pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from prismlm.app import Run, export_run  # noqa: E402
+from prismlm.config import RunConfig  # noqa: E402
+from prismlm.errors import ArtifactError, DependencyError, ModelError  # noqa: E402
+from prismlm.model import Control, PrismLM, Suppress  # noqa: E402
+from prismlm.model.hf_model import PrismConfig, PrismForCausalLM  # noqa: E402
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+TEXTS = ["It is a truth universally acknowledged, that a single man",
+         "The President said that the Union is strong.", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def run_folder(tiny_shards, tmp_path_factory) -> Path:
+    """The tiny PRISM preset trained 5 steps (block_size 64, K=64, top-4, tied embeddings)."""
+    return train_tiny_run(tiny_shards, tmp_path_factory.mktemp("hf_run"), steps=5, batch_size=4, warmup_steps=1)[1]
+
+
+@pytest.fixture(scope="module")
+def run(run_folder) -> Run:
+    return Run.open(run_folder, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory) -> Path:
+    return export_run(run, tmp_path_factory.mktemp("hf_out") / "prism")
+
+
+@pytest.fixture(scope="module")
+def hf(exported) -> PrismForCausalLM:
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert isinstance(model, PrismForCausalLM)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def dense_run(run, tmp_path_factory) -> Run:
+    """A dense baseline with an *untied* head (random weights, the run's tokenizer): transformers must not
+    tie what the model does not tie."""
+    from prismlm.train.checkpoint import save_checkpoint
+
+    d = run.config.to_dict()
+    d["model"] = {**d["model"], "prototypes": None, "tie_weights": False}
+    cfg = RunConfig.from_dict(d)
+    torch.manual_seed(3)
+    model = PrismLM(cfg.model).eval()
+    folder = tmp_path_factory.mktemp("dense") / "run"
+    save_checkpoint(folder, 0, model, cfg, tokenizer=run.tokenizer)
+    return Run.open(folder, device="cpu")
+
+
+def batch(run: Run, texts: list[str] = TEXTS) -> torch.Tensor:
+    """Right-padded (with eot) ids of ``texts`` (B, T)."""
+    ids = [run.tokenizer.encode(t) for t in texts]
+    T = max(len(i) for i in ids)
+    return torch.tensor([i + [run.tokenizer.eot_id] * (T - len(i)) for i in ids])
+
+
+# ----- the exported folder loads with the run's outputs ----------------------------------------------------
+def test_export_writes_a_transformers_folder(exported, run):
+    names = {p.name for p in exported.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "configuration_prism.py", "modeling_prism.py"} <= names
+    cfg = json.loads((exported / "config.json").read_text())
+    eot = run.tokenizer.eot_id
+    assert cfg["model_type"] == "prism" and cfg["architectures"] == ["PrismForCausalLM"]
+    assert cfg["auto_map"] == {"AutoConfig": "configuration_prism.PrismConfig",
+                               "AutoModelForCausalLM": "modeling_prism.PrismForCausalLM"}
+    m = run.config.model
+    assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+            cfg["max_position_embeddings"]) == (m.vocab_size, m.n_embd, m.n_layer, m.n_head, m.block_size)
+    assert cfg["tie_word_embeddings"] is True and cfg["suppressed_prototypes"] == []
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (eot, eot, eot)
+    assert cfg["prism_source"]["model_sha256"] == run.identity
+    gen = json.loads((exported / "generation_config.json").read_text())
+    assert (gen["eos_token_id"], gen["pad_token_id"], gen["bos_token_id"], gen["max_length"]) == (eot, eot, eot, 64)
+
+
+def test_auto_model_gives_the_runs_logits_and_prototypes(hf, run):
+    x = batch(run)
+    with torch.no_grad():
+        want = run.model(x)
+        got = hf(x)
+    assert got.logits.dtype == torch.float32
+    assert (got.logits - want.logits).abs().max().item() <= 1e-5
+    assert torch.equal(got.prototype_indices, want.indices)
+    torch.testing.assert_close(got.prototype_activations, want.activations, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.residual, want.residual, rtol=0, atol=1e-6)
+    assert hf.prism.lm_head.weight is hf.prism.transformer.wte.weight  # tied again after loading
+    # labels: the shifted next-token loss; return_dict=False: a tuple with the logits first
+    with torch.no_grad():
+        loss = hf(x, labels=x).loss
+        tup = hf(x, return_dict=False)
+    ref = torch.nn.functional.cross_entropy(want.logits[:, :-1].reshape(-1, want.logits.size(-1)), x[:, 1:].reshape(-1))
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
+    assert torch.equal(tup[0], got.logits)
+
+
+def test_dense_untied_model_round_trips_untied(dense_run, tmp_path):
+    out = export_run(dense_run, tmp_path / "dense")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.prism.lm_head.weight is not model.prism.transformer.wte.weight
+    model.tie_weights()  # what lm-eval calls after loading: must not tie an untied model
+    x = batch(dense_run)
+    with torch.no_grad():
+        got, want = model(x), dense_run.model(x)
+    assert (got.logits - want.logits).abs().max().item() <= 1e-5
+    assert got.prototype_indices is None and got.prototype_activations is None and got.residual is None
+
+
+def test_wrapping_a_live_model_leaves_it_as_it_is(run):
+    """``PrismForCausalLM(config, prism=model)`` wraps without copying and without re-initialising anything."""
+    from dataclasses import asdict
+
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    wrapped = PrismForCausalLM(PrismConfig(asdict(run.model.config)), prism=run.model).eval()
+    assert wrapped.prism is run.model
+    assert all(torch.equal(before[k], v) for k, v in run.model.state_dict().items())
+    x = batch(run)
+    with torch.no_grad():
+        assert torch.equal(wrapped(x).logits, run.model(x).logits)
+    with pytest.raises(ModelError, match="another config"):
+        PrismForCausalLM(PrismConfig({**asdict(run.model.config), "block_size": 32}), prism=run.model)
+
+
+def test_save_pretrained_round_trip(hf, run, tmp_path):
+    hf.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / "modeling_prism.py").exists()
+    again = PrismForCausalLM.from_pretrained(tmp_path / "again").eval()
+    assert isinstance(again.config, PrismConfig) and again.config.prism_model == hf.config.prism_model
+    x = batch(run)
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, hf(x).logits)
+    sd, sd2 = hf.state_dict(), again.state_dict()
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+
+
+# ----- generation --------------------------------------------------------------------------------------------
+def test_greedy_generate_equals_prism_generate_with_the_cache(hf, run):
+    """70 new tokens after an 8-token prompt crosses block_size=64: the prompt runs once, then one token per
+    step against the cache, then (past block_size) the sliding window of 64 without a cache."""
+    prompt = torch.tensor([run.tokenizer.encode("It is a truth universally acknowledged, that")[:8]])
+    want = run.model.generate(prompt, 70, temperature=0)
+    fed: list[int] = []
+    handle = hf.prism.register_forward_pre_hook(lambda m, a, kw: fed.append(a[0].shape[1]), with_kwargs=True)
+    try:
+        got = hf.generate(prompt, max_new_tokens=70, do_sample=False)
+    finally:
+        handle.remove()
+    assert torch.equal(got, want)
+    assert fed == [8] + [1] * (64 - 8) + [64] * (70 - 1 - (64 - 8))
+    no_cache = hf.generate(prompt, max_new_tokens=70, do_sample=False, use_cache=False)
+    assert torch.equal(no_cache, want)
+    two = torch.tensor([run.tokenizer.encode(t)[:5] for t in TEXTS[:2]])
+    assert torch.equal(hf.generate(two, max_new_tokens=12, do_sample=False), run.model.generate(two, 12, temperature=0))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hugging_face_backbone_wraps_the_same_way(tie, tmp_path):
+    """A PrismLM whose backbone is a transformers base model (a tiny random Llama): same logits after
+    save/load (the tie read off the weights: embed_tokens ↔ lm_head), same greedy tokens past block_size."""
+    import transformers
+
+    from prismlm.config import ModelConfig, PrototypeConfig
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=tie).to_dict()
+    cfg = ModelConfig(vocab_size=300, block_size=32, n_layer=2, n_head=4, n_embd=32, tie_weights=tie, backbone="hf",
+                      hf_config=hf_cfg, prototypes=PrototypeConfig(num_prototypes=16, top_k=2))
+    torch.manual_seed(0)
+    model = PrismLM(cfg).eval()
+    PrismForCausalLM.from_prism(model, eos_token_id=0).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert (loaded.prism.lm_head.weight is loaded.prism.transformer.get_input_embeddings().weight) == tie
+    x = torch.randint(1, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = loaded(x), model(x)
+    assert (got.logits - want.logits).abs().max().item() <= 1e-5
+    assert torch.equal(got.prototype_indices, want.indices)
+    assert torch.equal(loaded.generate(x[:1, :5], max_new_tokens=40, do_sample=False, eos_token_id=None),
+                       model.generate(x[:1, :5], 40, temperature=0))
+
+
+def test_padding_right_is_harmless_and_left_is_refused(hf, run):
+    x = batch(run, TEXTS[:2])
+    n = len(run.tokenizer.encode(TEXTS[1]))
+    mask = torch.ones_like(x)
+    mask[1, n:] = 0  # right padding of the shorter row
+    with torch.no_grad():
+        assert torch.equal(hf(x, attention_mask=mask).logits, hf(x).logits)
+        with pytest.raises(ModelError, match="left padding"):
+            hf(x, attention_mask=mask.flip(1))
+
+
+# ----- tokenizer ---------------------------------------------------------------------------------------------
+def test_tokenizer_loads_and_encodes_like_the_run(exported, run):
+    tok = AutoTokenizer.from_pretrained(exported)
+    eot = run.tokenizer.eot_id
+    assert tok.eos_token_id == eot and tok.bos_token_id == eot and tok.pad_token_id == eot
+    assert tok.model_max_length == run.config.model.block_size and tok.padding_side == "right"
+    for text in TEXTS + ["  spaces\tand\nnewlines  ", "ünïcödé — “quotes”"]:
+        ids = run.tokenizer.encode(text)
+        assert tok.encode(text, add_special_tokens=False) == ids
+        assert tok(text)["input_ids"] == ids  # no BOS/EOS added by default
+        assert tok.decode(ids) == run.tokenizer.decode(ids)
+
+
+# ----- interventions are baked in ----------------------------------------------------------------------------
+def test_suppressed_run_exports_suppressed_logits(run_folder, run, tmp_path):
+    """`prism export RUN OUT --suppress FILE`: config.json lists the ids, the loaded model's logits are the
+    suppressed run's (and differ from the unsuppressed ones)."""
+    from typer.testing import CliRunner
+
+    from prismlm.cli.main import app
+    from prismlm.control.suppress import SuppressionSet
+
+    x = batch(run)
+    with torch.no_grad():
+        active = run.model(x).indices
+    ids = sorted(set(active[..., 0].flatten().tolist()))[:3]  # top prototypes of these tokens
+    sfile = SuppressionSet(ids=ids, num_prototypes=64, model_sha256=run.identity, concept="test").save(tmp_path / "s.json")
+    out = tmp_path / "suppressed"
+    res = CliRunner().invoke(app, ["export", str(run_folder), str(out), "--suppress", str(sfile), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert str(out) in res.output and "model.safetensors" in res.output
+    assert json.loads((out / "config.json").read_text())["suppressed_prototypes"] == ids
+    suppressed = Run.open(run_folder, device="cpu", suppress=sfile)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad(), suppressed.intervened() as m:
+        want = m(x).logits
+    with torch.no_grad():
+        got = model(x).logits
+        plain = run.model(x).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (got - plain).abs().max().item() > 1e-3
+    assert torch.equal(model.generate(x[:1, :6], max_new_tokens=10, do_sample=False),
+                       _generate_intervened(suppressed, x[:1, :6], 10))
+
+
+def _generate_intervened(run: Run, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    with run.intervened() as m:
+        return m.generate(prompt, n, temperature=0)
+
+
+def test_controller_multipliers_are_baked_in(run, tmp_path):
+    c = torch.zeros(64)
+    c[[1, 5, 9]] = torch.tensor([0.5, -1.0, 2.0])
+    iv = Control(c)
+    hf = PrismForCausalLM.from_prism(run.model, interventions=(iv, Suppress.of([7])))
+    assert hf.config.suppressed_prototypes == [5, 7] and len(hf.config.prototype_multipliers) == 64
+    hf.save_pretrained(tmp_path / "ctl")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ctl").eval()
+    x = batch(run)
+    with torch.no_grad(), run.model.intervene(iv, Suppress.of([7])) as m:
+        want = m(x).logits
+    with torch.no_grad():
+        assert (loaded(x).logits - want).abs().max().item() <= 1e-5
+    with pytest.raises(ModelError, match="dense baseline"):
+        PrismForCausalLM.from_prism(PrismLM(RunConfig.from_name("tiny").override({"model.prototypes": None}).model),
+                                    interventions=(Suppress.of([1]),))
+
+
+# ----- lm-eval --model hf --------------------------------------------------------------------------------------
+def test_lm_eval_hflm_scores_like_our_scorer(exported, run):
+    """lm-eval's own ``HFLM(pretrained=OUT)`` — what ``lm_eval --model hf --model_args pretrained=OUT`` runs —
+    gives the log-likelihoods of ``prismlm.eval.scoring.loglikelihoods`` on the run."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from prismlm.eval.scoring import loglikelihoods
+
+    reqs = [("", "It is a truth"), ("It is a truth", " universally acknowledged"),
+            ("The President said", " that the Union")]
+    lm = HFLM(pretrained=str(exported), device="cpu", batch_size=1)
+    got = lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)])
+    want = loglikelihoods(run.model, run.tokenizer, reqs, batch_size=1)
+    assert [g[1] for g in got] == [w[1] for w in want]
+    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-4)
+
+
+# ----- registration: import prismlm (either order), or trust_remote_code without it ----------------------
+_CHECK = """
+ref = torch.load({ref!r})
+out = model(ref["x"])
+assert type(model).__name__ == "PrismForCausalLM", type(model)
+assert (out.logits - ref["logits"]).abs().max().item() <= 1e-5
+print("ok")
+"""
+_SCRIPTS = {
+    "prismlm first": """
+        import sys, torch
+        import prismlm
+        assert "transformers" not in sys.modules, "import prismlm imported transformers"
+        from transformers import AutoModelForCausalLM
+        assert not [f for f in sys.meta_path if type(f).__name__ == "_RegisterAfterImport"], "hook still installed"
+        model = AutoModelForCausalLM.from_pretrained({out!r})
+        """,
+    "transformers first": """
+        import torch
+        from transformers import AutoModelForCausalLM
+        import prismlm
+        model = AutoModelForCausalLM.from_pretrained({out!r})
+        """,
+    "remote code, no prismlm": """
+        import sys, torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({out!r}, trust_remote_code=True)
+        assert "prismlm.model.hf_model" in sys.modules  # imported by the shipped modeling_prism.py
+        """,
+}
+
+
+def test_auto_classes_know_prism_in_fresh_interpreters(exported, run, tmp_path):
+    """Three fresh interpreters, run side by side: ``import prismlm`` then transformers (the import hook
+    registers, transformers is not imported by prismlm itself), transformers then ``import prismlm``
+    (registers at once), and ``trust_remote_code=True`` without importing prismlm at all."""
+    x = batch(run)
+    with torch.no_grad():
+        torch.save({"x": x, "logits": run.model(x).logits}, tmp_path / "ref.pt")
+    env = {**os.environ, **OFFLINE, "HF_HOME": str(tmp_path / "hf"), "HF_MODULES_CACHE": str(tmp_path / "modules"),
+           "CUDA_VISIBLE_DEVICES": ""}
+    procs = {}
+    for name, body in _SCRIPTS.items():
+        code = textwrap.dedent(body).format(out=str(exported)) + _CHECK.format(ref=str(tmp_path / "ref.pt"))
+        procs[name] = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    failed = []
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=240)
+        if p.returncode != 0 or stdout.strip().splitlines()[-1:] != ["ok"]:
+            failed.append(f"{name}: rc {p.returncode}\n{stderr[-2000:]}")
+    assert not failed, "\n\n".join(failed)
+
+
+# ----- refusals ------------------------------------------------------------------------------------------------
+def test_export_refuses_an_existing_folder_unless_overwrite(run, exported, tmp_path):
+    before = (exported / "model.safetensors").stat().st_mtime_ns
+    with pytest.raises(ArtifactError, match="not empty") as e:
+        export_run(run, exported)
+    assert "--overwrite" in (e.value.fix or "")
+    assert (exported / "model.safetensors").stat().st_mtime_ns == before  # untouched
+    with pytest.raises(ArtifactError, match="holds the run"):
+        export_run(run, run.folder, overwrite=True)
+    (tmp_path / "empty").mkdir()
+    assert export_run(run, tmp_path / "empty") == tmp_path / "empty"  # an empty folder is fine
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "old.txt").write_text("x")
+    out = export_run(run, tmp_path / "busy", overwrite=True)
+    assert not (out / "old.txt").exists() and (out / "model.safetensors").exists()
+    assert not (tmp_path / "busy.tmp").exists() and not (tmp_path / "busy.old").exists()
+
+
+def test_missing_transformers_is_a_dependency_error(monkeypatch):
+    import importlib
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    monkeypatch.delitem(sys.modules, "prismlm.model.hf_model")
+    with pytest.raises(DependencyError) as e:
+        importlib.import_module("prismlm.model.hf_model")
+    assert "pip install" in (e.value.fix or "")

@@ -1,0 +1,215 @@
+"""Retrofitting a prototype head onto pretrained causal LMs (tiny random transformers models, offline)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from prismlm.app import Run  # noqa: E402
+from prismlm.cli import app as cli_app  # noqa: E402
+from prismlm.config import ModelConfig  # noqa: E402
+from prismlm.errors import ModelError, PrismError, TokenizerError  # noqa: E402
+from prismlm.model import PrismLM, decompose  # noqa: E402
+from prismlm.model.hf_backbone import gpt2_state_dict  # noqa: E402
+
+V, CTX = 512, 64
+SMALL_DATA = ["--set", "data.max_docs=60", "--set", "data.max_chars_per_doc=4000"]
+
+
+def hf_tokenizer_from(tok):
+    """A transformers fast tokenizer around one of our tokenizers (the tiny BPE), eos = its end-of-text."""
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token=tok.backend.id_to_token(tok.eot_id))
+
+
+def tiny_hf_model(arch: str, vocab: int = V):
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=CTX, n_embd=32, n_layer=2, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CTX,
+                                       tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+        return transformers.LlamaForCausalLM(cfg)
+    if arch == "neox":
+        cfg = transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=CTX, bos_token_id=0,
+                                         eos_token_id=0)
+        return transformers.GPTNeoXForCausalLM(cfg)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tiny_shards, tmp_path_factory):
+    """arch → a saved tiny random causal LM with the tiny BPE as its tokenizer."""
+    root = tmp_path_factory.mktemp("hf_models")
+    tok = hf_tokenizer_from(tiny_shards.tokenizer)
+    out = {}
+    for arch in ("gpt2", "llama", "neox"):
+        path = root / arch
+        tiny_hf_model(arch).save_pretrained(path)
+        tok.save_pretrained(path)
+        out[arch] = path
+    return out
+
+
+def retrofit_cli(source, out, *extra):
+    args = ["retrofit", "--from", str(source), "--out", str(out), "--prototypes", "64", "--top-k", "4",
+            "--batch-size", "4", "--no-progress", "--device", "cpu", *SMALL_DATA, *extra]
+    res = CliRunner().invoke(cli_app, args)
+    assert res.exit_code == 0, res.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def retrofitted(hf_folders, tmp_path_factory):
+    """arch → run folder retrofitted with a frozen backbone (stage 1 only, 6 steps)."""
+    root = tmp_path_factory.mktemp("retrofits")
+    return {arch: retrofit_cli(path, root / arch, "--steps", "6") for arch, path in hf_folders.items()}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "neox"])
+def test_frozen_retrofit_keeps_the_models_logits_and_decomposes_them(arch, hf_folders, retrofitted):
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_folders[arch]).double().eval()
+    run = Run.open(retrofitted[arch], device="cpu")
+    model = run.model.double()
+    assert model.is_prism and model.config.backbone == ("gpt" if arch == "gpt2" else "hf")
+    ids = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits  # (2, 40, V)
+        out = model(ids)
+    got = out.logits[..., :V]
+    assert torch.allclose(got, want, rtol=0, atol=1e-6 * float(want.abs().max())), float((got - want).abs().max())
+    # every logit is k prototype slices plus the residual (plus W's bias, none here), exactly
+    dec = decompose(model, out, ids)
+    assert torch.allclose(dec.prototype_slices.sum(-1) + dec.residual_slice + dec.bias_slice, dec.logit,
+                          rtol=0, atol=1e-9 * float(dec.logit.abs().max()))
+    # the bank trained: it is no longer the seed (stage 1 moved it)
+    assert (out.activations > 0).any()
+
+
+def test_retrofit_trains_only_the_bank_in_stage_1_and_anchors_it_to_data(hf_folders, retrofitted):
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_folders["llama"])
+    run = Run.open(retrofitted["llama"], device="cpu")
+    ours = run.model.state_dict()
+    for name, value in reference.model.state_dict().items():
+        assert torch.equal(ours[f"transformer.{name}"], value), name
+    assert torch.equal(ours["lm_head.weight"], reference.lm_head.weight)
+    # the reconstruction loss fell while the bank trained
+    lines = [json.loads(x) for x in (retrofitted["llama"] / "metrics.jsonl").read_text().splitlines()]
+    rec = [x["train_rec"] for x in lines if "train_rec" in x]
+    assert len(rec) >= 2 and rec[-1] < rec[0]
+    cfg = json.loads((retrofitted["llama"] / "config.json").read_text())
+    assert cfg["train"]["trainable"] == "prototypes" and cfg["model"]["hf_config"]["model_type"] == "llama"
+
+
+def test_stage_2_unfreezes_only_the_last_blocks(hf_folders, tmp_path):
+    out = retrofit_cli(hf_folders["gpt2"], tmp_path / "joint", "--steps", "4", "--frozen-steps", "2",
+                       "--unfreeze", "last-1")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_folders["gpt2"])
+    ref = gpt2_state_dict(reference.state_dict(), CTX)
+    ours = Run.open(out, device="cpu").model.state_dict()
+    assert torch.equal(ours["transformer.h.0.attn.c_attn.weight"], ref["transformer.h.0.attn.c_attn.weight"])
+    assert torch.equal(ours["transformer.wte.weight"], ref["transformer.wte.weight"])
+    assert not torch.equal(ours["transformer.h.1.mlp.c_fc.weight"], ref["transformer.h.1.mlp.c_fc.weight"])
+    assert not torch.equal(ours["transformer.ln_f.weight"], ref["transformer.ln_f.weight"])
+
+
+@pytest.mark.parametrize("activation", ["gelu_new", "gelu"])
+def test_gpt2_weights_load_into_the_builtin_gpt_with_equal_logits(activation):
+    hf = tiny_hf_model("gpt2")
+    hf.config.activation_function = activation
+    hf = transformers.GPT2LMHeadModel(hf.config)
+    with torch.no_grad():  # GPT-2-sized pre-activations (random init's are ~0.02, where both GELUs agree)
+        for block in hf.transformer.h:
+            block.mlp.c_fc.weight.mul_(100.0)
+    hf.double().eval()
+    mine = "gelu_tanh" if activation == "gelu_new" else "gelu"
+    cfg = ModelConfig(vocab_size=V, block_size=CTX, n_layer=2, n_head=4, n_embd=32, activation=mine, prototypes=None)
+    model = PrismLM(cfg).double().eval()
+    model.load_state_dict(gpt2_state_dict(hf.state_dict(), CTX))
+    ids = torch.randint(0, V, (3, CTX), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = hf(input_ids=ids).logits, model(ids).logits
+        assert torch.allclose(got, want, rtol=0, atol=1e-10)
+        # the activation matters: the other GELU would not load GPT-2 exactly (why ModelConfig.activation exists)
+        other = PrismLM(ModelConfig(**{**vars(cfg), "activation": "gelu" if mine == "gelu_tanh" else "gelu_tanh"}))
+        other.double().eval().load_state_dict(gpt2_state_dict(hf.state_dict(), CTX))
+        assert (other(ids).logits - want).abs().max() > 1e-5
+
+
+def test_a_retrofitted_dense_prismlm_run_keeps_its_logits_bit_for_bit(tiny_shards, tmp_path):
+    from prismlm import RunConfig
+    from prismlm.train import train
+
+    dense = tmp_path / "dense"
+    cfg = RunConfig.from_name("tiny").dense().override({"train.max_steps": 3, "train.batch_size": 4})
+    train(cfg, dense, shards=tiny_shards, progress=False)
+    out = retrofit_cli(dense, tmp_path / "retro", "--steps", "3")
+    base, retro = Run.open(dense, device="cpu").model, Run.open(out, device="cpu").model
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(base(ids).logits, retro(ids).logits)
+
+
+def test_bad_sources_are_one_line_errors(hf_folders, tmp_path):
+    from prismlm.train.retrofit import load_pretrained
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="neither a prismlm run nor a transformers model"):
+        load_pretrained(str(tmp_path / "empty"))
+    no_tok = tmp_path / "no_tokenizer"
+    tiny_hf_model("gpt2").save_pretrained(no_tok)
+    with pytest.raises(TokenizerError, match="no usable tokenizer"):
+        load_pretrained(str(no_tok))
+    encoder = tmp_path / "encoder"
+    transformers.DistilBertModel(transformers.DistilBertConfig(vocab_size=V, dim=32, n_layers=1, n_heads=2,
+                                                               hidden_dim=64)).save_pretrained(encoder)
+    with pytest.raises(ModelError, match="not a causal language model"):
+        load_pretrained(str(encoder))
+    capped = tmp_path / "softcapped"
+    transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, final_logit_softcapping=30.0)).save_pretrained(capped)
+    with pytest.raises(ModelError, match="soft-caps the logits"):
+        load_pretrained(str(capped))
+    res = CliRunner().invoke(cli_app, ["retrofit", "--from", str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "error:" in res.output and "Traceback" not in res.output
+    with pytest.raises(PrismError, match="--unfreeze"):
+        from prismlm.app.retrofit import retrofit_model
+
+        retrofit_model(str(hf_folders["gpt2"]), out=tmp_path / "x", unfreeze="some")
+
+
+def test_downstream_operations_work_on_a_retrofitted_hf_backbone(retrofitted):
+    from prismlm.app import build_run_index, explain_text, generate
+
+    run = Run.open(retrofitted["llama"], device="cpu")
+    res = build_run_index(run, max_sequences=8, progress=False)
+    assert res.path.exists()
+    run = Run.open(retrofitted["llama"], device="cpu")  # the index is picked up by explanations
+    exp = explain_text(run, "The people of the", generate=4, seed=0)
+    assert exp.prompt_tokens is not None and len(exp.token_ids) > exp.prompt_tokens
+    assert exp.max_abs_error < 1e-3 and exp.index is not None
+    assert isinstance(generate(run, "The people", tokens=5, samples=1, temperature=0.0)[0], str)
+    # suppression removes exactly the suppressed prototype's slice from the logit it contributed to
+    x = torch.tensor([run.tokenizer.encode("The people of the United States")])
+    model = run.model.double()
+    with torch.no_grad():
+        out = model(x)
+        top = int(out.indices[0, -1, 0])
+        y = out.logits[:, -1:].argmax(-1).expand(1, x.shape[1])  # (1, T): one token scored at every position
+        dec = decompose(model, out, y)
+        with model.suppress([top]):
+            sup = model(x)
+    removed = dec.prototype_slices[0, -1, 0]
+    assert torch.allclose(sup.logits[0, -1, y[0, -1]], dec.logit[0, -1] - removed, atol=1e-9)
+    assert abs(float(removed)) > 0
