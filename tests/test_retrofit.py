@@ -123,6 +123,26 @@ def test_stage_2_unfreezes_only_the_last_blocks(hf_folders, tmp_path):
     assert not torch.equal(ours["transformer.ln_f.weight"], ref["transformer.ln_f.weight"])
 
 
+def test_stage_2_with_lora_trains_only_the_adapters_and_the_bank(hf_folders, tmp_path):
+    pytest.importorskip("peft")
+    out = retrofit_cli(hf_folders["llama"], tmp_path / "lora", "--steps", "4", "--frozen-steps", "2",
+                       "--unfreeze", "lora", "--lora-rank", "2")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_folders["llama"]).eval()
+    run = Run.open(out, device="cpu")
+    ours, keys = run.model.state_dict(), run.model.base_state_keys()
+    for name, value in reference.model.state_dict().items():  # the pretrained weights are untouched
+        assert torch.equal(ours[keys[f"transformer.{name}"]], value), name
+    adapters_b = [k for k in ours if ".lora_B." in k]
+    assert adapters_b and any(ours[k].abs().sum() > 0 for k in adapters_b)  # B started at 0 and trained
+    ids = torch.randint(0, V, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = run.model(ids).logits[..., :V]
+        want = reference(input_ids=ids).logits
+        assert not torch.allclose(got, want, atol=1e-6)  # the adapters changed the model
+        again = Run.open(out, device="cpu").model(ids).logits[..., :V]
+        assert torch.equal(got, again)  # adapters saved and restored with the run
+
+
 @pytest.mark.parametrize("activation", ["gelu_new", "gelu"])
 def test_gpt2_weights_load_into_the_builtin_gpt_with_equal_logits(activation):
     hf = tiny_hf_model("gpt2")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from prismlm.config import ModelConfig, PrototypeConfig, RunConfig
+from prismlm.config import ModelConfig, RunConfig
 from prismlm.data.shards import ShardSet, default_data_dir
 from prismlm.data.tokenizer import Tokenizer, hf_tokenizer
 from prismlm.errors import CheckpointError, ModelError, TokenizerError
@@ -162,10 +162,9 @@ def _replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:
     return replace(cfg, **changes)
 
 
-def build_model(pre: Pretrained, prototypes: PrototypeConfig | None) -> PrismLM:
-    """``PrismLM`` with the pretrained weights (and an untrained bank when ``prototypes`` is given), checked
-    against the original transformers model's logits when there is one."""
-    cfg = _replace(pre.model, prototypes=prototypes)
+def build_model(pre: Pretrained, cfg: ModelConfig) -> PrismLM:
+    """``PrismLM(cfg)`` — ``pre``'s architecture plus an untrained bank and/or LoRA adapters — holding the
+    pretrained weights, checked against the original transformers model's logits when there is one."""
     model = PrismLM(cfg)
     ours = model.base_state_keys()  # pretrained key → ours (they differ under LoRA adapters)
     unexpected = [k for k in pre.state if k not in ours]
@@ -214,7 +213,7 @@ def retrofit(pre: Pretrained, cfg: RunConfig, out_dir: str | Path, *, shards: Sh
     if protos is None:
         raise ModelError("retrofit needs a prototype head (model.prototypes is null)")
     torch.manual_seed(cfg.train.seed)
-    model = build_model(pre, protos)
+    model = build_model(pre, cfg.model)
     n_tokens = seed_tokens if seed_tokens is not None else max(16 * protos.num_prototypes, 8192)
     hidden = sample_hidden(model, shards, n_tokens, seed=cfg.train.seed)
     if hidden.shape[0] < protos.num_prototypes:
