@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense", default=None, help="a trained dense cpu-small run to retrofit (default: train one)")
     ap.add_argument("--pretrain-steps", type=int, default=600, help="steps of the dense model when trained here")
     ap.add_argument("--stage1-steps", type=int, default=150)
-    ap.add_argument("--stage2-steps", type=int, default=150)
+    ap.add_argument("--stage2-steps", type=int, default=450)
     ap.add_argument("--unfreeze", default="all", help="stage 2's --unfreeze")
     ap.add_argument("--lr", type=float, default=1e-2, help="learning rate of the bank")
     ap.add_argument("--backbone-lr-ratio", type=float, default=0.1)

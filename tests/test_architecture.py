@@ -129,3 +129,15 @@ def test_the_checker_sees_function_level_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from prismlm.cli.main import app\n    return app\n")
     assert ("prismlm.cli.main", 2) in _imports(f)
+
+
+def test_the_environment_imports_transformers_model_classes():
+    """scripts/setup.sh must leave a venv where transformers' model classes import: kronfluence pulls a CUDA
+    torchvision that breaks them next to the CPU torch ("operator torchvision::nms does not exist"), so the
+    setup removes it. Not skipped: a broken environment must fail here, not silently skip the HF tests."""
+    import subprocess
+    import sys
+
+    code = "from transformers import GPT2LMHeadModel, LlamaForCausalLM, GPTNeoXForCausalLM; import peft, lm_eval"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]

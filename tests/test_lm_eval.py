@@ -330,3 +330,22 @@ def test_bad_model_args_are_prism_errors(trained, tmp_path):
     lm = PrismEvalLM.create_from_arg_obj({"pretrained": str(run), "trust_remote_code": True},
                                          {"batch_size": "auto:4", "max_batch_size": 8, "device": "cpu"})
     assert lm.batch_size == 8 and str(lm.device) == "cpu"
+
+
+def test_rolling_loglikelihood_equals_hflm_on_the_exported_model(trained, tmp_path, monkeypatch):
+    """`lm_eval --model hf` on `prism export`'s folder scores rolling log-likelihood like `--model prism`."""
+    pytest.importorskip("transformers")
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    from lm_eval.models.huggingface import HFLM
+
+    import prismlm  # noqa: F401  (registers model_type "prism" with the Auto classes)
+    from prismlm.app import Run
+    from prismlm.app.export import export_run
+
+    _, run = trained
+    out = export_run(Run.open(run, device="cpu"), tmp_path / "exported")
+    hflm = HFLM(pretrained=str(out), batch_size=2, device="cpu")
+    texts = (long_text(200), "A short one.")
+    ours = PrismEvalLM(pretrained=str(run), batch_size=2, device="cpu").loglikelihood_rolling(rolling(*texts))
+    assert ours == pytest.approx(hflm.loglikelihood_rolling(rolling(*texts)), rel=1e-5)

@@ -44,6 +44,14 @@ def tiny_hf_model(arch: str, vocab: int = V):
                                          num_attention_heads=4, max_position_embeddings=CTX, bos_token_id=0,
                                          eos_token_id=0)
         return transformers.GPTNeoXForCausalLM(cfg)
+    if arch == "phi":  # Phi's unembedding has a bias: the decomposition's bias slice
+        cfg = transformers.PhiConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=CTX, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+        model = transformers.PhiForCausalLM(cfg)
+        with torch.no_grad():
+            model.lm_head.bias.normal_(0.0, 1.0)  # a visible bias (it starts at zero)
+        return model
     raise ValueError(arch)
 
 
@@ -53,7 +61,7 @@ def hf_folders(tiny_shards, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_models")
     tok = hf_tokenizer_from(tiny_shards.tokenizer)
     out = {}
-    for arch in ("gpt2", "llama", "neox"):
+    for arch in ("gpt2", "llama", "neox", "phi"):
         path = root / arch
         tiny_hf_model(arch).save_pretrained(path)
         tok.save_pretrained(path)
@@ -76,7 +84,7 @@ def retrofitted(hf_folders, tmp_path_factory):
     return {arch: retrofit_cli(path, root / arch, "--steps", "6") for arch, path in hf_folders.items()}
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "neox"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "neox", "phi"])
 def test_frozen_retrofit_keeps_the_models_logits_and_decomposes_them(arch, hf_folders, retrofitted):
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_folders[arch]).double().eval()
     run = Run.open(retrofitted[arch], device="cpu")
@@ -88,8 +96,9 @@ def test_frozen_retrofit_keeps_the_models_logits_and_decomposes_them(arch, hf_fo
         out = model(ids)
     got = out.logits[..., :V]
     assert torch.allclose(got, want, rtol=0, atol=1e-6 * float(want.abs().max())), float((got - want).abs().max())
-    # every logit is k prototype slices plus the residual (plus W's bias, none here), exactly
+    # every logit is k prototype slices plus the residual plus W's bias (Phi has one), exactly
     dec = decompose(model, out, ids)
+    assert (dec.bias_slice != 0).any() == (arch == "phi")
     assert torch.allclose(dec.prototype_slices.sum(-1) + dec.residual_slice + dec.bias_slice, dec.logit,
                           rtol=0, atol=1e-9 * float(dec.logit.abs().max()))
     # the bank trained: it is no longer the seed (stage 1 moved it)
