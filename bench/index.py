@@ -13,9 +13,25 @@ What is measured
        ``--gen-tokens`` tokens (KV-cached), vs ``explain_generation`` (the same cached generation, whose
        own step outputs are decomposed — no second forward; one prototype-layer call for all positions,
        the exact decomposition, and the prototype cards with neighbourhood snippets from the index).
-       ``explain_overhead_pct`` = (explain − generate) / generate × 100; ``explain_noindex_overhead_pct``
-       the same without the index (cards with signature tokens only), which separates the index look-ups
-       from the rest.
+       The cards' parts are cached (signature top tokens per model state, token strings, the index's
+       decoded snippets), so each explain variant is timed three ways per round:
+
+       - **cold**: every cache cleared first (``clear_card_cache()``, ``index.clear_cache()``) — the first
+         explanation after loading a model/index, cache building included;
+       - **warm**: the same prompt and seed again — every card part cached (repeated explanations);
+       - **varied**: another text (a new seed each round) right after the caches were filled by the
+         seed-0 text only — explaining different texts, where only prototypes not seen before are
+         computed (a pessimistic steady state: a longer-lived process has seen more prototypes).
+
+       ``explain_overhead_pct`` = (explain − generate) / generate × 100 for the warm calls (and
+       ``…_cold_…``, ``…_varied_…`` for the others); ``explain_one_off_ms`` = median over rounds of cold −
+       warm per call: what building the caches costs once. ``…noindex…``: the same without the index
+       (cards with signature tokens only), which separates the index look-ups from the rest.
+       ``--explain-repeats`` warm triples (generate, explain, explain without the index; the order
+       alternates) are timed per round, the cold and other-text calls once per round.
+       ``overhead_pct_paired``: the median of explain ÷ generate timed next to each other, and
+       ``overhead_pct_from_min``: from the fastest round of each — both less sensitive to a busy neighbour
+       than the ratio of medians on a shared CPU.
 
 How to read it
     On a shared CPU timings are noisy: compare the ratios, not absolute rates; the load average is
@@ -37,6 +53,7 @@ from _common import RESULTS_DIR, environment, fmt_rate, load_average, parse_sets
 from prismlm.config import RunConfig
 from prismlm.data.shards import prepare_shards
 from prismlm.explain import build_index, explain_generation
+from prismlm.explain.explanation import clear_card_cache
 from prismlm.model import PrismLM
 from prismlm.train.trainer import round_vocab
 
@@ -50,6 +67,8 @@ def main() -> None:
     ap.add_argument("--top-n", type=int, default=32, help="neighbours kept per prototype")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (index and forward alternate)")
     ap.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per explain measurement")
+    ap.add_argument("--explain-repeats", type=int, default=5,
+                    help="warm explain/generate triples timed per round (the cold and other-text calls: one each)")
     ap.add_argument("--max-docs", type=int, default=60, help="documents of the built-in corpus to tokenize")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--device", default="cpu")
@@ -115,48 +134,87 @@ def main() -> None:
         sync()
         return time.perf_counter() - t
 
-    def time_explain() -> float:
+    def time_explain(with_index: bool = True, *, cold: bool = False, seed: int = 0) -> float:
+        if cold:
+            clear_card_cache()
+            index.clear_cache()
         sync()
         t = time.perf_counter()
-        explain_generation(model, tok, prompt, n_gen, temperature=0.8, top_k=50, seed=0, index=index)
+        explain_generation(model, tok, prompt, n_gen, temperature=0.8, top_k=50, seed=seed,
+                           index=index if with_index else None)
         sync()
         return time.perf_counter() - t
 
-    def time_explain_noindex() -> float:
-        sync()
-        t = time.perf_counter()
-        explain_generation(model, tok, prompt, n_gen, temperature=0.8, top_k=50, seed=0)
-        sync()
-        return time.perf_counter() - t
-
-    time_generate(), time_explain(), time_explain_noindex()
-    gen, exp, exp0 = [], [], []
+    time_generate(), time_explain(), time_explain(False)  # warm-up
+    runs: dict[str, list[float]] = {k: [] for k in ("gen", "exp", "exp0", "exp_cold", "exp0_cold", "exp_varied",
+                                                      "exp0_varied")}
     for r in range(args.rounds):
-        order = (time_generate, time_explain, time_explain_noindex)
-        for f in (order if r % 2 == 0 else order[::-1]):
-            {time_generate: gen, time_explain: exp, time_explain_noindex: exp0}[f].append(f() / n_gen)
+        # cold (each clears every cache; the index one last, so the caches hold the seed-0 cards after it) …
+        runs["exp0_cold"].append(time_explain(False, cold=True) / n_gen)
+        runs["exp_cold"].append(time_explain(True, cold=True) / n_gen)
+        # … other texts, with the caches holding what the seed-0 explanation computed …
+        runs["exp_varied"].append(time_explain(True, seed=1000 + r) / n_gen)
+        runs["exp0_varied"].append(time_explain(False, seed=2000 + r) / n_gen)
+        time_explain()  # untimed: the warm calls below do not follow a cache-building one directly
+        # … then warm explanations and plain generation, alternating the order per round
+        order = [("gen", time_generate), ("exp", time_explain), ("exp0", lambda: time_explain(False))]
+        for j in range(args.explain_repeats):  # more samples of the small warm difference
+            for key, f in (order if (r * args.explain_repeats + j) % 2 == 0 else order[::-1]):
+                runs[key].append(f() / n_gen)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    gen, exp, exp0 = runs["gen"], runs["exp"], runs["exp0"]
     ratio = statistics.median(idx) / statistics.median(fwd)
-    overhead = (statistics.median(exp) - statistics.median(gen)) / statistics.median(gen) * 100
-    overhead0 = (statistics.median(exp0) - statistics.median(gen)) / statistics.median(gen) * 100
+
+    def pct(key: str) -> float:
+        return (med[key] - med["gen"]) / med["gen"] * 100
+
+    def pct_min(key: str) -> float:  # from the fastest round of each: less sensitive to a busy neighbour
+        return (min(runs[key]) - min(gen)) / min(gen) * 100
+
+    def per_round(key: str) -> list[float]:  # one value per round (the median of a round's repeats)
+        k = len(runs[key]) // args.rounds
+        return [statistics.median(runs[key][r * k:(r + 1) * k]) for r in range(args.rounds)]
+
+    def pct_paired(key: str) -> float:  # median of explain / generate timed next to each other
+        g = gen if len(runs[key]) == len(gen) else per_round("gen")
+        return statistics.median(e / g - 1 for e, g in zip(runs[key], g)) * 100
+
+    def one_off_ms(cold: str, warm: str) -> float:  # per call: cold − warm of the same round
+        return statistics.median(c - w for c, w in zip(runs[cold], per_round(warm))) * n_gen * 1e3
+
+    overhead, overhead0 = pct("exp"), pct("exp0")
     result = {
         "benchmark": "index", "preset": args.preset, "config": cfg.to_dict(), "device": str(device),
         "threads": args.threads, "sequences": n_seq, "tokens_per_round": tokens, "batch_size": B,
-        "top_n": args.top_n, "rounds": args.rounds,
+        "top_n": args.top_n, "rounds": args.rounds, "explain_repeats": args.explain_repeats,
         "forward_tokens_per_s": fwd, "index_tokens_per_s": idx,
         "index_ratio": ratio, "index_ratio_min": min(i / f for i, f in zip(idx, fwd)),
         "index_ratio_max": max(i / f for i, f in zip(idx, fwd)),
         "gen_tokens": n_gen, "generate_s_per_token": gen, "explain_s_per_token": exp,
         "explain_overhead_pct": overhead, "explain_noindex_s_per_token": exp0,
         "explain_noindex_overhead_pct": overhead0,
+        "explain_cold_s_per_token": runs["exp_cold"], "explain_cold_overhead_pct": pct("exp_cold"),
+        "explain_noindex_cold_s_per_token": runs["exp0_cold"],
+        "explain_noindex_cold_overhead_pct": pct("exp0_cold"),
+        "explain_varied_s_per_token": runs["exp_varied"], "explain_varied_overhead_pct": pct("exp_varied"),
+        "explain_noindex_varied_s_per_token": runs["exp0_varied"],
+        "explain_noindex_varied_overhead_pct": pct("exp0_varied"),
+        "overhead_pct_from_min": {k: pct_min(k) for k in runs if k != "gen"},
+        "overhead_pct_paired": {k: pct_paired(k) for k in runs if k != "gen"},
+        "explain_one_off_ms": one_off_ms("exp_cold", "exp"),
+        "explain_noindex_one_off_ms": one_off_ms("exp0_cold", "exp0"),
         "coverage_random_init": index.coverage(),
         "environment": env, "load_average_end": load_average(),
     }
     path = write_json(args.out, result)
     print(f"[index] {args.preset} K={cfg.model.prototypes.num_prototypes} N={args.top_n}: index "
           f"{fmt_rate(statistics.median(idx))} tok/s vs forward {fmt_rate(statistics.median(fwd))} tok/s "
-          f"(ratio {ratio:.2f}); explain {statistics.median(exp) * 1e3:.1f} ms/token vs generate "
-          f"{statistics.median(gen) * 1e3:.1f} ms/token (overhead {overhead:+.0f}%; without the index "
-          f"{overhead0:+.0f}%) → {path}")
+          f"(ratio {ratio:.2f}); generate {med['gen'] * 1e3:.2f} ms/token; explain overhead with the index "
+          f"(without) as median / paired / fastest: warm {pct('exp'):+.1f}% / {pct_paired('exp'):+.1f}% / "
+          f"{pct_min('exp'):+.1f}% ({pct('exp0'):+.1f}% / {pct_paired('exp0'):+.1f}% / {pct_min('exp0'):+.1f}%), "
+          f"other texts {pct('exp_varied'):+.1f}% ({pct('exp0_varied'):+.1f}%), cold {pct('exp_cold'):+.1f}% "
+          f"({pct('exp0_cold'):+.1f}%); one-off cache build {one_off_ms('exp_cold', 'exp'):.1f} ms "
+          f"({one_off_ms('exp0_cold', 'exp0'):.1f} ms) → {path}")
     sys.stdout.flush()
 
 

@@ -22,10 +22,11 @@ from prismlm.app.operations import (
                                     show_prototype,
                                     verify_run,
 )
+from prismlm.app.retrofit import retrofit_model
 from prismlm.app.run import Run, StageFn
 from prismlm.app.training import build_config, demo, prepare, train_from_options
 
 __all__ = ["Run", "StageFn", "attribute_explanation", "attribute_text", "build_config", "build_run_cache",
            "build_run_index", "build_task_folders", "demo", "evaluate", "evaluate_tasks", "explain_text", "export_run",
            "find_prototypes", "find_run_concept", "fit_controller", "generate", "label_prototypes",
-           "merge_index_parts", "prepare", "prototypes", "sample_continuations", "show_prototype", "train_from_options", "verify_run"]
+           "merge_index_parts", "prepare", "prototypes", "retrofit_model", "sample_continuations", "show_prototype", "train_from_options", "verify_run"]

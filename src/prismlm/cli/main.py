@@ -19,7 +19,6 @@ from prismlm import app as ops
 from prismlm._version import __version__
 from prismlm.app.control import ConceptResult, ControllerResult
 from prismlm.app.operations import IndexResult, LabelResult, PrototypeListing, PrototypeView, VerifyReport
-from prismlm.app.retrofit import retrofit_model
 from prismlm.app.run import Run
 from prismlm.app.training import DemoResult
 from prismlm.cli.console import console, stdout
@@ -83,7 +82,7 @@ def _on_stage(stage: str, i: int, n: int | None) -> None:
 
 
 command(app, "train", ops.train_from_options, render_trained, opens_run=False, decls={"overrides": ["--set"]})
-command(app, "retrofit", retrofit_model, render_trained, opens_run=False,
+command(app, "retrofit", ops.retrofit_model, render_trained, opens_run=False,
         decls={"source": ["--from"], "overrides": ["--set"]})
 
 

@@ -12,6 +12,13 @@ with a ``PrototypeIndex``, its nearest training contexts as snippets with the ta
 contribution: ``share_i = slice_i / (Σ_j |slice_j| + |residual|)`` (signed; the |shares| of the
 prototypes and the residual add up to 1).
 
+**Cards are cached, never stale.** The prototype cards are fixed costs per call that do not depend on
+the text, so their parts are kept: the top signature tokens per prototype for one state of the prototype
+bank and ``lm_head.weight`` (``_SignatureCache``: any in-place update, e.g. an optimizer step, or a
+replaced parameter starts a new cache), the readable token strings per tokenizer, and the decoded
+neighbour snippets inside the loaded ``PrototypeIndex`` (an LRU, see ``PrototypeIndex.neighbours``).
+Statistics are read off the index at each call; ``labels.json`` is re-read when it changes.
+
 **Edge cases** (none raises):
 
 - empty text → the explanation of the first prediction, from the end-of-text token alone;
@@ -27,6 +34,8 @@ prototypes and the residual add up to 1).
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +52,8 @@ if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
     from prismlm.model import PrismLM
 
-__all__ = ["Explanation", "PrototypeCard", "PrototypeSlice", "TokenExplanation", "explain", "explain_generation",
-           "prototype_card"]
+__all__ = ["Explanation", "PrototypeCard", "PrototypeSlice", "TokenExplanation", "clear_card_cache", "explain",
+           "explain_generation", "prototype_card"]
 
 
 @dataclass
@@ -170,10 +179,6 @@ def _check_index(index: PrototypeIndex, net: PrismLM, model_sha256: str | None) 
     return ["the model was passed without its model_sha256, so the index's model hash was not verified"]
 
 
-def _token_str(tokenizer: Tokenizer | None, i: int) -> str:
-    return tokenizer.id_to_token(i) if tokenizer is not None else f"<{i}>"
-
-
 def prototype_card(model: PrismLM, tokenizer: Tokenizer | None, i: int, *, index: PrototypeIndex | None = None,
                    labels: dict[int, dict] | None = None, neighbours: int = 5, signature_tokens: int = 10,
                    ) -> PrototypeCard:
@@ -188,25 +193,124 @@ def prototype_card(model: PrismLM, tokenizer: Tokenizer | None, i: int, *, index
     return _cards(net, tokenizer, [i], index, labels or {}, neighbours, signature_tokens)[i]
 
 
-@torch.no_grad()
 def _cards(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], index: PrototypeIndex | None, labels: dict[int, dict],
            neighbours: int, signature_tokens: int) -> dict[int, PrototypeCard]:
     if not ids:
         return {}
-    sig = net.signatures(torch.tensor(ids, device=next(net.parameters()).device)).float()  # (n, V)
-    vocab = tokenizer.vocab_size if tokenizer is not None else sig.shape[1]
-    sig[:, vocab:] = -float("inf")  # padded ids are not real tokens
-    vals_t, toks_t = sig.topk(min(signature_tokens, vocab), dim=-1)  # (n, m)
-    vals, toks = vals_t.tolist(), toks_t.tolist()  # once, not one tensor indexing per value
+    tops = _top_tokens(net, tokenizer, ids, signature_tokens)
+    stats = index.stats_of(ids) if index is not None else {}
+    nbs = index.neighbours_of(ids, neighbours) if index is not None else {}
     cards = {}
-    for row, i in enumerate(ids):
+    for i in ids:
         lab = labels.get(i, {})
         cards[i] = PrototypeCard(
             id=i, label=lab.get("label"), category=lab.get("category"), evidence=lab.get("evidence"),
-            top_tokens=[(_token_str(tokenizer, t), v) for t, v in zip(toks[row], vals[row])],
-            neighbours=index.neighbours(i, neighbours) if index is not None else [],
-            stats=index.stats(i) if index is not None else None)
+            top_tokens=list(tops[i]), neighbours=nbs.get(i, []), stats=stats.get(i))
     return cards
+
+
+# ----- cached card parts -------------------------------------------------------------------------------
+_SIG_BLOCK_ELEMS = 1 << 22
+"""Entries of one (prototypes × V) signature block: 16 MiB in float32. Never K × V at once."""
+
+
+class _SignatureCache:
+    """The top signature tokens ``(token, (W p_i)_token)`` of a model's prototypes, valid for one state of
+    the two weights that determine them: the prototype bank and the unembedding ``lm_head.weight``.
+
+    The state is each tensor's identity (a weak reference: replacing a parameter invalidates), storage
+    address, shape, dtype, device and ``_version`` — which every in-place update (an optimizer step,
+    ``load_state_dict``, ``weight.add_(…)`` under ``no_grad``) increments. Writes through ``.data`` bypass
+    the version counter: call ``clear_card_cache(model)`` after them."""
+
+    __slots__ = ("refs", "state", "tops", "pinned")
+
+    def __init__(self, tensors: tuple[torch.Tensor, torch.Tensor], state: tuple[Any, ...]) -> None:
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+        self.state = state
+        self.tops: dict[tuple[int, int, int], dict[int, tuple[tuple[str, float], ...]]] = {}
+        """(id(tokenizer), tokens, valid vocabulary) → prototype id → its top tokens with their values."""
+        self.pinned: dict[int, Any] = {}  # the tokenizers keyed by id(): their ids stay unique while cached
+
+    def valid_for(self, tensors: tuple[torch.Tensor, torch.Tensor], state: tuple[Any, ...]) -> bool:
+        return self.state == state and all(r() is t for r, t in zip(self.refs, tensors))
+
+
+_SIGNATURES: weakref.WeakKeyDictionary[PrismLM, _SignatureCache] = weakref.WeakKeyDictionary()
+_TOKEN_STRINGS: weakref.WeakKeyDictionary[Tokenizer, dict[int, str]] = weakref.WeakKeyDictionary()
+_CACHE_LOCK = threading.Lock()
+
+
+def _weights_state(net: PrismLM) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[Any, ...]]:
+    p, w = net.require_prototypes().weight, net.lm_head.weight
+    return (p, w), tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device) for t in (p, w))
+
+
+def clear_card_cache(model: PrismLM | None = None) -> None:
+    """Forget the cached signature top tokens of ``model`` (None: of every model, and the memoised token
+    strings of every tokenizer). Needed only after writing weights through ``.data`` (which does not bump
+    the tensors' version counters); every other change of the prototype bank or of ``lm_head`` is
+    detected. (A ``PrototypeIndex`` keeps its own snippet cache: ``index.clear_cache()``.)"""
+    with _CACHE_LOCK:
+        if model is None:
+            _SIGNATURES.clear()
+            _TOKEN_STRINGS.clear()
+        else:
+            _SIGNATURES.pop(model, None)
+
+
+def _token_strs(tokenizer: Tokenizer | None, ids: Sequence[int]) -> list[str]:
+    """The readable string of each id (``tokenizer.id_to_token``; ``<id>`` without a tokenizer), memoised
+    per tokenizer: an id's string never changes."""
+    if tokenizer is None:
+        return [f"<{i}>" for i in ids]
+    try:
+        memo = _TOKEN_STRINGS.get(tokenizer)
+        if memo is None:
+            memo = _TOKEN_STRINGS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no memo
+        memo = {}
+    out = []
+    for i in ids:
+        s = memo.get(i)
+        if s is None:
+            s = memo[i] = tokenizer.id_to_token(i)
+        out.append(s)
+    return out
+
+
+@torch.no_grad()
+def _top_tokens(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], m: int,
+                ) -> dict[int, tuple[tuple[str, float], ...]]:
+    """The ``m`` largest entries of the signature W p_i over the real tokens (padded ids excluded), as
+    (token string, value), for each prototype id in ``ids``: cached per model state (``_SignatureCache``);
+    the missing ones are computed together, in blocks of at most ``_SIG_BLOCK_ELEMS`` entries, keeping
+    only the top ``m`` per prototype."""
+    tensors, state = _weights_state(net)
+    V = int(tensors[1].shape[0])
+    valid = min(tokenizer.vocab_size, V) if tokenizer is not None else V
+    with _CACHE_LOCK:
+        cache = _SIGNATURES.get(net)
+        if cache is None or not cache.valid_for(tensors, state):
+            cache = _SIGNATURES[net] = _SignatureCache(tensors, state)
+        tops = cache.tops.setdefault((id(tokenizer), m, valid), {})
+        cache.pinned[id(tokenizer)] = tokenizer
+        missing = [i for i in ids if i not in tops]
+    if missing:
+        rows = max(1, _SIG_BLOCK_ELEMS // V)
+        sel = torch.tensor(missing, device=tensors[0].device)
+        new: dict[int, tuple[tuple[str, float], ...]] = {}
+        for s in range(0, len(missing), rows):
+            sig = net.signatures(sel[s:s + rows]).float()  # (rows, V)
+            sig[:, valid:] = -float("inf")  # padded ids are not real tokens
+            vals_t, toks_t = sig.topk(min(m, valid), dim=-1)  # (rows, m)
+            for i, toks, vals in zip(missing[s:s + rows], toks_t.tolist(), vals_t.tolist()):
+                new[i] = tuple(zip(_token_strs(tokenizer, toks), vals))
+        with _CACHE_LOCK:
+            if _weights_state(net)[1] == state:  # the weights did not change meanwhile
+                tops.update(new)
+        return {i: tops[i] if i in tops else new[i] for i in ids}
+    return {i: tops[i] for i in ids}
 
 
 @torch.no_grad()
@@ -293,6 +397,10 @@ def explain(
                            signature_tokens=signature_tokens)
 
 
+def _by_abs_slice(x: tuple[int, float, float]) -> float:
+    return -abs(x[2])
+
+
 @torch.no_grad()
 def _explain_output(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], out: PrismOutput, tgt: list[int],
                     how: list[str], *, text: str, truncated: int, notes: list[str], index: PrototypeIndex | None,
@@ -306,36 +414,42 @@ def _explain_output(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], o
     n = len(ids)
     y = torch.tensor([tgt], dtype=torch.long, device=dev)  # (1, n)
     dec = decompose(net, out, y)
-    logp = torch.log_softmax(out.logits[0].double(), dim=-1).gather(-1, y[0, :, None]).squeeze(-1)  # (n,)
+    # log-probabilities in the logits' precision (at least float32): the logits carry no more than that
+    lg = out.logits[0]
+    logp = torch.log_softmax(lg.to(torch.promote_types(lg.dtype, torch.float32)), dim=-1)
+    logp = logp.gather(-1, y[0, :, None]).squeeze(-1)  # (n,)
     slices_t = dec.prototype_slices[0]  # (n, k)
     resid_t = dec.residual_slice[0]  # (n,)
     total_t = slices_t.sum(-1) + resid_t  # (n,) in the model's dtype
-    # Python lists once (not one tensor indexing per value): same values, as float() of each element.
-    total, error = total_t.tolist(), (total_t - dec.logit[0]).tolist()
-    logit, prob = dec.logit[0].tolist(), logp.exp().tolist()
-    resid, denom = resid_t.tolist(), (slices_t.abs().sum(-1) + resid_t.abs()).tolist()
-    acts, pids, slices = out.activations[0].tolist(), out.indices[0].tolist(), slices_t.tolist()  # (n, k) each
+    error_t = total_t - dec.logit[0]  # (n,) in the model's dtype
+    denom_t = slices_t.abs().sum(-1) + resid_t.abs()  # (n,)
+    # Python lists in one transfer each (not one tensor indexing per value); float64 holds every value of
+    # a float32/bf16 tensor exactly, so these are float() of each element.
+    total, error, logit, prob, resid, denom = torch.stack(
+        [v.double() for v in (total_t, error_t, dec.logit[0], logp.exp(), resid_t, denom_t)]).tolist()
+    acts, slices = torch.stack([out.activations[0].double(), slices_t.double()]).tolist()  # (n, k) each
+    pids = out.indices[0].tolist()  # (n, k)
+    used = sorted({i for row, a_row in zip(pids, acts) for i, a in zip(row, a_row) if a > 0})
+    tok_strs = dict(zip(set(ids) | set(tgt), _token_strs(tokenizer, list(set(ids) | set(tgt)))))
+    lab_of: dict[int, tuple[str | None, str | None]] = {}
+    if labels:
+        lab_of = {i: (lab.get("label"), lab.get("category")) for i in used if (lab := labels.get(i))}
+    none = (None, None)
     positions = []
-    used: set[int] = set()
     for t in range(n):
         d = denom[t] or 1.0
         protos = []
-        for a, i, s in zip(acts[t], pids[t], slices[t]):
-            if a <= 0:
-                continue  # a = 0 gives a slice of exactly 0
-            lab = labels.get(int(i), {})
-            protos.append(PrototypeSlice(id=int(i), activation=a, slice=s, share=s / d, label=lab.get("label"),
-                                         category=lab.get("category")))
-            used.add(int(i))
-        protos.sort(key=lambda p: -abs(p.slice))
+        # active prototypes only (a = 0 gives a slice of exactly 0), by decreasing |slice| (stable)
+        for i, a, sl in sorted([x for x in zip(pids[t], acts[t], slices[t]) if x[1] > 0], key=_by_abs_slice):
+            label, category = lab_of.get(i, none)
+            protos.append(PrototypeSlice(i, a, sl, sl / d, label, category))  # id, activation, slice, share, …
         positions.append(TokenExplanation(
-            position=t, token_id=ids[t], token=_token_str(tokenizer, ids[t]), next_id=tgt[t],
-            next_token=_token_str(tokenizer, tgt[t]), chosen_by=how[t], logit=logit[t], prob=prob[t],
-            residual_slice=resid[t], residual_share=resid[t] / d, prototypes=protos, total=total[t],
-            error=error[t]))
-    cards = _cards(net, tokenizer, sorted(used), index, labels, neighbours, signature_tokens)
+            position=t, token_id=ids[t], token=tok_strs[ids[t]], next_id=tgt[t], next_token=tok_strs[tgt[t]],
+            chosen_by=how[t], logit=logit[t], prob=prob[t], residual_slice=resid[t], residual_share=resid[t] / d,
+            prototypes=protos, total=total[t], error=error[t]))
+    cards = _cards(net, tokenizer, used, index, labels, neighbours, signature_tokens)
     return Explanation(
-        text=text, token_ids=ids, tokens=[_token_str(tokenizer, i) for i in ids], positions=positions,
+        text=text, token_ids=ids, tokens=[tok_strs[i] for i in ids], positions=positions,
         prototypes=cards, truncated_tokens=truncated,
         model_sha256=model_sha256,
         index=str(index.path) if index is not None and index.path is not None else None, notes=notes)

@@ -41,7 +41,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +67,7 @@ from prismlm.artifacts import (
     reading,
     verify_files,
 )
+from prismlm.data.tokenizer import Tokenizer as _Tokenizer
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
 from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
 from prismlm.model import PrismOutput, eval_mode
@@ -119,9 +123,10 @@ def _chunk_topn(sim_t: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor
     return vals, idx
 
 
-@dataclass
+@dataclass(frozen=True)
 class Neighbour:
-    """One training context of a prototype's neighbourhood."""
+    """One training context of a prototype's neighbourhood (immutable: a loaded index hands the same
+    decoded neighbours to every caller, see ``PrototypeIndex.neighbours``)."""
 
     offset: int
     """Global token offset j·T + t of the context's last token in the training shard."""
@@ -174,6 +179,28 @@ class PrototypeIndex:
     """The ``ShardSet`` the offsets point into (needed for snippets)."""
     tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
     path: Path | None = field(default=None, compare=False)
+    snippet_cache_size: int = field(default=4096, repr=False, compare=False)
+    """Most neighbour lists kept decoded, one per (prototype, n, before, after, shards) — an LRU (see
+    ``neighbours``); 0 disables the cache."""
+    _snippets: OrderedDict[tuple[int, ...], tuple[Neighbour, ...]] = field(
+        default_factory=OrderedDict, init=False, repr=False, compare=False)
+    _stat_rows: dict[int, tuple[int, float, float, tuple[int, ...]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    _cache_state: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _pinned: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _labels: tuple[tuple[int, ...], dict[int, dict[str, Any]]] | None = field(
+        default=None, init=False, repr=False, compare=False)
+
+    _CACHES = ("_snippets", "_stat_rows", "_cache_state", "_pinned", "_lock", "_labels")
+
+    def __getstate__(self) -> dict[str, Any]:  # copy/pickle: without the caches (and the lock)
+        return {k: v for k, v in self.__dict__.items() if k not in self._CACHES}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._snippets, self._stat_rows, self._pinned = OrderedDict(), {}, {}
+        self._cache_state, self._labels, self._lock = None, None, threading.Lock()
 
     # ----- sizes and metrics -------------------------------------------------------------------------
     @property
@@ -218,32 +245,137 @@ class PrototypeIndex:
                 f"{self.num_prototypes - 1})")
         return int(i)
 
+    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        """``_check_id`` of each id, with a fast path for plain in-range ints."""
+        K = self.num_prototypes
+        if all(type(i) is int and 0 <= i < K for i in ids):
+            return list(ids)
+        return [self._check_id(i) for i in ids]
+
     def stats(self, i: int) -> dict[str, Any]:
         """Activation count, mean activation, frequency and histogram of prototype ``i``."""
         i = self._check_id(i)
-        c = int(self.counts[i])
-        return {"id": i, "count": c, "frequency": c / max(1, self.tokens),
-                "mean_activation": float(self.act_sum[i]) / c if c else 0.0,
-                "max_similarity": float(self.top_sim[i, 0]),
-                "histogram": self.hist[i].tolist(), "bins": int(self.manifest["bins"])}
+        return self.stats_of([i])[i]
+
+    def stats_of(self, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """``stats(i)`` for every id of ``ids`` (each validated). The table rows are read once per id and
+        kept with the neighbour cache (same invalidation); the dicts are new at every call."""
+        ids = self._check_ids(ids)
+        with self._lock:
+            self._validate_cache()
+            rows = self._stat_rows
+            missing = [i for i in ids if i not in rows]
+        if missing:
+            sel = torch.tensor(missing, dtype=torch.long)
+            new = dict(zip(missing, zip(self.counts[sel].tolist(), self.act_sum[sel].tolist(),
+                                        self.top_sim[sel, 0].tolist(), map(tuple, self.hist[sel].tolist()))))
+            with self._lock:
+                if self._stat_rows is rows:  # not invalidated meanwhile
+                    rows.update(new)
+            rows = {**rows, **new}
+        tokens, bins = max(1, self.tokens), int(self.manifest["bins"])
+        out = {}
+        for i in ids:
+            c, a, m, h = rows[i]
+            out[i] = {"id": i, "count": c, "frequency": c / tokens, "mean_activation": a / c if c else 0.0,
+                      "max_similarity": m, "histogram": list(h), "bins": bins}
+        return out
+
+    def _validate_cache(self) -> tuple[Any, ...]:
+        """The cache state for the current tables, attached shards and tokenizer; the caches are emptied
+        when any of them changed (another object, or a tensor modified in place: its ``_version``).
+        Call with ``_lock`` held."""
+        objs = (self.top_sim, self.top_offset, self.counts, self.act_sum, self.hist, self.shards, self.tokenizer)
+        versions = tuple(t._version for t in objs[:5])
+        state = self._cache_state
+        if state is None or state[1] != versions or any(a is not b for a, b in zip(state[0], objs)):
+            self._snippets.clear()
+            self._pinned.clear()
+            self._stat_rows = {}
+            self._cache_state = state = (objs, versions)
+        return state
 
     # ----- neighbourhoods ----------------------------------------------------------------------------
     def neighbours(self, i: int, n: int | None = None, *, before: int = 12, after: int = 3,
                    shards: ShardSet | None = None) -> list[Neighbour]:
         """Prototype ``i``'s nearest training contexts (at most ``n``), with snippets when shards are
         attached: ``before`` tokens of context and ``after`` tokens after the marked target, clipped to
-        the target's document."""
+        the target's document.
+
+        **Cache.** A loaded index is an immutable artifact, so decoded neighbour lists are kept per
+        (prototype, n, before, after, shards, tokenizer) in an LRU of ``snippet_cache_size`` entries:
+        repeated explanations do not decode the shards again. ``Neighbour`` is frozen, so the cached
+        objects are shared safely (the list is new at every call). The whole cache is dropped when the
+        tables change (``top_sim``, ``top_offset``, ``counts``, ``act_sum`` or ``hist`` replaced, or modified
+        in place: their ``_version``) or other shards/tokenizer are attached, so it never serves the
+        neighbours of other tables."""
         i = self._check_id(i)
+        return self.neighbours_of([i], n, before=before, after=after, shards=shards)[i]
+
+    def neighbours_of(self, ids: Sequence[int], n: int | None = None, *, before: int = 12, after: int = 3,
+                      shards: ShardSet | None = None) -> dict[int, list[Neighbour]]:
+        """``neighbours(i, n, …)`` for every id of ``ids`` (each validated), with one cache look-up."""
+        ids = self._check_ids(ids)
         shards = shards if shards is not None else self.shards
-        out: list[Neighbour] = []
-        for s, o in zip(self.top_sim[i].tolist(), self.top_offset[i].tolist()):
-            if o == _NO_OFFSET or (n is not None and len(out) >= n):
-                break
-            nb = Neighbour(offset=int(o), similarity=float(s))
-            if shards is not None:
-                _fill_snippet(nb, shards, self.tokenizer or shards.tokenizer, before, after)
-            out.append(nb)
+        tok = (self.tokenizer or shards.tokenizer) if shards is not None else None
+        n_eff = self.top_n if n is None else max(0, min(int(n), self.top_n))
+        before, after = max(0, int(before)), max(0, int(after))
+        if self.snippet_cache_size <= 0:
+            return {i: list(nbs) for i, nbs in self._neighbours(ids, n_eff, before, after, shards, tok).items()}
+        sub = (n_eff, before, after, id(shards), id(tok))
+        out: dict[int, list[Neighbour]] = {}
+        missing = []
+        with self._lock:
+            state = self._validate_cache()
+            cache = self._snippets
+            for i in ids:
+                hit = cache.get((i, *sub))
+                if hit is None:
+                    missing.append(i)
+                else:
+                    cache.move_to_end((i, *sub))
+                    out[i] = list(hit)
+        if not missing:
+            return out
+        new = self._neighbours(missing, n_eff, before, after, shards, tok)
+        with self._lock:
+            if self._cache_state is state:  # not invalidated meanwhile
+                self._pinned[id(shards)], self._pinned[id(tok)] = shards, tok  # their ids stay unique while cached
+                for i, nbs in new.items():
+                    self._snippets[(i, *sub)] = nbs
+                while len(self._snippets) > self.snippet_cache_size:
+                    self._snippets.popitem(last=False)
+        out.update((i, list(nbs)) for i, nbs in new.items())
         return out
+
+    def _neighbours(self, ids: list[int], n: int, before: int, after: int, shards: ShardSet | None,
+                    tokenizer: Tokenizer | None) -> dict[int, tuple[Neighbour, ...]]:
+        """The first ``n`` neighbours of each prototype of ``ids``, decoded now (no cache)."""
+        sel = torch.tensor(ids, dtype=torch.long)
+        sims, offs = self.top_sim[sel, :n].tolist(), self.top_offset[sel, :n].tolist()
+        for r, row in enumerate(offs):
+            if _NO_OFFSET in row:  # empty slots come last
+                offs[r], sims[r] = row[:row.index(_NO_OFFSET)], sims[r][:row.index(_NO_OFFSET)]
+        if shards is None or tokenizer is None:
+            return {i: tuple(Neighbour(offset=int(o), similarity=float(s)) for s, o in zip(ss, oo))
+                    for i, ss, oo in zip(ids, sims, offs)}
+        flat = _snippets([o for row in offs for o in row], [s for row in sims for s in row], shards, tokenizer,
+                         before, after)
+        out, j = {}, 0
+        for i, row in zip(ids, offs):
+            out[i] = tuple(flat[j:j + len(row)])
+            j += len(row)
+        return out
+
+    def clear_cache(self) -> None:
+        """Drop the decoded neighbour snippets, the statistics rows and the parsed labels (rebuilt on
+        demand)."""
+        with self._lock:
+            self._snippets.clear()
+            self._pinned.clear()
+            self._stat_rows = {}
+            self._cache_state = None
+            self._labels = None
 
     # ----- identity checks ---------------------------------------------------------------------------
     def check(self, *, model_sha256: str | None = None, shards: ShardSet | None = None,
@@ -312,30 +444,68 @@ class PrototypeIndex:
         return idx
 
     def labels(self) -> dict[int, dict[str, Any]]:
-        """``labels.json`` of this index's folder (prototype id → {label, category, evidence}), or {}."""
-        if self.path is None or not (self.path / LABELS_FILE).exists():
+        """``labels.json`` of this index's folder (prototype id → {label, category, evidence}), or {}.
+        Parsed once and kept while the file stays the same (inode, size, modification and change times;
+        labelling rewrites it); the dict returned is a new one each call."""
+        if self.path is None:
             return {}
-        return {int(k): v for k, v in json.loads((self.path / LABELS_FILE).read_text()).items()}
+        f = self.path / LABELS_FILE
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            return {}
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)  # a rewrite (atomic: a new inode) shows
+        cached = self._labels
+        if cached is None or cached[0] != stamp:
+            cached = (stamp, {int(k): v for k, v in json.loads(f.read_text()).items()})
+            self._labels = cached
+        return dict(cached[1])
 
 
 def _where(path: Path | None) -> str:
     return f" {path}" if path is not None else ""
 
 
-def _fill_snippet(nb: Neighbour, shards: ShardSet, tokenizer: Tokenizer, before: int, after: int) -> None:
+def _snippets(offsets: list[int], sims: list[float], shards: ShardSet, tokenizer: Tokenizer, before: int,
+              after: int) -> list[Neighbour]:
+    """The neighbours at context offsets ``offsets`` of ``shards.train`` with their snippets: ``before``
+    tokens up to the target, the target, ``after`` tokens after it, clipped to the target's document.
+    Located, gathered and decoded for all offsets together."""
+    if not offsets:
+        return []
     shard = shards.train
-    target_off = nb.offset + 1
-    d, pos = shard.locate(target_off)
-    start, end = int(shard.doc_offsets[d]), int(shard.doc_offsets[d + 1])  # end includes the eot
-    a, b = max(start, target_off - before), min(end, target_off + 1 + after)
-    toks = np.asarray(shard.tokens[a:b], dtype=np.int64)
-    k = target_off - a
-    nb.doc_index, nb.position = d, pos
-    nb.doc_id = shard.doc_ids[d] if d < len(shard.doc_ids) else None
-    nb.target_id = int(toks[k])
-    nb.before = tokenizer.decode(toks[:k].tolist())
-    nb.target = tokenizer.decode([int(toks[k])])
-    nb.after = tokenizer.decode(toks[k + 1:].tolist())
+    target = np.asarray(offsets, dtype=np.int64) + 1  # the target token follows the context's last token
+    bad = target[(target < 0) | (target >= len(shard))]
+    if bad.size:
+        raise IndexError(f"token offset {int(bad[0])} out of range [0, {len(shard)})")
+    docs = np.searchsorted(shard.doc_offsets, target, side="right") - 1  # shard.locate, for all at once
+    start, end = shard.doc_offsets[docs], shard.doc_offsets[docs + 1]  # end includes the eot
+    a, b = np.maximum(start, target - before), np.minimum(end, target + 1 + after)  # window [a, b) ∋ target
+    lens = b - a
+    first = np.cumsum(lens) - lens  # where each window starts in the gathered tokens
+    gathered = np.asarray(shard.tokens[np.arange(int(lens.sum())) - np.repeat(first - a, lens)],
+                          dtype=np.int64).tolist()  # one gather of every window
+    pieces: list[list[int]] = []
+    for f, n, k in zip(first.tolist(), lens.tolist(), (target - a).tolist()):
+        toks = gathered[f:f + n]
+        pieces += [toks[:k], toks[k:k + 1], toks[k + 1:]]  # before, target, after
+    texts = _decode_many(tokenizer, pieces)
+    doc_ids = shard.doc_ids
+    out = []
+    for j, (o, s, d, t, st) in enumerate(zip(offsets, sims, docs.tolist(), target.tolist(), start.tolist())):
+        out.append(Neighbour(
+            offset=int(o), similarity=float(s), doc_index=d, doc_id=doc_ids[d] if d < len(doc_ids) else None,
+            position=t - st, target_id=pieces[3 * j + 1][0], target=texts[3 * j + 1], before=texts[3 * j],
+            after=texts[3 * j + 2]))
+    return out
+
+
+def _decode_many(tokenizer: Tokenizer, seqs: list[list[int]]) -> list[str]:
+    """``[tokenizer.decode(s) for s in seqs]``, in one call of the backend when the tokenizer is prismlm's
+    ``Tokenizer`` (its ``decode`` is the backend's, special tokens kept)."""
+    if isinstance(tokenizer, _Tokenizer) and type(tokenizer).decode is _Tokenizer.decode:
+        return list(tokenizer.backend.decode_batch(seqs, skip_special_tokens=False))
+    return [tokenizer.decode(s) for s in seqs]
 
 
 # ----- building --------------------------------------------------------------------------------------

@@ -222,6 +222,7 @@ def retrofit(pre: Pretrained, cfg: RunConfig, out_dir: str | Path, *, shards: Sh
     bank = seed_prototypes(hidden, protos.num_prototypes, protos.top_k,
                            generator=torch.Generator().manual_seed(cfg.train.seed))
     assert model.prototypes is not None
-    model.prototypes.weight.data.copy_(bank)
+    with torch.no_grad():  # an in-place copy on the parameter (not .data): bumps its version for any cache
+        model.prototypes.weight.copy_(bank)
     return train(cfg, out_dir, shards=shards, progress=progress, overwrite=overwrite,
                  initial_state=model.state_dict())
