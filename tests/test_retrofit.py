@@ -242,3 +242,19 @@ def test_downstream_operations_work_on_a_retrofitted_hf_backbone(retrofitted):
     removed = dec.prototype_slices[0, -1, 0]
     assert torch.allclose(sup.logits[0, -1, y[0, -1]], dec.logit[0, -1] - removed, atol=1e-9)
     assert abs(float(removed)) > 0
+
+
+def test_a_frozen_backbone_trains_the_bank_without_dropout(tiny_shards, tmp_path):
+    """Stage 1 runs the frozen backbone in eval mode: with attention dropout 0.9 in the model's config the bank
+    learns exactly what it learns without dropout (train mode would feed it noised hidden states)."""
+    tok = hf_tokenizer_from(tiny_shards.tokenizer)
+    banks = []
+    for p_drop in (0.0, 0.9):
+        model = tiny_hf_model("llama")
+        model.config.attention_dropout = p_drop
+        folder = tmp_path / f"llama-{p_drop}"
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        out = retrofit_cli(folder, tmp_path / f"run-{p_drop}", "--steps", "3")
+        banks.append(Run.open(out, device="cpu").model.prototypes.weight)
+    assert torch.equal(banks[0], banks[1])

@@ -350,6 +350,9 @@ def train(
                 stage = "main"
                 set_trainable(model, stage_names[stage])
                 bar.message(f"step {step}: stage 2, training {tc.trainable} parameters")
+            # A frozen backbone runs in eval mode (no dropout): the bank learns the hidden states the model
+            # really produces. Set every step, because validation's eval_mode restores train mode everywhere.
+            model.transformer.train(stage != "frozen")
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             weights = cfg.loss.weights_at(step)
