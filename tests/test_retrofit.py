@@ -229,6 +229,21 @@ def test_downstream_operations_work_on_a_retrofitted_hf_backbone(retrofitted):
     assert exp.prompt_tokens is not None and len(exp.token_ids) > exp.prompt_tokens
     assert exp.max_abs_error < 1e-3 and exp.index is not None
     assert isinstance(generate(run, "The people", tokens=5, samples=1, temperature=0.0)[0], str)
+    html = retrofitted["llama"] / "report.html"  # the static explorer page, through the CLI
+    res = CliRunner().invoke(cli_app, ["explain", str(retrofitted["llama"]), "The people of", "--generate", "3",
+                                       "--html", str(html), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "The people" in html.read_text()
+    # training-data attribution in prototype space, exact (full) and through the postings cache
+    from prismlm.app import attribute_text, build_run_cache
+    from prismlm.config import AttributionConfig
+
+    full = attribute_text(run, "The people of the United States", completion=2, method="full", max_sequences=16,
+                          top=3)
+    build_run_cache(run, AttributionConfig(max_sequences=16), progress=False)
+    cached = attribute_text(Run.open(retrofitted["llama"], device="cpu"), "The people of the United States",
+                            completion=2, top=3)
+    assert len(full.top) == 3 and [t.sequence for t in full.top] == [t.sequence for t in cached.top]
     # suppression removes exactly the suppressed prototype's slice from the logit it contributed to
     x = torch.tensor([run.tokenizer.encode("The people of the United States")])
     model = run.model.double()
