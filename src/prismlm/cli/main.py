@@ -301,7 +301,7 @@ def render_concept(res: ConceptResult, *, top: int = 15) -> None:
 
 def render_task_folders(folders: dict[str, Path]) -> None:
     for n, f in folders.items():
-        console.print(f"{n}: {f} (lm-eval: --include_path {f} --tasks prism_{n})")
+        console.print(f"{n}: {f} (prism-lm-eval --model prism --model_args pretrained=RUN --include_path {f} --tasks prism_{n})")
 
 
 def render_task_results(results: dict, *, json_out: Path | None = None) -> None:
