@@ -273,3 +273,12 @@ def test_a_frozen_backbone_trains_the_bank_without_dropout(tiny_shards, tmp_path
         out = retrofit_cli(folder, tmp_path / f"run-{p_drop}", "--steps", "3")
         banks.append(Run.open(out, device="cpu").model.prototypes.weight)
     assert torch.equal(banks[0], banks[1])
+
+
+def test_explanations_carry_the_unembedding_bias(retrofitted):
+    """Phi's W has a bias: explanations report it as its own slice, so slices + residual + bias = logit."""
+    from prismlm.app import explain_text
+
+    exp = explain_text(Run.open(retrofitted["phi"], device="cpu"), "The people of the United States")
+    assert any(abs(p.bias_slice) > 1e-3 for p in exp.positions)
+    assert exp.max_abs_error < 1e-4 * max(abs(p.logit) for p in exp.positions)

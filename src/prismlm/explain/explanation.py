@@ -76,7 +76,7 @@ class PrototypeSlice:
 
 @dataclass
 class TokenExplanation:
-    """The decomposition at one position: ``logit == Σ prototype slices + residual_slice``."""
+    """The decomposition at one position: ``logit == Σ prototype slices + residual_slice + bias_slice``."""
 
     position: int
     token_id: int
@@ -95,9 +95,11 @@ class TokenExplanation:
     prototypes: list[PrototypeSlice]
     """Every active prototype (a > 0), by decreasing |slice|; inactive ones contribute exactly 0."""
     total: float
-    """Σ slices + residual slice, summed in the model's dtype."""
+    """Σ slices + residual slice + bias slice, summed in the model's dtype."""
     error: float
     """total − logit (float rounding only; ~1e-16 relative in float64)."""
+    bias_slice: float = 0.0
+    """b_y, the unembedding's bias for the chosen token (0 unless the model's W has a bias, e.g. Phi)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -420,13 +422,14 @@ def _explain_output(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], o
     logp = logp.gather(-1, y[0, :, None]).squeeze(-1)  # (n,)
     slices_t = dec.prototype_slices[0]  # (n, k)
     resid_t = dec.residual_slice[0]  # (n,)
-    total_t = slices_t.sum(-1) + resid_t  # (n,) in the model's dtype
+    total_t = slices_t.sum(-1) + resid_t + dec.bias_slice[0]  # (n,) in the model's dtype
     error_t = total_t - dec.logit[0]  # (n,) in the model's dtype
     denom_t = slices_t.abs().sum(-1) + resid_t.abs()  # (n,)
     # Python lists in one transfer each (not one tensor indexing per value); float64 holds every value of
     # a float32/bf16 tensor exactly, so these are float() of each element.
-    total, error, logit, prob, resid, denom = torch.stack(
-        [v.double() for v in (total_t, error_t, dec.logit[0], logp.exp(), resid_t, denom_t)]).tolist()
+    total, error, logit, prob, resid, denom, bias = torch.stack(
+        [v.double() for v in (total_t, error_t, dec.logit[0], logp.exp(), resid_t, denom_t,
+                              dec.bias_slice[0])]).tolist()
     acts, slices = torch.stack([out.activations[0].double(), slices_t.double()]).tolist()  # (n, k) each
     pids = out.indices[0].tolist()  # (n, k)
     used = sorted({i for row, a_row in zip(pids, acts) for i, a in zip(row, a_row) if a > 0})
@@ -446,7 +449,7 @@ def _explain_output(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], o
         positions.append(TokenExplanation(
             position=t, token_id=ids[t], token=tok_strs[ids[t]], next_id=tgt[t], next_token=tok_strs[tgt[t]],
             chosen_by=how[t], logit=logit[t], prob=prob[t], residual_slice=resid[t], residual_share=resid[t] / d,
-            prototypes=protos, total=total[t], error=error[t]))
+            prototypes=protos, total=total[t], error=error[t], bias_slice=bias[t]))
     cards = _cards(net, tokenizer, used, index, labels, neighbours, signature_tokens)
     return Explanation(
         text=text, token_ids=ids, tokens=[tok_strs[i] for i in ids], positions=positions,
