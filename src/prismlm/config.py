@@ -186,9 +186,23 @@ class DataConfig:
     """Truncate each document to N characters (smoke tests)."""
     data_dir: str | None = None
     """Where shards are written; default ``$PRISM_DATA`` or ``~/.cache/prismlm/data``."""
+    streaming: bool = False
+    """Stream the corpus through training instead of tokenising it into shards first: documents are read
+    lazily (HF ``datasets`` streaming, parquet by row batches, jsonl by lines), tokenised on the fly, packed
+    and shuffled in a bounded buffer; checkpoints record the exact stream position. Needs a fixed tokenizer
+    (``gpt2``, ``hf:NAME`` or a saved one), not ``bpe-N``."""
+    shuffle_buffer: int = 1024
+    """Streaming: sequences held in the shuffle buffer (memory and checkpoint size grow with it)."""
+    stream_val_tokens: int = 262144
+    """Streaming: validation tokens materialised (the first validation-split documents up to this many)."""
 
     def __post_init__(self) -> None:
         _check(0.0 < self.val_fraction < 1.0, f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        _check(self.shuffle_buffer >= 1, f"shuffle_buffer must be >= 1, got {self.shuffle_buffer}")
+        _check(self.stream_val_tokens >= 1, f"stream_val_tokens must be >= 1, got {self.stream_val_tokens}")
+        _check(not (self.streaming and re.match(r"^bpe(?:[-:]\d+)?$", self.tokenizer)),
+               f"data.streaming needs a fixed tokenizer, but data.tokenizer={self.tokenizer!r} must be trained on "
+               "the corpus first: use gpt2, hf:NAME or a saved tokenizer folder")
         _check(self.max_docs is None or self.max_docs >= 1, "max_docs must be >= 1")
         _check(self.max_chars_per_doc is None or self.max_chars_per_doc >= 1, "max_chars_per_doc must be >= 1")
 

@@ -9,6 +9,7 @@ Typical use::
 
 from prismlm.data.corpus import Document, corpus_fingerprint, iter_documents, split_of
 from prismlm.data.shards import ShardSet, TokenShard, default_data_dir, load_shards, prepare_shards
+from prismlm.data.stream import StreamingData, TokenStream, prepare_stream
 from prismlm.data.tokenizer import (
     Tokenizer,
     gpt2_tokenizer,
@@ -19,6 +20,7 @@ from prismlm.data.tokenizer import (
 )
 
 __all__ = [ "Document", "corpus_fingerprint", "iter_documents", "split_of", "ShardSet", "TokenShard", "default_data_dir", "load_shards", "prepare_shards",
+    "StreamingData", "TokenStream", "prepare_stream",
     "Tokenizer", "gpt2_tokenizer", "hf_tokenizer", "resolve_tokenizer",
     "token_dtype", "train_bpe",
 ]

@@ -37,6 +37,7 @@ from prismlm.train.sampler import SequenceSampler
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
+    from prismlm.data.stream import StreamingData, TokenStream
 
 
 @dataclass
@@ -250,27 +251,40 @@ def train(
                 raise RunError(f"{out_dir} already finished its {cfg.train.max_steps} steps; nothing to resume",
                                fix=f"pass --steps N (> {start_step}) with --resume to train further")
         # --- data: rank 0 prepares (or reuses) the shards; the others wait and load them
-        if shards is None:
+        data: ShardSet | StreamingData | None = shards
+        if cfg.data.streaming:  # stream the corpus (prismlm.data.stream): only a small val shard is prepared
+            from prismlm.data.stream import prepare_stream
+
+            shards = None  # a streaming run reads its corpus itself
+            if info.is_main:
+                data = prepare_stream(cfg.data)
+                barrier(info)
+            else:
+                barrier(info)
+                data = prepare_stream(cfg.data)
+        elif shards is None:
             if info.is_main:
                 shards = prepare_from_config(cfg.data, show_progress=progress)
                 barrier(info)
             else:
                 barrier(info)
                 shards = prepare_from_config(cfg.data, show_progress=False)
+            data = shards
+        assert data is not None
         if initial_state is None and not resume:
-            vocab = round_vocab(shards.tokenizer.vocab_size)
+            vocab = round_vocab(data.tokenizer.vocab_size)
             if cfg.model.vocab_size != vocab:
                 cfg = cfg.override({"model.vocab_size": vocab})
-        elif cfg.model.vocab_size < shards.tokenizer.vocab_size:
-            raise DataError(f"the tokenizer of {shards.root} has {shards.tokenizer.vocab_size} ids but the model only "
+        elif cfg.model.vocab_size < data.tokenizer.vocab_size:
+            raise DataError(f"the tokenizer of {data.root} has {data.tokenizer.vocab_size} ids but the model only "
                             f"{cfg.model.vocab_size}", fix="prepare the corpus with the model's own tokenizer")
         if info.enabled and cfg.train.frozen_steps > 0 and cfg.train.trainable != "prototypes":
             raise ConfigError("train.frozen_steps (a two-stage retrofit) changes which parameters train mid-run, "
                               "which DistributedDataParallel does not allow", fix="run it in one process")
-        if shards.train.num_sequences(cfg.model.block_size) < 1:
+        if shards is not None and shards.train.num_sequences(cfg.model.block_size) < 1:
             raise DataError("the training split is shorter than one block; use more data or a smaller block_size")
-        if shards.val.num_sequences(cfg.model.block_size) < 1:  # refused now, not at the first evaluation
-            raise DataError(f"the validation split of {shards.root} holds {len(shards.val)} tokens, fewer than one "
+        if data.val.num_sequences(cfg.model.block_size) < 1:  # refused now, not at the first evaluation
+            raise DataError(f"the validation split of {data.root} holds {len(data.val)} tokens, fewer than one "
                             f"block of {cfg.model.block_size + 1}", fix="use a corpus with more documents, a larger "
                             "--set data.val_fraction, or a smaller model.block_size")
 
@@ -300,38 +314,64 @@ def train(
 
         T = cfg.model.block_size
         tc = cfg.train
-        sampler = SequenceSampler(shards.train.num_sequences(T), tc.batch_size, tc.grad_accum, info.world_size, tc.seed)
+        stream: TokenStream | None = None
+        if shards is None:  # streaming: this rank's stream, at the checkpoint's position on --resume
+            from prismlm.data.stream import StreamingData
+
+            assert isinstance(data, StreamingData)
+            stream = data.stream(cfg.data, T, seed=tc.seed, rank=info.rank, world_size=info.world_size)
+            if state is not None:
+                saved = state["data"].get("stream")
+                if not isinstance(saved, list) or len(saved) != info.world_size:
+                    raise DataError(f"{out_dir}: the checkpoint holds no stream position for {info.world_size} "
+                                    "process(es)", fix="resume with the run's own data settings and process count")
+                stream.load_state_dict(saved[info.rank])
+        else:
+            sampler = SequenceSampler(shards.train.num_sequences(T), tc.batch_size, tc.grad_accum, info.world_size,
+                                      tc.seed)
         if info.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             cfg.to_json(out_dir / "config.json")
             env = environment_info(info, device, tc.seed)
-            env["data_manifest"] = shards.manifest
+            env["data_manifest"] = data.manifest
             (out_dir / "env.json").write_text(json.dumps(env, indent=2, default=str) + "\n")
             n_params = model.num_parameters()
             kind = "PRISM" if model.is_prism else "dense"
             extra = (f" (backbone {model.num_parameters(prototypes=False) / 1e6:.2f}M + prototypes "
                      f"{model.prototypes.num_prototypes}×{cfg.model.n_embd})") if model.prototypes is not None else ""
-            model_line = (f"[prismlm] {kind} model: {n_params / 1e6:.2f}M parameters{extra}; "
-                          f"train {len(shards.train):,} tokens / {sampler.n:,} sequences of {T}; "
-                          f"global batch {sampler.global_batch} × {T} tokens; device {device}, world {info.world_size}")
+            train_line = (f"train {len(shards.train):,} tokens / {sampler.n:,} sequences of {T}" if shards is not None
+                          else f"train streamed from {cfg.data.corpus} (shuffle buffer {cfg.data.shuffle_buffer} "
+                               f"sequences of {T})")
+            global_batch = tc.batch_size * tc.grad_accum * info.world_size
+            model_line = (f"[prismlm] {kind} model: {n_params / 1e6:.2f}M parameters{extra}; {train_line}; "
+                          f"global batch {global_batch} × {T} tokens; device {device}, world {info.world_size}")
         log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None, info.is_main)
 
         def do_eval() -> dict[str, float]:
-            return evaluate(model, shards.val, seq_len=T, batch_size=tc.batch_size, max_batches=tc.eval_batches,
+            return evaluate(model, data.val, seq_len=T, batch_size=tc.batch_size, max_batches=tc.eval_batches,
                             device=device, autocast=autocast, loss_weights=cfg.loss.weights_at(step))
 
         def do_checkpoint(at_step: int) -> Path | None:
             path = None
+            positions: list[Any] = []
+            if stream is not None:  # every rank's stream position, gathered to rank 0
+                positions = [stream.state_dict()]
+                if info.enabled:
+                    gathered: list[Any] = [None] * info.world_size
+                    torch.distributed.all_gather_object(gathered, positions[0])
+                    positions = gathered
             if info.is_main:
                 trainer_state = {
                     "step": at_step,
                     "optimizer": optimizer.state_dict(),
                     "rng": {"torch": torch.get_rng_state(),
                             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-                    "data": {"sequences_consumed": at_step * sampler.global_batch, "epoch": sampler.epoch_at(at_step)},
+                    "data": ({"sequences_consumed": at_step * sampler.global_batch, "epoch": sampler.epoch_at(at_step)}
+                             if stream is None else {"sequences_consumed": at_step * tc.batch_size * tc.grad_accum
+                                                     * info.world_size, "epoch": stream.epoch, "stream": positions}),
                 }
                 path = save_checkpoint(out_dir, at_step, model, cfg, trainer_state=trainer_state,
-                                       tokenizer=shards.tokenizer, data_manifest=shards.manifest,
+                                       tokenizer=data.tokenizer, data_manifest=data.manifest,
                                        keep=tc.keep_checkpoints)
             barrier(info)
             return path
@@ -358,8 +398,12 @@ def train(
             weights = cfg.loss.weights_at(step)
             terms_sum: dict[str, float] = {}
             for micro in range(tc.grad_accum):
-                ids = sampler.micro_indices(step, micro, info.rank)
-                batch = torch.from_numpy(shards.train.sequences(ids, T)).to(device, non_blocking=True)
+                if stream is not None:
+                    batch = torch.from_numpy(stream.batch(tc.batch_size)).to(device, non_blocking=True)
+                else:
+                    assert shards is not None
+                    ids = sampler.micro_indices(step, micro, info.rank)
+                    batch = torch.from_numpy(shards.train.sequences(ids, T)).to(device, non_blocking=True)
                 x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each
                 sync = nullcontext() if (ddp is None or micro == tc.grad_accum - 1) else ddp.no_sync()
                 with sync:
@@ -387,7 +431,8 @@ def train(
                 now = time.perf_counter()
                 record = {"step": done, "lr": lr, "grad_norm": float(grad_norm),
                           **{f"train_{k}": v for k, v in terms_sum.items()}, "train_loss": float(loss_t),
-                          "tokens_per_s": tokens_since / max(now - t_last, 1e-9), "epoch": sampler.epoch_at(done)}
+                          "tokens_per_s": tokens_since / max(now - t_last, 1e-9),
+                          "epoch": sampler.epoch_at(done) if stream is None else float(stream.epoch)}
                 t_last, tokens_since = now, 0
                 log.write(record)
                 shown = {"loss": record["train_loss"], "tokens_per_s": round(record["tokens_per_s"])}
