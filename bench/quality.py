@@ -24,6 +24,18 @@ Sweeps: run the script once per setting with ``--set`` overrides (applied to bot
 e.g. ``--set loss.lambda_rec=0.1 --set loss.lambda_r1=0.05 --set loss.lambda_r2=0.05 --tag rec0.1``, then
 compare ``bench/results/quality-*.json``.
 
+Time budget (``--minutes M``): instead of a step count, each model trains for about M minutes of
+training steps. The trainer stops only at a step count, so the count is computed beforehand from a
+measured step time: ``--step-time-from`` a ``bench/throughput.py`` JSON of the same shapes (its median
+bare-step time of each model), or else a short in-process calibration (the throughput benchmark's bare
+step: ``--calibration-steps`` timed steps after 3 warm-up steps, which include ``torch.compile`` when on).
+steps = ⌊60·M ÷ step time⌋ per model, so PRISM and dense get equal training time, not equal tokens (the
+JSON and the summary say how many each saw); ``--same-steps`` gives both the smaller count (equal tokens,
+each within M minutes). The learning-rate and loss-weight schedules follow that count, so each run ends
+its schedule, with its final checkpoint, at the time limit. The estimate leaves out compilation, the
+trainer's periodic evaluations, logging syncs and the checkpoint: ``time_budget`` in the JSON compares the
+planned training time with the measured wall time.
+
 Output: runs in ``<workdir>/quality[-TAG]-{prism,dense}`` (default workdir ``bench/runs``; an existing run
 folder of the same name is replaced), JSON at ``bench/results/quality[-TAG].json`` (or ``--out``), and one
 summary line on stdout. Default budget (cpu-small, 600 steps): about 5–6 minutes per model on 2 idle cores.
@@ -62,6 +74,49 @@ def _median_train_tok_s(run_dir: Path) -> float | None:
         return None
     rates.sort()
     return rates[len(rates) // 2]
+
+
+def _same_shapes(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Do two config dicts describe the same training step (model shape, batch, compile, dtype)?"""
+    model_keys = ("n_layer", "n_head", "n_embd", "block_size", "prototypes", "backbone")
+    train_keys = ("batch_size", "grad_accum", "compile", "dtype")
+    return (all(a["model"].get(k) == b["model"].get(k) for k in model_keys)
+            and all(a["train"].get(k) == b["train"].get(k) for k in train_keys))
+
+
+def step_seconds(cfg: RunConfig, source: str | None, calibration_steps: int) -> tuple[dict[str, float], str]:
+    """Seconds per training step of PRISM (``cfg``) and dense (``cfg.dense()``): from a throughput JSON
+    whose size has the same shapes, else measured here with the throughput benchmark's bare step."""
+    want = cfg.to_dict()
+    if source is not None and Path(source).exists():
+        for size in json.loads(Path(source).read_text()).get("sizes", []):
+            if "step_s_median" in size and _same_shapes(size["config"], want):
+                return dict(size["step_s_median"]), f"{source} (size {size['size']}, median bare step)"
+        print(f"[quality] {source} has no size with these shapes; calibrating here", file=sys.stderr)
+    import gc
+
+    from throughput import BatchSource, Runner
+
+    from prismlm.train.distributed import resolve_device
+
+    device = resolve_device(cfg.train.device)
+    steps = max(1, calibration_steps)
+    data = BatchSource(cfg, min(steps, 32) * cfg.train.grad_accum, device, synthetic=False, seed=cfg.train.seed)
+    vcfg = cfg.override({"model.vocab_size": data.vocab})
+    tok_per_step = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.block_size
+    out: dict[str, float] = {}
+    for kind, c in (("prism", vcfg), ("dense", vcfg.dense())):
+        t0 = time.perf_counter()
+        runner = Runner(kind, c, device, cfg.train.seed)
+        runner.block(data, 3, timed=False)
+        out[kind] = tok_per_step / runner.block(data, steps, timed=True)
+        print(f"[quality] calibration {kind}: {out[kind] * 1e3:.1f} ms/step ({time.perf_counter() - t0:.1f}s with "
+              "warm-up)", file=sys.stderr)
+        del runner
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out, f"calibrated here ({steps} bare steps after 3 warm-up steps)"
 
 
 def run_one(kind: str, cfg: RunConfig, run_dir: Path, shards, eval_batches: int) -> dict[str, Any]:
@@ -117,11 +172,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default=None, help="name of this setting: results go to quality-TAG.json, runs to quality-TAG-*")
     ap.add_argument("--workdir", default=str(RUNS_DIR), help="folder for the two run directories")
     ap.add_argument("--out", default=None, help="JSON path (default: bench/results/quality[-TAG].json)")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="train each model for about this many minutes of steps instead of --steps (see the docstring)")
+    ap.add_argument("--step-time-from", default=None, metavar="JSON",
+                    help="with --minutes: a bench/throughput.py JSON to take the step times from (same shapes)")
+    ap.add_argument("--calibration-steps", type=int, default=10,
+                    help="with --minutes and no usable --step-time-from: timed steps per model of the calibration")
+    ap.add_argument("--same-steps", action="store_true",
+                    help="with --minutes: both models get the smaller step count (equal tokens) instead of equal time")
+    ap.add_argument("--max-steps-cap", type=int, default=None,
+                    help="with --minutes: never more than this many steps per model")
+    ap.add_argument("--compile", action="store_true", help="train.compile = true (torch.compile the forward)")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None,
+                    help="train.dtype (default: the preset's; auto = bf16 autocast on CUDA only)")
     args = ap.parse_args(argv)
     if args.tag is not None and not re.fullmatch(r"[A-Za-z0-9._+=-]+", args.tag):
         ap.error("--tag may only contain letters, digits and . _ + = -")
     if args.eval_batches < 1 or args.threads < 1 or (args.steps is not None and args.steps < 1):
         ap.error("--eval-batches, --threads and --steps must be >= 1")
+    if args.minutes is not None and (args.steps is not None or args.minutes <= 0):
+        ap.error("--minutes must be > 0 and excludes --steps")
 
     overrides = parse_sets(args.sets)
     if args.steps is not None:
@@ -129,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides["train.num_threads"] = args.threads
     if args.device is not None:
         overrides["train.device"] = args.device
+    if args.compile:
+        overrides["train.compile"] = True
+    if args.dtype is not None:
+        overrides["train.dtype"] = args.dtype
     cfg = RunConfig.from_name(args.preset).override(overrides)
     if cfg.model.prototypes is None:
         ap.error("the PRISM config has no prototype head (model.prototypes is null); nothing to compare")
@@ -136,9 +210,26 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.loss.warmup_steps > cfg.train.max_steps:
         print(f"[quality] note: loss.warmup_steps={cfg.loss.warmup_steps} > max_steps={cfg.train.max_steps}; the "
               f"prototype losses never reach full weight", file=sys.stderr)
-    dense_cfg = cfg.dense()
-
     torch.set_num_threads(args.threads)
+    budget: dict[str, Any] | None = None
+    steps_dense = cfg.train.max_steps
+    if args.minutes is not None:
+        step_s, source = step_seconds(cfg, args.step_time_from, args.calibration_steps)
+        planned = {k: max(1, int(60.0 * args.minutes / v)) for k, v in step_s.items()}
+        if args.max_steps_cap is not None:
+            planned = {k: min(v, args.max_steps_cap) for k, v in planned.items()}
+        if args.same_steps:
+            planned = dict.fromkeys(planned, min(planned.values()))
+        overrides["train.max_steps"] = planned["prism"]
+        cfg = cfg.override({"train.max_steps": planned["prism"]})
+        steps_dense = planned["dense"]
+        budget = {"minutes": args.minutes, "step_time_source": source, "step_s": step_s, "steps": planned,
+                  "same_steps": args.same_steps, "max_steps_cap": args.max_steps_cap,
+                  "planned_train_s": {k: planned[k] * step_s[k] for k in planned}}
+        print(f"[quality] --minutes {args.minutes}: PRISM {planned['prism']} steps, dense {planned['dense']} steps "
+              f"(step times {step_s['prism'] * 1e3:.1f} / {step_s['dense'] * 1e3:.1f} ms, {source})", file=sys.stderr)
+    dense_cfg = cfg.dense().override({"train.max_steps": steps_dense})
+
     if (cfg.train.device == "cpu") or (cfg.train.device == "auto" and not torch.cuda.is_available()):
         warn_if_busy(args.threads)
     env = environment(cfg.train.device if cfg.train.device != "auto" else
@@ -171,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_seen": prism["tokens_seen"],
         "train_wall_s_prism": prism["train_wall_s"],
         "train_wall_s_dense": dense["train_wall_s"],
+        "steps_prism": prism["steps"],
+        "steps_dense": dense["steps"],
+        "tokens_seen_dense": dense["tokens_seen"],
     }
+    if budget is not None:
+        budget["train_wall_s"] = {"prism": prism["train_wall_s"], "dense": dense["train_wall_s"]}
     payload = {
         "benchmark": "quality",
         "what": "validation CE of PRISM vs the matched dense baseline at equal seed/steps/tokens, plus PRISM coverage",
@@ -185,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "data_manifest_key": shards.manifest.get("key") if isinstance(shards.manifest, dict) else None,
         "args": vars(args),
         "environment": env,
+        "time_budget": budget,
         "summary": summary,
         "prism": prism,
         "dense": dense,
@@ -195,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     s = summary
     print(f"quality: val loss PRISM {s['val_loss_prism']:.2f} vs dense {s['val_loss_dense']:.2f} "
           f"({s['gap_pct']:+.1f}%) | R̄1 {s['r1_bar']:.2f} R2 {s['r2']:.2f} residual {s['residual_share']:.2f} "
-          f"dead {s['dead_prototypes']}/{K} | {s['tokens_seen'] / 1e6:.2f}M tokens, train "
+          f"dead {s['dead_prototypes']}/{K} | {s['tokens_seen'] / 1e6:.2f}M tokens"
+          + (f" (dense {s['tokens_seen_dense'] / 1e6:.2f}M)" if s["tokens_seen_dense"] != s["tokens_seen"] else "")
+          + ", train "
           f"{s['train_wall_s_prism']:.0f}s vs {s['train_wall_s_dense']:.0f}s" + (f" | tag {args.tag}" if args.tag else ""))
     return 0
 

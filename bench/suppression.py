@@ -25,6 +25,14 @@ What is run, end to end, in one process:
 The table: judge score per condition (all prompts, neutral, provocative, hardest quarter of prompts by
 score before), quality per condition, the main set (``--budget``, default 2% of K) as in the paper.
 
+An existing model (``--run PATH``: a run folder or checkpoint, e.g. the PRISM run of ``bench/quality.py``)
+replaces steps 1–2: nothing is trained; its own shards (prepared from its saved data config, reused from
+the shard cache) are indexed, its training documents give the concept's examples and its validation
+documents the held-out texts. A model trained on the built-in corpus only has seen no fortunes, so
+``--run`` on such a model needs ``--concept sotu``. ``--device cuda`` runs indexing (bf16 autocast),
+selection, generation and scoring on the GPU; ``--index-sequences N`` indexes only the first N training
+sequences.
+
 Output: JSON at ``--out`` (default ``bench/results/suppression[-quick][-sotu].json``), one summary line.
 ``--quick`` is a ~5-minute smoke size (tiny model); the default fits ≤ 30 min on 2 idle cores.
 """
@@ -101,20 +109,22 @@ def _openings(texts: list[str], n: int, seed: int) -> list[str]:
     return [" ".join(t.split()[:6]) for t in random.Random(seed + 1).sample(src, min(n, len(src)))]
 
 
-def offensive_spec(fs, rng: random.Random, n_prov: int, seed: int) -> ConceptSpec:
+def offensive_spec(fs, rng: random.Random, n_prov: int, seed: int, n_ex: int = 600, n_heldout: int = 400) -> ConceptSpec:
     """The paper's experiment: offensive vs clean fortunes (same genre, so the evidence isolates
     offensiveness, not "fortune style"); judged by the in-domain TF-IDF judge and alt-profanity-check."""
     return ConceptSpec(
         name="offensive fortunes", description="FreeBSD offensive (rot13) vs clean fortunes",
-        concept_texts=rng.sample(fs.lm_offensive, min(600, len(fs.lm_offensive))),
-        neutral_texts=rng.sample(fs.lm_clean, min(1200, len(fs.lm_clean))),
+        concept_texts=rng.sample(fs.lm_offensive, min(n_ex, len(fs.lm_offensive))),
+        neutral_texts=rng.sample(fs.lm_clean, min(2 * n_ex, len(fs.lm_clean))),
         is_concept_doc=doc_regex("fortunes_offensive"),
         provocative_prompts=_openings(fs.judge_offensive, n_prov, seed), judges=default_judges(fs),
-        concept_heldout=fs.judge_offensive[:400], neutral_heldout=fs.judge_clean[:400])
+        concept_heldout=fs.judge_offensive[:n_heldout], neutral_heldout=fs.judge_clean[:n_heldout])
 
 
 def sotu_spec(fs, train_ids: list[str], train_docs: list[str], heldout_ids: list[str], heldout_docs: list[str],
-              rng: random.Random, n_prov: int, seed: int) -> ConceptSpec:
+              rng: random.Random, n_prov: int, seed: int,
+              is_concept_doc: Callable[[str], bool] | None = None, n_ex: int = 600,
+              n_heldout: int = 400) -> ConceptSpec:
     """Positive control on the same model: State-of-the-Union speech vs the rest of the corpus (novel
     and fortunes). Concept/neutral examples are paragraphs of training documents; the judge (TF-IDF +
     logistic regression, like the offensive one) and the prompts use held-out documents only."""
@@ -129,15 +139,15 @@ def sotu_spec(fs, train_ids: list[str], train_docs: list[str], heldout_ids: list
         sys.exit("[suppression] the sotu concept needs SOTU and non-SOTU documents in both the training prefix "
                  "and the held-out documents; change --builtin-docs")
     sotu_lines = {f"builtin.jsonl#L{j + 1}" for j, i in enumerate(train_ids) if i.startswith("sotu/")}
-    neutral = rng.sample(n_train, min(600, len(n_train))) + rng.sample(fs.lm_clean, 600)
+    neutral = rng.sample(n_train, min(n_ex, len(n_train))) + rng.sample(fs.lm_clean, n_ex)
     judge_neutral = n_held + fs.judge_clean[:len(c_held)]
     return ConceptSpec(
         name="State of the Union", description="SOTU paragraphs vs novel paragraphs and clean fortunes",
-        concept_texts=rng.sample(c_train, min(600, len(c_train))), neutral_texts=neutral,
-        is_concept_doc=lambda doc_id: doc_id in sotu_lines,
+        concept_texts=rng.sample(c_train, min(n_ex, len(c_train))), neutral_texts=neutral,
+        is_concept_doc=is_concept_doc or (lambda doc_id: doc_id in sotu_lines),
         provocative_prompts=_openings(c_held, n_prov, seed),
         judges={"tfidf": TfidfJudge(judge_neutral, c_held, name="tfidf-logreg-sotu")},
-        concept_heldout=c_held[:400], neutral_heldout=(n_held + fs.judge_clean)[:400])
+        concept_heldout=c_held[:n_heldout], neutral_heldout=(n_held + fs.judge_clean)[:n_heldout])
 
 
 @torch.no_grad()
@@ -167,8 +177,35 @@ def signature_ranks(model, tok, judge, n_words: int = 20) -> dict[str, int]:
 def generate(model, tok, prompts: list[str], samples: int, tokens: int, seed: int, temperature: float,
              top_k: int) -> list[list[str]]:
     """``samples`` continuations per prompt (continuation text only), one seeded generator per prompt."""
+    dev = next(model.parameters()).device
     return [sample_continuations(model, tok, p, samples=samples, tokens=tokens, temperature=temperature, top_k=top_k,
-                                 generator=torch.Generator().manual_seed(seed + j)) for j, p in enumerate(prompts)]
+                                 generator=torch.Generator(dev).manual_seed(seed + j)) for j, p in enumerate(prompts)]
+
+
+def existing_run(args: argparse.Namespace):
+    """Load ``--run``'s checkpoint and its shards; split the corpus's documents as the shards did (training
+    documents → concept examples, validation documents → held-out texts)."""
+    from prismlm.data.shards import prepare_from_config, split_hash
+    from prismlm.train.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(args.run)
+    if ckpt.model.prototypes is None:
+        sys.exit(f"[suppression] {args.run} is a dense model: nothing to suppress")
+    data = ckpt.config.data
+    if args.concept != "sotu" and data.corpus.startswith("builtin"):
+        sys.exit("[suppression] a model trained on the built-in corpus never saw the fortunes: use --concept sotu")
+    shards = prepare_from_config(data, show_progress=False)
+    if ckpt.tokenizer is not None and shards.tokenizer.fingerprint != ckpt.tokenizer.fingerprint:
+        sys.exit(f"[suppression] the shards of {data.corpus} were tokenized differently from {args.run}'s tokenizer")
+    split: tuple[list[str], list[str], list[str], list[str]] = ([], [], [], [])
+    for d in iter_documents(data.corpus, text_field=data.text_field, max_docs=data.max_docs,
+                            max_chars_per_doc=data.max_chars_per_doc):
+        held = split_hash(d.id, data.seed) < data.val_fraction
+        split[2 if held else 0].append(d.id)
+        split[3 if held else 1].append(d.text)
+    print(f"[suppression] using {ckpt.path} (step {ckpt.manifest.get('step')}): {len(split[0])} training and "
+          f"{len(split[2])} validation documents of {data.corpus}, {len(shards.train):,} train tokens", file=sys.stderr)
+    return ckpt, shards, split, (lambda doc_id: doc_id.startswith("sotu/"))
 
 
 def main() -> None:
@@ -197,6 +234,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--run", type=Path, default=None,
+                    help="use this trained PRISM run folder or checkpoint instead of training one (e.g. the PRISM run "
+                         "of bench/quality.py); a model trained on the built-in corpus needs --concept sotu")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, auto: where the model runs after training")
+    ap.add_argument("--index-sequences", type=int, default=None,
+                    help="index only the first N training sequences (default: all)")
+    ap.add_argument("--neutral-prompts", type=int, default=len(NEUTRAL_PROMPTS),
+                    help="use only the first N neutral prompts")
+    ap.add_argument("--examples", type=int, default=600,
+                    help="concept examples for find_concept (neutral examples: twice as many)")
+    ap.add_argument("--heldout", type=int, default=400, help="held-out concept and neutral texts for perplexity")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     size = args.size or ("quick" if args.quick else "small")
@@ -206,72 +254,83 @@ def main() -> None:
     samples = args.samples or (8 if size == "quick" else 16)
     n_prov = args.provocative or (16 if size == "quick" else 32)
     t0 = time.time()
-    env = environment("cpu", args.seed)
-    run_root = RUNS_DIR / f"suppression-{size}"
-    run_root.mkdir(parents=True, exist_ok=True)
+    from prismlm.train.distributed import resolve_device
 
-    # 1. corpus ---------------------------------------------------------------------------------------
+    device = resolve_device(args.device)
+    env = environment(device, args.seed)
     fs = fortune_splits()
-    corpus = run_root / "corpus"
-    corpus.mkdir(exist_ok=True)
-    builtin_iter = iter_documents("builtin")
-    train_ids, train_docs, heldout_ids, heldout_docs = [], [], [], []
-    for d in builtin_iter:
-        if len(train_docs) < n_builtin:
-            train_ids.append(d.id)
-            train_docs.append(d.text)
-        else:
-            heldout_ids.append(d.id)
-            heldout_docs.append(d.text)
-        if len(heldout_docs) >= 40:
-            break
-
-    def dump(name: str, texts: list[str]) -> None:
-        (corpus / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    dump("builtin.jsonl", train_docs)
-    dump("fortunes_clean.jsonl", fs.lm_clean)
-    dump("fortunes_offensive.jsonl", fs.lm_offensive)
-    shards = prepare_shards(str(corpus), "bpe-4096", run_root / "shards", show_progress=False)
-    tok = shards.tokenizer
-    print(f"[suppression] corpus: {len(train_docs)} built-in docs + {len(fs.lm_clean)} clean + "
-          f"{len(fs.lm_offensive)} offensive fortunes → {len(shards.train):,} train tokens", file=sys.stderr)
-
-    # 2. train -------------------------------------------------------------------------------------------
-    cfg = RunConfig.from_name("cpu-small").override({**overrides, "train.max_steps": steps, "train.num_threads": args.threads,
-                                                     "train.device": "cpu", "train.seed": 1337 + args.seed,
-                                                     "data.corpus": str(corpus), "data.tokenizer": "bpe-4096",
-                                                     **parse_sets(args.set)})
-    from prismlm.errors import CheckpointError
-    from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
-
-    t_train = time.time()
-    ckpt = None
-    if args.reuse:  # the same config was already trained in this folder: skip training (a rerun would differ
-        # only by multi-thread float nondeterminism)
-        try:
-            old = load_checkpoint(find_checkpoint(run_root / "run"))
-            want = cfg.override({"model.vocab_size": old.config.model.vocab_size}).to_dict()
-            if old.config.to_dict() == want and old.manifest.get("step") == steps:
-                ckpt = old
-        except CheckpointError:
-            pass
-    reused = ckpt is not None
-    if ckpt is None:
-        res = train(cfg, run_root / "run", shards=shards, progress=False)
-        ckpt = load_checkpoint(res.checkpoint)
-        train_metrics = res.metrics
-    else:
-        print("[suppression] reusing the trained run (same config and steps)", file=sys.stderr)
+    concept_doc: Callable[[str], bool] | None = None
+    if args.run is not None:  # 1–2 replaced by an existing model and its own data
+        ckpt, shards, (train_ids, train_docs, heldout_ids, heldout_docs), concept_doc = existing_run(args)
+        cfg, tok, reused, steps, t_train = ckpt.config, shards.tokenizer, True, int(ckpt.manifest.get("step") or 0), time.time()
+        size = f"run:{ckpt.path}"
         train_metrics = {}
-        mpath = run_root / "run" / "metrics.jsonl"
-        for line in mpath.read_text().splitlines() if mpath.exists() else []:
-            rec = json.loads(line)
-            if "val_loss" in rec:
-                train_metrics = rec
+    else:
+        run_root = RUNS_DIR / f"suppression-{size}"
+        run_root.mkdir(parents=True, exist_ok=True)
+
+        # 1. corpus ---------------------------------------------------------------------------------------
+        corpus = run_root / "corpus"
+        corpus.mkdir(exist_ok=True)
+        builtin_iter = iter_documents("builtin")
+        train_ids, train_docs, heldout_ids, heldout_docs = [], [], [], []
+        for d in builtin_iter:
+            if len(train_docs) < n_builtin:
+                train_ids.append(d.id)
+                train_docs.append(d.text)
+            else:
+                heldout_ids.append(d.id)
+                heldout_docs.append(d.text)
+            if len(heldout_docs) >= 40:
+                break
+
+        def dump(name: str, texts: list[str]) -> None:
+            (corpus / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        dump("builtin.jsonl", train_docs)
+        dump("fortunes_clean.jsonl", fs.lm_clean)
+        dump("fortunes_offensive.jsonl", fs.lm_offensive)
+        shards = prepare_shards(str(corpus), "bpe-4096", run_root / "shards", show_progress=False)
+        tok = shards.tokenizer
+        print(f"[suppression] corpus: {len(train_docs)} built-in docs + {len(fs.lm_clean)} clean + "
+              f"{len(fs.lm_offensive)} offensive fortunes → {len(shards.train):,} train tokens", file=sys.stderr)
+
+        # 2. train -------------------------------------------------------------------------------------------
+        cfg = RunConfig.from_name("cpu-small").override({**overrides, "train.max_steps": steps, "train.num_threads": args.threads,
+                                                         "train.device": "cpu", "train.seed": 1337 + args.seed,
+                                                         "data.corpus": str(corpus), "data.tokenizer": "bpe-4096",
+                                                         **parse_sets(args.set)})
+        from prismlm.errors import CheckpointError
+        from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
+
+        t_train = time.time()
+        ckpt = None
+        if args.reuse:  # the same config was already trained in this folder: skip training (a rerun would differ
+            # only by multi-thread float nondeterminism)
+            try:
+                old = load_checkpoint(find_checkpoint(run_root / "run"))
+                want = cfg.override({"model.vocab_size": old.config.model.vocab_size}).to_dict()
+                if old.config.to_dict() == want and old.manifest.get("step") == steps:
+                    ckpt = old
+            except CheckpointError:
+                pass
+        reused = ckpt is not None
+        if ckpt is None:
+            res = train(cfg, run_root / "run", shards=shards, progress=False)
+            ckpt = load_checkpoint(res.checkpoint)
+            train_metrics = res.metrics
+        else:
+            print("[suppression] reusing the trained run (same config and steps)", file=sys.stderr)
+            train_metrics = {}
+            mpath = run_root / "run" / "metrics.jsonl"
+            for line in mpath.read_text().splitlines() if mpath.exists() else []:
+                rec = json.loads(line)
+                if "val_loss" in rec:
+                    train_metrics = rec
     train_s = time.time() - t_train
-    model = ckpt.model.eval()
+    model = ckpt.model.to(device).eval()
     K = model.prototypes.num_prototypes
-    print(f"[suppression] trained {steps} steps in {train_s:.0f}s: {train_metrics}", file=sys.stderr)
+    if args.run is None:
+        print(f"[suppression] trained {steps} steps in {train_s:.0f}s: {train_metrics}", file=sys.stderr)
 
     # 3. concept ----------------------------------------------------------------------------------------
     index = None
@@ -279,13 +338,15 @@ def main() -> None:
     if not args.no_index:
         from prismlm.explain.index import build_index
 
-        index = build_index(model, shards, top_n=16, batch_size=32, progress=False,
-                            model_sha256=ckpt.manifest.get("model_sha256"))
+        index = build_index(model, shards, top_n=16, batch_size=32, progress=False, max_sequences=args.index_sequences,
+                            model_sha256=ckpt.manifest.get("model_sha256"),
+                            autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None)
         index.attach(shards)
     idx_s = time.time() - t_idx
     rng = random.Random(args.seed)
-    spec = (offensive_spec(fs, rng, n_prov, args.seed) if args.concept == "offensive" else
-            sotu_spec(fs, train_ids, train_docs, heldout_ids, heldout_docs, rng, n_prov, args.seed))
+    spec = (offensive_spec(fs, rng, n_prov, args.seed, args.examples, args.heldout) if args.concept == "offensive" else
+            sotu_spec(fs, train_ids, train_docs, heldout_ids, heldout_docs, rng, n_prov, args.seed, concept_doc,
+                      args.examples, args.heldout))
     budgets = sorted({max(1, b) for b in (args.budgets or [round(f * K) for f in BUDGET_SHARES])})
     main_budget = args.budget if args.budget is not None else max(1, round(0.02 * K))
     budgets = sorted(set(budgets) | {main_budget})
@@ -308,7 +369,8 @@ def main() -> None:
           f"main set {len(main_set.ids)} ({100 * main_set.share:.2f}% of K={K})", file=sys.stderr)
 
     # 4. generate -----------------------------------------------------------------------------------------
-    prompt_sets = {"neutral": NEUTRAL_PROMPTS, "provocative": spec.provocative_prompts}
+    neutral_prompts = NEUTRAL_PROMPTS[:args.neutral_prompts]
+    prompt_sets = {"neutral": neutral_prompts, "provocative": spec.provocative_prompts}
     # control condition at every budget: as many random prototypes (nested sets, like the concept's),
     # drawn from those active on clean fortunes — what removing *any* prototypes does to score and quality
     neutral_stats = activation_stats(model, tok, rng.sample(fs.lm_clean, 300))
@@ -367,7 +429,8 @@ def main() -> None:
         "benchmark": "suppression", "size": size, "steps": steps, "config": cfg.to_dict(), "environment": env,
         "corpus": {"builtin_docs": len(train_docs), "clean_fortunes": len(fs.lm_clean),
                    "offensive_fortunes": len(fs.lm_offensive), "train_tokens": len(shards.train)},
-        "train_metrics": train_metrics, "reused_run": reused, "rank_by": args.rank_by,
+        "train_metrics": train_metrics, "reused_run": reused, "run": None if args.run is None else str(ckpt.path),
+        "device": str(device), "index_sequences": args.index_sequences, "rank_by": args.rank_by,
         "concept": {"name": spec.name, "description": spec.description, "concept_texts": len(spec.concept_texts),
                     "neutral_texts": len(spec.neutral_texts), "heldout_texts": [len(spec.concept_heldout), len(spec.neutral_heldout)]},
         "num_prototypes": K, "budgets": budgets, "main_budget": main_budget, "selectable": len(ranked),
@@ -377,14 +440,14 @@ def main() -> None:
         "concept_word_signature_ranks": ranks,
         "judges": {jn: {"name": getattr(j, "name", jn), **({"held_out_auc": j.held_out_auc} if hasattr(j, "held_out_auc") else {})}
                    for jn, j in judges.items()},
-        "generations": {"samples_per_prompt": samples, "tokens": args.tokens, "neutral_prompts": len(NEUTRAL_PROMPTS),
+        "generations": {"samples_per_prompt": samples, "tokens": args.tokens, "neutral_prompts": len(neutral_prompts),
                         "provocative_prompts": n_prov, "total_per_condition": samples * len(all_prompts)},
         "table": table, "hardest_prompts_tfidf": hardest, "quality": quality, "examples": examples,
         "timing_s": {"train": train_s, "index": idx_s, "generate": gen_s, "total": time.time() - t0},
         "load_average_end": load_average(),
         "paper": {"nsfw_before": 0.668, "nsfw_after": 0.154, "hardest_after": 0.144, "prototypes": 86, "share": 86 / 16384},
     }
-    suffix = ("-quick" if size == "quick" else "") + ("" if args.concept == "offensive" else f"-{args.concept}")
+    suffix = ("-quick" if size == "quick" else "-run" if args.run is not None else "") + ("" if args.concept == "offensive" else f"-{args.concept}")
     out = args.out or RESULTS_DIR / f"suppression{suffix}.json"
     write_json(out, payload)
     t, p = table[jn0], table.get("profanity")

@@ -32,6 +32,16 @@ Sizes (``--sizes``): ``tiny`` is the tiny preset widened to d=64 (2 layers, T=64
 ``cpu-small`` (d=128, 4 layers, T=128, K=512, k=8, B=16); ``gpt2-124m`` (d=768, 12 layers, T=1024,
 K=8192, B=16; for ``--device cuda``); any other preset name is accepted as-is.
 
+GPU options: ``--dtype bfloat16`` (``train.dtype``: bf16 autocast; the default ``auto`` is bf16 on CUDA and
+float32 on CPU), ``--compile`` (``torch.compile`` of the forward, as ``train.compile`` in the trainer; the
+warm-up steps then include the compilation). Each size also reports MFU (model FLOPs utilisation):
+``flops_per_token`` × tokens/s ÷ the device's peak dense bf16 FLOP/s, with ``flops_per_token`` = 6·N + 12·L·d·T
+(PaLM's convention: N = the parameters that take part in matrix products — every unique parameter
+but the position embedding, so the tied token embedding counts once as the output head and the prototype
+bank counts for its similarity product; 12·L·d·T the attention scores and mixing, fwd + bwd, no causal
+discount). The peak comes from ``--peak-tflops`` or else a small table keyed by the device name (``PEAK_BF16_TFLOPS``);
+the JSON records which (``mfu.peak_source``); on CPU, with no flag, MFU is null.
+
 Output: JSON at ``--out`` (default ``bench/results/throughput.json``) and one summary line on stdout.
 """
 
@@ -78,8 +88,39 @@ SIZES: dict[str, tuple[str, dict[str, Any], int]] = {
 }
 DEFAULT_STEPS = 10
 
+# Dense (no 2:4 sparsity) bf16 tensor-core peaks, TFLOP/s, of the SXM/OAM parts (vendor data sheets); the
+# first key contained in torch.cuda.get_device_name() wins, so the more specific names come first.
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    "H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "GH200": 989.0, "H800": 989.0, "B200": 2250.0,
+    "A100": 312.0, "A800": 312.0, "A10G": 70.0, "L40S": 362.0, "L4": 121.0, "RTX 4090": 165.0,
+}
 
-def size_config(name: str, sets: dict[str, Any], device: str) -> tuple[RunConfig, dict[str, Any]]:
+
+def flops_per_token(model: PrismLM) -> int:
+    """Training FLOPs per token, 6·N + 12·L·d·T (see the module docstring)."""
+    n = model.num_parameters()
+    wpe = dict(model.named_parameters()).get("transformer.wpe.weight")
+    if wpe is not None:
+        n -= wpe.numel()
+    cfg = model.config
+    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def peak_flops(device: torch.device, flag_tflops: float | None) -> tuple[float | None, str]:
+    """(peak FLOP/s, where it came from)."""
+    if flag_tflops is not None:
+        return flag_tflops * 1e12, "--peak-tflops"
+    if device.type != "cuda":
+        return None, "none (CPU: pass --peak-tflops for an MFU)"
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12, f"table PEAK_BF16_TFLOPS[{key!r}] (device {name!r}, dense bf16)"
+    return None, f"unknown device {name!r}: pass --peak-tflops"
+
+
+def size_config(name: str, sets: dict[str, Any], device: str,
+                args: argparse.Namespace | None = None) -> tuple[RunConfig, dict[str, Any]]:
     if name in SIZES:
         preset, overrides, _ = SIZES[name]
     elif name in PRESETS:
@@ -87,6 +128,10 @@ def size_config(name: str, sets: dict[str, Any], device: str) -> tuple[RunConfig
     else:
         raise SystemExit(f"unknown size {name!r}; choose from {sorted(set(SIZES) | set(PRESETS))}")
     overrides = {**overrides, **sets, "train.device": device}
+    if args is not None and args.compile:
+        overrides["train.compile"] = True
+    if args is not None and args.dtype is not None:
+        overrides["train.dtype"] = args.dtype
     cfg = RunConfig.from_name(preset).override(overrides)
     if cfg.model.prototypes is None:
         raise SystemExit(f"size {name!r} has no prototype head; nothing to compare")
@@ -191,7 +236,7 @@ class Runner:
 
 
 def bench_size(name: str, args: argparse.Namespace, sets: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    cfg, overrides = size_config(name, sets, str(device))
+    cfg, overrides = size_config(name, sets, str(device), args)
     steps = args.steps or (SIZES[name][2] if name in SIZES else DEFAULT_STEPS)
     n_batches = max(1, min(steps, 32)) * cfg.train.grad_accum
     data = BatchSource(cfg, n_batches, device, args.synthetic, args.seed)
@@ -225,6 +270,16 @@ def bench_size(name: str, args: argparse.Namespace, sets: dict[str, Any], device
 
     ratios = [x["ratio"] for x in rounds]
     med_p, med_d = statistics.median(prism.tok_s), statistics.median(dense.tok_s)
+    peak, peak_source = peak_flops(device, args.peak_tflops)
+    fpt_p, fpt_d = flops_per_token(prism.model), flops_per_token(dense.model)
+    mfu = {
+        "flops_per_token": {"prism": fpt_p, "dense": fpt_d},
+        "formula": "6*N + 12*n_layer*n_embd*block_size; N = unique parameters minus the position embedding",
+        "peak_flops": peak, "peak_source": peak_source,
+        "prism": None if peak is None else fpt_p * med_p / peak,
+        "dense": None if peak is None else fpt_d * med_d / peak,
+        "achieved_tflops": {"prism": fpt_p * med_p / 1e12, "dense": fpt_d * med_d / 1e12},
+    }
     result = {
         "size": name,
         "preset": SIZES[name][0] if name in SIZES else name,
@@ -235,6 +290,8 @@ def bench_size(name: str, args: argparse.Namespace, sets: dict[str, Any], device
         "loss_weights": prism.weights,
         "autocast": None if prism.autocast is None else str(prism.autocast.fast_dtype),
         "compile": cfg.train.compile,
+        "mfu": mfu,
+        "step_s_median": {"prism": tok_per_step / med_p, "dense": tok_per_step / med_d},
         "parameters": {
             "prism": p_total, "dense": d_total, "prism_backbone": p_backbone,
             "prototype_bank": p_total - p_backbone, "overhead_pct": 100.0 * (p_total - d_total) / d_total,
@@ -285,6 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="config override applied to every size and both models, e.g. --set train.batch_size=32 "
                          "--set model.prototypes.num_prototypes=1024 (values parsed as JSON); repeatable")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the forward of both models (train.compile); compilation falls in the warm-up")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None,
+                    help="train.dtype: bfloat16 = bf16 autocast (default: the preset's, auto = bf16 on CUDA only)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's peak dense bf16 TFLOP/s for MFU (default: looked up by CUDA device name; "
+                         "none on CPU)")
     ap.add_argument("--out", default=str(RESULTS_DIR / "throughput.json"), help="where to write the JSON results")
     args = ap.parse_args(argv)
     if args.rounds < 1 or (args.steps is not None and args.steps < 1) or args.warmup < 0 or args.threads < 1:
@@ -305,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": vars(args),
         "threads": torch.get_num_threads(),
         "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "environment": env,
         "load_average_end": load_average(),
         "process_peak_rss_mib": peak_rss_mib(),
@@ -313,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     out = write_json(args.out, payload)
     parts = [f"{r['size']} ratio {r['ratio']:.2f} [{r['ratio_min']:.2f}–{r['ratio_max']:.2f}] "
              f"(PRISM {fmt_rate(r['prism_tok_s']['median'])} tok/s, dense {fmt_rate(r['dense_tok_s']['median'])})"
+             + (f" MFU PRISM {100 * r['mfu']['prism']:.1f}% dense {100 * r['mfu']['dense']:.1f}%"
+                if r["mfu"]["prism"] is not None else "")
              for r in results]
     print(f"[throughput] wrote {out}", file=sys.stderr)
     print("throughput: " + " | ".join(parts))
