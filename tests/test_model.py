@@ -336,3 +336,78 @@ def test_prototype_layer_ignores_autocast_same_topk_and_exact_reconstruction():
     assert torch.equal(got.indices, ref.indices)
     assert torch.equal(got.activations, ref.activations) and torch.equal(got.residual, ref.residual)
     torch.testing.assert_close(got.reconstruction + got.residual, z, rtol=0, atol=1e-5)
+
+
+def _reference_prototype_layer(layer: PrototypeLayer, z: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The previous formulation of the layer (gather (N, k, d) + einsums + column ``max(dim=0)``), kept here
+    to pin the sparse head: same selections, same values, same gradients."""
+    p = layer.weight
+    z_unit = F.normalize(z, dim=-1)
+    p_norm = p.norm(dim=-1).clamp_min(1e-12)
+    p_unit = p / p_norm[:, None]
+    with torch.no_grad():
+        sim = z_unit @ p_unit.T
+        indices = sim.topk(layer.cfg.top_k, dim=-1).indices
+        proto_argmax = sim.max(dim=0).indices
+    p_sel = p[indices]
+    cos = torch.einsum("nd,nkd->nk", z_unit, p_sel) / p_norm[indices]
+    activations = F.relu(cos)
+    reconstruction = torch.einsum("nk,nkd->nd", activations, p_sel)
+    return dict(indices=indices, activations=activations, reconstruction=reconstruction, residual=z - reconstruction,
+                token_max_cos=cos[:, 0], proto_max_cos=(p_unit * z_unit[proto_argmax]).sum(-1),
+                proto_argmax=proto_argmax)
+
+
+@pytest.mark.parametrize("chunk_size,argmax_block", [(5, 2**20), (4096, 2**20), (4096, 60)])
+def test_sparse_head_equals_gather_einsum_reference_values_and_gradients_float64(chunk_size, argmax_block,
+                                                                                monkeypatch):
+    """The sparse head (cosines from the similarity pass, CSR products, first-maximiser column argmax) gives
+    the outputs and the gradients of the gather + einsum formulation, with duplicate tokens (ties in the
+    column maxima) and prototypes whose cosines are negative (ReLU zeros)."""
+    monkeypatch.setattr("prismlm.model.prototypes._ARGMAX_BLOCK", argmax_block)  # 60 → row blocks of 2 tokens
+    torch.manual_seed(3)
+    N, d, K, k = 37, 12, 29, 14
+    layer = PrototypeLayer(d, PrototypeConfig(num_prototypes=K, top_k=k, chunk_size=chunk_size)).double()
+    z0 = torch.randn(N, d, dtype=torch.float64)
+    z0[20] = z0[3]  # exact ties: prototype best tokens must be the first maximiser, as max(dim=0) gives
+    z0[31] = z0[3]
+    with torch.no_grad():
+        layer.weight[:6] = 2.5 * z0[[3, 7, 11, 20, 24, 31]]
+    gw = {name: torch.randn(shape, dtype=torch.float64) for name, shape in
+          [("activations", (N, k)), ("reconstruction", (N, d)), ("residual", (N, d)), ("token_max_cos", (N,)),
+           ("proto_max_cos", (K,))]}
+    results = []
+    for fn in (lambda zz: vars(layer(zz)), lambda zz: _reference_prototype_layer(layer, zz)):
+        z = z0.clone().requires_grad_(True)
+        layer.weight.grad = None
+        out = fn(z)
+        loss = sum((out[name] * g).sum() for name, g in gw.items())
+        loss.backward()
+        results.append((out, z.grad.clone(), layer.weight.grad.clone()))
+    (new, gz_new, gp_new), (ref, gz_ref, gp_ref) = results
+    assert (ref["activations"] == 0).any() and (ref["activations"] > 0).any()
+    assert torch.equal(new["indices"], ref["indices"]) and torch.equal(new["proto_argmax"], ref["proto_argmax"])
+    assert new["proto_argmax"][0].item() == 3  # tie among tokens 3, 20, 31 → the first
+    for name in gw:
+        torch.testing.assert_close(new[name], ref[name], rtol=0, atol=1e-13)
+    torch.testing.assert_close(gz_new, gz_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(gp_new, gp_ref, rtol=0, atol=1e-12)
+
+
+def test_sparse_pattern_products_equal_dense_and_fallback():
+    """The CSR products of the head equal the dense gather / index_add formulas (and the non-CPU/CUDA
+    fallback path computes the same)."""
+    from prismlm.model.prototypes import _Pattern
+
+    torch.manual_seed(0)
+    N, K, k, d = 23, 17, 4, 6
+    indices = torch.stack([torch.randperm(K)[:k] for _ in range(N)])
+    v, p, zz = torch.randn(N, k, dtype=torch.float64), torch.randn(K, d, dtype=torch.float64), torch.randn(N, d, dtype=torch.float64)
+    dense = torch.zeros(N, K, dtype=torch.float64).scatter_(1, indices, v)  # the N × K matrix S
+    for sparse in (True, False):
+        pat = _Pattern(indices, K)
+        if not sparse:
+            pat.sparse = False
+        torch.testing.assert_close(pat.mm(v, p), dense @ p, rtol=0, atol=1e-13)
+        torch.testing.assert_close(pat.t_mm(v, zz), dense.T @ zz, rtol=0, atol=1e-13)
+        torch.testing.assert_close(pat.sampled(zz, p), (zz @ p.T).gather(1, indices), rtol=0, atol=1e-13)

@@ -3,21 +3,30 @@
 Shapes: N tokens (N = B·T flattened), width d, K prototypes, k active per token.
 
 Memory: the N × K cosine matrix is the only thing of that size, computed once per forward in chunks of
-``chunk_size`` tokens *without* autograd (selection is a discrete choice). Everything that needs a
-gradient is recomputed on the selected pairs only: the k cosines per token (N × k × d gather), the best
-token of each prototype (K × d) for R1, and the best prototype of each token (the top-1 of the top-k)
-for R2. So peak extra memory is chunk_size × K + N × k × d, never N × K with a graph attached.
+``chunk_size`` tokens *without* autograd (selection is a discrete choice). That one pass gives everything
+the selection needs: the top-k indices *and their cosines* (the top-k values) per token, and the best token
+of each prototype (column maxima) for R1. The k cosines per token and the reconstruction ẑ = Σ a_i p_i then
+carry gradient through ``_SparseHead``, whose backward is written as products with the sparse N × K
+selection pattern (k nonzeros per row, CSR): no (N, k, d) gather is ever formed. The best prototype of each
+token (R2) is the top-1 of the top-k. Peak extra memory: chunk_size × K (plus bounded temporaries), never
+N × K with a graph attached.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from prismlm.config import PrototypeConfig
+
+_ARGMAX_BLOCK = 2**20
+"""Entries per row block of the CPU column-argmax pass in ``PrototypeLayer.select`` (bounds its temporaries)."""
 
 
 @dataclass
@@ -53,26 +62,50 @@ class PrototypeLayer(nn.Module):
         return self.weight.shape[0]
 
     @torch.no_grad()
-    def select(self, z_unit: torch.Tensor, p_unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, z_unit: torch.Tensor, p_unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-k prototypes per token and the best token per prototype, chunked over tokens.
 
-        z_unit: (N, d) and p_unit: (K, d), both L2-normalised. Returns indices (N, k) and proto_argmax (K,).
+        z_unit: (N, d) and p_unit: (K, d), both L2-normalised. Returns indices (N, k), their cosines (N, k)
+        (the top-k values of the similarity rows, by decreasing cosine) and proto_argmax (K,).
         This is the single place the N × K similarity matrix exists (one chunk at a time).
+
+        The best token of each prototype is the *first* maximiser (as ``max(dim=0)`` returns it), found as
+        ``amax`` over the chunk and then the smallest row index attaining it: a column ``max(dim=0)`` with
+        indices is a strided scan ~3× slower than ``amax`` + this on CPU; the result is identical, ties
+        included. Off CPU the fused ``max(dim=0)`` is used directly.
         """
         n, k = z_unit.shape[0], self.cfg.top_k
-        indices = torch.empty(n, k, dtype=torch.long, device=z_unit.device)
-        best_val = torch.full((p_unit.shape[0],), -2.0, device=z_unit.device, dtype=z_unit.dtype)
-        best_arg = torch.zeros(p_unit.shape[0], dtype=torch.long, device=z_unit.device)
+        dev = z_unit.device
+        indices = torch.empty(n, k, dtype=torch.long, device=dev)
+        values = torch.empty(n, k, dtype=z_unit.dtype, device=dev)
+        best_val = torch.full((p_unit.shape[0],), -2.0, device=dev, dtype=z_unit.dtype)
+        best_arg = torch.zeros(p_unit.shape[0], dtype=torch.long, device=dev)
         step = self.cfg.chunk_size
+        # rank[r] = m - r: the largest rank marks the first row; int16 (when it fits) keeps the masked copy at
+        # half the chunk's size. Off CPU, max(dim=0) is one fused kernel with no extra memory: used as is.
+        m = min(step, n)
+        fused_argmax = dev.type != "cpu"
+        sub = max(1, _ARGMAX_BLOCK // max(1, p_unit.shape[0]))
+        rank = torch.arange(m, 0, -1, device=dev, dtype=torch.int16 if m < 2**15 else torch.int32)[:, None]
         for start in range(0, n, step):  # loop over chunks of tokens, not tokens
             sim = z_unit[start:start + step] @ p_unit.T  # (n_chunk, K)
-            indices[start:start + step] = sim.topk(k, dim=-1).indices
-            col_val, col_arg = sim.max(dim=0)  # (K,) best token of this chunk per prototype
-            col_val = col_val.to(best_val.dtype)
+            top = sim.topk(k, dim=-1)
+            indices[start:start + step] = top.indices
+            values[start:start + step] = top.values
+            if fused_argmax:
+                col_val, col_arg = sim.max(dim=0)  # (K,) best token of this chunk per prototype
+            else:
+                col_val = sim.amax(dim=0)  # (K,) best cosine of this chunk per prototype
+                # largest rank among the rows attaining it, over row blocks of ~2^20 entries (bounded temporaries)
+                top_rank = torch.zeros_like(rank[0].expand(sim.shape[1]))
+                for r0 in range(0, sim.shape[0], sub):
+                    hit = sim[r0:r0 + sub] == col_val  # (rows, K)
+                    top_rank = torch.maximum(top_rank, torch.where(hit, rank[r0:r0 + hit.shape[0]], 0).amax(dim=0))
+                col_arg = (m - top_rank).long()  # the first row attaining the column max
             better = col_val > best_val
             best_val = torch.where(better, col_val, best_val)
             best_arg = torch.where(better, col_arg + start, best_arg)
-        return indices, best_arg
+        return indices, values, best_arg
 
     def forward(self, z: torch.Tensor) -> PrototypeOutput:
         """z: (N, d) hidden states (the backbone's final LayerNorm output)."""
@@ -84,17 +117,18 @@ class PrototypeLayer(nn.Module):
 
     def _forward(self, z: torch.Tensor) -> PrototypeOutput:
         p = self.weight  # (K, d)
-        # bf16/fp16 inputs are lifted to float32; float64 stays float64 (exactness tests).
+        # bf16/fp16 inputs are lifted to float32; float64 stays float64 (exactness tests). ``.to`` of a
+        # tensor already in ``dt`` returns it (no copy).
         dt = torch.promote_types(z.dtype, torch.float32)
         z32, p32 = z.to(dt), p.to(dt)
         z_unit = F.normalize(z32, dim=-1)  # (N, d)
         p_norm = p32.norm(dim=-1).clamp_min(1e-12)  # (K,)
         p_unit = p32 / p_norm[:, None]  # (K, d)
-        indices, proto_argmax = self.select(z_unit.detach(), p_unit.detach())
-        p_sel = p32[indices]  # (N, k, d) — the only gather of prototypes
-        cos = torch.einsum("nd,nkd->nk", z_unit, p_sel) / p_norm[indices]  # (N, k)
+        indices, cos_sel, proto_argmax = self.select(z_unit.detach(), p_unit.detach())
+        # cos_nk = ⟨z_unit_n, p_i⟩ / ‖p_i‖ (i = indices_nk) and ẑ_n = Σ_k relu(cos_nk) p_i, with the cosine
+        # values taken from the similarity pass and the gradients formed by sparse products (_SparseHead).
+        cos, reconstruction = _SparseHead.apply(z_unit, p32, p_norm, cos_sel, indices)  # (N, k), (N, d)
         activations = F.relu(cos)  # (N, k)
-        reconstruction = torch.einsum("nk,nkd->nd", activations, p_sel)  # (N, d)
         residual = z32 - reconstruction  # (N, d)
         proto_max_cos = (p_unit * z_unit[proto_argmax]).sum(-1)  # (K,)
         return PrototypeOutput(
@@ -106,6 +140,106 @@ class PrototypeLayer(nn.Module):
             proto_max_cos=proto_max_cos,
             proto_argmax=proto_argmax,
         )
+
+
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A CSR matrix (column indices sorted and unique within each row, by construction of the callers)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+        return torch.sparse_csr_tensor(crow, col, values, shape, device=values.device, check_invariants=False)
+
+
+class _Pattern:
+    """The sparsity pattern S (N × K, k nonzeros per row: S_ni ≠ 0 iff i ∈ indices_n) in the two layouts the
+    products need: row-major (tokens → prototypes) and its transpose (prototypes → tokens). Values are kept
+    in the caller's (N, k) order; ``rows``/``cols`` permute them into each layout's storage order."""
+
+    def __init__(self, indices: torch.Tensor, num_prototypes: int):
+        n, k = indices.shape
+        self.n, self.k, self.K = n, k, num_prototypes
+        self.indices = indices
+        self.sparse = indices.device.type in ("cpu", "cuda")  # elsewhere: gather / index_add fallback
+        if not self.sparse:
+            return
+        col, self.row_perm = indices.sort(dim=1)  # CSR wants sorted column indices within a row
+        self.col = col.reshape(-1)
+        self.crow = torch.arange(0, n * k + 1, k, device=indices.device)
+        flat = indices.reshape(-1)
+        self.t_perm = flat.argsort(stable=True)  # (N·k,) grouped by prototype, tokens ascending within one
+        self.t_col = torch.div(self.t_perm, k, rounding_mode="floor")  # token of each entry
+        counts = torch.bincount(flat, minlength=num_prototypes)
+        self.t_crow = torch.zeros(num_prototypes + 1, dtype=torch.long, device=indices.device)
+        self.t_crow[1:] = counts.cumsum(0)
+
+    def rows(self, v: torch.Tensor) -> torch.Tensor:
+        return v.gather(1, self.row_perm).reshape(-1)
+
+    def mm(self, v: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """(S with values v (N, k)) @ dense (K, d) → (N, d): out_n = Σ_j v_nj dense_{indices_nj}."""
+        if not self.sparse:
+            return torch.einsum("nk,nkd->nd", v, dense[self.indices])
+        return _csr(self.crow, self.col, self.rows(v), (self.n, self.K)) @ dense
+
+    def t_mm(self, v: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """(S with values v (N, k))ᵀ @ dense (N, d) → (K, d): out_i = Σ_{n,j: indices_nj = i} v_nj dense_n."""
+        if not self.sparse:
+            src = (v[:, :, None] * dense[:, None, :]).reshape(-1, dense.shape[1])
+            return dense.new_zeros(self.K, dense.shape[1]).index_add_(0, self.indices.reshape(-1), src)
+        vt = v.reshape(-1)[self.t_perm]
+        return _csr(self.t_crow, self.t_col, vt, (self.K, self.n)) @ dense
+
+    def sampled(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """(N, k): ⟨a_n, b_{indices_nj}⟩ for a (N, d), b (K, d), without gathering (N, k, d)."""
+        if not self.sparse:
+            return torch.einsum("nd,nkd->nk", a, b[self.indices])
+        pattern = _csr(self.crow, self.col, a.new_zeros(self.n * self.k), (self.n, self.K))
+        vals = torch.sparse.sampled_addmm(pattern, a, b.T, beta=0.0).values().view(self.n, self.k)
+        return torch.empty_like(vals).scatter_(1, self.row_perm, vals)  # back to the (N, k) order
+
+
+class _SparseHead(torch.autograd.Function):
+    """cos_nj = ⟨z_unit_n, p_i⟩ / ‖p_i‖ and ẑ_n = Σ_j relu(cos_nj) p_i (i = indices_nj), as functions of
+    (z_unit, p, ‖p‖), with the gradient of the same expression written out. Nothing of size (N, k, d)
+    is formed: every contraction is a product with the sparse N × K selection pattern.
+
+    Forward: the cosine values are the selection pass's top-k similarities (⟨z_unit, p_unit⟩, equal to
+    ⟨z_unit, p⟩/‖p‖ up to float rounding). Backward, with g_c = ∂L/∂cos + [cos > 0]·⟨∂L/∂ẑ_n, p_i⟩
+    and w = g_c/‖p_i‖:
+        ∂L/∂z_unit_n = Σ_j w_nj p_i                 (S_w @ P)
+        ∂L/∂p_i      = Σ_{n,j→i} w_nj z_unit_n + relu(cos_nj) ∂L/∂ẑ_n   (S_wᵀ @ Z + S_aᵀ @ Ĝ)
+        ∂L/∂‖p_i‖    = −Σ_{n,j→i} g_c cos_nj / ‖p_i‖
+    the exact derivatives of the previous autograd formulation (gather + einsum), summed in another order.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, z_unit: torch.Tensor, p: torch.Tensor, p_norm: torch.Tensor, cos: torch.Tensor,
+                indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pattern = _Pattern(indices, p.shape[0])
+        act = F.relu(cos)
+        reconstruction = pattern.mm(act, p)  # (N, d)
+        ctx.pattern = pattern
+        ctx.save_for_backward(z_unit, p, p_norm, cos)
+        return cos.clone(), reconstruction
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g_cos: torch.Tensor | None, g_rec: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        z_unit, p, p_norm, cos = ctx.saved_tensors
+        pattern: _Pattern = ctx.pattern
+        g_c = g_cos if g_cos is not None else torch.zeros_like(cos)
+        if g_rec is not None:
+            g_c = g_c + torch.where(cos > 0, pattern.sampled(g_rec, p), 0.0)
+        inv = p_norm.reciprocal()
+        w = g_c * inv[pattern.indices]  # (N, k)
+        gz = pattern.mm(w, p) if ctx.needs_input_grad[0] else None
+        gp = gpn = None
+        if ctx.needs_input_grad[1]:
+            gp = pattern.t_mm(w, z_unit)
+            if g_rec is not None:
+                gp = gp + pattern.t_mm(F.relu(cos), g_rec)
+        if ctx.needs_input_grad[2]:
+            gpn = -torch.zeros_like(p_norm).index_add_(0, pattern.indices.reshape(-1), (g_c * cos).reshape(-1)) * inv
+        return gz, gp, gpn, None, None
 
 
 @torch.no_grad()
