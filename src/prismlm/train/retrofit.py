@@ -214,6 +214,7 @@ def retrofit(pre: Pretrained, cfg: RunConfig, out_dir: str | Path, *, shards: Sh
         raise ModelError("retrofit needs a prototype head (model.prototypes is null)")
     torch.manual_seed(cfg.train.seed)
     model = build_model(pre, cfg.model)
+    pre.reference = None  # checked; the original model's weights are not needed during training (a second copy)
     n_tokens = seed_tokens if seed_tokens is not None else max(16 * protos.num_prototypes, 8192)
     hidden = sample_hidden(model, shards, n_tokens, seed=cfg.train.seed)
     if hidden.shape[0] < protos.num_prototypes:
