@@ -153,6 +153,9 @@ class PrismLM(nn.Module):
 
             assert cfg.hf_config is not None  # ModelConfig checks it
             self.transformer = build_base_model(cfg.hf_config)
+            # transformers 5 renamed past_key_values to cache; older releases only know the old name
+            forward_args = inspect.signature(self.transformer.forward).parameters
+            self._hf_cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=cfg.lm_head_bias)
             if cfg.tie_weights:
                 weight = input_embedding_weight(self.transformer)
@@ -279,9 +282,8 @@ class PrismLM(nn.Module):
         if self.config.backbone == "hf":  # its last_hidden_state has been through the model's final norm
             if cache is None:
                 return self.transformer(input_ids=idx, use_cache=False).last_hidden_state  # (B, T, d)
-            # transformers 5 renamed past_key_values to cache; older releases only know the old name
-            name = "cache" if "cache" in inspect.signature(self.transformer.forward).parameters else "past_key_values"
-            return self.transformer(input_ids=idx, use_cache=True, **{name: cache}).last_hidden_state  # (B, T, d)
+            return self.transformer(input_ids=idx, use_cache=True,
+                                    **{self._hf_cache_kwarg: cache}).last_hidden_state  # (B, T, d)
         assert isinstance(self.transformer, Backbone)
         pos = torch.arange(past, past + T, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, d)

@@ -26,9 +26,8 @@ import torch.nn as nn
 from prismlm.errors import DependencyError, ModelError
 
 # Config fields that make logits something other than W z + b (value that is harmless → why it is not)
-_NONLINEAR_FIELDS: dict[str, tuple[Any, str | None]] = {
+_NONLINEAR_FIELDS: dict[str, tuple[Any, str]] = {
     "final_logit_softcapping": (None, "soft-caps the logits (tanh)"),
-    "attn_logit_softcapping": (None, None),  # inside attention: harmless for the head
     "logit_scale": (None, "multiplies the logits by a scale"),
     "logits_scaling": (1.0, "divides the logits by a scale"),
     "output_multiplier_scale": (None, "scales the logits"),
@@ -50,7 +49,7 @@ def check_linear_logits_config(config: Any, source: str) -> None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name, (harmless, effect) in _NONLINEAR_FIELDS.items():
         value = getattr(text, name, harmless)
-        if effect is not None and value is not None and value != harmless:
+        if value is not None and value != harmless:
             raise ModelError(f"{source}: {text.model_type} {effect} ({name}={value}), so its logits are not a "
                              "linear function W z + b of the final hidden state and PRISM's decomposition "
                              "would not be exact", fix="retrofit a model without it")

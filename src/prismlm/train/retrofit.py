@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from prismlm.config import ModelConfig, RunConfig
+from prismlm.config import ModelConfig, RunConfig, replace
 from prismlm.data.shards import ShardSet, default_data_dir
 from prismlm.data.tokenizer import Tokenizer, hf_tokenizer
 from prismlm.errors import CheckpointError, ModelError, TokenizerError
@@ -94,8 +94,8 @@ def _from_run(source: str, ckpt_dir: Path, block_size: int | None) -> Pretrained
             raise ModelError(f"--block-size {block_size}: {source} has a context of {cfg.block_size}",
                              fix=f"use a block size <= {cfg.block_size}")
         state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:block_size].clone()
-        cfg = _replace(cfg, block_size=block_size)
-    return Pretrained(source=source, model=_replace(cfg, prototypes=None), state=state,
+        cfg = replace(cfg, block_size=block_size)
+    return Pretrained(source=source, model=replace(cfg, prototypes=None), state=state,
                       tokenizer=ckpt.require_tokenizer())
 
 
@@ -154,12 +154,6 @@ def _from_transformers(source: str, block_size: int | None) -> Pretrained:
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-def _replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:
-    from prismlm.config import replace
-
-    return replace(cfg, **changes)
 
 
 def build_model(pre: Pretrained, cfg: ModelConfig) -> PrismLM:

@@ -381,6 +381,9 @@ def train(
         if info.is_main:
             bar.message(model_line)
         model.train()
+        # A frozen backbone runs in eval mode (no dropout): the bank learns the hidden states the model really
+        # produces. Re-applied after each validation, whose eval_mode restores train mode everywhere.
+        model.transformer.train(stage != "frozen")
         step = start_step
         last_eval: dict[str, float] = {}
         t_last, tokens_since = time.perf_counter(), 0
@@ -389,10 +392,8 @@ def train(
             if stage == "frozen" and step >= tc.frozen_steps:  # retrofit stage 2: the backbone joins
                 stage = "main"
                 set_trainable(model, stage_names[stage])
+                model.transformer.train()
                 bar.message(f"step {step}: stage 2, training {tc.trainable} parameters")
-            # A frozen backbone runs in eval mode (no dropout): the bank learns the hidden states the model
-            # really produces. Set every step, because validation's eval_mode restores train mode everywhere.
-            model.transformer.train(stage != "frozen")
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             weights = cfg.loss.weights_at(step)
@@ -441,6 +442,7 @@ def train(
             # sample; the other ranks wait at their next gradient all-reduce.
             if info.is_main and (done % tc.eval_interval == 0 or done == tc.max_steps):
                 last_eval = do_eval()
+                model.transformer.train(stage != "frozen")
                 log.write({"step": done, **last_eval})
                 bar.message(_format_eval(done, last_eval))
             if tc.ckpt_interval and done % tc.ckpt_interval == 0 and done != end_step:
