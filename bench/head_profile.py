@@ -161,7 +161,7 @@ def bench_shape(name: str, args: argparse.Namespace) -> dict[str, Any]:
     K, k, d = head.num_prototypes, head.cfg.top_k, head.weight.shape[1]
     res = {
         "shape": name, "preset": preset, "overrides": overrides,
-        "N": B * T, "B": B, "T": T, "d": d, "K": K, "k": k, "chunk_size": head.cfg.chunk_size,
+        "N": B * T, "B": B, "T": T, "d": d, "K": K, "k": k, "chunk_size": head.chunk_size_for(B * T, torch.device("cpu")),
         "n_layer": cfg.model.n_layer, "vocab_size": cfg.model.vocab_size, "reps": reps, "rounds": args.rounds,
         **{k_: round(v, 6) for k_, v in med.items()},
         "head_s": round(head_total, 6),

@@ -265,6 +265,32 @@ def test_chunked_selection_equals_unchunked():
     torch.testing.assert_close(oa.residual, ob.residual)
 
 
+def test_chunk_size_is_chosen_from_available_memory(monkeypatch):
+    """chunk_size=None: the (chunk × K) block stays within 1/8 of the available memory and the CPU cap, at
+    least 64 rows, at most the tokens there are; selection is the same as one unchunked pass."""
+    from prismlm.model import prototypes as P
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(P, "_AVAILABLE", {"cpu": 64 * 2**20})  # 64 MiB free → 2^21 float32 entries
+    assert P.auto_chunk_size(10_000, 16_384, cpu) == 2**21 // 16_384 == 128
+    assert P.auto_chunk_size(10_000, 16_384, cpu, element_bytes=8) == 64  # float64 blocks take twice the bytes
+    assert P.auto_chunk_size(100, 512, cpu) == 100  # never more rows than tokens
+    monkeypatch.setattr(P, "_AVAILABLE", {"cpu": 2**40})  # plenty: the CPU cap (2^22 entries) decides
+    assert P.auto_chunk_size(10_000, 16_384, cpu) == 2**22 // 16_384 == 256
+    monkeypatch.setattr(P, "_AVAILABLE", {"cpu": 2**10})  # almost nothing: still 64 rows per block
+    assert P.auto_chunk_size(10_000, 16_384, cpu) == 64
+
+    torch.manual_seed(8)
+    z = torch.randn(300, 16)
+    auto = PrototypeLayer(16, PrototypeConfig(num_prototypes=40, top_k=4))
+    assert auto.cfg.chunk_size is None and auto.chunk_size_for(300, cpu) == 64  # five blocks over 300 tokens
+    whole = PrototypeLayer(16, PrototypeConfig(num_prototypes=40, top_k=4, chunk_size=4096))
+    whole.load_state_dict(auto.state_dict())
+    oa, ob = auto(z), whole(z)
+    assert torch.equal(oa.indices, ob.indices) and torch.equal(oa.proto_argmax, ob.proto_argmax)
+    torch.testing.assert_close(oa.activations, ob.activations, rtol=0, atol=0)
+
+
 def test_outputs_do_not_depend_on_batch_composition():
     torch.manual_seed(7)
     model = PrismLM(tiny_model_config()).double().eval()

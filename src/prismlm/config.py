@@ -60,15 +60,17 @@ class PrototypeConfig:
     init_std=1 (‖p‖≈√d) the prototypes barely left their random init in 300 cpu-small steps
     (R̄1 0.27, 64 dead); with 0.1 they settled on the data (R̄1 0.98, R2 0.98, residual 0.12) at the
     same validation loss. See docs/results.md."""
-    chunk_size: int = 4096
+    chunk_size: int | None = None
     """Tokens per chunk when computing the (tokens × K) cosine matrix, so memory stays bounded for
-    large K: peak extra memory is chunk_size × K floats, never B·T × K."""
+    large K: peak extra memory is chunk_size × K floats, never B·T × K. ``None`` (default): chosen from
+    the memory available on the device (``prismlm.model.prototypes.auto_chunk_size``: ≤ 1/8 of it, and
+    ≤ 2^22 entries on CPU, 2^28 on CUDA). Chunking never changes the result."""
 
     def __post_init__(self) -> None:
         _check(self.num_prototypes >= 1, f"num_prototypes must be >= 1, got {self.num_prototypes}")
         _check(1 <= self.top_k <= self.num_prototypes,
                f"top_k must be in [1, num_prototypes={self.num_prototypes}], got {self.top_k}")
-        _check(self.chunk_size >= 1, f"chunk_size must be >= 1, got {self.chunk_size}")
+        _check(self.chunk_size is None or self.chunk_size >= 1, f"chunk_size must be >= 1 or null, got {self.chunk_size}")
         _check(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
 
 
@@ -267,6 +269,11 @@ class TrainConfig:
     backbone_lr_ratio: float = 1.0
     """Learning rate of the non-prototype parameters as a fraction of ``lr`` (the bank always uses
     ``lr``): fine-tuning a pretrained backbone wants a smaller step than a fresh prototype bank."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """How a ``torchrun`` job spreads the model over its processes: ``ddp`` (every rank holds the whole
+    model and optimizer; gradients are all-reduced) or ``fsdp`` (``fully_shard``: each rank holds 1/world of
+    the parameters, gradients and AdamW moments; the optimizer state is checkpointed in per-rank shards).
+    The large presets (``gpt2-large``, ``xl-1.6b``) use ``fsdp``. A single process ignores it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
@@ -289,6 +296,7 @@ class TrainConfig:
                f"trainable must be all, prototypes, lora or last-N (N >= 1), got {self.trainable!r}")
         _check(self.frozen_steps >= 0, f"frozen_steps must be >= 0, got {self.frozen_steps}")
         _check(0 < self.backbone_lr_ratio <= 1, f"backbone_lr_ratio must be in (0, 1], got {self.backbone_lr_ratio}")
+        _check(self.parallel in ("ddp", "fsdp"), f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate at an optimizer step (0-based)."""
@@ -313,10 +321,12 @@ class AttributionConfig:
     r: int | None = None
     """Sketch size per posting (``--r``). None: d (the model width), for which ``identity``,
     ``orthogonal`` and ``pca`` projections give exact scores; smaller r trades accuracy for bytes."""
-    projection: Literal["identity", "orthogonal", "gaussian", "pca"] = "orthogonal"
+    projection: Literal["identity", "orthogonal", "gaussian", "pca", "pca-local"] = "orthogonal"
     """The fixed r × d sketch matrix R (``--projection``): ``identity`` (r = d), ``orthogonal`` (random
-    orthonormal rows scaled by √(d/r)), ``gaussian`` (JL, N(0, 1/r)), or ``pca`` (top-r principal
-    directions of the whitened block gradients, fitted on ``pca_sequences`` sequences)."""
+    orthonormal rows scaled by √(d/r)), ``gaussian`` (JL, N(0, 1/r)), ``pca`` (top-r principal
+    directions of the whitened block gradients, fitted on ``pca_sequences`` sequences), or ``pca-local``
+    (one such r × d basis per prototype, fitted on that prototype's postings: far better top-k agreement
+    at small r; give it ``pca_sequences`` in the thousands)."""
     seed: int = 0
     """Seed of the random ``orthogonal``/``gaussian`` projection."""
     pca_sequences: int = 256
@@ -332,15 +342,30 @@ class AttributionConfig:
     batch_size: int = 16
     """Sequences per forward pass (``--batch-size``). Parts built separately and merged must use the
     same value (batches follow a fixed grid of sequence ids)."""
-    dtype: Literal["float16", "float32", "float64"] = "float32"
-    """Storage type of the sketches (``--dtype``)."""
+    dtype: Literal["float16", "float32", "float64", "int8", "int4"] = "float32"
+    """Storage type of the sketches (``--dtype``): ``float16``/``float32``/``float64``, or ``int8`` / ``int4``
+    (symmetric, one float16 scale per posting; every entry within scale/2 of its float value; int4 packs
+    two entries per byte). int8 keeps top-10 rankings nearly unchanged at a quarter of float32's bytes."""
+    prune: float = 0.0
+    """Drop postings whose sketch norm is below ``prune`` × the largest norm in the same prototype's list
+    (``--prune``, in [0, 1); 0 keeps all). A posting can move a score by at most ‖s_q‖·‖s_j‖, so within a
+    list the smallest-norm postings matter least; pruning trades top-k agreement for bytes."""
+    aggregate: Literal["sequence", "document"] = "sequence"
+    """Unit of attribution (``--aggregate``): ``sequence`` (one posting per training sequence and active
+    prototype) or ``document`` (sketches summed over the sequences of a document, so scores are per
+    document and exact sums of the sequence scores; a sequence belongs to the document holding its middle
+    target token). Fewer postings when documents span many sequences."""
+    id_encoding: Literal["int32", "delta"] = "int32"
+    """How posting ids are stored (``--id-encoding``): ``int32`` (4 bytes each, the format-1 layout) or
+    ``delta`` (the gaps between consecutive ids of a prototype's sorted list in 1 or 2 bytes, larger gaps
+    as exceptions; exact, ~1 byte per posting on a dense corpus)."""
 
     def __post_init__(self) -> None:
         _check(self.r is None or (isinstance(self.r, int) and self.r >= 1),
                f"attribution option r (--r) must be a positive integer or None (= d), got {self.r!r}")
-        _check(self.projection in ("identity", "orthogonal", "gaussian", "pca"),
-               f"attribution option projection (--projection) must be identity, orthogonal, gaussian or pca, "
-               f"got {self.projection!r}")
+        _check(self.projection in ("identity", "orthogonal", "gaussian", "pca", "pca-local"),
+               f"attribution option projection (--projection) must be identity, orthogonal, gaussian, pca or "
+               f"pca-local, got {self.projection!r}")
         _check(isinstance(self.seed, int), f"attribution option seed must be an integer, got {self.seed!r}")
         _check(self.pca_sequences >= 1, f"attribution option pca_sequences must be >= 1, got {self.pca_sequences}")
         _check(self.curvature_mode in ("shared", "exact"),
@@ -351,8 +376,15 @@ class AttributionConfig:
                f"attribution option max_sequences (--max-sequences) must be >= 1 or None (all), "
                f"got {self.max_sequences!r}")
         _check(self.batch_size >= 1, f"attribution option batch_size (--batch-size) must be >= 1, got {self.batch_size}")
-        _check(self.dtype in ("float16", "float32", "float64"),
-               f"attribution option dtype (--dtype) must be float16, float32 or float64, got {self.dtype!r}")
+        _check(self.dtype in ("float16", "float32", "float64", "int8", "int4"),
+               f"attribution option dtype (--dtype) must be float16, float32, float64, int8 or int4, "
+               f"got {self.dtype!r}")
+        _check(isinstance(self.prune, (int, float)) and math.isfinite(self.prune) and 0 <= self.prune < 1,
+               f"attribution option prune (--prune) must be a number in [0, 1), got {self.prune!r}")
+        _check(self.aggregate in ("sequence", "document"),
+               f"attribution option aggregate (--aggregate) must be sequence or document, got {self.aggregate!r}")
+        _check(self.id_encoding in ("int32", "delta"),
+               f"attribution option id_encoding (--id-encoding) must be int32 or delta, got {self.id_encoding!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AttributionConfig:
@@ -491,7 +523,7 @@ PRESETS: dict[str, dict] = {
         dict(vocab_size=50304, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
         dict(num_prototypes=16384, top_k=8),
         dict(batch_size=8, grad_accum=64, max_steps=60000, lr=2.5e-4, warmup_steps=700, eval_interval=1000,
-             eval_batches=50),
+             eval_batches=50, parallel="fsdp"),
         dict(tokenizer="gpt2"),
         dict(warmup_steps=1000),
     ),
@@ -499,7 +531,7 @@ PRESETS: dict[str, dict] = {
         dict(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
         dict(num_prototypes=16384, top_k=8),
         dict(batch_size=8, grad_accum=64, max_steps=100000, lr=2e-4, warmup_steps=700, eval_interval=1000,
-             eval_batches=50),
+             eval_batches=50, parallel="fsdp"),
         dict(tokenizer="gpt2"),
         dict(warmup_steps=1000),
     ),

@@ -641,7 +641,7 @@ def build_index(
             "target": [start, stop], "covered": [], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **provenance(),
         }
-    chunk = chunk_size or protos.cfg.chunk_size
+    chunk = chunk_size or protos.chunk_size_for(batch_size * T, dev)
     p = protos.weight.detach()
     p_unit = F.normalize(p.to(torch.promote_types(p.dtype, torch.float32)), dim=-1).to(dev)  # (K, d)
     total_tokens = (stop - start) * T

@@ -11,6 +11,7 @@ Layout of a run folder::
           config.json               # the resolved RunConfig
           manifest.json             # what produced it: step, model sha256, data manifest key, versions
           trainer_state.pt          # optimizer, RNG states, data position (resume only)
+          sharded/                  # FSDP runs: the optimizer state in per-rank shards (resume only)
           tokenizer/                # the tokenizer, so the checkpoint is self-contained
 
 A checkpoint is written to ``step-XXXXXX.tmp`` and renamed into place, and ``latest`` is replaced
@@ -20,6 +21,7 @@ atomically after that, so a crash never leaves a half-written checkpoint that ``
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +57,13 @@ def save_checkpoint(
     tokenizer: Tokenizer | None = None,
     data_manifest: dict[str, Any] | None = None,
     keep: int = 2,
+    sharded: Path | None = None,
 ) -> Path:
-    """Write a complete checkpoint atomically and prune old ones; returns its folder."""
+    """Write a complete checkpoint atomically and prune old ones; returns its folder.
+
+    ``sharded``: a folder of per-rank optimizer shards already written by an FSDP job
+    (``prismlm.train.fsdp.save_sharded_optimizer``); it is moved into the checkpoint as ``sharded/`` before
+    the manifest is written, so its files are recorded and verified like the others."""
     ckpt_root = Path(run_dir) / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"
@@ -68,6 +75,8 @@ def save_checkpoint(
             tokenizer.save(tmp / "tokenizer")
         if trainer_state is not None:
             torch.save(trainer_state, tmp / "trainer_state.pt")
+        if sharded is not None:
+            os.replace(sharded, tmp / "sharded")
         files = file_records(tmp)
         manifest = {
             "kind": "prismlm-checkpoint",

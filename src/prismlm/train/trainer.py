@@ -1,10 +1,11 @@
 """The trainer: one function, ``train(cfg, out_dir)``, for a laptop CPU, one GPU, or ``torchrun``.
 
-Per optimizer step: ``grad_accum`` micro-batches (DDP gradient sync only on the last), AdamW with a
+Per optimizer step: ``grad_accum`` micro-batches (DDP/FSDP gradient sync only on the last), AdamW with a
 warm-up + cosine/WSD schedule, global-norm clipping, bf16 autocast on CUDA. Metrics go to
 ``metrics.jsonl`` (one JSON object per line) and a progress bar; validation runs every
 ``eval_interval`` steps; checkpoints are atomic and hold everything ``--resume`` needs to continue
-bit-for-bit where the run stopped (weights, optimizer, RNG, data position).
+bit-for-bit where the run stopped (weights, optimizer, RNG, data position). Under ``torchrun`` the model
+is replicated (``train.parallel = "ddp"``) or sharded (``"fsdp"``, see ``prismlm.train.fsdp``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from prismlm.errors import CheckpointError, ConfigError, DataError, RunError
 from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM
 from prismlm.progress import Progress, Reporter
+from prismlm.train import fsdp
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from prismlm.train.distributed import DistInfo, all_reduce_mean, barrier, cleanup, init_distributed
 from prismlm.train.sampler import SequenceSampler
@@ -294,20 +296,34 @@ def train(
             model.load_state_dict(ckpt.model.state_dict())
         elif initial_state is not None:
             model.load_state_dict(initial_state)
+        sharded = info.enabled and cfg.train.parallel == "fsdp"
+        if sharded:  # before the optimizer is built, so that it holds (and steps) this rank's shards only
+            fsdp.shard_model(model)
         optimizer = build_optimizer(model, cfg, device)
         stage_names = {"frozen": trainable_names(model, "prototypes"),
                        "main": trainable_names(model, cfg.train.trainable)}
         stage = "frozen" if start_step < cfg.train.frozen_steps else "main"
         set_trainable(model, stage_names[stage])
         if state is not None:
-            optimizer.load_state_dict(state["optimizer"])
+            if state["optimizer"] == fsdp.SHARDED_DIR:
+                if not sharded:
+                    raise CheckpointError(f"{ckpt.path} holds FSDP optimizer shards; resume it under torchrun "
+                                          "with train.parallel=fsdp", path=ckpt.path)
+                fsdp.load_sharded_optimizer(model, optimizer, ckpt.path / fsdp.SHARDED_DIR)
+            elif sharded:
+                raise CheckpointError(f"{ckpt.path} was saved without FSDP; its optimizer state is not sharded",
+                                      fix="resume it with train.parallel=ddp (the config saved with the run)",
+                                      path=ckpt.path)
+            else:
+                optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng"]["torch"])
             if device.type == "cuda" and state["rng"].get("cuda") is not None:
                 torch.cuda.set_rng_state(state["rng"]["cuda"], device)
         # Per-rank dropout streams differ; rank 0 keeps the single-process stream.
         if info.rank > 0 and state is None:
             torch.manual_seed(cfg.train.seed + 1000 * info.rank)
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if info.enabled else None
+        ddp = (DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+               if info.enabled and not sharded else None)
         ddp_model: torch.nn.Module = ddp if ddp is not None else model
         fwd_model = torch.compile(ddp_model) if cfg.train.compile else ddp_model
         autocast = autocast_for(cfg, device)
@@ -351,8 +367,16 @@ def train(
             return evaluate(model, data.val, seq_len=T, batch_size=tc.batch_size, max_batches=tc.eval_batches,
                             device=device, autocast=autocast, loss_weights=cfg.loss.weights_at(step))
 
-        def do_checkpoint(at_step: int) -> Path | None:
+        def do_checkpoint(at_step: int) -> tuple[Path | None, PrismLM | None]:
+            """Save a checkpoint (rank 0 writes it; under FSDP every rank takes part). Returns its folder and
+            the model it holds (rank 0; ``None`` elsewhere)."""
             path = None
+            saved_model: PrismLM | None = model if info.is_main else None
+            shard_dir: Path | None = None
+            if sharded:  # collectives: consolidate the weights on rank 0, every rank writes its optimizer shard
+                saved_model = fsdp.consolidated_model(model, info.is_main)
+                shard_dir = out_dir / "checkpoints" / f"step-{at_step:06d}.sharded.tmp"
+                fsdp.save_sharded_optimizer(model, optimizer, shard_dir, info.is_main)
             positions: list[Any] = []
             if stream is not None:  # every rank's stream position, gathered to rank 0
                 positions = [stream.state_dict()]
@@ -361,20 +385,21 @@ def train(
                     torch.distributed.all_gather_object(gathered, positions[0])
                     positions = gathered
             if info.is_main:
+                assert saved_model is not None
                 trainer_state = {
                     "step": at_step,
-                    "optimizer": optimizer.state_dict(),
+                    "optimizer": fsdp.SHARDED_DIR if sharded else optimizer.state_dict(),
                     "rng": {"torch": torch.get_rng_state(),
                             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
                     "data": ({"sequences_consumed": at_step * sampler.global_batch, "epoch": sampler.epoch_at(at_step)}
                              if stream is None else {"sequences_consumed": at_step * tc.batch_size * tc.grad_accum
                                                      * info.world_size, "epoch": stream.epoch, "stream": positions}),
                 }
-                path = save_checkpoint(out_dir, at_step, model, cfg, trainer_state=trainer_state,
+                path = save_checkpoint(out_dir, at_step, saved_model, cfg, trainer_state=trainer_state,
                                        tokenizer=data.tokenizer, data_manifest=data.manifest,
-                                       keep=tc.keep_checkpoints)
+                                       keep=tc.keep_checkpoints, sharded=shard_dir)
             barrier(info)
-            return path
+            return path, saved_model
 
         end_step = tc.max_steps if stop_after is None else min(tc.max_steps, start_step + stop_after)
         bar = Reporter(progress, "train", tc.max_steps, unit="step", initial=start_step, enabled=info.is_main)
@@ -406,7 +431,9 @@ def train(
                     ids = sampler.micro_indices(step, micro, info.rank)
                     batch = torch.from_numpy(shards.train.sequences(ids, T)).to(device, non_blocking=True)
                 x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each
-                sync = nullcontext() if (ddp is None or micro == tc.grad_accum - 1) else ddp.no_sync()
+                last_micro = micro == tc.grad_accum - 1
+                sync = nullcontext() if (ddp is None or last_micro) else ddp.no_sync()
+                fsdp.set_gradient_sync(model, last_micro)
                 with sync:
                     with autocast or nullcontext():
                         out = fwd_model(x, y, loss_weights=weights)
@@ -421,8 +448,7 @@ def train(
                                + (f"; the last good checkpoint is {last}" if last else "; no checkpoint was saved"),
                                fix="lower train.lr (or raise train.warmup_steps / lower train.grad_clip) and "
                                    "resume with --resume, or start again with --overwrite")
-            grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip) if tc.grad_clip > 0
-                         else torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+            grad_norm = fsdp.full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf")))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             done = step + 1
@@ -439,19 +465,21 @@ def train(
                 shown = {"loss": record["train_loss"], "tokens_per_s": round(record["tokens_per_s"])}
             bar.update(1, **shown)
             # Validation on rank 0 only: every rank would compute the same numbers on the same fixed
-            # sample; the other ranks wait at their next gradient all-reduce.
-            if info.is_main and (done % tc.eval_interval == 0 or done == tc.max_steps):
+            # sample; the other ranks wait at their next gradient all-reduce. A sharded model's forward is a
+            # collective (each unit all-gathers its weights), so under FSDP every rank evaluates.
+            if (info.is_main or sharded) and (done % tc.eval_interval == 0 or done == tc.max_steps):
                 last_eval = do_eval()
                 model.transformer.train(stage != "frozen")
-                log.write({"step": done, **last_eval})
-                bar.message(_format_eval(done, last_eval))
+                if info.is_main:
+                    log.write({"step": done, **last_eval})
+                    bar.message(_format_eval(done, last_eval))
             if tc.ckpt_interval and done % tc.ckpt_interval == 0 and done != end_step:
                 do_checkpoint(done)
         bar.close()
         final_step = max(end_step, start_step)
-        ckpt_path = do_checkpoint(final_step)
+        ckpt_path, final_model = do_checkpoint(final_step)
         return TrainResult(run_dir=out_dir, checkpoint=ckpt_path or find_checkpoint(out_dir), step=final_step,
-                           metrics=last_eval, model=model)
+                           metrics=last_eval if info.is_main else {}, model=final_model)
     except OSError as e:
         if e.errno in _WRITE_ERRORS:  # read-only folder, no permission, full disk: the user's to fix
             raise RunError(f"cannot write {e.filename or out_dir}: {e.strerror}",
