@@ -230,6 +230,8 @@ def main() -> None:
     ap.add_argument("--min-purity", type=float, default=0.5)
     ap.add_argument("--no-index", action="store_true", help="skip the prototype index (enrichment only)")
     ap.add_argument("--reuse", action="store_true", help="reuse this size's trained run if its config matches")
+    ap.add_argument("--name", default=None,
+                    help="run folder under bench/runs (default suppression-SIZE); bench/bank_size.py gives each K its own")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
@@ -266,7 +268,7 @@ def main() -> None:
         size = f"run:{ckpt.path}"
         train_metrics = {}
     else:
-        run_root = RUNS_DIR / f"suppression-{size}"
+        run_root = RUNS_DIR / (args.name or f"suppression-{size}")
         run_root.mkdir(parents=True, exist_ok=True)
 
         # 1. corpus ---------------------------------------------------------------------------------------
