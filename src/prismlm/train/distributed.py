@@ -68,5 +68,8 @@ def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
 
 
 def cleanup(info: DistInfo) -> None:
+    """Leave the process group. The barrier first: every rank's last collective (and gloo's clean-up of
+    it, which needs the GIL this thread releases while waiting) is done before the group is destroyed."""
     if info.enabled and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

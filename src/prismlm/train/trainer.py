@@ -11,13 +11,14 @@ is replicated (``train.parallel = "ddp"``) or sharded (``"fsdp"``, see ``prismlm
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import math
 import platform
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -488,6 +489,13 @@ def train(
     finally:
         if lock is not None:
             lock.release()
+        # Free the DDP wrapper (its gradient reducer holds the process group) while the group is still alive.
+        # Left to the frame's teardown, the reducer can drop the last reference to a gloo group after
+        # destroy_process_group, and ~ProcessGroupGloo then joins gloo's worker thread while holding the GIL
+        # that thread needs to free a finished all-gather: a hang at exit (seen in the 2-process tests).
+        with suppress(NameError):  # unbound when an error came before they were made
+            del ddp, ddp_model, fwd_model
+        gc.collect()
         cleanup(info)
 
 
