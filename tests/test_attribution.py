@@ -270,3 +270,29 @@ def test_cli_index_explain_prototypes(trained, tiny_shards, tmp_path):
     assert res.exit_code == 2 and "--endpoint" in res.output
     for cmd in ("index", "index-merge", "label", "explain", "prototypes"):
         assert r.invoke(app, [cmd, "--help"]).exit_code == 0
+
+
+def test_torchrun_index_two_processes_equal_one_pass(trained, tiny_shards, tmp_path):
+    """`torchrun --nproc_per_node 2 -m prismlm.cli index`: each gloo process builds half, rank 0 merges into
+    --out and removes the parts; the result equals one process with the same batch size (the tables and
+    counts bit for bit) and carries labels."""
+    import os
+    import subprocess
+    import sys
+
+    ckpt, run = trained
+    out = tmp_path / "index"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "prismlm.cli",
+           "index", str(run), "--shards", str(tiny_shards.root), "--max-sequences", "22", "--top-n", "8",
+           "--batch-size", "4", "--out", str(out), "--device", "cpu", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full = build_index(ckpt.model, tiny_shards, top_n=8, batch_size=4, max_sequences=22, progress=False,
+                       model_sha256=ckpt.manifest["model_sha256"])
+    merged = PrototypeIndex.load(out, model_sha256=ckpt.manifest["model_sha256"])
+    for name in ("top_sim", "top_offset", "counts", "hist"):
+        assert torch.equal(getattr(merged, name), getattr(full, name)), name
+    torch.testing.assert_close(merged.act_sum, full.act_sum, rtol=1e-12, atol=0)
+    assert merged.covers_all and merged.manifest["covered"] == [[0, 22]]
+    assert merged.manifest["merged_from"] == 2  # two parts were built, not one whole index per process
+    assert (out / "labels.json").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["index"]

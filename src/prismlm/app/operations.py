@@ -8,7 +8,9 @@ Each ``prism`` command is one of these plain functions (or one in ``app.attribut
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,6 +37,7 @@ from prismlm.explain import (
 from prismlm.model import PrismLM
 from prismlm.progress import Progress
 from prismlm.train.checkpoint import verify_checkpoint
+from prismlm.train.distributed import barrier, cleanup, init_distributed
 
 
 def parse_part(part: str) -> tuple[int, int]:
@@ -142,9 +145,47 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
     require(top_n >= 1, "--top-n", ">= 1", top_n)
     require(max_sequences is None or max_sequences >= 1, "--max-sequences", ">= 1", max_sequences)
     require(checkpoint_every >= 0, "--checkpoint-every", ">= 0", checkpoint_every)
-    model = run.prism_model("a prototype index")
     pt = parse_part(part)
-    out = out or run.folder / ("index" if pt == (0, 1) else f"index-part-{pt[0]}-of-{pt[1]}")
+    info, _ = init_distributed(str(run.device))
+    build_part = partial(_build_index_part, run, top_n=top_n, max_sequences=max_sequences, batch_size=batch_size,
+                         resume=resume, checkpoint_every=checkpoint_every, shards=shards)
+    if not info.enabled:
+        out = out or run.folder / ("index" if pt == (0, 1) else f"index-part-{pt[0]}-of-{pt[1]}")
+        result = build_part(pt, out, progress=progress)
+        if labels and result.index.covers_all:
+            save_labels(rule_labels(result.index), out)
+        return result
+    # Under torchrun: rank r builds part r/world into OUT.part-r-of-world (resumable there), then rank 0 merges
+    # the parts into OUT — equal to one process with the same batch size (neighbourhoods, counts and
+    # histograms bit for bit, float64 sums to rounding) — and removes them. Every rank returns the merged index.
+    require(pt == (0, 1), "--part", "left out under torchrun (each process builds its own part)", part)
+    out = out or run.folder / "index"
+    try:
+        def part_dir(rank: int) -> Path:
+            return out.with_name(f"{out.name}.part-{rank}-of-{info.world_size}")
+
+        built = build_part((info.rank, info.world_size), part_dir(info.rank),
+                           progress=progress if info.is_main else False)
+        barrier(info)
+        if info.is_main:
+            merged = merge_index_parts(out, [part_dir(r) for r in range(info.world_size)], labels=labels)
+            for r in range(info.world_size):
+                shutil.rmtree(part_dir(r), ignore_errors=True)
+        barrier(info)
+        if not info.is_main:
+            merged = IndexResult(index=PrototypeIndex.load(out, model_sha256=run.identity), path=out)
+        merged.notes = built.notes + merged.notes
+        run.forget(out)
+        return merged
+    finally:
+        cleanup(info)
+
+
+def _build_index_part(run: Run, pt: tuple[int, int], out: Path, *, top_n: int, max_sequences: int | None,
+                      batch_size: int, resume: bool, checkpoint_every: int, shards: Path | None,
+                      progress: Progress) -> IndexResult:
+    """Build (or resume) part ``pt`` of the run's index into ``out``."""
+    model = run.prism_model("a prototype index")
     notes: list[str] = []
     prev = None
     if resume and (out / "manifest.json").exists():
@@ -161,8 +202,6 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
                           max_sequences=max_sequences, part=pt, resume_from=prev, out=out, model_sha256=run.identity,
                           checkpoint_every=checkpoint_every, device=run.device,
                           autocast=run.autocast(), progress=progress)
-    if labels and idx.covers_all:
-        save_labels(rule_labels(idx), out)
     run.forget(out)
     return IndexResult(index=idx, path=out, notes=notes)
 

@@ -9,6 +9,7 @@ Interventions (suppression sets, controllers, scaling) are values held by the ru
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,9 +49,10 @@ def require(ok: bool, flag: str, rule: str, value: object) -> None:
 
 
 def open_device(spec: str) -> torch.device:
-    """``auto``, ``cpu``, ``cuda``, ``cuda:1`` → a device; ``PrismError`` for one that is not there."""
+    """``auto``, ``cpu``, ``cuda``, ``cuda:1`` → a device; ``PrismError`` for one that is not there. Under
+    ``torchrun``, ``auto`` and ``cuda`` mean this process's GPU (``LOCAL_RANK``)."""
     try:
-        return resolve_device(spec)
+        return resolve_device(spec, int(os.environ.get("LOCAL_RANK", "0")))
     except (RuntimeError, ValueError) as e:
         raise PrismError(f"--device {spec!r}: {e}", fix="use --device cpu or auto") from e
 
