@@ -14,3 +14,13 @@ PY=${PYTHON:-python3}
 if .venv/bin/python -m pip show -q torchvision >/dev/null 2>&1; then
   .venv/bin/python -m pip uninstall -y -q torchvision
 fi
+# The explorer's browser tests drive Debian's chromium through playwright (`playwright install` downloads its
+# own browsers and fails offline): install it when missing (as root, as CI runs).
+if [[ ! -x /usr/bin/chromium ]]; then
+  if [[ $(id -u) -eq 0 ]]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup: /usr/bin/chromium is missing; install it (apt-get install chromium) for tests/test_explorer_browser.py" >&2
+  fi
+fi

@@ -21,9 +21,10 @@ from prismlm.app.control import ConceptResult, ControllerResult
 from prismlm.app.operations import IndexResult, LabelResult, PrototypeListing, PrototypeView, VerifyReport
 from prismlm.app.run import Run
 from prismlm.app.training import DemoResult
-from prismlm.cli.console import console, stdout
-from prismlm.cli.derive import command
+from prismlm.cli.console import console, fail, stdout
+from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command
 from prismlm.data.shards import ShardSet
+from prismlm.errors import PrismError
 from prismlm.explain import Explanation
 from prismlm.explore import render_terminal, write_html
 from prismlm.tda import Attribution, AttributionCache
@@ -326,6 +327,34 @@ def render_controller(res: ControllerResult) -> None:
 
 
 command(app, "concept", ops.find_run_concept, render_concept)
+
+
+# ----- the explorer web app -------------------------------------------------------------------------------
+@app.command("serve")
+def serve_command(
+    run: Path = typer.Argument(..., help="Run folder or checkpoint folder (the only run served)."),
+    index: Path | None = typer.Option(None, "--index", help="Index folder (default RUN/index if it exists)."),
+    cache: Path | None = typer.Option(None, "--cache", help="Attribution cache folder (default RUN/attribution-cache "
+                                      "if it exists; otherwise exact attribution over the first sequences)."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback is warned about "
+                             "(the explorer has no authentication)."),
+    concept: list[Path] = typer.Option([], "--concept", help="A suppression set (from `prism concept --out`) the "
+                                       "Steer view can apply; repeat for more."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    suppress: str = typer.Option("auto", "--suppress", help=SUPPRESS_HELP),
+    max_text_chars: int = typer.Option(4000, "--max-text-chars", help="Longest text a request may send."),
+    max_generate: int = typer.Option(128, "--max-generate", help="Most tokens a request may generate."),
+) -> None:
+    """Start the explorer: a local web app (Explain, Prototype, Map, Steer, Training data) over one run."""
+    from prismlm.app.explorer import Limits
+    from prismlm.explore.server import serve
+
+    try:
+        serve(run, index=index, cache=cache, host=host, port=port, device=device, suppress=suppress,
+              concepts=concept, limits=Limits(max_text_chars=max_text_chars, max_generate=max_generate))
+    except PrismError as e:
+        fail(str(e))
 tasks_app = typer.Typer(help="Multiple-choice tasks: build them, evaluate a model on them.", no_args_is_help=True)
 controller_app = typer.Typer(help="Sparse linear controllers over prototypes.", no_args_is_help=True)
 command(tasks_app, "build", ops.build_task_folders, render_task_folders, opens_run=False)

@@ -88,30 +88,32 @@ def _card_html(c: dict[str, Any]) -> str:
             f'<ol class="snips">{snips}</ol></div>')
 
 
+_STATIC = Path(__file__).resolve().parent / "static"
+
+
+def _shared(name: str) -> str:
+    """A file shared with the explorer app (``prism serve``): its stylesheet and the waterfall drawing, so
+    the static export and the app look and read the same."""
+    return (_STATIC / name).read_text(encoding="utf-8")
+
+
 _CSS = """
-body{font:14px/1.45 system-ui,sans-serif;margin:1.5em;color:#222;max-width:1100px}
-#text span.t{cursor:pointer;border-radius:3px;padding:1px 0;white-space:pre-wrap}
-#text span.t.sel{outline:2px solid #36c}
-#text span.gen{text-decoration:underline dotted #888}
+body{max-width:1100px;margin:1.5em auto;padding:0 1.5em}
 #detail{margin:1em 0;padding:.6em;border:1px solid #ddd;border-radius:6px;min-height:3em}
-table{border-collapse:collapse}td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:left}
-td.num{text-align:right;font-variant-numeric:tabular-nums}
-.card{border:1px solid #ddd;border-radius:6px;padding:.5em .8em;margin:.6em 0}
-.card h3{margin:.1em 0;font-size:15px}.lab{font-weight:normal}.cat{font-size:12px;background:#eef;padding:1px 6px;border-radius:8px}
-.stats,.doc,.sim{color:#666;font-size:12px}mark{background:#fd6}
-.hist rect{fill:#69c}.hist text{font-size:9px;fill:#888}
-.snips li{font-family:ui-monospace,monospace;font-size:12px;white-space:pre-wrap}
-code{background:#f4f4f4;padding:0 3px}.pos{color:#070}.neg{color:#b00}
 """
 
 _JS = """
 const D = JSON.parse(document.getElementById('data').textContent);
-const esc = s => s.replace(/[&<>"]/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
+const esc = PRISM.esc;
 function show(i){
   document.querySelectorAll('#text span.t').forEach(s => s.classList.toggle('sel', +s.dataset.i === i));
   const p = D.positions[i];
+  const steps = p.prototypes.map(s => ({name: `#${s.id} ${s.label || ''}`.slice(0, 34), value: s.slice, kind: 'p'}));
+  steps.push({name: 'residual W r', value: p.residual_slice, kind: 'r'});
+  if (p.bias_slice) steps.push({name: 'bias b', value: p.bias_slice, kind: 'b'});
   let h = `<b>${esc(JSON.stringify(p.token))}</b> → <b>${esc(JSON.stringify(p.next_token))}</b> (${p.chosen_by}),
     logit ${p.logit.toFixed(3)}, p ${p.prob.toFixed(3)}; Σ slices + residual = ${p.total.toFixed(4)}
+    <div>${PRISM.waterfall(steps, p.logit)}</div>
     <table><tr><th>prototype</th><th>label</th><th>activation</th><th>slice</th><th>share</th></tr>`;
   for (const s of p.prototypes) h += `<tr><td><a href="#p${s.id}">#${s.id}</a></td><td>${esc(s.label||'')}</td>
     <td class="num">${s.activation.toFixed(3)}</td><td class="num ${s.slice>=0?'pos':'neg'}">${s.slice.toFixed(3)}</td>
@@ -119,8 +121,12 @@ function show(i){
   h += `<tr><td>residual</td><td></td><td></td><td class="num">${p.residual_slice.toFixed(3)}</td>
     <td class="num">${(100*p.residual_share).toFixed(1)}%</td></tr></table>`;
   document.getElementById('detail').innerHTML = h;
-  const ids = new Set(p.prototypes.map(s => s.id));
-  document.querySelectorAll('.card').forEach(c => c.style.display = ids.has(+c.id.slice(1)) ? '' : 'none');
+  // the cards of this token's prototypes, by contribution (largest |slice| first)
+  const box = document.getElementById('cards');
+  const rank = new Map(p.prototypes.map((s, r) => [s.id, r]));
+  const cards = [...box.querySelectorAll('.card')];
+  cards.sort((a, b) => (rank.get(+a.id.slice(1)) ?? 1e9) - (rank.get(+b.id.slice(1)) ?? 1e9)).forEach(c => box.appendChild(c));
+  cards.forEach(c => c.style.display = rank.has(+c.id.slice(1)) ? '' : 'none');
 }
 document.querySelectorAll('#text span.t').forEach(s => s.onclick = () => show(+s.dataset.i));
 document.getElementById('all').onclick = () => document.querySelectorAll('.card').forEach(c => c.style.display = '');
@@ -165,17 +171,20 @@ def render_html(expl: Explanation, *, title: str = "PRISM explanation",
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in d["notes"])
     data = json.dumps(d, ensure_ascii=False).replace("</", "<\\/")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>{_CSS}</style></head><body>
+<style>{_shared("prism.css")}{_CSS}</style></head><body>
 <h1>{html.escape(title)}</h1>
 <p>Each next-token logit is an exact sum of prototype slices and one residual slice
-(max error {d['max_abs_error']:.1e}). Tokens are shaded by the residual's share of the logit; click a token.
+(max error {d['max_abs_error']:.1e}). Click a token for the waterfall of its next-token logit.</p>
+<div class="legend">shading: the residual's share of the next token's logit <span class="resid-scale"></span> 0 → 100%
+(redder: less explained by prototypes)</div><p class="muted">
 Model {html.escape(str(d['model_sha256'] or 'n/a'))[:24]}…, index {html.escape(str(d['index'] or 'none'))}.</p>
 <ul>{notes}</ul>
 <div id="text">{''.join(spans)}</div>
 <div id="detail">Click a token to see its prototypes.</div>
 {_attribution_html(attribution) if attribution is not None else ''}
-<h2>Prototypes <button id="all">show all</button></h2>{cards}
+<h2>Prototypes <button id="all">show all</button></h2><div id="cards">{cards}</div>
 <script type="application/json" id="data">{data}</script>
+<script>{_shared("waterfall.js")}</script>
 <script>{_JS}</script></body></html>
 """
 

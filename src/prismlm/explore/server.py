@@ -1,0 +1,255 @@
+"""``prism serve``: the explorer web app — a JSON API over ``prismlm.app.explorer`` and a static front end.
+
+The API is FastAPI (Starlette) served by uvicorn; the front end is plain HTML/JS/CSS from
+``prismlm/explore/static`` (no build step, nothing from a CDN: it works offline). Its views — Explain,
+Prototype, Map, Steer, Training data, Document — are hash routes (``/#/prototype/12``), so every view
+has a URL that can be shared.
+
+**Safety.** The app serves the one run it was created with. No request ever names a file: static files
+are a fixed table read at start-up (a name not in it is 404, whatever ``..`` or encoding it carries),
+documents are addressed by index in the run's own shard, and a request carrying a ``path``-like query
+parameter is refused (404). Request bodies are capped (``Limits.max_body_bytes``, 413) and every
+operation checks its own limits (text length, tokens, top-N: 422). Model calls run one at a time (the
+explorer's lock); at most ``Limits.max_waiting`` requests may wait for it, more get 503 — memory stays
+bounded however many requests arrive. The ``Host`` header must be one of ``allowed_hosts`` (a page on
+another site cannot reach the server through DNS rebinding). Errors of prismlm's hierarchy become JSON
+``{"error", "message", "fix"}`` with a 4xx status.
+"""
+
+from __future__ import annotations
+
+import json
+import mimetypes
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from prismlm.app.explorer import Explorer, Limits, RequestLimitError, Steering, UnknownDocumentError
+from prismlm.errors import (
+    ArtifactError,
+    ArtifactMismatch,
+    ConfigError,
+    DataError,
+    ModelError,
+    PrismError,
+    SuppressionError,
+    UnknownPrototypeError,
+)
+
+__all__ = ["STATIC_DIR", "create_app", "serve"]
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+DENIED_QUERY_KEYS = frozenset({"path", "file", "filename", "dir", "folder", "run", "index", "cache", "shards",
+                               "out", "checkpoint"})
+"""Query parameters that would name a file: refused with 404 on every route (none of ours takes one)."""
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
+def _status(e: PrismError) -> int:
+    """The HTTP status of a prismlm error: whose fault, in HTTP's words."""
+    if isinstance(e, (UnknownPrototypeError, UnknownDocumentError)):
+        return 404
+    if isinstance(e, ArtifactMismatch):
+        return 409
+    if isinstance(e, ArtifactError):
+        return 404  # a missing index or cache: the resource is not there
+    if isinstance(e, (RequestLimitError, ConfigError, DataError, ModelError, SuppressionError)):
+        return 422
+    return 400
+
+
+def _json(data: object, status: int = 200) -> Response:
+    """JSON without FastAPI's per-value encoder (the values are plain already; an explanation of 128
+    tokens is ~10k numbers)."""
+    return Response(json.dumps(data, ensure_ascii=False, separators=(",", ":")), status_code=status,
+                    media_type="application/json")
+
+
+# ----- request bodies ----------------------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SteeringBody(_Body):
+    suppress: list[int] = Field(default_factory=list)
+    scale: dict[int, float] = Field(default_factory=dict)
+    """prototype id → factor."""
+    concept: str | None = None
+
+    def value(self) -> Steering:
+        return Steering(suppress=tuple(self.suppress), scale=tuple(self.scale.items()), concept=self.concept)
+
+
+class ExplainBody(_Body):
+    text: str = ""
+    generate: int = 0
+    alternatives: int = 5
+    neighbours: int = 3
+    temperature: float = 0.8
+    top_k: int | None = 50
+    seed: int = 0
+    steering: SteeringBody = Field(default_factory=SteeringBody)
+
+
+class SteerBody(_Body):
+    prompt: str = ""
+    tokens: int = 30
+    temperature: float = 0.8
+    top_k: int | None = 50
+    seed: int = 0
+    steering: SteeringBody = Field(default_factory=SteeringBody)
+
+
+class TrainingBody(_Body):
+    prompt: str
+    completion: str = ""
+    token: int | None = None
+    top: int = 10
+
+
+def _static_table(folder: Path) -> dict[str, tuple[bytes, str]]:
+    """Every file of the static folder, read once: the only files the app can ever send."""
+    table = {}
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and not f.name.startswith("."):
+            kind = mimetypes.guess_type(f.name)[0] or "application/octet-stream"
+            if kind.startswith("text/") or kind in ("application/javascript", "text/javascript"):
+                kind += "; charset=utf-8"
+            table[f.name] = (f.read_bytes(), kind)
+    return table
+
+
+SECURITY_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+                               "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+}
+
+
+def create_app(run: str | Path | Explorer, index: Path | None = None, cache: Path | None = None,
+               limits: Limits = Limits(), *, device: str = "auto", suppress: str | Path | None = "auto",
+               concepts: Sequence[Path] = (), allowed_hosts: Sequence[str] | None = LOCAL_HOSTS) -> FastAPI:
+    """The explorer app for one run (a run folder, or an opened ``Explorer`` to share one between apps).
+
+    ``index``/``cache``: the prototype index and attribution cache (default RUN/index, RUN/attribution-cache
+    when present); ``concepts``: suppression-set files a Steer request may name; ``allowed_hosts``: the
+    ``Host`` names accepted (None: any — only for tests behind another guard)."""
+    ex = run if isinstance(run, Explorer) else Explorer.open(run, index=index, cache=cache, device=device,
+                                                             suppress=suppress, concepts=concepts, limits=limits)
+    limits = ex.limits
+    static = _static_table(STATIC_DIR)
+    waiting = threading.BoundedSemaphore(limits.max_waiting)
+    hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
+    api = FastAPI(title="prismlm explorer", docs_url=None, redoc_url=None, openapi_url="/api/openapi.json")
+    api.state.explorer = ex
+
+    @api.middleware("http")
+    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if hosts is not None:
+            host = (request.headers.get("host") or "").lower()
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name not in hosts:
+                return _json({"error": "HostNotAllowed", "message": f"host {host!r} is not served"}, 421)
+        if any(k.lower() in DENIED_QUERY_KEYS for k in request.query_params):
+            return _json({"error": "NotFound", "message": "this server takes no file paths"}, 404)
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
+            return _json({"error": "RequestLimitError",
+                          "message": f"request body is limited to {limits.max_body_bytes} bytes"}, 413)
+        response = await call_next(request)
+        for k, v in SECURITY_HEADERS.items():
+            response.headers.setdefault(k, v)
+        return response
+
+    @api.exception_handler(PrismError)
+    async def prism_error(request: Request, e: PrismError) -> Response:
+        return _json({"error": type(e).__name__, "message": e.message, "fix": e.fix}, _status(e))
+
+    def model_call(fn: Callable[[], dict[str, object]]) -> Response:
+        """Run an operation if the queue has room (503 otherwise); the explorer's lock serialises them."""
+        if not waiting.acquire(blocking=False):
+            return _json({"error": "Busy", "message": f"more than {limits.max_waiting} requests are waiting; "
+                                                      "try again"}, 503)
+        try:
+            return _json(fn())
+        finally:
+            waiting.release()
+
+    # ----- static front end ---------------------------------------------------------------------------
+    @api.get("/", include_in_schema=False)
+    def root() -> Response:
+        body, kind = static["index.html"]
+        return Response(body, media_type=kind)
+
+    @api.get("/static/{name}", include_in_schema=False)
+    def static_file(name: str) -> Response:
+        hit = static.get(name)
+        if hit is None:
+            return _json({"error": "NotFound", "message": "no such file"}, 404)
+        return Response(hit[0], media_type=hit[1], headers={"Cache-Control": "no-cache"})
+
+    # ----- API ------------------------------------------------------------------------------------------------
+    @api.get("/api/info")
+    def info() -> Response:
+        return _json(ex.info().to_dict())
+
+    @api.post("/api/explain")
+    def explain(body: ExplainBody) -> Response:
+        return model_call(lambda: ex.explain(
+            body.text, generate=body.generate, alternatives=body.alternatives, neighbours=body.neighbours,
+            steering=body.steering.value(), temperature=body.temperature, top_k=body.top_k, seed=body.seed).to_dict())
+
+    @api.get("/api/prototype/{pid}")
+    def prototype(pid: int, text: str | None = None, neighbours: int = 8, similar: int = 8) -> Response:
+        return model_call(lambda: ex.prototype(pid, text=text, neighbours=neighbours, similar=similar).to_dict())
+
+    map_json: list[bytes] = []
+
+    @api.get("/api/map")
+    def bank_map() -> Response:
+        if not map_json:  # computed once; the bank does not change while serving
+            map_json.append(json.dumps(ex.map().to_dict(), separators=(",", ":")).encode())
+        return Response(map_json[0], media_type="application/json")
+
+    @api.get("/api/search")
+    def search(q: str = "", token: str | None = None, limit: int = 20) -> Response:
+        return model_call(lambda: ex.search(q, token=token, limit=limit).to_dict())
+
+    @api.post("/api/steer")
+    def steer(body: SteerBody) -> Response:
+        return model_call(lambda: ex.steer(body.prompt, steering=body.steering.value(), tokens=body.tokens,
+                                           temperature=body.temperature, top_k=body.top_k, seed=body.seed).to_dict())
+
+    @api.post("/api/training")
+    def training(body: TrainingBody) -> Response:
+        return model_call(lambda: ex.training(body.prompt, body.completion, token=body.token, top=body.top).to_dict())
+
+    @api.get("/api/document/{doc_index}")
+    def document(doc_index: int, position: int | None = None) -> Response:
+        return model_call(lambda: ex.document(doc_index, position=position).to_dict())
+
+    return api
+
+
+def serve(run: str | Path, *, index: Path | None = None, cache: Path | None = None, host: str = "127.0.0.1",
+          port: int = 8000, device: str = "auto", suppress: str | Path | None = "auto", concepts: Sequence[Path] = (),
+          limits: Limits = Limits(), log_level: str = "info") -> None:
+    """Open the run and serve the explorer until interrupted. Any host other than loopback is warned
+    about on stderr: the explorer has no authentication."""
+    import uvicorn
+
+    if host not in LOCAL_HOSTS and host != "::1":
+        print(f"warning: serving on {host}: anyone who can reach this address can use the explorer (it has no "
+              f"authentication); the default 127.0.0.1 keeps it on this machine", file=sys.stderr)
+    allowed = None if host in ("0.0.0.0", "::") else (*LOCAL_HOSTS, host.lower())
+    app = create_app(run, index=index, cache=cache, limits=limits, device=device, suppress=suppress,
+                     concepts=concepts, allowed_hosts=allowed)
+    print(f"prism explorer: http://{host if ':' not in host else f'[{host}]'}:{port}/", file=sys.stderr)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

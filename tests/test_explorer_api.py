@@ -1,0 +1,281 @@
+"""The explorer's JSON API (``prism serve``), in process through FastAPI's TestClient.
+
+Every number is checked against an independent reference: a plain forward of the model (its logits) and
+slices recomputed here from the weights (a_i · p_i · W_y), never against the decomposition the API itself
+returns.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from prismlm.app.explorer import Explorer, Limits  # noqa: E402
+from prismlm.control.suppress import SuppressionSet  # noqa: E402
+from prismlm.explore.server import create_app  # noqa: E402
+
+TEXT = "It is a truth universally acknowledged, that a single man in possession"
+BASE = "http://127.0.0.1"
+LIMITS = Limits(max_text_chars=500, max_generate=24, max_top=12, max_body_bytes=20_000)
+
+_BUILT: dict[str, Any] = {}
+
+
+def build_explorer_run(tiny_shards, root: Path) -> tuple[Path, Path]:
+    """A tiny PRISM trained for 20 steps, with a prototype index and a concept set; built once per session
+    (the browser tests reuse it). Returns (run folder, concept file)."""
+    if "run" not in _BUILT:
+        from conftest import train_tiny_run
+
+        from prismlm.app import Run, build_run_index
+
+        ckpt, run = train_tiny_run(tiny_shards, root, steps=20, batch_size=4, warmup_steps=2)
+        from prismlm.explain import rule_labels, save_labels
+
+        res = build_run_index(Run.open(run), max_sequences=48, batch_size=8, progress=False, shards=tiny_shards.root)
+        save_labels(rule_labels(res.index), res.path)  # a partial index gets no labels by itself
+        K = ckpt.model.prototypes.num_prototypes
+        concept = SuppressionSet(ids=list(range(0, K, 2)), num_prototypes=K,
+                                 model_sha256=ckpt.manifest.get("model_sha256"), concept="evens")
+        _BUILT["run"] = (run, concept.save(root / "evens.json"))
+    return _BUILT["run"]
+
+
+@pytest.fixture(scope="module")
+def explorer(tiny_shards, tmp_path_factory) -> Explorer:
+    run, concept = build_explorer_run(tiny_shards, tmp_path_factory.mktemp("explorer"))
+    return Explorer.open(run, device="cpu", concepts=[concept], limits=LIMITS)
+
+
+@pytest.fixture(scope="module")
+def client(explorer) -> TestClient:
+    return TestClient(create_app(explorer), base_url=BASE)
+
+
+def _plain_logits(explorer: Explorer, ids: list[int], suppress: list[int] | None = None) -> torch.Tensor:
+    """(n, V) logits of a plain forward (optionally with ``model.suppress``) — the independent reference."""
+    m = explorer.run.model
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        if suppress:
+            with m.suppress(suppress):
+                return m(x).logits[0].double()
+        return m(x).logits[0].double()
+
+
+def _reference_slices(explorer: Explorer, ids: list[int], targets: list[int]) -> tuple[list[dict[int, float]], list[float]]:
+    """Per position {prototype id: a_i (p_i · W_y)} and the residual (r · W_y), from the weights directly."""
+    m = explorer.run.model
+    with torch.no_grad():
+        out = m(torch.tensor([ids]))
+        P = m.prototypes.weight.double()
+        W = m.lm_head.weight.double()
+        slices, resid = [], []
+        for t, y in enumerate(targets):
+            row = {}
+            for i, a in zip(out.indices[0, t].tolist(), out.activations[0, t].double().tolist()):
+                if a > 0:
+                    row[i] = a * float(P[i] @ W[y])
+            slices.append(row)
+            resid.append(float(out.residual[0, t].double() @ W[y]))
+    return slices, resid
+
+
+def test_info_and_front_end(client, explorer):
+    info = client.get("/api/info").json()
+    assert info["model"]["num_prototypes"] == explorer.num_prototypes and info["has_index"]
+    assert "evens" in info["concepts"] and info["limits"]["max_generate"] == LIMITS.max_generate
+    page = client.get("/")
+    assert page.status_code == 200 and "PRISM explorer" in page.text
+    assert page.headers["content-security-policy"].startswith("default-src 'self'")
+    for name in ("app.js", "waterfall.js", "prism.css"):
+        assert client.get(f"/static/{name}").status_code == 200
+
+
+def test_explain_waterfalls_sum_to_the_plain_forward_logits(client, explorer):
+    d = client.post("/api/explain", json={"text": TEXT, "alternatives": 4}).json()
+    ids = d["token_ids"]
+    ref = _plain_logits(explorer, ids)
+    n = len(ids)
+    assert len(d["positions"]) == n and n > 10
+    chosen = [p["chosen"]["id"] for p in d["positions"]]
+    assert chosen[:-1] == ids[1:]  # the text's own next tokens; the last is the model's argmax
+    assert chosen[-1] == int(ref[-1, :explorer.run.tokenizer.vocab_size].argmax())
+    ref_slices, ref_resid = _reference_slices(explorer, ids, chosen)
+    for t, p in enumerate(d["positions"]):
+        for c in [p["chosen"], *p["alternatives"]]:
+            total = sum(c["slices"]) + c["residual"] + c["bias"]
+            assert total == pytest.approx(float(ref[t, c["id"]]), abs=2e-5), (t, c["token"])
+            assert c["logit"] == pytest.approx(float(ref[t, c["id"]]), abs=2e-5)
+        # the chosen token's slices, prototype by prototype, against the weights
+        got = {a["id"]: s for a, s in zip(p["active"], p["chosen"]["slices"])}
+        assert got.keys() == ref_slices[t].keys()
+        for i, v in ref_slices[t].items():
+            assert got[i] == pytest.approx(v, abs=1e-5)
+        assert p["chosen"]["residual"] == pytest.approx(ref_resid[t], abs=1e-5)
+        # alternatives: the most probable tokens other than the chosen one, in order
+        alt_ids = [a["id"] for a in p["alternatives"]]
+        order = [i for i in ref[t].argsort(descending=True).tolist() if i != chosen[t]][:4]
+        assert alt_ids == order
+    assert d["max_abs_error"] < 1e-4
+
+
+def test_explain_a_generation_and_no_alternatives(client, explorer):
+    d = client.post("/api/explain", json={"text": "It is a truth", "generate": 6, "alternatives": 0, "seed": 1}).json()
+    p = d["prompt_tokens"]
+    assert p is not None and len(d["token_ids"]) == p + 6 - 1  # the last sampled token is only predicted
+    assert [q["chosen_by"] for q in d["positions"][p - 1:]] == ["sampled"] * 6
+    assert all(q["alternatives"] == [] for q in d["positions"])
+    ref = _plain_logits(explorer, d["token_ids"])
+    for t, q in enumerate(d["positions"]):
+        c = q["chosen"]
+        assert sum(c["slices"]) + c["residual"] + c["bias"] == pytest.approx(float(ref[t, c["id"]]), abs=2e-5)
+        assert c["rank"] == int((ref[t, :explorer.run.tokenizer.vocab_size] > ref[t, c["id"]]).sum())
+
+
+def test_suppression_through_the_api_changes_exactly_those_slices(client, explorer):
+    base = client.post("/api/explain", json={"text": TEXT, "alternatives": 2}).json()
+    # suppress the top prototype of a few positions, and one that is never active
+    S = sorted({p["top_prototype"] for p in base["positions"][:6] if p["top_prototype"] is not None})
+    sup = client.post("/api/explain", json={"text": TEXT, "alternatives": 2, "steering": {"suppress": S}}).json()
+    assert sup["steering"]["suppress"] == S
+    ids = base["token_ids"]
+    ref_sup = _plain_logits(explorer, ids, suppress=S)
+    ref_slices, _ = _reference_slices(explorer, ids, [p["chosen"]["id"] for p in base["positions"]])
+    touched = 0
+    for t, (pb, ps) in enumerate(zip(base["positions"], sup["positions"])):
+        assert ps["chosen"]["id"] == pb["chosen"]["id"] or t == len(ids) - 1
+        if ps["chosen"]["id"] != pb["chosen"]["id"]:
+            continue  # the model's own last-token argmax may move under suppression
+        b = {a["id"]: s for a, s in zip(pb["active"], pb["chosen"]["slices"])}
+        s = {a["id"]: v for a, v in zip(ps["active"], ps["chosen"]["slices"])}
+        mult = {a["id"]: a["multiplier"] for a in ps["active"]}
+        assert s.keys() == b.keys()  # same active prototypes: suppression does not change activations
+        for i in b:
+            if i in S:
+                assert s[i] == 0.0 and mult[i] == 0.0
+            else:
+                assert s[i] == pytest.approx(b[i], abs=1e-6) and mult[i] == 1.0
+        assert ps["chosen"]["residual"] == pytest.approx(pb["chosen"]["residual"], abs=1e-6)
+        removed = sum(v for i, v in ref_slices[t].items() if i in S)
+        touched += removed != 0
+        y = pb["chosen"]["id"]
+        assert ps["chosen"]["logit"] - pb["chosen"]["logit"] == pytest.approx(-removed, abs=2e-5)
+        assert ps["chosen"]["logit"] == pytest.approx(float(ref_sup[t, y]), abs=2e-5)  # the plain suppressed forward
+    assert touched >= 3
+
+
+def test_steer_reports_the_exact_logit_change(client, explorer):
+    body = {"prompt": "It is a truth", "tokens": 8, "seed": 3, "temperature": 0.8,
+            "steering": {"suppress": list(range(explorer.num_prototypes))}}
+    d = client.post("/api/steer", json=body).json()
+    assert len(d["base"]) == len(d["steered"]) == 8 and len(d["steps"]) == 8
+    for s in d["steps"]:
+        assert s["delta"] == pytest.approx(s["delta_from_slices"], abs=2e-5)
+    # same seed and no steering: identical
+    same = client.post("/api/steer", json={**body, "steering": {}}).json()
+    assert same["steered"] == same["base"] and same["first_difference"] is None
+    assert all(s["delta"] == 0 for s in same["steps"])
+    # a concept set, by name
+    c = client.post("/api/steer", json={**body, "steering": {"concept": "evens"}})
+    assert c.status_code == 200, c.text
+    assert client.post("/api/steer", json={**body, "steering": {"concept": "nope"}}).status_code == 422
+
+
+def test_prototype_map_search_training_document(client, explorer):
+    d = client.get("/api/prototype/1", params={"text": TEXT}).json()
+    assert d["card"]["id"] == 1 and d["has_index"] and len(d["similar"]) == 8
+    assert d["card"]["neighbours"] and "target" in d["card"]["neighbours"][0]
+    assert d["fires"] is not None and len(d["text_tokens"]) > 5
+    m = client.get("/api/map").json()
+    K = explorer.num_prototypes
+    assert len(m["x"]) == len(m["y"]) == len(m["category"]) == len(m["count"]) == K
+    assert any(c >= 0 for c in m["category"]) and any(m["label"])
+    s = client.get("/api/search", params={"token": " the", "limit": 5}).json()
+    assert len(s["hits"]) == 5
+    tr = client.post("/api/training", json={"prompt": "It is a truth", "completion": " universally", "top": 3}).json()
+    assert len(tr["items"]) == 3 and max(abs(it["relative"]) for it in tr["items"]) == pytest.approx(1.0)
+    one = client.post("/api/training", json={"prompt": "It is a truth", "completion": " universally", "top": 3,
+                                             "token": 0}).json()
+    assert one["token"] == 0 and one["measured"] == tr["measured"]
+    doc = client.get(f"/api/document/{tr['items'][0]['doc_index']}", params={"position": 3}).json()
+    assert doc["target"] and doc["doc_id"] == tr["items"][0]["doc_id"]
+
+
+@pytest.mark.parametrize("method, url, body", [
+    ("post", "/api/explain", {"text": "x" * 501}),
+    ("post", "/api/explain", {"text": "a", "generate": 25}),
+    ("post", "/api/explain", {"text": "a", "alternatives": 13}),
+    ("post", "/api/explain", {"text": "a", "generate": -1}),
+    ("post", "/api/explain", {"text": "a", "temperature": -1}),
+    ("post", "/api/explain", {"text": "a", "unknown_field": 1}),
+    ("post", "/api/explain", {"text": "a", "steering": {"scale": {"1": 1e9}}}),
+    ("post", "/api/steer", {"prompt": "a", "tokens": 1000}),
+    ("post", "/api/training", {"prompt": "a", "top": 13}),
+    ("get", "/api/prototype/1?neighbours=500", None),
+    ("get", "/api/search?limit=100000", None),
+    ("get", "/api/prototype/abc", None),
+])
+def test_limits_are_4xx(client, method, url, body):
+    r = client.post(url, json=body) if method == "post" else client.get(url)
+    assert 400 <= r.status_code < 500, r.text
+    assert r.headers["content-type"].startswith("application/json")
+
+
+def test_body_size_and_unknown_ids(client, explorer):
+    r = client.post("/api/explain", content=b'{"text": "' + b"a" * 30_000 + b'"}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    K = explorer.num_prototypes
+    for url in (f"/api/prototype/{K}", "/api/prototype/-1", f"/api/prototype/{10**12}"):
+        r = client.get(url)
+        assert r.status_code == 404, (url, r.text)
+        assert r.json()["error"] == "UnknownPrototypeError"
+    r = client.post("/api/steer", json={"prompt": "a", "tokens": 4, "steering": {"suppress": [K + 5]}})
+    assert r.status_code == 404
+    assert client.get("/api/document/999999").status_code == 404
+
+
+@pytest.mark.parametrize("url", [
+    "/static/../../etc/passwd",
+    "/static/%2e%2e/%2e%2e/etc/passwd",
+    "/static/..%2f..%2fetc%2fpasswd",
+    "/static/%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+    "/static/%252e%252e%252fetc%252fpasswd",
+    "/static/....//....//etc/passwd",
+    "/static/..\\..\\etc\\passwd",
+    "/static/%00app.js",
+    "/static/",
+    "/../../etc/passwd",
+    "/etc/passwd",
+    "/api/info?path=/etc/passwd",
+    "/api/document/0?path=../../etc/passwd",
+    "/static/app.js?file=/etc/passwd",
+    "/api/map?index=/tmp",
+    "/api/prototype/1?run=/etc",
+])
+def test_path_traversal_is_404(client, url):
+    r = client.get(url)
+    assert r.status_code == 404, (url, r.status_code)
+    assert "root:" not in r.text
+
+
+def test_foreign_host_is_refused(client):
+    assert client.get("/api/info", headers={"host": "evil.example:80"}).status_code == 421
+    assert client.get("/api/info", headers={"host": "localhost:8000"}).status_code == 200
+
+
+def test_concurrent_requests_are_serialised_and_consistent(client):
+    body = {"text": TEXT[:40], "alternatives": 2}
+    with ThreadPoolExecutor(8) as pool:
+        rs = list(pool.map(lambda _: client.post("/api/explain", json=body), range(16)))
+    assert all(r.status_code == 200 for r in rs)
+    first = rs[0].json()["positions"]
+    assert all(r.json()["positions"] == first for r in rs)

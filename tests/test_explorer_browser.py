@@ -1,0 +1,197 @@
+"""The explorer in a real browser: headless Debian chromium driven by playwright, against uvicorn serving a
+tiny trained run on a free 127.0.0.1 port.
+
+``PRISM_SCREENSHOTS=1`` also saves a screenshot of each view into ``docs/img/explorer-*.png``; with
+``PRISM_SCREENSHOTS_RUN=RUN`` the views show that run (e.g. a trained cpu-small run with its index) instead
+of the tests' tiny one, for screenshots that read well.
+chromium is installed by ``scripts/setup.sh`` (``apt-get install chromium``); ``playwright install`` is
+never used (it downloads browsers).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("playwright")
+import uvicorn  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+from playwright.sync_api import Page, sync_playwright  # noqa: E402
+from test_explorer_api import LIMITS, build_explorer_run  # noqa: E402
+
+from prismlm.app.explorer import Explorer  # noqa: E402
+from prismlm.explore.server import create_app  # noqa: E402
+
+CHROMIUM = Path("/usr/bin/chromium")
+SHOTS = Path(__file__).resolve().parents[1] / "docs" / "img"
+TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
+
+if not CHROMIUM.exists():  # pragma: no cover - scripts/setup.sh installs it; say so loudly rather than skip
+    pytest.fail("tests/test_explorer_browser.py needs /usr/bin/chromium: run scripts/setup.sh "
+                "(apt-get install chromium)", pytrace=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served(tiny_shards, tmp_path_factory) -> Iterator[tuple[str, Explorer]]:
+    run, concept = build_explorer_run(tiny_shards, tmp_path_factory.mktemp("explorer"))
+    other = os.environ.get("PRISM_SCREENSHOTS_RUN")
+    ex = (Explorer.open(other, device="cpu", limits=LIMITS) if other
+          else Explorer.open(run, device="cpu", concepts=[concept], limits=LIMITS))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(ex), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    t0 = time.time()
+    while not server.started:
+        assert thread.is_alive() and time.time() - t0 < 30, "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}/", ex
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def browser_page(served) -> Iterator[tuple[Page, list[str]]]:
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1320, "height": 900})
+        errors: list[str] = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.set_default_timeout(20_000)
+        yield page, errors
+        browser.close()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_errors(browser_page) -> None:
+    browser_page[1].clear()  # each test answers for its own console errors
+
+
+def _shot(page: Page, name: str) -> None:
+    if os.environ.get("PRISM_SCREENSHOTS"):
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SHOTS / f"explorer-{name}.png"), full_page=True)
+
+
+def _no_errors(errors: list[str]) -> None:
+    assert errors == [], errors
+    errors.clear()
+
+
+def test_explain_click_a_token_shows_its_waterfall(served, browser_page):
+    base, ex = served
+    page, errors = browser_page
+    page.goto(base + "#/explain?text=" + quote(TEXT))
+    page.wait_for_selector("#explain-tokens span.tok[data-pos]")
+    api = ex.explain(TEXT, alternatives=5)
+    t = 5
+    page.click(f"#explain-tokens span.tok[data-pos='{t}']")
+    page.wait_for_selector("#explain-tokens span.tok.sel[data-pos='5']")
+    wf = page.locator("#wf-chosen svg.wf")
+    rows = wf.locator("rect:not(.total)")
+    assert rows.count() == len(api.positions[t].active) + 1  # one bar per active prototype + the residual
+    # the waterfall's last row is the logit of the token the model predicted there
+    assert wf.locator("text").last.text_content() == f"{api.positions[t].chosen.logit:.3f}"
+    assert api.positions[t].chosen.token in page.inner_text("#explain-detail h2")
+    page.click("#explain-detail tr[data-alt='0']")  # why not the best alternative?
+    page.wait_for_selector("#wf-alt svg.wf")
+    gap = api.positions[t].chosen.logit - api.positions[t].alternatives[0].logit
+    assert page.locator("#wf-alt svg.wf").nth(1).locator("text").last.text_content() == f"{gap:.3f}"
+    assert "pos=5" in page.url  # the selection is part of the shareable URL
+    page.select_option("#explain-color", "residual")
+    assert "residual share" in page.inner_text("#explain-legend")
+    _shot(page, "explain")
+    _no_errors(errors)
+
+
+def test_prototype_view_shows_contexts(served, browser_page):
+    base, ex = served
+    page, errors = browser_page
+    page.goto(base + "#/explain?text=" + quote(TEXT) + "&pos=4")
+    page.wait_for_selector("#explain-cards .card a.plink")
+    pid = page.locator("#explain-cards .card a.plink").first.get_attribute("data-id")
+    page.click("#explain-cards .card a.plink >> nth=0")
+    page.wait_for_selector("#proto-contexts li")
+    assert f"#/prototype/{pid}" in page.url
+    card = ex.prototype(int(pid), neighbours=12).card
+    items = page.locator("#proto-contexts li")
+    assert items.count() == len(card["neighbours"]) > 0
+    assert items.first.locator("mark").inner_text() == card["neighbours"][0]["target"].replace("\n", "↵")
+    assert page.locator("svg.hist rect").count() > 0
+    _shot(page, "prototype")
+    page.click("#proto-contexts a.doc >> nth=0")  # the whole document, target marked
+    page.wait_for_selector("#doc-target")
+    assert card["neighbours"][0]["doc_id"] in page.inner_text("#doc-out")
+    _no_errors(errors)
+
+
+def test_map_draws_and_search_highlights(served, browser_page):
+    base, ex = served
+    page, errors = browser_page
+    page.goto(base + "#/map")
+    page.wait_for_selector("#map-canvas[data-drawn]")
+    assert page.get_attribute("#map-canvas", "data-drawn") == str(ex.num_prototypes)
+    m = ex.map()
+    category = m.categories[next(c for c in m.category if c >= 0)]  # one that some prototype has
+    page.fill("#map-q", category)
+    page.click("#map-go")
+    page.wait_for_selector("#map-hits table tr")
+    assert f"map?q={category}" in page.url
+    _shot(page, "map")
+    page.click("#map-hits a.plink >> nth=0")
+    page.wait_for_selector("#proto-contexts li")
+    _no_errors(errors)
+
+
+def test_suppression_toggle_changes_the_generated_text(served, browser_page):
+    base, ex = served
+    page, errors = browser_page
+    client = TestClient(create_app(ex), base_url="http://127.0.0.1")
+    live = [i for i, c in enumerate(client.get("/api/map").json()["count"]) if c > 0][:8]
+    prompt = "It is a truth"
+    # a seed at which suppressing the live prototypes changes the sample (found through the API)
+    seed = next(s for s in range(40) if client.post("/api/steer", json={
+        "prompt": prompt, "tokens": 12, "seed": s, "steering": {"suppress": live}}).json()["first_difference"] is not None)
+    page.goto(base + f"#/steer?prompt={quote(prompt)}&tokens=12&seed={seed}&suppress={','.join(map(str, live))}")
+    page.wait_for_selector("#steer-steered")
+    steered, base_text = page.inner_text("#steer-steered"), page.inner_text("#steer-base")
+    assert steered != base_text and page.locator("#steer-steered span.diff").count() > 0
+    assert page.locator("#steer-steps tr").count() == 12 + 1
+    _shot(page, "steer")
+    for cb in page.locator(".steer-toggle").all():  # switch every suppression off again …
+        cb.uncheck()
+    page.click("#steer-go")
+    page.wait_for_function("document.querySelector('#steer-steered span.diff') === null")
+    # … and the steered text is the base model's again
+    assert page.inner_text("#steer-steered") == base_text != steered
+    assert "off=" in page.url
+    _no_errors(errors)
+
+
+def test_training_data_view_filters_per_token(served, browser_page):
+    base, _ = served
+    page, errors = browser_page
+    page.goto(base + "#/training?prompt=" + quote("It is a truth") + "&completion=" + quote(" universally acknowledged, that")
+              + "&top=5")
+    page.wait_for_selector("#train-items tr td")
+    assert page.locator("#train-items tr").count() == 5 + 1
+    _shot(page, "training")
+    page.click("#train-tokens a[data-tok='1']")
+    page.wait_for_selector("#train-tokens a.on[data-tok='1']")
+    assert "token=1" in page.url
+    _no_errors(errors)
