@@ -156,6 +156,188 @@ def timed(fn, *a, **kw):
     return out, time.perf_counter() - t0, current_peak_rss_mib()
 
 
+# ----- compression study (issue 13, items 1–2) -----------------------------------------------------------
+def _doc_sum(S: np.ndarray, docs: np.ndarray, D: int) -> np.ndarray:
+    """(Q, N) sequence scores → (Q, D) document scores (sums over each document's sequences)."""
+    out = np.zeros((S.shape[0], D))
+    np.add.at(out, (slice(None), docs), S)
+    return out
+
+
+def _single_queries(qg: Any, Q: int) -> list[Any]:
+    """One BlockGradients per query (its rows, query id 0): what a single `attribute` call scores."""
+    from prismlm.tda.gradients import BlockGradients
+
+    out = []
+    for q in range(Q):
+        sel = qg.seq == q
+        out.append(BlockGradients(torch.zeros(int(sel.sum()), dtype=torch.long), qg.proto[sel], qg.grad[sel]))
+    return out
+
+
+def compression_study(net: Any, shards: Any, queries: list, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Bytes per training token against top-10 overlap for the cache's storage options.
+
+    One pass builds a reference cache with the identity projection at r = d in float64 — its scores equal
+    the full prototype-space method's (tests/test_influence.py, test_cache_store.py) — so "full" costs no
+    second pass. Each r-dimensional float32 cache is derived from it by projecting the stored whitened
+    gradients (``s_r = R_i s_d``: what ``build_cache`` with that projection stores; ``pca``/``pca-local``
+    fitted on the postings of ``--pca-sequences`` sequences spread over the corpus: ``fit_ranges``), and every
+    storage variant
+    by ``compress_cache`` (delta ids). Document-level overlaps compare document scores (sums over the
+    document's sequences) with the full method's document scores. Per-query time: ``cache.scores`` of one
+    query (its forward pass excluded: common to all variants), median over queries, with the postings it
+    read."""
+    from prismlm.artifacts import model_identity
+    from prismlm.tda.cache import (
+        AttributionCache,
+        FloatSketches,
+        compress_cache,
+        document_of_sequences,
+        fit_ranges,
+        make_projection,
+        pca_bases,
+        project,
+    )
+
+    T, d = net.config.block_size, net.config.n_embd
+    N = shards.train.num_sequences(T)
+    if args.max_sequences:
+        N = min(N, args.max_sequences)
+    Q = len(queries)
+    ref_dir = work / f"compression-ref-n{N}-c{args.curvature_sequences}"
+    if args.reuse_reference and (ref_dir / "manifest.json").exists():  # same model, shards and curvature
+        ref = AttributionCache.load(ref_dir, model_sha256=model_identity(net), shards=shards)
+        curv, t_curv, t_ref = ref.curvature, None, float(ref.manifest["postings_seconds"])
+    else:
+        t0 = time.perf_counter()
+        curv = curvature_pass(net, shards, sequences=(0, min(N, args.curvature_sequences)), batch_size=16)
+        t_curv = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref = build_cache(net, shards, AttributionConfig(projection="identity", dtype="float64", max_sequences=N),
+                          curvature=curv, out=ref_dir)
+        t_ref = time.perf_counter() - t0
+    log(f"reference cache (r = d = {d}, float64): {ref.num_postings:,} postings over {N:,} sequences "
+        f"({ref.manifest['tokens']:,} tokens) in {t_ref:.0f}s" + (" (reused)" if t_curv is None else
+                                                                   f" (+ curvature {t_curv:.0f}s on "
+                                                                   f"{min(N, args.curvature_sequences)} sequences)"))
+    qg = query_gradients(net, queries)
+    singles = _single_queries(qg, Q)
+    S_full = ref.scores(qg, Q).numpy()
+    docs = document_of_sequences(shards, N, T)
+    D = int(docs[-1]) + 1
+    S_full_doc = _doc_sum(S_full, docs, D)
+    x = ref.sketches.data  # (P, d) float64 memmap: H_i^{-1/2} G_{j,i}
+    P = ref.num_postings
+    # pca / pca-local: second moments of the whitened gradients of --pca-sequences sequences spread over
+    # the corpus (what build_cache's fitting pass accumulates, same sequences), per prototype
+    K = ref.num_prototypes
+    proto_all = np.repeat(np.arange(K), np.diff(ref.offsets))
+    in_fit = np.zeros(N, dtype=bool)
+    for a0, a1 in fit_ranges(N, args.pca_sequences, 16):
+        in_fit[a0:a1] = True
+    fit = np.flatnonzero(in_fit[np.asarray(ref.seq)])
+    C = torch.zeros(K, d, d, dtype=torch.float64)
+    t0 = time.perf_counter()
+    if {"pca", "pca-local"} & set(args.comp_projections):
+        for a in range(0, len(fit), 512):
+            w = torch.from_numpy(np.array(x[fit[a:a + 512]], dtype=np.float64))
+            C.index_add_(0, torch.from_numpy(proto_all[fit[a:a + 512]]), w[:, :, None] * w[:, None, :])
+    count = np.bincount(proto_all[fit], minlength=K)
+    t_fit = time.perf_counter() - t0
+    rows_out, per_query = [], {}
+
+    def measure(c: AttributionCache, name: str) -> tuple[np.ndarray, list[float], list[int]]:
+        S = np.zeros((Q, c.num_train))
+        ms, nread = [], []
+        for q, sq in enumerate(singles):  # one query at a time, as `prism attribute` answers it
+            t = time.perf_counter()
+            S[q] = c.scores(sq, 1)[0].numpy()
+            ms.append((time.perf_counter() - t) * 1e3)
+            protos = sq.proto.numpy()
+            nread.append(int((c.offsets[protos + 1] - c.offsets[protos]).sum()))
+        per_query[name] = {"ms": ms, "postings_read": nread}
+        return S, ms, nread
+
+    for proj in args.comp_projections:
+        for r in args.comp_ranks:
+            if r > d:
+                continue
+            R = (pca_bases(C.sum(0).numpy(), r) if proj == "pca" else
+                 pca_bases(C.numpy(), r, count) if proj == "pca-local" else
+                 make_projection(d, r, proj, args.seed))  # (r, d) or (K, r, d)
+            sk = np.empty((P, r), np.float32)
+            Rt = torch.from_numpy(R)
+            for a in range(0, P, 1 << 16):  # s_r = R_i s_d, as build_cache stores it
+                sk[a:a + (1 << 16)] = project(torch.from_numpy(np.array(x[a:a + (1 << 16)], dtype=np.float64)),
+                                              torch.from_numpy(proto_all[a:a + (1 << 16)]), Rt).numpy()
+            base = AttributionCache(offsets=ref.offsets, ids=ref.ids, sketches=FloatSketches(sk), projection=R,
+                                    curvature=curv, manifest={**ref.manifest, "r": r, "projection": proj,
+                                                              "dtype": "float32"})
+            S_base = base.scores(qg, Q).numpy()
+            S_base_doc = _doc_sum(S_base, docs, D)
+            main_axis = r == args.comp_main_rank and proj == args.comp_projections[0]
+            variants = [(agg, dt, prune, ids) for agg in args.comp_aggregates for dt in args.comp_dtypes
+                        for prune in args.comp_prunes
+                        for ids in (("int32", "delta") if (dt == "float32" and prune == 0 and agg == "sequence")
+                                    else ("delta",))
+                        if main_axis or (prune == 0 and agg == "sequence")]  # other r/projections: dtype only
+            for agg, dt, prune, ids in variants:
+                cfg = AttributionConfig(r=r, projection=proj, dtype=dt, prune=prune, aggregate=agg, id_encoding=ids)
+                t = time.perf_counter()
+                c = compress_cache(base, cfg, shards=shards)
+                t_enc = time.perf_counter() - t
+                name = f"r{r}-{proj}-{dt}-p{prune:g}-{agg}-{ids}"
+                S, ms, nread = measure(c, name)
+                S_ref, S_fp32 = (S_full_doc, S_base_doc) if agg == "document" else (S_full, S_base)
+                m = c.manifest
+                row = {"name": name, "r": r, "projection": proj, "dtype": dt, "prune": prune, "aggregate": agg,
+                       "id_encoding": ids, "postings": m["postings"], "postings_per_token": m["postings"] / m["tokens"],
+                       "kept_of_sequence_postings": m["postings"] / max(1, P), "pruned": m.get("pruned", 0),
+                       "bytes_per_token": m["bytes_per_token"],
+                       "bytes_per_posting": m["bytes_postings"] / max(1, m["postings"]),
+                       "id_bytes_per_posting": c.ids.nbytes / max(1, m["postings"]),
+                       "top10_vs_full": overlap(S, S_ref, 10), "top10_vs_fp32": overlap(S, S_fp32, 10),
+                       "top100_vs_full": overlap(S, S_ref, 100), "per_query_ms_median": statistics.median(ms),
+                       "postings_read_median": statistics.median(nread), "encode_s": t_enc}
+                rows_out.append(row)
+                log(f"{name}: {row['bytes_per_token']:.1f} B/token, top-10 vs full {row['top10_vs_full']:.2f}, "
+                    f"vs fp32 {row['top10_vs_fp32']:.2f}, {row['per_query_ms_median']:.1f} ms/query")
+                del c
+            del base, sk
+            gc.collect()
+    # per-query time against postings read: a least-squares line per storage type at the main rank
+    fits = {}
+    for row in rows_out:
+        if row["prune"] == 0 and row["aggregate"] == "sequence" and row["r"] == args.comp_main_rank:
+            pq = per_query[row["name"]]
+            b, a = np.polyfit(np.asarray(pq["postings_read"], float), np.asarray(pq["ms"]), 1)
+            fits[row["name"]] = {"ms_intercept": float(a), "ns_per_posting": float(b * 1e6)}
+    ok = [r for r in rows_out if r["bytes_per_token"] <= 32]
+    best = max(ok, key=lambda r: r["top10_vs_full"]) if ok else None
+    return {"num_train": N, "tokens": int(ref.manifest["tokens"]), "documents": D, "queries": Q,
+            "reference": {"r": d, "dtype": "float64", "projection": "identity", "postings": P,
+                          "postings_per_token": P / ref.manifest["tokens"], "build_s": t_ref,
+                          "curvature_s": t_curv, "curvature_sequences": min(N, args.curvature_sequences),
+                          "pca_sequences": min(N, args.pca_sequences), "pca_fit_s": t_fit},
+            "compression": rows_out, "time_vs_postings": fits, "per_query": per_query,
+            "best_at_32_bytes": best}
+
+
+def _compression_summary(study: dict[str, Any], out_path: Path) -> str:
+    parts = [f"compression n={study['num_train']} ({study['tokens']:,} tokens, {study['queries']} queries)"]
+    main = study["compression"][0]["projection"] if study["compression"] else None
+    for r in study["compression"]:
+        if r["prune"] == 0 and r["aggregate"] == "sequence" and r["projection"] == main and \
+                r["id_encoding"] == ("int32" if r["dtype"] == "float32" else "delta"):
+            parts.append(f"{main} r{r['r']} {r['dtype']} {r['bytes_per_token']:.0f} B/tok top10 full {r['top10_vs_full']:.2f}"
+                         f" fp32 {r['top10_vs_fp32']:.2f}")
+    b = study["best_at_32_bytes"]
+    parts.append("best <= 32 B/token: " + (f"{b['name']} {b['bytes_per_token']:.1f} B/tok top10 vs full "
+                                           f"{b['top10_vs_full']:.2f}" if b else "none"))
+    return "; ".join(parts) + f" → {out_path}"
+
+
 # ----- main -------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -177,6 +359,27 @@ def main() -> None:
     ap.add_argument("--no-costs", action="store_true", help="skip the timing section (e.g. to resume LDS training)")
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    ap.add_argument("--compression", action="store_true",
+                    help="only the storage study: bytes/token vs top-10 overlap of the cache's storage options "
+                         "(issue 13), on --run or on this bench's model")
+    ap.add_argument("--run", default=None, help="--compression: an existing PRISM run (instead of training one)")
+    ap.add_argument("--shards", default=None, help="--compression with --run: its token shard folder")
+    ap.add_argument("--max-sequences", type=int, default=None, help="--compression: first N training sequences")
+    ap.add_argument("--curvature-sequences", type=int, default=2048,
+                    help="--compression: sequences of the curvature pass (shared by every method compared)")
+    ap.add_argument("--comp-ranks", type=int, nargs="+", default=[16, 32, 64], help="--compression: sketch sizes")
+    ap.add_argument("--comp-main-rank", type=int, default=32,
+                    help="--compression: the rank that gets the whole grid (others: storage type only)")
+    ap.add_argument("--reuse-reference", action="store_true",
+                    help="--compression: reuse the reference cache of an earlier run in --workdir (checked against "
+                         "the model and shards)")
+    ap.add_argument("--pca-sequences", type=int, default=2048,
+                    help="--compression: sequences the pca / pca-local projections are fitted on (spread out)")
+    ap.add_argument("--comp-projections", nargs="+", default=["orthogonal", "pca", "pca-local"],
+                    help="--compression: projections (the first gets the whole grid)")
+    ap.add_argument("--comp-dtypes", nargs="+", default=["float32", "float16", "int8", "int4"])
+    ap.add_argument("--comp-prunes", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2])
+    ap.add_argument("--comp-aggregates", nargs="+", default=["sequence", "document"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="corpus/shards/models (default bench/runs/attribution[-quick])")
     ap.add_argument("--out", default=None, help="JSON output (default bench/results/attribution[-quick].json)")
@@ -193,6 +396,27 @@ def main() -> None:
     warn_if_busy(args.threads)
     env = environment("cpu", args.seed)
     t_start = time.perf_counter()
+    if args.compression:
+        out_path = Path(args.out) if args.out else RESULTS_DIR / f"{tag}-compression.json"
+    if args.compression and args.run:
+        from prismlm.data.shards import load_shards
+
+        if not args.shards:
+            ap.error("--run needs --shards")
+        ck = load_checkpoint(args.run)
+        sh = load_shards(args.shards)
+        nvq = args.val_queries or 24
+        nv = sh.val.num_sequences(32)
+        vq = [([sh.tokenizer.eot_id] + sh.val.sequence(j, 32).tolist(), 1)
+              for j in np.linspace(0, max(0, nv - 1), num=min(nvq, nv), dtype=int).tolist()]
+        cwork = Path(args.workdir) if args.workdir else RUNS_DIR / "attribution-compression"
+        study = compression_study(ck.model.eval(), sh, vq, args, cwork)
+        write_json(out_path, {"benchmark": "attribution-compression", "run": str(Path(args.run).resolve()),
+                              "shards": str(Path(args.shards).resolve()), "settings": vars(args), **study,
+                              "environment": env, "load_average_end": load_average(),
+                              "total_seconds": time.perf_counter() - t_start})
+        print(_compression_summary(study, out_path))
+        return
 
     # --- corpus, shards, model
     corpus_dir = work / f"corpus-b{prof['background']}-f{prof['facts']}x{prof['copies']}-s{args.seed}"
@@ -227,6 +451,14 @@ def main() -> None:
     relevant = relevant_sequences(pc, shards, T)
     log(f"{Q} queries ({len(planted_q)} planted, {len(val_q)} held-out); relevant sequences per fact: "
         f"{[len(r) for r in relevant]}")
+    if args.compression:
+        study = compression_study(net, shards, queries, args, work)
+        write_json(out_path, {"benchmark": "attribution-compression", "profile": "quick" if args.quick else "default",
+                              "settings": {**prof, **vars(args)}, "config": cfg.to_dict(), **study,
+                              "environment": env, "load_average_end": load_average(),
+                              "total_seconds": time.perf_counter() - t_start})
+        print(_compression_summary(study, out_path))
+        return
 
     # --- costs at several training-set sizes
     sizes = [] if args.no_costs else sorted({max(8, int(round(f * N))) for f in prof["fractions"]})

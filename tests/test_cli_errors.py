@@ -298,3 +298,26 @@ def test_fuzzed_text_never_crashes_explain_or_generate(tiny_run):
 def test_every_numeric_option_is_range_checked(tiny_run, args, flag):
     res = _run(*[a.replace("{run}", str(tiny_run)) for a in args])
     assert res.exit_code == 2 and flag in res.output and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("rank", ["1", "3"])
+def test_only_rank_0_prints_under_torchrun(tiny_run, tmp_path, monkeypatch, rank):
+    """Under torchrun (env RANK) every rank runs the command; only rank 0 prints results and status, and
+    only rank 0 renders (writes --json/--html); an error is still printed by the rank that meets it."""
+    page = tmp_path / "e.html"
+    base = ["explain", str(tiny_run), "It is a truth", "--device", "cpu", "--json", str(tmp_path / "e.json"),
+            "--html", str(page)]
+    monkeypatch.setenv("RANK", "0")
+    shown = _run(*base)
+    assert shown.exit_code == 0 and shown.output.strip() and page.exists(), shown.output
+    page.unlink()
+    (tmp_path / "e.json").unlink()
+    monkeypatch.setenv("RANK", rank)
+    for args in (base, ["generate", str(tiny_run), "--prompt", "It is", "--tokens", "3", "--device", "cpu"],
+                 ["prototypes", str(tiny_run), "--limit", "3", "--device", "cpu"], ["--version"]):
+        res = _run(*args)
+        assert res.exit_code == 0, res.output
+        assert res.output == "", (args, res.output)
+    assert not page.exists() and not (tmp_path / "e.json").exists()
+    res = _run("generate", str(tiny_run), "--tokens", "-1", "--device", "cpu")
+    assert res.exit_code == 2 and f"rank {rank}: error:" in res.output and "Traceback" not in res.output

@@ -326,11 +326,13 @@ class AttributionConfig:
     orthonormal rows scaled by √(d/r)), ``gaussian`` (JL, N(0, 1/r)), ``pca`` (top-r principal
     directions of the whitened block gradients, fitted on ``pca_sequences`` sequences), or ``pca-local``
     (one such r × d basis per prototype, fitted on that prototype's postings: far better top-k agreement
-    at small r; give it ``pca_sequences`` in the thousands)."""
+    at small r, and better the more sequences it is fitted on — at r = 32 on a 12k-sequence corpus, top-10
+    overlap with the full method 0.62 fitted on 2,048 of them, 0.74 on all; K·r·d floats stored)."""
     seed: int = 0
     """Seed of the random ``orthogonal``/``gaussian`` projection."""
     pca_sequences: int = 256
-    """Training sequences the ``pca`` projection is fitted on (the first ones)."""
+    """Training sequences the ``pca``/``pca-local`` projections are fitted on (blocks of ``batch_size``
+    spread evenly over the cached sequences)."""
     curvature_mode: Literal["shared", "exact"] = "shared"
     """Block curvature (``--curvature``): ``shared`` (H_i = m_i F + λ_i I, one d × d eigendecomposition)
     or ``exact`` (each diagonal block exactly: K eigendecompositions, K·d² memory)."""

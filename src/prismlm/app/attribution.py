@@ -22,8 +22,11 @@ def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *
     """Build the postings cache for fast prototype-space attribution (one pass over the training data).
 
     Args:
-        config: How to build it (sketch size, projection, curvature, damping, …): ``AttributionConfig``,
-            the one set of options the CLI, the cache builder and the bench read.
+        config: How to build it (sketch size, projection, curvature, damping, storage: dtype, prune,
+            aggregate, id_encoding, …): ``AttributionConfig``, the one set of options the CLI, the cache
+            builder and the bench read. Compact (34 bytes/training token at top-10 overlap 0.86 with
+            the full method on a 1.5M-token corpus): ``--projection pca-local --r 48 --dtype int4
+            --prune 0.1 --id-encoding delta --pca-sequences 1000000`` (the bases fitted on every sequence).
         out: Output folder (default RUN/attribution-cache).
         shards: Token shard folder (default: the run's).
         progress: Show progress bars (curvature pass, postings pass).

@@ -1,11 +1,13 @@
 """The consoles every ``prism`` command renders through, and the one way to fail.
 
 Results (tables, generated text) go to stdout; status lines and errors go to stderr, so a command's output
-can be piped.
+can be piped. Under ``torchrun`` only rank 0 prints results, status and progress (every rank runs the same
+command); an error is printed by whichever rank meets it, prefixed with its rank.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import NoReturn
 
@@ -15,10 +17,46 @@ from rich.markup import escape
 
 from prismlm.progress import Progress, ProgressEvent
 
-console = Console(stderr=True)
-"""Status lines, progress and errors (stderr)."""
-stdout = Console(highlight=False)
-"""Results: tables and text (stdout)."""
+
+def rank() -> int | None:
+    """This process's rank in a ``torchrun`` job (env ``RANK``), or None outside one."""
+    value = os.environ.get("RANK", "").strip()
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
+
+
+def is_main_process() -> bool:
+    """True outside torchrun and on its rank 0: the one process that prints. Read at each print, so a
+    command (or a test) that sets ``RANK`` after import is obeyed."""
+    return rank() in (None, 0)
+
+
+class RankConsole(Console):
+    """A rich ``Console`` that is quiet on the other ranks of a torchrun job (rank ≠ 0)."""
+
+    @property
+    def quiet(self) -> bool:
+        return self._quiet or not is_main_process()
+
+    @quiet.setter
+    def quiet(self, value: bool) -> None:
+        self._quiet = value
+
+
+console: Console = RankConsole(stderr=True)
+"""Status lines and progress (stderr); rank 0 only under torchrun."""
+stdout: Console = RankConsole(highlight=False)
+"""Results: tables and text (stdout); rank 0 only under torchrun."""
+_errors = Console(stderr=True)
+"""Errors (stderr), on every rank: the rank that fails may not be rank 0."""
+
+
+def echo(text: str) -> None:
+    """Print ``text`` exactly as it is (no markup) to stdout, on rank 0 only."""
+    if is_main_process():
+        print(text, flush=True)
 
 
 class PlainProgress:
@@ -49,11 +87,14 @@ class PlainProgress:
 
 def progress_for(show: bool) -> Progress:
     """What a long command reports through: bars on a terminal when ``show``, plain lines otherwise."""
+    if not is_main_process():
+        return None  # the other ranks of a torchrun job report nothing (rank 0 reports its own part)
     return True if show and console.is_terminal else PlainProgress()
 
 
 def fail(msg: str) -> NoReturn:
     """Print ``error: msg`` and exit with code 2 (a user mistake: no traceback)."""
     # soft_wrap: the message stays one line whatever the terminal width (greppable, copyable)
-    console.print("[bold red]error:[/] " + escape(msg), highlight=False, soft_wrap=True)
+    where = "" if is_main_process() else f"rank {rank()}: "
+    _errors.print(f"{where}[bold red]error:[/] " + escape(msg), highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)

@@ -21,7 +21,7 @@ from typing import Any
 import typer
 
 from prismlm.app.run import Run
-from prismlm.cli.console import fail, progress_for
+from prismlm.cli.console import fail, is_main_process, progress_for
 from prismlm.errors import PrismError
 from prismlm.progress import Progress
 
@@ -134,15 +134,19 @@ def _params(func: Callable[..., Any], skip: set[str], decls: dict[str, list[str]
 def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callable[..., None] | None = None, *,
             opens_run: bool = True, arguments: set[str] | None = None, decls: dict[str, list[str]] | None = None,
             skip: set[str] | None = None, suppressible: bool = False,
-            fixed: dict[str, Any] | None = None) -> None:
+            fixed: dict[str, Any] | None = None,
+            computed: dict[str, Callable[[dict[str, Any]], Any]] | None = None) -> None:
     """Register ``op`` as ``prism NAME``. With ``opens_run`` the first argument is RUN and ``--device``
     opens the ``Run`` passed to ``op``; ``suppressible`` (operations that apply the run's interventions)
     adds ``--suppress`` (default: the checkpoint's own set); other commands open the run unsuppressed. ``render(result, run=…, **its options)`` prints the
-    result. Positional arguments: ``arguments``. ``fixed``: keyword arguments the CLI itself gives ``op``
-    (e.g. a progress callback that renders to the terminal); they are not options."""
+    result (on rank 0 only under torchrun). Positional arguments: ``arguments``. ``fixed``: keyword arguments the CLI itself gives ``op``
+    (e.g. a progress callback that renders to the terminal); they are not options. ``computed``: keyword
+    arguments of ``op`` derived from the command's options (name → function of all the parsed options),
+    e.g. ``explain=lambda o: o["html_out"] is not None`` when a renderer's output needs more computed."""
     decls = decls or {}
     fixed = fixed or {}
-    skip = set(skip or ()) | set(fixed) | ({"run"} if opens_run else set())
+    computed = computed or {}
+    skip = set(skip or ()) | set(fixed) | set(computed) | ({"run"} if opens_run else set())
     positional = set(arguments or ())
     groups: dict[str, tuple[type, list[str]]] = {}
     op_params = _params(op, skip, decls, positional, groups)
@@ -165,7 +169,8 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
                                           default=typer.Option("auto", help=SUPPRESS_HELP)))
 
     def run_command(**kwargs: Any) -> None:
-        op_kwargs = {**{k: v for k, v in kwargs.items() if k in op_names}, **fixed}
+        op_kwargs = {**{k: v for k, v in kwargs.items() if k in op_names}, **fixed,
+                     **{k: f(kwargs) for k, f in computed.items()}}
         for n in progress_names:
             op_kwargs[n] = progress_for(bool(op_kwargs[n]))
         for group, (cls, names) in groups.items():  # re-assemble config dataclasses (validated on construction)
@@ -189,7 +194,7 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
                 result = op(run, **op_kwargs)
             else:
                 result = op(**op_kwargs)
-            if render is not None:
+            if render is not None and is_main_process():  # under torchrun, rank 0 renders (prints, writes)
                 extra = {"run": run} if "run" in inspect.signature(render).parameters else {}
                 render(result, **extra, **render_kwargs)
         except PrismError as e:

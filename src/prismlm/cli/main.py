@@ -8,7 +8,6 @@ and keeps its traceback.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import typer
@@ -19,15 +18,15 @@ from prismlm import app as ops
 from prismlm._version import __version__
 from prismlm.app.control import ConceptResult, ControllerResult
 from prismlm.app.operations import IndexResult, LabelResult, PrototypeListing, PrototypeView, VerifyReport
+from prismlm.app.reports import AttributionReport, ExplanationReport, attribute_report, explain_report
 from prismlm.app.run import Run
 from prismlm.app.training import DemoResult
-from prismlm.cli.console import console, fail, stdout
+from prismlm.cli.console import console, echo, fail, stdout
 from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command
 from prismlm.data.shards import ShardSet
 from prismlm.errors import PrismError
-from prismlm.explain import Explanation
-from prismlm.explore import render_terminal, write_html
-from prismlm.tda import Attribution, AttributionCache
+from prismlm.explore import RunHeader, render_terminal, write_html
+from prismlm.tda import AttributionCache
 from prismlm.train.trainer import TrainResult
 
 app = typer.Typer(
@@ -40,7 +39,7 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        print(f"prismlm {__version__}")
+        echo(f"prismlm {__version__}")
         raise typer.Exit()
 
 
@@ -74,8 +73,7 @@ command(app, "prepare", ops.prepare, render_shards, opens_run=False)
 
 
 def render_trained(result: TrainResult) -> None:
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, one line from rank 0 only
-        console.print(f"checkpoint: {result.checkpoint}")
+    console.print(f"checkpoint: {result.checkpoint}")  # under torchrun, rank 0 only (cli.console)
 
 
 def _on_stage(stage: str, i: int, n: int | None) -> None:
@@ -97,7 +95,11 @@ def render_demo(res: DemoResult) -> None:
     if res.explanation is not None:
         render_terminal(res.explanation, stdout)
         out = res.run_folder
-        write_html(res.explanation, out / "explain.html")
+        protos = res.train.model.config.prototypes if res.train.model is not None else None
+        header = RunHeader(run=out.name, step=res.train.step, model_sha256=res.explanation.model_sha256,
+                           num_prototypes=protos.num_prototypes if protos else None,
+                           top_k=protos.top_k if protos else None)
+        write_html(res.explanation, out / "explain.html", run=header)
         res.explanation.to_json(out / "explain.json")
         console.print(f"report → {out / 'explain.html'}; next: prism explain {out} \"your text\" --html report.html")
 
@@ -109,8 +111,8 @@ command(app, "demo", ops.demo, render_demo, opens_run=False, decls={"overrides":
 # ----- sampling and evaluation ----------------------------------------------------------------------------
 def render_texts(texts: list[str]) -> None:
     for text in texts:
-        print(text)
-        print("-" * 40)
+        echo(text)
+        echo("-" * 40)
 
 
 def render_eval(metrics: dict, run: Run, *, json_out: Path | None = None) -> None:
@@ -147,34 +149,31 @@ def render_labels(res: LabelResult) -> None:
                   + ", ".join(f"{k} {v}" for k, v in res.categories().items()))
 
 
-def render_explanation(expl: Explanation, run: Run, *, json_out: Path | None = None, html_out: Path | None = None,
-                       top: int = 3, attribute: bool = False, shards: Path | None = None) -> None:
+def render_explanation(res: ExplanationReport, run: Run, *, json_out: Path | None = None,
+                       html_out: Path | None = None, top: int = 3) -> None:
     """Output options.
 
     Args:
         json_out: Write the explanation as JSON.
         html_out: Write a self-contained HTML report.
         top: Prototypes shown per token in the terminal.
-        attribute: Add the top training sequences for the text (its generated part with --generate) to the
-            report: prototype-space influence from the run's attribution cache (`prism attribute-cache`).
     """
-    attribution = ops.attribute_explanation(run, expl, shards=shards) if attribute else None
+    expl, attribution = res.explanation, res.attribution
     render_terminal(expl, stdout, top=top)
     if attribution is not None:
         stdout.print("top training sequences: " + ", ".join(
             f"#{it.sequence} ({it.score:+.3g})" for it in attribution.top[:5]))
     if json_out:
-        _write_json(json_out, expl.to_dict() if attribution is None
-                    else {**expl.to_dict(), "attribution": attribution.to_dict()})
+        _write_json(json_out, res.to_dict())
     if html_out:
-        write_html(expl, html_out, attribution=attribution)
+        write_html(expl, html_out, attribution=attribution, run=run)
         console.print(f"HTML → {html_out}")
 
 
 command(app, "index", ops.build_run_index, render_index)
 command(app, "index-merge", ops.merge_index_parts, render_index, opens_run=False, arguments={"out", "parts"})
 command(app, "label", ops.label_prototypes, render_labels)
-command(app, "explain", ops.explain_text, render_explanation, arguments={"prompt"}, suppressible=True,
+command(app, "explain", explain_report, render_explanation, arguments={"prompt"}, suppressible=True,
         decls={"generate": ["--generate", "-g"], "use_index": ["--use-index/--no-index"],
                "json_out": ["--json"], "html_out": ["--html"]})
 
@@ -242,14 +241,15 @@ def render_cache(c: AttributionCache) -> None:
                   f"postings {m['postings_seconds']:.1f}s")
 
 
-def render_attribution(res: Attribution, run: Run, *, json_out: Path | None = None,
-                       html_out: Path | None = None, shards: Path | None = None) -> None:
+def render_attribution(report: AttributionReport, run: Run, *, json_out: Path | None = None,
+                       html_out: Path | None = None) -> None:
     """Output options.
 
     Args:
         json_out: Write the result as JSON.
         html_out: Write the `prism explain` HTML report of the text with a Training data section.
     """
+    res = report.attribution
     console.print(f"[bold]{res.prompt!r}[/] → measured {res.measured_tokens} token(s)"
                   + (f" of completion {res.completion!r}" if res.completion else "")
                   + f"; loss {res.query_loss:.3f}; {res.method} over {res.num_train:,} sequences in "
@@ -267,13 +267,14 @@ def render_attribution(res: Attribution, run: Run, *, json_out: Path | None = No
     if json_out:
         res.to_json(json_out)
         console.print(f"JSON → {json_out}")
-    if html_out:  # the explanation of the attributed text (prompt + completion), with the index if there is one
-        write_html(ops.explain_text(run, res.prompt + res.completion, shards=shards), html_out, attribution=res)
+    if html_out and report.explanation is not None:  # the explanation of the attributed text (prompt + completion)
+        write_html(report.explanation, html_out, attribution=res, run=run)
         console.print(f"HTML → {html_out}")
 
 
 command(app, "attribute-cache", ops.build_run_cache, render_cache)
-command(app, "attribute", ops.attribute_text, render_attribution, arguments={"text"}, skip={"token_ids"},
+command(app, "attribute", attribute_report, render_attribution, arguments={"text"},
+        computed={"explain": lambda options: options.get("html_out") is not None},
         decls={"generate": ["--generate", "-g"], "json_out": ["--json"], "html_out": ["--html"]})
 
 

@@ -1,5 +1,5 @@
 """Explorer views: terminal rendering and self-contained HTML reports of explanations."""
 
-from prismlm.explore.report import render_html, render_terminal, write_html
+from prismlm.explore.report import RunHeader, render_html, render_terminal, write_html
 
-__all__ = ["render_html", "render_terminal", "write_html"]
+__all__ = ["RunHeader", "render_html", "render_terminal", "write_html"]

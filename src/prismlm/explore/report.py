@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,10 +20,35 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
+    from prismlm.app.run import Run
     from prismlm.explain.explanation import Explanation
     from prismlm.tda.attribute import Attribution
 
-__all__ = ["render_html", "render_terminal", "write_html"]
+__all__ = ["RunHeader", "render_html", "render_terminal", "write_html"]
+
+
+@dataclass(frozen=True)
+class RunHeader:
+    """What the report's header names, like the explorer app's: the run folder, its step, K and k; the
+    model hash only in small print (a tooltip)."""
+
+    run: str
+    step: int | None = None
+    num_prototypes: int | None = None
+    top_k: int | None = None
+    model_sha256: str | None = None
+
+    @classmethod
+    def of(cls, run: Run) -> RunHeader:
+        protos = run.config.model.prototypes
+        return cls(run=run.folder.name, step=run.step, num_prototypes=protos.num_prototypes if protos else None,
+                   top_k=protos.top_k if protos else None, model_sha256=run.identity)
+
+    def text(self) -> str:
+        parts = [f"run {self.run}", f"step {self.step if self.step is not None else '?'}"]
+        if self.num_prototypes is not None:
+            parts.append(f"K={self.num_prototypes:,}" + (f", k={self.top_k}" if self.top_k is not None else ""))
+        return " · ".join(parts)
 
 
 def _vis(tok: str) -> str:
@@ -153,10 +179,23 @@ def _attribution_html(att: Attribution | dict[str, Any]) -> str:
             f"(contribution)</th><th>snippet</th></tr>{''.join(rows)}</table>")
 
 
+def _header_html(run: RunHeader | None, sha: str | None) -> str:
+    """The run line under the title: run, step, K, k; the model hash as a tooltip and in small print."""
+    sha = sha or (run.model_sha256 if run is not None else None)
+    tip = f' title="model_sha256 {html.escape(sha)}"' if sha else ""
+    small = f'<span class="muted"{tip}>model {html.escape(sha[:12])}…</span>' if sha else ""
+    if run is None:
+        return f'<p class="run-line">{small}</p>' if small else ""
+    return f'<p class="run-line"><b{tip}>{html.escape(run.text())}</b> {small}</p>'
+
+
 def render_html(expl: Explanation, *, title: str = "PRISM explanation",
-                attribution: Attribution | dict[str, Any] | None = None) -> str:
+                attribution: Attribution | dict[str, Any] | None = None,
+                run: Run | RunHeader | None = None) -> str:
     """A self-contained HTML page (inline CSS/JS/SVG, embedded JSON; no network). ``attribution``: an
-    optional ``Attribution`` shown as a "Training data" section."""
+    optional ``Attribution`` shown as a "Training data" section; ``run``: the run explained (a ``Run`` or
+    a ``RunHeader``), named in the header with its step, K and k."""
+    header = run if run is None or isinstance(run, RunHeader) else RunHeader.of(run)
     d = expl.to_dict()
     spans = []
     start_gen = d["prompt_tokens"] if d["prompt_tokens"] is not None else None
@@ -173,11 +212,12 @@ def render_html(expl: Explanation, *, title: str = "PRISM explanation",
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>{_shared("prism.css")}{_CSS}</style></head><body>
 <h1>{html.escape(title)}</h1>
+{_header_html(header, d['model_sha256'])}
 <p>Each next-token logit is an exact sum of prototype slices and one residual slice
 (max error {d['max_abs_error']:.1e}). Click a token for the waterfall of its next-token logit.</p>
 <div class="legend">shading: the residual's share of the next token's logit <span class="resid-scale"></span> 0 → 100%
 (redder: less explained by prototypes)</div><p class="muted">
-Model {html.escape(str(d['model_sha256'] or 'n/a'))[:24]}…, index {html.escape(str(d['index'] or 'none'))}.</p>
+Index {html.escape(str(d['index'] or 'none'))}.</p>
 <ul>{notes}</ul>
 <div id="text">{''.join(spans)}</div>
 <div id="detail">Click a token to see its prototypes.</div>
@@ -190,7 +230,7 @@ Model {html.escape(str(d['model_sha256'] or 'n/a'))[:24]}…, index {html.escape
 
 
 def write_html(expl: Explanation, path: str | Path, *, title: str = "PRISM explanation",
-               attribution: Attribution | dict[str, Any] | None = None) -> Path:
+               attribution: Attribution | dict[str, Any] | None = None, run: Run | RunHeader | None = None) -> Path:
     path = Path(path)
-    path.write_text(render_html(expl, title=title, attribution=attribution), encoding="utf-8")
+    path.write_text(render_html(expl, title=title, attribution=attribution, run=run), encoding="utf-8")
     return path

@@ -7,7 +7,8 @@ sequences (``FullGradients``, the reference).
 
 For each top training sequence the result lists the prototypes that connect it to the query (its
 largest per-prototype contributions, which sum to the score) and a snippet centred on the training token
-that contributed most. Per-token contributions use the exact decomposition of the full score,
+that contributed most. A cache built with ``aggregate="document"`` ranks documents: each item is a
+document (``doc_index``), shown through its first sequence. Per-token contributions use the exact decomposition of the full score,
 ``I(q, j) = Σ_t Σ_i a_{t,i} u_tᵀ H_i⁻¹ G_{q,i}`` (one forward over the top sequences).
 """
 
@@ -42,11 +43,13 @@ class AttributedSequence:
 
     rank: int
     sequence: int
-    """Training sequence id j (tokens ``shards.train.sequence(j, T)``)."""
+    """Training sequence id j (tokens ``shards.train.sequence(j, T)``); for a document-aggregated cache,
+    the first sequence of the ranked document."""
     score: float
     prototypes: list[dict[str, float]]
     """The connecting prototypes: [{"id", "contribution"}], largest |contribution| first."""
     doc_index: int | None = None
+    """The document of the snippet's token; for a document-aggregated cache, the ranked document."""
     doc_id: str | None = None
     snippet: str = ""
     """Text around the training token that contributed most, marked ⟦like this⟧."""
@@ -152,11 +155,15 @@ def attribute(
         notes.append(f"query cropped to its last {net.config.block_size + 1} tokens (the context window)")
     q = query_gradients(net, [(ids, start)])
     curv: Curvature | None
+    by_document = cache is not None and cache.aggregate == "document"
     if cache is not None:
         scores, contrib = cache.scores(q, 1, contributions=True)
         s = scores[0]
         c_seq, c_proto, c_val = contrib[0]
         method, n_train, curv = "cached", cache.num_train, cache.curvature
+        if by_document:
+            notes.append("the cache aggregates documents: scores are per document, each shown through its "
+                         "first sequence")
     else:
         assert full is not None
         s = full.scores(q, 1)[0]
@@ -171,14 +178,20 @@ def attribute(
     # rank by score; ties broken by sequence id so results are deterministic
     order = np.lexsort((np.arange(n_train), -s.numpy()))[:k]
     items = []
-    for rank, j in enumerate(order.tolist()):
+    shown = cache.first_sequence(order) if cache is not None and by_document else order
+    for rank, (j, js) in enumerate(zip(order.tolist(), shown.tolist(), strict=True)):
         sel = c_seq == j
         pv, pp = c_val[sel], c_proto[sel]
         o = np.argsort(-np.abs(pv))[:5]
-        items.append(AttributedSequence(rank=rank + 1, sequence=int(j), score=float(s[j]),
-                                        prototypes=[{"id": int(pp[i]), "contribution": float(pv[i])} for i in o]))
+        items.append(AttributedSequence(rank=rank + 1, sequence=int(js), score=float(s[j]),
+                                        prototypes=[{"id": int(pp[i]), "contribution": float(pv[i])} for i in o],
+                                        doc_index=int(j) if by_document else None))
     if shards is not None and items:
         _fill_snippets(net, shards, tok, items, q, curv, snippet_tokens)
+        if by_document:  # the ranked document, not the one of the snippet's token
+            for it, j in zip(items, order.tolist(), strict=True):
+                it.doc_index = int(j)
+                it.doc_id = shards.train.doc_ids[j] if j < len(shards.train.doc_ids) else None
     assert q.loss is not None  # query_gradients measures every query's loss
     return Attribution(prompt=prompt, completion=completion or "", method=method, query_loss=float(q.loss.sum()),
                        measured_tokens=len(ids) - start, top=items, num_train=n_train,

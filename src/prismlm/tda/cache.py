@@ -6,11 +6,14 @@ prototypes). For a query, ``s_{q,i} = R H_i^{-1/2} G_{q,i}`` and
 
     score(q, j) = Σ_{i ∈ A_q} Σ_{postings (j, s) of i} s_{q,i} · s   ≈ Σ_i G_{q,i}ᵀ H_i⁻¹ G_{j,i} = I(q, j),
 
-exact when ``RᵀR = I`` (``projection="identity"``, or ``"orthogonal"``/``"pca"`` with r = d). For r < d:
+exact when ``RᵀR = I`` (``projection="identity"``, or ``"orthogonal"``/``"pca"``/``"pca-local"`` with r = d). For r < d:
 ``"orthogonal"`` (r random orthonormal rows scaled by √(d/r); E[RᵀR] = I), ``"gaussian"`` (a JL matrix
-with N(0, 1/r) entries), or ``"pca"`` (the top-r principal directions of the whitened block gradients
-H_i^{-1/2} G_{j,i}, fitted on the first ``pca_sequences`` training sequences: the data-dependent choice
-the spec lists as a candidate). H_i^{-1/2} weights *low*-curvature directions most, so the sketch is taken after
+with N(0, 1/r) entries), ``"pca"`` (the top-r principal directions of the whitened block gradients
+H_i^{-1/2} G_{j,i}, fitted on ``pca_sequences`` training sequences spread over the corpus: the data-dependent choice
+the spec lists as a candidate), or ``"pca-local"`` (one such basis R_i per prototype, fitted on its own
+postings: the tokens that activate a prototype are alike, so its whitened gradients span far fewer
+directions than all of them do; K·r·d floats, and K·d² while fitting). Scores then read
+``s_{q,i} · s_{j,i} = w_qᵀ R_iᵀR_i w_j``, exact at r = d. H_i^{-1/2} weights *low*-curvature directions most, so the sketch is taken after
 whitening, never by keeping F's top eigenvectors.
 
 **Building.** ``build_cache`` makes a curvature pass (or takes a ``Curvature``) and then one streaming pass
@@ -19,20 +22,47 @@ prototype (stable, so within a prototype postings ascend by sequence id) into CS
 forward pass plus a vectorised scan of its prototypes' postings: ``Σ_{i∈A_q} |postings(i)| · r``
 multiply-adds.
 
-**Artifact.** A folder: ``offsets.npy`` (K+1 int64), ``seq.npy`` (P int32), ``sketch.npy`` (P × r,
-float16/32/64), ``projection.npy`` (r × d float64), ``curvature.safetensors``, ``manifest.json`` (kind,
-format, model_sha256, shard_key, r, projection, seed, covered sequences, tokens, postings, bytes per
-training token, build seconds). The arrays are memory-mapped on load. Loading the cache for another
-checkpoint or another corpus raises ``ArtifactMismatch`` (the prototype index's error), naming both.
+**Storage** (``AttributionConfig``: ``dtype``, ``prune``, ``aggregate``, ``id_encoding``). Postings are
+grouped by prototype (CSR: ``offsets`` (K+1,) int64, the ids of prototype i are rows offsets[i]:offsets[i+1],
+ascending). Ids are ``int32`` (4 bytes) or ``delta``: the gaps between consecutive ids of a list (the
+first id of a list stored as itself) in uint8 or uint16 — whichever gives fewer bytes — with the gaps that
+do not fit (≥ the type's maximum, which marks them) kept as exceptions (position int64, value uint32).
+Decoding a list is a gather, a patch and a segmented cumulative sum: exact. Sketches are float16/32/64,
+or ``int8``/``int4``: symmetric codes q ∈ [−Q, Q] (Q = 127 / 7) with one float16 scale per posting
+(relative to ``scale_unit`` in the manifest, rounded up so that |q·scale − s| ≤ scale/2 for every
+entry); int4 packs two codes per byte (low nibble first, stored as q + 8). ``prune`` drops postings
+whose sketch norm is below ``prune`` × the largest norm of the same prototype's list. ``aggregate=
+"document"`` sums the sketches of the sequences of a document (postings per (document, prototype);
+scores are per document).
+
+**Artifact.** A folder: ``offsets.npy`` (K+1 int64); ids ``seq.npy`` (P int32) or ``ids_gap.npy`` (P
+uint8/uint16), ``ids_exc_pos.npy`` (E int64), ``ids_exc_val.npy`` (E uint32); sketches ``sketch.npy`` (P × r,
+float16/32/64) or ``sketch_codes.npy`` (P × r int8, or P × ⌈r/2⌉ uint8 for int4) and ``sketch_scale.npy``
+(P float16); ``units.npy`` (document of each sequence, int32; document aggregation only);
+``projection.npy`` (r × d float64; ``pca-local``: K × r × d), ``curvature.safetensors, ``manifest.json`` (kind, format_version,
+model_sha256, shard_key, r, projection, seed, storage options, covered sequences, tokens, postings, bytes
+per training token, build seconds, sha256 of every file). Every file is verified on load (size and
+sha256, sampled for large files) and the posting arrays are memory-mapped: a query reads only its
+prototypes' slices. Format-1 caches (``seq.npy`` + ``sketch.npy``, no storage options) load unchanged;
+a cache of a newer format is refused (``ArtifactError`` naming the manifest and ``prism
+attribute-cache``). Loading the cache for another checkpoint or another corpus raises
+``ArtifactMismatch`` (the prototype index's error), naming both.
+
+**Compression after the fact.** ``compress_cache`` re-encodes a lossless cache (float32/64 sketches,
+sequence postings, no pruning) with other storage options, without another pass over the data: how
+``bench/attribution.py --compression`` compares formats.
 
 **Parts.** ``build_cache(..., part=(i, n))`` caches one batch-aligned slice of the sequences (give every
 part the same ``curvature``); ``merge_caches`` concatenates parts into one cache equal to a single pass.
+Only lossless sequence-level parts merge (pruning and quantisation scales depend on the whole corpus, and
+a document may straddle two parts): merge them, then ``compress_cache``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -55,7 +85,7 @@ from prismlm.artifacts import (
     verify_files,
 )
 from prismlm.config import AttributionConfig
-from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError
+from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError, ModelError
 from prismlm.model import eval_mode
 from prismlm.progress import Progress, Reporter
 from prismlm.tda.gradients import BlockGradients, block_gradients
@@ -65,14 +95,262 @@ if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.model import PrismLM
 
-__all__ = ["AttributionCache", "build_cache", "make_projection", "merge_caches"]
+__all__ = ["AttributionCache", "DeltaIds", "FloatSketches", "PlainIds", "QuantSketches", "build_cache", "compress_cache",
+           "dequantise", "document_of_sequences", "fit_ranges", "make_projection", "merge_caches", "pca_bases", "project",
+           "quantise"]
 
 KIND = "prismlm-attribution-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""1: int32 ids + float sketches (no storage options in the manifest); 2: adds ``id_encoding``, quantised
+sketches, pruning and document aggregation (a format-2 cache with the default options has format 1's files)."""
 _DTYPES: dict[str, type[np.floating]] = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
+_QMAX: dict[str, int] = {"int8": 127, "int4": 7}
+_SCALE_RANGE = 2.0 ** 15
+"""The largest per-posting scale is stored as 2^15 × ``scale_unit`` (float16 holds up to 65504), so ratios
+down to ~2e-9 of it stay normal float16 numbers."""
+_CHUNK = 1 << 16
+"""Postings per chunk of the encoding passes: bounds the memory of every gather to ~_CHUNK × r floats."""
+_REBUILD = "prism attribute-cache RUN"
+_QUERY_CHUNK = 1 << 17
+"""Postings decoded and multiplied at a time by a query: bounds its memory to ~3 × _QUERY_CHUNK × r float64
+(a query's active prototypes can hold half of all postings) without changing any sum's order."""
 
 
-def make_projection(d: int, r: int, kind: Literal["identity", "orthogonal", "gaussian", "pca"] = "orthogonal",
+def _concat_ranges(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """The rows lo[0] … lo[0]+n[0]−1, lo[1] … of several ranges, concatenated: (n.sum(),) int64, one arange."""
+    lo, n = np.asarray(lo, dtype=np.int64), np.asarray(n, dtype=np.int64)
+    starts = np.cumsum(n) - n
+    return np.arange(int(n.sum()), dtype=np.int64) + np.repeat(lo - starts, n)
+
+
+# ----- posting ids ----------------------------------------------------------------------------------------
+class PlainIds:
+    """Ids as int32 (the format-1 ``seq.npy``): 4 bytes per posting."""
+
+    encoding = "int32"
+
+    def __init__(self, seq: np.ndarray) -> None:
+        self.seq = seq
+        """(P,) int32, memory-mapped on load."""
+
+    @classmethod
+    def encode(cls, ids: np.ndarray, offsets: np.ndarray) -> PlainIds:
+        if len(ids) and int(ids.max()) > np.iinfo(np.int32).max:
+            raise ArtifactError(f"id {int(ids.max())} does not fit int32; use --id-encoding delta")
+        return cls(np.asarray(ids, dtype=np.int32))
+
+    def gather(self, lo: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """Ids of the postings of ranges [lo, lo+n), concatenated: (n.sum(),) int64."""
+        return np.asarray(self.seq[_concat_ranges(lo, n)], dtype=np.int64)
+
+    def decode(self, offsets: np.ndarray) -> np.ndarray:
+        """All ids, (P,) — the stored array itself (no copy)."""
+        return self.seq
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"seq.npy": self.seq}
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.seq.nbytes)
+
+    def manifest(self) -> dict[str, Any]:
+        return {"id_encoding": self.encoding}
+
+
+class DeltaIds:
+    """Ids as gaps within each prototype's ascending list, in uint8/uint16 with exceptions (patched
+    frame of reference). Exact; a list decodes with a gather, a patch and a cumulative sum."""
+
+    encoding = "delta"
+
+    def __init__(self, gaps: np.ndarray, exc_pos: np.ndarray, exc_val: np.ndarray) -> None:
+        self.gaps = gaps
+        """(P,) uint8 or uint16: id − previous id of the same list (the first: the id itself); the type's
+        maximum marks an exception."""
+        self.exc_pos = exc_pos
+        """(E,) int64, ascending: postings whose gap is in ``exc_val``."""
+        self.exc_val = exc_val
+        """(E,) uint32: their gaps."""
+
+    @classmethod
+    def encode(cls, ids: np.ndarray, offsets: np.ndarray) -> DeltaIds:
+        """Encode ``ids`` (P,), ascending within each list ``offsets[i]:offsets[i+1]``; the gap type
+        (uint8 or uint16) is the one giving fewer bytes (P·width + 12·exceptions)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        gaps = np.diff(ids, prepend=np.int64(0))
+        first = np.asarray(offsets[:-1])[np.diff(offsets) > 0]
+        gaps[first] = ids[first]
+        if len(gaps) and int(gaps.min()) < 0:
+            raise ArtifactError("cannot delta-encode posting ids: a prototype's ids are not ascending")
+        if len(ids) and int(ids.max()) > np.iinfo(np.uint32).max:
+            raise ArtifactError(f"id {int(ids.max())} does not fit uint32")
+        best: tuple[int, type[np.unsignedinteger]] | None = None
+        for dt in (np.uint8, np.uint16):
+            cost = len(gaps) * np.dtype(dt).itemsize + 12 * int(np.count_nonzero(gaps >= np.iinfo(dt).max))
+            if best is None or cost < best[0]:
+                best = (cost, dt)
+        assert best is not None
+        dt = best[1]
+        esc = np.iinfo(dt).max
+        exc = gaps >= esc
+        return cls(np.where(exc, esc, gaps).astype(dt), np.flatnonzero(exc).astype(np.int64),
+                   gaps[exc].astype(np.uint32))
+
+    def gather(self, lo: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """Ids of whole lists starting at ``lo`` (each lo must be a list start, as every query reads)
+        with ``n`` postings, concatenated: (n.sum(),) int64. Vectorised over the ranges."""
+        lo, n = np.asarray(lo, dtype=np.int64), np.asarray(n, dtype=np.int64)
+        keep = n > 0
+        lo, n = lo[keep], n[keep]
+        starts = np.cumsum(n) - n  # where each range begins in the concatenation
+        g = np.asarray(self.gaps[_concat_ranges(lo, n)], dtype=np.int64)
+        a = np.searchsorted(self.exc_pos, lo)
+        m = np.searchsorted(self.exc_pos, lo + n) - a  # exceptions inside each range
+        e = _concat_ranges(a, m)
+        g[np.asarray(self.exc_pos[e]) - np.repeat(lo - starts, m)] = self.exc_val[e]
+        c = np.cumsum(g)
+        return c - np.repeat(c[starts] - g[starts], n)  # segmented cumulative sum: each list from its first id
+
+    def decode(self, offsets: np.ndarray) -> np.ndarray:
+        """All ids, (P,) int64."""
+        off = np.asarray(offsets)
+        return self.gather(off[:-1], np.diff(off))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"ids_gap.npy": self.gaps, "ids_exc_pos.npy": self.exc_pos, "ids_exc_val.npy": self.exc_val}
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.gaps.nbytes + self.exc_pos.nbytes + self.exc_val.nbytes)
+
+    def manifest(self) -> dict[str, Any]:
+        return {"id_encoding": self.encoding, "id_width": int(self.gaps.dtype.itemsize),
+                "id_exceptions": int(len(self.exc_pos))}
+
+
+# ----- sketches -------------------------------------------------------------------------------------------
+class FloatSketches:
+    """Sketches as float16/32/64 rows."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+        """(P, r) float16/32/64, memory-mapped on load."""
+
+    @property
+    def dtype(self) -> str:
+        return str(self.data.dtype)
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """(len(rows), r) float64."""
+        return np.asarray(self.data[rows], dtype=np.float64)
+
+    def decode(self) -> np.ndarray:
+        """All sketches: the stored array itself."""
+        return self.data
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"sketch.npy": self.data}
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def manifest(self) -> dict[str, Any]:
+        return {"dtype": self.dtype}
+
+
+def quantise(x: np.ndarray, dtype: Literal["int8", "int4"], unit: float) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric codes of rows ``x`` (n, r) float64 with one float16 scale per row (in multiples of
+    ``unit``): returns (codes (n, r) int8 — int4: packed (n, ⌈r/2⌉) uint8 —, scales (n,) float16).
+
+    The scale is max|x|/Q rounded *up* to a float16 (so no code is clipped) and every decoded entry
+    ``q · scale · unit`` is within ``scale · unit / 2`` of ``x``."""
+    qmax = _QMAX[dtype]
+    s = np.abs(x).max(1) / qmax if x.shape[1] else np.zeros(len(x))
+    s16 = (s / unit).astype(np.float16)
+    low = s16.astype(np.float64) * unit < s
+    s16[low] = np.nextafter(s16[low], np.float16(np.inf))
+    d = s16.astype(np.float64)[:, None] * unit
+    q = np.clip(np.rint(np.divide(x, d, out=np.zeros_like(x), where=d > 0)), -qmax, qmax)
+    if dtype == "int8":
+        return q.astype(np.int8), s16
+    n, r = q.shape
+    u = np.full((n, r + (r & 1)), 8, dtype=np.uint8)
+    u[:, :r] = (q + 8).astype(np.uint8)  # 1 … 15
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8), s16
+
+
+def dequantise(codes: np.ndarray, scales: np.ndarray, unit: float, dtype: Literal["int8", "int4"], r: int) -> np.ndarray:
+    """Inverse of ``quantise``: (n, r) float64."""
+    if dtype == "int8":
+        q = codes.astype(np.float64)
+    else:
+        b = np.asarray(codes, dtype=np.uint8)
+        q = np.empty((b.shape[0], 2 * b.shape[1]), dtype=np.float64)
+        q[:, 0::2] = (b & 15).astype(np.int16) - 8
+        q[:, 1::2] = (b >> 4).astype(np.int16) - 8
+        q = q[:, :r]
+    return q * (np.asarray(scales, dtype=np.float64) * unit)[:, None]
+
+
+class QuantSketches:
+    """Sketches as int8/int4 codes with a float16 scale per posting (see ``quantise``)."""
+
+    def __init__(self, codes: np.ndarray, scales: np.ndarray, unit: float, dtype: Literal["int8", "int4"],
+                 r: int) -> None:
+        self.codes = codes
+        """(P, r) int8 or, for int4, (P, ⌈r/2⌉) uint8 (two codes per byte, low nibble first)."""
+        self.scales = scales
+        """(P,) float16, in multiples of ``unit``."""
+        self.unit, self._dtype, self.r = float(unit), dtype, r
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype
+
+    @property
+    def qdtype(self) -> Literal["int8", "int4"]:
+        return self._dtype
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """(len(rows), r) float64, decoded."""
+        return dequantise(np.asarray(self.codes[rows]), np.asarray(self.scales[rows]), self.unit, self._dtype, self.r)
+
+    def decode(self) -> np.ndarray:
+        """All sketches, decoded: (P, r) float64 (materialised: for tests and small caches)."""
+        return self.gather(np.arange(self.codes.shape[0]))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"sketch_codes.npy": self.codes, "sketch_scale.npy": self.scales}
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.codes.nbytes + self.scales.nbytes)
+
+    def manifest(self) -> dict[str, Any]:
+        return {"dtype": self._dtype, "scale_unit": self.unit}
+
+
+Ids = PlainIds | DeltaIds
+Sketches = FloatSketches | QuantSketches
+
+
+def _lossless(manifest: dict[str, Any]) -> bool:
+    """Whether a cache keeps every sequence posting at float32/64 (can be merged and re-encoded)."""
+    return (manifest.get("dtype") in ("float32", "float64") and not manifest.get("prune", 0)
+            and manifest.get("aggregate", "sequence") == "sequence")
+
+
+def document_of_sequences(shards: ShardSet, universe: int, T: int) -> np.ndarray:
+    """(universe,) int64: the document of each training sequence j — the one holding its middle target
+    token (offset j·T + 1 + (T−1)//2) — ascending in j."""
+    offs = np.arange(universe, dtype=np.int64) * T + 1 + (T - 1) // 2
+    return np.searchsorted(np.asarray(shards.train.doc_offsets), offs, side="right").astype(np.int64) - 1
+
+
+def make_projection(d: int, r: int,
+                    kind: Literal["identity", "orthogonal", "gaussian", "pca", "pca-local"] = "orthogonal",
                     seed: int = 0) -> np.ndarray:
     """The fixed r × d sketch matrix R (float64)."""
     if kind == "identity":
@@ -88,23 +366,169 @@ def make_projection(d: int, r: int, kind: Literal["identity", "orthogonal", "gau
             raise ConfigError(f"projection 'orthogonal' needs r <= d = {d}, got r = {r} (option --r)")
         q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
         return (q[:, :r].T * math.sqrt(d / r)).numpy()
-    raise ConfigError(f"unknown projection {kind!r} (option --projection): use identity, orthogonal, gaussian or pca")
+    raise ConfigError(f"projection {kind!r} (option --projection) is fitted to the data, not made here; "
+                      f"make_projection knows identity, orthogonal and gaussian")
 
 
-def _pca_projection(net: PrismLM, shards: ShardSet, curvature: Curvature, r: int, n: int, batch_size: int) -> np.ndarray:
-    """Top-r eigenvectors (rows) of the second moment of whitened block gradients of sequences [0, n)."""
+def fit_ranges(universe: int, n: int, batch_size: int) -> list[tuple[int, int]]:
+    """The sequences a ``pca``/``pca-local`` projection is fitted on: ~n of [0, universe) in blocks of
+    ``batch_size`` spread evenly over the corpus (a corpus is often ordered by source, so its first n
+    sequences are not a sample of it), as sorted disjoint [start, stop) ranges."""
+    if n >= universe:
+        return [(0, universe)]
+    blocks = max(1, math.ceil(n / batch_size))
+    starts = np.unique(np.linspace(0, max(0, universe - batch_size), blocks).round().astype(np.int64))
+    out: list[tuple[int, int]] = []
+    for a in starts.tolist():  # a few hundred blocks at most: the fit's plan, not a hot path
+        b = min(universe, a + batch_size)
+        if out and a < out[-1][1]:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _pca_projection(net: PrismLM, shards: ShardSet, curvature: Curvature, r: int, n: int, batch_size: int,
+                    local: bool = False, universe: int | None = None) -> np.ndarray:
+    """Top-r eigenvectors (rows) of the second moment of whitened block gradients of ~n sequences spread
+    over [0, universe) (``fit_ranges``; universe None: the first n): (r, d), or with ``local`` one basis
+    per prototype, (K, r, d) (``pca_bases``)."""
     d = net.config.n_embd
+    kind = "pca-local" if local else "pca"
     if r > d:
-        raise ConfigError(f"projection 'pca' needs r <= d = {d}, got r = {r} (option --r)")
+        raise ConfigError(f"projection {kind!r} needs r <= d = {d}, got r = {r} (option --r)")
+    assert net.prototypes is not None
+    K = net.prototypes.num_prototypes
     T, dev = net.config.block_size, next(net.parameters()).device
-    C = torch.zeros(d, d, dtype=torch.float64)
-    for j0, j1 in _batches(0, n, batch_size):
+    C = torch.zeros(K if local else 1, d, d, dtype=torch.float64)
+    count = torch.zeros(K, dtype=torch.long)
+    ranges = fit_ranges(universe, n, batch_size) if universe is not None else [(0, n)]
+    for j0, j1 in (b for a0, a1 in ranges for b in _batches(a0, a1, batch_size)):
         fo, y = _forward(net, shards, j0, j1, T, dev)
         bg = block_gradients(net, fo, y)
-        w = curvature.apply(bg.proto.cpu(), bg.grad.double().cpu(), -0.5)  # (rows, d)
-        C += w.T @ w
-    _, V = torch.linalg.eigh(C)
-    return V[:, -r:].flip(1).T.contiguous().numpy()
+        proto = bg.proto.cpu()
+        w = curvature.apply(proto, bg.grad.double().cpu(), -0.5)  # (rows, d)
+        if not local:
+            C[0] += w.T @ w
+            continue
+        count += torch.bincount(proto, minlength=K)
+        for a in range(0, len(w), 512):  # rows at a time: bounds the (rows, d, d) outer products
+            C.index_add_(0, proto[a:a + 512], w[a:a + 512, :, None] * w[a:a + 512, None, :])
+    if not local:
+        return pca_bases(C[0].numpy(), r)
+    return pca_bases(C.numpy(), r, count.numpy())
+
+
+def pca_bases(C: np.ndarray, r: int, count: np.ndarray | None = None) -> np.ndarray:
+    """The top-r eigenvectors (as rows) of a second moment ``C`` (d, d) → (r, d), or of each of K
+    per-prototype moments (K, d, d) → (K, r, d). A prototype seen in fewer than r postings (``count``,
+    (K,)) gets the basis of the summed moment instead: its own would be mostly arbitrary directions."""
+    if C.ndim == 2:
+        return np.ascontiguousarray(np.linalg.eigh(C)[1][:, ::-1][:, :r].T)
+    V = np.linalg.eigh(C)[1]  # (K, d, d), ascending eigenvalues
+    B = np.ascontiguousarray(np.swapaxes(V[:, :, ::-1][:, :, :r], 1, 2))  # (K, r, d)
+    if count is not None:
+        B[count < r] = pca_bases(C.sum(0), r)
+    return B
+
+
+def project(W: torch.Tensor, proto: torch.Tensor, R: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Sketches R_i w of rows ``W`` (n, d) of prototypes ``proto`` (n,): one projection R (r, d) for all,
+    or per-prototype bases R (K, r, d) (``pca-local``, gathered ``chunk`` rows at a time). → (n, r)."""
+    if R.ndim == 2:
+        return W @ R.T
+    out = torch.empty(W.shape[0], R.shape[1], dtype=W.dtype)
+    for a in range(0, W.shape[0], chunk):
+        out[a:a + chunk] = torch.einsum("nd,nrd->nr", W[a:a + chunk], R[proto[a:a + chunk]].to(W.dtype))
+    return out
+
+
+
+
+def _alloc(folder: Path | None, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An output array: a memory-mapped ``folder/name`` (.npy) or, without a folder, in memory."""
+    if folder is None:
+        return np.empty(shape, dtype)
+    return np.lib.format.open_memmap(folder / name, mode="w+", dtype=dtype, shape=shape)
+
+
+def _encode(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K: int, r: int, *, dtype: str,
+            prune: float, id_encoding: str, units_of: np.ndarray | None, work: Path | None,
+            out: Path | None = None) -> tuple[np.ndarray, Ids, Sketches, dict[str, Any]]:
+    """Encode CSR postings (``offsets`` (K+1,), ``ids`` (P,) ascending sequence ids within each list,
+    ``sketch`` (P, r) float, memory-mapped or not) with the storage options; returns (offsets, ids,
+    sketches, manifest entries).
+
+    ``units_of`` (universe,): document of each sequence (document aggregation: the sketches of a
+    (document, prototype) run are summed in float64), None: sequence postings. Postings are then pruned by
+    norm relative to their list's largest and quantised. Two passes over the postings in chunks of
+    ``_CHUNK`` (run keys and norms are O(P) integers/floats; sketches are streamed); ``work``: a folder
+    for the document sums (memory-mapped), None: in memory; ``out``: write the sketch arrays there as
+    memory-mapped ``.npy`` files (their final names), None: in memory."""
+    P = len(ids)
+    ids = np.asarray(ids, dtype=np.int64)
+    proto = np.repeat(np.arange(K, dtype=np.int64), np.diff(offsets))  # (P,)
+    unit = ids if units_of is None else np.asarray(units_of)[ids]  # (P,) ascending within each list
+    if units_of is None:
+        run_start = np.arange(P, dtype=np.int64)
+    else:
+        new = np.ones(P, dtype=bool)
+        new[1:] = (proto[1:] != proto[:-1]) | (unit[1:] != unit[:-1])
+        run_start = np.flatnonzero(new).astype(np.int64)  # (R,) first posting of each (prototype, unit) run
+    R = len(run_start)
+    run_end = np.append(run_start[1:], P)
+    run_proto, run_unit = proto[run_start], unit[run_start]
+    del proto, unit
+    agg: np.ndarray | None = None
+    if units_of is not None:
+        agg = (np.lib.format.open_memmap(work / "agg.npy", mode="w+", dtype=np.float64, shape=(R, r))
+               if work is not None else np.empty((R, r), np.float64))
+    norms, maxabs = np.empty(R), np.empty(R)
+    bounds = list(range(0, R, _CHUNK)) + [R]
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):  # pass 1: sums, norms, largest entries
+        if a == b:
+            continue
+        p0, p1 = int(run_start[a]), int(run_end[b - 1])
+        x = np.asarray(sketch[p0:p1], dtype=np.float64)
+        if agg is not None:
+            x = np.add.reduceat(x, run_start[a:b] - p0, axis=0) if len(x) else x
+            agg[a:b] = x
+        norms[a:b] = np.linalg.norm(x, axis=1)
+        maxabs[a:b] = np.abs(x).max(1) if r else 0.0
+    keep = np.ones(R, dtype=bool)
+    if prune > 0 and R:
+        top = np.zeros(K)
+        np.maximum.at(top, run_proto, norms)
+        keep = norms >= prune * top[run_proto]
+    kept = np.flatnonzero(keep)
+    out_offsets = np.zeros(K + 1, dtype=np.int64)
+    np.cumsum(np.bincount(run_proto[kept], minlength=K), out=out_offsets[1:])
+    id_store: Ids = (DeltaIds if id_encoding == "delta" else PlainIds).encode(run_unit[kept], out_offsets)
+    Pk = len(kept)
+    sk_store: Sketches
+    if dtype in _QMAX:
+        qdt: Literal["int8", "int4"] = "int8" if dtype == "int8" else "int4"
+        top_scale = float(maxabs[kept].max()) / _QMAX[qdt] if Pk else 0.0
+        unit_scale = top_scale / _SCALE_RANGE if top_scale > 0 else 1.0
+        width = r if qdt == "int8" else (r + 1) // 2
+        codes = _alloc(out, "sketch_codes.npy", (Pk, width), np.int8 if qdt == "int8" else np.uint8)
+        scales = _alloc(out, "sketch_scale.npy", (Pk,), np.float16)
+        sk_store = QuantSketches(codes, scales, unit_scale, qdt, r)
+    else:
+        sk_store = FloatSketches(_alloc(out, "sketch.npy", (Pk, r), _DTYPES[dtype]))
+    for a in range(0, Pk, _CHUNK):  # pass 2: the kept postings, encoded
+        k = kept[a:a + _CHUNK]
+        x = agg[k] if agg is not None else np.asarray(sketch[run_start[k]], dtype=np.float64)
+        if isinstance(sk_store, QuantSketches):
+            sk_store.codes[a:a + len(k)], sk_store.scales[a:a + len(k)] = quantise(x, sk_store.qdtype, sk_store.unit)
+        else:
+            sk_store.data[a:a + len(k)] = x
+    del agg
+    if work is not None:
+        (work / "agg.npy").unlink(missing_ok=True)
+    meta: dict[str, Any] = {"postings_raw": P, "postings_aggregated": R, "pruned": int(R - Pk),
+                            **id_store.manifest(), **sk_store.manifest()}
+    return out_offsets, id_store, sk_store, meta
 
 
 @dataclass
@@ -113,15 +537,18 @@ class AttributionCache:
 
     offsets: np.ndarray
     """(K+1,) int64: postings of prototype i are rows offsets[i]:offsets[i+1]."""
-    seq: np.ndarray
-    """(P,) int32: training sequence id of each posting (ascending within a prototype)."""
-    sketch: np.ndarray
-    """(P, r): R H_i^{-1/2} G_{j,i}."""
+    ids: Ids
+    """Posting ids (training sequence, or document with ``aggregate="document"``), ascending within a
+    prototype: ``PlainIds`` (int32) or ``DeltaIds``."""
+    sketches: Sketches
+    """(P, r) sketches R H_i^{-1/2} G_{j,i}: ``FloatSketches`` or ``QuantSketches``."""
     projection: np.ndarray
-    """(r, d) float64: R."""
+    """(r, d) float64: R; ``pca-local``: (K, r, d), one basis R_i per prototype."""
     curvature: Curvature
     manifest: dict[str, Any]
     path: Path | None = field(default=None, compare=False)
+    units_of: np.ndarray | None = None
+    """Document aggregation: (universe,) the document of each sequence (int32, ascending); else None."""
 
     @property
     def num_prototypes(self) -> int:
@@ -129,19 +556,44 @@ class AttributionCache:
 
     @property
     def r(self) -> int:
-        return int(self.projection.shape[0])
+        return int(self.projection.shape[-2])
 
     @property
     def num_postings(self) -> int:
-        return int(self.seq.shape[0])
+        return int(self.offsets[-1])
+
+    @property
+    def aggregate(self) -> Literal["sequence", "document"]:
+        """What a posting id and a score column are: a training sequence or a document."""
+        return "document" if self.manifest.get("aggregate") == "document" else "sequence"
 
     @property
     def num_train(self) -> int:
-        return int(self.manifest["universe"])
+        """Columns of ``scores``: training sequences, or (document aggregation) documents 0 … last covered."""
+        return int(self.manifest.get("units", self.manifest["universe"]))
+
+    @property
+    def seq(self) -> np.ndarray:
+        """(P,) every posting's id, decoded (the stored int32 array itself for ``id_encoding="int32"``)."""
+        return self.ids.decode(self.offsets)
+
+    @property
+    def sketch(self) -> np.ndarray:
+        """(P, r) every sketch: the stored (memory-mapped) array for float formats, decoded float64 for
+        int8/int4 (materialised)."""
+        return self.sketches.decode()
+
+    def first_sequence(self, units: np.ndarray) -> np.ndarray:
+        """The first training sequence of each unit (a sequence id itself without document aggregation)."""
+        units = np.asarray(units, dtype=np.int64)
+        if self.units_of is None:
+            return units
+        return np.searchsorted(np.asarray(self.units_of), units, side="left").astype(np.int64)
 
     def nbytes(self) -> int:
-        """Bytes of the postings (sequence ids + sketches), what a query scans."""
-        return int(self.seq.nbytes + self.sketch.nbytes + self.offsets.nbytes)
+        """Bytes of the postings (ids, sketches, scales, offsets, document map): what the queries read."""
+        return int(self.ids.nbytes + self.sketches.nbytes + self.offsets.nbytes
+                   + (self.units_of.nbytes if self.units_of is not None else 0))
 
     # ----- identity checks ------------------------------------------------------------------------------
     def check(self, *, model_sha256: str | None = None, shards: ShardSet | None = None,
@@ -157,17 +609,21 @@ class AttributionCache:
     # ----- queries --------------------------------------------------------------------------------------
     def sketch_query(self, query: BlockGradients) -> torch.Tensor:
         """(Rq, r) sketches R H_i^{-1/2} G_{q,i} of a query's block gradients (float64)."""
-        W = self.curvature.apply(query.proto.cpu(), query.grad.detach().double().cpu(), -0.5)  # (Rq, d)
-        return W @ torch.from_numpy(self.projection).T  # (Rq, r)
+        proto = query.proto.cpu()
+        W = self.curvature.apply(proto, query.grad.detach().double().cpu(), -0.5)  # (Rq, d)
+        return project(W, proto, torch.from_numpy(np.asarray(self.projection)))  # (Rq, r)
 
     def scores(self, query: BlockGradients, num_queries: int, *, contributions: bool = False):
-        """(num_queries, num_train) float64 scores from a postings scan. With ``contributions=True`` also
-        returns, per query, the flat arrays (seq, proto, contribution) of every scanned posting."""
+        """(num_queries, num_train) float64 scores. Only the lists of each query's active prototypes are
+        read (one gather of their concatenated rows, decoded), and their dot products with the query's
+        sketches are scatter-added into the scores: Σ_{i∈A_q} |postings(i)| · r multiply-adds, nothing
+        proportional to the corpus. With ``contributions=True`` also returns, per query, the flat arrays
+        (id, proto, contribution) of every posting read."""
         sq = self.sketch_query(query)  # (Rq, r)
         out = torch.zeros(num_queries, self.num_train, dtype=torch.float64)
         contrib_out = []
         qseq, qproto = query.seq.cpu(), query.proto.cpu()
-        for q in range(num_queries):  # queries are few; each scan below is vectorised
+        for q in range(num_queries):  # queries are few; each read below is vectorised over prototypes
             sel = qseq == q
             protos = qproto[sel].numpy()
             lo, hi = self.offsets[protos], self.offsets[protos + 1]
@@ -175,24 +631,31 @@ class AttributionCache:
             if n.sum() == 0:
                 contrib_out.append((np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)))
                 continue
-            # concatenated ranges lo_i..hi_i, with the query row of each posting
-            rep = np.repeat(np.arange(len(protos)), n)
-            rows = lo[rep] + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
-            s = torch.from_numpy(np.asarray(self.sketch[rows], dtype=np.float64))  # (P_q, r)
-            c = (s * sq[sel][torch.from_numpy(rep)]).sum(1)  # (P_q,)
-            seq = torch.from_numpy(np.asarray(self.seq[rows], dtype=np.int64))
-            out[q].index_add_(0, seq, c)
+            rep = np.repeat(np.arange(len(protos)), n)  # query row of each posting read
+            rows = _concat_ranges(lo, n)  # (P_q,)
+            ids = torch.from_numpy(self.ids.gather(lo, n))  # (P_q,) int64
+            sq_q, rep_t = sq[sel], torch.from_numpy(rep)
+            c = torch.empty(len(rows), dtype=torch.float64)
+            for a in range(0, len(rows), _QUERY_CHUNK):  # chunks bound memory; each row's sum is unchanged
+                b = a + _QUERY_CHUNK
+                s = torch.from_numpy(self.sketches.gather(rows[a:b]))  # (chunk, r) float64
+                c[a:b] = (s * sq_q[rep_t[a:b]]).sum(1)
+                out[q].index_add_(0, ids[a:b], c[a:b])  # in posting order, as one call would
             if contributions:
-                contrib_out.append((seq.numpy(), protos[rep], c.numpy()))
+                contrib_out.append((ids.numpy(), protos[rep], c.numpy()))
         return (out, contrib_out) if contributions else out
 
     # ----- persistence ----------------------------------------------------------------------------------
+    def _arrays(self) -> dict[str, np.ndarray]:
+        arrays = {"offsets.npy": np.asarray(self.offsets), **self.ids.arrays(), **self.sketches.arrays()}
+        if self.units_of is not None:
+            arrays["units.npy"] = self.units_of
+        return arrays
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         with atomic_dir(path) as tmp:
-            np.save(tmp / "offsets.npy", np.asarray(self.offsets))
-            np.save(tmp / "seq.npy", np.asarray(self.seq))
-            np.save(tmp / "sketch.npy", np.asarray(self.sketch))
+            _write_arrays(tmp, self._arrays())
             np.save(tmp / "projection.npy", self.projection)
             self.curvature.save(tmp / "curvature.safetensors")
             self.manifest["files"] = file_records(tmp)
@@ -204,23 +667,62 @@ class AttributionCache:
     def load(cls, path: str | Path, *, model_sha256: str | None = None, shards: ShardSet | None = None,
              mmap: bool = True) -> AttributionCache:
         """Open a saved cache (arrays memory-mapped when ``mmap``); with ``model_sha256`` and ``shards`` it
-        is checked against them (``ArtifactMismatch``)."""
+        is checked against them (``ArtifactMismatch``). Format-1 caches load as int32 ids + float sketches;
+        a newer format or unknown storage options raise ``ArtifactError`` naming the manifest."""
         path = Path(path)
-        if not (path / "manifest.json").exists():
+        mpath = path / "manifest.json"
+        if not mpath.exists():
             raise ArtifactError(f"no attribution cache at {path}; build it with `prism attribute-cache`")
-        with reading(path / "manifest.json", "attribution cache manifest", fix="prism attribute-cache RUN"):
-            manifest = json.loads((path / "manifest.json").read_text())
+        with reading(mpath, "attribution cache manifest", fix=_REBUILD):
+            manifest = json.loads(mpath.read_text())
         if manifest.get("kind") != KIND:
             raise ArtifactError(f"{path} is not an attribution cache (kind {manifest.get('kind')!r})")
-        verify_files(path, manifest.get("files"), what="attribution cache",
-                     fix="rebuild it with `prism attribute-cache RUN`")
+        version = manifest.get("format_version", 1)
+        ids_enc, dtype = manifest.get("id_encoding", "int32"), manifest.get("dtype", "float32")
+        agg = manifest.get("aggregate", "sequence")
+        if not isinstance(version, int) or version > FORMAT_VERSION or ids_enc not in ("int32", "delta") \
+                or dtype not in (*_DTYPES, *_QMAX) or agg not in ("sequence", "document"):
+            raise ArtifactError(f"{mpath}: attribution cache format {version!r} (ids {ids_enc!r}, sketches "
+                                f"{dtype!r}, aggregate {agg!r}) is not one this prismlm reads (format <= "
+                                f"{FORMAT_VERSION})", fix=f"rebuild it with `{_REBUILD}`, or upgrade prismlm",
+                                path=mpath)
+        verify_files(path, manifest.get("files"), what="attribution cache", fix=f"rebuild it with `{_REBUILD}`")
         mode: Literal["r"] | None = "r" if mmap else None
-        with reading(path, "attribution cache", fix="prism attribute-cache RUN"):
-            c = cls(offsets=np.load(path / "offsets.npy"), seq=np.load(path / "seq.npy", mmap_mode=mode),
-                    sketch=np.load(path / "sketch.npy", mmap_mode=mode), projection=np.load(path / "projection.npy"),
-                    curvature=Curvature.load(path / "curvature.safetensors"), manifest=manifest, path=path)
+
+        def arr(name: str) -> np.ndarray:
+            with reading(path / name, "attribution cache file", fix=_REBUILD):
+                return np.load(path / name, mmap_mode=mode)
+
+        ids: Ids = PlainIds(arr("seq.npy")) if ids_enc == "int32" else \
+            DeltaIds(arr("ids_gap.npy"), arr("ids_exc_pos.npy"), arr("ids_exc_val.npy"))
+        sk: Sketches = FloatSketches(arr("sketch.npy")) if dtype in _DTYPES else \
+            QuantSketches(arr("sketch_codes.npy"), arr("sketch_scale.npy"), float(manifest["scale_unit"]),
+                          "int8" if dtype == "int8" else "int4", int(manifest["r"]))
+        with reading(path, "attribution cache", fix=_REBUILD):
+            c = cls(offsets=np.load(path / "offsets.npy"), ids=ids, sketches=sk,
+                    projection=np.load(path / "projection.npy"),
+                    curvature=Curvature.load(path / "curvature.safetensors"), manifest=manifest, path=path,
+                    units_of=arr("units.npy") if agg == "document" else None)
+        P = c.num_postings
+        shapes_ok = (c.offsets.ndim == 1 and len(c.offsets) == int(manifest["num_prototypes"]) + 1
+                     and len(c.ids.gaps if isinstance(c.ids, DeltaIds) else c.ids.seq) == P
+                     and (c.sketches.data.shape == (P, c.r) if isinstance(c.sketches, FloatSketches)
+                          else c.sketches.scales.shape == (P,)))
+        if not shapes_ok:
+            raise ArtifactCorrupt(f"attribution cache {path}: its arrays disagree in size with offsets.npy "
+                                  f"({P} postings)", fix=f"rebuild it with `{_REBUILD}`", path=path)
         c.check(model_sha256=model_sha256, shards=shards)
         return c
+
+
+def _write_arrays(folder: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Save arrays as ``folder/name`` .npy files; an array already memory-mapped at that file is flushed."""
+    for name, a in arrays.items():
+        f = folder / name
+        if isinstance(a, np.memmap) and a.filename is not None and f.exists() and os.path.samefile(a.filename, f):
+            a.flush()
+        else:
+            np.save(folder / name, np.asarray(a))
 
 
 def _finalise(seq: np.ndarray, proto: np.ndarray, sketch: np.ndarray, K: int, out_dir: Path | None,
@@ -261,11 +763,12 @@ def build_cache(
     """Build the postings cache of a PRISM ``model`` over ``shards.train``.
 
     ``config``: the attribution options (sketch size and projection, curvature mode and damping, sequences,
-    batch size, storage dtype; default ``AttributionConfig()``). ``out``: write the artifact there
-    (postings go to memory-mapped files). ``curvature``: reuse one (required to make parts agree), else a
-    curvature pass over the first ``config.max_sequences`` sequences is made first. ``part=(i, n)``: only
-    the i-th batch-aligned slice. ``model_sha256``: the identity recorded in the manifest (pass the
-    checkpoint's ``manifest["model_sha256"]``; None: a hash of the weights, ``model_identity``).
+    batch size, storage: dtype, prune, aggregate, id_encoding; default ``AttributionConfig()``). ``out``:
+    write the artifact there (postings go to memory-mapped files). ``curvature``: reuse one (required to
+    make parts agree), else a curvature pass over the first ``config.max_sequences`` sequences is made
+    first. ``part=(i, n)``: only the i-th batch-aligned slice. ``model_sha256``: the identity recorded in
+    the manifest (pass the checkpoint's ``manifest["model_sha256"]``; None: a hash of the weights,
+    ``model_identity``).
     """
     cfg = config if config is not None else AttributionConfig()
     net = model
@@ -275,7 +778,7 @@ def build_cache(
     d, K, T = net.config.n_embd, net.prototypes.num_prototypes, net.config.block_size
     r = d if cfg.r is None else int(cfg.r)
     projection, batch_size, dtype = cfg.projection, cfg.batch_size, cfg.dtype
-    if projection != "pca":
+    if projection not in ("pca", "pca-local"):
         R = torch.from_numpy(make_projection(d, r, projection, cfg.seed))  # (r, d)
     n_all = shards.train.num_sequences(T)
     universe = n_all if cfg.max_sequences is None else min(n_all, cfg.max_sequences)
@@ -286,12 +789,15 @@ def build_cache(
     if curvature is None:
         curvature = curvature_pass(net, shards, sequences=(0, universe), batch_size=batch_size,
                                    exact=cfg.curvature_mode == "exact", damping=cfg.damping, progress=progress)
-    if projection == "pca":
+    if projection in ("pca", "pca-local"):
         with eval_mode(net):
             R = torch.from_numpy(_pca_projection(net, shards, curvature, r, min(universe, cfg.pca_sequences),
-                                                 batch_size))
+                                                 batch_size, local=projection == "pca-local", universe=universe))
     t_curv = time.perf_counter() - t0
-    npdt = _DTYPES[dtype]
+    # the raw postings keep float32 (float64/float16 when stored so); int8/int4 are encoded from float32
+    npdt = _DTYPES[dtype] if dtype in _DTYPES else np.float32
+    plain = dtype in _DTYPES and cfg.prune == 0 and cfg.aggregate == "sequence" and cfg.id_encoding == "int32"
+    units_of = document_of_sequences(shards, universe, T) if cfg.aggregate == "document" else None
     dev = next(net.parameters()).device
     out_dir = Path(out) if out is not None else None
     tmp_dir = None
@@ -309,7 +815,8 @@ def build_cache(
             for j0, j1 in _batches(start, stop, batch_size):
                 fo, y = _forward(net, shards, j0, j1, T, dev)
                 bg = block_gradients(net, fo, y, seq_ids=torch.arange(j0, j1, device=dev))
-                sk = curvature.apply(bg.proto.cpu(), bg.grad.double().cpu(), -0.5) @ R.T  # (rows, r)
+                pr = bg.proto.cpu()
+                sk = project(curvature.apply(pr, bg.grad.double().cpu(), -0.5), pr, R)  # (rows, r)
                 rows = {"seq": bg.seq.cpu().numpy().astype(np.int32),
                         "proto": bg.proto.cpu().numpy().astype(np.int32), "sketch": sk.numpy().astype(npdt)}
                 tokens += (j1 - j0) * T
@@ -323,18 +830,31 @@ def build_cache(
         for f in files.values():
             f.close()
     t_pass = time.perf_counter() - t1
+    units = universe if units_of is None else int(units_of[-1]) + 1
     manifest: dict[str, Any] = {
         "kind": KIND, "format_version": FORMAT_VERSION, "model_sha256": ident,
         "shard_key": shards.manifest["key"], "shards_root": str(Path(shards.root).resolve()),
         "split": "train", "num_prototypes": K, "d": d, "block_size": T, "r": r, "projection": projection,
-        "seed": cfg.seed, "pca_sequences": cfg.pca_sequences if projection == "pca" else None, "dtype": dtype,
+        "seed": cfg.seed, "pca_sequences": cfg.pca_sequences if projection.startswith("pca") else None, "dtype": dtype,
+        "prune": cfg.prune, "aggregate": cfg.aggregate, "id_encoding": cfg.id_encoding, "units": units,
         "curvature_mode": curvature.mode, "damping": curvature.damping,
         "curvature_tokens": curvature.tokens, "batch_size": batch_size, "universe": universe,
         "part": list(part), "covered": [[start, stop]] if stop > start else [], "tokens": tokens,
     }
 
-    def _finish(P: int) -> None:
-        bytes_postings = P * (4 + r * np.dtype(npdt).itemsize)
+    def _store(offsets: np.ndarray, seq: np.ndarray, sk: np.ndarray, work: Path | None,
+               stage: Path | None) -> tuple[np.ndarray, Ids, Sketches]:
+        """CSR float postings → the configured storage (the CSR arrays themselves when plain)."""
+        if plain:
+            return offsets, PlainIds(seq), FloatSketches(sk)
+        o, ids, sks, meta = _encode(offsets, seq, sk, K, r, dtype=dtype, prune=cfg.prune,
+                                    id_encoding=cfg.id_encoding, units_of=units_of, work=work, out=stage)
+        manifest.update(meta)
+        return o, ids, sks
+
+    def _finish(ids: Ids, sks: Sketches) -> None:
+        P = len(ids.gaps) if isinstance(ids, DeltaIds) else len(ids.seq)
+        bytes_postings = ids.nbytes + sks.nbytes + (4 * universe if units_of is not None else 0)
         manifest.update({
             "postings": P, "postings_per_sequence": P / max(1, stop - start),
             "bytes_postings": bytes_postings, "bytes_per_token": bytes_postings / max(1, tokens),
@@ -346,23 +866,25 @@ def build_cache(
         seq = np.concatenate(lists["seq"]) if lists["seq"] else np.zeros(0, np.int32)
         proto = np.concatenate(lists["proto"]) if lists["proto"] else np.zeros(0, np.int32)
         sketch = np.concatenate(lists["sketch"]) if lists["sketch"] else np.zeros((0, r), npdt)
-        offsets, seq_o, sk_o = _finalise(seq, proto, sketch, K, None, npdt, r)
-        _finish(len(seq_o))
-        return AttributionCache(offsets=offsets, seq=seq_o, sketch=sk_o, projection=R.numpy(), curvature=curvature,
-                                manifest=manifest)
+        offsets, ids, sks = _store(*_finalise(seq, proto, sketch, K, None, npdt, r), None, None)
+        _finish(ids, sks)
+        return AttributionCache(offsets=offsets, ids=ids, sketches=sks, projection=R.numpy(), curvature=curvature,
+                                manifest=manifest, units_of=None if units_of is None else units_of.astype(np.int32))
     assert tmp_dir is not None
     seq = np.fromfile(tmp_dir / "seq.raw", dtype=np.int32)
     proto = np.fromfile(tmp_dir / "proto.raw", dtype=np.int32)
     sketch = np.memmap(tmp_dir / "sketch.raw", dtype=npdt, mode="r", shape=(len(seq), r)) if len(seq) else \
         np.zeros((0, r), npdt)
     with atomic_dir(out_dir) as stage:  # the sorted arrays are written as .npy under the stage
-        offsets, seq_o, sk_o = _finalise(seq, proto, sketch, K, stage, npdt, r)
-        _finish(len(seq_o))
-        for arr in (seq_o, sk_o):
-            if isinstance(arr, np.memmap):
-                arr.flush()
-        del seq_o, sk_o, sketch
-        np.save(stage / "offsets.npy", offsets)
+        # plain: sorted straight into the stage; otherwise sorted under the build folder, then encoded
+        csr = _finalise(seq, proto, sketch, K, stage if plain else tmp_dir / "csr", npdt, r)
+        offsets, ids, sks = _store(*csr, tmp_dir, stage)
+        _finish(ids, sks)
+        arrays = {"offsets.npy": offsets, **ids.arrays(), **sks.arrays()}
+        if units_of is not None:
+            arrays["units.npy"] = units_of.astype(np.int32)
+        _write_arrays(stage, arrays)
+        del csr, ids, sks, sketch, arrays
         np.save(stage / "projection.npy", R.numpy())
         curvature.save(stage / "curvature.safetensors")
         manifest["files"] = file_records(stage)
@@ -371,12 +893,58 @@ def build_cache(
     return AttributionCache.load(out_dir)
 
 
+def compress_cache(cache: AttributionCache, config: AttributionConfig, *, shards: ShardSet | None = None,
+                   out: str | Path | None = None) -> AttributionCache:
+    """Re-encode a lossless cache (float32/64 sketches, sequence postings, no pruning) with the storage
+    options of ``config`` (``dtype``, ``prune``, ``aggregate``, ``id_encoding``), without another pass over
+    the data. ``shards``: the cache's token shards (needed for ``aggregate="document"``). ``out``: save it
+    there. Equal to building with those options from the same postings."""
+    m = cache.manifest
+    if not _lossless(m):
+        raise ArtifactError(f"compress_cache needs a lossless cache (float32/float64 sketches, sequence postings, "
+                            f"no pruning); this one is {m.get('dtype')}, prune {m.get('prune', 0)}, "
+                            f"aggregate {m.get('aggregate', 'sequence')}", fix="build it with the default options")
+    if config.aggregate == "document" and shards is None:
+        raise ConfigError("aggregate='document' needs the cache's token shards (shards=)")
+    if shards is not None:
+        cache.check(shards=shards)
+    universe, T, K, r = int(m["universe"]), int(m["block_size"]), cache.num_prototypes, cache.r
+    units_of = document_of_sequences(shards, universe, T) if config.aggregate == "document" and shards else None
+    offsets, ids, sks, meta = _encode(cache.offsets, cache.seq, cache.sketches.decode(), K, r, dtype=config.dtype,
+                                      prune=config.prune, id_encoding=config.id_encoding, units_of=units_of,
+                                      work=None)
+    manifest = dict(m)
+    manifest.pop("files", None)
+    bytes_postings = ids.nbytes + sks.nbytes + (4 * universe if units_of is not None else 0)
+    P = int(offsets[-1])
+    manifest.update({"format_version": FORMAT_VERSION, "dtype": config.dtype, "prune": config.prune,
+                     "aggregate": config.aggregate, "id_encoding": config.id_encoding,
+                     "units": universe if units_of is None else int(units_of[-1]) + 1, **meta,
+                     "postings": P, "postings_per_sequence": P / max(1, sum(b - a for a, b in m["covered"])),
+                     "bytes_postings": bytes_postings, "bytes_per_token": bytes_postings / max(1, int(m["tokens"])),
+                     "compressed_from": str(cache.path) if cache.path else None})
+    c = AttributionCache(offsets=offsets, ids=ids, sketches=sks, projection=cache.projection, curvature=cache.curvature,
+                         manifest=manifest, units_of=None if units_of is None else units_of.astype(np.int32))
+    if out is not None:
+        c.save(out)
+        c = AttributionCache.load(out)
+    return c
+
+
 def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -> AttributionCache:
     """Combine caches of disjoint sequence ranges (same model, shards, curvature, projection) into one,
-    equal to a single pass (postings grouped by prototype, ascending sequence id within each)."""
+    equal to a single pass (postings grouped by prototype, ascending sequence id within each). Parts must
+    be lossless (float32/64 sketches, no pruning, sequence postings): compress the merged cache after."""
     if not parts:
         raise ArtifactError("nothing to merge")
     first = parts[0].manifest
+    for p in parts:
+        if not _lossless(p.manifest):
+            raise ArtifactError(f"cannot merge caches stored as {p.manifest.get('dtype')} with prune "
+                                f"{p.manifest.get('prune', 0)} and aggregate {p.manifest.get('aggregate')}: "
+                                f"pruning, quantisation scales and documents depend on the whole corpus",
+                                fix="build the parts with --dtype float32 (no --prune, --aggregate sequence), "
+                                    "merge them, then compress the merged cache (prismlm.tda.cache.compress_cache)")
     for p in parts[1:]:
         m = p.manifest
         for key in ("model_sha256", "shard_key"):
@@ -397,23 +965,25 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
         covered = merge_ranges(covered + p.manifest["covered"])
     parts = sorted(parts, key=lambda p: p.manifest["covered"][0][0] if p.manifest["covered"] else 0)
     K = parts[0].num_prototypes
-    seq = np.concatenate([np.asarray(p.seq) for p in parts])
+    seq = np.concatenate([np.asarray(p.seq, dtype=np.int64) for p in parts])
     proto = np.concatenate([np.repeat(np.arange(K, dtype=np.int32), np.diff(p.offsets)) for p in parts])
     sketch = np.concatenate([np.asarray(p.sketch) for p in parts])
     order = np.lexsort((seq, proto))  # by prototype, then sequence: the single-pass order
     offsets = np.zeros(K + 1, dtype=np.int64)
     np.cumsum(np.bincount(proto, minlength=K), out=offsets[1:])
     manifest = dict(first)
+    manifest.pop("files", None)
     tokens = sum(int(p.manifest["tokens"]) for p in parts)
     P = len(seq)
+    ids: Ids = (DeltaIds if first.get("id_encoding") == "delta" else PlainIds).encode(seq[order], offsets)
     manifest.update({"covered": covered, "part": [0, 1], "tokens": tokens, "postings": P,
                      "postings_per_sequence": P / max(1, sum(b - a for a, b in covered)),
-                     "bytes_postings": sum(int(p.manifest["bytes_postings"]) for p in parts),
+                     "bytes_postings": ids.nbytes + int(sketch.nbytes),
                      "postings_seconds": sum(float(p.manifest["postings_seconds"]) for p in parts),
-                     "merged_from": len(parts), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                     "merged_from": len(parts), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **ids.manifest()})
     manifest["bytes_per_token"] = manifest["bytes_postings"] / max(1, tokens)
-    cache = AttributionCache(offsets=offsets, seq=seq[order], sketch=sketch[order], projection=parts[0].projection,
-                             curvature=parts[0].curvature, manifest=manifest)
+    cache = AttributionCache(offsets=offsets, ids=ids, sketches=FloatSketches(sketch[order]),
+                             projection=parts[0].projection, curvature=parts[0].curvature, manifest=manifest)
     if out is not None:
         cache.save(out)
         cache = AttributionCache.load(out)

@@ -1,0 +1,405 @@
+"""The attribution cache's compact store (issue 13): exact id encodings, bounded quantisation, pruning,
+document aggregation, queries that read only the query's prototypes, verified artifacts, old formats.
+
+Independent references: hand-built postings and bytes, the scoring function of format 1 (kept below,
+verbatim), a dense scan of every posting, and the full prototype-space method."""
+
+from __future__ import annotations
+
+import copy
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import train_tiny_run
+
+from prismlm import AttributionConfig
+from prismlm.artifacts import file_records
+from prismlm.errors import ArtifactCorrupt, ArtifactError, ConfigError
+from prismlm.tda import cache as cache_mod
+from prismlm.tda.attribute import attribute
+from prismlm.tda.cache import (
+    AttributionCache,
+    DeltaIds,
+    PlainIds,
+    build_cache,
+    compress_cache,
+    dequantise,
+    document_of_sequences,
+    fit_ranges,
+    merge_caches,
+    pca_bases,
+    project,
+    quantise,
+)
+from prismlm.tda.influence import FullGradients, curvature_pass, query_gradients
+
+N_SEQ = 40
+
+
+# ----- references --------------------------------------------------------------------------------------
+def _format1_scores(offsets, seq, sketch, sq, query, num_queries, num_train):
+    """The query path of format 1 (``AttributionCache.scores`` before issue 13), verbatim."""
+    out = torch.zeros(num_queries, num_train, dtype=torch.float64)
+    qseq, qproto = query.seq.cpu(), query.proto.cpu()
+    for q in range(num_queries):
+        sel = qseq == q
+        protos = qproto[sel].numpy()
+        lo, hi = offsets[protos], offsets[protos + 1]
+        n = hi - lo
+        if n.sum() == 0:
+            continue
+        rep = np.repeat(np.arange(len(protos)), n)
+        rows = lo[rep] + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
+        s = torch.from_numpy(np.asarray(sketch[rows], dtype=np.float64))
+        c = (s * sq[sel][torch.from_numpy(rep)]).sum(1)
+        out[q].index_add_(0, torch.from_numpy(np.asarray(seq[rows], dtype=np.int64)), c)
+    return out
+
+
+def _dense_scores(offsets, ids, sketch, sq, query, num_queries, num_train):
+    """Every posting scanned: score[q, j] = Σ_{postings (j, i, s)} s_{q,i} · s (a table per query)."""
+    K = len(offsets) - 1
+    proto = np.repeat(np.arange(K), np.diff(offsets))
+    out = np.zeros((num_queries, num_train))
+    for q in range(num_queries):
+        table = np.zeros((K, sketch.shape[1]))
+        sel = (query.seq == q).numpy()
+        table[query.proto[sel].numpy()] = sq[sel].numpy()
+        np.add.at(out[q], np.asarray(ids, dtype=np.int64), (np.asarray(sketch, dtype=np.float64) * table[proto]).sum(1))
+    return out
+
+
+# ----- encodings, no model ------------------------------------------------------------------------------
+def _lists(rng, K, universe, dense):
+    """Random CSR lists: K prototypes, ascending unique ids < universe; some empty, some with one id."""
+    lists = []
+    for i in range(K):
+        n = 0 if i % 7 == 3 else (1 if i % 7 == 5 else int(rng.integers(2, dense)))
+        lists.append(np.sort(rng.choice(universe, size=min(n, universe), replace=False)))
+    offsets = np.zeros(K + 1, np.int64)
+    offsets[1:] = np.cumsum([len(x) for x in lists])
+    return offsets, np.concatenate(lists).astype(np.int64), lists
+
+
+@pytest.mark.parametrize("universe,dense", [(300, 200), (5000, 40), (200_000, 30)])
+def test_delta_ids_round_trip_exactly(universe, dense):
+    rng = np.random.default_rng(universe)
+    offsets, ids, lists = _lists(rng, 23, universe, dense)
+    enc = DeltaIds.encode(ids, offsets)
+    assert np.array_equal(enc.decode(offsets), ids)
+    # any selection of whole lists, in any order and with repeats (as queries read them)
+    pick = rng.integers(0, 23, size=40)
+    lo, n = offsets[pick], np.diff(offsets)[pick]
+    want = np.concatenate([lists[i] for i in pick])
+    assert np.array_equal(enc.gather(lo, n), want)
+    assert np.array_equal(PlainIds.encode(ids, offsets).gather(lo, n), want)
+    assert enc.gather(offsets[[3]], np.diff(offsets)[[3]]).shape == (0,)  # an empty list
+    # gaps that do not fit are exceptions; the narrowest type is chosen when it is smaller
+    assert len(enc.exc_pos) == int(np.count_nonzero(enc.gaps == np.iinfo(enc.gaps.dtype).max))
+    if universe == 300:
+        assert enc.gaps.dtype == np.uint8 and enc.nbytes < 2 * len(ids)
+
+
+def test_delta_ids_hand_built_bytes():
+    """Lists [0, 1, 255, 256, 1000 … 1010] and [7]: gaps 0, 1, 254, 1, 744, 1 × 10 | 7; 744 ≥ 255 is an
+    exception (16 + 12 bytes in uint8 < 32 in uint16), and so is a gap of exactly 255 (the marker)."""
+    offsets = np.array([0, 15, 15, 16])
+    enc = DeltaIds.encode(np.array([0, 1, 255, 256, *range(1000, 1011), 7]), offsets)
+    assert enc.gaps.dtype == np.uint8 and enc.gaps.tolist() == [0, 1, 254, 1, 255] + [1] * 10 + [7]
+    assert enc.exc_pos.tolist() == [4] and enc.exc_val.tolist() == [744] and enc.nbytes == 16 + 12
+    assert DeltaIds.encode(np.array([0, 1000]), np.array([0, 2])).gaps.dtype == np.uint16  # 4 < 2 + 12
+    ids = np.array([3, 258, *range(259, 279)])  # a gap of exactly 255
+    enc = DeltaIds.encode(ids, np.array([0, 22]))
+    assert enc.gaps.dtype == np.uint8 and enc.gaps.tolist()[:3] == [3, 255, 1] and enc.exc_val.tolist() == [255]
+    assert enc.decode(np.array([0, 22])).tolist() == ids.tolist()
+    with pytest.raises(ArtifactError, match="ascending"):
+        DeltaIds.encode(np.array([5, 2]), np.array([0, 2]))
+
+
+def test_quantisation_error_is_at_most_half_a_step():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((500, 7)) * np.exp(rng.uniform(-12, 8, size=(500, 1)))  # 9 orders of magnitude
+    x[3] = 0.0
+    x[4, :] = 0.0
+    x[4, 2] = -1e-9
+    unit = float(np.abs(x).max()) / 127 / 2**15
+    for dtype, qmax in (("int8", 127), ("int4", 7)):
+        u = unit * 127 / qmax
+        codes, scales = quantise(x, dtype, u)
+        assert codes.shape == ((500, 7) if dtype == "int8" else (500, 4))
+        back = dequantise(codes, scales, u, dtype, 7)
+        step = scales.astype(np.float64) * u
+        assert np.all(np.abs(back - x) <= step[:, None] / 2 * (1 + 1e-12))
+        assert np.all(step >= np.abs(x).max(1) / qmax)  # rounded up: nothing clipped
+        assert np.all(back[3] == 0)
+
+
+def test_int4_packing_by_hand():
+    codes, scales = quantise(np.array([[-7.0, 0.0, 7.0]]), "int4", 1.0)
+    assert scales.tolist() == [1.0]
+    assert codes.tolist() == [[0x81, 0x8F]]  # nibbles q + 8: (1, 8) and (15, pad 8), low nibble first
+    assert dequantise(codes, scales, 1.0, "int4", 3).tolist() == [[-7.0, 0.0, 7.0]]
+    codes, _ = quantise(np.array([[-127.0, 3.0]]), "int8", 1.0)
+    assert codes.dtype == np.int8 and codes.tolist() == [[-127, 3]]
+
+
+def test_config_validates_storage_options():
+    for bad in ({"prune": 1.0}, {"prune": -0.1}, {"prune": float("nan")}, {"dtype": "int3"},
+                {"aggregate": "token"}, {"id_encoding": "varint"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            AttributionConfig(**bad)
+    c = AttributionConfig(dtype="int4", prune=0.05, aggregate="document", id_encoding="delta")
+    assert AttributionConfig.from_dict(c.to_dict()) == c
+
+
+def test_cli_offers_the_storage_options():
+    from typer.testing import CliRunner
+
+    from prismlm.cli import app
+
+    res = CliRunner().invoke(app, ["attribute-cache", "--help"], terminal_width=200)
+    for opt in ("--dtype", "--prune", "--aggregate", "--id-encoding"):
+        assert opt in res.output, res.output
+
+
+# ----- on a trained tiny model --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tiny_shards, tmp_path_factory):
+    ckpt, _ = train_tiny_run(tiny_shards, tmp_path_factory.mktemp("store"), steps=80, batch_size=8, warmup_steps=5)
+    net = copy.deepcopy(ckpt.model).double()
+    tok = ckpt.tokenizer
+    texts = [("The President said that the", 3), ("We the people of the United States", 1),
+             ("It was the best of times", 2), ("In the beginning", 1), ("and the of to a", 1)]
+    q = query_gradients(net, [([tok.eot_id] + tok.encode(t), s) for t, s in texts])
+    curv = curvature_pass(net, tiny_shards, sequences=(0, N_SEQ), batch_size=8)
+    return SimpleNamespace(net=net, tok=tok, q=q, Q=len(texts), curv=curv, ckpt=ckpt)
+
+
+def _cfg(**kw):
+    return AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8, **kw)
+
+
+def test_query_path_equals_format1_and_a_dense_scan(tiny, tiny_shards, tmp_path, monkeypatch):
+    """float32, no pruning: the new query path gives the format-1 path's scores bit for bit, with int32
+    or delta ids, from memory and from disk; both equal a scan of every posting."""
+    plain = build_cache(tiny.net, tiny_shards, _cfg(), curvature=tiny.curv, out=tmp_path / "plain")
+    raw = {n: np.load(tmp_path / "plain" / f"{n}.npy") for n in ("offsets", "seq", "sketch")}
+    assert raw["seq"].dtype == np.int32 and raw["sketch"].dtype == np.float32
+    sq = plain.sketch_query(tiny.q)
+    ref = _format1_scores(raw["offsets"], raw["seq"], raw["sketch"], sq, tiny.q, tiny.Q, N_SEQ)
+    assert torch.count_nonzero(ref) > N_SEQ  # the queries reach many sequences
+    assert torch.equal(plain.scores(tiny.q, tiny.Q), ref)
+    monkeypatch.setattr(cache_mod, "_QUERY_CHUNK", 7)  # many chunks: the same sums in the same order
+    assert torch.equal(plain.scores(tiny.q, tiny.Q), ref)
+    monkeypatch.undo()
+    dense = _dense_scores(raw["offsets"], raw["seq"], raw["sketch"], sq, tiny.q, tiny.Q, N_SEQ)
+    np.testing.assert_allclose(ref.numpy(), dense, rtol=1e-12, atol=1e-12 * np.abs(dense).max())
+    delta = build_cache(tiny.net, tiny_shards, _cfg(id_encoding="delta"), curvature=tiny.curv, out=tmp_path / "d")
+    assert not (tmp_path / "d" / "seq.npy").exists() and (tmp_path / "d" / "ids_gap.npy").exists()
+    assert np.array_equal(delta.seq, raw["seq"]) and np.array_equal(np.asarray(delta.sketch), raw["sketch"])
+    assert torch.equal(delta.scores(tiny.q, tiny.Q), ref)
+    assert torch.equal(compress_cache(plain, _cfg(id_encoding="delta")).scores(tiny.q, tiny.Q), ref)
+    mem = build_cache(tiny.net, tiny_shards, _cfg(id_encoding="delta"), curvature=tiny.curv)
+    assert torch.equal(mem.scores(tiny.q, tiny.Q), ref)
+    # the id bytes: ~1 per posting instead of 4
+    assert delta.manifest["bytes_postings"] < plain.manifest["bytes_postings"] - 2.5 * plain.num_postings
+
+
+def test_lossless_compact_settings_equal_the_full_method(tiny, tiny_shards):
+    """r = d, float64, delta ids: the cache equals the full prototype-space scores, per sequence and —
+    aggregated by document — per document (sums of the sequence scores)."""
+    full = FullGradients.build(tiny.net, tiny_shards, max_sequences=N_SEQ, batch_size=8)
+    S = full.scores(tiny.q, tiny.Q).numpy()
+    cfg = AttributionConfig(max_sequences=N_SEQ, batch_size=8, projection="identity", dtype="float64",
+                            id_encoding="delta")
+    seq = build_cache(tiny.net, tiny_shards, cfg, curvature=full.curvature)
+    np.testing.assert_allclose(seq.scores(tiny.q, tiny.Q).numpy(), S, rtol=1e-10, atol=1e-9)
+    T = tiny.net.config.block_size
+    docs = document_of_sequences(tiny_shards, N_SEQ, T)
+    assert np.all(np.diff(docs) >= 0) and docs[-1] > docs[0]  # several documents
+    want = np.zeros((tiny.Q, docs[-1] + 1))
+    np.add.at(want, (slice(None), docs), S)
+    for c in (build_cache(tiny.net, tiny_shards, AttributionConfig(**{**cfg.to_dict(), "aggregate": "document"}),
+                          curvature=full.curvature),
+              compress_cache(seq, AttributionConfig(**{**cfg.to_dict(), "aggregate": "document"}), shards=tiny_shards)):
+        assert c.num_train == docs[-1] + 1 and c.num_postings < seq.num_postings
+        np.testing.assert_allclose(c.scores(tiny.q, tiny.Q).numpy(), want, rtol=1e-10, atol=1e-9)
+    # the document of a sequence is the one holding its middle target token
+    j = N_SEQ // 2
+    assert docs[j] == tiny_shards.train.locate(j * T + 1 + (T - 1) // 2)[0]
+
+
+def test_quantised_and_pruned_postings(tiny, tiny_shards):
+    base = build_cache(tiny.net, tiny_shards, _cfg(dtype="float64"), curvature=tiny.curv)
+    x = np.asarray(base.sketch)
+    exact = base.scores(tiny.q, tiny.Q).numpy()
+    sq = base.sketch_query(tiny.q)
+    for dtype, qmax in (("int8", 127), ("int4", 7)):
+        c = compress_cache(base, _cfg(dtype=dtype))
+        assert np.array_equal(c.seq, base.seq) and np.array_equal(c.offsets, base.offsets)
+        step = np.asarray(c.sketches.scales, dtype=np.float64) * c.sketches.unit
+        assert np.all(np.abs(c.sketch - x) <= step[:, None] / 2 * (1 + 1e-12))
+        assert np.all(step * qmax * (1 + 1e-12) >= np.abs(x).max(1))
+        # the scores move by at most Σ |s_q| · step/2 over the postings read
+        got = c.scores(tiny.q, tiny.Q).numpy()
+        bound = _dense_scores(c.offsets, c.seq, np.repeat(step[:, None] / 2, c.r, 1), sq.abs(), tiny.q, tiny.Q, N_SEQ)
+        assert np.all(np.abs(got - exact) <= bound * (1 + 1e-9) + 1e-12)
+        assert c.manifest["bytes_postings"] == c.sketches.nbytes + c.ids.nbytes
+    # pruning keeps exactly the postings with norm >= τ × their list's largest
+    tau = 0.3
+    norms = np.linalg.norm(x, axis=1)
+    proto = np.repeat(np.arange(base.num_prototypes), np.diff(base.offsets))
+    top = np.zeros(base.num_prototypes)
+    np.maximum.at(top, proto, norms)
+    keep = norms >= tau * top[proto]
+    assert 0 < keep.sum() < len(keep)
+    p = compress_cache(base, _cfg(dtype="float64", prune=tau))
+    assert np.array_equal(p.seq, base.seq[keep]) and np.array_equal(p.sketch, x[keep])
+    assert np.array_equal(np.diff(p.offsets), np.bincount(proto[keep], minlength=base.num_prototypes))
+    assert p.manifest["pruned"] == int((~keep).sum())
+    np.testing.assert_allclose(p.scores(tiny.q, tiny.Q).numpy(),
+                               _dense_scores(p.offsets, p.seq, p.sketch, sq, tiny.q, tiny.Q, N_SEQ), rtol=1e-12,
+                               atol=1e-12 * np.abs(exact).max())
+    # a lossy cache is neither merged nor compressed again
+    with pytest.raises(ArtifactError, match="lossless"):
+        compress_cache(p, _cfg(dtype="int8"))
+
+
+def test_compact_cache_on_disk_round_trip_verified_and_memory_mapped(tiny, tiny_shards, tmp_path):
+    cfg = _cfg(dtype="int4", prune=0.05, aggregate="document", id_encoding="delta")
+    mem = build_cache(tiny.net, tiny_shards, cfg, curvature=tiny.curv)
+    build_cache(tiny.net, tiny_shards, cfg, curvature=tiny.curv, out=tmp_path / "c")
+    files = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert files == ["curvature.safetensors", "ids_exc_pos.npy", "ids_exc_val.npy", "ids_gap.npy", "manifest.json",
+                     "offsets.npy", "projection.npy", "sketch_codes.npy", "sketch_scale.npy", "units.npy"]
+    assert not (tmp_path / "c.build").exists() and not (tmp_path / "c.tmp").exists()
+    back = AttributionCache.load(tmp_path / "c", shards=tiny_shards)
+    for a in (back.ids.gaps, back.sketches.codes, back.sketches.scales, back.units_of):
+        assert isinstance(a, np.memmap)
+    assert torch.equal(back.scores(tiny.q, tiny.Q), mem.scores(tiny.q, tiny.Q))
+    assert np.array_equal(back.seq, mem.seq)
+    m = back.manifest
+    assert (m["dtype"], m["prune"], m["aggregate"], m["id_encoding"]) == ("int4", 0.05, "document", "delta")
+    arrays = sum((tmp_path / "c" / f).stat().st_size - 128 for f in
+                 ("ids_gap.npy", "ids_exc_pos.npy", "ids_exc_val.npy", "sketch_codes.npy", "sketch_scale.npy",
+                  "units.npy"))  # the .npy headers are 128 bytes
+    assert m["bytes_postings"] == arrays and m["bytes_per_token"] == pytest.approx(arrays / m["tokens"])
+    # saving an in-memory cache writes the same files
+    mem.save(tmp_path / "m")
+    assert torch.equal(AttributionCache.load(tmp_path / "m").scores(tiny.q, tiny.Q), mem.scores(tiny.q, tiny.Q))
+    # attribute() ranks documents, each shown through its first sequence
+    res = attribute(tiny.ckpt.model, tiny.tok, "The President said", " that the", cache=back, shards=tiny_shards, top=3)
+    p_ids, c_ids = tiny.tok.encode("The President said"), tiny.tok.encode(" that the")
+    s = back.scores(query_gradients(tiny.ckpt.model, [([tiny.tok.eot_id] + p_ids + c_ids, 1 + len(p_ids))]), 1)[0]
+    order = np.lexsort((np.arange(back.num_train), -s.numpy()))[:3]
+    assert [it.doc_index for it in res.top] == order.tolist()
+    assert [it.sequence for it in res.top] == [int(np.searchsorted(back.units_of, d)) for d in order]
+    assert res.num_train == back.num_train and any("document" in n for n in res.notes)
+    # a flipped or truncated byte of any posting file is refused by name
+    for name in ("sketch_codes.npy", "ids_gap.npy", "sketch_scale.npy"):
+        f = tmp_path / "c" / name
+        good = f.read_bytes()
+        bad = bytearray(good)
+        bad[-3] ^= 0x04
+        f.write_bytes(bytes(bad))
+        with pytest.raises(ArtifactCorrupt, match=name.replace(".", r"\.") + ".*prism attribute-cache"):
+            AttributionCache.load(tmp_path / "c")
+        f.write_bytes(good[: len(good) // 2])
+        with pytest.raises(ArtifactCorrupt, match=name.replace(".", r"\.")):
+            AttributionCache.load(tmp_path / "c")
+        f.write_bytes(good)
+    AttributionCache.load(tmp_path / "c")
+
+
+def test_format1_cache_loads_and_a_newer_one_is_refused(tiny, tiny_shards, tmp_path):
+    c = build_cache(tiny.net, tiny_shards, _cfg(), curvature=tiny.curv, out=tmp_path / "c")
+    want = c.scores(tiny.q, tiny.Q)
+    mpath = tmp_path / "c" / "manifest.json"
+    m = json.loads(mpath.read_text())
+    v1 = {k: v for k, v in m.items() if k not in ("prune", "aggregate", "id_encoding", "units")}
+    v1["format_version"] = 1
+    mpath.write_text(json.dumps(v1))  # what a format-1 build wrote
+    old = AttributionCache.load(tmp_path / "c")
+    assert old.aggregate == "sequence" and old.num_train == N_SEQ
+    assert torch.equal(old.scores(tiny.q, tiny.Q), want)
+    for change in ({"format_version": 3}, {"id_encoding": "varint"}, {"dtype": "int2"}):
+        mpath.write_text(json.dumps({**m, **change}))
+        with pytest.raises(ArtifactError, match=r"manifest\.json.*prism attribute-cache"):
+            AttributionCache.load(tmp_path / "c")
+    mpath.write_text(json.dumps(m))
+    # a format-2 cache whose arrays disagree in length is refused too
+    np.save(tmp_path / "c" / "offsets.npy", np.asarray(c.offsets) + 1)
+    m["files"].update(file_records(tmp_path / "c", ["offsets.npy"]))
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(ArtifactCorrupt, match="disagree"):
+        AttributionCache.load(tmp_path / "c")
+
+
+def test_built_compact_equals_compressed_and_lossy_parts_do_not_merge(tiny, tiny_shards, tmp_path):
+    plain = build_cache(tiny.net, tiny_shards, _cfg(), curvature=tiny.curv)
+    cfg = _cfg(dtype="int8", prune=0.1, id_encoding="delta")
+    built = build_cache(tiny.net, tiny_shards, cfg, curvature=tiny.curv, out=tmp_path / "b")
+    comp = compress_cache(plain, cfg)
+    assert np.array_equal(built.offsets, comp.offsets) and np.array_equal(built.seq, comp.seq)
+    assert np.array_equal(np.asarray(built.sketches.codes), comp.sketches.codes)
+    assert np.array_equal(np.asarray(built.sketches.scales), comp.sketches.scales)
+    assert built.manifest["bytes_postings"] == comp.manifest["bytes_postings"]
+    parts = [build_cache(tiny.net, tiny_shards, cfg, curvature=tiny.curv, part=(i, 2)) for i in range(2)]
+    with pytest.raises(ArtifactError, match="merge them, then compress"):
+        merge_caches(parts)
+    # lossless parts with delta ids merge into the single pass
+    lp = [build_cache(tiny.net, tiny_shards, _cfg(id_encoding="delta"), curvature=tiny.curv, part=(i, 2))
+          for i in range(2)]
+    merged = merge_caches(lp, out=tmp_path / "merged")
+    assert merged.manifest["id_encoding"] == "delta"
+    assert np.array_equal(merged.seq, plain.seq) and torch.equal(merged.scores(tiny.q, tiny.Q),
+                                                                 plain.scores(tiny.q, tiny.Q))
+
+
+def test_fit_ranges_spread_over_the_corpus():
+    assert fit_ranges(100, 30, 10) == [(0, 10), (45, 55), (90, 100)]
+    assert fit_ranges(100, 200, 10) == [(0, 100)]
+    assert fit_ranges(25, 24, 10) == [(0, 25)]  # blocks at 0, 8, 15 overlap: joined
+
+
+def test_pca_bases_by_hand():
+    """Per-prototype bases are the top eigenvectors of each moment; a prototype seen fewer than r times
+    gets the summed moment's."""
+    C = np.zeros((3, 3, 3))
+    C[0] = np.diag([1.0, 5.0, 2.0])
+    C[1] = np.diag([9.0, 1.0, 3.0])
+    C[2] = np.diag([0.0, 0.0, 100.0])
+    B = pca_bases(C, 2, count=np.array([10, 10, 1]))
+    assert np.allclose(np.abs(B[0]), [[0, 1, 0], [0, 0, 1]]) and np.allclose(np.abs(B[1]), [[1, 0, 0], [0, 0, 1]])
+    assert np.allclose(np.abs(B[2]), np.abs(pca_bases(C.sum(0), 2)))  # diag(10, 6, 105): axes 2, 0
+    assert np.allclose(np.abs(B[2]), [[0, 0, 1], [1, 0, 0]])
+    W = torch.randn(5, 3, dtype=torch.float64)
+    proto = torch.tensor([0, 1, 2, 1, 0])
+    want = torch.stack([torch.from_numpy(B[p]) @ w for p, w in zip(proto.tolist(), W, strict=True)])
+    torch.testing.assert_close(project(W, proto, torch.from_numpy(B), chunk=2), want, rtol=1e-14, atol=1e-14)
+
+
+def test_pca_local_is_exact_at_full_rank_and_sketches_per_prototype(tiny, tiny_shards, tmp_path):
+    full = FullGradients.build(tiny.net, tiny_shards, max_sequences=N_SEQ, batch_size=8)
+    S = full.scores(tiny.q, tiny.Q)
+    cfg = AttributionConfig(max_sequences=N_SEQ, batch_size=8, projection="pca-local", dtype="float64",
+                            pca_sequences=N_SEQ)
+    c = build_cache(tiny.net, tiny_shards, cfg, curvature=full.curvature, out=tmp_path / "c")
+    d, K = tiny.net.config.n_embd, tiny.net.prototypes.num_prototypes
+    assert c.projection.shape == (K, d, d)
+    torch.testing.assert_close(c.scores(tiny.q, tiny.Q), S, rtol=1e-9, atol=1e-9 * float(S.abs().max()))
+    # r < d: each posting's sketch is its own prototype's basis times its whitened gradient
+    small = build_cache(tiny.net, tiny_shards, AttributionConfig(**{**cfg.to_dict(), "r": 4}), curvature=full.curvature)
+    assert small.projection.shape == (K, 4, d) and small.r == 4
+    tr = full.train
+    w = full.curvature.apply(tr.proto, tr.grad.double(), -0.5).numpy()  # (rows, d), ordered by (seq, proto)
+    proto = np.repeat(np.arange(K), np.diff(small.offsets))
+    key_cache = proto * N_SEQ + small.seq
+    key_full = tr.proto.numpy() * N_SEQ + tr.seq.numpy()
+    order = np.argsort(key_full)
+    assert np.array_equal(key_full[order], key_cache)
+    want = np.einsum("nd,nrd->nr", w[order], small.projection[proto])
+    np.testing.assert_allclose(np.asarray(small.sketch), want, rtol=1e-10, atol=1e-12 * np.abs(want).max())
