@@ -16,8 +16,14 @@ Methods
     ``full``: exact block gradients, shared block curvature H_i = m_i F + λ_i I; ``full-exact``: exact
     diagonal blocks; ``proto-dot``: block gradients with H_i = I; ``cached-r{R}``: the postings cache with
     an r-dim orthogonal (``-gauss``: Gaussian JL; ``-pca``: top-r principal directions of the whitened
-    gradients) sketch; ``ekfac``, ``kf-identity``: kronfluence over every
-    ``nn.Linear`` (damping: kronfluence's 0.1 × mean eigenvalue heuristic, the same relative ρ = 0.1 as ours).
+    gradients) sketch; ``cached-compact``: pca-local, r = min(48, d), int4, prune 0.1, delta ids; ``-rec``
+    suffix: the curvature plus the reconstruction term's diagonal blocks (λ_rec of the recipe);
+    ``ekfac``, ``kf-identity``: kronfluence over every ``nn.Linear`` (damping: kronfluence's 0.1 × mean
+    eigenvalue heuristic, the same relative ρ = 0.1 as ours); ``wn-dot``: gradient dot products over every
+    parameter; ``trak``: TRAK (traker, dense projector, one checkpoint); ``hybrid-{wn-dot,ekfac}-m{M}``: the
+    compact cache's top-M candidates re-scored by that whole-network score (``hybrid_scores``), with the
+    per-query cost of computing it on the M candidates only (``--timing-queries`` queries); ``bergson``
+    (with ``--bergson PYTHON``): EleutherAI's bergson gradient index, run from its own venv.
 
 What is measured
     - costs at ≥ 3 training-set sizes (prefixes of the training sequences): one-off time (curvature +
@@ -64,7 +70,7 @@ from _common import (
 
 from prismlm.config import AttributionConfig, RunConfig
 from prismlm.data.shards import prepare_shards
-from prismlm.tda.baselines import KronfluenceBaseline
+from prismlm.tda.baselines import KronfluenceBaseline, TrakBaseline, WholeNetworkGradients, hybrid_scores
 from prismlm.tda.cache import build_cache
 from prismlm.tda.influence import FullGradients, curvature_pass, query_gradients
 from prismlm.tda.planted import build_planted_corpus, relevant_sequences, retrieval_metrics
@@ -75,7 +81,7 @@ from prismlm.train import load_checkpoint, train
 # 64 LDS models ~16–20 s at 300 steps); "quick" is a smoke run of ~2 minutes.
 PROFILES: dict[str, dict[str, Any]] = {
     "default": dict(background=160, doc_chars=2000, facts=8, copies=3, steps=300, batch=16, val_queries=40,
-                    lds_subsets=32, lds_seeds=2, ranks=[4, 8, 16, 32, 64], fractions=[0.25, 0.5, 1.0]),
+                    lds_subsets=64, lds_seeds=2, ranks=[4, 8, 16, 32, 64], fractions=[0.25, 0.5, 1.0]),
     "quick": dict(background=40, doc_chars=1500, facts=4, copies=2, steps=150, batch=8, val_queries=8,
                   lds_subsets=8, lds_seeds=2, ranks=[4, 16, 64], fractions=[0.25, 0.5, 1.0]),
 }
@@ -338,6 +344,137 @@ def _compression_summary(study: dict[str, Any], out_path: Path) -> str:
     return "; ".join(parts) + f" → {out_path}"
 
 
+# ----- bergson (optional, its own venv) ---------------------------------------------------------------------
+def _bergson_scores(args: argparse.Namespace, run_dir: Path, shards: Any, queries: list, N: int, T: int,
+                    work: Path) -> np.ndarray:
+    """(Q, N) bergson gradient-similarity scores: ``prism export`` of the attributed run, then
+    ``_bergson_driver.py`` under ``--bergson`` (a python with bergson==2.5.1 installed) builds an index of the
+    training sequences and one of the queries (pre-tokenized, only the measured targets labelled) and dots them."""
+    import os
+    import subprocess
+
+    bw = work / "bergson"
+    bw.mkdir(parents=True, exist_ok=True)
+    model_dir = bw / "model"
+    prism = Path(sys.executable).parent / "prism"
+    subprocess.run([str(prism), "export", str(run_dir), str(model_dir), "--overwrite"], check=True,
+                   capture_output=True, text=True)
+    with open(bw / "train.jsonl", "w") as f:
+        for j in range(N):
+            ids = shards.train.sequence(j, T).tolist()[:T]  # the model takes at most T tokens
+            f.write(json.dumps({"input_ids": ids, "labels": ids}) + "\n")
+    with open(bw / "query.jsonl", "w") as f:
+        for ids, start in queries:
+            ids = list(ids)
+            cut = max(0, len(ids) - T)
+            ids, start = ids[cut:], max(1, start - cut)
+            f.write(json.dumps({"input_ids": ids, "labels": [-100] * start + ids[start:]}) + "\n")
+    driver = str(Path(__file__).with_name("_bergson_driver.py"))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
+    common = ["--model", str(model_dir), "--projection_dim", str(args.bergson_proj_dim), "--precision", "fp32",
+              "--token_batch_size", str(T), "--model_kwargs", "trust_remote_code=True", "--loss_reduction", "sum",
+              "--overwrite", "true"]
+    for name in ("train", "query"):
+        r = subprocess.run([args.bergson, driver, "build", str(bw / f"{name}-idx"), "--dataset",
+                            str(bw / f"{name}.jsonl"), *common], env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"bergson build {name}: {r.stderr.strip().splitlines()[-1] if r.stderr else r.returncode}")
+    r = subprocess.run([args.bergson, driver, "scores", str(bw / "train-idx"), str(bw / "query-idx"),
+                        str(bw / "scores.npy")], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"bergson scores: {r.stderr.strip().splitlines()[-1] if r.stderr else r.returncode}")
+    S = np.load(bw / "scores.npy")
+    if S.shape != (len(queries), N):
+        raise RuntimeError(f"bergson returned scores of shape {S.shape}, expected {(len(queries), N)}")
+    return S
+
+
+# ----- summary (issue 13) -------------------------------------------------------------------------------
+def _rec_ratio(c: Any) -> float | None:
+    """Mean over prototypes seen in the statistics of trace(REC block) / trace(CE Gauss–Newton block)."""
+    if c.rec is None:
+        return None
+    seen = c.m > 0
+    ce = c.m[seen] * float(torch.diagonal(c.F).sum())
+    return float((c.rec[seen] * c.F.shape[0] / ce.clamp_min(1e-300)).mean())
+
+
+def _find_key(obj: Any, key: str) -> Any:
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        for v in obj.values():
+            found = _find_key(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def _external(name: str, key: str) -> dict[str, Any]:
+    """A headline number from another bench's JSON, with the file and its git revision (and whether the
+    working tree differs from it), or null and why."""
+    import subprocess
+
+    path = RESULTS_DIR / name
+    rec: dict[str, Any] = {"source": f"bench/results/{name}", "value": None}
+    if not path.exists():
+        rec["note"] = f"{rec['source']} absent when this bench ran"
+        return rec
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        rec["note"] = f"unreadable: {e}"
+        return rec
+    rec["value"], rec["field"] = _find_key(data, key), key
+    fit = data.get("fit") if isinstance(data, dict) else None
+    if rec["value"] is None and key == "query_time_exponent" and isinstance(fit, dict) and "approx" in fit:
+        # bench/attribution_scaling.py: time ≈ a · tokens^b fitted for the approximate search and the exact scan
+        rec["value"], rec["field"] = fit["approx"].get("b"), "fit.approx.b"
+        rec["exact_scan_exponent"] = fit.get("exact", {}).get("b")
+    if rec["value"] is None:
+        rec["note"] = f"no {key!r} in {rec['source']}"
+    rec["profile"] = data.get("profile") if isinstance(data, dict) else None
+    root = RESULTS_DIR.parent.parent
+    try:
+        rev = subprocess.run(["git", "log", "-1", "--format=%H", "--", str(path)], cwd=root, capture_output=True,
+                             text=True, timeout=20).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(path)], cwd=root, capture_output=True,
+                               text=True, timeout=20).stdout.strip()
+        rec["git_revision"] = rev or None
+        rec["uncommitted"] = bool(dirty)
+    except (OSError, subprocess.SubprocessError) as e:
+        rec["git_revision"] = None
+        rec["note"] = (rec.get("note", "") + f" git: {e}").strip()
+    return rec
+
+
+def _summary(agreement: dict[str, Any], lds: dict[str, Any], cache_meta: dict[str, Any], out_path: Path,
+             d: int) -> dict:
+    """The headline numbers (issue 13): the compact cache's bytes/token, its top-10 overlap with the full
+    prototype-space scores and its LDS (this run), EK-FAC's LDS (this run), the query-time exponent and the
+    equal-work speed-up (read from the scaling / costs benches' JSON)."""
+    name = "cached-compact"
+    qt = _external("attribution-scaling.json", "query_time_exponent")
+    sp = _external("attribution-costs.json", "speedup_vs_ekfac_equal_work")
+    return {
+        "cached_method": f"{name}: " + json.dumps({k: cache_meta.get(name, {}).get(k) for k in
+                                                   ("projection", "r", "dtype", "prune", "id_encoding")}),
+        "cache_bytes_per_token": cache_meta.get(name, {}).get("bytes_per_token"),
+        "top10_overlap_vs_full": agreement.get(name, {}).get("top10_vs_full"),
+        "lds_cached": lds.get(name, {}).get("mean"), "lds_cached_ci95": lds.get(name, {}).get("ci95"),
+        "lds_ekfac": lds.get("ekfac", {}).get("mean"), "lds_ekfac_ci95": lds.get("ekfac", {}).get("ci95"),
+        "lds_full": lds.get("full", {}).get("mean"), "lds_full_ci95": lds.get("full", {}).get("ci95"),
+        "lds_cached_default_r": lds.get(f"cached-r{d}", {}).get("mean"),  # AttributionConfig(): r = d, orthogonal
+        "lds_cached_default_r_ci95": lds.get(f"cached-r{d}", {}).get("ci95"),
+        "lds_trak": lds.get("trak", {}).get("mean"), "lds_trak_ci95": lds.get("trak", {}).get("ci95"),
+        "lds_hybrid": {k: v["mean"] for k, v in lds.items() if k.startswith("hybrid")},
+        "query_time_exponent": qt["value"], "query_time_exponent_source": qt,
+        "speedup_vs_ekfac_equal_work": sp["value"], "speedup_vs_ekfac_equal_work_source": sp,
+        "this_file": str(out_path),
+    }
+
+
 # ----- main -------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -356,6 +493,20 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", help="sketch sizes r of the cached method")
     ap.add_argument("--fractions", type=float, nargs="+", help="training-set sizes for costs, as fractions")
     ap.add_argument("--no-kronfluence", action="store_true", help="skip the kronfluence baselines")
+    ap.add_argument("--no-trak", action="store_true", help="skip the TRAK baseline (traker)")
+    ap.add_argument("--trak-proj-dim", type=int, default=None,
+                    help="TRAK projection size (default min(512, N/4), at least 128; must be > 100 and < N)")
+    ap.add_argument("--hybrid-m", type=int, nargs="+", default=[32, 128],
+                    help="hybrid: prototype-space candidates per query re-scored by a whole-network score")
+    ap.add_argument("--bergson", default=None, metavar="PYTHON",
+                    help="also score with bergson==2.5.1 (EleutherAI), run by this python (a separate venv with "
+                         "bergson installed; see bench/_bergson_driver.py)")
+    ap.add_argument("--bergson-proj-dim", type=int, default=16, help="bergson's per-module projection_dim")
+    ap.add_argument("--reuse-scores", action="store_true",
+                    help="load every method's scores (and their costs) saved by an earlier run with the same model, "
+                         "queries and method options under --workdir (e.g. to add LDS subsets)")
+    ap.add_argument("--timing-queries", type=int, default=4,
+                    help="queries the hybrid's and TRAK's per-query re-scoring time is measured on")
     ap.add_argument("--no-costs", action="store_true", help="skip the timing section (e.g. to resume LDS training)")
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
@@ -539,31 +690,169 @@ def main() -> None:
                 losses[m, s] = query_gradients(m2, queries).loss.numpy()
                 lf.write_text(json.dumps(losses[m, s].tolist()))
             log(f"LDS subset {m + 1}/{M} done ({time.perf_counter() - t0:.0f}s)")
-    # --- scores of every method on the full training set
-    qg = query_gradients(net, queries)
-    curv = curvature_pass(net, shards)
-    full = FullGradients.build(net, shards, curvature=curv)
-    scores_at_N["full"] = full.scores(qg, Q).numpy()
-    if not args.no_kronfluence and "ekfac" not in scores_at_N:  # --no-costs: the baselines were not run yet
-        for strat, name in (("ekfac", "ekfac"), ("identity", "kf-identity")):
-            kb = KronfluenceBaseline(net, shards, strategy=strat, batch_size=16)
-            scores_at_N[name] = kb.scores(queries, tok.eot_id, query_batch_size=Q).numpy()
-            kb.close()
-    scores_at_N["full-exact"] = FullGradients.build(net, shards, mode="exact").scores(qg, Q).numpy()
-    scores_at_N["proto-dot"] = FullGradients(full.train, None, N).scores(qg, Q).numpy()
-    cache_meta = {}
-    for r in sorted(set(prof["ranks"]) | {r_time}):
-        for proj in ("orthogonal", "gaussian", "pca"):
-            if proj in ("orthogonal", "pca") and r > cfg.model.n_embd:
-                continue
-            name = f"cached-r{r}" + {"orthogonal": "", "gaussian": "-gauss", "pca": "-pca"}[proj]
-            c = build_cache(net, shards, AttributionConfig(r=r, projection=proj, seed=args.seed), curvature=curv)
-            scores_at_N[name] = c.scores(qg, Q).numpy()
-            cache_meta[name] = {"r": r, "projection": proj, "bytes_per_token": c.manifest["bytes_per_token"]}
-    c16 = build_cache(net, shards, AttributionConfig(r=min(16, cfg.model.n_embd), dtype="float16"), curvature=curv)
-    scores_at_N[f"cached-r{c16.r}-fp16"] = c16.scores(qg, Q).numpy()
-    cache_meta[f"cached-r{c16.r}-fp16"] = {"r": c16.r, "projection": "orthogonal", "dtype": "float16",
-                                           "bytes_per_token": c16.manifest["bytes_per_token"]}
+    # --- scores of every method on the full training set (saved under --workdir: --reuse-scores loads them)
+    skey = hashlib.sha256((cfg_hash + json.dumps(queries) + repr((args.seed, args.trak_proj_dim, args.hybrid_m,
+                                                                  args.no_kronfluence, args.no_trak, prof["ranks"],
+                                                                  bool(costs)))).encode()).hexdigest()[:12]
+    spath = work / f"scores-{skey}.npz"
+
+    def all_scores() -> dict[str, Any]:
+        qg = query_gradients(net, queries)
+        curv = curvature_pass(net, shards)
+        lam_rec = float(cfg.loss.lambda_rec)
+        curv_rec = curvature_pass(net, shards, reconstruction=lam_rec)  # + the REC term's diagonal blocks
+        full = FullGradients.build(net, shards, curvature=curv)
+        scores_at_N["full"] = full.scores(qg, Q).numpy()
+        scores_at_N["full-rec"] = FullGradients(full.train, curv_rec, N).scores(qg, Q).numpy()
+        method_costs: dict[str, Any] = {}
+        notes: dict[str, str] = {}
+        kb_ekfac = None
+        if not args.no_kronfluence:
+            for strat, name in (("ekfac", "ekfac"), ("identity", "kf-identity")):
+                if name in scores_at_N and strat != "ekfac":
+                    continue
+                kb, t_f, _ = timed(KronfluenceBaseline, net, shards, strategy=strat, batch_size=16)
+                if name not in scores_at_N:  # --no-costs: the baselines were not run yet
+                    t0 = time.perf_counter()
+                    scores_at_N[name] = kb.scores(queries, tok.eot_id, query_batch_size=Q).numpy()
+                    method_costs[name] = {"oneoff_s": t_f, "per_query_s_batched": (time.perf_counter() - t0) / Q}
+                if strat == "ekfac":
+                    kb_ekfac = kb
+                else:
+                    kb.close()
+        if not args.no_trak:
+            pdim = args.trak_proj_dim or max(128, min(512, N // 4))
+            try:
+                tb, t_f, mem = timed(TrakBaseline, net, shards, proj_dim=pdim, batch_size=16, seed=args.seed)
+                t0 = time.perf_counter()
+                scores_at_N["trak"] = tb.scores(queries, tok.eot_id).numpy()
+                method_costs["trak"] = {"oneoff_s": t_f, "peak_rss_mib_features": mem, "proj_dim": pdim,
+                                        "per_query_s_batched": (time.perf_counter() - t0) / Q,
+                                        "projector": "BasicProjector (dense Gaussian, CPU)", "checkpoints": 1}
+                tb.close()
+            except Exception as e:  # recorded, not hidden: the JSON says why TRAK is missing
+                notes["trak"] = f"TRAK failed: {type(e).__name__}: {e}"
+                log(notes["trak"])
+        scores_at_N["full-exact"] = FullGradients.build(net, shards, mode="exact").scores(qg, Q).numpy()
+        scores_at_N["proto-dot"] = FullGradients(full.train, None, N).scores(qg, Q).numpy()
+        cache_meta = {}
+        for r in sorted(set(prof["ranks"]) | {r_time}):
+            for proj in ("orthogonal", "gaussian", "pca"):
+                if proj in ("orthogonal", "pca") and r > cfg.model.n_embd:
+                    continue
+                name = f"cached-r{r}" + {"orthogonal": "", "gaussian": "-gauss", "pca": "-pca"}[proj]
+                c = build_cache(net, shards, AttributionConfig(r=r, projection=proj, seed=args.seed), curvature=curv)
+                scores_at_N[name] = c.scores(qg, Q).numpy()
+                cache_meta[name] = {"r": r, "projection": proj, "bytes_per_token": c.manifest["bytes_per_token"]}
+        compact_cfg = AttributionConfig(projection="pca-local", r=min(48, cfg.model.n_embd), dtype="int4", prune=0.1,
+                                        id_encoding="delta", seed=args.seed)
+        for name, cv in (("cached-compact", curv), ("cached-compact-rec", curv_rec)):
+            cc = build_cache(net, shards, compact_cfg, curvature=cv)
+            scores_at_N[name] = cc.scores(qg, Q).numpy()
+            cache_meta[name] = {"r": cc.r, "projection": "pca-local", "dtype": "int4", "prune": 0.1,
+                                "id_encoding": "delta", "bytes_per_token": cc.manifest["bytes_per_token"],
+                                "curvature_reconstruction": cv.reconstruction}
+            if name == "cached-compact":
+                per = []
+                for qq in queries[:8]:
+                    t0 = time.perf_counter()
+                    cc.scores(query_gradients(net, [qq]), 1)
+                    per.append(time.perf_counter() - t0)
+                method_costs["cached-compact"] = {"per_query_s": statistics.median(per)}
+        crec = build_cache(net, shards, AttributionConfig(seed=args.seed), curvature=curv_rec)
+        scores_at_N[f"cached-r{crec.r}-rec"] = crec.scores(qg, Q).numpy()
+        cache_meta[f"cached-r{crec.r}-rec"] = {"r": crec.r, "projection": "orthogonal",
+                                               "bytes_per_token": crec.manifest["bytes_per_token"]}
+
+        # --- whole-network gradient dot products (every parameter) and the hybrid re-ranker
+        wn = WholeNetworkGradients(net, shards, memo=False)
+        t0 = time.perf_counter()
+        gq = torch.stack([wn.query(ids, st) for ids, st in queries])  # (Q, P)
+        t_qgrad = (time.perf_counter() - t0) / Q
+        WN = np.zeros((Q, N))
+        t0 = time.perf_counter()
+        for j in range(N):
+            WN[:, j] = (gq @ wn.train(j)).numpy()
+        t_tgrad = (time.perf_counter() - t0) / N
+        scores_at_N["wn-dot"] = WN
+        method_costs["wn-dot"] = {"oneoff_s": 0.0, "per_query_s": t_qgrad + N * t_tgrad,
+                                  "train_gradient_s": t_tgrad, "query_gradient_s": t_qgrad,
+                                  "note": "per query: the query's gradient + one backward pass per training sequence"}
+        base_name = "cached-compact"
+        hybrid_meta: dict[str, Any] = {"base": base_name, "m": args.hybrid_m, "rescorers": {}}
+        rescorers = {"wn-dot": scores_at_N["wn-dot"]}
+        if "ekfac" in scores_at_N:
+            rescorers["ekfac"] = scores_at_N["ekfac"]
+        base_S = torch.from_numpy(scores_at_N[base_name])
+        tq = args.timing_queries
+        for rname, R in rescorers.items():
+            Rt = torch.from_numpy(R)
+            for m_c in args.hybrid_m:
+                # the re-scorer's value on a candidate does not depend on the other training sequences (fixed
+                # factors / gradients), so the scores are read from the full matrix; the per-query time below is
+                # measured by computing them on the candidates only
+                H, cands = hybrid_scores(base_S, lambda q, ids, Rt=Rt: Rt[q, ids], m_c)
+                hname = f"hybrid-{rname}-m{m_c}"
+                scores_at_N[hname] = H.numpy()
+                times = []
+                for q in range(min(tq, Q)):
+                    t0 = time.perf_counter()
+                    if rname == "wn-dot":
+                        g = wn.query(*queries[q])
+                        wn.dot(g, cands[q].tolist())
+                    elif kb_ekfac is not None:
+                        kb_ekfac.scores_on([queries[q]], cands[q].tolist(), tok.eot_id)
+                    times.append(time.perf_counter() - t0)
+                base_q = method_costs["cached-compact"]["per_query_s"]
+                hybrid_meta["rescorers"][hname] = {
+                    "rescore_per_query_s": statistics.median(times) if times else None,
+                    "per_query_s": base_q + (statistics.median(times) if times else float("nan")),
+                    "cached_per_query_s": base_q,
+                    "oneoff_s_extra": ((method_costs.get("ekfac", {}).get("oneoff_s")
+                                        or (costs[-1].get("ekfac", {}).get("oneoff_s") if costs else None))
+                                       if rname == "ekfac" else 0.0),
+                    "timing_queries": len(times)}
+                log(f"{hname}: {hybrid_meta['rescorers'][hname]['per_query_s'] * 1e3:.0f} ms/query")
+        if kb_ekfac is not None:
+            kb_ekfac.close()
+        c16 = build_cache(net, shards, AttributionConfig(r=min(16, cfg.model.n_embd), dtype="float16"), curvature=curv)
+        scores_at_N[f"cached-r{c16.r}-fp16"] = c16.scores(qg, Q).numpy()
+        cache_meta[f"cached-r{c16.r}-fp16"] = {"r": c16.r, "projection": "orthogonal", "dtype": "float16",
+                                               "bytes_per_token": c16.manifest["bytes_per_token"]}
+        return {"cache_meta": cache_meta, "method_costs": method_costs, "hybrid": hybrid_meta, "notes": notes,
+                "curvature": {"reconstruction_lambda": lam_rec, "mean_rec_over_ce_trace_per_d": _rec_ratio(curv_rec)}}
+
+    if args.reuse_scores and spath.exists() and spath.with_suffix(".json").exists():
+        with np.load(spath) as z:
+            scores_at_N.update({k: z[k] for k in z.files})
+        extra = json.loads(spath.with_suffix(".json").read_text())
+        log(f"scores reused from {spath}")
+    else:
+        extra = all_scores()
+        np.savez(spath, **scores_at_N)
+        spath.with_suffix(".json").write_text(json.dumps(extra))
+    cache_meta, method_costs = extra["cache_meta"], extra["method_costs"]
+    hybrid_meta, notes = extra["hybrid"], extra["notes"]
+    if args.bergson and ("bergson" not in scores_at_N or args.bergson_proj_dim != method_costs.get("bergson", {}).get(
+            "projection_dim")):  # added to saved scores without recomputing the others
+        try:
+            tb0 = time.perf_counter()
+            scores_at_N["bergson"] = _bergson_scores(args, run_dir, shards, queries, N, T, work)
+            method_costs["bergson"] = {"total_s": time.perf_counter() - tb0, "projection_dim": args.bergson_proj_dim,
+                                       "note": "prism export + bergson build of the training and query sequences "
+                                               "(one subprocess each) + dot products of the "
+                                               "projected gradients; targets: 63 of each training sequence's "
+                                               "64 (bergson feeds at most block_size tokens)"}
+        except Exception as e:  # recorded: the JSON says why bergson is missing
+            notes["bergson_error"] = f"bergson failed: {type(e).__name__}: {e}"
+            log(notes["bergson_error"])
+        np.savez(spath, **scores_at_N)
+        spath.with_suffix(".json").write_text(json.dumps(extra))
+    if "bergson" not in scores_at_N:
+        notes.setdefault("bergson", "not run (--bergson PYTHON runs it from a separate venv): bergson==2.5.1 works on "
+                                    "CPU on a `prism export`ed model only with torchvision/torchaudio removed (their "
+                                    "wheels do not match torch 2.13 CPU), prismlm importable and PrismLM.device "
+                                    "patched (bench/_bergson_driver.py); docs/results.md, issue 13 items 5-6")
 
     agreement = {}
     for name, S in scores_at_N.items():
@@ -596,7 +885,10 @@ def main() -> None:
         "config": cfg.to_dict(), "num_train": N, "block_size": T, "queries": {"planted": len(planted_q),
                                                                                "heldout": len(val_q)},
         "relevant_per_fact": [sorted(r) for r in relevant], "costs": costs, "agreement": agreement,
-        "planted": planted, "lds": lds, "environment": env, "load_average_end": load_average(),
+        "planted": planted, "lds": lds, "method_costs": method_costs, "hybrid": hybrid_meta,
+        "curvature": extra["curvature"], "scores_file": str(spath),
+        "notes": notes, "summary": _summary(agreement, lds, cache_meta, out_path, cfg.model.n_embd),
+        "environment": env, "load_average_end": load_average(),
         "total_seconds": time.perf_counter() - t_start,
     }
     write_json(out_path, payload)
@@ -611,7 +903,9 @@ def main() -> None:
     parts.append("planted R@10 " + " ".join(f"{k}={v['recall@10']:.2f}" for k, v in planted.items()
                                              if k in ("full", best_r, "ekfac", "kf-identity")))
     if lds:
-        parts.append("LDS " + " ".join(f"{k}={lds[k]['mean']:.2f}" for k in ("full", best_r, "ekfac") if k in lds))
+        parts.append("LDS " + " ".join(f"{k}={lds[k]['mean']:.2f}" for k in lds if not k.startswith("_")
+                                       and (k in ("full", "full-rec", best_r, "ekfac", "kf-identity", "trak", "wn-dot")
+                                            or k.startswith(("cached-compact", "hybrid")))))
     print("; ".join(parts) + f" → {out_path}")
 
 

@@ -3,23 +3,39 @@
 from __future__ import annotations
 
 import math
+import shutil
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from prismlm.app.run import Run, require
 from prismlm.config import AttributionConfig
-from prismlm.errors import ConfigError
+from prismlm.errors import ArtifactError, ConfigError
 from prismlm.explain import Explanation
 from prismlm.progress import Progress
 from prismlm.tda.attribute import Attribution, attribute
-from prismlm.tda.cache import AttributionCache, build_cache
+from prismlm.tda.cache import AttributionCache, build_cache, compress_cache, merge_caches, sampled_curvature
 from prismlm.tda.influence import FullGradients
+from prismlm.train.distributed import DistInfo, barrier, cleanup, init_distributed
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet
+    from prismlm.model import PrismLM
 
 DEFAULT_ATTRIBUTION = AttributionConfig()
 
 
 def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *, out: Path | None = None,
-                    shards: Path | None = None, progress: Progress = True) -> AttributionCache:
+                    shards: Path | None = None, compress_from: Path | None = None,
+                    progress: Progress = True) -> AttributionCache:
     """Build the postings cache for fast prototype-space attribution (one pass over the training data).
+
+    Under ``torchrun`` every process computes the same curvature (and pca bases), builds its batch-aligned
+    share of the postings into OUT.part-RANK-of-WORLD, and rank 0 merges the shares into OUT, applies the
+    storage options (dtype, prune, aggregate, id_encoding) and removes the shares: the same cache as one
+    process, bit for bit.
 
     Args:
         config: How to build it (sketch size, projection, curvature, damping, storage: dtype, prune,
@@ -29,11 +45,96 @@ def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *
             --prune 0.1 --id-encoding delta --pca-sequences 1000000`` (the bases fitted on every sequence).
         out: Output folder (default RUN/attribution-cache).
         shards: Token shard folder (default: the run's).
+        compress_from: Re-encode this lossless cache (float32/float64, no pruning, sequence postings) with
+            the storage options (--dtype, --prune, --aggregate, --id-encoding) into --out instead of
+            building one: no pass over the data; the sketch and curvature options are the cache's own.
         progress: Show progress bars (curvature pass, postings pass).
     """
     model = run.prism_model("prototype-space attribution")
-    return build_cache(model, run.shards(shards), config, out=out or run.folder / "attribution-cache",
-                       model_sha256=run.identity, progress=progress)
+    out = out or run.folder / "attribution-cache"
+    if compress_from is not None:
+        return compress_run_cache(run, compress_from, config, out=out, shards=shards)
+    shard_set = run.shards(shards)
+    info, _ = init_distributed(str(run.device))
+    if not info.enabled:
+        cache = build_cache(model, shard_set, config, out=out, model_sha256=run.identity, progress=progress)
+        run.forget(out)
+        return cache
+    try:
+        return _build_distributed(run, model, shard_set, config, out, info, progress)
+    finally:
+        cleanup(info)
+
+
+def lossless_options(config: AttributionConfig) -> AttributionConfig:
+    """The options parts of a cache are built with so that merging them and then applying ``config``'s
+    storage options gives what one pass with ``config`` gives: sequence postings, no pruning, int32 ids,
+    float32 sketches (float64 when ``config`` stores float16/float64, which one pass casts from float64; for
+    float16 the merged sketches are then rounded to float16 before the storage options, as one pass does)."""
+    return replace(config, dtype="float64" if config.dtype in ("float16", "float64") else "float32", prune=0.0,
+                   aggregate="sequence", id_encoding="int32")
+
+
+def _build_distributed(run: Run, model: PrismLM, shard_set: ShardSet, config: AttributionConfig, out: Path,
+                       info: DistInfo, progress: Progress) -> AttributionCache:
+    """One torchrun process's share of ``build_run_cache`` (see there); every rank returns the cache."""
+    T = model.config.block_size
+    n_all = shard_set.train.num_sequences(T)
+    universe = n_all if config.max_sequences is None else min(n_all, config.max_sequences)
+    if universe < 1:
+        raise ArtifactError(f"the training split of {shard_set.root} has no complete sequence of {T + 1} tokens",
+                            fix="prepare more data or use a model with a smaller block_size")
+    show = progress if info.is_main else False
+    # the same sequences, batches and accumulation order on every rank: the same curvature, bit for bit
+    curvature = sampled_curvature(model, shard_set, config, universe, progress=show)
+    parts_cfg = lossless_options(config)
+
+    def part_dir(rank: int) -> Path:
+        return out.with_name(f"{out.name}.part-{rank}-of-{info.world_size}")
+
+    built = build_cache(model, shard_set, parts_cfg, out=part_dir(info.rank), curvature=curvature,
+                        part=(info.rank, info.world_size), model_sha256=run.identity, progress=show)
+    del built
+    barrier(info)
+    if info.is_main:
+        parts = [AttributionCache.load(part_dir(r), model_sha256=run.identity) for r in range(info.world_size)]
+        merged_dir = out if parts_cfg == config else out.with_name(f"{out.name}.merged")
+        merged = merge_caches(parts, out=merged_dir)  # memory-mapped: the sketches are never all in memory
+        del parts
+        if merged_dir != out:
+            if config.dtype == "float16":  # one pass rounds each sketch to float16 before summing or pruning
+                _round_in_place(merged_dir / "sketch.npy", np.float16)
+            merged.path = None  # an intermediate: not recorded as the source of the result
+            compress_cache(merged, config, shards=shard_set, out=out)
+        del merged
+        for d in [part_dir(r) for r in range(info.world_size)] + ([merged_dir] if merged_dir != out else []):
+            shutil.rmtree(d, ignore_errors=True)
+    barrier(info)
+    run.forget(out)
+    return AttributionCache.load(out, model_sha256=run.identity)
+
+
+def _round_in_place(path: Path, dtype: type[np.floating]) -> None:
+    """Round the float64 rows of the .npy at ``path`` to ``dtype`` (kept as float64), in chunks."""
+    a = np.load(path, mmap_mode="r+")
+    step = 1 << 16
+    for s in range(0, a.shape[0], step):
+        a[s:s + step] = a[s:s + step].astype(dtype)
+    a.flush()
+    del a
+
+
+def compress_run_cache(run: Run, source: Path, config: AttributionConfig = DEFAULT_ATTRIBUTION, *,
+                       out: Path | None = None, shards: Path | None = None) -> AttributionCache:
+    """Re-encode the lossless cache ``source`` of this run with ``config``'s storage options (dtype, prune,
+    aggregate, id_encoding) into ``out`` (default RUN/attribution-cache): ``compress_cache`` without a
+    pass over the data."""
+    cache = run.cache(source, shards)
+    shard_set = run.shards(shards, cache.manifest.get("shards_root"))
+    out = out or run.folder / "attribution-cache"
+    result = compress_cache(cache, config, shards=shard_set, out=out)
+    run.forget(out)
+    return result
 
 
 def attribute_text(run: Run, text: str, *, answer: str | None = None, completion: int | None = None,
@@ -90,4 +191,5 @@ def attribute_explanation(run: Run, expl: Explanation, *, shards: Path | None = 
     return attribute_text(run, expl.text, completion=completion or None, shards=shards, token_ids=ids)
 
 
-__all__ = ["DEFAULT_ATTRIBUTION", "attribute_explanation", "attribute_text", "build_run_cache"]
+__all__ = ["DEFAULT_ATTRIBUTION", "attribute_explanation", "attribute_text", "build_run_cache", "compress_run_cache",
+           "lossless_options"]

@@ -272,7 +272,8 @@ def render_attribution(report: AttributionReport, run: Run, *, json_out: Path | 
         console.print(f"HTML → {html_out}")
 
 
-command(app, "attribute-cache", ops.build_run_cache, render_cache)
+# --sketch-size: the same as --r, for torchrun (whose argument parser takes --r for an abbreviation of its own flags)
+command(app, "attribute-cache", ops.build_run_cache, render_cache, decls={"r": ["--r", "--sketch-size"]})
 command(app, "attribute", attribute_report, render_attribution, arguments={"text"},
         computed={"explain": lambda options: options.get("html_out") is not None},
         decls={"generate": ["--generate", "-g"], "json_out": ["--json"], "html_out": ["--html"]})

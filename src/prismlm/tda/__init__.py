@@ -6,7 +6,8 @@ from prismlm.tda.attribute import AttributedSequence, Attribution, attribute
 from prismlm.tda.cache import AttributionCache, build_cache, merge_caches
 from prismlm.tda.gradients import BlockGradients, block_gradients, output_gradients, query_table
 from prismlm.tda.influence import Curvature, FullGradients, curvature_pass, influence_scores, query_gradients
+from prismlm.tda.search import SearchIndex, build_search_index
 
 __all__ = ["Attribution", "AttributedSequence", "AttributionCache", "BlockGradients", "Curvature", "FullGradients",
            "attribute", "block_gradients", "build_cache", "curvature_pass", "influence_scores", "merge_caches",
-           "output_gradients", "query_gradients", "query_table"]
+           "output_gradients", "query_gradients", "query_table", "SearchIndex", "build_search_index"]

@@ -1,5 +1,7 @@
 """Whole-network attribution baselines on the same model, data and queries: kronfluence EK-FAC and its
-``identity`` strategy (plain gradient dot products), plus other kronfluence strategies (kfac, diagonal).
+``identity`` strategy (plain gradient dot products), plus other kronfluence strategies (kfac, diagonal);
+TRAK (``traker``, dense projector on CPU); and the **hybrid**: prototype-space candidates re-ranked by a
+whole-network score on the top-M only (``hybrid_scores``, ``WholeNetworkGradients``).
 
 **Task.** The training loss is the *summed* token cross-entropy of a training sequence (the trainer's
 sequence j = ``shards.train.sequence(j, T)``); with ``sample=True`` the labels are drawn from the model's
@@ -33,7 +35,8 @@ if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.model import PrismLM
 
-__all__ = ["KronfluenceBaseline", "PrismTask", "QueryDataset", "TrainDataset"]
+__all__ = ["KronfluenceBaseline", "PrismTask", "QueryDataset", "TrainDataset", "TrakBaseline", "WholeNetworkGradients",
+           "hybrid_scores"]
 
 
 class TrainDataset(torch.utils.data.Dataset):
@@ -161,6 +164,23 @@ class KronfluenceBaseline:
         self.timings["last_scores_seconds"] = time.perf_counter() - t0
         return self.analyzer.load_pairwise_scores(name)["all_modules"].double()
 
+    def scores_on(self, queries: list[tuple[list[int], int]], train_ids: list[int], pad_id: int = 0) -> torch.Tensor:
+        """(num_queries, len(train_ids)) scores against the listed training sequences only (the factors stay
+        those fitted on all sequences): what the hybrid's EK-FAC re-scoring of M candidates costs."""
+        from kronfluence.arguments import ScoreArguments
+
+        qset = QueryDataset(queries, pad_id, self.T)
+        subset = torch.utils.data.Subset(self.train_set, [int(j) for j in train_ids])
+        self._calls += 1
+        name = f"scores_{self._calls}"
+        t0 = time.perf_counter()
+        self.analyzer.compute_pairwise_scores(
+            scores_name=name, factors_name=self.strategy, query_dataset=qset, train_dataset=subset,
+            per_device_query_batch_size=len(qset), per_device_train_batch_size=self.batch_size,
+            score_args=ScoreArguments(damping_factor=self.damping), overwrite_output_dir=True)
+        self.timings["last_scores_seconds"] = time.perf_counter() - t0
+        return self.analyzer.load_pairwise_scores(name)["all_modules"].double()
+
     def close(self) -> None:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -171,3 +191,221 @@ class KronfluenceBaseline:
             self.close()
         except Exception:
             pass
+
+
+# ----- TRAK ---------------------------------------------------------------------------------------------
+def _trak_output_class():
+    from trak.modelout_functions import AbstractModelOutput
+
+    class _CausalLMOutput(AbstractModelOutput):
+        """TRAK's model output for a causal LM: the summed log-odds margin
+        ``f = Σ_t [ℓ_{t,y_t} − logsumexp_{v≠y_t} ℓ_{t,v}]`` over the measured tokens; out-to-loss weight
+        ``Q = mean_t (1 − p_{t,y_t})`` (one scalar per sequence, as TRAK's classification outputs)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+
+        @staticmethod
+        def _margins(model, input_ids, mask):
+            logits = model(input_ids[:, :-1]).logits.float()  # (B, T, V)
+            y = input_ids[:, 1:]
+            correct = logits.gather(-1, y[..., None])[..., 0]
+            others = logits.scatter(-1, y[..., None], float("-inf")).logsumexp(-1)
+            return logits, y, (correct - others) * mask
+
+        def get_output(self, model, weights, buffers, input_ids, mask):  # noqa: ARG002 - TRAK's signature
+            return self._margins(model, input_ids, mask).__getitem__(2).sum(-1)  # (B,)
+
+        def get_out_to_loss_grad(self, model, weights, buffers, batch):  # noqa: ARG002
+            input_ids, mask = batch
+            with torch.no_grad():
+                logits, y, _ = self._margins(model, input_ids, mask)
+                p = torch.softmax(logits, -1).gather(-1, y[..., None])[..., 0]
+                q = ((1 - p) * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+            return q[:, None]
+
+    return _CausalLMOutput
+
+
+def _trak_gradient_computer():
+    from trak.gradient_computers import IterativeGradientComputer
+
+    class _Iterative(IterativeGradientComputer):
+        """TRAK's per-sample loop with ``allow_unused``: the logits do not depend on the prototype bank
+        (∂ℓ/∂P ≡ 0, spec §6), so those parameters get zero gradients instead of an autograd error."""
+
+        def compute_per_sample_grad(self, batch):
+            margin = self.modelout_fn.get_output(self.model, None, None, *batch)
+            grads = torch.zeros(batch[0].shape[0], self.grad_dim, device=batch[0].device)
+            for b in range(batch[0].shape[0]):
+                g = torch.autograd.grad(margin[b], self.model_params, retain_graph=True, allow_unused=True)
+                grads[b] = torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1)
+                                      for gi, p in zip(g, self.model_params, strict=True)])
+            return grads
+
+    return _Iterative
+
+
+@dataclass
+class TrakBaseline:
+    """TRAK (PyPI ``traker``) over every parameter of the network, one checkpoint, on CPU.
+
+    Features: per-sequence gradients of the summed log-odds margin of every token (training) / of the
+    measured tokens (queries), computed one sequence at a time (``IterativeGradientComputer``: the PRISM
+    forward's top-k does not go through ``torch.func.vmap``), projected to ``proj_dim`` by TRAK's dense
+    Gaussian ``BasicProjector`` (the CUDA projector needs a GPU). ``proj_dim`` must be > 100 (smaller: the
+    projector's block size) and well below the number of training sequences unless ``lambda_reg > 0`` —
+    otherwise (XᵀX)⁻¹ is singular and the scores are silently garbage; ``__post_init__`` refuses that.
+    Score sign: positive = helpful, as the other methods."""
+
+    model: PrismLM
+    shards: ShardSet
+    proj_dim: int = 512
+    lambda_reg: float = 0.0
+    max_sequences: int | None = None
+    batch_size: int = 16
+    seed: int = 0
+    out_dir: str | Path | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from trak import TRAKer
+
+        logging.getLogger("TRAK").setLevel(logging.WARNING)
+        logging.getLogger("GradientComputer").setLevel(logging.ERROR)
+        self.net = copy.deepcopy(self.model).float().eval()
+        self.T = self.net.config.block_size
+        n_all = self.shards.train.num_sequences(self.T)
+        self.n = n_all if self.max_sequences is None else min(n_all, self.max_sequences)
+        if self.proj_dim <= 100 or (self.lambda_reg <= 0 and self.proj_dim >= self.n):
+            from prismlm.errors import ConfigError
+
+            raise ConfigError(f"TRAK needs 100 < proj_dim < training sequences ({self.n}) or lambda_reg > 0; got "
+                              f"proj_dim={self.proj_dim}, lambda_reg={self.lambda_reg}")
+        self._tmp = None
+        if self.out_dir is None:
+            self._tmp = tempfile.mkdtemp(prefix="trak-")
+            self.out_dir = self._tmp
+        self.traker = TRAKer(model=self.net, task=_trak_output_class()(), train_set_size=self.n,
+                             save_dir=str(Path(self.out_dir) / "trak"), load_from_save_dir=True, device="cpu",
+                             gradient_computer=_trak_gradient_computer(), proj_dim=self.proj_dim,
+                             use_half_precision=False, projector_seed=self.seed, lambda_reg=self.lambda_reg,
+                             logging_level=logging.WARNING)
+        self.train_set = TrainDataset(self.shards, self.T, self.n)
+        t0 = time.perf_counter()
+        self.traker.load_checkpoint(self.net.state_dict(), model_id=0)
+        for j0 in range(0, self.n, self.batch_size):
+            items = [self.train_set[j] for j in range(j0, min(self.n, j0 + self.batch_size))]
+            batch = (torch.stack([it["input_ids"] for it in items]), torch.stack([it["mask"] for it in items]).float())
+            self.traker.featurize(batch=batch, num_samples=len(items))
+        self.traker.finalize_features()
+        self.timings["features_seconds"] = time.perf_counter() - t0
+        self._calls = 0
+
+    def scores(self, queries: list[tuple[list[int], int]], pad_id: int = 0) -> torch.Tensor:
+        """(num_queries, num_train) TRAK scores."""
+        qset = QueryDataset(queries, pad_id, self.T)
+        self._calls += 1
+        name = f"q{self._calls}"
+        t0 = time.perf_counter()
+        self.traker.start_scoring_checkpoint(exp_name=name, checkpoint=self.net.state_dict(), model_id=0,
+                                             num_targets=len(qset))
+        for a in range(0, len(qset), self.batch_size):
+            items = [qset[i] for i in range(a, min(len(qset), a + self.batch_size))]
+            batch = (torch.stack([it["input_ids"] for it in items]), torch.stack([it["mask"] for it in items]).float())
+            self.traker.score(batch=batch, num_samples=len(items))
+        S = torch.as_tensor(self.traker.finalize_scores(exp_name=name)).double().T.contiguous()  # (Q, N)
+        self.timings["last_scores_seconds"] = time.perf_counter() - t0
+        return S
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ----- whole-network gradients and the hybrid ------------------------------------------------------------
+class WholeNetworkGradients:
+    """Per-sequence gradients of the summed token cross-entropy with respect to every trainable parameter
+    (flattened, float64), computed on demand — one backward pass per sequence — and optionally memoised.
+    ``dot(query, ids)``: whole-network gradient dot products g_qᵀ g_j (positive = helpful), the re-scorer
+    of the hybrid. ``computed`` counts the training gradients actually computed (the hybrid's cost)."""
+
+    def __init__(self, model: PrismLM, shards: ShardSet, *, memo: bool = True):
+        self.net = copy.deepcopy(model).eval()
+        if next(self.net.parameters()).dtype not in (torch.float32, torch.float64):
+            self.net = self.net.float()
+        self.shards, self.T, self.memo = shards, self.net.config.block_size, memo
+        self.params = [p for p in self.net.parameters() if p.requires_grad]
+        self._cache: dict[int, torch.Tensor] = {}
+        self.computed = 0
+
+    def _grad(self, ids: list[int], start: int) -> torch.Tensor:
+        x = torch.tensor(ids)[None]
+        logits = self.net(x[:, :-1]).logits[0]  # (L-1, V)
+        ce = F.cross_entropy(logits[start - 1:], x[0, start:], reduction="sum")
+        g = torch.autograd.grad(ce, self.params, allow_unused=True)
+        return torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1).double()
+                          for gi, p in zip(g, self.params, strict=True)])
+
+    def query(self, ids: list[int], measure_from: int) -> torch.Tensor:
+        ids = list(ids)[-(self.T + 1):]
+        return self._grad(ids, max(1, min(measure_from, len(ids) - 1)))
+
+    def train(self, j: int) -> torch.Tensor:
+        if j in self._cache:
+            return self._cache[j]
+        g = self._grad(self.shards.train.sequence(int(j), self.T).tolist(), 1)
+        self.computed += 1
+        if self.memo:
+            self._cache[j] = g
+        return g
+
+    def dot(self, gq: torch.Tensor, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        return torch.stack([gq @ self.train(int(j)) for j in ids]) if len(ids) else gq.new_zeros(0)
+
+
+def hybrid_scores(base: torch.Tensor, rescore, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prototype-space candidates re-ranked by a whole-network score on the top-M only.
+
+    ``base``: (Q, N) scores of the fast method (e.g. the cached prototype-space scores). ``rescore(q, ids)``:
+    the whole-network scores (len(ids),) of query q on training sequences ``ids``. For each query the M
+    highest base scores are the candidates; they get their whole-network score s_j. Every other sequence keeps
+    its base order below them: ``α_q · base_j − c_q``, where α_q > 0 is the least-squares scale (through the
+    origin) from base to whole-network scores on the candidates (1 when that fit is not positive) and the one
+    shift c_q ≥ 0 per query puts the best non-candidate just below the lowest candidate (by
+    δ = 1e-9·(1+|min s|)). So the ranking is: candidates by the whole-network score, then the rest in the
+    base order; and sums over subsets (LDS) see scores on one scale.
+    With M ≥ N the result is exactly the whole-network score. Returns (scores (Q, N) float64, candidates
+    (Q, M) int64)."""
+    base = base.double()
+    Q, N = base.shape
+    m = max(0, min(int(m), N))
+    out = torch.empty_like(base)
+    cands = torch.argsort(-base, dim=1, stable=True)[:, :m]
+    for q in range(Q):
+        c = cands[q]
+        s = torch.as_tensor(rescore(q, c.tolist()), dtype=torch.float64).reshape(-1)
+        if m == N:
+            out[q] = 0
+            out[q, c] = s
+            continue
+        b = base[q, c]
+        den = float((b * b).sum())
+        alpha = float((b * s).sum()) / den if den > 0 else 0.0
+        alpha = alpha if alpha > 0 else 1.0
+        rest = alpha * base[q]
+        if m:
+            floor = float(s.min())
+            floor -= 1e-9 * (1 + abs(floor))
+            rest[c] = float("-inf")
+            rest = rest - max(0.0, float(rest.max()) - floor)  # one shift for all: the base order is kept
+        out[q] = rest
+        out[q, c] = s
+    return out, cands

@@ -16,7 +16,8 @@ directions than all of them do; K·r·d floats, and K·d² while fitting). Score
 ``s_{q,i} · s_{j,i} = w_qᵀ R_iᵀR_i w_j``, exact at r = d. H_i^{-1/2} weights *low*-curvature directions most, so the sketch is taken after
 whitening, never by keeping F's top eigenvectors.
 
-**Building.** ``build_cache`` makes a curvature pass (or takes a ``Curvature``) and then one streaming pass
+**Building.** ``build_cache`` makes a curvature pass over ``curvature_sample`` sequences spread over the
+corpus (``sampled_curvature``; or takes a ``Curvature``) and then one streaming pass
 over the training sequences, appending postings to temporary files; at the end they are grouped by
 prototype (stable, so within a prototype postings ascend by sequence id) into CSR arrays. A query is one
 forward pass plus a vectorised scan of its prototypes' postings: ``Σ_{i∈A_q} |postings(i)| · r``
@@ -55,7 +56,8 @@ sequence postings, no pruning) with other storage options, without another pass 
 **Parts.** ``build_cache(..., part=(i, n))`` caches one batch-aligned slice of the sequences (give every
 part the same ``curvature``); ``merge_caches`` concatenates parts into one cache equal to a single pass.
 Only lossless sequence-level parts merge (pruning and quantisation scales depend on the whole corpus, and
-a document may straddle two parts): merge them, then ``compress_cache``.
+a document may straddle two parts): merge them, then ``compress_cache`` (what ``prism attribute-cache``
+does under torchrun). A merge to a folder gathers the parts' sketches in chunks into a memory-mapped file.
 """
 
 from __future__ import annotations
@@ -88,16 +90,17 @@ from prismlm.config import AttributionConfig
 from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError, ModelError
 from prismlm.model import eval_mode
 from prismlm.progress import Progress, Reporter
-from prismlm.tda.gradients import BlockGradients, block_gradients
-from prismlm.tda.influence import Curvature, _batches, _forward, curvature_pass
+from prismlm.tda.gradients import BlockGradients, block_gradients, output_gradients
+from prismlm.tda.influence import Curvature, CurvatureAccumulator, _batches, _forward, curvature_pass
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.model import PrismLM
+    from prismlm.tda.search import SearchIndex
 
 __all__ = ["AttributionCache", "DeltaIds", "FloatSketches", "PlainIds", "QuantSketches", "build_cache", "compress_cache",
            "dequantise", "document_of_sequences", "fit_ranges", "make_projection", "merge_caches", "pca_bases", "project",
-           "quantise"]
+           "quantise", "sampled_curvature"]
 
 KIND = "prismlm-attribution-cache"
 FORMAT_VERSION = 2
@@ -411,12 +414,26 @@ def _pca_projection(net: PrismLM, shards: ShardSet, curvature: Curvature, r: int
         if not local:
             C[0] += w.T @ w
             continue
+        C_add, present = _per_prototype_moments(w, proto)
+        C.index_add_(0, present, C_add)
         count += torch.bincount(proto, minlength=K)
-        for a in range(0, len(w), 512):  # rows at a time: bounds the (rows, d, d) outer products
-            C.index_add_(0, proto[a:a + 512], w[a:a + 512, :, None] * w[a:a + 512, None, :])
     if not local:
         return pca_bases(C[0].numpy(), r)
     return pca_bases(C.numpy(), r, count.numpy())
+
+
+def _per_prototype_moments(w: torch.Tensor, proto: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ w wᵀ over the rows of each prototype present: (U, d, d) and their prototype ids (U,). The rows
+    are scattered into a zero-padded (U, m, d) block (m: the most rows of one prototype — at most the
+    batch's sequences, as rows are distinct (sequence, prototype) pairs) and multiplied as one batched
+    matmul: no (rows, d, d) outer products."""
+    ids, inv, counts = torch.unique(proto, return_inverse=True, return_counts=True)
+    order = torch.argsort(inv, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(len(inv)) - starts[inv[order]]  # rank of each row within its prototype
+    X = torch.zeros(len(ids), int(counts.max()) if len(ids) else 0, w.shape[1], dtype=w.dtype)
+    X[inv[order], pos] = w[order]
+    return X.transpose(1, 2) @ X, ids
 
 
 def pca_bases(C: np.ndarray, r: int, count: np.ndarray | None = None) -> np.ndarray:
@@ -434,9 +451,19 @@ def pca_bases(C: np.ndarray, r: int, count: np.ndarray | None = None) -> np.ndar
 
 def project(W: torch.Tensor, proto: torch.Tensor, R: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """Sketches R_i w of rows ``W`` (n, d) of prototypes ``proto`` (n,): one projection R (r, d) for all,
-    or per-prototype bases R (K, r, d) (``pca-local``, gathered ``chunk`` rows at a time). → (n, r)."""
+    or per-prototype bases R (K, r, d) (``pca-local``: the rows grouped by prototype into one batched matmul
+    with the bases present; when a few prototypes hold most rows, ``chunk`` rows at a time). → (n, r)."""
     if R.ndim == 2:
         return W @ R.T
+    ids, inv, counts = torch.unique(proto, return_inverse=True, return_counts=True)
+    m = int(counts.max()) if len(ids) else 0
+    if len(ids) * m <= 4 * W.shape[0]:  # rows spread over prototypes (a cache batch: <= B rows each)
+        order = torch.argsort(inv, stable=True)
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(len(inv)) - (torch.cumsum(counts, 0) - counts)[inv[order]]
+        X = torch.zeros(len(ids), m, W.shape[1], dtype=W.dtype)
+        X[inv, pos] = W  # (U, m, d) zero-padded rows of each prototype: one batched matmul with its basis
+        return (X @ R[ids].to(W.dtype).transpose(1, 2))[inv, pos]
     out = torch.empty(W.shape[0], R.shape[1], dtype=W.dtype)
     for a in range(0, W.shape[0], chunk):
         out[a:a + chunk] = torch.einsum("nd,nrd->nr", W[a:a + chunk], R[proto[a:a + chunk]].to(W.dtype))
@@ -645,6 +672,18 @@ class AttributionCache:
                 contrib_out.append((ids.numpy(), protos[rep], c.numpy()))
         return (out, contrib_out) if contributions else out
 
+    def top(self, query: BlockGradients, num_queries: int, k: int = 10, *, search: SearchIndex | None = None,
+            **effort: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each query's k best units: (scores (Q, k) float64, ids (Q, k) int64), score descending, ties by
+        ascending id. ``search=None``: the exact scan (``scores``); a ``prismlm.tda.search.SearchIndex`` of
+        this cache: candidates from approximate top-M search in long lists, rescored exactly (``effort``:
+        ``m``, ``nprobe``, ``ef``; see ``SearchIndex.top``)."""
+        from prismlm.tda.search import exact_top
+
+        if search is None:
+            return exact_top(self, query, num_queries, k)
+        return search.top(self, query, num_queries, k, **effort)
+
     # ----- persistence ----------------------------------------------------------------------------------
     def _arrays(self) -> dict[str, np.ndarray]:
         arrays = {"offsets.npy": np.asarray(self.offsets), **self.ids.arrays(), **self.sketches.arrays()}
@@ -741,12 +780,49 @@ def _finalise(seq: np.ndarray, proto: np.ndarray, sketch: np.ndarray, K: int, ou
         sk_o = np.lib.format.open_memmap(out_dir / "sketch.npy", mode="w+", dtype=dtype, shape=(P, r))
     else:
         seq_o, sk_o = np.empty(P, np.int32), np.empty((P, r), dtype)
-    step = 1 << 16
+    step = _CHUNK
     for s in range(0, P, step):  # chunks of postings bound the memory of the gather
         o = order[s:s + step]
         seq_o[s:s + step] = seq[o]
         sk_o[s:s + step] = sketch[o]
     return offsets, seq_o, sk_o
+
+
+def _postings_gradients(net: PrismLM, out: Any, targets: torch.Tensor, seq_ids: torch.Tensor) -> BlockGradients:
+    """``block_gradients(net, out, targets, seq_ids=seq_ids)`` without the per-sequence losses, which a cache
+    does not store: the same operations on the same rows (equal bit for bit), less one cross-entropy over
+    the batch's tokens × vocabulary (~8% of the postings pass)."""
+    assert net.prototypes is not None and out.indices is not None and out.activations is not None
+    B, K = out.indices.shape[0], net.prototypes.num_prototypes
+    dt = torch.promote_types(out.logits.dtype, torch.float32)
+    u = output_gradients(net, out.logits.detach().to(dt), targets)  # (B, T, d)
+    a = out.activations.detach().to(dt)  # (B, T, k)
+    on = a > 0
+    keys = (torch.arange(B, device=a.device)[:, None, None] * K + out.indices)[on]
+    vals = (a[:, :, :, None] * u[:, :, None, :])[on]
+    uniq, inv = torch.unique(keys, return_inverse=True)
+    G = torch.zeros(uniq.shape[0], u.shape[-1], dtype=dt, device=a.device).index_add_(0, inv, vals)
+    return BlockGradients(seq=seq_ids.to(a.device)[uniq // K], proto=uniq % K, grad=G)
+
+
+def sampled_curvature(net: PrismLM, shards: ShardSet, cfg: AttributionConfig, universe: int, *,
+                      progress: Progress = False) -> Curvature:
+    """The curvature a cache of sequences [0, universe) uses: statistics over ``cfg.curvature_sample``
+    of them in batch blocks spread over the range (``fit_ranges``; all of them when 0/None or when there
+    are fewer), accumulated in ascending batch order — the same on every process that calls it."""
+    n = cfg.curvature_sample or universe
+    ranges = fit_ranges(universe, min(n, universe), cfg.batch_size)
+    if ranges == [(0, universe)]:
+        return curvature_pass(net, shards, sequences=(0, universe), batch_size=cfg.batch_size,
+                              exact=cfg.curvature_mode == "exact", damping=cfg.damping, progress=progress)
+    T, dev = net.config.block_size, next(net.parameters()).device
+    acc = CurvatureAccumulator(net, exact=cfg.curvature_mode == "exact")
+    with eval_mode(net), Reporter(progress, "curvature", sum(b - a for a, b in ranges), unit="seq") as bar:
+        for j0, j1 in (b for a0, a1 in ranges for b in _batches(a0, a1, cfg.batch_size)):
+            out, _ = _forward(net, shards, j0, j1, T, dev)
+            acc.update(out)
+            bar.update(j1 - j0)
+    return acc.finish(damping=cfg.damping)
 
 
 def build_cache(
@@ -765,8 +841,8 @@ def build_cache(
     ``config``: the attribution options (sketch size and projection, curvature mode and damping, sequences,
     batch size, storage: dtype, prune, aggregate, id_encoding; default ``AttributionConfig()``). ``out``:
     write the artifact there (postings go to memory-mapped files). ``curvature``: reuse one (required to
-    make parts agree), else a curvature pass over the first ``config.max_sequences`` sequences is made
-    first. ``part=(i, n)``: only the i-th batch-aligned slice. ``model_sha256``: the identity recorded in
+    make parts agree), else one is computed first (``sampled_curvature``: over ``config.curvature_sample``
+    of the cached sequences, spread over them). ``part=(i, n)``: only the i-th batch-aligned slice. ``model_sha256``: the identity recorded in
     the manifest (pass the checkpoint's ``manifest["model_sha256"]``; None: a hash of the weights,
     ``model_identity``).
     """
@@ -787,8 +863,7 @@ def build_cache(
     start, stop = part_range(universe, batch_size, part)
     t0 = time.perf_counter()
     if curvature is None:
-        curvature = curvature_pass(net, shards, sequences=(0, universe), batch_size=batch_size,
-                                   exact=cfg.curvature_mode == "exact", damping=cfg.damping, progress=progress)
+        curvature = sampled_curvature(net, shards, cfg, universe, progress=progress)
     if projection in ("pca", "pca-local"):
         with eval_mode(net):
             R = torch.from_numpy(_pca_projection(net, shards, curvature, r, min(universe, cfg.pca_sequences),
@@ -814,7 +889,7 @@ def build_cache(
         with eval_mode(net), Reporter(progress, "postings", stop - start, unit="seq") as bar:
             for j0, j1 in _batches(start, stop, batch_size):
                 fo, y = _forward(net, shards, j0, j1, T, dev)
-                bg = block_gradients(net, fo, y, seq_ids=torch.arange(j0, j1, device=dev))
+                bg = _postings_gradients(net, fo, y, torch.arange(j0, j1, device=dev))
                 pr = bg.proto.cpu()
                 sk = project(curvature.apply(pr, bg.grad.double().cpu(), -0.5), pr, R)  # (rows, r)
                 rows = {"seq": bg.seq.cpu().numpy().astype(np.int32),
@@ -838,7 +913,8 @@ def build_cache(
         "seed": cfg.seed, "pca_sequences": cfg.pca_sequences if projection.startswith("pca") else None, "dtype": dtype,
         "prune": cfg.prune, "aggregate": cfg.aggregate, "id_encoding": cfg.id_encoding, "units": units,
         "curvature_mode": curvature.mode, "damping": curvature.damping,
-        "curvature_tokens": curvature.tokens, "batch_size": batch_size, "universe": universe,
+        "curvature_sample": cfg.curvature_sample, "curvature_tokens": curvature.tokens,
+        "batch_size": batch_size, "universe": universe,
         "part": list(part), "covered": [[start, stop]] if stop > start else [], "tokens": tokens,
     }
 
@@ -967,14 +1043,27 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
     K = parts[0].num_prototypes
     seq = np.concatenate([np.asarray(p.seq, dtype=np.int64) for p in parts])
     proto = np.concatenate([np.repeat(np.arange(K, dtype=np.int32), np.diff(p.offsets)) for p in parts])
-    sketch = np.concatenate([np.asarray(p.sketch) for p in parts])
     order = np.lexsort((seq, proto))  # by prototype, then sequence: the single-pass order
+    bounds = np.cumsum([0] + [p.num_postings for p in parts])
+    P, r = len(seq), parts[0].r
+    work = Path(out).with_name(Path(out).name + ".merge") if out is not None else None
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+    sketch = _alloc(work, "sketch.npy", (P, r), np.asarray(parts[0].sketch[:0]).dtype)
+    for s in range(0, P, _CHUNK):  # the parts' sketches gathered in chunks: never all in memory
+        idx = order[s:s + _CHUNK]
+        which = np.searchsorted(bounds, idx, side="right") - 1
+        dst = sketch[s:s + len(idx)]
+        for k, p in enumerate(parts):  # a few parts
+            sel = which == k
+            if sel.any():
+                dst[sel] = p.sketch[idx[sel] - bounds[k]]
     offsets = np.zeros(K + 1, dtype=np.int64)
     np.cumsum(np.bincount(proto, minlength=K), out=offsets[1:])
     manifest = dict(first)
     manifest.pop("files", None)
     tokens = sum(int(p.manifest["tokens"]) for p in parts)
-    P = len(seq)
     ids: Ids = (DeltaIds if first.get("id_encoding") == "delta" else PlainIds).encode(seq[order], offsets)
     manifest.update({"covered": covered, "part": [0, 1], "tokens": tokens, "postings": P,
                      "postings_per_sequence": P / max(1, sum(b - a for a, b in covered)),
@@ -982,9 +1071,12 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
                      "postings_seconds": sum(float(p.manifest["postings_seconds"]) for p in parts),
                      "merged_from": len(parts), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **ids.manifest()})
     manifest["bytes_per_token"] = manifest["bytes_postings"] / max(1, tokens)
-    cache = AttributionCache(offsets=offsets, ids=ids, sketches=FloatSketches(sketch[order]),
+    cache = AttributionCache(offsets=offsets, ids=ids, sketches=FloatSketches(sketch),
                              projection=parts[0].projection, curvature=parts[0].curvature, manifest=manifest)
     if out is not None:
         cache.save(out)
+        del cache, sketch
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         cache = AttributionCache.load(out)
     return cache

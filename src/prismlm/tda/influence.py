@@ -17,11 +17,27 @@ approximation (``mode="shared"``) is ``H_i = m_i F + λ_i I`` with ``m_i = E_t[a
 eigendecompositions of d × d; K·d² memory — for small and medium models). Expectations are over all
 tokens of the sequences the statistics were accumulated on.
 
+**Reconstruction term (optional, off by default).** The training objective's REC = mean_t ‖r_t‖²/‖z_t‖²
+with ``r_t = z_t − Σ_i a_{t,i} p_i`` (activations held fixed) has the exact Hessian blocks
+``2 λ_rec E_t[a_{t,i} a_{t,i'} / ‖z_t‖²] I``; ``reconstruction=λ_rec`` (``curvature_pass``,
+``CurvatureAccumulator.finish``) adds its diagonal blocks ``c_i I``, ``c_i = 2 λ_rec E_t[a_{t,i}²/‖z_t‖²]``,
+to H_i. What was measured (``bench/attribution.py --quick --no-costs``, d=64, K=128, k=4, 523 sequences,
+8 subsets × 2 seeds, 16 queries): REC's trace is ~53× the CE Gauss–Newton's, and the REC Hessian couples
+co-active prototypes exactly as CE does, so **the prototype-space curvature is not block-diagonal**: the
+diagonal-block share is 0.36 (CE GN), 0.89 (+ clustering), 0.46 (+ REC + clustering) on 2,048 tokens
+(the issue measured 0.65 → 0.33 on another tiny model). Adding REC's diagonal blocks to H_i made
+attribution worse — LDS 0.24 → 0.10, planted recall@10 0.62 → 0.12; at the bench's default size (2,353
+sequences, 64 subsets × 2 seeds, 56 queries) LDS 0.14 → 0.09 and recall 0.88 → 0.50 — because the
+isotropic c_i I swamps the CE geometry that the (CE-only) gradients g = a u live in. So the default stays
+the CE block Gauss–Newton: a block-diagonal *approximation* chosen by attribution quality (LDS, planted
+facts), not a property of the curvature. See docs/results.md.
+
 **Damping.** ``λ_i = ρ · tr(H_i^GN)/d`` (ρ = ``damping``, default 0.1, the same relative heuristic as
 kronfluence's default for EK-FAC); for the shared mode that is ``λ_i = ρ m̃_i tr(F)/d``, so
 ``H_i = m̃_i (F + ρ f̄ I)`` with ``m̃_i = max(m_i, 1/N)`` (a prototype never active in the curvature
-statistics gets the weight of one token at a = 1, instead of an infinite inverse). λ_i stands in for the
-clustering losses' block-diagonal contribution, which this module does not model.
+statistics gets the weight of one token at a = 1, instead of an infinite inverse). λ_i is a damping, not
+a model of the clustering or reconstruction losses' curvature (see above); the REC term, when asked for,
+is added on top of it (``H_i = m_i F + λ_i I + c_i I``).
 
 **Influence.** ``I(q, j) = Σ_{i ∈ A_q ∩ A_j} G_{q,i}ᵀ H_i⁻¹ G_{j,i}``. Sign convention as kronfluence:
 positive = the training sequence is helpful (a gradient step on it lowers the query's loss). Scores are
@@ -54,7 +70,8 @@ __all__ = ["BlockGradients", "Curvature", "CurvatureAccumulator", "FullGradients
 
 # ----- curvature ----------------------------------------------------------------------------------------
 class CurvatureAccumulator:
-    """Streaming sums for F = E[Wᵀ Σ_t W], m_i = E[a_i²] and (``exact=True``) E[a_i² Wᵀ Σ_t W]."""
+    """Streaming sums for F = E[Wᵀ Σ_t W], m_i = E[a_i²], e_i = E[a_i² / ‖z‖²] and (``exact=True``)
+    E[a_i² Wᵀ Σ_t W]."""
 
     def __init__(self, model: PrismLM, exact: bool = False, chunk: int = 1024):
         net = model
@@ -66,6 +83,7 @@ class CurvatureAccumulator:
         self.sum_pi = torch.zeros(V, dtype=torch.float64, device=dev)
         self.sum_mumu = torch.zeros(self.d, self.d, dtype=torch.float64, device=dev)
         self.sum_a2 = torch.zeros(self.K, dtype=torch.float64, device=dev)
+        self.sum_a2_z2 = torch.zeros(self.K, dtype=torch.float64, device=dev)  # Σ_t a_{t,i}² / ‖z_t‖²
         self.exact, self.chunk = exact, chunk
         if exact:
             self.blk_pi = torch.zeros(self.K, V, dtype=torch.float64, device=dev)  # Σ_t a² π_t
@@ -84,6 +102,8 @@ class CurvatureAccumulator:
         a2 = out.activations.detach().double().reshape(N, -1) ** 2  # (N, k)
         idx = out.indices.reshape(N, -1)  # (N, k)
         self.sum_a2.index_add_(0, idx.reshape(-1), a2.reshape(-1))
+        z2 = out.hidden.detach().double().reshape(N, -1).pow(2).sum(-1).clamp_min(1e-8)  # (N,) as REC clamps
+        self.sum_a2_z2.index_add_(0, idx.reshape(-1), (a2 / z2[:, None]).reshape(-1))
         if self.exact:
             tok = torch.arange(N, device=idx.device)[:, None].expand_as(idx).reshape(-1)
             for s in range(0, N, self.chunk):  # chunks of tokens bound the N × d² outer products
@@ -95,7 +115,9 @@ class CurvatureAccumulator:
                 self.blk_mumu += torch.sparse.mm(A, (m[:, :, None] * m[:, None, :]).reshape(m.shape[0], -1))
         self.tokens += N
 
-    def finish(self, damping: float = 0.1) -> Curvature:
+    def finish(self, damping: float = 0.1, reconstruction: float = 0.0) -> Curvature:
+        """``reconstruction``: the weight λ_rec of the REC term whose diagonal blocks are added
+        (``2 λ_rec E[a_i²/‖z‖²] I``); 0 leaves the CE Gauss–Newton alone."""
         n = max(1, self.tokens)
         Fm = (self.W.T * (self.sum_pi / n)) @ self.W - self.sum_mumu / n  # (d, d)
         Fm = 0.5 * (Fm + Fm.T)
@@ -104,7 +126,8 @@ class CurvatureAccumulator:
             blocks = torch.einsum("vd,kv,ve->kde", self.W, self.blk_pi / n, self.W)
             blocks = blocks - (self.blk_mumu / n).view(self.K, self.d, self.d)
             blocks = 0.5 * (blocks + blocks.transpose(1, 2))
-        return Curvature.from_stats(Fm, self.sum_a2 / n, self.tokens, damping=damping, blocks=blocks)
+        return Curvature.from_stats(Fm, self.sum_a2 / n, self.tokens, damping=damping, blocks=blocks,
+                                    rec=2.0 * reconstruction * self.sum_a2_z2 / n, reconstruction=reconstruction)
 
 
 @dataclass
@@ -121,6 +144,11 @@ class Curvature:
     """ρ: λ_i = ρ · tr(H_i^GN)/d."""
     blocks: torch.Tensor | None = None
     """(K, d, d) float64 exact diagonal blocks E_t[a_{t,i}² Wᵀ Σ_t W] (``mode="exact"``), else None."""
+    rec: torch.Tensor | None = None
+    """(K,) float64 c_i = 2 λ_rec E_t[a_{t,i}²/‖z_t‖²]: the reconstruction term's diagonal block c_i I, added
+    to H_i (None or zeros: CE curvature only)."""
+    reconstruction: float = 0.0
+    """λ_rec the ``rec`` term was computed with (recorded; 0 = not included)."""
     evals: torch.Tensor = field(init=False, repr=False)
     """(d,) or (K, d): eigenvalues of the damped curvature per unit m̃ (shared) or per block (exact)."""
     evecs: torch.Tensor = field(init=False, repr=False)
@@ -152,15 +180,19 @@ class Curvature:
 
     @classmethod
     def from_stats(cls, F: torch.Tensor, m: torch.Tensor, tokens: int, *, damping: float = 0.1,
-                   blocks: torch.Tensor | None = None) -> Curvature:
-        return cls(F=F, m=m, tokens=tokens, damping=damping, blocks=blocks)
+                   blocks: torch.Tensor | None = None, rec: torch.Tensor | None = None,
+                   reconstruction: float = 0.0) -> Curvature:
+        if rec is not None and reconstruction == 0.0:
+            rec = None
+        return cls(F=F, m=m, tokens=tokens, damping=damping, blocks=blocks, rec=rec, reconstruction=reconstruction)
 
     def eigen(self, proto: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Eigenvalues (R, d) of H_i for each row's prototype, and per-row eigenvectors (exact mode) or None."""
         proto = proto.to(self.evals.device)
+        c = 0.0 if self.rec is None else self.rec.to(self.evals.device)[proto, None]
         if self.blocks is None:
-            return self.m_eff[proto, None] * self.evals[None, :], None
-        return self.evals[proto], self.evecs[proto]
+            return self.m_eff[proto, None] * self.evals[None, :] + c, None
+        return self.evals[proto] + c, self.evecs[proto]
 
     def apply(self, proto: torch.Tensor, G: torch.Tensor, power: float = -1.0, chunk: int | None = None) -> torch.Tensor:
         """H_i^{power} G_i for each row (power −1: the preconditioned gradient; −½: the whitened one)."""
@@ -192,7 +224,10 @@ class Curvature:
         t = {"F": self.F.cpu().contiguous(), "m": self.m.cpu().contiguous()}
         if self.blocks is not None:
             t["blocks"] = self.blocks.cpu().contiguous()
-        save_file(t, str(path), metadata={"tokens": str(self.tokens), "damping": repr(self.damping), **(extra or {})})
+        if self.rec is not None:
+            t["rec"] = self.rec.cpu().contiguous()
+        save_file(t, str(path), metadata={"tokens": str(self.tokens), "damping": repr(self.damping),
+                                          "reconstruction": repr(self.reconstruction), **(extra or {})})
 
     @classmethod
     def load(cls, path: str | Path) -> Curvature:
@@ -202,7 +237,7 @@ class Curvature:
             meta = f.metadata()
         t = load_file(str(path))
         return cls(F=t["F"], m=t["m"], tokens=int(meta["tokens"]), damping=float(meta["damping"]),
-                   blocks=t.get("blocks"))
+                   blocks=t.get("blocks"), rec=t.get("rec"), reconstruction=float(meta.get("reconstruction", 0.0)))
 
 
 # ----- passes over the training shard -------------------------------------------------------------------
@@ -225,8 +260,10 @@ def _forward(net: PrismLM, shards: ShardSet, j0: int, j1: int, T: int,
 
 
 def curvature_pass(model: PrismLM, shards: ShardSet, *, sequences: tuple[int, int] | None = None, batch_size: int = 16,
-                   exact: bool = False, damping: float = 0.1, progress: Progress = False) -> Curvature:
-    """One forward pass over training sequences [start, stop) (default all) → ``Curvature``."""
+                   exact: bool = False, damping: float = 0.1, reconstruction: float = 0.0,
+                   progress: Progress = False) -> Curvature:
+    """One forward pass over training sequences [start, stop) (default all) → ``Curvature``
+    (``reconstruction``: λ_rec of the REC blocks to add, see ``CurvatureAccumulator.finish``)."""
     net = model
     T = net.config.block_size
     start, stop = sequences or (0, shards.train.num_sequences(T))
@@ -237,7 +274,7 @@ def curvature_pass(model: PrismLM, shards: ShardSet, *, sequences: tuple[int, in
             out, _ = _forward(net, shards, j0, j1, T, dev)
             acc.update(out)
             bar.update(j1 - j0)
-    return acc.finish(damping=damping)
+    return acc.finish(damping=damping, reconstruction=reconstruction)
 
 
 def collect_gradients(model: PrismLM, shards: ShardSet, *, sequences: tuple[int, int] | None = None,

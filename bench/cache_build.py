@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Cost of building the attribution cache vs the prototype index over the same tokens (issue 13: "cache
+building no slower than 1.5× the index pass").
+
+What is measured
+    On a trained run (default: the K=512 cpu-small run ``/tmp/h13/bk512/run`` and its shards), over the
+    first ``--max-sequences`` training sequences, each in a fresh child process (so every peak RSS is its
+    own; 1 torch thread by default):
+
+    - **index**: ``build_run_index`` (``prism index``: neighbourhoods, statistics; no labels);
+    - **cache default**: ``build_run_cache`` with ``AttributionConfig()`` (curvature statistics over
+      ``curvature_sample`` spread sequences, then one postings pass; r = d orthogonal, float32);
+    - **cache compact**: the compact preset ``--projection pca-local --r 48 --dtype int4 --prune 0.1
+      --id-encoding delta`` (adds the pca-local fit over ``pca_sequences`` sequences and the encoding).
+
+    Each row: wall seconds of the operation (model loading excluded), training tokens/s, peak RSS (MiB) of
+    the child, and for caches the manifest's curvature and postings seconds, postings and bytes/token.
+    ``ratio`` = cache seconds ÷ index seconds (the goal: ≤ 1.5). The order alternates per round
+    (``--rounds``); the medians are reported.
+
+How to read it
+    On a shared CPU timings are noisy: compare the ratios of builds timed back to back; the load average
+    is recorded. A cache's peak RSS counts the pages of its memory-mapped posting files it touched
+    (reclaimable page cache, not allocations; ``tests/test_cache_build.py`` bounds the allocations). Output: JSON at ``--out`` (default ``bench/results/cache_build.json``) and one summary
+    line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import RESULTS_DIR, current_peak_rss_mib, environment, fmt_rate, load_average, warn_if_busy, write_json
+
+COMPACT = {"projection": "pca-local", "r": 48, "dtype": "int4", "prune": 0.1, "id_encoding": "delta"}
+KINDS = ("index", "cache-default", "cache-compact")
+
+
+def child(args: argparse.Namespace) -> None:
+    """Build one artifact (``--child KIND``) and print its measurements as one JSON line."""
+    import torch
+
+    from prismlm.app.attribution import build_run_cache
+    from prismlm.app.operations import build_run_index
+    from prismlm.app.run import Run
+    from prismlm.config import AttributionConfig
+
+    torch.set_num_threads(args.threads)
+    run = Run.open(args.run, device=args.device)
+    shards = Path(args.shards) if args.shards else None
+    out = Path(args.work) / args.child
+    t = time.perf_counter()
+    row: dict = {"kind": args.child}
+    if args.child == "index":
+        res = build_run_index(run, max_sequences=args.max_sequences, batch_size=args.batch_size, out=out, shards=shards,
+                              labels=False, progress=False, checkpoint_every=0)
+        row["tokens"] = int(res.index.manifest.get("tokens", 0)) or None
+    else:
+        extra = COMPACT if args.child == "cache-compact" else {}
+        cfg = AttributionConfig(max_sequences=args.max_sequences, batch_size=args.batch_size,
+                                curvature_sample=args.curvature_sample, **extra)  # type: ignore[arg-type]
+        c = build_run_cache(run, cfg, out=out, shards=shards, progress=False)
+        m = c.manifest
+        row.update({"tokens": int(m["tokens"]), "curvature_seconds": m["curvature_seconds"],
+                    "postings_seconds": m["postings_seconds"], "postings": m["postings"],
+                    "bytes_per_token": m["bytes_per_token"], "curvature_tokens": m["curvature_tokens"]})
+    row["seconds"] = time.perf_counter() - t
+    row["peak_rss_mib"] = current_peak_rss_mib()
+    shutil.rmtree(out, ignore_errors=True)
+    print(json.dumps(row))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--run", default="/tmp/h13/bk512/run", help="trained PRISM run folder")
+    ap.add_argument("--shards", default="/tmp/h13/bk512/shards", help="its token shards ('' = the run's)")
+    ap.add_argument("--max-sequences", type=int, default=4096, help="training sequences built over")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--curvature-sample", type=int, default=None,
+                    help="AttributionConfig.curvature_sample (default: the config's default)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ", ".join(KINDS))
+    ap.add_argument("--rounds", type=int, default=1, help="timed rounds (the order alternates)")
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in each child")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "cache_build.json"))
+    ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.curvature_sample is None:
+        from prismlm.config import AttributionConfig
+
+        args.curvature_sample = AttributionConfig().curvature_sample
+    if args.child:
+        return child(args)
+    warn_if_busy(args.threads)
+    env = environment(args.device, 0)
+    kinds = [k for k in args.kinds.split(",") if k]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="cache_build_") as work:
+        for r in range(args.rounds):
+            for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                cmd = [sys.executable, __file__, "--child", kind, "--work", work, "--run", args.run,
+                       "--shards", args.shards, "--max-sequences", str(args.max_sequences),
+                       "--batch-size", str(args.batch_size), "--curvature-sample", str(args.curvature_sample),
+                       "--threads", str(args.threads), "--device", args.device]
+                proc = subprocess.run(cmd, capture_output=True, text=True,
+                                      env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+                if proc.returncode != 0:
+                    raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
+                row = {**json.loads(proc.stdout.strip().splitlines()[-1]), "round": r}
+                rows.append(row)
+                print(f"[bench] {kind}: {row['seconds']:.1f}s, peak RSS {row['peak_rss_mib']:.0f} MiB", file=sys.stderr)
+    summary: dict[str, dict] = {}
+    for kind in kinds:
+        mine = [x for x in rows if x["kind"] == kind]
+        sec = statistics.median(x["seconds"] for x in mine)
+        tokens = next(x["tokens"] for x in rows if x.get("tokens"))  # the index and caches cover the same tokens
+        summary[kind] = {"seconds": sec, "tokens_per_s": tokens / sec, "peak_rss_mib": max(x["peak_rss_mib"] for x in mine),
+                         **{k: statistics.median(x[k] for x in mine) for k in ("curvature_seconds", "postings_seconds")
+                            if k in mine[0]},
+                         **{k: mine[0][k] for k in ("tokens", "postings", "bytes_per_token", "curvature_tokens")
+                            if k in mine[0]}}
+    if "index" in summary:
+        for kind in kinds:
+            if kind != "index":
+                summary[kind]["ratio"] = summary[kind]["seconds"] / summary["index"]["seconds"]
+    payload = {"benchmark": "cache_build", "environment": env, "load_average_end": load_average(),
+               "options": {k: v for k, v in vars(args).items() if k not in ("child", "work")},
+               "compact": COMPACT, "summary": summary, "rows": rows}
+    path = write_json(args.out, payload)
+    parts = [f"{k} {v['seconds']:.1f}s ({fmt_rate(v['tokens_per_s'])} tok/s"
+             + (f", {v['ratio']:.2f}× index" if "ratio" in v else "") + f", {v['peak_rss_mib']:.0f} MiB)"
+             for k, v in summary.items()]
+    tokens = next((x["tokens"] for x in rows if x.get("tokens")), 0)
+    print(f"cache_build over {tokens:,} training tokens: " + "; ".join(parts) + f" → {path}")
+
+
+if __name__ == "__main__":
+    main()

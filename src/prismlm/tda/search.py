@@ -1,0 +1,418 @@
+"""Queries that do not scan the corpus (issue 13): approximate top-M search within long posting lists,
+then exact rescoring with the cache's own sketches.
+
+The cache scores a query q against every unit j (training sequence, or document) as
+
+    score(q, j) = Σ_{i ∈ A_q} s_{q,i} · s_{j,i}        (s_{j,i} = 0 where j has no posting in list i),
+
+and ``AttributionCache.scores`` reads every posting of the query's active prototypes A_q: time ∝ the
+corpus. Here, per active prototype i whose list is long (more than ``SearchConfig.min_list`` postings),
+a maximum-inner-product index over that list's sketches proposes the M units j with the largest
+s_{q,i} · s_{j,i}; short lists are scanned exactly and give their own top M. The union C of the
+candidates is then rescored **exactly**: a forward index (unit → its posting rows) gives each candidate's
+postings, those of prototypes in A_q are decoded from the cache's own storage and dotted with the query
+sketches — the same per-posting products, added in the same order, as the exact scan, so a candidate's
+score equals its exact score bit for bit. Only the *candidate set* is approximate: a unit is missed when it
+is in no list's top M. With M at least the longest list (``exhaustive``) every unit with a posting in A_q
+is a candidate and ``top`` returns the exact scan's top-k.
+
+Why a per-list index and a forward index: a unit's score is a sum over prototypes, and inner-product
+search needs one vector space — each list is one (its r-dim sketches); units with large single-prototype
+contributions dominate the top of the sum in practice (the bench measures how often). The forward index
+makes rescoring cost |C| × postings per unit, independent of the corpus; decoding a delta-encoded list to
+find a candidate's position would cost the list's length.
+
+**API.** ``build_search_index(cache, SearchConfig(...), out=CACHE/search)`` → ``SearchIndex`` (one-off;
+``manifest["build_seconds"]``, ``nbytes()``); ``SearchIndex.load(path, cache)``; ``index.top(cache, query,
+num_queries, k, m=, nprobe=, ef=)`` or ``cache.top(query, num_queries, k, search=index, m=...)`` →
+(scores (Q, k) float64, ids (Q, k) int64); ``exact_top`` (= ``cache.top(..., search=None)``) is the exact
+scan's answer in the same form. Measured by ``bench/attribution_scaling.py`` (K = 512 run, 10^5 → 10^7
+tokens, synthetic above 1.55 M): per-query time ∝ tokens^0.1–0.4 vs ∝ tokens^0.9–1.2 for the exact scan
+(loaded 2-core machine), top-10 overlap with it ≥ 0.988 at m = 32, nprobe = 16; at 10^7 tokens 0.18 s vs
+3.8 s per query, a one-off 35 s build and 81 bytes per token of sidecar (IVF-SQ8; ``encoding="sq4"``: 49,
+overlap 0.975) next to the postings' 36.
+
+**Library** (faiss, ``faiss-cpu``, the ``search`` extra), chosen by measuring top-50 inner-product recall,
+µs per one-query call (1 thread) and build seconds on real sketches. (1) The three longest lists (~12k
+postings) of the identity r = 128 float64 cache of the K = 512 cpu-small run: faiss IVF-Flat (nlist 439)
+nprobe 16 → recall 0.47–0.62, ~27 µs, build 0.4–0.5 s; faiss HNSW (M 16) ef 128 → 0.90–0.93, 80–200 µs,
+build 0.6–1.2 s; hnswlib ef 128 → 0.95–0.97, 65–490 µs, build 1.5–2.7 s; usearch → 0.90–0.93, 100–770 µs,
+build 3.6–4.6 s. (2) The same run's compact cache (pca-local r = 48, int4; ``bench/attribution_scaling.py``,
+``library_comparison`` in its JSON): IVF-SQ8 (nlist 110) nprobe 16 → 0.80, 34 µs, build 0.04 s; HNSW ef
+128 → 0.94, 80 µs, 0.37 s; hnswlib → 0.97, 53 µs, 0.94 s; usearch → 0.93, 78 µs, 1.3 s. Per-list recall
+need not be high (the final top-10 overlap with the exact scan was ≥ 0.99 with IVF-SQ8, m = 32, nprobe
+16), while the build runs over every posting of the corpus: IVF builds 10–25× faster than the graph
+indexes, the only one whose 10^7-token build takes well under a minute here. faiss gives both kinds
+(``SearchConfig.kind``), serialises to bytes, and IVF with nprobe = nlist is an exhaustive search.
+
+**Sidecar** (a folder, by convention ``CACHE/search``): ``manifest.json`` (kind, format, the cache's
+fingerprint, model and shard identity, config, build seconds, bytes, sha256 of every file),
+``indexes.bin`` (the serialised faiss index of each indexed list, concatenated), ``index_offsets.npy``
+((K+1,) int64 byte offsets into it; an empty range: no index), ``fwd_offsets.npy`` ((U+1,) int64: the
+posting rows of unit j are ``fwd_rows[fwd_offsets[j]:fwd_offsets[j+1]]``) and ``fwd_rows.npy`` ((P,)
+uint32, int64 beyond 2^32 postings, ascending within a unit). Built list by list from the memory-mapped
+sketches (one list's float32 vectors in memory at a time, plus O(P) integers for the forward index).
+Loading verifies every file and refuses (``ArtifactMismatch``) a sidecar of another cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from prismlm.artifacts import atomic_dir, file_records, provenance, reading, verify_files
+from prismlm.config import SearchConfig
+from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError
+
+if TYPE_CHECKING:
+    from prismlm.tda.cache import AttributionCache
+    from prismlm.tda.gradients import BlockGradients
+
+__all__ = ["SearchIndex", "build_search_index", "cache_fingerprint", "exact_top", "top_k"]
+
+KIND = "prismlm-search-index"
+FORMAT_VERSION = 1
+_KMEANS_ITERS = 10
+_TRAIN_PER_CELL = 32
+"""k-means of an IVF list: 10 iterations (faiss: 25) on ≤ 32 points per cell (faiss: ≤ 256). The cells only
+route the search (candidates are rescored exactly), and this keeps a 10^7-token corpus's build in minutes
+on one core."""
+_REBUILD = "prismlm.tda.search.build_search_index(cache, SearchConfig(...), out=CACHE/search)"
+
+
+def _faiss() -> Any:
+    try:
+        import faiss
+    except ImportError as e:  # an optional extra
+        raise ConfigError("approximate attribution search needs faiss", fix="pip install 'prismlm[search]'") from e
+    return faiss
+
+
+def cache_fingerprint(cache: AttributionCache) -> str:
+    """A sha256 that tells caches apart without reading them whole: the offsets, the identity in the
+    manifest, and a strided sample (≤ 4096 postings) of the stored id and sketch bytes."""
+    h = hashlib.sha256(np.ascontiguousarray(cache.offsets, dtype=np.int64).tobytes())
+    m = cache.manifest
+    h.update(json.dumps([m.get("model_sha256"), m.get("shard_key"), m.get("dtype"), m.get("r"),
+                         m.get("tokens"), m.get("aggregate", "sequence")]).encode())
+    P = cache.num_postings
+    rows = np.unique(np.linspace(0, max(P - 1, 0), num=min(P, 4096)).astype(np.int64)) if P else np.zeros(0, np.int64)
+    for a in (*cache.ids.arrays().values(), *cache.sketches.arrays().values()):
+        if len(a) == P:  # per-posting arrays (delta exceptions are not)
+            h.update(np.ascontiguousarray(a[rows]).tobytes())
+        else:
+            h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def top_k(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of (scores (n,), ids (n,)) by score descending, ties by ascending id: (k',) each, k' = min(k, n)."""
+    order = np.lexsort((ids, -scores))[:k]
+    return scores[order], ids[order]
+
+
+def exact_top(cache: AttributionCache, query: BlockGradients, num_queries: int, k: int = 10
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """The exact scan's top-k (``cache.scores``, every posting of A_q): (scores (Q, k) float64, ids (Q, k)
+    int64), ordered by score descending, ties by ascending id."""
+    S = cache.scores(query, num_queries).numpy()  # (Q, U)
+    k = min(k, S.shape[1])
+    out_s, out_i = np.empty((num_queries, k)), np.empty((num_queries, k), dtype=np.int64)
+    all_ids = np.arange(S.shape[1], dtype=np.int64)
+    for q in range(num_queries):
+        out_s[q], out_i[q] = top_k(S[q], all_ids, k)
+    return out_s, out_i
+
+
+def _posting_dots(cache: AttributionCache, rows: np.ndarray, sq_rows: torch.Tensor) -> torch.Tensor:
+    """Contributions s_q · s of postings ``rows`` (n,) with the query sketches ``sq_rows`` (n, r) float64:
+    (n,) float64, computed exactly as ``AttributionCache.scores`` computes them (same decode, same op)."""
+    s = torch.from_numpy(cache.sketches.gather(rows))  # (n, r) float64
+    return (s * sq_rows).sum(1)
+
+
+class SearchIndex:
+    """The approximate-search sidecar of one attribution cache (see the module docstring)."""
+
+    def __init__(self, *, config: SearchConfig, manifest: dict[str, Any], index_offsets: np.ndarray,
+                 blobs: np.ndarray, fwd_offsets: np.ndarray, fwd_rows: np.ndarray, path: Path | None = None) -> None:
+        self.config = config
+        self.manifest = manifest
+        self.index_offsets = index_offsets
+        """(K+1,) int64: the serialised index of list i is ``blobs[index_offsets[i]:index_offsets[i+1]]``."""
+        self.blobs = blobs
+        """(B,) uint8, memory-mapped on load."""
+        self.fwd_offsets = fwd_offsets
+        """(U+1,) int64: rows of unit j's postings are ``fwd_rows[fwd_offsets[j]:fwd_offsets[j+1]]``."""
+        self.fwd_rows = fwd_rows
+        """(P,) uint32/int64 posting rows, grouped by unit (ascending rows, hence prototypes, within one)."""
+        self.path = path
+        self._open: dict[int, Any] = {}
+        self._checked: AttributionCache | None = None  # the cache last verified (held, so its id stays unique)
+
+    # ----- sizes ------------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of the sidecar's arrays (indexes + forward index), apart from the postings."""
+        return int(self.blobs.nbytes + self.index_offsets.nbytes + self.fwd_offsets.nbytes + self.fwd_rows.nbytes)
+
+    def indexed(self) -> np.ndarray:
+        """Prototypes whose list has an index: (n,) int64."""
+        return np.flatnonzero(np.diff(self.index_offsets) > 0)
+
+    def _index(self, i: int) -> Any:
+        """The faiss index of list i, deserialised on first use (kept: a query reuses the hot lists)."""
+        ix = self._open.get(i)
+        if ix is None:
+            a, b = int(self.index_offsets[i]), int(self.index_offsets[i + 1])
+            with reading(self.path or "<memory>", "search index", fix=_REBUILD):
+                ix = _faiss().deserialize_index(np.ascontiguousarray(self.blobs[a:b]))
+            self._open[i] = ix
+        return ix
+
+    def warm(self) -> None:
+        """Deserialise every index now (else on first use)."""
+        for i in self.indexed().tolist():
+            self._index(i)
+
+    # ----- queries ----------------------------------------------------------------------------------------
+    def candidates(self, cache: AttributionCache, protos: np.ndarray, sq: torch.Tensor, *, m: int = 50,
+                   nprobe: int = 8, ef: int = 64) -> np.ndarray:
+        """Candidate units of one query with active prototypes ``protos`` (a,) and sketches ``sq`` (a, r)
+        float64: the union over its lists of each list's top ``m`` by s_q · s (approximate for indexed lists
+        longer than m, exact otherwise; a list of at most m postings gives all of them). → (c,) int64 sorted."""
+        faiss = _faiss()
+        protos = np.asarray(protos, dtype=np.int64)
+        lo, n = cache.offsets[protos], cache.offsets[protos + 1] - cache.offsets[protos]
+        has = (self.index_offsets[protos + 1] > self.index_offsets[protos]) & (n > m)
+        out = []
+        whole = ~has & (n <= m)  # every posting is a candidate: no ranking needed
+        if whole.any():
+            out.append(cache.ids.gather(lo[whole], n[whole]))
+        scan = ~has & (n > m)  # short lists without an index: exact contributions, top m per list
+        if scan.any():
+            ls, ns = lo[scan], n[scan]
+            rows = _concat(ls, ns)
+            rep = np.repeat(np.arange(len(ls)), ns)
+            c = _posting_dots(cache, rows, sq[torch.from_numpy(np.flatnonzero(scan)[rep])]).numpy()
+            order = np.lexsort((-c, rep))  # by list, then contribution descending
+            rank = np.arange(len(rows)) - np.repeat(np.cumsum(ns) - ns, ns)  # position within its list
+            out.append(cache.ids.gather(ls, ns)[order[rank < m]])
+        xq = sq.numpy().astype(np.float32)
+        for a in np.flatnonzero(has).tolist():  # a loop over the few active long lists, not postings
+            ix = self._index(int(protos[a]))
+            if self.config.kind == "ivf":
+                params = faiss.SearchParametersIVF(nprobe=int(min(nprobe, ix.nlist)))
+            else:
+                params = faiss.SearchParametersHNSW(efSearch=int(max(ef, m)))
+            ids = ix.search(xq[a:a + 1], int(m), params=params)[1][0]
+            out.append(ids[ids >= 0])
+        return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
+
+    def rescore(self, cache: AttributionCache, protos: np.ndarray, sq: torch.Tensor, cand: np.ndarray) -> np.ndarray:
+        """Exact scores of units ``cand`` (c,) for a query with active prototypes ``protos`` (a,) and sketches
+        ``sq`` (a, r): Σ over every posting of the candidate in a list of A_q. → (c,) float64, equal to the
+        exact scan's scores (same products, added in the same prototype order)."""
+        cand = np.asarray(cand, dtype=np.int64)
+        n = self.fwd_offsets[cand + 1] - self.fwd_offsets[cand]
+        rows = np.asarray(self.fwd_rows[_concat(self.fwd_offsets[cand], n)], dtype=np.int64)  # (R,)
+        cpos = np.repeat(np.arange(len(cand)), n)  # candidate of each row
+        proto = np.searchsorted(cache.offsets, rows, side="right") - 1  # (R,) prototype of each row
+        table = np.full(cache.num_prototypes, -1, dtype=np.int64)
+        table[np.asarray(protos, dtype=np.int64)] = np.arange(len(protos))
+        qrow = table[proto]
+        keep = qrow >= 0
+        rows, cpos, qrow = rows[keep], cpos[keep], qrow[keep]
+        order = np.argsort(qrow, kind="stable")  # the exact scan adds a unit's terms in query-prototype order
+        rows, cpos, qrow = rows[order], cpos[order], qrow[order]
+        c = _posting_dots(cache, rows, sq[torch.from_numpy(qrow)]).numpy()
+        # bincount adds its weights sequentially in input order, from 0.0: the exact scan's sums, bit for bit
+        return np.bincount(cpos, weights=c, minlength=len(cand))
+
+    def top(self, cache: AttributionCache, query: BlockGradients, num_queries: int, k: int = 10, *, m: int = 50,
+            nprobe: int = 8, ef: int = 64) -> tuple[np.ndarray, np.ndarray]:
+        """Approximate top-k of each query: (scores (Q, k) float64, ids (Q, k) int64), score descending,
+        ties by ascending id, scores exact. ``m``: candidates per list; ``nprobe`` (IVF cells probed) and
+        ``ef`` (HNSW beam): the search's effort. ``m`` ≥ the longest list: exactly ``exact_top``.
+
+        Units with no posting in A_q score exactly 0; they fill the top-k (smallest ids first) where fewer
+        than k candidates score above 0, as in the exact scan."""
+        self.check(cache)
+        return self.top_sketches(cache, query.seq.cpu().numpy(), query.proto.cpu().numpy(), cache.sketch_query(query),
+                                 num_queries, k, m=m, nprobe=nprobe, ef=ef)
+
+    def top_sketches(self, cache: AttributionCache, qseq: np.ndarray, qproto: np.ndarray, sq: torch.Tensor,
+                     num_queries: int, k: int = 10, *, m: int = 50, nprobe: int = 8, ef: int = 64
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """``top`` from query sketches already made: ``qseq`` (Rq,) query of each row, ``qproto`` (Rq,) its
+        prototype, ``sq`` (Rq, r) float64 its sketch (``cache.sketch_query``). No identity check."""
+        if m < 1:
+            raise ConfigError(f"m (candidates per list) must be >= 1, got {m}")
+        U = cache.num_train
+        k = min(k, U)
+        out_s, out_i = np.zeros((num_queries, k)), np.zeros((num_queries, k), dtype=np.int64)
+        for q in range(num_queries):  # queries are few
+            sel = np.flatnonzero(np.asarray(qseq) == q)
+            protos, sq_q = np.asarray(qproto)[sel], sq[torch.from_numpy(sel)]
+            cand = self.candidates(cache, protos, sq_q, m=m, nprobe=nprobe, ef=ef) if len(sel) else \
+                np.zeros(0, np.int64)
+            s = self.rescore(cache, protos, sq_q, cand)
+            zeros = np.setdiff1d(np.arange(min(U, len(cand) + k), dtype=np.int64), cand)[:k]  # score 0 exactly
+            s, ids = np.concatenate([s, np.zeros(len(zeros))]), np.concatenate([cand, zeros])
+            out_s[q], out_i[q] = top_k(s, ids, k)
+        return out_s, out_i
+
+    def exhaustive_m(self, cache: AttributionCache) -> int:
+        """The ``m`` at which ``top`` is exact: the longest list."""
+        return max(1, int(np.diff(cache.offsets).max(initial=0)))
+
+    # ----- identity and persistence -------------------------------------------------------------------------
+    def check(self, cache: AttributionCache) -> None:
+        """``ArtifactMismatch`` unless this sidecar was built from ``cache`` (remembered for the last cache
+        checked: the fingerprint reads a 4096-posting sample, too much to repeat per query)."""
+        if self._checked is cache:
+            return
+        if self.manifest.get("cache_fingerprint") != cache_fingerprint(cache):
+            where = self.path / "manifest.json" if self.path else "this search index"
+            raise ArtifactMismatch(
+                f"{where} was built from another attribution cache ({self.manifest.get('cache_path')}) than "
+                f"{cache.path or 'the one given'} (their fingerprints differ)",
+                fix=f"rebuild it for this cache: {_REBUILD}", path=self.path)
+        self._checked = cache
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        with atomic_dir(path) as tmp:
+            np.save(tmp / "index_offsets.npy", self.index_offsets)
+            np.asarray(self.blobs).tofile(tmp / "indexes.bin")
+            np.save(tmp / "fwd_offsets.npy", self.fwd_offsets)
+            np.save(tmp / "fwd_rows.npy", np.asarray(self.fwd_rows))
+            self.manifest["files"] = file_records(tmp)
+            (tmp / "manifest.json").write_text(json.dumps(self.manifest, indent=2) + "\n")
+        self.path = path
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, cache: AttributionCache) -> SearchIndex:
+        """Open a sidecar (arrays memory-mapped), verify its files and that it belongs to ``cache``."""
+        path = Path(path)
+        mpath = path / "manifest.json"
+        if not mpath.exists():
+            raise ArtifactError(f"no search index at {path}", fix=f"build one: {_REBUILD}", path=path)
+        with reading(mpath, "search index manifest", fix=_REBUILD):
+            manifest = json.loads(mpath.read_text())
+        if manifest.get("kind") != KIND or manifest.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(f"{mpath} is not a search index of format {FORMAT_VERSION} (kind "
+                                f"{manifest.get('kind')!r}, format {manifest.get('format_version')!r})",
+                                fix=f"rebuild it: {_REBUILD}", path=mpath)
+        verify_files(path, manifest.get("files"), what="search index", fix=f"rebuild it: {_REBUILD}")
+        with reading(path, "search index", fix=_REBUILD):
+            idx = cls(config=SearchConfig.from_dict(manifest["config"]), manifest=manifest,
+                      index_offsets=np.load(path / "index_offsets.npy"),
+                      blobs=np.memmap(path / "indexes.bin", dtype=np.uint8, mode="r")
+                      if (path / "indexes.bin").stat().st_size else np.zeros(0, np.uint8),
+                      fwd_offsets=np.load(path / "fwd_offsets.npy"),
+                      fwd_rows=np.load(path / "fwd_rows.npy", mmap_mode="r"), path=path)
+        if len(idx.index_offsets) != cache.num_prototypes + 1 or int(idx.index_offsets[-1]) != len(idx.blobs):
+            raise ArtifactError(f"{path / 'index_offsets.npy'} disagrees with indexes.bin or the cache's "
+                                f"{cache.num_prototypes} prototypes", fix=f"rebuild it: {_REBUILD}", path=path)
+        idx.check(cache)
+        return idx
+
+
+def _concat(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Rows lo[0] … lo[0]+n[0]−1, lo[1] … concatenated: (n.sum(),) int64."""
+    lo, n = np.asarray(lo, dtype=np.int64), np.asarray(n, dtype=np.int64)
+    starts = np.cumsum(n) - n
+    return np.arange(int(n.sum()), dtype=np.int64) + np.repeat(lo - starts, n)
+
+
+def _build_list(X: np.ndarray, ids: np.ndarray, cfg: SearchConfig) -> Any:
+    """A faiss inner-product index over one list's sketches ``X`` (n, r) float32 labelled by unit ids (n,)."""
+    faiss = _faiss()
+    n, r = X.shape
+    if cfg.kind == "hnsw":
+        ix = faiss.IndexIDMap(faiss.IndexHNSWFlat(r, cfg.hnsw_m, faiss.METRIC_INNER_PRODUCT))
+        ix.add_with_ids(X, ids)
+        return ix
+    nlist = max(1, min(n, math.ceil(cfg.nlist_factor * math.sqrt(n))))
+    quant = faiss.IndexFlatIP(r)
+    if cfg.encoding == "flat":
+        ix = faiss.IndexIVFFlat(quant, r, nlist, faiss.METRIC_INNER_PRODUCT)
+    else:
+        qt = faiss.ScalarQuantizer.QT_8bit if cfg.encoding == "sq8" else faiss.ScalarQuantizer.QT_4bit
+        ix = faiss.IndexIVFScalarQuantizer(quant, r, nlist, qt, faiss.METRIC_INNER_PRODUCT)
+    ix.own_fields = True
+    quant.this.disown()  # the IVF index owns (and frees) its quantiser
+    ix.cp.seed = cfg.seed
+    ix.cp.min_points_per_centroid = 1  # short lists train few points per cell: no warning, no refusal
+    ix.cp.niter = _KMEANS_ITERS
+    sample = np.random.default_rng(cfg.seed).choice(n, size=min(n, _TRAIN_PER_CELL * nlist), replace=False)
+    ix.train(X[np.sort(sample)])
+    ix.add_with_ids(X, ids)
+    return ix
+
+
+def build_search_index(cache: AttributionCache, config: SearchConfig | None = None, *, out: str | Path | None = None,
+                       on_list: Callable[[int, int], None] | None = None) -> SearchIndex:
+    """Build the sidecar of ``cache``: a faiss index per list of more than ``config.min_list`` postings
+    (one list in memory at a time, decoded from the memory-mapped storage) and the forward index. ``out``:
+    save it there (convention: ``CACHE/search``) and return it loaded. ``on_list(i, n)``: called after
+    each indexed list (progress). The build time and bytes are in ``manifest`` apart from the cache's."""
+    cfg = config if config is not None else SearchConfig()
+    faiss = _faiss()
+    t0 = time.perf_counter()
+    K = cache.num_prototypes
+    off = np.asarray(cache.offsets, dtype=np.int64)
+    n = np.diff(off)
+    blobs: list[np.ndarray] = []
+    sizes = np.zeros(K, dtype=np.int64)
+    threads = faiss.omp_get_max_threads()
+    for i in np.flatnonzero(n > cfg.min_list).tolist():  # list by list: memory ~ one list's float32 sketches
+        lo, ln = off[i:i + 1], n[i:i + 1]
+        X = np.ascontiguousarray(cache.sketches.gather(_concat(lo, ln)), dtype=np.float32)  # (n_i, r)
+        ids = cache.ids.gather(lo, ln)  # (n_i,) int64
+        b = faiss.serialize_index(_build_list(X, ids, cfg))
+        blobs.append(b)
+        sizes[i] = len(b)
+        if on_list is not None:
+            on_list(i, int(ln[0]))
+    t_index = time.perf_counter() - t0
+    index_offsets = np.zeros(K + 1, dtype=np.int64)
+    np.cumsum(sizes, out=index_offsets[1:])
+    # forward index: posting rows grouped by unit (a stable sort keeps rows, hence prototypes, ascending)
+    t1 = time.perf_counter()
+    units = np.asarray(cache.seq, dtype=np.int64)  # (P,) decoded ids
+    P, U = len(units), cache.num_train
+    fwd_offsets = np.zeros(U + 1, dtype=np.int64)
+    np.cumsum(np.bincount(units, minlength=U), out=fwd_offsets[1:])
+    fwd_rows = np.argsort(units, kind="stable").astype(np.uint32 if P < 2 ** 32 else np.int64)
+    del units
+    t_fwd = time.perf_counter() - t1
+    m = cache.manifest
+    idx = SearchIndex(config=cfg, manifest={}, index_offsets=index_offsets,
+                      blobs=np.concatenate(blobs) if blobs else np.zeros(0, np.uint8),
+                      fwd_offsets=fwd_offsets, fwd_rows=fwd_rows)
+    tokens = int(m.get("tokens", 0))
+    idx.manifest.update({
+        "kind": KIND, "format_version": FORMAT_VERSION, "cache_fingerprint": cache_fingerprint(cache),
+        "cache_path": str(cache.path) if cache.path else None, "model_sha256": m.get("model_sha256"),
+        "shard_key": m.get("shard_key"), "config": cfg.to_dict(), "faiss_version": faiss.__version__,
+        "faiss_threads": threads, "lists_indexed": int((sizes > 0).sum()),
+        "postings_indexed": int(n[sizes > 0].sum()), "postings": P,
+        "index_seconds": t_index, "forward_seconds": t_fwd, "build_seconds": t_index + t_fwd,
+        "bytes_indexes": int(idx.blobs.nbytes), "bytes_forward": int(fwd_offsets.nbytes + fwd_rows.nbytes),
+        "bytes": idx.nbytes(), "bytes_per_token": idx.nbytes() / max(1, tokens),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **provenance(),
+    })
+    if out is not None:
+        idx.save(out)
+        return SearchIndex.load(out, cache)
+    return idx

@@ -1,0 +1,187 @@
+"""The reconstruction term of the prototype-space curvature, the hybrid re-ranker, whole-network gradients
+and the TRAK baseline — each against an independent reference (autograd, brute-force ranking)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prismlm import RunConfig
+from prismlm.model import PrismLM
+from prismlm.tda.baselines import WholeNetworkGradients, hybrid_scores
+from prismlm.tda.influence import CurvatureAccumulator, curvature_pass
+
+
+@pytest.fixture(scope="module")
+def net(tiny_shards):
+    cfg = RunConfig.from_name("tiny").override({"model.vocab_size": tiny_shards.tokenizer.vocab_size})
+    torch.manual_seed(0)
+    return PrismLM(cfg.model).double().eval()
+
+
+def _rec_hessian_block(net, x, i: int, lam: float) -> torch.Tensor:
+    """Autograd Hessian of λ·REC w.r.t. prototype i, activations and indices held fixed (spec §3.2)."""
+    out = net(x)
+    B, T = x.shape
+    z = out.hidden.detach().reshape(B * T, -1)
+    a = out.activations.detach().reshape(B * T, -1)
+    idx = out.indices.reshape(B * T, -1)
+    P = net.prototypes.weight.detach().clone()
+
+    def rec(p_i):
+        Pm = torch.cat([P[:i], p_i[None], P[i + 1:]])
+        r = z - torch.einsum("nk,nkd->nd", a, Pm[idx])
+        return lam * (r.pow(2).sum(-1) / z.pow(2).sum(-1)).mean()
+
+    # the function above is the model's REC (its residual and loss value), so the reference is the real loss
+    tgt = torch.zeros_like(x)
+    assert torch.allclose(rec(P[i]), lam * net(x, tgt).losses["rec"], rtol=1e-10)
+    return torch.autograd.functional.hessian(rec, P[i].clone())
+
+
+def test_reconstruction_block_equals_autograd_hessian(net, tiny_shards):
+    T = net.config.block_size
+    x = torch.from_numpy(tiny_shards.train.sequences(np.arange(4), T))[:, :-1]
+    acc = CurvatureAccumulator(net)
+    acc.update(net(x))
+    lam = 1.7
+    with_rec = acc.finish(damping=0.1, reconstruction=lam)
+    without = acc.finish(damping=0.1)
+    counts = torch.bincount(net(x).indices.reshape(-1), minlength=net.prototypes.num_prototypes)
+    active = torch.nonzero(counts).reshape(-1)[:3].tolist()
+    d = net.config.n_embd
+    for i in active:
+        H = _rec_hessian_block(net, x, i, lam)
+        assert float(H.abs().max()) > 0
+        torch.testing.assert_close(with_rec.dense(i) - without.dense(i), H, rtol=1e-8, atol=1e-12)
+        torch.testing.assert_close(H, H[0, 0] * torch.eye(d, dtype=H.dtype), rtol=1e-8, atol=1e-12)  # isotropic
+    # applying H⁻¹ uses the added term: H_i (H_i⁻¹ g) = g
+    g = torch.randn(3, d, dtype=torch.float64)
+    pr = torch.tensor(active)
+    back = torch.stack([with_rec.dense(i) @ v for i, v in zip(active, with_rec.apply(pr, g, -1.0), strict=True)])
+    torch.testing.assert_close(back, g, rtol=1e-8, atol=1e-10)
+
+
+def test_reconstruction_curvature_round_trips_and_pass(net, tiny_shards, tmp_path):
+    from prismlm.tda.influence import Curvature
+
+    c = curvature_pass(net, tiny_shards, sequences=(0, 8), batch_size=4, reconstruction=1.0)
+    assert c.rec is not None and c.reconstruction == 1.0
+    c.save(tmp_path / "c.safetensors")
+    c2 = Curvature.load(tmp_path / "c.safetensors")
+    torch.testing.assert_close(c2.dense(3), c.dense(3))
+    assert curvature_pass(net, tiny_shards, sequences=(0, 8), batch_size=4).rec is None
+
+
+def test_whole_network_gradients_equal_autograd_of_the_loss(net, tiny_shards):
+    T = net.config.block_size
+    wn = WholeNetworkGradients(net, tiny_shards)
+    x = torch.from_numpy(tiny_shards.train.sequence(2, T))[None]
+    net.zero_grad()
+    out = net(x[:, :-1], x[:, 1:])
+    (out.losses["ce"] * T).backward()  # summed token CE
+    ref = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                     for p in net.parameters() if p.requires_grad])
+    net.zero_grad()
+    torch.testing.assert_close(wn.train(2), ref.double(), rtol=1e-6, atol=1e-9)
+    gq = wn.query(x[0].tolist(), 1)
+    torch.testing.assert_close(wn.dot(gq, [2]), (ref.double() @ ref.double())[None], rtol=1e-6, atol=1e-9)
+    assert wn.computed == 1  # memoised
+
+
+def test_hybrid_with_all_candidates_is_the_whole_network_score():
+    g = torch.Generator().manual_seed(0)
+    base, whole = torch.randn(3, 20, generator=g), torch.randn(3, 20, generator=g)
+    out, cands = hybrid_scores(base, lambda q, ids: whole[q, ids], 20)
+    torch.testing.assert_close(out, whole.double())
+    assert cands.shape == (3, 20)
+
+
+def test_hybrid_reranks_only_the_candidates():
+    g = torch.Generator().manual_seed(1)
+    Q, N, M = 4, 30, 5
+    base, whole = torch.randn(Q, N, generator=g).double(), torch.randn(Q, N, generator=g).double()
+    out, cands = hybrid_scores(base, lambda q, ids: whole[q, ids], M)
+    for q in range(Q):
+        top = np.argsort(-base[q].numpy(), kind="stable")[:M]
+        assert sorted(cands[q].tolist()) == sorted(top.tolist())
+        order = np.argsort(-out[q].numpy(), kind="stable")
+        # candidates first, ordered by the whole-network score
+        assert order[:M].tolist() == top[np.argsort(-whole[q, top].numpy(), kind="stable")].tolist()
+        # then the others in the base order, with the base differences kept up to one positive scale
+        rest = np.argsort(-base[q].numpy(), kind="stable")[M:]
+        assert order[M:].tolist() == rest.tolist()
+        torch.testing.assert_close(out[q, cands[q]], whole[q, cands[q]])
+        r = torch.from_numpy(rest)
+        ratio = (out[q, r[1:]] - out[q, r[:-1]]) / (base[q, r[1:]] - base[q, r[:-1]])
+        assert float(ratio.min()) > 0 and torch.allclose(ratio, ratio[0].expand_as(ratio))
+        assert float(out[q, r].max()) < float(whole[q, cands[q]].min())
+
+
+def test_trak_refuses_a_projection_that_gives_garbage(net, tiny_shards):
+    pytest.importorskip("trak")
+    from prismlm.errors import ConfigError
+    from prismlm.tda.baselines import TrakBaseline
+
+    with pytest.raises(ConfigError, match="proj_dim"):
+        TrakBaseline(net, tiny_shards, proj_dim=64)
+    with pytest.raises(ConfigError, match="proj_dim"):
+        TrakBaseline(net, tiny_shards, proj_dim=512, max_sequences=200)
+
+
+def test_trak_scores_match_the_trak_formula(net, tiny_shards):
+    """TRAK's score is ∝ (Φ (ΦᵀΦ)⁻¹ φ_q)_j · Q_j, Φ the projected margin gradients of the training sequences:
+    recomputed here from our own per-sequence autograd of the margin and TRAK's projection matrix."""
+    pytest.importorskip("trak")
+    import copy
+
+    import torch.nn.functional as F
+
+    from prismlm.tda.baselines import TrakBaseline
+
+    n, T = 160, net.config.block_size
+    tb = TrakBaseline(net, tiny_shards, proj_dim=128, max_sequences=n, batch_size=32)
+    qids = tiny_shards.train.sequence(5, T).tolist()
+    S = tb.scores([(qids, 1)])
+    assert S.shape == (1, n) and bool(torch.isfinite(S).all())
+    m = copy.deepcopy(net).float()
+    params = list(m.parameters())
+
+    def grad_q(ids):
+        x = torch.tensor(ids)[None]
+        logits = m(x[:, :-1]).logits[0]
+        y = x[0, 1:]
+        margin = logits.gather(-1, y[:, None])[:, 0] - logits.scatter(-1, y[:, None], float("-inf")).logsumexp(-1)
+        g = torch.autograd.grad(margin.sum(), params, allow_unused=True)
+        with torch.no_grad():
+            q = (1 - F.softmax(logits, -1).gather(-1, y[:, None])[:, 0]).mean()
+        return torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1) for gi, p in zip(g, params)]), q
+
+    rows = [grad_q(tiny_shards.train.sequence(j, T).tolist()) for j in range(n)]
+    G = torch.stack([r[0] for r in rows])
+    Qw = torch.stack([r[1] for r in rows]).double()
+    proj = tb.traker.projector
+    Phi = proj.project(G, model_id=0).double()  # (n, k)
+    phi_q = proj.project(grad_q(qids)[0][None], model_id=0).double()  # (1, k)
+    ref = (Phi @ torch.linalg.inv(Phi.T @ Phi) @ phi_q.T)[:, 0] * Qw
+    # equal up to one positive constant (TRAK rescales its features internally; rankings and LDS ignore it)
+    c = float(S[0] @ ref) / float(ref @ ref)
+    assert c > 0
+    torch.testing.assert_close(S[0], c * ref, rtol=1e-2, atol=1e-2 * float(S[0].abs().max()))
+    assert int(torch.argsort(-S[0])[:3].eq(5).sum()) == 1  # the query is training sequence 5 itself
+    tb.close()
+
+
+def test_kronfluence_scores_on_candidates_equal_the_full_matrix(net, tiny_shards):
+    """The hybrid's EK-FAC re-scoring of M candidates gives the same numbers as the full pairwise matrix."""
+    pytest.importorskip("kronfluence")
+    from prismlm.tda.baselines import KronfluenceBaseline
+
+    T = net.config.block_size
+    kb = KronfluenceBaseline(net, tiny_shards, strategy="ekfac", max_sequences=24, batch_size=8)  # copies net
+    q = [(tiny_shards.train.sequence(30, T).tolist(), 5)]
+    full = kb.scores(q)
+    ids = [7, 2, 19]
+    torch.testing.assert_close(kb.scores_on(q, ids), full[:, ids], rtol=1e-4, atol=1e-6)
+    kb.close()
