@@ -121,3 +121,21 @@ def fmt_rate(x: float) -> str:
     if x >= 1e3:
         return f"{x / 1e3:.1f}k"
     return f"{x:.0f}"
+
+
+CPU_SMALL_RUN = RUNS_DIR / "cpu-small"
+"""The trained cpu-small PRISM run (d=128, 4 layers, K=512, k=8, 600 steps on the built-in corpus: 4.85 M
+training tokens) that the attribution-at-scale benches build caches on."""
+
+
+def ensure_cpu_small_run(path: str | Path = CPU_SMALL_RUN) -> Path:
+    """``path`` if it holds a run, else trains it there first: ``prism train --preset cpu-small --out PATH``
+    (~10 min on one core; the same command reproduces it)."""
+    path = Path(path)
+    if not (path / "checkpoints").exists():
+        from prismlm.app.training import train_from_options
+
+        print(f"[bench] training the cpu-small run → {path} (prism train --preset cpu-small --out {path})",
+              file=sys.stderr)
+        train_from_options(preset="cpu-small", out=path, progress=False)
+    return path

@@ -3,9 +3,10 @@
 top-M search + exact rescoring (``prismlm.tda.search``, issue 13 item 2).
 
 What is measured
-    A compact attribution cache of a real PRISM run (default: the K = 512 cpu-small run at
-    ``/tmp/h13/bk512``, 1.55 M training tokens; ``pca-local`` r = 48, int4 sketches, prune 0.1, delta ids;
-    built once under ``--workdir`` and reused) gives the posting statistics. At each corpus size
+    A compact attribution cache of a real PRISM run (default: the cpu-small run ``bench/runs/cpu-small``,
+    K = 512, trained first if missing by ``prism train --preset cpu-small``; its first 12,288 training
+    sequences = 1.57 M tokens; ``pca-local`` r = 48, int4 sketches, prune 0.1, delta ids; built once under
+    ``--workdir`` and reused) gives the posting statistics. At each corpus size
     (``--sizes``, training tokens):
 
     - up to the real cache's size, the real postings of its first N/T sequences (a sub-cache, same
@@ -44,7 +45,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, warn_if_busy, write_json
+from _common import (
+    CPU_SMALL_RUN,
+    RESULTS_DIR,
+    RUNS_DIR,
+    ensure_cpu_small_run,
+    environment,
+    load_average,
+    warn_if_busy,
+    write_json,
+)
 
 from prismlm import AttributionConfig
 from prismlm.config import SearchConfig
@@ -53,7 +63,7 @@ from prismlm.tda.influence import query_gradients
 from prismlm.tda.search import build_search_index, exact_top
 
 PROFILES: dict[str, dict[str, Any]] = {
-    "default": {"sizes": [1e5, 3e5, 1e6, 3e6, 1e7], "queries": 8, "repeats": 3, "max_sequences": None},
+    "default": {"sizes": [1e5, 3e5, 1e6, 3e6, 1e7], "queries": 8, "repeats": 3, "max_sequences": 12288},
     "quick": {"sizes": [3e4, 1e5, 3e5], "queries": 3, "repeats": 3, "max_sequences": 256},
 }
 
@@ -64,11 +74,12 @@ def log(msg: str) -> None:
 
 def real_cache(args: argparse.Namespace, prof: dict[str, Any], work: Path) -> tuple[AttributionCache, Any, Any]:
     """The real cache (built once under ``work``), the model and the shards."""
+    from prismlm.app import Run
     from prismlm.data.shards import load_shards
     from prismlm.train import load_checkpoint
 
-    ck = load_checkpoint(args.run)
-    sh = load_shards(args.shards)
+    ck = load_checkpoint(ensure_cpu_small_run(args.run))
+    sh = load_shards(args.shards) if args.shards else Run.open(args.run, device="cpu").shards()
     cfg = AttributionConfig(projection="pca-local", r=args.r, dtype="int4", prune=0.1, id_encoding="delta",
                             max_sequences=prof["max_sequences"])
     path = work / f"cache-pcalocal{args.r}-int4-p0.1-delta-n{prof['max_sequences'] or 'all'}"
@@ -237,8 +248,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="≤ 1 min: a 256-sequence cache, 3 sizes up to 3e5, 3 queries")
-    ap.add_argument("--run", default="/tmp/h13/bk512/run")
-    ap.add_argument("--shards", default="/tmp/h13/bk512/shards")
+    ap.add_argument("--run", default=str(CPU_SMALL_RUN), help="trained PRISM run (default: trained if missing)")
+    ap.add_argument("--shards", default="", help="its token shards ('' = the run's)")
     ap.add_argument("--cache", default=None, help="a compact cache of --run to reuse (default: built in --workdir)")
     ap.add_argument("--r", type=int, default=48)
     ap.add_argument("--sizes", type=float, nargs="+", default=None, help="training tokens per size")

@@ -3,7 +3,8 @@
 building no slower than 1.5× the index pass").
 
 What is measured
-    On a trained run (default: the K=512 cpu-small run ``/tmp/h13/bk512/run`` and its shards), over the
+    On a trained run (default: the cpu-small run ``bench/runs/cpu-small``, K=512, trained first if missing by
+    ``prism train --preset cpu-small``, and its own shards), over the
     first ``--max-sequences`` training sequences, each in a fresh child process (so every peak RSS is its
     own; 1 torch thread by default):
 
@@ -38,7 +39,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS_DIR, current_peak_rss_mib, environment, fmt_rate, load_average, warn_if_busy, write_json
+from _common import (
+    CPU_SMALL_RUN,
+    RESULTS_DIR,
+    current_peak_rss_mib,
+    ensure_cpu_small_run,
+    environment,
+    fmt_rate,
+    load_average,
+    warn_if_busy,
+    write_json,
+)
 
 COMPACT = {"projection": "pca-local", "r": 48, "dtype": "int4", "prune": 0.1, "id_encoding": "delta"}
 KINDS = ("index", "cache-default", "cache-compact")
@@ -81,8 +92,8 @@ def child(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--run", default="/tmp/h13/bk512/run", help="trained PRISM run folder")
-    ap.add_argument("--shards", default="/tmp/h13/bk512/shards", help="its token shards ('' = the run's)")
+    ap.add_argument("--run", default=str(CPU_SMALL_RUN), help="trained PRISM run folder (default: trained if missing)")
+    ap.add_argument("--shards", default="", help="its token shards ('' = the run's)")
     ap.add_argument("--max-sequences", type=int, default=4096, help="training sequences built over")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--curvature-sample", type=int, default=None,
@@ -101,6 +112,8 @@ def main() -> None:
         args.curvature_sample = AttributionConfig().curvature_sample
     if args.child:
         return child(args)
+    if args.run == str(CPU_SMALL_RUN):
+        ensure_cpu_small_run(args.run)
     warn_if_busy(args.threads)
     env = environment(args.device, 0)
     kinds = [k for k in args.kinds.split(",") if k]

@@ -196,3 +196,53 @@ def test_search_config_validates():
         with pytest.raises(ConfigError):
             SearchConfig(**bad)
     assert SearchConfig.from_dict(SearchConfig(kind="hnsw").to_dict()) == SearchConfig(kind="hnsw")
+
+
+def test_attribute_with_the_search_index_from_the_cli_and_the_app(tiny_shards, tmp_path):
+    """`prism attribute-search RUN` builds CACHE/search; `prism attribute` then uses it (``--search auto``) or
+    is told to (``approximate``, refused without one). With candidates covering every list it returns the
+    exact scan's ranking, scores and contributions; with a tiny budget the sequences it returns still carry
+    their exact scores."""
+    from typer.testing import CliRunner
+
+    from prismlm.app import Run, attribute_text, build_run_search
+    from prismlm.cli.main import app
+
+    _, run_dir = train_tiny_run(tiny_shards, tmp_path / "run", steps=20, batch_size=4, warmup_steps=2)
+    r = CliRunner()
+    common = ["--shards", str(tiny_shards.root), "--device", "cpu"]
+    res = r.invoke(app, ["attribute-cache", str(run_dir), "--max-sequences", "64", "--r", "8", "--dtype", "int8",
+                         "--id-encoding", "delta", "--no-progress", *common])
+    assert res.exit_code == 0, res.output
+    text = ["The President said that the nation"]
+    res = r.invoke(app, ["attribute", str(run_dir), *text, "--search", "approximate", *common])
+    assert res.exit_code == 2 and "no search index" in res.output and "prism attribute-search" in res.output
+    res = r.invoke(app, ["attribute-search", str(run_dir), "--min-list", "4", "--no-progress", *common])
+    assert res.exit_code == 0 and "search index" in res.output, res.output
+    res = r.invoke(app, ["attribute", str(run_dir), *text, "--candidates", "4", "--nprobe", "1", *common])
+    assert res.exit_code == 0 and "cached-search" in res.output, res.output
+
+    run = Run.open(run_dir, device="cpu")
+    shards = tiny_shards.root
+    exact = attribute_text(run, text[0], top=20, search="exact", shards=shards)
+    side = run.search(shards_dir=shards, required=True)
+    assert side is not None
+    every = side.exhaustive_m(run.cache(shards_dir=shards))
+    approx = attribute_text(run, text[0], top=20, search="approximate", candidates=every, nprobe=10 ** 6,
+                            shards=shards)
+    assert exact.method == "cached" and approx.method == "cached-search"
+    assert [(a.sequence, a.score, a.prototypes, a.snippet) for a in approx.top] == \
+        [(a.sequence, a.score, a.prototypes, a.snippet) for a in exact.top]
+    # a tiny search budget: maybe other sequences, but every score is the exact scan's score of that sequence
+    cache = run.cache(shards_dir=shards)
+    full = {a.sequence: a.score for a in attribute_text(run, text[0], top=cache.num_train, search="exact",
+                                                        shards=shards).top}
+    small = attribute_text(run, text[0], top=10, candidates=1, nprobe=1, shards=shards)  # auto: the sidecar
+    assert small.method == "cached-search" and len(small.top) == 10
+    assert all(a.score == full[a.sequence] for a in small.top), [(a.sequence, a.score, full[a.sequence]) for a in small.top]
+    assert [a.score for a in small.top] == sorted((a.score for a in small.top), reverse=True)
+    # rebuilt through the app (progress callback), the run re-reads it
+    events = []
+    build_run_search(run, SearchConfig(min_list=4, kind="hnsw"), shards=shards, progress=events.append)
+    assert events and events[-1].stage == "search index"
+    assert run.search(shards_dir=shards).config.kind == "hnsw"

@@ -417,9 +417,9 @@ class SearchConfig:
     """Index per list: ``ivf`` (faiss IndexIVF, inner-product coarse quantiser; build ∝ list length, query
     ∝ nprobe · list/nlist + nlist) or ``hnsw`` (faiss IndexHNSWFlat; better recall per probe, ~3× the build
     time and 4r + 8·hnsw_m bytes per posting)."""
-    min_list: int = 4096
+    min_list: int = 512
     """Lists with at most this many postings get no index: a query scans them exactly (cheap, and an index
-    over a short list costs more than it saves)."""
+    over a short list costs more than it saves). 512 is what ``bench/attribution_scaling.py`` measured."""
     nlist_factor: float = 1.0
     """IVF cells per list: ceil(nlist_factor · √n) for a list of n postings, so that coarse search and one
     cell both cost ~√n."""

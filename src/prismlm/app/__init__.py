@@ -6,7 +6,7 @@ plain function here, returning values, never printing; user mistakes raise ``pri
     print(generate(run, "It is a truth", tokens=20)[0])
 """
 
-from prismlm.app.attribution import attribute_explanation, attribute_text, build_run_cache
+from prismlm.app.attribution import attribute_explanation, attribute_text, build_run_cache, build_run_search
 from prismlm.app.control import build_task_folders, evaluate_tasks, find_run_concept, fit_controller
 from prismlm.app.export import export_run
 from prismlm.app.operations import (
@@ -26,7 +26,7 @@ from prismlm.app.retrofit import retrofit_model
 from prismlm.app.run import Run, StageFn
 from prismlm.app.training import build_config, demo, prepare, train_from_options
 
-__all__ = ["Run", "StageFn", "attribute_explanation", "attribute_text", "build_config", "build_run_cache",
+__all__ = ["Run", "StageFn", "attribute_explanation", "attribute_text", "build_config", "build_run_cache", "build_run_search",
            "build_run_index", "build_task_folders", "demo", "evaluate", "evaluate_tasks", "explain_text", "export_run",
            "find_prototypes", "find_run_concept", "fit_controller", "generate", "label_prototypes",
            "merge_index_parts", "prepare", "prototypes", "retrofit_model", "sample_continuations", "show_prototype", "train_from_options", "verify_run"]

@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prismlm.app.run import Run, require
-from prismlm.config import AttributionConfig
+from prismlm.config import AttributionConfig, SearchConfig
 from prismlm.errors import ArtifactError, ConfigError
 from prismlm.explain import Explanation
-from prismlm.progress import Progress
+from prismlm.progress import Progress, Reporter
 from prismlm.tda.attribute import Attribution, attribute
 from prismlm.tda.cache import AttributionCache, build_cache, compress_cache, merge_caches, sampled_curvature
 from prismlm.tda.influence import FullGradients
+from prismlm.tda.search import SearchIndex, build_search_index
 from prismlm.train.distributed import DistInfo, barrier, cleanup, init_distributed
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from prismlm.model import PrismLM
 
 DEFAULT_ATTRIBUTION = AttributionConfig()
+DEFAULT_SEARCH = SearchConfig()
 
 
 def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *, out: Path | None = None,
@@ -137,8 +139,32 @@ def compress_run_cache(run: Run, source: Path, config: AttributionConfig = DEFAU
     return result
 
 
+def build_run_search(run: Run, config: SearchConfig = DEFAULT_SEARCH, *, cache: Path | None = None,
+                     shards: Path | None = None, progress: Progress = True) -> SearchIndex:
+    """Build the approximate-search sidecar of the run's attribution cache (CACHE/search): one faiss index per
+    long posting list, so that `prism attribute` reads a few candidates per list instead of every posting of
+    the query's prototypes (scores stay exact; only which sequences are considered is approximate).
+
+    Args:
+        config: The index (kind ivf or hnsw, lists shorter than min_list scanned exactly, IVF cells and
+            vector encoding, HNSW degree, seed): ``SearchConfig``.
+        cache: Cache folder (default RUN/attribution-cache).
+        shards: Token shard folder (default: the cache's / the run's).
+        progress: Show a progress bar (one step per indexed list).
+    """
+    c = run.cache(cache, shards)
+    assert c.path is not None  # a loaded cache knows its folder
+    out = c.path / "search"
+    lists = int((np.diff(np.asarray(c.offsets)) > config.min_list).sum())
+    with Reporter(progress, "search index", lists, unit="list") as bar:
+        idx = build_search_index(c, config, out=out, on_list=lambda i, n: bar.update(1, postings=n))
+    run.forget(out)
+    return idx
+
+
 def attribute_text(run: Run, text: str, *, answer: str | None = None, completion: int | None = None,
                    generate: int = 0, top: int = 10, method: str = "cached", cache: Path | None = None,
+                   search: str = "auto", candidates: int = 32, nprobe: int = 16,
                    shards: Path | None = None, max_sequences: int | None = None, temperature: float = 0.0,
                    seed: int = 0, token_ids: list[int] | None = None) -> Attribution:
     """The training sequences that most influenced TEXT (or its completion), with the prototypes that
@@ -152,6 +178,11 @@ def attribute_text(run: Run, text: str, *, answer: str | None = None, completion
         top: Training sequences to show.
         method: cached (postings cache) or full (exact block gradients).
         cache: Cache folder (default RUN/attribution-cache).
+        search: --method cached: auto (the cache's search index, CACHE/search from `prism attribute-search`,
+            when it exists, else the exact scan), exact (scan every posting of the query's prototypes) or
+            approximate (the search index, required).
+        candidates: Approximate search: sequences proposed per long posting list, then rescored exactly.
+        nprobe: Approximate search (IVF): cells probed per list.
         shards: Token shard folder (default: the cache's / the run's).
         max_sequences: --method full: first N training sequences only.
         temperature: Sampling temperature for --generate (0 = greedy).
@@ -162,16 +193,21 @@ def attribute_text(run: Run, text: str, *, answer: str | None = None, completion
     require(completion is None or completion >= 1, "--completion", ">= 1", completion)
     require(generate >= 0, "--generate", ">= 0", generate)
     require(max_sequences is None or max_sequences >= 1, "--max-sequences", ">= 1", max_sequences)
+    require(search in ("auto", "exact", "approximate"), "--search", "auto, exact or approximate", search)
+    require(candidates >= 1, "--candidates", ">= 1", candidates)
+    require(nprobe >= 1, "--nprobe", ">= 1", nprobe)
     require(math.isfinite(temperature) and temperature >= 0, "--temperature", "a finite number >= 0", temperature)
     run.prism_model("prototype-space attribution")
     if sum(x is not None and x != 0 for x in (answer, completion, generate)) > 1:
         raise ConfigError("use at most one of --answer, --completion and --generate")
     if method == "cached":
         c = run.cache(cache, shards)
+        sidecar = None if search == "exact" else run.search(cache, shards, required=search == "approximate")
         return attribute(run.model, run.tokenizer, text, answer,
                          shards=run.shards(shards, c.manifest.get("shards_root")),
                          completion_tokens=completion, generate=generate, top=top, temperature=temperature,
-                         seed=seed, token_ids=token_ids, cache=c)
+                         seed=seed, token_ids=token_ids, cache=c, search=sidecar, candidates=candidates,
+                         nprobe=nprobe)
     if method == "full":
         shard_set = run.shards(shards)
         full = FullGradients.build(run.model, shard_set, max_sequences=max_sequences)
@@ -191,5 +227,5 @@ def attribute_explanation(run: Run, expl: Explanation, *, shards: Path | None = 
     return attribute_text(run, expl.text, completion=completion or None, shards=shards, token_ids=ids)
 
 
-__all__ = ["DEFAULT_ATTRIBUTION", "attribute_explanation", "attribute_text", "build_run_cache", "compress_run_cache",
-           "lossless_options"]
+__all__ = ["DEFAULT_ATTRIBUTION", "DEFAULT_SEARCH", "attribute_explanation", "attribute_text", "build_run_cache",
+           "build_run_search", "compress_run_cache", "lossless_options"]

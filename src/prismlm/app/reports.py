@@ -64,6 +64,7 @@ def explain_report(run: Run, prompt: str = "", *, generate: int = 0, index: Path
 
 def attribute_report(run: Run, text: str, *, answer: str | None = None, completion: int | None = None,
                      generate: int = 0, top: int = 10, method: str = "cached", cache: Path | None = None,
+                     search: str = "auto", candidates: int = 32, nprobe: int = 16,
                      shards: Path | None = None, max_sequences: int | None = None, temperature: float = 0.0,
                      seed: int = 0, explain: bool = False) -> AttributionReport:
     """The training sequences that most influenced TEXT (or its completion), with the prototypes that
@@ -77,6 +78,11 @@ def attribute_report(run: Run, text: str, *, answer: str | None = None, completi
         top: Training sequences to show.
         method: cached (postings cache) or full (exact block gradients).
         cache: Cache folder (default RUN/attribution-cache).
+        search: --method cached: auto (the cache's search index, CACHE/search from `prism attribute-search`,
+            when it exists, else the exact scan), exact (scan every posting of the query's prototypes) or
+            approximate (the search index, required).
+        candidates: Approximate search: sequences proposed per long posting list, then rescored exactly.
+        nprobe: Approximate search (IVF): cells probed per list.
         shards: Token shard folder (default: the cache's / the run's).
         max_sequences: --method full: first N training sequences only.
         temperature: Sampling temperature for --generate (0 = greedy).
@@ -84,6 +90,7 @@ def attribute_report(run: Run, text: str, *, answer: str | None = None, completi
         explain: Also explain the attributed text (prompt + completion), with the index if there is one.
     """
     att = attribute_text(run, text, answer=answer, completion=completion, generate=generate, top=top, method=method,
-                         cache=cache, shards=shards, max_sequences=max_sequences, temperature=temperature, seed=seed)
+                         cache=cache, search=search, candidates=candidates, nprobe=nprobe, shards=shards,
+                         max_sequences=max_sequences, temperature=temperature, seed=seed)
     expl = explain_text(run, att.prompt + att.completion, shards=shards) if explain else None
     return AttributionReport(att, expl)

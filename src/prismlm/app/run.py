@@ -31,6 +31,7 @@ from prismlm.train.trainer import autocast_for
 if TYPE_CHECKING:
     from prismlm.explain.index import PrototypeIndex
     from prismlm.tda.cache import AttributionCache
+    from prismlm.tda.search import SearchIndex
 
 StageFn = Callable[[str, int, int | None], None]
 """Called as ``on_stage(stage, i, n)`` when stage i of n of a multi-stage operation starts. Progress
@@ -154,7 +155,7 @@ class Run:
     # ----- derived artifacts, opened lazily and checked against the checkpoint ------------------------------
     def forget(self, path: Path) -> None:
         """Drop an opened index or cache at ``path`` (after rebuilding it), so the next call re-reads it."""
-        for kind in ("index", "cache"):
+        for kind in ("index", "cache", "search"):
             self._artifacts.pop((kind, path), None)
 
     def shards(self, shards_dir: Path | None = None, recorded_root: str | None = None) -> ShardSet:
@@ -220,3 +221,23 @@ class Run:
         cache.check(shards=self.shards(shards_dir, cache.manifest.get("shards_root")))
         self._artifacts["cache", path] = cache
         return cache
+
+    def search(self, cache_dir: Path | None = None, shards_dir: Path | None = None, *,
+               required: bool = False) -> SearchIndex | None:
+        """The approximate-search sidecar of the attribution cache (``CACHE/search``), checked against that
+        cache; ``None`` if there is none and it is not ``required`` (then ``ArtifactError``)."""
+        from prismlm.tda.search import SearchIndex
+
+        cache = self.cache(cache_dir, shards_dir)
+        assert cache.path is not None  # a loaded cache knows its folder
+        path = cache.path / "search"
+        if ("search", path) in self._artifacts:
+            return self._artifacts["search", path]  # type: ignore[return-value]
+        if not (path / "manifest.json").exists():
+            if required:
+                raise ArtifactError(f"no search index at {path}", fix=f"prism attribute-search {self.path}"
+                                    + (f" --cache {cache_dir}" if cache_dir is not None else ""))
+            return None
+        idx = SearchIndex.load(path, cache)
+        self._artifacts["search", path] = idx
+        return idx

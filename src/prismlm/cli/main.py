@@ -26,7 +26,7 @@ from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command
 from prismlm.data.shards import ShardSet
 from prismlm.errors import PrismError
 from prismlm.explore import RunHeader, render_terminal, write_html
-from prismlm.tda import AttributionCache
+from prismlm.tda import AttributionCache, SearchIndex
 from prismlm.train.trainer import TrainResult
 
 app = typer.Typer(
@@ -241,6 +241,13 @@ def render_cache(c: AttributionCache) -> None:
                   f"postings {m['postings_seconds']:.1f}s")
 
 
+def render_search(idx: SearchIndex) -> None:
+    m = idx.manifest
+    console.print(f"search index → {idx.path}: {m['lists_indexed']:,} lists indexed ({m['postings_indexed']:,} of "
+                  f"{m['postings']:,} postings; shorter lists are scanned), {m['config']['kind']}, "
+                  f"{m['bytes_per_token']:.1f} bytes/training token beside the cache, {m['build_seconds']:.1f}s")
+
+
 def render_attribution(report: AttributionReport, run: Run, *, json_out: Path | None = None,
                        html_out: Path | None = None) -> None:
     """Output options.
@@ -274,6 +281,7 @@ def render_attribution(report: AttributionReport, run: Run, *, json_out: Path | 
 
 # --sketch-size: the same as --r, for torchrun (whose argument parser takes --r for an abbreviation of its own flags)
 command(app, "attribute-cache", ops.build_run_cache, render_cache, decls={"r": ["--r", "--sketch-size"]})
+command(app, "attribute-search", ops.build_run_search, render_search)
 command(app, "attribute", attribute_report, render_attribution, arguments={"text"},
         computed={"explain": lambda options: options.get("html_out") is not None},
         decls={"generate": ["--generate", "-g"], "json_out": ["--json"], "html_out": ["--html"]})

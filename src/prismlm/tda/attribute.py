@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.data.tokenizer import Tokenizer
     from prismlm.model import PrismLM
+    from prismlm.tda.search import SearchIndex
 
 __all__ = ["Attribution", "AttributedSequence", "attribute", "make_query"]
 
@@ -62,7 +63,8 @@ class Attribution:
     prompt: str
     completion: str
     method: str
-    """``cached`` or ``full``."""
+    """``cached`` (the exact scan of the postings), ``cached-search`` (candidates from the cache's
+    approximate-search sidecar, scores exact) or ``full``."""
     query_loss: float
     """Summed cross-entropy of the measured tokens."""
     measured_tokens: int
@@ -115,12 +117,19 @@ def attribute(
     top: int = 10,
     snippet_tokens: int = 24,
     token_ids: Sequence[int] | None = None,
+    search: SearchIndex | None = None,
+    candidates: int = 32,
+    nprobe: int = 16,
 ) -> Attribution:
     """Top training sequences for ``prompt`` (+ ``completion``), by the cached postings (``cache``) or the
     full block gradients (``full``) of the PRISM ``model`` (``tokenizer``: its tokenizer). ``generate=N`` samples N tokens after the prompt (greedy at
     ``temperature=0``) and attributes them as the completion. ``shards`` (for snippets) defaults to none.
     ``token_ids`` attributes exactly these tokens (e.g. an explained generation, whose text would not
-    always re-tokenize to the same ids); ``completion_tokens`` then counts from their end."""
+    always re-tokenize to the same ids); ``completion_tokens`` then counts from their end. ``search`` (a
+    ``prismlm.tda.search.SearchIndex`` of ``cache``): take the top sequences from approximate top-``candidates``
+    search in each long posting list (``nprobe`` IVF cells probed; the HNSW beam is max(64, candidates)),
+    rescored exactly, instead of scanning every posting of the query's prototypes; scores and
+    contributions of the sequences found are the exact scan's."""
     import time
 
     t0 = time.perf_counter()
@@ -130,6 +139,8 @@ def attribute(
                          "prototypes)")
     if (cache is None) == (full is None):
         raise ConfigError("pass exactly one of cache= (fast, the postings cache) or full= (reference)")
+    if search is not None and cache is None:
+        raise ConfigError("search= is the approximate-search sidecar of a cache: pass the cache too (cache=)")
     notes = []
     if token_ids is not None:
         ids = [int(t) for t in token_ids]
@@ -156,34 +167,45 @@ def attribute(
     q = query_gradients(net, [(ids, start)])
     curv: Curvature | None
     by_document = cache is not None and cache.aggregate == "document"
-    if cache is not None:
-        scores, contrib = cache.scores(q, 1, contributions=True)
-        s = scores[0]
-        c_seq, c_proto, c_val = contrib[0]
-        method, n_train, curv = "cached", cache.num_train, cache.curvature
-        if by_document:
-            notes.append("the cache aggregates documents: scores are per document, each shown through its "
-                         "first sequence")
+    if by_document:
+        notes.append("the cache aggregates documents: scores are per document, each shown through its first sequence")
+    if cache is not None and search is not None:
+        sq = cache.sketch_query(q)  # (Rq, r): one query, every row
+        qseq, qproto = q.seq.cpu().numpy(), q.proto.cpu().numpy()
+        search.check(cache)
+        top_s, top_i = search.top_sketches(cache, qseq, qproto, sq, 1, top, m=candidates, nprobe=nprobe,
+                                           ef=max(64, candidates))
+        order, top_scores = top_i[0], top_s[0]
+        cpos, c_proto, c_val = search.terms(cache, qproto, sq, order)
+        c_seq = order[cpos]
+        method, n_train, curv = "cached-search", cache.num_train, cache.curvature
     else:
-        assert full is not None
-        s = full.scores(q, 1)[0]
-        tr = full.train
-        keep = torch.isin(tr.proto, q.proto)
-        K = int(max(tr.proto.max(), q.proto.max())) + 1
-        table = query_table(q, full.curvature, K, 1)[:, 0]  # (K, d): H_i⁻¹ G_{q,i} (one query)
-        c_seq, c_proto = tr.seq[keep].numpy(), tr.proto[keep].numpy()
-        c_val = (tr.grad[keep].to(table.dtype) * table[tr.proto[keep]]).sum(1).numpy()
-        method, n_train, curv = "full", full.num_train, full.curvature
-    k = min(top, n_train)
-    # rank by score; ties broken by sequence id so results are deterministic
-    order = np.lexsort((np.arange(n_train), -s.numpy()))[:k]
+        if cache is not None:
+            scores, contrib = cache.scores(q, 1, contributions=True)
+            s = scores[0]
+            c_seq, c_proto, c_val = contrib[0]
+            method, n_train, curv = "cached", cache.num_train, cache.curvature
+        else:
+            assert full is not None
+            s = full.scores(q, 1)[0]
+            tr = full.train
+            keep = torch.isin(tr.proto, q.proto)
+            K = int(max(tr.proto.max(), q.proto.max())) + 1
+            table = query_table(q, full.curvature, K, 1)[:, 0]  # (K, d): H_i⁻¹ G_{q,i} (one query)
+            c_seq, c_proto = tr.seq[keep].numpy(), tr.proto[keep].numpy()
+            c_val = (tr.grad[keep].to(table.dtype) * table[tr.proto[keep]]).sum(1).numpy()
+            method, n_train, curv = "full", full.num_train, full.curvature
+        k = min(top, n_train)
+        # rank by score; ties broken by sequence id so results are deterministic
+        order = np.lexsort((np.arange(n_train), -s.numpy()))[:k]
+        top_scores = s.numpy()[order]
     items = []
     shown = cache.first_sequence(order) if cache is not None and by_document else order
-    for rank, (j, js) in enumerate(zip(order.tolist(), shown.tolist(), strict=True)):
+    for rank, (j, js, sj) in enumerate(zip(order.tolist(), shown.tolist(), top_scores.tolist(), strict=True)):
         sel = c_seq == j
         pv, pp = c_val[sel], c_proto[sel]
         o = np.argsort(-np.abs(pv))[:5]
-        items.append(AttributedSequence(rank=rank + 1, sequence=int(js), score=float(s[j]),
+        items.append(AttributedSequence(rank=rank + 1, sequence=int(js), score=float(sj),
                                         prototypes=[{"id": int(pp[i]), "contribution": float(pv[i])} for i in o],
                                         doc_index=int(j) if by_document else None))
     if shards is not None and items:

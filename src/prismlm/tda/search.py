@@ -216,10 +216,13 @@ class SearchIndex:
             out.append(ids[ids >= 0])
         return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
 
-    def rescore(self, cache: AttributionCache, protos: np.ndarray, sq: torch.Tensor, cand: np.ndarray) -> np.ndarray:
-        """Exact scores of units ``cand`` (c,) for a query with active prototypes ``protos`` (a,) and sketches
-        ``sq`` (a, r): Σ over every posting of the candidate in a list of A_q. → (c,) float64, equal to the
-        exact scan's scores (same products, added in the same prototype order)."""
+    def terms(self, cache: AttributionCache, protos: np.ndarray, sq: torch.Tensor, cand: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The per-posting terms of the exact scores of units ``cand`` (c,) for a query with active prototypes
+        ``protos`` (a,) and sketches ``sq`` (a, r): (candidate position (R,) int64 into ``cand``, prototype
+        (R,) int64, contribution s_q · s (R,) float64), one per posting of a candidate in a list of A_q, in
+        query-prototype order (the order in which the exact scan adds them). Read through the forward index:
+        the cost is the candidates' postings, not the lists' lengths."""
         cand = np.asarray(cand, dtype=np.int64)
         n = self.fwd_offsets[cand + 1] - self.fwd_offsets[cand]
         rows = np.asarray(self.fwd_rows[_concat(self.fwd_offsets[cand], n)], dtype=np.int64)  # (R,)
@@ -229,10 +232,16 @@ class SearchIndex:
         table[np.asarray(protos, dtype=np.int64)] = np.arange(len(protos))
         qrow = table[proto]
         keep = qrow >= 0
-        rows, cpos, qrow = rows[keep], cpos[keep], qrow[keep]
+        rows, cpos, qrow, proto = rows[keep], cpos[keep], qrow[keep], proto[keep]
         order = np.argsort(qrow, kind="stable")  # the exact scan adds a unit's terms in query-prototype order
-        rows, cpos, qrow = rows[order], cpos[order], qrow[order]
-        c = _posting_dots(cache, rows, sq[torch.from_numpy(qrow)]).numpy()
+        rows, cpos, qrow, proto = rows[order], cpos[order], qrow[order], proto[order]
+        return cpos, proto, _posting_dots(cache, rows, sq[torch.from_numpy(qrow)]).numpy()
+
+    def rescore(self, cache: AttributionCache, protos: np.ndarray, sq: torch.Tensor, cand: np.ndarray) -> np.ndarray:
+        """Exact scores of units ``cand`` (c,) for a query with active prototypes ``protos`` (a,) and sketches
+        ``sq`` (a, r): Σ over every posting of the candidate in a list of A_q. → (c,) float64, equal to the
+        exact scan's scores (same products, added in the same prototype order)."""
+        cpos, _, c = self.terms(cache, protos, sq, cand)
         # bincount adds its weights sequentially in input order, from 0.0: the exact scan's sums, bit for bit
         return np.bincount(cpos, weights=c, minlength=len(cand))
 
@@ -242,8 +251,9 @@ class SearchIndex:
         ties by ascending id, scores exact. ``m``: candidates per list; ``nprobe`` (IVF cells probed) and
         ``ef`` (HNSW beam): the search's effort. ``m`` ≥ the longest list: exactly ``exact_top``.
 
-        Units with no posting in A_q score exactly 0; they fill the top-k (smallest ids first) where fewer
-        than k candidates score above 0, as in the exact scan."""
+        The k smallest-id units that were not proposed are rescored too and compete for the top-k, so k
+        units are always returned with their exact scores; units with no posting in A_q score exactly 0 and,
+        with exhaustive settings, fill the top-k smallest ids first, as in the exact scan."""
         self.check(cache)
         return self.top_sketches(cache, query.seq.cpu().numpy(), query.proto.cpu().numpy(), cache.sketch_query(query),
                                  num_queries, k, m=m, nprobe=nprobe, ef=ef)
@@ -264,8 +274,11 @@ class SearchIndex:
             cand = self.candidates(cache, protos, sq_q, m=m, nprobe=nprobe, ef=ef) if len(sel) else \
                 np.zeros(0, np.int64)
             s = self.rescore(cache, protos, sq_q, cand)
-            zeros = np.setdiff1d(np.arange(min(U, len(cand) + k), dtype=np.int64), cand)[:k]  # score 0 exactly
-            s, ids = np.concatenate([s, np.zeros(len(zeros))]), np.concatenate([cand, zeros])
+            # k more units (the smallest ids not proposed) so that k are always returned; rescored like the
+            # candidates, since a unit the search did not propose may still have postings in A_q
+            fill = np.setdiff1d(np.arange(min(U, len(cand) + k), dtype=np.int64), cand)[:k]
+            s_fill = self.rescore(cache, protos, sq_q, fill) if len(sel) else np.zeros(len(fill))
+            s, ids = np.concatenate([s, s_fill]), np.concatenate([cand, fill])
             out_s[q], out_i[q] = top_k(s, ids, k)
         return out_s, out_i
 
