@@ -10,6 +10,7 @@ synthetic token stream, so the file runs in a few seconds; it is the test select
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -293,6 +294,20 @@ def test_shared_curvature_is_m_times_F_plus_damping_from_the_definitions(net, sh
     assert cur.mode == "shared" and cur.tokens == ref.N and cur.damping == RHO
     torch.testing.assert_close(cur.F, ref.F, rtol=0, atol=1e-12)
     torch.testing.assert_close(cur.m, ref.m, rtol=0, atol=1e-14)
+    # tokens softmaxed in blocks of 7 (not dividing a batch's 2·T tokens): the same statistics
+    acc = CurvatureAccumulator(net, block_rows=7)
+    with torch.no_grad():
+        for j in (0, 2, 4):
+            acc.update(net(_seqs(shards, j, min(5, j + 2))[:, :-1]))
+    blocked = acc.finish()
+    torch.testing.assert_close(blocked.F, ref.F, rtol=0, atol=1e-12)
+    torch.testing.assert_close(blocked.m, ref.m, rtol=0, atol=1e-14)
+    # a float32 model: π and Wᵀπ in float32, sums in float64 — F within float32 rounding of the reference
+    net32 = copy.deepcopy(net).float()
+    acc32 = CurvatureAccumulator(net32, block_rows=7)
+    with torch.no_grad():
+        acc32.update(net32(_seqs(shards, 0, 5)[:, :-1]))
+    torch.testing.assert_close(acc32.finish().F, ref.F, rtol=0, atol=1e-5 * float(ref.F.abs().max()))
     unseen = (ref.m == 0).nonzero().flatten()
     seen = ref.m.argsort(descending=True)
     assert len(unseen) > 0 and int((ref.m > 0).sum()) > 10  # both kinds of prototype are exercised

@@ -58,7 +58,7 @@ from safetensors.torch import load_file, save_file
 from prismlm.errors import ConfigError, ModelError
 from prismlm.model import eval_mode
 from prismlm.progress import Progress, Reporter
-from prismlm.tda.gradients import BlockGradients, block_gradients, precondition, query_table
+from prismlm.tda.gradients import _SOFTMAX_BLOCK, BlockGradients, block_gradients, precondition, query_table
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
@@ -73,7 +73,7 @@ class CurvatureAccumulator:
     """Streaming sums for F = E[Wᵀ Σ_t W], m_i = E[a_i²], e_i = E[a_i² / ‖z‖²] and (``exact=True``)
     E[a_i² Wᵀ Σ_t W]."""
 
-    def __init__(self, model: PrismLM, exact: bool = False, chunk: int = 1024):
+    def __init__(self, model: PrismLM, exact: bool = False, chunk: int = 1024, block_rows: int | None = None):
         net = model
         if net.prototypes is None:
             raise ModelError("prototype-space curvature needs a PRISM model (the dense baseline has no prototypes)")
@@ -85,6 +85,8 @@ class CurvatureAccumulator:
         self.sum_a2 = torch.zeros(self.K, dtype=torch.float64, device=dev)
         self.sum_a2_z2 = torch.zeros(self.K, dtype=torch.float64, device=dev)  # Σ_t a_{t,i}² / ‖z_t‖²
         self.exact, self.chunk = exact, chunk
+        self.block_rows = block_rows
+        """Tokens softmaxed at once in the shared mode (default: ``_SOFTMAX_BLOCK`` logits, at most ``chunk``)."""
         if exact:
             self.blk_pi = torch.zeros(self.K, V, dtype=torch.float64, device=dev)  # Σ_t a² π_t
             self.blk_mumu = torch.zeros(self.K, self.d * self.d, dtype=torch.float64, device=dev)  # Σ_t a² μμᵀ
@@ -95,24 +97,31 @@ class CurvatureAccumulator:
         assert out.activations is not None and out.indices is not None, "a PRISM model's output"
         B, T, V = out.logits.shape
         N = B * T
-        pi = torch.softmax(out.logits.detach().double().reshape(N, V), dim=-1)  # (N, V)
-        mu = pi @ self.W  # (N, d): Wᵀ π_t
-        self.sum_pi += pi.sum(0)
-        self.sum_mumu += mu.T @ mu
+        logits = out.logits.detach().reshape(N, V)
         a2 = out.activations.detach().double().reshape(N, -1) ** 2  # (N, k)
         idx = out.indices.reshape(N, -1)  # (N, k)
         self.sum_a2.index_add_(0, idx.reshape(-1), a2.reshape(-1))
         z2 = out.hidden.detach().double().reshape(N, -1).pow(2).sum(-1).clamp_min(1e-8)  # (N,) as REC clamps
         self.sum_a2_z2.index_add_(0, idx.reshape(-1), (a2 / z2[:, None]).reshape(-1))
-        if self.exact:
-            tok = torch.arange(N, device=idx.device)[:, None].expand_as(idx).reshape(-1)
-            for s in range(0, N, self.chunk):  # chunks of tokens bound the N × d² outer products
-                sel = (tok >= s) & (tok < s + self.chunk)
-                A = torch.sparse_coo_tensor(torch.stack([idx.reshape(-1)[sel], tok[sel] - s]), a2.reshape(-1)[sel],
-                                            (self.K, min(self.chunk, N - s)), check_invariants=False)  # (K, n) a²
-                m = mu[s:s + self.chunk]  # (n, d)
-                self.blk_pi += torch.sparse.mm(A, pi[s:s + self.chunk])
-                self.blk_mumu += torch.sparse.mm(A, (m[:, :, None] * m[:, None, :]).reshape(m.shape[0], -1))
+        # π_t and μ_t = Wᵀπ_t a block of tokens at a time (never an (N, V) float64 copy of the logits): in the
+        # logits' precision (float32 for a float32 model; float64 for the exact blocks or a float64 model),
+        # the sums in float64 — F's damping (10% of its trace) dwarfs float32 rounding
+        dt = torch.float64 if self.exact else torch.promote_types(logits.dtype, torch.float32)
+        W = self.W.to(dt)
+        step = self.chunk if self.exact else self.block_rows or min(self.chunk, max(1, _SOFTMAX_BLOCK // V))
+        for s in range(0, N, step):
+            pi = torch.softmax(logits[s:s + step].to(dt), dim=-1)  # (n, V)
+            mu = pi @ W  # (n, d): Wᵀ π_t
+            self.sum_pi += pi.sum(0, dtype=torch.float64)
+            mu64 = mu.double()
+            self.sum_mumu += mu64.T @ mu64
+            if self.exact:  # the per-prototype sums of the chunk's tokens (chunks bound the n × d² products)
+                n = pi.shape[0]
+                ii, a2c = idx[s:s + n].reshape(-1), a2[s:s + n].reshape(-1)
+                tok = torch.arange(n, device=idx.device)[:, None].expand(n, idx.shape[1]).reshape(-1)
+                A = torch.sparse_coo_tensor(torch.stack([ii, tok]), a2c, (self.K, n), check_invariants=False)  # a²
+                self.blk_pi += torch.sparse.mm(A, pi)
+                self.blk_mumu += torch.sparse.mm(A, (mu[:, :, None] * mu[:, None, :]).reshape(n, -1))
         self.tokens += N
 
     def finish(self, damping: float = 0.1, reconstruction: float = 0.0) -> Curvature:
