@@ -56,6 +56,17 @@ def environment(device: torch.device | str, seed: int) -> dict[str, Any]:
     return env
 
 
+def profile_from_args(profiles: dict[str, dict[str, Any]], args: Any) -> dict[str, Any]:
+    """The ``quick`` or ``default`` profile (by ``args.quick``), each key overridden by the command-line
+    option of the same name when it was given (not None)."""
+    prof = dict(profiles["quick" if getattr(args, "quick", False) else "default"])
+    for key in prof:
+        value = getattr(args, key, None)
+        if value is not None:
+            prof[key] = value
+    return prof
+
+
 def load_average() -> list[float] | None:
     """1/5/15-minute load averages (None where unsupported): how busy the machine was around a timing."""
     try:

@@ -63,6 +63,7 @@ from _common import (
     environment,
     load_average,
     parse_sets,
+    profile_from_args,
     reset_peak_rss,
     warn_if_busy,
     write_json,
@@ -535,11 +536,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="corpus/shards/models (default bench/runs/attribution[-quick])")
     ap.add_argument("--out", default=None, help="JSON output (default bench/results/attribution[-quick].json)")
     args = ap.parse_args()
-    prof = dict(PROFILES["quick" if args.quick else "default"])
-    for k in prof:
-        v = getattr(args, k, None)
-        if v is not None:
-            prof[k] = v
+    prof = profile_from_args(PROFILES, args)
     tag = "attribution-quick" if args.quick else "attribution"
     work = Path(args.workdir) if args.workdir else RUNS_DIR / tag
     out_path = Path(args.out) if args.out else RESULTS_DIR / f"{tag}.json"

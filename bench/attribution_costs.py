@@ -80,6 +80,7 @@ from _common import (
     current_peak_rss_mib,
     environment,
     load_average,
+    profile_from_args,
     reset_peak_rss,
     warn_if_busy,
     write_json,
@@ -342,11 +343,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="corpus/shards/models (default bench/runs/attribution-costs[-quick])")
     ap.add_argument("--out", default=None, help="JSON output (default bench/results/attribution-costs[-quick].json)")
     args = ap.parse_args()
-    prof = dict(PROFILES["quick" if args.quick else "default"])
-    for k in prof:
-        v = getattr(args, k, None)
-        if v is not None:
-            prof[k] = v
+    prof = profile_from_args(PROFILES, args)
     if len(prof["sizes"]) < 3 or len(prof["fractions"]) < 3:
         ap.error("the fits need ≥ 3 --sizes and ≥ 3 --fractions")
     tag = "attribution-costs-quick" if args.quick else "attribution-costs"

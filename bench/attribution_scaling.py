@@ -52,6 +52,7 @@ from _common import (
     ensure_cpu_small_run,
     environment,
     load_average,
+    profile_from_args,
     warn_if_busy,
     write_json,
 )
@@ -269,10 +270,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="default bench/runs/attribution-scaling")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    prof = dict(PROFILES["quick" if args.quick else "default"])
-    for key in ("sizes", "queries", "repeats"):
-        if getattr(args, key) is not None:
-            prof[key] = getattr(args, key)
+    prof = profile_from_args(PROFILES, args)
     tag = "attribution-scaling-quick" if args.quick else "attribution-scaling"
     work = Path(args.workdir) if args.workdir else RUNS_DIR / "attribution-scaling"
     out_path = Path(args.out) if args.out else RESULTS_DIR / f"{tag}.json"

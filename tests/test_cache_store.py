@@ -126,10 +126,10 @@ def test_quantisation_error_is_at_most_half_a_step():
     x[4, :] = 0.0
     x[4, 2] = -1e-9
     unit = float(np.abs(x).max()) / 127 / 2**15
-    for dtype, qmax in (("int8", 127), ("int4", 7)):
+    for dtype, qmax, width in (("int8", 127, 7), ("int4", 7, 4), ("int3", 3, 3)):
         u = unit * 127 / qmax
         codes, scales = quantise(x, dtype, u)
-        assert codes.shape == ((500, 7) if dtype == "int8" else (500, 4))
+        assert codes.shape == (500, width)
         back = dequantise(codes, scales, u, dtype, 7)
         step = scales.astype(np.float64) * u
         assert np.all(np.abs(back - x) <= step[:, None] / 2 * (1 + 1e-12))
@@ -144,10 +144,18 @@ def test_int4_packing_by_hand():
     assert dequantise(codes, scales, 1.0, "int4", 3).tolist() == [[-7.0, 0.0, 7.0]]
     codes, _ = quantise(np.array([[-127.0, 3.0]]), "int8", 1.0)
     assert codes.dtype == np.int8 and codes.tolist() == [[-127, 3]]
+    # int3: codes q + 4 as a little-endian bit stream, 3 bits each: -3, 0, 3 → 1, 4, 7 → bits 100 001 111
+    codes, scales = quantise(np.array([[-3.0, 0.0, 3.0]]), "int3", 1.0)
+    assert scales.tolist() == [1.0]
+    assert codes.tolist() == [[0b11_100_001, 0b1]]  # 1 | 4 << 3 | 7 << 6 = 481 → bytes 0xE1, 0x01
+    assert dequantise(codes, scales, 1.0, "int3", 3).tolist() == [[-3.0, 0.0, 3.0]]
+    x = np.array([[-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 3.0, -3.0]])  # 9 codes: 27 bits across 4 bytes
+    codes, scales = quantise(x, "int3", 1.0)
+    assert codes.shape == (1, 4) and dequantise(codes, scales, 1.0, "int3", 9).tolist() == x.tolist()
 
 
 def test_config_validates_storage_options():
-    for bad in ({"prune": 1.0}, {"prune": -0.1}, {"prune": float("nan")}, {"dtype": "int3"},
+    for bad in ({"prune": 1.0}, {"prune": -0.1}, {"prune": float("nan")}, {"dtype": "int2"},
                 {"aggregate": "token"}, {"id_encoding": "varint"}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             AttributionConfig(**bad)
@@ -237,7 +245,7 @@ def test_quantised_and_pruned_postings(tiny, tiny_shards):
     x = np.asarray(base.sketch)
     exact = base.scores(tiny.q, tiny.Q).numpy()
     sq = base.sketch_query(tiny.q)
-    for dtype, qmax in (("int8", 127), ("int4", 7)):
+    for dtype, qmax in (("int8", 127), ("int4", 7), ("int3", 3)):
         c = compress_cache(base, _cfg(dtype=dtype))
         assert np.array_equal(c.seq, base.seq) and np.array_equal(c.offsets, base.offsets)
         step = np.asarray(c.sketches.scales, dtype=np.float64) * c.sketches.unit
@@ -290,6 +298,13 @@ def test_compact_cache_on_disk_round_trip_verified_and_memory_mapped(tiny, tiny_
     # saving an in-memory cache writes the same files
     mem.save(tmp_path / "m")
     assert torch.equal(AttributionCache.load(tmp_path / "m").scores(tiny.q, tiny.Q), mem.scores(tiny.q, tiny.Q))
+    # int3 codes (a bit stream, ⌈3r/8⌉ bytes a posting) round-trip through the folder as well
+    c3 = build_cache(tiny.net, tiny_shards, _cfg(dtype="int3", id_encoding="delta"), curvature=tiny.curv,
+                     out=tmp_path / "c3")
+    back3 = AttributionCache.load(tmp_path / "c3", shards=tiny_shards)
+    assert back3.manifest["dtype"] == "int3" and back3.sketches.codes.shape[1] == (3 * back3.r + 7) // 8
+    assert torch.equal(back3.scores(tiny.q, tiny.Q), c3.scores(tiny.q, tiny.Q))
+    assert not torch.equal(back3.scores(tiny.q, tiny.Q), back.scores(tiny.q, tiny.Q))
     # attribute() ranks documents, each shown through its first sequence
     res = attribute(tiny.ckpt.model, tiny.tok, "The President said", " that the", cache=back, shards=tiny_shards, top=3)
     p_ids, c_ids = tiny.tok.encode("The President said"), tiny.tok.encode(" that the")

@@ -351,10 +351,11 @@ class AttributionConfig:
     batch_size: int = 16
     """Sequences per forward pass (``--batch-size``). Parts built separately and merged must use the
     same value (batches follow a fixed grid of sequence ids)."""
-    dtype: Literal["float16", "float32", "float64", "int8", "int4"] = "float32"
+    dtype: Literal["float16", "float32", "float64", "int8", "int4", "int3"] = "float32"
     """Storage type of the sketches (``--dtype``): ``float16``/``float32``/``float64``, or ``int8`` / ``int4``
-    (symmetric, one float16 scale per posting; every entry within scale/2 of its float value; int4 packs
-    two entries per byte). int8 keeps top-10 rankings nearly unchanged at a quarter of float32's bytes."""
+    / ``int3`` (symmetric, one float16 scale per posting; every entry within scale/2 of its float value;
+    int4 packs two entries per byte, int3 eight per three bytes). int8 keeps top-10 rankings nearly
+    unchanged at a quarter of float32's bytes."""
     prune: float = 0.0
     """Drop postings whose sketch norm is below ``prune`` × the largest norm in the same prototype's list
     (``--prune``, in [0, 1); 0 keeps all). A posting can move a score by at most ‖s_q‖·‖s_j‖, so within a
@@ -389,8 +390,8 @@ class AttributionConfig:
                f"attribution option max_sequences (--max-sequences) must be >= 1 or None (all), "
                f"got {self.max_sequences!r}")
         _check(self.batch_size >= 1, f"attribution option batch_size (--batch-size) must be >= 1, got {self.batch_size}")
-        _check(self.dtype in ("float16", "float32", "float64", "int8", "int4"),
-               f"attribution option dtype (--dtype) must be float16, float32, float64, int8 or int4, "
+        _check(self.dtype in ("float16", "float32", "float64", "int8", "int4", "int3"),
+               f"attribution option dtype (--dtype) must be float16, float32, float64, int8, int4 or int3, "
                f"got {self.dtype!r}")
         _check(isinstance(self.prune, (int, float)) and math.isfinite(self.prune) and 0 <= self.prune < 1,
                f"attribution option prune (--prune) must be a number in [0, 1), got {self.prune!r}")

@@ -39,6 +39,29 @@ __all__ = ["KronfluenceBaseline", "PrismTask", "QueryDataset", "TrainDataset", "
            "hybrid_scores"]
 
 
+class _Scratch:
+    """A temporary output folder, made when none is given and removed by ``close()`` (or on collection)."""
+
+    _tmp: str | None = None
+
+    def _scratch(self, out_dir: str | Path | None, prefix: str) -> str | Path:
+        if out_dir is not None:
+            return out_dir
+        self._tmp = tempfile.mkdtemp(prefix=prefix)
+        return self._tmp
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 class TrainDataset(torch.utils.data.Dataset):
     """Training sequences [0, n) exactly as the trainer sees them: ``(T+1,)`` tokens, all T targets measured."""
 
@@ -107,7 +130,7 @@ def PrismTask():  # noqa: N802 - a factory so that importing this module does no
 
 
 @dataclass
-class KronfluenceBaseline:
+class KronfluenceBaseline(_Scratch):
     """Fit kronfluence factors once on the training sequences, then score query batches against them."""
 
     model: PrismLM
@@ -133,10 +156,7 @@ class KronfluenceBaseline:
         n_all = self.shards.train.num_sequences(self.T)
         self.n = n_all if self.max_sequences is None else min(n_all, self.max_sequences)
         self.train_set = TrainDataset(self.shards, self.T, self.n)
-        self._tmp = None
-        if self.out_dir is None:
-            self._tmp = tempfile.mkdtemp(prefix="kronfluence-")
-            self.out_dir = self._tmp
+        self.out_dir = self._scratch(self.out_dir, "kronfluence-")
         self.task = PrismTask()
         self.net = prepare_model(net, self.task)
         self.analyzer = Analyzer(analysis_name="prism", model=self.net, task=self.task, cpu=True,
@@ -149,48 +169,30 @@ class KronfluenceBaseline:
         self.timings["factors_seconds"] = time.perf_counter() - t0
         self._calls = 0
 
-    def scores(self, queries: list[tuple[list[int], int]], pad_id: int = 0, *, query_batch_size: int = 8) -> torch.Tensor:
-        """(num_queries, num_train) influence scores of queries given as (token ids, measure_from)."""
+    def scores(self, queries: list[tuple[list[int], int]], pad_id: int = 0, *, query_batch_size: int = 8,
+               train_ids: list[int] | None = None) -> torch.Tensor:
+        """(num_queries, num_train) influence scores of queries given as (token ids, measure_from);
+        ``train_ids``: against those training sequences only, (num_queries, len(train_ids)) (the factors
+        stay those fitted on all sequences: what the hybrid's EK-FAC re-scoring of M candidates costs)."""
         from kronfluence.arguments import ScoreArguments
 
         qset = QueryDataset(queries, pad_id, self.T)
+        train = self.train_set if train_ids is None else \
+            torch.utils.data.Subset(self.train_set, [int(j) for j in train_ids])
         self._calls += 1
         name = f"scores_{self._calls}"
         t0 = time.perf_counter()
         self.analyzer.compute_pairwise_scores(
-            scores_name=name, factors_name=self.strategy, query_dataset=qset, train_dataset=self.train_set,
+            scores_name=name, factors_name=self.strategy, query_dataset=qset, train_dataset=train,
             per_device_query_batch_size=min(query_batch_size, len(qset)), per_device_train_batch_size=self.batch_size,
             score_args=ScoreArguments(damping_factor=self.damping), overwrite_output_dir=True)
         self.timings["last_scores_seconds"] = time.perf_counter() - t0
         return self.analyzer.load_pairwise_scores(name)["all_modules"].double()
 
     def scores_on(self, queries: list[tuple[list[int], int]], train_ids: list[int], pad_id: int = 0) -> torch.Tensor:
-        """(num_queries, len(train_ids)) scores against the listed training sequences only (the factors stay
-        those fitted on all sequences): what the hybrid's EK-FAC re-scoring of M candidates costs."""
-        from kronfluence.arguments import ScoreArguments
+        """``scores(queries, train_ids=train_ids)`` with every query in one batch."""
+        return self.scores(queries, pad_id, query_batch_size=len(queries), train_ids=train_ids)
 
-        qset = QueryDataset(queries, pad_id, self.T)
-        subset = torch.utils.data.Subset(self.train_set, [int(j) for j in train_ids])
-        self._calls += 1
-        name = f"scores_{self._calls}"
-        t0 = time.perf_counter()
-        self.analyzer.compute_pairwise_scores(
-            scores_name=name, factors_name=self.strategy, query_dataset=qset, train_dataset=subset,
-            per_device_query_batch_size=len(qset), per_device_train_batch_size=self.batch_size,
-            score_args=ScoreArguments(damping_factor=self.damping), overwrite_output_dir=True)
-        self.timings["last_scores_seconds"] = time.perf_counter() - t0
-        return self.analyzer.load_pairwise_scores(name)["all_modules"].double()
-
-    def close(self) -> None:
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
-
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 # ----- TRAK ---------------------------------------------------------------------------------------------
@@ -247,7 +249,7 @@ def _trak_gradient_computer():
 
 
 @dataclass
-class TrakBaseline:
+class TrakBaseline(_Scratch):
     """TRAK (PyPI ``traker``) over every parameter of the network, one checkpoint, on CPU.
 
     Features: per-sequence gradients of the summed log-odds margin of every token (training) / of the
@@ -282,10 +284,7 @@ class TrakBaseline:
 
             raise ConfigError(f"TRAK needs 100 < proj_dim < training sequences ({self.n}) or lambda_reg > 0; got "
                               f"proj_dim={self.proj_dim}, lambda_reg={self.lambda_reg}")
-        self._tmp = None
-        if self.out_dir is None:
-            self._tmp = tempfile.mkdtemp(prefix="trak-")
-            self.out_dir = self._tmp
+        self.out_dir = self._scratch(self.out_dir, "trak-")
         self.traker = TRAKer(model=self.net, task=_trak_output_class()(), train_set_size=self.n,
                              save_dir=str(Path(self.out_dir) / "trak"), load_from_save_dir=True, device="cpu",
                              gradient_computer=_trak_gradient_computer(), proj_dim=self.proj_dim,
@@ -318,16 +317,6 @@ class TrakBaseline:
         self.timings["last_scores_seconds"] = time.perf_counter() - t0
         return S
 
-    def close(self) -> None:
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
-
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 # ----- whole-network gradients and the hybrid ------------------------------------------------------------

@@ -29,16 +29,17 @@ ascending). Ids are ``int32`` (4 bytes) or ``delta``: the gaps between consecuti
 first id of a list stored as itself) in uint8 or uint16 — whichever gives fewer bytes — with the gaps that
 do not fit (≥ the type's maximum, which marks them) kept as exceptions (position int64, value uint32).
 Decoding a list is a gather, a patch and a segmented cumulative sum: exact. Sketches are float16/32/64,
-or ``int8``/``int4``: symmetric codes q ∈ [−Q, Q] (Q = 127 / 7) with one float16 scale per posting
-(relative to ``scale_unit`` in the manifest, rounded up so that |q·scale − s| ≤ scale/2 for every
-entry); int4 packs two codes per byte (low nibble first, stored as q + 8). ``prune`` drops postings
+or ``int8``/``int4``/``int3``: symmetric codes q ∈ [−Q, Q] (Q = 127 / 7 / 3) with one float16 scale per
+posting (relative to ``scale_unit`` in the manifest, rounded up so that |q·scale − s| ≤ scale/2 for every
+entry); int4 packs two codes per byte (low nibble first, stored as q + 8), int3 eight codes per three
+bytes (a little-endian bit stream of q + 4). ``prune`` drops postings
 whose sketch norm is below ``prune`` × the largest norm of the same prototype's list. ``aggregate=
 "document"`` sums the sketches of the sequences of a document (postings per (document, prototype);
 scores are per document).
 
 **Artifact.** A folder: ``offsets.npy`` (K+1 int64); ids ``seq.npy`` (P int32) or ``ids_gap.npy`` (P
 uint8/uint16), ``ids_exc_pos.npy`` (E int64), ``ids_exc_val.npy`` (E uint32); sketches ``sketch.npy`` (P × r,
-float16/32/64) or ``sketch_codes.npy`` (P × r int8, or P × ⌈r/2⌉ uint8 for int4) and ``sketch_scale.npy``
+float16/32/64) or ``sketch_codes.npy`` (P × r int8, or P × ⌈r/2⌉ / ⌈3r/8⌉ uint8 for int4 / int3) and ``sketch_scale.npy``
 (P float16); ``units.npy`` (document of each sequence, int32; document aggregation only);
 ``projection.npy`` (r × d float64; ``pca-local``: K × r × d), ``curvature.safetensors, ``manifest.json`` (kind, format_version,
 model_sha256, shard_key, r, projection, seed, storage options, covered sequences, tokens, postings, bytes
@@ -67,6 +68,7 @@ import math
 import os
 import shutil
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -107,7 +109,9 @@ FORMAT_VERSION = 2
 """1: int32 ids + float sketches (no storage options in the manifest); 2: adds ``id_encoding``, quantised
 sketches, pruning and document aggregation (a format-2 cache with the default options has format 1's files)."""
 _DTYPES: dict[str, type[np.floating]] = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
-_QMAX: dict[str, int] = {"int8": 127, "int4": 7}
+_QMAX: dict[str, int] = {"int8": 127, "int4": 7, "int3": 3}
+QuantDtype = Literal["int8", "int4", "int3"]
+_INT3_SHIFTS = np.arange(0, 24, 3, dtype=np.uint32)  # bit offsets of the 8 codes in a 24-bit word
 _SCALE_RANGE = 2.0 ** 15
 """The largest per-posting scale is stored as 2^15 × ``scale_unit`` (float16 holds up to 65504), so ratios
 down to ~2e-9 of it stay normal float16 numbers."""
@@ -263,9 +267,15 @@ class FloatSketches:
         return {"dtype": self.dtype}
 
 
-def quantise(x: np.ndarray, dtype: Literal["int8", "int4"], unit: float) -> tuple[np.ndarray, np.ndarray]:
+def code_width(dtype: QuantDtype, r: int) -> int:
+    """Bytes of one posting's codes: r (int8), ⌈r/2⌉ (int4), ⌈3r/8⌉ (int3)."""
+    return r if dtype == "int8" else (r + 1) // 2 if dtype == "int4" else (3 * r + 7) // 8
+
+
+def quantise(x: np.ndarray, dtype: QuantDtype, unit: float) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric codes of rows ``x`` (n, r) float64 with one float16 scale per row (in multiples of
-    ``unit``): returns (codes (n, r) int8 — int4: packed (n, ⌈r/2⌉) uint8 —, scales (n,) float16).
+    ``unit``): returns (codes (n, r) int8 — int4: packed (n, ⌈r/2⌉) uint8; int3: a little-endian bit
+    stream of 3-bit codes q + 4, (n, ⌈3r/8⌉) uint8 —, scales (n,) float16).
 
     The scale is max|x|/Q rounded *up* to a float16 (so no code is clipped) and every decoded entry
     ``q · scale · unit`` is within ``scale · unit / 2`` of ``x``."""
@@ -279,15 +289,25 @@ def quantise(x: np.ndarray, dtype: Literal["int8", "int4"], unit: float) -> tupl
     if dtype == "int8":
         return q.astype(np.int8), s16
     n, r = q.shape
+    if dtype == "int3":  # each code's 3 low bits, row by row, packed 8 to a byte (first code in the low bits)
+        bits = np.unpackbits((q + 4).astype(np.uint8)[:, :, None], axis=2, bitorder="little")[:, :, :3]
+        return np.packbits(bits.reshape(n, 3 * r), axis=1, bitorder="little"), s16
     u = np.full((n, r + (r & 1)), 8, dtype=np.uint8)
     u[:, :r] = (q + 8).astype(np.uint8)  # 1 … 15
     return (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8), s16
 
 
-def dequantise(codes: np.ndarray, scales: np.ndarray, unit: float, dtype: Literal["int8", "int4"], r: int) -> np.ndarray:
+def dequantise(codes: np.ndarray, scales: np.ndarray, unit: float, dtype: QuantDtype, r: int) -> np.ndarray:
     """Inverse of ``quantise``: (n, r) float64."""
     if dtype == "int8":
         q = codes.astype(np.float64)
+    elif dtype == "int3":  # every 3 bytes hold 8 codes: read them as one 24-bit word and shift
+        b = np.asarray(codes, dtype=np.uint8)
+        n, groups = b.shape[0], (r + 7) // 8
+        padded = np.zeros((n, 3 * groups), dtype=np.uint32)
+        padded[:, :b.shape[1]] = b
+        word = padded[:, 0::3] | (padded[:, 1::3] << 8) | (padded[:, 2::3] << 16)  # (n, groups)
+        q = ((word[:, :, None] >> _INT3_SHIFTS) & 7).reshape(n, 8 * groups)[:, :r].astype(np.float64) - 4
     else:
         b = np.asarray(codes, dtype=np.uint8)
         q = np.empty((b.shape[0], 2 * b.shape[1]), dtype=np.float64)
@@ -298,12 +318,13 @@ def dequantise(codes: np.ndarray, scales: np.ndarray, unit: float, dtype: Litera
 
 
 class QuantSketches:
-    """Sketches as int8/int4 codes with a float16 scale per posting (see ``quantise``)."""
+    """Sketches as int8/int4/int3 codes with a float16 scale per posting (see ``quantise``)."""
 
-    def __init__(self, codes: np.ndarray, scales: np.ndarray, unit: float, dtype: Literal["int8", "int4"],
+    def __init__(self, codes: np.ndarray, scales: np.ndarray, unit: float, dtype: QuantDtype,
                  r: int) -> None:
         self.codes = codes
-        """(P, r) int8 or, for int4, (P, ⌈r/2⌉) uint8 (two codes per byte, low nibble first)."""
+        """(P, r) int8; for int4 (P, ⌈r/2⌉) uint8 (two codes per byte, low nibble first); for int3
+        (P, ⌈3r/8⌉) uint8 (a bit stream of 3-bit codes)."""
         self.scales = scales
         """(P,) float16, in multiples of ``unit``."""
         self.unit, self._dtype, self.r = float(unit), dtype, r
@@ -313,7 +334,7 @@ class QuantSketches:
         return self._dtype
 
     @property
-    def qdtype(self) -> Literal["int8", "int4"]:
+    def qdtype(self) -> QuantDtype:
         return self._dtype
 
     def gather(self, rows: np.ndarray) -> np.ndarray:
@@ -534,11 +555,10 @@ def _encode(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K: int, r:
     Pk = len(kept)
     sk_store: Sketches
     if dtype in _QMAX:
-        qdt: Literal["int8", "int4"] = "int8" if dtype == "int8" else "int4"
+        qdt = typing.cast(QuantDtype, dtype)
         top_scale = float(maxabs[kept].max()) / _QMAX[qdt] if Pk else 0.0
         unit_scale = top_scale / _SCALE_RANGE if top_scale > 0 else 1.0
-        width = r if qdt == "int8" else (r + 1) // 2
-        codes = _alloc(out, "sketch_codes.npy", (Pk, width), np.int8 if qdt == "int8" else np.uint8)
+        codes = _alloc(out, "sketch_codes.npy", (Pk, code_width(qdt, r)), np.int8 if qdt == "int8" else np.uint8)
         scales = _alloc(out, "sketch_scale.npy", (Pk,), np.float16)
         sk_store = QuantSketches(codes, scales, unit_scale, qdt, r)
     else:
@@ -736,7 +756,7 @@ class AttributionCache:
             DeltaIds(arr("ids_gap.npy"), arr("ids_exc_pos.npy"), arr("ids_exc_val.npy"))
         sk: Sketches = FloatSketches(arr("sketch.npy")) if dtype in _DTYPES else \
             QuantSketches(arr("sketch_codes.npy"), arr("sketch_scale.npy"), float(manifest["scale_unit"]),
-                          "int8" if dtype == "int8" else "int4", int(manifest["r"]))
+                          typing.cast(QuantDtype, dtype), int(manifest["r"]))
         with reading(path, "attribution cache", fix=_REBUILD):
             c = cls(offsets=np.load(path / "offsets.npy"), ids=ids, sketches=sk,
                     projection=np.load(path / "projection.npy"),
@@ -869,7 +889,7 @@ def build_cache(
             R = torch.from_numpy(_pca_projection(net, shards, curvature, r, min(universe, cfg.pca_sequences),
                                                  batch_size, local=projection == "pca-local", universe=universe))
     t_curv = time.perf_counter() - t0
-    # the raw postings keep float32 (float64/float16 when stored so); int8/int4 are encoded from float32
+    # the raw postings keep float32 (float64/float16 when stored so); int8/int4/int3 are encoded from float32
     npdt = _DTYPES[dtype] if dtype in _DTYPES else np.float32
     plain = dtype in _DTYPES and cfg.prune == 0 and cfg.aggregate == "sequence" and cfg.id_encoding == "int32"
     units_of = document_of_sequences(shards, universe, T) if cfg.aggregate == "document" else None
