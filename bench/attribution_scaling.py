@@ -22,7 +22,9 @@ What is measured
     The same real queries at every size: held-out validation windows of the run's shards (block gradients
     by ``query_gradients``, sketched by the cache). Per query, the median of ``--repeats`` timings of
     (a) ``exact_top`` (``AttributionCache.scores``: every posting of A_q, then the top-k) and (b)
-    ``SearchIndex.top`` (faiss IVF-SQ8 per list longer than ``--min-list``, nlist = √n, ``--nprobe``
+    ``SearchIndex.top`` (IVF per list longer than ``--min-list``: by default ``--encoding cache``, cells
+    trained by faiss k-means whose postings are read from the cache itself; ``sq8``: a faiss IVF-SQ8 copy;
+    nlist = √n, ``--nprobe``
     cells, top ``--m`` per list, exact rescoring through the forward index). Reported: median per-query
     ms, top-k overlap of (b) with (a), the sidecar's one-off build seconds and its bytes per training
     token (apart from the postings' bytes per token), and the exponent b of time ≈ a · tokens^b fitted
@@ -261,7 +263,8 @@ def main() -> None:
     ap.add_argument("--nprobe", type=int, default=16)
     ap.add_argument("--ef", type=int, default=64)
     ap.add_argument("--kind", choices=["ivf", "hnsw"], default="ivf")
-    ap.add_argument("--encoding", choices=["flat", "sq8", "sq4"], default="sq8", help="IVF vector storage")
+    ap.add_argument("--encoding", choices=["cache", "flat", "sq8", "sq4"], default="cache",
+                    help="IVF vector storage (cache: none, cells over the cache's own postings)")
     ap.add_argument("--min-list", type=int, default=512, help="shorter lists are scanned exactly")
     ap.add_argument("--noise", type=float, default=0.1, help="synthetic sketches: noise / rms of the resampled one")
     ap.add_argument("--no-library", action="store_true", help="skip the library comparison (on in the default profile)")
@@ -349,7 +352,7 @@ def main() -> None:
                               "bytes_per_token": real.manifest["bytes_per_token"], "dtype": real.manifest["dtype"],
                               "r": real.r, "projection": real.manifest["projection"]},
                "synthetic": any(r["synthetic"] for r in rows), "synthetic_how": synth,
-               "library_choice": "faiss IVF-SQ8 (prismlm.tda.search; the measurement behind it: library_comparison and "
+               "library_choice": f"IVF ({args.encoding}; faiss k-means cells) (prismlm.tda.search; the measurement behind it: library_comparison and "
                                  "the module docstring)", "library_comparison": lib,
                "sizes": rows, "fit": fit, "environment": env, "load_average_end": load_average(),
                "total_seconds": time.perf_counter() - t_start}

@@ -79,14 +79,15 @@ def _synthetic(template: AttributionCache, U: int, seed: int = 0, quant: bool = 
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int4"])
-@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+@pytest.mark.parametrize("kind", ["ivf", "ivf-sq8", "hnsw"])
 def test_exhaustive_settings_equal_the_exact_scan(tiny, tiny_shards, dtype, kind):
     """m >= the longest list: every unit with a posting in A_q is a candidate, and the top-k (ids and
     scores, bit for bit: the rescoring adds the same products in the same order) is the exact scan's —
     also with k = every unit (zero-score units fill in as in the scan)."""
     cache = build_cache(tiny.net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8, dtype=dtype,
                                                                  id_encoding="delta"), curvature=tiny.curv)
-    idx = build_search_index(cache, SearchConfig(kind=kind, min_list=4))
+    idx = build_search_index(cache, SearchConfig(kind="hnsw" if kind == "hnsw" else "ivf", min_list=4,
+                                                 encoding="sq8" if kind == "ivf-sq8" else "cache"))
     assert idx.manifest["lists_indexed"] > 0
     for k in (10, N_SEQ):
         ref_s, ref_i = exact_top(cache, tiny.q, tiny.Q, k)
@@ -97,13 +98,14 @@ def test_exhaustive_settings_equal_the_exact_scan(tiny, tiny_shards, dtype, kind
         assert all(np.array_equal(a, b) for a, b in zip(cache.top(tiny.q, tiny.Q, k), (ref_s, ref_i)))
 
 
-def test_ivf_probing_every_cell_is_an_exact_per_list_search(tiny, tiny_shards):
-    """IVF (flat) with nprobe = nlist ranks a list exactly: the top-k equals the one from exactly scanned
-    lists (no index) at the same m < list length."""
+@pytest.mark.parametrize("encoding", ["flat", "cache"])
+def test_ivf_probing_every_cell_is_an_exact_per_list_search(tiny, tiny_shards, encoding):
+    """IVF (flat, or cells over the cache's own postings) with nprobe = nlist ranks a list exactly: the
+    top-k equals the one from exactly scanned lists (no index) at the same m < list length."""
     cache = build_cache(tiny.net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8),
                         curvature=tiny.curv)
-    big = _synthetic(cache, 3000, seed=3)
-    ivf = build_search_index(big, SearchConfig(min_list=100, encoding="flat"))
+    big = _synthetic(cache, 3000, seed=3, quant=encoding == "cache")
+    ivf = build_search_index(big, SearchConfig(min_list=100, encoding=encoding))
     scan = build_search_index(big, SearchConfig(min_list=10 ** 6))  # no index: each list scanned, top m exactly
     assert scan.manifest["lists_indexed"] == 0 and ivf.manifest["lists_indexed"] == big.num_prototypes
     a = ivf.top(big, tiny.q, tiny.Q, 10, m=5, nprobe=10 ** 6)
@@ -111,7 +113,7 @@ def test_ivf_probing_every_cell_is_an_exact_per_list_search(tiny, tiny_shards):
     assert np.array_equal(a[1], b[1]) and np.allclose(a[0], b[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+@pytest.mark.parametrize("kind", ["ivf", "ivf-sq8", "hnsw"])
 def test_approximate_search_recalls_the_exact_top10(tiny, tiny_shards, kind):
     """On a larger synthetic cache (lists of 300–2500 postings over 4000 units), a moderate effort (m = 40
     per list, nprobe 16 of ~50 cells / ef 64) reads a fraction of the postings and recalls >= 0.9 of the exact top-10; the
@@ -119,11 +121,17 @@ def test_approximate_search_recalls_the_exact_top10(tiny, tiny_shards, kind):
     cache = build_cache(tiny.net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8),
                         curvature=tiny.curv)
     big = _synthetic(cache, 4000, seed=1)
-    idx = build_search_index(big, SearchConfig(kind=kind, min_list=500))
+    idx = build_search_index(big, SearchConfig(kind="hnsw" if kind == "hnsw" else "ivf", min_list=500,
+                                               encoding="sq8" if kind == "ivf-sq8" else "cache"))
     ref_s, ref_i = exact_top(big, tiny.q, tiny.Q, 10)
     s, i = idx.top(big, tiny.q, tiny.Q, 10, m=40, nprobe=16, ef=64)
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(i.tolist(), ref_i.tolist())])
     assert recall >= 0.9, recall
+    if kind == "ivf":  # cells over the cache copy no vector: 4 bytes a posting (+ centroids and offsets)
+        assert idx.cells is not None and idx.blobs.nbytes == 0
+        assert idx.cells.positions.nbytes == 4 * idx.manifest["postings_indexed"]
+        assert idx.manifest["bytes_indexes"] < 4.5 * idx.manifest["postings_indexed"] + 4 * big.r * len(
+            idx.cells.centroids)
     dense = _dense(big, big.sketch_query(tiny.q), tiny.q)
     np.testing.assert_allclose(s, np.take_along_axis(dense, i, 1), rtol=1e-12, atol=1e-12 * np.abs(dense).max())
     # fewer candidates than the units the exact scan touches: the search did not degenerate into a scan

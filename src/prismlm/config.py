@@ -424,8 +424,10 @@ class SearchConfig:
     nlist_factor: float = 1.0
     """IVF cells per list: ceil(nlist_factor · √n) for a list of n postings, so that coarse search and one
     cell both cost ~√n."""
-    encoding: Literal["flat", "sq8", "sq4"] = "sq8"
-    """How an IVF index stores the vectors it ranks: ``flat`` (float32, 4r bytes), ``sq8`` / ``sq4`` (8/4-bit
+    encoding: Literal["cache", "flat", "sq8", "sq4"] = "cache"
+    """How an IVF index stores the vectors it ranks: ``cache`` (none: each cell lists its postings' 4-byte
+    positions and a probed cell is decoded from the cache itself and scored exactly; faiss only trains the
+    cells), or a faiss IVF index holding a copy: ``flat`` (float32, 4r bytes), ``sq8`` / ``sq4`` (8/4-bit
     scalar quantiser, r or r/2 bytes; faiss adds an 8-byte id per vector). Only the candidates' *order*
     depends on it: candidates are rescored exactly."""
     hnsw_m: int = 16
@@ -439,8 +441,8 @@ class SearchConfig:
                f"search option min_list must be an integer >= 1, got {self.min_list!r}")
         _check(math.isfinite(self.nlist_factor) and self.nlist_factor > 0,
                f"search option nlist_factor must be a finite number > 0, got {self.nlist_factor!r}")
-        _check(self.encoding in ("flat", "sq8", "sq4"),
-               f"search option encoding must be flat, sq8 or sq4, got {self.encoding!r}")
+        _check(self.encoding in ("cache", "flat", "sq8", "sq4"),
+               f"search option encoding must be cache, flat, sq8 or sq4, got {self.encoding!r}")
         _check(isinstance(self.hnsw_m, int) and self.hnsw_m >= 2,
                f"search option hnsw_m must be an integer >= 2, got {self.hnsw_m!r}")
 

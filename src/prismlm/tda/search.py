@@ -45,10 +45,21 @@ need not be high (the final top-10 overlap with the exact scan was ≥ 0.99 with
 indexes, the only one whose 10^7-token build takes well under a minute here. faiss gives both kinds
 (``SearchConfig.kind``), serialises to bytes, and IVF with nprobe = nlist is an exhaustive search.
 
+**IVF over the cache itself** (``SearchConfig.encoding="cache"``, the default). A faiss IVF index keeps
+its own copy of every vector (IVF-SQ8: r + 8 bytes a posting, ~2× the compact cache's postings). With
+``cache`` faiss only trains the cells (``faiss.Kmeans``, the same sample, cell count and iterations as
+its IVF); each cell stores the forward-index positions of its postings (4 bytes each: the row is
+``fwd_rows[k]``, the unit the j with ``fwd_offsets[j] <= k < fwd_offsets[j+1]``), and a query scores the
+centroids, reads its ``nprobe`` best cells per list from the cache's own (quantised) storage and keeps each
+list's top M by exact contribution — every probed posting scored exactly, vectorised over the query's
+lists (``_cell_candidates``). With nprobe ≥ the cells it is an exact per-list search (tested).
+
 **Sidecar** (a folder, by convention ``CACHE/search``): ``manifest.json`` (kind, format, the cache's
-fingerprint, model and shard identity, config, build seconds, bytes, sha256 of every file),
-``indexes.bin`` (the serialised faiss index of each indexed list, concatenated), ``index_offsets.npy``
-((K+1,) int64 byte offsets into it; an empty range: no index), ``fwd_offsets.npy`` ((U+1,) int64: the
+fingerprint, model and shard identity, config, build seconds, bytes, sha256 of every file); for faiss
+encodings ``indexes.bin`` (the serialised faiss index of each indexed list, concatenated) and
+``index_offsets.npy`` ((K+1,) int64 byte offsets into it; an empty range: no index); for ``cache``
+``list_cells.npy`` ((K+1,) int64), ``centroids.npy`` ((C, r) float32), ``cell_offsets.npy`` ((C+1,) int64)
+and ``positions.npy`` ((P_indexed,) uint32); ``fwd_offsets.npy`` ((U+1,) int64: the
 posting rows of unit j are ``fwd_rows[fwd_offsets[j]:fwd_offsets[j+1]]``) and ``fwd_rows.npy`` ((P,)
 uint32, int64 beyond 2^32 postings, ascending within a unit). Built list by list from the memory-mapped
 sketches (one list's float32 vectors in memory at a time, plus O(P) integers for the forward index).
@@ -62,6 +73,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -143,8 +155,11 @@ class SearchIndex:
     """The approximate-search sidecar of one attribution cache (see the module docstring)."""
 
     def __init__(self, *, config: SearchConfig, manifest: dict[str, Any], index_offsets: np.ndarray,
-                 blobs: np.ndarray, fwd_offsets: np.ndarray, fwd_rows: np.ndarray, path: Path | None = None) -> None:
+                 blobs: np.ndarray, fwd_offsets: np.ndarray, fwd_rows: np.ndarray, cells: Cells | None = None,
+                 path: Path | None = None) -> None:
         self.config = config
+        self.cells = cells
+        """IVF cells over the cache's own postings (``encoding="cache"``); None for faiss-stored indexes."""
         self.manifest = manifest
         self.index_offsets = index_offsets
         """(K+1,) int64: the serialised index of list i is ``blobs[index_offsets[i]:index_offsets[i+1]]``."""
@@ -161,11 +176,17 @@ class SearchIndex:
     # ----- sizes ------------------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes of the sidecar's arrays (indexes + forward index), apart from the postings."""
-        return int(self.blobs.nbytes + self.index_offsets.nbytes + self.fwd_offsets.nbytes + self.fwd_rows.nbytes)
+        return int(self.blobs.nbytes + self.index_offsets.nbytes + self.fwd_offsets.nbytes + self.fwd_rows.nbytes
+                   + (self.cells.nbytes() if self.cells is not None else 0))
+
+    def _has_index(self, protos: np.ndarray) -> np.ndarray:
+        """(a,) bool: which of the lists ``protos`` have an index."""
+        bounds = self.cells.list_cells if self.cells is not None else self.index_offsets
+        return bounds[protos + 1] > bounds[protos]
 
     def indexed(self) -> np.ndarray:
         """Prototypes whose list has an index: (n,) int64."""
-        return np.flatnonzero(np.diff(self.index_offsets) > 0)
+        return np.flatnonzero(self._has_index(np.arange(len(self.index_offsets) - 1)))
 
     def _index(self, i: int) -> Any:
         """The faiss index of list i, deserialised on first use (kept: a query reuses the hot lists)."""
@@ -178,7 +199,10 @@ class SearchIndex:
         return ix
 
     def warm(self) -> None:
-        """Deserialise every index now (else on first use)."""
+        """Deserialise every index now (else on first use); cells over the cache: read their arrays."""
+        if self.cells is not None:
+            np.asarray(self.cells.positions).sum()  # page the memory-mapped positions in
+            return
         for i in self.indexed().tolist():
             self._index(i)
 
@@ -191,7 +215,7 @@ class SearchIndex:
         faiss = _faiss()
         protos = np.asarray(protos, dtype=np.int64)
         lo, n = cache.offsets[protos], cache.offsets[protos + 1] - cache.offsets[protos]
-        has = (self.index_offsets[protos + 1] > self.index_offsets[protos]) & (n > m)
+        has = self._has_index(protos) & (n > m)
         out = []
         whole = ~has & (n <= m)  # every posting is a candidate: no ranking needed
         if whole.any():
@@ -205,6 +229,10 @@ class SearchIndex:
             order = np.lexsort((-c, rep))  # by list, then contribution descending
             rank = np.arange(len(rows)) - np.repeat(np.cumsum(ns) - ns, ns)  # position within its list
             out.append(cache.ids.gather(ls, ns)[order[rank < m]])
+        if self.cells is not None:
+            if has.any():
+                out.append(self._cell_candidates(cache, np.flatnonzero(has), protos, sq, m, nprobe))
+            return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
         xq = sq.numpy().astype(np.float32)
         for a in np.flatnonzero(has).tolist():  # a loop over the few active long lists, not postings
             ix = self._index(int(protos[a]))
@@ -215,6 +243,36 @@ class SearchIndex:
             ids = ix.search(xq[a:a + 1], int(m), params=params)[1][0]
             out.append(ids[ids >= 0])
         return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
+
+    def _cell_candidates(self, cache: AttributionCache, lists: np.ndarray, protos: np.ndarray, sq: torch.Tensor,
+                         m: int, nprobe: int) -> np.ndarray:
+        """Top ``m`` units of each of the query's indexed lists (rows ``lists`` of ``protos``/``sq``) by the
+        exact contributions of the postings in its ``nprobe`` best cells (inner product with the
+        centroids), decoded from the cache itself. Vectorised over the lists. → (c,) int64 units."""
+        assert self.cells is not None
+        cl = self.cells
+        p = protos[lists]
+        c_lo, c_n = cl.list_cells[p], cl.list_cells[p + 1] - cl.list_cells[p]
+        cidx = _concat(c_lo, c_n)  # (C,) the lists' cells
+        rep = np.repeat(np.arange(len(lists)), c_n)
+        sq_l = sq[torch.from_numpy(lists)].numpy()  # (L, r) float64
+        csc = np.einsum("cr,cr->c", np.asarray(cl.centroids[cidx], dtype=np.float64), sq_l[rep])
+        order = np.lexsort((-csc, rep))  # by list, best cell first
+        rank = np.arange(len(cidx)) - np.repeat(np.cumsum(c_n) - c_n, c_n)
+        best = cidx[order[rank < nprobe]]
+        best_rep = rep[order[rank < nprobe]]
+        r_lo, r_n = cl.cell_offsets[best], cl.cell_offsets[best + 1] - cl.cell_offsets[best]
+        pos = np.asarray(cl.positions[_concat(r_lo, r_n)], dtype=np.int64)  # (R,) forward-index positions
+        prep = np.repeat(best_rep, r_n)
+        rows = np.asarray(self.fwd_rows[pos], dtype=np.int64)
+        units = np.searchsorted(self.fwd_offsets, pos, side="right") - 1
+        by_row = np.argsort(rows, kind="stable")  # read the postings in storage order
+        contrib = np.empty(len(rows))
+        contrib[by_row] = _posting_dots(cache, rows[by_row], sq[torch.from_numpy(lists[prep[by_row]])]).numpy()
+        order = np.lexsort((-contrib, prep))  # by list, contribution descending
+        counts = np.bincount(prep, minlength=len(lists))
+        rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        return units[order[rank < m]]
 
     def terms(self, cache: AttributionCache, protos: np.ndarray, sq: torch.Tensor, cand: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -307,6 +365,8 @@ class SearchIndex:
             np.asarray(self.blobs).tofile(tmp / "indexes.bin")
             np.save(tmp / "fwd_offsets.npy", self.fwd_offsets)
             np.save(tmp / "fwd_rows.npy", np.asarray(self.fwd_rows))
+            if self.cells is not None:
+                self.cells.save(tmp)
             self.manifest["files"] = file_records(tmp)
             (tmp / "manifest.json").write_text(json.dumps(self.manifest, indent=2) + "\n")
         self.path = path
@@ -332,12 +392,47 @@ class SearchIndex:
                       blobs=np.memmap(path / "indexes.bin", dtype=np.uint8, mode="r")
                       if (path / "indexes.bin").stat().st_size else np.zeros(0, np.uint8),
                       fwd_offsets=np.load(path / "fwd_offsets.npy"),
-                      fwd_rows=np.load(path / "fwd_rows.npy", mmap_mode="r"), path=path)
+                      fwd_rows=np.load(path / "fwd_rows.npy", mmap_mode="r"),
+                      cells=Cells.load(path) if (path / "cell_offsets.npy").exists() else None, path=path)
         if len(idx.index_offsets) != cache.num_prototypes + 1 or int(idx.index_offsets[-1]) != len(idx.blobs):
             raise ArtifactError(f"{path / 'index_offsets.npy'} disagrees with indexes.bin or the cache's "
                                 f"{cache.num_prototypes} prototypes", fix=f"rebuild it: {_REBUILD}", path=path)
+        if idx.cells is not None and len(idx.cells.list_cells) != cache.num_prototypes + 1:
+            raise ArtifactError(f"{path / 'list_cells.npy'} disagrees with the cache's {cache.num_prototypes} "
+                                f"prototypes", fix=f"rebuild it: {_REBUILD}", path=path)
         idx.check(cache)
         return idx
+
+
+@dataclass
+class Cells:
+    """IVF over the cache's own postings (``SearchConfig.encoding="cache"``): per indexed list, k-means
+    cells of its sketches; a cell holds the forward-index positions of its postings (4 bytes each), so no
+    vector is copied — a probed cell's postings are decoded from the cache and scored exactly."""
+
+    list_cells: np.ndarray
+    """(K+1,) int64: the cells of list i are ``list_cells[i]:list_cells[i+1]`` (empty: no index)."""
+    centroids: np.ndarray
+    """(C, r) float32 cell centroids."""
+    cell_offsets: np.ndarray
+    """(C+1,) int64: the postings of cell c are ``positions[cell_offsets[c]:cell_offsets[c+1]]``."""
+    positions: np.ndarray
+    """(P_indexed,) uint32/int64 forward-index positions k (row ``fwd_rows[k]``, unit: the j with
+    ``fwd_offsets[j] <= k < fwd_offsets[j+1]``), ascending within a cell."""
+
+    _FILES = ("list_cells", "centroids", "cell_offsets", "positions")
+
+    def nbytes(self) -> int:
+        return int(sum(np.asarray(getattr(self, f)).nbytes for f in self._FILES))
+
+    def save(self, folder: Path) -> None:
+        for f in self._FILES:
+            np.save(folder / f"{f}.npy", np.asarray(getattr(self, f)))
+
+    @classmethod
+    def load(cls, folder: Path) -> Cells:
+        return cls(**{f: np.load(folder / f"{f}.npy", mmap_mode="r" if f == "positions" else None)
+                      for f in cls._FILES})
 
 
 def _concat(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -373,6 +468,23 @@ def _build_list(X: np.ndarray, ids: np.ndarray, cfg: SearchConfig) -> Any:
     return ix
 
 
+def _cells(X: np.ndarray, cfg: SearchConfig) -> tuple[np.ndarray, np.ndarray]:
+    """k-means cells of one list's sketches ``X`` (n, r) float32, as faiss trains an IVF coarse quantiser
+    (same cell count, sample and iterations as ``_build_list``), and each posting's cell by the largest
+    inner product with the centroids, as an inner-product IVF assigns them: (centroids (c, r), cell (n,))."""
+    faiss = _faiss()
+    n, r = X.shape
+    nlist = max(1, min(n, math.ceil(cfg.nlist_factor * math.sqrt(n))))
+    sample = np.random.default_rng(cfg.seed).choice(n, size=min(n, _TRAIN_PER_CELL * nlist), replace=False)
+    km = faiss.Kmeans(r, nlist, niter=_KMEANS_ITERS, seed=cfg.seed, min_points_per_centroid=1, verbose=False)
+    km.train(np.ascontiguousarray(X[np.sort(sample)]))
+    C = np.ascontiguousarray(km.centroids, dtype=np.float32)
+    flat = faiss.IndexFlatIP(r)
+    flat.add(C)
+    cell = flat.search(X, 1)[1][:, 0].astype(np.int64)
+    return C, cell
+
+
 def build_search_index(cache: AttributionCache, config: SearchConfig | None = None, *, out: str | Path | None = None,
                        on_list: Callable[[int, int], None] | None = None) -> SearchIndex:
     """Build the sidecar of ``cache``: a faiss index per list of more than ``config.min_list`` postings
@@ -381,38 +493,68 @@ def build_search_index(cache: AttributionCache, config: SearchConfig | None = No
     each indexed list (progress). The build time and bytes are in ``manifest`` apart from the cache's."""
     cfg = config if config is not None else SearchConfig()
     faiss = _faiss()
-    t0 = time.perf_counter()
     K = cache.num_prototypes
     off = np.asarray(cache.offsets, dtype=np.int64)
     n = np.diff(off)
-    blobs: list[np.ndarray] = []
-    sizes = np.zeros(K, dtype=np.int64)
     threads = faiss.omp_get_max_threads()
-    for i in np.flatnonzero(n > cfg.min_list).tolist():  # list by list: memory ~ one list's float32 sketches
-        lo, ln = off[i:i + 1], n[i:i + 1]
-        X = np.ascontiguousarray(cache.sketches.gather(_concat(lo, ln)), dtype=np.float32)  # (n_i, r)
-        ids = cache.ids.gather(lo, ln)  # (n_i,) int64
-        b = faiss.serialize_index(_build_list(X, ids, cfg))
-        blobs.append(b)
-        sizes[i] = len(b)
-        if on_list is not None:
-            on_list(i, int(ln[0]))
-    t_index = time.perf_counter() - t0
-    index_offsets = np.zeros(K + 1, dtype=np.int64)
-    np.cumsum(sizes, out=index_offsets[1:])
     # forward index: posting rows grouped by unit (a stable sort keeps rows, hence prototypes, ascending)
     t1 = time.perf_counter()
     units = np.asarray(cache.seq, dtype=np.int64)  # (P,) decoded ids
     P, U = len(units), cache.num_train
     fwd_offsets = np.zeros(U + 1, dtype=np.int64)
     np.cumsum(np.bincount(units, minlength=U), out=fwd_offsets[1:])
-    fwd_rows = np.argsort(units, kind="stable").astype(np.uint32 if P < 2 ** 32 else np.int64)
+    pos_dtype = np.uint32 if P < 2 ** 32 else np.int64
+    fwd_rows = np.argsort(units, kind="stable").astype(pos_dtype)
     del units
     t_fwd = time.perf_counter() - t1
+    t0 = time.perf_counter()
+    in_cache = cfg.kind == "ivf" and cfg.encoding == "cache"
+    position_of = np.empty(P, dtype=pos_dtype) if in_cache else None  # row → its forward-index position
+    if position_of is not None:
+        position_of[fwd_rows] = np.arange(P, dtype=pos_dtype)
+    blobs: list[np.ndarray] = []
+    sizes = np.zeros(K, dtype=np.int64)
+    list_cells = np.zeros(K + 1, dtype=np.int64)
+    cents: list[np.ndarray] = []
+    cell_sizes: list[np.ndarray] = []
+    positions: list[np.ndarray] = []
+    for i in np.flatnonzero(n > cfg.min_list).tolist():  # list by list: memory ~ one list's float32 sketches
+        lo, ln = off[i:i + 1], n[i:i + 1]
+        X = np.ascontiguousarray(cache.sketches.gather(_concat(lo, ln)), dtype=np.float32)  # (n_i, r)
+        if position_of is not None:
+            C, cell = _cells(X, cfg)
+            order = np.lexsort((position_of[lo[0]:lo[0] + ln[0]], cell))  # by cell, then position
+            cents.append(C)
+            cell_sizes.append(np.bincount(cell, minlength=len(C)))
+            positions.append(position_of[lo[0]:lo[0] + ln[0]][order])
+            list_cells[i + 1] = len(C)
+        else:
+            ids = cache.ids.gather(lo, ln)  # (n_i,) int64
+            b = faiss.serialize_index(_build_list(X, ids, cfg))
+            blobs.append(b)
+            sizes[i] = len(b)
+        if on_list is not None:
+            on_list(i, int(ln[0]))
+    del position_of
+    t_index = time.perf_counter() - t0
+    index_offsets = np.zeros(K + 1, dtype=np.int64)
+    np.cumsum(sizes, out=index_offsets[1:])
+    cells = None
+    if in_cache:
+        np.cumsum(list_cells, out=list_cells)
+        sizes_all = np.concatenate(cell_sizes) if cell_sizes else np.zeros(0, np.int64)
+        cell_offsets = np.zeros(len(sizes_all) + 1, dtype=np.int64)
+        np.cumsum(sizes_all, out=cell_offsets[1:])
+        r = cache.r
+        cells = Cells(list_cells=list_cells,
+                      centroids=np.concatenate(cents) if cents else np.zeros((0, r), np.float32),
+                      cell_offsets=cell_offsets,
+                      positions=np.concatenate(positions) if positions else np.zeros(0, pos_dtype))
+        sizes = np.diff(list_cells)  # lists with cells count as indexed below
     m = cache.manifest
     idx = SearchIndex(config=cfg, manifest={}, index_offsets=index_offsets,
                       blobs=np.concatenate(blobs) if blobs else np.zeros(0, np.uint8),
-                      fwd_offsets=fwd_offsets, fwd_rows=fwd_rows)
+                      fwd_offsets=fwd_offsets, fwd_rows=fwd_rows, cells=cells)
     tokens = int(m.get("tokens", 0))
     idx.manifest.update({
         "kind": KIND, "format_version": FORMAT_VERSION, "cache_fingerprint": cache_fingerprint(cache),
@@ -421,7 +563,7 @@ def build_search_index(cache: AttributionCache, config: SearchConfig | None = No
         "faiss_threads": threads, "lists_indexed": int((sizes > 0).sum()),
         "postings_indexed": int(n[sizes > 0].sum()), "postings": P,
         "index_seconds": t_index, "forward_seconds": t_fwd, "build_seconds": t_index + t_fwd,
-        "bytes_indexes": int(idx.blobs.nbytes), "bytes_forward": int(fwd_offsets.nbytes + fwd_rows.nbytes),
+        "bytes_indexes": int(idx.blobs.nbytes) + (cells.nbytes() if cells is not None else 0), "bytes_forward": int(fwd_offsets.nbytes + fwd_rows.nbytes),
         "bytes": idx.nbytes(), "bytes_per_token": idx.nbytes() / max(1, tokens),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **provenance(),
     })
