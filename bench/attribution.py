@@ -436,6 +436,8 @@ def _external(name: str, key: str) -> dict[str, Any]:
     if rec["value"] is None:
         rec["note"] = f"no {key!r} in {rec['source']}"
     rec["profile"] = data.get("profile") if isinstance(data, dict) else None
+    env = data.get("environment") if isinstance(data, dict) else None
+    rec["measured_at_revision"] = env.get("git_revision") if isinstance(env, dict) else None  # the code it timed
     root = RESULTS_DIR.parent.parent
     try:
         rev = subprocess.run(["git", "log", "-1", "--format=%H", "--", str(path)], cwd=root, capture_output=True,

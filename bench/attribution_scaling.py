@@ -22,9 +22,9 @@ What is measured
     The same real queries at every size: held-out validation windows of the run's shards (block gradients
     by ``query_gradients``, sketched by the cache). Per query, the median of ``--repeats`` timings of
     (a) ``exact_top`` (``AttributionCache.scores``: every posting of A_q, then the top-k) and (b)
-    ``SearchIndex.top`` (IVF per list longer than ``--min-list``: by default ``--encoding cache``, cells
-    trained by faiss k-means whose postings are read from the cache itself; ``sq8``: a faiss IVF-SQ8 copy;
-    nlist = √n, ``--nprobe``
+    ``SearchIndex.top`` (IVF per list longer than ``--min-list``: by default ``--encoding sq8``, a faiss
+    IVF-SQ8 copy of the list's sketches; ``cache``: cells trained by faiss k-means whose postings are read
+    from the cache itself; nlist = √n, ``--nprobe``
     cells, top ``--m`` per list, exact rescoring through the forward index). Reported: median per-query
     ms, top-k overlap of (b) with (a), the sidecar's one-off build seconds and its bytes per training
     token (apart from the postings' bytes per token), and the exponent b of time ≈ a · tokens^b fitted
@@ -263,7 +263,7 @@ def main() -> None:
     ap.add_argument("--nprobe", type=int, default=16)
     ap.add_argument("--ef", type=int, default=64)
     ap.add_argument("--kind", choices=["ivf", "hnsw"], default="ivf")
-    ap.add_argument("--encoding", choices=["cache", "flat", "sq8", "sq4"], default="cache",
+    ap.add_argument("--encoding", choices=["cache", "flat", "sq8", "sq4"], default="sq8",
                     help="IVF vector storage (cache: none, cells over the cache's own postings)")
     ap.add_argument("--min-list", type=int, default=512, help="shorter lists are scanned exactly")
     ap.add_argument("--noise", type=float, default=0.1, help="synthetic sketches: noise / rms of the resampled one")

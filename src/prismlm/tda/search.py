@@ -26,11 +26,13 @@ find a candidate's position would cost the list's length.
 ``manifest["build_seconds"]``, ``nbytes()``); ``SearchIndex.load(path, cache)``; ``index.top(cache, query,
 num_queries, k, m=, nprobe=, ef=)`` or ``cache.top(query, num_queries, k, search=index, m=...)`` →
 (scores (Q, k) float64, ids (Q, k) int64); ``exact_top`` (= ``cache.top(..., search=None)``) is the exact
-scan's answer in the same form. Measured by ``bench/attribution_scaling.py`` (K = 512 run, 10^5 → 10^7
-tokens, synthetic above 1.55 M): per-query time ∝ tokens^0.1–0.4 vs ∝ tokens^0.9–1.2 for the exact scan
-(loaded 2-core machine), top-10 overlap with it ≥ 0.988 at m = 32, nprobe = 16; at 10^7 tokens 0.18 s vs
-3.8 s per query, a one-off 35 s build and 81 bytes per token of sidecar (IVF-SQ8; ``encoding="sq4"``: 49,
-overlap 0.975) next to the postings' 36.
+scan's answer in the same form. Measured by ``bench/attribution_scaling.py`` (2026-12-02, revision 0a12332,
+``bench/results/attribution-scaling.json``: the cpu-small run, K = 512, 10^5 → 10^7 tokens, real postings up
+to 1.57 M, synthetic above; IVF-SQ8, m = 32, nprobe = 16, 8 real queries, 1 thread on a loaded 2-core
+machine): per-query time ∝ tokens^0.47 vs ∝ tokens^1.08 for the exact scan, top-10 overlap with it 1.000
+up to 3·10^6 tokens and 0.887 at 10^7 (where synthetic near-duplicates make the top-10 a strict test); at
+10^7 tokens 0.27 s vs 2.4 s per query, a one-off 26 s build and 96 bytes per token of sidecar next to the
+postings' 42. An earlier run on another K = 512 model (2026-12-01, uncommitted tree) gave b = 0.40.
 
 **Library** (faiss, ``faiss-cpu``, the ``search`` extra), chosen by measuring top-50 inner-product recall,
 µs per one-query call (1 thread) and build seconds on real sketches. (1) The three longest lists (~12k
@@ -45,14 +47,19 @@ need not be high (the final top-10 overlap with the exact scan was ≥ 0.99 with
 indexes, the only one whose 10^7-token build takes well under a minute here. faiss gives both kinds
 (``SearchConfig.kind``), serialises to bytes, and IVF with nprobe = nlist is an exhaustive search.
 
-**IVF over the cache itself** (``SearchConfig.encoding="cache"``, the default). A faiss IVF index keeps
-its own copy of every vector (IVF-SQ8: r + 8 bytes a posting, ~2× the compact cache's postings). With
+**IVF over the cache itself** (``SearchConfig.encoding="cache"``; the default is ``sq8``). A faiss IVF index
+keeps its own copy of every vector (IVF-SQ8: r + 8 bytes a posting, ~2× the compact cache's postings). With
 ``cache`` faiss only trains the cells (``faiss.Kmeans``, the same sample, cell count and iterations as
 its IVF); each cell stores the forward-index positions of its postings (4 bytes each: the row is
 ``fwd_rows[k]``, the unit the j with ``fwd_offsets[j] <= k < fwd_offsets[j+1]``), and a query scores the
 centroids, reads its ``nprobe`` best cells per list from the cache's own (quantised) storage and keeps each
 list's top M by exact contribution — every probed posting scored exactly, vectorised over the query's
-lists (``_cell_candidates``). With nprobe ≥ the cells it is an exact per-list search (tested).
+lists (``_cell_candidates``). With nprobe ≥ the cells it is an exact per-list search (tested). Measured
+(``bench/results/attribution-scaling-cache.json``): 14 bytes per token instead of IVF-SQ8's 96, but query time
+∝ tokens^0.71 instead of ^0.47 (1.5 s vs 0.27 s at 10^7 tokens): each probed posting is gathered and
+decoded in numpy, several times slower than faiss's SIMD scan of its own codes — a faster decode (int
+codes dotted without a float64 copy, in both this path and the exact scan, which must stay bit-identical)
+is what would make it the default.
 
 **Sidecar** (a folder, by convention ``CACHE/search``): ``manifest.json`` (kind, format, the cache's
 fingerprint, model and shard identity, config, build seconds, bytes, sha256 of every file); for faiss
