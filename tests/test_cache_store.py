@@ -266,6 +266,26 @@ def test_quantised_and_pruned_postings(tiny, tiny_shards):
     assert 0 < keep.sum() < len(keep)
     p = compress_cache(base, _cfg(dtype="float64", prune=tau))
     assert np.array_equal(p.seq, base.seq[keep]) and np.array_equal(p.sketch, x[keep])
+    # per unit: each sequence keeps its largest postings until they hold >= 1 - τ of its squared-norm mass
+    # (reference: a plain loop over sequences)
+    seqs = np.asarray(base.seq)
+    want = np.zeros(len(x), dtype=bool)
+    for j in np.unique(seqs):
+        rows = np.flatnonzero(seqs == j)
+        n2 = norms[rows] ** 2
+        held = 0.0
+        for i in rows[np.argsort(-n2, kind="stable")]:
+            if held >= (1 - tau) * n2.sum():
+                break
+            want[i] = True
+            held += norms[i] ** 2
+    assert 0 < want.sum() < len(want) and want.sum() != keep.sum()
+    pu = compress_cache(base, _cfg(dtype="float64", prune=tau, prune_by="unit"))
+    assert np.array_equal(pu.seq, base.seq[want]) and np.array_equal(pu.sketch, x[want])
+    assert pu.manifest["prune_by"] == "unit" and pu.manifest["pruned"] == int((~want).sum())
+    kept_mass = np.bincount(seqs[want], weights=norms[want] ** 2, minlength=N_SEQ)
+    all_mass = np.bincount(seqs, weights=norms ** 2, minlength=N_SEQ)
+    assert np.all(kept_mass >= (1 - tau) * all_mass * (1 - 1e-12))
     assert np.array_equal(np.diff(p.offsets), np.bincount(proto[keep], minlength=base.num_prototypes))
     assert p.manifest["pruned"] == int((~keep).sum())
     np.testing.assert_allclose(p.scores(tiny.q, tiny.Q).numpy(),

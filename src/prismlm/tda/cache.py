@@ -500,16 +500,44 @@ def _alloc(folder: Path | None, name: str, shape: tuple[int, ...], dtype: Any) -
     return np.lib.format.open_memmap(folder / name, mode="w+", dtype=dtype, shape=shape)
 
 
+def prune_keep(norms: np.ndarray, proto: np.ndarray, unit: np.ndarray, K: int, prune: float,
+               prune_by: str = "list") -> np.ndarray:
+    """Which postings (norms (R,), prototype (R,), unit (R,)) survive pruning: (R,) bool.
+
+    ``list``: norm ≥ prune × the largest norm of the same prototype's list. ``unit``: per unit, postings by
+    norm descending (ties: storage order) are kept while the squared-norm mass of the larger ones before
+    them is < (1 − prune) × the unit's total — the smallest postings holding ≤ prune of the mass go."""
+    R = len(norms)
+    if prune <= 0 or not R:
+        return np.ones(R, dtype=bool)
+    if prune_by == "list":
+        top = np.zeros(K)
+        np.maximum.at(top, proto, norms)
+        return norms >= prune * top[proto]
+    n2 = np.asarray(norms, dtype=np.float64) ** 2
+    order = np.lexsort((np.arange(R), -n2, unit))  # by unit, largest first
+    u, v = unit[order], n2[order]
+    first = np.ones(R, dtype=bool)
+    first[1:] = u[1:] != u[:-1]
+    starts = np.flatnonzero(first)
+    csum = np.cumsum(v)
+    before = csum - v - np.repeat((csum - v)[starts], np.diff(np.append(starts, R)))  # larger ones' mass
+    total = np.bincount(u, weights=v)[u]
+    keep = np.empty(R, dtype=bool)
+    keep[order] = before < (1 - prune) * total
+    return keep
+
+
 def _encode(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K: int, r: int, *, dtype: str,
             prune: float, id_encoding: str, units_of: np.ndarray | None, work: Path | None,
-            out: Path | None = None) -> tuple[np.ndarray, Ids, Sketches, dict[str, Any]]:
+            out: Path | None = None, prune_by: str = "list") -> tuple[np.ndarray, Ids, Sketches, dict[str, Any]]:
     """Encode CSR postings (``offsets`` (K+1,), ``ids`` (P,) ascending sequence ids within each list,
     ``sketch`` (P, r) float, memory-mapped or not) with the storage options; returns (offsets, ids,
     sketches, manifest entries).
 
     ``units_of`` (universe,): document of each sequence (document aggregation: the sketches of a
-    (document, prototype) run are summed in float64), None: sequence postings. Postings are then pruned by
-    norm relative to their list's largest and quantised. Two passes over the postings in chunks of
+    (document, prototype) run are summed in float64), None: sequence postings. Postings are then pruned
+    (``prune_keep``) and quantised. Two passes over the postings in chunks of
     ``_CHUNK`` (run keys and norms are O(P) integers/floats; sketches are streamed); ``work``: a folder
     for the document sums (memory-mapped), None: in memory; ``out``: write the sketch arrays there as
     memory-mapped ``.npy`` files (their final names), None: in memory."""
@@ -543,11 +571,7 @@ def _encode(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K: int, r:
             agg[a:b] = x
         norms[a:b] = np.linalg.norm(x, axis=1)
         maxabs[a:b] = np.abs(x).max(1) if r else 0.0
-    keep = np.ones(R, dtype=bool)
-    if prune > 0 and R:
-        top = np.zeros(K)
-        np.maximum.at(top, run_proto, norms)
-        keep = norms >= prune * top[run_proto]
+    keep = prune_keep(norms, run_proto, run_unit, K, prune, prune_by)
     kept = np.flatnonzero(keep)
     out_offsets = np.zeros(K + 1, dtype=np.int64)
     np.cumsum(np.bincount(run_proto[kept], minlength=K), out=out_offsets[1:])
@@ -931,7 +955,7 @@ def build_cache(
         "shard_key": shards.manifest["key"], "shards_root": str(Path(shards.root).resolve()),
         "split": "train", "num_prototypes": K, "d": d, "block_size": T, "r": r, "projection": projection,
         "seed": cfg.seed, "pca_sequences": cfg.pca_sequences if projection.startswith("pca") else None, "dtype": dtype,
-        "prune": cfg.prune, "aggregate": cfg.aggregate, "id_encoding": cfg.id_encoding, "units": units,
+        "prune": cfg.prune, "prune_by": cfg.prune_by, "aggregate": cfg.aggregate, "id_encoding": cfg.id_encoding, "units": units,
         "curvature_mode": curvature.mode, "damping": curvature.damping,
         "curvature_sample": cfg.curvature_sample, "curvature_tokens": curvature.tokens,
         "batch_size": batch_size, "universe": universe,
@@ -943,7 +967,7 @@ def build_cache(
         """CSR float postings → the configured storage (the CSR arrays themselves when plain)."""
         if plain:
             return offsets, PlainIds(seq), FloatSketches(sk)
-        o, ids, sks, meta = _encode(offsets, seq, sk, K, r, dtype=dtype, prune=cfg.prune,
+        o, ids, sks, meta = _encode(offsets, seq, sk, K, r, dtype=dtype, prune=cfg.prune, prune_by=cfg.prune_by,
                                     id_encoding=cfg.id_encoding, units_of=units_of, work=work, out=stage)
         manifest.update(meta)
         return o, ids, sks
@@ -1007,13 +1031,15 @@ def compress_cache(cache: AttributionCache, config: AttributionConfig, *, shards
     universe, T, K, r = int(m["universe"]), int(m["block_size"]), cache.num_prototypes, cache.r
     units_of = document_of_sequences(shards, universe, T) if config.aggregate == "document" and shards else None
     offsets, ids, sks, meta = _encode(cache.offsets, cache.seq, cache.sketches.decode(), K, r, dtype=config.dtype,
-                                      prune=config.prune, id_encoding=config.id_encoding, units_of=units_of,
+                                      prune=config.prune, prune_by=config.prune_by,
+                                      id_encoding=config.id_encoding, units_of=units_of,
                                       work=None)
     manifest = dict(m)
     manifest.pop("files", None)
     bytes_postings = ids.nbytes + sks.nbytes + (4 * universe if units_of is not None else 0)
     P = int(offsets[-1])
     manifest.update({"format_version": FORMAT_VERSION, "dtype": config.dtype, "prune": config.prune,
+                     "prune_by": config.prune_by,
                      "aggregate": config.aggregate, "id_encoding": config.id_encoding,
                      "units": universe if units_of is None else int(units_of[-1]) + 1, **meta,
                      "postings": P, "postings_per_sequence": P / max(1, sum(b - a for a, b in m["covered"])),
