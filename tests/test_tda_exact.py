@@ -459,12 +459,12 @@ def test_output_gradients_precondition_and_query_table(net, shards):
     # softmaxed a few rows at a time (blocks of 3 rows that do not divide the 2·T rows): the same gradients
     import prismlm.tda.gradients as gradients_mod
 
-    block = gradients_mod._SOFTMAX_BLOCK
+    block = gradients_mod.SOFTMAX_BLOCK
     try:
-        gradients_mod._SOFTMAX_BLOCK = 3 * V
+        gradients_mod.SOFTMAX_BLOCK = 3 * V
         torch.testing.assert_close(output_gradients(net, out.logits, x[:, 1:]), want, rtol=0, atol=1e-12)
     finally:
-        gradients_mod._SOFTMAX_BLOCK = block
+        gradients_mod.SOFTMAX_BLOCK = block
     cur = curvature_pass(net, shards, sequences=(0, 3))
     q = BlockGradients(torch.tensor([0, 0, 1]), torch.tensor([2, 5, 5]),
                        torch.randn(3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4)))

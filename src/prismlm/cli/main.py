@@ -257,10 +257,10 @@ def render_attribution(report: AttributionReport, run: Run, *, json_out: Path | 
         html_out: Write the `prism explain` HTML report of the text with a Training data section.
     """
     res = report.attribution
-    console.print(f"[bold]{res.prompt!r}[/] → measured {res.measured_tokens} token(s)"
-                  + (f" of completion {res.completion!r}" if res.completion else "")
+    console.print(f"[bold]{escape(repr(res.prompt))}[/] → measured {res.measured_tokens} token(s)"
+                  + (f" of completion {escape(repr(res.completion))}" if res.completion else "")
                   + f"; loss {res.query_loss:.3f}; {res.method} over {res.num_train:,} sequences in "
-                    f"{res.seconds * 1000:.0f} ms", markup=False)
+                    f"{res.seconds * 1000:.0f} ms")
     table = Table(show_lines=False)
     for col in ("#", "seq", "score", "prototypes (contribution)", "snippet"):
         table.add_column(col)

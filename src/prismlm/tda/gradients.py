@@ -56,7 +56,7 @@ class BlockGradients:
                               torch.cat([p.grad for p in parts]), torch.cat(losses) if losses else None)
 
 
-_SOFTMAX_BLOCK = 1 << 21
+SOFTMAX_BLOCK = 1 << 21
 """Entries of the logits softmaxed at once in ``output_gradients`` (256 rows of an 8,192-token vocabulary:
 8 MiB in float32)."""
 
@@ -71,10 +71,10 @@ def output_gradients(model: PrismLM, logits: torch.Tensor, targets: torch.Tensor
     *lead, V = logits.shape
     flat = logits.detach().reshape(-1, V)  # (N, V)
     out = torch.empty(flat.shape[0], W.shape[1], dtype=dt, device=flat.device)  # (N, d)
-    # π never exists whole: a block of rows at a time (≤ _SOFTMAX_BLOCK entries) is softmaxed and multiplied
+    # π never exists whole: a block of rows at a time (≤ SOFTMAX_BLOCK entries) is softmaxed and multiplied
     # while it is still in cache — 1.7× faster than softmax-then-matmul on (2048 × 8192) logits on one CPU
     # thread, and it bounds the memory to one block instead of a second (N, V) tensor
-    rows = max(1, _SOFTMAX_BLOCK // V)
+    rows = max(1, SOFTMAX_BLOCK // V)
     for a in range(0, flat.shape[0], rows):
         torch.mm(torch.softmax(flat[a:a + rows].to(dt), dim=-1), W, out=out[a:a + rows])
     return out.view(*lead, W.shape[1]) - W[targets]  # (B, T, d): Wᵀ(π − e_y)

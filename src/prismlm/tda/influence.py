@@ -58,7 +58,7 @@ from safetensors.torch import load_file, save_file
 from prismlm.errors import ConfigError, ModelError
 from prismlm.model import eval_mode
 from prismlm.progress import Progress, Reporter
-from prismlm.tda.gradients import _SOFTMAX_BLOCK, BlockGradients, block_gradients, precondition, query_table
+from prismlm.tda.gradients import SOFTMAX_BLOCK, BlockGradients, block_gradients, precondition, query_table
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
@@ -86,7 +86,7 @@ class CurvatureAccumulator:
         self.sum_a2_z2 = torch.zeros(self.K, dtype=torch.float64, device=dev)  # Σ_t a_{t,i}² / ‖z_t‖²
         self.exact, self.chunk = exact, chunk
         self.block_rows = block_rows
-        """Tokens softmaxed at once in the shared mode (default: ``_SOFTMAX_BLOCK`` logits, at most ``chunk``)."""
+        """Tokens softmaxed at once in the shared mode (default: ``SOFTMAX_BLOCK`` logits, at most ``chunk``)."""
         if exact:
             self.blk_pi = torch.zeros(self.K, V, dtype=torch.float64, device=dev)  # Σ_t a² π_t
             self.blk_mumu = torch.zeros(self.K, self.d * self.d, dtype=torch.float64, device=dev)  # Σ_t a² μμᵀ
@@ -108,7 +108,7 @@ class CurvatureAccumulator:
         # the sums in float64 — F's damping (10% of its trace) dwarfs float32 rounding
         dt = torch.float64 if self.exact else torch.promote_types(logits.dtype, torch.float32)
         W = self.W.to(dt)
-        step = self.chunk if self.exact else self.block_rows or min(self.chunk, max(1, _SOFTMAX_BLOCK // V))
+        step = self.chunk if self.exact else self.block_rows or min(self.chunk, max(1, SOFTMAX_BLOCK // V))
         for s in range(0, N, step):
             pi = torch.softmax(logits[s:s + step].to(dt), dim=-1)  # (n, V)
             mu = pi @ W  # (n, d): Wᵀ π_t
