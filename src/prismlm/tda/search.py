@@ -35,7 +35,9 @@ up to 3·10^6 tokens and 0.887 at 10^7 (where synthetic near-duplicates make the
 postings' 42. An earlier run on another K = 512 model (2026-12-01, uncommitted tree) gave b = 0.40.
 
 **Library** (faiss, ``faiss-cpu``, the ``search`` extra), chosen by measuring top-50 inner-product recall,
-µs per one-query call (1 thread) and build seconds on real sketches. (1) The three longest lists (~12k
+µs per one-query call (1 thread) and build seconds on real sketches (2026-12-01, on the bank-size study's
+K = 512 run, with hnswlib and usearch installed for the comparison only; the 2026-12-02
+``library_comparison`` repeats the faiss rows on the cpu-small run: IVF-SQ8 nprobe 16 → recall 0.86). (1) The three longest lists (~12k
 postings) of the identity r = 128 float64 cache of the K = 512 cpu-small run: faiss IVF-Flat (nlist 439)
 nprobe 16 → recall 0.47–0.62, ~27 µs, build 0.4–0.5 s; faiss HNSW (M 16) ef 128 → 0.90–0.93, 80–200 µs,
 build 0.6–1.2 s; hnswlib ef 128 → 0.95–0.97, 65–490 µs, build 1.5–2.7 s; usearch → 0.90–0.93, 100–770 µs,
