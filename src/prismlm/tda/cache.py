@@ -252,6 +252,11 @@ class FloatSketches:
         """(len(rows), r) float64."""
         return np.asarray(self.data[rows], dtype=np.float64)
 
+    def dots(self, rows: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """Row-wise dot products of the sketches at ``rows`` (n,) with ``q`` (n, r) float64: (n,) float64 —
+        what every score is built from (the exact scan and the search's rescoring share it)."""
+        return (torch.from_numpy(self.gather(rows)) * torch.from_numpy(q)).sum(1).numpy()
+
     def decode(self) -> np.ndarray:
         """All sketches: the stored array itself."""
         return self.data
@@ -299,6 +304,11 @@ def quantise(x: np.ndarray, dtype: QuantDtype, unit: float) -> tuple[np.ndarray,
 
 def dequantise(codes: np.ndarray, scales: np.ndarray, unit: float, dtype: QuantDtype, r: int) -> np.ndarray:
     """Inverse of ``quantise``: (n, r) float64."""
+    return code_values(codes, dtype, r) * (np.asarray(scales, dtype=np.float64) * unit)[:, None]
+
+
+def code_values(codes: np.ndarray, dtype: QuantDtype, r: int) -> np.ndarray:
+    """The integer codes q of stored rows (unpacked, unscaled): (n, r) float64."""
     if dtype == "int8":
         q = codes.astype(np.float64)
     elif dtype == "int3":  # every 3 bytes hold 8 codes: read them as one 24-bit word and shift
@@ -314,7 +324,7 @@ def dequantise(codes: np.ndarray, scales: np.ndarray, unit: float, dtype: QuantD
         q[:, 0::2] = (b & 15).astype(np.int16) - 8
         q[:, 1::2] = (b >> 4).astype(np.int16) - 8
         q = q[:, :r]
-    return q * (np.asarray(scales, dtype=np.float64) * unit)[:, None]
+    return q
 
 
 class QuantSketches:
@@ -340,6 +350,13 @@ class QuantSketches:
     def gather(self, rows: np.ndarray) -> np.ndarray:
         """(len(rows), r) float64, decoded."""
         return dequantise(np.asarray(self.codes[rows]), np.asarray(self.scales[rows]), self.unit, self._dtype, self.r)
+
+    def dots(self, rows: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """Row-wise dot products of the decoded sketches at ``rows`` (n,) with ``q`` (n, r) float64: (n,)
+        float64, as (Σ_c code_c · q_c) · scale · unit — the integer codes dotted first, the posting's scale
+        applied once (no decoded (n, r) copy); equal to ``gather(rows)`` dotted with q up to rounding."""
+        codes = code_values(np.asarray(self.codes[rows]), self._dtype, self.r)
+        return np.einsum("nr,nr->n", codes, q) * (np.asarray(self.scales[rows], dtype=np.float64) * self.unit)
 
     def decode(self) -> np.ndarray:
         """All sketches, decoded: (P, r) float64 (materialised: for tests and small caches)."""
@@ -705,12 +722,12 @@ class AttributionCache:
             rep = np.repeat(np.arange(len(protos)), n)  # query row of each posting read
             rows = _concat_ranges(lo, n)  # (P_q,)
             ids = torch.from_numpy(self.ids.gather(lo, n))  # (P_q,) int64
-            sq_q, rep_t = sq[sel], torch.from_numpy(rep)
+            sq_q = sq[sel]
             c = torch.empty(len(rows), dtype=torch.float64)
+            sq_np = sq_q.numpy()
             for a in range(0, len(rows), _QUERY_CHUNK):  # chunks bound memory; each row's sum is unchanged
                 b = a + _QUERY_CHUNK
-                s = torch.from_numpy(self.sketches.gather(rows[a:b]))  # (chunk, r) float64
-                c[a:b] = (s * sq_q[rep_t[a:b]]).sum(1)
+                c[a:b] = torch.from_numpy(self.sketches.dots(rows[a:b], sq_np[rep[a:b]]))  # (chunk,) s_j · s_q
                 out[q].index_add_(0, ids[a:b], c[a:b])  # in posting order, as one call would
             if contributions:
                 contrib_out.append((ids.numpy(), protos[rep], c.numpy()))

@@ -155,9 +155,8 @@ def exact_top(cache: AttributionCache, query: BlockGradients, num_queries: int, 
 
 def _posting_dots(cache: AttributionCache, rows: np.ndarray, sq_rows: torch.Tensor) -> torch.Tensor:
     """Contributions s_q · s of postings ``rows`` (n,) with the query sketches ``sq_rows`` (n, r) float64:
-    (n,) float64, computed exactly as ``AttributionCache.scores`` computes them (same decode, same op)."""
-    s = torch.from_numpy(cache.sketches.gather(rows))  # (n, r) float64
-    return (s * sq_rows).sum(1)
+    (n,) float64, computed exactly as ``AttributionCache.scores`` computes them (``Sketches.dots``)."""
+    return torch.from_numpy(cache.sketches.dots(np.asarray(rows), sq_rows.numpy()))
 
 
 class SearchIndex:
