@@ -439,9 +439,10 @@ class SearchConfig:
     vector) — or ``cache`` (no copy: each cell lists its postings' 4-byte positions and a probed cell is
     decoded from the cache itself and scored exactly; faiss only trains the cells). Measured on the
     cpu-small run from 10^5 to 10^7 tokens (``bench/attribution_scaling.py``): ``sq8`` 96 bytes per token
-    beside the cache's 42, query time ∝ tokens^0.47; ``cache`` 14 bytes per token but ∝ tokens^0.71 (its
-    probed postings are decoded in numpy, ~6× slower each than faiss's scan of its codes). Only the
-    candidates' *order* depends on it: candidates are rescored exactly."""
+    beside the cache's 42, query time ∝ tokens^0.34; ``cache`` 14 bytes per token but ∝ tokens^0.62, no
+    faster than the exact scan at 10^7 tokens (its probed postings are gathered row by row, where faiss
+    scans its codes contiguously). Only the candidates' *order* depends on it: candidates are rescored
+    exactly."""
     hnsw_m: int = 16
     """HNSW graph degree (``kind="hnsw"``)."""
     seed: int = 0

@@ -26,13 +26,13 @@ find a candidate's position would cost the list's length.
 ``manifest["build_seconds"]``, ``nbytes()``); ``SearchIndex.load(path, cache)``; ``index.top(cache, query,
 num_queries, k, m=, nprobe=, ef=)`` or ``cache.top(query, num_queries, k, search=index, m=...)`` →
 (scores (Q, k) float64, ids (Q, k) int64); ``exact_top`` (= ``cache.top(..., search=None)``) is the exact
-scan's answer in the same form. Measured by ``bench/attribution_scaling.py`` (2026-12-02, revision 0a12332,
+scan's answer in the same form. Measured by ``bench/attribution_scaling.py`` (2026-12-02, revision c101a16,
 ``bench/results/attribution-scaling.json``: the cpu-small run, K = 512, 10^5 → 10^7 tokens, real postings up
 to 1.57 M, synthetic above; IVF-SQ8, m = 32, nprobe = 16, 8 real queries, 1 thread on a loaded 2-core
-machine): per-query time ∝ tokens^0.47 vs ∝ tokens^1.08 for the exact scan, top-10 overlap with it 1.000
-up to 3·10^6 tokens and 0.887 at 10^7 (where synthetic near-duplicates make the top-10 a strict test); at
-10^7 tokens 0.27 s vs 2.4 s per query, a one-off 26 s build and 96 bytes per token of sidecar next to the
-postings' 42. An earlier run on another K = 512 model (2026-12-01, uncommitted tree) gave b = 0.40.
+machine): per-query time ∝ tokens^0.34 vs ∝ tokens^0.78 for the exact scan (whose fixed costs flatten the
+fit), top-10 overlap with it 1.000 up to 3·10^6 tokens and 0.887 at 10^7 (where synthetic near-duplicates
+make the top-10 a strict test); at 10^7 tokens 0.19 s vs 0.70 s per query, a one-off 27 s build and 96
+bytes per token of sidecar next to the postings' 42.
 
 **Library** (faiss, ``faiss-cpu``, the ``search`` extra), chosen by measuring top-50 inner-product recall,
 µs per one-query call (1 thread) and build seconds on real sketches (2026-12-01, on the bank-size study's
@@ -58,10 +58,9 @@ centroids, reads its ``nprobe`` best cells per list from the cache's own (quanti
 list's top M by exact contribution — every probed posting scored exactly, vectorised over the query's
 lists (``_cell_candidates``). With nprobe ≥ the cells it is an exact per-list search (tested). Measured
 (``bench/results/attribution-scaling-cache.json``): 14 bytes per token instead of IVF-SQ8's 96, but query time
-∝ tokens^0.71 instead of ^0.47 (1.5 s vs 0.27 s at 10^7 tokens): each probed posting is gathered and
-decoded in numpy, several times slower than faiss's SIMD scan of its own codes — a faster decode (int
-codes dotted without a float64 copy, in both this path and the exact scan, which must stay bit-identical)
-is what would make it the default.
+∝ tokens^0.62 instead of ^0.34 (0.84 s vs 0.19 s at 10^7 tokens, no faster than the exact scan there): each
+probed posting is gathered row by row (positions → rows → codes), where faiss scans a cell's codes
+contiguously — storing each cell's codes contiguously in the cache would make it competitive.
 
 **Sidecar** (a folder, by convention ``CACHE/search``): ``manifest.json`` (kind, format, the cache's
 fingerprint, model and shard identity, config, build seconds, bytes, sha256 of every file); for faiss
