@@ -27,3 +27,27 @@ def train_tiny_run(tiny_shards, root, *, steps: int, batch_size: int, warmup_ste
                                                 "train.batch_size": batch_size, "train.warmup_steps": warmup_steps})
     train(cfg, run, shards=tiny_shards, progress=False)
     return load_checkpoint(run), run
+
+
+QUERY_TEXTS = [("The President said that the", 3), ("We the people of the United States", 1),
+               ("It was the best of times", 2), ("In the beginning", 1), ("and the of to a", 1),
+               ("Congress shall make no law respecting", 2)]
+"""(prompt, measure_from) attribution queries shared by the cache and search tests."""
+
+
+def attribution_setup(tiny_shards, root, *, steps: int, num_queries: int, curvature_sequences: int):
+    """A trained tiny model in float64 with the block gradients of the first ``num_queries`` of
+    ``QUERY_TEXTS`` and the curvature over the first ``curvature_sequences`` training sequences:
+    a namespace (net, tok, q, Q, curv, ckpt)."""
+    import copy
+    from types import SimpleNamespace
+
+    from prismlm.tda.influence import curvature_pass, query_gradients
+
+    ckpt, _ = train_tiny_run(tiny_shards, root, steps=steps, batch_size=8, warmup_steps=5)
+    net = copy.deepcopy(ckpt.model).double()
+    tok = ckpt.tokenizer
+    texts = QUERY_TEXTS[:num_queries]
+    q = query_gradients(net, [([tok.eot_id] + tok.encode(t), s) for t, s in texts])
+    curv = curvature_pass(net, tiny_shards, sequences=(0, curvature_sequences), batch_size=8)
+    return SimpleNamespace(net=net, tok=tok, q=q, Q=len(texts), curv=curv, ckpt=ckpt)

@@ -6,14 +6,12 @@ verbatim), a dense scan of every posting, and the full prototype-space method.""
 
 from __future__ import annotations
 
-import copy
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from conftest import train_tiny_run
+from conftest import attribution_setup
 
 from prismlm import AttributionConfig
 from prismlm.artifacts import file_records
@@ -34,7 +32,7 @@ from prismlm.tda.cache import (
     project,
     quantise,
 )
-from prismlm.tda.influence import FullGradients, curvature_pass, query_gradients
+from prismlm.tda.influence import FullGradients, query_gradients
 
 N_SEQ = 40
 
@@ -176,14 +174,8 @@ def test_cli_offers_the_storage_options():
 # ----- on a trained tiny model --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tiny_shards, tmp_path_factory):
-    ckpt, _ = train_tiny_run(tiny_shards, tmp_path_factory.mktemp("store"), steps=80, batch_size=8, warmup_steps=5)
-    net = copy.deepcopy(ckpt.model).double()
-    tok = ckpt.tokenizer
-    texts = [("The President said that the", 3), ("We the people of the United States", 1),
-             ("It was the best of times", 2), ("In the beginning", 1), ("and the of to a", 1)]
-    q = query_gradients(net, [([tok.eot_id] + tok.encode(t), s) for t, s in texts])
-    curv = curvature_pass(net, tiny_shards, sequences=(0, N_SEQ), batch_size=8)
-    return SimpleNamespace(net=net, tok=tok, q=q, Q=len(texts), curv=curv, ckpt=ckpt)
+    return attribution_setup(tiny_shards, tmp_path_factory.mktemp("store"), steps=80, num_queries=5,
+                             curvature_sequences=N_SEQ)
 
 
 def _cfg(**kw):

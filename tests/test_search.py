@@ -6,19 +6,15 @@ here from the decoded postings, one posting at a time with numpy."""
 
 from __future__ import annotations
 
-import copy
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
-from conftest import train_tiny_run
+from conftest import attribution_setup, train_tiny_run
 
 from prismlm import AttributionConfig
 from prismlm.config import SearchConfig
 from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError
 from prismlm.tda.cache import AttributionCache, FloatSketches, PlainIds, QuantSketches, build_cache, quantise
-from prismlm.tda.influence import curvature_pass, query_gradients
 from prismlm.tda.search import SearchIndex, build_search_index, exact_top
 
 N_SEQ = 40
@@ -26,15 +22,8 @@ N_SEQ = 40
 
 @pytest.fixture(scope="module")
 def tiny(tiny_shards, tmp_path_factory):
-    ckpt, _ = train_tiny_run(tiny_shards, tmp_path_factory.mktemp("search"), steps=60, batch_size=8, warmup_steps=5)
-    net = copy.deepcopy(ckpt.model).double()
-    tok = ckpt.tokenizer
-    texts = [("The President said that the", 3), ("We the people of the United States", 1),
-             ("It was the best of times", 2), ("In the beginning", 1), ("and the of to a", 1),
-             ("Congress shall make no law respecting", 2)]
-    q = query_gradients(net, [([tok.eot_id] + tok.encode(t), s) for t, s in texts])
-    curv = curvature_pass(net, tiny_shards, sequences=(0, N_SEQ), batch_size=8)
-    return SimpleNamespace(net=net, q=q, Q=len(texts), curv=curv)
+    return attribution_setup(tiny_shards, tmp_path_factory.mktemp("search"), steps=60, num_queries=6,
+                             curvature_sequences=N_SEQ)
 
 
 def _dense(cache: AttributionCache, sq: torch.Tensor, query) -> np.ndarray:

@@ -123,7 +123,7 @@ _QUERY_CHUNK = 1 << 17
 (a query's active prototypes can hold half of all postings) without changing any sum's order."""
 
 
-def _concat_ranges(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
+def concat_ranges(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
     """The rows lo[0] … lo[0]+n[0]−1, lo[1] … of several ranges, concatenated: (n.sum(),) int64, one arange."""
     lo, n = np.asarray(lo, dtype=np.int64), np.asarray(n, dtype=np.int64)
     starts = np.cumsum(n) - n
@@ -148,7 +148,7 @@ class PlainIds:
 
     def gather(self, lo: np.ndarray, n: np.ndarray) -> np.ndarray:
         """Ids of the postings of ranges [lo, lo+n), concatenated: (n.sum(),) int64."""
-        return np.asarray(self.seq[_concat_ranges(lo, n)], dtype=np.int64)
+        return np.asarray(self.seq[concat_ranges(lo, n)], dtype=np.int64)
 
     def decode(self, offsets: np.ndarray) -> np.ndarray:
         """All ids, (P,) — the stored array itself (no copy)."""
@@ -211,10 +211,10 @@ class DeltaIds:
         keep = n > 0
         lo, n = lo[keep], n[keep]
         starts = np.cumsum(n) - n  # where each range begins in the concatenation
-        g = np.asarray(self.gaps[_concat_ranges(lo, n)], dtype=np.int64)
+        g = np.asarray(self.gaps[concat_ranges(lo, n)], dtype=np.int64)
         a = np.searchsorted(self.exc_pos, lo)
         m = np.searchsorted(self.exc_pos, lo + n) - a  # exceptions inside each range
-        e = _concat_ranges(a, m)
+        e = concat_ranges(a, m)
         g[np.asarray(self.exc_pos[e]) - np.repeat(lo - starts, m)] = self.exc_val[e]
         c = np.cumsum(g)
         return c - np.repeat(c[starts] - g[starts], n)  # segmented cumulative sum: each list from its first id
@@ -460,17 +460,31 @@ def _pca_projection(net: PrismLM, shards: ShardSet, curvature: Curvature, r: int
     return pca_bases(C.numpy(), r, count.numpy())
 
 
-def _per_prototype_moments(w: torch.Tensor, proto: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ w wᵀ over the rows of each prototype present: (U, d, d) and their prototype ids (U,). The rows
-    are scattered into a zero-padded (U, m, d) block (m: the most rows of one prototype — at most the
-    batch's sequences, as rows are distinct (sequence, prototype) pairs) and multiplied as one batched
-    matmul: no (rows, d, d) outer products."""
+def _rows_by_group(W: torch.Tensor, proto: torch.Tensor, max_fill: float | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Rows ``W`` (n, d) scattered by prototype ``proto`` (n,) into a zero-padded block X (U, m, d): row i at
+    ``X[inv[i], pos[i]]`` (pos: its rank among its prototype's rows, in input order; m: the most rows of one
+    prototype), for the U prototypes present, ``ids`` (U,). → (X, ids, inv, pos); None when ``max_fill`` is
+    given and U·m > max_fill·n (a few prototypes hold most rows: the block would be mostly padding)."""
     ids, inv, counts = torch.unique(proto, return_inverse=True, return_counts=True)
+    m = int(counts.max()) if len(ids) else 0
+    if max_fill is not None and len(ids) * m > max_fill * W.shape[0]:
+        return None
     order = torch.argsort(inv, stable=True)
-    starts = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(len(inv)) - starts[inv[order]]  # rank of each row within its prototype
-    X = torch.zeros(len(ids), int(counts.max()) if len(ids) else 0, w.shape[1], dtype=w.dtype)
-    X[inv[order], pos] = w[order]
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(len(inv)) - (torch.cumsum(counts, 0) - counts)[inv[order]]
+    X = torch.zeros(len(ids), m, W.shape[1], dtype=W.dtype)
+    X[inv, pos] = W
+    return X, ids, inv, pos
+
+
+def _per_prototype_moments(w: torch.Tensor, proto: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ w wᵀ over the rows of each prototype present: (U, d, d) and their prototype ids (U,), as one batched
+    matmul of the zero-padded rows (``_rows_by_group``; m ≤ the batch's sequences, as rows are distinct
+    (sequence, prototype) pairs): no (rows, d, d) outer products."""
+    grouped = _rows_by_group(w, proto)
+    assert grouped is not None  # no max_fill
+    X, ids, _, _ = grouped
     return X.transpose(1, 2) @ X, ids
 
 
@@ -493,21 +507,14 @@ def project(W: torch.Tensor, proto: torch.Tensor, R: torch.Tensor, chunk: int = 
     with the bases present; when a few prototypes hold most rows, ``chunk`` rows at a time). → (n, r)."""
     if R.ndim == 2:
         return W @ R.T
-    ids, inv, counts = torch.unique(proto, return_inverse=True, return_counts=True)
-    m = int(counts.max()) if len(ids) else 0
-    if len(ids) * m <= 4 * W.shape[0]:  # rows spread over prototypes (a cache batch: <= B rows each)
-        order = torch.argsort(inv, stable=True)
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(len(inv)) - (torch.cumsum(counts, 0) - counts)[inv[order]]
-        X = torch.zeros(len(ids), m, W.shape[1], dtype=W.dtype)
-        X[inv, pos] = W  # (U, m, d) zero-padded rows of each prototype: one batched matmul with its basis
+    grouped = _rows_by_group(W, proto, max_fill=4)  # rows spread over prototypes (a cache batch: <= B rows each)
+    if grouped is not None:
+        X, ids, inv, pos = grouped  # (U, m, d): one batched matmul of each prototype's rows with its basis
         return (X @ R[ids].to(W.dtype).transpose(1, 2))[inv, pos]
     out = torch.empty(W.shape[0], R.shape[1], dtype=W.dtype)
     for a in range(0, W.shape[0], chunk):
         out[a:a + chunk] = torch.einsum("nd,nrd->nr", W[a:a + chunk], R[proto[a:a + chunk]].to(W.dtype))
     return out
-
-
 
 
 def _alloc(folder: Path | None, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -720,7 +727,7 @@ class AttributionCache:
                 contrib_out.append((np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)))
                 continue
             rep = np.repeat(np.arange(len(protos)), n)  # query row of each posting read
-            rows = _concat_ranges(lo, n)  # (P_q,)
+            rows = concat_ranges(lo, n)  # (P_q,)
             ids = torch.from_numpy(self.ids.gather(lo, n))  # (P_q,) int64
             sq_q = sq[sel]
             c = torch.empty(len(rows), dtype=torch.float64)

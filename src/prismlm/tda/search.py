@@ -91,6 +91,7 @@ import torch
 from prismlm.artifacts import atomic_dir, file_records, provenance, reading, verify_files
 from prismlm.config import SearchConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError
+from prismlm.tda.cache import concat_ranges
 
 if TYPE_CHECKING:
     from prismlm.tda.cache import AttributionCache
@@ -230,12 +231,10 @@ class SearchIndex:
         scan = ~has & (n > m)  # short lists without an index: exact contributions, top m per list
         if scan.any():
             ls, ns = lo[scan], n[scan]
-            rows = _concat(ls, ns)
+            rows = concat_ranges(ls, ns)
             rep = np.repeat(np.arange(len(ls)), ns)
             c = _posting_dots(cache, rows, sq[torch.from_numpy(np.flatnonzero(scan)[rep])]).numpy()
-            order = np.lexsort((-c, rep))  # by list, then contribution descending
-            rank = np.arange(len(rows)) - np.repeat(np.cumsum(ns) - ns, ns)  # position within its list
-            out.append(cache.ids.gather(ls, ns)[order[rank < m]])
+            out.append(cache.ids.gather(ls, ns)[_top_per_group(c, rep, len(ls), m)])
         if self.cells is not None:
             if has.any():
                 out.append(self._cell_candidates(cache, np.flatnonzero(has), protos, sq, m, nprobe))
@@ -260,26 +259,21 @@ class SearchIndex:
         cl = self.cells
         p = protos[lists]
         c_lo, c_n = cl.list_cells[p], cl.list_cells[p + 1] - cl.list_cells[p]
-        cidx = _concat(c_lo, c_n)  # (C,) the lists' cells
+        cidx = concat_ranges(c_lo, c_n)  # (C,) the lists' cells
         rep = np.repeat(np.arange(len(lists)), c_n)
         sq_l = sq[torch.from_numpy(lists)].numpy()  # (L, r) float64
         csc = np.einsum("cr,cr->c", np.asarray(cl.centroids[cidx], dtype=np.float64), sq_l[rep])
-        order = np.lexsort((-csc, rep))  # by list, best cell first
-        rank = np.arange(len(cidx)) - np.repeat(np.cumsum(c_n) - c_n, c_n)
-        best = cidx[order[rank < nprobe]]
-        best_rep = rep[order[rank < nprobe]]
+        probe = _top_per_group(csc, rep, len(lists), nprobe)  # each list's best cells
+        best, best_rep = cidx[probe], rep[probe]
         r_lo, r_n = cl.cell_offsets[best], cl.cell_offsets[best + 1] - cl.cell_offsets[best]
-        pos = np.asarray(cl.positions[_concat(r_lo, r_n)], dtype=np.int64)  # (R,) forward-index positions
+        pos = np.asarray(cl.positions[concat_ranges(r_lo, r_n)], dtype=np.int64)  # (R,) forward-index positions
         prep = np.repeat(best_rep, r_n)
         rows = np.asarray(self.fwd_rows[pos], dtype=np.int64)
         units = np.searchsorted(self.fwd_offsets, pos, side="right") - 1
         by_row = np.argsort(rows, kind="stable")  # read the postings in storage order
         contrib = np.empty(len(rows))
         contrib[by_row] = _posting_dots(cache, rows[by_row], sq[torch.from_numpy(lists[prep[by_row]])]).numpy()
-        order = np.lexsort((-contrib, prep))  # by list, contribution descending
-        counts = np.bincount(prep, minlength=len(lists))
-        rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
-        return units[order[rank < m]]
+        return units[_top_per_group(contrib, prep, len(lists), m)]
 
     def terms(self, cache: AttributionCache, protos: np.ndarray, sq: torch.Tensor, cand: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -290,7 +284,7 @@ class SearchIndex:
         the cost is the candidates' postings, not the lists' lengths."""
         cand = np.asarray(cand, dtype=np.int64)
         n = self.fwd_offsets[cand + 1] - self.fwd_offsets[cand]
-        rows = np.asarray(self.fwd_rows[_concat(self.fwd_offsets[cand], n)], dtype=np.int64)  # (R,)
+        rows = np.asarray(self.fwd_rows[concat_ranges(self.fwd_offsets[cand], n)], dtype=np.int64)  # (R,)
         cpos = np.repeat(np.arange(len(cand)), n)  # candidate of each row
         proto = np.searchsorted(cache.offsets, rows, side="right") - 1  # (R,) prototype of each row
         table = np.full(cache.num_prototypes, -1, dtype=np.int64)
@@ -442,11 +436,13 @@ class Cells:
                       for f in cls._FILES})
 
 
-def _concat(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Rows lo[0] … lo[0]+n[0]−1, lo[1] … concatenated: (n.sum(),) int64."""
-    lo, n = np.asarray(lo, dtype=np.int64), np.asarray(n, dtype=np.int64)
-    starts = np.cumsum(n) - n
-    return np.arange(int(n.sum()), dtype=np.int64) + np.repeat(lo - starts, n)
+def _top_per_group(score: np.ndarray, group: np.ndarray, num_groups: int, m: int) -> np.ndarray:
+    """Indices of the ``m`` highest ``score`` (n,) within each group (``group`` (n,) in 0..num_groups−1):
+    (≤ num_groups·m,) int64, by group, score descending, ties in input order."""
+    order = np.lexsort((-score, group))
+    counts = np.bincount(group, minlength=num_groups)
+    rank = np.arange(len(score)) - np.repeat(np.cumsum(counts) - counts, counts)  # position within its group
+    return order[rank < m]
 
 
 def _build_list(X: np.ndarray, ids: np.ndarray, cfg: SearchConfig) -> Any:
@@ -527,7 +523,7 @@ def build_search_index(cache: AttributionCache, config: SearchConfig | None = No
     positions: list[np.ndarray] = []
     for i in np.flatnonzero(n > cfg.min_list).tolist():  # list by list: memory ~ one list's float32 sketches
         lo, ln = off[i:i + 1], n[i:i + 1]
-        X = np.ascontiguousarray(cache.sketches.gather(_concat(lo, ln)), dtype=np.float32)  # (n_i, r)
+        X = np.ascontiguousarray(cache.sketches.gather(concat_ranges(lo, ln)), dtype=np.float32)  # (n_i, r)
         if position_of is not None:
             C, cell = _cells(X, cfg)
             order = np.lexsort((position_of[lo[0]:lo[0] + ln[0]], cell))  # by cell, then position
