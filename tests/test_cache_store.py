@@ -22,6 +22,7 @@ from prismlm.tda.cache import (
     AttributionCache,
     DeltaIds,
     PlainIds,
+    PQSketches,
     build_cache,
     compress_cache,
     dequantise,
@@ -29,6 +30,9 @@ from prismlm.tda.cache import (
     fit_ranges,
     merge_caches,
     pca_bases,
+    pq_encode,
+    pq_layout,
+    pq_train,
     project,
     quantise,
 )
@@ -152,9 +156,40 @@ def test_int4_packing_by_hand():
     assert codes.shape == (1, 4) and dequantise(codes, scales, 1.0, "int3", 9).tolist() == x.tolist()
 
 
+def test_product_quantisation_by_hand():
+    """r = 4 as M = 2 interleaved sub-vectors of 2: sub-vector 0 holds dimensions 0 and 2, sub-vector 1
+    dimensions 1 and 3; a posting decodes to its norm times its two centroids put back in place."""
+    cb = np.zeros((2, 256, 2), np.float32)
+    cb[0, 5], cb[1, 9] = [0.6, 0.0], [0.0, 0.8]
+    cb[0, 1], cb[1, 2] = [-0.5, 0.5], [0.5, -0.5]
+    codes = np.array([[5, 9], [1, 2]], np.uint8)
+    sk = PQSketches(codes, np.array([2.0, 4.0], np.float16), 0.5, cb)
+    want = np.array([[0.6, 0.0, 0.0, 0.8], [-1.0, 1.0, 1.0, -1.0]])  # norms 1.0 and 2.0 (scale × unit)
+    np.testing.assert_allclose(sk.gather(np.array([0, 1])), want, rtol=1e-6)
+    q = np.array([[1.0, 2.0, 3.0, 4.0], [1.0, -1.0, 2.0, 0.5]])
+    np.testing.assert_allclose(sk.dots(np.array([0, 1]), q), [0.6 + 3.2, -1.0 - 1.0 + 2.0 - 0.5], rtol=1e-6)
+    assert sk.nbytes == codes.nbytes + 2 * 2 + cb.nbytes and sk.manifest()["pq_dims"] == 2
+    # the nearest centroid of each sub-vector (a brute-force reference), ties to the lowest index
+    rng = np.random.default_rng(0)
+    cb2 = rng.normal(size=(2, 256, 2)).astype(np.float32)
+    z = rng.normal(size=(300, 4))
+    got = pq_encode(z, cb2, chunk=64)
+    for m in range(2):
+        dist = ((z[:, m::2][:, None, :] - cb2[m][None].astype(np.float64)) ** 2).sum(-1)  # (300, 256)
+        assert np.array_equal(got[:, m], dist.argmin(1))
+    # at most 256 distinct sub-vectors per sub-quantizer: the codebooks hold them all, encoding is exact
+    z = np.repeat(rng.normal(size=(100, 6)), 3, axis=0)
+    cb3 = pq_train(z, 3, seed=0)
+    rows = np.arange(len(z))
+    np.testing.assert_allclose(PQSketches(pq_encode(z, cb3), np.ones(len(z), np.float16), 1.0, cb3).gather(rows),
+                               z, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ConfigError, match="--pq-dims"):
+        pq_layout(10, 4)
+
+
 def test_config_validates_storage_options():
     for bad in ({"prune": 1.0}, {"prune": -0.1}, {"prune": float("nan")}, {"dtype": "int2"},
-                {"aggregate": "token"}, {"id_encoding": "varint"}):
+                {"aggregate": "token"}, {"id_encoding": "varint"}, {"pq_dims": 0}, {"pq_sample": 10}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             AttributionConfig(**bad)
     c = AttributionConfig(dtype="int4", prune=0.05, aggregate="document", id_encoding="delta")
@@ -167,7 +202,7 @@ def test_cli_offers_the_storage_options():
     from prismlm.cli import app
 
     res = CliRunner().invoke(app, ["attribute-cache", "--help"], terminal_width=200)
-    for opt in ("--dtype", "--prune", "--aggregate", "--id-encoding"):
+    for opt in ("--dtype", "--prune", "--aggregate", "--id-encoding", "--pq-dims", "--pq-sample"):
         assert opt in res.output, res.output
 
 
@@ -286,6 +321,69 @@ def test_quantised_and_pruned_postings(tiny, tiny_shards):
     # a lossy cache is neither merged nor compressed again
     with pytest.raises(ArtifactError, match="lossless"):
         compress_cache(p, _cfg(dtype="int8"))
+
+
+def test_product_quantised_postings(tiny, tiny_shards, tmp_path):
+    """dtype='pq': exact where the codebooks hold every sub-vector; otherwise each posting is its norm times
+    its nearest centroids, the query path scans exactly those decoded sketches, and the rankings stay
+    close to the float ones. Built and compressed caches agree; the codebook is a
+    verified file of the artifact."""
+    # two sequences: fewer than 256 postings, so every sub-vector is a centroid and only the norms round
+    small = build_cache(tiny.net, tiny_shards, AttributionConfig(max_sequences=2, batch_size=2, r=8,
+                                                                 dtype="float64"), curvature=tiny.curv)
+    assert small.num_postings <= 256
+    pq = compress_cache(small, AttributionConfig(max_sequences=2, batch_size=2, r=8, dtype="pq", pq_dims=2))
+    x = np.asarray(small.sketch)
+    np.testing.assert_allclose(pq.sketch, x, rtol=2 ** -11, atol=1e-6 * np.abs(x).max())
+    sq = small.sketch_query(tiny.q)
+    exact = small.scores(tiny.q, tiny.Q).numpy()
+    bound = _dense_scores(small.offsets, small.seq, np.abs(x) * 2 ** -11 + 1e-6 * np.abs(x).max(), sq.abs(),
+                          tiny.q, tiny.Q, 2)
+    assert np.all(np.abs(pq.scores(tiny.q, tiny.Q).numpy() - exact) <= bound)
+    # more postings than centroids (synthetic sketches on the tiny cache's prototypes, projection and
+    # curvature, so real queries sketch the same way): codes are nearest centroids of the unit directions
+    rng = np.random.default_rng(0)
+    K, U = small.num_prototypes, 400
+    counts = rng.integers(20, 120, size=K)
+    ids = np.concatenate([np.sort(rng.choice(U, size=int(n), replace=False)) for n in counts]).astype(np.int32)
+    offsets = np.zeros(K + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    proto = np.repeat(np.arange(K), counts)
+    x = rng.normal(size=(K, 8))[proto] * 0.7 + rng.normal(size=(len(ids), 8))
+    x *= np.exp(rng.normal(scale=0.8, size=len(ids)))[:, None]
+    base = AttributionCache(offsets=offsets, ids=PlainIds(ids), sketches=cache_mod.FloatSketches(x),
+                            projection=small.projection, curvature=small.curvature,
+                            manifest={**small.manifest, "universe": U, "units": U, "covered": [[0, U]]})
+    assert base.num_postings > 4 * 256
+    c = compress_cache(base, _cfg(dtype="pq", pq_dims=2))
+    assert isinstance(c.sketches, PQSketches) and c.sketches.codes.shape == (base.num_postings, 4)
+    norms = np.linalg.norm(x, axis=1)
+    np.testing.assert_allclose(np.asarray(c.sketches.scales, np.float64) * c.sketches.unit, norms, rtol=2 ** -10)
+    assert np.array_equal(c.sketches.codes, pq_encode(x / norms[:, None], c.sketches.codebook))
+    got = c.scores(tiny.q, tiny.Q).numpy()
+    np.testing.assert_allclose(got, _dense_scores(c.offsets, c.seq, c.sketch, sq, tiny.q, tiny.Q, U),
+                               rtol=1e-9, atol=1e-12 * np.abs(got).max())
+    exact = base.scores(tiny.q, tiny.Q).numpy()
+    assert c.manifest["bytes_postings"] == c.sketches.nbytes + c.ids.nbytes
+    top5 = [[set(np.argsort(-row)[:5].tolist()) for row in m] for m in (got, exact)]
+    assert np.mean([len(a & b) / 5 for a, b in zip(*top5, strict=True)]) >= 0.6
+    # built = compressed (the same seeded codebooks), through a folder, the codebook verified
+    cfg = _cfg(dtype="pq", pq_dims=2, id_encoding="delta")
+    built = build_cache(tiny.net, tiny_shards, cfg, curvature=tiny.curv, out=tmp_path / "pq")
+    comp = compress_cache(build_cache(tiny.net, tiny_shards, _cfg(), curvature=tiny.curv), cfg)
+    assert np.array_equal(np.asarray(built.sketches.codes), comp.sketches.codes)
+    assert np.array_equal(np.asarray(built.sketches.codebook), comp.sketches.codebook)
+    back = AttributionCache.load(tmp_path / "pq", shards=tiny_shards)
+    assert back.manifest["dtype"] == "pq" and (tmp_path / "pq" / "sketch_codebook.npy").exists()
+    assert torch.equal(back.scores(tiny.q, tiny.Q), comp.scores(tiny.q, tiny.Q))
+    f = tmp_path / "pq" / "sketch_codebook.npy"
+    good = f.read_bytes()
+    f.write_bytes(good[:-8] + bytes(8))
+    with pytest.raises(ArtifactCorrupt, match="sketch_codebook"):
+        AttributionCache.load(tmp_path / "pq")
+    f.write_bytes(good)
+    with pytest.raises(ConfigError, match="--pq-dims"):  # refused before any pass over the data
+        build_cache(tiny.net, tiny_shards, _cfg(dtype="pq", pq_dims=3), curvature=tiny.curv)
 
 
 def test_compact_cache_on_disk_round_trip_verified_and_memory_mapped(tiny, tiny_shards, tmp_path):

@@ -67,7 +67,7 @@ def _synthetic(template: AttributionCache, U: int, seed: int = 0, quant: bool = 
                             projection=template.projection, curvature=template.curvature, manifest=m)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "int4", "pq"])
 @pytest.mark.parametrize("kind", ["ivf", "ivf-sq8", "hnsw"])
 def test_exhaustive_settings_equal_the_exact_scan(tiny, tiny_shards, dtype, kind):
     """m >= the longest list: every unit with a posting in A_q is a candidate, and the top-k (ids and

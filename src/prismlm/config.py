@@ -351,11 +351,20 @@ class AttributionConfig:
     batch_size: int = 16
     """Sequences per forward pass (``--batch-size``). Parts built separately and merged must use the
     same value (batches follow a fixed grid of sequence ids)."""
-    dtype: Literal["float16", "float32", "float64", "int8", "int4", "int3"] = "float32"
-    """Storage type of the sketches (``--dtype``): ``float16``/``float32``/``float64``, or ``int8`` / ``int4``
+    dtype: Literal["float16", "float32", "float64", "int8", "int4", "int3", "pq"] = "float32"
+    """Storage type of the sketches (``--dtype``): ``float16``/``float32``/``float64``, ``int8`` / ``int4``
     / ``int3`` (symmetric, one float16 scale per posting; every entry within scale/2 of its float value;
-    int4 packs two entries per byte, int3 eight per three bytes). int8 keeps top-10 rankings nearly
-    unchanged at a quarter of float32's bytes."""
+    int4 packs two entries per byte, int3 eight per three bytes), or ``pq`` (product quantisation: the
+    posting's direction as r / ``pq_dims`` one-byte codes into 256-centroid codebooks trained on the cache's
+    own postings, its norm as a float16 scale; needs faiss, ``prismlm[search]``). int8 keeps top-10 rankings
+    nearly unchanged at a quarter of float32's bytes; at the same bytes ``pq`` keeps far more than int3
+    (docs/results.md)."""
+    pq_dims: int = 4
+    """``dtype="pq"``: sketch dimensions per sub-quantizer (``--pq-dims``; must divide r): a posting stores
+    r / pq_dims bytes of codes plus a 2-byte norm (4: two bits per dimension)."""
+    pq_sample: int = 131072
+    """``dtype="pq"``: postings the codebooks are trained on (``--pq-sample``; drawn with ``seed`` from
+    all of them; all when there are fewer)."""
     prune: float = 0.0
     """Drop the postings that matter least (``--prune``, in [0, 1); 0 keeps all), as ``prune_by`` says. A
     posting can move a score by at most ‖s_q‖·‖s_j‖, so small-norm postings matter least; pruning trades
@@ -397,11 +406,16 @@ class AttributionConfig:
                f"attribution option max_sequences (--max-sequences) must be >= 1 or None (all), "
                f"got {self.max_sequences!r}")
         _check(self.batch_size >= 1, f"attribution option batch_size (--batch-size) must be >= 1, got {self.batch_size}")
-        _check(self.dtype in ("float16", "float32", "float64", "int8", "int4", "int3"),
-               f"attribution option dtype (--dtype) must be float16, float32, float64, int8, int4 or int3, "
+        _check(self.dtype in ("float16", "float32", "float64", "int8", "int4", "int3", "pq"),
+               f"attribution option dtype (--dtype) must be float16, float32, float64, int8, int4, int3 or pq, "
                f"got {self.dtype!r}")
         _check(isinstance(self.prune, (int, float)) and math.isfinite(self.prune) and 0 <= self.prune < 1,
                f"attribution option prune (--prune) must be a number in [0, 1), got {self.prune!r}")
+        _check(isinstance(self.pq_dims, int) and self.pq_dims >= 1,
+               f"attribution option pq_dims (--pq-dims) must be a positive integer, got {self.pq_dims!r}")
+        _check(isinstance(self.pq_sample, int) and self.pq_sample >= 256,
+               f"attribution option pq_sample (--pq-sample) must be an integer >= 256 (one per centroid), "
+               f"got {self.pq_sample!r}")
         _check(self.prune_by in ("list", "unit"),
                f"attribution option prune_by (--prune-by) must be list or unit, got {self.prune_by!r}")
         _check(self.aggregate in ("sequence", "document"),
