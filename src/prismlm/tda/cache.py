@@ -670,12 +670,18 @@ def prune_keep(norms: np.ndarray, proto: np.ndarray, unit: np.ndarray, K: int, p
     return keep
 
 
-def _encode(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K: int, r: int, *, dtype: str,
-            prune: float, id_encoding: str, units_of: np.ndarray | None, work: Path | None,
-            out: Path | None = None, prune_by: str = "list", pq_dims: int = 4, pq_sample: int = 131072,
-            seed: int = 0) -> tuple[np.ndarray, Ids, Sketches, dict[str, Any]]:
+def _check_storage(config: AttributionConfig, r: int) -> None:
+    """Refuse storage options that cannot encode r-dimensional sketches (ConfigError), before any pass."""
+    if config.dtype == "pq":
+        pq_layout(r, config.pq_dims)
+
+
+def _encode(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K: int, r: int, config: AttributionConfig, *,
+            units_of: np.ndarray | None, work: Path | None,
+            out: Path | None = None) -> tuple[np.ndarray, Ids, Sketches, dict[str, Any]]:
     """Encode CSR postings (``offsets`` (K+1,), ``ids`` (P,) ascending sequence ids within each list,
-    ``sketch`` (P, r) float, memory-mapped or not) with the storage options; returns (offsets, ids,
+    ``sketch`` (P, r) float, memory-mapped or not) with the storage options of ``config`` (``dtype``,
+    ``prune``/``prune_by``, ``id_encoding``, ``pq_dims``/``pq_sample``/``seed``); returns (offsets, ids,
     sketches, manifest entries).
 
     ``units_of`` (universe,): document of each sequence (document aggregation: the sketches of a
@@ -685,6 +691,7 @@ def _encode(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K: int, r:
     ``_CHUNK`` (run keys and norms are O(P) integers/floats; sketches are streamed); ``work``: a folder
     for the document sums (memory-mapped), None: in memory; ``out``: write the sketch arrays there as
     memory-mapped ``.npy`` files (their final names), None: in memory."""
+    dtype, prune, prune_by, id_encoding = config.dtype, config.prune, config.prune_by, config.id_encoding
     P = len(ids)
     ids = np.asarray(ids, dtype=np.int64)
     proto = np.repeat(np.arange(K, dtype=np.int64), np.diff(offsets))  # (P,)
@@ -730,11 +737,11 @@ def _encode(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K: int, r:
         scales = _alloc(out, "sketch_scale.npy", (Pk,), np.float16)
         sk_store = QuantSketches(codes, scales, unit_scale, qdt, r)
     elif dtype == "pq":
-        M = pq_layout(r, pq_dims)
-        sample = np.sort(np.random.default_rng(seed).choice(Pk, min(Pk, pq_sample), replace=False))
-        ks = kept[sample]
+        M = pq_layout(r, config.pq_dims)
+        rng = np.random.default_rng(config.seed)
+        ks = kept[np.sort(rng.choice(Pk, min(Pk, config.pq_sample), replace=False))]
         xs = agg[ks] if agg is not None else np.asarray(sketch[run_start[ks]], dtype=np.float64)
-        codebook = pq_train(_unit_rows(xs, norms[ks]), M, seed)
+        codebook = pq_train(_unit_rows(xs, norms[ks]), M, config.seed)
         top_norm = float(norms[kept].max()) if Pk else 0.0
         unit_scale = top_norm / _SCALE_RANGE if top_norm > 0 else 1.0
         sk_store = PQSketches(_alloc(out, "sketch_codes.npy", (Pk, M), np.uint8),
@@ -1069,8 +1076,7 @@ def build_cache(
     d, K, T = net.config.n_embd, net.prototypes.num_prototypes, net.config.block_size
     r = d if cfg.r is None else int(cfg.r)
     projection, batch_size, dtype = cfg.projection, cfg.batch_size, cfg.dtype
-    if dtype == "pq":
-        pq_layout(r, cfg.pq_dims)  # before the passes, not after them
+    _check_storage(cfg, r)  # before the passes, not after them
     if projection not in ("pca", "pca-local"):
         R = torch.from_numpy(make_projection(d, r, projection, cfg.seed))  # (r, d)
     n_all = shards.train.num_sequences(T)
@@ -1140,9 +1146,7 @@ def build_cache(
         """CSR float postings → the configured storage (the CSR arrays themselves when plain)."""
         if plain:
             return offsets, PlainIds(seq), FloatSketches(sk)
-        o, ids, sks, meta = _encode(offsets, seq, sk, K, r, dtype=dtype, prune=cfg.prune, prune_by=cfg.prune_by,
-                                    id_encoding=cfg.id_encoding, units_of=units_of, work=work, out=stage,
-                                    pq_dims=cfg.pq_dims, pq_sample=cfg.pq_sample, seed=cfg.seed)
+        o, ids, sks, meta = _encode(offsets, seq, sk, K, r, cfg, units_of=units_of, work=work, out=stage)
         manifest.update(meta)
         return o, ids, sks
 
@@ -1203,14 +1207,10 @@ def compress_cache(cache: AttributionCache, config: AttributionConfig, *, shards
     if shards is not None:
         cache.check(shards=shards)
     universe, T, K, r = int(m["universe"]), int(m["block_size"]), cache.num_prototypes, cache.r
-    if config.dtype == "pq":
-        pq_layout(r, config.pq_dims)
+    _check_storage(config, r)
     units_of = document_of_sequences(shards, universe, T) if config.aggregate == "document" and shards else None
-    offsets, ids, sks, meta = _encode(cache.offsets, cache.seq, cache.sketches.decode(), K, r, dtype=config.dtype,
-                                      prune=config.prune, prune_by=config.prune_by,
-                                      id_encoding=config.id_encoding, units_of=units_of,
-                                      work=None, pq_dims=config.pq_dims, pq_sample=config.pq_sample,
-                                      seed=config.seed)
+    offsets, ids, sks, meta = _encode(cache.offsets, cache.seq, cache.sketches.decode(), K, r, config,
+                                      units_of=units_of, work=None)
     manifest = dict(m)
     manifest.pop("files", None)
     bytes_postings = ids.nbytes + sks.nbytes + (4 * universe if units_of is not None else 0)
