@@ -184,3 +184,34 @@ def test_postings_gradients_equal_block_gradients(trained, tiny_shards):
     ids = torch.arange(8, 12)
     a, b = _postings_gradients(ckpt.model, out, y, ids), block_gradients(ckpt.model, out, y, seq_ids=ids)
     assert torch.equal(a.seq, b.seq) and torch.equal(a.proto, b.proto) and torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("on_disk", [True, False], ids=["out", "in-memory"])
+def test_fitted_batches_are_not_run_again(trained, tiny_shards, tmp_path, monkeypatch, on_disk):
+    """The batches the curvature and pca-local fits ran through the model give the postings pass their
+    block gradients: one forward fewer per distinct fitted batch, and a cache equal bit for bit to one
+    whose postings pass runs every batch itself."""
+    from prismlm.tda import cache as cache_mod
+
+    ckpt, _ = trained
+    cfg = AttributionConfig(max_sequences=22, batch_size=4, curvature_sample=5, projection="pca-local", r=8,
+                            pca_sequences=9, dtype="int4", id_encoding="delta")
+    forwards: list[tuple[int, int]] = []
+    real_forward = cache_mod._forward
+
+    def counting(net, shards, j0, j1, T, dev):
+        forwards.append((j0, j1))
+        return real_forward(net, shards, j0, j1, T, dev)
+
+    monkeypatch.setattr(cache_mod, "_forward", counting)
+    kept = build_cache(ckpt.model, tiny_shards, cfg, out=tmp_path / "kept" if on_disk else None)
+    with_reuse = list(forwards)
+    forwards.clear()
+    monkeypatch.setattr(cache_mod._BatchStore, "wants", lambda self, j0, j1: False)
+    every = build_cache(ckpt.model, tiny_shards, cfg, out=tmp_path / "every" if on_disk else None)
+    curvature_batches, pca_batches = ({b for a0, a1 in cache_mod.fit_ranges(22, n, 4) for b in cache_mod._batches(a0, a1, 4)}
+                                      for n in (5, 9))
+    assert pca_batches - curvature_batches  # a batch only the pca-local fit ran
+    assert len(forwards) - len(with_reuse) == len(curvature_batches | pca_batches) >= 3
+    assert_same_cache(kept, every)
+    assert not on_disk or not (tmp_path / "kept.build").exists()  # the kept gradients went with the build folder

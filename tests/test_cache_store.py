@@ -22,6 +22,7 @@ from prismlm.tda.cache import (
     AttributionCache,
     DeltaIds,
     PlainIds,
+    PostingSketcher,
     PQSketches,
     build_cache,
     compress_cache,
@@ -485,9 +486,12 @@ def test_built_compact_equals_compressed_and_lossy_parts_do_not_merge(tiny, tiny
 
 
 def test_fit_ranges_spread_over_the_corpus():
-    assert fit_ranges(100, 30, 10) == [(0, 10), (45, 55), (90, 100)]
+    """Whole batches of the batch grid, spread from the first to the last (the postings pass's batches)."""
+    assert fit_ranges(100, 30, 10) == [(0, 10), (40, 50), (90, 100)]  # grid batches 0, round(4.5) = 4, 9
     assert fit_ranges(100, 200, 10) == [(0, 100)]
-    assert fit_ranges(25, 24, 10) == [(0, 25)]  # blocks at 0, 8, 15 overlap: joined
+    assert fit_ranges(25, 24, 10) == [(0, 25)]  # batches 0, 1, 2 (the last one partial): joined
+    assert fit_ranges(1000, 64, 16) == [(0, 16), (336, 352), (656, 672), (992, 1000)]  # batches 0, 21, 41, 62
+    assert all(a % 16 == 0 for a, _ in fit_ranges(12345, 1024, 16))
 
 
 def test_pca_bases_by_hand():
@@ -505,6 +509,44 @@ def test_pca_bases_by_hand():
     proto = torch.tensor([0, 1, 2, 1, 0])
     want = torch.stack([torch.from_numpy(B[p]) @ w for p, w in zip(proto.tolist(), W, strict=True)])
     torch.testing.assert_close(project(W, proto, torch.from_numpy(B), chunk=2), want, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["shared", "exact"])
+@pytest.mark.parametrize("local", [False, True])
+def test_posting_sketcher_is_R_times_inverse_square_root_of_H(mode, local):
+    """The postings pass's folded map equals R_i H_i^{-1/2} g row by row, with H_i^{-1/2} from an
+    eigendecomposition of the block H_i built from the raw statistics (damping and the reconstruction
+    term included): in float64 to rounding, in float32 to float32 rounding."""
+    from prismlm.tda.influence import Curvature
+
+    g = torch.Generator().manual_seed(0)
+    K, d, r, n = 4, 6, 3, 40
+    A = torch.randn(d, d, generator=g, dtype=torch.float64)
+    F = A @ A.T / d
+    blocks = None
+    if mode == "exact":
+        Bk = torch.randn(K, d, d, generator=g, dtype=torch.float64)
+        blocks = Bk @ Bk.transpose(1, 2) / d
+    cur = Curvature.from_stats(F, torch.tensor([0.5, 0.2, 0.0, 0.3], dtype=torch.float64), 100, damping=0.1,
+                               blocks=blocks, rec=torch.tensor([0.1, 0.0, 0.3, 0.2], dtype=torch.float64),
+                               reconstruction=1.0)
+    R = torch.randn(*((K,) if local else ()), r, d, generator=g, dtype=torch.float64)
+    proto = torch.randint(0, K, (n,), generator=g)
+    G = torch.randn(n, d, generator=g, dtype=torch.float64)
+
+    def inv_sqrt(i: int) -> torch.Tensor:  # H_i from the raw statistics (spec §3.3), not from Curvature
+        m_i = max(float(cur.m[i]), 1.0 / cur.tokens)
+        S = blocks[i] if blocks is not None and cur.m[i] > 0 else m_i * F
+        eye = torch.eye(d, dtype=torch.float64)
+        H = S + 0.1 * torch.trace(S) / d * eye + float(cur.rec[i]) * eye
+        lam, Q = torch.linalg.eigh(H)
+        return (Q * lam.rsqrt()) @ Q.T
+
+    want = torch.stack([(R[p] if local else R) @ inv_sqrt(p) @ G[j] for j, p in enumerate(proto.tolist())])
+    torch.testing.assert_close(PostingSketcher(cur, R, torch.float64)(proto, G), want, rtol=1e-10, atol=1e-12)
+    got32 = PostingSketcher(cur, R, torch.float32)(proto, G.float())
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32.double(), want, rtol=1e-4, atol=1e-5)
 
 
 def test_pca_local_is_exact_at_full_rank_and_sketches_per_prototype(tiny, tiny_shards, tmp_path):

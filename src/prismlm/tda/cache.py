@@ -17,9 +17,11 @@ directions than all of them do; K·r·d floats, and K·d² while fitting). Score
 whitening, never by keeping F's top eigenvectors.
 
 **Building.** ``build_cache`` makes a curvature pass over ``curvature_sample`` sequences spread over the
-corpus (``sampled_curvature``; or takes a ``Curvature``) and then one streaming pass
+corpus in whole batches (``sampled_curvature``; or takes a ``Curvature``) and then one streaming pass
 over the training sequences, appending postings to temporary files; at the end they are grouped by
-prototype (stable, so within a prototype postings ascend by sequence id) into CSR arrays. A query is one
+prototype (stable, so within a prototype postings ascend by sequence id) into CSR arrays. The batches the
+curvature and projection fits already ran keep their block gradients for the postings pass
+(``_BatchStore``), and each posting's whitening and projection is one folded map (``PostingSketcher``). A query is one
 forward pass plus a vectorised scan of its prototypes' postings: ``Σ_{i∈A_q} |postings(i)| · r``
 multiply-adds.
 
@@ -95,7 +97,7 @@ from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, Con
 from prismlm.model import eval_mode
 from prismlm.progress import Progress, Reporter
 from prismlm.tda.gradients import BlockGradients, block_gradients, output_gradients
-from prismlm.tda.influence import Curvature, CurvatureAccumulator, _batches, _forward, curvature_pass
+from prismlm.tda.influence import Curvature, CurvatureAccumulator, _batches, _forward
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
@@ -530,17 +532,20 @@ def make_projection(d: int, r: int,
 
 
 def fit_ranges(universe: int, n: int, batch_size: int) -> list[tuple[int, int]]:
-    """The sequences a ``pca``/``pca-local`` projection is fitted on: ~n of [0, universe) in blocks of
-    ``batch_size`` spread evenly over the corpus (a corpus is often ordered by source, so its first n
-    sequences are not a sample of it), as sorted disjoint [start, stop) ranges."""
+    """The sequences a curvature or a ``pca``/``pca-local`` projection is fitted on: ~n of [0, universe) in
+    batches of the ``batch_size`` grid spread evenly over the corpus (a corpus is often ordered by source, so
+    its first n sequences are not a sample of it), as sorted disjoint [start, stop) ranges."""
     if n >= universe:
         return [(0, universe)]
     blocks = max(1, math.ceil(n / batch_size))
-    starts = np.unique(np.linspace(0, max(0, universe - batch_size), blocks).round().astype(np.int64))
+    last = (universe - 1) // batch_size  # the last batch of the grid [b·batch_size, (b+1)·batch_size)
+    # whole batches of the grid every pass uses (``_batches``): one forward each, and the postings pass can
+    # take a fitted batch's block gradients instead of running it again (``_BatchStore``)
+    starts = np.unique(np.linspace(0, last, blocks).round().astype(np.int64)) * batch_size
     out: list[tuple[int, int]] = []
     for a in starts.tolist():  # a few hundred blocks at most: the fit's plan, not a hot path
         b = min(universe, a + batch_size)
-        if out and a < out[-1][1]:
+        if out and a <= out[-1][1]:  # adjacent batches: one range
             out[-1] = (out[-1][0], b)
         else:
             out.append((a, b))
@@ -548,10 +553,11 @@ def fit_ranges(universe: int, n: int, batch_size: int) -> list[tuple[int, int]]:
 
 
 def _pca_projection(net: PrismLM, shards: ShardSet, curvature: Curvature, r: int, n: int, batch_size: int,
-                    local: bool = False, universe: int | None = None) -> np.ndarray:
+                    local: bool = False, universe: int | None = None, keep: _BatchStore | None = None) -> np.ndarray:
     """Top-r eigenvectors (rows) of the second moment of whitened block gradients of ~n sequences spread
     over [0, universe) (``fit_ranges``; universe None: the first n): (r, d), or with ``local`` one basis
-    per prototype, (K, r, d) (``pca_bases``)."""
+    per prototype, (K, r, d) (``pca_bases``). ``keep``: where the block gradients of the batches a
+    postings pass will need are kept."""
     d = net.config.n_embd
     kind = "pca-local" if local else "pca"
     if r > d:
@@ -565,6 +571,8 @@ def _pca_projection(net: PrismLM, shards: ShardSet, curvature: Curvature, r: int
     for j0, j1 in (b for a0, a1 in ranges for b in _batches(a0, a1, batch_size)):
         fo, y = _forward(net, shards, j0, j1, T, dev)
         bg = block_gradients(net, fo, y)
+        if keep is not None and keep.wants(j0, j1):  # equal to _postings_gradients bit for bit
+            keep.add(j0, BlockGradients(seq=bg.seq + j0, proto=bg.proto, grad=bg.grad))
         proto = bg.proto.cpu()
         w = curvature.apply(proto, bg.grad.double().cpu(), -0.5)  # (rows, d)
         if not local:
@@ -633,6 +641,35 @@ def project(W: torch.Tensor, proto: torch.Tensor, R: torch.Tensor, chunk: int = 
     for a in range(0, W.shape[0], chunk):
         out[a:a + chunk] = torch.einsum("nd,nrd->nr", W[a:a + chunk], R[proto[a:a + chunk]].to(W.dtype))
     return out
+
+
+class PostingSketcher:
+    """Block gradients → cached sketches ``R_i H_i^{-1/2} G_{j,i}`` (n, r), the whitening and the projection
+    folded into one map made once per cache.
+
+    Shared curvature (H_i = Q diag(λ_i) Qᵀ, one eigenbasis Q): ``((G Q) ⊙ λ_i^{-1/2}) (R_i Q)ᵀ``, two products
+    in ``dtype`` with ``R Q`` precomputed, instead of three in float64 (whiten into the eigenbasis, back,
+    then project) — the postings pass's share of the cache build that is not the model's own work. Exact
+    curvature (a basis per block): ``Curvature.apply`` then ``project``. ``dtype``: the sketches'
+    precision (the model's, float32 at least; float64 when they are stored so)."""
+
+    def __init__(self, curvature: Curvature, R: torch.Tensor, dtype: torch.dtype) -> None:
+        self.curvature, self.R, self.dtype = curvature, R, dtype
+        self.scale: torch.Tensor | None = None
+        if curvature.blocks is None:
+            K = int(curvature.m.shape[0])
+            lam, _ = curvature.eigen(torch.arange(K))  # (K, d)
+            Q = curvature.evecs  # (d, d) float64
+            self.scale = lam.pow(-0.5).to(dtype)  # (K, d): λ_i^{-1/2} in the eigenbasis
+            self.Q = Q.to(dtype)
+            self.RQ = (R.to(torch.float64) @ Q).to(dtype)  # (r, d), or (K, r, d) per-prototype bases
+
+    def __call__(self, proto: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+        """``proto`` (n,) prototype of each row, ``G`` (n, d) its block gradient → (n, r) in ``dtype``."""
+        if self.scale is None:
+            return project(self.curvature.apply(proto, G.double(), -0.5), proto, self.R).to(self.dtype)
+        c = (G.to(self.dtype) @ self.Q) * self.scale[proto]  # (n, d): H_i^{-1/2} G in the eigenbasis
+        return project(c, proto, self.RQ)
 
 
 def _alloc(folder: Path | None, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -1010,6 +1047,48 @@ def _finalise(seq: np.ndarray, proto: np.ndarray, sketch: np.ndarray, K: int, ou
     return offsets, seq_o, sk_o
 
 
+class _BatchStore:
+    """Block gradients of postings-pass batches that a curvature or projection fit already ran through the
+    model, kept so that the postings pass reads them instead of running the batch again: the same batch of
+    the grid, the same forward and the same ``_postings_gradients`` rows (equal bit for bit). A batch
+    [j0, j1) is wanted when it is one the postings pass over [start, stop) makes (``_batches``). Kept on
+    disk under ``folder`` (one .npz per batch, deleted when read: memory stays bounded by one batch), or in
+    memory when ``folder`` is None (a build without ``out``, which holds its postings in memory anyway)."""
+
+    def __init__(self, folder: Path | None, start: int, stop: int, batch_size: int) -> None:
+        self.folder, self.start, self.stop, self.batch_size = folder, start, stop, batch_size
+        self.mem: dict[int, BlockGradients] = {}
+        self.held: set[int] = set()
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+
+    def wants(self, j0: int, j1: int) -> bool:
+        grid_end = min(self.stop, (j0 // self.batch_size + 1) * self.batch_size)
+        return self.start <= j0 < self.stop and j0 % self.batch_size == 0 and j1 == grid_end \
+            and j0 not in self.held
+
+    def add(self, j0: int, bg: BlockGradients) -> None:
+        self.held.add(j0)
+        if self.folder is None:
+            self.mem[j0] = BlockGradients(bg.seq.cpu(), bg.proto.cpu(), bg.grad.cpu())
+            return
+        np.savez(self.folder / f"{j0}.npz", seq=bg.seq.cpu().numpy(), proto=bg.proto.cpu().numpy(),
+                 grad=bg.grad.cpu().numpy())
+
+    def pop(self, j0: int) -> BlockGradients | None:
+        """The kept block gradients of the batch starting at ``j0`` (then forgotten), or None."""
+        if j0 not in self.held:
+            return None
+        self.held.discard(j0)
+        if self.folder is None:
+            return self.mem.pop(j0)
+        f = self.folder / f"{j0}.npz"
+        with np.load(f) as z:
+            bg = BlockGradients(torch.from_numpy(z["seq"]), torch.from_numpy(z["proto"]), torch.from_numpy(z["grad"]))
+        f.unlink()
+        return bg
+
+
 def _postings_gradients(net: PrismLM, out: Any, targets: torch.Tensor, seq_ids: torch.Tensor) -> BlockGradients:
     """``block_gradients(net, out, targets, seq_ids=seq_ids)`` without the per-sequence losses, which a cache
     does not store: the same operations on the same rows (equal bit for bit), less one cross-entropy over
@@ -1028,21 +1107,21 @@ def _postings_gradients(net: PrismLM, out: Any, targets: torch.Tensor, seq_ids: 
 
 
 def sampled_curvature(net: PrismLM, shards: ShardSet, cfg: AttributionConfig, universe: int, *,
-                      progress: Progress = False) -> Curvature:
+                      progress: Progress = False, keep: _BatchStore | None = None) -> Curvature:
     """The curvature a cache of sequences [0, universe) uses: statistics over ``cfg.curvature_sample``
-    of them in batch blocks spread over the range (``fit_ranges``; all of them when 0/None or when there
-    are fewer), accumulated in ascending batch order — the same on every process that calls it."""
+    of them in batches spread over the range (``fit_ranges``; all of them when 0/None or when there are
+    fewer), accumulated in ascending batch order — the same on every process that calls it. ``keep``: where
+    the block gradients of the batches a postings pass will need are kept (``build_cache``)."""
     n = cfg.curvature_sample or universe
     ranges = fit_ranges(universe, min(n, universe), cfg.batch_size)
-    if ranges == [(0, universe)]:
-        return curvature_pass(net, shards, sequences=(0, universe), batch_size=cfg.batch_size,
-                              exact=cfg.curvature_mode == "exact", damping=cfg.damping, progress=progress)
     T, dev = net.config.block_size, next(net.parameters()).device
     acc = CurvatureAccumulator(net, exact=cfg.curvature_mode == "exact")
     with eval_mode(net), Reporter(progress, "curvature", sum(b - a for a, b in ranges), unit="seq") as bar:
         for j0, j1 in (b for a0, a1 in ranges for b in _batches(a0, a1, cfg.batch_size)):
-            out, _ = _forward(net, shards, j0, j1, T, dev)
+            out, y = _forward(net, shards, j0, j1, T, dev)
             acc.update(out)
+            if keep is not None and keep.wants(j0, j1):
+                keep.add(j0, _postings_gradients(net, out, y, torch.arange(j0, j1, device=dev)))
             bar.update(j1 - j0)
     return acc.finish(damping=cfg.damping)
 
@@ -1084,37 +1163,47 @@ def build_cache(
     if universe < 1:
         raise ArtifactError(f"the training split has no complete sequence of {T + 1} tokens")
     start, stop = part_range(universe, batch_size, part)
-    t0 = time.perf_counter()
-    if curvature is None:
-        curvature = sampled_curvature(net, shards, cfg, universe, progress=progress)
-    if projection in ("pca", "pca-local"):
-        with eval_mode(net):
-            R = torch.from_numpy(_pca_projection(net, shards, curvature, r, min(universe, cfg.pca_sequences),
-                                                 batch_size, local=projection == "pca-local", universe=universe))
-    t_curv = time.perf_counter() - t0
-    # the raw postings keep float32 (float64/float16 when stored so); int8/int4/int3 are encoded from float32
-    npdt = _DTYPES[dtype] if dtype in _DTYPES else np.float32
-    plain = dtype in _DTYPES and cfg.prune == 0 and cfg.aggregate == "sequence" and cfg.id_encoding == "int32"
-    units_of = document_of_sequences(shards, universe, T) if cfg.aggregate == "document" else None
-    dev = next(net.parameters()).device
     out_dir = Path(out) if out is not None else None
     tmp_dir = None
-    files = {}
-    lists: dict[str, list[np.ndarray]] = {"seq": [], "proto": [], "sketch": []}
     if out_dir is not None:
         tmp_dir = out_dir.with_name(out_dir.name + ".build")
         shutil.rmtree(tmp_dir, ignore_errors=True)
         tmp_dir.mkdir(parents=True)
+    # the batches the curvature and projection fits run through the model keep their block gradients for
+    # the postings pass (up to curvature_sample + pca_sequences sequences: fewer forwards, same postings)
+    kept = _BatchStore(None if tmp_dir is None else tmp_dir / "fitted", start, stop, batch_size)
+    t0 = time.perf_counter()
+    if curvature is None:
+        curvature = sampled_curvature(net, shards, cfg, universe, progress=progress, keep=kept)
+    if projection in ("pca", "pca-local"):
+        with eval_mode(net):
+            R = torch.from_numpy(_pca_projection(net, shards, curvature, r, min(universe, cfg.pca_sequences),
+                                                 batch_size, local=projection == "pca-local", universe=universe,
+                                                 keep=kept))
+    t_curv = time.perf_counter() - t0
+    # the raw postings keep float32 (float64/float16 when stored so); int8/int4/int3 are encoded from float32
+    npdt = _DTYPES[dtype] if dtype in _DTYPES else np.float32
+    model_dt = torch.promote_types(next(net.parameters()).dtype, torch.float32)
+    # float16 and float64 sketches are rounded from float64 (what lossless_options' float64 parts give)
+    sketcher = PostingSketcher(curvature, R, torch.float64 if dtype in ("float16", "float64") else model_dt)
+    plain = dtype in _DTYPES and cfg.prune == 0 and cfg.aggregate == "sequence" and cfg.id_encoding == "int32"
+    units_of = document_of_sequences(shards, universe, T) if cfg.aggregate == "document" else None
+    dev = next(net.parameters()).device
+    files = {}
+    lists: dict[str, list[np.ndarray]] = {"seq": [], "proto": [], "sketch": []}
+    if tmp_dir is not None:
         files = {k: open(tmp_dir / f"{k}.raw", "wb") for k in ("seq", "proto", "sketch")}
     t1 = time.perf_counter()
     tokens = 0
     try:
         with eval_mode(net), Reporter(progress, "postings", stop - start, unit="seq") as bar:
             for j0, j1 in _batches(start, stop, batch_size):
-                fo, y = _forward(net, shards, j0, j1, T, dev)
-                bg = _postings_gradients(net, fo, y, torch.arange(j0, j1, device=dev))
+                bg = kept.pop(j0)
+                if bg is None:
+                    fo, y = _forward(net, shards, j0, j1, T, dev)
+                    bg = _postings_gradients(net, fo, y, torch.arange(j0, j1, device=dev))
                 pr = bg.proto.cpu()
-                sk = project(curvature.apply(pr, bg.grad.double().cpu(), -0.5), pr, R)  # (rows, r)
+                sk = sketcher(pr, bg.grad.cpu())  # (rows, r)
                 rows = {"seq": bg.seq.cpu().numpy().astype(np.int32),
                         "proto": bg.proto.cpu().numpy().astype(np.int32), "sketch": sk.numpy().astype(npdt)}
                 tokens += (j1 - j0) * T
