@@ -16,12 +16,14 @@ Methods
     ``full``: exact block gradients, shared block curvature H_i = m_i F + λ_i I; ``full-exact``: exact
     diagonal blocks; ``proto-dot``: block gradients with H_i = I; ``cached-r{R}``: the postings cache with
     an r-dim orthogonal (``-gauss``: Gaussian JL; ``-pca``: top-r principal directions of the whitened
-    gradients) sketch; ``cached-compact``: pca-local, r = min(48, d), int4, prune 0.1, delta ids; ``-rec``
+    gradients) sketch; ``cached-compact``: the app's compact recipe, pca-local, r = min(40, d), pq, delta ids; ``-rec``
     suffix: the curvature plus the reconstruction term's diagonal blocks (λ_rec of the recipe);
     ``ekfac``, ``kf-identity``: kronfluence over every ``nn.Linear`` (damping: kronfluence's 0.1 × mean
     eigenvalue heuristic, the same relative ρ = 0.1 as ours); ``wn-dot``: gradient dot products over every
     parameter; ``trak``: TRAK (traker, dense projector, one checkpoint); ``hybrid-{wn-dot,ekfac}-m{M}``: the
-    compact cache's top-M candidates re-scored by that whole-network score (``hybrid_scores``), with the
+    compact cache's top-M candidates re-scored by that whole-network score (``hybrid_scores``: the rest kept
+    below them, in the cached order), ``-sum`` suffix: the same candidates with the rest left at their
+    calibrated cached score, unshifted (``keep_order=False``: the scores subset sums should read), with the
     per-query cost of computing it on the M candidates only (``--timing-queries`` queries); ``bergson``
     (with ``--bergson PYTHON``): EleutherAI's bergson gradient index, run from its own venv.
 
@@ -503,12 +505,16 @@ def main() -> None:
     ap.add_argument("--no-trak", action="store_true", help="skip the TRAK baseline (traker)")
     ap.add_argument("--trak-proj-dim", type=int, default=None,
                     help="TRAK projection size (default min(512, N/4), at least 128; must be > 100 and < N)")
-    ap.add_argument("--hybrid-m", type=int, nargs="+", default=[32, 128],
+    ap.add_argument("--hybrid-m", type=int, nargs="+", default=[32, 128, 512],
                     help="hybrid: prototype-space candidates per query re-scored by a whole-network score")
     ap.add_argument("--bergson", default=None, metavar="PYTHON",
                     help="also score with bergson==2.5.1 (EleutherAI), run by this python (a separate venv with "
                          "bergson installed; see bench/_bergson_driver.py)")
     ap.add_argument("--bergson-proj-dim", type=int, default=16, help="bergson's per-module projection_dim")
+    ap.add_argument("--lds-range", type=int, nargs=2, metavar=("FIRST", "STOP"), default=None,
+                    help="only train the LDS models of subsets FIRST..STOP-1 (and their query losses) under --workdir, "
+                         "then exit: a second process started on the upper subsets once the main run trains the "
+                         "lower ones halves the LDS time on 2 cores (the main run then reads them)")
     ap.add_argument("--reuse-scores", action="store_true",
                     help="load every method's scores (and their costs) saved by an earlier run with the same model, "
                          "queries and method options under --workdir (e.g. to add LDS subsets)")
@@ -680,7 +686,10 @@ def main() -> None:
         qkey = hashlib.sha256(json.dumps(queries).encode()).hexdigest()[:12]
         losses = np.zeros((M, seeds, Q))
         t0 = time.perf_counter()
+        first, stop = args.lds_range or (0, M)
         for m, ids in enumerate(subsets):
+            if not first <= m < stop:
+                continue
             for s in range(seeds):
                 d = work / "lds" / cfg_hash / f"subset{m:03d}-seed{s}"
                 lf = d / f"losses-{qkey}.json"
@@ -695,6 +704,9 @@ def main() -> None:
                 losses[m, s] = query_gradients(m2, queries).loss.numpy()
                 lf.write_text(json.dumps(losses[m, s].tolist()))
             log(f"LDS subset {m + 1}/{M} done ({time.perf_counter() - t0:.0f}s)")
+        if args.lds_range:
+            log(f"LDS subsets {first}..{stop - 1} trained under {work / 'lds' / cfg_hash}; exiting (--lds-range)")
+            return
     # --- scores of every method on the full training set (saved under --workdir: --reuse-scores loads them)
     skey = hashlib.sha256((cfg_hash + json.dumps(queries) + repr((args.seed, args.trak_proj_dim, args.hybrid_m,
                                                                   args.no_kronfluence, args.no_trak, prof["ranks"],
@@ -749,12 +761,12 @@ def main() -> None:
                 c = build_cache(net, shards, AttributionConfig(r=r, projection=proj, seed=args.seed), curvature=curv)
                 scores_at_N[name] = c.scores(qg, Q).numpy()
                 cache_meta[name] = {"r": r, "projection": proj, "bytes_per_token": c.manifest["bytes_per_token"]}
-        compact_cfg = AttributionConfig(projection="pca-local", r=min(48, cfg.model.n_embd), dtype="int4", prune=0.1,
-                                        id_encoding="delta", seed=args.seed)
+        compact_cfg = AttributionConfig(projection="pca-local", r=min(40, cfg.model.n_embd), dtype="pq",
+                                        id_encoding="delta", seed=args.seed)  # app.build_run_cache's compact recipe
         for name, cv in (("cached-compact", curv), ("cached-compact-rec", curv_rec)):
             cc = build_cache(net, shards, compact_cfg, curvature=cv)
             scores_at_N[name] = cc.scores(qg, Q).numpy()
-            cache_meta[name] = {"r": cc.r, "projection": "pca-local", "dtype": "int4", "prune": 0.1,
+            cache_meta[name] = {"r": cc.r, "projection": "pca-local", "dtype": "pq", "prune": 0.0,
                                 "id_encoding": "delta", "bytes_per_token": cc.manifest["bytes_per_token"],
                                 "curvature_reconstruction": cv.reconstruction}
             if name == "cached-compact":
@@ -799,6 +811,8 @@ def main() -> None:
                 H, cands = hybrid_scores(base_S, lambda q, ids, Rt=Rt: Rt[q, ids], m_c)
                 hname = f"hybrid-{rname}-m{m_c}"
                 scores_at_N[hname] = H.numpy()
+                scores_at_N[hname + "-sum"] = hybrid_scores(base_S, lambda q, ids, Rt=Rt: Rt[q, ids], m_c,
+                                                            keep_order=False)[0].numpy()
                 times = []
                 for q in range(min(tq, Q)):
                     t0 = time.perf_counter()

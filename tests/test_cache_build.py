@@ -85,6 +85,11 @@ def test_compress_from_cli(trained, tiny_shards, tmp_path):
     common = ["--shards", str(tiny_shards.root), "--device", "cpu", "--no-progress"]
     res = r.invoke(app, ["attribute-cache", str(run), "--max-sequences", "16", "--out", str(src), *common])
     assert res.exit_code == 0, res.output
+    before = (src / "manifest.json").read_text()
+    res = r.invoke(app, ["attribute-cache", str(run), "--max-sequences", "16", "--out", str(src), "--resume", *common])
+    assert res.exit_code == 0 and (src / "manifest.json").read_text() == before, res.output  # finished: kept as is
+    res = r.invoke(app, ["attribute-cache", str(run), "--max-sequences", "12", "--out", str(src), "--resume", *common])
+    assert res.exit_code == 2 and "other options or sequences" in res.output, res.output
     small = tmp_path / "small"
     res = r.invoke(app, ["attribute-cache", str(run), "--compress-from", str(src), "--dtype", "int8", "--prune", "0.2",
                          "--id-encoding", "delta", "--aggregate", "document", "--out", str(small), *common])
@@ -215,3 +220,75 @@ def test_fitted_batches_are_not_run_again(trained, tiny_shards, tmp_path, monkey
     assert len(forwards) - len(with_reuse) == len(curvature_batches | pca_batches) >= 3
     assert_same_cache(kept, every)
     assert not on_disk or not (tmp_path / "kept.build").exists()  # the kept gradients went with the build folder
+
+
+_RESUMED = AttributionConfig(max_sequences=22, batch_size=4, curvature_sample=5, projection="pca-local", r=8,
+                             pca_sequences=9, dtype="int4", prune=0.1, id_encoding="delta")
+
+
+def _interrupted_build(net, shards, cfg, out, monkeypatch, after: int) -> None:
+    """A build that dies (KeyboardInterrupt) in its postings pass after ``after`` batches were written."""
+    from prismlm.tda import cache as cache_mod
+
+    real = cache_mod.PostingSketcher.__call__
+    calls = []
+
+    def dying(self, proto, G):
+        calls.append(1)
+        if len(calls) > after:
+            raise KeyboardInterrupt
+        return real(self, proto, G)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(cache_mod.PostingSketcher, "__call__", dying)
+        with pytest.raises(KeyboardInterrupt):
+            build_cache(net, shards, cfg, out=out)
+
+
+def test_resumed_build_equals_one_uninterrupted_build(trained, tiny_shards, tmp_path, monkeypatch):
+    """A build killed in its postings pass, with a torn last write, resumes from its build folder after
+    the last recorded batch: no curvature or pca pass again, only the remaining batches through the model,
+    and the cache equals an uninterrupted build bit for bit."""
+    from prismlm.tda import cache as cache_mod
+
+    ckpt, _ = trained
+    net = ckpt.model
+    whole = build_cache(net, tiny_shards, _RESUMED, out=tmp_path / "whole")
+    out = tmp_path / "cache"
+    _interrupted_build(net, tiny_shards, _RESUMED, out, monkeypatch, after=2)
+    build = tmp_path / "cache.build"
+    state = json.loads((build / "state.json").read_text())
+    assert state["done_to"] == 8 and not out.exists()  # batches [0, 4) and [4, 8) recorded
+    with open(build / "sketch.raw", "ab") as f:  # a write torn by the kill: bytes past the recorded rows
+        f.write(b"\x00" * 13)
+    forwards: list[int] = []
+    real_forward = cache_mod._forward
+
+    def counting(net_, shards_, j0, j1, T, dev):
+        forwards.append(j0)
+        return real_forward(net_, shards_, j0, j1, T, dev)
+
+    monkeypatch.setattr(cache_mod, "_forward", counting)
+    resumed = build_cache(net, tiny_shards, _RESUMED, out=out, resume=True)
+    assert forwards == [8, 12, 16, 20]  # the rest of the postings pass only
+    assert_same_cache(resumed, whole)
+    assert not build.exists()
+    forwards.clear()
+    again = build_cache(net, tiny_shards, _RESUMED, out=out, resume=True)  # finished: returned as it is
+    assert forwards == [] and again.num_postings == whole.num_postings
+
+
+def test_resume_refuses_a_build_started_otherwise(trained, tiny_shards, tmp_path, monkeypatch):
+    from prismlm.config import replace
+    from prismlm.errors import ArtifactError
+
+    ckpt, _ = trained
+    out = tmp_path / "cache"
+    _interrupted_build(ckpt.model, tiny_shards, _RESUMED, out, monkeypatch, after=1)
+    with pytest.raises(ArtifactError, match=r"cache\.build.*options") as e:
+        build_cache(ckpt.model, tiny_shards, replace(_RESUMED, damping=0.3), out=out, resume=True)
+    assert "without --resume" in str(e.value)
+    with pytest.raises(ConfigError, match="output folder"):
+        build_cache(ckpt.model, tiny_shards, _RESUMED, resume=True)
+    fresh = build_cache(ckpt.model, tiny_shards, replace(_RESUMED, damping=0.3), out=out)  # no --resume: start over
+    assert fresh.manifest["damping"] == 0.3 and not (tmp_path / "cache.build").exists()

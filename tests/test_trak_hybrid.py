@@ -185,3 +185,23 @@ def test_kronfluence_scores_on_candidates_equal_the_full_matrix(net, tiny_shards
     ids = [7, 2, 19]
     torch.testing.assert_close(kb.scores_on(q, ids), full[:, ids], rtol=1e-4, atol=1e-6)
     kb.close()
+
+
+def test_hybrid_for_sums_leaves_the_rest_at_the_calibrated_base_score():
+    """``keep_order=False``: candidates get the whole-network score, every other sequence α_q · base with
+    α_q the least-squares scale from base to whole-network scores on the candidates (computed here by
+    ``torch.linalg.lstsq``), unshifted."""
+    g = torch.Generator().manual_seed(2)
+    Q, N, M = 3, 25, 6
+    base = torch.randn(Q, N, generator=g).double()
+    whole = 3.0 * base + 0.1 * torch.randn(Q, N, generator=g).double()  # a positive scale
+    out, cands = hybrid_scores(base, lambda q, ids: whole[q, ids], M, keep_order=False)
+    for q in range(Q):
+        c = cands[q]
+        alpha = torch.linalg.lstsq(base[q, c][:, None], whole[q, c][:, None]).solution.item()
+        rest = torch.ones(N, dtype=torch.bool)
+        rest[c] = False
+        torch.testing.assert_close(out[q, rest], alpha * base[q, rest])
+        torch.testing.assert_close(out[q, c], whole[q, c])
+    shifted, _ = hybrid_scores(base, lambda q, ids: whole[q, ids], M)
+    assert not torch.allclose(shifted, out)  # the ranking variant shifts the rest below the candidates

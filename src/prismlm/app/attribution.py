@@ -30,7 +30,7 @@ DEFAULT_SEARCH = SearchConfig()
 
 
 def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *, out: Path | None = None,
-                    shards: Path | None = None, compress_from: Path | None = None,
+                    shards: Path | None = None, compress_from: Path | None = None, resume: bool = False,
                     progress: Progress = True) -> AttributionCache:
     """Build the postings cache for fast prototype-space attribution (one pass over the training data).
 
@@ -50,6 +50,9 @@ def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *
         compress_from: Re-encode this lossless cache (float32/float64, no pruning, sequence postings) with
             the storage options (--dtype, --prune, --aggregate, --id-encoding) into --out instead of
             building one: no pass over the data; the sketch and curvature options are the cache's own.
+        resume: Continue an interrupted build of --out (its OUT.build folder: the batches written, the
+            curvature and projection) instead of starting over; the same options, model and shards are
+            required. Without it a left-over build folder is discarded.
         progress: Show progress bars (curvature pass, postings pass).
     """
     model = run.prism_model("prototype-space attribution")
@@ -59,11 +62,12 @@ def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *
     shard_set = run.shards(shards)
     info, _ = init_distributed(str(run.device))
     if not info.enabled:
-        cache = build_cache(model, shard_set, config, out=out, model_sha256=run.identity, progress=progress)
+        cache = build_cache(model, shard_set, config, out=out, model_sha256=run.identity, resume=resume,
+                            progress=progress)
         run.forget(out)
         return cache
     try:
-        return _build_distributed(run, model, shard_set, config, out, info, progress)
+        return _build_distributed(run, model, shard_set, config, out, info, progress, resume)
     finally:
         cleanup(info)
 
@@ -78,8 +82,11 @@ def lossless_options(config: AttributionConfig) -> AttributionConfig:
 
 
 def _build_distributed(run: Run, model: PrismLM, shard_set: ShardSet, config: AttributionConfig, out: Path,
-                       info: DistInfo, progress: Progress) -> AttributionCache:
-    """One torchrun process's share of ``build_run_cache`` (see there); every rank returns the cache."""
+                       info: DistInfo, progress: Progress, resume: bool = False) -> AttributionCache:
+    """One torchrun process's share of ``build_run_cache`` (see there); every rank returns the cache.
+    ``resume``: every rank continues its part's build folder; a finished --out is returned as it is."""
+    if resume and (out / "manifest.json").exists() and not any(out.parent.glob(f"{out.name}.part-*")):
+        return AttributionCache.load(out, model_sha256=run.identity)
     T = model.config.block_size
     n_all = shard_set.train.num_sequences(T)
     universe = n_all if config.max_sequences is None else min(n_all, config.max_sequences)
@@ -95,7 +102,7 @@ def _build_distributed(run: Run, model: PrismLM, shard_set: ShardSet, config: At
         return out.with_name(f"{out.name}.part-{rank}-of-{info.world_size}")
 
     built = build_cache(model, shard_set, parts_cfg, out=part_dir(info.rank), curvature=curvature,
-                        part=(info.rank, info.world_size), model_sha256=run.identity, progress=show)
+                        part=(info.rank, info.world_size), model_sha256=run.identity, resume=resume, progress=show)
     del built
     barrier(info)
     if info.is_main:

@@ -360,7 +360,7 @@ class WholeNetworkGradients:
         return torch.stack([gq @ self.train(int(j)) for j in ids]) if len(ids) else gq.new_zeros(0)
 
 
-def hybrid_scores(base: torch.Tensor, rescore, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def hybrid_scores(base: torch.Tensor, rescore, m: int, *, keep_order: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Prototype-space candidates re-ranked by a whole-network score on the top-M only.
 
     ``base``: (Q, N) scores of the fast method (e.g. the cached prototype-space scores). ``rescore(q, ids)``:
@@ -370,7 +370,10 @@ def hybrid_scores(base: torch.Tensor, rescore, m: int) -> tuple[torch.Tensor, to
     origin) from base to whole-network scores on the candidates (1 when that fit is not positive) and the one
     shift c_q ≥ 0 per query puts the best non-candidate just below the lowest candidate (by
     δ = 1e-9·(1+|min s|)). So the ranking is: candidates by the whole-network score, then the rest in the
-    base order; and sums over subsets (LDS) see scores on one scale.
+    base order; and sums over subsets (LDS) see scores on one scale. ``keep_order=False`` leaves the rest at
+    ``α_q · base_j`` (no shift): the calibrated estimate of each one's influence, which sums over subsets
+    should read — the shift adds c_q per candidate in the subset — at the cost of the ranking (a
+    non-candidate may then score above a candidate).
     With M ≥ N the result is exactly the whole-network score. Returns (scores (Q, N) float64, candidates
     (Q, M) int64)."""
     base = base.double()
@@ -390,7 +393,7 @@ def hybrid_scores(base: torch.Tensor, rescore, m: int) -> tuple[torch.Tensor, to
         alpha = float((b * s).sum()) / den if den > 0 else 0.0
         alpha = alpha if alpha > 0 else 1.0
         rest = alpha * base[q]
-        if m:
+        if m and keep_order:
             floor = float(s.min())
             floor -= 1e-9 * (1 + abs(floor))
             rest[c] = float("-inf")

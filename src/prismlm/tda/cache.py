@@ -1089,14 +1089,16 @@ class _BatchStore:
         return bg
 
 
-def _postings_gradients(net: PrismLM, out: Any, targets: torch.Tensor, seq_ids: torch.Tensor) -> BlockGradients:
+def _postings_gradients(net: PrismLM, out: Any, targets: torch.Tensor, seq_ids: torch.Tensor,
+                        mu: torch.Tensor | None = None) -> BlockGradients:
     """``block_gradients(net, out, targets, seq_ids=seq_ids)`` without the per-sequence losses, which a cache
     does not store: the same operations on the same rows (equal bit for bit), less one cross-entropy over
-    the batch's tokens × vocabulary (~8% of the postings pass)."""
+    the batch's tokens × vocabulary (~8% of the postings pass). ``mu``: the batch's Wᵀπ_t when the curvature
+    pass already has it (``CurvatureAccumulator.update``)."""
     assert net.prototypes is not None and out.indices is not None and out.activations is not None
     B, K = out.indices.shape[0], net.prototypes.num_prototypes
     dt = torch.promote_types(out.logits.dtype, torch.float32)
-    u = output_gradients(net, out.logits.detach().to(dt), targets)  # (B, T, d)
+    u = output_gradients(net, out.logits.detach().to(dt), targets, mu)  # (B, T, d)
     a = out.activations.detach().to(dt)  # (B, T, k)
     on = a > 0
     keys = (torch.arange(B, device=a.device)[:, None, None] * K + out.indices)[on]
@@ -1119,11 +1121,55 @@ def sampled_curvature(net: PrismLM, shards: ShardSet, cfg: AttributionConfig, un
     with eval_mode(net), Reporter(progress, "curvature", sum(b - a for a, b in ranges), unit="seq") as bar:
         for j0, j1 in (b for a0, a1 in ranges for b in _batches(a0, a1, cfg.batch_size)):
             out, y = _forward(net, shards, j0, j1, T, dev)
-            acc.update(out)
+            mu = acc.update(out)  # (B·T, d) Wᵀπ_t in the shared mode: the postings' product, not made twice
             if keep is not None and keep.wants(j0, j1):
-                keep.add(j0, _postings_gradients(net, out, y, torch.arange(j0, j1, device=dev)))
+                keep.add(j0, _postings_gradients(net, out, y, torch.arange(j0, j1, device=dev), mu))
             bar.update(j1 - j0)
     return acc.finish(damping=cfg.damping)
+
+
+_STATE = "state.json"
+"""The progress record of a cache build folder (``OUT.build``): its identity and the batches written."""
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _resume_state(tmp_dir: Path, started: dict[str, Any]) -> dict[str, Any] | None:
+    """The progress of the interrupted build in ``tmp_dir`` (None: nothing to resume), refused
+    (``ArtifactError``) when it was started with another model, corpus, part or options."""
+    path = tmp_dir / _STATE
+    if not path.exists():
+        return None
+    with reading(path, "cache build progress", fix="rerun without --resume to start over"):
+        state = json.loads(path.read_text())
+    differ = sorted(k for k in started if state.get(k) != started[k])
+    if differ:
+        raise ArtifactError(f"cannot resume the cache build in {tmp_dir}: it was started with other {', '.join(differ)}",
+                            fix="rerun with the same model, shards and options, or without --resume to start over",
+                            path=tmp_dir)
+    return state
+
+
+def _finished_build(out_dir: Path, started: dict[str, Any], shards: ShardSet) -> AttributionCache:
+    """``resume`` when the build already finished: the cache at ``out_dir``, if it is this build's."""
+    cache = AttributionCache.load(out_dir, model_sha256=started["model_sha256"], shards=shards)
+    m, opts = cache.manifest, started["options"]
+    mine = (m.get("universe") == started["universe"] and list(m.get("part", [])) == started["part"]
+            and all(m.get(k) == opts[k] for k in ("projection", "dtype", "prune", "aggregate", "id_encoding")))
+    if not mine:
+        raise ArtifactError(f"cannot resume: {out_dir} holds a finished cache built with other options or sequences",
+                            fix="rerun without --resume to rebuild it, or choose another --out", path=out_dir)
+    return cache
 
 
 def build_cache(
@@ -1135,6 +1181,7 @@ def build_cache(
     curvature: Curvature | None = None,
     part: tuple[int, int] = (0, 1),
     model_sha256: str | None = None,
+    resume: bool = False,
     progress: Progress = False,
 ) -> AttributionCache:
     """Build the postings cache of a PRISM ``model`` over ``shards.train``.
@@ -1145,7 +1192,11 @@ def build_cache(
     make parts agree), else one is computed first (``sampled_curvature``: over ``config.curvature_sample``
     of the cached sequences, spread over them). ``part=(i, n)``: only the i-th batch-aligned slice. ``model_sha256``: the identity recorded in
     the manifest (pass the checkpoint's ``manifest["model_sha256"]``; None: a hash of the weights,
-    ``model_identity``).
+    ``model_identity``). ``resume`` (with ``out``): continue the interrupted build in ``OUT.build`` after its
+    last written batch, with the curvature and projection it saved (the same cache as one uninterrupted
+    build, bit for bit; ``ArtifactError`` if it was started with another model, corpus, part or options),
+    or return ``out`` when that build already finished; without ``resume`` a left-over build folder is
+    discarded.
     """
     cfg = config if config is not None else AttributionConfig()
     net = model
@@ -1164,23 +1215,43 @@ def build_cache(
         raise ArtifactError(f"the training split has no complete sequence of {T + 1} tokens")
     start, stop = part_range(universe, batch_size, part)
     out_dir = Path(out) if out is not None else None
+    if resume and out_dir is None:
+        raise ConfigError("resuming a cache build needs its output folder (out)")
     tmp_dir = None
+    # what a resumed build must share with the one it continues (the storage options are applied at the end)
+    started = {"model_sha256": ident, "shard_key": shards.manifest["key"], "part": list(part), "universe": universe,
+               "options": cfg.to_dict(), "curvature_given": curvature is not None,
+               "curvature_F": None if curvature is None else _tensor_digest(curvature.F)}
+    state: dict[str, Any] | None = None
     if out_dir is not None:
         tmp_dir = out_dir.with_name(out_dir.name + ".build")
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        tmp_dir.mkdir(parents=True)
+        if resume:
+            if not tmp_dir.exists() and (out_dir / "manifest.json").exists():
+                return _finished_build(out_dir, started, shards)
+            state = _resume_state(tmp_dir, started)
+        if state is None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            tmp_dir.mkdir(parents=True)
     # the batches the curvature and projection fits run through the model keep their block gradients for
     # the postings pass (up to curvature_sample + pca_sequences sequences: fewer forwards, same postings)
     kept = _BatchStore(None if tmp_dir is None else tmp_dir / "fitted", start, stop, batch_size)
     t0 = time.perf_counter()
-    if curvature is None:
-        curvature = sampled_curvature(net, shards, cfg, universe, progress=progress, keep=kept)
-    if projection in ("pca", "pca-local"):
-        with eval_mode(net):
-            R = torch.from_numpy(_pca_projection(net, shards, curvature, r, min(universe, cfg.pca_sequences),
-                                                 batch_size, local=projection == "pca-local", universe=universe,
-                                                 keep=kept))
-    t_curv = time.perf_counter() - t0
+    if state is not None:  # a resumed build: the saved curvature and projection, no fit passes
+        assert tmp_dir is not None
+        curvature = curvature if curvature is not None else Curvature.load(tmp_dir / "curvature.safetensors")
+        R = torch.from_numpy(np.load(tmp_dir / "projection.npy"))
+    else:
+        if curvature is None:
+            curvature = sampled_curvature(net, shards, cfg, universe, progress=progress, keep=kept)
+        if projection in ("pca", "pca-local"):
+            with eval_mode(net):
+                R = torch.from_numpy(_pca_projection(net, shards, curvature, r, min(universe, cfg.pca_sequences),
+                                                     batch_size, local=projection == "pca-local", universe=universe,
+                                                     keep=kept))
+        if tmp_dir is not None:  # what a resumed build reads instead of fitting again
+            curvature.save(tmp_dir / "curvature.safetensors")
+            np.save(tmp_dir / "projection.npy", R.numpy())
+    t_curv = time.perf_counter() - t0 + (state["curvature_seconds"] if state else 0.0)
     # the raw postings keep float32 (float64/float16 when stored so); int8/int4/int3 are encoded from float32
     npdt = _DTYPES[dtype] if dtype in _DTYPES else np.float32
     model_dt = torch.promote_types(next(net.parameters()).dtype, torch.float32)
@@ -1191,13 +1262,18 @@ def build_cache(
     dev = next(net.parameters()).device
     files = {}
     lists: dict[str, list[np.ndarray]] = {"seq": [], "proto": [], "sketch": []}
+    done_to, tokens, written = (state["done_to"], state["tokens"], state["rows"]) if state else (start, 0, 0)
     if tmp_dir is not None:
-        files = {k: open(tmp_dir / f"{k}.raw", "wb") for k in ("seq", "proto", "sketch")}
+        row_bytes = {"seq": 4, "proto": 4, "sketch": r * np.dtype(npdt).itemsize}
+        for k, width in row_bytes.items():  # rows written after the last recorded batch are dropped
+            (tmp_dir / f"{k}.raw").touch()
+            os.truncate(tmp_dir / f"{k}.raw", written * width)
+        files = {k: open(tmp_dir / f"{k}.raw", "ab") for k in ("seq", "proto", "sketch")}
     t1 = time.perf_counter()
-    tokens = 0
+    pass_before = state["postings_seconds"] if state else 0.0
     try:
-        with eval_mode(net), Reporter(progress, "postings", stop - start, unit="seq") as bar:
-            for j0, j1 in _batches(start, stop, batch_size):
+        with eval_mode(net), Reporter(progress, "postings", stop - start, unit="seq", initial=done_to - start) as bar:
+            for j0, j1 in _batches(done_to, stop, batch_size):
                 bg = kept.pop(j0)
                 if bg is None:
                     fo, y = _forward(net, shards, j0, j1, T, dev)
@@ -1209,14 +1285,21 @@ def build_cache(
                 tokens += (j1 - j0) * T
                 bar.update(j1 - j0)
                 for k, v in rows.items():
-                    if out_dir is not None:
+                    if tmp_dir is not None:
                         files[k].write(np.ascontiguousarray(v).tobytes())
                     else:
                         lists[k].append(v)
+                if tmp_dir is not None:  # the batch is whole on disk: record it (a resume continues after it)
+                    for f in files.values():
+                        f.flush()
+                    written += len(rows["seq"])
+                    _write_json_atomic(tmp_dir / _STATE, {
+                        **started, "done_to": j1, "tokens": tokens, "rows": written,
+                        "curvature_seconds": t_curv, "postings_seconds": pass_before + time.perf_counter() - t1})
     finally:
         for f in files.values():
             f.close()
-    t_pass = time.perf_counter() - t1
+    t_pass = pass_before + time.perf_counter() - t1
     units = universe if units_of is None else int(units_of[-1]) + 1
     manifest: dict[str, Any] = {
         "kind": KIND, "format_version": FORMAT_VERSION, "model_sha256": ident,

@@ -14,6 +14,7 @@ only the model's one forward output: no backward pass. Scores pair a query's pre
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
     from prismlm.model import PrismLM, PrismOutput
     from prismlm.tda.influence import Curvature
 
-__all__ = ["BlockGradients", "block_gradients", "output_gradients", "precondition", "query_table"]
+__all__ = ["BlockGradients", "block_gradients", "output_gradients", "precondition", "query_table",
+           "softmax_products"]
 
 
 @dataclass
@@ -61,23 +63,39 @@ SOFTMAX_BLOCK = 1 << 21
 8 MiB in float32)."""
 
 
-def output_gradients(model: PrismLM, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def softmax_products(logits: torch.Tensor, W: torch.Tensor, rows: int | None = None,
+                     on_block: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """μ_t = Wᵀ softmax(ℓ_t) for every row of ``logits`` (N, V): (N, d) in ``W``'s dtype (W: (V, d)).
+
+    π never exists whole: ``rows`` rows at a time (default ≤ ``SOFTMAX_BLOCK`` entries) are softmaxed and
+    multiplied while they are still in cache — 1.7× faster than softmax-then-matmul on (2048 × 8192) logits
+    on one CPU thread, and the memory is one block instead of a second (N, V) tensor. ``on_block(π, μ)``
+    sees each block (the curvature's sums). The one copy of this product: the postings pass and the
+    curvature pass get the same μ, bit for bit, from the same blocks."""
+    N, V = logits.shape
+    rows = rows or max(1, SOFTMAX_BLOCK // V)
+    out = torch.empty(N, W.shape[1], dtype=W.dtype, device=logits.device)  # (N, d)
+    for a in range(0, N, rows):
+        pi = torch.softmax(logits[a:a + rows].to(W.dtype), dim=-1)  # (n, V)
+        torch.mm(pi, W, out=out[a:a + rows])
+        if on_block is not None:
+            on_block(pi, out[a:a + rows])
+    return out
+
+
+def output_gradients(model: PrismLM, logits: torch.Tensor, targets: torch.Tensor,
+                     mu: torch.Tensor | None = None) -> torch.Tensor:
     """u_t = Wᵀ(π_t − e_{y_t}) for every token: (B, T, d) from ``logits`` (B, T, V) and ``targets`` (B, T).
 
     Computed in ``promote(logits.dtype, float32)`` (float64 for a float64 model); W is the model's
-    ``lm_head.weight``, detached."""
+    ``lm_head.weight``, detached. ``mu``: Wᵀπ_t (B·T, d) already computed by ``softmax_products`` from these
+    logits (the curvature pass's), else computed here."""
     dt = torch.promote_types(logits.dtype, torch.float32)
     W = model.lm_head.weight.detach().to(dt)  # (V, d)
     *lead, V = logits.shape
-    flat = logits.detach().reshape(-1, V)  # (N, V)
-    out = torch.empty(flat.shape[0], W.shape[1], dtype=dt, device=flat.device)  # (N, d)
-    # π never exists whole: a block of rows at a time (≤ SOFTMAX_BLOCK entries) is softmaxed and multiplied
-    # while it is still in cache — 1.7× faster than softmax-then-matmul on (2048 × 8192) logits on one CPU
-    # thread, and it bounds the memory to one block instead of a second (N, V) tensor
-    rows = max(1, SOFTMAX_BLOCK // V)
-    for a in range(0, flat.shape[0], rows):
-        torch.mm(torch.softmax(flat[a:a + rows].to(dt), dim=-1), W, out=out[a:a + rows])
-    return out.view(*lead, W.shape[1]) - W[targets]  # (B, T, d): Wᵀ(π − e_y)
+    if mu is None:
+        mu = softmax_products(logits.detach().reshape(-1, V), W)  # (N, d)
+    return mu.view(*lead, W.shape[1]) - W[targets]  # (B, T, d): Wᵀ(π − e_y)
 
 
 def block_gradients(model: PrismLM, out: PrismOutput, targets: torch.Tensor, mask: torch.Tensor | None = None,

@@ -58,7 +58,7 @@ from safetensors.torch import load_file, save_file
 from prismlm.errors import ConfigError, ModelError
 from prismlm.model import eval_mode
 from prismlm.progress import Progress, Reporter
-from prismlm.tda.gradients import SOFTMAX_BLOCK, BlockGradients, block_gradients, precondition, query_table
+from prismlm.tda.gradients import BlockGradients, block_gradients, precondition, query_table, softmax_products
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
@@ -93,7 +93,10 @@ class CurvatureAccumulator:
         self.tokens = 0
 
     @torch.no_grad()
-    def update(self, out: PrismOutput) -> None:
+    def update(self, out: PrismOutput) -> torch.Tensor | None:
+        """Add a batch's statistics; returns μ_t = Wᵀπ_t (B·T, d) of its tokens in the shared mode (the
+        product ``softmax_products`` made for the sums: what ``output_gradients`` would compute, bit for bit,
+        with the default ``block_rows``), None in the exact mode (float64 blocks)."""
         assert out.activations is not None and out.indices is not None, "a PRISM model's output"
         B, T, V = out.logits.shape
         N = B * T
@@ -108,21 +111,28 @@ class CurvatureAccumulator:
         # the sums in float64 — F's damping (10% of its trace) dwarfs float32 rounding
         dt = torch.float64 if self.exact else torch.promote_types(logits.dtype, torch.float32)
         W = self.W.to(dt)
-        step = self.chunk if self.exact else self.block_rows or min(self.chunk, max(1, SOFTMAX_BLOCK // V))
-        for s in range(0, N, step):
-            pi = torch.softmax(logits[s:s + step].to(dt), dim=-1)  # (n, V)
+        if not self.exact:
+            def add(pi: torch.Tensor, mu: torch.Tensor) -> None:
+                self.sum_pi += pi.sum(0, dtype=torch.float64)
+                mu64 = mu.double()
+                self.sum_mumu += mu64.T @ mu64
+
+            mu_all = softmax_products(logits, W, self.block_rows, add)
+            self.tokens += N
+            return mu_all
+        for s in range(0, N, self.chunk):  # exact: the per-prototype sums too (chunks bound the n × d² products)
+            pi = torch.softmax(logits[s:s + self.chunk].to(dt), dim=-1)  # (n, V)
             mu = pi @ W  # (n, d): Wᵀ π_t
             self.sum_pi += pi.sum(0, dtype=torch.float64)
-            mu64 = mu.double()
-            self.sum_mumu += mu64.T @ mu64
-            if self.exact:  # the per-prototype sums of the chunk's tokens (chunks bound the n × d² products)
-                n = pi.shape[0]
-                ii, a2c = idx[s:s + n].reshape(-1), a2[s:s + n].reshape(-1)
-                tok = torch.arange(n, device=idx.device)[:, None].expand(n, idx.shape[1]).reshape(-1)
-                A = torch.sparse_coo_tensor(torch.stack([ii, tok]), a2c, (self.K, n), check_invariants=False)  # a²
-                self.blk_pi += torch.sparse.mm(A, pi)
-                self.blk_mumu += torch.sparse.mm(A, (mu[:, :, None] * mu[:, None, :]).reshape(n, -1))
+            self.sum_mumu += mu.T @ mu
+            n = pi.shape[0]
+            ii, a2c = idx[s:s + n].reshape(-1), a2[s:s + n].reshape(-1)
+            tok = torch.arange(n, device=idx.device)[:, None].expand(n, idx.shape[1]).reshape(-1)
+            A = torch.sparse_coo_tensor(torch.stack([ii, tok]), a2c, (self.K, n), check_invariants=False)  # a²
+            self.blk_pi += torch.sparse.mm(A, pi)
+            self.blk_mumu += torch.sparse.mm(A, (mu[:, :, None] * mu[:, None, :]).reshape(n, -1))
         self.tokens += N
+        return None
 
     def finish(self, damping: float = 0.1, reconstruction: float = 0.0) -> Curvature:
         """``reconstruction``: the weight λ_rec of the REC term whose diagonal blocks are added
