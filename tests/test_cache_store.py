@@ -376,6 +376,7 @@ def test_product_quantised_postings(tiny, tiny_shards, tmp_path):
     assert np.array_equal(np.asarray(built.sketches.codebook), comp.sketches.codebook)
     back = AttributionCache.load(tmp_path / "pq", shards=tiny_shards)
     assert back.manifest["dtype"] == "pq" and (tmp_path / "pq" / "sketch_codebook.npy").exists()
+    assert back.manifest["pq_sample"] == cfg.pq_sample and back.manifest["pq_trained_on"] == back.num_postings
     assert torch.equal(back.scores(tiny.q, tiny.Q), comp.scores(tiny.q, tiny.Q))
     f = tmp_path / "pq" / "sketch_codebook.npy"
     good = f.read_bytes()

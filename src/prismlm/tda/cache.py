@@ -800,6 +800,8 @@ def _encode(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K: int, r:
         (work / "agg.npy").unlink(missing_ok=True)
     meta: dict[str, Any] = {"postings_raw": P, "postings_aggregated": R, "pruned": int(R - Pk),
                             **id_store.manifest(), **sk_store.manifest()}
+    if isinstance(sk_store, PQSketches):  # provenance of the codebooks: how many postings they were fitted on
+        meta.update({"pq_sample": config.pq_sample, "pq_trained_on": int(min(Pk, config.pq_sample))})
     return out_offsets, id_store, sk_store, meta
 
 
