@@ -288,6 +288,8 @@ def test_fuzzed_text_never_crashes_explain_or_generate(tiny_run):
     (["index", "{run}", "--max-sequences", "0"], "--max-sequences"),
     (["attribute", "{run}", "x", "--top", "0"], "--top"),
     (["attribute", "{run}", "x", "--completion", "0"], "--completion"),
+    (["attribute", "{run}", "x", "--rescore", "trak"], "none, ekfac or gradient"),
+    (["attribute", "{run}", "x", "--rescore", "gradient", "--rescore-top", "0"], "--rescore-top"),
     (["concept", "{run}", "--concept", "c", "--neutral", "n", "--min-purity", "2"], "--min-purity"),
     (["controller", "fit", "{run}", "--task", "t", "--steps", "0"], "--steps"),
     (["controller", "fit", "{run}", "--task", "t", "--lr", "nan"], "--lr"),

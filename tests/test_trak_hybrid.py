@@ -205,3 +205,82 @@ def test_hybrid_for_sums_leaves_the_rest_at_the_calibrated_base_score():
         torch.testing.assert_close(out[q, c], whole[q, c])
     shifted, _ = hybrid_scores(base, lambda q, ids: whole[q, ids], M)
     assert not torch.allclose(shifted, out)  # the ranking variant shifts the rest below the candidates
+
+
+@pytest.fixture(scope="module")
+def cached_run(tiny_shards, tmp_path_factory):
+    """A tiny trained run with a 40-sequence attribution cache."""
+    from conftest import train_tiny_run
+
+    from prismlm.app import Run, build_run_cache
+    from prismlm.config import AttributionConfig
+
+    _, run_dir = train_tiny_run(tiny_shards, tmp_path_factory.mktemp("hybrid"), steps=20, batch_size=4,
+                                warmup_steps=2)
+    run = Run.open(run_dir)
+    build_run_cache(run, AttributionConfig(max_sequences=40, r=16, batch_size=8), shards=tiny_shards.root,
+                    progress=False)
+    return run
+
+
+def test_attribute_rescored_reranks_the_cached_candidates(cached_run, tiny_shards):
+    """`prism attribute --rescore gradient --rescore-top 8`: the 8 best sequences by the cache, ordered by
+    their whole-network gradient dot products with the query (``WholeNetworkGradients``, checked against
+    autograd above), their scores those dot products."""
+    from prismlm.app import attribute_text
+    from prismlm.tda.attribute import make_query
+
+    run, text = cached_run, "The President said that"
+    base = attribute_text(run, text, completion=2, top=8, shards=tiny_shards.root)
+    hyb = attribute_text(run, text, completion=2, top=5, rescore="gradient", rescore_top=8, shards=tiny_shards.root)
+    cands = [it.sequence for it in base.top]
+    wn = WholeNetworkGradients(run.model, tiny_shards, memo=False)
+    ids, start = make_query(run.tokenizer, text, completion_tokens=2)
+    whole = wn.dot(wn.query(ids, start), cands).numpy()
+    want = [cands[i] for i in np.argsort(-whole, kind="stable")[:5]]
+    assert [it.sequence for it in hyb.top] == want
+    np.testing.assert_allclose([it.score for it in hyb.top], np.sort(whole)[::-1][:5], rtol=1e-6)
+    assert hyb.method == "cached+gradient" and any("re-ranked by gradient" in n for n in hyb.notes)
+    assert all(it.prototypes for it in hyb.top)  # their prototype-space contributions stay listed
+
+
+def test_attribute_rescored_by_ekfac_fits_factors_once(cached_run, tiny_shards):
+    """`--rescore ekfac`: kronfluence's EK-FAC scores of the query on the candidates (the same as its scores
+    over every cached sequence with the same factors, read at the candidates), with the factors fitted once
+    into RUN/attribution-factors and reused by the next query."""
+    pytest.importorskip("kronfluence")
+    from prismlm.app import attribute_text
+    from prismlm.tda.attribute import make_query
+    from prismlm.tda.baselines import KronfluenceBaseline
+
+    run, text = cached_run, "The President said that"
+    hyb = attribute_text(run, text, completion=2, top=4, rescore="ekfac", rescore_top=6, shards=tiny_shards.root)
+    factors = [f for f in (run.folder / "attribution-factors").rglob("*") if f.is_file() and "factors_" in str(f)]
+    assert factors and hyb.method == "cached+ekfac"
+    stamps = {f: f.stat().st_mtime_ns for f in factors}
+    again = attribute_text(run, text, completion=2, top=4, rescore="ekfac", rescore_top=6, shards=tiny_shards.root)
+    assert {f: f.stat().st_mtime_ns for f in factors} == stamps  # reused, not refitted
+    assert [it.sequence for it in again.top] == [it.sequence for it in hyb.top]
+    assert not list((run.folder / "attribution-factors").rglob("scores_*"))  # per-query scores are not kept
+    base = attribute_text(run, text, completion=2, top=6, shards=tiny_shards.root)
+    # the same factors (kronfluence samples the labels it fits them with: a new fit differs)
+    folder = next((run.folder / "attribution-factors").iterdir())
+    kb = KronfluenceBaseline(run.model, tiny_shards, strategy="ekfac", max_sequences=40, out_dir=folder,
+                             reuse_factors=True)
+    every = kb.scores([make_query(run.tokenizer, text, completion_tokens=2)], run.tokenizer.eot_id)[0].numpy()
+    kb.close()
+    cands = np.array([it.sequence for it in base.top])
+    want = cands[np.argsort(-every[cands], kind="stable")][:4]
+    assert [it.sequence for it in hyb.top] == want.tolist()
+    np.testing.assert_allclose([it.score for it in hyb.top], every[want], rtol=1e-4, atol=1e-8)
+
+
+def test_cli_attribute_rescore(cached_run, tiny_shards):
+    from typer.testing import CliRunner
+
+    from prismlm.cli import app
+
+    res = CliRunner().invoke(app, ["attribute", str(cached_run.path), "The President said that", "--completion", "2",
+                                   "--top", "3", "--rescore", "gradient", "--rescore-top", "8",
+                                   "--shards", str(tiny_shards.root)])
+    assert res.exit_code == 0 and "cached+gradient" in res.output and "re-ranked" in res.output, res.output

@@ -64,9 +64,9 @@ def explain_report(run: Run, prompt: str = "", *, generate: int = 0, index: Path
 
 def attribute_report(run: Run, text: str, *, answer: str | None = None, completion: int | None = None,
                      generate: int = 0, top: int = 10, method: str = "cached", cache: Path | None = None,
-                     search: str = "auto", candidates: int = 32, nprobe: int = 16,
-                     shards: Path | None = None, max_sequences: int | None = None, temperature: float = 0.0,
-                     seed: int = 0, explain: bool = False) -> AttributionReport:
+                     search: str = "auto", candidates: int = 32, nprobe: int = 16, rescore: str = "none",
+                     rescore_top: int = 128, shards: Path | None = None, max_sequences: int | None = None,
+                     temperature: float = 0.0, seed: int = 0, explain: bool = False) -> AttributionReport:
     """The training sequences that most influenced TEXT (or its completion), with the prototypes that
     connect them and snippets.
 
@@ -83,6 +83,11 @@ def attribute_report(run: Run, text: str, *, answer: str | None = None, completi
             approximate (the search index, required).
         candidates: Approximate search: sequences proposed per long posting list, then rescored exactly.
         nprobe: Approximate search (IVF): cells probed per list.
+        rescore: The hybrid: re-rank the --rescore-top best sequences by prototype space with a
+            whole-network score — none, ekfac (kronfluence EK-FAC; factors fitted once per run into
+            RUN/attribution-factors, then reused; pip install 'prismlm[attribution]') or gradient
+            (whole-network gradient dot products). See ``attribute_text``.
+        rescore_top: Candidates re-scored per query (--rescore).
         shards: Token shard folder (default: the cache's / the run's).
         max_sequences: --method full: first N training sequences only.
         temperature: Sampling temperature for --generate (0 = greedy).
@@ -90,7 +95,8 @@ def attribute_report(run: Run, text: str, *, answer: str | None = None, completi
         explain: Also explain the attributed text (prompt + completion), with the index if there is one.
     """
     att = attribute_text(run, text, answer=answer, completion=completion, generate=generate, top=top, method=method,
-                         cache=cache, search=search, candidates=candidates, nprobe=nprobe, shards=shards,
-                         max_sequences=max_sequences, temperature=temperature, seed=seed)
+                         cache=cache, search=search, candidates=candidates, nprobe=nprobe, rescore=rescore,
+                         rescore_top=rescore_top, shards=shards, max_sequences=max_sequences,
+                         temperature=temperature, seed=seed)
     expl = explain_text(run, att.prompt + att.completion, shards=shards) if explain else None
     return AttributionReport(att, expl)

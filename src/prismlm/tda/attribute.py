@@ -18,7 +18,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -35,7 +35,17 @@ if TYPE_CHECKING:
     from prismlm.model import PrismLM
     from prismlm.tda.search import SearchIndex
 
-__all__ = ["Attribution", "AttributedSequence", "attribute", "make_query"]
+__all__ = ["Attribution", "AttributedSequence", "Rescorer", "attribute", "make_query"]
+
+
+class Rescorer(Protocol):
+    """A whole-network score of one query against chosen training sequences (the hybrid's re-ranker)."""
+
+    name: str
+
+    def scores(self, query: tuple[list[int], int], train_ids: list[int]) -> np.ndarray:
+        """(len(train_ids),) scores of ``query`` = (token ids, measure_from) on those training sequences."""
+        ...
 
 
 @dataclass
@@ -120,6 +130,8 @@ def attribute(
     search: SearchIndex | None = None,
     candidates: int = 32,
     nprobe: int = 16,
+    rescorer: Rescorer | None = None,
+    rescore_top: int = 128,
 ) -> Attribution:
     """Top training sequences for ``prompt`` (+ ``completion``), by the cached postings (``cache``) or the
     full block gradients (``full``) of the PRISM ``model`` (``tokenizer``: its tokenizer). ``generate=N`` samples N tokens after the prompt (greedy at
@@ -129,7 +141,10 @@ def attribute(
     ``prismlm.tda.search.SearchIndex`` of ``cache``): take the top sequences from approximate top-``candidates``
     search in each long posting list (``nprobe`` IVF cells probed; the HNSW beam is max(64, candidates)),
     rescored exactly, instead of scanning every posting of the query's prototypes; scores and
-    contributions of the sequences found are the exact scan's."""
+    contributions of the sequences found are the exact scan's. ``rescorer`` (the hybrid): the
+    ``rescore_top`` best sequences by prototype space are re-ranked by ``rescorer.scores(query, ids)``, a
+    whole-network score (EK-FAC, gradient dot products); the items' scores are then that score, and their
+    prototypes the prototype-space contributions."""
     import time
 
     t0 = time.perf_counter()
@@ -141,6 +156,12 @@ def attribute(
         raise ConfigError("pass exactly one of cache= (fast, the postings cache) or full= (reference)")
     if search is not None and cache is None:
         raise ConfigError("search= is the approximate-search sidecar of a cache: pass the cache too (cache=)")
+    if rescorer is not None and rescore_top < 1:
+        raise ConfigError(f"rescore_top (--rescore-top) must be >= 1, got {rescore_top}")
+    if rescorer is not None and cache is not None and cache.aggregate == "document":
+        raise ConfigError("re-scoring needs training sequences; this cache ranks documents (aggregate=document): "
+                          "use a sequence cache (the default) or no --rescore")
+    k_top = max(top, rescore_top) if rescorer is not None else top  # the candidates, then the shown top
     notes = []
     if token_ids is not None:
         ids = [int(t) for t in token_ids]
@@ -173,7 +194,7 @@ def attribute(
         sq = cache.sketch_query(q)  # (Rq, r): one query, every row
         qseq, qproto = q.seq.cpu().numpy(), q.proto.cpu().numpy()
         search.check(cache)
-        top_s, top_i = search.top_sketches(cache, qseq, qproto, sq, 1, top, m=candidates, nprobe=nprobe,
+        top_s, top_i = search.top_sketches(cache, qseq, qproto, sq, 1, k_top, m=candidates, nprobe=nprobe,
                                            ef=max(64, candidates))
         order, top_scores = top_i[0], top_s[0]
         cpos, c_proto, c_val = search.terms(cache, qproto, sq, order)
@@ -195,10 +216,20 @@ def attribute(
             c_seq, c_proto = tr.seq[keep].numpy(), tr.proto[keep].numpy()
             c_val = (tr.grad[keep].to(table.dtype) * table[tr.proto[keep]]).sum(1).numpy()
             method, n_train, curv = "full", full.num_train, full.curvature
-        k = min(top, n_train)
+        k = min(k_top, n_train)
         # rank by score; ties broken by sequence id so results are deterministic
         order = np.lexsort((np.arange(n_train), -s.numpy()))[:k]
         top_scores = s.numpy()[order]
+    if rescorer is not None:  # the hybrid: the prototype-space candidates re-ranked by a whole-network score
+        cand = order[:rescore_top]
+        whole = np.asarray(rescorer.scores((ids, start), cand.tolist()), dtype=np.float64).reshape(-1)  # (M,)
+        by = np.lexsort((np.arange(len(cand)), -whole))[:top]  # ties: the prototype-space order
+        order, top_scores = cand[by], whole[by]
+        method = f"{method}+{rescorer.name}"
+        notes.append(f"the top {len(cand)} sequences by prototype space re-ranked by {rescorer.name}: scores are "
+                     f"{rescorer.name}'s, the prototypes listed their prototype-space contributions")
+    else:
+        order, top_scores = order[:top], top_scores[:top]
     items = []
     shown = cache.first_sequence(order) if cache is not None and by_document else order
     for rank, (j, js, sj) in enumerate(zip(order.tolist(), shown.tolist(), top_scores.tolist(), strict=True)):

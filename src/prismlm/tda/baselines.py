@@ -144,6 +144,9 @@ class KronfluenceBaseline(_Scratch):
     """None: kronfluence's heuristic (0.1 × mean eigenvalue)."""
     out_dir: str | Path | None = None
     """Where kronfluence writes factors and scores (default: a temporary folder)."""
+    reuse_factors: bool = False
+    """Load the factors already in ``out_dir`` instead of fitting them again (the folder must be this
+    model's, corpus's and strategy's: the caller keys it)."""
     timings: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -165,7 +168,7 @@ class KronfluenceBaseline(_Scratch):
         t0 = time.perf_counter()
         self.analyzer.fit_all_factors(factors_name=self.strategy, dataset=self.train_set,
                                       per_device_batch_size=self.batch_size, factor_args=self.factor_args,
-                                      overwrite_output_dir=True)
+                                      overwrite_output_dir=not self.reuse_factors)
         self.timings["factors_seconds"] = time.perf_counter() - t0
         self._calls = 0
 
@@ -187,7 +190,10 @@ class KronfluenceBaseline(_Scratch):
             per_device_query_batch_size=min(query_batch_size, len(qset)), per_device_train_batch_size=self.batch_size,
             score_args=ScoreArguments(damping_factor=self.damping), overwrite_output_dir=True)
         self.timings["last_scores_seconds"] = time.perf_counter() - t0
-        return self.analyzer.load_pairwise_scores(name)["all_modules"].double()
+        scores = self.analyzer.load_pairwise_scores(name)["all_modules"].double()
+        if self.reuse_factors:  # a long-lived factors folder: one query's scores are not kept beside them
+            shutil.rmtree(Path(str(self.out_dir)) / "prism" / f"scores_{name}", ignore_errors=True)
+        return scores
 
     def scores_on(self, queries: list[tuple[list[int], int]], train_ids: list[int], pad_id: int = 0) -> torch.Tensor:
         """``scores(queries, train_ids=train_ids)`` with every query in one batch."""
