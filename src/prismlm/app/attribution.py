@@ -16,7 +16,7 @@ from prismlm.errors import ArtifactError, ConfigError, DependencyError
 from prismlm.explain import Explanation
 from prismlm.progress import Progress, Reporter
 from prismlm.tda.attribute import Attribution, Rescorer, attribute
-from prismlm.tda.cache import AttributionCache, build_cache, compress_cache, merge_caches, sampled_curvature
+from prismlm.tda.cache import AttributionCache, build_cache, compress_cache, merge_caches
 from prismlm.tda.influence import FullGradients
 from prismlm.tda.search import SearchIndex, build_search_index
 from prismlm.train.distributed import DistInfo, barrier, cleanup, init_distributed
@@ -94,15 +94,15 @@ def _build_distributed(run: Run, model: PrismLM, shard_set: ShardSet, config: At
         raise ArtifactError(f"the training split of {shard_set.root} has no complete sequence of {T + 1} tokens",
                             fix="prepare more data or use a model with a smaller block_size")
     show = progress if info.is_main else False
-    # the same sequences, batches and accumulation order on every rank: the same curvature, bit for bit
-    curvature = sampled_curvature(model, shard_set, config, universe, progress=show)
-    parts_cfg = lossless_options(config)
+    parts_cfg = lossless_options(config)  # the same curvature and projection options as config
 
     def part_dir(rank: int) -> Path:
         return out.with_name(f"{out.name}.part-{rank}-of-{info.world_size}")
 
-    built = build_cache(model, shard_set, parts_cfg, out=part_dir(info.rank), curvature=curvature,
-                        part=(info.rank, info.world_size), model_sha256=run.identity, resume=resume, progress=show)
+    # every rank fits the same curvature and projection (the same sequences, batches and accumulation order:
+    # bit for bit, no collective) and keeps the fitted batches of its own part for its postings pass
+    built = build_cache(model, shard_set, parts_cfg, out=part_dir(info.rank), part=(info.rank, info.world_size),
+                        model_sha256=run.identity, resume=resume, progress=show)
     del built
     barrier(info)
     if info.is_main:
