@@ -231,8 +231,9 @@ def attribute_text(run: Run, text: str, *, answer: str | None = None, completion
         rescore: The hybrid: re-rank the --rescore-top best sequences by prototype space with a
             whole-network score — none, ekfac (kronfluence EK-FAC; factors fitted once per run into
             RUN/attribution-factors, then reused; pip install 'prismlm[attribution]') or gradient
-            (whole-network gradient dot products). On the bench model EK-FAC on the top 128 raised LDS
-            from 0.14 to 0.19 (EK-FAC alone 0.23) at ~1 s a query (docs/results.md).
+            (whole-network gradient dot products). On the bench model EK-FAC on the top 32 / 128 / 512
+            raised LDS from 0.13 (the compact cache) to 0.16 / 0.19 / 0.21 (EK-FAC alone 0.23) at 1.0 /
+            1.1 / 1.8 s a query (docs/results.md).
         rescore_top: Candidates re-scored per query (--rescore).
         shards: Token shard folder (default: the cache's / the run's).
         max_sequences: --method full: first N training sequences only.
