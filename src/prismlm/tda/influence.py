@@ -86,7 +86,8 @@ class CurvatureAccumulator:
         self.sum_a2_z2 = torch.zeros(self.K, dtype=torch.float64, device=dev)  # Σ_t a_{t,i}² / ‖z_t‖²
         self.exact, self.chunk = exact, chunk
         self.block_rows = block_rows
-        """Tokens softmaxed at once in the shared mode (default: ``SOFTMAX_BLOCK`` logits, at most ``chunk``)."""
+        """Tokens softmaxed at once in the shared mode (default: ``SOFTMAX_BLOCK`` logits, the blocks of
+        ``output_gradients``, so that the μ it returns is that function's, bit for bit)."""
         if exact:
             self.blk_pi = torch.zeros(self.K, V, dtype=torch.float64, device=dev)  # Σ_t a² π_t
             self.blk_mumu = torch.zeros(self.K, self.d * self.d, dtype=torch.float64, device=dev)  # Σ_t a² μμᵀ
