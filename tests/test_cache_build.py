@@ -88,8 +88,9 @@ def test_compress_from_cli(trained, tiny_shards, tmp_path):
     before = (src / "manifest.json").read_text()
     res = r.invoke(app, ["attribute-cache", str(run), "--max-sequences", "16", "--out", str(src), "--resume", *common])
     assert res.exit_code == 0 and (src / "manifest.json").read_text() == before, res.output  # finished: kept as is
-    res = r.invoke(app, ["attribute-cache", str(run), "--max-sequences", "12", "--out", str(src), "--resume", *common])
-    assert res.exit_code == 2 and "other options or sequences" in res.output, res.output
+    for other in (["--max-sequences", "12"], ["--max-sequences", "16", "--r", "8"]):
+        res = r.invoke(app, ["attribute-cache", str(run), *other, "--out", str(src), "--resume", *common])
+        assert res.exit_code == 2 and "other options or sequences" in res.output, res.output
     small = tmp_path / "small"
     res = r.invoke(app, ["attribute-cache", str(run), "--compress-from", str(src), "--dtype", "int8", "--prune", "0.2",
                          "--id-encoding", "delta", "--aggregate", "document", "--out", str(small), *common])

@@ -1167,6 +1167,7 @@ def _finished_build(out_dir: Path, started: dict[str, Any], shards: ShardSet) ->
     cache = AttributionCache.load(out_dir, model_sha256=started["model_sha256"], shards=shards)
     m, opts = cache.manifest, started["options"]
     mine = (m.get("universe") == started["universe"] and list(m.get("part", [])) == started["part"]
+            and opts["r"] in (None, m.get("r"))
             and all(m.get(k) == opts[k] for k in ("projection", "dtype", "prune", "aggregate", "id_encoding")))
     if not mine:
         raise ArtifactError(f"cannot resume: {out_dir} holds a finished cache built with other options or sequences",
