@@ -323,3 +323,15 @@ def test_only_rank_0_prints_under_torchrun(tiny_run, tmp_path, monkeypatch, rank
     assert not page.exists() and not (tmp_path / "e.json").exists()
     res = _run("generate", str(tiny_run), "--tokens", "-1", "--device", "cpu")
     assert res.exit_code == 2 and f"rank {rank}: error:" in res.output and "Traceback" not in res.output
+
+
+def test_cli_interrupted_cache_build_says_how_to_go_on(tiny_run, tiny_shards, monkeypatch):
+    """Ctrl-C in `prism attribute-cache`: exit 130, no traceback, and the --resume that continues it."""
+    import prismlm.app.attribution as attribution_app
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attribution_app, "build_cache", interrupted)
+    res = _run("attribute-cache", str(tiny_run), "--max-sequences", "8", "--no-progress", "--shards", str(tiny_shards.root))
+    assert res.exit_code == 130 and "--resume" in res.output and "Traceback" not in res.output, res.output

@@ -85,3 +85,24 @@ def test_cli_logs_plain_lines_when_not_on_a_terminal(tmp_path, flag):
     assert "[tokenize builtin]" in err and "done" in err  # the corpus was prepared in this call
     assert "[train] 2/4 step | loss" in err and "[train] 4/4 step | loss" in err
     assert "step 4: val loss" in err and "PRISM model" in err
+
+
+def test_a_stage_left_by_an_exception_ends_stopped(capfd):
+    """An interrupt inside a stage ends it with ``stopped`` (the plain log says "stopped", not "done")."""
+    from prismlm.cli.console import PlainProgress
+
+    events: list[ProgressEvent] = []
+    with pytest.raises(KeyboardInterrupt), Reporter(events.append, "postings", 10, unit="seq") as r:
+        r.update(3)
+        raise KeyboardInterrupt
+    assert events[-1].finished and events[-1].stopped and events[-1].done == 3
+    with Reporter(events.append, "postings", 1) as r:
+        r.update(1)
+    assert events[-1].finished and not events[-1].stopped
+    plain = PlainProgress()
+    with pytest.raises(KeyboardInterrupt), Reporter(plain, "postings", 10, unit="seq") as r:
+        r.update(4)
+        raise KeyboardInterrupt
+    _, err = capfd.readouterr()
+    assert "[postings] 4/10 seq stopped" in err and "done" not in err
+

@@ -37,6 +37,8 @@ class ProgressEvent:
     """A one-off status line (e.g. the model size at the start, a validation result)."""
     finished: bool = False
     """The last event of the stage."""
+    stopped: bool = False
+    """With ``finished``: the stage ended early (an exception, e.g. an interrupt, left it)."""
 
 
 ProgressFn: TypeAlias = Callable[[ProgressEvent], None]
@@ -72,19 +74,21 @@ class Reporter:
         if self._fn is not None:
             self._fn(ProgressEvent(self.stage, self.done, self.total, self.unit, dict(self.info), message=text))
 
-    def close(self) -> None:
+    def close(self, stopped: bool = False) -> None:
+        """End the stage (``stopped``: before its end, an exception is leaving it)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         if self._fn is not None:
-            self._fn(ProgressEvent(self.stage, self.done, self.total, self.unit, dict(self.info), finished=True))
+            self._fn(ProgressEvent(self.stage, self.done, self.total, self.unit, dict(self.info), finished=True,
+                                   stopped=stopped))
             self._fn = None
 
     def __enter__(self) -> Reporter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(stopped=exc_type is not None)
 
 
 __all__ = ["Progress", "ProgressEvent", "ProgressFn", "Reporter"]

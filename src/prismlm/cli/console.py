@@ -81,7 +81,8 @@ class PlainProgress:
         total = f"/{e.total:,}" if e.total is not None else ""
         info = " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
                         for k, v in e.info.items())
-        console.print(f"[{e.stage}] {e.done:,}{total} {e.unit}" + (" done" if e.finished else "")
+        end = " stopped" if e.stopped else " done" if e.finished else ""
+        console.print(f"[{e.stage}] {e.done:,}{total} {e.unit}" + end
                       + (f" | {info}" if info else ""), markup=False, highlight=False, soft_wrap=True)
 
 
@@ -90,6 +91,12 @@ def progress_for(show: bool) -> Progress:
     if not is_main_process():
         return None  # the other ranks of a torchrun job report nothing (rank 0 reports its own part)
     return True if show and console.is_terminal else PlainProgress()
+
+
+def interrupted(msg: str) -> NoReturn:
+    """Print ``interrupted: msg`` and exit with code 130 (the shell's code for Ctrl-C)."""
+    _errors.print("[bold yellow]" + escape(msg) + "[/]", highlight=False, soft_wrap=True)
+    raise typer.Exit(code=130)
 
 
 def fail(msg: str) -> NoReturn:

@@ -21,7 +21,7 @@ from typing import Any
 import typer
 
 from prismlm.app.run import Run
-from prismlm.cli.console import fail, is_main_process, progress_for
+from prismlm.cli.console import fail, interrupted, is_main_process, progress_for
 from prismlm.errors import PrismError
 from prismlm.progress import Progress
 
@@ -199,6 +199,9 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
                 render(result, **extra, **render_kwargs)
         except PrismError as e:
             fail(str(e))
+        except KeyboardInterrupt:  # no traceback: say what is kept and how to go on
+            hint = "; rerun with --resume to continue it" if "resume" in op_names else ""
+            interrupted(f"{name} interrupted{hint}")
 
     params = head + [p for p in op_params if p.name in positional] + \
         [p for p in op_params if p.name not in positional] + tail + render_params
