@@ -828,6 +828,7 @@ class AttributionCache:
     path: Path | None = field(default=None, compare=False)
     units_of: np.ndarray | None = None
     """Document aggregation: (universe,) the document of each sequence (int32, ascending); else None."""
+    _query_sketcher: PostingSketcher | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_prototypes(self) -> int:
@@ -887,10 +888,12 @@ class AttributionCache:
 
     # ----- queries --------------------------------------------------------------------------------------
     def sketch_query(self, query: BlockGradients) -> torch.Tensor:
-        """(Rq, r) sketches R H_i^{-1/2} G_{q,i} of a query's block gradients (float64)."""
-        proto = query.proto.cpu()
-        W = self.curvature.apply(proto, query.grad.detach().double().cpu(), -0.5)  # (Rq, d)
-        return project(W, proto, torch.from_numpy(np.asarray(self.projection)))  # (Rq, r)
+        """(Rq, r) sketches R H_i^{-1/2} G_{q,i} of a query's block gradients (float64): the map the
+        postings were made with (``PostingSketcher``), in float64, made once per open cache."""
+        if self._query_sketcher is None:
+            R = torch.from_numpy(np.asarray(self.projection))
+            self._query_sketcher = PostingSketcher(self.curvature, R, torch.float64)
+        return self._query_sketcher(query.proto.cpu(), query.grad.detach().cpu())  # (Rq, r)
 
     def scores(self, query: BlockGradients, num_queries: int, *, contributions: bool = False):
         """(num_queries, num_train) float64 scores. Only the lists of each query's active prototypes are
