@@ -9,6 +9,9 @@ The lowest layer of prismlm: it imports only the standard library, torch, ``pris
   old artifact or the new one, never a torn one.
 - **Hashes.** ``sha256_file`` (streamed); ``model_identity`` (a hash of a module's weights, for a model
   passed without its checkpoint).
+- **One writer per folder.** ``output_lock`` (or the ``writes_folder`` decorator) holds ``OUT.lock`` for a
+  long-running writer (cache, index, export): a second one is refused by name, never let in to delete
+  the first's files; ``FileLock`` is the lock itself (also the run and shard folders' ``.lock``).
 - **Provenance.** ``provenance()`` is the version block every manifest records; ``check_provenance``
   refuses an artifact built from another model or corpus (``ArtifactMismatch``).
 - **Ranges and parts.** ``part_range`` is the batch-aligned slice of part i of n; artifacts built in parts record the sequence ranges ``[[start, stop), …]`` they cover;
@@ -18,24 +21,27 @@ The lowest layer of prismlm: it imports only the standard library, torch, ``pris
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
+import inspect
 import json
 import math
 import os
 import shutil
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, ConfigError, PrismError, RunError
+from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError, PrismError, RunError
 
-__all__ = ["atomic_dir", "atomic_write_bytes", "atomic_write_text", "check_provenance", "merge_ranges",
-           "model_identity", "overlap", "part_range", "provenance", "sha256_file"]
+__all__ = ["FileLock", "atomic_dir", "atomic_write_bytes", "atomic_write_text", "check_provenance", "merge_ranges",
+           "model_identity", "output_lock", "overlap", "part_range", "provenance", "sha256_file", "writes_folder"]
 
 
 # ----- atomic writes ---------------------------------------------------------------------------------------
@@ -106,28 +112,43 @@ def reading(path: str | Path, what: str, fix: str | None = None) -> Iterator[Non
 class FileLock:
     """An exclusive, non-blocking lock on ``path`` (``fcntl.flock``), released on exit or when the process
     dies — so a crashed writer never leaves a stale lock. The holder writes its pid, host and start time
-    into the file so that a refused second writer can say who holds it."""
+    into the file so that a refused second writer can say who holds it (``error`` with ``fix``).
+    ``remove``: delete the lock file on release (a waiter that then locks the deleted file sees that the
+    path no longer names it and locks the path again)."""
 
-    def __init__(self, path: str | Path, what: str, *, wait: bool = False) -> None:
+    def __init__(self, path: str | Path, what: str, *, wait: bool = False, error: type[PrismError] = RunError,
+                 fix: str = "wait for it to finish, or use another folder", remove: bool = False) -> None:
         self.path, self.what, self.wait = Path(path), what, wait
+        self.error, self.fix, self.remove = error, fix, remove
         self._fd: int | None = None
+
+    def _lock(self) -> int:
+        """An fd of ``path`` locked exclusively (the file the path names once locked)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                # wait=True: block until the holder is done (e.g. another process preparing the same shards)
+                fcntl.flock(fd, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raw = os.read(fd, 4096).decode("utf-8", "replace").strip()
+                os.close(fd)
+                try:
+                    h = json.loads(raw)
+                    holder = f"pid {h['pid']} on {h['host']} (since {h['since']})"
+                except (ValueError, KeyError, TypeError):
+                    holder = "another process"
+                raise self.error(f"{self.what} is being written by {holder} (lock {self.path})", fix=self.fix,
+                                 path=self.path) from None
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # the holder removed the file we locked: lock the one the path names now
 
     def acquire(self) -> FileLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            # wait=True: block until the holder is done (e.g. another process preparing the same shards)
-            fcntl.flock(fd, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raw = os.read(fd, 4096).decode("utf-8", "replace").strip()
-            os.close(fd)
-            try:
-                h = json.loads(raw)
-                holder = f"pid {h['pid']} on {h['host']} (since {h['since']})"
-            except (ValueError, KeyError, TypeError):
-                holder = "another process"
-            raise RunError(f"{self.what} is being written by {holder} (lock {self.path})",
-                           fix="wait for it to finish, or use another folder") from None
+        fd = self._lock()
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
@@ -136,6 +157,8 @@ class FileLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            if self.remove:  # while still held: no one can have locked the path's file in between
+                self.path.unlink(missing_ok=True)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
@@ -145,6 +168,65 @@ class FileLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+_HELD: dict[tuple[str, int], int] = {}
+"""Output folders this process holds a lock on, by (absolute path, thread): a writer that calls another
+(``prism attribute-cache`` → ``build_cache``) holds the one lock once."""
+
+
+@contextmanager
+def output_lock(out: str | Path) -> Iterator[None]:
+    """Hold the output folder ``out`` for one writer (``OUT.lock``, next to it, removed on release; the OS
+    drops the lock when the process dies): a second writer — another process, or another thread of this
+    one — gets ``ArtifactError`` ("OUT is being written by pid N …; wait for it or choose another --out")
+    before it touches anything. Re-entrant within a thread."""
+    path = Path(os.path.abspath(out))
+    key = (str(path), threading.get_ident())
+    if key in _HELD:
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            _HELD[key] -= 1
+        return
+    lock = FileLock(path.with_name(path.name + ".lock"), str(out), error=ArtifactError, remove=True,
+                    fix="wait for it to finish, or choose another --out")
+    try:
+        lock.acquire()
+    except OSError as e:
+        raise ArtifactError(f"cannot write {out}: {e.strerror or e} ({lock.path})", fix="choose another --out",
+                            path=out) from None
+    _HELD[key] = 1
+    try:
+        yield
+    finally:
+        del _HELD[key]
+        lock.release()
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def writes_folder(param: str = "out") -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """Decorate a writer whose argument ``param`` names its output folder: the call holds ``output_lock``
+    on it (when it is not None) from start to end."""
+
+    def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def locked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            out = sig.bind_partial(*args, **kwargs).arguments.get(param)
+            if out is None:
+                return fn(*args, **kwargs)
+            with output_lock(out):
+                return fn(*args, **kwargs)
+
+        return locked
+
+    return decorate
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -186,12 +268,17 @@ def file_records(folder: str | Path, names: list[str] | None = None) -> dict[str
 
 
 def verify_files(folder: str | Path, records: dict[str, dict[str, Any]] | None, *, what: str, fix: str,
-                 full: bool = False, skip: tuple[str, ...] = ()) -> list[str]:
+                 full: bool = False, skip: tuple[str, ...] = (), required: tuple[str, ...] = ()) -> list[str]:
     """Check files against their ``file_records``: present, same size; the full sha256 for files up to
     ``VERIFY_ON_LOAD_BYTES`` (all with ``full``), the sampled one for larger files. ``ArtifactCorrupt``
     naming the file and ``fix`` otherwise. Returns the names checked. No records (an artifact written
-    before they existed): nothing to check."""
+    before they existed): nothing to check — unless a name in ``required`` (files the artifact reads) has
+    no record, which is refused (it could not be verified)."""
     folder = Path(folder)
+    unrecorded = [n for n in required if n not in (records or {})]
+    if unrecorded:
+        raise ArtifactCorrupt(f"{what} {folder}: {unrecorded[0]} has no size and sha256 in "
+                              f"{folder / 'manifest.json'}, so it cannot be verified", fix=fix, path=folder / unrecorded[0])
     checked = []
     for rel, rec in (records or {}).items():
         if rel in skip:

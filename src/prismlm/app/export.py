@@ -17,7 +17,7 @@ from typing import Any
 
 from prismlm._version import __version__
 from prismlm.app.run import Run
-from prismlm.artifacts import atomic_dir
+from prismlm.artifacts import atomic_dir, writes_folder
 from prismlm.errors import ArtifactError, TokenizerError
 
 
@@ -41,6 +41,7 @@ def _source(run: Run) -> dict[str, Any]:
             "interventions": [{"kind": type(iv).__name__.lower(), "label": iv.label} for iv in run.interventions]}
 
 
+@writes_folder("out")  # one writer per export folder
 def export_run(run: Run, out: Path, *, overwrite: bool = False) -> Path:
     """Export the run as a Hugging Face transformers folder (AutoModelForCausalLM, generate, lm_eval --model hf).
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from prismlm.app.run import Run, require
-from prismlm.artifacts import verify_files
+from prismlm.artifacts import output_lock, verify_files, writes_folder
 from prismlm.data.shards import load_shards
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ConfigError, DataError, PrismError
@@ -151,9 +151,10 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
                          resume=resume, checkpoint_every=checkpoint_every, shards=shards)
     if not info.enabled:
         out = out or run.folder / ("index" if pt == (0, 1) else f"index-part-{pt[0]}-of-{pt[1]}")
-        result = build_part(pt, out, progress=progress)
-        if labels and result.index.covers_all:
-            save_labels(rule_labels(result.index), out)
+        with output_lock(out):  # the index and its labels: one writer, a second `prism index` is refused
+            result = build_part(pt, out, progress=progress)
+            if labels and result.index.covers_all:
+                save_labels(rule_labels(result.index), out)
         return result
     # Under torchrun: rank r builds part r/world into OUT.part-r-of-world (resumable there), then rank 0 merges
     # the parts into OUT — equal to one process with the same batch size (neighbourhoods, counts and
@@ -181,6 +182,7 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
         cleanup(info)
 
 
+@writes_folder("out")
 def _build_index_part(run: Run, pt: tuple[int, int], out: Path, *, top_n: int, max_sequences: int | None,
                       batch_size: int, resume: bool, checkpoint_every: int, shards: Path | None,
                       progress: Progress) -> IndexResult:
@@ -206,6 +208,7 @@ def _build_index_part(run: Run, pt: tuple[int, int], out: Path, *, top_n: int, m
     return IndexResult(index=idx, path=out, notes=notes)
 
 
+@writes_folder("out")
 def merge_index_parts(out: Path, parts: list[Path], *, labels: bool = True) -> IndexResult:
     """Merge partial indexes (disjoint parts of the same model and shards) into one — equal to one pass.
 
@@ -344,8 +347,7 @@ def verify_run(run: Run, *, shards: Path | None = None, index: Path | None = Non
     if run.model.is_prism and (cache is not None or (cache_dir / "manifest.json").exists()):
         c = run.cache(cache, shards)
         assert c.path is not None  # a cache opened from a folder knows it
-        verify_files(c.path, c.manifest.get("files"), what="attribution cache", fix="prism attribute-cache RUN",
-                     full=True)
+        c.verify()  # every file it reads and its search sidecar's, in full
         checked.append(str(c.path))
     else:
         notes.append("no attribution cache")

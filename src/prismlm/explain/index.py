@@ -66,6 +66,7 @@ from prismlm.artifacts import (
     provenance,
     reading,
     verify_files,
+    writes_folder,
 )
 from prismlm.data.tokenizer import Tokenizer as _Tokenizer
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
@@ -566,6 +567,7 @@ class _Builder:
                               manifest=manifest)
 
 
+@writes_folder("out")  # one writer per index folder: a second build is refused by name
 def build_index(
     model: PrismLM,
     shards: ShardSet,

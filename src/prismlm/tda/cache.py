@@ -67,12 +67,14 @@ does under torchrun). A merge to a folder gathers the parts' sketches in chunks 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import shutil
 import time
 import typing
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -91,11 +93,13 @@ from prismlm.artifacts import (
     provenance,
     reading,
     verify_files,
+    writes_folder,
 )
 from prismlm.config import AttributionConfig
 from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError, ModelError
 from prismlm.model import eval_mode
 from prismlm.progress import Progress, Reporter
+from prismlm.tda.build_state import PostingFiles, Resumed, record_fitted, resume_build
 from prismlm.tda.gradients import BlockGradients, block_gradients, output_gradients
 from prismlm.tda.influence import Curvature, CurvatureAccumulator, _batches, _forward
 
@@ -957,6 +961,25 @@ class AttributionCache:
         self.path = path
         return path
 
+    def verify(self) -> list[str]:
+        """``prism verify``: the full sha256 of every file the cache reads, and of its search sidecar's
+        (``search/``, if any), against their manifests; a file without a record is refused as well
+        (``ArtifactCorrupt`` naming it). Returns the files checked."""
+        assert self.path is not None, "a cache opened from a folder"
+        names = (*self._arrays(), "projection.npy", "curvature.safetensors")
+        checked = verify_files(self.path, self.manifest.get("files"), what="attribution cache", full=True,
+                               fix=f"rebuild it with `{_REBUILD}`", required=names)
+        side = self.path / "search" / "manifest.json"
+        if side.exists():
+            fix = "rebuild it with `prism attribute-search RUN`"
+            with reading(side, "search index manifest", fix=fix):
+                records = json.loads(side.read_text())["files"]
+                if not records or not isinstance(records, dict):
+                    raise ValueError("it records no files")
+            checked += [f"search/{n}" for n in verify_files(side.parent, records, what="search index", fix=fix,
+                                                             full=True)]
+        return checked
+
     @classmethod
     def load(cls, path: str | Path, *, model_sha256: str | None = None, shards: ShardSet | None = None,
              mmap: bool = True) -> AttributionCache:
@@ -1064,6 +1087,8 @@ class _BatchStore:
         self.folder, self.start, self.stop, self.batch_size = folder, start, stop, batch_size
         self.mem: dict[int, BlockGradients] = {}
         self.held: set[int] = set()
+        self.crc: dict[int, int] = {}
+        """crc32 of each kept batch's .npz as written: a file changed since is not read (the batch runs again)."""
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
 
@@ -1077,21 +1102,26 @@ class _BatchStore:
         if self.folder is None:
             self.mem[j0] = BlockGradients(bg.seq.cpu(), bg.proto.cpu(), bg.grad.cpu())
             return
-        np.savez(self.folder / f"{j0}.npz", seq=bg.seq.cpu().numpy(), proto=bg.proto.cpu().numpy(),
-                 grad=bg.grad.cpu().numpy())
+        buf = io.BytesIO()
+        np.savez(buf, seq=bg.seq.cpu().numpy(), proto=bg.proto.cpu().numpy(), grad=bg.grad.cpu().numpy())
+        self.crc[j0] = zlib.crc32(buf.getbuffer())
+        (self.folder / f"{j0}.npz").write_bytes(buf.getbuffer())
 
     def pop(self, j0: int) -> BlockGradients | None:
-        """The kept block gradients of the batch starting at ``j0`` (then forgotten), or None."""
+        """The kept block gradients of the batch starting at ``j0`` (then forgotten), or None (none kept, or
+        its file changed since it was written: the caller runs the batch again)."""
         if j0 not in self.held:
             return None
         self.held.discard(j0)
         if self.folder is None:
             return self.mem.pop(j0)
         f = self.folder / f"{j0}.npz"
-        with np.load(f) as z:
-            bg = BlockGradients(torch.from_numpy(z["seq"]), torch.from_numpy(z["proto"]), torch.from_numpy(z["grad"]))
-        f.unlink()
-        return bg
+        data = f.read_bytes() if f.is_file() else b""
+        f.unlink(missing_ok=True)
+        if zlib.crc32(data) != self.crc.pop(j0):
+            return None
+        with np.load(io.BytesIO(data)) as z:
+            return BlockGradients(torch.from_numpy(z["seq"]), torch.from_numpy(z["proto"]), torch.from_numpy(z["grad"]))
 
 
 def _postings_gradients(net: PrismLM, out: Any, targets: torch.Tensor, seq_ids: torch.Tensor,
@@ -1133,36 +1163,10 @@ def sampled_curvature(net: PrismLM, shards: ShardSet, cfg: AttributionConfig, un
     return acc.finish(damping=cfg.damping)
 
 
-_STATE = "state.json"
-"""The progress record of a cache build folder (``OUT.build``): its identity and the batches written."""
-
-
 def _tensor_digest(t: torch.Tensor) -> str:
     import hashlib
 
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
-
-
-def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
-
-
-def _resume_state(tmp_dir: Path, started: dict[str, Any]) -> dict[str, Any] | None:
-    """The progress of the interrupted build in ``tmp_dir`` (None: nothing to resume), refused
-    (``ArtifactError``) when it was started with another model, corpus, part or options."""
-    path = tmp_dir / _STATE
-    if not path.exists():
-        return None
-    with reading(path, "cache build progress", fix="rerun without --resume to start over"):
-        state = json.loads(path.read_text())
-    differ = sorted(k for k in started if state.get(k) != started[k])
-    if differ:
-        raise ArtifactError(f"cannot resume the cache build in {tmp_dir}: it was started with other {', '.join(differ)}",
-                            fix="rerun with the same model, shards and options, or without --resume to start over",
-                            path=tmp_dir)
-    return state
 
 
 def _finished_build(out_dir: Path, started: dict[str, Any], shards: ShardSet) -> AttributionCache:
@@ -1178,6 +1182,7 @@ def _finished_build(out_dir: Path, started: dict[str, Any], shards: ShardSet) ->
     return cache
 
 
+@writes_folder("out")  # one writer per output folder: a second build is refused, never deletes this one's
 def build_cache(
     model: PrismLM,
     shards: ShardSet,
@@ -1202,7 +1207,10 @@ def build_cache(
     last written batch, with the curvature and projection it saved (the same cache as one uninterrupted
     build, bit for bit; ``ArtifactError`` if it was started with another model, corpus, part or options),
     or return ``out`` when that build already finished; without ``resume`` a left-over build folder is
-    discarded.
+    discarded. A resume first checks the build files (``tda.build_state``): a changed curvature or
+    projection is refused by name (``ArtifactCorrupt``), damaged or missing posting rows are built again
+    from the last intact batch. ``out`` is locked for the whole build (``output_lock``: a second writer
+    gets ``ArtifactError``).
     """
     cfg = config if config is not None else AttributionConfig()
     net = model
@@ -1228,16 +1236,20 @@ def build_cache(
     started = {"model_sha256": ident, "shard_key": shards.manifest["key"], "part": list(part), "universe": universe,
                "options": cfg.to_dict(), "curvature_given": curvature is not None,
                "curvature_F": None if curvature is None else _tensor_digest(curvature.F)}
-    state: dict[str, Any] | None = None
+    # the raw postings keep float32 (float64/float16 when stored so); int8/int4/int3 are encoded from float32
+    npdt = _DTYPES[dtype] if dtype in _DTYPES else np.float32
+    resumed: Resumed | None = None
     if out_dir is not None:
         tmp_dir = out_dir.with_name(out_dir.name + ".build")
         if resume:
             if not tmp_dir.exists() and (out_dir / "manifest.json").exists():
                 return _finished_build(out_dir, started, shards)
-            state = _resume_state(tmp_dir, started)
-        if state is None:
+            # checked before anything is read: a damaged batch and those after it are built again
+            resumed = resume_build(tmp_dir, started, {"seq": 4, "proto": 4, "sketch": r * np.dtype(npdt).itemsize})
+        if resumed is None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             tmp_dir.mkdir(parents=True)
+    state = resumed.state if resumed is not None else None
     # the batches the curvature and projection fits run through the model keep their block gradients for
     # the postings pass (up to curvature_sample + pca_sequences sequences: fewer forwards, same postings)
     kept = _BatchStore(None if tmp_dir is None else tmp_dir / "fitted", start, stop, batch_size)
@@ -1254,31 +1266,29 @@ def build_cache(
                 R = torch.from_numpy(_pca_projection(net, shards, curvature, r, min(universe, cfg.pca_sequences),
                                                      batch_size, local=projection == "pca-local", universe=universe,
                                                      keep=kept))
-        if tmp_dir is not None:  # what a resumed build reads instead of fitting again
+        if tmp_dir is not None:  # what a resumed build reads instead of fitting again (checked by its sha256)
             curvature.save(tmp_dir / "curvature.safetensors")
             np.save(tmp_dir / "projection.npy", R.numpy())
     t_curv = time.perf_counter() - t0 + (state["curvature_seconds"] if state else 0.0)
-    # the raw postings keep float32 (float64/float16 when stored so); int8/int4/int3 are encoded from float32
-    npdt = _DTYPES[dtype] if dtype in _DTYPES else np.float32
     model_dt = torch.promote_types(next(net.parameters()).dtype, torch.float32)
     # float16 and float64 sketches are rounded from float64 (what lossless_options' float64 parts give)
     sketcher = PostingSketcher(curvature, R, torch.float64 if dtype in ("float16", "float64") else model_dt)
     plain = dtype in _DTYPES and cfg.prune == 0 and cfg.aggregate == "sequence" and cfg.id_encoding == "int32"
     units_of = document_of_sequences(shards, universe, T) if cfg.aggregate == "document" else None
     dev = next(net.parameters()).device
-    files = {}
+    files: PostingFiles | None = None
     lists: dict[str, list[np.ndarray]] = {"seq": [], "proto": [], "sketch": []}
-    done_to, tokens, written = (state["done_to"], state["tokens"], state["rows"]) if state else (start, 0, 0)
-    if tmp_dir is not None:
-        row_bytes = {"seq": 4, "proto": 4, "sketch": r * np.dtype(npdt).itemsize}
-        for k, width in row_bytes.items():  # rows written after the last recorded batch are dropped
-            (tmp_dir / f"{k}.raw").touch()
-            os.truncate(tmp_dir / f"{k}.raw", written * width)
-        files = {k: open(tmp_dir / f"{k}.raw", "ab") for k in ("seq", "proto", "sketch")}
+    done_to, tokens = (state["done_to"], state["tokens"]) if state else (start, 0)
+    if tmp_dir is not None:  # rows after the last good batch (a torn write, a damaged batch) are dropped
+        fitted = state["fitted"] if state else record_fitted(tmp_dir)
+        files = PostingFiles(tmp_dir, {**started, "start": start, "fitted": fitted}, resumed)
+        files.open({"seq": 4, "proto": 4, "sketch": r * np.dtype(npdt).itemsize})
     t1 = time.perf_counter()
     pass_before = state["postings_seconds"] if state else 0.0
     try:
         with eval_mode(net), Reporter(progress, "postings", stop - start, unit="seq", initial=done_to - start) as bar:
+            if resumed is not None and resumed.note:
+                bar.message(resumed.note)
             for j0, j1 in _batches(done_to, stop, batch_size):
                 bg = kept.pop(j0)
                 if bg is None:
@@ -1290,21 +1300,15 @@ def build_cache(
                         "proto": bg.proto.cpu().numpy().astype(np.int32), "sketch": sk.numpy().astype(npdt)}
                 tokens += (j1 - j0) * T
                 bar.update(j1 - j0)
-                for k, v in rows.items():
-                    if tmp_dir is not None:
-                        files[k].write(np.ascontiguousarray(v).tobytes())
-                    else:
+                if files is not None:  # the batch whole on disk, then recorded (a resume continues after it)
+                    files.append(rows, j1=j1, tokens=tokens, curvature_seconds=t_curv,
+                                 postings_seconds=pass_before + time.perf_counter() - t1)
+                else:
+                    for k, v in rows.items():
                         lists[k].append(v)
-                if tmp_dir is not None:  # the batch is whole on disk: record it (a resume continues after it)
-                    for f in files.values():
-                        f.flush()
-                    written += len(rows["seq"])
-                    _write_json_atomic(tmp_dir / _STATE, {
-                        **started, "done_to": j1, "tokens": tokens, "rows": written,
-                        "curvature_seconds": t_curv, "postings_seconds": pass_before + time.perf_counter() - t1})
     finally:
-        for f in files.values():
-            f.close()
+        if files is not None:
+            files.close()
     t_pass = pass_before + time.perf_counter() - t1
     units = universe if units_of is None else int(units_of[-1]) + 1
     manifest: dict[str, Any] = {
@@ -1369,6 +1373,7 @@ def build_cache(
     return AttributionCache.load(out_dir)
 
 
+@writes_folder("out")
 def compress_cache(cache: AttributionCache, config: AttributionConfig, *, shards: ShardSet | None = None,
                    out: str | Path | None = None) -> AttributionCache:
     """Re-encode a lossless cache (float32/64 sketches, sequence postings, no pruning) with the storage
@@ -1408,6 +1413,7 @@ def compress_cache(cache: AttributionCache, config: AttributionConfig, *, shards
     return c
 
 
+@writes_folder("out")
 def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -> AttributionCache:
     """Combine caches of disjoint sequence ranges (same model, shards, curvature, projection) into one,
     equal to a single pass (postings grouped by prototype, ascending sequence id within each). Parts must
