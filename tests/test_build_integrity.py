@@ -73,22 +73,28 @@ def _same(a: AttributionCache, b: AttributionCache) -> None:
 
 
 @pytest.mark.parametrize("cfg", [_PLAIN, _CFG], ids=["plain", "compact"])
-@pytest.mark.parametrize("damage", ["truncate-sketch", "flip-sketch", "flip-seq", "flip-proto"])
+@pytest.mark.parametrize("damage", ["truncate-sketch", "flip-sketch", "flip-seq", "flip-proto", "garble-log", "tear-log"])
 def test_resume_builds_damaged_rows_again(trained, whole, tiny_shards, tmp_path, monkeypatch, damage, cfg):
     """sketch.raw truncated to 30% (a resume used to zero-fill it), or one byte flipped in sketch.raw, seq.raw
-    or proto.raw (used to be carried into the cache, or to crash the encoding): the resume finds the first
-    damaged batch by its crc32, runs it and every later batch again, and the cache equals an uninterrupted
-    build bit for bit."""
+    or proto.raw (used to be carried into the cache, or to crash the encoding), or a garbled line of the
+    batch record: the resume finds the first damaged batch by its crc32, runs it and every later batch
+    again, and the cache equals an uninterrupted build bit for bit. A record line torn by the kill only ends
+    the record (nothing is rolled back)."""
     from prismlm.tda import cache as cache_mod
 
     out = tmp_path / "cache"
     _interrupted(trained[0].model, tiny_shards, out, monkeypatch, cfg=cfg)
     build = tmp_path / "cache.build"
-    assert json.loads((build / "state.json").read_text())["done_to"] == 16
+    assert json.loads((build / "batches.jsonl").read_text().splitlines()[-1])["j1"] == 16
     kind, name = damage.split("-")
-    raw = build / f"{name}.raw"
+    raw, log = build / f"{name}.raw", build / "batches.jsonl"
     if kind == "truncate":
         os.truncate(raw, int(raw.stat().st_size * 0.3))
+    elif kind == "garble":  # the second of four lines
+        lines = log.read_bytes().split(b"\n")
+        log.write_bytes(b"\n".join([lines[0], lines[1][:-9] + b"#" * 9, *lines[2:]]))
+    elif kind == "tear":
+        log.write_bytes(log.read_bytes() + b'{"j1": 20, "rows": ')
     else:
         _flip(raw, 0.6)
     forwards: list[int] = []
@@ -102,9 +108,13 @@ def test_resume_builds_damaged_rows_again(trained, whole, tiny_shards, tmp_path,
     events: list[ProgressEvent] = []
     resumed = build_cache(trained[0].model, tiny_shards, cfg, out=out, resume=True, progress=events.append)
     _same(resumed, whole[id(cfg)])
+    notes = [e.message for e in events if e.message]
+    if kind == "tear":
+        assert forwards == [16, 20] and not notes
+        return
     assert forwards and forwards[0] < 16 and forwards[-1] == 20  # from the damaged batch on, not from 16
     assert forwards == list(range(forwards[0], 24, 4))
-    notes = [e.message for e in events if e.message]
+    assert kind != "garble" or forwards[0] == 4  # the batches after the first record
     assert any("damaged" in n and "building them again" in n for n in notes), notes
 
 

@@ -258,8 +258,8 @@ def test_resumed_build_equals_one_uninterrupted_build(trained, tiny_shards, tmp_
     out = tmp_path / "cache"
     _interrupted_build(net, tiny_shards, _RESUMED, out, monkeypatch, after=2)
     build = tmp_path / "cache.build"
-    state = json.loads((build / "state.json").read_text())
-    assert state["done_to"] == 8 and not out.exists()  # batches [0, 4) and [4, 8) recorded
+    last = json.loads((build / "batches.jsonl").read_text().splitlines()[-1])
+    assert last["j1"] == 8 and not out.exists()  # batches [0, 4) and [4, 8) recorded
     with open(build / "sketch.raw", "ab") as f:  # a write torn by the kill: bytes past the recorded rows
         f.write(b"\x00" * 13)
     forwards: list[int] = []

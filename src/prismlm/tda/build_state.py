@@ -4,16 +4,18 @@ A cache build appends its postings batch by batch to three raw files (``seq.raw`
 int32, ``sketch.raw`` rows of r floats) and saves the curvature and projection it fitted
 (``curvature.safetensors``, ``projection.npy``). ``PostingFiles`` keeps, next to them:
 
-- ``batches.jsonl``: one line per written batch — its end sequence ``j1``, the rows written up to it, the
-  tokens, and the crc32 of the batch's bytes in each raw file (appended after the rows are flushed);
-- ``state.json``: the build's identity (model, corpus, part, options), the batches recorded, the sha256 of
-  the fitted files (rewritten atomically after each batch: the record a resume starts from).
+- ``state.json``: the build's identity (model, corpus, part, options), its first sequence, the sha256 of
+  the fitted files and the fit's seconds (written once, before the postings pass);
+- ``batches.jsonl``: the progress record, one line per batch appended after the batch's rows are flushed —
+  its end sequence ``j1``, the rows written up to it, the tokens, the pass's seconds so far, and the crc32
+  of the batch's bytes in each raw file. A line torn by a kill is the end of the record.
 
 ``resume_build`` checks all of it before a resumed build continues: a fitted file that changed is refused
 by name (``ArtifactCorrupt``, fix: start over); raw rows that are missing or differ from their batch's crc32
-(a truncated, zero-filled or overwritten file) roll the build back to the last batch before them — those
-batches are run again, never read as zeros. Bytes past the recorded rows (a write torn by a kill) are
-dropped. The check reads each raw file once (crc32: ~1 GB/s); a build pays one crc32 of the bytes it writes.
+(a truncated, zero-filled or overwritten file), or a garbled record line, roll the build back to the last
+intact batch before them — the batches after it are run again, never read as zeros. Bytes past the
+recorded rows (a write torn by a kill) are dropped. A build pays one crc32 of the bytes it writes and one
+appended line per batch; a resume reads each raw file once.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from prismlm.errors import ArtifactCorrupt, ArtifactError
 __all__ = ["FITTED", "RAW", "PostingFiles", "Resumed", "record_fitted", "resume_build"]
 
 STATE = "state.json"
-"""The progress record of a cache build folder: its identity and the batches written."""
+"""What a cache build folder was started with: its identity, first sequence and fitted files' sha256."""
 LOG = "batches.jsonl"
-"""One line per batch written: ``{"j1", "rows", "tokens", "crc": {name: crc32}}``."""
+"""One line per batch written: ``{"j1", "rows", "tokens", "seconds", "crc": {name: crc32}}``."""
+_ENTRY = {"j1", "rows", "tokens", "seconds", "crc"}
 RAW = ("seq", "proto", "sketch")
 """The raw posting files, ``<name>.raw``, in the order each batch appends to them."""
 FITTED = ("curvature.safetensors", "projection.npy")
@@ -43,7 +46,7 @@ FITTED = ("curvature.safetensors", "projection.npy")
 _START_OVER = "rerun without --resume to start the build over"
 
 
-def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
+def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
@@ -59,7 +62,7 @@ class Resumed:
     """Where a resumed build continues: the state it was interrupted in, rolled back to its last good batch."""
 
     state: dict[str, Any]
-    """``state.json`` with ``done_to``, ``rows``, ``tokens``, ``batches`` of the last good batch."""
+    """``state.json`` with the last good batch's ``done_to``, ``rows``, ``tokens`` and ``postings_seconds``."""
     log: list[dict[str, Any]]
     """The good batches' records (``batches.jsonl``)."""
     note: str | None = None
@@ -80,7 +83,7 @@ def _state(folder: Path, started: dict[str, Any]) -> dict[str, Any] | None:
         raise ArtifactError(f"cannot resume the cache build in {folder}: it was started with other {', '.join(differ)}",
                             fix="rerun with the same model, shards and options, or without --resume to start over",
                             path=folder)
-    if not isinstance(state.get("fitted"), dict) or not isinstance(state.get("batches"), int):
+    if not isinstance(state.get("fitted"), dict) or not isinstance(state.get("start"), int):
         raise ArtifactError(f"cannot resume the cache build in {folder}: it records no checksums (an older prismlm "
                             "wrote it), so its files cannot be checked", fix=_START_OVER, path=folder)
     return state
@@ -94,15 +97,22 @@ def _check_fitted(folder: Path, fitted: dict[str, str]) -> None:
                                   f"it was fitted (its sha256 differs from {folder / STATE})", fix=_START_OVER, path=f)
 
 
-def _read_log(folder: Path, n: int) -> list[dict[str, Any]]:
-    """The first ``n`` records of ``batches.jsonl`` (lines after them: a write torn by a kill, dropped)."""
+def _read_log(folder: Path) -> tuple[list[dict[str, Any]], bool]:
+    """The records of ``batches.jsonl`` up to its first incomplete or garbled line, and whether a garbled
+    line (not the last one, which a kill may tear) cut it short."""
     path = folder / LOG
-    with reading(path, "cache build log", fix=_START_OVER):
-        lines = path.read_bytes().split(b"\n")[:n] if n else []
-        log = [json.loads(line) for line in lines]
-        if len(log) < n or any(not isinstance(e, dict) or set(e) != {"j1", "rows", "tokens", "crc"} for e in log):
-            raise ValueError(f"{len(log)} of the {n} batches recorded in {STATE} are complete")
-    return log
+    lines = path.read_bytes().split(b"\n") if path.is_file() else [b""]
+    log: list[dict[str, Any]] = []
+    for line in lines[:-1]:  # the last piece follows the last newline: empty, or a line torn by a kill
+        try:
+            e = json.loads(line)
+            ok = isinstance(e, dict) and set(e) == _ENTRY and isinstance(e["crc"], dict) and set(e["crc"]) == set(RAW)
+        except ValueError:
+            ok = False
+        if not ok:
+            return log, True
+        log.append(e)
+    return log, False
 
 
 def _good_batches(folder: Path, log: list[dict[str, Any]], widths: dict[str, int]) -> int:
@@ -132,46 +142,50 @@ def resume_build(folder: Path, started: dict[str, Any], widths: dict[str, int]) 
     _check_fitted(folder, state["fitted"])
     for name in RAW:
         (folder / f"{name}.raw").touch()
-    log = _read_log(folder, state["batches"])
+    log, garbled = _read_log(folder)
     good = _good_batches(folder, log, widths)
     note = None
-    if good < len(log):
+    if good < len(log) or garbled:
         first = int(log[good - 1]["j1"]) if good else int(state["start"])
         note = (f"{folder}: the raw postings of sequences from {first} on are missing or damaged (their crc32 "
-                f"differs from {LOG}); building them again")
-        log = log[:good]
-        last = log[-1] if log else {"j1": state["start"], "rows": 0, "tokens": 0}
-        state = {**state, "done_to": int(last["j1"]), "rows": int(last["rows"]), "tokens": int(last["tokens"]),
-                 "batches": good}
+                f"differs from {LOG}, or their record is garbled); building them again")
+    log = log[:good]
+    last = log[-1] if log else {"j1": state["start"], "rows": 0, "tokens": 0, "seconds": 0.0}
+    state = {**state, "done_to": int(last["j1"]), "rows": int(last["rows"]), "tokens": int(last["tokens"]),
+             "postings_seconds": float(last["seconds"])}
     return Resumed(state=state, log=log, note=note)
 
 
 class PostingFiles:
-    """The raw posting files of a build folder, appended a batch at a time: each batch's bytes, then its
-    record in ``batches.jsonl``, then ``state.json`` (so a record never precedes its rows)."""
+    """The raw posting files of a build folder, appended a batch at a time: each batch's bytes (flushed),
+    then its line in ``batches.jsonl`` (so a record never precedes its rows)."""
 
-    def __init__(self, folder: Path, record: dict[str, Any], resumed: Resumed | None) -> None:
+    def __init__(self, folder: Path, resumed: Resumed | None) -> None:
         self.folder = folder
-        self.record = record
-        """What every ``state.json`` holds: the build's identity, its start and the fitted files' sha256."""
         self.log = resumed.log if resumed is not None else []
         self.rows = int(resumed.state["rows"]) if resumed is not None else 0
-        self.widths: dict[str, int] = {}
         self.files: dict[str, BinaryIO] = {}
+        self.record: BinaryIO | None = None
 
-    def open(self, widths: dict[str, int]) -> None:
-        """Truncate every file to the recorded rows (drops a torn write and rolled-back batches), append after."""
-        self.widths = widths
+    def open(self, widths: dict[str, int], started: dict[str, Any] | None) -> None:
+        """Truncate every raw file to the recorded rows (``widths``: bytes per row; drops a torn write and
+        rolled-back batches) and the log to its good lines, to append after them. ``started``: a new
+        build's ``state.json`` (None when resuming: kept as it is)."""
+        if started is not None:
+            _write_json_atomic(self.folder / STATE, started)
         for name in RAW:
             path = self.folder / f"{name}.raw"
             path.touch()
             os.truncate(path, self.rows * widths[name])
             self.files[name] = open(path, "ab")  # noqa: SIM115 — closed by close()
-        with open(self.folder / LOG, "wb") as f:  # the good records only
-            f.write(b"".join(json.dumps(e).encode() + b"\n" for e in self.log))
+        log = b"".join(json.dumps(e).encode() + b"\n" for e in self.log)
+        (self.folder / LOG).write_bytes(log)  # a kill now: the same good lines, or fewer (those batches rebuilt)
+        self.record = open(self.folder / LOG, "ab")  # noqa: SIM115 — closed by close()
 
-    def append(self, rows: dict[str, np.ndarray], *, j1: int, tokens: int, **extra: float) -> None:
-        """Write one batch (``rows[name]``: (n,) int32 or (n, r) sketches) and record it as done up to ``j1``."""
+    def append(self, rows: dict[str, np.ndarray], *, j1: int, tokens: int, seconds: float) -> None:
+        """Write one batch (``rows[name]``: (n,) int32 or (n, r) sketches) and record it as done up to ``j1``
+        (``tokens`` and the pass's ``seconds`` so far)."""
+        assert self.record is not None, "open() first"
         crc = {}
         for name in RAW:
             data = np.ascontiguousarray(rows[name]).tobytes()
@@ -180,14 +194,12 @@ class PostingFiles:
         for f in self.files.values():
             f.flush()
         self.rows += len(rows["seq"])
-        entry = {"j1": j1, "rows": self.rows, "tokens": tokens, "crc": crc}
+        entry = {"j1": j1, "rows": self.rows, "tokens": tokens, "seconds": seconds, "crc": crc}
         self.log.append(entry)
-        with open(self.folder / LOG, "ab") as f:
-            f.write(json.dumps(entry).encode() + b"\n")
-        write_json_atomic(self.folder / STATE, {**self.record, "done_to": j1, "tokens": tokens, "rows": self.rows,
-                                                "batches": len(self.log), **extra})
+        self.record.write(json.dumps(entry).encode() + b"\n")
+        self.record.flush()
 
     def close(self) -> None:
-        for f in self.files.values():
+        for f in [*self.files.values(), *([self.record] if self.record else [])]:
             f.close()
-        self.files = {}
+        self.files, self.record = {}, None

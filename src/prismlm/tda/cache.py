@@ -1280,9 +1280,9 @@ def build_cache(
     lists: dict[str, list[np.ndarray]] = {"seq": [], "proto": [], "sketch": []}
     done_to, tokens = (state["done_to"], state["tokens"]) if state else (start, 0)
     if tmp_dir is not None:  # rows after the last good batch (a torn write, a damaged batch) are dropped
-        fitted = state["fitted"] if state else record_fitted(tmp_dir)
-        files = PostingFiles(tmp_dir, {**started, "start": start, "fitted": fitted}, resumed)
-        files.open({"seq": 4, "proto": 4, "sketch": r * np.dtype(npdt).itemsize})
+        files = PostingFiles(tmp_dir, resumed)
+        files.open({"seq": 4, "proto": 4, "sketch": r * np.dtype(npdt).itemsize}, None if resumed else
+                   {**started, "start": start, "fitted": record_fitted(tmp_dir), "curvature_seconds": t_curv})
     t1 = time.perf_counter()
     pass_before = state["postings_seconds"] if state else 0.0
     try:
@@ -1301,8 +1301,7 @@ def build_cache(
                 tokens += (j1 - j0) * T
                 bar.update(j1 - j0)
                 if files is not None:  # the batch whole on disk, then recorded (a resume continues after it)
-                    files.append(rows, j1=j1, tokens=tokens, curvature_seconds=t_curv,
-                                 postings_seconds=pass_before + time.perf_counter() - t1)
+                    files.append(rows, j1=j1, tokens=tokens, seconds=pass_before + time.perf_counter() - t1)
                 else:
                     for k, v in rows.items():
                         lists[k].append(v)
