@@ -106,13 +106,24 @@ def _read_log(folder: Path) -> tuple[list[dict[str, Any]], bool]:
     for line in lines[:-1]:  # the last piece follows the last newline: empty, or a line torn by a kill
         try:
             e = json.loads(line)
-            ok = isinstance(e, dict) and set(e) == _ENTRY and isinstance(e["crc"], dict) and set(e["crc"]) == set(RAW)
         except ValueError:
-            ok = False
-        if not ok:
+            e = None
+        if not _entry_ok(e, log[-1]["rows"] if log else 0):
             return log, True
         log.append(e)
     return log, False
+
+
+def _ints(*v: object) -> bool:
+    return all(type(x) is int for x in v)  # not bool
+
+
+def _entry_ok(e: object, rows_before: int) -> bool:
+    """Whether ``e`` is a whole batch record whose rows follow ``rows_before``."""
+    ints = _ints
+    return (isinstance(e, dict) and set(e) == _ENTRY and ints(e["j1"], e["rows"], e["tokens"])
+            and e["rows"] >= rows_before and isinstance(e["seconds"], int | float) and isinstance(e["crc"], dict)
+            and set(e["crc"]) == set(RAW) and ints(*e["crc"].values()))
 
 
 def _good_batches(folder: Path, log: list[dict[str, Any]], widths: dict[str, int]) -> int:

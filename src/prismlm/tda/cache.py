@@ -1238,6 +1238,7 @@ def build_cache(
                "curvature_F": None if curvature is None else _tensor_digest(curvature.F)}
     # the raw postings keep float32 (float64/float16 when stored so); int8/int4/int3 are encoded from float32
     npdt = _DTYPES[dtype] if dtype in _DTYPES else np.float32
+    widths = {"seq": 4, "proto": 4, "sketch": r * np.dtype(npdt).itemsize}  # bytes per row of each raw file
     resumed: Resumed | None = None
     if out_dir is not None:
         tmp_dir = out_dir.with_name(out_dir.name + ".build")
@@ -1245,7 +1246,7 @@ def build_cache(
             if not tmp_dir.exists() and (out_dir / "manifest.json").exists():
                 return _finished_build(out_dir, started, shards)
             # checked before anything is read: a damaged batch and those after it are built again
-            resumed = resume_build(tmp_dir, started, {"seq": 4, "proto": 4, "sketch": r * np.dtype(npdt).itemsize})
+            resumed = resume_build(tmp_dir, started, widths)
         if resumed is None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             tmp_dir.mkdir(parents=True)
@@ -1281,7 +1282,7 @@ def build_cache(
     done_to, tokens = (state["done_to"], state["tokens"]) if state else (start, 0)
     if tmp_dir is not None:  # rows after the last good batch (a torn write, a damaged batch) are dropped
         files = PostingFiles(tmp_dir, resumed)
-        files.open({"seq": 4, "proto": 4, "sketch": r * np.dtype(npdt).itemsize}, None if resumed else
+        files.open(widths, None if resumed else
                    {**started, "start": start, "fitted": record_fitted(tmp_dir), "curvature_seconds": t_curv})
     t1 = time.perf_counter()
     pass_before = state["postings_seconds"] if state else 0.0
