@@ -120,10 +120,9 @@ def _ints(*v: object) -> bool:
 
 def _entry_ok(e: object, rows_before: int) -> bool:
     """Whether ``e`` is a whole batch record whose rows follow ``rows_before``."""
-    ints = _ints
-    return (isinstance(e, dict) and set(e) == _ENTRY and ints(e["j1"], e["rows"], e["tokens"])
+    return (isinstance(e, dict) and set(e) == _ENTRY and _ints(e["j1"], e["rows"], e["tokens"])
             and e["rows"] >= rows_before and isinstance(e["seconds"], int | float) and isinstance(e["crc"], dict)
-            and set(e["crc"]) == set(RAW) and ints(*e["crc"].values()))
+            and set(e["crc"]) == set(RAW) and _ints(*e["crc"].values()))
 
 
 def _good_batches(folder: Path, log: list[dict[str, Any]], widths: dict[str, int]) -> int:
