@@ -87,7 +87,7 @@ def test_an_artifact_is_replaced_only_with_overwrite(run, tiny_shards, tmp_path)
         res = cli(*cmd, "--out", out)
         assert res.exit_code == 0, res.output
         before = snapshot(out)
-        refused(cli(*cmd, "--out", out), f"already holds a {what}", "--overwrite", "--resume")
+        refused(cli(*cmd, "--out", out), "already holds", what, "--overwrite", "--resume")
         assert snapshot(out) == before
         res = cli(*cmd, "--out", out, "--overwrite")
         assert res.exit_code == 0, res.output
@@ -96,6 +96,12 @@ def test_an_artifact_is_replaced_only_with_overwrite(run, tiny_shards, tmp_path)
         a_file.write_text("mine")
         refused(cli(*cmd, "--out", a_file), "is an existing file")
         assert a_file.read_text() == "mine"
+    # one kind never replaces another (old main: `attribute-cache --out RUN/index` replaced the index)
+    index, cache = tmp_path / "prototype-index", tmp_path / "attribution-cache"
+    before = snapshot(tmp_path)
+    refused(cli("attribute-cache", run, *SMALL_CACHE, *shards, "--out", index, "--overwrite"), "a prototype index")
+    refused(cli("index", run, *SMALL_INDEX, *shards, "--out", cache, "--overwrite"), "an attribution cache")
+    assert snapshot(tmp_path) == before
 
 
 def test_output_files_never_replace_a_file_of_an_artifact(run, tiny_shards):

@@ -281,8 +281,17 @@ def folder_kind(folder: str | Path) -> str | None:
     return None
 
 
+def _a(noun: str) -> str:
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
+
+
+def _describe(kind: str) -> str:
+    """``prismlm-prototype-index`` → "a prototype index"; a run, its checkpoints, a checkpoint by name."""
+    return _NEVER.get(kind) or _a(kind.removeprefix("prismlm-").replace("-", " "))
+
+
 def _inside_checkpoints(path: Path) -> bool:
-    return any(folder_kind(a) in (CHECKPOINTS, CHECKPOINT) for a in path.parents)
+    return any(folder_kind(a) in (CHECKPOINTS, CHECKPOINT) for a in path.absolute().parents)
 
 
 def check_out_folder(out: str | Path, what: str, *, holds: str | Callable[[Path], bool], overwrite: bool = False,
@@ -306,11 +315,11 @@ def check_out_folder(out: str | Path, what: str, *, holds: str | Callable[[Path]
         if overwrite or resume:
             return
         how = ["pass --overwrite to replace it"] + (["--resume to continue it"] if can_resume else [])
-        raise RunError(f"{option} {out} already holds a {what}",
+        raise RunError(f"{option} {out} already holds {_a(what)}",
                        fix=f"{', or '.join(how)}, or choose another {option}", path=out)
     kind = folder_kind(out)
-    held = _NEVER.get(kind or "", f"a {kind.removeprefix('prismlm-').replace('-', ' ')}" if kind else None)
-    raise RunError(f"{option} {out} is {held or 'a folder that is not empty'} and not a {what}; nothing in it is "
+    held = _describe(kind) if kind else "a folder that is not empty"
+    raise RunError(f"{option} {out} is {held} and not {_a(what)}; nothing in it is "
                    "replaced, even with --overwrite", fix=f"choose a new or empty folder for {option}", path=out)
 
 
@@ -323,10 +332,9 @@ def check_out_file(path: str | Path, option: str) -> None:
         raise RunError(f"{option} {path} is a folder", fix=f"give {option} a file name (e.g. one inside that folder)",
                        path=path)
     kind = folder_kind(path.parent)
-    owned = kind is not None and path.exists() and (
-        path.name == "manifest.json" or (kind == RUN and path.name in RUN_FILES) or kind != RUN)
+    owned = kind is not None and path.exists() and (kind != RUN or path.name in RUN_FILES)
     if _inside_checkpoints(path) or owned:
-        raise RunError(f"{option} {path} would replace a file of the {kind or 'checkpoint'} in {path.parent}",
+        raise RunError(f"{option} {path} would write into {_describe(kind or CHECKPOINT)} ({path.parent})",
                        fix=f"write {option} to another file", path=path)
 
 
