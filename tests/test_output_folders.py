@@ -113,6 +113,10 @@ def test_output_files_never_replace_a_file_of_an_artifact(run, tiny_shards):
             "--json", "config.json")
     refused(cli("explain", run, "The", "--no-index", "--json", run / "metrics.jsonl"), "--json", "metrics.jsonl")
     refused(cli("explain", run, "The", "--no-index", "--html", run), "--html", "is a folder")
+    (run.parent / "c.txt").write_text("zebra zebra quartz\n\nquartz zebra zebra zebra\n")
+    (run.parent / "n.txt").write_text("the king said to the people\n\nit was a fine day in the land\n")
+    concept = ["concept", run, "--concept", run.parent / "c.txt", "--neutral", run.parent / "n.txt", "--min-count", "1"]
+    refused(cli(*concept, "--out", ck / "config.json"), "--out", "config.json")  # old main: the checkpoint broke
     assert snapshot(run) == before
     res = cli("explain", run, "The", "--no-index", "--json", run / "report.json")  # a new file: fine
     assert res.exit_code == 0, res.output

@@ -14,7 +14,7 @@ from prismlm.app.run import Run, require
 from prismlm.artifacts import check_out_file, check_out_folder
 from prismlm.control.concept import doc_regex, find_concept, read_texts
 from prismlm.control.controller import Controller, extract_features, fit_and_test, prism_encoder, trace_prism_controller
-from prismlm.control.suppress import SuppressionSet
+from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
 from prismlm.errors import ConfigError, DataError, TaskError
 from prismlm.eval.scoring import mc_accuracy
 from prismlm.eval.tasks import TASKS, build_tasks, load_split
@@ -58,6 +58,10 @@ def find_run_concept(run: Run, concept: Path, neutral: Path, *, index: Path | No
     require(min_count >= 1, "--min-count", ">= 1", min_count)
     require(0.0 <= min_purity <= 1.0, "--min-purity", "in [0, 1]", min_purity)
     require(math.isfinite(threshold), "--threshold", "a finite number", threshold)
+    if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what --save writes)
+        target = out / CHECKPOINT_FILE if out.is_dir() else out
+        if target.name != CHECKPOINT_FILE:
+            check_out_file(target, "--out")
     model = run.prism_model("`prism concept`")
     if (index is None) != (concept_docs is None):
         raise ConfigError("neighbourhood purity needs both --index and --concept-docs")
