@@ -189,3 +189,26 @@ def test_verify_finds_the_artifacts_in_the_run_folder(run, tiny_shards):
     refused(cli("verify", run, *shards), "manifest.json", str(cache))
     shutil.rmtree(cache)
     assert cli("verify", run, *shards).exit_code == 0
+
+
+def test_search_index_is_replaced_only_with_overwrite_and_verified(run, tiny_shards, tmp_path):
+    """Old main rebuilt CACHE/search silently and `prism verify` never looked at it (a flipped byte passed)."""
+    pytest.importorskip("faiss")
+    shards = ["--shards", tiny_shards.root]
+    cache = tmp_path / "cache"
+    assert cli("attribute-cache", run, *SMALL_CACHE, *shards, "--out", cache).exit_code == 0
+    search = ["attribute-search", run, "--cache", cache, "--min-list", "2", "--no-progress", *shards]
+    res = cli(*search)
+    assert res.exit_code == 0, res.output
+    before = snapshot(cache / "search")
+    refused(cli(*search), "already holds a search index", "--overwrite")
+    assert snapshot(cache / "search") == before
+    assert cli(*search, "--overwrite").exit_code == 0
+    verify = ["verify", run, *shards, "--cache", cache]
+    res = cli(*verify)
+    assert res.exit_code == 0 and str(cache / "search") in res.output, res.output
+    f = max((p for p in (cache / "search").iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    refused(cli(*verify), f.name, "attribute-search")

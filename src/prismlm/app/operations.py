@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from prismlm.app.run import Run, require
-from prismlm.artifacts import check_out_folder, folder_kind, verify_files
+from prismlm.artifacts import check_out_folder, folder_kind, reading, verify_files
 from prismlm.data.shards import load_shards
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ArtifactCorrupt, ConfigError, DataError, PrismError
@@ -425,9 +425,10 @@ def _verify_cache(run: Run, folder: Path, shards: Path | None) -> list[str]:
     if side.is_dir():
         rebuild = f"prism attribute-search {run.path} --cache {folder} --overwrite"
         _require_manifest(side, "search index", rebuild)
-        s = run.search(folder, shards)
-        assert s is not None
-        verify_files(side, s.manifest.get("files"), what="search index", fix=rebuild, full=True)
+        with reading(side / "manifest.json", "search index manifest", fix=rebuild):
+            files = json.loads((side / "manifest.json").read_text(encoding="utf-8")).get("files")
+        verify_files(side, files, what="search index", fix=rebuild, full=True)
+        run.search(folder, shards)  # and that it was built from this cache
         done.append(str(side))
     return done
 
