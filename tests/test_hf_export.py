@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from prismlm.app import Run, export_run  # noqa: E402
 from prismlm.config import RunConfig  # noqa: E402
-from prismlm.errors import ArtifactError, DependencyError, ModelError  # noqa: E402
+from prismlm.errors import DependencyError, ModelError, PrismError  # noqa: E402
 from prismlm.model import Control, PrismLM, Suppress  # noqa: E402
 from prismlm.model.hf_model import PrismConfig, PrismForCausalLM  # noqa: E402
 
@@ -359,20 +359,26 @@ def test_auto_classes_know_prism_in_fresh_interpreters(exported, run, tmp_path):
 
 # ----- refusals ------------------------------------------------------------------------------------------------
 def test_export_refuses_an_existing_folder_unless_overwrite(run, exported, tmp_path):
+    """An export is replaced only with overwrite; a run folder, a checkpoint, another run's folder and a user's
+    folder never (old main replaced another run or a user's folder with overwrite=True)."""
     before = (exported / "model.safetensors").stat().st_mtime_ns
-    with pytest.raises(ArtifactError, match="not empty") as e:
+    with pytest.raises(PrismError, match="already") as e:
         export_run(run, exported)
     assert "--overwrite" in (e.value.fix or "")
     assert (exported / "model.safetensors").stat().st_mtime_ns == before  # untouched
-    with pytest.raises(ArtifactError, match="holds the run"):
-        export_run(run, run.folder, overwrite=True)
+    for mine in (run.folder, run.checkpoint.path, run.folder / "checkpoints"):
+        with pytest.raises(PrismError, match="run folder|checkpoint|holds the run"):
+            export_run(run, mine, overwrite=True)
+    assert run.checkpoint.path.exists() and (run.folder / "checkpoints" / "latest").exists()
     (tmp_path / "empty").mkdir()
     assert export_run(run, tmp_path / "empty") == tmp_path / "empty"  # an empty folder is fine
+    assert export_run(run, tmp_path / "empty", overwrite=True) == tmp_path / "empty"  # an export: replaced
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "old.txt").write_text("x")
-    out = export_run(run, tmp_path / "busy", overwrite=True)
-    assert not (out / "old.txt").exists() and (out / "model.safetensors").exists()
-    assert not (tmp_path / "busy.tmp").exists() and not (tmp_path / "busy.old").exists()
+    with pytest.raises(PrismError, match="not empty.*even with --overwrite"):
+        export_run(run, tmp_path / "busy", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["old.txt"]
+    assert not (tmp_path / "busy.tmp").exists() and not (tmp_path / "empty.old").exists()
 
 
 def test_missing_transformers_is_a_dependency_error(monkeypatch):

@@ -365,3 +365,104 @@ def test_train_on_a_missing_empty_or_one_document_corpus_is_one_line(tmp_path):
         assert res.exit_code == 2 and expected in res.output.lower() and "Traceback" not in res.output, \
             (corpus, res.output)
         assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ----- issue 23: retrofit --resume, runs stopped before their first checkpoint, killed prepares ------------
+def _retrofit_cli(*args):
+    from typer.testing import CliRunner
+
+    from prismlm.cli import app
+
+    return CliRunner().invoke(app, ["retrofit", *map(str, args), "--prototypes", "16", "--top-k", "2",
+                                    "--batch-size", "2", "--no-progress", "--device", "cpu",
+                                    "--set", "data.max_docs=60", "--set", "data.max_chars_per_doc=4000",
+                                    "--set", "train.ckpt_interval=2"])
+
+
+def test_retrofit_resume_continues_an_interrupted_retrofit_bit_for_bit(tiny_shards, tmp_path, monkeypatch):
+    """Old main refused a second `prism retrofit` into the run with "continue it with --resume", but retrofit
+    had no --resume. Now an interrupted retrofit resumed ends with the weights of an uninterrupted one."""
+    import functools
+
+    import prismlm.train.retrofit as retrofit_mod
+
+    dense = tmp_path / "dense"
+    train(tiny_cfg().dense(), dense, shards=tiny_shards, progress=False)
+    res = _retrofit_cli("--from", dense, "--out", tmp_path / "straight", "--steps", 4)
+    assert res.exit_code == 0, res.output
+    monkeypatch.setattr(retrofit_mod, "train", functools.partial(train, stop_after=2))  # interrupted at step 2
+    res = _retrofit_cli("--from", dense, "--out", tmp_path / "resumed", "--steps", 4)
+    assert res.exit_code == 0, res.output
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path / "resumed").manifest["step"] == 2
+    res = _retrofit_cli("--from", dense, "--out", tmp_path / "resumed", "--steps", 4)
+    assert res.exit_code == 2 and "--resume" in res.output, res.output
+    res = _retrofit_cli("--out", tmp_path / "resumed", "--resume")  # no --from: the source is not needed
+    assert res.exit_code == 0, res.output
+    a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "resumed")
+    assert b.manifest["step"] == 4
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    res = _retrofit_cli("--out", tmp_path / "resumed", "--resume", "--steps", 6)  # and on, as `train --resume`
+    assert res.exit_code == 0 and load_checkpoint(tmp_path / "resumed").manifest["step"] == 6, res.output
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_restarted_with_overwrite(tiny_shards, tmp_path, monkeypatch):
+    """Old main sent users in circles: a plain start said "continue it with --resume", --resume said "start
+    it without --resume". Both now name --overwrite, which starts it again."""
+    import errno
+
+    import prismlm.train.trainer as trainer_mod
+
+    run = tmp_path / "run"
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(run / "checkpoints"))
+
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", full)
+    with pytest.raises(RunError):
+        train(tiny_cfg(), run, shards=tiny_shards, progress=False)
+    monkeypatch.undo()
+    assert (run / "config.json").exists() and not (run / "checkpoints").exists()
+    with pytest.raises(RunError, match="before its first checkpoint") as plain:
+        train(tiny_cfg(), run, shards=tiny_shards, progress=False)
+    with pytest.raises(CheckpointError, match="cannot resume") as resumed:
+        train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True)
+    for e in (plain.value, resumed.value):
+        assert "--overwrite" in (e.fix or "") and "--resume" not in (e.fix or ""), e
+    assert train(tiny_cfg(), run, shards=tiny_shards, progress=False, overwrite=True).step == 4
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_leaves_no_temp_files_after_the_next_one(tmp_path):
+    """A prepare killed mid-write leaves `<split>.bin.<pid>.tmp`; old main kept them for good (a GB each on a
+    real corpus). The next prepare into the folder removes the ones of dead processes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from prismlm.data.shards import prepare_shards
+
+    out = tmp_path / "shards"
+    env = {**os.environ, "PRISM_DATA": str(tmp_path / "data")}
+    code = ("import sys; from prismlm.data.shards import prepare_shards; "
+            "prepare_shards('builtin', 'bpe-300', sys.argv[1], max_chars_per_doc=20000, show_progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(out)], env=env)
+    deadline = time.time() + 120
+    while not list(out.glob("*.bin.*.tmp")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = sorted(p.name for p in out.glob("*.tmp"))
+    assert left and all(f".{proc.pid}." in n for n in left), left  # what a kill leaves
+    other = subprocess.Popen(["sleep", "60"])  # a live process: its file is not touched
+    live = out / f"val.bin.{other.pid}.tmp"
+    live.write_bytes(b"x")
+    try:
+        prepare_shards("builtin", "bpe-300", out, max_docs=8, max_chars_per_doc=2000, show_progress=False)
+    finally:
+        other.kill()
+        other.wait()
+    assert sorted(p.name for p in out.glob("*.tmp*")) == [live.name]

@@ -240,6 +240,7 @@ def test_attribute_with_the_search_index_from_the_cli_and_the_app(tiny_shards, t
     assert [a.score for a in small.top] == sorted((a.score for a in small.top), reverse=True)
     # rebuilt through the app (progress callback), the run re-reads it
     events = []
-    build_run_search(run, SearchConfig(min_list=4, kind="hnsw"), shards=shards, progress=events.append)
+    build_run_search(run, SearchConfig(min_list=4, kind="hnsw"), shards=shards, progress=events.append,
+                     overwrite=True)  # replacing the ivf one: only with overwrite
     assert events and events[-1].stage == "search index"
     assert run.search(shards_dir=shards).config.kind == "hnsw"

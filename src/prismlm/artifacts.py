@@ -14,6 +14,10 @@ The lowest layer of prismlm: it imports only the standard library, torch, ``pris
   the first's files; ``FileLock`` is the lock itself (also the run and shard folders' ``.lock``).
 - **Provenance.** ``provenance()`` is the version block every manifest records; ``check_provenance``
   refuses an artifact built from another model or corpus (``ArtifactMismatch``).
+- **Output folders.** ``check_out_folder`` is the one guard every command that writes a folder calls
+  first: the folder is new or empty, or it holds the same kind of artifact and ``--overwrite`` (or
+  ``--resume``) was given; a run folder, its ``checkpoints/`` and a non-empty foreign folder are never
+  written over. ``check_out_file`` does the same for a single output file (``--json``, ``--html``).
 - **Ranges and parts.** ``part_range`` is the batch-aligned slice of part i of n; artifacts built in parts record the sequence ranges ``[[start, stop), …]`` they cover;
   ``merge_ranges`` normalises a list of them and ``overlap`` finds a sequence range two lists share.
 """
@@ -40,8 +44,9 @@ import torch
 
 from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError, PrismError, RunError
 
-__all__ = ["FileLock", "atomic_dir", "atomic_write_bytes", "atomic_write_text", "check_provenance", "merge_ranges",
-           "model_identity", "output_lock", "overlap", "part_range", "provenance", "sha256_file", "writes_folder"]
+__all__ = ["FileLock", "atomic_dir", "atomic_write_bytes", "atomic_write_text", "check_out_file", "check_out_folder",
+           "check_provenance", "folder_kind", "merge_ranges", "model_identity", "output_lock", "overlap", "part_range",
+           "provenance", "sha256_file", "writes_folder"]
 
 
 # ----- atomic writes ---------------------------------------------------------------------------------------
@@ -328,6 +333,96 @@ def check_provenance(manifest: dict[str, Any], *, what: str, rebuild: str, model
     if shard_key is not None and shard_key != manifest["shard_key"]:
         raise ArtifactMismatch(f"{what} was built on token shards {manifest['shard_key']}, but these shards are "
                                f"{shard_key}; rebuild it with `{rebuild}` on this corpus")
+
+
+# ----- output folders --------------------------------------------------------------------------------------
+RUN_FILES = ("config.json", "env.json", "metrics.jsonl", "checkpoints")
+"""What a training run writes into its folder (besides its lock)."""
+RUN, CHECKPOINTS, CHECKPOINT = "prismlm-run", "prismlm-checkpoints", "prismlm-checkpoint"
+_NEVER = {RUN: "a run folder", CHECKPOINTS: "a run's checkpoints folder", CHECKPOINT: "a checkpoint"}
+_IGNORED = {".lock"}  # a writer's lock file: nothing of the user's
+
+
+def _manifest_kind(folder: Path) -> str | None:
+    try:
+        m = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return m.get("kind") if isinstance(m, dict) and isinstance(m.get("kind"), str) else None
+
+
+def folder_kind(folder: str | Path) -> str | None:
+    """Which prismlm artifact ``folder`` holds: its ``manifest.json`` kind (index, cache, search index,
+    checkpoint, …), ``prismlm-run`` for a run folder (even one killed before its first checkpoint),
+    ``prismlm-checkpoints`` for a run's ``checkpoints/``; None for anything else."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    kind = _manifest_kind(folder)
+    if kind is not None:
+        return kind
+    if (folder / "checkpoints").is_dir() or any((folder / n).is_file() for n in ("env.json", "metrics.jsonl")):
+        return RUN
+    if (folder / "latest").is_file() or any(_manifest_kind(p) == CHECKPOINT for p in folder.glob("step-*")):
+        return CHECKPOINTS
+    return None
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
+
+
+def _describe(kind: str) -> str:
+    """``prismlm-prototype-index`` → "a prototype index"; a run, its checkpoints, a checkpoint by name."""
+    return _NEVER.get(kind) or _a(kind.removeprefix("prismlm-").replace("-", " "))
+
+
+def _inside_checkpoints(path: Path) -> bool:
+    return any(folder_kind(a) in (CHECKPOINTS, CHECKPOINT) for a in path.absolute().parents)
+
+
+def check_out_folder(out: str | Path, what: str, *, holds: str | Callable[[Path], bool], overwrite: bool = False,
+                     resume: bool = False, option: str = "--out", can_resume: bool = False) -> None:
+    """Refuse to write the folder ``out`` (a ``what``) unless nothing of value is lost: it is new or empty
+    (a lock file aside), or it ``holds`` that kind of artifact (a manifest kind, or a test of the folder)
+    and ``overwrite`` or ``resume`` was given. Never a file, a run folder, a run's ``checkpoints/`` or
+    anything inside them, or a non-empty foreign folder, whatever the flags. ``RunError`` (a one-line
+    message naming ``option`` and how to proceed) otherwise; ``can_resume``: the command has ``--resume``."""
+    out = Path(out)
+    same = (lambda p: folder_kind(p) == holds) if isinstance(holds, str) else holds
+    if out.exists() and not out.is_dir():
+        raise RunError(f"{option} {out} is an existing file, not a folder", fix=f"choose another {option}",
+                       path=out)
+    if _inside_checkpoints(out):
+        raise RunError(f"{option} {out} is inside a run's checkpoints; writing there could replace them",
+                       fix=f"choose another {option} (e.g. beside the run's checkpoints/)", path=out)
+    if not out.exists() or all(p.name in _IGNORED for p in out.iterdir()):
+        return
+    if same(out):
+        if overwrite or resume:
+            return
+        how = ["pass --overwrite to replace it"] + (["--resume to continue it"] if can_resume else [])
+        raise RunError(f"{option} {out} already holds {_a(what)}",
+                       fix=f"{', or '.join(how)}, or choose another {option}", path=out)
+    kind = folder_kind(out)
+    held = _describe(kind) if kind else "a folder that is not empty"
+    raise RunError(f"{option} {out} is {held} and not {_a(what)}; nothing in it is "
+                   "replaced, even with --overwrite", fix=f"choose a new or empty folder for {option}", path=out)
+
+
+def check_out_file(path: str | Path, option: str) -> None:
+    """Refuse an output file (``--json``, ``--html``) that is a folder, lies inside a run's checkpoints, or
+    would replace a file of an artifact (a run's config.json or metrics.jsonl, an index's manifest.json, …).
+    ``RunError`` naming ``option`` otherwise; a missing parent folder is left to the writer."""
+    path = Path(path)
+    if path.is_dir():
+        raise RunError(f"{option} {path} is a folder", fix=f"give {option} a file name (e.g. one inside that folder)",
+                       path=path)
+    kind = folder_kind(path.parent)
+    owned = kind is not None and path.exists() and (kind != RUN or path.name in RUN_FILES)
+    if _inside_checkpoints(path) or owned:
+        raise RunError(f"{option} {path} would write into {_describe(kind or CHECKPOINT)} ({path.parent})",
+                       fix=f"write {option} to another file", path=path)
 
 
 # ----- sequence ranges -------------------------------------------------------------------------------------

@@ -11,13 +11,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prismlm.app.run import Run, require
+from prismlm.artifacts import check_out_folder
 from prismlm.config import AttributionConfig, SearchConfig
 from prismlm.errors import ArtifactError, ConfigError, DependencyError
 from prismlm.explain import Explanation
 from prismlm.progress import Progress, Reporter
 from prismlm.tda.attribute import Attribution, Rescorer, attribute
+from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.tda.cache import AttributionCache, build_cache, compress_cache, merge_caches
 from prismlm.tda.influence import FullGradients
+from prismlm.tda.search import KIND as SEARCH_KIND
 from prismlm.tda.search import SearchIndex, build_search_index
 from prismlm.train.distributed import DistInfo, barrier, cleanup, init_distributed
 
@@ -31,7 +34,7 @@ DEFAULT_SEARCH = SearchConfig()
 
 def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *, out: Path | None = None,
                     shards: Path | None = None, compress_from: Path | None = None, resume: bool = False,
-                    progress: Progress = True) -> AttributionCache:
+                    overwrite: bool = False, progress: Progress = True) -> AttributionCache:
     """Build the postings cache for fast prototype-space attribution (one pass over the training data).
 
     Under ``torchrun`` every process computes the same curvature (and pca bases), builds its batch-aligned
@@ -53,12 +56,15 @@ def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *
         resume: Continue an interrupted build of --out (its OUT.build folder: the batches written, the
             curvature and projection) instead of starting over; the same options, model and shards are
             required. Without it a left-over build folder is discarded.
+        overwrite: Replace a cache already in --out (never a run or any other folder).
         progress: Show progress bars (curvature pass, postings pass).
     """
     model = run.prism_model("prototype-space attribution")
     out = out or run.folder / "attribution-cache"
     if compress_from is not None:
-        return compress_run_cache(run, compress_from, config, out=out, shards=shards)
+        return compress_run_cache(run, compress_from, config, out=out, shards=shards, overwrite=overwrite)
+    check_out_folder(out, "attribution cache", holds=CACHE_KIND, overwrite=overwrite, resume=resume,
+                     can_resume=True)
     shard_set = run.shards(shards)
     info, _ = init_distributed(str(run.device))
     if not info.enabled:
@@ -134,20 +140,24 @@ def _round_in_place(path: Path, dtype: type[np.floating]) -> None:
 
 
 def compress_run_cache(run: Run, source: Path, config: AttributionConfig = DEFAULT_ATTRIBUTION, *,
-                       out: Path | None = None, shards: Path | None = None) -> AttributionCache:
+                       out: Path | None = None, shards: Path | None = None, overwrite: bool = False) -> AttributionCache:
     """Re-encode the lossless cache ``source`` of this run with ``config``'s storage options (dtype, prune,
     aggregate, id_encoding) into ``out`` (default RUN/attribution-cache): ``compress_cache`` without a
-    pass over the data."""
+    pass over the data. ``overwrite``: replace a cache already in ``out`` (never ``source`` itself)."""
+    out = out or run.folder / "attribution-cache"
+    if out.resolve() == Path(source).resolve():
+        raise ConfigError(f"--out {out} is the cache being compressed (--compress-from)",
+                          fix="write the compressed cache to another --out")
+    check_out_folder(out, "attribution cache", holds=CACHE_KIND, overwrite=overwrite)
     cache = run.cache(source, shards)
     shard_set = run.shards(shards, cache.manifest.get("shards_root"))
-    out = out or run.folder / "attribution-cache"
     result = compress_cache(cache, config, shards=shard_set, out=out)
     run.forget(out)
     return result
 
 
 def build_run_search(run: Run, config: SearchConfig = DEFAULT_SEARCH, *, cache: Path | None = None,
-                     shards: Path | None = None, progress: Progress = True) -> SearchIndex:
+                     shards: Path | None = None, overwrite: bool = False, progress: Progress = True) -> SearchIndex:
     """Build the approximate-search sidecar of the run's attribution cache (CACHE/search): one faiss index per
     long posting list, so that `prism attribute` reads a few candidates per list instead of every posting of
     the query's prototypes (scores stay exact; only which sequences are considered is approximate).
@@ -157,11 +167,13 @@ def build_run_search(run: Run, config: SearchConfig = DEFAULT_SEARCH, *, cache: 
             vector encoding, HNSW degree, seed): ``SearchConfig``.
         cache: Cache folder (default RUN/attribution-cache).
         shards: Token shard folder (default: the cache's / the run's).
+        overwrite: Replace the search index already in CACHE/search.
         progress: Show a progress bar (one step per indexed list).
     """
     c = run.cache(cache, shards)
     assert c.path is not None  # a loaded cache knows its folder
     out = c.path / "search"
+    check_out_folder(out, "search index", holds=SEARCH_KIND, overwrite=overwrite, option="CACHE/search")
     lists = int((np.diff(np.asarray(c.offsets)) > config.min_list).sum())
     with Reporter(progress, "search index", lists, unit="list") as bar:
         idx = build_search_index(c, config, out=out, on_list=lambda i, n: bar.update(1, postings=n))

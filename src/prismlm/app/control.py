@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from prismlm.app.run import Run, require
+from prismlm.artifacts import check_out_file, check_out_folder
 from prismlm.control.concept import doc_regex, find_concept, read_texts
 from prismlm.control.controller import Controller, extract_features, fit_and_test, prism_encoder, trace_prism_controller
-from prismlm.control.suppress import SuppressionSet
+from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
 from prismlm.errors import ConfigError, DataError, TaskError
 from prismlm.eval.scoring import mc_accuracy
 from prismlm.eval.tasks import TASKS, build_tasks, load_split
@@ -57,6 +58,10 @@ def find_run_concept(run: Run, concept: Path, neutral: Path, *, index: Path | No
     require(min_count >= 1, "--min-count", ">= 1", min_count)
     require(0.0 <= min_purity <= 1.0, "--min-purity", "in [0, 1]", min_purity)
     require(math.isfinite(threshold), "--threshold", "a finite number", threshold)
+    if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what --save writes)
+        target = out / CHECKPOINT_FILE if out.is_dir() else out
+        if target.name != CHECKPOINT_FILE:
+            check_out_file(target, "--out")
     model = run.prism_model("`prism concept`")
     if (index is None) != (concept_docs is None):
         raise ConfigError("neighbourhood purity needs both --index and --concept-docs")
@@ -80,8 +85,15 @@ def find_run_concept(run: Run, concept: Path, neutral: Path, *, index: Path | No
     return ConceptResult(suppression=sset, ranking=ranking, saved=saved)
 
 
+def is_task_folder(folder: Path) -> bool:
+    """A folder `prism tasks build` wrote: only task folders (each with its test.jsonl and lm-eval yaml)."""
+    entries = [p for p in folder.iterdir() if p.name != ".lock"]
+    return bool(entries) and all(p.is_dir() and (p / "test.jsonl").is_file() and (p / f"{p.name}.yaml").is_file()
+                                 for p in entries)
+
+
 def build_task_folders(out: Path = Path("tasks"), *, task: list[str] | None = None, train_cap: int = 400,
-                       val_cap: int = 100, test_cap: int = 200) -> dict[str, Path]:
+                       val_cap: int = 100, test_cap: int = 200, overwrite: bool = False) -> dict[str, Path]:
     """Build the multiple-choice tasks deterministically (lm-eval-readable).
 
     Args:
@@ -90,8 +102,10 @@ def build_task_folders(out: Path = Path("tasks"), *, task: list[str] | None = No
         train_cap: Examples in the train split at most.
         val_cap: Examples in the validation split at most.
         test_cap: Examples in the test split at most.
+        overwrite: Replace tasks already in --out (never any other folder).
     """
     require(min(train_cap, val_cap, test_cap) >= 1, "--train-cap/--val-cap/--test-cap", ">= 1", (train_cap, val_cap, test_cap))
+    check_out_folder(out, "task folder", holds=is_task_folder, overwrite=overwrite)
     return build_tasks(out, task or list(TASKS), {"train": train_cap, "validation": val_cap, "test": test_cap})
 
 
@@ -171,6 +185,7 @@ def fit_controller(run: Run, task: Path, *, l1: tuple[float, ...] = (3e-3, 1e-2,
     require(steps >= 1, "--steps", ">= 1", steps)
     require(math.isfinite(lr) and lr > 0, "--lr", "a finite number > 0", lr)
     require(len(l1) >= 1 and all(math.isfinite(x) and x >= 0 for x in l1), "--l1", "finite numbers >= 0", list(l1))
+    check_out_file(out, "--out")
     model = run.prism_model("a controller over prototypes (see bench/control.py for the SAE baseline)")
     assert model.prototypes is not None
     idx = run.index(index, required=True) if index is not None else None  # before the fit: fail fast on a bad path

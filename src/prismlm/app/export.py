@@ -12,26 +12,22 @@ multipliers of controllers or scaling), and every forward applies them.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from prismlm._version import __version__
 from prismlm.app.run import Run
-from prismlm.artifacts import atomic_dir, writes_folder
-from prismlm.errors import ArtifactError, TokenizerError
+from prismlm.artifacts import atomic_dir, check_out_folder, writes_folder
+from prismlm.errors import TokenizerError
 
 
-def _check_out(run: Run, out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ArtifactError(f"{out} exists and is not a folder", fix="choose another OUT", path=out)
-    target = out.resolve()
-    for mine in (run.checkpoint.path.resolve(), run.path.resolve()):
-        if mine == target or mine.is_relative_to(target):
-            raise ArtifactError(f"{out} holds the run being exported ({run.checkpoint.path}); exporting there "
-                                "would replace it", fix="choose another OUT (e.g. RUN/hf)", path=out)
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ArtifactError(f"{out} already exists and is not empty", fix="pass --overwrite to replace it, or "
-                            "choose another OUT", path=out)
+def is_export(folder: Path) -> bool:
+    """A folder ``prism export`` wrote: its config.json records the run it came from (``prism_source``)."""
+    try:
+        return "prism_source" in json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _source(run: Run) -> dict[str, Any]:
@@ -50,10 +46,10 @@ def export_run(run: Run, out: Path, *, overwrite: bool = False) -> Path:
 
     Args:
         out: Folder to write (created; written atomically).
-        overwrite: Replace OUT if it already holds files.
+        overwrite: Replace OUT if it already holds an export (never a run or any other folder).
     """
     out = Path(out)
-    _check_out(run, out, overwrite)
+    check_out_folder(out, "Hugging Face export", holds=is_export, overwrite=overwrite, option="OUT")
     from prismlm.model.hf_model import PrismForCausalLM, fast_tokenizer  # DependencyError without transformers
 
     tok = run.tokenizer

@@ -7,6 +7,7 @@ Each ``prism`` command is one of these plain functions (or one in ``app.attribut
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from dataclasses import dataclass, field
@@ -16,10 +17,10 @@ from pathlib import Path
 import torch
 
 from prismlm.app.run import Run, require
-from prismlm.artifacts import output_lock, verify_files, writes_folder
+from prismlm.artifacts import check_out_folder, folder_kind, output_lock, reading, verify_files, writes_folder
 from prismlm.data.shards import load_shards
 from prismlm.data.tokenizer import Tokenizer
-from prismlm.errors import ConfigError, DataError, PrismError
+from prismlm.errors import ArtifactCorrupt, ConfigError, DataError, PrismError
 from prismlm.eval.metrics import evaluate as evaluate_model
 from prismlm.explain import (
     Explanation,
@@ -34,8 +35,11 @@ from prismlm.explain import (
     rule_labels,
     save_labels,
 )
+from prismlm.explain.index import KIND as INDEX_KIND
+from prismlm.explain.index import LABELS_FILE
 from prismlm.model import PrismLM
 from prismlm.progress import Progress
+from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.train.checkpoint import verify_checkpoint
 from prismlm.train.distributed import barrier, cleanup, init_distributed
 
@@ -125,8 +129,9 @@ class IndexResult:
 
 
 def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = None, batch_size: int = 16,
-                    part: str = "0/1", out: Path | None = None, resume: bool = False, checkpoint_every: int = 50,
-                    shards: Path | None = None, labels: bool = True, progress: Progress = True) -> IndexResult:
+                    part: str = "0/1", out: Path | None = None, resume: bool = False, overwrite: bool = False,
+                    checkpoint_every: int = 50, shards: Path | None = None, labels: bool = True,
+                    progress: Progress = True) -> IndexResult:
     """Build the prototype index: each prototype's nearest training contexts, activation statistics,
     coverage; with ``labels``, rule-based labels once complete.
 
@@ -137,6 +142,7 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
         part: Build part i of n (i/n) of the sequences; combine with `prism index-merge`.
         out: Index folder (default RUN/index, or RUN/index-part-i-of-n).
         resume: Continue a partial index in --out after its last saved batch.
+        overwrite: Replace an index already in --out (never a run or any other folder).
         checkpoint_every: Save the partial index every N batches (0: only at the end).
         shards: Token shard folder (default: the run's, from its data config).
         labels: Also write rule-based labels (labels.json) when the index is complete.
@@ -146,11 +152,12 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
     require(max_sequences is None or max_sequences >= 1, "--max-sequences", ">= 1", max_sequences)
     require(checkpoint_every >= 0, "--checkpoint-every", ">= 0", checkpoint_every)
     pt = parse_part(part)
+    out = out or run.folder / ("index" if pt == (0, 1) else f"index-part-{pt[0]}-of-{pt[1]}")
+    check_out_folder(out, "prototype index", holds=INDEX_KIND, overwrite=overwrite, resume=resume, can_resume=True)
     info, _ = init_distributed(str(run.device))
     build_part = partial(_build_index_part, run, top_n=top_n, max_sequences=max_sequences, batch_size=batch_size,
                          resume=resume, checkpoint_every=checkpoint_every, shards=shards)
     if not info.enabled:
-        out = out or run.folder / ("index" if pt == (0, 1) else f"index-part-{pt[0]}-of-{pt[1]}")
         with output_lock(out):  # the index and its labels: one writer, a second `prism index` is refused
             result = build_part(pt, out, progress=progress)
             if labels and result.index.covers_all:
@@ -160,7 +167,6 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
     # the parts into OUT — equal to one process with the same batch size (neighbourhoods, counts and
     # histograms bit for bit, float64 sums to rounding) — and removes them. Every rank returns the merged index.
     require(pt == (0, 1), "--part", "left out under torchrun (each process builds its own part)", part)
-    out = out or run.folder / "index"
     try:
         def part_dir(rank: int) -> Path:
             return out.with_name(f"{out.name}.part-{rank}-of-{info.world_size}")
@@ -169,7 +175,8 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
                            progress=progress if info.is_main else False)
         barrier(info)
         if info.is_main:
-            merged = merge_index_parts(out, [part_dir(r) for r in range(info.world_size)], labels=labels)
+            merged = merge_index_parts(out, [part_dir(r) for r in range(info.world_size)], labels=labels,
+                                       overwrite=True)  # OUT was checked on entry
             for r in range(info.world_size):
                 shutil.rmtree(part_dir(r), ignore_errors=True)
         barrier(info)
@@ -209,14 +216,16 @@ def _build_index_part(run: Run, pt: tuple[int, int], out: Path, *, top_n: int, m
 
 
 @writes_folder("out")
-def merge_index_parts(out: Path, parts: list[Path], *, labels: bool = True) -> IndexResult:
+def merge_index_parts(out: Path, parts: list[Path], *, labels: bool = True, overwrite: bool = False) -> IndexResult:
     """Merge partial indexes (disjoint parts of the same model and shards) into one — equal to one pass.
 
     Args:
         out: Folder of the merged index.
         parts: Partial index folders (from `prism index --part i/n`).
         labels: Write rule-based labels when the merged index is complete.
+        overwrite: Replace an index already in OUT (never a run or any other folder).
     """
+    check_out_folder(out, "prototype index", holds=INDEX_KIND, overwrite=overwrite, option="OUT")
     idx = merge_indexes([PrototypeIndex.load(p) for p in parts])
     idx.save(out)
     notes: list[str] = []
@@ -323,13 +332,14 @@ class VerifyReport:
 def verify_run(run: Run, *, shards: Path | None = None, index: Path | None = None,
                cache: Path | None = None) -> VerifyReport:
     """Check every artifact of a run against its manifest with full checksums: checkpoint files (weights,
-    trainer state, config, tokenizer), token shards, prototype index, attribution cache. A corrupt or
-    foreign one is refused with its file name and the command that rebuilds it.
+    trainer state, config, tokenizer), token shards, and every prototype index (with its labels.json),
+    attribution cache and search index in the run folder. A corrupt or foreign one, or one whose
+    manifest.json is missing, is refused with its file name and the command that rebuilds it.
 
     Args:
         shards: Token shard folder (default: the run's).
-        index: Index folder (default RUN/index if it exists).
-        cache: Attribution cache folder (default RUN/attribution-cache if it exists).
+        index: Index folder (default: every index in the run folder).
+        cache: Attribution cache folder (default: every cache in the run folder).
     """
     ckpt = run.checkpoint
     checked = [str(ckpt.path / f) for f in verify_checkpoint(ckpt.path, ckpt.manifest, full=True)]
@@ -337,23 +347,94 @@ def verify_run(run: Run, *, shards: Path | None = None, index: Path | None = Non
     shard_set = run.shards(shards)
     load_shards(shard_set.root, verify=True)  # sha256 of every shard file
     checked.append(f"{shard_set.root} (train.bin, val.bin, offsets, tokenizer)")
-    idx = run.index(index) if run.model.is_prism else None
-    if idx is not None and idx.path is not None:
-        verify_files(idx.path, idx.manifest.get("files"), what="prototype index", fix="prism index RUN", full=True)
-        checked.append(str(idx.path))
-    else:
-        notes.append("no prototype index")
-    cache_dir = cache or run.folder / "attribution-cache"
-    if run.model.is_prism and (cache is not None or (cache_dir / "manifest.json").exists()):
-        c = run.cache(cache, shards)
-        assert c.path is not None  # a cache opened from a folder knows it
-        c.verify()  # every file it reads and its search sidecar's, in full
-        checked.append(str(c.path))
-    else:
-        notes.append("no attribution cache")
+    folders = [p for p in sorted(run.folder.iterdir()) if p.is_dir() and p.name != "checkpoints"] \
+        if run.folder.is_dir() and run.folder != ckpt.path else []
+    indexes = [index] if index is not None else [p for p in folders if _looks_like(p, INDEX_KIND)]
+    caches = [cache] if cache is not None else [p for p in folders if _looks_like(p, CACHE_KIND)]
+    if run.model.is_prism:
+        for p in indexes:
+            checked += _verify_index(run, p, shards)
+        for p in caches:
+            checked += _verify_cache(run, p, shards)
+    notes += [f"no {what}" for what, found in (("prototype index", indexes), ("attribution cache", caches))
+              if not found or not run.model.is_prism]
     if run.suppression is not None:
         checked.append(str(ckpt.path / "suppression.json"))
     return VerifyReport(checked=checked, notes=notes)
+
+
+# files each artifact holds besides its manifest: a folder with one of them and no manifest.json lost it
+_ARTIFACT_FILES = {INDEX_KIND: ("index.safetensors", "labels.json"),
+                   CACHE_KIND: ("sketch.npy", "seq.npy", "offsets.npy", "curvature.safetensors")}
+_DEFAULT_NAME = {INDEX_KIND: "index", CACHE_KIND: "attribution-cache"}
+
+
+def _looks_like(folder: Path, kind: str) -> bool:
+    """``folder`` holds (or held: its manifest is gone) an artifact of ``kind``; unfinished builds
+    (``.tmp``, ``.old``, ``.build``, ``.part-…``) are not artifacts yet."""
+    if any(s in folder.name for s in (".tmp", ".old", ".build", ".part-")):
+        return False
+    found = folder_kind(folder)
+    if found is not None:
+        return found == kind
+    return folder.name == _DEFAULT_NAME[kind] or any((folder / f).exists() for f in _ARTIFACT_FILES[kind])
+
+
+def _require_manifest(folder: Path, what: str, rebuild: str) -> None:
+    if not (folder / "manifest.json").is_file():
+        raise ArtifactCorrupt(f"the {what} {folder} has no manifest.json: its files cannot be checked",
+                              fix=f"delete {folder} and rebuild it with `{rebuild}`", path=folder / "manifest.json")
+
+
+def _verify_index(run: Run, folder: Path, shards: Path | None) -> list[str]:
+    """Full checksums of an index and a check of its labels.json (ids of this bank, a label and category each)."""
+    fix = f"prism index {run.path} --out {folder} --overwrite"
+    _require_manifest(folder, "prototype index", fix)
+    idx = run.index(folder, shards)
+    assert idx is not None and idx.path is not None
+    verify_files(idx.path, idx.manifest.get("files"), what="prototype index", fix=fix, full=True)
+    done = [str(idx.path)]
+    labels = idx.path / LABELS_FILE
+    if labels.exists():
+        _check_labels(labels, idx.num_prototypes, fix=f"prism label {run.path} --index {folder}")
+        done.append(str(labels))
+    return done
+
+
+def _check_labels(path: Path, num_prototypes: int, *, fix: str) -> None:
+    """``ArtifactCorrupt`` naming ``path`` unless it maps prototype ids in [0, K) to {label, category} strings."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ArtifactCorrupt(f"{path} cannot be read ({type(e).__name__}: {e})", fix=fix, path=path) from e
+    bad = "it is not a JSON object" if not isinstance(data, dict) else next(
+        (f"entry {k!r}" for k, v in data.items()
+         if not (k.isdigit() and int(k) < num_prototypes and isinstance(v, dict)
+                 and isinstance(v.get("label"), str) and isinstance(v.get("category"), str))), None)
+    if bad is not None:
+        raise ArtifactCorrupt(f"{path} is not a labels file of {num_prototypes} prototypes ({bad}: expected "
+                              "prototype id → {label, category})", fix=fix, path=path)
+
+
+def _verify_cache(run: Run, folder: Path, shards: Path | None) -> list[str]:
+    """Full checksums of an attribution cache and of its search index (CACHE/search) if it has one."""
+    fix = f"prism attribute-cache {run.path} --out {folder} --overwrite"
+    _require_manifest(folder, "attribution cache", fix)
+    c = run.cache(folder, shards)
+    assert c.path is not None  # a cache opened from a folder knows it
+    verify_files(c.path, c.manifest.get("files"), what="attribution cache", fix=fix, full=True)
+    c.verify()  # every file the cache reads must have a manifest record, and its search sidecar's files too
+    done = [str(c.path)]
+    side = c.path / "search"
+    if side.is_dir():
+        rebuild = f"prism attribute-search {run.path} --cache {folder} --overwrite"
+        _require_manifest(side, "search index", rebuild)
+        with reading(side / "manifest.json", "search index manifest", fix=rebuild):
+            files = json.loads((side / "manifest.json").read_text(encoding="utf-8")).get("files")
+        verify_files(side, files, what="search index", fix=rebuild, full=True)
+        run.search(folder, shards)  # and that it was built from this cache
+        done.append(str(side))
+    return done
 
 
 # ----- looking prototypes up -----------------------------------------------------------------------------

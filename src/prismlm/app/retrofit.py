@@ -9,17 +9,19 @@ from pathlib import Path
 from prismlm.app.run import require
 from prismlm.config import DataConfig, LossConfig, RunConfig, TrainConfig
 from prismlm.data.shards import prepare_from_config
+from prismlm.errors import CheckpointError, ConfigError
 from prismlm.progress import Progress
+from prismlm.train.checkpoint import find_checkpoint
 from prismlm.train.retrofit import load_pretrained, retrofit, save_tokenizer
-from prismlm.train.trainer import TrainResult
+from prismlm.train.trainer import TrainResult, check_run_folder, train
 
 
-def retrofit_model(source: str, *, out: Path, corpus: str = "builtin", steps: int = 300,
+def retrofit_model(source: str | None = None, *, out: Path, corpus: str = "builtin", steps: int | None = None,
                    frozen_steps: int | None = None, unfreeze: str = "none", prototypes: int = 512, top_k: int = 8,
                    lr: float = 1e-2, backbone_lr_ratio: float = 0.1, batch_size: int = 16,
                    block_size: int | None = None, lora_rank: int = 8, max_docs: int | None = None, text_field: str = "text",
-                   overrides: list[str] | None = None, device: str = "auto", overwrite: bool = False,
-                   progress: Progress = True) -> TrainResult:
+                   overrides: list[str] | None = None, device: str = "auto", resume: bool = False,
+                   overwrite: bool = False, progress: Progress = True) -> TrainResult:
     """Retrofit prototypes onto a pretrained causal LM (a transformers model or a prismlm run).
 
     Stage 1 trains only the prototype bank (REC + R1 + R2) with the backbone frozen, so the model's logits
@@ -30,7 +32,7 @@ def retrofit_model(source: str, *, out: Path, corpus: str = "builtin", steps: in
         source: The pretrained model: a transformers folder (or hub name when online) or a prismlm run.
         out: Run folder to write.
         corpus: Corpus the prototypes are anchored to (builtin, a folder/glob/file, or hf:NAME).
-        steps: Total optimizer steps (both stages).
+        steps: Total optimizer steps (both stages; default 300). With --resume, train on to this step.
         frozen_steps: Steps of stage 1 (default: all steps with --unfreeze none, else half).
         unfreeze: What stage 2 trains besides the bank: none, last-N (the last N blocks and the final norm), lora (LoRA adapters on every backbone Linear, via peft) or all.
         prototypes: Prototypes in the bank (K).
@@ -44,10 +46,19 @@ def retrofit_model(source: str, *, out: Path, corpus: str = "builtin", steps: in
         text_field: Text field of .jsonl/.parquet/HF corpora.
         overrides: Override any run config field: --set train.log_interval=5 (repeatable).
         device: auto, cpu, cuda, cuda:1.
+        resume: Continue the retrofit in --out from its latest checkpoint, with the recipe saved there (the
+            other options but --steps and --device are not read; the source is not loaded again).
         overwrite: Replace a run already in --out.
         progress: Show progress bars.
     """
+    if resume:
+        return resume_retrofit(out, steps=steps, device=device, progress=progress)
+    if source is None:
+        raise ConfigError("--from is missing: name the pretrained model to retrofit (a transformers folder, a hub "
+                          "name or a prismlm run)", fix="pass --from MODEL, or --resume to continue the run in --out")
+    steps = 300 if steps is None else steps
     require(steps >= 1, "--steps", ">= 1", steps)
+    check_run_folder(out, resume=False, overwrite=overwrite)  # before minutes of loading and seeding
     require(unfreeze in ("none", "all", "lora") or re.fullmatch(r"last-[1-9]\d*", unfreeze) is not None,
             "--unfreeze", "none, last-N, lora or all", unfreeze)
     require(lora_rank >= 1, "--lora-rank", ">= 1", lora_rank)
@@ -78,4 +89,15 @@ def retrofit_model(source: str, *, out: Path, corpus: str = "builtin", steps: in
     return retrofit(pre, cfg, out, shards=shards, progress=progress, overwrite=overwrite)
 
 
-__all__ = ["retrofit_model"]
+def resume_retrofit(out: Path, *, steps: int | None = None, device: str = "auto",
+                    progress: Progress = True) -> TrainResult:
+    """Continue the retrofit run in ``out`` from its latest checkpoint: the trainer reads the recipe saved
+    there (stages, bank, shards); the pretrained weights are in the checkpoint, so the source is not read."""
+    try:
+        cfg = RunConfig.from_json(find_checkpoint(out) / "config.json")
+    except CheckpointError:  # no run or no checkpoint: the trainer refuses it and says how to go on
+        cfg = RunConfig()
+    return train(cfg.override({"train.device": device}), out, resume=True, extend_to=steps, progress=progress)
+
+
+__all__ = ["resume_retrofit", "retrofit_model"]

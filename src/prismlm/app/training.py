@@ -7,8 +7,9 @@ from pathlib import Path
 
 from prismlm.app.operations import IndexResult, build_run_index, evaluate, explain_text, generate
 from prismlm.app.run import Run, StageFn, no_stages, require
+from prismlm.artifacts import check_out_folder
 from prismlm.config import RunConfig
-from prismlm.data.shards import ShardSet, prepare_shards
+from prismlm.data.shards import ShardSet, is_shard_folder, prepare_shards
 from prismlm.explain import Explanation
 from prismlm.progress import Progress
 from prismlm.train.trainer import TrainResult
@@ -39,7 +40,7 @@ def default_run_folder(cfg: RunConfig) -> Path:
 
 def prepare(corpus: str = "builtin", tokenizer: str = "bpe-8192", *, out: Path | None = None,
             text_field: str = "text", val_fraction: float = 0.02, max_docs: int | None = None,
-            progress: Progress = True) -> ShardSet:
+            overwrite: bool = False, progress: Progress = True) -> ShardSet:
     """Tokenize a corpus into memory-mapped token shards (reused if already built).
 
     Args:
@@ -49,11 +50,15 @@ def prepare(corpus: str = "builtin", tokenizer: str = "bpe-8192", *, out: Path |
         text_field: Text field of .jsonl/.parquet/HF corpora.
         val_fraction: Share of documents held out for validation.
         max_docs: Use only the first N documents.
+        overwrite: Replace shards of another corpus or tokenizer already in --out (never any other folder;
+            shards of the same corpus and tokenizer are reused).
         progress: Show a progress bar.
     """
     require(0.0 < val_fraction < 1.0, "--val-fraction", "in (0, 1)", val_fraction)
+    if out is not None:  # the same shards are reused; others only with --overwrite (checked by prepare_shards)
+        check_out_folder(out, "token shard folder", holds=is_shard_folder, resume=True)
     return prepare_shards(corpus, tokenizer, out, val_fraction=val_fraction, text_field=text_field, max_docs=max_docs,
-                          show_progress=progress)
+                          show_progress=progress, replace=overwrite or out is None)
 
 
 def train_from_options(*, preset: str = "cpu-small", config: Path | None = None, out: Path | None = None,
@@ -134,7 +139,7 @@ def demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Pat
         # Why a cap: the demo indexes a sample so it stays a demo; `prism index RUN` indexes everything.
         n_index = index_sequences if index_sequences is not None else (64 if preset == "tiny" else 1024)
         on_stage(f"index ({n_index} training sequences)", 3, stages)
-        demo_result.index = build_run_index(run, max_sequences=n_index, progress=progress)
+        demo_result.index = build_run_index(run, max_sequences=n_index, progress=progress, overwrite=overwrite)
         on_stage("explain", 4, stages)
         demo_result.explanation = explain_text(run, DEMO_PROMPTS[1], generate=12, seed=0)
     return demo_result

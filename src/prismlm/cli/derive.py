@@ -21,6 +21,7 @@ from typing import Any
 import typer
 
 from prismlm.app.run import Run
+from prismlm.artifacts import check_out_file
 from prismlm.cli.console import fail, interrupted, is_main_process, progress_for
 from prismlm.errors import PrismError
 from prismlm.progress import Progress
@@ -181,6 +182,9 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
                 fail(str(e))
         render_kwargs = {k: v for k, v in kwargs.items() if k in render_names}
         try:
+            for k, v in render_kwargs.items():  # output files (--json, --html): refused before any work
+                if k.endswith("_out") and v is not None:
+                    check_out_file(v, decls.get(k, [f"--{k.replace('_', '-')}"])[0])
             run = None
             if opens_run:
                 run = Run.open(kwargs["run"], device=kwargs["device"],

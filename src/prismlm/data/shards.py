@@ -306,6 +306,7 @@ def prepare_shards(
     max_chars_per_doc: int | None = None,
     show_progress: Progress = True,
     cache_dir: str | Path | None = None,
+    replace: bool = True,
 ) -> ShardSet:
     """Tokenise ``corpus`` into train/val shards, or reuse a matching cache.
 
@@ -313,6 +314,9 @@ def prepare_shards(
     id); a trained tokenizer sees the train split only. If a split would be
     empty and the corpus has at least 2 documents, the document with the
     extreme split hash is moved over, so both splits are usable.
+
+    ``replace=False``: refuse (``ShardError``) a folder that holds complete shards of another corpus or
+    tokenizer instead of rebuilding it (``prism prepare --out`` without ``--overwrite``).
     """
     if not 0.0 <= val_fraction <= 1.0:
         raise ConfigError(f"--val-fraction must be in [0, 1], got {val_fraction}")
@@ -327,6 +331,8 @@ def prepare_shards(
     done = _reuse(root, key)
     if done is not None:
         return done
+    if not replace:
+        _refuse_other_shards(root, key)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -338,7 +344,10 @@ def prepare_shards(
         done = _reuse(root, key)
         if done is not None:
             return done
+        if not replace:
+            _refuse_other_shards(root, key)
         mpath.unlink(missing_ok=True)  # a crash mid-rebuild must not leave a stale "complete" marker
+        _remove_stale_temps(root)
         try:
             return _build(root, key, corpus, tokenizer, fp, opts, val_fraction, seed, text_field, max_docs,
                           max_chars_per_doc, show_progress)
@@ -346,6 +355,53 @@ def prepare_shards(
             for tmp in root.glob("*.tmp"):  # a failed build leaves no half-written files behind
                 tmp.unlink(missing_ok=True)
             raise
+
+
+_SHARD_FILE = re.compile(r"(train|val)\.(bin|docs\.npy|ids\.json)(\.\d+\.tmp|\.tmp2?)?|tokenizer|\.lock"
+                         r"|manifest\.json(\.tmp)?")
+
+
+def is_shard_folder(folder: Path) -> bool:
+    """A folder ``prepare_shards`` wrote: its manifest has a key and splits, or (a build that was stopped)
+    it has no manifest and holds nothing but shard files."""
+    try:
+        m = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        return isinstance(m, dict) and "key" in m and "splits" in m
+    except FileNotFoundError:
+        return folder.is_dir() and all(_SHARD_FILE.fullmatch(p.name) for p in folder.iterdir())
+    except (OSError, ValueError):
+        return False
+
+
+def _refuse_other_shards(root: Path, key: str) -> None:
+    """``ShardError`` if ``root`` holds shards made with another key (corpus, tokenizer or options)."""
+    try:
+        old = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # none, or a damaged build of prismlm's own: rebuilt
+    if isinstance(old, dict) and old.get("key") not in (None, key):
+        spec = f"{old.get('corpus', {}).get('spec')!r} with tokenizer {old.get('tokenizer', {}).get('spec')!r}"
+        raise ShardError(f"{root} holds the shards of another corpus or tokenizer ({spec})",
+                         fix="pass --overwrite to replace them, or choose another --out", path=root)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_stale_temps(root: Path) -> None:
+    """Remove what killed builds left (``<split>.bin.<pid>.tmp`` of a dead process, ``*.tmp2``). Called
+    holding the folder's lock: no live writer of this folder is between its temp files and their rename."""
+    for p in root.iterdir():
+        m = re.fullmatch(r"(?:train|val)\.bin\.(\d+)\.tmp", p.name)
+        if (m and not _pid_alive(int(m.group(1)))) or p.name.endswith(".tmp2"):
+            p.unlink(missing_ok=True)
 
 
 def _reuse(root: Path, key: str) -> ShardSet | None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from prismlm.artifacts import FileLock
+from prismlm.artifacts import RUN, RUN_FILES, FileLock, check_out_folder, folder_kind
 from prismlm.config import RunConfig
 from prismlm.errors import CheckpointError, ConfigError, DataError, RunError
 from prismlm.eval.metrics import evaluate
@@ -230,7 +230,7 @@ def train(
     lock = FileLock(out_dir / ".lock", f"run folder {out_dir}") if info.is_main else None
     try:
         if lock is not None:
-            _check_run_folder(out_dir, resume=resume, overwrite=overwrite)
+            check_run_folder(out_dir, resume=resume, overwrite=overwrite)
             lock.acquire()
             if overwrite and not resume:
                 _clear_run_folder(out_dir)
@@ -241,7 +241,7 @@ def train(
             try:
                 ckpt = load_checkpoint(find_checkpoint(out_dir), device="cpu")
             except CheckpointError as e:
-                raise CheckpointError(f"cannot resume {out_dir}: {e}", fix="start it without --resume") from e
+                raise CheckpointError(f"cannot resume {out_dir}: {e}", fix=_restart_fix(out_dir)) from e
             cfg = ckpt.config  # the run's own config; a resumed run never silently changes its recipe
             state = ckpt.trainer_state()
             start_step = int(state["step"])
@@ -500,17 +500,45 @@ def train(
 
 
 _WRITE_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
-_RUN_FILES = ("config.json", "env.json", "metrics.jsonl", "checkpoints")
+def _holds_run(folder: Path) -> bool:
+    """A run folder, even one stopped before env.json was written (its config.json is a RunConfig)."""
+    if folder_kind(folder) == RUN:
+        return True
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "model" in cfg and "train" in cfg
 
 
-def _check_run_folder(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+def _has_checkpoint(out_dir: Path) -> bool:
+    try:
+        find_checkpoint(out_dir)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _restart_fix(out_dir: Path) -> str:
+    """How to go on with a run folder that has nothing to resume."""
+    if _holds_run(out_dir):
+        return "nothing to resume: start it again with --overwrite, or choose another --out"
+    return "start it without --resume"
+
+
+def check_run_folder(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     """Refuse to start a new run in a folder that holds one, unless ``overwrite``; refuse to resume a
-    folder that does not exist (before the lock would create it)."""
+    folder that does not exist (before the lock would create it); refuse a file, a run's checkpoints or a
+    non-empty folder that holds no run whatever the flags (``check_out_folder``)."""
     if resume and not out_dir.exists():
         raise CheckpointError(f"cannot resume {out_dir}: no such run", fix="start it without --resume")
+    check_out_folder(out_dir, "run", holds=_holds_run, overwrite=True)  # the run itself: decided below
     if resume or overwrite or not out_dir.exists():
         return
-    held = [name for name in _RUN_FILES if (out_dir / name).exists()]
+    held = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if held and not _has_checkpoint(out_dir):  # stopped before its first checkpoint: --resume has nothing
+        raise RunError(f"{out_dir} already holds a run stopped before its first checkpoint ({', '.join(held)})",
+                       fix=_restart_fix(out_dir))
     if held:
         raise RunError(f"{out_dir} already holds a run ({', '.join(held)})",
                        fix="continue it with --resume, replace it with --overwrite, or choose another --out")
@@ -520,7 +548,7 @@ def _clear_run_folder(out_dir: Path) -> None:
     """``--overwrite``: remove the previous run's files (only those a run writes)."""
     import shutil
 
-    for name in _RUN_FILES:
+    for name in RUN_FILES:
         p = out_dir / name
         if p.is_dir():
             shutil.rmtree(p)
