@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import time
@@ -34,8 +35,8 @@ import torch
 
 from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, ConfigError, PrismError, RunError
 
-__all__ = ["atomic_dir", "atomic_write_bytes", "atomic_write_text", "check_provenance", "merge_ranges",
-           "model_identity", "overlap", "part_range", "provenance", "sha256_file"]
+__all__ = ["atomic_dir", "atomic_write_bytes", "atomic_write_text", "check_provenance", "encodable", "merge_ranges",
+           "model_identity", "overlap", "part_range", "provenance", "sha256_file", "write_output"]
 
 
 # ----- atomic writes ---------------------------------------------------------------------------------------
@@ -63,6 +64,30 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
     """Write ``text`` to ``path`` through ``<path>.tmp`` renamed into place; returns ``path``."""
     return atomic_write_bytes(path, text.encode(encoding))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(text: str) -> str:
+    """``text`` with every lone surrogate (what Python makes of undecodable argv bytes) replaced by U+FFFD,
+    so that it encodes as UTF-8."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def write_output(path: str | Path, text: str, *, option: str) -> Path:
+    """Write a file the user named with ``option`` (``--json``, ``--html``): missing parent folders are
+    created, lone surrogates are written as U+FFFD, and the write is atomic (never a 0-byte or torn file).
+    A path that cannot be written raises ``ConfigError`` naming the option, the path and the OS's reason."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "Is a directory", str(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return atomic_write_text(path, encodable(text))
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot write it ({e.strerror or e})",
+                          fix=f"give {option} a file path in a folder you can write", path=path) from None
 
 
 @contextmanager

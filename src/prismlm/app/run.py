@@ -49,13 +49,26 @@ def require(ok: bool, flag: str, rule: str, value: object) -> None:
         raise ConfigError(f"{flag} must be {rule}, got {value!r}")
 
 
+def writable_folder(path: Path, option: str = "--out") -> Path:
+    """``path`` created (with its parents) if it is not there: a folder that cannot be created (``/proc/x``,
+    a read-only parent, a file in the way) is a ``ConfigError`` naming ``option`` instead of a traceback
+    from deep inside the writer."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot create this folder ({e.strerror or e})",
+                          fix=f"give {option} a folder path you can write", path=path) from None
+    return path
+
+
 def open_device(spec: str) -> torch.device:
     """``auto``, ``cpu``, ``cuda``, ``cuda:1`` → a device; ``PrismError`` for one that is not there. Under
     ``torchrun``, ``auto`` and ``cuda`` mean this process's GPU (``LOCAL_RANK``)."""
     try:
         return resolve_device(spec, int(os.environ.get("LOCAL_RANK", "0")))
     except (RuntimeError, ValueError) as e:
-        raise PrismError(f"--device {spec!r}: {e}", fix="use --device cpu or auto") from e
+        raise PrismError(f"--device {spec!r}: {e.message if isinstance(e, PrismError) else e}",
+                         fix="use --device cpu or auto") from e
 
 
 def resolve_suppression(checkpoint: Checkpoint, suppress: str | Path | None) -> SuppressionSet | None:

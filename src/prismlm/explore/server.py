@@ -245,6 +245,8 @@ def serve(run: str | Path, *, index: Path | None = None, cache: Path | None = No
     about on stderr: the explorer has no authentication."""
     import uvicorn
 
+    if not 1 <= port <= 65535:  # checked before the run is opened (uvicorn would fail only at bind)
+        raise ConfigError(f"--port must be in [1, 65535], got {port}", fix="e.g. --port 8000")
     if host not in LOCAL_HOSTS and host != "::1":
         print(f"warning: serving on {host}: anyone who can reach this address can use the explorer (it has no "
               f"authentication); the default 127.0.0.1 keeps it on this machine", file=sys.stderr)
