@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from prismlm.app.run import require
+from prismlm.app.run import require, writable_folder
 from prismlm.config import DataConfig, LossConfig, RunConfig, TrainConfig
 from prismlm.data.shards import prepare_from_config
 from prismlm.progress import Progress
@@ -75,7 +75,7 @@ def retrofit_model(source: str, *, out: Path, corpus: str = "builtin", steps: in
                 "model.lora_rank": lora_rank if unfreeze == "lora" else 0})
     cfg = cfg.override_strings(overrides or [])
     shards = prepare_from_config(cfg.data, show_progress=progress)
-    return retrofit(pre, cfg, out, shards=shards, progress=progress, overwrite=overwrite)
+    return retrofit(pre, cfg, writable_folder(out), shards=shards, progress=progress, overwrite=overwrite)
 
 
 __all__ = ["retrofit_model"]

@@ -60,7 +60,7 @@ def print_metrics(metrics: dict, title: str = "evaluation") -> None:
 
 
 def _write_json(path: Path, data: object) -> None:
-    write_output(path, json.dumps(data, indent=2) + "\n", option="--json")
+    write_output(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", option="--json")
     console.print(f"JSON → {path}")
 
 
