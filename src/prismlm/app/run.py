@@ -10,6 +10,7 @@ Interventions (suppression sets, controllers, scaling) are values held by the ru
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,6 +48,28 @@ def require(ok: bool, flag: str, rule: str, value: object) -> None:
     """``ConfigError`` "FLAG must be RULE, got VALUE" unless ``ok``: the range check of every numeric option."""
     if not ok:
         raise ConfigError(f"{flag} must be {rule}, got {value!r}")
+
+
+def _stamp(manifest: Path) -> tuple[int, ...] | None:
+    """(inode, size, mtime, ctime) of an artifact's manifest, or None: every build writes a new manifest
+    (an atomic rename: a new inode), so a changed stamp means the artifact was rebuilt."""
+    try:
+        st = manifest.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(text: str, what: str) -> None:
+    """``ConfigError`` naming ``what`` when ``text`` holds a lone surrogate (a JSON ``\\udcff`` escape, or
+    undecodable bytes): such a string cannot be encoded, so no answer about it could be sent back."""
+    m = _SURROGATE.search(text)
+    if m is not None:
+        raise ConfigError(f"{what} holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}), "
+                          "which is not Unicode text", fix="send valid Unicode (UTF-8) text")
 
 
 def writable_folder(path: Path, option: str = "--out") -> Path:
@@ -103,6 +126,8 @@ class Run:
     _shards: dict[str, ShardSet] = field(default_factory=dict, repr=False)
     """Opened shards, by how they were asked for and by their resolved root (each is opened once)."""
     _artifacts: dict[tuple[str, Path], object] = field(default_factory=dict, repr=False)
+    _stamps: dict[tuple[str, Path], tuple[int, ...] | None] = field(default_factory=dict, repr=False)
+    """The manifest stamp (``_stamp``) of each cache opened: a rebuilt cache is re-opened."""
     """Opened index / cache, by kind and folder."""
 
     @classmethod
@@ -225,14 +250,18 @@ class Run:
         from prismlm.tda.cache import AttributionCache
 
         path = cache_dir or self.folder / "attribution-cache"
+        stamp = _stamp(path / "manifest.json")
         if ("cache", path) in self._artifacts:
-            return self._artifacts["cache", path]  # type: ignore[return-value]
+            if self._stamps.get(("cache", path)) == stamp:
+                return self._artifacts["cache", path]  # type: ignore[return-value]
+            self.forget(path)  # rebuilt (or removed) since it was opened: its manifest is another file now
         if not (path / "manifest.json").exists():
             raise ArtifactError(f"no attribution cache at {path}",
                                 fix=f"prism attribute-cache {self.path} (or use --method full)")
         cache = AttributionCache.load(path, model_sha256=self.identity)
         cache.check(shards=self.shards(shards_dir, cache.manifest.get("shards_root")))
         self._artifacts["cache", path] = cache
+        self._stamps["cache", path] = stamp
         return cache
 
     def search(self, cache_dir: Path | None = None, shards_dir: Path | None = None, *,
