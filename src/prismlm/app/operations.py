@@ -83,7 +83,7 @@ def generate(run: Run, prompt: str = "", *, tokens: int = 100, samples: int = 1,
 
     Args:
         prompt: Text to continue (empty: start from end-of-text).
-        tokens: New tokens per sample (at most 65,536; past the context window the window slides).
+        tokens: New tokens per sample. At most 65,536 (past the context window, the window slides).
         samples: Number of samples.
         temperature: Sampling temperature (0 = greedy).
         top_k: Sample from the top-k tokens only.
