@@ -255,6 +255,7 @@ class Run:
             if self._stamps.get(("cache", path)) == stamp:
                 return self._artifacts["cache", path]  # type: ignore[return-value]
             self.forget(path)  # rebuilt (or removed) since it was opened: its manifest is another file now
+            self.forget(path / "search")  # its search sidecar belonged to the old cache
         if not (path / "manifest.json").exists():
             raise ArtifactError(f"no attribution cache at {path}",
                                 fix=f"prism attribute-cache {self.path} (or use --method full)")

@@ -13,7 +13,8 @@ operation checks its own limits (text length, tokens, top-N: 422). Model calls r
 explorer's lock); at most ``Limits.max_waiting`` requests may wait for it, more get 503 — memory stays
 bounded however many requests arrive. The ``Host`` header must be one of ``allowed_hosts`` (a page on
 another site cannot reach the server through DNS rebinding). Errors of prismlm's hierarchy become JSON
-``{"error", "message", "fix"}`` with a 4xx status.
+``{"error", "message", "fix"}`` with a 4xx status: among them a string holding a lone surrogate (valid JSON,
+``"\\udcff"``, but not Unicode), a seed torch cannot take, a document position outside the document.
 """
 
 from __future__ import annotations
