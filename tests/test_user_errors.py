@@ -45,6 +45,9 @@ def _one_line_error(res, *expected: str) -> None:
     ("train.betas=0.9", "train.betas"),
     ("train.betas=[0.9]", "train.betas"),
     ("train.betas=[0.9,1.5]", "train.betas"),
+    ("train.batch_size=0", "train.batch_size must be >= 1"),  # every field's check names its section
+    ("model.prototypes.top_k=0", "model.prototypes.top_k must be in"),
+    ("data.val_fraction=2", "data.val_fraction must be in (0, 1)"),
 ])
 def test_bad_config_values_name_the_field(tmp_path, override, field):
     res = _run("train", "--preset", "tiny", "--set", override, "--out", tmp_path / "r", *SMALL_DATA)

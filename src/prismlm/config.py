@@ -57,7 +57,14 @@ def _from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
         elif isinstance(value, list) and name == "betas":
             value = tuple(value)
         kwargs[name] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # "batch_size must be >= 1" → "train.batch_size must be >= 1": the key to fix
+        section = where.removeprefix("config.") if where.startswith("config.") else None
+        head = re.match(r"(\w+) ", e.message)
+        if section is None or head is None or head.group(1) not in known:
+            raise
+        raise ConfigError(f"{section}.{e.message}", fix=e.fix) from None
 
 
 @dataclass
