@@ -115,7 +115,7 @@ def _refuse_exported_folder(path: Path) -> None:
     except (OSError, ValueError, AttributeError):
         return
     if exported:
-        raise ConfigError(f"--model prism: {path} is a transformers model folder (from `prism export`), not a "
+        raise ConfigError(f"--model prism: {path} is a transformers model folder (what `prism export` writes), not a "
                           "prismlm run", fix=f"--model hf --model_args pretrained={path},trust_remote_code=True")
 
 
