@@ -137,3 +137,19 @@ def test_a_cache_rebuilt_while_serving_is_reloaded(built, tiny_shards, tmp_path)
     second = client.post("/api/training", json={"prompt": "The sea", "top": 3}).json()
     assert second["num_train"] == 16
     assert max(it["sequence"] for it in second["items"]) < 16
+
+
+def test_a_corrupt_labels_file_is_one_line_on_the_command_line(built, tmp_path):
+    """Outside the explorer a corrupt labels.json is refused by name with the command that rewrites it."""
+    from typer.testing import CliRunner
+
+    from prismlm.cli import app
+
+    run, _ = built
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "index" / "labels.json").write_text("[1, 2")
+    res = CliRunner().invoke(app, ["prototypes", str(copy), "--limit", "3", "--device", "cpu"])
+    assert res.exit_code == 2, res.output
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith("error:") and "labels.json" in last and "prism label" in last, res.output

@@ -179,3 +179,17 @@ def test_an_os_error_on_a_path_is_one_line_in_every_command(tiny_run, monkeypatc
 
     monkeypatch.setattr(operations, "sample_continuations", denied)
     _one_line_error(_run("generate", tiny_run, "-n", "1", "--device", "cpu"), "Permission denied", "/some/file")
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root ignores permission bits")
+def test_export_into_a_read_only_folder_is_one_line(tiny_run, tmp_path):
+    pytest.importorskip("transformers")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        res = _run("export", tiny_run, ro / "exp", "--device", "cpu")
+        _one_line_error(res, "OUT", str(ro / "exp"))
+    finally:
+        ro.chmod(0o755)
