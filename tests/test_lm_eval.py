@@ -349,3 +349,33 @@ def test_rolling_loglikelihood_equals_hflm_on_the_exported_model(trained, tmp_pa
     texts = (long_text(200), "A short one.")
     ours = PrismEvalLM(pretrained=str(run), batch_size=2, device="cpu").loglikelihood_rolling(rolling(*texts))
     assert ours == pytest.approx(hflm.loglikelihood_rolling(rolling(*texts)), rel=1e-5)
+
+
+@pytest.mark.parametrize("model_args, batch, device", [
+    ("batch_size=4", 4, "cpu"),
+    ("device=cpu", 2, "cpu"),
+    ("batch_size=3,device=cpu", 3, "cpu"),
+])
+def test_model_args_keys_that_lm_eval_also_passes_are_taken_once(trained, model_args, batch, device):
+    """Issue 23: `--model_args pretrained=RUN,batch_size=4` (or device=cpu) — keys our own message lists as
+    valid — crashed with `got multiple values`, because lm-eval passes its own --batch_size/--device too.
+    The key given in model_args wins."""
+    _, run = trained
+    lm_eval_extra = {"batch_size": 2, "max_batch_size": None, "device": "cpu"}  # lm-eval's CLI defaults
+    lm = PrismEvalLM.create_from_arg_string(f"pretrained={run},{model_args}", lm_eval_extra)
+    assert lm.batch_size == batch and str(lm.device) == device
+    lm = PrismEvalLM.create_from_arg_obj({"pretrained": str(run), **dict(kv.split("=") for kv in model_args.split(","))},
+                                         lm_eval_extra)
+    assert lm.batch_size == batch
+
+
+def test_an_exported_folder_points_to_model_hf(trained, tmp_path):
+    """`pretrained=EXPORT_FOLDER` said "manifest.json is missing"; it must say to use `--model hf`."""
+    pytest.importorskip("transformers")
+    from prismlm.app import Run
+    from prismlm.app.export import export_run
+
+    _, run = trained
+    out = export_run(Run.open(run, device="cpu"), tmp_path / "exported")
+    with pytest.raises(ConfigError, match="--model hf --model_args pretrained=.*exported,trust_remote_code=True"):
+        PrismEvalLM.create_from_arg_string(f"pretrained={out}", {"batch_size": 1, "device": "cpu"})

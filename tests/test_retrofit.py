@@ -282,3 +282,56 @@ def test_explanations_carry_the_unembedding_bias(retrofitted):
     exp = explain_text(Run.open(retrofitted["phi"], device="cpu"), "The people of the United States")
     assert any(abs(p.bias_slice) > 1e-3 for p in exp.positions)
     assert exp.max_abs_error < 1e-4 * max(abs(p.logit) for p in exp.positions)
+
+
+def _broken_copy(src, dst, *, config: dict | None = None, weights: str | None = None):
+    """A copy of a saved model folder with config.json keys changed and/or its weights removed or cut."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, **config}))
+    w = dst / "model.safetensors"
+    if weights == "missing":
+        w.unlink()
+    elif weights == "truncated":
+        w.write_bytes(w.read_bytes()[: w.stat().st_size // 3])
+    return dst
+
+
+@pytest.mark.parametrize("case, expected", [
+    ({"config": {"vocab_size": 0}}, "vocab_size must be a positive integer, got 0"),
+    ({"config": {"vocab_size": -7}}, "vocab_size must be a positive integer, got -7"),
+    ({"config": {"vocab_size": "big"}}, "vocab_size must be a positive integer, got 'big'"),
+    ({"weights": "missing"}, "no weights to load"),
+    ({"weights": "truncated"}, "weights file cannot be read"),
+    ({"config": {"n_embd": 64}}, "do not match its config.json"),
+])
+def test_broken_transformers_folders_are_one_line_errors(hf_folders, tmp_path, case, expected):
+    """Issue 23 item 4: each of these crashed inside transformers/safetensors with a traceback."""
+    src = _broken_copy(hf_folders["gpt2"], tmp_path / "broken", **case)
+    res = CliRunner().invoke(cli_app, ["retrofit", "--from", str(src), "--out", str(tmp_path / "r"), "--no-progress"])
+    assert res.exit_code == 2, res.output
+    last = res.output.strip().splitlines()[-1]
+    assert last.startswith("error:") and expected in last and "fix:" in last, res.output
+
+
+def test_a_config_file_for_from_points_to_its_folder(hf_folders, tmp_path):
+    res = CliRunner().invoke(cli_app, ["retrofit", "--from", str(hf_folders["gpt2"] / "config.json"),
+                                       "--out", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "is a file" in res.output and f"--from {hf_folders['gpt2']}" in res.output, res.output
+
+
+def test_a_bert_folder_is_not_a_causal_lm(hf_folders, tmp_path):
+    """transformers maps BERT to BertLMHeadModel, which loads (missing its decoder-only parts); the error
+    must say what is wrong: an encoder, not "weights do not fit (missing pooler)"."""
+    bert = tmp_path / "bert"
+    transformers.BertModel(transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=64)).save_pretrained(bert)
+    hf_tokenizer_from_folder = transformers.AutoTokenizer.from_pretrained(hf_folders["gpt2"])
+    hf_tokenizer_from_folder.save_pretrained(bert)
+    from prismlm.train.retrofit import load_pretrained
+
+    with pytest.raises(ModelError, match="not a causal LM"):
+        load_pretrained(str(bert))

@@ -31,6 +31,7 @@ import inspect
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import threading
@@ -45,8 +46,8 @@ import torch
 from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError, PrismError, RunError
 
 __all__ = ["FileLock", "atomic_dir", "atomic_write_bytes", "atomic_write_text", "check_out_file", "check_out_folder",
-           "check_provenance", "folder_kind", "merge_ranges", "model_identity", "output_lock", "overlap", "part_range",
-           "provenance", "sha256_file", "writes_folder"]
+           "check_provenance", "encodable", "folder_kind", "merge_ranges", "model_identity", "output_lock", "overlap",
+           "part_range", "provenance", "sha256_file", "write_output", "writes_folder"]
 
 
 # ----- atomic writes ---------------------------------------------------------------------------------------
@@ -74,6 +75,30 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
     """Write ``text`` to ``path`` through ``<path>.tmp`` renamed into place; returns ``path``."""
     return atomic_write_bytes(path, text.encode(encoding))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(text: str) -> str:
+    """``text`` with every lone surrogate (what Python makes of undecodable argv bytes) replaced by U+FFFD,
+    so that it encodes as UTF-8."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def write_output(path: str | Path, text: str, *, option: str) -> Path:
+    """Write a file the user named with ``option`` (``--json``, ``--html``): missing parent folders are
+    created, lone surrogates are written as U+FFFD, and the write is atomic (never a 0-byte or torn file).
+    A path that cannot be written raises ``ConfigError`` naming the option, the path and the OS's reason."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "Is a directory", str(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return atomic_write_text(path, encodable(text))
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot write it ({e.strerror or e})",
+                          fix=f"give {option} a file path in a folder you can write", path=path) from None
 
 
 @contextmanager

@@ -27,6 +27,20 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _valid_device(spec: str) -> bool:
+    """``auto`` or a string ``torch.device`` parses (``cpu``, ``cuda:1``, ``mps``); whether that device is
+    present is checked when the run starts."""
+    if spec == "auto":
+        return True
+    import torch  # here, not at the top: the config module stays importable without loading torch
+
+    try:
+        torch.device(spec)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
 def _from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
     """Build a dataclass from a dict, rejecting unknown keys and recursing into nested configs."""
     if not isinstance(data, dict):
@@ -43,7 +57,14 @@ def _from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
         elif isinstance(value, list) and name == "betas":
             value = tuple(value)
         kwargs[name] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # "batch_size must be >= 1" → "train.batch_size must be >= 1": the key to fix
+        section = where.removeprefix("config.") if where.startswith("config.") else None
+        head = re.match(r"(\w+) ", e.message)
+        if section is None or head is None or head.group(1) not in known:
+            raise
+        raise ConfigError(f"{section}.{e.message}", fix=e.fix) from None
 
 
 @dataclass
@@ -278,6 +299,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
             self.betas = tuple(self.betas)  # JSON gives a list
+        _check(isinstance(self.betas, tuple) and len(self.betas) == 2
+               and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas),
+               f"train.betas must be two numbers in [0, 1), e.g. --set train.betas=[0.9,0.95]; got {self.betas!r}")
+        _check(isinstance(self.device, str) and _valid_device(self.device),
+               f"train.device must be auto, cpu, cuda, cuda:N or another torch device, got {self.device!r}; "
+               "e.g. --set train.device=cpu")
         _check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
         _check(self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}")
         _check(self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")

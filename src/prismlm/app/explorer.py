@@ -26,7 +26,7 @@ import importlib.util
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from prismlm.app.attribution import attribute_text
-from prismlm.app.run import Run
+from prismlm.app.run import Run, check_unicode
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.shards import ShardSet
 from prismlm.errors import ArtifactError, ConfigError, DataError
@@ -141,6 +141,8 @@ class RunInfo:
     interventions: list[str]
     """Interventions applied to every request (the checkpoint's suppression set)."""
     limits: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    """Problems the server works around (e.g. a corrupt labels.json, served without labels), with their fix."""
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
@@ -329,8 +331,9 @@ class Explorer:
         self.lock = threading.Lock()
         """Held around every model call (interventions are module state; see the module docstring)."""
         self.index: PrototypeIndex | None = run.index(index)
+        if self.index is not None:  # a corrupt labels.json: serve without labels and say so in /api/info
+            self.index.lenient_labels = True
         self._cache_dir = cache
-        self.has_cache = (cache or run.folder / "attribution-cache").joinpath("manifest.json").exists()
         if cache is not None and not self.has_cache:
             raise ArtifactError(f"no attribution cache at {cache}", fix=f"prism attribute-cache {run.path}")
         self.concepts = dict(concepts or {})
@@ -358,6 +361,12 @@ class Explorer:
 
     # ----- helpers -----------------------------------------------------------------------------------------
     @property
+    def has_cache(self) -> bool:
+        """Whether an attribution cache is there now (one built or rebuilt while serving is picked up:
+        ``Run.cache`` re-opens a cache whose manifest changed)."""
+        return (self._cache_dir or self.run.folder / "attribution-cache").joinpath("manifest.json").exists()
+
+    @property
     def num_prototypes(self) -> int:
         return self.model.require_prototypes().num_prototypes
 
@@ -367,6 +376,12 @@ class Explorer:
     def _check_text(self, text: str, what: str = "text") -> None:
         _limit(len(text) <= self.limits.max_text_chars, f"{what} length", f"{self.limits.max_text_chars} characters",
                len(text))
+        check_unicode(text, what)
+
+    @staticmethod
+    def _check_seed(seed: int) -> None:
+        if not -(2 ** 63) <= seed < 2 ** 64:  # what torch.Generator.manual_seed accepts
+            raise ConfigError(f"seed must be an integer in [-2^63, 2^64), got {seed}")
 
     def _check_top(self, n: int, what: str) -> None:
         if n < 0:
@@ -439,7 +454,14 @@ class Explorer:
             coverage=dict(self.index.coverage()) if self.index is not None else {}, categories=list(CATEGORIES),
             concepts={k: {"ids": s.ids, "share": s.share, "concept": s.concept} for k, s in self.concepts.items()},
             interventions=[iv.label or type(iv).__name__ for iv in self.run.interventions],
-            limits=self.limits.to_dict())
+            limits=self.limits.to_dict(), notes=self._notes())
+
+    def _notes(self) -> list[str]:
+        if self.index is None:
+            return []
+        self.index.labels()  # re-reads labels.json if it changed; a corrupt one leaves labels_error
+        err = self.index.labels_error
+        return [f"served without labels: {err.replace('RUN', str(self.run.path))}"] if err else []
 
     # ----- explain -----------------------------------------------------------------------------------------
     def explain(self, text: str, *, generate: int = 0, alternatives: int = 5, steering: Steering = Steering(),
@@ -449,6 +471,7 @@ class Explorer:
         same way, under the request's ``steering``."""
         self._check_text(text)
         self._check_sampling(generate, temperature, top_k, "generate")
+        self._check_seed(seed)
         self._check_top(alternatives, "alternatives")
         self._check_top(neighbours, "neighbours")
         ivs = self.interventions(steering)
@@ -672,6 +695,7 @@ class Explorer:
         every token of the steered text the exact change of its logit and the slices that explain it."""
         self._check_text(prompt, "prompt")
         self._check_sampling(tokens, temperature, top_k)
+        self._check_seed(seed)
         ivs = self.interventions(steering)
         tok = self.run.tokenizer
         ids = tok.encode(prompt) if prompt else [tok.eot_id]
@@ -789,7 +813,8 @@ class Explorer:
         toks = train.document(doc_index)
         L = len(toks)
         if position is not None and not 0 <= position < L:
-            position = None
+            raise ConfigError(f"position must be in [0, {L}) (the tokens of document {doc_index}), got {position}",
+                              fix="leave position out to show the document's start")
         tok = shards.tokenizer
         if position is None:
             s, e = 0, min(L, window)

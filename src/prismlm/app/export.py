@@ -19,7 +19,7 @@ from typing import Any
 from prismlm._version import __version__
 from prismlm.app.run import Run
 from prismlm.artifacts import atomic_dir, check_out_folder, writes_folder
-from prismlm.errors import TokenizerError
+from prismlm.errors import ConfigError, TokenizerError
 
 
 def is_export(folder: Path) -> bool:
@@ -60,7 +60,12 @@ def export_run(run: Run, out: Path, *, overwrite: bool = False) -> Path:
     hf = PrismForCausalLM.from_prism(run.model, interventions=run.interventions, bos_token_id=eot,
                                      eos_token_id=eot, pad_token_id=eot, prism_source=_source(run))
     fast = fast_tokenizer(tok.backend, eot_token, max_length=run.model.config.block_size)
-    with atomic_dir(out) as stage:
-        hf.save_pretrained(stage)
-        fast.save_pretrained(stage)
+    try:
+        with atomic_dir(out) as stage:
+            hf.save_pretrained(stage)
+            fast.save_pretrained(stage)
+    except OSError as e:  # a read-only or immutable folder, a full disk: nothing was replaced (atomic_dir)
+        raise ConfigError(f"OUT {out}: cannot write the export there ({e.strerror or e}: {e.filename})",
+                          fix="export into a folder you can write (check its permissions, attributes and free space)",
+                          path=out) from None
     return out

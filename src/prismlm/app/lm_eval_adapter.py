@@ -33,6 +33,7 @@ below runs lm-eval's evaluator on our task folders with it). ``lm-eval`` is an o
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections import defaultdict
@@ -106,6 +107,18 @@ def _batch_size(batch_size: Any, max_batch_size: Any) -> int:
     return int(s)
 
 
+def _refuse_exported_folder(path: Path) -> None:
+    """A ``prism export`` folder (a transformers model, ``config.json`` with ``model_type: prism``) is not a
+    run: say which lm-eval model reads it instead of "manifest.json is missing"."""
+    try:
+        exported = json.loads((path / "config.json").read_text()).get("model_type") is not None
+    except (OSError, ValueError, AttributeError):
+        return
+    if exported:
+        raise ConfigError(f"--model prism: {path} is a transformers model folder (what `prism export` writes), not a "
+                          "prismlm run", fix=f"--model hf --model_args pretrained={path},trust_remote_code=True")
+
+
 @register_model("prism")
 class PrismEvalLM(LM):
     """A PRISM (or dense) checkpoint, or an in-memory model + tokenizer, as an lm-eval ``LM``.
@@ -133,6 +146,7 @@ class PrismEvalLM(LM):
                                   fix="--model_args pretrained=runs/a")
             from prismlm.app.run import Run
 
+            _refuse_exported_folder(Path(str(pretrained)))
             run = Run.open(Path(str(pretrained)), device=str(device or "auto"),
                            suppress=None if suppress is None else str(suppress))
             model, tokenizer, interventions = run.model, run.tokenizer, run.interventions
@@ -156,6 +170,18 @@ class PrismEvalLM(LM):
         self.tok = LMEvalTokenizer.of(tokenizer)
         self.interventions = interventions
         self._device = next(self.model.parameters()).device
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> PrismEvalLM:
+        """``--model_args a=1,b=2`` plus lm-eval's own ``--batch_size``/``--device`` (``additional_config``):
+        a key given in ``model_args`` wins — lm-eval's base class would pass it twice (``TypeError: got
+        multiple values``)."""
+        return cls.create_from_arg_obj(lm_utils.simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> PrismEvalLM:
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
 
     # ----- what lm-eval reads about the model ----------------------------------------------------------------
     @property

@@ -55,6 +55,11 @@ def parse_part(part: str) -> tuple[int, int]:
     return i, n
 
 
+MAX_NEW_TOKENS = 65536
+"""Most tokens ``generate`` makes per sample: past the context window every new token recomputes a full
+window, so a mistyped ``-n 1000000000`` would run for days instead of failing."""
+
+
 def check_sampling(tokens: int, temperature: float, top_k: int | None, samples: int = 1,
                    tokens_flag: str = "--tokens") -> None:
     """``ConfigError`` naming the option for sampling settings that cannot work."""
@@ -82,13 +87,15 @@ def generate(run: Run, prompt: str = "", *, tokens: int = 100, samples: int = 1,
 
     Args:
         prompt: Text to continue (empty: start from end-of-text).
-        tokens: New tokens per sample.
+        tokens: New tokens per sample. At most 65,536 (past the context window, the window slides).
         samples: Number of samples.
         temperature: Sampling temperature (0 = greedy).
         top_k: Sample from the top-k tokens only.
         seed: Sampling seed.
     """
     check_sampling(tokens, temperature, top_k, samples)
+    require(tokens <= MAX_NEW_TOKENS, "--tokens", f"<= {MAX_NEW_TOKENS:,} (generate longer texts in steps, "
+            "continuing from the last output)", tokens)
     gen = torch.Generator(device=run.device).manual_seed(seed)
     with run.intervened() as model:
         conts = sample_continuations(model, run.tokenizer, prompt, samples=samples, tokens=tokens,

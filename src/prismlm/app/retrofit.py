@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from prismlm.app.run import require
+from prismlm.app.run import require, writable_folder
 from prismlm.config import DataConfig, LossConfig, RunConfig, TrainConfig
 from prismlm.data.shards import prepare_from_config
 from prismlm.errors import CheckpointError, ConfigError
@@ -86,7 +86,7 @@ def retrofit_model(source: str | None = None, *, out: Path, corpus: str = "built
                 "model.lora_rank": lora_rank if unfreeze == "lora" else 0})
     cfg = cfg.override_strings(overrides or [])
     shards = prepare_from_config(cfg.data, show_progress=progress)
-    return retrofit(pre, cfg, out, shards=shards, progress=progress, overwrite=overwrite)
+    return retrofit(pre, cfg, writable_folder(out), shards=shards, progress=progress, overwrite=overwrite)
 
 
 def resume_retrofit(out: Path, *, steps: int | None = None, device: str = "auto",

@@ -10,6 +10,7 @@ Interventions (suppression sets, controllers, scaling) are values held by the ru
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -49,13 +50,48 @@ def require(ok: bool, flag: str, rule: str, value: object) -> None:
         raise ConfigError(f"{flag} must be {rule}, got {value!r}")
 
 
+def _stamp(manifest: Path) -> tuple[int, ...] | None:
+    """(inode, size, mtime, ctime) of an artifact's manifest, or None: every build writes a new manifest
+    (an atomic rename: a new inode), so a changed stamp means the artifact was rebuilt."""
+    try:
+        st = manifest.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(text: str, what: str) -> None:
+    """``ConfigError`` naming ``what`` when ``text`` holds a lone surrogate (a JSON ``\\udcff`` escape, or
+    undecodable bytes): such a string cannot be encoded, so no answer about it could be sent back."""
+    m = _SURROGATE.search(text)
+    if m is not None:
+        raise ConfigError(f"{what} holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}), "
+                          "which is not Unicode text", fix="send valid Unicode (UTF-8) text")
+
+
+def writable_folder(path: Path, option: str = "--out") -> Path:
+    """``path`` created (with its parents) if it is not there: a folder that cannot be created (``/proc/x``,
+    a read-only parent, a file in the way) is a ``ConfigError`` naming ``option`` instead of a traceback
+    from deep inside the writer."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: cannot create this folder ({e.strerror or e})",
+                          fix=f"give {option} a folder path you can write", path=path) from None
+    return path
+
+
 def open_device(spec: str) -> torch.device:
     """``auto``, ``cpu``, ``cuda``, ``cuda:1`` → a device; ``PrismError`` for one that is not there. Under
     ``torchrun``, ``auto`` and ``cuda`` mean this process's GPU (``LOCAL_RANK``)."""
     try:
         return resolve_device(spec, int(os.environ.get("LOCAL_RANK", "0")))
     except (RuntimeError, ValueError) as e:
-        raise PrismError(f"--device {spec!r}: {e}", fix="use --device cpu or auto") from e
+        raise PrismError(f"--device {spec!r}: {e.message if isinstance(e, PrismError) else e}",
+                         fix="use --device cpu or auto") from e
 
 
 def resolve_suppression(checkpoint: Checkpoint, suppress: str | Path | None) -> SuppressionSet | None:
@@ -90,6 +126,8 @@ class Run:
     _shards: dict[str, ShardSet] = field(default_factory=dict, repr=False)
     """Opened shards, by how they were asked for and by their resolved root (each is opened once)."""
     _artifacts: dict[tuple[str, Path], object] = field(default_factory=dict, repr=False)
+    _stamps: dict[tuple[str, Path], tuple[int, ...] | None] = field(default_factory=dict, repr=False)
+    """The manifest stamp (``_stamp``) of each cache opened: a rebuilt cache is re-opened."""
     """Opened index / cache, by kind and folder."""
 
     @classmethod
@@ -212,14 +250,19 @@ class Run:
         from prismlm.tda.cache import AttributionCache
 
         path = cache_dir or self.folder / "attribution-cache"
+        stamp = _stamp(path / "manifest.json")
         if ("cache", path) in self._artifacts:
-            return self._artifacts["cache", path]  # type: ignore[return-value]
+            if self._stamps.get(("cache", path)) == stamp:
+                return self._artifacts["cache", path]  # type: ignore[return-value]
+            self.forget(path)  # rebuilt (or removed) since it was opened: its manifest is another file now
+            self.forget(path / "search")  # its search sidecar belonged to the old cache
         if not (path / "manifest.json").exists():
             raise ArtifactError(f"no attribution cache at {path}",
                                 fix=f"prism attribute-cache {self.path} (or use --method full)")
         cache = AttributionCache.load(path, model_sha256=self.identity)
         cache.check(shards=self.shards(shards_dir, cache.manifest.get("shards_root")))
         self._artifacts["cache", path] = cache
+        self._stamps["cache", path] = stamp
         return cache
 
     def search(self, cache_dir: Path | None = None, shards_dir: Path | None = None, *,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prismlm.app.operations import IndexResult, build_run_index, evaluate, explain_text, generate
-from prismlm.app.run import Run, StageFn, no_stages, require
+from prismlm.app.run import Run, StageFn, no_stages, require, writable_folder
 from prismlm.artifacts import check_out_folder
 from prismlm.config import RunConfig
 from prismlm.data.shards import ShardSet, is_shard_folder, prepare_shards
@@ -81,7 +81,7 @@ def train_from_options(*, preset: str = "cpu-small", config: Path | None = None,
         progress: Show a progress bar.
     """
     cfg = build_config(preset, config, overrides, dense=dense, steps=steps, corpus=corpus, tokenizer=tokenizer)
-    return train_model(cfg, out or default_run_folder(cfg), resume=resume, overwrite=overwrite,
+    return train_model(cfg, writable_folder(out or default_run_folder(cfg)), resume=resume, overwrite=overwrite,
                        extend_to=steps if resume else None, progress=progress)
 
 

@@ -132,6 +132,22 @@ def _params(func: Callable[..., Any], skip: set[str], decls: dict[str, list[str]
     return out
 
 
+def os_error_message(e: OSError) -> str:
+    """One line for an ``OSError`` on a path the user gave or made (a folder that cannot be created, a
+    read-only or immutable folder, a folder where a file belongs): what failed, on which path, and the fix."""
+    what = e.strerror or type(e).__name__
+    where = f"{e.filename}" + (f" → {e.filename2}" if e.filename2 else "")
+    if isinstance(e, IsADirectoryError):
+        fix = "a folder stands where a file belongs: move it away (or restore the file)"
+    elif isinstance(e, NotADirectoryError):
+        fix = "a file stands where a folder belongs: move it away or choose another path"
+    elif isinstance(e, PermissionError):
+        fix = "choose a path you can write (check the folder's permissions and attributes)"
+    else:
+        fix = "check the path: its parent folder must exist and be writable"
+    return f"{type(e).__name__}: {what}: {where} (fix: {fix})"
+
+
 def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callable[..., None] | None = None, *,
             opens_run: bool = True, arguments: set[str] | None = None, decls: dict[str, list[str]] | None = None,
             skip: set[str] | None = None, suppressible: bool = False,
@@ -203,6 +219,10 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
                 render(result, **extra, **render_kwargs)
         except PrismError as e:
             fail(str(e))
+        except OSError as e:
+            if e.filename is None:  # no file involved: not a user's path, a bug or the machine
+                raise
+            fail(os_error_message(e))
         except KeyboardInterrupt:  # no traceback: say what is kept and how to go on
             hint = "; rerun with --resume to continue it" if "resume" in op_names else ""
             interrupted(f"{name} interrupted{hint}")

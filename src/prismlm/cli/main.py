@@ -19,8 +19,9 @@ from prismlm._version import __version__
 from prismlm.app.control import ConceptResult, ControllerResult
 from prismlm.app.operations import IndexResult, LabelResult, PrototypeListing, PrototypeView, VerifyReport
 from prismlm.app.reports import AttributionReport, ExplanationReport, attribute_report, explain_report
-from prismlm.app.run import Run
+from prismlm.app.run import Run, require
 from prismlm.app.training import DemoResult
+from prismlm.artifacts import write_output
 from prismlm.cli.console import console, echo, fail, stdout
 from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command
 from prismlm.data.shards import ShardSet
@@ -59,7 +60,7 @@ def print_metrics(metrics: dict, title: str = "evaluation") -> None:
 
 
 def _write_json(path: Path, data: object) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    write_output(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", option="--json")
     console.print(f"JSON → {path}")
 
 
@@ -158,6 +159,7 @@ def render_explanation(res: ExplanationReport, run: Run, *, json_out: Path | Non
         html_out: Write a self-contained HTML report.
         top: Prototypes shown per token in the terminal.
     """
+    require(top >= 1, "--top", ">= 1", top)
     expl, attribution = res.explanation, res.attribution
     render_terminal(expl, stdout, top=top)
     if attribution is not None:

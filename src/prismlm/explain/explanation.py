@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prismlm.artifacts import model_identity
+from prismlm.artifacts import model_identity, write_output
 from prismlm.errors import ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
 from prismlm.explain.index import Neighbour, PrototypeIndex
 from prismlm.model import PrismOutput, decompose
@@ -159,10 +159,10 @@ class Explanation:
                 "positions": [p.to_dict() for p in self.positions],
                 "prototypes": {str(k): v.to_dict() for k, v in sorted(self.prototypes.items())}}
 
-    def to_json(self, path: str | Path | None = None) -> str:
+    def to_json(self, path: str | Path | None = None, option: str = "--json") -> str:
         text = json.dumps(self.to_dict(), indent=1, ensure_ascii=False)
         if path is not None:
-            Path(path).write_text(text + "\n", encoding="utf-8")
+            write_output(path, text + "\n", option=option)
         return text
 
 

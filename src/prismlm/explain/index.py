@@ -69,7 +69,14 @@ from prismlm.artifacts import (
     writes_folder,
 )
 from prismlm.data.tokenizer import Tokenizer as _Tokenizer
-from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
+from prismlm.errors import (
+    ArtifactCorrupt,
+    ArtifactError,
+    ArtifactMismatch,
+    ConfigError,
+    ModelError,
+    UnknownPrototypeError,
+)
 from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
 from prismlm.model import PrismOutput, eval_mode
 from prismlm.progress import Progress, Reporter
@@ -192,6 +199,11 @@ class PrototypeIndex:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     _labels: tuple[tuple[int, ...], dict[int, dict[str, Any]]] | None = field(
         default=None, init=False, repr=False, compare=False)
+
+    lenient_labels: bool = field(default=False, init=False, repr=False, compare=False)
+    """A corrupt labels.json reads as no labels (its error kept in ``labels_error``) instead of raising:
+    the explorer serves on and reports it."""
+    labels_error: str | None = field(default=None, init=False, repr=False, compare=False)
 
     _CACHES = ("_snippets", "_stat_rows", "_cache_state", "_pinned", "_lock", "_labels")
 
@@ -454,13 +466,32 @@ class PrototypeIndex:
         try:
             st = f.stat()
         except FileNotFoundError:
+            self.labels_error = None
             return {}
         stamp = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)  # a rewrite (atomic: a new inode) shows
         cached = self._labels
         if cached is None or cached[0] != stamp:
-            cached = (stamp, {int(k): v for k, v in json.loads(f.read_text()).items()})
+            try:
+                cached, self.labels_error = (stamp, _parse_labels(f)), None
+            except ArtifactCorrupt as e:
+                if not self.lenient_labels:
+                    raise
+                cached, self.labels_error = (stamp, {}), str(e)
             self._labels = cached
         return dict(cached[1])
+
+
+def _parse_labels(f: Path) -> dict[int, dict[str, Any]]:
+    """``labels.json`` → {prototype id: {label, category, …}}; ``ArtifactCorrupt`` naming the file (and the
+    command that rewrites it) for a torn or hand-broken one."""
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+            raise ValueError("expected an object of prototype id → {label, category}")
+        return {int(k): v for k, v in data.items()}
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ArtifactCorrupt(f"labels file {f} cannot be read ({type(e).__name__}: {e})",
+                              fix="rewrite it with `prism label RUN` (or delete it)", path=f) from None
 
 
 def _where(path: Path | None) -> str:

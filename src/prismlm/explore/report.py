@@ -19,6 +19,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from prismlm.artifacts import write_output
+
 if TYPE_CHECKING:
     from prismlm.app.run import Run
     from prismlm.explain.explanation import Explanation
@@ -230,7 +232,8 @@ Index {html.escape(str(d['index'] or 'none'))}.</p>
 
 
 def write_html(expl: Explanation, path: str | Path, *, title: str = "PRISM explanation",
-               attribution: Attribution | dict[str, Any] | None = None, run: Run | RunHeader | None = None) -> Path:
-    path = Path(path)
-    path.write_text(render_html(expl, title=title, attribution=attribution, run=run), encoding="utf-8")
-    return path
+               attribution: Attribution | dict[str, Any] | None = None, run: Run | RunHeader | None = None,
+               option: str = "--html") -> Path:
+    """Write the report to ``path`` (parents created, atomically; a path that cannot be written is a
+    ``ConfigError`` naming ``option``)."""
+    return write_output(path, render_html(expl, title=title, attribution=attribution, run=run), option=option)

@@ -13,7 +13,8 @@ operation checks its own limits (text length, tokens, top-N: 422). Model calls r
 explorer's lock); at most ``Limits.max_waiting`` requests may wait for it, more get 503 — memory stays
 bounded however many requests arrive. The ``Host`` header must be one of ``allowed_hosts`` (a page on
 another site cannot reach the server through DNS rebinding). Errors of prismlm's hierarchy become JSON
-``{"error", "message", "fix"}`` with a 4xx status.
+``{"error", "message", "fix"}`` with a 4xx status: among them a string holding a lone surrogate (valid JSON,
+``"\\udcff"``, but not Unicode), a seed torch cannot take, a document position outside the document.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from prismlm.app.explorer import Explorer, Limits, RequestLimitError, Steering, UnknownDocumentError
+from prismlm.app.run import check_unicode
+from prismlm.artifacts import encodable
 from prismlm.errors import (
     ArtifactError,
     ArtifactMismatch,
@@ -66,13 +69,32 @@ def _status(e: PrismError) -> int:
 def _json(data: object, status: int = 200) -> Response:
     """JSON without FastAPI's per-value encoder (the values are plain already; an explanation of 128
     tokens is ~10k numbers)."""
-    return Response(json.dumps(data, ensure_ascii=False, separators=(",", ":")), status_code=status,
+    # encodable: a lone surrogate that reached an answer anyway is sent as U+FFFD, never a 500
+    return Response(encodable(json.dumps(data, ensure_ascii=False, separators=(",", ":"))), status_code=status,
                     media_type="application/json")
 
 
 # ----- request bodies ----------------------------------------------------------------------------------------
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    def checked(self) -> _Body:
+        """This body, after refusing any string in it that holds a lone surrogate (valid JSON — ``\\udcff``
+        — but not Unicode: an answer quoting it could not be encoded): ``ConfigError`` naming the field."""
+        def walk(value: object, where: str) -> None:
+            if isinstance(value, str):
+                check_unicode(value, where)
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    walk(k, f"{where} key")
+                    walk(v, f"{where}.{k}")
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    walk(v, where)
+
+        for name, value in self.model_dump().items():
+            walk(value, name)
+        return self
 
 
 class SteeringBody(_Body):
@@ -202,6 +224,7 @@ def create_app(run: str | Path | Explorer, index: Path | None = None, cache: Pat
 
     @api.post("/api/explain")
     def explain(body: ExplainBody) -> Response:
+        body.checked()
         return model_call(lambda: ex.explain(
             body.text, generate=body.generate, alternatives=body.alternatives, neighbours=body.neighbours,
             steering=body.steering.value(), temperature=body.temperature, top_k=body.top_k, seed=body.seed).to_dict())
@@ -224,11 +247,13 @@ def create_app(run: str | Path | Explorer, index: Path | None = None, cache: Pat
 
     @api.post("/api/steer")
     def steer(body: SteerBody) -> Response:
+        body.checked()
         return model_call(lambda: ex.steer(body.prompt, steering=body.steering.value(), tokens=body.tokens,
                                            temperature=body.temperature, top_k=body.top_k, seed=body.seed).to_dict())
 
     @api.post("/api/training")
     def training(body: TrainingBody) -> Response:
+        body.checked()
         return model_call(lambda: ex.training(body.prompt, body.completion, token=body.token, top=body.top).to_dict())
 
     @api.get("/api/document/{doc_index}")
@@ -245,6 +270,8 @@ def serve(run: str | Path, *, index: Path | None = None, cache: Path | None = No
     about on stderr: the explorer has no authentication."""
     import uvicorn
 
+    if not 1 <= port <= 65535:  # checked before the run is opened (uvicorn would fail only at bind)
+        raise ConfigError(f"--port must be in [1, 65535], got {port}", fix="e.g. --port 8000")
     if host not in LOCAL_HOSTS and host != "::1":
         print(f"warning: serving on {host}: anyone who can reach this address can use the explorer (it has no "
               f"authentication); the default 127.0.0.1 keeps it on this machine", file=sys.stderr)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from prismlm.artifacts import write_output
 from prismlm.errors import ConfigError, ModelError
 from prismlm.model import eval_mode
 from prismlm.tda.cache import AttributionCache
@@ -86,8 +87,8 @@ class Attribution:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n")
+    def to_json(self, path: str | Path, option: str = "--json") -> None:
+        write_output(path, json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n", option=option)
 
 
 def make_query(tokenizer: Tokenizer, prompt: str, completion: str | None = None, *,

@@ -143,6 +143,9 @@ def verify_checkpoint(ckpt: Path, manifest: dict[str, Any], *, full: bool = Fals
     changed file ``ArtifactCorrupt``. Checkpoints from before per-file records are checked by their weights.
     Returns the files checked."""
     weights = ckpt / "model.safetensors"
+    if not weights.is_file():  # gone, or a folder in its place (opening it would raise IsADirectoryError)
+        raise ArtifactCorrupt(f"{weights} is {'a folder, not the weights file' if weights.is_dir() else 'missing'}",
+                              fix="restore the file or use an earlier checkpoint", path=weights)
     if manifest.get("model_sha256") and sha256_file(weights) != manifest["model_sha256"]:
         raise ArtifactCorrupt(f"{weights} does not match the sha256 recorded in {ckpt / 'manifest.json'}: "
                               "the weights are corrupt", fix="restore the file or use an earlier checkpoint",

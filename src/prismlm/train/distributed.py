@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from prismlm.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -32,9 +34,12 @@ def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
     """``auto`` → this process's GPU if CUDA is available, else CPU."""
     if spec == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:  # torch's message: "Invalid device string: 'tpu9'"
+        raise ConfigError(f"device {spec!r} is not a torch device ({e})", fix="use auto, cpu or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {spec!r} requested but CUDA is not available")
+        raise ConfigError(f"device {spec!r} requested but CUDA is not available", fix="use auto or cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
     return device

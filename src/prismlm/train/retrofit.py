@@ -66,6 +66,9 @@ def load_pretrained(source: str, *, block_size: int | None = None) -> Pretrained
     """A prismlm run/checkpoint, or a transformers causal LM (folder, or hub name when online), as a
     ``Pretrained``. ``block_size``: context to use (default: the model's, at most ``DEFAULT_MAX_BLOCK``)."""
     path = Path(source).expanduser()
+    if path.is_file():
+        raise ModelError(f"--from {source} is a file; --from takes the folder holding the model (its config.json, "
+                         "weights and tokenizer) or a run folder", fix=f"--from {path.parent}", path=path)
     if path.exists() and not _is_transformers_folder(path):
         try:
             ckpt_dir = find_checkpoint(path)
@@ -99,23 +102,62 @@ def _from_run(source: str, ckpt_dir: Path, block_size: int | None) -> Pretrained
                       tokenizer=ckpt.require_tokenizer())
 
 
-def _from_transformers(source: str, block_size: int | None) -> Pretrained:
-    tf = transformers_module()
+def _check_vocab_size(folder: Path) -> None:
+    """A local config.json whose ``vocab_size`` (top level or ``text_config``) is not a positive integer is
+    refused by name: transformers would fail deep inside (a negative tensor dimension, a validation error)."""
+    cfg_file = folder / "config.json"
     try:
-        config = tf.AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{source} is neither a prismlm run nor a transformers model (a folder with a config.json "
-                         f"naming a model_type, or a hub name): {str(e).splitlines()[0]}",
-                         fix="pass a run folder, a saved transformers causal LM, or a hub name when online",
-                         path=Path(source)) from e
-    check_linear_logits_config(config, source)
+        data = json.loads(cfg_file.read_text())
+    except (OSError, ValueError):
+        return  # AutoConfig reports an unreadable config itself
+    for where, section in (("", data), ("text_config.", data.get("text_config") if isinstance(data, dict) else None)):
+        if not isinstance(section, dict) or "vocab_size" not in section:
+            continue
+        v = section["vocab_size"]
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise ModelError(f"{cfg_file}: {where}vocab_size must be a positive integer, got {v!r}",
+                             fix="set it to the vocabulary size the weights were saved with", path=cfg_file)
+
+
+def _load_causal_lm(tf: Any, source: str, model_type: str) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(source)`` in float32, with its failures as one-line errors: no
+    weights file, a truncated file, weights whose shapes are not config.json's, or an encoder model."""
     try:
         hf_lm = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     except ValueError as e:
-        raise ModelError(f"{source} is a {config.model_type} model, not a causal language model "
+        raise ModelError(f"{source} is a {model_type} model, not a causal language model "
                          f"({str(e).splitlines()[0]})", fix="retrofit a decoder-only *ForCausalLM") from e
-    hf_lm.eval()
+    except OSError as e:  # no model.safetensors / pytorch_model.bin
+        raise ModelError(f"{source}: no weights to load ({str(e).splitlines()[0]})",
+                         fix="save the model with save_pretrained(folder) so that its weights file is there") from e
+    except RuntimeError as e:  # transformers: "ignore_mismatched_sizes ... see the report above"
+        raise ModelError(f"{source}: the shapes of its weights do not match its config.json",
+                         fix="use the config.json the weights were saved with") from e
+    except Exception as e:  # noqa: BLE001 — safetensors and torch raise their own types for damaged bytes
+        raise ModelError(f"{source}: its weights file cannot be read ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})",
+                         fix="the file is damaged or truncated: save or download the model again") from e
+    # BERT-like encoders map to a *LMHeadModel but are no causal LM: their layers say is_decoder=False
+    if any(getattr(m, "is_decoder", None) is False for m in hf_lm.modules()):
+        raise ModelError(f"{source} is a {model_type} encoder, not a causal LM (its layers attend both ways)",
+                         fix="retrofit a decoder-only causal LM (a *ForCausalLM such as GPT-2 or Llama)")
+    return hf_lm.eval()
+
+
+def _from_transformers(source: str, block_size: int | None) -> Pretrained:
+    tf = transformers_module()
     local = Path(source).expanduser()
+    if (local / "config.json").is_file():
+        _check_vocab_size(local)
+    try:
+        config = tf.AutoConfig.from_pretrained(source)
+    except Exception as e:  # noqa: BLE001 — OSError, ValueError, huggingface_hub's strict validation errors
+        raise ModelError(f"{source} is neither a prismlm run nor a transformers model (a folder with a config.json "
+                         f"naming a model_type, or a hub name): {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                         fix="pass a run folder, a saved transformers causal LM, or a hub name when online",
+                         path=Path(source)) from e
+    check_linear_logits_config(config, source)
+    hf_lm = _load_causal_lm(tf, source, config.model_type)
     # transformers 5 makes an empty tokenizer for a folder without tokenizer files instead of failing
     if local.is_dir() and not any((local / f).exists() for f in _TOKENIZER_FILES):
         raise TokenizerError(f"{source} has no usable tokenizer: none of {', '.join(_TOKENIZER_FILES)} is there",

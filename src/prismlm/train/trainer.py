@@ -183,6 +183,9 @@ class MetricsLog:
         self.path, self.enabled = path, enabled
         if not enabled:
             return
+        if path.is_dir():
+            raise RunError(f"{path} is a folder, but it is where the run's training log (a file) goes",
+                           fix=f"move that folder out of {path.parent} and run again", path=path)
         if resume_step is not None and path.exists():
             kept = [ln for ln in _records(path.read_text(errors="replace"))
                     if json.loads(ln).get("step", 0) <= resume_step]
