@@ -437,3 +437,39 @@ def test_sparse_pattern_products_equal_dense_and_fallback():
         torch.testing.assert_close(pat.mm(v, p), dense @ p, rtol=0, atol=1e-13)
         torch.testing.assert_close(pat.t_mm(v, zz), dense.T @ zz, rtol=0, atol=1e-13)
         torch.testing.assert_close(pat.sampled(zz, p), (zz @ p.T).gather(1, indices), rtol=0, atol=1e-13)
+
+
+def test_hidden_states_attentions_and_inputs_embeds_float64():
+    """``output_hidden_states``: the embedding output, then each block's output, the last one after the final
+    norm — the z the head reads (logits = lm_head(hidden_states[-1])). ``output_attentions``: each layer's
+    softmax(q kᵀ/√hs) under the causal mask, recomputed here from the layer's own projections; asking for
+    them leaves the logits as they are. ``inputs_embeds = wte(ids)`` gives the logits of ``ids``."""
+    torch.manual_seed(0)
+    model = PrismLM(tiny_model_config()).double().eval()
+    tr = model.transformer
+    x = torch.randint(0, 97, (2, 11))
+    T = x.shape[1]
+    plain = model(x)
+    assert plain.hidden_states is None and plain.attentions is None
+    with torch.no_grad():
+        out = model(x, output_hidden_states=True, output_attentions=True)
+        hs = out.hidden_states
+        assert len(hs) == model.config.n_layer + 1 and all(h.shape == (2, T, 32) for h in hs)
+        torch.testing.assert_close(hs[0], tr.wte(x) + tr.wpe(torch.arange(T)), rtol=0, atol=0)
+        torch.testing.assert_close(hs[1], tr.h[0](hs[0]), rtol=0, atol=1e-12)
+        torch.testing.assert_close(hs[2], tr.ln_f(tr.h[1](hs[1])), rtol=0, atol=1e-12)
+        assert torch.equal(hs[-1], out.hidden)
+        assert torch.equal(model.lm_head(hs[-1]), out.logits)
+        torch.testing.assert_close(out.logits, plain.logits, rtol=0, atol=1e-12)
+        assert len(out.attentions) == model.config.n_layer
+        for layer, (att, h) in enumerate(zip(out.attentions, hs)):
+            blk = tr.h[layer]
+            q, k, _ = blk.attn.c_attn(blk.ln_1(h)).split(32, dim=2)  # (B, T, C) each
+            q, k = (t.view(2, T, 2, 16).transpose(1, 2) for t in (q, k))  # (B, nh, T, hs)
+            scores = (q @ k.transpose(-2, -1)) / 4.0  # √16
+            want = torch.softmax(scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")), -1)
+            assert att.shape == (2, 2, T, T)
+            torch.testing.assert_close(att, want, rtol=0, atol=1e-12)
+        emb = model(None, inputs_embeds=tr.wte(x))
+        torch.testing.assert_close(emb.logits, plain.logits, rtol=0, atol=1e-12)
+        assert torch.equal(emb.indices, plain.indices)
