@@ -347,6 +347,15 @@ def test_tokenizer_loads_and_encodes_like_the_run(exported, run):
         assert tok.decode(ids) == run.tokenizer.decode(ids)
 
 
+def test_a_loaded_run_generates_from_text(run):
+    """``Run.open``/``load_checkpoint`` attach the run's tokenizer, so ``run.model.generate("text", n)`` returns
+    the text plus the decoded continuation of its ids."""
+    prompt = TEXTS[1]
+    ids = run.tokenizer.encode(prompt)
+    want = run.model.generate(torch.tensor([ids]), 5, temperature=0)[0, len(ids):].tolist()
+    assert run.model.generate(prompt, 5, temperature=0) == prompt + run.tokenizer.decode(want)
+
+
 # ----- interventions are baked in ----------------------------------------------------------------------------
 def test_suppressed_run_exports_suppressed_logits(run_folder, run, tmp_path):
     """`prism export RUN OUT --suppress FILE`: config.json lists the ids, the loaded model's logits are the

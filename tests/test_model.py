@@ -473,3 +473,62 @@ def test_hidden_states_attentions_and_inputs_embeds_float64():
         emb = model(None, inputs_embeds=tr.wte(x))
         torch.testing.assert_close(emb.logits, plain.logits, rtol=0, atol=1e-12)
         assert torch.equal(emb.indices, plain.indices)
+
+
+def test_scale_and_control_take_id_value_mappings_and_check_at_construction():
+    """``Scale({id: factor})`` and ``Control({id: c})`` (the web API's form) mean the (K,) tensors with those
+    entries (the rest 1, resp. 0): the same logits; bad arguments fail when the value is made, naming
+    the class, not later with an AttributeError."""
+    from prismlm.errors import ModelError, UnknownPrototypeError
+    from prismlm.model import Control, Scale, Suppress
+
+    torch.manual_seed(0)
+    model = PrismLM(tiny_model_config()).double().eval()
+    x = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        ids = model(x).indices[..., 0].flatten().unique()[:2].tolist()  # prototypes that fire here
+        f, c = torch.ones(64, dtype=torch.float64), torch.zeros(64, dtype=torch.float64)
+        f[ids[0]], f[ids[1]] = 2.0, 0.5
+        c[ids[1]] = -0.75
+        with model.intervene(Scale(f), Control(c)) as m:
+            want = m(x).logits
+        with model.intervene(Scale({ids[0]: 2.0, str(ids[1]): 0.5}), Control({ids[1]: -0.75})) as m:
+            got = m(x).logits
+        assert torch.equal(got, want)
+        assert (got - model(x).logits).abs().max().item() > 1e-3  # the mapping did change the logits
+    assert Scale({3: 2, 1: 0.5}).factors == {1: 0.5, 3: 2.0} and Suppress(torch.tensor([4, 2])).ids == (4, 2)
+    for bad, match in ((lambda: Scale({"a": 2.0}), "Scale: prototype ids"), (lambda: Scale({1: "x"}), "finite"),
+                       (lambda: Control({-1: 1.0}), "Control: prototype ids"), (lambda: Scale({1: float("nan")}), "finite"),
+                       (lambda: Scale(torch.ones(2, 2)), "1-D"), (lambda: Scale("2.0"), "mapping"),
+                       (lambda: Suppress({1: 0.0}), "Scale\\(\\{id: factor\\}\\)"), (lambda: Suppress([1.5]), "integers")):
+        with pytest.raises(ModelError, match=match):
+            bad()
+    with pytest.raises(UnknownPrototypeError, match="64 prototypes"), model.intervene(Scale({64: 2.0})):
+        pass
+
+
+class _CharCodec:
+    """A stand-in tokenizer: one id per character (mod 96, +1), eot 0."""
+
+    eot_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) % 96 + 1 for ch in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i - 1 + 32) if i else "<eot>" for i in ids)
+
+
+def test_generate_takes_text_with_an_attached_tokenizer_or_says_what_to_call():
+    from prismlm.errors import ModelError
+
+    torch.manual_seed(0)
+    model = PrismLM(tiny_model_config()).eval()
+    with pytest.raises(ModelError, match="no tokenizer is attached") as e:
+        model.generate("Hello", 3)
+    assert "model.generate(torch.tensor([tok.encode(text)]), n)" in (e.value.fix or "")
+    codec = _CharCodec()
+    model.tokenizer = codec
+    ids = model.generate(torch.tensor([codec.encode("Hello")]), 6, temperature=0)
+    assert model.generate("Hello", 6, temperature=0) == "Hello" + codec.decode(ids[0, 5:].tolist())
+    assert model.generate("", 2, temperature=0) == codec.decode(model.generate(torch.tensor([[0]]), 2, temperature=0)[0, 1:].tolist())

@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Protocol, overload
 
 import torch
 import torch.nn as nn
@@ -30,10 +30,40 @@ from prismlm.model.kv_cache import CacheLike, KVCache
 from prismlm.model.prototypes import PrototypeLayer, PrototypeOutput
 
 
+class TextCodec(Protocol):
+    """What ``PrismLM.generate`` needs to take text: prismlm's ``Tokenizer`` satisfies it."""
+
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
 @dataclass
 class PrismOutput:
     """The one structured forward output that training, attribution, control, evaluation and the
-    explorer all read. Prototype fields are ``None`` for the dense baseline."""
+    explorer all read. Prototype fields are ``None`` for the dense baseline.
+
+    B batch, T tokens of this forward (the new ones with a cache), V vocabulary, d width, k active
+    prototypes per token, K prototypes, L layers, H heads, P cached positions.
+
+    Fields:
+        logits (B, T, V) — or (B, 1, V) with ``last_only`` — next-token logits; under ``suppress``/
+            ``control``/``intervene`` the modified ones.
+        hidden (B, T, d): z, the final-norm hidden states the head reads (logits = lm_head(z) unmodified).
+        indices (B, T, k) int64: each token's top-k prototype ids, by decreasing cosine.
+        activations (B, T, k): their non-negative activations a_i.
+        residual (B, T, d): r = z − Σ_i a_i p_i.
+        token_max_cos (B, T): max_i cos(z_t, p_i), how well each token is covered.
+        proto_max_cos (K,): max over this batch's tokens of cos(p_i, z_t).
+        losses {name: scalar}: unweighted ``ce`` (with targets), ``rec``, ``r1``, ``r2`` (PRISM).
+        loss scalar: the weighted total (with targets), else None.
+        prototype_multipliers (K,): the multipliers m the logits were computed with, or None.
+        hidden_states L + 1 × (B, T, d): with ``output_hidden_states``, the embedding output then each
+            block's output, the last one after the final norm (= hidden); else None.
+        attentions L × (B, H, T, P + T): with ``output_attentions``, the attention weights; else None.
+    """
 
     logits: torch.Tensor
     """(B, T, V) next-token logits (or (B, 1, V) with ``last_only``); inside ``model.suppress(...)`` /
@@ -208,6 +238,8 @@ class PrismLM(nn.Module):
 
     prototypes: PrototypeLayer | None
     proto_multipliers: torch.Tensor | None  # a non-persistent buffer, see __init__
+    tokenizer: TextCodec | None
+    """The tokenizer ``generate`` uses for text (attached by ``load_checkpoint``); None: ids only."""
     transformer: nn.Module
 
     def __init__(self, cfg: ModelConfig):
@@ -251,6 +283,7 @@ class PrismLM(nn.Module):
         # and controllers are their own artifacts), and it follows .to(device). Set it through
         # ``prismlm.control`` (``with model.suppress(ids):`` / ``with model.control(c):``), which restores it.
         self.register_buffer("proto_multipliers", None, persistent=False)
+        self.tokenizer = None
 
     def _add_lora(self, rank: int) -> None:
         """Wrap every ``nn.Linear`` of the backbone with a LoRA adapter (``peft``): W x + (α/r) B A x, B = 0 at
@@ -533,29 +566,59 @@ class PrismLM(nn.Module):
         p = self.prototypes.weight if ids is None else self.prototypes.weight[ids]
         return p @ self.lm_head.weight.T  # (n, V): W p_i, without W's bias (which is not any prototype's)
 
+    @overload
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor: ...
+
+    @overload
+    def generate(self, idx: str, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None, use_cache: bool = True) -> str: ...
+
     @torch.no_grad()
     def generate(
         self,
-        idx: torch.Tensor,
+        idx: torch.Tensor | str,
         max_new_tokens: int,
         *,
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | str:
         """Sample ``max_new_tokens`` continuations of idx (B, T); returns (B, T + max_new_tokens).
 
         ``temperature=0`` is greedy decoding. The context is cropped to the last block_size tokens.
         ``use_cache`` (default) runs the prompt once and then one token per step against a ``KVCache``;
         ``use_cache=False`` recomputes the whole window at every step. Both give the same tokens (the
         logits agree to float rounding); see ``generate_steps`` for what happens past block_size.
+
+        ``idx`` may be text when a tokenizer is attached (``model.tokenizer``: ``load_checkpoint`` and
+        ``Run.open`` attach the run's): it is encoded (an empty text starts from end-of-text) and the text
+        plus its continuation is returned.
         """
+        if isinstance(idx, str):
+            return self._generate_text(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                                       generator=generator, use_cache=use_cache)
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            raise ModelError(f"generate takes token ids (B, T) as a tensor, or a text, got {type(idx).__name__}",
+                             fix="model.generate(torch.tensor([tokenizer.encode(text)]), n)")
         out = [idx]
         for _, nxt in self._decode(idx, max_new_tokens, temperature=temperature, top_k=top_k,
                                    generator=generator, use_cache=use_cache, prefill_logits=False):
             out.append(nxt)  # (B, 1) inference tensors
         return torch.cat(out, dim=1)  # outside inference mode: an ordinary tensor
+
+    def _generate_text(self, text: str, max_new_tokens: int, **sampling: Any) -> str:
+        """``generate`` of a text through the attached tokenizer: the text plus its continuation."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ModelError("PrismLM.generate got a text, but no tokenizer is attached to this model",
+                             fix="pass token ids: model.generate(torch.tensor([tok.encode(text)]), n) with the "
+                                 "run's tokenizer (Run.open(RUN).tokenizer), or attach it: model.tokenizer = tok")
+        ids = tok.encode(text) or [tok.eot_id]  # (T,)
+        x = torch.tensor([ids], dtype=torch.long, device=self.lm_head.weight.device)  # (1, T)
+        y = self.generate(x, max_new_tokens, **sampling)  # (1, T + n)
+        return text + tok.decode(y[0, len(ids):].tolist())
 
     def generate_steps(
         self,
@@ -657,7 +720,16 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 @dataclass
 class LogitDecomposition:
-    """The exact additive decomposition of selected logits (spec §1.5)."""
+    """The exact additive decomposition of selected logits (spec §1.5): for token t and chosen token y,
+    ``logit = prototype_slices.sum(-1) + residual_slice + bias_slice`` (to float rounding).
+
+    Fields (B batch, T positions, k active prototypes per position):
+        prototype_slices (B, T, k): a_{t,i} (W p_i)_y for each of the k active prototypes of position t, in
+            the order of ``PrismOutput.indices`` (scaled by the multipliers under an intervention).
+        residual_slice (B, T): (W r_t)_y, what no prototype carries.
+        logit (B, T): ℓ_{t,y} as the forward computed it.
+        bias_slice (B, T): b_y, the unembedding's bias (zeros without one).
+    """
 
     prototype_slices: torch.Tensor
     """(B, T, k): a_{t,i} (W p_i)_y for each active prototype i of token t and chosen token y."""
