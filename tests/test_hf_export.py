@@ -467,6 +467,8 @@ _SCRIPTS = {
         from transformers import AutoModelForCausalLM
         assert not [f for f in sys.meta_path if type(f).__name__ == "_RegisterAfterImport"], "hook still installed"
         model = AutoModelForCausalLM.from_pretrained({out!r})
+        from transformers import AutoTokenizer
+        assert AutoTokenizer.from_pretrained({out!r}).padding_side == "left"  # no [y/N] prompt (checked below)
         """,
     "transformers first": """
         import torch
@@ -506,11 +508,11 @@ def test_auto_classes_know_prism_in_fresh_interpreters(exported, run, tmp_path):
     for name, body in _SCRIPTS.items():
         code = textwrap.dedent(body).format(out=str(exported)) + _CHECK.format(ref=str(tmp_path / "ref.pt"))
         procs[name] = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     failed = []
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=240)
-        if p.returncode != 0 or stdout.strip().splitlines()[-1:] != ["ok"]:
+        if p.returncode != 0 or stdout.strip().splitlines()[-1:] != ["ok"] or "[y/N]" in stdout + stderr:
             failed.append(f"{name}: rc {p.returncode}\n{stderr[-2000:]}")
     assert not failed, "\n\n".join(failed)
 
