@@ -430,25 +430,41 @@ def test_lm_eval_hflm_scores_like_our_scorer(exported, run):
     assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-4)
 
 
-def test_lm_eval_hflm_generate_until_at_batch_size_4(noisy, run, exported):
-    """``lm_eval --model hf --batch_size 4`` on a generate_until task: lm-eval's own ``HFLM`` left-pads each
-    batch of 4 contexts and calls ``generate``; every answer is the greedy continuation of its context
-    alone (cut at the end-of-text token, as lm-eval cuts)."""
+def test_lm_eval_hflm_generate_until_task_at_batch_size_4(noisy, run, exported, tmp_path, monkeypatch):
+    """``lm_eval --model hf --batch_size 4`` on a local generate_until task (in process: lm-eval's own
+    ``simple_evaluate`` with ``HFLM``): lm-eval left-pads each batch of 4 contexts and calls ``generate``;
+    every logged answer is the greedy continuation of its context alone (cut at the end-of-text token,
+    as lm-eval cuts), and exact_match scores them."""
     pytest.importorskip("lm_eval")
-    from lm_eval.api.instance import Instance
+    import lm_eval
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
-    tok = AutoTokenizer.from_pretrained(exported)
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
     contexts = [*TEXTS, "We the people of the United States", "In the beginning", "Congress shall make no law"]
-    lm = HFLM(pretrained=noisy, tokenizer=tok, device="cpu", batch_size=4)
-    reqs = [Instance("generate_until", {}, (c, {"until": [], "max_gen_toks": 12, "do_sample": False}), i)
-            for i, c in enumerate(contexts)]
-    got = lm.generate_until(reqs)
     eot = run.tokenizer.decode([run.tokenizer.eot_id])
-    for c, g in zip(contexts, got):
-        new = noisy.prism.generate(torch.tensor([run.tokenizer.encode(c)]), 12, temperature=0)[0, -12:]
-        assert g == run.tokenizer.decode(new.tolist()).split(eot)[0], c
-    assert len(set(got)) == len(got)
+    want = [run.tokenizer.decode(noisy.prism.generate(torch.tensor([run.tokenizer.encode(c)]), 12,
+                                                      temperature=0)[0, -12:].tolist()).split(eot)[0] for c in contexts]
+    targets = [w if i % 2 == 0 else "no" for i, w in enumerate(want)]  # exact_match 3/6
+    folder = tmp_path / "gen_task"
+    folder.mkdir()
+    (folder / "test.jsonl").write_text("".join(json.dumps({"context": c, "target": t}) + "\n"
+                                               for c, t in zip(contexts, targets)))
+    (folder / "gen.yaml").write_text(
+        f"task: prism_tiny_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {json.dumps(str(folder / 'test.jsonl'))}\ntest_split: test\noutput_type: generate_until\n"
+        "doc_to_text: '{{context}}'\ndoc_to_target: '{{target}}'\ntarget_delimiter: ''\n"
+        "generation_kwargs:\n  until: []\n  max_gen_toks: 12\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+    tok = AutoTokenizer.from_pretrained(exported)
+    lm = HFLM(pretrained=noisy, tokenizer=tok, device="cpu", batch_size=4)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["prism_tiny_gen"], log_samples=True, cache_requests=False,
+                                  task_manager=TaskManager(include_path=str(folder), include_defaults=False))
+    samples = sorted(out["samples"]["prism_tiny_gen"], key=lambda x: x["doc_id"])
+    assert [s["resps"][0][0] for s in samples] == want
+    assert len(set(want)) == len(want)  # varied answers: the comparison can tell rows apart
+    assert out["results"]["prism_tiny_gen"]["exact_match,none"] == pytest.approx(3 / 6)
 
 
 # ----- registration: import prismlm (either order), or trust_remote_code without it ----------------------
