@@ -274,6 +274,13 @@ def test_padding_on_either_side_gives_each_rows_own_logits(hf, run):
                 want = run.model(torch.tensor([r])).logits[0]  # (n, V)
                 real = got[i][mask[i].bool()]  # (n, V)
                 assert (real - want).abs().max().item() <= 1e-5, (side, i)
+    # position_ids are the model's own (cumsum(mask) − 1) or refused, never silently ignored
+    ids, mask = padded(rows, run.tokenizer.eot_id)
+    with torch.no_grad():
+        same = hf(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+        assert torch.equal(same, hf(ids, attention_mask=mask).logits)
+        with pytest.raises(ModelError, match="position_ids differ"):
+            hf(ids, attention_mask=mask, position_ids=torch.arange(ids.shape[1])[None])
 
 
 @pytest.fixture(scope="module")

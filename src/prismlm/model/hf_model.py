@@ -185,6 +185,22 @@ def _shared_parameters(module: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
+def _check_position_ids(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, past: int) -> None:
+    """The model derives positions itself (P … P + T − 1, or cumsum(attention_mask) − 1 with padding);
+    ``position_ids`` (B or 1, T) that say otherwise are refused rather than silently ignored."""
+    if position_ids is None:
+        return
+    T = position_ids.shape[-1]
+    if attention_mask is None:
+        own = torch.arange(past, past + T, device=position_ids.device)[None]  # (1, T)
+    else:
+        own = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:].to(position_ids.device)  # (B, T)
+    if position_ids.shape[-1] != own.shape[-1] or not bool((position_ids == own).all()):
+        raise ModelError("position_ids differ from the positions the model uses: PRISM models have learned "
+                         "absolute positions, P … P + T − 1 after P cached tokens, counted over the real tokens "
+                         "of attention_mask", fix="leave position_ids out (pass attention_mask for padding)")
+
+
 class PrismForCausalLM(PreTrainedModel, GenerationMixin):
     """A ``PrismLM`` (``self.prism``) as a transformers causal LM."""
 
@@ -305,7 +321,8 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         creates one when none is given and returns it. ``labels`` (B, T): mean next-token cross-entropy
         (shifted inside, -100 ignored). ``attention_mask`` (B, P + T) 0/1: padding on either side; positions
         are counted over the real tokens (cumsum − 1) and padding is never attended to, so a left-padded row
-        gives the logits of the unpadded one. ``output_hidden_states``: n_layer + 1 tensors (B, T, d), the
+        gives the logits of the unpadded one (``position_ids``, if given, must be those positions).
+        ``output_hidden_states``: n_layer + 1 tensors (B, T, d), the
         embedding output and each block's output, the last one after the final norm (the z that
         ``lm_head`` reads, as in transformers' GPT-2 and Llama). ``output_attentions``: n_layer tensors
         (B, n_head, T, P + T), computed with eager attention for that call."""
@@ -320,6 +337,8 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
                 cache = DynamicCache(config=self.config)
             except TypeError:  # releases whose DynamicCache takes no config
                 cache = DynamicCache()
+        _check_position_ids(kwargs.pop("position_ids", None), attention_mask,
+                            cache.get_seq_length() if cache is not None else 0)
         last_only = logits_to_keep == 1
         want_hidden = bool(self.config.output_hidden_states if output_hidden_states is None else output_hidden_states)
         want_attn = bool(self.config.output_attentions if output_attentions is None else output_attentions)
