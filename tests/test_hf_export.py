@@ -95,7 +95,40 @@ def test_export_writes_a_transformers_folder(exported, run):
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (eot, eot, eot)
     assert cfg["prism_source"]["model_sha256"] == run.identity
     gen = json.loads((exported / "generation_config.json").read_text())
-    assert (gen["eos_token_id"], gen["pad_token_id"], gen["bos_token_id"], gen["max_length"]) == (eot, eot, eot, 64)
+    assert (gen["eos_token_id"], gen["pad_token_id"], gen["bos_token_id"]) == (eot, eot, eot)
+    assert "max_length" not in gen  # it made every generate(max_new_tokens=…) warn that both are set
+
+
+def test_exported_and_checkpoint_files_respect_the_umask(exported, run):
+    """Every file of the export (and of the run's checkpoint) has the mode a plain ``open()`` gives — 0644
+    under umask 022 — not the 0600 that safetensors' mkstemp staging leaves."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    files = [p for p in exported.iterdir() if p.is_file()] + [p for p in run.checkpoint.path.iterdir() if p.is_file()]
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
+    assert "model.safetensors" in modes
+    assert all(int(m, 8) & 0o666 == 0o666 & ~umask for m in modes.values()), modes
+
+
+def test_generate_does_not_warn(hf, run):
+    """``generate(max_new_tokens=…)`` on the exported model logs no transformers warning (the saved
+    generation config set max_length too, so every call warned that both were set)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler, root = Keep(logging.WARNING), logging.getLogger("transformers")
+    prompt = torch.tensor([run.tokenizer.encode(TEXTS[0])[:6]])
+    root.addHandler(handler)
+    try:
+        hf.generate(prompt, max_new_tokens=3, do_sample=False)
+    finally:
+        root.removeHandler(handler)
+    assert not [r.getMessage() for r in records]
 
 
 def test_auto_model_gives_the_runs_logits_and_prototypes(hf, run):
@@ -203,17 +236,109 @@ def test_hugging_face_backbone_wraps_the_same_way(tie, tmp_path):
     assert torch.equal(got.prototype_indices, want.indices)
     assert torch.equal(loaded.generate(x[:1, :5], max_new_tokens=40, do_sample=False, eos_token_id=None),
                        model.generate(x[:1, :5], 40, temperature=0))
-
-
-def test_padding_right_is_harmless_and_left_is_refused(hf, run):
-    x = batch(run, TEXTS[:2])
-    n = len(run.tokenizer.encode(TEXTS[1]))
-    mask = torch.ones_like(x)
-    mask[1, n:] = 0  # right padding of the shorter row
+    # left padding: positions from the mask (position_ids = cumsum − 1) and padding masked in the base model
+    rows = [x[0, :9].tolist(), x[1, :4].tolist(), x[1, 3:9].tolist()]
+    ids, mask = padded(rows, 0)
+    out = loaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=None)
+    for i, r in enumerate(rows):
+        assert torch.equal(out[i, ids.shape[1] - len(r):], model.generate(torch.tensor([r]), 30, temperature=0)[0]), i
+    # probing: the base model's hidden states (the last one is z), eager attentions, inputs_embeds
     with torch.no_grad():
-        assert torch.equal(hf(x, attention_mask=mask).logits, hf(x).logits)
-        with pytest.raises(ModelError, match="left padding"):
-            hf(x, attention_mask=mask.flip(1))
+        probe = loaded(x, output_hidden_states=True, output_attentions=True)
+        emb = loaded(inputs_embeds=loaded.get_input_embeddings()(x))
+    assert len(probe.hidden_states) == 3 and torch.equal(loaded.prism.lm_head(probe.hidden_states[-1]), probe.logits)
+    assert [a.shape for a in probe.attentions] == [(2, 4, 12, 12)] * 2
+    torch.testing.assert_close(probe.attentions[0].sum(-1), torch.ones(2, 4, 12))
+    assert (probe.logits - got.logits).abs().max().item() <= 1e-5
+    assert (emb.logits - got.logits).abs().max().item() <= 1e-5
+    assert loaded.prism.transformer.config._attn_implementation == "sdpa"  # eager only for that call
+
+
+def padded(rows: list[list[int]], pad: int, side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask) (B, L) of ``rows`` padded with ``pad`` on ``side``."""
+    L = max(len(r) for r in rows)
+    ids = [[pad] * (L - len(r)) + r if side == "left" else r + [pad] * (L - len(r)) for r in rows]
+    mask = [[0] * (L - len(r)) + [1] * len(r) if side == "left" else [1] * len(r) + [0] * (L - len(r)) for r in rows]
+    return torch.tensor(ids), torch.tensor(mask)
+
+
+def test_padding_on_either_side_gives_each_rows_own_logits(hf, run):
+    """A padded batch (left: what transformers' generation uses; right) gives every real token of a row the
+    logits of that row run alone, unpadded — positions count real tokens only, padding is never attended."""
+    rows = [run.tokenizer.encode(t) for t in TEXTS]
+    for side in ("left", "right"):
+        ids, mask = padded(rows, run.tokenizer.eot_id, side)
+        with torch.no_grad():
+            got = hf(ids, attention_mask=mask).logits
+            for i, r in enumerate(rows):
+                want = run.model(torch.tensor([r])).logits[0]  # (n, V)
+                real = got[i][mask[i].bool()]  # (n, V)
+                assert (real - want).abs().max().item() <= 1e-5, (side, i)
+    # position_ids are the model's own (cumsum(mask) − 1) or refused, never silently ignored
+    ids, mask = padded(rows, run.tokenizer.eot_id)
+    with torch.no_grad():
+        same = hf(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+        assert torch.equal(same, hf(ids, attention_mask=mask).logits)
+        with pytest.raises(ModelError, match="position_ids differ"):
+            hf(ids, attention_mask=mask, position_ids=torch.arange(ids.shape[1])[None])
+
+
+@pytest.fixture(scope="module")
+def noisy(exported) -> PrismForCausalLM:
+    """The exported model with seeded noise on its matrices: greedy decoding of the 5-step model collapses
+    into one repeated token, which would let a shifted position or a leaked pad pass unseen."""
+    model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.prism.named_parameters():
+            if p.dim() == 2 and not name.startswith("prototypes."):
+                p.add_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def test_left_padded_batched_generate_equals_each_row_alone(noisy, run, exported):
+    """The exported tokenizer pads on the left; greedy ``generate`` on the padded batch gives every row the
+    tokens of ``PrismLM.generate`` on that row alone — 70 new tokens, so the cached steps and (past
+    block_size=64) the sliding window both run with padding in the batch."""
+    tok = AutoTokenizer.from_pretrained(exported)
+    enc = tok(TEXTS, padding=True, return_tensors="pt")
+    assert tok.padding_side == "left" and not bool(enc["attention_mask"].all())
+    out = noisy.generate(**enc, max_new_tokens=70, do_sample=False, eos_token_id=None)
+    L = enc["input_ids"].shape[1]
+    for i, text in enumerate(TEXTS):
+        want = noisy.prism.generate(torch.tensor([run.tokenizer.encode(text)]), 70, temperature=0)[0]
+        n = int(enc["attention_mask"][i].sum())
+        assert torch.equal(out[i, L - n:], want), i
+        assert len(set(want[n:].tolist())) > 5  # a varied continuation: the comparison can tell rows apart
+
+
+def test_hidden_states_attentions_and_inputs_embeds(hf, run, exported):
+    """``model(**ids, output_hidden_states=True, output_attentions=True)`` as on transformers' models:
+    n_layer + 1 hidden states, the last the final-norm output the head reads (logits = lm_head of it, the
+    run's own z); n_layer attention maps, causal rows summing to 1; ``inputs_embeds`` = the token
+    embeddings of the ids gives their logits."""
+    tok = AutoTokenizer.from_pretrained(exported)
+    enc = tok(TEXTS[:2], return_tensors="pt", padding=True)
+    n_layer = run.config.model.n_layer
+    with torch.no_grad():
+        out = hf(**enc, output_hidden_states=True, output_attentions=True)
+        want = run.model(torch.tensor([run.tokenizer.encode(TEXTS[0])]))
+        emb = hf(inputs_embeds=hf.get_input_embeddings()(enc["input_ids"]), attention_mask=enc["attention_mask"])
+    B, T = enc["input_ids"].shape
+    assert len(out.hidden_states) == n_layer + 1 and all(h.shape == (B, T, run.config.model.n_embd)
+                                                         for h in out.hidden_states)
+    assert torch.equal(hf.prism.lm_head(out.hidden_states[-1]), out.logits)
+    assert (out.hidden_states[-1][0] - want.hidden[0]).abs().max().item() <= 1e-5  # row 0 is unpadded
+    assert len(out.attentions) == n_layer
+    heads = run.config.model.n_head
+    for att in out.attentions:
+        assert att.shape == (B, heads, T, T)
+        torch.testing.assert_close(att.sum(-1), torch.ones(B, heads, T))
+        assert not att.triu(1).any()  # causal
+        real = enc["attention_mask"][1].bool()
+        assert not att[1][:, real][:, :, ~real].any()  # real tokens give padding keys no weight
+    assert torch.equal(emb.logits, hf(**enc).logits)
+    assert hf(**enc).hidden_states is None  # only when asked
 
 
 # ----- tokenizer ---------------------------------------------------------------------------------------------
@@ -221,12 +346,21 @@ def test_tokenizer_loads_and_encodes_like_the_run(exported, run):
     tok = AutoTokenizer.from_pretrained(exported)
     eot = run.tokenizer.eot_id
     assert tok.eos_token_id == eot and tok.bos_token_id == eot and tok.pad_token_id == eot
-    assert tok.model_max_length == run.config.model.block_size and tok.padding_side == "right"
+    assert tok.model_max_length == run.config.model.block_size and tok.padding_side == "left"
     for text in TEXTS + ["  spaces\tand\nnewlines  ", "ünïcödé — “quotes”"]:
         ids = run.tokenizer.encode(text)
         assert tok.encode(text, add_special_tokens=False) == ids
         assert tok(text)["input_ids"] == ids  # no BOS/EOS added by default
         assert tok.decode(ids) == run.tokenizer.decode(ids)
+
+
+def test_a_loaded_run_generates_from_text(run):
+    """``Run.open``/``load_checkpoint`` attach the run's tokenizer, so ``run.model.generate("text", n)`` returns
+    the text plus the decoded continuation of its ids."""
+    prompt = TEXTS[1]
+    ids = run.tokenizer.encode(prompt)
+    want = run.model.generate(torch.tensor([ids]), 5, temperature=0)[0, len(ids):].tolist()
+    assert run.model.generate(prompt, 5, temperature=0) == prompt + run.tokenizer.decode(want)
 
 
 # ----- interventions are baked in ----------------------------------------------------------------------------
@@ -303,6 +437,43 @@ def test_lm_eval_hflm_scores_like_our_scorer(exported, run):
     assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-4)
 
 
+def test_lm_eval_hflm_generate_until_task_at_batch_size_4(noisy, run, exported, tmp_path, monkeypatch):
+    """``lm_eval --model hf --batch_size 4`` on a local generate_until task (in process: lm-eval's own
+    ``simple_evaluate`` with ``HFLM``): lm-eval left-pads each batch of 4 contexts and calls ``generate``;
+    every logged answer is the greedy continuation of its context alone (cut at the end-of-text token,
+    as lm-eval cuts), and exact_match scores them."""
+    pytest.importorskip("lm_eval")
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    contexts = [*TEXTS, "We the people of the United States", "In the beginning", "Congress shall make no law"]
+    eot = run.tokenizer.decode([run.tokenizer.eot_id])
+    want = [run.tokenizer.decode(noisy.prism.generate(torch.tensor([run.tokenizer.encode(c)]), 12,
+                                                      temperature=0)[0, -12:].tolist()).split(eot)[0] for c in contexts]
+    targets = [w if i % 2 == 0 else "no" for i, w in enumerate(want)]  # exact_match 3/6
+    folder = tmp_path / "gen_task"
+    folder.mkdir()
+    (folder / "test.jsonl").write_text("".join(json.dumps({"context": c, "target": t}) + "\n"
+                                               for c, t in zip(contexts, targets)))
+    (folder / "gen.yaml").write_text(
+        f"task: prism_tiny_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {json.dumps(str(folder / 'test.jsonl'))}\ntest_split: test\noutput_type: generate_until\n"
+        "doc_to_text: '{{context}}'\ndoc_to_target: '{{target}}'\ntarget_delimiter: ''\n"
+        "generation_kwargs:\n  until: []\n  max_gen_toks: 12\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+    tok = AutoTokenizer.from_pretrained(exported)
+    lm = HFLM(pretrained=noisy, tokenizer=tok, device="cpu", batch_size=4)
+    out = lm_eval.simple_evaluate(model=lm, tasks=["prism_tiny_gen"], log_samples=True, cache_requests=False,
+                                  task_manager=TaskManager(include_path=str(folder), include_defaults=False))
+    samples = sorted(out["samples"]["prism_tiny_gen"], key=lambda x: x["doc_id"])
+    assert [s["resps"][0][0] for s in samples] == want
+    assert len(set(want)) == len(want)  # varied answers: the comparison can tell rows apart
+    assert out["results"]["prism_tiny_gen"]["exact_match,none"] == pytest.approx(3 / 6)
+
+
 # ----- registration: import prismlm (either order), or trust_remote_code without it ----------------------
 _CHECK = """
 ref = torch.load({ref!r})
@@ -319,11 +490,21 @@ _SCRIPTS = {
         from transformers import AutoModelForCausalLM
         assert not [f for f in sys.meta_path if type(f).__name__ == "_RegisterAfterImport"], "hook still installed"
         model = AutoModelForCausalLM.from_pretrained({out!r})
+        from transformers import AutoTokenizer
+        assert AutoTokenizer.from_pretrained({out!r}).padding_side == "left"  # no [y/N] prompt (checked below)
         """,
     "transformers first": """
         import torch
         from transformers import AutoModelForCausalLM
         import prismlm
+        model = AutoModelForCausalLM.from_pretrained({out!r})
+        """,
+    "prismlm.model.hf_model first (as prism export)": """
+        import sys, torch, warnings
+        warnings.simplefilter("error", RuntimeWarning)  # 'could not register the prism model type' fails
+        import prismlm
+        from prismlm.model.hf_model import PrismForCausalLM
+        from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({out!r})
         """,
     "remote code, no prismlm": """
@@ -336,9 +517,11 @@ _SCRIPTS = {
 
 
 def test_auto_classes_know_prism_in_fresh_interpreters(exported, run, tmp_path):
-    """Three fresh interpreters, run side by side: ``import prismlm`` then transformers (the import hook
+    """Four fresh interpreters, run side by side: ``import prismlm`` then transformers (the import hook
     registers, transformers is not imported by prismlm itself), transformers then ``import prismlm``
-    (registers at once), and ``trust_remote_code=True`` without importing prismlm at all."""
+    (registers at once), ``prismlm.model.hf_model`` importing transformers first (what ``prism export``
+    does: the hook fires inside that half-executed module, and must neither warn nor skip the
+    registration), and ``trust_remote_code=True`` without importing prismlm at all."""
     x = batch(run)
     with torch.no_grad():
         torch.save({"x": x, "logits": run.model(x).logits}, tmp_path / "ref.pt")
@@ -348,11 +531,11 @@ def test_auto_classes_know_prism_in_fresh_interpreters(exported, run, tmp_path):
     for name, body in _SCRIPTS.items():
         code = textwrap.dedent(body).format(out=str(exported)) + _CHECK.format(ref=str(tmp_path / "ref.pt"))
         procs[name] = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     failed = []
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=240)
-        if p.returncode != 0 or stdout.strip().splitlines()[-1:] != ["ok"]:
+        if p.returncode != 0 or stdout.strip().splitlines()[-1:] != ["ok"] or "[y/N]" in stdout + stderr:
             failed.append(f"{name}: rc {p.returncode}\n{stderr[-2000:]}")
     assert not failed, "\n\n".join(failed)
 

@@ -273,3 +273,44 @@ def test_generation_returns_ordinary_tensors():
     model.train()
     model(y[:, :-1], y[:, 1:]).loss.backward()
     assert model.lm_head.weight.grad is not None
+
+
+@pytest.mark.parametrize("cache_kind", ["ours", "transformers"])
+def test_left_padded_rows_equal_each_row_alone_through_the_cache(cache_kind):
+    """A left-padded batch (attention_mask 0 on the padding) run as a prompt then two chunks through a cache:
+    every real token's logits equal those of its row run alone without padding (float64) — positions count
+    real tokens only (cumsum(mask) − 1) and no query attends to a padding key. Greedy generation from the
+    padded batch, done by hand through the cache, gives each row the tokens of ``generate`` on that row."""
+    if cache_kind == "transformers":
+        DynamicCache = pytest.importorskip("transformers").DynamicCache
+    model = make_model(dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(1, V, (n,), generator=g) for n in (12, 5, 9)]
+    L = max(len(r) for r in rows)
+    x = torch.stack([torch.cat([torch.zeros(L - len(r), dtype=torch.long), r]) for r in rows])  # (3, L), pad 0
+    mask = torch.stack([(torch.arange(L) >= L - len(r)).long() for r in rows])  # (3, L)
+    cache = KVCache() if cache_kind == "ours" else DynamicCache()
+    with torch.no_grad():
+        outs = [model(x[:, :a][:, s:], cache=cache, attention_mask=mask[:, :a])
+                for s, a in ((0, 7), (7, 10), (10, L))]
+        got = torch.cat([o.logits for o in outs], dim=1)  # (3, L, V)
+        for i, r in enumerate(rows):
+            want = model(r[None]).logits[0]  # (n, V)
+            torch.testing.assert_close(got[i, L - len(r):], want, rtol=0, atol=1e-10)
+        # greedy decoding continues every row from its own last token
+        ids, m, cache = x, mask, KVCache()
+        feed = x
+        for _ in range(8):
+            nxt = model(feed, cache=cache, attention_mask=m, last_only=True).logits[:, -1].argmax(-1, keepdim=True)
+            ids, m, feed = torch.cat([ids, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1), nxt
+    for i, r in enumerate(rows):
+        assert torch.equal(ids[i, L - len(r):], model.generate(r[None], 8, temperature=0)[0])
+
+
+def test_attention_mask_must_cover_the_cached_and_new_tokens():
+    model = make_model()
+    cache = KVCache()
+    x = torch.randint(0, V, (2, 6))
+    model(x[:, :4], cache=cache)
+    with pytest.raises(ModelError, match="attention_mask must be"):
+        model(x[:, 4:], cache=cache, attention_mask=torch.ones(2, 2))

@@ -437,3 +437,98 @@ def test_sparse_pattern_products_equal_dense_and_fallback():
         torch.testing.assert_close(pat.mm(v, p), dense @ p, rtol=0, atol=1e-13)
         torch.testing.assert_close(pat.t_mm(v, zz), dense.T @ zz, rtol=0, atol=1e-13)
         torch.testing.assert_close(pat.sampled(zz, p), (zz @ p.T).gather(1, indices), rtol=0, atol=1e-13)
+
+
+def test_hidden_states_attentions_and_inputs_embeds_float64():
+    """``output_hidden_states``: the embedding output, then each block's output, the last one after the final
+    norm — the z the head reads (logits = lm_head(hidden_states[-1])). ``output_attentions``: each layer's
+    softmax(q kᵀ/√hs) under the causal mask, recomputed here from the layer's own projections; asking for
+    them leaves the logits as they are. ``inputs_embeds = wte(ids)`` gives the logits of ``ids``."""
+    torch.manual_seed(0)
+    model = PrismLM(tiny_model_config()).double().eval()
+    tr = model.transformer
+    x = torch.randint(0, 97, (2, 11))
+    T = x.shape[1]
+    plain = model(x)
+    assert plain.hidden_states is None and plain.attentions is None
+    with torch.no_grad():
+        out = model(x, output_hidden_states=True, output_attentions=True)
+        hs = out.hidden_states
+        assert len(hs) == model.config.n_layer + 1 and all(h.shape == (2, T, 32) for h in hs)
+        torch.testing.assert_close(hs[0], tr.wte(x) + tr.wpe(torch.arange(T)), rtol=0, atol=0)
+        torch.testing.assert_close(hs[1], tr.h[0](hs[0]), rtol=0, atol=1e-12)
+        torch.testing.assert_close(hs[2], tr.ln_f(tr.h[1](hs[1])), rtol=0, atol=1e-12)
+        assert torch.equal(hs[-1], out.hidden)
+        assert torch.equal(model.lm_head(hs[-1]), out.logits)
+        torch.testing.assert_close(out.logits, plain.logits, rtol=0, atol=1e-12)
+        assert len(out.attentions) == model.config.n_layer
+        for layer, (att, h) in enumerate(zip(out.attentions, hs)):
+            blk = tr.h[layer]
+            q, k, _ = blk.attn.c_attn(blk.ln_1(h)).split(32, dim=2)  # (B, T, C) each
+            q, k = (t.view(2, T, 2, 16).transpose(1, 2) for t in (q, k))  # (B, nh, T, hs)
+            scores = (q @ k.transpose(-2, -1)) / 4.0  # √16
+            want = torch.softmax(scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")), -1)
+            assert att.shape == (2, 2, T, T)
+            torch.testing.assert_close(att, want, rtol=0, atol=1e-12)
+        emb = model(None, inputs_embeds=tr.wte(x))
+        torch.testing.assert_close(emb.logits, plain.logits, rtol=0, atol=1e-12)
+        assert torch.equal(emb.indices, plain.indices)
+
+
+def test_scale_and_control_take_id_value_mappings_and_check_at_construction():
+    """``Scale({id: factor})`` and ``Control({id: c})`` (the web API's form) mean the (K,) tensors with those
+    entries (the rest 1, resp. 0): the same logits; bad arguments fail when the value is made, naming
+    the class, not later with an AttributeError."""
+    from prismlm.errors import ModelError, UnknownPrototypeError
+    from prismlm.model import Control, Scale, Suppress
+
+    torch.manual_seed(0)
+    model = PrismLM(tiny_model_config()).double().eval()
+    x = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        ids = model(x).indices[..., 0].flatten().unique()[:2].tolist()  # prototypes that fire here
+        f, c = torch.ones(64, dtype=torch.float64), torch.zeros(64, dtype=torch.float64)
+        f[ids[0]], f[ids[1]] = 2.0, 0.5
+        c[ids[1]] = -0.75
+        with model.intervene(Scale(f), Control(c)) as m:
+            want = m(x).logits
+        with model.intervene(Scale({ids[0]: 2.0, str(ids[1]): 0.5}), Control({ids[1]: -0.75})) as m:
+            got = m(x).logits
+        assert torch.equal(got, want)
+        assert (got - model(x).logits).abs().max().item() > 1e-3  # the mapping did change the logits
+    assert Scale({3: 2, 1: 0.5}).factors == {1: 0.5, 3: 2.0} and Suppress(torch.tensor([4, 2])).ids == (4, 2)
+    for bad, match in ((lambda: Scale({"a": 2.0}), "Scale: prototype ids"), (lambda: Scale({1: "x"}), "finite"),
+                       (lambda: Control({-1: 1.0}), "Control: prototype ids"), (lambda: Scale({1: float("nan")}), "finite"),
+                       (lambda: Scale(torch.ones(2, 2)), "1-D"), (lambda: Scale("2.0"), "mapping"),
+                       (lambda: Suppress({1: 0.0}), "Scale\\(\\{id: factor\\}\\)"), (lambda: Suppress([1.5]), "integers")):
+        with pytest.raises(ModelError, match=match):
+            bad()
+    with pytest.raises(UnknownPrototypeError, match="64 prototypes"), model.intervene(Scale({64: 2.0})):
+        pass
+
+
+class _CharCodec:
+    """A stand-in tokenizer: one id per character (mod 96, +1), eot 0."""
+
+    eot_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) % 96 + 1 for ch in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i - 1 + 32) if i else "<eot>" for i in ids)
+
+
+def test_generate_takes_text_with_an_attached_tokenizer_or_says_what_to_call():
+    from prismlm.errors import ModelError
+
+    torch.manual_seed(0)
+    model = PrismLM(tiny_model_config()).eval()
+    with pytest.raises(ModelError, match="no tokenizer is attached") as e:
+        model.generate("Hello", 3)
+    assert "model.generate(torch.tensor([tok.encode(text)]), n)" in (e.value.fix or "")
+    codec = _CharCodec()
+    model.tokenizer = codec
+    ids = model.generate(torch.tensor([codec.encode("Hello")]), 6, temperature=0)
+    assert model.generate("Hello", 6, temperature=0) == "Hello" + codec.decode(ids[0, 5:].tolist())
+    assert model.generate("", 2, temperature=0) == codec.decode(model.generate(torch.tensor([[0]]), 2, temperature=0)[0, 1:].tolist())

@@ -119,11 +119,31 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    _plain_file_modes(stage)
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         os.replace(path, old)
     os.replace(stage, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    """The process umask (read by setting it and back: there is no getter before Python 3.13's os)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _plain_file_modes(folder: Path) -> None:
+    """Give every file under ``folder`` at least the permissions a plain ``open()`` would (0666 & ~umask,
+    0644 under the usual umask 022). Why: writers that stage through ``mkstemp`` — safetensors ≥ 0.7's
+    ``save_file``/``save_model`` — leave 0600 files, so a shared model folder was unreadable to others."""
+    wanted = 0o666 & ~_umask()
+    for p in folder.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            mode = p.stat().st_mode & 0o7777
+            if mode | wanted != mode:
+                p.chmod(mode | wanted)
 
 
 # ----- hashes ----------------------------------------------------------------------------------------------

@@ -8,6 +8,11 @@ pretrained=OUT,trust_remote_code=True`` (lm-eval's command line does not import 
 after ``import prismlm`` needs no flag) — with the run's logits, bit for bit. The run's interventions (its suppression
 set, ``--suppress FILE``) are baked in: ``config.json`` lists the suppressed prototype ids (and the
 multipliers of controllers or scaling), and every forward applies them.
+
+The tokenizer pads on the left (batched ``generate`` continues every row from its own last token; the
+model takes padding on either side). ``AutoTokenizer.from_pretrained(OUT)`` needs the same as the model —
+``import prismlm`` first or ``trust_remote_code=True`` — because transformers reads ``config.json`` (whose
+``auto_map`` names the shims) before the tokenizer files; without either it asks ``[y/N]``.
 """
 
 from __future__ import annotations

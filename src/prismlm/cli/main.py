@@ -226,8 +226,8 @@ def render_export(out: Path) -> None:
     stdout.print(f"exported → {out}", markup=False)
     for f in sorted(out.iterdir()):
         stdout.print(f"  {f.name}  {f.stat().st_size:,} bytes", markup=False)
-    console.print(f"load: AutoModelForCausalLM.from_pretrained({str(out)!r}) after `import prismlm` (or with "
-                  f"trust_remote_code=True); lm_eval --model hf --model_args "
+    console.print(f"load: AutoModelForCausalLM / AutoTokenizer .from_pretrained({str(out)!r}) after `import prismlm` "
+                  f"(or both with trust_remote_code=True); lm_eval --model hf --model_args "
                   f"pretrained={out},trust_remote_code=True", markup=False, highlight=False, soft_wrap=True)
 
 

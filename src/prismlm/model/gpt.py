@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Protocol, overload
 
 import torch
 import torch.nn as nn
@@ -30,10 +30,40 @@ from prismlm.model.kv_cache import CacheLike, KVCache
 from prismlm.model.prototypes import PrototypeLayer, PrototypeOutput
 
 
+class TextCodec(Protocol):
+    """What ``PrismLM.generate`` needs to take text: prismlm's ``Tokenizer`` satisfies it."""
+
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
 @dataclass
 class PrismOutput:
     """The one structured forward output that training, attribution, control, evaluation and the
-    explorer all read. Prototype fields are ``None`` for the dense baseline."""
+    explorer all read. Prototype fields are ``None`` for the dense baseline.
+
+    B batch, T tokens of this forward (the new ones with a cache), V vocabulary, d width, k active
+    prototypes per token, K prototypes, L layers, H heads, P cached positions.
+
+    Fields:
+        logits (B, T, V) — or (B, 1, V) with ``last_only`` — next-token logits; under ``suppress``/
+            ``control``/``intervene`` the modified ones.
+        hidden (B, T, d): z, the final-norm hidden states the head reads (logits = lm_head(z) unmodified).
+        indices (B, T, k) int64: each token's top-k prototype ids, by decreasing cosine.
+        activations (B, T, k): their non-negative activations a_i.
+        residual (B, T, d): r = z − Σ_i a_i p_i.
+        token_max_cos (B, T): max_i cos(z_t, p_i), how well each token is covered.
+        proto_max_cos (K,): max over this batch's tokens of cos(p_i, z_t).
+        losses {name: scalar}: unweighted ``ce`` (with targets), ``rec``, ``r1``, ``r2`` (PRISM).
+        loss scalar: the weighted total (with targets), else None.
+        prototype_multipliers (K,): the multipliers m the logits were computed with, or None.
+        hidden_states L + 1 × (B, T, d): with ``output_hidden_states``, the embedding output then each
+            block's output, the last one after the final norm (= hidden); else None.
+        attentions L × (B, H, T, P + T): with ``output_attentions``, the attention weights; else None.
+    """
 
     logits: torch.Tensor
     """(B, T, V) next-token logits (or (B, 1, V) with ``last_only``); inside ``model.suppress(...)`` /
@@ -57,6 +87,13 @@ class PrismOutput:
     prototype_multipliers: torch.Tensor | None = None
     """(K,) the multipliers m the logits were computed with (suppression: 0, controller: 1 + c), or None
     for the unmodified model; ``decompose`` scales the slices by them, so it stays exact."""
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    """With ``output_hidden_states=True``: n_layer + 1 tensors (B, T, d) — the embedding output (token +
+    position embeddings), then each block's output, the last one after the final norm, i.e. ``hidden``
+    (transformers' convention). Otherwise None."""
+    attentions: tuple[torch.Tensor, ...] | None = None
+    """With ``output_attentions=True``: n_layer tensors (B, n_head, T, P + T) of attention weights (each
+    row sums to 1; P cached positions). Otherwise None."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -68,9 +105,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cache: CacheLike | None = None, layer_idx: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: CacheLike | None = None, layer_idx: int = 0, *,
+                attn_mask: torch.Tensor | None = None, weights_out: list[torch.Tensor] | None = None) -> torch.Tensor:
         """x (B, T, C) → (B, T, C). With ``cache``, x holds the T newest tokens: their keys/values are
-        appended to layer ``layer_idx`` of the cache and the queries attend to every cached position."""
+        appended to layer ``layer_idx`` of the cache and the queries attend to every cached position.
+
+        ``attn_mask`` (B or 1, 1, T, P + T) bool, True = attend: replaces the causal mask (padding, see
+        ``_attention_mask``). ``weights_out``: when a list, the attention weights (B, nh, T, P + T) of this
+        call are appended to it — computed explicitly, since SDPA cannot return them."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -83,18 +125,70 @@ class CausalSelfAttention(nn.Module):
             past = k_all.shape[2] - T
             if past:  # (with P = 0 the new k, v themselves: a prefill runs exactly the uncached kernel)
                 k, v = k_all, v_all
-        if past == 0:  # no cache, or a prefill into an empty one: plain causal attention (the training path)
+        if weights_out is not None:  # the eager path: softmax(q kᵀ / √hs) written out, its weights kept
+            mask = attn_mask if attn_mask is not None else _attention_mask(None, past, T, x.device)
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))  # (B, nh, T, P + T)
+            att = F.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
+            weights_out.append(att)
+            y = F.dropout(att, dropout_p, self.training) @ v  # (B, nh, T, hs)
+        elif attn_mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)  # (B, nh, T, hs)
+        elif past == 0:  # no cache, or a prefill into an empty one: plain causal attention (the training path)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)  # (B, nh, T, hs)
         elif T == 1:  # one new token: it sees every cached position and itself, so no mask at all
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)  # (B, nh, 1, hs)
         else:
             # T > 1 new tokens after P cached ones: query i sits at position P + i and sees keys 0 … P + i.
             # SDPA's is_causal aligns the mask top-left (query i → keys 0 … i) when T ≠ P + T, which would
-            # hide cached positions, hence the explicit (T, P + T) mask (True = attend).
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)  # (B, nh, T, hs)
+            # hide cached positions, hence the explicit (T, P + T) mask.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=_attention_mask(None, past, T, x.device),
+                                               dropout_p=dropout_p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+def _attention_mask(keys: torch.Tensor | None, past: int, T: int, device: torch.device) -> torch.Tensor:
+    """The bool mask (True = attend) of T queries at positions P … P + T − 1 over P + T keys: causal, and
+    with ``keys`` (B, P + T) bool (False: a padding token) no query sees a padding key — except a padding
+    query its own, so that no softmax row is empty (an all −inf row is NaN, and NaN values would reach
+    the real tokens through 0 · NaN). Shape (T, P + T) without keys, else (B, 1, T, P + T)."""
+    q_pos = torch.arange(past, past + T, device=device)  # (T,)
+    k_pos = torch.arange(past + T, device=device)  # (P + T,)
+    causal = k_pos[None, :] <= q_pos[:, None]  # (T, P + T)
+    if keys is None:
+        return causal
+    own = k_pos[None, :] == q_pos[:, None]  # (T, P + T)
+    return ((causal[None] & keys[:, None, :]) | own[None])[:, None]  # (B, 1, T, P + T)
+
+
+def _padding_keys(mask: torch.Tensor | None, B: int, length: int) -> torch.Tensor | None:
+    """An attention_mask (B, P + T) of 0/1 → (B, P + T) bool (False: padding), or None when it has no
+    padding (the unpadded kernels then run, bit for bit as without a mask)."""
+    if mask is None:
+        return None
+    if mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] != length:
+        raise ModelError(f"attention_mask must be (batch, cached + new tokens) = ({B}, {length}) of 0/1, got "
+                         f"shape {tuple(mask.shape)}")
+    keys = mask.bool()
+    return None if bool(keys.all()) else keys
+
+
+def _positions(keys: torch.Tensor) -> torch.Tensor:
+    """(B, L) bool real-token mask → (B, L) int64 positions: the number of real tokens before each one
+    (cumsum − 1; 0 on leading padding), so a left-padded row has the positions of the unpadded one."""
+    return (keys.long().cumsum(-1) - 1).clamp_min(0)
+
+
+@dataclass
+class BackboneOutput:
+    """What ``PrismLM.backbone_outputs`` returns."""
+
+    z: torch.Tensor
+    """(B, T, d) the final-norm hidden states the head reads."""
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    """n_layer + 1 × (B, T, d): the embedding output, then each block's output; the last is z."""
+    attentions: tuple[torch.Tensor, ...] | None = None
+    """n_layer × (B, n_head, T, P + T) attention weights."""
 
 
 class MLP(nn.Module):
@@ -118,9 +212,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cache: CacheLike | None = None, layer_idx: int = 0) -> torch.Tensor:
-        """x (B, T, C) → (B, T, C); ``cache``/``layer_idx`` as in ``CausalSelfAttention.forward``."""
-        x = x + self.attn(self.ln_1(x), cache, layer_idx)
+    def forward(self, x: torch.Tensor, cache: CacheLike | None = None, layer_idx: int = 0, *,
+                attn_mask: torch.Tensor | None = None, weights_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """x (B, T, C) → (B, T, C); the other arguments as in ``CausalSelfAttention.forward``."""
+        x = x + self.attn(self.ln_1(x), cache, layer_idx, attn_mask=attn_mask, weights_out=weights_out)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -143,6 +238,8 @@ class PrismLM(nn.Module):
 
     prototypes: PrototypeLayer | None
     proto_multipliers: torch.Tensor | None  # a non-persistent buffer, see __init__
+    tokenizer: TextCodec | None
+    """The tokenizer ``generate`` uses for text (attached by ``load_checkpoint``); None: ids only."""
     transformer: nn.Module
 
     def __init__(self, cfg: ModelConfig):
@@ -186,6 +283,7 @@ class PrismLM(nn.Module):
         # and controllers are their own artifacts), and it follows .to(device). Set it through
         # ``prismlm.control`` (``with model.suppress(ids):`` / ``with model.control(c):``), which restores it.
         self.register_buffer("proto_multipliers", None, persistent=False)
+        self.tokenizer = None
 
     def _add_lora(self, rank: int) -> None:
         """Wrap every ``nn.Linear`` of the backbone with a LoRA adapter (``peft``): W x + (α/r) B A x, B = 0 at
@@ -267,46 +365,109 @@ class PrismLM(nn.Module):
             total += p.numel()
         return total
 
-    def backbone(self, idx: torch.Tensor, cache: CacheLike | None = None) -> torch.Tensor:
+    def backbone(self, idx: torch.Tensor | None, cache: CacheLike | None = None, *,
+                 attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) int64 → z (B, T, d), the final-LayerNorm hidden states.
 
         With ``cache`` (a ``KVCache`` or a transformers ``DynamicCache``) idx holds the T tokens that follow
         the P = ``cache.get_seq_length()`` cached ones: they get positions P … P + T − 1, attend to the
         cached keys/values, and their own are appended. z covers the T new tokens only. P + T may not
-        exceed block_size (the position embeddings are learned and absolute)."""
-        B, T = idx.shape
+        exceed block_size (the position embeddings are learned and absolute). ``attention_mask`` and
+        ``inputs_embeds``: see ``backbone_outputs``."""
+        return self.backbone_outputs(idx, cache, attention_mask=attention_mask, inputs_embeds=inputs_embeds).z
+
+    def backbone_outputs(self, idx: torch.Tensor | None, cache: CacheLike | None = None, *,
+                         attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                         output_hidden_states: bool = False, output_attentions: bool = False) -> BackboneOutput:
+        """``backbone`` with everything transformers' models can return.
+
+        ``attention_mask`` (B, P + T) of 0/1 over the cached and the new tokens (0: padding, e.g. on the
+        left of a batch of prompts): a token's position is the number of real tokens before it
+        (cumsum(mask) − 1), and no token attends to a padding token, so each row computes what it would
+        alone, unpadded. ``inputs_embeds`` (B, T, d) replaces the token embeddings ``wte(idx)``.
+        ``output_hidden_states``: n_layer + 1 tensors (B, T, d), the embedding output and each block's
+        output, the last one after the final norm (= z, transformers' convention). ``output_attentions``:
+        n_layer tensors (B, n_head, T, P + T) of attention weights (computed outside SDPA for that call)."""
+        if (idx is None) == (inputs_embeds is None):
+            raise ModelError("give exactly one of input_ids (B, T) and inputs_embeds (B, T, d)")
+        B, T = idx.shape if idx is not None else inputs_embeds.shape[:2]  # type: ignore[union-attr]
         past = cache.get_seq_length() if cache is not None else 0
         if past + T > self.config.block_size:
             what = f"sequence length {T}" if cache is None else f"{past} cached + {T} new tokens"
             raise ModelError(f"{what} exceeds the context window block_size={self.config.block_size}")
-        if self.config.backbone == "hf":  # its last_hidden_state has been through the model's final norm
-            if cache is None:
-                return self.transformer(input_ids=idx, use_cache=False).last_hidden_state  # (B, T, d)
-            return self.transformer(input_ids=idx, use_cache=True,
-                                    **{self._hf_cache_kwarg: cache}).last_hidden_state  # (B, T, d)
+        keys = _padding_keys(attention_mask, B, past + T)  # (B, P + T) bool, or None without padding
+        if self.config.backbone == "hf":
+            return self._hf_backbone(idx, cache, keys, inputs_embeds, output_hidden_states, output_attentions)
         assert isinstance(self.transformer, Backbone)
-        pos = torch.arange(past, past + T, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, d)
+        device = self.transformer.wpe.weight.device
+        pos = torch.arange(past, past + T, device=device) if keys is None else _positions(keys)[:, -T:]  # (T,) | (B, T)
+        emb = self.transformer.wte(idx) if inputs_embeds is None else inputs_embeds  # (B, T, d)
+        x = self.transformer.drop(emb + self.transformer.wpe(pos))  # (B, T, d)
+        mask = _attention_mask(keys, past, T, device) if keys is not None else None
+        hidden: list[torch.Tensor] | None = [x] if output_hidden_states else None
+        weights: list[torch.Tensor] | None = [] if output_attentions else None
         for i, block in enumerate(self.transformer.h):
-            x = block(x, cache, i)  # (B, T, d)
-        return self.transformer.ln_f(x)  # (B, T, d)
+            x = block(x, cache, i, attn_mask=mask, weights_out=weights)  # (B, T, d)
+            if hidden is not None:
+                hidden.append(x)
+        z = self.transformer.ln_f(x)  # (B, T, d)
+        if hidden is not None:
+            hidden[-1] = z  # as transformers' GPT-2: the last hidden state is the final norm's output
+        return BackboneOutput(z, tuple(hidden) if hidden is not None else None,
+                              tuple(weights) if weights is not None else None)
+
+    def _hf_backbone(self, idx: torch.Tensor | None, cache: CacheLike | None, keys: torch.Tensor | None,
+                     inputs_embeds: torch.Tensor | None, output_hidden_states: bool,
+                     output_attentions: bool) -> BackboneOutput:
+        """``backbone_outputs`` of a transformers base model (its last_hidden_state has been through its
+        final norm; its hidden_states follow the same convention as ours)."""
+        kwargs: dict[str, Any] = {"use_cache": cache is not None}
+        if cache is not None:
+            kwargs[self._hf_cache_kwarg] = cache
+        if keys is not None:  # positions from the mask, as transformers' generate computes them
+            T = idx.shape[1] if idx is not None else inputs_embeds.shape[1]  # type: ignore[union-attr]
+            kwargs["attention_mask"] = keys.long()  # (B, P + T)
+            kwargs["position_ids"] = _positions(keys)[:, -T:]  # (B, T)
+        if output_hidden_states:
+            kwargs["output_hidden_states"] = True
+        backbone: Any = self.transformer
+        eager = output_attentions and backbone.config._attn_implementation != "eager"
+        previous = backbone.config._attn_implementation
+        if eager:  # SDPA kernels cannot return attention weights: the eager implementation for this call
+            backbone.set_attn_implementation("eager")
+        try:
+            out = backbone(input_ids=idx, inputs_embeds=inputs_embeds, output_attentions=output_attentions, **kwargs)
+        finally:
+            if eager:
+                backbone.set_attn_implementation(previous)
+        return BackboneOutput(out.last_hidden_state, out.hidden_states if output_hidden_states else None,
+                              out.attentions if output_attentions else None)
 
     def forward(
         self,
-        idx: torch.Tensor,
+        idx: torch.Tensor | None,
         targets: torch.Tensor | None = None,
         *,
         loss_weights: dict[str, float] | None = None,
         last_only: bool = False,
         cache: CacheLike | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
     ) -> PrismOutput:
         """idx (B, T); targets (B, T) or None. ``loss_weights`` (see ``LossConfig.weights_at``) sets the
         weighted total; ``last_only`` computes logits for the last position only (generation).
 
         ``cache`` (``KVCache`` or transformers ``DynamicCache``): idx continues the cached tokens (see
         ``backbone``); every output field then covers the T new tokens only (``proto_max_cos`` is over
-        them too), and the logits equal those of an uncached forward over the whole sequence."""
-        z = self.backbone(idx, cache)  # (B, T, d)
+        them too), and the logits equal those of an uncached forward over the whole sequence.
+        ``attention_mask`` (B, P + T) 0/1 (padding), ``inputs_embeds`` (B, T, d) instead of idx,
+        ``output_hidden_states``/``output_attentions``: as in ``backbone_outputs``; they fill
+        ``PrismOutput.hidden_states``/``attentions``."""
+        bo = self.backbone_outputs(idx, cache, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                                   output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+        z = bo.z  # (B, T, d)
         B, T, d = z.shape
         out_z = z[:, -1:, :] if last_only else z
         mult = self.proto_multipliers
@@ -323,7 +484,7 @@ class PrismLM(nn.Module):
             delta = torch.einsum("nk,nkd->nd", a, self.require_prototypes().weight[po.indices].to(a.dtype))  # (N, d)
             z_mod = (z.reshape(B * T, d).to(delta.dtype) + delta).to(z.dtype).view(B, T, d)
             logits = self.lm_head(z_mod[:, -1:, :] if last_only else z_mod)  # (B, T, V)
-        out = PrismOutput(logits=logits, hidden=z)
+        out = PrismOutput(logits=logits, hidden=z, hidden_states=bo.hidden_states, attentions=bo.attentions)
         if po is not None:
             _set_prototype_fields(out, po, mult)
             if targets is not None:
@@ -405,29 +566,59 @@ class PrismLM(nn.Module):
         p = self.prototypes.weight if ids is None else self.prototypes.weight[ids]
         return p @ self.lm_head.weight.T  # (n, V): W p_i, without W's bias (which is not any prototype's)
 
+    @overload
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor: ...
+
+    @overload
+    def generate(self, idx: str, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None, use_cache: bool = True) -> str: ...
+
     @torch.no_grad()
     def generate(
         self,
-        idx: torch.Tensor,
+        idx: torch.Tensor | str,
         max_new_tokens: int,
         *,
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | str:
         """Sample ``max_new_tokens`` continuations of idx (B, T); returns (B, T + max_new_tokens).
 
         ``temperature=0`` is greedy decoding. The context is cropped to the last block_size tokens.
         ``use_cache`` (default) runs the prompt once and then one token per step against a ``KVCache``;
         ``use_cache=False`` recomputes the whole window at every step. Both give the same tokens (the
         logits agree to float rounding); see ``generate_steps`` for what happens past block_size.
+
+        ``idx`` may be text when a tokenizer is attached (``model.tokenizer``: ``load_checkpoint`` and
+        ``Run.open`` attach the run's): it is encoded (an empty text starts from end-of-text) and the text
+        plus its continuation is returned.
         """
+        if isinstance(idx, str):
+            return self._generate_text(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                                       generator=generator, use_cache=use_cache)
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            raise ModelError(f"generate takes token ids (B, T) as a tensor, or a text, got {type(idx).__name__}",
+                             fix="model.generate(torch.tensor([tokenizer.encode(text)]), n)")
         out = [idx]
         for _, nxt in self._decode(idx, max_new_tokens, temperature=temperature, top_k=top_k,
                                    generator=generator, use_cache=use_cache, prefill_logits=False):
             out.append(nxt)  # (B, 1) inference tensors
         return torch.cat(out, dim=1)  # outside inference mode: an ordinary tensor
+
+    def _generate_text(self, text: str, max_new_tokens: int, **sampling: Any) -> str:
+        """``generate`` of a text through the attached tokenizer: the text plus its continuation."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ModelError("PrismLM.generate got a text, but no tokenizer is attached to this model",
+                             fix="pass token ids: model.generate(torch.tensor([tok.encode(text)]), n) with the "
+                                 "run's tokenizer (Run.open(RUN).tokenizer), or attach it: model.tokenizer = tok")
+        ids = tok.encode(text) or [tok.eot_id]  # (T,)
+        x = torch.tensor([ids], dtype=torch.long, device=self.lm_head.weight.device)  # (1, T)
+        y = self.generate(x, max_new_tokens, **sampling)  # (1, T + n)
+        return text + tok.decode(y[0, len(ids):].tolist())
 
     def generate_steps(
         self,
@@ -529,7 +720,16 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 @dataclass
 class LogitDecomposition:
-    """The exact additive decomposition of selected logits (spec §1.5)."""
+    """The exact additive decomposition of selected logits (spec §1.5): for token t and chosen token y,
+    ``logit = prototype_slices.sum(-1) + residual_slice + bias_slice`` (to float rounding).
+
+    Fields (B batch, T positions, k active prototypes per position):
+        prototype_slices (B, T, k): a_{t,i} (W p_i)_y for each of the k active prototypes of position t, in
+            the order of ``PrismOutput.indices`` (scaled by the multipliers under an intervention).
+        residual_slice (B, T): (W r_t)_y, what no prototype carries.
+        logit (B, T): ℓ_{t,y} as the forward computed it.
+        bias_slice (B, T): b_y, the unembedding's bias (zeros without one).
+    """
 
     prototype_slices: torch.Tensor
     """(B, T, k): a_{t,i} (W p_i)_y for each active prototype i of token t and chosen token y."""

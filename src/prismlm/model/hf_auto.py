@@ -26,11 +26,17 @@ from typing import Any
 __all__ = ["register_now", "register_when_imported"]
 
 _TARGET = "transformers"
+_MODULE = "prismlm.model.hf_model"
 _lock = threading.Lock()
 
 
 def register_now() -> bool:
     """Register ``prism`` with the Auto classes; False (with a warning) when that fails."""
+    being_imported = sys.modules.get(_MODULE)
+    if being_imported is not None and getattr(being_imported.__spec__, "_initializing", False):
+        # transformers was first imported by prismlm.model.hf_model itself (``prism export``): that module is
+        # half executed, its ``register`` not defined yet, and it registers at its own end
+        return True
     try:
         from prismlm.model.hf_model import register
 

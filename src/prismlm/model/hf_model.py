@@ -18,8 +18,13 @@ generates with ``generate()`` and is scored by ``lm_eval --model hf``. The wrapp
   ``DynamicCache`` passed straight to ``PrismLM.forward(cache=…)``. Past block_size the window slides and
   every step recomputes the last block_size tokens without a cache — ``PrismLM.generate``'s semantics, so
   greedy decoding gives the same tokens.
-* **Padding.** The model has learned absolute positions and no padding mask: right padding is harmless
-  (causal attention never looks ahead), left padding is refused (``ModelError``).
+* **Padding.** ``attention_mask`` may pad on either side: a token's position is the number of real tokens
+  before it (cumsum(mask) − 1) and no token attends to padding, so a row of a left-padded batch gives the
+  logits — and greedy ``generate()`` the tokens — of that row alone, unpadded. The exported tokenizer pads
+  on the left, as transformers' batched generation expects.
+* **Probing.** ``output_hidden_states`` (embedding output + every block's output, the last after the
+  final norm: the z the head reads), ``output_attentions`` (eager attention for that call) and
+  ``inputs_embeds`` work as in transformers' own models.
 * **Tied weights.** The mapping transformers uses to save and re-tie shared parameters is read off the
   wrapped model (parameters that are the same object), never assumed: an untied model is never tied.
 
@@ -180,19 +185,20 @@ def _shared_parameters(module: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
-def _check_attention_mask(mask: torch.Tensor | None) -> None:
-    """Accept no mask, all ones, or right padding (each row ones then zeros); refuse anything else."""
-    if mask is None:
+def _check_position_ids(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, past: int) -> None:
+    """The model derives positions itself (P … P + T − 1, or cumsum(attention_mask) − 1 with padding);
+    ``position_ids`` (B or 1, T) that say otherwise are refused rather than silently ignored."""
+    if position_ids is None:
         return
-    if mask.dim() != 2:
-        raise ModelError(f"attention_mask must be (batch, sequence) of 0/1, got shape {tuple(mask.shape)}")
-    m = mask.bool()
-    if bool(m.all()):
-        return
-    if bool((m[:, 1:] & ~m[:, :-1]).any()):
-        raise ModelError("attention_mask has padding before tokens (left padding): PRISM models have learned "
-                         "absolute positions and no padding mask, so a left-padded row would be shifted",
-                         fix="pad on the right (tokenizer.padding_side = 'right') or use batch size 1")
+    T = position_ids.shape[-1]
+    if attention_mask is None:
+        own = torch.arange(past, past + T, device=position_ids.device)[None]  # (1, T)
+    else:
+        own = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:].to(position_ids.device)  # (B, T)
+    if position_ids.shape[-1] != own.shape[-1] or not bool((position_ids == own).all()):
+        raise ModelError("position_ids differ from the positions the model uses: PRISM models have learned "
+                         "absolute positions, P … P + T − 1 after P cached tokens, counted over the real tokens "
+                         "of attention_mask", fix="leave position_ids out (pass attention_mask for padding)")
 
 
 class PrismForCausalLM(PreTrainedModel, GenerationMixin):
@@ -278,8 +284,10 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
                  for k, v in model.state_dict().items()}
         hf.prism.load_state_dict(state)
         hf.float()
+        # no max_length: set here, every generate(max_new_tokens=…) warns that both are set (the context
+        # window is config.max_position_embeddings, and generation slides past it anyway)
         hf.generation_config = GenerationConfig(bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                                                pad_token_id=pad_token_id, max_length=model.config.block_size)
+                                                pad_token_id=pad_token_id)
         return hf.eval()
 
     # ----- transformers hooks ------------------------------------------------------------------------------------
@@ -303,18 +311,21 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 past_key_values: Any = None, use_cache: bool | None = None, labels: torch.LongTensor | None = None,
                 return_dict: bool | None = None, *, cache: Any = None, logits_to_keep: int = 0,
-                inputs_embeds: torch.Tensor | None = None, **kwargs: Any) -> PrismCausalLMOutput | tuple:
-        """input_ids (B, T) → logits (B, T, V) (the last ``logits_to_keep`` positions when > 0).
+                inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool | None = None,
+                output_attentions: bool | None = None, **kwargs: Any) -> PrismCausalLMOutput | tuple:
+        """input_ids (B, T) (or ``inputs_embeds`` (B, T, d)) → logits (B, T, V) (the last ``logits_to_keep``
+        positions when > 0).
 
         ``cache``/``past_key_values``: a transformers ``Cache`` holding the P earlier tokens; input_ids are
         then the T tokens after them (P + T <= block_size). ``use_cache`` (default ``config.use_cache``)
         creates one when none is given and returns it. ``labels`` (B, T): mean next-token cross-entropy
-        (shifted inside, -100 ignored). ``attention_mask``: all ones or right padding."""
-        if inputs_embeds is not None:
-            raise ModelError("PRISM models take input_ids, not inputs_embeds")
-        if input_ids is None:
-            raise ModelError("input_ids is required")
-        _check_attention_mask(attention_mask)
+        (shifted inside, -100 ignored). ``attention_mask`` (B, P + T) 0/1: padding on either side; positions
+        are counted over the real tokens (cumsum − 1) and padding is never attended to, so a left-padded row
+        gives the logits of the unpadded one (``position_ids``, if given, must be those positions).
+        ``output_hidden_states``: n_layer + 1 tensors (B, T, d), the
+        embedding output and each block's output, the last one after the final norm (the z that
+        ``lm_head`` reads, as in transformers' GPT-2 and Llama). ``output_attentions``: n_layer tensors
+        (B, n_head, T, P + T), computed with eager attention for that call."""
         cache = cache if cache is not None else past_key_values
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if not use_cache:
@@ -326,9 +337,15 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
                 cache = DynamicCache(config=self.config)
             except TypeError:  # releases whose DynamicCache takes no config
                 cache = DynamicCache()
+        _check_position_ids(kwargs.pop("position_ids", None), attention_mask,
+                            cache.get_seq_length() if cache is not None else 0)
         last_only = logits_to_keep == 1
+        want_hidden = bool(self.config.output_hidden_states if output_hidden_states is None else output_hidden_states)
+        want_attn = bool(self.config.output_attentions if output_attentions is None else output_attentions)
         with self.baked_in():
-            out = self.prism(input_ids, last_only=last_only, cache=cache)
+            out = self.prism(input_ids, last_only=last_only, cache=cache, attention_mask=attention_mask,
+                             inputs_embeds=inputs_embeds, output_hidden_states=want_hidden,
+                             output_attentions=want_attn)
         logits = out.logits
         if logits_to_keep and not last_only:
             logits = logits[:, -logits_to_keep:, :]
@@ -341,6 +358,7 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
                                    labels[:, 1:].reshape(-1).to(full.device), ignore_index=-100)
         result = PrismCausalLMOutput(loss=loss, logits=logits, prototype_indices=out.indices,
                                      prototype_activations=out.activations, residual=out.residual,
+                                     hidden_states=out.hidden_states, attentions=out.attentions,
                                      **{_CACHE_FIELD: cache})
         use_dict = return_dict if return_dict is not None else self.config.return_dict
         return result if use_dict else result.to_tuple()
@@ -359,19 +377,23 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
                                       past_key_values: Any = None, **kwargs: Any) -> dict[str, Any]:
         """What the next generation step runs: the tokens the cache has not seen, or — once the sequence is
         longer than block_size (or without a cache) — the last block_size tokens, uncached (a stale cache
-        is left unused, as in ``PrismLM.generate_steps``)."""
+        is left unused, as in ``PrismLM.generate_steps``). ``attention_mask`` (B, L) covers the whole
+        sequence; a window step gets its last block_size columns (positions restart from the window's first
+        real token, as the unpadded window's do)."""
         if inputs_embeds is not None:
-            raise ModelError("PRISM models generate from input_ids, not inputs_embeds")
+            raise ModelError("PRISM models generate from input_ids, not inputs_embeds",
+                             fix="call generate(input_ids=...); inputs_embeds is accepted by forward()")
         cache = cache if cache is not None else past_key_values
         bs = self.prism.config.block_size
         L = input_ids.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
+        mask = attention_mask
         if cache is not None and L <= bs and past < L:
             feed, step_cache = input_ids[:, past:], cache
         else:
             feed, step_cache = input_ids[:, -bs:], None
-        inputs: dict[str, Any] = {"input_ids": feed.contiguous(), "attention_mask": attention_mask,
-                                  _CACHE_FIELD: step_cache}
+            mask = attention_mask[:, -bs:] if attention_mask is not None else None
+        inputs: dict[str, Any] = {"input_ids": feed.contiguous(), "attention_mask": mask, _CACHE_FIELD: step_cache}
         skip = {"labels", "position_ids", "token_type_ids", "cache_position", "next_sequence_length"}
         for k, v in kwargs.items():
             if k not in skip and k not in inputs:
@@ -384,13 +406,13 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
 def fast_tokenizer(backend: Any, eot_token: str, *, max_length: int) -> PreTrainedTokenizerFast:
     """A transformers fast tokenizer over (a copy of) a ``tokenizers.Tokenizer`` whose end-of-text token is
     its eos, bos and pad token (GPT-2's convention; an empty context starts from it, as prismlm's scoring
-    does), padding on the right (the model refuses left padding)."""
+    does), padding on the left (batched generation continues every row from its last real token)."""
     from tokenizers import Tokenizer as BackendTokenizer
 
     # a copy: the transformers wrapper may change the backend's padding/truncation settings
     return PreTrainedTokenizerFast(tokenizer_object=BackendTokenizer.from_str(backend.to_str()),
                                    eos_token=eot_token, bos_token=eot_token, pad_token=eot_token,
-                                   model_max_length=max_length, padding_side="right",
+                                   model_max_length=max_length, padding_side="left",
                                    clean_up_tokenization_spaces=False)
 
 
@@ -400,3 +422,8 @@ def register() -> None:
 
     AutoConfig.register(MODEL_TYPE, PrismConfig, exist_ok=True)
     AutoModelForCausalLM.register(PrismConfig, PrismForCausalLM, exist_ok=True)
+
+
+# Importing this module imports transformers; when that import is the first one, the hook of
+# ``prismlm.model.hf_auto`` fires while this module is half executed and leaves the registration to here.
+register()

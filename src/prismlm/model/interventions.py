@@ -6,6 +6,9 @@ Every intervention is a per-prototype multiplier m (K,) on the logit slices, ℓ
     Control(coefficients)  m_i = 1 + c_i (a sparse linear controller; c = 0 is the base model)
     Scale(factors)         m_i given directly
 
+``Control`` and ``Scale`` take a (K,) tensor or a mapping {prototype id: value} (``Scale({12: 2.0})``);
+arguments are checked when the value is made, prototype ids against the bank when it is applied.
+
 They are plain immutable values: a run, a web request or a bench holds a tuple of them and applies it with
 ``with model.intervene(*interventions):``, which multiplies them together and always restores the model
 on exit (also when the body raises). Nothing here changes a model for good.
@@ -13,7 +16,9 @@ on exit (also when the body raises). Nothing here changes a model for good.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +28,22 @@ from prismlm.errors import ModelError, UnknownPrototypeError
 
 @dataclass(frozen=True)
 class Suppress:
-    """Switch prototypes off: their slices a_i W p_i are removed from every logit."""
+    """Switch prototypes off: their slices a_i W p_i are removed from every logit.
+
+    ``Suppress([3, 7])`` (any iterable of ids, or a tensor of them); the ids are checked to be integers
+    here and against the bank's size when applied."""
 
     ids: tuple[int, ...]
     """Prototype ids in [0, K)."""
     label: str | None = None
     """What the set stands for (a concept name, a file), for reports."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ids, Mapping):
+            raise ModelError("Suppress takes prototype ids (Suppress([3, 7])), not a mapping; for per-prototype "
+                             "factors use Scale({id: factor}) (Scale({3: 0.0}) suppresses prototype 3)")
+        ids = self.ids.flatten().tolist() if isinstance(self.ids, torch.Tensor) else list(self.ids)
+        object.__setattr__(self, "ids", tuple(_proto_id(i, "Suppress") for i in ids))
 
     @classmethod
     def of(cls, ids: Iterable[int], label: str | None = None) -> Suppress:
@@ -44,26 +59,38 @@ class Suppress:
 
 @dataclass(frozen=True)
 class Control:
-    """A sparse linear controller: prototype i's slice is re-weighted by (1 + c_i)."""
+    """A sparse linear controller: prototype i's slice is re-weighted by (1 + c_i).
 
-    coefficients: torch.Tensor
-    """(K,) c; zero entries leave their prototypes untouched."""
+    ``Control(c)`` with c a (K,) tensor, or ``Control({id: c_i})`` for a few prototypes (the others 0) —
+    the mapping the web API takes; keys and values are checked here, ids against K when applied."""
+
+    coefficients: torch.Tensor | Mapping[int, float]
+    """(K,) c, or {id: c_i}; zero entries leave their prototypes untouched."""
     label: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "coefficients", _per_prototype_values(self.coefficients, "Control"))
+
     def multipliers(self, num_prototypes: int) -> torch.Tensor:
-        return 1.0 + _per_prototype(self.coefficients, num_prototypes, "controller coefficients")
+        return 1.0 + _per_prototype(self.coefficients, num_prototypes, "controller coefficients", default=0.0)
 
 
 @dataclass(frozen=True)
 class Scale:
-    """Multiply prototype i's slice by ``multipliers[i]`` (0 removes it, 2 doubles it)."""
+    """Multiply prototype i's slice by ``factors[i]`` (0 removes it, 2 doubles it).
 
-    factors: torch.Tensor
-    """(K,) m."""
+    ``Scale(m)`` with m a (K,) tensor, or ``Scale({id: factor})`` for a few prototypes (the others 1) —
+    the mapping the web API takes; keys and values are checked here, ids against K when applied."""
+
+    factors: torch.Tensor | Mapping[int, float]
+    """(K,) m, or {id: m_i}."""
     label: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "factors", _per_prototype_values(self.factors, "Scale"))
+
     def multipliers(self, num_prototypes: int) -> torch.Tensor:
-        return _per_prototype(self.factors, num_prototypes, "scale factors")
+        return _per_prototype(self.factors, num_prototypes, "scale factors", default=1.0)
 
 
 Intervention = Suppress | Control | Scale
@@ -93,9 +120,46 @@ def combined_multipliers(interventions: Iterable[Intervention], num_prototypes: 
     return m
 
 
-def _per_prototype(t: torch.Tensor, num_prototypes: int, what: str) -> torch.Tensor:
+def _proto_id(i: object, what: str) -> int:
+    """One prototype id: an integer (or an integral float, or a string of digits, as JSON keys are) ≥ 0."""
+    if isinstance(i, str) and i.strip().isdigit():
+        return int(i)
+    integral = isinstance(i, numbers.Integral) or (isinstance(i, float) and i.is_integer())
+    if isinstance(i, bool) or not integral or i < 0:  # type: ignore[operator]
+        raise ModelError(f"{what}: prototype ids must be non-negative integers, got {i!r}")
+    return int(i)  # type: ignore[call-overload]
+
+
+def _per_prototype_values(values: object, what: str) -> torch.Tensor | dict[int, float]:
+    """A constructor argument of ``Control``/``Scale`` checked at construction: a 1-D tensor (or a
+    sequence of K numbers, made a float64 tensor), or a mapping {id: finite number} (ids sorted)."""
+    if isinstance(values, Mapping):
+        out: dict[int, float] = {}
+        for k, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise ModelError(f"{what}: the value of prototype {k!r} must be a finite number, got {v!r}")
+            out[_proto_id(k, what)] = float(v)
+        return dict(sorted(out.items()))
+    if not isinstance(values, torch.Tensor):
+        if not isinstance(values, Sequence) or isinstance(values, str):
+            raise ModelError(f"{what} takes a (K,) tensor or a mapping {{prototype id: value}}, got "
+                             f"{type(values).__name__}")
+        values = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    if values.dim() != 1:
+        raise ModelError(f"{what}: a tensor of per-prototype values must be 1-D (K,), got shape {tuple(values.shape)}")
+    return values
+
+
+def _per_prototype(t: torch.Tensor | Mapping[int, float], num_prototypes: int, what: str, *,
+                   default: float) -> torch.Tensor:
     """A (K,) tensor as float64 on the CPU, detached (multipliers are combined in float64 and cast to the
-    model's dtype once); ``ModelError`` for another shape."""
+    model's dtype once); ``ModelError`` for another shape. A mapping fills ``default`` everywhere else."""
+    if isinstance(t, Mapping):
+        out = torch.full((num_prototypes,), default, dtype=torch.float64)
+        if t:
+            ids = torch.tensor(check_ids(list(t), num_prototypes), dtype=torch.long)
+            out[ids] = torch.tensor(list(t.values()), dtype=torch.float64)
+        return out
     if tuple(t.shape) != (num_prototypes,):
         raise ModelError(f"{what} must have shape ({num_prototypes},), got {tuple(t.shape)}")
     return t.detach().to(torch.float64).cpu()

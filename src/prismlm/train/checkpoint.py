@@ -182,4 +182,5 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Che
         from prismlm.data.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.load(ckpt / "tokenizer")
+    model.tokenizer = tokenizer  # model.generate("text") encodes with it
     return Checkpoint(path=ckpt, model=model, config=cfg, manifest=manifest, tokenizer=tokenizer)
