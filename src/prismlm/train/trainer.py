@@ -15,9 +15,12 @@ import gc
 import json
 import math
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -228,6 +231,8 @@ def train(
     out_dir = Path(out_dir)
     info, device = init_distributed(cfg.train.device)
     lock = FileLock(out_dir / ".lock", f"run folder {out_dir}") if info.is_main else None
+    interrupts = _Interrupts(enabled=not info.enabled)
+    on_interrupt: Callable[[], None] | None = None  # set while the training loop runs
     try:
         if lock is not None:
             _check_run_folder(out_dir, resume=resume, overwrite=overwrite)
@@ -368,9 +373,9 @@ def train(
             return evaluate(model, data.val, seq_len=T, batch_size=tc.batch_size, max_batches=tc.eval_batches,
                             device=device, autocast=autocast, loss_weights=cfg.loss.weights_at(step))
 
-        def do_checkpoint(at_step: int) -> tuple[Path | None, PrismLM | None]:
+        def do_checkpoint(at_step: int, rng: dict[str, Any] | None = None) -> tuple[Path | None, PrismLM | None]:
             """Save a checkpoint (rank 0 writes it; under FSDP every rank takes part). Returns its folder and
-            the model it holds (rank 0; ``None`` elsewhere)."""
+            the model it holds (rank 0; ``None`` elsewhere). ``rng``: the RNG states to record (default: now)."""
             path = None
             saved_model: PrismLM | None = model if info.is_main else None
             shard_dir: Path | None = None
@@ -390,8 +395,7 @@ def train(
                 trainer_state = {
                     "step": at_step,
                     "optimizer": fsdp.SHARDED_DIR if sharded else optimizer.state_dict(),
-                    "rng": {"torch": torch.get_rng_state(),
-                            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+                    "rng": rng or _rng_state(device),
                     "data": ({"sequences_consumed": at_step * sampler.global_batch, "epoch": sampler.epoch_at(at_step)}
                              if stream is None else {"sequences_consumed": at_step * tc.batch_size * tc.grad_accum
                                                      * info.world_size, "epoch": stream.epoch, "stream": positions}),
@@ -413,7 +417,27 @@ def train(
         step = start_step
         last_eval: dict[str, float] = {}
         t_last, tokens_since = time.perf_counter(), 0
+        # What an interrupt can save: the weights and optimizer after ``completed`` steps and the RNG states
+        # right after that step (nothing draws from them between steps). ``consistent`` is False while the
+        # optimizer updates the weights and, for a streamed corpus (its position moves per micro-batch), during
+        # the micro-batches too.
+        completed, completed_rng, consistent, saved_at = start_step, _rng_state(device), True, -1
+
+        def save_on_interrupt() -> None:
+            # A torchrun job's ranks cannot agree on a step here (periodic checkpoints cover it); in the middle
+            # of an update nothing consistent is left to save.
+            if not info.enabled and consistent and saved_at != completed and (completed > start_step or not resume):
+                do_checkpoint(completed, completed_rng)
+            has_ckpt = (out_dir / "checkpoints" / "latest").exists()
+            bar.message(f"interrupted after step {completed}: " + (
+                f"checkpoint {find_checkpoint(out_dir)}; continue with --resume" if has_ckpt
+                else "no checkpoint was saved"))
+            bar.close(stopped=True)
+
+        on_interrupt = save_on_interrupt
+        interrupts.install()
         for step in range(start_step, end_step):
+            consistent = stream is None  # a stream's position moves with each micro-batch
             lr = tc.lr_at(step)
             if stage == "frozen" and step >= tc.frozen_steps:  # retrofit stage 2: the backbone joins
                 stage = "main"
@@ -450,9 +474,11 @@ def train(
                                fix="lower train.lr (or raise train.warmup_steps / lower train.grad_clip) and "
                                    "resume with --resume, or start again with --overwrite")
             grad_norm = fsdp.full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf")))
+            consistent = False  # the update below changes the weights and the optimizer state
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             done = step + 1
+            completed, completed_rng, consistent = done, _rng_state(device), True
             shown: dict[str, float] = {}
             if done % tc.log_interval == 0 or done == tc.max_steps:
                 loss_t = all_reduce_mean(torch.tensor(terms_sum["loss"], device=device), info)
@@ -474,19 +500,30 @@ def train(
                 if info.is_main:
                     log.write({"step": done, **last_eval})
                     bar.message(_format_eval(done, last_eval))
-            if tc.ckpt_interval and done % tc.ckpt_interval == 0 and done != end_step:
+            if tc.checkpoint_due(done) and done != end_step:
                 do_checkpoint(done)
+                saved_at = done
+            if interrupts.requested and done != end_step:  # a signal asked to stop: at this step boundary
+                raise KeyboardInterrupt(interrupts.requested)
+        on_interrupt = None
+        interrupts.restore()
         bar.close()
         final_step = max(end_step, start_step)
         ckpt_path, final_model = do_checkpoint(final_step)
         return TrainResult(run_dir=out_dir, checkpoint=ckpt_path or find_checkpoint(out_dir), step=final_step,
                            metrics=last_eval if info.is_main else {}, model=final_model)
+    except KeyboardInterrupt:
+        if on_interrupt is not None:
+            interrupts.restore()  # a further Ctrl-C while saving stops at once
+            on_interrupt()
+        raise
     except OSError as e:
         if e.errno in _WRITE_ERRORS:  # read-only folder, no permission, full disk: the user's to fix
             raise RunError(f"cannot write {e.filename or out_dir}: {e.strerror}",
                            fix="free disk space or choose a writable --out; resume later with --resume") from e
         raise
     finally:
+        interrupts.restore()
         if lock is not None:
             lock.release()
         # Free the DDP wrapper (its gradient reducer holds the process group) while the group is still alive.
@@ -497,6 +534,39 @@ def train(
             del ddp, ddp_model, fwd_model
         gc.collect()
         cleanup(info)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
+    """The RNG states a checkpoint records (dropout draws from them), copied now."""
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+class _Interrupts:
+    """Ctrl-C (SIGINT) or SIGTERM while training: the first asks the loop to stop at the end of the current
+    step, which then saves a checkpoint there (``requested`` names the signal); a second one stops at once
+    (``KeyboardInterrupt`` wherever the loop is). Installed only in the main thread of a single process:
+    under torchrun every rank would have to stop at the same step."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def install(self) -> None:
+        if self.enabled and not self._previous:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
 
 
 _WRITE_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
