@@ -481,7 +481,10 @@ def train(
             completed, completed_rng, consistent = done, _rng_state(device), True
             shown: dict[str, float] = {}
             if done % tc.log_interval == 0 or done == tc.max_steps:
-                loss_t = all_reduce_mean(torch.tensor(terms_sum["loss"], device=device), info)
+                # (2,): the weighted total (CE + REC + R1 + R2, what is minimised) and the CE alone, the
+                # quantity validation reports, both averaged over the ranks
+                loss_t, ce_t = all_reduce_mean(torch.tensor([terms_sum["loss"], terms_sum["ce"]], device=device),
+                                               info).tolist()
                 now = time.perf_counter()
                 record = {"step": done, "lr": lr, "grad_norm": float(grad_norm),
                           **{f"train_{k}": v for k, v in terms_sum.items()}, "train_loss": float(loss_t),
@@ -489,7 +492,8 @@ def train(
                           "epoch": sampler.epoch_at(done) if stream is None else float(stream.epoch)}
                 t_last, tokens_since = now, 0
                 log.write(record)
-                shown = {"loss": record["train_loss"], "tokens_per_s": round(record["tokens_per_s"])}
+                shown = {"ce": ce_t, **({"total": loss_t} if model.is_prism else {}),
+                         "tokens_per_s": round(record["tokens_per_s"])}
             bar.update(1, **shown)
             # Validation on rank 0 only: every rank would compute the same numbers on the same fixed
             # sample; the other ranks wait at their next gradient all-reduce. A sharded model's forward is a
@@ -499,7 +503,7 @@ def train(
                 model.transformer.train(stage != "frozen")
                 if info.is_main:
                     log.write({"step": done, **last_eval})
-                    bar.message(_format_eval(done, last_eval))
+                    bar.message(_format_eval(done, last_eval, terms_sum["ce"]))
             if tc.checkpoint_due(done) and done != end_step:
                 do_checkpoint(done)
                 saved_at = done
@@ -598,8 +602,10 @@ def _clear_run_folder(out_dir: Path) -> None:
             p.unlink()
 
 
-def _format_eval(step: int, m: dict[str, float]) -> str:
-    s = f"step {step}: val loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.1f})"
+def _format_eval(step: int, m: dict[str, float], train_ce: float) -> str:
+    """The validation line: val CE (``val_loss`` is the CE alone) beside the train CE of this step's batch
+    (not the weighted total loss, which adds REC, R1 and R2)."""
+    s = f"step {step}: val CE {m['val_loss']:.4f} (ppl {m['val_ppl']:.1f}), train CE {train_ce:.4f} (this step's batch)"
     if "r1_bar" in m:
         s += (f" | R̄1 {m['r1_bar']:.3f} R2 {m['r2']:.3f} residual {m['residual_share']:.3f} "
               f"dead {m['dead_prototypes']}")
