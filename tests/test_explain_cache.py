@@ -217,3 +217,38 @@ def test_an_index_with_filled_caches_copies_and_pickles(index, tiny_shards):
     back = pickle.loads(pickle.dumps(index))
     assert back.stats_of(range(8)) == stats
     assert [nb.offset for nb in back.neighbours(0, 3)] == [nb["offset"] for nb in before[0]]
+
+
+def _reference_top(row: list[float], n: int) -> list[int]:
+    """The documented order, by plain Python: similarity descending, then column (offset) ascending."""
+    return sorted(range(len(row)), key=lambda j: (-row[j], j))[:n]
+
+
+def test_index_top_n_breaks_ties_by_offset():
+    """Equal cosines do occur (identical contexts at position 0 of two sequences). The index keeps, among
+    equal similarities, the smallest offsets: a run of 78 equal values from column 50 gives 50, 51, 52, …
+    (torch.topk alone picks among them arbitrarily), whether the tie straddles the cut or fills it."""
+    from prismlm.explain.index import _chunk_topn, _topn_merge
+
+    n = 8
+    plateau = torch.zeros(128)
+    plateau[50:] = 1.0  # 78 tied values, all above the rest
+    straddle = torch.zeros(128)
+    straddle[3], straddle[90] = 2.0, 1.5
+    straddle[10:100:3] = 1.0  # the last places are a tie among 29 columns
+    g = torch.Generator().manual_seed(0)
+    few_values = torch.randint(0, 4, (6, 128), generator=g).float()  # heavy ties in every row
+    distinct = torch.randn(2, 128, generator=g)
+    sim = torch.cat([plateau[None], straddle[None], few_values, distinct])  # (10, 128)
+    vals, idx = _chunk_topn(sim, n)
+    assert idx[0].tolist() == list(range(50, 58))
+    for r in range(sim.shape[0]):
+        want = _reference_top(sim[r].tolist(), n)
+        assert idx[r].tolist() == want, r
+        assert vals[r].tolist() == [sim[r, j].item() for j in want]
+    # the merge of two tables (offsets not in order) follows the same rule
+    off = torch.randperm(128, generator=g).repeat(sim.shape[0], 1)  # (10, 128) distinct offsets per row
+    msim, moff = _topn_merge(sim, off, n)
+    for r in range(sim.shape[0]):
+        want = sorted(zip(sim[r].tolist(), off[r].tolist()), key=lambda p: (-p[0], p[1]))[:n]
+        assert list(zip(msim[r].tolist(), moff[r].tolist())) == want, r

@@ -118,6 +118,21 @@ def test_cli_reports_bad_model_args_in_one_line(trained, tmp_path, monkeypatch, 
         assert what in err.splitlines()[-1]
 
 
+def test_help_says_how_to_use_model_prism(capsys, monkeypatch):
+    """``prism-lm-eval --help`` is lm-eval's help with, first, the one thing this command adds: ``--model prism``
+    and its ``model_args``."""
+    from prismlm.app.lm_eval_adapter import main
+
+    monkeypatch.setattr(sys, "argv", ["prism-lm-eval"])  # main() sets it; restored after the test
+    for flag in ("--help", "-h"):
+        with pytest.raises(SystemExit) as e:
+            main([flag])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert "--model prism" in out and "pretrained=RUN" in out and "--model_args" in out
+        assert "usage:" in out.lower() and out.index("--model prism") < out.lower().index("usage:")
+
+
 def test_registration_keeps_lm_evals_own_models():
     """lm-eval fills its registry lazily only while it is empty: registering ``prism`` first would hide
     ``hf`` and the rest (fresh interpreter, so no earlier import can mask this)."""

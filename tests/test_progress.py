@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from prismlm.progress import ProgressEvent, Reporter
@@ -52,8 +55,22 @@ def test_prepare_train_index_cache_report_through_the_callback(tiny_shards, tmp_
     steps = [e.done for e in events if e.stage == "train" and e.message is None and not e.finished]
     assert steps == [1, 2, 3, 4] and all(e.total == 4 for e in events)
     messages = [e.message for e in events if e.message]
-    assert "PRISM model" in messages[0] and sum("val loss" in m for m in messages) == 2
-    assert "loss" in events[-1].info and events[-1].finished
+    assert "PRISM model" in messages[0] and sum("val CE" in m for m in messages) == 2
+    assert "ce" in events[-1].info and events[-1].finished
+    # what is shown is labelled as what it is: the train CE (the quantity val CE measures) and the weighted
+    # total loss, each equal to the run's own log record of that step
+    records = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_rec = {r["step"]: r for r in records if "train_ce" in r}
+    val_rec = {r["step"]: r for r in records if "val_loss" in r}
+    for e in events:
+        if e.stage == "train" and e.message is None and not e.finished:
+            r = train_rec[e.done]
+            assert e.info["ce"] == pytest.approx(r["train_ce"], rel=1e-6)
+            assert e.info["total"] == pytest.approx(r["train_loss"], rel=1e-6) and r["train_loss"] != r["train_ce"]
+    for step in (2, 4):
+        line = next(m for m in messages if m.startswith(f"step {step}:"))
+        assert f"val CE {val_rec[step]['val_loss']:.4f}" in line
+        assert f"train CE {train_rec[step]['train_ce']:.4f}" in line
 
     ckpt = load_checkpoint(tmp_path / "run")
     events.clear()
@@ -83,8 +100,30 @@ def test_cli_logs_plain_lines_when_not_on_a_terminal(tmp_path, flag):
     err = proc.stderr
     assert "\r" not in err
     assert "[tokenize builtin]" in err and "done" in err  # the corpus was prepared in this call
-    assert "[train] 2/4 step | loss" in err and "[train] 4/4 step | loss" in err
-    assert "step 4: val loss" in err and "PRISM model" in err
+    assert "[train] 2/4 step | ce" in err and "[train] 4/4 step | ce" in err and " total " in err
+    assert "step 4: val CE" in err and "train CE" in err and "PRISM model" in err
+    assert re.search(r"\[train\] 2/4 step \| .* \| \d+:\d\d elapsed, ETA \d+:\d\d$", err, re.M), err
+
+
+def test_plain_lines_carry_the_elapsed_time_and_an_eta(capfd, monkeypatch):
+    """A log line says how long the stage has run and, at the rate since its start, how long it still needs."""
+    from prismlm.cli import console as console_mod
+    from prismlm.cli.console import PlainProgress
+
+    now = {"t": 100.0}
+    monkeypatch.setattr(console_mod.time, "monotonic", lambda: now["t"])
+    plain = PlainProgress()
+    r = Reporter(plain, "train", 100, unit="step", initial=40)  # a resumed run: 40 steps done before
+    r.message("start")
+    now["t"] += 30.0
+    r.update(6, ce=3.5)  # 6 steps in 30 s: 54 left take 270 s
+    now["t"] += 3600.0
+    r.update(54, ce=3.0)
+    r.close()
+    err = capfd.readouterr().err
+    assert "[train] 46/100 step | ce 3.5000 | 0:30 elapsed, ETA 4:30" in err
+    assert "[train] 100/100 step | ce 3.0000 | 1:00:30 elapsed, ETA 0:00" in err
+    assert "[train] 100/100 step done | ce 3.0000 | 1:00:30 elapsed\n" in err
 
 
 def test_a_stage_left_by_an_exception_ends_stopped(capfd):

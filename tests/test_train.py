@@ -57,6 +57,62 @@ def test_resume_is_exact(tiny_shards, tmp_path):
     assert drop(lines("full")) == drop(lines("split"))
 
 
+def _metrics(run: Path) -> list[dict]:
+    """The run's metrics log without its timings."""
+    return [{k: v for k, v in json.loads(s).items() if k != "tokens_per_s"}
+            for s in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_interrupted_run_saves_a_checkpoint_and_resumes_exactly(tiny_shards, tmp_path, monkeypatch):
+    """Ctrl-C (a real SIGINT to this process) and an interrupt raised in the middle of a step both leave a
+    checkpoint at the last completed step, although periodic checkpoints are off; --resume from it reaches
+    the uninterrupted run's weights and metrics bit for bit."""
+    import signal
+
+    from prismlm.model import losses
+
+    cfg = tiny_cfg(**{"model.dropout": 0.1, "train.ckpt_interval": 0})  # dropout: the RNG state matters
+    full = train(cfg, tmp_path / "full", shards=tiny_shards, progress=False)
+
+    def sigint_after_step_5(event):
+        if event.done == 5 and not event.message and not event.finished:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler only asks; step 5 is complete when it acts
+
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "sig", shards=tiny_shards, progress=sigint_after_step_5)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert load_checkpoint(tmp_path / "sig").manifest["step"] == 5
+
+    real, calls = losses.cross_entropy, {"n": 0}
+
+    def interrupt_in_step_8(logits, targets, *a, **k):
+        if torch.is_grad_enabled():  # training forwards only (validation runs without grad)
+            calls["n"] += 1
+            if calls["n"] == 8:  # step 8's forward, after dropout drew from the RNG: the save must not use it
+                raise KeyboardInterrupt
+        return real(logits, targets, *a, **k)
+
+    monkeypatch.setattr(losses, "cross_entropy", interrupt_in_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "mid", shards=tiny_shards, progress=False)
+    monkeypatch.setattr(losses, "cross_entropy", real)
+    assert load_checkpoint(tmp_path / "mid").manifest["step"] == 7
+    for run in ("sig", "mid"):
+        resumed = train(cfg, tmp_path / run, shards=tiny_shards, progress=False, resume=True)
+        assert resumed.step == 12
+        for (name, p), (_, q) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
+            assert torch.equal(p, q), (run, name)
+        assert _metrics(tmp_path / run) == _metrics(tmp_path / "full"), run
+
+
+def test_long_runs_checkpoint_at_each_validation_by_default(tiny_shards, tmp_path):
+    cfg = tiny_cfg(**{"train.keep_checkpoints": 5})
+    assert cfg.train.ckpt_interval is None and RunConfig.from_name("gpt2-124m").train.ckpt_interval is None
+    train(cfg, tmp_path / "run", shards=tiny_shards, progress=False)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == ["step-000006",
+                                                                                          "step-000012"]
+
+
 def test_resume_without_checkpoint_fails_clearly(tmp_path):
     with pytest.raises(CheckpointError, match="no such run"):
         train(tiny_cfg(), tmp_path / "nothing", resume=True, progress=False)
@@ -148,3 +204,32 @@ def test_cli_rejects_bad_config(tmp_path):
     assert res.exit_code == 2 and "unknown key" in res.output
     res = CliRunner().invoke(app, ["train", "--help"])
     assert res.exit_code == 0 and "--resume" in res.output
+
+
+@pytest.mark.slow
+def test_cli_ctrl_c_saves_the_run_and_resume_continues_it(tmp_path):
+    """The issue's report: `prism train --steps 5000` then Ctrl-C. Exit 130, a checkpoint at the last completed
+    step (the preset has no periodic one that early), and --resume continues from that step."""
+    import signal
+
+    env = {**os.environ, "PRISM_DATA": str(tmp_path / "data")}
+    run = tmp_path / "R"
+    cmd = [PRISM_SCRIPT, "train", "--preset", "tiny", "--steps", "5000", "--out", str(run), "--no-progress",
+           "--set", "data.max_docs=40", "--set", "data.max_chars_per_doc=3000", "--set", "train.eval_interval=4000"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stderr is not None
+    lines = []
+    for line in proc.stderr:  # plain progress lines: "[train] 10/5,000 step | …"
+        lines.append(line)
+        if line.startswith("[train] ") and int(line.split()[1].split("/")[0].replace(",", "")) >= 10:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 130, "".join(lines) + rest
+    assert "interrupted after step" in rest and "--resume" in rest, rest
+    step = load_checkpoint(run).manifest["step"]
+    assert 10 <= step < 5000
+    res = subprocess.run([PRISM_SCRIPT, "train", "--out", str(run), "--resume", "--steps", str(step + 3),
+                          "--no-progress"], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert load_checkpoint(run).manifest["step"] == step + 3

@@ -187,6 +187,25 @@ def test_kronfluence_scores_on_candidates_equal_the_full_matrix(net, tiny_shards
     kb.close()
 
 
+def test_ekfac_fits_are_seeded_so_repeated_runs_give_the_same_scores(net, tiny_shards):
+    """EK-FAC's factor fit samples labels from the model's softmax: two fits (from different global RNG
+    states) give identical scores, and the caller's RNG state is left untouched; another seed moves them."""
+    pytest.importorskip("kronfluence")
+    from prismlm.tda.baselines import KronfluenceBaseline
+
+    T = net.config.block_size
+    q = [(tiny_shards.train.sequence(30, T).tolist(), 5), (tiny_shards.train.sequence(31, T).tolist(), 9)]
+    got = []
+    for global_seed, seed in ((1, 0), (2, 0), (1, 5)):
+        torch.manual_seed(global_seed)
+        kb = KronfluenceBaseline(net, tiny_shards, strategy="ekfac", max_sequences=16, batch_size=8, seed=seed)
+        assert torch.equal(torch.rand(3), (torch.manual_seed(global_seed), torch.rand(3))[1])  # RNG untouched
+        got.append(kb.scores(q))
+        kb.close()
+    assert torch.equal(got[0], got[1])
+    assert not torch.equal(got[0], got[2])
+
+
 def test_hybrid_for_sums_leaves_the_rest_at_the_calibrated_base_score():
     """``keep_order=False``: candidates get the whole-network score, every other sequence α_q · base with
     α_q the least-squares scale from base to whole-network scores on the candidates (computed here by

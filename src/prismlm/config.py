@@ -265,8 +265,9 @@ class TrainConfig:
     """Validation micro-batches per evaluation (a fixed set, identical across runs)."""
     log_interval: int = 10
     """Write a metrics line every N steps."""
-    ckpt_interval: int = 0
-    """Save a checkpoint every N steps (0: only at the end)."""
+    ckpt_interval: int | None = None
+    """Save a checkpoint every N steps (None: at every validation, i.e. every ``eval_interval`` steps;
+    0: only at the end). An interrupted run (Ctrl-C, SIGTERM) also saves one at its last completed step."""
     keep_checkpoints: int = 2
     """How many of the most recent checkpoints to keep on disk (older ones are deleted)."""
     seed: int = 1337
@@ -316,7 +317,8 @@ class TrainConfig:
         _check(self.grad_clip >= 0, f"grad_clip must be >= 0, got {self.grad_clip}")
         _check(self.eval_interval >= 1 and self.eval_batches >= 1 and self.log_interval >= 1,
                "eval_interval, eval_batches and log_interval must be >= 1")
-        _check(self.ckpt_interval >= 0, f"ckpt_interval must be >= 0, got {self.ckpt_interval}")
+        _check(self.ckpt_interval is None or self.ckpt_interval >= 0,
+               f"ckpt_interval must be >= 0 or None, got {self.ckpt_interval}")
         _check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         _check(self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto/float32/bfloat16, got {self.dtype!r}")
         _check(self.trainable in ("all", "prototypes", "lora") or re.fullmatch(r"last-[1-9]\d*", self.trainable) is not None,
@@ -324,6 +326,11 @@ class TrainConfig:
         _check(self.frozen_steps >= 0, f"frozen_steps must be >= 0, got {self.frozen_steps}")
         _check(0 < self.backbone_lr_ratio <= 1, f"backbone_lr_ratio must be in (0, 1], got {self.backbone_lr_ratio}")
         _check(self.parallel in ("ddp", "fsdp"), f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+
+    def checkpoint_due(self, done: int) -> bool:
+        """Whether a periodic checkpoint is due after ``done`` steps (``ckpt_interval``)."""
+        every = self.eval_interval if self.ckpt_interval is None else self.ckpt_interval
+        return every > 0 and done % every == 0
 
     def lr_at(self, step: int) -> float:
         """Learning rate at an optimizer step (0-based)."""

@@ -383,13 +383,27 @@ def with_device(args: list[str]) -> list[str]:
     return [*args, "--device", str(resolve_device("auto"))]
 
 
+HELP_HEADER = """\
+prism-lm-eval: lm-eval's command line with the PRISM model type registered: pass --model prism.
+
+  prism-lm-eval --model prism --model_args pretrained=RUN[,suppress=auto|none|FILE][,batch_size=N]
+                [,device=auto|cpu|cuda:1] --tasks TASKS [--include_path FOLDER] [--batch_size N]
+
+  pretrained: a run folder or RUN/checkpoints/step-N; suppress: auto (the checkpoint's suppression.json),
+  none or a FILE from `prism concept`. Every other option and model (e.g. --model hf) works as in lm_eval.
+  lm_eval's own options:
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``prism-lm-eval ARGS`` (or ``python -m prismlm.app.lm_eval_adapter ARGS``): lm-eval's command line
     with ``--model prism`` registered; a ``PrismError`` (bad ``model_args``, missing run) is one line on
-    stderr and exit code 2."""
+    stderr and exit code 2. ``-h``/``--help`` prints how to use ``--model prism`` before lm-eval's help."""
     from lm_eval.__main__ import cli_evaluate
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(HELP_HEADER, flush=True)
     sys.argv = [sys.argv[0] if sys.argv else "prism-lm-eval", *with_device(args)]
     try:
         cli_evaluate()

@@ -1,5 +1,5 @@
 """``python -m prismlm.cli …`` (e.g. under ``torchrun``) runs the ``prism`` command line."""
 
-from prismlm.cli.main import app
+from prismlm.cli.root import app
 
 app()

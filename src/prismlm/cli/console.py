@@ -59,31 +59,49 @@ def echo(text: str) -> None:
         print(text, flush=True)
 
 
+def clock(seconds: float) -> str:
+    """``H:MM:SS`` (``M:SS`` under an hour)."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
 class PlainProgress:
     """Progress as plain log lines on stderr, for logs and pipes (no ``\r`` bars): every status message,
-    every new training-log record (its loss), the end of each stage, and otherwise at most one line per
-    stage every ``every_s`` seconds."""
+    every new training-log record (its ``ce``), the end of each stage, and otherwise at most one line per
+    stage every ``every_s`` seconds. Each progress line ends with the time since the stage's first event
+    and, when its total is known, the ETA at the rate since then."""
 
     def __init__(self, every_s: float = 10.0) -> None:
         self.every_s = every_s
         self._last: dict[str, float] = {}
-        self._loss: dict[str, object] = {}
+        self._record: dict[str, object] = {}
+        self._start: dict[str, tuple[float, int]] = {}  # stage → (time, units done) at its first event
+
+    def _timing(self, e: ProgressEvent, now: float) -> str:
+        t0, done0 = self._start[e.stage]
+        text = f"{clock(now - t0)} elapsed"
+        if e.total is not None and not e.finished and e.done > done0 and now > t0:
+            eta = (e.total - e.done) * (now - t0) / (e.done - done0)
+            text += f", ETA {clock(eta)}"
+        return text
 
     def __call__(self, e: ProgressEvent) -> None:
         now = time.monotonic()
+        self._start.setdefault(e.stage, (now, e.done))
         if e.message is not None:
             console.print(e.message, markup=False, highlight=False, soft_wrap=True)
             return
-        new_loss = "loss" in e.info and e.info["loss"] != self._loss.get(e.stage)
-        if not (e.finished or new_loss or now - self._last.get(e.stage, -1e9) >= self.every_s):
+        new_record = "ce" in e.info and e.info["ce"] != self._record.get(e.stage)
+        if not (e.finished or new_record or now - self._last.get(e.stage, -1e9) >= self.every_s):
             return
-        self._last[e.stage], self._loss[e.stage] = now, e.info.get("loss")
+        self._last[e.stage], self._record[e.stage] = now, e.info.get("ce")
         total = f"/{e.total:,}" if e.total is not None else ""
         info = " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
                         for k, v in e.info.items())
         end = " stopped" if e.stopped else " done" if e.finished else ""
-        console.print(f"[{e.stage}] {e.done:,}{total} {e.unit}" + end
-                      + (f" | {info}" if info else ""), markup=False, highlight=False, soft_wrap=True)
+        console.print(f"[{e.stage}] {e.done:,}{total} {e.unit}" + end + (f" | {info}" if info else "")
+                      + f" | {self._timing(e, now)}", markup=False, highlight=False, soft_wrap=True)
 
 
 def progress_for(show: bool) -> Progress:

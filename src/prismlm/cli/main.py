@@ -24,6 +24,7 @@ from prismlm.app.training import DemoResult
 from prismlm.artifacts import write_output
 from prismlm.cli.console import console, echo, fail, stdout
 from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command
+from prismlm.cli.root import CONTEXT, HELP
 from prismlm.data.shards import ShardSet
 from prismlm.errors import PrismError
 from prismlm.explore import RunHeader, render_terminal, write_html
@@ -33,8 +34,10 @@ from prismlm.train.trainer import TrainResult
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="prismlm: train, sample, evaluate, explain, attribute and control prototype language models (PRISM).",
+    help=HELP,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: readable at 80 columns (rich's panels squeeze descriptions)
+    context_settings=CONTEXT,
 )
 
 
@@ -367,8 +370,10 @@ def serve_command(
               concepts=concept, limits=Limits(max_text_chars=max_text_chars, max_generate=max_generate))
     except PrismError as e:
         fail(str(e))
-tasks_app = typer.Typer(help="Multiple-choice tasks: build them, evaluate a model on them.", no_args_is_help=True)
-controller_app = typer.Typer(help="Sparse linear controllers over prototypes.", no_args_is_help=True)
+tasks_app = typer.Typer(help="Multiple-choice tasks: build them, evaluate a model on them.", no_args_is_help=True,
+                        rich_markup_mode=None)
+controller_app = typer.Typer(help="Sparse linear controllers over prototypes.", no_args_is_help=True,
+                             rich_markup_mode=None)
 command(tasks_app, "build", ops.build_task_folders, render_task_folders, opens_run=False)
 command(tasks_app, "eval", ops.evaluate_tasks, render_task_results, suppressible=True,
         decls={"json_out": ["--json"]})

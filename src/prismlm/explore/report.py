@@ -66,11 +66,14 @@ def render_terminal(expl: Explanation, console: Console | None = None, *, top: i
         console.print(f"[dim]note: {note}[/]")
     rows = [p for p in expl.positions if p.chosen_by == "sampled"] or expl.positions
     table = Table(title="per-token explanation: logit = Σ prototype slices + residual slice", show_lines=False)
-    table.add_column("pos", justify="right", no_wrap=True)
+    # Why min widths and ratio=1: on a narrow terminal (80 columns) rich shrinks every column, and "pos"
+    # collapsed to nothing; the prototypes column alone now gives up width (its labels end in "…").
+    pos_width = max([3, *(len(str(p.position)) for p in rows[-max_rows:])])
+    table.add_column("pos", justify="right", no_wrap=True, min_width=pos_width)
     table.add_column("token → next", no_wrap=True, overflow="ellipsis", max_width=22, min_width=10)
     table.add_column("logit", justify="right", no_wrap=True, min_width=6)
     table.add_column("resid", justify="right", no_wrap=True, min_width=5)
-    table.add_column("top prototypes: id, share, label", no_wrap=True, overflow="ellipsis")
+    table.add_column("top prototypes: id, share, label", overflow="ellipsis", ratio=1, min_width=16)
     for p in rows[-max_rows:]:
         protos = Text()
         for j, s in enumerate(p.prototypes[:top]):

@@ -15,9 +15,12 @@ import gc
 import json
 import math
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -231,6 +234,8 @@ def train(
     out_dir = Path(out_dir)
     info, device = init_distributed(cfg.train.device)
     lock = FileLock(out_dir / ".lock", f"run folder {out_dir}") if info.is_main else None
+    interrupts = _Interrupts(enabled=not info.enabled)
+    on_interrupt: Callable[[], None] | None = None  # set while the training loop runs
     try:
         if lock is not None:
             check_run_folder(out_dir, resume=resume, overwrite=overwrite)
@@ -371,9 +376,9 @@ def train(
             return evaluate(model, data.val, seq_len=T, batch_size=tc.batch_size, max_batches=tc.eval_batches,
                             device=device, autocast=autocast, loss_weights=cfg.loss.weights_at(step))
 
-        def do_checkpoint(at_step: int) -> tuple[Path | None, PrismLM | None]:
+        def do_checkpoint(at_step: int, rng: dict[str, Any] | None = None) -> tuple[Path | None, PrismLM | None]:
             """Save a checkpoint (rank 0 writes it; under FSDP every rank takes part). Returns its folder and
-            the model it holds (rank 0; ``None`` elsewhere)."""
+            the model it holds (rank 0; ``None`` elsewhere). ``rng``: the RNG states to record (default: now)."""
             path = None
             saved_model: PrismLM | None = model if info.is_main else None
             shard_dir: Path | None = None
@@ -393,8 +398,7 @@ def train(
                 trainer_state = {
                     "step": at_step,
                     "optimizer": fsdp.SHARDED_DIR if sharded else optimizer.state_dict(),
-                    "rng": {"torch": torch.get_rng_state(),
-                            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+                    "rng": rng or _rng_state(device),
                     "data": ({"sequences_consumed": at_step * sampler.global_batch, "epoch": sampler.epoch_at(at_step)}
                              if stream is None else {"sequences_consumed": at_step * tc.batch_size * tc.grad_accum
                                                      * info.world_size, "epoch": stream.epoch, "stream": positions}),
@@ -416,7 +420,27 @@ def train(
         step = start_step
         last_eval: dict[str, float] = {}
         t_last, tokens_since = time.perf_counter(), 0
+        # What an interrupt can save: the weights and optimizer after ``completed`` steps and the RNG states
+        # right after that step (nothing draws from them between steps). ``consistent`` is False while the
+        # optimizer updates the weights and, for a streamed corpus (its position moves per micro-batch), during
+        # the micro-batches too.
+        completed, completed_rng, consistent, saved_at = start_step, _rng_state(device), True, -1
+
+        def save_on_interrupt() -> None:
+            # A torchrun job's ranks cannot agree on a step here (periodic checkpoints cover it); in the middle
+            # of an update nothing consistent is left to save.
+            if not info.enabled and consistent and saved_at != completed and (completed > start_step or not resume):
+                do_checkpoint(completed, completed_rng)
+            has_ckpt = (out_dir / "checkpoints" / "latest").exists()
+            bar.message(f"interrupted after step {completed}: " + (
+                f"checkpoint {find_checkpoint(out_dir)}; continue with --resume" if has_ckpt
+                else "no checkpoint was saved"))
+            bar.close(stopped=True)
+
+        on_interrupt = save_on_interrupt
+        interrupts.install()
         for step in range(start_step, end_step):
+            consistent = stream is None  # a stream's position moves with each micro-batch
             lr = tc.lr_at(step)
             if stage == "frozen" and step >= tc.frozen_steps:  # retrofit stage 2: the backbone joins
                 stage = "main"
@@ -453,12 +477,17 @@ def train(
                                fix="lower train.lr (or raise train.warmup_steps / lower train.grad_clip) and "
                                    "resume with --resume, or start again with --overwrite")
             grad_norm = fsdp.full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf")))
+            consistent = False  # the update below changes the weights and the optimizer state
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             done = step + 1
+            completed, completed_rng, consistent = done, _rng_state(device), True
             shown: dict[str, float] = {}
             if done % tc.log_interval == 0 or done == tc.max_steps:
-                loss_t = all_reduce_mean(torch.tensor(terms_sum["loss"], device=device), info)
+                # (2,): the weighted total (CE + REC + R1 + R2, what is minimised) and the CE alone, the
+                # quantity validation reports, both averaged over the ranks
+                loss_t, ce_t = all_reduce_mean(torch.tensor([terms_sum["loss"], terms_sum["ce"]], device=device),
+                                               info).tolist()
                 now = time.perf_counter()
                 record = {"step": done, "lr": lr, "grad_norm": float(grad_norm),
                           **{f"train_{k}": v for k, v in terms_sum.items()}, "train_loss": float(loss_t),
@@ -466,7 +495,8 @@ def train(
                           "epoch": sampler.epoch_at(done) if stream is None else float(stream.epoch)}
                 t_last, tokens_since = now, 0
                 log.write(record)
-                shown = {"loss": record["train_loss"], "tokens_per_s": round(record["tokens_per_s"])}
+                shown = {"ce": ce_t, **({"total": loss_t} if model.is_prism else {}),
+                         "tokens_per_s": round(record["tokens_per_s"])}
             bar.update(1, **shown)
             # Validation on rank 0 only: every rank would compute the same numbers on the same fixed
             # sample; the other ranks wait at their next gradient all-reduce. A sharded model's forward is a
@@ -476,20 +506,31 @@ def train(
                 model.transformer.train(stage != "frozen")
                 if info.is_main:
                     log.write({"step": done, **last_eval})
-                    bar.message(_format_eval(done, last_eval))
-            if tc.ckpt_interval and done % tc.ckpt_interval == 0 and done != end_step:
+                    bar.message(_format_eval(done, last_eval, terms_sum["ce"]))
+            if tc.checkpoint_due(done) and done != end_step:
                 do_checkpoint(done)
+                saved_at = done
+            if interrupts.requested and done != end_step:  # a signal asked to stop: at this step boundary
+                raise KeyboardInterrupt(interrupts.requested)
+        on_interrupt = None
+        interrupts.restore()
         bar.close()
         final_step = max(end_step, start_step)
         ckpt_path, final_model = do_checkpoint(final_step)
         return TrainResult(run_dir=out_dir, checkpoint=ckpt_path or find_checkpoint(out_dir), step=final_step,
                            metrics=last_eval if info.is_main else {}, model=final_model)
+    except KeyboardInterrupt:
+        if on_interrupt is not None:
+            interrupts.restore()  # a further Ctrl-C while saving stops at once
+            on_interrupt()
+        raise
     except OSError as e:
         if e.errno in _WRITE_ERRORS:  # read-only folder, no permission, full disk: the user's to fix
             raise RunError(f"cannot write {e.filename or out_dir}: {e.strerror}",
                            fix="free disk space or choose a writable --out; resume later with --resume") from e
         raise
     finally:
+        interrupts.restore()
         if lock is not None:
             lock.release()
         # Free the DDP wrapper (its gradient reducer holds the process group) while the group is still alive.
@@ -500,6 +541,39 @@ def train(
             del ddp, ddp_model, fwd_model
         gc.collect()
         cleanup(info)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
+    """The RNG states a checkpoint records (dropout draws from them), copied now."""
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+class _Interrupts:
+    """Ctrl-C (SIGINT) or SIGTERM while training: the first asks the loop to stop at the end of the current
+    step, which then saves a checkpoint there (``requested`` names the signal); a second one stops at once
+    (``KeyboardInterrupt`` wherever the loop is). Installed only in the main thread of a single process:
+    under torchrun every rank would have to stop at the same step."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def install(self) -> None:
+        if self.enabled and not self._previous:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
 
 
 _WRITE_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
@@ -559,8 +633,10 @@ def _clear_run_folder(out_dir: Path) -> None:
             p.unlink()
 
 
-def _format_eval(step: int, m: dict[str, float]) -> str:
-    s = f"step {step}: val loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.1f})"
+def _format_eval(step: int, m: dict[str, float], train_ce: float) -> str:
+    """The validation line: val CE (``val_loss`` is the CE alone) beside the train CE of this step's batch
+    (not the weighted total loss, which adds REC, R1 and R2)."""
+    s = f"step {step}: val CE {m['val_loss']:.4f} (ppl {m['val_ppl']:.1f}), train CE {train_ce:.4f} (this step's batch)"
     if "r1_bar" in m:
         s += (f" | R̄1 {m['r1_bar']:.3f} R2 {m['r2']:.3f} residual {m['residual_share']:.3f} "
               f"dead {m['dead_prototypes']}")
