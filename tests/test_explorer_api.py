@@ -279,3 +279,73 @@ def test_concurrent_requests_are_serialised_and_consistent(client):
     assert all(r.status_code == 200 for r in rs)
     first = rs[0].json()["positions"]
     assert all(r.json()["positions"] == first for r in rs)
+
+
+# ----- one token convention (issue 24, item 4) ---------------------------------------------------------------
+def _report_spans(page: str) -> list[tuple[str | None, str]]:
+    """(data-i or None, shown text) of every token span of a report's ``#text``, in document order."""
+    import html
+    import re
+
+    body = page.split('<div id="text">', 1)[1].split("</div>", 1)[0]
+    return [(m.group(2), html.unescape(m.group(3)))
+            for m in re.finditer(r'<span class="t[^"]*"( data-i="(\d+)")?[^>]*>(.*?)</span>', body, re.S)]
+
+
+def test_token_j_means_the_prediction_of_token_j_everywhere(client, explorer):
+    """API, HTML report and terminal agree: token j stands for the prediction OF token j, whose logit is
+    ``logits[j − 1, ids[j]]`` of a plain forward (the reference; never the views' own numbers)."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from prismlm.explain import explain
+    from prismlm.explore import render_html, render_terminal
+
+    d = client.post("/api/explain", json={"text": TEXT, "alternatives": 0}).json()
+    ids, tokens = d["token_ids"], d["tokens"]
+    ref = _plain_logits(explorer, ids)
+    n = len(ids)
+    assert [p["token_index"] for p in d["positions"]] == list(range(1, n + 1))
+    for p in d["positions"][:-1]:
+        j = p["token_index"]
+        assert p["chosen"]["id"] == ids[j] and p["chosen"]["token"] == tokens[j]
+        assert p["chosen"]["logit"] == pytest.approx(float(ref[j - 1, ids[j]]), abs=2e-5)
+    # the report: span j shows token j; the position it opens has token j's logit
+    expl = explain(explorer.run.model, explorer.run.tokenizer, TEXT)
+    assert expl.token_ids == ids
+    page = render_html(expl)
+    data = json.loads(page.split('id="data">', 1)[1].split("</script>", 1)[0].replace("<\\/", "</"))
+    spans = _report_spans(page)
+    assert spans[0] == (None, tokens[0])  # context only, not clickable
+    assert [s for _, s in spans[1:n]] == tokens[1:]
+    for j in range(1, n):
+        pos = data["positions"][int(spans[j][0])]
+        assert pos["next_id"] == ids[j] and pos["logit"] == pytest.approx(float(ref[j - 1, ids[j]]), abs=2e-5)
+    assert "ghost" in page.split('<div id="text">', 1)[1].split("</div>", 1)[0]  # the model's own next token
+    # the terminal: row "pos j" names token j first and shows its logit
+    buf = io.StringIO()
+    render_terminal(expl, Console(file=buf, width=200, color_system=None), max_rows=n)
+    rows = {}
+    for line in buf.getvalue().splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 3 and cells[1].isdigit():
+            rows[int(cells[1])] = cells
+    for j in range(1, n):
+        tok_cell, logit_cell = rows[j][2], rows[j][3]
+        assert tok_cell.startswith(repr(tokens[j].replace("\n", "↵").replace("\t", "⇥"))[:10]), (j, tok_cell)
+        assert float(logit_cell) == pytest.approx(float(ref[j - 1, ids[j]]), abs=0.006)
+
+
+def test_prototype_fires_mark_the_token_it_helps_predict(client, explorer):
+    """``fires[].token_index`` is the token whose logit gets the slice: the prototype is active at the
+    position before it in a plain forward."""
+    ids = explorer.run.tokenizer.encode(TEXT)
+    with torch.no_grad():
+        out = explorer.run.model(torch.tensor([ids]))
+    active = (out.activations[0] > 0)
+    pid = int(out.indices[0, 3][active[3]][0])
+    d = client.get(f"/api/prototype/{pid}", params={"text": TEXT}).json()
+    want = {t + 1 for t in range(len(ids)) if bool(((out.indices[0, t] == pid) & active[t]).any())}
+    assert {f["token_index"] for f in d["fires"]} == want and 4 in want

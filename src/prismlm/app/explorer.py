@@ -166,9 +166,16 @@ class Candidate:
 
 @dataclass
 class PositionView:
-    """Why the model predicted ``chosen`` after the tokens up to ``position`` — and not an alternative."""
+    """Why the model predicted ``chosen`` after the tokens up to ``position`` — and not an alternative.
+
+    The token convention of every view: clicking token j explains the prediction *of* token j, made at
+    position j − 1 (``token_index == position + 1``); its logit is ``logits[j − 1, tokens[j]]``."""
 
     position: int
+    """The last context token (the hidden state that predicts)."""
+    token_index: int
+    """Index in ``tokens`` of the explained token (``position + 1``; ``len(tokens)`` for the model's own
+    next token, which is not in the text)."""
     chosen_by: str
     chosen: Candidate
     alternatives: list[Candidate]
@@ -205,7 +212,9 @@ class PrototypeDetail:
     similar: list[dict[str, Any]]
     """Nearest prototypes by cosine of p_i, with their labels."""
     fires: list[dict[str, Any]] | None
-    """Where it is active in the given text: {position, token, next_token, activation, slice}."""
+    """Where it is active in the given text: {position, token_index, token, next_token, activation, slice};
+    ``position`` is the predicting position, ``token_index`` (= position + 1) the token whose logit gets
+    ``slice`` — the one the views mark (``len(text_tokens)``: the model's own next token)."""
     text_tokens: list[str] | None
     has_index: bool
 
@@ -529,7 +538,8 @@ class Explorer:
             d = denom[t] or 1.0
             top_id = active[0]["id"] if active else None
             top_share = cands[0].slices[0] / d if active else 0.0
-            positions.append(PositionView(position=t, chosen_by=how[t], chosen=cands[0], alternatives=cands[1:],
+            positions.append(PositionView(position=t, token_index=t + 1, chosen_by=how[t], chosen=cands[0],
+                                          alternatives=cands[1:],
                                           active=active, top_prototype=top_id, top_share=top_share,
                                           residual_share=resid_l[t][0] / d))
         return positions, err
@@ -564,7 +574,8 @@ class Explorer:
                 sl = (dec.prototype_slices[0] * hit).sum(-1)  # (n,)
                 pos = hit.any(-1).nonzero().squeeze(1).tolist()
                 text_tokens = [tok.id_to_token(t) for t in ids]
-                fires = [{"position": p, "token": text_tokens[p], "next_token": tok.id_to_token(int(nxt[p])),
+                fires = [{"position": p, "token_index": p + 1, "token": text_tokens[p],
+                          "next_token": tok.id_to_token(int(nxt[p])),
                           "activation": float(a[p]), "slice": float(sl[p])} for p in pos]
         labs = self._labelled(idx.tolist())
         sim = [{"id": j, "cosine": v, "label": labs[j][0], "category": labs[j][1]}

@@ -58,6 +58,7 @@ async function viewExplain(r) {
   view.innerHTML = `<h1>Explain</h1>
   <p class="muted">Every next-token logit is an exact sum of prototype slices a<sub>i</sub>·(W p<sub>i</sub>)<sub>y</sub>,
   one residual slice (W r)<sub>y</sub> (and the bias, if the model has one). Type or generate text, then click a token.</p>
+  <p class="convention">${esc(P.CONVENTION)}</p>
   <textarea id="explain-text" placeholder="Text to explain">${esc(text)}</textarea>
   <div class="controls">
     <label>generate <input id="explain-gen" type="number" min="0" value="${esc(gen)}"></label>
@@ -184,12 +185,16 @@ async function viewPrototype(r) {
   const c = d.card, st = c.stats;
   let fires = "";
   if (d.fires) {
-    const act = new Map(d.fires.map(f => [f.position, f]));
+    // marked: the tokens whose prediction it took part in (active at the position before: token_index)
+    const act = new Map(d.fires.map(f => [f.token_index, f]));
     const mx = Math.max(1e-9, ...d.fires.map(f => f.activation));
+    const n = d.text_tokens.length, last = act.get(n);
+    const toks = last ? d.text_tokens.concat([last.next_token]) : d.text_tokens;
     fires = `<div class="panel"><h2 style="margin-top:0">Where it fires in the current text</h2>
-      <div class="tokens">${d.text_tokens.map((t, i) => { const f = act.get(i);
-        return `<span class="tok ctx" style="${f ? `background:rgba(91,141,239,${(0.15 + 0.75 * f.activation / mx).toFixed(2)});color:inherit` : ""}" title="${f ? `a=${f.activation.toFixed(3)}, slice for next token ${JSON.stringify(f.next_token)}: ${f.slice.toFixed(3)}` : ""}">${esc(vis(t))}</span>`; }).join("")}</div>
-      <div class="muted">${d.fires.length} of ${d.text_tokens.length} positions</div></div>`;
+      <p class="convention">${esc(P.CONVENTION)} Shaded: the tokens whose prediction it took part in.</p>
+      <div class="tokens" id="proto-fires">${toks.map((t, i) => { const f = act.get(i);
+        return `<span class="tok ctx${i === n ? " ghost" : ""}" data-i="${i}" style="${f ? `background:rgba(91,141,239,${(0.15 + 0.75 * f.activation / mx).toFixed(2)});color:inherit` : ""}" title="${f ? `a=${f.activation.toFixed(3)} at the token before; its slice of this token's logit: ${f.slice.toFixed(3)}${i === n ? " (the model's own next token)" : ""}` : ""}">${esc(vis(t))}</span>`; }).join("")}</div>
+      <div class="muted">${d.fires.length} of ${n} predictions</div></div>`;
   }
   out.innerHTML = `<div class="row"><div class="grow">
     <div class="card" data-proto="${c.id}"><h3>#${c.id} <span class="lab">${esc(c.label || "(no label)")}</span>
@@ -200,6 +205,7 @@ async function viewPrototype(r) {
       <p><a href="#/steer?suppress=${c.id}&prompt=${encodeURIComponent(text.slice(0, 200))}" id="proto-steer">Steer: suppress this prototype →</a></p>
     </div>${fires}</div>
     <div class="grow"><div class="panel"><h2 style="margin-top:0">Nearest training contexts</h2>
+      <p class="convention">Marked: the token predicted from the context nearest to the prototype (as in Explain).</p>
       ${c.neighbours.length ? `<ol class="snips" id="proto-contexts">${c.neighbours.map(n => `<li><span class="muted">${n.similarity.toFixed(3)}</span> ${snippet(n)} ${docLink(n)}</li>`).join("")}</ol>` : "<p class='muted'>no index</p>"}</div>
     <div class="panel"><h2 style="margin-top:0">Similar prototypes</h2><table>${d.similar.map(s => `<tr><td>${protoLink(s.id, text)}</td><td>${esc(s.label || "")}</td><td class="num">${s.cosine.toFixed(3)}</td></tr>`).join("")}</table></div></div></div>`;
 }

@@ -8,6 +8,9 @@ PRISM.esc = s => String(s == null ? "" : s).replace(/[&<>"']/g,
   c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", "\"": "&quot;", "'": "&#39;"}[c]));
 PRISM.vis = s => String(s).replace(/\n/g, "↵").replace(/\t/g, "⇥");
 PRISM.fmt = (v, d = 3) => (v >= 0 ? "+" : "") + v.toFixed(d);
+/* The one token convention of the app, the report and the terminal: a token stands for the model's
+   prediction OF it, made from the tokens before it (its logit is logits[j - 1, token j]). */
+PRISM.CONVENTION = "Each token stands for the model's prediction of that token, from the tokens before it; the first token is context only.";
 
 /* steps: [{name, value, kind: "p"|"r"|"b", suppressed?}] in order; total: the logit.
    Returns an SVG string: one row per step, each bar from the running sum to the running sum + value,
