@@ -24,9 +24,9 @@ function parseHash() {
   const parts = (path || "explain").split("/").map(decodeURIComponent);
   return {name: parts[0] || "explain", arg: parts[1], q: new URLSearchParams(query || "")};
 }
-function go(name, arg, params) {
+function go(name, arg, params, keepEmpty = []) {  // keepEmpty: keys kept in the URL even when "" (an empty text is a request too)
   const q = new URLSearchParams();
-  for (const [k, v] of Object.entries(params || {})) if (v !== undefined && v !== null && v !== "") q.set(k, v);
+  for (const [k, v] of Object.entries(params || {})) if (v !== undefined && v !== null && (v !== "" || keepEmpty.includes(k))) q.set(k, v);
   const h = `#/${name}${arg !== undefined && arg !== null ? "/" + encodeURIComponent(arg) : ""}${q.toString() ? "?" + q : ""}`;
   if (location.hash === h) route(); else location.hash = h;
 }
@@ -70,7 +70,7 @@ async function viewExplain(r) {
   <div id="explain-out"></div>`;
   $("#explain-color").value = mode;
   const run = () => go("explain", null, {text: $("#explain-text").value, generate: $("#explain-gen").value | 0 || "",
-    alternatives: $("#explain-alts").value, seed: $("#explain-seed").value | 0 || "", color: $("#explain-color").value});
+    alternatives: $("#explain-alts").value, seed: $("#explain-seed").value | 0 || "", color: $("#explain-color").value}, ["text"]);
   $("#explain-go").onclick = run;
   $("#explain-text").onkeydown = e => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) run(); };
   $("#explain-color").onchange = () => { if (state.explainData) renderTokens(state.explainData, $("#explain-color").value); };
