@@ -349,3 +349,45 @@ def test_prototype_fires_mark_the_token_it_helps_predict(client, explorer):
     d = client.get(f"/api/prototype/{pid}", params={"text": TEXT}).json()
     want = {t + 1 for t in range(len(ids)) if bool(((out.indices[0, t] == pid) & active[t]).any())}
     assert {f["token_index"] for f in d["fires"]} == want and 4 in want
+
+
+def _token_reference(explorer: Explorer, token_id: int, m: int = 20) -> set[int]:
+    """Prototypes with ``token_id`` in the top ``m`` of W p_i or as the target / last token of one of their
+    nearest contexts — prototype by prototype, from the weights and the shard directly."""
+    model, idx = explorer.run.model, explorer.index
+    toks = idx.shards.train.tokens
+    valid = explorer.run.tokenizer.vocab_size
+    want = set()
+    with torch.no_grad():
+        for i in range(explorer.num_prototypes):
+            sig = (model.prototypes.weight[i] @ model.lm_head.weight.T)[:valid]
+            ctx = [t for nb in idx.neighbours(i) for t in (int(toks[nb.offset]), nb.target_id)]
+            if token_id in sig.topk(m).indices.tolist() or token_id in ctx:
+                want.add(i)
+    return want
+
+
+def test_token_search_finds_the_prototypes_of_a_token_not_every_one(client, explorer):
+    K = explorer.num_prototypes
+    tok = explorer.run.tokenizer
+    # a token that is a nearest-context target of some prototype but is pushed by few (not all) of them
+    idx = explorer.index
+    targets = [nb.target_id for i in range(K) for nb in idx.neighbours(i)]
+    counts: dict[int, int] = {}
+    for t in targets:
+        counts[t] = counts.get(t, 0) + 1
+    token_id = min(counts, key=lambda t: (counts[t], t))
+    text = tok.id_to_token(token_id)
+    want = _token_reference(explorer, token_id)
+    s = client.get("/api/search", params={"token": text, "limit": 12}).json()
+    assert set(s["ids"]) == want and s["matched"] == len(want)
+    assert 0 < len(want) < K  # found, and not everything matches
+    assert all(text in h["why"] or repr(text) in h["why"] for h in s["hits"])
+    # the hits come first by the number of contexts holding the token
+    ctx_hits = [h for h in s["hits"] if "contexts" in h["why"]]
+    assert ctx_hits and s["hits"][:len(ctx_hits)] == ctx_hits
+    # typed without its leading space, a word finds its " word" token too
+    word = next(t for t in sorted(counts, key=lambda t: -counts[t])
+                if tok.id_to_token(t).startswith(" ") and len(tok.encode(tok.id_to_token(t)[1:])) > 1)
+    bare = client.get("/api/search", params={"token": tok.id_to_token(word)[1:], "limit": 12}).json()
+    assert set(bare["ids"]) == _token_reference(explorer, word)

@@ -151,8 +151,11 @@ def test_map_draws_and_search_highlights(served, browser_page):
     category = m.categories[next(c for c in m.category if c >= 0)]  # one that some prototype has
     page.fill("#map-q", category)
     page.click("#map-go")
-    page.wait_for_selector("#map-hits table tr")
+    page.wait_for_selector("#map-hits table tr td")
     assert f"map?q={category}" in page.url
+    heads = page.locator("#map-hits table tr th")  # the hits table has a header, one cell per column
+    assert heads.count() == page.locator("#map-hits table tr:nth-child(2) td").count() == 5
+    assert "why" in heads.nth(3).inner_text()
     _shot(page, "map")
     page.click("#map-hits a.plink >> nth=0")
     page.wait_for_selector("#proto-contexts li")

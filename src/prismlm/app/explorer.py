@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from prismlm.app.attribution import attribute_text
+from prismlm.app.bank_search import TokenSearch
 from prismlm.app.run import Run
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.shards import ShardSet
@@ -348,6 +349,7 @@ class Explorer:
         self._map: MapView | None = None
         self._search_text: list[str] | None = None
         self._full: FullGradients | None = None
+        self._token_search: TokenSearch | None = None
 
     @classmethod
     def open(cls, path: str | Path, *, index: Path | None = None, cache: Path | None = None, device: str = "auto",
@@ -626,7 +628,8 @@ class Explorer:
 
     def search(self, query: str = "", *, token: str | None = None, limit: int = 20) -> SearchView:
         """Prototypes whose label or category contains ``query``, or whose nearest training context does
-        (neighbour text), or — with ``token`` — that push that token most (signature W p_i)."""
+        (neighbour text), or — with ``token`` — that have to do with that token: among the top of their
+        signature W p_i, or in their nearest contexts (``prismlm.app.bank_search``)."""
         self._check_top(limit, "limit")
         self._check_text(query, "query")
         labs = self.labels()
@@ -634,14 +637,7 @@ class Explorer:
         hits: list[tuple[int, str]] = []
         if token is not None:
             self._check_text(token, "token")
-            tid = self.run.tokenizer.encode(token)
-            if len(tid) != 1:
-                raise DataError(f"token {token!r} is {len(tid)} tokens {tid}; give a single token "
-                                f"(e.g. with its leading space: ' the')")
-            with self.lock, torch.no_grad():
-                col = (self.model.require_prototypes().weight @ self.model.lm_head.weight[tid[0]]).float()  # (K,)
-            order = torch.argsort(-col, stable=True).tolist()
-            hits = [(i, f"pushes {token!r} by {float(col[i]):+.3g} per unit activation") for i in order]
+            hits = self._token_hits(token)
         else:
             q = query.strip().lower()
             if not q:
@@ -661,8 +657,23 @@ class Explorer:
         rows = [{"id": i, "label": labs.get(i, {}).get("label", ""), "category": labs.get(i, {}).get("category", ""),
                  "why": why, "count": counts[i] if counts is not None else None} for i, why in hits[:limit]]
         return SearchView(query=token if token is not None else query, hits=rows, matched=len(hits),
-                          ids=[i for i, _ in hits[:limit if token is not None else None]] if (query.strip() or token is not None)
-                          else [])
+                          ids=[i for i, _ in hits] if (query.strip() or token is not None) else [])
+
+    def _token_hits(self, token: str) -> list[tuple[int, str]]:
+        """The prototypes matching ``token`` (``prismlm.app.bank_search``), in its variants as typed and with
+        a leading space ("President" → also " President"): those that are one token."""
+        tok = self.run.tokenizer
+        variants = [token] + ([" " + token] if not token.startswith(" ") else [])
+        ids = {v: t[0] for v in variants if len(t := tok.encode(v)) == 1}
+        if not ids:
+            raise DataError(f"token {token!r} is {len(tok.encode(token))} tokens; give a single token (e.g. with its "
+                            f"leading space: ' the')")
+        with self.lock:
+            if self._token_search is None:
+                self._token_search = TokenSearch(self.model, min(tok.vocab_size, self.model.config.vocab_size),
+                                                 self.index)
+            found = self._token_search.find(list(ids.values()))
+        return [(h.id, h.why(tok.id_to_token(h.token))) for h in found]
 
     def _neighbour_texts(self) -> list[str]:
         """The nearest training context of every prototype as text (decoded once, kept): what neighbour

@@ -215,7 +215,7 @@ async function viewMap(r) {
   const t0 = performance.now();
   view.innerHTML = `<h1>Map of the prototype bank</h1>
     <div class="controls"><input id="map-q" placeholder="search label, category or neighbour text" size="36" value="${esc(r.q.get("q") || "")}">
-    <label><input type="checkbox" id="map-tok" ${r.q.get("token") ? "checked" : ""}> as a token (prototypes that push it)</label>
+    <label title="prototypes with the token among the top of their signature W p_i, or in their nearest training contexts"><input type="checkbox" id="map-tok" ${r.q.get("token") ? "checked" : ""}> as a token (in its top pushed tokens or nearest contexts)</label>
     <button id="map-go">Search</button> <span class="muted" id="map-status"></span></div>
     <div class="legend" id="map-legend"></div>
     <div id="map-wrap"><canvas id="map-canvas" width="1160" height="640"></canvas><div id="map-tip"></div></div>
@@ -268,7 +268,7 @@ async function viewMap(r) {
       const s = await api(`/api/search?limit=${lim("max_top", 50)}&${tok ? "token=" : "q="}${encodeURIComponent(q)}`);
       hl = new Set(s.ids); draw();
       $("#map-status").textContent = `${s.matched} match${s.matched === 1 ? "" : "es"}${s.matched > s.hits.length ? `, ${s.hits.length} shown` : ""}`;
-      $("#map-hits").innerHTML = `<table>${s.hits.map(h => `<tr><td>${protoLink(h.id, state.explainText)}</td><td>${esc(h.label)}</td><td><span class="cat">${esc(h.category)}</span></td><td class="muted">${esc(h.why)}</td><td class="num">${h.count ?? ""}</td></tr>`).join("")}</table>`;
+      $("#map-hits").innerHTML = `<table><tr><th>prototype</th><th>label</th><th>category</th><th>why it matches</th><th>active on (indexed tokens)</th></tr>${s.hits.map(h => `<tr><td>${protoLink(h.id, state.explainText)}</td><td>${esc(h.label)}</td><td><span class="cat">${esc(h.category)}</span></td><td class="muted">${esc(h.why)}</td><td class="num">${h.count ?? ""}</td></tr>`).join("")}</table>`;
     } catch (e) { showError($("#map-hits"), e); }
   }
   $("#map-go").onclick = search;
