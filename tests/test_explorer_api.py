@@ -391,3 +391,32 @@ def test_token_search_finds_the_prototypes_of_a_token_not_every_one(client, expl
                 if tok.id_to_token(t).startswith(" ") and len(tok.encode(tok.id_to_token(t)[1:])) > 1)
     bare = client.get("/api/search", params={"token": tok.id_to_token(word)[1:], "limit": 12}).json()
     assert set(bare["ids"]) == _token_reference(explorer, word)
+
+
+def test_steer_names_the_steered_prototypes_that_never_fire(client, explorer):
+    """Greedy generation under ``model.suppress(S)`` is the reference text; a plain forward over it says which
+    prototypes are active; the others of S are the ones steering cannot touch."""
+    m, tok = explorer.run.model, explorer.run.tokenizer
+    prompt, n = "It is a truth", 8
+    K = explorer.num_prototypes
+    S = list(range(K))
+    x = torch.tensor([tok.encode(prompt)])
+    with torch.no_grad(), m.suppress(S):
+        seq = m.generate(x, n, temperature=0)[0].tolist()
+    with torch.no_grad():
+        out = m(torch.tensor([seq[:-1]]))
+    active = set(out.indices[0][out.activations[0] > 0].tolist())
+    want = sorted(set(S) - active)
+    assert 0 < len(want) < K
+    d = client.post("/api/steer", json={"prompt": prompt, "tokens": n, "temperature": 0,
+                                        "steering": {"suppress": S}}).json()
+    assert d["steered_ids"] == K and d["inactive"] == want
+    assert any(f"{len(want)} of the {K} steered prototypes never fire" in note for note in d["notes"])
+    # only prototypes that never fire on the base text: nothing can change, and the answer says which
+    with torch.no_grad():
+        base = m.generate(x, n, temperature=0)[0].tolist()
+        out = m(torch.tensor([base[:-1]]))
+    idle_ids = sorted(set(range(K)) - set(out.indices[0][out.activations[0] > 0].tolist()))[:5]
+    idle = client.post("/api/steer", json={"prompt": prompt, "tokens": n, "temperature": 0,
+                                           "steering": {"suppress": idle_ids}}).json()
+    assert idle["first_difference"] is None and idle["inactive"] == idle_ids and idle["steered_ids"] == 5

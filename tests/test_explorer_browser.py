@@ -184,6 +184,15 @@ def test_suppression_toggle_changes_the_generated_text(served, browser_page):
     # … and the steered text is the base model's again
     assert page.inner_text("#steer-steered") == base_text != steered
     assert "off=" in page.url
+    # steering only prototypes that never fire on the text: the view says so, not just "identical"
+    idle = client.post("/api/steer", json={"prompt": prompt, "tokens": 12, "seed": seed,
+                                           "steering": {"suppress": list(range(ex.num_prototypes))}}).json()["inactive"][:3]
+    page.goto(base + f"#/steer?prompt={quote(prompt)}&tokens=12&seed={seed}&suppress={','.join(map(str, idle))}")
+    page.wait_for_selector("#steer-summary")
+    idle_run = client.post("/api/steer", json={"prompt": prompt, "tokens": 12, "seed": seed, "steering": {"suppress": idle}}).json()
+    if idle_run["first_difference"] is None and idle_run["inactive"] == idle:
+        assert "none of the steered prototypes fires on this text" in page.inner_text("#steer-summary")
+    assert idle_run["inactive"] and "never fire on this text" in page.inner_text("#steer-out")
     _no_errors(errors)
 
 

@@ -270,6 +270,11 @@ class SteerView:
     ``delta_from_slices`` Σ_i (m_i − 1) a_i (W p_i)_y — equal to rounding."""
     steering: dict[str, Any]
     notes: list[str]
+    steered_ids: int = 0
+    """How many prototypes the request changes (multiplier ≠ 1)."""
+    inactive: list[int] | None = None
+    """Those of them never active on the steered text (prompt + generation): steering them changes none of
+    its logits (activations do not depend on the multipliers)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
@@ -315,6 +320,13 @@ class DocumentView:
 
 def _steering_dict(s: Steering) -> dict[str, Any]:
     return {"suppress": list(s.suppress), "scale": [[i, f] for i, f in s.scale], "concept": s.concept}
+
+
+def _never_active(mult: torch.Tensor, indices: torch.Tensor, activations: torch.Tensor) -> list[int]:
+    """Prototypes with multiplier ≠ 1 (K,) that are active (a > 0) at no position of (n, k) ``indices``."""
+    active = torch.zeros(mult.shape[0], dtype=torch.bool)
+    active[indices[activations > 0].cpu()] = True
+    return ((mult != 1) & ~active).nonzero().squeeze(1).tolist()
 
 
 def _split_snippet(snippet: str) -> tuple[str, str, str]:
@@ -724,7 +736,8 @@ class Explorer:
             mult = combined_multipliers(ivs, self.num_prototypes)  # None: nothing steered, no change
             if mult is None:
                 mult = torch.ones(self.num_prototypes, dtype=torch.float64)
-            assert out_b.indices is not None
+            assert out_b.indices is not None and out_b.activations is not None
+            inactive = _never_active(mult, out_b.indices[0], out_b.activations[0])
             lb = out_b.logits[0].gather(-1, y[0, :, None]).squeeze(-1).double()  # (n,)
             ls = out_s.logits[0].gather(-1, y[0, :, None]).squeeze(-1).double()
             change = dec_b.prototype_slices[0].double() * (mult.to(dev)[out_b.indices[0]].double() - 1.0)  # (n, k)
@@ -742,10 +755,15 @@ class Explorer:
                           "changed": [{"id": i, "delta": c} for i, c in nz[:5]]})
         gb, gs = base[p:], steered[p:]
         diff = next((j for j, (a, b) in enumerate(zip(gb, gs)) if a != b), None)
+        n_steered = int((mult != 1).sum())
+        if inactive:
+            shown = ", ".join(f"#{i}" for i in inactive[:20]) + (" …" if len(inactive) > 20 else "")
+            notes.append(f"{len(inactive)} of the {n_steered} steered prototypes never fire on this text (prompt + "
+                         f"generation), so steering them changes none of its logits: {shown}")
         return SteerView(prompt=prompt, base=[tok.id_to_token(t) for t in gb],
                          steered=[tok.id_to_token(t) for t in gs], base_text=tok.decode(gb),
                          steered_text=tok.decode(gs), first_difference=diff, steps=steps,
-                         steering=_steering_dict(steering), notes=notes)
+                         steering=_steering_dict(steering), notes=notes, steered_ids=n_steered, inactive=inactive)
 
     # ----- training data -----------------------------------------------------------------------------------
     def training(self, prompt: str, completion: str = "", *, token: int | None = None, top: int = 10) -> TrainingView:
