@@ -420,3 +420,18 @@ def test_steer_names_the_steered_prototypes_that_never_fire(client, explorer):
     idle = client.post("/api/steer", json={"prompt": prompt, "tokens": n, "temperature": 0,
                                            "steering": {"suppress": idle_ids}}).json()
     assert idle["first_difference"] is None and idle["inactive"] == idle_ids and idle["steered_ids"] == 5
+
+
+def test_training_shares_add_up_to_one(client):
+    """Each listed prototype's share is its contribution over Σ|listed| + |rest|, rest = score − Σ listed (the
+    unlisted prototypes' net): signed, |shares| + |rest share| = 1, none beyond ±100%."""
+    tr = client.post("/api/training", json={"prompt": "It is a truth universally", "completion": " acknowledged, that",
+                                            "top": 8}).json()
+    assert tr["items"] and "+" not in tr["method"]
+    for it in tr["items"]:
+        cs = [p["contribution"] for p in it["prototypes"]]
+        assert sum(cs) + it["rest"] == pytest.approx(it["score"], rel=1e-6, abs=1e-12)
+        shares = [p["share"] for p in it["prototypes"]]
+        assert sum(abs(s) for s in shares) + abs(it["rest_share"]) == pytest.approx(1.0)
+        for c, s in zip(cs, shares):
+            assert -1 <= s <= 1 and (s >= 0) == (c >= 0)

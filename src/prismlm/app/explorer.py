@@ -293,7 +293,10 @@ class TrainingView:
     query_loss: float
     items: list[dict[str, Any]]
     """{rank, sequence, doc_id, doc_index, score, relative, before, target, after, prototypes:
-    [{id, contribution, share, label}]}; ``relative`` = score / max |score| shown, in [−1, 1]."""
+    [{id, contribution, share, label}], rest, rest_share}; ``relative`` = score / max |score| shown, in
+    [−1, 1]; ``share`` = contribution / (Σ listed |contribution| + |rest|), signed, where ``rest`` = score −
+    Σ listed contributions (the other prototypes' net; 0 for a rescored score): the |shares| and
+    |rest_share| add up to 1."""
     seconds: float
     notes: list[str]
 
@@ -804,14 +807,18 @@ class Explorer:
         scale = max((abs(it.score) for it in att.top), default=0.0) or 1.0
         labs = self._labelled(sorted({int(pp["id"]) for it in att.top for pp in it.prototypes}))
         items = []
+        summed = "+" not in att.method  # a rescored (hybrid) score is another method's, not Σ contributions
         for it in att.top:
             b, t, a = _split_snippet(it.snippet)
-            protos = [{"id": int(pp["id"]), "contribution": pp["contribution"],
-                       "share": pp["contribution"] / it.score if it.score else 0.0,
+            # shares of the |contributions| (signed: − hurts), the unlisted prototypes' net as one more part,
+            # so |shares| + |rest share| = 1 — a share of a signed sum can read 136% (and the rest −36%)
+            rest = it.score - sum(pp["contribution"] for pp in it.prototypes) if summed else 0.0
+            denom = sum(abs(pp["contribution"]) for pp in it.prototypes) + abs(rest) or 1.0
+            protos = [{"id": int(pp["id"]), "contribution": pp["contribution"], "share": pp["contribution"] / denom,
                        "label": labs[int(pp["id"])][0]} for pp in it.prototypes]
             items.append({"rank": it.rank, "sequence": it.sequence, "doc_id": it.doc_id, "doc_index": it.doc_index,
                           "score": it.score, "relative": it.score / scale, "before": b, "target": t, "after": a,
-                          "prototypes": protos})
+                          "prototypes": protos, "rest": rest, "rest_share": rest / denom})
         return TrainingView(prompt=prompt, completion=completion, measured=measured, token=token, method=att.method,
                             num_train=att.num_train, query_loss=att.query_loss, items=items, seconds=att.seconds,
                             notes=notes + list(att.notes))

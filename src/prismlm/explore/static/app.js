@@ -340,7 +340,7 @@ async function viewTraining(r) {
   const prompt = r.q.get("prompt") ?? state.explainText ?? "", completion = r.q.get("completion") || "";
   const token = r.q.get("token");
   view.innerHTML = `<h1>Training data</h1>
-    <p class="muted">The training sequences whose prototype-space influence on the measured tokens is largest (positive: training on it lowers their loss). Scores are shown relative to the largest |score| in the list; each sequence lists the prototypes that connect it to the query and their share of its score.</p>
+    <p class="muted">The training sequences whose prototype-space influence on the measured tokens is largest (positive: training on it lowers their loss). Scores are shown relative to the largest |score| in the list; each sequence lists the prototypes that connect it to the query and their share of the |contributions| to its score (signed: − hurts; with the other prototypes' net, the |shares| add up to 100%).</p>
     <label>prompt</label><textarea id="train-prompt">${esc(prompt)}</textarea>
     <label>completion (measured; empty: every token of the prompt)</label><textarea id="train-completion" style="min-height:2.5em">${esc(completion)}</textarea>
     <div class="controls"><label>top <input id="train-top" type="number" min="1" value="${esc(r.q.get("top") || "10")}"></label><button class="primary" id="train-go">Attribute</button></div>
@@ -357,12 +357,13 @@ async function viewTraining(r) {
     <div class="panel"><span class="muted">measured tokens (click one to attribute it alone):</span>
     <div class="chips" id="train-tokens"><a href="#" class="chip ${d.token === null ? "on" : ""}" data-tok="">all ${d.measured.length}</a>${d.measured.map(m => `<a href="#" class="chip ${d.token === m.index ? "on" : ""}" data-tok="${m.index}">${esc(vis(m.token))}</a>`).join("")}</div></div>
     <p class="muted">${esc(d.method)} influence over ${d.num_train.toLocaleString()} training sequences, loss ${d.query_loss.toFixed(3)}, ${(1000 * d.seconds).toFixed(0)} ms</p>
-    <table id="train-items"><tr><th>#</th><th>relative score</th><th>document</th><th>snippet (most influential token marked)</th><th>connecting prototypes (share of score)</th></tr>
+    <table id="train-items"><tr><th>#</th><th>relative score</th><th>document</th><th>snippet (most influential token marked)</th><th title="share = contribution / (Σ |contributions| shown + |other prototypes' net|); the |shares| add up to 100%">connecting prototypes (share of |contributions|; − hurts)</th></tr>
     ${d.items.map(it => `<tr><td class="num">${it.rank}</td>
       <td class="num"><span class="bar ${it.relative >= 0 ? "p" : "n"}" style="width:${(50 * Math.abs(it.relative)).toFixed(0)}px"></span> ${P.fmt(it.relative, 2)}</td>
       <td>${docLink({doc_index: it.doc_index, doc_id: it.doc_id, position: null})}<div class="muted">sequence ${it.sequence}</div></td>
       <td class="mono" style="white-space:pre-wrap">${snippet(it)}</td>
-      <td>${it.prototypes.slice(0, 4).map(p => `${protoLink(p.id, prompt + completion)} <span class="muted">${esc(p.label || "")}</span> ${(100 * p.share).toFixed(0)}%`).join("<br>")}</td></tr>`).join("")}</table>`;
+      <td>${it.prototypes.slice(0, 4).map(p => `${protoLink(p.id, prompt + completion)} <span class="muted">${esc(p.label || "")}</span> <span class="${p.share >= 0 ? "pos" : "neg"}">${P.fmt(100 * p.share, 0)}%</span>`).join("<br>")}${
+        it.prototypes.length > 4 || it.rest ? `<br><span class="muted">others: ${P.fmt(100 * (it.rest_share + it.prototypes.slice(4).reduce((s, p) => s + Math.abs(p.share) * Math.sign(p.share), 0)), 0)}% net</span>` : ""}</td></tr>`).join("")}</table>`;
   out.querySelectorAll("#train-tokens a").forEach(a => a.onclick = e => { e.preventDefault(); runIt(a.dataset.tok); });
 }
 
