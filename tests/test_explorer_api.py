@@ -435,3 +435,36 @@ def test_training_shares_add_up_to_one(client):
         assert sum(abs(s) for s in shares) + abs(it["rest_share"]) == pytest.approx(1.0)
         for c, s in zip(cs, shares):
             assert -1 <= s <= 1 and (s >= 0) == (c >= 0)
+
+
+def test_prototype_card_pushes_down_logit_histogram_and_bands(client, explorer):
+    """The tokens a prototype pushes down most, the histogram of W p_i over the vocabulary and examples from
+    the top, middle and bottom of its stored contexts — each against the weights / the index directly."""
+    import numpy as np
+
+    i = int(explorer.index.counts.argmax())
+    d = client.get(f"/api/prototype/{i}").json()
+    valid = explorer.run.tokenizer.vocab_size
+    m = explorer.run.model
+    with torch.no_grad():
+        sig = (m.prototypes.weight[i].double() @ m.lm_head.weight.double().T)[:valid]  # (V,)
+    low = sig.argsort()[:12].tolist()
+    got = d["card"]["bottom_tokens"]
+    assert [t for t, _ in got] == [explorer.run.tokenizer.id_to_token(t) for t in low]
+    assert [v for _, v in got] == pytest.approx(sig[low].tolist(), abs=1e-4)
+    assert all(v < 0 for _, v in got) and got[0][1] < got[-1][1]  # most negative first
+    h = d["logit_histogram"]
+    assert sum(h["counts"]) == valid and h["lo"] == pytest.approx(float(sig.min()), abs=1e-5)
+    assert h["hi"] == pytest.approx(float(sig.max()), abs=1e-5)
+    ref, _ = np.histogram(sig.numpy(), bins=len(h["counts"]), range=(h["lo"], h["hi"]))
+    assert np.abs(np.array(h["counts"]) - ref).sum() <= 2  # bin-edge rounding at most
+    nbs = explorer.index.neighbours(i)
+    bands = d["bands"]
+    assert [b["band"] for b in bands] == ["top", "middle", "bottom"] and all(b["stored"] == len(nbs) for b in bands)
+    assert bands[0]["ranks"][0] == 1 and bands[-1]["ranks"][1] == len(nbs)
+    assert all(a["ranks"][1] + 1 == b["ranks"][0] for a, b in zip(bands, bands[1:]))  # contiguous thirds
+    for b in bands:
+        lo, hi = b["ranks"]
+        assert b["examples"] and all(nbs[lo - 1].similarity >= e["similarity"] >= nbs[hi - 1].similarity
+                                     for e in b["examples"])
+    assert bands[-1]["examples"][-1]["offset"] == nbs[-1].offset  # the bottom band ends at the last stored

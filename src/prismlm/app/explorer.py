@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from prismlm.app.attribution import attribute_text
 from prismlm.app.bank_search import TokenSearch
+from prismlm.app.prototype_view import example_bands, logit_histogram
 from prismlm.app.run import Run
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.shards import ShardSet
@@ -218,6 +219,10 @@ class PrototypeDetail:
     ``slice`` — the one the views mark (``len(text_tokens)``: the model's own next token)."""
     text_tokens: list[str] | None
     has_index: bool
+    logit_histogram: dict[str, Any] | None = None
+    """Its direct effect on every token: a histogram of W p_i (``prismlm.app.prototype_view``)."""
+    bands: list[dict[str, Any]] | None = None
+    """Examples from the top, middle and bottom third of its stored nearest contexts (with an index)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
@@ -573,6 +578,8 @@ class Explorer:
         with self.lock, torch.no_grad():
             card = prototype_card(model, tok, i, index=self.index, labels=self.labels(), neighbours=neighbours,
                                   signature_tokens=12).to_dict()
+            hist = logit_histogram(model, i, min(tok.vocab_size, model.config.vocab_size))
+            bands = example_bands(self.index, i) if self.index is not None and self.index.shards is not None else None
             P = F.normalize(model.require_prototypes().weight.detach().float(), dim=-1)  # (K, d)
             cos = P @ P[i]  # (K,)
             cos[i] = -float("inf")
@@ -598,7 +605,7 @@ class Explorer:
         sim = [{"id": j, "cosine": v, "label": labs[j][0], "category": labs[j][1]}
                for j, v in zip(idx.tolist(), vals.tolist())]
         return PrototypeDetail(card=card, similar=sim, fires=fires, text_tokens=text_tokens,
-                               has_index=self.index is not None)
+                               has_index=self.index is not None, logit_histogram=hist, bands=bands)
 
     # ----- the map -------------------------------------------------------------------------------------------
     def map(self) -> MapView:

@@ -6,7 +6,7 @@ the waterfall of that token's logit — the prediction OF the clicked token from
 convention of the explorer app and the terminal view too — residual slice and every active prototype's
 slice; prototype cards show the
 label, nearest training contexts with the target token marked (``<mark>``), the activation histogram
-(inline SVG) and the top tokens of the signature W p_i.
+(inline SVG) and the tokens the signature W p_i pushes up and down most.
 """
 
 from __future__ import annotations
@@ -110,12 +110,14 @@ def _card_html(c: dict[str, Any]) -> str:
         f'{e(n["after"])} <span class="doc">{e(str(n["doc_id"]))}:{n["position"]}</span></li>'
         for n in c["neighbours"])
     toks = " ".join(f'<code>{e(repr(t)[1:-1])}</code><sub>{v:.2f}</sub>' for t, v in c["top_tokens"])
+    down = " ".join(f'<code>{e(repr(t)[1:-1])}</code><sub>{v:.2f}</sub>' for t, v in c.get("bottom_tokens", []))
     st = c.get("stats") or {}
     stats = (f'active on {st["count"]:,} tokens ({st["frequency"]:.2%}), mean activation '
              f'{st["mean_activation"]:.3f}' if st else "no index: neighbourhood not available")
     return (f'<div class="card" id="p{c["id"]}"><h3>#{c["id"]} <span class="lab">{e(c["label"] or "")}</span> '
             f'<span class="cat">{e(c["category"] or "")}</span></h3><div class="stats">{stats}</div>'
-            f'{_hist_svg(st.get("histogram", []))}<div class="toks">W p<sub>i</sub> top tokens: {toks}</div>'
+            f'{_hist_svg(st.get("histogram", []))}<div class="toks">W p<sub>i</sub> pushes up: {toks}</div>'
+            f'<div class="toks down">pushes down: {down}</div>'
             f'<ol class="snips">{snips}</ol></div>')
 
 

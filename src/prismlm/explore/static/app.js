@@ -161,7 +161,8 @@ function cardHtml(c, slice, text) {
     ${c.category ? `<span class="cat" style="background:${hexA(catColor(c.category), .2)}">${esc(c.category)}</span>` : ""}
     ${slice !== undefined ? `<span class="${slice >= 0 ? "pos" : "neg"}" style="float:right">${P.fmt(slice)}</span>` : ""}</h3>
     <div class="stats">${st ? `active on ${st.count.toLocaleString()} indexed tokens (${(100 * st.frequency).toFixed(2)}%), mean activation ${st.mean_activation.toFixed(3)}` : "no index: neighbourhood not available"}</div>
-    <div class="chips">W p<sub>i</sub> pushes: ${c.top_tokens.slice(0, 8).map(([t, v]) => `<span title="${v.toFixed(3)}">${esc(vis(t))}</span>`).join("")}</div>
+    <div class="chips">W p<sub>i</sub> pushes up: ${c.top_tokens.slice(0, 8).map(([t, v]) => `<span title="${v.toFixed(3)}">${esc(vis(t))}</span>`).join("")}</div>
+    <div class="chips down">down: ${(c.bottom_tokens || []).slice(0, 6).map(([t, v]) => `<span title="${v.toFixed(3)}">${esc(vis(t))}</span>`).join("")}</div>
     ${nb ? `<ol class="snips">${nb}</ol>` : ""}</div>`;
 }
 const snippet = n => `${esc(vis(n.before || ""))}<mark>${esc(vis(n.target || ""))}</mark>${esc(vis(n.after || ""))}`;
@@ -201,12 +202,18 @@ async function viewPrototype(r) {
       ${c.category ? `<span class="cat" style="background:${hexA(catColor(c.category), .2)}">${esc(c.category)}</span>` : ""}</h3>
       <div class="stats">${st ? `active on ${st.count.toLocaleString()} indexed tokens (${(100 * st.frequency).toFixed(2)}%), mean activation ${st.mean_activation.toFixed(3)}, nearest context cos ${st.max_similarity.toFixed(3)}` : "no index: build one with <code>prism index</code> for neighbourhoods and statistics"}</div>
       ${st ? P.hist(st.histogram) : ""}
-      <h3>Signature W p<sub>i</sub>: the tokens it pushes</h3><div class="chips">${c.top_tokens.map(([t, v]) => `<span title="${v.toFixed(4)}">${esc(vis(t))} <small>${v.toFixed(2)}</small></span>`).join("")}</div>
+      <h3>Signature W p<sub>i</sub>: the tokens it pushes up</h3><div class="chips" id="proto-up">${c.top_tokens.map(([t, v]) => `<span title="${v.toFixed(4)}">${esc(vis(t))} <small>${v.toFixed(2)}</small></span>`).join("")}</div>
+      <h3>… and down</h3><div class="chips down" id="proto-down">${(c.bottom_tokens || []).map(([t, v]) => `<span title="${v.toFixed(4)}">${esc(vis(t))} <small>${v.toFixed(2)}</small></span>`).join("")}</div>
+      ${d.logit_histogram ? `<h3>Its logit effect on every token</h3><div id="proto-logit-hist">${P.signedHist(d.logit_histogram)}</div>` : ""}
       <p><a href="#/steer?suppress=${c.id}&prompt=${encodeURIComponent(text.slice(0, 200))}" id="proto-steer">Steer: suppress this prototype →</a></p>
     </div>${fires}</div>
     <div class="grow"><div class="panel"><h2 style="margin-top:0">Nearest training contexts</h2>
       <p class="convention">Marked: the token predicted from the context nearest to the prototype (as in Explain).</p>
       ${c.neighbours.length ? `<ol class="snips" id="proto-contexts">${c.neighbours.map(n => `<li><span class="muted">${n.similarity.toFixed(3)}</span> ${snippet(n)} ${docLink(n)}</li>`).join("")}</ol>` : "<p class='muted'>no index</p>"}</div>
+    ${d.bands && d.bands.length ? `<div class="panel" id="proto-bands"><h2 style="margin-top:0">Examples across its stored contexts</h2>
+      <p class="muted">The index keeps its ${d.bands[0].stored} nearest training contexts (by cos(z, p<sub>i</sub>), its activation where it is active); top, middle and bottom third of them — not of every activation (the histogram covers those).</p>
+      ${d.bands.map(b => `<h3>${b.band} <span class="muted">ranks ${b.ranks[0]}–${b.ranks[1]}, cos ${b.similarity[0].toFixed(3)}–${b.similarity[1].toFixed(3)}</span></h3>
+        <ol class="snips" data-band="${b.band}">${b.examples.map(n => `<li><span class="muted">${n.similarity.toFixed(3)}</span> ${snippet(n)} ${docLink(n)}</li>`).join("")}</ol>`).join("")}</div>` : ""}
     <div class="panel"><h2 style="margin-top:0">Similar prototypes</h2><table>${d.similar.map(s => `<tr><td>${protoLink(s.id, text)}</td><td>${esc(s.label || "")}</td><td class="num">${s.cosine.toFixed(3)}</td></tr>`).join("")}</table></div></div></div>`;
 }
 
