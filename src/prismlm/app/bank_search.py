@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from prismlm.data.tokenizer import Tokenizer
+from prismlm.errors import DataError
 from prismlm.explain import PrototypeIndex
 from prismlm.model import PrismLM
 
@@ -61,9 +63,10 @@ class TokenMatch:
 class TokenSearch:
     """The tables of one model (and index), built on first use, then kept; thread-safe."""
 
-    def __init__(self, model: PrismLM, valid_vocab: int, index: PrototypeIndex | None,
+    def __init__(self, model: PrismLM, tokenizer: Tokenizer, index: PrototypeIndex | None,
                  signature_top: int = 20) -> None:
-        self.model, self.valid, self.index, self.m = model, valid_vocab, index, signature_top
+        self.model, self.tokenizer, self.index, self.m = model, tokenizer, index, signature_top
+        self.valid = min(tokenizer.vocab_size, model.config.vocab_size)
         self._lock = threading.Lock()
         self._sig: torch.Tensor | None = None
         self._ctx: torch.Tensor | None = None
@@ -95,6 +98,17 @@ class TokenSearch:
         pair = np.stack([np.asarray(toks[pos], dtype=np.int64), np.asarray(toks[pos + 1], dtype=np.int64)], -1)
         pair[~ok] = -1
         return torch.from_numpy(pair)
+
+    def hits(self, token: str) -> list[tuple[int, str]]:
+        """(prototype id, why) of every match of ``token`` as typed and with a leading space ("President"
+        also finds " President"): of those variants that are one token; ``DataError`` when none is."""
+        tok = self.tokenizer
+        variants = [token] + ([" " + token] if not token.startswith(" ") else [])
+        ids = [t[0] for v in variants if len(t := tok.encode(v)) == 1]
+        if not ids:
+            raise DataError(f"token {token!r} is {len(tok.encode(token))} tokens; give a single token (e.g. with its "
+                            f"leading space: ' the')")
+        return [(h.id, h.why(tok.id_to_token(h.token))) for h in self.find(ids)]
 
     def find(self, token_ids: Sequence[int]) -> list[TokenMatch]:
         """Every prototype matching any of ``token_ids`` (variants of one query), best first."""

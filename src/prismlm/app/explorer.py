@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from prismlm.app.attribution import attribute_text
 from prismlm.app.bank_search import TokenSearch
-from prismlm.app.prototype_view import example_bands, logit_histogram
+from prismlm.app.prototype_view import example_bands, logit_histogram, never_active
 from prismlm.app.run import Run
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.shards import ShardSet
@@ -169,15 +169,12 @@ class Candidate:
 @dataclass
 class PositionView:
     """Why the model predicted ``chosen`` after the tokens up to ``position`` — and not an alternative.
-
-    The token convention of every view: clicking token j explains the prediction *of* token j, made at
-    position j − 1 (``token_index == position + 1``); its logit is ``logits[j − 1, tokens[j]]``."""
+    Every view's convention: token j stands for the prediction OF it, ``logits[j − 1, tokens[j]]``."""
 
     position: int
     """The last context token (the hidden state that predicts)."""
     token_index: int
-    """Index in ``tokens`` of the explained token (``position + 1``; ``len(tokens)`` for the model's own
-    next token, which is not in the text)."""
+    """Index in ``tokens`` of the explained token: ``position + 1`` (``len(tokens)``: the model's own)."""
     chosen_by: str
     chosen: Candidate
     alternatives: list[Candidate]
@@ -328,13 +325,6 @@ class DocumentView:
 
 def _steering_dict(s: Steering) -> dict[str, Any]:
     return {"suppress": list(s.suppress), "scale": [[i, f] for i, f in s.scale], "concept": s.concept}
-
-
-def _never_active(mult: torch.Tensor, indices: torch.Tensor, activations: torch.Tensor) -> list[int]:
-    """Prototypes with multiplier ≠ 1 (K,) that are active (a > 0) at no position of (n, k) ``indices``."""
-    active = torch.zeros(mult.shape[0], dtype=torch.bool)
-    active[indices[activations > 0].cpu()] = True
-    return ((mult != 1) & ~active).nonzero().squeeze(1).tolist()
 
 
 def _split_snippet(snippet: str) -> tuple[str, str, str]:
@@ -659,7 +649,9 @@ class Explorer:
         hits: list[tuple[int, str]] = []
         if token is not None:
             self._check_text(token, "token")
-            hits = self._token_hits(token)
+            if self._token_search is None:  # its tables are built on first use, once (its own lock)
+                self._token_search = TokenSearch(self.model, self.run.tokenizer, self.index)
+            hits = self._token_search.hits(token)
         else:
             q = query.strip().lower()
             if not q:
@@ -680,22 +672,6 @@ class Explorer:
                  "why": why, "count": counts[i] if counts is not None else None} for i, why in hits[:limit]]
         return SearchView(query=token if token is not None else query, hits=rows, matched=len(hits),
                           ids=[i for i, _ in hits] if (query.strip() or token is not None) else [])
-
-    def _token_hits(self, token: str) -> list[tuple[int, str]]:
-        """The prototypes matching ``token`` (``prismlm.app.bank_search``), in its variants as typed and with
-        a leading space ("President" → also " President"): those that are one token."""
-        tok = self.run.tokenizer
-        variants = [token] + ([" " + token] if not token.startswith(" ") else [])
-        ids = {v: t[0] for v in variants if len(t := tok.encode(v)) == 1}
-        if not ids:
-            raise DataError(f"token {token!r} is {len(tok.encode(token))} tokens; give a single token (e.g. with its "
-                            f"leading space: ' the')")
-        with self.lock:
-            if self._token_search is None:
-                self._token_search = TokenSearch(self.model, min(tok.vocab_size, self.model.config.vocab_size),
-                                                 self.index)
-            found = self._token_search.find(list(ids.values()))
-        return [(h.id, h.why(tok.id_to_token(h.token))) for h in found]
 
     def _neighbour_texts(self) -> list[str]:
         """The nearest training context of every prototype as text (decoded once, kept): what neighbour
@@ -747,7 +723,7 @@ class Explorer:
             if mult is None:
                 mult = torch.ones(self.num_prototypes, dtype=torch.float64)
             assert out_b.indices is not None and out_b.activations is not None
-            inactive = _never_active(mult, out_b.indices[0], out_b.activations[0])
+            n_steered, inactive, note = never_active(mult, out_b.indices[0], out_b.activations[0])
             lb = out_b.logits[0].gather(-1, y[0, :, None]).squeeze(-1).double()  # (n,)
             ls = out_s.logits[0].gather(-1, y[0, :, None]).squeeze(-1).double()
             change = dec_b.prototype_slices[0].double() * (mult.to(dev)[out_b.indices[0]].double() - 1.0)  # (n, k)
@@ -765,11 +741,7 @@ class Explorer:
                           "changed": [{"id": i, "delta": c} for i, c in nz[:5]]})
         gb, gs = base[p:], steered[p:]
         diff = next((j for j, (a, b) in enumerate(zip(gb, gs)) if a != b), None)
-        n_steered = int((mult != 1).sum())
-        if inactive:
-            shown = ", ".join(f"#{i}" for i in inactive[:20]) + (" …" if len(inactive) > 20 else "")
-            notes.append(f"{len(inactive)} of the {n_steered} steered prototypes never fire on this text (prompt + "
-                         f"generation), so steering them changes none of its logits: {shown}")
+        notes += [note] if note else []
         return SteerView(prompt=prompt, base=[tok.id_to_token(t) for t in gb],
                          steered=[tok.id_to_token(t) for t in gs], base_text=tok.decode(gb),
                          steered_text=tok.decode(gs), first_difference=diff, steps=steps,

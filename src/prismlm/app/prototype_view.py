@@ -9,6 +9,9 @@ data the model and the index already have — what Neuronpedia and sae_vis show 
   the N are split into three equal rank ranges — top, middle, bottom — and a few examples of each are
   shown with the cos range of their band. They span the top N only, not every activation (the index
   keeps no other contexts; the activation histogram of the card covers all indexed tokens).
+
+And for Steer, ``never_active``: the steered prototypes that never fire on a text — steering them cannot
+change it, which is worth saying when the generations come out identical.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 from prismlm.explain import PrototypeIndex
 from prismlm.model import PrismLM
 
-__all__ = ["example_bands", "logit_histogram"]
+__all__ = ["example_bands", "logit_histogram", "never_active"]
 
 BANDS = ("top", "middle", "bottom")
 
@@ -55,3 +58,20 @@ def example_bands(index: PrototypeIndex, i: int, per_band: int = 3) -> list[dict
                       "similarity": [nbs[int(part[0])].similarity, nbs[int(part[-1])].similarity],
                       "examples": [nbs[j].to_dict() for j in pick]})
     return bands
+
+
+def never_active(mult: torch.Tensor, indices: torch.Tensor, activations: torch.Tensor,
+                 ) -> tuple[int, list[int], str | None]:
+    """(steered count, ids, note) of the prototypes with multiplier ≠ 1 (``mult``: (K,)) that are active
+    (a > 0) at no position of a forward's (n, k) ``indices``/``activations``. Activations do not depend on
+    the multipliers, so steering these changes none of the text's logits."""
+    active = torch.zeros(mult.shape[0], dtype=torch.bool)
+    active[indices[activations > 0].cpu()] = True
+    steered = mult.cpu() != 1
+    ids = (steered & ~active).nonzero().squeeze(1).tolist()
+    n = int(steered.sum())
+    if not ids:
+        return n, ids, None
+    shown = ", ".join(f"#{i}" for i in ids[:20]) + (" …" if len(ids) > 20 else "")
+    return n, ids, (f"{len(ids)} of the {n} steered prototypes never fire on this text (prompt + generation), so "
+                    f"steering them changes none of its logits: {shown}")
