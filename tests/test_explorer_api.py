@@ -322,7 +322,7 @@ def test_token_j_means_the_prediction_of_token_j_everywhere(client, explorer):
     assert [s for _, s in spans[1:n]] == tokens[1:]
     for j in range(1, n):
         pos = data["positions"][int(spans[j][0])]
-        assert pos["next_id"] == ids[j] and pos["logit"] == pytest.approx(float(ref[j - 1, ids[j]]), abs=2e-5)
+        assert pos["token_index"] == j and pos["next_id"] == ids[j] and pos["logit"] == pytest.approx(float(ref[j - 1, ids[j]]), abs=2e-5)
     assert "ghost" in page.split('<div id="text">', 1)[1].split("</div>", 1)[0]  # the model's own next token
     # the terminal: row "pos j" names token j first and shows its logit
     buf = io.StringIO()

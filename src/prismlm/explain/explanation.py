@@ -103,6 +103,7 @@ class TokenExplanation:
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
+        d["token_index"] = self.position + 1  # the explained token's index: the views' one convention
         d["prototypes"] = [p.to_dict() for p in self.prototypes]
         return d
 
