@@ -468,3 +468,25 @@ def test_prototype_card_pushes_down_logit_histogram_and_bands(client, explorer):
         assert b["examples"] and all(nbs[lo - 1].similarity >= e["similarity"] >= nbs[hi - 1].similarity
                                      for e in b["examples"])
     assert bands[-1]["examples"][-1]["offset"] == nbs[-1].offset  # the bottom band ends at the last stored
+
+
+def test_a_plain_search_for_a_word_finds_the_prototypes_of_its_token(client, explorer):
+    """"President" on presidential speeches: a one-token query finds the prototypes of that token even when
+    no label and no first nearest context contains it (the label/context search alone found 0)."""
+    tok = explorer.run.tokenizer
+    idx = explorer.index
+    labs = explorer.labels()
+    texts = explorer._neighbour_texts()
+    counts: dict[int, int] = {}
+    for i in range(explorer.num_prototypes):
+        for nb in idx.neighbours(i):
+            counts[nb.target_id] = counts.get(nb.target_id, 0) + 1
+    # a word token that no label and no searched neighbour text contains
+    word = next(t for t in sorted(counts, key=lambda t: (-counts[t], t))
+                if tok.id_to_token(t).strip().isalpha() and len(tok.id_to_token(t).strip()) > 2
+                and not any(tok.id_to_token(t).strip().lower() in (f"{lab.get('label', '')} {lab.get('category', '')} "
+                                                                    f"{txt}").lower()
+                            for lab, txt in ((labs.get(i, {}), texts[i]) for i in range(explorer.num_prototypes))))
+    q = tok.id_to_token(word).strip()
+    s = client.get("/api/search", params={"q": q, "limit": 12}).json()
+    assert s["matched"] > 0 and set(s["ids"]) >= _token_reference(explorer, word)

@@ -99,12 +99,15 @@ class TokenSearch:
         pair[~ok] = -1
         return torch.from_numpy(pair)
 
-    def hits(self, token: str) -> list[tuple[int, str]]:
+    def hits(self, token: str, *, strict: bool = True) -> list[tuple[int, str]]:
         """(prototype id, why) of every match of ``token`` as typed and with a leading space ("President"
-        also finds " President"): of those variants that are one token; ``DataError`` when none is."""
+        also finds " President"): of those variants that are one token; when none is, ``DataError``
+        (``strict``) or no hits."""
         tok = self.tokenizer
-        variants = [token] + ([" " + token] if not token.startswith(" ") else [])
+        variants = [token] + ([" " + token] if not token.startswith(" ") else []) if token else []
         ids = [t[0] for v in variants if len(t := tok.encode(v)) == 1]
+        if not ids and not strict:
+            return []
         if not ids:
             raise DataError(f"token {token!r} is {len(tok.encode(token))} tokens; give a single token (e.g. with its "
                             f"leading space: ' the')")

@@ -640,17 +640,18 @@ class Explorer:
 
     def search(self, query: str = "", *, token: str | None = None, limit: int = 20) -> SearchView:
         """Prototypes whose label or category contains ``query``, or whose nearest training context does
-        (neighbour text), or — with ``token`` — that have to do with that token: among the top of their
-        signature W p_i, or in their nearest contexts (``prismlm.app.bank_search``)."""
+        (neighbour text), or — with ``token``, and for a ``query`` that is one token — that have to do with
+        that token: among the top of their signature W p_i, or in their nearest contexts
+        (``prismlm.app.bank_search``)."""
         self._check_top(limit, "limit")
         self._check_text(query, "query")
         labs = self.labels()
         counts = self.index.counts.tolist() if self.index is not None else None
         hits: list[tuple[int, str]] = []
+        if self._token_search is None:  # its tables are built on first use, once (its own lock)
+            self._token_search = TokenSearch(self.model, self.run.tokenizer, self.index)
         if token is not None:
             self._check_text(token, "token")
-            if self._token_search is None:  # its tables are built on first use, once (its own lock)
-                self._token_search = TokenSearch(self.model, self.run.tokenizer, self.index)
             hits = self._token_search.hits(token)
         else:
             q = query.strip().lower()
@@ -668,6 +669,8 @@ class Explorer:
                     seen = {i for i, _ in hits}
                     texts = self._neighbour_texts()
                     hits += [(i, "nearest context") for i, s in enumerate(texts) if i not in seen and q in s.lower()]
+                seen = {i for i, _ in hits}  # a one-token query also finds the prototypes of that token
+                hits += [(i, w) for i, w in self._token_search.hits(query.strip(), strict=False) if i not in seen]
         rows = [{"id": i, "label": labs.get(i, {}).get("label", ""), "category": labs.get(i, {}).get("category", ""),
                  "why": why, "count": counts[i] if counts is not None else None} for i, why in hits[:limit]]
         return SearchView(query=token if token is not None else query, hits=rows, matched=len(hits),
