@@ -16,8 +16,9 @@ top of their signatures. Matches are ordered by the number of contexts holding t
 token's rank in the signature.
 
 The two tables are built once per opened run (``TokenSearch``): the top signature tokens of every
-prototype (K × V in blocks of ``_BLOCK_ELEMS`` entries, never at once; seconds for K = 16k) and the two
-tokens of every nearest context (one gather from the shard).
+prototype (K × V in blocks of ``_BLOCK_ELEMS`` entries, never at once; 54 s for K = 16,384, V = 49,152,
+d = 576 on 2 busy CPU threads, then ~0.1 s per search) and the two tokens of every nearest context (one
+gather from the shard).
 """
 
 from __future__ import annotations
