@@ -351,7 +351,7 @@ def test_prototype_fires_mark_the_token_it_helps_predict(client, explorer):
     assert {f["token_index"] for f in d["fires"]} == want and 4 in want
 
 
-def _token_reference(explorer: Explorer, token_id: int, m: int = 20) -> set[int]:
+def _token_reference(explorer: Explorer, token_id: int, m: int = 20, signature: bool = True) -> set[int]:
     """Prototypes with ``token_id`` in the top ``m`` of W p_i or as the target / last token of one of their
     nearest contexts — prototype by prototype, from the weights and the shard directly."""
     model, idx = explorer.run.model, explorer.index
@@ -362,7 +362,7 @@ def _token_reference(explorer: Explorer, token_id: int, m: int = 20) -> set[int]
         for i in range(explorer.num_prototypes):
             sig = (model.prototypes.weight[i] @ model.lm_head.weight.T)[:valid]
             ctx = [t for nb in idx.neighbours(i) for t in (int(toks[nb.offset]), nb.target_id)]
-            if token_id in sig.topk(m).indices.tolist() or token_id in ctx:
+            if (signature and token_id in sig.topk(m).indices.tolist()) or token_id in ctx:
                 want.add(i)
     return want
 
@@ -489,4 +489,5 @@ def test_a_plain_search_for_a_word_finds_the_prototypes_of_its_token(client, exp
                             for lab, txt in ((labs.get(i, {}), texts[i]) for i in range(explorer.num_prototypes))))
     q = tok.id_to_token(word).strip()
     s = client.get("/api/search", params={"q": q, "limit": 12}).json()
-    assert s["matched"] > 0 and set(s["ids"]) >= _token_reference(explorer, word)
+    assert s["matched"] > 0 and set(s["ids"]) >= _token_reference(explorer, word, signature=False)
+    assert all("nearest contexts" in h["why"] for h in s["hits"])  # by context only: no K × V table for it

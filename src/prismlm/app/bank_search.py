@@ -71,9 +71,11 @@ class TokenSearch:
         self._lock = threading.Lock()
         self._sig: torch.Tensor | None = None
         self._ctx: torch.Tensor | None = None
+        self._ctx_done = False
 
     @torch.no_grad()
-    def _tables(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _signature_table(self) -> torch.Tensor:
+        """(K, m) int64: every prototype's m top signature tokens, by decreasing (W p_i)_v (built once)."""
         with self._lock:
             if self._sig is None:
                 K = self.model.require_prototypes().num_prototypes
@@ -83,9 +85,14 @@ class TokenSearch:
                 dev = self.model.lm_head.weight.device
                 tops = [self.model.signatures(torch.arange(s, min(K, s + rows), device=dev))[:, :self.valid]
                         .float().topk(m, dim=-1).indices.cpu() for s in range(0, K, rows)]
-                self._sig = torch.cat(tops)  # (K, m), by decreasing (W p_i)_v
-                self._ctx = self._context_tokens()
-            return self._sig, self._ctx
+                self._sig = torch.cat(tops)
+            return self._sig
+
+    def _context_table(self) -> torch.Tensor | None:
+        with self._lock:
+            if self._ctx is None and not self._ctx_done:
+                self._ctx, self._ctx_done = self._context_tokens(), True
+            return self._ctx
 
     def _context_tokens(self) -> torch.Tensor | None:
         """(K, N, 2) int64: the last context token and the target of every nearest context (−1: empty)."""
@@ -100,10 +107,10 @@ class TokenSearch:
         pair[~ok] = -1
         return torch.from_numpy(pair)
 
-    def hits(self, token: str, *, strict: bool = True) -> list[tuple[int, str]]:
+    def hits(self, token: str, *, strict: bool = True, signature: bool = True) -> list[tuple[int, str]]:
         """(prototype id, why) of every match of ``token`` as typed and with a leading space ("President"
         also finds " President"): of those variants that are one token; when none is, ``DataError``
-        (``strict``) or no hits."""
+        (``strict``) or no hits. ``signature=False``: by the nearest contexts only (no K × V table)."""
         tok = self.tokenizer
         variants = [token] + ([" " + token] if not token.startswith(" ") else []) if token else []
         ids = [t[0] for v in variants if len(t := tok.encode(v)) == 1]
@@ -112,17 +119,20 @@ class TokenSearch:
         if not ids:
             raise DataError(f"token {token!r} is {len(tok.encode(token))} tokens; give a single token (e.g. with its "
                             f"leading space: ' the')")
-        return [(h.id, h.why(tok.id_to_token(h.token))) for h in self.find(ids)]
+        return [(h.id, h.why(tok.id_to_token(h.token))) for h in self.find(ids, signature=signature)]
 
-    def find(self, token_ids: Sequence[int]) -> list[TokenMatch]:
-        """Every prototype matching any of ``token_ids`` (variants of one query), best first."""
-        sig, ctx = self._tables()
-        K, m = sig.shape
+    def find(self, token_ids: Sequence[int], *, signature: bool = True) -> list[TokenMatch]:
+        """Every prototype matching any of ``token_ids`` (variants of one query), best first;
+        ``signature=False``: by the nearest contexts only."""
+        K = self.model.require_prototypes().num_prototypes
         t = torch.tensor(list(token_ids), dtype=torch.long)
-        in_sig = torch.isin(sig, t)  # (K, m)
+        sig = self._signature_table() if signature else torch.zeros(K, 1, dtype=torch.long)
+        in_sig = torch.isin(sig, t) & signature  # (K, m)
         has_sig = in_sig.any(-1)
+        m = sig.shape[1]
         rank = torch.where(has_sig, in_sig.float().argmax(-1), torch.full((K,), m))  # first (best) hit
         sig_tok = sig.gather(1, rank.clamp(max=m - 1)[:, None]).squeeze(1)
+        ctx = self._context_table()
         if ctx is not None:
             in_ctx = torch.isin(ctx, t)  # (K, N, 2)
             count = in_ctx.any(-1).sum(-1)  # (K,)

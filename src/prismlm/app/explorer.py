@@ -669,8 +669,9 @@ class Explorer:
                     seen = {i for i, _ in hits}
                     texts = self._neighbour_texts()
                     hits += [(i, "nearest context") for i, s in enumerate(texts) if i not in seen and q in s.lower()]
-                seen = {i for i, _ in hits}  # a one-token query also finds the prototypes of that token
-                hits += [(i, w) for i, w in self._token_search.hits(query.strip(), strict=False) if i not in seen]
+                seen = {i for i, _ in hits}  # a one-token query also finds the prototypes with it in a context
+                hits += [(i, w) for i, w in self._token_search.hits(query.strip(), strict=False, signature=False)
+                         if i not in seen]
         rows = [{"id": i, "label": labs.get(i, {}).get("label", ""), "category": labs.get(i, {}).get("category", ""),
                  "why": why, "count": counts[i] if counts is not None else None} for i, why in hits[:limit]]
         return SearchView(query=token if token is not None else query, hits=rows, matched=len(hits),
