@@ -279,3 +279,215 @@ def test_concurrent_requests_are_serialised_and_consistent(client):
     assert all(r.status_code == 200 for r in rs)
     first = rs[0].json()["positions"]
     assert all(r.json()["positions"] == first for r in rs)
+
+
+# ----- one token convention (issue 24, item 4) ---------------------------------------------------------------
+def _report_spans(page: str) -> list[tuple[str | None, str]]:
+    """(data-i or None, shown text) of every token span of a report's ``#text``, in document order."""
+    import html
+    import re
+
+    body = page.split('<div id="text">', 1)[1].split("</div>", 1)[0]
+    return [(m.group(2), html.unescape(m.group(3)))
+            for m in re.finditer(r'<span class="t[^"]*"( data-i="(\d+)")?[^>]*>(.*?)</span>', body, re.S)]
+
+
+def test_token_j_means_the_prediction_of_token_j_everywhere(client, explorer):
+    """API, HTML report and terminal agree: token j stands for the prediction OF token j, whose logit is
+    ``logits[j − 1, ids[j]]`` of a plain forward (the reference; never the views' own numbers)."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from prismlm.explain import explain
+    from prismlm.explore import render_html, render_terminal
+
+    d = client.post("/api/explain", json={"text": TEXT, "alternatives": 0}).json()
+    ids, tokens = d["token_ids"], d["tokens"]
+    ref = _plain_logits(explorer, ids)
+    n = len(ids)
+    assert [p["token_index"] for p in d["positions"]] == list(range(1, n + 1))
+    for p in d["positions"][:-1]:
+        j = p["token_index"]
+        assert p["chosen"]["id"] == ids[j] and p["chosen"]["token"] == tokens[j]
+        assert p["chosen"]["logit"] == pytest.approx(float(ref[j - 1, ids[j]]), abs=2e-5)
+    # the report: span j shows token j; the position it opens has token j's logit
+    expl = explain(explorer.run.model, explorer.run.tokenizer, TEXT)
+    assert expl.token_ids == ids
+    page = render_html(expl)
+    data = json.loads(page.split('id="data">', 1)[1].split("</script>", 1)[0].replace("<\\/", "</"))
+    spans = _report_spans(page)
+    assert spans[0] == (None, tokens[0])  # context only, not clickable
+    assert [s for _, s in spans[1:n]] == tokens[1:]
+    for j in range(1, n):
+        pos = data["positions"][int(spans[j][0])]
+        assert pos["token_index"] == j and pos["next_id"] == ids[j] and pos["logit"] == pytest.approx(float(ref[j - 1, ids[j]]), abs=2e-5)
+    assert "ghost" in page.split('<div id="text">', 1)[1].split("</div>", 1)[0]  # the model's own next token
+    # the terminal: row "pos j" names token j first and shows its logit
+    buf = io.StringIO()
+    render_terminal(expl, Console(file=buf, width=200, color_system=None), max_rows=n)
+    rows = {}
+    for line in buf.getvalue().splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 3 and cells[1].isdigit():
+            rows[int(cells[1])] = cells
+    for j in range(1, n):
+        tok_cell, logit_cell = rows[j][2], rows[j][3]
+        assert tok_cell.startswith(repr(tokens[j].replace("\n", "↵").replace("\t", "⇥"))[:10]), (j, tok_cell)
+        assert float(logit_cell) == pytest.approx(float(ref[j - 1, ids[j]]), abs=0.006)
+
+
+def test_prototype_fires_mark_the_token_it_helps_predict(client, explorer):
+    """``fires[].token_index`` is the token whose logit gets the slice: the prototype is active at the
+    position before it in a plain forward."""
+    ids = explorer.run.tokenizer.encode(TEXT)
+    with torch.no_grad():
+        out = explorer.run.model(torch.tensor([ids]))
+    active = (out.activations[0] > 0)
+    pid = int(out.indices[0, 3][active[3]][0])
+    d = client.get(f"/api/prototype/{pid}", params={"text": TEXT}).json()
+    want = {t + 1 for t in range(len(ids)) if bool(((out.indices[0, t] == pid) & active[t]).any())}
+    assert {f["token_index"] for f in d["fires"]} == want and 4 in want
+
+
+def _token_reference(explorer: Explorer, token_id: int, m: int = 20, signature: bool = True) -> set[int]:
+    """Prototypes with ``token_id`` in the top ``m`` of W p_i or as the target / last token of one of their
+    nearest contexts — prototype by prototype, from the weights and the shard directly."""
+    model, idx = explorer.run.model, explorer.index
+    toks = idx.shards.train.tokens
+    valid = explorer.run.tokenizer.vocab_size
+    want = set()
+    with torch.no_grad():
+        for i in range(explorer.num_prototypes):
+            sig = (model.prototypes.weight[i] @ model.lm_head.weight.T)[:valid]
+            ctx = [t for nb in idx.neighbours(i) for t in (int(toks[nb.offset]), nb.target_id)]
+            if (signature and token_id in sig.topk(m).indices.tolist()) or token_id in ctx:
+                want.add(i)
+    return want
+
+
+def test_token_search_finds_the_prototypes_of_a_token_not_every_one(client, explorer):
+    K = explorer.num_prototypes
+    tok = explorer.run.tokenizer
+    # a token that is a nearest-context target of some prototype but is pushed by few (not all) of them
+    idx = explorer.index
+    targets = [nb.target_id for i in range(K) for nb in idx.neighbours(i)]
+    counts: dict[int, int] = {}
+    for t in targets:
+        counts[t] = counts.get(t, 0) + 1
+    token_id = min(counts, key=lambda t: (counts[t], t))
+    text = tok.id_to_token(token_id)
+    want = _token_reference(explorer, token_id)
+    s = client.get("/api/search", params={"token": text, "limit": 12}).json()
+    assert set(s["ids"]) == want and s["matched"] == len(want)
+    assert 0 < len(want) < K  # found, and not everything matches
+    assert all(text in h["why"] or repr(text) in h["why"] for h in s["hits"])
+    # the hits come first by the number of contexts holding the token
+    ctx_hits = [h for h in s["hits"] if "contexts" in h["why"]]
+    assert ctx_hits and s["hits"][:len(ctx_hits)] == ctx_hits
+    # typed without its leading space, a word finds its " word" token too
+    word = next(t for t in sorted(counts, key=lambda t: -counts[t])
+                if tok.id_to_token(t).startswith(" ") and len(tok.encode(tok.id_to_token(t)[1:])) > 1)
+    bare = client.get("/api/search", params={"token": tok.id_to_token(word)[1:], "limit": 12}).json()
+    assert set(bare["ids"]) == _token_reference(explorer, word)
+
+
+def test_steer_names_the_steered_prototypes_that_never_fire(client, explorer):
+    """Greedy generation under ``model.suppress(S)`` is the reference text; a plain forward over it says which
+    prototypes are active; the others of S are the ones steering cannot touch."""
+    m, tok = explorer.run.model, explorer.run.tokenizer
+    prompt, n = "It is a truth", 8
+    K = explorer.num_prototypes
+    S = list(range(K))
+    x = torch.tensor([tok.encode(prompt)])
+    with torch.no_grad(), m.suppress(S):
+        seq = m.generate(x, n, temperature=0)[0].tolist()
+    with torch.no_grad():
+        out = m(torch.tensor([seq[:-1]]))
+    active = set(out.indices[0][out.activations[0] > 0].tolist())
+    want = sorted(set(S) - active)
+    assert 0 < len(want) < K
+    d = client.post("/api/steer", json={"prompt": prompt, "tokens": n, "temperature": 0,
+                                        "steering": {"suppress": S}}).json()
+    assert d["steered_ids"] == K and d["inactive"] == want
+    assert any(f"{len(want)} of the {K} steered prototypes never fire" in note for note in d["notes"])
+    # only prototypes that never fire on the base text: nothing can change, and the answer says which
+    with torch.no_grad():
+        base = m.generate(x, n, temperature=0)[0].tolist()
+        out = m(torch.tensor([base[:-1]]))
+    idle_ids = sorted(set(range(K)) - set(out.indices[0][out.activations[0] > 0].tolist()))[:5]
+    idle = client.post("/api/steer", json={"prompt": prompt, "tokens": n, "temperature": 0,
+                                           "steering": {"suppress": idle_ids}}).json()
+    assert idle["first_difference"] is None and idle["inactive"] == idle_ids and idle["steered_ids"] == 5
+
+
+def test_training_shares_add_up_to_one(client):
+    """Each listed prototype's share is its contribution over Σ|listed| + |rest|, rest = score − Σ listed (the
+    unlisted prototypes' net): signed, |shares| + |rest share| = 1, none beyond ±100%."""
+    tr = client.post("/api/training", json={"prompt": "It is a truth universally", "completion": " acknowledged, that",
+                                            "top": 8}).json()
+    assert tr["items"] and "+" not in tr["method"]
+    for it in tr["items"]:
+        cs = [p["contribution"] for p in it["prototypes"]]
+        assert sum(cs) + it["rest"] == pytest.approx(it["score"], rel=1e-6, abs=1e-12)
+        shares = [p["share"] for p in it["prototypes"]]
+        assert sum(abs(s) for s in shares) + abs(it["rest_share"]) == pytest.approx(1.0)
+        for c, s in zip(cs, shares):
+            assert -1 <= s <= 1 and (s >= 0) == (c >= 0)
+
+
+def test_prototype_card_pushes_down_logit_histogram_and_bands(client, explorer):
+    """The tokens a prototype pushes down most, the histogram of W p_i over the vocabulary and examples from
+    the top, middle and bottom of its stored contexts — each against the weights / the index directly."""
+    import numpy as np
+
+    i = int(explorer.index.counts.argmax())
+    d = client.get(f"/api/prototype/{i}").json()
+    valid = explorer.run.tokenizer.vocab_size
+    m = explorer.run.model
+    with torch.no_grad():
+        sig = (m.prototypes.weight[i].double() @ m.lm_head.weight.double().T)[:valid]  # (V,)
+    low = sig.argsort()[:12].tolist()
+    got = d["card"]["bottom_tokens"]
+    assert [t for t, _ in got] == [explorer.run.tokenizer.id_to_token(t) for t in low]
+    assert [v for _, v in got] == pytest.approx(sig[low].tolist(), abs=1e-4)
+    assert all(v < 0 for _, v in got) and got[0][1] < got[-1][1]  # most negative first
+    h = d["logit_histogram"]
+    assert sum(h["counts"]) == valid and h["lo"] == pytest.approx(float(sig.min()), abs=1e-5)
+    assert h["hi"] == pytest.approx(float(sig.max()), abs=1e-5)
+    ref, _ = np.histogram(sig.numpy(), bins=len(h["counts"]), range=(h["lo"], h["hi"]))
+    assert np.abs(np.array(h["counts"]) - ref).sum() <= 2  # bin-edge rounding at most
+    nbs = explorer.index.neighbours(i)
+    bands = d["bands"]
+    assert [b["band"] for b in bands] == ["top", "middle", "bottom"] and all(b["stored"] == len(nbs) for b in bands)
+    assert bands[0]["ranks"][0] == 1 and bands[-1]["ranks"][1] == len(nbs)
+    assert all(a["ranks"][1] + 1 == b["ranks"][0] for a, b in zip(bands, bands[1:]))  # contiguous thirds
+    for b in bands:
+        lo, hi = b["ranks"]
+        assert b["examples"] and all(nbs[lo - 1].similarity >= e["similarity"] >= nbs[hi - 1].similarity
+                                     for e in b["examples"])
+    assert bands[-1]["examples"][-1]["offset"] == nbs[-1].offset  # the bottom band ends at the last stored
+
+
+def test_a_plain_search_for_a_word_finds_the_prototypes_of_its_token(client, explorer):
+    """"President" on presidential speeches: a one-token query finds the prototypes of that token even when
+    no label and no first nearest context contains it (the label/context search alone found 0)."""
+    tok = explorer.run.tokenizer
+    idx = explorer.index
+    labs = explorer.labels()
+    texts = explorer._neighbour_texts()
+    counts: dict[int, int] = {}
+    for i in range(explorer.num_prototypes):
+        for nb in idx.neighbours(i):
+            counts[nb.target_id] = counts.get(nb.target_id, 0) + 1
+    # a word token that no label and no searched neighbour text contains
+    word = next(t for t in sorted(counts, key=lambda t: (-counts[t], t))
+                if tok.id_to_token(t).strip().isalpha() and len(tok.id_to_token(t).strip()) > 2
+                and not any(tok.id_to_token(t).strip().lower() in (f"{lab.get('label', '')} {lab.get('category', '')} "
+                                                                    f"{txt}").lower()
+                            for lab, txt in ((labs.get(i, {}), texts[i]) for i in range(explorer.num_prototypes))))
+    q = tok.id_to_token(word).strip()
+    s = client.get("/api/search", params={"q": q, "limit": 12}).json()
+    assert s["matched"] > 0 and set(s["ids"]) >= _token_reference(explorer, word, signature=False)
+    assert all("nearest contexts" in h["why"] for h in s["hits"])  # by context only: no K × V table for it

@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("playwright")
@@ -133,6 +134,13 @@ def test_prototype_view_shows_contexts(served, browser_page):
     assert items.count() == len(card["neighbours"]) > 0
     assert items.first.locator("mark").inner_text() == card["neighbours"][0]["target"].replace("\n", "↵")
     assert page.locator("svg.hist rect").count() > 0
+    detail = ex.prototype(int(pid), neighbours=12)
+    # pushed down as well as up, the logit histogram, and examples across the stored range
+    assert page.locator("#proto-down span").count() == len(card["bottom_tokens"]) > 0
+    assert page.locator("#proto-down span").first.inner_text().startswith(_vis(card["bottom_tokens"][0][0]))
+    assert detail.logit_histogram is not None and detail.bands
+    assert page.locator("#proto-logit-hist rect").count() == len(detail.logit_histogram["counts"])
+    assert page.locator("#proto-bands ol[data-band]").count() == len(detail.bands) == 3
     _shot(page, "prototype")
     page.click("#proto-contexts a.doc >> nth=0")  # the whole document, target marked
     page.wait_for_selector("#doc-target")
@@ -150,8 +158,11 @@ def test_map_draws_and_search_highlights(served, browser_page):
     category = m.categories[next(c for c in m.category if c >= 0)]  # one that some prototype has
     page.fill("#map-q", category)
     page.click("#map-go")
-    page.wait_for_selector("#map-hits table tr")
+    page.wait_for_selector("#map-hits table tr td")
     assert f"map?q={category}" in page.url
+    heads = page.locator("#map-hits table tr th")  # the hits table has a header, one cell per column
+    assert heads.count() == page.locator("#map-hits table tr:nth-child(2) td").count() == 5
+    assert "why" in heads.nth(3).inner_text()
     _shot(page, "map")
     page.click("#map-hits a.plink >> nth=0")
     page.wait_for_selector("#proto-contexts li")
@@ -180,6 +191,15 @@ def test_suppression_toggle_changes_the_generated_text(served, browser_page):
     # … and the steered text is the base model's again
     assert page.inner_text("#steer-steered") == base_text != steered
     assert "off=" in page.url
+    # steering only prototypes that never fire on the text: the view says so, not just "identical"
+    idle = client.post("/api/steer", json={"prompt": prompt, "tokens": 12, "seed": seed,
+                                           "steering": {"suppress": list(range(ex.num_prototypes))}}).json()["inactive"][:3]
+    page.goto(base + f"#/steer?prompt={quote(prompt)}&tokens=12&seed={seed}&suppress={','.join(map(str, idle))}")
+    page.wait_for_selector("#steer-summary")
+    idle_run = client.post("/api/steer", json={"prompt": prompt, "tokens": 12, "seed": seed, "steering": {"suppress": idle}}).json()
+    if idle_run["first_difference"] is None and idle_run["inactive"] == idle:
+        assert "none of the steered prototypes fires on this text" in page.inner_text("#steer-summary")
+    assert idle_run["inactive"] and "never fire on this text" in page.inner_text("#steer-out")
     _no_errors(errors)
 
 
@@ -194,4 +214,104 @@ def test_training_data_view_filters_per_token(served, browser_page):
     page.click("#train-tokens a[data-tok='1']")
     page.wait_for_selector("#train-tokens a.on[data-tok='1']")
     assert "token=1" in page.url
+    _no_errors(errors)
+
+
+def _reference_logits(ex: Explorer, ids: list[int]) -> torch.Tensor:
+    """(n, V) logits of a plain forward: the independent reference of what a click explains."""
+    with torch.no_grad():
+        return ex.run.model(torch.tensor([ids])).logits[0].double()
+
+
+def _vis(s: str) -> str:
+    return s.replace("\n", "↵").replace("\t", "⇥")
+
+
+def test_a_click_means_the_prediction_of_that_token_in_app_and_report(served, browser_page, tmp_path):
+    """Clicking the j-th token (in reading order) in ``prism serve`` and in the ``prism explain --html`` report
+    draws the waterfall of the same logit: logits[j − 1, ids[j]] of a plain forward."""
+    from prismlm.explain import explain
+    from prismlm.explore import write_html
+
+    base, ex = served
+    page, errors = browser_page
+    ids = ex.run.tokenizer.encode(TEXT)
+    tokens = [ex.run.tokenizer.id_to_token(i) for i in ids]
+    ref = _reference_logits(ex, ids)
+    report = write_html(explain(ex.run.model, ex.run.tokenizer, TEXT), tmp_path / "report.html")
+    page.goto(base + "#/explain?text=" + quote(TEXT))
+    page.wait_for_selector("#explain-tokens span.tok[data-pos]")
+    assert "prediction of that token" in page.inner_text("#view .convention")
+    for j in (2, 6):
+        span = page.locator("#explain-tokens span.tok").nth(j)
+        assert span.inner_text() == _vis(tokens[j])
+        span.click()
+        page.wait_for_selector("#wf-chosen svg.wf")
+        assert page.locator("#wf-chosen svg.wf text").last.text_content() == f"{float(ref[j - 1, ids[j]]):.3f}"
+    page.goto(report.as_uri())
+    assert "prediction of that token" in page.inner_text("#convention")
+    for j in (2, 6):
+        span = page.locator("#text span.t").nth(j)
+        assert span.inner_text() == tokens[j]
+        span.click()
+        page.wait_for_selector("#detail svg.wf")
+        assert page.locator("#detail svg.wf text").last.text_content() == f"{float(ref[j - 1, ids[j]]):.3f}"
+    _no_errors(errors)
+
+
+def test_where_it_fires_marks_the_tokens_it_helps_predict(served, browser_page):
+    base, ex = served
+    page, errors = browser_page
+    ids = ex.run.tokenizer.encode(TEXT)
+    with torch.no_grad():
+        out = ex.run.model(torch.tensor([ids]))
+    act = out.activations[0] > 0
+    pid = int(out.indices[0, 3][act[3]][0])
+    # token j is marked when the prototype is active at position j - 1 (it adds to token j's logit)
+    want = {t + 1 for t in range(len(ids)) if bool(((out.indices[0, t] == pid) & act[t]).any())}
+    page.goto(base + f"#/prototype/{pid}?text=" + quote(TEXT))
+    page.wait_for_selector("#proto-fires span.tok")
+    spans = page.locator("#proto-fires span.tok")
+    marked = {j for j in range(spans.count()) if "background" in (spans.nth(j).get_attribute("style") or "")}
+    assert marked == want and 4 in want
+    _no_errors(errors)
+
+
+def test_explain_at_1024px_the_waterfall_stays_clear_of_the_cards(served, browser_page):
+    base, _ = served
+    page, errors = browser_page
+    page.set_viewport_size({"width": 1024, "height": 800})
+    try:
+        page.goto(base + "#/explain?text=" + quote(TEXT) + "&pos=5")
+        page.wait_for_selector("#wf-chosen svg.wf")
+        page.click("#explain-detail tr[data-alt='0']")
+        page.wait_for_selector("#wf-alt svg.wf")
+        _shot(page, "explain-1024")
+        detail = page.locator("#explain-detail").bounding_box()
+        cards = page.locator("#explain-cards").bounding_box()
+        assert detail and cards
+        for k in range(page.locator("#explain-detail svg.wf").count()):
+            wf = page.locator("#explain-detail svg.wf").nth(k).bounding_box()
+            assert wf is not None
+            assert wf["x"] >= detail["x"] and wf["x"] + wf["width"] <= detail["x"] + detail["width"] + 0.5, (k, wf, detail)
+            overlap_x = min(wf["x"] + wf["width"], cards["x"] + cards["width"]) - max(wf["x"], cards["x"])
+            overlap_y = min(wf["y"] + wf["height"], cards["y"] + cards["height"]) - max(wf["y"], cards["y"])
+            assert overlap_x <= 0 or overlap_y <= 0, (k, wf, cards)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1024  # nothing sticks out sideways
+    finally:
+        page.set_viewport_size({"width": 1320, "height": 900})
+    _no_errors(errors)
+
+
+def test_an_empty_text_explains_the_first_prediction(served, browser_page):
+    base, ex = served
+    page, errors = browser_page
+    page.goto(base + "#/explain")
+    page.wait_for_selector("#explain-go")
+    page.fill("#explain-text", "")
+    page.click("#explain-go")
+    page.wait_for_selector("#wf-chosen svg.wf")  # like `prism explain ""`: the prediction after end-of-text
+    want = ex.explain("", alternatives=0).positions[0].chosen
+    assert page.locator("#wf-chosen svg.wf text").last.text_content() == f"{want.logit:.3f}"
+    assert "empty input" in page.inner_text("#explain-out")
     _no_errors(errors)

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from prismlm.app.attribution import attribute_text
+from prismlm.app.bank_search import TokenSearch
+from prismlm.app.prototype_view import example_bands, logit_histogram, never_active
 from prismlm.app.run import Run, check_unicode
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.shards import ShardSet
@@ -168,9 +170,13 @@ class Candidate:
 
 @dataclass
 class PositionView:
-    """Why the model predicted ``chosen`` after the tokens up to ``position`` — and not an alternative."""
+    """Why the model predicted ``chosen`` after the tokens up to ``position`` — and not an alternative.
+    Every view's convention: token j stands for the prediction OF it, ``logits[j − 1, tokens[j]]``."""
 
     position: int
+    """The last context token (the hidden state that predicts)."""
+    token_index: int
+    """Index in ``tokens`` of the explained token: ``position + 1`` (``len(tokens)``: the model's own)."""
     chosen_by: str
     chosen: Candidate
     alternatives: list[Candidate]
@@ -207,9 +213,15 @@ class PrototypeDetail:
     similar: list[dict[str, Any]]
     """Nearest prototypes by cosine of p_i, with their labels."""
     fires: list[dict[str, Any]] | None
-    """Where it is active in the given text: {position, token, next_token, activation, slice}."""
+    """Where it is active in the given text: {position, token_index, token, next_token, activation, slice};
+    ``position`` is the predicting position, ``token_index`` (= position + 1) the token whose logit gets
+    ``slice`` — the one the views mark (``len(text_tokens)``: the model's own next token)."""
     text_tokens: list[str] | None
     has_index: bool
+    logit_histogram: dict[str, Any] | None = None
+    """Its direct effect on every token: a histogram of W p_i (``prismlm.app.prototype_view``)."""
+    bands: list[dict[str, Any]] | None = None
+    """Examples from the top, middle and bottom third of its stored nearest contexts (with an index)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
@@ -262,6 +274,11 @@ class SteerView:
     ``delta_from_slices`` Σ_i (m_i − 1) a_i (W p_i)_y — equal to rounding."""
     steering: dict[str, Any]
     notes: list[str]
+    steered_ids: int = 0
+    """How many prototypes the request changes (multiplier ≠ 1)."""
+    inactive: list[int] | None = None
+    """Those of them never active on the steered text (prompt + generation): steering them changes none of
+    its logits (activations do not depend on the multipliers)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)
@@ -280,7 +297,10 @@ class TrainingView:
     query_loss: float
     items: list[dict[str, Any]]
     """{rank, sequence, doc_id, doc_index, score, relative, before, target, after, prototypes:
-    [{id, contribution, share, label}]}; ``relative`` = score / max |score| shown, in [−1, 1]."""
+    [{id, contribution, share, label}], rest, rest_share}; ``relative`` = score / max |score| shown, in
+    [−1, 1]; ``share`` = contribution / (Σ listed |contribution| + |rest|), signed, where ``rest`` = score −
+    Σ listed contributions (the other prototypes' net; 0 for a rescored score): the |shares| and
+    |rest_share| add up to 1."""
     seconds: float
     notes: list[str]
 
@@ -342,6 +362,7 @@ class Explorer:
         self._map: MapView | None = None
         self._search_text: list[str] | None = None
         self._full: FullGradients | None = None
+        self._token_search: TokenSearch | None = None
 
     @classmethod
     def open(cls, path: str | Path, *, index: Path | None = None, cache: Path | None = None, device: str = "auto",
@@ -552,7 +573,8 @@ class Explorer:
             d = denom[t] or 1.0
             top_id = active[0]["id"] if active else None
             top_share = cands[0].slices[0] / d if active else 0.0
-            positions.append(PositionView(position=t, chosen_by=how[t], chosen=cands[0], alternatives=cands[1:],
+            positions.append(PositionView(position=t, token_index=t + 1, chosen_by=how[t], chosen=cands[0],
+                                          alternatives=cands[1:],
                                           active=active, top_prototype=top_id, top_share=top_share,
                                           residual_share=resid_l[t][0] / d))
         return positions, err
@@ -569,6 +591,8 @@ class Explorer:
         with self.lock, torch.no_grad():
             card = prototype_card(model, tok, i, index=self.index, labels=self.labels(), neighbours=neighbours,
                                   signature_tokens=12).to_dict()
+            hist = logit_histogram(model, i, min(tok.vocab_size, model.config.vocab_size))
+            bands = example_bands(self.index, i) if self.index is not None and self.index.shards is not None else None
             P = F.normalize(model.require_prototypes().weight.detach().float(), dim=-1)  # (K, d)
             cos = P @ P[i]  # (K,)
             cos[i] = -float("inf")
@@ -587,13 +611,14 @@ class Explorer:
                 sl = (dec.prototype_slices[0] * hit).sum(-1)  # (n,)
                 pos = hit.any(-1).nonzero().squeeze(1).tolist()
                 text_tokens = [tok.id_to_token(t) for t in ids]
-                fires = [{"position": p, "token": text_tokens[p], "next_token": tok.id_to_token(int(nxt[p])),
+                fires = [{"position": p, "token_index": p + 1, "token": text_tokens[p],
+                          "next_token": tok.id_to_token(int(nxt[p])),
                           "activation": float(a[p]), "slice": float(sl[p])} for p in pos]
         labs = self._labelled(idx.tolist())
         sim = [{"id": j, "cosine": v, "label": labs[j][0], "category": labs[j][1]}
                for j, v in zip(idx.tolist(), vals.tolist())]
         return PrototypeDetail(card=card, similar=sim, fires=fires, text_tokens=text_tokens,
-                               has_index=self.index is not None)
+                               has_index=self.index is not None, logit_histogram=hist, bands=bands)
 
     # ----- the map -------------------------------------------------------------------------------------------
     def map(self) -> MapView:
@@ -638,22 +663,19 @@ class Explorer:
 
     def search(self, query: str = "", *, token: str | None = None, limit: int = 20) -> SearchView:
         """Prototypes whose label or category contains ``query``, or whose nearest training context does
-        (neighbour text), or — with ``token`` — that push that token most (signature W p_i)."""
+        (neighbour text), or — with ``token``, and for a ``query`` that is one token — that have to do with
+        that token: among the top of their signature W p_i, or in their nearest contexts
+        (``prismlm.app.bank_search``)."""
         self._check_top(limit, "limit")
         self._check_text(query, "query")
         labs = self.labels()
         counts = self.index.counts.tolist() if self.index is not None else None
         hits: list[tuple[int, str]] = []
+        if self._token_search is None:  # its tables are built on first use, once (its own lock)
+            self._token_search = TokenSearch(self.model, self.run.tokenizer, self.index)
         if token is not None:
             self._check_text(token, "token")
-            tid = self.run.tokenizer.encode(token)
-            if len(tid) != 1:
-                raise DataError(f"token {token!r} is {len(tid)} tokens {tid}; give a single token "
-                                f"(e.g. with its leading space: ' the')")
-            with self.lock, torch.no_grad():
-                col = (self.model.require_prototypes().weight @ self.model.lm_head.weight[tid[0]]).float()  # (K,)
-            order = torch.argsort(-col, stable=True).tolist()
-            hits = [(i, f"pushes {token!r} by {float(col[i]):+.3g} per unit activation") for i in order]
+            hits = self._token_search.hits(token)
         else:
             q = query.strip().lower()
             if not q:
@@ -670,11 +692,13 @@ class Explorer:
                     seen = {i for i, _ in hits}
                     texts = self._neighbour_texts()
                     hits += [(i, "nearest context") for i, s in enumerate(texts) if i not in seen and q in s.lower()]
+                seen = {i for i, _ in hits}  # a one-token query also finds the prototypes with it in a context
+                hits += [(i, w) for i, w in self._token_search.hits(query.strip(), strict=False, signature=False)
+                         if i not in seen]
         rows = [{"id": i, "label": labs.get(i, {}).get("label", ""), "category": labs.get(i, {}).get("category", ""),
                  "why": why, "count": counts[i] if counts is not None else None} for i, why in hits[:limit]]
         return SearchView(query=token if token is not None else query, hits=rows, matched=len(hits),
-                          ids=[i for i, _ in hits[:limit if token is not None else None]] if (query.strip() or token is not None)
-                          else [])
+                          ids=[i for i, _ in hits] if (query.strip() or token is not None) else [])
 
     def _neighbour_texts(self) -> list[str]:
         """The nearest training context of every prototype as text (decoded once, kept): what neighbour
@@ -726,7 +750,8 @@ class Explorer:
             mult = combined_multipliers(ivs, self.num_prototypes)  # None: nothing steered, no change
             if mult is None:
                 mult = torch.ones(self.num_prototypes, dtype=torch.float64)
-            assert out_b.indices is not None
+            assert out_b.indices is not None and out_b.activations is not None
+            n_steered, inactive, note = never_active(mult, out_b.indices[0], out_b.activations[0])
             lb = out_b.logits[0].gather(-1, y[0, :, None]).squeeze(-1).double()  # (n,)
             ls = out_s.logits[0].gather(-1, y[0, :, None]).squeeze(-1).double()
             change = dec_b.prototype_slices[0].double() * (mult.to(dev)[out_b.indices[0]].double() - 1.0)  # (n, k)
@@ -744,10 +769,11 @@ class Explorer:
                           "changed": [{"id": i, "delta": c} for i, c in nz[:5]]})
         gb, gs = base[p:], steered[p:]
         diff = next((j for j, (a, b) in enumerate(zip(gb, gs)) if a != b), None)
+        notes += [note] if note else []
         return SteerView(prompt=prompt, base=[tok.id_to_token(t) for t in gb],
                          steered=[tok.id_to_token(t) for t in gs], base_text=tok.decode(gb),
                          steered_text=tok.decode(gs), first_difference=diff, steps=steps,
-                         steering=_steering_dict(steering), notes=notes)
+                         steering=_steering_dict(steering), notes=notes, steered_ids=n_steered, inactive=inactive)
 
     # ----- training data -----------------------------------------------------------------------------------
     def training(self, prompt: str, completion: str = "", *, token: int | None = None, top: int = 10) -> TrainingView:
@@ -788,14 +814,18 @@ class Explorer:
         scale = max((abs(it.score) for it in att.top), default=0.0) or 1.0
         labs = self._labelled(sorted({int(pp["id"]) for it in att.top for pp in it.prototypes}))
         items = []
+        summed = "+" not in att.method  # a rescored (hybrid) score is another method's, not Σ contributions
         for it in att.top:
             b, t, a = _split_snippet(it.snippet)
-            protos = [{"id": int(pp["id"]), "contribution": pp["contribution"],
-                       "share": pp["contribution"] / it.score if it.score else 0.0,
+            # shares of the |contributions| (signed: − hurts), the unlisted prototypes' net as one more part,
+            # so |shares| + |rest share| = 1 — a share of a signed sum can read 136% (and the rest −36%)
+            rest = it.score - sum(pp["contribution"] for pp in it.prototypes) if summed else 0.0
+            denom = sum(abs(pp["contribution"]) for pp in it.prototypes) + abs(rest) or 1.0
+            protos = [{"id": int(pp["id"]), "contribution": pp["contribution"], "share": pp["contribution"] / denom,
                        "label": labs[int(pp["id"])][0]} for pp in it.prototypes]
             items.append({"rank": it.rank, "sequence": it.sequence, "doc_id": it.doc_id, "doc_index": it.doc_index,
                           "score": it.score, "relative": it.score / scale, "before": b, "target": t, "after": a,
-                          "prototypes": protos})
+                          "prototypes": protos, "rest": rest, "rest_share": rest / denom})
         return TrainingView(prompt=prompt, completion=completion, measured=measured, token=token, method=att.method,
                             num_train=att.num_train, query_loss=att.query_loss, items=items, seconds=att.seconds,
                             notes=notes + list(att.notes))

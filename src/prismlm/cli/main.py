@@ -193,6 +193,7 @@ def render_prototypes(res: PrototypeListing | PrototypeView, run: Run) -> None:
                          f"{s['mean_activation']:.3f}, nearest context cos {s['max_similarity']:.3f}")
             stdout.print("activation histogram [0,1]: " + " ".join(str(c) for c in s["histogram"]), markup=False)
         stdout.print("top tokens of W p_i: " + "  ".join(f"{t!r} {v:.2f}" for t, v in card.top_tokens), markup=False)
+        stdout.print("pushes down most:   " + "  ".join(f"{t!r} {v:.2f}" for t, v in card.bottom_tokens), markup=False)
         for nb in card.neighbours:
             stdout.print(f"  {nb.similarity:.3f}  {nb.snippet!r}  {nb.doc_id}:{nb.position}", markup=False)
         if not res.has_index:

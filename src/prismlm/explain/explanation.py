@@ -103,6 +103,7 @@ class TokenExplanation:
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
+        d["token_index"] = self.position + 1  # the explained token's index: the views' one convention
         d["prototypes"] = [p.to_dict() for p in self.prototypes]
         return d
 
@@ -115,16 +116,19 @@ class PrototypeCard:
     label: str | None
     category: str | None
     top_tokens: list[tuple[str, float]]
-    """Tokens with the largest entries of the signature W p_i, with their values."""
+    """Tokens with the largest entries of the signature W p_i, with their values (what it pushes up)."""
     neighbours: list[Neighbour] = field(default_factory=list)
     """Nearest training contexts (needs an index with shards)."""
     stats: dict[str, Any] | None = None
     """Activation count, frequency, mean activation, histogram (needs an index)."""
     evidence: dict[str, Any] | None = None
+    bottom_tokens: list[tuple[str, float]] = field(default_factory=list)
+    """Tokens with the most negative entries of W p_i, most negative first (what it pushes down)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "label": self.label, "category": self.category,
                 "top_tokens": [[t, v] for t, v in self.top_tokens],
+                "bottom_tokens": [[t, v] for t, v in self.bottom_tokens],
                 "neighbours": [n.to_dict() for n in self.neighbours], "stats": self.stats, "evidence": self.evidence}
 
 
@@ -207,7 +211,8 @@ def _cards(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], index: Pro
         lab = labels.get(i, {})
         cards[i] = PrototypeCard(
             id=i, label=lab.get("label"), category=lab.get("category"), evidence=lab.get("evidence"),
-            top_tokens=list(tops[i]), neighbours=nbs.get(i, []), stats=stats.get(i))
+            top_tokens=list(tops[i][0]), bottom_tokens=list(tops[i][1]), neighbours=nbs.get(i, []),
+            stats=stats.get(i))
     return cards
 
 
@@ -230,14 +235,17 @@ class _SignatureCache:
     def __init__(self, tensors: tuple[torch.Tensor, torch.Tensor], state: tuple[Any, ...]) -> None:
         self.refs = tuple(weakref.ref(t) for t in tensors)
         self.state = state
-        self.tops: dict[tuple[int, int, int], dict[int, tuple[tuple[str, float], ...]]] = {}
-        """(id(tokenizer), tokens, valid vocabulary) → prototype id → its top tokens with their values."""
+        self.tops: dict[tuple[int, int, int], dict[int, _TopBottom]] = {}
+        """(id(tokenizer), tokens, valid vocabulary) → prototype id → its top and bottom tokens with their
+        values."""
         self.pinned: dict[int, Any] = {}  # the tokenizers keyed by id(): their ids stay unique while cached
 
     def valid_for(self, tensors: tuple[torch.Tensor, torch.Tensor], state: tuple[Any, ...]) -> bool:
         return self.state == state and all(r() is t for r, t in zip(self.refs, tensors))
 
 
+_TopBottom = tuple[tuple[tuple[str, float], ...], tuple[tuple[str, float], ...]]
+"""(top tokens, bottom tokens) of one signature, each as (token string, value)."""
 _SIGNATURES: weakref.WeakKeyDictionary[PrismLM, _SignatureCache] = weakref.WeakKeyDictionary()
 _TOKEN_STRINGS: weakref.WeakKeyDictionary[Tokenizer, dict[int, str]] = weakref.WeakKeyDictionary()
 _CACHE_LOCK = threading.Lock()
@@ -283,11 +291,12 @@ def _token_strs(tokenizer: Tokenizer | None, ids: Sequence[int]) -> list[str]:
 
 @torch.no_grad()
 def _top_tokens(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], m: int,
-                ) -> dict[int, tuple[tuple[str, float], ...]]:
-    """The ``m`` largest entries of the signature W p_i over the real tokens (padded ids excluded), as
-    (token string, value), for each prototype id in ``ids``: cached per model state (``_SignatureCache``);
+                ) -> dict[int, _TopBottom]:
+    """The ``m`` largest and the ``m`` most negative entries of the signature W p_i over the real tokens
+    (padded ids excluded), as (token string, value), for each prototype id in ``ids``: cached per model
+    state (``_SignatureCache``);
     the missing ones are computed together, in blocks of at most ``_SIG_BLOCK_ELEMS`` entries, keeping
-    only the top ``m`` per prototype."""
+    only those 2m per prototype."""
     tensors, state = _weights_state(net)
     V = int(tensors[1].shape[0])
     valid = min(tokenizer.vocab_size, V) if tokenizer is not None else V
@@ -301,13 +310,14 @@ def _top_tokens(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], m: in
     if missing:
         rows = max(1, _SIG_BLOCK_ELEMS // V)
         sel = torch.tensor(missing, device=tensors[0].device)
-        new: dict[int, tuple[tuple[str, float], ...]] = {}
+        new: dict[int, _TopBottom] = {}
         for s in range(0, len(missing), rows):
-            sig = net.signatures(sel[s:s + rows]).float()  # (rows, V)
-            sig[:, valid:] = -float("inf")  # padded ids are not real tokens
+            sig = net.signatures(sel[s:s + rows]).float()[:, :valid]  # (rows, V'): padded ids are not tokens
             vals_t, toks_t = sig.topk(min(m, valid), dim=-1)  # (rows, m)
-            for i, toks, vals in zip(missing[s:s + rows], toks_t.tolist(), vals_t.tolist()):
-                new[i] = tuple(zip(_token_strs(tokenizer, toks), vals))
+            low_v, low_t = sig.topk(min(m, valid), dim=-1, largest=False)  # (rows, m), most negative first
+            for i, toks, vals, lt, lv in zip(missing[s:s + rows], toks_t.tolist(), vals_t.tolist(), low_t.tolist(),
+                                             low_v.tolist()):
+                new[i] = (tuple(zip(_token_strs(tokenizer, toks), vals)), tuple(zip(_token_strs(tokenizer, lt), lv)))
         with _CACHE_LOCK:
             if _weights_state(net)[1] == state:  # the weights did not change meanwhile
                 tops.update(new)

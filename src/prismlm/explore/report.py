@@ -2,9 +2,11 @@
 
 The HTML file needs no network: CSS and JS are inline, the data is embedded as JSON. Tokens are coloured
 by their residual share (how much of the logit the prototypes leave unexplained); clicking a token shows
-its chosen next token, logit, residual slice and every active prototype's slice; prototype cards show the
+the waterfall of that token's logit — the prediction OF the clicked token from the tokens before it, the
+convention of the explorer app and the terminal view too — residual slice and every active prototype's
+slice; prototype cards show the
 label, nearest training contexts with the target token marked (``<mark>``), the activation histogram
-(inline SVG) and the top tokens of the signature W p_i.
+(inline SVG) and the tokens the signature W p_i pushes up and down most.
 """
 
 from __future__ import annotations
@@ -58,19 +60,22 @@ def _vis(tok: str) -> str:
 
 
 def render_terminal(expl: Explanation, console: Console | None = None, *, top: int = 3, max_rows: int = 64) -> None:
-    """Token by token: chosen next token, logit, top prototypes (label and share), residual share.
+    """Token by token: the explained token, its logit, top prototypes (label and share), residual share.
 
-    For a generation only the generated tokens are listed."""
+    One convention with the app and the HTML report: row ``pos j`` is the prediction OF token j from the
+    tokens before it (``← t``: token j − 1, the last one the model saw); the last row of a text is the
+    model's own next token. For a generation only the generated tokens are listed."""
     console = console or Console()
     for note in expl.notes:
         console.print(f"[dim]note: {note}[/]")
     rows = [p for p in expl.positions if p.chosen_by == "sampled"] or expl.positions
-    table = Table(title="per-token explanation: logit = Σ prototype slices + residual slice", show_lines=False)
+    table = Table(title="per-token explanation: logit = Σ prototype slices + residual slice", show_lines=False,
+                  caption="each row: the prediction of its token from the tokens before it (← the token before)")
     # Why min widths and ratio=1: on a narrow terminal (80 columns) rich shrinks every column, and "pos"
     # collapsed to nothing; the prototypes column alone now gives up width (its labels end in "…").
-    pos_width = max([3, *(len(str(p.position)) for p in rows[-max_rows:])])
+    pos_width = max([3, *(len(str(p.position + 1)) for p in rows[-max_rows:])])
     table.add_column("pos", justify="right", no_wrap=True, min_width=pos_width)
-    table.add_column("token → next", no_wrap=True, overflow="ellipsis", max_width=22, min_width=10)
+    table.add_column("token ← before", no_wrap=True, overflow="ellipsis", max_width=22, min_width=10)
     table.add_column("logit", justify="right", no_wrap=True, min_width=6)
     table.add_column("resid", justify="right", no_wrap=True, min_width=5)
     table.add_column("top prototypes: id, share, label", overflow="ellipsis", ratio=1, min_width=16)
@@ -83,7 +88,7 @@ def render_terminal(expl: Explanation, console: Console | None = None, *, top: i
         if len(p.prototypes) > top:
             protos.append(f" (+{len(p.prototypes) - top})", style="dim")
         how = "" if p.chosen_by in ("text", "sampled") else f" ({p.chosen_by})"
-        table.add_row(str(p.position), f"{_vis(p.token)!r}→{_vis(p.next_token)!r}{how}", f"{p.logit:.2f}",
+        table.add_row(str(p.position + 1), f"{_vis(p.next_token)!r}{how} ← {_vis(p.token)!r}", f"{p.logit:.2f}",
                       f"{p.residual_share:+.0%}", protos)
     console.print(table)
     console.print(f"[dim]max |Σ slices + residual − logit| = {expl.max_abs_error:.2e} over {len(expl.positions)} "
@@ -110,12 +115,14 @@ def _card_html(c: dict[str, Any]) -> str:
         f'{e(n["after"])} <span class="doc">{e(str(n["doc_id"]))}:{n["position"]}</span></li>'
         for n in c["neighbours"])
     toks = " ".join(f'<code>{e(repr(t)[1:-1])}</code><sub>{v:.2f}</sub>' for t, v in c["top_tokens"])
+    down = " ".join(f'<code>{e(repr(t)[1:-1])}</code><sub>{v:.2f}</sub>' for t, v in c.get("bottom_tokens", []))
     st = c.get("stats") or {}
     stats = (f'active on {st["count"]:,} tokens ({st["frequency"]:.2%}), mean activation '
              f'{st["mean_activation"]:.3f}' if st else "no index: neighbourhood not available")
     return (f'<div class="card" id="p{c["id"]}"><h3>#{c["id"]} <span class="lab">{e(c["label"] or "")}</span> '
             f'<span class="cat">{e(c["category"] or "")}</span></h3><div class="stats">{stats}</div>'
-            f'{_hist_svg(st.get("histogram", []))}<div class="toks">W p<sub>i</sub> top tokens: {toks}</div>'
+            f'{_hist_svg(st.get("histogram", []))}<div class="toks">W p<sub>i</sub> pushes up: {toks}</div>'
+            f'<div class="toks down">pushes down: {down}</div>'
             f'<ol class="snips">{snips}</ol></div>')
 
 
@@ -136,13 +143,14 @@ body{max-width:1100px;margin:1.5em auto;padding:0 1.5em}
 _JS = """
 const D = JSON.parse(document.getElementById('data').textContent);
 const esc = PRISM.esc;
+document.getElementById('convention').textContent = PRISM.CONVENTION;
 function show(i){
   document.querySelectorAll('#text span.t').forEach(s => s.classList.toggle('sel', +s.dataset.i === i));
   const p = D.positions[i];
   const steps = p.prototypes.map(s => ({name: `#${s.id} ${s.label || ''}`.slice(0, 34), value: s.slice, kind: 'p'}));
   steps.push({name: 'residual W r', value: p.residual_slice, kind: 'r'});
   if (p.bias_slice) steps.push({name: 'bias b', value: p.bias_slice, kind: 'b'});
-  let h = `<b>${esc(JSON.stringify(p.token))}</b> → <b>${esc(JSON.stringify(p.next_token))}</b> (${p.chosen_by}),
+  let h = `${esc(JSON.stringify(p.token))} → <b>${esc(JSON.stringify(p.next_token))}</b> (${p.chosen_by}),
     logit ${p.logit.toFixed(3)}, p ${p.prob.toFixed(3)}; Σ slices + residual = ${p.total.toFixed(4)}
     <div>${PRISM.waterfall(steps, p.logit)}</div>
     <table><tr><th>prototype</th><th>label</th><th>activation</th><th>slice</th><th>share</th></tr>`;
@@ -159,7 +167,7 @@ function show(i){
   cards.sort((a, b) => (rank.get(+a.id.slice(1)) ?? 1e9) - (rank.get(+b.id.slice(1)) ?? 1e9)).forEach(c => box.appendChild(c));
   cards.forEach(c => c.style.display = rank.has(+c.id.slice(1)) ? '' : 'none');
 }
-document.querySelectorAll('#text span.t').forEach(s => s.onclick = () => show(+s.dataset.i));
+document.querySelectorAll('#text span.t[data-i]').forEach(s => s.onclick = () => show(+s.dataset.i));
 document.getElementById('all').onclick = () => document.querySelectorAll('.card').forEach(c => c.style.display = '');
 """
 
@@ -194,6 +202,25 @@ def _header_html(run: RunHeader | None, sha: str | None) -> str:
     return f'<p class="run-line"><b{tip}>{html.escape(run.text())}</b> {small}</p>'
 
 
+def _token_spans(d: dict[str, Any]) -> list[str]:
+    """The text as spans, one convention with the app: the first token is context only; span j (token j)
+    stands for the prediction OF token j from the tokens before it (``data-i`` = its position j − 1).
+    The model's own next token (argmax/given, not in the text) ends the text, drawn dashed."""
+    first = d["tokens"][0] if d["tokens"] else ""
+    spans = [f'<span class="t ctx" title="context only: no prediction">{html.escape(first)}</span>']
+    start_gen = d["prompt_tokens"]
+    for p in d["positions"]:
+        r = min(1.0, abs(p["residual_share"]))
+        color = f"rgba(230,80,60,{0.08 + 0.6 * r:.2f})"  # redder = more left to the residual
+        own = p["chosen_by"] not in ("text", "sampled")
+        cls = "t" + (" gen" if start_gen is not None and p["position"] + 1 >= start_gen else "") + (" ghost" if own else "")
+        spans.append(f'<span class="{cls}" data-i="{p["position"]}" style="background:{color}" '
+                     f'title="{html.escape(repr(p["next_token"]))} ({p["chosen_by"]}) after '
+                     f'{html.escape(repr(p["token"]))}: residual {p["residual_share"]:+.0%}">'
+                     f'{html.escape(p["next_token"])}</span>')
+    return spans
+
+
 def render_html(expl: Explanation, *, title: str = "PRISM explanation",
                 attribution: Attribution | dict[str, Any] | None = None,
                 run: Run | RunHeader | None = None) -> str:
@@ -202,15 +229,7 @@ def render_html(expl: Explanation, *, title: str = "PRISM explanation",
     a ``RunHeader``), named in the header with its step, K and k."""
     header = run if run is None or isinstance(run, RunHeader) else RunHeader.of(run)
     d = expl.to_dict()
-    spans = []
-    start_gen = d["prompt_tokens"] if d["prompt_tokens"] is not None else None
-    for p in d["positions"]:
-        r = min(1.0, abs(p["residual_share"]))
-        color = f"rgba(230,80,60,{0.08 + 0.6 * r:.2f})"  # redder = more left to the residual
-        cls = "t gen" if start_gen is not None and p["position"] >= start_gen else "t"
-        spans.append(f'<span class="{cls}" data-i="{p["position"]}" style="background:{color}" '
-                     f'title="next {html.escape(repr(p["next_token"]))}: residual {p["residual_share"]:+.0%}">'
-                     f'{html.escape(p["token"])}</span>')
+    spans = _token_spans(d)
     cards = "".join(_card_html(c) for c in d["prototypes"].values())
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in d["notes"])
     data = json.dumps(d, ensure_ascii=False).replace("</", "<\\/")
@@ -219,7 +238,8 @@ def render_html(expl: Explanation, *, title: str = "PRISM explanation",
 <h1>{html.escape(title)}</h1>
 {_header_html(header, d['model_sha256'])}
 <p>Each next-token logit is an exact sum of prototype slices and one residual slice
-(max error {d['max_abs_error']:.1e}). Click a token for the waterfall of its next-token logit.</p>
+(max error {d['max_abs_error']:.1e}). Click a token for the waterfall of its logit.</p>
+<p class="convention" id="convention"></p>
 <div class="legend">shading: the residual's share of the next token's logit <span class="resid-scale"></span> 0 → 100%
 (redder: less explained by prototypes)</div><p class="muted">
 Index {html.escape(str(d['index'] or 'none'))}.</p>

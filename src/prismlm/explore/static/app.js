@@ -24,9 +24,9 @@ function parseHash() {
   const parts = (path || "explain").split("/").map(decodeURIComponent);
   return {name: parts[0] || "explain", arg: parts[1], q: new URLSearchParams(query || "")};
 }
-function go(name, arg, params) {
+function go(name, arg, params, keepEmpty = []) {  // keepEmpty: keys kept in the URL even when "" (an empty text is a request too)
   const q = new URLSearchParams();
-  for (const [k, v] of Object.entries(params || {})) if (v !== undefined && v !== null && v !== "") q.set(k, v);
+  for (const [k, v] of Object.entries(params || {})) if (v !== undefined && v !== null && (v !== "" || keepEmpty.includes(k))) q.set(k, v);
   const h = `#/${name}${arg !== undefined && arg !== null ? "/" + encodeURIComponent(arg) : ""}${q.toString() ? "?" + q : ""}`;
   if (location.hash === h) route(); else location.hash = h;
 }
@@ -58,6 +58,7 @@ async function viewExplain(r) {
   view.innerHTML = `<h1>Explain</h1>
   <p class="muted">Every next-token logit is an exact sum of prototype slices a<sub>i</sub>·(W p<sub>i</sub>)<sub>y</sub>,
   one residual slice (W r)<sub>y</sub> (and the bias, if the model has one). Type or generate text, then click a token.</p>
+  <p class="convention">${esc(P.CONVENTION)}</p>
   <textarea id="explain-text" placeholder="Text to explain">${esc(text)}</textarea>
   <div class="controls">
     <label>generate <input id="explain-gen" type="number" min="0" value="${esc(gen)}"></label>
@@ -69,7 +70,7 @@ async function viewExplain(r) {
   <div id="explain-out"></div>`;
   $("#explain-color").value = mode;
   const run = () => go("explain", null, {text: $("#explain-text").value, generate: $("#explain-gen").value | 0 || "",
-    alternatives: $("#explain-alts").value, seed: $("#explain-seed").value | 0 || "", color: $("#explain-color").value});
+    alternatives: $("#explain-alts").value, seed: $("#explain-seed").value | 0 || "", color: $("#explain-color").value}, ["text"]);
   $("#explain-go").onclick = run;
   $("#explain-text").onkeydown = e => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) run(); };
   $("#explain-color").onchange = () => { if (state.explainData) renderTokens(state.explainData, $("#explain-color").value); };
@@ -160,7 +161,8 @@ function cardHtml(c, slice, text) {
     ${c.category ? `<span class="cat" style="background:${hexA(catColor(c.category), .2)}">${esc(c.category)}</span>` : ""}
     ${slice !== undefined ? `<span class="${slice >= 0 ? "pos" : "neg"}" style="float:right">${P.fmt(slice)}</span>` : ""}</h3>
     <div class="stats">${st ? `active on ${st.count.toLocaleString()} indexed tokens (${(100 * st.frequency).toFixed(2)}%), mean activation ${st.mean_activation.toFixed(3)}` : "no index: neighbourhood not available"}</div>
-    <div class="chips">W p<sub>i</sub> pushes: ${c.top_tokens.slice(0, 8).map(([t, v]) => `<span title="${v.toFixed(3)}">${esc(vis(t))}</span>`).join("")}</div>
+    <div class="chips">W p<sub>i</sub> pushes up: ${c.top_tokens.slice(0, 8).map(([t, v]) => `<span title="${v.toFixed(3)}">${esc(vis(t))}</span>`).join("")}</div>
+    <div class="chips down">down: ${(c.bottom_tokens || []).slice(0, 6).map(([t, v]) => `<span title="${v.toFixed(3)}">${esc(vis(t))}</span>`).join("")}</div>
     ${nb ? `<ol class="snips">${nb}</ol>` : ""}</div>`;
 }
 const snippet = n => `${esc(vis(n.before || ""))}<mark>${esc(vis(n.target || ""))}</mark>${esc(vis(n.after || ""))}`;
@@ -184,23 +186,34 @@ async function viewPrototype(r) {
   const c = d.card, st = c.stats;
   let fires = "";
   if (d.fires) {
-    const act = new Map(d.fires.map(f => [f.position, f]));
+    // marked: the tokens whose prediction it took part in (active at the position before: token_index)
+    const act = new Map(d.fires.map(f => [f.token_index, f]));
     const mx = Math.max(1e-9, ...d.fires.map(f => f.activation));
+    const n = d.text_tokens.length, last = act.get(n);
+    const toks = last ? d.text_tokens.concat([last.next_token]) : d.text_tokens;
     fires = `<div class="panel"><h2 style="margin-top:0">Where it fires in the current text</h2>
-      <div class="tokens">${d.text_tokens.map((t, i) => { const f = act.get(i);
-        return `<span class="tok ctx" style="${f ? `background:rgba(91,141,239,${(0.15 + 0.75 * f.activation / mx).toFixed(2)});color:inherit` : ""}" title="${f ? `a=${f.activation.toFixed(3)}, slice for next token ${JSON.stringify(f.next_token)}: ${f.slice.toFixed(3)}` : ""}">${esc(vis(t))}</span>`; }).join("")}</div>
-      <div class="muted">${d.fires.length} of ${d.text_tokens.length} positions</div></div>`;
+      <p class="convention">${esc(P.CONVENTION)} Shaded: the tokens whose prediction it took part in.</p>
+      <div class="tokens" id="proto-fires">${toks.map((t, i) => { const f = act.get(i);
+        return `<span class="tok ctx${i === n ? " ghost" : ""}" data-i="${i}" style="${f ? `background:rgba(91,141,239,${(0.15 + 0.75 * f.activation / mx).toFixed(2)});color:inherit` : ""}" title="${f ? `a=${f.activation.toFixed(3)} at the token before; its slice of this token's logit: ${f.slice.toFixed(3)}${i === n ? " (the model's own next token)" : ""}` : ""}">${esc(vis(t))}</span>`; }).join("")}</div>
+      <div class="muted">${d.fires.length} of ${n} predictions</div></div>`;
   }
   out.innerHTML = `<div class="row"><div class="grow">
     <div class="card" data-proto="${c.id}"><h3>#${c.id} <span class="lab">${esc(c.label || "(no label)")}</span>
       ${c.category ? `<span class="cat" style="background:${hexA(catColor(c.category), .2)}">${esc(c.category)}</span>` : ""}</h3>
       <div class="stats">${st ? `active on ${st.count.toLocaleString()} indexed tokens (${(100 * st.frequency).toFixed(2)}%), mean activation ${st.mean_activation.toFixed(3)}, nearest context cos ${st.max_similarity.toFixed(3)}` : "no index: build one with <code>prism index</code> for neighbourhoods and statistics"}</div>
       ${st ? P.hist(st.histogram) : ""}
-      <h3>Signature W p<sub>i</sub>: the tokens it pushes</h3><div class="chips">${c.top_tokens.map(([t, v]) => `<span title="${v.toFixed(4)}">${esc(vis(t))} <small>${v.toFixed(2)}</small></span>`).join("")}</div>
+      <h3>Signature W p<sub>i</sub>: the tokens it pushes up</h3><div class="chips" id="proto-up">${c.top_tokens.map(([t, v]) => `<span title="${v.toFixed(4)}">${esc(vis(t))} <small>${v.toFixed(2)}</small></span>`).join("")}</div>
+      <h3>… and down</h3><div class="chips down" id="proto-down">${(c.bottom_tokens || []).map(([t, v]) => `<span title="${v.toFixed(4)}">${esc(vis(t))} <small>${v.toFixed(2)}</small></span>`).join("")}</div>
+      ${d.logit_histogram ? `<h3>Its logit effect on every token</h3><div id="proto-logit-hist">${P.signedHist(d.logit_histogram)}</div>` : ""}
       <p><a href="#/steer?suppress=${c.id}&prompt=${encodeURIComponent(text.slice(0, 200))}" id="proto-steer">Steer: suppress this prototype →</a></p>
     </div>${fires}</div>
     <div class="grow"><div class="panel"><h2 style="margin-top:0">Nearest training contexts</h2>
+      <p class="convention">Marked: the token predicted from the context nearest to the prototype (as in Explain).</p>
       ${c.neighbours.length ? `<ol class="snips" id="proto-contexts">${c.neighbours.map(n => `<li><span class="muted">${n.similarity.toFixed(3)}</span> ${snippet(n)} ${docLink(n)}</li>`).join("")}</ol>` : "<p class='muted'>no index</p>"}</div>
+    ${d.bands && d.bands.length ? `<div class="panel" id="proto-bands"><h2 style="margin-top:0">Examples across its stored contexts</h2>
+      <p class="muted">The index keeps its ${d.bands[0].stored} nearest training contexts (by cos(z, p<sub>i</sub>), its activation where it is active); top, middle and bottom third of them — not of every activation (the histogram covers those).</p>
+      ${d.bands.map(b => `<h3>${b.band} <span class="muted">ranks ${b.ranks[0]}–${b.ranks[1]}, cos ${b.similarity[0].toFixed(3)}–${b.similarity[1].toFixed(3)}</span></h3>
+        <ol class="snips" data-band="${b.band}">${b.examples.map(n => `<li><span class="muted">${n.similarity.toFixed(3)}</span> ${snippet(n)} ${docLink(n)}</li>`).join("")}</ol>`).join("")}</div>` : ""}
     <div class="panel"><h2 style="margin-top:0">Similar prototypes</h2><table>${d.similar.map(s => `<tr><td>${protoLink(s.id, text)}</td><td>${esc(s.label || "")}</td><td class="num">${s.cosine.toFixed(3)}</td></tr>`).join("")}</table></div></div></div>`;
 }
 
@@ -209,7 +222,7 @@ async function viewMap(r) {
   const t0 = performance.now();
   view.innerHTML = `<h1>Map of the prototype bank</h1>
     <div class="controls"><input id="map-q" placeholder="search label, category or neighbour text" size="36" value="${esc(r.q.get("q") || "")}">
-    <label><input type="checkbox" id="map-tok" ${r.q.get("token") ? "checked" : ""}> as a token (prototypes that push it)</label>
+    <label title="prototypes with the token among the top of their signature W p_i, or in their nearest training contexts"><input type="checkbox" id="map-tok" ${r.q.get("token") ? "checked" : ""}> as a token (in its top pushed tokens or nearest contexts)</label>
     <button id="map-go">Search</button> <span class="muted" id="map-status"></span></div>
     <div class="legend" id="map-legend"></div>
     <div id="map-wrap"><canvas id="map-canvas" width="1160" height="640"></canvas><div id="map-tip"></div></div>
@@ -262,7 +275,7 @@ async function viewMap(r) {
       const s = await api(`/api/search?limit=${lim("max_top", 50)}&${tok ? "token=" : "q="}${encodeURIComponent(q)}`);
       hl = new Set(s.ids); draw();
       $("#map-status").textContent = `${s.matched} match${s.matched === 1 ? "" : "es"}${s.matched > s.hits.length ? `, ${s.hits.length} shown` : ""}`;
-      $("#map-hits").innerHTML = `<table>${s.hits.map(h => `<tr><td>${protoLink(h.id, state.explainText)}</td><td>${esc(h.label)}</td><td><span class="cat">${esc(h.category)}</span></td><td class="muted">${esc(h.why)}</td><td class="num">${h.count ?? ""}</td></tr>`).join("")}</table>`;
+      $("#map-hits").innerHTML = `<table><tr><th>prototype</th><th>label</th><th>category</th><th>why it matches</th><th>active on (indexed tokens)</th></tr>${s.hits.map(h => `<tr><td>${protoLink(h.id, state.explainText)}</td><td>${esc(h.label)}</td><td><span class="cat">${esc(h.category)}</span></td><td class="muted">${esc(h.why)}</td><td class="num">${h.count ?? ""}</td></tr>`).join("")}</table>`;
     } catch (e) { showError($("#map-hits"), e); }
   }
   $("#map-go").onclick = search;
@@ -320,7 +333,7 @@ async function viewSteer(r) {
       <div class="side"><div class="panel"><h3>base model</h3><div class="tokens" id="steer-base">${esc(vis(d.prompt))}${toks(d.base, d.steered)}</div></div>
       <div class="panel"><h3>steered <span class="muted">${on.length} prototype(s) ${mode === "suppress" ? "suppressed" : "scaled ×" + factor}${params.concept ? ", concept " + esc(params.concept) : ""}</span></h3>
       <div class="tokens" id="steer-steered">${esc(vis(d.prompt))}${toks(d.steered, d.base)}</div></div></div>
-      <p class="muted">${d.first_difference === null ? "identical generations" : `the texts part at generated token ${d.first_difference + 1}`}. Below: for each token of the steered text, its exact logit change ℓ′ − ℓ (two forwards) and the changed slices Σ(m<sub>i</sub> − 1)·a<sub>i</sub>(W p<sub>i</sub>)<sub>y</sub> that explain it.</p>
+      <p class="muted" id="steer-summary">${d.first_difference === null ? "identical generations" + (d.steered_ids && d.inactive.length === d.steered_ids ? ": none of the steered prototypes fires on this text" : d.inactive.length ? ` (${d.inactive.length} of the ${d.steered_ids} steered prototypes never fire on this text: ${d.inactive.slice(0, 20).map(i => "#" + i).join(", ")})` : "") : `the texts part at generated token ${d.first_difference + 1}`}. Below: for each token of the steered text, its exact logit change ℓ′ − ℓ (two forwards) and the changed slices Σ(m<sub>i</sub> − 1)·a<sub>i</sub>(W p<sub>i</sub>)<sub>y</sub> that explain it.</p>
       <table id="steer-steps"><tr><th>step</th><th>steered token</th><th>base would have</th><th>logit base</th><th>steered</th><th>Δ logit</th><th>Σ changed slices</th><th>largest changes</th></tr>
       ${d.steps.map(s => `<tr><td class="num">${s.step + 1}</td><td><code>${esc(vis(s.token))}</code></td><td>${s.base_token !== null && s.base_token !== s.token ? `<code>${esc(vis(s.base_token))}</code>` : ""}</td>
         <td class="num">${s.logit_base.toFixed(3)}</td><td class="num">${s.logit_steered.toFixed(3)}</td><td class="num ${s.delta >= 0 ? "pos" : "neg"}">${P.fmt(s.delta)}</td><td class="num">${P.fmt(s.delta_from_slices)}</td>
@@ -334,7 +347,7 @@ async function viewTraining(r) {
   const prompt = r.q.get("prompt") ?? state.explainText ?? "", completion = r.q.get("completion") || "";
   const token = r.q.get("token");
   view.innerHTML = `<h1>Training data</h1>
-    <p class="muted">The training sequences whose prototype-space influence on the measured tokens is largest (positive: training on it lowers their loss). Scores are shown relative to the largest |score| in the list; each sequence lists the prototypes that connect it to the query and their share of its score.</p>
+    <p class="muted">The training sequences whose prototype-space influence on the measured tokens is largest (positive: training on it lowers their loss). Scores are shown relative to the largest |score| in the list; each sequence lists the prototypes that connect it to the query and their share of the |contributions| to its score (signed: − hurts; with the other prototypes' net, the |shares| add up to 100%).</p>
     <label>prompt</label><textarea id="train-prompt">${esc(prompt)}</textarea>
     <label>completion (measured; empty: every token of the prompt)</label><textarea id="train-completion" style="min-height:2.5em">${esc(completion)}</textarea>
     <div class="controls"><label>top <input id="train-top" type="number" min="1" value="${esc(r.q.get("top") || "10")}"></label><button class="primary" id="train-go">Attribute</button></div>
@@ -351,12 +364,13 @@ async function viewTraining(r) {
     <div class="panel"><span class="muted">measured tokens (click one to attribute it alone):</span>
     <div class="chips" id="train-tokens"><a href="#" class="chip ${d.token === null ? "on" : ""}" data-tok="">all ${d.measured.length}</a>${d.measured.map(m => `<a href="#" class="chip ${d.token === m.index ? "on" : ""}" data-tok="${m.index}">${esc(vis(m.token))}</a>`).join("")}</div></div>
     <p class="muted">${esc(d.method)} influence over ${d.num_train.toLocaleString()} training sequences, loss ${d.query_loss.toFixed(3)}, ${(1000 * d.seconds).toFixed(0)} ms</p>
-    <table id="train-items"><tr><th>#</th><th>relative score</th><th>document</th><th>snippet (most influential token marked)</th><th>connecting prototypes (share of score)</th></tr>
+    <table id="train-items"><tr><th>#</th><th>relative score</th><th>document</th><th>snippet (most influential token marked)</th><th title="share = contribution / (Σ |contributions| shown + |other prototypes' net|); the |shares| add up to 100%">connecting prototypes (share of |contributions|; − hurts)</th></tr>
     ${d.items.map(it => `<tr><td class="num">${it.rank}</td>
       <td class="num"><span class="bar ${it.relative >= 0 ? "p" : "n"}" style="width:${(50 * Math.abs(it.relative)).toFixed(0)}px"></span> ${P.fmt(it.relative, 2)}</td>
       <td>${docLink({doc_index: it.doc_index, doc_id: it.doc_id, position: null})}<div class="muted">sequence ${it.sequence}</div></td>
       <td class="mono" style="white-space:pre-wrap">${snippet(it)}</td>
-      <td>${it.prototypes.slice(0, 4).map(p => `${protoLink(p.id, prompt + completion)} <span class="muted">${esc(p.label || "")}</span> ${(100 * p.share).toFixed(0)}%`).join("<br>")}</td></tr>`).join("")}</table>`;
+      <td>${it.prototypes.slice(0, 4).map(p => `${protoLink(p.id, prompt + completion)} <span class="muted">${esc(p.label || "")}</span> <span class="${p.share >= 0 ? "pos" : "neg"}">${P.fmt(100 * p.share, 0)}%</span>`).join("<br>")}${
+        it.prototypes.length > 4 || it.rest ? `<br><span class="muted">others: ${P.fmt(100 * (it.rest_share + it.prototypes.slice(4).reduce((s, p) => s + Math.abs(p.share) * Math.sign(p.share), 0)), 0)}% net</span>` : ""}</td></tr>`).join("")}</table>`;
   out.querySelectorAll("#train-tokens a").forEach(a => a.onclick = e => { e.preventDefault(); runIt(a.dataset.tok); });
 }
 

@@ -8,6 +8,9 @@ PRISM.esc = s => String(s == null ? "" : s).replace(/[&<>"']/g,
   c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", "\"": "&quot;", "'": "&#39;"}[c]));
 PRISM.vis = s => String(s).replace(/\n/g, "↵").replace(/\t/g, "⇥");
 PRISM.fmt = (v, d = 3) => (v >= 0 ? "+" : "") + v.toFixed(d);
+/* The one token convention of the app, the report and the terminal: a token stands for the model's
+   prediction OF it, made from the tokens before it (its logit is logits[j - 1, token j]). */
+PRISM.CONVENTION = "Each token stands for the model's prediction of that token, from the tokens before it; the first token is context only.";
 
 /* steps: [{name, value, kind: "p"|"r"|"b", suppressed?}] in order; total: the logit.
    Returns an SVG string: one row per step, each bar from the running sum to the running sum + value,
@@ -62,4 +65,17 @@ PRISM.hist = function (h) {
   const m = Math.max(...h, 1), w = 6, H = 34;
   const bars = h.map((c, i) => `<rect x="${i * w}" y="${H - H * c / m}" width="${w - 1}" height="${H * c / m}"><title>[${(i / h.length).toFixed(2)}, ${((i + 1) / h.length).toFixed(2)}): ${c}</title></rect>`).join("");
   return `<svg class="hist" width="${h.length * w + 64}" height="${H + 12}">${bars}<text x="0" y="${H + 10}">0</text><text x="${h.length * w - 6}" y="${H + 10}">1</text><text x="${h.length * w + 4}" y="12">activation</text></svg>`;
+};
+
+/* A histogram of signed values {lo, hi, counts, mean, std} (a prototype's W p_i over the vocabulary):
+   bars left of 0 red, right of 0 blue, a line at 0. */
+PRISM.signedHist = function (h) {
+  const n = h.counts.length, w = 7, H = 40, W = n * w, m = Math.max(...h.counts, 1);
+  const at = v => (v - h.lo) / (h.hi - h.lo) * W;
+  const bars = h.counts.map((c, i) => {
+    const a = h.lo + (h.hi - h.lo) * i / n, b = h.lo + (h.hi - h.lo) * (i + 1) / n, ht = c ? Math.max(1, H * Math.sqrt(c / m)) : 0;
+    return `<rect class="${b <= 0 ? "n" : "p"}" x="${i * w}" y="${H - ht}" width="${w - 1}" height="${ht}"><title>[${a.toFixed(3)}, ${b.toFixed(3)}): ${c} tokens</title></rect>`;
+  }).join("");
+  const zero = h.lo < 0 && h.hi > 0 ? `<line class="zero" x1="${at(0)}" x2="${at(0)}" y1="0" y2="${H}"/>` : "";
+  return `<svg class="hist signed" width="${W + 110}" height="${H + 12}">${bars}${zero}<text x="0" y="${H + 10}">${h.lo.toFixed(2)}</text><text x="${W - 24}" y="${H + 10}">${h.hi.toFixed(2)}</text><text x="${W + 4}" y="12">(W p_i)_v over</text><text x="${W + 4}" y="24">${h.tokens.toLocaleString()} tokens</text><text x="${W + 4}" y="36">(height: √count)</text></svg>`;
 };
