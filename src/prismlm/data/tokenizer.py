@@ -21,13 +21,17 @@ import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from prismlm.errors import TokenizerError
+
+if TYPE_CHECKING:
+    from jinja2 import Template
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "Tokenizer",
@@ -276,9 +280,8 @@ def hf_tokenizer(name_or_path: str) -> Tokenizer:
     return from_transformers(hf, f"hf:{name_or_path}")
 
 
-def from_transformers(hf: Any, name: str) -> Tokenizer:
-    """Our ``Tokenizer`` from a loaded transformers fast tokenizer (``hf``: a ``PreTrainedTokenizerBase``),
-    with its chat template. The end-of-text id is its eos token (else sep, else bos)."""
+def from_transformers(hf: PreTrainedTokenizerBase, name: str) -> Tokenizer:
+    """Our ``Tokenizer`` from a loaded transformers fast tokenizer, with its chat template. The end-of-text id is its eos token (else sep, else bos)."""
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None or not getattr(hf, "is_fast", False):
         raise TokenizerError(f"tokenizer {name!r} has no fast (Rust) version; prismlm needs one")
@@ -293,7 +296,7 @@ def from_transformers(hf: Any, name: str) -> Tokenizer:
 
 
 @functools.lru_cache(maxsize=8)
-def _chat_template(source: str) -> Any:
+def _chat_template(source: str) -> Template:
     """A compiled chat template, in the environment transformers renders them in (``jinja2.Template``)."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -29,6 +29,7 @@ from prismlm.data.shards import ShardSet, default_data_dir
 from prismlm.data.tokenizer import Tokenizer, from_transformers, hf_tokenizer
 from prismlm.errors import CheckpointError, ModelError, TokenizerError
 from prismlm.model import PrismLM
+from prismlm.model.gguf import SourceInfo, gguf_path, load_causal_lm
 from prismlm.model.hf_backbone import (
     check_linear_logits_config,
     check_same_logits,
@@ -39,7 +40,6 @@ from prismlm.model.hf_backbone import (
     split_causal_lm,
     transformers_module,
 )
-from prismlm.model.gguf import SourceInfo, gguf_path, load_causal_lm
 from prismlm.model.prototypes import seed_prototypes
 from prismlm.progress import Progress
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
