@@ -189,11 +189,13 @@ def test_chat_template_renders_as_transformers_does(tiny):
             ids = ids["input_ids"] if not isinstance(ids, list) else ids
             assert ours.encode(want) == list(ids)  # the special tokens are single ids, as transformers makes them
     # bos_token and raise_exception, as transformers passes them to a template
-    hf.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'bot' %}"
-                        "{{ raise_exception('no bots') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    # bos_token and raise_exception, as transformers passes them; block tags on their own (indented) lines are
+    # dropped with their newline and indent (trim_blocks, lstrip_blocks)
+    hf.chat_template = ("{{ bos_token }}\n{% for m in messages %}\n  {% if m['role'] == 'bot' %}\n"
+                        "{{ raise_exception('no bots') }}{% endif %}\n{{ m['content'] }}\n{% endfor %}")
     ours = from_transformers(hf, "tiny")
-    msgs = [{"role": "user", "content": "x"}]
-    assert ours.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False) == "<|im_start|>x"
+    msgs = [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]
+    assert ours.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False) == "<|im_start|>\nx\ny\n"
     with pytest.raises(TokenizerError, match="no bots"):
         ours.apply_chat_template([{"role": "bot", "content": "x"}])
 
