@@ -349,3 +349,24 @@ def test_shipped_smollm2_end_to_end(tmp_path, capsys):
     with capsys.disabled():
         print(f"\n[smollm2] load {load_s:.1f}s, retrofit (3 frozen steps, load included) {retrofit_s:.1f}s, "
               f"last step {metrics[-1]}, answer {res.output.split('-' * 40)[0].strip()!r}")
+
+
+def test_explorer_explains_a_chat_answer_and_refuses_chat_without_a_template(tiny, chat_run, tmp_path):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from prismlm.app.explorer import Explorer
+    from prismlm.explore.server import create_app
+
+    msg = "What is the capital of France?"
+    client = TestClient(create_app(Explorer.open(chat_run, device="cpu")), base_url="http://127.0.0.1")
+    r = client.post("/api/explain", json={"text": msg, "chat": True, "generate": 12})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    sampled = [p["chosen"]["id"] for p in d["positions"] if p["chosen_by"] == "sampled"]
+    assert sampled == _greedy_reference(tiny, msg, 12)
+    plain = tmp_path / "plain"
+    retrofit_cli(tiny["plain"], plain, "--steps", "1")
+    r = TestClient(create_app(Explorer.open(plain, device="cpu")), base_url="http://127.0.0.1").post(
+        "/api/explain", json={"text": msg, "chat": True})
+    assert 400 <= r.status_code < 500 and "no chat template" in r.json()["message"]
