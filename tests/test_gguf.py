@@ -129,6 +129,14 @@ def chat_run(tiny, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def plain_run(tiny, tmp_path_factory):
+    """A run retrofitted from the same model written without a chat template."""
+    out = tmp_path_factory.mktemp("gguf_runs") / "plain"
+    retrofit_cli(tiny["plain"], out, "--steps", "1")
+    return out
+
+
 def test_load_causal_lm_gives_the_written_model_and_a_plain_savable_copy(tiny, tmp_path):
     model, tok, info = load_causal_lm(tiny["chat"])
     ids = torch.randint(0, tiny["V"], (2, 20), generator=torch.Generator().manual_seed(1))
@@ -249,9 +257,8 @@ def test_generation_stops_at_the_end_of_turn_token(chat_run):
     assert texts == [tok.decode(answer[:cut])]
 
 
-def test_chat_on_a_model_without_a_chat_template_is_one_clear_line(tiny, tmp_path):
-    out = tmp_path / "plain"
-    retrofit_cli(tiny["plain"], out, "--steps", "1")
+def test_chat_on_a_model_without_a_chat_template_is_one_clear_line(chat_run, plain_run):
+    out = plain_run  # (after chat_run: the shards it cached hold the tokenizer with the template)
     for cmd in (["generate", str(out), "--chat", "Hi"], ["explain", str(out), "--chat", "Hi"]):
         res = CliRunner().invoke(cli_app, [*cmd, "--device", "cpu"])
         assert res.exit_code == 2, res.output
@@ -351,7 +358,7 @@ def test_shipped_smollm2_end_to_end(tmp_path, capsys):
               f"last step {metrics[-1]}, answer {res.output.split('-' * 40)[0].strip()!r}")
 
 
-def test_explorer_explains_a_chat_answer_and_refuses_chat_without_a_template(tiny, chat_run, tmp_path):
+def test_explorer_explains_a_chat_answer_and_refuses_chat_without_a_template(tiny, chat_run, plain_run):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
@@ -365,8 +372,6 @@ def test_explorer_explains_a_chat_answer_and_refuses_chat_without_a_template(tin
     d = r.json()
     sampled = [p["chosen"]["id"] for p in d["positions"] if p["chosen_by"] == "sampled"]
     assert sampled == _greedy_reference(tiny, msg, 12)
-    plain = tmp_path / "plain"
-    retrofit_cli(tiny["plain"], plain, "--steps", "1")
-    r = TestClient(create_app(Explorer.open(plain, device="cpu")), base_url="http://127.0.0.1").post(
+    r = TestClient(create_app(Explorer.open(plain_run, device="cpu")), base_url="http://127.0.0.1").post(
         "/api/explain", json={"text": msg, "chat": True})
     assert 400 <= r.status_code < 500 and "no chat template" in r.json()["message"]
