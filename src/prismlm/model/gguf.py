@@ -24,6 +24,7 @@ transformers and gguf are optional (``pip install 'prismlm[hf]'``): everything h
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -234,7 +235,18 @@ def _plain_copy(loaded: PreTrainedModel) -> PreTrainedModel:
     data = loaded.config.to_dict()
     data.pop("quantization_config", None)
     config = type(loaded.config).from_dict(data)
-    plain = type(loaded)(config)
-    plain.load_state_dict(loaded.state_dict())
+    with _no_init():  # every parameter is overwritten below: skip the random init
+        plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())  # strict: every parameter and persistent buffer
     plain.tie_weights()
     return plain.float().eval()
+
+
+def _no_init() -> contextlib.AbstractContextManager[object]:
+    """transformers' ``no_init_weights`` (the random init of SmolLM2-135M took 12 s of a 112 s load on 2 busy
+    cores), or nothing where this transformers version lacks it."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
