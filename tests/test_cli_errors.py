@@ -100,9 +100,9 @@ def test_every_error_kind_is_a_prism_error_with_its_fix():
 
 def test_cli_options_come_from_the_operation_signature_and_docstring():
     helps = arg_help(ops.generate)
-    assert set(helps) == {"prompt", "tokens", "samples", "temperature", "top_k", "seed"}
+    assert set(helps) == {"prompt", "chat", "tokens", "samples", "temperature", "top_k", "seed"}
     res = _run("generate", "--help")
-    for opt in ("--prompt", "--tokens", "--samples", "--temperature", "--top-k", "--seed", "--device", "--suppress"):
+    for opt in ("--prompt", "--chat", "--tokens", "--samples", "--temperature", "--top-k", "--seed", "--device", "--suppress"):
         assert opt in res.output
     assert "New tokens per sample." in res.output
 

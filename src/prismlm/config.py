@@ -525,6 +525,10 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     preset: str | None = None
     """Name of the preset this config started from (informational)."""
+    source: dict[str, Any] | None = None
+    """What a retrofit's weights were loaded from, when a file: for a GGUF ``kind``, ``path``, ``sha256``,
+    ``quantization``, ``architecture``, ``tensor_types``, ``name`` (``prismlm.model.gguf.SourceInfo``);
+    copied into every checkpoint's manifest."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:

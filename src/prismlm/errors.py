@@ -79,6 +79,11 @@ class ModelError(PrismError, ValueError):
     argument outside the model's range (bad prototype ids, wrong tensor shapes)."""
 
 
+class ModelSourceError(ModelError):
+    """A pretrained model to load cannot be read: a truncated or corrupt GGUF file, an architecture or a
+    quantisation transformers does not load from GGUF."""
+
+
 class UnknownPrototypeError(ModelError, KeyError):
     """A prototype id outside [0, K)."""
 
@@ -96,6 +101,6 @@ class DependencyError(PrismError, RuntimeError):
 
 __all__ = [
     "ArtifactCorrupt", "ArtifactError", "ArtifactMismatch", "CheckpointError", "ConfigError", "CorpusError",
-    "DataError", "DependencyError", "ModelError", "PrismError", "RunError", "ShardError", "SuppressionError", "TaskError",
+    "DataError", "DependencyError", "ModelError", "ModelSourceError", "PrismError", "RunError", "ShardError", "SuppressionError", "TaskError",
     "TokenizerError", "UnknownPrototypeError",
 ]

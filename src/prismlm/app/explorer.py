@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from prismlm.app.attribution import attribute_text
 from prismlm.app.bank_search import TokenSearch
+from prismlm.app.operations import CHAT_ANSWER_TOKENS, chat_prompt
 from prismlm.app.prototype_view import example_bands, logit_histogram, never_active
 from prismlm.app.run import Run, check_unicode
 from prismlm.control.suppress import SuppressionSet
@@ -486,11 +487,18 @@ class Explorer:
 
     # ----- explain -----------------------------------------------------------------------------------------
     def explain(self, text: str, *, generate: int = 0, alternatives: int = 5, steering: Steering = Steering(),
-                neighbours: int = 3, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> ExplainView:
+                neighbours: int = 3, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0,
+                chat: bool = False) -> ExplainView:
         """Every next-token logit of ``text`` (or of ``generate`` tokens sampled after it) as a waterfall of
         prototype slices + residual (+ bias), with the ``alternatives`` most probable other tokens split the
-        same way, under the request's ``steering``."""
+        same way, under the request's ``steering``. ``chat``: ``text`` is a chat message; the assistant's
+        answer to it (written with the run's chat template) is generated greedily, at most ``generate``
+        tokens (default 64) up to the end-of-turn token, and explained."""
         self._check_text(text)
+        stop_id: int | None = None
+        if chat:
+            text, stop_id = chat_prompt(self.run, text), self.run.tokenizer.eot_id
+            generate, temperature = generate or CHAT_ANSWER_TOKENS, 0.0
         self._check_sampling(generate, temperature, top_k, "generate")
         self._check_seed(seed)
         self._check_top(alternatives, "alternatives")
@@ -501,7 +509,7 @@ class Explorer:
             if generate:
                 expl = explain_generation(model, tok, text, generate, model_sha256=self.run.identity,
                                           temperature=temperature, top_k=top_k, seed=seed, index=self.index,
-                                          neighbours=neighbours)
+                                          neighbours=neighbours, stop_id=stop_id)
             else:
                 expl = explain(model, tok, text, model_sha256=self.run.identity, index=self.index,
                                neighbours=neighbours)

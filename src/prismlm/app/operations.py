@@ -20,7 +20,7 @@ from prismlm.app.run import Run, require
 from prismlm.artifacts import check_out_folder, folder_kind, output_lock, reading, verify_files, writes_folder
 from prismlm.data.shards import load_shards
 from prismlm.data.tokenizer import Tokenizer
-from prismlm.errors import ArtifactCorrupt, ConfigError, DataError, PrismError
+from prismlm.errors import ArtifactCorrupt, ConfigError, DataError, ModelError, PrismError
 from prismlm.eval.metrics import evaluate as evaluate_model
 from prismlm.explain import (
     Explanation,
@@ -71,22 +71,53 @@ def check_sampling(tokens: int, temperature: float, top_k: int | None, samples: 
 
 # ----- sampling and evaluation ----------------------------------------------------------------------------
 def sample_continuations(model: PrismLM, tokenizer: Tokenizer, prompt: str, *, samples: int, tokens: int,
-                         temperature: float, top_k: int | None, generator: torch.Generator | None) -> list[str]:
+                         temperature: float, top_k: int | None, generator: torch.Generator | None,
+                         stop_id: int | None = None) -> list[str]:
     """``samples`` sampled continuations of ``prompt`` (continuation text only; an empty prompt starts
-    from the end-of-text token), one batch through ``model.generate``."""
+    from the end-of-text token), one batch through ``model.generate``. ``stop_id`` (an end-of-turn token):
+    generation ends once every sample has produced it, and each continuation is cut before it."""
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     dev = next(model.parameters()).device
     x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)  # (samples, T)
-    y = model.generate(x, tokens, temperature=temperature, top_k=top_k, generator=generator)
-    return [tokenizer.decode(row[len(ids) if prompt else 1:].tolist()) for row in y]
+    if stop_id is None:
+        y = model.generate(x, tokens, temperature=temperature, top_k=top_k, generator=generator)
+        return [tokenizer.decode(row[len(ids) if prompt else 1:].tolist()) for row in y]
+    new: list[torch.Tensor] = []  # (samples, 1) each
+    ended = torch.zeros(samples, dtype=torch.bool, device=dev)  # (samples,)
+    for _, nxt in model.generate_steps(x, tokens, temperature=temperature, top_k=top_k, generator=generator):
+        new.append(nxt)
+        ended |= nxt[:, 0] == stop_id
+        if bool(ended.all()):
+            break
+    rows = torch.cat(new, dim=1).tolist() if new else [[] for _ in range(samples)]
+    return [tokenizer.decode(row[:row.index(stop_id)] if stop_id in row else row) for row in rows]
 
 
-def generate(run: Run, prompt: str = "", *, tokens: int = 100, samples: int = 1, temperature: float = 0.8,
-             top_k: int | None = 50, seed: int = 0) -> list[str]:
+def _check_chat(chat: str | None, prompt: str) -> None:
+    if chat is not None and prompt:
+        raise ConfigError("--chat and a prompt were both given", fix="give one: the chat message becomes the prompt")
+
+
+def chat_prompt(run: Run, message: str) -> str:
+    """The prompt of a one-message chat: ``message`` as the user's turn, written with the run's chat
+    template, the assistant's turn opened. ``ModelError`` naming the run when it has no template."""
+    tok = run.tokenizer
+    if not tok.chat_template:
+        raise ModelError(f"--chat: the run {run.path} has no chat template (its tokenizer {tok.name!r} came without "
+                         "one), so a chat message cannot be written as a prompt",
+                         fix="pass the text itself instead of --chat, or retrofit a chat model "
+                             "(e.g. prism retrofit --from smollm2-135m-instruct)")
+    return tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
+
+
+def generate(run: Run, prompt: str = "", *, chat: str | None = None, tokens: int = 100, samples: int = 1,
+             temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> list[str]:
     """Sample text from a trained model (with the run's interventions applied).
 
     Args:
         prompt: Text to continue (empty: start from end-of-text).
+        chat: A chat message instead of a prompt: it is written with the model's chat template and the
+            assistant's answer is returned, ending at the end-of-turn token (at most --tokens).
         tokens: New tokens per sample. At most 65,536 (past the context window, the window slides).
         samples: Number of samples.
         temperature: Sampling temperature (0 = greedy).
@@ -96,11 +127,14 @@ def generate(run: Run, prompt: str = "", *, tokens: int = 100, samples: int = 1,
     check_sampling(tokens, temperature, top_k, samples)
     require(tokens <= MAX_NEW_TOKENS, "--tokens", f"<= {MAX_NEW_TOKENS:,} (generate longer texts in steps, "
             "continuing from the last output)", tokens)
+    _check_chat(chat, prompt)
+    text = chat_prompt(run, chat) if chat is not None else prompt
     gen = torch.Generator(device=run.device).manual_seed(seed)
     with run.intervened() as model:
-        conts = sample_continuations(model, run.tokenizer, prompt, samples=samples, tokens=tokens,
-                                     temperature=temperature, top_k=top_k, generator=gen)
-    return [prompt + c for c in conts]
+        conts = sample_continuations(model, run.tokenizer, text, samples=samples, tokens=tokens,
+                                     temperature=temperature, top_k=top_k, generator=gen,
+                                     stop_id=run.tokenizer.eot_id if chat is not None else None)
+    return conts if chat is not None else [prompt + c for c in conts]
 
 
 def evaluate(run: Run, *, batches: int = 50, batch_size: int | None = None,
@@ -291,13 +325,20 @@ def label_prototypes(run: Run, *, index: Path | None = None, labeller: str = "ru
 
 
 # ----- explanations ----------------------------------------------------------------------------------------
-def explain_text(run: Run, prompt: str = "", *, generate: int = 0, index: Path | None = None,
+CHAT_ANSWER_TOKENS = 64
+"""Longest chat answer ``explain --chat`` generates when --generate is not given."""
+
+
+def explain_text(run: Run, prompt: str = "", *, chat: str | None = None, generate: int = 0, index: Path | None = None,
                  use_index: bool = True, shards: Path | None = None, temperature: float = 0.8,
                  top_k: int | None = 50, seed: int = 0, neighbours: int = 5) -> Explanation:
     """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly.
 
     Args:
         prompt: Text to explain (empty: the first prediction after end-of-text).
+        chat: A chat message instead of a prompt: written with the model's chat template, the assistant's
+            answer is generated greedily (at most --generate tokens, default 64, ending at the end-of-turn
+            token) and its tokens are explained.
         generate: Sample N tokens after the prompt and explain them.
         index: Index folder (default RUN/index if it exists).
         use_index: Use the prototype index if there is one.
@@ -308,8 +349,11 @@ def explain_text(run: Run, prompt: str = "", *, generate: int = 0, index: Path |
         neighbours: Training snippets per prototype card.
     """
     require(neighbours >= 0, "--neighbours", ">= 0", neighbours)
+    _check_chat(chat, prompt)
     model = run.prism_model("an explanation")
     check_sampling(generate, temperature, top_k, tokens_flag="--generate")
+    if chat is not None:
+        prompt, generate, temperature = chat_prompt(run, chat), generate or CHAT_ANSWER_TOKENS, 0.0
     if generate > model.config.block_size:  # one explanation covers one context window
         raise ConfigError(f"--generate must be at most the context window ({model.config.block_size} tokens), "
                           f"got {generate}")
@@ -319,7 +363,7 @@ def explain_text(run: Run, prompt: str = "", *, generate: int = 0, index: Path |
         if generate > 0:
             expl = explain_generation(model, tokenizer, prompt, generate, model_sha256=run.identity,
                                       temperature=temperature, top_k=top_k, seed=seed, index=idx,
-                                      neighbours=neighbours)
+                                      neighbours=neighbours, stop_id=tokenizer.eot_id if chat is not None else None)
         else:
             expl = explain(model, tokenizer, prompt, model_sha256=run.identity, index=idx, neighbours=neighbours)
     if idx is None:

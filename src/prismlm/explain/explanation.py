@@ -482,9 +482,11 @@ def explain_generation(
     labels: dict[int, dict] | None = None,
     neighbours: int = 5,
     signature_tokens: int = 10,
+    stop_id: int | None = None,
 ) -> Explanation:
     """Sample ``n`` tokens after ``prompt`` (as ``model.generate`` does, with the KV cache) and explain
-    each sampled token's logit (the sampled tokens are the chosen tokens).
+    each sampled token's logit (the sampled tokens are the chosen tokens). ``stop_id``: end the generation
+    once this token (an end-of-turn) is sampled; it is the last token explained.
 
     While prompt + n − 1 ≤ block_size the explanation is read off the generation's own forward
     outputs — the prompt's prefill (every position) and each cached decode step (one position) — so it
@@ -502,10 +504,13 @@ def explain_generation(
     gen = torch.Generator(device=dev).manual_seed(seed)
     x = torch.tensor([ids], device=dev)  # (1, p)
     p = len(ids)
-    how = ["text"] * (p - 1) + ["sampled"] * n  # position t chooses full[t + 1]
-    note = f"generated {n} tokens (temperature {temperature}, top_k {top_k}, seed {seed})"
     if p + n - 1 > net.config.block_size:
         full = net.generate(x, n, temperature=temperature, top_k=top_k, generator=gen)[0].tolist()
+        if stop_id is not None and stop_id in full[p:]:
+            full = full[:full.index(stop_id, p) + 1]
+        n = len(full) - p
+        how = ["text"] * (p - 1) + ["sampled"] * n  # position t chooses full[t + 1]
+        note = f"generated {n} tokens (temperature {temperature}, top_k {top_k}, seed {seed})"
         expl = explain(model, tokenizer, full[:-1], model_sha256=model_sha256, index=index, labels=labels,
                        targets=full[1:], neighbours=neighbours, signature_tokens=signature_tokens, _chosen_by=how)
         expl.prompt_tokens = max(0, p - expl.truncated_tokens)
@@ -525,7 +530,12 @@ def explain_generation(
                                     prefill_logits=True):
             outs.append(out)
             new.append(nxt)
+            if stop_id is not None and int(nxt) == stop_id:
+                break
         full = ids + torch.cat(new, dim=1)[0].tolist()  # p + n tokens
+        n = len(new)
+        how = ["text"] * (p - 1) + ["sampled"] * n  # position t chooses full[t + 1]
+        note = f"generated {n} tokens (temperature {temperature}, top_k {top_k}, seed {seed})"
         # The steps' outputs cover positions 0 … p − 1 (prefill), then p … p + n − 2 (one per decode step).
         out = _concat(outs)
         if out.indices is None:  # unmodified model: the steps skipped the prototype layer; one call for all

@@ -109,6 +109,7 @@ class SteeringBody(_Body):
 
 class ExplainBody(_Body):
     text: str = ""
+    chat: bool = False  # text is a chat message: its answer is generated (greedy) and explained
     generate: int = 0
     alternatives: int = 5
     neighbours: int = 3
@@ -227,7 +228,8 @@ def create_app(run: str | Path | Explorer, index: Path | None = None, cache: Pat
         body.checked()
         return model_call(lambda: ex.explain(
             body.text, generate=body.generate, alternatives=body.alternatives, neighbours=body.neighbours,
-            steering=body.steering.value(), temperature=body.temperature, top_k=body.top_k, seed=body.seed).to_dict())
+            steering=body.steering.value(), temperature=body.temperature, top_k=body.top_k, seed=body.seed,
+            chat=body.chat).to_dict())
 
     @api.get("/api/prototype/{pid}")
     def prototype(pid: int, text: str | None = None, neighbours: int = 8, similar: int = 8) -> Response:

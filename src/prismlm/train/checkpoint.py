@@ -85,6 +85,7 @@ def save_checkpoint(
             "is_prism": model.is_prism,
             "num_parameters": model.num_parameters(),
             "data": {k: data_manifest.get(k) for k in ("key", "corpus", "tokenizer")} if data_manifest else None,
+            **({"source": cfg.source} if cfg.source is not None else {}),
             "files": files,
             **provenance(),
         }

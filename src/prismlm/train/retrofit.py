@@ -6,12 +6,14 @@ a residual. Stage 2 (optional, ``train.trainable`` = ``last-N`` or ``all`` after
 fine-tunes jointly with CE + REC + R1 + R2. The prototypes start as real hidden states of the corpus
 (``seed_prototypes``: k-means++ in cosine distance), so they are data-anchored from step 0.
 
-Sources: a prismlm run (e.g. a dense baseline), or a transformers causal LM folder / hub name. GPT-2 weights
-go into the built-in GPT; other families keep their own base model (``prismlm.model.hf_backbone``).
+Sources: a prismlm run (e.g. a dense baseline), a transformers causal LM folder / hub name, or a GGUF file
+(or a shipped model's short name, ``prismlm.model.gguf``), dequantised to float32. GPT-2 weights go into the
+built-in GPT; other families keep their own base model (``prismlm.model.hf_backbone``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -24,9 +26,10 @@ import torch.nn as nn
 
 from prismlm.config import ModelConfig, RunConfig, replace
 from prismlm.data.shards import ShardSet, default_data_dir
-from prismlm.data.tokenizer import Tokenizer, hf_tokenizer
+from prismlm.data.tokenizer import Tokenizer, from_transformers, hf_tokenizer
 from prismlm.errors import CheckpointError, ModelError, TokenizerError
 from prismlm.model import PrismLM
+from prismlm.model.gguf import SourceInfo, gguf_path, load_causal_lm
 from prismlm.model.hf_backbone import (
     check_linear_logits_config,
     check_same_logits,
@@ -60,11 +63,18 @@ class Pretrained:
     """The model's own tokenizer."""
     reference: nn.Module | None = None
     """The original transformers model, kept to check that prismlm reproduces its logits."""
+    info: SourceInfo | None = None
+    """For a GGUF source: the file, its sha256 and quantisation (recorded in the run)."""
 
 
 def load_pretrained(source: str, *, block_size: int | None = None) -> Pretrained:
-    """A prismlm run/checkpoint, or a transformers causal LM (folder, or hub name when online), as a
-    ``Pretrained``. ``block_size``: context to use (default: the model's, at most ``DEFAULT_MAX_BLOCK``)."""
+    """A prismlm run/checkpoint, a transformers causal LM (folder, or hub name when online), or a GGUF file
+    (or a shipped model's short name, e.g. ``smollm2-135m-instruct``) as a ``Pretrained``. ``block_size``:
+    context to use (default: the model's, at most ``DEFAULT_MAX_BLOCK``)."""
+    if gguf_path(source) is not None:
+        hf_lm, hf_tok, info = load_causal_lm(source)
+        tokenizer = from_transformers(hf_tok, f"gguf:{Path(info.path).name}")
+        return _from_causal_lm(source, hf_lm.config, hf_lm, tokenizer, block_size, info)
     path = Path(source).expanduser()
     if path.is_file():
         raise ModelError(f"--from {source} is a file; --from takes the folder holding the model (its config.json, "
@@ -168,6 +178,13 @@ def _from_transformers(source: str, block_size: int | None) -> Pretrained:
     except TokenizerError as e:
         raise TokenizerError(f"{source} has no usable tokenizer: {e.message}",
                              fix="save the model's tokenizer next to it (tokenizer.save_pretrained(folder))") from e
+    return _from_causal_lm(source, config, hf_lm, tokenizer, block_size, None)
+
+
+def _from_causal_lm(source: str, config: Any, hf_lm: nn.Module, tokenizer: Tokenizer, block_size: int | None,
+                    info: SourceInfo | None) -> Pretrained:
+    """A loaded transformers ``*ForCausalLM`` (float32, eval) and its tokenizer in prismlm's terms."""
+    check_linear_logits_config(config, source)
     text = config.get_text_config()
     context = getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None) or DEFAULT_MAX_BLOCK
     bs = block_size if block_size is not None else min(int(context), DEFAULT_MAX_BLOCK)
@@ -186,13 +203,15 @@ def _from_transformers(source: str, block_size: int | None) -> Pretrained:
                                 layer_norm_eps=float(text.layer_norm_epsilon))
         state = gpt2_state_dict(hf_lm.state_dict(), bs)
     else:
+        hf_config = config.to_dict()
+        hf_config.pop("quantization_config", None)  # a GGUF source is stored dequantised
         model_cfg = ModelConfig(**common, n_head=int(text.num_attention_heads), backbone="hf",
-                                hf_config=config.to_dict(), lm_head_bias=head.bias is not None)
+                                hf_config=hf_config, lm_head_bias=head.bias is not None)
         state = {f"transformer.{k}": v for k, v in base.state_dict().items()}
         state["lm_head.weight"] = head.weight.detach()
         if head.bias is not None:
             state["lm_head.bias"] = head.bias.detach()
-    return Pretrained(source=source, model=model_cfg, state=state, tokenizer=tokenizer, reference=hf_lm)
+    return Pretrained(source=source, model=model_cfg, state=state, tokenizer=tokenizer, reference=hf_lm, info=info)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -216,9 +235,10 @@ def build_model(pre: Pretrained, cfg: ModelConfig) -> PrismLM:
 
 
 def save_tokenizer(tok: Tokenizer, data_dir: str | None) -> Path:
-    """Store the model's tokenizer where shards are cached, by content (so the run config can name it)."""
+    """Store the model's tokenizer where shards are cached, by content (so the run config can name it); a copy
+    saved before without the model's chat template is rewritten with it."""
     root = (Path(data_dir).expanduser() if data_dir else default_data_dir()) / "tokenizers" / tok.fingerprint[:16]
-    if not (root / "tokenizer.json").exists():
+    if not (root / "tokenizer.json").exists() or Tokenizer.load(root).chat_template != tok.chat_template:
         tok.save(root)
     return root
 
@@ -261,5 +281,8 @@ def retrofit(pre: Pretrained, cfg: RunConfig, out_dir: str | Path, *, shards: Sh
     assert model.prototypes is not None
     with torch.no_grad():  # an in-place copy on the parameter (not .data): bumps its version for any cache
         model.prototypes.weight.copy_(bank)
+    if shards.tokenizer.fingerprint == pre.tokenizer.fingerprint:
+        # the run saves the shards' tokenizer; shards cached before may hold a copy without the chat template
+        shards = dataclasses.replace(shards, tokenizer=pre.tokenizer)
     return train(cfg, out_dir, shards=shards, progress=progress, overwrite=overwrite,
                  initial_state=model.state_dict())
