@@ -17,7 +17,7 @@ from prismlm.model import PrismLM
 from prismlm.train import train
 from prismlm.train.stored_z import backbone_identity, build_stored_z, open_stored_z
 
-SMALL = ["data.max_docs=60", "data.max_chars_per_doc=4000"]
+SMALL = ["data.max_docs=16", "data.max_chars_per_doc=4000"]  # ~300 sequences of 64
 
 
 @pytest.fixture(scope="module")
