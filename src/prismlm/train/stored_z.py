@@ -117,7 +117,7 @@ class StoredZ:
 
 
 def _to_float32(a: np.ndarray, dtype: str) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    t = torch.from_numpy(np.require(a, requirements=["C", "W"]))  # a slice of the read-only map is copied
     if dtype == "bfloat16":
         return t.view(torch.bfloat16).float()
     return t.float()
