@@ -4,7 +4,9 @@ Stage 1 trains only the bank with the backbone and W frozen: the logits are exac
 (ℓ = W z is computed from z, which the bank does not touch), and every logit becomes k prototype slices plus
 a residual. Stage 2 (optional, ``train.trainable`` = ``last-N`` or ``all`` after ``train.frozen_steps``)
 fine-tunes jointly with CE + REC + R1 + R2. The prototypes start as real hidden states of the corpus
-(``seed_prototypes``: k-means++ in cosine distance), so they are data-anchored from step 0.
+(``seed_prototypes``: k-means++ in cosine distance), so they are data-anchored from step 0. Stage 1 runs on
+the backbone's hidden states computed once (``train.frozen_from_stored_z``: ``prismlm.train.stored_z`` into
+``RUN/stored-z``, then ``prismlm.train.bank_stage``), not a backbone forward per step.
 
 Sources: a prismlm run (e.g. a dense baseline), or a transformers causal LM folder / hub name. GPT-2 weights
 go into the built-in GPT; other families keep their own base model (``prismlm.model.hf_backbone``).
