@@ -28,9 +28,10 @@ def tiny_model():
 
 @pytest.fixture(scope="module")
 def dense_run(tiny_shards, tmp_path_factory):
-    """A dense tiny prismlm run (3 steps) to retrofit."""
+    """A dense tiny prismlm run (3 steps) to retrofit, with dropout (stage 2 then draws from the RNG)."""
     out = tmp_path_factory.mktemp("dense") / "run"
-    cfg = RunConfig.from_name("tiny").dense().override({"train.max_steps": 3, "train.batch_size": 4})
+    cfg = RunConfig.from_name("tiny").dense().override({"train.max_steps": 3, "train.batch_size": 4,
+                                                        "model.dropout": 0.1})
     train(cfg, out, shards=tiny_shards, progress=False)
     return out
 
@@ -109,8 +110,9 @@ def test_stage_1_on_stored_z_follows_the_per_step_path_and_keeps_the_logits(dens
     assert not (tmp_path / "per-step" / "stored-z").exists()
     a, b = Run.open(stored.run_dir, device="cpu"), Run.open(per_step.run_dir, device="cpu")
     assert a.step == b.step == 4
-    bank_a, bank_b = a.model.prototypes.weight, b.model.prototypes.weight
-    assert torch.allclose(bank_a, bank_b, rtol=0, atol=1e-5 * float(bank_b.abs().max().detach()))
+    # the same rows in the same batch order: the same bank bit for bit (the backbone's rows do not depend on
+    # which sequences share their batch, on CPU)
+    assert torch.equal(a.model.prototypes.weight, b.model.prototypes.weight)
     assert open_stored_z(stored.run_dir / "stored-z").complete
     for key in ("r1_bar", "r2", "residual_share", "val_loss"):
         assert stored.metrics[key] == pytest.approx(per_step.metrics[key], abs=1e-5), key
@@ -133,8 +135,8 @@ def test_stage_2_continues_from_the_stored_z_stage_as_from_the_per_step_one(dens
     sa, sb = a.state_dict(), b.state_dict()
     moved = [k for k in sa if not k.startswith("prototypes.") and not torch.equal(sa[k], source[k])]
     assert moved and all(".h.1." in k or "ln_f" in k for k in moved)  # stage 2 trained the last block
-    for k in sa:
-        assert torch.allclose(sa[k], sb[k], rtol=0, atol=1e-4 * max(1.0, float(sb[k].abs().max()))), k
+    for k in sa:  # the checkpoint stage 1 wrote resumes exactly as the per-step path's stage 1 ends
+        assert torch.equal(sa[k], sb[k]), k
 
 
 def test_index_from_stored_z_equals_the_index_from_the_model(stored_run, tiny_shards, tmp_path):

@@ -5,7 +5,8 @@ needs only z: the same steps as the trainer's frozen stage (the same ``SequenceS
 from ``build_optimizer``, learning-rate schedule, loss warm-up, gradient clipping, micro-batches) with the
 backbone forward replaced by a read of the stored rows. The loss is REC + R1 + R2 with the weights of
 ``LossConfig.weights_at`` (CE is skipped: it has no gradient into the bank). With z stored in float32 the
-bank follows the per-step path to float rounding (tested); float16 rounds z to 11 significant bits.
+bank is the per-step path's bit for bit on CPU, and so is the model after a stage 2 (tested); float16 rounds
+z to 11 significant bits.
 
 The stage ends with an ordinary checkpoint at its last step (weights, optimizer, RNG, data position, a
 validation of the whole model), so eval, explain, index and export read it unchanged and ``train(...,
