@@ -288,6 +288,16 @@ class TrainConfig:
     frozen_steps: int = 0
     """Retrofit stage 1: for the first N optimizer steps only the prototype bank trains (whatever
     ``trainable`` says), starting the head from a pretrained backbone without disturbing it."""
+    frozen_from_stored_z: bool = True
+    """Retrofit stage 1 (``prism retrofit``; the steps where only the bank trains) runs on stored hidden states:
+    the frozen backbone's z over the training split is computed once into ``RUN/stored-z`` (resumable) and the
+    bank trains on it in the same batch order, instead of a backbone forward per step (``prismlm.train.
+    bank_stage``). Logits are the source model's either way; ``false`` keeps the per-step path (one process
+    only uses stored z; under torchrun the per-step path runs)."""
+    stored_z_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    """How stored z is kept: float16 (half the bytes; on SmolLM2-135M a bank trained on it moved the residual
+    share by 2e-6 and R̄1 by 2e-5 against float32, bench/real_retrofit.py), bfloat16 (for hidden states past
+    float16's range, which float16 refuses), float32 (follows the per-step path to rounding)."""
     backbone_lr_ratio: float = 1.0
     """Learning rate of the non-prototype parameters as a fraction of ``lr`` (the bank always uses
     ``lr``): fine-tuning a pretrained backbone wants a smaller step than a fresh prototype bank."""
@@ -326,6 +336,8 @@ class TrainConfig:
         _check(self.frozen_steps >= 0, f"frozen_steps must be >= 0, got {self.frozen_steps}")
         _check(0 < self.backbone_lr_ratio <= 1, f"backbone_lr_ratio must be in (0, 1], got {self.backbone_lr_ratio}")
         _check(self.parallel in ("ddp", "fsdp"), f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        _check(self.stored_z_dtype in ("float16", "bfloat16", "float32"),
+               f"stored_z_dtype must be float16, bfloat16 or float32, got {self.stored_z_dtype!r}")
 
     def checkpoint_due(self, done: int) -> bool:
         """Whether a periodic checkpoint is due after ``done`` steps (``ckpt_interval``)."""

@@ -18,9 +18,17 @@ import torch
 
 from prismlm.app.run import Run, require
 from prismlm.artifacts import check_out_folder, folder_kind, output_lock, reading, verify_files, writes_folder
-from prismlm.data.shards import load_shards
+from prismlm.data.shards import ShardSet, load_shards
 from prismlm.data.tokenizer import Tokenizer
-from prismlm.errors import ArtifactCorrupt, ConfigError, DataError, ModelError, PrismError
+from prismlm.errors import (
+    ArtifactCorrupt,
+    ArtifactError,
+    ArtifactMismatch,
+    ConfigError,
+    DataError,
+    ModelError,
+    PrismError,
+)
 from prismlm.eval.metrics import evaluate as evaluate_model
 from prismlm.explain import (
     Explanation,
@@ -42,6 +50,8 @@ from prismlm.progress import Progress
 from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.train.checkpoint import verify_checkpoint
 from prismlm.train.distributed import barrier, cleanup, init_distributed
+from prismlm.train.retrofit import STORED_Z_DIR
+from prismlm.train.stored_z import StoredZ, backbone_identity, open_stored_z
 
 
 def parse_part(part: str) -> tuple[int, int]:
@@ -171,7 +181,7 @@ class IndexResult:
 
 def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = None, batch_size: int = 16,
                     part: str = "0/1", out: Path | None = None, resume: bool = False, overwrite: bool = False,
-                    checkpoint_every: int = 50, shards: Path | None = None, labels: bool = True,
+                    checkpoint_every: int = 50, shards: Path | None = None, labels: bool = True, stored_z: bool = True,
                     progress: Progress = True) -> IndexResult:
     """Build the prototype index: each prototype's nearest training contexts, activation statistics,
     coverage; with ``labels``, rule-based labels once complete.
@@ -187,6 +197,7 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
         checkpoint_every: Save the partial index every N batches (0: only at the end).
         shards: Token shard folder (default: the run's, from its data config).
         labels: Also write rule-based labels (labels.json) when the index is complete.
+        stored_z: Read the hidden states a retrofit stored (RUN/stored-z) instead of running the backbone, when they are this checkpoint's backbone over these shards (else the model runs).
         progress: Show a progress bar with tokens/s.
     """
     require(top_n >= 1, "--top-n", ">= 1", top_n)
@@ -197,7 +208,7 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
     check_out_folder(out, "prototype index", holds=INDEX_KIND, overwrite=overwrite, resume=resume, can_resume=True)
     info, _ = init_distributed(str(run.device))
     build_part = partial(_build_index_part, run, top_n=top_n, max_sequences=max_sequences, batch_size=batch_size,
-                         resume=resume, checkpoint_every=checkpoint_every, shards=shards)
+                         resume=resume, checkpoint_every=checkpoint_every, shards=shards, stored_z=stored_z)
     if not info.enabled:
         with output_lock(out):  # the index and its labels: one writer, a second `prism index` is refused
             result = build_part(pt, out, progress=progress)
@@ -233,7 +244,7 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
 @writes_folder("out")
 def _build_index_part(run: Run, pt: tuple[int, int], out: Path, *, top_n: int, max_sequences: int | None,
                       batch_size: int, resume: bool, checkpoint_every: int, shards: Path | None,
-                      progress: Progress) -> IndexResult:
+                      progress: Progress, stored_z: bool = True) -> IndexResult:
     """Build (or resume) part ``pt`` of the run's index into ``out``."""
     model = run.prism_model("a prototype index")
     notes: list[str] = []
@@ -248,12 +259,35 @@ def _build_index_part(run: Run, pt: tuple[int, int], out: Path, *, top_n: int, m
     if prev is not None and prev.complete:
         idx = prev.attach(shard_set)
     else:
+        store = _usable_stored_z(run, model, shard_set, max_sequences, notes) if stored_z else None
         idx = build_index(model, shard_set, top_n=top_n, batch_size=batch_size,
                           max_sequences=max_sequences, part=pt, resume_from=prev, out=out, model_sha256=run.identity,
                           checkpoint_every=checkpoint_every, device=run.device,
-                          autocast=run.autocast(), progress=progress)
+                          autocast=run.autocast(), progress=progress, stored_z=store)
     run.forget(out)
     return IndexResult(index=idx, path=out, notes=notes)
+
+
+def _usable_stored_z(run: Run, model: PrismLM, shards: ShardSet, max_sequences: int | None,
+                     notes: list[str]) -> StoredZ | None:
+    """The run's stored z (``RUN/stored-z``) when it holds this checkpoint's backbone over ``shards`` (after a
+    stage 2 the backbone moved on: the model runs, and a note says why)."""
+    path = run.folder / STORED_Z_DIR
+    if not (path / "manifest.json").exists() or model.proto_multipliers is not None:
+        return None
+    try:
+        store = open_stored_z(path)
+        T = model.config.block_size
+        universe = shards.train.num_sequences(T) if max_sequences is None else min(max_sequences,
+                                                                                   shards.train.num_sequences(T))
+        store.check(backbone=backbone_identity(model), shard_key=shards.manifest["key"], block_size=T, split="train")
+        if store.num_sequences < universe:
+            raise ArtifactMismatch(f"{path} covers {store.num_sequences} sequences, fewer than {universe}")
+    except ArtifactError as e:
+        notes.append(f"the stored z was not used ({e.message}); the index ran the model")
+        return None
+    notes.append(f"hidden states read from {path} ({store.manifest['dtype']}); the backbone did not run")
+    return store
 
 
 @writes_folder("out")

@@ -25,7 +25,9 @@ def retrofit_model(source: str | None = None, *, out: Path, corpus: str = "built
     """Retrofit prototypes onto a pretrained causal LM (a transformers model or a prismlm run).
 
     Stage 1 trains only the prototype bank (REC + R1 + R2) with the backbone frozen, so the model's logits
-    are exactly unchanged while each becomes k prototype slices plus a residual; with --unfreeze, stage 2
+    are exactly unchanged while each becomes k prototype slices plus a residual; the backbone runs once over
+    the corpus (its hidden states are stored in OUT/stored-z, resumable: run the same command again after a
+    kill) and the bank trains on them; with --unfreeze, stage 2
     fine-tunes jointly (CE + REC + R1 + R2). The result is an ordinary run folder.
 
     Args:

@@ -80,6 +80,7 @@ from prismlm.errors import (
 from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
 from prismlm.model import PrismOutput, eval_mode
 from prismlm.progress import Progress, Reporter
+from prismlm.train.stored_z import StoredZ, backbone_identity
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
@@ -617,6 +618,7 @@ def build_index(
     autocast: torch.autocast | None = None,
     progress: Progress = True,
     stop_after_batches: int | None = None,
+    stored_z: StoredZ | None = None,
 ) -> PrototypeIndex:
     """One streaming pass of ``model`` over ``shards.train``; returns a ``PrototypeIndex``.
 
@@ -626,6 +628,11 @@ def build_index(
     combines the parts. ``resume_from``: a partial index (or its folder) to continue after its last
     finished batch. ``out`` + ``checkpoint_every``: save there every that many batches (and at the end).
     ``stop_after_batches``: stop early (simulates an interruption in tests).
+    ``stored_z``: read the hidden states from this store (``prismlm.train.stored_z``, e.g. a retrofit's
+    ``RUN/stored-z``) instead of running the backbone: only the prototype layer runs. It must hold z of this
+    model's backbone over these shards' training split at this block size, covering the indexed sequences
+    (``ArtifactMismatch`` otherwise). From a float32 store made with the same batch grid the index equals the
+    model's pass bit for bit (tested); from float16 the similarities carry z's rounding.
     """
     net = model
     if net.prototypes is None:
@@ -642,6 +649,8 @@ def build_index(
     if universe < 1:
         raise ArtifactError(f"the training split has no complete sequence of {T + 1} tokens to index")
 
+    if stored_z is not None:
+        _check_stored_z(stored_z, net, shards, universe)
     if resume_from is not None:
         prev = resume_from if isinstance(resume_from, PrototypeIndex) else PrototypeIndex.load(resume_from)
         prev.check(model_sha256=ident, shards=shards)
@@ -674,6 +683,7 @@ def build_index(
             "target": [start, stop], "covered": [], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **provenance(),
         }
+    manifest["hidden_from"] = "model" if stored_z is None else f"stored-z {stored_z.manifest['dtype']}"
     chunk = chunk_size or protos.chunk_size_for(batch_size * T, dev)
     p = protos.weight.detach()
     p_unit = F.normalize(p.to(torch.promote_types(p.dtype, torch.float32)), dim=-1).to(dev)  # (K, d)
@@ -688,9 +698,15 @@ def build_index(
             while j < stop:
                 j1 = min(stop, (j // batch_size + 1) * batch_size)  # fixed grid of batches
                 ids = np.arange(j, j1, dtype=np.int64)
-                x = torch.from_numpy(shards.train.sequences(ids, T)[:, :-1]).to(dev)  # (B, T)
-                with torch.no_grad(), (autocast or nullcontext()):
-                    fo = net(x)  # the model's one PrismOutput
+                if stored_z is not None:  # z (B, T, d) read back; the prototype layer alone runs on it
+                    z = stored_z.hidden(ids).to(dev)
+                    with torch.no_grad():
+                        fo = net.add_prototype_fields(PrismOutput(logits=z.new_empty(0), hidden=z))
+                    x = z[..., 0]  # (B, T): counts the tokens below
+                else:
+                    x = torch.from_numpy(shards.train.sequences(ids, T)[:, :-1]).to(dev)  # (B, T)
+                    with torch.no_grad(), (autocast or nullcontext()):
+                        fo = net(x)  # the model's one PrismOutput
                 builder.update(fo, p_unit, torch.from_numpy(ids * T).to(dev), chunk)
                 manifest["covered"] = merge_ranges(manifest["covered"] + [[j, j1]])
                 j = j1
@@ -711,6 +727,15 @@ def build_index(
     if out is not None:
         idx.save(out)
     return idx
+
+
+def _check_stored_z(store: StoredZ, net: PrismLM, shards: ShardSet, universe: int) -> None:
+    """Refuse stored z that is not this model's backbone over these shards' training split, or too short."""
+    store.check(backbone=backbone_identity(net), shard_key=shards.manifest["key"], block_size=net.config.block_size,
+                split="train")
+    if store.num_sequences < universe:
+        raise ArtifactMismatch(f"the stored z at {store.path} covers {store.num_sequences} training sequences, fewer "
+                               f"than the {universe} to index", fix="pass --max-sequences or index from the model")
 
 
 def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:

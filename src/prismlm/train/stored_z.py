@@ -1,0 +1,247 @@
+"""Stored hidden states: the frozen backbone's z over a shard, computed once and memory-mapped.
+
+Stage 1 of a retrofit trains only the prototype bank, and the index pass only reads z: both need the final
+hidden states z (after the final norm, what W reads) of the same tokens, which a frozen backbone gives the
+same every time. ``build_stored_z`` runs the backbone once (inference mode, batched) over the aligned
+sequences of one split and writes
+
+    z.bin        (rows, d) in ``dtype`` (float16, bfloat16 as raw 16-bit words, or float32), row-major
+    targets.bin  (rows,) int32: the next token of each row (what the logit of that row predicts)
+    state.json   batches done, with a sha256 per batch of its z and target bytes (resume)
+    manifest.json what z belongs to: the backbone's identity (``backbone_identity``), the shards' key, the
+                 split, block size T, d, dtype, the batch grid and the number of sequences
+
+**Provenance is the row number.** Rows follow the trainer's aligned sequences: row ``r`` is position
+``r % T`` of sequence ``r // T`` (tokens ``[j·T, j·T + T + 1)`` of the split), so ``r`` is also the global
+offset of the context's last token, exactly the offset the prototype index stores, and
+``shard.locate(r + 1)`` gives the target's document and position.
+
+**Resume.** Batches follow a fixed grid of ``batch_size`` sequences; after each batch the memory maps are
+flushed and ``state.json`` is rewritten atomically. A killed pass resumed with the same arguments checks
+every recorded batch against its checksum, redoes the first that does not match and everything after it,
+and ends with files equal byte for byte to an uninterrupted pass (tested).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from prismlm.artifacts import atomic_write_text, provenance, reading
+from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError
+from prismlm.model import PrismLM, eval_mode
+from prismlm.progress import Progress, Reporter
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet, TokenShard
+
+KIND = "prismlm-stored-z"
+FORMAT_VERSION = 1
+ZDtype = Literal["float16", "bfloat16", "float32"]
+_TORCH_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16,
+                                         "float32": torch.float32}
+_NUMPY_DTYPES: dict[str, type[np.generic]] = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
+_FLOAT16_MAX = 65504.0
+
+
+def backbone_identity(model: PrismLM) -> str:
+    """``backbone:<sha256>`` of every weight except the prototype bank: what z (and the logits) depend on.
+    Equal for a source model and its frozen retrofit at any step of stage 1."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        if name.startswith("prototypes."):
+            continue
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return "backbone:" + h.hexdigest()
+
+
+@dataclass
+class StoredZ:
+    """An opened store: memory-mapped ``z`` (rows, d) and ``targets`` (rows,), with its manifest."""
+
+    path: Path
+    manifest: dict[str, Any]
+    z: np.ndarray
+    targets: np.ndarray
+
+    @property
+    def block_size(self) -> int:
+        return int(self.manifest["block_size"])
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.manifest["num_sequences"])
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    def hidden(self, seq_ids: np.ndarray) -> torch.Tensor:
+        """z of whole sequences → (len(seq_ids), T, d) float32 (one gather from the map)."""
+        T = self.block_size
+        ids = np.asarray(seq_ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_sequences):
+            raise IndexError(f"sequence ids out of range [0, {self.num_sequences}) of the stored z at {self.path}")
+        rows = (ids[:, None] * T + np.arange(T)[None, :]).reshape(-1)
+        return _to_float32(self.z[rows], self.manifest["dtype"]).view(len(ids), T, -1)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """z of rows ``[start, stop)`` → (stop − start, d) float32."""
+        return _to_float32(self.z[start:stop], self.manifest["dtype"])
+
+    def check(self, *, backbone: str | None = None, shard_key: str | None = None, block_size: int | None = None,
+              split: str | None = None) -> StoredZ:
+        """Refuse a store of another backbone, corpus, block size or split (``ArtifactMismatch``), or an
+        unfinished one (``ArtifactError``)."""
+        m = self.manifest
+        fix = f"rebuild it (remove {self.path})"
+        for what, want, have in (("backbone", backbone, m["backbone"]), ("shards", shard_key, m["shard_key"]),
+                                 ("block size", block_size, m["block_size"]), ("split", split, m["split"])):
+            if want is not None and want != have:
+                raise ArtifactMismatch(f"the stored z at {self.path} belongs to another {what} ({have}, not {want})",
+                                       fix=fix)
+        if not self.complete:
+            raise ArtifactError(f"the stored z at {self.path} is unfinished ({m['batches_done']} of "
+                                f"{m['num_batches']} batches)", fix="finish it: run the same command again")
+        return self
+
+
+def _to_float32(a: np.ndarray, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(np.require(a, requirements=["C", "W"]))  # a slice of the read-only map is copied
+    if dtype == "bfloat16":
+        return t.view(torch.bfloat16).float()
+    return t.float()
+
+
+def _encode(z: torch.Tensor, dtype: str) -> np.ndarray:
+    """(n, d) float → the stored words; float16 refuses values past its range rather than storing inf."""
+    if dtype == "float16" and bool((z.abs() > _FLOAT16_MAX).any()):
+        raise ConfigError(f"hidden states reach {float(z.abs().max()):.3g}, past float16's range",
+                          fix="store z as bfloat16 or float32 (train.stored_z_dtype)")
+    q = z.to(_TORCH_DTYPES[dtype]).cpu().contiguous()
+    return (q.view(torch.int16) if dtype == "bfloat16" else q).numpy().view(_NUMPY_DTYPES[dtype])
+
+
+def open_stored_z(path: str | Path) -> StoredZ:
+    """Open a store read-only (memory-mapped); ``ArtifactError`` when there is none at ``path``."""
+    path = Path(path)
+    mpath = path / "manifest.json"
+    if not mpath.exists():
+        raise ArtifactError(f"no stored z at {path}", fix="build it with a retrofit (stage 1) or build_stored_z")
+    with reading(mpath, "stored z manifest", fix=f"remove {path} and build it again"):
+        m = json.loads(mpath.read_text())
+        state = json.loads((path / "state.json").read_text()) if (path / "state.json").exists() else {}
+    m["batches_done"] = int(state.get("batches_done", 0))
+    m["complete"] = m["batches_done"] == m["num_batches"]
+    rows, d = int(m["rows"]), int(m["d"])
+    z = np.memmap(path / "z.bin", dtype=_NUMPY_DTYPES[m["dtype"]], mode="r", shape=(rows, d))
+    targets = np.memmap(path / "targets.bin", dtype=np.int32, mode="r", shape=(rows,))
+    return StoredZ(path=path, manifest=m, z=z, targets=targets)
+
+
+def _batch_digest(z: np.ndarray, targets: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(z).tobytes() + np.ascontiguousarray(targets).tobytes()).hexdigest()
+
+
+def build_stored_z(model: PrismLM, shards: ShardSet, out: str | Path, *, split: str = "train", dtype: ZDtype = "float16",
+                   batch_size: int = 8, max_sequences: int | None = None, device: str | torch.device | None = None,
+                   progress: Progress = True, stop_after_batches: int | None = None) -> StoredZ:
+    """Compute (or finish, or reuse) the stored z of ``model``'s backbone over ``shards.<split>``.
+
+    ``max_sequences``: only the first N aligned sequences. A complete store
+    with the same settings is returned as it is; an unfinished one is resumed (see the module docstring);
+    one made with other settings or another backbone is replaced. ``stop_after_batches``: stop early
+    (simulates a kill in tests)."""
+    if dtype not in _TORCH_DTYPES:
+        raise ConfigError(f"stored z dtype must be float16, bfloat16 or float32, got {dtype!r}")
+    out = Path(out)
+    shard = getattr(shards, split)
+    T, d = model.config.block_size, model.config.n_embd
+    n_seq = shard.num_sequences(T) if max_sequences is None else min(shard.num_sequences(T), max_sequences)
+    if n_seq < 1:
+        raise ArtifactError(f"the {split} split holds no complete sequence of {T + 1} tokens to store z for")
+    want = {"kind": KIND, "format_version": FORMAT_VERSION, "backbone": backbone_identity(model),
+            "shard_key": shards.manifest["key"], "split": split, "block_size": T, "d": d, "dtype": dtype,
+            "batch_size": batch_size, "num_sequences": n_seq, "rows": n_seq * T,
+            "num_batches": -(-n_seq // batch_size)}
+    state = _resume_state(out, want)
+    if state is None:  # new, or made with other settings: start over
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        np.memmap(out / "z.bin", dtype=_NUMPY_DTYPES[dtype], mode="w+", shape=(n_seq * T, d)).flush()
+        np.memmap(out / "targets.bin", dtype=np.int32, mode="w+", shape=(n_seq * T,)).flush()
+        atomic_write_text(out / "manifest.json", json.dumps({**want, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                                             **provenance()}, indent=1) + "\n")
+        state = {"batches_done": 0, "digests": [], "seconds": 0.0}
+        atomic_write_text(out / "state.json", json.dumps(state) + "\n")
+    _fill(model, shard, out, want, state, device=device, progress=progress, stop_after_batches=stop_after_batches)
+    return open_stored_z(out)
+
+
+def _resume_state(out: Path, want: dict[str, Any]) -> dict[str, Any] | None:
+    """The state of a store at ``out`` made with exactly ``want``'s settings, its recorded batches checked
+    against their checksums (cut at the first that fails); None when there is none to continue."""
+    try:
+        m = json.loads((out / "manifest.json").read_text())
+        state = json.loads((out / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if any(m.get(k) != v for k, v in want.items()):
+        return None
+    store = open_stored_z(out)
+    rows_per = want["batch_size"] * want["block_size"]
+    good = 0
+    for b, digest in enumerate(state["digests"][: state["batches_done"]]):
+        sl = slice(b * rows_per, min((b + 1) * rows_per, want["rows"]))
+        if _batch_digest(store.z[sl], store.targets[sl]) != digest:
+            break
+        good = b + 1
+    state["batches_done"], state["digests"] = good, state["digests"][:good]
+    return state
+
+
+@torch.no_grad()
+def _fill(model: PrismLM, shard: TokenShard, out: Path, want: dict[str, Any], state: dict[str, Any], *,
+          device: str | torch.device | None, progress: Progress, stop_after_batches: int | None) -> None:
+    """Run the backbone over the batches not yet done, writing each batch's rows and checksum."""
+    T, B, n_seq, dtype = want["block_size"], want["batch_size"], want["num_sequences"], want["dtype"]
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    z_map = np.memmap(out / "z.bin", dtype=_NUMPY_DTYPES[dtype], mode="r+", shape=(want["rows"], want["d"]))
+    t_map = np.memmap(out / "targets.bin", dtype=np.int32, mode="r+", shape=(want["rows"],))
+    done0 = state["batches_done"]
+    bar = Reporter(progress, "stored-z", want["rows"], unit="tok", initial=min(done0 * B, n_seq) * T)
+    t0, ran, spent = time.perf_counter(), 0, 0.0
+    with bar, eval_mode(model), torch.inference_mode():
+        for b in range(done0, want["num_batches"]):
+            ids = np.arange(b * B, min((b + 1) * B, n_seq), dtype=np.int64)
+            seqs = shard.sequences(ids, T)  # (b, T + 1)
+            x = torch.from_numpy(seqs[:, :-1]).to(dev)
+            z = model.backbone(x).reshape(-1, want["d"])  # (b·T, d)
+            sl = slice(int(ids[0]) * T, (int(ids[-1]) + 1) * T)
+            z_map[sl] = _encode(z, dtype)
+            t_map[sl] = seqs[:, 1:].reshape(-1).astype(np.int32)
+            z_map.flush()
+            t_map.flush()
+            state["digests"].append(_batch_digest(z_map[sl], t_map[sl]))
+            state["batches_done"] = b + 1
+            now = time.perf_counter()
+            state["seconds"] = float(state.get("seconds", 0.0)) + (now - t0)
+            spent, t0 = spent + (now - t0), now
+            atomic_write_text(out / "state.json", json.dumps(state) + "\n")
+            ran += 1
+            bar.update(x.numel(), tokens_per_s=round(ran * B * T / max(spent, 1e-9)))
+            if stop_after_batches is not None and ran >= stop_after_batches:
+                break
+
+
+__all__ = ["StoredZ", "ZDtype", "backbone_identity", "build_stored_z", "open_stored_z"]
