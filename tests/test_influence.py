@@ -324,8 +324,9 @@ def test_cli_attribute(trained, tiny_shards, tmp_path):
     sh = str(tiny_shards.root)
     res = r.invoke(app, ["attribute", str(run), "The President", "--shards", sh])
     assert res.exit_code == 2 and "attribute-cache" in res.output, res.output
+    # --overwrite: the run is a module fixture, and another test may have built its cache already
     res = r.invoke(app, ["attribute-cache", str(run), "--shards", sh, "--max-sequences", "16", "--r", "8",
-                         "--batch-size", "8"])
+                         "--batch-size", "8", "--overwrite"])
     assert res.exit_code == 0 and "bytes/training token" in res.output, res.output
     res = r.invoke(app, ["attribute", str(run), "The President said that", "--completion", "2", "--top", "4",
                          "--json", str(tmp_path / "a.json"), "--html", str(tmp_path / "a.html")])

@@ -368,7 +368,7 @@ def test_train_on_a_missing_empty_or_one_document_corpus_is_one_line(tmp_path):
 
 
 # ----- issue 23: retrofit --resume, runs stopped before their first checkpoint, killed prepares ------------
-def _retrofit_cli(*args):
+def _retrofit_cli(*args, per_step: bool = False):
     from typer.testing import CliRunner
 
     from prismlm.cli import app
@@ -376,7 +376,8 @@ def _retrofit_cli(*args):
     return CliRunner().invoke(app, ["retrofit", *map(str, args), "--prototypes", "16", "--top-k", "2",
                                     "--batch-size", "2", "--no-progress", "--device", "cpu",
                                     "--set", "data.max_docs=60", "--set", "data.max_chars_per_doc=4000",
-                                    "--set", "train.ckpt_interval=2"])
+                                    "--set", "train.ckpt_interval=2",
+                                    *(["--set", "train.frozen_from_stored_z=false"] if per_step else [])])
 
 
 def test_retrofit_resume_continues_an_interrupted_retrofit_bit_for_bit(tiny_shards, tmp_path, monkeypatch):
@@ -388,10 +389,12 @@ def test_retrofit_resume_continues_an_interrupted_retrofit_bit_for_bit(tiny_shar
 
     dense = tmp_path / "dense"
     train(tiny_cfg().dense(), dense, shards=tiny_shards, progress=False)
-    res = _retrofit_cli("--from", dense, "--out", tmp_path / "straight", "--steps", 4)
+    # the per-step frozen stage, which checkpoints as it goes (stage 1 on stored z writes one checkpoint at its
+    # end; its interruption is tests/test_stored_z.py's)
+    res = _retrofit_cli("--from", dense, "--out", tmp_path / "straight", "--steps", 4, per_step=True)
     assert res.exit_code == 0, res.output
     monkeypatch.setattr(retrofit_mod, "train", functools.partial(train, stop_after=2))  # interrupted at step 2
-    res = _retrofit_cli("--from", dense, "--out", tmp_path / "resumed", "--steps", 4)
+    res = _retrofit_cli("--from", dense, "--out", tmp_path / "resumed", "--steps", 4, per_step=True)
     assert res.exit_code == 0, res.output
     monkeypatch.undo()
     assert load_checkpoint(tmp_path / "resumed").manifest["step"] == 2

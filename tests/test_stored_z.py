@@ -176,3 +176,31 @@ def test_prism_index_reads_the_retrofits_stored_z(stored_run, tmp_path):
         run.model.transformer.ln_f.weight.mul_(1.5)
     moved = build_run_index(run, out=tmp_path / "idx-moved", progress=False, labels=False)
     assert moved.index.manifest["hidden_from"] == "model" and any("not used" in n for n in moved.notes)
+
+
+def test_a_retrofit_killed_in_its_z_pass_continues_when_run_again(dense_run, stored_run, tmp_path, monkeypatch):
+    """A kill during the z pass leaves RUN/stored-z and no checkpoint: the same command run again continues
+    the pass (the run-folder guard must not call the folder foreign) and ends at the uninterrupted run's bank;
+    ``--resume`` says to run it again instead of sending the user to --overwrite."""
+    import prismlm.train.retrofit as retrofit_module
+    from prismlm.app.retrofit import resume_retrofit
+    from prismlm.errors import PrismError
+    from prismlm.train import load_checkpoint
+
+    real = retrofit_module.build_stored_z
+
+    def killed(*args, **kwargs):
+        real(*args, **{**kwargs, "stop_after_batches": 2})
+        raise KeyboardInterrupt
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(retrofit_module, "build_stored_z", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _retrofit(dense_run, out, "train.stored_z_dtype=float32")
+    monkeypatch.setattr(retrofit_module, "build_stored_z", real)
+    assert (out / "stored-z" / "state.json").exists() and not (out / "checkpoints").exists()
+    with pytest.raises(PrismError, match="run the same prism retrofit command again"):
+        resume_retrofit(out, device="cpu", progress=False)
+    _retrofit(dense_run, out, "train.stored_z_dtype=float32")
+    got, want = load_checkpoint(out).model.state_dict(), load_checkpoint(stored_run.run_dir).model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -50,7 +50,7 @@ from prismlm.train.bank_stage import bank_stage, frozen_stage_steps
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.distributed import resolve_device
 from prismlm.train.stored_z import build_stored_z
-from prismlm.train.trainer import TrainResult, _clear_run_folder, check_run_folder, train
+from prismlm.train.trainer import STORED_Z_DIR, TrainResult, _clear_run_folder, check_run_folder, train
 
 DEFAULT_MAX_BLOCK = 1024
 """Longest context a retrofit uses by default (training windows, generation crop): the model's own if shorter."""
@@ -307,10 +307,6 @@ def _seed_bank(model: PrismLM, hidden: torch.Tensor, cfg: RunConfig) -> None:
     bank = seed_prototypes(hidden, K, k, generator=torch.Generator().manual_seed(cfg.train.seed))
     with torch.no_grad():  # an in-place copy on the parameter (not .data): bumps its version for any cache
         bank_layer.weight.copy_(bank)
-
-
-STORED_Z_DIR = "stored-z"
-"""Where a retrofit keeps the frozen backbone's stored z: ``RUN/stored-z`` (``prismlm.train.stored_z``)."""
 
 
 def _retrofit_on_stored_z(model: PrismLM, cfg: RunConfig, out_dir: Path, *, shards: ShardSet, progress: Progress,

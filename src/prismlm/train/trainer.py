@@ -577,9 +577,14 @@ class _Interrupts:
 
 
 _WRITE_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+STORED_Z_DIR = "stored-z"
+"""Where a retrofit keeps the frozen backbone's stored z: ``RUN/stored-z`` (``prismlm.train.stored_z``)."""
+
+
 def _holds_run(folder: Path) -> bool:
-    """A run folder, even one stopped before env.json was written (its config.json is a RunConfig)."""
-    if folder_kind(folder) == RUN:
+    """A run folder, even one stopped before env.json was written (its config.json is a RunConfig) or a
+    retrofit stopped in its z pass (only ``RUN/stored-z`` so far)."""
+    if folder_kind(folder) == RUN or (folder / STORED_Z_DIR / "manifest.json").exists():
         return True
     try:
         cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -598,8 +603,11 @@ def _has_checkpoint(out_dir: Path) -> bool:
 
 def _restart_fix(out_dir: Path) -> str:
     """How to go on with a run folder that has nothing to resume."""
+    if not any((out_dir / name).exists() for name in RUN_FILES) and (out_dir / STORED_Z_DIR).is_dir():
+        return "its z pass was interrupted: run the same prism retrofit command again (without --resume) to continue it"
     if _holds_run(out_dir):
-        return "nothing to resume: start it again with --overwrite, or choose another --out"
+        return "nothing to resume: start it again with --overwrite (a retrofit's stored z is kept and reused), " \
+               "or choose another --out"
     return "start it without --resume"
 
 
