@@ -131,6 +131,7 @@ def test_the_checker_sees_function_level_imports(tmp_path):
     assert ("prismlm.cli.main", 2) in _imports(f)
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_the_environment_imports_transformers_model_classes():
     """scripts/setup.sh must leave a venv where transformers' model classes import: kronfluence pulls a CUDA
     torchvision that breaks them next to the CPU torch ("operator torchvision::nms does not exist"), so the

@@ -272,6 +272,7 @@ def test_cli_index_explain_prototypes(trained, tiny_shards, tmp_path):
         assert r.invoke(app, [cmd, "--help"]).exit_code == 0
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_torchrun_index_two_processes_equal_one_pass(trained, tiny_shards, tmp_path):
     """`torchrun --nproc_per_node 2 -m prismlm.cli index`: each gloo process builds half, rank 0 merges into
     --out and removes the parts; the result equals one process with the same batch size (the tables and

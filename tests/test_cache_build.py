@@ -50,6 +50,7 @@ COMPACT = ["--projection", "pca-local", "--sketch-size", "8", "--dtype", "int4",
 
 @pytest.mark.parametrize("options", [[], COMPACT, ["--dtype", "float16", "--aggregate", "document"]],
                          ids=["default", "compact", "float16-document"])
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_torchrun_cache_two_processes_equal_one_pass(trained, tiny_shards, tmp_path, options):
     """`torchrun --nproc_per_node 2 -m prismlm.cli attribute-cache`: both gloo processes compute the same
     (subsampled) curvature and pca bases, each builds half of the postings, rank 0 merges them into --out,
@@ -140,6 +141,7 @@ _MEMORY_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_build_and_query_memory_does_not_grow_with_postings(tiny_shards, tmp_path):
     """Building a cache (postings streamed to files, grouped and encoded in chunks) and querying it
     (memory-mapped, decoded in chunks) keep the traced peak nearly flat as the corpus grows 4×: its growth

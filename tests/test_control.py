@@ -362,6 +362,7 @@ def test_sae_aux_loss_trains_only_dead_latents():
 
 
 # ----- tasks, scorer and lm-eval ----------------------------------------------------------------------
+@pytest.mark.slow  # over 10 s: .ci/run's `-m slow` pass
 def test_tasks_deterministic_and_well_formed():
     from prismlm.eval.tasks import TASKS, build_task
 

@@ -373,6 +373,7 @@ def test_long_documents_encode_in_pieces_with_the_same_ids():
         assert arr.tolist() == whole
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_preparing_a_50mb_one_line_corpus_stays_under_1gb(tmp_path):
     """A memory ceiling, not a timing: peak RSS of the preparing process (≈250 MB of it is torch + Python)."""
     import random

@@ -42,6 +42,7 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
         torch.testing.assert_close(sa[name], sb[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_fsdp_two_processes_equal_single_process_and_resume_from_shards(tiny_shards, tmp_path):
     """Step 2 of a sharded 2-process run equals step 2 of one process (global batch 8 either way); the run's
     checkpoint holds one optimizer shard per rank; resumed from it under torchrun, step 3 equals the

@@ -516,6 +516,7 @@ _SCRIPTS = {
 }
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_auto_classes_know_prism_in_fresh_interpreters(exported, run, tmp_path):
     """Four fresh interpreters, run side by side: ``import prismlm`` then transformers (the import hook
     registers, transformers is not imported by prismlm itself), transformers then ``import prismlm``

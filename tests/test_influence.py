@@ -349,7 +349,7 @@ def test_cli_attribute(trained, tiny_shards, tmp_path):
     res = r.invoke(app, ["attribute", str(run), "x", "--method", "magic"])
     assert res.exit_code == 2 and "--method" in res.output
     res = r.invoke(app, ["attribute-cache", str(run), "--projection", "identity", "--r", "4", "--shards", sh,
-                         "--max-sequences", "4"])
+                         "--max-sequences", "4", "--overwrite"])
     assert res.exit_code == 2 and "r = d" in res.output, res.output
     for cmd in ("attribute", "attribute-cache"):
         assert r.invoke(app, [cmd, "--help"]).exit_code == 0

@@ -53,6 +53,7 @@ def run_cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 # ----- 1. the real command line -------------------------------------------------------------------------
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_cli_scores_like_our_scorer_and_reports_device_and_tokenizer(trained, tmp_path):
     """``prism-lm-eval --model prism`` (a subprocess, as a user runs it, no ``--device``): per-choice
     log-likelihoods and accuracy equal our own scorer's; the results JSON names the device the model ran
@@ -133,6 +134,7 @@ def test_help_says_how_to_use_model_prism(capsys, monkeypatch):
         assert "usage:" in out.lower() and out.index("--model prism") < out.lower().index("usage:")
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_registration_keeps_lm_evals_own_models():
     """lm-eval fills its registry lazily only while it is empty: registering ``prism`` first would hide
     ``hf`` and the rest (fresh interpreter, so no earlier import can mask this)."""

@@ -84,6 +84,7 @@ def test_prepare_train_index_cache_report_through_the_callback(tiny_shards, tmp_
     assert capfd.readouterr() == ("", ""), "with a callback, nothing is printed"
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 @pytest.mark.parametrize("flag", ["--progress", "--no-progress"])
 def test_cli_logs_plain_lines_when_not_on_a_terminal(tmp_path, flag):
     """Output captured to a file (not a terminal) or --no-progress: plain log lines, no carriage returns."""

@@ -172,6 +172,7 @@ def test_prism_verify_checks_every_artifact(tiny_shards, tmp_path):
     assert res.exit_code == 2 and "tokenizer" in res.output and "Traceback" not in res.output
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_concurrent_preparation_yields_identical_verified_shards(tmp_path):
     """Two processes preparing the same corpus into one folder: one builds, the other waits and reuses;
     both end with the same shards, verified by checksum, and no temp files are left."""

@@ -228,6 +228,7 @@ else:
 '''
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_torchrun_stream_shards_ranks_and_resumes_exactly(saved_tok, tmp_path):
     import os
     import subprocess

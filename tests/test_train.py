@@ -155,6 +155,7 @@ def test_sampler_layout_matches_across_world_sizes():
     assert len(set(seen.tolist())) == len(seen)
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_torchrun_two_processes_equal_single_process(tiny_shards, tmp_path):
     """A 2-process gloo DDP step equals the 1-process step with the same global batch."""
     cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2, "train.batch_size": 4,
@@ -175,6 +176,7 @@ def test_torchrun_two_processes_equal_single_process(tiny_shards, tmp_path):
 PRISM_SCRIPT = str(Path(sys.executable).parent / "prism")
 
 
+@pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_cli_demo_end_to_end(tmp_path):
     """The README's main job at its smallest size, through the installed console script."""
     assert Path(PRISM_SCRIPT).exists(), "the `prism` console script is not installed next to this Python"

@@ -187,6 +187,7 @@ def test_kronfluence_scores_on_candidates_equal_the_full_matrix(net, tiny_shards
     kb.close()
 
 
+@pytest.mark.slow  # over 10 s: .ci/run's `-m slow` pass
 def test_ekfac_fits_are_seeded_so_repeated_runs_give_the_same_scores(net, tiny_shards):
     """EK-FAC's factor fit samples labels from the model's softmax: two fits (from different global RNG
     states) give identical scores, and the caller's RNG state is left untouched; another seed moves them."""
