@@ -119,6 +119,33 @@ def test_cli_reports_bad_model_args_in_one_line(trained, tmp_path, monkeypatch, 
         assert what in err.splitlines()[-1]
 
 
+def test_bad_model_args_are_reported_before_lm_eval_starts(trained, tmp_path, monkeypatch, capsys):
+    """A bad key or a missing run was reported only after lm-eval had indexed its task files (~36 s): the
+    check now runs on the command line as given, before lm-eval's own CLI is entered at all."""
+    import lm_eval.__main__
+
+    from prismlm.app.lm_eval_adapter import main
+
+    def entered():
+        raise AssertionError("lm-eval's CLI ran before the model_args were checked")
+
+    _, run = trained
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", entered)
+    monkeypatch.setattr(sys, "argv", ["prism-lm-eval"])
+    cases = [(["--model", "prism", "--model_args", f"pretrained={run},bogus=1"], "bogus"),
+             (["--model=prism", "--model_args=pretrained=" + str(tmp_path / "nowhere")], "nowhere"),
+             (["--model", "prism", "--model_args", "suppress=none"], "pretrained=RUN")]
+    for argv, what in cases:
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--tasks", "prism_tiny"])
+        assert e.value.code == 2
+        assert what in capsys.readouterr().err.strip().splitlines()[-1]
+    with pytest.raises(AssertionError, match="CLI ran"):  # good args (and any other model) go on to lm-eval
+        main(["--model", "prism", "--model_args", f"pretrained={run},batch_size=4", "--tasks", "prism_tiny"])
+    with pytest.raises(AssertionError, match="CLI ran"):
+        main(["--model", "hf", "--model_args", "pretrained=gpt2,bogus=1", "--tasks", "prism_tiny"])
+
+
 def test_help_says_how_to_use_model_prism(capsys, monkeypatch):
     """``prism-lm-eval --help`` is lm-eval's help with, first, the one thing this command adds: ``--model prism``
     and its ``model_args``."""

@@ -37,7 +37,7 @@ import json
 import logging
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,12 @@ def _batch_size(batch_size: Any, max_batch_size: Any) -> int:
     return int(s)
 
 
+def _refuse_unknown_keys(unknown: Iterable[str]) -> None:
+    if unknown:
+        raise ConfigError(f"--model prism: unknown model_args {', '.join(sorted(unknown))}; valid keys are "
+                          f"{', '.join(MODEL_ARGS)}", fix="--model_args pretrained=RUN,suppress=none")
+
+
 def _refuse_exported_folder(path: Path) -> None:
     """A ``prism export`` folder (a transformers model, ``config.json`` with ``model_type: prism``) is not a
     run: say which lm-eval model reads it instead of "manifest.json is missing"."""
@@ -133,9 +139,7 @@ class PrismEvalLM(LM):
                  batch_size: int | str | None = DEFAULT_BATCH, max_batch_size: int | None = None,
                  device: str | None = None, trust_remote_code: bool | None = None, **unknown: Any) -> None:
         super().__init__()
-        if unknown:
-            raise ConfigError(f"--model prism: unknown model_args {', '.join(sorted(unknown))}; valid keys are "
-                              f"{', '.join(MODEL_ARGS)}", fix="--model_args pretrained=RUN,suppress=none")
+        _refuse_unknown_keys(unknown)
         self._bs = _batch_size(batch_size, max_batch_size)
         self.checkpoint_path: Path | None = None
         self.model_sha256: str | None = None
@@ -395,6 +399,35 @@ prism-lm-eval: lm-eval's command line with the PRISM model type registered: pass
 """
 
 
+def _option(args: list[str], name: str) -> str | None:
+    """The value of ``--name V`` or ``--name=V`` in ``args`` (the last one given), else None."""
+    value = None
+    for j, a in enumerate(args):
+        if a == name and j + 1 < len(args):
+            value = args[j + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def check_model_args(args: list[str]) -> None:
+    """For ``--model prism``: refuse unknown ``model_args`` keys, a missing ``pretrained`` or one that is not a
+    run, on the command line as given — lm-eval itself builds the model only after loading its task index."""
+    if _option(args, "--model") != "prism":
+        return
+    given = lm_utils.simple_parse_args_string(_option(args, "--model_args") or "")
+    _refuse_unknown_keys(set(given) - set(MODEL_ARGS) - {"trust_remote_code", "max_batch_size"})
+    pretrained = given.get("pretrained")
+    if pretrained is None or str(pretrained) == "":
+        raise ConfigError("--model prism needs model_args pretrained=RUN (a run folder or checkpoint)",
+                          fix="--model_args pretrained=runs/a")
+    path = Path(str(pretrained))
+    if not path.exists():
+        raise ConfigError(f"--model prism: pretrained={path} does not exist", fix="--model_args pretrained=RUN "
+                          "(a folder written by prism train or prism retrofit)")
+    _refuse_exported_folder(path)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``prism-lm-eval ARGS`` (or ``python -m prismlm.app.lm_eval_adapter ARGS``): lm-eval's command line
     with ``--model prism`` registered; a ``PrismError`` (bad ``model_args``, missing run) is one line on
@@ -406,6 +439,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(HELP_HEADER, flush=True)
     sys.argv = [sys.argv[0] if sys.argv else "prism-lm-eval", *with_device(args)]
     try:
+        check_model_args(args)  # before lm-eval indexes its task files (tens of seconds)
         cli_evaluate()
     except PrismError as e:
         print(f"prism-lm-eval: error: {e}", file=sys.stderr)
