@@ -1,4 +1,6 @@
-"""The layers import one way. Every import is counted, including those inside functions (ast walk).
+"""The layers import one way. Every import is counted, including those inside functions and under
+``if TYPE_CHECKING:`` (ast walk): no import cycle between modules anywhere in src/, and no module imports
+another module's private (``_name``) names.
 
     config, errors, artifacts, progress, _version  ←  model, data  ←  eval  ←  train  ←  explain, tda  ←  control
     ←  app  ←  explore  ←  cli
@@ -122,6 +124,126 @@ def test_no_terminal_front_end_below_the_cli(package):
     bad = [f"{f.relative_to(SRC)}:{line} imports {mod}" for f in files for mod, line in _imports(f)
            if mod.split(".")[0] in FRONT_END_ONLY]
     assert bad == []
+
+
+def _module_name(path: Path) -> str:
+    """``src/prismlm/tda/cache/store.py`` → ``prismlm.tda.cache.store``; a package's ``__init__`` → the package."""
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(f): f for f in SRC.rglob("*.py")}
+
+
+def _from_imports(path: Path, me: str) -> list[tuple[str, str, int]]:
+    """(module, name, line) of every ``from module import name`` in module ``me`` (file ``path``), relative
+    imports resolved."""
+    pkg = me.split(".")
+    if path.name != "__init__.py":
+        pkg = pkg[:-1]  # the package a relative import starts from
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg[: len(pkg) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out += [(mod, a.name, node.lineno) for a in node.names]
+    return out
+
+
+def _module_graph(files: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """module → {imported prismlm module: line}. ``from pkg import sub`` imports the submodule ``pkg.sub``
+    (not pkg's ``__init__``); the implicit import of a parent package is not counted (every module would
+    be in a cycle with its package's ``__init__``)."""
+    graph: dict[str, dict[str, int]] = {}
+    for me, f in files.items():
+        edges = graph.setdefault(me, {})
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                edges.update({a.name: node.lineno for a in node.names if a.name in MODULES})
+        for mod, name, line in _from_imports(f, me):
+            target = f"{mod}.{name}" if f"{mod}.{name}" in MODULES else mod
+            if target in MODULES and target != me:
+                edges.setdefault(target, line)
+    return graph
+
+
+def _find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    seen: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(u: str, stack: list[str]) -> list[str] | None:
+        seen[u] = 1
+        for v in sorted(graph.get(u, {})):
+            if seen.get(v) == 1:
+                return stack[stack.index(v):] + [u, v] if v in stack else stack + [u, v]
+            if v not in seen:
+                cycle = visit(v, stack + [u])
+                if cycle:
+                    return cycle
+        seen[u] = 2
+        return None
+
+    for u in sorted(graph):
+        if u not in seen:
+            cycle = visit(u, [])
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_import_cycles_between_modules():
+    """No module imports itself through others, counting lazy (in-function) and ``TYPE_CHECKING`` imports:
+    a cycle hidden that way still ties two modules into one that cannot be read or tested alone."""
+    cycle = _find_cycle(_module_graph(MODULES))
+    assert cycle is None, "import cycle (lazy and TYPE_CHECKING imports count): " + " → ".join(cycle or [])
+
+
+PRIVATE_IMPORTS_ALLOWED: set[tuple[str, str, str]] = {
+    # (importer, module, name): private names still imported across modules, to be made public or moved
+    ("prismlm.data.shards", "prismlm.data.corpus", "_package_version"),
+    ("prismlm.data.shards", "prismlm.data.tokenizer", "_describe"),
+    ("prismlm.data.stream", "prismlm.data.corpus", "_file_documents"),
+    ("prismlm.data.stream", "prismlm.data.corpus", "_resolve_files"),
+    ("prismlm.data.stream", "prismlm.data.tokenizer", "_describe"),
+    ("prismlm.model.hf_model", "prismlm.config", "_from_dict"),
+    ("prismlm.train.bank_stage", "prismlm.train.trainer", "_format_eval"),
+    ("prismlm.train.retrofit", "prismlm.train.trainer", "_clear_run_folder"),
+}
+
+
+def _private_imports() -> set[tuple[str, str, str]]:
+    out = set()
+    for me, f in MODULES.items():
+        for mod, name, _ in _from_imports(f, me):
+            if mod.split(".")[0] == "prismlm" and name.startswith("_") and not name.startswith("__") \
+                    and f"{mod}.{name}" not in MODULES and mod != me:
+                out.add((me, mod, name))
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    """``from prismlm.a import _x`` reaches into a.py's internals: make ``_x`` public (or move it) instead."""
+    wrong = sorted(_private_imports() - PRIVATE_IMPORTS_ALLOWED)
+    assert wrong == [], "private names imported across modules:\n" + "\n".join(f"{a}: from {m} import {n}"
+                                                                             for a, m, n in wrong)
+    assert PRIVATE_IMPORTS_ALLOWED <= _private_imports(), "an allowed private import is gone: drop it from the list"
+
+
+def test_the_cycle_checker_sees_lazy_and_type_checking_imports(tmp_path):
+    """Two modules that import each other only inside a function and under ``TYPE_CHECKING`` are a cycle;
+    a private name imported from another module is found."""
+    pkg = tmp_path / "prismlm" / "fake"
+    pkg.mkdir(parents=True)
+    a, b = pkg / "a.py", pkg / "b.py"
+    a.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prismlm.fake.b import B\n")
+    b.write_text("def f():\n    from prismlm.fake.a import _x\n    return _x\n")
+    files = {"prismlm.fake.a": a, "prismlm.fake.b": b}
+    MODULES.update(files)
+    try:
+        assert _find_cycle(_module_graph(files)) == ["prismlm.fake.a", "prismlm.fake.b", "prismlm.fake.a"]
+        assert ("prismlm.fake.a", "_x", 2) in _from_imports(b, "prismlm.fake.b")
+    finally:
+        for k in files:
+            MODULES.pop(k)
 
 
 def test_the_checker_sees_function_level_imports(tmp_path):

@@ -20,7 +20,7 @@ from prismlm.cli.main import app
 from prismlm.config import AttributionConfig
 from prismlm.errors import ArtifactCorrupt, ArtifactError
 from prismlm.progress import ProgressEvent
-from prismlm.tda.cache import AttributionCache, build_cache
+from prismlm.tda.cache import AttributionCache, PostingSketcher, build_cache
 
 _CFG = AttributionConfig(max_sequences=22, batch_size=4, curvature_sample=5, projection="pca-local", r=8,
                          pca_sequences=9, dtype="int4", prune=0.1, id_encoding="delta")
@@ -43,9 +43,8 @@ def whole(trained, tiny_shards, tmp_path_factory):
 
 def _interrupted(net, shards, out, monkeypatch, after: int = 4, cfg: AttributionConfig = _CFG) -> None:
     """A build killed (KeyboardInterrupt) in its postings pass after ``after`` batches were written."""
-    from prismlm.tda import cache as cache_mod
 
-    real, calls = cache_mod.PostingSketcher.__call__, []
+    real, calls = PostingSketcher.__call__, []
 
     def dying(self, proto, G):
         calls.append(1)
@@ -54,7 +53,7 @@ def _interrupted(net, shards, out, monkeypatch, after: int = 4, cfg: Attribution
         return real(self, proto, G)
 
     with monkeypatch.context() as mp:
-        mp.setattr(cache_mod.PostingSketcher, "__call__", dying)
+        mp.setattr(PostingSketcher, "__call__", dying)
         with pytest.raises(KeyboardInterrupt):
             build_cache(net, shards, cfg, out=out)
 
@@ -80,7 +79,7 @@ def test_resume_builds_damaged_rows_again(trained, whole, tiny_shards, tmp_path,
     batch record: the resume finds the first damaged batch by its crc32, runs it and every later batch
     again, and the cache equals an uninterrupted build bit for bit. A record line torn by the kill only ends
     the record (nothing is rolled back)."""
-    from prismlm.tda import cache as cache_mod
+    from prismlm.tda.cache import passes as passes_mod
 
     out = tmp_path / "cache"
     _interrupted(trained[0].model, tiny_shards, out, monkeypatch, cfg=cfg)
@@ -98,13 +97,13 @@ def test_resume_builds_damaged_rows_again(trained, whole, tiny_shards, tmp_path,
     else:
         _flip(raw, 0.6)
     forwards: list[int] = []
-    real_forward = cache_mod._forward
+    real_forward = passes_mod.forward_batch
 
     def counting(net_, shards_, j0, j1, T, dev):
         forwards.append(j0)
         return real_forward(net_, shards_, j0, j1, T, dev)
 
-    monkeypatch.setattr(cache_mod, "_forward", counting)
+    monkeypatch.setattr(passes_mod, "forward_batch", counting)
     events: list[ProgressEvent] = []
     resumed = build_cache(trained[0].model, tiny_shards, cfg, out=out, resume=True, progress=events.append)
     _same(resumed, whole[id(cfg)])
@@ -134,9 +133,9 @@ def test_resume_refuses_a_changed_fitted_file(trained, tiny_shards, tmp_path, mo
 def test_a_changed_fitted_batch_is_run_again(trained, whole, tiny_shards, tmp_path, monkeypatch):
     """A fitted batch's kept block gradients (fitted/J0.npz) changed before the postings pass reads them: the
     batch is run through the model again instead (the same cache bit for bit), not loaded."""
-    from prismlm.tda import cache as cache_mod
+    from prismlm.tda.cache import passes as passes_mod
 
-    real_pop, damaged = cache_mod._BatchStore.pop, []
+    real_pop, damaged = passes_mod.BatchStore.pop, []
 
     def pop(self, j0):
         f = self.folder / f"{j0}.npz"
@@ -145,7 +144,7 @@ def test_a_changed_fitted_batch_is_run_again(trained, whole, tiny_shards, tmp_pa
             damaged.append(j0)
         return real_pop(self, j0)
 
-    monkeypatch.setattr(cache_mod._BatchStore, "pop", pop)
+    monkeypatch.setattr(passes_mod.BatchStore, "pop", pop)
     _same(build_cache(trained[0].model, tiny_shards, _CFG, out=tmp_path / "cache"), whole[id(_CFG)])
     assert damaged
 

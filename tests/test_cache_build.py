@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from prismlm.cli.main import app
 from prismlm.config import AttributionConfig
 from prismlm.errors import ConfigError
-from prismlm.tda.cache import AttributionCache, build_cache, compress_cache
+from prismlm.tda.cache import AttributionCache, PostingSketcher, build_cache, compress_cache
 
 _SAME_MANIFEST = ("postings", "covered", "tokens", "universe", "units", "r", "projection", "dtype", "prune", "aggregate",
                   "id_encoding", "id_width", "id_exceptions", "scale_unit", "pruned", "postings_raw",
@@ -114,7 +114,8 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     import numpy as np
     import torch
     from pathlib import Path
-    import prismlm.tda.cache as cache_mod
+    import prismlm.tda.cache.encoding as encoding_mod
+    import prismlm.tda.cache.store as store_mod
     from prismlm import RunConfig
     from prismlm.config import AttributionConfig
     from prismlm.data.shards import load_shards
@@ -122,7 +123,7 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     from prismlm.tda.cache import AttributionCache, build_cache
     from prismlm.tda.influence import query_gradients
 
-    cache_mod._CHUNK = cache_mod._QUERY_CHUNK = 512  # small chunks: the ceiling shows at a test's size
+    encoding_mod.CHUNK = store_mod.QUERY_CHUNK = 512  # small chunks: the ceiling shows at a test's size
     torch.set_num_threads(1)
     shards_root, n, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     shards = load_shards(shards_root)
@@ -183,14 +184,14 @@ def test_sampled_curvature_spreads_and_defaults_to_all(trained, tiny_shards):
 
 def test_postings_gradients_equal_block_gradients(trained, tiny_shards):
     """The cache's loss-free block gradients are ``block_gradients``' rows and gradients, bit for bit."""
-    from prismlm.tda.cache import _postings_gradients
+    from prismlm.tda.cache import postings_gradients
     from prismlm.tda.gradients import block_gradients
-    from prismlm.tda.influence import _forward
+    from prismlm.tda.influence import forward_batch
 
     ckpt, _ = trained
-    out, y = _forward(ckpt.model, tiny_shards, 8, 12, 64, torch.device("cpu"))
+    out, y = forward_batch(ckpt.model, tiny_shards, 8, 12, 64, torch.device("cpu"))
     ids = torch.arange(8, 12)
-    a, b = _postings_gradients(ckpt.model, out, y, ids), block_gradients(ckpt.model, out, y, seq_ids=ids)
+    a, b = postings_gradients(ckpt.model, out, y, ids), block_gradients(ckpt.model, out, y, seq_ids=ids)
     assert torch.equal(a.seq, b.seq) and torch.equal(a.proto, b.proto) and torch.equal(a.grad, b.grad)
 
 
@@ -199,25 +200,25 @@ def test_fitted_batches_are_not_run_again(trained, tiny_shards, tmp_path, monkey
     """The batches the curvature and pca-local fits ran through the model give the postings pass their
     block gradients: one forward fewer per distinct fitted batch, and a cache equal bit for bit to one
     whose postings pass runs every batch itself."""
-    from prismlm.tda import cache as cache_mod
+    from prismlm.tda.cache import passes as passes_mod
 
     ckpt, _ = trained
     cfg = AttributionConfig(max_sequences=22, batch_size=4, curvature_sample=5, projection="pca-local", r=8,
                             pca_sequences=9, dtype="int4", id_encoding="delta")
     forwards: list[tuple[int, int]] = []
-    real_forward = cache_mod._forward
+    real_forward = passes_mod.forward_batch
 
     def counting(net, shards, j0, j1, T, dev):
         forwards.append((j0, j1))
         return real_forward(net, shards, j0, j1, T, dev)
 
-    monkeypatch.setattr(cache_mod, "_forward", counting)
+    monkeypatch.setattr(passes_mod, "forward_batch", counting)
     kept = build_cache(ckpt.model, tiny_shards, cfg, out=tmp_path / "kept" if on_disk else None)
     with_reuse = list(forwards)
     forwards.clear()
-    monkeypatch.setattr(cache_mod._BatchStore, "wants", lambda self, j0, j1: False)
+    monkeypatch.setattr(passes_mod.BatchStore, "wants", lambda self, j0, j1: False)
     every = build_cache(ckpt.model, tiny_shards, cfg, out=tmp_path / "every" if on_disk else None)
-    curvature_batches, pca_batches = ({b for a0, a1 in cache_mod.fit_ranges(22, n, 4) for b in cache_mod._batches(a0, a1, 4)}
+    curvature_batches, pca_batches = ({b for a0, a1 in passes_mod.fit_ranges(22, n, 4) for b in passes_mod.batch_grid(a0, a1, 4)}
                                       for n in (5, 9))
     assert pca_batches - curvature_batches  # a batch only the pca-local fit ran
     assert len(forwards) - len(with_reuse) == len(curvature_batches | pca_batches) >= 3
@@ -231,9 +232,8 @@ _RESUMED = AttributionConfig(max_sequences=22, batch_size=4, curvature_sample=5,
 
 def _interrupted_build(net, shards, cfg, out, monkeypatch, after: int) -> None:
     """A build that dies (KeyboardInterrupt) in its postings pass after ``after`` batches were written."""
-    from prismlm.tda import cache as cache_mod
 
-    real = cache_mod.PostingSketcher.__call__
+    real = PostingSketcher.__call__
     calls = []
 
     def dying(self, proto, G):
@@ -243,7 +243,7 @@ def _interrupted_build(net, shards, cfg, out, monkeypatch, after: int) -> None:
         return real(self, proto, G)
 
     with monkeypatch.context() as mp:
-        mp.setattr(cache_mod.PostingSketcher, "__call__", dying)
+        mp.setattr(PostingSketcher, "__call__", dying)
         with pytest.raises(KeyboardInterrupt):
             build_cache(net, shards, cfg, out=out)
 
@@ -252,7 +252,7 @@ def test_resumed_build_equals_one_uninterrupted_build(trained, tiny_shards, tmp_
     """A build killed in its postings pass, with a torn last write, resumes from its build folder after
     the last recorded batch: no curvature or pca pass again, only the remaining batches through the model,
     and the cache equals an uninterrupted build bit for bit."""
-    from prismlm.tda import cache as cache_mod
+    from prismlm.tda.cache import passes as passes_mod
 
     ckpt, _ = trained
     net = ckpt.model
@@ -265,13 +265,13 @@ def test_resumed_build_equals_one_uninterrupted_build(trained, tiny_shards, tmp_
     with open(build / "sketch.raw", "ab") as f:  # a write torn by the kill: bytes past the recorded rows
         f.write(b"\x00" * 13)
     forwards: list[int] = []
-    real_forward = cache_mod._forward
+    real_forward = passes_mod.forward_batch
 
     def counting(net_, shards_, j0, j1, T, dev):
         forwards.append(j0)
         return real_forward(net_, shards_, j0, j1, T, dev)
 
-    monkeypatch.setattr(cache_mod, "_forward", counting)
+    monkeypatch.setattr(passes_mod, "forward_batch", counting)
     resumed = build_cache(net, tiny_shards, _RESUMED, out=out, resume=True)
     assert forwards == [8, 12, 16, 20]  # the rest of the postings pass only
     assert_same_cache(resumed, whole)

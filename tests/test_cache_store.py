@@ -37,6 +37,7 @@ from prismlm.tda.cache import (
     project,
     quantise,
 )
+from prismlm.tda.cache import store as store_mod
 from prismlm.tda.influence import FullGradients, query_gradients
 
 N_SEQ = 40
@@ -228,7 +229,7 @@ def test_query_path_equals_format1_and_a_dense_scan(tiny, tiny_shards, tmp_path,
     ref = _format1_scores(raw["offsets"], raw["seq"], raw["sketch"], sq, tiny.q, tiny.Q, N_SEQ)
     assert torch.count_nonzero(ref) > N_SEQ  # the queries reach many sequences
     assert torch.equal(plain.scores(tiny.q, tiny.Q), ref)
-    monkeypatch.setattr(cache_mod, "_QUERY_CHUNK", 7)  # many chunks: the same sums in the same order
+    monkeypatch.setattr(store_mod, "QUERY_CHUNK", 7)  # many chunks: the same sums in the same order
     assert torch.equal(plain.scores(tiny.q, tiny.Q), ref)
     monkeypatch.undo()
     dense = _dense_scores(raw["offsets"], raw["seq"], raw["sketch"], sq, tiny.q, tiny.Q, N_SEQ)

@@ -240,9 +240,9 @@ def test_collect_gradients_equal_autograd_on_any_batch_grid(net, shards):
 
 
 def test_batches_form_a_fixed_grid():
-    assert list(infl._batches(2, 11, 4)) == [(2, 4), (4, 8), (8, 11)]
-    assert list(infl._batches(0, 8, 4)) == [(0, 4), (4, 8)]
-    assert list(infl._batches(5, 5, 4)) == []
+    assert list(infl.batch_grid(2, 11, 4)) == [(2, 4), (4, 8), (8, 11)]
+    assert list(infl.batch_grid(0, 8, 4)) == [(0, 4), (4, 8)]
+    assert list(infl.batch_grid(5, 5, 4)) == []
 
 
 def test_query_gradients_measure_exactly_the_requested_targets(net):

@@ -23,8 +23,8 @@ from prismlm.app.run import Run, require
 from prismlm.app.training import DemoResult
 from prismlm.artifacts import write_output
 from prismlm.cli.console import console, echo, fail, stdout
+from prismlm.cli.context import CONTEXT, HELP
 from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command
-from prismlm.cli.root import CONTEXT, HELP
 from prismlm.data.shards import ShardSet
 from prismlm.errors import PrismError
 from prismlm.explore import RunHeader, render_terminal, write_html

@@ -16,13 +16,10 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from prismlm._version import __version__
+from prismlm.cli.context import CONTEXT, HELP
 
 if TYPE_CHECKING:  # typer's own click (vendored since typer 0.2x): for the types of the overridden methods
     from typer._click import Command, Context
-
-HELP = "prismlm: train, sample, evaluate, explain, attribute and control prototype language models (PRISM)."
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-"""Every command takes ``-h``; help text wraps at the terminal's width (at most 100 columns)."""
 
 _SRC = Path(__file__).resolve().parents[1]  # src/prismlm
 COMMANDS: dict[str, tuple[str, str]] = {

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F_
@@ -25,9 +25,8 @@ from prismlm.errors import ModelError
 
 if TYPE_CHECKING:
     from prismlm.model import PrismLM, PrismOutput
-    from prismlm.tda.influence import Curvature
 
-__all__ = ["BlockGradients", "block_gradients", "output_gradients", "precondition", "query_table",
+__all__ = ["BlockGradients", "Preconditioner", "block_gradients", "output_gradients", "precondition", "query_table",
            "softmax_products"]
 
 
@@ -127,7 +126,15 @@ def block_gradients(model: PrismLM, out: PrismOutput, targets: torch.Tensor, mas
     return BlockGradients(seq=ids[uniq // K], proto=uniq % K, grad=G, loss=loss)
 
 
-def precondition(query: BlockGradients, curvature: Curvature | None,
+class Preconditioner(Protocol):
+    """A block-diagonal curvature H (``prismlm.tda.influence.Curvature``): ``apply(proto, G, power)`` is
+    H_i^power G for rows ``G`` (n, d) of prototypes ``proto`` (n,). Declared here so that the gradients
+    depend on no curvature implementation (influence builds on gradients, not the other way)."""
+
+    def apply(self, proto: torch.Tensor, G: torch.Tensor, power: float) -> torch.Tensor: ...
+
+
+def precondition(query: BlockGradients, curvature: Preconditioner | None,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """(R, d): H_i⁻¹ G_{q,i} for each row of ``query`` (its gradient itself when ``curvature`` is None,
     i.e. H_i = I), in ``dtype`` (default the gradients' dtype)."""
@@ -135,7 +142,7 @@ def precondition(query: BlockGradients, curvature: Curvature | None,
     return G if curvature is None else curvature.apply(query.proto, G, -1.0)
 
 
-def query_table(query: BlockGradients, curvature: Curvature | None, num_prototypes: int, num_queries: int, *,
+def query_table(query: BlockGradients, curvature: Preconditioner | None, num_prototypes: int, num_queries: int, *,
                 dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
     """(K, Q, d): ``table[i, q] = H_i⁻¹ G_{q,i}`` for every prototype i active in query q, zeros elsewhere.
 

@@ -64,8 +64,8 @@ if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.model import PrismLM, PrismOutput
 
-__all__ = ["BlockGradients", "Curvature", "CurvatureAccumulator", "FullGradients", "block_gradients",
-           "collect_gradients", "curvature_pass", "influence_scores", "query_gradients", "self_influence"]
+__all__ = ["BlockGradients", "Curvature", "CurvatureAccumulator", "FullGradients", "batch_grid", "block_gradients",
+           "collect_gradients", "forward_batch", "curvature_pass", "influence_scores", "query_gradients", "self_influence"]
 
 
 # ----- curvature ----------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ class Curvature:
 
 
 # ----- passes over the training shard -------------------------------------------------------------------
-def _batches(start: int, stop: int, batch_size: int) -> Iterator[tuple[int, int]]:
+def batch_grid(start: int, stop: int, batch_size: int) -> Iterator[tuple[int, int]]:
     """A fixed grid of batches [b·B, (b+1)·B) clipped to [start, stop): results do not depend on where
     a part starts (the same sequences always go through the model together)."""
     j = start
@@ -271,8 +271,9 @@ def _batches(start: int, stop: int, batch_size: int) -> Iterator[tuple[int, int]
         j = j1
 
 
-def _forward(net: PrismLM, shards: ShardSet, j0: int, j1: int, T: int,
-             dev: torch.device) -> tuple[PrismOutput, torch.Tensor]:
+def forward_batch(net: PrismLM, shards: ShardSet, j0: int, j1: int, T: int,
+                  dev: torch.device) -> tuple[PrismOutput, torch.Tensor]:
+    """The model's output on training sequences [j0, j1) of length ``T`` and their targets (B, T)."""
     seqs = torch.from_numpy(shards.train.sequences(np.arange(j0, j1, dtype=np.int64), T)).to(dev)  # (B, T+1)
     with torch.no_grad():
         out = net(seqs[:, :-1])
@@ -290,8 +291,8 @@ def curvature_pass(model: PrismLM, shards: ShardSet, *, sequences: tuple[int, in
     dev = next(net.parameters()).device
     acc = CurvatureAccumulator(net, exact=exact)
     with eval_mode(net), Reporter(progress, "curvature", stop - start, unit="seq") as bar:
-        for j0, j1 in _batches(start, stop, batch_size):
-            out, _ = _forward(net, shards, j0, j1, T, dev)
+        for j0, j1 in batch_grid(start, stop, batch_size):
+            out, _ = forward_batch(net, shards, j0, j1, T, dev)
             acc.update(out)
             bar.update(j1 - j0)
     return acc.finish(damping=damping, reconstruction=reconstruction)
@@ -306,8 +307,8 @@ def collect_gradients(model: PrismLM, shards: ShardSet, *, sequences: tuple[int,
     dev = next(net.parameters()).device
     parts = []
     with eval_mode(net):
-        for j0, j1 in _batches(start, stop, batch_size):
-            out, y = _forward(net, shards, j0, j1, T, dev)
+        for j0, j1 in batch_grid(start, stop, batch_size):
+            out, y = forward_batch(net, shards, j0, j1, T, dev)
             parts.append(block_gradients(net, out, y, seq_ids=torch.arange(j0, j1, device=dev)))
     return BlockGradients.cat(parts)
 

@@ -92,6 +92,7 @@ from prismlm.artifacts import atomic_dir, file_records, provenance, reading, ver
 from prismlm.config import SearchConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError
 from prismlm.tda.cache import concat_ranges
+from prismlm.tda.cache.store import exact_top, top_k
 
 if TYPE_CHECKING:
     from prismlm.tda.cache import AttributionCache
@@ -132,25 +133,6 @@ def cache_fingerprint(cache: AttributionCache) -> str:
         else:
             h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
-
-
-def top_k(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best of (scores (n,), ids (n,)) by score descending, ties by ascending id: (k',) each, k' = min(k, n)."""
-    order = np.lexsort((ids, -scores))[:k]
-    return scores[order], ids[order]
-
-
-def exact_top(cache: AttributionCache, query: BlockGradients, num_queries: int, k: int = 10
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """The exact scan's top-k (``cache.scores``, every posting of A_q): (scores (Q, k) float64, ids (Q, k)
-    int64), ordered by score descending, ties by ascending id."""
-    S = cache.scores(query, num_queries).numpy()  # (Q, U)
-    k = min(k, S.shape[1])
-    out_s, out_i = np.empty((num_queries, k)), np.empty((num_queries, k), dtype=np.int64)
-    all_ids = np.arange(S.shape[1], dtype=np.int64)
-    for q in range(num_queries):
-        out_s[q], out_i[q] = top_k(S[q], all_ids, k)
-    return out_s, out_i
 
 
 def _posting_dots(cache: AttributionCache, rows: np.ndarray, sq_rows: torch.Tensor) -> torch.Tensor:
