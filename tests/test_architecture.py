@@ -197,17 +197,8 @@ def test_no_import_cycles_between_modules():
     assert cycle is None, "import cycle (lazy and TYPE_CHECKING imports count): " + " → ".join(cycle or [])
 
 
-PRIVATE_IMPORTS_ALLOWED: set[tuple[str, str, str]] = {
-    # (importer, module, name): private names still imported across modules, to be made public or moved
-    ("prismlm.data.shards", "prismlm.data.corpus", "_package_version"),
-    ("prismlm.data.shards", "prismlm.data.tokenizer", "_describe"),
-    ("prismlm.data.stream", "prismlm.data.corpus", "_file_documents"),
-    ("prismlm.data.stream", "prismlm.data.corpus", "_resolve_files"),
-    ("prismlm.data.stream", "prismlm.data.tokenizer", "_describe"),
-    ("prismlm.model.hf_model", "prismlm.config", "_from_dict"),
-    ("prismlm.train.bank_stage", "prismlm.train.trainer", "_format_eval"),
-    ("prismlm.train.retrofit", "prismlm.train.trainer", "_clear_run_folder"),
-}
+PRIVATE_IMPORTS_ALLOWED: set[tuple[str, str, str]] = set()
+"""(importer, module, name) private names still imported across modules: none left."""
 
 
 def _private_imports() -> set[tuple[str, str, str]]:

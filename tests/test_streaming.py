@@ -154,13 +154,13 @@ def test_resume_skips_earlier_files_unopened(saved_tok, tmp_path, monkeypatch):
     state = s.state_dict()
     want = s.batch(30)
     opened: list[str] = []
-    real = stream_mod._file_documents
+    real = stream_mod.file_documents
 
     def spy(path, rel, text_field):
         opened.append(rel)
         return real(path, rel, text_field)
 
-    monkeypatch.setattr(stream_mod, "_file_documents", spy)
+    monkeypatch.setattr(stream_mod, "file_documents", spy)
     r = _stream(corpus, saved_tok, buffer_size=4)
     r.load_state_dict(state)
     assert opened[0] == "part-02.parquet"  # part-00 and part-01 were not read to get there

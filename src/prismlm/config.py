@@ -41,7 +41,7 @@ def _valid_device(spec: str) -> bool:
     return True
 
 
-def _from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
+def from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
     """Build a dataclass from a dict, rejecting unknown keys and recursing into nested configs."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
@@ -53,7 +53,7 @@ def _from_dict(cls: type[T], data: dict[str, Any], where: str) -> T:
     for name, value in data.items():
         sub = _NESTED.get((cls.__name__, name))
         if sub is not None and value is not None:
-            value = _from_dict(sub, value, f"{where}.{name}")
+            value = from_dict(sub, value, f"{where}.{name}")
         elif isinstance(value, list) and name == "betas":
             value = tuple(value)
         kwargs[name] = value
@@ -138,7 +138,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.prototypes, dict):
-            self.prototypes = _from_dict(PrototypeConfig, self.prototypes, "model.prototypes")
+            self.prototypes = from_dict(PrototypeConfig, self.prototypes, "model.prototypes")
         _check(self.activation in ("gelu", "gelu_tanh"), f"activation must be gelu or gelu_tanh, got {self.activation!r}")
         _check(self.layer_norm_eps > 0, f"layer_norm_eps must be > 0, got {self.layer_norm_eps}")
         _check(self.backbone in ("gpt", "hf"), f"backbone must be gpt or hf, got {self.backbone!r}")
@@ -471,7 +471,7 @@ class AttributionConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AttributionConfig:
-        return _from_dict(cls, data, "attribution config")
+        return from_dict(cls, data, "attribution config")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -521,7 +521,7 @@ class SearchConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SearchConfig:
-        return _from_dict(cls, data, "search config")
+        return from_dict(cls, data, "search config")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -544,7 +544,7 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        return _from_dict(cls, data, "config")
+        return from_dict(cls, data, "config")
 
     @classmethod
     def from_json(cls, path: str | Path) -> RunConfig:

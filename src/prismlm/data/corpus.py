@@ -136,7 +136,7 @@ def corpus_fingerprint(spec: str, **opts: Any) -> str:
     h.update(json.dumps({"spec": spec, "opts": opts}, sort_keys=True, default=str).encode())
     if spec == "builtin" or spec.startswith("builtin:"):
         sources = _builtin_sources(spec)
-        h.update(_package_version().encode())
+        h.update(package_version().encode())
         if "gutenberg" in sources:
             h.update((BUILTIN_DIR / "SOURCES.json").read_bytes())
         if "sotu" in sources:
@@ -145,7 +145,7 @@ def corpus_fingerprint(spec: str, **opts: Any) -> str:
     elif spec.startswith("hf:"):
         h.update(b"hf")
     else:
-        for path, rel in _resolve_files(spec):
+        for path, rel in resolve_files(spec):
             st = path.stat()
             h.update(f"{rel}\x00{path}\x00{st.st_size}\x00{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
@@ -163,15 +163,15 @@ def _raw_documents(spec: str, text_field: str) -> Iterator[Document]:
     elif spec.startswith("hf:"):
         yield from _hf_documents(spec, text_field)
     else:
-        for path, rel in _resolve_files(spec):
-            yield from _file_documents(path, rel, text_field)
+        for path, rel in resolve_files(spec):
+            yield from file_documents(path, rel, text_field)
 
 
 def _has_magic(s: str) -> bool:
     return any(c in s for c in "*?[")
 
 
-def _resolve_files(spec: str) -> list[tuple[Path, str]]:
+def resolve_files(spec: str) -> list[tuple[Path, str]]:
     """(path, id prefix) for every supported file a local spec names, sorted."""
     p = Path(spec).expanduser()
     if p.is_dir():
@@ -221,7 +221,7 @@ def _decode_strict(data: bytes, path: Path, line_base: int = 1) -> str:
         ) from None
 
 
-def _file_documents(path: Path, rel: str, text_field: str) -> Iterator[Document]:
+def file_documents(path: Path, rel: str, text_field: str) -> Iterator[Document]:
     suffix = path.suffix.lower()
     if suffix == ".txt":
         text = _decode_strict(path.read_bytes(), path)
@@ -230,7 +230,7 @@ def _file_documents(path: Path, rel: str, text_field: str) -> Iterator[Document]
         yield from _jsonl_documents(path, rel, text_field)
     elif suffix == ".parquet":
         yield from _parquet_documents(path, rel, text_field)
-    else:  # pragma: no cover - filtered by _resolve_files
+    else:  # pragma: no cover - filtered by resolve_files
         raise CorpusError(f"unsupported corpus file {str(path)!r}")
 
 
@@ -342,7 +342,7 @@ def _hf_documents(spec: str, text_field: str) -> Iterator[Document]:
 # built-in corpus
 
 
-def _package_version() -> str:
+def package_version() -> str:
     try:
         from importlib.metadata import version
 

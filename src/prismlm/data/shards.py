@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 
 from prismlm.artifacts import FileLock, atomic_write_text, sampled_sha256, sha256_file
-from prismlm.data.corpus import Document, _package_version, corpus_fingerprint, iter_documents, split_hash
-from prismlm.data.tokenizer import Tokenizer, _describe, resolve_tokenizer, token_dtype
+from prismlm.data.corpus import Document, corpus_fingerprint, iter_documents, package_version, split_hash
+from prismlm.data.tokenizer import Tokenizer, describe_tokenizer, resolve_tokenizer, token_dtype
 from prismlm.errors import ConfigError, CorpusError, ShardError
 from prismlm.progress import Progress, Reporter
 
@@ -499,14 +499,14 @@ def _build(root: Path, key: str, corpus: str, tokenizer: str, fp: str, opts: dic
         "format_version": FORMAT_VERSION,
         "key": key,
         "corpus": {"spec": corpus, "fingerprint": fp, **opts},
-        "tokenizer": {"spec": tokenizer, **_describe(tok)},
+        "tokenizer": {"spec": tokenizer, **describe_tokenizer(tok)},
         "dtype": dtype.name,
         "splits": split_info,
         "seed": seed,
         "val_fraction": val_fraction,
         "timing_s": {"tokenizer": round(t_tok, 3), "encode": round(t_enc, 3)},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "prismlm_version": _package_version(),
+        "prismlm_version": package_version(),
     }
     atomic_write_text(mpath, json.dumps(manifest, indent=1) + "\n")
     return load_shards(root)

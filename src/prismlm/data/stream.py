@@ -43,14 +43,14 @@ import numpy as np
 from prismlm.artifacts import FileLock, atomic_write_text
 from prismlm.data.corpus import (
     Document,
-    _file_documents,
-    _resolve_files,
     corpus_fingerprint,
+    file_documents,
     iter_documents,
+    resolve_files,
     split_hash,
 )
 from prismlm.data.shards import TokenShard, default_data_dir, encode_documents
-from prismlm.data.tokenizer import Tokenizer, _describe, resolve_tokenizer, token_dtype
+from prismlm.data.tokenizer import Tokenizer, describe_tokenizer, resolve_tokenizer, token_dtype
 from prismlm.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ class TokenStream:
         the files before that document's file are skipped unopened; otherwise documents are re-read (not
         tokenised) up to it."""
         files = [] if start == 0 or self.corpus == "builtin" or self.corpus.startswith(("builtin:", "hf:")) \
-            else _resolve_files(self.corpus)
+            else resolve_files(self.corpus)
         rels = [rel for _, rel in files]
         first = next((k for k, rel in enumerate(rels) if rel in (start_id, start_id.rsplit("#", 1)[0])), None)
         if first is None:
@@ -122,7 +122,7 @@ class TokenStream:
             return
         i, found = start, False
         for path, rel in files[first:]:
-            for d in _file_documents(path, rel, self.text_field):  # the filtering of iter_documents
+            for d in file_documents(path, rel, self.text_field):  # the filtering of iter_documents
                 text = d.text
                 if self.max_chars_per_doc is not None and len(text) > self.max_chars_per_doc:
                     text = text[:self.max_chars_per_doc]
@@ -325,7 +325,7 @@ def prepare_stream(data: DataConfig) -> StreamingData:
                                      max_chars_per_doc=data.max_chars_per_doc, val_tokens=data.stream_val_tokens)
             tok.save(root / "tokenizer")
             manifest = {"format_version": STREAM_FORMAT, "key": key, "streaming": True,
-                        "corpus": {"spec": data.corpus, **opts}, "tokenizer": {"spec": data.tokenizer, **_describe(tok)},
+                        "corpus": {"spec": data.corpus, **opts}, "tokenizer": {"spec": data.tokenizer, **describe_tokenizer(tok)},
                         "dtype": dtype.name, "seed": data.seed, "val_fraction": data.val_fraction,
                         "splits": {"val": {"num_docs": val.num_docs, "num_tokens": len(val)}}}
             atomic_write_text(mpath, json.dumps(manifest, indent=1) + "\n")

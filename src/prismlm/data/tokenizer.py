@@ -347,7 +347,7 @@ def resolve_tokenizer(
     )
 
 
-def _describe(tok: Tokenizer) -> dict[str, Any]:
+def describe_tokenizer(tok: Tokenizer) -> dict[str, Any]:
     """Manifest entry for ``tok``."""
     return {"name": tok.name, "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id, "eot_token": tok.backend.id_to_token(tok.eot_id)}

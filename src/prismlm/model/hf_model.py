@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from prismlm.config import ModelConfig, _from_dict
+from prismlm.config import ModelConfig, from_dict
 from prismlm.errors import ConfigError, DependencyError, ModelError
 from prismlm.model.gpt import PrismLM
 from prismlm.model.interventions import Intervention, check_ids, combined_multipliers
@@ -140,7 +140,7 @@ class PrismConfig(PretrainedConfig):
     @staticmethod
     def _model_config(data: dict[str, Any]) -> ModelConfig:
         try:
-            return _from_dict(ModelConfig, dict(data), "prism_model")
+            return from_dict(ModelConfig, dict(data), "prism_model")
         except ConfigError as e:
             raise ConfigError(f"config.json: {e.message}", fix="export the run again with this prismlm version") from e
 

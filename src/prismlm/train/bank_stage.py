@@ -35,10 +35,10 @@ from prismlm.train.sampler import SequenceSampler
 from prismlm.train.stored_z import StoredZ
 from prismlm.train.trainer import (
     TrainResult,
-    _format_eval,
     autocast_for,
     build_optimizer,
     environment_info,
+    format_eval_line,
     set_trainable,
     trainable_names,
 )
@@ -133,7 +133,7 @@ def bank_stage(model: PrismLM, store: StoredZ, cfg: RunConfig, out_dir: Path, *,
                        loss_weights=cfg.loss.weights_at(steps - 1))
     with Reporter(progress, "validate", 1, unit="eval") as bar:
         bar.update(1)
-        bar.message(_format_eval(steps, metrics))
+        bar.message(format_eval_line(steps, metrics))
     (out_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [*lines, {"step": steps, **metrics}]))
     sampler = SequenceSampler(store.num_sequences, tc.batch_size, tc.grad_accum, 1, tc.seed)
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None

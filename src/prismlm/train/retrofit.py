@@ -50,7 +50,7 @@ from prismlm.train.bank_stage import bank_stage, frozen_stage_steps
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.distributed import resolve_device
 from prismlm.train.stored_z import build_stored_z
-from prismlm.train.trainer import STORED_Z_DIR, TrainResult, _clear_run_folder, check_run_folder, train
+from prismlm.train.trainer import STORED_Z_DIR, TrainResult, check_run_folder, clear_run_folder, train
 
 DEFAULT_MAX_BLOCK = 1024
 """Longest context a retrofit uses by default (training windows, generation crop): the model's own if shorter."""
@@ -321,7 +321,7 @@ def _retrofit_on_stored_z(model: PrismLM, cfg: RunConfig, out_dir: Path, *, shar
     lock.acquire()
     try:
         if overwrite:
-            _clear_run_folder(out_dir)
+            clear_run_folder(out_dir)
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
         model.to(device)

@@ -241,7 +241,7 @@ def train(
             check_run_folder(out_dir, resume=resume, overwrite=overwrite)
             lock.acquire()
             if overwrite and not resume:
-                _clear_run_folder(out_dir)
+                clear_run_folder(out_dir)
         if cfg.train.num_threads:
             torch.set_num_threads(cfg.train.num_threads)
         start_step, state = 0, None
@@ -506,7 +506,7 @@ def train(
                 model.transformer.train(stage != "frozen")
                 if info.is_main:
                     log.write({"step": done, **last_eval})
-                    bar.message(_format_eval(done, last_eval, terms_sum["ce"]))
+                    bar.message(format_eval_line(done, last_eval, terms_sum["ce"]))
             if tc.checkpoint_due(done) and done != end_step:
                 do_checkpoint(done)
                 saved_at = done
@@ -629,7 +629,7 @@ def check_run_folder(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
                        fix="continue it with --resume, replace it with --overwrite, or choose another --out")
 
 
-def _clear_run_folder(out_dir: Path) -> None:
+def clear_run_folder(out_dir: Path) -> None:
     """``--overwrite``: remove the previous run's files (only those a run writes)."""
     import shutil
 
@@ -641,7 +641,7 @@ def _clear_run_folder(out_dir: Path) -> None:
             p.unlink()
 
 
-def _format_eval(step: int, m: dict[str, float], train_ce: float | None = None) -> str:
+def format_eval_line(step: int, m: dict[str, float], train_ce: float | None = None) -> str:
     """The validation line: val CE (``val_loss`` is the CE alone) beside the train CE of this step's batch
     (not the weighted total loss, which adds REC, R1 and R2); ``None`` when no CE was computed (a bank-only
     stage on stored z, where the logits are the frozen model's)."""
