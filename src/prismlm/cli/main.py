@@ -15,7 +15,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from prismlm import app as ops
-from prismlm._version import __version__
 from prismlm.app.control import ConceptResult, ControllerResult
 from prismlm.app.operations import IndexResult, LabelResult, PrototypeListing, PrototypeView, VerifyReport
 from prismlm.app.reports import AttributionReport, ExplanationReport, attribute_report, explain_report
@@ -23,7 +22,7 @@ from prismlm.app.run import Run, require
 from prismlm.app.training import DemoResult
 from prismlm.artifacts import write_output
 from prismlm.cli.console import console, echo, fail, stdout
-from prismlm.cli.context import CONTEXT, HELP
+from prismlm.cli.context import CONTEXT, HELP, root_options
 from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command
 from prismlm.data.shards import ShardSet
 from prismlm.errors import PrismError
@@ -41,16 +40,7 @@ app = typer.Typer(
 )
 
 
-def _version(value: bool) -> None:
-    if value:
-        echo(f"prismlm {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                      help="Print the version and exit.")) -> None:
-    """prismlm: train, sample, evaluate, explain, attribute and control prototype language models (PRISM)."""
+main = app.callback()(root_options)  # --version, and the group's docstring
 
 
 def print_metrics(metrics: dict, title: str = "evaluation") -> None:

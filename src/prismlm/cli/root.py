@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from prismlm._version import __version__
-from prismlm.cli.context import CONTEXT, HELP
+from prismlm.cli.context import CONTEXT, HELP, root_options
 
 if TYPE_CHECKING:  # typer's own click (vendored since typer 0.2x): for the types of the overridden methods
     from typer._click import Command, Context
@@ -101,15 +100,4 @@ app = typer.Typer(cls=LazyGroup, add_completion=False, no_args_is_help=True, hel
                   pretty_exceptions_enable=False, rich_markup_mode=None, context_settings=CONTEXT)
 
 
-def _version(value: bool) -> None:
-    if value:
-        from prismlm.cli.console import echo  # rank 0 only under torchrun
-
-        echo(f"prismlm {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                      help="Print the version and exit.")) -> None:
-    """prismlm: train, sample, evaluate, explain, attribute and control prototype language models (PRISM)."""
+main = app.callback()(root_options)  # --version, and the group's docstring
