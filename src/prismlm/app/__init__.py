@@ -24,7 +24,8 @@ from prismlm.app.operations import (
 )
 from prismlm.app.retrofit import retrofit_model
 from prismlm.app.run import Run, StageFn
-from prismlm.app.training import build_config, demo, prepare, train_from_options
+from prismlm.app.demo import demo
+from prismlm.app.training import build_config, prepare, train_from_options
 
 __all__ = ["Run", "StageFn", "attribute_explanation", "attribute_text", "build_config", "build_run_cache", "build_run_search",
            "build_run_index", "build_task_folders", "demo", "evaluate", "evaluate_tasks", "explain_text", "export_run",
