@@ -113,7 +113,7 @@ def render_demo(res: DemoResult) -> None:
             console.print(f"report → {out / 'explain.html'}; next: prism explain {out} \"your text\" --html report.html")
         else:
             console.print(f"report → {out / 'demo.html'}; next: prism serve {out}  (the explorer: ask it anything, "
-                          f"or prism explain {out} --chat \"your question\")", markup=False, highlight=False)
+                          f"or prism explain {out} --chat \"your question\")", markup=False, highlight=False, soft_wrap=True)
 
 
 command(app, "demo", ops.demo, render_demo, opens_run=False, decls={"overrides": ["--set"]},
