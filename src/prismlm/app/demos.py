@@ -19,7 +19,7 @@ DEMO_MODEL = "smollm2-135m-instruct"
 DEMO_QUESTION = "What is the capital of France?"
 # The anchor set: the first DEMO_DOCS documents of the built-in corpus, each cut to DEMO_CHARS characters —
 # about 33k SmolLM2 tokens, ~130 sequences of DEMO_BLOCK tokens. Why so few: the one backbone pass over them
-# (the stored z) runs at 300–500 tokens/s on 2 cores and is most of the demo's time (~4 min in all).
+# (the stored z) runs at 300–500 tokens/s on 2 cores and is most of the demo's time (2m13s in all, measured).
 DEMO_DOCS = 60
 DEMO_CHARS = 2500
 DEMO_BLOCK = 256
@@ -34,7 +34,7 @@ def demo(*, scratch: bool = False, question: str | None = None, preset: str | No
          overwrite: bool = False, on_stage: StageFn = no_stages) -> DemoResult:
     """The whole pipeline on a real model, offline: retrofit the shipped SmolLM2-135M-Instruct with 512
     prototypes on a small built-in anchor set (one backbone pass, then the bank), index it, and explain its
-    answer to a chat question token by token (~4 minutes on 2 cores). With --scratch: train a toy PRISM
+    answer to a chat question token by token (~2–5 minutes on 2 cores). With --scratch: train a toy PRISM
     from scratch on the built-in corpus instead, sample, evaluate, index and explain one generation.
 
     Args:
