@@ -72,7 +72,7 @@ def test_cli_real_model_demo_end_to_end(tmp_path):
     answer = next(line for line in proc.stdout.splitlines() if line.startswith("assistant:"))
     assert "Paris" in answer
     assert f"next: prism serve {out}" in proc.stderr  # the next step, on one line (the console writes stderr)
-    assert (out / "demo.html").stat().st_size > 0
+    assert "Paris" in (out / "demo.html").read_text()  # the HTML report explains the answer's tokens
     expl = json.loads((out / "demo.json").read_text())
     assert expl["max_abs_error"] < 1e-3  # Σ prototype slices + residual (+ bias) == the logit, over the answer
     assert expl["prompt_tokens"] < len(expl["token_ids"])  # the answer's tokens are the ones explained
