@@ -178,10 +178,10 @@ PRISM_SCRIPT = str(Path(sys.executable).parent / "prism")
 
 @pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_cli_demo_end_to_end(tmp_path):
-    """The README's main job at its smallest size, through the installed console script."""
+    """The toy demo (`prism demo --scratch`) at its smallest size, through the installed console script."""
     assert Path(PRISM_SCRIPT).exists(), "the `prism` console script is not installed next to this Python"
     env = {**os.environ, "PRISM_DATA": str(tmp_path / "data")}
-    cmd = [PRISM_SCRIPT, "demo", "--preset", "tiny", "--steps", "6", "--max-docs", "40", "--max-chars-per-doc", "3000",
+    cmd = [PRISM_SCRIPT, "demo", "--scratch", "--preset", "tiny", "--steps", "6", "--max-docs", "40", "--max-chars-per-doc", "3000",
            "--out", str(tmp_path / "demo"), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

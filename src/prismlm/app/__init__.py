@@ -8,6 +8,7 @@ plain function here, returning values, never printing; user mistakes raise ``pri
 
 from prismlm.app.attribution import attribute_explanation, attribute_text, build_run_cache, build_run_search
 from prismlm.app.control import build_task_folders, evaluate_tasks, find_run_concept, fit_controller
+from prismlm.app.demos import demo
 from prismlm.app.export import export_run
 from prismlm.app.operations import (
                                     build_run_index,
@@ -24,7 +25,7 @@ from prismlm.app.operations import (
 )
 from prismlm.app.retrofit import retrofit_model
 from prismlm.app.run import Run, StageFn
-from prismlm.app.training import build_config, demo, prepare, train_from_options
+from prismlm.app.training import build_config, prepare, train_from_options
 
 __all__ = ["Run", "StageFn", "attribute_explanation", "attribute_text", "build_config", "build_run_cache", "build_run_search",
            "build_run_index", "build_task_folders", "demo", "evaluate", "evaluate_tasks", "explain_text", "export_run",

@@ -96,12 +96,14 @@ class DemoResult:
     index: IndexResult | None = None
     explanation: Explanation | None = None
     files: dict[str, Path] = field(default_factory=dict)
+    question: str | None = None
+    """The chat question the real-model demo explained the answer to (None: the scratch demo)."""
 
 
 DEMO_PROMPTS = ("The ", "It is a truth universally acknowledged")
 
 
-def demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Path("runs/demo"),
+def scratch_demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Path("runs/demo"),
          max_docs: int | None = None, max_chars_per_doc: int | None = None, overrides: list[str] | None = None,
          progress: Progress = True, index_sequences: int | None = None, overwrite: bool = False,
          on_stage: StageFn = no_stages) -> DemoResult:
@@ -145,5 +147,5 @@ def demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Pat
     return demo_result
 
 
-__all__ = ["DEMO_PROMPTS", "DemoResult", "build_config", "default_run_folder", "demo", "prepare",
+__all__ = ["DEMO_PROMPTS", "DemoResult", "build_config", "default_run_folder", "prepare", "scratch_demo",
            "train_from_options"]

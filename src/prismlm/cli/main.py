@@ -80,9 +80,12 @@ command(app, "retrofit", ops.retrofit_model, render_trained, opens_run=False,
 
 
 def render_demo(res: DemoResult) -> None:
-    console.rule("samples")
-    for text in res.samples:
-        stdout.print(text.replace("\n", " ") + "\n", markup=False)
+    if res.question is not None:
+        stdout.print(f"[bold]user:[/] {escape(res.question)}\n[bold]assistant:[/] {escape(res.samples[0])}")
+    else:
+        console.rule("samples")
+        for text in res.samples:
+            stdout.print(text.replace("\n", " ") + "\n", markup=False)
     print_metrics(res.metrics, f"eval {res.run_folder}")
     if res.index is not None:
         render_index(res.index)
@@ -93,9 +96,14 @@ def render_demo(res: DemoResult) -> None:
         header = RunHeader(run=out.name, step=res.train.step, model_sha256=res.explanation.model_sha256,
                            num_prototypes=protos.num_prototypes if protos else None,
                            top_k=protos.top_k if protos else None)
-        write_html(res.explanation, out / "explain.html", run=header)
-        res.explanation.to_json(out / "explain.json")
-        console.print(f"report → {out / 'explain.html'}; next: prism explain {out} \"your text\" --html report.html")
+        name = "explain" if res.question is None else "demo"  # the real-model demo's report: RUN/demo.html
+        write_html(res.explanation, out / f"{name}.html", run=header)
+        res.explanation.to_json(out / f"{name}.json")
+        if res.question is None:
+            console.print(f"report → {out / 'explain.html'}; next: prism explain {out} \"your text\" --html report.html")
+        else:
+            console.print(f"report → {out / 'demo.html'}; next: prism serve {out}  (the explorer: ask it anything, "
+                          f"or prism explain {out} --chat \"your question\")", markup=False, highlight=False, soft_wrap=True)
 
 
 command(app, "demo", ops.demo, render_demo, opens_run=False, decls={"overrides": ["--set"]},

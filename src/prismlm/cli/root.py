@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("app/training.py", "prepare"),
     "train": ("app/training.py", "train_from_options"),
     "retrofit": ("app/retrofit.py", "retrofit_model"),
-    "demo": ("app/training.py", "demo"),
+    "demo": ("app/demos.py", "demo"),
     "generate": ("app/operations.py", "generate"),
     "eval": ("app/operations.py", "evaluate"),
     "index": ("app/operations.py", "build_run_index"),
