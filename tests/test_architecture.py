@@ -95,27 +95,11 @@ def test_library_does_not_import_the_package_facade():
 
 
 def test_no_cycles_between_units():
-    graph: dict[str, set[str]] = {}
+    graph: dict[str, dict[str, int]] = {}
     for src, dst in _edges():
-        graph.setdefault(src, set()).add(dst)
-    seen: dict[str, int] = {}  # 1: on the stack, 2: done
-
-    def visit(u: str, stack: list[str]) -> list[str] | None:
-        seen[u] = 1
-        for v in sorted(graph.get(u, ())):
-            if seen.get(v) == 1:
-                return stack + [u, v]
-            if v not in seen:
-                cycle = visit(v, stack + [u])
-                if cycle:
-                    return cycle
-        seen[u] = 2
-        return None
-
-    for u in sorted(graph):
-        if u not in seen:
-            cycle = visit(u, [])
-            assert cycle is None, "import cycle: " + " → ".join(cycle)
+        graph.setdefault(src, {})[dst] = 1
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " → ".join(cycle or [])
 
 
 @pytest.mark.parametrize("package", sorted(p for p in LAYER if LAYER[p] < LAYER["explore"]))
