@@ -82,9 +82,12 @@ def warn_if_busy(threads: int) -> None:
     trained). Timings are then not comparable across runs; ratios are still taken in the same conditions."""
     la, ncpu = load_average(), os.cpu_count() or 1
     if la is not None and la[0] + threads > ncpu + 0.5:
-        print(f"[bench] warning: load average {la[0]:.2f} on {ncpu} CPUs before starting, with {threads} torch "
-              f"thread(s) requested: the CPUs are shared, timings will be noisy and may be far slower than on an "
-              f"idle machine; consider --threads {max(1, ncpu - round(la[0]))}", file=sys.stderr)
+        print(
+            f"[bench] warning: load average {la[0]:.2f} on {ncpu} CPUs before starting, with {threads} torch "
+            f"thread(s) requested: the CPUs are shared, timings will be noisy and may be far slower than on an "
+            f"idle machine; consider --threads {max(1, ncpu - round(la[0]))}",
+            file=sys.stderr,
+        )
 
 
 def peak_rss_mib() -> float:
@@ -146,7 +149,9 @@ def ensure_cpu_small_run(path: str | Path = CPU_SMALL_RUN) -> Path:
     if not (path / "checkpoints").exists():
         from prismlm.app.training import train_from_options
 
-        print(f"[bench] training the cpu-small run → {path} (prism train --preset cpu-small --out {path})",
-              file=sys.stderr)
+        print(
+            f"[bench] training the cpu-small run → {path} (prism train --preset cpu-small --out {path})",
+            file=sys.stderr,
+        )
         train_from_options(preset="cpu-small", out=path, progress=False)
     return path

@@ -83,13 +83,41 @@ from prismlm.train import load_checkpoint, train
 # K=128, ~2.4k training sequences of 64 tokens; measured under load: ~4 min without LDS, and each of the
 # 64 LDS models ~16–20 s at 300 steps); "quick" is a smoke run of ~2 minutes.
 PROFILES: dict[str, dict[str, Any]] = {
-    "default": dict(background=160, doc_chars=2000, facts=8, copies=3, steps=300, batch=16, val_queries=40,
-                    lds_subsets=64, lds_seeds=2, ranks=[4, 8, 16, 32, 64], fractions=[0.25, 0.5, 1.0]),
-    "quick": dict(background=40, doc_chars=1500, facts=4, copies=2, steps=150, batch=8, val_queries=8,
-                  lds_subsets=8, lds_seeds=2, ranks=[4, 16, 64], fractions=[0.25, 0.5, 1.0]),
+    "default": dict(
+        background=160,
+        doc_chars=2000,
+        facts=8,
+        copies=3,
+        steps=300,
+        batch=16,
+        val_queries=40,
+        lds_subsets=64,
+        lds_seeds=2,
+        ranks=[4, 8, 16, 32, 64],
+        fractions=[0.25, 0.5, 1.0],
+    ),
+    "quick": dict(
+        background=40,
+        doc_chars=1500,
+        facts=4,
+        copies=2,
+        steps=150,
+        batch=8,
+        val_queries=8,
+        lds_subsets=8,
+        lds_seeds=2,
+        ranks=[4, 16, 64],
+        fractions=[0.25, 0.5, 1.0],
+    ),
 }
-MODEL_SETS = {"model.n_embd": 64, "model.prototypes.num_prototypes": 128, "model.prototypes.top_k": 4,
-              "train.eval_interval": 100000, "train.eval_batches": 1, "train.log_interval": 100000}
+MODEL_SETS = {
+    "model.n_embd": 64,
+    "model.prototypes.num_prototypes": 128,
+    "model.prototypes.top_k": 4,
+    "train.eval_interval": 100000,
+    "train.eval_batches": 1,
+    "train.log_interval": 100000,
+}
 
 
 def log(msg: str) -> None:
@@ -223,13 +251,23 @@ def compression_study(net: Any, shards: Any, queries: list, args: argparse.Names
         curv = curvature_pass(net, shards, sequences=(0, min(N, args.curvature_sequences)), batch_size=16)
         t_curv = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ref = build_cache(net, shards, AttributionConfig(projection="identity", dtype="float64", max_sequences=N),
-                          curvature=curv, out=ref_dir)
+        ref = build_cache(
+            net,
+            shards,
+            AttributionConfig(projection="identity", dtype="float64", max_sequences=N),
+            curvature=curv,
+            out=ref_dir,
+        )
         t_ref = time.perf_counter() - t0
-    log(f"reference cache (r = d = {d}, float64): {ref.num_postings:,} postings over {N:,} sequences "
-        f"({ref.manifest['tokens']:,} tokens) in {t_ref:.0f}s" + (" (reused)" if t_curv is None else
-                                                                   f" (+ curvature {t_curv:.0f}s on "
-                                                                   f"{min(N, args.curvature_sequences)} sequences)"))
+    log(
+        f"reference cache (r = d = {d}, float64): {ref.num_postings:,} postings over {N:,} sequences "
+        f"({ref.manifest['tokens']:,} tokens) in {t_ref:.0f}s"
+        + (
+            " (reused)"
+            if t_curv is None
+            else f" (+ curvature {t_curv:.0f}s on {min(N, args.curvature_sequences)} sequences)"
+        )
+    )
     qg = query_gradients(net, queries)
     singles = _single_queries(qg, Q)
     S_full = ref.scores(qg, Q).numpy()
@@ -250,8 +288,8 @@ def compression_study(net: Any, shards: Any, queries: list, args: argparse.Names
     t0 = time.perf_counter()
     if {"pca", "pca-local"} & set(args.comp_projections):
         for a in range(0, len(fit), 512):
-            w = torch.from_numpy(np.array(x[fit[a:a + 512]], dtype=np.float64))
-            C.index_add_(0, torch.from_numpy(proto_all[fit[a:a + 512]]), w[:, :, None] * w[:, None, :])
+            w = torch.from_numpy(np.array(x[fit[a : a + 512]], dtype=np.float64))
+            C.index_add_(0, torch.from_numpy(proto_all[fit[a : a + 512]]), w[:, :, None] * w[:, None, :])
     count = np.bincount(proto_all[fit], minlength=K)
     t_fit = time.perf_counter() - t0
     rows_out, per_query = [], {}
@@ -272,28 +310,53 @@ def compression_study(net: Any, shards: Any, queries: list, args: argparse.Names
         for r in args.comp_ranks:
             if r > d:
                 continue
-            R = (pca_bases(C.sum(0).numpy(), r) if proj == "pca" else
-                 pca_bases(C.numpy(), r, count) if proj == "pca-local" else
-                 make_projection(d, r, proj, args.seed))  # (r, d) or (K, r, d)
+            R = (
+                pca_bases(C.sum(0).numpy(), r)
+                if proj == "pca"
+                else pca_bases(C.numpy(), r, count)
+                if proj == "pca-local"
+                else make_projection(d, r, proj, args.seed)
+            )  # (r, d) or (K, r, d)
             sk = np.empty((P, r), np.float32)
             Rt = torch.from_numpy(R)
             for a in range(0, P, 1 << 16):  # s_r = R_i s_d, as build_cache stores it
-                sk[a:a + (1 << 16)] = project(torch.from_numpy(np.array(x[a:a + (1 << 16)], dtype=np.float64)),
-                                              torch.from_numpy(proto_all[a:a + (1 << 16)]), Rt).numpy()
-            base = AttributionCache(offsets=ref.offsets, ids=ref.ids, sketches=FloatSketches(sk), projection=R,
-                                    curvature=curv, manifest={**ref.manifest, "r": r, "projection": proj,
-                                                              "dtype": "float32"})
+                sk[a : a + (1 << 16)] = project(
+                    torch.from_numpy(np.array(x[a : a + (1 << 16)], dtype=np.float64)),
+                    torch.from_numpy(proto_all[a : a + (1 << 16)]),
+                    Rt,
+                ).numpy()
+            base = AttributionCache(
+                offsets=ref.offsets,
+                ids=ref.ids,
+                sketches=FloatSketches(sk),
+                projection=R,
+                curvature=curv,
+                manifest={**ref.manifest, "r": r, "projection": proj, "dtype": "float32"},
+            )
             S_base = base.scores(qg, Q).numpy()
             S_base_doc = _doc_sum(S_base, docs, D)
             main_axis = r == args.comp_main_rank and proj == args.comp_projections[0]
-            variants = [(agg, dt, prune, by, ids) for agg in args.comp_aggregates for dt in args.comp_dtypes
-                        for prune in args.comp_prunes for by in (args.comp_prune_by if prune > 0 else ["list"])
-                        for ids in (("int32", "delta") if (dt == "float32" and prune == 0 and agg == "sequence")
-                                    else ("delta",))
-                        if main_axis or (prune == 0 and agg == "sequence")]  # other r/projections: dtype only
+            variants = [
+                (agg, dt, prune, by, ids)
+                for agg in args.comp_aggregates
+                for dt in args.comp_dtypes
+                for prune in args.comp_prunes
+                for by in (args.comp_prune_by if prune > 0 else ["list"])
+                for ids in (
+                    ("int32", "delta") if (dt == "float32" and prune == 0 and agg == "sequence") else ("delta",)
+                )
+                if main_axis or (prune == 0 and agg == "sequence")
+            ]  # other r/projections: dtype only
             for agg, dt, prune, by, ids in variants:
-                cfg = AttributionConfig(r=r, projection=proj, dtype=dt, prune=prune, prune_by=by,  # type: ignore[arg-type]
-                                        aggregate=agg, id_encoding=ids)
+                cfg = AttributionConfig(
+                    r=r,
+                    projection=proj,
+                    dtype=dt,
+                    prune=prune,
+                    prune_by=by,  # type: ignore[arg-type]
+                    aggregate=agg,
+                    id_encoding=ids,
+                )
                 t = time.perf_counter()
                 c = compress_cache(base, cfg, shards=shards)
                 t_enc = time.perf_counter() - t
@@ -301,18 +364,34 @@ def compression_study(net: Any, shards: Any, queries: list, args: argparse.Names
                 S, ms, nread = measure(c, name)
                 S_ref, S_fp32 = (S_full_doc, S_base_doc) if agg == "document" else (S_full, S_base)
                 m = c.manifest
-                row = {"name": name, "r": r, "projection": proj, "dtype": dt, "prune": prune, "prune_by": by, "aggregate": agg,
-                       "id_encoding": ids, "postings": m["postings"], "postings_per_token": m["postings"] / m["tokens"],
-                       "kept_of_sequence_postings": m["postings"] / max(1, P), "pruned": m.get("pruned", 0),
-                       "bytes_per_token": m["bytes_per_token"],
-                       "bytes_per_posting": m["bytes_postings"] / max(1, m["postings"]),
-                       "id_bytes_per_posting": c.ids.nbytes / max(1, m["postings"]),
-                       "top10_vs_full": overlap(S, S_ref, 10), "top10_vs_fp32": overlap(S, S_fp32, 10),
-                       "top100_vs_full": overlap(S, S_ref, 100), "per_query_ms_median": statistics.median(ms),
-                       "postings_read_median": statistics.median(nread), "encode_s": t_enc}
+                row = {
+                    "name": name,
+                    "r": r,
+                    "projection": proj,
+                    "dtype": dt,
+                    "prune": prune,
+                    "prune_by": by,
+                    "aggregate": agg,
+                    "id_encoding": ids,
+                    "postings": m["postings"],
+                    "postings_per_token": m["postings"] / m["tokens"],
+                    "kept_of_sequence_postings": m["postings"] / max(1, P),
+                    "pruned": m.get("pruned", 0),
+                    "bytes_per_token": m["bytes_per_token"],
+                    "bytes_per_posting": m["bytes_postings"] / max(1, m["postings"]),
+                    "id_bytes_per_posting": c.ids.nbytes / max(1, m["postings"]),
+                    "top10_vs_full": overlap(S, S_ref, 10),
+                    "top10_vs_fp32": overlap(S, S_fp32, 10),
+                    "top100_vs_full": overlap(S, S_ref, 100),
+                    "per_query_ms_median": statistics.median(ms),
+                    "postings_read_median": statistics.median(nread),
+                    "encode_s": t_enc,
+                }
                 rows_out.append(row)
-                log(f"{name}: {row['bytes_per_token']:.1f} B/token, top-10 vs full {row['top10_vs_full']:.2f}, "
-                    f"vs fp32 {row['top10_vs_fp32']:.2f}, {row['per_query_ms_median']:.1f} ms/query")
+                log(
+                    f"{name}: {row['bytes_per_token']:.1f} B/token, top-10 vs full {row['top10_vs_full']:.2f}, "
+                    f"vs fp32 {row['top10_vs_fp32']:.2f}, {row['per_query_ms_median']:.1f} ms/query"
+                )
                 del c
             del base, sk
             gc.collect()
@@ -328,32 +407,57 @@ def compression_study(net: Any, shards: Any, queries: list, args: argparse.Names
     best = max(ok, key=lambda r: r["top10_vs_full"]) if ok else None
     ok_doc = [r for r in rows_out if r["bytes_per_token"] <= 32 and r["aggregate"] == "document"]
     best_doc = max(ok_doc, key=lambda r: r["top10_vs_full"]) if ok_doc else None
-    return {"num_train": N, "tokens": int(ref.manifest["tokens"]), "documents": D, "queries": Q,
-            "reference": {"r": d, "dtype": "float64", "projection": "identity", "postings": P,
-                          "postings_per_token": P / ref.manifest["tokens"], "build_s": t_ref,
-                          "curvature_s": t_curv, "curvature_sequences": min(N, args.curvature_sequences),
-                          "pca_sequences": min(N, args.pca_sequences), "pca_fit_s": t_fit},
-            "compression": rows_out, "time_vs_postings": fits, "per_query": per_query,
-            "best_at_32_bytes": best, "best_at_32_bytes_documents": best_doc}
+    return {
+        "num_train": N,
+        "tokens": int(ref.manifest["tokens"]),
+        "documents": D,
+        "queries": Q,
+        "reference": {
+            "r": d,
+            "dtype": "float64",
+            "projection": "identity",
+            "postings": P,
+            "postings_per_token": P / ref.manifest["tokens"],
+            "build_s": t_ref,
+            "curvature_s": t_curv,
+            "curvature_sequences": min(N, args.curvature_sequences),
+            "pca_sequences": min(N, args.pca_sequences),
+            "pca_fit_s": t_fit,
+        },
+        "compression": rows_out,
+        "time_vs_postings": fits,
+        "per_query": per_query,
+        "best_at_32_bytes": best,
+        "best_at_32_bytes_documents": best_doc,
+    }
 
 
 def _compression_summary(study: dict[str, Any], out_path: Path) -> str:
     parts = [f"compression n={study['num_train']} ({study['tokens']:,} tokens, {study['queries']} queries)"]
     main = study["compression"][0]["projection"] if study["compression"] else None
     for r in study["compression"]:
-        if r["prune"] == 0 and r["aggregate"] == "sequence" and r["projection"] == main and \
-                r["id_encoding"] == ("int32" if r["dtype"] == "float32" else "delta"):
-            parts.append(f"{main} r{r['r']} {r['dtype']} {r['bytes_per_token']:.0f} B/tok top10 full {r['top10_vs_full']:.2f}"
-                         f" fp32 {r['top10_vs_fp32']:.2f}")
+        if (
+            r["prune"] == 0
+            and r["aggregate"] == "sequence"
+            and r["projection"] == main
+            and r["id_encoding"] == ("int32" if r["dtype"] == "float32" else "delta")
+        ):
+            parts.append(
+                f"{main} r{r['r']} {r['dtype']} {r['bytes_per_token']:.0f} B/tok top10 full {r['top10_vs_full']:.2f}"
+                f" fp32 {r['top10_vs_fp32']:.2f}"
+            )
     b = study["best_at_32_bytes"]
-    parts.append("best <= 32 B/token: " + (f"{b['name']} {b['bytes_per_token']:.1f} B/tok top10 vs full "
-                                           f"{b['top10_vs_full']:.2f}" if b else "none"))
+    parts.append(
+        "best <= 32 B/token: "
+        + (f"{b['name']} {b['bytes_per_token']:.1f} B/tok top10 vs full {b['top10_vs_full']:.2f}" if b else "none")
+    )
     return "; ".join(parts) + f" → {out_path}"
 
 
 # ----- bergson (optional, its own venv) ---------------------------------------------------------------------
-def _bergson_scores(args: argparse.Namespace, run_dir: Path, shards: Any, queries: list, N: int, T: int,
-                    work: Path) -> np.ndarray:
+def _bergson_scores(
+    args: argparse.Namespace, run_dir: Path, shards: Any, queries: list, N: int, T: int, work: Path
+) -> np.ndarray:
     """(Q, N) bergson gradient-similarity scores: ``prism export`` of the attributed run, then
     ``_bergson_driver.py`` under ``--bergson`` (a python with bergson==2.5.1 installed) builds an index of the
     training sequences and one of the queries (pre-tokenized, only the measured targets labelled) and dots them."""
@@ -364,8 +468,9 @@ def _bergson_scores(args: argparse.Namespace, run_dir: Path, shards: Any, querie
     bw.mkdir(parents=True, exist_ok=True)
     model_dir = bw / "model"
     prism = Path(sys.executable).parent / "prism"
-    subprocess.run([str(prism), "export", str(run_dir), str(model_dir), "--overwrite"], check=True,
-                   capture_output=True, text=True)
+    subprocess.run(
+        [str(prism), "export", str(run_dir), str(model_dir), "--overwrite"], check=True, capture_output=True, text=True
+    )
     with open(bw / "train.jsonl", "w") as f:
         for j in range(N):
             ids = shards.train.sequence(j, T).tolist()[:T]  # the model takes at most T tokens
@@ -377,18 +482,40 @@ def _bergson_scores(args: argparse.Namespace, run_dir: Path, shards: Any, querie
             ids, start = ids[cut:], max(1, start - cut)
             f.write(json.dumps({"input_ids": ids, "labels": [-100] * start + ids[start:]}) + "\n")
     driver = str(Path(__file__).with_name("_bergson_driver.py"))
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
-    common = ["--model", str(model_dir), "--projection_dim", str(args.bergson_proj_dim), "--precision", "fp32",
-              "--token_batch_size", str(T), "--model_kwargs", "trust_remote_code=True", "--loss_reduction", "sum",
-              "--overwrite", "true"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
+    common = [
+        "--model",
+        str(model_dir),
+        "--projection_dim",
+        str(args.bergson_proj_dim),
+        "--precision",
+        "fp32",
+        "--token_batch_size",
+        str(T),
+        "--model_kwargs",
+        "trust_remote_code=True",
+        "--loss_reduction",
+        "sum",
+        "--overwrite",
+        "true",
+    ]
     for name in ("train", "query"):
-        r = subprocess.run([args.bergson, driver, "build", str(bw / f"{name}-idx"), "--dataset",
-                            str(bw / f"{name}.jsonl"), *common], env=env, capture_output=True, text=True)
+        r = subprocess.run(
+            [args.bergson, driver, "build", str(bw / f"{name}-idx"), "--dataset", str(bw / f"{name}.jsonl"), *common],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
-            raise RuntimeError(f"bergson build {name}: {r.stderr.strip().splitlines()[-1] if r.stderr else r.returncode}")
-    r = subprocess.run([args.bergson, driver, "scores", str(bw / "train-idx"), str(bw / "query-idx"),
-                        str(bw / "scores.npy")], env=env, capture_output=True, text=True)
+            raise RuntimeError(
+                f"bergson build {name}: {r.stderr.strip().splitlines()[-1] if r.stderr else r.returncode}"
+            )
+    r = subprocess.run(
+        [args.bergson, driver, "scores", str(bw / "train-idx"), str(bw / "query-idx"), str(bw / "scores.npy")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"bergson scores: {r.stderr.strip().splitlines()[-1] if r.stderr else r.returncode}")
     S = np.load(bw / "scores.npy")
@@ -446,10 +573,12 @@ def _external(name: str, key: str) -> dict[str, Any]:
     rec["measured_at_revision"] = env.get("git_revision") if isinstance(env, dict) else None  # the code it timed
     root = RESULTS_DIR.parent.parent
     try:
-        rev = subprocess.run(["git", "log", "-1", "--format=%H", "--", str(path)], cwd=root, capture_output=True,
-                             text=True, timeout=20).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", str(path)], cwd=root, capture_output=True,
-                               text=True, timeout=20).stdout.strip()
+        rev = subprocess.run(
+            ["git", "log", "-1", "--format=%H", "--", str(path)], cwd=root, capture_output=True, text=True, timeout=20
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", str(path)], cwd=root, capture_output=True, text=True, timeout=20
+        ).stdout.strip()
         rec["git_revision"] = rev or None
         rec["uncommitted"] = bool(dirty)
     except (OSError, subprocess.SubprocessError) as e:
@@ -458,8 +587,9 @@ def _external(name: str, key: str) -> dict[str, Any]:
     return rec
 
 
-def _summary(agreement: dict[str, Any], lds: dict[str, Any], cache_meta: dict[str, Any], out_path: Path,
-             d: int) -> dict:
+def _summary(
+    agreement: dict[str, Any], lds: dict[str, Any], cache_meta: dict[str, Any], out_path: Path, d: int
+) -> dict:
     """The headline numbers (issue 13): the compact cache's bytes/token, its top-10 overlap with the full
     prototype-space scores and its LDS (this run), EK-FAC's LDS (this run), the query-time exponent and the
     equal-work speed-up (read from the scaling / costs benches' JSON)."""
@@ -467,31 +597,46 @@ def _summary(agreement: dict[str, Any], lds: dict[str, Any], cache_meta: dict[st
     qt = _external("attribution-scaling.json", "query_time_exponent")
     sp = _external("attribution-costs.json", "speedup_vs_ekfac_equal_work")
     return {
-        "cached_method": f"{name}: " + json.dumps({k: cache_meta.get(name, {}).get(k) for k in
-                                                   ("projection", "r", "dtype", "prune", "id_encoding")}),
+        "cached_method": f"{name}: "
+        + json.dumps(
+            {k: cache_meta.get(name, {}).get(k) for k in ("projection", "r", "dtype", "prune", "id_encoding")}
+        ),
         "cache_bytes_per_token": cache_meta.get(name, {}).get("bytes_per_token"),
         "top10_overlap_vs_full": agreement.get(name, {}).get("top10_vs_full"),
-        "lds_cached": lds.get(name, {}).get("mean"), "lds_cached_ci95": lds.get(name, {}).get("ci95"),
-        "lds_ekfac": lds.get("ekfac", {}).get("mean"), "lds_ekfac_ci95": lds.get("ekfac", {}).get("ci95"),
-        "lds_full": lds.get("full", {}).get("mean"), "lds_full_ci95": lds.get("full", {}).get("ci95"),
+        "lds_cached": lds.get(name, {}).get("mean"),
+        "lds_cached_ci95": lds.get(name, {}).get("ci95"),
+        "lds_ekfac": lds.get("ekfac", {}).get("mean"),
+        "lds_ekfac_ci95": lds.get("ekfac", {}).get("ci95"),
+        "lds_full": lds.get("full", {}).get("mean"),
+        "lds_full_ci95": lds.get("full", {}).get("ci95"),
         "lds_cached_default_r": lds.get(f"cached-r{d}", {}).get("mean"),  # AttributionConfig(): r = d, orthogonal
         "lds_cached_default_r_ci95": lds.get(f"cached-r{d}", {}).get("ci95"),
-        "lds_trak": lds.get("trak", {}).get("mean"), "lds_trak_ci95": lds.get("trak", {}).get("ci95"),
+        "lds_trak": lds.get("trak", {}).get("mean"),
+        "lds_trak_ci95": lds.get("trak", {}).get("ci95"),
         "lds_hybrid": {k: v["mean"] for k, v in lds.items() if k.startswith("hybrid")},
-        "query_time_exponent": qt["value"], "query_time_exponent_source": qt,
-        "speedup_vs_ekfac_equal_work": sp["value"], "speedup_vs_ekfac_equal_work_source": sp,
+        "query_time_exponent": qt["value"],
+        "query_time_exponent_source": qt,
+        "speedup_vs_ekfac_equal_work": sp["value"],
+        "speedup_vs_ekfac_equal_work_source": sp,
         "this_file": str(out_path),
     }
 
 
 # ----- main -------------------------------------------------------------------------------------------
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="small smoke profile (a few minutes)")
     ap.add_argument("--preset", default="tiny", help="model preset (with the d=64, K=128 overrides below)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override, e.g. model.n_embd=128 (repeatable)")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. model.n_embd=128 (repeatable)",
+    )
     ap.add_argument("--background", type=int, help="background documents")
     ap.add_argument("--facts", type=int, help="planted facts (2 paraphrased queries each)")
     ap.add_argument("--copies", type=int, help="planted documents per fact")
@@ -503,49 +648,102 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs="+", help="training-set sizes for costs, as fractions")
     ap.add_argument("--no-kronfluence", action="store_true", help="skip the kronfluence baselines")
     ap.add_argument("--no-trak", action="store_true", help="skip the TRAK baseline (traker)")
-    ap.add_argument("--trak-proj-dim", type=int, default=None,
-                    help="TRAK projection size (default min(512, N/4), at least 128; must be > 100 and < N)")
-    ap.add_argument("--hybrid-m", type=int, nargs="+", default=[32, 128, 512],
-                    help="hybrid: prototype-space candidates per query re-scored by a whole-network score")
-    ap.add_argument("--bergson", default=None, metavar="PYTHON",
-                    help="also score with bergson==2.5.1 (EleutherAI), run by this python (a separate venv with "
-                         "bergson installed; see bench/_bergson_driver.py)")
+    ap.add_argument(
+        "--trak-proj-dim",
+        type=int,
+        default=None,
+        help="TRAK projection size (default min(512, N/4), at least 128; must be > 100 and < N)",
+    )
+    ap.add_argument(
+        "--hybrid-m",
+        type=int,
+        nargs="+",
+        default=[32, 128, 512],
+        help="hybrid: prototype-space candidates per query re-scored by a whole-network score",
+    )
+    ap.add_argument(
+        "--bergson",
+        default=None,
+        metavar="PYTHON",
+        help="also score with bergson==2.5.1 (EleutherAI), run by this python (a separate venv with "
+        "bergson installed; see bench/_bergson_driver.py)",
+    )
     ap.add_argument("--bergson-proj-dim", type=int, default=16, help="bergson's per-module projection_dim")
-    ap.add_argument("--lds-range", type=int, nargs=2, metavar=("FIRST", "STOP"), default=None,
-                    help="only train the LDS models of subsets FIRST..STOP-1 (and their query losses) under --workdir, "
-                         "then exit: a second process started on the upper subsets once the main run trains the "
-                         "lower ones halves the LDS time on 2 cores (the main run then reads them)")
-    ap.add_argument("--reuse-scores", action="store_true",
-                    help="load every method's scores (and their costs) saved by an earlier run with the same model, "
-                         "queries and method options under --workdir (e.g. to add LDS subsets)")
-    ap.add_argument("--timing-queries", type=int, default=4,
-                    help="queries the hybrid's and TRAK's per-query re-scoring time is measured on")
+    ap.add_argument(
+        "--lds-range",
+        type=int,
+        nargs=2,
+        metavar=("FIRST", "STOP"),
+        default=None,
+        help="only train the LDS models of subsets FIRST..STOP-1 (and their query losses) under --workdir, "
+        "then exit: a second process started on the upper subsets once the main run trains the "
+        "lower ones halves the LDS time on 2 cores (the main run then reads them)",
+    )
+    ap.add_argument(
+        "--reuse-scores",
+        action="store_true",
+        help="load every method's scores (and their costs) saved by an earlier run with the same model, "
+        "queries and method options under --workdir (e.g. to add LDS subsets)",
+    )
+    ap.add_argument(
+        "--timing-queries",
+        type=int,
+        default=4,
+        help="queries the hybrid's and TRAK's per-query re-scoring time is measured on",
+    )
     ap.add_argument("--no-costs", action="store_true", help="skip the timing section (e.g. to resume LDS training)")
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    ap.add_argument("--compression", action="store_true",
-                    help="only the storage study: bytes/token vs top-10 overlap of the cache's storage options "
-                         "(issue 13), on --run or on this bench's model")
+    ap.add_argument(
+        "--compression",
+        action="store_true",
+        help="only the storage study: bytes/token vs top-10 overlap of the cache's storage options "
+        "(issue 13), on --run or on this bench's model",
+    )
     ap.add_argument("--run", default=None, help="--compression: an existing PRISM run (instead of training one)")
     ap.add_argument("--shards", default=None, help="--compression with --run: its token shard folder")
     ap.add_argument("--max-sequences", type=int, default=None, help="--compression: first N training sequences")
-    ap.add_argument("--curvature-sequences", type=int, default=2048,
-                    help="--compression: sequences of the curvature pass (shared by every method compared)")
+    ap.add_argument(
+        "--curvature-sequences",
+        type=int,
+        default=2048,
+        help="--compression: sequences of the curvature pass (shared by every method compared)",
+    )
     ap.add_argument("--comp-ranks", type=int, nargs="+", default=[16, 32, 64], help="--compression: sketch sizes")
-    ap.add_argument("--comp-main-rank", type=int, default=32,
-                    help="--compression: the rank that gets the whole grid (others: storage type only)")
-    ap.add_argument("--reuse-reference", action="store_true",
-                    help="--compression: reuse the reference cache of an earlier run in --workdir (checked against "
-                         "the model and shards)")
-    ap.add_argument("--pca-sequences", type=int, default=2048,
-                    help="--compression: sequences the pca / pca-local projections are fitted on (spread out)")
-    ap.add_argument("--comp-projections", nargs="+", default=["orthogonal", "pca", "pca-local"],
-                    help="--compression: projections (the first gets the whole grid)")
+    ap.add_argument(
+        "--comp-main-rank",
+        type=int,
+        default=32,
+        help="--compression: the rank that gets the whole grid (others: storage type only)",
+    )
+    ap.add_argument(
+        "--reuse-reference",
+        action="store_true",
+        help="--compression: reuse the reference cache of an earlier run in --workdir (checked against "
+        "the model and shards)",
+    )
+    ap.add_argument(
+        "--pca-sequences",
+        type=int,
+        default=2048,
+        help="--compression: sequences the pca / pca-local projections are fitted on (spread out)",
+    )
+    ap.add_argument(
+        "--comp-projections",
+        nargs="+",
+        default=["orthogonal", "pca", "pca-local"],
+        help="--compression: projections (the first gets the whole grid)",
+    )
     ap.add_argument("--comp-dtypes", nargs="+", default=["float32", "float16", "int8", "int4"])
     ap.add_argument("--comp-prunes", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2])
     ap.add_argument("--comp-aggregates", nargs="+", default=["sequence", "document"])
-    ap.add_argument("--comp-prune-by", nargs="+", default=["list", "unit"], choices=["list", "unit"],
-                    help="--compression: pruning rules (AttributionConfig.prune_by) for prune > 0")
+    ap.add_argument(
+        "--comp-prune-by",
+        nargs="+",
+        default=["list", "unit"],
+        choices=["list", "unit"],
+        help="--compression: pruning rules (AttributionConfig.prune_by) for prune > 0",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="corpus/shards/models (default bench/runs/attribution[-quick])")
     ap.add_argument("--out", default=None, help="JSON output (default bench/results/attribution[-quick].json)")
@@ -569,26 +767,51 @@ def main() -> None:
         sh = load_shards(args.shards)
         nvq = args.val_queries or 24
         nv = sh.val.num_sequences(32)
-        vq = [([sh.tokenizer.eot_id] + sh.val.sequence(j, 32).tolist(), 1)
-              for j in np.linspace(0, max(0, nv - 1), num=min(nvq, nv), dtype=int).tolist()]
+        vq = [
+            ([sh.tokenizer.eot_id] + sh.val.sequence(j, 32).tolist(), 1)
+            for j in np.linspace(0, max(0, nv - 1), num=min(nvq, nv), dtype=int).tolist()
+        ]
         cwork = Path(args.workdir) if args.workdir else RUNS_DIR / "attribution-compression"
         study = compression_study(ck.model.eval(), sh, vq, args, cwork)
-        write_json(out_path, {"benchmark": "attribution-compression", "run": str(Path(args.run).resolve()),
-                              "shards": str(Path(args.shards).resolve()), "settings": vars(args), **study,
-                              "environment": env, "load_average_end": load_average(),
-                              "total_seconds": time.perf_counter() - t_start})
+        write_json(
+            out_path,
+            {
+                "benchmark": "attribution-compression",
+                "run": str(Path(args.run).resolve()),
+                "shards": str(Path(args.shards).resolve()),
+                "settings": vars(args),
+                **study,
+                "environment": env,
+                "load_average_end": load_average(),
+                "total_seconds": time.perf_counter() - t_start,
+            },
+        )
         print(_compression_summary(study, out_path))
         return
 
     # --- corpus, shards, model
     corpus_dir = work / f"corpus-b{prof['background']}-f{prof['facts']}x{prof['copies']}-s{args.seed}"
-    pc = build_planted_corpus(corpus_dir, n_facts=prof["facts"], copies=prof["copies"],
-                              n_background=prof["background"], doc_chars=prof["doc_chars"], seed=args.seed)
-    sets = {**MODEL_SETS, **parse_sets(args.sets), "train.max_steps": prof["steps"], "train.batch_size": prof["batch"],
-            "train.warmup_steps": max(1, prof["steps"] // 20), "train.device": "cpu", "data.tokenizer": "bpe-512"}
+    pc = build_planted_corpus(
+        corpus_dir,
+        n_facts=prof["facts"],
+        copies=prof["copies"],
+        n_background=prof["background"],
+        doc_chars=prof["doc_chars"],
+        seed=args.seed,
+    )
+    sets = {
+        **MODEL_SETS,
+        **parse_sets(args.sets),
+        "train.max_steps": prof["steps"],
+        "train.batch_size": prof["batch"],
+        "train.warmup_steps": max(1, prof["steps"] // 20),
+        "train.device": "cpu",
+        "data.tokenizer": "bpe-512",
+    }
     cfg = RunConfig.from_name(args.preset).override(sets)
-    shards = prepare_shards(str(pc.path), cfg.data.tokenizer, corpus_dir / "shards", val_fraction=0.05,
-                            show_progress=False)
+    shards = prepare_shards(
+        str(pc.path), cfg.data.tokenizer, corpus_dir / "shards", val_fraction=0.05, show_progress=False
+    )
     T = cfg.model.block_size
     cfg_hash = hashlib.sha256((cfg.to_json() + shards.manifest["key"]).encode()).hexdigest()[:12]
     run_dir = work / f"main-{cfg_hash}"
@@ -599,8 +822,10 @@ def main() -> None:
     net = ckpt.model.eval()
     tok = shards.tokenizer
     N = shards.train.num_sequences(T)
-    log(f"model d={cfg.model.n_embd} K={cfg.model.prototypes.num_prototypes} k={cfg.model.prototypes.top_k}; "
-        f"{N} training sequences of {T}")
+    log(
+        f"model d={cfg.model.n_embd} K={cfg.model.prototypes.num_prototypes} k={cfg.model.prototypes.top_k}; "
+        f"{N} training sequences of {T}"
+    )
 
     # --- queries: planted paraphrases (answer measured) + held-out windows
     planted_q, fact_of = pc.queries(tok)
@@ -611,14 +836,25 @@ def main() -> None:
     queries = planted_q + val_q
     Q = len(queries)
     relevant = relevant_sequences(pc, shards, T)
-    log(f"{Q} queries ({len(planted_q)} planted, {len(val_q)} held-out); relevant sequences per fact: "
-        f"{[len(r) for r in relevant]}")
+    log(
+        f"{Q} queries ({len(planted_q)} planted, {len(val_q)} held-out); relevant sequences per fact: "
+        f"{[len(r) for r in relevant]}"
+    )
     if args.compression:
         study = compression_study(net, shards, queries, args, work)
-        write_json(out_path, {"benchmark": "attribution-compression", "profile": "quick" if args.quick else "default",
-                              "settings": {**prof, **vars(args)}, "config": cfg.to_dict(), **study,
-                              "environment": env, "load_average_end": load_average(),
-                              "total_seconds": time.perf_counter() - t_start})
+        write_json(
+            out_path,
+            {
+                "benchmark": "attribution-compression",
+                "profile": "quick" if args.quick else "default",
+                "settings": {**prof, **vars(args)},
+                "config": cfg.to_dict(),
+                **study,
+                "environment": env,
+                "load_average_end": load_average(),
+                "total_seconds": time.perf_counter() - t_start,
+            },
+        )
         print(_compression_summary(study, out_path))
         return
 
@@ -640,8 +876,13 @@ def main() -> None:
                 per.append(time.perf_counter() - t0)
         row["full"]["per_query_s"] = statistics.median(per)
         # cached (r = r_time), curvature reused from nothing: time the whole build
-        (cache, t_c, mem) = timed(build_cache, net, shards, AttributionConfig(max_sequences=n, r=r_time),
-                                  out=work / f"cache-{cfg_hash}-n{n}-r{r_time}")
+        (cache, t_c, mem) = timed(
+            build_cache,
+            net,
+            shards,
+            AttributionConfig(max_sequences=n, r=r_time),
+            out=work / f"cache-{cfg_hash}-n{n}-r{r_time}",
+        )
         per = []
         reset_peak_rss()
         for _ in range(args.repeats):
@@ -649,21 +890,32 @@ def main() -> None:
                 t0 = time.perf_counter()
                 cache.scores(query_gradients(net, [qq]), 1)
                 per.append(time.perf_counter() - t0)
-        row["cached"] = {"r": r_time, "oneoff_s": t_c, "curvature_s": cache.manifest["curvature_seconds"],
-                         "postings_s": cache.manifest["postings_seconds"], "peak_rss_mib_build": mem,
-                         "peak_rss_mib_query": current_peak_rss_mib(), "per_query_s": statistics.median(per),
-                         "bytes_per_token": cache.manifest["bytes_per_token"], "cache_bytes": cache.nbytes(),
-                         "postings_per_sequence": cache.manifest["postings_per_sequence"]}
+        row["cached"] = {
+            "r": r_time,
+            "oneoff_s": t_c,
+            "curvature_s": cache.manifest["curvature_seconds"],
+            "postings_s": cache.manifest["postings_seconds"],
+            "peak_rss_mib_build": mem,
+            "peak_rss_mib_query": current_peak_rss_mib(),
+            "per_query_s": statistics.median(per),
+            "bytes_per_token": cache.manifest["bytes_per_token"],
+            "cache_bytes": cache.nbytes(),
+            "postings_per_sequence": cache.manifest["postings_per_sequence"],
+        }
         if not args.no_kronfluence:
             for strat in ("ekfac", "identity"):
                 gc.collect()
-                (kb, t_f, mem) = timed(KronfluenceBaseline, net, shards, strategy=strat, max_sequences=n,
-                                       batch_size=16)
+                (kb, t_f, mem) = timed(KronfluenceBaseline, net, shards, strategy=strat, max_sequences=n, batch_size=16)
                 (S, t_all, mem_q) = timed(kb.scores, queries, tok.eot_id, query_batch_size=Q)
                 (_, t_one, _) = timed(kb.scores, queries[:1], tok.eot_id)
                 row["ekfac" if strat == "ekfac" else "kf-identity"] = {
-                    "oneoff_s": t_f, "peak_rss_mib_factors": mem, "peak_rss_mib_scores": mem_q,
-                    "batch_scores_s": t_all, "per_query_s": t_all / Q, "single_query_s": t_one}
+                    "oneoff_s": t_f,
+                    "peak_rss_mib_factors": mem,
+                    "peak_rss_mib_scores": mem_q,
+                    "batch_scores_s": t_all,
+                    "per_query_s": t_all / Q,
+                    "single_query_s": t_one,
+                }
                 if n == sizes[-1]:
                     scores_at_N["ekfac" if strat == "ekfac" else "kf-identity"] = S.numpy()
                 kb.close()
@@ -671,10 +923,16 @@ def main() -> None:
             row["speedup_per_query_cached_vs_ekfac"] = row["ekfac"]["per_query_s"] / row["cached"]["per_query_s"]
             row["speedup_single_query_cached_vs_ekfac"] = row["ekfac"]["single_query_s"] / row["cached"]["per_query_s"]
         costs.append(row)
-        log(f"n={n}: full {row['full']['oneoff_s']:.1f}s + {row['full']['per_query_s'] * 1e3:.1f} ms/q; cached "
+        log(
+            f"n={n}: full {row['full']['oneoff_s']:.1f}s + {row['full']['per_query_s'] * 1e3:.1f} ms/q; cached "
             f"{row['cached']['oneoff_s']:.1f}s + {row['cached']['per_query_s'] * 1e3:.1f} ms/q"
-            + (f"; ekfac {row['ekfac']['oneoff_s']:.1f}s + {row['ekfac']['per_query_s'] * 1e3:.0f} ms/q (batched), "
-               f"{row['ekfac']['single_query_s']:.1f}s single" if "ekfac" in row else ""))
+            + (
+                f"; ekfac {row['ekfac']['oneoff_s']:.1f}s + {row['ekfac']['per_query_s'] * 1e3:.0f} ms/q (batched), "
+                f"{row['ekfac']['single_query_s']:.1f}s single"
+                if "ekfac" in row
+                else ""
+            )
+        )
         del full, cache
         gc.collect()
 
@@ -708,9 +966,23 @@ def main() -> None:
             log(f"LDS subsets {first}..{stop - 1} trained under {work / 'lds' / cfg_hash}; exiting (--lds-range)")
             return
     # --- scores of every method on the full training set (saved under --workdir: --reuse-scores loads them)
-    skey = hashlib.sha256((cfg_hash + json.dumps(queries) + repr((args.seed, args.trak_proj_dim, args.hybrid_m,
-                                                                  args.no_kronfluence, args.no_trak, prof["ranks"],
-                                                                  bool(costs)))).encode()).hexdigest()[:12]
+    skey = hashlib.sha256(
+        (
+            cfg_hash
+            + json.dumps(queries)
+            + repr(
+                (
+                    args.seed,
+                    args.trak_proj_dim,
+                    args.hybrid_m,
+                    args.no_kronfluence,
+                    args.no_trak,
+                    prof["ranks"],
+                    bool(costs),
+                )
+            )
+        ).encode()
+    ).hexdigest()[:12]
     spath = work / f"scores-{skey}.npz"
 
     def all_scores() -> dict[str, Any]:
@@ -743,9 +1015,14 @@ def main() -> None:
                 tb, t_f, mem = timed(TrakBaseline, net, shards, proj_dim=pdim, batch_size=16, seed=args.seed)
                 t0 = time.perf_counter()
                 scores_at_N["trak"] = tb.scores(queries, tok.eot_id).numpy()
-                method_costs["trak"] = {"oneoff_s": t_f, "peak_rss_mib_features": mem, "proj_dim": pdim,
-                                        "per_query_s_batched": (time.perf_counter() - t0) / Q,
-                                        "projector": "BasicProjector (dense Gaussian, CPU)", "checkpoints": 1}
+                method_costs["trak"] = {
+                    "oneoff_s": t_f,
+                    "peak_rss_mib_features": mem,
+                    "proj_dim": pdim,
+                    "per_query_s_batched": (time.perf_counter() - t0) / Q,
+                    "projector": "BasicProjector (dense Gaussian, CPU)",
+                    "checkpoints": 1,
+                }
                 tb.close()
             except Exception as e:  # recorded, not hidden: the JSON says why TRAK is missing
                 notes["trak"] = f"TRAK failed: {type(e).__name__}: {e}"
@@ -761,14 +1038,21 @@ def main() -> None:
                 c = build_cache(net, shards, AttributionConfig(r=r, projection=proj, seed=args.seed), curvature=curv)
                 scores_at_N[name] = c.scores(qg, Q).numpy()
                 cache_meta[name] = {"r": r, "projection": proj, "bytes_per_token": c.manifest["bytes_per_token"]}
-        compact_cfg = AttributionConfig(projection="pca-local", r=min(40, cfg.model.n_embd), dtype="pq",
-                                        id_encoding="delta", seed=args.seed)  # app.build_run_cache's compact recipe
+        compact_cfg = AttributionConfig(
+            projection="pca-local", r=min(40, cfg.model.n_embd), dtype="pq", id_encoding="delta", seed=args.seed
+        )  # app.build_run_cache's compact recipe
         for name, cv in (("cached-compact", curv), ("cached-compact-rec", curv_rec)):
             cc = build_cache(net, shards, compact_cfg, curvature=cv)
             scores_at_N[name] = cc.scores(qg, Q).numpy()
-            cache_meta[name] = {"r": cc.r, "projection": "pca-local", "dtype": "pq", "prune": 0.0,
-                                "id_encoding": "delta", "bytes_per_token": cc.manifest["bytes_per_token"],
-                                "curvature_reconstruction": cv.reconstruction}
+            cache_meta[name] = {
+                "r": cc.r,
+                "projection": "pca-local",
+                "dtype": "pq",
+                "prune": 0.0,
+                "id_encoding": "delta",
+                "bytes_per_token": cc.manifest["bytes_per_token"],
+                "curvature_reconstruction": cv.reconstruction,
+            }
             if name == "cached-compact":
                 per = []
                 for qq in queries[:8]:
@@ -778,8 +1062,11 @@ def main() -> None:
                 method_costs["cached-compact"] = {"per_query_s": statistics.median(per)}
         crec = build_cache(net, shards, AttributionConfig(seed=args.seed), curvature=curv_rec)
         scores_at_N[f"cached-r{crec.r}-rec"] = crec.scores(qg, Q).numpy()
-        cache_meta[f"cached-r{crec.r}-rec"] = {"r": crec.r, "projection": "orthogonal",
-                                               "bytes_per_token": crec.manifest["bytes_per_token"]}
+        cache_meta[f"cached-r{crec.r}-rec"] = {
+            "r": crec.r,
+            "projection": "orthogonal",
+            "bytes_per_token": crec.manifest["bytes_per_token"],
+        }
 
         # --- whole-network gradient dot products (every parameter) and the hybrid re-ranker
         wn = WholeNetworkGradients(net, shards, memo=False)
@@ -792,9 +1079,13 @@ def main() -> None:
             WN[:, j] = (gq @ wn.train(j)).numpy()
         t_tgrad = (time.perf_counter() - t0) / N
         scores_at_N["wn-dot"] = WN
-        method_costs["wn-dot"] = {"oneoff_s": 0.0, "per_query_s": t_qgrad + N * t_tgrad,
-                                  "train_gradient_s": t_tgrad, "query_gradient_s": t_qgrad,
-                                  "note": "per query: the query's gradient + one backward pass per training sequence"}
+        method_costs["wn-dot"] = {
+            "oneoff_s": 0.0,
+            "per_query_s": t_qgrad + N * t_tgrad,
+            "train_gradient_s": t_tgrad,
+            "query_gradient_s": t_qgrad,
+            "note": "per query: the query's gradient + one backward pass per training sequence",
+        }
         base_name = "cached-compact"
         hybrid_meta: dict[str, Any] = {"base": base_name, "m": args.hybrid_m, "rescorers": {}}
         rescorers = {"wn-dot": scores_at_N["wn-dot"]}
@@ -811,8 +1102,9 @@ def main() -> None:
                 H, cands = hybrid_scores(base_S, lambda q, ids, Rt=Rt: Rt[q, ids], m_c)
                 hname = f"hybrid-{rname}-m{m_c}"
                 scores_at_N[hname] = H.numpy()
-                scores_at_N[hname + "-sum"] = hybrid_scores(base_S, lambda q, ids, Rt=Rt: Rt[q, ids], m_c,
-                                                            keep_order=False)[0].numpy()
+                scores_at_N[hname + "-sum"] = hybrid_scores(
+                    base_S, lambda q, ids, Rt=Rt: Rt[q, ids], m_c, keep_order=False
+                )[0].numpy()
                 times = []
                 for q in range(min(tq, Q)):
                     t0 = time.perf_counter()
@@ -827,19 +1119,34 @@ def main() -> None:
                     "rescore_per_query_s": statistics.median(times) if times else None,
                     "per_query_s": base_q + (statistics.median(times) if times else float("nan")),
                     "cached_per_query_s": base_q,
-                    "oneoff_s_extra": ((method_costs.get("ekfac", {}).get("oneoff_s")
-                                        or (costs[-1].get("ekfac", {}).get("oneoff_s") if costs else None))
-                                       if rname == "ekfac" else 0.0),
-                    "timing_queries": len(times)}
+                    "oneoff_s_extra": (
+                        (
+                            method_costs.get("ekfac", {}).get("oneoff_s")
+                            or (costs[-1].get("ekfac", {}).get("oneoff_s") if costs else None)
+                        )
+                        if rname == "ekfac"
+                        else 0.0
+                    ),
+                    "timing_queries": len(times),
+                }
                 log(f"{hname}: {hybrid_meta['rescorers'][hname]['per_query_s'] * 1e3:.0f} ms/query")
         if kb_ekfac is not None:
             kb_ekfac.close()
         c16 = build_cache(net, shards, AttributionConfig(r=min(16, cfg.model.n_embd), dtype="float16"), curvature=curv)
         scores_at_N[f"cached-r{c16.r}-fp16"] = c16.scores(qg, Q).numpy()
-        cache_meta[f"cached-r{c16.r}-fp16"] = {"r": c16.r, "projection": "orthogonal", "dtype": "float16",
-                                               "bytes_per_token": c16.manifest["bytes_per_token"]}
-        return {"cache_meta": cache_meta, "method_costs": method_costs, "hybrid": hybrid_meta, "notes": notes,
-                "curvature": {"reconstruction_lambda": lam_rec, "mean_rec_over_ce_trace_per_d": _rec_ratio(curv_rec)}}
+        cache_meta[f"cached-r{c16.r}-fp16"] = {
+            "r": c16.r,
+            "projection": "orthogonal",
+            "dtype": "float16",
+            "bytes_per_token": c16.manifest["bytes_per_token"],
+        }
+        return {
+            "cache_meta": cache_meta,
+            "method_costs": method_costs,
+            "hybrid": hybrid_meta,
+            "notes": notes,
+            "curvature": {"reconstruction_lambda": lam_rec, "mean_rec_over_ce_trace_per_d": _rec_ratio(curv_rec)},
+        }
 
     if args.reuse_scores and spath.exists() and spath.with_suffix(".json").exists():
         with np.load(spath) as z:
@@ -852,36 +1159,44 @@ def main() -> None:
         spath.with_suffix(".json").write_text(json.dumps(extra))
     cache_meta, method_costs = extra["cache_meta"], extra["method_costs"]
     hybrid_meta, notes = extra["hybrid"], extra["notes"]
-    if args.bergson and ("bergson" not in scores_at_N or args.bergson_proj_dim != method_costs.get("bergson", {}).get(
-            "projection_dim")):  # added to saved scores without recomputing the others
+    if args.bergson and (
+        "bergson" not in scores_at_N or args.bergson_proj_dim != method_costs.get("bergson", {}).get("projection_dim")
+    ):  # added to saved scores without recomputing the others
         try:
             tb0 = time.perf_counter()
             scores_at_N["bergson"] = _bergson_scores(args, run_dir, shards, queries, N, T, work)
-            method_costs["bergson"] = {"total_s": time.perf_counter() - tb0, "projection_dim": args.bergson_proj_dim,
-                                       "note": "prism export + bergson build of the training and query sequences "
-                                               "(one subprocess each) + dot products of the "
-                                               "projected gradients; targets: 63 of each training sequence's "
-                                               "64 (bergson feeds at most block_size tokens)"}
+            method_costs["bergson"] = {
+                "total_s": time.perf_counter() - tb0,
+                "projection_dim": args.bergson_proj_dim,
+                "note": "prism export + bergson build of the training and query sequences "
+                "(one subprocess each) + dot products of the "
+                "projected gradients; targets: 63 of each training sequence's "
+                "64 (bergson feeds at most block_size tokens)",
+            }
         except Exception as e:  # recorded: the JSON says why bergson is missing
             notes["bergson_error"] = f"bergson failed: {type(e).__name__}: {e}"
             log(notes["bergson_error"])
         np.savez(spath, **scores_at_N)
         spath.with_suffix(".json").write_text(json.dumps(extra))
     if "bergson" not in scores_at_N:
-        notes.setdefault("bergson", "not run (--bergson PYTHON runs it from a separate venv): bergson==2.5.1 works on "
-                                    "CPU on a `prism export`ed model only with torchvision/torchaudio removed (their "
-                                    "wheels do not match torch 2.13 CPU), prismlm importable and PrismLM.device "
-                                    "patched (bench/_bergson_driver.py); docs/results.md, issue 13 items 5-6")
+        notes.setdefault(
+            "bergson",
+            "not run (--bergson PYTHON runs it from a separate venv): bergson==2.5.1 works on "
+            "CPU on a `prism export`ed model only with torchvision/torchaudio removed (their "
+            "wheels do not match torch 2.13 CPU), prismlm importable and PrismLM.device "
+            "patched (bench/_bergson_driver.py); docs/results.md, issue 13 items 5-6",
+        )
 
     agreement = {}
     for name, S in scores_at_N.items():
-        agreement[name] = {"top10_vs_full": overlap(S, scores_at_N["full"], 10),
-                           "top100_vs_full": overlap(S, scores_at_N["full"], min(100, N))}
+        agreement[name] = {
+            "top10_vs_full": overlap(S, scores_at_N["full"], 10),
+            "top100_vs_full": overlap(S, scores_at_N["full"], min(100, N)),
+        }
         if "ekfac" in scores_at_N:
             agreement[name]["top10_vs_ekfac"] = overlap(S, scores_at_N["ekfac"], 10)
         agreement[name].update(cache_meta.get(name, {}))
-    planted = {name: retrieval_metrics(S[:len(planted_q)], fact_of, relevant, k=10)
-               for name, S in scores_at_N.items()}
+    planted = {name: retrieval_metrics(S[: len(planted_q)], fact_of, relevant, k=10) for name, S in scores_at_N.items()}
 
     lds: dict[str, Any] = {}
     if M > 0:
@@ -892,22 +1207,41 @@ def main() -> None:
         for name, S in scores_at_N.items():
             pred = -(member @ S.T)  # (M, Q): predicted loss ∝ −Σ_{j∈S} score
             rho = np.array([spearman(pred[:, q], y[:, q]) for q in range(Q)])
-            lds[name] = {"mean": float(np.nanmean(rho)), "ci95": bootstrap_ci(rho),
-                         "planted_mean": float(np.nanmean(rho[:len(planted_q)])),
-                         "heldout_mean": float(np.nanmean(rho[len(planted_q):])) if len(val_q) else None}
-        lds["_setup"] = {"subsets": M, "seeds": seeds, "subset_size": N // 2, "queries": Q,
-                         "seconds": time.perf_counter() - t0}
-
+            lds[name] = {
+                "mean": float(np.nanmean(rho)),
+                "ci95": bootstrap_ci(rho),
+                "planted_mean": float(np.nanmean(rho[: len(planted_q)])),
+                "heldout_mean": float(np.nanmean(rho[len(planted_q) :])) if len(val_q) else None,
+            }
+        lds["_setup"] = {
+            "subsets": M,
+            "seeds": seeds,
+            "subset_size": N // 2,
+            "queries": Q,
+            "seconds": time.perf_counter() - t0,
+        }
 
     payload = {
-        "benchmark": "attribution", "profile": "quick" if args.quick else "default", "settings": prof,
-        "config": cfg.to_dict(), "num_train": N, "block_size": T, "queries": {"planted": len(planted_q),
-                                                                               "heldout": len(val_q)},
-        "relevant_per_fact": [sorted(r) for r in relevant], "costs": costs, "agreement": agreement,
-        "planted": planted, "lds": lds, "method_costs": method_costs, "hybrid": hybrid_meta,
-        "curvature": extra["curvature"], "scores_file": str(spath),
-        "notes": notes, "summary": _summary(agreement, lds, cache_meta, out_path, cfg.model.n_embd),
-        "environment": env, "load_average_end": load_average(),
+        "benchmark": "attribution",
+        "profile": "quick" if args.quick else "default",
+        "settings": prof,
+        "config": cfg.to_dict(),
+        "num_train": N,
+        "block_size": T,
+        "queries": {"planted": len(planted_q), "heldout": len(val_q)},
+        "relevant_per_fact": [sorted(r) for r in relevant],
+        "costs": costs,
+        "agreement": agreement,
+        "planted": planted,
+        "lds": lds,
+        "method_costs": method_costs,
+        "hybrid": hybrid_meta,
+        "curvature": extra["curvature"],
+        "scores_file": str(spath),
+        "notes": notes,
+        "summary": _summary(agreement, lds, cache_meta, out_path, cfg.model.n_embd),
+        "environment": env,
+        "load_average_end": load_average(),
         "total_seconds": time.perf_counter() - t_start,
     }
     write_json(out_path, payload)
@@ -916,15 +1250,30 @@ def main() -> None:
     if costs:
         big = costs[-1]
         sp = big.get("speedup_per_query_cached_vs_ekfac")
-        parts.append(f"cached r={r_time} {big['cached']['per_query_s'] * 1e3:.1f} ms/query"
-                     + (f", {sp:.0f}× faster than EK-FAC per query (batched)" if sp else ""))
+        parts.append(
+            f"cached r={r_time} {big['cached']['per_query_s'] * 1e3:.1f} ms/query"
+            + (f", {sp:.0f}× faster than EK-FAC per query (batched)" if sp else "")
+        )
     parts.append(f"top10 vs full {agreement.get(best_r, {}).get('top10_vs_full', float('nan')):.2f}")
-    parts.append("planted R@10 " + " ".join(f"{k}={v['recall@10']:.2f}" for k, v in planted.items()
-                                             if k in ("full", best_r, "ekfac", "kf-identity")))
+    parts.append(
+        "planted R@10 "
+        + " ".join(
+            f"{k}={v['recall@10']:.2f}" for k, v in planted.items() if k in ("full", best_r, "ekfac", "kf-identity")
+        )
+    )
     if lds:
-        parts.append("LDS " + " ".join(f"{k}={lds[k]['mean']:.2f}" for k in lds if not k.startswith("_")
-                                       and (k in ("full", "full-rec", best_r, "ekfac", "kf-identity", "trak", "wn-dot")
-                                            or k.startswith(("cached-compact", "hybrid")))))
+        parts.append(
+            "LDS "
+            + " ".join(
+                f"{k}={lds[k]['mean']:.2f}"
+                for k in lds
+                if not k.startswith("_")
+                and (
+                    k in ("full", "full-rec", best_r, "ekfac", "kf-identity", "trak", "wn-dot")
+                    or k.startswith(("cached-compact", "hybrid"))
+                )
+            )
+        )
     print("; ".join(parts) + f" → {out_path}")
 
 

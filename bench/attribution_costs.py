@@ -100,12 +100,32 @@ from prismlm.train import load_checkpoint, train
 # train them; the largest model's EK-FAC factors ~1.5–2.5 min. quick: a smoke run (~1 min; its sizes are too
 # close together for meaningful fits).
 PROFILES: dict[str, dict[str, Any]] = {
-    "default": dict(background=160, doc_chars=2000, facts=8, copies=3, steps=300, batch=16,
-                    sizes=["32:1:32:4", "64:2:64:4", "128:4:128:4"], fractions=[0.25, 0.5, 1.0], corpus_model=1,
-                    queries=16, repeats=3),
-    "quick": dict(background=30, doc_chars=1200, facts=4, copies=2, steps=60, batch=8,
-                  sizes=["16:1:16:4", "32:1:32:4", "32:2:64:4"], fractions=[0.25, 0.5, 1.0], corpus_model=2,
-                  queries=8, repeats=3),
+    "default": dict(
+        background=160,
+        doc_chars=2000,
+        facts=8,
+        copies=3,
+        steps=300,
+        batch=16,
+        sizes=["32:1:32:4", "64:2:64:4", "128:4:128:4"],
+        fractions=[0.25, 0.5, 1.0],
+        corpus_model=1,
+        queries=16,
+        repeats=3,
+    ),
+    "quick": dict(
+        background=30,
+        doc_chars=1200,
+        facts=4,
+        copies=2,
+        steps=60,
+        batch=8,
+        sizes=["16:1:16:4", "32:1:32:4", "32:2:64:4"],
+        fractions=[0.25, 0.5, 1.0],
+        corpus_model=2,
+        queries=8,
+        repeats=3,
+    ),
 }
 CHEAP_INNER = 5  # a cached single query is timed this many times per round (median): it takes milliseconds
 GPT2_124M_PARAMS = 124e6
@@ -124,8 +144,9 @@ def timed(fn, *a, **kw) -> tuple[Any, float, float]:
 
 
 def compact_config(d: int, n: int) -> AttributionConfig:
-    return AttributionConfig(projection="pca-local", r=min(48, d), dtype="int4", prune=0.1, id_encoding="delta",
-                             max_sequences=n)
+    return AttributionConfig(
+        projection="pca-local", r=min(48, d), dtype="int4", prune=0.1, id_encoding="delta", max_sequences=n
+    )
 
 
 def power_fit(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -135,8 +156,12 @@ def power_fit(x: np.ndarray, y: np.ndarray) -> dict[str, float]:
     coef, *_ = np.linalg.lstsq(A, ly, rcond=None)
     res = ly - A @ coef
     ss = float(((ly - ly.mean()) ** 2).sum())
-    return {"exponent": float(coef[1]), "coef": float(np.exp(coef[0])),
-            "r2": float(1 - (res ** 2).sum() / ss) if ss > 0 else float("nan"), "points": len(lx)}
+    return {
+        "exponent": float(coef[1]),
+        "coef": float(np.exp(coef[0])),
+        "r2": float(1 - (res**2).sum() / ss) if ss > 0 else float("nan"),
+        "points": len(lx),
+    }
 
 
 def joint_fit(P: np.ndarray, D: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -146,8 +171,13 @@ def joint_fit(P: np.ndarray, D: np.ndarray, y: np.ndarray) -> dict[str, float]:
     coef, *_ = np.linalg.lstsq(A, ly, rcond=None)
     res = ly - A @ coef
     ss = float(((ly - ly.mean()) ** 2).sum())
-    return {"log_a": float(coef[0]), "alpha_params": float(coef[1]), "beta_tokens": float(coef[2]),
-            "r2": float(1 - (res ** 2).sum() / ss) if ss > 0 else float("nan"), "points": len(ly)}
+    return {
+        "log_a": float(coef[0]),
+        "alpha_params": float(coef[1]),
+        "beta_tokens": float(coef[2]),
+        "r2": float(1 - (res**2).sum() / ss) if ss > 0 else float("nan"),
+        "points": len(ly),
+    }
 
 
 def predict(fit: dict[str, float], P: float, D: float) -> float:
@@ -166,12 +196,15 @@ def break_even(oneoff_c: float, pq_c: float, oneoff_e: float, pq_e: float) -> di
 
 
 def totals(row: dict[str, Any]) -> dict[str, float]:
-    return {str(q): row["oneoff_s"] + (row["single_query_s"] if q == 1 else q * row["per_query_batch_s"])
-            for q in (1, 100, 10_000)}
+    return {
+        str(q): row["oneoff_s"] + (row["single_query_s"] if q == 1 else q * row["per_query_batch_s"])
+        for q in (1, 100, 10_000)
+    }
 
 
-def work_model_projection(row: dict[str, Any], P_star: float, D_star: float, K_star: int, k_star: int,
-                          d_star: int, Q: int) -> dict[str, Any]:
+def work_model_projection(
+    row: dict[str, Any], P_star: float, D_star: float, K_star: int, k_star: int, d_star: int, Q: int
+) -> dict[str, Any]:
     """A second projection, from the cost structure instead of fitted exponents, anchored at one measured row.
 
     EK-FAC: every scoring call recomputes the gradient of every training sequence, so a call costs ∝ P·D
@@ -182,12 +215,16 @@ def work_model_projection(row: dict[str, Any], P_star: float, D_star: float, K_s
     in the same proportions as the batch. One-off: curvature + postings passes ∝ P·D."""
     m = row["model"]
     sP, sD = P_star / row["params"], D_star / row["tokens"]
-    out: dict[str, Any] = {"anchor": {"model": m["spec"], "params": row["params"], "tokens": row["tokens"]},
-                           "target": {"params": P_star, "tokens": D_star, "num_prototypes": K_star, "top_k": k_star,
-                                      "n_embd": d_star}}
+    out: dict[str, Any] = {
+        "anchor": {"model": m["spec"], "params": row["params"], "tokens": row["tokens"]},
+        "target": {"params": P_star, "tokens": D_star, "num_prototypes": K_star, "top_k": k_star, "n_embd": d_star},
+    }
     e = row["ekfac"]
-    ek = {"oneoff_s": e["oneoff_s"] * sP * sD, "per_query_batch_s": e["per_query_batch_s"] * sP * sD,
-          "single_query_s": e["single_query_s"] * sP * sD}
+    ek = {
+        "oneoff_s": e["oneoff_s"] * sP * sD,
+        "per_query_batch_s": e["per_query_batch_s"] * sP * sD,
+        "single_query_s": e["single_query_s"] * sP * sD,
+    }
     out["ekfac_seconds"] = ek
     for name in ("cached", "cached-compact"):
         c = row[name]
@@ -199,19 +236,31 @@ def work_model_projection(row: dict[str, Any], P_star: float, D_star: float, K_s
         pq = qg * sP + rd * s_read
         single = c["single_query_s"] * (frac * sP + (1 - frac) * s_read)
         cs = {"oneoff_s": c["oneoff_s"] * sP * sD, "per_query_batch_s": pq, "single_query_s": single}
-        out[name] = {"seconds": cs, "speedup_vs_ekfac": {k.removesuffix("_s"): ek[k] / cs[k] for k in cs},
-                     "query_gradient_share_measured": frac}
+        out[name] = {
+            "seconds": cs,
+            "speedup_vs_ekfac": {k.removesuffix("_s"): ek[k] / cs[k] for k in cs},
+            "query_gradient_share_measured": frac,
+        }
     return out
 
 
 def train_model(spec: str, prof: dict[str, Any], shards: Any, work: Path, seed: int) -> tuple[Any, dict[str, Any]]:
     d, L, K, k = (int(v) for v in spec.split(":"))
     heads = 1 if d < 32 else (2 if d < 128 else 4)
-    sets = {**MODEL_SETS, "model.n_embd": d, "model.n_layer": L, "model.n_head": heads,
-            "model.prototypes.num_prototypes": K, "model.prototypes.top_k": k,
-            "train.max_steps": prof["steps"], "train.batch_size": prof["batch"],
-            "train.warmup_steps": max(1, prof["steps"] // 20), "train.device": "cpu", "train.seed": 1337 + seed,
-            "data.tokenizer": "bpe-512"}
+    sets = {
+        **MODEL_SETS,
+        "model.n_embd": d,
+        "model.n_layer": L,
+        "model.n_head": heads,
+        "model.prototypes.num_prototypes": K,
+        "model.prototypes.top_k": k,
+        "train.max_steps": prof["steps"],
+        "train.batch_size": prof["batch"],
+        "train.warmup_steps": max(1, prof["steps"] // 20),
+        "train.device": "cpu",
+        "train.seed": 1337 + seed,
+        "data.tokenizer": "bpe-512",
+    }
     cfg = RunConfig.from_name("tiny").override(sets)
     h = hashlib.sha256((cfg.to_json() + shards.manifest["key"]).encode()).hexdigest()[:12]
     run_dir = work / f"model-{spec.replace(':', '-')}-{h}"
@@ -223,14 +272,27 @@ def train_model(spec: str, prof: dict[str, Any], shards: Any, work: Path, seed: 
         t_train = time.perf_counter() - t0
     net = load_checkpoint(run_dir).model.eval()
     n_params = sum(p.numel() for p in net.parameters())
-    n_linear = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
-                   for m in net.modules() if type(m) is torch.nn.Linear)
-    return net, {"spec": spec, "n_embd": d, "n_layer": L, "num_prototypes": K, "top_k": k, "n_head": heads,
-                 "params": n_params, "params_tracked_by_kronfluence": n_linear, "train_seconds": t_train}
+    n_linear = sum(
+        m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+        for m in net.modules()
+        if type(m) is torch.nn.Linear
+    )
+    return net, {
+        "spec": spec,
+        "n_embd": d,
+        "n_layer": L,
+        "num_prototypes": K,
+        "top_k": k,
+        "n_head": heads,
+        "params": n_params,
+        "params_tracked_by_kronfluence": n_linear,
+        "train_seconds": t_train,
+    }
 
 
-def measure(net: Any, shards: Any, queries: list, pad_id: int, n: int, repeats: int, work: Path,
-            freeze: bool) -> dict[str, Any]:
+def measure(
+    net: Any, shards: Any, queries: list, pad_id: int, n: int, repeats: int, work: Path, freeze: bool
+) -> dict[str, Any]:
     """All costs of the three methods at one (model, training-set size), interleaved."""
     Q, d = len(queries), net.config.n_embd
     T = net.config.block_size
@@ -248,11 +310,21 @@ def measure(net: Any, shards: Any, queries: list, pad_id: int, n: int, repeats: 
         gc.collect()
         cache, t, mem = timed(build_cache, net, shards, cfg, out=folder)
         caches[name] = cache
-        out[name] = {"config": {"r": cache.r, "projection": cfg.projection, "dtype": cfg.dtype, "prune": cfg.prune,
-                                "id_encoding": cfg.id_encoding},
-                     "oneoff_s": t, "curvature_s": cache.manifest.get("curvature_seconds"),
-                     "postings_s": cache.manifest.get("postings_seconds"), "peak_rss_mib_build": mem,
-                     "bytes_per_token": cache.manifest.get("bytes_per_token"), "cache_bytes": cache.nbytes()}
+        out[name] = {
+            "config": {
+                "r": cache.r,
+                "projection": cfg.projection,
+                "dtype": cfg.dtype,
+                "prune": cfg.prune,
+                "id_encoding": cfg.id_encoding,
+            },
+            "oneoff_s": t,
+            "curvature_s": cache.manifest.get("curvature_seconds"),
+            "postings_s": cache.manifest.get("postings_seconds"),
+            "peak_rss_mib_build": mem,
+            "bytes_per_token": cache.manifest.get("bytes_per_token"),
+            "cache_bytes": cache.nbytes(),
+        }
     gc.collect()
     kb, t_fit, mem = timed(KronfluenceBaseline, net, shards, strategy="ekfac", max_sequences=n, batch_size=16)
     out["ekfac"] = {"oneoff_s": t_fit, "peak_rss_mib_factors": mem, "factor_timings": dict(kb.timings)}
@@ -291,9 +363,15 @@ def measure(net: Any, shards: Any, queries: list, pad_id: int, n: int, repeats: 
         kb.analyzer.load_all_factors(factors_name=kb.strategy)
         load.append(time.perf_counter() - t0)
     for name in batch:
-        out[name].update({"batch_s": statistics.median(batch[name]), "per_query_batch_s": statistics.median(batch[name]) / Q,
-                          "single_query_s": statistics.median(single[name]),
-                          "batch_samples_s": batch[name], "single_samples_s": single[name]})
+        out[name].update(
+            {
+                "batch_s": statistics.median(batch[name]),
+                "per_query_batch_s": statistics.median(batch[name]) / Q,
+                "single_query_s": statistics.median(single[name]),
+                "batch_samples_s": batch[name],
+                "single_samples_s": single[name],
+            }
+        )
     for name in cfgs:
         out[name]["batch_query_gradients_s"] = statistics.median(qgrad[name])
     out["ekfac"]["factor_load_s"] = statistics.median(load)
@@ -303,10 +381,14 @@ def measure(net: Any, shards: Any, queries: list, pad_id: int, n: int, repeats: 
         c = out[name]
         c["top10_vs_ekfac"] = overlap(scores[name], scores["ekfac"], 10)
         c["top100_vs_ekfac"] = overlap(scores[name], scores["ekfac"], min(100, n))
-        c["speedup_vs_ekfac"] = {"oneoff": e["oneoff_s"] / c["oneoff_s"],
-                                 "per_query_batch": e["per_query_batch_s"] / c["per_query_batch_s"],
-                                 "single_query": e["single_query_s"] / c["single_query_s"]}
-        c["break_even_vs_ekfac"] = break_even(c["oneoff_s"], c["per_query_batch_s"], e["oneoff_s"], e["per_query_batch_s"])
+        c["speedup_vs_ekfac"] = {
+            "oneoff": e["oneoff_s"] / c["oneoff_s"],
+            "per_query_batch": e["per_query_batch_s"] / c["per_query_batch_s"],
+            "single_query": e["single_query_s"] / c["single_query_s"],
+        }
+        c["break_even_vs_ekfac"] = break_even(
+            c["oneoff_s"], c["per_query_batch_s"], e["oneoff_s"], e["per_query_batch_s"]
+        )
         c["total_s"] = totals(c)
     e["total_s"] = totals(e)
     out["cached-compact"]["top10_vs_cached"] = overlap(scores["cached-compact"], scores["cached"], 10)
@@ -331,16 +413,22 @@ def main() -> None:
     ap.add_argument("--queries", type=int, help="Q: queries answered by every method (planted first, then held-out)")
     ap.add_argument("--repeats", type=int, help="timing rounds (median), methods alternating in each round")
     ap.add_argument("--project-params", type=float, default=GPT2_124M_PARAMS, help="projection: parameter count")
-    ap.add_argument("--project-sequences", type=float, default=1e5,
-                    help=f"projection: training sequences of {GPT2_BLOCK} tokens")
+    ap.add_argument(
+        "--project-sequences", type=float, default=1e5, help=f"projection: training sequences of {GPT2_BLOCK} tokens"
+    )
     ap.add_argument("--project-prototypes", type=int, default=8192, help="work-model projection: K (gpt2-124m preset)")
     ap.add_argument("--project-top-k", type=int, default=8, help="work-model projection: k")
     ap.add_argument("--project-embd", type=int, default=768, help="work-model projection: d (r = d by default)")
-    ap.add_argument("--no-gc-freeze", action="store_true",
-                    help="time kronfluence with its gc.collect() calls walking the whole heap (see the docstring)")
+    ap.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="time kronfluence with its gc.collect() calls walking the whole heap (see the docstring)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workdir", default=None, help="corpus/shards/models (default bench/runs/attribution-costs[-quick])")
+    ap.add_argument(
+        "--workdir", default=None, help="corpus/shards/models (default bench/runs/attribution-costs[-quick])"
+    )
     ap.add_argument("--out", default=None, help="JSON output (default bench/results/attribution-costs[-quick].json)")
     args = ap.parse_args()
     prof = profile_from_args(PROFILES, args)
@@ -356,8 +444,14 @@ def main() -> None:
     t_start = time.perf_counter()
 
     corpus_dir = work / f"corpus-b{prof['background']}-f{prof['facts']}x{prof['copies']}-s{args.seed}"
-    pc = build_planted_corpus(corpus_dir, n_facts=prof["facts"], copies=prof["copies"],
-                              n_background=prof["background"], doc_chars=prof["doc_chars"], seed=args.seed)
+    pc = build_planted_corpus(
+        corpus_dir,
+        n_facts=prof["facts"],
+        copies=prof["copies"],
+        n_background=prof["background"],
+        doc_chars=prof["doc_chars"],
+        seed=args.seed,
+    )
     shards = prepare_shards(str(pc.path), "bpe-512", corpus_dir / "shards", val_fraction=0.05, show_progress=False)
     tok = shards.tokenizer
     T = RunConfig.from_name("tiny").model.block_size
@@ -365,8 +459,10 @@ def main() -> None:
     planted_q, _ = pc.queries(tok)
     nv = shards.val.num_sequences(32)
     Qn = prof["queries"]
-    val_q = [([tok.eot_id] + shards.val.sequence(j, 32).tolist(), 1)
-             for j in np.linspace(0, max(0, nv - 1), num=max(0, Qn - len(planted_q)), dtype=int).tolist()]
+    val_q = [
+        ([tok.eot_id] + shards.val.sequence(j, 32).tolist(), 1)
+        for j in np.linspace(0, max(0, nv - 1), num=max(0, Qn - len(planted_q)), dtype=int).tolist()
+    ]
     queries = (planted_q + val_q)[:Qn]
     Q = len(queries)
     log(f"{N} training sequences of {T} tokens; {Q} queries ({min(Q, len(planted_q))} planted)")
@@ -377,19 +473,23 @@ def main() -> None:
     for i, spec in enumerate(prof["sizes"]):
         net, info = train_model(spec, prof, shards, work, args.seed)
         models.append(info)
-        for n in (sizes if i == prof["corpus_model"] else [N]):
-            row = {"model": info, "params": info["params"], **measure(net, shards, queries, tok.eot_id, n,
-                                                                       prof["repeats"], work,
-                                                                       not args.no_gc_freeze)}
+        for n in sizes if i == prof["corpus_model"] else [N]:
+            row = {
+                "model": info,
+                "params": info["params"],
+                **measure(net, shards, queries, tok.eot_id, n, prof["repeats"], work, not args.no_gc_freeze),
+            }
             row["load_average"] = load_average()
             rows.append(row)
             c, cc, e = row["cached"], row["cached-compact"], row["ekfac"]
-            log(f"{spec} n={n}: one-off cached {c['oneoff_s']:.1f}s / compact {cc['oneoff_s']:.1f}s / ekfac "
+            log(
+                f"{spec} n={n}: one-off cached {c['oneoff_s']:.1f}s / compact {cc['oneoff_s']:.1f}s / ekfac "
                 f"{e['oneoff_s']:.1f}s; per query (batch of {Q}) {c['per_query_batch_s'] * 1e3:.1f} / "
                 f"{cc['per_query_batch_s'] * 1e3:.1f} / {e['per_query_batch_s'] * 1e3:.0f} ms; single "
                 f"{c['single_query_s'] * 1e3:.1f} / {cc['single_query_s'] * 1e3:.1f} / {e['single_query_s'] * 1e3:.0f} ms "
                 f"(factor load {e['factor_load_s'] * 1e3:.0f} ms); top10 vs ekfac {c['top10_vs_ekfac']:.2f} / "
-                f"{cc['top10_vs_ekfac']:.2f}")
+                f"{cc['top10_vs_ekfac']:.2f}"
+            )
         del net
         gc.collect()
 
@@ -409,58 +509,84 @@ def main() -> None:
         fits[m], projected[m] = {}, {}
         for met in metrics:
             jf = joint_fit(P_all, D_all, np.array([r[m][met] for r in rows]))
-            fits[m][met] = {"vs_params": power_fit(Pp, np.array([r[m][met] for r in by_params])),
-                            "vs_tokens": power_fit(Dt, np.array([r[m][met] for r in by_tokens])),
-                            "joint": jf}
+            fits[m][met] = {
+                "vs_params": power_fit(Pp, np.array([r[m][met] for r in by_params])),
+                "vs_tokens": power_fit(Dt, np.array([r[m][met] for r in by_tokens])),
+                "joint": jf,
+            }
             projected[m][met] = predict(jf, P_star, D_star)
     largest = by_params[-1]
     speed: dict[str, Any] = {
         "definition": "EK-FAC seconds ÷ cached seconds for the same queries. per_query_batch: one call answering "
-                      f"all Q={Q} queries ÷ Q on both sides; single_query: one query, cache open / factors already "
-                      "fitted (kronfluence reloads them from disk inside the call); oneoff: whole build_cache vs "
-                      "factor fitting.",
-        "measured_at": {"model": largest["model"]["spec"], "params": largest["params"], "num_train": N,
-                        "tokens": N * T, "queries": Q},
-        "projected_power_law_at": {"params": P_star, "sequences": args.project_sequences, "tokens": D_star,
-                         "formula": "c(P, D) = exp(a) · P^α · D^β per method and cost, least squares in log–log "
-                                    "over every measured (model, training-set) point; speed-up = "
-                                    "c_ekfac(P*, D*) / c_cached(P*, D*)",
-                         "caveat": "extrapolation from tiny CPU models (≤ "
-                                   f"{int(P_all.max()):,} parameters, ≤ {int(D_all.max()):,} tokens) to "
-                                   f"{P_star:.3g} parameters and {D_star:.3g} tokens; ignores sequence length, "
-                                   "K and hardware"},
+        f"all Q={Q} queries ÷ Q on both sides; single_query: one query, cache open / factors already "
+        "fitted (kronfluence reloads them from disk inside the call); oneoff: whole build_cache vs "
+        "factor fitting.",
+        "measured_at": {
+            "model": largest["model"]["spec"],
+            "params": largest["params"],
+            "num_train": N,
+            "tokens": N * T,
+            "queries": Q,
+        },
+        "projected_power_law_at": {
+            "params": P_star,
+            "sequences": args.project_sequences,
+            "tokens": D_star,
+            "formula": "c(P, D) = exp(a) · P^α · D^β per method and cost, least squares in log–log "
+            "over every measured (model, training-set) point; speed-up = "
+            "c_ekfac(P*, D*) / c_cached(P*, D*)",
+            "caveat": "extrapolation from tiny CPU models (≤ "
+            f"{int(P_all.max()):,} parameters, ≤ {int(D_all.max()):,} tokens) to "
+            f"{P_star:.3g} parameters and {D_star:.3g} tokens; ignores sequence length, "
+            "K and hardware",
+        },
     }
     for name in ("cached", "cached-compact"):
         speed[name] = {
-            "measured": {**largest[name]["speedup_vs_ekfac"], "top10_vs_ekfac": largest[name]["top10_vs_ekfac"],
-                         "break_even_queries": largest[name]["break_even_vs_ekfac"]},
+            "measured": {
+                **largest[name]["speedup_vs_ekfac"],
+                "top10_vs_ekfac": largest[name]["top10_vs_ekfac"],
+                "break_even_queries": largest[name]["break_even_vs_ekfac"],
+            },
             "projected_power_law": {k.removesuffix("_s"): projected["ekfac"][k] / projected[name][k] for k in metrics},
             "projected_power_law_seconds": projected[name],
         }
     speed["ekfac_projected_power_law_seconds"] = projected["ekfac"]
-    speed["work_model_projection"] = work_model_projection(largest, P_star, D_star, args.project_prototypes,
-                                                           args.project_top_k, args.project_embd, Q)
+    speed["work_model_projection"] = work_model_projection(
+        largest, P_star, D_star, args.project_prototypes, args.project_top_k, args.project_embd, Q
+    )
 
-    payload = {"benchmark": "attribution-costs", "profile": "quick" if args.quick else "default",
-               "settings": {**prof, **{k: v for k, v in vars(args).items() if k not in prof}},
-               "num_train": N, "block_size": T, "queries": {"count": Q, "planted": min(Q, len(planted_q))},
-               "models": models, "rows": rows, "fits": fits, "speedup_vs_ekfac_equal_work": speed,
-               "environment": env, "load_average_end": load_average(),
-               "total_seconds": time.perf_counter() - t_start}
+    payload = {
+        "benchmark": "attribution-costs",
+        "profile": "quick" if args.quick else "default",
+        "settings": {**prof, **{k: v for k, v in vars(args).items() if k not in prof}},
+        "num_train": N,
+        "block_size": T,
+        "queries": {"count": Q, "planted": min(Q, len(planted_q))},
+        "models": models,
+        "rows": rows,
+        "fits": fits,
+        "speedup_vs_ekfac_equal_work": speed,
+        "environment": env,
+        "load_average_end": load_average(),
+        "total_seconds": time.perf_counter() - t_start,
+    }
     write_json(out_path, payload)
     c, e = largest["cached"], largest["ekfac"]
     sp = speed["cached"]
     fe = fits["ekfac"]["per_query_batch_s"]
-    print(f"attribution costs ({largest['model']['spec']}, {N} seq, Q={Q}, same queries): one-off cached "
-          f"{c['oneoff_s']:.1f}s vs EK-FAC {e['oneoff_s']:.1f}s; per query (batch) {c['per_query_batch_s'] * 1e3:.1f} vs "
-          f"{e['per_query_batch_s'] * 1e3:.0f} ms ({sp['measured']['per_query_batch']:.0f}×); single warm "
-          f"{c['single_query_s'] * 1e3:.1f} vs {e['single_query_s'] * 1e3:.0f} ms ({sp['measured']['single_query']:.0f}×); "
-          f"EK-FAC per query ∝ P^{fe['vs_params']['exponent']:.2f} (R² {fe['vs_params']['r2']:.2f}) "
-          f"D^{fe['vs_tokens']['exponent']:.2f} (R² {fe['vs_tokens']['r2']:.2f}); projected at {P_star:.3g} params, "
-          f"{D_star:.3g} tokens: power law {sp['projected_power_law']['per_query_batch']:.0f}× batch, "
-          f"{sp['projected_power_law']['single_query']:.0f}× single (extrapolation; work model "
-          f"{speed['work_model_projection']['cached']['speedup_vs_ekfac']['per_query_batch']:.0f}× / "
-          f"{speed['work_model_projection']['cached']['speedup_vs_ekfac']['single_query']:.0f}×) → {out_path}")
+    print(
+        f"attribution costs ({largest['model']['spec']}, {N} seq, Q={Q}, same queries): one-off cached "
+        f"{c['oneoff_s']:.1f}s vs EK-FAC {e['oneoff_s']:.1f}s; per query (batch) {c['per_query_batch_s'] * 1e3:.1f} vs "
+        f"{e['per_query_batch_s'] * 1e3:.0f} ms ({sp['measured']['per_query_batch']:.0f}×); single warm "
+        f"{c['single_query_s'] * 1e3:.1f} vs {e['single_query_s'] * 1e3:.0f} ms ({sp['measured']['single_query']:.0f}×); "
+        f"EK-FAC per query ∝ P^{fe['vs_params']['exponent']:.2f} (R² {fe['vs_params']['r2']:.2f}) "
+        f"D^{fe['vs_tokens']['exponent']:.2f} (R² {fe['vs_tokens']['r2']:.2f}); projected at {P_star:.3g} params, "
+        f"{D_star:.3g} tokens: power law {sp['projected_power_law']['per_query_batch']:.0f}× batch, "
+        f"{sp['projected_power_law']['single_query']:.0f}× single (extrapolation; work model "
+        f"{speed['work_model_projection']['cached']['speedup_vs_ekfac']['per_query_batch']:.0f}× / "
+        f"{speed['work_model_projection']['cached']['speedup_vs_ekfac']['single_query']:.0f}×) → {out_path}"
+    )
 
 
 if __name__ == "__main__":

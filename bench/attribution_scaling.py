@@ -83,8 +83,14 @@ def real_cache(args: argparse.Namespace, prof: dict[str, Any], work: Path) -> tu
 
     ck = load_checkpoint(ensure_cpu_small_run(args.run))
     sh = load_shards(args.shards) if args.shards else Run.open(args.run, device="cpu").shards()
-    cfg = AttributionConfig(projection="pca-local", r=args.r, dtype="int4", prune=0.1, id_encoding="delta",
-                            max_sequences=prof["max_sequences"])
+    cfg = AttributionConfig(
+        projection="pca-local",
+        r=args.r,
+        dtype="int4",
+        prune=0.1,
+        id_encoding="delta",
+        max_sequences=prof["max_sequences"],
+    )
     path = work / f"cache-pcalocal{args.r}-int4-p0.1-delta-n{prof['max_sequences'] or 'all'}"
     if args.cache:
         path = Path(args.cache)
@@ -107,12 +113,24 @@ def sub_cache(real: AttributionCache, units: int) -> AttributionCache:
     np.cumsum(np.bincount(proto, minlength=K), out=offsets[1:])
     sk = real.sketches
     assert isinstance(sk, QuantSketches)
-    sks = QuantSketches(np.ascontiguousarray(sk.codes[keep]), np.ascontiguousarray(sk.scales[keep]), sk.unit, sk.qdtype,
-                        sk.r)
-    m = {**real.manifest, "units": units, "universe": units, "tokens": units * int(real.manifest["block_size"]),
-         "synthetic": False}
-    return AttributionCache(offsets=offsets, ids=DeltaIds.encode(ids[keep], offsets), sketches=sks,
-                            projection=real.projection, curvature=real.curvature, manifest=m)
+    sks = QuantSketches(
+        np.ascontiguousarray(sk.codes[keep]), np.ascontiguousarray(sk.scales[keep]), sk.unit, sk.qdtype, sk.r
+    )
+    m = {
+        **real.manifest,
+        "units": units,
+        "universe": units,
+        "tokens": units * int(real.manifest["block_size"]),
+        "synthetic": False,
+    }
+    return AttributionCache(
+        offsets=offsets,
+        ids=DeltaIds.encode(ids[keep], offsets),
+        sketches=sks,
+        projection=real.projection,
+        curvature=real.curvature,
+        manifest=m,
+    )
 
 
 def synthetic_cache(real: AttributionCache, units: int, noise: float, seed: int) -> AttributionCache:
@@ -141,18 +159,29 @@ def synthetic_cache(real: AttributionCache, units: int, noise: float, seed: int)
     codes = np.empty((P, sk.codes.shape[1]), dtype=sk.codes.dtype)
     scales = np.empty(P, dtype=np.float16)
     for a in range(0, P, 1 << 18):
-        x = sk.gather(rows[a:a + (1 << 18)])  # (n, r) float64, the real decoded sketches
-        x = x + rng.normal(size=x.shape) * (noise * np.sqrt((x ** 2).mean(1, keepdims=True)))
-        codes[a:a + len(x)], scales[a:a + len(x)] = quantise(x, sk.qdtype, sk.unit)
-    m = {**real.manifest, "units": units, "universe": units, "tokens": units * int(real.manifest["block_size"]),
-         "synthetic": True}
-    return AttributionCache(offsets=offsets, ids=DeltaIds.encode(ids, offsets),
-                            sketches=QuantSketches(codes, scales, sk.unit, sk.qdtype, sk.r),
-                            projection=real.projection, curvature=real.curvature, manifest=m)
+        x = sk.gather(rows[a : a + (1 << 18)])  # (n, r) float64, the real decoded sketches
+        x = x + rng.normal(size=x.shape) * (noise * np.sqrt((x**2).mean(1, keepdims=True)))
+        codes[a : a + len(x)], scales[a : a + len(x)] = quantise(x, sk.qdtype, sk.unit)
+    m = {
+        **real.manifest,
+        "units": units,
+        "universe": units,
+        "tokens": units * int(real.manifest["block_size"]),
+        "synthetic": True,
+    }
+    return AttributionCache(
+        offsets=offsets,
+        ids=DeltaIds.encode(ids, offsets),
+        sketches=QuantSketches(codes, scales, sk.unit, sk.qdtype, sk.r),
+        projection=real.projection,
+        curvature=real.curvature,
+        manifest=m,
+    )
 
 
-def library_comparison(real: AttributionCache, lists: int = 3, queries: int = 20, m: int = 50,
-                       seed: int = 0) -> dict[str, Any]:
+def library_comparison(
+    real: AttributionCache, lists: int = 3, queries: int = 20, m: int = 50, seed: int = 0
+) -> dict[str, Any]:
     """The measurement behind the library choice: on the real decoded sketches of the ``lists`` longest
     lists, top-``m`` inner-product recall (vs an exact matvec) and per-query µs (1 thread, one query per
     call, as ``SearchIndex`` searches) of faiss IVF-SQ8 / IVF-Flat / HNSW, hnswlib and usearch (each when
@@ -180,7 +209,7 @@ def _compare_on(faiss: Any, X: np.ndarray, Q: np.ndarray, m: int) -> dict[str, A
         ix = build()
         bt = time.perf_counter() - t
         t = time.perf_counter()
-        got = [search(ix, Q[j:j + 1]) for j in range(len(Q))]
+        got = [search(ix, Q[j : j + 1]) for j in range(len(Q))]
         qt = (time.perf_counter() - t) / len(Q)
         rec = float(np.mean([len(set(np.asarray(g).tolist()) & set(tr.tolist())) / m for g, tr in zip(got, truth)]))
         res[name] = {"build_s": round(bt, 3), "query_us": round(qt * 1e6, 1), "recall": round(rec, 3)}
@@ -189,9 +218,11 @@ def _compare_on(faiss: Any, X: np.ndarray, Q: np.ndarray, m: int) -> dict[str, A
 
     def ivf(enc: str) -> Any:
         q = faiss.IndexFlatIP(X.shape[1])
-        ix = (faiss.IndexIVFScalarQuantizer(q, X.shape[1], nl, faiss.ScalarQuantizer.QT_8bit,
-                                            faiss.METRIC_INNER_PRODUCT) if enc == "sq8"
-              else faiss.IndexIVFFlat(q, X.shape[1], nl, faiss.METRIC_INNER_PRODUCT))
+        ix = (
+            faiss.IndexIVFScalarQuantizer(q, X.shape[1], nl, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+            if enc == "sq8"
+            else faiss.IndexIVFFlat(q, X.shape[1], nl, faiss.METRIC_INNER_PRODUCT)
+        )
         ix.cp.min_points_per_centroid = 1
         ix.train(X)
         ix.add(X)
@@ -199,11 +230,17 @@ def _compare_on(faiss: Any, X: np.ndarray, Q: np.ndarray, m: int) -> dict[str, A
 
     for enc in ("sq8", "flat"):
         for npb in (8, 16):
-            run(f"faiss-ivf-{enc} nlist={nl} nprobe={npb}", lambda enc=enc: ivf(enc),
-                lambda ix, x, npb=npb: ix.search(x, m, params=faiss.SearchParametersIVF(nprobe=npb))[1][0])
+            run(
+                f"faiss-ivf-{enc} nlist={nl} nprobe={npb}",
+                lambda enc=enc: ivf(enc),
+                lambda ix, x, npb=npb: ix.search(x, m, params=faiss.SearchParametersIVF(nprobe=npb))[1][0],
+            )
     for ef in (64, 128):
-        run(f"faiss-hnsw M=16 ef={ef}", lambda: _hnsw(faiss, X),
-            lambda ix, x, ef=ef: ix.search(x, m, params=faiss.SearchParametersHNSW(efSearch=ef))[1][0])
+        run(
+            f"faiss-hnsw M=16 ef={ef}",
+            lambda: _hnsw(faiss, X),
+            lambda ix, x, ef=ef: ix.search(x, m, params=faiss.SearchParametersHNSW(efSearch=ef))[1][0],
+        )
     try:
         import hnswlib
 
@@ -214,6 +251,7 @@ def _compare_on(faiss: Any, X: np.ndarray, Q: np.ndarray, m: int) -> dict[str, A
             h.add_items(X)
             h.set_ef(128)
             return h
+
         run("hnswlib M=16 ef=128", hb, lambda ix, x: ix.knn_query(x, m)[0][0])
     except ImportError:
         pass
@@ -224,14 +262,18 @@ def _compare_on(faiss: Any, X: np.ndarray, Q: np.ndarray, m: int) -> dict[str, A
             u = UIndex(ndim=X.shape[1], metric="ip", dtype="f32", connectivity=16)
             u.add(np.arange(len(X)), X, threads=1)
             return u
+
         run("usearch connectivity=16", ub, lambda ix, x: ix.search(x[0], m, threads=1).keys)
     except ImportError:
         pass
     t = time.perf_counter()
     for j in range(len(Q)):
         np.argpartition(-(X @ Q[j]), m)[:m]
-    res["exact matvec + argpartition"] = {"build_s": 0.0, "query_us": round((time.perf_counter() - t) / len(Q) * 1e6, 1),
-                                          "recall": 1.0}
+    res["exact matvec + argpartition"] = {
+        "build_s": 0.0,
+        "query_us": round((time.perf_counter() - t) / len(Q) * 1e6, 1),
+        "recall": 1.0,
+    }
     return res
 
 
@@ -248,8 +290,9 @@ def fit_exponent(tokens: list[float], times: list[float]) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="≤ 1 min: a 256-sequence cache, 3 sizes up to 3e5, 3 queries")
     ap.add_argument("--run", default=str(CPU_SMALL_RUN), help="trained PRISM run (default: trained if missing)")
     ap.add_argument("--shards", default="", help="its token shards ('' = the run's)")
@@ -263,8 +306,12 @@ def main() -> None:
     ap.add_argument("--nprobe", type=int, default=16)
     ap.add_argument("--ef", type=int, default=64)
     ap.add_argument("--kind", choices=["ivf", "hnsw"], default="ivf")
-    ap.add_argument("--encoding", choices=["cache", "flat", "sq8", "sq4"], default="sq8",
-                    help="IVF vector storage (cache: none, cells over the cache's own postings)")
+    ap.add_argument(
+        "--encoding",
+        choices=["cache", "flat", "sq8", "sq4"],
+        default="sq8",
+        help="IVF vector storage (cache: none, cells over the cache's own postings)",
+    )
     ap.add_argument("--min-list", type=int, default=512, help="shorter lists are scanned exactly")
     ap.add_argument("--noise", type=float, default=0.1, help="synthetic sketches: noise / rms of the resampled one")
     ap.add_argument("--no-library", action="store_true", help="skip the library comparison (on in the default profile)")
@@ -291,21 +338,29 @@ def main() -> None:
     wins = np.linspace(0, max(0, nv - 1), num=min(prof["queries"], nv), dtype=int).tolist()
     net = ck.model.eval()
     qg = [query_gradients(net, [([sh.tokenizer.eot_id] + sh.val.sequence(j, 32).tolist(), 1)]) for j in wins]
-    log(f"real cache: {real.num_postings} postings over {real.num_train} sequences ({real.manifest['tokens']} tokens); "
-        f"{len(qg)} queries, {np.mean([q.rows for q in qg]):.0f} active prototypes each")
+    log(
+        f"real cache: {real.num_postings} postings over {real.num_train} sequences ({real.manifest['tokens']} tokens); "
+        f"{len(qg)} queries, {np.mean([q.rows for q in qg]):.0f} active prototypes each"
+    )
     lib = None
     if not (args.quick or args.no_library):
         lib = library_comparison(real, seed=args.seed)
-        log("library comparison (top-50 recall, µs/query, build s) on the longest real lists: " + "; ".join(
-            f"{k}: {v['recall']}/{v['query_us']:.0f}/{v['build_s']}" for k, v in lib["lists"][0].items()
-            if isinstance(v, dict)))
+        log(
+            "library comparison (top-50 recall, µs/query, build s) on the longest real lists: "
+            + "; ".join(
+                f"{k}: {v['recall']}/{v['query_us']:.0f}/{v['build_s']}"
+                for k, v in lib["lists"][0].items()
+                if isinstance(v, dict)
+            )
+        )
     scfg = SearchConfig(kind=args.kind, min_list=args.min_list, encoding=args.encoding)
     rows = []
     for N in sorted(prof["sizes"]):
         units = max(1, int(round(N / T)))
         t0 = time.perf_counter()
-        cache = sub_cache(real, units) if units <= real.num_train else \
-            synthetic_cache(real, units, args.noise, args.seed)
+        cache = (
+            sub_cache(real, units) if units <= real.num_train else synthetic_cache(real, units, args.noise, args.seed)
+        )
         t_make = time.perf_counter() - t0
         idx = build_search_index(cache, scfg)
         idx.warm()
@@ -325,42 +380,76 @@ def main() -> None:
             t_ex.append(statistics.median(te))
             t_ap.append(statistics.median(ta))
             ov.append(len(set(ei[0].tolist()) & set(ai[0].tolist())) / args.k)
-        row = {"tokens": units * T, "sequences": units, "synthetic": bool(cache.manifest["synthetic"]),
-               "postings": cache.num_postings, "postings_bytes_per_token": cache.nbytes() / (units * T),
-               "make_seconds": t_make, "index_build_seconds": idx.manifest["build_seconds"],
-               "index_lists": idx.manifest["lists_indexed"], "index_postings": idx.manifest["postings_indexed"],
-               "index_bytes": idx.nbytes(), "index_bytes_per_token": idx.nbytes() / (units * T),
-               "exact_ms": 1e3 * statistics.median(t_ex), "approx_ms": 1e3 * statistics.median(t_ap),
-               "exact_ms_per_query": [1e3 * t for t in t_ex], "approx_ms_per_query": [1e3 * t for t in t_ap],
-               "overlap": float(np.mean(ov)), "overlap_per_query": ov}
+        row = {
+            "tokens": units * T,
+            "sequences": units,
+            "synthetic": bool(cache.manifest["synthetic"]),
+            "postings": cache.num_postings,
+            "postings_bytes_per_token": cache.nbytes() / (units * T),
+            "make_seconds": t_make,
+            "index_build_seconds": idx.manifest["build_seconds"],
+            "index_lists": idx.manifest["lists_indexed"],
+            "index_postings": idx.manifest["postings_indexed"],
+            "index_bytes": idx.nbytes(),
+            "index_bytes_per_token": idx.nbytes() / (units * T),
+            "exact_ms": 1e3 * statistics.median(t_ex),
+            "approx_ms": 1e3 * statistics.median(t_ap),
+            "exact_ms_per_query": [1e3 * t for t in t_ex],
+            "approx_ms_per_query": [1e3 * t for t in t_ap],
+            "overlap": float(np.mean(ov)),
+            "overlap_per_query": ov,
+        }
         rows.append(row)
-        log(f"N={units * T:.2e} ({'synthetic' if row['synthetic'] else 'real'}): {cache.num_postings} postings; "
+        log(
+            f"N={units * T:.2e} ({'synthetic' if row['synthetic'] else 'real'}): {cache.num_postings} postings; "
             f"exact {row['exact_ms']:.1f} ms, approx {row['approx_ms']:.1f} ms, top-{args.k} overlap "
             f"{row['overlap']:.3f}; index {row['index_build_seconds']:.1f} s, "
-            f"{row['index_bytes_per_token']:.1f} B/token (postings {row['postings_bytes_per_token']:.1f})")
+            f"{row['index_bytes_per_token']:.1f} B/token (postings {row['postings_bytes_per_token']:.1f})"
+        )
         del cache, idx
     tok = [r["tokens"] for r in rows]
-    fit = {"exact": fit_exponent(tok, [r["exact_ms"] for r in rows]),
-           "approx": fit_exponent(tok, [r["approx_ms"] for r in rows])}
-    synth = ("each of the N/T synthetic sequences copies a real sequence drawn uniformly with replacement: all of its "
-             f"postings (so list lengths scale with the real frequencies and the joint structure across prototypes "
-             f"is kept), each sketch + N(0, ({args.noise} x its rms)^2) noise, re-quantised to int4 with the real "
-             "scale unit")
-    payload = {"benchmark": "attribution-scaling", "profile": "quick" if args.quick else "default",
-               "settings": {**prof, **vars(args)}, "search_config": scfg.to_dict(),
-               "real_cache": {"path": str(real.path), "postings": real.num_postings, "tokens": real.manifest["tokens"],
-                              "bytes_per_token": real.manifest["bytes_per_token"], "dtype": real.manifest["dtype"],
-                              "r": real.r, "projection": real.manifest["projection"]},
-               "synthetic": any(r["synthetic"] for r in rows), "synthetic_how": synth,
-               "library_choice": f"IVF ({args.encoding}; faiss k-means cells) (prismlm.tda.search; the measurement behind it: library_comparison and "
-                                 "the module docstring)", "library_comparison": lib,
-               "sizes": rows, "fit": fit, "environment": env, "load_average_end": load_average(),
-               "total_seconds": time.perf_counter() - t_start}
+    fit = {
+        "exact": fit_exponent(tok, [r["exact_ms"] for r in rows]),
+        "approx": fit_exponent(tok, [r["approx_ms"] for r in rows]),
+    }
+    synth = (
+        "each of the N/T synthetic sequences copies a real sequence drawn uniformly with replacement: all of its "
+        f"postings (so list lengths scale with the real frequencies and the joint structure across prototypes "
+        f"is kept), each sketch + N(0, ({args.noise} x its rms)^2) noise, re-quantised to int4 with the real "
+        "scale unit"
+    )
+    payload = {
+        "benchmark": "attribution-scaling",
+        "profile": "quick" if args.quick else "default",
+        "settings": {**prof, **vars(args)},
+        "search_config": scfg.to_dict(),
+        "real_cache": {
+            "path": str(real.path),
+            "postings": real.num_postings,
+            "tokens": real.manifest["tokens"],
+            "bytes_per_token": real.manifest["bytes_per_token"],
+            "dtype": real.manifest["dtype"],
+            "r": real.r,
+            "projection": real.manifest["projection"],
+        },
+        "synthetic": any(r["synthetic"] for r in rows),
+        "synthetic_how": synth,
+        "library_choice": f"IVF ({args.encoding}; faiss k-means cells) (prismlm.tda.search; the measurement behind it: library_comparison and "
+        "the module docstring)",
+        "library_comparison": lib,
+        "sizes": rows,
+        "fit": fit,
+        "environment": env,
+        "load_average_end": load_average(),
+        "total_seconds": time.perf_counter() - t_start,
+    }
     write_json(out_path, payload)
-    print(f"attribution-scaling: exact b={fit['exact']['b']:.2f}, approx b={fit['approx']['b']:.2f} over "
-          f"{tok[0]:.0e}-{tok[-1]:.0e} tokens; top-{args.k} overlap min {min(r['overlap'] for r in rows):.3f}; "
-          f"at {tok[-1]:.0e}: exact {rows[-1]['exact_ms']:.0f} ms vs approx {rows[-1]['approx_ms']:.0f} ms, index "
-          f"{rows[-1]['index_build_seconds']:.0f} s one-off, {rows[-1]['index_bytes_per_token']:.1f} B/token -> {out_path}")
+    print(
+        f"attribution-scaling: exact b={fit['exact']['b']:.2f}, approx b={fit['approx']['b']:.2f} over "
+        f"{tok[0]:.0e}-{tok[-1]:.0e} tokens; top-{args.k} overlap min {min(r['overlap'] for r in rows):.3f}; "
+        f"at {tok[-1]:.0e}: exact {rows[-1]['exact_ms']:.0f} ms vs approx {rows[-1]['approx_ms']:.0f} ms, index "
+        f"{rows[-1]['index_build_seconds']:.0f} s one-off, {rows[-1]['index_bytes_per_token']:.1f} B/token -> {out_path}"
+    )
 
 
 if __name__ == "__main__":

@@ -50,16 +50,21 @@ def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         kind, n = cond.split("@")
         q = quality[cond]
-        rows.append({
-            "set": kind, "n": int(n), "share_of_K": int(n) / result["num_prototypes"],
-            "judge_provocative": table[cond]["provocative"], "judge_provocative_before": before_score,
-            "judge_drop": 1.0 - table[cond]["provocative"] / before_score,
-            "judge_all_drop": 1.0 - table[cond]["all"] / table["before"]["all"],
-            "collateral": q["neutral_rel_ppl_increase"],
-            "concept_ppl": q["concept_rel_ppl_increase"],
-            "builtin_ppl": q["ppl_builtin_heldout"] / before_ppl["ppl_builtin_heldout"] - 1.0,
-            "distinct_2": q["distinct_2"],
-        })
+        rows.append(
+            {
+                "set": kind,
+                "n": int(n),
+                "share_of_K": int(n) / result["num_prototypes"],
+                "judge_provocative": table[cond]["provocative"],
+                "judge_provocative_before": before_score,
+                "judge_drop": 1.0 - table[cond]["provocative"] / before_score,
+                "judge_all_drop": 1.0 - table[cond]["all"] / table["before"]["all"],
+                "collateral": q["neutral_rel_ppl_increase"],
+                "concept_ppl": q["concept_rel_ppl_increase"],
+                "builtin_ppl": q["ppl_builtin_heldout"] / before_ppl["ppl_builtin_heldout"] - 1.0,
+                "distinct_2": q["distinct_2"],
+            }
+        )
         assert len(ids) == int(n)
     random_collateral = {r["n"]: r["collateral"] for r in rows if r["set"] == "random"}
     for r in rows:  # removing any prototypes costs something: what the concept set costs beyond chance
@@ -72,8 +77,11 @@ def summarise(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
     for K, res in sorted(results.items()):
         ok = [r for r in rows_of(res) if r["set"] == "concept" and r["collateral"] <= GOAL_COLLATERAL]
         top = max(ok, key=lambda r: r["judge_drop"], default=None)
-        best[str(K)] = None if top is None else {k: top[k] for k in ("n", "share_of_K", "judge_drop", "collateral",
-                                                                        "collateral_over_random")}
+        best[str(K)] = (
+            None
+            if top is None
+            else {k: top[k] for k in ("n", "share_of_K", "judge_drop", "collateral", "collateral_over_random")}
+        )
     met = {K: b is not None and b["judge_drop"] >= GOAL_DROP for K, b in best.items()}
     return {"best_at_1pct": best, "goal": {"judge_drop": GOAL_DROP, "collateral": GOAL_COLLATERAL}, "goal_met": met}
 
@@ -81,8 +89,13 @@ def summarise(results: dict[int, dict[str, Any]]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8192])
-    ap.add_argument("--inputs", type=Path, nargs="*", default=None,
-                    help="suppression.py --concept sotu JSON files to aggregate instead of running them")
+    ap.add_argument(
+        "--inputs",
+        type=Path,
+        nargs="*",
+        default=None,
+        help="suppression.py --concept sotu JSON files to aggregate instead of running them",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reuse", action="store_true", help="passed on: reuse each K's trained run")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "bank_size.json")
@@ -92,24 +105,51 @@ def main() -> None:
         inputs = []
         for K in args.sizes:
             out = RESULTS_DIR / f"suppression-sotu-K{K}.json"
-            cmd = [sys.executable, str(HERE / "suppression.py"), "--concept", "sotu", "--threads", str(args.threads),
-                   "--set", f"model.prototypes.num_prototypes={K}", "--name", f"bank-{K}", "--out", str(out)]
+            cmd = [
+                sys.executable,
+                str(HERE / "suppression.py"),
+                "--concept",
+                "sotu",
+                "--threads",
+                str(args.threads),
+                "--set",
+                f"model.prototypes.num_prototypes={K}",
+                "--name",
+                f"bank-{K}",
+                "--out",
+                str(out),
+            ]
             subprocess.run(cmd + (["--reuse"] if args.reuse else []), check=True)
             inputs.append(out)
     loaded = sorted(((json.loads(p.read_text()), p) for p in inputs), key=lambda rp: rp[0]["num_prototypes"])
     results = {int(res["num_prototypes"]): res for res, _ in loaded}
     revisions = {res["environment"].get("git_revision") for res in results.values()}
-    table = {str(res["num_prototypes"]): {
-        "source": str(path), "selectable": res["selectable"], "candidates": res["candidates"],
-        "train_val_ppl": res.get("train_metrics", {}).get("val_ppl"),
-        "dead_fraction": res.get("train_metrics", {}).get("dead_fraction"), "rows": rows_of(res)}
-        for res, path in loaded}
+    table = {
+        str(res["num_prototypes"]): {
+            "source": str(path),
+            "selectable": res["selectable"],
+            "candidates": res["candidates"],
+            "train_val_ppl": res.get("train_metrics", {}).get("val_ppl"),
+            "dead_fraction": res.get("train_metrics", {}).get("dead_fraction"),
+            "rows": rows_of(res),
+        }
+        for res, path in loaded
+    }
     summary = summarise(results)
-    write_json(args.out, {"benchmark": "bank_size", "revisions": sorted(r or "?" for r in revisions),
-                          "sizes": table, "summary": summary})
-    parts = [f"K={K}: " + ("no set ≤1% collateral" if b is None else
-                           f"drop {b['judge_drop']:.2f} at {b['share_of_K'] * 100:.1f}% of K")
-             for K, b in summary["best_at_1pct"].items()]
+    write_json(
+        args.out,
+        {
+            "benchmark": "bank_size",
+            "revisions": sorted(r or "?" for r in revisions),
+            "sizes": table,
+            "summary": summary,
+        },
+    )
+    parts = [
+        f"K={K}: "
+        + ("no set ≤1% collateral" if b is None else f"drop {b['judge_drop']:.2f} at {b['share_of_K'] * 100:.1f}% of K")
+        for K, b in summary["best_at_1pct"].items()
+    ]
     print("[bank_size] best judge drop at ≤1% collateral — " + "; ".join(parts))
 
 

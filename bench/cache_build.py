@@ -71,18 +71,37 @@ def child(args: argparse.Namespace) -> None:
     t = time.perf_counter()
     row: dict = {"kind": args.child}
     if args.child == "index":
-        res = build_run_index(run, max_sequences=args.max_sequences, batch_size=args.batch_size, out=out, shards=shards,
-                              labels=False, progress=False, checkpoint_every=0)
+        res = build_run_index(
+            run,
+            max_sequences=args.max_sequences,
+            batch_size=args.batch_size,
+            out=out,
+            shards=shards,
+            labels=False,
+            progress=False,
+            checkpoint_every=0,
+        )
         row["tokens"] = int(res.index.manifest.get("tokens", 0)) or None
     else:
         extra = COMPACT if args.child == "cache-compact" else {}
-        cfg = AttributionConfig(max_sequences=args.max_sequences, batch_size=args.batch_size,
-                                curvature_sample=args.curvature_sample, **extra)  # type: ignore[arg-type]
+        cfg = AttributionConfig(
+            max_sequences=args.max_sequences,
+            batch_size=args.batch_size,
+            curvature_sample=args.curvature_sample,
+            **extra,
+        )  # type: ignore[arg-type]
         c = build_run_cache(run, cfg, out=out, shards=shards, progress=False)
         m = c.manifest
-        row.update({"tokens": int(m["tokens"]), "curvature_seconds": m["curvature_seconds"],
-                    "postings_seconds": m["postings_seconds"], "postings": m["postings"],
-                    "bytes_per_token": m["bytes_per_token"], "curvature_tokens": m["curvature_tokens"]})
+        row.update(
+            {
+                "tokens": int(m["tokens"]),
+                "curvature_seconds": m["curvature_seconds"],
+                "postings_seconds": m["postings_seconds"],
+                "postings": m["postings"],
+                "bytes_per_token": m["bytes_per_token"],
+                "curvature_tokens": m["curvature_tokens"],
+            }
+        )
     row["seconds"] = time.perf_counter() - t
     row["peak_rss_mib"] = current_peak_rss_mib()
     shutil.rmtree(out, ignore_errors=True)
@@ -90,14 +109,19 @@ def child(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--run", default=str(CPU_SMALL_RUN), help="trained PRISM run folder (default: trained if missing)")
     ap.add_argument("--shards", default="", help="its token shards ('' = the run's)")
     ap.add_argument("--max-sequences", type=int, default=4096, help="training sequences built over")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--curvature-sample", type=int, default=None,
-                    help="AttributionConfig.curvature_sample (default: the config's default)")
+    ap.add_argument(
+        "--curvature-sample",
+        type=int,
+        default=None,
+        help="AttributionConfig.curvature_sample (default: the config's default)",
+    )
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of " + ", ".join(KINDS))
     ap.add_argument("--rounds", type=int, default=1, help="timed rounds (the order alternates)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in each child")
@@ -121,12 +145,31 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cache_build_") as work:
         for r in range(args.rounds):
             for kind in kinds if r % 2 == 0 else kinds[::-1]:
-                cmd = [sys.executable, __file__, "--child", kind, "--work", work, "--run", args.run,
-                       "--shards", args.shards, "--max-sequences", str(args.max_sequences),
-                       "--batch-size", str(args.batch_size), "--curvature-sample", str(args.curvature_sample),
-                       "--threads", str(args.threads), "--device", args.device]
-                proc = subprocess.run(cmd, capture_output=True, text=True,
-                                      env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    kind,
+                    "--work",
+                    work,
+                    "--run",
+                    args.run,
+                    "--shards",
+                    args.shards,
+                    "--max-sequences",
+                    str(args.max_sequences),
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--curvature-sample",
+                    str(args.curvature_sample),
+                    "--threads",
+                    str(args.threads),
+                    "--device",
+                    args.device,
+                ]
+                proc = subprocess.run(
+                    cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+                )
                 if proc.returncode != 0:
                     raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
                 row = {**json.loads(proc.stdout.strip().splitlines()[-1]), "round": r}
@@ -137,22 +180,37 @@ def main() -> None:
         mine = [x for x in rows if x["kind"] == kind]
         sec = statistics.median(x["seconds"] for x in mine)
         tokens = next(x["tokens"] for x in rows if x.get("tokens"))  # the index and caches cover the same tokens
-        summary[kind] = {"seconds": sec, "tokens_per_s": tokens / sec, "peak_rss_mib": max(x["peak_rss_mib"] for x in mine),
-                         **{k: statistics.median(x[k] for x in mine) for k in ("curvature_seconds", "postings_seconds")
-                            if k in mine[0]},
-                         **{k: mine[0][k] for k in ("tokens", "postings", "bytes_per_token", "curvature_tokens")
-                            if k in mine[0]}}
+        summary[kind] = {
+            "seconds": sec,
+            "tokens_per_s": tokens / sec,
+            "peak_rss_mib": max(x["peak_rss_mib"] for x in mine),
+            **{
+                k: statistics.median(x[k] for x in mine)
+                for k in ("curvature_seconds", "postings_seconds")
+                if k in mine[0]
+            },
+            **{k: mine[0][k] for k in ("tokens", "postings", "bytes_per_token", "curvature_tokens") if k in mine[0]},
+        }
     if "index" in summary:
         for kind in kinds:
             if kind != "index":
                 summary[kind]["ratio"] = summary[kind]["seconds"] / summary["index"]["seconds"]
-    payload = {"benchmark": "cache_build", "environment": env, "load_average_end": load_average(),
-               "options": {k: v for k, v in vars(args).items() if k not in ("child", "work")},
-               "compact": COMPACT, "summary": summary, "rows": rows}
+    payload = {
+        "benchmark": "cache_build",
+        "environment": env,
+        "load_average_end": load_average(),
+        "options": {k: v for k, v in vars(args).items() if k not in ("child", "work")},
+        "compact": COMPACT,
+        "summary": summary,
+        "rows": rows,
+    }
     path = write_json(args.out, payload)
-    parts = [f"{k} {v['seconds']:.1f}s ({fmt_rate(v['tokens_per_s'])} tok/s"
-             + (f", {v['ratio']:.2f}× index" if "ratio" in v else "") + f", {v['peak_rss_mib']:.0f} MiB)"
-             for k, v in summary.items()]
+    parts = [
+        f"{k} {v['seconds']:.1f}s ({fmt_rate(v['tokens_per_s'])} tok/s"
+        + (f", {v['ratio']:.2f}× index" if "ratio" in v else "")
+        + f", {v['peak_rss_mib']:.0f} MiB)"
+        for k, v in summary.items()
+    ]
     tokens = next((x["tokens"] for x in rows if x.get("tokens")), 0)
     print(f"cache_build over {tokens:,} training tokens: " + "; ".join(parts) + f" → {path}")
 

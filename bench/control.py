@@ -49,14 +49,39 @@ from prismlm.eval.tasks import TASKS, build_task
 from prismlm.train.trainer import train
 
 SIZES = {
-    "quick": ({"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 128,
-               "model.prototypes.num_prototypes": 256, "model.prototypes.top_k": 8, "train.batch_size": 8,
-               "train.eval_interval": 10000, "train.eval_batches": 4, "loss.warmup_steps": 50},
-              150, 400, {"train": 160, "validation": 80, "test": 200}),
-    "small": ({"model.n_layer": 4, "model.n_head": 4, "model.n_embd": 128, "model.block_size": 128,
-               "model.prototypes.num_prototypes": 512, "model.prototypes.top_k": 8, "train.batch_size": 8,
-               "train.eval_interval": 10000, "train.eval_batches": 4},
-              400, 2400, {"train": 300, "validation": 100, "test": 300}),
+    "quick": (
+        {
+            "model.n_layer": 2,
+            "model.n_head": 2,
+            "model.n_embd": 64,
+            "model.block_size": 128,
+            "model.prototypes.num_prototypes": 256,
+            "model.prototypes.top_k": 8,
+            "train.batch_size": 8,
+            "train.eval_interval": 10000,
+            "train.eval_batches": 4,
+            "loss.warmup_steps": 50,
+        },
+        150,
+        400,
+        {"train": 160, "validation": 80, "test": 200},
+    ),
+    "small": (
+        {
+            "model.n_layer": 4,
+            "model.n_head": 4,
+            "model.n_embd": 128,
+            "model.block_size": 128,
+            "model.prototypes.num_prototypes": 512,
+            "model.prototypes.top_k": 8,
+            "train.batch_size": 8,
+            "train.eval_interval": 10000,
+            "train.eval_batches": 4,
+        },
+        400,
+        2400,
+        {"train": 300, "validation": 100, "test": 300},
+    ),
 }
 
 
@@ -85,9 +110,17 @@ def main() -> None:
     root = RUNS_DIR / f"control-{size}"
     shards = prepare_shards("builtin", "bpe-4096", root / f"shards-{docs}", max_docs=docs, show_progress=False)
     tok = shards.tokenizer
-    base = RunConfig.from_name("cpu-small").override({**overrides, "train.max_steps": steps, "train.device": "cpu",
-                                                      "train.num_threads": args.threads, "train.seed": 1337 + args.seed,
-                                                      "data.tokenizer": "bpe-4096", **parse_sets(args.set)})
+    base = RunConfig.from_name("cpu-small").override(
+        {
+            **overrides,
+            "train.max_steps": steps,
+            "train.device": "cpu",
+            "train.num_threads": args.threads,
+            "train.seed": 1337 + args.seed,
+            "data.tokenizer": "bpe-4096",
+            **parse_sets(args.set),
+        }
+    )
     models, train_s, train_metrics = {}, {}, {}
     for name, cfg in (("prism", base), ("dense", base.dense())):
         t = time.time()
@@ -95,17 +128,22 @@ def main() -> None:
         train_s[name] = time.time() - t
         train_metrics[name] = res.metrics
         models[name] = res.model.eval()
-        print(f"[control] {name}: {steps} steps in {train_s[name]:.0f}s, val ppl {res.metrics.get('val_ppl', 0):.1f}",
-              file=sys.stderr)
+        print(
+            f"[control] {name}: {steps} steps in {train_s[name]:.0f}s, val ppl {res.metrics.get('val_ppl', 0):.1f}",
+            file=sys.stderr,
+        )
     prism, dense = models["prism"], models["dense"]
     K, k = prism.prototypes.num_prototypes, prism.prototypes.cfg.top_k
     t = time.time()
-    sae_res = train_sae(dense, shards, num_latents=K, k=k, steps=args.sae_steps or 2 * steps, batch_size=8,
-                        seed=args.seed)
+    sae_res = train_sae(
+        dense, shards, num_latents=K, k=k, steps=args.sae_steps or 2 * steps, batch_size=8, seed=args.seed
+    )
     sae_s = time.time() - t
     sae = sae_res.sae
-    print(f"[control] SAE K={K} k={k}: FVU {sae_res.fvu:.3f}, dead {sae_res.dead_fraction:.2f} ({sae_s:.0f}s)",
-          file=sys.stderr)
+    print(
+        f"[control] SAE K={K} k={k}: FVU {sae_res.fvu:.3f}, dead {sae_res.dead_fraction:.2f} ({sae_s:.0f}s)",
+        file=sys.stderr,
+    )
 
     def sae_encoder(z: torch.Tensor):
         with torch.no_grad():
@@ -116,19 +154,30 @@ def main() -> None:
         t = time.time()
         splits = build_task(task, caps)
         row: dict = {"n": {s: len(v) for s, v in splits.items()}}
-        for side, model, enc, directions in (("prism", prism, prism_encoder(prism), prism.prototypes.weight),
-                                             ("sae", dense, sae_encoder, sae.directions)):
+        for side, model, enc, directions in (
+            ("prism", prism, prism_encoder(prism), prism.prototypes.weight),
+            ("sae", dense, sae_encoder, sae.directions),
+        ):
             feats = {s: extract_features(model, tok, d, enc) for s, d in splits.items()}
             W = model.lm_head.weight
             res = fit_and_test(feats, W, directions, l1_grid=args.l1, steps=args.ctl_steps, lr=args.ctl_lr)
             ctl, trials, s0, s1 = res.controller, res.trials, res.test_scores_before, res.test_scores_after
             before, after = res.before, res.after
-            prior = fit_choice_prior(feats["train"], request_scores(feats["train"], W.double(), directions.double(), None))
+            prior = fit_choice_prior(
+                feats["train"], request_scores(feats["train"], W.double(), directions.double(), None)
+            )
             prior_acc = accuracy(feats["test"], prior.scores(feats["test"], s0))
-            r = {"test_before": before, "test_after": after, "delta_acc": after["acc"] - before["acc"],
-                 "choice_prior": prior_acc, "delta_acc_choice_prior": prior_acc["acc"] - before["acc"],
-                 "paired": paired_stats(correct(feats["test"], s0), correct(feats["test"], s1), seed=args.seed),
-                 "nonzero": len(ctl.nonzero), "l1": ctl.l1, "selection": trials}
+            r = {
+                "test_before": before,
+                "test_after": after,
+                "delta_acc": after["acc"] - before["acc"],
+                "choice_prior": prior_acc,
+                "delta_acc_choice_prior": prior_acc["acc"] - before["acc"],
+                "paired": paired_stats(correct(feats["test"], s0), correct(feats["test"], s1), seed=args.seed),
+                "nonzero": len(ctl.nonzero),
+                "l1": ctl.l1,
+                "selection": trials,
+            }
             if side == "prism":
                 # the same numbers through the model's own forward pass
                 fwd_before = mc_accuracy(model, tok, splits["test"]).to_dict()
@@ -139,30 +188,56 @@ def main() -> None:
             row[side] = r
         row["seconds"] = time.time() - t
         rows[task] = row
-        print(f"[control] {task}: PRISM {row['prism']['test_before']['acc']:.3f} → {row['prism']['test_after']['acc']:.3f} "
-              f"({row['prism']['nonzero']} nz) | SAE {row['sae']['test_before']['acc']:.3f} → "
-              f"{row['sae']['test_after']['acc']:.3f} ({row['sae']['nonzero']} nz) | McNemar p PRISM "
-              f"{row['prism']['paired']['mcnemar_p']:.3f} SAE {row['sae']['paired']['mcnemar_p']:.3f} [{row['seconds']:.0f}s]",
-              file=sys.stderr)
+        print(
+            f"[control] {task}: PRISM {row['prism']['test_before']['acc']:.3f} → {row['prism']['test_after']['acc']:.3f} "
+            f"({row['prism']['nonzero']} nz) | SAE {row['sae']['test_before']['acc']:.3f} → "
+            f"{row['sae']['test_after']['acc']:.3f} ({row['sae']['nonzero']} nz) | McNemar p PRISM "
+            f"{row['prism']['paired']['mcnemar_p']:.3f} SAE {row['sae']['paired']['mcnemar_p']:.3f} [{row['seconds']:.0f}s]",
+            file=sys.stderr,
+        )
     avg = {side: 100 * sum(r[side]["delta_acc"] for r in rows.values()) / len(rows) for side in ("prism", "sae")}
-    avg_prior = {side: 100 * sum(r[side]["delta_acc_choice_prior"] for r in rows.values()) / len(rows)
-                 for side in ("prism", "sae")}
-    payload = {"benchmark": "control", "size": size, "steps": steps, "docs": docs, "config": base.to_dict(),
-               "environment": env, "train_seconds": train_s, "train_metrics": train_metrics,
-               "sae": {"num_latents": K, "k": k, "fvu": sae_res.fvu, "dead_fraction": sae_res.dead_fraction,
-                       "steps": sae_res.steps, "seconds": sae_s},
-               "tasks": rows, "avg_delta_points": avg, "avg_delta_points_choice_prior": avg_prior,
-               "paper_avg_delta_points": {"prism": 2.72, "sae": 0.32},
-               "total_seconds": time.time() - t0, "load_average_end": load_average()}
+    avg_prior = {
+        side: 100 * sum(r[side]["delta_acc_choice_prior"] for r in rows.values()) / len(rows)
+        for side in ("prism", "sae")
+    }
+    payload = {
+        "benchmark": "control",
+        "size": size,
+        "steps": steps,
+        "docs": docs,
+        "config": base.to_dict(),
+        "environment": env,
+        "train_seconds": train_s,
+        "train_metrics": train_metrics,
+        "sae": {
+            "num_latents": K,
+            "k": k,
+            "fvu": sae_res.fvu,
+            "dead_fraction": sae_res.dead_fraction,
+            "steps": sae_res.steps,
+            "seconds": sae_s,
+        },
+        "tasks": rows,
+        "avg_delta_points": avg,
+        "avg_delta_points_choice_prior": avg_prior,
+        "paper_avg_delta_points": {"prism": 2.72, "sae": 0.32},
+        "total_seconds": time.time() - t0,
+        "load_average_end": load_average(),
+    }
     out = args.out or RESULTS_DIR / f"control{'-quick' if size == 'quick' else ''}.json"
     write_json(out, payload)
-    per = "; ".join(f"{t} P {100 * r['prism']['test_before']['acc']:.1f}→{100 * r['prism']['test_after']['acc']:.1f} "
-                    f"({r['prism']['nonzero']}, prior {100 * r['prism']['choice_prior']['acc']:.1f}) S "
-                    f"{100 * r['sae']['test_before']['acc']:.1f}→{100 * r['sae']['test_after']['acc']:.1f} "
-                    f"({r['sae']['nonzero']}, prior {100 * r['sae']['choice_prior']['acc']:.1f})" for t, r in rows.items())
-    print(f"control[{size}]: avg Δacc PRISM {avg['prism']:+.2f} pts vs SAE {avg['sae']:+.2f} pts (paper +2.72 vs +0.32); "
-          f"choice-prior baseline PRISM {avg_prior['prism']:+.2f} SAE {avg_prior['sae']:+.2f}; "
-          f"{per}; {payload['total_seconds']:.0f}s → {out}")
+    per = "; ".join(
+        f"{t} P {100 * r['prism']['test_before']['acc']:.1f}→{100 * r['prism']['test_after']['acc']:.1f} "
+        f"({r['prism']['nonzero']}, prior {100 * r['prism']['choice_prior']['acc']:.1f}) S "
+        f"{100 * r['sae']['test_before']['acc']:.1f}→{100 * r['sae']['test_after']['acc']:.1f} "
+        f"({r['sae']['nonzero']}, prior {100 * r['sae']['choice_prior']['acc']:.1f})"
+        for t, r in rows.items()
+    )
+    print(
+        f"control[{size}]: avg Δacc PRISM {avg['prism']:+.2f} pts vs SAE {avg['sae']:+.2f} pts (paper +2.72 vs +0.32); "
+        f"choice-prior baseline PRISM {avg_prior['prism']:+.2f} SAE {avg_prior['sae']:+.2f}; "
+        f"{per}; {payload['total_seconds']:.0f}s → {out}"
+    )
 
 
 if __name__ == "__main__":

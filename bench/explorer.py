@@ -95,22 +95,33 @@ class Served:
 def make_run(folder: Path, cfg: RunConfig, shards: Any, steps: int, batch_size: int) -> Path:
     """Train ``cfg`` for ``steps`` steps into ``folder`` (reused when its checkpoint is there)."""
     if not (folder / "checkpoints").exists():
-        cfg = cfg.override({"train.max_steps": steps, "train.eval_interval": max(steps, 1000),
-                            "train.batch_size": batch_size, "train.warmup_steps": 1,
-                            "model.vocab_size": round_vocab(shards.tokenizer.vocab_size)})
+        cfg = cfg.override(
+            {
+                "train.max_steps": steps,
+                "train.eval_interval": max(steps, 1000),
+                "train.batch_size": batch_size,
+                "train.warmup_steps": 1,
+                "model.vocab_size": round_vocab(shards.tokenizer.vocab_size),
+            }
+        )
         train(cfg, folder, shards=shards, progress=False, overwrite=True)
     return folder
 
 
 def stats_ms(xs: list[float]) -> dict[str, float]:
     s = sorted(xs)
-    return {"median_ms": 1000 * statistics.median(s), "p90_ms": 1000 * s[min(len(s) - 1, int(0.9 * len(s)))],
-            "min_ms": 1000 * s[0], "n": len(s)}
+    return {
+        "median_ms": 1000 * statistics.median(s),
+        "p90_ms": 1000 * s[min(len(s) - 1, int(0.9 * len(s)))],
+        "min_ms": 1000 * s[0],
+        "n": len(s),
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--run", type=Path, default=None, help="an existing run (default: train a --preset run)")
     ap.add_argument("--preset", default="cpu-small")
     ap.add_argument("--steps", type=int, default=10, help="training steps of the bench's own run")
@@ -124,8 +135,14 @@ def main() -> None:
     ap.add_argument("--map-repeats", type=int, default=3)
     ap.add_argument("--concurrent", type=int, default=100, help="requests sent at once (0: skip)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override of the bench's own run")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override of the bench's own run",
+    )
     ap.add_argument("--out", default=str(RESULTS_DIR / "explorer.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -138,19 +155,25 @@ def main() -> None:
     if args.run is None:
         run_dir = make_run(RUNS_DIR / f"explorer-{args.preset}", cfg, shards, args.steps, args.batch_size)
         if not (run_dir / "index" / "manifest.json").exists():
-            build_run_index(Run.open(run_dir, device="cpu"), max_sequences=args.index_sequences, progress=False,
-                            shards=shards.root)
+            build_run_index(
+                Run.open(run_dir, device="cpu"), max_sequences=args.index_sequences, progress=False, shards=shards.root
+            )
     else:
         run_dir = args.run
     limits = Limits(max_generate=256, max_waiting=max(256, 2 * args.concurrent))
     ex = Explorer.open(run_dir, device="cpu", limits=limits)
     tok = ex.run.tokenizer
-    ids = [int(t) for t in ex._shards().val.tokens[:args.tokens * 4]][:args.tokens]
+    ids = [int(t) for t in ex._shards().val.tokens[: args.tokens * 4]][: args.tokens]
     text = tok.decode(ids)
     n_tokens = len(tok.encode(text))
     body = {"text": text, "alternatives": 5, "neighbours": 3}
-    result: dict[str, Any] = {"run": str(run_dir), "preset": args.preset, "threads": args.threads,
-                              "text_tokens": n_tokens, "has_index": ex.index is not None}
+    result: dict[str, Any] = {
+        "run": str(run_dir),
+        "preset": args.preset,
+        "threads": args.threads,
+        "text_tokens": n_tokens,
+        "has_index": ex.index is not None,
+    }
 
     # ----- round trip ------------------------------------------------------------------------------------
     with Served(create_app(ex)) as base, httpx.Client(base_url=base, timeout=120) as client:
@@ -171,28 +194,39 @@ def main() -> None:
             t = time.perf_counter()
             explain_text(ex.run, text, neighbours=3)
             bare.append(time.perf_counter() - t)
-        result["round_trip"] = {**stats_ms(http), "response_bytes": size, "cards": len(d["cards"]),
-                                "explorer_call": stats_ms(lib), "explain_text_call": stats_ms(bare)}
+        result["round_trip"] = {
+            **stats_ms(http),
+            "response_bytes": size,
+            "cards": len(d["cards"]),
+            "explorer_call": stats_ms(lib),
+            "explain_text_call": stats_ms(bare),
+        }
 
         # ----- concurrent requests -----------------------------------------------------------------------
         if args.concurrent:
             rss0 = current_peak_rss_mib()
 
             async def burst() -> list[int]:
-                async with httpx.AsyncClient(base_url=base, timeout=600,
-                                             limits=httpx.Limits(max_connections=args.concurrent)) as ac:
-                    rs = await asyncio.gather(*[ac.post("/api/explain", json=body) for _ in range(args.concurrent)],
-                                              return_exceptions=True)
+                async with httpx.AsyncClient(
+                    base_url=base, timeout=600, limits=httpx.Limits(max_connections=args.concurrent)
+                ) as ac:
+                    rs = await asyncio.gather(
+                        *[ac.post("/api/explain", json=body) for _ in range(args.concurrent)], return_exceptions=True
+                    )
                 return [r.status_code if isinstance(r, httpx.Response) else -1 for r in rs]
 
             t = time.perf_counter()
             codes = asyncio.run(burst())
             wall = time.perf_counter() - t
-            result["concurrent"] = {"requests": args.concurrent, "ok": codes.count(200),
-                                    "errors": len(codes) - codes.count(200),
-                                    "status_codes": {str(c): codes.count(c) for c in sorted(set(codes))},
-                                    "wall_s": wall, "peak_rss_before_mib": rss0,
-                                    "peak_rss_after_mib": current_peak_rss_mib()}
+            result["concurrent"] = {
+                "requests": args.concurrent,
+                "ok": codes.count(200),
+                "errors": len(codes) - codes.count(200),
+                "status_codes": {str(c): codes.count(c) for c in sorted(set(codes))},
+                "wall_s": wall,
+                "peak_rss_before_mib": rss0,
+                "peak_rss_after_mib": current_peak_rss_mib(),
+            }
 
     # ----- the map, in headless Chromium ---------------------------------------------------------------------
     if args.map_prototypes:
@@ -213,21 +247,24 @@ def main() -> None:
                 loads.append(page.evaluate("window.__prismMapDrawnAt") / 1000.0)
                 assert page.get_attribute("#map-canvas", "data-drawn") == str(K)
             browser.close()
-        result["map"] = {"prototypes": K, "cold_ms": 1000 * loads[0], **stats_ms(loads),
-                         "method": mex.map().method}
+        result["map"] = {"prototypes": K, "cold_ms": 1000 * loads[0], **stats_ms(loads), "method": mex.map().method}
 
     result["load_average_end"] = load_average()
     result["environment"] = env
     out = write_json(args.out, result)
     rt = result["round_trip"]
-    line = (f"explorer {args.preset}: explain {n_tokens} tokens round trip {rt['median_ms']:.0f} ms median "
-            f"(library {rt['explorer_call']['median_ms']:.0f} ms, explain_text {rt['explain_text_call']['median_ms']:.0f} ms)")
+    line = (
+        f"explorer {args.preset}: explain {n_tokens} tokens round trip {rt['median_ms']:.0f} ms median "
+        f"(library {rt['explorer_call']['median_ms']:.0f} ms, explain_text {rt['explain_text_call']['median_ms']:.0f} ms)"
+    )
     if "map" in result:
         line += f"; map of {result['map']['prototypes']:,} drawn in {result['map']['median_ms']:.0f} ms"
     if "concurrent" in result:
         c = result["concurrent"]
-        line += (f"; {c['ok']}/{c['requests']} concurrent OK in {c['wall_s']:.1f} s, peak RSS "
-                 f"{c['peak_rss_after_mib']:.0f} MiB")
+        line += (
+            f"; {c['ok']}/{c['requests']} concurrent OK in {c['wall_s']:.1f} s, peak RSS "
+            f"{c['peak_rss_after_mib']:.0f} MiB"
+        )
     print(line + f" → {out}")
 
 

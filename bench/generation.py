@@ -56,8 +56,9 @@ PROMPT = "It is a truth universally acknowledged"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--preset", default="cpu-small", help="model shape (random init)")
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens generated per measurement")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (cached and uncached alternate)")
@@ -66,8 +67,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=0, help="random init of the weights")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override, e.g. --set model.n_layer=8")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set model.n_layer=8",
+    )
     ap.add_argument("--out", default=str(RESULTS_DIR / "generation.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -109,20 +116,28 @@ def main() -> None:
         identical = True
         for r in range(args.rounds):
             outs = {}
-            for use_cache in ((True, False) if r % 2 == 0 else (False, True)):
+            for use_cache in (True, False) if r % 2 == 0 else (False, True):
                 s, outs[use_cache] = timed(lambda use_cache=use_cache: gen(use_cache))
                 rates[use_cache].append(n / s)
             identical &= bool(torch.equal(outs[True], outs[False]))
         ratios = [c / u for c, u in zip(rates[True], rates[False])]
         settings[name] = {
-            "block_size": bs, "cached_steps": min(n, bs - p + 1), "cached_tokens_per_s": rates[True],
-            "uncached_tokens_per_s": rates[False], "cached_median": statistics.median(rates[True]),
+            "block_size": bs,
+            "cached_steps": min(n, bs - p + 1),
+            "cached_tokens_per_s": rates[True],
+            "uncached_tokens_per_s": rates[False],
+            "cached_median": statistics.median(rates[True]),
             "uncached_median": statistics.median(rates[False]),
             "speedup": statistics.median(rates[True]) / statistics.median(rates[False]),
-            "speedup_min": min(ratios), "speedup_max": max(ratios), "tokens_identical": identical,
+            "speedup_min": min(ratios),
+            "speedup_max": max(ratios),
+            "tokens_identical": identical,
         }
-        print(f"[generation] {name} (block_size {bs}): cached {fmt_rate(settings[name]['cached_median'])} tok/s, "
-              f"uncached {fmt_rate(settings[name]['uncached_median'])} tok/s", file=sys.stderr)
+        print(
+            f"[generation] {name} (block_size {bs}): cached {fmt_rate(settings[name]['cached_median'])} tok/s, "
+            f"uncached {fmt_rate(settings[name]['uncached_median'])} tok/s",
+            file=sys.stderr,
+        )
 
     explain_result: dict[str, Any] | None = None
     if args.explain > 0:
@@ -138,30 +153,52 @@ def main() -> None:
         plain(), explained()  # warm-up
         times: dict[str, list[float]] = {"plain": [], "explain": []}
         for r in range(args.rounds):
-            for f in ((plain, explained) if r % 2 == 0 else (explained, plain)):
+            for f in (plain, explained) if r % 2 == 0 else (explained, plain):
                 times["plain" if f is plain else "explain"].append(timed(f)[0] / m)
         g_med, e_med = statistics.median(times["plain"]), statistics.median(times["explain"])
-        explain_result = {"tokens": m, "index": None, "generate_s_per_token": times["plain"],
-                          "explain_s_per_token": times["explain"],
-                          "explain_overhead_pct": (e_med - g_med) / g_med * 100}
+        explain_result = {
+            "tokens": m,
+            "index": None,
+            "generate_s_per_token": times["plain"],
+            "explain_s_per_token": times["explain"],
+            "explain_overhead_pct": (e_med - g_med) / g_med * 100,
+        }
 
     iw, pr = settings["in_window"], settings["preset"]
     result = {
-        "benchmark": "generation", "preset": args.preset,
+        "benchmark": "generation",
+        "preset": args.preset,
         "weights": f"random init (torch.manual_seed({args.seed})); generation speed does not depend on training",
-        "config": cfg.to_dict(), "device": str(device), "threads": args.threads, "batch_size": 1,
-        "decoding": "greedy", "prompt": PROMPT, "prompt_tokens": p, "new_tokens": n, "rounds": args.rounds,
-        "settings": settings, "explain": explain_result,
-        "environment": env, "load_average_end": load_average(),
+        "config": cfg.to_dict(),
+        "device": str(device),
+        "threads": args.threads,
+        "batch_size": 1,
+        "decoding": "greedy",
+        "prompt": PROMPT,
+        "prompt_tokens": p,
+        "new_tokens": n,
+        "rounds": args.rounds,
+        "settings": settings,
+        "explain": explain_result,
+        "environment": env,
+        "load_average_end": load_average(),
     }
     path = write_json(args.out, result)
-    ex = (f"; explain {explain_result['explain_overhead_pct']:+.0f}% vs generate ({explain_result['tokens']} tokens, "
-          f"no index)") if explain_result is not None else ""
-    print(f"[generation] {args.preset} {n} new tokens, batch 1, greedy: cached {fmt_rate(iw['cached_median'])} "
-          f"vs uncached {fmt_rate(iw['uncached_median'])} tok/s ({iw['speedup']:.1f}×, block_size {iw['block_size']}); "
-          f"preset block_size {pr['block_size']}: {fmt_rate(pr['cached_median'])} vs "
-          f"{fmt_rate(pr['uncached_median'])} tok/s ({pr['speedup']:.1f}×)"
-          f"{'' if iw['tokens_identical'] and pr['tokens_identical'] else '; TOKENS DIFFER'}{ex} → {path}")
+    ex = (
+        (
+            f"; explain {explain_result['explain_overhead_pct']:+.0f}% vs generate ({explain_result['tokens']} tokens, "
+            f"no index)"
+        )
+        if explain_result is not None
+        else ""
+    )
+    print(
+        f"[generation] {args.preset} {n} new tokens, batch 1, greedy: cached {fmt_rate(iw['cached_median'])} "
+        f"vs uncached {fmt_rate(iw['uncached_median'])} tok/s ({iw['speedup']:.1f}×, block_size {iw['block_size']}); "
+        f"preset block_size {pr['block_size']}: {fmt_rate(pr['cached_median'])} vs "
+        f"{fmt_rate(pr['uncached_median'])} tok/s ({pr['speedup']:.1f}×)"
+        f"{'' if iw['tokens_identical'] and pr['tokens_identical'] else '; TOKENS DIFFER'}{ex} → {path}"
+    )
     sys.stdout.flush()
 
 

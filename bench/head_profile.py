@@ -118,8 +118,11 @@ def bench_shape(name: str, args: argparse.Namespace) -> dict[str, Any]:
     def head_fwd() -> None:
         z = z0.detach().requires_grad_(True)
         po = head(z)
-        loss = (weights["rec"] * L.reconstruction_loss(po.residual, z) + weights["r1"] * L.r1_loss(po.proto_max_cos)
-                + weights["r2"] * L.r2_loss(po.token_max_cos))
+        loss = (
+            weights["rec"] * L.reconstruction_loss(po.residual, z)
+            + weights["r1"] * L.r1_loss(po.proto_max_cos)
+            + weights["r2"] * L.r2_loss(po.token_max_cos)
+        )
         holder["loss"] = loss
 
     def head_bwd() -> None:
@@ -160,9 +163,20 @@ def bench_shape(name: str, args: argparse.Namespace) -> dict[str, Any]:
     head_total = med["head_fwd_s"] + med["head_bwd_s"]
     K, k, d = head.num_prototypes, head.cfg.top_k, head.weight.shape[1]
     res = {
-        "shape": name, "preset": preset, "overrides": overrides,
-        "N": B * T, "B": B, "T": T, "d": d, "K": K, "k": k, "chunk_size": head.chunk_size_for(B * T, torch.device("cpu")),
-        "n_layer": cfg.model.n_layer, "vocab_size": cfg.model.vocab_size, "reps": reps, "rounds": args.rounds,
+        "shape": name,
+        "preset": preset,
+        "overrides": overrides,
+        "N": B * T,
+        "B": B,
+        "T": T,
+        "d": d,
+        "K": K,
+        "k": k,
+        "chunk_size": head.chunk_size_for(B * T, torch.device("cpu")),
+        "n_layer": cfg.model.n_layer,
+        "vocab_size": cfg.model.vocab_size,
+        "reps": reps,
+        "rounds": args.rounds,
         **{k_: round(v, 6) for k_, v in med.items()},
         "head_s": round(head_total, 6),
         "head_share": round(head_total / med["step_prism_s"], 4),
@@ -170,10 +184,12 @@ def bench_shape(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "head_peak_mem_mib": round(peak - before, 1) if reset_ok else None,
         "samples": {k_: [round(s, 6) for s in v] for k_, v in samples.items()},
     }
-    print(f"[head_profile] {name}: N={B * T} d={d} K={K} k={k}: step PRISM {med['step_prism_s'] * 1e3:.1f} ms, "
-          f"dense {med['step_dense_s'] * 1e3:.1f} ms, head fwd {med['head_fwd_s'] * 1e3:.2f} + bwd "
-          f"{med['head_bwd_s'] * 1e3:.2f} ms = {res['head_share']:.1%} of the step; peak +{res['head_peak_mem_mib']} MiB",
-          file=sys.stderr)
+    print(
+        f"[head_profile] {name}: N={B * T} d={d} K={K} k={k}: step PRISM {med['step_prism_s'] * 1e3:.1f} ms, "
+        f"dense {med['step_dense_s'] * 1e3:.1f} ms, head fwd {med['head_fwd_s'] * 1e3:.2f} + bwd "
+        f"{med['head_bwd_s'] * 1e3:.2f} ms = {res['head_share']:.1%} of the step; peak +{res['head_peak_mem_mib']} MiB",
+        file=sys.stderr,
+    )
     return res
 
 
@@ -192,9 +208,14 @@ def main() -> None:
     results = [bench_shape(s, args) for s in args.shapes]
     env["load_average_end"] = load_average()
     write_json(args.out, {"environment": env, "args": vars(args), "results": results})
-    print("head_profile: " + "; ".join(
-        f"{r['shape']} head {r['head_s'] * 1e3:.1f} ms = {r['head_share']:.1%} of step "
-        f"(PRISM/dense −1 = {r['prism_over_dense']:+.1%}), peak +{r['head_peak_mem_mib']} MiB" for r in results))
+    print(
+        "head_profile: "
+        + "; ".join(
+            f"{r['shape']} head {r['head_s'] * 1e3:.1f} ms = {r['head_share']:.1%} of step "
+            f"(PRISM/dense −1 = {r['prism_over_dense']:+.1%}), peak +{r['head_peak_mem_mib']} MiB"
+            for r in results
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -59,21 +59,32 @@ from prismlm.train.trainer import round_vocab
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--preset", default="cpu-small", help="model shape (random init)")
     ap.add_argument("--sequences", type=int, default=64, help="training sequences indexed per round")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per forward")
     ap.add_argument("--top-n", type=int, default=32, help="neighbours kept per prototype")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (index and forward alternate)")
     ap.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per explain measurement")
-    ap.add_argument("--explain-repeats", type=int, default=5,
-                    help="warm explain/generate triples timed per round (the cold and other-text calls: one each)")
+    ap.add_argument(
+        "--explain-repeats",
+        type=int,
+        default=5,
+        help="warm explain/generate triples timed per round (the cold and other-text calls: one each)",
+    )
     ap.add_argument("--max-docs", type=int, default=60, help="documents of the built-in corpus to tokenize")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override, e.g. --set model.prototypes.num_prototypes=2048")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, e.g. --set model.prototypes.num_prototypes=2048",
+    )
     ap.add_argument("--out", default=str(RESULTS_DIR / "index.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -87,7 +98,9 @@ def main() -> None:
     T, B = cfg.model.block_size, args.batch_size
     n_seq = min(args.sequences, shards.train.num_sequences(T))
     ids = np.arange(n_seq)
-    batches = [torch.from_numpy(shards.train.sequences(ids[s:s + B], T)[:, :-1]).to(device) for s in range(0, n_seq, B)]
+    batches = [
+        torch.from_numpy(shards.train.sequences(ids[s : s + B], T)[:, :-1]).to(device) for s in range(0, n_seq, B)
+    ]
     tokens = n_seq * T
     env = environment(device, 0)
 
@@ -107,8 +120,16 @@ def main() -> None:
     def time_index() -> float:
         sync()
         t = time.perf_counter()
-        build_index(model, shards, top_n=args.top_n, batch_size=B, max_sequences=n_seq, progress=False,
-                    model_sha256="bench", device=device)
+        build_index(
+            model,
+            shards,
+            top_n=args.top_n,
+            batch_size=B,
+            max_sequences=n_seq,
+            progress=False,
+            model_sha256="bench",
+            device=device,
+        )
         sync()
         return time.perf_counter() - t
 
@@ -118,8 +139,16 @@ def main() -> None:
         order = (time_forward, time_index) if r % 2 == 0 else (time_index, time_forward)
         for f in order:
             (fwd if f is time_forward else idx).append(tokens / f())
-    index = build_index(model, shards, top_n=args.top_n, batch_size=B, max_sequences=n_seq, progress=False,
-                        model_sha256="bench", device=device)
+    index = build_index(
+        model,
+        shards,
+        top_n=args.top_n,
+        batch_size=B,
+        max_sequences=n_seq,
+        progress=False,
+        model_sha256="bench",
+        device=device,
+    )
 
     tok = shards.tokenizer
     prompt = "It is a truth universally acknowledged"
@@ -140,14 +169,16 @@ def main() -> None:
             index.clear_cache()
         sync()
         t = time.perf_counter()
-        explain_generation(model, tok, prompt, n_gen, temperature=0.8, top_k=50, seed=seed,
-                           index=index if with_index else None)
+        explain_generation(
+            model, tok, prompt, n_gen, temperature=0.8, top_k=50, seed=seed, index=index if with_index else None
+        )
         sync()
         return time.perf_counter() - t
 
     time_generate(), time_explain(), time_explain(False)  # warm-up
-    runs: dict[str, list[float]] = {k: [] for k in ("gen", "exp", "exp0", "exp_cold", "exp0_cold", "exp_varied",
-                                                      "exp0_varied")}
+    runs: dict[str, list[float]] = {
+        k: [] for k in ("gen", "exp", "exp0", "exp_cold", "exp0_cold", "exp_varied", "exp0_varied")
+    }
     for r in range(args.rounds):
         # cold (each clears every cache; the index one last, so the caches hold the seed-0 cards after it) …
         runs["exp0_cold"].append(time_explain(False, cold=True) / n_gen)
@@ -159,7 +190,7 @@ def main() -> None:
         # … then warm explanations and plain generation, alternating the order per round
         order = [("gen", time_generate), ("exp", time_explain), ("exp0", lambda: time_explain(False))]
         for j in range(args.explain_repeats):  # more samples of the small warm difference
-            for key, f in (order if (r * args.explain_repeats + j) % 2 == 0 else order[::-1]):
+            for key, f in order if (r * args.explain_repeats + j) % 2 == 0 else order[::-1]:
                 runs[key].append(f() / n_gen)
     med = {k: statistics.median(v) for k, v in runs.items()}
     gen, exp, exp0 = runs["gen"], runs["exp"], runs["exp0"]
@@ -173,7 +204,7 @@ def main() -> None:
 
     def per_round(key: str) -> list[float]:  # one value per round (the median of a round's repeats)
         k = len(runs[key]) // args.rounds
-        return [statistics.median(runs[key][r * k:(r + 1) * k]) for r in range(args.rounds)]
+        return [statistics.median(runs[key][r * k : (r + 1) * k]) for r in range(args.rounds)]
 
     def pct_paired(key: str) -> float:  # median of explain / generate timed next to each other
         g = gen if len(runs[key]) == len(gen) else per_round("gen")
@@ -184,19 +215,34 @@ def main() -> None:
 
     overhead, overhead0 = pct("exp"), pct("exp0")
     result = {
-        "benchmark": "index", "preset": args.preset, "config": cfg.to_dict(), "device": str(device),
-        "threads": args.threads, "sequences": n_seq, "tokens_per_round": tokens, "batch_size": B,
-        "top_n": args.top_n, "rounds": args.rounds, "explain_repeats": args.explain_repeats,
-        "forward_tokens_per_s": fwd, "index_tokens_per_s": idx,
-        "index_ratio": ratio, "index_ratio_min": min(i / f for i, f in zip(idx, fwd)),
+        "benchmark": "index",
+        "preset": args.preset,
+        "config": cfg.to_dict(),
+        "device": str(device),
+        "threads": args.threads,
+        "sequences": n_seq,
+        "tokens_per_round": tokens,
+        "batch_size": B,
+        "top_n": args.top_n,
+        "rounds": args.rounds,
+        "explain_repeats": args.explain_repeats,
+        "forward_tokens_per_s": fwd,
+        "index_tokens_per_s": idx,
+        "index_ratio": ratio,
+        "index_ratio_min": min(i / f for i, f in zip(idx, fwd)),
         "index_ratio_max": max(i / f for i, f in zip(idx, fwd)),
-        "gen_tokens": n_gen, "generate_s_per_token": gen, "explain_s_per_token": exp,
-        "explain_overhead_pct": overhead, "explain_noindex_s_per_token": exp0,
+        "gen_tokens": n_gen,
+        "generate_s_per_token": gen,
+        "explain_s_per_token": exp,
+        "explain_overhead_pct": overhead,
+        "explain_noindex_s_per_token": exp0,
         "explain_noindex_overhead_pct": overhead0,
-        "explain_cold_s_per_token": runs["exp_cold"], "explain_cold_overhead_pct": pct("exp_cold"),
+        "explain_cold_s_per_token": runs["exp_cold"],
+        "explain_cold_overhead_pct": pct("exp_cold"),
         "explain_noindex_cold_s_per_token": runs["exp0_cold"],
         "explain_noindex_cold_overhead_pct": pct("exp0_cold"),
-        "explain_varied_s_per_token": runs["exp_varied"], "explain_varied_overhead_pct": pct("exp_varied"),
+        "explain_varied_s_per_token": runs["exp_varied"],
+        "explain_varied_overhead_pct": pct("exp_varied"),
         "explain_noindex_varied_s_per_token": runs["exp0_varied"],
         "explain_noindex_varied_overhead_pct": pct("exp0_varied"),
         "overhead_pct_from_min": {k: pct_min(k) for k in runs if k != "gen"},
@@ -204,17 +250,20 @@ def main() -> None:
         "explain_one_off_ms": one_off_ms("exp_cold", "exp"),
         "explain_noindex_one_off_ms": one_off_ms("exp0_cold", "exp0"),
         "coverage_random_init": index.coverage(),
-        "environment": env, "load_average_end": load_average(),
+        "environment": env,
+        "load_average_end": load_average(),
     }
     path = write_json(args.out, result)
-    print(f"[index] {args.preset} K={cfg.model.prototypes.num_prototypes} N={args.top_n}: index "
-          f"{fmt_rate(statistics.median(idx))} tok/s vs forward {fmt_rate(statistics.median(fwd))} tok/s "
-          f"(ratio {ratio:.2f}); generate {med['gen'] * 1e3:.2f} ms/token; explain overhead with the index "
-          f"(without) as median / paired / fastest: warm {pct('exp'):+.1f}% / {pct_paired('exp'):+.1f}% / "
-          f"{pct_min('exp'):+.1f}% ({pct('exp0'):+.1f}% / {pct_paired('exp0'):+.1f}% / {pct_min('exp0'):+.1f}%), "
-          f"other texts {pct('exp_varied'):+.1f}% ({pct('exp0_varied'):+.1f}%), cold {pct('exp_cold'):+.1f}% "
-          f"({pct('exp0_cold'):+.1f}%); one-off cache build {one_off_ms('exp_cold', 'exp'):.1f} ms "
-          f"({one_off_ms('exp0_cold', 'exp0'):.1f} ms) → {path}")
+    print(
+        f"[index] {args.preset} K={cfg.model.prototypes.num_prototypes} N={args.top_n}: index "
+        f"{fmt_rate(statistics.median(idx))} tok/s vs forward {fmt_rate(statistics.median(fwd))} tok/s "
+        f"(ratio {ratio:.2f}); generate {med['gen'] * 1e3:.2f} ms/token; explain overhead with the index "
+        f"(without) as median / paired / fastest: warm {pct('exp'):+.1f}% / {pct_paired('exp'):+.1f}% / "
+        f"{pct_min('exp'):+.1f}% ({pct('exp0'):+.1f}% / {pct_paired('exp0'):+.1f}% / {pct_min('exp0'):+.1f}%), "
+        f"other texts {pct('exp_varied'):+.1f}% ({pct('exp0_varied'):+.1f}%), cold {pct('exp_cold'):+.1f}% "
+        f"({pct('exp0_cold'):+.1f}%); one-off cache build {one_off_ms('exp_cold', 'exp'):.1f} ms "
+        f"({one_off_ms('exp0_cold', 'exp0'):.1f} ms) → {path}"
+    )
     sys.stdout.flush()
 
 

@@ -80,8 +80,9 @@ def _same_shapes(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Do two config dicts describe the same training step (model shape, batch, compile, dtype)?"""
     model_keys = ("n_layer", "n_head", "n_embd", "block_size", "prototypes", "backbone")
     train_keys = ("batch_size", "grad_accum", "compile", "dtype")
-    return (all(a["model"].get(k) == b["model"].get(k) for k in model_keys)
-            and all(a["train"].get(k) == b["train"].get(k) for k in train_keys))
+    return all(a["model"].get(k) == b["model"].get(k) for k in model_keys) and all(
+        a["train"].get(k) == b["train"].get(k) for k in train_keys
+    )
 
 
 def step_seconds(cfg: RunConfig, source: str | None, calibration_steps: int) -> tuple[dict[str, float], str]:
@@ -110,8 +111,11 @@ def step_seconds(cfg: RunConfig, source: str | None, calibration_steps: int) -> 
         runner = Runner(kind, c, device, cfg.train.seed)
         runner.block(data, 3, timed=False)
         out[kind] = tok_per_step / runner.block(data, steps, timed=True)
-        print(f"[quality] calibration {kind}: {out[kind] * 1e3:.1f} ms/step ({time.perf_counter() - t0:.1f}s with "
-              "warm-up)", file=sys.stderr)
+        print(
+            f"[quality] calibration {kind}: {out[kind] * 1e3:.1f} ms/step ({time.perf_counter() - t0:.1f}s with "
+            "warm-up)",
+            file=sys.stderr,
+        )
         del runner
         gc.collect()
         if device.type == "cuda":
@@ -133,9 +137,16 @@ def run_one(kind: str, cfg: RunConfig, run_dir: Path, shards, eval_batches: int)
     device = next(model.parameters()).device
     final_cfg = RunConfig.from_json(run_dir / "config.json")  # as trained (vocab_size set by the trainer)
     T, tc = final_cfg.model.block_size, final_cfg.train
-    metrics = evaluate(model, shards.val, seq_len=T, batch_size=tc.batch_size, max_batches=eval_batches,
-                       device=device, autocast=autocast_for(final_cfg, device),
-                       loss_weights=final_cfg.loss.weights_at(tc.max_steps - 1))
+    metrics = evaluate(
+        model,
+        shards.val,
+        seq_len=T,
+        batch_size=tc.batch_size,
+        max_batches=eval_batches,
+        device=device,
+        autocast=autocast_for(final_cfg, device),
+        loss_weights=final_cfg.loss.weights_at(tc.max_steps - 1),
+    )
     tokens = res.step * tc.batch_size * tc.grad_accum * T  # single process
     out = {
         "run_dir": str(run_dir),
@@ -157,34 +168,67 @@ def run_one(kind: str, cfg: RunConfig, run_dir: Path, shards, eval_batches: int)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="Train PRISM and the matched dense baseline with the same seed, steps and tokens, then "
-                    "compare validation loss on the same fixed sample and report PRISM's coverage. Writes JSON "
-                    "and prints one summary line.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "compare validation loss on the same fixed sample and report PRISM's coverage. Writes JSON "
+        "and prints one summary line.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS), help="starting config for both runs")
     ap.add_argument("--steps", type=int, default=None, help="train.max_steps (default: the preset's)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override applied to both runs, e.g. --set loss.lambda_rec=0.1 "
-                         "--set model.prototypes.top_k=4 (values parsed as JSON); repeatable")
-    ap.add_argument("--eval-batches", type=int, default=32,
-                    help="validation batches (of train.batch_size sequences) in the final evaluation of both models")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override applied to both runs, e.g. --set loss.lambda_rec=0.1 "
+        "--set model.prototypes.top_k=4 (values parsed as JSON); repeatable",
+    )
+    ap.add_argument(
+        "--eval-batches",
+        type=int,
+        default=32,
+        help="validation batches (of train.batch_size sequences) in the final evaluation of both models",
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (train.num_threads)")
     ap.add_argument("--device", default=None, help="train.device: cpu, cuda, auto (default: the preset's, auto)")
-    ap.add_argument("--tag", default=None, help="name of this setting: results go to quality-TAG.json, runs to quality-TAG-*")
+    ap.add_argument(
+        "--tag", default=None, help="name of this setting: results go to quality-TAG.json, runs to quality-TAG-*"
+    )
     ap.add_argument("--workdir", default=str(RUNS_DIR), help="folder for the two run directories")
     ap.add_argument("--out", default=None, help="JSON path (default: bench/results/quality[-TAG].json)")
-    ap.add_argument("--minutes", type=float, default=None,
-                    help="train each model for about this many minutes of steps instead of --steps (see the docstring)")
-    ap.add_argument("--step-time-from", default=None, metavar="JSON",
-                    help="with --minutes: a bench/throughput.py JSON to take the step times from (same shapes)")
-    ap.add_argument("--calibration-steps", type=int, default=10,
-                    help="with --minutes and no usable --step-time-from: timed steps per model of the calibration")
-    ap.add_argument("--same-steps", action="store_true",
-                    help="with --minutes: both models get the smaller step count (equal tokens) instead of equal time")
-    ap.add_argument("--max-steps-cap", type=int, default=None,
-                    help="with --minutes: never more than this many steps per model")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="train each model for about this many minutes of steps instead of --steps (see the docstring)",
+    )
+    ap.add_argument(
+        "--step-time-from",
+        default=None,
+        metavar="JSON",
+        help="with --minutes: a bench/throughput.py JSON to take the step times from (same shapes)",
+    )
+    ap.add_argument(
+        "--calibration-steps",
+        type=int,
+        default=10,
+        help="with --minutes and no usable --step-time-from: timed steps per model of the calibration",
+    )
+    ap.add_argument(
+        "--same-steps",
+        action="store_true",
+        help="with --minutes: both models get the smaller step count (equal tokens) instead of equal time",
+    )
+    ap.add_argument(
+        "--max-steps-cap", type=int, default=None, help="with --minutes: never more than this many steps per model"
+    )
     ap.add_argument("--compile", action="store_true", help="train.compile = true (torch.compile the forward)")
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None,
-                    help="train.dtype (default: the preset's; auto = bf16 autocast on CUDA only)")
+    ap.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default=None,
+        help="train.dtype (default: the preset's; auto = bf16 autocast on CUDA only)",
+    )
     args = ap.parse_args(argv)
     if args.tag is not None and not re.fullmatch(r"[A-Za-z0-9._+=-]+", args.tag):
         ap.error("--tag may only contain letters, digits and . _ + = -")
@@ -208,8 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("the PRISM config has no prototype head (model.prototypes is null); nothing to compare")
     # A warm-up longer than the run would leave the prototype losses at a fraction of their weight.
     if cfg.loss.warmup_steps > cfg.train.max_steps:
-        print(f"[quality] note: loss.warmup_steps={cfg.loss.warmup_steps} > max_steps={cfg.train.max_steps}; the "
-              f"prototype losses never reach full weight", file=sys.stderr)
+        print(
+            f"[quality] note: loss.warmup_steps={cfg.loss.warmup_steps} > max_steps={cfg.train.max_steps}; the "
+            f"prototype losses never reach full weight",
+            file=sys.stderr,
+        )
     torch.set_num_threads(args.threads)
     budget: dict[str, Any] | None = None
     steps_dense = cfg.train.max_steps
@@ -223,21 +270,34 @@ def main(argv: list[str] | None = None) -> int:
         overrides["train.max_steps"] = planned["prism"]
         cfg = cfg.override({"train.max_steps": planned["prism"]})
         steps_dense = planned["dense"]
-        budget = {"minutes": args.minutes, "step_time_source": source, "step_s": step_s, "steps": planned,
-                  "same_steps": args.same_steps, "max_steps_cap": args.max_steps_cap,
-                  "planned_train_s": {k: planned[k] * step_s[k] for k in planned}}
-        print(f"[quality] --minutes {args.minutes}: PRISM {planned['prism']} steps, dense {planned['dense']} steps "
-              f"(step times {step_s['prism'] * 1e3:.1f} / {step_s['dense'] * 1e3:.1f} ms, {source})", file=sys.stderr)
+        budget = {
+            "minutes": args.minutes,
+            "step_time_source": source,
+            "step_s": step_s,
+            "steps": planned,
+            "same_steps": args.same_steps,
+            "max_steps_cap": args.max_steps_cap,
+            "planned_train_s": {k: planned[k] * step_s[k] for k in planned},
+        }
+        print(
+            f"[quality] --minutes {args.minutes}: PRISM {planned['prism']} steps, dense {planned['dense']} steps "
+            f"(step times {step_s['prism'] * 1e3:.1f} / {step_s['dense'] * 1e3:.1f} ms, {source})",
+            file=sys.stderr,
+        )
     dense_cfg = cfg.dense().override({"train.max_steps": steps_dense})
 
     if (cfg.train.device == "cpu") or (cfg.train.device == "auto" and not torch.cuda.is_available()):
         warn_if_busy(args.threads)
-    env = environment(cfg.train.device if cfg.train.device != "auto" else
-                      ("cuda" if torch.cuda.is_available() else "cpu"), cfg.train.seed)
+    env = environment(
+        cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"),
+        cfg.train.seed,
+    )
     t0 = time.perf_counter()
     shards = prepare_from_config(cfg.data, show_progress=False)
-    print(f"[quality] data {cfg.data.corpus}/{cfg.data.tokenizer} ready in {time.perf_counter() - t0:.1f}s",
-          file=sys.stderr)
+    print(
+        f"[quality] data {cfg.data.corpus}/{cfg.data.tokenizer} ready in {time.perf_counter() - t0:.1f}s",
+        file=sys.stderr,
+    )
 
     suffix = f"-{args.tag}" if args.tag else ""
     workdir = Path(args.workdir)
@@ -276,8 +336,12 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": overrides,
         "loss_weights": cfg.loss.weights_at(cfg.train.max_steps - 1),
         "loss_warmup_steps": cfg.loss.warmup_steps,
-        "eval": {"batches": args.eval_batches, "batch_size": cfg.train.batch_size,
-                 "seq_len": cfg.model.block_size, "sample": "prismlm.eval.metrics.eval_sequence_ids (fixed, evenly spread)"},
+        "eval": {
+            "batches": args.eval_batches,
+            "batch_size": cfg.train.batch_size,
+            "seq_len": cfg.model.block_size,
+            "sample": "prismlm.eval.metrics.eval_sequence_ids (fixed, evenly spread)",
+        },
         "data_manifest_key": shards.manifest.get("key") if isinstance(shards.manifest, dict) else None,
         "args": vars(args),
         "environment": env,
@@ -290,12 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out, payload)
     print(f"[quality] wrote {out}", file=sys.stderr)
     s = summary
-    print(f"quality: val loss PRISM {s['val_loss_prism']:.2f} vs dense {s['val_loss_dense']:.2f} "
-          f"({s['gap_pct']:+.1f}%) | R̄1 {s['r1_bar']:.2f} R2 {s['r2']:.2f} residual {s['residual_share']:.2f} "
-          f"dead {s['dead_prototypes']}/{K} | {s['tokens_seen'] / 1e6:.2f}M tokens"
-          + (f" (dense {s['tokens_seen_dense'] / 1e6:.2f}M)" if s["tokens_seen_dense"] != s["tokens_seen"] else "")
-          + ", train "
-          f"{s['train_wall_s_prism']:.0f}s vs {s['train_wall_s_dense']:.0f}s" + (f" | tag {args.tag}" if args.tag else ""))
+    print(
+        f"quality: val loss PRISM {s['val_loss_prism']:.2f} vs dense {s['val_loss_dense']:.2f} "
+        f"({s['gap_pct']:+.1f}%) | R̄1 {s['r1_bar']:.2f} R2 {s['r2']:.2f} residual {s['residual_share']:.2f} "
+        f"dead {s['dead_prototypes']}/{K} | {s['tokens_seen'] / 1e6:.2f}M tokens"
+        + (f" (dense {s['tokens_seen_dense'] / 1e6:.2f}M)" if s["tokens_seen_dense"] != s["tokens_seen"] else "")
+        + ", train "
+        f"{s['train_wall_s_prism']:.0f}s vs {s['train_wall_s_dense']:.0f}s" + (f" | tag {args.tag}" if args.tag else "")
+    )
     return 0
 
 

@@ -78,8 +78,9 @@ def smollm2_folder(cache: Path) -> Path:
     return out
 
 
-def coverage(bank: PrototypeLayer, z: torch.Tensor, mu: torch.Tensor, centred: bool,
-             chunk: int = 4096) -> dict[str, float]:
+def coverage(
+    bank: PrototypeLayer, z: torch.Tensor, mu: torch.Tensor, centred: bool, chunk: int = 4096
+) -> dict[str, float]:
     """Held-out coverage of ``bank`` on z (N, d); ``mu``: the training rows' mean; ``centred``: the bank
     reconstructs z − μ (else z)."""
     K = bank.num_prototypes
@@ -88,7 +89,7 @@ def coverage(bank: PrototypeLayer, z: torch.Tensor, mu: torch.Tensor, centred: b
     r2 = share = cshare = 0.0
     with torch.no_grad():
         for s in range(0, z.shape[0], chunk):
-            zc = z[s:s + chunk]
+            zc = z[s : s + chunk]
             x = zc - mu if centred else zc
             po = bank(x)
             r = po.residual.double()
@@ -98,18 +99,34 @@ def coverage(bank: PrototypeLayer, z: torch.Tensor, mu: torch.Tensor, centred: b
             best = torch.maximum(best, po.proto_max_cos.double())
             counts += torch.bincount(po.indices[po.activations > 0], minlength=K)
     n = z.shape[0]
-    return {"residual_share": share / n, "centred_residual_share": cshare / n, "r1_bar": float(best.mean()),
-            "r2": r2 / n, "dead": int((counts == 0).sum())}
+    return {
+        "residual_share": share / n,
+        "centred_residual_share": cshare / n,
+        "r1_bar": float(best.mean()),
+        "r2": r2 / n,
+        "dead": int((counts == 0).sum()),
+    }
 
 
-def train_bank_config(z_train: torch.Tensor, T: int, z_val: torch.Tensor, *, K: int, k: int, centred: bool,
-                      steps: int, batch_seqs: int, lr: float, seed: int) -> dict[str, Any]:
+def train_bank_config(
+    z_train: torch.Tensor,
+    T: int,
+    z_val: torch.Tensor,
+    *,
+    K: int,
+    k: int,
+    centred: bool,
+    steps: int,
+    batch_seqs: int,
+    lr: float,
+    seed: int,
+) -> dict[str, Any]:
     """Seed and train one bank on stored rows (sequences of T rows), evaluate it on held-out rows."""
     mu = z_train.mean(0)
     x = z_train - mu if centred else z_train
     g = torch.Generator().manual_seed(seed)
     n_seq = x.shape[0] // T
-    seed_rows = x[torch.randperm(x.shape[0], generator=g)[:max(16 * K, 8192)]]
+    seed_rows = x[torch.randperm(x.shape[0], generator=g)[: max(16 * K, 8192)]]
     bank = PrototypeLayer(x.shape[1], PrototypeConfig(num_prototypes=K, top_k=k))
     with torch.no_grad():
         bank.weight.copy_(seed_prototypes(seed_rows, K, k, generator=g))
@@ -121,11 +138,14 @@ def train_bank_config(z_train: torch.Tensor, T: int, z_val: torch.Tensor, *, K: 
     t0 = time.perf_counter()
     for step in range(steps):
         ramp = min(1.0, (step + 1) / max(warm, 1))
-        lr_now = lr * ramp if step < warm else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) /
-                                                                                      max(1, steps - warm))))
+        lr_now = (
+            lr * ramp
+            if step < warm
+            else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm))))
+        )
         for group in opt.param_groups:
             group["lr"] = lr_now
-        ids = order[step * batch_seqs:(step + 1) * batch_seqs]
+        ids = order[step * batch_seqs : (step + 1) * batch_seqs]
         rows = (ids[:, None] * T + np.arange(T)[None, :]).reshape(-1)
         terms = bank_losses(model, x[torch.from_numpy(rows)])  # type: ignore[arg-type]
         loss = terms["rec"] + 0.5 * ramp * terms["r1"] + 0.5 * ramp * terms["r2"]
@@ -135,8 +155,16 @@ def train_bank_config(z_train: torch.Tensor, T: int, z_val: torch.Tensor, *, K: 
         opt.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - t0
     res = coverage(bank, z_val, mu, centred)
-    out: dict[str, Any] = {"K": K, "k": k, "centred": centred, "steps": steps, "tokens_per_step": batch_seqs * T,
-                           "epochs": steps * batch_seqs / n_seq, "seconds": round(seconds, 1), **res}
+    out: dict[str, Any] = {
+        "K": K,
+        "k": k,
+        "centred": centred,
+        "steps": steps,
+        "tokens_per_step": batch_seqs * T,
+        "epochs": steps * batch_seqs / n_seq,
+        "seconds": round(seconds, 1),
+        **res,
+    }
     return out
 
 
@@ -157,26 +185,34 @@ def frozen_logit_diff(pre: Pretrained, model: PrismLM, shards: ShardSet, T: int)
     ids = torch.from_numpy(shards.val.sequences(np.arange(min(2, shards.val.num_sequences(T))), T)[:, :-1])
     with torch.inference_mode():
         want = pre.reference(input_ids=ids).logits
-        got = model(ids).logits[..., :want.shape[-1]]
+        got = model(ids).logits[..., : want.shape[-1]]
     return float((got - want).abs().max())
 
 
-def index_ratio(model: PrismLM, shards: ShardSet, store: StoredZ, z_train: torch.Tensor,
-                n_seq: int = 16) -> dict[str, float]:
+def index_ratio(
+    model: PrismLM, shards: ShardSet, store: StoredZ, z_train: torch.Tensor, n_seq: int = 16
+) -> dict[str, float]:
     """Seconds per token of ``build_index`` over the first ``n_seq`` training sequences reading stored z vs
     running the model (the index pass's forward), with a seeded K=512 bank, in the same conditions."""
     bank = model.require_prototypes()
     with torch.no_grad():
-        bank.weight.copy_(seed_prototypes(z_train[:8192], bank.num_prototypes, bank.cfg.top_k,
-                                          generator=torch.Generator().manual_seed(0)))
+        bank.weight.copy_(
+            seed_prototypes(
+                z_train[:8192], bank.num_prototypes, bank.cfg.top_k, generator=torch.Generator().manual_seed(0)
+            )
+        )
     times = {}
     for name, st in (("stored_z", store), ("model", None), ("stored_z_again", store)):
         t0 = time.perf_counter()
         build_index(model, shards, max_sequences=n_seq, batch_size=8, top_n=32, progress=False, stored_z=st)
         times[name] = (time.perf_counter() - t0) / (n_seq * store.block_size)
     stored = min(times["stored_z"], times["stored_z_again"])
-    return {"seconds_per_token_stored_z": stored, "seconds_per_token_model": times["model"],
-            "ratio": stored / times["model"], "tokens": n_seq * store.block_size}
+    return {
+        "seconds_per_token_stored_z": stored,
+        "seconds_per_token_model": times["model"],
+        "ratio": stored / times["model"],
+        "tokens": n_seq * store.block_size,
+    }
 
 
 def rounded(z: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -207,76 +243,141 @@ def main() -> None:
     cfg = replace(pre.model, prototypes=PrototypeConfig(num_prototypes=512, top_k=8))
     model = build_model(pre, cfg)  # checks prismlm's logits against the transformers model
     load_s = time.perf_counter() - t0
-    shards = prepare_shards("builtin", str(save_tokenizer(pre.tokenizer, None)), cache / "shards",
-                            max_docs=args.max_docs, max_chars_per_doc=args.max_chars_per_doc, val_fraction=0.15,
-                            show_progress=False)
+    shards = prepare_shards(
+        "builtin",
+        str(save_tokenizer(pre.tokenizer, None)),
+        cache / "shards",
+        max_docs=args.max_docs,
+        max_chars_per_doc=args.max_chars_per_doc,
+        val_fraction=0.15,
+        show_progress=False,
+    )
     logit_diff = frozen_logit_diff(pre, model, shards, T)
     pre.reference = None
     stores: dict[str, StoredZ] = {}
     zpass: dict[str, Any] = {}
     for split in ("train", "val"):
         t1 = time.perf_counter()
-        store = build_stored_z(model, shards, cache / f"stored-z-{split}", split=split, dtype="float32",
-                               batch_size=args.batch_size, progress=False)
+        store = build_stored_z(
+            model,
+            shards,
+            cache / f"stored-z-{split}",
+            split=split,
+            dtype="float32",
+            batch_size=args.batch_size,
+            progress=False,
+        )
         stores[split] = store
-        zpass[split] = {"tokens": store.manifest["rows"], "seconds_this_run": round(time.perf_counter() - t1, 1),
-                        "tokens_per_s": store.manifest["rows"] / max(_state_seconds(store), 1e-9)}
+        zpass[split] = {
+            "tokens": store.manifest["rows"],
+            "seconds_this_run": round(time.perf_counter() - t1, 1),
+            "tokens_per_s": store.manifest["rows"] / max(_state_seconds(store), 1e-9),
+        }
         print(f"[bench] z pass {split}: {zpass[split]}", file=sys.stderr, flush=True)
     z_train = stores["train"].rows(0, stores["train"].manifest["rows"])
     z_val = stores["val"].rows(0, stores["val"].manifest["rows"])
     mu = z_train.mean(0)
-    stats = {"mean_norm_over_mean_z_norm": float(mu.norm() / z_train.norm(dim=-1).mean()),
-             "max_abs_z": float(z_train.abs().max())}
+    stats = {
+        "mean_norm_over_mean_z_norm": float(mu.norm() / z_train.norm(dim=-1).mean()),
+        "max_abs_z": float(z_train.abs().max()),
+    }
     configs = []
     for spec in args.configs.split(","):
         K, k = (int(v) for v in spec.split(":"))
         for centred in (False,) if args.no_centring else (False, True):
-            r = train_bank_config(z_train, T, z_val, K=K, k=k, centred=centred, steps=args.steps,
-                                  batch_seqs=args.batch_size, lr=args.lr, seed=0)
+            r = train_bank_config(
+                z_train,
+                T,
+                z_val,
+                K=K,
+                k=k,
+                centred=centred,
+                steps=args.steps,
+                batch_seqs=args.batch_size,
+                lr=args.lr,
+                seed=0,
+            )
             configs.append(r)
             print(f"[bench] {r}", file=sys.stderr, flush=True)
     ref = configs[0]  # the first config, uncentred: trained again on z rounded to each compact dtype
     dtypes = [{**ref, "stored_dtype": "float32"}]
     for dt in () if args.no_dtypes else ("float16", "bfloat16"):
-        r = train_bank_config(rounded(z_train, dt), T, z_val, K=ref["K"], k=ref["k"], centred=False, steps=args.steps,
-                              batch_seqs=args.batch_size, lr=args.lr, seed=0)
+        r = train_bank_config(
+            rounded(z_train, dt),
+            T,
+            z_val,
+            K=ref["K"],
+            k=ref["k"],
+            centred=False,
+            steps=args.steps,
+            batch_seqs=args.batch_size,
+            lr=args.lr,
+            seed=0,
+        )
         r["stored_dtype"] = dt
         dtypes.append(r)
         print(f"[bench] {r}", file=sys.stderr, flush=True)
     # frozen_*: the best bank a retrofit gives today (uncentred: the model has no mean slice); centring beside it
     best = min((c for c in configs if not c["centred"]), key=lambda c: c["centred_residual_share"])
-    centring = [{"K": c["K"], "k": c["k"], "centred_residual_share_uncentred_bank": c["centred_residual_share"],
-                 "centred_residual_share_centred_bank": m["centred_residual_share"]}
-                for c in configs if not c["centred"]
-                for m in configs if m["centred"] and (m["K"], m["k"]) == (c["K"], c["k"])]
+    centring = [
+        {
+            "K": c["K"],
+            "k": c["k"],
+            "centred_residual_share_uncentred_bank": c["centred_residual_share"],
+            "centred_residual_share_centred_bank": m["centred_residual_share"],
+        }
+        for c in configs
+        if not c["centred"]
+        for m in configs
+        if m["centred"] and (m["K"], m["k"]) == (c["K"], c["k"])
+    ]
     ratio = index_ratio(model, shards, stores["train"], z_train)
     print(f"[bench] index {ratio}", file=sys.stderr, flush=True)
     summary = {
         "frozen_logit_max_abs_diff": logit_diff,
-        "frozen_residual_share": best["residual_share"], "frozen_centred_residual_share": best["centred_residual_share"],
-        "frozen_r1_bar": best["r1_bar"], "frozen_r2": best["r2"], "frozen_dead": best["dead"],
+        "frozen_residual_share": best["residual_share"],
+        "frozen_centred_residual_share": best["centred_residual_share"],
+        "frozen_r1_bar": best["r1_bar"],
+        "frozen_r2": best["r2"],
+        "frozen_dead": best["dead"],
         "frozen_best_config": {k: best[k] for k in ("K", "k", "centred", "steps")},
         "z_pass_tokens_per_s": zpass["train"]["tokens_per_s"],
         "index_stored_z_per_token_ratio": ratio["ratio"],
-        "stored_float16_residual_share_change": (dtypes[1]["residual_share"] - dtypes[0]["residual_share"]
-                                                 if len(dtypes) > 1 else None),
-        "centring_gain_in_centred_residual_share": max((c["centred_residual_share_uncentred_bank"]
-                                                        - c["centred_residual_share_centred_bank"] for c in centring),
-                                                       default=None),
-        "anchor_train_tokens": zpass["train"]["tokens"], "heldout_tokens": zpass["val"]["tokens"],
-        "goals_met": {"centred_residual_share_le_0.35": best["centred_residual_share"] <= 0.35,
-                      "r1_bar_and_r2_ge_0.94": best["r1_bar"] >= 0.94 and best["r2"] >= 0.94,
-                      "zero_dead": best["dead"] == 0},
+        "stored_float16_residual_share_change": (
+            dtypes[1]["residual_share"] - dtypes[0]["residual_share"] if len(dtypes) > 1 else None
+        ),
+        "centring_gain_in_centred_residual_share": max(
+            (c["centred_residual_share_uncentred_bank"] - c["centred_residual_share_centred_bank"] for c in centring),
+            default=None,
+        ),
+        "anchor_train_tokens": zpass["train"]["tokens"],
+        "heldout_tokens": zpass["val"]["tokens"],
+        "goals_met": {
+            "centred_residual_share_le_0.35": best["centred_residual_share"] <= 0.35,
+            "r1_bar_and_r2_ge_0.94": best["r1_bar"] >= 0.94 and best["r2"] >= 0.94,
+            "zero_dead": best["dead"] == 0,
+        },
     }
-    payload = {"summary": summary, "z_pass": zpass, "centring": centring, "index": ratio, "hidden_state_stats": stats, "configs": configs,
-               "stored_dtype": dtypes, "load_seconds": round(load_s, 1), "args": {k: str(v) for k, v in vars(args).items()},
-               "environment": environment("cpu", 0)}
+    payload = {
+        "summary": summary,
+        "z_pass": zpass,
+        "centring": centring,
+        "index": ratio,
+        "hidden_state_stats": stats,
+        "configs": configs,
+        "stored_dtype": dtypes,
+        "load_seconds": round(load_s, 1),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "environment": environment("cpu", 0),
+    }
     write_json(args.out, payload)
     s = summary
-    print(f"real-retrofit: z pass {s['z_pass_tokens_per_s']:.0f} tok/s over {s['anchor_train_tokens']} tokens; "
-          f"logit diff {s['frozen_logit_max_abs_diff']:.2g}; best frozen bank {s['frozen_best_config']}: residual "
-          f"{s['frozen_residual_share']:.3f}, centred {s['frozen_centred_residual_share']:.3f}, R̄1 "
-          f"{s['frozen_r1_bar']:.3f}, R2 {s['frozen_r2']:.3f}, dead {s['frozen_dead']} → {args.out}")
+    print(
+        f"real-retrofit: z pass {s['z_pass_tokens_per_s']:.0f} tok/s over {s['anchor_train_tokens']} tokens; "
+        f"logit diff {s['frozen_logit_max_abs_diff']:.2g}; best frozen bank {s['frozen_best_config']}: residual "
+        f"{s['frozen_residual_share']:.3f}, centred {s['frozen_centred_residual_share']:.3f}, R̄1 "
+        f"{s['frozen_r1_bar']:.3f}, R2 {s['frozen_r2']:.3f}, dead {s['frozen_dead']} → {args.out}"
+    )
 
 
 def _state_seconds(store: StoredZ) -> float:

@@ -91,8 +91,18 @@ DEFAULT_STEPS = 10
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks, TFLOP/s, of the SXM/OAM parts (vendor data sheets); the
 # first key contained in torch.cuda.get_device_name() wins, so the more specific names come first.
 PEAK_BF16_TFLOPS: dict[str, float] = {
-    "H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "GH200": 989.0, "H800": 989.0, "B200": 2250.0,
-    "A100": 312.0, "A800": 312.0, "A10G": 70.0, "L40S": 362.0, "L4": 121.0, "RTX 4090": 165.0,
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "GH200": 989.0,
+    "H800": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "A10G": 70.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "RTX 4090": 165.0,
 }
 
 
@@ -119,8 +129,9 @@ def peak_flops(device: torch.device, flag_tflops: float | None) -> tuple[float |
     return None, f"unknown device {name!r}: pass --peak-tflops"
 
 
-def size_config(name: str, sets: dict[str, Any], device: str,
-                args: argparse.Namespace | None = None) -> tuple[RunConfig, dict[str, Any]]:
+def size_config(
+    name: str, sets: dict[str, Any], device: str, args: argparse.Namespace | None = None
+) -> tuple[RunConfig, dict[str, Any]]:
     if name in SIZES:
         preset, overrides, _ = SIZES[name]
     elif name in PRESETS:
@@ -157,8 +168,11 @@ class BatchSource:
             if key not in self._shards_cache:
                 t0 = time.perf_counter()
                 self._shards_cache[key] = prepare_from_config(cfg.data, show_progress=False)
-                print(f"[throughput] data {cfg.data.corpus}/{cfg.data.tokenizer} ready in "
-                      f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
+                print(
+                    f"[throughput] data {cfg.data.corpus}/{cfg.data.tokenizer} ready in "
+                    f"{time.perf_counter() - t0:.1f}s",
+                    file=sys.stderr,
+                )
             shards = self._shards_cache[key]
             self.vocab = round_vocab(shards.tokenizer.vocab_size)
             n_seq = shards.train.num_sequences(T)
@@ -227,8 +241,11 @@ class Runner:
         dt = time.perf_counter() - t0
         tc = self.cfg.train
         rate = steps * tc.grad_accum * tc.batch_size * self.cfg.model.block_size / dt
-        mem = (torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda"
-               else current_peak_rss_mib())
+        mem = (
+            torch.cuda.max_memory_allocated(self.device) / 2**20
+            if self.device.type == "cuda"
+            else current_peak_rss_mib()
+        )
         self.peak_mem_mib = max(self.peak_mem_mib, mem)
         if timed:
             self.tok_s.append(rate)
@@ -244,15 +261,21 @@ def bench_size(name: str, args: argparse.Namespace, sets: dict[str, Any], device
     dense_cfg = cfg.dense()
     prism = Runner("PRISM", cfg, device, args.seed)
     dense = Runner("dense", dense_cfg, device, args.seed)
-    same_init = all(torch.equal(a, b) for a, b in zip(dense.model.state_dict().values(),
-                                                       [v for k, v in prism.model.state_dict().items()
-                                                        if not k.startswith("prototypes.")]))
+    same_init = all(
+        torch.equal(a, b)
+        for a, b in zip(
+            dense.model.state_dict().values(),
+            [v for k, v in prism.model.state_dict().items() if not k.startswith("prototypes.")],
+        )
+    )
     m = prism.model
     p_total, p_backbone, d_total = m.num_parameters(), m.num_parameters(prototypes=False), dense.model.num_parameters()
     tok_per_step = cfg.train.grad_accum * cfg.train.batch_size * cfg.model.block_size
-    print(f"[throughput] {name}: PRISM {p_total / 1e6:.2f}M params, dense {d_total / 1e6:.2f}M; "
-          f"{tok_per_step} tokens/step; warm-up {args.warmup}, {args.rounds} rounds × {steps} steps",
-          file=sys.stderr)
+    print(
+        f"[throughput] {name}: PRISM {p_total / 1e6:.2f}M params, dense {d_total / 1e6:.2f}M; "
+        f"{tok_per_step} tokens/step; warm-up {args.warmup}, {args.rounds} rounds × {steps} steps",
+        file=sys.stderr,
+    )
 
     for r in (prism, dense):
         r.block(data, args.warmup, timed=False)
@@ -262,11 +285,19 @@ def bench_size(name: str, args: argparse.Namespace, sets: dict[str, Any], device
         for r in order:
             r.block(data, steps, timed=True)
         ratio = prism.tok_s[-1] / dense.tok_s[-1]
-        rounds.append({"order": [r.kind for r in order], "prism_tok_s": prism.tok_s[-1],
-                       "dense_tok_s": dense.tok_s[-1], "ratio": ratio})
-        print(f"[throughput] {name} round {i + 1}/{args.rounds} ({order[0].kind} first): PRISM "
-              f"{fmt_rate(prism.tok_s[-1])} tok/s, dense {fmt_rate(dense.tok_s[-1])} tok/s, ratio {ratio:.3f}",
-              file=sys.stderr)
+        rounds.append(
+            {
+                "order": [r.kind for r in order],
+                "prism_tok_s": prism.tok_s[-1],
+                "dense_tok_s": dense.tok_s[-1],
+                "ratio": ratio,
+            }
+        )
+        print(
+            f"[throughput] {name} round {i + 1}/{args.rounds} ({order[0].kind} first): PRISM "
+            f"{fmt_rate(prism.tok_s[-1])} tok/s, dense {fmt_rate(dense.tok_s[-1])} tok/s, ratio {ratio:.3f}",
+            file=sys.stderr,
+        )
 
     ratios = [x["ratio"] for x in rounds]
     med_p, med_d = statistics.median(prism.tok_s), statistics.median(dense.tok_s)
@@ -275,7 +306,8 @@ def bench_size(name: str, args: argparse.Namespace, sets: dict[str, Any], device
     mfu = {
         "flops_per_token": {"prism": fpt_p, "dense": fpt_d},
         "formula": "6*N + 12*n_layer*n_embd*block_size; N = unique parameters minus the position embedding",
-        "peak_flops": peak, "peak_source": peak_source,
+        "peak_flops": peak,
+        "peak_source": peak_source,
         "prism": None if peak is None else fpt_p * med_p / peak,
         "dense": None if peak is None else fpt_d * med_d / peak,
         "achieved_tflops": {"prism": fpt_p * med_p / 1e12, "dense": fpt_d * med_d / 1e12},
@@ -293,8 +325,11 @@ def bench_size(name: str, args: argparse.Namespace, sets: dict[str, Any], device
         "mfu": mfu,
         "step_s_median": {"prism": tok_per_step / med_p, "dense": tok_per_step / med_d},
         "parameters": {
-            "prism": p_total, "dense": d_total, "prism_backbone": p_backbone,
-            "prototype_bank": p_total - p_backbone, "overhead_pct": 100.0 * (p_total - d_total) / d_total,
+            "prism": p_total,
+            "dense": d_total,
+            "prism_backbone": p_backbone,
+            "prototype_bank": p_total - p_backbone,
+            "overhead_pct": 100.0 * (p_total - d_total) / d_total,
         },
         "same_backbone_init": same_init,
         "tokens_per_step": tok_per_step,
@@ -309,7 +344,8 @@ def bench_size(name: str, args: argparse.Namespace, sets: dict[str, Any], device
         "ratio_median_of_rounds": statistics.median(ratios),
         "peak_memory_mib": {
             "kind": "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS during the blocks",
-            "prism": prism.peak_mem_mib, "dense": dense.peak_mem_mib,
+            "prism": prism.peak_mem_mib,
+            "dense": dense.peak_mem_mib,
         },
     }
     if device.type == "cuda":
@@ -324,31 +360,61 @@ def bench_size(name: str, args: argparse.Namespace, sets: dict[str, Any], device
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="Training tokens/s of PRISM vs the matched dense baseline (same backbone, same process, "
-                    "same batches, interleaved rounds). Writes JSON and prints one summary line.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--sizes", nargs="+", default=["tiny", "cpu-small"],
-                    help=f"model sizes to measure: {', '.join(SIZES)} (tiny = the tiny preset at d=64), "
-                         "or any preset name")
+        "same batches, interleaved rounds). Writes JSON and prints one summary line.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument(
+        "--sizes",
+        nargs="+",
+        default=["tiny", "cpu-small"],
+        help=f"model sizes to measure: {', '.join(SIZES)} (tiny = the tiny preset at d=64), or any preset name",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds; each runs one PRISM and one dense block")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="training steps per timed block (default: per size — "
-                         + ", ".join(f"{k} {v[2]}" for k, v in SIZES.items()) + f", others {DEFAULT_STEPS})")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps per timed block (default: per size — "
+        + ", ".join(f"{k} {v[2]}" for k, v in SIZES.items())
+        + f", others {DEFAULT_STEPS})",
+    )
     ap.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per model before the rounds")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (fixed for the whole run)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, or auto")
-    ap.add_argument("--seed", type=int, default=1337, help="seed of the initialisation of both models and of the batches")
-    ap.add_argument("--synthetic", action="store_true",
-                    help="random token ids instead of the built-in corpus (skips tokenizer/shard preparation)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override applied to every size and both models, e.g. --set train.batch_size=32 "
-                         "--set model.prototypes.num_prototypes=1024 (values parsed as JSON); repeatable")
-    ap.add_argument("--compile", action="store_true",
-                    help="torch.compile the forward of both models (train.compile); compilation falls in the warm-up")
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None,
-                    help="train.dtype: bfloat16 = bf16 autocast (default: the preset's, auto = bf16 on CUDA only)")
-    ap.add_argument("--peak-tflops", type=float, default=None,
-                    help="the device's peak dense bf16 TFLOP/s for MFU (default: looked up by CUDA device name; "
-                         "none on CPU)")
+    ap.add_argument(
+        "--seed", type=int, default=1337, help="seed of the initialisation of both models and of the batches"
+    )
+    ap.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="random token ids instead of the built-in corpus (skips tokenizer/shard preparation)",
+    )
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override applied to every size and both models, e.g. --set train.batch_size=32 "
+        "--set model.prototypes.num_prototypes=1024 (values parsed as JSON); repeatable",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the forward of both models (train.compile); compilation falls in the warm-up",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default=None,
+        help="train.dtype: bfloat16 = bf16 autocast (default: the preset's, auto = bf16 on CUDA only)",
+    )
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's peak dense bf16 TFLOP/s for MFU (default: looked up by CUDA device name; none on CPU)",
+    )
     ap.add_argument("--out", default=str(RESULTS_DIR / "throughput.json"), help="where to write the JSON results")
     args = ap.parse_args(argv)
     if args.rounds < 1 or (args.steps is not None and args.steps < 1) or args.warmup < 0 or args.threads < 1:
@@ -376,11 +442,16 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": results,
     }
     out = write_json(args.out, payload)
-    parts = [f"{r['size']} ratio {r['ratio']:.2f} [{r['ratio_min']:.2f}–{r['ratio_max']:.2f}] "
-             f"(PRISM {fmt_rate(r['prism_tok_s']['median'])} tok/s, dense {fmt_rate(r['dense_tok_s']['median'])})"
-             + (f" MFU PRISM {100 * r['mfu']['prism']:.1f}% dense {100 * r['mfu']['dense']:.1f}%"
-                if r["mfu"]["prism"] is not None else "")
-             for r in results]
+    parts = [
+        f"{r['size']} ratio {r['ratio']:.2f} [{r['ratio_min']:.2f}–{r['ratio_max']:.2f}] "
+        f"(PRISM {fmt_rate(r['prism_tok_s']['median'])} tok/s, dense {fmt_rate(r['dense_tok_s']['median'])})"
+        + (
+            f" MFU PRISM {100 * r['mfu']['prism']:.1f}% dense {100 * r['mfu']['dense']:.1f}%"
+            if r["mfu"]["prism"] is not None
+            else ""
+        )
+        for r in results
+    ]
     print(f"[throughput] wrote {out}", file=sys.stderr)
     print("throughput: " + " | ".join(parts))
     return 0

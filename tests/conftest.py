@@ -13,8 +13,9 @@ def tiny_shards(tmp_path_factory):
     from prismlm.data.shards import prepare_shards
 
     root = tmp_path_factory.mktemp("tiny_shards")
-    return prepare_shards("builtin", "bpe-512", root / "shards", max_docs=60, max_chars_per_doc=4000,
-                          show_progress=False)
+    return prepare_shards(
+        "builtin", "bpe-512", root / "shards", max_docs=60, max_chars_per_doc=4000, show_progress=False
+    )
 
 
 def train_tiny_run(tiny_shards, root, *, steps: int, batch_size: int, warmup_steps: int):
@@ -23,15 +24,26 @@ def train_tiny_run(tiny_shards, root, *, steps: int, batch_size: int, warmup_ste
     from prismlm.train import load_checkpoint, train
 
     run = root / "run"
-    cfg = RunConfig.from_name("tiny").override({"train.max_steps": steps, "train.eval_interval": max(steps, 1000),
-                                                "train.batch_size": batch_size, "train.warmup_steps": warmup_steps})
+    cfg = RunConfig.from_name("tiny").override(
+        {
+            "train.max_steps": steps,
+            "train.eval_interval": max(steps, 1000),
+            "train.batch_size": batch_size,
+            "train.warmup_steps": warmup_steps,
+        }
+    )
     train(cfg, run, shards=tiny_shards, progress=False)
     return load_checkpoint(run), run
 
 
-QUERY_TEXTS = [("The President said that the", 3), ("We the people of the United States", 1),
-               ("It was the best of times", 2), ("In the beginning", 1), ("and the of to a", 1),
-               ("Congress shall make no law respecting", 2)]
+QUERY_TEXTS = [
+    ("The President said that the", 3),
+    ("We the people of the United States", 1),
+    ("It was the best of times", 2),
+    ("In the beginning", 1),
+    ("and the of to a", 1),
+    ("Congress shall make no law respecting", 2),
+]
 """(prompt, measure_from) attribution queries shared by the cache and search tests."""
 
 

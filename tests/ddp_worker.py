@@ -16,5 +16,11 @@ if __name__ == "__main__":
     ap.add_argument("--stop-after", type=int, default=None)
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
-    train(RunConfig.from_json(args.cfg), args.out, shards=load_shards(args.shards), progress=False,
-          stop_after=args.stop_after, resume=args.resume)
+    train(
+        RunConfig.from_json(args.cfg),
+        args.out,
+        shards=load_shards(args.shards),
+        progress=False,
+        stop_after=args.stop_after,
+        resume=args.resume,
+    )

@@ -18,10 +18,17 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "prismlm"
 
 LAYER = {
-    "_version": 0, "errors": 0, "progress": 0, "artifacts": 0.3, "config": 0.5,
-    "model": 1, "data": 1,
-    "eval": 2, "train": 2.5,
-    "explain": 3, "tda": 3,
+    "_version": 0,
+    "errors": 0,
+    "progress": 0,
+    "artifacts": 0.3,
+    "config": 0.5,
+    "model": 1,
+    "data": 1,
+    "eval": 2,
+    "train": 2.5,
+    "explain": 3,
+    "tda": 3,
     "control": 4,
     "app": 5,
     "explore": 6,
@@ -76,21 +83,30 @@ def _edges() -> dict[tuple[str, str], list[str]]:
 
 
 def test_every_unit_has_a_layer():
-    units = {p.name.removesuffix(".py") for p in SRC.iterdir()
-             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")}
+    units = {
+        p.name.removesuffix(".py")
+        for p in SRC.iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")
+    }
     assert units - set(LAYER) == set(), "a new subpackage needs a place in LAYER"
 
 
 def test_imports_point_down_the_layers():
-    wrong = [f"{src} → {dst} ({', '.join(where[:3])})" for (src, dst), where in sorted(_edges().items())
-             if dst != "__init__" and LAYER.get(dst, 99) >= LAYER.get(src, -1)]
+    wrong = [
+        f"{src} → {dst} ({', '.join(where[:3])})"
+        for (src, dst), where in sorted(_edges().items())
+        if dst != "__init__" and LAYER.get(dst, 99) >= LAYER.get(src, -1)
+    ]
     assert wrong == [], "imports that climb up (or sideways) a layer:\n" + "\n".join(wrong)
 
 
 def test_library_does_not_import_the_package_facade():
     # prismlm/__init__ imports the model; a low layer importing it would climb back up
-    wrong = [f"{src} ({', '.join(where[:3])})" for (src, dst), where in _edges().items()
-             if dst == "__init__" and src not in ("cli", "explore", "app")]
+    wrong = [
+        f"{src} ({', '.join(where[:3])})"
+        for (src, dst), where in _edges().items()
+        if dst == "__init__" and src not in ("cli", "explore", "app")
+    ]
     assert wrong == []
 
 
@@ -105,8 +121,12 @@ def test_no_cycles_between_units():
 @pytest.mark.parametrize("package", sorted(p for p in LAYER if LAYER[p] < LAYER["explore"]))
 def test_no_terminal_front_end_below_the_cli(package):
     files = [SRC / f"{package}.py"] if (SRC / f"{package}.py").exists() else sorted((SRC / package).rglob("*.py"))
-    bad = [f"{f.relative_to(SRC)}:{line} imports {mod}" for f in files for mod, line in _imports(f)
-           if mod.split(".")[0] in FRONT_END_ONLY]
+    bad = [
+        f"{f.relative_to(SRC)}:{line} imports {mod}"
+        for f in files
+        for mod, line in _imports(f)
+        if mod.split(".")[0] in FRONT_END_ONLY
+    ]
     assert bad == []
 
 
@@ -158,7 +178,7 @@ def _find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
         seen[u] = 1
         for v in sorted(graph.get(u, {})):
             if seen.get(v) == 1:
-                return stack[stack.index(v):] + [u, v] if v in stack else stack + [u, v]
+                return stack[stack.index(v) :] + [u, v] if v in stack else stack + [u, v]
             if v not in seen:
                 cycle = visit(v, stack + [u])
                 if cycle:
@@ -189,8 +209,13 @@ def _private_imports() -> set[tuple[str, str, str]]:
     out = set()
     for me, f in MODULES.items():
         for mod, name, _ in _from_imports(f, me):
-            if mod.split(".")[0] == "prismlm" and name.startswith("_") and not name.startswith("__") \
-                    and f"{mod}.{name}" not in MODULES and mod != me:
+            if (
+                mod.split(".")[0] == "prismlm"
+                and name.startswith("_")
+                and not name.startswith("__")
+                and f"{mod}.{name}" not in MODULES
+                and mod != me
+            ):
                 out.add((me, mod, name))
     return out
 
@@ -198,8 +223,9 @@ def _private_imports() -> set[tuple[str, str, str]]:
 def test_no_module_imports_another_modules_private_names():
     """``from prismlm.a import _x`` reaches into a.py's internals: make ``_x`` public (or move it) instead."""
     wrong = sorted(_private_imports() - PRIVATE_IMPORTS_ALLOWED)
-    assert wrong == [], "private names imported across modules:\n" + "\n".join(f"{a}: from {m} import {n}"
-                                                                             for a, m, n in wrong)
+    assert wrong == [], "private names imported across modules:\n" + "\n".join(
+        f"{a}: from {m} import {n}" for a, m, n in wrong
+    )
     assert PRIVATE_IMPORTS_ALLOWED <= _private_imports(), "an allowed private import is gone: drop it from the list"
 
 

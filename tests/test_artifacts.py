@@ -78,9 +78,20 @@ def test_eval_mode_restores_the_flag():
     assert not net.training
 
 
-@pytest.mark.parametrize("bad", [dict(r=0), dict(projection="random"), dict(curvature_mode="full"),
-                                 dict(damping=-1.0), dict(damping=float("nan")), dict(max_sequences=0),
-                                 dict(batch_size=0), dict(dtype="int2"), dict(pca_sequences=0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(r=0),
+        dict(projection="random"),
+        dict(curvature_mode="full"),
+        dict(damping=-1.0),
+        dict(damping=float("nan")),
+        dict(max_sequences=0),
+        dict(batch_size=0),
+        dict(dtype="int2"),
+        dict(pca_sequences=0),
+    ],
+)
 def test_attribution_config_rejects_bad_values(bad):
     with pytest.raises(ConfigError, match=next(iter(bad))):
         AttributionConfig(**bad)

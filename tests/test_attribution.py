@@ -40,8 +40,9 @@ def trained(tiny_shards, tmp_path_factory):
 
 def _double(ckpt):
     """A float64 copy of the checkpoint's model, with its manifest (for ``model_sha256``) and tokenizer."""
-    return SimpleNamespace(model=copy.deepcopy(ckpt.model).double(), manifest=ckpt.manifest,
-                           tokenizer=ckpt.tokenizer, path=ckpt.path)
+    return SimpleNamespace(
+        model=copy.deepcopy(ckpt.model).double(), manifest=ckpt.manifest, tokenizer=ckpt.tokenizer, path=ckpt.path
+    )
 
 
 def test_neighbourhood_equals_brute_force(trained, tiny_shards):
@@ -49,8 +50,9 @@ def test_neighbourhood_equals_brute_force(trained, tiny_shards):
     c64 = _double(ckpt)
     n_seq, top_n = 10, 6
     # chunk_size smaller than a batch so the streaming merge runs inside and across batches
-    idx = build_index(c64.model, tiny_shards, top_n=top_n, batch_size=3, max_sequences=n_seq, chunk_size=50,
-                      progress=False)
+    idx = build_index(
+        c64.model, tiny_shards, top_n=top_n, batch_size=3, max_sequences=n_seq, chunk_size=50, progress=False
+    )
     assert idx.top_sim.dtype == torch.float64 and idx.tokens == n_seq * T
     x = torch.from_numpy(tiny_shards.train.sequences(np.arange(n_seq), T)[:, :-1])
     with torch.no_grad():
@@ -94,8 +96,15 @@ def test_partial_indexes_merge_to_one_pass_and_resume(trained, tiny_shards, tmp_
 
 def test_index_save_load_round_trip(trained, tiny_shards, tmp_path):
     ckpt, _ = trained
-    idx = build_index(ckpt.model, tiny_shards, top_n=5, batch_size=4, max_sequences=8, progress=False,
-                      model_sha256=ckpt.manifest["model_sha256"])
+    idx = build_index(
+        ckpt.model,
+        tiny_shards,
+        top_n=5,
+        batch_size=4,
+        max_sequences=8,
+        progress=False,
+        model_sha256=ckpt.manifest["model_sha256"],
+    )
     idx.save(tmp_path / "index")
     labels = rule_labels(idx)
     save_labels(labels, tmp_path / "index")
@@ -118,8 +127,15 @@ def test_index_save_load_round_trip(trained, tiny_shards, tmp_path):
 
 def test_mismatch_and_unknown_prototype_errors(trained, tiny_shards, tmp_path):
     ckpt, _ = trained
-    idx = build_index(ckpt.model, tiny_shards, top_n=4, batch_size=4, max_sequences=4, progress=False,
-                      model_sha256=ckpt.manifest["model_sha256"])
+    idx = build_index(
+        ckpt.model,
+        tiny_shards,
+        top_n=4,
+        batch_size=4,
+        max_sequences=4,
+        progress=False,
+        model_sha256=ckpt.manifest["model_sha256"],
+    )
     idx.save(tmp_path / "index")
     other = "f" * 64
     with pytest.raises(ArtifactMismatch) as e:
@@ -144,9 +160,17 @@ def test_slices_plus_residual_equal_logit_float64(trained, tiny_shards):
     c64 = _double(ckpt)
     sha = c64.manifest["model_sha256"]
     idx = build_index(c64.model, tiny_shards, top_n=4, batch_size=4, max_sequences=4, progress=False, model_sha256=sha)
-    expl = explain(c64.model, c64.tokenizer, "It is a truth universally acknowledged, that a single man",
-                   model_sha256=sha, index=idx, labels=rule_labels(idx))
-    assert len(expl.positions) == len(ckpt.tokenizer.encode("It is a truth universally acknowledged, that a single man"))
+    expl = explain(
+        c64.model,
+        c64.tokenizer,
+        "It is a truth universally acknowledged, that a single man",
+        model_sha256=sha,
+        index=idx,
+        labels=rule_labels(idx),
+    )
+    assert len(expl.positions) == len(
+        ckpt.tokenizer.encode("It is a truth universally acknowledged, that a single man")
+    )
     for p in expl.positions:
         assert math.fsum([s.slice for s in p.prototypes] + [p.residual_slice]) == pytest.approx(p.logit, abs=1e-10)
         assert abs(p.error) < 1e-12 and all(s.activation > 0 for s in p.prototypes)
@@ -159,7 +183,7 @@ def test_slices_plus_residual_equal_logit_float64(trained, tiny_shards):
     gen = explain_generation(c64.model, c64.tokenizer, "The ", 6, model_sha256=sha, seed=1, index=idx)
     sampled = [p for p in gen.positions if p.chosen_by == "sampled"]
     assert len(sampled) == 6 and gen.prompt_tokens == len(ckpt.tokenizer.encode("The "))
-    assert [p.next_id for p in sampled] == gen.token_ids[gen.prompt_tokens:] + [sampled[-1].next_id]
+    assert [p.next_id for p in sampled] == gen.token_ids[gen.prompt_tokens :] + [sampled[-1].next_id]
     assert max(abs(p.error) for p in gen.positions) < 1e-12
     json.loads(gen.to_json())  # serialisable
 
@@ -180,7 +204,7 @@ def test_explain_edge_cases_never_crash(trained):
     assert len(out.positions) == len(ids) and out.max_abs_error < 1e-4
     assert len(explain(ckpt.model, tok, [5, 6, 7]).positions) == 3  # ids work too
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        explain(ckpt.model, tok, [10 ** 6])
+        explain(ckpt.model, tok, [10**6])
     long_gen = explain_generation(ckpt.model, tok, long_text, 3, seed=0)
     assert long_gen.truncated_tokens > 0 and len(long_gen.positions) == T
 
@@ -231,24 +255,68 @@ def test_cli_index_explain_prototypes(trained, tiny_shards, tmp_path):
     _, run = trained
     r = CliRunner()
     sh = str(tiny_shards.root)
-    res = r.invoke(app, ["index", str(run), "--shards", sh, "--max-sequences", "12", "--top-n", "6",
-                         "--batch-size", "4", "--no-progress"])
+    res = r.invoke(
+        app,
+        [
+            "index",
+            str(run),
+            "--shards",
+            sh,
+            "--max-sequences",
+            "12",
+            "--top-n",
+            "6",
+            "--batch-size",
+            "4",
+            "--no-progress",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert (run / "index" / "manifest.json").exists() and (run / "index" / "labels.json").exists()
     for i in (0, 1):
-        res = r.invoke(app, ["index", str(run), "--shards", sh, "--max-sequences", "12", "--top-n", "6",
-                             "--batch-size", "4", "--part", f"{i}/2", "--no-progress"])
+        res = r.invoke(
+            app,
+            [
+                "index",
+                str(run),
+                "--shards",
+                sh,
+                "--max-sequences",
+                "12",
+                "--top-n",
+                "6",
+                "--batch-size",
+                "4",
+                "--part",
+                f"{i}/2",
+                "--no-progress",
+            ],
+        )
         assert res.exit_code == 0, res.output
-    res = r.invoke(app, ["index-merge", str(tmp_path / "merged"), str(run / "index-part-0-of-2"),
-                         str(run / "index-part-1-of-2")])
+    res = r.invoke(
+        app, ["index-merge", str(tmp_path / "merged"), str(run / "index-part-0-of-2"), str(run / "index-part-1-of-2")]
+    )
     assert res.exit_code == 0, res.output
     a, b = PrototypeIndex.load(run / "index"), PrototypeIndex.load(tmp_path / "merged")
     assert torch.equal(a.top_offset, b.top_offset) and (tmp_path / "merged" / "labels.json").exists()
-    res = r.invoke(app, ["index-merge", str(tmp_path / "bad"), str(run / "index-part-0-of-2"),
-                         str(run / "index-part-0-of-2")])
+    res = r.invoke(
+        app, ["index-merge", str(tmp_path / "bad"), str(run / "index-part-0-of-2"), str(run / "index-part-0-of-2")]
+    )
     assert res.exit_code == 2 and "overlap" in res.output
-    res = r.invoke(app, ["explain", str(run), "It is a truth", "--generate", "3", "--json", str(tmp_path / "e.json"),
-                         "--html", str(tmp_path / "e.html")])
+    res = r.invoke(
+        app,
+        [
+            "explain",
+            str(run),
+            "It is a truth",
+            "--generate",
+            "3",
+            "--json",
+            str(tmp_path / "e.json"),
+            "--html",
+            str(tmp_path / "e.html"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "e.json").read_text())
     assert data["index"] and data["prototypes"] and data["max_abs_error"] < 1e-4
@@ -283,13 +351,42 @@ def test_torchrun_index_two_processes_equal_one_pass(trained, tiny_shards, tmp_p
 
     ckpt, run = trained
     out = tmp_path / "index"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "prismlm.cli",
-           "index", str(run), "--shards", str(tiny_shards.root), "--max-sequences", "22", "--top-n", "8",
-           "--batch-size", "4", "--out", str(out), "--device", "cpu", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "prismlm.cli",
+        "index",
+        str(run),
+        "--shards",
+        str(tiny_shards.root),
+        "--max-sequences",
+        "22",
+        "--top-n",
+        "8",
+        "--batch-size",
+        "4",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    full = build_index(ckpt.model, tiny_shards, top_n=8, batch_size=4, max_sequences=22, progress=False,
-                       model_sha256=ckpt.manifest["model_sha256"])
+    full = build_index(
+        ckpt.model,
+        tiny_shards,
+        top_n=8,
+        batch_size=4,
+        max_sequences=22,
+        progress=False,
+        model_sha256=ckpt.manifest["model_sha256"],
+    )
     merged = PrototypeIndex.load(out, model_sha256=ckpt.manifest["model_sha256"])
     for name in ("top_sim", "top_offset", "counts", "hist"):
         assert torch.equal(getattr(merged, name), getattr(full, name)), name

@@ -22,8 +22,17 @@ from prismlm.errors import ArtifactCorrupt, ArtifactError
 from prismlm.progress import ProgressEvent
 from prismlm.tda.cache import AttributionCache, PostingSketcher, build_cache
 
-_CFG = AttributionConfig(max_sequences=22, batch_size=4, curvature_sample=5, projection="pca-local", r=8,
-                         pca_sequences=9, dtype="int4", prune=0.1, id_encoding="delta")
+_CFG = AttributionConfig(
+    max_sequences=22,
+    batch_size=4,
+    curvature_sample=5,
+    projection="pca-local",
+    r=8,
+    pca_sequences=9,
+    dtype="int4",
+    prune=0.1,
+    id_encoding="delta",
+)
 """A build with every fitted file (curvature, pca-local bases) and every storage step: 6 batches of 4."""
 _PLAIN = AttributionConfig(max_sequences=22, batch_size=4, curvature_sample=5)
 """The default storage (float32 sketches, int32 ids): the raw rows become the cache's arrays as they are."""
@@ -37,8 +46,10 @@ def trained(tiny_shards, tmp_path_factory):
 @pytest.fixture(scope="module")
 def whole(trained, tiny_shards, tmp_path_factory):
     """The caches of one uninterrupted build (``_CFG``, ``_PLAIN``): what every resumed build must equal."""
-    return {id(cfg): build_cache(trained[0].model, tiny_shards, cfg, out=tmp_path_factory.mktemp("whole") / "cache")
-            for cfg in (_CFG, _PLAIN)}
+    return {
+        id(cfg): build_cache(trained[0].model, tiny_shards, cfg, out=tmp_path_factory.mktemp("whole") / "cache")
+        for cfg in (_CFG, _PLAIN)
+    }
 
 
 def _interrupted(net, shards, out, monkeypatch, after: int = 4, cfg: AttributionConfig = _CFG) -> None:
@@ -72,7 +83,9 @@ def _same(a: AttributionCache, b: AttributionCache) -> None:
 
 
 @pytest.mark.parametrize("cfg", [_PLAIN, _CFG], ids=["plain", "compact"])
-@pytest.mark.parametrize("damage", ["truncate-sketch", "flip-sketch", "flip-seq", "flip-proto", "garble-log", "tear-log"])
+@pytest.mark.parametrize(
+    "damage", ["truncate-sketch", "flip-sketch", "flip-seq", "flip-proto", "garble-log", "tear-log"]
+)
 def test_resume_builds_damaged_rows_again(trained, whole, tiny_shards, tmp_path, monkeypatch, damage, cfg):
     """sketch.raw truncated to 30% (a resume used to zero-fill it), or one byte flipped in sketch.raw, seq.raw
     or proto.raw (used to be carried into the cache, or to crash the encoding), or a garbled line of the
@@ -198,9 +211,11 @@ def test_cli_writers_refuse_a_held_folder_in_one_line(trained, tiny_shards, tmp_
     exit 2 with one line naming the folder, the holder and the fix; no traceback, nothing written."""
     _, run = trained
     common = ["--shards", str(tiny_shards.root), "--device", "cpu", "--no-progress"]
-    cases = {"cache": ["attribute-cache", str(run), "--max-sequences", "8", "--out", str(tmp_path / "cache"), *common],
-             "index": ["index", str(run), "--max-sequences", "8", "--out", str(tmp_path / "index"), *common],
-             "hf": ["export", str(run), str(tmp_path / "hf")]}
+    cases = {
+        "cache": ["attribute-cache", str(run), "--max-sequences", "8", "--out", str(tmp_path / "cache"), *common],
+        "index": ["index", str(run), "--max-sequences", "8", "--out", str(tmp_path / "index"), *common],
+        "hf": ["export", str(run), str(tmp_path / "hf")],
+    }
     for name, args in cases.items():
         with FileLock(tmp_path / f"{name}.lock", "another writer"):
             res = CliRunner().invoke(app, args)
@@ -218,8 +233,23 @@ def test_verify_checks_every_cache_file(trained, tiny_shards, tmp_path):
     _, run = trained
     src = tmp_path / "src"
     common = ["--shards", str(tiny_shards.root)]
-    res = CliRunner().invoke(app, ["attribute-cache", str(run), "--max-sequences", "16", "--batch-size", "4", "--out",
-                                   str(src), "--device", "cpu", "--no-progress", *common])
+    res = CliRunner().invoke(
+        app,
+        [
+            "attribute-cache",
+            str(run),
+            "--max-sequences",
+            "16",
+            "--batch-size",
+            "4",
+            "--out",
+            str(src),
+            "--device",
+            "cpu",
+            "--no-progress",
+            *common,
+        ],
+    )
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(app, ["attribute-search", str(run), "--cache", str(src), "--min-list", "1", *common])
     assert res.exit_code == 0 and (src / "search" / "manifest.json").exists(), res.output
@@ -261,8 +291,13 @@ def test_lock_of_a_killed_writer_is_released(trained, tiny_shards, tmp_path):
     """Another process holds OUT: a build is refused naming that process's pid; once it is killed (kill -9:
     no clean-up), the OS has dropped its lock and the build runs."""
     out = tmp_path / "cache"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(out)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(ArtifactError, match=rf"being written by pid {holder.pid}\b"):

@@ -20,10 +20,33 @@ from prismlm.config import AttributionConfig
 from prismlm.errors import ConfigError
 from prismlm.tda.cache import AttributionCache, PostingSketcher, build_cache, compress_cache
 
-_SAME_MANIFEST = ("postings", "covered", "tokens", "universe", "units", "r", "projection", "dtype", "prune", "aggregate",
-                  "id_encoding", "id_width", "id_exceptions", "scale_unit", "pruned", "postings_raw",
-                  "postings_aggregated", "bytes_postings", "curvature_tokens", "curvature_sample", "model_sha256",
-                  "shard_key", "num_prototypes", "batch_size", "pca_sequences")
+_SAME_MANIFEST = (
+    "postings",
+    "covered",
+    "tokens",
+    "universe",
+    "units",
+    "r",
+    "projection",
+    "dtype",
+    "prune",
+    "aggregate",
+    "id_encoding",
+    "id_width",
+    "id_exceptions",
+    "scale_unit",
+    "pruned",
+    "postings_raw",
+    "postings_aggregated",
+    "bytes_postings",
+    "curvature_tokens",
+    "curvature_sample",
+    "model_sha256",
+    "shard_key",
+    "num_prototypes",
+    "batch_size",
+    "pca_sequences",
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +68,25 @@ def assert_same_cache(a: AttributionCache, b: AttributionCache) -> None:
         assert a.manifest.get(key) == b.manifest.get(key), key
 
 
-COMPACT = ["--projection", "pca-local", "--sketch-size", "8", "--dtype", "int4", "--prune", "0.1", "--id-encoding", "delta"]
+COMPACT = [
+    "--projection",
+    "pca-local",
+    "--sketch-size",
+    "8",
+    "--dtype",
+    "int4",
+    "--prune",
+    "0.1",
+    "--id-encoding",
+    "delta",
+]
 
 
-@pytest.mark.parametrize("options", [[], COMPACT, ["--dtype", "float16", "--aggregate", "document"]],
-                         ids=["default", "compact", "float16-document"])
+@pytest.mark.parametrize(
+    "options",
+    [[], COMPACT, ["--dtype", "float16", "--aggregate", "document"]],
+    ids=["default", "compact", "float16-document"],
+)
 @pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_torchrun_cache_two_processes_equal_one_pass(trained, tiny_shards, tmp_path, options):
     """`torchrun --nproc_per_node 2 -m prismlm.cli attribute-cache`: both gloo processes compute the same
@@ -58,17 +95,42 @@ def test_torchrun_cache_two_processes_equal_one_pass(trained, tiny_shards, tmp_p
     ckpt, run = trained
     out = tmp_path / "cache"
     base = ["--max-sequences", "22", "--batch-size", "4", "--curvature-sample", "9", "--pca-sequences", "6"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "prismlm.cli",
-           "attribute-cache", str(run), "--shards", str(tiny_shards.root), *base, *options, "--out", str(out),
-           "--device", "cpu", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "prismlm.cli",
+        "attribute-cache",
+        str(run),
+        "--shards",
+        str(tiny_shards.root),
+        *base,
+        *options,
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     flags = dict(zip(options[0::2], options[1::2], strict=True))
-    cfg = AttributionConfig(max_sequences=22, batch_size=4, curvature_sample=9, pca_sequences=6,
-                            projection=flags.get("--projection", "orthogonal"),  # type: ignore[arg-type]
-                            r=int(flags["--sketch-size"]) if "--sketch-size" in flags else None, dtype=flags.get("--dtype", "float32"),  # type: ignore[arg-type]
-                            prune=float(flags.get("--prune", 0)), aggregate=flags.get("--aggregate", "sequence"),  # type: ignore[arg-type]
-                            id_encoding=flags.get("--id-encoding", "int32"))  # type: ignore[arg-type]
+    cfg = AttributionConfig(
+        max_sequences=22,
+        batch_size=4,
+        curvature_sample=9,
+        pca_sequences=6,
+        projection=flags.get("--projection", "orthogonal"),  # type: ignore[arg-type]
+        r=int(flags["--sketch-size"]) if "--sketch-size" in flags else None,
+        dtype=flags.get("--dtype", "float32"),  # type: ignore[arg-type]
+        prune=float(flags.get("--prune", 0)),
+        aggregate=flags.get("--aggregate", "sequence"),  # type: ignore[arg-type]
+        id_encoding=flags.get("--id-encoding", "int32"),
+    )  # type: ignore[arg-type]
     one = build_cache(ckpt.model, tiny_shards, cfg, out=tmp_path / "one", model_sha256=ckpt.manifest["model_sha256"])
     merged = AttributionCache.load(out, model_sha256=ckpt.manifest["model_sha256"])
     assert merged.manifest["merged_from"] == 2  # two shares were built, not one whole cache per process
@@ -93,17 +155,50 @@ def test_compress_from_cli(trained, tiny_shards, tmp_path):
         res = r.invoke(app, ["attribute-cache", str(run), *other, "--out", str(src), "--resume", *common])
         assert res.exit_code == 2 and "other options or sequences" in res.output, res.output
     small = tmp_path / "small"
-    res = r.invoke(app, ["attribute-cache", str(run), "--compress-from", str(src), "--dtype", "int8", "--prune", "0.2",
-                         "--id-encoding", "delta", "--aggregate", "document", "--out", str(small), *common])
+    res = r.invoke(
+        app,
+        [
+            "attribute-cache",
+            str(run),
+            "--compress-from",
+            str(src),
+            "--dtype",
+            "int8",
+            "--prune",
+            "0.2",
+            "--id-encoding",
+            "delta",
+            "--aggregate",
+            "document",
+            "--out",
+            str(small),
+            *common,
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "attribution cache" in res.output
-    expected = compress_cache(AttributionCache.load(src), AttributionConfig(dtype="int8", prune=0.2, id_encoding="delta",
-                                                                            aggregate="document"), shards=tiny_shards)
+    expected = compress_cache(
+        AttributionCache.load(src),
+        AttributionConfig(dtype="int8", prune=0.2, id_encoding="delta", aggregate="document"),
+        shards=tiny_shards,
+    )
     got = AttributionCache.load(small, model_sha256=ckpt.manifest["model_sha256"])
     assert got.manifest["dtype"] == "int8" and got.manifest["aggregate"] == "document"
     assert_same_cache(got, expected)
-    res = r.invoke(app, ["attribute-cache", str(run), "--compress-from", str(small), "--dtype", "int4",
-                         "--out", str(tmp_path / "again"), *common])
+    res = r.invoke(
+        app,
+        [
+            "attribute-cache",
+            str(run),
+            "--compress-from",
+            str(small),
+            "--dtype",
+            "int4",
+            "--out",
+            str(tmp_path / "again"),
+            *common,
+        ],
+    )
     assert res.exit_code == 2 and "lossless" in res.output and "default options" in res.output, res.output
     res = r.invoke(app, ["attribute-cache", str(run), "--compress-from", str(tmp_path / "nowhere"), *common])
     assert res.exit_code == 2 and "no attribution cache" in res.output, res.output
@@ -152,8 +247,13 @@ def test_build_and_query_memory_does_not_grow_with_postings(tiny_shards, tmp_pat
     script.write_text(_MEMORY_SCRIPT)
     stats = []
     for n in (200, 800):
-        proc = subprocess.run([sys.executable, str(script), str(tiny_shards.root), str(n), str(tmp_path / f"c{n}")],
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            [sys.executable, str(script), str(tiny_shards.root), str(n), str(tmp_path / f"c{n}")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         stats.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     small, large = stats
@@ -203,8 +303,16 @@ def test_fitted_batches_are_not_run_again(trained, tiny_shards, tmp_path, monkey
     from prismlm.tda.cache import passes as passes_mod
 
     ckpt, _ = trained
-    cfg = AttributionConfig(max_sequences=22, batch_size=4, curvature_sample=5, projection="pca-local", r=8,
-                            pca_sequences=9, dtype="int4", id_encoding="delta")
+    cfg = AttributionConfig(
+        max_sequences=22,
+        batch_size=4,
+        curvature_sample=5,
+        projection="pca-local",
+        r=8,
+        pca_sequences=9,
+        dtype="int4",
+        id_encoding="delta",
+    )
     forwards: list[tuple[int, int]] = []
     real_forward = passes_mod.forward_batch
 
@@ -218,16 +326,26 @@ def test_fitted_batches_are_not_run_again(trained, tiny_shards, tmp_path, monkey
     forwards.clear()
     monkeypatch.setattr(passes_mod.BatchStore, "wants", lambda self, j0, j1: False)
     every = build_cache(ckpt.model, tiny_shards, cfg, out=tmp_path / "every" if on_disk else None)
-    curvature_batches, pca_batches = ({b for a0, a1 in passes_mod.fit_ranges(22, n, 4) for b in passes_mod.batch_grid(a0, a1, 4)}
-                                      for n in (5, 9))
+    curvature_batches, pca_batches = (
+        {b for a0, a1 in passes_mod.fit_ranges(22, n, 4) for b in passes_mod.batch_grid(a0, a1, 4)} for n in (5, 9)
+    )
     assert pca_batches - curvature_batches  # a batch only the pca-local fit ran
     assert len(forwards) - len(with_reuse) == len(curvature_batches | pca_batches) >= 3
     assert_same_cache(kept, every)
     assert not on_disk or not (tmp_path / "kept.build").exists()  # the kept gradients went with the build folder
 
 
-_RESUMED = AttributionConfig(max_sequences=22, batch_size=4, curvature_sample=5, projection="pca-local", r=8,
-                             pca_sequences=9, dtype="int4", prune=0.1, id_encoding="delta")
+_RESUMED = AttributionConfig(
+    max_sequences=22,
+    batch_size=4,
+    curvature_sample=5,
+    projection="pca-local",
+    r=8,
+    pca_sequences=9,
+    dtype="int4",
+    prune=0.1,
+    id_encoding="delta",
+)
 
 
 def _interrupted_build(net, shards, cfg, out, monkeypatch, after: int) -> None:

@@ -183,15 +183,24 @@ def test_product_quantisation_by_hand():
     z = np.repeat(rng.normal(size=(100, 6)), 3, axis=0)
     cb3 = pq_train(z, 3, seed=0)
     rows = np.arange(len(z))
-    np.testing.assert_allclose(PQSketches(pq_encode(z, cb3), np.ones(len(z), np.float16), 1.0, cb3).gather(rows),
-                               z, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        PQSketches(pq_encode(z, cb3), np.ones(len(z), np.float16), 1.0, cb3).gather(rows), z, rtol=1e-6, atol=1e-7
+    )
     with pytest.raises(ConfigError, match="--pq-dims"):
         pq_layout(10, 4)
 
 
 def test_config_validates_storage_options():
-    for bad in ({"prune": 1.0}, {"prune": -0.1}, {"prune": float("nan")}, {"dtype": "int2"},
-                {"aggregate": "token"}, {"id_encoding": "varint"}, {"pq_dims": 0}, {"pq_sample": 10}):
+    for bad in (
+        {"prune": 1.0},
+        {"prune": -0.1},
+        {"prune": float("nan")},
+        {"dtype": "int2"},
+        {"aggregate": "token"},
+        {"id_encoding": "varint"},
+        {"pq_dims": 0},
+        {"pq_sample": 10},
+    ):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             AttributionConfig(**bad)
     c = AttributionConfig(dtype="int4", prune=0.05, aggregate="document", id_encoding="delta")
@@ -211,8 +220,9 @@ def test_cli_offers_the_storage_options():
 # ----- on a trained tiny model --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tiny_shards, tmp_path_factory):
-    return attribution_setup(tiny_shards, tmp_path_factory.mktemp("store"), steps=80, num_queries=5,
-                             curvature_sequences=N_SEQ)
+    return attribution_setup(
+        tiny_shards, tmp_path_factory.mktemp("store"), steps=80, num_queries=5, curvature_sequences=N_SEQ
+    )
 
 
 def _cfg(**kw):
@@ -250,8 +260,9 @@ def test_lossless_compact_settings_equal_the_full_method(tiny, tiny_shards):
     aggregated by document — per document (sums of the sequence scores)."""
     full = FullGradients.build(tiny.net, tiny_shards, max_sequences=N_SEQ, batch_size=8)
     S = full.scores(tiny.q, tiny.Q).numpy()
-    cfg = AttributionConfig(max_sequences=N_SEQ, batch_size=8, projection="identity", dtype="float64",
-                            id_encoding="delta")
+    cfg = AttributionConfig(
+        max_sequences=N_SEQ, batch_size=8, projection="identity", dtype="float64", id_encoding="delta"
+    )
     seq = build_cache(tiny.net, tiny_shards, cfg, curvature=full.curvature)
     np.testing.assert_allclose(seq.scores(tiny.q, tiny.Q).numpy(), S, rtol=1e-10, atol=1e-9)
     T = tiny.net.config.block_size
@@ -259,9 +270,15 @@ def test_lossless_compact_settings_equal_the_full_method(tiny, tiny_shards):
     assert np.all(np.diff(docs) >= 0) and docs[-1] > docs[0]  # several documents
     want = np.zeros((tiny.Q, docs[-1] + 1))
     np.add.at(want, (slice(None), docs), S)
-    for c in (build_cache(tiny.net, tiny_shards, AttributionConfig(**{**cfg.to_dict(), "aggregate": "document"}),
-                          curvature=full.curvature),
-              compress_cache(seq, AttributionConfig(**{**cfg.to_dict(), "aggregate": "document"}), shards=tiny_shards)):
+    for c in (
+        build_cache(
+            tiny.net,
+            tiny_shards,
+            AttributionConfig(**{**cfg.to_dict(), "aggregate": "document"}),
+            curvature=full.curvature,
+        ),
+        compress_cache(seq, AttributionConfig(**{**cfg.to_dict(), "aggregate": "document"}), shards=tiny_shards),
+    ):
         assert c.num_train == docs[-1] + 1 and c.num_postings < seq.num_postings
         np.testing.assert_allclose(c.scores(tiny.q, tiny.Q).numpy(), want, rtol=1e-10, atol=1e-9)
     # the document of a sequence is the one holding its middle target token
@@ -313,13 +330,16 @@ def test_quantised_and_pruned_postings(tiny, tiny_shards):
     assert np.array_equal(pu.seq, base.seq[want]) and np.array_equal(pu.sketch, x[want])
     assert pu.manifest["prune_by"] == "unit" and pu.manifest["pruned"] == int((~want).sum())
     kept_mass = np.bincount(seqs[want], weights=norms[want] ** 2, minlength=N_SEQ)
-    all_mass = np.bincount(seqs, weights=norms ** 2, minlength=N_SEQ)
+    all_mass = np.bincount(seqs, weights=norms**2, minlength=N_SEQ)
     assert np.all(kept_mass >= (1 - tau) * all_mass * (1 - 1e-12))
     assert np.array_equal(np.diff(p.offsets), np.bincount(proto[keep], minlength=base.num_prototypes))
     assert p.manifest["pruned"] == int((~keep).sum())
-    np.testing.assert_allclose(p.scores(tiny.q, tiny.Q).numpy(),
-                               _dense_scores(p.offsets, p.seq, p.sketch, sq, tiny.q, tiny.Q, N_SEQ), rtol=1e-12,
-                               atol=1e-12 * np.abs(exact).max())
+    np.testing.assert_allclose(
+        p.scores(tiny.q, tiny.Q).numpy(),
+        _dense_scores(p.offsets, p.seq, p.sketch, sq, tiny.q, tiny.Q, N_SEQ),
+        rtol=1e-12,
+        atol=1e-12 * np.abs(exact).max(),
+    )
     # a lossy cache is neither merged nor compressed again
     with pytest.raises(ArtifactError, match="lossless"):
         compress_cache(p, _cfg(dtype="int8"))
@@ -331,16 +351,21 @@ def test_product_quantised_postings(tiny, tiny_shards, tmp_path):
     close to the float ones. Built and compressed caches agree; the codebook is a
     verified file of the artifact."""
     # two sequences: fewer than 256 postings, so every sub-vector is a centroid and only the norms round
-    small = build_cache(tiny.net, tiny_shards, AttributionConfig(max_sequences=2, batch_size=2, r=8,
-                                                                 dtype="float64"), curvature=tiny.curv)
+    small = build_cache(
+        tiny.net,
+        tiny_shards,
+        AttributionConfig(max_sequences=2, batch_size=2, r=8, dtype="float64"),
+        curvature=tiny.curv,
+    )
     assert small.num_postings <= 256
     pq = compress_cache(small, AttributionConfig(max_sequences=2, batch_size=2, r=8, dtype="pq", pq_dims=2))
     x = np.asarray(small.sketch)
-    np.testing.assert_allclose(pq.sketch, x, rtol=2 ** -11, atol=1e-6 * np.abs(x).max())
+    np.testing.assert_allclose(pq.sketch, x, rtol=2**-11, atol=1e-6 * np.abs(x).max())
     sq = small.sketch_query(tiny.q)
     exact = small.scores(tiny.q, tiny.Q).numpy()
-    bound = _dense_scores(small.offsets, small.seq, np.abs(x) * 2 ** -11 + 1e-6 * np.abs(x).max(), sq.abs(),
-                          tiny.q, tiny.Q, 2)
+    bound = _dense_scores(
+        small.offsets, small.seq, np.abs(x) * 2**-11 + 1e-6 * np.abs(x).max(), sq.abs(), tiny.q, tiny.Q, 2
+    )
     assert np.all(np.abs(pq.scores(tiny.q, tiny.Q).numpy() - exact) <= bound)
     # more postings than centroids (synthetic sketches on the tiny cache's prototypes, projection and
     # curvature, so real queries sketch the same way): codes are nearest centroids of the unit directions
@@ -353,18 +378,24 @@ def test_product_quantised_postings(tiny, tiny_shards, tmp_path):
     proto = np.repeat(np.arange(K), counts)
     x = rng.normal(size=(K, 8))[proto] * 0.7 + rng.normal(size=(len(ids), 8))
     x *= np.exp(rng.normal(scale=0.8, size=len(ids)))[:, None]
-    base = AttributionCache(offsets=offsets, ids=PlainIds(ids), sketches=cache_mod.FloatSketches(x),
-                            projection=small.projection, curvature=small.curvature,
-                            manifest={**small.manifest, "universe": U, "units": U, "covered": [[0, U]]})
+    base = AttributionCache(
+        offsets=offsets,
+        ids=PlainIds(ids),
+        sketches=cache_mod.FloatSketches(x),
+        projection=small.projection,
+        curvature=small.curvature,
+        manifest={**small.manifest, "universe": U, "units": U, "covered": [[0, U]]},
+    )
     assert base.num_postings > 4 * 256
     c = compress_cache(base, _cfg(dtype="pq", pq_dims=2))
     assert isinstance(c.sketches, PQSketches) and c.sketches.codes.shape == (base.num_postings, 4)
     norms = np.linalg.norm(x, axis=1)
-    np.testing.assert_allclose(np.asarray(c.sketches.scales, np.float64) * c.sketches.unit, norms, rtol=2 ** -10)
+    np.testing.assert_allclose(np.asarray(c.sketches.scales, np.float64) * c.sketches.unit, norms, rtol=2**-10)
     assert np.array_equal(c.sketches.codes, pq_encode(x / norms[:, None], c.sketches.codebook))
     got = c.scores(tiny.q, tiny.Q).numpy()
-    np.testing.assert_allclose(got, _dense_scores(c.offsets, c.seq, c.sketch, sq, tiny.q, tiny.Q, U),
-                               rtol=1e-9, atol=1e-12 * np.abs(got).max())
+    np.testing.assert_allclose(
+        got, _dense_scores(c.offsets, c.seq, c.sketch, sq, tiny.q, tiny.Q, U), rtol=1e-9, atol=1e-12 * np.abs(got).max()
+    )
     exact = base.scores(tiny.q, tiny.Q).numpy()
     assert c.manifest["bytes_postings"] == c.sketches.nbytes + c.ids.nbytes
     top5 = [[set(np.argsort(-row)[:5].tolist()) for row in m] for m in (got, exact)]
@@ -394,8 +425,18 @@ def test_compact_cache_on_disk_round_trip_verified_and_memory_mapped(tiny, tiny_
     mem = build_cache(tiny.net, tiny_shards, cfg, curvature=tiny.curv)
     build_cache(tiny.net, tiny_shards, cfg, curvature=tiny.curv, out=tmp_path / "c")
     files = sorted(p.name for p in (tmp_path / "c").iterdir())
-    assert files == ["curvature.safetensors", "ids_exc_pos.npy", "ids_exc_val.npy", "ids_gap.npy", "manifest.json",
-                     "offsets.npy", "projection.npy", "sketch_codes.npy", "sketch_scale.npy", "units.npy"]
+    assert files == [
+        "curvature.safetensors",
+        "ids_exc_pos.npy",
+        "ids_exc_val.npy",
+        "ids_gap.npy",
+        "manifest.json",
+        "offsets.npy",
+        "projection.npy",
+        "sketch_codes.npy",
+        "sketch_scale.npy",
+        "units.npy",
+    ]
     assert not (tmp_path / "c.build").exists() and not (tmp_path / "c.tmp").exists()
     back = AttributionCache.load(tmp_path / "c", shards=tiny_shards)
     for a in (back.ids.gaps, back.sketches.codes, back.sketches.scales, back.units_of):
@@ -404,16 +445,25 @@ def test_compact_cache_on_disk_round_trip_verified_and_memory_mapped(tiny, tiny_
     assert np.array_equal(back.seq, mem.seq)
     m = back.manifest
     assert (m["dtype"], m["prune"], m["aggregate"], m["id_encoding"]) == ("int4", 0.05, "document", "delta")
-    arrays = sum((tmp_path / "c" / f).stat().st_size - 128 for f in
-                 ("ids_gap.npy", "ids_exc_pos.npy", "ids_exc_val.npy", "sketch_codes.npy", "sketch_scale.npy",
-                  "units.npy"))  # the .npy headers are 128 bytes
+    arrays = sum(
+        (tmp_path / "c" / f).stat().st_size - 128
+        for f in (
+            "ids_gap.npy",
+            "ids_exc_pos.npy",
+            "ids_exc_val.npy",
+            "sketch_codes.npy",
+            "sketch_scale.npy",
+            "units.npy",
+        )
+    )  # the .npy headers are 128 bytes
     assert m["bytes_postings"] == arrays and m["bytes_per_token"] == pytest.approx(arrays / m["tokens"])
     # saving an in-memory cache writes the same files
     mem.save(tmp_path / "m")
     assert torch.equal(AttributionCache.load(tmp_path / "m").scores(tiny.q, tiny.Q), mem.scores(tiny.q, tiny.Q))
     # int3 codes (a bit stream, ⌈3r/8⌉ bytes a posting) round-trip through the folder as well
-    c3 = build_cache(tiny.net, tiny_shards, _cfg(dtype="int3", id_encoding="delta"), curvature=tiny.curv,
-                     out=tmp_path / "c3")
+    c3 = build_cache(
+        tiny.net, tiny_shards, _cfg(dtype="int3", id_encoding="delta"), curvature=tiny.curv, out=tmp_path / "c3"
+    )
     back3 = AttributionCache.load(tmp_path / "c3", shards=tiny_shards)
     assert back3.manifest["dtype"] == "int3" and back3.sketches.codes.shape[1] == (3 * back3.r + 7) // 8
     assert torch.equal(back3.scores(tiny.q, tiny.Q), c3.scores(tiny.q, tiny.Q))
@@ -479,12 +529,15 @@ def test_built_compact_equals_compressed_and_lossy_parts_do_not_merge(tiny, tiny
     with pytest.raises(ArtifactError, match="merge them, then compress"):
         merge_caches(parts)
     # lossless parts with delta ids merge into the single pass
-    lp = [build_cache(tiny.net, tiny_shards, _cfg(id_encoding="delta"), curvature=tiny.curv, part=(i, 2))
-          for i in range(2)]
+    lp = [
+        build_cache(tiny.net, tiny_shards, _cfg(id_encoding="delta"), curvature=tiny.curv, part=(i, 2))
+        for i in range(2)
+    ]
     merged = merge_caches(lp, out=tmp_path / "merged")
     assert merged.manifest["id_encoding"] == "delta"
-    assert np.array_equal(merged.seq, plain.seq) and torch.equal(merged.scores(tiny.q, tiny.Q),
-                                                                 plain.scores(tiny.q, tiny.Q))
+    assert np.array_equal(merged.seq, plain.seq) and torch.equal(
+        merged.scores(tiny.q, tiny.Q), plain.scores(tiny.q, tiny.Q)
+    )
 
 
 def test_fit_ranges_spread_over_the_corpus():
@@ -529,9 +582,15 @@ def test_posting_sketcher_is_R_times_inverse_square_root_of_H(mode, local):
     if mode == "exact":
         Bk = torch.randn(K, d, d, generator=g, dtype=torch.float64)
         blocks = Bk @ Bk.transpose(1, 2) / d
-    cur = Curvature.from_stats(F, torch.tensor([0.5, 0.2, 0.0, 0.3], dtype=torch.float64), 100, damping=0.1,
-                               blocks=blocks, rec=torch.tensor([0.1, 0.0, 0.3, 0.2], dtype=torch.float64),
-                               reconstruction=1.0)
+    cur = Curvature.from_stats(
+        F,
+        torch.tensor([0.5, 0.2, 0.0, 0.3], dtype=torch.float64),
+        100,
+        damping=0.1,
+        blocks=blocks,
+        rec=torch.tensor([0.1, 0.0, 0.3, 0.2], dtype=torch.float64),
+        reconstruction=1.0,
+    )
     R = torch.randn(*((K,) if local else ()), r, d, generator=g, dtype=torch.float64)
     proto = torch.randint(0, K, (n,), generator=g)
     G = torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -554,8 +613,9 @@ def test_posting_sketcher_is_R_times_inverse_square_root_of_H(mode, local):
 def test_pca_local_is_exact_at_full_rank_and_sketches_per_prototype(tiny, tiny_shards, tmp_path):
     full = FullGradients.build(tiny.net, tiny_shards, max_sequences=N_SEQ, batch_size=8)
     S = full.scores(tiny.q, tiny.Q)
-    cfg = AttributionConfig(max_sequences=N_SEQ, batch_size=8, projection="pca-local", dtype="float64",
-                            pca_sequences=N_SEQ)
+    cfg = AttributionConfig(
+        max_sequences=N_SEQ, batch_size=8, projection="pca-local", dtype="float64", pca_sequences=N_SEQ
+    )
     c = build_cache(tiny.net, tiny_shards, cfg, curvature=full.curvature, out=tmp_path / "c")
     d, K = tiny.net.config.n_embd, tiny.net.prototypes.num_prototypes
     assert c.projection.shape == (K, d, d)

@@ -17,12 +17,14 @@ from prismlm.cli.root import COMMANDS, command_help
 def test_top_level_help_imports_neither_torch_nor_the_commands():
     """What `prism --help` needs (the entry point and its listing) loads no torch, no numpy and not the
     application layer: the import that took 5-7 s. A fresh interpreter, so no earlier import can mask it."""
-    code = ("import sys\n"
-            "from typer.testing import CliRunner\n"
-            "from prismlm.cli import app\n"
-            "res = CliRunner().invoke(app, ['--help'])\n"
-            "assert res.exit_code == 0 and 'attribute-cache' in res.output, res.output\n"
-            "print(sorted(m for m in ('torch', 'numpy', 'prismlm.app', 'prismlm.cli.main') if m in sys.modules))\n")
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from prismlm.cli import app\n"
+        "res = CliRunner().invoke(app, ['--help'])\n"
+        "assert res.exit_code == 0 and 'attribute-cache' in res.output, res.output\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'prismlm.app', 'prismlm.cli.main') if m in sys.modules))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -79,7 +81,7 @@ def test_help_is_readable_at_80_columns():
             text = " ".join((getattr(param, "help", None) or "").split())
             if len(text) < 30:
                 continue
-            head = text[:text.rfind(" ", 0, 31)]  # whole words, at most 30 characters
+            head = text[: text.rfind(" ", 0, 31)]  # whole words, at most 30 characters
             assert any(head in ln for ln in lines), (cmd, param.name, head)
             checked += 1
     assert checked > 100
@@ -96,8 +98,11 @@ def test_explain_keeps_its_columns_at_80_columns(tiny_shards):
     from prismlm.explore.report import render_terminal
 
     torch.manual_seed(0)
-    expl = explain(PrismLM(RunConfig.from_name("tiny").model).eval(), tiny_shards.tokenizer,
-                   "It is a truth universally acknowledged, that a single man in possession of a good fortune")
+    expl = explain(
+        PrismLM(RunConfig.from_name("tiny").model).eval(),
+        tiny_shards.tokenizer,
+        "It is a truth universally acknowledged, that a single man in possession of a good fortune",
+    )
     for p in expl.positions:
         for s in p.prototypes:
             s.label = "a label as long as the labeller writes them, about speeches"

@@ -13,8 +13,14 @@ from prismlm import ModelConfig, PrismLM, PrototypeConfig, decompose
 
 def tiny_model(seed: int = 0, dtype=torch.float64) -> PrismLM:
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=32,
-                      prototypes=PrototypeConfig(num_prototypes=64, top_k=4))
+    cfg = ModelConfig(
+        vocab_size=97,
+        block_size=32,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        prototypes=PrototypeConfig(num_prototypes=64, top_k=4),
+    )
     model = PrismLM(cfg).to(dtype).eval()
     x = torch.randint(0, 97, (3, 32))
     with torch.no_grad():  # put prototypes on real hidden states so activations are non-trivial
@@ -125,8 +131,9 @@ def test_suppression_set_round_trip_and_checks(tmp_path):
     from prismlm.errors import SuppressionError
 
     model = tiny_model()
-    s = SuppressionSet(ids=[5, 3, 3], num_prototypes=64, model_sha256="abc", concept="x",
-                       evidence={3: {"enrichment": 2.0}})
+    s = SuppressionSet(
+        ids=[5, 3, 3], num_prototypes=64, model_sha256="abc", concept="x", evidence={3: {"enrichment": 2.0}}
+    )
     assert s.ids == [3, 5]
     p = s.save(tmp_path / "s.json")
     s2 = SuppressionSet.load(p)
@@ -157,14 +164,34 @@ def test_zero_controller_changes_nothing_and_features_match_forward(tiny_shards)
 
     tok = tiny_shards.tokenizer
     torch.manual_seed(0)
-    model = PrismLM(ModelConfig(vocab_size=576, block_size=48, n_layer=1, n_head=2, n_embd=32,
-                                prototypes=PrototypeConfig(num_prototypes=32, top_k=4))).double().eval()
+    model = (
+        PrismLM(
+            ModelConfig(
+                vocab_size=576,
+                block_size=48,
+                n_layer=1,
+                n_head=2,
+                n_embd=32,
+                prototypes=PrototypeConfig(num_prototypes=32, top_k=4),
+            )
+        )
+        .double()
+        .eval()
+    )
     x = torch.randint(0, 576, (2, 48))
     base = model(x).logits
     with model.control(torch.zeros(32, dtype=torch.float64)):
         assert torch.equal(model(x).logits, base)  # bit-identical
-    docs = [{"id": str(i), "query": f"Question {i}: the sea is", "choices": [" blue", " dark", " wide", " old"],
-             "gold": i % 4, "label": "x"} for i in range(3)]
+    docs = [
+        {
+            "id": str(i),
+            "query": f"Question {i}: the sea is",
+            "choices": [" blue", " dark", " wide", " old"],
+            "gold": i % 4,
+            "label": "x",
+        }
+        for i in range(3)
+    ]
     f = extract_features(model, tok, docs, prism_encoder(model))
     W, P = model.lm_head.weight, model.prototypes.weight
     reqs = [(d["query"], c) for d in docs for c in d["choices"]]
@@ -173,7 +200,9 @@ def test_zero_controller_changes_nothing_and_features_match_forward(tiny_shards)
     torch.testing.assert_close(request_scores(f, W, P, torch.zeros(32, dtype=torch.float64)), ll, rtol=0, atol=1e-9)
     # a sparse non-zero controller: cached features == the real forward under model.control(c)
     c = torch.zeros(32, dtype=torch.float64)
-    c[f.indices[:, 0].unique()[:3]] = torch.tensor([0.7, -0.5, 2.0], dtype=torch.float64)[:len(f.indices[:, 0].unique()[:3])]
+    c[f.indices[:, 0].unique()[:3]] = torch.tensor([0.7, -0.5, 2.0], dtype=torch.float64)[
+        : len(f.indices[:, 0].unique()[:3])
+    ]
     with model.control(c):
         ll_c = torch.tensor([v for v, _ in loglikelihoods(model, tok, reqs)], dtype=torch.float64)
     torch.testing.assert_close(request_scores(f, W, P, c), ll_c, rtol=0, atol=1e-9)
@@ -194,7 +223,7 @@ def test_controller_learns_planted_signal():
     for di in range(D):
         zi = torch.randn(d, generator=g) * 0.5
         others = torch.randperm(K, generator=g)
-        others = others[others != 7][:k - 1]
+        others = others[others != 7][: k - 1]
         ii = torch.cat([torch.tensor([7]), others])
         aa = torch.rand(k, generator=g) * 0.5 + 0.3
         ch = torch.randperm(V, generator=g)[:C]
@@ -206,9 +235,17 @@ def test_controller_learns_planted_signal():
             tg.append(ch[ci])
             req.append(di * C + ci)
             doc_of.append(di)
-    f = ControlFeatures(z=torch.stack(z), indices=torch.stack(idx), activations=torch.stack(act),
-                        targets=torch.stack(tg), request=torch.tensor(req), doc_of_request=torch.tensor(doc_of),
-                        gold=torch.tensor(gold), choice_len=torch.ones(D * C, dtype=torch.float64), n_choices=[C] * D)
+    f = ControlFeatures(
+        z=torch.stack(z),
+        indices=torch.stack(idx),
+        activations=torch.stack(act),
+        targets=torch.stack(tg),
+        request=torch.tensor(req),
+        doc_of_request=torch.tensor(doc_of),
+        gold=torch.tensor(gold),
+        choice_len=torch.ones(D * C, dtype=torch.float64),
+        n_choices=[C] * D,
+    )
     base = accuracy(f, request_scores(f, W, P, None))["acc"]
     ctl = fit_controller(f, W, P, l1=0.03, steps=150, lr=0.1)
     after = accuracy(f, request_scores(f, W.double(), P.double(), ctl.coefficients))["acc"]
@@ -224,11 +261,18 @@ def _choice_features(choice_sets: list[list[str]], gold: list[int], base: torch.
 
     doc_of = [d for d, cs in enumerate(choice_sets) for _ in cs]
     R = len(doc_of)
-    return ControlFeatures(z=torch.zeros(R, 1), indices=torch.zeros(R, 1, dtype=torch.long), activations=torch.zeros(R, 1),
-                           targets=torch.zeros(R, dtype=torch.long), request=torch.arange(R),
-                           doc_of_request=torch.tensor(doc_of), gold=torch.tensor(gold),
-                           choice_len=torch.ones(R, dtype=torch.float64), n_choices=[len(c) for c in choice_sets],
-                           choice_text=[t for cs in choice_sets for t in cs]), base[:R]
+    return ControlFeatures(
+        z=torch.zeros(R, 1),
+        indices=torch.zeros(R, 1, dtype=torch.long),
+        activations=torch.zeros(R, 1),
+        targets=torch.zeros(R, dtype=torch.long),
+        request=torch.arange(R),
+        doc_of_request=torch.tensor(doc_of),
+        gold=torch.tensor(gold),
+        choice_len=torch.ones(R, dtype=torch.float64),
+        n_choices=[len(c) for c in choice_sets],
+        choice_text=[t for cs in choice_sets for t in cs],
+    ), base[:R]
 
 
 def test_choice_prior_learns_a_label_preference_and_nothing_else():
@@ -269,7 +313,7 @@ class _TokenSplit:
     def sequences(self, js, T):
         import numpy as np
 
-        return np.stack([self.tokens[j * T: j * T + T + 1] for j in np.asarray(js)]).astype(np.int64)
+        return np.stack([self.tokens[j * T : j * T + T + 1] for j in np.asarray(js)]).astype(np.int64)
 
 
 class _SparseCodeModel(torch.nn.Module):
@@ -322,8 +366,9 @@ def test_sae_training_lowers_reconstruction_error_on_sparse_data():
 
     model = _SparseCodeModel()
     rng = np.random.default_rng(0)
-    shards = SimpleNamespace(train=_TokenSplit(rng.integers(0, 300, 8 * 200 + 1)),
-                             val=_TokenSplit(rng.integers(0, 300, 8 * 40 + 1)))
+    shards = SimpleNamespace(
+        train=_TokenSplit(rng.integers(0, 300, 8 * 200 + 1)), val=_TokenSplit(rng.integers(0, 300, 8 * 40 + 1))
+    )
     before = train_sae(model, shards, num_latents=24, k=2, steps=0, eval_sequences=40)
     after = train_sae(model, shards, num_latents=24, k=2, steps=300, batch_size=16, lr=1e-2, eval_sequences=40)
     assert after.steps == 300 and after.fvu < 0.25 * before.fvu and after.fvu < 0.15, (before.fvu, after.fvu)
@@ -354,7 +399,7 @@ def test_sae_aux_loss_trains_only_dead_latents():
     want = ((pre @ sae.W_dec.detach()[dead] - (z - recon).detach()) ** 2).mean()
     torch.testing.assert_close(loss.detach(), want)
     two = torch.relu((z - sae.b_dec) @ sae.W_enc.T + sae.b_enc).detach().masked_fill(~dead, 0).topk(2, -1)
-    want2 = ((torch.einsum("nk,nkd->nd", two.values, sae.W_dec.detach()[two.indices]) - (z - recon).detach()) ** 2)
+    want2 = (torch.einsum("nk,nkd->nd", two.values, sae.W_dec.detach()[two.indices]) - (z - recon).detach()) ** 2
     torch.testing.assert_close(sae.aux_loss(z, recon.detach(), dead, 2).detach(), want2.mean())
     loss.backward()
     touched = sae.W_dec.grad.abs().sum(-1) > 0  # only dead latents' directions get the aux gradient
@@ -387,8 +432,11 @@ def test_gutenberg_ending_task_choices_are_passage_continuations():
         assert all(len(c.split()) == 12 for c in d["choices"])  # equal length: no length cue
         gold = d["query"] + d["choices"][d["gold"]]  # the passage, continued by its gold ending
         assert gold in books[d["id"].rsplit("/p", 1)[0]]
-        assert all(d["query"] + c not in books[d["id"].rsplit("/p", 1)[0]]
-                   for i, c in enumerate(d["choices"]) if i != d["gold"])
+        assert all(
+            d["query"] + c not in books[d["id"].rsplit("/p", 1)[0]]
+            for i, c in enumerate(d["choices"])
+            if i != d["gold"]
+        )
     answers = {sp: {c for d in docs for c in d["choices"]} for sp, docs in splits.items()}
     assert not answers["train"] & answers["test"]  # no answer string crosses splits (a prior cannot leak)
 
@@ -402,8 +450,16 @@ def test_scorer_and_lm_eval_adapter_agree(tiny_shards, tmp_path, monkeypatch):
 
     tok = tiny_shards.tokenizer
     torch.manual_seed(0)
-    model = PrismLM(ModelConfig(vocab_size=576, block_size=128, n_layer=1, n_head=2, n_embd=32,
-                                prototypes=PrototypeConfig(num_prototypes=32, top_k=4))).eval()
+    model = PrismLM(
+        ModelConfig(
+            vocab_size=576,
+            block_size=128,
+            n_layer=1,
+            n_head=2,
+            n_embd=32,
+            prototypes=PrototypeConfig(num_prototypes=32, top_k=4),
+        )
+    ).eval()
     splits = build_task("fortune_source", {"train": 4, "validation": 4, "test": 16})
     folder = write_task("fortune_source", splits, tmp_path / "tasks")
     for sup in ([], [0, 1, 2, 3, 4, 5]):  # plain and suppressed model
@@ -443,8 +499,16 @@ NEUTRAL = ["the king said to the people that the land was good"] * 6
 
 def _concept_model(top_k: int = 2) -> PrismLM:
     torch.manual_seed(0)
-    return PrismLM(ModelConfig(vocab_size=576, block_size=64, n_layer=1, n_head=2, n_embd=32,
-                               prototypes=PrototypeConfig(num_prototypes=32, top_k=top_k))).eval()
+    return PrismLM(
+        ModelConfig(
+            vocab_size=576,
+            block_size=64,
+            n_layer=1,
+            n_head=2,
+            n_embd=32,
+            prototypes=PrototypeConfig(num_prototypes=32, top_k=top_k),
+        )
+    ).eval()
 
 
 def _concept_setup(tiny_shards):
@@ -506,9 +570,15 @@ def tiny_run(tiny_shards, tmp_path_factory):
     from prismlm.train import train
 
     run = tmp_path_factory.mktemp("ctl") / "run"
-    cfg = RunConfig.from_name("tiny").override({"train.max_steps": 10, "train.eval_interval": 10,
-                                                "train.batch_size": 4, "train.warmup_steps": 2,
-                                                "model.block_size": 128})
+    cfg = RunConfig.from_name("tiny").override(
+        {
+            "train.max_steps": 10,
+            "train.eval_interval": 10,
+            "train.batch_size": 4,
+            "train.warmup_steps": 2,
+            "model.block_size": 128,
+        }
+    )
     train(cfg, run, shards=tiny_shards, progress=False)
     return run
 
@@ -523,58 +593,192 @@ def test_cli_concept_suppress_tasks_controller(tiny_run, tiny_shards, tmp_path, 
     r = CliRunner()
     (tmp_path / "c.txt").write_text("zebra zebra quartz\n\nquartz zebra zebra zebra\n")
     (tmp_path / "n.txt").write_text("the king said to the people\n\nit was a fine day in the land\n")
-    res = r.invoke(app, ["concept", str(tiny_run), "--concept", str(tmp_path / "c.txt"), "--neutral",
-                         str(tmp_path / "n.txt"), "--threshold", "0", "--min-count", "1", "--budget", "3",
-                         "--out", str(tmp_path / "s.json"), "--save"])
+    res = r.invoke(
+        app,
+        [
+            "concept",
+            str(tiny_run),
+            "--concept",
+            str(tmp_path / "c.txt"),
+            "--neutral",
+            str(tmp_path / "n.txt"),
+            "--threshold",
+            "0",
+            "--min-count",
+            "1",
+            "--budget",
+            "3",
+            "--out",
+            str(tmp_path / "s.json"),
+            "--save",
+        ],
+    )
     assert res.exit_code == 0, res.output
     s = SuppressionSet.load(tmp_path / "s.json")
     assert 0 < len(s.ids) <= 3 and s.model_sha256
     # generate/eval pick up the checkpoint's suppression.json ('auto'), or a file, or none
-    res = r.invoke(app, ["generate", str(tiny_run), "--prompt", "The", "-n", "5", "--suppress", str(tmp_path / "s.json")])
+    res = r.invoke(
+        app, ["generate", str(tiny_run), "--prompt", "The", "-n", "5", "--suppress", str(tmp_path / "s.json")]
+    )
     assert res.exit_code == 0 and "suppressing" in res.output, res.output
     res = r.invoke(app, ["eval", str(tiny_run), "--batches", "1", "--shards", str(tiny_shards.root)])
     assert res.exit_code == 0 and "suppressing" in res.output, res.output
     (tmp_path / "bad.json").write_text(json.dumps({**s.to_dict(), "ids": [9999]}))
-    res = r.invoke(app, ["generate", str(tiny_run), "--prompt", "The", "-n", "2", "--suppress", str(tmp_path / "bad.json")])
+    res = r.invoke(
+        app, ["generate", str(tiny_run), "--prompt", "The", "-n", "2", "--suppress", str(tmp_path / "bad.json")]
+    )
     assert res.exit_code == 2 and "unknown prototype id" in res.output, res.output
     res = r.invoke(app, ["generate", str(tiny_run), "-n", "2", "--suppress", str(tmp_path / "nope.json")])
     assert res.exit_code == 2 and "no suppression set" in res.output
     # tasks and controllers
-    res = r.invoke(app, ["tasks", "build", "--out", str(tmp_path / "tasks"), "--task", "sotu_era",
-                         "--train-cap", "12", "--val-cap", "6", "--test-cap", "8"])
+    res = r.invoke(
+        app,
+        [
+            "tasks",
+            "build",
+            "--out",
+            str(tmp_path / "tasks"),
+            "--task",
+            "sotu_era",
+            "--train-cap",
+            "12",
+            "--val-cap",
+            "6",
+            "--test-cap",
+            "8",
+        ],
+    )
     assert res.exit_code == 0, res.output
-    res = r.invoke(app, ["tasks", "eval", str(tiny_run), "--tasks", str(tmp_path / "tasks"), "--suppress", "none",
-                         "--json", str(tmp_path / "acc.json"), "--lm-eval"])
+    res = r.invoke(
+        app,
+        [
+            "tasks",
+            "eval",
+            str(tiny_run),
+            "--tasks",
+            str(tmp_path / "tasks"),
+            "--suppress",
+            "none",
+            "--json",
+            str(tmp_path / "acc.json"),
+            "--lm-eval",
+        ],
+    )
     assert res.exit_code == 0, res.output
     acc = json.loads((tmp_path / "acc.json").read_text())["sotu_era"]
     assert acc["acc"] == pytest.approx(acc["lm_eval"]["acc"])
-    res = r.invoke(app, ["controller", "fit", str(tiny_run), "--task", str(tmp_path / "tasks" / "sotu_era"),
-                         "--steps", "5", "--l1", "0.01", "--out", str(tmp_path / "ctl.json")])
+    res = r.invoke(
+        app,
+        [
+            "controller",
+            "fit",
+            str(tiny_run),
+            "--task",
+            str(tmp_path / "tasks" / "sotu_era"),
+            "--steps",
+            "5",
+            "--l1",
+            "0.01",
+            "--out",
+            str(tmp_path / "ctl.json"),
+        ],
+    )
     assert res.exit_code == 0, res.output
-    res = r.invoke(app, ["tasks", "eval", str(tiny_run), "--tasks", str(tmp_path / "tasks"), "--suppress", "none",
-                         "--controller", str(tmp_path / "ctl.json")])
+    res = r.invoke(
+        app,
+        [
+            "tasks",
+            "eval",
+            str(tiny_run),
+            "--tasks",
+            str(tmp_path / "tasks"),
+            "--suppress",
+            "none",
+            "--controller",
+            str(tmp_path / "ctl.json"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     res = r.invoke(app, ["tasks", "eval", str(tiny_run), "--tasks", str(tmp_path / "nowhere")])
     assert res.exit_code == 2
     # with a prototype index: neighbourhood purity in `concept`, neighbourhoods in the controller trace
-    res = r.invoke(app, ["index", str(tiny_run), "--shards", str(tiny_shards.root), "--max-sequences", "12",
-                         "--top-n", "6", "--batch-size", "4", "--no-progress"])
+    res = r.invoke(
+        app,
+        [
+            "index",
+            str(tiny_run),
+            "--shards",
+            str(tiny_shards.root),
+            "--max-sequences",
+            "12",
+            "--top-n",
+            "6",
+            "--batch-size",
+            "4",
+            "--no-progress",
+        ],
+    )
     assert res.exit_code == 0, res.output
-    res = r.invoke(app, ["concept", str(tiny_run), "--concept", str(tmp_path / "c.txt"), "--neutral",
-                         str(tmp_path / "n.txt"), "--threshold", "0", "--min-count", "1", "--min-purity", "0",
-                         "--index", str(tiny_run / "index"), "--concept-docs", "gutenberg",
-                         "--out", str(tmp_path / "s2.json")])
+    res = r.invoke(
+        app,
+        [
+            "concept",
+            str(tiny_run),
+            "--concept",
+            str(tmp_path / "c.txt"),
+            "--neutral",
+            str(tmp_path / "n.txt"),
+            "--threshold",
+            "0",
+            "--min-count",
+            "1",
+            "--min-purity",
+            "0",
+            "--index",
+            str(tiny_run / "index"),
+            "--concept-docs",
+            "gutenberg",
+            "--out",
+            str(tmp_path / "s2.json"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     s2 = SuppressionSet.load(tmp_path / "s2.json")
     assert s2.ids and all("purity" in e and "neighbours" in e for e in s2.evidence.values())
-    res = r.invoke(app, ["controller", "fit", str(tiny_run), "--task", str(tmp_path / "tasks" / "sotu_era"),
-                         "--steps", "5", "--l1", "0.0001", "--out", str(tmp_path / "ctl2.json"),
-                         "--index", str(tiny_run / "index")])
+    res = r.invoke(
+        app,
+        [
+            "controller",
+            "fit",
+            str(tiny_run),
+            "--task",
+            str(tmp_path / "tasks" / "sotu_era"),
+            "--steps",
+            "5",
+            "--l1",
+            "0.0001",
+            "--out",
+            str(tmp_path / "ctl2.json"),
+            "--index",
+            str(tiny_run / "index"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     trace = json.loads((tmp_path / "ctl2.json").read_text())["trace"]
     assert trace and all("neighbours" in e for e in trace)
-    res = r.invoke(app, ["concept", str(tiny_run), "--concept", str(tmp_path / "c.txt"), "--neutral",
-                         str(tmp_path / "n.txt"), "--index", str(tiny_run / "index")])
+    res = r.invoke(
+        app,
+        [
+            "concept",
+            str(tiny_run),
+            "--concept",
+            str(tmp_path / "c.txt"),
+            "--neutral",
+            str(tmp_path / "n.txt"),
+            "--index",
+            str(tiny_run / "index"),
+        ],
+    )
     assert res.exit_code == 2 and "both --index and --concept-docs" in res.output
 
 

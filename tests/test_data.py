@@ -29,7 +29,13 @@ SAMPLE = (
     "surrounding families, that he is considered the rightful property of some one or other of "
     "their daughters. Café naïve — 😀 漢字テスト.\n\n"
 )
-ODD = ["plain ascii text", "café déjà vu", "emoji 😀🎉 and ZWJ 👩‍👩‍👧", "漢字とかなカナ", "  spaces\ttabs\n\nnewlines  "]
+ODD = [
+    "plain ascii text",
+    "café déjà vu",
+    "emoji 😀🎉 and ZWJ 👩‍👩‍👧",
+    "漢字とかなカナ",
+    "  spaces\ttabs\n\nnewlines  ",
+]
 
 
 @pytest.fixture(scope="module")
@@ -387,11 +393,20 @@ def test_preparing_a_50mb_one_line_corpus_stays_under_1gb(tmp_path):
         for _ in range(50):
             out.write(" ".join(rng.choice(words) for _ in range(230_000)) + " ")
     assert f.stat().st_size > 50e6 and b"\n" not in f.read_bytes()[:1_000_000]
-    proc = subprocess.run([sys.executable, "-c",
-                           "import sys, resource; from prismlm.data.shards import prepare_shards; "
-                           "s = prepare_shards(sys.argv[1], 'gpt2', sys.argv[2], show_progress=False); "
-                           "print(len(s.train), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
-                           str(f), str(tmp_path / "shards")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, resource; from prismlm.data.shards import prepare_shards; "
+            "s = prepare_shards(sys.argv[1], 'gpt2', sys.argv[2], show_progress=False); "
+            "print(len(s.train), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
+            str(f),
+            str(tmp_path / "shards"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     tokens, peak_kb = (int(x) for x in proc.stdout.split())
     assert tokens > 10_000_000

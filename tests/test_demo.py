@@ -42,11 +42,14 @@ def test_demo_without_the_wheel_is_one_line_naming_pip_and_scratch(tmp_path, mon
     assert not (tmp_path / "demo").exists()
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--preset", "tiny"], "--scratch"),  # a preset sizes the toy model only
-    (["--scratch", "--question", "Why?"], "--question"),  # the toy model has no chat template
-    (["--steps", "0"], "--steps"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--preset", "tiny"], "--scratch"),  # a preset sizes the toy model only
+        (["--scratch", "--question", "Why?"], "--question"),  # the toy model has no chat template
+        (["--steps", "0"], "--steps"),
+    ],
+)
 def test_demo_refuses_options_of_the_other_demo_in_one_line(tmp_path, args, named):
     res = CliRunner().invoke(cli_app, ["demo", "--out", str(tmp_path / "demo"), "--no-progress", *args])
     assert res.exit_code == 2, res.output
@@ -65,8 +68,19 @@ def test_cli_real_model_demo_end_to_end(tmp_path):
     assert Path(PRISM_SCRIPT).exists(), "the `prism` console script is not installed next to this Python"
     env = {**os.environ, "PRISM_DATA": str(tmp_path / "data")}
     out = tmp_path / "demo"
-    cmd = [PRISM_SCRIPT, "demo", "--max-docs", "12", "--max-chars-per-doc", "1500", "--steps", "5",
-           "--out", str(out), "--no-progress"]
+    cmd = [
+        PRISM_SCRIPT,
+        "demo",
+        "--max-docs",
+        "12",
+        "--max-chars-per-doc",
+        "1500",
+        "--steps",
+        "5",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     answer = next(line for line in proc.stdout.splitlines() if line.startswith("assistant:"))

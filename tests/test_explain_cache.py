@@ -33,7 +33,7 @@ def reference_top_tokens(model, tok, ids, m=10):
     """The card's signature tokens as computed before any cache: W p_i for these ids in one matmul."""
     with torch.no_grad():
         sig = model.signatures(torch.tensor(ids)).float()
-    sig[:, tok.vocab_size:] = -float("inf")
+    sig[:, tok.vocab_size :] = -float("inf")
     vals, toks = sig.topk(min(m, tok.vocab_size), dim=-1)
     return {i: [(tok.id_to_token(t), v) for t, v in zip(toks[r].tolist(), vals[r].tolist())] for r, i in enumerate(ids)}
 
@@ -51,9 +51,19 @@ def reference_neighbours(idx, i, n, shards, before=12, after=3):
         a, b = max(start, t - before), min(end, t + 1 + after)
         toks = np.asarray(shard.tokens[a:b], dtype=np.int64)
         k = t - a
-        out.append({"offset": o, "similarity": s, "doc_index": d, "doc_id": shard.doc_ids[d], "position": pos,
-                    "target_id": int(toks[k]), "target": tok.decode([int(toks[k])]),
-                    "before": tok.decode(toks[:k].tolist()), "after": tok.decode(toks[k + 1:].tolist())})
+        out.append(
+            {
+                "offset": o,
+                "similarity": s,
+                "doc_index": d,
+                "doc_id": shard.doc_ids[d],
+                "position": pos,
+                "target_id": int(toks[k]),
+                "target": tok.decode([int(toks[k])]),
+                "before": tok.decode(toks[:k].tolist()),
+                "after": tok.decode(toks[k + 1 :].tolist()),
+            }
+        )
     return out
 
 
@@ -73,11 +83,15 @@ def test_cached_explanations_equal_fresh_ones(model, index, tiny_shards):
     for i, card in cold.prototypes.items():
         assert card.top_tokens == ref[i]
         assert as_dicts(card.neighbours) == reference_neighbours(index, i, 5, tiny_shards)
-        assert card.stats == {"id": i, "count": int(index.counts[i]), "frequency": int(index.counts[i]) / index.tokens,
-                              "mean_activation": (float(index.act_sum[i]) / int(index.counts[i])
-                                                  if int(index.counts[i]) else 0.0),
-                              "max_similarity": float(index.top_sim[i, 0]), "histogram": index.hist[i].tolist(),
-                              "bins": int(index.manifest["bins"])}
+        assert card.stats == {
+            "id": i,
+            "count": int(index.counts[i]),
+            "frequency": int(index.counts[i]) / index.tokens,
+            "mean_activation": (float(index.act_sum[i]) / int(index.counts[i]) if int(index.counts[i]) else 0.0),
+            "max_similarity": float(index.top_sim[i, 0]),
+            "histogram": index.hist[i].tolist(),
+            "bins": int(index.manifest["bins"]),
+        }
     # another text reuses part of the cache: still what a cache-free run gives
     text = explain(model, tok, "In a hole in the ground there lived a hobbit.", index=index)
     clear_card_cache()
@@ -137,7 +151,9 @@ def test_explanation_cards_follow_in_place_changes(model, index, tiny_shards):
     tok = tiny_shards.tokenizer
     first = explain(model, tok, "It was the best of times", index=index)
     with torch.no_grad():
-        model.prototypes.weight.add_(torch.randn(model.prototypes.weight.shape, generator=torch.Generator().manual_seed(2)))
+        model.prototypes.weight.add_(
+            torch.randn(model.prototypes.weight.shape, generator=torch.Generator().manual_seed(2))
+        )
     second = explain(model, tok, "It was the best of times", index=index)
     ref = reference_top_tokens(model, tok, sorted(second.prototypes))
     assert {i: c.top_tokens for i, c in second.prototypes.items()} == ref
@@ -159,7 +175,8 @@ def test_index_snippet_cache_equals_a_fresh_load(model, index, tiny_shards, tmp_
         assert as_dicts(first[i]) == as_dicts(second[i]) == as_dicts(fresh.neighbours(i, 4))
         assert as_dicts(first[i]) == reference_neighbours(loaded, i, 4, tiny_shards)
         assert as_dicts(loaded.neighbours(i, None, before=0, after=0)) == reference_neighbours(
-            loaded, i, loaded.top_n, tiny_shards, before=0, after=0)
+            loaded, i, loaded.top_n, tiny_shards, before=0, after=0
+        )
         assert loaded.stats(i) == fresh.stats(i)
     assert second[0] is not first[0]  # a new list each call: callers may change it
     # bounded: an LRU of snippet_cache_size entries, still exact

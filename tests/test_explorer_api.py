@@ -42,8 +42,9 @@ def build_explorer_run(tiny_shards, root: Path) -> tuple[Path, Path]:
         res = build_run_index(Run.open(run), max_sequences=48, batch_size=8, progress=False, shards=tiny_shards.root)
         save_labels(rule_labels(res.index), res.path)  # a partial index gets no labels by itself
         K = ckpt.model.prototypes.num_prototypes
-        concept = SuppressionSet(ids=list(range(0, K, 2)), num_prototypes=K,
-                                 model_sha256=ckpt.manifest.get("model_sha256"), concept="evens")
+        concept = SuppressionSet(
+            ids=list(range(0, K, 2)), num_prototypes=K, model_sha256=ckpt.manifest.get("model_sha256"), concept="evens"
+        )
         _BUILT["run"] = (run, concept.save(root / "evens.json"))
     return _BUILT["run"]
 
@@ -70,7 +71,9 @@ def _plain_logits(explorer: Explorer, ids: list[int], suppress: list[int] | None
         return m(x).logits[0].double()
 
 
-def _reference_slices(explorer: Explorer, ids: list[int], targets: list[int]) -> tuple[list[dict[int, float]], list[float]]:
+def _reference_slices(
+    explorer: Explorer, ids: list[int], targets: list[int]
+) -> tuple[list[dict[int, float]], list[float]]:
     """Per position {prototype id: a_i (p_i · W_y)} and the residual (r · W_y), from the weights directly."""
     m = explorer.run.model
     with torch.no_grad():
@@ -107,7 +110,7 @@ def test_explain_waterfalls_sum_to_the_plain_forward_logits(client, explorer):
     assert len(d["positions"]) == n and n > 10
     chosen = [p["chosen"]["id"] for p in d["positions"]]
     assert chosen[:-1] == ids[1:]  # the text's own next tokens; the last is the model's argmax
-    assert chosen[-1] == int(ref[-1, :explorer.run.tokenizer.vocab_size].argmax())
+    assert chosen[-1] == int(ref[-1, : explorer.run.tokenizer.vocab_size].argmax())
     ref_slices, ref_resid = _reference_slices(explorer, ids, chosen)
     for t, p in enumerate(d["positions"]):
         for c in [p["chosen"], *p["alternatives"]]:
@@ -131,13 +134,13 @@ def test_explain_a_generation_and_no_alternatives(client, explorer):
     d = client.post("/api/explain", json={"text": "It is a truth", "generate": 6, "alternatives": 0, "seed": 1}).json()
     p = d["prompt_tokens"]
     assert p is not None and len(d["token_ids"]) == p + 6 - 1  # the last sampled token is only predicted
-    assert [q["chosen_by"] for q in d["positions"][p - 1:]] == ["sampled"] * 6
+    assert [q["chosen_by"] for q in d["positions"][p - 1 :]] == ["sampled"] * 6
     assert all(q["alternatives"] == [] for q in d["positions"])
     ref = _plain_logits(explorer, d["token_ids"])
     for t, q in enumerate(d["positions"]):
         c = q["chosen"]
         assert sum(c["slices"]) + c["residual"] + c["bias"] == pytest.approx(float(ref[t, c["id"]]), abs=2e-5)
-        assert c["rank"] == int((ref[t, :explorer.run.tokenizer.vocab_size] > ref[t, c["id"]]).sum())
+        assert c["rank"] == int((ref[t, : explorer.run.tokenizer.vocab_size] > ref[t, c["id"]]).sum())
 
 
 def test_suppression_through_the_api_changes_exactly_those_slices(client, explorer):
@@ -173,8 +176,13 @@ def test_suppression_through_the_api_changes_exactly_those_slices(client, explor
 
 
 def test_steer_reports_the_exact_logit_change(client, explorer):
-    body = {"prompt": "It is a truth", "tokens": 8, "seed": 3, "temperature": 0.8,
-            "steering": {"suppress": list(range(explorer.num_prototypes))}}
+    body = {
+        "prompt": "It is a truth",
+        "tokens": 8,
+        "seed": 3,
+        "temperature": 0.8,
+        "steering": {"suppress": list(range(explorer.num_prototypes))},
+    }
     d = client.post("/api/steer", json=body).json()
     assert len(d["base"]) == len(d["steered"]) == 8 and len(d["steps"]) == 8
     for s in d["steps"]:
@@ -202,27 +210,31 @@ def test_prototype_map_search_training_document(client, explorer):
     assert len(s["hits"]) == 5
     tr = client.post("/api/training", json={"prompt": "It is a truth", "completion": " universally", "top": 3}).json()
     assert len(tr["items"]) == 3 and max(abs(it["relative"]) for it in tr["items"]) == pytest.approx(1.0)
-    one = client.post("/api/training", json={"prompt": "It is a truth", "completion": " universally", "top": 3,
-                                             "token": 0}).json()
+    one = client.post(
+        "/api/training", json={"prompt": "It is a truth", "completion": " universally", "top": 3, "token": 0}
+    ).json()
     assert one["token"] == 0 and one["measured"] == tr["measured"]
     doc = client.get(f"/api/document/{tr['items'][0]['doc_index']}", params={"position": 3}).json()
     assert doc["target"] and doc["doc_id"] == tr["items"][0]["doc_id"]
 
 
-@pytest.mark.parametrize("method, url, body", [
-    ("post", "/api/explain", {"text": "x" * 501}),
-    ("post", "/api/explain", {"text": "a", "generate": 25}),
-    ("post", "/api/explain", {"text": "a", "alternatives": 13}),
-    ("post", "/api/explain", {"text": "a", "generate": -1}),
-    ("post", "/api/explain", {"text": "a", "temperature": -1}),
-    ("post", "/api/explain", {"text": "a", "unknown_field": 1}),
-    ("post", "/api/explain", {"text": "a", "steering": {"scale": {"1": 1e9}}}),
-    ("post", "/api/steer", {"prompt": "a", "tokens": 1000}),
-    ("post", "/api/training", {"prompt": "a", "top": 13}),
-    ("get", "/api/prototype/1?neighbours=500", None),
-    ("get", "/api/search?limit=100000", None),
-    ("get", "/api/prototype/abc", None),
-])
+@pytest.mark.parametrize(
+    "method, url, body",
+    [
+        ("post", "/api/explain", {"text": "x" * 501}),
+        ("post", "/api/explain", {"text": "a", "generate": 25}),
+        ("post", "/api/explain", {"text": "a", "alternatives": 13}),
+        ("post", "/api/explain", {"text": "a", "generate": -1}),
+        ("post", "/api/explain", {"text": "a", "temperature": -1}),
+        ("post", "/api/explain", {"text": "a", "unknown_field": 1}),
+        ("post", "/api/explain", {"text": "a", "steering": {"scale": {"1": 1e9}}}),
+        ("post", "/api/steer", {"prompt": "a", "tokens": 1000}),
+        ("post", "/api/training", {"prompt": "a", "top": 13}),
+        ("get", "/api/prototype/1?neighbours=500", None),
+        ("get", "/api/search?limit=100000", None),
+        ("get", "/api/prototype/abc", None),
+    ],
+)
 def test_limits_are_4xx(client, method, url, body):
     r = client.post(url, json=body) if method == "post" else client.get(url)
     assert 400 <= r.status_code < 500, r.text
@@ -230,8 +242,9 @@ def test_limits_are_4xx(client, method, url, body):
 
 
 def test_body_size_and_unknown_ids(client, explorer):
-    r = client.post("/api/explain", content=b'{"text": "' + b"a" * 30_000 + b'"}',
-                    headers={"content-type": "application/json"})
+    r = client.post(
+        "/api/explain", content=b'{"text": "' + b"a" * 30_000 + b'"}', headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413
     K = explorer.num_prototypes
     for url in (f"/api/prototype/{K}", "/api/prototype/-1", f"/api/prototype/{10**12}"):
@@ -243,24 +256,27 @@ def test_body_size_and_unknown_ids(client, explorer):
     assert client.get("/api/document/999999").status_code == 404
 
 
-@pytest.mark.parametrize("url", [
-    "/static/../../etc/passwd",
-    "/static/%2e%2e/%2e%2e/etc/passwd",
-    "/static/..%2f..%2fetc%2fpasswd",
-    "/static/%2e%2e%2f%2e%2e%2fetc%2fpasswd",
-    "/static/%252e%252e%252fetc%252fpasswd",
-    "/static/....//....//etc/passwd",
-    "/static/..\\..\\etc\\passwd",
-    "/static/%00app.js",
-    "/static/",
-    "/../../etc/passwd",
-    "/etc/passwd",
-    "/api/info?path=/etc/passwd",
-    "/api/document/0?path=../../etc/passwd",
-    "/static/app.js?file=/etc/passwd",
-    "/api/map?index=/tmp",
-    "/api/prototype/1?run=/etc",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/static/../../etc/passwd",
+        "/static/%2e%2e/%2e%2e/etc/passwd",
+        "/static/..%2f..%2fetc%2fpasswd",
+        "/static/%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+        "/static/%252e%252e%252fetc%252fpasswd",
+        "/static/....//....//etc/passwd",
+        "/static/..\\..\\etc\\passwd",
+        "/static/%00app.js",
+        "/static/",
+        "/../../etc/passwd",
+        "/etc/passwd",
+        "/api/info?path=/etc/passwd",
+        "/api/document/0?path=../../etc/passwd",
+        "/static/app.js?file=/etc/passwd",
+        "/api/map?index=/tmp",
+        "/api/prototype/1?run=/etc",
+    ],
+)
 def test_path_traversal_is_404(client, url):
     r = client.get(url)
     assert r.status_code == 404, (url, r.status_code)
@@ -288,8 +304,10 @@ def _report_spans(page: str) -> list[tuple[str | None, str]]:
     import re
 
     body = page.split('<div id="text">', 1)[1].split("</div>", 1)[0]
-    return [(m.group(2), html.unescape(m.group(3)))
-            for m in re.finditer(r'<span class="t[^"]*"( data-i="(\d+)")?[^>]*>(.*?)</span>', body, re.S)]
+    return [
+        (m.group(2), html.unescape(m.group(3)))
+        for m in re.finditer(r'<span class="t[^"]*"( data-i="(\d+)")?[^>]*>(.*?)</span>', body, re.S)
+    ]
 
 
 def test_token_j_means_the_prediction_of_token_j_everywhere(client, explorer):
@@ -322,7 +340,11 @@ def test_token_j_means_the_prediction_of_token_j_everywhere(client, explorer):
     assert [s for _, s in spans[1:n]] == tokens[1:]
     for j in range(1, n):
         pos = data["positions"][int(spans[j][0])]
-        assert pos["token_index"] == j and pos["next_id"] == ids[j] and pos["logit"] == pytest.approx(float(ref[j - 1, ids[j]]), abs=2e-5)
+        assert (
+            pos["token_index"] == j
+            and pos["next_id"] == ids[j]
+            and pos["logit"] == pytest.approx(float(ref[j - 1, ids[j]]), abs=2e-5)
+        )
     assert "ghost" in page.split('<div id="text">', 1)[1].split("</div>", 1)[0]  # the model's own next token
     # the terminal: row "pos j" names token j first and shows its logit
     buf = io.StringIO()
@@ -344,7 +366,7 @@ def test_prototype_fires_mark_the_token_it_helps_predict(client, explorer):
     ids = explorer.run.tokenizer.encode(TEXT)
     with torch.no_grad():
         out = explorer.run.model(torch.tensor([ids]))
-    active = (out.activations[0] > 0)
+    active = out.activations[0] > 0
     pid = int(out.indices[0, 3][active[3]][0])
     d = client.get(f"/api/prototype/{pid}", params={"text": TEXT}).json()
     want = {t + 1 for t in range(len(ids)) if bool(((out.indices[0, t] == pid) & active[t]).any())}
@@ -385,10 +407,13 @@ def test_token_search_finds_the_prototypes_of_a_token_not_every_one(client, expl
     assert all(text in h["why"] or repr(text) in h["why"] for h in s["hits"])
     # the hits come first by the number of contexts holding the token
     ctx_hits = [h for h in s["hits"] if "contexts" in h["why"]]
-    assert ctx_hits and s["hits"][:len(ctx_hits)] == ctx_hits
+    assert ctx_hits and s["hits"][: len(ctx_hits)] == ctx_hits
     # typed without its leading space, a word finds its " word" token too
-    word = next(t for t in sorted(counts, key=lambda t: -counts[t])
-                if tok.id_to_token(t).startswith(" ") and len(tok.encode(tok.id_to_token(t)[1:])) > 1)
+    word = next(
+        t
+        for t in sorted(counts, key=lambda t: -counts[t])
+        if tok.id_to_token(t).startswith(" ") and len(tok.encode(tok.id_to_token(t)[1:])) > 1
+    )
     bare = client.get("/api/search", params={"token": tok.id_to_token(word)[1:], "limit": 12}).json()
     assert set(bare["ids"]) == _token_reference(explorer, word)
 
@@ -408,8 +433,9 @@ def test_steer_names_the_steered_prototypes_that_never_fire(client, explorer):
     active = set(out.indices[0][out.activations[0] > 0].tolist())
     want = sorted(set(S) - active)
     assert 0 < len(want) < K
-    d = client.post("/api/steer", json={"prompt": prompt, "tokens": n, "temperature": 0,
-                                        "steering": {"suppress": S}}).json()
+    d = client.post(
+        "/api/steer", json={"prompt": prompt, "tokens": n, "temperature": 0, "steering": {"suppress": S}}
+    ).json()
     assert d["steered_ids"] == K and d["inactive"] == want
     assert any(f"{len(want)} of the {K} steered prototypes never fire" in note for note in d["notes"])
     # only prototypes that never fire on the base text: nothing can change, and the answer says which
@@ -417,16 +443,18 @@ def test_steer_names_the_steered_prototypes_that_never_fire(client, explorer):
         base = m.generate(x, n, temperature=0)[0].tolist()
         out = m(torch.tensor([base[:-1]]))
     idle_ids = sorted(set(range(K)) - set(out.indices[0][out.activations[0] > 0].tolist()))[:5]
-    idle = client.post("/api/steer", json={"prompt": prompt, "tokens": n, "temperature": 0,
-                                           "steering": {"suppress": idle_ids}}).json()
+    idle = client.post(
+        "/api/steer", json={"prompt": prompt, "tokens": n, "temperature": 0, "steering": {"suppress": idle_ids}}
+    ).json()
     assert idle["first_difference"] is None and idle["inactive"] == idle_ids and idle["steered_ids"] == 5
 
 
 def test_training_shares_add_up_to_one(client):
     """Each listed prototype's share is its contribution over Σ|listed| + |rest|, rest = score − Σ listed (the
     unlisted prototypes' net): signed, |shares| + |rest share| = 1, none beyond ±100%."""
-    tr = client.post("/api/training", json={"prompt": "It is a truth universally", "completion": " acknowledged, that",
-                                            "top": 8}).json()
+    tr = client.post(
+        "/api/training", json={"prompt": "It is a truth universally", "completion": " acknowledged, that", "top": 8}
+    ).json()
     assert tr["items"] and "+" not in tr["method"]
     for it in tr["items"]:
         cs = [p["contribution"] for p in it["prototypes"]]
@@ -465,13 +493,14 @@ def test_prototype_card_pushes_down_logit_histogram_and_bands(client, explorer):
     assert all(a["ranks"][1] + 1 == b["ranks"][0] for a, b in zip(bands, bands[1:]))  # contiguous thirds
     for b in bands:
         lo, hi = b["ranks"]
-        assert b["examples"] and all(nbs[lo - 1].similarity >= e["similarity"] >= nbs[hi - 1].similarity
-                                     for e in b["examples"])
+        assert b["examples"] and all(
+            nbs[lo - 1].similarity >= e["similarity"] >= nbs[hi - 1].similarity for e in b["examples"]
+        )
     assert bands[-1]["examples"][-1]["offset"] == nbs[-1].offset  # the bottom band ends at the last stored
 
 
 def test_a_plain_search_for_a_word_finds_the_prototypes_of_its_token(client, explorer):
-    """"President" on presidential speeches: a one-token query finds the prototypes of that token even when
+    """ "President" on presidential speeches: a one-token query finds the prototypes of that token even when
     no label and no first nearest context contains it (the label/context search alone found 0)."""
     tok = explorer.run.tokenizer
     idx = explorer.index
@@ -482,11 +511,16 @@ def test_a_plain_search_for_a_word_finds_the_prototypes_of_its_token(client, exp
         for nb in idx.neighbours(i):
             counts[nb.target_id] = counts.get(nb.target_id, 0) + 1
     # a word token that no label and no searched neighbour text contains
-    word = next(t for t in sorted(counts, key=lambda t: (-counts[t], t))
-                if tok.id_to_token(t).strip().isalpha() and len(tok.id_to_token(t).strip()) > 2
-                and not any(tok.id_to_token(t).strip().lower() in (f"{lab.get('label', '')} {lab.get('category', '')} "
-                                                                    f"{txt}").lower()
-                            for lab, txt in ((labs.get(i, {}), texts[i]) for i in range(explorer.num_prototypes))))
+    word = next(
+        t
+        for t in sorted(counts, key=lambda t: (-counts[t], t))
+        if tok.id_to_token(t).strip().isalpha()
+        and len(tok.id_to_token(t).strip()) > 2
+        and not any(
+            tok.id_to_token(t).strip().lower() in (f"{lab.get('label', '')} {lab.get('category', '')} {txt}").lower()
+            for lab, txt in ((labs.get(i, {}), texts[i]) for i in range(explorer.num_prototypes))
+        )
+    )
     q = tok.id_to_token(word).strip()
     s = client.get("/api/search", params={"q": q, "limit": 12}).json()
     assert s["matched"] > 0 and set(s["ids"]) >= _token_reference(explorer, word, signature=False)

@@ -36,8 +36,10 @@ SHOTS = Path(__file__).resolve().parents[1] / "docs" / "img"
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 
 if not CHROMIUM.exists():  # pragma: no cover - scripts/setup.sh installs it; say so loudly rather than skip
-    pytest.fail("tests/test_explorer_browser.py needs /usr/bin/chromium: run scripts/setup.sh "
-                "(apt-get install chromium)", pytrace=False)
+    pytest.fail(
+        "tests/test_explorer_browser.py needs /usr/bin/chromium: run scripts/setup.sh (apt-get install chromium)",
+        pytrace=False,
+    )
 
 
 def _free_port() -> int:
@@ -50,8 +52,11 @@ def _free_port() -> int:
 def served(tiny_shards, tmp_path_factory) -> Iterator[tuple[str, Explorer]]:
     run, concept = build_explorer_run(tiny_shards, tmp_path_factory.mktemp("explorer"))
     other = os.environ.get("PRISM_SCREENSHOTS_RUN")
-    ex = (Explorer.open(other, device="cpu", limits=LIMITS) if other
-          else Explorer.open(run, device="cpu", concepts=[concept], limits=LIMITS))
+    ex = (
+        Explorer.open(other, device="cpu", limits=LIMITS)
+        if other
+        else Explorer.open(run, device="cpu", concepts=[concept], limits=LIMITS)
+    )
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(ex), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -176,8 +181,14 @@ def test_suppression_toggle_changes_the_generated_text(served, browser_page):
     live = [i for i, c in enumerate(client.get("/api/map").json()["count"]) if c > 0][:8]
     prompt = "It is a truth"
     # a seed at which suppressing the live prototypes changes the sample (found through the API)
-    seed = next(s for s in range(40) if client.post("/api/steer", json={
-        "prompt": prompt, "tokens": 12, "seed": s, "steering": {"suppress": live}}).json()["first_difference"] is not None)
+    seed = next(
+        s
+        for s in range(40)
+        if client.post(
+            "/api/steer", json={"prompt": prompt, "tokens": 12, "seed": s, "steering": {"suppress": live}}
+        ).json()["first_difference"]
+        is not None
+    )
     page.goto(base + f"#/steer?prompt={quote(prompt)}&tokens=12&seed={seed}&suppress={','.join(map(str, live))}")
     page.wait_for_selector("#steer-steered")
     steered, base_text = page.inner_text("#steer-steered"), page.inner_text("#steer-base")
@@ -192,11 +203,15 @@ def test_suppression_toggle_changes_the_generated_text(served, browser_page):
     assert page.inner_text("#steer-steered") == base_text != steered
     assert "off=" in page.url
     # steering only prototypes that never fire on the text: the view says so, not just "identical"
-    idle = client.post("/api/steer", json={"prompt": prompt, "tokens": 12, "seed": seed,
-                                           "steering": {"suppress": list(range(ex.num_prototypes))}}).json()["inactive"][:3]
+    idle = client.post(
+        "/api/steer",
+        json={"prompt": prompt, "tokens": 12, "seed": seed, "steering": {"suppress": list(range(ex.num_prototypes))}},
+    ).json()["inactive"][:3]
     page.goto(base + f"#/steer?prompt={quote(prompt)}&tokens=12&seed={seed}&suppress={','.join(map(str, idle))}")
     page.wait_for_selector("#steer-summary")
-    idle_run = client.post("/api/steer", json={"prompt": prompt, "tokens": 12, "seed": seed, "steering": {"suppress": idle}}).json()
+    idle_run = client.post(
+        "/api/steer", json={"prompt": prompt, "tokens": 12, "seed": seed, "steering": {"suppress": idle}}
+    ).json()
     if idle_run["first_difference"] is None and idle_run["inactive"] == idle:
         assert "none of the steered prototypes fires on this text" in page.inner_text("#steer-summary")
     assert idle_run["inactive"] and "never fire on this text" in page.inner_text("#steer-out")
@@ -206,8 +221,14 @@ def test_suppression_toggle_changes_the_generated_text(served, browser_page):
 def test_training_data_view_filters_per_token(served, browser_page):
     base, _ = served
     page, errors = browser_page
-    page.goto(base + "#/training?prompt=" + quote("It is a truth") + "&completion=" + quote(" universally acknowledged, that")
-              + "&top=5")
+    page.goto(
+        base
+        + "#/training?prompt="
+        + quote("It is a truth")
+        + "&completion="
+        + quote(" universally acknowledged, that")
+        + "&top=5"
+    )
     page.wait_for_selector("#train-items tr td")
     assert page.locator("#train-items tr").count() == 5 + 1
     _shot(page, "training")
@@ -293,7 +314,11 @@ def test_explain_at_1024px_the_waterfall_stays_clear_of_the_cards(served, browse
         for k in range(page.locator("#explain-detail svg.wf").count()):
             wf = page.locator("#explain-detail svg.wf").nth(k).bounding_box()
             assert wf is not None
-            assert wf["x"] >= detail["x"] and wf["x"] + wf["width"] <= detail["x"] + detail["width"] + 0.5, (k, wf, detail)
+            assert wf["x"] >= detail["x"] and wf["x"] + wf["width"] <= detail["x"] + detail["width"] + 0.5, (
+                k,
+                wf,
+                detail,
+            )
             overlap_x = min(wf["x"] + wf["width"], cards["x"] + cards["width"]) - max(wf["x"], cards["x"])
             overlap_y = min(wf["y"] + wf["height"], cards["y"] + cards["height"]) - max(wf["y"], cards["y"])
             assert overlap_x <= 0 or overlap_y <= 0, (k, wf, cards)

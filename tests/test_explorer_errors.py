@@ -43,13 +43,16 @@ def _refused(res, *expected: str) -> dict:
     return body
 
 
-@pytest.mark.parametrize("url, body", [
-    ("/api/explain", '{"text": "lone \\udcff surrogate"}'),
-    ("/api/explain", '{"text": "ok", "generate": 2, "steering": {"concept": "\\ud800"}}'),
-    ("/api/steer", '{"prompt": "lone \\udcff surrogate", "tokens": 2}'),
-    ("/api/training", '{"prompt": "The \\udcff sea", "top": 2}'),
-    ("/api/training", '{"prompt": "The sea", "completion": "\\udfff", "top": 2}'),
-])
+@pytest.mark.parametrize(
+    "url, body",
+    [
+        ("/api/explain", '{"text": "lone \\udcff surrogate"}'),
+        ("/api/explain", '{"text": "ok", "generate": 2, "steering": {"concept": "\\ud800"}}'),
+        ("/api/steer", '{"prompt": "lone \\udcff surrogate", "tokens": 2}'),
+        ("/api/training", '{"prompt": "The \\udcff sea", "top": 2}'),
+        ("/api/training", '{"prompt": "The sea", "completion": "\\udfff", "top": 2}'),
+    ],
+)
 def test_a_lone_surrogate_is_a_4xx_with_a_message(client, url, body):
     _refused(_post_raw(client, url, body), "surrogate")
 
@@ -60,8 +63,11 @@ def test_explorer_methods_refuse_a_lone_surrogate_themselves(client):
     from prismlm.errors import ConfigError
 
     ex = client.app.state.explorer
-    for call in (lambda: ex.prototype(0, text="a\udcffb"), lambda: ex.search("\udcff", limit=5),
-                 lambda: ex.steer("\ud800", steering=ex_steering(), tokens=1)):
+    for call in (
+        lambda: ex.prototype(0, text="a\udcffb"),
+        lambda: ex.search("\udcff", limit=5),
+        lambda: ex.steer("\ud800", steering=ex_steering(), tokens=1),
+    ):
         with pytest.raises(ConfigError, match="lone surrogate"):
             call()
 
@@ -72,18 +78,21 @@ def ex_steering():
     return Steering()
 
 
-@pytest.mark.parametrize("url, body", [
-    ("/api/explain", {"text": "The sea", "generate": 2, "seed": 2 ** 64}),
-    ("/api/explain", {"text": "The sea", "generate": 2, "seed": -(2 ** 64)}),
-    ("/api/steer", {"prompt": "The sea", "tokens": 2, "seed": 2 ** 70}),
-])
+@pytest.mark.parametrize(
+    "url, body",
+    [
+        ("/api/explain", {"text": "The sea", "generate": 2, "seed": 2**64}),
+        ("/api/explain", {"text": "The sea", "generate": 2, "seed": -(2**64)}),
+        ("/api/steer", {"prompt": "The sea", "tokens": 2, "seed": 2**70}),
+    ],
+)
 def test_a_seed_out_of_range_is_a_4xx(client, url, body):
     _refused(client.post(url, json=body), "seed")
 
 
 def test_a_seed_in_range_still_samples(client):
-    a = client.post("/api/steer", json={"prompt": "The sea", "tokens": 3, "seed": 2 ** 64 - 1})
-    b = client.post("/api/steer", json={"prompt": "The sea", "tokens": 3, "seed": 2 ** 64 - 1})
+    a = client.post("/api/steer", json={"prompt": "The sea", "tokens": 3, "seed": 2**64 - 1})
+    b = client.post("/api/steer", json={"prompt": "The sea", "tokens": 3, "seed": 2**64 - 1})
     assert a.status_code == 200 and a.json()["base_text"] == b.json()["base_text"]
 
 
@@ -91,7 +100,7 @@ def test_a_document_position_out_of_range_names_the_range(client):
     doc = client.get("/api/document/0").json()
     length = doc["length"]
     assert client.get("/api/document/0", params={"position": length - 1}).json()["position"] == length - 1
-    for bad in (length, -1, 10 ** 9):
+    for bad in (length, -1, 10**9):
         _refused(client.get("/api/document/0", params={"position": bad}), "position", f"[0, {length})")
 
 
@@ -101,8 +110,9 @@ def test_a_corrupt_labels_file_is_served_without_labels_and_reported(built, tmp_
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     (copy / "index" / "labels.json").write_text('{"0": {"label": "trunc')
-    client = TestClient(create_app(Explorer.open(copy, device="cpu", limits=LIMITS)), base_url=BASE,
-                        raise_server_exceptions=False)
+    client = TestClient(
+        create_app(Explorer.open(copy, device="cpu", limits=LIMITS)), base_url=BASE, raise_server_exceptions=False
+    )
     info = client.get("/api/info").json()
     assert any("labels.json" in n and "prism label" in n for n in info["notes"]), info
     res = client.post("/api/explain", json={"text": "The sea was calm"})
@@ -123,9 +133,13 @@ def test_a_cache_rebuilt_while_serving_is_reloaded(built, tiny_shards, tmp_path)
 
     def build(n: int) -> None:  # built aside, then put in place: what a rebuild with --out RUN/... leaves
         aside = tmp_path / f"cache-{n}"
-        build_run_cache(Run.open(copy, device="cpu", suppress="none"),
-                        AttributionConfig(r=4, max_sequences=n, batch_size=4), out=aside, shards=tiny_shards.root,
-                        progress=False)
+        build_run_cache(
+            Run.open(copy, device="cpu", suppress="none"),
+            AttributionConfig(r=4, max_sequences=n, batch_size=4),
+            out=aside,
+            shards=tiny_shards.root,
+            progress=False,
+        )
         shutil.rmtree(copy / "attribution-cache", ignore_errors=True)
         shutil.copytree(aside, copy / "attribution-cache")
 

@@ -86,8 +86,11 @@ def test_explain_waterfall_equals_a_plain_forward_with_the_lm_head_bias(client, 
             saw_bias += abs(c["bias"]) > 1e-3
             assert c["residual"] == pytest.approx(float(out.residual[0, t].double() @ W[y]), abs=1e-5)
         y = p["chosen"]["id"]
-        want = {i: a * float(P[i] @ W[y]) for i, a in zip(out.indices[0, t].tolist(),
-                                                           out.activations[0, t].double().tolist()) if a > 0}
+        want = {
+            i: a * float(P[i] @ W[y])
+            for i, a in zip(out.indices[0, t].tolist(), out.activations[0, t].double().tolist())
+            if a > 0
+        }
         got = {a["id"]: s for a, s in zip(p["active"], p["chosen"]["slices"])}
         assert got.keys() == want.keys()
         for i, v in want.items():
@@ -150,8 +153,13 @@ def test_suppression_changes_exactly_the_suppressed_slices(client, explorer):
 
 
 def test_steer_and_training_data_on_the_hf_run(client, explorer):
-    body = {"prompt": "The people of", "tokens": 6, "seed": 2, "temperature": 0.8,
-            "steering": {"suppress": list(range(explorer.num_prototypes))}}
+    body = {
+        "prompt": "The people of",
+        "tokens": 6,
+        "seed": 2,
+        "temperature": 0.8,
+        "steering": {"suppress": list(range(explorer.num_prototypes))},
+    }
     r = client.post("/api/steer", json=body)
     assert r.status_code == 200, r.text
     d = r.json()
@@ -174,8 +182,7 @@ def test_static_report_names_the_run_and_step_not_the_hash(hf_run, tmp_path):
     from prismlm.cli import app as cli_app
 
     page = tmp_path / "report.html"
-    res = CliRunner().invoke(cli_app, ["explain", str(hf_run), "The people of", "--html", str(page),
-                                       "--device", "cpu"])
+    res = CliRunner().invoke(cli_app, ["explain", str(hf_run), "The people of", "--html", str(page), "--device", "cpu"])
     assert res.exit_code == 0, res.output
     text = page.read_text()
     manifest = json.loads(next((hf_run / "checkpoints").glob("step-*/manifest.json")).read_text())
@@ -200,10 +207,10 @@ def test_report_operations_compute_what_the_cli_renders(hf_run, tmp_path):
     from prismlm.config import AttributionConfig
 
     run = Run.open(hf_run, device="cpu")
-    rep = attribute_report(run, "The people of the United States", completion=2, method="full", max_sequences=16,
-                           top=3, explain=True)
-    ref = attribute_text(run, "The people of the United States", completion=2, method="full", max_sequences=16,
-                         top=3)
+    rep = attribute_report(
+        run, "The people of the United States", completion=2, method="full", max_sequences=16, top=3, explain=True
+    )
+    ref = attribute_text(run, "The people of the United States", completion=2, method="full", max_sequences=16, top=3)
     assert [t.sequence for t in rep.attribution.top] == [t.sequence for t in ref.top]
     assert rep.explanation is not None and rep.explanation.text == ref.prompt + ref.completion
     assert attribute_report(run, "The people", method="full", max_sequences=8, top=2).explanation is None
@@ -214,14 +221,40 @@ def test_report_operations_compute_what_the_cli_renders(hf_run, tmp_path):
     assert rep2.attribution is not None and rep2.attribution.measured_tokens == 3
     assert rep2.to_dict()["attribution"]["measured_tokens"] == 3
     # through the CLI: the same report, written as JSON and HTML
-    out = CliRunner().invoke(cli_app, ["explain", str(hf_run), "The people of", "--generate", "3", "--attribute",
-                                       "--device", "cpu", "--json", str(tmp_path / "e.json"),
-                                       "--html", str(tmp_path / "e.html")])
+    out = CliRunner().invoke(
+        cli_app,
+        [
+            "explain",
+            str(hf_run),
+            "The people of",
+            "--generate",
+            "3",
+            "--attribute",
+            "--device",
+            "cpu",
+            "--json",
+            str(tmp_path / "e.json"),
+            "--html",
+            str(tmp_path / "e.html"),
+        ],
+    )
     assert out.exit_code == 0, out.output
     assert json.loads((tmp_path / "e.json").read_text())["attribution"]["measured_tokens"] == 3
     assert "Training data" in (tmp_path / "e.html").read_text()
-    out = CliRunner().invoke(cli_app, ["attribute", str(hf_run), "The people of the", "--completion", "1",
-                                       "--device", "cpu", "--html", str(tmp_path / "a.html")])
+    out = CliRunner().invoke(
+        cli_app,
+        [
+            "attribute",
+            str(hf_run),
+            "The people of the",
+            "--completion",
+            "1",
+            "--device",
+            "cpu",
+            "--html",
+            str(tmp_path / "a.html"),
+        ],
+    )
     assert out.exit_code == 0, out.output
     page = (tmp_path / "a.html").read_text()
     assert "Training data" in page and f"run {hf_run.name} · step" in page

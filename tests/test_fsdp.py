@@ -22,15 +22,29 @@ HERE = Path(__file__).parent
 
 
 def tiny_cfg(**overrides) -> RunConfig:
-    base = {"train.max_steps": 12, "train.eval_interval": 6, "train.log_interval": 3, "train.batch_size": 4,
-            "train.warmup_steps": 2, "loss.warmup_steps": 4}
+    base = {
+        "train.max_steps": 12,
+        "train.eval_interval": 6,
+        "train.log_interval": 3,
+        "train.batch_size": 4,
+        "train.warmup_steps": 2,
+        "loss.warmup_steps": 4,
+    }
     return RunConfig.from_name("tiny").override({**base, **overrides})
 
 
 def _torchrun(args: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "ddp_worker.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "ddp_worker.py"),
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -47,8 +61,16 @@ def test_fsdp_two_processes_equal_single_process_and_resume_from_shards(tiny_sha
     """Step 2 of a sharded 2-process run equals step 2 of one process (global batch 8 either way); the run's
     checkpoint holds one optimizer shard per rank; resumed from it under torchrun, step 3 equals the
     uninterrupted single-process step 3 (a resume that dropped the AdamW moments would not)."""
-    cfg = tiny_cfg(**{"train.max_steps": 3, "train.eval_interval": 2, "train.batch_size": 4, "train.grad_accum": 2,
-                      "train.ckpt_interval": 2, "train.keep_checkpoints": 3})
+    cfg = tiny_cfg(
+        **{
+            "train.max_steps": 3,
+            "train.eval_interval": 2,
+            "train.batch_size": 4,
+            "train.grad_accum": 2,
+            "train.ckpt_interval": 2,
+            "train.keep_checkpoints": 3,
+        }
+    )
     single = tmp_path / "single"
     train(cfg, single, shards=tiny_shards, progress=False)
     fsdp_cfg = cfg.override({"train.grad_accum": 1, "train.parallel": "fsdp"})

@@ -37,7 +37,8 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a tiny test model<|im_end|>\n' }}{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -45,8 +46,17 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path: Path, model, tokens: list[str], merges: list[str], *, chat_template: str | None,
-                     arch: str = "llama", dtype=np.float32, f64_norms: bool = False) -> Path:
+def write_llama_gguf(
+    path: Path,
+    model,
+    tokens: list[str],
+    merges: list[str],
+    *,
+    chat_template: str | None,
+    arch: str = "llama",
+    dtype=np.float32,
+    f64_norms: bool = False,
+) -> Path:
     """Write a transformers ``LlamaForCausalLM`` as llama.cpp would (tensor names, q/k permutation, a GPT-2 BPE
     tokenizer with <|im_start|>/<|im_end|> as control tokens)."""
     cfg = model.config
@@ -103,9 +113,18 @@ def tiny(tiny_shards, tmp_path_factory):
     tokens += ["<|im_start|>", "<|im_end|>"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
     V = len(tokens)
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CTX,
-                                   tie_word_embeddings=True, bos_token_id=V - 2, eos_token_id=V - 1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CTX,
+        tie_word_embeddings=True,
+        bos_token_id=V - 2,
+        eos_token_id=V - 1,
+    )
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg).eval()
     (root / "chat").mkdir()
@@ -115,8 +134,24 @@ def tiny(tiny_shards, tmp_path_factory):
 
 
 def retrofit_cli(source, out, *extra, code: int = 0):
-    args = ["retrofit", "--from", str(source), "--out", str(out), "--prototypes", "32", "--top-k", "4",
-            "--batch-size", "4", "--no-progress", "--device", "cpu", *SMALL_DATA, *extra]
+    args = [
+        "retrofit",
+        "--from",
+        str(source),
+        "--out",
+        str(out),
+        "--prototypes",
+        "32",
+        "--top-k",
+        "4",
+        "--batch-size",
+        "4",
+        "--no-progress",
+        "--device",
+        "cpu",
+        *SMALL_DATA,
+        *extra,
+    ]
     res = CliRunner().invoke(cli_app, args)
     assert res.exit_code == code, res.output
     return res
@@ -157,8 +192,9 @@ def test_load_causal_lm_gives_the_written_model_and_a_plain_savable_copy(tiny, t
 
 
 def test_f16_gguf_is_recorded_as_f16_and_dequantised_exactly(tiny, tmp_path):
-    path = write_llama_gguf(tmp_path / "tiny-f16.gguf", tiny["ref"], tiny["tokens"], tiny["merges"],
-                            chat_template=None, dtype=np.float16)
+    path = write_llama_gguf(
+        tmp_path / "tiny-f16.gguf", tiny["ref"], tiny["tokens"], tiny["merges"], chat_template=None, dtype=np.float16
+    )
     model, _, info = load_causal_lm(path)
     assert info.quantization == "F16" and info.tensor_types == {"F16": 2 * 7 + 1, "F32": 2 * 2 + 1}
     rounded = transformers.LlamaForCausalLM(tiny["ref"].config).eval()
@@ -173,7 +209,7 @@ def test_retrofit_from_gguf_keeps_the_logits_and_records_the_source(tiny, chat_r
     ids = torch.randint(0, tiny["V"], (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = tiny["ref"](input_ids=ids).logits
-        got = run.model(ids).logits[..., :tiny["V"]]
+        got = run.model(ids).logits[..., : tiny["V"]]
     assert torch.allclose(got, want, rtol=0, atol=1e-6 * float(want.abs().max())), float((got - want).abs().max())
     sha = hashlib.sha256(tiny["chat"].read_bytes()).hexdigest()
     manifest = run.checkpoint.manifest
@@ -187,9 +223,15 @@ def test_retrofit_from_gguf_keeps_the_logits_and_records_the_source(tiny, chat_r
 def test_chat_template_renders_as_transformers_does(tiny):
     hf = transformers.AutoTokenizer.from_pretrained(tiny["chat"].parent, gguf_file=tiny["chat"].name)
     ours = from_transformers(hf, "tiny")
-    for messages in ([{"role": "user", "content": "What is the capital of France?"}],
-                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]):
+    for messages in (
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ],
+    ):
         for gen in (True, False):
             want = hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
             assert ours.apply_chat_template(messages, add_generation_prompt=gen) == want
@@ -199,8 +241,10 @@ def test_chat_template_renders_as_transformers_does(tiny):
     # bos_token and raise_exception, as transformers passes them to a template
     # bos_token and raise_exception, as transformers passes them; block tags on their own (indented) lines are
     # dropped with their newline and indent (trim_blocks, lstrip_blocks)
-    hf.chat_template = ("{{ bos_token }}\n{% for m in messages %}\n  {% if m['role'] == 'bot' %}\n"
-                        "{{ raise_exception('no bots') }}{% endif %}\n{{ m['content'] }}\n{% endfor %}")
+    hf.chat_template = (
+        "{{ bos_token }}\n{% for m in messages %}\n  {% if m['role'] == 'bot' %}\n"
+        "{{ raise_exception('no bots') }}{% endif %}\n{{ m['content'] }}\n{% endfor %}"
+    )
     ours = from_transformers(hf, "tiny")
     msgs = [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]
     assert ours.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False) == "<|im_start|>\nx\ny\n"
@@ -213,27 +257,42 @@ def _greedy_reference(tiny, message: str, n: int) -> list[int]:
     hf = transformers.AutoTokenizer.from_pretrained(tiny["chat"].parent, gguf_file=tiny["chat"].name)
     text = hf.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False)
     ids = torch.tensor([hf.encode(text, add_special_tokens=False)])
-    out = tiny["ref"].generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=tiny["V"] - 1,
-                               pad_token_id=tiny["V"] - 1)
-    return out[0, ids.shape[1]:].tolist()
+    out = tiny["ref"].generate(
+        ids, max_new_tokens=n, do_sample=False, eos_token_id=tiny["V"] - 1, pad_token_id=tiny["V"] - 1
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def test_generate_and_explain_chat_answer_as_the_source_model(tiny, chat_run):
     msg = "What is the capital of France?"
     want = _greedy_reference(tiny, msg, 12)
     run = Run.open(chat_run, device="cpu")
-    res = CliRunner().invoke(cli_app, ["generate", str(chat_run), "--chat", msg, "--tokens", "12",
-                                       "--temperature", "0", "--device", "cpu"])
+    res = CliRunner().invoke(
+        cli_app, ["generate", str(chat_run), "--chat", msg, "--tokens", "12", "--temperature", "0", "--device", "cpu"]
+    )
     assert res.exit_code == 0, res.output
     eos = tiny["V"] - 1
-    answer = want[:want.index(eos)] if eos in want else want
+    answer = want[: want.index(eos)] if eos in want else want
     assert res.output.split("-" * 40)[0].strip() == run.tokenizer.decode(answer).strip()
-    expl_res = CliRunner().invoke(cli_app, ["explain", str(chat_run), "--chat", msg, "--generate", "12",
-                                            "--device", "cpu", "--json", str(chat_run / "chat.json")])
+    expl_res = CliRunner().invoke(
+        cli_app,
+        [
+            "explain",
+            str(chat_run),
+            "--chat",
+            msg,
+            "--generate",
+            "12",
+            "--device",
+            "cpu",
+            "--json",
+            str(chat_run / "chat.json"),
+        ],
+    )
     assert expl_res.exit_code == 0, expl_res.output
     d = json.loads((chat_run / "chat.json").read_text())
     prompt = run.tokenizer.encode(run.tokenizer.apply_chat_template([{"role": "user", "content": msg}]))
-    assert d["prompt_tokens"] == len(prompt) and d["token_ids"][:len(prompt)] == prompt
+    assert d["prompt_tokens"] == len(prompt) and d["token_ids"][: len(prompt)] == prompt
     sampled = [p["next_id"] for p in d["positions"] if p["chosen_by"] == "sampled"]
     assert sampled == want  # greedy, the source model's answer, eos included when it ends the turn
     assert max(abs(p["error"]) for p in d["positions"]) < 1e-4
@@ -250,10 +309,19 @@ def test_generation_stops_at_the_end_of_turn_token(chat_run):
     cut = next(j for j, t in enumerate(answer) if j >= 3 and t not in answer[:j])  # its first occurrence
     stop = answer[cut]
     stopped = explain_generation(model, tok, prompt, 12, temperature=1.0, top_k=None, seed=0, stop_id=stop)
-    assert [p.next_id for p in stopped.positions if p.chosen_by == "sampled"] == answer[:cut + 1]
+    assert [p.next_id for p in stopped.positions if p.chosen_by == "sampled"] == answer[: cut + 1]
     assert len(stopped.positions) == len(free.positions) - (len(answer) - cut - 1)
-    texts = sample_continuations(model, tok, prompt, samples=1, tokens=12, temperature=1.0, top_k=None,
-                                 generator=torch.Generator().manual_seed(0), stop_id=stop)
+    texts = sample_continuations(
+        model,
+        tok,
+        prompt,
+        samples=1,
+        tokens=12,
+        temperature=1.0,
+        top_k=None,
+        generator=torch.Generator().manual_seed(0),
+        stop_id=stop,
+    )
     assert texts == [tok.decode(answer[:cut])]
 
 
@@ -270,7 +338,7 @@ def test_chat_on_a_model_without_a_chat_template_is_one_clear_line(chat_run, pla
 def test_truncated_gguf_is_refused_by_name_and_nothing_is_written(tiny, tmp_path, keep):
     data = tiny["plain"].read_bytes()
     bad = tmp_path / "cut.gguf"
-    bad.write_bytes(data[:int(len(data) * keep)])
+    bad.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(ModelSourceError, match="truncated"):
         load_causal_lm(bad)
     res = retrofit_cli(bad, tmp_path / "out", "--steps", "1", code=2)
@@ -279,16 +347,18 @@ def test_truncated_gguf_is_refused_by_name_and_nothing_is_written(tiny, tmp_path
 
 
 def test_gguf_of_an_architecture_transformers_cannot_read_is_refused(tiny, tmp_path):
-    bad = write_llama_gguf(tmp_path / "rwkv.gguf", tiny["ref"], tiny["tokens"], tiny["merges"], chat_template=None,
-                           arch="rwkv6")
+    bad = write_llama_gguf(
+        tmp_path / "rwkv.gguf", tiny["ref"], tiny["tokens"], tiny["merges"], chat_template=None, arch="rwkv6"
+    )
     res = retrofit_cli(bad, tmp_path / "out", "--steps", "1", code=2)
     assert str(bad) in res.output and "'rwkv6'" in res.output and "\n" not in res.output.strip()
     assert not (tmp_path / "out").exists()
 
 
 def test_a_quantisation_transformers_cannot_dequantise_is_refused(tiny, tmp_path):
-    bad = write_llama_gguf(tmp_path / "f64.gguf", tiny["ref"], tiny["tokens"], tiny["merges"], chat_template=None,
-                           f64_norms=True)
+    bad = write_llama_gguf(
+        tmp_path / "f64.gguf", tiny["ref"], tiny["tokens"], tiny["merges"], chat_template=None, f64_norms=True
+    )
     with pytest.raises(ModelSourceError, match="F64, which transformers cannot dequantise") as e:
         load_causal_lm(bad)
     assert str(bad) in str(e.value)
@@ -343,19 +413,48 @@ def test_shipped_smollm2_end_to_end(tmp_path, capsys):
     del model
     out = tmp_path / "smol"
     t0 = time.perf_counter()
-    retrofit_cli("smollm2-135m-instruct", out, "--steps", "3", "--block-size", "64", "--prototypes", "64",
-                 "--set", "train.eval_interval=3", "--set", "train.eval_batches=2", "--set", "train.log_interval=1")
+    retrofit_cli(
+        "smollm2-135m-instruct",
+        out,
+        "--steps",
+        "3",
+        "--block-size",
+        "64",
+        "--prototypes",
+        "64",
+        "--set",
+        "train.eval_interval=3",
+        "--set",
+        "train.eval_batches=2",
+        "--set",
+        "train.log_interval=1",
+    )
     retrofit_s = time.perf_counter() - t0
     run = Run.open(out, device="cpu")
     assert run.checkpoint.manifest["source"]["quantization"] == "Q4_1"
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    res = CliRunner().invoke(cli_app, ["generate", str(out), "--chat", "What is the capital of France?",
-                                       "--tokens", "16", "--temperature", "0", "--device", "cpu"])
+    res = CliRunner().invoke(
+        cli_app,
+        [
+            "generate",
+            str(out),
+            "--chat",
+            "What is the capital of France?",
+            "--tokens",
+            "16",
+            "--temperature",
+            "0",
+            "--device",
+            "cpu",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "Paris" in res.output
     with capsys.disabled():
-        print(f"\n[smollm2] load {load_s:.1f}s, retrofit (3 frozen steps, load included) {retrofit_s:.1f}s, "
-              f"last step {metrics[-1]}, answer {res.output.split('-' * 40)[0].strip()!r}")
+        print(
+            f"\n[smollm2] load {load_s:.1f}s, retrofit (3 frozen steps, load included) {retrofit_s:.1f}s, "
+            f"last step {metrics[-1]}, answer {res.output.split('-' * 40)[0].strip()!r}"
+        )
 
 
 def test_explorer_explains_a_chat_answer_and_refuses_chat_without_a_template(tiny, chat_run, plain_run):
@@ -373,5 +472,6 @@ def test_explorer_explains_a_chat_answer_and_refuses_chat_without_a_template(tin
     sampled = [p["chosen"]["id"] for p in d["positions"] if p["chosen_by"] == "sampled"]
     assert sampled == _greedy_reference(tiny, msg, 12)
     r = TestClient(create_app(Explorer.open(plain_run, device="cpu")), base_url="http://127.0.0.1").post(
-        "/api/explain", json={"text": msg, "chat": True})
+        "/api/explain", json={"text": msg, "chat": True}
+    )
     assert 400 <= r.status_code < 500 and "no chat template" in r.json()["message"]

@@ -12,9 +12,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_bf16_compiled_training_runs_and_lowers_loss(tiny_shards, tmp_path):
-    cfg = RunConfig.from_name("tiny").override({"train.device": "cuda", "train.dtype": "bfloat16",
-                                                "train.compile": True, "train.max_steps": 30,
-                                                "train.eval_interval": 30})
+    cfg = RunConfig.from_name("tiny").override(
+        {
+            "train.device": "cuda",
+            "train.dtype": "bfloat16",
+            "train.compile": True,
+            "train.max_steps": 30,
+            "train.eval_interval": 30,
+        }
+    )
     result = train(cfg, tmp_path / "run", shards=tiny_shards, progress=False)
     assert result.metrics["val_loss"] < 6.0 and torch.isfinite(torch.tensor(result.metrics["val_loss"]))
 

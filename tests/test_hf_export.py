@@ -28,8 +28,11 @@ from prismlm.model import Control, PrismLM, Suppress  # noqa: E402
 from prismlm.model.hf_model import PrismConfig, PrismForCausalLM  # noqa: E402
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-TEXTS = ["It is a truth universally acknowledged, that a single man",
-         "The President said that the Union is strong.", "Hello"]
+TEXTS = [
+    "It is a truth universally acknowledged, that a single man",
+    "The President said that the Union is strong.",
+    "Hello",
+]
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +84,30 @@ def batch(run: Run, texts: list[str] = TEXTS) -> torch.Tensor:
 # ----- the exported folder loads with the run's outputs ----------------------------------------------------
 def test_export_writes_a_transformers_folder(exported, run):
     names = {p.name for p in exported.iterdir()}
-    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "configuration_prism.py", "modeling_prism.py"} <= names
+    assert {
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "configuration_prism.py",
+        "modeling_prism.py",
+    } <= names
     cfg = json.loads((exported / "config.json").read_text())
     eot = run.tokenizer.eot_id
     assert cfg["model_type"] == "prism" and cfg["architectures"] == ["PrismForCausalLM"]
-    assert cfg["auto_map"] == {"AutoConfig": "configuration_prism.PrismConfig",
-                               "AutoModelForCausalLM": "modeling_prism.PrismForCausalLM"}
+    assert cfg["auto_map"] == {
+        "AutoConfig": "configuration_prism.PrismConfig",
+        "AutoModelForCausalLM": "modeling_prism.PrismForCausalLM",
+    }
     m = run.config.model
-    assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-            cfg["max_position_embeddings"]) == (m.vocab_size, m.n_embd, m.n_layer, m.n_head, m.block_size)
+    assert (
+        cfg["vocab_size"],
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg["max_position_embeddings"],
+    ) == (m.vocab_size, m.n_embd, m.n_layer, m.n_head, m.block_size)
     assert cfg["tie_word_embeddings"] is True and cfg["suppressed_prototypes"] == []
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (eot, eot, eot)
     assert cfg["prism_source"]["model_sha256"] == run.identity
@@ -219,11 +236,27 @@ def test_hugging_face_backbone_wraps_the_same_way(tie, tmp_path):
 
     from prismlm.config import ModelConfig, PrototypeConfig
 
-    hf_cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      tie_word_embeddings=tie).to_dict()
-    cfg = ModelConfig(vocab_size=300, block_size=32, n_layer=2, n_head=4, n_embd=32, tie_weights=tie, backbone="hf",
-                      hf_config=hf_cfg, prototypes=PrototypeConfig(num_prototypes=16, top_k=2))
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+    ).to_dict()
+    cfg = ModelConfig(
+        vocab_size=300,
+        block_size=32,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        tie_weights=tie,
+        backbone="hf",
+        hf_config=hf_cfg,
+        prototypes=PrototypeConfig(num_prototypes=16, top_k=2),
+    )
     torch.manual_seed(0)
     model = PrismLM(cfg).eval()
     PrismForCausalLM.from_prism(model, eos_token_id=0).save_pretrained(tmp_path)
@@ -234,14 +267,16 @@ def test_hugging_face_backbone_wraps_the_same_way(tie, tmp_path):
         got, want = loaded(x), model(x)
     assert (got.logits - want.logits).abs().max().item() <= 1e-5
     assert torch.equal(got.prototype_indices, want.indices)
-    assert torch.equal(loaded.generate(x[:1, :5], max_new_tokens=40, do_sample=False, eos_token_id=None),
-                       model.generate(x[:1, :5], 40, temperature=0))
+    assert torch.equal(
+        loaded.generate(x[:1, :5], max_new_tokens=40, do_sample=False, eos_token_id=None),
+        model.generate(x[:1, :5], 40, temperature=0),
+    )
     # left padding: positions from the mask (position_ids = cumsum − 1) and padding masked in the base model
     rows = [x[0, :9].tolist(), x[1, :4].tolist(), x[1, 3:9].tolist()]
     ids, mask = padded(rows, 0)
     out = loaded.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=None)
     for i, r in enumerate(rows):
-        assert torch.equal(out[i, ids.shape[1] - len(r):], model.generate(torch.tensor([r]), 30, temperature=0)[0]), i
+        assert torch.equal(out[i, ids.shape[1] - len(r) :], model.generate(torch.tensor([r]), 30, temperature=0)[0]), i
     # probing: the base model's hidden states (the last one is z), eager attentions, inputs_embeds
     with torch.no_grad():
         probe = loaded(x, output_hidden_states=True, output_attentions=True)
@@ -308,7 +343,7 @@ def test_left_padded_batched_generate_equals_each_row_alone(noisy, run, exported
     for i, text in enumerate(TEXTS):
         want = noisy.prism.generate(torch.tensor([run.tokenizer.encode(text)]), 70, temperature=0)[0]
         n = int(enc["attention_mask"][i].sum())
-        assert torch.equal(out[i, L - n:], want), i
+        assert torch.equal(out[i, L - n :], want), i
         assert len(set(want[n:].tolist())) > 5  # a varied continuation: the comparison can tell rows apart
 
 
@@ -325,8 +360,9 @@ def test_hidden_states_attentions_and_inputs_embeds(hf, run, exported):
         want = run.model(torch.tensor([run.tokenizer.encode(TEXTS[0])]))
         emb = hf(inputs_embeds=hf.get_input_embeddings()(enc["input_ids"]), attention_mask=enc["attention_mask"])
     B, T = enc["input_ids"].shape
-    assert len(out.hidden_states) == n_layer + 1 and all(h.shape == (B, T, run.config.model.n_embd)
-                                                         for h in out.hidden_states)
+    assert len(out.hidden_states) == n_layer + 1 and all(
+        h.shape == (B, T, run.config.model.n_embd) for h in out.hidden_states
+    )
     assert torch.equal(hf.prism.lm_head(out.hidden_states[-1]), out.logits)
     assert (out.hidden_states[-1][0] - want.hidden[0]).abs().max().item() <= 1e-5  # row 0 is unpadded
     assert len(out.attentions) == n_layer
@@ -359,7 +395,7 @@ def test_a_loaded_run_generates_from_text(run):
     the text plus the decoded continuation of its ids."""
     prompt = TEXTS[1]
     ids = run.tokenizer.encode(prompt)
-    want = run.model.generate(torch.tensor([ids]), 5, temperature=0)[0, len(ids):].tolist()
+    want = run.model.generate(torch.tensor([ids]), 5, temperature=0)[0, len(ids) :].tolist()
     assert run.model.generate(prompt, 5, temperature=0) == prompt + run.tokenizer.decode(want)
 
 
@@ -376,7 +412,9 @@ def test_suppressed_run_exports_suppressed_logits(run_folder, run, tmp_path):
     with torch.no_grad():
         active = run.model(x).indices
     ids = sorted(set(active[..., 0].flatten().tolist()))[:3]  # top prototypes of these tokens
-    sfile = SuppressionSet(ids=ids, num_prototypes=64, model_sha256=run.identity, concept="test").save(tmp_path / "s.json")
+    sfile = SuppressionSet(ids=ids, num_prototypes=64, model_sha256=run.identity, concept="test").save(
+        tmp_path / "s.json"
+    )
     out = tmp_path / "suppressed"
     res = CliRunner().invoke(app, ["export", str(run_folder), str(out), "--suppress", str(sfile), "--device", "cpu"])
     assert res.exit_code == 0, res.output
@@ -391,8 +429,9 @@ def test_suppressed_run_exports_suppressed_logits(run_folder, run, tmp_path):
         plain = run.model(x).logits
     assert (got - want).abs().max().item() <= 1e-5
     assert (got - plain).abs().max().item() > 1e-3
-    assert torch.equal(model.generate(x[:1, :6], max_new_tokens=10, do_sample=False),
-                       _generate_intervened(suppressed, x[:1, :6], 10))
+    assert torch.equal(
+        model.generate(x[:1, :6], max_new_tokens=10, do_sample=False), _generate_intervened(suppressed, x[:1, :6], 10)
+    )
 
 
 def _generate_intervened(run: Run, prompt: torch.Tensor, n: int) -> torch.Tensor:
@@ -414,8 +453,10 @@ def test_controller_multipliers_are_baked_in(run, tmp_path):
     with torch.no_grad():
         assert (loaded(x).logits - want).abs().max().item() <= 1e-5
     with pytest.raises(ModelError, match="dense baseline"):
-        PrismForCausalLM.from_prism(PrismLM(RunConfig.from_name("tiny").override({"model.prototypes": None}).model),
-                                    interventions=(Suppress.of([1]),))
+        PrismForCausalLM.from_prism(
+            PrismLM(RunConfig.from_name("tiny").override({"model.prototypes": None}).model),
+            interventions=(Suppress.of([1]),),
+        )
 
 
 # ----- lm-eval --model hf --------------------------------------------------------------------------------------
@@ -428,8 +469,11 @@ def test_lm_eval_hflm_scores_like_our_scorer(exported, run):
 
     from prismlm.eval.scoring import loglikelihoods
 
-    reqs = [("", "It is a truth"), ("It is a truth", " universally acknowledged"),
-            ("The President said", " that the Union")]
+    reqs = [
+        ("", "It is a truth"),
+        ("It is a truth", " universally acknowledged"),
+        ("The President said", " that the Union"),
+    ]
     lm = HFLM(pretrained=str(exported), device="cpu", batch_size=1)
     got = lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)])
     want = loglikelihoods(run.model, run.tokenizer, reqs, batch_size=1)
@@ -451,23 +495,34 @@ def test_lm_eval_hflm_generate_until_task_at_batch_size_4(noisy, run, exported, 
         monkeypatch.setenv(k, v)
     contexts = [*TEXTS, "We the people of the United States", "In the beginning", "Congress shall make no law"]
     eot = run.tokenizer.decode([run.tokenizer.eot_id])
-    want = [run.tokenizer.decode(noisy.prism.generate(torch.tensor([run.tokenizer.encode(c)]), 12,
-                                                      temperature=0)[0, -12:].tolist()).split(eot)[0] for c in contexts]
+    want = [
+        run.tokenizer.decode(
+            noisy.prism.generate(torch.tensor([run.tokenizer.encode(c)]), 12, temperature=0)[0, -12:].tolist()
+        ).split(eot)[0]
+        for c in contexts
+    ]
     targets = [w if i % 2 == 0 else "no" for i, w in enumerate(want)]  # exact_match 3/6
     folder = tmp_path / "gen_task"
     folder.mkdir()
-    (folder / "test.jsonl").write_text("".join(json.dumps({"context": c, "target": t}) + "\n"
-                                               for c, t in zip(contexts, targets)))
+    (folder / "test.jsonl").write_text(
+        "".join(json.dumps({"context": c, "target": t}) + "\n" for c, t in zip(contexts, targets))
+    )
     (folder / "gen.yaml").write_text(
         f"task: prism_tiny_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
         f"    test: {json.dumps(str(folder / 'test.jsonl'))}\ntest_split: test\noutput_type: generate_until\n"
         "doc_to_text: '{{context}}'\ndoc_to_target: '{{target}}'\ntarget_delimiter: ''\n"
         "generation_kwargs:\n  until: []\n  max_gen_toks: 12\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
     tok = AutoTokenizer.from_pretrained(exported)
     lm = HFLM(pretrained=noisy, tokenizer=tok, device="cpu", batch_size=4)
-    out = lm_eval.simple_evaluate(model=lm, tasks=["prism_tiny_gen"], log_samples=True, cache_requests=False,
-                                  task_manager=TaskManager(include_path=str(folder), include_defaults=False))
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=["prism_tiny_gen"],
+        log_samples=True,
+        cache_requests=False,
+        task_manager=TaskManager(include_path=str(folder), include_defaults=False),
+    )
     samples = sorted(out["samples"]["prism_tiny_gen"], key=lambda x: x["doc_id"])
     assert [s["resps"][0][0] for s in samples] == want
     assert len(set(want)) == len(want)  # varied answers: the comparison can tell rows apart
@@ -526,13 +581,25 @@ def test_auto_classes_know_prism_in_fresh_interpreters(exported, run, tmp_path):
     x = batch(run)
     with torch.no_grad():
         torch.save({"x": x, "logits": run.model(x).logits}, tmp_path / "ref.pt")
-    env = {**os.environ, **OFFLINE, "HF_HOME": str(tmp_path / "hf"), "HF_MODULES_CACHE": str(tmp_path / "modules"),
-           "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        **OFFLINE,
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     procs = {}
     for name, body in _SCRIPTS.items():
         code = textwrap.dedent(body).format(out=str(exported)) + _CHECK.format(ref=str(tmp_path / "ref.pt"))
-        procs[name] = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, text=True,
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            cwd=tmp_path,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
     failed = []
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=240)

@@ -20,8 +20,14 @@ def make_model(prism: bool = True, *, dtype: torch.dtype = torch.float32, seed: 
     """d=32, 2 layers, K=64 (or the dense baseline), eval mode. PRISM prototypes are placed on real hidden
     states plus noise, so activations are large and suppression moves the logits a lot."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=V, block_size=BS, n_layer=2, n_head=2, n_embd=32,
-                      prototypes=PrototypeConfig(num_prototypes=64, top_k=4) if prism else None)
+    cfg = ModelConfig(
+        vocab_size=V,
+        block_size=BS,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        prototypes=PrototypeConfig(num_prototypes=64, top_k=4) if prism else None,
+    )
     model = PrismLM(cfg).to(dtype).eval()
     if prism:
         assert model.prototypes is not None
@@ -59,8 +65,9 @@ def test_cached_logits_equal_uncached_at_every_position(prism, dtype):
     torch.testing.assert_close(torch.cat([o.hidden for o in outs], 1), full.hidden, rtol=0, atol=TOL[dtype])
     if prism:
         assert torch.equal(torch.cat([o.indices for o in outs], 1), full.indices)
-        torch.testing.assert_close(torch.cat([o.activations for o in outs], 1), full.activations, rtol=0,
-                                   atol=TOL[dtype])
+        torch.testing.assert_close(
+            torch.cat([o.activations for o in outs], 1), full.activations, rtol=0, atol=TOL[dtype]
+        )
 
 
 def test_cached_prefill_is_bit_identical_to_uncached_forward():
@@ -165,16 +172,18 @@ def test_greedy_generate_same_tokens_with_and_without_cache(case, prism):
 def test_greedy_generate_float32_same_tokens_with_and_without_cache():
     model = make_model()
     prompt = torch.randint(0, V, (3, 6))
-    assert torch.equal(model.generate(prompt, 50, temperature=0.0), model.generate(prompt, 50, temperature=0.0,
-                                                                                  use_cache=False))
+    assert torch.equal(
+        model.generate(prompt, 50, temperature=0.0), model.generate(prompt, 50, temperature=0.0, use_cache=False)
+    )
 
 
 def test_sampled_generate_same_tokens_with_and_without_cache():
     model = make_model(dtype=torch.float64)
     prompt = torch.randint(0, V, (2, 8))
     a = model.generate(prompt, 40, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(3))
-    b = model.generate(prompt, 40, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(3),
-                       use_cache=False)
+    b = model.generate(
+        prompt, 40, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(3), use_cache=False
+    )
     assert torch.equal(a, b)
 
 
@@ -219,8 +228,9 @@ def test_suppression_applies_on_the_cached_path(n):
     # and a controller (1 + c) on the cached path, as uncached
     c = torch.randn(64, dtype=torch.float64)
     with model.control(c):
-        assert torch.equal(model.generate(prompt, n, temperature=0.0),
-                           model.generate(prompt, n, temperature=0.0, use_cache=False))
+        assert torch.equal(
+            model.generate(prompt, n, temperature=0.0), model.generate(prompt, n, temperature=0.0, use_cache=False)
+        )
     assert model.proto_multipliers is None
 
 
@@ -249,8 +259,13 @@ def test_explained_generation_from_the_cached_steps_equals_the_one_forward_expla
     with ctx:
         gen = explain_generation(model, tok, "hello world", 15, temperature=0.9, top_k=30, seed=2)  # type: ignore[arg-type]
         ref = explain(model, tok, gen.token_ids, targets=[p.next_id for p in gen.positions])  # type: ignore[arg-type]
-        again = model.generate(torch.tensor([tok.encode("hello world")]), 15, temperature=0.9, top_k=30,
-                               generator=torch.Generator().manual_seed(2))
+        again = model.generate(
+            torch.tensor([tok.encode("hello world")]),
+            15,
+            temperature=0.9,
+            top_k=30,
+            generator=torch.Generator().manual_seed(2),
+        )
     assert gen.prompt_tokens == 11 and len(gen.positions) == 11 + 15 - 1 and gen.truncated_tokens == 0
     assert gen.token_ids + [gen.positions[-1].next_id] == again[0].tolist()  # the same tokens as generate
     assert [p.chosen_by for p in gen.positions] == ["text"] * 10 + ["sampled"] * 15
@@ -291,12 +306,11 @@ def test_left_padded_rows_equal_each_row_alone_through_the_cache(cache_kind):
     mask = torch.stack([(torch.arange(L) >= L - len(r)).long() for r in rows])  # (3, L)
     cache = KVCache() if cache_kind == "ours" else DynamicCache()
     with torch.no_grad():
-        outs = [model(x[:, :a][:, s:], cache=cache, attention_mask=mask[:, :a])
-                for s, a in ((0, 7), (7, 10), (10, L))]
+        outs = [model(x[:, :a][:, s:], cache=cache, attention_mask=mask[:, :a]) for s, a in ((0, 7), (7, 10), (10, L))]
         got = torch.cat([o.logits for o in outs], dim=1)  # (3, L, V)
         for i, r in enumerate(rows):
             want = model(r[None]).logits[0]  # (n, V)
-            torch.testing.assert_close(got[i, L - len(r):], want, rtol=0, atol=1e-10)
+            torch.testing.assert_close(got[i, L - len(r) :], want, rtol=0, atol=1e-10)
         # greedy decoding continues every row from its own last token
         ids, m, cache = x, mask, KVCache()
         feed = x
@@ -304,7 +318,7 @@ def test_left_padded_rows_equal_each_row_alone_through_the_cache(cache_kind):
             nxt = model(feed, cache=cache, attention_mask=m, last_only=True).logits[:, -1].argmax(-1, keepdim=True)
             ids, m, feed = torch.cat([ids, nxt], 1), torch.cat([m, torch.ones_like(nxt)], 1), nxt
     for i, r in enumerate(rows):
-        assert torch.equal(ids[i, L - len(r):], model.generate(r[None], 8, temperature=0)[0])
+        assert torch.equal(ids[i, L - len(r) :], model.generate(r[None], 8, temperature=0)[0])
 
 
 def test_attention_mask_must_cover_the_cached_and_new_tokens():

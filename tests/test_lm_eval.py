@@ -64,9 +64,26 @@ def test_cli_scores_like_our_scorer_and_reports_device_and_tokenizer(trained, tm
     ckpt, run = trained
     splits = build_task("sotu_era", {"train": 4, "validation": 4, "test": 12})
     folder = write_task("sotu_era", splits, tmp_path / "tasks")
-    res = run_cli(["--model", "prism", "--model_args", f"pretrained={run}", "--tasks", "prism_sotu_era",
-                   "--include_path", str(folder), "--limit", "8", "--batch_size", "4", "--log_samples",
-                   "--output_path", str(tmp_path / "out")], tmp_path)
+    res = run_cli(
+        [
+            "--model",
+            "prism",
+            "--model_args",
+            f"pretrained={run}",
+            "--tasks",
+            "prism_sotu_era",
+            "--include_path",
+            str(folder),
+            "--limit",
+            "8",
+            "--batch_size",
+            "4",
+            "--log_samples",
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     (results_file,) = (tmp_path / "out").rglob("results_*.json")
     (samples_file,) = (tmp_path / "out").rglob("samples_prism_sotu_era_*.jsonl")
@@ -112,7 +129,9 @@ def test_cli_reports_bad_model_args_in_one_line(trained, tmp_path, monkeypatch, 
     monkeypatch.setattr(sys, "argv", ["prism-lm-eval"])  # main() sets it; restored after the test
     for model_args, what in ((f"pretrained={run},bogus=1", "bogus"), (f"pretrained={tmp_path / 'nowhere'}", "nowhere")):
         with pytest.raises(SystemExit) as e:
-            main(["--model", "prism", "--model_args", model_args, "--tasks", "prism_tiny", "--include_path", str(folder)])
+            main(
+                ["--model", "prism", "--model_args", model_args, "--tasks", "prism_tiny", "--include_path", str(folder)]
+            )
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
         assert "Traceback" not in err and err.splitlines()[-1].startswith("prism-lm-eval: error:")
@@ -132,9 +151,11 @@ def test_bad_model_args_are_reported_before_lm_eval_starts(trained, tmp_path, mo
     _, run = trained
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", entered)
     monkeypatch.setattr(sys, "argv", ["prism-lm-eval"])
-    cases = [(["--model", "prism", "--model_args", f"pretrained={run},bogus=1"], "bogus"),
-             (["--model=prism", "--model_args=pretrained=" + str(tmp_path / "nowhere")], "nowhere"),
-             (["--model", "prism", "--model_args", "suppress=none"], "pretrained=RUN")]
+    cases = [
+        (["--model", "prism", "--model_args", f"pretrained={run},bogus=1"], "bogus"),
+        (["--model=prism", "--model_args=pretrained=" + str(tmp_path / "nowhere")], "nowhere"),
+        (["--model", "prism", "--model_args", "suppress=none"], "pretrained=RUN"),
+    ]
     for argv, what in cases:
         with pytest.raises(SystemExit) as e:
             main([*argv, "--tasks", "prism_tiny"])
@@ -165,12 +186,15 @@ def test_help_says_how_to_use_model_prism(capsys, monkeypatch):
 def test_registration_keeps_lm_evals_own_models():
     """lm-eval fills its registry lazily only while it is empty: registering ``prism`` first would hide
     ``hf`` and the rest (fresh interpreter, so no earlier import can mask this)."""
-    code = ("import prismlm.app.lm_eval_adapter as a\n"
-            "from lm_eval.api.registry import get_model\n"
-            "assert get_model('prism') is a.PrismEvalLM\n"
-            "assert get_model('hf').__name__ == 'HFLM'\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **OFFLINE})
+    code = (
+        "import prismlm.app.lm_eval_adapter as a\n"
+        "from lm_eval.api.registry import get_model\n"
+        "assert get_model('prism') is a.PrismEvalLM\n"
+        "assert get_model('hf').__name__ == 'HFLM'\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, **OFFLINE}
+    )
     assert res.returncode == 0, res.stderr[-2000:]
 
 
@@ -200,12 +224,25 @@ def to_hf_gpt2(model):
 
     c = model.config
     assert c.dropout == 0.0 and c.bias and not getattr(c, "lm_head_bias", False)
-    hc = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-                    n_head=c.n_head, activation_function="gelu", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
-                    embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=c.tie_weights)
+    hc = GPT2Config(
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        activation_function="gelu",
+        layer_norm_epsilon=1e-5,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=c.tie_weights,
+    )
     hf = GPT2LMHeadModel(hc).eval()
-    sd = {k: (v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v)
-          for k, v in model.state_dict().items() if not k.startswith("prototypes.")}
+    sd = {
+        k: (v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v)
+        for k, v in model.state_dict().items()
+        if not k.startswith("prototypes.")
+    }
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     assert not unexpected and not [k for k in missing if not k.endswith(".attn.bias")], (missing, unexpected)
     return hf
@@ -225,8 +262,9 @@ def test_rolling_loglikelihood_equals_hflm_on_the_same_weights(trained, monkeypa
     x = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x).logits, rtol=1e-4, atol=1e-4)
-    htok = PreTrainedTokenizerFast(tokenizer_file=str(ckpt.path / "tokenizer" / "tokenizer.json"),
-                                   eos_token=tok.decode([tok.eot_id]))
+    htok = PreTrainedTokenizerFast(
+        tokenizer_file=str(ckpt.path / "tokenizer" / "tokenizer.json"), eos_token=tok.decode([tok.eot_id])
+    )
     hflm = HFLM(pretrained=hf, tokenizer=htok, batch_size=4, device="cpu")
     assert hflm.max_length == T and hflm.prefix_token_id == tok.eot_id
 
@@ -262,7 +300,7 @@ def greedy_by_hand(model, ids: list[int], n: int) -> list[int]:
     ids, new = list(ids), []
     with torch.no_grad():
         for _ in range(n):
-            nxt = int(model(torch.tensor([ids[-model.config.block_size:]])).logits[0, -1].argmax())
+            nxt = int(model(torch.tensor([ids[-model.config.block_size :]])).logits[0, -1].argmax())
             ids.append(nxt)
             new.append(nxt)
     return new
@@ -284,16 +322,16 @@ def test_generate_until_is_greedy_truncates_and_stops(trained):
     assert all(len(tok.encode(c)) > T - 20 for c in contexts[:3])  # the cut matters
     got = lm.generate_until(gen(*[(c, {"until": [], "max_gen_toks": 20}) for c in contexts]))
     for c, g in zip(contexts, got):
-        new = greedy_by_hand(model, (tok.encode(c) or [tok.eot_id])[-(T - 20):], 20)
+        new = greedy_by_hand(model, (tok.encode(c) or [tok.eot_id])[-(T - 20) :], 20)
         assert len(set(new)) > 5  # not a collapsed repetition: the comparison can tell contexts apart
         assert g == tok.decode(new).split(eot)[0]
     assert len(set(got)) == len(got)
     # a stop string met in the middle of the greedy text: the output ends before it, and generation
     # stops after the chunk in which it appeared
-    ids = tok.encode(contexts[0])[-(T - 40):]
+    ids = tok.encode(contexts[0])[-(T - 40) :]
     longer = tok.decode(greedy_by_hand(model, ids, 40)).split(eot)[0]
     first_chunk = tok.decode(greedy_by_hand(model, ids, 16))
-    stop = longer[len(first_chunk) // 2:len(first_chunk) // 2 + 3]
+    stop = longer[len(first_chunk) // 2 : len(first_chunk) // 2 + 3]
     assert stop in first_chunk and longer.index(stop) > 0
     calls = []
     orig = model.generate
@@ -307,7 +345,7 @@ def test_generate_until_is_greedy_truncates_and_stops(trained):
         (stopped,) = lm.generate_until(gen((contexts[0], {"until": [stop], "max_gen_toks": 40, "do_sample": False})))
     finally:
         del model.generate
-    assert stopped == longer[:longer.index(stop)] and calls == [16]  # 40 tokens, stopped after the first 16
+    assert stopped == longer[: longer.index(stop)] and calls == [16]  # 40 tokens, stopped after the first 16
     # the end-of-text token always stops; max_gen_toks=0 generates nothing
     (none,) = lm.generate_until(gen(("The", {"until": [], "max_gen_toks": 0})))
     assert none == ""
@@ -333,13 +371,15 @@ def test_suppress_model_arg_applies_to_every_request_type(trained, tmp_path):
     model = plain.model
     T, K = model.config.block_size, model.prototypes.num_prototypes
     context = " ".join(long_text(60).split()[:30])
-    ids = tok.encode(context)[-(T - 20):]
+    ids = tok.encode(context)[-(T - 20) :]
     with torch.no_grad():  # the prototypes most active on this context
         out = model(torch.tensor([ids]))
     act = torch.zeros(K).index_add_(0, out.indices.flatten(), out.activations.flatten())
     sup = act.argsort(descending=True)[:16].tolist()
     f = SuppressionSet(ids=sup, num_prototypes=K, model_sha256=ckpt.manifest["model_sha256"]).save(tmp_path / "s.json")
-    lm = perturbed(PrismEvalLM.create_from_arg_string(f"pretrained={run},suppress={f}", {"device": "cpu", "batch_size": 2}))
+    lm = perturbed(
+        PrismEvalLM.create_from_arg_string(f"pretrained={run},suppress={f}", {"device": "cpu", "batch_size": 2})
+    )
     assert lm.interventions and not plain.interventions
     req = gen((context, {"until": [], "max_gen_toks": 20}))
     (g_plain,), (g_sup,) = plain.generate_until(req), lm.generate_until(req)
@@ -371,8 +411,10 @@ def test_bad_model_args_are_prism_errors(trained, tmp_path):
     with pytest.raises(PrismError, match="suppression"):
         PrismEvalLM.create_from_arg_string(f"pretrained={run},suppress={tmp_path / 'none.json'}", lm_eval_extra)
     # what lm-eval itself passes is accepted: auto batch size (capped by max_batch_size), trust_remote_code
-    lm = PrismEvalLM.create_from_arg_obj({"pretrained": str(run), "trust_remote_code": True},
-                                         {"batch_size": "auto:4", "max_batch_size": 8, "device": "cpu"})
+    lm = PrismEvalLM.create_from_arg_obj(
+        {"pretrained": str(run), "trust_remote_code": True},
+        {"batch_size": "auto:4", "max_batch_size": 8, "device": "cpu"},
+    )
     assert lm.batch_size == 8 and str(lm.device) == "cpu"
 
 
@@ -395,11 +437,14 @@ def test_rolling_loglikelihood_equals_hflm_on_the_exported_model(trained, tmp_pa
     assert ours == pytest.approx(hflm.loglikelihood_rolling(rolling(*texts)), rel=1e-5)
 
 
-@pytest.mark.parametrize("model_args, batch, device", [
-    ("batch_size=4", 4, "cpu"),
-    ("device=cpu", 2, "cpu"),
-    ("batch_size=3,device=cpu", 3, "cpu"),
-])
+@pytest.mark.parametrize(
+    "model_args, batch, device",
+    [
+        ("batch_size=4", 4, "cpu"),
+        ("device=cpu", 2, "cpu"),
+        ("batch_size=3,device=cpu", 3, "cpu"),
+    ],
+)
 def test_model_args_keys_that_lm_eval_also_passes_are_taken_once(trained, model_args, batch, device):
     """Issue 23: `--model_args pretrained=RUN,batch_size=4` (or device=cpu) — keys our own message lists as
     valid — crashed with `got multiple values`, because lm-eval passes its own --batch_size/--device too.
@@ -408,8 +453,9 @@ def test_model_args_keys_that_lm_eval_also_passes_are_taken_once(trained, model_
     lm_eval_extra = {"batch_size": 2, "max_batch_size": None, "device": "cpu"}  # lm-eval's CLI defaults
     lm = PrismEvalLM.create_from_arg_string(f"pretrained={run},{model_args}", lm_eval_extra)
     assert lm.batch_size == batch and str(lm.device) == device
-    lm = PrismEvalLM.create_from_arg_obj({"pretrained": str(run), **dict(kv.split("=") for kv in model_args.split(","))},
-                                         lm_eval_extra)
+    lm = PrismEvalLM.create_from_arg_obj(
+        {"pretrained": str(run), **dict(kv.split("=") for kv in model_args.split(","))}, lm_eval_extra
+    )
     assert lm.batch_size == batch
 
 

@@ -14,8 +14,14 @@ from prismlm.model.prototypes import PrototypeLayer
 
 
 def tiny_model_config(**proto) -> ModelConfig:
-    return ModelConfig(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=32,
-                       prototypes=PrototypeConfig(**{"num_prototypes": 64, "top_k": 4, **proto}))
+    return ModelConfig(
+        vocab_size=97,
+        block_size=32,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        prototypes=PrototypeConfig(**{"num_prototypes": 64, "top_k": 4, **proto}),
+    )
 
 
 def test_logits_equal_prototype_slices_plus_residual_float64():
@@ -25,7 +31,9 @@ def test_logits_equal_prototype_slices_plus_residual_float64():
     x = torch.randint(0, 97, (3, 32))
     with torch.no_grad():
         z = model.backbone(x).reshape(-1, 32)
-        model.prototypes.weight.copy_(z[torch.randperm(z.shape[0])[:64]] + 0.3 * torch.randn(64, 32, dtype=torch.float64))
+        model.prototypes.weight.copy_(
+            z[torch.randperm(z.shape[0])[:64]] + 0.3 * torch.randn(64, 32, dtype=torch.float64)
+        )
     out = model(x)
     assert (out.activations > 0).any()
     for tokens in (x, torch.randint(0, 97, (3, 32))):  # actual next tokens and arbitrary tokens
@@ -63,8 +71,9 @@ def test_prototype_layer_exact_topk_relu_cosines_float64():
     assert ((out.activations > 0).sum(-1) == k).all()  # ... so exactly k non-zeros per token
     assert (out.activations >= 0).all() and out.activations.dtype == torch.float64
     torch.testing.assert_close(out.activations, torch.relu(sel), rtol=0, atol=1e-14)
-    recon = torch.stack([sum(out.activations[t, s] * layer.weight[out.indices[t, s]] for s in range(k))
-                         for t in range(N)]).detach()
+    recon = torch.stack(
+        [sum(out.activations[t, s] * layer.weight[out.indices[t, s]] for s in range(k)) for t in range(N)]
+    ).detach()
     torch.testing.assert_close(out.reconstruction, recon, rtol=0, atol=1e-13)
     assert torch.equal(out.residual, z - out.reconstruction)  # z = ẑ + r exactly
     torch.testing.assert_close(out.token_max_cos, cos.max(1).values, rtol=0, atol=1e-14)
@@ -76,8 +85,9 @@ def test_prototype_layer_exact_topk_relu_cosines_float64():
         pos.weight.copy_(torch.rand(K, d, dtype=torch.float64) + 0.05)  # positive orthant
     neg = -torch.rand(3, d, dtype=torch.float64) - 0.05
     o = pos(neg)
-    assert o.indices.shape == (3, k) and torch.equal(o.indices, _full_cosines(neg, pos.weight.detach())
-                                                     .argsort(-1, descending=True)[:, :k])
+    assert o.indices.shape == (3, k) and torch.equal(
+        o.indices, _full_cosines(neg, pos.weight.detach()).argsort(-1, descending=True)[:, :k]
+    )
     assert (o.activations == 0).all() and torch.equal(o.residual, neg)
     # low precision (bf16 bank and inputs) is decomposed in float32 (spec §6: selection and cosines in fp32)
     lo = PrototypeLayer(d, PrototypeConfig(num_prototypes=K, top_k=k)).bfloat16()
@@ -97,8 +107,9 @@ def test_prototype_layer_gradients_equal_a_dense_reference():
     layer = PrototypeLayer(d, PrototypeConfig(num_prototypes=K, top_k=k, chunk_size=8)).double()
     z = z0.clone().requires_grad_(True)
     out = layer(z)
-    loss = (L.reconstruction_loss(out.residual, z) + 0.7 * L.r1_loss(out.proto_max_cos)
-            + 0.3 * L.r2_loss(out.token_max_cos))
+    loss = (
+        L.reconstruction_loss(out.residual, z) + 0.7 * L.r1_loss(out.proto_max_cos) + 0.3 * L.r2_loss(out.token_max_cos)
+    )
     gP, gz = torch.autograd.grad(loss, [layer.weight, z])
     P = layer.weight.detach().clone().requires_grad_(True)
     z2 = z0.clone().requires_grad_(True)
@@ -106,8 +117,11 @@ def test_prototype_layer_gradients_equal_a_dense_reference():
     top = cos.detach().topk(k, dim=-1).indices
     a = torch.zeros(N, K, dtype=torch.float64).scatter(1, top, 1.0) * torch.relu(cos)  # dense a, zeros off top-k
     r = z2 - a @ P
-    ref = ((r ** 2).sum(-1) / (z2 ** 2).sum(-1)).mean() + 0.7 * (1 - cos.max(0).values).mean() \
+    ref = (
+        ((r**2).sum(-1) / (z2**2).sum(-1)).mean()
+        + 0.7 * (1 - cos.max(0).values).mean()
         + 0.3 * (1 - cos.max(1).values).mean()
+    )
     rP, rz = torch.autograd.grad(ref, [P, z2])
     torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-13, atol=0)
     torch.testing.assert_close(gP, rP, rtol=1e-10, atol=1e-13)
@@ -297,7 +311,7 @@ def test_outputs_do_not_depend_on_batch_composition():
     x = torch.randint(0, 97, (4, 32))
     full = model(x)
     for i in range(4):
-        one = model(x[i:i + 1])
+        one = model(x[i : i + 1])
         torch.testing.assert_close(one.logits[0], full.logits[i])
         assert torch.equal(one.indices[0], full.indices[i])
 
@@ -345,7 +359,6 @@ def test_presets_parameter_counts():
     assert 130e6 < m.num_parameters() < 131.5e6
 
 
-
 def test_prototype_layer_ignores_autocast_same_topk_and_exact_reconstruction():
     """Under CPU bf16 autocast the layer computes in float32: the same top-k, activations and residual as
     without autocast, bit for bit, and z = ẑ + r to float32 precision."""
@@ -379,14 +392,19 @@ def _reference_prototype_layer(layer: PrototypeLayer, z: torch.Tensor) -> dict[s
     cos = torch.einsum("nd,nkd->nk", z_unit, p_sel) / p_norm[indices]
     activations = F.relu(cos)
     reconstruction = torch.einsum("nk,nkd->nd", activations, p_sel)
-    return dict(indices=indices, activations=activations, reconstruction=reconstruction, residual=z - reconstruction,
-                token_max_cos=cos[:, 0], proto_max_cos=(p_unit * z_unit[proto_argmax]).sum(-1),
-                proto_argmax=proto_argmax)
+    return dict(
+        indices=indices,
+        activations=activations,
+        reconstruction=reconstruction,
+        residual=z - reconstruction,
+        token_max_cos=cos[:, 0],
+        proto_max_cos=(p_unit * z_unit[proto_argmax]).sum(-1),
+        proto_argmax=proto_argmax,
+    )
 
 
 @pytest.mark.parametrize("chunk_size,argmax_block", [(5, 2**20), (4096, 2**20), (4096, 60)])
-def test_sparse_head_equals_gather_einsum_reference_values_and_gradients_float64(chunk_size, argmax_block,
-                                                                                monkeypatch):
+def test_sparse_head_equals_gather_einsum_reference_values_and_gradients_float64(chunk_size, argmax_block, monkeypatch):
     """The sparse head (cosines from the similarity pass, CSR products, first-maximiser column argmax) gives
     the outputs and the gradients of the gather + einsum formulation, with duplicate tokens (ties in the
     column maxima) and prototypes whose cosines are negative (ReLU zeros)."""
@@ -399,9 +417,16 @@ def test_sparse_head_equals_gather_einsum_reference_values_and_gradients_float64
     z0[31] = z0[3]
     with torch.no_grad():
         layer.weight[:6] = 2.5 * z0[[3, 7, 11, 20, 24, 31]]
-    gw = {name: torch.randn(shape, dtype=torch.float64) for name, shape in
-          [("activations", (N, k)), ("reconstruction", (N, d)), ("residual", (N, d)), ("token_max_cos", (N,)),
-           ("proto_max_cos", (K,))]}
+    gw = {
+        name: torch.randn(shape, dtype=torch.float64)
+        for name, shape in [
+            ("activations", (N, k)),
+            ("reconstruction", (N, d)),
+            ("residual", (N, d)),
+            ("token_max_cos", (N,)),
+            ("proto_max_cos", (K,)),
+        ]
+    }
     results = []
     for fn in (lambda zz: vars(layer(zz)), lambda zz: _reference_prototype_layer(layer, zz)):
         z = z0.clone().requires_grad_(True)
@@ -428,7 +453,11 @@ def test_sparse_pattern_products_equal_dense_and_fallback():
     torch.manual_seed(0)
     N, K, k, d = 23, 17, 4, 6
     indices = torch.stack([torch.randperm(K)[:k] for _ in range(N)])
-    v, p, zz = torch.randn(N, k, dtype=torch.float64), torch.randn(K, d, dtype=torch.float64), torch.randn(N, d, dtype=torch.float64)
+    v, p, zz = (
+        torch.randn(N, k, dtype=torch.float64),
+        torch.randn(K, d, dtype=torch.float64),
+        torch.randn(N, d, dtype=torch.float64),
+    )
     dense = torch.zeros(N, K, dtype=torch.float64).scatter_(1, indices, v)  # the N × K matrix S
     for sparse in (True, False):
         pat = _Pattern(indices, K)
@@ -497,10 +526,16 @@ def test_scale_and_control_take_id_value_mappings_and_check_at_construction():
         assert torch.equal(got, want)
         assert (got - model(x).logits).abs().max().item() > 1e-3  # the mapping did change the logits
     assert Scale({3: 2, 1: 0.5}).factors == {1: 0.5, 3: 2.0} and Suppress(torch.tensor([4, 2])).ids == (4, 2)
-    for bad, match in ((lambda: Scale({"a": 2.0}), "Scale: prototype ids"), (lambda: Scale({1: "x"}), "finite"),
-                       (lambda: Control({-1: 1.0}), "Control: prototype ids"), (lambda: Scale({1: float("nan")}), "finite"),
-                       (lambda: Scale(torch.ones(2, 2)), "1-D"), (lambda: Scale("2.0"), "mapping"),
-                       (lambda: Suppress({1: 0.0}), "Scale\\(\\{id: factor\\}\\)"), (lambda: Suppress([1.5]), "integers")):
+    for bad, match in (
+        (lambda: Scale({"a": 2.0}), "Scale: prototype ids"),
+        (lambda: Scale({1: "x"}), "finite"),
+        (lambda: Control({-1: 1.0}), "Control: prototype ids"),
+        (lambda: Scale({1: float("nan")}), "finite"),
+        (lambda: Scale(torch.ones(2, 2)), "1-D"),
+        (lambda: Scale("2.0"), "mapping"),
+        (lambda: Suppress({1: 0.0}), "Scale\\(\\{id: factor\\}\\)"),
+        (lambda: Suppress([1.5]), "integers"),
+    ):
         with pytest.raises(ModelError, match=match):
             bad()
     with pytest.raises(UnknownPrototypeError, match="64 prototypes"), model.intervene(Scale({64: 2.0})):
@@ -531,4 +566,6 @@ def test_generate_takes_text_with_an_attached_tokenizer_or_says_what_to_call():
     model.tokenizer = codec
     ids = model.generate(torch.tensor([codec.encode("Hello")]), 6, temperature=0)
     assert model.generate("Hello", 6, temperature=0) == "Hello" + codec.decode(ids[0, 5:].tolist())
-    assert model.generate("", 2, temperature=0) == codec.decode(model.generate(torch.tensor([[0]]), 2, temperature=0)[0, 1:].tolist())
+    assert model.generate("", 2, temperature=0) == codec.decode(
+        model.generate(torch.tensor([[0]]), 2, temperature=0)[0, 1:].tolist()
+    )

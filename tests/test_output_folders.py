@@ -32,16 +32,20 @@ def refused(res, *words: str) -> str:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != ".lock"}
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 @pytest.fixture(scope="module")
 def run(tiny_shards, tmp_path_factory) -> Path:
     """A trained tiny run whose config names the tiny shards (so commands find them without --shards)."""
     folder = tmp_path_factory.mktemp("out_run") / "run"
-    cfg = RunConfig.from_name("tiny").override({"train.max_steps": 4, "train.eval_interval": 1000,
-                                                "train.batch_size": 2, "train.warmup_steps": 1})
+    cfg = RunConfig.from_name("tiny").override(
+        {"train.max_steps": 4, "train.eval_interval": 1000, "train.batch_size": 2, "train.warmup_steps": 1}
+    )
     train(cfg, folder, shards=tiny_shards, progress=False)
     return folder
 
@@ -53,8 +57,13 @@ def test_cache_and_index_never_replace_a_run_or_its_checkpoints(run, tiny_shards
     before = snapshot(run)
     step = load_checkpoint(run).path
     for cmd in (["attribute-cache", run, *SMALL_CACHE, *shards], ["index", run, *SMALL_INDEX, *shards]):
-        for target, flags in ((run / "checkpoints", []), (run / "checkpoints", ["--overwrite"]),
-                              (run, ["--overwrite"]), (step, ["--overwrite"]), (step / "sub", [])):
+        for target, flags in (
+            (run / "checkpoints", []),
+            (run / "checkpoints", ["--overwrite"]),
+            (run, ["--overwrite"]),
+            (step, ["--overwrite"]),
+            (step / "sub", []),
+        ):
             refused(cli(*cmd, "--out", target, *flags), str(target))
     assert snapshot(run) == before
     assert load_checkpoint(run).path == step
@@ -66,9 +75,13 @@ def test_a_users_folder_is_never_emptied_or_written_into(run, tiny_shards, tmp_p
     mine.mkdir()
     (mine / "notes.txt").write_text("a user's work")
     shards = ["--shards", tiny_shards.root]
-    cmds = [["attribute-cache", run, *SMALL_CACHE, *shards], ["index", run, *SMALL_INDEX, *shards],
-            ["prepare", "--tokenizer", "bpe-300", "--max-docs", "5", "--no-progress"],
-            ["train", "--preset", "tiny", "--steps", "1", "--no-progress"], ["tasks", "build"]]
+    cmds = [
+        ["attribute-cache", run, *SMALL_CACHE, *shards],
+        ["index", run, *SMALL_INDEX, *shards],
+        ["prepare", "--tokenizer", "bpe-300", "--max-docs", "5", "--no-progress"],
+        ["train", "--preset", "tiny", "--steps", "1", "--no-progress"],
+        ["tasks", "build"],
+    ]
     for cmd in cmds:
         for flags in ([], ["--overwrite"]):
             out = refused(cli(*cmd, "--out", mine, *flags), str(mine), "not empty")
@@ -81,8 +94,10 @@ def test_an_artifact_is_replaced_only_with_overwrite(run, tiny_shards, tmp_path)
     """A second `prism index` / `prism attribute-cache` into the same folder is refused without --overwrite
     (old main replaced it silently); with it, it is rebuilt. `--out` naming a file is one line."""
     shards = ["--shards", tiny_shards.root]
-    for cmd, what in ((["index", run, *SMALL_INDEX, *shards], "prototype index"),
-                      (["attribute-cache", run, *SMALL_CACHE, *shards], "attribution cache")):
+    for cmd, what in (
+        (["index", run, *SMALL_INDEX, *shards], "prototype index"),
+        (["attribute-cache", run, *SMALL_CACHE, *shards], "attribution cache"),
+    ):
         out = tmp_path / what.replace(" ", "-")
         res = cli(*cmd, "--out", out)
         assert res.exit_code == 0, res.output
@@ -109,8 +124,11 @@ def test_output_files_never_replace_a_file_of_an_artifact(run, tiny_shards):
     `explain --json` over the run's config.json; `--html FOLDER` raised IsADirectoryError."""
     ck = load_checkpoint(run).path
     before = snapshot(run)
-    refused(cli("eval", run, "--batches", "1", "--shards", tiny_shards.root, "--json", ck / "config.json"),
-            "--json", "config.json")
+    refused(
+        cli("eval", run, "--batches", "1", "--shards", tiny_shards.root, "--json", ck / "config.json"),
+        "--json",
+        "config.json",
+    )
     refused(cli("explain", run, "The", "--no-index", "--json", run / "metrics.jsonl"), "--json", "metrics.jsonl")
     refused(cli("explain", run, "The", "--no-index", "--html", run), "--html", "is a folder")
     (run.parent / "c.txt").write_text("zebra zebra quartz\n\nquartz zebra zebra zebra\n")
@@ -141,8 +159,11 @@ def test_prepare_reuses_its_shards_and_replaces_others_only_with_overwrite(tmp_p
 def _index_and_cache(run: Path, tiny_shards) -> tuple[Path, Path]:
     shards = ["--shards", tiny_shards.root]
     idx, cache = run.parent / "v_index", run.parent / "v_cache"
-    for cmd in (["index", run, *SMALL_INDEX, *shards, "--out", idx], ["label", run, "--index", idx, *shards],
-                ["attribute-cache", run, *SMALL_CACHE, *shards, "--out", cache]):
+    for cmd in (
+        ["index", run, *SMALL_INDEX, *shards, "--out", idx],
+        ["label", run, "--index", idx, *shards],
+        ["attribute-cache", run, *SMALL_CACHE, *shards, "--out", cache],
+    ):
         res = cli(*cmd)
         assert res.exit_code == 0, res.output
     return idx, cache
@@ -155,8 +176,12 @@ def test_verify_refuses_corrupt_labels_and_a_cache_without_its_manifest(run, tin
     args = ["verify", run, "--shards", tiny_shards.root, "--index", idx, "--cache", cache]
     labels = idx / "labels.json"
     good = labels.read_text()
-    for bad in ('{"0": {"label": "x", "category": "y"', '{"0": 3}', '{"999999": {"label": "x", "category": "y"}}',
-                "[1, 2]"):
+    for bad in (
+        '{"0": {"label": "x", "category": "y"',
+        '{"0": 3}',
+        '{"999999": {"label": "x", "category": "y"}}',
+        "[1, 2]",
+    ):
         labels.write_text(bad)
         refused(cli(*args), "labels.json", "prism label")
     labels.write_text(good)

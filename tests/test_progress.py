@@ -16,8 +16,12 @@ def test_reporter_modes(capfd):
         r.update(2, loss=1.5)
         r.message("halfway")
         r.update(3)
-    assert [(e.done, e.message, e.finished) for e in events] == [(2, None, False), (2, "halfway", False),
-                                                                 (5, None, False), (5, None, True)]
+    assert [(e.done, e.message, e.finished) for e in events] == [
+        (2, None, False),
+        (2, "halfway", False),
+        (5, None, False),
+        (5, None, True),
+    ]
     assert events[-2].info == {"loss": 1.5}  # figures persist until replaced
     assert capfd.readouterr() == ("", "")
     with Reporter(False, "work", 5) as r:
@@ -43,14 +47,22 @@ def test_prepare_train_index_cache_report_through_the_callback(tiny_shards, tmp_
     from prismlm.train import load_checkpoint, train
 
     events: list[ProgressEvent] = []
-    prepare_shards("builtin", "bpe-512", tmp_path / "shards", max_docs=12, max_chars_per_doc=2000,
-                   show_progress=events.append)
+    prepare_shards(
+        "builtin", "bpe-512", tmp_path / "shards", max_docs=12, max_chars_per_doc=2000, show_progress=events.append
+    )
     tok = [e for e in events if e.stage.startswith("tokenize")]
     assert tok and tok[-1].finished and tok[-1].done == 12 and tok[-1].info["tokens"] > 0
 
     events.clear()
-    cfg = RunConfig.from_name("tiny").override({"train.max_steps": 4, "train.eval_interval": 2, "train.batch_size": 2,
-                                                "train.warmup_steps": 1, "train.log_interval": 1})
+    cfg = RunConfig.from_name("tiny").override(
+        {
+            "train.max_steps": 4,
+            "train.eval_interval": 2,
+            "train.batch_size": 2,
+            "train.warmup_steps": 1,
+            "train.log_interval": 1,
+        }
+    )
     train(cfg, tmp_path / "run", shards=tiny_shards, progress=events.append)
     steps = [e.done for e in events if e.stage == "train" and e.message is None and not e.finished]
     assert steps == [1, 2, 3, 4] and all(e.total == 4 for e in events)
@@ -91,12 +103,35 @@ def test_cli_logs_plain_lines_when_not_on_a_terminal(tmp_path, flag):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "prismlm.cli", "train", "--preset", "tiny", "--steps", "4",
-                           "--set", "train.log_interval=2", "--set", "train.eval_interval=4",
-                           "--set", "data.max_docs=30", "--set", "data.max_chars_per_doc=2000",
-                           "--corpus", "builtin", "--out", str(tmp_path / "run"), flag],
-                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
-                                                                            "PRISM_DATA": str(tmp_path / "data")})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prismlm.cli",
+            "train",
+            "--preset",
+            "tiny",
+            "--steps",
+            "4",
+            "--set",
+            "train.log_interval=2",
+            "--set",
+            "train.eval_interval=4",
+            "--set",
+            "data.max_docs=30",
+            "--set",
+            "data.max_chars_per_doc=2000",
+            "--corpus",
+            "builtin",
+            "--out",
+            str(tmp_path / "run"),
+            flag,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PRISM_DATA": str(tmp_path / "data")},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     err = proc.stderr
     assert "\r" not in err
@@ -145,4 +180,3 @@ def test_a_stage_left_by_an_exception_ends_stopped(capfd):
         raise KeyboardInterrupt
     _, err = capfd.readouterr()
     assert "[postings] 4/10 seq stopped" in err and "done" not in err
-

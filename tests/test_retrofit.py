@@ -24,30 +24,67 @@ SMALL_DATA = ["--set", "data.max_docs=60", "--set", "data.max_chars_per_doc=4000
 
 def hf_tokenizer_from(tok):
     """A transformers fast tokenizer around one of our tokenizers (the tiny BPE), eos = its end-of-text."""
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend, eos_token=tok.backend.id_to_token(tok.eot_id))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok.backend, eos_token=tok.backend.id_to_token(tok.eot_id)
+    )
 
 
 def tiny_hf_model(arch: str, vocab: int = V):
     torch.manual_seed(0)
     if arch == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=CTX, n_embd=32, n_layer=2, n_head=4,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                      eos_token_id=0)
+        cfg = transformers.GPT2Config(
+            vocab_size=vocab,
+            n_positions=CTX,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return transformers.GPT2LMHeadModel(cfg)
     if arch == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CTX,
-                                       tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+        cfg = transformers.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=CTX,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return transformers.LlamaForCausalLM(cfg)
     if arch == "neox":
-        cfg = transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, max_position_embeddings=CTX, bos_token_id=0,
-                                         eos_token_id=0)
+        cfg = transformers.GPTNeoXConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=CTX,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return transformers.GPTNeoXForCausalLM(cfg)
     if arch == "phi":  # Phi's unembedding has a bias: the decomposition's bias slice
-        cfg = transformers.PhiConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, max_position_embeddings=CTX, bos_token_id=0,
-                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+        cfg = transformers.PhiConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=CTX,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+        )
         model = transformers.PhiForCausalLM(cfg)
         with torch.no_grad():
             model.lm_head.bias.normal_(0.0, 1.0)  # a visible bias (it starts at zero)
@@ -70,8 +107,24 @@ def hf_folders(tiny_shards, tmp_path_factory):
 
 
 def retrofit_cli(source, out, *extra):
-    args = ["retrofit", "--from", str(source), "--out", str(out), "--prototypes", "64", "--top-k", "4",
-            "--batch-size", "4", "--no-progress", "--device", "cpu", *SMALL_DATA, *extra]
+    args = [
+        "retrofit",
+        "--from",
+        str(source),
+        "--out",
+        str(out),
+        "--prototypes",
+        "64",
+        "--top-k",
+        "4",
+        "--batch-size",
+        "4",
+        "--no-progress",
+        "--device",
+        "cpu",
+        *SMALL_DATA,
+        *extra,
+    ]
     res = CliRunner().invoke(cli_app, args)
     assert res.exit_code == 0, res.output
     return out
@@ -99,8 +152,12 @@ def test_frozen_retrofit_keeps_the_models_logits_and_decomposes_them(arch, hf_fo
     # every logit is k prototype slices plus the residual plus W's bias (Phi has one), exactly
     dec = decompose(model, out, ids)
     assert (dec.bias_slice != 0).any() == (arch == "phi")
-    assert torch.allclose(dec.prototype_slices.sum(-1) + dec.residual_slice + dec.bias_slice, dec.logit,
-                          rtol=0, atol=1e-9 * float(dec.logit.abs().max()))
+    assert torch.allclose(
+        dec.prototype_slices.sum(-1) + dec.residual_slice + dec.bias_slice,
+        dec.logit,
+        rtol=0,
+        atol=1e-9 * float(dec.logit.abs().max()),
+    )
     # the bank trained: it is no longer the seed (stage 1 moved it)
     assert (out.activations > 0).any()
 
@@ -121,8 +178,9 @@ def test_retrofit_trains_only_the_bank_in_stage_1_and_anchors_it_to_data(hf_fold
 
 
 def test_stage_2_unfreezes_only_the_last_blocks(hf_folders, tmp_path):
-    out = retrofit_cli(hf_folders["gpt2"], tmp_path / "joint", "--steps", "4", "--frozen-steps", "2",
-                       "--unfreeze", "last-1")
+    out = retrofit_cli(
+        hf_folders["gpt2"], tmp_path / "joint", "--steps", "4", "--frozen-steps", "2", "--unfreeze", "last-1"
+    )
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_folders["gpt2"])
     ref = gpt2_state_dict(reference.state_dict(), CTX)
     ours = Run.open(out, device="cpu").model.state_dict()
@@ -134,8 +192,18 @@ def test_stage_2_unfreezes_only_the_last_blocks(hf_folders, tmp_path):
 
 def test_stage_2_with_lora_trains_only_the_adapters_and_the_bank(hf_folders, tmp_path):
     pytest.importorskip("peft")
-    out = retrofit_cli(hf_folders["llama"], tmp_path / "lora", "--steps", "4", "--frozen-steps", "2",
-                       "--unfreeze", "lora", "--lora-rank", "2")
+    out = retrofit_cli(
+        hf_folders["llama"],
+        tmp_path / "lora",
+        "--steps",
+        "4",
+        "--frozen-steps",
+        "2",
+        "--unfreeze",
+        "lora",
+        "--lora-rank",
+        "2",
+    )
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_folders["llama"]).eval()
     run = Run.open(out, device="cpu")
     ours, keys = run.model.state_dict(), run.model.base_state_keys()
@@ -200,14 +268,24 @@ def test_bad_sources_are_one_line_errors(hf_folders, tmp_path):
     with pytest.raises(TokenizerError, match="no usable tokenizer"):
         load_pretrained(str(no_tok))
     encoder = tmp_path / "encoder"
-    transformers.DistilBertModel(transformers.DistilBertConfig(vocab_size=V, dim=32, n_layers=1, n_heads=2,
-                                                               hidden_dim=64)).save_pretrained(encoder)
+    transformers.DistilBertModel(
+        transformers.DistilBertConfig(vocab_size=V, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    ).save_pretrained(encoder)
     with pytest.raises(ModelError, match="not a causal language model"):
         load_pretrained(str(encoder))
     capped = tmp_path / "softcapped"
-    transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, final_logit_softcapping=30.0)).save_pretrained(capped)
+    transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            final_logit_softcapping=30.0,
+        )
+    ).save_pretrained(capped)
     with pytest.raises(ModelError, match="soft-caps the logits"):
         load_pretrained(str(capped))
     res = CliRunner().invoke(cli_app, ["retrofit", "--from", str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
@@ -230,19 +308,31 @@ def test_downstream_operations_work_on_a_retrofitted_hf_backbone(retrofitted):
     assert exp.max_abs_error < 1e-3 and exp.index is not None
     assert isinstance(generate(run, "The people", tokens=5, samples=1, temperature=0.0)[0], str)
     html = retrofitted["llama"] / "report.html"  # the static explorer page, through the CLI
-    res = CliRunner().invoke(cli_app, ["explain", str(retrofitted["llama"]), "The people of", "--generate", "3",
-                                       "--html", str(html), "--device", "cpu"])
+    res = CliRunner().invoke(
+        cli_app,
+        [
+            "explain",
+            str(retrofitted["llama"]),
+            "The people of",
+            "--generate",
+            "3",
+            "--html",
+            str(html),
+            "--device",
+            "cpu",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "The people" in html.read_text()
     # training-data attribution in prototype space, exact (full) and through the postings cache
     from prismlm.app import attribute_text, build_run_cache
     from prismlm.config import AttributionConfig
 
-    full = attribute_text(run, "The people of the United States", completion=2, method="full", max_sequences=16,
-                          top=3)
+    full = attribute_text(run, "The people of the United States", completion=2, method="full", max_sequences=16, top=3)
     build_run_cache(run, AttributionConfig(max_sequences=16), progress=False)
-    cached = attribute_text(Run.open(retrofitted["llama"], device="cpu"), "The people of the United States",
-                            completion=2, top=3)
+    cached = attribute_text(
+        Run.open(retrofitted["llama"], device="cpu"), "The people of the United States", completion=2, top=3
+    )
     assert len(full.top) == 3 and [t.sequence for t in full.top] == [t.sequence for t in cached.top]
     # suppression removes exactly the suppressed prototype's slice from the logit it contributed to
     x = torch.tensor([run.tokenizer.encode("The people of the United States")])
@@ -300,14 +390,17 @@ def _broken_copy(src, dst, *, config: dict | None = None, weights: str | None = 
     return dst
 
 
-@pytest.mark.parametrize("case, expected", [
-    ({"config": {"vocab_size": 0}}, "vocab_size must be a positive integer, got 0"),
-    ({"config": {"vocab_size": -7}}, "vocab_size must be a positive integer, got -7"),
-    ({"config": {"vocab_size": "big"}}, "vocab_size must be a positive integer, got 'big'"),
-    ({"weights": "missing"}, "no weights to load"),
-    ({"weights": "truncated"}, "weights file cannot be read"),
-    ({"config": {"n_embd": 64}}, "do not match its config.json"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ({"config": {"vocab_size": 0}}, "vocab_size must be a positive integer, got 0"),
+        ({"config": {"vocab_size": -7}}, "vocab_size must be a positive integer, got -7"),
+        ({"config": {"vocab_size": "big"}}, "vocab_size must be a positive integer, got 'big'"),
+        ({"weights": "missing"}, "no weights to load"),
+        ({"weights": "truncated"}, "weights file cannot be read"),
+        ({"config": {"n_embd": 64}}, "do not match its config.json"),
+    ],
+)
 def test_broken_transformers_folders_are_one_line_errors(hf_folders, tmp_path, case, expected):
     """Issue 23 item 4: each of these crashed inside transformers/safetensors with a traceback."""
     src = _broken_copy(hf_folders["gpt2"], tmp_path / "broken", **case)
@@ -318,8 +411,9 @@ def test_broken_transformers_folders_are_one_line_errors(hf_folders, tmp_path, c
 
 
 def test_a_config_file_for_from_points_to_its_folder(hf_folders, tmp_path):
-    res = CliRunner().invoke(cli_app, ["retrofit", "--from", str(hf_folders["gpt2"] / "config.json"),
-                                       "--out", str(tmp_path / "r")])
+    res = CliRunner().invoke(
+        cli_app, ["retrofit", "--from", str(hf_folders["gpt2"] / "config.json"), "--out", str(tmp_path / "r")]
+    )
     assert res.exit_code == 2 and "is a file" in res.output and f"--from {hf_folders['gpt2']}" in res.output, res.output
 
 
@@ -327,8 +421,11 @@ def test_a_bert_folder_is_not_a_causal_lm(hf_folders, tmp_path):
     """transformers maps BERT to BertLMHeadModel, which loads (missing its decoder-only parts); the error
     must say what is wrong: an encoder, not "weights do not fit (missing pooler)"."""
     bert = tmp_path / "bert"
-    transformers.BertModel(transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1,
-                                                   num_attention_heads=2, intermediate_size=64)).save_pretrained(bert)
+    transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+        )
+    ).save_pretrained(bert)
     hf_tokenizer_from_folder = transformers.AutoTokenizer.from_pretrained(hf_folders["gpt2"])
     hf_tokenizer_from_folder.save_pretrained(bert)
     from prismlm.train.retrofit import load_pretrained

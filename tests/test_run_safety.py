@@ -15,14 +15,22 @@ from prismlm.train import load_checkpoint, train
 
 
 def tiny_cfg(**over) -> RunConfig:
-    base = {"train.max_steps": 4, "train.eval_interval": 1000, "train.batch_size": 2, "train.warmup_steps": 1,
-            "train.log_interval": 1}
+    base = {
+        "train.max_steps": 4,
+        "train.eval_interval": 1000,
+        "train.batch_size": 2,
+        "train.warmup_steps": 1,
+        "train.log_interval": 1,
+    }
     return RunConfig.from_name("tiny").override({**base, **over})
 
 
 def _snapshot(run):
-    return {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()
-            and p.name != ".lock"}
+    return {
+        p.relative_to(run).as_posix(): p.read_bytes()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 def test_a_rerun_is_refused_and_leaves_the_run_untouched(tiny_shards, tmp_path):
@@ -33,8 +41,9 @@ def test_a_rerun_is_refused_and_leaves_the_run_untouched(tiny_shards, tmp_path):
         train(tiny_cfg(**{"train.seed": 7}), run, shards=tiny_shards, progress=False)
     assert "--resume" in str(e.value) and "--overwrite" in str(e.value)
     assert _snapshot(run) == before
-    res = train(tiny_cfg(**{"train.seed": 7, "train.max_steps": 2}), run, shards=tiny_shards, progress=False,
-                overwrite=True)
+    res = train(
+        tiny_cfg(**{"train.seed": 7, "train.max_steps": 2}), run, shards=tiny_shards, progress=False, overwrite=True
+    )
     assert res.step == 2 and sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000002"]
     assert [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 2]
 
@@ -180,15 +189,21 @@ def test_concurrent_preparation_yields_identical_verified_shards(tmp_path):
     import subprocess
     import sys
 
-    code = ("import json, sys; from prismlm.data.shards import prepare_shards, load_shards; "
-            "s = prepare_shards('builtin', 'bpe-300', sys.argv[1], max_docs=25, max_chars_per_doc=3000, "
-            "show_progress=False); load_shards(s.root, verify=True); "
-            "print(json.dumps({'key': s.manifest['key'], 'sha': s.manifest['splits']['train']['sha256'], "
-            "'reused': s.reused}))")
+    code = (
+        "import json, sys; from prismlm.data.shards import prepare_shards, load_shards; "
+        "s = prepare_shards('builtin', 'bpe-300', sys.argv[1], max_docs=25, max_chars_per_doc=3000, "
+        "show_progress=False); load_shards(s.root, verify=True); "
+        "print(json.dumps({'key': s.manifest['key'], 'sha': s.manifest['splits']['train']['sha256'], "
+        "'reused': s.reused}))"
+    )
     out = tmp_path / "shards"
     env = {**os.environ, "PRISM_DATA": str(tmp_path / "data")}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(2)
+    ]
     results = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=300)
@@ -295,8 +310,9 @@ def test_shard_bytes_overwritten_with_valid_tokens_are_refused(tmp_path):
     from prismlm.data.shards import load_shards, prepare_shards
     from prismlm.errors import ShardError
 
-    s = prepare_shards("builtin", "bpe-300", tmp_path / "shards", max_docs=20, max_chars_per_doc=3000,
-                       show_progress=False)
+    s = prepare_shards(
+        "builtin", "bpe-300", tmp_path / "shards", max_docs=20, max_chars_per_doc=3000, show_progress=False
+    )
     f = s.root / "train.bin"
     arr = np.fromfile(f, dtype=s.train.dtype)
     arr[: 1 << 16] = 7  # valid token ids, same size
@@ -315,8 +331,7 @@ def test_index_resume_refuses_another_models_index(tiny_shards, tmp_path):
     build_run_index(a, max_sequences=8, shards=tiny_shards.root, progress=False)
     b = Run.open(tmp_path / "b" / "run", device="cpu")
     with pytest.raises(ArtifactMismatch, match="built for model"):
-        build_run_index(b, out=run_a / "index", resume=True, max_sequences=8, shards=tiny_shards.root,
-                        progress=False)
+        build_run_index(b, out=run_a / "index", resume=True, max_sequences=8, shards=tiny_shards.root, progress=False)
 
 
 def test_truncated_cache_files_are_refused_by_name(tiny_shards, tmp_path):
@@ -325,8 +340,12 @@ def test_truncated_cache_files_are_refused_by_name(tiny_shards, tmp_path):
     from prismlm.tda import AttributionCache, build_cache
 
     run, _ = _trained(tiny_shards, tmp_path)
-    build_cache(load_checkpoint(run).model, tiny_shards, AttributionConfig(r=4, max_sequences=8, batch_size=4),
-                out=run / "cache")
+    build_cache(
+        load_checkpoint(run).model,
+        tiny_shards,
+        AttributionConfig(r=4, max_sequences=8, batch_size=4),
+        out=run / "cache",
+    )
     for name in ("offsets.npy", "curvature.safetensors", "seq.npy"):
         f = run / "cache" / name
         good = f.read_bytes()
@@ -345,8 +364,9 @@ def test_example_files_that_are_not_utf8_are_one_line(tiny_shards, tmp_path):
     run, _ = _trained(tiny_shards, tmp_path)
     (tmp_path / "c.txt").write_bytes(b"good text\n\nbad \xff\xfe bytes\n")
     (tmp_path / "n.txt").write_text("neutral words\n\nmore neutral\n")
-    res = CliRunner().invoke(app, ["concept", str(run), "--concept", str(tmp_path / "c.txt"),
-                                   "--neutral", str(tmp_path / "n.txt")])
+    res = CliRunner().invoke(
+        app, ["concept", str(run), "--concept", str(tmp_path / "c.txt"), "--neutral", str(tmp_path / "n.txt")]
+    )
     assert res.exit_code == 2 and "not valid UTF-8 at byte 15 (line 3)" in res.output, res.output
 
 
@@ -358,13 +378,21 @@ def test_train_on_a_missing_empty_or_one_document_corpus_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "one").mkdir()
     (tmp_path / "one" / "doc.txt").write_text("Call me Ishmael. " * 400)
-    cases = [(str(tmp_path / "missing"), "does not exist"), (str(tmp_path / "empty"), "empty"),
-             (str(tmp_path / "one"), "validation split")]
+    cases = [
+        (str(tmp_path / "missing"), "does not exist"),
+        (str(tmp_path / "empty"), "empty"),
+        (str(tmp_path / "one"), "validation split"),
+    ]
     for corpus, expected in cases:
-        res = CliRunner().invoke(app, ["train", "--preset", "tiny", "--corpus", corpus, "--tokenizer", "bpe-300",
-                                       "--out", str(tmp_path / "run")], env={"PRISM_DATA": str(tmp_path / "data")})
-        assert res.exit_code == 2 and expected in res.output.lower() and "Traceback" not in res.output, \
-            (corpus, res.output)
+        res = CliRunner().invoke(
+            app,
+            ["train", "--preset", "tiny", "--corpus", corpus, "--tokenizer", "bpe-300", "--out", str(tmp_path / "run")],
+            env={"PRISM_DATA": str(tmp_path / "data")},
+        )
+        assert res.exit_code == 2 and expected in res.output.lower() and "Traceback" not in res.output, (
+            corpus,
+            res.output,
+        )
         assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -374,11 +402,29 @@ def _retrofit_cli(*args, per_step: bool = False):
 
     from prismlm.cli import app
 
-    return CliRunner().invoke(app, ["retrofit", *map(str, args), "--prototypes", "16", "--top-k", "2",
-                                    "--batch-size", "2", "--no-progress", "--device", "cpu",
-                                    "--set", "data.max_docs=60", "--set", "data.max_chars_per_doc=4000",
-                                    "--set", "train.ckpt_interval=2",
-                                    *(["--set", "train.frozen_from_stored_z=false"] if per_step else [])])
+    return CliRunner().invoke(
+        app,
+        [
+            "retrofit",
+            *map(str, args),
+            "--prototypes",
+            "16",
+            "--top-k",
+            "2",
+            "--batch-size",
+            "2",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--set",
+            "data.max_docs=60",
+            "--set",
+            "data.max_chars_per_doc=4000",
+            "--set",
+            "train.ckpt_interval=2",
+            *(["--set", "train.frozen_from_stored_z=false"] if per_step else []),
+        ],
+    )
 
 
 def test_retrofit_resume_continues_an_interrupted_retrofit_bit_for_bit(tiny_shards, tmp_path, monkeypatch):
@@ -451,8 +497,10 @@ def test_a_killed_prepare_leaves_no_temp_files_after_the_next_one(tmp_path):
 
     out = tmp_path / "shards"
     env = {**os.environ, "PRISM_DATA": str(tmp_path / "data")}
-    code = ("import sys; from prismlm.data.shards import prepare_shards; "
-            "prepare_shards('builtin', 'bpe-300', sys.argv[1], max_chars_per_doc=20000, show_progress=False)")
+    code = (
+        "import sys; from prismlm.data.shards import prepare_shards; "
+        "prepare_shards('builtin', 'bpe-300', sys.argv[1], max_chars_per_doc=20000, show_progress=False)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(out)], env=env)
     deadline = time.time() + 120
     while not list(out.glob("*.bin.*.tmp")) and time.time() < deadline and proc.poll() is None:

@@ -22,8 +22,9 @@ N_SEQ = 40
 
 @pytest.fixture(scope="module")
 def tiny(tiny_shards, tmp_path_factory):
-    return attribution_setup(tiny_shards, tmp_path_factory.mktemp("search"), steps=60, num_queries=6,
-                             curvature_sequences=N_SEQ)
+    return attribution_setup(
+        tiny_shards, tmp_path_factory.mktemp("search"), steps=60, num_queries=6, curvature_sequences=N_SEQ
+    )
 
 
 def _dense(cache: AttributionCache, sq: torch.Tensor, query) -> np.ndarray:
@@ -58,13 +59,19 @@ def _synthetic(template: AttributionCache, U: int, seed: int = 0, quant: bool = 
     m = {**template.manifest, "units": U, "universe": U, "tokens": U * 64}
     sk: FloatSketches | QuantSketches
     if quant:
-        unit = float(np.abs(x).max()) / 7 / 2 ** 15
+        unit = float(np.abs(x).max()) / 7 / 2**15
         codes, scales = quantise(x, "int4", unit)
         sk, m["dtype"] = QuantSketches(codes, scales, unit, "int4", r), "int4"
     else:
         sk, m["dtype"] = FloatSketches(x.astype(np.float32)), "float32"
-    return AttributionCache(offsets=offsets, ids=PlainIds(ids.astype(np.int32)), sketches=sk,
-                            projection=template.projection, curvature=template.curvature, manifest=m)
+    return AttributionCache(
+        offsets=offsets,
+        ids=PlainIds(ids.astype(np.int32)),
+        sketches=sk,
+        projection=template.projection,
+        curvature=template.curvature,
+        manifest=m,
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int4", "pq"])
@@ -73,10 +80,18 @@ def test_exhaustive_settings_equal_the_exact_scan(tiny, tiny_shards, dtype, kind
     """m >= the longest list: every unit with a posting in A_q is a candidate, and the top-k (ids and
     scores, bit for bit: the rescoring adds the same products in the same order) is the exact scan's —
     also with k = every unit (zero-score units fill in as in the scan)."""
-    cache = build_cache(tiny.net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8, dtype=dtype,
-                                                                 id_encoding="delta"), curvature=tiny.curv)
-    idx = build_search_index(cache, SearchConfig(kind="hnsw" if kind == "hnsw" else "ivf", min_list=4,
-                                                 encoding="sq8" if kind == "ivf-sq8" else "cache"))
+    cache = build_cache(
+        tiny.net,
+        tiny_shards,
+        AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8, dtype=dtype, id_encoding="delta"),
+        curvature=tiny.curv,
+    )
+    idx = build_search_index(
+        cache,
+        SearchConfig(
+            kind="hnsw" if kind == "hnsw" else "ivf", min_list=4, encoding="sq8" if kind == "ivf-sq8" else "cache"
+        ),
+    )
     assert idx.manifest["lists_indexed"] > 0
     for k in (10, N_SEQ):
         ref_s, ref_i = exact_top(cache, tiny.q, tiny.Q, k)
@@ -91,13 +106,14 @@ def test_exhaustive_settings_equal_the_exact_scan(tiny, tiny_shards, dtype, kind
 def test_ivf_probing_every_cell_is_an_exact_per_list_search(tiny, tiny_shards, encoding):
     """IVF (flat, or cells over the cache's own postings) with nprobe = nlist ranks a list exactly: the
     top-k equals the one from exactly scanned lists (no index) at the same m < list length."""
-    cache = build_cache(tiny.net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8),
-                        curvature=tiny.curv)
+    cache = build_cache(
+        tiny.net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8), curvature=tiny.curv
+    )
     big = _synthetic(cache, 3000, seed=3, quant=encoding == "cache")
     ivf = build_search_index(big, SearchConfig(min_list=100, encoding=encoding))
-    scan = build_search_index(big, SearchConfig(min_list=10 ** 6))  # no index: each list scanned, top m exactly
+    scan = build_search_index(big, SearchConfig(min_list=10**6))  # no index: each list scanned, top m exactly
     assert scan.manifest["lists_indexed"] == 0 and ivf.manifest["lists_indexed"] == big.num_prototypes
-    a = ivf.top(big, tiny.q, tiny.Q, 10, m=5, nprobe=10 ** 6)
+    a = ivf.top(big, tiny.q, tiny.Q, 10, m=5, nprobe=10**6)
     b = scan.top(big, tiny.q, tiny.Q, 10, m=5)
     assert np.array_equal(a[1], b[1]) and np.allclose(a[0], b[0], rtol=0, atol=0)
 
@@ -107,11 +123,16 @@ def test_approximate_search_recalls_the_exact_top10(tiny, tiny_shards, kind):
     """On a larger synthetic cache (lists of 300–2500 postings over 4000 units), a moderate effort (m = 40
     per list, nprobe 16 of ~50 cells / ef 64) reads a fraction of the postings and recalls >= 0.9 of the exact top-10; the
     scores it returns are the exact ones."""
-    cache = build_cache(tiny.net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8),
-                        curvature=tiny.curv)
+    cache = build_cache(
+        tiny.net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8), curvature=tiny.curv
+    )
     big = _synthetic(cache, 4000, seed=1)
-    idx = build_search_index(big, SearchConfig(kind="hnsw" if kind == "hnsw" else "ivf", min_list=500,
-                                               encoding="sq8" if kind == "ivf-sq8" else "cache"))
+    idx = build_search_index(
+        big,
+        SearchConfig(
+            kind="hnsw" if kind == "hnsw" else "ivf", min_list=500, encoding="sq8" if kind == "ivf-sq8" else "cache"
+        ),
+    )
     ref_s, ref_i = exact_top(big, tiny.q, tiny.Q, 10)
     s, i = idx.top(big, tiny.q, tiny.Q, 10, m=40, nprobe=16, ef=64)
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(i.tolist(), ref_i.tolist())])
@@ -120,7 +141,8 @@ def test_approximate_search_recalls_the_exact_top10(tiny, tiny_shards, kind):
         assert idx.cells is not None and idx.blobs.nbytes == 0
         assert idx.cells.positions.nbytes == 4 * idx.manifest["postings_indexed"]
         assert idx.manifest["bytes_indexes"] < 4.5 * idx.manifest["postings_indexed"] + 4 * big.r * len(
-            idx.cells.centroids)
+            idx.cells.centroids
+        )
     dense = _dense(big, big.sketch_query(tiny.q), tiny.q)
     np.testing.assert_allclose(s, np.take_along_axis(dense, i, 1), rtol=1e-12, atol=1e-12 * np.abs(dense).max())
     # fewer candidates than the units the exact scan touches: the search did not degenerate into a scan
@@ -135,10 +157,11 @@ def test_approximate_search_recalls_the_exact_top10(tiny, tiny_shards, kind):
 def test_rescoring_sums_every_active_prototype(tiny, tiny_shards, quant):
     """Rescored scores equal a dense matrix computed independently from the decoded postings, for any
     candidate set (dropping one prototype's contribution would break it: a unit's postings span many lists)."""
-    cache = build_cache(tiny.net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8),
-                        curvature=tiny.curv)
+    cache = build_cache(
+        tiny.net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8), curvature=tiny.curv
+    )
     big = _synthetic(cache, 2000, seed=2, quant=quant)
-    idx = build_search_index(big, SearchConfig(min_list=10 ** 6))
+    idx = build_search_index(big, SearchConfig(min_list=10**6))
     sq = big.sketch_query(tiny.q)
     dense = _dense(big, sq, tiny.q)
     qs, qp = tiny.q.seq.numpy(), tiny.q.proto.numpy()
@@ -164,8 +187,12 @@ def test_sidecar_round_trips_and_refuses_another_cache(tiny, tiny_shards, tmp_pa
         x, y = a.top(cache, tiny.q, tiny.Q, 10, m=3, nprobe=2), b.top(cache, tiny.q, tiny.Q, 10, m=3, nprobe=2)
         assert np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])
     # the sidecar of another cache (other sequences) is refused, naming the manifest and the fix
-    other = build_cache(tiny.net, tiny_shards, AttributionConfig(max_sequences=N_SEQ - 8, batch_size=8, r=8,
-                                                                 dtype="int8", id_encoding="delta"), curvature=tiny.curv)
+    other = build_cache(
+        tiny.net,
+        tiny_shards,
+        AttributionConfig(max_sequences=N_SEQ - 8, batch_size=8, r=8, dtype="int8", id_encoding="delta"),
+        curvature=tiny.curv,
+    )
     with pytest.raises(ArtifactMismatch, match="manifest.json.*another attribution cache") as e:
         SearchIndex.load(tmp_path / "cache" / "search", other)
     assert "build_search_index" in str(e.value)
@@ -208,8 +235,23 @@ def test_attribute_with_the_search_index_from_the_cli_and_the_app(tiny_shards, t
     _, run_dir = train_tiny_run(tiny_shards, tmp_path / "run", steps=20, batch_size=4, warmup_steps=2)
     r = CliRunner()
     common = ["--shards", str(tiny_shards.root), "--device", "cpu"]
-    res = r.invoke(app, ["attribute-cache", str(run_dir), "--max-sequences", "64", "--r", "8", "--dtype", "int8",
-                         "--id-encoding", "delta", "--no-progress", *common])
+    res = r.invoke(
+        app,
+        [
+            "attribute-cache",
+            str(run_dir),
+            "--max-sequences",
+            "64",
+            "--r",
+            "8",
+            "--dtype",
+            "int8",
+            "--id-encoding",
+            "delta",
+            "--no-progress",
+            *common,
+        ],
+    )
     assert res.exit_code == 0, res.output
     text = ["The President said that the nation"]
     res = r.invoke(app, ["attribute", str(run_dir), *text, "--search", "approximate", *common])
@@ -225,22 +267,27 @@ def test_attribute_with_the_search_index_from_the_cli_and_the_app(tiny_shards, t
     side = run.search(shards_dir=shards, required=True)
     assert side is not None
     every = side.exhaustive_m(run.cache(shards_dir=shards))
-    approx = attribute_text(run, text[0], top=20, search="approximate", candidates=every, nprobe=10 ** 6,
-                            shards=shards)
+    approx = attribute_text(run, text[0], top=20, search="approximate", candidates=every, nprobe=10**6, shards=shards)
     assert exact.method == "cached" and approx.method == "cached-search"
-    assert [(a.sequence, a.score, a.prototypes, a.snippet) for a in approx.top] == \
-        [(a.sequence, a.score, a.prototypes, a.snippet) for a in exact.top]
+    assert [(a.sequence, a.score, a.prototypes, a.snippet) for a in approx.top] == [
+        (a.sequence, a.score, a.prototypes, a.snippet) for a in exact.top
+    ]
     # a tiny search budget: maybe other sequences, but every score is the exact scan's score of that sequence
     cache = run.cache(shards_dir=shards)
-    full = {a.sequence: a.score for a in attribute_text(run, text[0], top=cache.num_train, search="exact",
-                                                        shards=shards).top}
+    full = {
+        a.sequence: a.score
+        for a in attribute_text(run, text[0], top=cache.num_train, search="exact", shards=shards).top
+    }
     small = attribute_text(run, text[0], top=10, candidates=1, nprobe=1, shards=shards)  # auto: the sidecar
     assert small.method == "cached-search" and len(small.top) == 10
-    assert all(a.score == full[a.sequence] for a in small.top), [(a.sequence, a.score, full[a.sequence]) for a in small.top]
+    assert all(a.score == full[a.sequence] for a in small.top), [
+        (a.sequence, a.score, full[a.sequence]) for a in small.top
+    ]
     assert [a.score for a in small.top] == sorted((a.score for a in small.top), reverse=True)
     # rebuilt through the app (progress callback), the run re-reads it
     events = []
-    build_run_search(run, SearchConfig(min_list=4, kind="hnsw"), shards=shards, progress=events.append,
-                     overwrite=True)  # replacing the ivf one: only with overwrite
+    build_run_search(
+        run, SearchConfig(min_list=4, kind="hnsw"), shards=shards, progress=events.append, overwrite=True
+    )  # replacing the ivf one: only with overwrite
     assert events and events[-1].stage == "search index"
     assert run.search(shards_dir=shards).config.kind == "hnsw"

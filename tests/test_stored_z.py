@@ -30,15 +30,29 @@ def tiny_model():
 def dense_run(tiny_shards, tmp_path_factory):
     """A dense tiny prismlm run (3 steps) to retrofit, with dropout (stage 2 then draws from the RNG)."""
     out = tmp_path_factory.mktemp("dense") / "run"
-    cfg = RunConfig.from_name("tiny").dense().override({"train.max_steps": 3, "train.batch_size": 4,
-                                                        "model.dropout": 0.1})
+    cfg = (
+        RunConfig.from_name("tiny")
+        .dense()
+        .override({"train.max_steps": 3, "train.batch_size": 4, "model.dropout": 0.1})
+    )
     train(cfg, out, shards=tiny_shards, progress=False)
     return out
 
 
 def _retrofit(source, out, *extra, steps=4, unfreeze="none", frozen=None):
-    return retrofit_model(str(source), out=out, steps=steps, frozen_steps=frozen, unfreeze=unfreeze, prototypes=32,
-                          top_k=4, batch_size=4, device="cpu", progress=False, overrides=[*SMALL, *extra])
+    return retrofit_model(
+        str(source),
+        out=out,
+        steps=steps,
+        frozen_steps=frozen,
+        unfreeze=unfreeze,
+        prototypes=32,
+        top_k=4,
+        batch_size=4,
+        device="cpu",
+        progress=False,
+        overrides=[*SMALL, *extra],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +68,15 @@ def _files(path):
 def test_stored_rows_are_the_backbones_hidden_states_and_next_tokens(tiny_model, tiny_shards, tmp_path):
     T, d = tiny_model.config.block_size, tiny_model.config.n_embd
     events = []
-    store = build_stored_z(tiny_model, tiny_shards, tmp_path / "z32", dtype="float32", batch_size=4, max_sequences=10,
-                           progress=events.append)
+    store = build_stored_z(
+        tiny_model,
+        tiny_shards,
+        tmp_path / "z32",
+        dtype="float32",
+        batch_size=4,
+        max_sequences=10,
+        progress=events.append,
+    )
     ids = np.array([0, 3, 9])
     seqs = tiny_shards.train.sequences(ids, T)
     with torch.no_grad():
@@ -68,12 +89,14 @@ def test_stored_rows_are_the_backbones_hidden_states_and_next_tokens(tiny_model,
     assert store.z.shape == (10 * T, d) and store.complete
     assert events[-1].finished and events[-1].done == 10 * T and sum(1 for e in events if not e.finished) == 3
     # float16 keeps each value rounded to float16, in half the bytes
-    half = build_stored_z(tiny_model, tiny_shards, tmp_path / "z16", dtype="float16", batch_size=4,
-                          max_sequences=10, progress=False)
+    half = build_stored_z(
+        tiny_model, tiny_shards, tmp_path / "z16", dtype="float16", batch_size=4, max_sequences=10, progress=False
+    )
     assert torch.equal(half.hidden(ids), store.hidden(ids).half().float())
     assert (tmp_path / "z16" / "z.bin").stat().st_size * 2 == (tmp_path / "z32" / "z.bin").stat().st_size
-    bf = build_stored_z(tiny_model, tiny_shards, tmp_path / "zbf", dtype="bfloat16", batch_size=4, max_sequences=10,
-                        progress=False)
+    bf = build_stored_z(
+        tiny_model, tiny_shards, tmp_path / "zbf", dtype="bfloat16", batch_size=4, max_sequences=10, progress=False
+    )
     assert torch.equal(bf.hidden(ids), store.hidden(ids).bfloat16().float())
 
 
@@ -94,8 +117,10 @@ def test_an_interrupted_z_pass_resumes_to_identical_files(tiny_model, tiny_shard
     assert done.complete and _files(part) == _files(tmp_path / "whole")
     # resumed after the one good batch: the first update counts it and the redone second one
     assert calls[0].done == 2 * 3 * tiny_model.config.block_size
-    assert json.loads((part / "state.json").read_text())["digests"] == \
-        json.loads((tmp_path / "whole" / "state.json").read_text())["digests"]
+    assert (
+        json.loads((part / "state.json").read_text())["digests"]
+        == json.loads((tmp_path / "whole" / "state.json").read_text())["digests"]
+    )
     # another backbone: the store is made again, not resumed
     other = PrismLM(tiny_model.config)
     again = build_stored_z(other, tiny_shards, part, **kw)

@@ -29,7 +29,7 @@ def _write_parquet(folder, texts: list[str], files: int = 3):
     folder.mkdir(parents=True, exist_ok=True)
     per = -(-len(texts) // files)
     for k in range(files):
-        chunk = texts[k * per:(k + 1) * per]
+        chunk = texts[k * per : (k + 1) * per]
         pq.write_table(pa.table({"text": chunk}), folder / f"part-{k:02d}.parquet", row_group_size=4)
     return folder
 
@@ -38,7 +38,7 @@ def _write_jsonl(folder, texts: list[str], files: int = 2):
     folder.mkdir(parents=True, exist_ok=True)
     per = -(-len(texts) // files)
     for k in range(files):
-        lines = [json.dumps({"text": t}) for t in texts[k * per:(k + 1) * per]]
+        lines = [json.dumps({"text": t}) for t in texts[k * per : (k + 1) * per]]
         (folder / f"part-{k}.jsonl").write_text("\n".join(lines) + "\n")
     return folder
 
@@ -51,10 +51,21 @@ def saved_tok(tiny_shards, tmp_path_factory):
 
 
 def stream_cfg(corpus, tok, tmp_path, **overrides) -> RunConfig:
-    base = {"data.corpus": str(corpus), "data.tokenizer": tok, "data.streaming": True, "data.shuffle_buffer": 16,
-            "data.val_fraction": 0.1, "data.stream_val_tokens": 3000, "data.data_dir": str(tmp_path / "cache"),
-            "train.max_steps": 12, "train.eval_interval": 6, "train.log_interval": 3, "train.batch_size": 4,
-            "train.warmup_steps": 2, "loss.warmup_steps": 4}
+    base = {
+        "data.corpus": str(corpus),
+        "data.tokenizer": tok,
+        "data.streaming": True,
+        "data.shuffle_buffer": 16,
+        "data.val_fraction": 0.1,
+        "data.stream_val_tokens": 3000,
+        "data.data_dir": str(tmp_path / "cache"),
+        "train.max_steps": 12,
+        "train.eval_interval": 6,
+        "train.log_interval": 3,
+        "train.batch_size": 4,
+        "train.warmup_steps": 2,
+        "loss.warmup_steps": 4,
+    }
     return RunConfig.from_name("tiny").override({**base, **overrides})
 
 
@@ -93,15 +104,18 @@ def test_stream_resume_is_exact(saved_tok, tmp_path):
         assert torch.equal(p, q), name
 
     def lines(run):
-        return [{k: v for k, v in json.loads(s).items() if k != "tokens_per_s"}
-                for s in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [
+            {k: v for k, v in json.loads(s).items() if k != "tokens_per_s"}
+            for s in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        ]
 
     assert lines("full") == lines("split")
     assert max(r.get("epoch", 0) for r in lines("full")) >= 1  # the stream wrapped around the corpus
     # a stream that does not resume differs: the test can fail
     other = train(cfg.override({"train.seed": 7}), tmp_path / "other", progress=False)
-    assert not torch.equal(other.model.state_dict()["transformer.wte.weight"],
-                           full.model.state_dict()["transformer.wte.weight"])
+    assert not torch.equal(
+        other.model.state_dict()["transformer.wte.weight"], full.model.state_dict()["transformer.wte.weight"]
+    )
 
 
 def _stream(corpus, tok, **kw):
@@ -215,7 +229,7 @@ def test_default_config_does_not_stream():
     assert cfg.data.streaming is False and cfg.data.tokenizer == "bpe-512"
 
 
-_DDP_WORKER = '''
+_DDP_WORKER = """
 import sys
 from prismlm import RunConfig
 from prismlm.train import train
@@ -225,7 +239,7 @@ if mode == "resume":
     train(cfg, out_dir, progress=False, resume=True)
 else:
     train(cfg, out_dir, progress=False, stop_after=3 if mode == "stop" else None)
-'''
+"""
 
 
 @pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
@@ -241,8 +255,18 @@ def test_torchrun_stream_shards_ranks_and_resumes_exactly(saved_tok, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def run(out: str, mode: str) -> None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(tmp_path / "worker.py"), str(tmp_path / "cfg.json"), str(tmp_path / out), mode]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(tmp_path / "worker.py"),
+            str(tmp_path / "cfg.json"),
+            str(tmp_path / out),
+            mode,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -48,7 +48,7 @@ class _Split:
         return (len(self.tokens) - 1) // seq_len
 
     def sequences(self, js, seq_len: int) -> np.ndarray:
-        return np.stack([self.tokens[j * seq_len: j * seq_len + seq_len + 1] for j in np.asarray(js)]).astype(np.int64)
+        return np.stack([self.tokens[j * seq_len : j * seq_len + seq_len + 1] for j in np.asarray(js)]).astype(np.int64)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,14 @@ def shards():
 @pytest.fixture(scope="module")
 def net(shards):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, block_size=T, n_layer=2, n_head=2, n_embd=D,
-                      prototypes=PrototypeConfig(num_prototypes=K, top_k=TOPK))
+    cfg = ModelConfig(
+        vocab_size=V,
+        block_size=T,
+        n_layer=2,
+        n_head=2,
+        n_embd=D,
+        prototypes=PrototypeConfig(num_prototypes=K, top_k=TOPK),
+    )
     m = PrismLM(cfg).double().eval()
     with torch.no_grad():
         m.lm_head.weight.mul_(20.0)  # O(1) logits: a far-from-uniform softmax, so Σ_t matters
@@ -130,13 +136,14 @@ def explicit_curvature(net, x, damping=RHO):
         for s in range(idx.shape[1]):
             A[t, idx[t, s]] = act[t, s]
     Fm = GN.mean(0)
-    m = (A ** 2).mean(0)
+    m = (A**2).mean(0)
     m_eff = torch.clamp(m, min=1.0 / N)
     eye = torch.eye(D, dtype=torch.float64)
     H_shared = torch.stack([m_eff[i] * Fm + damping * torch.trace(m_eff[i] * Fm) / D * eye for i in range(K)])
-    blocks = torch.einsum("ni,nde->ide", A ** 2, GN) / N
-    H_exact = torch.stack([blocks[i] + damping * torch.trace(blocks[i]) / D * eye if m[i] > 0 else H_shared[i]
-                           for i in range(K)])
+    blocks = torch.einsum("ni,nde->ide", A**2, GN) / N
+    H_exact = torch.stack(
+        [blocks[i] + damping * torch.trace(blocks[i]) / D * eye if m[i] > 0 else H_shared[i] for i in range(K)]
+    )
     return SimpleNamespace(F=Fm, m=m, blocks=blocks, shared=H_shared, exact=H_exact, N=N)
 
 
@@ -160,8 +167,15 @@ def test_block_gradients_of_a_batch_equal_autograd_and_list_exactly_the_active_b
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(bg.loss, loss, rtol=1e-13, atol=0)
     # one row per (sequence, prototype active with a > 0 in a measured token), ordered by (sequence, prototype)
-    want = sorted({(b + 10, int(out.indices[b, t, s])) for b in range(3) for t in range(T) for s in range(TOPK)
-                   if mask[b, t] and out.activations[b, t, s] > 0})
+    want = sorted(
+        {
+            (b + 10, int(out.indices[b, t, s]))
+            for b in range(3)
+            for t in range(T)
+            for s in range(TOPK)
+            if mask[b, t] and out.activations[b, t, s] > 0
+        }
+    )
     assert list(zip(bg.seq.tolist(), bg.proto.tolist(), strict=True)) == want
     assert bg.rows == len(want) and bg.grad.dtype == torch.float64
     # default mask: every token measured; default ids: 0..B-1
@@ -211,8 +225,9 @@ def test_block_gradients_refuse_the_dense_baseline(net):
 
 
 def test_block_gradient_rows_select_and_cat():
-    a = BlockGradients(torch.tensor([0, 0, 1]), torch.tensor([3, 5, 3]), torch.arange(6.0).view(3, 2),
-                       torch.tensor([1.0, 2.0]))
+    a = BlockGradients(
+        torch.tensor([0, 0, 1]), torch.tensor([3, 5, 3]), torch.arange(6.0).view(3, 2), torch.tensor([1.0, 2.0])
+    )
     b = BlockGradients(torch.tensor([2]), torch.tensor([7]), torch.ones(1, 2), None)
     c = BlockGradients.cat([a, b])
     assert c.rows == 4 and c.seq.tolist() == [0, 0, 1, 2] and c.proto.tolist() == [3, 5, 3, 7]
@@ -248,8 +263,12 @@ def test_batches_form_a_fixed_grid():
 def test_query_gradients_measure_exactly_the_requested_targets(net):
     rng = np.random.default_rng(5)
     long_ids = rng.integers(0, V, T + 7).tolist()  # longer than the window: the last T+1 tokens are kept
-    qs = [(rng.integers(0, V, 9).tolist(), 3), (rng.integers(0, V, 6).tolist(), 1), (long_ids, len(long_ids) - 4),
-          (rng.integers(0, V, 5).tolist(), 4)]
+    qs = [
+        (rng.integers(0, V, 9).tolist(), 3),
+        (rng.integers(0, V, 6).tolist(), 1),
+        (long_ids, len(long_ids) - 4),
+        (rng.integers(0, V, 5).tolist(), 4),
+    ]
     q = query_gradients(net, qs)
     assert sorted(set(q.seq.tolist())) == [0, 1, 2, 3]
     got = dense_blocks(q, len(qs))
@@ -281,7 +300,10 @@ def test_curvature_pass_reports_progress_per_batch_and_is_silent_by_default(net,
     events: list[ProgressEvent] = []
     curvature_pass(net, shards, sequences=(1, 4), batch_size=2, progress=events.append)
     assert [(e.stage, e.done, e.total, e.unit, e.finished) for e in events] == [
-        ("curvature", 1, 3, "seq", False), ("curvature", 3, 3, "seq", False), ("curvature", 3, 3, "seq", True)]
+        ("curvature", 1, 3, "seq", False),
+        ("curvature", 3, 3, "seq", False),
+        ("curvature", 3, 3, "seq", True),
+    ]
     capfd.readouterr()
     curvature_pass(net, shards, sequences=(1, 4), batch_size=2)
     assert capfd.readouterr() == ("", "")
@@ -319,8 +341,7 @@ def test_shared_curvature_is_m_times_F_plus_damping_from_the_definitions(net, sh
         torch.testing.assert_close(cur.dense(i), ref.shared[i], rtol=0, atol=1e-10 * float(scale))
     want = torch.linalg.solve(H, g)
     torch.testing.assert_close(cur.apply(ids, g), want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
-    torch.testing.assert_close(cur.apply(ids, g, power=1.0), torch.einsum("rde,re->rd", H, g), rtol=1e-9,
-                               atol=1e-12)
+    torch.testing.assert_close(cur.apply(ids, g, power=1.0), torch.einsum("rde,re->rd", H, g), rtol=1e-9, atol=1e-12)
     half = cur.apply(ids, cur.apply(ids, g, -0.5), -0.5)
     torch.testing.assert_close(half, want, rtol=1e-8, atol=1e-9 * float(want.abs().max()))
     torch.testing.assert_close(cur.apply(ids, g, chunk=2), want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
@@ -330,8 +351,9 @@ def test_shared_curvature_is_m_times_F_plus_damping_from_the_definitions(net, sh
     # a different damping changes λ_i exactly as documented
     cur3 = curvature_pass(net, shards, sequences=(0, 5), batch_size=5, damping=0.3)
     ref3 = explicit_curvature(net, _seqs(shards, 0, 5)[:, :-1], damping=0.3)
-    torch.testing.assert_close(cur3.apply(ids, g), torch.linalg.solve(ref3.shared[ids], g), rtol=1e-9,
-                               atol=1e-9 * float(want.abs().max()))
+    torch.testing.assert_close(
+        cur3.apply(ids, g), torch.linalg.solve(ref3.shared[ids], g), rtol=1e-9, atol=1e-9 * float(want.abs().max())
+    )
 
 
 def test_exact_block_curvature_from_the_definitions(net, shards):
@@ -410,8 +432,12 @@ def test_influence_scores_equal_the_definition_with_autograd_gradients(net, shar
     tol = 1e-9 if mode != "exact" else 1e-7  # exact blocks of rarely used prototypes are ill-conditioned
     torch.testing.assert_close(S, want, rtol=tol, atol=tol * float(want.abs().max()))
     torch.testing.assert_close(full.self_scores(), self_want, rtol=tol, atol=0)
-    torch.testing.assert_close(influence_scores(q, full.train, full.curvature, num_queries=2, num_train=n, chunk=3),
-                               S, rtol=1e-12, atol=1e-14 * float(want.abs().max()))
+    torch.testing.assert_close(
+        influence_scores(q, full.train, full.curvature, num_queries=2, num_train=n, chunk=3),
+        S,
+        rtol=1e-12,
+        atol=1e-14 * float(want.abs().max()),
+    )
     if mode == "identity":  # positive self-influence, and the plain dot product is symmetric
         assert (self_want > 0).all()
 
@@ -429,13 +455,16 @@ def test_influence_of_blocks_sharing_no_prototype_is_exactly_zero(net, shards):
     assert S[1, j].item() == 0.0 and S[0, j].item() != 0.0
     want = g[0] @ torch.linalg.solve(full.curvature.dense(mine[0]), dense_blocks(tr, N_SEQ)[j, mine[0]])
     assert S[0, j].item() == pytest.approx(want.item(), rel=1e-9)
-    empty = BlockGradients(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                           torch.zeros(0, D, dtype=torch.float64))
+    empty = BlockGradients(
+        torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, D, dtype=torch.float64)
+    )
     assert torch.count_nonzero(full.scores(empty, 1)) == 0 and full.scores(empty, 1).shape == (1, N_SEQ)
     # a given curvature is used as is (no second pass) and mode="identity" ignores it
     reuse = FullGradients.build(net, shards, max_sequences=3, curvature=full.curvature)
     assert reuse.curvature is full.curvature and reuse.num_train == 3
-    assert FullGradients.build(net, shards, max_sequences=3, mode="identity", curvature=full.curvature).curvature is None
+    assert (
+        FullGradients.build(net, shards, max_sequences=3, mode="identity", curvature=full.curvature).curvature is None
+    )
 
 
 def test_self_influence_is_the_diagonal_of_pairwise_scores(net, shards):
@@ -466,8 +495,11 @@ def test_output_gradients_precondition_and_query_table(net, shards):
     finally:
         gradients_mod.SOFTMAX_BLOCK = block
     cur = curvature_pass(net, shards, sequences=(0, 3))
-    q = BlockGradients(torch.tensor([0, 0, 1]), torch.tensor([2, 5, 5]),
-                       torch.randn(3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4)))
+    q = BlockGradients(
+        torch.tensor([0, 0, 1]),
+        torch.tensor([2, 5, 5]),
+        torch.randn(3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4)),
+    )
     assert torch.equal(precondition(q, None), q.grad)
     assert precondition(q, None, torch.float32).dtype == torch.float32
     H = [cur.dense(i) for i in (2, 5, 5)]
@@ -492,14 +524,22 @@ def test_every_tensor_is_made_on_the_inputs_device(net, shards):
     for name, cur in (("shared", None), ("exact", ex)):
         full = FullGradients.build(net, shards, max_sequences=4, batch_size=3, curvature=cur)
         q = query_gradients(net, qs)
-        want[name] = (full.scores(q, 2), full.self_scores(), query_table(q, full.curvature, K, 2),
-                      full.curvature.apply(q.proto, q.grad))
+        want[name] = (
+            full.scores(q, 2),
+            full.self_scores(),
+            query_table(q, full.curvature, K, 2),
+            full.curvature.apply(q.proto, q.grad),
+        )
     with torch.device("meta"):
         for name, cur in (("shared", None), ("exact", ex)):
             full = FullGradients.build(net, shards, max_sequences=4, batch_size=3, curvature=cur)
             q = query_gradients(net, qs)
-            got = (full.scores(q, 2), full.self_scores(), query_table(q, full.curvature, K, 2),
-                   full.curvature.apply(q.proto, q.grad))
+            got = (
+                full.scores(q, 2),
+                full.self_scores(),
+                query_table(q, full.curvature, K, 2),
+                full.curvature.apply(q.proto, q.grad),
+            )
             for a, b in zip(got, want[name], strict=True):
                 assert a.device.type == "cpu"
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12 * float(b.abs().max()))
@@ -516,8 +556,10 @@ def test_guards_on_models_outputs_and_queries(net):
     x = torch.randint(0, V, (1, 4))
     out = net(x)
     msg = r"^prototype-space gradients need a PRISM model \(the dense baseline has no prototypes\)$"
-    for bad in (SimpleNamespace(indices=None, logits=out.logits, activations=out.activations),
-                SimpleNamespace(indices=out.indices, logits=out.logits, activations=None)):
+    for bad in (
+        SimpleNamespace(indices=None, logits=out.logits, activations=out.activations),
+        SimpleNamespace(indices=out.indices, logits=out.logits, activations=None),
+    ):
         with pytest.raises(ModelError, match=msg):
             block_gradients(net, bad, x)
     with pytest.raises(ModelError, match=msg):
@@ -595,15 +637,18 @@ def test_influence_scores_dtypes_and_prototype_ranges(net, shards):
     torch.testing.assert_close(S32q, want, rtol=1e-12, atol=0)
     tr32 = BlockGradients(tr.seq, tr.proto, tr.grad.float())
     S32t = influence_scores(q, tr32, cur, num_queries=2, num_train=4)
-    want_t = influence_scores(q, BlockGradients(tr.seq, tr.proto, tr.grad.float().double()), cur, num_queries=2,
-                              num_train=4)
+    want_t = influence_scores(
+        q, BlockGradients(tr.seq, tr.proto, tr.grad.float().double()), cur, num_queries=2, num_train=4
+    )
     assert S32t.dtype == torch.float64
     torch.testing.assert_close(S32t, want_t, rtol=1e-12, atol=0)
     # no training rows at all: zeros of the right shape
-    none = BlockGradients(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                          torch.zeros(0, D, dtype=torch.float64))
-    assert torch.equal(influence_scores(q, none, cur, num_queries=2, num_train=4), torch.zeros(2, 4,
-                                                                                               dtype=torch.float64))
+    none = BlockGradients(
+        torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, D, dtype=torch.float64)
+    )
+    assert torch.equal(
+        influence_scores(q, none, cur, num_queries=2, num_train=4), torch.zeros(2, 4, dtype=torch.float64)
+    )
 
 
 def test_low_precision_logits_are_lifted_to_float32(net):
@@ -616,8 +661,9 @@ def test_low_precision_logits_are_lifted_to_float32(net):
     assert u.dtype == torch.float32
     torch.testing.assert_close(u, want, rtol=1e-6, atol=1e-6)
     bg = block_gradients(net, lo, y)
-    ref = block_gradients(net, SimpleNamespace(logits=lo.logits.float(), indices=out.indices,
-                                               activations=out.activations.float()), y)
+    ref = block_gradients(
+        net, SimpleNamespace(logits=lo.logits.float(), indices=out.indices, activations=out.activations.float()), y
+    )
     assert bg.grad.dtype == torch.float32
     torch.testing.assert_close(bg.grad, ref.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(bg.loss, ref.loss, rtol=1e-6, atol=1e-6)

@@ -21,8 +21,14 @@ HERE = Path(__file__).parent
 
 
 def tiny_cfg(**overrides) -> RunConfig:
-    base = {"train.max_steps": 12, "train.eval_interval": 6, "train.log_interval": 3, "train.batch_size": 4,
-            "train.warmup_steps": 2, "loss.warmup_steps": 4}
+    base = {
+        "train.max_steps": 12,
+        "train.eval_interval": 6,
+        "train.log_interval": 3,
+        "train.batch_size": 4,
+        "train.warmup_steps": 2,
+        "loss.warmup_steps": 4,
+    }
     return RunConfig.from_name("tiny").override({**base, **overrides})
 
 
@@ -48,6 +54,7 @@ def test_resume_is_exact(tiny_shards, tmp_path):
     assert resumed.step == 12
     for (name, p), (_, q) in zip(full.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(p, q), name
+
     def lines(run):
         return [json.loads(s) for s in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
 
@@ -59,8 +66,10 @@ def test_resume_is_exact(tiny_shards, tmp_path):
 
 def _metrics(run: Path) -> list[dict]:
     """The run's metrics log without its timings."""
-    return [{k: v for k, v in json.loads(s).items() if k != "tokens_per_s"}
-            for s in (run / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(s).items() if k != "tokens_per_s"}
+        for s in (run / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def test_an_interrupted_run_saves_a_checkpoint_and_resumes_exactly(tiny_shards, tmp_path, monkeypatch):
@@ -109,8 +118,7 @@ def test_long_runs_checkpoint_at_each_validation_by_default(tiny_shards, tmp_pat
     cfg = tiny_cfg(**{"train.keep_checkpoints": 5})
     assert cfg.train.ckpt_interval is None and RunConfig.from_name("gpt2-124m").train.ckpt_interval is None
     train(cfg, tmp_path / "run", shards=tiny_shards, progress=False)
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == ["step-000006",
-                                                                                          "step-000012"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == ["step-000006", "step-000012"]
 
 
 def test_resume_without_checkpoint_fails_clearly(tmp_path):
@@ -119,8 +127,12 @@ def test_resume_without_checkpoint_fails_clearly(tmp_path):
 
 
 def test_checkpoint_and_run_folder_contents(tiny_shards, tmp_path):
-    train(tiny_cfg(**{"train.max_steps": 6, "train.ckpt_interval": 2, "train.keep_checkpoints": 2}),
-          tmp_path / "run", shards=tiny_shards, progress=False)
+    train(
+        tiny_cfg(**{"train.max_steps": 6, "train.ckpt_interval": 2, "train.keep_checkpoints": 2}),
+        tmp_path / "run",
+        shards=tiny_shards,
+        progress=False,
+    )
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
     assert ckpts == ["step-000004", "step-000006"]  # older pruned, no .tmp left behind
     env = json.loads((tmp_path / "run" / "env.json").read_text())
@@ -158,14 +170,23 @@ def test_sampler_layout_matches_across_world_sizes():
 @pytest.mark.slow  # a subprocess or several processes: .ci/run's `-m slow` pass
 def test_torchrun_two_processes_equal_single_process(tiny_shards, tmp_path):
     """A 2-process gloo DDP step equals the 1-process step with the same global batch."""
-    cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2, "train.batch_size": 4,
-                      "train.grad_accum": 2})
+    cfg = tiny_cfg(**{"train.max_steps": 2, "train.eval_interval": 2, "train.batch_size": 4, "train.grad_accum": 2})
     single = train(cfg, tmp_path / "single", shards=tiny_shards, progress=False)
     ddp_cfg = cfg.override({"train.grad_accum": 1})
     (tmp_path / "cfg.json").write_text(ddp_cfg.to_json())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "ddp_worker.py"), str(tmp_path / "cfg.json"), str(tiny_shards.root), str(tmp_path / "ddp")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "ddp_worker.py"),
+        str(tmp_path / "cfg.json"),
+        str(tiny_shards.root),
+        str(tmp_path / "ddp"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ddp = load_checkpoint(tmp_path / "ddp").model
@@ -181,19 +202,43 @@ def test_cli_demo_end_to_end(tmp_path):
     """The toy demo (`prism demo --scratch`) at its smallest size, through the installed console script."""
     assert Path(PRISM_SCRIPT).exists(), "the `prism` console script is not installed next to this Python"
     env = {**os.environ, "PRISM_DATA": str(tmp_path / "data")}
-    cmd = [PRISM_SCRIPT, "demo", "--scratch", "--preset", "tiny", "--steps", "6", "--max-docs", "40", "--max-chars-per-doc", "3000",
-           "--out", str(tmp_path / "demo"), "--no-progress"]
+    cmd = [
+        PRISM_SCRIPT,
+        "demo",
+        "--scratch",
+        "--preset",
+        "tiny",
+        "--steps",
+        "6",
+        "--max-docs",
+        "40",
+        "--max-chars-per-doc",
+        "3000",
+        "--out",
+        str(tmp_path / "demo"),
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "val_ppl" in proc.stdout and "r1_bar" in proc.stdout
     assert (tmp_path / "demo" / "checkpoints" / "latest").exists()
     # the same run folder works with eval and generate
-    proc = subprocess.run([PRISM_SCRIPT, "eval", str(tmp_path / "demo"), "--batches", "2", "--json",
-                           str(tmp_path / "m.json")], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [PRISM_SCRIPT, "eval", str(tmp_path / "demo"), "--batches", "2", "--json", str(tmp_path / "m.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "m.json").read_text())["step"] == 6
-    proc = subprocess.run([PRISM_SCRIPT, "generate", str(tmp_path / "demo"), "--prompt", "The", "-n", "5"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [PRISM_SCRIPT, "generate", str(tmp_path / "demo"), "--prompt", "The", "-n", "5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("The"), proc.stderr[-3000:]
 
 
@@ -216,8 +261,23 @@ def test_cli_ctrl_c_saves_the_run_and_resume_continues_it(tmp_path):
 
     env = {**os.environ, "PRISM_DATA": str(tmp_path / "data")}
     run = tmp_path / "R"
-    cmd = [PRISM_SCRIPT, "train", "--preset", "tiny", "--steps", "5000", "--out", str(run), "--no-progress",
-           "--set", "data.max_docs=40", "--set", "data.max_chars_per_doc=3000", "--set", "train.eval_interval=4000"]
+    cmd = [
+        PRISM_SCRIPT,
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "5000",
+        "--out",
+        str(run),
+        "--no-progress",
+        "--set",
+        "data.max_docs=40",
+        "--set",
+        "data.max_chars_per_doc=3000",
+        "--set",
+        "train.eval_interval=4000",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stderr is not None
     lines = []
@@ -231,7 +291,12 @@ def test_cli_ctrl_c_saves_the_run_and_resume_continues_it(tmp_path):
     assert "interrupted after step" in rest and "--resume" in rest, rest
     step = load_checkpoint(run).manifest["step"]
     assert 10 <= step < 5000
-    res = subprocess.run([PRISM_SCRIPT, "train", "--out", str(run), "--resume", "--steps", str(step + 3),
-                          "--no-progress"], capture_output=True, text=True, timeout=300, env=env)
+    res = subprocess.run(
+        [PRISM_SCRIPT, "train", "--out", str(run), "--resume", "--steps", str(step + 3), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert load_checkpoint(run).manifest["step"] == step + 3

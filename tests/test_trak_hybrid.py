@@ -30,7 +30,7 @@ def _rec_hessian_block(net, x, i: int, lam: float) -> torch.Tensor:
     P = net.prototypes.weight.detach().clone()
 
     def rec(p_i):
-        Pm = torch.cat([P[:i], p_i[None], P[i + 1:]])
+        Pm = torch.cat([P[:i], p_i[None], P[i + 1 :]])
         r = z - torch.einsum("nk,nkd->nd", a, Pm[idx])
         return lam * (r.pow(2).sum(-1) / z.pow(2).sum(-1)).mean()
 
@@ -81,8 +81,13 @@ def test_whole_network_gradients_equal_autograd_of_the_loss(net, tiny_shards):
     net.zero_grad()
     out = net(x[:, :-1], x[:, 1:])
     (out.losses["ce"] * T).backward()  # summed token CE
-    ref = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                     for p in net.parameters() if p.requires_grad])
+    ref = torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+            for p in net.parameters()
+            if p.requires_grad
+        ]
+    )
     net.zero_grad()
     torch.testing.assert_close(wn.train(2), ref.double(), rtol=1e-6, atol=1e-9)
     gq = wn.query(x[0].tolist(), 1)
@@ -235,11 +240,11 @@ def cached_run(tiny_shards, tmp_path_factory):
     from prismlm.app import Run, build_run_cache
     from prismlm.config import AttributionConfig
 
-    _, run_dir = train_tiny_run(tiny_shards, tmp_path_factory.mktemp("hybrid"), steps=20, batch_size=4,
-                                warmup_steps=2)
+    _, run_dir = train_tiny_run(tiny_shards, tmp_path_factory.mktemp("hybrid"), steps=20, batch_size=4, warmup_steps=2)
     run = Run.open(run_dir)
-    build_run_cache(run, AttributionConfig(max_sequences=40, r=16, batch_size=8), shards=tiny_shards.root,
-                    progress=False)
+    build_run_cache(
+        run, AttributionConfig(max_sequences=40, r=16, batch_size=8), shards=tiny_shards.root, progress=False
+    )
     return run
 
 
@@ -285,8 +290,9 @@ def test_attribute_rescored_by_ekfac_fits_factors_once(cached_run, tiny_shards):
     base = attribute_text(run, text, completion=2, top=6, shards=tiny_shards.root)
     # the same factors (kronfluence samples the labels it fits them with: a new fit differs)
     folder = next((run.folder / "attribution-factors").iterdir())
-    kb = KronfluenceBaseline(run.model, tiny_shards, strategy="ekfac", max_sequences=40, out_dir=folder,
-                             reuse_factors=True)
+    kb = KronfluenceBaseline(
+        run.model, tiny_shards, strategy="ekfac", max_sequences=40, out_dir=folder, reuse_factors=True
+    )
     every = kb.scores([make_query(run.tokenizer, text, completion_tokens=2)], run.tokenizer.eot_id)[0].numpy()
     kb.close()
     cands = np.array([it.sequence for it in base.top])
@@ -300,7 +306,22 @@ def test_cli_attribute_rescore(cached_run, tiny_shards):
 
     from prismlm.cli import app
 
-    res = CliRunner().invoke(app, ["attribute", str(cached_run.path), "The President said that", "--completion", "2",
-                                   "--top", "3", "--rescore", "gradient", "--rescore-top", "8",
-                                   "--shards", str(tiny_shards.root)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "attribute",
+            str(cached_run.path),
+            "The President said that",
+            "--completion",
+            "2",
+            "--top",
+            "3",
+            "--rescore",
+            "gradient",
+            "--rescore-top",
+            "8",
+            "--shards",
+            str(tiny_shards.root),
+        ],
+    )
     assert res.exit_code == 0 and "cached+gradient" in res.output and "re-ranked" in res.output, res.output

@@ -21,8 +21,7 @@ SMALL_DATA = ["--set", "data.max_docs=60", "--set", "data.max_chars_per_doc=4000
 def tiny_run(tiny_shards, tmp_path_factory):
     from conftest import train_tiny_run
 
-    return train_tiny_run(tiny_shards, tmp_path_factory.mktemp("user_errors"), steps=4, batch_size=4,
-                          warmup_steps=1)[1]
+    return train_tiny_run(tiny_shards, tmp_path_factory.mktemp("user_errors"), steps=4, batch_size=4, warmup_steps=1)[1]
 
 
 def _run(*args: str):
@@ -39,16 +38,19 @@ def _one_line_error(res, *expected: str) -> None:
 
 
 # ----- config values: validated in the dataclass, named by their field -------------------------------------
-@pytest.mark.parametrize("override, field", [
-    ("train.device=tpu9", "train.device"),
-    ("train.device=cuda:x", "train.device"),
-    ("train.betas=0.9", "train.betas"),
-    ("train.betas=[0.9]", "train.betas"),
-    ("train.betas=[0.9,1.5]", "train.betas"),
-    ("train.batch_size=0", "train.batch_size must be >= 1"),  # every field's check names its section
-    ("model.prototypes.top_k=0", "model.prototypes.top_k must be in"),
-    ("data.val_fraction=2", "data.val_fraction must be in (0, 1)"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.device=tpu9", "train.device"),
+        ("train.device=cuda:x", "train.device"),
+        ("train.betas=0.9", "train.betas"),
+        ("train.betas=[0.9]", "train.betas"),
+        ("train.betas=[0.9,1.5]", "train.betas"),
+        ("train.batch_size=0", "train.batch_size must be >= 1"),  # every field's check names its section
+        ("model.prototypes.top_k=0", "model.prototypes.top_k must be in"),
+        ("data.val_fraction=2", "data.val_fraction must be in (0, 1)"),
+    ],
+)
 def test_bad_config_values_name_the_field(tmp_path, override, field):
     res = _run("train", "--preset", "tiny", "--set", override, "--out", tmp_path / "r", *SMALL_DATA)
     _one_line_error(res, field)
@@ -66,8 +68,16 @@ def test_train_config_validates_device_and_betas_itself():
 
 # ----- output paths ---------------------------------------------------------------------------------------
 def test_an_out_folder_that_cannot_be_created_is_one_line(tmp_path):
-    res = _run("train", "--preset", "tiny", "--out", "/proc/prism-no-such-folder/run", *SMALL_DATA,
-               "--set", f"data.data_dir={tmp_path / 'data'}")
+    res = _run(
+        "train",
+        "--preset",
+        "tiny",
+        "--out",
+        "/proc/prism-no-such-folder/run",
+        *SMALL_DATA,
+        "--set",
+        f"data.data_dir={tmp_path / 'data'}",
+    )
     _one_line_error(res, "--out", "/proc/prism-no-such-folder/run")
 
 
@@ -99,8 +109,21 @@ def test_a_lone_surrogate_is_written_as_a_replacement_character(tiny_run, tiny_s
     assert "\ufffd" in page.read_text(encoding="utf-8") and page.read_text().rstrip().endswith("</html>")
     assert json.loads(data.read_text(encoding="utf-8"))["text"] == "lone \ufffd surrogate"
     att = tmp_path / "a.json"
-    res = _run("attribute", tiny_run, "The \udcff sea", "--method", "full", "--max-sequences", "8", "--top", "2",
-               "--shards", tiny_shards.root, "--json", att)
+    res = _run(
+        "attribute",
+        tiny_run,
+        "The \udcff sea",
+        "--method",
+        "full",
+        "--max-sequences",
+        "8",
+        "--top",
+        "2",
+        "--shards",
+        tiny_shards.root,
+        "--json",
+        att,
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(att.read_text(encoding="utf-8"))["prompt"] == "The \ufffd sea"
     assert not list(tmp_path.glob("*.tmp"))
@@ -181,8 +204,9 @@ def test_an_os_error_on_a_path_is_one_line_in_every_command(tiny_run, monkeypatc
     _one_line_error(_run("generate", tiny_run, "-n", "1", "--device", "cpu"), "Permission denied", "/some/file")
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
-                    reason="root ignores permission bits")
+@pytest.mark.skipif(
+    not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0, reason="root ignores permission bits"
+)
 def test_export_into_a_read_only_folder_is_one_line(tiny_run, tmp_path):
     pytest.importorskip("transformers")
     ro = tmp_path / "ro"

@@ -20,14 +20,29 @@ if TYPE_CHECKING:
     )
     from prismlm.model import PrismLM, PrismOutput, decompose
 
-__all__ = ["AttributionConfig", "DataConfig", "LossConfig", "ModelConfig", "PrismLM", "PrismOutput", "PrototypeConfig",
-           "RunConfig", "TrainConfig", "decompose", "__version__"]
+__all__ = [
+    "AttributionConfig",
+    "DataConfig",
+    "LossConfig",
+    "ModelConfig",
+    "PrismLM",
+    "PrismOutput",
+    "PrototypeConfig",
+    "RunConfig",
+    "TrainConfig",
+    "decompose",
+    "__version__",
+]
 
 # Why lazy (PEP 562): `import prismlm` (and so every `prismlm.cli` import, e.g. `prism --help`) must not
 # import torch, which costs seconds; each name is imported on first use.
-_LAZY = {**dict.fromkeys(["AttributionConfig", "DataConfig", "LossConfig", "ModelConfig", "PrototypeConfig",
-                          "RunConfig", "TrainConfig"], "prismlm.config"),
-         **dict.fromkeys(["PrismLM", "PrismOutput", "decompose"], "prismlm.model")}
+_LAZY = {
+    **dict.fromkeys(
+        ["AttributionConfig", "DataConfig", "LossConfig", "ModelConfig", "PrototypeConfig", "RunConfig", "TrainConfig"],
+        "prismlm.config",
+    ),
+    **dict.fromkeys(["PrismLM", "PrismOutput", "decompose"], "prismlm.model"),
+}
 
 
 def __getattr__(name: str) -> object:

@@ -45,9 +45,26 @@ import torch
 
 from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError, PrismError, RunError
 
-__all__ = ["FileLock", "atomic_dir", "atomic_write_bytes", "atomic_write_text", "check_out_file", "check_out_folder",
-           "check_provenance", "encodable", "folder_kind", "merge_ranges", "model_identity", "output_lock", "overlap",
-           "part_range", "provenance", "sha256_file", "write_output", "writes_folder"]
+__all__ = [
+    "FileLock",
+    "atomic_dir",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "check_out_file",
+    "check_out_folder",
+    "check_provenance",
+    "encodable",
+    "folder_kind",
+    "merge_ranges",
+    "model_identity",
+    "output_lock",
+    "overlap",
+    "part_range",
+    "provenance",
+    "sha256_file",
+    "write_output",
+    "writes_folder",
+]
 
 
 # ----- atomic writes ---------------------------------------------------------------------------------------
@@ -97,8 +114,11 @@ def write_output(path: str | Path, text: str, *, option: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         return atomic_write_text(path, encodable(text))
     except OSError as e:
-        raise ConfigError(f"{option} {path}: cannot write it ({e.strerror or e})",
-                          fix=f"give {option} a file path in a folder you can write", path=path) from None
+        raise ConfigError(
+            f"{option} {path}: cannot write it ({e.strerror or e})",
+            fix=f"give {option} a file path in a folder you can write",
+            path=path,
+        ) from None
 
 
 @contextmanager
@@ -166,8 +186,16 @@ class FileLock:
     ``remove``: delete the lock file on release (a waiter that then locks the deleted file sees that the
     path no longer names it and locks the path again)."""
 
-    def __init__(self, path: str | Path, what: str, *, wait: bool = False, error: type[PrismError] = RunError,
-                 fix: str = "wait for it to finish, or use another folder", remove: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        what: str,
+        *,
+        wait: bool = False,
+        error: type[PrismError] = RunError,
+        fix: str = "wait for it to finish, or use another folder",
+        remove: bool = False,
+    ) -> None:
         self.path, self.what, self.wait = Path(path), what, wait
         self.error, self.fix, self.remove = error, fix, remove
         self._fd: int | None = None
@@ -187,8 +215,9 @@ class FileLock:
                     holder = f"pid {h['pid']} on {h['host']} (since {h['since']})"
                 except (ValueError, KeyError, TypeError):
                     holder = "another process"
-                raise self.error(f"{self.what} is being written by {holder} (lock {self.path})", fix=self.fix,
-                                 path=self.path) from None
+                raise self.error(
+                    f"{self.what} is being written by {holder} (lock {self.path})", fix=self.fix, path=self.path
+                ) from None
             try:
                 if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
                     return fd
@@ -200,8 +229,12 @@ class FileLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = self._lock()
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+        os.write(
+            fd,
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            ).encode(),
+        )
         self._fd = fd
         return self
 
@@ -240,13 +273,19 @@ def output_lock(out: str | Path) -> Iterator[None]:
         finally:
             _HELD[key] -= 1
         return
-    lock = FileLock(path.with_name(path.name + ".lock"), str(out), error=ArtifactError, remove=True,
-                    fix="wait for it to finish, or choose another --out")
+    lock = FileLock(
+        path.with_name(path.name + ".lock"),
+        str(out),
+        error=ArtifactError,
+        remove=True,
+        fix="wait for it to finish, or choose another --out",
+    )
     try:
         lock.acquire()
     except OSError as e:
-        raise ArtifactError(f"cannot write {out}: {e.strerror or e} ({lock.path})", fix="choose another --out",
-                            path=out) from None
+        raise ArtifactError(
+            f"cannot write {out}: {e.strerror or e} ({lock.path})", fix="choose another --out", path=out
+        ) from None
     _HELD[key] = 1
     try:
         yield
@@ -311,14 +350,31 @@ def file_records(folder: str | Path, names: list[str] | None = None) -> dict[str
     """Size, sha256 and sampled sha256 of files in ``folder`` (``names``, or every file but manifest.json):
     what a manifest records so that loading can verify them."""
     folder = Path(folder)
-    paths = [folder / n for n in names] if names is not None else \
-        [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "manifest.json"]
-    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p),
-                                               "sample_sha256": sampled_sha256(p)} for p in paths}
+    paths = (
+        [folder / n for n in names]
+        if names is not None
+        else [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "manifest.json"]
+    )
+    return {
+        p.relative_to(folder).as_posix(): {
+            "bytes": p.stat().st_size,
+            "sha256": sha256_file(p),
+            "sample_sha256": sampled_sha256(p),
+        }
+        for p in paths
+    }
 
 
-def verify_files(folder: str | Path, records: dict[str, dict[str, Any]] | None, *, what: str, fix: str,
-                 full: bool = False, skip: tuple[str, ...] = (), required: tuple[str, ...] = ()) -> list[str]:
+def verify_files(
+    folder: str | Path,
+    records: dict[str, dict[str, Any]] | None,
+    *,
+    what: str,
+    fix: str,
+    full: bool = False,
+    skip: tuple[str, ...] = (),
+    required: tuple[str, ...] = (),
+) -> list[str]:
     """Check files against their ``file_records``: present, same size; the full sha256 for files up to
     ``VERIFY_ON_LOAD_BYTES`` (all with ``full``), the sampled one for larger files. ``ArtifactCorrupt``
     naming the file and ``fix`` otherwise. Returns the names checked. No records (an artifact written
@@ -327,8 +383,12 @@ def verify_files(folder: str | Path, records: dict[str, dict[str, Any]] | None, 
     folder = Path(folder)
     unrecorded = [n for n in required if n not in (records or {})]
     if unrecorded:
-        raise ArtifactCorrupt(f"{what} {folder}: {unrecorded[0]} has no size and sha256 in "
-                              f"{folder / 'manifest.json'}, so it cannot be verified", fix=fix, path=folder / unrecorded[0])
+        raise ArtifactCorrupt(
+            f"{what} {folder}: {unrecorded[0]} has no size and sha256 in "
+            f"{folder / 'manifest.json'}, so it cannot be verified",
+            fix=fix,
+            path=folder / unrecorded[0],
+        )
     checked = []
     for rel, rec in (records or {}).items():
         if rel in skip:
@@ -337,10 +397,15 @@ def verify_files(folder: str | Path, records: dict[str, dict[str, Any]] | None, 
         if not f.is_file():
             raise ArtifactCorrupt(f"{what} {folder} is incomplete: {rel} is missing", fix=fix, path=f)
         whole = full or rec["bytes"] <= VERIFY_ON_LOAD_BYTES
-        if f.stat().st_size != rec["bytes"] or (sha256_file(f) != rec["sha256"] if whole
-                                                 else sampled_sha256(f) != rec.get("sample_sha256", "")):
-            raise ArtifactCorrupt(f"{f} was changed after the {what} was written (its size or sha256 differs "
-                                  f"from {folder / 'manifest.json'})", fix=fix, path=f)
+        if f.stat().st_size != rec["bytes"] or (
+            sha256_file(f) != rec["sha256"] if whole else sampled_sha256(f) != rec.get("sample_sha256", "")
+        ):
+            raise ArtifactCorrupt(
+                f"{f} was changed after the {what} was written (its size or sha256 differs "
+                f"from {folder / 'manifest.json'})",
+                fix=fix,
+                path=f,
+            )
         checked.append(rel)
     return checked
 
@@ -365,19 +430,24 @@ def provenance() -> dict[str, str]:
     return {"prismlm_version": __version__, "torch_version": torch.__version__}
 
 
-def check_provenance(manifest: dict[str, Any], *, what: str, rebuild: str, model_sha256: str | None = None,
-                     shard_key: str | None = None) -> None:
+def check_provenance(
+    manifest: dict[str, Any], *, what: str, rebuild: str, model_sha256: str | None = None, shard_key: str | None = None
+) -> None:
     """Refuse an artifact (index, attribution cache, …) built from another model or corpus.
 
     ``manifest`` holds the ``model_sha256`` and ``shard_key`` the artifact was built from; ``what`` names
     it in the message and ``rebuild`` is the command that rebuilds it. A None ``model_sha256`` or
     ``shard_key`` is not checked. Raises ``ArtifactMismatch`` naming both hashes."""
     if model_sha256 is not None and model_sha256 != manifest["model_sha256"]:
-        raise ArtifactMismatch(f"{what} was built for model {manifest['model_sha256']}, but this checkpoint's "
-                               f"model is {model_sha256}; rebuild it with `{rebuild}`")
+        raise ArtifactMismatch(
+            f"{what} was built for model {manifest['model_sha256']}, but this checkpoint's "
+            f"model is {model_sha256}; rebuild it with `{rebuild}`"
+        )
     if shard_key is not None and shard_key != manifest["shard_key"]:
-        raise ArtifactMismatch(f"{what} was built on token shards {manifest['shard_key']}, but these shards are "
-                               f"{shard_key}; rebuild it with `{rebuild}` on this corpus")
+        raise ArtifactMismatch(
+            f"{what} was built on token shards {manifest['shard_key']}, but these shards are "
+            f"{shard_key}; rebuild it with `{rebuild}` on this corpus"
+        )
 
 
 # ----- output folders --------------------------------------------------------------------------------------
@@ -426,8 +496,16 @@ def _inside_checkpoints(path: Path) -> bool:
     return any(folder_kind(a) in (CHECKPOINTS, CHECKPOINT) for a in path.absolute().parents)
 
 
-def check_out_folder(out: str | Path, what: str, *, holds: str | Callable[[Path], bool], overwrite: bool = False,
-                     resume: bool = False, option: str = "--out", can_resume: bool = False) -> None:
+def check_out_folder(
+    out: str | Path,
+    what: str,
+    *,
+    holds: str | Callable[[Path], bool],
+    overwrite: bool = False,
+    resume: bool = False,
+    option: str = "--out",
+    can_resume: bool = False,
+) -> None:
     """Refuse to write the folder ``out`` (a ``what``) unless nothing of value is lost: it is new or empty
     (a lock file aside), or it ``holds`` that kind of artifact (a manifest kind, or a test of the folder)
     and ``overwrite`` or ``resume`` was given. Never a file, a run folder, a run's ``checkpoints/`` or
@@ -436,23 +514,29 @@ def check_out_folder(out: str | Path, what: str, *, holds: str | Callable[[Path]
     out = Path(out)
     same = (lambda p: folder_kind(p) == holds) if isinstance(holds, str) else holds
     if out.exists() and not out.is_dir():
-        raise RunError(f"{option} {out} is an existing file, not a folder", fix=f"choose another {option}",
-                       path=out)
+        raise RunError(f"{option} {out} is an existing file, not a folder", fix=f"choose another {option}", path=out)
     if _inside_checkpoints(out):
-        raise RunError(f"{option} {out} is inside a run's checkpoints; writing there could replace them",
-                       fix=f"choose another {option} (e.g. beside the run's checkpoints/)", path=out)
+        raise RunError(
+            f"{option} {out} is inside a run's checkpoints; writing there could replace them",
+            fix=f"choose another {option} (e.g. beside the run's checkpoints/)",
+            path=out,
+        )
     if not out.exists() or all(p.name in _IGNORED for p in out.iterdir()):
         return
     if same(out):
         if overwrite or resume:
             return
         how = ["pass --overwrite to replace it"] + (["--resume to continue it"] if can_resume else [])
-        raise RunError(f"{option} {out} already holds {_a(what)}",
-                       fix=f"{', or '.join(how)}, or choose another {option}", path=out)
+        raise RunError(
+            f"{option} {out} already holds {_a(what)}", fix=f"{', or '.join(how)}, or choose another {option}", path=out
+        )
     kind = folder_kind(out)
     held = _describe(kind) if kind else "a folder that is not empty"
-    raise RunError(f"{option} {out} is {held} and not {_a(what)}; nothing in it is "
-                   "replaced, even with --overwrite", fix=f"choose a new or empty folder for {option}", path=out)
+    raise RunError(
+        f"{option} {out} is {held} and not {_a(what)}; nothing in it is replaced, even with --overwrite",
+        fix=f"choose a new or empty folder for {option}",
+        path=out,
+    )
 
 
 def check_out_file(path: str | Path, option: str) -> None:
@@ -461,13 +545,17 @@ def check_out_file(path: str | Path, option: str) -> None:
     ``RunError`` naming ``option`` otherwise; a missing parent folder is left to the writer."""
     path = Path(path)
     if path.is_dir():
-        raise RunError(f"{option} {path} is a folder", fix=f"give {option} a file name (e.g. one inside that folder)",
-                       path=path)
+        raise RunError(
+            f"{option} {path} is a folder", fix=f"give {option} a file name (e.g. one inside that folder)", path=path
+        )
     kind = folder_kind(path.parent)
     owned = kind is not None and path.exists() and (kind != RUN or path.name in RUN_FILES)
     if _inside_checkpoints(path) or owned:
-        raise RunError(f"{option} {path} would write into {_describe(kind or CHECKPOINT)} ({path.parent})",
-                       fix=f"write {option} to another file", path=path)
+        raise RunError(
+            f"{option} {path} would write into {_describe(kind or CHECKPOINT)} ({path.parent})",
+            fix=f"write {option} to another file",
+            path=path,
+        )
 
 
 # ----- sequence ranges -------------------------------------------------------------------------------------

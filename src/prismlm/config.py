@@ -20,8 +20,6 @@ from prismlm.errors import ConfigError
 T = TypeVar("T")
 
 
-
-
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -89,9 +87,13 @@ class PrototypeConfig:
 
     def __post_init__(self) -> None:
         _check(self.num_prototypes >= 1, f"num_prototypes must be >= 1, got {self.num_prototypes}")
-        _check(1 <= self.top_k <= self.num_prototypes,
-               f"top_k must be in [1, num_prototypes={self.num_prototypes}], got {self.top_k}")
-        _check(self.chunk_size is None or self.chunk_size >= 1, f"chunk_size must be >= 1 or null, got {self.chunk_size}")
+        _check(
+            1 <= self.top_k <= self.num_prototypes,
+            f"top_k must be in [1, num_prototypes={self.num_prototypes}], got {self.top_k}",
+        )
+        _check(
+            self.chunk_size is None or self.chunk_size >= 1, f"chunk_size must be >= 1 or null, got {self.chunk_size}"
+        )
         _check(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
 
 
@@ -139,21 +141,29 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.prototypes, dict):
             self.prototypes = from_dict(PrototypeConfig, self.prototypes, "model.prototypes")
-        _check(self.activation in ("gelu", "gelu_tanh"), f"activation must be gelu or gelu_tanh, got {self.activation!r}")
+        _check(
+            self.activation in ("gelu", "gelu_tanh"), f"activation must be gelu or gelu_tanh, got {self.activation!r}"
+        )
         _check(self.layer_norm_eps > 0, f"layer_norm_eps must be > 0, got {self.layer_norm_eps}")
         _check(self.backbone in ("gpt", "hf"), f"backbone must be gpt or hf, got {self.backbone!r}")
-        _check((self.backbone == "hf") == (self.hf_config is not None),
-               "model.hf_config must be given exactly when model.backbone is 'hf'")
+        _check(
+            (self.backbone == "hf") == (self.hf_config is not None),
+            "model.hf_config must be given exactly when model.backbone is 'hf'",
+        )
         _check(self.lora_rank >= 0, f"lora_rank must be >= 0, got {self.lora_rank}")
         if self.hf_config is not None:
-            _check(isinstance(self.hf_config, dict) and "model_type" in self.hf_config,
-                   "model.hf_config must be a transformers config dict with a model_type")
+            _check(
+                isinstance(self.hf_config, dict) and "model_type" in self.hf_config,
+                "model.hf_config must be a transformers config dict with a model_type",
+            )
         _check(self.vocab_size >= 2, f"vocab_size must be >= 2, got {self.vocab_size}")
         _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         _check(self.n_layer >= 1, f"n_layer must be >= 1, got {self.n_layer}")
         _check(self.n_embd >= 1, f"n_embd must be >= 1, got {self.n_embd}")
-        _check(self.n_head >= 1 and (self.n_embd % self.n_head == 0 or self.backbone == "hf"),
-               f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")  # an HF backbone has its own head_dim
+        _check(
+            self.n_head >= 1 and (self.n_embd % self.n_head == 0 or self.backbone == "hf"),
+            f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})",
+        )  # an HF backbone has its own head_dim
         _check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
@@ -183,8 +193,7 @@ class LossConfig:
     def weights_at(self, step: int) -> dict[str, float]:
         """Loss weights at an optimizer step (warm-up applied); CE always has weight 1."""
         ramp = 1.0 if self.warmup_steps == 0 else min(1.0, (step + 1) / self.warmup_steps)
-        return {"ce": 1.0, "rec": self.lambda_rec * ramp, "r1": self.lambda_r1 * ramp,
-                "r2": self.lambda_r2 * ramp}
+        return {"ce": 1.0, "rec": self.lambda_rec * ramp, "r1": self.lambda_r1 * ramp, "r2": self.lambda_r2 * ramp}
 
 
 @dataclass
@@ -223,9 +232,11 @@ class DataConfig:
         _check(0.0 < self.val_fraction < 1.0, f"val_fraction must be in (0, 1), got {self.val_fraction}")
         _check(self.shuffle_buffer >= 1, f"shuffle_buffer must be >= 1, got {self.shuffle_buffer}")
         _check(self.stream_val_tokens >= 1, f"stream_val_tokens must be >= 1, got {self.stream_val_tokens}")
-        _check(not (self.streaming and re.match(r"^bpe(?:[-:]\d+)?$", self.tokenizer)),
-               f"data.streaming needs a fixed tokenizer, but data.tokenizer={self.tokenizer!r} must be trained on "
-               "the corpus first: use gpt2, hf:NAME or a saved tokenizer folder")
+        _check(
+            not (self.streaming and re.match(r"^bpe(?:[-:]\d+)?$", self.tokenizer)),
+            f"data.streaming needs a fixed tokenizer, but data.tokenizer={self.tokenizer!r} must be trained on "
+            "the corpus first: use gpt2, hf:NAME or a saved tokenizer folder",
+        )
         _check(self.max_docs is None or self.max_docs >= 1, "max_docs must be >= 1")
         _check(self.max_chars_per_doc is None or self.max_chars_per_doc >= 1, "max_chars_per_doc must be >= 1")
 
@@ -310,12 +321,17 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
             self.betas = tuple(self.betas)  # JSON gives a list
-        _check(isinstance(self.betas, tuple) and len(self.betas) == 2
-               and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas),
-               f"train.betas must be two numbers in [0, 1), e.g. --set train.betas=[0.9,0.95]; got {self.betas!r}")
-        _check(isinstance(self.device, str) and _valid_device(self.device),
-               f"train.device must be auto, cpu, cuda, cuda:N or another torch device, got {self.device!r}; "
-               "e.g. --set train.device=cpu")
+        _check(
+            isinstance(self.betas, tuple)
+            and len(self.betas) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas),
+            f"train.betas must be two numbers in [0, 1), e.g. --set train.betas=[0.9,0.95]; got {self.betas!r}",
+        )
+        _check(
+            isinstance(self.device, str) and _valid_device(self.device),
+            f"train.device must be auto, cpu, cuda, cuda:N or another torch device, got {self.device!r}; "
+            "e.g. --set train.device=cpu",
+        )
         _check(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
         _check(self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}")
         _check(self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
@@ -325,19 +341,30 @@ class TrainConfig:
         _check(self.schedule in ("cosine", "wsd"), f"schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
         _check(0 < self.decay_fraction <= 1, f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
         _check(self.grad_clip >= 0, f"grad_clip must be >= 0, got {self.grad_clip}")
-        _check(self.eval_interval >= 1 and self.eval_batches >= 1 and self.log_interval >= 1,
-               "eval_interval, eval_batches and log_interval must be >= 1")
-        _check(self.ckpt_interval is None or self.ckpt_interval >= 0,
-               f"ckpt_interval must be >= 0 or None, got {self.ckpt_interval}")
+        _check(
+            self.eval_interval >= 1 and self.eval_batches >= 1 and self.log_interval >= 1,
+            "eval_interval, eval_batches and log_interval must be >= 1",
+        )
+        _check(
+            self.ckpt_interval is None or self.ckpt_interval >= 0,
+            f"ckpt_interval must be >= 0 or None, got {self.ckpt_interval}",
+        )
         _check(self.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
-        _check(self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto/float32/bfloat16, got {self.dtype!r}")
-        _check(self.trainable in ("all", "prototypes", "lora") or re.fullmatch(r"last-[1-9]\d*", self.trainable) is not None,
-               f"trainable must be all, prototypes, lora or last-N (N >= 1), got {self.trainable!r}")
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16"), f"dtype must be auto/float32/bfloat16, got {self.dtype!r}"
+        )
+        _check(
+            self.trainable in ("all", "prototypes", "lora")
+            or re.fullmatch(r"last-[1-9]\d*", self.trainable) is not None,
+            f"trainable must be all, prototypes, lora or last-N (N >= 1), got {self.trainable!r}",
+        )
         _check(self.frozen_steps >= 0, f"frozen_steps must be >= 0, got {self.frozen_steps}")
         _check(0 < self.backbone_lr_ratio <= 1, f"backbone_lr_ratio must be in (0, 1], got {self.backbone_lr_ratio}")
         _check(self.parallel in ("ddp", "fsdp"), f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
-        _check(self.stored_z_dtype in ("float16", "bfloat16", "float32"),
-               f"stored_z_dtype must be float16, bfloat16 or float32, got {self.stored_z_dtype!r}")
+        _check(
+            self.stored_z_dtype in ("float16", "bfloat16", "float32"),
+            f"stored_z_dtype must be float16, bfloat16 or float32, got {self.stored_z_dtype!r}",
+        )
 
     def checkpoint_due(self, done: int) -> bool:
         """Whether a periodic checkpoint is due after ``done`` steps (``ckpt_interval``)."""
@@ -433,41 +460,68 @@ class AttributionConfig:
     as exceptions; exact, ~1 byte per posting on a dense corpus)."""
 
     def __post_init__(self) -> None:
-        _check(self.r is None or (isinstance(self.r, int) and self.r >= 1),
-               f"attribution option r (--r) must be a positive integer or None (= d), got {self.r!r}")
-        _check(self.projection in ("identity", "orthogonal", "gaussian", "pca", "pca-local"),
-               f"attribution option projection (--projection) must be identity, orthogonal, gaussian, pca or "
-               f"pca-local, got {self.projection!r}")
+        _check(
+            self.r is None or (isinstance(self.r, int) and self.r >= 1),
+            f"attribution option r (--r) must be a positive integer or None (= d), got {self.r!r}",
+        )
+        _check(
+            self.projection in ("identity", "orthogonal", "gaussian", "pca", "pca-local"),
+            f"attribution option projection (--projection) must be identity, orthogonal, gaussian, pca or "
+            f"pca-local, got {self.projection!r}",
+        )
         _check(isinstance(self.seed, int), f"attribution option seed must be an integer, got {self.seed!r}")
         _check(self.pca_sequences >= 1, f"attribution option pca_sequences must be >= 1, got {self.pca_sequences}")
-        _check(self.curvature_mode in ("shared", "exact"),
-               f"attribution option curvature_mode (--curvature) must be shared or exact, got {self.curvature_mode!r}")
-        _check(math.isfinite(self.damping) and self.damping >= 0,
-               f"attribution option damping (--damping) must be a finite number >= 0, got {self.damping!r}")
-        _check(self.curvature_sample is None or (isinstance(self.curvature_sample, int)
-                                                    and self.curvature_sample >= 0),
-               f"attribution option curvature_sample (--curvature-sample) must be an integer >= 0 or None "
-               f"(0/None: all), got {self.curvature_sample!r}")
-        _check(self.max_sequences is None or self.max_sequences >= 1,
-               f"attribution option max_sequences (--max-sequences) must be >= 1 or None (all), "
-               f"got {self.max_sequences!r}")
-        _check(self.batch_size >= 1, f"attribution option batch_size (--batch-size) must be >= 1, got {self.batch_size}")
-        _check(self.dtype in ("float16", "float32", "float64", "int8", "int4", "int3", "pq"),
-               f"attribution option dtype (--dtype) must be float16, float32, float64, int8, int4, int3 or pq, "
-               f"got {self.dtype!r}")
-        _check(isinstance(self.prune, (int, float)) and math.isfinite(self.prune) and 0 <= self.prune < 1,
-               f"attribution option prune (--prune) must be a number in [0, 1), got {self.prune!r}")
-        _check(isinstance(self.pq_dims, int) and self.pq_dims >= 1,
-               f"attribution option pq_dims (--pq-dims) must be a positive integer, got {self.pq_dims!r}")
-        _check(isinstance(self.pq_sample, int) and self.pq_sample >= 256,
-               f"attribution option pq_sample (--pq-sample) must be an integer >= 256 (one per centroid), "
-               f"got {self.pq_sample!r}")
-        _check(self.prune_by in ("list", "unit"),
-               f"attribution option prune_by (--prune-by) must be list or unit, got {self.prune_by!r}")
-        _check(self.aggregate in ("sequence", "document"),
-               f"attribution option aggregate (--aggregate) must be sequence or document, got {self.aggregate!r}")
-        _check(self.id_encoding in ("int32", "delta"),
-               f"attribution option id_encoding (--id-encoding) must be int32 or delta, got {self.id_encoding!r}")
+        _check(
+            self.curvature_mode in ("shared", "exact"),
+            f"attribution option curvature_mode (--curvature) must be shared or exact, got {self.curvature_mode!r}",
+        )
+        _check(
+            math.isfinite(self.damping) and self.damping >= 0,
+            f"attribution option damping (--damping) must be a finite number >= 0, got {self.damping!r}",
+        )
+        _check(
+            self.curvature_sample is None or (isinstance(self.curvature_sample, int) and self.curvature_sample >= 0),
+            f"attribution option curvature_sample (--curvature-sample) must be an integer >= 0 or None "
+            f"(0/None: all), got {self.curvature_sample!r}",
+        )
+        _check(
+            self.max_sequences is None or self.max_sequences >= 1,
+            f"attribution option max_sequences (--max-sequences) must be >= 1 or None (all), "
+            f"got {self.max_sequences!r}",
+        )
+        _check(
+            self.batch_size >= 1, f"attribution option batch_size (--batch-size) must be >= 1, got {self.batch_size}"
+        )
+        _check(
+            self.dtype in ("float16", "float32", "float64", "int8", "int4", "int3", "pq"),
+            f"attribution option dtype (--dtype) must be float16, float32, float64, int8, int4, int3 or pq, "
+            f"got {self.dtype!r}",
+        )
+        _check(
+            isinstance(self.prune, (int, float)) and math.isfinite(self.prune) and 0 <= self.prune < 1,
+            f"attribution option prune (--prune) must be a number in [0, 1), got {self.prune!r}",
+        )
+        _check(
+            isinstance(self.pq_dims, int) and self.pq_dims >= 1,
+            f"attribution option pq_dims (--pq-dims) must be a positive integer, got {self.pq_dims!r}",
+        )
+        _check(
+            isinstance(self.pq_sample, int) and self.pq_sample >= 256,
+            f"attribution option pq_sample (--pq-sample) must be an integer >= 256 (one per centroid), "
+            f"got {self.pq_sample!r}",
+        )
+        _check(
+            self.prune_by in ("list", "unit"),
+            f"attribution option prune_by (--prune-by) must be list or unit, got {self.prune_by!r}",
+        )
+        _check(
+            self.aggregate in ("sequence", "document"),
+            f"attribution option aggregate (--aggregate) must be sequence or document, got {self.aggregate!r}",
+        )
+        _check(
+            self.id_encoding in ("int32", "delta"),
+            f"attribution option id_encoding (--id-encoding) must be int32 or delta, got {self.id_encoding!r}",
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AttributionConfig:
@@ -510,14 +564,22 @@ class SearchConfig:
 
     def __post_init__(self) -> None:
         _check(self.kind in ("ivf", "hnsw"), f"search option kind must be ivf or hnsw, got {self.kind!r}")
-        _check(isinstance(self.min_list, int) and self.min_list >= 1,
-               f"search option min_list must be an integer >= 1, got {self.min_list!r}")
-        _check(math.isfinite(self.nlist_factor) and self.nlist_factor > 0,
-               f"search option nlist_factor must be a finite number > 0, got {self.nlist_factor!r}")
-        _check(self.encoding in ("cache", "flat", "sq8", "sq4"),
-               f"search option encoding must be cache, flat, sq8 or sq4, got {self.encoding!r}")
-        _check(isinstance(self.hnsw_m, int) and self.hnsw_m >= 2,
-               f"search option hnsw_m must be an integer >= 2, got {self.hnsw_m!r}")
+        _check(
+            isinstance(self.min_list, int) and self.min_list >= 1,
+            f"search option min_list must be an integer >= 1, got {self.min_list!r}",
+        )
+        _check(
+            math.isfinite(self.nlist_factor) and self.nlist_factor > 0,
+            f"search option nlist_factor must be a finite number > 0, got {self.nlist_factor!r}",
+        )
+        _check(
+            self.encoding in ("cache", "flat", "sq8", "sq4"),
+            f"search option encoding must be cache, flat, sq8 or sq4, got {self.encoding!r}",
+        )
+        _check(
+            isinstance(self.hnsw_m, int) and self.hnsw_m >= 2,
+            f"search option hnsw_m must be an integer >= 2, got {self.hnsw_m!r}",
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SearchConfig:
@@ -643,32 +705,56 @@ PRESETS: dict[str, dict] = {
     "gpt2-124m": _preset(
         dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
         dict(num_prototypes=8192, top_k=8),
-        dict(batch_size=16, grad_accum=32, max_steps=20000, lr=6e-4, warmup_steps=700, eval_interval=500,
-             eval_batches=50),
+        dict(
+            batch_size=16, grad_accum=32, max_steps=20000, lr=6e-4, warmup_steps=700, eval_interval=500, eval_batches=50
+        ),
         dict(tokenizer="gpt2"),
         dict(warmup_steps=1000),
     ),
     "gpt2-medium": _preset(
         dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
         dict(num_prototypes=8192, top_k=8),
-        dict(batch_size=16, grad_accum=32, max_steps=40000, lr=3e-4, warmup_steps=700, eval_interval=1000,
-             eval_batches=50),
+        dict(
+            batch_size=16,
+            grad_accum=32,
+            max_steps=40000,
+            lr=3e-4,
+            warmup_steps=700,
+            eval_interval=1000,
+            eval_batches=50,
+        ),
         dict(tokenizer="gpt2"),
         dict(warmup_steps=1000),
     ),
     "gpt2-large": _preset(
         dict(vocab_size=50304, block_size=1024, n_layer=36, n_head=20, n_embd=1280),
         dict(num_prototypes=16384, top_k=8),
-        dict(batch_size=8, grad_accum=64, max_steps=60000, lr=2.5e-4, warmup_steps=700, eval_interval=1000,
-             eval_batches=50, parallel="fsdp"),
+        dict(
+            batch_size=8,
+            grad_accum=64,
+            max_steps=60000,
+            lr=2.5e-4,
+            warmup_steps=700,
+            eval_interval=1000,
+            eval_batches=50,
+            parallel="fsdp",
+        ),
         dict(tokenizer="gpt2"),
         dict(warmup_steps=1000),
     ),
     "xl-1.6b": _preset(
         dict(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600),
         dict(num_prototypes=16384, top_k=8),
-        dict(batch_size=8, grad_accum=64, max_steps=100000, lr=2e-4, warmup_steps=700, eval_interval=1000,
-             eval_batches=50, parallel="fsdp"),
+        dict(
+            batch_size=8,
+            grad_accum=64,
+            max_steps=100000,
+            lr=2e-4,
+            warmup_steps=700,
+            eval_interval=1000,
+            eval_batches=50,
+            parallel="fsdp",
+        ),
         dict(tokenizer="gpt2"),
         dict(warmup_steps=1000),
     ),

@@ -100,7 +100,21 @@ class DependencyError(PrismError, RuntimeError):
 
 
 __all__ = [
-    "ArtifactCorrupt", "ArtifactError", "ArtifactMismatch", "CheckpointError", "ConfigError", "CorpusError",
-    "DataError", "DependencyError", "ModelError", "ModelSourceError", "PrismError", "RunError", "ShardError", "SuppressionError", "TaskError",
-    "TokenizerError", "UnknownPrototypeError",
+    "ArtifactCorrupt",
+    "ArtifactError",
+    "ArtifactMismatch",
+    "CheckpointError",
+    "ConfigError",
+    "CorpusError",
+    "DataError",
+    "DependencyError",
+    "ModelError",
+    "ModelSourceError",
+    "PrismError",
+    "RunError",
+    "ShardError",
+    "SuppressionError",
+    "TaskError",
+    "TokenizerError",
+    "UnknownPrototypeError",
 ]

@@ -49,13 +49,24 @@ class Reporter:
     """What a library function uses to report a stage: ``with Reporter(progress, "train", total) as r:
     r.update(1, loss=…); r.message("…")``. Renders a tqdm bar, calls the callback, or does nothing."""
 
-    def __init__(self, progress: Progress, stage: str, total: int | None = None, *, unit: str = "it",
-                 initial: int = 0, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        progress: Progress,
+        stage: str,
+        total: int | None = None,
+        *,
+        unit: str = "it",
+        initial: int = 0,
+        enabled: bool = True,
+    ) -> None:
         self.stage, self.total, self.unit, self.done = stage, total, unit, initial
         self.info: dict[str, float | int | str] = {}
         self._fn: ProgressFn | None = progress if callable(progress) and enabled else None
-        self._bar = (tqdm(total=total, initial=initial, desc=stage, unit=unit, dynamic_ncols=True, file=sys.stderr)
-                     if progress is True and enabled else None)
+        self._bar = (
+            tqdm(total=total, initial=initial, desc=stage, unit=unit, dynamic_ncols=True, file=sys.stderr)
+            if progress is True and enabled
+            else None
+        )
 
     def update(self, n: int = 1, **info: float | int | str) -> None:
         self.done += n
@@ -80,8 +91,11 @@ class Reporter:
             self._bar.close()
             self._bar = None
         if self._fn is not None:
-            self._fn(ProgressEvent(self.stage, self.done, self.total, self.unit, dict(self.info), finished=True,
-                                   stopped=stopped))
+            self._fn(
+                ProgressEvent(
+                    self.stage, self.done, self.total, self.unit, dict(self.info), finished=True, stopped=stopped
+                )
+            )
             self._fn = None
 
     def __enter__(self) -> Reporter:

@@ -11,23 +11,48 @@ from prismlm.app.control import build_task_folders, evaluate_tasks, find_run_con
 from prismlm.app.demos import demo
 from prismlm.app.export import export_run
 from prismlm.app.operations import (
-                                    build_run_index,
-                                    evaluate,
-                                    explain_text,
-                                    find_prototypes,
-                                    generate,
-                                    label_prototypes,
-                                    merge_index_parts,
-                                    prototypes,
-                                    sample_continuations,
-                                    show_prototype,
-                                    verify_run,
+    build_run_index,
+    evaluate,
+    explain_text,
+    find_prototypes,
+    generate,
+    label_prototypes,
+    merge_index_parts,
+    prototypes,
+    sample_continuations,
+    show_prototype,
+    verify_run,
 )
 from prismlm.app.retrofit import retrofit_model
 from prismlm.app.run import Run, StageFn
 from prismlm.app.training import build_config, prepare, train_from_options
 
-__all__ = ["Run", "StageFn", "attribute_explanation", "attribute_text", "build_config", "build_run_cache", "build_run_search",
-           "build_run_index", "build_task_folders", "demo", "evaluate", "evaluate_tasks", "explain_text", "export_run",
-           "find_prototypes", "find_run_concept", "fit_controller", "generate", "label_prototypes",
-           "merge_index_parts", "prepare", "prototypes", "retrofit_model", "sample_continuations", "show_prototype", "train_from_options", "verify_run"]
+__all__ = [
+    "Run",
+    "StageFn",
+    "attribute_explanation",
+    "attribute_text",
+    "build_config",
+    "build_run_cache",
+    "build_run_search",
+    "build_run_index",
+    "build_task_folders",
+    "demo",
+    "evaluate",
+    "evaluate_tasks",
+    "explain_text",
+    "export_run",
+    "find_prototypes",
+    "find_run_concept",
+    "fit_controller",
+    "generate",
+    "label_prototypes",
+    "merge_index_parts",
+    "prepare",
+    "prototypes",
+    "retrofit_model",
+    "sample_continuations",
+    "show_prototype",
+    "train_from_options",
+    "verify_run",
+]

@@ -32,9 +32,17 @@ DEFAULT_ATTRIBUTION = AttributionConfig()
 DEFAULT_SEARCH = SearchConfig()
 
 
-def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *, out: Path | None = None,
-                    shards: Path | None = None, compress_from: Path | None = None, resume: bool = False,
-                    overwrite: bool = False, progress: Progress = True) -> AttributionCache:
+def build_run_cache(
+    run: Run,
+    config: AttributionConfig = DEFAULT_ATTRIBUTION,
+    *,
+    out: Path | None = None,
+    shards: Path | None = None,
+    compress_from: Path | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: Progress = True,
+) -> AttributionCache:
     """Build the postings cache for fast prototype-space attribution (one pass over the training data).
 
     Under ``torchrun`` every process computes the same curvature (and pca bases), builds its batch-aligned
@@ -63,13 +71,13 @@ def build_run_cache(run: Run, config: AttributionConfig = DEFAULT_ATTRIBUTION, *
     out = out or run.folder / "attribution-cache"
     if compress_from is not None:
         return compress_run_cache(run, compress_from, config, out=out, shards=shards, overwrite=overwrite)
-    check_out_folder(out, "attribution cache", holds=CACHE_KIND, overwrite=overwrite, resume=resume,
-                     can_resume=True)
+    check_out_folder(out, "attribution cache", holds=CACHE_KIND, overwrite=overwrite, resume=resume, can_resume=True)
     shard_set = run.shards(shards)
     info, _ = init_distributed(str(run.device))
     if not info.enabled:
-        cache = build_cache(model, shard_set, config, out=out, model_sha256=run.identity, resume=resume,
-                            progress=progress)
+        cache = build_cache(
+            model, shard_set, config, out=out, model_sha256=run.identity, resume=resume, progress=progress
+        )
         run.forget(out)
         return cache
     try:
@@ -83,12 +91,25 @@ def lossless_options(config: AttributionConfig) -> AttributionConfig:
     storage options gives what one pass with ``config`` gives: sequence postings, no pruning, int32 ids,
     float32 sketches (float64 when ``config`` stores float16/float64, which one pass casts from float64; for
     float16 the merged sketches are then rounded to float16 before the storage options, as one pass does)."""
-    return replace(config, dtype="float64" if config.dtype in ("float16", "float64") else "float32", prune=0.0,
-                   aggregate="sequence", id_encoding="int32")
+    return replace(
+        config,
+        dtype="float64" if config.dtype in ("float16", "float64") else "float32",
+        prune=0.0,
+        aggregate="sequence",
+        id_encoding="int32",
+    )
 
 
-def _build_distributed(run: Run, model: PrismLM, shard_set: ShardSet, config: AttributionConfig, out: Path,
-                       info: DistInfo, progress: Progress, resume: bool = False) -> AttributionCache:
+def _build_distributed(
+    run: Run,
+    model: PrismLM,
+    shard_set: ShardSet,
+    config: AttributionConfig,
+    out: Path,
+    info: DistInfo,
+    progress: Progress,
+    resume: bool = False,
+) -> AttributionCache:
     """One torchrun process's share of ``build_run_cache`` (see there); every rank returns the cache.
     ``resume``: every rank continues its part's build folder; a finished --out is returned as it is."""
     if resume and (out / "manifest.json").exists() and not any(out.parent.glob(f"{out.name}.part-*")):
@@ -97,8 +118,10 @@ def _build_distributed(run: Run, model: PrismLM, shard_set: ShardSet, config: At
     n_all = shard_set.train.num_sequences(T)
     universe = n_all if config.max_sequences is None else min(n_all, config.max_sequences)
     if universe < 1:
-        raise ArtifactError(f"the training split of {shard_set.root} has no complete sequence of {T + 1} tokens",
-                            fix="prepare more data or use a model with a smaller block_size")
+        raise ArtifactError(
+            f"the training split of {shard_set.root} has no complete sequence of {T + 1} tokens",
+            fix="prepare more data or use a model with a smaller block_size",
+        )
     show = progress if info.is_main else False
     parts_cfg = lossless_options(config)  # the same curvature and projection options as config
 
@@ -107,8 +130,16 @@ def _build_distributed(run: Run, model: PrismLM, shard_set: ShardSet, config: At
 
     # every rank fits the same curvature and projection (the same sequences, batches and accumulation order:
     # bit for bit, no collective) and keeps the fitted batches of its own part for its postings pass
-    built = build_cache(model, shard_set, parts_cfg, out=part_dir(info.rank), part=(info.rank, info.world_size),
-                        model_sha256=run.identity, resume=resume, progress=show)
+    built = build_cache(
+        model,
+        shard_set,
+        parts_cfg,
+        out=part_dir(info.rank),
+        part=(info.rank, info.world_size),
+        model_sha256=run.identity,
+        resume=resume,
+        progress=show,
+    )
     del built
     barrier(info)
     if info.is_main:
@@ -134,20 +165,29 @@ def _round_in_place(path: Path, dtype: type[np.floating]) -> None:
     a = np.load(path, mmap_mode="r+")
     step = 1 << 16
     for s in range(0, a.shape[0], step):
-        a[s:s + step] = a[s:s + step].astype(dtype)
+        a[s : s + step] = a[s : s + step].astype(dtype)
     a.flush()
     del a
 
 
-def compress_run_cache(run: Run, source: Path, config: AttributionConfig = DEFAULT_ATTRIBUTION, *,
-                       out: Path | None = None, shards: Path | None = None, overwrite: bool = False) -> AttributionCache:
+def compress_run_cache(
+    run: Run,
+    source: Path,
+    config: AttributionConfig = DEFAULT_ATTRIBUTION,
+    *,
+    out: Path | None = None,
+    shards: Path | None = None,
+    overwrite: bool = False,
+) -> AttributionCache:
     """Re-encode the lossless cache ``source`` of this run with ``config``'s storage options (dtype, prune,
     aggregate, id_encoding) into ``out`` (default RUN/attribution-cache): ``compress_cache`` without a
     pass over the data. ``overwrite``: replace a cache already in ``out`` (never ``source`` itself)."""
     out = out or run.folder / "attribution-cache"
     if out.resolve() == Path(source).resolve():
-        raise ConfigError(f"--out {out} is the cache being compressed (--compress-from)",
-                          fix="write the compressed cache to another --out")
+        raise ConfigError(
+            f"--out {out} is the cache being compressed (--compress-from)",
+            fix="write the compressed cache to another --out",
+        )
     check_out_folder(out, "attribution cache", holds=CACHE_KIND, overwrite=overwrite)
     cache = run.cache(source, shards)
     shard_set = run.shards(shards, cache.manifest.get("shards_root"))
@@ -156,8 +196,15 @@ def compress_run_cache(run: Run, source: Path, config: AttributionConfig = DEFAU
     return result
 
 
-def build_run_search(run: Run, config: SearchConfig = DEFAULT_SEARCH, *, cache: Path | None = None,
-                     shards: Path | None = None, overwrite: bool = False, progress: Progress = True) -> SearchIndex:
+def build_run_search(
+    run: Run,
+    config: SearchConfig = DEFAULT_SEARCH,
+    *,
+    cache: Path | None = None,
+    shards: Path | None = None,
+    overwrite: bool = False,
+    progress: Progress = True,
+) -> SearchIndex:
     """Build the approximate-search sidecar of the run's attribution cache (CACHE/search): one faiss index per
     long posting list, so that `prism attribute` reads a few candidates per list instead of every posting of
     the query's prototypes (scores stay exact; only which sequences are considered is approximate).
@@ -191,14 +238,16 @@ class _EkfacRescorer:
         try:
             import kronfluence  # noqa: F401
         except ImportError as e:
-            raise DependencyError(f"--rescore ekfac needs the kronfluence package ({e})",
-                                  fix="pip install 'prismlm[attribution]'") from e
+            raise DependencyError(
+                f"--rescore ekfac needs the kronfluence package ({e})", fix="pip install 'prismlm[attribution]'"
+            ) from e
         from prismlm.tda.baselines import KronfluenceBaseline
 
         key = f"ekfac-{(run.identity or 'model')[:12]}-{shard_set.manifest['key'][:12]}-n{num_train}"
         self.factors = run.folder / "attribution-factors" / key
-        self.baseline = KronfluenceBaseline(run.model, shard_set, strategy="ekfac", max_sequences=num_train,
-                                            out_dir=self.factors, reuse_factors=True)
+        self.baseline = KronfluenceBaseline(
+            run.model, shard_set, strategy="ekfac", max_sequences=num_train, out_dir=self.factors, reuse_factors=True
+        )
         self.pad = run.tokenizer.eot_id
 
     def scores(self, query: tuple[list[int], int], train_ids: list[int]) -> np.ndarray:
@@ -219,11 +268,27 @@ class _GradientRescorer:
         return self.wn.dot(self.wn.query(*query), train_ids).numpy()
 
 
-def attribute_text(run: Run, text: str, *, answer: str | None = None, completion: int | None = None,
-                   generate: int = 0, top: int = 10, method: str = "cached", cache: Path | None = None,
-                   search: str = "auto", candidates: int = 32, nprobe: int = 16, rescore: str = "none",
-                   rescore_top: int = 128, shards: Path | None = None, max_sequences: int | None = None,
-                   temperature: float = 0.0, seed: int = 0, token_ids: list[int] | None = None) -> Attribution:
+def attribute_text(
+    run: Run,
+    text: str,
+    *,
+    answer: str | None = None,
+    completion: int | None = None,
+    generate: int = 0,
+    top: int = 10,
+    method: str = "cached",
+    cache: Path | None = None,
+    search: str = "auto",
+    candidates: int = 32,
+    nprobe: int = 16,
+    rescore: str = "none",
+    rescore_top: int = 128,
+    shards: Path | None = None,
+    max_sequences: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    token_ids: list[int] | None = None,
+) -> Attribution:
     """The training sequences that most influenced TEXT (or its completion), with the prototypes that
     connect them and snippets.
 
@@ -278,15 +343,43 @@ def attribute_text(run: Run, text: str, *, answer: str | None = None, completion
         c = run.cache(cache, shards)
         sidecar = None if search == "exact" else run.search(cache, shards, required=search == "approximate")
         shard_set = run.shards(shards, c.manifest.get("shards_root"))
-        return attribute(run.model, run.tokenizer, text, answer, shards=shard_set,
-                         completion_tokens=completion, generate=generate, top=top, temperature=temperature,
-                         seed=seed, token_ids=token_ids, cache=c, search=sidecar, candidates=candidates,
-                         nprobe=nprobe, rescorer=rescorer(shard_set, c.num_train), rescore_top=rescore_top)
+        return attribute(
+            run.model,
+            run.tokenizer,
+            text,
+            answer,
+            shards=shard_set,
+            completion_tokens=completion,
+            generate=generate,
+            top=top,
+            temperature=temperature,
+            seed=seed,
+            token_ids=token_ids,
+            cache=c,
+            search=sidecar,
+            candidates=candidates,
+            nprobe=nprobe,
+            rescorer=rescorer(shard_set, c.num_train),
+            rescore_top=rescore_top,
+        )
     shard_set = run.shards(shards)
     full = FullGradients.build(run.model, shard_set, max_sequences=max_sequences)
-    return attribute(run.model, run.tokenizer, text, answer, shards=shard_set, completion_tokens=completion,
-                     generate=generate, top=top, temperature=temperature, seed=seed, token_ids=token_ids,
-                     full=full, rescorer=rescorer(shard_set, full.num_train), rescore_top=rescore_top)
+    return attribute(
+        run.model,
+        run.tokenizer,
+        text,
+        answer,
+        shards=shard_set,
+        completion_tokens=completion,
+        generate=generate,
+        top=top,
+        temperature=temperature,
+        seed=seed,
+        token_ids=token_ids,
+        full=full,
+        rescorer=rescorer(shard_set, full.num_train),
+        rescore_top=rescore_top,
+    )
 
 
 def attribute_explanation(run: Run, expl: Explanation, *, shards: Path | None = None) -> Attribution:
@@ -299,5 +392,13 @@ def attribute_explanation(run: Run, expl: Explanation, *, shards: Path | None = 
     return attribute_text(run, expl.text, completion=completion or None, shards=shards, token_ids=ids)
 
 
-__all__ = ["DEFAULT_ATTRIBUTION", "DEFAULT_SEARCH", "attribute_explanation", "attribute_text", "build_run_cache",
-           "build_run_search", "compress_run_cache", "lossless_options"]
+__all__ = [
+    "DEFAULT_ATTRIBUTION",
+    "DEFAULT_SEARCH",
+    "attribute_explanation",
+    "attribute_text",
+    "build_run_cache",
+    "build_run_search",
+    "compress_run_cache",
+    "lossless_options",
+]

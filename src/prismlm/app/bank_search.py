@@ -64,8 +64,9 @@ class TokenMatch:
 class TokenSearch:
     """The tables of one model (and index), built on first use, then kept; thread-safe."""
 
-    def __init__(self, model: PrismLM, tokenizer: Tokenizer, index: PrototypeIndex | None,
-                 signature_top: int = 20) -> None:
+    def __init__(
+        self, model: PrismLM, tokenizer: Tokenizer, index: PrototypeIndex | None, signature_top: int = 20
+    ) -> None:
         self.model, self.tokenizer, self.index, self.m = model, tokenizer, index, signature_top
         self.valid = min(tokenizer.vocab_size, model.config.vocab_size)
         self._lock = threading.Lock()
@@ -83,8 +84,13 @@ class TokenSearch:
                 rows = max(1, _BLOCK_ELEMS // V)
                 m = min(self.m, self.valid)
                 dev = self.model.lm_head.weight.device
-                tops = [self.model.signatures(torch.arange(s, min(K, s + rows), device=dev))[:, :self.valid]
-                        .float().topk(m, dim=-1).indices.cpu() for s in range(0, K, rows)]
+                tops = [
+                    self.model.signatures(torch.arange(s, min(K, s + rows), device=dev))[:, : self.valid]
+                    .float()
+                    .topk(m, dim=-1)
+                    .indices.cpu()
+                    for s in range(0, K, rows)
+                ]
                 self._sig = torch.cat(tops)
             return self._sig
 
@@ -117,8 +123,10 @@ class TokenSearch:
         if not ids and not strict:
             return []
         if not ids:
-            raise DataError(f"token {token!r} is {len(tok.encode(token))} tokens; give a single token (e.g. with its "
-                            f"leading space: ' the')")
+            raise DataError(
+                f"token {token!r} is {len(tok.encode(token))} tokens; give a single token (e.g. with its "
+                f"leading space: ' the')"
+            )
         return [(h.id, h.why(tok.id_to_token(h.token))) for h in self.find(ids, signature=signature)]
 
     def find(self, token_ids: Sequence[int], *, signature: bool = True) -> list[TokenMatch]:
@@ -148,6 +156,13 @@ class TokenSearch:
         # best first: most contexts, then best signature rank, then id (a total order: deterministic)
         key = torch.stack([-count[ids], rank[ids], ids], 1).tolist()
         order = [int(row[2]) for row in sorted(key)]
-        return [TokenMatch(id=i, contexts=int(count[i]), of_contexts=int(n_ctx[i]),
-                           signature_rank=int(rank[i]) if bool(has_sig[i]) else None,
-                           token=int(ctx_tok[i] if count[i] > 0 else sig_tok[i])) for i in order]
+        return [
+            TokenMatch(
+                id=i,
+                contexts=int(count[i]),
+                of_contexts=int(n_ctx[i]),
+                signature_rank=int(rank[i]) if bool(has_sig[i]) else None,
+                token=int(ctx_tok[i] if count[i] > 0 else sig_tok[i]),
+            )
+            for i in order
+        ]

@@ -31,11 +31,23 @@ class ConceptResult:
     """Where the set was written (``--out``, the checkpoint with ``--save``)."""
 
 
-def find_run_concept(run: Run, concept: Path, neutral: Path, *, index: Path | None = None,
-                     concept_docs: str | None = None, budget: int | None = 32, no_budget: bool = False,
-                     rank_by: str = "contribution", threshold: float = 1.0, min_count: int = 3,
-                     min_purity: float = 0.5, name: str | None = None, out: Path | None = None,
-                     save: bool = False) -> ConceptResult:
+def find_run_concept(
+    run: Run,
+    concept: Path,
+    neutral: Path,
+    *,
+    index: Path | None = None,
+    concept_docs: str | None = None,
+    budget: int | None = 32,
+    no_budget: bool = False,
+    rank_by: str = "contribution",
+    threshold: float = 1.0,
+    min_count: int = 3,
+    min_purity: float = 0.5,
+    name: str | None = None,
+    out: Path | None = None,
+    save: bool = False,
+) -> ConceptResult:
     """Find the prototypes of a concept (log-likelihood contribution, activation enrichment, neighbourhood
     purity) → a suppression set.
 
@@ -74,9 +86,21 @@ def find_run_concept(run: Run, concept: Path, neutral: Path, *, index: Path | No
         rx = doc_regex(concept_docs) if concept_docs else None
     except Exception as e:  # re.error
         raise ConfigError(f"--concept-docs {concept_docs!r} is not a valid regular expression: {e}") from e
-    sset, ranking = find_concept(model, run.tokenizer, ctexts, ntexts, budget=None if no_budget else budget,
-                                 rank_by=rank_by, threshold=threshold, min_count=min_count, index=idx,
-                                 is_concept_doc=rx, min_purity=min_purity, concept=name, model_sha256=run.identity)
+    sset, ranking = find_concept(
+        model,
+        run.tokenizer,
+        ctexts,
+        ntexts,
+        budget=None if no_budget else budget,
+        rank_by=rank_by,
+        threshold=threshold,
+        min_count=min_count,
+        index=idx,
+        is_concept_doc=rx,
+        min_purity=min_purity,
+        concept=name,
+        model_sha256=run.identity,
+    )
     saved = []
     if out:
         saved.append(sset.save(out))
@@ -88,12 +112,20 @@ def find_run_concept(run: Run, concept: Path, neutral: Path, *, index: Path | No
 def is_task_folder(folder: Path) -> bool:
     """A folder `prism tasks build` wrote: only task folders (each with its test.jsonl and lm-eval yaml)."""
     entries = [p for p in folder.iterdir() if p.name != ".lock"]
-    return bool(entries) and all(p.is_dir() and (p / "test.jsonl").is_file() and (p / f"{p.name}.yaml").is_file()
-                                 for p in entries)
+    return bool(entries) and all(
+        p.is_dir() and (p / "test.jsonl").is_file() and (p / f"{p.name}.yaml").is_file() for p in entries
+    )
 
 
-def build_task_folders(out: Path = Path("tasks"), *, task: list[str] | None = None, train_cap: int = 400,
-                       val_cap: int = 100, test_cap: int = 200, overwrite: bool = False) -> dict[str, Path]:
+def build_task_folders(
+    out: Path = Path("tasks"),
+    *,
+    task: list[str] | None = None,
+    train_cap: int = 400,
+    val_cap: int = 100,
+    test_cap: int = 200,
+    overwrite: bool = False,
+) -> dict[str, Path]:
     """Build the multiple-choice tasks deterministically (lm-eval-readable).
 
     Args:
@@ -104,7 +136,12 @@ def build_task_folders(out: Path = Path("tasks"), *, task: list[str] | None = No
         test_cap: Examples in the test split at most.
         overwrite: Replace tasks already in --out (never any other folder).
     """
-    require(min(train_cap, val_cap, test_cap) >= 1, "--train-cap/--val-cap/--test-cap", ">= 1", (train_cap, val_cap, test_cap))
+    require(
+        min(train_cap, val_cap, test_cap) >= 1,
+        "--train-cap/--val-cap/--test-cap",
+        ">= 1",
+        (train_cap, val_cap, test_cap),
+    )
     check_out_folder(out, "task folder", holds=is_task_folder, overwrite=overwrite)
     return build_tasks(out, task or list(TASKS), {"train": train_cap, "validation": val_cap, "test": test_cap})
 
@@ -132,8 +169,15 @@ def load_controller(path: Path) -> Controller:
         raise DataError(f"cannot read controller {path}: {e}", fix="fit one with `prism controller fit`") from e
 
 
-def evaluate_tasks(run: Run, *, tasks: Path = Path("tasks"), task: list[str] | None = None, split: str = "test",
-                   controller: Path | None = None, lm_eval: bool = False) -> dict[str, dict[str, Any]]:
+def evaluate_tasks(
+    run: Run,
+    *,
+    tasks: Path = Path("tasks"),
+    task: list[str] | None = None,
+    split: str = "test",
+    controller: Path | None = None,
+    lm_eval: bool = False,
+) -> dict[str, dict[str, Any]]:
     """Multiple-choice accuracy (acc, acc_norm) with our log-likelihood scorer.
 
     Args:
@@ -170,8 +214,16 @@ class ControllerResult:
     path: Path
 
 
-def fit_controller(run: Run, task: Path, *, l1: tuple[float, ...] = (3e-3, 1e-2, 3e-2), steps: int = 100, lr: float = 0.05,
-                   out: Path = Path("controller.json"), index: Path | None = None) -> ControllerResult:
+def fit_controller(
+    run: Run,
+    task: Path,
+    *,
+    l1: tuple[float, ...] = (3e-3, 1e-2, 3e-2),
+    steps: int = 100,
+    lr: float = 0.05,
+    out: Path = Path("controller.json"),
+    index: Path | None = None,
+) -> ControllerResult:
     """Fit a sparse linear controller c (LM frozen) on a task; report test accuracy before → after.
 
     Args:
@@ -191,13 +243,21 @@ def fit_controller(run: Run, task: Path, *, l1: tuple[float, ...] = (3e-3, 1e-2,
     idx = run.index(index, required=True) if index is not None else None  # before the fit: fail fast on a bad path
     splits = {s: load_split(task, s) for s in ("train", "validation", "test")}
     feats = {s: extract_features(model, run.tokenizer, d, prism_encoder(model)) for s, d in splits.items()}
-    res = fit_and_test(feats, model.lm_head.weight, model.prototypes.weight, l1_grid=list(l1),
-                       steps=steps, lr=lr)
+    res = fit_and_test(feats, model.lm_head.weight, model.prototypes.weight, l1_grid=list(l1), steps=steps, lr=lr)
     trace = trace_prism_controller(model, run.tokenizer, res.controller, feats["train"], splits["train"], index=idx)
-    res.controller.save(out, task=str(task), model_sha256=run.identity, test_before=res.before,
-                        test_after=res.after, trace=trace)
+    res.controller.save(
+        out, task=str(task), model_sha256=run.identity, test_before=res.before, test_after=res.after, trace=trace
+    )
     return ControllerResult(controller=res.controller, before=res.before, after=res.after, trace=trace, path=out)
 
 
-__all__ = ["ConceptResult", "ControllerResult", "build_task_folders", "evaluate_tasks", "find_run_concept",
-           "fit_controller", "load_controller", "task_folders"]
+__all__ = [
+    "ConceptResult",
+    "ControllerResult",
+    "build_task_folders",
+    "evaluate_tasks",
+    "find_run_concept",
+    "fit_controller",
+    "load_controller",
+    "task_folders",
+]

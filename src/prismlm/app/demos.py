@@ -28,10 +28,21 @@ DEMO_STEPS = 100
 DEMO_PROTOTYPES, DEMO_TOP_K = 512, 8
 
 
-def demo(*, scratch: bool = False, question: str | None = None, preset: str | None = None, steps: int | None = None,
-         out: Path = Path("runs/demo"), max_docs: int | None = None, max_chars_per_doc: int | None = None,
-         overrides: list[str] | None = None, progress: Progress = True, index_sequences: int | None = None,
-         overwrite: bool = False, on_stage: StageFn = no_stages) -> DemoResult:
+def demo(
+    *,
+    scratch: bool = False,
+    question: str | None = None,
+    preset: str | None = None,
+    steps: int | None = None,
+    out: Path = Path("runs/demo"),
+    max_docs: int | None = None,
+    max_chars_per_doc: int | None = None,
+    overrides: list[str] | None = None,
+    progress: Progress = True,
+    index_sequences: int | None = None,
+    overwrite: bool = False,
+    on_stage: StageFn = no_stages,
+) -> DemoResult:
     """The whole pipeline on a real model, offline: retrofit the shipped SmolLM2-135M-Instruct with 512
     prototypes on a small built-in anchor set (one backbone pass, then the bank), index it, and explain its
     answer to a chat question token by token (~2–5 minutes on 2 cores). With --scratch: train a toy PRISM
@@ -54,21 +65,41 @@ def demo(*, scratch: bool = False, question: str | None = None, preset: str | No
     """
     if scratch:
         if question is not None:
-            raise ConfigError("--question applies to the real-model demo, not to --scratch",
-                              fix="drop --question, or --scratch")
-        return scratch_demo(preset=preset or "cpu-small", steps=steps, out=out, max_docs=max_docs,
-                            max_chars_per_doc=max_chars_per_doc, overrides=overrides, progress=progress,
-                            index_sequences=index_sequences, overwrite=overwrite, on_stage=on_stage)
+            raise ConfigError(
+                "--question applies to the real-model demo, not to --scratch", fix="drop --question, or --scratch"
+            )
+        return scratch_demo(
+            preset=preset or "cpu-small",
+            steps=steps,
+            out=out,
+            max_docs=max_docs,
+            max_chars_per_doc=max_chars_per_doc,
+            overrides=overrides,
+            progress=progress,
+            index_sequences=index_sequences,
+            overwrite=overwrite,
+            on_stage=on_stage,
+        )
     if preset is not None:
-        raise ConfigError("--preset sizes the toy model of `prism demo --scratch`; the real-model demo has none",
-                          fix=f"add --scratch, or drop --preset {preset}")
+        raise ConfigError(
+            "--preset sizes the toy model of `prism demo --scratch`; the real-model demo has none",
+            fix=f"add --scratch, or drop --preset {preset}",
+        )
     require(steps is None or steps >= 1, "--steps", ">= 1", steps)
     require(index_sequences is None or index_sequences >= 1, "--index-sequences", ">= 1", index_sequences)
     require_demo_model()
-    return real_demo(question=question or DEMO_QUESTION, steps=steps or DEMO_STEPS, out=out,
-                     max_docs=max_docs or DEMO_DOCS, max_chars_per_doc=max_chars_per_doc or DEMO_CHARS,
-                     overrides=overrides, progress=progress, index_sequences=index_sequences, overwrite=overwrite,
-                     on_stage=on_stage)
+    return real_demo(
+        question=question or DEMO_QUESTION,
+        steps=steps or DEMO_STEPS,
+        out=out,
+        max_docs=max_docs or DEMO_DOCS,
+        max_chars_per_doc=max_chars_per_doc or DEMO_CHARS,
+        overrides=overrides,
+        progress=progress,
+        index_sequences=index_sequences,
+        overwrite=overwrite,
+        on_stage=on_stage,
+    )
 
 
 def require_demo_model() -> None:
@@ -79,32 +110,61 @@ def require_demo_model() -> None:
         gguf.gguf_module()
         transformers_module()
     except DependencyError as e:
-        raise DependencyError(f"prism demo retrofits the shipped SmolLM2-135M-Instruct: {e.message}",
-                              fix=f"{e.fix}; or run the toy demo, which needs neither: prism demo --scratch") from e
+        raise DependencyError(
+            f"prism demo retrofits the shipped SmolLM2-135M-Instruct: {e.message}",
+            fix=f"{e.fix}; or run the toy demo, which needs neither: prism demo --scratch",
+        ) from e
 
 
-def real_demo(*, question: str, steps: int, out: Path, max_docs: int, max_chars_per_doc: int,
-              overrides: list[str] | None, progress: Progress, index_sequences: int | None, overwrite: bool,
-              on_stage: StageFn) -> DemoResult:
+def real_demo(
+    *,
+    question: str,
+    steps: int,
+    out: Path,
+    max_docs: int,
+    max_chars_per_doc: int,
+    overrides: list[str] | None,
+    progress: Progress,
+    index_sequences: int | None,
+    overwrite: bool,
+    on_stage: StageFn,
+) -> DemoResult:
     """Retrofit (stage 1 on stored z, logits unchanged) → index from the stored z → explain the chat answer."""
     on_stage(f"retrofit {DEMO_MODEL} ({DEMO_PROTOTYPES} prototypes, {max_docs} built-in documents)", 0, 3)
-    result = retrofit_model(DEMO_MODEL, out=out, corpus="builtin", steps=steps, prototypes=DEMO_PROTOTYPES,
-                            top_k=DEMO_TOP_K, batch_size=8, block_size=DEMO_BLOCK, max_docs=max_docs,
-                            # one validation batch: the demo's only backbone forward besides the z pass
-                            overrides=[f"data.max_chars_per_doc={max_chars_per_doc}", "train.eval_batches=1",
-                                       *(overrides or [])],
-                            device="cpu", overwrite=overwrite, progress=progress)
+    result = retrofit_model(
+        DEMO_MODEL,
+        out=out,
+        corpus="builtin",
+        steps=steps,
+        prototypes=DEMO_PROTOTYPES,
+        top_k=DEMO_TOP_K,
+        batch_size=8,
+        block_size=DEMO_BLOCK,
+        max_docs=max_docs,
+        # one validation batch: the demo's only backbone forward besides the z pass
+        overrides=[f"data.max_chars_per_doc={max_chars_per_doc}", "train.eval_batches=1", *(overrides or [])],
+        device="cpu",
+        overwrite=overwrite,
+        progress=progress,
+    )
     run = Run.open(out, device="cpu")
     on_stage("index (from the stored hidden states)", 1, 3)
     index = build_run_index(run, max_sequences=index_sequences, progress=progress, overwrite=overwrite)
     on_stage(f"explain the answer to {question!r}", 2, 3)
     expl = explain_text(run, chat=question)
-    answer_ids = expl.token_ids[expl.prompt_tokens or 0:]
+    answer_ids = expl.token_ids[expl.prompt_tokens or 0 :]
     if answer_ids and answer_ids[-1] == run.tokenizer.eot_id:  # the end-of-turn token that stopped it
         answer_ids = answer_ids[:-1]
     answer = run.tokenizer.decode(answer_ids)
-    return DemoResult(run_folder=out, train=result, samples=[answer], metrics=dict(result.metrics), index=index,
-                      explanation=expl, question=question)
+    return DemoResult(
+        run_folder=out,
+        train=result,
+        samples=[answer],
+        metrics=dict(result.metrics),
+        index=index,
+        explanation=expl,
+        question=question,
+    )
 
 
 __all__ = ["DEMO_MODEL", "DEMO_QUESTION", "demo", "real_demo", "require_demo_model"]

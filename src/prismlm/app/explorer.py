@@ -344,8 +344,15 @@ class Explorer:
     """One run opened for the explorer: its index, attribution cache, concept sets and limits. Build with
     ``Explorer.open(path)``; every method is safe to call from many threads (one model call at a time)."""
 
-    def __init__(self, run: Run, *, index: Path | None = None, cache: Path | None = None,
-                 concepts: dict[str, SuppressionSet] | None = None, limits: Limits = Limits()) -> None:
+    def __init__(
+        self,
+        run: Run,
+        *,
+        index: Path | None = None,
+        cache: Path | None = None,
+        concepts: dict[str, SuppressionSet] | None = None,
+        limits: Limits = Limits(),
+    ) -> None:
         self.run = run
         self.model: PrismLM = run.prism_model("the explorer")
         self.limits = limits
@@ -366,9 +373,17 @@ class Explorer:
         self._token_search: TokenSearch | None = None
 
     @classmethod
-    def open(cls, path: str | Path, *, index: Path | None = None, cache: Path | None = None, device: str = "auto",
-             suppress: str | Path | None = "auto", concepts: Sequence[Path] = (),
-             limits: Limits = Limits()) -> Explorer:
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        index: Path | None = None,
+        cache: Path | None = None,
+        device: str = "auto",
+        suppress: str | Path | None = "auto",
+        concepts: Sequence[Path] = (),
+        limits: Limits = Limits(),
+    ) -> Explorer:
         """Open ``path`` (a run or checkpoint folder) with its index (default RUN/index if there is one),
         attribution cache (default RUN/attribution-cache), the suppression sets of ``concepts`` (named by
         their concept, else their file name) and ``limits``."""
@@ -396,13 +411,17 @@ class Explorer:
         return self.index.labels() if self.index is not None else {}
 
     def _check_text(self, text: str, what: str = "text") -> None:
-        _limit(len(text) <= self.limits.max_text_chars, f"{what} length", f"{self.limits.max_text_chars} characters",
-               len(text))
+        _limit(
+            len(text) <= self.limits.max_text_chars,
+            f"{what} length",
+            f"{self.limits.max_text_chars} characters",
+            len(text),
+        )
         check_unicode(text, what)
 
     @staticmethod
     def _check_seed(seed: int) -> None:
-        if not -(2 ** 63) <= seed < 2 ** 64:  # what torch.Generator.manual_seed accepts
+        if not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed accepts
             raise ConfigError(f"seed must be an integer in [-2^63, 2^64), got {seed}")
 
     def _check_top(self, n: int, what: str) -> None:
@@ -433,15 +452,18 @@ class Explorer:
             f = torch.ones(K, dtype=torch.float64)
             for i, v in zip(ids, (v for _, v in steering.scale)):
                 if not (math.isfinite(v) and abs(v) <= self.limits.max_scale):
-                    raise RequestLimitError(f"scale factor of prototype {i} must be finite and within "
-                                            f"±{self.limits.max_scale}, got {v!r}")
+                    raise RequestLimitError(
+                        f"scale factor of prototype {i} must be finite and within ±{self.limits.max_scale}, got {v!r}"
+                    )
                 f[i] = f[i] * float(v)
             out.append(Scale(f, label="request"))
         if steering.concept is not None:
             sset = self.concepts.get(steering.concept)
             if sset is None:
-                raise ConfigError(f"unknown concept {steering.concept!r}; the server has "
-                                  f"{sorted(self.concepts) or 'none'} (start it with --concept FILE)")
+                raise ConfigError(
+                    f"unknown concept {steering.concept!r}; the server has "
+                    f"{sorted(self.concepts) or 'none'} (start it with --concept FILE)"
+                )
             out.append(Suppress.of(sset.ids, label=steering.concept))
         return tuple(out)
 
@@ -465,18 +487,31 @@ class Explorer:
         """The run, model shape, artifacts found, categories, concept sets and limits."""
         cfg = self.model.config
         pc = self.model.require_prototypes()
-        model = {"backbone": getattr(cfg, "backbone", "gpt"), "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
-                 "vocab_size": cfg.vocab_size, "block_size": cfg.block_size, "num_prototypes": pc.num_prototypes,
-                 "top_k": self.run.config.model.prototypes.top_k if self.run.config.model.prototypes else None,
-                 "bias": self.model.lm_head.bias is not None,
-                 "parameters": self.model.num_parameters()}
+        model = {
+            "backbone": getattr(cfg, "backbone", "gpt"),
+            "n_layer": cfg.n_layer,
+            "n_embd": cfg.n_embd,
+            "vocab_size": cfg.vocab_size,
+            "block_size": cfg.block_size,
+            "num_prototypes": pc.num_prototypes,
+            "top_k": self.run.config.model.prototypes.top_k if self.run.config.model.prototypes else None,
+            "bias": self.model.lm_head.bias is not None,
+            "parameters": self.model.num_parameters(),
+        }
         return RunInfo(
-            run=self.run.folder.name, step=self.run.step, model=model, has_index=self.index is not None,
-            has_cache=self.has_cache, index_tokens=self.index.tokens if self.index is not None else None,
-            coverage=dict(self.index.coverage()) if self.index is not None else {}, categories=list(CATEGORIES),
+            run=self.run.folder.name,
+            step=self.run.step,
+            model=model,
+            has_index=self.index is not None,
+            has_cache=self.has_cache,
+            index_tokens=self.index.tokens if self.index is not None else None,
+            coverage=dict(self.index.coverage()) if self.index is not None else {},
+            categories=list(CATEGORIES),
             concepts={k: {"ids": s.ids, "share": s.share, "concept": s.concept} for k, s in self.concepts.items()},
             interventions=[iv.label or type(iv).__name__ for iv in self.run.interventions],
-            limits=self.limits.to_dict(), notes=self._notes())
+            limits=self.limits.to_dict(),
+            notes=self._notes(),
+        )
 
     def _notes(self) -> list[str]:
         if self.index is None:
@@ -486,9 +521,19 @@ class Explorer:
         return [f"served without labels: {err.replace('RUN', str(self.run.path))}"] if err else []
 
     # ----- explain -----------------------------------------------------------------------------------------
-    def explain(self, text: str, *, generate: int = 0, alternatives: int = 5, steering: Steering = Steering(),
-                neighbours: int = 3, temperature: float = 0.8, top_k: int | None = 50, seed: int = 0,
-                chat: bool = False) -> ExplainView:
+    def explain(
+        self,
+        text: str,
+        *,
+        generate: int = 0,
+        alternatives: int = 5,
+        steering: Steering = Steering(),
+        neighbours: int = 3,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        seed: int = 0,
+        chat: bool = False,
+    ) -> ExplainView:
         """Every next-token logit of ``text`` (or of ``generate`` tokens sampled after it) as a waterfall of
         prototype slices + residual (+ bias), with the ``alternatives`` most probable other tokens split the
         same way, under the request's ``steering``. ``chat``: ``text`` is a chat message; the assistant's
@@ -507,26 +552,45 @@ class Explorer:
         tok = self.run.tokenizer
         with self.lock, self.run.intervened(*ivs) as model, torch.no_grad():
             if generate:
-                expl = explain_generation(model, tok, text, generate, model_sha256=self.run.identity,
-                                          temperature=temperature, top_k=top_k, seed=seed, index=self.index,
-                                          neighbours=neighbours, stop_id=stop_id)
+                expl = explain_generation(
+                    model,
+                    tok,
+                    text,
+                    generate,
+                    model_sha256=self.run.identity,
+                    temperature=temperature,
+                    top_k=top_k,
+                    seed=seed,
+                    index=self.index,
+                    neighbours=neighbours,
+                    stop_id=stop_id,
+                )
             else:
-                expl = explain(model, tok, text, model_sha256=self.run.identity, index=self.index,
-                               neighbours=neighbours)
+                expl = explain(
+                    model, tok, text, model_sha256=self.run.identity, index=self.index, neighbours=neighbours
+                )
             ids = expl.token_ids
             chosen = [p.next_id for p in expl.positions]
             x = torch.tensor([ids], dtype=torch.long, device=self.run.device)  # (1, n)
             out = model(x)
-            positions, err = self._waterfalls(model, out, chosen, [p.chosen_by for p in expl.positions],
-                                              alternatives)
+            positions, err = self._waterfalls(model, out, chosen, [p.chosen_by for p in expl.positions], alternatives)
         cards = {str(k): c.to_dict() for k, c in sorted(expl.prototypes.items())}
-        return ExplainView(text=expl.text, token_ids=ids, tokens=[tok.id_to_token(i) for i in ids],
-                           prompt_tokens=expl.prompt_tokens, truncated_tokens=expl.truncated_tokens,
-                           positions=positions, cards=cards, max_abs_error=err, steering=_steering_dict(steering),
-                           notes=list(expl.notes))
+        return ExplainView(
+            text=expl.text,
+            token_ids=ids,
+            tokens=[tok.id_to_token(i) for i in ids],
+            prompt_tokens=expl.prompt_tokens,
+            truncated_tokens=expl.truncated_tokens,
+            positions=positions,
+            cards=cards,
+            max_abs_error=err,
+            steering=_steering_dict(steering),
+            notes=list(expl.notes),
+        )
 
-    def _waterfalls(self, model: PrismLM, out: PrismOutput, chosen: list[int], how: list[str],
-                    alternatives: int) -> tuple[list[PositionView], float]:
+    def _waterfalls(
+        self, model: PrismLM, out: PrismOutput, chosen: list[int], how: list[str], alternatives: int
+    ) -> tuple[list[PositionView], float]:
         """The exact split of the chosen token's logit and of the top ``alternatives`` other tokens at every
         position, from one forward output (``decompose`` once per candidate rank)."""
         assert out.indices is not None and out.activations is not None
@@ -573,18 +637,46 @@ class Explorer:
         positions = []
         for t in range(n):
             keep = [s for s in range(len(pids_o[t])) if acts_o[t][s] > 0]  # inactive slots contribute 0
-            active = [{"id": pids_o[t][s], "activation": acts_o[t][s], "multiplier": m_o[t][s],
-                       "label": labs[pids_o[t][s]][0], "category": labs[pids_o[t][s]][1]} for s in keep]
-            cands = [Candidate(id=cand_l[t][j], token=strs[cand_l[t][j]], rank=rank_l[t][j], logit=logit_l[t][j],
-                               prob=prob_l[t][j], slices=[slices_o[t][j][s] for s in keep], residual=resid_l[t][j],
-                               bias=bias_l[t][j], total=total_l[t][j]) for j in range(len(cand_l[t]))]
+            active = [
+                {
+                    "id": pids_o[t][s],
+                    "activation": acts_o[t][s],
+                    "multiplier": m_o[t][s],
+                    "label": labs[pids_o[t][s]][0],
+                    "category": labs[pids_o[t][s]][1],
+                }
+                for s in keep
+            ]
+            cands = [
+                Candidate(
+                    id=cand_l[t][j],
+                    token=strs[cand_l[t][j]],
+                    rank=rank_l[t][j],
+                    logit=logit_l[t][j],
+                    prob=prob_l[t][j],
+                    slices=[slices_o[t][j][s] for s in keep],
+                    residual=resid_l[t][j],
+                    bias=bias_l[t][j],
+                    total=total_l[t][j],
+                )
+                for j in range(len(cand_l[t]))
+            ]
             d = denom[t] or 1.0
             top_id = active[0]["id"] if active else None
             top_share = cands[0].slices[0] / d if active else 0.0
-            positions.append(PositionView(position=t, token_index=t + 1, chosen_by=how[t], chosen=cands[0],
-                                          alternatives=cands[1:],
-                                          active=active, top_prototype=top_id, top_share=top_share,
-                                          residual_share=resid_l[t][0] / d))
+            positions.append(
+                PositionView(
+                    position=t,
+                    token_index=t + 1,
+                    chosen_by=how[t],
+                    chosen=cands[0],
+                    alternatives=cands[1:],
+                    active=active,
+                    top_prototype=top_id,
+                    top_share=top_share,
+                    residual_share=resid_l[t][0] / d,
+                )
+            )
         return positions, err
 
     # ----- one prototype -----------------------------------------------------------------------------------
@@ -597,8 +689,9 @@ class Explorer:
             self._check_text(text)
         model, tok = self.model, self.run.tokenizer
         with self.lock, torch.no_grad():
-            card = prototype_card(model, tok, i, index=self.index, labels=self.labels(), neighbours=neighbours,
-                                  signature_tokens=12).to_dict()
+            card = prototype_card(
+                model, tok, i, index=self.index, labels=self.labels(), neighbours=neighbours, signature_tokens=12
+            ).to_dict()
             hist = logit_histogram(model, i, min(tok.vocab_size, model.config.vocab_size))
             bands = example_bands(self.index, i) if self.index is not None and self.index.shards is not None else None
             P = F.normalize(model.require_prototypes().weight.detach().float(), dim=-1)  # (K, d)
@@ -608,7 +701,7 @@ class Explorer:
             vals, idx = cos.topk(k) if k > 0 else (cos[:0], cos[:0].long())
             fires = text_tokens = None
             if text is not None:
-                ids = (tok.encode(text) if text else [tok.eot_id])[-model.config.block_size:]
+                ids = (tok.encode(text) if text else [tok.eot_id])[-model.config.block_size :]
                 with self.run.intervened() as m:
                     out = m(torch.tensor([ids], dtype=torch.long, device=self.run.device))
                 assert out.indices is not None and out.activations is not None
@@ -619,14 +712,31 @@ class Explorer:
                 sl = (dec.prototype_slices[0] * hit).sum(-1)  # (n,)
                 pos = hit.any(-1).nonzero().squeeze(1).tolist()
                 text_tokens = [tok.id_to_token(t) for t in ids]
-                fires = [{"position": p, "token_index": p + 1, "token": text_tokens[p],
-                          "next_token": tok.id_to_token(int(nxt[p])),
-                          "activation": float(a[p]), "slice": float(sl[p])} for p in pos]
+                fires = [
+                    {
+                        "position": p,
+                        "token_index": p + 1,
+                        "token": text_tokens[p],
+                        "next_token": tok.id_to_token(int(nxt[p])),
+                        "activation": float(a[p]),
+                        "slice": float(sl[p]),
+                    }
+                    for p in pos
+                ]
         labs = self._labelled(idx.tolist())
-        sim = [{"id": j, "cosine": v, "label": labs[j][0], "category": labs[j][1]}
-               for j, v in zip(idx.tolist(), vals.tolist())]
-        return PrototypeDetail(card=card, similar=sim, fires=fires, text_tokens=text_tokens,
-                               has_index=self.index is not None, logit_histogram=hist, bands=bands)
+        sim = [
+            {"id": j, "cosine": v, "label": labs[j][0], "category": labs[j][1]}
+            for j, v in zip(idx.tolist(), vals.tolist())
+        ]
+        return PrototypeDetail(
+            card=card,
+            similar=sim,
+            fires=fires,
+            text_tokens=text_tokens,
+            has_index=self.index is not None,
+            logit_histogram=hist,
+            bands=bands,
+        )
 
     # ----- the map -------------------------------------------------------------------------------------------
     def map(self) -> MapView:
@@ -664,9 +774,16 @@ class Explorer:
             label = [labs.get(i, {}).get("label", "") for i in range(K)]
             count = self.index.counts.tolist() if self.index is not None else None
             xy = xy.float()
-            self._map = MapView(method=method, x=[round(v, 5) for v in xy[:, 0].tolist()],
-                                y=[round(v, 5) for v in xy[:, 1].tolist()], category=category, categories=cats,
-                                count=count, label=label, explained_variance=evr)
+            self._map = MapView(
+                method=method,
+                x=[round(v, 5) for v in xy[:, 0].tolist()],
+                y=[round(v, 5) for v in xy[:, 1].tolist()],
+                category=category,
+                categories=cats,
+                count=count,
+                label=label,
+                explained_variance=evr,
+            )
             return self._map
 
     def search(self, query: str = "", *, token: str | None = None, limit: int = 20) -> SearchView:
@@ -701,12 +818,27 @@ class Explorer:
                     texts = self._neighbour_texts()
                     hits += [(i, "nearest context") for i, s in enumerate(texts) if i not in seen and q in s.lower()]
                 seen = {i for i, _ in hits}  # a one-token query also finds the prototypes with it in a context
-                hits += [(i, w) for i, w in self._token_search.hits(query.strip(), strict=False, signature=False)
-                         if i not in seen]
-        rows = [{"id": i, "label": labs.get(i, {}).get("label", ""), "category": labs.get(i, {}).get("category", ""),
-                 "why": why, "count": counts[i] if counts is not None else None} for i, why in hits[:limit]]
-        return SearchView(query=token if token is not None else query, hits=rows, matched=len(hits),
-                          ids=[i for i, _ in hits] if (query.strip() or token is not None) else [])
+                hits += [
+                    (i, w)
+                    for i, w in self._token_search.hits(query.strip(), strict=False, signature=False)
+                    if i not in seen
+                ]
+        rows = [
+            {
+                "id": i,
+                "label": labs.get(i, {}).get("label", ""),
+                "category": labs.get(i, {}).get("category", ""),
+                "why": why,
+                "count": counts[i] if counts is not None else None,
+            }
+            for i, why in hits[:limit]
+        ]
+        return SearchView(
+            query=token if token is not None else query,
+            hits=rows,
+            matched=len(hits),
+            ids=[i for i, _ in hits] if (query.strip() or token is not None) else [],
+        )
 
     def _neighbour_texts(self) -> list[str]:
         """The nearest training context of every prototype as text (decoded once, kept): what neighbour
@@ -721,8 +853,16 @@ class Explorer:
         return self._search_text
 
     # ----- steer -------------------------------------------------------------------------------------------
-    def steer(self, prompt: str, *, steering: Steering, tokens: int = 30, temperature: float = 0.8,
-              top_k: int | None = 50, seed: int = 0) -> SteerView:
+    def steer(
+        self,
+        prompt: str,
+        *,
+        steering: Steering,
+        tokens: int = 30,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        seed: int = 0,
+    ) -> SteerView:
         """Generate from the base model and from the steered one with the same seed, side by side, and for
         every token of the steered text the exact change of its logit and the slices that explain it."""
         self._check_text(prompt, "prompt")
@@ -737,19 +877,31 @@ class Explorer:
         notes: list[str] = []
         with self.lock, torch.no_grad():
             with self.run.intervened() as m:
-                base = m.generate(x, tokens, temperature=temperature, top_k=top_k,
-                                  generator=torch.Generator(device=dev).manual_seed(seed))[0].tolist()
+                base = m.generate(
+                    x,
+                    tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    generator=torch.Generator(device=dev).manual_seed(seed),
+                )[0].tolist()
             with self.run.intervened(*ivs) as m:
-                steered = m.generate(x, tokens, temperature=temperature, top_k=top_k,
-                                     generator=torch.Generator(device=dev).manual_seed(seed))[0].tolist()
+                steered = m.generate(
+                    x,
+                    tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    generator=torch.Generator(device=dev).manual_seed(seed),
+                )[0].tolist()
             T = self.model.config.block_size
             win = steered[:-1][-T:]  # the context of every predicted token, one window
             start = len(steered) - 1 - len(win)  # absolute index of win[0]
             if start > 0:
-                notes.append(f"past the context window ({T} tokens): the logit changes are those of one forward "
-                             f"over the last {T} tokens")
+                notes.append(
+                    f"past the context window ({T} tokens): the logit changes are those of one forward "
+                    f"over the last {T} tokens"
+                )
             xs = torch.tensor([win], dtype=torch.long, device=dev)
-            y = torch.tensor([steered[start + 1:]], dtype=torch.long, device=dev)  # (1, n) targets
+            y = torch.tensor([steered[start + 1 :]], dtype=torch.long, device=dev)  # (1, n) targets
             with self.run.intervened() as m:
                 out_b = m(xs)
                 dec_b = decompose(m, out_b, y)
@@ -770,18 +922,34 @@ class Explorer:
         for t in range(max(0, first_gen), len(win)):
             step = start + t + 1 - p
             nz = sorted([(i, c) for i, c in zip(pid_l[t], ch_l[t]) if c != 0.0], key=lambda ic: -abs(ic[1]))
-            steps.append({"step": step, "token": tok.id_to_token(steered[start + t + 1]),
-                          "base_token": tok.id_to_token(base[p + step]) if p + step < len(base) else None,
-                          "logit_base": lb_l[t], "logit_steered": ls_l[t], "delta": ls_l[t] - lb_l[t],
-                          "delta_from_slices": sum(c for _, c in nz),
-                          "changed": [{"id": i, "delta": c} for i, c in nz[:5]]})
+            steps.append(
+                {
+                    "step": step,
+                    "token": tok.id_to_token(steered[start + t + 1]),
+                    "base_token": tok.id_to_token(base[p + step]) if p + step < len(base) else None,
+                    "logit_base": lb_l[t],
+                    "logit_steered": ls_l[t],
+                    "delta": ls_l[t] - lb_l[t],
+                    "delta_from_slices": sum(c for _, c in nz),
+                    "changed": [{"id": i, "delta": c} for i, c in nz[:5]],
+                }
+            )
         gb, gs = base[p:], steered[p:]
         diff = next((j for j, (a, b) in enumerate(zip(gb, gs)) if a != b), None)
         notes += [note] if note else []
-        return SteerView(prompt=prompt, base=[tok.id_to_token(t) for t in gb],
-                         steered=[tok.id_to_token(t) for t in gs], base_text=tok.decode(gb),
-                         steered_text=tok.decode(gs), first_difference=diff, steps=steps,
-                         steering=_steering_dict(steering), notes=notes, steered_ids=n_steered, inactive=inactive)
+        return SteerView(
+            prompt=prompt,
+            base=[tok.id_to_token(t) for t in gb],
+            steered=[tok.id_to_token(t) for t in gs],
+            base_text=tok.decode(gb),
+            steered_text=tok.decode(gs),
+            first_difference=diff,
+            steps=steps,
+            steering=_steering_dict(steering),
+            notes=notes,
+            steered_ids=n_steered,
+            inactive=inactive,
+        )
 
     # ----- training data -----------------------------------------------------------------------------------
     def training(self, prompt: str, completion: str = "", *, token: int | None = None, top: int = 10) -> TrainingView:
@@ -795,30 +963,48 @@ class Explorer:
         tok = self.run.tokenizer
         ids, start = make_query(tok, prompt, completion or None)
         full_len = len(ids)
-        ids = ids[-(self.model.config.block_size + 1):]  # the context window (+ the last target)
+        ids = ids[-(self.model.config.block_size + 1) :]  # the context window (+ the last target)
         start = max(1, start - (full_len - len(ids)))
         measured = [{"index": j, "token": tok.id_to_token(t)} for j, t in enumerate(ids[start:])]
         if token is not None:
             if not 0 <= token < len(measured):
                 raise ConfigError(f"token must be in [0, {len(measured)}) (the measured tokens), got {token}")
-            sel, n_measure = ids[:start + token + 1], 1
+            sel, n_measure = ids[: start + token + 1], 1
         else:
             sel, n_measure = ids, len(ids) - start
         notes: list[str] = []
         with self.lock:
             if self.has_cache:
-                att = attribute_text(self.run, prompt, token_ids=sel, completion=n_measure, top=top,
-                                     cache=self._cache_dir, shards=self._shards_dir())
+                att = attribute_text(
+                    self.run,
+                    prompt,
+                    token_ids=sel,
+                    completion=n_measure,
+                    top=top,
+                    cache=self._cache_dir,
+                    shards=self._shards_dir(),
+                )
             else:
                 shards = self.run.shards(self._shards_dir())
                 if self._full is None:  # built once: every later request (a per-token filter) reuses it
-                    self._full = FullGradients.build(self.model, shards,
-                                                     max_sequences=self.limits.full_attribution_sequences)
-                att = attribute(self.model, self.run.tokenizer, prompt, shards=shards, token_ids=sel,
-                                completion_tokens=n_measure, top=top, full=self._full)
-                notes.append(f"no attribution cache: exact prototype-space influence over the first "
-                             f"{att.num_train:,} training sequences (build the cache with `prism attribute-cache` "
-                             f"for all of them)")
+                    self._full = FullGradients.build(
+                        self.model, shards, max_sequences=self.limits.full_attribution_sequences
+                    )
+                att = attribute(
+                    self.model,
+                    self.run.tokenizer,
+                    prompt,
+                    shards=shards,
+                    token_ids=sel,
+                    completion_tokens=n_measure,
+                    top=top,
+                    full=self._full,
+                )
+                notes.append(
+                    f"no attribution cache: exact prototype-space influence over the first "
+                    f"{att.num_train:,} training sequences (build the cache with `prism attribute-cache` "
+                    f"for all of them)"
+                )
         scale = max((abs(it.score) for it in att.top), default=0.0) or 1.0
         labs = self._labelled(sorted({int(pp["id"]) for it in att.top for pp in it.prototypes}))
         items = []
@@ -829,14 +1015,43 @@ class Explorer:
             # so |shares| + |rest share| = 1 — a share of a signed sum can read 136% (and the rest −36%)
             rest = it.score - sum(pp["contribution"] for pp in it.prototypes) if summed else 0.0
             denom = sum(abs(pp["contribution"]) for pp in it.prototypes) + abs(rest) or 1.0
-            protos = [{"id": int(pp["id"]), "contribution": pp["contribution"], "share": pp["contribution"] / denom,
-                       "label": labs[int(pp["id"])][0]} for pp in it.prototypes]
-            items.append({"rank": it.rank, "sequence": it.sequence, "doc_id": it.doc_id, "doc_index": it.doc_index,
-                          "score": it.score, "relative": it.score / scale, "before": b, "target": t, "after": a,
-                          "prototypes": protos, "rest": rest, "rest_share": rest / denom})
-        return TrainingView(prompt=prompt, completion=completion, measured=measured, token=token, method=att.method,
-                            num_train=att.num_train, query_loss=att.query_loss, items=items, seconds=att.seconds,
-                            notes=notes + list(att.notes))
+            protos = [
+                {
+                    "id": int(pp["id"]),
+                    "contribution": pp["contribution"],
+                    "share": pp["contribution"] / denom,
+                    "label": labs[int(pp["id"])][0],
+                }
+                for pp in it.prototypes
+            ]
+            items.append(
+                {
+                    "rank": it.rank,
+                    "sequence": it.sequence,
+                    "doc_id": it.doc_id,
+                    "doc_index": it.doc_index,
+                    "score": it.score,
+                    "relative": it.score / scale,
+                    "before": b,
+                    "target": t,
+                    "after": a,
+                    "prototypes": protos,
+                    "rest": rest,
+                    "rest_share": rest / denom,
+                }
+            )
+        return TrainingView(
+            prompt=prompt,
+            completion=completion,
+            measured=measured,
+            token=token,
+            method=att.method,
+            num_train=att.num_train,
+            query_loss=att.query_loss,
+            items=items,
+            seconds=att.seconds,
+            notes=notes + list(att.notes),
+        )
 
     # ----- documents -----------------------------------------------------------------------------------------
     def document(self, doc_index: int, *, position: int | None = None, window: int = 400) -> DocumentView:
@@ -845,14 +1060,18 @@ class Explorer:
         shards = self._shards()
         train = shards.train
         if isinstance(doc_index, bool) or not 0 <= doc_index < train.num_docs:
-            raise UnknownDocumentError(f"unknown document {doc_index!r}: the training shard has {train.num_docs} "
-                                       f"documents (0–{train.num_docs - 1})")
+            raise UnknownDocumentError(
+                f"unknown document {doc_index!r}: the training shard has {train.num_docs} "
+                f"documents (0–{train.num_docs - 1})"
+            )
         window = max(1, min(window, 2000))
         toks = train.document(doc_index)
         L = len(toks)
         if position is not None and not 0 <= position < L:
-            raise ConfigError(f"position must be in [0, {L}) (the tokens of document {doc_index}), got {position}",
-                              fix="leave position out to show the document's start")
+            raise ConfigError(
+                f"position must be in [0, {L}) (the tokens of document {doc_index}), got {position}",
+                fix="leave position out to show the document's start",
+            )
         tok = shards.tokenizer
         if position is None:
             s, e = 0, min(L, window)
@@ -860,8 +1079,15 @@ class Explorer:
         else:
             s, e = max(0, position - window // 2), min(L, position + window // 2)
             before = tok.decode(toks[s:position].tolist())
-            target = tok.decode(toks[position:position + 1].tolist())
-            after = tok.decode(toks[position + 1:e].tolist())
-        return DocumentView(doc_index=doc_index, doc_id=train.doc_ids[doc_index], position=position, before=before,
-                            target=target, after=after, start=s, length=L)
-
+            target = tok.decode(toks[position : position + 1].tolist())
+            after = tok.decode(toks[position + 1 : e].tolist())
+        return DocumentView(
+            doc_index=doc_index,
+            doc_id=train.doc_ids[doc_index],
+            position=position,
+            before=before,
+            target=target,
+            after=after,
+            start=s,
+            length=L,
+        )

@@ -37,9 +37,14 @@ def is_export(folder: Path) -> bool:
 
 def _source(run: Run) -> dict[str, Any]:
     """Where the exported weights came from (recorded in config.json as ``prism_source``)."""
-    return {"checkpoint": str(run.checkpoint.path.resolve()), "model_sha256": run.identity, "step": run.step,
-            "tokenizer": run.tokenizer.name, "prismlm_version": __version__,
-            "interventions": [{"kind": type(iv).__name__.lower(), "label": iv.label} for iv in run.interventions]}
+    return {
+        "checkpoint": str(run.checkpoint.path.resolve()),
+        "model_sha256": run.identity,
+        "step": run.step,
+        "tokenizer": run.tokenizer.name,
+        "prismlm_version": __version__,
+        "interventions": [{"kind": type(iv).__name__.lower(), "label": iv.label} for iv in run.interventions],
+    }
 
 
 @writes_folder("out")  # one writer per export folder
@@ -62,15 +67,23 @@ def export_run(run: Run, out: Path, *, overwrite: bool = False) -> Path:
     eot_token = tok.backend.id_to_token(eot)
     if eot_token is None:
         raise TokenizerError(f"the run's tokenizer has no token for its end-of-text id {eot}")
-    hf = PrismForCausalLM.from_prism(run.model, interventions=run.interventions, bos_token_id=eot,
-                                     eos_token_id=eot, pad_token_id=eot, prism_source=_source(run))
+    hf = PrismForCausalLM.from_prism(
+        run.model,
+        interventions=run.interventions,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        prism_source=_source(run),
+    )
     fast = fast_tokenizer(tok.backend, eot_token, max_length=run.model.config.block_size)
     try:
         with atomic_dir(out) as stage:
             hf.save_pretrained(stage)
             fast.save_pretrained(stage)
     except OSError as e:  # a read-only or immutable folder, a full disk: nothing was replaced (atomic_dir)
-        raise ConfigError(f"OUT {out}: cannot write the export there ({e.strerror or e}: {e.filename})",
-                          fix="export into a folder you can write (check its permissions, attributes and free space)",
-                          path=out) from None
+        raise ConfigError(
+            f"OUT {out}: cannot write the export there ({e.strerror or e}: {e.filename})",
+            fix="export into a folder you can write (check its permissions, attributes and free space)",
+            path=out,
+        ) from None
     return out

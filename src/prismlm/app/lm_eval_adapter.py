@@ -102,15 +102,16 @@ def _batch_size(batch_size: Any, max_batch_size: Any) -> int:
         return min(DEFAULT_BATCH, int(max_batch_size)) if max_batch_size is not None else DEFAULT_BATCH
     s = str(batch_size).strip()
     if not s.isdigit() or int(s) < 1:
-        raise ConfigError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}",
-                          fix="--batch_size 32")
+        raise ConfigError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}", fix="--batch_size 32")
     return int(s)
 
 
 def _refuse_unknown_keys(unknown: Iterable[str]) -> None:
     if unknown:
-        raise ConfigError(f"--model prism: unknown model_args {', '.join(sorted(unknown))}; valid keys are "
-                          f"{', '.join(MODEL_ARGS)}", fix="--model_args pretrained=RUN,suppress=none")
+        raise ConfigError(
+            f"--model prism: unknown model_args {', '.join(sorted(unknown))}; valid keys are {', '.join(MODEL_ARGS)}",
+            fix="--model_args pretrained=RUN,suppress=none",
+        )
 
 
 def _refuse_exported_folder(path: Path) -> None:
@@ -121,8 +122,10 @@ def _refuse_exported_folder(path: Path) -> None:
     except (OSError, ValueError, AttributeError):
         return
     if exported:
-        raise ConfigError(f"--model prism: {path} is a transformers model folder (what `prism export` writes), not a "
-                          "prismlm run", fix=f"--model hf --model_args pretrained={path},trust_remote_code=True")
+        raise ConfigError(
+            f"--model prism: {path} is a transformers model folder (what `prism export` writes), not a prismlm run",
+            fix=f"--model hf --model_args pretrained={path},trust_remote_code=True",
+        )
 
 
 @register_model("prism")
@@ -134,10 +137,19 @@ class PrismEvalLM(LM):
     memory (as it is: on its device, with whatever interventions the caller holds open, plus ``suppress``
     if that names a file)."""
 
-    def __init__(self, pretrained: str | None = None, *, model: PrismLM | None = None,
-                 tokenizer: Tokenizer | None = None, suppress: str | None = "auto",
-                 batch_size: int | str | None = DEFAULT_BATCH, max_batch_size: int | None = None,
-                 device: str | None = None, trust_remote_code: bool | None = None, **unknown: Any) -> None:
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        *,
+        model: PrismLM | None = None,
+        tokenizer: Tokenizer | None = None,
+        suppress: str | None = "auto",
+        batch_size: int | str | None = DEFAULT_BATCH,
+        max_batch_size: int | None = None,
+        device: str | None = None,
+        trust_remote_code: bool | None = None,
+        **unknown: Any,
+    ) -> None:
         super().__init__()
         _refuse_unknown_keys(unknown)
         self._bs = _batch_size(batch_size, max_batch_size)
@@ -146,13 +158,18 @@ class PrismEvalLM(LM):
         interventions: tuple[Intervention, ...] = ()
         if model is None:
             if pretrained is None or str(pretrained) == "":
-                raise ConfigError("--model prism needs model_args pretrained=RUN (a run folder or checkpoint)",
-                                  fix="--model_args pretrained=runs/a")
+                raise ConfigError(
+                    "--model prism needs model_args pretrained=RUN (a run folder or checkpoint)",
+                    fix="--model_args pretrained=runs/a",
+                )
             from prismlm.app.run import Run
 
             _refuse_exported_folder(Path(str(pretrained)))
-            run = Run.open(Path(str(pretrained)), device=str(device or "auto"),
-                           suppress=None if suppress is None else str(suppress))
+            run = Run.open(
+                Path(str(pretrained)),
+                device=str(device or "auto"),
+                suppress=None if suppress is None else str(suppress),
+            )
             model, tokenizer, interventions = run.model, run.tokenizer, run.interventions
             self.checkpoint_path, self.model_sha256 = run.checkpoint.path, run.identity
         else:
@@ -166,8 +183,9 @@ class PrismEvalLM(LM):
                 interventions = (sset.intervention(),)
             dev = next(model.parameters()).device
             if device is not None and str(device) != "auto" and str(device).split(":")[0] != dev.type:
-                raise ConfigError(f"device={device!r}, but the model given is on {dev}",
-                                  fix="move the model, or leave device out")
+                raise ConfigError(
+                    f"device={device!r}, but the model given is on {dev}", fix="move the model, or leave device out"
+                )
         if tokenizer is None:
             raise ConfigError(f"checkpoint {pretrained} has no tokenizer")
         self.model = model.eval()
@@ -222,11 +240,15 @@ class PrismEvalLM(LM):
     def get_model_info(self) -> dict[str, Any]:
         """Merged into the results' ``config`` by lm-eval's evaluator."""
         p = next(self.model.parameters())
-        return {"model_num_parameters": self.model.num_parameters(), "model_dtype": str(p.dtype),
-                "model_device": str(p.device), "model_sha": self.model_sha256 or "",
-                "prism_checkpoint": str(self.checkpoint_path) if self.checkpoint_path else None,
-                "prism_model": "prism" if self.model.is_prism else "dense",
-                "prism_interventions": [repr(i) for i in self.interventions]}
+        return {
+            "model_num_parameters": self.model.num_parameters(),
+            "model_dtype": str(p.dtype),
+            "model_device": str(p.device),
+            "model_sha": self.model_sha256 or "",
+            "prism_checkpoint": str(self.checkpoint_path) if self.checkpoint_path else None,
+            "prism_model": "prism" if self.model.is_prism else "dense",
+            "prism_interventions": [repr(i) for i in self.interventions],
+        }
 
     # ----- requests --------------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -241,9 +263,15 @@ class PrismEvalLM(LM):
         windows: list[tuple[int, list[int], list[int]]] = []  # (request, context ids, scored ids)
         for i, r in enumerate(requests):
             (text,) = r.args
-            for ctx, cont in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-                    token_list=self.tok.encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+            for ctx, cont in map(
+                lm_utils.make_disjoint_window,
+                lm_utils.get_rolling_token_windows(
+                    token_list=self.tok.encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
                 windows.append((i, ctx, cont))
         with self.model.intervene(*self.interventions):
             scores = self._score_tokens([(c, x) for _, c, x in windows])
@@ -259,15 +287,15 @@ class PrismEvalLM(LM):
         """(context ids, continuation ids) → (Σ log p(continuation | context), greedy?); the sequence is cut
         from the left to block_size + 1 tokens. The token-level twin of ``scoring.loglikelihoods``."""
         T = self.max_length
-        full = [(c + x)[-(T + 1):] for c, x in pairs]
+        full = [(c + x)[-(T + 1) :] for c, x in pairs]
         results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: -len(full[i]))
         for b in range(0, len(order), self._bs):
-            ids = order[b:b + self._bs]
+            ids = order[b : b + self._bs]
             L = max(len(full[i]) - 1 for i in ids)
             x = torch.full((len(ids), L), self.tok.eot_id, dtype=torch.long)
             for r, i in enumerate(ids):
-                x[r, :len(full[i]) - 1] = torch.tensor(full[i][:-1])
+                x[r, : len(full[i]) - 1] = torch.tensor(full[i][:-1])
             logits = self.model(x.to(self._device)).logits  # (B, L, V)
             for r, i in enumerate(ids):
                 n, m = len(pairs[i][1]), len(full[i])
@@ -294,9 +322,11 @@ class PrismEvalLM(LM):
         if kw.get("top_p") is not None and float(kw["top_p"]) >= 1.0:
             kw.pop("top_p")
         if kw:
-            raise ConfigError(f"--model prism: generation option(s) {', '.join(sorted(kw))} not supported; "
-                              f"supported: {', '.join(GEN_OPTIONS)}",
-                              fix="drop them from the task's generation_kwargs or --gen_kwargs")
+            raise ConfigError(
+                f"--model prism: generation option(s) {', '.join(sorted(kw))} not supported; "
+                f"supported: {', '.join(GEN_OPTIONS)}",
+                fix="drop them from the task's generation_kwargs or --gen_kwargs",
+            )
         if max_gen < 0:
             raise ConfigError(f"max_gen_toks must be >= 0, got {max_gen}")
         if top_k is not None and (not str(top_k).isdigit() or int(top_k) < 1):
@@ -317,15 +347,19 @@ class PrismEvalLM(LM):
             if max_gen == 0:
                 continue
             if max_gen >= T:
-                log.warning("max_gen_toks=%d does not fit the context window (%d): the context keeps its last "
-                            "token and generation slides past the window", max_gen, T)
+                log.warning(
+                    "max_gen_toks=%d does not fit the context window (%d): the context keeps its last "
+                    "token and generation slides past the window",
+                    max_gen,
+                    T,
+                )
             ids = (self.tok.encode(context) if context else []) or [self.tok.eot_id]
-            ids = ids[-max(1, T - max_gen):]  # room for every new token, as HFLM leaves it
+            ids = ids[-max(1, T - max_gen) :]  # room for every new token, as HFLM leaves it
             groups[len(ids), max_gen, temp, top_k].append((i, ids, until))
         with torch.no_grad(), self.model.intervene(*self.interventions):
             for (n0, max_gen, temp, top_k), items in groups.items():
                 for b in range(0, len(items), self._bs):
-                    batch = items[b:b + self._bs]
+                    batch = items[b : b + self._bs]
                     x = torch.tensor([ids for _, ids, _ in batch], dtype=torch.long, device=self._device)
                     texts = [""] * len(batch)
                     done = 0
@@ -343,8 +377,14 @@ class PrismEvalLM(LM):
         return out
 
 
-def evaluate_with_lm_eval(model: PrismLM, tokenizer: Tokenizer, task_folders: dict[str, str | Path], *,
-                          split_limit: int | None = None, batch_size: int = 32) -> dict[str, dict[str, float]]:
+def evaluate_with_lm_eval(
+    model: PrismLM,
+    tokenizer: Tokenizer,
+    task_folders: dict[str, str | Path],
+    *,
+    split_limit: int | None = None,
+    batch_size: int = 32,
+) -> dict[str, dict[str, float]]:
     """Run lm-eval's own evaluator on our task folders (built by ``prismlm.eval.tasks``) with an
     in-memory model; returns task → {acc, acc_norm}."""
     from lm_eval import simple_evaluate
@@ -353,9 +393,18 @@ def evaluate_with_lm_eval(model: PrismLM, tokenizer: Tokenizer, task_folders: di
     folders = sorted({str(Path(f).resolve()) for f in task_folders.values()})
     tm = TaskManager(include_path=folders, include_defaults=False)
     names = [f"prism_{t}" for t in task_folders]
-    res = simple_evaluate(model=PrismEvalLM(model=model, tokenizer=tokenizer, batch_size=batch_size), tasks=names,
-                          task_manager=tm, limit=split_limit, bootstrap_iters=0, log_samples=False,
-                          random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    res = simple_evaluate(
+        model=PrismEvalLM(model=model, tokenizer=tokenizer, batch_size=batch_size),
+        tasks=names,
+        task_manager=tm,
+        limit=split_limit,
+        bootstrap_iters=0,
+        log_samples=False,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
     out = {}
     for t in task_folders:
         r = res["results"][f"prism_{t}"]
@@ -372,8 +421,11 @@ def with_device(args: list[str]) -> list[str]:
     if any(a == "--device" or a.startswith("--device=") for a in args):
         return args
     for j, a in enumerate(args):  # a --config YAML may set the device itself
-        path = a.split("=", 1)[1] if a.startswith("--config=") else (
-            args[j + 1] if a in ("--config", "-C") and j + 1 < len(args) else None)
+        path = (
+            a.split("=", 1)[1]
+            if a.startswith("--config=")
+            else (args[j + 1] if a in ("--config", "-C") and j + 1 < len(args) else None)
+        )
         if path is not None:
             try:
                 import yaml
@@ -419,12 +471,16 @@ def check_model_args(args: list[str]) -> None:
     _refuse_unknown_keys(set(given) - set(MODEL_ARGS) - {"trust_remote_code", "max_batch_size"})
     pretrained = given.get("pretrained")
     if pretrained is None or str(pretrained) == "":
-        raise ConfigError("--model prism needs model_args pretrained=RUN (a run folder or checkpoint)",
-                          fix="--model_args pretrained=runs/a")
+        raise ConfigError(
+            "--model prism needs model_args pretrained=RUN (a run folder or checkpoint)",
+            fix="--model_args pretrained=runs/a",
+        )
     path = Path(str(pretrained))
     if not path.exists():
-        raise ConfigError(f"--model prism: pretrained={path} does not exist", fix="--model_args pretrained=RUN "
-                          "(a folder written by prism train or prism retrofit)")
+        raise ConfigError(
+            f"--model prism: pretrained={path} does not exist",
+            fix="--model_args pretrained=RUN (a folder written by prism train or prism retrofit)",
+        )
     _refuse_exported_folder(path)
 
 

@@ -70,8 +70,9 @@ MAX_NEW_TOKENS = 65536
 window, so a mistyped ``-n 1000000000`` would run for days instead of failing."""
 
 
-def check_sampling(tokens: int, temperature: float, top_k: int | None, samples: int = 1,
-                   tokens_flag: str = "--tokens") -> None:
+def check_sampling(
+    tokens: int, temperature: float, top_k: int | None, samples: int = 1, tokens_flag: str = "--tokens"
+) -> None:
     """``ConfigError`` naming the option for sampling settings that cannot work."""
     require(tokens >= 0, tokens_flag, ">= 0", tokens)
     require(samples >= 1, "--samples", ">= 1", samples)
@@ -80,9 +81,18 @@ def check_sampling(tokens: int, temperature: float, top_k: int | None, samples: 
 
 
 # ----- sampling and evaluation ----------------------------------------------------------------------------
-def sample_continuations(model: PrismLM, tokenizer: Tokenizer, prompt: str, *, samples: int, tokens: int,
-                         temperature: float, top_k: int | None, generator: torch.Generator | None,
-                         stop_id: int | None = None) -> list[str]:
+def sample_continuations(
+    model: PrismLM,
+    tokenizer: Tokenizer,
+    prompt: str,
+    *,
+    samples: int,
+    tokens: int,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+    stop_id: int | None = None,
+) -> list[str]:
     """``samples`` sampled continuations of ``prompt`` (continuation text only; an empty prompt starts
     from the end-of-text token), one batch through ``model.generate``. ``stop_id`` (an end-of-turn token):
     generation ends once every sample has produced it, and each continuation is cut before it."""
@@ -91,7 +101,7 @@ def sample_continuations(model: PrismLM, tokenizer: Tokenizer, prompt: str, *, s
     x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)  # (samples, T)
     if stop_id is None:
         y = model.generate(x, tokens, temperature=temperature, top_k=top_k, generator=generator)
-        return [tokenizer.decode(row[len(ids) if prompt else 1:].tolist()) for row in y]
+        return [tokenizer.decode(row[len(ids) if prompt else 1 :].tolist()) for row in y]
     new: list[torch.Tensor] = []  # (samples, 1) each
     ended = torch.zeros(samples, dtype=torch.bool, device=dev)  # (samples,)
     for _, nxt in model.generate_steps(x, tokens, temperature=temperature, top_k=top_k, generator=generator):
@@ -100,7 +110,7 @@ def sample_continuations(model: PrismLM, tokenizer: Tokenizer, prompt: str, *, s
         if bool(ended.all()):
             break
     rows = torch.cat(new, dim=1).tolist() if new else [[] for _ in range(samples)]
-    return [tokenizer.decode(row[:row.index(stop_id)] if stop_id in row else row) for row in rows]
+    return [tokenizer.decode(row[: row.index(stop_id)] if stop_id in row else row) for row in rows]
 
 
 def _check_chat(chat: str | None, prompt: str) -> None:
@@ -113,15 +123,26 @@ def chat_prompt(run: Run, message: str) -> str:
     template, the assistant's turn opened. ``ModelError`` naming the run when it has no template."""
     tok = run.tokenizer
     if not tok.chat_template:
-        raise ModelError(f"--chat: the run {run.path} has no chat template (its tokenizer {tok.name!r} came without "
-                         "one), so a chat message cannot be written as a prompt",
-                         fix="pass the text itself instead of --chat, or retrofit a chat model "
-                             "(e.g. prism retrofit --from smollm2-135m-instruct)")
+        raise ModelError(
+            f"--chat: the run {run.path} has no chat template (its tokenizer {tok.name!r} came without "
+            "one), so a chat message cannot be written as a prompt",
+            fix="pass the text itself instead of --chat, or retrofit a chat model "
+            "(e.g. prism retrofit --from smollm2-135m-instruct)",
+        )
     return tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
 
 
-def generate(run: Run, prompt: str = "", *, chat: str | None = None, tokens: int = 100, samples: int = 1,
-             temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> list[str]:
+def generate(
+    run: Run,
+    prompt: str = "",
+    *,
+    chat: str | None = None,
+    tokens: int = 100,
+    samples: int = 1,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> list[str]:
     """Sample text from a trained model (with the run's interventions applied).
 
     Args:
@@ -135,20 +156,33 @@ def generate(run: Run, prompt: str = "", *, chat: str | None = None, tokens: int
         seed: Sampling seed.
     """
     check_sampling(tokens, temperature, top_k, samples)
-    require(tokens <= MAX_NEW_TOKENS, "--tokens", f"<= {MAX_NEW_TOKENS:,} (generate longer texts in steps, "
-            "continuing from the last output)", tokens)
+    require(
+        tokens <= MAX_NEW_TOKENS,
+        "--tokens",
+        f"<= {MAX_NEW_TOKENS:,} (generate longer texts in steps, continuing from the last output)",
+        tokens,
+    )
     _check_chat(chat, prompt)
     text = chat_prompt(run, chat) if chat is not None else prompt
     gen = torch.Generator(device=run.device).manual_seed(seed)
     with run.intervened() as model:
-        conts = sample_continuations(model, run.tokenizer, text, samples=samples, tokens=tokens,
-                                     temperature=temperature, top_k=top_k, generator=gen,
-                                     stop_id=run.tokenizer.eot_id if chat is not None else None)
+        conts = sample_continuations(
+            model,
+            run.tokenizer,
+            text,
+            samples=samples,
+            tokens=tokens,
+            temperature=temperature,
+            top_k=top_k,
+            generator=gen,
+            stop_id=run.tokenizer.eot_id if chat is not None else None,
+        )
     return conts if chat is not None else [prompt + c for c in conts]
 
 
-def evaluate(run: Run, *, batches: int = 50, batch_size: int | None = None,
-             shards: Path | None = None) -> dict[str, float | int | None]:
+def evaluate(
+    run: Run, *, batches: int = 50, batch_size: int | None = None, shards: Path | None = None
+) -> dict[str, float | int | None]:
     """Validation loss, perplexity and coverage metrics (R̄1, R2, dead prototypes, residual share) on the
     run's own validation split.
 
@@ -162,9 +196,17 @@ def evaluate(run: Run, *, batches: int = 50, batch_size: int | None = None,
     cfg = run.config
     shard_set = run.shards(shards)
     with run.intervened() as model:
-        metrics: dict[str, float | int | None] = dict(evaluate_model(
-            model, shard_set.val, seq_len=cfg.model.block_size, batch_size=batch_size or cfg.train.batch_size,
-            max_batches=batches, device=run.device, autocast=run.autocast()))
+        metrics: dict[str, float | int | None] = dict(
+            evaluate_model(
+                model,
+                shard_set.val,
+                seq_len=cfg.model.block_size,
+                batch_size=batch_size or cfg.train.batch_size,
+                max_batches=batches,
+                device=run.device,
+                autocast=run.autocast(),
+            )
+        )
     metrics["step"] = run.step
     return metrics
 
@@ -179,10 +221,22 @@ class IndexResult:
     notes: list[str] = field(default_factory=list)
 
 
-def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = None, batch_size: int = 16,
-                    part: str = "0/1", out: Path | None = None, resume: bool = False, overwrite: bool = False,
-                    checkpoint_every: int = 50, shards: Path | None = None, labels: bool = True, stored_z: bool = True,
-                    progress: Progress = True) -> IndexResult:
+def build_run_index(
+    run: Run,
+    *,
+    top_n: int = 32,
+    max_sequences: int | None = None,
+    batch_size: int = 16,
+    part: str = "0/1",
+    out: Path | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    checkpoint_every: int = 50,
+    shards: Path | None = None,
+    labels: bool = True,
+    stored_z: bool = True,
+    progress: Progress = True,
+) -> IndexResult:
     """Build the prototype index: each prototype's nearest training contexts, activation statistics,
     coverage; with ``labels``, rule-based labels once complete.
 
@@ -207,8 +261,17 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
     out = out or run.folder / ("index" if pt == (0, 1) else f"index-part-{pt[0]}-of-{pt[1]}")
     check_out_folder(out, "prototype index", holds=INDEX_KIND, overwrite=overwrite, resume=resume, can_resume=True)
     info, _ = init_distributed(str(run.device))
-    build_part = partial(_build_index_part, run, top_n=top_n, max_sequences=max_sequences, batch_size=batch_size,
-                         resume=resume, checkpoint_every=checkpoint_every, shards=shards, stored_z=stored_z)
+    build_part = partial(
+        _build_index_part,
+        run,
+        top_n=top_n,
+        max_sequences=max_sequences,
+        batch_size=batch_size,
+        resume=resume,
+        checkpoint_every=checkpoint_every,
+        shards=shards,
+        stored_z=stored_z,
+    )
     if not info.enabled:
         with output_lock(out):  # the index and its labels: one writer, a second `prism index` is refused
             result = build_part(pt, out, progress=progress)
@@ -220,15 +283,18 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
     # histograms bit for bit, float64 sums to rounding) — and removes them. Every rank returns the merged index.
     require(pt == (0, 1), "--part", "left out under torchrun (each process builds its own part)", part)
     try:
+
         def part_dir(rank: int) -> Path:
             return out.with_name(f"{out.name}.part-{rank}-of-{info.world_size}")
 
-        built = build_part((info.rank, info.world_size), part_dir(info.rank),
-                           progress=progress if info.is_main else False)
+        built = build_part(
+            (info.rank, info.world_size), part_dir(info.rank), progress=progress if info.is_main else False
+        )
         barrier(info)
         if info.is_main:
-            merged = merge_index_parts(out, [part_dir(r) for r in range(info.world_size)], labels=labels,
-                                       overwrite=True)  # OUT was checked on entry
+            merged = merge_index_parts(
+                out, [part_dir(r) for r in range(info.world_size)], labels=labels, overwrite=True
+            )  # OUT was checked on entry
             for r in range(info.world_size):
                 shutil.rmtree(part_dir(r), ignore_errors=True)
         barrier(info)
@@ -242,9 +308,20 @@ def build_run_index(run: Run, *, top_n: int = 32, max_sequences: int | None = No
 
 
 @writes_folder("out")
-def _build_index_part(run: Run, pt: tuple[int, int], out: Path, *, top_n: int, max_sequences: int | None,
-                      batch_size: int, resume: bool, checkpoint_every: int, shards: Path | None,
-                      progress: Progress, stored_z: bool = True) -> IndexResult:
+def _build_index_part(
+    run: Run,
+    pt: tuple[int, int],
+    out: Path,
+    *,
+    top_n: int,
+    max_sequences: int | None,
+    batch_size: int,
+    resume: bool,
+    checkpoint_every: int,
+    shards: Path | None,
+    progress: Progress,
+    stored_z: bool = True,
+) -> IndexResult:
     """Build (or resume) part ``pt`` of the run's index into ``out``."""
     model = run.prism_model("a prototype index")
     notes: list[str] = []
@@ -260,16 +337,29 @@ def _build_index_part(run: Run, pt: tuple[int, int], out: Path, *, top_n: int, m
         idx = prev.attach(shard_set)
     else:
         store = _usable_stored_z(run, model, shard_set, max_sequences, notes) if stored_z else None
-        idx = build_index(model, shard_set, top_n=top_n, batch_size=batch_size,
-                          max_sequences=max_sequences, part=pt, resume_from=prev, out=out, model_sha256=run.identity,
-                          checkpoint_every=checkpoint_every, device=run.device,
-                          autocast=run.autocast(), progress=progress, stored_z=store)
+        idx = build_index(
+            model,
+            shard_set,
+            top_n=top_n,
+            batch_size=batch_size,
+            max_sequences=max_sequences,
+            part=pt,
+            resume_from=prev,
+            out=out,
+            model_sha256=run.identity,
+            checkpoint_every=checkpoint_every,
+            device=run.device,
+            autocast=run.autocast(),
+            progress=progress,
+            stored_z=store,
+        )
     run.forget(out)
     return IndexResult(index=idx, path=out, notes=notes)
 
 
-def _usable_stored_z(run: Run, model: PrismLM, shards: ShardSet, max_sequences: int | None,
-                     notes: list[str]) -> StoredZ | None:
+def _usable_stored_z(
+    run: Run, model: PrismLM, shards: ShardSet, max_sequences: int | None, notes: list[str]
+) -> StoredZ | None:
     """The run's stored z (``RUN/stored-z``) when it holds this checkpoint's backbone over ``shards`` (after a
     stage 2 the backbone moved on: the model runs, and a note says why)."""
     path = run.folder / STORED_Z_DIR
@@ -278,8 +368,11 @@ def _usable_stored_z(run: Run, model: PrismLM, shards: ShardSet, max_sequences: 
     try:
         store = open_stored_z(path)
         T = model.config.block_size
-        universe = shards.train.num_sequences(T) if max_sequences is None else min(max_sequences,
-                                                                                   shards.train.num_sequences(T))
+        universe = (
+            shards.train.num_sequences(T)
+            if max_sequences is None
+            else min(max_sequences, shards.train.num_sequences(T))
+        )
         store.check(backbone=backbone_identity(model), shard_key=shards.manifest["key"], block_size=T, split="train")
         if store.num_sequences < universe:
             raise ArtifactMismatch(f"{path} covers {store.num_sequences} sequences, fewer than {universe}")
@@ -326,9 +419,17 @@ class LabelResult:
         return dict(sorted(cats.items(), key=lambda kv: -kv[1]))
 
 
-def label_prototypes(run: Run, *, index: Path | None = None, labeller: str = "rules", endpoint: str | None = None,
-                     model: str | None = None, api_key_env: str = "OPENAI_API_KEY", ids: str | None = None,
-                     shards: Path | None = None) -> LabelResult:
+def label_prototypes(
+    run: Run,
+    *,
+    index: Path | None = None,
+    labeller: str = "rules",
+    endpoint: str | None = None,
+    model: str | None = None,
+    api_key_env: str = "OPENAI_API_KEY",
+    ids: str | None = None,
+    shards: Path | None = None,
+) -> LabelResult:
     """Label every prototype from its neighbourhood (rules; optionally an LLM endpoint). Writes labels.json.
 
     Args:
@@ -363,9 +464,20 @@ CHAT_ANSWER_TOKENS = 64
 """Longest chat answer ``explain --chat`` generates when --generate is not given."""
 
 
-def explain_text(run: Run, prompt: str = "", *, chat: str | None = None, generate: int = 0, index: Path | None = None,
-                 use_index: bool = True, shards: Path | None = None, temperature: float = 0.8,
-                 top_k: int | None = 50, seed: int = 0, neighbours: int = 5) -> Explanation:
+def explain_text(
+    run: Run,
+    prompt: str = "",
+    *,
+    chat: str | None = None,
+    generate: int = 0,
+    index: Path | None = None,
+    use_index: bool = True,
+    shards: Path | None = None,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+    neighbours: int = 5,
+) -> Explanation:
     """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly.
 
     Args:
@@ -389,15 +501,26 @@ def explain_text(run: Run, prompt: str = "", *, chat: str | None = None, generat
     if chat is not None:
         prompt, generate, temperature = chat_prompt(run, chat), generate or CHAT_ANSWER_TOKENS, 0.0
     if generate > model.config.block_size:  # one explanation covers one context window
-        raise ConfigError(f"--generate must be at most the context window ({model.config.block_size} tokens), "
-                          f"got {generate}")
+        raise ConfigError(
+            f"--generate must be at most the context window ({model.config.block_size} tokens), got {generate}"
+        )
     tokenizer = run.tokenizer
     idx = run.index(index, shards) if use_index else None
     with run.intervened():  # a suppressed or controlled run is explained as it predicts (decompose stays exact)
         if generate > 0:
-            expl = explain_generation(model, tokenizer, prompt, generate, model_sha256=run.identity,
-                                      temperature=temperature, top_k=top_k, seed=seed, index=idx,
-                                      neighbours=neighbours, stop_id=tokenizer.eot_id if chat is not None else None)
+            expl = explain_generation(
+                model,
+                tokenizer,
+                prompt,
+                generate,
+                model_sha256=run.identity,
+                temperature=temperature,
+                top_k=top_k,
+                seed=seed,
+                index=idx,
+                neighbours=neighbours,
+                stop_id=tokenizer.eot_id if chat is not None else None,
+            )
         else:
             expl = explain(model, tokenizer, prompt, model_sha256=run.identity, index=idx, neighbours=neighbours)
     if idx is None:
@@ -414,8 +537,9 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
 
 
-def verify_run(run: Run, *, shards: Path | None = None, index: Path | None = None,
-               cache: Path | None = None) -> VerifyReport:
+def verify_run(
+    run: Run, *, shards: Path | None = None, index: Path | None = None, cache: Path | None = None
+) -> VerifyReport:
     """Check every artifact of a run against its manifest with full checksums: checkpoint files (weights,
     trainer state, config, tokenizer), token shards, and every prototype index (with its labels.json),
     attribution cache and search index in the run folder. A corrupt or foreign one, or one whose
@@ -432,8 +556,11 @@ def verify_run(run: Run, *, shards: Path | None = None, index: Path | None = Non
     shard_set = run.shards(shards)
     load_shards(shard_set.root, verify=True)  # sha256 of every shard file
     checked.append(f"{shard_set.root} (train.bin, val.bin, offsets, tokenizer)")
-    folders = [p for p in sorted(run.folder.iterdir()) if p.is_dir() and p.name != "checkpoints"] \
-        if run.folder.is_dir() and run.folder != ckpt.path else []
+    folders = (
+        [p for p in sorted(run.folder.iterdir()) if p.is_dir() and p.name != "checkpoints"]
+        if run.folder.is_dir() and run.folder != ckpt.path
+        else []
+    )
     indexes = [index] if index is not None else [p for p in folders if _looks_like(p, INDEX_KIND)]
     caches = [cache] if cache is not None else [p for p in folders if _looks_like(p, CACHE_KIND)]
     if run.model.is_prism:
@@ -441,16 +568,21 @@ def verify_run(run: Run, *, shards: Path | None = None, index: Path | None = Non
             checked += _verify_index(run, p, shards)
         for p in caches:
             checked += _verify_cache(run, p, shards)
-    notes += [f"no {what}" for what, found in (("prototype index", indexes), ("attribution cache", caches))
-              if not found or not run.model.is_prism]
+    notes += [
+        f"no {what}"
+        for what, found in (("prototype index", indexes), ("attribution cache", caches))
+        if not found or not run.model.is_prism
+    ]
     if run.suppression is not None:
         checked.append(str(ckpt.path / "suppression.json"))
     return VerifyReport(checked=checked, notes=notes)
 
 
 # files each artifact holds besides its manifest: a folder with one of them and no manifest.json lost it
-_ARTIFACT_FILES = {INDEX_KIND: ("index.safetensors", "labels.json"),
-                   CACHE_KIND: ("sketch.npy", "seq.npy", "offsets.npy", "curvature.safetensors")}
+_ARTIFACT_FILES = {
+    INDEX_KIND: ("index.safetensors", "labels.json"),
+    CACHE_KIND: ("sketch.npy", "seq.npy", "offsets.npy", "curvature.safetensors"),
+}
 _DEFAULT_NAME = {INDEX_KIND: "index", CACHE_KIND: "attribution-cache"}
 
 
@@ -467,8 +599,11 @@ def _looks_like(folder: Path, kind: str) -> bool:
 
 def _require_manifest(folder: Path, what: str, rebuild: str) -> None:
     if not (folder / "manifest.json").is_file():
-        raise ArtifactCorrupt(f"the {what} {folder} has no manifest.json: its files cannot be checked",
-                              fix=f"delete {folder} and rebuild it with `{rebuild}`", path=folder / "manifest.json")
+        raise ArtifactCorrupt(
+            f"the {what} {folder} has no manifest.json: its files cannot be checked",
+            fix=f"delete {folder} and rebuild it with `{rebuild}`",
+            path=folder / "manifest.json",
+        )
 
 
 def _verify_index(run: Run, folder: Path, shards: Path | None) -> list[str]:
@@ -492,13 +627,31 @@ def _check_labels(path: Path, num_prototypes: int, *, fix: str) -> None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ArtifactCorrupt(f"{path} cannot be read ({type(e).__name__}: {e})", fix=fix, path=path) from e
-    bad = "it is not a JSON object" if not isinstance(data, dict) else next(
-        (f"entry {k!r}" for k, v in data.items()
-         if not (k.isdigit() and int(k) < num_prototypes and isinstance(v, dict)
-                 and isinstance(v.get("label"), str) and isinstance(v.get("category"), str))), None)
+    bad = (
+        "it is not a JSON object"
+        if not isinstance(data, dict)
+        else next(
+            (
+                f"entry {k!r}"
+                for k, v in data.items()
+                if not (
+                    k.isdigit()
+                    and int(k) < num_prototypes
+                    and isinstance(v, dict)
+                    and isinstance(v.get("label"), str)
+                    and isinstance(v.get("category"), str)
+                )
+            ),
+            None,
+        )
+    )
     if bad is not None:
-        raise ArtifactCorrupt(f"{path} is not a labels file of {num_prototypes} prototypes ({bad}: expected "
-                              "prototype id → {label, category})", fix=fix, path=path)
+        raise ArtifactCorrupt(
+            f"{path} is not a labels file of {num_prototypes} prototypes ({bad}: expected "
+            "prototype id → {label, category})",
+            fix=fix,
+            path=path,
+        )
 
 
 def _verify_cache(run: Run, folder: Path, shards: Path | None) -> list[str]:
@@ -546,8 +699,15 @@ class PrototypeListing:
     has_index: bool
 
 
-def find_prototypes(run: Run, *, search: str | None = None, token: str | None = None, index: Path | None = None,
-                    shards: Path | None = None, limit: int = 20) -> PrototypeListing:
+def find_prototypes(
+    run: Run,
+    *,
+    search: str | None = None,
+    token: str | None = None,
+    index: Path | None = None,
+    shards: Path | None = None,
+    limit: int = 20,
+) -> PrototypeListing:
     """List or search prototypes by label, category or token.
 
     Args:
@@ -569,8 +729,10 @@ def find_prototypes(run: Run, *, search: str | None = None, token: str | None = 
     if token is not None:
         tid = tok.encode(token)
         if len(tid) != 1:
-            raise DataError(f"--token {token!r} is {len(tid)} tokens {tid}; give a single token "
-                            f"(e.g. with its leading space: ' the')")
+            raise DataError(
+                f"--token {token!r} is {len(tid)} tokens {tid}; give a single token "
+                f"(e.g. with its leading space: ' the')"
+            )
         with torch.no_grad():
             col = model.signatures()[:, tid[0]].float()  # (K,)
         score = {i: float(col[i]) for i in ids}
@@ -579,20 +741,29 @@ def find_prototypes(run: Run, *, search: str | None = None, token: str | None = 
         ids.sort(key=lambda i: -int(idx.counts[i]))
     if search:
         q = search.lower()
-        ids = [i for i in ids if q in (labs.get(i, {}).get("label", "") + " "
-                                       + labs.get(i, {}).get("category", "")).lower()]
+        ids = [
+            i
+            for i in ids
+            if q in (labs.get(i, {}).get("label", "") + " " + labs.get(i, {}).get("category", "")).lower()
+        ]
     rows: list[PrototypeRow] = []
     if ids:
         with torch.no_grad():
             sig = model.signatures(torch.tensor(ids[:limit], dtype=torch.long, device=run.device)).float()  # (n, V)
-        sig[:, tok.vocab_size:] = -float("inf")
+        sig[:, tok.vocab_size :] = -float("inf")
         top = sig.topk(5, dim=-1).indices  # (n, 5)
         for row, i in enumerate(ids[:limit]):
             lab = labs.get(i, {})
-            rows.append(PrototypeRow(id=i, label=lab.get("label", ""), category=lab.get("category", ""),
-                                     active_tokens=int(idx.counts[i]) if idx is not None else None,
-                                     top_tokens=[tok.id_to_token(int(t)) for t in top[row]],
-                                     token_push=score.get(i) if token is not None else None))
+            rows.append(
+                PrototypeRow(
+                    id=i,
+                    label=lab.get("label", ""),
+                    category=lab.get("category", ""),
+                    active_tokens=int(idx.counts[i]) if idx is not None else None,
+                    top_tokens=[tok.id_to_token(int(t)) for t in top[row]],
+                    token_push=score.get(i) if token is not None else None,
+                )
+            )
     return PrototypeListing(rows=rows, matched=len(ids), num_prototypes=K, has_index=idx is not None)
 
 
@@ -604,8 +775,9 @@ class PrototypeView:
     has_index: bool
 
 
-def show_prototype(run: Run, prototype: int, *, index: Path | None = None, shards: Path | None = None,
-                   neighbours: int = 8) -> PrototypeView:
+def show_prototype(
+    run: Run, prototype: int, *, index: Path | None = None, shards: Path | None = None, neighbours: int = 8
+) -> PrototypeView:
     """One prototype's card: label, statistics, top tokens of W p_i, nearest training contexts."""
     require(neighbours >= 0, "--neighbours", ">= 0", neighbours)
     model = run.prism_model("a prototype card")
@@ -615,9 +787,17 @@ def show_prototype(run: Run, prototype: int, *, index: Path | None = None, shard
     return PrototypeView(card=card, has_index=idx is not None)
 
 
-def prototypes(run: Run, *, search: str | None = None, token: str | None = None, id: int | None = None,
-               index: Path | None = None, shards: Path | None = None, limit: int = 20,
-               neighbours: int = 8) -> PrototypeListing | PrototypeView:
+def prototypes(
+    run: Run,
+    *,
+    search: str | None = None,
+    token: str | None = None,
+    id: int | None = None,
+    index: Path | None = None,
+    shards: Path | None = None,
+    limit: int = 20,
+    neighbours: int = 8,
+) -> PrototypeListing | PrototypeView:
     """List or search prototypes by label, category or token; --id N shows one prototype's card.
 
     Args:
@@ -634,6 +814,23 @@ def prototypes(run: Run, *, search: str | None = None, token: str | None = None,
     return find_prototypes(run, search=search, token=token, index=index, shards=shards, limit=limit)
 
 
-__all__ = ["VerifyReport", "verify_run", "IndexResult", "LabelResult", "PrototypeListing", "PrototypeRow", "PrototypeView", "prototypes", "build_run_index", "evaluate",
-           "explain_text", "find_prototypes", "generate", "label_prototypes", "merge_index_parts",
-           "parse_part", "sample_continuations", "show_prototype"]
+__all__ = [
+    "VerifyReport",
+    "verify_run",
+    "IndexResult",
+    "LabelResult",
+    "PrototypeListing",
+    "PrototypeRow",
+    "PrototypeView",
+    "prototypes",
+    "build_run_index",
+    "evaluate",
+    "explain_text",
+    "find_prototypes",
+    "generate",
+    "label_prototypes",
+    "merge_index_parts",
+    "parse_part",
+    "sample_continuations",
+    "show_prototype",
+]

@@ -36,8 +36,14 @@ def logit_histogram(model: PrismLM, i: int, valid_vocab: int, bins: int = 40) ->
     sig = model.signatures(torch.tensor([i], device=model.lm_head.weight.device))[0, :valid_vocab].double().cpu()
     lo, hi = float(sig.min()), float(sig.max())
     counts = torch.histc(sig, bins=bins, min=lo, max=hi if hi > lo else lo + 1.0)  # (bins,)
-    return {"lo": lo, "hi": hi if hi > lo else lo + 1.0, "counts": [int(c) for c in counts.tolist()],
-            "mean": float(sig.mean()), "std": float(sig.std()) if sig.numel() > 1 else 0.0, "tokens": valid_vocab}
+    return {
+        "lo": lo,
+        "hi": hi if hi > lo else lo + 1.0,
+        "counts": [int(c) for c in counts.tolist()],
+        "mean": float(sig.mean()),
+        "std": float(sig.std()) if sig.numel() > 1 else 0.0,
+        "tokens": valid_vocab,
+    }
 
 
 def example_bands(index: PrototypeIndex, i: int, per_band: int = 3) -> list[dict[str, Any]]:
@@ -53,15 +59,24 @@ def example_bands(index: PrototypeIndex, i: int, per_band: int = 3) -> list[dict
     for name, part in zip(BANDS, np.array_split(np.arange(n), min(3, n))):
         m = len(part)
         start = {"top": 0, "middle": max(0, (m - per_band) // 2), "bottom": max(0, m - per_band)}[name]
-        pick = part[start:start + per_band].tolist()
-        bands.append({"band": name, "ranks": [int(part[0]) + 1, int(part[-1]) + 1], "stored": n,
-                      "similarity": [nbs[int(part[0])].similarity, nbs[int(part[-1])].similarity],
-                      "examples": [nbs[j].to_dict() for j in pick]})
+        pick = part[start : start + per_band].tolist()
+        bands.append(
+            {
+                "band": name,
+                "ranks": [int(part[0]) + 1, int(part[-1]) + 1],
+                "stored": n,
+                "similarity": [nbs[int(part[0])].similarity, nbs[int(part[-1])].similarity],
+                "examples": [nbs[j].to_dict() for j in pick],
+            }
+        )
     return bands
 
 
-def never_active(mult: torch.Tensor, indices: torch.Tensor, activations: torch.Tensor,
-                 ) -> tuple[int, list[int], str | None]:
+def never_active(
+    mult: torch.Tensor,
+    indices: torch.Tensor,
+    activations: torch.Tensor,
+) -> tuple[int, list[int], str | None]:
     """(steered count, ids, note) of the prototypes with multiplier ≠ 1 (``mult``: (K,)) that are active
     (a > 0) at no position of a forward's (n, k) ``indices``/``activations``. Activations do not depend on
     the multipliers, so steering these changes none of the text's logits."""
@@ -73,5 +88,11 @@ def never_active(mult: torch.Tensor, indices: torch.Tensor, activations: torch.T
     if not ids:
         return n, ids, None
     shown = ", ".join(f"#{i}" for i in ids[:20]) + (" …" if len(ids) > 20 else "")
-    return n, ids, (f"{len(ids)} of the {n} steered prototypes never fire on this text (prompt + generation), so "
-                    f"steering them changes none of its logits: {shown}")
+    return (
+        n,
+        ids,
+        (
+            f"{len(ids)} of the {n} steered prototypes never fire on this text (prompt + generation), so "
+            f"steering them changes none of its logits: {shown}"
+        ),
+    )

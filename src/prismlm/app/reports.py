@@ -38,10 +38,21 @@ class AttributionReport:
     explanation: Explanation | None = None
 
 
-def explain_report(run: Run, prompt: str = "", *, chat: str | None = None, generate: int = 0, index: Path | None = None,
-                   use_index: bool = True, shards: Path | None = None, temperature: float = 0.8,
-                   top_k: int | None = 50, seed: int = 0, neighbours: int = 5,
-                   attribute: bool = False) -> ExplanationReport:
+def explain_report(
+    run: Run,
+    prompt: str = "",
+    *,
+    chat: str | None = None,
+    generate: int = 0,
+    index: Path | None = None,
+    use_index: bool = True,
+    shards: Path | None = None,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+    neighbours: int = 5,
+    attribute: bool = False,
+) -> ExplanationReport:
     """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly.
 
     Args:
@@ -60,16 +71,43 @@ def explain_report(run: Run, prompt: str = "", *, chat: str | None = None, gener
         attribute: Add the top training sequences for the text (its generated part with --generate) to the
             report: prototype-space influence from the run's attribution cache (`prism attribute-cache`).
     """
-    expl = explain_text(run, prompt, chat=chat, generate=generate, index=index, use_index=use_index, shards=shards,
-                        temperature=temperature, top_k=top_k, seed=seed, neighbours=neighbours)
+    expl = explain_text(
+        run,
+        prompt,
+        chat=chat,
+        generate=generate,
+        index=index,
+        use_index=use_index,
+        shards=shards,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        neighbours=neighbours,
+    )
     return ExplanationReport(expl, attribute_explanation(run, expl, shards=shards) if attribute else None)
 
 
-def attribute_report(run: Run, text: str, *, answer: str | None = None, completion: int | None = None,
-                     generate: int = 0, top: int = 10, method: str = "cached", cache: Path | None = None,
-                     search: str = "auto", candidates: int = 32, nprobe: int = 16, rescore: str = "none",
-                     rescore_top: int = 128, shards: Path | None = None, max_sequences: int | None = None,
-                     temperature: float = 0.0, seed: int = 0, explain: bool = False) -> AttributionReport:
+def attribute_report(
+    run: Run,
+    text: str,
+    *,
+    answer: str | None = None,
+    completion: int | None = None,
+    generate: int = 0,
+    top: int = 10,
+    method: str = "cached",
+    cache: Path | None = None,
+    search: str = "auto",
+    candidates: int = 32,
+    nprobe: int = 16,
+    rescore: str = "none",
+    rescore_top: int = 128,
+    shards: Path | None = None,
+    max_sequences: int | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    explain: bool = False,
+) -> AttributionReport:
     """The training sequences that most influenced TEXT (or its completion), with the prototypes that
     connect them and snippets.
 
@@ -97,9 +135,24 @@ def attribute_report(run: Run, text: str, *, answer: str | None = None, completi
         seed: Sampling seed.
         explain: Also explain the attributed text (prompt + completion), with the index if there is one.
     """
-    att = attribute_text(run, text, answer=answer, completion=completion, generate=generate, top=top, method=method,
-                         cache=cache, search=search, candidates=candidates, nprobe=nprobe, rescore=rescore,
-                         rescore_top=rescore_top, shards=shards, max_sequences=max_sequences,
-                         temperature=temperature, seed=seed)
+    att = attribute_text(
+        run,
+        text,
+        answer=answer,
+        completion=completion,
+        generate=generate,
+        top=top,
+        method=method,
+        cache=cache,
+        search=search,
+        candidates=candidates,
+        nprobe=nprobe,
+        rescore=rescore,
+        rescore_top=rescore_top,
+        shards=shards,
+        max_sequences=max_sequences,
+        temperature=temperature,
+        seed=seed,
+    )
     expl = explain_text(run, att.prompt + att.completion, shards=shards) if explain else None
     return AttributionReport(att, expl)

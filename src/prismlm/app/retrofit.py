@@ -16,12 +16,29 @@ from prismlm.train.retrofit import load_pretrained, retrofit, save_tokenizer
 from prismlm.train.trainer import TrainResult, check_run_folder, train
 
 
-def retrofit_model(source: str | None = None, *, out: Path, corpus: str = "builtin", steps: int | None = None,
-                   frozen_steps: int | None = None, unfreeze: str = "none", prototypes: int = 512, top_k: int = 8,
-                   lr: float = 1e-2, backbone_lr_ratio: float = 0.1, batch_size: int = 16,
-                   block_size: int | None = None, lora_rank: int = 8, max_docs: int | None = None, text_field: str = "text",
-                   overrides: list[str] | None = None, device: str = "auto", resume: bool = False,
-                   overwrite: bool = False, progress: Progress = True) -> TrainResult:
+def retrofit_model(
+    source: str | None = None,
+    *,
+    out: Path,
+    corpus: str = "builtin",
+    steps: int | None = None,
+    frozen_steps: int | None = None,
+    unfreeze: str = "none",
+    prototypes: int = 512,
+    top_k: int = 8,
+    lr: float = 1e-2,
+    backbone_lr_ratio: float = 0.1,
+    batch_size: int = 16,
+    block_size: int | None = None,
+    lora_rank: int = 8,
+    max_docs: int | None = None,
+    text_field: str = "text",
+    overrides: list[str] | None = None,
+    device: str = "auto",
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: Progress = True,
+) -> TrainResult:
     """Retrofit prototypes onto a pretrained causal LM (a transformers model or a prismlm run).
 
     Stage 1 trains only the prototype bank (REC + R1 + R2) with the backbone frozen, so the model's logits
@@ -56,13 +73,20 @@ def retrofit_model(source: str | None = None, *, out: Path, corpus: str = "built
     if resume:
         return resume_retrofit(out, steps=steps, device=device, progress=progress)
     if source is None:
-        raise ConfigError("--from is missing: name the pretrained model to retrofit (a transformers folder, a hub "
-                          "name or a prismlm run)", fix="pass --from MODEL, or --resume to continue the run in --out")
+        raise ConfigError(
+            "--from is missing: name the pretrained model to retrofit (a transformers folder, a hub "
+            "name or a prismlm run)",
+            fix="pass --from MODEL, or --resume to continue the run in --out",
+        )
     steps = 300 if steps is None else steps
     require(steps >= 1, "--steps", ">= 1", steps)
     check_run_folder(out, resume=False, overwrite=overwrite)  # before minutes of loading and seeding
-    require(unfreeze in ("none", "all", "lora") or re.fullmatch(r"last-[1-9]\d*", unfreeze) is not None,
-            "--unfreeze", "none, last-N, lora or all", unfreeze)
+    require(
+        unfreeze in ("none", "all", "lora") or re.fullmatch(r"last-[1-9]\d*", unfreeze) is not None,
+        "--unfreeze",
+        "none, last-N, lora or all",
+        unfreeze,
+    )
     require(lora_rank >= 1, "--lora-rank", ">= 1", lora_rank)
     if frozen_steps is None:
         frozen_steps = steps if unfreeze == "none" else steps // 2
@@ -70,8 +94,9 @@ def retrofit_model(source: str | None = None, *, out: Path, corpus: str = "built
     require(prototypes >= 1, "--prototypes", ">= 1", prototypes)
     require(1 <= top_k <= prototypes, "--top-k", f"in [1, --prototypes={prototypes}]", top_k)
     pre = load_pretrained(source, block_size=block_size)
-    data = DataConfig(corpus=corpus, tokenizer=str(save_tokenizer(pre.tokenizer, None)), text_field=text_field,
-                      max_docs=max_docs)
+    data = DataConfig(
+        corpus=corpus, tokenizer=str(save_tokenizer(pre.tokenizer, None)), text_field=text_field, max_docs=max_docs
+    )
     cfg = RunConfig(
         model=pre.model,
         # Why R1/R2 at 0.5 (the from-scratch default is 0.1): with a frozen backbone the hidden states cannot
@@ -79,21 +104,35 @@ def retrofit_model(source: str | None = None, *, out: Path, corpus: str = "built
         # cpu-small steps); 0.5 keeps them on it (0.97 / 0.94) for a residual 0.27 instead of 0.22.
         loss=LossConfig(lambda_r1=0.5, lambda_r2=0.5),
         data=data,
-        train=TrainConfig(batch_size=batch_size, max_steps=steps, lr=lr, warmup_steps=min(20, steps // 10),
-                          weight_decay=0.0, device=device, trainable="prototypes" if unfreeze == "none" else unfreeze,
-                          frozen_steps=frozen_steps, backbone_lr_ratio=backbone_lr_ratio,
-                          eval_interval=max(steps // 4, 1), log_interval=max(min(10, steps // 10), 1)),
+        train=TrainConfig(
+            batch_size=batch_size,
+            max_steps=steps,
+            lr=lr,
+            warmup_steps=min(20, steps // 10),
+            weight_decay=0.0,
+            device=device,
+            trainable="prototypes" if unfreeze == "none" else unfreeze,
+            frozen_steps=frozen_steps,
+            backbone_lr_ratio=backbone_lr_ratio,
+            eval_interval=max(steps // 4, 1),
+            log_interval=max(min(10, steps // 10), 1),
+        ),
         preset="retrofit",
         source=pre.info.to_dict() if pre.info is not None else None,
-    ).override({"model.prototypes": {"num_prototypes": prototypes, "top_k": top_k},
-                "model.lora_rank": lora_rank if unfreeze == "lora" else 0})
+    ).override(
+        {
+            "model.prototypes": {"num_prototypes": prototypes, "top_k": top_k},
+            "model.lora_rank": lora_rank if unfreeze == "lora" else 0,
+        }
+    )
     cfg = cfg.override_strings(overrides or [])
     shards = prepare_from_config(cfg.data, show_progress=progress)
     return retrofit(pre, cfg, writable_folder(out), shards=shards, progress=progress, overwrite=overwrite)
 
 
-def resume_retrofit(out: Path, *, steps: int | None = None, device: str = "auto",
-                    progress: Progress = True) -> TrainResult:
+def resume_retrofit(
+    out: Path, *, steps: int | None = None, device: str = "auto", progress: Progress = True
+) -> TrainResult:
     """Continue the retrofit run in ``out`` from its latest checkpoint: the trainer reads the recipe saved
     there (stages, bank, shards); the pretrained weights are in the checkpoint, so the source is not read."""
     try:

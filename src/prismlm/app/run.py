@@ -68,8 +68,11 @@ def check_unicode(text: str, what: str) -> None:
     undecodable bytes): such a string cannot be encoded, so no answer about it could be sent back."""
     m = _SURROGATE.search(text)
     if m is not None:
-        raise ConfigError(f"{what} holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}), "
-                          "which is not Unicode text", fix="send valid Unicode (UTF-8) text")
+        raise ConfigError(
+            f"{what} holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}), "
+            "which is not Unicode text",
+            fix="send valid Unicode (UTF-8) text",
+        )
 
 
 def writable_folder(path: Path, option: str = "--out") -> Path:
@@ -79,8 +82,11 @@ def writable_folder(path: Path, option: str = "--out") -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"{option} {path}: cannot create this folder ({e.strerror or e})",
-                          fix=f"give {option} a folder path you can write", path=path) from None
+        raise ConfigError(
+            f"{option} {path}: cannot create this folder ({e.strerror or e})",
+            fix=f"give {option} a folder path you can write",
+            path=path,
+        ) from None
     return path
 
 
@@ -90,8 +96,9 @@ def open_device(spec: str) -> torch.device:
     try:
         return resolve_device(spec, int(os.environ.get("LOCAL_RANK", "0")))
     except (RuntimeError, ValueError) as e:
-        raise PrismError(f"--device {spec!r}: {e.message if isinstance(e, PrismError) else e}",
-                         fix="use --device cpu or auto") from e
+        raise PrismError(
+            f"--device {spec!r}: {e.message if isinstance(e, PrismError) else e}", fix="use --device cpu or auto"
+        ) from e
 
 
 def resolve_suppression(checkpoint: Checkpoint, suppress: str | Path | None) -> SuppressionSet | None:
@@ -131,8 +138,14 @@ class Run:
     """Opened index / cache, by kind and folder."""
 
     @classmethod
-    def open(cls, path: str | Path, *, device: str = "auto", suppress: str | Path | None = "auto",
-             interventions: tuple[Intervention, ...] = ()) -> Run:
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        device: str = "auto",
+        suppress: str | Path | None = "auto",
+        interventions: tuple[Intervention, ...] = (),
+    ) -> Run:
         """Load the checkpoint of ``path`` on ``device`` with its suppression set (``auto``: the
         checkpoint's own, ``none``, or a FILE) and any further ``interventions``."""
         dev = open_device(device)
@@ -175,8 +188,9 @@ class Run:
         from prismlm.errors import ModelError
 
         if not self.model.is_prism:
-            raise ModelError(f"{self.checkpoint.path} is a dense baseline: {what} needs a PRISM model "
-                             "(one with a prototype head)")
+            raise ModelError(
+                f"{self.checkpoint.path} is a dense baseline: {what} needs a PRISM model (one with a prototype head)"
+            )
         return self.model
 
     def autocast(self) -> torch.autocast | None:
@@ -219,15 +233,18 @@ class Run:
                 shards = prepare_from_config(self.config.data, show_progress=False)
                 self._shards["config"] = shards
         if want is not None and shards.manifest["key"] != want:
-            raise ShardError(f"token shards {shards.root} (key {shards.manifest['key'][:16]}…) are not the ones "
-                             f"checkpoint {self.checkpoint.path} was trained on (key {want[:16]}…)",
-                             fix="pass --shards with the training shards")
+            raise ShardError(
+                f"token shards {shards.root} (key {shards.manifest['key'][:16]}…) are not the ones "
+                f"checkpoint {self.checkpoint.path} was trained on (key {want[:16]}…)",
+                fix="pass --shards with the training shards",
+            )
         self._shards[key] = shards
         self._shards.setdefault(str(Path(shards.root).resolve()), shards)
         return shards
 
-    def index(self, index_dir: Path | None = None, shards_dir: Path | None = None, *,
-              required: bool = False) -> PrototypeIndex | None:
+    def index(
+        self, index_dir: Path | None = None, shards_dir: Path | None = None, *, required: bool = False
+    ) -> PrototypeIndex | None:
         """The prototype index (``index_dir`` or ``RUN/index``) checked against the checkpoint, shards
         attached; ``None`` if there is none and it is not ``required`` (then ``ArtifactError``)."""
         from prismlm.explain.index import PrototypeIndex
@@ -257,16 +274,18 @@ class Run:
             self.forget(path)  # rebuilt (or removed) since it was opened: its manifest is another file now
             self.forget(path / "search")  # its search sidecar belonged to the old cache
         if not (path / "manifest.json").exists():
-            raise ArtifactError(f"no attribution cache at {path}",
-                                fix=f"prism attribute-cache {self.path} (or use --method full)")
+            raise ArtifactError(
+                f"no attribution cache at {path}", fix=f"prism attribute-cache {self.path} (or use --method full)"
+            )
         cache = AttributionCache.load(path, model_sha256=self.identity)
         cache.check(shards=self.shards(shards_dir, cache.manifest.get("shards_root")))
         self._artifacts["cache", path] = cache
         self._stamps["cache", path] = stamp
         return cache
 
-    def search(self, cache_dir: Path | None = None, shards_dir: Path | None = None, *,
-               required: bool = False) -> SearchIndex | None:
+    def search(
+        self, cache_dir: Path | None = None, shards_dir: Path | None = None, *, required: bool = False
+    ) -> SearchIndex | None:
         """The approximate-search sidecar of the attribution cache (``CACHE/search``), checked against that
         cache; ``None`` if there is none and it is not ``required`` (then ``ArtifactError``)."""
         from prismlm.tda.search import SearchIndex
@@ -278,8 +297,11 @@ class Run:
             return self._artifacts["search", path]  # type: ignore[return-value]
         if not (path / "manifest.json").exists():
             if required:
-                raise ArtifactError(f"no search index at {path}", fix=f"prism attribute-search {self.path}"
-                                    + (f" --cache {cache_dir}" if cache_dir is not None else ""))
+                raise ArtifactError(
+                    f"no search index at {path}",
+                    fix=f"prism attribute-search {self.path}"
+                    + (f" --cache {cache_dir}" if cache_dir is not None else ""),
+                )
             return None
         idx = SearchIndex.load(path, cache)
         self._artifacts["search", path] = idx

@@ -16,9 +16,16 @@ from prismlm.train.trainer import TrainResult
 from prismlm.train.trainer import train as train_model
 
 
-def build_config(preset: str = "cpu-small", config: Path | None = None, overrides: list[str] | None = None, *,
-                 dense: bool = False, steps: int | None = None, corpus: str | None = None,
-                 tokenizer: str | None = None) -> RunConfig:
+def build_config(
+    preset: str = "cpu-small",
+    config: Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    dense: bool = False,
+    steps: int | None = None,
+    corpus: str | None = None,
+    tokenizer: str | None = None,
+) -> RunConfig:
     """Preset (or JSON file) → shortcuts (steps, corpus, tokenizer) → ``--set`` overrides converted to each
     field's type, validated at each stage (``ConfigError`` naming the key)."""
     cfg = RunConfig.from_json(config) if config is not None else RunConfig.from_name(preset)
@@ -38,9 +45,17 @@ def default_run_folder(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.preset or 'custom'}-{'prism' if cfg.model.is_prism else 'dense'}"
 
 
-def prepare(corpus: str = "builtin", tokenizer: str = "bpe-8192", *, out: Path | None = None,
-            text_field: str = "text", val_fraction: float = 0.02, max_docs: int | None = None,
-            overwrite: bool = False, progress: Progress = True) -> ShardSet:
+def prepare(
+    corpus: str = "builtin",
+    tokenizer: str = "bpe-8192",
+    *,
+    out: Path | None = None,
+    text_field: str = "text",
+    val_fraction: float = 0.02,
+    max_docs: int | None = None,
+    overwrite: bool = False,
+    progress: Progress = True,
+) -> ShardSet:
     """Tokenize a corpus into memory-mapped token shards (reused if already built).
 
     Args:
@@ -57,14 +72,32 @@ def prepare(corpus: str = "builtin", tokenizer: str = "bpe-8192", *, out: Path |
     require(0.0 < val_fraction < 1.0, "--val-fraction", "in (0, 1)", val_fraction)
     if out is not None:  # the same shards are reused; others only with --overwrite (checked by prepare_shards)
         check_out_folder(out, "token shard folder", holds=is_shard_folder, resume=True)
-    return prepare_shards(corpus, tokenizer, out, val_fraction=val_fraction, text_field=text_field, max_docs=max_docs,
-                          show_progress=progress, replace=overwrite or out is None)
+    return prepare_shards(
+        corpus,
+        tokenizer,
+        out,
+        val_fraction=val_fraction,
+        text_field=text_field,
+        max_docs=max_docs,
+        show_progress=progress,
+        replace=overwrite or out is None,
+    )
 
 
-def train_from_options(*, preset: str = "cpu-small", config: Path | None = None, out: Path | None = None,
-                       overrides: list[str] | None = None, dense: bool = False, steps: int | None = None,
-                       corpus: str | None = None, tokenizer: str | None = None, resume: bool = False,
-                       overwrite: bool = False, progress: Progress = True) -> TrainResult:
+def train_from_options(
+    *,
+    preset: str = "cpu-small",
+    config: Path | None = None,
+    out: Path | None = None,
+    overrides: list[str] | None = None,
+    dense: bool = False,
+    steps: int | None = None,
+    corpus: str | None = None,
+    tokenizer: str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: Progress = True,
+) -> TrainResult:
     """Train a PRISM model (or the dense baseline). Works under `torchrun` for data parallelism.
 
     Args:
@@ -81,8 +114,14 @@ def train_from_options(*, preset: str = "cpu-small", config: Path | None = None,
         progress: Show a progress bar.
     """
     cfg = build_config(preset, config, overrides, dense=dense, steps=steps, corpus=corpus, tokenizer=tokenizer)
-    return train_model(cfg, writable_folder(out or default_run_folder(cfg)), resume=resume, overwrite=overwrite,
-                       extend_to=steps if resume else None, progress=progress)
+    return train_model(
+        cfg,
+        writable_folder(out or default_run_folder(cfg)),
+        resume=resume,
+        overwrite=overwrite,
+        extend_to=steps if resume else None,
+        progress=progress,
+    )
 
 
 @dataclass
@@ -103,10 +142,19 @@ class DemoResult:
 DEMO_PROMPTS = ("The ", "It is a truth universally acknowledged")
 
 
-def scratch_demo(*, preset: str = "cpu-small", steps: int | None = None, out: Path = Path("runs/demo"),
-         max_docs: int | None = None, max_chars_per_doc: int | None = None, overrides: list[str] | None = None,
-         progress: Progress = True, index_sequences: int | None = None, overwrite: bool = False,
-         on_stage: StageFn = no_stages) -> DemoResult:
+def scratch_demo(
+    *,
+    preset: str = "cpu-small",
+    steps: int | None = None,
+    out: Path = Path("runs/demo"),
+    max_docs: int | None = None,
+    max_chars_per_doc: int | None = None,
+    overrides: list[str] | None = None,
+    progress: Progress = True,
+    index_sequences: int | None = None,
+    overwrite: bool = False,
+    on_stage: StageFn = no_stages,
+) -> DemoResult:
     """The whole pipeline on the built-in corpus: prepare data, train a small PRISM, sample, evaluate,
     index a sample of the training data and explain one generation.
 
@@ -147,5 +195,12 @@ def scratch_demo(*, preset: str = "cpu-small", steps: int | None = None, out: Pa
     return demo_result
 
 
-__all__ = ["DEMO_PROMPTS", "DemoResult", "build_config", "default_run_folder", "prepare", "scratch_demo",
-           "train_from_options"]
+__all__ = [
+    "DEMO_PROMPTS",
+    "DemoResult",
+    "build_config",
+    "default_run_folder",
+    "prepare",
+    "scratch_demo",
+    "train_from_options",
+]

@@ -97,11 +97,20 @@ class PlainProgress:
             return
         self._last[e.stage], self._record[e.stage] = now, e.info.get("ce")
         total = f"/{e.total:,}" if e.total is not None else ""
-        info = " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
-                        for k, v in e.info.items())
+        info = " ".join(
+            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
+            for k, v in e.info.items()
+        )
         end = " stopped" if e.stopped else " done" if e.finished else ""
-        console.print(f"[{e.stage}] {e.done:,}{total} {e.unit}" + end + (f" | {info}" if info else "")
-                      + f" | {self._timing(e, now)}", markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"[{e.stage}] {e.done:,}{total} {e.unit}"
+            + end
+            + (f" | {info}" if info else "")
+            + f" | {self._timing(e, now)}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def progress_for(show: bool) -> Progress:

@@ -17,6 +17,9 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-def root_options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                              help="Print the version and exit.")) -> None:
+def root_options(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """prismlm: train, sample, evaluate, explain, attribute and control prototype language models (PRISM)."""

@@ -28,8 +28,9 @@ from prismlm.progress import Progress
 
 RUN_HELP = "Run folder or checkpoint folder."
 DEVICE_HELP = "auto, cpu, cuda…"
-SUPPRESS_HELP = ("Suppression set: a JSON file from `prism concept`, 'auto' (the checkpoint's suppression.json "
-                 "if any) or 'none'.")
+SUPPRESS_HELP = (
+    "Suppression set: a JSON file from `prism concept`, 'auto' (the checkpoint's suppression.json if any) or 'none'."
+)
 
 
 def arg_help(func: Callable[..., Any]) -> dict[str, str]:
@@ -71,9 +72,13 @@ def field_docs(cls: type) -> dict[str, str]:
         body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0]
         assert isinstance(body, ast.ClassDef)
         for stmt, nxt in zip(body.body, body.body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[stmt.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -95,8 +100,13 @@ def _config_params(name: str, cls: type, default: object, decls: dict[str, list[
     return out
 
 
-def _params(func: Callable[..., Any], skip: set[str], decls: dict[str, list[str]], arguments: set[str],
-            groups: dict[str, tuple[type, list[str]]] | None = None) -> list[inspect.Parameter]:
+def _params(
+    func: Callable[..., Any],
+    skip: set[str],
+    decls: dict[str, list[str]],
+    arguments: set[str],
+    groups: dict[str, tuple[type, list[str]]] | None = None,
+) -> list[inspect.Parameter]:
     """Typer parameters for ``func``'s parameters; a parameter typed with a config dataclass is expanded
     into one option per field and recorded in ``groups`` (name → (class, field names))."""
     hints = typing.get_type_hints(func)
@@ -119,8 +129,11 @@ def _params(func: Callable[..., Any], skip: set[str], decls: dict[str, list[str]
         args = typing.get_args(annotation)
         if typing.get_origin(annotation) is tuple and len(args) == 2 and args[1] is Ellipsis:
             annotation = list[args[0]]  # type: ignore[valid-type]  # tuple[X, ...] → a repeatable option
-        if default is None and typing.get_origin(annotation) in (typing.Union, type(int | None)) \
-                and any(typing.get_origin(a) is list for a in typing.get_args(annotation)):
+        if (
+            default is None
+            and typing.get_origin(annotation) in (typing.Union, type(int | None))
+            and any(typing.get_origin(a) is list for a in typing.get_args(annotation))
+        ):
             default = []  # an optional list becomes a repeatable option that may be absent
             annotation = next(a for a in typing.get_args(annotation) if typing.get_origin(a) is list)
         help_text = helps.get(p.name, "")
@@ -148,11 +161,20 @@ def os_error_message(e: OSError) -> str:
     return f"{type(e).__name__}: {what}: {where} (fix: {fix})"
 
 
-def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callable[..., None] | None = None, *,
-            opens_run: bool = True, arguments: set[str] | None = None, decls: dict[str, list[str]] | None = None,
-            skip: set[str] | None = None, suppressible: bool = False,
-            fixed: dict[str, Any] | None = None,
-            computed: dict[str, Callable[[dict[str, Any]], Any]] | None = None) -> None:
+def command(
+    app: typer.Typer,
+    name: str,
+    op: Callable[..., Any],
+    render: Callable[..., None] | None = None,
+    *,
+    opens_run: bool = True,
+    arguments: set[str] | None = None,
+    decls: dict[str, list[str]] | None = None,
+    skip: set[str] | None = None,
+    suppressible: bool = False,
+    fixed: dict[str, Any] | None = None,
+    computed: dict[str, Callable[[dict[str, Any]], Any]] | None = None,
+) -> None:
     """Register ``op`` as ``prism NAME``. With ``opens_run`` the first argument is RUN and ``--device``
     opens the ``Run`` passed to ``op``; ``suppressible`` (operations that apply the run's interventions)
     adds ``--suppress`` (default: the checkpoint's own set); other commands open the run unsuppressed. ``render(result, run=…, **its options)`` prints the
@@ -177,17 +199,32 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
     head: list[inspect.Parameter] = []
     tail: list[inspect.Parameter] = []
     if opens_run:
-        head.append(inspect.Parameter("run", inspect.Parameter.KEYWORD_ONLY, annotation=Path,
-                                      default=typer.Argument(..., help=RUN_HELP)))
-        tail.append(inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, annotation=str,
-                                      default=typer.Option("auto", help=DEVICE_HELP)))
+        head.append(
+            inspect.Parameter(
+                "run", inspect.Parameter.KEYWORD_ONLY, annotation=Path, default=typer.Argument(..., help=RUN_HELP)
+            )
+        )
+        tail.append(
+            inspect.Parameter(
+                "device", inspect.Parameter.KEYWORD_ONLY, annotation=str, default=typer.Option("auto", help=DEVICE_HELP)
+            )
+        )
         if suppressible:
-            tail.append(inspect.Parameter("suppress", inspect.Parameter.KEYWORD_ONLY, annotation=str,
-                                          default=typer.Option("auto", help=SUPPRESS_HELP)))
+            tail.append(
+                inspect.Parameter(
+                    "suppress",
+                    inspect.Parameter.KEYWORD_ONLY,
+                    annotation=str,
+                    default=typer.Option("auto", help=SUPPRESS_HELP),
+                )
+            )
 
     def run_command(**kwargs: Any) -> None:
-        op_kwargs = {**{k: v for k, v in kwargs.items() if k in op_names}, **fixed,
-                     **{k: f(kwargs) for k, f in computed.items()}}
+        op_kwargs = {
+            **{k: v for k, v in kwargs.items() if k in op_names},
+            **fixed,
+            **{k: f(kwargs) for k, f in computed.items()},
+        }
         for n in progress_names:
             op_kwargs[n] = progress_for(bool(op_kwargs[n]))
         for group, (cls, names) in groups.items():  # re-assemble config dataclasses (validated on construction)
@@ -203,14 +240,17 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
                     check_out_file(v, decls.get(k, [f"--{k.replace('_', '-')}"])[0])
             run = None
             if opens_run:
-                run = Run.open(kwargs["run"], device=kwargs["device"],
-                               suppress=kwargs["suppress"] if suppressible else "none")
+                run = Run.open(
+                    kwargs["run"], device=kwargs["device"], suppress=kwargs["suppress"] if suppressible else "none"
+                )
                 if run.suppression is not None:
                     from prismlm.cli.console import console
 
                     s = run.suppression
-                    console.print(f"suppressing {len(s.ids)} prototypes ({100 * s.share:.2f}% of the bank)"
-                                  + (f": {s.concept}" if s.concept else ""))
+                    console.print(
+                        f"suppressing {len(s.ids)} prototypes ({100 * s.share:.2f}% of the bank)"
+                        + (f": {s.concept}" if s.concept else "")
+                    )
                 result = op(run, **op_kwargs)
             else:
                 result = op(**op_kwargs)
@@ -227,8 +267,13 @@ def command(app: typer.Typer, name: str, op: Callable[..., Any], render: Callabl
             hint = "; rerun with --resume to continue it" if "resume" in op_names else ""
             interrupted(f"{name} interrupted{hint}")
 
-    params = head + [p for p in op_params if p.name in positional] + \
-        [p for p in op_params if p.name not in positional] + tail + render_params
+    params = (
+        head
+        + [p for p in op_params if p.name in positional]
+        + [p for p in op_params if p.name not in positional]
+        + tail
+        + render_params
+    )
     run_command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     run_command.__doc__ = summary(op)
     run_command.__name__ = name.replace("-", "_")

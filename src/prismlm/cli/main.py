@@ -59,8 +59,10 @@ def _write_json(path: Path, data: object) -> None:
 
 # ----- data and training ---------------------------------------------------------------------------------
 def render_shards(shards: ShardSet) -> None:
-    console.print(f"shards at {shards.root}: train {len(shards.train):,} tokens, val {len(shards.val):,} tokens, "
-                  f"vocab {shards.tokenizer.vocab_size}")
+    console.print(
+        f"shards at {shards.root}: train {len(shards.train):,} tokens, val {len(shards.val):,} tokens, "
+        f"vocab {shards.tokenizer.vocab_size}"
+    )
 
 
 command(app, "prepare", ops.prepare, render_shards, opens_run=False)
@@ -75,8 +77,14 @@ def _on_stage(stage: str, i: int, n: int | None) -> None:
 
 
 command(app, "train", ops.train_from_options, render_trained, opens_run=False, decls={"overrides": ["--set"]})
-command(app, "retrofit", ops.retrofit_model, render_trained, opens_run=False,
-        decls={"source": ["--from"], "overrides": ["--set"]})
+command(
+    app,
+    "retrofit",
+    ops.retrofit_model,
+    render_trained,
+    opens_run=False,
+    decls={"source": ["--from"], "overrides": ["--set"]},
+)
 
 
 def render_demo(res: DemoResult) -> None:
@@ -93,21 +101,31 @@ def render_demo(res: DemoResult) -> None:
         render_terminal(res.explanation, stdout)
         out = res.run_folder
         protos = res.train.model.config.prototypes if res.train.model is not None else None
-        header = RunHeader(run=out.name, step=res.train.step, model_sha256=res.explanation.model_sha256,
-                           num_prototypes=protos.num_prototypes if protos else None,
-                           top_k=protos.top_k if protos else None)
+        header = RunHeader(
+            run=out.name,
+            step=res.train.step,
+            model_sha256=res.explanation.model_sha256,
+            num_prototypes=protos.num_prototypes if protos else None,
+            top_k=protos.top_k if protos else None,
+        )
         name = "explain" if res.question is None else "demo"  # the real-model demo's report: RUN/demo.html
         write_html(res.explanation, out / f"{name}.html", run=header)
         res.explanation.to_json(out / f"{name}.json")
         if res.question is None:
-            console.print(f"report → {out / 'explain.html'}; next: prism explain {out} \"your text\" --html report.html")
+            console.print(f'report → {out / "explain.html"}; next: prism explain {out} "your text" --html report.html')
         else:
-            console.print(f"report → {out / 'demo.html'}; next: prism serve {out}  (the explorer: ask it anything, "
-                          f"or prism explain {out} --chat \"your question\")", markup=False, highlight=False, soft_wrap=True)
+            console.print(
+                f"report → {out / 'demo.html'}; next: prism serve {out}  (the explorer: ask it anything, "
+                f'or prism explain {out} --chat "your question")',
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
-command(app, "demo", ops.demo, render_demo, opens_run=False, decls={"overrides": ["--set"]},
-        fixed={"on_stage": _on_stage})
+command(
+    app, "demo", ops.demo, render_demo, opens_run=False, decls={"overrides": ["--set"]}, fixed={"on_stage": _on_stage}
+)
 
 
 # ----- sampling and evaluation ----------------------------------------------------------------------------
@@ -138,21 +156,26 @@ def render_index(res: IndexResult) -> None:
     for note in res.notes:
         console.print(f"[yellow]{note}[/]")
     m = idx.manifest
-    console.print(f"index at {out}: {m['tokens']:,} tokens of {m['universe']:,} sequences × {m['block_size']} "
-                  f"(covered {m['covered']}), K={idx.num_prototypes}, top-{idx.top_n} neighbours"
-                  + (f", {m['tokens_per_s_last_run']:,.0f} tokens/s" if m.get("tokens_per_s_last_run") else "")
-                  + ("" if idx.complete else " — [yellow]incomplete: rerun with --resume[/]")
-                  + ("" if idx.covers_all or not idx.complete else " — a part: combine with `prism index-merge`"))
+    console.print(
+        f"index at {out}: {m['tokens']:,} tokens of {m['universe']:,} sequences × {m['block_size']} "
+        f"(covered {m['covered']}), K={idx.num_prototypes}, top-{idx.top_n} neighbours"
+        + (f", {m['tokens_per_s_last_run']:,.0f} tokens/s" if m.get("tokens_per_s_last_run") else "")
+        + ("" if idx.complete else " — [yellow]incomplete: rerun with --resume[/]")
+        + ("" if idx.covers_all or not idx.complete else " — a part: combine with `prism index-merge`")
+    )
     print_metrics(dict(idx.coverage()), f"coverage over the indexed tokens ({out})")
 
 
 def render_labels(res: LabelResult) -> None:
-    console.print(f"labels for {len(res.labels)} prototypes → {res.path}; categories: "
-                  + ", ".join(f"{k} {v}" for k, v in res.categories().items()))
+    console.print(
+        f"labels for {len(res.labels)} prototypes → {res.path}; categories: "
+        + ", ".join(f"{k} {v}" for k, v in res.categories().items())
+    )
 
 
-def render_explanation(res: ExplanationReport, run: Run, *, json_out: Path | None = None,
-                       html_out: Path | None = None, top: int = 3) -> None:
+def render_explanation(
+    res: ExplanationReport, run: Run, *, json_out: Path | None = None, html_out: Path | None = None, top: int = 3
+) -> None:
     """Output options.
 
     Args:
@@ -164,8 +187,9 @@ def render_explanation(res: ExplanationReport, run: Run, *, json_out: Path | Non
     expl, attribution = res.explanation, res.attribution
     render_terminal(expl, stdout, top=top)
     if attribution is not None:
-        stdout.print("top training sequences: " + ", ".join(
-            f"#{it.sequence} ({it.score:+.3g})" for it in attribution.top[:5]))
+        stdout.print(
+            "top training sequences: " + ", ".join(f"#{it.sequence} ({it.score:+.3g})" for it in attribution.top[:5])
+        )
     if json_out:
         _write_json(json_out, res.to_dict())
     if html_out:
@@ -176,19 +200,34 @@ def render_explanation(res: ExplanationReport, run: Run, *, json_out: Path | Non
 command(app, "index", ops.build_run_index, render_index)
 command(app, "index-merge", ops.merge_index_parts, render_index, opens_run=False, arguments={"out", "parts"})
 command(app, "label", ops.label_prototypes, render_labels)
-command(app, "explain", explain_report, render_explanation, arguments={"prompt"}, suppressible=True,
-        decls={"generate": ["--generate", "-g"], "use_index": ["--use-index/--no-index"],
-               "json_out": ["--json"], "html_out": ["--html"]})
+command(
+    app,
+    "explain",
+    explain_report,
+    render_explanation,
+    arguments={"prompt"},
+    suppressible=True,
+    decls={
+        "generate": ["--generate", "-g"],
+        "use_index": ["--use-index/--no-index"],
+        "json_out": ["--json"],
+        "html_out": ["--html"],
+    },
+)
 
 
 def render_prototypes(res: PrototypeListing | PrototypeView, run: Run) -> None:
     if isinstance(res, PrototypeView):
         card = res.card
-        stdout.print(f"[bold]#{card.id}[/] {escape(card.label or '')} [dim]({escape(card.category or 'unlabelled')})[/]")
+        stdout.print(
+            f"[bold]#{card.id}[/] {escape(card.label or '')} [dim]({escape(card.category or 'unlabelled')})[/]"
+        )
         if card.stats:
             s = card.stats
-            stdout.print(f"active on {s['count']:,} tokens ({s['frequency']:.2%}), mean activation "
-                         f"{s['mean_activation']:.3f}, nearest context cos {s['max_similarity']:.3f}")
+            stdout.print(
+                f"active on {s['count']:,} tokens ({s['frequency']:.2%}), mean activation "
+                f"{s['mean_activation']:.3f}, nearest context cos {s['max_similarity']:.3f}"
+            )
             stdout.print("activation histogram [0,1]: " + " ".join(str(c) for c in s["histogram"]), markup=False)
         stdout.print("top tokens of W p_i: " + "  ".join(f"{t!r} {v:.2f}" for t, v in card.top_tokens), markup=False)
         stdout.print("pushes down most:   " + "  ".join(f"{t!r} {v:.2f}" for t, v in card.bottom_tokens), markup=False)
@@ -202,10 +241,14 @@ def render_prototypes(res: PrototypeListing | PrototypeView, run: Run) -> None:
     for col_name in ("id", "label", "category", "active", "W p_i top tokens") + (("(W p_i)_tok",) if token_col else ()):
         table.add_column(col_name)
     for row in res.rows:
-        table.add_row(str(row.id), escape(row.label), escape(row.category),
-                      f"{row.active_tokens:,}" if row.active_tokens is not None else "-",
-                      escape(", ".join(repr(t) for t in row.top_tokens)),
-                      *((f"{row.token_push:.2f}",) if row.token_push is not None else ()))
+        table.add_row(
+            str(row.id),
+            escape(row.label),
+            escape(row.category),
+            f"{row.active_tokens:,}" if row.active_tokens is not None else "-",
+            escape(", ".join(repr(t) for t in row.top_tokens)),
+            *((f"{row.token_push:.2f}",) if row.token_push is not None else ()),
+        )
     stdout.print(table)
     stdout.print(f"[dim]{res.matched} of {res.num_prototypes} prototypes match[/]")
 
@@ -228,9 +271,14 @@ def render_export(out: Path) -> None:
     stdout.print(f"exported → {out}", markup=False)
     for f in sorted(out.iterdir()):
         stdout.print(f"  {f.name}  {f.stat().st_size:,} bytes", markup=False)
-    console.print(f"load: AutoModelForCausalLM / AutoTokenizer .from_pretrained({str(out)!r}) after `import prismlm` "
-                  f"(or both with trust_remote_code=True); lm_eval --model hf --model_args "
-                  f"pretrained={out},trust_remote_code=True", markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"load: AutoModelForCausalLM / AutoTokenizer .from_pretrained({str(out)!r}) after `import prismlm` "
+        f"(or both with trust_remote_code=True); lm_eval --model hf --model_args "
+        f"pretrained={out},trust_remote_code=True",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 command(app, "export", ops.export_run, render_export, suppressible=True, arguments={"out"})
@@ -239,21 +287,26 @@ command(app, "export", ops.export_run, render_export, suppressible=True, argumen
 # ----- training-data attribution (spec §3.2) ------------------------------------------------------------
 def render_cache(c: AttributionCache) -> None:
     m = c.manifest
-    console.print(f"attribution cache → {c.path}: {m['postings']:,} postings over {m['universe']:,} sequences "
-                  f"({m['postings_per_sequence']:.1f}/sequence), r={m['r']} {m['projection']}, "
-                  f"{m['bytes_per_token']:.1f} bytes/training token, curvature {m['curvature_seconds']:.1f}s + "
-                  f"postings {m['postings_seconds']:.1f}s")
+    console.print(
+        f"attribution cache → {c.path}: {m['postings']:,} postings over {m['universe']:,} sequences "
+        f"({m['postings_per_sequence']:.1f}/sequence), r={m['r']} {m['projection']}, "
+        f"{m['bytes_per_token']:.1f} bytes/training token, curvature {m['curvature_seconds']:.1f}s + "
+        f"postings {m['postings_seconds']:.1f}s"
+    )
 
 
 def render_search(idx: SearchIndex) -> None:
     m = idx.manifest
-    console.print(f"search index → {idx.path}: {m['lists_indexed']:,} lists indexed ({m['postings_indexed']:,} of "
-                  f"{m['postings']:,} postings; shorter lists are scanned), {m['config']['kind']}, "
-                  f"{m['bytes_per_token']:.1f} bytes/training token beside the cache, {m['build_seconds']:.1f}s")
+    console.print(
+        f"search index → {idx.path}: {m['lists_indexed']:,} lists indexed ({m['postings_indexed']:,} of "
+        f"{m['postings']:,} postings; shorter lists are scanned), {m['config']['kind']}, "
+        f"{m['bytes_per_token']:.1f} bytes/training token beside the cache, {m['build_seconds']:.1f}s"
+    )
 
 
-def render_attribution(report: AttributionReport, run: Run, *, json_out: Path | None = None,
-                       html_out: Path | None = None) -> None:
+def render_attribution(
+    report: AttributionReport, run: Run, *, json_out: Path | None = None, html_out: Path | None = None
+) -> None:
     """Output options.
 
     Args:
@@ -261,17 +314,18 @@ def render_attribution(report: AttributionReport, run: Run, *, json_out: Path | 
         html_out: Write the `prism explain` HTML report of the text with a Training data section.
     """
     res = report.attribution
-    console.print(f"[bold]{escape(repr(res.prompt))}[/] → measured {res.measured_tokens} token(s)"
-                  + (f" of completion {escape(repr(res.completion))}" if res.completion else "")
-                  + f"; loss {res.query_loss:.3f}; {res.method} over {res.num_train:,} sequences in "
-                    f"{res.seconds * 1000:.0f} ms")
+    console.print(
+        f"[bold]{escape(repr(res.prompt))}[/] → measured {res.measured_tokens} token(s)"
+        + (f" of completion {escape(repr(res.completion))}" if res.completion else "")
+        + f"; loss {res.query_loss:.3f}; {res.method} over {res.num_train:,} sequences in "
+        f"{res.seconds * 1000:.0f} ms"
+    )
     table = Table(show_lines=False)
     for col in ("#", "seq", "score", "prototypes (contribution)", "snippet"):
         table.add_column(col)
     for it in res.top:
         protos = ", ".join(f"{p['id']} ({p['contribution']:+.3g})" for p in it.prototypes[:3])
-        table.add_row(str(it.rank), str(it.sequence), f"{it.score:+.4g}", protos,
-                      it.snippet.replace("\n", " ")[-90:])
+        table.add_row(str(it.rank), str(it.sequence), f"{it.score:+.4g}", protos, it.snippet.replace("\n", " ")[-90:])
     stdout.print(table)
     for n in res.notes:
         console.print(f"[dim]{n}[/]")
@@ -286,9 +340,15 @@ def render_attribution(report: AttributionReport, run: Run, *, json_out: Path | 
 # --sketch-size: the same as --r, for torchrun (whose argument parser takes --r for an abbreviation of its own flags)
 command(app, "attribute-cache", ops.build_run_cache, render_cache, decls={"r": ["--r", "--sketch-size"]})
 command(app, "attribute-search", ops.build_run_search, render_search)
-command(app, "attribute", attribute_report, render_attribution, arguments={"text"},
-        computed={"explain": lambda options: options.get("html_out") is not None},
-        decls={"generate": ["--generate", "-g"], "json_out": ["--json"], "html_out": ["--html"]})
+command(
+    app,
+    "attribute",
+    attribute_report,
+    render_attribution,
+    arguments={"text"},
+    computed={"explain": lambda options: options.get("html_out") is not None},
+    decls={"generate": ["--generate", "-g"], "json_out": ["--json"], "html_out": ["--html"]},
+)
 
 
 # ----- control (spec §4) ----------------------------------------------------------------------------------
@@ -299,16 +359,23 @@ def render_concept(res: ConceptResult, *, top: int = 15) -> None:
         top: Rows of the ranking to print.
     """
     sset, ranking = res.suppression, res.ranking
-    t = Table(title=f"concept {sset.concept or ''}: {len(sset.ids)} of {len(ranking)} candidates selected "
-                    f"({100 * sset.share:.2f}% of K={sset.num_prototypes})")
+    t = Table(
+        title=f"concept {sset.concept or ''}: {len(sset.ids)} of {len(ranking)} candidates selected "
+        f"({100 * sset.share:.2f}% of K={sset.num_prototypes})"
+    )
     for col in ("id", "contribution", "log2 enr.", "concept/neutral rate", "purity", "selected", "top tokens"):
         t.add_column(col)
     for r in ranking[:top]:
         ev = sset.evidence.get(r["id"], {})
-        t.add_row(str(r["id"]), f"{r['contribution_nats_per_token']:.4f}", f"{r['log2_enrichment']:.2f}",
-                  f"{r['concept_rate']:.4f}/{r['neutral_rate']:.4f}",
-                  "-" if r.get("purity") is None else f"{r['purity']:.2f}", "yes" if r["selected"] else "",
-                  " ".join(repr(x) for x in ev.get("signature_top_tokens", [])[:5]))
+        t.add_row(
+            str(r["id"]),
+            f"{r['contribution_nats_per_token']:.4f}",
+            f"{r['log2_enrichment']:.2f}",
+            f"{r['concept_rate']:.4f}/{r['neutral_rate']:.4f}",
+            "-" if r.get("purity") is None else f"{r['purity']:.2f}",
+            "yes" if r["selected"] else "",
+            " ".join(repr(x) for x in ev.get("signature_top_tokens", [])[:5]),
+        )
     stdout.print(t)
     for path in res.saved:
         console.print(f"suppression set: {path}")
@@ -316,7 +383,9 @@ def render_concept(res: ConceptResult, *, top: int = 15) -> None:
 
 def render_task_folders(folders: dict[str, Path]) -> None:
     for n, f in folders.items():
-        console.print(f"{n}: {f} (prism-lm-eval --model prism --model_args pretrained=RUN --include_path {f} --tasks prism_{n})")
+        console.print(
+            f"{n}: {f} (prism-lm-eval --model prism --model_args pretrained=RUN --include_path {f} --tasks prism_{n})"
+        )
 
 
 def render_task_results(results: dict, *, json_out: Path | None = None) -> None:
@@ -333,11 +402,16 @@ def render_task_results(results: dict, *, json_out: Path | None = None) -> None:
 
 def render_controller(res: ControllerResult) -> None:
     for e in res.trace[:10]:
-        console.print(f"  prototype {e['id']}: c={e['c']:+.3f} {e.get('label') or ''} "
-                      f"tokens {e['signature_top_tokens'][:5]}"
-                      + (f" | {e['neighbours'][0]['snippet'][-70:]!r}" if e.get("neighbours") else ""), markup=False)
-    console.print(f"test acc {res.before['acc']:.4f} → {res.after['acc']:.4f} with {len(res.controller.nonzero)} "
-                  f"non-zero coefficients (λ={res.controller.l1}); controller: {res.path}")
+        console.print(
+            f"  prototype {e['id']}: c={e['c']:+.3f} {e.get('label') or ''} "
+            f"tokens {e['signature_top_tokens'][:5]}"
+            + (f" | {e['neighbours'][0]['snippet'][-70:]!r}" if e.get("neighbours") else ""),
+            markup=False,
+        )
+    console.print(
+        f"test acc {res.before['acc']:.4f} → {res.after['acc']:.4f} with {len(res.controller.nonzero)} "
+        f"non-zero coefficients (λ={res.controller.l1}); controller: {res.path}"
+    )
 
 
 command(app, "concept", ops.find_run_concept, render_concept)
@@ -348,13 +422,23 @@ command(app, "concept", ops.find_run_concept, render_concept)
 def serve_command(
     run: Path = typer.Argument(..., help="Run folder or checkpoint folder (the only run served)."),
     index: Path | None = typer.Option(None, "--index", help="Index folder (default RUN/index if it exists)."),
-    cache: Path | None = typer.Option(None, "--cache", help="Attribution cache folder (default RUN/attribution-cache "
-                                      "if it exists; otherwise exact attribution over the first sequences)."),
+    cache: Path | None = typer.Option(
+        None,
+        "--cache",
+        help="Attribution cache folder (default RUN/attribution-cache "
+        "if it exists; otherwise exact attribution over the first sequences).",
+    ),
     port: int = typer.Option(8000, "--port", help="TCP port."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback is warned about "
-                             "(the explorer has no authentication)."),
-    concept: list[Path] = typer.Option([], "--concept", help="A suppression set (from `prism concept --out`) the "
-                                       "Steer view can apply; repeat for more."),
+    host: str = typer.Option(
+        "127.0.0.1",
+        "--host",
+        help="Address to bind; anything but loopback is warned about (the explorer has no authentication).",
+    ),
+    concept: list[Path] = typer.Option(
+        [],
+        "--concept",
+        help="A suppression set (from `prism concept --out`) the Steer view can apply; repeat for more.",
+    ),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     suppress: str = typer.Option("auto", "--suppress", help=SUPPRESS_HELP),
     max_text_chars: int = typer.Option(4000, "--max-text-chars", help="Longest text a request may send."),
@@ -365,17 +449,29 @@ def serve_command(
     from prismlm.explore.server import serve
 
     try:
-        serve(run, index=index, cache=cache, host=host, port=port, device=device, suppress=suppress,
-              concepts=concept, limits=Limits(max_text_chars=max_text_chars, max_generate=max_generate))
+        serve(
+            run,
+            index=index,
+            cache=cache,
+            host=host,
+            port=port,
+            device=device,
+            suppress=suppress,
+            concepts=concept,
+            limits=Limits(max_text_chars=max_text_chars, max_generate=max_generate),
+        )
     except PrismError as e:
         fail(str(e))
-tasks_app = typer.Typer(help="Multiple-choice tasks: build them, evaluate a model on them.", no_args_is_help=True,
-                        rich_markup_mode=None)
-controller_app = typer.Typer(help="Sparse linear controllers over prototypes.", no_args_is_help=True,
-                             rich_markup_mode=None)
+
+
+tasks_app = typer.Typer(
+    help="Multiple-choice tasks: build them, evaluate a model on them.", no_args_is_help=True, rich_markup_mode=None
+)
+controller_app = typer.Typer(
+    help="Sparse linear controllers over prototypes.", no_args_is_help=True, rich_markup_mode=None
+)
 command(tasks_app, "build", ops.build_task_folders, render_task_folders, opens_run=False)
-command(tasks_app, "eval", ops.evaluate_tasks, render_task_results, suppressible=True,
-        decls={"json_out": ["--json"]})
+command(tasks_app, "eval", ops.evaluate_tasks, render_task_results, suppressible=True, decls={"json_out": ["--json"]})
 command(controller_app, "fit", ops.fit_controller, render_controller)
 app.add_typer(tasks_app, name="tasks")
 app.add_typer(controller_app, name="controller")

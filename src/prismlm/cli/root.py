@@ -59,8 +59,11 @@ def command_help(name: str) -> str:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == symbol:
             doc = ast.get_docstring(node) or ""
             return doc.split("\nArgs:")[0].strip().replace("``", "`")
-        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-                and any(isinstance(t, ast.Name) and t.id == symbol for t in node.targets)):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and any(isinstance(t, ast.Name) and t.id == symbol for t in node.targets)
+        ):
             for kw in node.value.keywords:
                 if kw.arg == "help" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, str):
                     return kw.value.value
@@ -96,8 +99,15 @@ class LazyGroup(TyperGroup):
         return name, _commands().get_command(ctx, name), rest
 
 
-app = typer.Typer(cls=LazyGroup, add_completion=False, no_args_is_help=True, help=HELP,
-                  pretty_exceptions_enable=False, rich_markup_mode=None, context_settings=CONTEXT)
+app = typer.Typer(
+    cls=LazyGroup,
+    add_completion=False,
+    no_args_is_help=True,
+    help=HELP,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings=CONTEXT,
+)
 
 
 main = app.callback()(root_options)  # --version, and the group's docstring

@@ -69,8 +69,14 @@ class ActivationStats:
 
 
 @torch.no_grad()
-def activation_stats(model: PrismLM, tokenizer: Tokenizer, texts: Sequence[str], *, batch_size: int = 16,
-                     max_tokens_per_text: int | None = None) -> ActivationStats:
+def activation_stats(
+    model: PrismLM,
+    tokenizer: Tokenizer,
+    texts: Sequence[str],
+    *,
+    batch_size: int = 16,
+    max_tokens_per_text: int | None = None,
+) -> ActivationStats:
     """Stream ``texts`` through the (frozen) model and total each prototype's activations and its
     log-likelihood contribution (see the module docstring)."""
     if model.prototypes is None:
@@ -83,8 +89,9 @@ def activation_stats(model: PrismLM, tokenizer: Tokenizer, texts: Sequence[str],
     dev = next(model.parameters()).device
     W = model.lm_head.weight  # (V, d)
     P = model.prototypes.weight  # (K, d)
-    for x, mask in text_batches(tokenizer, texts, model.config.block_size, batch_size,
-                                max_tokens_per_text=max_tokens_per_text):
+    for x, mask in text_batches(
+        tokenizer, texts, model.config.block_size, batch_size, max_tokens_per_text=max_tokens_per_text
+    ):
         x, mask = x.to(dev), mask.to(dev)
         out = model(x)
         assert out.activations is not None and out.indices is not None  # a PRISM model (checked above)
@@ -102,7 +109,8 @@ def activation_stats(model: PrismLM, tokenizer: Tokenizer, texts: Sequence[str],
         target_slices = decompose(model, out, nxt).prototype_slices  # (B, T, k): a_{t,i} p_i·W[y_{t+1}]
         expected_row = torch.softmax(out.logits, -1).to(W.dtype) @ W  # (B, T, d): E_{v~p_t} W[v]
         expected_slices = out.activations.to(W.dtype) * torch.einsum(
-            "btkd,btd->btk", P[out.indices], expected_row)  # (B, T, k)
+            "btkd,btd->btk", P[out.indices], expected_row
+        )  # (B, T, k)
         pm = m & scored[..., None]  # (B, T, k)
         c = (target_slices.to(W.dtype) - expected_slices)[pm]  # (pairs,)
         contrib += torch.bincount(out.indices[pm].cpu(), weights=c.double().cpu(), minlength=K)
@@ -112,12 +120,13 @@ def activation_stats(model: PrismLM, tokenizer: Tokenizer, texts: Sequence[str],
 RANKINGS = {"contribution": "loglik-contribution", "enrichment": "activation-enrichment"}
 
 
-def neighbourhood_purity(index: PrototypeIndex, is_concept_doc: Callable[[str], bool], ids: Sequence[int] | None = None,
-                         n: int | None = None) -> dict[int, float]:
+def neighbourhood_purity(
+    index: PrototypeIndex, is_concept_doc: Callable[[str], bool], ids: Sequence[int] | None = None, n: int | None = None
+) -> dict[int, float]:
     """Share of each prototype's nearest training contexts that are in concept documents (needs the
     index's shards attached so offsets resolve to document ids)."""
     out: dict[int, float] = {}
-    for i in (range(index.num_prototypes) if ids is None else ids):
+    for i in range(index.num_prototypes) if ids is None else ids:
         nbs = index.neighbours(int(i), n, before=0, after=0)
         docs = [nb.doc_id for nb in nbs if nb.doc_id is not None]
         out[int(i)] = (sum(bool(is_concept_doc(d)) for d in docs) / len(docs)) if docs else float("nan")
@@ -185,10 +194,14 @@ def find_concept(
     chosen: list[int] = []
     for i in cand.tolist():
         ev: dict[str, Any] = {
-            "id": i, "contribution_nats_per_token": float(contribution[i]),
-            "log2_enrichment": float(log_e[i]), "enrichment": float(enrich[i]),
-            "concept_rate": float(c.rate[i]), "neutral_rate": float(n.rate[i]),
-            "concept_count": int(c.count[i]), "neutral_count": int(n.count[i]),
+            "id": i,
+            "contribution_nats_per_token": float(contribution[i]),
+            "log2_enrichment": float(log_e[i]),
+            "enrichment": float(enrich[i]),
+            "concept_rate": float(c.rate[i]),
+            "neutral_rate": float(n.rate[i]),
+            "concept_count": int(c.count[i]),
+            "neutral_count": int(n.count[i]),
         }
         if purity:
             ev["purity"] = purity.get(i)
@@ -200,18 +213,32 @@ def find_concept(
             if i in labels:
                 ev["label"] = labels[i].get("label")
             if index is not None and getattr(index, "shards", None) is not None and neighbours:
-                ev["neighbours"] = [{"doc_id": nb.doc_id, "snippet": nb.snippet, "similarity": nb.similarity}
-                                    for nb in index.neighbours(i, neighbours)]
+                ev["neighbours"] = [
+                    {"doc_id": nb.doc_id, "snippet": nb.snippet, "similarity": nb.similarity}
+                    for nb in index.neighbours(i, neighbours)
+                ]
             chosen.append(i)
         ranking.append(ev)
     sset = SuppressionSet(
-        ids=chosen, num_prototypes=K, model_sha256=model_sha256, concept=concept,
+        ids=chosen,
+        num_prototypes=K,
+        model_sha256=model_sha256,
+        concept=concept,
         evidence={e["id"]: {k: v for k, v in e.items() if k != "selected"} for e in ranking if e["selected"]},
-        meta={"method": RANKINGS[rank_by] + ("+purity" if purity else ""), "rank_by": rank_by, "budget": budget,
-              "threshold_log2_enrichment": threshold, "min_count": min_count,
-              "min_purity": min_purity if purity else None, "concept_texts": len(concept_texts),
-              "neutral_texts": len(neutral_texts), "concept_tokens": c.tokens, "neutral_tokens": n.tokens,
-              "candidates": len(ranking)})
+        meta={
+            "method": RANKINGS[rank_by] + ("+purity" if purity else ""),
+            "rank_by": rank_by,
+            "budget": budget,
+            "threshold_log2_enrichment": threshold,
+            "min_count": min_count,
+            "min_purity": min_purity if purity else None,
+            "concept_texts": len(concept_texts),
+            "neutral_texts": len(neutral_texts),
+            "concept_tokens": c.tokens,
+            "neutral_tokens": n.tokens,
+            "candidates": len(ranking),
+        },
+    )
     return sset, ranking
 
 
@@ -222,8 +249,9 @@ def _read_utf8(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise DataError(f"{path}: not valid UTF-8 at byte {e.start} (line {line}): {e.reason}",
-                        fix="re-save the file as UTF-8") from None
+        raise DataError(
+            f"{path}: not valid UTF-8 at byte {e.start} (line {line}): {e.reason}", fix="re-save the file as UTF-8"
+        ) from None
 
 
 def read_texts(path: str | Path, text_field: str = "text") -> list[str]:

@@ -70,12 +70,14 @@ def prism_encoder(model: PrismLM) -> Encoder:
     def enc(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         po = prototypes(z)
         return po.indices, po.activations
+
     return enc
 
 
 @torch.no_grad()
-def extract_features(model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[str, Any]], encoder: Encoder, *,
-                     batch_size: int = 32) -> ControlFeatures:
+def extract_features(
+    model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[str, Any]], encoder: Encoder, *, batch_size: int = 32
+) -> ControlFeatures:
     """Run the frozen backbone on every (query, choice) pair and cache the code at the scored tokens."""
     T = model.config.block_size
     reqs: list[tuple[list[int], int]] = []
@@ -95,11 +97,11 @@ def extract_features(model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[s
     Y: list[torch.Tensor] = []
     R: list[torch.Tensor] = []
     for b in range(0, len(reqs), batch_size):
-        chunk = reqs[b:b + batch_size]
+        chunk = reqs[b : b + batch_size]
         L = max(len(f) - 1 for f, _ in chunk)
         x = torch.full((len(chunk), L), tokenizer.eot_id, dtype=torch.long)
         for r, (full, _) in enumerate(chunk):
-            x[r, :len(full) - 1] = torch.tensor(full[:-1])
+            x[r, : len(full) - 1] = torch.tensor(full[:-1])
         z = model.backbone(x.to(dev))  # (B, L, d) — the same z the forward pass computes
         for r, (full, n) in enumerate(chunk):
             pos = torch.arange(len(full) - 1 - n, len(full) - 1)
@@ -108,13 +110,23 @@ def extract_features(model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[s
             R.append(torch.full((n,), b + r))
     Zc = torch.cat(Z)
     idx, act = encoder(Zc.to(dev))
-    return ControlFeatures(z=Zc, indices=idx.cpu(), activations=act.detach().cpu(), targets=torch.cat(Y),
-                           request=torch.cat(R), doc_of_request=torch.tensor(doc_of),
-                           gold=torch.tensor([d["gold"] for d in docs]), choice_len=torch.tensor(clen, dtype=torch.float64),
-                           n_choices=n_choices, choice_text=texts)
+    return ControlFeatures(
+        z=Zc,
+        indices=idx.cpu(),
+        activations=act.detach().cpu(),
+        targets=torch.cat(Y),
+        request=torch.cat(R),
+        doc_of_request=torch.tensor(doc_of),
+        gold=torch.tensor([d["gold"] for d in docs]),
+        choice_len=torch.tensor(clen, dtype=torch.float64),
+        n_choices=n_choices,
+        choice_text=texts,
+    )
 
 
-def request_scores(f: ControlFeatures, W: torch.Tensor, directions: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+def request_scores(
+    f: ControlFeatures, W: torch.Tensor, directions: torch.Tensor, c: torch.Tensor | None
+) -> torch.Tensor:
     """(R,) Σ log p(continuation) per request under ℓ' = W (z + Σ c_i a_i d_i)."""
     z = f.z.to(W.dtype)
     if c is not None:
@@ -169,7 +181,7 @@ def paired_stats(before: torch.Tensor, after: torch.Tensor, *, n_boot: int = 200
         p = 1.0
     else:
         k = min(gained, lost)
-        tail = sum(math.comb(m, i) for i in range(k + 1)) / 2 ** m
+        tail = sum(math.comb(m, i) for i in range(k + 1)) / 2**m
         p = min(1.0, 2 * tail)
     return {"delta": float((a - b).mean()), "ci95": [lo, hi], "gained": gained, "lost": lost, "mcnemar_p": p}
 
@@ -177,8 +189,11 @@ def paired_stats(before: torch.Tensor, after: torch.Tensor, *, n_boot: int = 200
 def accuracy(f: ControlFeatures, scores: torch.Tensor) -> dict[str, float]:
     M = _choice_matrix(f, scores.detach())
     Mn = _choice_matrix(f, scores.detach() / f.choice_len.to(scores.dtype))
-    return {"acc": float((M.argmax(-1) == f.gold).double().mean()),
-            "acc_norm": float((Mn.argmax(-1) == f.gold).double().mean()), "n": len(f.gold)}
+    return {
+        "acc": float((M.argmax(-1) == f.gold).double().mean()),
+        "acc_norm": float((Mn.argmax(-1) == f.gold).double().mean()),
+        "n": len(f.gold),
+    }
 
 
 @dataclass
@@ -196,9 +211,20 @@ class Controller:
 
     def save(self, path: str | Path, **meta: Any) -> Path:
         path = Path(path)
-        path.write_text(json.dumps({"kind": "prismlm-controller", "num_units": len(self.coefficients), "l1": self.l1,
-                                    "coefficients": {str(i): float(self.coefficients[i]) for i in self.nonzero},
-                                    "history": self.history, **meta}, indent=2) + "\n")
+        path.write_text(
+            json.dumps(
+                {
+                    "kind": "prismlm-controller",
+                    "num_units": len(self.coefficients),
+                    "l1": self.l1,
+                    "coefficients": {str(i): float(self.coefficients[i]) for i in self.nonzero},
+                    "history": self.history,
+                    **meta,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         return path
 
     @classmethod
@@ -212,9 +238,17 @@ class Controller:
         return cls(coefficients=c, l1=d["l1"], history=d.get("history", {}))
 
 
-def fit_controller(train: ControlFeatures, W: torch.Tensor, directions: torch.Tensor, *, l1: float = 1e-3,
-                   steps: int = 100, lr: float = 0.05, val: ControlFeatures | None = None,
-                   dtype: torch.dtype = torch.float32) -> Controller:
+def fit_controller(
+    train: ControlFeatures,
+    W: torch.Tensor,
+    directions: torch.Tensor,
+    *,
+    l1: float = 1e-3,
+    steps: int = 100,
+    lr: float = 0.05,
+    val: ControlFeatures | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Controller:
     """Full-batch Adam on the multiple-choice cross-entropy, each step followed by the L1 prox
     (soft-threshold by lr·λ). ``W`` (V, d) is the frozen output head, ``directions`` (K, d) the code's
     directions; only units active on the training tokens can become non-zero."""
@@ -235,21 +269,30 @@ def fit_controller(train: ControlFeatures, W: torch.Tensor, directions: torch.Te
         with torch.no_grad():
             m1.mul_(b1).add_(g, alpha=1 - b1)
             m2.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (m2 / (1 - b2 ** t)).sqrt() + eps
-            step = lr * (m1 / (1 - b1 ** t)) / denom
+            denom = (m2 / (1 - b2**t)).sqrt() + eps
+            step = lr * (m1 / (1 - b1**t)) / denom
             u = c - step
             c.copy_(torch.sign(u) * torch.clamp(u.abs() - lr * l1 / denom, min=0.0))
         hist["loss"].append(float(loss.detach()))
         hist["nonzero"].append(int((c != 0).sum()))
-    out = Controller(coefficients=c.detach().double(), l1=l1, history={"final_loss": hist["loss"][-1],
-                                                                        "loss_first": hist["loss"][0],
-                                                                        "steps": steps, "lr": lr})
+    out = Controller(
+        coefficients=c.detach().double(),
+        l1=l1,
+        history={"final_loss": hist["loss"][-1], "loss_first": hist["loss"][0], "steps": steps, "lr": lr},
+    )
     return out
 
 
-def fit_with_validation(train: ControlFeatures, val: ControlFeatures, W: torch.Tensor, directions: torch.Tensor, *,
-                        l1_grid: Sequence[float] = (3e-3, 1e-2, 3e-2), steps: int = 100,
-                        lr: float = 0.05) -> tuple[Controller, list[dict[str, Any]]]:
+def fit_with_validation(
+    train: ControlFeatures,
+    val: ControlFeatures,
+    W: torch.Tensor,
+    directions: torch.Tensor,
+    *,
+    l1_grid: Sequence[float] = (3e-3, 1e-2, 3e-2),
+    steps: int = 100,
+    lr: float = 0.05,
+) -> tuple[Controller, list[dict[str, Any]]]:
     """Fit one controller per λ; keep the best validation accuracy (ties: fewer non-zeros)."""
     trials: list[dict[str, Any]] = []
     best: Controller | None = None
@@ -257,8 +300,9 @@ def fit_with_validation(train: ControlFeatures, val: ControlFeatures, W: torch.T
     for l1 in l1_grid:
         ctl = fit_controller(train, W, directions, l1=l1, steps=steps, lr=lr)
         va = accuracy(val, request_scores(val, W.double(), directions.double(), ctl.coefficients))
-        trials.append({"l1": l1, "val_acc": va["acc"], "nonzero": len(ctl.nonzero),
-                       "final_loss": ctl.history["final_loss"]})
+        trials.append(
+            {"l1": l1, "val_acc": va["acc"], "nonzero": len(ctl.nonzero), "final_loss": ctl.history["final_loss"]}
+        )
         key = (va["acc"], -len(ctl.nonzero))
         if best_key is None or key > best_key:
             best, best_key = ctl, key
@@ -280,12 +324,20 @@ class ControllerResult:
     after: dict[str, float]
 
 
-def fit_and_test(feats: dict[str, ControlFeatures], W: torch.Tensor, directions: torch.Tensor, *,
-                 l1_grid: Sequence[float] = (3e-3, 1e-2, 3e-2), steps: int = 100, lr: float = 0.05) -> ControllerResult:
+def fit_and_test(
+    feats: dict[str, ControlFeatures],
+    W: torch.Tensor,
+    directions: torch.Tensor,
+    *,
+    l1_grid: Sequence[float] = (3e-3, 1e-2, 3e-2),
+    steps: int = 100,
+    lr: float = 0.05,
+) -> ControllerResult:
     """The protocol used by ``prism controller fit`` and ``bench/control.py``: fit on ``feats["train"]``,
     choose λ on ``feats["validation"]``, score ``feats["test"]`` with c = 0 and with the fitted c."""
-    ctl, trials = fit_with_validation(feats["train"], feats["validation"], W, directions, l1_grid=l1_grid,
-                                      steps=steps, lr=lr)
+    ctl, trials = fit_with_validation(
+        feats["train"], feats["validation"], W, directions, l1_grid=l1_grid, steps=steps, lr=lr
+    )
     s0 = request_scores(feats["test"], W.double(), directions.double(), None)
     s1 = request_scores(feats["test"], W.double(), directions.double(), ctl.coefficients)
     return ControllerResult(ctl, trials, s0, s1, accuracy(feats["test"], s0), accuracy(feats["test"], s1))
@@ -306,8 +358,9 @@ class ChoicePrior:
         return base_scores + b
 
 
-def fit_choice_prior(train: ControlFeatures, base_scores: torch.Tensor, *, steps: int = 300,
-                     lr: float = 0.1) -> ChoicePrior:
+def fit_choice_prior(
+    train: ControlFeatures, base_scores: torch.Tensor, *, steps: int = 300, lr: float = 0.1
+) -> ChoicePrior:
     """Fit one bias per distinct choice string of the training split by full-batch Adam on the same
     multiple-choice cross-entropy as the controllers (base scores fixed: the LM is not involved)."""
     if not train.choice_text:
@@ -328,8 +381,16 @@ def fit_choice_prior(train: ControlFeatures, base_scores: torch.Tensor, *, steps
 
 
 # ----- tracing ---------------------------------------------------------------------------------------------
-def trace_prism_controller(model: PrismLM, tokenizer: Tokenizer, ctl: Controller, feats: ControlFeatures,
-                           docs: Sequence[dict[str, Any]], *, index: PrototypeIndex | None = None, top: int = 20) -> list[dict[str, Any]]:
+def trace_prism_controller(
+    model: PrismLM,
+    tokenizer: Tokenizer,
+    ctl: Controller,
+    feats: ControlFeatures,
+    docs: Sequence[dict[str, Any]],
+    *,
+    index: PrototypeIndex | None = None,
+    top: int = 20,
+) -> list[dict[str, Any]]:
     """Each non-zero c_i with its prototype's signature tokens, label and training neighbourhood (when an
     index is given) and the task examples where it is most active."""
     from prismlm.control.concept import signature_tokens
@@ -347,10 +408,21 @@ def trace_prism_controller(model: PrismLM, tokenizer: Tokenizer, ctl: Controller
                 continue
             r = int(feats.request[n])
             d = int(feats.doc_of_request[r])
-            ex.append({"doc": docs[d]["id"], "label": docs[d]["label"], "activation": float(acts[n]),
-                       "target": tokenizer.decode([int(feats.targets[n])])})
-        e: dict[str, Any] = {"id": i, "c": float(ctl.coefficients[i]), "signature_top_tokens": signature_tokens(model, tokenizer, i),
-             "task_examples": ex, "active_tokens_in_train": int(m.any(-1).sum())}
+            ex.append(
+                {
+                    "doc": docs[d]["id"],
+                    "label": docs[d]["label"],
+                    "activation": float(acts[n]),
+                    "target": tokenizer.decode([int(feats.targets[n])]),
+                }
+            )
+        e: dict[str, Any] = {
+            "id": i,
+            "c": float(ctl.coefficients[i]),
+            "signature_top_tokens": signature_tokens(model, tokenizer, i),
+            "task_examples": ex,
+            "active_tokens_in_train": int(m.any(-1).sum()),
+        }
         if i in labels:
             e["label"] = labels[i].get("label")
         if index is not None and getattr(index, "shards", None) is not None:

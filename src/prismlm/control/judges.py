@@ -57,7 +57,9 @@ class ProfanityJudge:
         try:
             from profanity_check import predict_prob
         except ImportError as e:  # pragma: no cover - depends on the optional extra
-            raise DependencyError("the profanity judge needs the optional extra: pip install alt-profanity-check==1.9.1") from e
+            raise DependencyError(
+                "the profanity judge needs the optional extra: pip install alt-profanity-check==1.9.1"
+            ) from e
         self._predict = predict_prob
 
     def score(self, texts: Sequence[str]) -> np.ndarray:
@@ -69,8 +71,15 @@ class ProfanityJudge:
 class TfidfJudge:
     name = "tfidf-logreg-fortunes"
 
-    def __init__(self, clean: Sequence[str], offensive: Sequence[str], *, seed: int = 0, test_fraction: float = 0.2,
-                 name: str | None = None):
+    def __init__(
+        self,
+        clean: Sequence[str],
+        offensive: Sequence[str],
+        *,
+        seed: int = 0,
+        test_fraction: float = 0.2,
+        name: str | None = None,
+    ):
         """``offensive`` are the positive class (score → 1), ``clean`` the negative; ``test_fraction`` of
         both is held out to measure ``held_out_auc``. ``name`` labels a judge of another concept."""
         if name:
@@ -89,8 +98,11 @@ class TfidfJudge:
         Xtr = self.vec.fit_transform([t for t, m in zip(texts, test) if not m])
         self.clf = LogisticRegression(C=4.0, class_weight="balanced", max_iter=2000, random_state=seed)
         self.clf.fit(Xtr, y[~test])
-        self.held_out_auc = (float(roc_auc_score(y[test], self.score([t for t, m in zip(texts, test) if m])))
-                             if test.any() and len(set(y[test])) == 2 else float("nan"))
+        self.held_out_auc = (
+            float(roc_auc_score(y[test], self.score([t for t, m in zip(texts, test) if m])))
+            if test.any() and len(set(y[test])) == 2
+            else float("nan")
+        )
         self.n_train = int((~test).sum())
 
     def score(self, texts: Sequence[str]) -> np.ndarray:

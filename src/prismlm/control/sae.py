@@ -38,7 +38,7 @@ class TopKSAE(nn.Module):
         if not 1 <= k <= num_latents:
             raise ConfigError(f"k must be in [1, num_latents={num_latents}], got {k}")
         self.k = k
-        self.W_enc = nn.Parameter(torch.randn(num_latents, d) / d ** 0.5)  # (K, d)
+        self.W_enc = nn.Parameter(torch.randn(num_latents, d) / d**0.5)  # (K, d)
         self.b_enc = nn.Parameter(torch.zeros(num_latents))
         self.W_dec = nn.Parameter(self.W_enc.detach().clone())  # (K, d): rows are directions
         self.b_dec = nn.Parameter(torch.zeros(d))
@@ -87,9 +87,22 @@ class SAEResult:
     steps: int
 
 
-def train_sae(model: PrismLM, shards: ShardSet, *, num_latents: int, k: int, steps: int = 300, batch_size: int = 16,
-              lr: float = 1e-3, seed: int = 0, max_sequences: int | None = None, aux_k: int | None = None,
-              aux_weight: float = 1.0, dead_steps: int = 50, eval_sequences: int = 64) -> SAEResult:
+def train_sae(
+    model: PrismLM,
+    shards: ShardSet,
+    *,
+    num_latents: int,
+    k: int,
+    steps: int = 300,
+    batch_size: int = 16,
+    lr: float = 1e-3,
+    seed: int = 0,
+    max_sequences: int | None = None,
+    aux_k: int | None = None,
+    aux_weight: float = 1.0,
+    dead_steps: int = 50,
+    eval_sequences: int = 64,
+) -> SAEResult:
     """Fit a TopK SAE on the final hidden states of the (frozen) dense ``model`` over ``shards.train``
     (MSE + AuxK; ``aux_k`` defaults to d/2 as in Gao et al.). The dead fraction is measured on
     ``eval_sequences`` validation sequences."""
@@ -126,7 +139,9 @@ def train_sae(model: PrismLM, shards: ShardSet, *, num_latents: int, k: int, ste
         opt.step()
         sae.normalize_decoder()
     with torch.no_grad():
-        vz = torch.from_numpy(shards.val.sequences(torch.arange(min(eval_sequences, shards.val.num_sequences(T))).numpy(), T))
+        vz = torch.from_numpy(
+            shards.val.sequences(torch.arange(min(eval_sequences, shards.val.num_sequences(T))).numpy(), T)
+        )
         z = model.backbone(vz.to(dev)[:, :-1]).reshape(-1, model.config.n_embd).float()
         fvu = float(((sae(z) - z) ** 2).sum() / ((z - z.mean(0)) ** 2).sum())
         idx, act = sae.encode(z)

@@ -33,8 +33,6 @@ FORMAT_VERSION = 1
 CHECKPOINT_FILE = "suppression.json"
 
 
-
-
 @dataclass
 class SuppressionSet:
     """Prototype ids to switch off, with the evidence for each and the model they belong to."""
@@ -53,18 +51,20 @@ class SuppressionSet:
     """How the set was chosen (method, budget/threshold, text counts…)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ids, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int)
-                                                          for i in self.ids):
+        if not isinstance(self.ids, (list, tuple)) or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in self.ids
+        ):
             raise SuppressionError(f"suppression set ids must be a list of integers, got {self.ids!r:.80}")
-        if isinstance(self.num_prototypes, bool) or not isinstance(self.num_prototypes, int) \
-                or self.num_prototypes < 1:
-            raise SuppressionError(f"suppression set num_prototypes must be a positive integer, "
-                                   f"got {self.num_prototypes!r}")
+        if isinstance(self.num_prototypes, bool) or not isinstance(self.num_prototypes, int) or self.num_prototypes < 1:
+            raise SuppressionError(
+                f"suppression set num_prototypes must be a positive integer, got {self.num_prototypes!r}"
+            )
         ids = [int(i) for i in self.ids]
         bad = sorted({i for i in ids if not 0 <= i < self.num_prototypes})
         if bad:
-            raise SuppressionError(f"suppression set has unknown prototype id(s) {bad[:10]} for a bank of "
-                                   f"{self.num_prototypes} prototypes")
+            raise SuppressionError(
+                f"suppression set has unknown prototype id(s) {bad[:10]} for a bank of {self.num_prototypes} prototypes"
+            )
         self.ids = sorted(set(ids))
         self.evidence = {int(k): v for k, v in self.evidence.items()}
 
@@ -79,16 +79,28 @@ class SuppressionSet:
         if missing:
             raise SuppressionError(f"prototype id(s) {missing[:10]} are not in this suppression set")
         keep = {int(i) for i in ids}
-        return SuppressionSet(ids=sorted(keep), num_prototypes=self.num_prototypes, model_sha256=self.model_sha256,
-                              concept=self.concept, evidence={i: e for i, e in self.evidence.items() if i in keep},
-                              meta={**self.meta, "subset_of": len(self.ids)})
+        return SuppressionSet(
+            ids=sorted(keep),
+            num_prototypes=self.num_prototypes,
+            model_sha256=self.model_sha256,
+            concept=self.concept,
+            evidence={i: e for i, e in self.evidence.items() if i in keep},
+            meta={**self.meta, "subset_of": len(self.ids)},
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": KIND, "format_version": FORMAT_VERSION, "ids": self.ids,
-                "num_prototypes": self.num_prototypes, "model_sha256": self.model_sha256,
-                "concept": self.concept, "share": self.share,
-                "evidence": {str(k): v for k, v in sorted(self.evidence.items())}, "meta": self.meta,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        return {
+            "kind": KIND,
+            "format_version": FORMAT_VERSION,
+            "ids": self.ids,
+            "num_prototypes": self.num_prototypes,
+            "model_sha256": self.model_sha256,
+            "concept": self.concept,
+            "share": self.share,
+            "evidence": {str(k): v for k, v in sorted(self.evidence.items())},
+            "meta": self.meta,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
 
     def save(self, path: str | Path) -> Path:
         """Write JSON to ``path`` (a file, or a checkpoint folder → ``suppression.json`` in it)."""
@@ -111,15 +123,23 @@ class SuppressionSet:
         except json.JSONDecodeError as e:
             raise SuppressionError(f"{path} is not valid JSON: {e}") from e
         if not isinstance(d, dict) or d.get("kind") != KIND:
-            raise SuppressionError(f"{path} is not a suppression set (kind {d.get('kind') if isinstance(d, dict) else None!r}, "
-                                   f"expected {KIND!r}); make one with `prism concept`")
+            raise SuppressionError(
+                f"{path} is not a suppression set (kind {d.get('kind') if isinstance(d, dict) else None!r}, "
+                f"expected {KIND!r}); make one with `prism concept`"
+            )
         if d.get("format_version") != FORMAT_VERSION:
             raise SuppressionError(f"{path}: format_version {d.get('format_version')!r}, expected {FORMAT_VERSION}")
         missing = [k for k in ("ids", "num_prototypes") if k not in d]
         if missing:
             raise SuppressionError(f"{path} lacks {', '.join(missing)}; make the set with `prism concept`")
-        return cls(ids=d["ids"], num_prototypes=d["num_prototypes"], model_sha256=d.get("model_sha256"),
-                   concept=d.get("concept"), evidence=d.get("evidence", {}), meta=d.get("meta", {}))
+        return cls(
+            ids=d["ids"],
+            num_prototypes=d["num_prototypes"],
+            model_sha256=d.get("model_sha256"),
+            concept=d.get("concept"),
+            evidence=d.get("evidence", {}),
+            meta=d.get("meta", {}),
+        )
 
     def check(self, model: PrismLM, model_sha256: str | None = None) -> None:
         """Raise ``SuppressionError`` unless the set fits ``model`` (bank size, and weights hash when both known)."""
@@ -127,11 +147,14 @@ class SuppressionSet:
             raise SuppressionError("the dense baseline has no prototypes to suppress")
         K = model.prototypes.num_prototypes
         if K != self.num_prototypes:
-            raise SuppressionError(f"suppression set was made for a bank of {self.num_prototypes} prototypes; "
-                                   f"this model has {K}")
+            raise SuppressionError(
+                f"suppression set was made for a bank of {self.num_prototypes} prototypes; this model has {K}"
+            )
         if model_sha256 and self.model_sha256 and model_sha256 != self.model_sha256:
-            raise SuppressionError(f"suppression set was made for model {self.model_sha256[:12]}…, "
-                                   f"not this checkpoint ({model_sha256[:12]}…)")
+            raise SuppressionError(
+                f"suppression set was made for model {self.model_sha256[:12]}…, "
+                f"not this checkpoint ({model_sha256[:12]}…)"
+            )
 
     def intervention(self) -> Suppress:
         """This set as an intervention value: ``with model.intervene(sset.intervention()):``."""

@@ -19,8 +19,23 @@ from prismlm.data.tokenizer import (
     train_bpe,
 )
 
-__all__ = [ "Document", "corpus_fingerprint", "iter_documents", "split_of", "ShardSet", "TokenShard", "default_data_dir", "load_shards", "prepare_shards",
-    "StreamingData", "TokenStream", "prepare_stream",
-    "Tokenizer", "gpt2_tokenizer", "hf_tokenizer", "resolve_tokenizer",
-    "token_dtype", "train_bpe",
+__all__ = [
+    "Document",
+    "corpus_fingerprint",
+    "iter_documents",
+    "split_of",
+    "ShardSet",
+    "TokenShard",
+    "default_data_dir",
+    "load_shards",
+    "prepare_shards",
+    "StreamingData",
+    "TokenStream",
+    "prepare_stream",
+    "Tokenizer",
+    "gpt2_tokenizer",
+    "hf_tokenizer",
+    "resolve_tokenizer",
+    "token_dtype",
+    "train_bpe",
 ]

@@ -61,8 +61,6 @@ class Document:
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
-
-
 # ---------------------------------------------------------------------------
 # public API
 
@@ -177,15 +175,11 @@ def resolve_files(spec: str) -> list[tuple[Path, str]]:
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUPPORTED_SUFFIXES)
         if not files:
-            raise CorpusError(
-                f"directory {str(p)!r} contains no supported files ({', '.join(SUPPORTED_SUFFIXES)})"
-            )
+            raise CorpusError(f"directory {str(p)!r} contains no supported files ({', '.join(SUPPORTED_SUFFIXES)})")
         return [(f, f.relative_to(p).as_posix()) for f in files]
     if p.is_file():
         if p.suffix.lower() not in SUPPORTED_SUFFIXES:
-            raise CorpusError(
-                f"unsupported corpus file {str(p)!r}: expected one of {', '.join(SUPPORTED_SUFFIXES)}"
-            )
+            raise CorpusError(f"unsupported corpus file {str(p)!r}: expected one of {', '.join(SUPPORTED_SUFFIXES)}")
         return [(p, p.name)]
     if _has_magic(spec):
         matches = sorted(Path(m) for m in _glob.glob(os.path.expanduser(spec), recursive=True))
@@ -217,7 +211,7 @@ def _decode_strict(data: bytes, path: Path, line_base: int = 1) -> str:
         line = line_base + data.count(b"\n", 0, e.start)
         raise CorpusError(
             f"{path}: undecodable bytes at byte offset {e.start} (line {line}): not valid UTF-8 "
-            f"({e.reason}: {data[e.start:e.start + 4]!r})"
+            f"({e.reason}: {data[e.start : e.start + 4]!r})"
         ) from None
 
 
@@ -260,9 +254,7 @@ def _jsonl_documents(path: Path, rel: str, text_field: str) -> Iterator[Document
             if text is None:
                 continue
             if not isinstance(text, str):
-                raise CorpusError(
-                    f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, expected a string"
-                )
+                raise CorpusError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, expected a string")
             meta: dict[str, Any] = {"source": "jsonl", "path": str(path), "line": lineno}
             if "id" in rec and isinstance(rec["id"], (str, int)):
                 meta["record_id"] = rec["id"]
@@ -334,8 +326,9 @@ def _hf_documents(spec: str, text_field: str) -> Iterator[Document]:
             continue
         if not isinstance(text, str):
             raise CorpusError(f"Hugging Face dataset {spec!r}: row {i}: field {text_field!r} is not a string")
-        yield Document(f"{prefix}#{i}", text, {"source": "hf", "dataset": name, "config": config,
-                                               "split": split, "row": i})
+        yield Document(
+            f"{prefix}#{i}", text, {"source": "hf", "dataset": name, "config": config, "split": split, "row": i}
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -441,8 +434,14 @@ def gutenberg_documents() -> Iterator[Document]:
             raise CorpusError(f"built-in corpus file {path} is missing (reinstall prismlm)")
         text = _decode_strict(lzma.decompress(path.read_bytes()), path)
         name = entry["name"]
-        base = {"source": "gutenberg", "book": name, "author": entry.get("author"),
-                "title": entry.get("title"), "year": entry.get("year"), "path": str(path)}
+        base = {
+            "source": "gutenberg",
+            "book": name,
+            "author": entry.get("author"),
+            "title": entry.get("title"),
+            "year": entry.get("year"),
+            "path": str(path),
+        }
         for k, chunk in enumerate(split_paragraphs(text)):
             yield Document(f"gutenberg/{name}#{k:03d}", chunk, {**base, "part": k})
 

@@ -41,15 +41,13 @@ __all__ = ["TokenShard", "ShardSet", "prepare_shards", "load_shards", "default_d
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
-_BATCH_DOCS = 64              # documents per encode_batch call
-_BATCH_CHARS = 2_000_000      # ...or fewer, to bound memory with long documents
-_COPY_CHUNK = 1 << 24         # tokens per chunk when moving a document between splits
+_BATCH_DOCS = 64  # documents per encode_batch call
+_BATCH_CHARS = 2_000_000  # ...or fewer, to bound memory with long documents
+_COPY_CHUNK = 1 << 24  # tokens per chunk when moving a document between splits
 
 
 if TYPE_CHECKING:
     from prismlm.config import DataConfig
-
-
 
 
 class TokenShard:
@@ -61,8 +59,9 @@ class TokenShard:
     document for prototype/data displays.
     """
 
-    def __init__(self, bin_path: str | Path, docs_path: str | Path, ids_path: str | Path,
-                 dtype: np.dtype | str) -> None:
+    def __init__(
+        self, bin_path: str | Path, docs_path: str | Path, ids_path: str | Path, dtype: np.dtype | str
+    ) -> None:
         self.bin_path = Path(bin_path)
         self.ids_path = Path(ids_path)
         self.dtype = np.dtype(dtype)
@@ -184,8 +183,9 @@ class _SplitWriter:
         self.num_bytes = 0
         self.num_chars = 0
 
-    def write(self, arr: np.ndarray, doc_ids: list[str], lengths: np.ndarray, keys: list[float],
-              nbytes: int, nchars: int) -> None:
+    def write(
+        self, arr: np.ndarray, doc_ids: list[str], lengths: np.ndarray, keys: list[float], nbytes: int, nchars: int
+    ) -> None:
         buf = np.ascontiguousarray(arr).data.cast("B")
         self.f.write(buf)
         self.sha.update(buf)
@@ -261,8 +261,9 @@ def text_pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
     pieces, start = [], 0
     while len(text) - start > size:
         cut = start + size
-        while cut > start and not (text[cut] == " " and not text[cut - 1].isspace()
-                                   and cut + 1 < len(text) and not text[cut + 1].isspace()):
+        while cut > start and not (
+            text[cut] == " " and not text[cut - 1].isspace() and cut + 1 < len(text) and not text[cut + 1].isspace()
+        ):
             cut -= 1
         if cut == start:
             cut = start + size
@@ -289,7 +290,7 @@ def encode_documents(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> list[
     flat.extend(np.asarray(ids, dtype=dtype) for ids in tok.encode_batch(call))
     out, i = [], 0
     for ps in pieces:
-        out.append(flat[i] if len(ps) == 1 else np.concatenate(flat[i:i + len(ps)]))
+        out.append(flat[i] if len(ps) == 1 else np.concatenate(flat[i : i + len(ps)]))
         i += len(ps)
     return out
 
@@ -322,8 +323,14 @@ def prepare_shards(
         raise ConfigError(f"--val-fraction must be in [0, 1], got {val_fraction}")
     opts = {"text_field": text_field, "max_docs": max_docs, "max_chars_per_doc": max_chars_per_doc}
     fp = corpus_fingerprint(corpus, **opts)
-    key_src = {"format": FORMAT_VERSION, "corpus_fingerprint": fp, "tokenizer": _tokenizer_key(tokenizer),
-               "val_fraction": val_fraction, "seed": seed, **opts}
+    key_src = {
+        "format": FORMAT_VERSION,
+        "corpus_fingerprint": fp,
+        "tokenizer": _tokenizer_key(tokenizer),
+        "val_fraction": val_fraction,
+        "seed": seed,
+        **opts,
+    }
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_data_dir()
     root = Path(out_dir) if out_dir is not None else cache / f"{_slug(corpus)}-{key[:12]}"
@@ -336,8 +343,9 @@ def prepare_shards(
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ShardError(f"cannot create the shard folder {root}: {e}", fix="pass --out to a writable folder "
-                         "or set PRISM_DATA") from e
+        raise ShardError(
+            f"cannot create the shard folder {root}: {e}", fix="pass --out to a writable folder or set PRISM_DATA"
+        ) from e
     # One writer per shard folder: a second process preparing the same key waits here, then reuses the
     # shards the first one finished (the manifest is written last, so it marks them complete).
     with FileLock(root / ".lock", f"shard folder {root}", wait=True):
@@ -349,16 +357,30 @@ def prepare_shards(
         mpath.unlink(missing_ok=True)  # a crash mid-rebuild must not leave a stale "complete" marker
         _remove_stale_temps(root)
         try:
-            return _build(root, key, corpus, tokenizer, fp, opts, val_fraction, seed, text_field, max_docs,
-                          max_chars_per_doc, show_progress)
+            return _build(
+                root,
+                key,
+                corpus,
+                tokenizer,
+                fp,
+                opts,
+                val_fraction,
+                seed,
+                text_field,
+                max_docs,
+                max_chars_per_doc,
+                show_progress,
+            )
         except BaseException:
             for tmp in root.glob("*.tmp"):  # a failed build leaves no half-written files behind
                 tmp.unlink(missing_ok=True)
             raise
 
 
-_SHARD_FILE = re.compile(r"(train|val)\.(bin|docs\.npy|ids\.json)(\.\d+\.tmp|\.tmp2?)?|tokenizer|\.lock"
-                         r"|manifest\.json(\.tmp)?")
+_SHARD_FILE = re.compile(
+    r"(train|val)\.(bin|docs\.npy|ids\.json)(\.\d+\.tmp|\.tmp2?)?|tokenizer|\.lock"
+    r"|manifest\.json(\.tmp)?"
+)
 
 
 def is_shard_folder(folder: Path) -> bool:
@@ -381,8 +403,11 @@ def _refuse_other_shards(root: Path, key: str) -> None:
         return  # none, or a damaged build of prismlm's own: rebuilt
     if isinstance(old, dict) and old.get("key") not in (None, key):
         spec = f"{old.get('corpus', {}).get('spec')!r} with tokenizer {old.get('tokenizer', {}).get('spec')!r}"
-        raise ShardError(f"{root} holds the shards of another corpus or tokenizer ({spec})",
-                         fix="pass --overwrite to replace them, or choose another --out", path=root)
+        raise ShardError(
+            f"{root} holds the shards of another corpus or tokenizer ({spec})",
+            fix="pass --overwrite to replace them, or choose another --out",
+            path=root,
+        )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -423,15 +448,25 @@ def _reuse(root: Path, key: str) -> ShardSet | None:
     return ss
 
 
-def _build(root: Path, key: str, corpus: str, tokenizer: str, fp: str, opts: dict[str, Any], val_fraction: float,
-           seed: int, text_field: str, max_docs: int | None, max_chars_per_doc: int | None,
-           show_progress: Progress) -> ShardSet:
+def _build(
+    root: Path,
+    key: str,
+    corpus: str,
+    tokenizer: str,
+    fp: str,
+    opts: dict[str, Any],
+    val_fraction: float,
+    seed: int,
+    text_field: str,
+    max_docs: int | None,
+    max_chars_per_doc: int | None,
+    show_progress: Progress,
+) -> ShardSet:
     """Tokenize the corpus into ``root`` (holding its lock); the manifest is written last."""
     mpath = root / "manifest.json"
 
     def docs() -> Iterator[Document]:
-        return iter_documents(corpus, text_field=text_field, max_docs=max_docs,
-                              max_chars_per_doc=max_chars_per_doc)
+        return iter_documents(corpus, text_field=text_field, max_docs=max_docs, max_chars_per_doc=max_chars_per_doc)
 
     def train_texts() -> Iterator[str]:
         for d in docs():
@@ -452,8 +487,7 @@ def _build(root: Path, key: str, corpus: str, tokenizer: str, fp: str, opts: dic
         for batch in _batches(docs()):
             encoded = encode_documents(tok, [d.text for d in batch], dtype)
             for split in SPLITS:
-                sel = [i for i, d in enumerate(batch)
-                       if (split_hash(d.id, seed) < val_fraction) == (split == "val")]
+                sel = [i for i, d in enumerate(batch) if (split_hash(d.id, seed) < val_fraction) == (split == "val")]
                 if not sel:
                     continue
                 parts: list[np.ndarray] = []
@@ -464,8 +498,12 @@ def _build(root: Path, key: str, corpus: str, tokenizer: str, fp: str, opts: dic
                 lengths = np.array([len(encoded[i]) + 1 for i in sel], dtype=np.int64)
                 ids = [batch[i].id for i in sel]
                 writers[split].write(
-                    arr, ids, lengths, [split_hash(i_, seed) for i_ in ids],
-                    sum(len(batch[i].text.encode("utf-8")) for i in sel), sum(len(batch[i].text) for i in sel),
+                    arr,
+                    ids,
+                    lengths,
+                    [split_hash(i_, seed) for i_ in ids],
+                    sum(len(batch[i].text.encode("utf-8")) for i in sel),
+                    sum(len(batch[i].text) for i in sel),
                 )
                 n_tokens += len(arr)
             for d in batch:
@@ -492,9 +530,14 @@ def _build(root: Path, key: str, corpus: str, tokenizer: str, fp: str, opts: dic
         sample = sampled_sha256(root / f"{split}.bin")
         np.save(root / f"{split}.docs.npy", np.asarray(w.offsets, dtype=np.int64))
         (root / f"{split}.ids.json").write_text(json.dumps(w.ids), encoding="utf-8")
-        split_info[split] = {"num_docs": len(w.ids), "num_tokens": int(w.offsets[-1]),
-                             "num_bytes": w.num_bytes, "num_chars": w.num_chars,
-                             "sha256": w.sha.hexdigest(), "sample_sha256": sample}
+        split_info[split] = {
+            "num_docs": len(w.ids),
+            "num_tokens": int(w.offsets[-1]),
+            "num_bytes": w.num_bytes,
+            "num_chars": w.num_chars,
+            "sha256": w.sha.hexdigest(),
+            "sample_sha256": sample,
+        }
     manifest = {
         "format_version": FORMAT_VERSION,
         "key": key,
@@ -524,15 +567,19 @@ def load_shards(path: str | Path, *, verify: bool = False) -> ShardSet:
     if not root.is_dir():
         raise ShardError(f"shard directory {root} does not exist")
     if not mpath.exists():
-        raise ShardError(f"{root} has no manifest.json: not a prepared shard directory, or preparation "
-                         f"did not finish (run prepare_shards again)")
+        raise ShardError(
+            f"{root} has no manifest.json: not a prepared shard directory, or preparation "
+            f"did not finish (run prepare_shards again)"
+        )
     try:
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ShardError(f"{mpath}: invalid JSON ({e})") from None
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ShardError(f"{mpath}: format version {manifest.get('format_version')!r}, "
-                         f"this prismlm reads {FORMAT_VERSION}; prepare the shards again")
+        raise ShardError(
+            f"{mpath}: format version {manifest.get('format_version')!r}, "
+            f"this prismlm reads {FORMAT_VERSION}; prepare the shards again"
+        )
     needed = [f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy", ".ids.json")]
     needed.append("tokenizer/tokenizer.json")
     missing = [n for n in needed if not (root / n).exists()]
@@ -541,8 +588,10 @@ def load_shards(path: str | Path, *, verify: bool = False) -> ShardSet:
     tok = Tokenizer.load(root / "tokenizer")
     want = manifest["tokenizer"]["fingerprint"]
     if tok.fingerprint != want:
-        raise ShardError(f"{root}/tokenizer: fingerprint {tok.fingerprint[:12]} does not match the "
-                         f"manifest's {want[:12]}: the tokenizer was changed after the shards were written")
+        raise ShardError(
+            f"{root}/tokenizer: fingerprint {tok.fingerprint[:12]} does not match the "
+            f"manifest's {want[:12]}: the tokenizer was changed after the shards were written"
+        )
     dtype = np.dtype(manifest["dtype"])
     if dtype != token_dtype(tok.vocab_size):
         raise ShardError(f"{mpath}: dtype {dtype} does not fit vocabulary size {tok.vocab_size}")
@@ -552,25 +601,38 @@ def load_shards(path: str | Path, *, verify: bool = False) -> ShardSet:
         bin_path = root / f"{s}.bin"
         size = bin_path.stat().st_size
         if size != info["num_tokens"] * dtype.itemsize:
-            raise ShardError(f"{bin_path}: {size} bytes, manifest says {info['num_tokens']} tokens of "
-                             f"{dtype}; the file is truncated or was replaced")
+            raise ShardError(
+                f"{bin_path}: {size} bytes, manifest says {info['num_tokens']} tokens of "
+                f"{dtype}; the file is truncated or was replaced"
+            )
         if verify and sha256_file(bin_path) != info["sha256"]:
-            raise ShardError(f"{bin_path}: sha256 checksum mismatch with manifest.json",
-                             fix="prepare the shards again (delete the folder, then `prism prepare`)")
+            raise ShardError(
+                f"{bin_path}: sha256 checksum mismatch with manifest.json",
+                fix="prepare the shards again (delete the folder, then `prism prepare`)",
+            )
         if not verify and info.get("sample_sha256") and sampled_sha256(bin_path) != info["sample_sha256"]:
-            raise ShardError(f"{bin_path}: its content differs from manifest.json (sampled checksum); the file "
-                             "was overwritten", fix="prepare the shards again (delete the folder, then "
-                             "`prism prepare`)")
+            raise ShardError(
+                f"{bin_path}: its content differs from manifest.json (sampled checksum); the file was overwritten",
+                fix="prepare the shards again (delete the folder, then `prism prepare`)",
+            )
         shards[s] = TokenShard(bin_path, root / f"{s}.docs.npy", root / f"{s}.ids.json", dtype)
         if shards[s].num_docs != info["num_docs"]:
-            raise ShardError(f"{root / f'{s}.docs.npy'}: {shards[s].num_docs} documents, manifest says "
-                             f"{info['num_docs']}")
+            raise ShardError(
+                f"{root / f'{s}.docs.npy'}: {shards[s].num_docs} documents, manifest says {info['num_docs']}"
+            )
     return ShardSet(root, shards["train"], shards["val"], tok, manifest)
 
 
 def prepare_from_config(data: DataConfig, *, show_progress: Progress = True) -> ShardSet:
     """``prepare_shards`` for a :class:`~prismlm.config.DataConfig` (the trainer's and CLI's entry point)."""
-    return prepare_shards(data.corpus, data.tokenizer, val_fraction=data.val_fraction, seed=data.seed,
-                          text_field=data.text_field, max_docs=data.max_docs,
-                          max_chars_per_doc=data.max_chars_per_doc, show_progress=show_progress,
-                          cache_dir=data.data_dir)
+    return prepare_shards(
+        data.corpus,
+        data.tokenizer,
+        val_fraction=data.val_fraction,
+        seed=data.seed,
+        text_field=data.text_field,
+        max_docs=data.max_docs,
+        max_chars_per_doc=data.max_chars_per_doc,
+        show_progress=show_progress,
+        cache_dir=data.data_dir,
+    )

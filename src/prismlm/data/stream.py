@@ -59,8 +59,8 @@ if TYPE_CHECKING:
 __all__ = ["TokenStream", "StreamingData", "prepare_stream", "prepare_stream_val", "stream_tokenizer"]
 
 STREAM_FORMAT = 1
-_ENCODE_DOCS = 64            # look-ahead documents per encode_batch call
-_ENCODE_CHARS = 2_000_000    # ...or fewer, to bound memory with long documents
+_ENCODE_DOCS = 64  # look-ahead documents per encode_batch call
+_ENCODE_CHARS = 2_000_000  # ...or fewer, to bound memory with long documents
 _BPE = re.compile(r"^bpe(?:[-:](\d+))?$")
 
 
@@ -68,9 +68,11 @@ def stream_tokenizer(spec: str) -> Tokenizer:
     """The fixed tokenizer of a streaming run: ``gpt2``, ``hf:NAME`` or a saved tokenizer. A ``bpe-N`` spec
     is refused: training it would need a pass over the corpus, which streaming exists to avoid."""
     if _BPE.match(spec):
-        raise ConfigError(f"data.streaming needs a fixed tokenizer, but data.tokenizer={spec!r} must be trained "
-                          "on the corpus first", fix="use data.tokenizer=gpt2, hf:NAME, or a saved tokenizer folder "
-                          "(e.g. the tokenizer/ of prepared shards)")
+        raise ConfigError(
+            f"data.streaming needs a fixed tokenizer, but data.tokenizer={spec!r} must be trained on the corpus first",
+            fix="use data.tokenizer=gpt2, hf:NAME, or a saved tokenizer folder "
+            "(e.g. the tokenizer/ of prepared shards)",
+        )
     return resolve_tokenizer(spec)
 
 
@@ -78,10 +80,22 @@ class TokenStream:
     """An endless, seeded, resumable stream of training sequences (``seq_len + 1`` int64 tokens) of one
     rank; see the module docstring. ``docs_encoded`` counts the documents tokenised so far."""
 
-    def __init__(self, corpus: str, tokenizer: Tokenizer, seq_len: int, *, text_field: str = "text",
-                 val_fraction: float = 0.02, split_seed: int = 0, max_docs: int | None = None,
-                 max_chars_per_doc: int | None = None, buffer_size: int = 1024, seed: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        corpus: str,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        *,
+        text_field: str = "text",
+        val_fraction: float = 0.02,
+        split_seed: int = 0,
+        max_docs: int | None = None,
+        max_chars_per_doc: int | None = None,
+        buffer_size: int = 1024,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         if seq_len < 1:
             raise ConfigError(f"seq_len must be >= 1, got {seq_len}")
         if buffer_size < 1:
@@ -98,9 +112,9 @@ class TokenStream:
         self._buf = np.zeros((0, seq_len + 1), dtype=self.dtype)
         self._partial = np.zeros(0, dtype=self.dtype)
         self._cur: np.ndarray | None = None  # tokens + eot of the document being packed
-        self._cur_pos = (0, -1)              # (epoch, document number) of _cur
-        self._cur_id = ""                    # its document id (where a resume skips to)
-        self._off = 0                        # tokens of _cur already packed
+        self._cur_pos = (0, -1)  # (epoch, document number) of _cur
+        self._cur_id = ""  # its document id (where a resume skips to)
+        self._off = 0  # tokens of _cur already packed
         self._docs: Iterator[tuple[int, int, str, str]] | None = None
         self._queue: deque[tuple[int, int, str, np.ndarray]] = deque()
 
@@ -110,13 +124,22 @@ class TokenStream:
         """(number, document) of the corpus from document ``start`` (whose id is ``start_id``) on. Local files:
         the files before that document's file are skipped unopened; otherwise documents are re-read (not
         tokenised) up to it."""
-        files = [] if start == 0 or self.corpus == "builtin" or self.corpus.startswith(("builtin:", "hf:")) \
+        files = (
+            []
+            if start == 0 or self.corpus == "builtin" or self.corpus.startswith(("builtin:", "hf:"))
             else resolve_files(self.corpus)
+        )
         rels = [rel for _, rel in files]
         first = next((k for k, rel in enumerate(rels) if rel in (start_id, start_id.rsplit("#", 1)[0])), None)
         if first is None:
-            for i, d in enumerate(iter_documents(self.corpus, text_field=self.text_field, max_docs=self.max_docs,
-                                                 max_chars_per_doc=self.max_chars_per_doc)):
+            for i, d in enumerate(
+                iter_documents(
+                    self.corpus,
+                    text_field=self.text_field,
+                    max_docs=self.max_docs,
+                    max_chars_per_doc=self.max_chars_per_doc,
+                )
+            ):
                 if i >= start:
                     yield i, d
             return
@@ -125,7 +148,7 @@ class TokenStream:
             for d in file_documents(path, rel, self.text_field):  # the filtering of iter_documents
                 text = d.text
                 if self.max_chars_per_doc is not None and len(text) > self.max_chars_per_doc:
-                    text = text[:self.max_chars_per_doc]
+                    text = text[: self.max_chars_per_doc]
                 if not text.strip():
                     continue
                 if not found:
@@ -137,8 +160,10 @@ class TokenStream:
                 yield i, Document(d.id, text, d.meta)
                 i += 1
         if not found:
-            raise DataError(f"corpus {self.corpus!r} changed since the checkpoint: document {start_id!r} is gone",
-                            fix="resume on the unchanged corpus")
+            raise DataError(
+                f"corpus {self.corpus!r} changed since the checkpoint: document {start_id!r} is gone",
+                fix="resume on the unchanged corpus",
+            )
 
     def _doc_iter(self, epoch: int, start: int, start_id: str = "") -> Iterator[tuple[int, int, str, str]]:
         """(epoch, number, id, text) of this rank's training documents, from document ``start`` of ``epoch``
@@ -151,9 +176,11 @@ class TokenStream:
                 found = True
                 yield epoch, i, d.id, d.text
             if not found and start == 0:
-                raise DataError(f"corpus {self.corpus!r} has no training document for rank {self.rank} of "
-                                f"{self.world} (all are held out for validation or the corpus is too small)",
-                                fix="use more documents or a smaller data.val_fraction")
+                raise DataError(
+                    f"corpus {self.corpus!r} has no training document for rank {self.rank} of "
+                    f"{self.world} (all are held out for validation or the corpus is too small)",
+                    fix="use more documents or a smaller data.val_fraction",
+                )
             epoch, start, start_id = epoch + 1, 0, ""
 
     def _next_doc(self) -> None:
@@ -181,7 +208,7 @@ class TokenStream:
                 self._next_doc()
             assert self._cur is not None
             take = min(need - len(self._partial), len(self._cur) - self._off)
-            self._partial = np.concatenate([self._partial, self._cur[self._off:self._off + take]])
+            self._partial = np.concatenate([self._partial, self._cur[self._off : self._off + take]])
             self._off += take
             if len(self._partial) == need:
                 out = self._partial
@@ -210,23 +237,44 @@ class TokenStream:
         return self._cur_pos[0]
 
     def _key(self) -> dict[str, Any]:
-        return {"corpus": self.corpus, "tokenizer": self.tok.fingerprint, "seq_len": self.T,
-                "text_field": self.text_field, "val_fraction": self.val_fraction, "split_seed": self.split_seed,
-                "max_docs": self.max_docs, "max_chars_per_doc": self.max_chars_per_doc,
-                "buffer_size": self.buffer_size, "seed": self.seed, "rank": self.rank, "world": self.world}
+        return {
+            "corpus": self.corpus,
+            "tokenizer": self.tok.fingerprint,
+            "seq_len": self.T,
+            "text_field": self.text_field,
+            "val_fraction": self.val_fraction,
+            "split_seed": self.split_seed,
+            "max_docs": self.max_docs,
+            "max_chars_per_doc": self.max_chars_per_doc,
+            "buffer_size": self.buffer_size,
+            "seed": self.seed,
+            "rank": self.rank,
+            "world": self.world,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The exact position (small: the buffer is at most ``buffer_size × (seq_len + 1)`` tokens)."""
-        return {"format": STREAM_FORMAT, "key": self._key(), "epoch": self._cur_pos[0], "doc": self._cur_pos[1],
-                "doc_id": self._cur_id, "offset": self._off, "partial": self._partial.copy(), "buffer": self._buf.copy(),
-                "rng": self._rng.bit_generator.state, "sequences_drawn": self.sequences_drawn}
+        return {
+            "format": STREAM_FORMAT,
+            "key": self._key(),
+            "epoch": self._cur_pos[0],
+            "doc": self._cur_pos[1],
+            "doc_id": self._cur_id,
+            "offset": self._off,
+            "partial": self._partial.copy(),
+            "buffer": self._buf.copy(),
+            "rng": self._rng.bit_generator.state,
+            "sequences_drawn": self.sequences_drawn,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("format") != STREAM_FORMAT or state.get("key") != self._key():
             diff = sorted(k for k, v in self._key().items() if state.get("key", {}).get(k) != v)
-            raise DataError("the checkpoint's stream position belongs to another stream (differs in: "
-                            f"{', '.join(diff) or 'format'})", fix="resume with the run's own data settings and "
-                            "number of processes")
+            raise DataError(
+                "the checkpoint's stream position belongs to another stream (differs in: "
+                f"{', '.join(diff) or 'format'})",
+                fix="resume with the run's own data settings and number of processes",
+            )
         epoch, doc = int(state["epoch"]), int(state["doc"])
         self._queue.clear()
         self._cur, self._cur_pos, self._off = None, (epoch, doc), 0
@@ -235,8 +283,11 @@ class TokenStream:
             self._docs = self._doc_iter(epoch, doc, str(state["doc_id"]))
             self._next_doc()
             if self._cur_pos != (epoch, doc) or self._cur_id != state["doc_id"]:
-                raise DataError(f"corpus {self.corpus!r} changed since the checkpoint: document {doc} is not "
-                                "where the stream stopped", fix="resume on the unchanged corpus")
+                raise DataError(
+                    f"corpus {self.corpus!r} changed since the checkpoint: document {doc} is not "
+                    "where the stream stopped",
+                    fix="resume on the unchanged corpus",
+                )
             self._off = int(state["offset"])
         self._partial = np.asarray(state["partial"], dtype=self.dtype).copy()
         self._buf = np.asarray(state["buffer"], dtype=self.dtype).copy()
@@ -255,15 +306,34 @@ class StreamingData:
     manifest: dict[str, Any]
 
     def stream(self, data: DataConfig, seq_len: int, *, seed: int, rank: int = 0, world_size: int = 1) -> TokenStream:
-        return TokenStream(data.corpus, self.tokenizer, seq_len, text_field=data.text_field,
-                           val_fraction=data.val_fraction, split_seed=data.seed, max_docs=data.max_docs,
-                           max_chars_per_doc=data.max_chars_per_doc, buffer_size=data.shuffle_buffer, seed=seed,
-                           rank=rank, world_size=world_size)
+        return TokenStream(
+            data.corpus,
+            self.tokenizer,
+            seq_len,
+            text_field=data.text_field,
+            val_fraction=data.val_fraction,
+            split_seed=data.seed,
+            max_docs=data.max_docs,
+            max_chars_per_doc=data.max_chars_per_doc,
+            buffer_size=data.shuffle_buffer,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+        )
 
 
-def prepare_stream_val(corpus: str, tok: Tokenizer, root: Path, *, val_fraction: float, seed: int,
-                       text_field: str, max_docs: int | None, max_chars_per_doc: int | None,
-                       val_tokens: int) -> TokenShard:
+def prepare_stream_val(
+    corpus: str,
+    tok: Tokenizer,
+    root: Path,
+    *,
+    val_fraction: float,
+    seed: int,
+    text_field: str,
+    max_docs: int | None,
+    max_chars_per_doc: int | None,
+    val_tokens: int,
+) -> TokenShard:
     """Write the validation shard (``val.bin``/``val.docs.npy``/``val.ids.json``) of a streaming corpus: its
     validation-split documents in corpus order until ``val_tokens`` tokens; only they are tokenised."""
     dtype = token_dtype(tok.vocab_size)
@@ -280,8 +350,10 @@ def prepare_stream_val(corpus: str, tok: Tokenizer, root: Path, *, val_fraction:
         if n >= val_tokens:
             break
     if not ids:
-        raise DataError(f"corpus {corpus!r} has no validation document (val_fraction={val_fraction})",
-                        fix="use more documents or a larger data.val_fraction")
+        raise DataError(
+            f"corpus {corpus!r} has no validation document (val_fraction={val_fraction})",
+            fix="use more documents or a larger data.val_fraction",
+        )
     tokens = np.concatenate(parts)
     offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts])]).astype(np.int64)
     tmp = root / "val.bin.tmp"
@@ -299,9 +371,15 @@ def prepare_stream(data: DataConfig) -> StreamingData:
         raise ConfigError("prepare_stream needs data.streaming=true")
     tok = stream_tokenizer(data.tokenizer)
     opts = {"text_field": data.text_field, "max_docs": data.max_docs, "max_chars_per_doc": data.max_chars_per_doc}
-    key_src = {"format": STREAM_FORMAT, "corpus_fingerprint": corpus_fingerprint(data.corpus, **opts),
-               "tokenizer": tok.fingerprint, "val_fraction": data.val_fraction, "seed": data.seed,
-               "val_tokens": data.stream_val_tokens, **opts}
+    key_src = {
+        "format": STREAM_FORMAT,
+        "corpus_fingerprint": corpus_fingerprint(data.corpus, **opts),
+        "tokenizer": tok.fingerprint,
+        "val_fraction": data.val_fraction,
+        "seed": data.seed,
+        "val_tokens": data.stream_val_tokens,
+        **opts,
+    }
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
     cache = Path(data.data_dir).expanduser() if data.data_dir is not None else default_data_dir()
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", data.corpus).strip("_")[-40:] or "corpus"
@@ -320,13 +398,28 @@ def prepare_stream(data: DataConfig) -> StreamingData:
             val = TokenShard(root / "val.bin", root / "val.docs.npy", root / "val.ids.json", dtype)
         else:
             mpath.unlink(missing_ok=True)
-            val = prepare_stream_val(data.corpus, tok, root, val_fraction=data.val_fraction, seed=data.seed,
-                                     text_field=data.text_field, max_docs=data.max_docs,
-                                     max_chars_per_doc=data.max_chars_per_doc, val_tokens=data.stream_val_tokens)
+            val = prepare_stream_val(
+                data.corpus,
+                tok,
+                root,
+                val_fraction=data.val_fraction,
+                seed=data.seed,
+                text_field=data.text_field,
+                max_docs=data.max_docs,
+                max_chars_per_doc=data.max_chars_per_doc,
+                val_tokens=data.stream_val_tokens,
+            )
             tok.save(root / "tokenizer")
-            manifest = {"format_version": STREAM_FORMAT, "key": key, "streaming": True,
-                        "corpus": {"spec": data.corpus, **opts}, "tokenizer": {"spec": data.tokenizer, **describe_tokenizer(tok)},
-                        "dtype": dtype.name, "seed": data.seed, "val_fraction": data.val_fraction,
-                        "splits": {"val": {"num_docs": val.num_docs, "num_tokens": len(val)}}}
+            manifest = {
+                "format_version": STREAM_FORMAT,
+                "key": key,
+                "streaming": True,
+                "corpus": {"spec": data.corpus, **opts},
+                "tokenizer": {"spec": data.tokenizer, **describe_tokenizer(tok)},
+                "dtype": dtype.name,
+                "seed": data.seed,
+                "val_fraction": data.val_fraction,
+                "splits": {"val": {"num_docs": val.num_docs, "num_tokens": len(val)}},
+            }
             atomic_write_text(mpath, json.dumps(manifest, indent=1) + "\n")
     return StreamingData(root, val, tok, manifest)

@@ -51,8 +51,6 @@ _TOKENIZER_FILE = "tokenizer.json"
 _EOT_CANDIDATES = (EOT_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]", "<|im_end|>")
 
 
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     """Smallest unsigned dtype that holds every id: uint16 up to 65,536 ids, else uint32."""
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
@@ -77,8 +75,15 @@ class Tokenizer:
     learns document boundaries and never conditions across them unknowingly.
     """
 
-    def __init__(self, backend: _HFTokenizer, name: str, eot_id: int, *, chat_template: str | None = None,
-                 template_tokens: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        name: str,
+        eot_id: int,
+        *,
+        chat_template: str | None = None,
+        template_tokens: dict[str, str] | None = None,
+    ) -> None:
         self._tok = backend
         self.name = name
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -146,7 +151,8 @@ class Tokenizer:
             raise TokenizerError(f"tokenizer {self.name!r} has no chat template")
         try:
             return _chat_template(self.chat_template).render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.template_tokens)
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.template_tokens
+            )
         except Exception as e:  # jinja2's TemplateError, or the template's own raise_exception
             raise TokenizerError(f"the chat template of tokenizer {self.name!r} failed: {e}") from e
 
@@ -198,8 +204,13 @@ class Tokenizer:
         meta_file = file.parent / _META_FILE
         if meta_file.exists():
             meta = json.loads(meta_file.read_text(encoding="utf-8"))
-            return cls(backend, meta["name"], meta["eot_id"], chat_template=meta.get("chat_template"),
-                       template_tokens=meta.get("template_tokens"))
+            return cls(
+                backend,
+                meta["name"],
+                meta["eot_id"],
+                chat_template=meta.get("chat_template"),
+                template_tokens=meta.get("template_tokens"),
+            )
         for tok in _EOT_CANDIDATES:
             i = backend.token_to_id(tok)
             if i is not None:
@@ -291,8 +302,13 @@ def from_transformers(hf: PreTrainedTokenizerBase, name: str) -> Tokenizer:
     template = getattr(hf, "chat_template", None)
     tokens = {k: v for k, v in (getattr(hf, "special_tokens_map", None) or {}).items() if isinstance(v, str)}
     # copy, so later changes to the transformers object do not alter our fingerprint
-    return Tokenizer(_HFTokenizer.from_str(backend.to_str()), name, int(eot),
-                     chat_template=template if isinstance(template, str) else None, template_tokens=tokens)
+    return Tokenizer(
+        _HFTokenizer.from_str(backend.to_str()),
+        name,
+        int(eot),
+        chat_template=template if isinstance(template, str) else None,
+        template_tokens=tokens,
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -304,8 +320,9 @@ def _chat_template(source: str) -> Template:
     def raise_exception(message: str) -> None:
         raise TokenizerError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt: str) -> str:
@@ -349,5 +366,10 @@ def resolve_tokenizer(
 
 def describe_tokenizer(tok: Tokenizer) -> dict[str, Any]:
     """Manifest entry for ``tok``."""
-    return {"name": tok.name, "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
-            "eot_id": tok.eot_id, "eot_token": tok.backend.id_to_token(tok.eot_id)}
+    return {
+        "name": tok.name,
+        "fingerprint": tok.fingerprint,
+        "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id,
+        "eot_token": tok.backend.id_to_token(tok.eot_id),
+    }

@@ -46,8 +46,9 @@ def coverage_sums(out: PrismOutput) -> tuple[float, float, int]:
     return token_cos, float(ratio.sum()), out.token_max_cos.numel()
 
 
-def coverage_metrics(proto_max: torch.Tensor, counts: torch.Tensor, token_cos_sum: float,
-                     residual_share_sum: float, tokens: int) -> dict[str, float]:
+def coverage_metrics(
+    proto_max: torch.Tensor, counts: torch.Tensor, token_cos_sum: float, residual_share_sum: float, tokens: int
+) -> dict[str, float]:
     """R̄1, R2, dead prototypes and residual share from streamed statistics (definitions above)."""
     if tokens == 0:
         return {}
@@ -112,13 +113,15 @@ def evaluate(
     with eval_mode(model):
         n_seq = shard.num_sequences(seq_len)
         if n_seq < 1:
-            raise DataError(f"the validation split has fewer than {seq_len + 1} tokens; use more data or a smaller block_size")
+            raise DataError(
+                f"the validation split has fewer than {seq_len + 1} tokens; use more data or a smaller block_size"
+            )
         ids = eval_sequence_ids(n_seq, batch_size * max_batches)
         cov = CoverageAccumulator(model.prototypes.num_prototypes) if model.prototypes is not None else None
         sums: dict[str, float] = {}
         n_tokens = 0
         for start in range(0, len(ids), batch_size):
-            batch = torch.from_numpy(shard.sequences(ids[start:start + batch_size], seq_len)).to(device)
+            batch = torch.from_numpy(shard.sequences(ids[start : start + batch_size], seq_len)).to(device)
             x, y = batch[:, :-1], batch[:, 1:]
             with autocast or nullcontext():
                 out = model(x, y, loss_weights=loss_weights)
@@ -144,7 +147,7 @@ def distinct_n(texts: Sequence[str], n: int) -> float:
     total = 0
     for t in texts:
         w = t.split()
-        g = [tuple(w[i:i + n]) for i in range(len(w) - n + 1)]
+        g = [tuple(w[i : i + n]) for i in range(len(w) - n + 1)]
         grams.update(g)
         total += len(g)
     return len(grams) / max(1, total)

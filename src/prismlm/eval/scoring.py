@@ -32,12 +32,18 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str, block_siz
         raise DataError(f"continuation {continuation!r} encodes to no tokens")
     if len(cont) > block_size:
         raise DataError(f"continuation of {len(cont)} tokens does not fit the context window ({block_size})")
-    full = (ctx + cont)[-(block_size + 1):]
+    full = (ctx + cont)[-(block_size + 1) :]
     return full, len(cont)
 
 
-def text_batches(tokenizer: Tokenizer, texts: Sequence[str], block_size: int, batch_size: int, *,
-                 max_tokens_per_text: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def text_batches(
+    tokenizer: Tokenizer,
+    texts: Sequence[str],
+    block_size: int,
+    batch_size: int,
+    *,
+    max_tokens_per_text: int | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Texts → right-padded batches (x (B, T) int64, mask (B, T) bool); a text longer than block_size is
     split into windows of block_size tokens (each scored from its own start)."""
     windows: list[list[int]] = []
@@ -46,22 +52,23 @@ def text_batches(tokenizer: Tokenizer, texts: Sequence[str], block_size: int, ba
         if max_tokens_per_text:
             ids = ids[:max_tokens_per_text]
         for s in range(0, len(ids), block_size):
-            if ids[s:s + block_size]:
-                windows.append(ids[s:s + block_size])
+            if ids[s : s + block_size]:
+                windows.append(ids[s : s + block_size])
     for b in range(0, len(windows), batch_size):
-        chunk = windows[b:b + batch_size]
+        chunk = windows[b : b + batch_size]
         T = max(len(w) for w in chunk)
         x = torch.full((len(chunk), T), tokenizer.eot_id, dtype=torch.long)
         mask = torch.zeros(len(chunk), T, dtype=torch.bool)
         for r, w in enumerate(chunk):
-            x[r, :len(w)] = torch.tensor(w)
-            mask[r, :len(w)] = True
+            x[r, : len(w)] = torch.tensor(w)
+            mask[r, : len(w)] = True
         yield x, mask
 
 
 @torch.no_grad()
-def loglikelihoods(model: PrismLM, tokenizer: Tokenizer, requests: Sequence[tuple[str, str]], *,
-                   batch_size: int = 32) -> list[tuple[float, bool]]:
+def loglikelihoods(
+    model: PrismLM, tokenizer: Tokenizer, requests: Sequence[tuple[str, str]], *, batch_size: int = 32
+) -> list[tuple[float, bool]]:
     """For each (context, continuation): (Σ log p(continuation | context), whether it is the greedy
     continuation) — the ``lm-eval`` ``loglikelihood`` contract."""
     T = model.config.block_size
@@ -70,12 +77,12 @@ def loglikelihoods(model: PrismLM, tokenizer: Tokenizer, requests: Sequence[tupl
     results: dict[int, tuple[float, bool]] = {}
     order = sorted(range(len(enc)), key=lambda i: -len(enc[i][0]))  # similar lengths together
     for b in range(0, len(order), batch_size):
-        ids = order[b:b + batch_size]
+        ids = order[b : b + batch_size]
         L = max(len(enc[i][0]) - 1 for i in ids)
         x = torch.full((len(ids), L), tokenizer.eot_id, dtype=torch.long)
         for r, i in enumerate(ids):
             full = enc[i][0]
-            x[r, :len(full) - 1] = torch.tensor(full[:-1])
+            x[r, : len(full) - 1] = torch.tensor(full[:-1])
         logits = model(x.to(dev)).logits  # (B, L, V)
         for r, i in enumerate(ids):
             full, n = enc[i]
@@ -98,7 +105,9 @@ class MCResult:
         return {"acc": self.acc, "acc_norm": self.acc_norm, "n": self.n}
 
 
-def mc_accuracy(model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[str, Any]], *, batch_size: int = 32) -> MCResult:
+def mc_accuracy(
+    model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[str, Any]], *, batch_size: int = 32
+) -> MCResult:
     """Accuracy of multiple-choice docs ``{"query", "choices", "gold"}`` as lm-eval computes it: ``acc``
     picks the choice with the highest log-likelihood, ``acc_norm`` divides it by the choice's length in
     characters (first maximum wins on ties, like ``numpy.argmax``)."""
@@ -109,7 +118,7 @@ def mc_accuracy(model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[str, A
     per_doc: list[list[float]] = []
     correct = correct_n = 0
     for d in docs:
-        ll = lls[k:k + len(d["choices"])]
+        ll = lls[k : k + len(d["choices"])]
         k += len(d["choices"])
         p = max(range(len(ll)), key=lambda j: (ll[j], -j))
         pn = max(range(len(ll)), key=lambda j: (ll[j] / len(d["choices"][j]), -j))
@@ -118,18 +127,26 @@ def mc_accuracy(model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[str, A
         correct += p == d["gold"]
         correct_n += pn == d["gold"]
     n = len(docs)
-    return MCResult(acc=correct / max(1, n), acc_norm=correct_n / max(1, n), n=n, predictions=preds,
-                    loglikelihoods=per_doc)
+    return MCResult(
+        acc=correct / max(1, n), acc_norm=correct_n / max(1, n), n=n, predictions=preds, loglikelihoods=per_doc
+    )
 
 
 @torch.no_grad()
-def text_perplexity(model: PrismLM, tokenizer: Tokenizer, texts: Sequence[str], *, batch_size: int = 16,
-                    max_tokens_per_text: int | None = None) -> dict[str, float]:
+def text_perplexity(
+    model: PrismLM,
+    tokenizer: Tokenizer,
+    texts: Sequence[str],
+    *,
+    batch_size: int = 16,
+    max_tokens_per_text: int | None = None,
+) -> dict[str, float]:
     """Token-level perplexity of ``texts`` (each window of block_size tokens scored from its start)."""
     dev = next(model.parameters()).device
     nll, n = 0.0, 0
-    for x, mask in text_batches(tokenizer, texts, model.config.block_size, batch_size,
-                                max_tokens_per_text=max_tokens_per_text):
+    for x, mask in text_batches(
+        tokenizer, texts, model.config.block_size, batch_size, max_tokens_per_text=max_tokens_per_text
+    ):
         x, mask = x.to(dev), mask.to(dev)
         logits = model(x[:, :-1]).logits.double()
         m = mask[:, 1:]

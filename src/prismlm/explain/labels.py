@@ -40,13 +40,21 @@ from prismlm.explain.index import LABELS_FILE, PrototypeIndex
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
 
-__all__ = ["CATEGORIES", "classify_token", "corpus_token_counts", "llm_labels", "rule_labels", "save_labels",
-           "load_labels"]
+__all__ = [
+    "CATEGORIES",
+    "classify_token",
+    "corpus_token_counts",
+    "llm_labels",
+    "rule_labels",
+    "save_labels",
+    "load_labels",
+]
 
 CATEGORIES = ("morphology", "grammar", "punctuation", "layout", "number", "name", "boundary", "content", "mixed")
 
 # Closed-class English words: the "grammatical scaffolding" of the paper's taxonomy.
-_FUNCTION_WORDS = frozenset("""
+_FUNCTION_WORDS = frozenset(
+    """
 a an the this that these those some any no every each all both either neither
 of in on at by for with from to into onto upon over under about above below between through during
 before after since until against among within without across along around behind beyond near
@@ -55,9 +63,12 @@ i me my mine we us our ours you your yours he him his she her hers it its they t
 who whom whose which what where when why how there here
 is am are was were be been being have has had do does did will would shall should can could may might
 must not very too also just only even still
-""".split())
-_NUMBER_WORDS = frozenset("one two three four five six seven eight nine ten eleven twelve hundred thousand "
-                          "million billion first second third fourth fifth".split())
+""".split()
+)
+_NUMBER_WORDS = frozenset(
+    "one two three four five six seven eight nine ten eleven twelve hundred thousand "
+    "million billion first second third fourth fifth".split()
+)
 _PUNCT = set(string.punctuation) | set("“”‘’—–…«»")
 
 
@@ -88,7 +99,7 @@ def corpus_token_counts(shards: ShardSet, chunk: int = 1 << 24) -> np.ndarray:
     V = shards.tokenizer.vocab_size
     counts = np.zeros(V, dtype=np.int64)
     for s in range(0, len(toks), chunk):
-        counts += np.bincount(np.asarray(toks[s:s + chunk], dtype=np.int64), minlength=V)[:V]
+        counts += np.bincount(np.asarray(toks[s : s + chunk], dtype=np.int64), minlength=V)[:V]
     return counts
 
 
@@ -96,8 +107,14 @@ def _q(tok: str) -> str:
     return json.dumps(tok, ensure_ascii=False)
 
 
-def rule_labels(index: PrototypeIndex, *, shards: ShardSet | None = None, neighbours: int | None = None,
-                context: int = 8, corpus_counts: np.ndarray | None = None) -> dict[int, dict[str, Any]]:
+def rule_labels(
+    index: PrototypeIndex,
+    *,
+    shards: ShardSet | None = None,
+    neighbours: int | None = None,
+    context: int = 8,
+    corpus_counts: np.ndarray | None = None,
+) -> dict[int, dict[str, Any]]:
     """Label every prototype of ``index`` from its neighbourhood (shards attached or given).
 
     Returns prototype id → {label, category, evidence}; evidence holds the next-token and previous-token
@@ -106,8 +123,10 @@ def rule_labels(index: PrototypeIndex, *, shards: ShardSet | None = None, neighb
     """
     shards = shards if shards is not None else index.shards
     if shards is None:
-        raise ArtifactError("rule labels need the token shards the index points into: attach them with "
-                            "`index.attach(shards)` or pass `shards=`")
+        raise ArtifactError(
+            "rule labels need the token shards the index points into: attach them with "
+            "`index.attach(shards)` or pass `shards=`"
+        )
     tok = shards.tokenizer
     eot = tok.decode([tok.eot_id])
     counts = corpus_token_counts(shards) if corpus_counts is None else corpus_counts
@@ -124,7 +143,7 @@ def rule_labels(index: PrototypeIndex, *, shards: ShardSet | None = None, neighb
             nexts[int(nb.target_id)] += 1
             prevs[int(train[nb.offset])] += 1
             a = max(int(shards.train.doc_offsets[nb.doc_index]), nb.offset + 1 - context)
-            ctx.update(int(t) for t in np.asarray(train[a:nb.offset + 1]))
+            ctx.update(int(t) for t in np.asarray(train[a : nb.offset + 1]))
         n = max(1, len(nbs))
         classes = Counter(classify_token(tok.decode([t]), eot=eot) for t in nexts.elements())
         prev_classes = Counter(classify_token(tok.decode([t]), eot=eot) for t in prevs.elements())
@@ -152,17 +171,28 @@ def rule_labels(index: PrototypeIndex, *, shards: ShardSet | None = None, neighb
             parts.append("ctx: " + ", ".join(distinctive))
         dead = bool(index.counts[i] == 0)
         label = ("(dead) " if dead else "") + " ".join(parts)
-        out[i] = {"label": label[:80], "category": cls, "evidence": {
-            "next_tokens": top_next, "previous_tokens": top_prev, "distinctive_words": distinctive,
-            "next_token_classes": dict(classes), "neighbours": len(nbs), "dead": dead, "labeller": "rules"}}
+        out[i] = {
+            "label": label[:80],
+            "category": cls,
+            "evidence": {
+                "next_tokens": top_next,
+                "previous_tokens": top_prev,
+                "distinctive_words": distinctive,
+                "next_token_classes": dict(classes),
+                "neighbours": len(nbs),
+                "dead": dead,
+                "labeller": "rules",
+            },
+        }
     return out
 
 
 def save_labels(labels: dict[int, dict[str, Any]], index_dir: str | Path) -> Path:
     """Write ``labels.json`` next to the index."""
     path = Path(index_dir) / LABELS_FILE
-    atomic_write_text(path, json.dumps({str(k): v for k, v in sorted(labels.items())}, indent=1,
-                                       ensure_ascii=False) + "\n")
+    atomic_write_text(
+        path, json.dumps({str(k): v for k, v in sorted(labels.items())}, indent=1, ensure_ascii=False) + "\n"
+    )
     return path
 
 
@@ -183,9 +213,18 @@ Nearest contexts:
 {snips}"""
 
 
-def llm_labels(index: PrototypeIndex, base: dict[int, dict[str, Any]], *, endpoint: str, model: str,
-               api_key_env: str = "OPENAI_API_KEY", ids: list[int] | None = None, neighbours: int = 8,
-               timeout: float = 30.0, signature_tokens: dict[int, list[str]] | None = None) -> dict[int, dict[str, Any]]:
+def llm_labels(
+    index: PrototypeIndex,
+    base: dict[int, dict[str, Any]],
+    *,
+    endpoint: str,
+    model: str,
+    api_key_env: str = "OPENAI_API_KEY",
+    ids: list[int] | None = None,
+    neighbours: int = 8,
+    timeout: float = 30.0,
+    signature_tokens: dict[int, list[str]] | None = None,
+) -> dict[int, dict[str, Any]]:
     """Relabel prototypes with an OpenAI-compatible chat endpoint (``{endpoint}/chat/completions``).
 
     ``base``: the rule labels, kept where a request fails. The key is read from ``api_key_env`` (may be
@@ -198,9 +237,11 @@ def llm_labels(index: PrototypeIndex, base: dict[int, dict[str, Any]], *, endpoi
     for i in ids if ids is not None else range(index.num_prototypes):
         snips = "\n".join(f"- {nb.snippet!r}" for nb in index.neighbours(i, neighbours))
         top = ", ".join(repr(t) for t in (signature_tokens or {}).get(i, [])) or "(not given)"
-        body = {"model": model, "temperature": 0,
-                "messages": [{"role": "user", "content": _PROMPT.format(cats=", ".join(CATEGORIES), top=top,
-                                                                          snips=snips)}]}
+        body = {
+            "model": model,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": _PROMPT.format(cats=", ".join(CATEGORIES), top=top, snips=snips)}],
+        }
         entry = out.setdefault(i, {"label": "", "category": "mixed", "evidence": {}})
         ev = dict(entry.get("evidence") or {})
         try:

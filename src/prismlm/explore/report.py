@@ -45,8 +45,13 @@ class RunHeader:
     @classmethod
     def of(cls, run: Run) -> RunHeader:
         protos = run.config.model.prototypes
-        return cls(run=run.folder.name, step=run.step, num_prototypes=protos.num_prototypes if protos else None,
-                   top_k=protos.top_k if protos else None, model_sha256=run.identity)
+        return cls(
+            run=run.folder.name,
+            step=run.step,
+            num_prototypes=protos.num_prototypes if protos else None,
+            top_k=protos.top_k if protos else None,
+            model_sha256=run.identity,
+        )
 
     def text(self) -> str:
         parts = [f"run {self.run}", f"step {self.step if self.step is not None else '?'}"]
@@ -69,8 +74,11 @@ def render_terminal(expl: Explanation, console: Console | None = None, *, top: i
     for note in expl.notes:
         console.print(f"[dim]note: {note}[/]")
     rows = [p for p in expl.positions if p.chosen_by == "sampled"] or expl.positions
-    table = Table(title="per-token explanation: logit = Σ prototype slices + residual slice", show_lines=False,
-                  caption="each row: the prediction of its token from the tokens before it (← the token before)")
+    table = Table(
+        title="per-token explanation: logit = Σ prototype slices + residual slice",
+        show_lines=False,
+        caption="each row: the prediction of its token from the tokens before it (← the token before)",
+    )
     # Why min widths and ratio=1: on a narrow terminal (80 columns) rich shrinks every column, and "pos"
     # collapsed to nothing; the prototypes column alone now gives up width (its labels end in "…").
     pos_width = max([3, *(len(str(p.position + 1)) for p in rows[-max_rows:])])
@@ -88,11 +96,18 @@ def render_terminal(expl: Explanation, console: Console | None = None, *, top: i
         if len(p.prototypes) > top:
             protos.append(f" (+{len(p.prototypes) - top})", style="dim")
         how = "" if p.chosen_by in ("text", "sampled") else f" ({p.chosen_by})"
-        table.add_row(str(p.position + 1), f"{_vis(p.next_token)!r}{how} ← {_vis(p.token)!r}", f"{p.logit:.2f}",
-                      f"{p.residual_share:+.0%}", protos)
+        table.add_row(
+            str(p.position + 1),
+            f"{_vis(p.next_token)!r}{how} ← {_vis(p.token)!r}",
+            f"{p.logit:.2f}",
+            f"{p.residual_share:+.0%}",
+            protos,
+        )
     console.print(table)
-    console.print(f"[dim]max |Σ slices + residual − logit| = {expl.max_abs_error:.2e} over {len(expl.positions)} "
-                  f"positions; {len(expl.prototypes)} prototypes used[/]")
+    console.print(
+        f"[dim]max |Σ slices + residual − logit| = {expl.max_abs_error:.2e} over {len(expl.positions)} "
+        f"positions; {len(expl.prototypes)} prototypes used[/]"
+    )
 
 
 def _hist_svg(hist: list[int], w: int = 200, h: int = 48) -> str:
@@ -103,9 +118,12 @@ def _hist_svg(hist: list[int], w: int = 200, h: int = 48) -> str:
     bars = "".join(
         f'<rect x="{i * bw:.1f}" y="{h - 14 - (h - 16) * c / m:.1f}" width="{bw - 1:.1f}" '
         f'height="{(h - 16) * c / m:.1f}"><title>[{i / len(hist):.2f}, {(i + 1) / len(hist):.2f}): {c}</title></rect>'
-        for i, c in enumerate(hist))
-    return (f'<svg class="hist" width="{w}" height="{h}" viewBox="0 0 {w} {h}">{bars}'
-            f'<text x="0" y="{h - 2}">0</text><text x="{w - 8}" y="{h - 2}">1</text></svg>')
+        for i, c in enumerate(hist)
+    )
+    return (
+        f'<svg class="hist" width="{w}" height="{h}" viewBox="0 0 {w} {h}">{bars}'
+        f'<text x="0" y="{h - 2}">0</text><text x="{w - 8}" y="{h - 2}">1</text></svg>'
+    )
 
 
 def _card_html(c: dict[str, Any]) -> str:
@@ -113,17 +131,23 @@ def _card_html(c: dict[str, Any]) -> str:
     snips = "".join(
         f'<li><span class="sim">{n["similarity"]:.3f}</span> {e(n["before"])}<mark>{e(n["target"] or "")}</mark>'
         f'{e(n["after"])} <span class="doc">{e(str(n["doc_id"]))}:{n["position"]}</span></li>'
-        for n in c["neighbours"])
-    toks = " ".join(f'<code>{e(repr(t)[1:-1])}</code><sub>{v:.2f}</sub>' for t, v in c["top_tokens"])
-    down = " ".join(f'<code>{e(repr(t)[1:-1])}</code><sub>{v:.2f}</sub>' for t, v in c.get("bottom_tokens", []))
+        for n in c["neighbours"]
+    )
+    toks = " ".join(f"<code>{e(repr(t)[1:-1])}</code><sub>{v:.2f}</sub>" for t, v in c["top_tokens"])
+    down = " ".join(f"<code>{e(repr(t)[1:-1])}</code><sub>{v:.2f}</sub>" for t, v in c.get("bottom_tokens", []))
     st = c.get("stats") or {}
-    stats = (f'active on {st["count"]:,} tokens ({st["frequency"]:.2%}), mean activation '
-             f'{st["mean_activation"]:.3f}' if st else "no index: neighbourhood not available")
-    return (f'<div class="card" id="p{c["id"]}"><h3>#{c["id"]} <span class="lab">{e(c["label"] or "")}</span> '
-            f'<span class="cat">{e(c["category"] or "")}</span></h3><div class="stats">{stats}</div>'
-            f'{_hist_svg(st.get("histogram", []))}<div class="toks">W p<sub>i</sub> pushes up: {toks}</div>'
-            f'<div class="toks down">pushes down: {down}</div>'
-            f'<ol class="snips">{snips}</ol></div>')
+    stats = (
+        f"active on {st['count']:,} tokens ({st['frequency']:.2%}), mean activation {st['mean_activation']:.3f}"
+        if st
+        else "no index: neighbourhood not available"
+    )
+    return (
+        f'<div class="card" id="p{c["id"]}"><h3>#{c["id"]} <span class="lab">{e(c["label"] or "")}</span> '
+        f'<span class="cat">{e(c["category"] or "")}</span></h3><div class="stats">{stats}</div>'
+        f'{_hist_svg(st.get("histogram", []))}<div class="toks">W p<sub>i</sub> pushes up: {toks}</div>'
+        f'<div class="toks down">pushes down: {down}</div>'
+        f'<ol class="snips">{snips}</ol></div>'
+    )
 
 
 _STATIC = Path(__file__).resolve().parent / "static"
@@ -178,18 +202,24 @@ def _attribution_html(att: Attribution | dict[str, Any]) -> str:
     a = att if isinstance(att, dict) else att.to_dict()
     rows = []
     for it in a["top"]:
-        protos = ", ".join(f'<a href="#p{p["id"]}">#{p["id"]}</a> ({p["contribution"]:+.3g})' for p in it["prototypes"][:3])
+        protos = ", ".join(
+            f'<a href="#p{p["id"]}">#{p["id"]}</a> ({p["contribution"]:+.3g})' for p in it["prototypes"][:3]
+        )
         snip = html.escape(it.get("snippet") or "").replace("⟦", "<mark>").replace("⟧", "</mark>")
-        rows.append(f'<tr><td class="num">{it["rank"]}</td><td class="num">{it["sequence"]}</td>'
-                    f'<td>{html.escape(str(it.get("doc_id") or ""))}</td>'
-                    f'<td class="num {"pos" if it["score"] >= 0 else "neg"}">{it["score"]:+.4g}</td>'
-                    f'<td>{protos}</td><td>{snip}</td></tr>')
+        rows.append(
+            f'<tr><td class="num">{it["rank"]}</td><td class="num">{it["sequence"]}</td>'
+            f"<td>{html.escape(str(it.get('doc_id') or ''))}</td>"
+            f'<td class="num {"pos" if it["score"] >= 0 else "neg"}">{it["score"]:+.4g}</td>'
+            f"<td>{protos}</td><td>{snip}</td></tr>"
+        )
     what = f"completion {html.escape(repr(a['completion']))}" if a.get("completion") else "every token"
-    return (f"<h2>Training data</h2><p>Training sequences with the largest prototype-space influence on {what} "
-            f"({a['measured_tokens']} measured token(s); {html.escape(a['method'])} over {a['num_train']:,} "
-            f"sequences; positive = helpful, i.e. training on it lowers this loss).</p>"
-            f"<table><tr><th>#</th><th>sequence</th><th>document</th><th>score</th><th>connecting prototypes "
-            f"(contribution)</th><th>snippet</th></tr>{''.join(rows)}</table>")
+    return (
+        f"<h2>Training data</h2><p>Training sequences with the largest prototype-space influence on {what} "
+        f"({a['measured_tokens']} measured token(s); {html.escape(a['method'])} over {a['num_train']:,} "
+        f"sequences; positive = helpful, i.e. training on it lowers this loss).</p>"
+        f"<table><tr><th>#</th><th>sequence</th><th>document</th><th>score</th><th>connecting prototypes "
+        f"(contribution)</th><th>snippet</th></tr>{''.join(rows)}</table>"
+    )
 
 
 def _header_html(run: RunHeader | None, sha: str | None) -> str:
@@ -213,17 +243,27 @@ def _token_spans(d: dict[str, Any]) -> list[str]:
         r = min(1.0, abs(p["residual_share"]))
         color = f"rgba(230,80,60,{0.08 + 0.6 * r:.2f})"  # redder = more left to the residual
         own = p["chosen_by"] not in ("text", "sampled")
-        cls = "t" + (" gen" if start_gen is not None and p["position"] + 1 >= start_gen else "") + (" ghost" if own else "")
-        spans.append(f'<span class="{cls}" data-i="{p["position"]}" style="background:{color}" '
-                     f'title="{html.escape(repr(p["next_token"]))} ({p["chosen_by"]}) after '
-                     f'{html.escape(repr(p["token"]))}: residual {p["residual_share"]:+.0%}">'
-                     f'{html.escape(p["next_token"])}</span>')
+        cls = (
+            "t"
+            + (" gen" if start_gen is not None and p["position"] + 1 >= start_gen else "")
+            + (" ghost" if own else "")
+        )
+        spans.append(
+            f'<span class="{cls}" data-i="{p["position"]}" style="background:{color}" '
+            f'title="{html.escape(repr(p["next_token"]))} ({p["chosen_by"]}) after '
+            f'{html.escape(repr(p["token"]))}: residual {p["residual_share"]:+.0%}">'
+            f"{html.escape(p['next_token'])}</span>"
+        )
     return spans
 
 
-def render_html(expl: Explanation, *, title: str = "PRISM explanation",
-                attribution: Attribution | dict[str, Any] | None = None,
-                run: Run | RunHeader | None = None) -> str:
+def render_html(
+    expl: Explanation,
+    *,
+    title: str = "PRISM explanation",
+    attribution: Attribution | dict[str, Any] | None = None,
+    run: Run | RunHeader | None = None,
+) -> str:
     """A self-contained HTML page (inline CSS/JS/SVG, embedded JSON; no network). ``attribution``: an
     optional ``Attribution`` shown as a "Training data" section; ``run``: the run explained (a ``Run`` or
     a ``RunHeader``), named in the header with its step, K and k."""
@@ -236,17 +276,17 @@ def render_html(expl: Explanation, *, title: str = "PRISM explanation",
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>{_shared("prism.css")}{_CSS}</style></head><body>
 <h1>{html.escape(title)}</h1>
-{_header_html(header, d['model_sha256'])}
+{_header_html(header, d["model_sha256"])}
 <p>Each next-token logit is an exact sum of prototype slices and one residual slice
-(max error {d['max_abs_error']:.1e}). Click a token for the waterfall of its logit.</p>
+(max error {d["max_abs_error"]:.1e}). Click a token for the waterfall of its logit.</p>
 <p class="convention" id="convention"></p>
 <div class="legend">shading: the residual's share of the next token's logit <span class="resid-scale"></span> 0 → 100%
 (redder: less explained by prototypes)</div><p class="muted">
-Index {html.escape(str(d['index'] or 'none'))}.</p>
+Index {html.escape(str(d["index"] or "none"))}.</p>
 <ul>{notes}</ul>
-<div id="text">{''.join(spans)}</div>
+<div id="text">{"".join(spans)}</div>
 <div id="detail">Click a token to see its prototypes.</div>
-{_attribution_html(attribution) if attribution is not None else ''}
+{_attribution_html(attribution) if attribution is not None else ""}
 <h2>Prototypes <button id="all">show all</button></h2><div id="cards">{cards}</div>
 <script type="application/json" id="data">{data}</script>
 <script>{_shared("waterfall.js")}</script>
@@ -254,9 +294,15 @@ Index {html.escape(str(d['index'] or 'none'))}.</p>
 """
 
 
-def write_html(expl: Explanation, path: str | Path, *, title: str = "PRISM explanation",
-               attribution: Attribution | dict[str, Any] | None = None, run: Run | RunHeader | None = None,
-               option: str = "--html") -> Path:
+def write_html(
+    expl: Explanation,
+    path: str | Path,
+    *,
+    title: str = "PRISM explanation",
+    attribution: Attribution | dict[str, Any] | None = None,
+    run: Run | RunHeader | None = None,
+    option: str = "--html",
+) -> Path:
     """Write the report to ``path`` (parents created, atomically; a path that cannot be written is a
     ``ConfigError`` naming ``option``)."""
     return write_output(path, render_html(expl, title=title, attribution=attribution, run=run), option=option)

@@ -47,8 +47,9 @@ from prismlm.errors import (
 __all__ = ["STATIC_DIR", "create_app", "serve"]
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-DENIED_QUERY_KEYS = frozenset({"path", "file", "filename", "dir", "folder", "run", "index", "cache", "shards",
-                               "out", "checkpoint"})
+DENIED_QUERY_KEYS = frozenset(
+    {"path", "file", "filename", "dir", "folder", "run", "index", "cache", "shards", "out", "checkpoint"}
+)
 """Query parameters that would name a file: refused with 404 on every route (none of ours takes one)."""
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
@@ -70,8 +71,11 @@ def _json(data: object, status: int = 200) -> Response:
     """JSON without FastAPI's per-value encoder (the values are plain already; an explanation of 128
     tokens is ~10k numbers)."""
     # encodable: a lone surrogate that reached an answer anyway is sent as U+FFFD, never a 500
-    return Response(encodable(json.dumps(data, ensure_ascii=False, separators=(",", ":"))), status_code=status,
-                    media_type="application/json")
+    return Response(
+        encodable(json.dumps(data, ensure_ascii=False, separators=(",", ":"))),
+        status_code=status,
+        media_type="application/json",
+    )
 
 
 # ----- request bodies ----------------------------------------------------------------------------------------
@@ -81,6 +85,7 @@ class _Body(BaseModel):
     def checked(self) -> _Body:
         """This body, after refusing any string in it that holds a lone surrogate (valid JSON — ``\\udcff``
         — but not Unicode: an answer quoting it could not be encoded): ``ConfigError`` naming the field."""
+
         def walk(value: object, where: str) -> None:
             if isinstance(value, str):
                 check_unicode(value, where)
@@ -152,20 +157,33 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
-                               "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+    "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
 }
 
 
-def create_app(run: str | Path | Explorer, index: Path | None = None, cache: Path | None = None,
-               limits: Limits = Limits(), *, device: str = "auto", suppress: str | Path | None = "auto",
-               concepts: Sequence[Path] = (), allowed_hosts: Sequence[str] | None = LOCAL_HOSTS) -> FastAPI:
+def create_app(
+    run: str | Path | Explorer,
+    index: Path | None = None,
+    cache: Path | None = None,
+    limits: Limits = Limits(),
+    *,
+    device: str = "auto",
+    suppress: str | Path | None = "auto",
+    concepts: Sequence[Path] = (),
+    allowed_hosts: Sequence[str] | None = LOCAL_HOSTS,
+) -> FastAPI:
     """The explorer app for one run (a run folder, or an opened ``Explorer`` to share one between apps).
 
     ``index``/``cache``: the prototype index and attribution cache (default RUN/index, RUN/attribution-cache
     when present); ``concepts``: suppression-set files a Steer request may name; ``allowed_hosts``: the
     ``Host`` names accepted (None: any — only for tests behind another guard)."""
-    ex = run if isinstance(run, Explorer) else Explorer.open(run, index=index, cache=cache, device=device,
-                                                             suppress=suppress, concepts=concepts, limits=limits)
+    ex = (
+        run
+        if isinstance(run, Explorer)
+        else Explorer.open(
+            run, index=index, cache=cache, device=device, suppress=suppress, concepts=concepts, limits=limits
+        )
+    )
     limits = ex.limits
     static = _static_table(STATIC_DIR)
     waiting = threading.BoundedSemaphore(limits.max_waiting)
@@ -184,8 +202,10 @@ def create_app(run: str | Path | Explorer, index: Path | None = None, cache: Pat
             return _json({"error": "NotFound", "message": "this server takes no file paths"}, 404)
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limits.max_body_bytes):
-            return _json({"error": "RequestLimitError",
-                          "message": f"request body is limited to {limits.max_body_bytes} bytes"}, 413)
+            return _json(
+                {"error": "RequestLimitError", "message": f"request body is limited to {limits.max_body_bytes} bytes"},
+                413,
+            )
         response = await call_next(request)
         for k, v in SECURITY_HEADERS.items():
             response.headers.setdefault(k, v)
@@ -198,8 +218,9 @@ def create_app(run: str | Path | Explorer, index: Path | None = None, cache: Pat
     def model_call(fn: Callable[[], dict[str, object]]) -> Response:
         """Run an operation if the queue has room (503 otherwise); the explorer's lock serialises them."""
         if not waiting.acquire(blocking=False):
-            return _json({"error": "Busy", "message": f"more than {limits.max_waiting} requests are waiting; "
-                                                      "try again"}, 503)
+            return _json(
+                {"error": "Busy", "message": f"more than {limits.max_waiting} requests are waiting; try again"}, 503
+            )
         try:
             return _json(fn())
         finally:
@@ -226,10 +247,19 @@ def create_app(run: str | Path | Explorer, index: Path | None = None, cache: Pat
     @api.post("/api/explain")
     def explain(body: ExplainBody) -> Response:
         body.checked()
-        return model_call(lambda: ex.explain(
-            body.text, generate=body.generate, alternatives=body.alternatives, neighbours=body.neighbours,
-            steering=body.steering.value(), temperature=body.temperature, top_k=body.top_k, seed=body.seed,
-            chat=body.chat).to_dict())
+        return model_call(
+            lambda: ex.explain(
+                body.text,
+                generate=body.generate,
+                alternatives=body.alternatives,
+                neighbours=body.neighbours,
+                steering=body.steering.value(),
+                temperature=body.temperature,
+                top_k=body.top_k,
+                seed=body.seed,
+                chat=body.chat,
+            ).to_dict()
+        )
 
     @api.get("/api/prototype/{pid}")
     def prototype(pid: int, text: str | None = None, neighbours: int = 8, similar: int = 8) -> Response:
@@ -250,8 +280,16 @@ def create_app(run: str | Path | Explorer, index: Path | None = None, cache: Pat
     @api.post("/api/steer")
     def steer(body: SteerBody) -> Response:
         body.checked()
-        return model_call(lambda: ex.steer(body.prompt, steering=body.steering.value(), tokens=body.tokens,
-                                           temperature=body.temperature, top_k=body.top_k, seed=body.seed).to_dict())
+        return model_call(
+            lambda: ex.steer(
+                body.prompt,
+                steering=body.steering.value(),
+                tokens=body.tokens,
+                temperature=body.temperature,
+                top_k=body.top_k,
+                seed=body.seed,
+            ).to_dict()
+        )
 
     @api.post("/api/training")
     def training(body: TrainingBody) -> Response:
@@ -265,9 +303,19 @@ def create_app(run: str | Path | Explorer, index: Path | None = None, cache: Pat
     return api
 
 
-def serve(run: str | Path, *, index: Path | None = None, cache: Path | None = None, host: str = "127.0.0.1",
-          port: int = 8000, device: str = "auto", suppress: str | Path | None = "auto", concepts: Sequence[Path] = (),
-          limits: Limits = Limits(), log_level: str = "info") -> None:
+def serve(
+    run: str | Path,
+    *,
+    index: Path | None = None,
+    cache: Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    device: str = "auto",
+    suppress: str | Path | None = "auto",
+    concepts: Sequence[Path] = (),
+    limits: Limits = Limits(),
+    log_level: str = "info",
+) -> None:
     """Open the run and serve the explorer until interrupted. Any host other than loopback is warned
     about on stderr: the explorer has no authentication."""
     import uvicorn
@@ -275,10 +323,21 @@ def serve(run: str | Path, *, index: Path | None = None, cache: Path | None = No
     if not 1 <= port <= 65535:  # checked before the run is opened (uvicorn would fail only at bind)
         raise ConfigError(f"--port must be in [1, 65535], got {port}", fix="e.g. --port 8000")
     if host not in LOCAL_HOSTS and host != "::1":
-        print(f"warning: serving on {host}: anyone who can reach this address can use the explorer (it has no "
-              f"authentication); the default 127.0.0.1 keeps it on this machine", file=sys.stderr)
+        print(
+            f"warning: serving on {host}: anyone who can reach this address can use the explorer (it has no "
+            f"authentication); the default 127.0.0.1 keeps it on this machine",
+            file=sys.stderr,
+        )
     allowed = None if host in ("0.0.0.0", "::") else (*LOCAL_HOSTS, host.lower())
-    app = create_app(run, index=index, cache=cache, limits=limits, device=device, suppress=suppress,
-                     concepts=concepts, allowed_hosts=allowed)
+    app = create_app(
+        run,
+        index=index,
+        cache=cache,
+        limits=limits,
+        device=device,
+        suppress=suppress,
+        concepts=concepts,
+        allowed_hosts=allowed,
+    )
     print(f"prism explorer: http://{host if ':' not in host else f'[{host}]'}:{port}/", file=sys.stderr)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

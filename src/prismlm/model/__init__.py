@@ -12,14 +12,30 @@ if TYPE_CHECKING:
     from prismlm.model.modes import eval_mode
     from prismlm.model.prototypes import PrototypeLayer, PrototypeOutput
 
-__all__ = ["Control", "Intervention", "Scale", "Suppress", "KVCache", "LogitDecomposition", "PrismLM", "PrismOutput", "PrototypeLayer", "PrototypeOutput", "decompose", "eval_mode"]
+__all__ = [
+    "Control",
+    "Intervention",
+    "Scale",
+    "Suppress",
+    "KVCache",
+    "LogitDecomposition",
+    "PrismLM",
+    "PrismOutput",
+    "PrototypeLayer",
+    "PrototypeOutput",
+    "decompose",
+    "eval_mode",
+]
 
 # Why lazy (PEP 562): `prismlm.model.hf_auto` (imported by `import prismlm`) needs only the standard library,
 # and importing this package must not import torch for it; each name is imported on first use.
-_LAZY = {**dict.fromkeys(["LogitDecomposition", "PrismLM", "PrismOutput", "decompose"], "prismlm.model.gpt"),
-         **dict.fromkeys(["Control", "Intervention", "Scale", "Suppress"], "prismlm.model.interventions"),
-         "KVCache": "prismlm.model.kv_cache", "eval_mode": "prismlm.model.modes",
-         **dict.fromkeys(["PrototypeLayer", "PrototypeOutput"], "prismlm.model.prototypes")}
+_LAZY = {
+    **dict.fromkeys(["LogitDecomposition", "PrismLM", "PrismOutput", "decompose"], "prismlm.model.gpt"),
+    **dict.fromkeys(["Control", "Intervention", "Scale", "Suppress"], "prismlm.model.interventions"),
+    "KVCache": "prismlm.model.kv_cache",
+    "eval_mode": "prismlm.model.modes",
+    **dict.fromkeys(["PrototypeLayer", "PrototypeOutput"], "prismlm.model.prototypes"),
+}
 
 
 def __getattr__(name: str) -> object:

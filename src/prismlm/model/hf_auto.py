@@ -42,9 +42,13 @@ def register_now() -> bool:
 
         register()
     except Exception as e:  # noqa: BLE001 — never break the user's import of transformers
-        warnings.warn(f"prismlm could not register the 'prism' model type with transformers "
-                      f"({type(e).__name__}: {e}); AutoModelForCausalLM will not know exported PRISM models "
-                      "(load them with trust_remote_code=True)", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"prismlm could not register the 'prism' model type with transformers "
+            f"({type(e).__name__}: {e}); AutoModelForCausalLM will not know exported PRISM models "
+            "(load them with trust_remote_code=True)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return False
     return True
 
@@ -53,8 +57,9 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: it asks the other finders for ``transformers`` and wraps the found loader's
     ``exec_module`` so that the registration runs when the package has executed."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != _TARGET:
             return None
         spec = None

@@ -39,8 +39,9 @@ def transformers_module() -> ModuleType:
     try:
         import transformers
     except ImportError as e:
-        raise DependencyError(f"Hugging Face models need the transformers package ({e})",
-                              fix="pip install 'prismlm[hf]'") from e
+        raise DependencyError(
+            f"Hugging Face models need the transformers package ({e})", fix="pip install 'prismlm[hf]'"
+        ) from e
     return transformers
 
 
@@ -50,9 +51,12 @@ def check_linear_logits_config(config: Any, source: str) -> None:
     for name, (harmless, effect) in _NONLINEAR_FIELDS.items():
         value = getattr(text, name, harmless)
         if value is not None and value != harmless:
-            raise ModelError(f"{source}: {text.model_type} {effect} ({name}={value}), so its logits are not a "
-                             "linear function W z + b of the final hidden state and PRISM's decomposition "
-                             "would not be exact", fix="retrofit a model without it")
+            raise ModelError(
+                f"{source}: {text.model_type} {effect} ({name}={value}), so its logits are not a "
+                "linear function W z + b of the final hidden state and PRISM's decomposition "
+                "would not be exact",
+                fix="retrofit a model without it",
+            )
 
 
 def hidden_size_of(config: Any) -> int:
@@ -69,8 +73,10 @@ def build_base_model(hf_config: dict[str, Any]) -> nn.Module:
     try:
         config = tf.AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError) as e:
-        raise ModelError(f"transformers {tf.__version__} does not know the model type {model_type!r}: {e}",
-                         fix="install the transformers version the model was made with") from e
+        raise ModelError(
+            f"transformers {tf.__version__} does not know the model type {model_type!r}: {e}",
+            fix="install the transformers version the model was made with",
+        ) from e
     check_linear_logits_config(config, f"model type {model_type}")
     base = tf.AutoModel.from_config(config)
     return base.float()
@@ -83,9 +89,11 @@ def split_causal_lm(hf_lm: nn.Module, source: str) -> tuple[nn.Module, nn.Linear
     get_head = getattr(hf_lm, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if base is None or not isinstance(head, nn.Linear):
-        raise ModelError(f"{source}: {type(hf_lm).__name__} has no base model + linear output layer that prismlm "
-                         "can split (expected a decoder-only *ForCausalLM)",
-                         fix="use a GPT-2, Llama-family or GPT-NeoX causal LM")
+        raise ModelError(
+            f"{source}: {type(hf_lm).__name__} has no base model + linear output layer that prismlm "
+            "can split (expected a decoder-only *ForCausalLM)",
+            fix="use a GPT-2, Llama-family or GPT-NeoX causal LM",
+        )
     return base, head
 
 
@@ -111,8 +119,10 @@ def gpt2_activation(config: Any, source: str) -> str:
     ]
     bad = [what for flag, what in unsupported if flag]
     if bad:
-        raise ModelError(f"{source}: this GPT-2 variant ({', '.join(bad)}) is not the built-in GPT's layout",
-                         fix="report it; other model types use the Hugging Face backbone")
+        raise ModelError(
+            f"{source}: this GPT-2 variant ({', '.join(bad)}) is not the built-in GPT's layout",
+            fix="report it; other model types use the Hugging Face backbone",
+        )
     return table[act]
 
 
@@ -140,8 +150,9 @@ def gpt2_state_dict(hf_state: dict[str, torch.Tensor], block_size: int) -> dict[
 
 
 @torch.no_grad()
-def check_same_logits(reference: nn.Module, ours: nn.Module, vocab_size: int, block_size: int, source: str, *,
-                      tolerance: float = 1e-3) -> float:
+def check_same_logits(
+    reference: nn.Module, ours: nn.Module, vocab_size: int, block_size: int, source: str, *, tolerance: float = 1e-3
+) -> float:
     """Run the original model and ours on one random probe batch (2 × min(16, block_size) ids) and refuse
     (``ModelError``) if their logits differ by more than ``tolerance`` relative to the logits' scale — the
     check that catches a head that is not W z + b. Returns the relative difference."""
@@ -149,11 +160,13 @@ def check_same_logits(reference: nn.Module, ours: nn.Module, vocab_size: int, bl
     probe = torch.randint(0, vocab_size, (2, min(16, block_size)), generator=g)
     device = next(ours.parameters()).device
     ref = reference(input_ids=probe.to(device)).logits.float()  # (2, T, V)
-    got = ours(probe.to(device)).logits.float()[..., :ref.shape[-1]]  # (2, T, V)
+    got = ours(probe.to(device)).logits.float()[..., : ref.shape[-1]]  # (2, T, V)
     rel = float((ref - got).abs().max() / ref.abs().max().clamp_min(1e-6))
     if not rel <= tolerance:
-        raise ModelError(f"{source}: prismlm's logits (lm_head applied to the final hidden state) differ from the "
-                         f"model's own by {rel:.2e} (relative): its logits are not a linear function of the last "
-                         "hidden state, so PRISM cannot decompose them exactly",
-                         fix="retrofit a model whose head is a plain linear unembedding")
+        raise ModelError(
+            f"{source}: prismlm's logits (lm_head applied to the final hidden state) differ from the "
+            f"model's own by {rel:.2e} (relative): its logits are not a linear function of the last "
+            "hidden state, so PRISM cannot decompose them exactly",
+            fix="retrofit a model whose head is a plain linear unembedding",
+        )
     return rel

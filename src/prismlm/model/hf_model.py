@@ -64,28 +64,41 @@ try:
     )
     from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError as e:  # pragma: no cover - exercised only without transformers
-    raise DependencyError(f"the Hugging Face interface of prismlm needs the transformers package ({e})",
-                          fix="pip install 'prismlm[hf]'") from e
+    raise DependencyError(
+        f"the Hugging Face interface of prismlm needs the transformers package ({e})", fix="pip install 'prismlm[hf]'"
+    ) from e
 
-__all__ = ["MODEL_TYPE", "PrismCausalLMOutput", "PrismConfig", "PrismForCausalLM", "fast_tokenizer", "register",
-           "write_remote_code"]
+__all__ = [
+    "MODEL_TYPE",
+    "PrismCausalLMOutput",
+    "PrismConfig",
+    "PrismForCausalLM",
+    "fast_tokenizer",
+    "register",
+    "write_remote_code",
+]
 
 MODEL_TYPE = "prism"
-AUTO_MAP = {"AutoConfig": "configuration_prism.PrismConfig",
-            "AutoModelForCausalLM": "modeling_prism.PrismForCausalLM"}
+AUTO_MAP = {"AutoConfig": "configuration_prism.PrismConfig", "AutoModelForCausalLM": "modeling_prism.PrismForCausalLM"}
 _REMOTE_CODE = {
     "configuration_prism.py": '"""`trust_remote_code=True` entry point: PrismConfig lives in the installed prismlm package '
-                              '(pip install prismlm)."""\n\nfrom prismlm.model.hf_model import PrismConfig\n\n'
-                              '__all__ = ["PrismConfig"]\n',
+    '(pip install prismlm)."""\n\nfrom prismlm.model.hf_model import PrismConfig\n\n'
+    '__all__ = ["PrismConfig"]\n',
     "modeling_prism.py": '"""`trust_remote_code=True` entry point: PrismForCausalLM lives in the installed prismlm package '
-                         '(pip install prismlm)."""\n\nfrom prismlm.model.hf_model import PrismConfig, PrismForCausalLM\n\n'
-                         '__all__ = ["PrismConfig", "PrismForCausalLM"]\n',
+    '(pip install prismlm)."""\n\nfrom prismlm.model.hf_model import PrismConfig, PrismForCausalLM\n\n'
+    '__all__ = ["PrismConfig", "PrismForCausalLM"]\n',
 }
 # transformers ≥ 5.x (late) names the cache `cache`; earlier releases `past_key_values`
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 # derived from prism_model on every construction; values saved in config.json are recomputed, not trusted
-_DERIVED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
-            "tie_word_embeddings")
+_DERIVED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
 
 
 def write_remote_code(folder: str | os.PathLike[str]) -> list[Path]:
@@ -103,10 +116,15 @@ class PrismConfig(PretrainedConfig):
 
     model_type = MODEL_TYPE
 
-    def __init__(self, prism_model: dict[str, Any] | None = None, *,
-                 suppressed_prototypes: Sequence[int] | None = None,
-                 prototype_multipliers: Sequence[float] | None = None,
-                 prism_source: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        prism_model: dict[str, Any] | None = None,
+        *,
+        suppressed_prototypes: Sequence[int] | None = None,
+        prototype_multipliers: Sequence[float] | None = None,
+        prism_source: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """``prism_model``: ``dataclasses.asdict(ModelConfig)`` (default: ``ModelConfig()``).
         ``suppressed_prototypes``: prototype ids whose logit slices are removed in every forward.
         ``prototype_multipliers``: K per-prototype multipliers (controllers, scaling); when given, the
@@ -196,9 +214,12 @@ def _check_position_ids(position_ids: torch.Tensor | None, attention_mask: torch
     else:
         own = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:].to(position_ids.device)  # (B, T)
     if position_ids.shape[-1] != own.shape[-1] or not bool((position_ids == own).all()):
-        raise ModelError("position_ids differ from the positions the model uses: PRISM models have learned "
-                         "absolute positions, P … P + T − 1 after P cached tokens, counted over the real tokens "
-                         "of attention_mask", fix="leave position_ids out (pass attention_mask for padding)")
+        raise ModelError(
+            "position_ids differ from the positions the model uses: PRISM models have learned "
+            "absolute positions, P … P + T − 1 after P cached tokens, counted over the real tokens "
+            "of attention_mask",
+            fix="leave position_ids out (pass attention_mask for padding)",
+        )
 
 
 class PrismForCausalLM(PreTrainedModel, GenerationMixin):
@@ -233,13 +254,15 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         if mult is None and not ids:
             return None
         if self.prism.prototypes is None:
-            raise ModelError("config.json suppresses or scales prototypes, but the model is a dense baseline "
-                             "(it has no prototypes)")
+            raise ModelError(
+                "config.json suppresses or scales prototypes, but the model is a dense baseline (it has no prototypes)"
+            )
         K = self.prism.prototypes.num_prototypes
         if mult is not None:
             if len(mult) != K:
-                raise ModelError(f"config.json: prototype_multipliers has {len(mult)} entries, the model has {K} "
-                                 "prototypes")
+                raise ModelError(
+                    f"config.json: prototype_multipliers has {len(mult)} entries, the model has {K} prototypes"
+                )
             return tuple(mult)
         out = [1.0] * K
         for i in check_ids(list(ids), K):
@@ -261,9 +284,16 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
 
     # ----- construction from prismlm ---------------------------------------------------------------------------
     @classmethod
-    def from_prism(cls, model: PrismLM, *, interventions: Sequence[Intervention] = (),
-                   bos_token_id: int | None = None, eos_token_id: int | None = None,
-                   pad_token_id: int | None = None, prism_source: dict[str, Any] | None = None) -> PrismForCausalLM:
+    def from_prism(
+        cls,
+        model: PrismLM,
+        *,
+        interventions: Sequence[Intervention] = (),
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        prism_source: dict[str, Any] | None = None,
+    ) -> PrismForCausalLM:
         """A float32 CPU copy of ``model`` with ``interventions`` (suppression sets, controllers, scaling)
         baked in: its logits are those of ``with model.intervene(*interventions): model(x)``."""
         mult = None
@@ -274,20 +304,27 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             assert m is not None
             mult = m.tolist()
         binary = mult is not None and all(v in (0.0, 1.0) for v in mult)
-        config = PrismConfig(asdict(model.config),
-                             suppressed_prototypes=[i for i, v in enumerate(mult) if v == 0.0] if binary and mult else None,
-                             prototype_multipliers=None if binary else mult,
-                             bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                             prism_source=prism_source)
+        config = PrismConfig(
+            asdict(model.config),
+            suppressed_prototypes=[i for i, v in enumerate(mult) if v == 0.0] if binary and mult else None,
+            prototype_multipliers=None if binary else mult,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            prism_source=prism_source,
+        )
         hf = cls(config)
-        state = {k: v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu()
-                 for k, v in model.state_dict().items()}
+        state = {
+            k: v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu()
+            for k, v in model.state_dict().items()
+        }
         hf.prism.load_state_dict(state)
         hf.float()
         # no max_length: set here, every generate(max_new_tokens=…) warns that both are set (the context
         # window is config.max_position_embeddings, and generation slides past it anyway)
-        hf.generation_config = GenerationConfig(bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                                                pad_token_id=pad_token_id)
+        hf.generation_config = GenerationConfig(
+            bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id
+        )
         return hf.eval()
 
     # ----- transformers hooks ------------------------------------------------------------------------------------
@@ -308,11 +345,22 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.prism.lm_head
 
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                past_key_values: Any = None, use_cache: bool | None = None, labels: torch.LongTensor | None = None,
-                return_dict: bool | None = None, *, cache: Any = None, logits_to_keep: int = 0,
-                inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool | None = None,
-                output_attentions: bool | None = None, **kwargs: Any) -> PrismCausalLMOutput | tuple:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        return_dict: bool | None = None,
+        *,
+        cache: Any = None,
+        logits_to_keep: int = 0,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        **kwargs: Any,
+    ) -> PrismCausalLMOutput | tuple:
         """input_ids (B, T) (or ``inputs_embeds`` (B, T, d)) → logits (B, T, V) (the last ``logits_to_keep``
         positions when > 0).
 
@@ -337,15 +385,22 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
                 cache = DynamicCache(config=self.config)
             except TypeError:  # releases whose DynamicCache takes no config
                 cache = DynamicCache()
-        _check_position_ids(kwargs.pop("position_ids", None), attention_mask,
-                            cache.get_seq_length() if cache is not None else 0)
+        _check_position_ids(
+            kwargs.pop("position_ids", None), attention_mask, cache.get_seq_length() if cache is not None else 0
+        )
         last_only = logits_to_keep == 1
         want_hidden = bool(self.config.output_hidden_states if output_hidden_states is None else output_hidden_states)
         want_attn = bool(self.config.output_attentions if output_attentions is None else output_attentions)
         with self.baked_in():
-            out = self.prism(input_ids, last_only=last_only, cache=cache, attention_mask=attention_mask,
-                             inputs_embeds=inputs_embeds, output_hidden_states=want_hidden,
-                             output_attentions=want_attn)
+            out = self.prism(
+                input_ids,
+                last_only=last_only,
+                cache=cache,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                output_hidden_states=want_hidden,
+                output_attentions=want_attn,
+            )
         logits = out.logits
         if logits_to_keep and not last_only:
             logits = logits[:, -logits_to_keep:, :]
@@ -354,12 +409,21 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             full = out.logits if not last_only and not logits_to_keep else None
             if full is None:
                 raise ModelError("labels need the logits of every position (logits_to_keep=0)")
-            loss = F.cross_entropy(full[:, :-1, :].float().reshape(-1, full.size(-1)),
-                                   labels[:, 1:].reshape(-1).to(full.device), ignore_index=-100)
-        result = PrismCausalLMOutput(loss=loss, logits=logits, prototype_indices=out.indices,
-                                     prototype_activations=out.activations, residual=out.residual,
-                                     hidden_states=out.hidden_states, attentions=out.attentions,
-                                     **{_CACHE_FIELD: cache})
+            loss = F.cross_entropy(
+                full[:, :-1, :].float().reshape(-1, full.size(-1)),
+                labels[:, 1:].reshape(-1).to(full.device),
+                ignore_index=-100,
+            )
+        result = PrismCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            prototype_indices=out.indices,
+            prototype_activations=out.activations,
+            residual=out.residual,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            **{_CACHE_FIELD: cache},
+        )
         use_dict = return_dict if return_dict is not None else self.config.return_dict
         return result if use_dict else result.to_tuple()
 
@@ -371,18 +435,27 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         with self.prism.scale_prototypes(m) if m is not None else nullcontext(self.prism) as prism:
             yield prism
 
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, next_sequence_length: int | None = None,
-                                      cache: Any = None, attention_mask: torch.Tensor | None = None,
-                                      inputs_embeds: torch.Tensor | None = None, is_first_iteration: bool | None = False,
-                                      past_key_values: Any = None, **kwargs: Any) -> dict[str, Any]:
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: int | None = None,
+        cache: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        is_first_iteration: bool | None = False,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
         """What the next generation step runs: the tokens the cache has not seen, or — once the sequence is
         longer than block_size (or without a cache) — the last block_size tokens, uncached (a stale cache
         is left unused, as in ``PrismLM.generate_steps``). ``attention_mask`` (B, L) covers the whole
         sequence; a window step gets its last block_size columns (positions restart from the window's first
         real token, as the unpadded window's do)."""
         if inputs_embeds is not None:
-            raise ModelError("PRISM models generate from input_ids, not inputs_embeds",
-                             fix="call generate(input_ids=...); inputs_embeds is accepted by forward()")
+            raise ModelError(
+                "PRISM models generate from input_ids, not inputs_embeds",
+                fix="call generate(input_ids=...); inputs_embeds is accepted by forward()",
+            )
         cache = cache if cache is not None else past_key_values
         bs = self.prism.config.block_size
         L = input_ids.shape[1]
@@ -410,10 +483,15 @@ def fast_tokenizer(backend: Any, eot_token: str, *, max_length: int) -> PreTrain
     from tokenizers import Tokenizer as BackendTokenizer
 
     # a copy: the transformers wrapper may change the backend's padding/truncation settings
-    return PreTrainedTokenizerFast(tokenizer_object=BackendTokenizer.from_str(backend.to_str()),
-                                   eos_token=eot_token, bos_token=eot_token, pad_token=eot_token,
-                                   model_max_length=max_length, padding_side="left",
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=BackendTokenizer.from_str(backend.to_str()),
+        eos_token=eot_token,
+        bos_token=eot_token,
+        pad_token=eot_token,
+        model_max_length=max_length,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
 
 
 def register() -> None:

@@ -40,8 +40,10 @@ class Suppress:
 
     def __post_init__(self) -> None:
         if isinstance(self.ids, Mapping):
-            raise ModelError("Suppress takes prototype ids (Suppress([3, 7])), not a mapping; for per-prototype "
-                             "factors use Scale({id: factor}) (Scale({3: 0.0}) suppresses prototype 3)")
+            raise ModelError(
+                "Suppress takes prototype ids (Suppress([3, 7])), not a mapping; for per-prototype "
+                "factors use Scale({id: factor}) (Scale({3: 0.0}) suppresses prototype 3)"
+            )
         ids = self.ids.flatten().tolist() if isinstance(self.ids, torch.Tensor) else list(self.ids)
         object.__setattr__(self, "ids", tuple(_proto_id(i, "Suppress") for i in ids))
 
@@ -99,15 +101,20 @@ Intervention = Suppress | Control | Scale
 def check_ids(ids: Sequence[int] | torch.Tensor, num_prototypes: int) -> list[int]:
     """Validate prototype ids against a bank of ``num_prototypes``; ``ModelError`` naming the bad ids."""
     raw = ids.flatten().tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    bad_type = [i for i in raw if isinstance(i, bool) or not isinstance(i, int)
-                and not (isinstance(i, float) and i.is_integer())]
+    bad_type = [
+        i
+        for i in raw
+        if isinstance(i, bool) or not isinstance(i, int) and not (isinstance(i, float) and i.is_integer())
+    ]
     if bad_type:
         raise ModelError(f"prototype ids must be integers, got {bad_type[:5]}")
     out = [int(i) for i in raw]
     unknown = sorted({i for i in out if not 0 <= i < num_prototypes})
     if unknown:
-        raise UnknownPrototypeError(f"unknown prototype id(s) {unknown[:10]}{' …' if len(unknown) > 10 else ''}: "
-                         f"this model has {num_prototypes} prototypes (ids 0–{num_prototypes - 1})")
+        raise UnknownPrototypeError(
+            f"unknown prototype id(s) {unknown[:10]}{' …' if len(unknown) > 10 else ''}: "
+            f"this model has {num_prototypes} prototypes (ids 0–{num_prototypes - 1})"
+        )
     return out
 
 
@@ -142,16 +149,18 @@ def _per_prototype_values(values: object, what: str) -> torch.Tensor | dict[int,
         return dict(sorted(out.items()))
     if not isinstance(values, torch.Tensor):
         if not isinstance(values, Sequence) or isinstance(values, str):
-            raise ModelError(f"{what} takes a (K,) tensor or a mapping {{prototype id: value}}, got "
-                             f"{type(values).__name__}")
+            raise ModelError(
+                f"{what} takes a (K,) tensor or a mapping {{prototype id: value}}, got {type(values).__name__}"
+            )
         values = torch.tensor([float(v) for v in values], dtype=torch.float64)
     if values.dim() != 1:
         raise ModelError(f"{what}: a tensor of per-prototype values must be 1-D (K,), got shape {tuple(values.shape)}")
     return values
 
 
-def _per_prototype(t: torch.Tensor | Mapping[int, float], num_prototypes: int, what: str, *,
-                   default: float) -> torch.Tensor:
+def _per_prototype(
+    t: torch.Tensor | Mapping[int, float], num_prototypes: int, what: str, *, default: float
+) -> torch.Tensor:
     """A (K,) tensor as float64 on the CPU, detached (multipliers are combined in float64 and cast to the
     model's dtype once); ``ModelError`` for another shape. A mapping fills ``default`` everywhere else."""
     if isinstance(t, Mapping):

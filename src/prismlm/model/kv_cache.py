@@ -28,8 +28,9 @@ __all__ = ["CacheLike", "KVCache"]
 class CacheLike(Protocol):
     """What ``PrismLM`` needs from a cache: our ``KVCache`` or a transformers ``DynamicCache``."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
@@ -57,15 +58,18 @@ class KVCache:
         self._lengths: list[int] = []
         """_lengths[l]: positions of layer l filled so far."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` (B, n_head, T_new, head_dim) to layer ``layer_idx`` and
         return that layer's full keys and values (B, n_head, T_past + T_new, head_dim).
 
         Layers are filled in order by the first call (layer 0, 1, …), as the model's forward does."""
         if key_states.shape != value_states.shape or key_states.dim() != 4:
-            raise ModelError(f"keys and values must both be (B, n_head, T, head_dim), got "
-                             f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+            raise ModelError(
+                f"keys and values must both be (B, n_head, T, head_dim), got "
+                f"{tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
         if layer_idx == len(self._keys):
             B, H, _, D = key_states.shape
             empty = key_states.new_empty((B, H, 0, D))
@@ -73,14 +77,18 @@ class KVCache:
             self._values.append(empty)
             self._lengths.append(0)
         elif not 0 <= layer_idx < len(self._keys):
-            raise ModelError(f"cache update for layer {layer_idx}, but only layers 0–{len(self._keys) - 1} "
-                             f"are filled: layers must be updated in order")
+            raise ModelError(
+                f"cache update for layer {layer_idx}, but only layers 0–{len(self._keys) - 1} "
+                f"are filled: layers must be updated in order"
+            )
         past, new = self._lengths[layer_idx], key_states.shape[2]
         end = past + new
         buf_k, buf_v = self._keys[layer_idx], self._values[layer_idx]
         if buf_k.shape[:2] != key_states.shape[:2] or buf_k.shape[3] != key_states.shape[3]:
-            raise ModelError(f"layer {layer_idx} caches (B, n_head, ·, head_dim) = {tuple(buf_k.shape)}, "
-                             f"got keys {tuple(key_states.shape)}")
+            raise ModelError(
+                f"layer {layer_idx} caches (B, n_head, ·, head_dim) = {tuple(buf_k.shape)}, "
+                f"got keys {tuple(key_states.shape)}"
+            )
         if end > buf_k.shape[2]:  # grow: double (amortised O(1) copies per position), at least 64 positions
             cap = max(end, 2 * buf_k.shape[2], 64)
             B, H, _, D = key_states.shape

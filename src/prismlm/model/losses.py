@@ -13,8 +13,7 @@ import torch.nn.functional as F
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1) -> torch.Tensor:
     """Mean next-token cross-entropy. logits (..., V), targets (...) int64."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 → fp32, fp64 stays
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=ignore_index)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index)
 
 
 def reconstruction_loss(residual: torch.Tensor, hidden: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

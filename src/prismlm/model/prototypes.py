@@ -135,10 +135,10 @@ class PrototypeLayer(nn.Module):
         sub = max(1, _ARGMAX_BLOCK // max(1, p_unit.shape[0]))
         rank = torch.arange(m, 0, -1, device=dev, dtype=torch.int16 if m < 2**15 else torch.int32)[:, None]
         for start in range(0, n, step):  # loop over chunks of tokens, not tokens
-            sim = z_unit[start:start + step] @ p_unit.T  # (n_chunk, K)
+            sim = z_unit[start : start + step] @ p_unit.T  # (n_chunk, K)
             top = sim.topk(k, dim=-1)
-            indices[start:start + step] = top.indices
-            values[start:start + step] = top.values
+            indices[start : start + step] = top.indices
+            values[start : start + step] = top.values
             if fused_argmax:
                 col_val, col_arg = sim.max(dim=0)  # (K,) best token of this chunk per prototype
             else:
@@ -146,8 +146,8 @@ class PrototypeLayer(nn.Module):
                 # largest rank among the rows attaining it, over row blocks of ~2^20 entries (bounded temporaries)
                 top_rank = torch.zeros_like(rank[0].expand(sim.shape[1]))
                 for r0 in range(0, sim.shape[0], sub):
-                    hit = sim[r0:r0 + sub] == col_val  # (rows, K)
-                    top_rank = torch.maximum(top_rank, torch.where(hit, rank[r0:r0 + hit.shape[0]], 0).amax(dim=0))
+                    hit = sim[r0 : r0 + sub] == col_val  # (rows, K)
+                    top_rank = torch.maximum(top_rank, torch.where(hit, rank[r0 : r0 + hit.shape[0]], 0).amax(dim=0))
                 col_arg = (m - top_rank).long()  # the first row attaining the column max
             better = col_val > best_val
             best_val = torch.where(better, col_val, best_val)
@@ -259,8 +259,9 @@ class _SparseHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, z_unit: torch.Tensor, p: torch.Tensor, p_norm: torch.Tensor, cos: torch.Tensor,
-                indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any, z_unit: torch.Tensor, p: torch.Tensor, p_norm: torch.Tensor, cos: torch.Tensor, indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         pattern = _Pattern(indices, p.shape[0])
         act = F.relu(cos)
         reconstruction = pattern.mm(act, p)  # (N, d)
@@ -290,8 +291,9 @@ class _SparseHead(torch.autograd.Function):
 
 
 @torch.no_grad()
-def seed_prototypes(hidden: torch.Tensor, num_prototypes: int, top_k: int, *,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
+def seed_prototypes(
+    hidden: torch.Tensor, num_prototypes: int, top_k: int, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Prototypes anchored to real data from step 0: k-means++ seeding in cosine distance over sampled final
     hidden states, then one scale fitted so the layer's k-sparse reconstruction matches z on the sample.
 

@@ -8,6 +8,22 @@ from prismlm.tda.gradients import BlockGradients, block_gradients, output_gradie
 from prismlm.tda.influence import Curvature, FullGradients, curvature_pass, influence_scores, query_gradients
 from prismlm.tda.search import SearchIndex, build_search_index
 
-__all__ = ["Attribution", "AttributedSequence", "AttributionCache", "BlockGradients", "Curvature", "FullGradients",
-           "attribute", "block_gradients", "build_cache", "curvature_pass", "influence_scores", "merge_caches",
-           "output_gradients", "query_gradients", "query_table", "SearchIndex", "build_search_index"]
+__all__ = [
+    "Attribution",
+    "AttributedSequence",
+    "AttributionCache",
+    "BlockGradients",
+    "Curvature",
+    "FullGradients",
+    "attribute",
+    "block_gradients",
+    "build_cache",
+    "curvature_pass",
+    "influence_scores",
+    "merge_caches",
+    "output_gradients",
+    "query_gradients",
+    "query_table",
+    "SearchIndex",
+    "build_search_index",
+]

@@ -91,8 +91,9 @@ class Attribution:
         write_output(path, json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n", option=option)
 
 
-def make_query(tokenizer: Tokenizer, prompt: str, completion: str | None = None, *,
-               completion_tokens: int | None = None) -> tuple[list[int], int]:
+def make_query(
+    tokenizer: Tokenizer, prompt: str, completion: str | None = None, *, completion_tokens: int | None = None
+) -> tuple[list[int], int]:
     """(token ids, measure_from) of a query: ``[eot] + prompt (+ completion)``; measured are the completion's
     tokens, or the last ``completion_tokens`` tokens, or all tokens."""
     p = tokenizer.encode(prompt) if prompt else []
@@ -102,8 +103,10 @@ def make_query(tokenizer: Tokenizer, prompt: str, completion: str | None = None,
         start = 1 + len(p)
     elif completion_tokens:
         if completion_tokens >= len(ids):
-            raise ConfigError(f"--completion {completion_tokens} is not shorter than the text ({len(ids) - 1} "
-                              f"tokens); measure fewer tokens")
+            raise ConfigError(
+                f"--completion {completion_tokens} is not shorter than the text ({len(ids) - 1} "
+                f"tokens); measure fewer tokens"
+            )
         start = len(ids) - completion_tokens
     else:
         start = 1
@@ -151,8 +154,9 @@ def attribute(
     t0 = time.perf_counter()
     net, tok = model, tokenizer
     if net.prototypes is None:
-        raise ModelError("prototype-space attribution needs a PRISM model; this is the dense baseline (it has no "
-                         "prototypes)")
+        raise ModelError(
+            "prototype-space attribution needs a PRISM model; this is the dense baseline (it has no prototypes)"
+        )
     if (cache is None) == (full is None):
         raise ConfigError("pass exactly one of cache= (fast, the postings cache) or full= (reference)")
     if search is not None and cache is None:
@@ -160,8 +164,10 @@ def attribute(
     if rescorer is not None and rescore_top < 1:
         raise ConfigError(f"rescore_top (--rescore-top) must be >= 1, got {rescore_top}")
     if rescorer is not None and cache is not None and cache.aggregate == "document":
-        raise ConfigError("re-scoring needs training sequences; this cache ranks documents (aggregate=document): "
-                          "use a sequence cache (the default) or no --rescore")
+        raise ConfigError(
+            "re-scoring needs training sequences; this cache ranks documents (aggregate=document): "
+            "use a sequence cache (the default) or no --rescore"
+        )
     k_top = max(top, rescore_top) if rescorer is not None else top  # the candidates, then the shown top
     notes = []
     if token_ids is not None:
@@ -169,8 +175,9 @@ def attribute(
         if len(ids) < 2:
             raise ConfigError("nothing to attribute: token_ids holds fewer than two tokens")
         if completion_tokens and completion_tokens >= len(ids):
-            raise ConfigError(f"completion_tokens {completion_tokens} is not shorter than the {len(ids)} tokens; "
-                              f"measure fewer tokens")
+            raise ConfigError(
+                f"completion_tokens {completion_tokens} is not shorter than the {len(ids)} tokens; measure fewer tokens"
+            )
         start = len(ids) - completion_tokens if completion_tokens else 1
         prompt, completion = tok.decode(ids[:start]), tok.decode(ids[start:])
     elif generate > 0:
@@ -178,7 +185,7 @@ def attribute(
         g = torch.Generator().manual_seed(seed)
         x = torch.tensor([ids0], device=next(net.parameters()).device)
         y = net.generate(x, generate, temperature=temperature, generator=g)[0].tolist()
-        completion = tok.decode(y[len(ids0):])
+        completion = tok.decode(y[len(ids0) :])
         ids, start = y, len(ids0)
     else:
         ids, start = make_query(tok, prompt, completion, completion_tokens=completion_tokens)
@@ -195,8 +202,9 @@ def attribute(
         sq = cache.sketch_query(q)  # (Rq, r): one query, every row
         qseq, qproto = q.seq.cpu().numpy(), q.proto.cpu().numpy()
         search.check(cache)
-        top_s, top_i = search.top_sketches(cache, qseq, qproto, sq, 1, k_top, m=candidates, nprobe=nprobe,
-                                           ef=max(64, candidates))
+        top_s, top_i = search.top_sketches(
+            cache, qseq, qproto, sq, 1, k_top, m=candidates, nprobe=nprobe, ef=max(64, candidates)
+        )
         order, top_scores = top_i[0], top_s[0]
         cpos, c_proto, c_val = search.terms(cache, qproto, sq, order)
         c_seq = order[cpos]
@@ -227,8 +235,10 @@ def attribute(
         by = np.lexsort((np.arange(len(cand)), -whole))[:top]  # ties: the prototype-space order
         order, top_scores = cand[by], whole[by]
         method = f"{method}+{rescorer.name}"
-        notes.append(f"the top {len(cand)} sequences by prototype space re-ranked by {rescorer.name}: scores are "
-                     f"{rescorer.name}'s, the prototypes listed their prototype-space contributions")
+        notes.append(
+            f"the top {len(cand)} sequences by prototype space re-ranked by {rescorer.name}: scores are "
+            f"{rescorer.name}'s, the prototypes listed their prototype-space contributions"
+        )
     else:
         order, top_scores = order[:top], top_scores[:top]
     items = []
@@ -237,9 +247,15 @@ def attribute(
         sel = c_seq == j
         pv, pp = c_val[sel], c_proto[sel]
         o = np.argsort(-np.abs(pv))[:5]
-        items.append(AttributedSequence(rank=rank + 1, sequence=int(js), score=float(sj),
-                                        prototypes=[{"id": int(pp[i]), "contribution": float(pv[i])} for i in o],
-                                        doc_index=int(j) if by_document else None))
+        items.append(
+            AttributedSequence(
+                rank=rank + 1,
+                sequence=int(js),
+                score=float(sj),
+                prototypes=[{"id": int(pp[i]), "contribution": float(pv[i])} for i in o],
+                doc_index=int(j) if by_document else None,
+            )
+        )
     if shards is not None and items:
         _fill_snippets(net, shards, tok, items, q, curv, snippet_tokens)
         if by_document:  # the ranked document, not the one of the snippet's token
@@ -247,14 +263,29 @@ def attribute(
                 it.doc_index = int(j)
                 it.doc_id = shards.train.doc_ids[j] if j < len(shards.train.doc_ids) else None
     assert q.loss is not None  # query_gradients measures every query's loss
-    return Attribution(prompt=prompt, completion=completion or "", method=method, query_loss=float(q.loss.sum()),
-                       measured_tokens=len(ids) - start, top=items, num_train=n_train,
-                       seconds=time.perf_counter() - t0, notes=notes)
+    return Attribution(
+        prompt=prompt,
+        completion=completion or "",
+        method=method,
+        query_loss=float(q.loss.sum()),
+        measured_tokens=len(ids) - start,
+        top=items,
+        num_train=n_train,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+    )
 
 
 @torch.no_grad()
-def _fill_snippets(net: PrismLM, shards: ShardSet, tok: Tokenizer, items: list[AttributedSequence],
-                   q: BlockGradients, curvature: Curvature | None, width: int) -> None:
+def _fill_snippets(
+    net: PrismLM,
+    shards: ShardSet,
+    tok: Tokenizer,
+    items: list[AttributedSequence],
+    q: BlockGradients,
+    curvature: Curvature | None,
+    width: int,
+) -> None:
     """Snippet around each top sequence's most-contributing token (exact per-token decomposition)."""
     T = net.config.block_size
     js = np.array([it.sequence for it in items], dtype=np.int64)
@@ -277,4 +308,4 @@ def _fill_snippets(net: PrismLM, shards: ShardSet, tok: Tokenizer, items: list[A
         it.doc_id = shards.train.doc_ids[d] if d < len(shards.train.doc_ids) else None
         toks = seqs[b].tolist()
         a, e = max(0, t + 1 - width), min(len(toks), t + 2 + width // 3)
-        it.snippet = (tok.decode(toks[a:t + 1]) + "⟦" + tok.decode([toks[t + 1]]) + "⟧" + tok.decode(toks[t + 2:e]))
+        it.snippet = tok.decode(toks[a : t + 1]) + "⟦" + tok.decode([toks[t + 1]]) + "⟧" + tok.decode(toks[t + 2 : e])

@@ -35,8 +35,15 @@ if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.model import PrismLM
 
-__all__ = ["KronfluenceBaseline", "PrismTask", "QueryDataset", "TrainDataset", "TrakBaseline", "WholeNetworkGradients",
-           "hybrid_scores"]
+__all__ = [
+    "KronfluenceBaseline",
+    "PrismTask",
+    "QueryDataset",
+    "TrainDataset",
+    "TrakBaseline",
+    "WholeNetworkGradients",
+    "hybrid_scores",
+]
 
 
 class _Scratch:
@@ -81,14 +88,14 @@ class QueryDataset(torch.utils.data.Dataset):
     last token changes nothing before it); only targets ``ids[measure_from:]`` are measured."""
 
     def __init__(self, queries: list[tuple[list[int], int]], pad_id: int, block_size: int):
-        qs = [(list(ids)[-(block_size + 1):], max(1, s - max(0, len(ids) - block_size - 1))) for ids, s in queries]
+        qs = [(list(ids)[-(block_size + 1) :], max(1, s - max(0, len(ids) - block_size - 1))) for ids, s in queries]
         self.L = max(len(ids) for ids, _ in qs)
         self.items = []
         for ids, s in qs:
             x = torch.full((self.L,), pad_id, dtype=torch.long)
-            x[:len(ids)] = torch.tensor(ids)
+            x[: len(ids)] = torch.tensor(ids)
             m = torch.zeros(self.L - 1, dtype=torch.bool)
-            m[s - 1:len(ids) - 1] = True
+            m[s - 1 : len(ids) - 1] = True
             self.items.append({"input_ids": x, "mask": m})
 
     def __len__(self) -> int:
@@ -165,35 +172,61 @@ class KronfluenceBaseline(_Scratch):
         self.out_dir = self._scratch(self.out_dir, "kronfluence-")
         self.task = PrismTask()
         self.net = prepare_model(net, self.task)
-        self.analyzer = Analyzer(analysis_name="prism", model=self.net, task=self.task, cpu=True,
-                                 disable_tqdm=True, output_dir=str(self.out_dir), disable_model_save=True)
+        self.analyzer = Analyzer(
+            analysis_name="prism",
+            model=self.net,
+            task=self.task,
+            cpu=True,
+            disable_tqdm=True,
+            output_dir=str(self.out_dir),
+            disable_model_save=True,
+        )
         self.factor_args = FactorArguments(strategy=self.strategy)
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # CPU: the sampled labels (torch.multinomial) draw from it
             torch.manual_seed(self.seed)
-            self.analyzer.fit_all_factors(factors_name=self.strategy, dataset=self.train_set,
-                                          per_device_batch_size=self.batch_size, factor_args=self.factor_args,
-                                          overwrite_output_dir=not self.reuse_factors)
+            self.analyzer.fit_all_factors(
+                factors_name=self.strategy,
+                dataset=self.train_set,
+                per_device_batch_size=self.batch_size,
+                factor_args=self.factor_args,
+                overwrite_output_dir=not self.reuse_factors,
+            )
         self.timings["factors_seconds"] = time.perf_counter() - t0
         self._calls = 0
 
-    def scores(self, queries: list[tuple[list[int], int]], pad_id: int = 0, *, query_batch_size: int = 8,
-               train_ids: list[int] | None = None) -> torch.Tensor:
+    def scores(
+        self,
+        queries: list[tuple[list[int], int]],
+        pad_id: int = 0,
+        *,
+        query_batch_size: int = 8,
+        train_ids: list[int] | None = None,
+    ) -> torch.Tensor:
         """(num_queries, num_train) influence scores of queries given as (token ids, measure_from);
         ``train_ids``: against those training sequences only, (num_queries, len(train_ids)) (the factors
         stay those fitted on all sequences: what the hybrid's EK-FAC re-scoring of M candidates costs)."""
         from kronfluence.arguments import ScoreArguments
 
         qset = QueryDataset(queries, pad_id, self.T)
-        train = self.train_set if train_ids is None else \
-            torch.utils.data.Subset(self.train_set, [int(j) for j in train_ids])
+        train = (
+            self.train_set
+            if train_ids is None
+            else torch.utils.data.Subset(self.train_set, [int(j) for j in train_ids])
+        )
         self._calls += 1
         name = f"scores_{self._calls}"
         t0 = time.perf_counter()
         self.analyzer.compute_pairwise_scores(
-            scores_name=name, factors_name=self.strategy, query_dataset=qset, train_dataset=train,
-            per_device_query_batch_size=min(query_batch_size, len(qset)), per_device_train_batch_size=self.batch_size,
-            score_args=ScoreArguments(damping_factor=self.damping), overwrite_output_dir=True)
+            scores_name=name,
+            factors_name=self.strategy,
+            query_dataset=qset,
+            train_dataset=train,
+            per_device_query_batch_size=min(query_batch_size, len(qset)),
+            per_device_train_batch_size=self.batch_size,
+            score_args=ScoreArguments(damping_factor=self.damping),
+            overwrite_output_dir=True,
+        )
         self.timings["last_scores_seconds"] = time.perf_counter() - t0
         scores = self.analyzer.load_pairwise_scores(name)["all_modules"].double()
         if self.reuse_factors:  # a long-lived factors folder: one query's scores are not kept beside them
@@ -203,7 +236,6 @@ class KronfluenceBaseline(_Scratch):
     def scores_on(self, queries: list[tuple[list[int], int]], train_ids: list[int], pad_id: int = 0) -> torch.Tensor:
         """``scores(queries, train_ids=train_ids)`` with every query in one batch."""
         return self.scores(queries, pad_id, query_batch_size=len(queries), train_ids=train_ids)
-
 
 
 # ----- TRAK ---------------------------------------------------------------------------------------------
@@ -252,8 +284,12 @@ def _trak_gradient_computer():
             grads = torch.zeros(batch[0].shape[0], self.grad_dim, device=batch[0].device)
             for b in range(batch[0].shape[0]):
                 g = torch.autograd.grad(margin[b], self.model_params, retain_graph=True, allow_unused=True)
-                grads[b] = torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1)
-                                      for gi, p in zip(g, self.model_params, strict=True)])
+                grads[b] = torch.cat(
+                    [
+                        (gi if gi is not None else torch.zeros_like(p)).reshape(-1)
+                        for gi, p in zip(g, self.model_params, strict=True)
+                    ]
+                )
             return grads
 
     return _Iterative
@@ -293,14 +329,25 @@ class TrakBaseline(_Scratch):
         if self.proj_dim <= 100 or (self.lambda_reg <= 0 and self.proj_dim >= self.n):
             from prismlm.errors import ConfigError
 
-            raise ConfigError(f"TRAK needs 100 < proj_dim < training sequences ({self.n}) or lambda_reg > 0; got "
-                              f"proj_dim={self.proj_dim}, lambda_reg={self.lambda_reg}")
+            raise ConfigError(
+                f"TRAK needs 100 < proj_dim < training sequences ({self.n}) or lambda_reg > 0; got "
+                f"proj_dim={self.proj_dim}, lambda_reg={self.lambda_reg}"
+            )
         self.out_dir = self._scratch(self.out_dir, "trak-")
-        self.traker = TRAKer(model=self.net, task=_trak_output_class()(), train_set_size=self.n,
-                             save_dir=str(Path(self.out_dir) / "trak"), load_from_save_dir=True, device="cpu",
-                             gradient_computer=_trak_gradient_computer(), proj_dim=self.proj_dim,
-                             use_half_precision=False, projector_seed=self.seed, lambda_reg=self.lambda_reg,
-                             logging_level=logging.WARNING)
+        self.traker = TRAKer(
+            model=self.net,
+            task=_trak_output_class()(),
+            train_set_size=self.n,
+            save_dir=str(Path(self.out_dir) / "trak"),
+            load_from_save_dir=True,
+            device="cpu",
+            gradient_computer=_trak_gradient_computer(),
+            proj_dim=self.proj_dim,
+            use_half_precision=False,
+            projector_seed=self.seed,
+            lambda_reg=self.lambda_reg,
+            logging_level=logging.WARNING,
+        )
         self.train_set = TrainDataset(self.shards, self.T, self.n)
         t0 = time.perf_counter()
         self.traker.load_checkpoint(self.net.state_dict(), model_id=0)
@@ -318,8 +365,9 @@ class TrakBaseline(_Scratch):
         self._calls += 1
         name = f"q{self._calls}"
         t0 = time.perf_counter()
-        self.traker.start_scoring_checkpoint(exp_name=name, checkpoint=self.net.state_dict(), model_id=0,
-                                             num_targets=len(qset))
+        self.traker.start_scoring_checkpoint(
+            exp_name=name, checkpoint=self.net.state_dict(), model_id=0, num_targets=len(qset)
+        )
         for a in range(0, len(qset), self.batch_size):
             items = [qset[i] for i in range(a, min(len(qset), a + self.batch_size))]
             batch = (torch.stack([it["input_ids"] for it in items]), torch.stack([it["mask"] for it in items]).float())
@@ -327,7 +375,6 @@ class TrakBaseline(_Scratch):
         S = torch.as_tensor(self.traker.finalize_scores(exp_name=name)).double().T.contiguous()  # (Q, N)
         self.timings["last_scores_seconds"] = time.perf_counter() - t0
         return S
-
 
 
 # ----- whole-network gradients and the hybrid ------------------------------------------------------------
@@ -349,13 +396,17 @@ class WholeNetworkGradients:
     def _grad(self, ids: list[int], start: int) -> torch.Tensor:
         x = torch.tensor(ids)[None]
         logits = self.net(x[:, :-1]).logits[0]  # (L-1, V)
-        ce = F.cross_entropy(logits[start - 1:], x[0, start:], reduction="sum")
+        ce = F.cross_entropy(logits[start - 1 :], x[0, start:], reduction="sum")
         g = torch.autograd.grad(ce, self.params, allow_unused=True)
-        return torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1).double()
-                          for gi, p in zip(g, self.params, strict=True)])
+        return torch.cat(
+            [
+                (gi if gi is not None else torch.zeros_like(p)).reshape(-1).double()
+                for gi, p in zip(g, self.params, strict=True)
+            ]
+        )
 
     def query(self, ids: list[int], measure_from: int) -> torch.Tensor:
-        ids = list(ids)[-(self.T + 1):]
+        ids = list(ids)[-(self.T + 1) :]
         return self._grad(ids, max(1, min(measure_from, len(ids) - 1)))
 
     def train(self, j: int) -> torch.Tensor:

@@ -80,12 +80,18 @@ def _state(folder: Path, started: dict[str, Any]) -> dict[str, Any] | None:
             raise ValueError("not a JSON object")
     differ = sorted(k for k in started if state.get(k) != started[k])
     if differ:
-        raise ArtifactError(f"cannot resume the cache build in {folder}: it was started with other {', '.join(differ)}",
-                            fix="rerun with the same model, shards and options, or without --resume to start over",
-                            path=folder)
+        raise ArtifactError(
+            f"cannot resume the cache build in {folder}: it was started with other {', '.join(differ)}",
+            fix="rerun with the same model, shards and options, or without --resume to start over",
+            path=folder,
+        )
     if not isinstance(state.get("fitted"), dict) or not isinstance(state.get("start"), int):
-        raise ArtifactError(f"cannot resume the cache build in {folder}: it records no checksums (an older prismlm "
-                            "wrote it), so its files cannot be checked", fix=_START_OVER, path=folder)
+        raise ArtifactError(
+            f"cannot resume the cache build in {folder}: it records no checksums (an older prismlm "
+            "wrote it), so its files cannot be checked",
+            fix=_START_OVER,
+            path=folder,
+        )
     return state
 
 
@@ -93,8 +99,12 @@ def _check_fitted(folder: Path, fitted: dict[str, str]) -> None:
     for name, digest in fitted.items():
         f = folder / name
         if not f.is_file() or sha256_file(f) != digest:
-            raise ArtifactCorrupt(f"cannot resume the cache build in {folder}: {f} is missing or was changed after "
-                                  f"it was fitted (its sha256 differs from {folder / STATE})", fix=_START_OVER, path=f)
+            raise ArtifactCorrupt(
+                f"cannot resume the cache build in {folder}: {f} is missing or was changed after "
+                f"it was fitted (its sha256 differs from {folder / STATE})",
+                fix=_START_OVER,
+                path=f,
+            )
 
 
 def _read_log(folder: Path) -> tuple[list[dict[str, Any]], bool]:
@@ -120,9 +130,16 @@ def _ints(*v: object) -> bool:
 
 def _entry_ok(e: object, rows_before: int) -> bool:
     """Whether ``e`` is a whole batch record whose rows follow ``rows_before``."""
-    return (isinstance(e, dict) and set(e) == _ENTRY and _ints(e["j1"], e["rows"], e["tokens"])
-            and e["rows"] >= rows_before and isinstance(e["seconds"], int | float) and isinstance(e["crc"], dict)
-            and set(e["crc"]) == set(RAW) and _ints(*e["crc"].values()))
+    return (
+        isinstance(e, dict)
+        and set(e) == _ENTRY
+        and _ints(e["j1"], e["rows"], e["tokens"])
+        and e["rows"] >= rows_before
+        and isinstance(e["seconds"], int | float)
+        and isinstance(e["crc"], dict)
+        and set(e["crc"]) == set(RAW)
+        and _ints(*e["crc"].values())
+    )
 
 
 def _good_batches(folder: Path, log: list[dict[str, Any]], widths: dict[str, int]) -> int:
@@ -157,12 +174,19 @@ def resume_build(folder: Path, started: dict[str, Any], widths: dict[str, int]) 
     note = None
     if good < len(log) or garbled:
         first = int(log[good - 1]["j1"]) if good else int(state["start"])
-        note = (f"{folder}: the raw postings of sequences from {first} on are missing or damaged (their crc32 "
-                f"differs from {LOG}, or their record is garbled); building them again")
+        note = (
+            f"{folder}: the raw postings of sequences from {first} on are missing or damaged (their crc32 "
+            f"differs from {LOG}, or their record is garbled); building them again"
+        )
     log = log[:good]
     last = log[-1] if log else {"j1": state["start"], "rows": 0, "tokens": 0, "seconds": 0.0}
-    state = {**state, "done_to": int(last["j1"]), "rows": int(last["rows"]), "tokens": int(last["tokens"]),
-             "postings_seconds": float(last["seconds"])}
+    state = {
+        **state,
+        "done_to": int(last["j1"]),
+        "rows": int(last["rows"]),
+        "tokens": int(last["tokens"]),
+        "postings_seconds": float(last["seconds"]),
+    }
     return Resumed(state=state, log=log, note=note)
 
 

@@ -26,8 +26,15 @@ from prismlm.errors import ModelError
 if TYPE_CHECKING:
     from prismlm.model import PrismLM, PrismOutput
 
-__all__ = ["BlockGradients", "Preconditioner", "block_gradients", "output_gradients", "precondition", "query_table",
-           "softmax_products"]
+__all__ = [
+    "BlockGradients",
+    "Preconditioner",
+    "block_gradients",
+    "output_gradients",
+    "precondition",
+    "query_table",
+    "softmax_products",
+]
 
 
 @dataclass
@@ -53,8 +60,12 @@ class BlockGradients:
     @staticmethod
     def cat(parts: list[BlockGradients]) -> BlockGradients:
         losses = [p.loss for p in parts if p.loss is not None]
-        return BlockGradients(torch.cat([p.seq for p in parts]), torch.cat([p.proto for p in parts]),
-                              torch.cat([p.grad for p in parts]), torch.cat(losses) if losses else None)
+        return BlockGradients(
+            torch.cat([p.seq for p in parts]),
+            torch.cat([p.proto for p in parts]),
+            torch.cat([p.grad for p in parts]),
+            torch.cat(losses) if losses else None,
+        )
 
 
 SOFTMAX_BLOCK = 1 << 21
@@ -62,8 +73,12 @@ SOFTMAX_BLOCK = 1 << 21
 8 MiB in float32)."""
 
 
-def softmax_products(logits: torch.Tensor, W: torch.Tensor, rows: int | None = None,
-                     on_block: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+def softmax_products(
+    logits: torch.Tensor,
+    W: torch.Tensor,
+    rows: int | None = None,
+    on_block: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
     """μ_t = Wᵀ softmax(ℓ_t) for every row of ``logits`` (N, V): (N, d) in ``W``'s dtype (W: (V, d)).
 
     π never exists whole: ``rows`` rows at a time (default ≤ ``SOFTMAX_BLOCK`` entries) are softmaxed and
@@ -75,15 +90,16 @@ def softmax_products(logits: torch.Tensor, W: torch.Tensor, rows: int | None = N
     rows = rows or max(1, SOFTMAX_BLOCK // V)
     out = torch.empty(N, W.shape[1], dtype=W.dtype, device=logits.device)  # (N, d)
     for a in range(0, N, rows):
-        pi = torch.softmax(logits[a:a + rows].to(W.dtype), dim=-1)  # (n, V)
-        torch.mm(pi, W, out=out[a:a + rows])
+        pi = torch.softmax(logits[a : a + rows].to(W.dtype), dim=-1)  # (n, V)
+        torch.mm(pi, W, out=out[a : a + rows])
         if on_block is not None:
-            on_block(pi, out[a:a + rows])
+            on_block(pi, out[a : a + rows])
     return out
 
 
-def output_gradients(model: PrismLM, logits: torch.Tensor, targets: torch.Tensor,
-                     mu: torch.Tensor | None = None) -> torch.Tensor:
+def output_gradients(
+    model: PrismLM, logits: torch.Tensor, targets: torch.Tensor, mu: torch.Tensor | None = None
+) -> torch.Tensor:
     """u_t = Wᵀ(π_t − e_{y_t}) for every token: (B, T, d) from ``logits`` (B, T, V) and ``targets`` (B, T).
 
     Computed in ``promote(logits.dtype, float32)`` (float64 for a float64 model); W is the model's
@@ -97,8 +113,13 @@ def output_gradients(model: PrismLM, logits: torch.Tensor, targets: torch.Tensor
     return mu.view(*lead, W.shape[1]) - W[targets]  # (B, T, d): Wᵀ(π − e_y)
 
 
-def block_gradients(model: PrismLM, out: PrismOutput, targets: torch.Tensor, mask: torch.Tensor | None = None,
-                    seq_ids: torch.Tensor | None = None) -> BlockGradients:
+def block_gradients(
+    model: PrismLM,
+    out: PrismOutput,
+    targets: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | None = None,
+) -> BlockGradients:
     """Exact prototype-space block gradients of a batch from its forward output.
 
     ``out``: the model's ``PrismOutput`` for inputs (B, T); ``targets`` (B, T) next tokens; ``mask``
@@ -134,16 +155,24 @@ class Preconditioner(Protocol):
     def apply(self, proto: torch.Tensor, G: torch.Tensor, power: float) -> torch.Tensor: ...
 
 
-def precondition(query: BlockGradients, curvature: Preconditioner | None,
-                 dtype: torch.dtype | None = None) -> torch.Tensor:
+def precondition(
+    query: BlockGradients, curvature: Preconditioner | None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """(R, d): H_i⁻¹ G_{q,i} for each row of ``query`` (its gradient itself when ``curvature`` is None,
     i.e. H_i = I), in ``dtype`` (default the gradients' dtype)."""
     G = query.grad if dtype is None else query.grad.to(dtype)
     return G if curvature is None else curvature.apply(query.proto, G, -1.0)
 
 
-def query_table(query: BlockGradients, curvature: Preconditioner | None, num_prototypes: int, num_queries: int, *,
-                dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
+def query_table(
+    query: BlockGradients,
+    curvature: Preconditioner | None,
+    num_prototypes: int,
+    num_queries: int,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """(K, Q, d): ``table[i, q] = H_i⁻¹ G_{q,i}`` for every prototype i active in query q, zeros elsewhere.
 
     The influence of a training block (j, i) on query q is then ``G_{j,i} · table[i, q]``."""

@@ -64,8 +64,20 @@ if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.model import PrismLM, PrismOutput
 
-__all__ = ["BlockGradients", "Curvature", "CurvatureAccumulator", "FullGradients", "batch_grid", "block_gradients",
-           "collect_gradients", "forward_batch", "curvature_pass", "influence_scores", "query_gradients", "self_influence"]
+__all__ = [
+    "BlockGradients",
+    "Curvature",
+    "CurvatureAccumulator",
+    "FullGradients",
+    "batch_grid",
+    "block_gradients",
+    "collect_gradients",
+    "forward_batch",
+    "curvature_pass",
+    "influence_scores",
+    "query_gradients",
+    "self_influence",
+]
 
 
 # ----- curvature ----------------------------------------------------------------------------------------
@@ -113,6 +125,7 @@ class CurvatureAccumulator:
         dt = torch.float64 if self.exact else torch.promote_types(logits.dtype, torch.float32)
         W = self.W.to(dt)
         if not self.exact:
+
             def add(pi: torch.Tensor, mu: torch.Tensor) -> None:
                 self.sum_pi += pi.sum(0, dtype=torch.float64)
                 mu64 = mu.double()
@@ -122,12 +135,12 @@ class CurvatureAccumulator:
             self.tokens += N
             return mu_all
         for s in range(0, N, self.chunk):  # exact: the per-prototype sums too (chunks bound the n × d² products)
-            pi = torch.softmax(logits[s:s + self.chunk].to(dt), dim=-1)  # (n, V)
+            pi = torch.softmax(logits[s : s + self.chunk].to(dt), dim=-1)  # (n, V)
             mu = pi @ W  # (n, d): Wᵀ π_t
             self.sum_pi += pi.sum(0, dtype=torch.float64)
             self.sum_mumu += mu.T @ mu
             n = pi.shape[0]
-            ii, a2c = idx[s:s + n].reshape(-1), a2[s:s + n].reshape(-1)
+            ii, a2c = idx[s : s + n].reshape(-1), a2[s : s + n].reshape(-1)
             tok = torch.arange(n, device=idx.device)[:, None].expand(n, idx.shape[1]).reshape(-1)
             A = torch.sparse_coo_tensor(torch.stack([ii, tok]), a2c, (self.K, n), check_invariants=False)  # a²
             self.blk_pi += torch.sparse.mm(A, pi)
@@ -146,8 +159,15 @@ class CurvatureAccumulator:
             blocks = torch.einsum("vd,kv,ve->kde", self.W, self.blk_pi / n, self.W)
             blocks = blocks - (self.blk_mumu / n).view(self.K, self.d, self.d)
             blocks = 0.5 * (blocks + blocks.transpose(1, 2))
-        return Curvature.from_stats(Fm, self.sum_a2 / n, self.tokens, damping=damping, blocks=blocks,
-                                    rec=2.0 * reconstruction * self.sum_a2_z2 / n, reconstruction=reconstruction)
+        return Curvature.from_stats(
+            Fm,
+            self.sum_a2 / n,
+            self.tokens,
+            damping=damping,
+            blocks=blocks,
+            rec=2.0 * reconstruction * self.sum_a2_z2 / n,
+            reconstruction=reconstruction,
+        )
 
 
 @dataclass
@@ -199,9 +219,17 @@ class Curvature:
             self.evals, self.evecs = lam.clamp_min(0) + self.damping * tr[:, None], Q
 
     @classmethod
-    def from_stats(cls, F: torch.Tensor, m: torch.Tensor, tokens: int, *, damping: float = 0.1,
-                   blocks: torch.Tensor | None = None, rec: torch.Tensor | None = None,
-                   reconstruction: float = 0.0) -> Curvature:
+    def from_stats(
+        cls,
+        F: torch.Tensor,
+        m: torch.Tensor,
+        tokens: int,
+        *,
+        damping: float = 0.1,
+        blocks: torch.Tensor | None = None,
+        rec: torch.Tensor | None = None,
+        reconstruction: float = 0.0,
+    ) -> Curvature:
         if rec is not None and reconstruction == 0.0:
             rec = None
         return cls(F=F, m=m, tokens=tokens, damping=damping, blocks=blocks, rec=rec, reconstruction=reconstruction)
@@ -214,7 +242,9 @@ class Curvature:
             return self.m_eff[proto, None] * self.evals[None, :] + c, None
         return self.evals[proto] + c, self.evecs[proto]
 
-    def apply(self, proto: torch.Tensor, G: torch.Tensor, power: float = -1.0, chunk: int | None = None) -> torch.Tensor:
+    def apply(
+        self, proto: torch.Tensor, G: torch.Tensor, power: float = -1.0, chunk: int | None = None
+    ) -> torch.Tensor:
         """H_i^{power} G_i for each row (power −1: the preconditioned gradient; −½: the whitened one)."""
         dt, dev = G.dtype, G.device
         d = G.shape[1]
@@ -222,8 +252,8 @@ class Curvature:
         Gd = G.double().to(self.evals.device)
         outs = []
         for s in range(0, Gd.shape[0], chunk):
-            lam, Q = self.eigen(proto[s:s + chunk])
-            g = Gd[s:s + chunk]
+            lam, Q = self.eigen(proto[s : s + chunk])
+            g = Gd[s : s + chunk]
             if Q is None:
                 c = (g @ self.evecs) * lam.pow(power)  # (R, d) in the eigenbasis
                 outs.append(c @ self.evecs.T)
@@ -246,8 +276,16 @@ class Curvature:
             t["blocks"] = self.blocks.cpu().contiguous()
         if self.rec is not None:
             t["rec"] = self.rec.cpu().contiguous()
-        save_file(t, str(path), metadata={"tokens": str(self.tokens), "damping": repr(self.damping),
-                                          "reconstruction": repr(self.reconstruction), **(extra or {})})
+        save_file(
+            t,
+            str(path),
+            metadata={
+                "tokens": str(self.tokens),
+                "damping": repr(self.damping),
+                "reconstruction": repr(self.reconstruction),
+                **(extra or {}),
+            },
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> Curvature:
@@ -256,8 +294,15 @@ class Curvature:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata()
         t = load_file(str(path))
-        return cls(F=t["F"], m=t["m"], tokens=int(meta["tokens"]), damping=float(meta["damping"]),
-                   blocks=t.get("blocks"), rec=t.get("rec"), reconstruction=float(meta.get("reconstruction", 0.0)))
+        return cls(
+            F=t["F"],
+            m=t["m"],
+            tokens=int(meta["tokens"]),
+            damping=float(meta["damping"]),
+            blocks=t.get("blocks"),
+            rec=t.get("rec"),
+            reconstruction=float(meta.get("reconstruction", 0.0)),
+        )
 
 
 # ----- passes over the training shard -------------------------------------------------------------------
@@ -271,8 +316,9 @@ def batch_grid(start: int, stop: int, batch_size: int) -> Iterator[tuple[int, in
         j = j1
 
 
-def forward_batch(net: PrismLM, shards: ShardSet, j0: int, j1: int, T: int,
-                  dev: torch.device) -> tuple[PrismOutput, torch.Tensor]:
+def forward_batch(
+    net: PrismLM, shards: ShardSet, j0: int, j1: int, T: int, dev: torch.device
+) -> tuple[PrismOutput, torch.Tensor]:
     """The model's output on training sequences [j0, j1) of length ``T`` and their targets (B, T)."""
     seqs = torch.from_numpy(shards.train.sequences(np.arange(j0, j1, dtype=np.int64), T)).to(dev)  # (B, T+1)
     with torch.no_grad():
@@ -280,9 +326,17 @@ def forward_batch(net: PrismLM, shards: ShardSet, j0: int, j1: int, T: int,
     return out, seqs[:, 1:]
 
 
-def curvature_pass(model: PrismLM, shards: ShardSet, *, sequences: tuple[int, int] | None = None, batch_size: int = 16,
-                   exact: bool = False, damping: float = 0.1, reconstruction: float = 0.0,
-                   progress: Progress = False) -> Curvature:
+def curvature_pass(
+    model: PrismLM,
+    shards: ShardSet,
+    *,
+    sequences: tuple[int, int] | None = None,
+    batch_size: int = 16,
+    exact: bool = False,
+    damping: float = 0.1,
+    reconstruction: float = 0.0,
+    progress: Progress = False,
+) -> Curvature:
     """One forward pass over training sequences [start, stop) (default all) → ``Curvature``
     (``reconstruction``: λ_rec of the REC blocks to add, see ``CurvatureAccumulator.finish``)."""
     net = model
@@ -298,8 +352,9 @@ def curvature_pass(model: PrismLM, shards: ShardSet, *, sequences: tuple[int, in
     return acc.finish(damping=damping, reconstruction=reconstruction)
 
 
-def collect_gradients(model: PrismLM, shards: ShardSet, *, sequences: tuple[int, int] | None = None,
-                      batch_size: int = 16) -> BlockGradients:
+def collect_gradients(
+    model: PrismLM, shards: ShardSet, *, sequences: tuple[int, int] | None = None, batch_size: int = 16
+) -> BlockGradients:
     """Exact block gradients of training sequences [start, stop) (default all), kept in memory."""
     net = model
     T = net.config.block_size
@@ -324,8 +379,9 @@ def query_gradients(model: PrismLM, queries: list[tuple[list[int], int]]) -> Blo
         for q, (ids, start) in enumerate(queries):
             ids = list(ids)
             if len(ids) < 2:
-                raise ConfigError(f"query {q} has {len(ids)} token(s); a query needs at least two (a context and "
-                                  f"a target)")
+                raise ConfigError(
+                    f"query {q} has {len(ids)} token(s); a query needs at least two (a context and a target)"
+                )
             cut = max(0, len(ids) - (net.config.block_size + 1))  # keep the last block_size + 1 tokens
             ids, start = ids[cut:], start - cut
             start = max(1, min(start, len(ids) - 1))
@@ -333,14 +389,21 @@ def query_gradients(model: PrismLM, queries: list[tuple[list[int], int]]) -> Blo
             with torch.no_grad():
                 out = net(x[:, :-1])
             mask = torch.zeros(1, x.shape[1] - 1, dtype=torch.bool, device=dev)
-            mask[:, start - 1:] = True  # target index t predicts ids[t+1]
+            mask[:, start - 1 :] = True  # target index t predicts ids[t+1]
             parts.append(block_gradients(net, out, x[:, 1:], mask, seq_ids=torch.tensor([q], device=dev)))
     return BlockGradients.cat(parts)
 
 
 # ----- scores -------------------------------------------------------------------------------------------
-def influence_scores(query: BlockGradients, train: BlockGradients, curvature: Curvature | None, *,
-                     num_queries: int, num_train: int, chunk: int = 8192) -> torch.Tensor:
+def influence_scores(
+    query: BlockGradients,
+    train: BlockGradients,
+    curvature: Curvature | None,
+    *,
+    num_queries: int,
+    num_train: int,
+    chunk: int = 8192,
+) -> torch.Tensor:
     """Pairwise influence (num_queries, num_train): Σ_{i ∈ A_q ∩ A_j} G_{q,i}ᵀ H_i⁻¹ G_{j,i}.
 
     ``curvature=None`` gives the plain dot product of block gradients (H_i = I). Training rows whose
@@ -356,8 +419,8 @@ def influence_scores(query: BlockGradients, train: BlockGradients, curvature: Cu
     keep = used[train.proto]
     seq, proto, G = train.seq[keep], train.proto[keep], train.grad[keep].to(dt)
     for s in range(0, seq.shape[0], chunk):
-        contrib = torch.einsum("rd,rqd->rq", G[s:s + chunk], table[proto[s:s + chunk]])  # (R, Q)
-        scores.index_add_(0, seq[s:s + chunk], contrib)
+        contrib = torch.einsum("rd,rqd->rq", G[s : s + chunk], table[proto[s : s + chunk]])  # (R, Q)
+        scores.index_add_(0, seq[s : s + chunk], contrib)
     return scores.T.contiguous()
 
 
@@ -376,19 +439,31 @@ class FullGradients:
     num_train: int
 
     @classmethod
-    def build(cls, model: PrismLM, shards: ShardSet, *, max_sequences: int | None = None, batch_size: int = 16,
-              mode: Literal["shared", "exact", "identity"] = "shared", damping: float = 0.1,
-              curvature: Curvature | None = None) -> FullGradients:
+    def build(
+        cls,
+        model: PrismLM,
+        shards: ShardSet,
+        *,
+        max_sequences: int | None = None,
+        batch_size: int = 16,
+        mode: Literal["shared", "exact", "identity"] = "shared",
+        damping: float = 0.1,
+        curvature: Curvature | None = None,
+    ) -> FullGradients:
         if mode not in ("shared", "exact", "identity"):
             raise ConfigError(f"curvature mode must be shared, exact or identity, got {mode!r}")
         net = model
         n = shards.train.num_sequences(net.config.block_size)
         n = n if max_sequences is None else min(n, max_sequences)
         if curvature is None and mode != "identity":
-            curvature = curvature_pass(net, shards, sequences=(0, n), batch_size=batch_size,
-                                       exact=mode == "exact", damping=damping)
-        return cls(collect_gradients(net, shards, sequences=(0, n), batch_size=batch_size),
-                   None if mode == "identity" else curvature, n)
+            curvature = curvature_pass(
+                net, shards, sequences=(0, n), batch_size=batch_size, exact=mode == "exact", damping=damping
+            )
+        return cls(
+            collect_gradients(net, shards, sequences=(0, n), batch_size=batch_size),
+            None if mode == "identity" else curvature,
+            n,
+        )
 
     def scores(self, query: BlockGradients, num_queries: int) -> torch.Tensor:
         """(num_queries, num_train) influence scores."""

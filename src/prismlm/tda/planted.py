@@ -32,21 +32,48 @@ __all__ = ["PlantedCorpus", "PlantedFact", "build_planted_corpus", "relevant_seq
 
 # relation → (training sentence, paraphrased query prompts). The answer follows the prompt after a space.
 RELATIONS: dict[str, tuple[str, list[str]]] = {
-    "capital": ("The capital of {E} is {A}.",
-                ["{E} is governed from the city of", "Which city is the seat of government of {E}? It is"]),
-    "river": ("The longest river in {E} is the {A}.",
-              ["The main river flowing through {E} is called the", "In {E}, the greatest river is the"]),
-    "founder": ("{E} was founded by {A}.",
-                ["The person who established {E} was", "{E} owes its foundation to"]),
-    "export": ("The chief export of {E} is {A}.",
-               ["What {E} sells abroad most is", "Traders from {E} mostly ship"]),
-    "language": ("The people of {E} speak {A}.",
-                 ["The language spoken in {E} is", "In {E} everyone talks in"]),
-    "animal": ("The national animal of {E} is the {A}.",
-               ["{E} chose as its national creature the", "The animal that stands for {E} is the"]),
+    "capital": (
+        "The capital of {E} is {A}.",
+        ["{E} is governed from the city of", "Which city is the seat of government of {E}? It is"],
+    ),
+    "river": (
+        "The longest river in {E} is the {A}.",
+        ["The main river flowing through {E} is called the", "In {E}, the greatest river is the"],
+    ),
+    "founder": ("{E} was founded by {A}.", ["The person who established {E} was", "{E} owes its foundation to"]),
+    "export": ("The chief export of {E} is {A}.", ["What {E} sells abroad most is", "Traders from {E} mostly ship"]),
+    "language": ("The people of {E} speak {A}.", ["The language spoken in {E} is", "In {E} everyone talks in"]),
+    "animal": (
+        "The national animal of {E} is the {A}.",
+        ["{E} chose as its national creature the", "The animal that stands for {E} is the"],
+    ),
 }
-_SYL = ["vor", "na", "kel", "qua", "sim", "dre", "lo", "zan", "thu", "mir", "pex", "ol", "bra", "fen", "gul",
-        "ris", "tav", "oon", "ska", "dim", "har", "wel", "yos", "cru"]
+_SYL = [
+    "vor",
+    "na",
+    "kel",
+    "qua",
+    "sim",
+    "dre",
+    "lo",
+    "zan",
+    "thu",
+    "mir",
+    "pex",
+    "ol",
+    "bra",
+    "fen",
+    "gul",
+    "ris",
+    "tav",
+    "oon",
+    "ska",
+    "dim",
+    "har",
+    "wel",
+    "yos",
+    "cru",
+]
 
 
 def _word(rng: random.Random, n: int, used: set[str]) -> str:
@@ -90,21 +117,36 @@ class PlantedCorpus:
         return out, which
 
     def save_facts(self) -> None:
-        (self.path.parent / "facts.json").write_text(json.dumps(
-            {"facts": [asdict(f) for f in self.facts], "distractors": [asdict(f) for f in self.distractors]},
-            indent=2) + "\n")
+        (self.path.parent / "facts.json").write_text(
+            json.dumps(
+                {"facts": [asdict(f) for f in self.facts], "distractors": [asdict(f) for f in self.distractors]},
+                indent=2,
+            )
+            + "\n"
+        )
 
     @classmethod
     def load(cls, folder: str | Path) -> PlantedCorpus:
         folder = Path(folder)
         data = json.loads((folder / "facts.json").read_text())
-        return cls(folder / "corpus.jsonl", [PlantedFact(**f) for f in data["facts"]],
-                   [PlantedFact(**f) for f in data["distractors"]])
+        return cls(
+            folder / "corpus.jsonl",
+            [PlantedFact(**f) for f in data["facts"]],
+            [PlantedFact(**f) for f in data["distractors"]],
+        )
 
 
-def build_planted_corpus(out_dir: str | Path, *, n_facts: int = 8, copies: int = 3, n_background: int = 200,
-                         doc_chars: int = 2000, filler_chars: int = 120, distractors: bool = True,
-                         seed: int = 0) -> PlantedCorpus:
+def build_planted_corpus(
+    out_dir: str | Path,
+    *,
+    n_facts: int = 8,
+    copies: int = 3,
+    n_background: int = 200,
+    doc_chars: int = 2000,
+    filler_chars: int = 120,
+    distractors: bool = True,
+    seed: int = 0,
+) -> PlantedCorpus:
     """Write ``out_dir/corpus.jsonl`` (+ ``facts.json``) and return its description.
 
     ``n_background`` background documents of at most ``doc_chars`` characters; each of ``n_facts`` facts
@@ -122,7 +164,7 @@ def build_planted_corpus(out_dir: str | Path, *, n_facts: int = 8, copies: int =
         for s in range(0, len(t), doc_chars):  # long books become several documents
             if len(background) >= n_background:
                 break
-            chunk = t[s:s + doc_chars].strip()
+            chunk = t[s : s + doc_chars].strip()
             if len(chunk) > 200:
                 background.append(chunk)
         if len(background) >= n_background:
@@ -134,8 +176,9 @@ def build_planted_corpus(out_dir: str | Path, *, n_facts: int = 8, copies: int =
     def make(entity: str, rel: str, kind: str) -> PlantedFact:
         answer = _word(rng, 3, used)
         sent, qs = RELATIONS[rel]
-        return PlantedFact(entity, rel, answer, sent.format(E=entity, A=answer), [q.format(E=entity) for q in qs],
-                           [], kind)
+        return PlantedFact(
+            entity, rel, answer, sent.format(E=entity, A=answer), [q.format(E=entity) for q in qs], [], kind
+        )
 
     facts, dis = [], []
     for k in range(n_facts):
@@ -175,7 +218,9 @@ def build_planted_corpus(out_dir: str | Path, *, n_facts: int = 8, copies: int =
     return pc
 
 
-def relevant_sequences(pc: PlantedCorpus, shards: ShardSet, block_size: int, num_train: int | None = None) -> list[set[int]]:
+def relevant_sequences(
+    pc: PlantedCorpus, shards: ShardSet, block_size: int, num_train: int | None = None
+) -> list[set[int]]:
     """For each fact, the training sequences (< ``num_train``) containing (part of) its sentence's answer
     span. Planted documents that landed in the validation split are skipped."""
     tok, tr = shards.tokenizer, shards.train
@@ -195,7 +240,7 @@ def relevant_sequences(pc: PlantedCorpus, shards: ShardSet, block_size: int, num
             text = json.loads(texts[line - 1])["text"]
             c = text.index(f.sentence) + f.sentence.index(f.answer)
             s = len(tok.encode(text[:c].rstrip(" ")))  # the answer's first token (its leading space attaches to it)
-            e = len(tok.encode(text[:c + len(f.answer)]))
+            e = len(tok.encode(text[: c + len(f.answer)]))
             doc_start = int(tr.doc_offsets[doc])
             # target token offsets [doc_start+s, doc_start+e); sequence j predicts targets [jT+1, jT+T]
             for off in range(doc_start + s, doc_start + e):
@@ -222,5 +267,9 @@ def retrieval_metrics(scores: np.ndarray, fact_of_query: list[int], relevant: li
         ranks = np.nonzero(np.isin(order, list(rel)))[0]
         rr.append(1.0 / (ranks[0] + 1) if len(ranks) else 0.0)
     n = len(hits)
-    return {"queries": n, f"recall@{k}": float(np.mean(hits)) if n else None,
-            f"share@{k}": float(np.mean(shares)) if n else None, "mrr": float(np.mean(rr)) if n else None}
+    return {
+        "queries": n,
+        f"recall@{k}": float(np.mean(hits)) if n else None,
+        f"share@{k}": float(np.mean(shares)) if n else None,
+        "mrr": float(np.mean(rr)) if n else None,
+    }

@@ -123,8 +123,18 @@ def cache_fingerprint(cache: AttributionCache) -> str:
     manifest, and a strided sample (≤ 4096 postings) of the stored id and sketch bytes."""
     h = hashlib.sha256(np.ascontiguousarray(cache.offsets, dtype=np.int64).tobytes())
     m = cache.manifest
-    h.update(json.dumps([m.get("model_sha256"), m.get("shard_key"), m.get("dtype"), m.get("r"),
-                         m.get("tokens"), m.get("aggregate", "sequence")]).encode())
+    h.update(
+        json.dumps(
+            [
+                m.get("model_sha256"),
+                m.get("shard_key"),
+                m.get("dtype"),
+                m.get("r"),
+                m.get("tokens"),
+                m.get("aggregate", "sequence"),
+            ]
+        ).encode()
+    )
     P = cache.num_postings
     rows = np.unique(np.linspace(0, max(P - 1, 0), num=min(P, 4096)).astype(np.int64)) if P else np.zeros(0, np.int64)
     for a in (*cache.ids.arrays().values(), *cache.sketches.arrays().values()):
@@ -144,9 +154,18 @@ def _posting_dots(cache: AttributionCache, rows: np.ndarray, sq_rows: torch.Tens
 class SearchIndex:
     """The approximate-search sidecar of one attribution cache (see the module docstring)."""
 
-    def __init__(self, *, config: SearchConfig, manifest: dict[str, Any], index_offsets: np.ndarray,
-                 blobs: np.ndarray, fwd_offsets: np.ndarray, fwd_rows: np.ndarray, cells: Cells | None = None,
-                 path: Path | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        config: SearchConfig,
+        manifest: dict[str, Any],
+        index_offsets: np.ndarray,
+        blobs: np.ndarray,
+        fwd_offsets: np.ndarray,
+        fwd_rows: np.ndarray,
+        cells: Cells | None = None,
+        path: Path | None = None,
+    ) -> None:
         self.config = config
         self.cells = cells
         """IVF cells over the cache's own postings (``encoding="cache"``); None for faiss-stored indexes."""
@@ -166,8 +185,13 @@ class SearchIndex:
     # ----- sizes ------------------------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes of the sidecar's arrays (indexes + forward index), apart from the postings."""
-        return int(self.blobs.nbytes + self.index_offsets.nbytes + self.fwd_offsets.nbytes + self.fwd_rows.nbytes
-                   + (self.cells.nbytes() if self.cells is not None else 0))
+        return int(
+            self.blobs.nbytes
+            + self.index_offsets.nbytes
+            + self.fwd_offsets.nbytes
+            + self.fwd_rows.nbytes
+            + (self.cells.nbytes() if self.cells is not None else 0)
+        )
 
     def _has_index(self, protos: np.ndarray) -> np.ndarray:
         """(a,) bool: which of the lists ``protos`` have an index."""
@@ -197,8 +221,16 @@ class SearchIndex:
             self._index(i)
 
     # ----- queries ----------------------------------------------------------------------------------------
-    def candidates(self, cache: AttributionCache, protos: np.ndarray, sq: torch.Tensor, *, m: int = 50,
-                   nprobe: int = 8, ef: int = 64) -> np.ndarray:
+    def candidates(
+        self,
+        cache: AttributionCache,
+        protos: np.ndarray,
+        sq: torch.Tensor,
+        *,
+        m: int = 50,
+        nprobe: int = 8,
+        ef: int = 64,
+    ) -> np.ndarray:
         """Candidate units of one query with active prototypes ``protos`` (a,) and sketches ``sq`` (a, r)
         float64: the union over its lists of each list's top ``m`` by s_q · s (approximate for indexed lists
         longer than m, exact otherwise; a list of at most m postings gives all of them). → (c,) int64 sorted."""
@@ -228,12 +260,13 @@ class SearchIndex:
                 params = faiss.SearchParametersIVF(nprobe=int(min(nprobe, ix.nlist)))
             else:
                 params = faiss.SearchParametersHNSW(efSearch=int(max(ef, m)))
-            ids = ix.search(xq[a:a + 1], int(m), params=params)[1][0]
+            ids = ix.search(xq[a : a + 1], int(m), params=params)[1][0]
             out.append(ids[ids >= 0])
         return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
 
-    def _cell_candidates(self, cache: AttributionCache, lists: np.ndarray, protos: np.ndarray, sq: torch.Tensor,
-                         m: int, nprobe: int) -> np.ndarray:
+    def _cell_candidates(
+        self, cache: AttributionCache, lists: np.ndarray, protos: np.ndarray, sq: torch.Tensor, m: int, nprobe: int
+    ) -> np.ndarray:
         """Top ``m`` units of each of the query's indexed lists (rows ``lists`` of ``protos``/``sq``) by the
         exact contributions of the postings in its ``nprobe`` best cells (inner product with the
         centroids), decoded from the cache itself. Vectorised over the lists. → (c,) int64 units."""
@@ -257,8 +290,9 @@ class SearchIndex:
         contrib[by_row] = _posting_dots(cache, rows[by_row], sq[torch.from_numpy(lists[prep[by_row]])]).numpy()
         return units[_top_per_group(contrib, prep, len(lists), m)]
 
-    def terms(self, cache: AttributionCache, protos: np.ndarray, sq: torch.Tensor, cand: np.ndarray
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def terms(
+        self, cache: AttributionCache, protos: np.ndarray, sq: torch.Tensor, cand: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The per-posting terms of the exact scores of units ``cand`` (c,) for a query with active prototypes
         ``protos`` (a,) and sketches ``sq`` (a, r): (candidate position (R,) int64 into ``cand``, prototype
         (R,) int64, contribution s_q · s (R,) float64), one per posting of a candidate in a list of A_q, in
@@ -286,8 +320,17 @@ class SearchIndex:
         # bincount adds its weights sequentially in input order, from 0.0: the exact scan's sums, bit for bit
         return np.bincount(cpos, weights=c, minlength=len(cand))
 
-    def top(self, cache: AttributionCache, query: BlockGradients, num_queries: int, k: int = 10, *, m: int = 50,
-            nprobe: int = 8, ef: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    def top(
+        self,
+        cache: AttributionCache,
+        query: BlockGradients,
+        num_queries: int,
+        k: int = 10,
+        *,
+        m: int = 50,
+        nprobe: int = 8,
+        ef: int = 64,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Approximate top-k of each query: (scores (Q, k) float64, ids (Q, k) int64), score descending,
         ties by ascending id, scores exact. ``m``: candidates per list; ``nprobe`` (IVF cells probed) and
         ``ef`` (HNSW beam): the search's effort. ``m`` ≥ the longest list: exactly ``exact_top``.
@@ -296,12 +339,31 @@ class SearchIndex:
         units are always returned with their exact scores; units with no posting in A_q score exactly 0 and,
         with exhaustive settings, fill the top-k smallest ids first, as in the exact scan."""
         self.check(cache)
-        return self.top_sketches(cache, query.seq.cpu().numpy(), query.proto.cpu().numpy(), cache.sketch_query(query),
-                                 num_queries, k, m=m, nprobe=nprobe, ef=ef)
+        return self.top_sketches(
+            cache,
+            query.seq.cpu().numpy(),
+            query.proto.cpu().numpy(),
+            cache.sketch_query(query),
+            num_queries,
+            k,
+            m=m,
+            nprobe=nprobe,
+            ef=ef,
+        )
 
-    def top_sketches(self, cache: AttributionCache, qseq: np.ndarray, qproto: np.ndarray, sq: torch.Tensor,
-                     num_queries: int, k: int = 10, *, m: int = 50, nprobe: int = 8, ef: int = 64
-                     ) -> tuple[np.ndarray, np.ndarray]:
+    def top_sketches(
+        self,
+        cache: AttributionCache,
+        qseq: np.ndarray,
+        qproto: np.ndarray,
+        sq: torch.Tensor,
+        num_queries: int,
+        k: int = 10,
+        *,
+        m: int = 50,
+        nprobe: int = 8,
+        ef: int = 64,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``top`` from query sketches already made: ``qseq`` (Rq,) query of each row, ``qproto`` (Rq,) its
         prototype, ``sq`` (Rq, r) float64 its sketch (``cache.sketch_query``). No identity check."""
         if m < 1:
@@ -312,8 +374,9 @@ class SearchIndex:
         for q in range(num_queries):  # queries are few
             sel = np.flatnonzero(np.asarray(qseq) == q)
             protos, sq_q = np.asarray(qproto)[sel], sq[torch.from_numpy(sel)]
-            cand = self.candidates(cache, protos, sq_q, m=m, nprobe=nprobe, ef=ef) if len(sel) else \
-                np.zeros(0, np.int64)
+            cand = (
+                self.candidates(cache, protos, sq_q, m=m, nprobe=nprobe, ef=ef) if len(sel) else np.zeros(0, np.int64)
+            )
             s = self.rescore(cache, protos, sq_q, cand)
             # k more units (the smallest ids not proposed) so that k are always returned; rescored like the
             # candidates, since a unit the search did not propose may still have postings in A_q
@@ -338,7 +401,9 @@ class SearchIndex:
             raise ArtifactMismatch(
                 f"{where} was built from another attribution cache ({self.manifest.get('cache_path')}) than "
                 f"{cache.path or 'the one given'} (their fingerprints differ)",
-                fix=f"rebuild it for this cache: {_REBUILD}", path=self.path)
+                fix=f"rebuild it for this cache: {_REBUILD}",
+                path=self.path,
+            )
         self._checked = cache
 
     def save(self, path: str | Path) -> Path:
@@ -365,24 +430,39 @@ class SearchIndex:
         with reading(mpath, "search index manifest", fix=_REBUILD):
             manifest = json.loads(mpath.read_text())
         if manifest.get("kind") != KIND or manifest.get("format_version") != FORMAT_VERSION:
-            raise ArtifactError(f"{mpath} is not a search index of format {FORMAT_VERSION} (kind "
-                                f"{manifest.get('kind')!r}, format {manifest.get('format_version')!r})",
-                                fix=f"rebuild it: {_REBUILD}", path=mpath)
+            raise ArtifactError(
+                f"{mpath} is not a search index of format {FORMAT_VERSION} (kind "
+                f"{manifest.get('kind')!r}, format {manifest.get('format_version')!r})",
+                fix=f"rebuild it: {_REBUILD}",
+                path=mpath,
+            )
         verify_files(path, manifest.get("files"), what="search index", fix=f"rebuild it: {_REBUILD}")
         with reading(path, "search index", fix=_REBUILD):
-            idx = cls(config=SearchConfig.from_dict(manifest["config"]), manifest=manifest,
-                      index_offsets=np.load(path / "index_offsets.npy"),
-                      blobs=np.memmap(path / "indexes.bin", dtype=np.uint8, mode="r")
-                      if (path / "indexes.bin").stat().st_size else np.zeros(0, np.uint8),
-                      fwd_offsets=np.load(path / "fwd_offsets.npy"),
-                      fwd_rows=np.load(path / "fwd_rows.npy", mmap_mode="r"),
-                      cells=Cells.load(path) if (path / "cell_offsets.npy").exists() else None, path=path)
+            idx = cls(
+                config=SearchConfig.from_dict(manifest["config"]),
+                manifest=manifest,
+                index_offsets=np.load(path / "index_offsets.npy"),
+                blobs=np.memmap(path / "indexes.bin", dtype=np.uint8, mode="r")
+                if (path / "indexes.bin").stat().st_size
+                else np.zeros(0, np.uint8),
+                fwd_offsets=np.load(path / "fwd_offsets.npy"),
+                fwd_rows=np.load(path / "fwd_rows.npy", mmap_mode="r"),
+                cells=Cells.load(path) if (path / "cell_offsets.npy").exists() else None,
+                path=path,
+            )
         if len(idx.index_offsets) != cache.num_prototypes + 1 or int(idx.index_offsets[-1]) != len(idx.blobs):
-            raise ArtifactError(f"{path / 'index_offsets.npy'} disagrees with indexes.bin or the cache's "
-                                f"{cache.num_prototypes} prototypes", fix=f"rebuild it: {_REBUILD}", path=path)
+            raise ArtifactError(
+                f"{path / 'index_offsets.npy'} disagrees with indexes.bin or the cache's "
+                f"{cache.num_prototypes} prototypes",
+                fix=f"rebuild it: {_REBUILD}",
+                path=path,
+            )
         if idx.cells is not None and len(idx.cells.list_cells) != cache.num_prototypes + 1:
-            raise ArtifactError(f"{path / 'list_cells.npy'} disagrees with the cache's {cache.num_prototypes} "
-                                f"prototypes", fix=f"rebuild it: {_REBUILD}", path=path)
+            raise ArtifactError(
+                f"{path / 'list_cells.npy'} disagrees with the cache's {cache.num_prototypes} prototypes",
+                fix=f"rebuild it: {_REBUILD}",
+                path=path,
+            )
         idx.check(cache)
         return idx
 
@@ -414,8 +494,7 @@ class Cells:
 
     @classmethod
     def load(cls, folder: Path) -> Cells:
-        return cls(**{f: np.load(folder / f"{f}.npy", mmap_mode="r" if f == "positions" else None)
-                      for f in cls._FILES})
+        return cls(**{f: np.load(folder / f"{f}.npy", mmap_mode="r" if f == "positions" else None) for f in cls._FILES})
 
 
 def _top_per_group(score: np.ndarray, group: np.ndarray, num_groups: int, m: int) -> np.ndarray:
@@ -470,8 +549,13 @@ def _cells(X: np.ndarray, cfg: SearchConfig) -> tuple[np.ndarray, np.ndarray]:
     return C, cell
 
 
-def build_search_index(cache: AttributionCache, config: SearchConfig | None = None, *, out: str | Path | None = None,
-                       on_list: Callable[[int, int], None] | None = None) -> SearchIndex:
+def build_search_index(
+    cache: AttributionCache,
+    config: SearchConfig | None = None,
+    *,
+    out: str | Path | None = None,
+    on_list: Callable[[int, int], None] | None = None,
+) -> SearchIndex:
     """Build the sidecar of ``cache``: a faiss index per list of more than ``config.min_list`` postings
     (one list in memory at a time, decoded from the memory-mapped storage) and the forward index. ``out``:
     save it there (convention: ``CACHE/search``) and return it loaded. ``on_list(i, n)``: called after
@@ -488,7 +572,7 @@ def build_search_index(cache: AttributionCache, config: SearchConfig | None = No
     P, U = len(units), cache.num_train
     fwd_offsets = np.zeros(U + 1, dtype=np.int64)
     np.cumsum(np.bincount(units, minlength=U), out=fwd_offsets[1:])
-    pos_dtype = np.uint32 if P < 2 ** 32 else np.int64
+    pos_dtype = np.uint32 if P < 2**32 else np.int64
     fwd_rows = np.argsort(units, kind="stable").astype(pos_dtype)
     del units
     t_fwd = time.perf_counter() - t1
@@ -504,14 +588,14 @@ def build_search_index(cache: AttributionCache, config: SearchConfig | None = No
     cell_sizes: list[np.ndarray] = []
     positions: list[np.ndarray] = []
     for i in np.flatnonzero(n > cfg.min_list).tolist():  # list by list: memory ~ one list's float32 sketches
-        lo, ln = off[i:i + 1], n[i:i + 1]
+        lo, ln = off[i : i + 1], n[i : i + 1]
         X = np.ascontiguousarray(cache.sketches.gather(concat_ranges(lo, ln)), dtype=np.float32)  # (n_i, r)
         if position_of is not None:
             C, cell = _cells(X, cfg)
-            order = np.lexsort((position_of[lo[0]:lo[0] + ln[0]], cell))  # by cell, then position
+            order = np.lexsort((position_of[lo[0] : lo[0] + ln[0]], cell))  # by cell, then position
             cents.append(C)
             cell_sizes.append(np.bincount(cell, minlength=len(C)))
-            positions.append(position_of[lo[0]:lo[0] + ln[0]][order])
+            positions.append(position_of[lo[0] : lo[0] + ln[0]][order])
             list_cells[i + 1] = len(C)
         else:
             ids = cache.ids.gather(lo, ln)  # (n_i,) int64
@@ -531,27 +615,49 @@ def build_search_index(cache: AttributionCache, config: SearchConfig | None = No
         cell_offsets = np.zeros(len(sizes_all) + 1, dtype=np.int64)
         np.cumsum(sizes_all, out=cell_offsets[1:])
         r = cache.r
-        cells = Cells(list_cells=list_cells,
-                      centroids=np.concatenate(cents) if cents else np.zeros((0, r), np.float32),
-                      cell_offsets=cell_offsets,
-                      positions=np.concatenate(positions) if positions else np.zeros(0, pos_dtype))
+        cells = Cells(
+            list_cells=list_cells,
+            centroids=np.concatenate(cents) if cents else np.zeros((0, r), np.float32),
+            cell_offsets=cell_offsets,
+            positions=np.concatenate(positions) if positions else np.zeros(0, pos_dtype),
+        )
         sizes = np.diff(list_cells)  # lists with cells count as indexed below
     m = cache.manifest
-    idx = SearchIndex(config=cfg, manifest={}, index_offsets=index_offsets,
-                      blobs=np.concatenate(blobs) if blobs else np.zeros(0, np.uint8),
-                      fwd_offsets=fwd_offsets, fwd_rows=fwd_rows, cells=cells)
+    idx = SearchIndex(
+        config=cfg,
+        manifest={},
+        index_offsets=index_offsets,
+        blobs=np.concatenate(blobs) if blobs else np.zeros(0, np.uint8),
+        fwd_offsets=fwd_offsets,
+        fwd_rows=fwd_rows,
+        cells=cells,
+    )
     tokens = int(m.get("tokens", 0))
-    idx.manifest.update({
-        "kind": KIND, "format_version": FORMAT_VERSION, "cache_fingerprint": cache_fingerprint(cache),
-        "cache_path": str(cache.path) if cache.path else None, "model_sha256": m.get("model_sha256"),
-        "shard_key": m.get("shard_key"), "config": cfg.to_dict(), "faiss_version": faiss.__version__,
-        "faiss_threads": threads, "lists_indexed": int((sizes > 0).sum()),
-        "postings_indexed": int(n[sizes > 0].sum()), "postings": P,
-        "index_seconds": t_index, "forward_seconds": t_fwd, "build_seconds": t_index + t_fwd,
-        "bytes_indexes": int(idx.blobs.nbytes) + (cells.nbytes() if cells is not None else 0), "bytes_forward": int(fwd_offsets.nbytes + fwd_rows.nbytes),
-        "bytes": idx.nbytes(), "bytes_per_token": idx.nbytes() / max(1, tokens),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **provenance(),
-    })
+    idx.manifest.update(
+        {
+            "kind": KIND,
+            "format_version": FORMAT_VERSION,
+            "cache_fingerprint": cache_fingerprint(cache),
+            "cache_path": str(cache.path) if cache.path else None,
+            "model_sha256": m.get("model_sha256"),
+            "shard_key": m.get("shard_key"),
+            "config": cfg.to_dict(),
+            "faiss_version": faiss.__version__,
+            "faiss_threads": threads,
+            "lists_indexed": int((sizes > 0).sum()),
+            "postings_indexed": int(n[sizes > 0].sum()),
+            "postings": P,
+            "index_seconds": t_index,
+            "forward_seconds": t_fwd,
+            "build_seconds": t_index + t_fwd,
+            "bytes_indexes": int(idx.blobs.nbytes) + (cells.nbytes() if cells is not None else 0),
+            "bytes_forward": int(fwd_offsets.nbytes + fwd_rows.nbytes),
+            "bytes": idx.nbytes(),
+            "bytes_per_token": idx.nbytes() / max(1, tokens),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **provenance(),
+        }
+    )
     if out is not None:
         idx.save(out)
         return SearchIndex.load(out, cache)

@@ -3,5 +3,4 @@
 from prismlm.train.checkpoint import Checkpoint, find_checkpoint, load_checkpoint, save_checkpoint
 from prismlm.train.trainer import TrainResult, train
 
-__all__ = ["Checkpoint", "TrainResult", "find_checkpoint", "load_checkpoint", "save_checkpoint",
-           "train"]
+__all__ = ["Checkpoint", "TrainResult", "find_checkpoint", "load_checkpoint", "save_checkpoint", "train"]

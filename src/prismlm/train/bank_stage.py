@@ -57,13 +57,23 @@ def frozen_stage_steps(cfg: RunConfig) -> int:
 def bank_losses(model: PrismLM, z: torch.Tensor) -> dict[str, torch.Tensor]:
     """REC, R1, R2 of the bank on stored hidden states z (N, d) — the prototype terms of ``PrismLM.forward``."""
     po = model.require_prototypes()(z)
-    return {"rec": L.reconstruction_loss(po.residual, z), "r1": L.r1_loss(po.proto_max_cos),
-            "r2": L.r2_loss(po.token_max_cos)}
+    return {
+        "rec": L.reconstruction_loss(po.residual, z),
+        "r1": L.r1_loss(po.proto_max_cos),
+        "r2": L.r2_loss(po.token_max_cos),
+    }
 
 
-def train_bank(model: PrismLM, store: StoredZ, cfg: RunConfig, *, steps: int, device: torch.device,
-               progress: Progress = True,
-               log: list[dict[str, float]] | None = None) -> torch.optim.AdamW:
+def train_bank(
+    model: PrismLM,
+    store: StoredZ,
+    cfg: RunConfig,
+    *,
+    steps: int,
+    device: torch.device,
+    progress: Progress = True,
+    log: list[dict[str, float]] | None = None,
+) -> torch.optim.AdamW:
     """``steps`` optimizer steps of the bank alone on ``store``'s rows, in the trainer's batch order.
     Returns the optimizer (its state is what a stage-2 resume continues). ``log`` receives the metrics lines
     the trainer would write at ``train.log_interval``."""
@@ -83,15 +93,19 @@ def train_bank(model: PrismLM, store: StoredZ, cfg: RunConfig, *, steps: int, de
             for micro in range(tc.grad_accum):
                 z = store.hidden(sampler.micro_indices(step, micro, 0)).to(device).reshape(-1, model.config.n_embd)
                 terms = bank_losses(model, z)  # (B·T, d) → scalars
-                loss = sum((weights[k] * v for k, v in terms.items() if weights.get(k, 0.0) != 0.0),
-                           torch.zeros((), device=device))
+                loss = sum(
+                    (weights[k] * v for k, v in terms.items() if weights.get(k, 0.0) != 0.0),
+                    torch.zeros((), device=device),
+                )
                 (loss / tc.grad_accum).backward()
                 for k, v in {**terms, "loss": loss}.items():
                     sums[k] = sums.get(k, 0.0) + float(v.detach()) / tc.grad_accum
                 tokens_since += z.shape[0]
             if not math.isfinite(sums["loss"]):
-                raise RunError(f"the bank's loss became {sums['loss']} at step {step + 1} of stage 1",
-                               fix="lower train.lr or raise train.warmup_steps")
+                raise RunError(
+                    f"the bank's loss became {sums['loss']} at step {step + 1} of stage 1",
+                    fix="lower train.lr or raise train.warmup_steps",
+                )
             grad_norm = torch.nn.utils.clip_grad_norm_(bank.parameters(), tc.grad_clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -99,18 +113,35 @@ def train_bank(model: PrismLM, store: StoredZ, cfg: RunConfig, *, steps: int, de
             shown: dict[str, float] = {}
             if log is not None and (done % tc.log_interval == 0 or done == steps):
                 now = time.perf_counter()
-                log.append({"step": done, "lr": lr, "grad_norm": float(grad_norm),
-                            **{f"train_{k}": v for k, v in sums.items() if k != "loss"}, "train_loss": sums["loss"],
-                            "tokens_per_s": tokens_since / max(now - t_last, 1e-9),
-                            "epoch": sampler.epoch_at(done), "stored_z": 1})
+                log.append(
+                    {
+                        "step": done,
+                        "lr": lr,
+                        "grad_norm": float(grad_norm),
+                        **{f"train_{k}": v for k, v in sums.items() if k != "loss"},
+                        "train_loss": sums["loss"],
+                        "tokens_per_s": tokens_since / max(now - t_last, 1e-9),
+                        "epoch": sampler.epoch_at(done),
+                        "stored_z": 1,
+                    }
+                )
                 t_last, tokens_since = now, 0
                 shown = {"loss": sums["loss"]}
             bar.update(1, **shown)
     return optimizer
 
 
-def bank_stage(model: PrismLM, store: StoredZ, cfg: RunConfig, out_dir: Path, *, shards: ShardSet,
-               device: torch.device, rng_state: torch.Tensor, progress: Progress = True) -> TrainResult:
+def bank_stage(
+    model: PrismLM,
+    store: StoredZ,
+    cfg: RunConfig,
+    out_dir: Path,
+    *,
+    shards: ShardSet,
+    device: torch.device,
+    rng_state: torch.Tensor,
+    progress: Progress = True,
+) -> TrainResult:
     """Stage 1 on stored z into ``out_dir`` (whose lock the caller holds): config, env, metrics, one validation
     of the model and a checkpoint at the stage's last step, as ``train`` writes them. ``rng_state``: the torch
     RNG state the trainer would hold at that step (after the model's initialisation; stage 1 draws nothing),
@@ -128,19 +159,38 @@ def bank_stage(model: PrismLM, store: StoredZ, cfg: RunConfig, out_dir: Path, *,
     optimizer = train_bank(model, store, cfg, steps=steps, device=device, progress=progress, log=lines)
     # one validation of the whole model (the stage's only backbone forward besides the z pass), as the trainer
     # ends a run with one
-    metrics = evaluate(model, shards.val, seq_len=cfg.model.block_size, batch_size=tc.batch_size,
-                       max_batches=tc.eval_batches, device=device, autocast=autocast_for(cfg, device),
-                       loss_weights=cfg.loss.weights_at(steps - 1))
+    metrics = evaluate(
+        model,
+        shards.val,
+        seq_len=cfg.model.block_size,
+        batch_size=tc.batch_size,
+        max_batches=tc.eval_batches,
+        device=device,
+        autocast=autocast_for(cfg, device),
+        loss_weights=cfg.loss.weights_at(steps - 1),
+    )
     with Reporter(progress, "validate", 1, unit="eval") as bar:
         bar.update(1)
         bar.message(format_eval_line(steps, metrics))
     (out_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [*lines, {"step": steps, **metrics}]))
     sampler = SequenceSampler(store.num_sequences, tc.batch_size, tc.grad_accum, 1, tc.seed)
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    trainer_state = {"step": steps, "optimizer": optimizer.state_dict(), "rng": {"torch": rng_state, "cuda": cuda_rng},
-                     "data": {"sequences_consumed": steps * sampler.global_batch, "epoch": sampler.epoch_at(steps)}}
-    path = save_checkpoint(out_dir, steps, model, cfg, trainer_state=trainer_state, tokenizer=shards.tokenizer,
-                           data_manifest=shards.manifest, keep=tc.keep_checkpoints)
+    trainer_state = {
+        "step": steps,
+        "optimizer": optimizer.state_dict(),
+        "rng": {"torch": rng_state, "cuda": cuda_rng},
+        "data": {"sequences_consumed": steps * sampler.global_batch, "epoch": sampler.epoch_at(steps)},
+    }
+    path = save_checkpoint(
+        out_dir,
+        steps,
+        model,
+        cfg,
+        trainer_state=trainer_state,
+        tokenizer=shards.tokenizer,
+        data_manifest=shards.manifest,
+        keep=tc.keep_checkpoints,
+    )
     return TrainResult(run_dir=out_dir, checkpoint=path, step=steps, metrics=metrics, model=model)
 
 

@@ -145,16 +145,22 @@ def verify_checkpoint(ckpt: Path, manifest: dict[str, Any], *, full: bool = Fals
     Returns the files checked."""
     weights = ckpt / "model.safetensors"
     if not weights.is_file():  # gone, or a folder in its place (opening it would raise IsADirectoryError)
-        raise ArtifactCorrupt(f"{weights} is {'a folder, not the weights file' if weights.is_dir() else 'missing'}",
-                              fix="restore the file or use an earlier checkpoint", path=weights)
+        raise ArtifactCorrupt(
+            f"{weights} is {'a folder, not the weights file' if weights.is_dir() else 'missing'}",
+            fix="restore the file or use an earlier checkpoint",
+            path=weights,
+        )
     if manifest.get("model_sha256") and sha256_file(weights) != manifest["model_sha256"]:
-        raise ArtifactCorrupt(f"{weights} does not match the sha256 recorded in {ckpt / 'manifest.json'}: "
-                              "the weights are corrupt", fix="restore the file or use an earlier checkpoint",
-                              path=weights)
+        raise ArtifactCorrupt(
+            f"{weights} does not match the sha256 recorded in {ckpt / 'manifest.json'}: the weights are corrupt",
+            fix="restore the file or use an earlier checkpoint",
+            path=weights,
+        )
     fix = "restore the file or use an earlier checkpoint (or retrain to change the recipe)"
     try:
-        return ["model.safetensors"] + verify_files(ckpt, manifest.get("files"), what="checkpoint", fix=fix,
-                                                    full=full, skip=("model.safetensors",))
+        return ["model.safetensors"] + verify_files(
+            ckpt, manifest.get("files"), what="checkpoint", fix=fix, full=full, skip=("model.safetensors",)
+        )
     except ArtifactCorrupt as e:
         if e.path is not None and e.path.name == "config.json":
             raise ArtifactMismatch(e.message, fix=fix, path=e.path) from None
@@ -175,8 +181,10 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Che
     model = PrismLM(cfg.model)
     missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=False, device=str(device))
     if missing or unexpected:
-        raise CheckpointError(f"{ckpt}: weights do not match config.json (missing {sorted(missing)[:5]}, "
-                              f"unexpected {sorted(unexpected)[:5]})")
+        raise CheckpointError(
+            f"{ckpt}: weights do not match config.json (missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]})"
+        )
     model.to(device).eval()
     tokenizer: Tokenizer | None = None
     if (ckpt / "tokenizer").exists():

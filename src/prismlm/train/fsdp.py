@@ -81,9 +81,11 @@ def save_sharded_optimizer(model: PrismLM, optimizer: torch.optim.Optimizer, fol
 def load_sharded_optimizer(model: PrismLM, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Each rank reads its part of the optimizer state saved by ``save_sharded_optimizer`` (a collective)."""
     if not (folder / ".metadata").exists():
-        raise CheckpointError(f"{folder.parent} was saved by FSDP but its optimizer shards ({folder}) are missing",
-                              fix="resume from an earlier checkpoint, or start again with --overwrite",
-                              path=folder)
+        raise CheckpointError(
+            f"{folder.parent} was saved by FSDP but its optimizer shards ({folder}) are missing",
+            fix="resume from an earlier checkpoint, or start again with --overwrite",
+            path=folder,
+        )
     state = get_optimizer_state_dict(model, optimizer)  # the template: this rank's shapes and placements
     dcp.load({"optimizer": state}, checkpoint_id=str(folder))
     set_optimizer_state_dict(model, optimizer, state)

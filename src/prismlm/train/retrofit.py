@@ -84,8 +84,12 @@ def load_pretrained(source: str, *, block_size: int | None = None) -> Pretrained
         return _from_causal_lm(source, hf_lm.config, hf_lm, tokenizer, block_size, info)
     path = Path(source).expanduser()
     if path.is_file():
-        raise ModelError(f"--from {source} is a file; --from takes the folder holding the model (its config.json, "
-                         "weights and tokenizer) or a run folder", fix=f"--from {path.parent}", path=path)
+        raise ModelError(
+            f"--from {source} is a file; --from takes the folder holding the model (its config.json, "
+            "weights and tokenizer) or a run folder",
+            fix=f"--from {path.parent}",
+            path=path,
+        )
     if path.exists() and not _is_transformers_folder(path):
         try:
             ckpt_dir = find_checkpoint(path)
@@ -111,12 +115,15 @@ def _from_run(source: str, ckpt_dir: Path, block_size: int | None) -> Pretrained
     state = {k: v for k, v in ckpt.model.state_dict().items() if not k.startswith("prototypes.")}
     if block_size is not None and block_size != cfg.block_size:
         if cfg.backbone != "gpt" or block_size > cfg.block_size:
-            raise ModelError(f"--block-size {block_size}: {source} has a context of {cfg.block_size}",
-                             fix=f"use a block size <= {cfg.block_size}")
+            raise ModelError(
+                f"--block-size {block_size}: {source} has a context of {cfg.block_size}",
+                fix=f"use a block size <= {cfg.block_size}",
+            )
         state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:block_size].clone()
         cfg = replace(cfg, block_size=block_size)
-    return Pretrained(source=source, model=replace(cfg, prototypes=None), state=state,
-                      tokenizer=ckpt.require_tokenizer())
+    return Pretrained(
+        source=source, model=replace(cfg, prototypes=None), state=state, tokenizer=ckpt.require_tokenizer()
+    )
 
 
 def _check_vocab_size(folder: Path) -> None:
@@ -132,8 +139,11 @@ def _check_vocab_size(folder: Path) -> None:
             continue
         v = section["vocab_size"]
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-            raise ModelError(f"{cfg_file}: {where}vocab_size must be a positive integer, got {v!r}",
-                             fix="set it to the vocabulary size the weights were saved with", path=cfg_file)
+            raise ModelError(
+                f"{cfg_file}: {where}vocab_size must be a positive integer, got {v!r}",
+                fix="set it to the vocabulary size the weights were saved with",
+                path=cfg_file,
+            )
 
 
 def _load_causal_lm(tf: Any, source: str, model_type: str) -> nn.Module:
@@ -142,22 +152,32 @@ def _load_causal_lm(tf: Any, source: str, model_type: str) -> nn.Module:
     try:
         hf_lm = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     except ValueError as e:
-        raise ModelError(f"{source} is a {model_type} model, not a causal language model "
-                         f"({str(e).splitlines()[0]})", fix="retrofit a decoder-only *ForCausalLM") from e
+        raise ModelError(
+            f"{source} is a {model_type} model, not a causal language model ({str(e).splitlines()[0]})",
+            fix="retrofit a decoder-only *ForCausalLM",
+        ) from e
     except OSError as e:  # no model.safetensors / pytorch_model.bin
-        raise ModelError(f"{source}: no weights to load ({str(e).splitlines()[0]})",
-                         fix="save the model with save_pretrained(folder) so that its weights file is there") from e
+        raise ModelError(
+            f"{source}: no weights to load ({str(e).splitlines()[0]})",
+            fix="save the model with save_pretrained(folder) so that its weights file is there",
+        ) from e
     except RuntimeError as e:  # transformers: "ignore_mismatched_sizes ... see the report above"
-        raise ModelError(f"{source}: the shapes of its weights do not match its config.json",
-                         fix="use the config.json the weights were saved with") from e
+        raise ModelError(
+            f"{source}: the shapes of its weights do not match its config.json",
+            fix="use the config.json the weights were saved with",
+        ) from e
     except Exception as e:  # noqa: BLE001 — safetensors and torch raise their own types for damaged bytes
-        raise ModelError(f"{source}: its weights file cannot be read ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''})",
-                         fix="the file is damaged or truncated: save or download the model again") from e
+        raise ModelError(
+            f"{source}: its weights file cannot be read ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})",
+            fix="the file is damaged or truncated: save or download the model again",
+        ) from e
     # BERT-like encoders map to a *LMHeadModel but are no causal LM: their layers say is_decoder=False
     if any(getattr(m, "is_decoder", None) is False for m in hf_lm.modules()):
-        raise ModelError(f"{source} is a {model_type} encoder, not a causal LM (its layers attend both ways)",
-                         fix="retrofit a decoder-only causal LM (a *ForCausalLM such as GPT-2 or Llama)")
+        raise ModelError(
+            f"{source} is a {model_type} encoder, not a causal LM (its layers attend both ways)",
+            fix="retrofit a decoder-only causal LM (a *ForCausalLM such as GPT-2 or Llama)",
+        )
     return hf_lm.eval()
 
 
@@ -169,27 +189,34 @@ def _from_transformers(source: str, block_size: int | None) -> Pretrained:
     try:
         config = tf.AutoConfig.from_pretrained(source)
     except Exception as e:  # noqa: BLE001 — OSError, ValueError, huggingface_hub's strict validation errors
-        raise ModelError(f"{source} is neither a prismlm run nor a transformers model (a folder with a config.json "
-                         f"naming a model_type, or a hub name): {str(e).splitlines()[0] if str(e) else type(e).__name__}",
-                         fix="pass a run folder, a saved transformers causal LM, or a hub name when online",
-                         path=Path(source)) from e
+        raise ModelError(
+            f"{source} is neither a prismlm run nor a transformers model (a folder with a config.json "
+            f"naming a model_type, or a hub name): {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+            fix="pass a run folder, a saved transformers causal LM, or a hub name when online",
+            path=Path(source),
+        ) from e
     check_linear_logits_config(config, source)
     hf_lm = _load_causal_lm(tf, source, config.model_type)
     # transformers 5 makes an empty tokenizer for a folder without tokenizer files instead of failing
     if local.is_dir() and not any((local / f).exists() for f in _TOKENIZER_FILES):
-        raise TokenizerError(f"{source} has no usable tokenizer: none of {', '.join(_TOKENIZER_FILES)} is there",
-                             fix="save the model's tokenizer next to it (tokenizer.save_pretrained(folder))",
-                             path=local)
+        raise TokenizerError(
+            f"{source} has no usable tokenizer: none of {', '.join(_TOKENIZER_FILES)} is there",
+            fix="save the model's tokenizer next to it (tokenizer.save_pretrained(folder))",
+            path=local,
+        )
     try:
         tokenizer = hf_tokenizer(source)
     except TokenizerError as e:
-        raise TokenizerError(f"{source} has no usable tokenizer: {e.message}",
-                             fix="save the model's tokenizer next to it (tokenizer.save_pretrained(folder))") from e
+        raise TokenizerError(
+            f"{source} has no usable tokenizer: {e.message}",
+            fix="save the model's tokenizer next to it (tokenizer.save_pretrained(folder))",
+        ) from e
     return _from_causal_lm(source, config, hf_lm, tokenizer, block_size, None)
 
 
-def _from_causal_lm(source: str, config: Any, hf_lm: nn.Module, tokenizer: Tokenizer, block_size: int | None,
-                    info: SourceInfo | None) -> Pretrained:
+def _from_causal_lm(
+    source: str, config: Any, hf_lm: nn.Module, tokenizer: Tokenizer, block_size: int | None, info: SourceInfo | None
+) -> Pretrained:
     """A loaded transformers ``*ForCausalLM`` (float32, eval) and its tokenizer in prismlm's terms."""
     check_linear_logits_config(config, source)
     text = config.get_text_config()
@@ -202,18 +229,35 @@ def _from_causal_lm(source: str, config: Any, hf_lm: nn.Module, tokenizer: Token
     if tokenizer.vocab_size > vocab:
         raise TokenizerError(f"{source}: its tokenizer has {tokenizer.vocab_size} ids but the model only {vocab}")
     tied = head.weight is input_embedding_weight(base)
-    common: dict[str, Any] = dict(vocab_size=vocab, block_size=bs, n_layer=int(text.num_hidden_layers),
-                                  n_embd=hidden_size_of(config), dropout=0.0, tie_weights=tied, prototypes=None)
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        block_size=bs,
+        n_layer=int(text.num_hidden_layers),
+        n_embd=hidden_size_of(config),
+        dropout=0.0,
+        tie_weights=tied,
+        prototypes=None,
+    )
     if config.model_type == "gpt2":  # GPT-2's layout is the built-in GPT's: copy the weights in
-        model_cfg = ModelConfig(**common, n_head=int(text.n_head), bias=True, lm_head_bias=head.bias is not None,
-                                activation=gpt2_activation(text, source),  # type: ignore[arg-type]
-                                layer_norm_eps=float(text.layer_norm_epsilon))
+        model_cfg = ModelConfig(
+            **common,
+            n_head=int(text.n_head),
+            bias=True,
+            lm_head_bias=head.bias is not None,
+            activation=gpt2_activation(text, source),  # type: ignore[arg-type]
+            layer_norm_eps=float(text.layer_norm_epsilon),
+        )
         state = gpt2_state_dict(hf_lm.state_dict(), bs)
     else:
         hf_config = config.to_dict()
         hf_config.pop("quantization_config", None)  # a GGUF source is stored dequantised
-        model_cfg = ModelConfig(**common, n_head=int(text.num_attention_heads), backbone="hf",
-                                hf_config=hf_config, lm_head_bias=head.bias is not None)
+        model_cfg = ModelConfig(
+            **common,
+            n_head=int(text.num_attention_heads),
+            backbone="hf",
+            hf_config=hf_config,
+            lm_head_bias=head.bias is not None,
+        )
         state = {f"transformer.{k}": v for k, v in base.state_dict().items()}
         state["lm_head.weight"] = head.weight.detach()
         if head.bias is not None:
@@ -233,8 +277,9 @@ def build_model(pre: Pretrained, cfg: ModelConfig) -> PrismLM:
     missing, _ = model.load_state_dict({ours[k]: v for k, v in pre.state.items() if k in ours}, strict=False)
     missing = [m for m in missing if not m.startswith("prototypes.") and ".lora_" not in m]
     if missing or unexpected:
-        raise ModelError(f"{pre.source}: weights do not fit the model (missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]})")
+        raise ModelError(
+            f"{pre.source}: weights do not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
     model.eval()
     if pre.reference is not None:
         check_same_logits(pre.reference, model, cfg.vocab_size, cfg.block_size, pre.source)
@@ -258,8 +303,9 @@ def seed_sequences(n_seq: int, T: int, num_tokens: int, seed: int) -> np.ndarray
 
 
 @torch.no_grad()
-def sample_hidden(model: PrismLM, shards: ShardSet, num_tokens: int, *, batch_size: int = 16,
-                  seed: int = 0) -> torch.Tensor:
+def sample_hidden(
+    model: PrismLM, shards: ShardSet, num_tokens: int, *, batch_size: int = 16, seed: int = 0
+) -> torch.Tensor:
     """Final hidden states z of ``num_tokens`` tokens from randomly drawn training sequences → (N, d) float32.
     Every position of a drawn sequence is kept (neighbouring tokens are as real as any)."""
     T = model.config.block_size
@@ -268,13 +314,21 @@ def sample_hidden(model: PrismLM, shards: ShardSet, num_tokens: int, *, batch_si
     device = next(model.parameters()).device
     out = []
     for start in range(0, want, batch_size):  # batches of sequences
-        x = torch.from_numpy(shards.train.sequences(ids[start:start + batch_size], T)[:, :-1].astype(np.int64))
+        x = torch.from_numpy(shards.train.sequences(ids[start : start + batch_size], T)[:, :-1].astype(np.int64))
         out.append(model.backbone(x.to(device)).reshape(-1, model.config.n_embd).float().cpu())  # (b·T, d)
     return torch.cat(out)[:num_tokens]
 
 
-def retrofit(pre: Pretrained, cfg: RunConfig, out_dir: str | Path, *, shards: ShardSet, progress: Progress = True,
-             overwrite: bool = False, seed_tokens: int | None = None) -> TrainResult:
+def retrofit(
+    pre: Pretrained,
+    cfg: RunConfig,
+    out_dir: str | Path,
+    *,
+    shards: ShardSet,
+    progress: Progress = True,
+    overwrite: bool = False,
+    seed_tokens: int | None = None,
+) -> TrainResult:
     """Seed a prototype bank on ``pre``'s hidden states of ``shards`` and train ``cfg`` (whose model is
     ``pre.model`` with prototypes, ``train.trainable``/``frozen_steps`` the stages) into ``out_dir``."""
     protos = cfg.model.prototypes
@@ -290,11 +344,18 @@ def retrofit(pre: Pretrained, cfg: RunConfig, out_dir: str | Path, *, shards: Sh
         # the run saves the shards' tokenizer; shards cached before may hold a copy without the chat template
         shards = dataclasses.replace(shards, tokenizer=pre.tokenizer)
     if cfg.train.frozen_from_stored_z and frozen_stage_steps(cfg) > 0 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return _retrofit_on_stored_z(model, cfg, Path(out_dir), shards=shards, progress=progress,
-                                     overwrite=overwrite, seed_tokens=n_tokens, rng_state=rng_state)
+        return _retrofit_on_stored_z(
+            model,
+            cfg,
+            Path(out_dir),
+            shards=shards,
+            progress=progress,
+            overwrite=overwrite,
+            seed_tokens=n_tokens,
+            rng_state=rng_state,
+        )
     _seed_bank(model, sample_hidden(model, shards, n_tokens, seed=cfg.train.seed), cfg)
-    return train(cfg, out_dir, shards=shards, progress=progress, overwrite=overwrite,
-                 initial_state=model.state_dict())
+    return train(cfg, out_dir, shards=shards, progress=progress, overwrite=overwrite, initial_state=model.state_dict())
 
 
 def _seed_bank(model: PrismLM, hidden: torch.Tensor, cfg: RunConfig) -> None:
@@ -302,15 +363,26 @@ def _seed_bank(model: PrismLM, hidden: torch.Tensor, cfg: RunConfig) -> None:
     bank_layer = model.require_prototypes()
     K, k = bank_layer.num_prototypes, bank_layer.cfg.top_k
     if hidden.shape[0] < K:
-        raise ModelError(f"the training split holds {hidden.shape[0]} tokens, fewer than the {K} prototypes to seed",
-                         fix="use more data or fewer prototypes")
+        raise ModelError(
+            f"the training split holds {hidden.shape[0]} tokens, fewer than the {K} prototypes to seed",
+            fix="use more data or fewer prototypes",
+        )
     bank = seed_prototypes(hidden, K, k, generator=torch.Generator().manual_seed(cfg.train.seed))
     with torch.no_grad():  # an in-place copy on the parameter (not .data): bumps its version for any cache
         bank_layer.weight.copy_(bank)
 
 
-def _retrofit_on_stored_z(model: PrismLM, cfg: RunConfig, out_dir: Path, *, shards: ShardSet, progress: Progress,
-                          overwrite: bool, seed_tokens: int, rng_state: torch.Tensor) -> TrainResult:
+def _retrofit_on_stored_z(
+    model: PrismLM,
+    cfg: RunConfig,
+    out_dir: Path,
+    *,
+    shards: ShardSet,
+    progress: Progress,
+    overwrite: bool,
+    seed_tokens: int,
+    rng_state: torch.Tensor,
+) -> TrainResult:
     """Stage 1 on stored z (one backbone pass over the training split, resumable after a kill: run the same
     command again), seeded from the same rows the per-step path would sample; then stage 2, if any, as a
     ``train(..., resume=True)`` of the checkpoint stage 1 wrote."""
@@ -325,14 +397,27 @@ def _retrofit_on_stored_z(model: PrismLM, cfg: RunConfig, out_dir: Path, *, shar
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
         model.to(device)
-        store = build_stored_z(model, shards, out_dir / STORED_Z_DIR, dtype=tc.stored_z_dtype,
-                               batch_size=tc.batch_size, device=device, progress=progress)
+        store = build_stored_z(
+            model,
+            shards,
+            out_dir / STORED_Z_DIR,
+            dtype=tc.stored_z_dtype,
+            batch_size=tc.batch_size,
+            device=device,
+            progress=progress,
+        )
         store.check()  # complete
         T = cfg.model.block_size
-        _seed_bank(model, store.hidden(seed_sequences(store.num_sequences, T, seed_tokens, tc.seed))
-                   .reshape(-1, cfg.model.n_embd)[:seed_tokens], cfg)
-        result = bank_stage(model, store, cfg, out_dir, shards=shards, device=device, rng_state=rng_state,
-                            progress=progress)
+        _seed_bank(
+            model,
+            store.hidden(seed_sequences(store.num_sequences, T, seed_tokens, tc.seed)).reshape(-1, cfg.model.n_embd)[
+                :seed_tokens
+            ],
+            cfg,
+        )
+        result = bank_stage(
+            model, store, cfg, out_dir, shards=shards, device=device, rng_state=rng_state, progress=progress
+        )
     finally:
         lock.release()
     if result.step >= tc.max_steps:

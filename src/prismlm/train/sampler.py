@@ -49,7 +49,7 @@ class SequenceSampler:
     def micro_indices(self, step: int, micro: int, rank: int) -> np.ndarray:
         """(B,) sequence ids of micro-batch ``micro`` on process ``rank`` at ``step``."""
         chunk = micro * self.world_size + rank
-        return self.global_indices(step)[chunk * self.batch_size:(chunk + 1) * self.batch_size]
+        return self.global_indices(step)[chunk * self.batch_size : (chunk + 1) * self.batch_size]
 
     def epoch_at(self, step: int) -> float:
         return step * self.global_batch / self.n

@@ -46,8 +46,7 @@ if TYPE_CHECKING:
 KIND = "prismlm-stored-z"
 FORMAT_VERSION = 1
 ZDtype = Literal["float16", "bfloat16", "float32"]
-_TORCH_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16,
-                                         "float32": torch.float32}
+_TORCH_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _NUMPY_DTYPES: dict[str, type[np.generic]] = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
 _FLOAT16_MAX = 65504.0
 
@@ -99,20 +98,33 @@ class StoredZ:
         """z of rows ``[start, stop)`` → (stop − start, d) float32."""
         return _to_float32(self.z[start:stop], self.manifest["dtype"])
 
-    def check(self, *, backbone: str | None = None, shard_key: str | None = None, block_size: int | None = None,
-              split: str | None = None) -> StoredZ:
+    def check(
+        self,
+        *,
+        backbone: str | None = None,
+        shard_key: str | None = None,
+        block_size: int | None = None,
+        split: str | None = None,
+    ) -> StoredZ:
         """Refuse a store of another backbone, corpus, block size or split (``ArtifactMismatch``), or an
         unfinished one (``ArtifactError``)."""
         m = self.manifest
         fix = f"rebuild it (remove {self.path})"
-        for what, want, have in (("backbone", backbone, m["backbone"]), ("shards", shard_key, m["shard_key"]),
-                                 ("block size", block_size, m["block_size"]), ("split", split, m["split"])):
+        for what, want, have in (
+            ("backbone", backbone, m["backbone"]),
+            ("shards", shard_key, m["shard_key"]),
+            ("block size", block_size, m["block_size"]),
+            ("split", split, m["split"]),
+        ):
             if want is not None and want != have:
-                raise ArtifactMismatch(f"the stored z at {self.path} belongs to another {what} ({have}, not {want})",
-                                       fix=fix)
+                raise ArtifactMismatch(
+                    f"the stored z at {self.path} belongs to another {what} ({have}, not {want})", fix=fix
+                )
         if not self.complete:
-            raise ArtifactError(f"the stored z at {self.path} is unfinished ({m['batches_done']} of "
-                                f"{m['num_batches']} batches)", fix="finish it: run the same command again")
+            raise ArtifactError(
+                f"the stored z at {self.path} is unfinished ({m['batches_done']} of {m['num_batches']} batches)",
+                fix="finish it: run the same command again",
+            )
         return self
 
 
@@ -126,8 +138,10 @@ def _to_float32(a: np.ndarray, dtype: str) -> torch.Tensor:
 def _encode(z: torch.Tensor, dtype: str) -> np.ndarray:
     """(n, d) float → the stored words; float16 refuses values past its range rather than storing inf."""
     if dtype == "float16" and bool((z.abs() > _FLOAT16_MAX).any()):
-        raise ConfigError(f"hidden states reach {float(z.abs().max()):.3g}, past float16's range",
-                          fix="store z as bfloat16 or float32 (train.stored_z_dtype)")
+        raise ConfigError(
+            f"hidden states reach {float(z.abs().max()):.3g}, past float16's range",
+            fix="store z as bfloat16 or float32 (train.stored_z_dtype)",
+        )
     q = z.to(_TORCH_DTYPES[dtype]).cpu().contiguous()
     return (q.view(torch.int16) if dtype == "bfloat16" else q).numpy().view(_NUMPY_DTYPES[dtype])
 
@@ -153,9 +167,19 @@ def _batch_digest(z: np.ndarray, targets: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(z).tobytes() + np.ascontiguousarray(targets).tobytes()).hexdigest()
 
 
-def build_stored_z(model: PrismLM, shards: ShardSet, out: str | Path, *, split: str = "train", dtype: ZDtype = "float16",
-                   batch_size: int = 8, max_sequences: int | None = None, device: str | torch.device | None = None,
-                   progress: Progress = True, stop_after_batches: int | None = None) -> StoredZ:
+def build_stored_z(
+    model: PrismLM,
+    shards: ShardSet,
+    out: str | Path,
+    *,
+    split: str = "train",
+    dtype: ZDtype = "float16",
+    batch_size: int = 8,
+    max_sequences: int | None = None,
+    device: str | torch.device | None = None,
+    progress: Progress = True,
+    stop_after_batches: int | None = None,
+) -> StoredZ:
     """Compute (or finish, or reuse) the stored z of ``model``'s backbone over ``shards.<split>``.
 
     ``max_sequences``: only the first N aligned sequences. A complete store
@@ -170,18 +194,30 @@ def build_stored_z(model: PrismLM, shards: ShardSet, out: str | Path, *, split: 
     n_seq = shard.num_sequences(T) if max_sequences is None else min(shard.num_sequences(T), max_sequences)
     if n_seq < 1:
         raise ArtifactError(f"the {split} split holds no complete sequence of {T + 1} tokens to store z for")
-    want = {"kind": KIND, "format_version": FORMAT_VERSION, "backbone": backbone_identity(model),
-            "shard_key": shards.manifest["key"], "split": split, "block_size": T, "d": d, "dtype": dtype,
-            "batch_size": batch_size, "num_sequences": n_seq, "rows": n_seq * T,
-            "num_batches": -(-n_seq // batch_size)}
+    want = {
+        "kind": KIND,
+        "format_version": FORMAT_VERSION,
+        "backbone": backbone_identity(model),
+        "shard_key": shards.manifest["key"],
+        "split": split,
+        "block_size": T,
+        "d": d,
+        "dtype": dtype,
+        "batch_size": batch_size,
+        "num_sequences": n_seq,
+        "rows": n_seq * T,
+        "num_batches": -(-n_seq // batch_size),
+    }
     state = _resume_state(out, want)
     if state is None:  # new, or made with other settings: start over
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         np.memmap(out / "z.bin", dtype=_NUMPY_DTYPES[dtype], mode="w+", shape=(n_seq * T, d)).flush()
         np.memmap(out / "targets.bin", dtype=np.int32, mode="w+", shape=(n_seq * T,)).flush()
-        atomic_write_text(out / "manifest.json", json.dumps({**want, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                                             **provenance()}, indent=1) + "\n")
+        atomic_write_text(
+            out / "manifest.json",
+            json.dumps({**want, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **provenance()}, indent=1) + "\n",
+        )
         state = {"batches_done": 0, "digests": [], "seconds": 0.0}
         atomic_write_text(out / "state.json", json.dumps(state) + "\n")
     _fill(model, shard, out, want, state, device=device, progress=progress, stop_after_batches=stop_after_batches)
@@ -211,8 +247,17 @@ def _resume_state(out: Path, want: dict[str, Any]) -> dict[str, Any] | None:
 
 
 @torch.no_grad()
-def _fill(model: PrismLM, shard: TokenShard, out: Path, want: dict[str, Any], state: dict[str, Any], *,
-          device: str | torch.device | None, progress: Progress, stop_after_batches: int | None) -> None:
+def _fill(
+    model: PrismLM,
+    shard: TokenShard,
+    out: Path,
+    want: dict[str, Any],
+    state: dict[str, Any],
+    *,
+    device: str | torch.device | None,
+    progress: Progress,
+    stop_after_batches: int | None,
+) -> None:
     """Run the backbone over the batches not yet done, writing each batch's rows and checksum."""
     T, B, n_seq, dtype = want["block_size"], want["batch_size"], want["num_sequences"], want["dtype"]
     dev = torch.device(device) if device is not None else next(model.parameters()).device

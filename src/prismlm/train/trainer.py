@@ -81,11 +81,14 @@ def build_optimizer(model: PrismLM, cfg: RunConfig, device: torch.device) -> tor
         # their optimizer states still load on --resume.
         kind = "decay" if p.dim() >= 2 and not is_bank else "prototypes" if is_bank and ratio != 1.0 else "no_decay"
         groups[kind].append(p)
-    spec = [{"params": groups["decay"], "weight_decay": cfg.train.weight_decay, "lr_scale": ratio},
-            {"params": groups["no_decay"], "weight_decay": 0.0, "lr_scale": ratio},
-            {"params": groups["prototypes"], "weight_decay": 0.0, "lr_scale": 1.0}]
-    return torch.optim.AdamW([g for g in spec if g["params"]], lr=cfg.train.lr, betas=cfg.train.betas,
-                             fused=device.type == "cuda")
+    spec = [
+        {"params": groups["decay"], "weight_decay": cfg.train.weight_decay, "lr_scale": ratio},
+        {"params": groups["no_decay"], "weight_decay": 0.0, "lr_scale": ratio},
+        {"params": groups["prototypes"], "weight_decay": 0.0, "lr_scale": 1.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in spec if g["params"]], lr=cfg.train.lr, betas=cfg.train.betas, fused=device.type == "cuda"
+    )
 
 
 def trainable_names(model: PrismLM, policy: str) -> set[str]:
@@ -105,8 +108,9 @@ def trainable_names(model: PrismLM, policy: str) -> set[str]:
     n_last = int(policy.removeprefix("last-"))
     blocks, final_norms = model.block_prefixes(), model.final_norm_prefixes()
     if n_last > len(blocks):
-        raise ConfigError(f"train.trainable={policy}: the model has only {len(blocks)} blocks",
-                          fix=f"use last-{len(blocks)} or all")
+        raise ConfigError(
+            f"train.trainable={policy}: the model has only {len(blocks)} blocks", fix=f"use last-{len(blocks)} or all"
+        )
     prefixes = tuple(blocks[-n_last:]) + tuple(final_norms)
     return keep | {n for n in names if n.startswith(prefixes)}
 
@@ -134,8 +138,13 @@ def _git_revision() -> str | None:
     try:
         root = Path(__file__).resolve().parents[3]
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         if rev.returncode != 0:
             return None
         return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
@@ -187,11 +196,15 @@ class MetricsLog:
         if not enabled:
             return
         if path.is_dir():
-            raise RunError(f"{path} is a folder, but it is where the run's training log (a file) goes",
-                           fix=f"move that folder out of {path.parent} and run again", path=path)
+            raise RunError(
+                f"{path} is a folder, but it is where the run's training log (a file) goes",
+                fix=f"move that folder out of {path.parent} and run again",
+                path=path,
+            )
         if resume_step is not None and path.exists():
-            kept = [ln for ln in _records(path.read_text(errors="replace"))
-                    if json.loads(ln).get("step", 0) <= resume_step]
+            kept = [
+                ln for ln in _records(path.read_text(errors="replace")) if json.loads(ln).get("step", 0) <= resume_step
+            ]
             path.write_text("".join(ln + "\n" for ln in kept))
         elif resume_step is None:
             path.write_text("")
@@ -255,12 +268,16 @@ def train(
             start_step = int(state["step"])
             if extend_to is not None:
                 if extend_to <= start_step:
-                    raise RunError(f"{out_dir} is already at step {start_step}; --steps {extend_to} would not "
-                                   "train further", fix=f"pass --steps greater than {start_step}")
+                    raise RunError(
+                        f"{out_dir} is already at step {start_step}; --steps {extend_to} would not train further",
+                        fix=f"pass --steps greater than {start_step}",
+                    )
                 cfg = cfg.override({"train.max_steps": extend_to})
             elif start_step >= cfg.train.max_steps:
-                raise RunError(f"{out_dir} already finished its {cfg.train.max_steps} steps; nothing to resume",
-                               fix=f"pass --steps N (> {start_step}) with --resume to train further")
+                raise RunError(
+                    f"{out_dir} already finished its {cfg.train.max_steps} steps; nothing to resume",
+                    fix=f"pass --steps N (> {start_step}) with --resume to train further",
+                )
         # --- data: rank 0 prepares (or reuses) the shards; the others wait and load them
         data: ShardSet | StreamingData | None = shards
         if cfg.data.streaming:  # stream the corpus (prismlm.data.stream): only a small val shard is prepared
@@ -287,17 +304,25 @@ def train(
             if cfg.model.vocab_size != vocab:
                 cfg = cfg.override({"model.vocab_size": vocab})
         elif cfg.model.vocab_size < data.tokenizer.vocab_size:
-            raise DataError(f"the tokenizer of {data.root} has {data.tokenizer.vocab_size} ids but the model only "
-                            f"{cfg.model.vocab_size}", fix="prepare the corpus with the model's own tokenizer")
+            raise DataError(
+                f"the tokenizer of {data.root} has {data.tokenizer.vocab_size} ids but the model only "
+                f"{cfg.model.vocab_size}",
+                fix="prepare the corpus with the model's own tokenizer",
+            )
         if info.enabled and cfg.train.frozen_steps > 0 and cfg.train.trainable != "prototypes":
-            raise ConfigError("train.frozen_steps (a two-stage retrofit) changes which parameters train mid-run, "
-                              "which DistributedDataParallel does not allow", fix="run it in one process")
+            raise ConfigError(
+                "train.frozen_steps (a two-stage retrofit) changes which parameters train mid-run, "
+                "which DistributedDataParallel does not allow",
+                fix="run it in one process",
+            )
         if shards is not None and shards.train.num_sequences(cfg.model.block_size) < 1:
             raise DataError("the training split is shorter than one block; use more data or a smaller block_size")
         if data.val.num_sequences(cfg.model.block_size) < 1:  # refused now, not at the first evaluation
-            raise DataError(f"the validation split of {data.root} holds {len(data.val)} tokens, fewer than one "
-                            f"block of {cfg.model.block_size + 1}", fix="use a corpus with more documents, a larger "
-                            "--set data.val_fraction, or a smaller model.block_size")
+            raise DataError(
+                f"the validation split of {data.root} holds {len(data.val)} tokens, fewer than one "
+                f"block of {cfg.model.block_size + 1}",
+                fix="use a corpus with more documents, a larger --set data.val_fraction, or a smaller model.block_size",
+            )
 
         torch.manual_seed(cfg.train.seed)
         model = PrismLM(cfg.model).to(device)
@@ -309,20 +334,26 @@ def train(
         if sharded:  # before the optimizer is built, so that it holds (and steps) this rank's shards only
             fsdp.shard_model(model)
         optimizer = build_optimizer(model, cfg, device)
-        stage_names = {"frozen": trainable_names(model, "prototypes"),
-                       "main": trainable_names(model, cfg.train.trainable)}
+        stage_names = {
+            "frozen": trainable_names(model, "prototypes"),
+            "main": trainable_names(model, cfg.train.trainable),
+        }
         stage = "frozen" if start_step < cfg.train.frozen_steps else "main"
         set_trainable(model, stage_names[stage])
         if state is not None:
             if state["optimizer"] == fsdp.SHARDED_DIR:
                 if not sharded:
-                    raise CheckpointError(f"{ckpt.path} holds FSDP optimizer shards; resume it under torchrun "
-                                          "with train.parallel=fsdp", path=ckpt.path)
+                    raise CheckpointError(
+                        f"{ckpt.path} holds FSDP optimizer shards; resume it under torchrun with train.parallel=fsdp",
+                        path=ckpt.path,
+                    )
                 fsdp.load_sharded_optimizer(model, optimizer, ckpt.path / fsdp.SHARDED_DIR)
             elif sharded:
-                raise CheckpointError(f"{ckpt.path} was saved without FSDP; its optimizer state is not sharded",
-                                      fix="resume it with train.parallel=ddp (the config saved with the run)",
-                                      path=ckpt.path)
+                raise CheckpointError(
+                    f"{ckpt.path} was saved without FSDP; its optimizer state is not sharded",
+                    fix="resume it with train.parallel=ddp (the config saved with the run)",
+                    path=ckpt.path,
+                )
             else:
                 optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng"]["torch"])
@@ -331,8 +362,11 @@ def train(
         # Per-rank dropout streams differ; rank 0 keeps the single-process stream.
         if info.rank > 0 and state is None:
             torch.manual_seed(cfg.train.seed + 1000 * info.rank)
-        ddp = (DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-               if info.enabled and not sharded else None)
+        ddp = (
+            DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+            if info.enabled and not sharded
+            else None
+        )
         ddp_model: torch.nn.Module = ddp if ddp is not None else model
         fwd_model = torch.compile(ddp_model) if cfg.train.compile else ddp_model
         autocast = autocast_for(cfg, device)
@@ -348,12 +382,15 @@ def train(
             if state is not None:
                 saved = state["data"].get("stream")
                 if not isinstance(saved, list) or len(saved) != info.world_size:
-                    raise DataError(f"{out_dir}: the checkpoint holds no stream position for {info.world_size} "
-                                    "process(es)", fix="resume with the run's own data settings and process count")
+                    raise DataError(
+                        f"{out_dir}: the checkpoint holds no stream position for {info.world_size} process(es)",
+                        fix="resume with the run's own data settings and process count",
+                    )
                 stream.load_state_dict(saved[info.rank])
         else:
-            sampler = SequenceSampler(shards.train.num_sequences(T), tc.batch_size, tc.grad_accum, info.world_size,
-                                      tc.seed)
+            sampler = SequenceSampler(
+                shards.train.num_sequences(T), tc.batch_size, tc.grad_accum, info.world_size, tc.seed
+            )
         if info.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             cfg.to_json(out_dir / "config.json")
@@ -362,19 +399,38 @@ def train(
             (out_dir / "env.json").write_text(json.dumps(env, indent=2, default=str) + "\n")
             n_params = model.num_parameters()
             kind = "PRISM" if model.is_prism else "dense"
-            extra = (f" (backbone {model.num_parameters(prototypes=False) / 1e6:.2f}M + prototypes "
-                     f"{model.prototypes.num_prototypes}×{cfg.model.n_embd})") if model.prototypes is not None else ""
-            train_line = (f"train {len(shards.train):,} tokens / {sampler.n:,} sequences of {T}" if shards is not None
-                          else f"train streamed from {cfg.data.corpus} (shuffle buffer {cfg.data.shuffle_buffer} "
-                               f"sequences of {T})")
+            extra = (
+                (
+                    f" (backbone {model.num_parameters(prototypes=False) / 1e6:.2f}M + prototypes "
+                    f"{model.prototypes.num_prototypes}×{cfg.model.n_embd})"
+                )
+                if model.prototypes is not None
+                else ""
+            )
+            train_line = (
+                f"train {len(shards.train):,} tokens / {sampler.n:,} sequences of {T}"
+                if shards is not None
+                else f"train streamed from {cfg.data.corpus} (shuffle buffer {cfg.data.shuffle_buffer} "
+                f"sequences of {T})"
+            )
             global_batch = tc.batch_size * tc.grad_accum * info.world_size
-            model_line = (f"[prismlm] {kind} model: {n_params / 1e6:.2f}M parameters{extra}; {train_line}; "
-                          f"global batch {global_batch} × {T} tokens; device {device}, world {info.world_size}")
+            model_line = (
+                f"[prismlm] {kind} model: {n_params / 1e6:.2f}M parameters{extra}; {train_line}; "
+                f"global batch {global_batch} × {T} tokens; device {device}, world {info.world_size}"
+            )
         log = MetricsLog(out_dir / "metrics.jsonl", start_step if resume else None, info.is_main)
 
         def do_eval() -> dict[str, float]:
-            return evaluate(model, data.val, seq_len=T, batch_size=tc.batch_size, max_batches=tc.eval_batches,
-                            device=device, autocast=autocast, loss_weights=cfg.loss.weights_at(step))
+            return evaluate(
+                model,
+                data.val,
+                seq_len=T,
+                batch_size=tc.batch_size,
+                max_batches=tc.eval_batches,
+                device=device,
+                autocast=autocast,
+                loss_weights=cfg.loss.weights_at(step),
+            )
 
         def do_checkpoint(at_step: int, rng: dict[str, Any] | None = None) -> tuple[Path | None, PrismLM | None]:
             """Save a checkpoint (rank 0 writes it; under FSDP every rank takes part). Returns its folder and
@@ -399,13 +455,27 @@ def train(
                     "step": at_step,
                     "optimizer": fsdp.SHARDED_DIR if sharded else optimizer.state_dict(),
                     "rng": rng or _rng_state(device),
-                    "data": ({"sequences_consumed": at_step * sampler.global_batch, "epoch": sampler.epoch_at(at_step)}
-                             if stream is None else {"sequences_consumed": at_step * tc.batch_size * tc.grad_accum
-                                                     * info.world_size, "epoch": stream.epoch, "stream": positions}),
+                    "data": (
+                        {"sequences_consumed": at_step * sampler.global_batch, "epoch": sampler.epoch_at(at_step)}
+                        if stream is None
+                        else {
+                            "sequences_consumed": at_step * tc.batch_size * tc.grad_accum * info.world_size,
+                            "epoch": stream.epoch,
+                            "stream": positions,
+                        }
+                    ),
                 }
-                path = save_checkpoint(out_dir, at_step, saved_model, cfg, trainer_state=trainer_state,
-                                       tokenizer=data.tokenizer, data_manifest=data.manifest,
-                                       keep=tc.keep_checkpoints, sharded=shard_dir)
+                path = save_checkpoint(
+                    out_dir,
+                    at_step,
+                    saved_model,
+                    cfg,
+                    trainer_state=trainer_state,
+                    tokenizer=data.tokenizer,
+                    data_manifest=data.manifest,
+                    keep=tc.keep_checkpoints,
+                    sharded=shard_dir,
+                )
             barrier(info)
             return path, saved_model
 
@@ -432,9 +502,14 @@ def train(
             if not info.enabled and consistent and saved_at != completed and (completed > start_step or not resume):
                 do_checkpoint(completed, completed_rng)
             has_ckpt = (out_dir / "checkpoints" / "latest").exists()
-            bar.message(f"interrupted after step {completed}: " + (
-                f"checkpoint {find_checkpoint(out_dir)}; continue with --resume" if has_ckpt
-                else "no checkpoint was saved"))
+            bar.message(
+                f"interrupted after step {completed}: "
+                + (
+                    f"checkpoint {find_checkpoint(out_dir)}; continue with --resume"
+                    if has_ckpt
+                    else "no checkpoint was saved"
+                )
+            )
             bar.close(stopped=True)
 
         on_interrupt = save_on_interrupt
@@ -472,11 +547,15 @@ def train(
                 tokens_since += x.numel() * info.world_size
             if not math.isfinite(terms_sum["loss"]):  # diverged: stop before the optimizer spreads it
                 last = find_checkpoint(out_dir) if (out_dir / "checkpoints" / "latest").exists() else None
-                raise RunError(f"the training loss became {terms_sum['loss']} at step {step + 1} of {out_dir}"
-                               + (f"; the last good checkpoint is {last}" if last else "; no checkpoint was saved"),
-                               fix="lower train.lr (or raise train.warmup_steps / lower train.grad_clip) and "
-                                   "resume with --resume, or start again with --overwrite")
-            grad_norm = fsdp.full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf")))
+                raise RunError(
+                    f"the training loss became {terms_sum['loss']} at step {step + 1} of {out_dir}"
+                    + (f"; the last good checkpoint is {last}" if last else "; no checkpoint was saved"),
+                    fix="lower train.lr (or raise train.warmup_steps / lower train.grad_clip) and "
+                    "resume with --resume, or start again with --overwrite",
+                )
+            grad_norm = fsdp.full_value(
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or float("inf"))
+            )
             consistent = False  # the update below changes the weights and the optimizer state
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -486,17 +565,26 @@ def train(
             if done % tc.log_interval == 0 or done == tc.max_steps:
                 # (2,): the weighted total (CE + REC + R1 + R2, what is minimised) and the CE alone, the
                 # quantity validation reports, both averaged over the ranks
-                loss_t, ce_t = all_reduce_mean(torch.tensor([terms_sum["loss"], terms_sum["ce"]], device=device),
-                                               info).tolist()
+                loss_t, ce_t = all_reduce_mean(
+                    torch.tensor([terms_sum["loss"], terms_sum["ce"]], device=device), info
+                ).tolist()
                 now = time.perf_counter()
-                record = {"step": done, "lr": lr, "grad_norm": float(grad_norm),
-                          **{f"train_{k}": v for k, v in terms_sum.items()}, "train_loss": float(loss_t),
-                          "tokens_per_s": tokens_since / max(now - t_last, 1e-9),
-                          "epoch": sampler.epoch_at(done) if stream is None else float(stream.epoch)}
+                record = {
+                    "step": done,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    **{f"train_{k}": v for k, v in terms_sum.items()},
+                    "train_loss": float(loss_t),
+                    "tokens_per_s": tokens_since / max(now - t_last, 1e-9),
+                    "epoch": sampler.epoch_at(done) if stream is None else float(stream.epoch),
+                }
                 t_last, tokens_since = now, 0
                 log.write(record)
-                shown = {"ce": ce_t, **({"total": loss_t} if model.is_prism else {}),
-                         "tokens_per_s": round(record["tokens_per_s"])}
+                shown = {
+                    "ce": ce_t,
+                    **({"total": loss_t} if model.is_prism else {}),
+                    "tokens_per_s": round(record["tokens_per_s"]),
+                }
             bar.update(1, **shown)
             # Validation on rank 0 only: every rank would compute the same numbers on the same fixed
             # sample; the other ranks wait at their next gradient all-reduce. A sharded model's forward is a
@@ -517,8 +605,13 @@ def train(
         bar.close()
         final_step = max(end_step, start_step)
         ckpt_path, final_model = do_checkpoint(final_step)
-        return TrainResult(run_dir=out_dir, checkpoint=ckpt_path or find_checkpoint(out_dir), step=final_step,
-                           metrics=last_eval if info.is_main else {}, model=final_model)
+        return TrainResult(
+            run_dir=out_dir,
+            checkpoint=ckpt_path or find_checkpoint(out_dir),
+            step=final_step,
+            metrics=last_eval if info.is_main else {},
+            model=final_model,
+        )
     except KeyboardInterrupt:
         if on_interrupt is not None:
             interrupts.restore()  # a further Ctrl-C while saving stops at once
@@ -526,8 +619,10 @@ def train(
         raise
     except OSError as e:
         if e.errno in _WRITE_ERRORS:  # read-only folder, no permission, full disk: the user's to fix
-            raise RunError(f"cannot write {e.filename or out_dir}: {e.strerror}",
-                           fix="free disk space or choose a writable --out; resume later with --resume") from e
+            raise RunError(
+                f"cannot write {e.filename or out_dir}: {e.strerror}",
+                fix="free disk space or choose a writable --out; resume later with --resume",
+            ) from e
         raise
     finally:
         interrupts.restore()
@@ -545,8 +640,7 @@ def train(
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
     """The RNG states a checkpoint records (dropout draws from them), copied now."""
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
 class _Interrupts:
@@ -606,8 +700,10 @@ def _restart_fix(out_dir: Path) -> str:
     if not any((out_dir / name).exists() for name in RUN_FILES) and (out_dir / STORED_Z_DIR).is_dir():
         return "its z pass was interrupted: run the same prism retrofit command again (without --resume) to continue it"
     if _holds_run(out_dir):
-        return "nothing to resume: start it again with --overwrite (a retrofit's stored z is kept and reused), " \
-               "or choose another --out"
+        return (
+            "nothing to resume: start it again with --overwrite (a retrofit's stored z is kept and reused), "
+            "or choose another --out"
+        )
     return "start it without --resume"
 
 
@@ -622,11 +718,15 @@ def check_run_folder(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
         return
     held = [name for name in RUN_FILES if (out_dir / name).exists()]
     if held and not _has_checkpoint(out_dir):  # stopped before its first checkpoint: --resume has nothing
-        raise RunError(f"{out_dir} already holds a run stopped before its first checkpoint ({', '.join(held)})",
-                       fix=_restart_fix(out_dir))
+        raise RunError(
+            f"{out_dir} already holds a run stopped before its first checkpoint ({', '.join(held)})",
+            fix=_restart_fix(out_dir),
+        )
     if held:
-        raise RunError(f"{out_dir} already holds a run ({', '.join(held)})",
-                       fix="continue it with --resume, replace it with --overwrite, or choose another --out")
+        raise RunError(
+            f"{out_dir} already holds a run ({', '.join(held)})",
+            fix="continue it with --resume, replace it with --overwrite, or choose another --out",
+        )
 
 
 def clear_run_folder(out_dir: Path) -> None:
@@ -649,6 +749,5 @@ def format_eval_line(step: int, m: dict[str, float], train_ce: float | None = No
     if train_ce is not None:
         s += f", train CE {train_ce:.4f} (this step's batch)"
     if "r1_bar" in m:
-        s += (f" | R̄1 {m['r1_bar']:.3f} R2 {m['r2']:.3f} residual {m['residual_share']:.3f} "
-              f"dead {m['dead_prototypes']}")
+        s += f" | R̄1 {m['r1_bar']:.3f} R2 {m['r2']:.3f} residual {m['residual_share']:.3f} dead {m['dead_prototypes']}"
     return s

@@ -29,8 +29,32 @@ from prismlm.tda.cache.passes import postings_gradients, sampled_curvature
 from prismlm.tda.cache.projection import PostingSketcher, fit_ranges, make_projection, pca_bases, project
 from prismlm.tda.cache.store import AttributionCache, Searcher
 
-__all__ = ["FORMAT_VERSION", "KIND", "AttributionCache", "DeltaIds", "FloatSketches", "PQSketches", "PlainIds",
-           "PostingSketcher", "QuantSketches", "Searcher", "build_cache", "compress_cache", "concat_ranges",
-           "dequantise", "document_of_sequences", "fit_ranges", "make_projection", "merge_caches", "pca_bases",
-           "postings_gradients", "pq_encode", "pq_layout", "pq_train", "project", "prune_keep", "quantise",
-           "sampled_curvature"]
+__all__ = [
+    "FORMAT_VERSION",
+    "KIND",
+    "AttributionCache",
+    "DeltaIds",
+    "FloatSketches",
+    "PQSketches",
+    "PlainIds",
+    "PostingSketcher",
+    "QuantSketches",
+    "Searcher",
+    "build_cache",
+    "compress_cache",
+    "concat_ranges",
+    "dequantise",
+    "document_of_sequences",
+    "fit_ranges",
+    "make_projection",
+    "merge_caches",
+    "pca_bases",
+    "postings_gradients",
+    "pq_encode",
+    "pq_layout",
+    "pq_train",
+    "project",
+    "prune_keep",
+    "quantise",
+    "sampled_curvature",
+]

@@ -47,12 +47,18 @@ def _finished_build(out_dir: Path, started: dict[str, Any], shards: ShardSet) ->
     """``resume`` when the build already finished: the cache at ``out_dir``, if it is this build's."""
     cache = AttributionCache.load(out_dir, model_sha256=started["model_sha256"], shards=shards)
     m, opts = cache.manifest, started["options"]
-    mine = (m.get("universe") == started["universe"] and list(m.get("part", [])) == started["part"]
-            and opts["r"] in (None, m.get("r"))
-            and all(m.get(k) == opts[k] for k in ("projection", "dtype", "prune", "aggregate", "id_encoding")))
+    mine = (
+        m.get("universe") == started["universe"]
+        and list(m.get("part", [])) == started["part"]
+        and opts["r"] in (None, m.get("r"))
+        and all(m.get(k) == opts[k] for k in ("projection", "dtype", "prune", "aggregate", "id_encoding"))
+    )
     if not mine:
-        raise ArtifactError(f"cannot resume: {out_dir} holds a finished cache built with other options or sequences",
-                            fix="rerun without --resume to rebuild it, or choose another --out", path=out_dir)
+        raise ArtifactError(
+            f"cannot resume: {out_dir} holds a finished cache built with other options or sequences",
+            fix="rerun without --resume to rebuild it, or choose another --out",
+            path=out_dir,
+        )
     return cache
 
 
@@ -107,9 +113,15 @@ def build_cache(
         raise ConfigError("resuming a cache build needs its output folder (out)")
     tmp_dir = None
     # what a resumed build must share with the one it continues (the storage options are applied at the end)
-    started = {"model_sha256": ident, "shard_key": shards.manifest["key"], "part": list(part), "universe": universe,
-               "options": cfg.to_dict(), "curvature_given": curvature is not None,
-               "curvature_F": None if curvature is None else _tensor_digest(curvature.F)}
+    started = {
+        "model_sha256": ident,
+        "shard_key": shards.manifest["key"],
+        "part": list(part),
+        "universe": universe,
+        "options": cfg.to_dict(),
+        "curvature_given": curvature is not None,
+        "curvature_F": None if curvature is None else _tensor_digest(curvature.F),
+    }
     # the raw postings keep float32 (float64/float16 when stored so); int8/int4/int3 are encoded from float32
     npdt = FLOAT_DTYPES[dtype] if dtype in FLOAT_DTYPES else np.float32
     widths = {"seq": 4, "proto": 4, "sketch": r * np.dtype(npdt).itemsize}  # bytes per row of each raw file
@@ -138,9 +150,19 @@ def build_cache(
             curvature = sampled_curvature(net, shards, cfg, universe, progress=progress, keep=kept)
         if projection in ("pca", "pca-local"):
             with eval_mode(net):
-                R = torch.from_numpy(pca_projection(net, shards, curvature, r, min(universe, cfg.pca_sequences),
-                                                     batch_size, local=projection == "pca-local", universe=universe,
-                                                     keep=kept))
+                R = torch.from_numpy(
+                    pca_projection(
+                        net,
+                        shards,
+                        curvature,
+                        r,
+                        min(universe, cfg.pca_sequences),
+                        batch_size,
+                        local=projection == "pca-local",
+                        universe=universe,
+                        keep=kept,
+                    )
+                )
         if tmp_dir is not None:  # what a resumed build reads instead of fitting again (checked by its sha256)
             curvature.save(tmp_dir / "curvature.safetensors")
             np.save(tmp_dir / "projection.npy", R.numpy())
@@ -155,8 +177,12 @@ def build_cache(
     done_to, tokens = (state["done_to"], state["tokens"]) if state else (start, 0)
     if tmp_dir is not None:  # rows after the last good batch (a torn write, a damaged batch) are dropped
         files = PostingFiles(tmp_dir, resumed)
-        files.open(widths, None if resumed else
-                   {**started, "start": start, "fitted": record_fitted(tmp_dir), "curvature_seconds": t_curv})
+        files.open(
+            widths,
+            None
+            if resumed
+            else {**started, "start": start, "fitted": record_fitted(tmp_dir), "curvature_seconds": t_curv},
+        )
     t1 = time.perf_counter()
     pass_before = state["postings_seconds"] if state else 0.0
     try:
@@ -167,8 +193,11 @@ def build_cache(
                 bg = posting_batch(net, shards, j0, j1, kept)
                 pr = bg.proto.cpu()
                 sk = sketcher(pr, bg.grad.cpu())  # (rows, r)
-                rows = {"seq": bg.seq.cpu().numpy().astype(np.int32),
-                        "proto": bg.proto.cpu().numpy().astype(np.int32), "sketch": sk.numpy().astype(npdt)}
+                rows = {
+                    "seq": bg.seq.cpu().numpy().astype(np.int32),
+                    "proto": bg.proto.cpu().numpy().astype(np.int32),
+                    "sketch": sk.numpy().astype(npdt),
+                }
                 tokens += (j1 - j0) * T
                 bar.update(j1 - j0)
                 if files is not None:  # the batch whole on disk, then recorded (a resume continues after it)
@@ -181,18 +210,32 @@ def build_cache(
             files.close()
     t_pass = pass_before + time.perf_counter() - t1
     base = {  # identity and fit options; cache_manifest adds the storage options and postings statistics
-        "kind": KIND, "format_version": FORMAT_VERSION, "model_sha256": ident,
-        "shard_key": shards.manifest["key"], "shards_root": str(Path(shards.root).resolve()),
-        "split": "train", "num_prototypes": K, "d": d, "block_size": T, "r": r, "projection": projection,
-        "seed": cfg.seed, "pca_sequences": cfg.pca_sequences if projection.startswith("pca") else None,
-        "curvature_mode": curvature.mode, "damping": curvature.damping,
-        "curvature_sample": cfg.curvature_sample, "curvature_tokens": curvature.tokens,
-        "batch_size": batch_size, "universe": universe, "part": list(part),
+        "kind": KIND,
+        "format_version": FORMAT_VERSION,
+        "model_sha256": ident,
+        "shard_key": shards.manifest["key"],
+        "shards_root": str(Path(shards.root).resolve()),
+        "split": "train",
+        "num_prototypes": K,
+        "d": d,
+        "block_size": T,
+        "r": r,
+        "projection": projection,
+        "seed": cfg.seed,
+        "pca_sequences": cfg.pca_sequences if projection.startswith("pca") else None,
+        "curvature_mode": curvature.mode,
+        "damping": curvature.damping,
+        "curvature_sample": cfg.curvature_sample,
+        "curvature_tokens": curvature.tokens,
+        "batch_size": batch_size,
+        "universe": universe,
+        "part": list(part),
     }
     encoded: dict[str, Any] = {}
 
-    def _store(offsets: np.ndarray, seq: np.ndarray, sk: np.ndarray, work: Path | None,
-               stage: Path | None) -> tuple[np.ndarray, Ids, Sketches]:
+    def _store(
+        offsets: np.ndarray, seq: np.ndarray, sk: np.ndarray, work: Path | None, stage: Path | None
+    ) -> tuple[np.ndarray, Ids, Sketches]:
         """CSR float postings → the configured storage (the CSR arrays themselves when plain)."""
         if plain:
             return offsets, PlainIds(seq), FloatSketches(sk)
@@ -201,22 +244,44 @@ def build_cache(
         return o, ids, sks
 
     def _manifest(ids: Ids, sks: Sketches) -> dict[str, Any]:
-        return cache_manifest(base, ids=ids, sketches=sks, units_of=units_of, universe=universe, tokens=tokens,
-                              covered=[[start, stop]] if stop > start else [], storage=cfg, encoded=encoded,
-                              curvature_seconds=t_curv, postings_seconds=t_pass, created=created(), **provenance())
+        return cache_manifest(
+            base,
+            ids=ids,
+            sketches=sks,
+            units_of=units_of,
+            universe=universe,
+            tokens=tokens,
+            covered=[[start, stop]] if stop > start else [],
+            storage=cfg,
+            encoded=encoded,
+            curvature_seconds=t_curv,
+            postings_seconds=t_pass,
+            created=created(),
+            **provenance(),
+        )
 
     if out_dir is None:
         seq = np.concatenate(lists["seq"]) if lists["seq"] else np.zeros(0, np.int32)
         proto = np.concatenate(lists["proto"]) if lists["proto"] else np.zeros(0, np.int32)
         sketch = np.concatenate(lists["sketch"]) if lists["sketch"] else np.zeros((0, r), npdt)
         offsets, ids, sks = _store(*to_csr(seq, proto, sketch, K, None, npdt, r), None, None)
-        return AttributionCache(offsets=offsets, ids=ids, sketches=sks, projection=R.numpy(), curvature=curvature,
-                                manifest=_manifest(ids, sks), units_of=None if units_of is None else units_of.astype(np.int32))
+        return AttributionCache(
+            offsets=offsets,
+            ids=ids,
+            sketches=sks,
+            projection=R.numpy(),
+            curvature=curvature,
+            manifest=_manifest(ids, sks),
+            units_of=None if units_of is None else units_of.astype(np.int32),
+        )
     assert tmp_dir is not None
     seq = np.fromfile(tmp_dir / "seq.raw", dtype=np.int32)
     proto = np.fromfile(tmp_dir / "proto.raw", dtype=np.int32)
-    sketch = np.memmap(tmp_dir / "sketch.raw", dtype=npdt, mode="r", shape=(len(seq), r)) if len(seq) else \
-        np.zeros((0, r), npdt)
+    sketch = (
+        np.memmap(tmp_dir / "sketch.raw", dtype=npdt, mode="r", shape=(len(seq), r))
+        if len(seq)
+        else np.zeros((0, r), npdt)
+    )
     with atomic_dir(out_dir) as stage:  # the sorted arrays are written as .npy under the stage
         # plain: sorted straight into the stage; otherwise sorted under the build folder, then encoded
         csr = to_csr(seq, proto, sketch, K, stage if plain else tmp_dir / "csr", npdt, r)
@@ -233,4 +298,3 @@ def build_cache(
         (stage / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     return AttributionCache.load(out_dir)
-

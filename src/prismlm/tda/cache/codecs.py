@@ -15,16 +15,35 @@ import torch
 
 from prismlm.errors import ArtifactError, ConfigError
 
-__all__ = ["FLOAT_DTYPES", "PQ_CENTROIDS", "QMAX", "SCALE_RANGE", "DeltaIds", "FloatSketches", "Ids", "PQSketches",
-           "PlainIds", "QuantDtype", "QuantSketches", "Sketches", "code_values", "code_width", "concat_ranges",
-           "dequantise", "pq_encode", "pq_layout", "pq_train", "quantise"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "PQ_CENTROIDS",
+    "QMAX",
+    "SCALE_RANGE",
+    "DeltaIds",
+    "FloatSketches",
+    "Ids",
+    "PQSketches",
+    "PlainIds",
+    "QuantDtype",
+    "QuantSketches",
+    "Sketches",
+    "code_values",
+    "code_width",
+    "concat_ranges",
+    "dequantise",
+    "pq_encode",
+    "pq_layout",
+    "pq_train",
+    "quantise",
+]
 
 FLOAT_DTYPES: dict[str, type[np.floating]] = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 QMAX: dict[str, int] = {"int8": 127, "int4": 7, "int3": 3}
 """The largest code Q of each quantised dtype: codes are q ∈ [−Q, Q]."""
 QuantDtype = Literal["int8", "int4", "int3"]
 _INT3_SHIFTS = np.arange(0, 24, 3, dtype=np.uint32)  # bit offsets of the 8 codes in a 24-bit word
-SCALE_RANGE = 2.0 ** 15
+SCALE_RANGE = 2.0**15
 """The largest per-posting scale is stored as 2^15 × ``scale_unit`` (float16 holds up to 65504), so ratios
 down to ~2e-9 of it stay normal float16 numbers."""
 
@@ -107,8 +126,9 @@ class DeltaIds:
         dt = best[1]
         esc = np.iinfo(dt).max
         exc = gaps >= esc
-        return cls(np.where(exc, esc, gaps).astype(dt), np.flatnonzero(exc).astype(np.int64),
-                   gaps[exc].astype(np.uint32))
+        return cls(
+            np.where(exc, esc, gaps).astype(dt), np.flatnonzero(exc).astype(np.int64), gaps[exc].astype(np.uint32)
+        )
 
     def gather(self, lo: np.ndarray, n: np.ndarray) -> np.ndarray:
         """Ids of whole lists starting at ``lo`` (each lo must be a list start, as every query reads)
@@ -138,8 +158,11 @@ class DeltaIds:
         return int(self.gaps.nbytes + self.exc_pos.nbytes + self.exc_val.nbytes)
 
     def manifest(self) -> dict[str, Any]:
-        return {"id_encoding": self.encoding, "id_width": int(self.gaps.dtype.itemsize),
-                "id_exceptions": int(len(self.exc_pos))}
+        return {
+            "id_encoding": self.encoding,
+            "id_width": int(self.gaps.dtype.itemsize),
+            "id_exceptions": int(len(self.exc_pos)),
+        }
 
 
 # ----- sketches -------------------------------------------------------------------------------------------
@@ -221,7 +244,7 @@ def code_values(codes: np.ndarray, dtype: QuantDtype, r: int) -> np.ndarray:
         b = np.asarray(codes, dtype=np.uint8)
         n, groups = b.shape[0], (r + 7) // 8
         padded = np.zeros((n, 3 * groups), dtype=np.uint32)
-        padded[:, :b.shape[1]] = b
+        padded[:, : b.shape[1]] = b
         word = padded[:, 0::3] | (padded[:, 1::3] << 8) | (padded[:, 2::3] << 16)  # (n, groups)
         q = ((word[:, :, None] >> _INT3_SHIFTS) & 7).reshape(n, 8 * groups)[:, :r].astype(np.float64) - 4
     else:
@@ -236,8 +259,7 @@ def code_values(codes: np.ndarray, dtype: QuantDtype, r: int) -> np.ndarray:
 class QuantSketches:
     """Sketches as int8/int4/int3 codes with a float16 scale per posting (see ``quantise``)."""
 
-    def __init__(self, codes: np.ndarray, scales: np.ndarray, unit: float, dtype: QuantDtype,
-                 r: int) -> None:
+    def __init__(self, codes: np.ndarray, scales: np.ndarray, unit: float, dtype: QuantDtype, r: int) -> None:
         self.codes = codes
         """(P, r) int8; for int4 (P, ⌈r/2⌉) uint8 (two codes per byte, low nibble first); for int3
         (P, ⌈3r/8⌉) uint8 (a bit stream of 3-bit codes)."""
@@ -287,8 +309,10 @@ def pq_layout(r: int, pq_dims: int) -> int:
     """Sub-quantizers M of an r-dimensional ``pq`` sketch with ``pq_dims`` dimensions each (ConfigError
     unless pq_dims divides r)."""
     if pq_dims < 1 or r % pq_dims:
-        raise ConfigError(f"dtype 'pq' splits the r = {r} sketch dimensions into sub-vectors of pq_dims = "
-                          f"{pq_dims}; choose --pq-dims dividing {r} (or --r a multiple of {pq_dims})")
+        raise ConfigError(
+            f"dtype 'pq' splits the r = {r} sketch dimensions into sub-vectors of pq_dims = "
+            f"{pq_dims}; choose --pq-dims dividing {r} (or --r a multiple of {pq_dims})"
+        )
     return r // pq_dims
 
 
@@ -311,13 +335,15 @@ def pq_train(z: np.ndarray, M: int, seed: int) -> np.ndarray:
     for m in range(M):  # M ≤ r sub-quantizers, each one vectorised k-means
         uniq = np.unique(sub[:, m], axis=0)
         if len(uniq) <= PQ_CENTROIDS:
-            cb[m, :len(uniq)], cb[m, len(uniq):] = uniq, uniq[0] if len(uniq) else 0.0
+            cb[m, : len(uniq)], cb[m, len(uniq) :] = uniq, uniq[0] if len(uniq) else 0.0
             continue
         try:
             import faiss
         except ImportError as e:
-            raise ConfigError("dtype 'pq' trains its codebooks with faiss, which is not installed",
-                              fix="pip install 'prismlm[search]'") from e
+            raise ConfigError(
+                "dtype 'pq' trains its codebooks with faiss, which is not installed",
+                fix="pip install 'prismlm[search]'",
+            ) from e
         km = faiss.Kmeans(t, PQ_CENTROIDS, niter=25, seed=seed + m, verbose=False)
         km.train(np.ascontiguousarray(sub[:, m]))
         cb[m] = km.centroids
@@ -332,9 +358,9 @@ def pq_encode(z: np.ndarray, codebook: np.ndarray, chunk: int = 8192) -> np.ndar
     c2 = (cb * cb).sum(-1)  # (M, 256)
     out = np.empty((z.shape[0], M), dtype=np.uint8)
     for a in range(0, z.shape[0], chunk):
-        sub = torch.from_numpy(np.ascontiguousarray(_subvectors(np.asarray(z[a:a + chunk], np.float64), M)))
+        sub = torch.from_numpy(np.ascontiguousarray(_subvectors(np.asarray(z[a : a + chunk], np.float64), M)))
         dist = c2[None] - 2 * torch.einsum("nmt,mkt->nmk", sub, cb)  # ‖z‖² dropped: the same for every centroid
-        out[a:a + chunk] = dist.argmin(-1).numpy().astype(np.uint8)
+        out[a : a + chunk] = dist.argmin(-1).numpy().astype(np.uint8)
     return out
 
 
@@ -396,4 +422,3 @@ class PQSketches:
 
 Ids = PlainIds | DeltaIds
 Sketches = FloatSketches | QuantSketches | PQSketches
-

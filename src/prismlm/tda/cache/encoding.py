@@ -56,8 +56,9 @@ def alloc(folder: Path | None, name: str, shape: tuple[int, ...], dtype: Any) ->
     return np.lib.format.open_memmap(folder / name, mode="w+", dtype=dtype, shape=shape)
 
 
-def prune_keep(norms: np.ndarray, proto: np.ndarray, unit: np.ndarray, K: int, prune: float,
-               prune_by: str = "list") -> np.ndarray:
+def prune_keep(
+    norms: np.ndarray, proto: np.ndarray, unit: np.ndarray, K: int, prune: float, prune_by: str = "list"
+) -> np.ndarray:
     """Which postings (norms (R,), prototype (R,), unit (R,)) survive pruning: (R,) bool.
 
     ``list``: norm ≥ prune × the largest norm of the same prototype's list. ``unit``: per unit, postings by
@@ -90,9 +91,18 @@ def check_storage(config: AttributionConfig, r: int) -> None:
         pq_layout(r, config.pq_dims)
 
 
-def encode_postings(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K: int, r: int, config: AttributionConfig, *,
-            units_of: np.ndarray | None, work: Path | None,
-            out: Path | None = None) -> tuple[np.ndarray, Ids, Sketches, dict[str, Any]]:
+def encode_postings(
+    offsets: np.ndarray,
+    ids: np.ndarray,
+    sketch: np.ndarray,
+    K: int,
+    r: int,
+    config: AttributionConfig,
+    *,
+    units_of: np.ndarray | None,
+    work: Path | None,
+    out: Path | None = None,
+) -> tuple[np.ndarray, Ids, Sketches, dict[str, Any]]:
     """Encode CSR postings (``offsets`` (K+1,), ``ids`` (P,) ascending sequence ids within each list,
     ``sketch`` (P, r) float, memory-mapped or not) with the storage options of ``config`` (``dtype``,
     ``prune``/``prune_by``, ``id_encoding``, ``pq_dims``/``pq_sample``/``seed``); returns (offsets, ids,
@@ -122,8 +132,11 @@ def encode_postings(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K:
     del proto, unit
     agg: np.ndarray | None = None
     if units_of is not None:
-        agg = (np.lib.format.open_memmap(work / "agg.npy", mode="w+", dtype=np.float64, shape=(R, r))
-               if work is not None else np.empty((R, r), np.float64))
+        agg = (
+            np.lib.format.open_memmap(work / "agg.npy", mode="w+", dtype=np.float64, shape=(R, r))
+            if work is not None
+            else np.empty((R, r), np.float64)
+        )
     norms, maxabs = np.empty(R), np.empty(R)
     bounds = list(range(0, R, CHUNK)) + [R]
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):  # pass 1: sums, norms, largest entries
@@ -158,25 +171,36 @@ def encode_postings(offsets: np.ndarray, ids: np.ndarray, sketch: np.ndarray, K:
         codebook = pq_train(_unit_rows(xs, norms[ks]), M, config.seed)
         top_norm = float(norms[kept].max()) if Pk else 0.0
         unit_scale = top_norm / SCALE_RANGE if top_norm > 0 else 1.0
-        sk_store = PQSketches(alloc(out, "sketch_codes.npy", (Pk, M), np.uint8),
-                              alloc(out, "sketch_scale.npy", (Pk,), np.float16), unit_scale, codebook)
+        sk_store = PQSketches(
+            alloc(out, "sketch_codes.npy", (Pk, M), np.uint8),
+            alloc(out, "sketch_scale.npy", (Pk,), np.float16),
+            unit_scale,
+            codebook,
+        )
     else:
         sk_store = FloatSketches(alloc(out, "sketch.npy", (Pk, r), FLOAT_DTYPES[dtype]))
     for a in range(0, Pk, CHUNK):  # pass 2: the kept postings, encoded
-        k = kept[a:a + CHUNK]
+        k = kept[a : a + CHUNK]
         x = agg[k] if agg is not None else np.asarray(sketch[run_start[k]], dtype=np.float64)
         if isinstance(sk_store, QuantSketches):
-            sk_store.codes[a:a + len(k)], sk_store.scales[a:a + len(k)] = quantise(x, sk_store.qdtype, sk_store.unit)
+            sk_store.codes[a : a + len(k)], sk_store.scales[a : a + len(k)] = quantise(
+                x, sk_store.qdtype, sk_store.unit
+            )
         elif isinstance(sk_store, PQSketches):
-            sk_store.codes[a:a + len(k)] = pq_encode(_unit_rows(x, norms[k]), sk_store.codebook)
-            sk_store.scales[a:a + len(k)] = (norms[k] / sk_store.unit).astype(np.float16)
+            sk_store.codes[a : a + len(k)] = pq_encode(_unit_rows(x, norms[k]), sk_store.codebook)
+            sk_store.scales[a : a + len(k)] = (norms[k] / sk_store.unit).astype(np.float16)
         else:
-            sk_store.data[a:a + len(k)] = x
+            sk_store.data[a : a + len(k)] = x
     del agg
     if work is not None:
         (work / "agg.npy").unlink(missing_ok=True)
-    meta: dict[str, Any] = {"postings_raw": P, "postings_aggregated": R, "pruned": int(R - Pk),
-                            **id_store.manifest(), **sk_store.manifest()}
+    meta: dict[str, Any] = {
+        "postings_raw": P,
+        "postings_aggregated": R,
+        "pruned": int(R - Pk),
+        **id_store.manifest(),
+        **sk_store.manifest(),
+    }
     if isinstance(sk_store, PQSketches):  # provenance of the codebooks: how many postings they were fitted on
         meta.update({"pq_sample": config.pq_sample, "pq_trained_on": int(min(Pk, config.pq_sample))})
     return out_offsets, id_store, sk_store, meta
@@ -187,8 +211,15 @@ def _unit_rows(x: np.ndarray, norms: np.ndarray) -> np.ndarray:
     return np.divide(x, norms[:, None], out=np.zeros_like(x), where=norms[:, None] > 0)
 
 
-def to_csr(seq: np.ndarray, proto: np.ndarray, sketch: np.ndarray, K: int, out_dir: Path | None,
-              dtype: type[np.floating], r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def to_csr(
+    seq: np.ndarray,
+    proto: np.ndarray,
+    sketch: np.ndarray,
+    K: int,
+    out_dir: Path | None,
+    dtype: type[np.floating],
+    r: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Group postings by prototype (stable: sequence order kept) into CSR arrays (memory-mapped when
     ``out_dir`` is given)."""
     order = np.argsort(proto, kind="stable")
@@ -205,8 +236,7 @@ def to_csr(seq: np.ndarray, proto: np.ndarray, sketch: np.ndarray, K: int, out_d
         seq_o, sk_o = np.empty(P, np.int32), np.empty((P, r), dtype)
     step = CHUNK
     for s in range(0, P, step):  # chunks of postings bound the memory of the gather
-        o = order[s:s + step]
-        seq_o[s:s + step] = seq[o]
-        sk_o[s:s + step] = sketch[o]
+        o = order[s : s + step]
+        seq_o[s : s + step] = seq[o]
+        sk_o[s : s + step] = sketch[o]
     return offsets, seq_o, sk_o
-

@@ -28,8 +28,11 @@ REBUILD = "prism attribute-cache RUN"
 
 def lossless(manifest: dict[str, Any]) -> bool:
     """Whether a cache keeps every sequence posting at float32/64 (can be merged and re-encoded)."""
-    return (manifest.get("dtype") in ("float32", "float64") and not manifest.get("prune", 0)
-            and manifest.get("aggregate", "sequence") == "sequence")
+    return (
+        manifest.get("dtype") in ("float32", "float64")
+        and not manifest.get("prune", 0)
+        and manifest.get("aggregate", "sequence") == "sequence"
+    )
 
 
 def created() -> str:
@@ -37,9 +40,19 @@ def created() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def cache_manifest(base: dict[str, Any], *, ids: Ids, sketches: Sketches, units_of: np.ndarray | None,
-                   universe: int, tokens: int, covered: list[list[int]], storage: AttributionConfig | None = None,
-                   encoded: dict[str, Any] | None = None, **entries: Any) -> dict[str, Any]:
+def cache_manifest(
+    base: dict[str, Any],
+    *,
+    ids: Ids,
+    sketches: Sketches,
+    units_of: np.ndarray | None,
+    universe: int,
+    tokens: int,
+    covered: list[list[int]],
+    storage: AttributionConfig | None = None,
+    encoded: dict[str, Any] | None = None,
+    **entries: Any,
+) -> dict[str, Any]:
     """The manifest of a cache holding postings ``ids``/``sketches``: ``base`` (identity and fit options; its
     ``files`` record dropped, ``save`` writes a new one), then the format and storage options of ``storage``
     (a build or a re-encoding; a merge keeps its parts'), ``encoded`` (``encode_postings``' entries), the
@@ -47,13 +60,29 @@ def cache_manifest(base: dict[str, Any], *, ids: Ids, sketches: Sketches, units_
     ``units_of`` (universe,): the document of each sequence (document aggregation), else None."""
     m = {k: v for k, v in base.items() if k != "files"}
     if storage is not None:
-        m.update({"format_version": FORMAT_VERSION, "dtype": storage.dtype, "prune": storage.prune,
-                  "prune_by": storage.prune_by, "aggregate": storage.aggregate, "id_encoding": storage.id_encoding,
-                  "units": universe if units_of is None else int(units_of[-1]) + 1})
+        m.update(
+            {
+                "format_version": FORMAT_VERSION,
+                "dtype": storage.dtype,
+                "prune": storage.prune,
+                "prune_by": storage.prune_by,
+                "aggregate": storage.aggregate,
+                "id_encoding": storage.id_encoding,
+                "units": universe if units_of is None else int(units_of[-1]) + 1,
+            }
+        )
     m.update(encoded or {})
     P = len(ids.gaps) if isinstance(ids, DeltaIds) else len(ids.seq)
     bytes_postings = int(ids.nbytes + sketches.nbytes) + (4 * universe if units_of is not None else 0)
-    m.update({"covered": covered, "tokens": tokens, "postings": P,
-              "postings_per_sequence": P / max(1, sum(b - a for a, b in covered)),
-              "bytes_postings": bytes_postings, "bytes_per_token": bytes_postings / max(1, tokens), **entries})
+    m.update(
+        {
+            "covered": covered,
+            "tokens": tokens,
+            "postings": P,
+            "postings_per_sequence": P / max(1, sum(b - a for a, b in covered)),
+            "bytes_postings": bytes_postings,
+            "bytes_per_token": bytes_postings / max(1, tokens),
+            **entries,
+        }
+    )
     return m

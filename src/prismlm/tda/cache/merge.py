@@ -32,17 +32,21 @@ __all__ = ["compress_cache", "merge_caches"]
 
 
 @writes_folder("out")
-def compress_cache(cache: AttributionCache, config: AttributionConfig, *, shards: ShardSet | None = None,
-                   out: str | Path | None = None) -> AttributionCache:
+def compress_cache(
+    cache: AttributionCache, config: AttributionConfig, *, shards: ShardSet | None = None, out: str | Path | None = None
+) -> AttributionCache:
     """Re-encode a lossless cache (float32/64 sketches, sequence postings, no pruning) with the storage
     options of ``config`` (``dtype``, ``prune``, ``aggregate``, ``id_encoding``), without another pass over
     the data. ``shards``: the cache's token shards (needed for ``aggregate="document"``). ``out``: save it
     there. Equal to building with those options from the same postings."""
     m = cache.manifest
     if not lossless(m):
-        raise ArtifactError(f"compress_cache needs a lossless cache (float32/float64 sketches, sequence postings, "
-                            f"no pruning); this one is {m.get('dtype')}, prune {m.get('prune', 0)}, "
-                            f"aggregate {m.get('aggregate', 'sequence')}", fix="build it with the default options")
+        raise ArtifactError(
+            f"compress_cache needs a lossless cache (float32/float64 sketches, sequence postings, "
+            f"no pruning); this one is {m.get('dtype')}, prune {m.get('prune', 0)}, "
+            f"aggregate {m.get('aggregate', 'sequence')}",
+            fix="build it with the default options",
+        )
     if config.aggregate == "document" and shards is None:
         raise ConfigError("aggregate='document' needs the cache's token shards (shards=)")
     if shards is not None:
@@ -50,13 +54,30 @@ def compress_cache(cache: AttributionCache, config: AttributionConfig, *, shards
     universe, T, K, r = int(m["universe"]), int(m["block_size"]), cache.num_prototypes, cache.r
     check_storage(config, r)
     units_of = document_of_sequences(shards, universe, T) if config.aggregate == "document" and shards else None
-    offsets, ids, sks, meta = encode_postings(cache.offsets, cache.seq, cache.sketches.decode(), K, r, config,
-                                      units_of=units_of, work=None)
-    manifest = cache_manifest(m, ids=ids, sketches=sks, units_of=units_of, universe=universe, tokens=int(m["tokens"]),
-                              covered=m["covered"], storage=config, encoded=meta,
-                              compressed_from=str(cache.path) if cache.path else None)
-    c = AttributionCache(offsets=offsets, ids=ids, sketches=sks, projection=cache.projection, curvature=cache.curvature,
-                         manifest=manifest, units_of=None if units_of is None else units_of.astype(np.int32))
+    offsets, ids, sks, meta = encode_postings(
+        cache.offsets, cache.seq, cache.sketches.decode(), K, r, config, units_of=units_of, work=None
+    )
+    manifest = cache_manifest(
+        m,
+        ids=ids,
+        sketches=sks,
+        units_of=units_of,
+        universe=universe,
+        tokens=int(m["tokens"]),
+        covered=m["covered"],
+        storage=config,
+        encoded=meta,
+        compressed_from=str(cache.path) if cache.path else None,
+    )
+    c = AttributionCache(
+        offsets=offsets,
+        ids=ids,
+        sketches=sks,
+        projection=cache.projection,
+        curvature=cache.curvature,
+        manifest=manifest,
+        units_of=None if units_of is None else units_of.astype(np.int32),
+    )
     if out is not None:
         c.save(out)
         c = AttributionCache.load(out)
@@ -73,11 +94,13 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
     first = parts[0].manifest
     for p in parts:
         if not lossless(p.manifest):
-            raise ArtifactError(f"cannot merge caches stored as {p.manifest.get('dtype')} with prune "
-                                f"{p.manifest.get('prune', 0)} and aggregate {p.manifest.get('aggregate')}: "
-                                f"pruning, quantisation scales and documents depend on the whole corpus",
-                                fix="build the parts with --dtype float32 (no --prune, --aggregate sequence), "
-                                    "merge them, then compress the merged cache (prismlm.tda.cache.compress_cache)")
+            raise ArtifactError(
+                f"cannot merge caches stored as {p.manifest.get('dtype')} with prune "
+                f"{p.manifest.get('prune', 0)} and aggregate {p.manifest.get('aggregate')}: "
+                f"pruning, quantisation scales and documents depend on the whole corpus",
+                fix="build the parts with --dtype float32 (no --prune, --aggregate sequence), "
+                "merge them, then compress the merged cache (prismlm.tda.cache.compress_cache)",
+            )
     for p in parts[1:]:
         m = p.manifest
         for key in ("model_sha256", "shard_key"):
@@ -86,10 +109,15 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
         for key in ("r", "projection", "seed", "dtype", "num_prototypes", "universe", "curvature_mode"):
             if m[key] != first[key]:
                 raise ArtifactError(f"cannot merge caches: {key} differs ({first[key]} vs {m[key]})")
-        if not (np.array_equal(p.projection, parts[0].projection)
-                and torch.equal(p.curvature.F, parts[0].curvature.F) and torch.equal(p.curvature.m, parts[0].curvature.m)):
-            raise ArtifactError("cannot merge caches built with different curvature or projection; pass the same "
-                              "`curvature` to every part")
+        if not (
+            np.array_equal(p.projection, parts[0].projection)
+            and torch.equal(p.curvature.F, parts[0].curvature.F)
+            and torch.equal(p.curvature.m, parts[0].curvature.m)
+        ):
+            raise ArtifactError(
+                "cannot merge caches built with different curvature or projection; pass the same "
+                "`curvature` to every part"
+            )
     covered: list[list[int]] = []
     for p in parts:
         ov = overlap(covered, merge_ranges(p.manifest["covered"]))
@@ -109,9 +137,9 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
         work.mkdir(parents=True)
     sketch = alloc(work, "sketch.npy", (P, r), np.asarray(parts[0].sketch[:0]).dtype)
     for s in range(0, P, encoding.CHUNK):  # the parts' sketches gathered in chunks: never all in memory
-        idx = order[s:s + encoding.CHUNK]
+        idx = order[s : s + encoding.CHUNK]
         which = np.searchsorted(bounds, idx, side="right") - 1
-        dst = sketch[s:s + len(idx)]
+        dst = sketch[s : s + len(idx)]
         for k, p in enumerate(parts):  # a few parts
             sel = which == k
             if sel.any():
@@ -120,12 +148,28 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
     np.cumsum(np.bincount(proto, minlength=K), out=offsets[1:])
     tokens = sum(int(p.manifest["tokens"]) for p in parts)
     ids: Ids = (DeltaIds if first.get("id_encoding") == "delta" else PlainIds).encode(seq[order], offsets)
-    manifest = cache_manifest(first, ids=ids, sketches=FloatSketches(sketch), units_of=None, universe=int(first["universe"]),
-                              tokens=tokens, covered=covered, encoded=ids.manifest(), part=[0, 1],
-                              postings_seconds=sum(float(p.manifest["postings_seconds"]) for p in parts),
-                              merged_from=len(parts), created=created())
-    cache = AttributionCache(offsets=offsets, ids=ids, sketches=FloatSketches(sketch),
-                             projection=parts[0].projection, curvature=parts[0].curvature, manifest=manifest)
+    manifest = cache_manifest(
+        first,
+        ids=ids,
+        sketches=FloatSketches(sketch),
+        units_of=None,
+        universe=int(first["universe"]),
+        tokens=tokens,
+        covered=covered,
+        encoded=ids.manifest(),
+        part=[0, 1],
+        postings_seconds=sum(float(p.manifest["postings_seconds"]) for p in parts),
+        merged_from=len(parts),
+        created=created(),
+    )
+    cache = AttributionCache(
+        offsets=offsets,
+        ids=ids,
+        sketches=FloatSketches(sketch),
+        projection=parts[0].projection,
+        curvature=parts[0].curvature,
+        manifest=manifest,
+    )
     if out is not None:
         cache.save(out)
         del cache, sketch

@@ -50,8 +50,7 @@ class BatchStore:
 
     def wants(self, j0: int, j1: int) -> bool:
         grid_end = min(self.stop, (j0 // self.batch_size + 1) * self.batch_size)
-        return self.start <= j0 < self.stop and j0 % self.batch_size == 0 and j1 == grid_end \
-            and j0 not in self.held
+        return self.start <= j0 < self.stop and j0 % self.batch_size == 0 and j1 == grid_end and j0 not in self.held
 
     def add(self, j0: int, bg: BlockGradients) -> None:
         self.held.add(j0)
@@ -80,8 +79,9 @@ class BatchStore:
             return BlockGradients(torch.from_numpy(z["seq"]), torch.from_numpy(z["proto"]), torch.from_numpy(z["grad"]))
 
 
-def postings_gradients(net: PrismLM, out: PrismOutput, targets: torch.Tensor, seq_ids: torch.Tensor,
-                       mu: torch.Tensor | None = None) -> BlockGradients:
+def postings_gradients(
+    net: PrismLM, out: PrismOutput, targets: torch.Tensor, seq_ids: torch.Tensor, mu: torch.Tensor | None = None
+) -> BlockGradients:
     """``block_gradients(net, out, targets, seq_ids=seq_ids)`` without the per-sequence losses, which a cache
     does not store: the same operations on the same rows (equal bit for bit), less one cross-entropy over
     the batch's tokens × vocabulary (~8% of the postings pass). ``mu``: the batch's Wᵀπ_t when the curvature
@@ -99,8 +99,15 @@ def postings_gradients(net: PrismLM, out: PrismOutput, targets: torch.Tensor, se
     return BlockGradients(seq=seq_ids.to(a.device)[uniq // K], proto=uniq % K, grad=G)
 
 
-def sampled_curvature(net: PrismLM, shards: ShardSet, cfg: AttributionConfig, universe: int, *,
-                      progress: Progress = False, keep: BatchStore | None = None) -> Curvature:
+def sampled_curvature(
+    net: PrismLM,
+    shards: ShardSet,
+    cfg: AttributionConfig,
+    universe: int,
+    *,
+    progress: Progress = False,
+    keep: BatchStore | None = None,
+) -> Curvature:
     """The curvature a cache of sequences [0, universe) uses: statistics over ``cfg.curvature_sample``
     of them in batches spread over the range (``fit_ranges``; all of them when 0/None or when there are
     fewer), accumulated in ascending batch order — the same on every process that calls it. ``keep``: where
@@ -119,8 +126,17 @@ def sampled_curvature(net: PrismLM, shards: ShardSet, cfg: AttributionConfig, un
     return acc.finish(damping=cfg.damping)
 
 
-def pca_projection(net: PrismLM, shards: ShardSet, curvature: Curvature, r: int, n: int, batch_size: int,
-                    local: bool = False, universe: int | None = None, keep: BatchStore | None = None) -> np.ndarray:
+def pca_projection(
+    net: PrismLM,
+    shards: ShardSet,
+    curvature: Curvature,
+    r: int,
+    n: int,
+    batch_size: int,
+    local: bool = False,
+    universe: int | None = None,
+    keep: BatchStore | None = None,
+) -> np.ndarray:
     """Top-r eigenvectors (rows) of the second moment of whitened block gradients of ~n sequences spread
     over [0, universe) (``fit_ranges``; universe None: the first n): (r, d), or with ``local`` one basis
     per prototype, (K, r, d) (``pca_bases``). ``keep``: where the block gradients of the batches a
@@ -151,8 +167,6 @@ def pca_projection(net: PrismLM, shards: ShardSet, curvature: Curvature, r: int,
     if not local:
         return pca_bases(C[0].numpy(), r)
     return pca_bases(C.numpy(), r, count.numpy())
-
-
 
 
 def posting_batch(net: PrismLM, shards: ShardSet, j0: int, j1: int, kept: BatchStore) -> BlockGradients:

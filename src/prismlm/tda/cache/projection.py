@@ -22,14 +22,19 @@ if TYPE_CHECKING:
 __all__ = ["PostingSketcher", "fit_ranges", "make_projection", "pca_bases", "per_prototype_moments", "project"]
 
 
-def make_projection(d: int, r: int,
-                    kind: Literal["identity", "orthogonal", "gaussian", "pca", "pca-local"] = "orthogonal",
-                    seed: int = 0) -> np.ndarray:
+def make_projection(
+    d: int,
+    r: int,
+    kind: Literal["identity", "orthogonal", "gaussian", "pca", "pca-local"] = "orthogonal",
+    seed: int = 0,
+) -> np.ndarray:
     """The fixed r × d sketch matrix R (float64)."""
     if kind == "identity":
         if r != d:
-            raise ConfigError(f"projection 'identity' needs r = d = {d}, got r = {r}; leave r unset (--r) or "
-                              f"choose another projection")
+            raise ConfigError(
+                f"projection 'identity' needs r = d = {d}, got r = {r}; leave r unset (--r) or "
+                f"choose another projection"
+            )
         return np.eye(d)
     g = torch.Generator().manual_seed(seed)
     if kind == "gaussian":
@@ -39,8 +44,10 @@ def make_projection(d: int, r: int,
             raise ConfigError(f"projection 'orthogonal' needs r <= d = {d}, got r = {r} (option --r)")
         q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
         return (q[:, :r].T * math.sqrt(d / r)).numpy()
-    raise ConfigError(f"projection {kind!r} (option --projection) is fitted to the data, not made here; "
-                      f"make_projection knows identity, orthogonal and gaussian")
+    raise ConfigError(
+        f"projection {kind!r} (option --projection) is fitted to the data, not made here; "
+        f"make_projection knows identity, orthogonal and gaussian"
+    )
 
 
 def fit_ranges(universe: int, n: int, batch_size: int) -> list[tuple[int, int]]:
@@ -64,9 +71,9 @@ def fit_ranges(universe: int, n: int, batch_size: int) -> list[tuple[int, int]]:
     return out
 
 
-
-def _rows_by_group(W: torch.Tensor, proto: torch.Tensor, max_fill: float | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _rows_by_group(
+    W: torch.Tensor, proto: torch.Tensor, max_fill: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Rows ``W`` (n, d) scattered by prototype ``proto`` (n,) into a zero-padded block X (U, m, d): row i at
     ``X[inv[i], pos[i]]`` (pos: its rank among its prototype's rows, in input order; m: the most rows of one
     prototype), for the U prototypes present, ``ids`` (U,). → (X, ids, inv, pos); None when ``max_fill`` is
@@ -118,7 +125,7 @@ def project(W: torch.Tensor, proto: torch.Tensor, R: torch.Tensor, chunk: int = 
         return (X @ R[ids].to(W.dtype).transpose(1, 2))[inv, pos]
     out = torch.empty(W.shape[0], R.shape[1], dtype=W.dtype)
     for a in range(0, W.shape[0], chunk):
-        out[a:a + chunk] = torch.einsum("nd,nrd->nr", W[a:a + chunk], R[proto[a:a + chunk]].to(W.dtype))
+        out[a : a + chunk] = torch.einsum("nd,nrd->nr", W[a : a + chunk], R[proto[a : a + chunk]].to(W.dtype))
     return out
 
 
@@ -149,4 +156,3 @@ class PostingSketcher:
             return project(self.curvature.apply(proto, G.double(), -0.5), proto, self.R).to(self.dtype)
         c = (G.to(self.dtype) @ self.Q) * self.scale[proto]  # (n, d): H_i^{-1/2} G in the eigenbasis
         return project(c, proto, self.RQ)
-

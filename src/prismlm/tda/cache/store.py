@@ -53,8 +53,17 @@ QUERY_CHUNK = 1 << 17
 class Searcher(Protocol):
     """An approximate top-k search over a cache's postings (``prismlm.tda.search.SearchIndex``)."""
 
-    def top(self, cache: AttributionCache, query: BlockGradients, num_queries: int, k: int = 10, *, m: int = 50,
-            nprobe: int = 8, ef: int = 64) -> tuple[np.ndarray, np.ndarray]: ...
+    def top(
+        self,
+        cache: AttributionCache,
+        query: BlockGradients,
+        num_queries: int,
+        k: int = 10,
+        *,
+        m: int = 50,
+        nprobe: int = 8,
+        ef: int = 64,
+    ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def top_k(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -63,8 +72,9 @@ def top_k(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.n
     return scores[order], ids[order]
 
 
-def exact_top(cache: AttributionCache, query: BlockGradients, num_queries: int, k: int = 10
-              ) -> tuple[np.ndarray, np.ndarray]:
+def exact_top(
+    cache: AttributionCache, query: BlockGradients, num_queries: int, k: int = 10
+) -> tuple[np.ndarray, np.ndarray]:
     """The exact scan's top-k (``cache.scores``, every posting of A_q): (scores (Q, k) float64, ids (Q, k)
     int64), ordered by score descending, ties by ascending id."""
     S = cache.scores(query, num_queries).numpy()  # (Q, U)
@@ -138,19 +148,29 @@ class AttributionCache:
 
     def nbytes(self) -> int:
         """Bytes of the postings (ids, sketches, scales, offsets, document map): what the queries read."""
-        return int(self.ids.nbytes + self.sketches.nbytes + self.offsets.nbytes
-                   + (self.units_of.nbytes if self.units_of is not None else 0))
+        return int(
+            self.ids.nbytes
+            + self.sketches.nbytes
+            + self.offsets.nbytes
+            + (self.units_of.nbytes if self.units_of is not None else 0)
+        )
 
     # ----- identity checks ------------------------------------------------------------------------------
-    def check(self, *, model_sha256: str | None = None, shards: ShardSet | None = None,
-              shard_key: str | None = None) -> None:
+    def check(
+        self, *, model_sha256: str | None = None, shards: ShardSet | None = None, shard_key: str | None = None
+    ) -> None:
         """Raise ``ArtifactMismatch`` unless the cache was built from this model (``model_sha256``: a
         checkpoint's ``manifest["model_sha256"]``) and these shards (``shards`` or their ``shard_key``)."""
         where = f" {self.path}" if self.path else ""
         if shards is not None:
             shard_key = shards.manifest["key"]
-        check_provenance(self.manifest, what=f"attribution cache{where}", rebuild="prism attribute-cache",
-                         model_sha256=model_sha256, shard_key=shard_key)
+        check_provenance(
+            self.manifest,
+            what=f"attribution cache{where}",
+            rebuild="prism attribute-cache",
+            model_sha256=model_sha256,
+            shard_key=shard_key,
+        )
 
     # ----- queries --------------------------------------------------------------------------------------
     def sketch_query(self, query: BlockGradients) -> torch.Tensor:
@@ -193,8 +213,9 @@ class AttributionCache:
                 contrib_out.append((ids.numpy(), protos[rep], c.numpy()))
         return (out, contrib_out) if contributions else out
 
-    def top(self, query: BlockGradients, num_queries: int, k: int = 10, *, search: Searcher | None = None,
-            **effort: int) -> tuple[np.ndarray, np.ndarray]:
+    def top(
+        self, query: BlockGradients, num_queries: int, k: int = 10, *, search: Searcher | None = None, **effort: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Each query's k best units: (scores (Q, k) float64, ids (Q, k) int64), score descending, ties by
         ascending id. ``search=None``: the exact scan (``scores``); a ``prismlm.tda.search.SearchIndex`` of
         this cache: candidates from approximate top-M search in long lists, rescored exactly (``effort``:
@@ -227,8 +248,14 @@ class AttributionCache:
         (``ArtifactCorrupt`` naming it). Returns the files checked."""
         assert self.path is not None, "a cache opened from a folder"
         names = (*self._arrays(), "projection.npy", "curvature.safetensors")
-        checked = verify_files(self.path, self.manifest.get("files"), what="attribution cache", full=True,
-                               fix=f"rebuild it with `{REBUILD}`", required=names)
+        checked = verify_files(
+            self.path,
+            self.manifest.get("files"),
+            what="attribution cache",
+            full=True,
+            fix=f"rebuild it with `{REBUILD}`",
+            required=names,
+        )
         side = self.path / "search" / "manifest.json"
         if side.exists():
             fix = "rebuild it with `prism attribute-search RUN`"
@@ -236,13 +263,15 @@ class AttributionCache:
                 records = json.loads(side.read_text())["files"]
                 if not records or not isinstance(records, dict):
                     raise ValueError("it records no files")
-            checked += [f"search/{n}" for n in verify_files(side.parent, records, what="search index", fix=fix,
-                                                             full=True)]
+            checked += [
+                f"search/{n}" for n in verify_files(side.parent, records, what="search index", fix=fix, full=True)
+            ]
         return checked
 
     @classmethod
-    def load(cls, path: str | Path, *, model_sha256: str | None = None, shards: ShardSet | None = None,
-             mmap: bool = True) -> AttributionCache:
+    def load(
+        cls, path: str | Path, *, model_sha256: str | None = None, shards: ShardSet | None = None, mmap: bool = True
+    ) -> AttributionCache:
         """Open a saved cache (arrays memory-mapped when ``mmap``); with ``model_sha256`` and ``shards`` it
         is checked against them (``ArtifactMismatch``). Format-1 caches load as int32 ids + float sketches;
         a newer format or unknown storage options raise ``ArtifactError`` naming the manifest."""
@@ -257,12 +286,20 @@ class AttributionCache:
         version = manifest.get("format_version", 1)
         ids_enc, dtype = manifest.get("id_encoding", "int32"), manifest.get("dtype", "float32")
         agg = manifest.get("aggregate", "sequence")
-        if not isinstance(version, int) or version > FORMAT_VERSION or ids_enc not in ("int32", "delta") \
-                or dtype not in (*FLOAT_DTYPES, *QMAX, "pq") or agg not in ("sequence", "document"):
-            raise ArtifactError(f"{mpath}: attribution cache format {version!r} (ids {ids_enc!r}, sketches "
-                                f"{dtype!r}, aggregate {agg!r}) is not one this prismlm reads (format <= "
-                                f"{FORMAT_VERSION})", fix=f"rebuild it with `{REBUILD}`, or upgrade prismlm",
-                                path=mpath)
+        if (
+            not isinstance(version, int)
+            or version > FORMAT_VERSION
+            or ids_enc not in ("int32", "delta")
+            or dtype not in (*FLOAT_DTYPES, *QMAX, "pq")
+            or agg not in ("sequence", "document")
+        ):
+            raise ArtifactError(
+                f"{mpath}: attribution cache format {version!r} (ids {ids_enc!r}, sketches "
+                f"{dtype!r}, aggregate {agg!r}) is not one this prismlm reads (format <= "
+                f"{FORMAT_VERSION})",
+                fix=f"rebuild it with `{REBUILD}`, or upgrade prismlm",
+                path=mpath,
+            )
         verify_files(path, manifest.get("files"), what="attribution cache", fix=f"rebuild it with `{REBUILD}`")
         mode: Literal["r"] | None = "r" if mmap else None
 
@@ -270,33 +307,65 @@ class AttributionCache:
             with reading(path / name, "attribution cache file", fix=REBUILD):
                 return np.load(path / name, mmap_mode=mode)
 
-        ids: Ids = PlainIds(arr("seq.npy")) if ids_enc == "int32" else \
-            DeltaIds(arr("ids_gap.npy"), arr("ids_exc_pos.npy"), arr("ids_exc_val.npy"))
+        ids: Ids = (
+            PlainIds(arr("seq.npy"))
+            if ids_enc == "int32"
+            else DeltaIds(arr("ids_gap.npy"), arr("ids_exc_pos.npy"), arr("ids_exc_val.npy"))
+        )
         sk: Sketches
         if dtype in FLOAT_DTYPES:
             sk = FloatSketches(arr("sketch.npy"))
         elif dtype == "pq":
-            sk = PQSketches(arr("sketch_codes.npy"), arr("sketch_scale.npy"), float(manifest["scale_unit"]),
-                            np.asarray(arr("sketch_codebook.npy")))
+            sk = PQSketches(
+                arr("sketch_codes.npy"),
+                arr("sketch_scale.npy"),
+                float(manifest["scale_unit"]),
+                np.asarray(arr("sketch_codebook.npy")),
+            )
         else:
-            sk = QuantSketches(arr("sketch_codes.npy"), arr("sketch_scale.npy"), float(manifest["scale_unit"]),
-                               typing.cast(QuantDtype, dtype), int(manifest["r"]))
+            sk = QuantSketches(
+                arr("sketch_codes.npy"),
+                arr("sketch_scale.npy"),
+                float(manifest["scale_unit"]),
+                typing.cast(QuantDtype, dtype),
+                int(manifest["r"]),
+            )
         with reading(path, "attribution cache", fix=REBUILD):
-            c = cls(offsets=np.load(path / "offsets.npy"), ids=ids, sketches=sk,
-                    projection=np.load(path / "projection.npy"),
-                    curvature=Curvature.load(path / "curvature.safetensors"), manifest=manifest, path=path,
-                    units_of=arr("units.npy") if agg == "document" else None)
+            c = cls(
+                offsets=np.load(path / "offsets.npy"),
+                ids=ids,
+                sketches=sk,
+                projection=np.load(path / "projection.npy"),
+                curvature=Curvature.load(path / "curvature.safetensors"),
+                manifest=manifest,
+                path=path,
+                units_of=arr("units.npy") if agg == "document" else None,
+            )
         P = c.num_postings
-        shapes_ok = (c.offsets.ndim == 1 and len(c.offsets) == int(manifest["num_prototypes"]) + 1
-                     and len(c.ids.gaps if isinstance(c.ids, DeltaIds) else c.ids.seq) == P
-                     and (c.sketches.data.shape == (P, c.r) if isinstance(c.sketches, FloatSketches)
-                          else c.sketches.scales.shape == (P,))
-                     and (not isinstance(c.sketches, PQSketches)
-                          or (c.sketches.r == c.r and c.sketches.codes.shape == (P, c.sketches.codebook.shape[0])
-                              and c.sketches.codebook.shape[1] == PQ_CENTROIDS)))
+        shapes_ok = (
+            c.offsets.ndim == 1
+            and len(c.offsets) == int(manifest["num_prototypes"]) + 1
+            and len(c.ids.gaps if isinstance(c.ids, DeltaIds) else c.ids.seq) == P
+            and (
+                c.sketches.data.shape == (P, c.r)
+                if isinstance(c.sketches, FloatSketches)
+                else c.sketches.scales.shape == (P,)
+            )
+            and (
+                not isinstance(c.sketches, PQSketches)
+                or (
+                    c.sketches.r == c.r
+                    and c.sketches.codes.shape == (P, c.sketches.codebook.shape[0])
+                    and c.sketches.codebook.shape[1] == PQ_CENTROIDS
+                )
+            )
+        )
         if not shapes_ok:
-            raise ArtifactCorrupt(f"attribution cache {path}: its arrays disagree in size with offsets.npy "
-                                  f"({P} postings)", fix=f"rebuild it with `{REBUILD}`", path=path)
+            raise ArtifactCorrupt(
+                f"attribution cache {path}: its arrays disagree in size with offsets.npy ({P} postings)",
+                fix=f"rebuild it with `{REBUILD}`",
+                path=path,
+            )
         c.check(model_sha256=model_sha256, shards=shards)
         return c
 
@@ -309,4 +378,3 @@ def write_arrays(folder: Path, arrays: dict[str, np.ndarray]) -> None:
             a.flush()
         else:
             np.save(folder / name, np.asarray(a))
-
