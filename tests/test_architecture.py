@@ -3,9 +3,9 @@
 another module's private (``_name``) names.
 
     config, errors, artifacts, progress, _version  ←  model, data  ←  eval  ←  train  ←  explain, tda  ←  control
-    ←  app  ←  explore  ←  cli
+    ←  app  ←  integrations  ←  render  ←  web  ←  cli
 
-typer and rich (the terminal front end) are imported only by cli/ and explore/.
+typer and rich (the terminal front end) are imported only by cli/ and render/.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ LAYER = {
     "explain": 3,
     "tda": 3,
     "control": 4,
+    "integrations": 5.5,  # transformers, export and lm-eval: the model seen through another library's API
     "app": 5,
-    "explore": 6,
+    "render": 6,  # terminal and HTML views of results
+    "web": 6.5,  # the explorer's HTTP server and its static files (serves render/'s shared assets)
     "cli": 7,
     "__init__": 10,  # the package facade re-exports the core classes for users
 }
@@ -105,7 +107,7 @@ def test_library_does_not_import_the_package_facade():
     wrong = [
         f"{src} ({', '.join(where[:3])})"
         for (src, dst), where in _edges().items()
-        if dst == "__init__" and src not in ("cli", "explore", "app")
+        if dst == "__init__" and src not in ("cli", "render", "web", "app")
     ]
     assert wrong == []
 
@@ -118,7 +120,7 @@ def test_no_cycles_between_units():
     assert cycle is None, "import cycle: " + " → ".join(cycle or [])
 
 
-@pytest.mark.parametrize("package", sorted(p for p in LAYER if LAYER[p] < LAYER["explore"]))
+@pytest.mark.parametrize("package", sorted(p for p in LAYER if LAYER[p] < LAYER["render"]))
 def test_no_terminal_front_end_below_the_cli(package):
     files = [SRC / f"{package}.py"] if (SRC / f"{package}.py").exists() else sorted((SRC / package).rglob("*.py"))
     bad = [

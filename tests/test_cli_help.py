@@ -95,7 +95,7 @@ def test_explain_keeps_its_columns_at_80_columns(tiny_shards):
 
     from prismlm import PrismLM, RunConfig
     from prismlm.explain import explain
-    from prismlm.explore.report import render_terminal
+    from prismlm.render.report import render_terminal
 
     torch.manual_seed(0)
     expl = explain(

@@ -444,9 +444,9 @@ def test_gutenberg_ending_task_choices_are_passage_continuations():
 def test_scorer_and_lm_eval_adapter_agree(tiny_shards, tmp_path, monkeypatch):
     pytest.importorskip("lm_eval")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
-    from prismlm.app.lm_eval_adapter import evaluate_with_lm_eval
     from prismlm.eval.scoring import mc_accuracy
     from prismlm.eval.tasks import build_task, write_task
+    from prismlm.integrations.lm_eval_adapter import evaluate_with_lm_eval
 
     tok = tiny_shards.tokenizer
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from prismlm.app.explorer import Explorer, Limits  # noqa: E402
 from prismlm.control.suppress import SuppressionSet  # noqa: E402
-from prismlm.explore.server import create_app  # noqa: E402
+from prismlm.web.server import create_app  # noqa: E402
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession"
 BASE = "http://127.0.0.1"
@@ -319,7 +319,7 @@ def test_token_j_means_the_prediction_of_token_j_everywhere(client, explorer):
     from rich.console import Console
 
     from prismlm.explain import explain
-    from prismlm.explore import render_html, render_terminal
+    from prismlm.render import render_html, render_terminal
 
     d = client.post("/api/explain", json={"text": TEXT, "alternatives": 0}).json()
     ids, tokens = d["token_ids"], d["tokens"]

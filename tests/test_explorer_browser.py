@@ -29,7 +29,7 @@ from playwright.sync_api import Page, sync_playwright  # noqa: E402
 from test_explorer_api import LIMITS, build_explorer_run  # noqa: E402
 
 from prismlm.app.explorer import Explorer  # noqa: E402
-from prismlm.explore.server import create_app  # noqa: E402
+from prismlm.web.server import create_app  # noqa: E402
 
 CHROMIUM = Path("/usr/bin/chromium")
 SHOTS = Path(__file__).resolve().parents[1] / "docs" / "img"
@@ -252,7 +252,7 @@ def test_a_click_means_the_prediction_of_that_token_in_app_and_report(served, br
     """Clicking the j-th token (in reading order) in ``prism serve`` and in the ``prism explain --html`` report
     draws the waterfall of the same logit: logits[j − 1, ids[j]] of a plain forward."""
     from prismlm.explain import explain
-    from prismlm.explore import write_html
+    from prismlm.render import write_html
 
     base, ex = served
     page, errors = browser_page

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from test_explorer_api import BASE, LIMITS, build_explorer_run  # noqa: E402
 
 from prismlm.app.explorer import Explorer  # noqa: E402
-from prismlm.explore.server import create_app  # noqa: E402
+from prismlm.web.server import create_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")

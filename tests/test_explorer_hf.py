@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from prismlm.app.explorer import Explorer, Limits  # noqa: E402
-from prismlm.explore.server import create_app  # noqa: E402
+from prismlm.web.server import create_app  # noqa: E402
 
 TEXT = "The people of the United States, in order to form a more perfect union"
 LIMITS = Limits(max_text_chars=500, max_generate=16, max_top=12, max_body_bytes=20_000)

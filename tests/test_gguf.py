@@ -462,7 +462,7 @@ def test_explorer_explains_a_chat_answer_and_refuses_chat_without_a_template(tin
     from fastapi.testclient import TestClient
 
     from prismlm.app.explorer import Explorer
-    from prismlm.explore.server import create_app
+    from prismlm.web.server import create_app
 
     msg = "What is the capital of France?"
     client = TestClient(create_app(Explorer.open(chat_run, device="cpu")), base_url="http://127.0.0.1")

@@ -1,4 +1,4 @@
-"""``prism export`` and the transformers interface (``prismlm.model.hf_model``): an exported run loads with
+"""``prism export`` and the transformers interface (``prismlm.integrations.hf_model``): an exported run loads with
 ``AutoModelForCausalLM`` (registered by ``import prismlm``, or through ``trust_remote_code``), gives the run's
 logits and prototype decomposition, generates the same greedy tokens as ``PrismLM.generate`` (with the KV
 cache, also past block_size), ships a tokenizer that encodes as the run's, keeps the run's suppression set,
@@ -21,12 +21,15 @@ pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from prismlm.app import Run, export_run  # noqa: E402
+from prismlm.app import Run  # noqa: E402
 from prismlm.config import RunConfig  # noqa: E402
 from prismlm.errors import DependencyError, ModelError, PrismError  # noqa: E402
+from prismlm.integrations.export import export_run  # noqa: E402
+from prismlm.integrations.hf_model import PrismConfig, PrismForCausalLM  # noqa: E402
 from prismlm.model import Control, PrismLM, Suppress  # noqa: E402
-from prismlm.model.hf_model import PrismConfig, PrismForCausalLM  # noqa: E402
 
+PACKAGING = Path(__file__).resolve().parents[1] / "packaging"
+HOOK = PACKAGING / "prismlm-transformers.pth"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TEXTS = [
     "It is a truth universally acknowledged, that a single man",
@@ -554,19 +557,28 @@ _SCRIPTS = {
         import prismlm
         model = AutoModelForCausalLM.from_pretrained({out!r})
         """,
-    "prismlm.model.hf_model first (as prism export)": """
+    "prismlm.integrations.hf_model first (as prism export)": """
         import sys, torch, warnings
         warnings.simplefilter("error", RuntimeWarning)  # 'could not register the prism model type' fails
         import prismlm
-        from prismlm.model.hf_model import PrismForCausalLM
+        from prismlm.integrations.hf_model import PrismForCausalLM
         from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({out!r})
+        """,
+    "no prismlm, no remote code (the startup hook)": """
+        import site, sys, torch
+        site.addsitedir({packaging!r})  # what site-packages does with the installed copy at interpreter start
+        assert "prismlm" not in sys.modules, "the startup hook imported prismlm before transformers"
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        assert type(AutoConfig.from_pretrained({out!r})).__name__ == "PrismConfig"  # no [y/N]: 'prism' is known
+        assert AutoTokenizer.from_pretrained({out!r}).padding_side == "left"
         model = AutoModelForCausalLM.from_pretrained({out!r})
         """,
     "remote code, no prismlm": """
         import sys, torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({out!r}, trust_remote_code=True)
-        assert "prismlm.model.hf_model" in sys.modules  # imported by the shipped modeling_prism.py
+        assert "prismlm.integrations.hf_model" in sys.modules  # imported by the shipped modeling_prism.py
         """,
 }
 
@@ -575,9 +587,11 @@ _SCRIPTS = {
 def test_auto_classes_know_prism_in_fresh_interpreters(exported, run, tmp_path):
     """Four fresh interpreters, run side by side: ``import prismlm`` then transformers (the import hook
     registers, transformers is not imported by prismlm itself), transformers then ``import prismlm``
-    (registers at once), ``prismlm.model.hf_model`` importing transformers first (what ``prism export``
+    (registers at once), ``prismlm.integrations.hf_model`` importing transformers first (what ``prism export``
     does: the hook fires inside that half-executed module, and must neither warn nor skip the
-    registration), and ``trust_remote_code=True`` without importing prismlm at all."""
+    registration), the startup hook ``prismlm-transformers.pth`` without importing prismlm (Auto classes
+    and AutoTokenizer with no ``trust_remote_code`` and no ``[y/N]`` prompt), and ``trust_remote_code=True``
+    without prismlm at all (the hook switched off)."""
     x = batch(run)
     with torch.no_grad():
         torch.save({"x": x, "logits": run.model(x).logits}, tmp_path / "ref.pt")
@@ -590,10 +604,11 @@ def test_auto_classes_know_prism_in_fresh_interpreters(exported, run, tmp_path):
     }
     procs = {}
     for name, body in _SCRIPTS.items():
-        code = textwrap.dedent(body).format(out=str(exported)) + _CHECK.format(ref=str(tmp_path / "ref.pt"))
+        code = textwrap.dedent(body).format(out=str(exported), packaging=str(PACKAGING))
+        code += _CHECK.format(ref=str(tmp_path / "ref.pt"))
         procs[name] = subprocess.Popen(
             [sys.executable, "-c", code],
-            env=env,
+            env={**env, "PRISMLM_NO_STARTUP_HOOK": "1"} if name.startswith("remote code") else env,
             cwd=tmp_path,
             text=True,
             stdin=subprocess.DEVNULL,
@@ -606,6 +621,16 @@ def test_auto_classes_know_prism_in_fresh_interpreters(exported, run, tmp_path):
         if p.returncode != 0 or stdout.strip().splitlines()[-1:] != ["ok"] or "[y/N]" in stdout + stderr:
             failed.append(f"{name}: rc {p.returncode}\n{stderr[-2000:]}")
     assert not failed, "\n\n".join(failed)
+
+
+def test_the_startup_hook_is_installed_where_site_runs_it():
+    """``scripts/setup.sh`` (editable) and the wheel (``setup.py``) put ``prismlm-transformers.pth`` in
+    site-packages; a stale or missing copy would bring transformers' ``[y/N]`` prompt back."""
+    import sysconfig
+
+    installed = Path(sysconfig.get_paths()["purelib"]) / HOOK.name
+    assert installed.is_file(), f"{installed} is missing: run scripts/setup.sh"
+    assert installed.read_text() == HOOK.read_text()
 
 
 # ----- refusals ------------------------------------------------------------------------------------------------
@@ -636,7 +661,17 @@ def test_missing_transformers_is_a_dependency_error(monkeypatch):
     import importlib
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
-    monkeypatch.delitem(sys.modules, "prismlm.model.hf_model")
+    monkeypatch.delitem(sys.modules, "prismlm.integrations.hf_model")
     with pytest.raises(DependencyError) as e:
-        importlib.import_module("prismlm.model.hf_model")
+        importlib.import_module("prismlm.integrations.hf_model")
     assert "pip install" in (e.value.fix or "")
+
+
+def test_folders_exported_before_the_move_still_import_their_module():
+    # an older export's modeling_prism.py says `from prismlm.model.hf_model import PrismConfig, PrismForCausalLM`
+    import importlib
+
+    import prismlm.integrations.hf_model as new
+
+    old = importlib.import_module("prismlm.model.hf_model")
+    assert old.PrismForCausalLM is new.PrismForCausalLM and old.PrismConfig is new.PrismConfig

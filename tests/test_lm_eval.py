@@ -18,8 +18,8 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from prismlm.app.lm_eval_adapter import PrismEvalLM, with_device  # noqa: E402
 from prismlm.errors import ConfigError, PrismError  # noqa: E402
+from prismlm.integrations.lm_eval_adapter import PrismEvalLM, with_device  # noqa: E402
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -44,7 +44,7 @@ def cli() -> list[str]:
     script = Path(sys.executable).parent / "prism-lm-eval"  # installed by scripts/setup.sh
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-c", "from prismlm.app.lm_eval_adapter import main; main()"]
+    return [sys.executable, "-c", "from prismlm.integrations.lm_eval_adapter import main; main()"]
 
 
 def run_cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
@@ -114,8 +114,8 @@ def test_cli_reports_bad_model_args_in_one_line(trained, tmp_path, monkeypatch, 
     import lm_eval.__main__
     import lm_eval.tasks
 
-    from prismlm.app.lm_eval_adapter import main
     from prismlm.eval.tasks import write_task
+    from prismlm.integrations.lm_eval_adapter import main
 
     class OurTasksOnly(lm_eval.tasks.TaskManager):  # skips indexing lm-eval's ~14k task files (15 s)
         def __init__(self, *a, **k):
@@ -143,7 +143,7 @@ def test_bad_model_args_are_reported_before_lm_eval_starts(trained, tmp_path, mo
     check now runs on the command line as given, before lm-eval's own CLI is entered at all."""
     import lm_eval.__main__
 
-    from prismlm.app.lm_eval_adapter import main
+    from prismlm.integrations.lm_eval_adapter import main
 
     def entered():
         raise AssertionError("lm-eval's CLI ran before the model_args were checked")
@@ -170,7 +170,7 @@ def test_bad_model_args_are_reported_before_lm_eval_starts(trained, tmp_path, mo
 def test_help_says_how_to_use_model_prism(capsys, monkeypatch):
     """``prism-lm-eval --help`` is lm-eval's help with, first, the one thing this command adds: ``--model prism``
     and its ``model_args``."""
-    from prismlm.app.lm_eval_adapter import main
+    from prismlm.integrations.lm_eval_adapter import main
 
     monkeypatch.setattr(sys, "argv", ["prism-lm-eval"])  # main() sets it; restored after the test
     for flag in ("--help", "-h"):
@@ -187,7 +187,7 @@ def test_registration_keeps_lm_evals_own_models():
     """lm-eval fills its registry lazily only while it is empty: registering ``prism`` first would hide
     ``hf`` and the rest (fresh interpreter, so no earlier import can mask this)."""
     code = (
-        "import prismlm.app.lm_eval_adapter as a\n"
+        "import prismlm.integrations.lm_eval_adapter as a\n"
         "from lm_eval.api.registry import get_model\n"
         "assert get_model('prism') is a.PrismEvalLM\n"
         "assert get_model('hf').__name__ == 'HFLM'\n"
@@ -427,7 +427,7 @@ def test_rolling_loglikelihood_equals_hflm_on_the_exported_model(trained, tmp_pa
 
     import prismlm  # noqa: F401  (registers model_type "prism" with the Auto classes)
     from prismlm.app import Run
-    from prismlm.app.export import export_run
+    from prismlm.integrations.export import export_run
 
     _, run = trained
     out = export_run(Run.open(run, device="cpu"), tmp_path / "exported")
@@ -463,7 +463,7 @@ def test_an_exported_folder_points_to_model_hf(trained, tmp_path):
     """`pretrained=EXPORT_FOLDER` said "manifest.json is missing"; it must say to use `--model hf`."""
     pytest.importorskip("transformers")
     from prismlm.app import Run
-    from prismlm.app.export import export_run
+    from prismlm.integrations.export import export_run
 
     _, run = trained
     out = export_run(Run.open(run, device="cpu"), tmp_path / "exported")

@@ -6,7 +6,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from prismlm._version import __version__
-from prismlm.model.hf_auto import register_when_imported
+from prismlm.integrations.hf_auto import alias_moved_modules, register_when_imported
 
 if TYPE_CHECKING:
     from prismlm.config import (
@@ -60,3 +60,4 @@ def __dir__() -> list[str]:
 # AutoConfig / AutoModelForCausalLM learn the "prism" model type (exported runs, `prism export`): now if
 # transformers is already imported, else right after it is — never importing it here (it costs seconds).
 register_when_imported()
+alias_moved_modules()

@@ -9,7 +9,6 @@ plain function here, returning values, never printing; user mistakes raise ``pri
 from prismlm.app.attribution import attribute_explanation, attribute_text, build_run_cache, build_run_search
 from prismlm.app.control import build_task_folders, evaluate_tasks, find_run_concept, fit_controller
 from prismlm.app.demos import demo
-from prismlm.app.export import export_run
 from prismlm.app.operations import (
     build_run_index,
     evaluate,
@@ -41,7 +40,6 @@ __all__ = [
     "evaluate",
     "evaluate_tasks",
     "explain_text",
-    "export_run",
     "find_prototypes",
     "find_run_concept",
     "fit_controller",

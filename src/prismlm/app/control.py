@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,10 +16,14 @@ from prismlm.artifacts import check_out_file, check_out_folder
 from prismlm.control.concept import doc_regex, find_concept, read_texts
 from prismlm.control.controller import Controller, extract_features, fit_and_test, prism_encoder, trace_prism_controller
 from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
+from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ConfigError, DataError, TaskError
 from prismlm.eval.scoring import mc_accuracy
 from prismlm.eval.tasks import TASKS, build_tasks, load_split
-from prismlm.model import Control
+from prismlm.model import Control, PrismLM
+
+# lm-eval's scorer on task folders (``prismlm.integrations.lm_eval_adapter.evaluate_with_lm_eval``): task → metrics
+TaskScorer = Callable[[PrismLM, Tokenizer, dict[str, str | Path]], dict[str, dict[str, float]]]
 
 
 @dataclass
@@ -177,6 +182,7 @@ def evaluate_tasks(
     split: str = "test",
     controller: Path | None = None,
     lm_eval: bool = False,
+    lm_eval_scorer: TaskScorer | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Multiple-choice accuracy (acc, acc_norm) with our log-likelihood scorer.
 
@@ -186,6 +192,8 @@ def evaluate_tasks(
         split: train, validation or test.
         controller: A controller JSON (`prism controller fit`) to apply.
         lm_eval: Also score with lm-eval's evaluator (same numbers).
+        lm_eval_scorer: The function that does it: ``prismlm.integrations.lm_eval_adapter.evaluate_with_lm_eval``
+            (passed in because integrations sit above this layer; the CLI passes it).
     """
     require(split in ("train", "validation", "test"), "--split", "train, validation or test", split)
     folders = task_folders(tasks, task or [])
@@ -199,9 +207,12 @@ def evaluate_tasks(
             docs = load_split(f, split)
             results[n] = mc_accuracy(model, run.tokenizer, docs).to_dict()
             if lm_eval and split == "test":
-                from prismlm.app.lm_eval_adapter import evaluate_with_lm_eval
-
-                results[n]["lm_eval"] = evaluate_with_lm_eval(model, run.tokenizer, {n: f})[n]
+                if lm_eval_scorer is None:
+                    raise ConfigError(
+                        "lm_eval=True needs lm_eval_scorer",
+                        fix="pass prismlm.integrations.lm_eval_adapter.evaluate_with_lm_eval",
+                    )
+                results[n]["lm_eval"] = lm_eval_scorer(model, run.tokenizer, {n: f})[n]
     return results
 
 

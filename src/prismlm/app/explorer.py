@@ -1,7 +1,7 @@
 """The explorer's operations (``prism serve``): explain, prototype, map, search, steer, training data.
 
 Each method of ``Explorer`` returns a dataclass whose ``to_dict()`` is JSON-ready, so any front end — the
-FastAPI app of ``prismlm.explore.server``, a notebook, a test — gets the same values. Nothing here prints
+FastAPI app of ``prismlm.web.server``, a notebook, a test — gets the same values. Nothing here prints
 or imports a web framework.
 
 Why a class and not plain functions like ``app.operations``: a web app answers many requests against one

@@ -25,8 +25,11 @@ from prismlm.cli.console import console, echo, fail, stdout
 from prismlm.cli.context import CONTEXT, HELP, root_options
 from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command
 from prismlm.data.shards import ShardSet
+from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import PrismError
-from prismlm.explore import RunHeader, render_terminal, write_html
+from prismlm.integrations.export import export_run
+from prismlm.model import PrismLM
+from prismlm.render import RunHeader, render_terminal, write_html
 from prismlm.tda import AttributionCache, SearchIndex
 from prismlm.train.trainer import TrainResult
 
@@ -281,7 +284,7 @@ def render_export(out: Path) -> None:
     )
 
 
-command(app, "export", ops.export_run, render_export, suppressible=True, arguments={"out"})
+command(app, "export", export_run, render_export, suppressible=True, arguments={"out"})
 
 
 # ----- training-data attribution (spec §3.2) ------------------------------------------------------------
@@ -446,7 +449,7 @@ def serve_command(
 ) -> None:
     """Start the explorer: a local web app (Explain, Prototype, Map, Steer, Training data) over one run."""
     from prismlm.app.explorer import Limits
-    from prismlm.explore.server import serve
+    from prismlm.web.server import serve
 
     try:
         serve(
@@ -464,6 +467,15 @@ def serve_command(
         fail(str(e))
 
 
+def _lm_eval_scorer(
+    model: PrismLM, tokenizer: Tokenizer, task_folders: dict[str, str | Path]
+) -> dict[str, dict[str, float]]:
+    # lm-eval imports slowly: only when --lm-eval asks for it
+    from prismlm.integrations.lm_eval_adapter import evaluate_with_lm_eval
+
+    return evaluate_with_lm_eval(model, tokenizer, task_folders)
+
+
 tasks_app = typer.Typer(
     help="Multiple-choice tasks: build them, evaluate a model on them.", no_args_is_help=True, rich_markup_mode=None
 )
@@ -471,7 +483,15 @@ controller_app = typer.Typer(
     help="Sparse linear controllers over prototypes.", no_args_is_help=True, rich_markup_mode=None
 )
 command(tasks_app, "build", ops.build_task_folders, render_task_folders, opens_run=False)
-command(tasks_app, "eval", ops.evaluate_tasks, render_task_results, suppressible=True, decls={"json_out": ["--json"]})
+command(
+    tasks_app,
+    "eval",
+    ops.evaluate_tasks,
+    render_task_results,
+    suppressible=True,
+    decls={"json_out": ["--json"]},
+    fixed={"lm_eval_scorer": _lm_eval_scorer},
+)
 command(controller_app, "fit", ops.fit_controller, render_controller)
 app.add_typer(tasks_app, name="tasks")
 app.add_typer(controller_app, name="controller")

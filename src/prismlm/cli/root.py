@@ -35,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("app/reports.py", "explain_report"),
     "prototypes": ("app/operations.py", "prototypes"),
     "verify": ("app/operations.py", "verify_run"),
-    "export": ("app/export.py", "export_run"),
+    "export": ("integrations/export.py", "export_run"),
     "attribute-cache": ("app/attribution.py", "build_run_cache"),
     "attribute-search": ("app/attribution.py", "build_run_search"),
     "attribute": ("app/reports.py", "attribute_report"),

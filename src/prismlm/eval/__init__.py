@@ -1,6 +1,6 @@
 """Evaluation: perplexity and coverage metrics, log-likelihood scoring, multiple-choice tasks.
 
-``prismlm.app.lm_eval_adapter`` (optional ``lm-eval``) registers ``--model prism``; the ``prism-lm-eval`` command is lm-eval's CLI with it.
+``prismlm.integrations.lm_eval_adapter`` (optional ``lm-eval``) registers ``--model prism``; the ``prism-lm-eval`` command is lm-eval's CLI with it.
 """
 
 from prismlm.eval.metrics import CoverageAccumulator, evaluate

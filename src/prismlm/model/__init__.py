@@ -27,7 +27,7 @@ __all__ = [
     "eval_mode",
 ]
 
-# Why lazy (PEP 562): `prismlm.model.hf_auto` (imported by `import prismlm`) needs only the standard library,
+# Why lazy (PEP 562): `prismlm.integrations.hf_auto` (imported by `import prismlm`) needs only the standard library,
 # and importing this package must not import torch for it; each name is imported on first use.
 _LAZY = {
     **dict.fromkeys(["LogitDecomposition", "PrismLM", "PrismOutput", "decompose"], "prismlm.model.gpt"),

@@ -29,7 +29,7 @@ generates with ``generate()`` and is scored by ``lm_eval --model hf``. The wrapp
   wrapped model (parameters that are the same object), never assumed: an untied model is never tied.
 
 ``register()`` makes ``AutoConfig``/``AutoModelForCausalLM`` know the ``prism`` model type; importing
-``prismlm`` arranges it (``prismlm.model.hf_auto``). ``save_pretrained`` also writes two small
+``prismlm`` arranges it (``prismlm.integrations.hf_auto``). ``save_pretrained`` also writes two small
 ``trust_remote_code`` shims (``configuration_prism.py``, ``modeling_prism.py``) that import these classes
 from the installed prismlm, so ``trust_remote_code=True`` works without importing prismlm first.
 
@@ -82,10 +82,10 @@ MODEL_TYPE = "prism"
 AUTO_MAP = {"AutoConfig": "configuration_prism.PrismConfig", "AutoModelForCausalLM": "modeling_prism.PrismForCausalLM"}
 _REMOTE_CODE = {
     "configuration_prism.py": '"""`trust_remote_code=True` entry point: PrismConfig lives in the installed prismlm package '
-    '(pip install prismlm)."""\n\nfrom prismlm.model.hf_model import PrismConfig\n\n'
+    '(pip install prismlm)."""\n\nfrom prismlm.integrations.hf_model import PrismConfig\n\n'
     '__all__ = ["PrismConfig"]\n',
     "modeling_prism.py": '"""`trust_remote_code=True` entry point: PrismForCausalLM lives in the installed prismlm package '
-    '(pip install prismlm)."""\n\nfrom prismlm.model.hf_model import PrismConfig, PrismForCausalLM\n\n'
+    '(pip install prismlm)."""\n\nfrom prismlm.integrations.hf_model import PrismConfig, PrismForCausalLM\n\n'
     '__all__ = ["PrismConfig", "PrismForCausalLM"]\n',
 }
 # transformers ≥ 5.x (late) names the cache `cache`; earlier releases `past_key_values`
@@ -503,5 +503,5 @@ def register() -> None:
 
 
 # Importing this module imports transformers; when that import is the first one, the hook of
-# ``prismlm.model.hf_auto`` fires while this module is half executed and leaves the registration to here.
+# ``prismlm.integrations.hf_auto`` fires while this module is half executed and leaves the registration to here.
 register()

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from prismlm.explain.explanation import Explanation
     from prismlm.tda.attribute import Attribution
 
-__all__ = ["RunHeader", "render_html", "render_terminal", "write_html"]
+__all__ = ["SHARED_ASSETS", "RunHeader", "render_html", "render_terminal", "write_html"]
 
 
 @dataclass(frozen=True)
@@ -150,13 +150,13 @@ def _card_html(c: dict[str, Any]) -> str:
     )
 
 
-_STATIC = Path(__file__).resolve().parent / "static"
+# The stylesheet and the waterfall drawing, shared with the explorer app (``prism serve`` serves them too), so
+# the HTML report and the app look and read the same.
+SHARED_ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 def _shared(name: str) -> str:
-    """A file shared with the explorer app (``prism serve``): its stylesheet and the waterfall drawing, so
-    the static export and the app look and read the same."""
-    return (_STATIC / name).read_text(encoding="utf-8")
+    return (SHARED_ASSETS / name).read_text(encoding="utf-8")
 
 
 _CSS = """

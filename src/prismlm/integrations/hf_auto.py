@@ -3,7 +3,7 @@
 ``import prismlm`` must stay fast, and importing transformers' modelling code costs seconds, so the facade
 never imports it. ``register_when_imported()`` instead:
 
-* registers right away (``prismlm.model.hf_model.register``) when ``transformers`` is already imported;
+* registers right away (``prismlm.integrations.hf_model.register``) when ``transformers`` is already imported;
 * otherwise puts a small finder on ``sys.meta_path`` that lets the normal finders locate ``transformers``,
   and runs the registration right after the package has finished executing — then removes itself. So
   ``import prismlm; from transformers import AutoModelForCausalLM`` (in either order) knows ``prism``.
@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["register_now", "register_when_imported"]
+__all__ = ["MOVED_MODULES", "alias_moved_modules", "find_spec_registering", "register_now", "register_when_imported"]
 
 _TARGET = "transformers"
-_MODULE = "prismlm.model.hf_model"
+_MODULE = "prismlm.integrations.hf_model"
 _lock = threading.Lock()
 
 
@@ -34,11 +34,11 @@ def register_now() -> bool:
     """Register ``prism`` with the Auto classes; False (with a warning) when that fails."""
     being_imported = sys.modules.get(_MODULE)
     if being_imported is not None and getattr(being_imported.__spec__, "_initializing", False):
-        # transformers was first imported by prismlm.model.hf_model itself (``prism export``): that module is
+        # transformers was first imported by prismlm.integrations.hf_model itself (``prism export``): that module is
         # half executed, its ``register`` not defined yet, and it registers at its own end
         return True
     try:
-        from prismlm.model.hf_model import register
+        from prismlm.integrations.hf_model import register
 
         register()
     except Exception as e:  # noqa: BLE001 — never break the user's import of transformers
@@ -112,3 +112,40 @@ def register_when_imported() -> Any:
             hook = _RegisterAfterImport()
             sys.meta_path.insert(0, hook)
     return hook
+
+
+def find_spec_registering(
+    name: str, path: Sequence[str] | None, target: ModuleType | None = None
+) -> importlib.machinery.ModuleSpec | None:
+    """Called by the startup hook (``prismlm-transformers.pth``, installed beside prismlm) when a program
+    that never imported prismlm imports transformers: the spec the other finders give, registering ``prism``
+    once transformers has executed. So ``AutoTokenizer``/``AutoConfig.from_pretrained(exported folder)`` know
+    the model type without ``trust_remote_code`` and never stop at transformers' ``[y/N]`` prompt."""
+    hook = register_when_imported()
+    return None if hook is None else hook.find_spec(name, path, target)
+
+
+# Folders exported before the move import the old path in their ``modeling_prism.py``; they keep loading.
+MOVED_MODULES = {"prismlm.model.hf_model": "prismlm.integrations.hf_model"}
+
+
+class _MovedModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an old module name of ``MOVED_MODULES`` and fills it with the new module's public names."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MOVED_MODULES:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def exec_module(self, module: ModuleType) -> None:
+        new = importlib.import_module(MOVED_MODULES[module.__name__])
+        module.__dict__.update({k: v for k, v in vars(new).items() if not k.startswith("__")})
+
+
+def alias_moved_modules() -> None:
+    """Let ``import`` find the old names of moved modules (idempotent; standard library only)."""
+    with _lock:
+        if not any(isinstance(f, _MovedModule) for f in sys.meta_path):
+            sys.meta_path.append(_MovedModule())

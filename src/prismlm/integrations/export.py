@@ -60,7 +60,7 @@ def export_run(run: Run, out: Path, *, overwrite: bool = False) -> Path:
     """
     out = Path(out)
     check_out_folder(out, "Hugging Face export", holds=is_export, overwrite=overwrite, option="OUT")
-    from prismlm.model.hf_model import PrismForCausalLM, fast_tokenizer  # DependencyError without transformers
+    from prismlm.integrations.hf_model import PrismForCausalLM, fast_tokenizer  # DependencyError without transformers
 
     tok = run.tokenizer
     eot = tok.eot_id

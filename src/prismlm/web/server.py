@@ -1,7 +1,7 @@
 """``prism serve``: the explorer web app — a JSON API over ``prismlm.app.explorer`` and a static front end.
 
 The API is FastAPI (Starlette) served by uvicorn; the front end is plain HTML/JS/CSS from
-``prismlm/explore/static`` (no build step, nothing from a CDN: it works offline). Its views — Explain,
+``prismlm/web/static`` (no build step, nothing from a CDN: it works offline). Its views — Explain,
 Prototype, Map, Steer, Training data, Document — are hash routes (``/#/prototype/12``), so every view
 has a URL that can be shared.
 
@@ -43,6 +43,7 @@ from prismlm.errors import (
     SuppressionError,
     UnknownPrototypeError,
 )
+from prismlm.render.report import SHARED_ASSETS
 
 __all__ = ["STATIC_DIR", "create_app", "serve"]
 
@@ -140,10 +141,10 @@ class TrainingBody(_Body):
     top: int = 10
 
 
-def _static_table(folder: Path) -> dict[str, tuple[bytes, str]]:
-    """Every file of the static folder, read once: the only files the app can ever send."""
+def _static_table(*folders: Path) -> dict[str, tuple[bytes, str]]:
+    """Every file of the static folders, read once: the only files the app can ever send."""
     table = {}
-    for f in sorted(folder.iterdir()):
+    for f in sorted(f for folder in folders for f in folder.iterdir()):
         if f.is_file() and not f.name.startswith("."):
             kind = mimetypes.guess_type(f.name)[0] or "application/octet-stream"
             if kind.startswith("text/") or kind in ("application/javascript", "text/javascript"):
@@ -185,7 +186,7 @@ def create_app(
         )
     )
     limits = ex.limits
-    static = _static_table(STATIC_DIR)
+    static = _static_table(STATIC_DIR, SHARED_ASSETS)  # the stylesheet and waterfall are shared with render/
     waiting = threading.BoundedSemaphore(limits.max_waiting)
     hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
     api = FastAPI(title="prismlm explorer", docs_url=None, redoc_url=None, openapi_url="/api/openapi.json")

@@ -485,7 +485,7 @@ def check_model_args(args: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``prism-lm-eval ARGS`` (or ``python -m prismlm.app.lm_eval_adapter ARGS``): lm-eval's command line
+    """``prism-lm-eval ARGS`` (or ``python -m prismlm.integrations.lm_eval_adapter ARGS``): lm-eval's command line
     with ``--model prism`` registered; a ``PrismError`` (bad ``model_args``, missing run) is one line on
     stderr and exit code 2. ``-h``/``--help`` prints how to use ``--model prism`` before lm-eval's help."""
     from lm_eval.__main__ import cli_evaluate
