@@ -163,7 +163,7 @@ def main() -> None:
     limits = Limits(max_generate=256, max_waiting=max(256, 2 * args.concurrent))
     ex = Explorer.open(run_dir, device="cpu", limits=limits)
     tok = ex.run.tokenizer
-    ids = [int(t) for t in ex._shards().val.tokens[: args.tokens * 4]][: args.tokens]
+    ids = [int(t) for t in ex.shards().val.tokens[: args.tokens * 4]][: args.tokens]
     text = tok.decode(ids)
     n_tokens = len(tok.encode(text))
     body = {"text": text, "alternatives": 5, "neighbours": 3}

@@ -505,7 +505,7 @@ def test_a_plain_search_for_a_word_finds_the_prototypes_of_its_token(client, exp
     tok = explorer.run.tokenizer
     idx = explorer.index
     labs = explorer.labels()
-    texts = explorer._neighbour_texts()
+    texts = explorer.neighbour_texts()
     counts: dict[int, int] = {}
     for i in range(explorer.num_prototypes):
         for nb in idx.neighbours(i):
@@ -525,3 +525,54 @@ def test_a_plain_search_for_a_word_finds_the_prototypes_of_its_token(client, exp
     s = client.get("/api/search", params={"q": q, "limit": 12}).json()
     assert s["matched"] > 0 and set(s["ids"]) >= _token_reference(explorer, word, signature=False)
     assert all("nearest contexts" in h["why"] for h in s["hits"])  # by context only: no K × V table for it
+
+
+def test_the_result_types_describe_the_json(client, explorer):
+    """Issue 25: every view's JSON has exactly the fields its dataclass and typed rows declare, in that order
+    (the front end and scripts read these names; the types are their documentation)."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from prismlm.app.explorer import bank, explain, info, prototype, steer, training
+    from prismlm.app.explorer.steering import SteeringDict
+    from prismlm.app.prototype_view import Band, LogitHistogram
+
+    def keys(t: type) -> list[str]:
+        return [f.name for f in dataclasses.fields(t)] if dataclasses.is_dataclass(t) else list(get_type_hints(t))
+
+    def same(d: dict, t: type) -> None:
+        assert list(d) == keys(t), (t.__name__, list(d))
+
+    body = {"text": TEXT, "alternatives": 2, "steering": {"suppress": [1], "scale": {"2": 0.5}}}
+    e = client.post("/api/explain", json=body).json()
+    same(e, explain.ExplainView)
+    same(e["steering"], SteeringDict)
+    pos = e["positions"][3]
+    same(pos, explain.PositionView)
+    same(pos["chosen"], explain.Candidate)
+    same(pos["active"][0], explain.ActivePrototype)
+    same(client.get("/api/info").json(), info.RunInfo)
+    same(client.get("/api/info").json()["model"], info.ModelShape)
+    same(client.get("/api/info").json()["concepts"]["evens"], info.ConceptInfo)
+    p = client.get(f"/api/prototype/{pos['active'][0]['id']}", params={"text": TEXT}).json()  # fires in TEXT
+    same(p, prototype.PrototypeDetail)
+    same(p["similar"][0], prototype.SimilarPrototype)
+    same(p["fires"][0], prototype.Fire)
+    same(p["logit_histogram"], LogitHistogram)
+    same(p["bands"][0], Band)
+    same(client.get("/api/map").json(), bank.MapView)
+    s = client.get("/api/search", params={"q": "", "limit": 3}).json()
+    same(s, bank.SearchView)
+    same(s["hits"][0], bank.SearchHit)
+    st = client.post("/api/steer", json={"prompt": TEXT, "tokens": 4, "steering": {"concept": "evens"}}).json()
+    same(st, steer.SteerView)
+    same(st["steps"][0], steer.SteerStep)
+    changed = [c for step in st["steps"] for c in step["changed"]]
+    assert changed, "suppressing half the bank changes some slice"
+    same(changed[0], steer.ChangedSlice)
+    tr = client.post("/api/training", json={"prompt": "It is a truth", "completion": " universally", "top": 2}).json()
+    same(tr, training.TrainingView)
+    same(tr["measured"][0], training.MeasuredToken)
+    same(tr["items"][0], training.TrainingItem)
+    same(tr["items"][0]["prototypes"][0], training.ItemPrototype)
+    same(client.get(f"/api/document/{tr['items'][0]['doc_index']}").json(), training.DocumentView)

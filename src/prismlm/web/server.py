@@ -1,20 +1,10 @@
-"""``prism serve``: the explorer web app — a JSON API over ``prismlm.app.explorer`` and a static front end.
+"""``prism serve``: the explorer web app — a JSON API over ``prismlm.app.explorer`` and a static front end
+(plain HTML/JS/CSS from ``prismlm/web/static``, nothing from a CDN), served by FastAPI and uvicorn.
 
-The API is FastAPI (Starlette) served by uvicorn; the front end is plain HTML/JS/CSS from
-``prismlm/web/static`` (no build step, nothing from a CDN: it works offline). Its views — Explain,
-Prototype, Map, Steer, Training data, Document — are hash routes (``/#/prototype/12``), so every view
-has a URL that can be shared.
-
-**Safety.** The app serves the one run it was created with. No request ever names a file: static files
-are a fixed table read at start-up (a name not in it is 404, whatever ``..`` or encoding it carries),
-documents are addressed by index in the run's own shard, and a request carrying a ``path``-like query
-parameter is refused (404). Request bodies are capped (``Limits.max_body_bytes``, 413) and every
-operation checks its own limits (text length, tokens, top-N: 422). Model calls run one at a time (the
-explorer's lock); at most ``Limits.max_waiting`` requests may wait for it, more get 503 — memory stays
-bounded however many requests arrive. The ``Host`` header must be one of ``allowed_hosts`` (a page on
-another site cannot reach the server through DNS rebinding). Errors of prismlm's hierarchy become JSON
-``{"error", "message", "fix"}`` with a 4xx status: among them a string holding a lone surrogate (valid JSON,
-``"\\udcff"``, but not Unicode), a seed torch cannot take, a document position outside the document.
+Invariant: the app serves the one run it was created with and no request ever names a file; bodies, queue
+and every operation are bounded (``Limits``), the ``Host`` header is checked, and prismlm errors become
+JSON ``{"error", "message", "fix"}`` with a 4xx status. The rules and their statuses: docs/explorer.md
+("Limits and safety").
 """
 
 from __future__ import annotations
@@ -23,7 +13,7 @@ import json
 import mimetypes
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -185,12 +175,18 @@ def create_app(
             run, index=index, cache=cache, device=device, suppress=suppress, concepts=concepts, limits=limits
         )
     )
-    limits = ex.limits
-    static = _static_table(STATIC_DIR, SHARED_ASSETS)  # the stylesheet and waterfall are shared with render/
-    waiting = threading.BoundedSemaphore(limits.max_waiting)
-    hosts = None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
     api = FastAPI(title="prismlm explorer", docs_url=None, redoc_url=None, openapi_url="/api/openapi.json")
     api.state.explorer = ex
+    add_guard(api, ex.limits, None if allowed_hosts is None else {h.lower() for h in allowed_hosts})
+    api.exception_handler(PrismError)(prism_error)
+    Routes(ex).register(api)
+    return api
+
+
+def add_guard(api: FastAPI, limits: Limits, hosts: set[str] | None) -> None:
+    """The middleware every request passes first: a ``Host`` in ``hosts`` (None: any; else 421), no
+    file-naming query parameter (404), a body within ``limits.max_body_bytes`` (413); and the security
+    headers on every answer."""
 
     @api.middleware("http")
     async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -212,44 +208,66 @@ def create_app(
             response.headers.setdefault(k, v)
         return response
 
-    @api.exception_handler(PrismError)
-    async def prism_error(request: Request, e: PrismError) -> Response:
-        return _json({"error": type(e).__name__, "message": e.message, "fix": e.fix}, _status(e))
 
-    def model_call(fn: Callable[[], dict[str, object]]) -> Response:
+async def prism_error(request: Request, e: PrismError) -> Response:
+    """An error of prismlm's hierarchy as JSON with its HTTP status."""
+    return _json({"error": type(e).__name__, "message": e.message, "fix": e.fix}, _status(e))
+
+
+class Routes:
+    """The app's endpoints over one ``Explorer``: the static front end and the JSON API. Model calls go
+    through ``call``: at most ``Limits.max_waiting`` may wait (503 beyond), the explorer's lock runs them
+    one at a time."""
+
+    def __init__(self, ex: Explorer) -> None:
+        self.ex = ex
+        self.static = _static_table(STATIC_DIR, SHARED_ASSETS)  # the stylesheet and waterfall are shared with render/
+        self.waiting = threading.BoundedSemaphore(ex.limits.max_waiting)
+        self.map_json: bytes | None = None
+        """The map's answer, computed once (the bank does not change while serving)."""
+
+    def register(self, api: FastAPI) -> None:
+        get, post = ["GET"], ["POST"]
+        api.add_api_route("/", self.root, methods=get, include_in_schema=False)
+        api.add_api_route("/static/{name}", self.static_file, methods=get, include_in_schema=False)
+        api.add_api_route("/api/info", self.info, methods=get)
+        api.add_api_route("/api/explain", self.explain, methods=post)
+        api.add_api_route("/api/prototype/{pid}", self.prototype, methods=get)
+        api.add_api_route("/api/map", self.bank_map, methods=get)
+        api.add_api_route("/api/search", self.search, methods=get)
+        api.add_api_route("/api/steer", self.steer, methods=post)
+        api.add_api_route("/api/training", self.training, methods=post)
+        api.add_api_route("/api/document/{doc_index}", self.document, methods=get)
+
+    def call(self, fn: Callable[[], Mapping[str, object]]) -> Response:
         """Run an operation if the queue has room (503 otherwise); the explorer's lock serialises them."""
-        if not waiting.acquire(blocking=False):
-            return _json(
-                {"error": "Busy", "message": f"more than {limits.max_waiting} requests are waiting; try again"}, 503
-            )
+        if not self.waiting.acquire(blocking=False):
+            busy = f"more than {self.ex.limits.max_waiting} requests are waiting; try again"
+            return _json({"error": "Busy", "message": busy}, 503)
         try:
             return _json(fn())
         finally:
-            waiting.release()
+            self.waiting.release()
 
-    # ----- static front end ---------------------------------------------------------------------------
-    @api.get("/", include_in_schema=False)
-    def root() -> Response:
-        body, kind = static["index.html"]
+    # ----- static front end ---------------------------------------------------------------------------------
+    def root(self) -> Response:
+        body, kind = self.static["index.html"]
         return Response(body, media_type=kind)
 
-    @api.get("/static/{name}", include_in_schema=False)
-    def static_file(name: str) -> Response:
-        hit = static.get(name)
+    def static_file(self, name: str) -> Response:
+        hit = self.static.get(name)
         if hit is None:
             return _json({"error": "NotFound", "message": "no such file"}, 404)
         return Response(hit[0], media_type=hit[1], headers={"Cache-Control": "no-cache"})
 
     # ----- API ------------------------------------------------------------------------------------------------
-    @api.get("/api/info")
-    def info() -> Response:
-        return _json(ex.info().to_dict())
+    def info(self) -> Response:
+        return _json(self.ex.info().to_dict())
 
-    @api.post("/api/explain")
-    def explain(body: ExplainBody) -> Response:
+    def explain(self, body: ExplainBody) -> Response:
         body.checked()
-        return model_call(
-            lambda: ex.explain(
+        return self.call(
+            lambda: self.ex.explain(
                 body.text,
                 generate=body.generate,
                 alternatives=body.alternatives,
@@ -262,27 +280,21 @@ def create_app(
             ).to_dict()
         )
 
-    @api.get("/api/prototype/{pid}")
-    def prototype(pid: int, text: str | None = None, neighbours: int = 8, similar: int = 8) -> Response:
-        return model_call(lambda: ex.prototype(pid, text=text, neighbours=neighbours, similar=similar).to_dict())
+    def prototype(self, pid: int, text: str | None = None, neighbours: int = 8, similar: int = 8) -> Response:
+        return self.call(lambda: self.ex.prototype(pid, text=text, neighbours=neighbours, similar=similar).to_dict())
 
-    map_json: list[bytes] = []
+    def bank_map(self) -> Response:
+        if self.map_json is None:
+            self.map_json = json.dumps(self.ex.map().to_dict(), separators=(",", ":")).encode()
+        return Response(self.map_json, media_type="application/json")
 
-    @api.get("/api/map")
-    def bank_map() -> Response:
-        if not map_json:  # computed once; the bank does not change while serving
-            map_json.append(json.dumps(ex.map().to_dict(), separators=(",", ":")).encode())
-        return Response(map_json[0], media_type="application/json")
+    def search(self, q: str = "", token: str | None = None, limit: int = 20) -> Response:
+        return self.call(lambda: self.ex.search(q, token=token, limit=limit).to_dict())
 
-    @api.get("/api/search")
-    def search(q: str = "", token: str | None = None, limit: int = 20) -> Response:
-        return model_call(lambda: ex.search(q, token=token, limit=limit).to_dict())
-
-    @api.post("/api/steer")
-    def steer(body: SteerBody) -> Response:
+    def steer(self, body: SteerBody) -> Response:
         body.checked()
-        return model_call(
-            lambda: ex.steer(
+        return self.call(
+            lambda: self.ex.steer(
                 body.prompt,
                 steering=body.steering.value(),
                 tokens=body.tokens,
@@ -292,16 +304,14 @@ def create_app(
             ).to_dict()
         )
 
-    @api.post("/api/training")
-    def training(body: TrainingBody) -> Response:
+    def training(self, body: TrainingBody) -> Response:
         body.checked()
-        return model_call(lambda: ex.training(body.prompt, body.completion, token=body.token, top=body.top).to_dict())
+        return self.call(
+            lambda: self.ex.training(body.prompt, body.completion, token=body.token, top=body.top).to_dict()
+        )
 
-    @api.get("/api/document/{doc_index}")
-    def document(doc_index: int, position: int | None = None) -> Response:
-        return model_call(lambda: ex.document(doc_index, position=position).to_dict())
-
-    return api
+    def document(self, doc_index: int, position: int | None = None) -> Response:
+        return self.call(lambda: self.ex.document(doc_index, position=position).to_dict())
 
 
 def serve(

@@ -1,0 +1,151 @@
+"""``Explorer``: one run opened for ``prism serve``, with a method per view (explain, prototype, map, search,
+steer, training data, document), each returning a dataclass whose ``to_dict()`` is JSON-ready.
+
+Why a class and not plain functions like ``app.operations``: a web app answers many requests against one
+opened run, so the things that cost seconds once (the run, its index, the 2-D map of the bank, the
+neighbour-text search table) are built once and kept, and every model call is serialised by one lock
+(``Session``). The views themselves live in this package's modules, one per view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from prismlm.app.explorer.bank import MapView, SearchView, bank_map, search_view
+from prismlm.app.explorer.explain import ExplainView, explain_view
+from prismlm.app.explorer.info import RunInfo, run_info
+from prismlm.app.explorer.limits import Limits
+from prismlm.app.explorer.prototype import PrototypeDetail, prototype_view
+from prismlm.app.explorer.session import Session
+from prismlm.app.explorer.steer import SteerView, steer_view
+from prismlm.app.explorer.steering import Steering
+from prismlm.app.explorer.training import DocumentView, TrainingView, document_view, training_view
+from prismlm.app.run import Run
+from prismlm.control.suppress import SuppressionSet
+
+__all__ = ["Explorer"]
+
+
+class Explorer(Session):
+    """One run opened for the explorer: its index, attribution cache, concept sets and limits. Build with
+    ``Explorer.open(path)``; every method is safe to call from many threads (one model call at a time)."""
+
+    def __init__(
+        self,
+        run: Run,
+        *,
+        index: Path | None = None,
+        cache: Path | None = None,
+        concepts: dict[str, SuppressionSet] | None = None,
+        limits: Limits = Limits(),
+    ) -> None:
+        super().__init__(run, index=index, cache=cache, concepts=concepts, limits=limits)
+        self._map: MapView | None = None
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        index: Path | None = None,
+        cache: Path | None = None,
+        device: str = "auto",
+        suppress: str | Path | None = "auto",
+        concepts: Sequence[Path] = (),
+        limits: Limits = Limits(),
+    ) -> Explorer:
+        """Open ``path`` (a run or checkpoint folder) with its index (default RUN/index if there is one),
+        attribution cache (default RUN/attribution-cache), the suppression sets of ``concepts`` (named by
+        their concept, else their file name) and ``limits``."""
+        run = Run.open(path, device=device, suppress=suppress)
+        sets: dict[str, SuppressionSet] = {}
+        for p in concepts:
+            s = SuppressionSet.load(p)
+            sets[s.concept or Path(p).stem] = s
+        if run.suppression is not None:
+            sets.setdefault("checkpoint: " + (run.suppression.concept or "suppression.json"), run.suppression)
+        return cls(run, index=index, cache=cache, concepts=sets, limits=limits)
+
+    def info(self) -> RunInfo:
+        """The run, model shape, artifacts found, categories, concept sets and limits."""
+        return run_info(self)
+
+    def explain(
+        self,
+        text: str,
+        *,
+        generate: int = 0,
+        alternatives: int = 5,
+        steering: Steering = Steering(),
+        neighbours: int = 3,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        seed: int = 0,
+        chat: bool = False,
+    ) -> ExplainView:
+        """Every next-token logit of ``text`` (or of ``generate`` tokens sampled after it) as a waterfall of
+        prototype slices + residual (+ bias), with the ``alternatives`` most probable other tokens split the
+        same way, under the request's ``steering``. ``chat``: ``text`` is a chat message; the assistant's
+        answer to it (written with the run's chat template) is generated greedily, at most ``generate``
+        tokens (default 64) up to the end-of-turn token, and explained."""
+        return explain_view(
+            self,
+            text,
+            generate=generate,
+            alternatives=alternatives,
+            steering=steering,
+            neighbours=neighbours,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            chat=chat,
+        )
+
+    def prototype(self, i: int, *, text: str | None = None, neighbours: int = 8, similar: int = 8) -> PrototypeDetail:
+        """Prototype ``i``: label, category, signature tokens, activation histogram, nearest training
+        contexts (doc ids, target marked), the most similar prototypes, and where it fires in ``text``."""
+        return prototype_view(self, i, text=text, neighbours=neighbours, similar=similar)
+
+    def map(self) -> MapView:
+        """A 2-D projection of the bank (unit prototypes; UMAP when ``umap-learn`` is installed, else PCA),
+        with category and use per prototype. Computed once and kept."""
+        if self._map is None:
+            with self.lock:
+                if self._map is None:
+                    self._map = bank_map(self)
+        return self._map
+
+    def search(self, query: str = "", *, token: str | None = None, limit: int = 20) -> SearchView:
+        """Prototypes whose label or category contains ``query``, or whose nearest training context does
+        (neighbour text), or — with ``token``, and for a ``query`` that is one token — that have to do with
+        that token: among the top of their signature W p_i, or in their nearest contexts
+        (``prismlm.app.bank_search``)."""
+        return search_view(self, query, token=token, limit=limit)
+
+    def steer(
+        self,
+        prompt: str,
+        *,
+        steering: Steering,
+        tokens: int = 30,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        seed: int = 0,
+    ) -> SteerView:
+        """Generate from the base model and from the steered one with the same seed, side by side, and for
+        every token of the steered text the exact change of its logit and the slices that explain it."""
+        return steer_view(
+            self, prompt, steering=steering, tokens=tokens, temperature=temperature, top_k=top_k, seed=seed
+        )
+
+    def training(self, prompt: str, completion: str = "", *, token: int | None = None, top: int = 10) -> TrainingView:
+        """The training sequences that most influenced ``completion`` (every token of ``prompt`` when there
+        is none) — or only its ``token``-th measured token — with normalised scores, the connecting
+        prototypes (their share of each score) and a snippet with its document."""
+        return training_view(self, prompt, completion, token=token, top=top)
+
+    def document(self, doc_index: int, *, position: int | None = None, window: int = 400) -> DocumentView:
+        """A training document of the run's own shard (by index; never by path), around ``position`` (the
+        marked target token) — where a neighbour or an attributed sequence came from."""
+        return document_view(self, doc_index, position=position, window=window)

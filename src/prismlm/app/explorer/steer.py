@@ -1,0 +1,196 @@
+"""The explorer's Steer view: a generation of the base model and one of the steered model with the same seed,
+side by side, and for every token of the steered text the change of its logit and the slices that explain it.
+
+Invariant: ``delta`` is ℓ' − ℓ of that token from two forwards (steered − base), ``delta_from_slices`` is
+Σ_i (m_i − 1) a_i (W p_i)_y from the base forward — equal to rounding, since activations do not depend on
+the multipliers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, TypedDict
+
+import torch
+
+from prismlm.app.explorer.limits import check_seed
+from prismlm.app.explorer.plain import Plain
+from prismlm.app.explorer.session import Session
+from prismlm.app.explorer.steering import Steering, SteeringDict
+from prismlm.app.prototype_view import never_active
+from prismlm.model import Intervention, decompose
+from prismlm.model.interventions import combined_multipliers
+
+__all__ = ["ChangedSlice", "SteerStep", "SteerView", "steer_view"]
+
+
+class ChangedSlice(TypedDict):
+    id: int
+    delta: float
+    """(m_i − 1) a_i (W p_i)_y: how much steering prototype ``id`` moves the token's logit."""
+
+
+class SteerStep(TypedDict):
+    """One generated token of the steered text."""
+
+    step: int
+    """Index among the generated tokens."""
+    token: str
+    base_token: str | None
+    """The base model's token at the same step (None: its generation ended before)."""
+    logit_base: float
+    logit_steered: float
+    delta: float
+    """logit_steered − logit_base (two forwards)."""
+    delta_from_slices: float
+    """Σ of every changed slice (equal to ``delta`` to rounding)."""
+    changed: list[ChangedSlice]
+    """The 5 largest |changed slices|."""
+
+
+@dataclass
+class SteerView(Plain):
+    prompt: str
+    base: list[str]
+    """Generated tokens of the base model."""
+    steered: list[str]
+    base_text: str
+    steered_text: str
+    first_difference: int | None
+    """Index of the first generated token that differs (None: identical)."""
+    steps: list[SteerStep]
+    """Per generated token of the steered text."""
+    steering: SteeringDict
+    notes: list[str]
+    steered_ids: int = 0
+    """How many prototypes the request changes (multiplier ≠ 1)."""
+    inactive: list[int] | None = None
+    """Those of them never active on the steered text (prompt + generation): steering them changes none of
+    its logits (activations do not depend on the multipliers)."""
+
+
+class Changes(NamedTuple):
+    """Logit changes over one window of the steered text (n predicted tokens, k active slots)."""
+
+    start: int
+    """Absolute index (in the steered ids) of the window's first token."""
+    logit_base: list[float]
+    """(n,) the base model's logit of each next token."""
+    logit_steered: list[float]
+    """(n,) the steered model's."""
+    change: list[list[float]]
+    """(n, k) (m_i − 1) · slice of each active slot."""
+    pids: list[list[int]]
+    """(n, k) the slots' prototype ids."""
+    steered_ids: int
+    inactive: list[int]
+    notes: list[str]
+
+
+def steer_view(
+    s: Session, prompt: str, *, steering: Steering, tokens: int, temperature: float, top_k: int | None, seed: int
+) -> SteerView:
+    """``Explorer.steer``: both generations, the changes and the steered prototypes that never fire."""
+    s.limits.check_text(prompt, "prompt")
+    s.limits.check_sampling(tokens, temperature, top_k)
+    check_seed(seed)
+    ivs = s.interventions(steering)
+    tok = s.run.tokenizer
+    ids = tok.encode(prompt) if prompt else [tok.eot_id]
+    p = len(ids)
+    with s.lock, torch.no_grad():
+        sampled = [
+            _generate(s, ids, use, tokens=tokens, temperature=temperature, top_k=top_k, seed=seed) for use in ((), ivs)
+        ]
+        base, steered = sampled
+        ch = changes(s, steered, ivs)
+    gb, gs = base[p:], steered[p:]
+    return SteerView(
+        prompt=prompt,
+        base=[tok.id_to_token(t) for t in gb],
+        steered=[tok.id_to_token(t) for t in gs],
+        base_text=tok.decode(gb),
+        steered_text=tok.decode(gs),
+        first_difference=next((j for j, (a, b) in enumerate(zip(gb, gs)) if a != b), None),
+        steps=steps(s, ch, base, steered, p),
+        steering=steering.to_dict(),
+        notes=ch.notes,
+        steered_ids=ch.steered_ids,
+        inactive=ch.inactive,
+    )
+
+
+def _generate(
+    s: Session,
+    ids: list[int],
+    ivs: tuple[Intervention, ...],
+    *,
+    tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+) -> list[int]:
+    """``ids`` and ``tokens`` sampled after them under ``ivs`` (the seed's generator, fresh)."""
+    dev = s.run.device
+    x = torch.tensor([ids], dtype=torch.long, device=dev)  # (1, p)
+    with s.run.intervened(*ivs) as m:
+        out = m.generate(
+            x, tokens, temperature=temperature, top_k=top_k, generator=torch.Generator(device=dev).manual_seed(seed)
+        )
+    return list(out[0].tolist())
+
+
+def changes(s: Session, steered: list[int], ivs: tuple[Intervention, ...]) -> Changes:
+    """Every next-token logit of ``steered`` by the base and the steered model, over one window (the last
+    ``block_size`` tokens), with each active slot's change. Call under ``s.lock``."""
+    dev = s.run.device
+    T = s.model.config.block_size
+    win = steered[:-1][-T:]  # the context of every predicted token, one window
+    start = len(steered) - 1 - len(win)  # absolute index of win[0]
+    notes: list[str] = []
+    if start > 0:
+        notes.append(
+            f"past the context window ({T} tokens): the logit changes are those of one forward over the last {T} tokens"
+        )
+    xs = torch.tensor([win], dtype=torch.long, device=dev)  # (1, n)
+    y = torch.tensor([steered[start + 1 :]], dtype=torch.long, device=dev)  # (1, n) targets
+    with s.run.intervened() as m:
+        out_b = m(xs)
+        dec_b = decompose(m, out_b, y)
+    with s.run.intervened(*ivs) as m:
+        out_s = m(xs)
+    mult = combined_multipliers(ivs, s.num_prototypes)  # None: nothing steered, no change
+    if mult is None:
+        mult = torch.ones(s.num_prototypes, dtype=torch.float64)
+    assert out_b.indices is not None and out_b.activations is not None
+    n_steered, inactive, note = never_active(mult, out_b.indices[0], out_b.activations[0])
+    lb = out_b.logits[0].gather(-1, y[0, :, None]).squeeze(-1).double()  # (n,)
+    ls = out_s.logits[0].gather(-1, y[0, :, None]).squeeze(-1).double()
+    change = dec_b.prototype_slices[0].double() * (mult.to(dev)[out_b.indices[0]].double() - 1.0)  # (n, k)
+    notes += [note] if note else []
+    return Changes(
+        start, lb.tolist(), ls.tolist(), change.tolist(), out_b.indices[0].tolist(), n_steered, inactive, notes
+    )
+
+
+def steps(s: Session, ch: Changes, base: list[int], steered: list[int], p: int) -> list[SteerStep]:
+    """A ``SteerStep`` per generated token of ``steered`` (prompt of ``p`` tokens) inside the window."""
+    tok = s.run.tokenizer
+    first_gen = p - 1 - ch.start  # position in the window that predicts the first generated token
+    out: list[SteerStep] = []
+    for t in range(max(0, first_gen), len(ch.logit_base)):
+        step = ch.start + t + 1 - p
+        nz = sorted([(i, c) for i, c in zip(ch.pids[t], ch.change[t]) if c != 0.0], key=lambda ic: -abs(ic[1]))
+        out.append(
+            {
+                "step": step,
+                "token": tok.id_to_token(steered[ch.start + t + 1]),
+                "base_token": tok.id_to_token(base[p + step]) if p + step < len(base) else None,
+                "logit_base": ch.logit_base[t],
+                "logit_steered": ch.logit_steered[t],
+                "delta": ch.logit_steered[t] - ch.logit_base[t],
+                "delta_from_slices": sum(c for _, c in nz),
+                "changed": [{"id": i, "delta": c} for i, c in nz[:5]],
+            }
+        )
+    return out
