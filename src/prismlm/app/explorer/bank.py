@@ -22,17 +22,23 @@ __all__ = ["MapView", "SearchHit", "SearchView", "bank_map", "search_view"]
 
 @dataclass
 class MapView(Plain):
+    """What ``Explorer.map`` returns: per prototype (K entries each) its 2-D position, category, use, label."""
+
     method: str
     """``pca`` or ``umap``."""
     x: list[float]
+    """(K,) first coordinate, rounded to 5 decimals."""
     y: list[float]
+    """(K,) second coordinate."""
     category: list[int]
     """Index into ``categories`` (−1: unlabelled)."""
     categories: list[str]
     count: list[int] | None
     """Indexed tokens each prototype is active on (None without an index)."""
     label: list[str]
+    """(K,) label ("" unlabelled)."""
     explained_variance: list[float] | None
+    """PCA's share of the variance of its two components (None: UMAP)."""
 
 
 class SearchHit(TypedDict):
@@ -46,10 +52,14 @@ class SearchHit(TypedDict):
 
 @dataclass
 class SearchView(Plain):
+    """What ``Explorer.search`` returns."""
+
     query: str
+    """The query (or the token) searched."""
     hits: list[SearchHit]
     """The first ``limit`` matches."""
     matched: int
+    """How many prototypes match."""
     ids: list[int]
     """Every match (what the map highlights)."""
 

@@ -74,17 +74,26 @@ class PositionView:
 
 @dataclass
 class ExplainView(Plain):
+    """What ``Explorer.explain`` returns: the text's tokens and a ``PositionView`` per predicting position."""
+
     text: str
+    """The text explained (with a chat request: the prompt written with the chat template)."""
     token_ids: list[int]
+    """(n,) the tokens explained, prompt and generation."""
     tokens: list[str]
+    """(n,) their strings."""
     prompt_tokens: int | None
+    """Tokens of the prompt when a generation follows it (None: no generation)."""
     truncated_tokens: int
+    """Tokens cut from the start to fit the context window."""
     positions: list[PositionView]
+    """One per predicting position, in order."""
     cards: dict[str, JSONDict]
     """Prototype id → card (label, category, top tokens, stats, neighbours) for every active prototype."""
     max_abs_error: float
     """max |Σ slices + residual + bias − logit| over every waterfall shown."""
     steering: SteeringDict
+    """The request's steering, echoed."""
     notes: list[str]
 
 

@@ -45,12 +45,16 @@ class Fire(TypedDict):
 
 @dataclass
 class PrototypeDetail(Plain):
+    """What ``Explorer.prototype`` returns for one prototype."""
+
     card: JSONDict
+    """``prismlm.explain.PrototypeCard.to_dict()``: label, category, top/bottom tokens, stats, neighbours."""
     similar: list[SimilarPrototype]
     """Nearest prototypes by cosine of p_i, with their labels."""
     fires: list[Fire] | None
     """Where it is active in the given text (None: no text given)."""
     text_tokens: list[str] | None
+    """(n,) the tokens of the given text (None: no text)."""
     has_index: bool
     logit_histogram: LogitHistogram | None = None
     """Its direct effect on every token: a histogram of W p_i (``prismlm.app.prototype_view``)."""

@@ -50,10 +50,13 @@ class SteerStep(TypedDict):
 
 @dataclass
 class SteerView(Plain):
+    """What ``Explorer.steer`` returns: both generations side by side and the steered one's logit changes."""
+
     prompt: str
     base: list[str]
     """Generated tokens of the base model."""
     steered: list[str]
+    """Generated tokens of the steered model."""
     base_text: str
     steered_text: str
     first_difference: int | None

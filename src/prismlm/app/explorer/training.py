@@ -64,6 +64,8 @@ class TrainingItem(TypedDict):
 
 @dataclass
 class TrainingView(Plain):
+    """What ``Explorer.training`` returns: the most influential training sequences, best first."""
+
     prompt: str
     completion: str
     measured: list[MeasuredToken]
@@ -71,8 +73,11 @@ class TrainingView(Plain):
     token: int | None
     """The measured token the attribution is restricted to (None: all)."""
     method: str
+    """How the scores were computed (``prismlm.tda.attribute.Attribution.method``)."""
     num_train: int
+    """Training sequences scored."""
     query_loss: float
+    """Summed cross-entropy of the measured tokens."""
     items: list[TrainingItem]
     seconds: float
     notes: list[str]
@@ -80,9 +85,12 @@ class TrainingView(Plain):
 
 @dataclass
 class DocumentView(Plain):
+    """What ``Explorer.document`` returns: a window of one training document, the target token marked."""
+
     doc_index: int
     doc_id: str
     position: int | None
+    """The target token's position in the document (None: the window starts at the document's start)."""
     before: str
     target: str
     after: str
