@@ -17,7 +17,7 @@ from prismlm import AttributionConfig
 from prismlm.artifacts import file_records
 from prismlm.errors import ArtifactCorrupt, ArtifactError, ConfigError
 from prismlm.tda import cache as cache_mod
-from prismlm.tda.attribute import attribute
+from prismlm.tda.attribute import QuerySpec, SearchSpec, attribute
 from prismlm.tda.cache import (
     AttributionCache,
     DeltaIds,
@@ -469,7 +469,15 @@ def test_compact_cache_on_disk_round_trip_verified_and_memory_mapped(tiny, tiny_
     assert torch.equal(back3.scores(tiny.q, tiny.Q), c3.scores(tiny.q, tiny.Q))
     assert not torch.equal(back3.scores(tiny.q, tiny.Q), back.scores(tiny.q, tiny.Q))
     # attribute() ranks documents, each shown through its first sequence
-    res = attribute(tiny.ckpt.model, tiny.tok, "The President said", " that the", cache=back, shards=tiny_shards, top=3)
+    res = attribute(
+        tiny.ckpt.model,
+        tiny.tok,
+        "The President said",
+        QuerySpec(answer=" that the"),
+        source=back,
+        shards=tiny_shards,
+        search=SearchSpec(top=3),
+    )
     p_ids, c_ids = tiny.tok.encode("The President said"), tiny.tok.encode(" that the")
     s = back.scores(query_gradients(tiny.ckpt.model, [([tiny.tok.eot_id] + p_ids + c_ids, 1 + len(p_ids))]), 1)[0]
     order = np.lexsort((np.arange(back.num_train), -s.numpy()))[:3]

@@ -45,7 +45,7 @@ from prismlm.explain import PrototypeIndex, explain, explain_generation, prototy
 from prismlm.explain.labels import CATEGORIES
 from prismlm.model import Intervention, PrismLM, PrismOutput, Scale, Suppress, decompose
 from prismlm.model.interventions import check_ids, combined_multipliers
-from prismlm.tda.attribute import attribute, make_query
+from prismlm.tda.attribute import QuerySpec, SearchSpec, attribute, make_query
 from prismlm.tda.influence import FullGradients
 
 __all__ = ["Explorer", "Limits", "RequestLimitError", "Steering", "UnknownDocumentError"]
@@ -978,11 +978,11 @@ class Explorer:
                 att = attribute_text(
                     self.run,
                     prompt,
-                    token_ids=sel,
-                    completion=n_measure,
-                    top=top,
+                    QuerySpec(completion=n_measure),
+                    SearchSpec(top=top),
                     cache=self._cache_dir,
                     shards=self._shards_dir(),
+                    token_ids=sel,
                 )
             else:
                 shards = self.run.shards(self._shards_dir())
@@ -994,11 +994,11 @@ class Explorer:
                     self.model,
                     self.run.tokenizer,
                     prompt,
+                    QuerySpec(completion=n_measure),
+                    source=self._full,
+                    search=SearchSpec(top=top),
                     shards=shards,
                     token_ids=sel,
-                    completion_tokens=n_measure,
-                    top=top,
-                    full=self._full,
                 )
                 notes.append(
                     f"no attribution cache: exact prototype-space influence over the first "

@@ -92,13 +92,13 @@ from prismlm.artifacts import atomic_dir, file_records, provenance, reading, ver
 from prismlm.config import SearchConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError
 from prismlm.tda.cache import concat_ranges
-from prismlm.tda.cache.store import exact_top, top_k
+from prismlm.tda.cache.store import best_n, exact_top
 
 if TYPE_CHECKING:
     from prismlm.tda.cache import AttributionCache
     from prismlm.tda.gradients import BlockGradients
 
-__all__ = ["SearchIndex", "build_search_index", "cache_fingerprint", "exact_top", "top_k"]
+__all__ = ["SearchIndex", "build_search_index", "cache_fingerprint", "best_n", "exact_top"]
 
 KIND = "prismlm-search-index"
 FORMAT_VERSION = 1
@@ -383,7 +383,7 @@ class SearchIndex:
             fill = np.setdiff1d(np.arange(min(U, len(cand) + k), dtype=np.int64), cand)[:k]
             s_fill = self.rescore(cache, protos, sq_q, fill) if len(sel) else np.zeros(len(fill))
             s, ids = np.concatenate([s, s_fill]), np.concatenate([cand, fill])
-            out_s[q], out_i[q] = top_k(s, ids, k)
+            out_s[q], out_i[q] = best_n(s, ids, k)
         return out_s, out_i
 
     def exhaustive_m(self, cache: AttributionCache) -> int:

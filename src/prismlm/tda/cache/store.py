@@ -43,7 +43,7 @@ from prismlm.tda.influence import Curvature
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
 
-__all__ = ["QUERY_CHUNK", "AttributionCache", "Searcher", "exact_top", "top_k", "write_arrays"]
+__all__ = ["QUERY_CHUNK", "AttributionCache", "Searcher", "best_n", "exact_top", "write_arrays"]
 
 QUERY_CHUNK = 1 << 17
 """Postings decoded and multiplied at a time by a query: bounds its memory to ~3 × QUERY_CHUNK × r float64
@@ -66,9 +66,9 @@ class Searcher(Protocol):
     ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
-def top_k(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best of (scores (n,), ids (n,)) by score descending, ties by ascending id: (k',) each, k' = min(k, n)."""
-    order = np.lexsort((ids, -scores))[:k]
+def best_n(scores: np.ndarray, ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The n best of (scores (N,), ids (N,)) by score descending, ties by ascending id: (n',) each, n' = min(n, N)."""
+    order = np.lexsort((ids, -scores))[:n]
     return scores[order], ids[order]
 
 
@@ -82,7 +82,7 @@ def exact_top(
     out_s, out_i = np.empty((num_queries, k)), np.empty((num_queries, k), dtype=np.int64)
     all_ids = np.arange(S.shape[1], dtype=np.int64)
     for q in range(num_queries):
-        out_s[q], out_i[q] = top_k(S[q], all_ids, k)
+        out_s[q], out_i[q] = best_n(S[q], all_ids, k)
     return out_s, out_i
 
 
