@@ -562,76 +562,23 @@ def build_search_index(
     each indexed list (progress). The build time and bytes are in ``manifest`` apart from the cache's."""
     cfg = config if config is not None else SearchConfig()
     faiss = _faiss()
-    K = cache.num_prototypes
-    off = np.asarray(cache.offsets, dtype=np.int64)
-    n = np.diff(off)
     threads = faiss.omp_get_max_threads()
-    # forward index: posting rows grouped by unit (a stable sort keeps rows, hence prototypes, ascending)
     t1 = time.perf_counter()
-    units = np.asarray(cache.seq, dtype=np.int64)  # (P,) decoded ids
-    P, U = len(units), cache.num_train
-    fwd_offsets = np.zeros(U + 1, dtype=np.int64)
-    np.cumsum(np.bincount(units, minlength=U), out=fwd_offsets[1:])
-    pos_dtype = np.uint32 if P < 2**32 else np.int64
-    fwd_rows = np.argsort(units, kind="stable").astype(pos_dtype)
-    del units
+    fwd_offsets, fwd_rows = _forward_index(cache)
     t_fwd = time.perf_counter() - t1
     t0 = time.perf_counter()
-    in_cache = cfg.kind == "ivf" and cfg.encoding == "cache"
-    position_of = np.empty(P, dtype=pos_dtype) if in_cache else None  # row → its forward-index position
-    if position_of is not None:
-        position_of[fwd_rows] = np.arange(P, dtype=pos_dtype)
-    blobs: list[np.ndarray] = []
-    sizes = np.zeros(K, dtype=np.int64)
-    list_cells = np.zeros(K + 1, dtype=np.int64)
-    cents: list[np.ndarray] = []
-    cell_sizes: list[np.ndarray] = []
-    positions: list[np.ndarray] = []
-    for i in np.flatnonzero(n > cfg.min_list).tolist():  # list by list: memory ~ one list's float32 sketches
-        lo, ln = off[i : i + 1], n[i : i + 1]
-        X = np.ascontiguousarray(cache.sketches.gather(concat_ranges(lo, ln)), dtype=np.float32)  # (n_i, r)
-        if position_of is not None:
-            C, cell = _cells(X, cfg)
-            order = np.lexsort((position_of[lo[0] : lo[0] + ln[0]], cell))  # by cell, then position
-            cents.append(C)
-            cell_sizes.append(np.bincount(cell, minlength=len(C)))
-            positions.append(position_of[lo[0] : lo[0] + ln[0]][order])
-            list_cells[i + 1] = len(C)
-        else:
-            ids = cache.ids.gather(lo, ln)  # (n_i,) int64
-            b = faiss.serialize_index(_build_list(X, ids, cfg))
-            blobs.append(b)
-            sizes[i] = len(b)
-        if on_list is not None:
-            on_list(i, int(ln[0]))
-    del position_of
+    blobs, index_offsets, cells, sizes = _index_lists(cache, cfg, fwd_rows, on_list)
     t_index = time.perf_counter() - t0
-    index_offsets = np.zeros(K + 1, dtype=np.int64)
-    np.cumsum(sizes, out=index_offsets[1:])
-    cells = None
-    if in_cache:
-        np.cumsum(list_cells, out=list_cells)
-        sizes_all = np.concatenate(cell_sizes) if cell_sizes else np.zeros(0, np.int64)
-        cell_offsets = np.zeros(len(sizes_all) + 1, dtype=np.int64)
-        np.cumsum(sizes_all, out=cell_offsets[1:])
-        r = cache.r
-        cells = Cells(
-            list_cells=list_cells,
-            centroids=np.concatenate(cents) if cents else np.zeros((0, r), np.float32),
-            cell_offsets=cell_offsets,
-            positions=np.concatenate(positions) if positions else np.zeros(0, pos_dtype),
-        )
-        sizes = np.diff(list_cells)  # lists with cells count as indexed below
-    m = cache.manifest
     idx = SearchIndex(
         config=cfg,
         manifest={},
         index_offsets=index_offsets,
-        blobs=np.concatenate(blobs) if blobs else np.zeros(0, np.uint8),
+        blobs=blobs,
         fwd_offsets=fwd_offsets,
         fwd_rows=fwd_rows,
         cells=cells,
     )
+    m, n = cache.manifest, np.diff(np.asarray(cache.offsets, dtype=np.int64))
     tokens = int(m.get("tokens", 0))
     idx.manifest.update(
         {
@@ -646,7 +593,7 @@ def build_search_index(
             "faiss_threads": threads,
             "lists_indexed": int((sizes > 0).sum()),
             "postings_indexed": int(n[sizes > 0].sum()),
-            "postings": P,
+            "postings": len(fwd_rows),
             "index_seconds": t_index,
             "forward_seconds": t_fwd,
             "build_seconds": t_index + t_fwd,
@@ -662,3 +609,73 @@ def build_search_index(
         idx.save(out)
         return SearchIndex.load(out, cache)
     return idx
+
+
+def _forward_index(cache: AttributionCache) -> tuple[np.ndarray, np.ndarray]:
+    """(fwd_offsets (U+1,) int64, fwd_rows (P,) uint32, int64 beyond 2^32 postings): the posting rows of
+    unit j are ``fwd_rows[fwd_offsets[j]:fwd_offsets[j+1]]``, ascending (a stable sort keeps rows, hence
+    prototypes, in order)."""
+    units = np.asarray(cache.seq, dtype=np.int64)  # (P,) decoded ids
+    P, U = len(units), cache.num_train
+    fwd_offsets = np.zeros(U + 1, dtype=np.int64)
+    np.cumsum(np.bincount(units, minlength=U), out=fwd_offsets[1:])
+    pos_dtype = np.uint32 if P < 2**32 else np.int64
+    return fwd_offsets, np.argsort(units, kind="stable").astype(pos_dtype)
+
+
+def _index_lists(
+    cache: AttributionCache,
+    cfg: SearchConfig,
+    fwd_rows: np.ndarray,
+    on_list: Callable[[int, int], None] | None,
+) -> tuple[np.ndarray, np.ndarray, Cells | None, np.ndarray]:
+    """Index every list of more than ``cfg.min_list`` postings, list by list (memory ~ one list's float32
+    sketches): (faiss blobs (bytes,) uint8, index_offsets (K+1,) int64, the cells of
+    ``encoding="cache"`` or None, indexed size per list (K,): > 0 where a list is indexed)."""
+    faiss = _faiss()
+    K, P = cache.num_prototypes, len(fwd_rows)
+    off = np.asarray(cache.offsets, dtype=np.int64)
+    n = np.diff(off)
+    in_cache = cfg.kind == "ivf" and cfg.encoding == "cache"
+    position_of = np.empty(P, dtype=fwd_rows.dtype) if in_cache else None  # row → its forward-index position
+    if position_of is not None:
+        position_of[fwd_rows] = np.arange(P, dtype=fwd_rows.dtype)
+    blobs: list[np.ndarray] = []
+    sizes = np.zeros(K, dtype=np.int64)
+    list_cells = np.zeros(K + 1, dtype=np.int64)
+    cents: list[np.ndarray] = []
+    cell_sizes: list[np.ndarray] = []
+    positions: list[np.ndarray] = []
+    for i in np.flatnonzero(n > cfg.min_list).tolist():
+        lo, ln = off[i : i + 1], n[i : i + 1]
+        X = np.ascontiguousarray(cache.sketches.gather(concat_ranges(lo, ln)), dtype=np.float32)  # (n_i, r)
+        if position_of is not None:
+            C, cell = _cells(X, cfg)
+            order = np.lexsort((position_of[lo[0] : lo[0] + ln[0]], cell))  # by cell, then position
+            cents.append(C)
+            cell_sizes.append(np.bincount(cell, minlength=len(C)))
+            positions.append(position_of[lo[0] : lo[0] + ln[0]][order])
+            list_cells[i + 1] = len(C)
+        else:
+            b = faiss.serialize_index(_build_list(X, cache.ids.gather(lo, ln), cfg))
+            blobs.append(b)
+            sizes[i] = len(b)
+        if on_list is not None:
+            on_list(i, int(ln[0]))
+    del position_of
+    index_offsets = np.zeros(K + 1, dtype=np.int64)
+    np.cumsum(sizes, out=index_offsets[1:])
+    blob = np.concatenate(blobs) if blobs else np.zeros(0, np.uint8)
+    if not in_cache:
+        return blob, index_offsets, None, sizes
+    np.cumsum(list_cells, out=list_cells)
+    sizes_all = np.concatenate(cell_sizes) if cell_sizes else np.zeros(0, np.int64)
+    cell_offsets = np.zeros(len(sizes_all) + 1, dtype=np.int64)
+    np.cumsum(sizes_all, out=cell_offsets[1:])
+    cells = Cells(
+        list_cells=list_cells,
+        centroids=np.concatenate(cents) if cents else np.zeros((0, cache.r), np.float32),
+        cell_offsets=cell_offsets,
+        positions=np.concatenate(positions) if positions else np.zeros(0, fwd_rows.dtype),
+    )
+    return blob, index_offsets, cells, np.diff(list_cells)  # lists with cells count as indexed
