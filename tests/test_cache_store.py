@@ -186,7 +186,7 @@ def test_product_quantisation_by_hand():
     np.testing.assert_allclose(
         PQSketches(pq_encode(z, cb3), np.ones(len(z), np.float16), 1.0, cb3).gather(rows), z, rtol=1e-6, atol=1e-7
     )
-    with pytest.raises(ConfigError, match="--pq-dims"):
+    with pytest.raises(ConfigError, match="AttributionConfig.pq_dims"):
         pq_layout(10, 4)
 
 
@@ -416,7 +416,7 @@ def test_product_quantised_postings(tiny, tiny_shards, tmp_path):
     with pytest.raises(ArtifactCorrupt, match="sketch_codebook"):
         AttributionCache.load(tmp_path / "pq")
     f.write_bytes(good)
-    with pytest.raises(ConfigError, match="--pq-dims"):  # refused before any pass over the data
+    with pytest.raises(ConfigError, match="AttributionConfig.pq_dims"):  # refused before any pass over the data
         build_cache(tiny.net, tiny_shards, _cfg(dtype="pq", pq_dims=3), curvature=tiny.curv)
 
 

@@ -1,4 +1,7 @@
-"""Training-data attribution operations: build the postings cache, attribute a text to training sequences."""
+"""Training-data attribution operations: build the postings cache (one process or torchrun) and its search
+sidecar, attribute a text to training sequences (``attribute_text``, taking ``QuerySpec``, ``SearchSpec``
+and ``Rescoring``). Method and measurements: docs/attribution.md.
+"""
 
 from __future__ import annotations
 

@@ -105,13 +105,14 @@ def _config_params(
     return out
 
 
-def _field_flags(groups: dict[str, tuple[type, list[str], str]], decls: dict[str, list[str]]) -> dict[str, str]:
-    """{"Class.field": "--flag"} for every option of a config dataclass: library messages name the field,
-    the CLI shows the flag."""
+def _field_flags(groups: dict[str, tuple[type, list[str], str]], params: list[inspect.Parameter]) -> dict[str, str]:
+    """{"Class.field": "--flag"} for every option of a config dataclass (``params``: the command's typer
+    parameters): library messages name the field, the CLI shows the flag."""
+    decls = {p.name: [d for d in (getattr(p.default, "param_decls", None) or ()) if d.startswith("--")] for p in params}
     out = {}
     for cls, names, prefix in groups.values():
         for n in names:
-            out[f"{cls.__name__}.{n[len(prefix) :]}"] = decls.get(n, ["--" + n.replace("_", "-")])[0]
+            out[f"{cls.__name__}.{n[len(prefix) :]}"] = (decls.get(n) or ["--" + n.replace("_", "-")])[0]
     return out
 
 
@@ -217,7 +218,7 @@ def command(
     positional = set(arguments or ())
     groups: dict[str, tuple[type, list[str], str]] = {}
     op_params = _params(op, skip, decls, positional, groups, prefixed)
-    flags = _field_flags(groups, decls)
+    flags = _field_flags(groups, op_params)
     op_names = {p.name for p in op_params}
     op_hints = typing.get_type_hints(op)
     progress_names = {n for n in op_names if op_hints.get(n) == Progress}  # --progress/--no-progress flags

@@ -1,17 +1,10 @@
 """Planted-fact corpora: ground truth for attribution (does a query about a fact retrieve its sources?).
 
-``build_planted_corpus`` writes a ``corpus.jsonl``: background documents (the built-in corpus, cut to
-``doc_chars``) plus short *planted* documents, each holding one sentence of a made-up fact ("The capital
-of Vornakel is Quessimar.") between two snippets of background text. To make the test discriminating
-(see shared/notes/attribution-baselines.md — exact wording turns it into a lexical-match test):
-
-- queries are **paraphrases** ("Vornakel is governed from the city of") followed by the answer, and only
-  the **answer tokens** are measured;
-- **distractor facts** share the entity but not the answer (another relation of the same entity), or the
-  relation but not the entity; they are planted as often as the facts.
-
-``relevant_sequences`` maps each fact to the training sequences that contain its sentence (its answer
-span), located in the prepared shards; ``retrieval_metrics`` gives recall@k and MRR of a score matrix.
+``build_planted_corpus`` writes background documents plus short planted documents, each holding one
+made-up fact; ``relevant_sequences`` maps each fact to the training sequences holding its answer span;
+``retrieval_metrics`` gives recall@k and MRR of a score matrix. Invariant: queries are paraphrases and
+only the answer tokens are measured, and distractor facts are planted as often as the facts, so the
+test is not a lexical match. Design: docs/attribution.md ("Planted facts").
 """
 
 from __future__ import annotations

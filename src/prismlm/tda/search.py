@@ -1,77 +1,11 @@
-"""Queries that do not scan the corpus (issue 13): approximate top-M search within long posting lists,
-then exact rescoring with the cache's own sketches.
+"""Approximate search over an attribution cache: per long posting list a maximum-inner-product index (faiss)
+proposes candidates, which are then rescored exactly with the cache's own sketches (``SearchIndex``,
+``build_search_index``; the sidecar folder ``CACHE/search``).
 
-The cache scores a query q against every unit j (training sequence, or document) as
-
-    score(q, j) = Σ_{i ∈ A_q} s_{q,i} · s_{j,i}        (s_{j,i} = 0 where j has no posting in list i),
-
-and ``AttributionCache.scores`` reads every posting of the query's active prototypes A_q: time ∝ the
-corpus. Here, per active prototype i whose list is long (more than ``SearchConfig.min_list`` postings),
-a maximum-inner-product index over that list's sketches proposes the M units j with the largest
-s_{q,i} · s_{j,i}; short lists are scanned exactly and give their own top M. The union C of the
-candidates is then rescored **exactly**: a forward index (unit → its posting rows) gives each candidate's
-postings, those of prototypes in A_q are decoded from the cache's own storage and dotted with the query
-sketches — the same per-posting products, added in the same order, as the exact scan, so a candidate's
-score equals its exact score bit for bit. Only the *candidate set* is approximate: a unit is missed when it
-is in no list's top M. With M at least the longest list (``exhaustive``) every unit with a posting in A_q
-is a candidate and ``top`` returns the exact scan's top-k.
-
-Why a per-list index and a forward index: a unit's score is a sum over prototypes, and inner-product
-search needs one vector space — each list is one (its r-dim sketches); units with large single-prototype
-contributions dominate the top of the sum in practice (the bench measures how often). The forward index
-makes rescoring cost |C| × postings per unit, independent of the corpus; decoding a delta-encoded list to
-find a candidate's position would cost the list's length.
-
-**API.** ``build_search_index(cache, SearchConfig(...), out=CACHE/search)`` → ``SearchIndex`` (one-off;
-``manifest["build_seconds"]``, ``nbytes()``); ``SearchIndex.load(path, cache)``; ``index.top(cache, query,
-num_queries, k, m=, nprobe=, ef=)`` or ``cache.top(query, num_queries, k, search=index, m=...)`` →
-(scores (Q, k) float64, ids (Q, k) int64); ``exact_top`` (= ``cache.top(..., search=None)``) is the exact
-scan's answer in the same form. Measured by ``bench/attribution_scaling.py`` (2026-12-02, revision c101a16,
-``bench/results/attribution-scaling.json``: the cpu-small run, K = 512, 10^5 → 10^7 tokens, real postings up
-to 1.57 M, synthetic above; IVF-SQ8, m = 32, nprobe = 16, 8 real queries, 1 thread on a loaded 2-core
-machine): per-query time ∝ tokens^0.34 vs ∝ tokens^0.78 for the exact scan (whose fixed costs flatten the
-fit), top-10 overlap with it 1.000 up to 3·10^6 tokens and 0.887 at 10^7 (where synthetic near-duplicates
-make the top-10 a strict test); at 10^7 tokens 0.19 s vs 0.70 s per query, a one-off 27 s build and 96
-bytes per token of sidecar next to the postings' 42.
-
-**Library** (faiss, ``faiss-cpu``, the ``search`` extra), chosen by measuring top-50 inner-product recall,
-µs per one-query call (1 thread) and build seconds on real sketches (2026-12-01, on the bank-size study's
-K = 512 run, with hnswlib and usearch installed for the comparison only; the 2026-12-02
-``library_comparison`` repeats the faiss rows on the cpu-small run: IVF-SQ8 nprobe 16 → recall 0.86). (1) The three longest lists (~12k
-postings) of the identity r = 128 float64 cache of the K = 512 cpu-small run: faiss IVF-Flat (nlist 439)
-nprobe 16 → recall 0.47–0.62, ~27 µs, build 0.4–0.5 s; faiss HNSW (M 16) ef 128 → 0.90–0.93, 80–200 µs,
-build 0.6–1.2 s; hnswlib ef 128 → 0.95–0.97, 65–490 µs, build 1.5–2.7 s; usearch → 0.90–0.93, 100–770 µs,
-build 3.6–4.6 s. (2) The same run's compact cache (pca-local r = 48, int4; ``bench/attribution_scaling.py``,
-``library_comparison`` in its JSON): IVF-SQ8 (nlist 110) nprobe 16 → 0.80, 34 µs, build 0.04 s; HNSW ef
-128 → 0.94, 80 µs, 0.37 s; hnswlib → 0.97, 53 µs, 0.94 s; usearch → 0.93, 78 µs, 1.3 s. Per-list recall
-need not be high (the final top-10 overlap with the exact scan was ≥ 0.99 with IVF-SQ8, m = 32, nprobe
-16), while the build runs over every posting of the corpus: IVF builds 10–25× faster than the graph
-indexes, the only one whose 10^7-token build takes well under a minute here. faiss gives both kinds
-(``SearchConfig.kind``), serialises to bytes, and IVF with nprobe = nlist is an exhaustive search.
-
-**IVF over the cache itself** (``SearchConfig.encoding="cache"``; the default is ``sq8``). A faiss IVF index
-keeps its own copy of every vector (IVF-SQ8: r + 8 bytes a posting, ~2× the compact cache's postings). With
-``cache`` faiss only trains the cells (``faiss.Kmeans``, the same sample, cell count and iterations as
-its IVF); each cell stores the forward-index positions of its postings (4 bytes each: the row is
-``fwd_rows[k]``, the unit the j with ``fwd_offsets[j] <= k < fwd_offsets[j+1]``), and a query scores the
-centroids, reads its ``nprobe`` best cells per list from the cache's own (quantised) storage and keeps each
-list's top M by exact contribution — every probed posting scored exactly, vectorised over the query's
-lists (``_cell_candidates``). With nprobe ≥ the cells it is an exact per-list search (tested). Measured
-(``bench/results/attribution-scaling-cache.json``): 14 bytes per token instead of IVF-SQ8's 96, but query time
-∝ tokens^0.62 instead of ^0.34 (0.84 s vs 0.19 s at 10^7 tokens, no faster than the exact scan there): each
-probed posting is gathered row by row (positions → rows → codes), where faiss scans a cell's codes
-contiguously — storing each cell's codes contiguously in the cache would make it competitive.
-
-**Sidecar** (a folder, by convention ``CACHE/search``): ``manifest.json`` (kind, format, the cache's
-fingerprint, model and shard identity, config, build seconds, bytes, sha256 of every file); for faiss
-encodings ``indexes.bin`` (the serialised faiss index of each indexed list, concatenated) and
-``index_offsets.npy`` ((K+1,) int64 byte offsets into it; an empty range: no index); for ``cache``
-``list_cells.npy`` ((K+1,) int64), ``centroids.npy`` ((C, r) float32), ``cell_offsets.npy`` ((C+1,) int64)
-and ``positions.npy`` ((P_indexed,) uint32); ``fwd_offsets.npy`` ((U+1,) int64: the
-posting rows of unit j are ``fwd_rows[fwd_offsets[j]:fwd_offsets[j+1]]``) and ``fwd_rows.npy`` ((P,)
-uint32, int64 beyond 2^32 postings, ascending within a unit). Built list by list from the memory-mapped
-sketches (one list's float32 vectors in memory at a time, plus O(P) integers for the forward index).
-Loading verifies every file and refuses (``ArtifactMismatch``) a sidecar of another cache.
+Invariant: only the candidate set is approximate — a candidate's score equals its exact-scan score bit
+for bit (the same per-posting products, added in the same order), and with ``m`` at least the longest
+list (``exhaustive_m``) the top is the exact scan's. Method, the library choice, the sidecar's files and
+the measurements: docs/attribution.md ("Approximate search").
 """
 
 from __future__ import annotations

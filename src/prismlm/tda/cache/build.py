@@ -89,6 +89,8 @@ class _Build:
     """dtype of the raw postings: float32 (float64/float16 when stored so); int8/int4/int3 encode from it."""
     widths: dict[str, int]
     """Bytes per row of each raw file."""
+    R: torch.Tensor | None = None
+    """(r, d) a projection made, not fitted (identity, orthogonal, gaussian): made before any pass."""
     tmp_dir: Path | None = None
     resumed: Resumed | None = None
     units_of: np.ndarray | None = None
@@ -181,6 +183,9 @@ def _plan(
     d, K, T = net.config.n_embd, net.prototypes.num_prototypes, net.config.block_size
     r = d if cfg.r is None else int(cfg.r)
     check_storage(cfg, r)  # before the passes, not after them
+    R = None
+    if cfg.projection not in ("pca", "pca-local"):
+        R = torch.from_numpy(make_projection(d, r, cfg.projection, cfg.seed))  # (r, d)
     n_all = shards.train.num_sequences(T)
     universe = n_all if cfg.max_sequences is None else min(n_all, cfg.max_sequences)
     if universe < 1:
@@ -198,7 +203,7 @@ def _plan(
     npdt = FLOAT_DTYPES[cfg.dtype] if cfg.dtype in FLOAT_DTYPES else np.float32
     widths = {"seq": 4, "proto": 4, "sketch": r * np.dtype(npdt).itemsize}
     out_dir = Path(out) if out is not None else None
-    return _Build(net, shards, cfg, ident, d, K, T, r, universe, start, stop, part, out_dir, started, npdt, widths)
+    return _Build(net, shards, cfg, ident, d, K, T, r, universe, start, stop, part, out_dir, started, npdt, widths, R)
 
 
 def _fit(
@@ -214,8 +219,8 @@ def _fit(
         return curvature, R, time.perf_counter() - t0 + state["curvature_seconds"]
     if curvature is None:
         curvature = sampled_curvature(b.net, b.shards, b.cfg, b.universe, progress=progress, keep=kept)
-    if projection not in ("pca", "pca-local"):
-        R = torch.from_numpy(make_projection(b.d, b.r, projection, b.cfg.seed))  # (r, d)
+    if b.R is not None:
+        R = b.R
     else:
         with eval_mode(b.net):
             pca = pca_projection(
