@@ -89,3 +89,8 @@ def test_cli_shows_the_flag_of_the_field_a_library_message_names(tiny_shards, tm
     res = CliRunner().invoke(app, ["attribute", str(run), "x", "--answer", " y", "-g", "2", *shards])
     assert res.exit_code == 2 and "--answer" in res.output and "--generate" in res.output, res.output
     assert "QuerySpec." not in res.output, res.output
+    # an operation's own parameter, named ``out`` / ``compress_from`` by the application layer
+    same = str(tmp_path / "same")
+    res = CliRunner().invoke(app, ["attribute-cache", str(run), "--compress-from", same, "--out", same, *shards])
+    assert res.exit_code == 2 and f"--out {same} is the cache being compressed (--compress-from)" in res.output
+    assert "another --out" in res.output and "`" not in res.output, res.output

@@ -58,18 +58,17 @@ def build_run_cache(
     Args:
         config: How to build it (sketch size, projection, curvature, damping, storage: dtype, prune,
             aggregate, id_encoding, …): ``AttributionConfig``, the one set of options the CLI, the cache
-            builder and the bench read. Compact (22 bytes/training token at top-10 overlap 0.82 with
-            the full method on the K=512 cpu-small run, 1.57M tokens): ``--projection pca-local --r 40
-            --dtype pq --id-encoding delta`` (int4 instead of pq: 39 bytes/token at 0.84).
+            builder and the bench read. A compact cache: projection pca-local, r 40, dtype pq, id_encoding
+            delta (docs/attribution.md).
         out: Output folder (default RUN/attribution-cache).
         shards: Token shard folder (default: the run's).
         compress_from: Re-encode this lossless cache (float32/float64, no pruning, sequence postings) with
-            the storage options (--dtype, --prune, --aggregate, --id-encoding) into --out instead of
+            the storage options (dtype, prune, aggregate, id_encoding) into ``out`` instead of
             building one: no pass over the data; the sketch and curvature options are the cache's own.
-        resume: Continue an interrupted build of --out (its OUT.build folder: the batches written, the
+        resume: Continue an interrupted build of ``out`` (its OUT.build folder: the batches written, the
             curvature and projection) instead of starting over; the same options, model and shards are
             required. Without it a left-over build folder is discarded.
-        overwrite: Replace a cache already in --out (never a run or any other folder).
+        overwrite: Replace a cache already in ``out`` (never a run or any other folder).
         progress: Show progress bars (curvature pass, postings pass).
     """
     model = run.prism_model("prototype-space attribution")
@@ -116,7 +115,7 @@ def _build_distributed(
     resume: bool = False,
 ) -> AttributionCache:
     """One torchrun process's share of ``build_run_cache`` (see there); every rank returns the cache.
-    ``resume``: every rank continues its part's build folder; a finished --out is returned as it is."""
+    ``resume``: every rank continues its part's build folder; a finished ``out`` is returned as it is."""
     if resume and (out / "manifest.json").exists() and not any(out.parent.glob(f"{out.name}.part-*")):
         return AttributionCache.load(out, model_sha256=run.identity)
     T = model.config.block_size
@@ -190,8 +189,8 @@ def compress_run_cache(
     out = out or run.folder / "attribution-cache"
     if out.resolve() == Path(source).resolve():
         raise ConfigError(
-            f"--out {out} is the cache being compressed (--compress-from)",
-            fix="write the compressed cache to another --out",
+            f"``out`` {out} is the cache being compressed (``compress_from``)",
+            fix="write the compressed cache to another ``out``",
         )
     check_out_folder(out, "attribution cache", holds=CACHE_KIND, overwrite=overwrite)
     cache = run.cache(source, shards)

@@ -1,6 +1,6 @@
 """Reports that combine operations: an explanation with the training data behind it, and an attribution
-with the explanation of the attributed text — what ``prism explain --attribute`` and ``prism attribute
---html`` render. Computed here, so a front end (the CLI, a notebook) only renders the result.
+with the explanation of the attributed text — what `prism explain` (with attribution) and `prism attribute`
+(with an HTML report) render. Computed here, so a front end (the CLI, a notebook) only renders the result.
 """
 
 from __future__ import annotations
@@ -65,17 +65,17 @@ def explain_report(
     Args:
         prompt: Text to explain (empty: the first prediction after end-of-text).
         chat: A chat message instead of a prompt: written with the model's chat template, the assistant's
-            answer is generated greedily (at most --generate tokens, default 64, ending at the end-of-turn
+            answer is generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn
             token) and its tokens are explained.
         generate: Sample N tokens after the prompt and explain them.
         index: Index folder (default RUN/index if it exists).
         use_index: Use the prototype index if there is one.
         shards: Token shard folder (default: the index's / the run's).
-        temperature: Sampling temperature for --generate (0 = greedy).
+        temperature: Sampling temperature of ``generate`` (0 = greedy).
         top_k: Sample from the top-k tokens only.
         seed: Sampling seed.
         neighbours: Training snippets per prototype card.
-        attribute: Add the top training sequences for the text (its generated part with --generate) to the
+        attribute: Add the top training sequences for the text (its generated part with ``generate``) to the
             report: prototype-space influence from the run's attribution cache (`prism attribute-cache`).
     """
     expl = explain_text(

@@ -106,10 +106,16 @@ def _config_params(
 
 
 def _field_flags(groups: dict[str, tuple[type, list[str], str]], params: list[inspect.Parameter]) -> dict[str, str]:
-    """{"Class.field": "--flag"} for every option of a config dataclass (``params``: the command's typer
-    parameters): library messages name the field, the CLI shows the flag."""
+    """{"Class.field": "--flag"} for every option of a config dataclass and {"``name``": "--flag"} for the
+    operation's other options (``params``: the command's typer parameters): library messages name the
+    field or parameter, the CLI shows the flag."""
     decls = {p.name: [d for d in (getattr(p.default, "param_decls", None) or ()) if d.startswith("--")] for p in params}
-    out = {}
+    grouped = {n for _, names, _ in groups.values() for n in names}
+    out = {  # an operation's own parameter, named ``name`` in its messages
+        f"``{p.name}``": (decls[p.name] or ["--" + p.name.replace("_", "-")])[0]
+        for p in params
+        if p.name not in grouped and isinstance(p.default, typer.models.OptionInfo)
+    }
     for cls, names, prefix in groups.values():
         for n in names:
             out[f"{cls.__name__}.{n[len(prefix) :]}"] = (decls.get(n) or ["--" + n.replace("_", "-")])[0]
@@ -117,9 +123,9 @@ def _field_flags(groups: dict[str, tuple[type, list[str], str]], params: list[in
 
 
 def _with_flags(msg: str, flags: dict[str, str]) -> str:
-    """``msg`` with each ``Class.field`` it names replaced by that field's flag."""
+    """``msg`` with each ``Class.field`` (or an operation's ````parameter````) it names replaced by its flag."""
     for name, flag in flags.items():
-        msg = re.sub(rf"\b{re.escape(name)}\b", flag, msg)
+        msg = msg.replace(name, flag) if name.startswith("`") else re.sub(rf"\b{re.escape(name)}\b", flag, msg)
     return msg
 
 
@@ -162,7 +168,7 @@ def _params(
         ):
             default = []  # an optional list becomes a repeatable option that may be absent
             annotation = next(a for a in typing.get_args(annotation) if typing.get_origin(a) is list)
-        help_text = helps.get(p.name, "")
+        help_text = helps.get(p.name, "").replace("``", "`")
         if p.name in arguments:
             info = typer.Argument(default, help=help_text)
         else:
