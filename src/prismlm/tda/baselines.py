@@ -134,10 +134,13 @@ class KronfluenceBaseline(_Scratch):
     model: PrismLM
     """The model (PRISM or the dense baseline); deep-copied, never modified."""
     shards: ShardSet
+    """The token shards; the training sequences are ``shards.train.sequence(j, T)``."""
     strategy: str = "ekfac"
     """identity, diagonal, kfac or ekfac."""
     max_sequences: int | None = None
+    """The first N training sequences only (None: all)."""
     batch_size: int = 16
+    """Sequences per batch of the factor fit and of scoring."""
     damping: float | None = None
     """None: kronfluence's heuristic (0.1 × mean eigenvalue)."""
     out_dir: str | Path | None = None
@@ -149,6 +152,7 @@ class KronfluenceBaseline(_Scratch):
     """Seed of the labels the factor fit samples from the model's softmax (true Fisher): without it, two
     fits of one model gave scores up to 14% apart. The caller's RNG state is left as it was."""
     timings: dict[str, float] = field(default_factory=dict)
+    """Seconds of each stage (factor fit, scoring), filled in as they run."""
 
     def __post_init__(self) -> None:
         from kronfluence.analyzer import Analyzer, prepare_model
@@ -299,14 +303,23 @@ class TrakBaseline(_Scratch):
     Score sign: positive = helpful, as the other methods."""
 
     model: PrismLM
+    """The model (PRISM or the dense baseline)."""
     shards: ShardSet
+    """The token shards; the training sequences are ``shards.train.sequence(j, T)``."""
     proj_dim: int = 512
+    """Dimension of the random projection of the per-sequence gradients (> 100)."""
     lambda_reg: float = 0.0
+    """Ridge term added to XᵀX (needed when proj_dim is near the number of training sequences)."""
     max_sequences: int | None = None
+    """The first N training sequences only (None: all)."""
     batch_size: int = 16
+    """Sequences per featurisation batch."""
     seed: int = 0
+    """Seed of the projector."""
     out_dir: str | Path | None = None
+    """Where TRAK writes its features and scores (default: a temporary folder)."""
     timings: dict[str, float] = field(default_factory=dict)
+    """Seconds of each stage (featurise, score), filled in as they run."""
 
     def __post_init__(self) -> None:
         from trak import TRAKer

@@ -158,6 +158,7 @@ class Curvature:
     evecs: torch.Tensor = field(init=False, repr=False)
     """(d, d) or (K, d, d)."""
     m_eff: torch.Tensor = field(init=False, repr=False)
+    """(K,) m̃_i = max(m_i, 1/tokens): the activation weight a never-active prototype is damped with."""
 
     @property
     def mode(self) -> Literal["shared", "exact"]:
@@ -399,8 +400,12 @@ class FullGradients:
     """The reference: exact block gradients of the training sequences in memory + block curvature."""
 
     train: BlockGradients
+    """The block gradients of the first ``num_train`` training sequences: one row per (sequence, active
+    prototype), grad (rows, d)."""
     curvature: Curvature | None
+    """The block curvature; None: identity (plain gradient dot products)."""
     num_train: int
+    """Training sequences scored (ids 0 … num_train − 1)."""
 
     @classmethod
     def build(

@@ -79,9 +79,14 @@ def _word(rng: random.Random, n: int, used: set[str]) -> str:
 
 @dataclass
 class PlantedFact:
+    """One made-up fact (or a distractor) planted in the corpus."""
+
     entity: str
+    """The made-up entity ("Vornakel")."""
     relation: str
+    """The relation's name ("capital")."""
     answer: str
+    """The answer the queries measure ("Quessimar")."""
     sentence: str
     """The training wording."""
     queries: list[str]
@@ -94,10 +99,14 @@ class PlantedFact:
 
 @dataclass
 class PlantedCorpus:
+    """Result of ``build_planted_corpus``: the corpus file and what was planted in it."""
+
     path: Path
     """The corpus.jsonl file."""
     facts: list[PlantedFact]
+    """The queried facts."""
     distractors: list[PlantedFact] = field(default_factory=list)
+    """Facts that share the entity or the relation but not the answer, planted as often as the facts."""
 
     def queries(self, tokenizer: Tokenizer) -> tuple[list[tuple[list[int], int]], list[int]]:
         """Query token ids + measure_from for every (fact, paraphrase), and the fact index of each."""

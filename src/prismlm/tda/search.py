@@ -86,7 +86,8 @@ def _posting_dots(cache: AttributionCache, rows: np.ndarray, sq_rows: torch.Tens
 
 
 class SearchIndex:
-    """The approximate-search sidecar of one attribution cache (see the module docstring)."""
+    """The approximate-search sidecar of one attribution cache (K lists, U units, P postings): per long
+    list a serialised faiss index or IVF cells, and the forward index unit → posting rows."""
 
     def __init__(
         self,
@@ -101,9 +102,11 @@ class SearchIndex:
         path: Path | None = None,
     ) -> None:
         self.config = config
+        """The options it was built with."""
         self.cells = cells
         """IVF cells over the cache's own postings (``encoding="cache"``); None for faiss-stored indexes."""
         self.manifest = manifest
+        """``manifest.json``: the cache's fingerprint, config, build seconds, bytes, file records."""
         self.index_offsets = index_offsets
         """(K+1,) int64: the serialised index of list i is ``blobs[index_offsets[i]:index_offsets[i+1]]``."""
         self.blobs = blobs
@@ -113,6 +116,7 @@ class SearchIndex:
         self.fwd_rows = fwd_rows
         """(P,) uint32/int64 posting rows, grouped by unit (ascending rows, hence prototypes, within one)."""
         self.path = path
+        """The sidecar's folder when loaded or saved; None in memory."""
         self._open: dict[int, Any] = {}
         self._checked: AttributionCache | None = None  # the cache last verified (held, so its id stays unique)
 

@@ -88,7 +88,8 @@ def exact_top(
 
 @dataclass
 class AttributionCache:
-    """The inverted index prototype → postings (memory-mapped) and what it needs to sketch a query."""
+    """The inverted index prototype → postings (memory-mapped) and what it needs to sketch a query: K
+    prototypes, P postings, sketch size r, d the model width."""
 
     offsets: np.ndarray
     """(K+1,) int64: postings of prototype i are rows offsets[i]:offsets[i+1]."""
@@ -100,8 +101,11 @@ class AttributionCache:
     projection: np.ndarray
     """(r, d) float64: R; ``pca-local``: (K, r, d), one basis R_i per prototype."""
     curvature: Curvature
+    """The block curvature H_i the sketches are whitened with (and a query is preconditioned with)."""
     manifest: dict[str, Any]
+    """``manifest.json``: identity, build and storage options, postings statistics, file records."""
     path: Path | None = field(default=None, compare=False)
+    """The cache's folder when it was loaded or saved; None in memory."""
     units_of: np.ndarray | None = None
     """Document aggregation: (universe,) the document of each sequence (int32, ascending); else None."""
     _query_sketcher: PostingSketcher | None = field(default=None, init=False, repr=False, compare=False)
