@@ -408,7 +408,7 @@ def test_resume_refuses_a_build_started_otherwise(trained, tiny_shards, tmp_path
     _interrupted_build(ckpt.model, tiny_shards, _RESUMED, out, monkeypatch, after=1)
     with pytest.raises(ArtifactError, match=r"cache\.build.*options") as e:
         build_cache(ckpt.model, tiny_shards, replace(_RESUMED, damping=0.3), out=out, resume=True)
-    assert "without --resume" in str(e.value)
+    assert "without resuming" in str(e.value)
     with pytest.raises(ConfigError, match="output folder"):
         build_cache(ckpt.model, tiny_shards, _RESUMED, resume=True)
     fresh = build_cache(ckpt.model, tiny_shards, replace(_RESUMED, damping=0.3), out=out)  # no --resume: start over

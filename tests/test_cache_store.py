@@ -17,7 +17,7 @@ from prismlm import AttributionConfig
 from prismlm.artifacts import file_records
 from prismlm.errors import ArtifactCorrupt, ArtifactError, ConfigError
 from prismlm.tda import cache as cache_mod
-from prismlm.tda.attribute import attribute
+from prismlm.tda.attribute import QuerySpec, SearchSpec, attribute
 from prismlm.tda.cache import (
     AttributionCache,
     DeltaIds,
@@ -186,7 +186,7 @@ def test_product_quantisation_by_hand():
     np.testing.assert_allclose(
         PQSketches(pq_encode(z, cb3), np.ones(len(z), np.float16), 1.0, cb3).gather(rows), z, rtol=1e-6, atol=1e-7
     )
-    with pytest.raises(ConfigError, match="--pq-dims"):
+    with pytest.raises(ConfigError, match="AttributionConfig.pq_dims"):
         pq_layout(10, 4)
 
 
@@ -416,7 +416,7 @@ def test_product_quantised_postings(tiny, tiny_shards, tmp_path):
     with pytest.raises(ArtifactCorrupt, match="sketch_codebook"):
         AttributionCache.load(tmp_path / "pq")
     f.write_bytes(good)
-    with pytest.raises(ConfigError, match="--pq-dims"):  # refused before any pass over the data
+    with pytest.raises(ConfigError, match="AttributionConfig.pq_dims"):  # refused before any pass over the data
         build_cache(tiny.net, tiny_shards, _cfg(dtype="pq", pq_dims=3), curvature=tiny.curv)
 
 
@@ -469,7 +469,15 @@ def test_compact_cache_on_disk_round_trip_verified_and_memory_mapped(tiny, tiny_
     assert torch.equal(back3.scores(tiny.q, tiny.Q), c3.scores(tiny.q, tiny.Q))
     assert not torch.equal(back3.scores(tiny.q, tiny.Q), back.scores(tiny.q, tiny.Q))
     # attribute() ranks documents, each shown through its first sequence
-    res = attribute(tiny.ckpt.model, tiny.tok, "The President said", " that the", cache=back, shards=tiny_shards, top=3)
+    res = attribute(
+        tiny.ckpt.model,
+        tiny.tok,
+        "The President said",
+        QuerySpec(answer=" that the"),
+        source=back,
+        shards=tiny_shards,
+        search=SearchSpec(top=3),
+    )
     p_ids, c_ids = tiny.tok.encode("The President said"), tiny.tok.encode(" that the")
     s = back.scores(query_gradients(tiny.ckpt.model, [([tiny.tok.eot_id] + p_ids + c_ids, 1 + len(p_ids))]), 1)[0]
     order = np.lexsort((np.arange(back.num_train), -s.numpy()))[:3]

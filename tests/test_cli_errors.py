@@ -23,6 +23,7 @@ from prismlm.errors import (
     ShardError,
     SuppressionError,
 )
+from prismlm.tda.attribute import SearchSpec
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +309,9 @@ def test_text_that_is_not_valid_unicode_is_handled_everywhere(tiny_run, tiny_sha
         shards=tiny_shards.root,
         progress=False,
     )
-    res = ops.attribute_text(run, "The \udcff sea", cache=tmp_path / "cache", shards=tiny_shards.root, top=2)
+    res = ops.attribute_text(
+        run, "The \udcff sea", search=SearchSpec(top=2), cache=tmp_path / "cache", shards=tiny_shards.root
+    )
     assert res.top
     out = _run("explain", str(tiny_run), "lone \udcff surrogate", "--no-index")
     assert out.exit_code == 0, out.output
@@ -372,7 +375,7 @@ def test_fuzzed_text_never_crashes_explain_or_generate(tiny_run):
         (["index", "{run}", "--max-sequences", "0"], "--max-sequences"),
         (["attribute", "{run}", "x", "--top", "0"], "--top"),
         (["attribute", "{run}", "x", "--completion", "0"], "--completion"),
-        (["attribute", "{run}", "x", "--rescore", "trak"], "none, ekfac or gradient"),
+        (["attribute", "{run}", "x", "--rescore", "trak"], "'none', 'ekfac', 'gradient'"),
         (["attribute", "{run}", "x", "--rescore", "gradient", "--rescore-top", "0"], "--rescore-top"),
         (["concept", "{run}", "--concept", "c", "--neutral", "n", "--min-purity", "2"], "--min-purity"),
         (["controller", "fit", "{run}", "--task", "t", "--steps", "0"], "--steps"),

@@ -205,15 +205,28 @@ def test_report_operations_compute_what_the_cli_renders(hf_run, tmp_path):
     from prismlm.app.reports import attribute_report, explain_report
     from prismlm.cli import app as cli_app
     from prismlm.config import AttributionConfig
+    from prismlm.tda.attribute import QuerySpec, SearchSpec
 
     run = Run.open(hf_run, device="cpu")
     rep = attribute_report(
-        run, "The people of the United States", completion=2, method="full", max_sequences=16, top=3, explain=True
+        run,
+        "The people of the United States",
+        QuerySpec(completion=2),
+        SearchSpec(top=3, method="full", max_sequences=16),
+        explain=True,
     )
-    ref = attribute_text(run, "The people of the United States", completion=2, method="full", max_sequences=16, top=3)
+    ref = attribute_text(
+        run,
+        "The people of the United States",
+        QuerySpec(completion=2),
+        SearchSpec(top=3, method="full", max_sequences=16),
+    )
     assert [t.sequence for t in rep.attribution.top] == [t.sequence for t in ref.top]
     assert rep.explanation is not None and rep.explanation.text == ref.prompt + ref.completion
-    assert attribute_report(run, "The people", method="full", max_sequences=8, top=2).explanation is None
+    assert (
+        attribute_report(run, "The people", search=SearchSpec(top=2, method="full", max_sequences=8)).explanation
+        is None
+    )
     assert explain_report(run, "The people of").attribution is None
     build_run_cache(run, AttributionConfig(max_sequences=16), progress=False)
     run = Run.open(hf_run, device="cpu")

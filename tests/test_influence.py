@@ -15,6 +15,8 @@ from conftest import train_tiny_run
 from prismlm import AttributionConfig, RunConfig
 from prismlm.artifacts import model_identity
 from prismlm.errors import ArtifactError, ArtifactMismatch
+from prismlm.tda.attribute import QuerySpec as Q
+from prismlm.tda.attribute import SearchSpec as S
 from prismlm.tda.attribute import attribute
 from prismlm.tda.cache import AttributionCache, build_cache, merge_caches
 from prismlm.tda.influence import (
@@ -248,8 +250,12 @@ def test_attribute_api_full_and_cached_agree(trained, tiny_shards):
     cache = build_cache(
         net, tiny_shards, AttributionConfig(max_sequences=N_SEQ, batch_size=8), curvature=full.curvature
     )
-    a = attribute(net, tok, "The President said", " that the", full=full, shards=tiny_shards, top=5)
-    b = attribute(net, tok, "The President said", " that the", cache=cache, shards=tiny_shards, top=5)
+    a = attribute(
+        net, tok, "The President said", Q(answer=" that the"), source=full, shards=tiny_shards, search=S(top=5)
+    )
+    b = attribute(
+        net, tok, "The President said", Q(answer=" that the"), source=cache, shards=tiny_shards, search=S(top=5)
+    )
     assert [x.sequence for x in a.top] == [x.sequence for x in b.top]
     assert a.measured_tokens == len(ckpt.tokenizer.encode(" that the"))
     for x in a.top:
@@ -257,7 +263,7 @@ def test_attribute_api_full_and_cached_agree(trained, tiny_shards):
             sum(p["contribution"] for p in x.prototypes) == pytest.approx(x.score, rel=1e-4) or len(x.prototypes) == 5
         )
         assert "⟦" in x.snippet and x.doc_id is not None
-    g = attribute(net, tok, "The", cache=cache, generate=3, top=3)
+    g = attribute(net, tok, "The", Q(generate=3), source=cache, search=S(top=3))
     assert g.completion and g.measured_tokens == 3 and len(g.top) == 3
 
 

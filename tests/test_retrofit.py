@@ -327,11 +327,20 @@ def test_downstream_operations_work_on_a_retrofitted_hf_backbone(retrofitted):
     # training-data attribution in prototype space, exact (full) and through the postings cache
     from prismlm.app import attribute_text, build_run_cache
     from prismlm.config import AttributionConfig
+    from prismlm.tda.attribute import QuerySpec, SearchSpec
 
-    full = attribute_text(run, "The people of the United States", completion=2, method="full", max_sequences=16, top=3)
+    full = attribute_text(
+        run,
+        "The people of the United States",
+        QuerySpec(completion=2),
+        SearchSpec(top=3, method="full", max_sequences=16),
+    )
     build_run_cache(run, AttributionConfig(max_sequences=16), progress=False)
     cached = attribute_text(
-        Run.open(retrofitted["llama"], device="cpu"), "The people of the United States", completion=2, top=3
+        Run.open(retrofitted["llama"], device="cpu"),
+        "The people of the United States",
+        QuerySpec(completion=2),
+        SearchSpec(top=3),
     )
     assert len(full.top) == 3 and [t.sequence for t in full.top] == [t.sequence for t in cached.top]
     # suppression removes exactly the suppressed prototype's slice from the logit it contributed to

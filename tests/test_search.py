@@ -231,6 +231,7 @@ def test_attribute_with_the_search_index_from_the_cli_and_the_app(tiny_shards, t
 
     from prismlm.app import Run, attribute_text, build_run_search
     from prismlm.cli.main import app
+    from prismlm.tda.attribute import SearchSpec
 
     _, run_dir = train_tiny_run(tiny_shards, tmp_path / "run", steps=20, batch_size=4, warmup_steps=2)
     r = CliRunner()
@@ -263,11 +264,13 @@ def test_attribute_with_the_search_index_from_the_cli_and_the_app(tiny_shards, t
 
     run = Run.open(run_dir, device="cpu")
     shards = tiny_shards.root
-    exact = attribute_text(run, text[0], top=20, search="exact", shards=shards)
+    exact = attribute_text(run, text[0], search=SearchSpec(top=20, search="exact"), shards=shards)
     side = run.search(shards_dir=shards, required=True)
     assert side is not None
     every = side.exhaustive_m(run.cache(shards_dir=shards))
-    approx = attribute_text(run, text[0], top=20, search="approximate", candidates=every, nprobe=10**6, shards=shards)
+    approx = attribute_text(
+        run, text[0], search=SearchSpec(top=20, search="approximate", candidates=every, nprobe=10**6), shards=shards
+    )
     assert exact.method == "cached" and approx.method == "cached-search"
     assert [(a.sequence, a.score, a.prototypes, a.snippet) for a in approx.top] == [
         (a.sequence, a.score, a.prototypes, a.snippet) for a in exact.top
@@ -276,9 +279,11 @@ def test_attribute_with_the_search_index_from_the_cli_and_the_app(tiny_shards, t
     cache = run.cache(shards_dir=shards)
     full = {
         a.sequence: a.score
-        for a in attribute_text(run, text[0], top=cache.num_train, search="exact", shards=shards).top
+        for a in attribute_text(run, text[0], search=SearchSpec(top=cache.num_train, search="exact"), shards=shards).top
     }
-    small = attribute_text(run, text[0], top=10, candidates=1, nprobe=1, shards=shards)  # auto: the sidecar
+    small = attribute_text(
+        run, text[0], search=SearchSpec(top=10, candidates=1, nprobe=1), shards=shards
+    )  # auto: the sidecar
     assert small.method == "cached-search" and len(small.top) == 10
     assert all(a.score == full[a.sequence] for a in small.top), [
         (a.sequence, a.score, full[a.sequence]) for a in small.top

@@ -253,11 +253,18 @@ def test_attribute_rescored_reranks_the_cached_candidates(cached_run, tiny_shard
     their whole-network gradient dot products with the query (``WholeNetworkGradients``, checked against
     autograd above), their scores those dot products."""
     from prismlm.app import attribute_text
-    from prismlm.tda.attribute import make_query
+    from prismlm.tda.attribute import QuerySpec, Rescoring, SearchSpec, make_query
 
     run, text = cached_run, "The President said that"
-    base = attribute_text(run, text, completion=2, top=8, shards=tiny_shards.root)
-    hyb = attribute_text(run, text, completion=2, top=5, rescore="gradient", rescore_top=8, shards=tiny_shards.root)
+    base = attribute_text(run, text, QuerySpec(completion=2), SearchSpec(top=8), shards=tiny_shards.root)
+    hyb = attribute_text(
+        run,
+        text,
+        QuerySpec(completion=2),
+        SearchSpec(top=5),
+        Rescoring("gradient", candidates=8),
+        shards=tiny_shards.root,
+    )
     cands = [it.sequence for it in base.top]
     wn = WholeNetworkGradients(run.model, tiny_shards, memo=False)
     ids, start = make_query(run.tokenizer, text, completion_tokens=2)
@@ -275,19 +282,23 @@ def test_attribute_rescored_by_ekfac_fits_factors_once(cached_run, tiny_shards):
     into RUN/attribution-factors and reused by the next query."""
     pytest.importorskip("kronfluence")
     from prismlm.app import attribute_text
-    from prismlm.tda.attribute import make_query
+    from prismlm.tda.attribute import QuerySpec, Rescoring, SearchSpec, make_query
     from prismlm.tda.baselines import KronfluenceBaseline
 
     run, text = cached_run, "The President said that"
-    hyb = attribute_text(run, text, completion=2, top=4, rescore="ekfac", rescore_top=6, shards=tiny_shards.root)
+    hyb = attribute_text(
+        run, text, QuerySpec(completion=2), SearchSpec(top=4), Rescoring("ekfac", candidates=6), shards=tiny_shards.root
+    )
     factors = [f for f in (run.folder / "attribution-factors").rglob("*") if f.is_file() and "factors_" in str(f)]
     assert factors and hyb.method == "cached+ekfac"
     stamps = {f: f.stat().st_mtime_ns for f in factors}
-    again = attribute_text(run, text, completion=2, top=4, rescore="ekfac", rescore_top=6, shards=tiny_shards.root)
+    again = attribute_text(
+        run, text, QuerySpec(completion=2), SearchSpec(top=4), Rescoring("ekfac", candidates=6), shards=tiny_shards.root
+    )
     assert {f: f.stat().st_mtime_ns for f in factors} == stamps  # reused, not refitted
     assert [it.sequence for it in again.top] == [it.sequence for it in hyb.top]
     assert not list((run.folder / "attribution-factors").rglob("scores_*"))  # per-query scores are not kept
-    base = attribute_text(run, text, completion=2, top=6, shards=tiny_shards.root)
+    base = attribute_text(run, text, QuerySpec(completion=2), SearchSpec(top=6), shards=tiny_shards.root)
     # the same factors (kronfluence samples the labels it fits them with: a new fit differs)
     folder = next((run.folder / "attribution-factors").iterdir())
     kb = KronfluenceBaseline(

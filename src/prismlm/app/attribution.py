@@ -1,8 +1,10 @@
-"""Training-data attribution operations: build the postings cache, attribute a text to training sequences."""
+"""Training-data attribution operations: build the postings cache (one process or torchrun) and its search
+sidecar, attribute a text to training sequences (``attribute_text``, taking ``QuerySpec``, ``SearchSpec``
+and ``Rescoring``). Method and measurements: docs/attribution.md.
+"""
 
 from __future__ import annotations
 
-import math
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -10,13 +12,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prismlm.app.run import Run, require
+from prismlm.app.run import Run
 from prismlm.artifacts import check_out_folder
 from prismlm.config import AttributionConfig, SearchConfig
 from prismlm.errors import ArtifactError, ConfigError, DependencyError
 from prismlm.explain import Explanation
 from prismlm.progress import Progress, Reporter
-from prismlm.tda.attribute import Attribution, Rescorer, attribute
+from prismlm.tda.attribute import Attribution, QuerySpec, Rescorer, Rescoring, SearchSpec, attribute
 from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.tda.cache import AttributionCache, build_cache, compress_cache, merge_caches
 from prismlm.tda.influence import FullGradients
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
 
 DEFAULT_ATTRIBUTION = AttributionConfig()
 DEFAULT_SEARCH = SearchConfig()
+DEFAULT_QUERY = QuerySpec()
+DEFAULT_SEARCH_SPEC = SearchSpec()
+NO_RESCORING = Rescoring()
 
 
 def build_run_cache(
@@ -53,18 +58,17 @@ def build_run_cache(
     Args:
         config: How to build it (sketch size, projection, curvature, damping, storage: dtype, prune,
             aggregate, id_encoding, …): ``AttributionConfig``, the one set of options the CLI, the cache
-            builder and the bench read. Compact (22 bytes/training token at top-10 overlap 0.82 with
-            the full method on the K=512 cpu-small run, 1.57M tokens): ``--projection pca-local --r 40
-            --dtype pq --id-encoding delta`` (int4 instead of pq: 39 bytes/token at 0.84).
+            builder and the bench read. A compact cache: projection pca-local, r 40, dtype pq, id_encoding
+            delta (docs/attribution.md).
         out: Output folder (default RUN/attribution-cache).
         shards: Token shard folder (default: the run's).
         compress_from: Re-encode this lossless cache (float32/float64, no pruning, sequence postings) with
-            the storage options (--dtype, --prune, --aggregate, --id-encoding) into --out instead of
+            the storage options (dtype, prune, aggregate, id_encoding) into ``out`` instead of
             building one: no pass over the data; the sketch and curvature options are the cache's own.
-        resume: Continue an interrupted build of --out (its OUT.build folder: the batches written, the
+        resume: Continue an interrupted build of ``out`` (its OUT.build folder: the batches written, the
             curvature and projection) instead of starting over; the same options, model and shards are
             required. Without it a left-over build folder is discarded.
-        overwrite: Replace a cache already in --out (never a run or any other folder).
+        overwrite: Replace a cache already in ``out`` (never a run or any other folder).
         progress: Show progress bars (curvature pass, postings pass).
     """
     model = run.prism_model("prototype-space attribution")
@@ -111,7 +115,7 @@ def _build_distributed(
     resume: bool = False,
 ) -> AttributionCache:
     """One torchrun process's share of ``build_run_cache`` (see there); every rank returns the cache.
-    ``resume``: every rank continues its part's build folder; a finished --out is returned as it is."""
+    ``resume``: every rank continues its part's build folder; a finished ``out`` is returned as it is."""
     if resume and (out / "manifest.json").exists() and not any(out.parent.glob(f"{out.name}.part-*")):
         return AttributionCache.load(out, model_sha256=run.identity)
     T = model.config.block_size
@@ -185,8 +189,8 @@ def compress_run_cache(
     out = out or run.folder / "attribution-cache"
     if out.resolve() == Path(source).resolve():
         raise ConfigError(
-            f"--out {out} is the cache being compressed (--compress-from)",
-            fix="write the compressed cache to another --out",
+            f"``out`` {out} is the cache being compressed (``compress_from``)",
+            fix="write the compressed cache to another ``out``",
         )
     check_out_folder(out, "attribution cache", holds=CACHE_KIND, overwrite=overwrite)
     cache = run.cache(source, shards)
@@ -239,7 +243,7 @@ class _EkfacRescorer:
             import kronfluence  # noqa: F401
         except ImportError as e:
             raise DependencyError(
-                f"--rescore ekfac needs the kronfluence package ({e})", fix="pip install 'prismlm[attribution]'"
+                f"Rescoring.method ekfac needs the kronfluence package ({e})", fix="pip install 'prismlm[attribution]'"
             ) from e
         from prismlm.tda.baselines import KronfluenceBaseline
 
@@ -268,117 +272,61 @@ class _GradientRescorer:
         return self.wn.dot(self.wn.query(*query), train_ids).numpy()
 
 
+def _rescorer(run: Run, rescoring: Rescoring, shard_set: ShardSet, num_train: int) -> Rescorer | None:
+    """The whole-network score ``rescoring.method`` names, or None for ``none``."""
+    if rescoring.method == "ekfac":
+        return _EkfacRescorer(run, shard_set, num_train)
+    return _GradientRescorer(run, shard_set) if rescoring.method == "gradient" else None
+
+
 def attribute_text(
     run: Run,
     text: str,
+    query: QuerySpec = DEFAULT_QUERY,
+    search: SearchSpec = DEFAULT_SEARCH_SPEC,
+    rescoring: Rescoring = NO_RESCORING,
     *,
-    answer: str | None = None,
-    completion: int | None = None,
-    generate: int = 0,
-    top: int = 10,
-    method: str = "cached",
     cache: Path | None = None,
-    search: str = "auto",
-    candidates: int = 32,
-    nprobe: int = 16,
-    rescore: str = "none",
-    rescore_top: int = 128,
     shards: Path | None = None,
-    max_sequences: int | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
     token_ids: list[int] | None = None,
 ) -> Attribution:
     """The training sequences that most influenced TEXT (or its completion), with the prototypes that
     connect them and snippets.
 
     Args:
-        text: Prompt (or prompt + completion with --completion N).
-        answer: A completion to attribute: only its tokens are measured.
-        completion: Measure only the last N tokens of TEXT.
-        generate: Generate N tokens after TEXT and attribute them.
-        top: Training sequences to show.
-        method: cached (postings cache) or full (exact block gradients).
+        text: Prompt (or prompt + completion, measuring its last tokens).
+        query: What of the text is measured: an answer, its last tokens or generated tokens (``QuerySpec``).
+        search: How the top sequences are found and how many are shown: the cache (its exact scan or its
+            search index, CACHE/search from `prism attribute-search`) or the full block gradients
+            (``SearchSpec``).
+        rescoring: The hybrid: re-rank the best sequences by prototype space with a whole-network score,
+            EK-FAC (factors fitted once per run into RUN/attribution-factors, then reused) or gradient dot
+            products (``Rescoring``; what it buys: docs/attribution.md).
         cache: Cache folder (default RUN/attribution-cache).
-        search: --method cached: auto (the cache's search index, CACHE/search from `prism attribute-search`,
-            when it exists, else the exact scan), exact (scan every posting of the query's prototypes) or
-            approximate (the search index, required).
-        candidates: Approximate search: sequences proposed per long posting list, then rescored exactly.
-        nprobe: Approximate search (IVF): cells probed per list.
-        rescore: The hybrid: re-rank the --rescore-top best sequences by prototype space with a
-            whole-network score — none, ekfac (kronfluence EK-FAC; factors fitted once per run into
-            RUN/attribution-factors, then reused; pip install 'prismlm[attribution]') or gradient
-            (whole-network gradient dot products). On the bench model EK-FAC on the top 32 / 128 / 512
-            raised LDS from 0.13 (the compact cache) to 0.16 / 0.19 / 0.21 (EK-FAC alone 0.23) at 1.0 /
-            1.1 / 1.8 s a query (docs/results.md).
-        rescore_top: Candidates re-scored per query (--rescore).
         shards: Token shard folder (default: the cache's / the run's).
-        max_sequences: --method full: first N training sequences only.
-        temperature: Sampling temperature for --generate (0 = greedy).
-        seed: Sampling seed.
         token_ids: Attribute exactly these token ids (library use; the text is then only a label).
     """
-    require(top >= 1, "--top", ">= 1", top)
-    require(completion is None or completion >= 1, "--completion", ">= 1", completion)
-    require(generate >= 0, "--generate", ">= 0", generate)
-    require(max_sequences is None or max_sequences >= 1, "--max-sequences", ">= 1", max_sequences)
-    require(search in ("auto", "exact", "approximate"), "--search", "auto, exact or approximate", search)
-    require(candidates >= 1, "--candidates", ">= 1", candidates)
-    require(nprobe >= 1, "--nprobe", ">= 1", nprobe)
-    require(rescore in ("none", "ekfac", "gradient"), "--rescore", "none, ekfac or gradient", rescore)
-    require(rescore_top >= 1, "--rescore-top", ">= 1", rescore_top)
-    require(math.isfinite(temperature) and temperature >= 0, "--temperature", "a finite number >= 0", temperature)
     run.prism_model("prototype-space attribution")
-    if sum(x is not None and x != 0 for x in (answer, completion, generate)) > 1:
-        raise ConfigError("use at most one of --answer, --completion and --generate")
-    if method not in ("cached", "full"):
-        raise ConfigError(f"--method must be cached or full, got {method!r}")
-
-    def rescorer(shard_set: ShardSet, num_train: int) -> Rescorer | None:
-        if rescore == "ekfac":
-            return _EkfacRescorer(run, shard_set, num_train)
-        return _GradientRescorer(run, shard_set) if rescore == "gradient" else None
-
-    if method == "cached":
+    if search.method == "cached":
         c = run.cache(cache, shards)
-        sidecar = None if search == "exact" else run.search(cache, shards, required=search == "approximate")
+        index = None if search.search == "exact" else run.search(cache, shards, required=search.search == "approximate")
         shard_set = run.shards(shards, c.manifest.get("shards_root"))
-        return attribute(
-            run.model,
-            run.tokenizer,
-            text,
-            answer,
-            shards=shard_set,
-            completion_tokens=completion,
-            generate=generate,
-            top=top,
-            temperature=temperature,
-            seed=seed,
-            token_ids=token_ids,
-            cache=c,
-            search=sidecar,
-            candidates=candidates,
-            nprobe=nprobe,
-            rescorer=rescorer(shard_set, c.num_train),
-            rescore_top=rescore_top,
-        )
-    shard_set = run.shards(shards)
-    full = FullGradients.build(run.model, shard_set, max_sequences=max_sequences)
+        source: AttributionCache | FullGradients = c
+    else:
+        shard_set = run.shards(shards)
+        source, index = FullGradients.build(run.model, shard_set, max_sequences=search.max_sequences), None
     return attribute(
         run.model,
         run.tokenizer,
         text,
-        answer,
+        query,
+        source=source,
+        search=search,
+        index=index,
+        rescorer=_rescorer(run, rescoring, shard_set, source.num_train),
+        rescoring=rescoring,
         shards=shard_set,
-        completion_tokens=completion,
-        generate=generate,
-        top=top,
-        temperature=temperature,
-        seed=seed,
         token_ids=token_ids,
-        full=full,
-        rescorer=rescorer(shard_set, full.num_train),
-        rescore_top=rescore_top,
     )
 
 
@@ -389,12 +337,18 @@ def attribute_explanation(run: Run, expl: Explanation, *, shards: Path | None = 
     if expl.prompt_tokens is not None or len(ids) < 2:  # a generation ends with its last sampled token
         ids.append(expl.positions[-1].next_id)
     completion = len(ids) - expl.prompt_tokens if expl.prompt_tokens is not None else None
-    return attribute_text(run, expl.text, completion=completion or None, shards=shards, token_ids=ids)
+    return attribute_text(run, expl.text, QuerySpec(completion=completion or None), shards=shards, token_ids=ids)
 
 
 __all__ = [
     "DEFAULT_ATTRIBUTION",
+    "DEFAULT_QUERY",
     "DEFAULT_SEARCH",
+    "DEFAULT_SEARCH_SPEC",
+    "NO_RESCORING",
+    "QuerySpec",
+    "Rescoring",
+    "SearchSpec",
     "attribute_explanation",
     "attribute_text",
     "build_run_cache",

@@ -1,24 +1,10 @@
 """Token search over the prototype bank: which prototypes have to do with a token (the explorer's map
-search "as a token").
+search "as a token"), with tables built once per opened run (``TokenSearch``).
 
-A prototype **matches** a token when
-
-- the token is among the ``signature_top`` largest entries of its signature W p_i (it pushes that token
-  among its strongest), or
-- the token occurs in one of its nearest training contexts (the prototype index's top-N, over all
-  tokens): as the marked target — the token predicted there — or as the token before it, the last one the
-  model saw (needs an index with shards).
-
-Why not "every prototype, ranked by (W p_i)_token": that answers every query with all K prototypes, and
-a token a prototype is *about* (it sits in its contexts) need not be one it pushes — on a corpus of
-presidential speeches " President" is in the contexts of the prototypes that fire around it, not at the
-top of their signatures. Matches are ordered by the number of contexts holding the token, then by the
-token's rank in the signature.
-
-The two tables are built once per opened run (``TokenSearch``): the top signature tokens of every
-prototype (K × V in blocks of ``_BLOCK_ELEMS`` entries, never at once; 54 s for K = 16,384, V = 49,152,
-d = 576 on 2 busy CPU threads, then ~0.1 s per search) and the two tokens of every nearest context (one
-gather from the shard).
+A prototype matches a token when the token is among the ``signature_top`` largest entries of its
+signature W p_i, or occurs (as the target or the token before it) in one of its nearest training
+contexts; matches are ordered by contexts holding the token, then by signature rank. Why, and what the
+tables cost: docs/attribution.md ("Token search over the bank").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Reports that combine operations: an explanation with the training data behind it, and an attribution
-with the explanation of the attributed text — what ``prism explain --attribute`` and ``prism attribute
---html`` render. Computed here, so a front end (the CLI, a notebook) only renders the result.
+with the explanation of the attributed text — what `prism explain` (with attribution) and `prism attribute`
+(with an HTML report) render. Computed here, so a front end (the CLI, a notebook) only renders the result.
 """
 
 from __future__ import annotations
@@ -9,11 +9,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prismlm.app.attribution import attribute_explanation, attribute_text
+from prismlm.app.attribution import (
+    DEFAULT_QUERY,
+    DEFAULT_SEARCH_SPEC,
+    NO_RESCORING,
+    attribute_explanation,
+    attribute_text,
+)
 from prismlm.app.operations import explain_text
 from prismlm.app.run import Run
 from prismlm.explain import Explanation
 from prismlm.tda import Attribution
+from prismlm.tda.attribute import QuerySpec, Rescoring, SearchSpec
 
 __all__ = ["AttributionReport", "ExplanationReport", "attribute_report", "explain_report"]
 
@@ -58,17 +65,17 @@ def explain_report(
     Args:
         prompt: Text to explain (empty: the first prediction after end-of-text).
         chat: A chat message instead of a prompt: written with the model's chat template, the assistant's
-            answer is generated greedily (at most --generate tokens, default 64, ending at the end-of-turn
+            answer is generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn
             token) and its tokens are explained.
         generate: Sample N tokens after the prompt and explain them.
         index: Index folder (default RUN/index if it exists).
         use_index: Use the prototype index if there is one.
         shards: Token shard folder (default: the index's / the run's).
-        temperature: Sampling temperature for --generate (0 = greedy).
+        temperature: Sampling temperature of ``generate`` (0 = greedy).
         top_k: Sample from the top-k tokens only.
         seed: Sampling seed.
         neighbours: Training snippets per prototype card.
-        attribute: Add the top training sequences for the text (its generated part with --generate) to the
+        attribute: Add the top training sequences for the text (its generated part with ``generate``) to the
             report: prototype-space influence from the run's attribution cache (`prism attribute-cache`).
     """
     expl = explain_text(
@@ -90,69 +97,24 @@ def explain_report(
 def attribute_report(
     run: Run,
     text: str,
+    query: QuerySpec = DEFAULT_QUERY,
+    search: SearchSpec = DEFAULT_SEARCH_SPEC,
+    rescoring: Rescoring = NO_RESCORING,
     *,
-    answer: str | None = None,
-    completion: int | None = None,
-    generate: int = 0,
-    top: int = 10,
-    method: str = "cached",
     cache: Path | None = None,
-    search: str = "auto",
-    candidates: int = 32,
-    nprobe: int = 16,
-    rescore: str = "none",
-    rescore_top: int = 128,
     shards: Path | None = None,
-    max_sequences: int | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
     explain: bool = False,
 ) -> AttributionReport:
     """The training sequences that most influenced TEXT (or its completion), with the prototypes that
-    connect them and snippets.
+    connect them and snippets (``attribute_text``, which takes the same arguments), and on request the
+    explanation of the attributed text.
 
     Args:
-        text: Prompt (or prompt + completion with --completion N).
-        answer: A completion to attribute: only its tokens are measured.
-        completion: Measure only the last N tokens of TEXT.
-        generate: Generate N tokens after TEXT and attribute them.
-        top: Training sequences to show.
-        method: cached (postings cache) or full (exact block gradients).
+        text: Prompt (or prompt + completion, measuring its last tokens).
         cache: Cache folder (default RUN/attribution-cache).
-        search: --method cached: auto (the cache's search index, CACHE/search from `prism attribute-search`,
-            when it exists, else the exact scan), exact (scan every posting of the query's prototypes) or
-            approximate (the search index, required).
-        candidates: Approximate search: sequences proposed per long posting list, then rescored exactly.
-        nprobe: Approximate search (IVF): cells probed per list.
-        rescore: The hybrid: re-rank the --rescore-top best sequences by prototype space with a
-            whole-network score — none, ekfac (kronfluence EK-FAC; factors fitted once per run into
-            RUN/attribution-factors, then reused; pip install 'prismlm[attribution]') or gradient
-            (whole-network gradient dot products). See ``attribute_text``.
-        rescore_top: Candidates re-scored per query (--rescore).
         shards: Token shard folder (default: the cache's / the run's).
-        max_sequences: --method full: first N training sequences only.
-        temperature: Sampling temperature for --generate (0 = greedy).
-        seed: Sampling seed.
         explain: Also explain the attributed text (prompt + completion), with the index if there is one.
     """
-    att = attribute_text(
-        run,
-        text,
-        answer=answer,
-        completion=completion,
-        generate=generate,
-        top=top,
-        method=method,
-        cache=cache,
-        search=search,
-        candidates=candidates,
-        nprobe=nprobe,
-        rescore=rescore,
-        rescore_top=rescore_top,
-        shards=shards,
-        max_sequences=max_sequences,
-        temperature=temperature,
-        seed=seed,
-    )
+    att = attribute_text(run, text, query, search, rescoring, cache=cache, shards=shards)
     expl = explain_text(run, att.prompt + att.completion, shards=shards) if explain else None
     return AttributionReport(att, expl)

@@ -83,9 +83,12 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _config_params(name: str, cls: type, default: object, decls: dict[str, list[str]]) -> list[inspect.Parameter]:
+def _config_params(
+    name: str, cls: type, default: object, decls: dict[str, list[str]], prefix: str = ""
+) -> list[inspect.Parameter]:
     """One option per field of the config dataclass ``cls`` (help from the field's docstring; the flag
-    named in it as (``--flag``) if any), defaults from ``default`` (an instance) or ``cls()``."""
+    named in it as (``--flag``) if any), defaults from ``default`` (an instance) or ``cls()``. ``prefix``
+    (e.g. ``rescoring_``) goes before each field's name, for fields whose names another group also uses."""
     base = default if isinstance(default, cls) else cls()
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
@@ -93,11 +96,37 @@ def _config_params(name: str, cls: type, default: object, decls: dict[str, list[
     for f in dataclasses.fields(cls):
         doc = docs.get(f.name, "")
         flag = re.search(r"\(``(--[\w-]+)``\)", doc)
-        names = decls.get(f.name) or ([flag.group(1)] if flag else [])
+        names = decls.get(prefix + f.name) or ([flag.group(1)] if flag else [])
         help_text = re.sub(r"\s*\(``--[\w-]+``\)", "", doc).replace("``", "`")
         info = typer.Option(getattr(base, f.name), *names, help=help_text)
-        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=hints[f.name]))
+        out.append(
+            inspect.Parameter(prefix + f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=hints[f.name])
+        )
     return out
+
+
+def _field_flags(groups: dict[str, tuple[type, list[str], str]], params: list[inspect.Parameter]) -> dict[str, str]:
+    """{"Class.field": "--flag"} for every option of a config dataclass and {"``name``": "--flag"} for the
+    operation's other options (``params``: the command's typer parameters): library messages name the
+    field or parameter, the CLI shows the flag."""
+    decls = {p.name: [d for d in (getattr(p.default, "param_decls", None) or ()) if d.startswith("--")] for p in params}
+    grouped = {n for _, names, _ in groups.values() for n in names}
+    out = {  # an operation's own parameter, named ``name`` in its messages
+        f"``{p.name}``": (decls[p.name] or ["--" + p.name.replace("_", "-")])[0]
+        for p in params
+        if p.name not in grouped and isinstance(p.default, typer.models.OptionInfo)
+    }
+    for cls, names, prefix in groups.values():
+        for n in names:
+            out[f"{cls.__name__}.{n[len(prefix) :]}"] = (decls.get(n) or ["--" + n.replace("_", "-")])[0]
+    return out
+
+
+def _with_flags(msg: str, flags: dict[str, str]) -> str:
+    """``msg`` with each ``Class.field`` (or an operation's ````parameter````) it names replaced by its flag."""
+    for name, flag in flags.items():
+        msg = msg.replace(name, flag) if name.startswith("`") else re.sub(rf"\b{re.escape(name)}\b", flag, msg)
+    return msg
 
 
 def _params(
@@ -105,10 +134,12 @@ def _params(
     skip: set[str],
     decls: dict[str, list[str]],
     arguments: set[str],
-    groups: dict[str, tuple[type, list[str]]] | None = None,
+    groups: dict[str, tuple[type, list[str], str]] | None = None,
+    prefixed: set[str] | None = None,
 ) -> list[inspect.Parameter]:
     """Typer parameters for ``func``'s parameters; a parameter typed with a config dataclass is expanded
-    into one option per field and recorded in ``groups`` (name → (class, field names))."""
+    into one option per field and recorded in ``groups`` (name → (class, option names, prefix)); the
+    options of a parameter in ``prefixed`` are named PARAMETER_FIELD."""
     hints = typing.get_type_hints(func)
     helps = arg_help(func)
     out = []
@@ -119,8 +150,9 @@ def _params(
         if annotation == Progress:  # the terminal shows a bar or nothing: a --progress/--no-progress flag
             annotation = bool
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation) and groups is not None:
-            fields = _config_params(p.name, annotation, p.default, decls)
-            groups[p.name] = (annotation, [f.name for f in fields])
+            prefix = f"{p.name}_" if p.name in (prefixed or set()) else ""
+            fields = _config_params(p.name, annotation, p.default, decls, prefix)
+            groups[p.name] = (annotation, [f.name for f in fields], prefix)
             out += fields
             continue
         default = ... if p.default is inspect.Parameter.empty else p.default
@@ -136,7 +168,7 @@ def _params(
         ):
             default = []  # an optional list becomes a repeatable option that may be absent
             annotation = next(a for a in typing.get_args(annotation) if typing.get_origin(a) is list)
-        help_text = helps.get(p.name, "")
+        help_text = helps.get(p.name, "").replace("``", "`")
         if p.name in arguments:
             info = typer.Argument(default, help=help_text)
         else:
@@ -174,6 +206,7 @@ def command(
     suppressible: bool = False,
     fixed: dict[str, Any] | None = None,
     computed: dict[str, Callable[[dict[str, Any]], Any]] | None = None,
+    prefixed: set[str] | None = None,
 ) -> None:
     """Register ``op`` as ``prism NAME``. With ``opens_run`` the first argument is RUN and ``--device``
     opens the ``Run`` passed to ``op``; ``suppressible`` (operations that apply the run's interventions)
@@ -181,14 +214,17 @@ def command(
     result (on rank 0 only under torchrun). Positional arguments: ``arguments``. ``fixed``: keyword arguments the CLI itself gives ``op``
     (e.g. a progress callback that renders to the terminal); they are not options. ``computed``: keyword
     arguments of ``op`` derived from the command's options (name → function of all the parsed options),
-    e.g. ``explain=lambda o: o["html_out"] is not None`` when a renderer's output needs more computed."""
+    e.g. ``explain=lambda o: o["html_out"] is not None`` when a renderer's output needs more computed.
+    ``prefixed``: parameters typed with a config dataclass whose options are named PARAMETER_FIELD (their
+    flags: ``decls``); an error naming a field as ``Class.field`` is shown with the field's flag."""
     decls = decls or {}
     fixed = fixed or {}
     computed = computed or {}
     skip = set(skip or ()) | set(fixed) | set(computed) | ({"run"} if opens_run else set())
     positional = set(arguments or ())
-    groups: dict[str, tuple[type, list[str]]] = {}
-    op_params = _params(op, skip, decls, positional, groups)
+    groups: dict[str, tuple[type, list[str], str]] = {}
+    op_params = _params(op, skip, decls, positional, groups, prefixed)
+    flags = _field_flags(groups, op_params)
     op_names = {p.name for p in op_params}
     op_hints = typing.get_type_hints(op)
     progress_names = {n for n in op_names if op_hints.get(n) == Progress}  # --progress/--no-progress flags
@@ -227,12 +263,12 @@ def command(
         }
         for n in progress_names:
             op_kwargs[n] = progress_for(bool(op_kwargs[n]))
-        for group, (cls, names) in groups.items():  # re-assemble config dataclasses (validated on construction)
-            values = {n: op_kwargs.pop(n) for n in names}
+        for group, (cls, names, prefix) in groups.items():  # re-assemble config dataclasses (validated then)
+            values = {n[len(prefix) :]: op_kwargs.pop(n) for n in names}
             try:
                 op_kwargs[group] = cls(**values)
             except PrismError as e:
-                fail(str(e))
+                fail(_with_flags(str(e), flags))
         render_kwargs = {k: v for k, v in kwargs.items() if k in render_names}
         try:
             for k, v in render_kwargs.items():  # output files (--json, --html): refused before any work
@@ -258,7 +294,7 @@ def command(
                 extra = {"run": run} if "run" in inspect.signature(render).parameters else {}
                 render(result, **extra, **render_kwargs)
         except PrismError as e:
-            fail(str(e))
+            fail(_with_flags(str(e), flags))
         except OSError as e:
             if e.filename is None:  # no file involved: not a user's path, a bug or the machine
                 raise

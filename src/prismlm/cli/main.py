@@ -333,7 +333,7 @@ def render_attribution(
     for n in res.notes:
         console.print(f"[dim]{n}[/]")
     if json_out:
-        res.to_json(json_out)
+        res.to_json(json_out, option="--json")
         console.print(f"JSON → {json_out}")
     if html_out and report.explanation is not None:  # the explanation of the attributed text (prompt + completion)
         write_html(report.explanation, html_out, attribution=res, run=run)
@@ -350,7 +350,14 @@ command(
     render_attribution,
     arguments={"text"},
     computed={"explain": lambda options: options.get("html_out") is not None},
-    decls={"generate": ["--generate", "-g"], "json_out": ["--json"], "html_out": ["--html"]},
+    prefixed={"rescoring"},
+    decls={
+        "generate": ["--generate", "-g"],
+        "rescoring_method": ["--rescore"],
+        "rescoring_candidates": ["--rescore-top"],
+        "json_out": ["--json"],
+        "html_out": ["--html"],
+    },
 )
 
 

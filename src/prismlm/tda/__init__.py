@@ -2,7 +2,7 @@
 block curvature, the postings cache, ``attribute``; whole-network baselines live in
 ``prismlm.tda.baselines`` (kronfluence, imported on use)."""
 
-from prismlm.tda.attribute import AttributedSequence, Attribution, attribute
+from prismlm.tda.attribute import AttributedSequence, Attribution, QuerySpec, Rescoring, SearchSpec, attribute
 from prismlm.tda.cache import AttributionCache, build_cache, merge_caches
 from prismlm.tda.gradients import BlockGradients, block_gradients, output_gradients, query_table
 from prismlm.tda.influence import Curvature, FullGradients, curvature_pass, influence_scores, query_gradients
@@ -15,6 +15,9 @@ __all__ = [
     "BlockGradients",
     "Curvature",
     "FullGradients",
+    "QuerySpec",
+    "Rescoring",
+    "SearchSpec",
     "attribute",
     "block_gradients",
     "build_cache",

@@ -1,24 +1,23 @@
 """`attribute`: the training sequences that most influenced a prompt and/or its completion (spec §3.2).
 
-A query is tokens ``[eot] + prompt + completion``; the loss of the completion's tokens is measured (of
-every token when there is no completion). Its block gradients come from one forward pass; scores come
-from the cached postings (``AttributionCache``, fast) or from exact block gradients of the training
-sequences (``FullGradients``, the reference).
-
-For each top training sequence the result lists the prototypes that connect it to the query (its
-largest per-prototype contributions, which sum to the score) and a snippet centred on the training token
-that contributed most. A cache built with ``aggregate="document"`` ranks documents: each item is a
-document (``doc_index``), shown through its first sequence. Per-token contributions use the exact decomposition of the full score,
-``I(q, j) = Σ_t Σ_i a_{t,i} u_tᵀ H_i⁻¹ G_{q,i}`` (one forward over the top sequences).
+A query is tokens ``[eot] + prompt + completion``; its measured tokens' block gradients come from one
+forward pass, and it is scored by the cached postings (``AttributionCache``, fast) or by exact block
+gradients (``FullGradients``, the reference). Invariant: an item's prototype contributions are the exact
+terms of its prototype-space score, and its snippet marks its most-contributing token (the exact
+per-token decomposition ``I(q, j) = Σ_t Σ_i a_{t,i} u_tᵀ H_i⁻¹ G_{q,i}``). What to measure, how to search
+and how to re-rank are the parameter objects ``QuerySpec``, ``SearchSpec`` and ``Rescoring``; the method
+and its measured quality: docs/attribution.md.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -36,7 +35,111 @@ if TYPE_CHECKING:
     from prismlm.model import PrismLM
     from prismlm.tda.search import SearchIndex
 
-__all__ = ["Attribution", "AttributedSequence", "Rescorer", "attribute", "make_query"]
+__all__ = [
+    "AttributedSequence",
+    "Attribution",
+    "QuerySpec",
+    "Rescorer",
+    "Rescoring",
+    "SearchSpec",
+    "attribute",
+    "make_query",
+]
+
+
+def _check(ok: bool, name: str, rule: str, value: object) -> None:
+    """``ConfigError`` "NAME must be RULE, got VALUE" unless ``ok`` (NAME: ``Class.field``, which a front end
+    maps to its own option name)."""
+    if not ok:
+        raise ConfigError(f"{name} must be {rule}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class QuerySpec:
+    """What is measured of the attributed text: its completion (``answer``), its last ``completion``
+    tokens, or ``generate`` sampled tokens (at most one of the three); by default every token."""
+
+    answer: str | None = None
+    """A completion appended to the text: only its tokens are measured."""
+    completion: int | None = None
+    """Measure only the last N tokens of the text (of the token ids, when they are given)."""
+    generate: int = 0
+    """Sample N tokens after the text and measure them."""
+    temperature: float = 0.0
+    """Sampling temperature of ``generate`` (0 = greedy)."""
+    seed: int = 0
+    """Sampling seed of ``generate``."""
+
+    def __post_init__(self) -> None:
+        _check(self.completion is None or self.completion >= 1, "QuerySpec.completion", ">= 1", self.completion)
+        _check(self.generate >= 0, "QuerySpec.generate", ">= 0", self.generate)
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            "QuerySpec.temperature",
+            "a finite number >= 0",
+            self.temperature,
+        )
+        if sum(x is not None and x != 0 for x in (self.answer, self.completion, self.generate)) > 1:
+            raise ConfigError(
+                "use at most one of QuerySpec.answer, QuerySpec.completion and QuerySpec.generate, "
+                f"got {self.answer!r}, {self.completion!r}, {self.generate!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    """How the top training sequences are found and how many are shown."""
+
+    top: int = 10
+    """Training sequences (documents, for a document-aggregated cache) to show."""
+    method: Literal["cached", "full"] = "cached"
+    """``cached`` (the postings cache) or ``full`` (exact block gradients, the reference)."""
+    search: Literal["auto", "exact", "approximate"] = "auto"
+    """With a cache: ``auto`` (its approximate-search index when there is one, else the exact scan),
+    ``exact`` (scan every posting of the query's prototypes) or ``approximate`` (the index, required)."""
+    candidates: int = 32
+    """Approximate search: sequences proposed per long posting list (the HNSW beam is max(64, candidates)),
+    then scored exactly."""
+    nprobe: int = 16
+    """Approximate search (IVF): cells probed per posting list."""
+    max_sequences: int | None = None
+    """``full``: the first N training sequences only."""
+
+    def __post_init__(self) -> None:
+        _check(self.top >= 1, "SearchSpec.top", ">= 1", self.top)
+        _check(self.method in ("cached", "full"), "SearchSpec.method", "cached or full", self.method)
+        _check(
+            self.search in ("auto", "exact", "approximate"),
+            "SearchSpec.search",
+            "auto, exact or approximate",
+            self.search,
+        )
+        _check(self.candidates >= 1, "SearchSpec.candidates", ">= 1", self.candidates)
+        _check(self.nprobe >= 1, "SearchSpec.nprobe", ">= 1", self.nprobe)
+        _check(
+            self.max_sequences is None or self.max_sequences >= 1,
+            "SearchSpec.max_sequences",
+            ">= 1",
+            self.max_sequences,
+        )
+
+
+@dataclass(frozen=True)
+class Rescoring:
+    """The hybrid: the ``candidates`` best sequences by prototype space re-ranked by a whole-network score.
+    ``attribute`` takes that score itself as its ``rescorer``; the application layer builds it from
+    ``method``."""
+
+    method: Literal["none", "ekfac", "gradient"] = "none"
+    """The whole-network score: ``none``, ``ekfac`` (kronfluence EK-FAC on every ``nn.Linear``, factors fitted
+    once per run and reused; the ``attribution`` extra) or ``gradient`` (whole-network gradient dot
+    products)."""
+    candidates: int = 128
+    """Candidates re-scored per query."""
+
+    def __post_init__(self) -> None:
+        _check(self.method in ("none", "ekfac", "gradient"), "Rescoring.method", "none, ekfac or gradient", self.method)
+        _check(self.candidates >= 1, "Rescoring.candidates", ">= 1", self.candidates)
 
 
 class Rescorer(Protocol):
@@ -51,43 +154,53 @@ class Rescorer(Protocol):
 
 @dataclass
 class AttributedSequence:
-    """One training sequence and its influence on the query."""
+    """One training sequence (or document) and its influence on the query."""
 
     rank: int
+    """1-based rank in ``Attribution.top``."""
     sequence: int
     """Training sequence id j (tokens ``shards.train.sequence(j, T)``); for a document-aggregated cache,
     the first sequence of the ranked document."""
     score: float
+    """Its influence on the query (prototype space; the rescorer's score when re-scored)."""
     prototypes: list[dict[str, float]]
-    """The connecting prototypes: [{"id", "contribution"}], largest |contribution| first."""
+    """The connecting prototypes (at most 5): [{"id", "contribution"}], largest |contribution| first."""
     doc_index: int | None = None
     """The document of the snippet's token; for a document-aggregated cache, the ranked document."""
     doc_id: str | None = None
+    """That document's id in the corpus (when the shards record one)."""
     snippet: str = ""
     """Text around the training token that contributed most, marked ⟦like this⟧."""
 
 
 @dataclass
 class Attribution:
-    """Result of ``attribute``."""
+    """Result of ``attribute``: the query and its ``top`` training sequences, best first."""
 
     prompt: str
+    """The text before the measured tokens."""
     completion: str
+    """The measured tokens' text ("" when every token is measured)."""
     method: str
     """``cached`` (the exact scan of the postings), ``cached-search`` (candidates from the cache's
-    approximate-search sidecar, scores exact) or ``full``."""
+    approximate-search sidecar, scores exact) or ``full``; ``+ekfac`` / ``+gradient`` when re-scored."""
     query_loss: float
     """Summed cross-entropy of the measured tokens."""
     measured_tokens: int
+    """How many tokens are measured."""
     top: list[AttributedSequence]
+    """The best training sequences, ``min(top, num_train)`` of them, rank 1 first."""
     num_train: int
+    """Training sequences (documents) scored."""
     seconds: float
+    """Wall time of the attribution."""
     notes: list[str] = field(default_factory=list)
+    """What the reader should know (a cropped query, document ranking, re-scoring)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def to_json(self, path: str | Path, option: str = "--json") -> None:
+    def to_json(self, path: str | Path, option: str = "path") -> None:
         write_output(path, json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n", option=option)
 
 
@@ -104,7 +217,7 @@ def make_query(
     elif completion_tokens:
         if completion_tokens >= len(ids):
             raise ConfigError(
-                f"--completion {completion_tokens} is not shorter than the text ({len(ids) - 1} "
+                f"QuerySpec.completion {completion_tokens} is not shorter than the text ({len(ids) - 1} "
                 f"tokens); measure fewer tokens"
             )
         start = len(ids) - completion_tokens
@@ -115,135 +228,210 @@ def make_query(
     return ids, start
 
 
+@dataclass
+class _Ranking:
+    """The best units of one query and the prototype-space terms their items are explained by."""
+
+    order: np.ndarray
+    """(n,) int64 unit ids (sequences, or documents), best first."""
+    scores: np.ndarray
+    """(n,) float64 their scores."""
+    terms: tuple[np.ndarray, np.ndarray, np.ndarray]
+    """(unit (P,), prototype (P,), contribution (P,)): the query's score terms, one per (unit, prototype)."""
+    method: str
+    num_train: int
+    curvature: Curvature | None
+
+
 def attribute(
     model: PrismLM,
     tokenizer: Tokenizer,
     prompt: str,
-    completion: str | None = None,
+    query: QuerySpec = QuerySpec(),
     *,
-    cache: AttributionCache | None = None,
-    full: FullGradients | None = None,
-    shards: ShardSet | None = None,
-    completion_tokens: int | None = None,
-    generate: int = 0,
-    temperature: float = 0.0,
-    seed: int = 0,
-    top: int = 10,
-    snippet_tokens: int = 24,
-    token_ids: Sequence[int] | None = None,
-    search: SearchIndex | None = None,
-    candidates: int = 32,
-    nprobe: int = 16,
+    source: AttributionCache | FullGradients,
+    search: SearchSpec = SearchSpec(),
+    index: SearchIndex | None = None,
     rescorer: Rescorer | None = None,
-    rescore_top: int = 128,
+    rescoring: Rescoring = Rescoring(),
+    shards: ShardSet | None = None,
+    token_ids: Sequence[int] | None = None,
+    snippet_tokens: int = 24,
 ) -> Attribution:
-    """Top training sequences for ``prompt`` (+ ``completion``), by the cached postings (``cache``) or the
-    full block gradients (``full``) of the PRISM ``model`` (``tokenizer``: its tokenizer). ``generate=N`` samples N tokens after the prompt (greedy at
-    ``temperature=0``) and attributes them as the completion. ``shards`` (for snippets) defaults to none.
-    ``token_ids`` attributes exactly these tokens (e.g. an explained generation, whose text would not
-    always re-tokenize to the same ids); ``completion_tokens`` then counts from their end. ``search`` (a
-    ``prismlm.tda.search.SearchIndex`` of ``cache``): take the top sequences from approximate top-``candidates``
-    search in each long posting list (``nprobe`` IVF cells probed; the HNSW beam is max(64, candidates)),
-    rescored exactly, instead of scanning every posting of the query's prototypes; scores and
-    contributions of the sequences found are the exact scan's. ``rescorer`` (the hybrid): the
-    ``rescore_top`` best sequences by prototype space are re-ranked by ``rescorer.scores(query, ids)``, a
-    whole-network score (EK-FAC, gradient dot products); the items' scores are then that score, and their
-    prototypes the prototype-space contributions."""
-    import time
+    """The ``search.top`` training sequences that most influenced ``prompt`` (what of it is measured:
+    ``query``) in the PRISM ``model`` (``tokenizer``: its tokenizer), scored by ``source``: the cached
+    postings (``AttributionCache``) or the full block gradients (``FullGradients``).
 
+    ``token_ids`` attributes exactly these tokens (e.g. an explained generation, whose text would not
+    always re-tokenize to the same ids); ``query.completion`` then counts from their end. ``index`` (a
+    ``prismlm.tda.search.SearchIndex`` of the cache): candidates come from approximate search in each long
+    posting list (``search.candidates``, ``search.nprobe``) instead of a scan of every posting of the
+    query's prototypes; the scores and contributions of the sequences found are the exact scan's.
+    ``rescorer`` (the hybrid): the ``rescoring.candidates`` best sequences by prototype space are re-ranked
+    by ``rescorer.scores(query, ids)``, a whole-network score; the items' scores are then that score, and
+    their prototypes the prototype-space contributions. ``shards`` (for snippets) defaults to none."""
     t0 = time.perf_counter()
-    net, tok = model, tokenizer
-    if net.prototypes is None:
+    _check_sources(model, source, index, rescorer)
+    ids, start, prompt, completion = _query_tokens(model, tokenizer, prompt, query, token_ids)
+    notes = []
+    if len(ids) > model.config.block_size + 1:
+        notes.append(f"query cropped to its last {model.config.block_size + 1} tokens (the context window)")
+    q = query_gradients(model, [(ids, start)])
+    by_document = isinstance(source, AttributionCache) and source.aggregate == "document"
+    if by_document:
+        notes.append("the cache aggregates documents: scores are per document, each shown through its first sequence")
+    k = max(search.top, rescoring.candidates) if rescorer is not None else search.top  # candidates, then the top
+    if isinstance(source, AttributionCache) and index is not None:
+        ranked = _rank_by_search(source, index, q, k, search)
+    elif isinstance(source, AttributionCache):
+        ranked = _rank_by_cache(source, q, k)
+    else:
+        ranked = _rank_by_full(source, q, k)
+    if rescorer is not None:
+        notes.append(_rescore(ranked, rescorer, rescoring.candidates, (ids, start), search.top))
+    else:
+        ranked.order, ranked.scores = ranked.order[: search.top], ranked.scores[: search.top]
+    shown = source.first_sequence(ranked.order) if isinstance(source, AttributionCache) and by_document else None
+    items = _items(ranked, shown)
+    if shards is not None and items:
+        _fill_snippets(model, shards, tokenizer, items, q, ranked.curvature, snippet_tokens)
+        if by_document:  # the ranked document, not the one of the snippet's token
+            for it, j in zip(items, ranked.order.tolist(), strict=True):
+                it.doc_index = int(j)
+                it.doc_id = shards.train.doc_ids[j] if j < len(shards.train.doc_ids) else None
+    assert q.loss is not None  # query_gradients measures every query's loss
+    return Attribution(
+        prompt=prompt,
+        completion=completion or "",
+        method=ranked.method,
+        query_loss=float(q.loss.sum()),
+        measured_tokens=len(ids) - start,
+        top=items,
+        num_train=ranked.num_train,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+    )
+
+
+def _check_sources(
+    model: PrismLM,
+    source: AttributionCache | FullGradients,
+    index: SearchIndex | None,
+    rescorer: Rescorer | None,
+) -> None:
+    """``ModelError`` / ``ConfigError`` for a model without prototypes or sources that do not fit together."""
+    if model.prototypes is None:
         raise ModelError(
             "prototype-space attribution needs a PRISM model; this is the dense baseline (it has no prototypes)"
         )
-    if (cache is None) == (full is None):
-        raise ConfigError("pass exactly one of cache= (fast, the postings cache) or full= (reference)")
-    if search is not None and cache is None:
-        raise ConfigError("search= is the approximate-search sidecar of a cache: pass the cache too (cache=)")
-    if rescorer is not None and rescore_top < 1:
-        raise ConfigError(f"rescore_top (--rescore-top) must be >= 1, got {rescore_top}")
-    if rescorer is not None and cache is not None and cache.aggregate == "document":
+    if not isinstance(source, AttributionCache | FullGradients):
+        raise ConfigError(
+            f"source must be an AttributionCache (fast, the postings cache) or FullGradients (reference), "
+            f"got {type(source).__name__}"
+        )
+    if index is not None and not isinstance(source, AttributionCache):
+        raise ConfigError("index is the approximate-search sidecar of a cache: pass the cache as the source")
+    if rescorer is not None and isinstance(source, AttributionCache) and source.aggregate == "document":
         raise ConfigError(
             "re-scoring needs training sequences; this cache ranks documents (aggregate=document): "
-            "use a sequence cache (the default) or no --rescore"
+            "use a sequence cache (the default) or Rescoring.method none"
         )
-    k_top = max(top, rescore_top) if rescorer is not None else top  # the candidates, then the shown top
-    notes = []
+
+
+def _query_tokens(
+    model: PrismLM, tok: Tokenizer, prompt: str, query: QuerySpec, token_ids: Sequence[int] | None
+) -> tuple[list[int], int, str, str | None]:
+    """(token ids, measure_from, prompt, completion) of the query: the given ids, the prompt + a sampled
+    completion (``query.generate``), or the prompt (+ ``query.answer``)."""
+    completion_tokens = query.completion
     if token_ids is not None:
         ids = [int(t) for t in token_ids]
         if len(ids) < 2:
             raise ConfigError("nothing to attribute: token_ids holds fewer than two tokens")
         if completion_tokens and completion_tokens >= len(ids):
             raise ConfigError(
-                f"completion_tokens {completion_tokens} is not shorter than the {len(ids)} tokens; measure fewer tokens"
+                f"QuerySpec.completion {completion_tokens} is not shorter than the {len(ids)} tokens; "
+                f"measure fewer tokens"
             )
         start = len(ids) - completion_tokens if completion_tokens else 1
-        prompt, completion = tok.decode(ids[:start]), tok.decode(ids[start:])
-    elif generate > 0:
+        return ids, start, tok.decode(ids[:start]), tok.decode(ids[start:])
+    if query.generate > 0:
         ids0 = [tok.eot_id] + (tok.encode(prompt) if prompt else [])
-        g = torch.Generator().manual_seed(seed)
-        x = torch.tensor([ids0], device=next(net.parameters()).device)
-        y = net.generate(x, generate, temperature=temperature, generator=g)[0].tolist()
-        completion = tok.decode(y[len(ids0) :])
-        ids, start = y, len(ids0)
-    else:
-        ids, start = make_query(tok, prompt, completion, completion_tokens=completion_tokens)
-        if completion is None and completion_tokens:
-            completion = tok.decode(ids[start:])
-    if len(ids) > net.config.block_size + 1:
-        notes.append(f"query cropped to its last {net.config.block_size + 1} tokens (the context window)")
-    q = query_gradients(net, [(ids, start)])
-    curv: Curvature | None
-    by_document = cache is not None and cache.aggregate == "document"
-    if by_document:
-        notes.append("the cache aggregates documents: scores are per document, each shown through its first sequence")
-    if cache is not None and search is not None:
-        sq = cache.sketch_query(q)  # (Rq, r): one query, every row
-        qseq, qproto = q.seq.cpu().numpy(), q.proto.cpu().numpy()
-        search.check(cache)
-        top_s, top_i = search.top_sketches(
-            cache, qseq, qproto, sq, 1, k_top, m=candidates, nprobe=nprobe, ef=max(64, candidates)
-        )
-        order, top_scores = top_i[0], top_s[0]
-        cpos, c_proto, c_val = search.terms(cache, qproto, sq, order)
-        c_seq = order[cpos]
-        method, n_train, curv = "cached-search", cache.num_train, cache.curvature
-    else:
-        if cache is not None:
-            scores, contrib = cache.scores(q, 1, contributions=True)
-            s = scores[0]
-            c_seq, c_proto, c_val = contrib[0]
-            method, n_train, curv = "cached", cache.num_train, cache.curvature
-        else:
-            assert full is not None
-            s = full.scores(q, 1)[0]
-            tr = full.train
-            keep = torch.isin(tr.proto, q.proto)
-            K = int(max(tr.proto.max(), q.proto.max())) + 1
-            table = query_table(q, full.curvature, K, 1)[:, 0]  # (K, d): H_i⁻¹ G_{q,i} (one query)
-            c_seq, c_proto = tr.seq[keep].numpy(), tr.proto[keep].numpy()
-            c_val = (tr.grad[keep].to(table.dtype) * table[tr.proto[keep]]).sum(1).numpy()
-            method, n_train, curv = "full", full.num_train, full.curvature
-        k = min(k_top, n_train)
-        # rank by score; ties broken by sequence id so results are deterministic
-        order = np.lexsort((np.arange(n_train), -s.numpy()))[:k]
-        top_scores = s.numpy()[order]
-    if rescorer is not None:  # the hybrid: the prototype-space candidates re-ranked by a whole-network score
-        cand = order[:rescore_top]
-        whole = np.asarray(rescorer.scores((ids, start), cand.tolist()), dtype=np.float64).reshape(-1)  # (M,)
-        by = np.lexsort((np.arange(len(cand)), -whole))[:top]  # ties: the prototype-space order
-        order, top_scores = cand[by], whole[by]
-        method = f"{method}+{rescorer.name}"
-        notes.append(
-            f"the top {len(cand)} sequences by prototype space re-ranked by {rescorer.name}: scores are "
-            f"{rescorer.name}'s, the prototypes listed their prototype-space contributions"
-        )
-    else:
-        order, top_scores = order[:top], top_scores[:top]
+        g = torch.Generator().manual_seed(query.seed)
+        x = torch.tensor([ids0], device=next(model.parameters()).device)
+        y = model.generate(x, query.generate, temperature=query.temperature, generator=g)[0].tolist()
+        return y, len(ids0), prompt, tok.decode(y[len(ids0) :])
+    ids, start = make_query(tok, prompt, query.answer, completion_tokens=completion_tokens)
+    completion = query.answer
+    if completion is None and completion_tokens:
+        completion = tok.decode(ids[start:])
+    return ids, start, prompt, completion
+
+
+def _best(s: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids (k',), scores (k',)) of the k best of the scores ``s`` (n,); ties by id, so results are
+    deterministic."""
+    n = s.shape[0]
+    order = np.lexsort((np.arange(n), -s.numpy()))[: min(k, n)]
+    return order, s.numpy()[order]
+
+
+def _rank_by_search(
+    cache: AttributionCache, index: SearchIndex, q: BlockGradients, k: int, search: SearchSpec
+) -> _Ranking:
+    """Candidates from the approximate-search sidecar, scored exactly."""
+    sq = cache.sketch_query(q)  # (Rq, r): one query, every row
+    qseq, qproto = q.seq.cpu().numpy(), q.proto.cpu().numpy()
+    index.check(cache)
+    top_s, top_i = index.top_sketches(
+        cache, qseq, qproto, sq, 1, k, m=search.candidates, nprobe=search.nprobe, ef=max(64, search.candidates)
+    )
+    order = top_i[0]
+    cpos, c_proto, c_val = index.terms(cache, qproto, sq, order)
+    return _Ranking(order, top_s[0], (order[cpos], c_proto, c_val), "cached-search", cache.num_train, cache.curvature)
+
+
+def _rank_by_cache(cache: AttributionCache, q: BlockGradients, k: int) -> _Ranking:
+    """The exact scan of every posting of the query's prototypes."""
+    scores, contrib = cache.scores(q, 1, contributions=True)
+    order, top = _best(scores[0], k)
+    return _Ranking(order, top, contrib[0], "cached", cache.num_train, cache.curvature)
+
+
+def _rank_by_full(full: FullGradients, q: BlockGradients, k: int) -> _Ranking:
+    """The reference: the exact block gradients of the training sequences."""
+    s = full.scores(q, 1)[0]
+    tr = full.train
+    keep = torch.isin(tr.proto, q.proto)
+    K = int(max(tr.proto.max(), q.proto.max())) + 1
+    table = query_table(q, full.curvature, K, 1)[:, 0]  # (K, d): H_i⁻¹ G_{q,i} (one query)
+    c_seq, c_proto = tr.seq[keep].numpy(), tr.proto[keep].numpy()
+    c_val = (tr.grad[keep].to(table.dtype) * table[tr.proto[keep]]).sum(1).numpy()
+    order, top = _best(s, k)
+    return _Ranking(order, top, (c_seq, c_proto, c_val), "full", full.num_train, full.curvature)
+
+
+def _rescore(ranked: _Ranking, rescorer: Rescorer, candidates: int, query: tuple[list[int], int], top: int) -> str:
+    """The hybrid: re-rank the ``candidates`` best of ``ranked`` by the whole-network score (in place, keeping
+    the ``top`` best); returns the note that says so."""
+    cand = ranked.order[:candidates]
+    whole = np.asarray(rescorer.scores(query, cand.tolist()), dtype=np.float64).reshape(-1)  # (M,)
+    by = np.lexsort((np.arange(len(cand)), -whole))[:top]  # ties: the prototype-space order
+    ranked.order, ranked.scores = cand[by], whole[by]
+    ranked.method = f"{ranked.method}+{rescorer.name}"
+    return (
+        f"the top {len(cand)} sequences by prototype space re-ranked by {rescorer.name}: scores are "
+        f"{rescorer.name}'s, the prototypes listed their prototype-space contributions"
+    )
+
+
+def _items(ranked: _Ranking, shown: np.ndarray | None) -> list[AttributedSequence]:
+    """One item per ranked unit, with its 5 largest prototype contributions; ``shown`` (n,): the sequence
+    each document is shown through (None: the units are sequences)."""
+    c_seq, c_proto, c_val = ranked.terms
+    seqs = ranked.order if shown is None else shown
     items = []
-    shown = cache.first_sequence(order) if cache is not None and by_document else order
-    for rank, (j, js, sj) in enumerate(zip(order.tolist(), shown.tolist(), top_scores.tolist(), strict=True)):
+    for rank, (j, js, sj) in enumerate(zip(ranked.order.tolist(), seqs.tolist(), ranked.scores.tolist(), strict=True)):
         sel = c_seq == j
         pv, pp = c_val[sel], c_proto[sel]
         o = np.argsort(-np.abs(pv))[:5]
@@ -253,27 +441,10 @@ def attribute(
                 sequence=int(js),
                 score=float(sj),
                 prototypes=[{"id": int(pp[i]), "contribution": float(pv[i])} for i in o],
-                doc_index=int(j) if by_document else None,
+                doc_index=int(j) if shown is not None else None,
             )
         )
-    if shards is not None and items:
-        _fill_snippets(net, shards, tok, items, q, curv, snippet_tokens)
-        if by_document:  # the ranked document, not the one of the snippet's token
-            for it, j in zip(items, order.tolist(), strict=True):
-                it.doc_index = int(j)
-                it.doc_id = shards.train.doc_ids[j] if j < len(shards.train.doc_ids) else None
-    assert q.loss is not None  # query_gradients measures every query's loss
-    return Attribution(
-        prompt=prompt,
-        completion=completion or "",
-        method=method,
-        query_loss=float(q.loss.sum()),
-        measured_tokens=len(ids) - start,
-        top=items,
-        num_train=n_train,
-        seconds=time.perf_counter() - t0,
-        notes=notes,
-    )
+    return items
 
 
 @torch.no_grad()

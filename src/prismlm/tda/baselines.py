@@ -1,20 +1,11 @@
 """Whole-network attribution baselines on the same model, data and queries: kronfluence EK-FAC and its
-``identity`` strategy (plain gradient dot products), plus other kronfluence strategies (kfac, diagonal);
-TRAK (``traker``, dense projector on CPU); and the **hybrid**: prototype-space candidates re-ranked by a
-whole-network score on the top-M only (``hybrid_scores``, ``WholeNetworkGradients``).
+other strategies, TRAK (``traker``), and the hybrid's whole-network scores on the top-M prototype-space
+candidates (``hybrid_scores``, ``WholeNetworkGradients``).
 
-**Task.** The training loss is the *summed* token cross-entropy of a training sequence (the trainer's
-sequence j = ``shards.train.sequence(j, T)``); with ``sample=True`` the labels are drawn from the model's
-own softmax (true Fisher). The measurement is the summed cross-entropy of a query's measured tokens
-(e.g. an answer's tokens only), the same quantity the prototype-space methods attribute. Positive score =
-helpful (a step on the training sequence lowers the query's loss), as in ``prismlm.tda.influence``.
-
-**Tracked modules.** Every ``nn.Linear`` of the network (``c_attn``, ``c_proj``, ``c_fc``, ``lm_head``);
-the model calls each once per forward and uses no subclass or ``F.linear`` on their weights.
-``lm_head.weight`` is tied to ``wte.weight``: kronfluence tracks the ``lm_head`` *module* (its
-input/output), so the tied embedding lookup is simply not part of the attributed parameters — like the
-prototype bank, layer norms and position embeddings, which are not ``nn.Linear``. The model is deep-copied
-before ``prepare_model`` (which rewrites modules in place), so the caller's model is untouched.
+Invariant: the same task as prototype space — the summed cross-entropy of a training sequence, measured
+on a query's measured tokens, positive = helpful — over every ``nn.Linear`` of a deep copy of the model
+(the caller's model is untouched). Task and tracked modules in full: docs/attribution.md ("Whole-network
+baselines").
 """
 
 from __future__ import annotations
@@ -143,10 +134,13 @@ class KronfluenceBaseline(_Scratch):
     model: PrismLM
     """The model (PRISM or the dense baseline); deep-copied, never modified."""
     shards: ShardSet
+    """The token shards; the training sequences are ``shards.train.sequence(j, T)``."""
     strategy: str = "ekfac"
     """identity, diagonal, kfac or ekfac."""
     max_sequences: int | None = None
+    """The first N training sequences only (None: all)."""
     batch_size: int = 16
+    """Sequences per batch of the factor fit and of scoring."""
     damping: float | None = None
     """None: kronfluence's heuristic (0.1 × mean eigenvalue)."""
     out_dir: str | Path | None = None
@@ -158,6 +152,7 @@ class KronfluenceBaseline(_Scratch):
     """Seed of the labels the factor fit samples from the model's softmax (true Fisher): without it, two
     fits of one model gave scores up to 14% apart. The caller's RNG state is left as it was."""
     timings: dict[str, float] = field(default_factory=dict)
+    """Seconds of each stage (factor fit, scoring), filled in as they run."""
 
     def __post_init__(self) -> None:
         from kronfluence.analyzer import Analyzer, prepare_model
@@ -308,14 +303,23 @@ class TrakBaseline(_Scratch):
     Score sign: positive = helpful, as the other methods."""
 
     model: PrismLM
+    """The model (PRISM or the dense baseline)."""
     shards: ShardSet
+    """The token shards; the training sequences are ``shards.train.sequence(j, T)``."""
     proj_dim: int = 512
+    """Dimension of the random projection of the per-sequence gradients (> 100)."""
     lambda_reg: float = 0.0
+    """Ridge term added to XᵀX (needed when proj_dim is near the number of training sequences)."""
     max_sequences: int | None = None
+    """The first N training sequences only (None: all)."""
     batch_size: int = 16
+    """Sequences per featurisation batch."""
     seed: int = 0
+    """Seed of the projector."""
     out_dir: str | Path | None = None
+    """Where TRAK writes its features and scores (default: a temporary folder)."""
     timings: dict[str, float] = field(default_factory=dict)
+    """Seconds of each stage (featurise, score), filled in as they run."""
 
     def __post_init__(self) -> None:
         from trak import TRAKer

@@ -1,21 +1,10 @@
-"""The build folder of an attribution cache (``OUT.build``) and the checksums a resumed build checks.
+"""The build folder of an attribution cache (``OUT.build``) and the checksums a resumed build checks:
+``PostingFiles`` appends each batch's raw rows and then its record line (``batches.jsonl``, with crc32s);
+``resume_build`` checks them before a build continues.
 
-A cache build appends its postings batch by batch to three raw files (``seq.raw`` int32, ``proto.raw``
-int32, ``sketch.raw`` rows of r floats) and saves the curvature and projection it fitted
-(``curvature.safetensors``, ``projection.npy``). ``PostingFiles`` keeps, next to them:
-
-- ``state.json``: the build's identity (model, corpus, part, options), its first sequence, the sha256 of
-  the fitted files and the fit's seconds (written once, before the postings pass);
-- ``batches.jsonl``: the progress record, one line per batch appended after the batch's rows are flushed —
-  its end sequence ``j1``, the rows written up to it, the tokens, the pass's seconds so far, and the crc32
-  of the batch's bytes in each raw file. A line torn by a kill is the end of the record.
-
-``resume_build`` checks all of it before a resumed build continues: a fitted file that changed is refused
-by name (``ArtifactCorrupt``, fix: start over); raw rows that are missing or differ from their batch's crc32
-(a truncated, zero-filled or overwritten file), or a garbled record line, roll the build back to the last
-intact batch before them — the batches after it are run again, never read as zeros. Bytes past the
-recorded rows (a write torn by a kill) are dropped. A build pays one crc32 of the bytes it writes and one
-appended line per batch; a resume reads each raw file once.
+Invariant: a resumed build never reads damaged rows — a changed fitted file is refused by name
+(``ArtifactCorrupt``), missing or damaged rows roll the build back to the last intact batch. The files and
+checks in full: docs/attribution.md ("The build folder").
 """
 
 from __future__ import annotations
@@ -43,7 +32,7 @@ RAW = ("seq", "proto", "sketch")
 """The raw posting files, ``<name>.raw``, in the order each batch appends to them."""
 FITTED = ("curvature.safetensors", "projection.npy")
 """What the fit passes leave for a resumed build (it reads them instead of fitting again)."""
-_START_OVER = "rerun without --resume to start the build over"
+_START_OVER = "rerun without resuming to start the build over"
 
 
 def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
@@ -82,7 +71,7 @@ def _state(folder: Path, started: dict[str, Any]) -> dict[str, Any] | None:
     if differ:
         raise ArtifactError(
             f"cannot resume the cache build in {folder}: it was started with other {', '.join(differ)}",
-            fix="rerun with the same model, shards and options, or without --resume to start over",
+            fix="rerun with the same model, shards and options, or without resuming to start over",
             path=folder,
         )
     if not isinstance(state.get("fitted"), dict) or not isinstance(state.get("start"), int):

@@ -1,15 +1,10 @@
-"""Prototype-space gradients (spec §3.2) — the one copy of u_t, of the block gradients and of the
-preconditioned query table, used by the full-gradient reference, the postings cache and ``attribute``.
+"""Prototype-space gradients (spec §3.2): the one copy of the output-side factor
+``u_t = Wᵀ(softmax(ℓ_t) − e_{y_t})`` (``output_gradients``), the block gradients
+``G_{j,i} = Σ_t a_{t,i} u_t`` (``block_gradients``) and the preconditioned query table ``H_i⁻¹ G_{q,i}``
+(``query_table``), used by the full-gradient reference, the postings cache and ``attribute``.
 
-Holding each token's residual r_t and activations a_t fixed, ``ℓ_t = W r_t + Σ_i a_{t,i} W p_i``
-(W = ``lm_head.weight``, V × d), so the gradient of the token's cross-entropy with respect to an active
-prototype p_i is ``a_{t,i} u_t`` with the output-side factor
-
-    u_t = Wᵀ(softmax(ℓ_t) − e_{y_t})            (``output_gradients``)
-
-A sequence's gradient is sparse by blocks, ``G_{j,i} = Σ_t a_{t,i} u_t`` (``block_gradients``), and needs
-only the model's one forward output: no backward pass. Scores pair a query's preconditioned blocks
-``H_i⁻¹ G_{q,i}`` (``query_table``) with training blocks ``G_{j,i}``.
+Invariant: residuals and activations are held fixed, so a block gradient needs only the model's one
+forward output, no backward pass. Derivation: docs/attribution.md ("Gradients").
 """
 
 from __future__ import annotations

@@ -1,47 +1,11 @@
-"""Influence in prototype space with localised curvature (spec §3.2) — the full-gradient reference.
+"""Influence in prototype space with localised curvature (spec §3.2): the block Gauss–Newton curvature
+(``Curvature``, ``curvature_pass``), the exact scores ``I(q, j) = Σ_{i ∈ A_q ∩ A_j} G_{q,i}ᵀ H_i⁻¹ G_{j,i}``
+and the full-gradient reference (``FullGradients``).
 
-**Gradients.** The parameters are the prototypes P (K × d). Holding each token's residual r_t and
-activations a_t fixed (*design*), ``ℓ_t = W r_t + Σ_i a_{t,i} W p_i``, so the gradient of the token's
-cross-entropy with respect to an active prototype is ``a_{t,i} u_t`` with
-``u_t = Wᵀ(softmax(ℓ_t) − e_{y_t})`` (W = ``lm_head.weight``, V × d). A sequence's gradient is sparse by
-blocks, ``G_{j,i} = Σ_t a_{t,i} u_t``, and it needs only the model's one forward output (``PrismOutput``):
-no backward pass through the network. ``block_gradients`` computes it for a batch with one scatter-add
-over the (token, active prototype) pairs; the result is one row per (sequence, active prototype), ordered
-by (sequence, prototype). A prototype is *active* in a token when it is in the token's top-k with a > 0.
-
-**Curvature.** The Gauss–Newton matrix in prototype space has blocks
-``E_t[a_{t,i} a_{t,i'} Wᵀ Σ_t W]`` with ``Σ_t = diag(π_t) − π_t π_tᵀ``. The block-diagonal
-approximation (``mode="shared"``) is ``H_i = m_i F + λ_i I`` with ``m_i = E_t[a_{t,i}²]`` and the shared
-``F = E_t[Wᵀ Σ_t W]`` (d × d), inverted for all i from one eigendecomposition ``F = Q Λ Qᵀ``.
-``mode="exact"`` keeps each diagonal block exactly, ``H_i = E_t[a_{t,i}² Wᵀ Σ_t W] + λ_i I`` (K
-eigendecompositions of d × d; K·d² memory — for small and medium models). Expectations are over all
-tokens of the sequences the statistics were accumulated on.
-
-**Reconstruction term (optional, off by default).** The training objective's REC = mean_t ‖r_t‖²/‖z_t‖²
-with ``r_t = z_t − Σ_i a_{t,i} p_i`` (activations held fixed) has the exact Hessian blocks
-``2 λ_rec E_t[a_{t,i} a_{t,i'} / ‖z_t‖²] I``; ``reconstruction=λ_rec`` (``curvature_pass``,
-``CurvatureAccumulator.finish``) adds its diagonal blocks ``c_i I``, ``c_i = 2 λ_rec E_t[a_{t,i}²/‖z_t‖²]``,
-to H_i. What was measured (``bench/attribution.py --quick --no-costs``, d=64, K=128, k=4, 523 sequences,
-8 subsets × 2 seeds, 16 queries): REC's trace is ~53× the CE Gauss–Newton's, and the REC Hessian couples
-co-active prototypes exactly as CE does, so **the prototype-space curvature is not block-diagonal**: the
-diagonal-block share is 0.36 (CE GN), 0.89 (+ clustering), 0.46 (+ REC + clustering) on 2,048 tokens
-(the issue measured 0.65 → 0.33 on another tiny model). Adding REC's diagonal blocks to H_i made
-attribution worse — LDS 0.24 → 0.10, planted recall@10 0.62 → 0.12; at the bench's default size (2,353
-sequences, 64 subsets × 2 seeds, 56 queries) LDS 0.14 → 0.09 and recall 0.88 → 0.50 — because the
-isotropic c_i I swamps the CE geometry that the (CE-only) gradients g = a u live in. So the default stays
-the CE block Gauss–Newton: a block-diagonal *approximation* chosen by attribution quality (LDS, planted
-facts), not a property of the curvature. See docs/results.md.
-
-**Damping.** ``λ_i = ρ · tr(H_i^GN)/d`` (ρ = ``damping``, default 0.1, the same relative heuristic as
-kronfluence's default for EK-FAC); for the shared mode that is ``λ_i = ρ m̃_i tr(F)/d``, so
-``H_i = m̃_i (F + ρ f̄ I)`` with ``m̃_i = max(m_i, 1/N)`` (a prototype never active in the curvature
-statistics gets the weight of one token at a = 1, instead of an infinite inverse). λ_i is a damping, not
-a model of the clustering or reconstruction losses' curvature (see above); the REC term, when asked for,
-is added on top of it (``H_i = m_i F + λ_i I + c_i I``).
-
-**Influence.** ``I(q, j) = Σ_{i ∈ A_q ∩ A_j} G_{q,i}ᵀ H_i⁻¹ G_{j,i}``. Sign convention as kronfluence:
-positive = the training sequence is helpful (a gradient step on it lowers the query's loss). Scores are
-sums over tokens, not normalised by the training-set size; rankings are what matter.
+Invariant: positive = helpful (a gradient step on the training sequence lowers the query's loss), as in
+kronfluence; scores are sums over tokens. The block-diagonal curvature is an approximation chosen by
+attribution quality; the derivation, the damping and what the reconstruction term did:
+docs/attribution.md ("Influence and curvature").
 """
 
 from __future__ import annotations
@@ -194,6 +158,7 @@ class Curvature:
     evecs: torch.Tensor = field(init=False, repr=False)
     """(d, d) or (K, d, d)."""
     m_eff: torch.Tensor = field(init=False, repr=False)
+    """(K,) m̃_i = max(m_i, 1/tokens): the activation weight a never-active prototype is damped with."""
 
     @property
     def mode(self) -> Literal["shared", "exact"]:
@@ -435,8 +400,12 @@ class FullGradients:
     """The reference: exact block gradients of the training sequences in memory + block curvature."""
 
     train: BlockGradients
+    """The block gradients of the first ``num_train`` training sequences: one row per (sequence, active
+    prototype), grad (rows, d)."""
     curvature: Curvature | None
+    """The block curvature; None: identity (plain gradient dot products)."""
     num_train: int
+    """Training sequences scored (ids 0 … num_train − 1)."""
 
     @classmethod
     def build(

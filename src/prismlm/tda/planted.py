@@ -1,17 +1,10 @@
 """Planted-fact corpora: ground truth for attribution (does a query about a fact retrieve its sources?).
 
-``build_planted_corpus`` writes a ``corpus.jsonl``: background documents (the built-in corpus, cut to
-``doc_chars``) plus short *planted* documents, each holding one sentence of a made-up fact ("The capital
-of Vornakel is Quessimar.") between two snippets of background text. To make the test discriminating
-(see shared/notes/attribution-baselines.md — exact wording turns it into a lexical-match test):
-
-- queries are **paraphrases** ("Vornakel is governed from the city of") followed by the answer, and only
-  the **answer tokens** are measured;
-- **distractor facts** share the entity but not the answer (another relation of the same entity), or the
-  relation but not the entity; they are planted as often as the facts.
-
-``relevant_sequences`` maps each fact to the training sequences that contain its sentence (its answer
-span), located in the prepared shards; ``retrieval_metrics`` gives recall@k and MRR of a score matrix.
+``build_planted_corpus`` writes background documents plus short planted documents, each holding one
+made-up fact; ``relevant_sequences`` maps each fact to the training sequences holding its answer span;
+``retrieval_metrics`` gives recall@k and MRR of a score matrix. Invariant: queries are paraphrases and
+only the answer tokens are measured, and distractor facts are planted as often as the facts, so the
+test is not a lexical match. Design: docs/attribution.md ("Planted facts").
 """
 
 from __future__ import annotations
@@ -86,9 +79,14 @@ def _word(rng: random.Random, n: int, used: set[str]) -> str:
 
 @dataclass
 class PlantedFact:
+    """One made-up fact (or a distractor) planted in the corpus."""
+
     entity: str
+    """The made-up entity ("Vornakel")."""
     relation: str
+    """The relation's name ("capital")."""
     answer: str
+    """The answer the queries measure ("Quessimar")."""
     sentence: str
     """The training wording."""
     queries: list[str]
@@ -101,10 +99,14 @@ class PlantedFact:
 
 @dataclass
 class PlantedCorpus:
+    """Result of ``build_planted_corpus``: the corpus file and what was planted in it."""
+
     path: Path
     """The corpus.jsonl file."""
     facts: list[PlantedFact]
+    """The queried facts."""
     distractors: list[PlantedFact] = field(default_factory=list)
+    """Facts that share the entity or the relation but not the answer, planted as often as the facts."""
 
     def queries(self, tokenizer: Tokenizer) -> tuple[list[tuple[list[int], int]], list[int]]:
         """Query token ids + measure_from for every (fact, paraphrase), and the fact index of each."""

@@ -1,77 +1,11 @@
-"""Queries that do not scan the corpus (issue 13): approximate top-M search within long posting lists,
-then exact rescoring with the cache's own sketches.
+"""Approximate search over an attribution cache: per long posting list a maximum-inner-product index (faiss)
+proposes candidates, which are then rescored exactly with the cache's own sketches (``SearchIndex``,
+``build_search_index``; the sidecar folder ``CACHE/search``).
 
-The cache scores a query q against every unit j (training sequence, or document) as
-
-    score(q, j) = Σ_{i ∈ A_q} s_{q,i} · s_{j,i}        (s_{j,i} = 0 where j has no posting in list i),
-
-and ``AttributionCache.scores`` reads every posting of the query's active prototypes A_q: time ∝ the
-corpus. Here, per active prototype i whose list is long (more than ``SearchConfig.min_list`` postings),
-a maximum-inner-product index over that list's sketches proposes the M units j with the largest
-s_{q,i} · s_{j,i}; short lists are scanned exactly and give their own top M. The union C of the
-candidates is then rescored **exactly**: a forward index (unit → its posting rows) gives each candidate's
-postings, those of prototypes in A_q are decoded from the cache's own storage and dotted with the query
-sketches — the same per-posting products, added in the same order, as the exact scan, so a candidate's
-score equals its exact score bit for bit. Only the *candidate set* is approximate: a unit is missed when it
-is in no list's top M. With M at least the longest list (``exhaustive``) every unit with a posting in A_q
-is a candidate and ``top`` returns the exact scan's top-k.
-
-Why a per-list index and a forward index: a unit's score is a sum over prototypes, and inner-product
-search needs one vector space — each list is one (its r-dim sketches); units with large single-prototype
-contributions dominate the top of the sum in practice (the bench measures how often). The forward index
-makes rescoring cost |C| × postings per unit, independent of the corpus; decoding a delta-encoded list to
-find a candidate's position would cost the list's length.
-
-**API.** ``build_search_index(cache, SearchConfig(...), out=CACHE/search)`` → ``SearchIndex`` (one-off;
-``manifest["build_seconds"]``, ``nbytes()``); ``SearchIndex.load(path, cache)``; ``index.top(cache, query,
-num_queries, k, m=, nprobe=, ef=)`` or ``cache.top(query, num_queries, k, search=index, m=...)`` →
-(scores (Q, k) float64, ids (Q, k) int64); ``exact_top`` (= ``cache.top(..., search=None)``) is the exact
-scan's answer in the same form. Measured by ``bench/attribution_scaling.py`` (2026-12-02, revision c101a16,
-``bench/results/attribution-scaling.json``: the cpu-small run, K = 512, 10^5 → 10^7 tokens, real postings up
-to 1.57 M, synthetic above; IVF-SQ8, m = 32, nprobe = 16, 8 real queries, 1 thread on a loaded 2-core
-machine): per-query time ∝ tokens^0.34 vs ∝ tokens^0.78 for the exact scan (whose fixed costs flatten the
-fit), top-10 overlap with it 1.000 up to 3·10^6 tokens and 0.887 at 10^7 (where synthetic near-duplicates
-make the top-10 a strict test); at 10^7 tokens 0.19 s vs 0.70 s per query, a one-off 27 s build and 96
-bytes per token of sidecar next to the postings' 42.
-
-**Library** (faiss, ``faiss-cpu``, the ``search`` extra), chosen by measuring top-50 inner-product recall,
-µs per one-query call (1 thread) and build seconds on real sketches (2026-12-01, on the bank-size study's
-K = 512 run, with hnswlib and usearch installed for the comparison only; the 2026-12-02
-``library_comparison`` repeats the faiss rows on the cpu-small run: IVF-SQ8 nprobe 16 → recall 0.86). (1) The three longest lists (~12k
-postings) of the identity r = 128 float64 cache of the K = 512 cpu-small run: faiss IVF-Flat (nlist 439)
-nprobe 16 → recall 0.47–0.62, ~27 µs, build 0.4–0.5 s; faiss HNSW (M 16) ef 128 → 0.90–0.93, 80–200 µs,
-build 0.6–1.2 s; hnswlib ef 128 → 0.95–0.97, 65–490 µs, build 1.5–2.7 s; usearch → 0.90–0.93, 100–770 µs,
-build 3.6–4.6 s. (2) The same run's compact cache (pca-local r = 48, int4; ``bench/attribution_scaling.py``,
-``library_comparison`` in its JSON): IVF-SQ8 (nlist 110) nprobe 16 → 0.80, 34 µs, build 0.04 s; HNSW ef
-128 → 0.94, 80 µs, 0.37 s; hnswlib → 0.97, 53 µs, 0.94 s; usearch → 0.93, 78 µs, 1.3 s. Per-list recall
-need not be high (the final top-10 overlap with the exact scan was ≥ 0.99 with IVF-SQ8, m = 32, nprobe
-16), while the build runs over every posting of the corpus: IVF builds 10–25× faster than the graph
-indexes, the only one whose 10^7-token build takes well under a minute here. faiss gives both kinds
-(``SearchConfig.kind``), serialises to bytes, and IVF with nprobe = nlist is an exhaustive search.
-
-**IVF over the cache itself** (``SearchConfig.encoding="cache"``; the default is ``sq8``). A faiss IVF index
-keeps its own copy of every vector (IVF-SQ8: r + 8 bytes a posting, ~2× the compact cache's postings). With
-``cache`` faiss only trains the cells (``faiss.Kmeans``, the same sample, cell count and iterations as
-its IVF); each cell stores the forward-index positions of its postings (4 bytes each: the row is
-``fwd_rows[k]``, the unit the j with ``fwd_offsets[j] <= k < fwd_offsets[j+1]``), and a query scores the
-centroids, reads its ``nprobe`` best cells per list from the cache's own (quantised) storage and keeps each
-list's top M by exact contribution — every probed posting scored exactly, vectorised over the query's
-lists (``_cell_candidates``). With nprobe ≥ the cells it is an exact per-list search (tested). Measured
-(``bench/results/attribution-scaling-cache.json``): 14 bytes per token instead of IVF-SQ8's 96, but query time
-∝ tokens^0.62 instead of ^0.34 (0.84 s vs 0.19 s at 10^7 tokens, no faster than the exact scan there): each
-probed posting is gathered row by row (positions → rows → codes), where faiss scans a cell's codes
-contiguously — storing each cell's codes contiguously in the cache would make it competitive.
-
-**Sidecar** (a folder, by convention ``CACHE/search``): ``manifest.json`` (kind, format, the cache's
-fingerprint, model and shard identity, config, build seconds, bytes, sha256 of every file); for faiss
-encodings ``indexes.bin`` (the serialised faiss index of each indexed list, concatenated) and
-``index_offsets.npy`` ((K+1,) int64 byte offsets into it; an empty range: no index); for ``cache``
-``list_cells.npy`` ((K+1,) int64), ``centroids.npy`` ((C, r) float32), ``cell_offsets.npy`` ((C+1,) int64)
-and ``positions.npy`` ((P_indexed,) uint32); ``fwd_offsets.npy`` ((U+1,) int64: the
-posting rows of unit j are ``fwd_rows[fwd_offsets[j]:fwd_offsets[j+1]]``) and ``fwd_rows.npy`` ((P,)
-uint32, int64 beyond 2^32 postings, ascending within a unit). Built list by list from the memory-mapped
-sketches (one list's float32 vectors in memory at a time, plus O(P) integers for the forward index).
-Loading verifies every file and refuses (``ArtifactMismatch``) a sidecar of another cache.
+Invariant: only the candidate set is approximate — a candidate's score equals its exact-scan score bit
+for bit (the same per-posting products, added in the same order), and with ``m`` at least the longest
+list (``exhaustive_m``) the top is the exact scan's. Method, the library choice, the sidecar's files and
+the measurements: docs/attribution.md ("Approximate search").
 """
 
 from __future__ import annotations
@@ -92,13 +26,13 @@ from prismlm.artifacts import atomic_dir, file_records, provenance, reading, ver
 from prismlm.config import SearchConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError
 from prismlm.tda.cache import concat_ranges
-from prismlm.tda.cache.store import exact_top, top_k
+from prismlm.tda.cache.store import best_n, exact_top
 
 if TYPE_CHECKING:
     from prismlm.tda.cache import AttributionCache
     from prismlm.tda.gradients import BlockGradients
 
-__all__ = ["SearchIndex", "build_search_index", "cache_fingerprint", "exact_top", "top_k"]
+__all__ = ["SearchIndex", "build_search_index", "cache_fingerprint", "best_n", "exact_top"]
 
 KIND = "prismlm-search-index"
 FORMAT_VERSION = 1
@@ -152,7 +86,8 @@ def _posting_dots(cache: AttributionCache, rows: np.ndarray, sq_rows: torch.Tens
 
 
 class SearchIndex:
-    """The approximate-search sidecar of one attribution cache (see the module docstring)."""
+    """The approximate-search sidecar of one attribution cache (K lists, U units, P postings): per long
+    list a serialised faiss index or IVF cells, and the forward index unit → posting rows."""
 
     def __init__(
         self,
@@ -167,9 +102,11 @@ class SearchIndex:
         path: Path | None = None,
     ) -> None:
         self.config = config
+        """The options it was built with."""
         self.cells = cells
         """IVF cells over the cache's own postings (``encoding="cache"``); None for faiss-stored indexes."""
         self.manifest = manifest
+        """``manifest.json``: the cache's fingerprint, config, build seconds, bytes, file records."""
         self.index_offsets = index_offsets
         """(K+1,) int64: the serialised index of list i is ``blobs[index_offsets[i]:index_offsets[i+1]]``."""
         self.blobs = blobs
@@ -179,6 +116,7 @@ class SearchIndex:
         self.fwd_rows = fwd_rows
         """(P,) uint32/int64 posting rows, grouped by unit (ascending rows, hence prototypes, within one)."""
         self.path = path
+        """The sidecar's folder when loaded or saved; None in memory."""
         self._open: dict[int, Any] = {}
         self._checked: AttributionCache | None = None  # the cache last verified (held, so its id stays unique)
 
@@ -383,7 +321,7 @@ class SearchIndex:
             fill = np.setdiff1d(np.arange(min(U, len(cand) + k), dtype=np.int64), cand)[:k]
             s_fill = self.rescore(cache, protos, sq_q, fill) if len(sel) else np.zeros(len(fill))
             s, ids = np.concatenate([s, s_fill]), np.concatenate([cand, fill])
-            out_s[q], out_i[q] = top_k(s, ids, k)
+            out_s[q], out_i[q] = best_n(s, ids, k)
         return out_s, out_i
 
     def exhaustive_m(self, cache: AttributionCache) -> int:
@@ -562,76 +500,23 @@ def build_search_index(
     each indexed list (progress). The build time and bytes are in ``manifest`` apart from the cache's."""
     cfg = config if config is not None else SearchConfig()
     faiss = _faiss()
-    K = cache.num_prototypes
-    off = np.asarray(cache.offsets, dtype=np.int64)
-    n = np.diff(off)
     threads = faiss.omp_get_max_threads()
-    # forward index: posting rows grouped by unit (a stable sort keeps rows, hence prototypes, ascending)
     t1 = time.perf_counter()
-    units = np.asarray(cache.seq, dtype=np.int64)  # (P,) decoded ids
-    P, U = len(units), cache.num_train
-    fwd_offsets = np.zeros(U + 1, dtype=np.int64)
-    np.cumsum(np.bincount(units, minlength=U), out=fwd_offsets[1:])
-    pos_dtype = np.uint32 if P < 2**32 else np.int64
-    fwd_rows = np.argsort(units, kind="stable").astype(pos_dtype)
-    del units
+    fwd_offsets, fwd_rows = _forward_index(cache)
     t_fwd = time.perf_counter() - t1
     t0 = time.perf_counter()
-    in_cache = cfg.kind == "ivf" and cfg.encoding == "cache"
-    position_of = np.empty(P, dtype=pos_dtype) if in_cache else None  # row → its forward-index position
-    if position_of is not None:
-        position_of[fwd_rows] = np.arange(P, dtype=pos_dtype)
-    blobs: list[np.ndarray] = []
-    sizes = np.zeros(K, dtype=np.int64)
-    list_cells = np.zeros(K + 1, dtype=np.int64)
-    cents: list[np.ndarray] = []
-    cell_sizes: list[np.ndarray] = []
-    positions: list[np.ndarray] = []
-    for i in np.flatnonzero(n > cfg.min_list).tolist():  # list by list: memory ~ one list's float32 sketches
-        lo, ln = off[i : i + 1], n[i : i + 1]
-        X = np.ascontiguousarray(cache.sketches.gather(concat_ranges(lo, ln)), dtype=np.float32)  # (n_i, r)
-        if position_of is not None:
-            C, cell = _cells(X, cfg)
-            order = np.lexsort((position_of[lo[0] : lo[0] + ln[0]], cell))  # by cell, then position
-            cents.append(C)
-            cell_sizes.append(np.bincount(cell, minlength=len(C)))
-            positions.append(position_of[lo[0] : lo[0] + ln[0]][order])
-            list_cells[i + 1] = len(C)
-        else:
-            ids = cache.ids.gather(lo, ln)  # (n_i,) int64
-            b = faiss.serialize_index(_build_list(X, ids, cfg))
-            blobs.append(b)
-            sizes[i] = len(b)
-        if on_list is not None:
-            on_list(i, int(ln[0]))
-    del position_of
+    blobs, index_offsets, cells, sizes = _index_lists(cache, cfg, fwd_rows, on_list)
     t_index = time.perf_counter() - t0
-    index_offsets = np.zeros(K + 1, dtype=np.int64)
-    np.cumsum(sizes, out=index_offsets[1:])
-    cells = None
-    if in_cache:
-        np.cumsum(list_cells, out=list_cells)
-        sizes_all = np.concatenate(cell_sizes) if cell_sizes else np.zeros(0, np.int64)
-        cell_offsets = np.zeros(len(sizes_all) + 1, dtype=np.int64)
-        np.cumsum(sizes_all, out=cell_offsets[1:])
-        r = cache.r
-        cells = Cells(
-            list_cells=list_cells,
-            centroids=np.concatenate(cents) if cents else np.zeros((0, r), np.float32),
-            cell_offsets=cell_offsets,
-            positions=np.concatenate(positions) if positions else np.zeros(0, pos_dtype),
-        )
-        sizes = np.diff(list_cells)  # lists with cells count as indexed below
-    m = cache.manifest
     idx = SearchIndex(
         config=cfg,
         manifest={},
         index_offsets=index_offsets,
-        blobs=np.concatenate(blobs) if blobs else np.zeros(0, np.uint8),
+        blobs=blobs,
         fwd_offsets=fwd_offsets,
         fwd_rows=fwd_rows,
         cells=cells,
     )
+    m, n = cache.manifest, np.diff(np.asarray(cache.offsets, dtype=np.int64))
     tokens = int(m.get("tokens", 0))
     idx.manifest.update(
         {
@@ -646,7 +531,7 @@ def build_search_index(
             "faiss_threads": threads,
             "lists_indexed": int((sizes > 0).sum()),
             "postings_indexed": int(n[sizes > 0].sum()),
-            "postings": P,
+            "postings": len(fwd_rows),
             "index_seconds": t_index,
             "forward_seconds": t_fwd,
             "build_seconds": t_index + t_fwd,
@@ -662,3 +547,73 @@ def build_search_index(
         idx.save(out)
         return SearchIndex.load(out, cache)
     return idx
+
+
+def _forward_index(cache: AttributionCache) -> tuple[np.ndarray, np.ndarray]:
+    """(fwd_offsets (U+1,) int64, fwd_rows (P,) uint32, int64 beyond 2^32 postings): the posting rows of
+    unit j are ``fwd_rows[fwd_offsets[j]:fwd_offsets[j+1]]``, ascending (a stable sort keeps rows, hence
+    prototypes, in order)."""
+    units = np.asarray(cache.seq, dtype=np.int64)  # (P,) decoded ids
+    P, U = len(units), cache.num_train
+    fwd_offsets = np.zeros(U + 1, dtype=np.int64)
+    np.cumsum(np.bincount(units, minlength=U), out=fwd_offsets[1:])
+    pos_dtype = np.uint32 if P < 2**32 else np.int64
+    return fwd_offsets, np.argsort(units, kind="stable").astype(pos_dtype)
+
+
+def _index_lists(
+    cache: AttributionCache,
+    cfg: SearchConfig,
+    fwd_rows: np.ndarray,
+    on_list: Callable[[int, int], None] | None,
+) -> tuple[np.ndarray, np.ndarray, Cells | None, np.ndarray]:
+    """Index every list of more than ``cfg.min_list`` postings, list by list (memory ~ one list's float32
+    sketches): (faiss blobs (bytes,) uint8, index_offsets (K+1,) int64, the cells of
+    ``encoding="cache"`` or None, indexed size per list (K,): > 0 where a list is indexed)."""
+    faiss = _faiss()
+    K, P = cache.num_prototypes, len(fwd_rows)
+    off = np.asarray(cache.offsets, dtype=np.int64)
+    n = np.diff(off)
+    in_cache = cfg.kind == "ivf" and cfg.encoding == "cache"
+    position_of = np.empty(P, dtype=fwd_rows.dtype) if in_cache else None  # row → its forward-index position
+    if position_of is not None:
+        position_of[fwd_rows] = np.arange(P, dtype=fwd_rows.dtype)
+    blobs: list[np.ndarray] = []
+    sizes = np.zeros(K, dtype=np.int64)
+    list_cells = np.zeros(K + 1, dtype=np.int64)
+    cents: list[np.ndarray] = []
+    cell_sizes: list[np.ndarray] = []
+    positions: list[np.ndarray] = []
+    for i in np.flatnonzero(n > cfg.min_list).tolist():
+        lo, ln = off[i : i + 1], n[i : i + 1]
+        X = np.ascontiguousarray(cache.sketches.gather(concat_ranges(lo, ln)), dtype=np.float32)  # (n_i, r)
+        if position_of is not None:
+            C, cell = _cells(X, cfg)
+            order = np.lexsort((position_of[lo[0] : lo[0] + ln[0]], cell))  # by cell, then position
+            cents.append(C)
+            cell_sizes.append(np.bincount(cell, minlength=len(C)))
+            positions.append(position_of[lo[0] : lo[0] + ln[0]][order])
+            list_cells[i + 1] = len(C)
+        else:
+            b = faiss.serialize_index(_build_list(X, cache.ids.gather(lo, ln), cfg))
+            blobs.append(b)
+            sizes[i] = len(b)
+        if on_list is not None:
+            on_list(i, int(ln[0]))
+    del position_of
+    index_offsets = np.zeros(K + 1, dtype=np.int64)
+    np.cumsum(sizes, out=index_offsets[1:])
+    blob = np.concatenate(blobs) if blobs else np.zeros(0, np.uint8)
+    if not in_cache:
+        return blob, index_offsets, None, sizes
+    np.cumsum(list_cells, out=list_cells)
+    sizes_all = np.concatenate(cell_sizes) if cell_sizes else np.zeros(0, np.int64)
+    cell_offsets = np.zeros(len(sizes_all) + 1, dtype=np.int64)
+    np.cumsum(sizes_all, out=cell_offsets[1:])
+    cells = Cells(
+        list_cells=list_cells,
+        centroids=np.concatenate(cents) if cents else np.zeros((0, cache.r), np.float32),
+        cell_offsets=cell_offsets,
+        positions=np.concatenate(positions) if positions else np.zeros(0, fwd_rows.dtype),
+    )
+    return blob, index_offsets, cells, np.diff(list_cells)  # lists with cells count as indexed

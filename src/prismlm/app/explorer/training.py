@@ -15,7 +15,7 @@ from prismlm.app.explorer.limits import UnknownDocumentError
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.errors import ConfigError
-from prismlm.tda.attribute import AttributedSequence, Attribution, attribute, make_query
+from prismlm.tda.attribute import AttributedSequence, Attribution, QuerySpec, SearchSpec, attribute, make_query
 
 __all__ = [
     "DocumentView",
@@ -152,7 +152,13 @@ def _attribution(s: Session, prompt: str, sel: list[int], n_measure: int, top: i
     with s.lock:
         if s.has_cache:
             att = attribute_text(
-                s.run, prompt, token_ids=sel, completion=n_measure, top=top, cache=s.cache_dir, shards=s.shards_dir()
+                s.run,
+                prompt,
+                QuerySpec(completion=n_measure),
+                SearchSpec(top=top),
+                cache=s.cache_dir,
+                shards=s.shards_dir(),
+                token_ids=sel,
             )
             return att, []
         shards = s.run.shards(s.shards_dir())
@@ -160,11 +166,11 @@ def _attribution(s: Session, prompt: str, sel: list[int], n_measure: int, top: i
             s.model,
             s.run.tokenizer,
             prompt,
+            QuerySpec(completion=n_measure),
+            source=s.full_gradients(shards),
+            search=SearchSpec(top=top),
             shards=shards,
             token_ids=sel,
-            completion_tokens=n_measure,
-            top=top,
-            full=s.full_gradients(shards),
         )
     note = (
         f"no attribution cache: exact prototype-space influence over the first {att.num_train:,} training "

@@ -115,21 +115,9 @@ def encode_postings(
     ``CHUNK`` (run keys and norms are O(P) integers/floats; sketches are streamed); ``work``: a folder
     for the document sums (memory-mapped), None: in memory; ``out``: write the sketch arrays there as
     memory-mapped ``.npy`` files (their final names), None: in memory."""
-    dtype, prune, prune_by, id_encoding = config.dtype, config.prune, config.prune_by, config.id_encoding
     P = len(ids)
-    ids = np.asarray(ids, dtype=np.int64)
-    proto = np.repeat(np.arange(K, dtype=np.int64), np.diff(offsets))  # (P,)
-    unit = ids if units_of is None else np.asarray(units_of)[ids]  # (P,) ascending within each list
-    if units_of is None:
-        run_start = np.arange(P, dtype=np.int64)
-    else:
-        new = np.ones(P, dtype=bool)
-        new[1:] = (proto[1:] != proto[:-1]) | (unit[1:] != unit[:-1])
-        run_start = np.flatnonzero(new).astype(np.int64)  # (R,) first posting of each (prototype, unit) run
+    run_start, run_proto, run_unit = _runs(offsets, np.asarray(ids, dtype=np.int64), K, units_of)
     R = len(run_start)
-    run_end = np.append(run_start[1:], P)
-    run_proto, run_unit = proto[run_start], unit[run_start]
-    del proto, unit
     agg: np.ndarray | None = None
     if units_of is not None:
         agg = (
@@ -137,61 +125,22 @@ def encode_postings(
             if work is not None
             else np.empty((R, r), np.float64)
         )
-    norms, maxabs = np.empty(R), np.empty(R)
-    bounds = list(range(0, R, CHUNK)) + [R]
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):  # pass 1: sums, norms, largest entries
-        if a == b:
-            continue
-        p0, p1 = int(run_start[a]), int(run_end[b - 1])
-        x = np.asarray(sketch[p0:p1], dtype=np.float64)
-        if agg is not None:
-            x = np.add.reduceat(x, run_start[a:b] - p0, axis=0) if len(x) else x
-            agg[a:b] = x
-        norms[a:b] = np.linalg.norm(x, axis=1)
-        maxabs[a:b] = np.abs(x).max(1) if r else 0.0
-    keep = prune_keep(norms, run_proto, run_unit, K, prune, prune_by)
+    norms, maxabs = _run_norms(sketch, run_start, P, r, agg)
+    keep = prune_keep(norms, run_proto, run_unit, K, config.prune, config.prune_by)
     kept = np.flatnonzero(keep)
     out_offsets = np.zeros(K + 1, dtype=np.int64)
     np.cumsum(np.bincount(run_proto[kept], minlength=K), out=out_offsets[1:])
-    id_store: Ids = (DeltaIds if id_encoding == "delta" else PlainIds).encode(run_unit[kept], out_offsets)
+    id_store: Ids = (DeltaIds if config.id_encoding == "delta" else PlainIds).encode(run_unit[kept], out_offsets)
     Pk = len(kept)
-    sk_store: Sketches
-    if dtype in QMAX:
-        qdt = typing.cast(QuantDtype, dtype)
-        top_scale = float(maxabs[kept].max()) / QMAX[qdt] if Pk else 0.0
-        unit_scale = top_scale / SCALE_RANGE if top_scale > 0 else 1.0
-        codes = alloc(out, "sketch_codes.npy", (Pk, code_width(qdt, r)), np.int8 if qdt == "int8" else np.uint8)
-        scales = alloc(out, "sketch_scale.npy", (Pk,), np.float16)
-        sk_store = QuantSketches(codes, scales, unit_scale, qdt, r)
-    elif dtype == "pq":
-        M = pq_layout(r, config.pq_dims)
-        rng = np.random.default_rng(config.seed)
-        ks = kept[np.sort(rng.choice(Pk, min(Pk, config.pq_sample), replace=False))]
-        xs = agg[ks] if agg is not None else np.asarray(sketch[run_start[ks]], dtype=np.float64)
-        codebook = pq_train(_unit_rows(xs, norms[ks]), M, config.seed)
-        top_norm = float(norms[kept].max()) if Pk else 0.0
-        unit_scale = top_norm / SCALE_RANGE if top_norm > 0 else 1.0
-        sk_store = PQSketches(
-            alloc(out, "sketch_codes.npy", (Pk, M), np.uint8),
-            alloc(out, "sketch_scale.npy", (Pk,), np.float16),
-            unit_scale,
-            codebook,
-        )
-    else:
-        sk_store = FloatSketches(alloc(out, "sketch.npy", (Pk, r), FLOAT_DTYPES[dtype]))
+
+    def rows(k: np.ndarray) -> np.ndarray:  # (len(k), r) float64: the kept runs k, summed or as posted
+        return agg[k] if agg is not None else np.asarray(sketch[run_start[k]], dtype=np.float64)
+
+    sk_store = _sketch_store(config, r, kept, norms, maxabs, rows, out)
     for a in range(0, Pk, CHUNK):  # pass 2: the kept postings, encoded
         k = kept[a : a + CHUNK]
-        x = agg[k] if agg is not None else np.asarray(sketch[run_start[k]], dtype=np.float64)
-        if isinstance(sk_store, QuantSketches):
-            sk_store.codes[a : a + len(k)], sk_store.scales[a : a + len(k)] = quantise(
-                x, sk_store.qdtype, sk_store.unit
-            )
-        elif isinstance(sk_store, PQSketches):
-            sk_store.codes[a : a + len(k)] = pq_encode(_unit_rows(x, norms[k]), sk_store.codebook)
-            sk_store.scales[a : a + len(k)] = (norms[k] / sk_store.unit).astype(np.float16)
-        else:
-            sk_store.data[a : a + len(k)] = x
-    del agg
+        _encode_rows(sk_store, a, rows(k), norms[k])
+    agg = None  # the memory-mapped sums are closed before their file is removed
     if work is not None:
         (work / "agg.npy").unlink(missing_ok=True)
     meta: dict[str, Any] = {
@@ -204,6 +153,93 @@ def encode_postings(
     if isinstance(sk_store, PQSketches):  # provenance of the codebooks: how many postings they were fitted on
         meta.update({"pq_sample": config.pq_sample, "pq_trained_on": int(min(Pk, config.pq_sample))})
     return out_offsets, id_store, sk_store, meta
+
+
+def _runs(
+    offsets: np.ndarray, ids: np.ndarray, K: int, units_of: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(run_start (R,), run_proto (R,), run_unit (R,)): the first posting, prototype and unit of each
+    (prototype, unit) run of the CSR postings (every posting its own run without ``units_of``)."""
+    P = len(ids)
+    proto = np.repeat(np.arange(K, dtype=np.int64), np.diff(offsets))  # (P,)
+    unit = ids if units_of is None else np.asarray(units_of)[ids]  # (P,) ascending within each list
+    if units_of is None:
+        run_start = np.arange(P, dtype=np.int64)
+    else:
+        new = np.ones(P, dtype=bool)
+        new[1:] = (proto[1:] != proto[:-1]) | (unit[1:] != unit[:-1])
+        run_start = np.flatnonzero(new).astype(np.int64)  # (R,) first posting of each (prototype, unit) run
+    return run_start, proto[run_start], unit[run_start]
+
+
+def _run_norms(
+    sketch: np.ndarray, run_start: np.ndarray, P: int, r: int, agg: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pass 1, in chunks: (norms (R,), largest |entry| (R,)) of each run's (summed) sketch; the sums go
+    to ``agg`` (R, r) when given."""
+    R = len(run_start)
+    run_end = np.append(run_start[1:], P)
+    norms, maxabs = np.empty(R), np.empty(R)
+    bounds = list(range(0, R, CHUNK)) + [R]
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        if a == b:
+            continue
+        p0, p1 = int(run_start[a]), int(run_end[b - 1])
+        x = np.asarray(sketch[p0:p1], dtype=np.float64)
+        if agg is not None:
+            x = np.add.reduceat(x, run_start[a:b] - p0, axis=0) if len(x) else x
+            agg[a:b] = x
+        norms[a:b] = np.linalg.norm(x, axis=1)
+        maxabs[a:b] = np.abs(x).max(1) if r else 0.0
+    return norms, maxabs
+
+
+def _sketch_store(
+    config: AttributionConfig,
+    r: int,
+    kept: np.ndarray,
+    norms: np.ndarray,
+    maxabs: np.ndarray,
+    rows: typing.Callable[[np.ndarray], np.ndarray],
+    out: Path | None,
+) -> Sketches:
+    """The empty sketch store of ``config.dtype`` for the ``kept`` runs (PQ: its codebooks trained on a
+    sample of their ``rows``), allocated under ``out`` or in memory."""
+    dtype, Pk = config.dtype, len(kept)
+    if dtype in QMAX:
+        qdt = typing.cast(QuantDtype, dtype)
+        top_scale = float(maxabs[kept].max()) / QMAX[qdt] if Pk else 0.0
+        unit_scale = top_scale / SCALE_RANGE if top_scale > 0 else 1.0
+        codes = alloc(out, "sketch_codes.npy", (Pk, code_width(qdt, r)), np.int8 if qdt == "int8" else np.uint8)
+        scales = alloc(out, "sketch_scale.npy", (Pk,), np.float16)
+        return QuantSketches(codes, scales, unit_scale, qdt, r)
+    if dtype == "pq":
+        M = pq_layout(r, config.pq_dims)
+        rng = np.random.default_rng(config.seed)
+        ks = kept[np.sort(rng.choice(Pk, min(Pk, config.pq_sample), replace=False))]
+        codebook = pq_train(_unit_rows(rows(ks), norms[ks]), M, config.seed)
+        top_norm = float(norms[kept].max()) if Pk else 0.0
+        unit_scale = top_norm / SCALE_RANGE if top_norm > 0 else 1.0
+        return PQSketches(
+            alloc(out, "sketch_codes.npy", (Pk, M), np.uint8),
+            alloc(out, "sketch_scale.npy", (Pk,), np.float16),
+            unit_scale,
+            codebook,
+        )
+    return FloatSketches(alloc(out, "sketch.npy", (Pk, r), FLOAT_DTYPES[dtype]))
+
+
+def _encode_rows(sk_store: Sketches, a: int, x: np.ndarray, norms: np.ndarray) -> None:
+    """Write rows ``x`` (n, r) float64 of norms ``norms`` (n,) into ``sk_store`` from row ``a`` on."""
+    n = len(x)
+    if isinstance(sk_store, QuantSketches):
+        sk_store.codes[a : a + n], sk_store.scales[a : a + n] = quantise(x, sk_store.qdtype, sk_store.unit)
+    elif isinstance(sk_store, PQSketches):
+        sk_store.codes[a : a + n] = pq_encode(_unit_rows(x, norms), sk_store.codebook)
+        sk_store.scales[a : a + n] = (norms / sk_store.unit).astype(np.float16)
+    else:
+        assert isinstance(sk_store, FloatSketches)
+        sk_store.data[a : a + n] = x
 
 
 def _unit_rows(x: np.ndarray, norms: np.ndarray) -> np.ndarray:

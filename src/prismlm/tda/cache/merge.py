@@ -89,61 +89,18 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
     """Combine caches of disjoint sequence ranges (same model, shards, curvature, projection) into one,
     equal to a single pass (postings grouped by prototype, ascending sequence id within each). Parts must
     be lossless (float32/64 sketches, no pruning, sequence postings): compress the merged cache after."""
-    if not parts:
-        raise ArtifactError("nothing to merge")
-    first = parts[0].manifest
-    for p in parts:
-        if not lossless(p.manifest):
-            raise ArtifactError(
-                f"cannot merge caches stored as {p.manifest.get('dtype')} with prune "
-                f"{p.manifest.get('prune', 0)} and aggregate {p.manifest.get('aggregate')}: "
-                f"pruning, quantisation scales and documents depend on the whole corpus",
-                fix="build the parts with --dtype float32 (no --prune, --aggregate sequence), "
-                "merge them, then compress the merged cache (prismlm.tda.cache.compress_cache)",
-            )
-    for p in parts[1:]:
-        m = p.manifest
-        for key in ("model_sha256", "shard_key"):
-            if m[key] != first[key]:
-                raise ArtifactMismatch(f"cannot merge caches: {key} differs ({first[key]} vs {m[key]})")
-        for key in ("r", "projection", "seed", "dtype", "num_prototypes", "universe", "curvature_mode"):
-            if m[key] != first[key]:
-                raise ArtifactError(f"cannot merge caches: {key} differs ({first[key]} vs {m[key]})")
-        if not (
-            np.array_equal(p.projection, parts[0].projection)
-            and torch.equal(p.curvature.F, parts[0].curvature.F)
-            and torch.equal(p.curvature.m, parts[0].curvature.m)
-        ):
-            raise ArtifactError(
-                "cannot merge caches built with different curvature or projection; pass the same "
-                "`curvature` to every part"
-            )
-    covered: list[list[int]] = []
-    for p in parts:
-        ov = overlap(covered, merge_ranges(p.manifest["covered"]))
-        if ov is not None:
-            raise ArtifactError(f"cannot merge caches: parts overlap on sequences [{ov[0]}, {ov[1]})")
-        covered = merge_ranges(covered + p.manifest["covered"])
+    covered = _check_mergeable(parts)
+    first = parts[0].manifest  # the merged manifest's base: the first part given
     parts = sorted(parts, key=lambda p: p.manifest["covered"][0][0] if p.manifest["covered"] else 0)
     K = parts[0].num_prototypes
     seq = np.concatenate([np.asarray(p.seq, dtype=np.int64) for p in parts])
     proto = np.concatenate([np.repeat(np.arange(K, dtype=np.int32), np.diff(p.offsets)) for p in parts])
     order = np.lexsort((seq, proto))  # by prototype, then sequence: the single-pass order
-    bounds = np.cumsum([0] + [p.num_postings for p in parts])
-    P, r = len(seq), parts[0].r
     work = Path(out).with_name(Path(out).name + ".merge") if out is not None else None
     if work is not None:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-    sketch = alloc(work, "sketch.npy", (P, r), np.asarray(parts[0].sketch[:0]).dtype)
-    for s in range(0, P, encoding.CHUNK):  # the parts' sketches gathered in chunks: never all in memory
-        idx = order[s : s + encoding.CHUNK]
-        which = np.searchsorted(bounds, idx, side="right") - 1
-        dst = sketch[s : s + len(idx)]
-        for k, p in enumerate(parts):  # a few parts
-            sel = which == k
-            if sel.any():
-                dst[sel] = p.sketch[idx[sel] - bounds[k]]
+    sketch = _gather_sketches(parts, order, work)
     offsets = np.zeros(K + 1, dtype=np.int64)
     np.cumsum(np.bincount(proto, minlength=K), out=offsets[1:])
     tokens = sum(int(p.manifest["tokens"]) for p in parts)
@@ -177,3 +134,62 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
             shutil.rmtree(work, ignore_errors=True)
         cache = AttributionCache.load(out)
     return cache
+
+
+def _check_mergeable(parts: list[AttributionCache]) -> list[list[int]]:
+    """The merged sequence ranges of ``parts``, once they are lossless, of one model, corpus, curvature and
+    projection, and disjoint (``ArtifactError`` / ``ArtifactMismatch`` otherwise)."""
+    if not parts:
+        raise ArtifactError("nothing to merge")
+    first = parts[0].manifest
+    for p in parts:
+        if not lossless(p.manifest):
+            raise ArtifactError(
+                f"cannot merge caches stored as {p.manifest.get('dtype')} with prune "
+                f"{p.manifest.get('prune', 0)} and aggregate {p.manifest.get('aggregate')}: "
+                f"pruning, quantisation scales and documents depend on the whole corpus",
+                fix="build the parts with dtype float32 (prune 0, aggregate sequence), "
+                "merge them, then compress the merged cache (prismlm.tda.cache.compress_cache)",
+            )
+    for p in parts[1:]:
+        m = p.manifest
+        for key in ("model_sha256", "shard_key"):
+            if m[key] != first[key]:
+                raise ArtifactMismatch(f"cannot merge caches: {key} differs ({first[key]} vs {m[key]})")
+        for key in ("r", "projection", "seed", "dtype", "num_prototypes", "universe", "curvature_mode"):
+            if m[key] != first[key]:
+                raise ArtifactError(f"cannot merge caches: {key} differs ({first[key]} vs {m[key]})")
+        if not (
+            np.array_equal(p.projection, parts[0].projection)
+            and torch.equal(p.curvature.F, parts[0].curvature.F)
+            and torch.equal(p.curvature.m, parts[0].curvature.m)
+        ):
+            raise ArtifactError(
+                "cannot merge caches built with different curvature or projection; pass the same "
+                "`curvature` to every part"
+            )
+    covered: list[list[int]] = []
+    for p in parts:
+        ov = overlap(covered, merge_ranges(p.manifest["covered"]))
+        if ov is not None:
+            raise ArtifactError(f"cannot merge caches: parts overlap on sequences [{ov[0]}, {ov[1]})")
+        covered = merge_ranges(covered + p.manifest["covered"])
+    parts = sorted(parts, key=lambda p: p.manifest["covered"][0][0] if p.manifest["covered"] else 0)
+    return covered
+
+
+def _gather_sketches(parts: list[AttributionCache], order: np.ndarray, work: Path | None) -> np.ndarray:
+    """(P, r) the parts' sketches (concatenated in part order) in ``order``, gathered in chunks: never all
+    in memory (memory-mapped under ``work`` when given)."""
+    bounds = np.cumsum([0] + [p.num_postings for p in parts])
+    P, r = len(order), parts[0].r
+    sketch = alloc(work, "sketch.npy", (P, r), np.asarray(parts[0].sketch[:0]).dtype)
+    for s in range(0, P, encoding.CHUNK):
+        idx = order[s : s + encoding.CHUNK]
+        which = np.searchsorted(bounds, idx, side="right") - 1
+        dst = sketch[s : s + len(idx)]
+        for k, p in enumerate(parts):  # a few parts
+            sel = which == k
+            if sel.any():
+                dst[sel] = p.sketch[idx[sel] - bounds[k]]
+    return sketch

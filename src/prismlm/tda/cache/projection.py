@@ -32,7 +32,7 @@ def make_projection(
     if kind == "identity":
         if r != d:
             raise ConfigError(
-                f"projection 'identity' needs r = d = {d}, got r = {r}; leave r unset (--r) or "
+                f"projection 'identity' needs r = d = {d}, got r = {r}; leave AttributionConfig.r unset or "
                 f"choose another projection"
             )
         return np.eye(d)
@@ -41,11 +41,11 @@ def make_projection(
         return (torch.randn(r, d, generator=g, dtype=torch.float64) / math.sqrt(r)).numpy()
     if kind == "orthogonal":
         if r > d:
-            raise ConfigError(f"projection 'orthogonal' needs r <= d = {d}, got r = {r} (option --r)")
+            raise ConfigError(f"projection 'orthogonal' needs r <= d = {d}, got r = {r} (AttributionConfig.r)")
         q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
         return (q[:, :r].T * math.sqrt(d / r)).numpy()
     raise ConfigError(
-        f"projection {kind!r} (option --projection) is fitted to the data, not made here; "
+        f"projection {kind!r} (AttributionConfig.projection) is fitted to the data, not made here; "
         f"make_projection knows identity, orthogonal and gaussian"
     )
 

@@ -43,7 +43,7 @@ from prismlm.tda.influence import Curvature
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
 
-__all__ = ["QUERY_CHUNK", "AttributionCache", "Searcher", "exact_top", "top_k", "write_arrays"]
+__all__ = ["QUERY_CHUNK", "AttributionCache", "Searcher", "best_n", "exact_top", "write_arrays"]
 
 QUERY_CHUNK = 1 << 17
 """Postings decoded and multiplied at a time by a query: bounds its memory to ~3 × QUERY_CHUNK × r float64
@@ -66,9 +66,9 @@ class Searcher(Protocol):
     ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
-def top_k(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best of (scores (n,), ids (n,)) by score descending, ties by ascending id: (k',) each, k' = min(k, n)."""
-    order = np.lexsort((ids, -scores))[:k]
+def best_n(scores: np.ndarray, ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The n best of (scores (N,), ids (N,)) by score descending, ties by ascending id: (n',) each, n' = min(n, N)."""
+    order = np.lexsort((ids, -scores))[:n]
     return scores[order], ids[order]
 
 
@@ -82,13 +82,14 @@ def exact_top(
     out_s, out_i = np.empty((num_queries, k)), np.empty((num_queries, k), dtype=np.int64)
     all_ids = np.arange(S.shape[1], dtype=np.int64)
     for q in range(num_queries):
-        out_s[q], out_i[q] = top_k(S[q], all_ids, k)
+        out_s[q], out_i[q] = best_n(S[q], all_ids, k)
     return out_s, out_i
 
 
 @dataclass
 class AttributionCache:
-    """The inverted index prototype → postings (memory-mapped) and what it needs to sketch a query."""
+    """The inverted index prototype → postings (memory-mapped) and what it needs to sketch a query: K
+    prototypes, P postings, sketch size r, d the model width."""
 
     offsets: np.ndarray
     """(K+1,) int64: postings of prototype i are rows offsets[i]:offsets[i+1]."""
@@ -100,8 +101,11 @@ class AttributionCache:
     projection: np.ndarray
     """(r, d) float64: R; ``pca-local``: (K, r, d), one basis R_i per prototype."""
     curvature: Curvature
+    """The block curvature H_i the sketches are whitened with (and a query is preconditioned with)."""
     manifest: dict[str, Any]
+    """``manifest.json``: identity, build and storage options, postings statistics, file records."""
     path: Path | None = field(default=None, compare=False)
+    """The cache's folder when it was loaded or saved; None in memory."""
     units_of: np.ndarray | None = None
     """Document aggregation: (universe,) the document of each sequence (int32, ascending); else None."""
     _query_sketcher: PostingSketcher | None = field(default=None, init=False, repr=False, compare=False)
@@ -276,60 +280,14 @@ class AttributionCache:
         is checked against them (``ArtifactMismatch``). Format-1 caches load as int32 ids + float sketches;
         a newer format or unknown storage options raise ``ArtifactError`` naming the manifest."""
         path = Path(path)
-        mpath = path / "manifest.json"
-        if not mpath.exists():
-            raise ArtifactError(f"no attribution cache at {path}; build it with `prism attribute-cache`")
-        with reading(mpath, "attribution cache manifest", fix=REBUILD):
-            manifest = json.loads(mpath.read_text())
-        if manifest.get("kind") != KIND:
-            raise ArtifactError(f"{path} is not an attribution cache (kind {manifest.get('kind')!r})")
-        version = manifest.get("format_version", 1)
-        ids_enc, dtype = manifest.get("id_encoding", "int32"), manifest.get("dtype", "float32")
-        agg = manifest.get("aggregate", "sequence")
-        if (
-            not isinstance(version, int)
-            or version > FORMAT_VERSION
-            or ids_enc not in ("int32", "delta")
-            or dtype not in (*FLOAT_DTYPES, *QMAX, "pq")
-            or agg not in ("sequence", "document")
-        ):
-            raise ArtifactError(
-                f"{mpath}: attribution cache format {version!r} (ids {ids_enc!r}, sketches "
-                f"{dtype!r}, aggregate {agg!r}) is not one this prismlm reads (format <= "
-                f"{FORMAT_VERSION})",
-                fix=f"rebuild it with `{REBUILD}`, or upgrade prismlm",
-                path=mpath,
-            )
-        verify_files(path, manifest.get("files"), what="attribution cache", fix=f"rebuild it with `{REBUILD}`")
+        manifest = _read_manifest(path)
         mode: Literal["r"] | None = "r" if mmap else None
 
         def arr(name: str) -> np.ndarray:
             with reading(path / name, "attribution cache file", fix=REBUILD):
                 return np.load(path / name, mmap_mode=mode)
 
-        ids: Ids = (
-            PlainIds(arr("seq.npy"))
-            if ids_enc == "int32"
-            else DeltaIds(arr("ids_gap.npy"), arr("ids_exc_pos.npy"), arr("ids_exc_val.npy"))
-        )
-        sk: Sketches
-        if dtype in FLOAT_DTYPES:
-            sk = FloatSketches(arr("sketch.npy"))
-        elif dtype == "pq":
-            sk = PQSketches(
-                arr("sketch_codes.npy"),
-                arr("sketch_scale.npy"),
-                float(manifest["scale_unit"]),
-                np.asarray(arr("sketch_codebook.npy")),
-            )
-        else:
-            sk = QuantSketches(
-                arr("sketch_codes.npy"),
-                arr("sketch_scale.npy"),
-                float(manifest["scale_unit"]),
-                typing.cast(QuantDtype, dtype),
-                int(manifest["r"]),
-            )
+        ids, sk = _open_postings(manifest, arr)
         with reading(path, "attribution cache", fix=REBUILD):
             c = cls(
                 offsets=np.load(path / "offsets.npy"),
@@ -339,35 +297,96 @@ class AttributionCache:
                 curvature=Curvature.load(path / "curvature.safetensors"),
                 manifest=manifest,
                 path=path,
-                units_of=arr("units.npy") if agg == "document" else None,
+                units_of=arr("units.npy") if manifest.get("aggregate", "sequence") == "document" else None,
             )
-        P = c.num_postings
-        shapes_ok = (
-            c.offsets.ndim == 1
-            and len(c.offsets) == int(manifest["num_prototypes"]) + 1
-            and len(c.ids.gaps if isinstance(c.ids, DeltaIds) else c.ids.seq) == P
-            and (
-                c.sketches.data.shape == (P, c.r)
-                if isinstance(c.sketches, FloatSketches)
-                else c.sketches.scales.shape == (P,)
-            )
-            and (
-                not isinstance(c.sketches, PQSketches)
-                or (
-                    c.sketches.r == c.r
-                    and c.sketches.codes.shape == (P, c.sketches.codebook.shape[0])
-                    and c.sketches.codebook.shape[1] == PQ_CENTROIDS
-                )
-            )
-        )
-        if not shapes_ok:
+        if not _shapes_agree(c):
             raise ArtifactCorrupt(
-                f"attribution cache {path}: its arrays disagree in size with offsets.npy ({P} postings)",
+                f"attribution cache {path}: its arrays disagree in size with offsets.npy ({c.num_postings} postings)",
                 fix=f"rebuild it with `{REBUILD}`",
                 path=path,
             )
         c.check(model_sha256=model_sha256, shards=shards)
         return c
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the cache at ``path``, once its kind, format and storage options are ones this
+    prismlm reads and its files match their records (``ArtifactError`` otherwise)."""
+    mpath = path / "manifest.json"
+    if not mpath.exists():
+        raise ArtifactError(f"no attribution cache at {path}; build it with `prism attribute-cache`")
+    with reading(mpath, "attribution cache manifest", fix=REBUILD):
+        manifest = json.loads(mpath.read_text())
+    if manifest.get("kind") != KIND:
+        raise ArtifactError(f"{path} is not an attribution cache (kind {manifest.get('kind')!r})")
+    version = manifest.get("format_version", 1)
+    ids_enc, dtype = manifest.get("id_encoding", "int32"), manifest.get("dtype", "float32")
+    agg = manifest.get("aggregate", "sequence")
+    if (
+        not isinstance(version, int)
+        or version > FORMAT_VERSION
+        or ids_enc not in ("int32", "delta")
+        or dtype not in (*FLOAT_DTYPES, *QMAX, "pq")
+        or agg not in ("sequence", "document")
+    ):
+        raise ArtifactError(
+            f"{mpath}: attribution cache format {version!r} (ids {ids_enc!r}, sketches "
+            f"{dtype!r}, aggregate {agg!r}) is not one this prismlm reads (format <= "
+            f"{FORMAT_VERSION})",
+            fix=f"rebuild it with `{REBUILD}`, or upgrade prismlm",
+            path=mpath,
+        )
+    verify_files(path, manifest.get("files"), what="attribution cache", fix=f"rebuild it with `{REBUILD}`")
+    return manifest
+
+
+def _open_postings(manifest: dict[str, Any], arr: typing.Callable[[str], np.ndarray]) -> tuple[Ids, Sketches]:
+    """The posting ids and sketches of the manifest's encodings, their arrays opened by ``arr(file name)``."""
+    ids_enc, dtype = manifest.get("id_encoding", "int32"), manifest.get("dtype", "float32")
+    ids: Ids = (
+        PlainIds(arr("seq.npy"))
+        if ids_enc == "int32"
+        else DeltaIds(arr("ids_gap.npy"), arr("ids_exc_pos.npy"), arr("ids_exc_val.npy"))
+    )
+    if dtype in FLOAT_DTYPES:
+        return ids, FloatSketches(arr("sketch.npy"))
+    if dtype == "pq":
+        return ids, PQSketches(
+            arr("sketch_codes.npy"),
+            arr("sketch_scale.npy"),
+            float(manifest["scale_unit"]),
+            np.asarray(arr("sketch_codebook.npy")),
+        )
+    return ids, QuantSketches(
+        arr("sketch_codes.npy"),
+        arr("sketch_scale.npy"),
+        float(manifest["scale_unit"]),
+        typing.cast(QuantDtype, dtype),
+        int(manifest["r"]),
+    )
+
+
+def _shapes_agree(c: AttributionCache) -> bool:
+    """Whether the cache's arrays agree in size with its offsets (P postings) and its manifest."""
+    P = c.num_postings
+    return (
+        c.offsets.ndim == 1
+        and len(c.offsets) == int(c.manifest["num_prototypes"]) + 1
+        and len(c.ids.gaps if isinstance(c.ids, DeltaIds) else c.ids.seq) == P
+        and (
+            c.sketches.data.shape == (P, c.r)
+            if isinstance(c.sketches, FloatSketches)
+            else c.sketches.scales.shape == (P,)
+        )
+        and (
+            not isinstance(c.sketches, PQSketches)
+            or (
+                c.sketches.r == c.r
+                and c.sketches.codes.shape == (P, c.sketches.codebook.shape[0])
+                and c.sketches.codebook.shape[1] == PQ_CENTROIDS
+            )
+        )
+    )
 
 
 def write_arrays(folder: Path, arrays: dict[str, np.ndarray]) -> None:
