@@ -140,12 +140,13 @@ def test_prototype_view_shows_contexts(served, browser_page):
     assert items.first.locator("mark").inner_text() == card["neighbours"][0]["target"].replace("\n", "↵")
     assert page.locator("svg.hist rect").count() > 0
     detail = ex.prototype(int(pid), neighbours=12)
-    # pushed down as well as up, the logit histogram, and examples across the stored range
+    # pushed down as well as up, the logit histogram, and examples across the activation range
     assert page.locator("#proto-down span").count() == len(card["bottom_tokens"]) > 0
     assert page.locator("#proto-down span").first.inner_text().startswith(_vis(card["bottom_tokens"][0][0]))
     assert detail.logit_histogram is not None and detail.bands
     assert page.locator("#proto-logit-hist rect").count() == len(detail.logit_histogram["counts"])
-    assert page.locator("#proto-bands ol[data-band]").count() == len(detail.bands) == 3
+    assert page.locator("#proto-bands ol[data-band]").count() == len(detail.bands) == 4  # activation intervals
+    assert "uniform random sample" in page.inner_text("#proto-bands")
     _shot(page, "prototype")
     page.click("#proto-contexts a.doc >> nth=0")  # the whole document, target marked
     page.wait_for_selector("#doc-target")

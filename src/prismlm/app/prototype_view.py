@@ -4,11 +4,12 @@ data the model and the index already have — what Neuronpedia and sae_vis show 
 - ``logit_histogram``: the distribution of its direct effect on every token, the signature W p_i over
   the real vocabulary (one unit of activation adds (W p_i)_v to token v's logit). Its tails are the
   card's ``top_tokens`` (pushed up) and ``bottom_tokens`` (pushed down).
-- ``example_bands``: training contexts across the range of its stored neighbourhood. The index keeps
-  each prototype's N nearest training contexts by cos(z_t, p_i) (the activation where it is active);
-  the N are split into three equal rank ranges — top, middle, bottom — and a few examples of each are
-  shown with the cos range of their band. They span the top N only, not every activation (the index
-  keeps no other contexts; the activation histogram of the card covers all indexed tokens).
+- ``example_bands``: training contexts across the range of its activations. The index keeps a uniform
+  random sample of S of the positions where the prototype fires (``prismlm.explain.activation_sample``);
+  the sample is binned by activation into ``intervals`` equal-width intervals of (0, max sampled a] (as
+  sae_vis does), each with its bounds, how many sampled firings fall in it and a few of them (a random
+  few: the sample's own order). An index written before the sample existed has none: the bands are then
+  the three rank thirds of the stored top-N nearest contexts, with a note saying so.
 
 And for Steer, ``never_active``: the steered prototypes that never fire on a text — steering them cannot
 change it, which is worth saying when the generations come out identical.
@@ -22,11 +23,16 @@ import numpy as np
 import torch
 
 from prismlm.explain import PrototypeIndex
+from prismlm.explain.activation_sample import sample_contexts
 from prismlm.model import PrismLM
 
-__all__ = ["example_bands", "logit_histogram", "never_active"]
+__all__ = ["example_bands", "logit_histogram", "never_active", "rank_bands"]
 
 BANDS = ("top", "middle", "bottom")
+RANK_NOTE = (
+    "this index has no activation sample (built before it existed): these are thirds of its stored nearest "
+    "contexts, not activation intervals; rebuild it with `prism index RUN --overwrite` for activation intervals"
+)
 
 
 @torch.no_grad()
@@ -46,11 +52,51 @@ def logit_histogram(model: PrismLM, i: int, valid_vocab: int, bins: int = 40) ->
     }
 
 
-def example_bands(index: PrototypeIndex, i: int, per_band: int = 3) -> list[dict[str, Any]]:
+def example_bands(
+    index: PrototypeIndex, i: int, per_band: int = 3, intervals: int = 4, *, before: int = 12, after: int = 3
+) -> list[dict[str, Any]]:
+    """Examples of prototype ``i`` across its activation range (module docstring), highest interval first.
+    Each band: {kind: "activation", band, interval: [lo, hi] (lo excluded), count (sampled firings in it),
+    sampled (the sample's size), fired (all indexed firings), examples: [neighbour dicts + activation]}.
+    Without a sample in the index: ``rank_bands`` (kind "rank", with a note). Empty when it never fired."""
+    if index.sample is None:
+        return rank_bands(index, i, per_band)
+    fired = int(index.stats(i)["count"])  # (validates i)
+    offs, acts = index.sample.row(i)  # key order: a uniformly random order
+    if not offs:
+        return []
+    a = np.asarray(acts, dtype=np.float64)  # (n,) all > 0
+    top = float(a.max())
+    edges = [top * j / intervals for j in range(intervals + 1)]  # [0, …, top]: interval j is (edges[j], edges[j+1]]
+    bin_of = np.searchsorted(np.asarray(edges[1:-1]), a, side="left")  # inner edges below a: a in (lo, hi]
+    pick = {j: np.flatnonzero(bin_of == j)[:per_band].tolist() for j in range(intervals)}
+    shown = [r for j in range(intervals) for r in pick[j]]
+    ctx = dict(zip(shown, sample_contexts(index, [offs[r] for r in shown], before=before, after=after)))
+    bands = []
+    for j in reversed(range(intervals)):
+        examples = [{**ctx[r].to_dict(), "activation": acts[r]} for r in pick[j] if r in ctx]
+        for e in examples:
+            e.pop("similarity")  # not stored for sampled firings
+        bands.append(
+            {
+                "kind": "activation",
+                "band": f"{edges[j]:.3g} < a ≤ {edges[j + 1]:.3g}",
+                "interval": [edges[j], edges[j + 1]],
+                "count": int((bin_of == j).sum()),
+                "sampled": len(offs),
+                "fired": fired,
+                "examples": examples,
+            }
+        )
+    return bands
+
+
+def rank_bands(index: PrototypeIndex, i: int, per_band: int = 3) -> list[dict[str, Any]]:
     """Up to ``per_band`` contexts from each third (by rank) of prototype ``i``'s stored nearest contexts:
-    the first of the top third, the middle ones of the middle third, the last of the bottom third.
-    Each band: {band, ranks: [first, last] (1-based, of ``stored``), stored, similarity: [max, min],
-    examples: [neighbour dicts]}. Empty without stored contexts."""
+    the first of the top third, the middle ones of the middle third, the last of the bottom third — the
+    fallback for an index without an activation sample. Each band: {kind: "rank", band, ranks: [first,
+    last] (1-based, of ``stored``), stored, similarity: [max, min], examples: [neighbour dicts], note}.
+    Empty without stored contexts."""
     nbs = index.neighbours(i)  # all N stored, by decreasing cos (ties by offset)
     n = len(nbs)
     if n == 0:
@@ -62,11 +108,13 @@ def example_bands(index: PrototypeIndex, i: int, per_band: int = 3) -> list[dict
         pick = part[start : start + per_band].tolist()
         bands.append(
             {
+                "kind": "rank",
                 "band": name,
                 "ranks": [int(part[0]) + 1, int(part[-1]) + 1],
                 "stored": n,
                 "similarity": [nbs[int(part[0])].similarity, nbs[int(part[-1])].similarity],
                 "examples": [nbs[j].to_dict() for j in pick],
+                "note": RANK_NOTE,
             }
         )
     return bands
