@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from prismlm.explain import PrototypeIndex
-from prismlm.explain.activation_sample import sample_contexts
 from prismlm.model import PrismLM
 
 __all__ = ["example_bands", "logit_histogram", "never_active", "rank_bands"]
@@ -71,10 +70,10 @@ def example_bands(
     bin_of = np.searchsorted(np.asarray(edges[1:-1]), a, side="left")  # inner edges below a: a in (lo, hi]
     pick = {j: np.flatnonzero(bin_of == j)[:per_band].tolist() for j in range(intervals)}
     shown = [r for j in range(intervals) for r in pick[j]]
-    ctx = dict(zip(shown, sample_contexts(index, [offs[r] for r in shown], before=before, after=after)))
+    ctx = dict(zip(shown, index.contexts([offs[r] for r in shown], before=before, after=after)))
     bands = []
     for j in reversed(range(intervals)):
-        examples = [{**ctx[r].to_dict(), "activation": acts[r]} for r in pick[j] if r in ctx]
+        examples = [{**ctx[r].to_dict(), "activation": acts[r]} for r in pick[j]]
         for e in examples:
             e.pop("similarity")  # not stored for sampled firings
         bands.append(

@@ -30,10 +30,9 @@ import torch
 from prismlm.errors import ArtifactError
 
 if TYPE_CHECKING:
-    from prismlm.explain.index import Neighbour, PrototypeIndex
     from prismlm.model import PrismOutput
 
-__all__ = ["EMPTY_KEY", "TENSOR_NAMES", "ActivationSample", "sample_contexts", "sample_key", "top_s"]
+__all__ = ["EMPTY_KEY", "TENSOR_NAMES", "ActivationSample", "sample_key", "top_s"]
 
 EMPTY_KEY = torch.iinfo(torch.int64).min
 TENSOR_NAMES = ("sample_key", "sample_offset", "sample_act")
@@ -172,14 +171,3 @@ class ActivationSample:
         """Prototype ``i``'s sampled firings (offsets, activations), in key order (a random order)."""
         filled = self.offset[i] >= 0
         return self.offset[i][filled].tolist(), self.act[i][filled].tolist()
-
-
-def sample_contexts(index: PrototypeIndex, offsets: list[int], *, before: int = 12, after: int = 3) -> list[Neighbour]:
-    """The training contexts at these offsets with their snippets, marked as the index's neighbours (the
-    target token after the context); ``similarity`` is not stored for samples and is left at 0."""
-    from prismlm.explain.index import _snippets  # here: index imports this module
-
-    if index.shards is None:
-        return []
-    tok = index.tokenizer or index.shards.tokenizer
-    return _snippets(offsets, [0.0] * len(offsets), index.shards, tok, before, after)

@@ -427,6 +427,15 @@ class PrototypeIndex:
             j += len(row)
         return out
 
+    def contexts(self, offsets: Sequence[int], *, before: int = 12, after: int = 3) -> list[Neighbour]:
+        """The training contexts ending at these global offsets (e.g. ``sample.offset``), with snippets when
+        shards are attached, marked as ``neighbours`` (the target after the context); ``similarity`` 0."""
+        offs = [int(o) for o in offsets]
+        tok = (self.tokenizer or self.shards.tokenizer) if self.shards is not None else None
+        if self.shards is None or tok is None:
+            return [Neighbour(offset=o, similarity=0.0) for o in offs]
+        return _snippets(offs, [0.0] * len(offs), self.shards, tok, max(0, before), max(0, after))
+
     def clear_cache(self) -> None:
         """Drop the decoded neighbour snippets, the statistics rows and the parsed labels (rebuilt on
         demand)."""
