@@ -7,8 +7,8 @@ it is active** (a > 0: in the token's top-k), with their activation and global o
 
 **How.** Every active (offset, prototype) pair gets a pseudo-random 64-bit key, ``sample_key(offset, i)``
 (splitmix64 of splitmix64(offset) xor i, in torch int64 ops), and each prototype keeps the S pairs with the
-largest keys (ties, which need a 64-bit collision, by offset ascending: a total order, offsets being
-unique per prototype). The keys are i.i.d. uniform in effect, so the S largest are a uniform sample of the
+largest keys (for a fixed prototype the key is a bijection of the offset, so its keys are distinct and
+the order is total). The keys are i.i.d. uniform in effect, so the S largest are a uniform sample of the
 firings; they are a function of (offset, prototype) alone, so the sample is deterministic, and the top S of
 a union is the top S of the parts' top S: index parts merge and resumed builds continue to exactly the
 sample of one pass (given bit-identical activations: the batch-grid condition of the index).
@@ -16,7 +16,8 @@ sample of one pass (given bit-identical activations: the batch-grid condition of
 **Tables** (K, S): ``key`` int64 descending per row (``EMPTY_KEY`` = empty slot, fewer than S firings),
 ``offset`` int64 (the context's last token j·T + t, as the index's ``top_offset``; -1 empty), ``act``
 float32 (0 empty). Stored in ``index.safetensors`` as ``sample_key``, ``sample_offset``, ``sample_act``;
-an index written before them has none (``PrototypeIndex.sample`` is None).
+an index written before them has none (``PrototypeIndex.sample`` is None). (A firing whose key is
+``EMPTY_KEY`` itself, probability 2^-64, would rank as an empty slot.)
 """
 
 from __future__ import annotations
@@ -67,14 +68,15 @@ def sample_key(offsets: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def top_s(
     proto: torch.Tensor, key: torch.Tensor, off: torch.Tensor, act: torch.Tensor, K: int, S: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flat candidates (n,) each → (K, S) tables of the S largest keys per prototype (ties: offset asc).
+    """Flat candidates (n,) each, prototype ids in [0, K) → (K, S) tables of the S largest keys per prototype,
+    by key descending.
 
-    Three stable sorts give the order (prototype, key desc, offset asc); a candidate's rank in its
-    prototype's group is its position minus the group's start (cumsum of the group counts); rank < S is kept.
+    Two stable sorts give the order (prototype, key desc); a candidate's rank in its prototype's group is
+    its position minus the group's start (cumsum of the group counts); rank < S is kept. A prototype's keys
+    are distinct (``sample_key`` is a bijection of the offset for a fixed id), so the order is total.
     """
     dev = key.device
-    order = torch.argsort(off, stable=True)
-    order = order[torch.argsort(key[order], descending=True, stable=True)]
+    order = torch.argsort(key, descending=True, stable=True)
     order = order[torch.argsort(proto[order], stable=True)]
     p = proto[order]  # (n,) ascending
     counts = torch.bincount(p, minlength=K)  # (K,)
@@ -87,6 +89,16 @@ def top_s(
     t_act = torch.zeros((K, S), dtype=torch.float32, device=dev)
     t_key[p, rank], t_off[p, rank], t_act[p, rank] = key[sel], off[sel], act[sel].float()
     return t_key, t_off, t_act
+
+
+def _merge_rows(
+    a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...], S: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two sets of (R, S) (key, offset, act) tables → per row the S largest keys of both, descending (the
+    (R, 2S) candidates' ``topk``; keys within a row are distinct, empty slots all alike)."""
+    key, off, act = (torch.cat([x, y], dim=1) for x, y in zip(a, b))  # (R, 2S) each
+    t_key, j = key.topk(S, dim=1)  # sorted descending
+    return t_key, off.gather(1, j), act.gather(1, j)
 
 
 @dataclass
@@ -113,17 +125,22 @@ class ActivationSample:
     def to(self, device: torch.device | str) -> ActivationSample:
         return ActivationSample(self.key.to(device), self.offset.to(device), self.act.to(device))
 
-    def _flat(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """(proto, key, offset, act) of the filled slots (of the rows where ``rows`` (K,) is True)."""
+    def _flat(self) -> tuple[torch.Tensor, ...]:
+        """(proto, key, offset, act) of the filled slots, flat (n,) each."""
         K, S = self.key.shape
-        filled = self.offset >= 0 if rows is None else (self.offset >= 0) & rows[:, None]  # (K, S)
+        filled = self.offset >= 0  # (K, S)
         proto = torch.arange(K, device=self.key.device)[:, None].expand(K, S)
         return proto[filled], self.key[filled], self.offset[filled], self.act[filled]
 
     @torch.no_grad()
     def add(self, out: PrismOutput, offsets: torch.Tensor) -> None:
         """Add the firings of one model output over B aligned sequences; ``offsets`` (B·T,) = j·T + t of
-        each position, in ``out``'s (B, T) order. Only the rows of prototypes that fired are re-ranked."""
+        each position, in ``out``'s (B, T) order.
+
+        A chunk's pairs are ranked by ``top_s`` among themselves (their top S per prototype), then merged row
+        by row with the running table. Pairs below their prototype's S-th key (a full row) cannot enter and
+        are dropped first (late in a pass, most are); only rows with pairs left are touched, as (R, S) tables.
+        """
         if out.indices is None or out.activations is None:
             return
         k = out.indices.shape[-1]
@@ -131,15 +148,20 @@ class ActivationSample:
         on = a > 0  # the index's "active" (prismlm.eval.metrics.active_prototypes)
         ids = out.indices.reshape(-1, k)[on]  # (n_active,)
         offs = offsets.to(ids.device)[:, None].expand(-1, k)[on]  # (n_active,): each slot's position
+        keys, acts = sample_key(offs, ids), a[on].float()
+        can = keys > self.key[ids, -1]  # the S-th key: EMPTY_KEY while the row is not full
+        ids, offs, keys, acts = ids[can], offs[can], keys[can], acts[can]
         if ids.numel() == 0:
             return
         K = self.key.shape[0]
         touched = torch.zeros(K, dtype=torch.bool, device=ids.device)
         touched[ids] = True
-        old = self._flat(touched)
-        cand = (torch.cat([old[0], ids]), torch.cat([old[1], sample_key(offs, ids)]), torch.cat([old[2], offs]))
-        t_key, t_off, t_act = top_s(*cand, torch.cat([old[3], a[on].float()]), K, self.size)
-        self.key[touched], self.offset[touched], self.act[touched] = t_key[touched], t_off[touched], t_act[touched]
+        rows = touched.nonzero().squeeze(1)  # (R,)
+        compact = torch.full((K,), -1, dtype=torch.long, device=ids.device)
+        compact[rows] = torch.arange(rows.numel(), device=ids.device)
+        new = top_s(compact[ids], keys, offs, acts, rows.numel(), self.size)  # (R, S) each
+        old = (self.key[rows], self.offset[rows], self.act[rows])
+        self.key[rows], self.offset[rows], self.act[rows] = _merge_rows(old, new, self.size)
 
     @classmethod
     def merged(cls, samples: Sequence[ActivationSample]) -> ActivationSample:

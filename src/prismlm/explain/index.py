@@ -6,6 +6,8 @@ One streaming pass of a trained model over its training shard records, for each 
   (not only tokens where i is active — the R̄1 notion), as global token offsets and similarities;
 - how often it is active (in a token's top-k with a > 0), the sum of its activations and a histogram of
   them (``bins`` fixed bins on [0, 1]);
+- a uniform random sample of ``sample_size`` of the positions where it is active, with their activations
+  (``prismlm.explain.activation_sample``: exact under merging and resume too);
 - the coverage metrics of ``prismlm.eval.metrics`` over the indexed tokens: R̄1 = mean_i max_t cos
   (``top_sim[:, 0].mean()``), R2 = mean_t max_i cos, dead prototypes, residual share.
 
