@@ -154,6 +154,35 @@ def test_prototype_view_shows_contexts(served, browser_page):
     _no_errors(errors)
 
 
+def test_prototype_view_labels_activation_intervals_and_the_fallback(served, browser_page):
+    """The bands are drawn as activation intervals of a uniform sample (bounds and counts as the API gives
+    them); for an index without a sample, the rank thirds with the note saying so."""
+    base, ex = served
+    page, errors = browser_page
+    i = int(ex.index.counts.argmax())
+    bands = ex.prototype(i).bands
+    assert bands and bands[0]["kind"] == "activation"
+    page.goto(base + f"#/prototype/{i}")
+    page.wait_for_selector("#proto-bands ol[data-band]")
+    heads = page.locator("#proto-bands h3")
+    assert heads.count() == len(bands)
+    for j, b in enumerate(bands):
+        text = heads.nth(j).inner_text()
+        assert f"activation interval ({b['interval'][0]:.3f}, {b['interval'][1]:.3f}]" in text, text
+        assert f"{b['count']} of the {b['sampled']} sampled firings" in text, text
+    assert page.locator("#proto-bands li").count() == sum(len(b["examples"]) for b in bands)
+    sample, ex.index.sample = ex.index.sample, None  # as an index written before the sample
+    try:
+        page.goto(base + f"#/prototype/{(i + 1) % ex.num_prototypes}")  # another route: the view re-renders
+        page.goto(base + f"#/prototype/{i}")
+        page.wait_for_selector("#proto-bands .notes")
+        assert "no activation sample" in page.inner_text("#proto-bands .notes")
+        assert page.locator("#proto-bands ol[data-band]").count() == 3
+    finally:
+        ex.index.sample = sample
+    _no_errors(errors)
+
+
 def test_map_draws_and_search_highlights(served, browser_page):
     base, ex = served
     page, errors = browser_page
