@@ -16,7 +16,7 @@ One streaming pass of a trained model over its training shard records, for each 
 window) and target ``x_{t+1}``; the index stores the global offset ``j·T + t`` of the context's last
 token (int64). ``shard.locate(offset + 1)`` gives the target's document and position.
 
-**Memory** is O(K·N + chunk·K) plus O(K·bins): independent of corpus size. The (tokens × K) cosine
+**Memory** is O(K·N + chunk·K) plus O(K·bins + K·sample_size): independent of corpus size. The (tokens × K) cosine
 matrix exists one chunk at a time.
 
 **Exact merging.** Candidates are ordered by (similarity desc, offset asc) — a total order, because
