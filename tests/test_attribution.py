@@ -390,6 +390,8 @@ def test_torchrun_index_two_processes_equal_one_pass(trained, tiny_shards, tmp_p
     merged = PrototypeIndex.load(out, model_sha256=ckpt.manifest["model_sha256"])
     for name in ("top_sim", "top_offset", "counts", "hist"):
         assert torch.equal(getattr(merged, name), getattr(full, name)), name
+    for name, t in full.sample.tensors().items():  # the uniform sample of firings too
+        assert torch.equal(t, merged.sample.tensors()[name]), name
     torch.testing.assert_close(merged.act_sum, full.act_sum, rtol=1e-12, atol=0)
     assert merged.covers_all and merged.manifest["covered"] == [[0, 22]]
     assert merged.manifest["merged_from"] == 2  # two parts were built, not one whole index per process

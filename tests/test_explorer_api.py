@@ -466,8 +466,8 @@ def test_training_shares_add_up_to_one(client):
 
 
 def test_prototype_card_pushes_down_logit_histogram_and_bands(client, explorer):
-    """The tokens a prototype pushes down most, the histogram of W p_i over the vocabulary and examples from
-    the top, middle and bottom of its stored contexts — each against the weights / the index directly."""
+    """The tokens a prototype pushes down most, the histogram of W p_i over the vocabulary and examples in
+    activation intervals of its sampled firings — each against the weights / the index directly."""
     import numpy as np
 
     i = int(explorer.index.counts.argmax())
@@ -486,17 +486,16 @@ def test_prototype_card_pushes_down_logit_histogram_and_bands(client, explorer):
     assert h["hi"] == pytest.approx(float(sig.max()), abs=1e-5)
     ref, _ = np.histogram(sig.numpy(), bins=len(h["counts"]), range=(h["lo"], h["hi"]))
     assert np.abs(np.array(h["counts"]) - ref).sum() <= 2  # bin-edge rounding at most
-    nbs = explorer.index.neighbours(i)
+    offs, acts = explorer.index.sample.row(i)  # the index's uniform sample of its firings
+    sample = dict(zip(offs, acts))
     bands = d["bands"]
-    assert [b["band"] for b in bands] == ["top", "middle", "bottom"] and all(b["stored"] == len(nbs) for b in bands)
-    assert bands[0]["ranks"][0] == 1 and bands[-1]["ranks"][1] == len(nbs)
-    assert all(a["ranks"][1] + 1 == b["ranks"][0] for a, b in zip(bands, bands[1:]))  # contiguous thirds
+    assert len(bands) == 4 and all(b["kind"] == "activation" and b["sampled"] == len(offs) for b in bands)
+    assert bands[0]["interval"][1] == max(acts) and bands[0]["fired"] == int(explorer.index.counts[i])
+    assert sum(b["count"] for b in bands) == len(offs) > 0
     for b in bands:
-        lo, hi = b["ranks"]
-        assert b["examples"] and all(
-            nbs[lo - 1].similarity >= e["similarity"] >= nbs[hi - 1].similarity for e in b["examples"]
-        )
-    assert bands[-1]["examples"][-1]["offset"] == nbs[-1].offset  # the bottom band ends at the last stored
+        lo, hi = b["interval"]
+        assert b["count"] == sum(lo < a <= hi for a in acts) and len(b["examples"]) == min(3, b["count"])
+        assert all(lo < e["activation"] <= hi and sample[e["offset"]] == e["activation"] for e in b["examples"])
 
 
 def test_a_plain_search_for_a_word_finds_the_prototypes_of_its_token(client, explorer):
@@ -535,7 +534,7 @@ def test_the_result_types_describe_the_json(client, explorer):
 
     from prismlm.app.explorer import bank, explain, info, prototype, steer, training
     from prismlm.app.explorer.steering import SteeringDict
-    from prismlm.app.prototype_view import Band, LogitHistogram
+    from prismlm.app.prototype_view import ActivationBand, LogitHistogram
 
     def keys(t: type) -> list[str]:
         return [f.name for f in dataclasses.fields(t)] if dataclasses.is_dataclass(t) else list(get_type_hints(t))
@@ -559,7 +558,7 @@ def test_the_result_types_describe_the_json(client, explorer):
     same(p["similar"][0], prototype.SimilarPrototype)
     same(p["fires"][0], prototype.Fire)
     same(p["logit_histogram"], LogitHistogram)
-    same(p["bands"][0], Band)
+    same(p["bands"][0], ActivationBand)  # a new index holds the activation sample
     same(client.get("/api/map").json(), bank.MapView)
     s = client.get("/api/search", params={"q": "", "limit": 3}).json()
     same(s, bank.SearchView)

@@ -140,16 +140,46 @@ def test_prototype_view_shows_contexts(served, browser_page):
     assert items.first.locator("mark").inner_text() == card["neighbours"][0]["target"].replace("\n", "↵")
     assert page.locator("svg.hist rect").count() > 0
     detail = ex.prototype(int(pid), neighbours=12)
-    # pushed down as well as up, the logit histogram, and examples across the stored range
+    # pushed down as well as up, the logit histogram, and examples across the activation range
     assert page.locator("#proto-down span").count() == len(card["bottom_tokens"]) > 0
     assert page.locator("#proto-down span").first.inner_text().startswith(_vis(card["bottom_tokens"][0][0]))
     assert detail.logit_histogram is not None and detail.bands
     assert page.locator("#proto-logit-hist rect").count() == len(detail.logit_histogram["counts"])
-    assert page.locator("#proto-bands ol[data-band]").count() == len(detail.bands) == 3
+    assert page.locator("#proto-bands ol[data-band]").count() == len(detail.bands) == 4  # activation intervals
+    assert "uniform random sample" in page.inner_text("#proto-bands")
     _shot(page, "prototype")
     page.click("#proto-contexts a.doc >> nth=0")  # the whole document, target marked
     page.wait_for_selector("#doc-target")
     assert card["neighbours"][0]["doc_id"] in page.inner_text("#doc-out")
+    _no_errors(errors)
+
+
+def test_prototype_view_labels_activation_intervals_and_the_fallback(served, browser_page):
+    """The bands are drawn as activation intervals of a uniform sample (bounds and counts as the API gives
+    them); for an index without a sample, the rank thirds with the note saying so."""
+    base, ex = served
+    page, errors = browser_page
+    i = int(ex.index.counts.argmax())
+    bands = ex.prototype(i).bands
+    assert bands and bands[0]["kind"] == "activation"
+    page.goto(base + f"#/prototype/{i}")
+    page.wait_for_selector("#proto-bands ol[data-band]")
+    heads = page.locator("#proto-bands h3")
+    assert heads.count() == len(bands)
+    for j, b in enumerate(bands):
+        text = heads.nth(j).inner_text()
+        assert f"activation interval ({b['interval'][0]:.3f}, {b['interval'][1]:.3f}]" in text, text
+        assert f"{b['count']} of the {b['sampled']} sampled firings" in text, text
+    assert page.locator("#proto-bands li").count() == sum(len(b["examples"]) for b in bands)
+    sample, ex.index.sample = ex.index.sample, None  # as an index written before the sample
+    try:
+        page.goto(base + f"#/prototype/{(i + 1) % ex.num_prototypes}")  # another route: the view re-renders
+        page.goto(base + f"#/prototype/{i}")
+        page.wait_for_selector("#proto-bands .notes")
+        assert "no activation sample" in page.inner_text("#proto-bands .notes")
+        assert page.locator("#proto-bands ol[data-band]").count() == 3
+    finally:
+        ex.index.sample = sample
     _no_errors(errors)
 
 

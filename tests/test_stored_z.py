@@ -172,6 +172,8 @@ def test_index_from_stored_z_equals_the_index_from_the_model(stored_run, tiny_sh
     from_store = build_index(run.model, shards, batch_size=8, top_n=8, progress=False, stored_z=store)
     for name in ("top_sim", "top_offset", "counts", "act_sum", "hist"):
         assert torch.equal(getattr(from_model, name), getattr(from_store, name)), name
+    for name, t in from_model.sample.tensors().items():  # the uniform sample of firings too
+        assert torch.equal(t, from_store.sample.tensors()[name]), name
     assert from_model.coverage() == pytest.approx(from_store.coverage(), rel=1e-12)
     assert from_store.manifest["hidden_from"] == "stored-z float32"
     # another backbone's store, or another corpus's, is refused by name

@@ -6,6 +6,8 @@ One streaming pass of a trained model over its training shard records, for each 
   (not only tokens where i is active — the R̄1 notion), as global token offsets and similarities;
 - how often it is active (in a token's top-k with a > 0), the sum of its activations and a histogram of
   them (``bins`` fixed bins on [0, 1]);
+- a uniform random sample of ``sample_size`` of the positions where it is active, with their activations
+  (``prismlm.explain.activation_sample``: exact under merging and resume too);
 - the coverage metrics of ``prismlm.eval.metrics`` over the indexed tokens: R̄1 = mean_i max_t cos
   (``top_sim[:, 0].mean()``), R2 = mean_t max_i cos, dead prototypes, residual share.
 
@@ -14,7 +16,7 @@ One streaming pass of a trained model over its training shard records, for each 
 window) and target ``x_{t+1}``; the index stores the global offset ``j·T + t`` of the context's last
 token (int64). ``shard.locate(offset + 1)`` gives the target's document and position.
 
-**Memory** is O(K·N + chunk·K) plus O(K·bins): independent of corpus size. The (tokens × K) cosine
+**Memory** is O(K·N + chunk·K) plus O(K·bins + K·sample_size): independent of corpus size. The (tokens × K) cosine
 matrix exists one chunk at a time.
 
 **Exact merging.** Candidates are ordered by (similarity desc, offset asc) — a total order, because
@@ -78,6 +80,7 @@ from prismlm.errors import (
     UnknownPrototypeError,
 )
 from prismlm.eval.metrics import active_prototypes, coverage_metrics, coverage_sums
+from prismlm.explain.activation_sample import ActivationSample
 from prismlm.model import PrismOutput, eval_mode
 from prismlm.progress import Progress, Reporter
 from prismlm.train.stored_z import StoredZ, backbone_identity
@@ -193,6 +196,9 @@ class PrototypeIndex:
     manifest: dict[str, Any]
     """kind, format_version, model_sha256, shard_key, split, top_n, num_prototypes, block_size, bins,
     batch_size, universe, target, covered, tokens, token_max_cos_sum, residual_share_sum, created…"""
+    sample: ActivationSample | None = field(default=None, compare=False)
+    """Per prototype a uniform sample of ``manifest["sample_size"]`` of its firings (offset, activation):
+    ``prismlm.explain.activation_sample``. None in an index written before it (or ``sample_size=0``)."""
     shards: ShardSet | None = field(default=None, repr=False, compare=False)
     """The ``ShardSet`` the offsets point into (needed for snippets)."""
     tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
@@ -423,6 +429,15 @@ class PrototypeIndex:
             j += len(row)
         return out
 
+    def contexts(self, offsets: Sequence[int], *, before: int = 12, after: int = 3) -> list[Neighbour]:
+        """The training contexts ending at these global offsets (e.g. ``sample.offset``), with snippets when
+        shards are attached, marked as ``neighbours`` (the target after the context); ``similarity`` 0."""
+        offs = [int(o) for o in offsets]
+        tok = (self.tokenizer or self.shards.tokenizer) if self.shards is not None else None
+        if self.shards is None or tok is None:
+            return [Neighbour(offset=o, similarity=0.0) for o in offs]
+        return _snippets(offs, [0.0] * len(offs), self.shards, tok, max(0, before), max(0, after))
+
     def clear_cache(self) -> None:
         """Drop the decoded neighbour snippets, the statistics rows and the parsed labels (rebuilt on
         demand)."""
@@ -473,6 +488,7 @@ class PrototypeIndex:
                     "counts": self.counts.contiguous(),
                     "act_sum": self.act_sum.contiguous(),
                     "hist": self.hist.contiguous(),
+                    **(self.sample.tensors() if self.sample is not None else {}),
                 },
                 str(tmp / TENSORS_FILE),
             )
@@ -521,6 +537,9 @@ class PrototypeIndex:
             hist=t["hist"],
             manifest=manifest,
             path=path,
+            sample=ActivationSample.from_tensors(
+                t, manifest["num_prototypes"], int(manifest.get("sample_size", 0)), str(path)
+            ),
         )
         if tuple(idx.top_sim.shape) != (manifest["num_prototypes"], manifest["top_n"]):
             raise ArtifactError(f"{path}: tensor shapes {tuple(idx.top_sim.shape)} do not match the manifest")
@@ -631,8 +650,11 @@ def _decode_many(tokenizer: Tokenizer, seqs: list[list[int]]) -> list[str]:
 class _Builder:
     """Streaming state: the running (K, N) table and the O(K) statistics."""
 
-    def __init__(self, K: int, n: int, bins: int, device: torch.device, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, K: int, n: int, bins: int, device: torch.device, dtype: torch.dtype = torch.float32, sample_size: int = 0
+    ):
         self.K, self.n, self.bins = K, n, bins
+        self.sample = ActivationSample.empty(K, sample_size, device) if sample_size else None
         self.top_sim = torch.full((K, n), -math.inf, device=device, dtype=dtype)
         self.top_off = torch.full((K, n), _NO_OFFSET, dtype=torch.long, device=device)
         self.counts = torch.zeros(K, dtype=torch.long, device=device)
@@ -648,6 +670,7 @@ class _Builder:
         b.top_sim, b.top_off = idx.top_sim.to(device), idx.top_offset.to(device)
         b.counts, b.act_sum = idx.counts.to(device), idx.act_sum.to(device)
         b.hist = idx.hist.to(device).reshape(-1)
+        b.sample = idx.sample.to(device) if idx.sample is not None else None
         b.token_cos_sum = float(idx.manifest["token_max_cos_sum"])
         b.residual_sum = float(idx.manifest["residual_share_sum"])
         b.tokens = int(idx.manifest["tokens"])
@@ -666,6 +689,8 @@ class _Builder:
             cand_sim = torch.cat([self.top_sim, vals.to(self.top_sim.dtype)], dim=1)  # (K, N + ≤N)
             cand_off = torch.cat([self.top_off, offsets[s : s + chunk][cols]], dim=1)
             self.top_sim, self.top_off = _topn_merge(cand_sim, cand_off, self.n)
+        if self.sample is not None:
+            self.sample.add(out, offsets)
         ids, act = active_prototypes(out)  # (n_active,) each
         act = act.float()
         self.counts += torch.bincount(ids, minlength=self.K)
@@ -691,6 +716,7 @@ class _Builder:
             act_sum=self.act_sum.cpu(),
             hist=self.hist.reshape(self.K, self.bins).cpu(),
             manifest=manifest,
+            sample=self.sample.to("cpu") if self.sample is not None else None,
         )
 
 
@@ -714,6 +740,7 @@ def build_index(
     progress: Progress = True,
     stop_after_batches: int | None = None,
     stored_z: StoredZ | None = None,
+    sample_size: int = 64,
 ) -> PrototypeIndex:
     """One streaming pass of ``model`` over ``shards.train``; returns a ``PrototypeIndex``.
 
@@ -728,12 +755,16 @@ def build_index(
     model's backbone over these shards' training split at this block size, covering the indexed sequences
     (``ArtifactMismatch`` otherwise). From a float32 store made with the same batch grid the index equals the
     model's pass bit for bit (tested); from float16 the similarities carry z's rounding.
+    ``sample_size``: S, the firings kept per prototype in a uniform sample (``activation_sample``); 0: none.
+    A resumed build keeps the partial index's S (none for one written before samples).
     """
     net = model
     if net.prototypes is None:
         raise ModelError("a prototype index needs a PRISM model; this is the dense baseline (it has no prototypes)")
     if top_n < 1:
         raise ConfigError(f"top_n must be >= 1, got {top_n} (option --top-n)")
+    if sample_size < 0:
+        raise ConfigError(f"sample_size must be >= 0, got {sample_size}")
     protos = net.prototypes
     ident = model_sha256 or model_identity(net)
     dev = torch.device(device) if device is not None else next(net.parameters()).device
@@ -757,6 +788,7 @@ def build_index(
                 f"{universe}, bins={bins}, part {part[0]}/{part[1]}"
             )
         batch_size = int(m["batch_size"])  # the batch grid must stay the same
+        _check_resume_sample(m, sample_size)
         builder = _Builder.from_index(prev, dev)
         start, stop = m["target"]
         covered = merge_ranges(m["covered"])
@@ -771,7 +803,7 @@ def build_index(
         done_to = start
         # similarities are stored in float32, or float64 for a float64 model (exactness tests)
         sim_dtype = torch.promote_types(protos.weight.dtype, torch.float32)
-        builder = _Builder(K, top_n, bins, dev, sim_dtype)
+        builder = _Builder(K, top_n, bins, dev, sim_dtype, sample_size)
         manifest = {
             "kind": KIND,
             "format_version": FORMAT_VERSION,
@@ -784,6 +816,7 @@ def build_index(
             "block_size": T,
             "top_k": protos.cfg.top_k,
             "bins": bins,
+            "sample_size": sample_size,
             "batch_size": batch_size,
             "universe": universe,
             "part": list(part),
@@ -836,6 +869,15 @@ def build_index(
     if out is not None:
         idx.save(out)
     return idx
+
+
+def _check_resume_sample(m: dict[str, Any], sample_size: int) -> None:
+    """A partial index with an activation sample of another size cannot be resumed into this one."""
+    if "sample_size" in m and int(m["sample_size"]) != sample_size:
+        raise ArtifactError(
+            f"cannot resume: the partial index samples {m['sample_size']} firings per prototype; this build "
+            f"asks for sample_size={sample_size}"
+        )
 
 
 def _check_stored_z(store: StoredZ, net: PrismLM, shards: ShardSet, universe: int) -> None:
@@ -903,6 +945,9 @@ def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:
         }
     )
     manifest.pop("tokens_per_s_last_run", None)
+    samples = [p.sample for p in parts if p.sample is not None]  # a part without one: the union has none
+    sample = ActivationSample.merged(samples) if len(samples) == len(parts) else None
+    manifest["sample_size"] = sample.size if sample is not None else 0
     first_part, rest = parts[0], parts[1:]  # sums start from the first part (0 + x would change nothing)
     return PrototypeIndex(
         top_sim=top_sim,
@@ -911,6 +956,7 @@ def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:
         act_sum=sum((p.act_sum for p in rest), first_part.act_sum),
         hist=sum((p.hist for p in rest), first_part.hist),
         manifest=manifest,
+        sample=sample,
         shards=parts[0].shards,
         tokenizer=parts[0].tokenizer,
     )

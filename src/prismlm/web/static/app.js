@@ -210,10 +210,15 @@ async function viewPrototype(r) {
     <div class="grow"><div class="panel"><h2 style="margin-top:0">Nearest training contexts</h2>
       <p class="convention">Marked: the token predicted from the context nearest to the prototype (as in Explain).</p>
       ${c.neighbours.length ? `<ol class="snips" id="proto-contexts">${c.neighbours.map(n => `<li><span class="muted">${n.similarity.toFixed(3)}</span> ${snippet(n)} ${docLink(n)}</li>`).join("")}</ol>` : "<p class='muted'>no index</p>"}</div>
-    ${d.bands && d.bands.length ? `<div class="panel" id="proto-bands"><h2 style="margin-top:0">Examples across its stored contexts</h2>
+    ${d.bands && d.bands.length ? (d.bands[0].kind === "activation" ? `<div class="panel" id="proto-bands"><h2 style="margin-top:0">Examples across its activation range</h2>
+      <p class="muted">A uniform random sample of ${d.bands[0].sampled.toLocaleString()} of its ${d.bands[0].fired.toLocaleString()} firings in the indexed tokens, in activation intervals of equal width up to the largest sampled a; a few random examples of each. Marked: the token predicted from the context where it fired.</p>
+      ${d.bands.map(b => `<h3>${esc(b.band)} <span class="muted">activation interval (${b.interval[0].toFixed(3)}, ${b.interval[1].toFixed(3)}]: ${b.count} of the ${b.sampled} sampled firings</span></h3>
+        <ol class="snips" data-band="${esc(b.band)}">${b.examples.map(n => `<li><span class="muted">a=${n.activation.toFixed(3)}</span> ${snippet(n)} ${docLink(n)}</li>`).join("")}</ol>`).join("")}</div>`
+    : `<div class="panel" id="proto-bands"><h2 style="margin-top:0">Examples across its stored contexts</h2>
       <p class="muted">The index keeps its ${d.bands[0].stored} nearest training contexts (by cos(z, p<sub>i</sub>), its activation where it is active); top, middle and bottom third of them — not of every activation (the histogram covers those).</p>
+      ${d.bands[0].note ? `<ul class="notes"><li>${esc(d.bands[0].note)}</li></ul>` : ""}
       ${d.bands.map(b => `<h3>${b.band} <span class="muted">ranks ${b.ranks[0]}–${b.ranks[1]}, cos ${b.similarity[0].toFixed(3)}–${b.similarity[1].toFixed(3)}</span></h3>
-        <ol class="snips" data-band="${b.band}">${b.examples.map(n => `<li><span class="muted">${n.similarity.toFixed(3)}</span> ${snippet(n)} ${docLink(n)}</li>`).join("")}</ol>`).join("")}</div>` : ""}
+        <ol class="snips" data-band="${b.band}">${b.examples.map(n => `<li><span class="muted">${n.similarity.toFixed(3)}</span> ${snippet(n)} ${docLink(n)}</li>`).join("")}</ol>`).join("")}</div>`) : ""}
     <div class="panel"><h2 style="margin-top:0">Similar prototypes</h2><table>${d.similar.map(s => `<tr><td>${protoLink(s.id, text)}</td><td>${esc(s.label || "")}</td><td class="num">${s.cosine.toFixed(3)}</td></tr>`).join("")}</table></div></div></div>`;
 }
 
