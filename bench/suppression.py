@@ -60,6 +60,7 @@ from prismlm.data.corpus import iter_documents
 from prismlm.data.shards import prepare_shards
 from prismlm.eval.metrics import distinct_n
 from prismlm.eval.scoring import text_perplexity
+from prismlm.model.generation import Sampling
 from prismlm.train.trainer import train
 
 NEUTRAL_PROMPTS = [
@@ -240,8 +241,7 @@ def generate(
             p,
             samples=samples,
             tokens=tokens,
-            temperature=temperature,
-            top_k=top_k,
+            sampling=Sampling(temperature, top_tokens=top_k),
             generator=torch.Generator(dev).manual_seed(seed + j),
         )
         for j, p in enumerate(prompts)

@@ -28,6 +28,7 @@ from prismlm.explain import (
     save_labels,
 )
 from prismlm.explain.labels import CATEGORIES
+from prismlm.model.generation import Sampling
 
 T = 64  # tiny preset block_size
 
@@ -180,7 +181,9 @@ def test_slices_plus_residual_equal_logit_float64(trained, tiny_shards):
     card = expl.prototypes[expl.positions[0].prototypes[0].id]
     assert card.neighbours and card.stats and len(card.top_tokens) == 10 and card.label is not None
     # generation: the sampled tokens are the chosen tokens, one forward explains them exactly
-    gen = explain_generation(c64.model, c64.tokenizer, "The ", 6, model_sha256=sha, seed=1, index=idx)
+    gen = explain_generation(
+        c64.model, c64.tokenizer, "The ", 6, model_sha256=sha, sampling=Sampling(0.8, 50, seed=1), index=idx
+    )
     sampled = [p for p in gen.positions if p.chosen_by == "sampled"]
     assert len(sampled) == 6 and gen.prompt_tokens == len(ckpt.tokenizer.encode("The "))
     assert [p.next_id for p in sampled] == gen.token_ids[gen.prompt_tokens :] + [sampled[-1].next_id]
@@ -205,7 +208,7 @@ def test_explain_edge_cases_never_crash(trained):
     assert len(explain(ckpt.model, tok, [5, 6, 7]).positions) == 3  # ids work too
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         explain(ckpt.model, tok, [10**6])
-    long_gen = explain_generation(ckpt.model, tok, long_text, 3, seed=0)
+    long_gen = explain_generation(ckpt.model, tok, long_text, 3, sampling=Sampling(0.8, 50, seed=0))
     assert long_gen.truncated_tokens > 0 and len(long_gen.positions) == T
 
 

@@ -14,6 +14,7 @@ from prismlm import RunConfig
 from prismlm.explain import PrototypeIndex, build_index, explain, explain_generation, prototype_card
 from prismlm.explain.explanation import clear_card_cache
 from prismlm.model import PrismLM
+from prismlm.model.generation import Sampling
 from prismlm.train.trainer import round_vocab
 
 
@@ -75,8 +76,12 @@ def test_cached_explanations_equal_fresh_ones(model, index, tiny_shards):
     tok = tiny_shards.tokenizer
     clear_card_cache()
     index.clear_cache()
-    cold = explain_generation(model, tok, "It was the best of times", 12, seed=3, index=index)
-    warm = explain_generation(model, tok, "It was the best of times", 12, seed=3, index=index)
+    cold = explain_generation(
+        model, tok, "It was the best of times", 12, sampling=Sampling(0.8, 50, seed=3), index=index
+    )
+    warm = explain_generation(
+        model, tok, "It was the best of times", 12, sampling=Sampling(0.8, 50, seed=3), index=index
+    )
     assert warm.to_dict() == cold.to_dict()  # cards, positions, everything
     ids = sorted(cold.prototypes)
     ref = reference_top_tokens(model, tok, ids)
@@ -101,7 +106,9 @@ def test_cached_explanations_equal_fresh_ones(model, index, tiny_shards):
     card = next(iter(warm.prototypes.values()))
     card.top_tokens.clear()
     card.neighbours.clear()
-    again = explain_generation(model, tok, "It was the best of times", 12, seed=3, index=index)
+    again = explain_generation(
+        model, tok, "It was the best of times", 12, sampling=Sampling(0.8, 50, seed=3), index=index
+    )
     assert again.to_dict() == cold.to_dict()
     with pytest.raises(dataclasses.FrozenInstanceError):
         again.prototypes[card.id].neighbours[0].before = "changed"

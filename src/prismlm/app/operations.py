@@ -8,9 +8,8 @@ Each ``prism`` command is one of these plain functions (or one in ``app.attribut
 from __future__ import annotations
 
 import json
-import math
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from prismlm.explain import (
 from prismlm.explain.index import KIND as INDEX_KIND
 from prismlm.explain.index import LABELS_FILE
 from prismlm.model import PrismLM
+from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.progress import Progress
 from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.train.checkpoint import verify_checkpoint
@@ -59,9 +59,9 @@ def parse_part(part: str) -> tuple[int, int]:
     try:
         i, n = (int(x) for x in part.split("/"))
     except ValueError:
-        raise ConfigError(f"--part expects i/n (e.g. 0/4), got {part!r}") from None
+        raise ConfigError(f"part expects i/n (e.g. 0/4), got {part!r}", option="part") from None
     if not (n >= 1 and 0 <= i < n):
-        raise ConfigError(f"--part i/n needs 0 <= i < n, got {part!r}")
+        raise ConfigError(f"part i/n needs 0 <= i < n, got {part!r}", option="part")
     return i, n
 
 
@@ -70,14 +70,10 @@ MAX_NEW_TOKENS = 65536
 window, so a mistyped ``-n 1000000000`` would run for days instead of failing."""
 
 
-def check_sampling(
-    tokens: int, temperature: float, top_k: int | None, samples: int = 1, tokens_flag: str = "--tokens"
-) -> None:
-    """``ConfigError`` naming the option for sampling settings that cannot work."""
-    require(tokens >= 0, tokens_flag, ">= 0", tokens)
-    require(samples >= 1, "--samples", ">= 1", samples)
-    require(math.isfinite(temperature) and temperature >= 0, "--temperature", "a finite number >= 0", temperature)
-    require(top_k is None or top_k >= 1, "--top-k", ">= 1 (or omitted for the whole vocabulary)", top_k)
+def check_sampling(tokens: int, samples: int = 1, tokens_name: str = "tokens") -> None:
+    """``ConfigError`` naming the parameter for counts that cannot work (``Sampling`` checks itself)."""
+    require(tokens >= 0, tokens_name, ">= 0", tokens)
+    require(samples >= 1, "samples", ">= 1", samples)
 
 
 # ----- sampling and evaluation ----------------------------------------------------------------------------
@@ -88,23 +84,24 @@ def sample_continuations(
     *,
     samples: int,
     tokens: int,
-    temperature: float,
-    top_k: int | None,
-    generator: torch.Generator | None,
+    sampling: Sampling,
+    generator: torch.Generator | None = None,
     stop_id: int | None = None,
 ) -> list[str]:
     """``samples`` sampled continuations of ``prompt`` (continuation text only; an empty prompt starts
-    from the end-of-text token), one batch through ``model.generate``. ``stop_id`` (an end-of-turn token):
+    from the end-of-text token), one batch through ``model.generate`` at ``sampling`` (``generator``:
+    instead of ``sampling.seed``'s). ``stop_id`` (an end-of-turn token):
     generation ends once every sample has produced it, and each continuation is cut before it."""
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     dev = next(model.parameters()).device
     x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)  # (samples, T)
+    generator = generator if generator is not None else sampling.generator(dev)
     if stop_id is None:
-        y = model.generate(x, tokens, temperature=temperature, top_k=top_k, generator=generator)
+        y = model.generate(x, tokens, sampling, generator=generator)
         return [tokenizer.decode(row[len(ids) if prompt else 1 :].tolist()) for row in y]
     new: list[torch.Tensor] = []  # (samples, 1) each
     ended = torch.zeros(samples, dtype=torch.bool, device=dev)  # (samples,)
-    for _, nxt in model.generate_steps(x, tokens, temperature=temperature, top_k=top_k, generator=generator):
+    for _, nxt in model.generate_steps(x, tokens, sampling, generator=generator):
         new.append(nxt)
         ended |= nxt[:, 0] == stop_id
         if bool(ended.all()):
@@ -115,7 +112,9 @@ def sample_continuations(
 
 def _check_chat(chat: str | None, prompt: str) -> None:
     if chat is not None and prompt:
-        raise ConfigError("--chat and a prompt were both given", fix="give one: the chat message becomes the prompt")
+        raise ConfigError(
+            "chat and a prompt were both given", fix="give one: the chat message becomes the prompt", option="chat"
+        )
 
 
 def chat_prompt(run: Run, message: str) -> str:
@@ -124,9 +123,9 @@ def chat_prompt(run: Run, message: str) -> str:
     tok = run.tokenizer
     if not tok.chat_template:
         raise ModelError(
-            f"--chat: the run {run.path} has no chat template (its tokenizer {tok.name!r} came without "
+            f"the run {run.path} has no chat template (its tokenizer {tok.name!r} came without "
             "one), so a chat message cannot be written as a prompt",
-            fix="pass the text itself instead of --chat, or retrofit a chat model "
+            fix="pass the text itself instead of a chat message, or retrofit a chat model "
             "(e.g. prism retrofit --from smollm2-135m-instruct)",
         )
     return tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
@@ -139,32 +138,27 @@ def generate(
     chat: str | None = None,
     tokens: int = 100,
     samples: int = 1,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    seed: int = 0,
+    sampling: Sampling = TEXT_SAMPLING,
 ) -> list[str]:
     """Sample text from a trained model (with the run's interventions applied).
 
     Args:
         prompt: Text to continue (empty: start from end-of-text).
         chat: A chat message instead of a prompt: it is written with the model's chat template and the
-            assistant's answer is returned, ending at the end-of-turn token (at most --tokens).
+            assistant's answer is returned, ending at the end-of-turn token (at most ``tokens``).
         tokens: New tokens per sample. At most 65,536 (past the context window, the window slides).
         samples: Number of samples.
-        temperature: Sampling temperature (0 = greedy).
-        top_k: Sample from the top-k tokens only.
-        seed: Sampling seed.
+        sampling: Temperature, top tokens and seed.
     """
-    check_sampling(tokens, temperature, top_k, samples)
+    check_sampling(tokens, samples)
     require(
         tokens <= MAX_NEW_TOKENS,
-        "--tokens",
+        "tokens",
         f"<= {MAX_NEW_TOKENS:,} (generate longer texts in steps, continuing from the last output)",
         tokens,
     )
     _check_chat(chat, prompt)
     text = chat_prompt(run, chat) if chat is not None else prompt
-    gen = torch.Generator(device=run.device).manual_seed(seed)
     with run.intervened() as model:
         conts = sample_continuations(
             model,
@@ -172,9 +166,8 @@ def generate(
             text,
             samples=samples,
             tokens=tokens,
-            temperature=temperature,
-            top_k=top_k,
-            generator=gen,
+            sampling=sampling,
+            generator=sampling.generator(run.device),
             stop_id=run.tokenizer.eot_id if chat is not None else None,
         )
     return conts if chat is not None else [prompt + c for c in conts]
@@ -461,7 +454,7 @@ def label_prototypes(
 
 # ----- explanations ----------------------------------------------------------------------------------------
 CHAT_ANSWER_TOKENS = 64
-"""Longest chat answer ``explain --chat`` generates when --generate is not given."""
+"""Longest chat answer ``explain_text`` generates for a chat message when ``generate`` is not given."""
 
 
 def explain_text(
@@ -473,9 +466,7 @@ def explain_text(
     index: Path | None = None,
     use_index: bool = True,
     shards: Path | None = None,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    seed: int = 0,
+    sampling: Sampling = TEXT_SAMPLING,
     neighbours: int = 5,
 ) -> Explanation:
     """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly.
@@ -483,27 +474,28 @@ def explain_text(
     Args:
         prompt: Text to explain (empty: the first prediction after end-of-text).
         chat: A chat message instead of a prompt: written with the model's chat template, the assistant's
-            answer is generated greedily (at most --generate tokens, default 64, ending at the end-of-turn
+            answer is generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn
             token) and its tokens are explained.
         generate: Sample N tokens after the prompt and explain them.
         index: Index folder (default RUN/index if it exists).
         use_index: Use the prototype index if there is one.
         shards: Token shard folder (default: the index's / the run's).
-        temperature: Sampling temperature for --generate (0 = greedy).
-        top_k: Sample from the top-k tokens only.
-        seed: Sampling seed.
+        sampling: How the ``generate`` tokens are sampled (temperature, top tokens, seed).
         neighbours: Training snippets per prototype card.
     """
-    require(neighbours >= 0, "--neighbours", ">= 0", neighbours)
+    require(neighbours >= 0, "neighbours", ">= 0", neighbours)
     _check_chat(chat, prompt)
     model = run.prism_model("an explanation")
-    check_sampling(generate, temperature, top_k, tokens_flag="--generate")
+    check_sampling(generate, tokens_name="generate")
     if chat is not None:
-        prompt, generate, temperature = chat_prompt(run, chat), generate or CHAT_ANSWER_TOKENS, 0.0
-    if generate > model.config.block_size:  # one explanation covers one context window
-        raise ConfigError(
-            f"--generate must be at most the context window ({model.config.block_size} tokens), got {generate}"
-        )
+        prompt, generate = chat_prompt(run, chat), generate or CHAT_ANSWER_TOKENS
+        sampling = replace(sampling, temperature=0.0)
+    require(
+        generate <= model.config.block_size,  # one explanation covers one context window
+        "generate",
+        f"at most the context window ({model.config.block_size} tokens)",
+        generate,
+    )
     tokenizer = run.tokenizer
     idx = run.index(index, shards) if use_index else None
     with run.intervened():  # a suppressed or controlled run is explained as it predicts (decompose stays exact)
@@ -514,9 +506,7 @@ def explain_text(
                 prompt,
                 generate,
                 model_sha256=run.identity,
-                temperature=temperature,
-                top_k=top_k,
-                seed=seed,
+                sampling=sampling,
                 index=idx,
                 neighbours=neighbours,
                 stop_id=tokenizer.eot_id if chat is not None else None,

@@ -13,6 +13,7 @@ from prismlm.app.attribution import attribute_explanation, attribute_text
 from prismlm.app.operations import explain_text
 from prismlm.app.run import Run
 from prismlm.explain import Explanation
+from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.tda import Attribution
 
 __all__ = ["AttributionReport", "ExplanationReport", "attribute_report", "explain_report"]
@@ -47,9 +48,7 @@ def explain_report(
     index: Path | None = None,
     use_index: bool = True,
     shards: Path | None = None,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    seed: int = 0,
+    sampling: Sampling = TEXT_SAMPLING,
     neighbours: int = 5,
     attribute: bool = False,
 ) -> ExplanationReport:
@@ -58,17 +57,15 @@ def explain_report(
     Args:
         prompt: Text to explain (empty: the first prediction after end-of-text).
         chat: A chat message instead of a prompt: written with the model's chat template, the assistant's
-            answer is generated greedily (at most --generate tokens, default 64, ending at the end-of-turn
+            answer is generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn
             token) and its tokens are explained.
         generate: Sample N tokens after the prompt and explain them.
         index: Index folder (default RUN/index if it exists).
         use_index: Use the prototype index if there is one.
         shards: Token shard folder (default: the index's / the run's).
-        temperature: Sampling temperature for --generate (0 = greedy).
-        top_k: Sample from the top-k tokens only.
-        seed: Sampling seed.
+        sampling: How the ``generate`` tokens are sampled (temperature, top tokens, seed).
         neighbours: Training snippets per prototype card.
-        attribute: Add the top training sequences for the text (its generated part with --generate) to the
+        attribute: Add the top training sequences for the text (its generated part with ``generate``) to the
             report: prototype-space influence from the run's attribution cache (`prism attribute-cache`).
     """
     expl = explain_text(
@@ -79,9 +76,7 @@ def explain_report(
         index=index,
         use_index=use_index,
         shards=shards,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
+        sampling=sampling,
         neighbours=neighbours,
     )
     return ExplanationReport(expl, attribute_explanation(run, expl, shards=shards) if attribute else None)

@@ -47,7 +47,7 @@ from prismlm.artifacts import model_identity, write_output
 from prismlm.errors import ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
 from prismlm.explain.index import Neighbour, PrototypeIndex
 from prismlm.model import PrismOutput, decompose
-from prismlm.model.generation import Sampling, decode_steps, legacy_spelling
+from prismlm.model.generation import TEXT_SAMPLING, Sampling, decode_steps, legacy_spelling
 
 if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
@@ -581,10 +581,6 @@ def _explain_output(
     )
 
 
-GENERATION_SAMPLING = Sampling(temperature=0.8, top_tokens=50, seed=0)
-"""The sampling ``explain_generation`` uses unless told otherwise."""
-
-
 def explain_generation(
     model: PrismLM,
     tokenizer: Tokenizer,
@@ -601,7 +597,7 @@ def explain_generation(
     **legacy_sampling: float | None,
 ) -> Explanation:
     """Sample ``n`` tokens after ``prompt`` (as ``model.generate`` does, with the KV cache, at ``sampling``,
-    default ``GENERATION_SAMPLING``) and explain each sampled token's logit (the sampled tokens are the
+    default ``TEXT_SAMPLING``) and explain each sampled token's logit (the sampled tokens are the
     chosen tokens). ``stop_id``: end the generation once this token (an end-of-turn) is sampled; it is the
     last token explained. The other keywords are those of ``explain``. ``legacy_sampling``: the former
     spelling ``temperature=``, ``top_k=``, ``seed=`` (fields of ``Sampling``, ``top_k`` being
@@ -613,7 +609,7 @@ def explain_generation(
     generation slides its window (every position shifts), and the explanation is one forward over the
     last ``block_size`` tokens.
     """
-    s = legacy_spelling(sampling or GENERATION_SAMPLING, legacy_sampling)
+    s = legacy_spelling(sampling or TEXT_SAMPLING, legacy_sampling)
     if n < 1:
         raise ConfigError(f"n (tokens to generate) must be >= 1, got {n}", option="n")
     net = _require_prism(model)

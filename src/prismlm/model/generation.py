@@ -81,6 +81,10 @@ class Sampling:
         return f"temperature {self.temperature}, top_tokens {self.top_tokens}, seed {self.seed}"
 
 
+TEXT_SAMPLING = Sampling(temperature=0.8, top_tokens=50, seed=0)
+"""What the CLI, the explorer and ``explain_generation`` sample text with unless told otherwise."""
+
+
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     """logits (B, V) float32 → next tokens (B, 1): argmax at temperature 0, else sampling among the
     ``top_tokens`` most likely tokens."""
@@ -229,4 +233,5 @@ def legacy_spelling(sampling: Sampling, legacy: Mapping[str, float | None]) -> S
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {unknown}")
     names = {"temperature": "temperature", "top_k": "top_tokens", "seed": "seed"}
-    return replace(sampling, **{names[k]: v for k, v in legacy.items()})
+    changes: dict[str, Any] = {names[k]: v for k, v in legacy.items()}  # Sampling checks each value
+    return replace(sampling, **changes)
