@@ -53,7 +53,7 @@ from _common import RESULTS_DIR, environment, fmt_rate, load_average, parse_sets
 
 from prismlm.config import RunConfig
 from prismlm.data.shards import prepare_shards
-from prismlm.explain import build_index, explain_generation
+from prismlm.explain import IndexSettings, build_index, explain_generation
 from prismlm.explain.explanation import clear_card_cache
 from prismlm.model import PrismLM
 from prismlm.model.generation import TEXT_SAMPLING
@@ -125,9 +125,7 @@ def main() -> None:
         build_index(
             model,
             shards,
-            top_n=args.top_n,
-            batch_size=B,
-            max_sequences=n_seq,
+            IndexSettings(top_n=args.top_n, batch_size=B, max_sequences=n_seq),
             progress=False,
             model_sha256="bench",
             device=device,
@@ -144,9 +142,7 @@ def main() -> None:
     index = build_index(
         model,
         shards,
-        top_n=args.top_n,
-        batch_size=B,
-        max_sequences=n_seq,
+        IndexSettings(top_n=args.top_n, batch_size=B, max_sequences=n_seq),
         progress=False,
         model_sha256="bench",
         device=device,

@@ -445,15 +445,13 @@ def main() -> None:
     index = None
     t_idx = time.time()
     if not args.no_index:
-        from prismlm.explain.index import build_index
+        from prismlm.explain.index import IndexSettings, build_index
 
         index = build_index(
             model,
             shards,
-            top_n=16,
-            batch_size=32,
+            IndexSettings(top_n=16, batch_size=32, max_sequences=args.index_sequences),
             progress=False,
-            max_sequences=args.index_sequences,
             model_sha256=ckpt.manifest.get("model_sha256"),
             autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
         )

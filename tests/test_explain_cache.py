@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prismlm import RunConfig
-from prismlm.explain import PrototypeIndex, build_index, explain, explain_generation, prototype_card
+from prismlm.explain import IndexSettings, PrototypeIndex, build_index, explain, explain_generation, prototype_card
 from prismlm.explain.explanation import clear_card_cache
 from prismlm.model import PrismLM
 from prismlm.model.generation import Sampling
@@ -27,7 +27,9 @@ def model(tiny_shards):
 
 @pytest.fixture()
 def index(model, tiny_shards):
-    return build_index(model, tiny_shards, top_n=6, batch_size=4, max_sequences=8, progress=False, model_sha256="test")
+    return build_index(
+        model, tiny_shards, IndexSettings(top_n=6, batch_size=4, max_sequences=8), progress=False, model_sha256="test"
+    )
 
 
 def reference_top_tokens(model, tok, ids, m=10):
@@ -252,7 +254,7 @@ def test_index_top_n_breaks_ties_by_offset():
     """Equal cosines do occur (identical contexts at position 0 of two sequences). The index keeps, among
     equal similarities, the smallest offsets: a run of 78 equal values from column 50 gives 50, 51, 52, …
     (torch.topk alone picks among them arbitrarily), whether the tie straddles the cut or fills it."""
-    from prismlm.explain.index import _chunk_topn, _topn_merge
+    from prismlm.explain.index.build import _chunk_topn, _topn_merge
 
     n = 8
     plateau = torch.zeros(128)

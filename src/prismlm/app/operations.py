@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -31,6 +32,7 @@ from prismlm.errors import (
 from prismlm.eval.metrics import evaluate as evaluate_model
 from prismlm.explain import (
     Explanation,
+    IndexSettings,
     PrototypeCard,
     PrototypeIndex,
     build_index,
@@ -49,7 +51,7 @@ from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.progress import Progress
 from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.train.checkpoint import verify_checkpoint
-from prismlm.train.distributed import barrier, cleanup, init_distributed
+from prismlm.train.distributed import DistInfo, barrier, cleanup, init_distributed
 from prismlm.train.retrofit import STORED_Z_DIR
 from prismlm.train.stored_z import StoredZ, backbone_identity, open_stored_z
 
@@ -239,49 +241,56 @@ def build_run_index(
         batch_size: Sequences per forward pass (keep it equal across parts).
         part: Build part i of n (i/n) of the sequences; combine with `prism index-merge`.
         out: Index folder (default RUN/index, or RUN/index-part-i-of-n).
-        resume: Continue a partial index in --out after its last saved batch.
-        overwrite: Replace an index already in --out (never a run or any other folder).
+        resume: Continue a partial index in ``out`` after its last saved batch.
+        overwrite: Replace an index already in ``out`` (never a run or any other folder).
         checkpoint_every: Save the partial index every N batches (0: only at the end).
         shards: Token shard folder (default: the run's, from its data config).
         labels: Also write rule-based labels (labels.json) when the index is complete.
         stored_z: Read the hidden states a retrofit stored (RUN/stored-z) instead of running the backbone, when they are this checkpoint's backbone over these shards (else the model runs).
         progress: Show a progress bar with tokens/s.
     """
-    require(top_n >= 1, "--top-n", ">= 1", top_n)
-    require(max_sequences is None or max_sequences >= 1, "--max-sequences", ">= 1", max_sequences)
-    require(checkpoint_every >= 0, "--checkpoint-every", ">= 0", checkpoint_every)
-    pt = parse_part(part)
+    settings = IndexSettings(top_n=top_n, batch_size=batch_size, max_sequences=max_sequences, part=parse_part(part))
+    require(checkpoint_every >= 0, "checkpoint_every", ">= 0", checkpoint_every)
+    pt = settings.part
     out = out or run.folder / ("index" if pt == (0, 1) else f"index-part-{pt[0]}-of-{pt[1]}")
     check_out_folder(out, "prototype index", holds=INDEX_KIND, overwrite=overwrite, resume=resume, can_resume=True)
     info, _ = init_distributed(str(run.device))
     build_part = partial(
-        _build_index_part,
-        run,
-        top_n=top_n,
-        max_sequences=max_sequences,
-        batch_size=batch_size,
-        resume=resume,
-        checkpoint_every=checkpoint_every,
-        shards=shards,
-        stored_z=stored_z,
+        _build_index_part, run, resume=resume, checkpoint_every=checkpoint_every, shards=shards, stored_z=stored_z
     )
     if not info.enabled:
         with output_lock(out):  # the index and its labels: one writer, a second `prism index` is refused
-            result = build_part(pt, out, progress=progress)
+            result = build_part(out, settings, progress=progress)
             if labels and result.index.covers_all:
                 save_labels(rule_labels(result.index), out)
         return result
-    # Under torchrun: rank r builds part r/world into OUT.part-r-of-world (resumable there), then rank 0 merges
-    # the parts into OUT — equal to one process with the same batch size (neighbourhoods, counts and
-    # histograms bit for bit, float64 sums to rounding) — and removes them. Every rank returns the merged index.
-    require(pt == (0, 1), "--part", "left out under torchrun (each process builds its own part)", part)
+    require(pt == (0, 1), "part", "left out under torchrun (each process builds its own part)", part)
+    return _build_index_distributed(run, out, settings, info, build_part, labels=labels, progress=progress)
+
+
+def _build_index_distributed(
+    run: Run,
+    out: Path,
+    settings: IndexSettings,
+    info: DistInfo,
+    build_part: Callable[..., IndexResult],
+    *,
+    labels: bool,
+    progress: Progress,
+) -> IndexResult:
+    """Under torchrun: rank r builds part r/world into OUT.part-r-of-world (resumable there), then rank 0
+    merges the parts into OUT — equal to one process with the same batch size (neighbourhoods, counts and
+    histograms bit for bit, float64 sums to rounding) — and removes them. Every rank returns the merged
+    index."""
     try:
 
         def part_dir(rank: int) -> Path:
             return out.with_name(f"{out.name}.part-{rank}-of-{info.world_size}")
 
         built = build_part(
-            (info.rank, info.world_size), part_dir(info.rank), progress=progress if info.is_main else False
+            part_dir(info.rank),
+            replace(settings, part=(info.rank, info.world_size)),
+            progress=progress if info.is_main else False,
         )
         barrier(info)
         if info.is_main:
@@ -303,19 +312,16 @@ def build_run_index(
 @writes_folder("out")
 def _build_index_part(
     run: Run,
-    pt: tuple[int, int],
     out: Path,
+    settings: IndexSettings,
     *,
-    top_n: int,
-    max_sequences: int | None,
-    batch_size: int,
     resume: bool,
     checkpoint_every: int,
     shards: Path | None,
     progress: Progress,
     stored_z: bool = True,
 ) -> IndexResult:
-    """Build (or resume) part ``pt`` of the run's index into ``out``."""
+    """Build (or resume) the run's index at ``settings`` (its ``part``) into ``out``."""
     model = run.prism_model("a prototype index")
     notes: list[str] = []
     prev = None
@@ -329,14 +335,11 @@ def _build_index_part(
     if prev is not None and prev.complete:
         idx = prev.attach(shard_set)
     else:
-        store = _usable_stored_z(run, model, shard_set, max_sequences, notes) if stored_z else None
+        store = _usable_stored_z(run, model, shard_set, settings.max_sequences, notes) if stored_z else None
         idx = build_index(
             model,
             shard_set,
-            top_n=top_n,
-            batch_size=batch_size,
-            max_sequences=max_sequences,
-            part=pt,
+            settings,
             resume_from=prev,
             out=out,
             model_sha256=run.identity,
