@@ -54,7 +54,7 @@ from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, parse_sets
 
 from prismlm.app.operations import sample_continuations
 from prismlm.config import RunConfig
-from prismlm.control.concept import activation_stats, doc_regex, find_concept
+from prismlm.control.concept import ConceptSelection, activation_stats, doc_regex, find_concept
 from prismlm.control.judges import TfidfJudge, default_judges, fortune_splits
 from prismlm.data.corpus import iter_documents
 from prismlm.data.shards import prepare_shards
@@ -483,13 +483,11 @@ def main() -> None:
         tok,
         spec.concept_texts,
         spec.neutral_texts,
-        budget=max(budgets),
-        rank_by=args.rank_by,
-        threshold=args.threshold,
-        min_count=5,
+        ConceptSelection(
+            budget=max(budgets), rank_by=args.rank_by, threshold=args.threshold, min_count=5, min_purity=args.min_purity
+        ),
         index=index,
         is_concept_doc=spec.is_concept_doc,
-        min_purity=args.min_purity,
         concept=spec.name,
         model_sha256=ckpt.manifest.get("model_sha256"),
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,7 @@ import torch
 
 from prismlm.app.run import Run, require
 from prismlm.artifacts import check_out_file, check_out_folder
-from prismlm.control.concept import doc_regex, find_concept, read_texts
+from prismlm.control.concept import ConceptSelection, doc_regex, find_concept, read_texts
 from prismlm.control.controller import Controller, extract_features, fit_and_test, prism_encoder, trace_prism_controller
 from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
 from prismlm.errors import ConfigError, DataError, TaskError
@@ -28,7 +28,7 @@ class ConceptResult:
     suppression: SuppressionSet
     ranking: list[dict[str, Any]]
     saved: list[Path]
-    """Where the set was written (``--out``, the checkpoint with ``--save``)."""
+    """Where the set was written (``out``, and the checkpoint with ``save``)."""
 
 
 def find_run_concept(
@@ -38,12 +38,8 @@ def find_run_concept(
     *,
     index: Path | None = None,
     concept_docs: str | None = None,
-    budget: int | None = 32,
+    selection: ConceptSelection = ConceptSelection(),
     no_budget: bool = False,
-    rank_by: str = "contribution",
-    threshold: float = 1.0,
-    min_count: int = 3,
-    min_purity: float = 0.5,
     name: str | None = None,
     out: Path | None = None,
     save: bool = False,
@@ -56,48 +52,39 @@ def find_run_concept(
         neutral: Neutral examples, same formats.
         index: A prototype index (`prism index`) for neighbourhood purity.
         concept_docs: Regex on training document ids marking concept documents (purity).
-        budget: At most this many prototypes (0 = none; use --no-budget for no cap).
-        no_budget: No cap: keep every prototype passing the thresholds.
-        rank_by: Ranking: 'contribution' (nats/token the prototype adds to concept vs neutral text, first order) or 'enrichment' (log2 activation ratio).
-        threshold: Minimum log2 activation enrichment (concept vs neutral).
-        min_count: Minimum concept tokens where the prototype is active.
-        min_purity: Minimum neighbourhood purity (with --index and --concept-docs).
+        selection: Budget, ranking and thresholds of the selection (``ConceptSelection``).
+        no_budget: No cap: keep every prototype passing the thresholds (overrides the budget).
         name: Name of the concept (stored in the set).
         out: Write the suppression set here (default: print only).
         save: Also save it as the checkpoint's suppression.json (applied by default).
     """
-    require(budget is None or budget >= 0, "--budget", ">= 0", budget)
-    require(min_count >= 1, "--min-count", ">= 1", min_count)
-    require(0.0 <= min_purity <= 1.0, "--min-purity", "in [0, 1]", min_purity)
-    require(math.isfinite(threshold), "--threshold", "a finite number", threshold)
+    require(selection.min_count >= 1, "min_count", ">= 1", selection.min_count)
     if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what --save writes)
         target = out / CHECKPOINT_FILE if out.is_dir() else out
         if target.name != CHECKPOINT_FILE:
             check_out_file(target, "--out")
     model = run.prism_model("`prism concept`")
     if (index is None) != (concept_docs is None):
-        raise ConfigError("neighbourhood purity needs both --index and --concept-docs")
+        raise ConfigError("neighbourhood purity needs both index and concept_docs", option=("index", "concept_docs"))
     try:
         ctexts, ntexts = read_texts(concept), read_texts(neutral)
     except FileNotFoundError as e:
-        raise DataError(str(e), fix="check the --concept / --neutral path") from e
+        raise DataError(str(e), fix="check the concept / neutral texts' path") from e
     idx = run.index(index, required=True) if index is not None else None
     try:
         rx = doc_regex(concept_docs) if concept_docs else None
     except Exception as e:  # re.error
-        raise ConfigError(f"--concept-docs {concept_docs!r} is not a valid regular expression: {e}") from e
+        raise ConfigError(
+            f"concept_docs {concept_docs!r} is not a valid regular expression: {e}", option="concept_docs"
+        ) from e
     sset, ranking = find_concept(
         model,
         run.tokenizer,
         ctexts,
         ntexts,
-        budget=None if no_budget else budget,
-        rank_by=rank_by,
-        threshold=threshold,
-        min_count=min_count,
+        replace(selection, budget=None) if no_budget else selection,
         index=idx,
         is_concept_doc=rx,
-        min_purity=min_purity,
         concept=name,
         model_sha256=run.identity,
     )

@@ -154,11 +154,13 @@ def flag_message(e: PrismError, flags: dict[str, str]) -> str:
     """``str(e)``, with a ``ConfigError``'s ``option`` (the library's parameter or field name, e.g.
     ``top_tokens``) spelled as this command's flag (``--top-tokens``): the library never names flags."""
     msg = str(e)
-    if not isinstance(e, ConfigError) or e.option not in flags:
+    if not isinstance(e, ConfigError) or e.option is None:
         return msg
-    flag = flags[e.option]
-    named, n = re.subn(rf"(?<![\w-]){re.escape(e.option)}(?![\w-])", flag, msg, count=1)
-    return named if n else f"{flag}: {msg}"
+    for name in (e.option,) if isinstance(e.option, str) else e.option:
+        if name in flags:
+            named, n = re.subn(rf"(?<![\w-]){re.escape(name)}(?![\w-])", flags[name], msg, count=1)
+            msg = named if n else f"{flags[name]}: {msg}"
+    return msg
 
 
 def os_error_message(e: OSError) -> str:

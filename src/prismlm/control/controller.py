@@ -1,16 +1,8 @@
 """Sparse linear controllers over a sparse code of the final hidden state (spec §4).
 
-For PRISM the code is the prototype layer (directions p_i, activations a_{t,i}); for the SAE baseline it
-is a TopK sparse autoencoder's latents (directions = decoder columns). Both are controlled the same way:
-
-    ℓ'_t = W (z_t + Σ_{i∈K_t} c_i a_{t,i} d_i)            (= W r_t + Σ (1 + c_i) a_{t,i} W p_i for PRISM)
-
-with the language model frozen, c fitted on a task's training split by minimising the multiple-choice
-cross-entropy (softmax over the choices' summed log-likelihoods) + λ‖c‖₁ (Adam steps followed by the
-L1 proximal step, which sets coefficients exactly to zero), λ chosen on the validation split. ``c = 0``
-is exactly the base model. For PRISM the fitted controller is applied with ``with model.control(c):``
-and scored by the ordinary forward pass; ``ControlFeatures`` (a cache of what the frozen model computes
-at the scored positions) exists only to make fitting cheap, and tests check it gives the same scores.
+``ℓ'_t = W (z_t + Σ_i c_i a_{t,i} d_i)`` with the LM frozen, c fitted with multiple-choice cross-entropy +
+λ‖c‖₁ (proximal steps give exact zeros). Invariant: ``c = 0`` is exactly the base model, and the fitting
+cache ``ControlFeatures`` scores as the forward pass does. See docs/architecture.md (controllers).
 """
 
 from __future__ import annotations

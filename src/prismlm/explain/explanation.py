@@ -1,34 +1,9 @@
 """Exact per-token explanations (spec §1.5, §3.1): one forward pass, then index look-ups.
 
-For every position t of a text, the logit of the chosen next token y is split exactly as
-
-    ℓ_{t,y} = Σ_{i∈K_t} a_{t,i} (W p_i)_y  +  (W r_t)_y
-
-with ``prismlm.model.decompose`` on the model's one ``PrismOutput`` — no second forward path. Each
-active prototype comes with its label (``labels.json``), the top tokens of its signature ``W p_i`` and,
-with a ``PrototypeIndex``, its nearest training contexts as snippets with the target token marked.
-
-**Shares.** A logit can be negative or near zero, so a slice's share is taken of the total absolute
-contribution: ``share_i = slice_i / (Σ_j |slice_j| + |residual|)`` (signed; the |shares| of the
-prototypes and the residual add up to 1).
-
-**Cards are cached, never stale.** The prototype cards are fixed costs per call that do not depend on
-the text, so their parts are kept: the top signature tokens per prototype for one state of the prototype
-bank and ``lm_head.weight`` (``_SignatureCache``: any in-place update, e.g. an optimizer step, or a
-replaced parameter starts a new cache), the readable token strings per tokenizer, and the decoded
-neighbour snippets inside the loaded ``PrototypeIndex`` (an LRU, see ``PrototypeIndex.neighbours``).
-Statistics are read off the index at each call; ``labels.json`` is re-read when it changes.
-
-**Edge cases** (none raises):
-
-- empty text → the explanation of the first prediction, from the end-of-text token alone;
-- text longer than the context window → only the last ``block_size`` tokens are explained (the model
-  cannot see more); ``truncated_tokens`` says how many were dropped from the front;
-- characters never seen in training → a byte-level BPE (``bpe-N``, ``gpt2``) encodes them as byte tokens
-  (there is no unknown token; their byte pieces are shown as-is); a Hugging Face tokenizer with an unk
-  token maps them to it;
-- the last position has no next token in the text: its chosen token is ``next_token`` if given, else the
-  model's argmax (``chosen_by="argmax"``); in a generation it is the sampled token (``"sampled"``).
+At every position the chosen token's logit is split exactly into Σ a_i (W p_i)_y + (W r)_y (+ b_y) by
+``prismlm.model.decompose`` on the model's one ``PrismOutput``; each active prototype gets a card (label,
+signature tokens, training neighbours). Invariant: ``total − logit`` is float rounding only, and cached
+card parts are never stale. Shares, caches and edge cases (none raises): docs/architecture.md.
 """
 
 from __future__ import annotations
