@@ -59,7 +59,7 @@ def find_run_concept(
         save: Also save it as the checkpoint's suppression.json (applied by default).
     """
     require(selection.min_count >= 1, "min_count", ">= 1", selection.min_count)
-    if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what --save writes)
+    if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what `save` writes)
         target = out / CHECKPOINT_FILE if out.is_dir() else out
         if target.name != CHECKPOINT_FILE:
             check_out_file(target, "--out")
@@ -121,14 +121,13 @@ def build_task_folders(
         train_cap: Examples in the train split at most.
         val_cap: Examples in the validation split at most.
         test_cap: Examples in the test split at most.
-        overwrite: Replace tasks already in --out (never any other folder).
+        overwrite: Replace tasks already in ``out`` (never any other folder).
     """
-    require(
-        min(train_cap, val_cap, test_cap) >= 1,
-        "--train-cap/--val-cap/--test-cap",
-        ">= 1",
-        (train_cap, val_cap, test_cap),
-    )
+    if min(train_cap, val_cap, test_cap) < 1:
+        raise ConfigError(
+            f"train_cap, val_cap and test_cap must be >= 1, got {(train_cap, val_cap, test_cap)!r}",
+            option=("train_cap", "val_cap", "test_cap"),
+        )
     check_out_folder(out, "task folder", holds=is_task_folder, overwrite=overwrite)
     return build_tasks(out, task or list(TASKS), {"train": train_cap, "validation": val_cap, "test": test_cap})
 
@@ -174,7 +173,7 @@ def evaluate_tasks(
         controller: A controller JSON (`prism controller fit`) to apply.
         lm_eval: Also score with lm-eval's evaluator (same numbers).
     """
-    require(split in ("train", "validation", "test"), "--split", "train, validation or test", split)
+    require(split in ("train", "validation", "test"), "split", "train, validation or test", split)
     folders = task_folders(tasks, task or [])
     extra: tuple[Control, ...] = ()
     if controller is not None:
@@ -221,9 +220,9 @@ def fit_controller(
         out: Where to write the controller.
         index: A prototype index: trace each coefficient to its label and training neighbourhood.
     """
-    require(steps >= 1, "--steps", ">= 1", steps)
-    require(math.isfinite(lr) and lr > 0, "--lr", "a finite number > 0", lr)
-    require(len(l1) >= 1 and all(math.isfinite(x) and x >= 0 for x in l1), "--l1", "finite numbers >= 0", list(l1))
+    require(steps >= 1, "steps", ">= 1", steps)
+    require(math.isfinite(lr) and lr > 0, "lr", "a finite number > 0", lr)
+    require(len(l1) >= 1 and all(math.isfinite(x) and x >= 0 for x in l1), "l1", "finite numbers >= 0", list(l1))
     check_out_file(out, "--out")
     model = run.prism_model("a controller over prototypes (see bench/control.py for the SAE baseline)")
     assert model.prototypes is not None

@@ -186,8 +186,8 @@ def evaluate(
         batch_size: Sequences per batch (default: the run's).
         shards: Token shard folder the run was trained on (default: prepared from its data config).
     """
-    require(batches >= 1, "--batches", ">= 1", batches)
-    require(batch_size is None or batch_size >= 1, "--batch-size", ">= 1", batch_size)
+    require(batches >= 1, "batches", ">= 1", batches)
+    require(batch_size is None or batch_size >= 1, "batch_size", ">= 1", batch_size)
     cfg = run.config
     shard_set = run.shards(shards)
     with run.intervened() as model:
@@ -431,16 +431,16 @@ def label_prototypes(
     Args:
         index: Index folder (default RUN/index).
         labeller: rules (offline) or openai (an OpenAI-compatible endpoint).
-        endpoint: Base URL of the OpenAI-compatible API (with --labeller openai).
-        model: Model name for the endpoint (with --labeller openai).
+        endpoint: Base URL of the OpenAI-compatible API (with labeller openai).
+        model: Model name for the endpoint (with labeller openai).
         api_key_env: Environment variable holding the API key.
         ids: Comma-separated prototype ids to relabel with the LLM (default all).
         shards: Token shard folder (default: the index's / the run's).
     """
     if labeller not in ("rules", "openai"):
-        raise ConfigError(f"--labeller must be 'rules' or 'openai', got {labeller!r}")
+        raise ConfigError(f"labeller must be 'rules' or 'openai', got {labeller!r}", option="labeller")
     if labeller == "openai" and (not endpoint or not model):
-        raise ConfigError("--labeller openai needs --endpoint URL and --model NAME")
+        raise ConfigError("labeller openai needs endpoint URL and model NAME", option=("labeller", "endpoint", "model"))
     idx = run.index(index, shards, required=True)
     assert idx is not None
     labs = rule_labels(idx)
@@ -449,7 +449,7 @@ def label_prototypes(
         try:
             sel = [int(x) for x in ids.split(",")] if ids else None
         except ValueError:
-            raise ConfigError(f"--ids expects comma-separated integers, got {ids!r}") from None
+            raise ConfigError(f"ids expects comma-separated integers, got {ids!r}", option="ids") from None
         labs = llm_labels(idx, labs, endpoint=endpoint, model=model, api_key_env=api_key_env, ids=sel)
     assert idx.path is not None  # an index opened from a folder knows it
     return LabelResult(labels=labs, path=save_labels(labs, idx.path))
@@ -710,7 +710,7 @@ def find_prototypes(
         shards: Token shard folder (default: the index's / the run's).
         limit: Rows to list.
     """
-    require(limit >= 1, "--limit", ">= 1", limit)
+    require(limit >= 1, "limit", ">= 1", limit)
     model = run.prism_model("listing prototypes")
     assert model.prototypes is not None
     tok = run.tokenizer
@@ -723,8 +723,7 @@ def find_prototypes(
         tid = tok.encode(token)
         if len(tid) != 1:
             raise DataError(
-                f"--token {token!r} is {len(tid)} tokens {tid}; give a single token "
-                f"(e.g. with its leading space: ' the')"
+                f"token {token!r} is {len(tid)} tokens {tid}; give a single token (e.g. with its leading space: ' the')"
             )
         with torch.no_grad():
             col = model.signatures()[:, tid[0]].float()  # (K,)
@@ -772,7 +771,7 @@ def show_prototype(
     run: Run, prototype: int, *, index: Path | None = None, shards: Path | None = None, neighbours: int = 8
 ) -> PrototypeView:
     """One prototype's card: label, statistics, top tokens of W p_i, nearest training contexts."""
-    require(neighbours >= 0, "--neighbours", ">= 0", neighbours)
+    require(neighbours >= 0, "neighbours", ">= 0", neighbours)
     model = run.prism_model("a prototype card")
     idx = run.index(index, shards)
     labs = idx.labels() if idx is not None else {}
@@ -791,7 +790,7 @@ def prototypes(
     limit: int = 20,
     neighbours: int = 8,
 ) -> PrototypeListing | PrototypeView:
-    """List or search prototypes by label, category or token; --id N shows one prototype's card.
+    """List or search prototypes by label, category or token; an ``id`` shows one prototype's card.
 
     Args:
         search: Only prototypes whose label or category contains TEXT.
@@ -800,7 +799,7 @@ def prototypes(
         index: Index folder (default RUN/index if it exists).
         shards: Token shard folder (default: the index's / the run's).
         limit: Rows to list.
-        neighbours: Snippets shown with --id.
+        neighbours: Snippets shown with ``id``.
     """
     if id is not None:
         return show_prototype(run, id, index=index, shards=shards, neighbours=neighbours)
