@@ -38,6 +38,7 @@ class ActivationStats:
     count: np.ndarray
     """(K,) tokens where prototype i is active (a > 0)."""
     tokens: int
+    """Tokens the totals are over (mask-valid positions)."""
     contribution: np.ndarray
     """(K,) Σ over scored positions of c_{t,i}, the slice's first-order effect on log p(next token)."""
 

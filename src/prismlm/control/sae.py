@@ -71,10 +71,13 @@ class TopKSAE(nn.Module):
 @dataclass
 class SAEResult:
     sae: TopKSAE
+    """The trained autoencoder."""
     fvu: float
     """Fraction of variance unexplained on held-out hidden states (lower is better)."""
     dead_fraction: float
+    """Share of the K latents never active on the held-out hidden states."""
     steps: int
+    """Optimizer steps run."""
 
 
 def train_sae(

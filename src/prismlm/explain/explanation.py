@@ -45,6 +45,7 @@ class PrototypeSlice:
     """One active prototype's part of a logit."""
 
     id: int
+    """Prototype id i in [0, K)."""
     activation: float
     """a_{t,i} = relu(cos(z_t, p_i)) ≥ 0."""
     slice: float
@@ -52,7 +53,9 @@ class PrototypeSlice:
     share: float
     """slice / (Σ|slices| + |residual slice|), signed."""
     label: str | None = None
+    """Its label from ``labels.json`` (None: unlabelled)."""
     category: str | None = None
+    """Its label category (``morphology``, ``grammar``, …)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -63,19 +66,25 @@ class TokenExplanation:
     """The decomposition at one position: ``logit == Σ prototype slices + residual_slice + bias_slice``."""
 
     position: int
+    """Position t in ``Explanation.token_ids`` (0-based)."""
     token_id: int
+    """Id of the input token at t."""
     token: str
     """The input token at this position (the last token of the context)."""
     next_id: int
+    """Id of the chosen next token y."""
     next_token: str
     """The chosen next token whose logit is explained."""
     chosen_by: str
     """``text`` (the actual next token), ``argmax``, ``sampled`` or ``given``."""
     logit: float
+    """ℓ_{t,y} as the forward computed it."""
     prob: float
     """softmax probability of the chosen token."""
     residual_slice: float
+    """(W r_t)_y: the part of the logit no prototype carries."""
     residual_share: float
+    """residual_slice / (Σ|slices| + |residual slice|), signed."""
     prototypes: list[PrototypeSlice]
     """Every active prototype (a > 0), by decreasing |slice|; inactive ones contribute exactly 0."""
     total: float
@@ -97,8 +106,11 @@ class PrototypeCard:
     """What a reader needs to understand one prototype."""
 
     id: int
+    """Prototype id i in [0, K)."""
     label: str | None
+    """Its label (None: unlabelled)."""
     category: str | None
+    """Its label category."""
     top_tokens: list[tuple[str, float]]
     """Tokens with the largest entries of the signature W p_i, with their values (what it pushes up)."""
     neighbours: list[Neighbour] = field(default_factory=list)
@@ -106,6 +118,7 @@ class PrototypeCard:
     stats: dict[str, Any] | None = None
     """Activation count, frequency, mean activation, histogram (needs an index)."""
     evidence: dict[str, Any] | None = None
+    """What the labeller based the label on (``labels.json``'s evidence), or None."""
     bottom_tokens: list[tuple[str, float]] = field(default_factory=list)
     """Tokens with the most negative entries of W p_i, most negative first (what it pushes down)."""
 
@@ -127,19 +140,25 @@ class Explanation:
     """A whole text (or generation), position by position, plus a card per prototype used."""
 
     text: str
+    """The explained text (for a generation: prompt and continuation, as decoded)."""
     token_ids: list[int]
     """The tokens the model saw (after truncation)."""
     tokens: list[str]
+    """The readable string of each of ``token_ids`` (n,)."""
     positions: list[TokenExplanation]
+    """One decomposition per position (n,), in order."""
     prototypes: dict[int, PrototypeCard]
+    """A card per prototype active anywhere in the text, by id."""
     truncated_tokens: int = 0
     """Tokens dropped from the front because the input was longer than block_size."""
     prompt_tokens: int | None = None
     """For a generation: how many of ``token_ids`` are the prompt."""
     model_sha256: str | None = None
+    """The checkpoint's identity, when given."""
     index: str | None = None
     """Path of the prototype index used, if any."""
     notes: list[str] = field(default_factory=list)
+    """What the reader should know: truncation, unverified index, generation settings."""
 
     @property
     def max_abs_error(self) -> float:
@@ -160,7 +179,7 @@ class Explanation:
             "prototypes": {str(k): v.to_dict() for k, v in sorted(self.prototypes.items())},
         }
 
-    def to_json(self, path: str | Path | None = None, option: str = "--json") -> str:
+    def to_json(self, path: str | Path | None = None, option: str = "path") -> str:
         text = json.dumps(self.to_dict(), indent=1, ensure_ascii=False)
         if path is not None:
             write_output(path, text + "\n", option=option)

@@ -215,7 +215,7 @@ def llm_labels(
     """Relabel prototypes with an OpenAI-compatible chat endpoint (``{endpoint}/chat/completions``).
 
     ``base``: the rule labels, kept where a request fails. The key is read from ``api_key_env`` (may be
-    unset for local servers). Only called when asked (``prism label --labeller openai``).
+    unset for local servers). Only called when asked (``label_prototypes(labeller="openai")``).
     """
     url = endpoint.rstrip("/") + ("" if endpoint.rstrip("/").endswith("/chat/completions") else "/chat/completions")
     key = os.environ.get(api_key_env, "")

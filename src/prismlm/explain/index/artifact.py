@@ -68,7 +68,9 @@ class PrototypeIndex:
     shards: ShardSet | None = field(default=None, repr=False, compare=False)
     """The ``ShardSet`` the offsets point into (needed for snippets)."""
     tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
+    """Decodes the snippets (default: the attached shards' tokenizer)."""
     path: Path | None = field(default=None, compare=False)
+    """The folder the index was loaded from or saved to (None: in memory)."""
     snippet_cache_size: int = field(default=4096, repr=False, compare=False)
     """Most neighbour lists kept decoded, one per (prototype, n, before, after, shards) — an LRU (see
     ``neighbours``); 0 disables the cache."""
@@ -89,6 +91,7 @@ class PrototypeIndex:
     """A corrupt labels.json reads as no labels (its error kept in ``labels_error``) instead of raising:
     the explorer serves on and reports it."""
     labels_error: str | None = field(default=None, init=False, repr=False, compare=False)
+    """Why ``labels.json`` could not be read, with ``lenient_labels``; else None."""
 
     _CACHES = ("_snippets", "_stat_rows", "_cache_state", "_pinned", "_lock", "_labels")
 
