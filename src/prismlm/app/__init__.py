@@ -10,14 +10,12 @@ from prismlm.app.attribution import attribute_explanation, attribute_text, build
 from prismlm.app.control import build_task_folders, evaluate_tasks, find_run_concept, fit_controller
 from prismlm.app.demos import demo
 from prismlm.app.export import export_run
+from prismlm.app.indexing import build_run_index, label_prototypes, merge_index_parts
 from prismlm.app.operations import (
-    build_run_index,
     evaluate,
     explain_text,
     find_prototypes,
     generate,
-    label_prototypes,
-    merge_index_parts,
     prototypes,
     sample_continuations,
     show_prototype,
