@@ -278,3 +278,28 @@ def test_index_top_n_breaks_ties_by_offset():
     for r in range(sim.shape[0]):
         want = sorted(zip(sim[r].tolist(), off[r].tolist()), key=lambda p: (-p[0], p[1]))[:n]
         assert list(zip(msim[r].tolist(), moff[r].tolist())) == want, r
+
+
+def test_index_settings_are_checked_when_made():
+    """``IndexSettings`` refuses what cannot build an index before any model runs, naming the field (the CLI
+    maps ``ConfigError.option`` to its flag); ``ConceptSelection`` does the same for a concept search."""
+    from prismlm.control.concept import ConceptSelection
+    from prismlm.errors import ConfigError
+
+    cases = [
+        (IndexSettings, dict(top_n=0), "top_n"),
+        (IndexSettings, dict(batch_size=0), "batch_size"),
+        (IndexSettings, dict(bins=0), "bins"),
+        (IndexSettings, dict(max_sequences=0), "max_sequences"),
+        (IndexSettings, dict(chunk_size=0), "chunk_size"),
+        (IndexSettings, dict(part=(3, 2)), "part"),
+        (ConceptSelection, dict(rank_by="magic"), "rank_by"),
+        (ConceptSelection, dict(budget=-1), "budget"),
+        (ConceptSelection, dict(threshold=float("inf")), "threshold"),
+        (ConceptSelection, dict(min_purity=1.5), "min_purity"),
+    ]
+    for cls, kw, field in cases:
+        with pytest.raises(ConfigError, match=field) as e:
+            cls(**kw)
+        assert e.value.option == field
+    assert IndexSettings(part=(1, 2)).part == (1, 2) and ConceptSelection(budget=None).budget is None
