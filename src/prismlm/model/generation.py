@@ -8,6 +8,7 @@ fresh forward over the last ``block_size`` tokens would see it). See ``decode_st
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
@@ -21,7 +22,19 @@ from prismlm.errors import ConfigError, ModelError
 from prismlm.model.kv_cache import CacheLike
 from prismlm.model.outputs import PrismOutput
 
-__all__ = ["Decoder", "Sampling", "TextCodec", "decode_steps", "generate", "generate_steps", "sample_next"]
+__all__ = [
+    "TEXT_SAMPLING",
+    "Decoder",
+    "Sampling",
+    "TextCodec",
+    "decode_steps",
+    "generate",
+    "generate_steps",
+    "generate_text",
+    "legacy_spelling",
+    "resolve_sampling",
+    "sample_next",
+]
 
 
 class TextCodec(Protocol):
@@ -60,21 +73,21 @@ class Sampling:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise ConfigError(f"temperature must be a finite number >= 0, got {t!r}", option="temperature")
         k = self.top_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
             raise ConfigError(
                 f"top_tokens must be >= 1 (or None for the whole vocabulary), got {k!r}", option="top_tokens"
             )
         s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not -(2**63) <= s < 2**64):
+        if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or not -(2**63) <= s < 2**64):
             # the range torch.Generator.manual_seed accepts
             raise ConfigError(f"seed must be an integer in [-2^63, 2^64), got {s!r}", option="seed")
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """A generator on ``device`` seeded with ``seed``, or None (the global generator) without one."""
-        return None if self.seed is None else torch.Generator(device=device).manual_seed(self.seed)
+        return None if self.seed is None else torch.Generator(device=device).manual_seed(int(self.seed))
 
     def describe(self) -> str:
         """``temperature 0.8, top_tokens 50, seed 0``: how a sample was drawn, for notes."""
@@ -216,14 +229,8 @@ def resolve_sampling(
 ) -> Sampling:
     """The ``Sampling`` of a call that may spell it Hugging Face-style (``temperature=``, ``top_k=``, as
     lm-eval and transformers callers do): those keywords override ``sampling`` (or ``default``)."""
-    base = sampling if sampling is not None else default
-    if temperature is None and top_k is None:
-        return base
-    return replace(
-        base,
-        temperature=base.temperature if temperature is None else temperature,
-        top_tokens=base.top_tokens if top_k is None else top_k,
-    )
+    given = {k: v for k, v in (("temperature", temperature), ("top_k", top_k)) if v is not None}
+    return legacy_spelling(sampling if sampling is not None else default, given)
 
 
 def legacy_spelling(sampling: Sampling, legacy: Mapping[str, float | None]) -> Sampling:
