@@ -67,7 +67,7 @@ class Sampling:
     temperature: float = 1.0
     """Sampling temperature: the logits are divided by it before the softmax; 0 is greedy (argmax)."""
     top_tokens: int | None = None
-    """Sample among the this-many most likely tokens only (None: the whole vocabulary)."""
+    """Sample only among the N most likely tokens (None: the whole vocabulary)."""
     seed: int | None = None
     """Seed of the sampling generator (None: torch's global generator, as ``torch.multinomial`` uses)."""
 
