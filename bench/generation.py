@@ -50,6 +50,7 @@ from prismlm.config import RunConfig
 from prismlm.data.shards import prepare_shards
 from prismlm.explain import explain_generation
 from prismlm.model import PrismLM
+from prismlm.model.generation import TEXT_SAMPLING
 from prismlm.train.trainer import round_vocab
 
 PROMPT = "It is a truth universally acknowledged"
@@ -145,10 +146,10 @@ def main() -> None:
 
         def plain() -> torch.Tensor:
             g = torch.Generator(device=device).manual_seed(0)
-            return model.generate(prompt, m, temperature=0.8, top_k=50, generator=g)
+            return model.generate(prompt, m, TEXT_SAMPLING, generator=g)
 
         def explained() -> Any:
-            return explain_generation(model, tok, PROMPT, m, temperature=0.8, top_k=50, seed=0)
+            return explain_generation(model, tok, PROMPT, m, sampling=TEXT_SAMPLING)
 
         plain(), explained()  # warm-up
         times: dict[str, list[float]] = {"plain": [], "explain": []}

@@ -45,6 +45,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -52,9 +53,10 @@ from _common import RESULTS_DIR, environment, fmt_rate, load_average, parse_sets
 
 from prismlm.config import RunConfig
 from prismlm.data.shards import prepare_shards
-from prismlm.explain import build_index, explain_generation
+from prismlm.explain import IndexSettings, build_index, explain_generation
 from prismlm.explain.explanation import clear_card_cache
 from prismlm.model import PrismLM
+from prismlm.model.generation import TEXT_SAMPLING
 from prismlm.train.trainer import round_vocab
 
 
@@ -123,9 +125,7 @@ def main() -> None:
         build_index(
             model,
             shards,
-            top_n=args.top_n,
-            batch_size=B,
-            max_sequences=n_seq,
+            IndexSettings(top_n=args.top_n, batch_size=B, max_sequences=n_seq),
             progress=False,
             model_sha256="bench",
             device=device,
@@ -142,9 +142,7 @@ def main() -> None:
     index = build_index(
         model,
         shards,
-        top_n=args.top_n,
-        batch_size=B,
-        max_sequences=n_seq,
+        IndexSettings(top_n=args.top_n, batch_size=B, max_sequences=n_seq),
         progress=False,
         model_sha256="bench",
         device=device,
@@ -159,7 +157,7 @@ def main() -> None:
         g = torch.Generator(device=device).manual_seed(0)
         sync()
         t = time.perf_counter()
-        model.generate(p_ids, n_gen, temperature=0.8, top_k=50, generator=g)
+        model.generate(p_ids, n_gen, TEXT_SAMPLING, generator=g)
         sync()
         return time.perf_counter() - t
 
@@ -170,7 +168,12 @@ def main() -> None:
         sync()
         t = time.perf_counter()
         explain_generation(
-            model, tok, prompt, n_gen, temperature=0.8, top_k=50, seed=seed, index=index if with_index else None
+            model,
+            tok,
+            prompt,
+            n_gen,
+            sampling=replace(TEXT_SAMPLING, seed=seed),
+            index=index if with_index else None,
         )
         sync()
         return time.perf_counter() - t

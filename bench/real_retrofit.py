@@ -44,7 +44,7 @@ from _common import RESULTS_DIR, RUNS_DIR, environment, write_json
 
 from prismlm.config import PrototypeConfig, replace
 from prismlm.data.shards import ShardSet, prepare_shards
-from prismlm.explain.index import build_index
+from prismlm.explain.index import IndexSettings, build_index
 from prismlm.model import PrismLM
 from prismlm.model.prototypes import PrototypeLayer, seed_prototypes
 from prismlm.train.bank_stage import bank_losses
@@ -204,7 +204,9 @@ def index_ratio(
     times = {}
     for name, st in (("stored_z", store), ("model", None), ("stored_z_again", store)):
         t0 = time.perf_counter()
-        build_index(model, shards, max_sequences=n_seq, batch_size=8, top_n=32, progress=False, stored_z=st)
+        build_index(
+            model, shards, IndexSettings(max_sequences=n_seq, batch_size=8, top_n=32), progress=False, stored_z=st
+        )
         times[name] = (time.perf_counter() - t0) / (n_seq * store.block_size)
     stored = min(times["stored_z"], times["stored_z_again"])
     return {

@@ -54,12 +54,13 @@ from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, parse_sets
 
 from prismlm.app.operations import sample_continuations
 from prismlm.config import RunConfig
-from prismlm.control.concept import activation_stats, doc_regex, find_concept
+from prismlm.control.concept import ConceptSelection, activation_stats, doc_regex, find_concept
 from prismlm.control.judges import TfidfJudge, default_judges, fortune_splits
 from prismlm.data.corpus import iter_documents
 from prismlm.data.shards import prepare_shards
 from prismlm.eval.metrics import distinct_n
 from prismlm.eval.scoring import text_perplexity
+from prismlm.model.generation import Sampling
 from prismlm.train.trainer import train
 
 NEUTRAL_PROMPTS = [
@@ -240,8 +241,7 @@ def generate(
             p,
             samples=samples,
             tokens=tokens,
-            temperature=temperature,
-            top_k=top_k,
+            sampling=Sampling(temperature, top_tokens=top_k),
             generator=torch.Generator(dev).manual_seed(seed + j),
         )
         for j, p in enumerate(prompts)
@@ -445,15 +445,13 @@ def main() -> None:
     index = None
     t_idx = time.time()
     if not args.no_index:
-        from prismlm.explain.index import build_index
+        from prismlm.explain.index import IndexSettings, build_index
 
         index = build_index(
             model,
             shards,
-            top_n=16,
-            batch_size=32,
+            IndexSettings(top_n=16, batch_size=32, max_sequences=args.index_sequences),
             progress=False,
-            max_sequences=args.index_sequences,
             model_sha256=ckpt.manifest.get("model_sha256"),
             autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
         )
@@ -485,13 +483,11 @@ def main() -> None:
         tok,
         spec.concept_texts,
         spec.neutral_texts,
-        budget=max(budgets),
-        rank_by=args.rank_by,
-        threshold=args.threshold,
-        min_count=5,
+        ConceptSelection(
+            budget=max(budgets), rank_by=args.rank_by, threshold=args.threshold, min_count=5, min_purity=args.min_purity
+        ),
         index=index,
         is_concept_doc=spec.is_concept_doc,
-        min_purity=args.min_purity,
         concept=spec.name,
         model_sha256=ckpt.manifest.get("model_sha256"),
     )

@@ -13,13 +13,14 @@ from typer.testing import CliRunner
 from prismlm import RunConfig
 from prismlm.app.prototype_view import RANK_NOTE, example_bands
 from prismlm.errors import ArtifactError
-from prismlm.explain import PrototypeIndex, build_index, merge_indexes
+from prismlm.explain import IndexSettings, PrototypeIndex, build_index, merge_indexes
 from prismlm.explain.activation_sample import ActivationSample, sample_key, top_s
 from prismlm.model import PrismLM
 from prismlm.train.trainer import round_vocab
 
 S = 5  # small against the firings of most prototypes (tens), so the cut matters
-KW = dict(top_n=4, batch_size=3, max_sequences=10, progress=False, model_sha256="test", sample_size=S)
+SETTINGS = dict(top_n=4, batch_size=3, max_sequences=10, sample_size=S)
+KW = dict(progress=False, model_sha256="test")
 U64 = (1 << 64) - 1
 
 
@@ -45,7 +46,7 @@ def model(tiny_shards):
 
 @pytest.fixture(scope="module")
 def full(model, tiny_shards):
-    return build_index(model, tiny_shards, **KW)
+    return build_index(model, tiny_shards, IndexSettings(**SETTINGS), **KW)
 
 
 def _brute_force_sample(model, shards, n_seq: int, batch: int, size: int) -> dict[int, list[tuple[int, float, int]]]:
@@ -120,17 +121,17 @@ def test_top_s_is_a_uniform_sample():
 
 
 def test_merged_parts_and_resumed_build_equal_one_pass(model, tiny_shards, full, tmp_path):
-    parts = [build_index(model, tiny_shards, part=(i, 3), **KW) for i in range(3)]
+    parts = [build_index(model, tiny_shards, IndexSettings(**SETTINGS, part=(i, 3)), **KW) for i in range(3)]
     merged = merge_indexes([parts[1], parts[2], parts[0]])
     assert _same(merged.sample, full.sample) and merged.manifest["sample_size"] == S
     out = tmp_path / "partial"
-    build_index(model, tiny_shards, out=out, stop_after_batches=2, **KW)
+    build_index(model, tiny_shards, IndexSettings(**SETTINGS), out=out, stop_after_batches=2, **KW)
     assert PrototypeIndex.load(out).manifest["covered"] == [[0, 6]]
-    resumed = build_index(model, tiny_shards, resume_from=out, out=out, **KW)
+    resumed = build_index(model, tiny_shards, IndexSettings(**SETTINGS), resume_from=out, out=out, **KW)
     assert resumed.complete and _same(resumed.sample, full.sample)
     with pytest.raises(ArtifactError, match="cannot resume.*sample_size=7"):
-        build_index(model, tiny_shards, resume_from=out, **{**KW, "sample_size": 7})
-    old = build_index(model, tiny_shards, part=(0, 3), **{**KW, "sample_size": 0})
+        build_index(model, tiny_shards, IndexSettings(**{**SETTINGS, "sample_size": 7}), resume_from=out, **KW)
+    old = build_index(model, tiny_shards, IndexSettings(**{**SETTINGS, "sample_size": 0}, part=(0, 3)), **KW)
     assert old.sample is None and merge_indexes([old, parts[1], parts[2]]).sample is None  # no partial sample
 
 

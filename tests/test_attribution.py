@@ -7,6 +7,7 @@ import http.server
 import json
 import math
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,6 +18,7 @@ from conftest import train_tiny_run
 
 from prismlm.errors import ArtifactError, ArtifactMismatch, UnknownPrototypeError
 from prismlm.explain import (
+    IndexSettings,
     PrototypeIndex,
     build_index,
     explain,
@@ -28,6 +30,7 @@ from prismlm.explain import (
     save_labels,
 )
 from prismlm.explain.labels import CATEGORIES
+from prismlm.model.generation import Sampling
 
 T = 64  # tiny preset block_size
 
@@ -51,7 +54,10 @@ def test_neighbourhood_equals_brute_force(trained, tiny_shards):
     n_seq, top_n = 10, 6
     # chunk_size smaller than a batch so the streaming merge runs inside and across batches
     idx = build_index(
-        c64.model, tiny_shards, top_n=top_n, batch_size=3, max_sequences=n_seq, chunk_size=50, progress=False
+        c64.model,
+        tiny_shards,
+        IndexSettings(top_n=top_n, batch_size=3, max_sequences=n_seq, chunk_size=50),
+        progress=False,
     )
     assert idx.top_sim.dtype == torch.float64 and idx.tokens == n_seq * T
     x = torch.from_numpy(tiny_shards.train.sequences(np.arange(n_seq), T)[:, :-1])
@@ -70,9 +76,10 @@ def test_neighbourhood_equals_brute_force(trained, tiny_shards):
 
 def test_partial_indexes_merge_to_one_pass_and_resume(trained, tiny_shards, tmp_path):
     ckpt, _ = trained
-    kw = dict(top_n=8, batch_size=4, max_sequences=22, progress=False, model_sha256=ckpt.manifest["model_sha256"])
-    full = build_index(ckpt.model, tiny_shards, **kw)
-    parts = [build_index(ckpt.model, tiny_shards, part=(i, 3), **kw) for i in range(3)]
+    settings = IndexSettings(top_n=8, batch_size=4, max_sequences=22)
+    kw = dict(progress=False, model_sha256=ckpt.manifest["model_sha256"])
+    full = build_index(ckpt.model, tiny_shards, settings, **kw)
+    parts = [build_index(ckpt.model, tiny_shards, replace(settings, part=(i, 3)), **kw) for i in range(3)]
     assert sum(p.tokens for p in parts) == full.tokens and not parts[0].covers_all and parts[0].complete
     merged = merge_indexes([parts[2], parts[0], parts[1]])  # order does not matter
     for name in ("top_sim", "top_offset", "counts", "hist"):
@@ -85,13 +92,13 @@ def test_partial_indexes_merge_to_one_pass_and_resume(trained, tiny_shards, tmp_
         merge_indexes([parts[0], parts[0]])
     # interrupted after 2 batches, saved, resumed from disk: same as one pass
     out = tmp_path / "partial"
-    half = build_index(ckpt.model, tiny_shards, out=out, stop_after_batches=2, **kw)
+    half = build_index(ckpt.model, tiny_shards, settings, out=out, stop_after_batches=2, **kw)
     assert not half.complete and PrototypeIndex.load(out).manifest["covered"] == [[0, 8]]
-    resumed = build_index(ckpt.model, tiny_shards, resume_from=out, out=out, **kw)
+    resumed = build_index(ckpt.model, tiny_shards, settings, resume_from=out, out=out, **kw)
     assert resumed.complete and torch.equal(resumed.top_offset, full.top_offset)
     assert torch.equal(resumed.counts, full.counts)
     with pytest.raises(ArtifactError, match="cannot resume"):
-        build_index(ckpt.model, tiny_shards, resume_from=out, **{**kw, "top_n": 4})
+        build_index(ckpt.model, tiny_shards, replace(settings, top_n=4), resume_from=out, **kw)
 
 
 def test_index_save_load_round_trip(trained, tiny_shards, tmp_path):
@@ -99,9 +106,7 @@ def test_index_save_load_round_trip(trained, tiny_shards, tmp_path):
     idx = build_index(
         ckpt.model,
         tiny_shards,
-        top_n=5,
-        batch_size=4,
-        max_sequences=8,
+        IndexSettings(top_n=5, batch_size=4, max_sequences=8),
         progress=False,
         model_sha256=ckpt.manifest["model_sha256"],
     )
@@ -130,9 +135,7 @@ def test_mismatch_and_unknown_prototype_errors(trained, tiny_shards, tmp_path):
     idx = build_index(
         ckpt.model,
         tiny_shards,
-        top_n=4,
-        batch_size=4,
-        max_sequences=4,
+        IndexSettings(top_n=4, batch_size=4, max_sequences=4),
         progress=False,
         model_sha256=ckpt.manifest["model_sha256"],
     )
@@ -159,7 +162,9 @@ def test_slices_plus_residual_equal_logit_float64(trained, tiny_shards):
     ckpt, _ = trained
     c64 = _double(ckpt)
     sha = c64.manifest["model_sha256"]
-    idx = build_index(c64.model, tiny_shards, top_n=4, batch_size=4, max_sequences=4, progress=False, model_sha256=sha)
+    idx = build_index(
+        c64.model, tiny_shards, IndexSettings(top_n=4, batch_size=4, max_sequences=4), progress=False, model_sha256=sha
+    )
     expl = explain(
         c64.model,
         c64.tokenizer,
@@ -180,7 +185,9 @@ def test_slices_plus_residual_equal_logit_float64(trained, tiny_shards):
     card = expl.prototypes[expl.positions[0].prototypes[0].id]
     assert card.neighbours and card.stats and len(card.top_tokens) == 10 and card.label is not None
     # generation: the sampled tokens are the chosen tokens, one forward explains them exactly
-    gen = explain_generation(c64.model, c64.tokenizer, "The ", 6, model_sha256=sha, seed=1, index=idx)
+    gen = explain_generation(
+        c64.model, c64.tokenizer, "The ", 6, model_sha256=sha, sampling=Sampling(0.8, 50, seed=1), index=idx
+    )
     sampled = [p for p in gen.positions if p.chosen_by == "sampled"]
     assert len(sampled) == 6 and gen.prompt_tokens == len(ckpt.tokenizer.encode("The "))
     assert [p.next_id for p in sampled] == gen.token_ids[gen.prompt_tokens :] + [sampled[-1].next_id]
@@ -205,13 +212,13 @@ def test_explain_edge_cases_never_crash(trained):
     assert len(explain(ckpt.model, tok, [5, 6, 7]).positions) == 3  # ids work too
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         explain(ckpt.model, tok, [10**6])
-    long_gen = explain_generation(ckpt.model, tok, long_text, 3, seed=0)
+    long_gen = explain_generation(ckpt.model, tok, long_text, 3, sampling=Sampling(0.8, 50, seed=0))
     assert long_gen.truncated_tokens > 0 and len(long_gen.positions) == T
 
 
 def test_labels_rules_and_optional_llm(trained, tiny_shards):
     ckpt, _ = trained
-    idx = build_index(ckpt.model, tiny_shards, top_n=6, batch_size=4, max_sequences=8, progress=False)
+    idx = build_index(ckpt.model, tiny_shards, IndexSettings(top_n=6, batch_size=4, max_sequences=8), progress=False)
     labels = rule_labels(idx)
     assert set(labels) == set(range(idx.num_prototypes))
     assert all(v["category"] in CATEGORIES and v["label"] for v in labels.values())
@@ -381,9 +388,7 @@ def test_torchrun_index_two_processes_equal_one_pass(trained, tiny_shards, tmp_p
     full = build_index(
         ckpt.model,
         tiny_shards,
-        top_n=8,
-        batch_size=4,
-        max_sequences=22,
+        IndexSettings(top_n=8, batch_size=4, max_sequences=22),
         progress=False,
         model_sha256=ckpt.manifest["model_sha256"],
     )

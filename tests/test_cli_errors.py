@@ -23,6 +23,7 @@ from prismlm.errors import (
     ShardError,
     SuppressionError,
 )
+from prismlm.model.generation import Sampling
 from prismlm.tda.attribute import SearchSpec
 
 
@@ -130,7 +131,7 @@ def test_every_error_kind_is_a_prism_error_with_its_fix():
 
 def test_cli_options_come_from_the_operation_signature_and_docstring():
     helps = arg_help(ops.generate)
-    assert set(helps) == {"prompt", "chat", "tokens", "samples", "temperature", "top_k", "seed"}
+    assert set(helps) == {"prompt", "chat", "tokens", "samples", "sampling"}
     res = _run("generate", "--help")
     for opt in (
         "--prompt",
@@ -138,7 +139,7 @@ def test_cli_options_come_from_the_operation_signature_and_docstring():
         "--tokens",
         "--samples",
         "--temperature",
-        "--top-k",
+        "--top-tokens",
         "--seed",
         "--device",
         "--suppress",
@@ -173,7 +174,9 @@ def test_suppression_value_round_trips_through_run(tiny_run, tiny_shards, tmp_pa
     with base.model.suppress(range(0, K, 2)):
         want = base.model(x).logits
     assert torch.allclose(suppressed, want)
-    assert ops.generate(run, "The", tokens=4, seed=1) == ops.generate(run, "The", tokens=4, seed=1)
+    assert ops.generate(run, "The", tokens=4, sampling=Sampling(0.8, 50, seed=1)) == ops.generate(
+        run, "The", tokens=4, sampling=Sampling(0.8, 50, seed=1)
+    )
     bad = tmp_path / "bad.json"
     bad.write_text(
         json.dumps({"kind": "prismlm-suppression", "format_version": 1, "ids": [1], "num_prototypes": K + 1})
@@ -208,8 +211,8 @@ def test_more_user_mistakes_are_one_line(tiny_run, tiny_shards, tmp_path):
     (tmp_path / "cfg.json").write_text("{not json")
     cases = [
         (["concept", str(tiny_run), "--concept", str(bad_json), "--neutral", str(tmp_path / "n.txt")], "bad.jsonl:2"),
-        (["generate", str(tiny_run), "--top-k", "0", "-n", "2"], "--top-k"),
-        (["explain", str(tiny_run), "x", "-g", "2", "--top-k", "-5"], "--top-k"),
+        (["generate", str(tiny_run), "--top-tokens", "0", "-n", "2"], "--top-tokens"),
+        (["explain", str(tiny_run), "x", "-g", "2", "--top-tokens", "-5"], "--top-tokens"),
         (
             ["index", str(tiny_run), "--batch-size", "0", "--no-progress", "--shards", str(tiny_shards.root)],
             "--batch-size",

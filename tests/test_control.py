@@ -516,10 +516,12 @@ def _concept_setup(tiny_shards):
 
 
 def test_concept_search_finds_planted_prototypes(tiny_shards, tmp_path):
-    from prismlm.control.concept import find_concept
+    from prismlm.control.concept import ConceptSelection, find_concept
 
     tok, model, concept, neutral = _concept_setup(tiny_shards)
-    sset, ranking = find_concept(model, tok, concept, neutral, budget=3, threshold=0.5, min_count=1, concept="zq")
+    sset, ranking = find_concept(
+        model, tok, concept, neutral, ConceptSelection(budget=3, threshold=0.5, min_count=1), concept="zq"
+    )
     assert 0 < len(sset.ids) <= 3 and all(r["log2_enrichment"] >= 0.5 for r in ranking)
     for i in sset.ids:  # chosen prototypes are more active on concept text than on neutral text
         assert sset.evidence[i]["concept_rate"] > sset.evidence[i]["neutral_rate"]
@@ -546,11 +548,13 @@ def test_concept_contribution_is_the_exact_derivative_of_the_loglikelihood(tiny_
 
 
 def test_concept_search_rank_by_contribution_and_subset(tiny_shards):
-    from prismlm.control.concept import find_concept
+    from prismlm.control.concept import ConceptSelection, find_concept
     from prismlm.errors import SuppressionError
 
     tok, model, concept, neutral = _concept_setup(tiny_shards)
-    sset, ranking = find_concept(model, tok, concept, neutral, budget=None, threshold=0.0, min_count=1)
+    sset, ranking = find_concept(
+        model, tok, concept, neutral, ConceptSelection(budget=None, threshold=0.0, min_count=1)
+    )
     keys = [r["contribution_nats_per_token"] for r in ranking]
     assert keys == sorted(keys, reverse=True) and all(k > 0 for k in keys)  # ranked, positive contribution
     assert sset.meta["rank_by"] == "contribution" and sset.ids
@@ -560,7 +564,7 @@ def test_concept_search_rank_by_contribution_and_subset(tiny_shards):
     with pytest.raises(SuppressionError, match="not in this suppression set"):
         sset.subset([i for i in range(32) if i not in sset.ids][:1])
     with pytest.raises(ValueError, match="rank_by"):
-        find_concept(model, tok, concept, neutral, rank_by="magic")
+        find_concept(model, tok, concept, neutral, ConceptSelection(rank_by="magic"))
 
 
 # ----- CLI ---------------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from prismlm import RunConfig
-from prismlm.explain import PrototypeIndex, build_index, explain, explain_generation, prototype_card
+from prismlm.explain import IndexSettings, PrototypeIndex, build_index, explain, explain_generation, prototype_card
 from prismlm.explain.explanation import clear_card_cache
 from prismlm.model import PrismLM
+from prismlm.model.generation import Sampling
 from prismlm.train.trainer import round_vocab
 
 
@@ -26,7 +27,9 @@ def model(tiny_shards):
 
 @pytest.fixture()
 def index(model, tiny_shards):
-    return build_index(model, tiny_shards, top_n=6, batch_size=4, max_sequences=8, progress=False, model_sha256="test")
+    return build_index(
+        model, tiny_shards, IndexSettings(top_n=6, batch_size=4, max_sequences=8), progress=False, model_sha256="test"
+    )
 
 
 def reference_top_tokens(model, tok, ids, m=10):
@@ -75,8 +78,12 @@ def test_cached_explanations_equal_fresh_ones(model, index, tiny_shards):
     tok = tiny_shards.tokenizer
     clear_card_cache()
     index.clear_cache()
-    cold = explain_generation(model, tok, "It was the best of times", 12, seed=3, index=index)
-    warm = explain_generation(model, tok, "It was the best of times", 12, seed=3, index=index)
+    cold = explain_generation(
+        model, tok, "It was the best of times", 12, sampling=Sampling(0.8, 50, seed=3), index=index
+    )
+    warm = explain_generation(
+        model, tok, "It was the best of times", 12, sampling=Sampling(0.8, 50, seed=3), index=index
+    )
     assert warm.to_dict() == cold.to_dict()  # cards, positions, everything
     ids = sorted(cold.prototypes)
     ref = reference_top_tokens(model, tok, ids)
@@ -101,7 +108,9 @@ def test_cached_explanations_equal_fresh_ones(model, index, tiny_shards):
     card = next(iter(warm.prototypes.values()))
     card.top_tokens.clear()
     card.neighbours.clear()
-    again = explain_generation(model, tok, "It was the best of times", 12, seed=3, index=index)
+    again = explain_generation(
+        model, tok, "It was the best of times", 12, sampling=Sampling(0.8, 50, seed=3), index=index
+    )
     assert again.to_dict() == cold.to_dict()
     with pytest.raises(dataclasses.FrozenInstanceError):
         again.prototypes[card.id].neighbours[0].before = "changed"
@@ -245,7 +254,7 @@ def test_index_top_n_breaks_ties_by_offset():
     """Equal cosines do occur (identical contexts at position 0 of two sequences). The index keeps, among
     equal similarities, the smallest offsets: a run of 78 equal values from column 50 gives 50, 51, 52, …
     (torch.topk alone picks among them arbitrarily), whether the tie straddles the cut or fills it."""
-    from prismlm.explain.index import _chunk_topn, _topn_merge
+    from prismlm.explain.index.build import _chunk_topn, _topn_merge
 
     n = 8
     plateau = torch.zeros(128)
@@ -269,3 +278,28 @@ def test_index_top_n_breaks_ties_by_offset():
     for r in range(sim.shape[0]):
         want = sorted(zip(sim[r].tolist(), off[r].tolist()), key=lambda p: (-p[0], p[1]))[:n]
         assert list(zip(msim[r].tolist(), moff[r].tolist())) == want, r
+
+
+def test_index_settings_are_checked_when_made():
+    """``IndexSettings`` refuses what cannot build an index before any model runs, naming the field (the CLI
+    maps ``ConfigError.option`` to its flag); ``ConceptSelection`` does the same for a concept search."""
+    from prismlm.control.concept import ConceptSelection
+    from prismlm.errors import ConfigError
+
+    cases = [
+        (IndexSettings, dict(top_n=0), "top_n"),
+        (IndexSettings, dict(batch_size=0), "batch_size"),
+        (IndexSettings, dict(bins=0), "bins"),
+        (IndexSettings, dict(max_sequences=0), "max_sequences"),
+        (IndexSettings, dict(chunk_size=0), "chunk_size"),
+        (IndexSettings, dict(part=(3, 2)), "part"),
+        (ConceptSelection, dict(rank_by="magic"), "rank_by"),
+        (ConceptSelection, dict(budget=-1), "budget"),
+        (ConceptSelection, dict(threshold=float("inf")), "threshold"),
+        (ConceptSelection, dict(min_purity=1.5), "min_purity"),
+    ]
+    for cls, kw, field in cases:
+        with pytest.raises(ConfigError, match=field) as e:
+            cls(**kw)
+        assert e.value.option == field
+    assert IndexSettings(part=(1, 2)).part == (1, 2) and ConceptSelection(budget=None).budget is None

@@ -28,6 +28,7 @@ from prismlm.data.tokenizer import from_transformers  # noqa: E402
 from prismlm.errors import DependencyError, ModelSourceError, TokenizerError  # noqa: E402
 from prismlm.explain import explain_generation  # noqa: E402
 from prismlm.model import gguf as gguf_source  # noqa: E402
+from prismlm.model.generation import Sampling  # noqa: E402
 from prismlm.model.gguf import load_causal_lm, shipped_file  # noqa: E402
 
 CTX = 64
@@ -304,11 +305,11 @@ def test_generation_stops_at_the_end_of_turn_token(chat_run):
     run = Run.open(chat_run, device="cpu")
     model, tok = run.model, run.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hello"}])
-    free = explain_generation(model, tok, prompt, 12, temperature=1.0, top_k=None, seed=0)
+    free = explain_generation(model, tok, prompt, 12, sampling=Sampling(1.0, seed=0))
     answer = [p.next_id for p in free.positions if p.chosen_by == "sampled"]
     cut = next(j for j, t in enumerate(answer) if j >= 3 and t not in answer[:j])  # its first occurrence
     stop = answer[cut]
-    stopped = explain_generation(model, tok, prompt, 12, temperature=1.0, top_k=None, seed=0, stop_id=stop)
+    stopped = explain_generation(model, tok, prompt, 12, sampling=Sampling(1.0, seed=0), stop_id=stop)
     assert [p.next_id for p in stopped.positions if p.chosen_by == "sampled"] == answer[: cut + 1]
     assert len(stopped.positions) == len(free.positions) - (len(answer) - cut - 1)
     texts = sample_continuations(
@@ -317,8 +318,7 @@ def test_generation_stops_at_the_end_of_turn_token(chat_run):
         prompt,
         samples=1,
         tokens=12,
-        temperature=1.0,
-        top_k=None,
+        sampling=Sampling(1.0),
         generator=torch.Generator().manual_seed(0),
         stop_id=stop,
     )

@@ -12,6 +12,7 @@ from prismlm import ModelConfig, PrismLM, PrototypeConfig
 from prismlm.errors import ModelError
 from prismlm.explain import explain, explain_generation
 from prismlm.model import KVCache
+from prismlm.model.generation import Sampling
 
 V, BS = 97, 32
 
@@ -257,13 +258,12 @@ def test_explained_generation_from_the_cached_steps_equals_the_one_forward_expla
     tok = CharTokenizer()
     ctx = model.suppress(range(0, 64, 3)) if suppressed else model.intervene()
     with ctx:
-        gen = explain_generation(model, tok, "hello world", 15, temperature=0.9, top_k=30, seed=2)  # type: ignore[arg-type]
+        gen = explain_generation(model, tok, "hello world", 15, sampling=Sampling(0.9, top_tokens=30, seed=2))  # type: ignore[arg-type]
         ref = explain(model, tok, gen.token_ids, targets=[p.next_id for p in gen.positions])  # type: ignore[arg-type]
         again = model.generate(
             torch.tensor([tok.encode("hello world")]),
             15,
-            temperature=0.9,
-            top_k=30,
+            Sampling(0.9, top_tokens=30),
             generator=torch.Generator().manual_seed(2),
         )
     assert gen.prompt_tokens == 11 and len(gen.positions) == 11 + 15 - 1 and gen.truncated_tokens == 0
@@ -328,3 +328,35 @@ def test_attention_mask_must_cover_the_cached_and_new_tokens():
     model(x[:, :4], cache=cache)
     with pytest.raises(ModelError, match="attention_mask must be"):
         model(x[:, 4:], cache=cache, attention_mask=torch.ones(2, 2))
+
+
+def test_sampling_is_one_value_checked_when_made():
+    """``Sampling`` refuses what cannot sample, naming the field (the CLI maps it to its flag); the cut-off
+    is ``top_tokens`` (``top_k`` is the prototype k only), and the Hugging Face spelling ``top_k=`` of
+    ``PrismLM.generate`` and the former keywords of ``explain_generation`` draw the same tokens."""
+    from prismlm.errors import ConfigError
+
+    for bad, field in (
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_tokens=0), "top_tokens"),
+        (dict(seed=2**64), "seed"),
+    ):
+        with pytest.raises(ConfigError, match=field) as e:
+            Sampling(**bad)
+        assert e.value.option == field
+    model, tok = make_model(), CharTokenizer()
+    prompt = torch.tensor([tok.encode("hello")])
+    # top_tokens=1 is greedy at any temperature: an independent reference for the cut-off itself
+    assert torch.equal(
+        model.generate(prompt, 12, Sampling(5.0, top_tokens=1)), model.generate(prompt, 12, Sampling(0.0))
+    )
+    s = Sampling(0.9, top_tokens=7, seed=4)
+    want = model.generate(prompt, 12, s)
+    assert not torch.equal(want, model.generate(prompt, 12, Sampling(0.9, top_tokens=7, seed=5)))
+    g = torch.Generator().manual_seed(4)
+    assert torch.equal(model.generate(prompt, 12, temperature=0.9, top_k=7, generator=g), want)
+    new = explain_generation(model, tok, "hello", 8, sampling=s)  # type: ignore[arg-type]
+    old = explain_generation(model, tok, "hello", 8, temperature=0.9, top_k=7, seed=4)  # type: ignore[arg-type]
+    assert new.token_ids == old.token_ids == want[0, : 5 + 8 - 1].tolist()  # the context of each sampled token
+    assert "top_tokens 7" in new.notes[-1]

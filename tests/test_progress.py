@@ -42,7 +42,7 @@ def test_prepare_train_index_cache_report_through_the_callback(tiny_shards, tmp_
     from prismlm import RunConfig
     from prismlm.config import AttributionConfig
     from prismlm.data.shards import prepare_shards
-    from prismlm.explain import build_index
+    from prismlm.explain import IndexSettings, build_index
     from prismlm.tda import build_cache
     from prismlm.train import load_checkpoint, train
 
@@ -86,7 +86,7 @@ def test_prepare_train_index_cache_report_through_the_callback(tiny_shards, tmp_
 
     ckpt = load_checkpoint(tmp_path / "run")
     events.clear()
-    build_index(ckpt.model, tiny_shards, top_n=4, max_sequences=6, batch_size=4, progress=events.append)
+    build_index(ckpt.model, tiny_shards, IndexSettings(top_n=4, max_sequences=6, batch_size=4), progress=events.append)
     T = cfg.model.block_size
     assert [e.done for e in events if not e.finished] == [4 * T, 6 * T] and events[-1].total == 6 * T
 

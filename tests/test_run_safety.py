@@ -265,12 +265,14 @@ def test_flipped_index_and_cache_bytes_are_refused_by_name(tiny_shards, tmp_path
     changed results silently) is refused on load, naming the file and the rebuild command."""
     from prismlm.config import AttributionConfig
     from prismlm.errors import ArtifactCorrupt
-    from prismlm.explain import PrototypeIndex, build_index
+    from prismlm.explain import IndexSettings, PrototypeIndex, build_index
     from prismlm.tda import AttributionCache, build_cache
 
     run, _ = _trained(tiny_shards, tmp_path)
     model = load_checkpoint(run).model
-    build_index(model, tiny_shards, top_n=4, max_sequences=8, batch_size=4, out=run / "index", progress=False)
+    build_index(
+        model, tiny_shards, IndexSettings(top_n=4, max_sequences=8, batch_size=4), out=run / "index", progress=False
+    )
     build_cache(model, tiny_shards, AttributionConfig(r=4, max_sequences=8, batch_size=4), out=run / "cache")
     PrototypeIndex.load(run / "index")
     AttributionCache.load(run / "cache")

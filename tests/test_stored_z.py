@@ -12,7 +12,7 @@ from prismlm.app import Run
 from prismlm.app.retrofit import retrofit_model
 from prismlm.config import RunConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch
-from prismlm.explain.index import build_index
+from prismlm.explain.index import IndexSettings, build_index
 from prismlm.model import PrismLM
 from prismlm.train import train
 from prismlm.train.stored_z import backbone_identity, build_stored_z, open_stored_z
@@ -168,8 +168,8 @@ def test_index_from_stored_z_equals_the_index_from_the_model(stored_run, tiny_sh
     run = Run.open(stored_run.run_dir, device="cpu")
     shards = run.shards()
     store = build_stored_z(run.model, shards, tmp_path / "z-grid", dtype="float32", batch_size=8, progress=False)
-    from_model = build_index(run.model, shards, batch_size=8, top_n=8, progress=False)
-    from_store = build_index(run.model, shards, batch_size=8, top_n=8, progress=False, stored_z=store)
+    from_model = build_index(run.model, shards, IndexSettings(batch_size=8, top_n=8), progress=False)
+    from_store = build_index(run.model, shards, IndexSettings(batch_size=8, top_n=8), progress=False, stored_z=store)
     for name in ("top_sim", "top_offset", "counts", "act_sum", "hist"):
         assert torch.equal(getattr(from_model, name), getattr(from_store, name)), name
     for name, t in from_model.sample.tensors().items():  # the uniform sample of firings too
@@ -182,9 +182,9 @@ def test_index_from_stored_z_equals_the_index_from_the_model(stored_run, tiny_sh
     with torch.no_grad():
         other.transformer.ln_f.weight.mul_(2.0)
     with pytest.raises(ArtifactMismatch, match="another backbone"):
-        build_index(other, shards, batch_size=8, top_n=8, progress=False, stored_z=store)
+        build_index(other, shards, IndexSettings(batch_size=8, top_n=8), progress=False, stored_z=store)
     with pytest.raises(ArtifactMismatch, match="another shards"):
-        build_index(run.model, tiny_shards, batch_size=8, top_n=8, progress=False, stored_z=store)
+        build_index(run.model, tiny_shards, IndexSettings(batch_size=8, top_n=8), progress=False, stored_z=store)
 
 
 def test_prism_index_reads_the_retrofits_stored_z(stored_run, tmp_path):

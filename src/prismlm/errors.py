@@ -29,7 +29,20 @@ class PrismError(Exception):
 
 
 class ConfigError(PrismError, ValueError):
-    """A configuration value, option or ``--set`` override is invalid or unknown."""
+    """A configuration value, option or ``--set`` override is invalid or unknown. ``option``: the name (or
+    names) of the parameter or config field at fault, as the library spells it (``top_tokens``); a front
+    end maps it to its own spelling (the CLI to its flag)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        fix: str | None = None,
+        path: str | Path | None = None,
+        option: str | tuple[str, ...] | None = None,
+    ) -> None:
+        super().__init__(message, fix=fix, path=path)
+        self.option = option
 
 
 class DataError(PrismError, ValueError):

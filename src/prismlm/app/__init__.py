@@ -9,14 +9,12 @@ plain function here, returning values, never printing; user mistakes raise ``pri
 from prismlm.app.attribution import attribute_explanation, attribute_text, build_run_cache, build_run_search
 from prismlm.app.control import build_task_folders, evaluate_tasks, find_run_concept, fit_controller
 from prismlm.app.demos import demo
+from prismlm.app.indexing import build_run_index, label_prototypes, merge_index_parts
 from prismlm.app.operations import (
-    build_run_index,
     evaluate,
     explain_text,
     find_prototypes,
     generate,
-    label_prototypes,
-    merge_index_parts,
     prototypes,
     sample_continuations,
     show_prototype,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import torch
 
 from prismlm.app.run import Run, require
 from prismlm.artifacts import check_out_file, check_out_folder
-from prismlm.control.concept import doc_regex, find_concept, read_texts
+from prismlm.control.concept import ConceptSelection, doc_regex, find_concept, read_texts
 from prismlm.control.controller import Controller, extract_features, fit_and_test, prism_encoder, trace_prism_controller
 from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
 from prismlm.data.tokenizer import Tokenizer
@@ -33,7 +33,7 @@ class ConceptResult:
     suppression: SuppressionSet
     ranking: list[dict[str, Any]]
     saved: list[Path]
-    """Where the set was written (``--out``, the checkpoint with ``--save``)."""
+    """Where the set was written (``out``, and the checkpoint with ``save``)."""
 
 
 def find_run_concept(
@@ -43,12 +43,8 @@ def find_run_concept(
     *,
     index: Path | None = None,
     concept_docs: str | None = None,
-    budget: int | None = 32,
+    selection: ConceptSelection = ConceptSelection(),
     no_budget: bool = False,
-    rank_by: str = "contribution",
-    threshold: float = 1.0,
-    min_count: int = 3,
-    min_purity: float = 0.5,
     name: str | None = None,
     out: Path | None = None,
     save: bool = False,
@@ -61,48 +57,39 @@ def find_run_concept(
         neutral: Neutral examples, same formats.
         index: A prototype index (`prism index`) for neighbourhood purity.
         concept_docs: Regex on training document ids marking concept documents (purity).
-        budget: At most this many prototypes (0 = none; use --no-budget for no cap).
-        no_budget: No cap: keep every prototype passing the thresholds.
-        rank_by: Ranking: 'contribution' (nats/token the prototype adds to concept vs neutral text, first order) or 'enrichment' (log2 activation ratio).
-        threshold: Minimum log2 activation enrichment (concept vs neutral).
-        min_count: Minimum concept tokens where the prototype is active.
-        min_purity: Minimum neighbourhood purity (with --index and --concept-docs).
+        selection: Budget, ranking and thresholds of the selection (``ConceptSelection``).
+        no_budget: No cap: keep every prototype passing the thresholds (overrides the budget).
         name: Name of the concept (stored in the set).
         out: Write the suppression set here (default: print only).
         save: Also save it as the checkpoint's suppression.json (applied by default).
     """
-    require(budget is None or budget >= 0, "--budget", ">= 0", budget)
-    require(min_count >= 1, "--min-count", ">= 1", min_count)
-    require(0.0 <= min_purity <= 1.0, "--min-purity", "in [0, 1]", min_purity)
-    require(math.isfinite(threshold), "--threshold", "a finite number", threshold)
-    if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what --save writes)
+    require(selection.min_count >= 1, "min_count", ">= 1", selection.min_count)
+    if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what `save` writes)
         target = out / CHECKPOINT_FILE if out.is_dir() else out
         if target.name != CHECKPOINT_FILE:
             check_out_file(target, "--out")
     model = run.prism_model("`prism concept`")
     if (index is None) != (concept_docs is None):
-        raise ConfigError("neighbourhood purity needs both --index and --concept-docs")
+        raise ConfigError("neighbourhood purity needs both index and concept_docs", option=("index", "concept_docs"))
     try:
         ctexts, ntexts = read_texts(concept), read_texts(neutral)
     except FileNotFoundError as e:
-        raise DataError(str(e), fix="check the --concept / --neutral path") from e
+        raise DataError(str(e), fix="check the concept / neutral texts' path") from e
     idx = run.index(index, required=True) if index is not None else None
     try:
         rx = doc_regex(concept_docs) if concept_docs else None
     except Exception as e:  # re.error
-        raise ConfigError(f"--concept-docs {concept_docs!r} is not a valid regular expression: {e}") from e
+        raise ConfigError(
+            f"concept_docs {concept_docs!r} is not a valid regular expression: {e}", option="concept_docs"
+        ) from e
     sset, ranking = find_concept(
         model,
         run.tokenizer,
         ctexts,
         ntexts,
-        budget=None if no_budget else budget,
-        rank_by=rank_by,
-        threshold=threshold,
-        min_count=min_count,
+        replace(selection, budget=None) if no_budget else selection,
         index=idx,
         is_concept_doc=rx,
-        min_purity=min_purity,
         concept=name,
         model_sha256=run.identity,
     )
@@ -139,14 +126,13 @@ def build_task_folders(
         train_cap: Examples in the train split at most.
         val_cap: Examples in the validation split at most.
         test_cap: Examples in the test split at most.
-        overwrite: Replace tasks already in --out (never any other folder).
+        overwrite: Replace tasks already in ``out`` (never any other folder).
     """
-    require(
-        min(train_cap, val_cap, test_cap) >= 1,
-        "--train-cap/--val-cap/--test-cap",
-        ">= 1",
-        (train_cap, val_cap, test_cap),
-    )
+    if min(train_cap, val_cap, test_cap) < 1:
+        raise ConfigError(
+            f"train_cap, val_cap and test_cap must be >= 1, got {(train_cap, val_cap, test_cap)!r}",
+            option=("train_cap", "val_cap", "test_cap"),
+        )
     check_out_folder(out, "task folder", holds=is_task_folder, overwrite=overwrite)
     return build_tasks(out, task or list(TASKS), {"train": train_cap, "validation": val_cap, "test": test_cap})
 
@@ -195,7 +181,7 @@ def evaluate_tasks(
         lm_eval_scorer: The function that does it: ``prismlm.integrations.lm_eval_adapter.evaluate_with_lm_eval``
             (passed in because integrations sit above this layer; the CLI passes it).
     """
-    require(split in ("train", "validation", "test"), "--split", "train, validation or test", split)
+    require(split in ("train", "validation", "test"), "split", "train, validation or test", split)
     folders = task_folders(tasks, task or [])
     extra: tuple[Control, ...] = ()
     if controller is not None:
@@ -245,9 +231,9 @@ def fit_controller(
         out: Where to write the controller.
         index: A prototype index: trace each coefficient to its label and training neighbourhood.
     """
-    require(steps >= 1, "--steps", ">= 1", steps)
-    require(math.isfinite(lr) and lr > 0, "--lr", "a finite number > 0", lr)
-    require(len(l1) >= 1 and all(math.isfinite(x) and x >= 0 for x in l1), "--l1", "finite numbers >= 0", list(l1))
+    require(steps >= 1, "steps", ">= 1", steps)
+    require(math.isfinite(lr) and lr > 0, "lr", "a finite number > 0", lr)
+    require(len(l1) >= 1 and all(math.isfinite(x) and x >= 0 for x in l1), "l1", "finite numbers >= 0", list(l1))
     check_out_file(out, "--out")
     model = run.prism_model("a controller over prototypes (see bench/control.py for the SAE baseline)")
     assert model.prototypes is not None

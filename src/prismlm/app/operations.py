@@ -1,83 +1,58 @@
-"""Operations on an opened ``Run``: sample, evaluate, index, label, explain, look up prototypes.
+"""Operations on an opened ``Run``: sample, evaluate, explain, verify, look up prototypes.
 
-Each ``prism`` command is one of these plain functions (or one in ``app.attribution``, ``app.control``,
-``app.training``). They return values — dataclasses, lists, dicts — and never print; user mistakes raise
+Each ``prism`` command is one of these plain functions (or one in ``app.indexing``, ``app.attribution``,
+``app.control``, ``app.training``). They return values — dataclasses, lists, dicts — and never print; user mistakes raise
 ``prismlm.errors.PrismError``. The CLI derives its options from their signatures and docstrings.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import shutil
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from prismlm.app.indexing import IndexResult as IndexResult  # re-exported: callers import them from here
+from prismlm.app.indexing import LabelResult as LabelResult
+from prismlm.app.indexing import build_run_index as build_run_index
+from prismlm.app.indexing import label_prototypes as label_prototypes
+from prismlm.app.indexing import merge_index_parts as merge_index_parts
+from prismlm.app.indexing import parse_part as parse_part
 from prismlm.app.run import Run, require
-from prismlm.artifacts import check_out_folder, folder_kind, output_lock, reading, verify_files, writes_folder
-from prismlm.data.shards import ShardSet, load_shards
+from prismlm.artifacts import folder_kind, reading, verify_files
+from prismlm.data.shards import load_shards
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import (
     ArtifactCorrupt,
-    ArtifactError,
-    ArtifactMismatch,
     ConfigError,
     DataError,
     ModelError,
-    PrismError,
 )
 from prismlm.eval.metrics import evaluate as evaluate_model
 from prismlm.explain import (
     Explanation,
     PrototypeCard,
-    PrototypeIndex,
-    build_index,
     explain,
     explain_generation,
-    llm_labels,
-    merge_indexes,
     prototype_card,
-    rule_labels,
-    save_labels,
 )
 from prismlm.explain.index import KIND as INDEX_KIND
 from prismlm.explain.index import LABELS_FILE
 from prismlm.model import PrismLM
-from prismlm.progress import Progress
+from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.train.checkpoint import verify_checkpoint
-from prismlm.train.distributed import barrier, cleanup, init_distributed
-from prismlm.train.retrofit import STORED_Z_DIR
-from prismlm.train.stored_z import StoredZ, backbone_identity, open_stored_z
-
-
-def parse_part(part: str) -> tuple[int, int]:
-    """``"i/n"`` → (i, n) with 0 <= i < n; ``ConfigError`` otherwise."""
-    try:
-        i, n = (int(x) for x in part.split("/"))
-    except ValueError:
-        raise ConfigError(f"--part expects i/n (e.g. 0/4), got {part!r}") from None
-    if not (n >= 1 and 0 <= i < n):
-        raise ConfigError(f"--part i/n needs 0 <= i < n, got {part!r}")
-    return i, n
-
 
 MAX_NEW_TOKENS = 65536
 """Most tokens ``generate`` makes per sample: past the context window every new token recomputes a full
 window, so a mistyped ``-n 1000000000`` would run for days instead of failing."""
 
 
-def check_sampling(
-    tokens: int, temperature: float, top_k: int | None, samples: int = 1, tokens_flag: str = "--tokens"
-) -> None:
-    """``ConfigError`` naming the option for sampling settings that cannot work."""
-    require(tokens >= 0, tokens_flag, ">= 0", tokens)
-    require(samples >= 1, "--samples", ">= 1", samples)
-    require(math.isfinite(temperature) and temperature >= 0, "--temperature", "a finite number >= 0", temperature)
-    require(top_k is None or top_k >= 1, "--top-k", ">= 1 (or omitted for the whole vocabulary)", top_k)
+def check_sampling(tokens: int, samples: int = 1, tokens_name: str = "tokens") -> None:
+    """``ConfigError`` naming the parameter for counts that cannot work (``Sampling`` checks itself)."""
+    require(tokens >= 0, tokens_name, ">= 0", tokens)
+    require(samples >= 1, "samples", ">= 1", samples)
 
 
 # ----- sampling and evaluation ----------------------------------------------------------------------------
@@ -88,23 +63,24 @@ def sample_continuations(
     *,
     samples: int,
     tokens: int,
-    temperature: float,
-    top_k: int | None,
-    generator: torch.Generator | None,
+    sampling: Sampling,
+    generator: torch.Generator | None = None,
     stop_id: int | None = None,
 ) -> list[str]:
     """``samples`` sampled continuations of ``prompt`` (continuation text only; an empty prompt starts
-    from the end-of-text token), one batch through ``model.generate``. ``stop_id`` (an end-of-turn token):
+    from the end-of-text token), one batch through ``model.generate`` at ``sampling`` (``generator``:
+    instead of ``sampling.seed``'s). ``stop_id`` (an end-of-turn token):
     generation ends once every sample has produced it, and each continuation is cut before it."""
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     dev = next(model.parameters()).device
     x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)  # (samples, T)
+    generator = generator if generator is not None else sampling.generator(dev)
     if stop_id is None:
-        y = model.generate(x, tokens, temperature=temperature, top_k=top_k, generator=generator)
+        y = model.generate(x, tokens, sampling, generator=generator)
         return [tokenizer.decode(row[len(ids) if prompt else 1 :].tolist()) for row in y]
     new: list[torch.Tensor] = []  # (samples, 1) each
     ended = torch.zeros(samples, dtype=torch.bool, device=dev)  # (samples,)
-    for _, nxt in model.generate_steps(x, tokens, temperature=temperature, top_k=top_k, generator=generator):
+    for _, nxt in model.generate_steps(x, tokens, sampling, generator=generator):
         new.append(nxt)
         ended |= nxt[:, 0] == stop_id
         if bool(ended.all()):
@@ -115,7 +91,9 @@ def sample_continuations(
 
 def _check_chat(chat: str | None, prompt: str) -> None:
     if chat is not None and prompt:
-        raise ConfigError("--chat and a prompt were both given", fix="give one: the chat message becomes the prompt")
+        raise ConfigError(
+            "chat and a prompt were both given", fix="give one: the chat message becomes the prompt", option="chat"
+        )
 
 
 def chat_prompt(run: Run, message: str) -> str:
@@ -124,9 +102,9 @@ def chat_prompt(run: Run, message: str) -> str:
     tok = run.tokenizer
     if not tok.chat_template:
         raise ModelError(
-            f"--chat: the run {run.path} has no chat template (its tokenizer {tok.name!r} came without "
+            f"the run {run.path} has no chat template (its tokenizer {tok.name!r} came without "
             "one), so a chat message cannot be written as a prompt",
-            fix="pass the text itself instead of --chat, or retrofit a chat model "
+            fix="pass the text itself instead of a chat message, or retrofit a chat model "
             "(e.g. prism retrofit --from smollm2-135m-instruct)",
         )
     return tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
@@ -139,32 +117,27 @@ def generate(
     chat: str | None = None,
     tokens: int = 100,
     samples: int = 1,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    seed: int = 0,
+    sampling: Sampling = TEXT_SAMPLING,
 ) -> list[str]:
     """Sample text from a trained model (with the run's interventions applied).
 
     Args:
         prompt: Text to continue (empty: start from end-of-text).
         chat: A chat message instead of a prompt: it is written with the model's chat template and the
-            assistant's answer is returned, ending at the end-of-turn token (at most --tokens).
+            assistant's answer is returned, ending at the end-of-turn token (at most ``tokens``).
         tokens: New tokens per sample. At most 65,536 (past the context window, the window slides).
         samples: Number of samples.
-        temperature: Sampling temperature (0 = greedy).
-        top_k: Sample from the top-k tokens only.
-        seed: Sampling seed.
+        sampling: Temperature, top tokens and seed.
     """
-    check_sampling(tokens, temperature, top_k, samples)
+    check_sampling(tokens, samples)
     require(
         tokens <= MAX_NEW_TOKENS,
-        "--tokens",
+        "tokens",
         f"<= {MAX_NEW_TOKENS:,} (generate longer texts in steps, continuing from the last output)",
         tokens,
     )
     _check_chat(chat, prompt)
     text = chat_prompt(run, chat) if chat is not None else prompt
-    gen = torch.Generator(device=run.device).manual_seed(seed)
     with run.intervened() as model:
         conts = sample_continuations(
             model,
@@ -172,9 +145,8 @@ def generate(
             text,
             samples=samples,
             tokens=tokens,
-            temperature=temperature,
-            top_k=top_k,
-            generator=gen,
+            sampling=sampling,
+            generator=sampling.generator(run.device),
             stop_id=run.tokenizer.eot_id if chat is not None else None,
         )
     return conts if chat is not None else [prompt + c for c in conts]
@@ -191,8 +163,8 @@ def evaluate(
         batch_size: Sequences per batch (default: the run's).
         shards: Token shard folder the run was trained on (default: prepared from its data config).
     """
-    require(batches >= 1, "--batches", ">= 1", batches)
-    require(batch_size is None or batch_size >= 1, "--batch-size", ">= 1", batch_size)
+    require(batches >= 1, "batches", ">= 1", batches)
+    require(batch_size is None or batch_size >= 1, "batch_size", ">= 1", batch_size)
     cfg = run.config
     shard_set = run.shards(shards)
     with run.intervened() as model:
@@ -211,257 +183,9 @@ def evaluate(
     return metrics
 
 
-# ----- prototype index and labels ------------------------------------------------------------------------
-@dataclass
-class IndexResult:
-    """What ``build_run_index`` made, and what a user should know about it."""
-
-    index: PrototypeIndex
-    path: Path
-    notes: list[str] = field(default_factory=list)
-
-
-def build_run_index(
-    run: Run,
-    *,
-    top_n: int = 32,
-    max_sequences: int | None = None,
-    batch_size: int = 16,
-    part: str = "0/1",
-    out: Path | None = None,
-    resume: bool = False,
-    overwrite: bool = False,
-    checkpoint_every: int = 50,
-    shards: Path | None = None,
-    labels: bool = True,
-    stored_z: bool = True,
-    progress: Progress = True,
-) -> IndexResult:
-    """Build the prototype index: each prototype's nearest training contexts, activation statistics,
-    coverage; with ``labels``, rule-based labels once complete.
-
-    Args:
-        top_n: Nearest training contexts kept per prototype.
-        max_sequences: Index only the first N training sequences (default: all).
-        batch_size: Sequences per forward pass (keep it equal across parts).
-        part: Build part i of n (i/n) of the sequences; combine with `prism index-merge`.
-        out: Index folder (default RUN/index, or RUN/index-part-i-of-n).
-        resume: Continue a partial index in --out after its last saved batch.
-        overwrite: Replace an index already in --out (never a run or any other folder).
-        checkpoint_every: Save the partial index every N batches (0: only at the end).
-        shards: Token shard folder (default: the run's, from its data config).
-        labels: Also write rule-based labels (labels.json) when the index is complete.
-        stored_z: Read the hidden states a retrofit stored (RUN/stored-z) instead of running the backbone, when they are this checkpoint's backbone over these shards (else the model runs).
-        progress: Show a progress bar with tokens/s.
-    """
-    require(top_n >= 1, "--top-n", ">= 1", top_n)
-    require(max_sequences is None or max_sequences >= 1, "--max-sequences", ">= 1", max_sequences)
-    require(checkpoint_every >= 0, "--checkpoint-every", ">= 0", checkpoint_every)
-    pt = parse_part(part)
-    out = out or run.folder / ("index" if pt == (0, 1) else f"index-part-{pt[0]}-of-{pt[1]}")
-    check_out_folder(out, "prototype index", holds=INDEX_KIND, overwrite=overwrite, resume=resume, can_resume=True)
-    info, _ = init_distributed(str(run.device))
-    build_part = partial(
-        _build_index_part,
-        run,
-        top_n=top_n,
-        max_sequences=max_sequences,
-        batch_size=batch_size,
-        resume=resume,
-        checkpoint_every=checkpoint_every,
-        shards=shards,
-        stored_z=stored_z,
-    )
-    if not info.enabled:
-        with output_lock(out):  # the index and its labels: one writer, a second `prism index` is refused
-            result = build_part(pt, out, progress=progress)
-            if labels and result.index.covers_all:
-                save_labels(rule_labels(result.index), out)
-        return result
-    # Under torchrun: rank r builds part r/world into OUT.part-r-of-world (resumable there), then rank 0 merges
-    # the parts into OUT — equal to one process with the same batch size (neighbourhoods, counts and
-    # histograms bit for bit, float64 sums to rounding) — and removes them. Every rank returns the merged index.
-    require(pt == (0, 1), "--part", "left out under torchrun (each process builds its own part)", part)
-    try:
-
-        def part_dir(rank: int) -> Path:
-            return out.with_name(f"{out.name}.part-{rank}-of-{info.world_size}")
-
-        built = build_part(
-            (info.rank, info.world_size), part_dir(info.rank), progress=progress if info.is_main else False
-        )
-        barrier(info)
-        if info.is_main:
-            merged = merge_index_parts(
-                out, [part_dir(r) for r in range(info.world_size)], labels=labels, overwrite=True
-            )  # OUT was checked on entry
-            for r in range(info.world_size):
-                shutil.rmtree(part_dir(r), ignore_errors=True)
-        barrier(info)
-        if not info.is_main:
-            merged = IndexResult(index=PrototypeIndex.load(out, model_sha256=run.identity), path=out)
-        merged.notes = built.notes + merged.notes
-        run.forget(out)
-        return merged
-    finally:
-        cleanup(info)
-
-
-@writes_folder("out")
-def _build_index_part(
-    run: Run,
-    pt: tuple[int, int],
-    out: Path,
-    *,
-    top_n: int,
-    max_sequences: int | None,
-    batch_size: int,
-    resume: bool,
-    checkpoint_every: int,
-    shards: Path | None,
-    progress: Progress,
-    stored_z: bool = True,
-) -> IndexResult:
-    """Build (or resume) part ``pt`` of the run's index into ``out``."""
-    model = run.prism_model("a prototype index")
-    notes: list[str] = []
-    prev = None
-    if resume and (out / "manifest.json").exists():
-        prev = PrototypeIndex.load(out, model_sha256=run.identity)  # never resume another model's index
-        if prev.complete:
-            notes.append(f"{out} is already complete; nothing to resume")
-    elif resume:
-        notes.append(f"no partial index in {out}; started from the beginning")
-    shard_set = run.shards(shards, prev.manifest.get("shards_root") if prev is not None else None)
-    if prev is not None and prev.complete:
-        idx = prev.attach(shard_set)
-    else:
-        store = _usable_stored_z(run, model, shard_set, max_sequences, notes) if stored_z else None
-        idx = build_index(
-            model,
-            shard_set,
-            top_n=top_n,
-            batch_size=batch_size,
-            max_sequences=max_sequences,
-            part=pt,
-            resume_from=prev,
-            out=out,
-            model_sha256=run.identity,
-            checkpoint_every=checkpoint_every,
-            device=run.device,
-            autocast=run.autocast(),
-            progress=progress,
-            stored_z=store,
-        )
-    run.forget(out)
-    return IndexResult(index=idx, path=out, notes=notes)
-
-
-def _usable_stored_z(
-    run: Run, model: PrismLM, shards: ShardSet, max_sequences: int | None, notes: list[str]
-) -> StoredZ | None:
-    """The run's stored z (``RUN/stored-z``) when it holds this checkpoint's backbone over ``shards`` (after a
-    stage 2 the backbone moved on: the model runs, and a note says why)."""
-    path = run.folder / STORED_Z_DIR
-    if not (path / "manifest.json").exists() or model.proto_multipliers is not None:
-        return None
-    try:
-        store = open_stored_z(path)
-        T = model.config.block_size
-        universe = (
-            shards.train.num_sequences(T)
-            if max_sequences is None
-            else min(max_sequences, shards.train.num_sequences(T))
-        )
-        store.check(backbone=backbone_identity(model), shard_key=shards.manifest["key"], block_size=T, split="train")
-        if store.num_sequences < universe:
-            raise ArtifactMismatch(f"{path} covers {store.num_sequences} sequences, fewer than {universe}")
-    except ArtifactError as e:
-        notes.append(f"the stored z was not used ({e.message}); the index ran the model")
-        return None
-    notes.append(f"hidden states read from {path} ({store.manifest['dtype']}); the backbone did not run")
-    return store
-
-
-@writes_folder("out")
-def merge_index_parts(out: Path, parts: list[Path], *, labels: bool = True, overwrite: bool = False) -> IndexResult:
-    """Merge partial indexes (disjoint parts of the same model and shards) into one — equal to one pass.
-
-    Args:
-        out: Folder of the merged index.
-        parts: Partial index folders (from `prism index --part i/n`).
-        labels: Write rule-based labels when the merged index is complete.
-        overwrite: Replace an index already in OUT (never a run or any other folder).
-    """
-    check_out_folder(out, "prototype index", holds=INDEX_KIND, overwrite=overwrite, option="OUT")
-    idx = merge_indexes([PrototypeIndex.load(p) for p in parts])
-    idx.save(out)
-    notes: list[str] = []
-    if labels and idx.covers_all:
-        try:
-            idx.attach(load_shards(idx.manifest["shards_root"]))
-            save_labels(rule_labels(idx), out)
-        except (PrismError, OSError) as e:
-            notes.append(f"labels skipped ({e}); run `prism label` with the run folder")
-    return IndexResult(index=idx, path=out, notes=notes)
-
-
-@dataclass
-class LabelResult:
-    labels: dict[int, dict]
-    path: Path
-
-    def categories(self) -> dict[str, int]:
-        """How many prototypes fall in each category, most common first."""
-        cats: dict[str, int] = {}
-        for v in self.labels.values():
-            cats[v["category"]] = cats.get(v["category"], 0) + 1
-        return dict(sorted(cats.items(), key=lambda kv: -kv[1]))
-
-
-def label_prototypes(
-    run: Run,
-    *,
-    index: Path | None = None,
-    labeller: str = "rules",
-    endpoint: str | None = None,
-    model: str | None = None,
-    api_key_env: str = "OPENAI_API_KEY",
-    ids: str | None = None,
-    shards: Path | None = None,
-) -> LabelResult:
-    """Label every prototype from its neighbourhood (rules; optionally an LLM endpoint). Writes labels.json.
-
-    Args:
-        index: Index folder (default RUN/index).
-        labeller: rules (offline) or openai (an OpenAI-compatible endpoint).
-        endpoint: Base URL of the OpenAI-compatible API (with --labeller openai).
-        model: Model name for the endpoint (with --labeller openai).
-        api_key_env: Environment variable holding the API key.
-        ids: Comma-separated prototype ids to relabel with the LLM (default all).
-        shards: Token shard folder (default: the index's / the run's).
-    """
-    if labeller not in ("rules", "openai"):
-        raise ConfigError(f"--labeller must be 'rules' or 'openai', got {labeller!r}")
-    if labeller == "openai" and (not endpoint or not model):
-        raise ConfigError("--labeller openai needs --endpoint URL and --model NAME")
-    idx = run.index(index, shards, required=True)
-    assert idx is not None
-    labs = rule_labels(idx)
-    if labeller == "openai":
-        assert endpoint is not None and model is not None
-        try:
-            sel = [int(x) for x in ids.split(",")] if ids else None
-        except ValueError:
-            raise ConfigError(f"--ids expects comma-separated integers, got {ids!r}") from None
-        labs = llm_labels(idx, labs, endpoint=endpoint, model=model, api_key_env=api_key_env, ids=sel)
-    assert idx.path is not None  # an index opened from a folder knows it
-    return LabelResult(labels=labs, path=save_labels(labs, idx.path))
-
-
 # ----- explanations ----------------------------------------------------------------------------------------
 CHAT_ANSWER_TOKENS = 64
-"""Longest chat answer ``explain --chat`` generates when --generate is not given."""
+"""Longest chat answer ``explain_text`` generates for a chat message when ``generate`` is not given."""
 
 
 def explain_text(
@@ -473,9 +197,7 @@ def explain_text(
     index: Path | None = None,
     use_index: bool = True,
     shards: Path | None = None,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    seed: int = 0,
+    sampling: Sampling = TEXT_SAMPLING,
     neighbours: int = 5,
 ) -> Explanation:
     """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly.
@@ -483,27 +205,28 @@ def explain_text(
     Args:
         prompt: Text to explain (empty: the first prediction after end-of-text).
         chat: A chat message instead of a prompt: written with the model's chat template, the assistant's
-            answer is generated greedily (at most --generate tokens, default 64, ending at the end-of-turn
+            answer is generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn
             token) and its tokens are explained.
         generate: Sample N tokens after the prompt and explain them.
         index: Index folder (default RUN/index if it exists).
         use_index: Use the prototype index if there is one.
         shards: Token shard folder (default: the index's / the run's).
-        temperature: Sampling temperature for --generate (0 = greedy).
-        top_k: Sample from the top-k tokens only.
-        seed: Sampling seed.
+        sampling: How the ``generate`` tokens are sampled (temperature, top tokens, seed).
         neighbours: Training snippets per prototype card.
     """
-    require(neighbours >= 0, "--neighbours", ">= 0", neighbours)
+    require(neighbours >= 0, "neighbours", ">= 0", neighbours)
     _check_chat(chat, prompt)
     model = run.prism_model("an explanation")
-    check_sampling(generate, temperature, top_k, tokens_flag="--generate")
+    check_sampling(generate, tokens_name="generate")
     if chat is not None:
-        prompt, generate, temperature = chat_prompt(run, chat), generate or CHAT_ANSWER_TOKENS, 0.0
-    if generate > model.config.block_size:  # one explanation covers one context window
-        raise ConfigError(
-            f"--generate must be at most the context window ({model.config.block_size} tokens), got {generate}"
-        )
+        prompt, generate = chat_prompt(run, chat), generate or CHAT_ANSWER_TOKENS
+        sampling = replace(sampling, temperature=0.0)
+    require(
+        generate <= model.config.block_size,  # one explanation covers one context window
+        "generate",
+        f"at most the context window ({model.config.block_size} tokens)",
+        generate,
+    )
     tokenizer = run.tokenizer
     idx = run.index(index, shards) if use_index else None
     with run.intervened():  # a suppressed or controlled run is explained as it predicts (decompose stays exact)
@@ -514,9 +237,7 @@ def explain_text(
                 prompt,
                 generate,
                 model_sha256=run.identity,
-                temperature=temperature,
-                top_k=top_k,
-                seed=seed,
+                sampling=sampling,
                 index=idx,
                 neighbours=neighbours,
                 stop_id=tokenizer.eot_id if chat is not None else None,
@@ -717,7 +438,7 @@ def find_prototypes(
         shards: Token shard folder (default: the index's / the run's).
         limit: Rows to list.
     """
-    require(limit >= 1, "--limit", ">= 1", limit)
+    require(limit >= 1, "limit", ">= 1", limit)
     model = run.prism_model("listing prototypes")
     assert model.prototypes is not None
     tok = run.tokenizer
@@ -730,8 +451,7 @@ def find_prototypes(
         tid = tok.encode(token)
         if len(tid) != 1:
             raise DataError(
-                f"--token {token!r} is {len(tid)} tokens {tid}; give a single token "
-                f"(e.g. with its leading space: ' the')"
+                f"token {token!r} is {len(tid)} tokens {tid}; give a single token (e.g. with its leading space: ' the')"
             )
         with torch.no_grad():
             col = model.signatures()[:, tid[0]].float()  # (K,)
@@ -779,7 +499,7 @@ def show_prototype(
     run: Run, prototype: int, *, index: Path | None = None, shards: Path | None = None, neighbours: int = 8
 ) -> PrototypeView:
     """One prototype's card: label, statistics, top tokens of W p_i, nearest training contexts."""
-    require(neighbours >= 0, "--neighbours", ">= 0", neighbours)
+    require(neighbours >= 0, "neighbours", ">= 0", neighbours)
     model = run.prism_model("a prototype card")
     idx = run.index(index, shards)
     labs = idx.labels() if idx is not None else {}
@@ -798,7 +518,7 @@ def prototypes(
     limit: int = 20,
     neighbours: int = 8,
 ) -> PrototypeListing | PrototypeView:
-    """List or search prototypes by label, category or token; --id N shows one prototype's card.
+    """List or search prototypes by label, category or token; an ``id`` shows one prototype's card.
 
     Args:
         search: Only prototypes whose label or category contains TEXT.
@@ -807,7 +527,7 @@ def prototypes(
         index: Index folder (default RUN/index if it exists).
         shards: Token shard folder (default: the index's / the run's).
         limit: Rows to list.
-        neighbours: Snippets shown with --id.
+        neighbours: Snippets shown with ``id``.
     """
     if id is not None:
         return show_prototype(run, id, index=index, shards=shards, neighbours=neighbours)

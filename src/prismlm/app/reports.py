@@ -19,6 +19,7 @@ from prismlm.app.attribution import (
 from prismlm.app.operations import explain_text
 from prismlm.app.run import Run
 from prismlm.explain import Explanation
+from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.tda import Attribution
 from prismlm.tda.attribute import QuerySpec, Rescoring, SearchSpec
 
@@ -54,9 +55,7 @@ def explain_report(
     index: Path | None = None,
     use_index: bool = True,
     shards: Path | None = None,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    seed: int = 0,
+    sampling: Sampling = TEXT_SAMPLING,
     neighbours: int = 5,
     attribute: bool = False,
 ) -> ExplanationReport:
@@ -71,9 +70,7 @@ def explain_report(
         index: Index folder (default RUN/index if it exists).
         use_index: Use the prototype index if there is one.
         shards: Token shard folder (default: the index's / the run's).
-        temperature: Sampling temperature of ``generate`` (0 = greedy).
-        top_k: Sample from the top-k tokens only.
-        seed: Sampling seed.
+        sampling: How the ``generate`` tokens are sampled (temperature, top tokens, seed).
         neighbours: Training snippets per prototype card.
         attribute: Add the top training sequences for the text (its generated part with ``generate``) to the
             report: prototype-space influence from the run's attribution cache (`prism attribute-cache`).
@@ -86,9 +83,7 @@ def explain_report(
         index=index,
         use_index=use_index,
         shards=shards,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
+        sampling=sampling,
         neighbours=neighbours,
     )
     return ExplanationReport(expl, attribute_explanation(run, expl, shards=shards) if attribute else None)

@@ -44,10 +44,12 @@ def no_stages(stage: str, i: int, n: int | None) -> None:
     """The default stage callback: report nothing."""
 
 
-def require(ok: bool, flag: str, rule: str, value: object) -> None:
-    """``ConfigError`` "FLAG must be RULE, got VALUE" unless ``ok``: the range check of every numeric option."""
+def require(ok: bool, name: str, rule: str, value: object) -> None:
+    """``ConfigError`` "NAME must be RULE, got VALUE" unless ``ok``: the range check of every numeric option.
+    ``name`` is the parameter's name (``top_n``), carried as the error's ``option``: a front end spells it
+    its own way (the CLI as ``--top-n``)."""
     if not ok:
-        raise ConfigError(f"{flag} must be {rule}, got {value!r}")
+        raise ConfigError(f"{name} must be {rule}, got {value!r}", option=None if name.startswith("-") else name)
 
 
 def _stamp(manifest: Path) -> tuple[int, ...] | None:

@@ -11,6 +11,7 @@ from prismlm.artifacts import check_out_folder
 from prismlm.config import RunConfig
 from prismlm.data.shards import ShardSet, is_shard_folder, prepare_shards
 from prismlm.explain import Explanation
+from prismlm.model.generation import TEXT_SAMPLING
 from prismlm.progress import Progress
 from prismlm.train.trainer import TrainResult
 from prismlm.train.trainer import train as train_model
@@ -181,7 +182,7 @@ def scratch_demo(
     result = train_model(cfg, out, progress=progress, overwrite=overwrite)
     run = Run.open(out, device="cpu")
     on_stage("sample", 1, stages)
-    samples = [t for p in DEMO_PROMPTS for t in generate(run, p, tokens=40, samples=1, temperature=0.8, seed=0)]
+    samples = [t for p in DEMO_PROMPTS for t in generate(run, p, tokens=40, samples=1, sampling=TEXT_SAMPLING)]
     on_stage("evaluate", 2, stages)
     metrics = evaluate(run, batches=cfg.train.eval_batches)
     demo_result = DemoResult(run_folder=out, train=result, samples=samples, metrics=metrics)
@@ -191,7 +192,7 @@ def scratch_demo(
         on_stage(f"index ({n_index} training sequences)", 3, stages)
         demo_result.index = build_run_index(run, max_sequences=n_index, progress=progress, overwrite=overwrite)
         on_stage("explain", 4, stages)
-        demo_result.explanation = explain_text(run, DEMO_PROMPTS[1], generate=12, seed=0)
+        demo_result.explanation = explain_text(run, DEMO_PROMPTS[1], generate=12, sampling=TEXT_SAMPLING)
     return demo_result
 
 

@@ -23,7 +23,7 @@ import typer
 from prismlm.app.run import Run
 from prismlm.artifacts import check_out_file
 from prismlm.cli.console import fail, interrupted, is_main_process, progress_for
-from prismlm.errors import PrismError
+from prismlm.errors import ConfigError, PrismError
 from prismlm.progress import Progress
 
 RUN_HELP = "Run folder or checkpoint folder."
@@ -50,6 +50,11 @@ def arg_help(func: Callable[..., Any]) -> dict[str, str]:
         elif name and line.strip():
             out[name] += " " + line.strip()
     return out
+
+
+def _option_decls(p: inspect.Parameter) -> list[str]:
+    """The names a typer option was declared with (``["--tokens", "-n"]``); [] when typer derives them."""
+    return [d for d in (getattr(p.default, "param_decls", None) or ()) if isinstance(d, str)]
 
 
 def _first_parameter(func: Callable[..., Any]) -> str:
@@ -177,6 +182,20 @@ def _params(
     return out
 
 
+def flag_message(e: PrismError, flags: dict[str, str], field_flags: dict[str, str] | None = None) -> str:
+    """``str(e)``, with a ``ConfigError``'s ``option`` (the library's parameter or field name, e.g.
+    ``top_tokens``) spelled as this command's flag (``--top-tokens``), and each ``Class.field`` or
+    ````name```` the text names (``field_flags``) replaced by its flag: the library never names flags."""
+    msg = _with_flags(str(e), field_flags or {})
+    if not isinstance(e, ConfigError) or e.option is None:
+        return msg
+    for name in (e.option,) if isinstance(e.option, str) else e.option:
+        if name in flags:
+            named, n = re.subn(rf"(?<![\w-]){re.escape(name)}(?![\w-])", flags[name], msg, count=1)
+            msg = named if n else f"{flags[name]}: {msg}"
+    return msg
+
+
 def os_error_message(e: OSError) -> str:
     """One line for an ``OSError`` on a path the user gave or made (a folder that cannot be created, a
     read-only or immutable folder, a folder where a file belongs): what failed, on which path, and the fix."""
@@ -224,7 +243,7 @@ def command(
     positional = set(arguments or ())
     groups: dict[str, tuple[type, list[str], str]] = {}
     op_params = _params(op, skip, decls, positional, groups, prefixed)
-    flags = _field_flags(groups, op_params)
+    field_flags = _field_flags(groups, op_params)  # ``Class.field`` / ````name```` in message text → flag
     op_names = {p.name for p in op_params}
     op_hints = typing.get_type_hints(op)
     progress_names = {n for n in op_names if op_hints.get(n) == Progress}  # --progress/--no-progress flags
@@ -232,6 +251,10 @@ def command(
     render_all = _params(render, {"run", _first_parameter(render)}, decls, set()) if render is not None else []
     render_names = {p.name for p in render_all}
     render_params = [p for p in render_all if p.name not in op_names]
+    flags = {  # parameter or config field name → the flag the user typed, for error messages
+        p.name: next((d for d in _option_decls(p) if d.startswith("--")), "--" + p.name.replace("_", "-"))
+        for p in op_params + render_all
+    }
     head: list[inspect.Parameter] = []
     tail: list[inspect.Parameter] = []
     if opens_run:
@@ -268,7 +291,7 @@ def command(
             try:
                 op_kwargs[group] = cls(**values)
             except PrismError as e:
-                fail(_with_flags(str(e), flags))
+                fail(flag_message(e, flags, field_flags))
         render_kwargs = {k: v for k, v in kwargs.items() if k in render_names}
         try:
             for k, v in render_kwargs.items():  # output files (--json, --html): refused before any work
@@ -294,7 +317,7 @@ def command(
                 extra = {"run": run} if "run" in inspect.signature(render).parameters else {}
                 render(result, **extra, **render_kwargs)
         except PrismError as e:
-            fail(_with_flags(str(e), flags))
+            fail(flag_message(e, flags, field_flags))
         except OSError as e:
             if e.filename is None:  # no file involved: not a user's path, a bug or the machine
                 raise

@@ -1,31 +1,9 @@
 """Find the prototypes of a concept from labelled examples (spec §4) and turn them into a suppression set.
 
-Three pieces of evidence per prototype i:
-
-* **log-likelihood contribution** (the default ranking) — what removing the prototype's slice would do,
-  to first order, to the log-probability of the text that actually follows: at every position t where i
-  is active, ``c_{t,i} = a_{t,i} · p_i · (W[y_{t+1}] − Wᵀ softmax(ℓ_t))`` (the slice's directional
-  derivative of ``log p(y_{t+1})``; exact slices, one gather per active pair). ``contribution_i =
-  Σ_t c_{t,i} / #tokens`` on concept text minus the same on neutral text, in nats per token: how much more
-  the prototype supports concept text than neutral text. Generically useful prototypes (punctuation,
-  syntax) support both alike, so their per-token excess is small even when they fire more often on the
-  concept texts' genre — which is what pure activation enrichment picks up.
-* **activation enrichment** — on concept texts vs neutral texts, the activation mass per token
-  ``rate_i = Σ_t a_{t,i} / #tokens``; ``enrichment_i = (rate_c + α) / (rate_n + α)`` with a small
-  pseudo-rate α (half of one average activation per neutral corpus, so a prototype seen once on concept
-  text and never on neutral text is not ranked infinite). ``log2`` of it is the ranking score.
-* **neighbourhood purity** (when a prototype index is given) — the share of prototype i's nearest
-  training contexts that lie in concept documents (decided by a predicate on the neighbour's document
-  id, e.g. a regular expression ``offensive``), i.e. what the prototype *was trained on*.
-
-Selection: candidates are prototypes with at least ``min_count`` active concept tokens, ``log2
-enrichment ≥ threshold`` and (with an index) ``purity ≥ min_purity``; they are ranked by contribution
-(``rank_by="contribution"``, the default; a candidate also needs a positive contribution) or by log2
-enrichment (``rank_by="enrichment"``); the first ``budget`` are kept. Enrichment alone over-selects
-prototypes of the concept texts' *form* (dialogue, punctuation); contribution alone over-selects frequent
-generic prototypes (a tiny per-token difference times many tokens); the filter plus the ranking asks
-for both: fires mostly on the concept and supports what the concept texts say. Every chosen prototype
-carries its evidence into the suppression set.
+Per prototype: log-likelihood contribution (concept minus neutral text, nats per token), activation
+enrichment and, with an index, neighbourhood purity; ``ConceptSelection`` filters and ranks them, and
+every chosen prototype carries its evidence into the ``SuppressionSet``. Definitions: docs/architecture.md
+(concepts).
 """
 
 from __future__ import annotations
@@ -60,6 +38,7 @@ class ActivationStats:
     count: np.ndarray
     """(K,) tokens where prototype i is active (a > 0)."""
     tokens: int
+    """Tokens the totals are over (mask-valid positions)."""
     contribution: np.ndarray
     """(K,) Σ over scored positions of c_{t,i}, the slice's first-order effect on log p(next token)."""
 
@@ -78,7 +57,7 @@ def activation_stats(
     max_tokens_per_text: int | None = None,
 ) -> ActivationStats:
     """Stream ``texts`` through the (frozen) model and total each prototype's activations and its
-    log-likelihood contribution (see the module docstring)."""
+    log-likelihood contribution (docs/architecture.md, concepts)."""
     if model.prototypes is None:
         raise ModelError("concept search needs a PRISM model; this is the dense baseline")
     K = model.prototypes.num_prototypes
@@ -145,93 +124,89 @@ def signature_tokens(model: PrismLM, tokenizer: Tokenizer, i: int, n: int = 8) -
     return [tokenizer.decode([int(t)]) for t in sig.topk(n).indices]
 
 
+@dataclass(frozen=True)
+class ConceptSelection:
+    """Which ranked prototypes a concept search selects (docs/architecture.md, concepts). Checked when made
+    (``ConfigError`` naming the field)."""
+
+    budget: int | None = 32
+    """At most this many prototypes are selected (None: no cap; 0: none)."""
+    rank_by: str = "contribution"
+    """``contribution`` (log-likelihood contribution; a candidate also needs a positive one) or
+    ``enrichment`` (log2 activation enrichment)."""
+    threshold: float = 1.0
+    """Minimum log2 enrichment of a candidate."""
+    min_count: int = 3
+    """Minimum active concept tokens of a candidate."""
+    min_purity: float = 0.5
+    """Minimum neighbourhood purity of a selected prototype (only with an index and a document predicate)."""
+
+    def __post_init__(self) -> None:
+        if self.rank_by not in RANKINGS:
+            raise ConfigError(f"rank_by must be one of {', '.join(RANKINGS)}, got {self.rank_by!r}", option="rank_by")
+        if self.budget is not None and self.budget < 0:
+            raise ConfigError(f"budget must be >= 0, got {self.budget}", option="budget")
+        if not math.isfinite(self.threshold):
+            raise ConfigError(f"threshold must be a finite number, got {self.threshold!r}", option="threshold")
+        if not 0.0 <= self.min_purity <= 1.0:
+            raise ConfigError(f"min_purity must be in [0, 1], got {self.min_purity!r}", option="min_purity")
+
+
 def find_concept(
     model: PrismLM,
     tokenizer: Tokenizer,
     concept_texts: Sequence[str],
     neutral_texts: Sequence[str],
+    selection: ConceptSelection = ConceptSelection(),
     *,
-    budget: int | None = 32,
-    rank_by: str = "contribution",
-    threshold: float = 1.0,
-    min_count: int = 3,
     index: PrototypeIndex | None = None,
     is_concept_doc: Callable[[str], bool] | None = None,
-    min_purity: float = 0.5,
     concept: str | None = None,
     model_sha256: str | None = None,
     batch_size: int = 16,
     neighbours: int = 3,
 ) -> tuple[SuppressionSet, list[dict[str, Any]]]:
     """Rank prototypes by log-likelihood contribution or activation enrichment on concept vs neutral text
-    (filtered by neighbourhood purity, with an index); returns the chosen suppression set and the full
-    ranking (one dict per candidate with its evidence)."""
+    (filtered by neighbourhood purity, with an index and ``is_concept_doc``) and select them by
+    ``selection``; returns the chosen suppression set and the full ranking (one dict per candidate with
+    its evidence). ``neighbours``: training snippets recorded per selected prototype."""
     if not concept_texts or not neutral_texts:
         raise DataError("need at least one concept text and one neutral text")
-    if rank_by not in RANKINGS:
-        raise ConfigError(f"rank_by must be one of {', '.join(RANKINGS)}, got {rank_by!r}")
-    if budget is not None and budget < 0:
-        raise ConfigError(f"budget must be >= 0, got {budget}")
     c = activation_stats(model, tokenizer, concept_texts, batch_size=batch_size)
     n = activation_stats(model, tokenizer, neutral_texts, batch_size=batch_size)
-    K = len(c.mass)
-    mean_act = (n.mass.sum() / max(1.0, n.count.sum())) if n.count.sum() else 0.5
-    alpha = 0.5 * mean_act / max(1, n.tokens)
-    enrich = (c.rate + alpha) / (n.rate + alpha)
-    log_e = np.log2(enrich)
-    contribution = c.contribution / max(1, c.tokens) - n.contribution / max(1, n.tokens)  # (K,) nats/token
-    ok = (c.count >= min_count) & (log_e >= threshold)
-    if rank_by == "contribution":
-        ok &= contribution > 0
-    key = contribution if rank_by == "contribution" else log_e
-    cand = np.nonzero(ok)[0]
-    cand = cand[np.argsort(-key[cand], kind="stable")]
+    scores = _concept_scores(c, n)
+    cand = _candidates(scores, c, selection)
     purity: dict[int, float] = {}
     if index is not None and is_concept_doc is not None:
         purity = neighbourhood_purity(index, is_concept_doc, cand.tolist())
     labels = index.labels() if index is not None and hasattr(index, "labels") else {}
     ranking: list[dict[str, Any]] = []
     chosen: list[int] = []
+    budget = selection.budget
     for i in cand.tolist():
-        ev: dict[str, Any] = {
-            "id": i,
-            "contribution_nats_per_token": float(contribution[i]),
-            "log2_enrichment": float(log_e[i]),
-            "enrichment": float(enrich[i]),
-            "concept_rate": float(c.rate[i]),
-            "neutral_rate": float(n.rate[i]),
-            "concept_count": int(c.count[i]),
-            "neutral_count": int(n.count[i]),
-        }
+        ev = _evidence(i, scores, c, n)
         if purity:
             ev["purity"] = purity.get(i)
-        pure = not purity or (purity.get(i) is not None and not math.isnan(purity[i]) and purity[i] >= min_purity)
+        p = purity.get(i)
+        pure = not purity or (p is not None and not math.isnan(p) and p >= selection.min_purity)
         ev["selected"] = bool(pure and (budget is None or len(chosen) < budget))
         if ev["selected"]:
-            if tokenizer is not None:
-                ev["signature_top_tokens"] = signature_tokens(model, tokenizer, i)
-            if i in labels:
-                ev["label"] = labels[i].get("label")
-            if index is not None and getattr(index, "shards", None) is not None and neighbours:
-                ev["neighbours"] = [
-                    {"doc_id": nb.doc_id, "snippet": nb.snippet, "similarity": nb.similarity}
-                    for nb in index.neighbours(i, neighbours)
-                ]
+            _add_selected_evidence(ev, model, tokenizer, index, labels, neighbours)
             chosen.append(i)
         ranking.append(ev)
     sset = SuppressionSet(
         ids=chosen,
-        num_prototypes=K,
+        num_prototypes=len(c.mass),
         model_sha256=model_sha256,
         concept=concept,
         evidence={e["id"]: {k: v for k, v in e.items() if k != "selected"} for e in ranking if e["selected"]},
         meta={
-            "method": RANKINGS[rank_by] + ("+purity" if purity else ""),
-            "rank_by": rank_by,
+            "method": RANKINGS[selection.rank_by] + ("+purity" if purity else ""),
+            "rank_by": selection.rank_by,
             "budget": budget,
-            "threshold_log2_enrichment": threshold,
-            "min_count": min_count,
-            "min_purity": min_purity if purity else None,
+            "threshold_log2_enrichment": selection.threshold,
+            "min_count": selection.min_count,
+            "min_purity": selection.min_purity if purity else None,
             "concept_texts": len(concept_texts),
             "neutral_texts": len(neutral_texts),
             "concept_tokens": c.tokens,
@@ -240,6 +215,69 @@ def find_concept(
         },
     )
     return sset, ranking
+
+
+@dataclass
+class _Scores:
+    """Per-prototype scores of concept (c) vs neutral (n) statistics, each (K,)."""
+
+    enrichment: np.ndarray
+    """(rate_c + α) / (rate_n + α)."""
+    log2_enrichment: np.ndarray
+    contribution: np.ndarray
+    """Contribution per token on concept text minus on neutral text (nats per token)."""
+
+
+def _concept_scores(c: ActivationStats, n: ActivationStats) -> _Scores:
+    mean_act = (n.mass.sum() / max(1.0, n.count.sum())) if n.count.sum() else 0.5
+    alpha = 0.5 * mean_act / max(1, n.tokens)  # pseudo-rate: half an average activation per neutral corpus
+    enrich = (c.rate + alpha) / (n.rate + alpha)
+    contribution = c.contribution / max(1, c.tokens) - n.contribution / max(1, n.tokens)  # (K,) nats/token
+    return _Scores(enrich, np.log2(enrich), contribution)
+
+
+def _candidates(s: _Scores, c: ActivationStats, selection: ConceptSelection) -> np.ndarray:
+    """Ids of the candidate prototypes, best first (stable among equal scores)."""
+    ok = (c.count >= selection.min_count) & (s.log2_enrichment >= selection.threshold)
+    if selection.rank_by == "contribution":
+        ok &= s.contribution > 0
+    key = s.contribution if selection.rank_by == "contribution" else s.log2_enrichment
+    cand = np.nonzero(ok)[0]
+    return cand[np.argsort(-key[cand], kind="stable")]
+
+
+def _evidence(i: int, s: _Scores, c: ActivationStats, n: ActivationStats) -> dict[str, Any]:
+    return {
+        "id": i,
+        "contribution_nats_per_token": float(s.contribution[i]),
+        "log2_enrichment": float(s.log2_enrichment[i]),
+        "enrichment": float(s.enrichment[i]),
+        "concept_rate": float(c.rate[i]),
+        "neutral_rate": float(n.rate[i]),
+        "concept_count": int(c.count[i]),
+        "neutral_count": int(n.count[i]),
+    }
+
+
+def _add_selected_evidence(
+    ev: dict[str, Any],
+    model: PrismLM,
+    tokenizer: Tokenizer | None,
+    index: PrototypeIndex | None,
+    labels: dict[int, dict[str, Any]],
+    neighbours: int,
+) -> None:
+    """What a selected prototype's evidence adds: signature tokens, label and training snippets."""
+    i = ev["id"]
+    if tokenizer is not None:
+        ev["signature_top_tokens"] = signature_tokens(model, tokenizer, i)
+    if i in labels:
+        ev["label"] = labels[i].get("label")
+    if index is not None and getattr(index, "shards", None) is not None and neighbours:
+        ev["neighbours"] = [
+            {"doc_id": nb.doc_id, "snippet": nb.snippet, "similarity": nb.similarity}
+            for nb in index.neighbours(i, neighbours)
+        ]
 
 
 def _read_utf8(path: Path) -> str:
@@ -261,7 +299,7 @@ def read_texts(path: str | Path, text_field: str = "text") -> list[str]:
 
     path = Path(path)
     if not path.exists():
-        raise DataError(f"no such file or folder: {path}", fix="check the --concept / --neutral path")
+        raise DataError(f"no such file or folder: {path}", fix="check the concept / neutral texts' path")
     if path.is_dir():
         return [_read_utf8(p) for p in sorted(path.glob("*.txt"))]
     if path.suffix == ".jsonl":

@@ -1,16 +1,8 @@
 """Sparse linear controllers over a sparse code of the final hidden state (spec §4).
 
-For PRISM the code is the prototype layer (directions p_i, activations a_{t,i}); for the SAE baseline it
-is a TopK sparse autoencoder's latents (directions = decoder columns). Both are controlled the same way:
-
-    ℓ'_t = W (z_t + Σ_{i∈K_t} c_i a_{t,i} d_i)            (= W r_t + Σ (1 + c_i) a_{t,i} W p_i for PRISM)
-
-with the language model frozen, c fitted on a task's training split by minimising the multiple-choice
-cross-entropy (softmax over the choices' summed log-likelihoods) + λ‖c‖₁ (Adam steps followed by the
-L1 proximal step, which sets coefficients exactly to zero), λ chosen on the validation split. ``c = 0``
-is exactly the base model. For PRISM the fitted controller is applied with ``with model.control(c):``
-and scored by the ordinary forward pass; ``ControlFeatures`` (a cache of what the frozen model computes
-at the scored positions) exists only to make fitting cheap, and tests check it gives the same scores.
+``ℓ'_t = W (z_t + Σ_i c_i a_{t,i} d_i)`` with the LM frozen, c fitted with multiple-choice cross-entropy +
+λ‖c‖₁ (proximal steps give exact zeros). Invariant: ``c = 0`` is exactly the base model, and the fitting
+cache ``ControlFeatures`` scores as the forward pass does. See docs/architecture.md (controllers).
 """
 
 from __future__ import annotations
@@ -58,6 +50,7 @@ class ControlFeatures:
     choice_len: torch.Tensor
     """(R,) characters of each choice (for acc_norm)."""
     n_choices: list[int] = field(default_factory=list)
+    """(D,) number of choices of each doc."""
     choice_text: list[str] = field(default_factory=list)
     """(R,) the choice string of each request (for the choice-prior baseline)."""
     _choice_pos: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
@@ -159,11 +152,18 @@ def correct(f: ControlFeatures, scores: torch.Tensor) -> torch.Tensor:
 
 
 class PairedStats(TypedDict):
+    """``paired_stats`` of per-example correctness before and after (D,) each."""
+
     delta: float
+    """Mean accuracy after − before."""
     ci95: list[float]
+    """[low, high] bootstrap 95% interval of delta."""
     gained: int
+    """Examples wrong before and right after."""
     lost: int
+    """Examples right before and wrong after."""
     mcnemar_p: float
+    """Exact two-sided McNemar p-value over the discordant pairs."""
 
 
 def paired_stats(before: torch.Tensor, after: torch.Tensor, *, n_boot: int = 2000, seed: int = 0) -> PairedStats:
@@ -203,7 +203,9 @@ class Controller:
     coefficients: torch.Tensor
     """(K,) float; 0 = unit untouched, −1 = unit removed (suppression), > 0 = amplified."""
     l1: float
+    """The L1 weight λ it was fitted with."""
     history: dict[str, Any] = field(default_factory=dict)
+    """How it was fitted: loss per step, and the λ trials (``selection``)."""
 
     @property
     def nonzero(self) -> list[int]:
@@ -316,12 +318,17 @@ class ControllerResult:
     """A controller fitted on train (λ chosen on validation) and its test scores before and after."""
 
     controller: Controller
+    """The controller fitted on train at the λ chosen on validation."""
     trials: list[dict[str, Any]]
+    """One record per λ of the grid: validation accuracy and non-zero coefficients."""
     test_scores_before: torch.Tensor
     """(R,) float64 request scores of the test split with c = 0"""
     test_scores_after: torch.Tensor
+    """(R,) float64 request scores of the test split with the fitted c."""
     before: dict[str, float]
+    """``accuracy`` (acc, acc_norm, n) of the test split with c = 0."""
     after: dict[str, float]
+    """``accuracy`` of the test split with the fitted c."""
 
 
 def fit_and_test(
@@ -352,6 +359,7 @@ class ChoicePrior:
     its own choices it changes nothing on test (unseen strings get 0)."""
 
     bias: dict[str, float]
+    """Choice string → its additive score b (strings never seen in training get 0)."""
 
     def scores(self, f: ControlFeatures, base_scores: torch.Tensor) -> torch.Tensor:
         b = torch.tensor([self.bias.get(t, 0.0) for t in f.choice_text], dtype=base_scores.dtype)

@@ -33,9 +33,13 @@ class FortuneSplits:
     in-domain judge and are never given to the LM."""
 
     lm_clean: list[str]
+    """Clean fortunes that may go into the LM corpus."""
     lm_offensive: list[str]
+    """Offensive fortunes that may go into the LM corpus."""
     judge_clean: list[str]
+    """Clean fortunes for the judge only (the LM never sees them)."""
     judge_offensive: list[str]
+    """Offensive fortunes for the judge only."""
 
 
 def fortune_splits(judge_fraction: float = 0.3) -> FortuneSplits:
@@ -115,6 +119,7 @@ class Judge(Protocol):
     """What every judge exposes: probabilities in [0, 1] (higher = more offensive), one per text."""
 
     name: str
+    """Short name used in reports."""
 
     def score(self, texts: Sequence[str]) -> np.ndarray: ...
 

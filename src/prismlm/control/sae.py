@@ -1,19 +1,9 @@
 """TopK sparse autoencoder on the dense baseline's final hidden states — the controller baseline (spec §4).
 
-Same budget as PRISM: ``num_latents = K`` dictionary directions and exactly ``k`` active latents per
-token (TopK of ReLU pre-activations; Gao et al. 2024)::
-
-    f = TopK_k(ReLU(W_enc (z − b_dec) + b_enc))        ẑ = W_dec f + b_dec
-
-trained with MSE on z from the frozen dense model over its training shard, plus the AuxK loss of Gao et
-al. (2024): latents that have not fired for ``dead_steps`` steps reconstruct the remaining error with
-their own top-``aux_k`` (weight ``aux_weight``), which keeps dead latents few — without it a TopK SAE of
-this size leaves about half its dictionary unused and the baseline would be handicapped. Measured on the
-d=128 dense model of ``bench/control.py`` (K=512, k=8, 1,600 steps, unused latents over 8k validation
-tokens): no AuxK 49% unused, weight 1/32 (Gao et al.'s) 41%, 0.25 29%, 1.0 21% — FVU 0.035 in every case,
-so the default weight is 1.0. Decoder rows
-are kept at unit norm so a latent's activation measures how much of its direction is present. The controller then
-acts on ``z + Σ c_j f_j W_dec[:, j]`` exactly as PRISM's acts on prototypes.
+Same budget as PRISM: K latents, exactly k active per token, ``f = TopK_k(ReLU(W_enc (z − b_dec) +
+b_enc))``, ``ẑ = W_dec f + b_dec``, with the AuxK loss against dead latents and unit-norm decoder rows.
+The controller acts on ``z + Σ c_j f_j W_dec[:, j]`` as PRISM's acts on prototypes. Details and the
+measured AuxK weight: docs/architecture.md (controllers), docs/results.md (Controllers).
 """
 
 from __future__ import annotations
@@ -81,10 +71,13 @@ class TopKSAE(nn.Module):
 @dataclass
 class SAEResult:
     sae: TopKSAE
+    """The trained autoencoder."""
     fvu: float
     """Fraction of variance unexplained on held-out hidden states (lower is better)."""
     dead_fraction: float
+    """Share of the K latents never active on the held-out hidden states."""
     steps: int
+    """Optimizer steps run."""
 
 
 def train_sae(

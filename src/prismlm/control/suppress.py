@@ -1,15 +1,9 @@
 """Suppression sets: which prototypes to switch off, why, and for which model (spec §4).
 
-A suppression set is a small JSON artifact::
-
-    {"kind": "prismlm-suppression", "format_version": 1, "ids": [12, 40, ...],
-     "num_prototypes": 512, "model_sha256": "...", "concept": "offensive",
-     "evidence": {"12": {"enrichment": 7.1, "purity": 0.9, ...}, ...}, "created": "..."}
-
-It is applied at inference with ``with model.suppress(set.ids):`` (always restores the model), saved
-next to a checkpoint as ``suppression.json`` (then ``prism generate``/``prism eval`` apply it by
-default), or passed explicitly with ``--suppress FILE``. Loading a set made for another model (different
-``model_sha256`` or bank size) fails with a clear error.
+A ``SuppressionSet`` is a small JSON artifact (ids, bank size, ``model_sha256``, concept, evidence),
+applied with ``with model.suppress(set.ids):``; next to a checkpoint as ``suppression.json`` it applies
+by default. Loading one made for another model (hash or bank size) fails naming both. Format:
+docs/architecture.md (suppression sets).
 """
 
 from __future__ import annotations

@@ -12,11 +12,12 @@ from prismlm.explain.explanation import (
     explain_generation,
     prototype_card,
 )
-from prismlm.explain.index import Neighbour, PrototypeIndex, build_index, merge_indexes
+from prismlm.explain.index import IndexSettings, Neighbour, PrototypeIndex, build_index, merge_indexes
 from prismlm.explain.labels import llm_labels, load_labels, rule_labels, save_labels
 
 __all__ = [
     "Explanation",
+    "IndexSettings",
     "Neighbour",
     "PrototypeCard",
     "PrototypeIndex",

@@ -1,34 +1,9 @@
 """Exact per-token explanations (spec §1.5, §3.1): one forward pass, then index look-ups.
 
-For every position t of a text, the logit of the chosen next token y is split exactly as
-
-    ℓ_{t,y} = Σ_{i∈K_t} a_{t,i} (W p_i)_y  +  (W r_t)_y
-
-with ``prismlm.model.decompose`` on the model's one ``PrismOutput`` — no second forward path. Each
-active prototype comes with its label (``labels.json``), the top tokens of its signature ``W p_i`` and,
-with a ``PrototypeIndex``, its nearest training contexts as snippets with the target token marked.
-
-**Shares.** A logit can be negative or near zero, so a slice's share is taken of the total absolute
-contribution: ``share_i = slice_i / (Σ_j |slice_j| + |residual|)`` (signed; the |shares| of the
-prototypes and the residual add up to 1).
-
-**Cards are cached, never stale.** The prototype cards are fixed costs per call that do not depend on
-the text, so their parts are kept: the top signature tokens per prototype for one state of the prototype
-bank and ``lm_head.weight`` (``_SignatureCache``: any in-place update, e.g. an optimizer step, or a
-replaced parameter starts a new cache), the readable token strings per tokenizer, and the decoded
-neighbour snippets inside the loaded ``PrototypeIndex`` (an LRU, see ``PrototypeIndex.neighbours``).
-Statistics are read off the index at each call; ``labels.json`` is re-read when it changes.
-
-**Edge cases** (none raises):
-
-- empty text → the explanation of the first prediction, from the end-of-text token alone;
-- text longer than the context window → only the last ``block_size`` tokens are explained (the model
-  cannot see more); ``truncated_tokens`` says how many were dropped from the front;
-- characters never seen in training → a byte-level BPE (``bpe-N``, ``gpt2``) encodes them as byte tokens
-  (there is no unknown token; their byte pieces are shown as-is); a Hugging Face tokenizer with an unk
-  token maps them to it;
-- the last position has no next token in the text: its chosen token is ``next_token`` if given, else the
-  model's argmax (``chosen_by="argmax"``); in a generation it is the sampled token (``"sampled"``).
+At every position the chosen token's logit is split exactly into Σ a_i (W p_i)_y + (W r)_y (+ b_y) by
+``prismlm.model.decompose`` on the model's one ``PrismOutput``; each active prototype gets a card (label,
+signature tokens, training neighbours). Invariant: ``total − logit`` is float rounding only, and cached
+card parts are never stale. Shares, caches and edge cases (none raises): docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -47,6 +22,7 @@ from prismlm.artifacts import model_identity, write_output
 from prismlm.errors import ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
 from prismlm.explain.index import Neighbour, PrototypeIndex
 from prismlm.model import PrismOutput, decompose
+from prismlm.model.generation import TEXT_SAMPLING, Sampling, decode_steps, legacy_spelling
 
 if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
@@ -69,6 +45,7 @@ class PrototypeSlice:
     """One active prototype's part of a logit."""
 
     id: int
+    """Prototype id i in [0, K)."""
     activation: float
     """a_{t,i} = relu(cos(z_t, p_i)) ≥ 0."""
     slice: float
@@ -76,7 +53,9 @@ class PrototypeSlice:
     share: float
     """slice / (Σ|slices| + |residual slice|), signed."""
     label: str | None = None
+    """Its label from ``labels.json`` (None: unlabelled)."""
     category: str | None = None
+    """Its label category (``morphology``, ``grammar``, …)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -87,19 +66,25 @@ class TokenExplanation:
     """The decomposition at one position: ``logit == Σ prototype slices + residual_slice + bias_slice``."""
 
     position: int
+    """Position t in ``Explanation.token_ids`` (0-based)."""
     token_id: int
+    """Id of the input token at t."""
     token: str
     """The input token at this position (the last token of the context)."""
     next_id: int
+    """Id of the chosen next token y."""
     next_token: str
     """The chosen next token whose logit is explained."""
     chosen_by: str
     """``text`` (the actual next token), ``argmax``, ``sampled`` or ``given``."""
     logit: float
+    """ℓ_{t,y} as the forward computed it."""
     prob: float
     """softmax probability of the chosen token."""
     residual_slice: float
+    """(W r_t)_y: the part of the logit no prototype carries."""
     residual_share: float
+    """residual_slice / (Σ|slices| + |residual slice|), signed."""
     prototypes: list[PrototypeSlice]
     """Every active prototype (a > 0), by decreasing |slice|; inactive ones contribute exactly 0."""
     total: float
@@ -121,8 +106,11 @@ class PrototypeCard:
     """What a reader needs to understand one prototype."""
 
     id: int
+    """Prototype id i in [0, K)."""
     label: str | None
+    """Its label (None: unlabelled)."""
     category: str | None
+    """Its label category."""
     top_tokens: list[tuple[str, float]]
     """Tokens with the largest entries of the signature W p_i, with their values (what it pushes up)."""
     neighbours: list[Neighbour] = field(default_factory=list)
@@ -130,6 +118,7 @@ class PrototypeCard:
     stats: dict[str, Any] | None = None
     """Activation count, frequency, mean activation, histogram (needs an index)."""
     evidence: dict[str, Any] | None = None
+    """What the labeller based the label on (``labels.json``'s evidence), or None."""
     bottom_tokens: list[tuple[str, float]] = field(default_factory=list)
     """Tokens with the most negative entries of W p_i, most negative first (what it pushes down)."""
 
@@ -151,19 +140,25 @@ class Explanation:
     """A whole text (or generation), position by position, plus a card per prototype used."""
 
     text: str
+    """The explained text (for a generation: prompt and continuation, as decoded)."""
     token_ids: list[int]
     """The tokens the model saw (after truncation)."""
     tokens: list[str]
+    """The readable string of each of ``token_ids`` (n,)."""
     positions: list[TokenExplanation]
+    """One decomposition per position (n,), in order."""
     prototypes: dict[int, PrototypeCard]
+    """A card per prototype active anywhere in the text, by id."""
     truncated_tokens: int = 0
     """Tokens dropped from the front because the input was longer than block_size."""
     prompt_tokens: int | None = None
     """For a generation: how many of ``token_ids`` are the prompt."""
     model_sha256: str | None = None
+    """The checkpoint's identity, when given."""
     index: str | None = None
     """Path of the prototype index used, if any."""
     notes: list[str] = field(default_factory=list)
+    """What the reader should know: truncation, unverified index, generation settings."""
 
     @property
     def max_abs_error(self) -> float:
@@ -184,7 +179,7 @@ class Explanation:
             "prototypes": {str(k): v.to_dict() for k, v in sorted(self.prototypes.items())},
         }
 
-    def to_json(self, path: str | Path | None = None, option: str = "--json") -> str:
+    def to_json(self, path: str | Path | None = None, option: str = "path") -> str:
         text = json.dumps(self.to_dict(), indent=1, ensure_ascii=False)
         if path is not None:
             write_output(path, text + "\n", option=option)
@@ -373,6 +368,84 @@ def _top_tokens(
     return {i: tops[i] for i in ids}
 
 
+@dataclass(frozen=True)
+class _Evidence:
+    """What the cards of an explanation attach (the keyword arguments of ``explain``)."""
+
+    index: PrototypeIndex | None
+    """Index for neighbourhoods, statistics and (default) labels; None: signatures only."""
+    labels: dict[int, dict]
+    """Prototype id → {label, category}."""
+    model_sha256: str | None
+    """The checkpoint's identity, checked against the index and recorded."""
+    neighbours: int
+    """Training snippets per card."""
+    signature_tokens: int
+    """Top (and bottom) tokens of W p_i per card."""
+
+
+@dataclass
+class _Chosen:
+    """The n tokens an explanation covers and the next token chosen at each position."""
+
+    ids: list[int]
+    """(n,) the tokens the model sees."""
+    targets: list[int]
+    """(n,) the chosen next token at each position."""
+    how: list[str]
+    """(n,) how each was chosen: ``text``, ``argmax``, ``sampled`` or ``given``."""
+    text: str
+    truncated: int
+    """Tokens dropped from the front (input longer than the context window)."""
+    notes: list[str]
+
+
+def _require_prism(model: PrismLM) -> PrismLM:
+    if not model.is_prism:
+        raise ModelError("explain needs a PRISM model: the dense baseline has no prototypes to explain with")
+    return model
+
+
+def _evidence(
+    net: PrismLM,
+    index: PrototypeIndex | None,
+    labels: dict[int, dict] | None,
+    model_sha256: str | None,
+    neighbours: int,
+    signature_tokens: int,
+) -> tuple[_Evidence, list[str]]:
+    """The checked evidence of a call (the index against the model; labels from the index by default) and
+    the notes the check left."""
+    notes: list[str] = []
+    if index is not None:
+        notes += _check_index(index, net, model_sha256)
+        if labels is None:
+            labels = index.labels()
+    return _Evidence(index, labels or {}, model_sha256, neighbours, signature_tokens), notes
+
+
+def _input_ids(
+    net: PrismLM, tokenizer: Tokenizer | None, text_or_ids: str | Sequence[int] | torch.Tensor
+) -> tuple[list[int], str]:
+    """(token ids, text) of a text or of token ids; ids outside the vocabulary raise ``ModelError``."""
+    if isinstance(text_or_ids, str):
+        text = text_or_ids
+        if text and tokenizer is None:
+            raise ConfigError(
+                "explain needs a tokenizer to encode text: pass `tokenizer=` (the checkpoint's) or token ids"
+            )
+        ids = tokenizer.encode(text) if text and tokenizer is not None else []
+    else:
+        seq = text_or_ids.reshape(-1).tolist() if isinstance(text_or_ids, torch.Tensor) else text_or_ids
+        ids = [int(t) for t in seq]
+        text = tokenizer.decode(ids) if tokenizer is not None else ""
+    V = net.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < V]
+    if bad:
+        raise ModelError(f"token id(s) {bad[:5]} outside the model's vocabulary [0, {V})")
+    return ids, text
+
+
 @torch.no_grad()
 def explain(
     model: PrismLM,
@@ -397,79 +470,35 @@ def explain(
     the model's argmax). ``labels``: prototype id → {label, category} (default: the index's
     ``labels.json``). Edge cases are listed in the module docstring; they never raise.
     """
-    net = model
-    if not net.is_prism:
-        raise ModelError("explain needs a PRISM model: the dense baseline has no prototypes to explain with")
-    notes: list[str] = []
-    if index is not None:
-        notes += _check_index(index, net, model_sha256)
-        if labels is None:
-            labels = index.labels()
-    labels = labels or {}
-    if isinstance(text_or_ids, str):
-        text = text_or_ids
-        if text and tokenizer is None:
-            raise ConfigError(
-                "explain needs a tokenizer to encode text: pass `tokenizer=` (the checkpoint's) or token ids"
-            )
-        ids = tokenizer.encode(text) if text and tokenizer is not None else []
-    else:
-        ids = [
-            int(t) for t in (text_or_ids.reshape(-1).tolist() if isinstance(text_or_ids, torch.Tensor) else text_or_ids)
-        ]
-        text = tokenizer.decode(ids) if tokenizer is not None else ""
+    net = _require_prism(model)
+    ev, notes = _evidence(net, index, labels, model_sha256, neighbours, signature_tokens)
+    ids, text = _input_ids(net, tokenizer, text_or_ids)
     chosen_by = list(_chosen_by) if _chosen_by is not None else None
-    V = net.config.vocab_size
-    bad = [t for t in ids if not 0 <= t < V]
-    if bad:
-        raise ModelError(f"token id(s) {bad[:5]} outside the model's vocabulary [0, {V})")
     if not ids:
-        eot = tokenizer.eot_id if tokenizer is not None else 0
-        ids = [eot]
+        ids = [tokenizer.eot_id if tokenizer is not None else 0]
         notes.append("empty input: explaining the first prediction from the end-of-text token")
-    T = net.config.block_size
-    truncated = max(0, len(ids) - T)
+    truncated = max(0, len(ids) - net.config.block_size)
     if truncated:
         ids = ids[truncated:]
-        if targets is not None:
-            targets = list(targets)[truncated:]
-        if chosen_by is not None:
-            chosen_by = chosen_by[truncated:]
+        targets = list(targets)[truncated:] if targets is not None else None
+        chosen_by = chosen_by[truncated:] if chosen_by is not None else None
         notes.append(f"input longer than the context window: the first {truncated} tokens were dropped")
-    dev = next(net.parameters()).device
-    x = torch.tensor([ids], dtype=torch.long, device=dev)  # (1, n)
+    x = torch.tensor([ids], dtype=torch.long, device=next(net.parameters()).device)  # (1, n)
     out = net(x)  # the model's one PrismOutput
     n = len(ids)
-    valid = tokenizer.vocab_size if tokenizer is not None else V
     if targets is not None:
         tgt = [int(t) for t in targets]
         if len(tgt) != n:
             raise ConfigError(f"targets must give one token per position ({n}), got {len(tgt)}")
         how = chosen_by or ["given"] * n
     else:
+        last = "given"
         if next_token is None:
-            next_token = int(out.logits[0, -1, :valid].argmax())
-            last = "argmax"
-        else:
-            last = "given"
+            valid = tokenizer.vocab_size if tokenizer is not None else net.config.vocab_size
+            next_token, last = int(out.logits[0, -1, :valid].argmax()), "argmax"
         tgt = ids[1:] + [int(next_token)]
         how = chosen_by or (["text"] * (n - 1) + [last])
-    return _explain_output(
-        net,
-        tokenizer,
-        ids,
-        out,
-        tgt,
-        how,
-        text=text,
-        truncated=truncated,
-        notes=notes,
-        index=index,
-        labels=labels,
-        model_sha256=model_sha256,
-        neighbours=neighbours,
-        signature_tokens=signature_tokens,
-    )
+    return _explain_output(net, tokenizer, out, _Chosen(ids, tgt, how, text, truncated, notes), ev)
 
 
 def _by_abs_slice(x: tuple[int, float, float]) -> float:
@@ -478,29 +507,13 @@ def _by_abs_slice(x: tuple[int, float, float]) -> float:
 
 @torch.no_grad()
 def _explain_output(
-    net: PrismLM,
-    tokenizer: Tokenizer | None,
-    ids: list[int],
-    out: PrismOutput,
-    tgt: list[int],
-    how: list[str],
-    *,
-    text: str,
-    truncated: int,
-    notes: list[str],
-    index: PrototypeIndex | None,
-    labels: dict[int, dict],
-    model_sha256: str | None,
-    neighbours: int,
-    signature_tokens: int,
+    net: PrismLM, tokenizer: Tokenizer | None, out: PrismOutput, chosen: _Chosen, ev: _Evidence
 ) -> Explanation:
-    """The explanation of ``ids`` (n tokens) from the model's output for them: ``out`` holds (1, n, ·)
-    logits, prototype indices, activations and residuals; ``tgt`` (n) the chosen next tokens, ``how``
-    (n) how each was chosen."""
+    """The explanation of ``chosen.ids`` (n tokens) from the model's output for them: ``out`` holds
+    (1, n, ·) logits, prototype indices, activations and residuals."""
     assert out.activations is not None and out.indices is not None
-    dev = out.logits.device
-    n = len(ids)
-    y = torch.tensor([tgt], dtype=torch.long, device=dev)  # (1, n)
+    ids, tgt = chosen.ids, chosen.targets
+    y = torch.tensor([tgt], dtype=torch.long, device=out.logits.device)  # (1, n)
     dec = decompose(net, out, y)
     # log-probabilities in the logits' precision (at least float32): the logits carry no more than that
     lg = out.logits[0]
@@ -520,12 +533,10 @@ def _explain_output(
     pids = out.indices[0].tolist()  # (n, k)
     used = sorted({i for row, a_row in zip(pids, acts) for i, a in zip(row, a_row) if a > 0})
     tok_strs = dict(zip(set(ids) | set(tgt), _token_strs(tokenizer, list(set(ids) | set(tgt)))))
-    lab_of: dict[int, tuple[str | None, str | None]] = {}
-    if labels:
-        lab_of = {i: (lab.get("label"), lab.get("category")) for i in used if (lab := labels.get(i))}
+    lab_of = {i: (lab.get("label"), lab.get("category")) for i in used if (lab := ev.labels.get(i))}
     none = (None, None)
     positions = []
-    for t in range(n):
+    for t in range(len(ids)):
         d = denom[t] or 1.0
         protos = []
         # active prototypes only (a = 0 gives a slice of exactly 0), by decreasing |slice| (stable)
@@ -539,7 +550,7 @@ def _explain_output(
                 token=tok_strs[ids[t]],
                 next_id=tgt[t],
                 next_token=tok_strs[tgt[t]],
-                chosen_by=how[t],
+                chosen_by=chosen.how[t],
                 logit=logit[t],
                 prob=prob[t],
                 residual_slice=resid[t],
@@ -550,17 +561,17 @@ def _explain_output(
                 bias_slice=bias[t],
             )
         )
-    cards = _cards(net, tokenizer, used, index, labels, neighbours, signature_tokens)
+    index = ev.index
     return Explanation(
-        text=text,
+        text=chosen.text,
         token_ids=ids,
         tokens=[tok_strs[i] for i in ids],
         positions=positions,
-        prototypes=cards,
-        truncated_tokens=truncated,
-        model_sha256=model_sha256,
+        prototypes=_cards(net, tokenizer, used, index, ev.labels, ev.neighbours, ev.signature_tokens),
+        truncated_tokens=chosen.truncated,
+        model_sha256=ev.model_sha256,
         index=str(index.path) if index is not None and index.path is not None else None,
-        notes=notes,
+        notes=chosen.notes,
     )
 
 
@@ -570,19 +581,21 @@ def explain_generation(
     prompt: str,
     n: int = 20,
     *,
+    sampling: Sampling | None = None,
     model_sha256: str | None = None,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    seed: int = 0,
     index: PrototypeIndex | None = None,
     labels: dict[int, dict] | None = None,
     neighbours: int = 5,
     signature_tokens: int = 10,
     stop_id: int | None = None,
+    **legacy_sampling: float | None,
 ) -> Explanation:
-    """Sample ``n`` tokens after ``prompt`` (as ``model.generate`` does, with the KV cache) and explain
-    each sampled token's logit (the sampled tokens are the chosen tokens). ``stop_id``: end the generation
-    once this token (an end-of-turn) is sampled; it is the last token explained.
+    """Sample ``n`` tokens after ``prompt`` (as ``model.generate`` does, with the KV cache, at ``sampling``,
+    default ``TEXT_SAMPLING``) and explain each sampled token's logit (the sampled tokens are the
+    chosen tokens). ``stop_id``: end the generation once this token (an end-of-turn) is sampled; it is the
+    last token explained. The other keywords are those of ``explain``. ``legacy_sampling``: the former
+    spelling ``temperature=``, ``top_k=``, ``seed=`` (fields of ``Sampling``, ``top_k`` being
+    ``top_tokens``), kept for callers not yet passing ``sampling``.
 
     While prompt + n − 1 ≤ block_size the explanation is read off the generation's own forward
     outputs — the prompt's prefill (every position) and each cached decode step (one position) — so it
@@ -590,80 +603,69 @@ def explain_generation(
     generation slides its window (every position shifts), and the explanation is one forward over the
     last ``block_size`` tokens.
     """
-    net = model
+    s = legacy_spelling(sampling or TEXT_SAMPLING, legacy_sampling)
     if n < 1:
-        raise ConfigError(f"n (tokens to generate) must be >= 1, got {n}")
-    if not net.is_prism:
-        raise ModelError("explain needs a PRISM model: the dense baseline has no prototypes to explain with")
+        raise ConfigError(f"n (tokens to generate) must be >= 1, got {n}", option="n")
+    net = _require_prism(model)
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
-    dev = next(net.parameters()).device
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    x = torch.tensor([ids], device=dev)  # (1, p)
+    x = torch.tensor([ids], device=next(net.parameters()).device)  # (1, p)
     p = len(ids)
+    ev, notes = _evidence(net, index, labels, model_sha256, neighbours, signature_tokens)
     if p + n - 1 > net.config.block_size:
-        full = net.generate(x, n, temperature=temperature, top_k=top_k, generator=gen)[0].tolist()
-        if stop_id is not None and stop_id in full[p:]:
-            full = full[: full.index(stop_id, p) + 1]
-        n = len(full) - p
-        how = ["text"] * (p - 1) + ["sampled"] * n  # position t chooses full[t + 1]
-        note = f"generated {n} tokens (temperature {temperature}, top_k {top_k}, seed {seed})"
-        expl = explain(
-            model,
-            tokenizer,
-            full[:-1],
-            model_sha256=model_sha256,
-            index=index,
-            labels=labels,
-            targets=full[1:],
-            neighbours=neighbours,
-            signature_tokens=signature_tokens,
-            _chosen_by=how,
-        )
-        expl.prompt_tokens = max(0, p - expl.truncated_tokens)
-        expl.text = tokenizer.decode(full[expl.truncated_tokens :])
-        expl.notes.append(note)
-        return expl
-    notes: list[str] = []
-    if index is not None:
-        notes += _check_index(index, net, model_sha256)
-        if labels is None:
-            labels = index.labels()
+        return _explain_long_generation(net, tokenizer, x, n, s, stop_id, ev)
     outs, new = [], []
     with torch.no_grad():
-        # generate_steps' own loop (what generate runs): its inference-mode tensors are joined by _concat
+        # the model's decode loop (what generate runs): its inference-mode tensors are joined by _concat
         # outside inference mode, which gives ordinary tensors without generate_steps' per-step copies
-        for out, nxt in net._decode(
-            x, n, temperature=temperature, top_k=top_k, generator=gen, use_cache=True, prefill_logits=True
-        ):
+        for out, nxt in decode_steps(net, x, n, s, use_cache=True, prefill_logits=True):
             outs.append(out)
             new.append(nxt)
             if stop_id is not None and int(nxt) == stop_id:
                 break
         full = ids + torch.cat(new, dim=1)[0].tolist()  # p + n tokens
-        n = len(new)
-        how = ["text"] * (p - 1) + ["sampled"] * n  # position t chooses full[t + 1]
-        note = f"generated {n} tokens (temperature {temperature}, top_k {top_k}, seed {seed})"
+        how = ["text"] * (p - 1) + ["sampled"] * len(new)  # position t chooses full[t + 1]
         # The steps' outputs cover positions 0 … p − 1 (prefill), then p … p + n − 2 (one per decode step).
         out = _concat(outs)
         if out.indices is None:  # unmodified model: the steps skipped the prototype layer; one call for all
             out = net.add_prototype_fields(out)
-    expl = _explain_output(
+    notes.append(f"generated {len(new)} tokens ({s.describe()})")
+    chosen = _Chosen(full[:-1], full[1:], how, tokenizer.decode(full), 0, notes)
+    expl = _explain_output(net, tokenizer, out, chosen, ev)
+    expl.prompt_tokens = p
+    return expl
+
+
+def _explain_long_generation(
+    net: PrismLM,
+    tokenizer: Tokenizer,
+    x: torch.Tensor,
+    n: int,
+    sampling: Sampling,
+    stop_id: int | None,
+    ev: _Evidence,
+) -> Explanation:
+    """``explain_generation`` past the context window: generate x (1, p) on, then one ``explain`` of the
+    last window with the sampled tokens as the chosen ones."""
+    p = x.shape[1]
+    full = net.generate(x, n, sampling)[0].tolist()
+    if stop_id is not None and stop_id in full[p:]:
+        full = full[: full.index(stop_id, p) + 1]
+    n = len(full) - p
+    expl = explain(
         net,
         tokenizer,
         full[:-1],
-        out,
-        full[1:],
-        how,
-        text=tokenizer.decode(full),
-        truncated=0,
-        notes=notes + [note],
-        index=index,
-        labels=labels or {},
-        model_sha256=model_sha256,
-        neighbours=neighbours,
-        signature_tokens=signature_tokens,
+        model_sha256=ev.model_sha256,
+        index=ev.index,
+        labels=ev.labels,
+        targets=full[1:],
+        neighbours=ev.neighbours,
+        signature_tokens=ev.signature_tokens,
+        _chosen_by=["text"] * (p - 1) + ["sampled"] * n,  # position t chooses full[t + 1]
     )
-    expl.prompt_tokens = p
+    expl.prompt_tokens = max(0, p - expl.truncated_tokens)
+    expl.text = tokenizer.decode(full[expl.truncated_tokens :])
+    expl.notes.append(f"generated {n} tokens ({sampling.describe()})")
     return expl
 
 

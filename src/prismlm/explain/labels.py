@@ -1,21 +1,8 @@
 """Automatic prototype labels from neighbourhoods: a rule-based labeller, and an optional LLM labeller.
 
-**Rules** (offline, deterministic). A prototype adds ``a (W p_i)`` to the next-token logits, so what it
-stands for shows first in the *targets* of its nearest training contexts (the tokens that followed),
-then in the last token of those contexts, then in context words that are frequent around it and rare in
-the corpus. Each target token gets a class — ``punctuation``, ``layout`` (newlines/spaces),
-``number``, ``morphology`` (a word-internal piece: no leading space, e.g. ``ing``), ``grammar``
-(closed-class function words), ``name`` (capitalised word), ``boundary`` (end of text) or
-``content`` — and the category is the class of at least half of the targets, else of the context's last
-tokens, else ``mixed``. The label names the dominant next tokens (``→ "the"|"a"``), the dominant
-previous token (``after "of"``) and, for content prototypes, up to three distinctive context words.
-The paper's taxonomy (~35% morphology, ~20% grammatical scaffolding, domains, numbers/time, names,
-URLs, boilerplate) is the target; these rules cover its surface classes.
-
-**LLM** (optional, off by default, never needed offline): ``llm_labels`` sends each prototype's
-snippets to an OpenAI-compatible ``/chat/completions`` endpoint (``urllib``, API key read from an
-environment variable) and asks for a JSON label and category; any failure keeps the rule label and
-records the error in the evidence.
+``rule_labels`` is offline and deterministic (the classes of a prototype's neighbours' target tokens);
+``llm_labels`` asks an OpenAI-compatible endpoint and keeps the rule label on any failure. Labels live
+in the index folder's ``labels.json``. The rules and categories: docs/architecture.md (labels).
 """
 
 from __future__ import annotations
@@ -228,7 +215,7 @@ def llm_labels(
     """Relabel prototypes with an OpenAI-compatible chat endpoint (``{endpoint}/chat/completions``).
 
     ``base``: the rule labels, kept where a request fails. The key is read from ``api_key_env`` (may be
-    unset for local servers). Only called when asked (``prism label --labeller openai``).
+    unset for local servers). Only called when asked (``label_prototypes(labeller="openai")``).
     """
     url = endpoint.rstrip("/") + ("" if endpoint.rstrip("/").endswith("/chat/completions") else "/chat/completions")
     key = os.environ.get(api_key_env, "")

@@ -6,6 +6,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from prismlm.model.generation import Sampling
     from prismlm.model.gpt import LogitDecomposition, PrismLM, PrismOutput, decompose
     from prismlm.model.interventions import Control, Intervention, Scale, Suppress
     from prismlm.model.kv_cache import KVCache
@@ -23,6 +24,7 @@ __all__ = [
     "PrismOutput",
     "PrototypeLayer",
     "PrototypeOutput",
+    "Sampling",
     "decompose",
     "eval_mode",
 ]
@@ -33,6 +35,7 @@ _LAZY = {
     **dict.fromkeys(["LogitDecomposition", "PrismLM", "PrismOutput", "decompose"], "prismlm.model.gpt"),
     **dict.fromkeys(["Control", "Intervention", "Scale", "Suppress"], "prismlm.model.interventions"),
     "KVCache": "prismlm.model.kv_cache",
+    "Sampling": "prismlm.model.generation",
     "eval_mode": "prismlm.model.modes",
     **dict.fromkeys(["PrototypeLayer", "PrototypeOutput"], "prismlm.model.prototypes"),
 }

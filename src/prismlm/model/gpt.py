@@ -15,8 +15,8 @@ import inspect
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Protocol, overload
+from dataclasses import dataclass
+from typing import Any, overload
 
 import torch
 import torch.nn as nn
@@ -24,76 +24,13 @@ import torch.nn.functional as F
 
 from prismlm.config import ModelConfig
 from prismlm.errors import ModelError
+from prismlm.model import generation
 from prismlm.model import losses as L
+from prismlm.model.generation import Sampling, TextCodec, resolve_sampling
 from prismlm.model.interventions import Intervention, Suppress, check_ids, combined_multipliers
 from prismlm.model.kv_cache import CacheLike, KVCache
+from prismlm.model.outputs import PrismOutput
 from prismlm.model.prototypes import PrototypeLayer, PrototypeOutput
-
-
-class TextCodec(Protocol):
-    """What ``PrismLM.generate`` needs to take text: prismlm's ``Tokenizer`` satisfies it."""
-
-    eot_id: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-@dataclass
-class PrismOutput:
-    """The one structured forward output that training, attribution, control, evaluation and the
-    explorer all read. Prototype fields are ``None`` for the dense baseline.
-
-    B batch, T tokens of this forward (the new ones with a cache), V vocabulary, d width, k active
-    prototypes per token, K prototypes, L layers, H heads, P cached positions.
-
-    Fields:
-        logits (B, T, V) — or (B, 1, V) with ``last_only`` — next-token logits; under ``suppress``/
-            ``control``/``intervene`` the modified ones.
-        hidden (B, T, d): z, the final-norm hidden states the head reads (logits = lm_head(z) unmodified).
-        indices (B, T, k) int64: each token's top-k prototype ids, by decreasing cosine.
-        activations (B, T, k): their non-negative activations a_i.
-        residual (B, T, d): r = z − Σ_i a_i p_i.
-        token_max_cos (B, T): max_i cos(z_t, p_i), how well each token is covered.
-        proto_max_cos (K,): max over this batch's tokens of cos(p_i, z_t).
-        losses {name: scalar}: unweighted ``ce`` (with targets), ``rec``, ``r1``, ``r2`` (PRISM).
-        loss scalar: the weighted total (with targets), else None.
-        prototype_multipliers (K,): the multipliers m the logits were computed with, or None.
-        hidden_states L + 1 × (B, T, d): with ``output_hidden_states``, the embedding output then each
-            block's output, the last one after the final norm (= hidden); else None.
-        attentions L × (B, H, T, P + T): with ``output_attentions``, the attention weights; else None.
-    """
-
-    logits: torch.Tensor
-    """(B, T, V) next-token logits (or (B, 1, V) with ``last_only``); inside ``model.suppress(...)`` /
-    ``model.control(...)`` these are the suppressed/controlled logits (there is no second output)."""
-    hidden: torch.Tensor
-    """(B, T, d) z: final-LayerNorm hidden states."""
-    indices: torch.Tensor | None = None
-    """(B, T, k) int64 top-k prototype ids per token."""
-    activations: torch.Tensor | None = None
-    """(B, T, k) non-negative activations of those prototypes."""
-    residual: torch.Tensor | None = None
-    """(B, T, d) r = z − Σ a_i p_i."""
-    token_max_cos: torch.Tensor | None = None
-    """(B, T) max_i cos(z_t, p_i): how well each token is covered by its nearest prototype."""
-    proto_max_cos: torch.Tensor | None = None
-    """(K,) max over this batch's tokens of cos(p_i, z_t): how close each prototype is to real data."""
-    losses: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Unweighted loss terms: ``ce`` (when targets are given), and ``rec``, ``r1``, ``r2`` for PRISM."""
-    loss: torch.Tensor | None = None
-    """Weighted total loss (when targets and loss weights are given)."""
-    prototype_multipliers: torch.Tensor | None = None
-    """(K,) the multipliers m the logits were computed with (suppression: 0, controller: 1 + c), or None
-    for the unmodified model; ``decompose`` scales the slices by them, so it stays exact."""
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    """With ``output_hidden_states=True``: n_layer + 1 tensors (B, T, d) — the embedding output (token +
-    position embeddings), then each block's output, the last one after the final norm, i.e. ``hidden``
-    (transformers' convention). Otherwise None."""
-    attentions: tuple[torch.Tensor, ...] | None = None
-    """With ``output_attentions=True``: n_layer tensors (B, n_head, T, P + T) of attention weights (each
-    row sums to 1; P cached positions). Otherwise None."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -550,6 +487,15 @@ class PrismLM(nn.Module):
             out.loss = L.total_loss(out.losses, loss_weights or {"ce": 1.0})
         return out
 
+    def decode_step(self, feed: torch.Tensor, cache: CacheLike | None, last_only: bool) -> PrismOutput:
+        """One step of the decode loop over feed (B, T): under an intervention the full ``forward`` (its
+        logits come from the prototype layer); otherwise the backbone and ``lm_head`` only, the prototype
+        fields left empty (``add_prototype_fields`` fills them later, for all steps at once)."""
+        if self.prototypes is not None and self.proto_multipliers is not None:
+            return self(feed, last_only=last_only, cache=cache)
+        z = self.backbone(feed, cache)  # (B, T, d)
+        return PrismOutput(logits=self.lm_head(z[:, -1:, :] if last_only else z), hidden=z)  # as forward's
+
     def add_prototype_fields(self, out: PrismOutput) -> PrismOutput:
         """Fill the prototype fields of an output that has only ``logits`` and ``hidden`` (B, T, d) — the
         lean steps of ``generate_steps``, possibly joined along the sequence — as ``forward`` computes them
@@ -625,11 +571,12 @@ class PrismLM(nn.Module):
         self,
         idx: torch.Tensor,
         max_new_tokens: int,
+        sampling: Sampling | None = None,
         *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
+        temperature: float | None = None,
+        top_k: int | None = None,
     ) -> torch.Tensor: ...
 
     @overload
@@ -637,11 +584,12 @@ class PrismLM(nn.Module):
         self,
         idx: str,
         max_new_tokens: int,
+        sampling: Sampling | None = None,
         *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
+        temperature: float | None = None,
+        top_k: int | None = None,
     ) -> str: ...
 
     @torch.no_grad()
@@ -649,135 +597,64 @@ class PrismLM(nn.Module):
         self,
         idx: torch.Tensor | str,
         max_new_tokens: int,
+        sampling: Sampling | None = None,
         *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
+        temperature: float | None = None,
+        top_k: int | None = None,
     ) -> torch.Tensor | str:
         """Sample ``max_new_tokens`` continuations of idx (B, T); returns (B, T + max_new_tokens).
 
-        ``temperature=0`` is greedy decoding. The context is cropped to the last block_size tokens.
-        ``use_cache`` (default) runs the prompt once and then one token per step against a ``KVCache``;
-        ``use_cache=False`` recomputes the whole window at every step. Both give the same tokens (the
-        logits agree to float rounding); see ``generate_steps`` for what happens past block_size.
+        ``sampling``: a ``prismlm.model.generation.Sampling`` (default ``Sampling()``: temperature 1, the
+        whole vocabulary, torch's global generator; temperature 0 is greedy); ``generator`` overrides its
+        seed. ``temperature`` / ``top_k`` are the Hugging Face spellings of ``Sampling.temperature`` /
+        ``Sampling.top_tokens`` (as transformers and lm-eval pass them) and override ``sampling``. The
+        context is cropped to the last block_size tokens. ``use_cache`` (default) runs the prompt once and
+        then one token per step against a ``KVCache``; ``use_cache=False`` recomputes the whole window at
+        every step. Both give the same tokens (see ``generate_steps`` for what happens past block_size).
 
         ``idx`` may be text when a tokenizer is attached (``model.tokenizer``: ``load_checkpoint`` and
         ``Run.open`` attach the run's): it is encoded (an empty text starts from end-of-text) and the text
         plus its continuation is returned.
         """
+        s = resolve_sampling(sampling, temperature, top_k, default=Sampling())
         if isinstance(idx, str):
-            return self._generate_text(
-                idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator, use_cache=use_cache
-            )
-        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-            raise ModelError(
-                f"generate takes token ids (B, T) as a tensor, or a text, got {type(idx).__name__}",
-                fix="model.generate(torch.tensor([tokenizer.encode(text)]), n)",
-            )
-        out = [idx]
-        for _, nxt in self._decode(
-            idx,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            generator=generator,
-            use_cache=use_cache,
-            prefill_logits=False,
-        ):
-            out.append(nxt)  # (B, 1) inference tensors
-        return torch.cat(out, dim=1)  # outside inference mode: an ordinary tensor
-
-    def _generate_text(self, text: str, max_new_tokens: int, **sampling: Any) -> str:
-        """``generate`` of a text through the attached tokenizer: the text plus its continuation."""
-        tok = self.tokenizer
-        if tok is None:
-            raise ModelError(
-                "PrismLM.generate got a text, but no tokenizer is attached to this model",
-                fix="pass token ids: model.generate(torch.tensor([tok.encode(text)]), n) with the "
-                "run's tokenizer (Run.open(RUN).tokenizer), or attach it: model.tokenizer = tok",
-            )
-        ids = tok.encode(text) or [tok.eot_id]  # (T,)
-        x = torch.tensor([ids], dtype=torch.long, device=self.lm_head.weight.device)  # (1, T)
-        y = self.generate(x, max_new_tokens, **sampling)  # (1, T + n)
-        return text + tok.decode(y[0, len(ids) :].tolist())
+            return generation.generate_text(self, idx, max_new_tokens, s, generator=generator, use_cache=use_cache)
+        return generation.generate(self, idx, max_new_tokens, s, generator=generator, use_cache=use_cache)
 
     def generate_steps(
         self,
         idx: torch.Tensor,
         max_new_tokens: int,
+        sampling: Sampling | None = None,
         *,
-        temperature: float = 1.0,
-        top_k: int | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
         prefill_logits: bool = False,
+        temperature: float | None = None,
+        top_k: int | None = None,
     ) -> Iterator[tuple[PrismOutput, torch.Tensor]]:
-        """``generate`` one step at a time: yields ``(out, next_tokens)`` per new token, where next_tokens
-        (B, 1) was sampled from ``out.logits[:, -1]``, the output for exactly the tokens that step ran
-        (with the cache: the cropped prompt on the first step, then the one previous token; without it:
-        the window). ``out.hidden`` covers those tokens; ``out.logits`` the last one, or with
+        """``generate`` one step at a time (same arguments): yields ``(out, next_tokens)`` per new token,
+        where next_tokens (B, 1) was sampled from ``out.logits[:, -1]``, the output for exactly the tokens
+        that step ran (with the cache: the cropped prompt on the first step, then the one previous token;
+        without it: the window). ``out.hidden`` covers those tokens; ``out.logits`` the last one, or with
         ``prefill_logits`` every token of the first step (what an explanation of a generation needs).
 
         Under ``suppress``/``control`` each step is a full forward (the logits come from the prototype
         layer) and ``out`` has every field. Otherwise the prototype fields are left empty: the logits of
-        the unmodified model are ``lm_head(z)``, the same op ``forward`` runs, and the prototype layer
-        would be pure overhead (~20% of a cached step at cpu-small); ``add_prototype_fields`` computes
-        them afterwards, for all steps at once.
+        the unmodified model are ``lm_head(z)``, the same op ``forward`` runs, and the prototype layer would
+        be pure overhead; ``add_prototype_fields`` computes them afterwards, for all steps at once.
 
-        Past block_size the sliding-window semantics of ``use_cache=False`` are kept exactly: the
-        window is the last block_size tokens with positions restarting at 0. The position embeddings are
-        learned and absolute, so once the window slides every token's position — and with it every key
-        and value in every layer — changes; nothing cached is reusable, and those steps recompute the
-        window without a cache.
+        Past block_size the sliding-window semantics of ``use_cache=False`` are kept exactly: the window is
+        the last block_size tokens with positions restarting at 0. The position embeddings are learned and
+        absolute, so once the window slides every token's position — and with it every key and value in
+        every layer — changes; nothing cached is reusable, and those steps recompute the window.
         """
-        for out, nxt in self._decode(
-            idx,
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            generator=generator,
-            use_cache=use_cache,
-            prefill_logits=prefill_logits,
-        ):
-            # the steps run in inference mode; a clone made outside it is an ordinary tensor, which callers
-            # may modify in place or feed to autograd
-            yield _ordinary(out), nxt.clone()
-
-    @torch.inference_mode()
-    def _decode(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        *,
-        temperature: float,
-        top_k: int | None,
-        generator: torch.Generator | None,
-        use_cache: bool,
-        prefill_logits: bool,
-    ) -> Iterator[tuple[PrismOutput, torch.Tensor]]:
-        """The decode loop of ``generate_steps``, yielding inference tensors. Why inference mode rather than
-        no_grad: a cached step is a few hundred small kernels, and skipping autograd's version counters and
-        view tracking makes it ~12% faster at cpu-small (measured, 1 thread)."""
-        bs = self.config.block_size
-        cache: CacheLike | None = self.new_cache() if use_cache else None
-        feed = idx[:, -bs:]  # (B, ≤ bs): what the next forward runs; the first runs the whole cropped prompt
-        for step in range(max_new_tokens):
-            if cache is not None and cache.get_seq_length() + feed.shape[1] > bs:
-                cache = None  # the window slides from here on (see the docstring)
-            if cache is None:
-                feed = idx[:, -bs:]  # (B, ≤ bs)
-            last_only = not (prefill_logits and step == 0)
-            if self.prototypes is not None and self.proto_multipliers is not None:
-                out = self(feed, last_only=last_only, cache=cache)
-            else:
-                z = self.backbone(feed, cache)  # (B, T, d)
-                out = PrismOutput(logits=self.lm_head(z[:, -1:, :] if last_only else z), hidden=z)  # as forward's
-            nxt = _sample(out.logits[:, -1, :].float(), temperature, top_k, generator)  # (B, 1)
-            # idx keeps the whole sequence: the window is rebuilt from it once the cache is dropped.
-            idx = torch.cat([idx, nxt], dim=1)  # (B, T + step + 1)
-            feed = nxt  # with the cache only the new token runs next
-            yield out, nxt
+        s = resolve_sampling(sampling, temperature, top_k, default=Sampling())
+        return generation.generate_steps(
+            self, idx, max_new_tokens, s, generator=generator, use_cache=use_cache, prefill_logits=prefill_logits
+        )
 
 
 def _set_prototype_fields(out: PrismOutput, po: PrototypeOutput, mult: torch.Tensor | None) -> None:
@@ -791,29 +668,6 @@ def _set_prototype_fields(out: PrismOutput, po: PrototypeOutput, mult: torch.Ten
     out.residual = po.residual.view(B, T, d)
     out.token_max_cos = po.token_max_cos.view(B, T)
     out.proto_max_cos = po.proto_max_cos
-
-
-def _ordinary(out: PrismOutput) -> PrismOutput:
-    """``out`` with every inference tensor replaced by an ordinary clone (call outside inference mode)."""
-    changes: dict[str, Any] = {}
-    for f in fields(out):
-        v = getattr(out, f.name)
-        if isinstance(v, torch.Tensor) and v.is_inference():
-            changes[f.name] = v.clone()
-    return replace(out, **changes)
-
-
-def _sample(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-) -> torch.Tensor:
-    """logits (B, V) float32 → next tokens (B, 1): argmax at ``temperature=0``, else top-k sampling."""
-    if temperature == 0:
-        return logits.argmax(-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits[logits < v[:, [-1]]] = -float("inf")
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)  # (B, 1)
 
 
 @dataclass

@@ -1,17 +1,8 @@
 """Interventions as values: suppression, controllers and scaling of prototype slices (spec §4).
 
-Every intervention is a per-prototype multiplier m (K,) on the logit slices, ℓ' = W r + Σ_i m_i a_i W p_i:
-
-    Suppress(ids)          m_i = 0 for the given prototypes, 1 elsewhere (removes their slices exactly)
-    Control(coefficients)  m_i = 1 + c_i (a sparse linear controller; c = 0 is the base model)
-    Scale(factors)         m_i given directly
-
-``Control`` and ``Scale`` take a (K,) tensor or a mapping {prototype id: value} (``Scale({12: 2.0})``);
-arguments are checked when the value is made, prototype ids against the bank when it is applied.
-
-They are plain immutable values: a run, a web request or a bench holds a tuple of them and applies it with
-``with model.intervene(*interventions):``, which multiplies them together and always restores the model
-on exit (also when the body raises). Nothing here changes a model for good.
+Each is a per-prototype multiplier m (K,) on the logit slices, ℓ' = W r + Σ_i m_i a_i W p_i: ``Suppress``
+(m_i = 0), ``Control`` (m_i = 1 + c_i), ``Scale`` (m_i given). Immutable; ``with model.intervene(*ivs):``
+multiplies them and always restores the model. See docs/architecture.md (interventions).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """A key/value cache for incremental decoding with ``PrismLM`` (``model(idx, cache=cache)``).
 
-Each attention layer appends the keys and values of the tokens it has just processed, so the next call
-only runs the new tokens through the network: one decode step costs O(T) attention instead of a whole
-forward over the window.
-
-The two methods the model calls, ``update`` and ``get_seq_length``, have the names, arguments and
-semantics of Hugging Face transformers' ``Cache`` API, so a ``transformers.DynamicCache()`` can be passed
-as ``cache=`` instead and works unchanged (``CacheLike`` is the structural type both satisfy). This
-module does not import transformers.
-
-Shapes: keys and values are (B, n_head, T, head_dim) — batch, heads, sequence, per-head width —
-appended along dim 2 (the sequence). Every layer holds the same number of positions once a forward
-call has finished; ``get_seq_length()`` is that number, i.e. the absolute position of the next token.
+Each layer appends the keys and values (B, n_head, T, head_dim) of the tokens just processed, so a decode
+step runs only the new tokens. ``update``/``get_seq_length`` follow transformers' ``Cache`` API, so a
+``DynamicCache`` works too (``CacheLike``). Invariant: after a forward every layer holds the same number
+of positions, ``get_seq_length()``. See docs/architecture.md (KV cache).
 """
 
 from __future__ import annotations
