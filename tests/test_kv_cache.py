@@ -181,9 +181,9 @@ def test_greedy_generate_float32_same_tokens_with_and_without_cache():
 def test_sampled_generate_same_tokens_with_and_without_cache():
     model = make_model(dtype=torch.float64)
     prompt = torch.randint(0, V, (2, 8))
-    a = model.generate(prompt, 40, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(3))
+    a = model.generate(prompt, 40, temperature=0.8, top_tokens=20, generator=torch.Generator().manual_seed(3))
     b = model.generate(
-        prompt, 40, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(3), use_cache=False
+        prompt, 40, temperature=0.8, top_tokens=20, generator=torch.Generator().manual_seed(3), use_cache=False
     )
     assert torch.equal(a, b)
 
@@ -332,8 +332,8 @@ def test_attention_mask_must_cover_the_cached_and_new_tokens():
 
 def test_sampling_is_one_value_checked_when_made():
     """``Sampling`` refuses what cannot sample, naming the field (the CLI maps it to its flag); the cut-off
-    is ``top_tokens`` (``top_k`` is the prototype k only), and the Hugging Face spelling ``top_k=`` of
-    ``PrismLM.generate`` and the former keywords of ``explain_generation`` draw the same tokens."""
+    is ``top_tokens`` (``top_k`` is the prototype k only); the shortcuts ``temperature=``/``top_tokens=`` of
+    ``PrismLM.generate`` and ``explain_generation(sampling=)`` draw the same tokens, and ``top_k=`` is refused."""
     from prismlm.errors import ConfigError
 
     for bad, field in (
@@ -355,8 +355,9 @@ def test_sampling_is_one_value_checked_when_made():
     want = model.generate(prompt, 12, s)
     assert not torch.equal(want, model.generate(prompt, 12, Sampling(0.9, top_tokens=7, seed=5)))
     g = torch.Generator().manual_seed(4)
-    assert torch.equal(model.generate(prompt, 12, temperature=0.9, top_k=7, generator=g), want)
+    assert torch.equal(model.generate(prompt, 12, temperature=0.9, top_tokens=7, generator=g), want)
+    with pytest.raises(TypeError, match="top_k"):
+        model.generate(prompt, 12, temperature=0.9, top_k=7)  # type: ignore[call-overload]
     new = explain_generation(model, tok, "hello", 8, sampling=s)  # type: ignore[arg-type]
-    old = explain_generation(model, tok, "hello", 8, temperature=0.9, top_k=7, seed=4)  # type: ignore[arg-type]
-    assert new.token_ids == old.token_ids == want[0, : 5 + 8 - 1].tolist()  # the context of each sampled token
+    assert new.token_ids == want[0, : 5 + 8 - 1].tolist()  # the context of each sampled token
     assert "top_tokens 7" in new.notes[-1]

@@ -22,7 +22,7 @@ from prismlm.artifacts import model_identity, write_output
 from prismlm.errors import ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
 from prismlm.explain.index import Neighbour, PrototypeIndex
 from prismlm.model import PrismOutput, decompose
-from prismlm.model.generation import TEXT_SAMPLING, Sampling, decode_steps, legacy_spelling
+from prismlm.model.generation import TEXT_SAMPLING, Sampling, decode_steps
 
 if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
@@ -588,14 +588,11 @@ def explain_generation(
     neighbours: int = 5,
     signature_tokens: int = 10,
     stop_id: int | None = None,
-    **legacy_sampling: float | None,
 ) -> Explanation:
     """Sample ``n`` tokens after ``prompt`` (as ``model.generate`` does, with the KV cache, at ``sampling``,
     default ``TEXT_SAMPLING``) and explain each sampled token's logit (the sampled tokens are the
     chosen tokens). ``stop_id``: end the generation once this token (an end-of-turn) is sampled; it is the
-    last token explained. The other keywords are those of ``explain``. ``legacy_sampling``: the former
-    spelling ``temperature=``, ``top_k=``, ``seed=`` (fields of ``Sampling``, ``top_k`` being
-    ``top_tokens``), kept for callers not yet passing ``sampling``.
+    last token explained. The other keywords are those of ``explain``.
 
     While prompt + n − 1 ≤ block_size the explanation is read off the generation's own forward
     outputs — the prompt's prefill (every position) and each cached decode step (one position) — so it
@@ -603,7 +600,7 @@ def explain_generation(
     generation slides its window (every position shifts), and the explanation is one forward over the
     last ``block_size`` tokens.
     """
-    s = legacy_spelling(sampling or TEXT_SAMPLING, legacy_sampling)
+    s = sampling or TEXT_SAMPLING
     if n < 1:
         raise ConfigError(f"n (tokens to generate) must be >= 1, got {n}", option="n")
     net = _require_prism(model)

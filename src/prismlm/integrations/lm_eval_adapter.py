@@ -365,7 +365,7 @@ class PrismEvalLM(LM):
                     done = 0
                     while done < max_gen:  # in chunks, to stop once every row has met a stop string
                         step = min(GEN_CHUNK, max_gen - done)
-                        x = self.model.generate(x, step, temperature=temp, top_k=top_k)
+                        x = self.model.generate(x, step, temperature=temp, top_tokens=top_k)  # lm-eval spells it top_k
                         done += step
                         texts = [self.tok.decode(row[n0:]) for row in x.tolist()]
                         if all(any(u and u in t for u in until) for t, (_, _, until) in zip(texts, batch)):

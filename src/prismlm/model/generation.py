@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
@@ -31,7 +31,6 @@ __all__ = [
     "generate",
     "generate_steps",
     "generate_text",
-    "legacy_spelling",
     "resolve_sampling",
     "sample_next",
 ]
@@ -225,20 +224,13 @@ def _ordinary(out: PrismOutput) -> PrismOutput:
 
 
 def resolve_sampling(
-    sampling: Sampling | None, temperature: float | None, top_k: int | None, *, default: Sampling
+    sampling: Sampling | None, temperature: float | None, top_tokens: int | None, *, default: Sampling
 ) -> Sampling:
-    """The ``Sampling`` of a call that may spell it Hugging Face-style (``temperature=``, ``top_k=``, as
-    lm-eval and transformers callers do): those keywords override ``sampling`` (or ``default``)."""
-    given = {k: v for k, v in (("temperature", temperature), ("top_k", top_k)) if v is not None}
-    return legacy_spelling(sampling if sampling is not None else default, given)
-
-
-def legacy_spelling(sampling: Sampling, legacy: Mapping[str, float | None]) -> Sampling:
-    """``sampling`` with the former keyword spelling of its fields applied: ``temperature=``, ``top_k=``
-    (``top_tokens``), ``seed=`` — what callers wrote before ``Sampling`` existed."""
-    unknown = sorted(set(legacy) - {"temperature", "top_k", "seed"})
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {unknown}")
-    names = {"temperature": "temperature", "top_k": "top_tokens", "seed": "seed"}
-    changes: dict[str, Any] = {names[k]: v for k, v in legacy.items()}  # Sampling checks each value
-    return replace(sampling, **changes)
+    """The ``Sampling`` of a call that also gives the shortcuts ``temperature=`` / ``top_tokens=``: they
+    override ``sampling`` (or ``default``); each value is checked by ``Sampling``."""
+    out = sampling if sampling is not None else default
+    if temperature is not None:
+        out = replace(out, temperature=temperature)
+    if top_tokens is not None:
+        out = replace(out, top_tokens=top_tokens)
+    return out

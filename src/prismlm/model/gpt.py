@@ -576,7 +576,7 @@ class PrismLM(nn.Module):
         generator: torch.Generator | None = None,
         use_cache: bool = True,
         temperature: float | None = None,
-        top_k: int | None = None,
+        top_tokens: int | None = None,
     ) -> torch.Tensor: ...
 
     @overload
@@ -589,7 +589,7 @@ class PrismLM(nn.Module):
         generator: torch.Generator | None = None,
         use_cache: bool = True,
         temperature: float | None = None,
-        top_k: int | None = None,
+        top_tokens: int | None = None,
     ) -> str: ...
 
     @torch.no_grad()
@@ -602,14 +602,13 @@ class PrismLM(nn.Module):
         generator: torch.Generator | None = None,
         use_cache: bool = True,
         temperature: float | None = None,
-        top_k: int | None = None,
+        top_tokens: int | None = None,
     ) -> torch.Tensor | str:
         """Sample ``max_new_tokens`` continuations of idx (B, T); returns (B, T + max_new_tokens).
 
         ``sampling``: a ``prismlm.model.generation.Sampling`` (default ``Sampling()``: temperature 1, the
         whole vocabulary, torch's global generator; temperature 0 is greedy); ``generator`` overrides its
-        seed. ``temperature`` / ``top_k`` are the Hugging Face spellings of ``Sampling.temperature`` /
-        ``Sampling.top_tokens`` (as transformers and lm-eval pass them) and override ``sampling``. The
+        seed. ``temperature`` / ``top_tokens``: shortcuts for those fields of ``sampling`` (they override it). The
         context is cropped to the last block_size tokens. ``use_cache`` (default) runs the prompt once and
         then one token per step against a ``KVCache``; ``use_cache=False`` recomputes the whole window at
         every step. Both give the same tokens (see ``generate_steps`` for what happens past block_size).
@@ -618,7 +617,7 @@ class PrismLM(nn.Module):
         ``Run.open`` attach the run's): it is encoded (an empty text starts from end-of-text) and the text
         plus its continuation is returned.
         """
-        s = resolve_sampling(sampling, temperature, top_k, default=Sampling())
+        s = resolve_sampling(sampling, temperature, top_tokens, default=Sampling())
         if isinstance(idx, str):
             return generation.generate_text(self, idx, max_new_tokens, s, generator=generator, use_cache=use_cache)
         return generation.generate(self, idx, max_new_tokens, s, generator=generator, use_cache=use_cache)
@@ -633,7 +632,7 @@ class PrismLM(nn.Module):
         use_cache: bool = True,
         prefill_logits: bool = False,
         temperature: float | None = None,
-        top_k: int | None = None,
+        top_tokens: int | None = None,
     ) -> Iterator[tuple[PrismOutput, torch.Tensor]]:
         """``generate`` one step at a time (same arguments): yields ``(out, next_tokens)`` per new token,
         where next_tokens (B, 1) was sampled from ``out.logits[:, -1]``, the output for exactly the tokens
@@ -651,7 +650,7 @@ class PrismLM(nn.Module):
         absolute, so once the window slides every token's position — and with it every key and value in
         every layer — changes; nothing cached is reusable, and those steps recompute the window.
         """
-        s = resolve_sampling(sampling, temperature, top_k, default=Sampling())
+        s = resolve_sampling(sampling, temperature, top_tokens, default=Sampling())
         return generation.generate_steps(
             self, idx, max_new_tokens, s, generator=generator, use_cache=use_cache, prefill_logits=prefill_logits
         )

@@ -33,6 +33,7 @@ from prismlm.errors import (
     SuppressionError,
     UnknownPrototypeError,
 )
+from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.render.report import SHARED_ASSETS
 
 __all__ = ["STATIC_DIR", "create_app", "serve"]
@@ -109,8 +110,8 @@ class ExplainBody(_Body):
     generate: int = 0
     alternatives: int = 5
     neighbours: int = 3
-    temperature: float = 0.8
-    top_k: int | None = 50
+    temperature: float = TEXT_SAMPLING.temperature
+    top_tokens: int | None = TEXT_SAMPLING.top_tokens  # sample among the N most likely tokens (null: all)
     seed: int = 0
     steering: SteeringBody = Field(default_factory=SteeringBody)
 
@@ -118,8 +119,8 @@ class ExplainBody(_Body):
 class SteerBody(_Body):
     prompt: str = ""
     tokens: int = 30
-    temperature: float = 0.8
-    top_k: int | None = 50
+    temperature: float = TEXT_SAMPLING.temperature
+    top_tokens: int | None = TEXT_SAMPLING.top_tokens
     seed: int = 0
     steering: SteeringBody = Field(default_factory=SteeringBody)
 
@@ -273,9 +274,7 @@ class Routes:
                 alternatives=body.alternatives,
                 neighbours=body.neighbours,
                 steering=body.steering.value(),
-                temperature=body.temperature,
-                top_k=body.top_k,
-                seed=body.seed,
+                sampling=Sampling(body.temperature, body.top_tokens, body.seed),
                 chat=body.chat,
             ).to_dict()
         )
@@ -298,9 +297,7 @@ class Routes:
                 body.prompt,
                 steering=body.steering.value(),
                 tokens=body.tokens,
-                temperature=body.temperature,
-                top_k=body.top_k,
-                seed=body.seed,
+                sampling=Sampling(body.temperature, body.top_tokens, body.seed),
             ).to_dict()
         )
 

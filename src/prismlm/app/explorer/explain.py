@@ -7,18 +7,18 @@ own forward output for that token (Σ slices + residual + bias = the logit, to r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, TypedDict
 
 import torch
 
-from prismlm.app.explorer.limits import check_seed
 from prismlm.app.explorer.plain import JSONDict, Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
 from prismlm.app.operations import CHAT_ANSWER_TOKENS, chat_prompt
 from prismlm.explain import Explanation, explain, explain_generation
 from prismlm.model import PrismLM, PrismOutput, decompose
+from prismlm.model.generation import Sampling
 
 __all__ = ["ActivePrototype", "Candidate", "ExplainView", "PositionView", "explain_view"]
 
@@ -105,9 +105,7 @@ def explain_view(
     alternatives: int,
     steering: Steering,
     neighbours: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int,
+    sampling: Sampling,
     chat: bool,
 ) -> ExplainView:
     """``Explorer.explain``: checks the request, explains ``text`` (or ``generate`` tokens sampled after it)
@@ -116,16 +114,13 @@ def explain_view(
     stop_id: int | None = None
     if chat:
         text, stop_id = chat_prompt(s.run, text), s.run.tokenizer.eot_id
-        generate, temperature = generate or CHAT_ANSWER_TOKENS, 0.0
-    s.limits.check_sampling(generate, temperature, top_k, "generate")
-    check_seed(seed)
+        generate, sampling = generate or CHAT_ANSWER_TOKENS, replace(sampling, temperature=0.0)
+    s.limits.check_sampling(generate, sampling, "generate")
     s.limits.check_top(alternatives, "alternatives")
     s.limits.check_top(neighbours, "neighbours")
     ivs = s.interventions(steering)
     with s.lock, s.run.intervened(*ivs) as model, torch.no_grad():
-        expl = _explanation(
-            s, model, text, generate, neighbours, temperature=temperature, top_k=top_k, seed=seed, stop_id=stop_id
-        )
+        expl = _explanation(s, model, text, generate, neighbours, sampling=sampling, stop_id=stop_id)
         x = torch.tensor([expl.token_ids], dtype=torch.long, device=s.run.device)  # (1, n)
         chosen = [p.next_id for p in expl.positions]
         positions, err = waterfalls(s, model, model(x), chosen, [p.chosen_by for p in expl.positions], alternatives)
@@ -150,9 +145,7 @@ def _explanation(
     generate: int,
     neighbours: int,
     *,
-    temperature: float,
-    top_k: int | None,
-    seed: int,
+    sampling: Sampling,
     stop_id: int | None,
 ) -> Explanation:
     """The library's explanation of ``text`` (or of ``generate`` tokens sampled after it)."""
@@ -164,9 +157,7 @@ def _explanation(
         text,
         generate,
         model_sha256=s.run.identity,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
+        sampling=sampling,
         index=s.index,
         neighbours=neighbours,
         stop_id=stop_id,

@@ -23,6 +23,7 @@ from prismlm.app.explorer.steering import Steering
 from prismlm.app.explorer.training import DocumentView, TrainingView, document_view, training_view
 from prismlm.app.run import Run
 from prismlm.control.suppress import SuppressionSet
+from prismlm.model.generation import TEXT_SAMPLING, Sampling
 
 __all__ = ["Explorer"]
 
@@ -79,9 +80,7 @@ class Explorer(Session):
         alternatives: int = 5,
         steering: Steering = Steering(),
         neighbours: int = 3,
-        temperature: float = 0.8,
-        top_k: int | None = 50,
-        seed: int = 0,
+        sampling: Sampling = TEXT_SAMPLING,
         chat: bool = False,
     ) -> ExplainView:
         """Every next-token logit of ``text`` (or of ``generate`` tokens sampled after it) as a waterfall of
@@ -96,9 +95,7 @@ class Explorer(Session):
             alternatives=alternatives,
             steering=steering,
             neighbours=neighbours,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
+            sampling=sampling,
             chat=chat,
         )
 
@@ -129,15 +126,11 @@ class Explorer(Session):
         *,
         steering: Steering,
         tokens: int = 30,
-        temperature: float = 0.8,
-        top_k: int | None = 50,
-        seed: int = 0,
+        sampling: Sampling = TEXT_SAMPLING,
     ) -> SteerView:
         """Generate from the base model and from the steered one with the same seed, side by side, and for
         every token of the steered text the exact change of its logit and the slices that explain it."""
-        return steer_view(
-            self, prompt, steering=steering, tokens=tokens, temperature=temperature, top_k=top_k, seed=seed
-        )
+        return steer_view(self, prompt, steering=steering, tokens=tokens, sampling=sampling)
 
     def training(self, prompt: str, completion: str = "", *, token: int | None = None, top: int = 10) -> TrainingView:
         """The training sequences that most influenced ``completion`` (every token of ``prompt`` when there

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.run import check_unicode
 from prismlm.errors import ConfigError, DataError
+from prismlm.model.generation import Sampling
 
-__all__ = ["Limits", "RequestLimitError", "UnknownDocumentError", "check_limit", "check_seed"]
+__all__ = ["Limits", "RequestLimitError", "UnknownDocumentError", "check_limit"]
 
 
 class RequestLimitError(ConfigError):
@@ -30,11 +31,6 @@ def check_limit(ok: bool, what: str, limit: object, value: object) -> None:
     """``RequestLimitError`` "WHAT is limited to LIMIT, got VALUE" unless ``ok``."""
     if not ok:
         raise RequestLimitError(f"{what} is limited to {limit}, got {value!r}")
-
-
-def check_seed(seed: int) -> None:
-    if not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed accepts
-        raise ConfigError(f"seed must be an integer in [-2^63, 2^64), got {seed}")
 
 
 @dataclass(frozen=True)
@@ -70,12 +66,11 @@ class Limits(Plain):
             raise ConfigError(f"{what} must be >= 0, got {n}")
         check_limit(n <= self.max_top, what, self.max_top, n)
 
-    def check_sampling(self, tokens: int, temperature: float, top_k: int | None, what: str = "tokens") -> None:
-        """``tokens`` to generate within ``max_generate``; a temperature in [0, 10]; a cut-off ≥ 1 or None."""
+    def check_sampling(self, tokens: int, sampling: Sampling, what: str = "tokens") -> None:
+        """``tokens`` to generate within ``max_generate``; a temperature in [0, 10] (``Sampling`` checked the
+        rest when made)."""
         if tokens < 0:
             raise ConfigError(f"{what} must be >= 0, got {tokens}")
         check_limit(tokens <= self.max_generate, what, self.max_generate, tokens)
-        if not (math.isfinite(temperature) and 0 <= temperature <= 10):
-            raise ConfigError(f"temperature must be in [0, 10], got {temperature!r}")
-        if top_k is not None and top_k < 1:
-            raise ConfigError(f"top_k must be >= 1 (or null), got {top_k}")
+        if not (math.isfinite(sampling.temperature) and 0 <= sampling.temperature <= 10):
+            raise ConfigError(f"temperature must be in [0, 10], got {sampling.temperature!r}")

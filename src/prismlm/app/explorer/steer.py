@@ -13,12 +13,12 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
-from prismlm.app.explorer.limits import check_seed
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
 from prismlm.app.prototype_view import never_active
 from prismlm.model import Intervention, decompose
+from prismlm.model.generation import Sampling
 from prismlm.model.interventions import combined_multipliers
 
 __all__ = ["ChangedSlice", "SteerStep", "SteerView", "steer_view"]
@@ -90,21 +90,16 @@ class Changes(NamedTuple):
     notes: list[str]
 
 
-def steer_view(
-    s: Session, prompt: str, *, steering: Steering, tokens: int, temperature: float, top_k: int | None, seed: int
-) -> SteerView:
+def steer_view(s: Session, prompt: str, *, steering: Steering, tokens: int, sampling: Sampling) -> SteerView:
     """``Explorer.steer``: both generations, the changes and the steered prototypes that never fire."""
     s.limits.check_text(prompt, "prompt")
-    s.limits.check_sampling(tokens, temperature, top_k)
-    check_seed(seed)
+    s.limits.check_sampling(tokens, sampling)
     ivs = s.interventions(steering)
     tok = s.run.tokenizer
     ids = tok.encode(prompt) if prompt else [tok.eot_id]
     p = len(ids)
     with s.lock, torch.no_grad():
-        sampled = [
-            _generate(s, ids, use, tokens=tokens, temperature=temperature, top_k=top_k, seed=seed) for use in ((), ivs)
-        ]
+        sampled = [_generate(s, ids, use, tokens=tokens, sampling=sampling) for use in ((), ivs)]
         base, steered = sampled
         ch = changes(s, steered, ivs)
     gb, gs = base[p:], steered[p:]
@@ -129,17 +124,13 @@ def _generate(
     ivs: tuple[Intervention, ...],
     *,
     tokens: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int,
+    sampling: Sampling,
 ) -> list[int]:
-    """``ids`` and ``tokens`` sampled after them under ``ivs`` (the seed's generator, fresh)."""
+    """``ids`` and ``tokens`` sampled after them under ``ivs`` (a fresh generator of the sampling's seed)."""
     dev = s.run.device
     x = torch.tensor([ids], dtype=torch.long, device=dev)  # (1, p)
     with s.run.intervened(*ivs) as m:
-        out = m.generate(
-            x, tokens, temperature=temperature, top_k=top_k, generator=torch.Generator(device=dev).manual_seed(seed)
-        )
+        out = m.generate(x, tokens, sampling, generator=sampling.generator(dev))
     return list(out[0].tolist())
 
 
