@@ -29,7 +29,7 @@ class PrismError(Exception):
 
 
 class ConfigError(PrismError, ValueError):
-    """A configuration value, option or ``--set`` override is invalid or unknown."""
+    """A configuration value, option or override (``train.lr=…``) is invalid or unknown."""
 
 
 class DataError(PrismError, ValueError):

@@ -83,21 +83,41 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _config_params(name: str, cls: type, default: object, decls: dict[str, list[str]]) -> list[inspect.Parameter]:
-    """One option per field of the config dataclass ``cls`` (help from the field's docstring; the flag
-    named in it as (``--flag``) if any), defaults from ``default`` (an instance) or ``cls()``."""
+def _config_params(cls: type, default: object, decls: dict[str, list[str]]) -> list[inspect.Parameter]:
+    """One option per field of the config dataclass ``cls`` (help from the field's docstring, the other fields
+    it names given as their flags; the flag from ``decls`` when the command names one, else
+    ``--field-name``), defaults from ``default`` (an instance) or ``cls()``."""
     base = default if isinstance(default, cls) else cls()
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
+    names = {f.name: decls.get(f.name, ["--" + f.name.replace("_", "-")])[0] for f in dataclasses.fields(cls)}
     out = []
     for f in dataclasses.fields(cls):
-        doc = docs.get(f.name, "")
-        flag = re.search(r"\(``(--[\w-]+)``\)", doc)
-        names = decls.get(f.name) or ([flag.group(1)] if flag else [])
-        help_text = re.sub(r"\s*\(``--[\w-]+``\)", "", doc).replace("``", "`")
-        info = typer.Option(getattr(base, f.name), *names, help=help_text)
+        help_text = with_flags(docs.get(f.name, "").replace("``", "`"), names)  # `prune_by` → --prune-by
+        info = typer.Option(getattr(base, f.name), *decls.get(f.name, []), help=help_text)
         out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=hints[f.name]))
     return out
+
+
+def flags_of(params: list[inspect.Parameter]) -> dict[str, str]:
+    """What the user types for each parameter of a command: its first long flag (``json_out`` → ``--json``,
+    ``curvature_mode`` → ``--curvature``), typer's ``--name-with-dashes`` when none is declared, or the
+    metavar (``OUT``) of a positional argument."""
+    out = {}
+    for p in params:
+        info = p.default
+        if isinstance(info, typer.models.ArgumentInfo):
+            out[p.name] = p.name.upper()
+            continue
+        long = [d.split("/")[0] for d in getattr(info, "param_decls", None) or () if d.startswith("--")]
+        out[p.name] = long[0] if long else "--" + p.name.replace("_", "-")
+    return out
+
+
+def with_flags(message: str, flags: dict[str, str]) -> str:
+    """A library message for the terminal: each backquoted parameter or config field it names
+    (`` `curvature_mode` ``) becomes the command's flag for it (``--curvature``); other text is kept."""
+    return re.sub(r"`(\w+)`", lambda m: flags.get(m.group(1), m.group(0)), message)
 
 
 def _params(
@@ -119,7 +139,7 @@ def _params(
         if annotation == Progress:  # the terminal shows a bar or nothing: a --progress/--no-progress flag
             annotation = bool
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation) and groups is not None:
-            fields = _config_params(p.name, annotation, p.default, decls)
+            fields = _config_params(annotation, p.default, decls)
             groups[p.name] = (annotation, [f.name for f in fields])
             out += fields
             continue
@@ -219,6 +239,15 @@ def command(
                 )
             )
 
+    params = (
+        head
+        + [p for p in op_params if p.name in positional]
+        + [p for p in op_params if p.name not in positional]
+        + tail
+        + render_params
+    )
+    flags = flags_of(params)
+
     def run_command(**kwargs: Any) -> None:
         op_kwargs = {
             **{k: v for k, v in kwargs.items() if k in op_names},
@@ -232,12 +261,12 @@ def command(
             try:
                 op_kwargs[group] = cls(**values)
             except PrismError as e:
-                fail(str(e))
+                fail(with_flags(str(e), flags))
         render_kwargs = {k: v for k, v in kwargs.items() if k in render_names}
         try:
             for k, v in render_kwargs.items():  # output files (--json, --html): refused before any work
                 if k.endswith("_out") and v is not None:
-                    check_out_file(v, decls.get(k, [f"--{k.replace('_', '-')}"])[0])
+                    check_out_file(v, k)
             run = None
             if opens_run:
                 run = Run.open(
@@ -258,22 +287,15 @@ def command(
                 extra = {"run": run} if "run" in inspect.signature(render).parameters else {}
                 render(result, **extra, **render_kwargs)
         except PrismError as e:
-            fail(str(e))
+            fail(with_flags(str(e), flags))
         except OSError as e:
             if e.filename is None:  # no file involved: not a user's path, a bug or the machine
                 raise
             fail(os_error_message(e))
         except KeyboardInterrupt:  # no traceback: say what is kept and how to go on
-            hint = "; rerun with --resume to continue it" if "resume" in op_names else ""
+            hint = f"; rerun with {flags['resume']} to continue it" if "resume" in op_names else ""
             interrupted(f"{name} interrupted{hint}")
 
-    params = (
-        head
-        + [p for p in op_params if p.name in positional]
-        + [p for p in op_params if p.name not in positional]
-        + tail
-        + render_params
-    )
     run_command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     run_command.__doc__ = summary(op)
     run_command.__name__ = name.replace("-", "_")
