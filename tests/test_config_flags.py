@@ -14,10 +14,11 @@ import typer
 from typer.testing import CliRunner
 
 from prismlm import config
-from prismlm.artifacts import check_out_file, check_out_folder
+from prismlm.artifacts import check_out_file, check_out_folder, part_range
 from prismlm.cli.derive import command, field_docs
 from prismlm.cli.main import app
 from prismlm.config import AttributionConfig, RunConfig, SearchConfig
+from prismlm.data.shards import prepare_shards
 from prismlm.errors import ConfigError, PrismError, RunError
 
 FLAG = re.compile(r"(?<![\w-])--[a-z]")
@@ -40,6 +41,9 @@ def test_config_field_docs_name_no_flags():
         lambda: RunConfig().override_strings(["train.lr=abc"]),
         lambda: RunConfig().override_strings(["train.lr"]),
         lambda: RunConfig().override_strings(["train.betas=[2,3]"]),
+        lambda: prepare_shards("builtin", "bpe-300", None, val_fraction=2.0),
+        lambda: part_range(10, 0, (0, 1)),
+        lambda: part_range(10, 4, (2, 2)),
     ],
 )
 def test_config_messages_name_fields_not_flags(make):

@@ -1,23 +1,10 @@
 """The explorer's operations (``prism serve``): explain, prototype, map, search, steer, training data.
 
-Each method of ``Explorer`` returns a dataclass whose ``to_dict()`` is JSON-ready, so any front end — the
-FastAPI app of ``prismlm.explore.server``, a notebook, a test — gets the same values. Nothing here prints
-or imports a web framework.
-
-Why a class and not plain functions like ``app.operations``: a web app answers many requests against one
-opened run, so the things that cost seconds once (the run, its index, the 2-D map of the bank, the
-neighbour-text search table) are built once and kept, and every model call is serialised by one lock —
-the model's interventions are process-wide state (``model.intervene`` sets multipliers on the module), so
-two requests steering differently must never overlap, and queued requests cannot pile up activations.
-
-Every number a view shows is exact, not re-derived: a waterfall is ``prismlm.model.decompose`` of the
-model's own forward output for that token (prototype slices + residual + bias = the logit), for the chosen
-token and for the alternatives alike; a steering step's logit change is the difference of two forwards and
-is reported next to the sum of the changed slices that explains it.
-
-**Limits.** A request can ask for at most ``Limits`` (text length, tokens to generate, top-N, steered
-prototypes); more raises ``RequestLimitError`` (a ``ConfigError``: the server answers 4xx). No file path
-is ever taken from a caller: documents are addressed by their index in the run's own training shard.
+Each method of ``Explorer`` returns a dataclass whose ``to_dict()`` is JSON-ready, for any front end; nothing
+here prints or imports a web framework. ``Explorer`` keeps what costs seconds (the run, its index, the map)
+and serialises every model call with one lock, because interventions are process-wide state. Invariant:
+every number a view shows is exact (``prismlm.model.decompose`` of the model's own forward). Requests past
+``Limits`` raise ``RequestLimitError`` (4xx); no file path is taken from a caller. See docs/modules.md.
 """
 
 from __future__ import annotations

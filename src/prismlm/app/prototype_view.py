@@ -1,17 +1,9 @@
-"""What the explorer's Prototype view adds to a prototype's card (``prismlm.explain.prototype_card``), from
-data the model and the index already have — what Neuronpedia and sae_vis show for a feature:
+"""What the explorer's Prototype and Steer views add to a prototype's card (``prismlm.explain.prototype_card``).
 
-- ``logit_histogram``: the distribution of its direct effect on every token, the signature W p_i over
-  the real vocabulary (one unit of activation adds (W p_i)_v to token v's logit). Its tails are the
-  card's ``top_tokens`` (pushed up) and ``bottom_tokens`` (pushed down).
-- ``example_bands``: training contexts across the range of its stored neighbourhood. The index keeps
-  each prototype's N nearest training contexts by cos(z_t, p_i) (the activation where it is active);
-  the N are split into three equal rank ranges — top, middle, bottom — and a few examples of each are
-  shown with the cos range of their band. They span the top N only, not every activation (the index
-  keeps no other contexts; the activation histogram of the card covers all indexed tokens).
-
-And for Steer, ``never_active``: the steered prototypes that never fire on a text — steering them cannot
-change it, which is worth saying when the generations come out identical.
+``logit_histogram`` (the direct effect W p_i of a prototype on every token), ``example_bands`` (training
+contexts from the top, middle and bottom of its stored neighbourhood) and ``never_active`` (steered
+prototypes that never fire on a text). Everything comes from data the model and the index already have;
+bands span the index's top N contexts only. See docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Corpus readers: turn a corpus *spec* string into a stream of :class:`Document`.
 
-Why a spec string: the CLI and the trainer pass one value (``--corpus``) that
-may name the vendored built-in corpus, local files in several formats, or a
-Hugging Face dataset. Everything downstream (tokenizer training, sharding,
-train/val splitting) only sees ``Document`` objects with stable ids, so the
-split of a document never depends on the order in which files are read.
-
-Readers stream (one file / one row batch at a time) so that corpora larger
-than memory can be sharded, and decode strictly as UTF-8 so that a corrupt
-file fails loudly with its name and position instead of silently training on
-replacement characters.
+One spec (``data.corpus``) names the built-in corpus, local files in several formats, or a Hugging Face
+dataset. Invariant: everything downstream sees ``Document`` objects with stable ids, so a document's split
+never depends on the order in which files are read. Readers stream (one file or row batch at a time) and
+decode strictly as UTF-8: a corrupt file fails with its name and position. See docs/modules.md.
 """
 
 from __future__ import annotations

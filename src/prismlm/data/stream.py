@@ -1,29 +1,10 @@
 """Streaming corpora: documents read lazily, tokenised on the fly, packed and shuffled in a bounded buffer.
 
-Why: ``prepare_shards`` tokenises a whole corpus up front, which does not scale to web corpora
-(``hf:`` datasets, folders of large parquet/jsonl). With ``data.streaming`` the trainer instead draws its
-training sequences from a :class:`TokenStream`:
-
-* documents come from :func:`~prismlm.data.corpus.iter_documents` (HF ``datasets`` with
-  ``streaming=True``, parquet by row batches, jsonl line by line), numbered in corpus order;
-  validation documents (:func:`~prismlm.data.corpus.split_hash` < ``val_fraction``) are never trained on;
-* under DDP, document ``i`` belongs to rank ``i % world``; each rank packs and shuffles only its own;
-* each document's ids plus end-of-text are packed into sequences of ``seq_len + 1`` tokens with stride
-  ``seq_len`` (as :meth:`TokenShard.sequence`: every token is a target once);
-* a buffer of ``buffer_size`` sequences is shuffled by a seeded generator: each draw takes a random slot
-  and refills it with the next packed sequence.
-
-Memory: the buffer, one batch of encoded look-ahead documents and the current document.
-
-Resuming exactly: :meth:`TokenStream.state_dict` holds the *position* — (epoch, number of the document
-being packed, token offset inside it), the partial sequence (< ``seq_len + 1`` tokens), the buffer's
-contents and the generator's state. :meth:`TokenStream.load_state_dict` skips to that document without
-tokenising the documents before it (local files: whole files before the document's file are not even
-opened; ``hf:`` and ``builtin``: re-read from the start), re-encodes that one document, and continues: the
-sequences drawn afterwards are bit-for-bit those of an uninterrupted stream.
-
-Validation: :func:`prepare_stream_val` materialises a small ``val`` :class:`TokenShard` (the first
-validation-split documents, up to ``val_tokens`` tokens), so evaluation is unchanged.
+With ``data.streaming`` the trainer draws its sequences from a :class:`TokenStream` instead of shards: memory
+is the buffer, a batch of look-ahead documents and the current document. Invariant: a resumed stream
+(:meth:`TokenStream.load_state_dict`) draws bit for bit the sequences of an uninterrupted one, and
+validation-split documents are never trained on (:func:`prepare_stream_val` materialises them).
+Packing, DDP sharding and the resume position: docs/modules.md.
 """
 
 from __future__ import annotations

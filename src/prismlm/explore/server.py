@@ -1,20 +1,10 @@
 """``prism serve``: the explorer web app — a JSON API over ``prismlm.app.explorer`` and a static front end.
 
-The API is FastAPI (Starlette) served by uvicorn; the front end is plain HTML/JS/CSS from
-``prismlm/explore/static`` (no build step, nothing from a CDN: it works offline). Its views — Explain,
-Prototype, Map, Steer, Training data, Document — are hash routes (``/#/prototype/12``), so every view
-has a URL that can be shared.
-
-**Safety.** The app serves the one run it was created with. No request ever names a file: static files
-are a fixed table read at start-up (a name not in it is 404, whatever ``..`` or encoding it carries),
-documents are addressed by index in the run's own shard, and a request carrying a ``path``-like query
-parameter is refused (404). Request bodies are capped (``Limits.max_body_bytes``, 413) and every
-operation checks its own limits (text length, tokens, top-N: 422). Model calls run one at a time (the
-explorer's lock); at most ``Limits.max_waiting`` requests may wait for it, more get 503 — memory stays
-bounded however many requests arrive. The ``Host`` header must be one of ``allowed_hosts`` (a page on
-another site cannot reach the server through DNS rebinding). Errors of prismlm's hierarchy become JSON
-``{"error", "message", "fix"}`` with a 4xx status: among them a string holding a lone surrogate (valid JSON,
-``"\\udcff"``, but not Unicode), a seed torch cannot take, a document position outside the document.
+FastAPI (served by uvicorn) plus plain HTML/JS/CSS from ``prismlm/explore/static`` (no build step, works
+offline); each view is a hash route with a shareable URL. Invariants: the app serves the one run it was
+created with, no request ever names a file, memory stays bounded however many requests arrive (capped
+bodies, one model call at a time, at most ``Limits.max_waiting`` waiting), and prismlm errors become JSON
+``{"error", "message", "fix"}`` with a 4xx status. The safety rules in full: docs/modules.md.
 """
 
 from __future__ import annotations

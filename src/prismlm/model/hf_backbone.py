@@ -1,18 +1,10 @@
 """Hugging Face causal LMs as PRISM backbones, and GPT-2 weights in the built-in GPT.
 
-The prototype head only decomposes the final hidden state: ℓ = W z + b and z = ẑ + r exactly, so it fits
-any causal LM whose logits are a linear function of one hidden vector (spec §6). Two ways in:
-
-* **GPT-2 family** (``model_type == "gpt2"``): the weights are copied into the built-in GPT
-  (``gpt2_state_dict``) — GPT-2's module names are ours, only its ``Conv1D`` weights are stored transposed —
-  so the KV cache, kronfluence's ``nn.Linear`` tracking and every other path work unchanged.
-* **Everything else** (Llama, Qwen, Mistral, SmolLM, GPT-NeoX/Pythia, …): the model's *base* model
-  (``AutoModel.from_config``; its ``last_hidden_state`` already went through the final norm) becomes
-  ``PrismLM.transformer`` and its output embedding becomes ``PrismLM.lm_head``.
-
-In both cases ``check_same_logits`` compares the result with the original model on a probe batch, so a model
-whose logits are not ``W z + b`` (soft-capping, a logit scale, …) is refused instead of silently decomposed
-wrongly. ``transformers`` is optional: everything here raises ``DependencyError`` without it.
+The prototype head decomposes only the final hidden state (ℓ = W z + b, z = ẑ + r), so it fits any causal
+LM whose logits are linear in one hidden vector (spec §6). GPT-2 weights are copied into the built-in GPT;
+other families keep their own base model as ``PrismLM.transformer``. Invariant: ``check_same_logits``
+compares with the original model, so a model whose logits are not ``W z + b`` is refused, never silently
+decomposed wrongly. See docs/modules.md. ``transformers`` is optional (``DependencyError`` without it).
 """
 
 from __future__ import annotations

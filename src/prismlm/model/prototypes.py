@@ -1,15 +1,9 @@
 """The PRISM prototype layer (spec §1.2–1.5): cosine → top-k → ReLU, reconstruction, residual.
 
-Shapes: N tokens (N = B·T flattened), width d, K prototypes, k active per token.
-
-Memory: the N × K cosine matrix is the only thing of that size, computed once per forward in chunks of
-``chunk_size`` tokens *without* autograd (selection is a discrete choice). That one pass gives everything
-the selection needs: the top-k indices *and their cosines* (the top-k values) per token, and the best token
-of each prototype (column maxima) for R1. The k cosines per token and the reconstruction ẑ = Σ a_i p_i then
-carry gradient through ``_SparseHead``, whose backward is written as products with the sparse N × K
-selection pattern (k nonzeros per row, CSR): no (N, k, d) gather is ever formed. The best prototype of each
-token (R2) is the top-1 of the top-k. Peak extra memory: chunk_size × K (plus bounded temporaries), never
-N × K with a graph attached.
+Shapes: N tokens (B·T flattened), width d, K prototypes, k active per token. Invariant: the N × K cosine
+matrix is computed once per forward, in chunks of ``chunk_size`` tokens and without autograd; gradients flow
+through the k selected cosines and ẑ = Σ a_i p_i (``_SparseHead``, CSR products), so peak extra memory is
+chunk_size × K, never N × K with a graph attached. See docs/modules.md.
 """
 
 from __future__ import annotations

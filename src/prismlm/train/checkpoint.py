@@ -1,21 +1,9 @@
 """Checkpoints: safetensors weights + JSON config + manifest + optimizer/RNG/data-position state.
 
-Layout of a run folder::
-
-    runs/NAME/
-      config.json  env.json  metrics.jsonl
-      checkpoints/
-        latest                      # text file: name of the newest complete checkpoint
-        step-000600/
-          model.safetensors         # weights (tied tensors stored once)
-          config.json               # the resolved RunConfig
-          manifest.json             # what produced it: step, model sha256, data manifest key, versions
-          trainer_state.pt          # optimizer, RNG states, data position (resume only)
-          sharded/                  # FSDP runs: the optimizer state in per-rank shards (resume only)
-          tokenizer/                # the tokenizer, so the checkpoint is self-contained
-
-A checkpoint is written to ``step-XXXXXX.tmp`` and renamed into place, and ``latest`` is replaced
-atomically after that, so a crash never leaves a half-written checkpoint that ``--resume`` would pick.
+A checkpoint is ``RUN/checkpoints/step-XXXXXX/`` (weights, resolved config, manifest, trainer state,
+tokenizer: self-contained). Invariant: it is written to ``step-XXXXXX.tmp`` and renamed into place, and
+``latest`` is replaced atomically after that, so a crash never leaves a half-written checkpoint that a
+resume would pick. The run-folder layout: docs/modules.md.
 """
 
 from __future__ import annotations

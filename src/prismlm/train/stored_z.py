@@ -1,25 +1,10 @@
 """Stored hidden states: the frozen backbone's z over a shard, computed once and memory-mapped.
 
-Stage 1 of a retrofit trains only the prototype bank, and the index pass only reads z: both need the final
-hidden states z (after the final norm, what W reads) of the same tokens, which a frozen backbone gives the
-same every time. ``build_stored_z`` runs the backbone once (inference mode, batched) over the aligned
-sequences of one split and writes
-
-    z.bin        (rows, d) in ``dtype`` (float16, bfloat16 as raw 16-bit words, or float32), row-major
-    targets.bin  (rows,) int32: the next token of each row (what the logit of that row predicts)
-    state.json   batches done, with a sha256 per batch of its z and target bytes (resume)
-    manifest.json what z belongs to: the backbone's identity (``backbone_identity``), the shards' key, the
-                 split, block size T, d, dtype, the batch grid and the number of sequences
-
-**Provenance is the row number.** Rows follow the trainer's aligned sequences: row ``r`` is position
-``r % T`` of sequence ``r // T`` (tokens ``[j·T, j·T + T + 1)`` of the split), so ``r`` is also the global
-offset of the context's last token, exactly the offset the prototype index stores, and
-``shard.locate(r + 1)`` gives the target's document and position.
-
-**Resume.** Batches follow a fixed grid of ``batch_size`` sequences; after each batch the memory maps are
-flushed and ``state.json`` is rewritten atomically. A killed pass resumed with the same arguments checks
-every recorded batch against its checksum, redoes the first that does not match and everything after it,
-and ends with files equal byte for byte to an uninterrupted pass (tested).
+``build_stored_z`` runs the frozen backbone once over the aligned sequences of one split and writes
+``z.bin`` (rows, d), ``targets.bin`` (rows,), ``state.json`` and ``manifest.json`` (what z belongs to).
+Invariants: row ``r`` is position ``r % T`` of sequence ``r // T`` (the offset the prototype index stores);
+a killed pass resumed with the same arguments ends with files equal byte for byte to an uninterrupted one.
+File layout and resume: docs/modules.md.
 """
 
 from __future__ import annotations
