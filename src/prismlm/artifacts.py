@@ -21,10 +21,10 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeAlias, TypedDict, TypeVar
 
 import torch
 
@@ -78,6 +78,9 @@ def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> P
     """Write ``text`` to ``path`` through ``<path>.tmp`` renamed into place; returns ``path``."""
     return atomic_write_bytes(path, text.encode(encoding))
 
+
+JSON: TypeAlias = dict[str, "JSON"] | list["JSON"] | str | int | float | bool | None
+"""A JSON value: what ``json.loads`` returns and ``json.dumps`` takes (manifests, ``to_dict()`` results)."""
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -337,7 +340,15 @@ def sampled_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def file_records(folder: str | Path, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+class FileRecord(TypedDict):
+    """What a manifest records of one file, so that loading can verify it."""
+
+    bytes: int
+    sha256: str
+    sample_sha256: str
+
+
+def file_records(folder: str | Path, names: list[str] | None = None) -> dict[str, FileRecord]:
     """Size, sha256 and sampled sha256 of files in ``folder`` (``names``, or every file but manifest.json):
     what a manifest records so that loading can verify them."""
     folder = Path(folder)
@@ -358,7 +369,7 @@ def file_records(folder: str | Path, names: list[str] | None = None) -> dict[str
 
 def verify_files(
     folder: str | Path,
-    records: dict[str, dict[str, Any]] | None,
+    records: Mapping[str, FileRecord] | None,
     *,
     what: str,
     fix: str,
@@ -422,7 +433,7 @@ def provenance() -> dict[str, str]:
 
 
 def check_provenance(
-    manifest: dict[str, Any], *, what: str, rebuild: str, model_sha256: str | None = None, shard_key: str | None = None
+    manifest: Mapping[str, object], *, what: str, rebuild: str, model_sha256: str | None = None, shard_key: str | None = None
 ) -> None:
     """Refuse an artifact (index, attribution cache, …) built from another model or corpus.
 

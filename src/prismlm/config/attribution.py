@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from prismlm.config.validation import check, from_dict
+
+if TYPE_CHECKING:  # only for annotations: importing artifacts loads torch, the config stays light
+    from prismlm.artifacts import JSON
 
 
 @dataclass
@@ -142,10 +146,10 @@ class AttributionConfig:
         )
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AttributionConfig:
+    def from_dict(cls, data: Mapping[str, object]) -> AttributionConfig:
         return from_dict(cls, data, "attribution config")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return asdict(self)
 
 
@@ -200,8 +204,8 @@ class SearchConfig:
         )
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SearchConfig:
+    def from_dict(cls, data: Mapping[str, object]) -> SearchConfig:
         return from_dict(cls, data, "search config")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return asdict(self)

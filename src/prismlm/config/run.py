@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prismlm.config.model import ModelConfig, PrototypeConfig
 from prismlm.config.overrides import convert, field_type
@@ -13,6 +14,9 @@ from prismlm.config.presets import PRESETS
 from prismlm.config.training import DataConfig, LossConfig, TrainConfig
 from prismlm.config.validation import from_dict
 from prismlm.errors import ConfigError
+
+if TYPE_CHECKING:  # only for annotations: importing artifacts loads torch, the config stays light
+    from prismlm.artifacts import JSON
 
 
 @dataclass
@@ -25,13 +29,13 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     preset: str | None = None
     """Name of the preset this config started from (informational)."""
-    source: dict[str, Any] | None = None
+    source: dict[str, object] | None = None
     """What a retrofit's weights were loaded from, when a file: for a GGUF ``kind``, ``path``, ``sha256``,
     ``quantization``, ``architecture``, ``tensor_types``, ``name`` (``prismlm.model.gguf.SourceInfo``);
     copied into every checkpoint's manifest."""
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+    def from_dict(cls, data: Mapping[str, object]) -> RunConfig:
         return from_dict(cls, data, "config")
 
     @classmethod
@@ -47,7 +51,7 @@ class RunConfig:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
         return cls.from_dict(data)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, JSON]:
         return asdict(self)
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -65,19 +69,19 @@ class RunConfig:
         cfg.preset = name
         return cfg
 
-    def override(self, dotted: dict[str, Any]) -> RunConfig:
+    def override(self, dotted: Mapping[str, object]) -> RunConfig:
         """Return a copy with ``{"train.lr": 1e-3, "model.prototypes": None}``-style overrides applied."""
-        data = self.to_dict()
+        data: dict[str, object] = asdict(self)
         for key, value in dotted.items():
             parts = key.split(".")
             node = data
             for p in parts[:-1]:
-                if not isinstance(node.get(p), dict):
-                    if p in node and node[p] is None and p == "prototypes":
-                        node[p] = asdict(PrototypeConfig())
-                    else:
-                        raise ConfigError(f"override {key!r}: {p!r} is not a config section")
-                node = node[p]
+                child = node.get(p)
+                if child is None and p in node and p == "prototypes":
+                    child = node[p] = asdict(PrototypeConfig())
+                if not isinstance(child, dict):
+                    raise ConfigError(f"override {key!r}: {p!r} is not a config section")
+                node = child
             if parts[-1] not in node:
                 raise ConfigError(f"override {key!r}: unknown key {parts[-1]!r}; valid: {sorted(node)}")
             node[parts[-1]] = value
@@ -95,10 +99,10 @@ class RunConfig:
         return self.override({"model.prototypes": None})
 
 
-def parse_overrides(pairs: list[str] | tuple[str, ...]) -> dict[str, Any]:
+def parse_overrides(pairs: list[str] | tuple[str, ...]) -> dict[str, object]:
     """``["train.lr=1e-3", "model.prototypes=null"]`` → ``{"train.lr": 0.001, "model.prototypes": None}``,
     each value converted to its field's declared type (see ``RunConfig.override_strings``)."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for pair in pairs:
         if "=" not in pair:
             raise ConfigError(f"`overrides` expects KEY=VALUE, got {pair!r}")

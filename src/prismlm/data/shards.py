@@ -13,14 +13,14 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
-from prismlm.artifacts import FileLock, atomic_write_text, sampled_sha256, sha256_file
+from prismlm.artifacts import JSON, FileLock, atomic_write_text, sampled_sha256, sha256_file
 from prismlm.data.corpus import Document, corpus_fingerprint, iter_documents, package_version, split_hash
 from prismlm.data.tokenizer import Tokenizer, describe_tokenizer, resolve_tokenizer, token_dtype
 from prismlm.errors import ConfigError, CorpusError, ShardError
@@ -443,7 +443,7 @@ def _build(
     corpus: str,
     tokenizer: str,
     fp: str,
-    opts: dict[str, Any],
+    opts: Mapping[str, object],
     val_fraction: float,
     seed: int,
     text_field: str,
@@ -513,7 +513,7 @@ def _build(
     t_enc = time.perf_counter() - t1
 
     tok.save(root / "tokenizer")
-    split_info: dict[str, Any] = {}
+    split_info: dict[str, JSON] = {}
     for split, w in writers.items():
         os.replace(w.tmp, root / f"{split}.bin")
         sample = sampled_sha256(root / f"{split}.bin")

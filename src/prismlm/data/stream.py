@@ -14,14 +14,14 @@ import json
 import os
 import re
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
-from prismlm.artifacts import FileLock, atomic_write_text
+from prismlm.artifacts import JSON, FileLock, atomic_write_text
 from prismlm.data.corpus import (
     Document,
     corpus_fingerprint,
@@ -40,6 +40,29 @@ if TYPE_CHECKING:
 __all__ = ["TokenStream", "StreamingData", "prepare_stream", "prepare_stream_val", "stream_tokenizer"]
 
 STREAM_FORMAT = 1
+
+
+class StreamState(TypedDict):
+    """``TokenStream.state_dict()``: the exact position of a stream, saved in every checkpoint."""
+
+    format: int
+    key: dict[str, object]
+    """The stream's settings (corpus, tokenizer, seq_len, split, buffer, seed, rank, world): a resume must match."""
+    epoch: int
+    doc: int
+    """Number (in corpus order) of the document being packed."""
+    doc_id: str
+    offset: int
+    """Token offset inside that document."""
+    partial: np.ndarray
+    """(< seq_len + 1,) tokens of the sequence being packed."""
+    buffer: np.ndarray
+    """(buffer_size, seq_len + 1) the shuffle buffer."""
+    rng: Mapping[str, object]
+    """The shuffle generator's ``bit_generator.state``."""
+    sequences_drawn: int
+
+
 _ENCODE_DOCS = 64  # look-ahead documents per encode_batch call
 _ENCODE_CHARS = 2_000_000  # ...or fewer, to bound memory with long documents
 _BPE = re.compile(r"^bpe(?:[-:](\d+))?$")
@@ -217,7 +240,7 @@ class TokenStream:
         """Epoch of the document being packed (how many times the corpus has been read through)."""
         return self._cur_pos[0]
 
-    def _key(self) -> dict[str, Any]:
+    def _key(self) -> dict[str, object]:
         return {
             "corpus": self.corpus,
             "tokenizer": self.tok.fingerprint,
@@ -233,7 +256,7 @@ class TokenStream:
             "world": self.world,
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StreamState:
         """The exact position (small: the buffer is at most ``buffer_size × (seq_len + 1)`` tokens)."""
         return {
             "format": STREAM_FORMAT,
@@ -248,7 +271,7 @@ class TokenStream:
             "sequences_drawn": self.sequences_drawn,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StreamState) -> None:
         if state.get("format") != STREAM_FORMAT or state.get("key") != self._key():
             diff = sorted(k for k, v in self._key().items() if state.get("key", {}).get(k) != v)
             raise DataError(
@@ -284,7 +307,7 @@ class StreamingData:
     root: Path
     val: TokenShard
     tokenizer: Tokenizer
-    manifest: dict[str, Any]
+    manifest: dict[str, JSON]
 
     def stream(self, data: DataConfig, seq_len: int, *, seed: int, rank: int = 0, world_size: int = 1) -> TokenStream:
         return TokenStream(
@@ -369,7 +392,7 @@ def prepare_stream(data: DataConfig) -> StreamingData:
     mpath = root / "manifest.json"
     dtype = token_dtype(tok.vocab_size)
     with FileLock(root / ".lock", f"stream folder {root}", wait=True):
-        manifest: dict[str, Any] | None = None
+        manifest: dict[str, JSON] | None = None
         if mpath.exists():
             try:
                 manifest = json.loads(mpath.read_text(encoding="utf-8"))

@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
@@ -27,6 +27,8 @@ from prismlm.errors import TokenizerError
 if TYPE_CHECKING:
     from jinja2 import Template
     from transformers import PreTrainedTokenizerBase
+
+    from prismlm.artifacts import JSON
 
 __all__ = [
     "Tokenizer",
@@ -316,7 +318,11 @@ def _chat_template(source: str) -> Template:
         raise TokenizerError(message)
 
     def tojson(
-        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+        x: object,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
     ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -359,7 +365,7 @@ def resolve_tokenizer(
     )
 
 
-def describe_tokenizer(tok: Tokenizer) -> dict[str, Any]:
+def describe_tokenizer(tok: Tokenizer) -> dict[str, JSON]:
     """Manifest entry for ``tok``."""
     return {
         "name": tok.name,

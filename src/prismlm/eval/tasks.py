@@ -17,9 +17,24 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from prismlm.errors import TaskError
+
+
+class MCExample(TypedDict):
+    """One multiple-choice example, as ``prismlm.eval.tasks`` writes it and lm-eval reads it."""
+
+    id: str
+    query: str
+    """The context, ending with its cue (e.g. ``Answer:``)."""
+    choices: list[str]
+    """The continuations scored, each starting with a space."""
+    gold: int
+    """Index of the right choice."""
+    label: str
+    """The right answer as text."""
+
 
 TASKS = ("gutenberg_author", "sotu_era", "sotu_president", "fortune_source", "gutenberg_ending")
 SPLITS = ("train", "validation", "test")
@@ -64,7 +79,7 @@ def _pick(items: list[str], n: int) -> list[str]:
     return [items[int(i * step)] for i in range(n)]
 
 
-def _mc(ex_id: str, passage: str, gold: str, pool: list[str], query_tpl: str, n_choices: int) -> dict[str, Any]:
+def _mc(ex_id: str, passage: str, gold: str, pool: list[str], query_tpl: str, n_choices: int) -> MCExample:
     rng = random.Random(ex_id)
     others = sorted(set(pool) - {gold})
     choices = rng.sample(others, min(n_choices - 1, len(others))) + [gold]
@@ -186,7 +201,7 @@ _BUILDERS: dict[str, TaskSpec] = {
 }
 
 
-def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[dict[str, Any]]]:
+def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[MCExample]]:
     """All splits of one task, in memory (deterministic)."""
     if name not in _BUILDERS:
         raise TaskError(f"unknown task {name!r}; choose from {list(TASKS)}")
@@ -197,7 +212,7 @@ def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[
         s: sorted({label for group, *_, label in raw if not spec.answers_per_example or split_for(group) == s})
         for s in SPLITS
     }
-    splits: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
+    splits: dict[str, list[MCExample]] = {s: [] for s in SPLITS}
     for group, ex_id, p, label in raw:
         s = split_for(group)
         splits[s].append(_mc(ex_id, p, label, pools[s], spec.template, spec.n_choices))
@@ -218,7 +233,7 @@ def lm_eval_yaml(name: str, folder: Path) -> str:
     )
 
 
-def write_task(name: str, splits: dict[str, list[dict[str, Any]]], out: str | Path) -> Path:
+def write_task(name: str, splits: dict[str, list[MCExample]], out: str | Path) -> Path:
     folder = Path(out) / name
     folder.mkdir(parents=True, exist_ok=True)
     for s, docs in splits.items():
@@ -234,7 +249,7 @@ def build_tasks(
     return {n: write_task(n, build_task(n, caps), out) for n in names}
 
 
-def load_split(folder: str | Path, split: str) -> list[dict[str, Any]]:
+def load_split(folder: str | Path, split: str) -> list[dict[str, Any]]:  # control/ takes plain dicts
     path = Path(folder) / f"{split}.jsonl"
     if not path.exists():
         raise TaskError(f"no split {split!r} at {path}; build tasks with `prism tasks build`")

@@ -25,6 +25,7 @@ from prismlm.errors import DependencyError, ModelSourceError
 from prismlm.model.hf_backbone import transformers_module
 
 if TYPE_CHECKING:
+    from gguf import GGUFReader
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["SHIPPED", "Shipped", "SourceInfo", "gguf_path", "inspect_gguf", "load_causal_lm", "shipped_file"]
@@ -75,7 +76,7 @@ class SourceInfo:
     name: str | None = None
     """The short name it was asked for by (``SHIPPED``), if any."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -136,7 +137,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _field(reader: Any, key: str) -> Any:
+def _field(reader: GGUFReader, key: str) -> Any:  # whatever type the file stores under the key
     fld = reader.fields.get(key)
     return None if fld is None else fld.contents()
 

@@ -795,7 +795,7 @@ def _set_prototype_fields(out: PrismOutput, po: PrototypeOutput, mult: torch.Ten
 
 def _ordinary(out: PrismOutput) -> PrismOutput:
     """``out`` with every inference tensor replaced by an ordinary clone (call outside inference mode)."""
-    changes: dict[str, Any] = {}
+    changes: dict[str, Any] = {}  # field name → value: replace() checks each against its field
     for f in fields(out):
         v = getattr(out, f.name)
         if isinstance(v, torch.Tensor) and v.is_inference():
