@@ -433,7 +433,12 @@ def provenance() -> dict[str, str]:
 
 
 def check_provenance(
-    manifest: Mapping[str, object], *, what: str, rebuild: str, model_sha256: str | None = None, shard_key: str | None = None
+    manifest: Mapping[str, object],
+    *,
+    what: str,
+    rebuild: str,
+    model_sha256: str | None = None,
+    shard_key: str | None = None,
 ) -> None:
     """Refuse an artifact (index, attribution cache, …) built from another model or corpus.
 
