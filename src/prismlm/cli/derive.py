@@ -16,7 +16,6 @@ import textwrap
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -33,7 +32,7 @@ SUPPRESS_HELP = (
 )
 
 
-def arg_help(func: Callable[..., Any]) -> dict[str, str]:
+def arg_help(func: Callable[..., object]) -> dict[str, str]:
     """The ``Args:`` section of a Google-style docstring → {parameter: help}."""
     doc = inspect.getdoc(func) or ""
     m = re.search(r"^Args:\n((?:[ \t]+.*\n?|\n)*)", doc, re.M)
@@ -52,12 +51,12 @@ def arg_help(func: Callable[..., Any]) -> dict[str, str]:
     return out
 
 
-def _first_parameter(func: Callable[..., Any]) -> str:
+def _first_parameter(func: Callable[..., object]) -> str:
     """The name of a renderer's first parameter: the operation's result, not an option."""
     return next(iter(inspect.signature(func).parameters))
 
 
-def summary(func: Callable[..., Any]) -> str:
+def summary(func: Callable[..., object]) -> str:
     """The docstring up to its ``Args:`` section (the command's help)."""
     doc = inspect.getdoc(func) or ""
     return doc.split("\nArgs:")[0].strip().replace("``", "`")
@@ -121,7 +120,7 @@ def with_flags(message: str, flags: dict[str, str]) -> str:
 
 
 def _params(
-    func: Callable[..., Any],
+    func: Callable[..., object],
     skip: set[str],
     decls: dict[str, list[str]],
     arguments: set[str],
@@ -184,7 +183,7 @@ def os_error_message(e: OSError) -> str:
 def command(
     app: typer.Typer,
     name: str,
-    op: Callable[..., Any],
+    op: Callable[..., object],
     render: Callable[..., None] | None = None,
     *,
     opens_run: bool = True,
@@ -192,8 +191,8 @@ def command(
     decls: dict[str, list[str]] | None = None,
     skip: set[str] | None = None,
     suppressible: bool = False,
-    fixed: dict[str, Any] | None = None,
-    computed: dict[str, Callable[[dict[str, Any]], Any]] | None = None,
+    fixed: dict[str, object] | None = None,
+    computed: dict[str, Callable[[dict[str, object]], object]] | None = None,
 ) -> None:
     """Register ``op`` as ``prism NAME``. With ``opens_run`` the first argument is RUN and ``--device``
     opens the ``Run`` passed to ``op``; ``suppressible`` (operations that apply the run's interventions)
@@ -248,7 +247,7 @@ def command(
     )
     flags = flags_of(params)
 
-    def run_command(**kwargs: Any) -> None:
+    def run_command(**kwargs: object) -> None:
         op_kwargs = {
             **{k: v for k, v in kwargs.items() if k in op_names},
             **fixed,
@@ -265,12 +264,14 @@ def command(
         render_kwargs = {k: v for k, v in kwargs.items() if k in render_names}
         try:
             for k, v in render_kwargs.items():  # output files (--json, --html): refused before any work
-                if k.endswith("_out") and v is not None:
+                if k.endswith("_out") and isinstance(v, (str, Path)):
                     check_out_file(v, k)
             run = None
-            if opens_run:
+            if opens_run:  # typer parsed these three as declared above: a Path and two strings
                 run = Run.open(
-                    kwargs["run"], device=kwargs["device"], suppress=kwargs["suppress"] if suppressible else "none"
+                    Path(str(kwargs["run"])),
+                    device=str(kwargs["device"]),
+                    suppress=str(kwargs["suppress"]) if suppressible else "none",
                 )
                 if run.suppression is not None:
                     from prismlm.cli.console import console

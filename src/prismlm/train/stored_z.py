@@ -15,7 +15,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import numpy as np
 import torch
@@ -49,12 +49,52 @@ def backbone_identity(model: PrismLM) -> str:
     return "backbone:" + h.hexdigest()
 
 
+class StoreSettings(TypedDict):
+    """What a store of z was made with (its ``manifest.json`` holds these plus ``created`` and versions); a
+    store is resumed only with exactly the same settings."""
+
+    kind: str
+    format_version: int
+    backbone: str
+    """``backbone_identity`` of the model whose z this is."""
+    shard_key: str
+    split: str
+    block_size: int
+    d: int
+    dtype: str
+    """float16, bfloat16 or float32."""
+    batch_size: int
+    num_sequences: int
+    rows: int
+    """num_sequences · block_size."""
+    num_batches: int
+
+
+class StoreManifest(StoreSettings):
+    """``StoredZ.manifest``: the settings, when and with which versions the store was made, and (from
+    ``state.json`` when opened) how far it got."""
+
+    created: str
+    prismlm_version: str
+    torch_version: str
+    batches_done: int
+    complete: bool
+
+
+class FillState(TypedDict):
+    """``state.json``: how far a pass got, with a sha256 per batch done (resume checks them)."""
+
+    batches_done: int
+    digests: list[str]
+    seconds: float
+
+
 @dataclass
 class StoredZ:
     """An opened store: memory-mapped ``z`` (rows, d) and ``targets`` (rows,), with its manifest."""
 
     path: Path
-    manifest: dict[str, Any]
+    manifest: StoreManifest
     z: np.ndarray
     targets: np.ndarray
 
@@ -138,7 +178,7 @@ def open_stored_z(path: str | Path) -> StoredZ:
     if not mpath.exists():
         raise ArtifactError(f"no stored z at {path}", fix="build it with a retrofit (stage 1) or build_stored_z")
     with reading(mpath, "stored z manifest", fix=f"remove {path} and build it again"):
-        m = json.loads(mpath.read_text())
+        m: StoreManifest = json.loads(mpath.read_text())
         state = json.loads((path / "state.json").read_text()) if (path / "state.json").exists() else {}
     m["batches_done"] = int(state.get("batches_done", 0))
     m["complete"] = m["batches_done"] == m["num_batches"]
@@ -179,7 +219,7 @@ def build_stored_z(
     n_seq = shard.num_sequences(T) if max_sequences is None else min(shard.num_sequences(T), max_sequences)
     if n_seq < 1:
         raise ArtifactError(f"the {split} split holds no complete sequence of {T + 1} tokens to store z for")
-    want = {
+    want: StoreSettings = {
         "kind": KIND,
         "format_version": FORMAT_VERSION,
         "backbone": backbone_identity(model),
@@ -193,8 +233,11 @@ def build_stored_z(
         "rows": n_seq * T,
         "num_batches": -(-n_seq // batch_size),
     }
-    state = _resume_state(out, want)
-    if state is None:  # new, or made with other settings: start over
+    resumed = _resume_state(out, want)
+    state: FillState
+    if resumed is not None:
+        state = resumed
+    else:  # new, or made with other settings: start over
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         np.memmap(out / "z.bin", dtype=_NUMPY_DTYPES[dtype], mode="w+", shape=(n_seq * T, d)).flush()
@@ -209,7 +252,7 @@ def build_stored_z(
     return open_stored_z(out)
 
 
-def _resume_state(out: Path, want: dict[str, Any]) -> dict[str, Any] | None:
+def _resume_state(out: Path, want: StoreSettings) -> FillState | None:
     """The state of a store at ``out`` made with exactly ``want``'s settings, its recorded batches checked
     against their checksums (cut at the first that fails); None when there is none to continue."""
     try:
@@ -236,8 +279,8 @@ def _fill(
     model: PrismLM,
     shard: TokenShard,
     out: Path,
-    want: dict[str, Any],
-    state: dict[str, Any],
+    want: StoreSettings,
+    state: FillState,
     *,
     device: str | torch.device | None,
     progress: Progress,
