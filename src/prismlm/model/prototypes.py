@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 from prismlm.config import PrototypeConfig
 
@@ -238,6 +237,15 @@ class _Pattern:
         return torch.empty_like(vals).scatter_(1, self.row_perm, vals)  # back to the (N, k) order
 
 
+class _HeadContext(FunctionCtx):
+    """What ``_SparseHead.forward`` keeps for its backward: the selection pattern and four saved tensors (torch
+    sets ``saved_tensors`` and ``needs_input_grad``; this class only names their types)."""
+
+    pattern: _Pattern
+    saved_tensors: tuple[torch.Tensor, ...]
+    needs_input_grad: tuple[bool, ...]
+
+
 class _SparseHead(torch.autograd.Function):
     """cos_nj = ⟨z_unit_n, p_i⟩ / ‖p_i‖ and ẑ_n = Σ_j relu(cos_nj) p_i (i = indices_nj), as functions of
     (z_unit, p, ‖p‖), with the gradient of the same expression written out. Nothing of size (N, k, d)
@@ -254,7 +262,12 @@ class _SparseHead(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, z_unit: torch.Tensor, p: torch.Tensor, p_norm: torch.Tensor, cos: torch.Tensor, indices: torch.Tensor
+        ctx: _HeadContext,
+        z_unit: torch.Tensor,
+        p: torch.Tensor,
+        p_norm: torch.Tensor,
+        cos: torch.Tensor,
+        indices: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         pattern = _Pattern(indices, p.shape[0])
         act = F.relu(cos)
@@ -265,7 +278,9 @@ class _SparseHead(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g_cos: torch.Tensor | None, g_rec: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: _HeadContext, g_cos: torch.Tensor | None, g_rec: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         z_unit, p, p_norm, cos = ctx.saved_tensors
         pattern: _Pattern = ctx.pattern
         g_c = g_cos if g_cos is not None else torch.zeros_like(cos)
