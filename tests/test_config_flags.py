@@ -6,13 +6,16 @@ messages, and the CLI read them back from the docstrings by regex.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
+import prismlm
 from prismlm import config
 from prismlm.artifacts import check_out_file, check_out_folder, part_range
 from prismlm.cli.derive import command, field_docs
@@ -21,7 +24,7 @@ from prismlm.config import AttributionConfig, RunConfig, SearchConfig
 from prismlm.data.shards import prepare_shards
 from prismlm.errors import ConfigError, PrismError, RunError
 
-FLAG = re.compile(r"(?<![\w-])--[a-z]")
+FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
 CONFIGS = [getattr(config, n) for n in config.__all__ if dataclasses.is_dataclass(getattr(config, n))]
 
 
@@ -97,3 +100,35 @@ def test_cli_maps_a_field_to_its_declared_flag():
     res = CliRunner().invoke(toy, ["op", "--curvature", "exact"])
     assert res.exit_code == 2 and "attribution option --curvature is exact; see `nothing`" in res.output, res.output
     assert "--curvature-mode" in CliRunner().invoke(toy, ["other", "--help"]).output
+
+
+def _prism_flags() -> set[str]:
+    """Every long flag of every `prism` command."""
+    flags: set[str] = set()
+    todo = [typer.main.get_command(app)]
+    while todo:
+        cmd = todo.pop()
+        todo += list(getattr(cmd, "commands", {}).values())
+        for p in cmd.params:
+            flags |= {o for o in (*p.opts, *p.secondary_opts) if o.startswith("--")}
+    return flags
+
+
+def test_base_layers_name_no_prism_flag():
+    """No string of the base layers (messages, docstrings) names a `prism` flag: the CLI owns them.
+    ``data/vendor_gutenberg.py`` is a script with its own argparse options."""
+    flags = _prism_flags() - {"--help"}
+    assert {"--out", "--overwrite", "--set", "--curvature", "--pq-sample"} <= flags
+    src = Path(prismlm.__file__).parent
+    files = [src / "errors.py", src / "artifacts.py", src / "progress.py"]
+    for sub in ("config", "model", "data", "eval"):
+        files += sorted((src / sub).rglob("*.py"))
+    files += [src / "train" / f for f in ("checkpoint.py", "stored_z.py", "bank_stage.py", "sampler.py")]
+    found = []
+    for f in files:
+        if f.name == "vendor_gutenberg.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found += [f"{f.relative_to(src)}:{node.lineno} {m}" for m in FLAG.findall(node.value) if m in flags]
+    assert not found, found

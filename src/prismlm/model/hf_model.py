@@ -1,7 +1,7 @@
 """PRISM as a Hugging Face transformers model: ``PrismConfig`` + ``PrismForCausalLM``.
 
 ``PrismForCausalLM`` wraps one ``PrismLM`` behind the transformers interface (``from_pretrained``,
-``generate()``, ``lm_eval --model hf``) and only calls its forward: the logits are the run's own, bit for bit.
+``generate()``, lm-eval's ``hf`` model) and only calls its forward: the logits are the run's own, bit for bit.
 ``PrismConfig.prism_model`` (the ``ModelConfig`` as a dict) is the source of truth; the standard fields are
 derived from it. Baked-in interventions, padding, the KV cache and tied weights: docs/modules.md.
 transformers is optional: importing this module without it raises ``DependencyError``.
