@@ -174,7 +174,7 @@ def test_a_second_writer_is_refused_and_deletes_nothing(trained, tiny_shards, tm
         for resume in (False, True):
             with pytest.raises(ArtifactError, match=rf"{out} is being written by pid {os.getpid()}") as e:
                 build_cache(trained[0].model, tiny_shards, _CFG, out=out, resume=resume)
-            assert "choose another --out" in str(e.value)
+            assert "choose another `out`" in str(e.value)
         assert {p.name: p.read_bytes() for p in build.rglob("*") if p.is_file()} == before
     build_cache(trained[0].model, tiny_shards, _CFG, out=out, resume=True)
     assert (out / "manifest.json").exists() and not (tmp_path / "cache.lock").exists()
@@ -208,7 +208,9 @@ def _try_lock(path, errors: list[BaseException]) -> None:
 
 def test_cli_writers_refuse_a_held_folder_in_one_line(trained, tiny_shards, tmp_path):
     """`prism attribute-cache`, `prism index` and `prism export` into a folder another process is writing:
-    exit 2 with one line naming the folder, the holder and the fix; no traceback, nothing written."""
+    exit 2 with one line naming the folder, the holder and the fix in the command's own terms (`--out`, or the
+    OUT argument of `prism export`, which has no --out: old main told it to choose another --out); no traceback,
+    nothing written."""
     _, run = trained
     common = ["--shards", str(tiny_shards.root), "--device", "cpu", "--no-progress"]
     cases = {
@@ -220,7 +222,8 @@ def test_cli_writers_refuse_a_held_folder_in_one_line(trained, tiny_shards, tmp_
         with FileLock(tmp_path / f"{name}.lock", "another writer"):
             res = CliRunner().invoke(app, args)
         assert res.exit_code == 2, (name, res.output)
-        assert "being written by pid" in res.output and "choose another --out" in res.output, res.output
+        fix = "choose another OUT" if name == "hf" else "choose another --out"
+        assert "being written by pid" in res.output and fix in res.output, res.output
         assert "Traceback" not in res.output and not (tmp_path / name).exists(), name
 
 

@@ -640,7 +640,7 @@ def test_export_refuses_an_existing_folder_unless_overwrite(run, exported, tmp_p
     before = (exported / "model.safetensors").stat().st_mtime_ns
     with pytest.raises(PrismError, match="already") as e:
         export_run(run, exported)
-    assert "--overwrite" in (e.value.fix or "")
+    assert "`overwrite`" in (e.value.fix or "")
     assert (exported / "model.safetensors").stat().st_mtime_ns == before  # untouched
     for mine in (run.folder, run.checkpoint.path, run.folder / "checkpoints"):
         with pytest.raises(PrismError, match="run folder|checkpoint|holds the run"):
@@ -651,7 +651,7 @@ def test_export_refuses_an_existing_folder_unless_overwrite(run, exported, tmp_p
     assert export_run(run, tmp_path / "empty", overwrite=True) == tmp_path / "empty"  # an export: replaced
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "old.txt").write_text("x")
-    with pytest.raises(PrismError, match="not empty.*even with --overwrite"):
+    with pytest.raises(PrismError, match="not empty.*even with `overwrite`"):
         export_run(run, tmp_path / "busy", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["old.txt"]
     assert not (tmp_path / "busy.tmp").exists() and not (tmp_path / "empty.old").exists()

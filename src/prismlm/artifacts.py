@@ -1,25 +1,10 @@
-"""What every on-disk artifact shares: atomic writes, file hashes, provenance checks, sequence ranges.
+"""What every on-disk artifact shares: atomic writes, hashes, one writer per folder, provenance, ranges.
 
-The lowest layer of prismlm: it imports only the standard library, torch, ``prismlm.errors`` and
-``prismlm._version``, so every other layer (model, data, train, explain, tda, control) can use it.
-
-- **Atomic writes.** ``atomic_write_text`` / ``atomic_write_bytes`` write ``<name>.tmp`` next to the
-  target and rename it into place; ``atomic_dir`` stages a whole folder as ``<name>.tmp`` and renames it
-  in, keeping the previous folder (as ``<name>.old``) until the rename is done. A crash leaves either the
-  old artifact or the new one, never a torn one.
-- **Hashes.** ``sha256_file`` (streamed); ``model_identity`` (a hash of a module's weights, for a model
-  passed without its checkpoint).
-- **One writer per folder.** ``output_lock`` (or the ``writes_folder`` decorator) holds ``OUT.lock`` for a
-  long-running writer (cache, index, export): a second one is refused by name, never let in to delete
-  the first's files; ``FileLock`` is the lock itself (also the run and shard folders' ``.lock``).
-- **Provenance.** ``provenance()`` is the version block every manifest records; ``check_provenance``
-  refuses an artifact built from another model or corpus (``ArtifactMismatch``).
-- **Output folders.** ``check_out_folder`` is the one guard every command that writes a folder calls
-  first: the folder is new or empty, or it holds the same kind of artifact and ``--overwrite`` (or
-  ``--resume``) was given; a run folder, its ``checkpoints/`` and a non-empty foreign folder are never
-  written over. ``check_out_file`` does the same for a single output file (``--json``, ``--html``).
-- **Ranges and parts.** ``part_range`` is the batch-aligned slice of part i of n; artifacts built in parts record the sequence ranges ``[[start, stop), …]`` they cover;
-  ``merge_ranges`` normalises a list of them and ``overlap`` finds a sequence range two lists share.
+The lowest layer (standard library, torch, ``prismlm.errors`` only). Invariant: a crash leaves the old
+artifact or the new one, never a torn one (``atomic_write_*``, ``atomic_dir``), and no command writes over
+something it does not own (``check_out_folder`` / ``check_out_file``, the guard every writer calls first;
+``output_lock`` for long writers). Messages name parameters in backquotes (`` `out` ``); the CLI turns
+them into its flags. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -36,10 +21,10 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeAlias, TypedDict, TypeVar
 
 import torch
 
@@ -94,6 +79,9 @@ def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> P
     return atomic_write_bytes(path, text.encode(encoding))
 
 
+JSON: TypeAlias = dict[str, "JSON"] | list["JSON"] | str | int | float | bool | None
+"""A JSON value: what ``json.loads`` returns and ``json.dumps`` takes (manifests, ``to_dict()`` results)."""
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -103,8 +91,14 @@ def encodable(text: str) -> str:
     return _SURROGATE.sub("\ufffd", text)
 
 
+def named(option: str) -> str:
+    """How a message names the parameter ``option`` (``out`` → `` `out` ``, which the CLI turns into its flag);
+    a label that is not a parameter name (``OUT``, ``CACHE/search``) is kept as it is."""
+    return f"`{option}`" if option.isidentifier() and option.islower() else option
+
+
 def write_output(path: str | Path, text: str, *, option: str) -> Path:
-    """Write a file the user named with ``option`` (``--json``, ``--html``): missing parent folders are
+    """Write a file the user named with ``option`` (e.g. ``json_out``): missing parent folders are
     created, lone surrogates are written as U+FFFD, and the write is atomic (never a 0-byte or torn file).
     A path that cannot be written raises ``ConfigError`` naming the option, the path and the OS's reason."""
     path = Path(path)
@@ -115,8 +109,8 @@ def write_output(path: str | Path, text: str, *, option: str) -> Path:
         return atomic_write_text(path, encodable(text))
     except OSError as e:
         raise ConfigError(
-            f"{option} {path}: cannot write it ({e.strerror or e})",
-            fix=f"give {option} a file path in a folder you can write",
+            f"{named(option)} {path}: cannot write it ({e.strerror or e})",
+            fix=f"give {named(option)} a file path in a folder you can write",
             path=path,
         ) from None
 
@@ -262,7 +256,7 @@ _HELD: dict[tuple[str, int], int] = {}
 def output_lock(out: str | Path) -> Iterator[None]:
     """Hold the output folder ``out`` for one writer (``OUT.lock``, next to it, removed on release; the OS
     drops the lock when the process dies): a second writer — another process, or another thread of this
-    one — gets ``ArtifactError`` ("OUT is being written by pid N …; wait for it or choose another --out")
+    one — gets ``ArtifactError`` ("OUT is being written by pid N …; wait for it or choose another `out`")
     before it touches anything. Re-entrant within a thread."""
     path = Path(os.path.abspath(out))
     key = (str(path), threading.get_ident())
@@ -278,13 +272,13 @@ def output_lock(out: str | Path) -> Iterator[None]:
         str(out),
         error=ArtifactError,
         remove=True,
-        fix="wait for it to finish, or choose another --out",
+        fix="wait for it to finish, or choose another `out`",
     )
     try:
         lock.acquire()
     except OSError as e:
         raise ArtifactError(
-            f"cannot write {out}: {e.strerror or e} ({lock.path})", fix="choose another --out", path=out
+            f"cannot write {out}: {e.strerror or e} ({lock.path})", fix="choose another `out`", path=out
         ) from None
     _HELD[key] = 1
     try:
@@ -346,7 +340,15 @@ def sampled_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def file_records(folder: str | Path, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+class FileRecord(TypedDict):
+    """What a manifest records of one file, so that loading can verify it."""
+
+    bytes: int
+    sha256: str
+    sample_sha256: str
+
+
+def file_records(folder: str | Path, names: list[str] | None = None) -> dict[str, FileRecord]:
     """Size, sha256 and sampled sha256 of files in ``folder`` (``names``, or every file but manifest.json):
     what a manifest records so that loading can verify them."""
     folder = Path(folder)
@@ -367,7 +369,7 @@ def file_records(folder: str | Path, names: list[str] | None = None) -> dict[str
 
 def verify_files(
     folder: str | Path,
-    records: dict[str, dict[str, Any]] | None,
+    records: Mapping[str, FileRecord] | None,
     *,
     what: str,
     fix: str,
@@ -431,7 +433,12 @@ def provenance() -> dict[str, str]:
 
 
 def check_provenance(
-    manifest: dict[str, Any], *, what: str, rebuild: str, model_sha256: str | None = None, shard_key: str | None = None
+    manifest: Mapping[str, object],
+    *,
+    what: str,
+    rebuild: str,
+    model_sha256: str | None = None,
+    shard_key: str | None = None,
 ) -> None:
     """Refuse an artifact (index, attribution cache, …) built from another model or corpus.
 
@@ -503,15 +510,16 @@ def check_out_folder(
     holds: str | Callable[[Path], bool],
     overwrite: bool = False,
     resume: bool = False,
-    option: str = "--out",
+    option: str = "out",
     can_resume: bool = False,
 ) -> None:
     """Refuse to write the folder ``out`` (a ``what``) unless nothing of value is lost: it is new or empty
     (a lock file aside), or it ``holds`` that kind of artifact (a manifest kind, or a test of the folder)
     and ``overwrite`` or ``resume`` was given. Never a file, a run folder, a run's ``checkpoints/`` or
     anything inside them, or a non-empty foreign folder, whatever the flags. ``RunError`` (a one-line
-    message naming ``option`` and how to proceed) otherwise; ``can_resume``: the command has ``--resume``."""
+    message naming ``option`` and how to proceed) otherwise; ``can_resume``: the caller takes ``resume``."""
     out = Path(out)
+    option = named(option)
     same = (lambda p: folder_kind(p) == holds) if isinstance(holds, str) else holds
     if out.exists() and not out.is_dir():
         raise RunError(f"{option} {out} is an existing file, not a folder", fix=f"choose another {option}", path=out)
@@ -526,24 +534,25 @@ def check_out_folder(
     if same(out):
         if overwrite or resume:
             return
-        how = ["pass --overwrite to replace it"] + (["--resume to continue it"] if can_resume else [])
+        how = ["pass `overwrite` to replace it"] + (["`resume` to continue it"] if can_resume else [])
         raise RunError(
             f"{option} {out} already holds {_a(what)}", fix=f"{', or '.join(how)}, or choose another {option}", path=out
         )
     kind = folder_kind(out)
     held = _describe(kind) if kind else "a folder that is not empty"
     raise RunError(
-        f"{option} {out} is {held} and not {_a(what)}; nothing in it is replaced, even with --overwrite",
+        f"{option} {out} is {held} and not {_a(what)}; nothing in it is replaced, even with `overwrite`",
         fix=f"choose a new or empty folder for {option}",
         path=out,
     )
 
 
 def check_out_file(path: str | Path, option: str) -> None:
-    """Refuse an output file (``--json``, ``--html``) that is a folder, lies inside a run's checkpoints, or
+    """Refuse an output file (e.g. ``json_out``) that is a folder, lies inside a run's checkpoints, or
     would replace a file of an artifact (a run's config.json or metrics.jsonl, an index's manifest.json, …).
     ``RunError`` naming ``option`` otherwise; a missing parent folder is left to the writer."""
     path = Path(path)
+    option = named(option)
     if path.is_dir():
         raise RunError(
             f"{option} {path} is a folder", fix=f"give {option} a file name (e.g. one inside that folder)", path=path
@@ -587,9 +596,9 @@ def part_range(num_sequences: int, batch_size: int, part: tuple[int, int]) -> tu
     ``batch_size`` (so parts built separately go through the model in the same batches as one pass)."""
     i, n = part
     if batch_size < 1:
-        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+        raise ConfigError(f"`batch_size` must be >= 1, got {batch_size}")
     if not (n >= 1 and 0 <= i < n):
-        raise ConfigError(f"part must be i/n with 0 <= i < n, got {i}/{n} (e.g. --part 0/4 for the first of 4)")
+        raise ConfigError(f"`part` must be i/n with 0 <= i < n, got {i}/{n} (e.g. 0/4 for the first of 4)")
     nb = math.ceil(num_sequences / batch_size)
     b0, b1 = (i * nb) // n, ((i + 1) * nb) // n
     return min(b0 * batch_size, num_sequences), min(b1 * batch_size, num_sequences)

@@ -29,7 +29,7 @@ class PrismError(Exception):
 
 
 class ConfigError(PrismError, ValueError):
-    """A configuration value, option or ``--set`` override is invalid or unknown. ``option``: the name (or
+    """A configuration value, option or override (``train.lr=…``) is invalid or unknown. ``option``: the name (or
     names) of the parameter or config field at fault, as the library spells it (``top_tokens``); a front
     end maps it to its own spelling (the CLI to its flag)."""
 

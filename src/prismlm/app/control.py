@@ -67,7 +67,7 @@ def find_run_concept(
     if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what `save` writes)
         target = out / CHECKPOINT_FILE if out.is_dir() else out
         if target.name != CHECKPOINT_FILE:
-            check_out_file(target, "--out")
+            check_out_file(target, "out")
     model = run.prism_model("`prism concept`")
     if (index is None) != (concept_docs is None):
         raise ConfigError("neighbourhood purity needs both index and concept_docs", option=("index", "concept_docs"))
@@ -234,7 +234,7 @@ def fit_controller(
     require(steps >= 1, "steps", ">= 1", steps)
     require(math.isfinite(lr) and lr > 0, "lr", "a finite number > 0", lr)
     require(len(l1) >= 1 and all(math.isfinite(x) and x >= 0 for x in l1), "l1", "finite numbers >= 0", list(l1))
-    check_out_file(out, "--out")
+    check_out_file(out, "out")
     model = run.prism_model("a controller over prototypes (see bench/control.py for the SAE baseline)")
     assert model.prototypes is not None
     idx = run.index(index, required=True) if index is not None else None  # before the fit: fail fast on a bad path

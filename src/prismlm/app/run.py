@@ -221,7 +221,8 @@ class Run:
             return self._shards[key]
         if shards_dir is None and "config" in self._shards:  # already prepared from the data config
             return self._shards["config"]
-        want = (self.checkpoint.manifest.get("data") or {}).get("key")
+        recorded = self.checkpoint.manifest.get("data")
+        want = recorded.get("key") if recorded else None
         shards: ShardSet | None = None
         if shards_dir is not None:
             shards = load_shards(shards_dir)

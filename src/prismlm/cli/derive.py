@@ -16,7 +16,6 @@ import textwrap
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -33,7 +32,7 @@ SUPPRESS_HELP = (
 )
 
 
-def arg_help(func: Callable[..., Any]) -> dict[str, str]:
+def arg_help(func: Callable[..., object]) -> dict[str, str]:
     """The ``Args:`` section of a Google-style docstring → {parameter: help}."""
     doc = inspect.getdoc(func) or ""
     m = re.search(r"^Args:\n((?:[ \t]+.*\n?|\n)*)", doc, re.M)
@@ -57,12 +56,12 @@ def _option_decls(p: inspect.Parameter) -> list[str]:
     return [d for d in (getattr(p.default, "param_decls", None) or ()) if isinstance(d, str)]
 
 
-def _first_parameter(func: Callable[..., Any]) -> str:
+def _first_parameter(func: Callable[..., object]) -> str:
     """The name of a renderer's first parameter: the operation's result, not an option."""
     return next(iter(inspect.signature(func).parameters))
 
 
-def summary(func: Callable[..., Any]) -> str:
+def summary(func: Callable[..., object]) -> str:
     """The docstring up to its ``Args:`` section (the command's help)."""
     doc = inspect.getdoc(func) or ""
     return doc.split("\nArgs:")[0].strip().replace("``", "`")
@@ -91,19 +90,18 @@ def field_docs(cls: type) -> dict[str, str]:
 def _config_params(
     name: str, cls: type, default: object, decls: dict[str, list[str]], prefix: str = ""
 ) -> list[inspect.Parameter]:
-    """One option per field of the config dataclass ``cls`` (help from the field's docstring; the flag
-    named in it as (``--flag``) if any), defaults from ``default`` (an instance) or ``cls()``. ``prefix``
+    """One option per field of the config dataclass ``cls`` (help from the field's docstring, the other fields
+    it names given as their flags; the flag from ``decls`` when the command names one, else
+    ``--field-name``), defaults from ``default`` (an instance) or ``cls()``. ``prefix``
     (e.g. ``rescoring_``) goes before each field's name, for fields whose names another group also uses."""
     base = default if isinstance(default, cls) else cls()
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
+    names = {f.name: decls.get(f.name, ["--" + f.name.replace("_", "-")])[0] for f in dataclasses.fields(cls)}
     out = []
     for f in dataclasses.fields(cls):
-        doc = docs.get(f.name, "")
-        flag = re.search(r"\(``(--[\w-]+)``\)", doc)
-        names = decls.get(prefix + f.name) or ([flag.group(1)] if flag else [])
-        help_text = re.sub(r"\s*\(``--[\w-]+``\)", "", doc).replace("``", "`")
-        info = typer.Option(getattr(base, f.name), *names, help=help_text)
+        help_text = with_flags(docs.get(f.name, "").replace("``", "`"), names)  # `prune_by` → --prune-by
+        info = typer.Option(getattr(base, f.name), *decls.get(prefix + f.name, []), help=help_text)
         out.append(
             inspect.Parameter(prefix + f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=hints[f.name])
         )
@@ -134,8 +132,29 @@ def _with_flags(msg: str, flags: dict[str, str]) -> str:
     return msg
 
 
+def flags_of(params: list[inspect.Parameter]) -> dict[str, str]:
+    """What the user types for each parameter of a command: its first long flag (``json_out`` → ``--json``,
+    ``curvature_mode`` → ``--curvature``), typer's ``--name-with-dashes`` when none is declared, or the
+    metavar (``OUT``) of a positional argument."""
+    out = {}
+    for p in params:
+        info = p.default
+        if isinstance(info, typer.models.ArgumentInfo):
+            out[p.name] = p.name.upper()
+            continue
+        long = [d.split("/")[0] for d in getattr(info, "param_decls", None) or () if d.startswith("--")]
+        out[p.name] = long[0] if long else "--" + p.name.replace("_", "-")
+    return out
+
+
+def with_flags(message: str, flags: dict[str, str]) -> str:
+    """A library message for the terminal: each backquoted parameter or config field it names
+    (`` `curvature_mode` ``) becomes the command's flag for it (``--curvature``); other text is kept."""
+    return re.sub(r"`(\w+)`", lambda m: flags.get(m.group(1), m.group(0)), message)
+
+
 def _params(
-    func: Callable[..., Any],
+    func: Callable[..., object],
     skip: set[str],
     decls: dict[str, list[str]],
     arguments: set[str],
@@ -185,8 +204,9 @@ def _params(
 def flag_message(e: PrismError, flags: dict[str, str], field_flags: dict[str, str] | None = None) -> str:
     """``str(e)``, with a ``ConfigError``'s ``option`` (the library's parameter or field name, e.g.
     ``top_tokens``) spelled as this command's flag (``--top-tokens``), and each ``Class.field`` or
-    ````name```` the text names (``field_flags``) replaced by its flag: the library never names flags."""
-    msg = _with_flags(str(e), field_flags or {})
+    ````name```` the text names (``field_flags``), and each `name` in single backquotes, replaced by its flag:
+    the library never names flags."""
+    msg = with_flags(_with_flags(str(e), field_flags or {}), flags)
     if not isinstance(e, ConfigError) or e.option is None:
         return msg
     for name in (e.option,) if isinstance(e.option, str) else e.option:
@@ -215,7 +235,7 @@ def os_error_message(e: OSError) -> str:
 def command(
     app: typer.Typer,
     name: str,
-    op: Callable[..., Any],
+    op: Callable[..., object],
     render: Callable[..., None] | None = None,
     *,
     opens_run: bool = True,
@@ -223,8 +243,8 @@ def command(
     decls: dict[str, list[str]] | None = None,
     skip: set[str] | None = None,
     suppressible: bool = False,
-    fixed: dict[str, Any] | None = None,
-    computed: dict[str, Callable[[dict[str, Any]], Any]] | None = None,
+    fixed: dict[str, object] | None = None,
+    computed: dict[str, Callable[[dict[str, object]], object]] | None = None,
     prefixed: set[str] | None = None,
 ) -> None:
     """Register ``op`` as ``prism NAME``. With ``opens_run`` the first argument is RUN and ``--device``
@@ -251,10 +271,6 @@ def command(
     render_all = _params(render, {"run", _first_parameter(render)}, decls, set()) if render is not None else []
     render_names = {p.name for p in render_all}
     render_params = [p for p in render_all if p.name not in op_names]
-    flags = {  # parameter or config field name → the flag the user typed, for error messages
-        p.name: next((d for d in _option_decls(p) if d.startswith("--")), "--" + p.name.replace("_", "-"))
-        for p in op_params + render_all
-    }
     head: list[inspect.Parameter] = []
     tail: list[inspect.Parameter] = []
     if opens_run:
@@ -278,7 +294,16 @@ def command(
                 )
             )
 
-    def run_command(**kwargs: Any) -> None:
+    params = (
+        head
+        + [p for p in op_params if p.name in positional]
+        + [p for p in op_params if p.name not in positional]
+        + tail
+        + render_params
+    )
+    flags = flags_of(params)  # parameter or config field name → what the user types, for error messages
+
+    def run_command(**kwargs: object) -> None:
         op_kwargs = {
             **{k: v for k, v in kwargs.items() if k in op_names},
             **fixed,
@@ -295,12 +320,14 @@ def command(
         render_kwargs = {k: v for k, v in kwargs.items() if k in render_names}
         try:
             for k, v in render_kwargs.items():  # output files (--json, --html): refused before any work
-                if k.endswith("_out") and v is not None:
-                    check_out_file(v, decls.get(k, [f"--{k.replace('_', '-')}"])[0])
+                if k.endswith("_out") and isinstance(v, (str, Path)):
+                    check_out_file(v, k)
             run = None
-            if opens_run:
+            if opens_run:  # typer parsed these three as declared above: a Path and two strings
                 run = Run.open(
-                    kwargs["run"], device=kwargs["device"], suppress=kwargs["suppress"] if suppressible else "none"
+                    Path(str(kwargs["run"])),
+                    device=str(kwargs["device"]),
+                    suppress=str(kwargs["suppress"]) if suppressible else "none",
                 )
                 if run.suppression is not None:
                     from prismlm.cli.console import console
@@ -323,16 +350,9 @@ def command(
                 raise
             fail(os_error_message(e))
         except KeyboardInterrupt:  # no traceback: say what is kept and how to go on
-            hint = "; rerun with --resume to continue it" if "resume" in op_names else ""
+            hint = f"; rerun with {flags['resume']} to continue it" if "resume" in op_names else ""
             interrupted(f"{name} interrupted{hint}")
 
-    params = (
-        head
-        + [p for p in op_params if p.name in positional]
-        + [p for p in op_params if p.name not in positional]
-        + tail
-        + render_params
-    )
     run_command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     run_command.__doc__ = summary(op)
     run_command.__name__ = name.replace("-", "_")

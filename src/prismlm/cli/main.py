@@ -340,8 +340,10 @@ def render_attribution(
         console.print(f"HTML → {html_out}")
 
 
-# --sketch-size: the same as --r, for torchrun (whose argument parser takes --r for an abbreviation of its own flags)
-command(app, "attribute-cache", ops.build_run_cache, render_cache, decls={"r": ["--r", "--sketch-size"]})
+# The flags of AttributionConfig's fields where they differ from --field-name. --sketch-size: the same as --r, for
+# torchrun (whose argument parser takes --r for an abbreviation of its own flags).
+ATTRIBUTION_FLAGS = {"r": ["--r", "--sketch-size"], "curvature_mode": ["--curvature"]}
+command(app, "attribute-cache", ops.build_run_cache, render_cache, decls=ATTRIBUTION_FLAGS)
 command(app, "attribute-search", ops.build_run_search, render_search)
 command(
     app,

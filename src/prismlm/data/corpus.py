@@ -1,15 +1,9 @@
 """Corpus readers: turn a corpus *spec* string into a stream of :class:`Document`.
 
-Why a spec string: the CLI and the trainer pass one value (``--corpus``) that
-may name the vendored built-in corpus, local files in several formats, or a
-Hugging Face dataset. Everything downstream (tokenizer training, sharding,
-train/val splitting) only sees ``Document`` objects with stable ids, so the
-split of a document never depends on the order in which files are read.
-
-Readers stream (one file / one row batch at a time) so that corpora larger
-than memory can be sharded, and decode strictly as UTF-8 so that a corrupt
-file fails loudly with its name and position instead of silently training on
-replacement characters.
+One spec (``data.corpus``) names the built-in corpus, local files in several formats, or a Hugging Face
+dataset. Invariant: everything downstream sees ``Document`` objects with stable ids, so a document's split
+never depends on the order in which files are read. Readers stream (one file or row batch at a time) and
+decode strictly as UTF-8: a corrupt file fails with its name and position. See docs/modules.md.
 """
 
 from __future__ import annotations
@@ -25,9 +19,12 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 from prismlm.errors import ConfigError, CorpusError
+
+if TYPE_CHECKING:
+    from prismlm.artifacts import JSON
 
 __all__ = [
     "Document",
@@ -46,6 +43,51 @@ GUTENBERG_DOC_CHARS = 8000
 _PARQUET_BATCH_ROWS = 1024
 
 
+class DocumentMeta(TypedDict, total=False):
+    """Where a document came from, and the labels evaluation tasks read (``author``, ``year``, ``president``).
+    Each source sets its own keys: ``source`` always, ``path`` for files."""
+
+    source: str
+    """txt, jsonl, parquet, hf, gutenberg or sotu."""
+    path: str
+    line: int
+    """jsonl: 1-based line."""
+    record_id: JSON
+    """jsonl: the record's ``id`` field, if any."""
+    row: int
+    """parquet / hf: the row."""
+    dataset: str
+    config: str | None
+    split: str | None
+    book: str
+    """gutenberg: the book's short name; ``part`` is the paragraph chunk's number in it."""
+    part: int
+    author: str | None
+    title: str | None
+    year: int | None
+    date: str | None
+    president: str | None
+    president_full: str | None
+    party: str | None
+    sotu_type: str | None
+
+
+class GutenbergSource(TypedDict):
+    """One book of ``builtin/SOURCES.json``."""
+
+    file: str
+    name: str
+    author: str
+    title: str
+    year: int | None
+    origin: str
+    license: str
+    original_bytes: int
+    vendored_bytes: int
+    compressed_bytes: int
+    sha256: str
+
+
 @dataclass(frozen=True)
 class Document:
     """One training document.
@@ -58,7 +100,7 @@ class Document:
 
     id: str
     text: str
-    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    meta: DocumentMeta = field(default_factory=lambda: DocumentMeta(), compare=False)
 
 
 # ---------------------------------------------------------------------------
@@ -123,7 +165,7 @@ def split_hash(doc_id: str, seed: int = 0) -> float:
     return int.from_bytes(h, "big") / 2.0**64
 
 
-def corpus_fingerprint(spec: str, **opts: Any) -> str:
+def corpus_fingerprint(spec: str, **opts: object) -> str:
     """Cheap fingerprint of a corpus (no file contents are read).
 
     builtin: prismlm version + SOURCES.json + sotu metadata; files: resolved
@@ -255,7 +297,7 @@ def _jsonl_documents(path: Path, rel: str, text_field: str) -> Iterator[Document
                 continue
             if not isinstance(text, str):
                 raise CorpusError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, expected a string")
-            meta: dict[str, Any] = {"source": "jsonl", "path": str(path), "line": lineno}
+            meta: DocumentMeta = {"source": "jsonl", "path": str(path), "line": lineno}
             if "id" in rec and isinstance(rec["id"], (str, int)):
                 meta["record_id"] = rec["id"]
             yield Document(f"{rel}#L{lineno}", text, meta)
@@ -419,7 +461,7 @@ def split_paragraphs(text: str, target_chars: int = GUTENBERG_DOC_CHARS) -> list
     return chunks
 
 
-def _gutenberg_sources() -> list[dict[str, Any]]:
+def _gutenberg_sources() -> list[GutenbergSource]:
     path = BUILTIN_DIR / "SOURCES.json"
     if not path.exists():
         raise CorpusError(f"built-in corpus is missing {path} (reinstall prismlm)")
@@ -434,7 +476,7 @@ def gutenberg_documents() -> Iterator[Document]:
             raise CorpusError(f"built-in corpus file {path} is missing (reinstall prismlm)")
         text = _decode_strict(lzma.decompress(path.read_bytes()), path)
         name = entry["name"]
-        base = {
+        base: DocumentMeta = {
             "source": "gutenberg",
             "book": name,
             "author": entry.get("author"),
@@ -470,7 +512,7 @@ def sotu_documents() -> Iterator[Document]:
         fid = path.stem
         r = rows.get(fid, {})
         year = r.get("year") or fid.split("-", 1)[0]
-        meta = {
+        meta: DocumentMeta = {
             "source": "sotu",
             "path": str(path),
             "year": int(year) if str(year).isdigit() else None,

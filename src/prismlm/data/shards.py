@@ -1,20 +1,9 @@
 """Token shards: a tokenised corpus on disk, memory-mapped for training.
 
-Why: tokenising the built-in corpus takes tens of seconds on 2 cores, and a
-prototype LM needs to map any training position back to its document (for
-data-anchored prototypes and for displays). So the corpus is encoded once
-into flat ``.bin`` token files (documents concatenated, each followed by the
-end-of-text id) plus per-document offsets and ids, and a cache key makes
-re-runs with the same corpus/tokenizer/split reuse the files.
-
-Layout of a shard directory::
-
-    train.bin, val.bin            tokens (uint16 if vocab <= 65536 else uint32)
-    train.docs.npy, val.docs.npy  int64 document start offsets (+ final end)
-    train.ids.json, val.ids.json  document ids, in order
-    tokenizer/                    Tokenizer.save
-    manifest.json                 written last, atomically: its presence with
-                                  a matching key means the directory is complete
+The corpus is encoded once into flat ``.bin`` token files (documents concatenated, each followed by the
+end-of-text id) plus per-document offsets and ids, so any training position maps back to its document.
+Invariant: ``manifest.json`` is written last, atomically; its presence with a matching cache key means the
+folder is complete, and re-runs with the same corpus/tokenizer/split reuse it. Layout: docs/modules.md.
 """
 
 from __future__ import annotations
@@ -24,14 +13,14 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
-from prismlm.artifacts import FileLock, atomic_write_text, sampled_sha256, sha256_file
+from prismlm.artifacts import JSON, FileLock, atomic_write_text, sampled_sha256, sha256_file
 from prismlm.data.corpus import Document, corpus_fingerprint, iter_documents, package_version, split_hash
 from prismlm.data.tokenizer import Tokenizer, describe_tokenizer, resolve_tokenizer, token_dtype
 from prismlm.errors import ConfigError, CorpusError, ShardError
@@ -317,10 +306,10 @@ def prepare_shards(
     extreme split hash is moved over, so both splits are usable.
 
     ``replace=False``: refuse (``ShardError``) a folder that holds complete shards of another corpus or
-    tokenizer instead of rebuilding it (``prism prepare --out`` without ``--overwrite``).
+    tokenizer instead of rebuilding it (``prismlm.app.prepare`` into ``out`` without ``overwrite``).
     """
     if not 0.0 <= val_fraction <= 1.0:
-        raise ConfigError(f"--val-fraction must be in [0, 1], got {val_fraction}")
+        raise ConfigError(f"`val_fraction` must be in [0, 1], got {val_fraction}")
     opts = {"text_field": text_field, "max_docs": max_docs, "max_chars_per_doc": max_chars_per_doc}
     fp = corpus_fingerprint(corpus, **opts)
     key_src = {
@@ -344,7 +333,7 @@ def prepare_shards(
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ShardError(
-            f"cannot create the shard folder {root}: {e}", fix="pass --out to a writable folder or set PRISM_DATA"
+            f"cannot create the shard folder {root}: {e}", fix="give `out` a writable folder or set PRISM_DATA"
         ) from e
     # One writer per shard folder: a second process preparing the same key waits here, then reuses the
     # shards the first one finished (the manifest is written last, so it marks them complete).
@@ -405,7 +394,7 @@ def _refuse_other_shards(root: Path, key: str) -> None:
         spec = f"{old.get('corpus', {}).get('spec')!r} with tokenizer {old.get('tokenizer', {}).get('spec')!r}"
         raise ShardError(
             f"{root} holds the shards of another corpus or tokenizer ({spec})",
-            fix="pass --overwrite to replace them, or choose another --out",
+            fix="pass `overwrite` to replace them, or choose another `out`",
             path=root,
         )
 
@@ -454,7 +443,7 @@ def _build(
     corpus: str,
     tokenizer: str,
     fp: str,
-    opts: dict[str, Any],
+    opts: Mapping[str, object],
     val_fraction: float,
     seed: int,
     text_field: str,
@@ -524,7 +513,7 @@ def _build(
     t_enc = time.perf_counter() - t1
 
     tok.save(root / "tokenizer")
-    split_info: dict[str, Any] = {}
+    split_info: dict[str, JSON] = {}
     for split, w in writers.items():
         os.replace(w.tmp, root / f"{split}.bin")
         sample = sampled_sha256(root / f"{split}.bin")

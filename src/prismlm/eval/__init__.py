@@ -1,6 +1,7 @@
 """Evaluation: perplexity and coverage metrics, log-likelihood scoring, multiple-choice tasks.
 
-``prismlm.integrations.lm_eval_adapter`` (optional ``lm-eval``) registers ``--model prism``; the ``prism-lm-eval`` command is lm-eval's CLI with it.
+``prismlm.integrations.lm_eval_adapter`` (optional ``lm-eval``) registers the ``prism`` model with lm-eval; the
+``prism-lm-eval`` command is lm-eval's command line with it.
 """
 
 from prismlm.eval.metrics import CoverageAccumulator, evaluate

@@ -10,7 +10,7 @@ returns — so a suppressed or controlled model (``with model.suppress(...)``) i
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -101,12 +101,12 @@ class MCResult:
     predictions: list[int]
     loglikelihoods: list[list[float]]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, float]:
         return {"acc": self.acc, "acc_norm": self.acc_norm, "n": self.n}
 
 
 def mc_accuracy(
-    model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[str, Any]], *, batch_size: int = 32
+    model: PrismLM, tokenizer: Tokenizer, docs: Sequence[Mapping[str, Any]], *, batch_size: int = 32
 ) -> MCResult:
     """Accuracy of multiple-choice docs ``{"query", "choices", "gold"}`` as lm-eval computes it: ``acc``
     picks the choice with the highest log-likelihood, ``acc_norm`` divides it by the choice's length in

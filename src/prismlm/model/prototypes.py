@@ -1,15 +1,9 @@
 """The PRISM prototype layer (spec §1.2–1.5): cosine → top-k → ReLU, reconstruction, residual.
 
-Shapes: N tokens (N = B·T flattened), width d, K prototypes, k active per token.
-
-Memory: the N × K cosine matrix is the only thing of that size, computed once per forward in chunks of
-``chunk_size`` tokens *without* autograd (selection is a discrete choice). That one pass gives everything
-the selection needs: the top-k indices *and their cosines* (the top-k values) per token, and the best token
-of each prototype (column maxima) for R1. The k cosines per token and the reconstruction ẑ = Σ a_i p_i then
-carry gradient through ``_SparseHead``, whose backward is written as products with the sparse N × K
-selection pattern (k nonzeros per row, CSR): no (N, k, d) gather is ever formed. The best prototype of each
-token (R2) is the top-1 of the top-k. Peak extra memory: chunk_size × K (plus bounded temporaries), never
-N × K with a graph attached.
+Shapes: N tokens (B·T flattened), width d, K prototypes, k active per token. Invariant: the N × K cosine
+matrix is computed once per forward, in chunks of ``chunk_size`` tokens and without autograd; gradients flow
+through the k selected cosines and ẑ = Σ a_i p_i (``_SparseHead``, CSR products), so peak extra memory is
+chunk_size × K, never N × K with a graph attached. See docs/modules.md.
 """
 
 from __future__ import annotations
@@ -17,12 +11,11 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 from prismlm.config import PrototypeConfig
 
@@ -244,6 +237,15 @@ class _Pattern:
         return torch.empty_like(vals).scatter_(1, self.row_perm, vals)  # back to the (N, k) order
 
 
+class _HeadContext(FunctionCtx):
+    """What ``_SparseHead.forward`` keeps for its backward: the selection pattern and four saved tensors (torch
+    sets ``saved_tensors`` and ``needs_input_grad``; this class only names their types)."""
+
+    pattern: _Pattern
+    saved_tensors: tuple[torch.Tensor, ...]
+    needs_input_grad: tuple[bool, ...]
+
+
 class _SparseHead(torch.autograd.Function):
     """cos_nj = ⟨z_unit_n, p_i⟩ / ‖p_i‖ and ẑ_n = Σ_j relu(cos_nj) p_i (i = indices_nj), as functions of
     (z_unit, p, ‖p‖), with the gradient of the same expression written out. Nothing of size (N, k, d)
@@ -260,7 +262,12 @@ class _SparseHead(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, z_unit: torch.Tensor, p: torch.Tensor, p_norm: torch.Tensor, cos: torch.Tensor, indices: torch.Tensor
+        ctx: _HeadContext,
+        z_unit: torch.Tensor,
+        p: torch.Tensor,
+        p_norm: torch.Tensor,
+        cos: torch.Tensor,
+        indices: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         pattern = _Pattern(indices, p.shape[0])
         act = F.relu(cos)
@@ -271,7 +278,9 @@ class _SparseHead(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g_cos: torch.Tensor | None, g_rec: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: _HeadContext, g_cos: torch.Tensor | None, g_rec: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         z_unit, p, p_norm, cos = ctx.saved_tensors
         pattern: _Pattern = ctx.pattern
         g_c = g_cos if g_cos is not None else torch.zeros_like(cos)

@@ -1,16 +1,10 @@
 """Retrofit stage 1 on stored hidden states: train the prototype bank on z read from a ``StoredZ``.
 
-With the backbone and W frozen the logits are the source model's and CE is a constant, so a frozen step
-needs only z: the same steps as the trainer's frozen stage (the same ``SequenceSampler`` order, AdamW groups
-from ``build_optimizer``, learning-rate schedule, loss warm-up, gradient clipping, micro-batches) with the
-backbone forward replaced by a read of the stored rows. The loss is REC + R1 + R2 with the weights of
-``LossConfig.weights_at`` (CE is skipped: it has no gradient into the bank). With z stored in float32 the
-bank is the per-step path's bit for bit on CPU, and so is the model after a stage 2 (tested); float16 rounds
-z to 11 significant bits.
-
-The stage ends with an ordinary checkpoint at its last step (weights, optimizer, RNG, data position, a
-validation of the whole model), so eval, explain, index and export read it unchanged and ``train(...,
-resume=True)`` continues it with stage 2.
+With the backbone and W frozen a step needs only z: the trainer's frozen stage (same sampler order,
+optimizer groups, schedules, clipping) with the backbone forward replaced by a read of stored rows, and the
+loss REC + R1 + R2 (CE has no gradient into the bank). Invariant: with z stored in float32 the bank is the
+per-step path's bit for bit on CPU. The stage ends with an ordinary checkpoint that ``train(...,
+resume=True)`` continues with stage 2. See docs/modules.md.
 """
 
 from __future__ import annotations

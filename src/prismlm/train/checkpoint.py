@@ -1,21 +1,9 @@
 """Checkpoints: safetensors weights + JSON config + manifest + optimizer/RNG/data-position state.
 
-Layout of a run folder::
-
-    runs/NAME/
-      config.json  env.json  metrics.jsonl
-      checkpoints/
-        latest                      # text file: name of the newest complete checkpoint
-        step-000600/
-          model.safetensors         # weights (tied tensors stored once)
-          config.json               # the resolved RunConfig
-          manifest.json             # what produced it: step, model sha256, data manifest key, versions
-          trainer_state.pt          # optimizer, RNG states, data position (resume only)
-          sharded/                  # FSDP runs: the optimizer state in per-rank shards (resume only)
-          tokenizer/                # the tokenizer, so the checkpoint is self-contained
-
-A checkpoint is written to ``step-XXXXXX.tmp`` and renamed into place, and ``latest`` is replaced
-atomically after that, so a crash never leaves a half-written checkpoint that ``--resume`` would pick.
+A checkpoint is ``RUN/checkpoints/step-XXXXXX/`` (weights, resolved config, manifest, trainer state,
+tokenizer: self-contained). Invariant: it is written to ``step-XXXXXX.tmp`` and renamed into place, and
+``latest`` is replaced atomically after that, so a crash never leaves a half-written checkpoint that a
+resume would pick. The run-folder layout: docs/modules.md.
 """
 
 from __future__ import annotations
@@ -23,14 +11,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from safetensors.torch import load_model, save_model
 
 from prismlm.artifacts import (
+    JSON,
+    FileRecord,
     atomic_dir,
     atomic_write_text,
     file_records,
@@ -47,15 +38,40 @@ if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
 
 
+class DataRecord(TypedDict):
+    """The token shards a checkpoint was trained on (from their manifest)."""
+
+    key: str | None
+    corpus: JSON
+    tokenizer: JSON
+
+
+class CheckpointManifest(TypedDict, total=False):
+    """A checkpoint's ``manifest.json`` (older checkpoints may lack ``files``; ``source`` only for retrofits)."""
+
+    kind: str
+    step: int
+    model_sha256: str
+    """sha256 of ``model.safetensors``: the model's identity, which artifacts are tied to."""
+    is_prism: bool
+    num_parameters: int
+    data: DataRecord | None
+    source: dict[str, object]
+    """Where a retrofit's weights came from (``RunConfig.source``)."""
+    files: dict[str, FileRecord]
+    prismlm_version: str
+    torch_version: str
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
     model: PrismLM,
     cfg: RunConfig,
     *,
-    trainer_state: dict[str, Any] | None = None,
+    trainer_state: Mapping[str, object] | None = None,
     tokenizer: Tokenizer | None = None,
-    data_manifest: dict[str, Any] | None = None,
+    data_manifest: Mapping[str, object] | None = None,
     keep: int = 2,
     sharded: Path | None = None,
 ) -> Path:
@@ -122,7 +138,7 @@ class Checkpoint:
     path: Path
     model: PrismLM
     config: RunConfig
-    manifest: dict[str, Any]
+    manifest: CheckpointManifest
     tokenizer: Tokenizer | None
 
     def require_tokenizer(self) -> Tokenizer:
@@ -131,14 +147,14 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {self.path} has no tokenizer/ folder", path=self.path)
         return self.tokenizer
 
-    def trainer_state(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    def trainer_state(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:  # as the trainer saved it
         f = self.path / "trainer_state.pt"
         if not f.exists():
             raise CheckpointError(f"{self.path} has no trainer_state.pt; it cannot be resumed")
         return torch.load(f, map_location=map_location, weights_only=False)
 
 
-def verify_checkpoint(ckpt: Path, manifest: dict[str, Any], *, full: bool = False) -> list[str]:
+def verify_checkpoint(ckpt: Path, manifest: CheckpointManifest, *, full: bool = False) -> list[str]:
     """Check a checkpoint's files against its manifest (``artifacts.verify_files``); the weights are always
     hashed whole (their sha256 is the model's identity). An edited config is ``ArtifactMismatch``, any other
     changed file ``ArtifactCorrupt``. Checkpoints from before per-file records are checked by their weights.

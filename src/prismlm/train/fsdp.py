@@ -1,17 +1,9 @@
 """Fully sharded data parallelism (FSDP2, ``torch.distributed.fsdp.fully_shard``) for the large presets.
 
-Under ``torchrun`` with ``train.parallel = "fsdp"`` every transformer block is its own FSDP unit and the
-root (embeddings, the prototype bank, the final norm, W) is one more: each rank keeps 1/world of every
-parameter, gradient and AdamW moment, and a unit's weights are all-gathered only while it runs. Why the
-bank sits in the root unit: the prototype layer needs the whole bank (selection is a top-k over all K
-cosines) and W (tied to the embedding), so it is gathered with them, once per forward.
-
-Checkpoints stay usable by every tool: the weights are consolidated on rank 0 into the ordinary
-``model.safetensors`` (what eval, explain, index, export read), and the optimizer state — two moments per
-parameter, two thirds of a checkpoint's bytes — is written by every rank, in shards, with
-``torch.distributed.checkpoint`` into the checkpoint's ``sharded/`` folder. Resuming loads the consolidated
-weights before sharding and each rank's optimizer shard after it (DCP reshards when the world size
-changed).
+Every transformer block is its own FSDP unit and the root (embeddings, prototype bank, final norm, W) one
+more, because the prototype layer needs the whole bank and W at once. Invariant: checkpoints stay usable by
+every tool: weights are consolidated on rank 0 into the ordinary ``model.safetensors``; the optimizer state
+is written in per-rank shards (``sharded/``) and resharded on resume. See docs/modules.md.
 """
 
 from __future__ import annotations

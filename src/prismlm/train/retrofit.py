@@ -1,16 +1,10 @@
 """Retrofit: put a prototype head on a pretrained causal LM (spec §6), then train it.
 
-Stage 1 trains only the bank with the backbone and W frozen: the logits are exactly the pretrained model's
-(ℓ = W z is computed from z, which the bank does not touch), and every logit becomes k prototype slices plus
-a residual. Stage 2 (optional, ``train.trainable`` = ``last-N`` or ``all`` after ``train.frozen_steps``)
-fine-tunes jointly with CE + REC + R1 + R2. The prototypes start as real hidden states of the corpus
-(``seed_prototypes``: k-means++ in cosine distance), so they are data-anchored from step 0. Stage 1 runs on
-the backbone's hidden states computed once (``train.frozen_from_stored_z``: ``prismlm.train.stored_z`` into
-``RUN/stored-z``, then ``prismlm.train.bank_stage``), not a backbone forward per step.
-
-Sources: a prismlm run (e.g. a dense baseline), a transformers causal LM folder / hub name, or a GGUF file
-(or a shipped model's short name, ``prismlm.model.gguf``), dequantised to float32. GPT-2 weights go into the
-built-in GPT; other families keep their own base model (``prismlm.model.hf_backbone``).
+Stage 1 trains only the bank with the backbone and W frozen, so the logits are exactly the pretrained
+model's (on stored z: ``prismlm.train.stored_z`` then ``prismlm.train.bank_stage``); stage 2 (optional)
+fine-tunes jointly. The prototypes start as real hidden states of the corpus (``seed_prototypes``), so they
+are data-anchored from step 0. Sources: a prismlm run, a transformers model or a GGUF file. See
+docs/modules.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Deterministic data order: which training sequences each process reads at each step.
 
-Training sequences are fixed, aligned windows ``j`` of the token shard (``TokenShard.sequence(j, T)``),
-so "training sequence j" means the same thing to the trainer and to attribution. Each epoch is a
-seeded permutation of all N sequences; step s consumes positions [s·G, (s+1)·G) of the concatenated
-epochs (G = global batch). Because the order is a pure function of (seed, step), resuming needs only
-the step, and a 2-process run reads exactly the sequences a 1-process run with the same global batch
-reads.
-
-Layout of one global batch: G = world · accum · B sequences, chunk c = micro · world + rank. A single
-process with ``grad_accum = world`` therefore sees, micro-batch by micro-batch, what each rank of a
-``world``-process run sees — the basis of the DDP-equivalence test.
+"Training sequence j" is the aligned window ``TokenShard.sequence(j, T)``, the same to the trainer and to
+attribution. Each epoch is a seeded permutation; the order is a pure function of (seed, step), so resuming
+needs only the step. Invariant: a process with ``grad_accum = world`` sees, micro-batch by micro-batch, what
+each rank of a ``world``-process run sees (chunk c = micro · world + rank). See docs/modules.md.
 """
 
 from __future__ import annotations

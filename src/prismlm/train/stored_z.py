@@ -1,25 +1,10 @@
 """Stored hidden states: the frozen backbone's z over a shard, computed once and memory-mapped.
 
-Stage 1 of a retrofit trains only the prototype bank, and the index pass only reads z: both need the final
-hidden states z (after the final norm, what W reads) of the same tokens, which a frozen backbone gives the
-same every time. ``build_stored_z`` runs the backbone once (inference mode, batched) over the aligned
-sequences of one split and writes
-
-    z.bin        (rows, d) in ``dtype`` (float16, bfloat16 as raw 16-bit words, or float32), row-major
-    targets.bin  (rows,) int32: the next token of each row (what the logit of that row predicts)
-    state.json   batches done, with a sha256 per batch of its z and target bytes (resume)
-    manifest.json what z belongs to: the backbone's identity (``backbone_identity``), the shards' key, the
-                 split, block size T, d, dtype, the batch grid and the number of sequences
-
-**Provenance is the row number.** Rows follow the trainer's aligned sequences: row ``r`` is position
-``r % T`` of sequence ``r // T`` (tokens ``[j·T, j·T + T + 1)`` of the split), so ``r`` is also the global
-offset of the context's last token, exactly the offset the prototype index stores, and
-``shard.locate(r + 1)`` gives the target's document and position.
-
-**Resume.** Batches follow a fixed grid of ``batch_size`` sequences; after each batch the memory maps are
-flushed and ``state.json`` is rewritten atomically. A killed pass resumed with the same arguments checks
-every recorded batch against its checksum, redoes the first that does not match and everything after it,
-and ends with files equal byte for byte to an uninterrupted pass (tested).
+``build_stored_z`` runs the frozen backbone once over the aligned sequences of one split and writes
+``z.bin`` (rows, d), ``targets.bin`` (rows,), ``state.json`` and ``manifest.json`` (what z belongs to).
+Invariants: row ``r`` is position ``r % T`` of sequence ``r // T`` (the offset the prototype index stores);
+a killed pass resumed with the same arguments ends with files equal byte for byte to an uninterrupted one.
+File layout and resume: docs/modules.md.
 """
 
 from __future__ import annotations
@@ -30,7 +15,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import numpy as np
 import torch
@@ -64,12 +49,52 @@ def backbone_identity(model: PrismLM) -> str:
     return "backbone:" + h.hexdigest()
 
 
+class StoreSettings(TypedDict):
+    """What a store of z was made with (its ``manifest.json`` holds these plus ``created`` and versions); a
+    store is resumed only with exactly the same settings."""
+
+    kind: str
+    format_version: int
+    backbone: str
+    """``backbone_identity`` of the model whose z this is."""
+    shard_key: str
+    split: str
+    block_size: int
+    d: int
+    dtype: str
+    """float16, bfloat16 or float32."""
+    batch_size: int
+    num_sequences: int
+    rows: int
+    """num_sequences · block_size."""
+    num_batches: int
+
+
+class StoreManifest(StoreSettings):
+    """``StoredZ.manifest``: the settings, when and with which versions the store was made, and (from
+    ``state.json`` when opened) how far it got."""
+
+    created: str
+    prismlm_version: str
+    torch_version: str
+    batches_done: int
+    complete: bool
+
+
+class FillState(TypedDict):
+    """``state.json``: how far a pass got, with a sha256 per batch done (resume checks them)."""
+
+    batches_done: int
+    digests: list[str]
+    seconds: float
+
+
 @dataclass
 class StoredZ:
     """An opened store: memory-mapped ``z`` (rows, d) and ``targets`` (rows,), with its manifest."""
 
     path: Path
-    manifest: dict[str, Any]
+    manifest: StoreManifest
     z: np.ndarray
     targets: np.ndarray
 
@@ -153,7 +178,7 @@ def open_stored_z(path: str | Path) -> StoredZ:
     if not mpath.exists():
         raise ArtifactError(f"no stored z at {path}", fix="build it with a retrofit (stage 1) or build_stored_z")
     with reading(mpath, "stored z manifest", fix=f"remove {path} and build it again"):
-        m = json.loads(mpath.read_text())
+        m: StoreManifest = json.loads(mpath.read_text())
         state = json.loads((path / "state.json").read_text()) if (path / "state.json").exists() else {}
     m["batches_done"] = int(state.get("batches_done", 0))
     m["complete"] = m["batches_done"] == m["num_batches"]
@@ -194,7 +219,7 @@ def build_stored_z(
     n_seq = shard.num_sequences(T) if max_sequences is None else min(shard.num_sequences(T), max_sequences)
     if n_seq < 1:
         raise ArtifactError(f"the {split} split holds no complete sequence of {T + 1} tokens to store z for")
-    want = {
+    want: StoreSettings = {
         "kind": KIND,
         "format_version": FORMAT_VERSION,
         "backbone": backbone_identity(model),
@@ -208,8 +233,11 @@ def build_stored_z(
         "rows": n_seq * T,
         "num_batches": -(-n_seq // batch_size),
     }
-    state = _resume_state(out, want)
-    if state is None:  # new, or made with other settings: start over
+    resumed = _resume_state(out, want)
+    state: FillState
+    if resumed is not None:
+        state = resumed
+    else:  # new, or made with other settings: start over
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         np.memmap(out / "z.bin", dtype=_NUMPY_DTYPES[dtype], mode="w+", shape=(n_seq * T, d)).flush()
@@ -224,7 +252,7 @@ def build_stored_z(
     return open_stored_z(out)
 
 
-def _resume_state(out: Path, want: dict[str, Any]) -> dict[str, Any] | None:
+def _resume_state(out: Path, want: StoreSettings) -> FillState | None:
     """The state of a store at ``out`` made with exactly ``want``'s settings, its recorded batches checked
     against their checksums (cut at the first that fails); None when there is none to continue."""
     try:
@@ -251,8 +279,8 @@ def _fill(
     model: PrismLM,
     shard: TokenShard,
     out: Path,
-    want: dict[str, Any],
-    state: dict[str, Any],
+    want: StoreSettings,
+    state: FillState,
     *,
     device: str | torch.device | None,
     progress: Progress,
