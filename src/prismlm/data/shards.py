@@ -317,10 +317,11 @@ def prepare_shards(
     extreme split hash is moved over, so both splits are usable.
 
     ``replace=False``: refuse (``ShardError``) a folder that holds complete shards of another corpus or
-    tokenizer instead of rebuilding it (``prism prepare --out`` without ``--overwrite``).
+    tokenizer instead of rebuilding it (what ``prism prepare`` does with a folder it is given, unless told to
+    overwrite it).
     """
     if not 0.0 <= val_fraction <= 1.0:
-        raise ConfigError(f"--val-fraction must be in [0, 1], got {val_fraction}")
+        raise ConfigError(f"val_fraction must be in [0, 1], got {val_fraction}")
     opts = {"text_field": text_field, "max_docs": max_docs, "max_chars_per_doc": max_chars_per_doc}
     fp = corpus_fingerprint(corpus, **opts)
     key_src = {
@@ -344,7 +345,7 @@ def prepare_shards(
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ShardError(
-            f"cannot create the shard folder {root}: {e}", fix="pass --out to a writable folder or set PRISM_DATA"
+            f"cannot create the shard folder {root}: {e}", fix="choose a writable shard folder or set PRISM_DATA"
         ) from e
     # One writer per shard folder: a second process preparing the same key waits here, then reuses the
     # shards the first one finished (the manifest is written last, so it marks them complete).
@@ -405,7 +406,7 @@ def _refuse_other_shards(root: Path, key: str) -> None:
         spec = f"{old.get('corpus', {}).get('spec')!r} with tokenizer {old.get('tokenizer', {}).get('spec')!r}"
         raise ShardError(
             f"{root} holds the shards of another corpus or tokenizer ({spec})",
-            fix="pass --overwrite to replace them, or choose another --out",
+            fix="prepare with replace=True to replace them, or choose another shard folder",
             path=root,
         )
 
