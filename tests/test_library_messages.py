@@ -44,10 +44,10 @@ def test_cli_message_maps_library_options_to_flags():
     msg = (
         "/runs/extend_to/r is already at step 4; extend_to=3 would not train further "
         "(fix: pass resume=True with extend_to=N (> 4), replace it with overwrite=True, or a larger "
-        "data.val_fraction or a smaller model.block_size; block_size=2048 is too long)"
+        "data.val_fraction or a smaller model.block_size; block_size=2048 is too long; source=/m/gpt2)"
     )
     assert cli_message(msg) == (
         "/runs/extend_to/r is already at step 4; --steps 3 would not train further "
         "(fix: pass --resume with --steps N (> 4), replace it with --overwrite, or a larger "
-        "data.val_fraction or a smaller model.block_size; --block-size 2048 is too long)"
+        "data.val_fraction or a smaller model.block_size; --block-size 2048 is too long; --from /m/gpt2)"
     )

@@ -40,11 +40,12 @@ LIBRARY_OPTIONS = {
     "extend_to=": "--steps ",
     "extend_to": "--steps",
     "block_size=": "--block-size ",
+    "source=": "--from ",
     "val_fraction": "--val-fraction",
 }
 """How the library's messages name an option (a keyword argument of ``train``, ``prepare_shards``,
-``load_pretrained``) → the flag that sets it on the command line. Config fields (``train.lr``) stay as they
-are: ``--set`` takes them by that name."""
+``load_pretrained``; ``name=`` before a value) → the flag that sets it on the command line. Config fields
+(``train.lr``) stay as they are: ``--set`` takes them by that name."""
 _LIBRARY_OPTION = re.compile(
     r"(?<![\w./-])("
     + "|".join(re.escape(k) for k in sorted(LIBRARY_OPTIONS, key=len, reverse=True))

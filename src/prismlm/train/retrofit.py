@@ -85,9 +85,9 @@ def load_pretrained(source: str, *, block_size: int | None = None) -> Pretrained
     path = Path(source).expanduser()
     if path.is_file():
         raise ModelError(
-            f"the source {source} is a file; a source is the folder holding the model (its config.json, "
+            f"source={source} is a file; the source is the folder holding the model (its config.json, "
             "weights and tokenizer) or a run folder",
-            fix=f"name the folder {path.parent}",
+            fix=f"source={path.parent}",
             path=path,
         )
     if path.exists() and not _is_transformers_folder(path):
