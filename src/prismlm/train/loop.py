@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,17 @@ class Interrupts:
         self._previous.clear()
 
 
+@dataclass(frozen=True)
+class Where:
+    """Where a run trains: its folder, its process (rank, world) and device, and its data (the validation
+    split, the tokenizer and manifest a checkpoint records)."""
+
+    out_dir: Path
+    info: DistInfo
+    device: torch.device
+    data: ShardSet | StreamingData
+
+
 class TrainLoop:
     """Runs ``state`` from ``start_step`` to ``end_step`` in ``out_dir``: ``fit`` is setup's last step.
 
@@ -67,23 +79,25 @@ class TrainLoop:
     def __init__(
         self,
         state: TrainState,
-        *,
-        out_dir: Path,
-        info: DistInfo,
-        device: torch.device,
-        data: ShardSet | StreamingData,
+        where: Where,
         feed: Batches,
+        *,
         log: MetricsLog,
         bar: Reporter,
         start_step: int,
         resumed: bool,
     ) -> None:
-        self.state, self.out_dir, self.info, self.device = state, out_dir, info, device
-        self.data, self.feed, self.log, self.bar = data, feed, log, bar
+        self.state, self.out_dir, self.info, self.device = state, where.out_dir, where.info, where.device
+        self.data, self.feed, self.log, self.bar = where.data, feed, log, bar
         self.start_step, self.resumed = start_step, resumed
         self.running = False
         self.last_eval: dict[str, float] = {}
-        self.completed, self.completed_rng, self.consistent, self.saved_at = start_step, rng_state(device), True, -1
+        self.completed, self.completed_rng, self.consistent, self.saved_at = (
+            start_step,
+            rng_state(self.device),
+            True,
+            -1,
+        )
         self.t_last, self.tokens_since = time.perf_counter(), 0
 
     def fit(self, end_step: int, interrupts: Interrupts) -> TrainResult:

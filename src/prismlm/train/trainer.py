@@ -24,7 +24,7 @@ from prismlm.errors import CheckpointError, ConfigError, DataError, RunError
 from prismlm.progress import Progress, Reporter
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.distributed import DistInfo, barrier, cleanup, init_distributed
-from prismlm.train.loop import Interrupts, TrainLoop
+from prismlm.train.loop import Interrupts, TrainLoop, Where
 from prismlm.train.records import MetricsLog, environment_info, format_eval_line
 from prismlm.train.run_folder import STORED_Z_DIR, check_run_folder, clear_run_folder, restart_fix
 from prismlm.train.state import (
@@ -109,7 +109,7 @@ def train(
         feed = batches_for(cfg, data, info, resumed, out_dir)
         state = build_state(cfg, info, device, resumed, initial_state)
         start_step = resumed.step if resumed is not None else 0
-        loop = open_loop(state, out_dir, info, device, data, feed, start_step, resumed is not None, progress)
+        loop = open_loop(state, Where(out_dir, info, device, data), feed, start_step, resumed is not None, progress)
         end_step = cfg.train.max_steps if stop_after is None else min(cfg.train.max_steps, start_step + stop_after)
         return loop.fit(end_step, interrupts)
     except KeyboardInterrupt:
@@ -235,41 +235,22 @@ def check_data(cfg: RunConfig, data: ShardSet | StreamingData, info: DistInfo, *
 
 
 def open_loop(
-    state: TrainState,
-    out_dir: Path,
-    info: DistInfo,
-    device: torch.device,
-    data: ShardSet | StreamingData,
-    feed: Batches,
-    start_step: int,
-    resumed: bool,
-    progress: Progress,
+    state: TrainState, where: Where, feed: Batches, start_step: int, resumed: bool, progress: Progress
 ) -> TrainLoop:
     """Rank 0 writes ``config.json`` and ``env.json`` and opens the metrics log (cut back to the resumed
     step) and the progress bar; every rank gets the loop."""
-    cfg = state.cfg
+    cfg, out_dir, info, device = state.cfg, where.out_dir, where.info, where.device
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         cfg.to_json(out_dir / "config.json")
         env = environment_info(info, device, cfg.train.seed)
-        env["data_manifest"] = data.manifest
+        env["data_manifest"] = where.data.manifest
         (out_dir / "env.json").write_text(json.dumps(env, indent=2, default=str) + "\n")
     log = MetricsLog(out_dir / "metrics.jsonl", start_step if resumed else None, info.is_main)
     bar = Reporter(progress, "train", cfg.train.max_steps, unit="step", initial=start_step, enabled=info.is_main)
     if info.is_main:
         bar.message(model_line(state, feed, info, device))
-    return TrainLoop(
-        state,
-        out_dir=out_dir,
-        info=info,
-        device=device,
-        data=data,
-        feed=feed,
-        log=log,
-        bar=bar,
-        start_step=start_step,
-        resumed=resumed,
-    )
+    return TrainLoop(state, where, feed, log=log, bar=bar, start_step=start_step, resumed=resumed)
 
 
 def model_line(state: TrainState, feed: Batches, info: DistInfo, device: torch.device) -> str:
