@@ -147,11 +147,11 @@ def ensure_cpu_small_run(path: str | Path = CPU_SMALL_RUN) -> Path:
     (~10 min on one core; the same command reproduces it)."""
     path = Path(path)
     if not (path / "checkpoints").exists():
-        from prismlm.app.training import train_from_options
+        from prismlm.app.training import ConfigChoice, train_from_options
 
         print(
             f"[bench] training the cpu-small run → {path} (prism train --preset cpu-small --out {path})",
             file=sys.stderr,
         )
-        train_from_options(preset="cpu-small", out=path, progress=False)
+        train_from_options(ConfigChoice(preset="cpu-small"), out=path, progress=False)
     return path

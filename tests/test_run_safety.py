@@ -39,7 +39,8 @@ def test_a_rerun_is_refused_and_leaves_the_run_untouched(tiny_shards, tmp_path):
     before = _snapshot(run)
     with pytest.raises(RunError, match="already holds a run") as e:
         train(tiny_cfg(**{"train.seed": 7}), run, shards=tiny_shards, progress=False)
-    assert "--resume" in str(e.value) and "--overwrite" in str(e.value)
+    # the library names its own options; the CLI maps them to flags (test_cli_refuses_a_rerun_in_one_line)
+    assert "resume=True" in str(e.value) and "overwrite=True" in str(e.value) and "--" not in str(e.value)
     assert _snapshot(run) == before
     res = train(
         tiny_cfg(**{"train.seed": 7, "train.max_steps": 2}), run, shards=tiny_shards, progress=False, overwrite=True
@@ -70,9 +71,9 @@ def test_resume_survives_a_torn_metrics_line(tiny_shards, tmp_path):
 def test_resume_extends_or_refuses_never_does_nothing(tiny_shards, tmp_path):
     run = tmp_path / "run"
     train(tiny_cfg(), run, shards=tiny_shards, progress=False)
-    with pytest.raises(RunError, match="already finished its 4 steps"):
+    with pytest.raises(RunError, match=r"already finished its 4 steps.*extend_to=N \(> 4\)"):
         train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True)
-    with pytest.raises(RunError, match="already at step 4"):
+    with pytest.raises(RunError, match="already at step 4; extend_to=3 would not train further"):
         train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True, extend_to=3)
     res = train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True, extend_to=6)
     assert res.step == 6 and load_checkpoint(run).config.train.max_steps == 6
@@ -125,6 +126,11 @@ def test_cli_refuses_a_rerun_in_one_line(tiny_shards, tmp_path):
     res = CliRunner().invoke(app, ["train", "--preset", "tiny", "--out", str(run), "--steps", "2"])
     assert res.exit_code == 2 and "already holds a run" in res.output and "Traceback" not in res.output
     assert len(res.output.strip().splitlines()) == 1
+    # the library's message names its options (resume=True, overwrite=True); the CLI shows the flags
+    assert "--resume" in res.output and "--overwrite" in res.output and "=True" not in res.output
+    res = CliRunner().invoke(app, ["train", "--resume", "--out", str(run)])  # finished: says how to go on
+    assert res.exit_code == 2 and "already finished its 4 steps" in res.output, res.output
+    assert "--resume with --steps N (> 4)" in " ".join(res.output.split()) and "extend_to" not in res.output
 
 
 def _trained(tiny_shards, root):
@@ -250,12 +256,12 @@ def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
 def test_a_full_disk_while_checkpointing_is_one_line(tiny_shards, tmp_path, monkeypatch):
     import errno
 
-    import prismlm.train.trainer as trainer_mod
+    import prismlm.train.loop as loop_mod
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "checkpoints"))
 
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", full)
+    monkeypatch.setattr(loop_mod, "save_checkpoint", full)
     with pytest.raises(RunError, match="No space left on device"):
         train(tiny_cfg(), tmp_path / "run", shards=tiny_shards, progress=False)
 
@@ -464,14 +470,14 @@ def test_a_run_stopped_before_its_first_checkpoint_is_restarted_with_overwrite(t
     it without --resume". Both now name --overwrite, which starts it again."""
     import errno
 
-    import prismlm.train.trainer as trainer_mod
+    import prismlm.train.loop as loop_mod
 
     run = tmp_path / "run"
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(run / "checkpoints"))
 
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", full)
+    monkeypatch.setattr(loop_mod, "save_checkpoint", full)
     with pytest.raises(RunError):
         train(tiny_cfg(), run, shards=tiny_shards, progress=False)
     monkeypatch.undo()
@@ -481,7 +487,7 @@ def test_a_run_stopped_before_its_first_checkpoint_is_restarted_with_overwrite(t
     with pytest.raises(CheckpointError, match="cannot resume") as resumed:
         train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True)
     for e in (plain.value, resumed.value):
-        assert "--overwrite" in (e.fix or "") and "--resume" not in (e.fix or ""), e
+        assert "overwrite=True" in (e.fix or "") and "resume=True" not in (e.fix or ""), e
     assert train(tiny_cfg(), run, shards=tiny_shards, progress=False, overwrite=True).step == 4
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from prismlm.app import Run
-from prismlm.app.retrofit import retrofit_model
+from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.config import RunConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch
 from prismlm.explain.index import IndexSettings, build_index
@@ -40,15 +40,11 @@ def dense_run(tiny_shards, tmp_path_factory):
 
 
 def _retrofit(source, out, *extra, steps=4, unfreeze="none", frozen=None):
+    recipe = RetrofitRecipe(steps=steps, frozen_steps=frozen, unfreeze=unfreeze, prototypes=32, top_k=4, batch_size=4)
     return retrofit_model(
         str(source),
         out=out,
-        steps=steps,
-        frozen_steps=frozen,
-        unfreeze=unfreeze,
-        prototypes=32,
-        top_k=4,
-        batch_size=4,
+        recipe=recipe,
         device="cpu",
         progress=False,
         overrides=[*SMALL, *extra],
@@ -226,7 +222,9 @@ def test_a_retrofit_killed_in_its_z_pass_continues_when_run_again(dense_run, sto
         _retrofit(dense_run, out, "train.stored_z_dtype=float32")
     monkeypatch.setattr(retrofit_module, "build_stored_z", real)
     assert (out / "stored-z" / "state.json").exists() and not (out / "checkpoints").exists()
-    with pytest.raises(PrismError, match="run the same prism retrofit command again"):
+    with pytest.raises(
+        PrismError, match=r"z pass was interrupted: run the same retrofit again as a new run \(not resumed\)"
+    ):
         resume_retrofit(out, device="cpu", progress=False)
     _retrofit(dense_run, out, "train.stored_z_dtype=float32")
     got, want = load_checkpoint(out).model.state_dict(), load_checkpoint(stored_run.run_dir).model.state_dict()

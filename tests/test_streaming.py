@@ -11,7 +11,7 @@ import torch
 
 from prismlm import RunConfig
 from prismlm.data.corpus import iter_documents
-from prismlm.data.stream import TokenStream
+from prismlm.data.stream import StreamSource, TokenStream
 from prismlm.errors import ConfigError, PrismError
 from prismlm.train import load_checkpoint, train
 
@@ -121,8 +121,9 @@ def test_stream_resume_is_exact(saved_tok, tmp_path):
 def _stream(corpus, tok, **kw):
     from prismlm.data.tokenizer import Tokenizer
 
-    args = {"val_fraction": 0.1, "buffer_size": 8, "seed": 3}
-    return TokenStream(str(corpus), Tokenizer.load(tok), T, **{**args, **kw})
+    args = {"buffer_size": 8, "seed": 3, **kw}
+    source = StreamSource(str(corpus), val_fraction=args.pop("val_fraction", 0.1))
+    return TokenStream(source, Tokenizer.load(tok), T, **args)
 
 
 def test_shuffle_buffer_mixes_documents_and_is_seeded(saved_tok, tmp_path):

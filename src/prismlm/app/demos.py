@@ -4,12 +4,13 @@ indexed, and its answer to a chat question explained; ``--scratch``: a toy PRISM
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from prismlm.app.operations import build_run_index, explain_text
-from prismlm.app.retrofit import retrofit_model
+from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.app.run import Run, StageFn, no_stages, require
-from prismlm.app.training import DemoResult, scratch_demo
+from prismlm.app.training import DemoOptions, DemoResult, scratch_demo
 from prismlm.errors import ConfigError, DependencyError
 from prismlm.model import gguf
 from prismlm.model.hf_backbone import transformers_module
@@ -63,23 +64,23 @@ def demo(
         overwrite: Replace an earlier run in --out (without it, such a folder is refused).
         on_stage: Called as ``on_stage(stage, i, n)`` when each of the n stages starts.
     """
+    options = DemoOptions(
+        out=out,
+        steps=steps,
+        max_docs=max_docs,
+        max_chars_per_doc=max_chars_per_doc,
+        overrides=tuple(overrides or ()),
+        index_sequences=index_sequences,
+        overwrite=overwrite,
+        progress=progress,
+        on_stage=on_stage,
+    )
     if scratch:
         if question is not None:
             raise ConfigError(
                 "--question applies to the real-model demo, not to --scratch", fix="drop --question, or --scratch"
             )
-        return scratch_demo(
-            preset=preset or "cpu-small",
-            steps=steps,
-            out=out,
-            max_docs=max_docs,
-            max_chars_per_doc=max_chars_per_doc,
-            overrides=overrides,
-            progress=progress,
-            index_sequences=index_sequences,
-            overwrite=overwrite,
-            on_stage=on_stage,
-        )
+        return scratch_demo(preset or "cpu-small", options)
     if preset is not None:
         raise ConfigError(
             "--preset sizes the toy model of `prism demo --scratch`; the real-model demo has none",
@@ -88,18 +89,13 @@ def demo(
     require(steps is None or steps >= 1, "--steps", ">= 1", steps)
     require(index_sequences is None or index_sequences >= 1, "--index-sequences", ">= 1", index_sequences)
     require_demo_model()
-    return real_demo(
-        question=question or DEMO_QUESTION,
+    real = replace(
+        options,
         steps=steps or DEMO_STEPS,
-        out=out,
         max_docs=max_docs or DEMO_DOCS,
         max_chars_per_doc=max_chars_per_doc or DEMO_CHARS,
-        overrides=overrides,
-        progress=progress,
-        index_sequences=index_sequences,
-        overwrite=overwrite,
-        on_stage=on_stage,
     )
+    return real_demo(question or DEMO_QUESTION, real)
 
 
 def require_demo_model() -> None:
@@ -116,40 +112,34 @@ def require_demo_model() -> None:
         ) from e
 
 
-def real_demo(
-    *,
-    question: str,
-    steps: int,
-    out: Path,
-    max_docs: int,
-    max_chars_per_doc: int,
-    overrides: list[str] | None,
-    progress: Progress,
-    index_sequences: int | None,
-    overwrite: bool,
-    on_stage: StageFn,
-) -> DemoResult:
-    """Retrofit (stage 1 on stored z, logits unchanged) → index from the stored z → explain the chat answer."""
-    on_stage(f"retrofit {DEMO_MODEL} ({DEMO_PROTOTYPES} prototypes, {max_docs} built-in documents)", 0, 3)
-    result = retrofit_model(
-        DEMO_MODEL,
-        out=out,
+def real_demo(question: str, options: DemoOptions) -> DemoResult:
+    """Retrofit (stage 1 on stored z, logits unchanged) → index from the stored z → explain the chat answer
+    (``options``: its steps, anchor documents and their length resolved by ``demo``)."""
+    o = options
+    on_stage, out, progress, overwrite = o.on_stage, o.out, o.progress, o.overwrite
+    on_stage(f"retrofit {DEMO_MODEL} ({DEMO_PROTOTYPES} prototypes, {o.max_docs} built-in documents)", 0, 3)
+    recipe = RetrofitRecipe(
         corpus="builtin",
-        steps=steps,
+        steps=o.steps,
         prototypes=DEMO_PROTOTYPES,
         top_k=DEMO_TOP_K,
         batch_size=8,
         block_size=DEMO_BLOCK,
-        max_docs=max_docs,
+        max_docs=o.max_docs,
+    )
+    result = retrofit_model(
+        DEMO_MODEL,
+        out=out,
+        recipe=recipe,
         # one validation batch: the demo's only backbone forward besides the z pass
-        overrides=[f"data.max_chars_per_doc={max_chars_per_doc}", "train.eval_batches=1", *(overrides or [])],
+        overrides=[f"data.max_chars_per_doc={o.max_chars_per_doc}", "train.eval_batches=1", *o.overrides],
         device="cpu",
         overwrite=overwrite,
         progress=progress,
     )
     run = Run.open(out, device="cpu")
     on_stage("index (from the stored hidden states)", 1, 3)
-    index = build_run_index(run, max_sequences=index_sequences, progress=progress, overwrite=overwrite)
+    index = build_run_index(run, max_sequences=o.index_sequences, progress=progress, overwrite=overwrite)
     on_stage(f"explain the answer to {question!r}", 2, 3)
     expl = explain_text(run, chat=question)
     answer_ids = expl.token_ids[expl.prompt_tokens or 0 :]

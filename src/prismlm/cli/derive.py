@@ -32,6 +32,32 @@ SUPPRESS_HELP = (
 )
 
 
+LIBRARY_OPTIONS = {
+    "resume=True": "--resume",
+    "overwrite=True": "--overwrite",
+    "replace=True": "--overwrite",
+    "extend_to=": "--steps ",
+    "extend_to": "--steps",
+    "block_size=": "--block-size ",
+    "source=": "--from ",
+    "val_fraction": "--val-fraction",
+}
+"""How the library's messages name an option (a keyword argument of ``train``, ``prepare_shards``,
+``load_pretrained``; ``name=`` before a value) → the flag that sets it on the command line. Config fields
+(``train.lr``) stay as they are: ``--set`` takes them by that name."""
+_LIBRARY_OPTION = re.compile(
+    r"(?<![\w./-])("
+    + "|".join(re.escape(k) for k in sorted(LIBRARY_OPTIONS, key=len, reverse=True))
+    + r")(?:(?<==)|(?![\w-]))"
+)
+
+
+def cli_message(message: str) -> str:
+    """A library error message in the CLI's terms: each option it names (``resume=True``, ``extend_to``…)
+    becomes its flag (``--resume``, ``--steps``); config fields and paths are left alone."""
+    return _LIBRARY_OPTION.sub(lambda m: LIBRARY_OPTIONS[m.group(1)], message)
+
+
 def arg_help(func: Callable[..., object]) -> dict[str, str]:
     """The ``Args:`` section of a Google-style docstring → {parameter: help}."""
     doc = inspect.getdoc(func) or ""
@@ -316,7 +342,7 @@ def command(
             try:
                 op_kwargs[group] = cls(**values)
             except PrismError as e:
-                fail(flag_message(e, flags, field_flags))
+                fail(cli_message(flag_message(e, flags, field_flags)))
         render_kwargs = {k: v for k, v in kwargs.items() if k in render_names}
         try:
             for k, v in render_kwargs.items():  # output files (--json, --html): refused before any work
@@ -344,7 +370,7 @@ def command(
                 extra = {"run": run} if "run" in inspect.signature(render).parameters else {}
                 render(result, **extra, **render_kwargs)
         except PrismError as e:
-            fail(flag_message(e, flags, field_flags))
+            fail(cli_message(flag_message(e, flags, field_flags)))
         except OSError as e:
             if e.filename is None:  # no file involved: not a user's path, a bug or the machine
                 raise

@@ -13,7 +13,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -284,6 +284,57 @@ def encode_documents(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> list[
     return out
 
 
+@dataclass(frozen=True)
+class ShardRecipe:
+    """What a shard folder is made of: its key is the hash of these (and of the corpus's fingerprint)."""
+
+    corpus: str
+    """The corpus spec (``prismlm.data.corpus``)."""
+    tokenizer: str
+    """The tokenizer spec (``prismlm.data.tokenizer.resolve_tokenizer``)."""
+    val_fraction: float
+    """Share of documents held out for validation, by the hash of their id (``split_hash``)."""
+    seed: int
+    """Seed of that hash."""
+    text_field: str
+    """Text field of .jsonl/.parquet/HF corpora."""
+    max_docs: int | None
+    """Only the first N documents."""
+    max_chars_per_doc: int | None
+    """Each document cut to N characters."""
+
+    @property
+    def options(self) -> dict[str, JSON]:
+        """How the documents are read (recorded with the corpus in the manifest)."""
+        return {"text_field": self.text_field, "max_docs": self.max_docs, "max_chars_per_doc": self.max_chars_per_doc}
+
+    def key(self, fingerprint: str) -> str:
+        """The shard folder's key: sha256 of the format, the corpus's fingerprint, the tokenizer and the split."""
+        key_src = {
+            "format": FORMAT_VERSION,
+            "corpus_fingerprint": fingerprint,
+            "tokenizer": _tokenizer_key(self.tokenizer),
+            "val_fraction": self.val_fraction,
+            "seed": self.seed,
+            **self.options,
+        }
+        return hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
+
+    def documents(self) -> Iterator[Document]:
+        return iter_documents(
+            self.corpus, text_field=self.text_field, max_docs=self.max_docs, max_chars_per_doc=self.max_chars_per_doc
+        )
+
+    def is_val(self, doc_id: str) -> bool:
+        return split_hash(doc_id, self.seed) < self.val_fraction
+
+    def train_texts(self) -> Iterator[str]:
+        """The training split's text, for a tokenizer trained on it (never on validation documents)."""
+        for d in self.documents():
+            if not self.is_val(d.id):
+                yield from text_pieces(d.text)  # a huge one-line document, in bounded pieces
+
+
 def prepare_shards(
     corpus: str = "builtin",
     tokenizer: str = "bpe-8192",
@@ -306,21 +357,14 @@ def prepare_shards(
     extreme split hash is moved over, so both splits are usable.
 
     ``replace=False``: refuse (``ShardError``) a folder that holds complete shards of another corpus or
-    tokenizer instead of rebuilding it (``prismlm.app.prepare`` into ``out`` without ``overwrite``).
+    tokenizer instead of rebuilding it (what ``prism prepare`` does with a folder it is given, unless told to
+    overwrite it).
     """
     if not 0.0 <= val_fraction <= 1.0:
         raise ConfigError(f"`val_fraction` must be in [0, 1], got {val_fraction}")
-    opts = {"text_field": text_field, "max_docs": max_docs, "max_chars_per_doc": max_chars_per_doc}
-    fp = corpus_fingerprint(corpus, **opts)
-    key_src = {
-        "format": FORMAT_VERSION,
-        "corpus_fingerprint": fp,
-        "tokenizer": _tokenizer_key(tokenizer),
-        "val_fraction": val_fraction,
-        "seed": seed,
-        **opts,
-    }
-    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
+    recipe = ShardRecipe(corpus, tokenizer, val_fraction, seed, text_field, max_docs, max_chars_per_doc)
+    fp = corpus_fingerprint(corpus, text_field=text_field, max_docs=max_docs, max_chars_per_doc=max_chars_per_doc)
+    key = recipe.key(fp)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_data_dir()
     root = Path(out_dir) if out_dir is not None else cache / f"{_slug(corpus)}-{key[:12]}"
     mpath = root / "manifest.json"
@@ -346,20 +390,7 @@ def prepare_shards(
         mpath.unlink(missing_ok=True)  # a crash mid-rebuild must not leave a stale "complete" marker
         _remove_stale_temps(root)
         try:
-            return _build(
-                root,
-                key,
-                corpus,
-                tokenizer,
-                fp,
-                opts,
-                val_fraction,
-                seed,
-                text_field,
-                max_docs,
-                max_chars_per_doc,
-                show_progress,
-            )
+            return _build(root, key, fp, recipe, show_progress)
         except BaseException:
             for tmp in root.glob("*.tmp"):  # a failed build leaves no half-written files behind
                 tmp.unlink(missing_ok=True)
@@ -437,46 +468,59 @@ def _reuse(root: Path, key: str) -> ShardSet | None:
     return ss
 
 
-def _build(
-    root: Path,
-    key: str,
-    corpus: str,
-    tokenizer: str,
-    fp: str,
-    opts: Mapping[str, object],
-    val_fraction: float,
-    seed: int,
-    text_field: str,
-    max_docs: int | None,
-    max_chars_per_doc: int | None,
-    show_progress: Progress,
-) -> ShardSet:
+def _build(root: Path, key: str, fingerprint: str, recipe: ShardRecipe, show_progress: Progress) -> ShardSet:
     """Tokenize the corpus into ``root`` (holding its lock); the manifest is written last."""
-    mpath = root / "manifest.json"
-
-    def docs() -> Iterator[Document]:
-        return iter_documents(corpus, text_field=text_field, max_docs=max_docs, max_chars_per_doc=max_chars_per_doc)
-
-    def train_texts() -> Iterator[str]:
-        for d in docs():
-            if split_hash(d.id, seed) >= val_fraction:
-                yield from text_pieces(d.text)  # a huge one-line document, in bounded pieces
-
     t0 = time.perf_counter()
-    tok = resolve_tokenizer(tokenizer, train_texts, show_progress=show_progress is True)
+    tok = resolve_tokenizer(recipe.tokenizer, recipe.train_texts, show_progress=show_progress is True)
     t_tok = time.perf_counter() - t0
     dtype = token_dtype(tok.vocab_size)
     writers = {s: _SplitWriter(root, s, dtype) for s in SPLITS}
+    t1 = time.perf_counter()
+    try:
+        _encode_corpus(recipe, tok, writers, show_progress)
+    finally:
+        for w in writers.values():
+            w.close()
+    tr, va = writers["train"], writers["val"]
+    if not tr.ids and len(va.ids) >= 1:
+        _move_doc(va, tr, int(np.argmax(va.keys)))
+    if not va.ids and len(tr.ids) >= 2:
+        _move_doc(tr, va, int(np.argmin(tr.keys)))
+    t_enc = time.perf_counter() - t1
+    tok.save(root / "tokenizer")
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "key": key,
+        "corpus": {"spec": recipe.corpus, "fingerprint": fingerprint, **recipe.options},
+        "tokenizer": {"spec": recipe.tokenizer, **describe_tokenizer(tok)},
+        "dtype": dtype.name,
+        "splits": {split: _finish_split(root, split, w) for split, w in writers.items()},
+        "seed": recipe.seed,
+        "val_fraction": recipe.val_fraction,
+        "timing_s": {"tokenizer": round(t_tok, 3), "encode": round(t_enc, 3)},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "prismlm_version": package_version(),
+    }
+    atomic_write_text(root / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    return load_shards(root)
+
+
+def _encode_corpus(
+    recipe: ShardRecipe, tok: Tokenizer, writers: dict[str, _SplitWriter], show_progress: Progress
+) -> None:
+    """Encode the documents in batches, each followed by end-of-text, into their split's writer; refuses a
+    duplicate document id."""
+    dtype = writers["train"].dtype
     eot = np.array([tok.eot_id], dtype=dtype)
     seen: set[str] = set()
-    n_docs = n_tokens = 0
+    n_tokens = 0
     t1 = time.perf_counter()
-    bar = Reporter(show_progress, f"tokenize {corpus}", unit="doc")
+    bar = Reporter(show_progress, f"tokenize {recipe.corpus}", unit="doc")
     try:
-        for batch in _batches(docs()):
+        for batch in _batches(recipe.documents()):
             encoded = encode_documents(tok, [d.text for d in batch], dtype)
             for split in SPLITS:
-                sel = [i for i, d in enumerate(batch) if (split_hash(d.id, seed) < val_fraction) == (split == "val")]
+                sel = [i for i, d in enumerate(batch) if recipe.is_val(d.id) == (split == "val")]
                 if not sel:
                     continue
                 parts: list[np.ndarray] = []
@@ -490,58 +534,34 @@ def _build(
                     arr,
                     ids,
                     lengths,
-                    [split_hash(i_, seed) for i_ in ids],
+                    [split_hash(i_, recipe.seed) for i_ in ids],
                     sum(len(batch[i].text.encode("utf-8")) for i in sel),
                     sum(len(batch[i].text) for i in sel),
                 )
                 n_tokens += len(arr)
             for d in batch:
                 if d.id in seen:
-                    raise CorpusError(f"duplicate document id {d.id!r} in corpus {corpus!r}")
+                    raise CorpusError(f"duplicate document id {d.id!r} in corpus {recipe.corpus!r}")
                 seen.add(d.id)
-            n_docs += len(batch)
             bar.update(len(batch), tokens=n_tokens, tokens_per_s=round(n_tokens / (time.perf_counter() - t1)))
     finally:
         bar.close()
-        for w in writers.values():
-            w.close()
-    tr, va = writers["train"], writers["val"]
-    if not tr.ids and len(va.ids) >= 1:
-        _move_doc(va, tr, int(np.argmax(va.keys)))
-    if not va.ids and len(tr.ids) >= 2:
-        _move_doc(tr, va, int(np.argmin(tr.keys)))
-    t_enc = time.perf_counter() - t1
 
-    tok.save(root / "tokenizer")
-    split_info: dict[str, JSON] = {}
-    for split, w in writers.items():
-        os.replace(w.tmp, root / f"{split}.bin")
-        sample = sampled_sha256(root / f"{split}.bin")
-        np.save(root / f"{split}.docs.npy", np.asarray(w.offsets, dtype=np.int64))
-        (root / f"{split}.ids.json").write_text(json.dumps(w.ids), encoding="utf-8")
-        split_info[split] = {
-            "num_docs": len(w.ids),
-            "num_tokens": int(w.offsets[-1]),
-            "num_bytes": w.num_bytes,
-            "num_chars": w.num_chars,
-            "sha256": w.sha.hexdigest(),
-            "sample_sha256": sample,
-        }
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "key": key,
-        "corpus": {"spec": corpus, "fingerprint": fp, **opts},
-        "tokenizer": {"spec": tokenizer, **describe_tokenizer(tok)},
-        "dtype": dtype.name,
-        "splits": split_info,
-        "seed": seed,
-        "val_fraction": val_fraction,
-        "timing_s": {"tokenizer": round(t_tok, 3), "encode": round(t_enc, 3)},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "prismlm_version": package_version(),
+
+def _finish_split(root: Path, split: str, w: _SplitWriter) -> dict[str, JSON]:
+    """Move a split's tokens into place, write its document offsets and ids; its manifest entry."""
+    os.replace(w.tmp, root / f"{split}.bin")
+    sample = sampled_sha256(root / f"{split}.bin")
+    np.save(root / f"{split}.docs.npy", np.asarray(w.offsets, dtype=np.int64))
+    (root / f"{split}.ids.json").write_text(json.dumps(w.ids), encoding="utf-8")
+    return {
+        "num_docs": len(w.ids),
+        "num_tokens": int(w.offsets[-1]),
+        "num_bytes": w.num_bytes,
+        "num_chars": w.num_chars,
+        "sha256": w.sha.hexdigest(),
+        "sample_sha256": sample,
     }
-    atomic_write_text(mpath, json.dumps(manifest, indent=1) + "\n")
-    return load_shards(root)
 
 
 def load_shards(path: str | Path, *, verify: bool = False) -> ShardSet:

@@ -80,21 +80,39 @@ def stream_tokenizer(spec: str) -> Tokenizer:
     return resolve_tokenizer(spec)
 
 
+@dataclass(frozen=True)
+class StreamSource:
+    """Which documents a stream reads: the corpus, how its documents are read, and the hash split that holds
+    out the validation documents (the same as a prepared shard set's)."""
+
+    corpus: str
+    """The corpus spec (``prismlm.data.corpus``)."""
+    text_field: str = "text"
+    """Text field of .jsonl/.parquet/HF corpora."""
+    val_fraction: float = 0.02
+    """Share of documents held out for validation (``split_hash(id, split_seed) < val_fraction``)."""
+    split_seed: int = 0
+    """Seed of that hash (``data.seed``)."""
+    max_docs: int | None = None
+    """Only the first N documents."""
+    max_chars_per_doc: int | None = None
+    """Each document cut to N characters."""
+
+    @classmethod
+    def of(cls, data: DataConfig) -> StreamSource:
+        return cls(data.corpus, data.text_field, data.val_fraction, data.seed, data.max_docs, data.max_chars_per_doc)
+
+
 class TokenStream:
     """An endless, seeded, resumable stream of training sequences (``seq_len + 1`` int64 tokens) of one
     rank; see the module docstring. ``docs_encoded`` counts the documents tokenised so far."""
 
     def __init__(
         self,
-        corpus: str,
+        source: StreamSource,
         tokenizer: Tokenizer,
         seq_len: int,
         *,
-        text_field: str = "text",
-        val_fraction: float = 0.02,
-        split_seed: int = 0,
-        max_docs: int | None = None,
-        max_chars_per_doc: int | None = None,
         buffer_size: int = 1024,
         seed: int = 0,
         rank: int = 0,
@@ -104,9 +122,9 @@ class TokenStream:
             raise ConfigError(f"seq_len must be >= 1, got {seq_len}")
         if buffer_size < 1:
             raise ConfigError(f"the shuffle buffer must hold at least 1 sequence, got {buffer_size}")
-        self.corpus, self.tok, self.T = corpus, tokenizer, seq_len
-        self.text_field, self.val_fraction, self.split_seed = text_field, val_fraction, split_seed
-        self.max_docs, self.max_chars_per_doc = max_docs, max_chars_per_doc
+        self.corpus, self.tok, self.T = source.corpus, tokenizer, seq_len
+        self.text_field, self.val_fraction, self.split_seed = source.text_field, source.val_fraction, source.split_seed
+        self.max_docs, self.max_chars_per_doc = source.max_docs, source.max_chars_per_doc
         self.buffer_size, self.seed, self.rank, self.world = buffer_size, seed, rank, world_size
         self.dtype = token_dtype(tokenizer.vocab_size)
         self.eot = np.array([tokenizer.eot_id], dtype=self.dtype)
@@ -311,14 +329,9 @@ class StreamingData:
 
     def stream(self, data: DataConfig, seq_len: int, *, seed: int, rank: int = 0, world_size: int = 1) -> TokenStream:
         return TokenStream(
-            data.corpus,
+            StreamSource.of(data),
             self.tokenizer,
             seq_len,
-            text_field=data.text_field,
-            val_fraction=data.val_fraction,
-            split_seed=data.seed,
-            max_docs=data.max_docs,
-            max_chars_per_doc=data.max_chars_per_doc,
             buffer_size=data.shuffle_buffer,
             seed=seed,
             rank=rank,

@@ -75,7 +75,7 @@ def load_sharded_optimizer(model: PrismLM, optimizer: torch.optim.Optimizer, fol
     if not (folder / ".metadata").exists():
         raise CheckpointError(
             f"{folder.parent} was saved by FSDP but its optimizer shards ({folder}) are missing",
-            fix="resume from an earlier checkpoint, or start again with --overwrite",
+            fix="resume from an earlier checkpoint, or start again with overwrite=True",
             path=folder,
         )
     state = get_optimizer_state_dict(model, optimizer)  # the template: this rank's shapes and placements

@@ -79,9 +79,9 @@ def load_pretrained(source: str, *, block_size: int | None = None) -> Pretrained
     path = Path(source).expanduser()
     if path.is_file():
         raise ModelError(
-            f"--from {source} is a file; --from takes the folder holding the model (its config.json, "
+            f"source={source} is a file; the source is the folder holding the model (its config.json, "
             "weights and tokenizer) or a run folder",
-            fix=f"--from {path.parent}",
+            fix=f"source={path.parent}",
             path=path,
         )
     if path.exists() and not _is_transformers_folder(path):
@@ -110,7 +110,7 @@ def _from_run(source: str, ckpt_dir: Path, block_size: int | None) -> Pretrained
     if block_size is not None and block_size != cfg.block_size:
         if cfg.backbone != "gpt" or block_size > cfg.block_size:
             raise ModelError(
-                f"--block-size {block_size}: {source} has a context of {cfg.block_size}",
+                f"block_size={block_size}: {source} has a context of {cfg.block_size}",
                 fix=f"use a block size <= {cfg.block_size}",
             )
         state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:block_size].clone()
@@ -217,7 +217,7 @@ def _from_causal_lm(
     context = getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None) or DEFAULT_MAX_BLOCK
     bs = block_size if block_size is not None else min(int(context), DEFAULT_MAX_BLOCK)
     if bs > context:
-        raise ModelError(f"--block-size {bs}: {source} has a context of {context}", fix=f"use <= {context}")
+        raise ModelError(f"block_size={bs}: {source} has a context of {context}", fix=f"use <= {context}")
     base, head = split_causal_lm(hf_lm, source)
     vocab = int(head.weight.shape[0])
     if tokenizer.vocab_size > vocab:
