@@ -3,7 +3,8 @@
 The run is the project's own: ``prismlm.app.retrofit.retrofit_model`` (what ``prism retrofit --unfreeze``
 runs) with stage 1 on stored z (the bank alone, ``--frozen-steps``) and then stage 2 (``--unfreeze``: the
 bank plus the last N blocks and the final norm, or LoRA adapters) with CE + REC + R1 + R2, on the same anchor
-set as the frozen stage (the built-in corpus, 40 documents of ≤ 9,000 characters, 15% held out). The run
+set as the frozen stage (the built-in corpus, ``--max-docs`` documents of ≤ ``--max-chars-per-doc`` characters,
+15% held out; the frozen stage's 40 × 9,000 by default). The run
 folder is kept under ``bench/runs/real-retrofit/`` and is resumable: a killed run continues from its latest
 checkpoint when the same command runs again.
 
@@ -52,6 +53,8 @@ def train_stage2(
     data_dir: Path,
     lr: float,
     backbone_lr_ratio: float,
+    max_docs: int,
+    max_chars_per_doc: int,
 ) -> dict[str, Any]:
     """Run (or resume, or skip when done) the retrofit into ``out``; seconds of this call."""
     total = frozen_steps + stage2_steps
@@ -71,9 +74,9 @@ def train_stage2(
             backbone_lr_ratio=backbone_lr_ratio,
             batch_size=batch_size,
             block_size=256,
-            max_docs=40,
+            max_docs=max_docs,
             overrides=[
-                "data.max_chars_per_doc=9000",
+                f"data.max_chars_per_doc={max_chars_per_doc}",
                 "data.val_fraction=0.15",
                 f"data.data_dir={data_dir}",
                 f"train.num_threads={threads}",

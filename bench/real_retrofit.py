@@ -454,7 +454,10 @@ def stage2_main(args: argparse.Namespace) -> None:
     cache = RUNS_DIR / "real-retrofit"
     cache.mkdir(parents=True, exist_ok=True)
     folder = args.source if args.source is not None else smollm2_folder(cache)
-    out = cache / f"stage2-{args.unfreeze}-K{K}-k{k}-f{args.frozen_steps}-s{args.stage2_steps}"
+    out = cache / (
+        f"stage2-{args.unfreeze}-K{K}-k{k}-f{args.frozen_steps}-s{args.stage2_steps}-b{args.batch_size}"
+        f"-docs{args.max_docs}x{args.max_chars_per_doc}"
+    )
     run = train_stage2(
         folder,
         out,
@@ -468,6 +471,8 @@ def stage2_main(args: argparse.Namespace) -> None:
         data_dir=cache / "data",
         lr=args.lr,
         backbone_lr_ratio=args.backbone_lr_ratio,
+        max_docs=args.max_docs,
+        max_chars_per_doc=args.max_chars_per_doc,
     )
     pre = load_pretrained(str(folder), block_size=args.block_size)
     pre.reference = None
