@@ -246,6 +246,7 @@ def setup(args: argparse.Namespace, K: int, k: int) -> tuple[Path, Pretrained, P
 
 def frozen_stage(args: argparse.Namespace) -> None:
     """Stage 1 on stored z: z pass, logits, bank configs, stored dtypes, index ratio (the module docstring)."""
+    torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
     env = environment("cpu", 0)  # at the start: the revision this run's code came from
     cache, pre, model, shards, load_s = setup(args, K=512, k=8)
     T = args.block_size
@@ -383,6 +384,7 @@ def speed_main(args: argparse.Namespace) -> None:
     of the same source model, e.g. the stage-2 run's stage-1 checkpoint) or seeded from real hidden states."""
     from _real_speed import speed_stage
 
+    torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
     env = environment("cpu", 0)  # at the start: the revision this run's code came from
     K, k = (int(v) for v in args.bank.split(":"))
     cache, pre, model, shards, load_s = setup(args, K, k)
@@ -448,6 +450,7 @@ def stage2_main(args: argparse.Namespace) -> None:
     machinery, then measure the stage-1 and final checkpoints on the held-out tokens."""
     from _real_stage2 import measure, train_log, train_stage2
 
+    torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
     env = environment("cpu", 0)  # at the start: the revision this run's code came from
     K, k = (int(v) for v in args.bank.split(":"))
     torch.set_num_threads(args.threads)
