@@ -21,11 +21,19 @@ What is measured (issue 26, items 2–3; the first frontier points)
 The model is loaded with transformers directly (``gguf_file=``), rebuilt without its quantisation config and
 saved once to a cache folder, then read by ``prismlm.train.retrofit.load_pretrained`` (which checks that
 prismlm reproduces its logits). Also: the index pass per token reading stored z vs running the model
-(``index_stored_z_per_token_ratio``; issue item 5 asks ≤ 0.2). Not yet measured here: stage 2 and the other
-speed ratios (issue items 3 and 5).
+(``index_stored_z_per_token_ratio``; issue item 5 asks ≤ 0.2).
 
-Output: ``bench/results/real-retrofit.json`` (a ``summary`` with the issue's field names where measured) and
-one summary line. Run from a clean tree: the JSON records the git revision.
+Other stages (``--stage``; each writes its own JSON, resumable where it trains):
+    * ``speed`` (``bench/_real_speed.py``): ``forward_ratio``, ``explain_ratio``,
+      ``explained_generation_overhead_pct`` → ``bench/results/real-retrofit-speed.json``.
+    * ``stage2`` (``bench/_real_stage2.py``): ``prism retrofit --unfreeze`` (stage 1 on stored z, then
+      last-N/LoRA with CE + REC + R1 + R2), held-out CE and coverage of both checkpoints →
+      ``bench/results/real-retrofit-stage2.json``.
+    * ``summary``: merges those two into ``real-retrofit.json``'s ``summary`` (``summary_sources``: the file
+      and revision of every field).
+
+Output: ``bench/results/real-retrofit.json`` (a ``summary`` with the issue's field names) and one summary
+line. Run from a clean tree: the JSON records the git revision.
 """
 
 from __future__ import annotations
