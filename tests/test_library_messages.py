@@ -40,6 +40,50 @@ def test_train_and_data_name_no_cli_flags():
     assert found == []
 
 
+# A command line the message suggests (``prism index RUN --out F``, ``pip install --no-deps …``): another
+# command's flags, which the current command could not map.
+COMMAND_LINE = re.compile(r"\b(?:prism|pip|git)\s+[a-z][\w-]*(?:\s+(?:--?[\w-]+|[\w./:{}-]+))*")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {
+        id(s.value)
+        for node in ast.walk(tree)
+        for s in (node.body if isinstance(getattr(node, "body", None), list) else [])  # type: ignore[attr-defined]
+        if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant) and isinstance(s.value.value, str)
+    }
+
+
+def _messages(path: Path) -> list[tuple[int, str]]:
+    """Every string of a module but its docstrings (the app layer's docstrings are the CLI's help texts):
+    an f-string as one text with ``{}`` for each value."""
+    tree = ast.parse(path.read_text())
+    skip = _docstrings(tree) | {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            out.append((node.lineno, node.value))
+        elif isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+            out.append((node.lineno, str(text)))
+    return out
+
+
+def test_app_web_and_render_messages_name_no_cli_flags():
+    """The application layer and the front ends below cli/ name parameters (``require(..., "steps", ...)``,
+    a backquoted `out`); the CLI shows its flags. Suggested command lines of other commands are allowed."""
+    found = []
+    for folder in ("app", "web", "render"):
+        for path in sorted((SRC / folder).rglob("*.py")):
+            for line, text in _messages(path):
+                flags = FLAG.findall(COMMAND_LINE.sub("", text))
+                if flags:
+                    found.append(f"{path.relative_to(SRC)}:{line}: {sorted(set(flags))}")
+    assert found == []
+
+
 def test_cli_message_maps_library_options_to_flags():
     msg = (
         "/runs/extend_to/r is already at step 4; extend_to=3 would not train further "

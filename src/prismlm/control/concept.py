@@ -25,7 +25,7 @@ from prismlm.model.gpt import decompose
 
 if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
-    from prismlm.explain.index import PrototypeIndex
+    from prismlm.explain.index import Labels, PrototypeIndex
     from prismlm.model import PrismLM
 
 
@@ -264,7 +264,7 @@ def _add_selected_evidence(
     model: PrismLM,
     tokenizer: Tokenizer | None,
     index: PrototypeIndex | None,
-    labels: dict[int, dict[str, Any]],
+    labels: Labels,
     neighbours: int,
 ) -> None:
     """What a selected prototype's evidence adds: signature tokens, label and training snippets."""

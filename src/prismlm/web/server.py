@@ -329,7 +329,7 @@ def serve(
     import uvicorn
 
     if not 1 <= port <= 65535:  # checked before the run is opened (uvicorn would fail only at bind)
-        raise ConfigError(f"--port must be in [1, 65535], got {port}", fix="e.g. --port 8000")
+        raise ConfigError(f"`port` must be in [1, 65535], got {port}", fix="e.g. `port` 8000")
     if host not in LOCAL_HOSTS and host != "::1":
         print(
             f"warning: serving on {host}: anyone who can reach this address can use the explorer (it has no "

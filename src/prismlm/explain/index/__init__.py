@@ -15,10 +15,13 @@ from prismlm.explain.index.artifact import (
     LABELS_FILE,
     MANIFEST_FILE,
     TENSORS_FILE,
+    LabelEntry,
+    Labels,
     PrototypeIndex,
+    PrototypeStats,
 )
 from prismlm.explain.index.build import IndexSettings, build_index, merge_indexes
-from prismlm.explain.index.snippets import Neighbour
+from prismlm.explain.index.snippets import Neighbour, NeighbourDict
 
 __all__ = [
     "FORMAT_VERSION",
@@ -27,8 +30,12 @@ __all__ = [
     "MANIFEST_FILE",
     "TENSORS_FILE",
     "IndexSettings",
+    "LabelEntry",
+    "Labels",
     "Neighbour",
+    "NeighbourDict",
     "PrototypeIndex",
+    "PrototypeStats",
     "build_index",
     "merge_indexes",
     "part_range",
