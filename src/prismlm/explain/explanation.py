@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from prismlm.artifacts import JSON, model_identity, write_output
+from prismlm.artifacts import model_identity, write_output
 from prismlm.errors import ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
 from prismlm.explain.index import Labels, Neighbour, NeighbourDict, PrototypeIndex, PrototypeStats
 from prismlm.model import PrismOutput, decompose
@@ -85,7 +85,7 @@ class CardDict(TypedDict):
     bottom_tokens: list[list[str | float]]
     neighbours: list[NeighbourDict]
     stats: PrototypeStats | None
-    evidence: dict[str, JSON] | None
+    evidence: dict[str, object] | None
 
 
 class ExplanationDict(TypedDict):
@@ -201,7 +201,7 @@ class PrototypeCard:
     """Nearest training contexts (needs an index with shards)."""
     stats: PrototypeStats | None = None
     """Activation count, frequency, mean activation, histogram (needs an index)."""
-    evidence: dict[str, JSON] | None = None
+    evidence: dict[str, object] | None = None
     """What the labeller based the label on (``labels.json``'s evidence), or None."""
     bottom_tokens: list[tuple[str, float]] = field(default_factory=list)
     """Tokens with the most negative entries of W p_i, most negative first (what it pushes down)."""

@@ -324,7 +324,7 @@ def serve(
     limits: Limits = Limits(),
     log_level: str = "info",
 ) -> None:
-    """Open the run and serve the explorer until interrupted. Any host other than loopback is warned
+    """Open the run and serve the explorer until interrupted. A host other than loopback is warned
     about on stderr: the explorer has no authentication."""
     import uvicorn
 

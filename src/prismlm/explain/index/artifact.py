@@ -23,7 +23,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from prismlm.artifacts import (
-    JSON,
     atomic_dir,
     check_provenance,
     file_records,
@@ -42,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION",
+    "IndexManifest",
     "KIND",
     "LABELS_FILE",
     "MANIFEST_FILE",
@@ -84,9 +84,12 @@ class LabelEntry(TypedDict, total=False):
     label: str
     category: str
     """One of ``prismlm.explain.labels.CATEGORIES``."""
-    evidence: dict[str, JSON]
-    """What the labeller based it on (its own JSON: counts, context words, ``labeller``…)."""
+    evidence: dict[str, object]
+    """What the labeller based it on (its own record, passed through: counts, context words, ``labeller``…)."""
 
+
+IndexManifest = dict[str, Any]  # Any: a JSON record whose fields (see ``manifest``) are read with int()/list()
+"""``manifest.json`` of an index: kind, format_version, model_sha256, shard_key, covered, tokens, …"""
 
 Labels = dict[int, LabelEntry]
 """Prototype id → its ``labels.json`` entry."""
@@ -106,7 +109,7 @@ class PrototypeIndex:
     """(K,) float64: sum of its activations over those tokens."""
     hist: torch.Tensor
     """(K, bins) int64: histogram of its non-zero activations on ``bins`` equal bins of [0, 1]."""
-    manifest: dict[str, Any]  # Any: a JSON record read field by field with int()/float()/list() by many modules
+    manifest: IndexManifest
     """kind, format_version, model_sha256, shard_key, split, top_n, num_prototypes, block_size, bins,
     batch_size, universe, target, covered, tokens, token_max_cos_sum, residual_share_sum, created…"""
     sample: ActivationSample | None = field(default=None, compare=False)
