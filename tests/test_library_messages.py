@@ -7,6 +7,9 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+from typer.testing import CliRunner
+
 from prismlm.cli.derive import cli_message
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "prismlm"
@@ -95,3 +98,44 @@ def test_cli_message_maps_library_options_to_flags():
         "(fix: pass --resume with --steps N (> 4), replace it with --overwrite, or a larger "
         "data.val_fraction or a smaller model.block_size; --block-size 2048 is too long; --from /m/gpt2)"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["retrofit", "--from", "m", "--steps", "0"], "error: --steps must be >= 1, got 0"),
+        (
+            ["retrofit", "--from", "m", "--steps", "10", "--frozen-steps", "20"],
+            "error: --frozen-steps must be in [0, --steps=10], got 20",
+        ),
+        (
+            ["retrofit", "--from", "m", "--prototypes", "4", "--top-k", "9"],
+            "error: --top-k must be in [1, --prototypes=4], got 9",
+        ),
+        (["retrofit", "--from", "m", "--unfreeze", "lora", "--lora-rank", "0"], "error: --lora-rank must be >= 1"),
+        ([], "error: --from is missing: name the pretrained model"),
+        ([], "(fix: pass --from MODEL, or --resume to continue the run in --out)"),
+        (
+            ["demo", "--scratch", "--question", "x"],
+            "error: --question applies to the real-model demo, not to --scratch",
+        ),
+        (["demo", "--preset", "tiny"], "(fix: add --scratch, or drop --preset tiny)"),
+        (["demo", "--index-sequences", "0"], "error: --index-sequences must be >= 1, got 0"),
+        (["prepare", "--val-fraction", "2"], "error: --val-fraction must be in (0, 1), got 2.0"),
+        (["serve", "RUN", "--port", "0"], "error: --port must be in [1, 65535], got 0 (fix: e.g. --port 8000)"),
+    ],
+)
+def test_the_cli_shows_its_flags_for_app_messages(args, expected, tmp_path):
+    """The app layer names its parameters (``steps``, `source`, `port`); each command's message shows the
+    flag the user typed. All are refused before any model is loaded or any file is written."""
+    from prismlm.cli import app
+
+    argv = args or ["retrofit"]
+    if argv[0] == "retrofit":
+        argv = [*argv, "--out", str(tmp_path / "r")]
+    if argv[0] == "serve":
+        argv = ["serve", str(tmp_path), *argv[2:]]
+    res = CliRunner().invoke(app, argv)
+    assert res.exit_code == 2, res.output
+    assert expected in " ".join(res.output.split())
+    assert list(tmp_path.iterdir()) == []
