@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +25,7 @@ from prismlm.model.gpt import decompose
 
 if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
-    from prismlm.explain.index import Labels, PrototypeIndex
+    from prismlm.explain.index import PrototypeIndex
     from prismlm.model import PrismLM
 
 
@@ -264,7 +264,7 @@ def _add_selected_evidence(
     model: PrismLM,
     tokenizer: Tokenizer | None,
     index: PrototypeIndex | None,
-    labels: Labels,
+    labels: Mapping[int, Mapping[str, object]],
     neighbours: int,
 ) -> None:
     """What a selected prototype's evidence adds: signature tokens, label and training snippets."""
