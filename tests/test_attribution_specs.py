@@ -94,3 +94,19 @@ def test_cli_shows_the_flag_of_the_field_a_library_message_names(tiny_shards, tm
     res = CliRunner().invoke(app, ["attribute-cache", str(run), "--compress-from", same, "--out", same, *shards])
     assert res.exit_code == 2 and f"--out {same} is the cache being compressed (--compress-from)" in res.output
     assert "another --out" in res.output and "`" not in res.output, res.output
+
+
+def test_attribution_records_declare_the_fields_to_dict_writes():
+    """``Attribution.to_dict()`` is typed ``AttributionRecord`` (its ``top`` entries ``AttributedRecord``):
+    the same keys in the same order as the dataclasses' fields, which ``asdict`` writes."""
+    from dataclasses import fields
+
+    from prismlm.tda.attribute import AttributedRecord, AttributedSequence, Attribution, AttributionRecord
+
+    assert list(AttributionRecord.__annotations__) == [f.name for f in fields(Attribution)]
+    assert list(AttributedRecord.__annotations__) == [f.name for f in fields(AttributedSequence)]
+    top = AttributedSequence(rank=1, sequence=4, score=0.5, prototypes=[{"id": 2.0, "contribution": 0.5}])
+    d = Attribution("p", "c", "cached", 1.0, 1, [top], 10, 0.1).to_dict()
+    assert list(d) == list(AttributionRecord.__annotations__) and list(d["top"][0]) == list(
+        AttributedRecord.__annotations__
+    )

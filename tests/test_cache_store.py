@@ -543,6 +543,23 @@ def test_built_compact_equals_compressed_and_lossy_parts_do_not_merge(tiny, tiny
     ]
     merged = merge_caches(lp, out=tmp_path / "merged")
     assert merged.manifest["id_encoding"] == "delta"
+    # every manifest entry is one CacheManifest declares (built, compressed, merged, saved)
+    from prismlm.tda.cache.manifest import CacheManifest
+
+    declared = CacheManifest.__optional_keys__
+    for c in (plain, built, comp, merged):
+        assert set(c.manifest) <= declared, set(c.manifest) - declared
+    assert set(plain.manifest) | {"files", "compressed_from", "merged_from"} >= declared - {
+        "id_width",
+        "id_exceptions",
+        "scale_unit",
+        "pq_dims",
+        "pq_sample",
+        "pq_trained_on",
+        "postings_raw",
+        "postings_aggregated",
+        "pruned",
+    }
     assert np.array_equal(merged.seq, plain.seq) and torch.equal(
         merged.scores(tiny.q, tiny.Q), plain.scores(tiny.q, tiny.Q)
     )

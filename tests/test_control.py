@@ -527,6 +527,12 @@ def test_concept_search_finds_planted_prototypes(tiny_shards, tmp_path):
         assert sset.evidence[i]["concept_rate"] > sset.evidence[i]["neutral_rate"]
     p = sset.save(tmp_path / "s.json")
     assert json.loads(p.read_text())["ids"] == sset.ids
+    # the records are what their types say: the file's keys in SuppressionRecord's order, evidence keys known
+    from prismlm.control.suppress import PrototypeEvidence, SuppressionRecord
+
+    assert list(json.loads(p.read_text())) == list(SuppressionRecord.__annotations__)
+    known = PrototypeEvidence.__optional_keys__
+    assert all(set(r) <= known for r in ranking) and all(set(e) <= known for e in sset.evidence.values())
 
 
 def test_concept_contribution_is_the_exact_derivative_of_the_loglikelihood(tiny_shards):
@@ -768,8 +774,18 @@ def test_cli_concept_suppress_tasks_controller(tiny_run, tiny_shards, tmp_path, 
         ],
     )
     assert res.exit_code == 0, res.output
-    trace = json.loads((tmp_path / "ctl2.json").read_text())["trace"]
+    saved = json.loads((tmp_path / "ctl2.json").read_text())
+    trace = saved["trace"]
     assert trace and all("neighbours" in e for e in trace)
+    from prismlm.control.controller import ControllerHistory, LambdaTrial, TracedExample, TracedUnit
+    from prismlm.control.suppress import Neighbour
+
+    units = TracedUnit.__required_keys__ | TracedUnit.__optional_keys__
+    assert all(TracedUnit.__required_keys__ <= set(e) <= units for e in trace)
+    assert all(set(x) == TracedExample.__required_keys__ for e in trace for x in e["task_examples"])
+    assert all(set(nb) <= Neighbour.__optional_keys__ for e in trace for nb in e["neighbours"])
+    assert set(saved["history"]) <= ControllerHistory.__optional_keys__
+    assert all(set(t) == LambdaTrial.__required_keys__ for t in saved["history"]["selection"])
     res = r.invoke(
         app,
         [

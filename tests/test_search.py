@@ -15,7 +15,7 @@ from prismlm import AttributionConfig
 from prismlm.config import SearchConfig
 from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError
 from prismlm.tda.cache import AttributionCache, FloatSketches, PlainIds, QuantSketches, build_cache, quantise
-from prismlm.tda.search import SearchIndex, build_search_index, exact_top
+from prismlm.tda.search import SearchIndex, SearchManifest, build_search_index, exact_top
 
 N_SEQ = 40
 
@@ -182,6 +182,7 @@ def test_sidecar_round_trips_and_refuses_another_cache(tiny, tiny_shards, tmp_pa
     idx = build_search_index(cache, SearchConfig(min_list=4), out=tmp_path / "cache" / "search")
     mem = build_search_index(cache, SearchConfig(min_list=4))
     assert idx.manifest["bytes"] == idx.nbytes() > 0 and idx.manifest["build_seconds"] >= 0
+    assert list(idx.manifest) == list(SearchManifest.__annotations__)  # the declared keys, in order
     loaded = SearchIndex.load(tmp_path / "cache" / "search", AttributionCache.load(tmp_path / "cache"))
     for a, b in ((loaded, mem), (idx, mem)):
         x, y = a.top(cache, tiny.q, tiny.Q, 10, m=3, nprobe=2), b.top(cache, tiny.q, tiny.Q, 10, m=3, nprobe=2)

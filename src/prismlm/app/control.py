@@ -7,18 +7,24 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from prismlm.app.run import Run, require
 from prismlm.artifacts import check_out_file, check_out_folder
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept, read_texts
-from prismlm.control.controller import Controller, extract_features, fit_and_test, prism_encoder, trace_prism_controller
-from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
+from prismlm.control.controller import (
+    Controller,
+    TracedUnit,
+    extract_features,
+    fit_and_test,
+    prism_encoder,
+    trace_prism_controller,
+)
+from prismlm.control.suppress import CHECKPOINT_FILE, PrototypeEvidence, SuppressionSet
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ConfigError, DataError, TaskError
-from prismlm.eval.scoring import mc_accuracy
+from prismlm.eval.scoring import MCScores, mc_accuracy
 from prismlm.eval.tasks import TASKS, build_tasks, load_split
 from prismlm.model import Control, PrismLM
 
@@ -31,7 +37,7 @@ class ConceptResult:
     """A concept's suppression set and the ranking of every candidate prototype."""
 
     suppression: SuppressionSet
-    ranking: list[dict[str, Any]]
+    ranking: list[PrototypeEvidence]
     saved: list[Path]
     """Where the set was written (``out``, and the checkpoint with ``save``)."""
 
@@ -160,6 +166,12 @@ def load_controller(path: Path) -> Controller:
         raise DataError(f"cannot read controller {path}: {e}", fix="fit one with `prism controller fit`") from e
 
 
+class TaskScores(MCScores, total=False):
+    """A task's scores from ``evaluate_tasks``: ours, and lm-eval's metrics with ``lm_eval``."""
+
+    lm_eval: dict[str, float]
+
+
 def evaluate_tasks(
     run: Run,
     *,
@@ -169,7 +181,7 @@ def evaluate_tasks(
     controller: Path | None = None,
     lm_eval: bool = False,
     lm_eval_scorer: TaskScorer | None = None,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, TaskScores]:
     """Multiple-choice accuracy (acc, acc_norm) with our log-likelihood scorer.
 
     Args:
@@ -187,11 +199,11 @@ def evaluate_tasks(
     if controller is not None:
         ctl = load_controller(controller)
         extra = (Control(ctl.coefficients.to(torch.float32), label=str(controller)),)
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, TaskScores] = {}
     with run.intervened(*extra) as model:
         for n, f in folders.items():
             docs = load_split(f, split)
-            results[n] = mc_accuracy(model, run.tokenizer, docs).to_dict()
+            results[n] = {**mc_accuracy(model, run.tokenizer, docs).to_dict()}
             if lm_eval and split == "test":
                 if lm_eval_scorer is None:
                     raise ConfigError(
@@ -207,7 +219,7 @@ class ControllerResult:
     controller: Controller
     before: dict[str, float]
     after: dict[str, float]
-    trace: list[dict[str, Any]]
+    trace: list[TracedUnit]
     path: Path
 
 
@@ -251,6 +263,7 @@ def fit_controller(
 __all__ = [
     "ConceptResult",
     "ControllerResult",
+    "TaskScores",
     "build_task_folders",
     "evaluate_tasks",
     "find_run_concept",

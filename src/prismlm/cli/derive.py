@@ -258,6 +258,143 @@ def os_error_message(e: OSError) -> str:
     return f"{type(e).__name__}: {what}: {where} (fix: {fix})"
 
 
+def _run_options(opens_run: bool, suppressible: bool) -> tuple[list[inspect.Parameter], list[inspect.Parameter]]:
+    """The typer parameters a command that opens a run adds: RUN first; ``--device`` (and ``--suppress``)
+    after the operation's own options."""
+    if not opens_run:
+        return [], []
+    head = [
+        inspect.Parameter(
+            "run", inspect.Parameter.KEYWORD_ONLY, annotation=Path, default=typer.Argument(..., help=RUN_HELP)
+        )
+    ]
+    tail = [
+        inspect.Parameter(
+            "device", inspect.Parameter.KEYWORD_ONLY, annotation=str, default=typer.Option("auto", help=DEVICE_HELP)
+        )
+    ]
+    if suppressible:
+        tail.append(
+            inspect.Parameter(
+                "suppress",
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=str,
+                default=typer.Option("auto", help=SUPPRESS_HELP),
+            )
+        )
+    return head, tail
+
+
+def _check_out_files(render_kwargs: dict[str, object]) -> None:
+    """The renderer's output files (``--json``, ``--html``: options named ``*_out``), refused before any work."""
+    for k, v in render_kwargs.items():
+        if k.endswith("_out") and isinstance(v, (str, Path)):
+            check_out_file(v, k)
+
+
+def _announce_suppression(run: Run) -> None:
+    """One line saying which suppression set the opened run applies (nothing when none)."""
+    if run.suppression is not None:
+        from prismlm.cli.console import console
+
+        s = run.suppression
+        console.print(
+            f"suppressing {len(s.ids)} prototypes ({100 * s.share:.2f}% of the bank)"
+            + (f": {s.concept}" if s.concept else "")
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Invocation:
+    """What a derived command does with its parsed options: assemble the operation's keyword arguments, check
+    the output files, open the run, call the operation, render its result, and map errors to one line."""
+
+    name: str
+    op: Callable[..., object]
+    render: Callable[..., None] | None
+    opens_run: bool
+    suppressible: bool
+    fixed: dict[str, object]
+    computed: dict[str, Callable[[dict[str, object]], object]]
+    groups: dict[str, tuple[type, list[str], str]]
+    """Parameter typed with a config dataclass → (the class, its option names, their prefix)."""
+    op_names: set[str]
+    progress_names: set[str]
+    render_names: set[str]
+    flags: dict[str, str]
+    """Parameter or config field name → what the user types, for error messages."""
+    field_flags: dict[str, str]
+    """``Class.field`` / ````name```` in message text → flag."""
+
+    def message(self, e: PrismError) -> str:
+        return cli_message(flag_message(e, self.flags, self.field_flags))
+
+    def op_kwargs(self, kwargs: dict[str, object]) -> dict[str, object]:
+        """The operation's keyword arguments: its options, ``fixed``, ``computed``, progress callbacks, and
+        each config dataclass re-assembled from its options (validated then: an error exits with its flag)."""
+        op_kwargs = {
+            **{k: v for k, v in kwargs.items() if k in self.op_names},
+            **self.fixed,
+            **{k: f(kwargs) for k, f in self.computed.items()},
+        }
+        for n in self.progress_names:
+            op_kwargs[n] = progress_for(bool(op_kwargs[n]))
+        for group, (cls, names, prefix) in self.groups.items():
+            values = {n[len(prefix) :]: op_kwargs.pop(n) for n in names}
+            try:
+                op_kwargs[group] = cls(**values)
+            except PrismError as e:
+                fail(self.message(e))
+        return op_kwargs
+
+    def open_run(self, kwargs: dict[str, object]) -> Run:
+        """The run RUN names; typer parsed these three as declared: a Path and two strings."""
+        run = Run.open(
+            Path(str(kwargs["run"])),
+            device=str(kwargs["device"]),
+            suppress=str(kwargs["suppress"]) if self.suppressible else "none",
+        )
+        _announce_suppression(run)
+        return run
+
+    def __call__(self, kwargs: dict[str, object]) -> None:
+        op_kwargs = self.op_kwargs(kwargs)
+        render_kwargs = {k: v for k, v in kwargs.items() if k in self.render_names}
+        try:
+            _check_out_files(render_kwargs)
+            run = None
+            if self.opens_run:
+                run = self.open_run(kwargs)
+                result = self.op(run, **op_kwargs)
+            else:
+                result = self.op(**op_kwargs)
+            if self.render is not None and is_main_process():  # under torchrun, rank 0 renders (prints, writes)
+                extra = {"run": run} if "run" in inspect.signature(self.render).parameters else {}
+                self.render(result, **extra, **render_kwargs)
+        except PrismError as e:
+            fail(self.message(e))
+        except OSError as e:
+            if e.filename is None:  # no file involved: not a user's path, a bug or the machine
+                raise
+            fail(os_error_message(e))
+        except KeyboardInterrupt:  # no traceback: say what is kept and how to go on
+            hint = f"; rerun with {self.flags['resume']} to continue it" if "resume" in self.op_names else ""
+            interrupted(f"{self.name} interrupted{hint}")
+
+
+def _register(app: typer.Typer, params: list[inspect.Parameter], invocation: _Invocation) -> None:
+    """Add ``prism NAME`` to ``app``: a function whose signature is the typer parameters ``params`` (what typer
+    parses) and which runs ``invocation`` on them; its help is the operation's summary."""
+
+    def run_command(**kwargs: object) -> None:
+        invocation(kwargs)
+
+    run_command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    run_command.__doc__ = summary(invocation.op)
+    run_command.__name__ = invocation.name.replace("-", "_")
+    app.command(invocation.name, help=summary(invocation.op))(run_command)
+
+
 def command(
     app: typer.Typer,
     name: str,
@@ -289,97 +426,31 @@ def command(
     positional = set(arguments or ())
     groups: dict[str, tuple[type, list[str], str]] = {}
     op_params = _params(op, skip, decls, positional, groups, prefixed)
-    field_flags = _field_flags(groups, op_params)  # ``Class.field`` / ````name```` in message text → flag
     op_names = {p.name for p in op_params}
     op_hints = typing.get_type_hints(op)
-    progress_names = {n for n in op_names if op_hints.get(n) == Progress}  # --progress/--no-progress flags
     # a renderer option with the name of an operation option (e.g. --shards) is one option, given to both
     render_all = _params(render, {"run", _first_parameter(render)}, decls, set()) if render is not None else []
-    render_names = {p.name for p in render_all}
-    render_params = [p for p in render_all if p.name not in op_names]
-    head: list[inspect.Parameter] = []
-    tail: list[inspect.Parameter] = []
-    if opens_run:
-        head.append(
-            inspect.Parameter(
-                "run", inspect.Parameter.KEYWORD_ONLY, annotation=Path, default=typer.Argument(..., help=RUN_HELP)
-            )
-        )
-        tail.append(
-            inspect.Parameter(
-                "device", inspect.Parameter.KEYWORD_ONLY, annotation=str, default=typer.Option("auto", help=DEVICE_HELP)
-            )
-        )
-        if suppressible:
-            tail.append(
-                inspect.Parameter(
-                    "suppress",
-                    inspect.Parameter.KEYWORD_ONLY,
-                    annotation=str,
-                    default=typer.Option("auto", help=SUPPRESS_HELP),
-                )
-            )
-
+    head, tail = _run_options(opens_run, suppressible)
     params = (
         head
         + [p for p in op_params if p.name in positional]
         + [p for p in op_params if p.name not in positional]
         + tail
-        + render_params
+        + [p for p in render_all if p.name not in op_names]
     )
-    flags = flags_of(params)  # parameter or config field name → what the user types, for error messages
-
-    def run_command(**kwargs: object) -> None:
-        op_kwargs = {
-            **{k: v for k, v in kwargs.items() if k in op_names},
-            **fixed,
-            **{k: f(kwargs) for k, f in computed.items()},
-        }
-        for n in progress_names:
-            op_kwargs[n] = progress_for(bool(op_kwargs[n]))
-        for group, (cls, names, prefix) in groups.items():  # re-assemble config dataclasses (validated then)
-            values = {n[len(prefix) :]: op_kwargs.pop(n) for n in names}
-            try:
-                op_kwargs[group] = cls(**values)
-            except PrismError as e:
-                fail(cli_message(flag_message(e, flags, field_flags)))
-        render_kwargs = {k: v for k, v in kwargs.items() if k in render_names}
-        try:
-            for k, v in render_kwargs.items():  # output files (--json, --html): refused before any work
-                if k.endswith("_out") and isinstance(v, (str, Path)):
-                    check_out_file(v, k)
-            run = None
-            if opens_run:  # typer parsed these three as declared above: a Path and two strings
-                run = Run.open(
-                    Path(str(kwargs["run"])),
-                    device=str(kwargs["device"]),
-                    suppress=str(kwargs["suppress"]) if suppressible else "none",
-                )
-                if run.suppression is not None:
-                    from prismlm.cli.console import console
-
-                    s = run.suppression
-                    console.print(
-                        f"suppressing {len(s.ids)} prototypes ({100 * s.share:.2f}% of the bank)"
-                        + (f": {s.concept}" if s.concept else "")
-                    )
-                result = op(run, **op_kwargs)
-            else:
-                result = op(**op_kwargs)
-            if render is not None and is_main_process():  # under torchrun, rank 0 renders (prints, writes)
-                extra = {"run": run} if "run" in inspect.signature(render).parameters else {}
-                render(result, **extra, **render_kwargs)
-        except PrismError as e:
-            fail(cli_message(flag_message(e, flags, field_flags)))
-        except OSError as e:
-            if e.filename is None:  # no file involved: not a user's path, a bug or the machine
-                raise
-            fail(os_error_message(e))
-        except KeyboardInterrupt:  # no traceback: say what is kept and how to go on
-            hint = f"; rerun with {flags['resume']} to continue it" if "resume" in op_names else ""
-            interrupted(f"{name} interrupted{hint}")
-
-    run_command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    run_command.__doc__ = summary(op)
-    run_command.__name__ = name.replace("-", "_")
-    app.command(name, help=summary(op))(run_command)
+    invocation = _Invocation(
+        name=name,
+        op=op,
+        render=render,
+        opens_run=opens_run,
+        suppressible=suppressible,
+        fixed=fixed,
+        computed=computed,
+        groups=groups,
+        op_names=op_names,
+        progress_names={n for n in op_names if op_hints.get(n) == Progress},  # --progress/--no-progress flags
+        render_names={p.name for p in render_all},
+        flags=flags_of(params),
+        field_flags=_field_flags(groups, op_params),
+    )
+    _register(app, params, invocation)

@@ -13,12 +13,12 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
-from prismlm.control.suppress import SuppressionSet
+from prismlm.control.suppress import PrototypeEvidence, SuppressionSet
 from prismlm.errors import ConfigError, DataError, ModelError
 from prismlm.eval.scoring import text_batches
 from prismlm.model.gpt import decompose
@@ -165,7 +165,7 @@ def find_concept(
     model_sha256: str | None = None,
     batch_size: int = 16,
     neighbours: int = 3,
-) -> tuple[SuppressionSet, list[dict[str, Any]]]:
+) -> tuple[SuppressionSet, list[PrototypeEvidence]]:
     """Rank prototypes by log-likelihood contribution or activation enrichment on concept vs neutral text
     (filtered by neighbourhood purity, with an index and ``is_concept_doc``) and select them by
     ``selection``; returns the chosen suppression set and the full ranking (one dict per candidate with
@@ -180,7 +180,7 @@ def find_concept(
     if index is not None and is_concept_doc is not None:
         purity = neighbourhood_purity(index, is_concept_doc, cand.tolist())
     labels = index.labels() if index is not None and hasattr(index, "labels") else {}
-    ranking: list[dict[str, Any]] = []
+    ranking: list[PrototypeEvidence] = []
     chosen: list[int] = []
     budget = selection.budget
     for i in cand.tolist():
@@ -199,7 +199,7 @@ def find_concept(
         num_prototypes=len(c.mass),
         model_sha256=model_sha256,
         concept=concept,
-        evidence={e["id"]: {k: v for k, v in e.items() if k != "selected"} for e in ranking if e["selected"]},
+        evidence={e["id"]: _without_selected(e) for e in ranking if e["selected"]},
         meta={
             "method": RANKINGS[selection.rank_by] + ("+purity" if purity else ""),
             "rank_by": selection.rank_by,
@@ -215,6 +215,13 @@ def find_concept(
         },
     )
     return sset, ranking
+
+
+def _without_selected(e: PrototypeEvidence) -> PrototypeEvidence:
+    """``e`` without its ``selected`` flag (a set's evidence holds only selected prototypes), keys in order."""
+    kept = e.copy()
+    kept.pop("selected", None)
+    return kept
 
 
 @dataclass
@@ -246,7 +253,7 @@ def _candidates(s: _Scores, c: ActivationStats, selection: ConceptSelection) -> 
     return cand[np.argsort(-key[cand], kind="stable")]
 
 
-def _evidence(i: int, s: _Scores, c: ActivationStats, n: ActivationStats) -> dict[str, Any]:
+def _evidence(i: int, s: _Scores, c: ActivationStats, n: ActivationStats) -> PrototypeEvidence:
     return {
         "id": i,
         "contribution_nats_per_token": float(s.contribution[i]),
@@ -260,7 +267,7 @@ def _evidence(i: int, s: _Scores, c: ActivationStats, n: ActivationStats) -> dic
 
 
 def _add_selected_evidence(
-    ev: dict[str, Any],
+    ev: PrototypeEvidence,
     model: PrismLM,
     tokenizer: Tokenizer | None,
     index: PrototypeIndex | None,
@@ -272,7 +279,7 @@ def _add_selected_evidence(
     if tokenizer is not None:
         ev["signature_top_tokens"] = signature_tokens(model, tokenizer, i)
     if i in labels:
-        ev["label"] = labels[i].get("label")
+        ev["label"] = cast("str | None", labels[i].get("label"))  # labels.json holds strings (`prism label`)
     if index is not None and getattr(index, "shards", None) is not None and neighbours:
         ev["neighbours"] = [
             {"doc_id": nb.doc_id, "snippet": nb.snippet, "similarity": nb.similarity}

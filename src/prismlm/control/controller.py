@@ -12,13 +12,15 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, NotRequired, TypedDict, cast
 
 import torch
 import torch.nn.functional as F
 
+from prismlm.control.suppress import Neighbour
 from prismlm.errors import ArtifactError, DataError
 from prismlm.eval.scoring import encode_pair
+from prismlm.eval.tasks import MCExample
 
 if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
@@ -69,7 +71,7 @@ def prism_encoder(model: PrismLM) -> Encoder:
 
 @torch.no_grad()
 def extract_features(
-    model: PrismLM, tokenizer: Tokenizer, docs: Sequence[dict[str, Any]], encoder: Encoder, *, batch_size: int = 32
+    model: PrismLM, tokenizer: Tokenizer, docs: Sequence[MCExample], encoder: Encoder, *, batch_size: int = 32
 ) -> ControlFeatures:
     """Run the frozen backbone on every (query, choice) pair and cache the code at the scored tokens."""
     T = model.config.block_size
@@ -196,6 +198,50 @@ def accuracy(f: ControlFeatures, scores: torch.Tensor) -> dict[str, float]:
     }
 
 
+class LambdaTrial(TypedDict):
+    """One λ of ``fit_with_validation``'s grid: the validation accuracy and size of its controller."""
+
+    l1: float
+    val_acc: float
+    nonzero: int
+    final_loss: float
+
+
+class ControllerHistory(TypedDict, total=False):
+    """How a controller was fitted (``fit_controller``; ``selection`` added by ``fit_with_validation``)."""
+
+    final_loss: float
+    loss_first: float
+    steps: int
+    lr: float
+    selection: list[LambdaTrial]
+
+
+class TracedExample(TypedDict):
+    """A task token where a traced unit is most active."""
+
+    doc: str
+    """The task example's id."""
+    label: str
+    activation: float
+    target: str
+    """The continuation token, decoded."""
+
+
+class TracedUnit(TypedDict):
+    """One non-zero coefficient of ``trace_prism_controller``."""
+
+    id: int
+    c: float
+    signature_top_tokens: list[str]
+    task_examples: list[TracedExample]
+    active_tokens_in_train: int
+    label: NotRequired[str | None]
+    """With an index that labels the prototype."""
+    neighbours: NotRequired[list[Neighbour]]
+    """With an index attached to its shards."""
+
+
 @dataclass
 class Controller:
     """A fitted sparse controller: coefficients c over K code units, and how it was fitted."""
@@ -204,14 +250,14 @@ class Controller:
     """(K,) float; 0 = unit untouched, −1 = unit removed (suppression), > 0 = amplified."""
     l1: float
     """The L1 weight λ it was fitted with."""
-    history: dict[str, Any] = field(default_factory=dict)
+    history: ControllerHistory = field(default_factory=ControllerHistory)
     """How it was fitted: loss per step, and the λ trials (``selection``)."""
 
     @property
     def nonzero(self) -> list[int]:
         return self.coefficients.nonzero().squeeze(1).tolist()
 
-    def save(self, path: str | Path, **meta: Any) -> Path:
+    def save(self, path: str | Path, **meta: object) -> Path:  # meta: JSON-encodable entries
         path = Path(path)
         path.write_text(
             json.dumps(
@@ -294,9 +340,9 @@ def fit_with_validation(
     l1_grid: Sequence[float] = (3e-3, 1e-2, 3e-2),
     steps: int = 100,
     lr: float = 0.05,
-) -> tuple[Controller, list[dict[str, Any]]]:
+) -> tuple[Controller, list[LambdaTrial]]:
     """Fit one controller per λ; keep the best validation accuracy (ties: fewer non-zeros)."""
-    trials: list[dict[str, Any]] = []
+    trials: list[LambdaTrial] = []
     best: Controller | None = None
     best_key: tuple[float, int] | None = None
     for l1 in l1_grid:
@@ -319,7 +365,7 @@ class ControllerResult:
 
     controller: Controller
     """The controller fitted on train at the λ chosen on validation."""
-    trials: list[dict[str, Any]]
+    trials: list[LambdaTrial]
     """One record per λ of the grid: validation accuracy and non-zero coefficients."""
     test_scores_before: torch.Tensor
     """(R,) float64 request scores of the test split with c = 0"""
@@ -394,23 +440,23 @@ def trace_prism_controller(
     tokenizer: Tokenizer,
     ctl: Controller,
     feats: ControlFeatures,
-    docs: Sequence[dict[str, Any]],
+    docs: Sequence[MCExample],
     *,
     index: PrototypeIndex | None = None,
     top: int = 20,
-) -> list[dict[str, Any]]:
+) -> list[TracedUnit]:
     """Each non-zero c_i with its prototype's signature tokens, label and training neighbourhood (when an
     index is given) and the task examples where it is most active."""
     from prismlm.control.concept import signature_tokens
 
     labels = index.labels() if index is not None else {}
     order = sorted(ctl.nonzero, key=lambda i: -abs(float(ctl.coefficients[i])))[:top]
-    out: list[dict[str, Any]] = []
+    out: list[TracedUnit] = []
     for i in order:
         m = feats.indices == i
         acts = torch.where(m, feats.activations, torch.zeros_like(feats.activations)).sum(-1)  # (N,)
         best = acts.topk(min(3, len(acts))).indices.tolist()
-        ex: list[dict[str, Any]] = []
+        ex: list[TracedExample] = []
         for n in best:
             if acts[n] <= 0:
                 continue
@@ -424,7 +470,7 @@ def trace_prism_controller(
                     "target": tokenizer.decode([int(feats.targets[n])]),
                 }
             )
-        e: dict[str, Any] = {
+        e: TracedUnit = {
             "id": i,
             "c": float(ctl.coefficients[i]),
             "signature_top_tokens": signature_tokens(model, tokenizer, i),
@@ -432,7 +478,7 @@ def trace_prism_controller(
             "active_tokens_in_train": int(m.any(-1).sum()),
         }
         if i in labels:
-            e["label"] = labels[i].get("label")
+            e["label"] = cast("str | None", labels[i].get("label"))  # labels.json holds strings (`prism label`)
         if index is not None and getattr(index, "shards", None) is not None:
             e["neighbours"] = [{"doc_id": nb.doc_id, "snippet": nb.snippet} for nb in index.neighbours(i, 3)]
         out.append(e)

@@ -13,9 +13,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
-from prismlm.artifacts import atomic_write_text
+from prismlm.artifacts import JSON, atomic_write_text
 from prismlm.errors import SuppressionError
 from prismlm.model.interventions import Suppress
 
@@ -25,6 +25,50 @@ if TYPE_CHECKING:
 KIND = "prismlm-suppression"
 FORMAT_VERSION = 1
 CHECKPOINT_FILE = "suppression.json"
+
+
+class Neighbour(TypedDict, total=False):
+    """A training snippet near a prototype (``PrototypeIndex.neighbours``)."""
+
+    doc_id: str | None
+    snippet: str
+    similarity: float
+    """Absent in controller traces."""
+
+
+class PrototypeEvidence(TypedDict, total=False):
+    """Why ``find_concept`` ranked a prototype: its scores (every candidate), then ``purity`` (with an index),
+    ``selected``, and for a selected one its signature tokens, label and training neighbours. A set's
+    ``evidence`` holds the selected ones without ``selected``; a set read from a file may hold any subset."""
+
+    id: int
+    contribution_nats_per_token: float
+    log2_enrichment: float
+    enrichment: float
+    concept_rate: float
+    neutral_rate: float
+    concept_count: int
+    neutral_count: int
+    purity: float | None
+    selected: bool
+    signature_top_tokens: list[str]
+    label: str | None
+    neighbours: list[Neighbour]
+
+
+class SuppressionRecord(TypedDict):
+    """``SuppressionSet.to_dict()``: the ``suppression.json`` file (keys in this order)."""
+
+    kind: str
+    format_version: int
+    ids: list[int]
+    num_prototypes: int
+    model_sha256: str | None
+    concept: str | None
+    share: float
+    evidence: dict[str, PrototypeEvidence]
+    meta: dict[str, JSON]
+    created: str
 
 
 @dataclass
@@ -39,9 +83,9 @@ class SuppressionSet:
     """sha256 of that model's weights (``manifest.json``); None: not bound to one checkpoint."""
     concept: str | None = None
     """What the set removes (free text)."""
-    evidence: dict[int, dict[str, Any]] = field(default_factory=dict)
+    evidence: dict[int, PrototypeEvidence] = field(default_factory=dict)
     """Per-prototype evidence (enrichment, purity, label, neighbour snippets…)."""
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, JSON] = field(default_factory=dict)
     """How the set was chosen (method, budget/threshold, text counts…)."""
 
     def __post_init__(self) -> None:
@@ -82,7 +126,7 @@ class SuppressionSet:
             meta={**self.meta, "subset_of": len(self.ids)},
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> SuppressionRecord:
         return {
             "kind": KIND,
             "format_version": FORMAT_VERSION,

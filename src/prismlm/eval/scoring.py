@@ -10,9 +10,9 @@ returns — so a suppressed or controlled model (``with model.suppress(...)``) i
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from prismlm.errors import DataError
 
 if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
+    from prismlm.eval.tasks import MCExample
     from prismlm.model import PrismLM
 
 
@@ -93,6 +94,14 @@ def loglikelihoods(
     return [results[i] for i in range(len(enc))]
 
 
+class MCScores(TypedDict):
+    """``MCResult.to_dict()``: the accuracies of a task split."""
+
+    acc: float
+    acc_norm: float
+    n: int
+
+
 @dataclass
 class MCResult:
     acc: float
@@ -101,13 +110,11 @@ class MCResult:
     predictions: list[int]
     loglikelihoods: list[list[float]]
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> MCScores:
         return {"acc": self.acc, "acc_norm": self.acc_norm, "n": self.n}
 
 
-def mc_accuracy(
-    model: PrismLM, tokenizer: Tokenizer, docs: Sequence[Mapping[str, Any]], *, batch_size: int = 32
-) -> MCResult:
+def mc_accuracy(model: PrismLM, tokenizer: Tokenizer, docs: Sequence[MCExample], *, batch_size: int = 32) -> MCResult:
     """Accuracy of multiple-choice docs ``{"query", "choices", "gold"}`` as lm-eval computes it: ``acc``
     picks the choice with the highest log-likelihood, ``acc_norm`` divides it by the choice's length in
     characters (first maximum wins on ties, like ``numpy.argmax``)."""

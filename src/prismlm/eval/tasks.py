@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from prismlm.errors import TaskError
 
@@ -249,7 +249,7 @@ def build_tasks(
     return {n: write_task(n, build_task(n, caps), out) for n in names}
 
 
-def load_split(folder: str | Path, split: str) -> list[dict[str, Any]]:  # control/ takes plain dicts
+def load_split(folder: str | Path, split: str) -> list[MCExample]:
     path = Path(folder) / f"{split}.jsonl"
     if not path.exists():
         raise TaskError(f"no split {split!r} at {path}; build tasks with `prism tasks build`")

@@ -1,23 +1,11 @@
 """A uniform random sample of each prototype's firings, kept by the index pass (``prismlm.explain.index``).
 
-The index's neighbourhoods are the top N contexts by cosine: they show what a prototype does at its
-strongest, not across its range. For examples across activation ranges (as Neuronpedia and sae_vis show)
-the index also keeps, per prototype, a **uniform sample without replacement of S of the positions where
-it is active** (a > 0: in the token's top-k), with their activation and global offset.
-
-**How.** Every active (offset, prototype) pair gets a pseudo-random 64-bit key, ``sample_key(offset, i)``
-(splitmix64 of splitmix64(offset) xor i, in torch int64 ops), and each prototype keeps the S pairs with the
-largest keys (for a fixed prototype the key is a bijection of the offset, so its keys are distinct and
-the order is total). The keys are i.i.d. uniform in effect, so the S largest are a uniform sample of the
-firings; they are a function of (offset, prototype) alone, so the sample is deterministic, and the top S of
-a union is the top S of the parts' top S: index parts merge and resumed builds continue to exactly the
-sample of one pass (given bit-identical activations: the batch-grid condition of the index).
-
-**Tables** (K, S): ``key`` int64 descending per row (``EMPTY_KEY`` = empty slot, fewer than S firings),
-``offset`` int64 (the context's last token j·T + t, as the index's ``top_offset``; -1 empty), ``act``
-float32 (0 empty). Stored in ``index.safetensors`` as ``sample_key``, ``sample_offset``, ``sample_act``;
-an index written before them has none (``PrototypeIndex.sample`` is None). (A firing whose key is
-``EMPTY_KEY`` itself, probability 2^-64, would rank as an empty slot.)
+Beside its top-N neighbourhoods the index keeps, per prototype, S of the positions where it is active (a > 0)
+drawn uniformly without replacement: every (offset, prototype) pair gets a 64-bit key ``sample_key(offset, i)``
+and each prototype keeps the S pairs with the largest keys, as (K, S) tables ``key``, ``offset``, ``act``.
+Invariant: a key depends on (offset, prototype) alone, so the sample is deterministic and the top S of a union
+is the top S of the parts' top S (index parts merge, resumed builds continue to the sample of one pass).
+Why, how and the stored tables: docs/modules.md.
 """
 
 from __future__ import annotations

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from prismlm._version import __version__
 from prismlm.app.run import Run
-from prismlm.artifacts import atomic_dir, check_out_folder, writes_folder
+from prismlm.artifacts import JSON, atomic_dir, check_out_folder, writes_folder
 from prismlm.errors import ConfigError, TokenizerError
 
 
@@ -26,7 +25,7 @@ def is_export(folder: Path) -> bool:
         return False
 
 
-def _source(run: Run) -> dict[str, Any]:
+def _source(run: Run) -> dict[str, JSON]:
     """Where the exported weights came from (recorded in config.json as ``prism_source``)."""
     return {
         "checkpoint": str(run.checkpoint.path.resolve()),

@@ -17,7 +17,6 @@ import threading
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
 
 __all__ = ["MOVED_MODULES", "alias_moved_modules", "find_spec_registering", "register_now", "register_when_imported"]
 
@@ -96,7 +95,7 @@ def _installed() -> _RegisterAfterImport | None:
     return next((f for f in sys.meta_path if isinstance(f, _RegisterAfterImport)), None)
 
 
-def register_when_imported() -> Any:
+def register_when_imported() -> _RegisterAfterImport | None:
     """Register now if transformers is imported, else once it is (see the module docstring). Returns the
     installed finder, or None when it registered (or tried to) right away. Idempotent."""
     if _TARGET in sys.modules:

@@ -15,11 +15,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 
+from prismlm.artifacts import JSON
 from prismlm.config import ModelConfig, from_dict
 from prismlm.errors import ConfigError, DependencyError, ModelError
 from prismlm.model.gpt import PrismLM
@@ -38,6 +39,12 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise DependencyError(
         f"the Hugging Face interface of prismlm needs the transformers package ({e})", fix="pip install 'prismlm[hf]'"
     ) from e
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as BackendTokenizer
+    from transformers import Cache
+
+    from prismlm.model.outputs import PrismOutput
 
 __all__ = [
     "MODEL_TYPE",
@@ -89,12 +96,12 @@ class PrismConfig(PretrainedConfig):
 
     def __init__(
         self,
-        prism_model: dict[str, Any] | None = None,
+        prism_model: dict[str, JSON] | None = None,
         *,
         suppressed_prototypes: Sequence[int] | None = None,
         prototype_multipliers: Sequence[float] | None = None,
-        prism_source: dict[str, Any] | None = None,
-        **kwargs: Any,
+        prism_source: dict[str, JSON] | None = None,
+        **kwargs: Any,  # Any: PretrainedConfig's own fields, each typed by transformers, passed through
     ) -> None:
         """``prism_model``: ``dataclasses.asdict(ModelConfig)`` (default: ``ModelConfig()``).
         ``suppressed_prototypes``: prototype ids whose logit slices are removed in every forward.
@@ -127,7 +134,7 @@ class PrismConfig(PretrainedConfig):
         self.prism_source = prism_source
 
     @staticmethod
-    def _model_config(data: dict[str, Any]) -> ModelConfig:
+    def _model_config(data: dict[str, JSON]) -> ModelConfig:
         try:
             return from_dict(ModelConfig, dict(data), "prism_model")
         except ConfigError as e:
@@ -137,13 +144,13 @@ class PrismConfig(PretrainedConfig):
         """The prismlm ``ModelConfig`` this config describes."""
         return self._model_config(self.prism_model)
 
-    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: Any) -> None:
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **kwargs: object) -> None:
         """``config.json`` plus the ``trust_remote_code`` shims its ``auto_map`` names."""
         super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
         write_remote_code(save_directory)
 
     @classmethod
-    def register_for_auto_class(cls, auto_class: Any = "AutoConfig") -> None:
+    def register_for_auto_class(cls, auto_class: str | type = "AutoConfig") -> None:
         """Kept a no-op: transformers calls it after a ``trust_remote_code`` load and would then copy this
         module into every saved folder; ``save_pretrained`` ships the import shims instead."""
 
@@ -154,11 +161,11 @@ class PrismCausalLMOutput(CausalLMOutputWithPast):
 
     The prototype fields cover all input positions even when ``logits_to_keep`` trims the logits."""
 
-    prototype_indices: torch.LongTensor | None = None
+    prototype_indices: torch.Tensor | None = None
     """(B, T, k) the top-k prototype ids of each token; None for the dense baseline."""
-    prototype_activations: torch.FloatTensor | None = None
+    prototype_activations: torch.Tensor | None = None
     """(B, T, k) their non-negative activations a_i."""
-    residual: torch.FloatTensor | None = None
+    residual: torch.Tensor | None = None
     """(B, T, d) r = z − Σ a_i p_i."""
 
 
@@ -191,6 +198,18 @@ def _check_position_ids(position_ids: torch.Tensor | None, attention_mask: torch
             "of attention_mask",
             fix="leave position_ids out (pass attention_mask for padding)",
         )
+
+
+def _next_token_loss(logits: torch.Tensor, labels: torch.Tensor, *, every_position: bool) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, V) at t against labels (B, T) at t + 1 (-100 ignored), in float32;
+    ``every_position``: False when the forward kept only the last logits, which labels cannot use."""
+    if not every_position:
+        raise ModelError("labels need the logits of every position (logits_to_keep=0)")
+    return F.cross_entropy(
+        logits[:, :-1, :].float().reshape(-1, logits.size(-1)),
+        labels[:, 1:].reshape(-1).to(logits.device),
+        ignore_index=-100,
+    )
 
 
 class PrismForCausalLM(PreTrainedModel, GenerationMixin):
@@ -263,7 +282,7 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
-        prism_source: dict[str, Any] | None = None,
+        prism_source: dict[str, JSON] | None = None,
     ) -> PrismForCausalLM:
         """A float32 CPU copy of ``model`` with ``interventions`` (suppression sets, controllers, scaling)
         baked in: its logits are those of ``with model.intervene(*interventions): model(x)``."""
@@ -303,11 +322,11 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         """PrismLM initialises itself; weights come from ``from_pretrained``/``from_prism``."""
 
     @classmethod
-    def register_for_auto_class(cls, auto_class: Any = "AutoModel") -> None:
+    def register_for_auto_class(cls, auto_class: str | type = "AutoModel") -> None:
         """A no-op, as ``PrismConfig.register_for_auto_class``."""
 
     def get_input_embeddings(self) -> torch.nn.Module:
-        backbone: Any = self.prism.transformer  # the built-in GPT's, or a transformers base model
+        backbone = self.prism.transformer  # the built-in GPT's, or a transformers base model
         get = getattr(backbone, "get_input_embeddings", None)
         emb = get() if callable(get) else backbone.wte
         assert isinstance(emb, torch.nn.Module)
@@ -320,17 +339,17 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        past_key_values: Cache | None = None,
         use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,
         return_dict: bool | None = None,
         *,
-        cache: Any = None,
+        cache: Cache | None = None,
         logits_to_keep: int = 0,
         inputs_embeds: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
-        **kwargs: Any,
+        **kwargs: object,  # what generate() adds (position_ids is checked, the rest unused)
     ) -> PrismCausalLMOutput | tuple:
         """input_ids (B, T) (or ``inputs_embeds`` (B, T, d)) → logits (B, T, V) (the last ``logits_to_keep``
         positions when > 0).
@@ -345,46 +364,20 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         embedding output and each block's output, the last one after the final norm (the z that
         ``lm_head`` reads, as in transformers' GPT-2 and Llama). ``output_attentions``: n_layer tensors
         (B, n_head, T, P + T), computed with eager attention for that call."""
-        cache = cache if cache is not None else past_key_values
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if not use_cache:
-            cache = None
-        elif cache is None:
-            from transformers import DynamicCache
-
-            try:
-                cache = DynamicCache(config=self.config)
-            except TypeError:  # releases whose DynamicCache takes no config
-                cache = DynamicCache()
+        cache = self._step_cache(cache if cache is not None else past_key_values, use_cache)
         _check_position_ids(
-            kwargs.pop("position_ids", None), attention_mask, cache.get_seq_length() if cache is not None else 0
+            cast("torch.Tensor | None", kwargs.pop("position_ids", None)),
+            attention_mask,
+            cache.get_seq_length() if cache is not None else 0,
         )
         last_only = logits_to_keep == 1
-        want_hidden = bool(self.config.output_hidden_states if output_hidden_states is None else output_hidden_states)
-        want_attn = bool(self.config.output_attentions if output_attentions is None else output_attentions)
-        with self.baked_in():
-            out = self.prism(
-                input_ids,
-                last_only=last_only,
-                cache=cache,
-                attention_mask=attention_mask,
-                inputs_embeds=inputs_embeds,
-                output_hidden_states=want_hidden,
-                output_attentions=want_attn,
-            )
+        out = self._run_prism(
+            input_ids, cache, attention_mask, inputs_embeds, last_only, output_hidden_states, output_attentions
+        )
         logits = out.logits
         if logits_to_keep and not last_only:
             logits = logits[:, -logits_to_keep:, :]
-        loss = None
-        if labels is not None:
-            full = out.logits if not last_only and not logits_to_keep else None
-            if full is None:
-                raise ModelError("labels need the logits of every position (logits_to_keep=0)")
-            loss = F.cross_entropy(
-                full[:, :-1, :].float().reshape(-1, full.size(-1)),
-                labels[:, 1:].reshape(-1).to(full.device),
-                ignore_index=-100,
-            )
+        loss = None if labels is None else _next_token_loss(out.logits, labels, every_position=not logits_to_keep)
         result = PrismCausalLMOutput(
             loss=loss,
             logits=logits,
@@ -398,6 +391,45 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         use_dict = return_dict if return_dict is not None else self.config.return_dict
         return result if use_dict else result.to_tuple()
 
+    def _run_prism(
+        self,
+        input_ids: torch.LongTensor | None,
+        cache: Cache | None,
+        attention_mask: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        last_only: bool,
+        output_hidden_states: bool | None,
+        output_attentions: bool | None,
+    ) -> PrismOutput:
+        """The wrapped model's forward under the baked-in interventions; the output flags default to the config's."""
+        want_hidden = bool(self.config.output_hidden_states if output_hidden_states is None else output_hidden_states)
+        want_attn = bool(self.config.output_attentions if output_attentions is None else output_attentions)
+        with self.baked_in():
+            return self.prism(
+                input_ids,
+                last_only=last_only,
+                cache=cache,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                output_hidden_states=want_hidden,
+                output_attentions=want_attn,
+            )
+
+    def _step_cache(self, cache: Cache | None, use_cache: bool | None) -> Cache | None:
+        """The cache ``forward`` runs with: the given one, a new ``DynamicCache`` when ``use_cache`` (default
+        ``config.use_cache``) and none is given, or None when caching is off."""
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if not use_cache:
+            return None
+        if cache is None:
+            from transformers import DynamicCache
+
+            try:
+                cache = DynamicCache(config=self.config)
+            except TypeError:  # releases whose DynamicCache takes no config
+                cache = DynamicCache()
+        return cache
+
     @contextmanager
     def baked_in(self) -> Iterator[PrismLM]:
         """``with model.baked_in() as prism:`` the wrapped ``PrismLM`` with the config's suppression set or
@@ -410,13 +442,13 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         self,
         input_ids: torch.LongTensor,
         next_sequence_length: int | None = None,
-        cache: Any = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         is_first_iteration: bool | None = False,
-        past_key_values: Any = None,
-        **kwargs: Any,
-    ) -> dict[str, Any]:
+        past_key_values: Cache | None = None,
+        **kwargs: object,  # generate()'s model kwargs, passed on to forward
+    ) -> dict[str, object]:
         """What the next generation step runs: the tokens the cache has not seen, or — once the sequence is
         longer than block_size (or without a cache) — the last block_size tokens, uncached (a stale cache
         is left unused, as in ``PrismLM.generate_steps``). ``attention_mask`` (B, L) covers the whole
@@ -437,7 +469,7 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         else:
             feed, step_cache = input_ids[:, -bs:], None
             mask = attention_mask[:, -bs:] if attention_mask is not None else None
-        inputs: dict[str, Any] = {"input_ids": feed.contiguous(), "attention_mask": mask, _CACHE_FIELD: step_cache}
+        inputs: dict[str, object] = {"input_ids": feed.contiguous(), "attention_mask": mask, _CACHE_FIELD: step_cache}
         skip = {"labels", "position_ids", "token_type_ids", "cache_position", "next_sequence_length"}
         for k, v in kwargs.items():
             if k not in skip and k not in inputs:
@@ -447,7 +479,7 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         return inputs
 
 
-def fast_tokenizer(backend: Any, eot_token: str, *, max_length: int) -> PreTrainedTokenizerFast:
+def fast_tokenizer(backend: BackendTokenizer, eot_token: str, *, max_length: int) -> PreTrainedTokenizerFast:
     """A transformers fast tokenizer over (a copy of) a ``tokenizers.Tokenizer`` whose end-of-text token is
     its eos, bos and pad token (GPT-2's convention; an empty context starts from it, as prismlm's scoring
     does), padding on the left (batched generation continues every row from its last real token)."""

@@ -15,7 +15,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any  # create_from_arg_obj only: lm-eval's model_args of any kind, forwarded to __init__
 
 import lm_eval.models  # noqa: F401  lm-eval's own models first: registering into an empty registry would hide them
 import torch
@@ -24,6 +24,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from prismlm.artifacts import JSON
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ConfigError, PrismError
 from prismlm.eval.scoring import loglikelihoods
@@ -70,7 +71,7 @@ class LMEvalTokenizer(Tokenizer):
     pad_token = eos_token
 
 
-def _batch_size(batch_size: Any, max_batch_size: Any) -> int:
+def _batch_size(batch_size: int | str | None, max_batch_size: int | str | None) -> int:
     """lm-eval's ``batch_size`` (an int, or ``auto``/``auto:N``) → our batch size."""
     if max_batch_size is not None and (not str(max_batch_size).isdigit() or int(max_batch_size) < 1):
         raise ConfigError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
@@ -124,7 +125,7 @@ class PrismEvalLM(LM):
         max_batch_size: int | None = None,
         device: str | None = None,
         trust_remote_code: bool | None = None,
-        **unknown: Any,
+        **unknown: object,  # refused: only their names are reported
     ) -> None:
         super().__init__()
         _refuse_unknown_keys(unknown)
@@ -177,7 +178,11 @@ class PrismEvalLM(LM):
         return cls.create_from_arg_obj(lm_utils.simple_parse_args_string(arg_string), additional_config)
 
     @classmethod
-    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> PrismEvalLM:
+    def create_from_arg_obj(
+        cls,
+        arg_dict: dict[str, Any],  # Any: each value goes to its own __init__ parameter, which checks it
+        additional_config: dict | None = None,
+    ) -> PrismEvalLM:
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         return cls(**arg_dict, **extra)
 
@@ -213,7 +218,7 @@ class PrismEvalLM(LM):
     def batch_size(self) -> int:
         return self._bs
 
-    def get_model_info(self) -> dict[str, Any]:
+    def get_model_info(self) -> dict[str, JSON]:
         """Merged into the results' ``config`` by lm-eval's evaluator."""
         p = next(self.model.parameters())
         return {
@@ -281,7 +286,7 @@ class PrismEvalLM(LM):
                 results[i] = (float(lp[torch.arange(n), tgt].sum()), bool((lp.argmax(-1) == tgt).all()))
         return results
 
-    def _gen_options(self, gen_kwargs: Any) -> tuple[list[str], int, float, int | None]:
+    def _gen_options(self, gen_kwargs: object) -> tuple[list[str], int, float, int | None]:
         """A request's generation options → (stop strings, max new tokens, temperature (0: greedy), top_k)."""
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
@@ -316,7 +321,7 @@ class PrismEvalLM(LM):
 
         T = self.max_length
         out: list[str] = [""] * len(requests)
-        groups: dict[tuple[Any, ...], list[tuple[int, list[int], list[str]]]] = defaultdict(list)
+        groups: dict[tuple[int, int, float, int | None], list[tuple[int, list[int], list[str]]]] = defaultdict(list)
         for i, r in enumerate(requests):
             context, gen_kwargs = r.args
             until, max_gen, temp, top_k = self._gen_options(gen_kwargs)

@@ -215,7 +215,7 @@ def generate_steps(
 
 def _ordinary(out: PrismOutput) -> PrismOutput:
     """``out`` with every inference tensor replaced by an ordinary clone (call outside inference mode)."""
-    changes: dict[str, Any] = {}
+    changes: dict[str, Any] = {}  # Any: each value is a clone of its own field, whose type differs per field
     for f in fields(out):
         v = getattr(out, f.name)
         if isinstance(v, torch.Tensor) and v.is_inference():

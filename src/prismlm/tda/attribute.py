@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict, cast
 
 import numpy as np
 import torch
@@ -36,8 +36,10 @@ if TYPE_CHECKING:
     from prismlm.tda.search import SearchIndex
 
 __all__ = [
+    "AttributedRecord",
     "AttributedSequence",
     "Attribution",
+    "AttributionRecord",
     "QuerySpec",
     "Rescorer",
     "Rescoring",
@@ -173,6 +175,32 @@ class AttributedSequence:
     """Text around the training token that contributed most, marked ⟦like this⟧."""
 
 
+class AttributedRecord(TypedDict):
+    """``AttributedSequence`` as a dict (its fields, in order)."""
+
+    rank: int
+    sequence: int
+    score: float
+    prototypes: list[dict[str, float]]
+    doc_index: int | None
+    doc_id: str | None
+    snippet: str
+
+
+class AttributionRecord(TypedDict):
+    """``Attribution.to_dict()``: its fields, in order."""
+
+    prompt: str
+    completion: str
+    method: str
+    query_loss: float
+    measured_tokens: int
+    top: list[AttributedRecord]
+    num_train: int
+    seconds: float
+    notes: list[str]
+
+
 @dataclass
 class Attribution:
     """Result of ``attribute``: the query and its ``top`` training sequences, best first."""
@@ -197,8 +225,8 @@ class Attribution:
     notes: list[str] = field(default_factory=list)
     """What the reader should know (a cropped query, document ranking, re-scoring)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self) -> AttributionRecord:
+        return cast("AttributionRecord", asdict(self))  # the fields, recursively: AttributionRecord's
 
     def to_json(self, path: str | Path, option: str = "path") -> None:
         write_output(path, json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n", option=option)

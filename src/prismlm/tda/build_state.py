@@ -14,14 +14,24 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO, TypedDict, cast
 
 import numpy as np
 
-from prismlm.artifacts import reading, sha256_file
+from prismlm.artifacts import JSON, reading, sha256_file
 from prismlm.errors import ArtifactCorrupt, ArtifactError
 
-__all__ = ["FITTED", "RAW", "PostingFiles", "Resumed", "record_fitted", "resume_build"]
+__all__ = [
+    "FITTED",
+    "RAW",
+    "BatchRecord",
+    "BuildStart",
+    "BuildState",
+    "PostingFiles",
+    "Resumed",
+    "record_fitted",
+    "resume_build",
+]
 
 STATE = "state.json"
 """What a cache build folder was started with: its identity, first sequence and fitted files' sha256."""
@@ -35,7 +45,45 @@ FITTED = ("curvature.safetensors", "projection.npy")
 _START_OVER = "rerun without resuming to start the build over"
 
 
-def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
+class BuildStart(TypedDict):
+    """What a build must share with the one it resumes (the first entries of ``state.json``)."""
+
+    model_sha256: str
+    shard_key: str
+    part: list[int]
+    universe: int
+    options: dict[str, JSON]
+    """``AttributionConfig.to_dict()``."""
+    curvature_given: bool
+    curvature_F: str | None
+    """sha256 of the given curvature's F, or None."""
+
+
+class BuildState(BuildStart, total=False):
+    """``state.json``: the start, then the first sequence and fitted files' sha256 (written once the fit
+    passes are done), and, on a resume, where the last good batch left off."""
+
+    start: int
+    fitted: dict[str, str]
+    curvature_seconds: float
+    done_to: int
+    rows: int
+    tokens: int
+    postings_seconds: float
+
+
+class BatchRecord(TypedDict):
+    """One line of ``batches.jsonl``: done up to sequence ``j1``, ``rows`` raw rows in all, the crc32 of
+    this batch's bytes in each raw file."""
+
+    j1: int
+    rows: int
+    tokens: int
+    seconds: float
+    crc: dict[str, int]
+
+
+def _write_json_atomic(path: Path, obj: BuildState) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
@@ -50,15 +98,15 @@ def record_fitted(folder: Path) -> dict[str, str]:
 class Resumed:
     """Where a resumed build continues: the state it was interrupted in, rolled back to its last good batch."""
 
-    state: dict[str, Any]
+    state: BuildState
     """``state.json`` with the last good batch's ``done_to``, ``rows``, ``tokens`` and ``postings_seconds``."""
-    log: list[dict[str, Any]]
+    log: list[BatchRecord]
     """The good batches' records (``batches.jsonl``)."""
     note: str | None = None
     """What was rolled back, if anything (shown to the user)."""
 
 
-def _state(folder: Path, started: dict[str, Any]) -> dict[str, Any] | None:
+def _state(folder: Path, started: BuildStart) -> BuildState | None:
     """``state.json`` of ``folder`` (None: nothing to resume), refused when started otherwise."""
     path = folder / STATE
     if not path.exists():
@@ -67,7 +115,7 @@ def _state(folder: Path, started: dict[str, Any]) -> dict[str, Any] | None:
         state = json.loads(path.read_text())
         if not isinstance(state, dict):
             raise ValueError("not a JSON object")
-    differ = sorted(k for k in started if state.get(k) != started[k])
+    differ = sorted(k for k, v in started.items() if state.get(k) != v)
     if differ:
         raise ArtifactError(
             f"cannot resume the cache build in {folder}: it was started with other {', '.join(differ)}",
@@ -81,7 +129,7 @@ def _state(folder: Path, started: dict[str, Any]) -> dict[str, Any] | None:
             fix=_START_OVER,
             path=folder,
         )
-    return state
+    return cast(BuildState, state)  # a JSON object holding the start it is compared with, fitted and start
 
 
 def _check_fitted(folder: Path, fitted: dict[str, str]) -> None:
@@ -96,12 +144,12 @@ def _check_fitted(folder: Path, fitted: dict[str, str]) -> None:
             )
 
 
-def _read_log(folder: Path) -> tuple[list[dict[str, Any]], bool]:
+def _read_log(folder: Path) -> tuple[list[BatchRecord], bool]:
     """The records of ``batches.jsonl`` up to its first incomplete or garbled line, and whether a garbled
     line (not the last one, which a kill may tear) cut it short."""
     path = folder / LOG
     lines = path.read_bytes().split(b"\n") if path.is_file() else [b""]
-    log: list[dict[str, Any]] = []
+    log: list[BatchRecord] = []
     for line in lines[:-1]:  # the last piece follows the last newline: empty, or a line torn by a kill
         try:
             e = json.loads(line)
@@ -131,7 +179,7 @@ def _entry_ok(e: object, rows_before: int) -> bool:
     )
 
 
-def _good_batches(folder: Path, log: list[dict[str, Any]], widths: dict[str, int]) -> int:
+def _good_batches(folder: Path, log: list[BatchRecord], widths: dict[str, int]) -> int:
     """How many leading batches of ``log`` are whole and intact in every raw file: each file read once,
     batch by batch, its bytes compared with the batch's crc32."""
     good = len(log)
@@ -147,7 +195,7 @@ def _good_batches(folder: Path, log: list[dict[str, Any]], widths: dict[str, int
     return good
 
 
-def resume_build(folder: Path, started: dict[str, Any], widths: dict[str, int]) -> Resumed | None:
+def resume_build(folder: Path, started: BuildStart, widths: dict[str, int]) -> Resumed | None:
     """The build to continue in ``folder`` (None: no recorded state, start over), checked: its identity
     (``ArtifactError`` if started otherwise), the fitted files (``ArtifactCorrupt`` naming a changed one),
     and every recorded batch of the raw files against its crc32 — a damaged or missing batch and all after
@@ -168,14 +216,10 @@ def resume_build(folder: Path, started: dict[str, Any], widths: dict[str, int]) 
             f"differs from {LOG}, or their record is garbled); building them again"
         )
     log = log[:good]
-    last = log[-1] if log else {"j1": state["start"], "rows": 0, "tokens": 0, "seconds": 0.0}
-    state = {
-        **state,
-        "done_to": int(last["j1"]),
-        "rows": int(last["rows"]),
-        "tokens": int(last["tokens"]),
-        "postings_seconds": float(last["seconds"]),
-    }
+    j1, rows, tokens, seconds = (
+        (log[-1]["j1"], log[-1]["rows"], log[-1]["tokens"], log[-1]["seconds"]) if log else (state["start"], 0, 0, 0.0)
+    )
+    state = {**state, "done_to": int(j1), "rows": int(rows), "tokens": int(tokens), "postings_seconds": float(seconds)}
     return Resumed(state=state, log=log, note=note)
 
 
@@ -190,7 +234,7 @@ class PostingFiles:
         self.files: dict[str, BinaryIO] = {}
         self.record: BinaryIO | None = None
 
-    def open(self, widths: dict[str, int], started: dict[str, Any] | None) -> None:
+    def open(self, widths: dict[str, int], started: BuildState | None) -> None:
         """Truncate every raw file to the recorded rows (``widths``: bytes per row; drops a torn write and
         rolled-back batches) and the log to its good lines, to append after them. ``started``: a new
         build's ``state.json`` (None when resuming: kept as it is)."""
@@ -217,7 +261,7 @@ class PostingFiles:
         for f in self.files.values():
             f.flush()
         self.rows += len(rows["seq"])
-        entry = {"j1": j1, "rows": self.rows, "tokens": tokens, "seconds": seconds, "crc": crc}
+        entry: BatchRecord = {"j1": j1, "rows": self.rows, "tokens": tokens, "seconds": seconds, "crc": crc}
         self.log.append(entry)
         self.record.write(json.dumps(entry).encode() + b"\n")
         self.record.flush()

@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol, TypedDict, cast
 
 import numpy as np
 import torch
 
-from prismlm.artifacts import atomic_dir, file_records, provenance, reading, verify_files
+from prismlm.artifacts import JSON, FileRecord, atomic_dir, file_records, provenance, reading, verify_files
 from prismlm.config import SearchConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError
 from prismlm.tda.cache import concat_ranges
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from prismlm.tda.cache import AttributionCache
     from prismlm.tda.gradients import BlockGradients
 
-__all__ = ["SearchIndex", "build_search_index", "cache_fingerprint", "best_n", "exact_top"]
+__all__ = ["SearchIndex", "SearchManifest", "build_search_index", "cache_fingerprint", "best_n", "exact_top"]
 
 KIND = "prismlm-search-index"
 FORMAT_VERSION = 1
@@ -44,12 +45,52 @@ on one core."""
 _REBUILD = "prismlm.tda.search.build_search_index(cache, SearchConfig(...), out=CACHE/search)"
 
 
-def _faiss() -> Any:
+def _faiss() -> ModuleType:
     try:
         import faiss
     except ImportError as e:  # an optional extra
         raise ConfigError("approximate attribution search needs faiss", fix="pip install 'prismlm[search]'") from e
     return faiss
+
+
+class FaissIndex(Protocol):
+    """What this module calls on a faiss index (faiss ships no type stubs)."""
+
+    nlist: int
+    """Cells of an IVF index (read for IVF indexes only)."""
+
+    def search(self, x: np.ndarray, k: int, *, params: object = None) -> tuple[np.ndarray, np.ndarray]:
+        """(distances (n, k), labels (n, k)) of the ``k`` best of each query row of ``x`` (n, r)."""
+        ...
+
+
+class SearchManifest(TypedDict, total=False):
+    """``manifest.json`` of a search sidecar, in the order ``build_search_index`` writes it, then ``files``."""
+
+    kind: str
+    format_version: int
+    cache_fingerprint: str
+    cache_path: str | None
+    model_sha256: str | None
+    shard_key: str | None
+    config: dict[str, JSON]
+    """``SearchConfig.to_dict()``."""
+    faiss_version: str
+    faiss_threads: int
+    lists_indexed: int
+    postings_indexed: int
+    postings: int
+    index_seconds: float
+    forward_seconds: float
+    build_seconds: float
+    bytes_indexes: int
+    bytes_forward: int
+    bytes: int
+    bytes_per_token: float
+    created: str
+    prismlm_version: str
+    torch_version: str
+    files: dict[str, FileRecord]
 
 
 def cache_fingerprint(cache: AttributionCache) -> str:
@@ -93,7 +134,7 @@ class SearchIndex:
         self,
         *,
         config: SearchConfig,
-        manifest: dict[str, Any],
+        manifest: SearchManifest,
         index_offsets: np.ndarray,
         blobs: np.ndarray,
         fwd_offsets: np.ndarray,
@@ -117,7 +158,7 @@ class SearchIndex:
         """(P,) uint32/int64 posting rows, grouped by unit (ascending rows, hence prototypes, within one)."""
         self.path = path
         """The sidecar's folder when loaded or saved; None in memory."""
-        self._open: dict[int, Any] = {}
+        self._open: dict[int, FaissIndex] = {}
         self._checked: AttributionCache | None = None  # the cache last verified (held, so its id stays unique)
 
     # ----- sizes ------------------------------------------------------------------------------------------
@@ -140,7 +181,7 @@ class SearchIndex:
         """Prototypes whose list has an index: (n,) int64."""
         return np.flatnonzero(self._has_index(np.arange(len(self.index_offsets) - 1)))
 
-    def _index(self, i: int) -> Any:
+    def _index(self, i: int) -> FaissIndex:
         """The faiss index of list i, deserialised on first use (kept: a query reuses the hot lists)."""
         ix = self._open.get(i)
         if ix is None:
@@ -444,7 +485,7 @@ def _top_per_group(score: np.ndarray, group: np.ndarray, num_groups: int, m: int
     return order[rank < m]
 
 
-def _build_list(X: np.ndarray, ids: np.ndarray, cfg: SearchConfig) -> Any:
+def _build_list(X: np.ndarray, ids: np.ndarray, cfg: SearchConfig) -> FaissIndex:
     """A faiss inner-product index over one list's sketches ``X`` (n, r) float32 labelled by unit ids (n,)."""
     faiss = _faiss()
     n, r = X.shape
@@ -540,9 +581,9 @@ def build_search_index(
             "bytes": idx.nbytes(),
             "bytes_per_token": idx.nbytes() / max(1, tokens),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **provenance(),
         }
     )
+    idx.manifest.update(cast(SearchManifest, provenance()))  # prismlm_version, torch_version: last, as before
     if out is not None:
         idx.save(out)
         return SearchIndex.load(out, cache)

@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -35,7 +35,27 @@ from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, CheckpointError
 from prismlm.model import PrismLM
 
 if TYPE_CHECKING:
+    from torch.optim.optimizer import StateDict
+
     from prismlm.data.tokenizer import Tokenizer
+
+
+class RngState(TypedDict):
+    """The RNG states a checkpoint records: torch's CPU generator and, on a GPU, the device's."""
+
+    torch: torch.Tensor
+    cuda: torch.Tensor | None
+
+
+class TrainerState(TypedDict):
+    """``trainer_state.pt``: what a resumed run continues from."""
+
+    step: int
+    optimizer: StateDict | str
+    """The optimizer's state dict, or ``fsdp.SHARDED_DIR`` (each rank's shard is a file in that folder)."""
+    rng: RngState
+    data: dict[str, object]
+    """The feed's position (``Batches.position``)."""
 
 
 class DataRecord(TypedDict):
@@ -147,7 +167,7 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {self.path} has no tokenizer/ folder", path=self.path)
         return self.tokenizer
 
-    def trainer_state(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:  # as the trainer saved it
+    def trainer_state(self, map_location: str | torch.device = "cpu") -> TrainerState:  # as the trainer saved it
         f = self.path / "trainer_state.pt"
         if not f.exists():
             raise CheckpointError(f"{self.path} has no trainer_state.pt; it cannot be resumed")

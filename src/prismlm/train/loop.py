@@ -8,10 +8,12 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +22,7 @@ from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM
 from prismlm.progress import Reporter
 from prismlm.train import fsdp
-from prismlm.train.checkpoint import find_checkpoint, save_checkpoint
+from prismlm.train.checkpoint import RngState, TrainerState, find_checkpoint, save_checkpoint
 from prismlm.train.distributed import DistInfo, all_reduce_mean, barrier
 from prismlm.train.records import MetricsLog, format_eval_line
 from prismlm.train.state import Batches, TrainResult, TrainState, rng_state
@@ -28,6 +30,9 @@ from prismlm.train.state import Batches, TrainResult, TrainState, rng_state
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.data.stream import StreamingData
+
+# what signal.signal returns and takes: a handler function, SIG_DFL/SIG_IGN, or None (not installed from Python)
+_Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
 
 class Interrupts:
@@ -39,7 +44,7 @@ class Interrupts:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.requested: str | None = None
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, _Handler] = {}
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.requested is not None:
@@ -241,7 +246,7 @@ class TrainLoop:
             self.log.write({"step": done, **self.last_eval})
             self.bar.message(format_eval_line(done, self.last_eval, train_ce))
 
-    def checkpoint(self, at_step: int, rng: dict[str, Any] | None = None) -> tuple[Path | None, PrismLM | None]:
+    def checkpoint(self, at_step: int, rng: RngState | None = None) -> tuple[Path | None, PrismLM | None]:
         """Save a checkpoint (rank 0 writes it; under FSDP every rank takes part). Returns its folder and the
         model it holds (rank 0; ``None`` elsewhere). ``rng``: the RNG states to record (default: now)."""
         st, info = self.state, self.info
@@ -255,7 +260,7 @@ class TrainLoop:
         position = self.feed.position(at_step)  # a collective for a stream under torchrun
         if info.is_main:
             assert saved_model is not None
-            trainer_state = {
+            trainer_state: TrainerState = {
                 "step": at_step,
                 "optimizer": fsdp.SHARDED_DIR if st.sharded else st.optimizer.state_dict(),
                 "rng": rng or rng_state(self.device),

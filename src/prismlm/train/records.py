@@ -8,12 +8,13 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from prismlm.artifacts import JSON
 from prismlm.errors import RunError
 from prismlm.train.distributed import DistInfo
 
@@ -36,9 +37,9 @@ def _git_revision() -> str | None:
         return None
 
 
-def environment_info(info: DistInfo, device: torch.device, seed: int) -> dict[str, Any]:
+def environment_info(info: DistInfo, device: torch.device, seed: int) -> dict[str, JSON]:
     """What a reader needs to reproduce a run: code revision, package versions, hardware, seed."""
-    versions: dict[str, str | None] = {}
+    versions: dict[str, JSON] = {}
     for pkg in ("prismlm", "torch", "numpy", "tokenizers", "safetensors"):
         try:
             versions[pkg] = metadata.version(pkg)
@@ -46,7 +47,7 @@ def environment_info(info: DistInfo, device: torch.device, seed: int) -> dict[st
             versions[pkg] = None
     return {
         "git_revision": _git_revision(),
-        "command": sys.argv,
+        "command": [*sys.argv],
         "python": platform.python_version(),
         "platform": platform.platform(),
         "versions": versions,
@@ -93,7 +94,7 @@ class MetricsLog:
         elif resume_step is None:
             path.write_text("")
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Mapping[str, object]) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -10,12 +10,14 @@ docs/modules.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -45,6 +47,9 @@ from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.distributed import resolve_device
 from prismlm.train.stored_z import build_stored_z
 from prismlm.train.trainer import STORED_Z_DIR, TrainResult, check_run_folder, clear_run_folder, train
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DEFAULT_MAX_BLOCK = 1024
 """Longest context a retrofit uses by default (training windows, generation crop): the model's own if shorter."""
@@ -140,7 +145,7 @@ def _check_vocab_size(folder: Path) -> None:
             )
 
 
-def _load_causal_lm(tf: Any, source: str, model_type: str) -> nn.Module:
+def _load_causal_lm(tf: ModuleType, source: str, model_type: str) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(source)`` in float32, with its failures as one-line errors: no
     weights file, a truncated file, weights whose shapes are not config.json's, or an encoder model."""
     try:
@@ -209,7 +214,12 @@ def _from_transformers(source: str, block_size: int | None) -> Pretrained:
 
 
 def _from_causal_lm(
-    source: str, config: Any, hf_lm: nn.Module, tokenizer: Tokenizer, block_size: int | None, info: SourceInfo | None
+    source: str,
+    config: PretrainedConfig,
+    hf_lm: nn.Module,
+    tokenizer: Tokenizer,
+    block_size: int | None,
+    info: SourceInfo | None,
 ) -> Pretrained:
     """A loaded transformers ``*ForCausalLM`` (float32, eval) and its tokenizer in prismlm's terms."""
     check_linear_logits_config(config, source)
@@ -223,7 +233,8 @@ def _from_causal_lm(
     if tokenizer.vocab_size > vocab:
         raise TokenizerError(f"{source}: its tokenizer has {tokenizer.vocab_size} ids but the model only {vocab}")
     tied = head.weight is input_embedding_weight(base)
-    common: dict[str, Any] = dict(
+    common = functools.partial(  # the fields both layouts share
+        ModelConfig,
         vocab_size=vocab,
         block_size=bs,
         n_layer=int(text.num_hidden_layers),
@@ -233,8 +244,7 @@ def _from_causal_lm(
         prototypes=None,
     )
     if config.model_type == "gpt2":  # GPT-2's layout is the built-in GPT's: copy the weights in
-        model_cfg = ModelConfig(
-            **common,
+        model_cfg = common(
             n_head=int(text.n_head),
             bias=True,
             lm_head_bias=head.bias is not None,
@@ -245,8 +255,7 @@ def _from_causal_lm(
     else:
         hf_config = config.to_dict()
         hf_config.pop("quantization_config", None)  # a GGUF source is stored dequantised
-        model_cfg = ModelConfig(
-            **common,
+        model_cfg = common(
             n_head=int(text.num_attention_heads),
             backbone="hf",
             hf_config=hf_config,

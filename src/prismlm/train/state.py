@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -18,11 +18,13 @@ from prismlm.config import RunConfig
 from prismlm.errors import CheckpointError, ConfigError, DataError
 from prismlm.model import PrismLM
 from prismlm.train import fsdp
-from prismlm.train.checkpoint import Checkpoint
+from prismlm.train.checkpoint import Checkpoint, RngState, TrainerState
 from prismlm.train.distributed import DistInfo
 from prismlm.train.sampler import SequenceSampler
 
 if TYPE_CHECKING:
+    from torch.optim.optimizer import StateDict
+
     from prismlm.data.shards import ShardSet
     from prismlm.data.stream import StreamingData, TokenStream
 
@@ -115,7 +117,7 @@ def autocast_for(cfg: RunConfig, device: torch.device) -> torch.autocast | None:
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
+def rng_state(device: torch.device) -> RngState:
     """The RNG states a checkpoint records (dropout draws from them), copied now."""
     return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
@@ -134,7 +136,7 @@ class Batches(Protocol):
 
     def epoch_at(self, step: int) -> float: ...
 
-    def position(self, at_step: int) -> dict[str, Any]:
+    def position(self, at_step: int) -> dict[str, object]:
         """The ``data`` entry of a checkpoint at ``at_step`` (a collective under torchrun for a stream)."""
         ...
 
@@ -159,7 +161,7 @@ class ShardBatches:
     def epoch_at(self, step: int) -> float:
         return self.sampler.epoch_at(step)
 
-    def position(self, at_step: int) -> dict[str, Any]:
+    def position(self, at_step: int) -> dict[str, object]:
         return {"sequences_consumed": at_step * self.sampler.global_batch, "epoch": self.sampler.epoch_at(at_step)}
 
     def describe(self, cfg: RunConfig) -> str:
@@ -182,10 +184,10 @@ class StreamBatches:
     def epoch_at(self, step: int) -> float:
         return float(self.stream.epoch)
 
-    def position(self, at_step: int) -> dict[str, Any]:
-        positions: list[Any] = [self.stream.state_dict()]
+    def position(self, at_step: int) -> dict[str, object]:
+        positions: list[object] = [self.stream.state_dict()]
         if self.info.enabled:  # every rank's stream position, gathered to rank 0
-            gathered: list[Any] = [None] * self.info.world_size
+            gathered: list[object] = [None] * self.info.world_size
             torch.distributed.all_gather_object(gathered, positions[0])
             positions = gathered
         return {"sequences_consumed": at_step * self.global_batch, "epoch": self.stream.epoch, "stream": positions}
@@ -228,7 +230,7 @@ class Resumed:
     optimizer, RNG, data position)."""
 
     checkpoint: Checkpoint
-    saved: dict[str, Any]
+    saved: TrainerState
 
     @property
     def step(self) -> int:
@@ -246,7 +248,7 @@ class TrainState:
     sharded: bool
     """FSDP: the model's parameters are this rank's shards (checkpoints and evaluation are collectives)."""
     ddp: DDP | None
-    fwd_model: Callable[..., Any] | None
+    fwd_model: Callable[..., Any] | None  # Any: the module, its DDP wrapper or a torch.compile (untyped calls)
     """The module the forward pass calls, or its ``torch.compile``."""
     autocast: torch.autocast | None
     stage_names: dict[str, set[str]]
@@ -336,7 +338,7 @@ def restore_optimizer(
             path=ckpt.path,
         )
     else:
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(cast("StateDict", state["optimizer"]))  # not SHARDED_DIR: a state dict
     torch.set_rng_state(state["rng"]["torch"])
-    if device.type == "cuda" and state["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+    if device.type == "cuda" and (cuda_rng := state["rng"].get("cuda")) is not None:
+        torch.cuda.set_rng_state(cuda_rng, device)

@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import torch
@@ -24,10 +24,10 @@ from prismlm.config import AttributionConfig
 from prismlm.errors import ArtifactError, ConfigError, ModelError
 from prismlm.model import eval_mode
 from prismlm.progress import Progress, Reporter
-from prismlm.tda.build_state import PostingFiles, Resumed, record_fitted, resume_build
+from prismlm.tda.build_state import BuildStart, BuildState, PostingFiles, Resumed, record_fitted, resume_build
 from prismlm.tda.cache.codecs import FLOAT_DTYPES, FloatSketches, Ids, PlainIds, Sketches
-from prismlm.tda.cache.encoding import check_storage, document_of_sequences, encode_postings, to_csr
-from prismlm.tda.cache.manifest import FORMAT_VERSION, KIND, cache_manifest, created
+from prismlm.tda.cache.encoding import EncodedEntries, check_storage, document_of_sequences, encode_postings, to_csr
+from prismlm.tda.cache.manifest import FORMAT_VERSION, KIND, CacheManifest, cache_manifest, created
 from prismlm.tda.cache.passes import BatchStore, pca_projection, posting_batch, sampled_curvature
 from prismlm.tda.cache.projection import PostingSketcher, make_projection
 from prismlm.tda.cache.store import AttributionCache, write_arrays
@@ -44,7 +44,7 @@ def _tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
-def _finished_build(out_dir: Path, started: dict[str, Any], shards: ShardSet) -> AttributionCache:
+def _finished_build(out_dir: Path, started: BuildStart, shards: ShardSet) -> AttributionCache:
     """``resume`` when the build already finished: the cache at ``out_dir``, if it is this build's."""
     cache = AttributionCache.load(out_dir, model_sha256=started["model_sha256"], shards=shards)
     m, opts = cache.manifest, started["options"]
@@ -61,6 +61,13 @@ def _finished_build(out_dir: Path, started: dict[str, Any], shards: ShardSet) ->
             path=out_dir,
         )
     return cache
+
+
+class _Timing(TypedDict):
+    tokens: int
+    """Target tokens of the postings pass."""
+    curvature_seconds: float
+    postings_seconds: float
 
 
 @dataclass
@@ -83,7 +90,7 @@ class _Build:
     """This part's sequences: [start, stop)."""
     part: tuple[int, int]
     out_dir: Path | None
-    started: dict[str, Any]
+    started: BuildStart
     """What a resumed build must share with the one it continues (the storage options apply at the end)."""
     npdt: type[np.floating]
     """dtype of the raw postings: float32 (float64/float16 when stored so); int8/int4/int3 encode from it."""
@@ -95,11 +102,11 @@ class _Build:
     resumed: Resumed | None = None
     units_of: np.ndarray | None = None
     """(universe,) the document of each sequence, with ``aggregate="document"``."""
-    encoded: dict[str, Any] = field(default_factory=dict)
+    encoded: EncodedEntries = field(default_factory=EncodedEntries)
     """``encode_postings``' manifest entries."""
 
     @property
-    def state(self) -> dict[str, Any] | None:
+    def state(self) -> BuildState | None:
         return self.resumed.state if self.resumed is not None else None
 
     @property
@@ -161,7 +168,7 @@ def build_cache(
     sketcher = PostingSketcher(curvature, R, torch.float64 if b.cfg.dtype in ("float16", "float64") else model_dt)
     b.units_of = document_of_sequences(shards, b.universe, b.T) if b.cfg.aggregate == "document" else None
     lists, tokens, t_pass = _postings_pass(b, sketcher, kept, t_curv, progress)
-    timing = {"tokens": tokens, "curvature_seconds": t_curv, "postings_seconds": t_pass}
+    timing: _Timing = {"tokens": tokens, "curvature_seconds": t_curv, "postings_seconds": t_pass}
     if b.out_dir is None:
         return _in_memory(b, lists, curvature, R, timing)
     return _on_disk(b, b.out_dir, curvature, R, timing)
@@ -191,7 +198,7 @@ def _plan(
     if universe < 1:
         raise ArtifactError(f"the training split has no complete sequence of {T + 1} tokens")
     start, stop = part_range(universe, cfg.batch_size, part)
-    started = {
+    started: BuildStart = {
         "model_sha256": ident,
         "shard_key": shards.manifest["key"],
         "part": list(part),
@@ -299,11 +306,11 @@ def _store(
     return o, ids, sks
 
 
-def _manifest(b: _Build, curvature: Curvature, ids: Ids, sks: Sketches, timing: dict[str, Any]) -> dict[str, Any]:
+def _manifest(b: _Build, curvature: Curvature, ids: Ids, sks: Sketches, timing: _Timing) -> CacheManifest:
     """The cache's manifest: identity and fit options; ``cache_manifest`` adds the storage options and
     postings statistics. ``timing``: tokens, curvature_seconds, postings_seconds."""
     cfg, projection = b.cfg, b.cfg.projection
-    base = {
+    base: CacheManifest = {
         "kind": KIND,
         "format_version": FORMAT_VERSION,
         "model_sha256": b.ident,
@@ -343,7 +350,7 @@ def _manifest(b: _Build, curvature: Curvature, ids: Ids, sks: Sketches, timing: 
 
 
 def _in_memory(
-    b: _Build, lists: dict[str, list[np.ndarray]], curvature: Curvature, R: torch.Tensor, timing: dict[str, Any]
+    b: _Build, lists: dict[str, list[np.ndarray]], curvature: Curvature, R: torch.Tensor, timing: _Timing
 ) -> AttributionCache:
     """The cache of a build without ``out``: the postings pass's rows grouped in memory."""
     seq = np.concatenate(lists["seq"]) if lists["seq"] else np.zeros(0, np.int32)
@@ -361,9 +368,7 @@ def _in_memory(
     )
 
 
-def _on_disk(
-    b: _Build, out_dir: Path, curvature: Curvature, R: torch.Tensor, timing: dict[str, Any]
-) -> AttributionCache:
+def _on_disk(b: _Build, out_dir: Path, curvature: Curvature, R: torch.Tensor, timing: _Timing) -> AttributionCache:
     """The artifact at ``out_dir`` from the build folder's raw files (written atomically), then loaded."""
     tmp_dir, r, npdt = b.tmp_dir, b.r, b.npdt
     assert tmp_dir is not None

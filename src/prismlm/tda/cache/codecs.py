@@ -8,7 +8,7 @@ the value it encodes. The on-disk layout is in docs/architecture.md ("The attrib
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "QuantDtype",
     "QuantSketches",
     "Sketches",
+    "StorageEntries",
     "code_values",
     "code_width",
     "concat_ranges",
@@ -46,6 +47,20 @@ _INT3_SHIFTS = np.arange(0, 24, 3, dtype=np.uint32)  # bit offsets of the 8 code
 SCALE_RANGE = 2.0**15
 """The largest per-posting scale is stored as 2^15 × ``scale_unit`` (float16 holds up to 65504), so ratios
 down to ~2e-9 of it stay normal float16 numbers."""
+
+
+class StorageEntries(TypedDict, total=False):
+    """The manifest entries of how ids and sketches are stored (each codec's ``manifest()``)."""
+
+    id_encoding: str
+    """``int32`` or ``delta``."""
+    id_width: int
+    """Bytes per delta gap (1 or 2)."""
+    id_exceptions: int
+    dtype: str
+    """float16/32/64, int8/int4/int3 or pq."""
+    scale_unit: float
+    pq_dims: int
 
 
 def concat_ranges(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -86,7 +101,7 @@ class PlainIds:
     def nbytes(self) -> int:
         return int(self.seq.nbytes)
 
-    def manifest(self) -> dict[str, Any]:
+    def manifest(self) -> StorageEntries:
         return {"id_encoding": self.encoding}
 
 
@@ -157,7 +172,7 @@ class DeltaIds:
     def nbytes(self) -> int:
         return int(self.gaps.nbytes + self.exc_pos.nbytes + self.exc_val.nbytes)
 
-    def manifest(self) -> dict[str, Any]:
+    def manifest(self) -> StorageEntries:
         return {
             "id_encoding": self.encoding,
             "id_width": int(self.gaps.dtype.itemsize),
@@ -197,7 +212,7 @@ class FloatSketches:
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
-    def manifest(self) -> dict[str, Any]:
+    def manifest(self) -> StorageEntries:
         return {"dtype": self.dtype}
 
 
@@ -297,7 +312,7 @@ class QuantSketches:
     def nbytes(self) -> int:
         return int(self.codes.nbytes + self.scales.nbytes)
 
-    def manifest(self) -> dict[str, Any]:
+    def manifest(self) -> StorageEntries:
         return {"dtype": self._dtype, "scale_unit": self.unit}
 
 
@@ -416,7 +431,7 @@ class PQSketches:
     def nbytes(self) -> int:
         return int(self.codes.nbytes + self.scales.nbytes + self.codebook.nbytes)
 
-    def manifest(self) -> dict[str, Any]:
+    def manifest(self) -> StorageEntries:
         return {"dtype": "pq", "scale_unit": self.unit, "pq_dims": int(self.codebook.shape[2])}
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from prismlm.config import AttributionConfig
 from prismlm.tda.cache.codecs import (
@@ -26,6 +27,7 @@ from prismlm.tda.cache.codecs import (
     QuantDtype,
     QuantSketches,
     Sketches,
+    StorageEntries,
     code_width,
     pq_encode,
     pq_layout,
@@ -36,10 +38,30 @@ from prismlm.tda.cache.codecs import (
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
 
-__all__ = ["CHUNK", "alloc", "check_storage", "document_of_sequences", "encode_postings", "prune_keep", "to_csr"]
+__all__ = [
+    "CHUNK",
+    "EncodedEntries",
+    "alloc",
+    "check_storage",
+    "document_of_sequences",
+    "encode_postings",
+    "prune_keep",
+    "to_csr",
+]
 
 CHUNK = 1 << 16
 """Postings per chunk of the encoding passes: bounds the memory of every gather to ~CHUNK × r floats."""
+
+
+class EncodedEntries(StorageEntries, total=False):
+    """``encode_postings``' manifest entries: postings before/after aggregation and pruning, the codecs'
+    entries, and for PQ the codebooks' training sample."""
+
+    postings_raw: int
+    postings_aggregated: int
+    pruned: int
+    pq_sample: int
+    pq_trained_on: int
 
 
 def document_of_sequences(shards: ShardSet, universe: int, T: int) -> np.ndarray:
@@ -49,7 +71,7 @@ def document_of_sequences(shards: ShardSet, universe: int, T: int) -> np.ndarray
     return np.searchsorted(np.asarray(shards.train.doc_offsets), offs, side="right").astype(np.int64) - 1
 
 
-def alloc(folder: Path | None, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+def alloc(folder: Path | None, name: str, shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
     """An output array: a memory-mapped ``folder/name`` (.npy) or, without a folder, in memory."""
     if folder is None:
         return np.empty(shape, dtype)
@@ -102,7 +124,7 @@ def encode_postings(
     units_of: np.ndarray | None,
     work: Path | None,
     out: Path | None = None,
-) -> tuple[np.ndarray, Ids, Sketches, dict[str, Any]]:
+) -> tuple[np.ndarray, Ids, Sketches, EncodedEntries]:
     """Encode CSR postings (``offsets`` (K+1,), ``ids`` (P,) ascending sequence ids within each list,
     ``sketch`` (P, r) float, memory-mapped or not) with the storage options of ``config`` (``dtype``,
     ``prune``/``prune_by``, ``id_encoding``, ``pq_dims``/``pq_sample``/``seed``); returns (offsets, ids,
@@ -143,7 +165,7 @@ def encode_postings(
     agg = None  # the memory-mapped sums are closed before their file is removed
     if work is not None:
         (work / "agg.npy").unlink(missing_ok=True)
-    meta: dict[str, Any] = {
+    meta: EncodedEntries = {
         "postings_raw": P,
         "postings_aggregated": R,
         "pruned": int(R - Pk),

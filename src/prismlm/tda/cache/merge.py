@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -136,6 +136,19 @@ def merge_caches(parts: list[AttributionCache], out: str | Path | None = None) -
     return cache
 
 
+_SAME_SOURCE: tuple[Literal["model_sha256", "shard_key"], ...] = ("model_sha256", "shard_key")
+_SAME_FIT: tuple[Literal["r", "projection", "seed", "dtype", "num_prototypes", "universe", "curvature_mode"], ...] = (
+    "r",
+    "projection",
+    "seed",
+    "dtype",
+    "num_prototypes",
+    "universe",
+    "curvature_mode",
+)
+"""Manifest entries every part of a merge must share (the model and corpus; the fit and layout)."""
+
+
 def _check_mergeable(parts: list[AttributionCache]) -> list[list[int]]:
     """The merged sequence ranges of ``parts``, once they are lossless, of one model, corpus, curvature and
     projection, and disjoint (``ArtifactError`` / ``ArtifactMismatch`` otherwise)."""
@@ -153,12 +166,12 @@ def _check_mergeable(parts: list[AttributionCache]) -> list[list[int]]:
             )
     for p in parts[1:]:
         m = p.manifest
-        for key in ("model_sha256", "shard_key"):
-            if m[key] != first[key]:
-                raise ArtifactMismatch(f"cannot merge caches: {key} differs ({first[key]} vs {m[key]})")
-        for key in ("r", "projection", "seed", "dtype", "num_prototypes", "universe", "curvature_mode"):
-            if m[key] != first[key]:
-                raise ArtifactError(f"cannot merge caches: {key} differs ({first[key]} vs {m[key]})")
+        for source in _SAME_SOURCE:
+            if m[source] != first[source]:
+                raise ArtifactMismatch(f"cannot merge caches: {source} differs ({first[source]} vs {m[source]})")
+        for fit in _SAME_FIT:
+            if m[fit] != first[fit]:
+                raise ArtifactError(f"cannot merge caches: {fit} differs ({first[fit]} vs {m[fit]})")
         if not (
             np.array_equal(p.projection, parts[0].projection)
             and torch.equal(p.curvature.F, parts[0].curvature.F)

@@ -14,7 +14,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ from prismlm.tda.cache.codecs import (
     Sketches,
     concat_ranges,
 )
-from prismlm.tda.cache.manifest import FORMAT_VERSION, KIND, REBUILD
+from prismlm.tda.cache.manifest import FORMAT_VERSION, KIND, REBUILD, CacheManifest
 from prismlm.tda.cache.projection import PostingSketcher
 from prismlm.tda.gradients import BlockGradients
 from prismlm.tda.influence import Curvature
@@ -102,7 +102,7 @@ class AttributionCache:
     """(r, d) float64: R; ``pca-local``: (K, r, d), one basis R_i per prototype."""
     curvature: Curvature
     """The block curvature H_i the sketches are whitened with (and a query is preconditioned with)."""
-    manifest: dict[str, Any]
+    manifest: CacheManifest
     """``manifest.json``: identity, build and storage options, postings statistics, file records."""
     path: Path | None = field(default=None, compare=False)
     """The cache's folder when it was loaded or saved; None in memory."""
@@ -309,7 +309,7 @@ class AttributionCache:
         return c
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def _read_manifest(path: Path) -> CacheManifest:
     """The manifest of the cache at ``path``, once its kind, format and storage options are ones this
     prismlm reads and its files match their records (``ArtifactError`` otherwise)."""
     mpath = path / "manifest.json"
@@ -340,7 +340,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _open_postings(manifest: dict[str, Any], arr: typing.Callable[[str], np.ndarray]) -> tuple[Ids, Sketches]:
+def _open_postings(manifest: CacheManifest, arr: typing.Callable[[str], np.ndarray]) -> tuple[Ids, Sketches]:
     """The posting ids and sketches of the manifest's encodings, their arrays opened by ``arr(file name)``."""
     ids_enc, dtype = manifest.get("id_encoding", "int32"), manifest.get("dtype", "float32")
     ids: Ids = (
