@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prismlm.app.attribution import (
     DEFAULT_QUERY,
@@ -22,7 +21,7 @@ from prismlm.explain import Explanation
 from prismlm.explain.explanation import ExplanationDict
 from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.tda import Attribution
-from prismlm.tda.attribute import QuerySpec, Rescoring, SearchSpec
+from prismlm.tda.attribute import AttributionRecord, QuerySpec, Rescoring, SearchSpec
 
 __all__ = ["AttributionReport", "ExplanationReport", "attribute_report", "explain_report"]
 
@@ -30,7 +29,7 @@ __all__ = ["AttributionReport", "ExplanationReport", "attribute_report", "explai
 class ExplanationReportDict(ExplanationDict, total=False):
     """``ExplanationReport.to_dict()``: the explanation's record, with ``attribution`` when it was asked for."""
 
-    attribution: dict[str, Any]  # Any: ``Attribution.to_dict()``'s record (an ``asdict``, typed by tda)
+    attribution: AttributionRecord
 
 
 @dataclass

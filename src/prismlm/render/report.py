@@ -15,7 +15,7 @@ import html
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -26,9 +26,7 @@ from prismlm.artifacts import write_output
 if TYPE_CHECKING:
     from prismlm.app.run import Run
     from prismlm.explain.explanation import CardDict, Explanation, ExplanationDict
-    from prismlm.tda.attribute import Attribution
-
-    AttributionDict = dict[str, Any]  # Any: ``Attribution.to_dict()``'s record (an ``asdict``, typed by tda)
+    from prismlm.tda.attribute import Attribution, AttributionRecord
 
 __all__ = ["SHARED_ASSETS", "RunHeader", "render_html", "render_terminal", "write_html"]
 
@@ -198,7 +196,7 @@ document.getElementById('all').onclick = () => document.querySelectorAll('.card'
 """
 
 
-def _attribution_html(att: Attribution | AttributionDict) -> str:
+def _attribution_html(att: Attribution | AttributionRecord) -> str:
     """The "Training data" section: top training sequences of an ``Attribution`` (prismlm.tda.attribute),
     or its ``to_dict()``."""
     a = att if isinstance(att, dict) else att.to_dict()
@@ -263,7 +261,7 @@ def render_html(
     expl: Explanation,
     *,
     title: str = "PRISM explanation",
-    attribution: Attribution | AttributionDict | None = None,
+    attribution: Attribution | AttributionRecord | None = None,
     run: Run | RunHeader | None = None,
 ) -> str:
     """A self-contained HTML page (inline CSS/JS/SVG, embedded JSON; no network). ``attribution``: an
@@ -301,7 +299,7 @@ def write_html(
     path: str | Path,
     *,
     title: str = "PRISM explanation",
-    attribution: Attribution | AttributionDict | None = None,
+    attribution: Attribution | AttributionRecord | None = None,
     run: Run | RunHeader | None = None,
     option: str = "html_out",
 ) -> Path:
