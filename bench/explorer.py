@@ -52,7 +52,7 @@ from _common import (
     write_json,
 )
 
-from prismlm.app import Run, build_run_index, explain_text
+from prismlm.app import ExplanationRequest, Run, build_run_index, explain_text
 from prismlm.app.explorer import Explorer, Limits
 from prismlm.config import RunConfig
 from prismlm.data.shards import prepare_shards
@@ -192,7 +192,7 @@ def main() -> None:
             ex.explain(text, alternatives=5, neighbours=3)
             lib.append(time.perf_counter() - t)
             t = time.perf_counter()
-            explain_text(ex.run, text, neighbours=3)
+            explain_text(ex.run, text, ExplanationRequest(neighbours=3))
             bare.append(time.perf_counter() - t)
         result["round_trip"] = {
             **stats_ms(http),

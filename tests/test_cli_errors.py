@@ -303,7 +303,7 @@ def test_text_that_is_not_valid_unicode_is_handled_everywhere(tiny_run, tiny_sha
     texts = ["\ud800", "a\udcffb", "\x00\x01", "é\u200b\U0001f600", "", " " * 300, "\ufffd" * 5]
     for t in texts:
         assert ops.generate(run, t, tokens=2)[0].startswith(t)
-        expl = ops.explain_text(run, t, use_index=False)
+        expl = ops.explain_text(run, t, ops.ExplanationRequest(use_index=False))
         assert expl.positions
     ops.build_run_cache(
         run,
@@ -358,7 +358,7 @@ def test_fuzzed_text_never_crashes_explain_or_generate(tiny_run):
     for _ in range(300):
         n = rng.randint(0, 40)
         text = "".join(chr(rng.randint(*rng.choice(pools))) for _ in range(n))
-        expl = ops.explain_text(run, text, use_index=False)
+        expl = ops.explain_text(run, text, ops.ExplanationRequest(use_index=False))
         assert (
             expl.positions
             and abs(

@@ -201,7 +201,7 @@ def test_report_operations_compute_what_the_cli_renders(hf_run, tmp_path):
 
     from typer.testing import CliRunner
 
-    from prismlm.app import Run, attribute_text, build_run_cache
+    from prismlm.app import ExplanationRequest, Run, attribute_text, build_run_cache
     from prismlm.app.reports import attribute_report, explain_report
     from prismlm.cli import app as cli_app
     from prismlm.config import AttributionConfig
@@ -230,7 +230,7 @@ def test_report_operations_compute_what_the_cli_renders(hf_run, tmp_path):
     assert explain_report(run, "The people of").attribution is None
     build_run_cache(run, AttributionConfig(max_sequences=16), progress=False)
     run = Run.open(hf_run, device="cpu")
-    rep2 = explain_report(run, "The people of", generate=3, attribute=True)
+    rep2 = explain_report(run, "The people of", ExplanationRequest(generate=3), attribute=True)
     assert rep2.attribution is not None and rep2.attribution.measured_tokens == 3
     assert rep2.to_dict()["attribution"]["measured_tokens"] == 3
     # through the CLI: the same report, written as JSON and HTML

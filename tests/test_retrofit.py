@@ -291,20 +291,20 @@ def test_bad_sources_are_one_line_errors(hf_folders, tmp_path):
         load_pretrained(str(capped))
     res = CliRunner().invoke(cli_app, ["retrofit", "--from", str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
     assert res.exit_code == 2 and "error:" in res.output and "Traceback" not in res.output
-    with pytest.raises(PrismError, match="--unfreeze"):
+    with pytest.raises(PrismError, match="^unfreeze must be"):
         from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 
         retrofit_model(str(hf_folders["gpt2"]), out=tmp_path / "x", recipe=RetrofitRecipe(unfreeze="some"))
 
 
 def test_downstream_operations_work_on_a_retrofitted_hf_backbone(retrofitted):
-    from prismlm.app import build_run_index, explain_text, generate
+    from prismlm.app import ExplanationRequest, build_run_index, explain_text, generate
 
     run = Run.open(retrofitted["llama"], device="cpu")
     res = build_run_index(run, max_sequences=8, progress=False)
     assert res.path.exists()
     run = Run.open(retrofitted["llama"], device="cpu")  # the index is picked up by explanations
-    exp = explain_text(run, "The people of the", generate=4)
+    exp = explain_text(run, "The people of the", ExplanationRequest(generate=4))
     assert exp.prompt_tokens is not None and len(exp.token_ids) > exp.prompt_tokens
     assert exp.max_abs_error < 1e-3 and exp.index is not None
     assert isinstance(generate(run, "The people", tokens=5, samples=1, sampling=Sampling(temperature=0.0))[0], str)

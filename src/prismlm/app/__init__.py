@@ -11,6 +11,7 @@ from prismlm.app.control import build_task_folders, evaluate_tasks, find_run_con
 from prismlm.app.demos import demo
 from prismlm.app.indexing import build_run_index, label_prototypes, merge_index_parts
 from prismlm.app.operations import (
+    ExplanationRequest,
     evaluate,
     explain_text,
     find_prototypes,
@@ -25,6 +26,7 @@ from prismlm.app.run import Run, StageFn
 from prismlm.app.training import build_config, prepare, train_from_options
 
 __all__ = [
+    "ExplanationRequest",
     "Run",
     "StageFn",
     "attribute_explanation",

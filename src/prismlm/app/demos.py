@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from prismlm.app.operations import build_run_index, explain_text
+from prismlm.app.operations import ExplanationRequest, build_run_index, explain_text
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.app.run import Run, StageFn, no_stages, require
 from prismlm.app.training import DemoOptions, DemoResult, scratch_demo
@@ -78,16 +78,16 @@ def demo(
     if scratch:
         if question is not None:
             raise ConfigError(
-                "--question applies to the real-model demo, not to --scratch", fix="drop --question, or --scratch"
+                "`question` applies to the real-model demo, not to `scratch`", fix="drop `question`, or `scratch`"
             )
         return scratch_demo(preset or "cpu-small", options)
     if preset is not None:
         raise ConfigError(
-            "--preset sizes the toy model of `prism demo --scratch`; the real-model demo has none",
-            fix=f"add --scratch, or drop --preset {preset}",
+            "`preset` sizes the toy model of `prism demo --scratch`; the real-model demo has none",
+            fix=f"add `scratch`, or drop `preset` {preset}",
         )
-    require(steps is None or steps >= 1, "--steps", ">= 1", steps)
-    require(index_sequences is None or index_sequences >= 1, "--index-sequences", ">= 1", index_sequences)
+    require(steps is None or steps >= 1, "steps", ">= 1", steps)
+    require(index_sequences is None or index_sequences >= 1, "index_sequences", ">= 1", index_sequences)
     require_demo_model()
     real = replace(
         options,
@@ -141,7 +141,7 @@ def real_demo(question: str, options: DemoOptions) -> DemoResult:
     on_stage("index (from the stored hidden states)", 1, 3)
     index = build_run_index(run, max_sequences=o.index_sequences, progress=progress, overwrite=overwrite)
     on_stage(f"explain the answer to {question!r}", 2, 3)
-    expl = explain_text(run, chat=question)
+    expl = explain_text(run, request=ExplanationRequest(chat=question))
     answer_ids = expl.token_ids[expl.prompt_tokens or 0 :]
     if answer_ids and answer_ids[-1] == run.tokenizer.eot_id:  # the end-of-turn token that stopped it
         answer_ids = answer_ids[:-1]

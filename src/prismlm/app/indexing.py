@@ -27,6 +27,7 @@ from prismlm.explain import (
     save_labels,
 )
 from prismlm.explain.index import KIND as INDEX_KIND
+from prismlm.explain.index import Labels
 from prismlm.model import PrismLM
 from prismlm.progress import Progress
 from prismlm.train.distributed import DistInfo, barrier, cleanup, init_distributed
@@ -245,7 +246,7 @@ def merge_index_parts(out: Path, parts: list[Path], *, labels: bool = True, over
 
 @dataclass
 class LabelResult:
-    labels: dict[int, dict]
+    labels: Labels
     path: Path
 
     def categories(self) -> dict[str, int]:

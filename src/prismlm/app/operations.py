@@ -188,33 +188,48 @@ CHAT_ANSWER_TOKENS = 64
 """Longest chat answer ``explain_text`` generates for a chat message when ``generate`` is not given."""
 
 
+@dataclass(frozen=True)
+class ExplanationRequest:
+    """What ``explain_text`` explains besides the prompt (a chat answer or a generation) and what its prototype
+    cards show: one option of ``prism explain`` per field, shared by ``explain_report``."""
+
+    chat: str | None = None
+    """A chat message instead of a prompt: written with the model's chat template, the assistant's answer is
+    generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn token) and its tokens
+    are explained."""
+    generate: int = 0
+    """Sample N tokens after the prompt and explain them."""
+    index: Path | None = None
+    """Index folder (default RUN/index if it exists)."""
+    use_index: bool = True
+    """Use the prototype index if there is one."""
+    shards: Path | None = None
+    """Token shard folder (default: the index's / the run's)."""
+    neighbours: int = 5
+    """Training snippets per prototype card."""
+
+    def __post_init__(self) -> None:
+        require(self.neighbours >= 0, "neighbours", ">= 0", self.neighbours)
+
+
+DEFAULT_EXPLANATION = ExplanationRequest()
+
+
 def explain_text(
     run: Run,
     prompt: str = "",
-    *,
-    chat: str | None = None,
-    generate: int = 0,
-    index: Path | None = None,
-    use_index: bool = True,
-    shards: Path | None = None,
+    request: ExplanationRequest = DEFAULT_EXPLANATION,
     sampling: Sampling = TEXT_SAMPLING,
-    neighbours: int = 5,
 ) -> Explanation:
     """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly.
 
     Args:
         prompt: Text to explain (empty: the first prediction after end-of-text).
-        chat: A chat message instead of a prompt: written with the model's chat template, the assistant's
-            answer is generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn
-            token) and its tokens are explained.
-        generate: Sample N tokens after the prompt and explain them.
-        index: Index folder (default RUN/index if it exists).
-        use_index: Use the prototype index if there is one.
-        shards: Token shard folder (default: the index's / the run's).
+        request: What else is explained and what the cards show (chat, generate, index, shards,
+            neighbours): ``ExplanationRequest``, one option per field.
         sampling: How the ``generate`` tokens are sampled (temperature, top tokens, seed).
-        neighbours: Training snippets per prototype card.
     """
-    require(neighbours >= 0, "neighbours", ">= 0", neighbours)
+    chat, generate, neighbours = request.chat, request.generate, request.neighbours
     _check_chat(chat, prompt)
     model = run.prism_model("an explanation")
     check_sampling(generate, tokens_name="generate")
@@ -228,7 +243,7 @@ def explain_text(
         generate,
     )
     tokenizer = run.tokenizer
-    idx = run.index(index, shards) if use_index else None
+    idx = run.index(request.index, request.shards) if request.use_index else None
     with run.intervened():  # a suppressed or controlled run is explained as it predicts (decompose stays exact)
         if generate > 0:
             expl = explain_generation(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prismlm.app.attribution import (
     DEFAULT_QUERY,
@@ -16,14 +15,21 @@ from prismlm.app.attribution import (
     attribute_explanation,
     attribute_text,
 )
-from prismlm.app.operations import explain_text
+from prismlm.app.operations import DEFAULT_EXPLANATION, ExplanationRequest, explain_text
 from prismlm.app.run import Run
 from prismlm.explain import Explanation
+from prismlm.explain.explanation import ExplanationDict
 from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.tda import Attribution
-from prismlm.tda.attribute import QuerySpec, Rescoring, SearchSpec
+from prismlm.tda.attribute import AttributionRecord, QuerySpec, Rescoring, SearchSpec
 
 __all__ = ["AttributionReport", "ExplanationReport", "attribute_report", "explain_report"]
+
+
+class ExplanationReportDict(ExplanationDict, total=False):
+    """``ExplanationReport.to_dict()``: the explanation's record, with ``attribution`` when it was asked for."""
+
+    attribution: AttributionRecord
 
 
 @dataclass
@@ -33,9 +39,11 @@ class ExplanationReport:
     explanation: Explanation
     attribution: Attribution | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        d = self.explanation.to_dict()
-        return d if self.attribution is None else {**d, "attribution": self.attribution.to_dict()}
+    def to_dict(self) -> ExplanationReportDict:
+        d = ExplanationReportDict(**self.explanation.to_dict())
+        if self.attribution is not None:
+            d["attribution"] = self.attribution.to_dict()  # last, after the explanation's fields
+        return d
 
 
 @dataclass
@@ -49,44 +57,22 @@ class AttributionReport:
 def explain_report(
     run: Run,
     prompt: str = "",
-    *,
-    chat: str | None = None,
-    generate: int = 0,
-    index: Path | None = None,
-    use_index: bool = True,
-    shards: Path | None = None,
+    request: ExplanationRequest = DEFAULT_EXPLANATION,
     sampling: Sampling = TEXT_SAMPLING,
-    neighbours: int = 5,
+    *,
     attribute: bool = False,
 ) -> ExplanationReport:
     """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly.
 
     Args:
         prompt: Text to explain (empty: the first prediction after end-of-text).
-        chat: A chat message instead of a prompt: written with the model's chat template, the assistant's
-            answer is generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn
-            token) and its tokens are explained.
-        generate: Sample N tokens after the prompt and explain them.
-        index: Index folder (default RUN/index if it exists).
-        use_index: Use the prototype index if there is one.
-        shards: Token shard folder (default: the index's / the run's).
+        request: What else is explained and what the cards show: ``ExplanationRequest``, one option per field.
         sampling: How the ``generate`` tokens are sampled (temperature, top tokens, seed).
-        neighbours: Training snippets per prototype card.
         attribute: Add the top training sequences for the text (its generated part with ``generate``) to the
             report: prototype-space influence from the run's attribution cache (`prism attribute-cache`).
     """
-    expl = explain_text(
-        run,
-        prompt,
-        chat=chat,
-        generate=generate,
-        index=index,
-        use_index=use_index,
-        shards=shards,
-        sampling=sampling,
-        neighbours=neighbours,
-    )
-    return ExplanationReport(expl, attribute_explanation(run, expl, shards=shards) if attribute else None)
+    expl = explain_text(run, prompt, request, sampling)  # the same arguments: the report composes, never copies
+    return ExplanationReport(expl, attribute_explanation(run, expl, shards=request.shards) if attribute else None)
 
 
 def attribute_report(
@@ -111,5 +97,5 @@ def attribute_report(
         explain: Also explain the attributed text (prompt + completion), with the index if there is one.
     """
     att = attribute_text(run, text, query, search, rescoring, cache=cache, shards=shards)
-    expl = explain_text(run, att.prompt + att.completion, shards=shards) if explain else None
+    expl = explain_text(run, att.prompt + att.completion, ExplanationRequest(shards=shards)) if explain else None
     return AttributionReport(att, expl)

@@ -53,7 +53,7 @@ class RetrofitRecipe:
     def total_steps(self) -> int:
         """``steps`` (default 300), checked."""
         steps = 300 if self.steps is None else self.steps
-        require(steps >= 1, "--steps", ">= 1", steps)
+        require(steps >= 1, "steps", ">= 1", steps)
         return steps
 
     def checked(self) -> RetrofitRecipe:
@@ -62,17 +62,17 @@ class RetrofitRecipe:
         steps, unfreeze = self.total_steps(), self.unfreeze
         require(
             unfreeze in ("none", "all", "lora") or re.fullmatch(r"last-[1-9]\d*", unfreeze) is not None,
-            "--unfreeze",
+            "unfreeze",
             "none, last-N, lora or all",
             unfreeze,
         )
-        require(self.lora_rank >= 1, "--lora-rank", ">= 1", self.lora_rank)
+        require(self.lora_rank >= 1, "lora_rank", ">= 1", self.lora_rank)
         frozen_steps = self.frozen_steps
         if frozen_steps is None:
             frozen_steps = steps if unfreeze == "none" else steps // 2
-        require(0 <= frozen_steps <= steps, "--frozen-steps", f"in [0, --steps={steps}]", frozen_steps)
-        require(self.prototypes >= 1, "--prototypes", ">= 1", self.prototypes)
-        require(1 <= self.top_k <= self.prototypes, "--top-k", f"in [1, --prototypes={self.prototypes}]", self.top_k)
+        require(0 <= frozen_steps <= steps, "frozen_steps", f"in [0, `steps`={steps}]", frozen_steps)
+        require(self.prototypes >= 1, "prototypes", ">= 1", self.prototypes)
+        require(1 <= self.top_k <= self.prototypes, "top_k", f"in [1, `prototypes`={self.prototypes}]", self.top_k)
         return replace(self, steps=steps, frozen_steps=frozen_steps)
 
 
@@ -113,9 +113,9 @@ def retrofit_model(
         return resume_retrofit(out, steps=recipe.steps, device=device, progress=progress)
     if source is None:
         raise ConfigError(
-            "--from is missing: name the pretrained model to retrofit (a transformers folder, a hub "
+            "`source` is missing: name the pretrained model to retrofit (a transformers folder, a hub "
             "name or a prismlm run)",
-            fix="pass --from MODEL, or --resume to continue the run in --out",
+            fix="pass `source` MODEL, or `resume` to continue the run in `out`",
         )
     recipe.total_steps()
     check_run_folder(out, resume=False, overwrite=overwrite)  # before minutes of loading and seeding

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from prismlm.artifacts import named
 from prismlm.config import RunConfig
 from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
 from prismlm.data.shards import ShardSet, load_shards, prepare_from_config
@@ -77,7 +78,7 @@ def check_unicode(text: str, what: str) -> None:
         )
 
 
-def writable_folder(path: Path, option: str = "--out") -> Path:
+def writable_folder(path: Path, option: str = "out") -> Path:
     """``path`` created (with its parents) if it is not there: a folder that cannot be created (``/proc/x``,
     a read-only parent, a file in the way) is a ``ConfigError`` naming ``option`` instead of a traceback
     from deep inside the writer."""
@@ -85,8 +86,8 @@ def writable_folder(path: Path, option: str = "--out") -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(
-            f"{option} {path}: cannot create this folder ({e.strerror or e})",
-            fix=f"give {option} a folder path you can write",
+            f"{named(option)} {path}: cannot create this folder ({e.strerror or e})",
+            fix=f"give {named(option)} a folder path you can write",
             path=path,
         ) from None
     return path
@@ -99,7 +100,7 @@ def open_device(spec: str) -> torch.device:
         return resolve_device(spec, int(os.environ.get("LOCAL_RANK", "0")))
     except (RuntimeError, ValueError) as e:
         raise PrismError(
-            f"--device {spec!r}: {e.message if isinstance(e, PrismError) else e}", fix="use --device cpu or auto"
+            f"`device` {spec!r}: {e.message if isinstance(e, PrismError) else e}", fix="use `device` cpu or auto"
         ) from e
 
 
@@ -239,7 +240,7 @@ class Run:
             raise ShardError(
                 f"token shards {shards.root} (key {shards.manifest['key'][:16]}…) are not the ones "
                 f"checkpoint {self.checkpoint.path} was trained on (key {want[:16]}…)",
-                fix="pass --shards with the training shards",
+                fix="pass `shards` with the training shards",
             )
         self._shards[key] = shards
         self._shards.setdefault(str(Path(shards.root).resolve()), shards)
@@ -278,7 +279,7 @@ class Run:
             self.forget(path / "search")  # its search sidecar belonged to the old cache
         if not (path / "manifest.json").exists():
             raise ArtifactError(
-                f"no attribution cache at {path}", fix=f"prism attribute-cache {self.path} (or use --method full)"
+                f"no attribution cache at {path}", fix=f"prism attribute-cache {self.path} (or use `method` full)"
             )
         cache = AttributionCache.load(path, model_sha256=self.identity)
         cache.check(shards=self.shards(shards_dir, cache.manifest.get("shards_root")))
@@ -303,7 +304,8 @@ class Run:
                 raise ArtifactError(
                     f"no search index at {path}",
                     fix=f"prism attribute-search {self.path}"
-                    + (f" --cache {cache_dir}" if cache_dir is not None else ""),
+                    if cache_dir is None
+                    else f"prism attribute-search {self.path} --cache {cache_dir}",
                 )
             return None
         idx = SearchIndex.load(path, cache)

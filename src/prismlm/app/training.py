@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prismlm.app.operations import IndexResult, build_run_index, evaluate, explain_text, generate
+from prismlm.app.operations import ExplanationRequest, IndexResult, build_run_index, evaluate, explain_text, generate
 from prismlm.app.run import Run, StageFn, no_stages, require, writable_folder
 from prismlm.artifacts import check_out_folder
 from prismlm.config import RunConfig
@@ -80,7 +80,7 @@ def prepare(
             shards of the same corpus and tokenizer are reused).
         progress: Show a progress bar.
     """
-    require(0.0 < val_fraction < 1.0, "--val-fraction", "in (0, 1)", val_fraction)
+    require(0.0 < val_fraction < 1.0, "val_fraction", "in (0, 1)", val_fraction)
     if out is not None:  # the same shards are reused; others only with --overwrite (checked by prepare_shards)
         check_out_folder(out, "token shard folder", holds=is_shard_folder, resume=True)
     return prepare_shards(
@@ -194,7 +194,7 @@ def scratch_demo(preset: str = "cpu-small", options: DemoOptions = DemoOptions()
         o.on_stage(f"index ({n_index} training sequences)", 3, stages)
         demo_result.index = build_run_index(run, max_sequences=n_index, progress=o.progress, overwrite=o.overwrite)
         o.on_stage("explain", 4, stages)
-        demo_result.explanation = explain_text(run, DEMO_PROMPTS[1], generate=12, sampling=TEXT_SAMPLING)
+        demo_result.explanation = explain_text(run, DEMO_PROMPTS[1], ExplanationRequest(generate=12), TEXT_SAMPLING)
     return demo_result
 
 

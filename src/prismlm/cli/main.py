@@ -7,6 +7,7 @@ and keeps its traceback.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from prismlm.app.training import DemoResult
 from prismlm.artifacts import write_output
 from prismlm.cli.console import console, echo, fail, stdout
 from prismlm.cli.context import CONTEXT, HELP, root_options
-from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command
+from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command, flags_of, with_flags
 from prismlm.data.shards import ShardSet
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import PrismError
@@ -472,8 +473,8 @@ def serve_command(
             concepts=concept,
             limits=Limits(max_text_chars=max_text_chars, max_generate=max_generate),
         )
-    except PrismError as e:
-        fail(str(e))
+    except PrismError as e:  # the library names its parameters (`port`): the user sees this command's flags
+        fail(with_flags(str(e), flags_of(list(inspect.signature(serve_command).parameters.values()))))
 
 
 def _lm_eval_scorer(

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NotRequired, TypedDict, cast
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -478,7 +478,7 @@ def trace_prism_controller(
             "active_tokens_in_train": int(m.any(-1).sum()),
         }
         if i in labels:
-            e["label"] = cast("str | None", labels[i].get("label"))  # labels.json holds strings (`prism label`)
+            e["label"] = labels[i].get("label")  # a LabelEntry: labels.json holds strings (`prism label`)
         if index is not None and getattr(index, "shards", None) is not None:
             e["neighbours"] = [{"doc_id": nb.doc_id, "snippet": nb.snippet} for nb in index.neighbours(i, 3)]
         out.append(e)

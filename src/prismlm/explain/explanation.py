@@ -14,13 +14,13 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from prismlm.artifacts import model_identity, write_output
 from prismlm.errors import ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
-from prismlm.explain.index import Neighbour, PrototypeIndex
+from prismlm.explain.index import Labels, Neighbour, NeighbourDict, PrototypeIndex, PrototypeStats
 from prismlm.model import PrismOutput, decompose
 from prismlm.model.generation import TEXT_SAMPLING, Sampling, decode_steps
 
@@ -29,15 +29,79 @@ if TYPE_CHECKING:
     from prismlm.model import PrismLM
 
 __all__ = [
+    "CardDict",
     "Explanation",
+    "ExplanationDict",
     "PrototypeCard",
     "PrototypeSlice",
+    "SliceDict",
+    "TokenDict",
     "TokenExplanation",
     "clear_card_cache",
     "explain",
     "explain_generation",
     "prototype_card",
 ]
+
+
+class SliceDict(TypedDict):
+    """``PrototypeSlice.to_dict()``: its fields, in order."""
+
+    id: int
+    activation: float
+    slice: float
+    share: float
+    label: str | None
+    category: str | None
+
+
+class TokenDict(TypedDict):
+    """``TokenExplanation.to_dict()``: its fields in order, then ``token_index`` (= position + 1)."""
+
+    position: int
+    token_id: int
+    token: str
+    next_id: int
+    next_token: str
+    chosen_by: str
+    logit: float
+    prob: float
+    residual_slice: float
+    residual_share: float
+    prototypes: list[SliceDict]
+    total: float
+    error: float
+    bias_slice: float
+    token_index: int
+
+
+class CardDict(TypedDict):
+    """``PrototypeCard.to_dict()``; token lists as [token, value] pairs."""
+
+    id: int
+    label: str | None
+    category: str | None
+    top_tokens: list[list[str | float]]
+    bottom_tokens: list[list[str | float]]
+    neighbours: list[NeighbourDict]
+    stats: PrototypeStats | None
+    evidence: dict[str, object] | None
+
+
+class ExplanationDict(TypedDict):
+    """``Explanation.to_dict()``, the JSON of ``prism explain --json`` (cards keyed by the id as a string)."""
+
+    text: str
+    token_ids: list[int]
+    tokens: list[str]
+    truncated_tokens: int
+    prompt_tokens: int | None
+    model_sha256: str | None
+    index: str | None
+    notes: list[str]
+    max_abs_error: float
+    positions: list[TokenDict]
+    prototypes: dict[str, CardDict]
 
 
 @dataclass
@@ -57,8 +121,15 @@ class PrototypeSlice:
     category: str | None = None
     """Its label category (``morphology``, ``grammar``, …)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+    def to_dict(self) -> SliceDict:
+        return SliceDict(
+            id=self.id,
+            activation=self.activation,
+            slice=self.slice,
+            share=self.share,
+            label=self.label,
+            category=self.category,
+        )
 
 
 @dataclass
@@ -94,11 +165,24 @@ class TokenExplanation:
     bias_slice: float = 0.0
     """b_y, the unembedding's bias for the chosen token (0 unless the model's W has a bias, e.g. Phi)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["token_index"] = self.position + 1  # the explained token's index: the views' one convention
-        d["prototypes"] = [p.to_dict() for p in self.prototypes]
-        return d
+    def to_dict(self) -> TokenDict:
+        return TokenDict(
+            position=self.position,
+            token_id=self.token_id,
+            token=self.token,
+            next_id=self.next_id,
+            next_token=self.next_token,
+            chosen_by=self.chosen_by,
+            logit=self.logit,
+            prob=self.prob,
+            residual_slice=self.residual_slice,
+            residual_share=self.residual_share,
+            prototypes=[p.to_dict() for p in self.prototypes],
+            total=self.total,
+            error=self.error,
+            bias_slice=self.bias_slice,
+            token_index=self.position + 1,  # the explained token's index: the views' one convention
+        )
 
 
 @dataclass
@@ -115,14 +199,14 @@ class PrototypeCard:
     """Tokens with the largest entries of the signature W p_i, with their values (what it pushes up)."""
     neighbours: list[Neighbour] = field(default_factory=list)
     """Nearest training contexts (needs an index with shards)."""
-    stats: dict[str, Any] | None = None
+    stats: PrototypeStats | None = None
     """Activation count, frequency, mean activation, histogram (needs an index)."""
-    evidence: dict[str, Any] | None = None
+    evidence: dict[str, object] | None = None
     """What the labeller based the label on (``labels.json``'s evidence), or None."""
     bottom_tokens: list[tuple[str, float]] = field(default_factory=list)
     """Tokens with the most negative entries of W p_i, most negative first (what it pushes down)."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> CardDict:
         return {
             "id": self.id,
             "label": self.label,
@@ -164,7 +248,7 @@ class Explanation:
     def max_abs_error(self) -> float:
         return max((abs(p.error) for p in self.positions), default=0.0)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ExplanationDict:
         return {
             "text": self.text,
             "token_ids": self.token_ids,
@@ -209,7 +293,7 @@ def prototype_card(
     i: int,
     *,
     index: PrototypeIndex | None = None,
-    labels: dict[int, dict] | None = None,
+    labels: Labels | None = None,
     neighbours: int = 5,
     signature_tokens: int = 10,
 ) -> PrototypeCard:
@@ -229,7 +313,7 @@ def _cards(
     tokenizer: Tokenizer | None,
     ids: list[int],
     index: PrototypeIndex | None,
-    labels: dict[int, dict],
+    labels: Labels,
     neighbours: int,
     signature_tokens: int,
 ) -> dict[int, PrototypeCard]:
@@ -255,6 +339,8 @@ def _cards(
 
 
 # ----- cached card parts -------------------------------------------------------------------------------
+_WeightsState = tuple[tuple[int, int, tuple[int, ...], torch.dtype, torch.device], ...]
+"""Per weight tensor: (storage address, ``_version``, shape, dtype, device)."""
 _SIG_BLOCK_ELEMS = 1 << 22
 """Entries of one (prototypes × V) signature block: 16 MiB in float32. Never K × V at once."""
 
@@ -270,15 +356,17 @@ class _SignatureCache:
 
     __slots__ = ("refs", "state", "tops", "pinned")
 
-    def __init__(self, tensors: tuple[torch.Tensor, torch.Tensor], state: tuple[Any, ...]) -> None:
+    def __init__(self, tensors: tuple[torch.Tensor, torch.Tensor], state: _WeightsState) -> None:
         self.refs = tuple(weakref.ref(t) for t in tensors)
         self.state = state
         self.tops: dict[tuple[int, int, int], dict[int, _TopBottom]] = {}
         """(id(tokenizer), tokens, valid vocabulary) → prototype id → its top and bottom tokens with their
         values."""
-        self.pinned: dict[int, Any] = {}  # the tokenizers keyed by id(): their ids stay unique while cached
+        self.pinned: dict[
+            int, object
+        ] = {}  # the tokenizers keyed by id() (pass-through): their ids stay unique while cached
 
-    def valid_for(self, tensors: tuple[torch.Tensor, torch.Tensor], state: tuple[Any, ...]) -> bool:
+    def valid_for(self, tensors: tuple[torch.Tensor, torch.Tensor], state: _WeightsState) -> bool:
         return self.state == state and all(r() is t for r, t in zip(self.refs, tensors))
 
 
@@ -289,7 +377,7 @@ _TOKEN_STRINGS: weakref.WeakKeyDictionary[Tokenizer, dict[int, str]] = weakref.W
 _CACHE_LOCK = threading.Lock()
 
 
-def _weights_state(net: PrismLM) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[Any, ...]]:
+def _weights_state(net: PrismLM) -> tuple[tuple[torch.Tensor, torch.Tensor], _WeightsState]:
     p, w = net.require_prototypes().weight, net.lm_head.weight
     return (p, w), tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device) for t in (p, w))
 
@@ -374,7 +462,7 @@ class _Evidence:
 
     index: PrototypeIndex | None
     """Index for neighbourhoods, statistics and (default) labels; None: signatures only."""
-    labels: dict[int, dict]
+    labels: Labels
     """Prototype id → {label, category}."""
     model_sha256: str | None
     """The checkpoint's identity, checked against the index and recorded."""
@@ -409,7 +497,7 @@ def _require_prism(model: PrismLM) -> PrismLM:
 def _evidence(
     net: PrismLM,
     index: PrototypeIndex | None,
-    labels: dict[int, dict] | None,
+    labels: Labels | None,
     model_sha256: str | None,
     neighbours: int,
     signature_tokens: int,
@@ -454,7 +542,7 @@ def explain(
     *,
     model_sha256: str | None = None,
     index: PrototypeIndex | None = None,
-    labels: dict[int, dict] | None = None,
+    labels: Labels | None = None,
     targets: Sequence[int] | None = None,
     next_token: int | None = None,
     neighbours: int = 5,
@@ -584,7 +672,7 @@ def explain_generation(
     sampling: Sampling | None = None,
     model_sha256: str | None = None,
     index: PrototypeIndex | None = None,
-    labels: dict[int, dict] | None = None,
+    labels: Labels | None = None,
     neighbours: int = 5,
     signature_tokens: int = 10,
     stop_id: int | None = None,

@@ -16,13 +16,13 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from prismlm.artifacts import atomic_write_text
 from prismlm.errors import ArtifactError
-from prismlm.explain.index import LABELS_FILE, PrototypeIndex
+from prismlm.explain.index import LABELS_FILE, Labels, PrototypeIndex
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
@@ -101,7 +101,7 @@ def rule_labels(
     neighbours: int | None = None,
     context: int = 8,
     corpus_counts: np.ndarray | None = None,
-) -> dict[int, dict[str, Any]]:
+) -> Labels:
     """Label every prototype of ``index`` from its neighbourhood (shards attached or given).
 
     Returns prototype id → {label, category, evidence}; evidence holds the next-token and previous-token
@@ -119,7 +119,7 @@ def rule_labels(
     counts = corpus_token_counts(shards) if corpus_counts is None else corpus_counts
     total = float(counts.sum()) or 1.0
     train = shards.train.tokens
-    out: dict[int, dict[str, Any]] = {}
+    out: Labels = {}
     for i in range(index.num_prototypes):
         nbs = index.neighbours(i, neighbours, before=0, after=0, shards=shards)
         nexts: Counter[int] = Counter()
@@ -174,7 +174,7 @@ def rule_labels(
     return out
 
 
-def save_labels(labels: dict[int, dict[str, Any]], index_dir: str | Path) -> Path:
+def save_labels(labels: Labels, index_dir: str | Path) -> Path:
     """Write ``labels.json`` next to the index."""
     path = Path(index_dir) / LABELS_FILE
     atomic_write_text(
@@ -183,7 +183,7 @@ def save_labels(labels: dict[int, dict[str, Any]], index_dir: str | Path) -> Pat
     return path
 
 
-def load_labels(index_dir: str | Path) -> dict[int, dict[str, Any]]:
+def load_labels(index_dir: str | Path) -> Labels:
     path = Path(index_dir) / LABELS_FILE
     if not path.exists():
         return {}
@@ -202,7 +202,7 @@ Nearest contexts:
 
 def llm_labels(
     index: PrototypeIndex,
-    base: dict[int, dict[str, Any]],
+    base: Labels,
     *,
     endpoint: str,
     model: str,
@@ -211,7 +211,7 @@ def llm_labels(
     neighbours: int = 8,
     timeout: float = 30.0,
     signature_tokens: dict[int, list[str]] | None = None,
-) -> dict[int, dict[str, Any]]:
+) -> Labels:
     """Relabel prototypes with an OpenAI-compatible chat endpoint (``{endpoint}/chat/completions``).
 
     ``base``: the rule labels, kept where a request fails. The key is read from ``api_key_env`` (may be
@@ -220,7 +220,7 @@ def llm_labels(
     url = endpoint.rstrip("/") + ("" if endpoint.rstrip("/").endswith("/chat/completions") else "/chat/completions")
     key = os.environ.get(api_key_env, "")
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    out = {k: dict(v) for k, v in base.items()}
+    out: Labels = {k: v.copy() for k, v in base.items()}
     for i in ids if ids is not None else range(index.num_prototypes):
         snips = "\n".join(f"- {nb.snippet!r}" for nb in index.neighbours(i, neighbours))
         top = ", ".join(repr(t) for t in (signature_tokens or {}).get(i, [])) or "(not given)"

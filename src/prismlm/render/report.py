@@ -15,7 +15,7 @@ import html
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -25,8 +25,8 @@ from prismlm.artifacts import write_output
 
 if TYPE_CHECKING:
     from prismlm.app.run import Run
-    from prismlm.explain.explanation import Explanation
-    from prismlm.tda.attribute import Attribution
+    from prismlm.explain.explanation import CardDict, Explanation, ExplanationDict
+    from prismlm.tda.attribute import Attribution, AttributionRecord
 
 __all__ = ["SHARED_ASSETS", "RunHeader", "render_html", "render_terminal", "write_html"]
 
@@ -126,7 +126,7 @@ def _hist_svg(hist: list[int], w: int = 200, h: int = 48) -> str:
     )
 
 
-def _card_html(c: dict[str, Any]) -> str:
+def _card_html(c: CardDict) -> str:
     e = html.escape
     snips = "".join(
         f'<li><span class="sim">{n["similarity"]:.3f}</span> {e(n["before"])}<mark>{e(n["target"] or "")}</mark>'
@@ -135,7 +135,7 @@ def _card_html(c: dict[str, Any]) -> str:
     )
     toks = " ".join(f"<code>{e(repr(t)[1:-1])}</code><sub>{v:.2f}</sub>" for t, v in c["top_tokens"])
     down = " ".join(f"<code>{e(repr(t)[1:-1])}</code><sub>{v:.2f}</sub>" for t, v in c.get("bottom_tokens", []))
-    st = c.get("stats") or {}
+    st = c["stats"]
     stats = (
         f"active on {st['count']:,} tokens ({st['frequency']:.2%}), mean activation {st['mean_activation']:.3f}"
         if st
@@ -144,7 +144,7 @@ def _card_html(c: dict[str, Any]) -> str:
     return (
         f'<div class="card" id="p{c["id"]}"><h3>#{c["id"]} <span class="lab">{e(c["label"] or "")}</span> '
         f'<span class="cat">{e(c["category"] or "")}</span></h3><div class="stats">{stats}</div>'
-        f'{_hist_svg(st.get("histogram", []))}<div class="toks">W p<sub>i</sub> pushes up: {toks}</div>'
+        f'{_hist_svg(st["histogram"] if st else [])}<div class="toks">W p<sub>i</sub> pushes up: {toks}</div>'
         f'<div class="toks down">pushes down: {down}</div>'
         f'<ol class="snips">{snips}</ol></div>'
     )
@@ -196,7 +196,7 @@ document.getElementById('all').onclick = () => document.querySelectorAll('.card'
 """
 
 
-def _attribution_html(att: Attribution | dict[str, Any]) -> str:
+def _attribution_html(att: Attribution | AttributionRecord) -> str:
     """The "Training data" section: top training sequences of an ``Attribution`` (prismlm.tda.attribute),
     or its ``to_dict()``."""
     a = att if isinstance(att, dict) else att.to_dict()
@@ -232,7 +232,7 @@ def _header_html(run: RunHeader | None, sha: str | None) -> str:
     return f'<p class="run-line"><b{tip}>{html.escape(run.text())}</b> {small}</p>'
 
 
-def _token_spans(d: dict[str, Any]) -> list[str]:
+def _token_spans(d: ExplanationDict) -> list[str]:
     """The text as spans, one convention with the app: the first token is context only; span j (token j)
     stands for the prediction OF token j from the tokens before it (``data-i`` = its position j − 1).
     The model's own next token (argmax/given, not in the text) ends the text, drawn dashed."""
@@ -261,7 +261,7 @@ def render_html(
     expl: Explanation,
     *,
     title: str = "PRISM explanation",
-    attribution: Attribution | dict[str, Any] | None = None,
+    attribution: Attribution | AttributionRecord | None = None,
     run: Run | RunHeader | None = None,
 ) -> str:
     """A self-contained HTML page (inline CSS/JS/SVG, embedded JSON; no network). ``attribution``: an
@@ -299,9 +299,9 @@ def write_html(
     path: str | Path,
     *,
     title: str = "PRISM explanation",
-    attribution: Attribution | dict[str, Any] | None = None,
+    attribution: Attribution | AttributionRecord | None = None,
     run: Run | RunHeader | None = None,
-    option: str = "--html",
+    option: str = "html_out",
 ) -> Path:
     """Write the report to ``path`` (parents created, atomically; a path that cannot be written is a
     ``ConfigError`` naming ``option``)."""

@@ -324,12 +324,12 @@ def serve(
     limits: Limits = Limits(),
     log_level: str = "info",
 ) -> None:
-    """Open the run and serve the explorer until interrupted. Any host other than loopback is warned
+    """Open the run and serve the explorer until interrupted. A host other than loopback is warned
     about on stderr: the explorer has no authentication."""
     import uvicorn
 
     if not 1 <= port <= 65535:  # checked before the run is opened (uvicorn would fail only at bind)
-        raise ConfigError(f"--port must be in [1, 65535], got {port}", fix="e.g. --port 8000")
+        raise ConfigError(f"`port` must be in [1, 65535], got {port}", fix="e.g. `port` 8000")
     if host not in LOCAL_HOSTS and host != "::1":
         print(
             f"warning: serving on {host}: anyone who can reach this address can use the explorer (it has no "

@@ -12,11 +12,12 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
-from prismlm.app.explorer.plain import JSONDict, Plain
+from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
 from prismlm.app.operations import CHAT_ANSWER_TOKENS, chat_prompt
 from prismlm.explain import Explanation, explain, explain_generation
+from prismlm.explain.explanation import CardDict
 from prismlm.model import PrismLM, PrismOutput, decompose
 from prismlm.model.generation import Sampling
 
@@ -88,7 +89,7 @@ class ExplainView(Plain):
     """Tokens cut from the start to fit the context window."""
     positions: list[PositionView]
     """One per predicting position, in order."""
-    cards: dict[str, JSONDict]
+    cards: dict[str, CardDict]
     """Prototype id → card (label, category, top tokens, stats, neighbours) for every active prototype."""
     max_abs_error: float
     """max |Σ slices + residual + bias − logit| over every waterfall shown."""

@@ -13,10 +13,11 @@ from typing import TypedDict
 import torch
 import torch.nn.functional as F
 
-from prismlm.app.explorer.plain import JSONDict, Plain
+from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.prototype_view import Band, LogitHistogram, example_bands, logit_histogram
 from prismlm.explain import prototype_card
+from prismlm.explain.explanation import CardDict
 from prismlm.model import decompose
 
 __all__ = ["Fire", "PrototypeDetail", "SimilarPrototype", "prototype_view"]
@@ -47,7 +48,7 @@ class Fire(TypedDict):
 class PrototypeDetail(Plain):
     """What ``Explorer.prototype`` returns for one prototype."""
 
-    card: JSONDict
+    card: CardDict
     """``prismlm.explain.PrototypeCard.to_dict()``: label, category, top/bottom tokens, stats, neighbours."""
     similar: list[SimilarPrototype]
     """Nearest prototypes by cosine of p_i, with their labels."""

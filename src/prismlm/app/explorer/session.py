@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypedDict, cast
 
 from prismlm.app.bank_search import TokenSearch
 from prismlm.app.explorer.limits import Limits
@@ -21,24 +20,11 @@ from prismlm.control.suppress import SuppressionSet
 from prismlm.data.shards import ShardSet
 from prismlm.errors import ArtifactError
 from prismlm.explain import PrototypeIndex
+from prismlm.explain.index import LabelEntry, Labels
 from prismlm.model import Intervention, PrismLM
 from prismlm.tda.influence import FullGradients
 
 __all__ = ["LabelEntry", "Labels", "Session"]
-
-
-class LabelEntry(TypedDict, total=False):
-    """A prototype's entry of labels.json (``prismlm.explain.labels``)."""
-
-    label: str
-    category: str
-    """One of ``prismlm.explain.labels.CATEGORIES``."""
-    evidence: object
-    """What the labeller based it on (its own JSON)."""
-
-
-Labels = dict[int, LabelEntry]
-"""Prototype id → its label entry."""
 
 
 class Session:
@@ -82,8 +68,7 @@ class Session:
         return self.model.require_prototypes().num_prototypes
 
     def labels(self) -> Labels:
-        # cast: the index parses labels.json as plain JSON objects; these are the keys the labeller writes
-        return cast(Labels, self.index.labels()) if self.index is not None else {}
+        return self.index.labels() if self.index is not None else {}
 
     def labelled(self, ids: Sequence[int]) -> dict[int, tuple[str | None, str | None]]:
         """Prototype id → (label, category), None where unlabelled."""

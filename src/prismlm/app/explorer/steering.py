@@ -74,7 +74,7 @@ def interventions(
         if sset is None:
             raise ConfigError(
                 f"unknown concept {steering.concept!r}; the server has "
-                f"{sorted(concepts) or 'none'} (start it with --concept FILE)"
+                f"{sorted(concepts) or 'none'} (start it with prism serve RUN --concept FILE)"
             )
         out.append(Suppress.of(sset.ids, label=steering.concept))
     return tuple(out)

@@ -15,10 +15,14 @@ from prismlm.explain.index.artifact import (
     LABELS_FILE,
     MANIFEST_FILE,
     TENSORS_FILE,
+    IndexManifest,
+    LabelEntry,
+    Labels,
     PrototypeIndex,
+    PrototypeStats,
 )
 from prismlm.explain.index.build import IndexSettings, build_index, merge_indexes
-from prismlm.explain.index.snippets import Neighbour
+from prismlm.explain.index.snippets import Neighbour, NeighbourDict
 
 __all__ = [
     "FORMAT_VERSION",
@@ -26,9 +30,14 @@ __all__ = [
     "LABELS_FILE",
     "MANIFEST_FILE",
     "TENSORS_FILE",
+    "IndexManifest",
     "IndexSettings",
+    "LabelEntry",
+    "Labels",
     "Neighbour",
+    "NeighbourDict",
     "PrototypeIndex",
+    "PrototypeStats",
     "build_index",
     "merge_indexes",
     "part_range",

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import torch
@@ -39,7 +39,19 @@ if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.data.tokenizer import Tokenizer
 
-__all__ = ["FORMAT_VERSION", "KIND", "LABELS_FILE", "MANIFEST_FILE", "NO_OFFSET", "TENSORS_FILE", "PrototypeIndex"]
+__all__ = [
+    "FORMAT_VERSION",
+    "IndexManifest",
+    "KIND",
+    "LABELS_FILE",
+    "MANIFEST_FILE",
+    "NO_OFFSET",
+    "TENSORS_FILE",
+    "LabelEntry",
+    "Labels",
+    "PrototypeIndex",
+    "PrototypeStats",
+]
 
 FORMAT_VERSION = 1
 KIND = "prismlm-prototype-index"
@@ -47,6 +59,40 @@ TENSORS_FILE = "index.safetensors"
 MANIFEST_FILE = "manifest.json"
 LABELS_FILE = "labels.json"
 NO_OFFSET = -1  # empty slot of the (K, N) table (similarity -inf): fewer than N tokens seen
+
+
+class PrototypeStats(TypedDict):
+    """``PrototypeIndex.stats(i)``: one prototype's activation statistics over the indexed tokens."""
+
+    id: int
+    count: int
+    """Tokens where it is active."""
+    frequency: float
+    """count / indexed tokens."""
+    mean_activation: float
+    """Mean of its non-zero activations (0.0 when it never fires)."""
+    max_similarity: float
+    """Similarity of its nearest context (-inf: none seen)."""
+    histogram: list[int]
+    """(bins,) counts of its non-zero activations on equal bins of [0, 1]."""
+    bins: int
+
+
+class LabelEntry(TypedDict, total=False):
+    """A prototype's entry of ``labels.json`` (``prismlm.explain.labels``)."""
+
+    label: str
+    category: str
+    """One of ``prismlm.explain.labels.CATEGORIES``."""
+    evidence: dict[str, object]
+    """What the labeller based it on (its own record, passed through: counts, context words, ``labeller``…)."""
+
+
+IndexManifest = dict[str, Any]  # Any: a JSON record whose fields (see ``manifest``) are read with int()/list()
+"""``manifest.json`` of an index: kind, format_version, model_sha256, shard_key, covered, tokens, …"""
+
+Labels = dict[int, LabelEntry]
+"""Prototype id → its ``labels.json`` entry."""
 
 
 @dataclass
@@ -63,7 +109,7 @@ class PrototypeIndex:
     """(K,) float64: sum of its activations over those tokens."""
     hist: torch.Tensor
     """(K, bins) int64: histogram of its non-zero activations on ``bins`` equal bins of [0, 1]."""
-    manifest: dict[str, Any]
+    manifest: IndexManifest
     """kind, format_version, model_sha256, shard_key, split, top_n, num_prototypes, block_size, bins,
     batch_size, universe, target, covered, tokens, token_max_cos_sum, residual_share_sum, created…"""
     sample: ActivationSample | None = field(default=None, compare=False)
@@ -84,12 +130,12 @@ class PrototypeIndex:
     _stat_rows: dict[int, tuple[int, float, float, tuple[int, ...]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    _cache_state: tuple[Any, ...] | None = field(default=None, init=False, repr=False, compare=False)
-    _pinned: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
-    _labels: tuple[tuple[int, ...], dict[int, dict[str, Any]]] | None = field(
+    _cache_state: tuple[tuple[object, ...], tuple[int, ...]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    _pinned: dict[int, object] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _labels: tuple[tuple[int, ...], Labels] | None = field(default=None, init=False, repr=False, compare=False)
 
     lenient_labels: bool = field(default=False, init=False, repr=False, compare=False)
     """A corrupt labels.json reads as no labels (its error kept in ``labels_error``) instead of raising:
@@ -99,10 +145,10 @@ class PrototypeIndex:
 
     _CACHES = ("_snippets", "_stat_rows", "_cache_state", "_pinned", "_lock", "_labels")
 
-    def __getstate__(self) -> dict[str, Any]:  # copy/pickle: without the caches (and the lock)
+    def __getstate__(self) -> dict[str, object]:  # copy/pickle: without the caches (and the lock)
         return {k: v for k, v in self.__dict__.items() if k not in self._CACHES}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._snippets, self._stat_rows, self._pinned = OrderedDict(), {}, {}
         self._cache_state, self._labels, self._lock = None, None, threading.Lock()
@@ -159,12 +205,12 @@ class PrototypeIndex:
             return list(ids)
         return [self._check_id(i) for i in ids]
 
-    def stats(self, i: int) -> dict[str, Any]:
+    def stats(self, i: int) -> PrototypeStats:
         """Activation count, mean activation, frequency and histogram of prototype ``i``."""
         i = self._check_id(i)
         return self.stats_of([i])[i]
 
-    def stats_of(self, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    def stats_of(self, ids: Sequence[int]) -> dict[int, PrototypeStats]:
         """``stats(i)`` for every id of ``ids`` (each validated). The table rows are read once per id and
         kept with the neighbour cache (same invalidation); the dicts are new at every call."""
         ids = self._check_ids(ids)
@@ -190,7 +236,7 @@ class PrototypeIndex:
                     rows.update(new)
             rows = {**rows, **new}
         tokens, bins = max(1, self.tokens), int(self.manifest["bins"])
-        out = {}
+        out: dict[int, PrototypeStats] = {}
         for i in ids:
             c, a, m, h = rows[i]
             out[i] = {
@@ -204,7 +250,7 @@ class PrototypeIndex:
             }
         return out
 
-    def _validate_cache(self) -> tuple[Any, ...]:
+    def _validate_cache(self) -> tuple[tuple[object, ...], tuple[int, ...]]:
         """The cache state for the current tables, attached shards and tokenizer; the caches are emptied
         when any of them changed (another object, or a tensor modified in place: its ``_version``).
         Call with ``_lock`` held."""
@@ -421,7 +467,7 @@ class PrototypeIndex:
             idx.attach(shards)
         return idx
 
-    def labels(self) -> dict[int, dict[str, Any]]:
+    def labels(self) -> Labels:
         """``labels.json`` of this index's folder (prototype id → {label, category, evidence}), or {}.
         Parsed once and kept while the file stays the same (inode, size, modification and change times;
         labelling rewrites it); the dict returned is a new one each call."""
@@ -446,7 +492,7 @@ class PrototypeIndex:
         return dict(cached[1])
 
 
-def _parse_labels(f: Path) -> dict[int, dict[str, Any]]:
+def _parse_labels(f: Path) -> Labels:
     """``labels.json`` → {prototype id: {label, category, …}}; ``ArtifactCorrupt`` naming the file (and the
     command that rewrites it) for a torn or hand-broken one."""
     try:

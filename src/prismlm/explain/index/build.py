@@ -14,7 +14,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from prismlm.artifacts import merge_ranges, model_identity, overlap, part_range,
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError
 from prismlm.eval.metrics import active_prototypes, coverage_sums
 from prismlm.explain.activation_sample import ActivationSample
-from prismlm.explain.index.artifact import FORMAT_VERSION, KIND, NO_OFFSET, PrototypeIndex
+from prismlm.explain.index.artifact import FORMAT_VERSION, KIND, NO_OFFSET, IndexManifest, PrototypeIndex
 from prismlm.model import PrismOutput, eval_mode
 from prismlm.progress import Progress, Reporter
 from prismlm.train.stored_z import StoredZ, backbone_identity
@@ -119,7 +119,7 @@ class _Builder:
         self.residual_sum += residual
         self.tokens += n
 
-    def to_index(self, manifest: dict[str, Any]) -> PrototypeIndex:
+    def to_index(self, manifest: IndexManifest) -> PrototypeIndex:
         manifest = {
             **manifest,
             "tokens": self.tokens,
@@ -179,7 +179,7 @@ class _Plan:
     """Where a build starts: the streaming state, the manifest it extends and the sequences left."""
 
     builder: _Builder
-    manifest: dict[str, Any]
+    manifest: IndexManifest
     batch_size: int
     """The batch grid (a resumed build keeps the partial index's)."""
     done_to: int
@@ -316,7 +316,7 @@ def _new_plan(
     return _Plan(builder, manifest, settings.batch_size, start, start, stop)
 
 
-def _check_resume_sample(m: dict[str, Any], sample_size: int) -> None:
+def _check_resume_sample(m: IndexManifest, sample_size: int) -> None:
     """A partial index with an activation sample of another size cannot be resumed into this one."""
     if "sample_size" in m and int(m["sample_size"]) != sample_size:
         raise ArtifactError(

@@ -8,7 +8,7 @@ clipped to the target's document. See docs/architecture.md (prototype index).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
@@ -18,7 +18,22 @@ if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.data.tokenizer import Tokenizer
 
-__all__ = ["Neighbour", "decode_many", "decode_snippets"]
+__all__ = ["Neighbour", "NeighbourDict", "decode_many", "decode_snippets"]
+
+
+class NeighbourDict(TypedDict):
+    """``Neighbour.to_dict()``: its fields and its snippet, in this order."""
+
+    offset: int
+    similarity: float
+    doc_index: int | None
+    doc_id: str | None
+    position: int | None
+    target_id: int | None
+    target: str | None
+    before: str
+    after: str
+    snippet: str
 
 
 @dataclass(frozen=True)
@@ -50,7 +65,7 @@ class Neighbour:
         """Plain-text snippet with the target token marked: ``…context⟦target⟧after…``."""
         return f"{self.before}⟦{self.target}⟧{self.after}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> NeighbourDict:
         return {
             "offset": self.offset,
             "similarity": self.similarity,
