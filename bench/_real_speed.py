@@ -43,8 +43,10 @@ from prismlm.data.shards import ShardSet
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.explain import explain, explain_generation
 from prismlm.explain.explanation import clear_card_cache
-from prismlm.explain.index import PrototypeIndex, build_index
-from prismlm.model import PrismLM
+from prismlm.explain.index import IndexSettings, PrototypeIndex, build_index
+from prismlm.model import PrismLM, Sampling
+
+GREEDY = Sampling(temperature=0.0)
 
 PROMPT = "The history of the printing press begins"
 
@@ -188,7 +190,7 @@ def generation_speed(
         return y[0, p:].tolist()
 
     def explained() -> list[int]:
-        e = explain_generation(model, tok, PROMPT, n, temperature=0.0, top_k=None, index=index, model_sha256=sha)
+        e = explain_generation(model, tok, PROMPT, n, sampling=GREEDY, index=index, model_sha256=sha)
         return e.token_ids[p:] + [e.positions[-1].next_id]
 
     same = {"prism_generate": plain(), "source_generate": hf(), "explain_generation": explained()}
@@ -233,7 +235,9 @@ def speed_stage(
     # with an index would hash the 0.5 GB of weights to check the index against the model)
     sha = model_identity(model)
     t1 = time.perf_counter()
-    index = build_index(model, shards, max_sequences=index_sequences, batch_size=8, progress=False, model_sha256=sha)
+    index = build_index(
+        model, shards, IndexSettings(max_sequences=index_sequences, batch_size=8), progress=False, model_sha256=sha
+    )
     one_off = {
         "model_identity_seconds": t1 - t0,
         "index_build_seconds": time.perf_counter() - t1,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from prismlm.app.retrofit import resume_retrofit, retrofit_model
+from prismlm.app.retrofit import RetrofitRecipe, resume_retrofit, retrofit_model
 from prismlm.data.shards import ShardSet
 from prismlm.errors import CheckpointError
 from prismlm.model import PrismLM
@@ -64,17 +64,19 @@ def train_stage2(
         retrofit_model(
             str(folder),
             out=out,
-            corpus="builtin",
-            steps=total,
-            frozen_steps=frozen_steps,
-            unfreeze=unfreeze,
-            prototypes=K,
-            top_k=k,
-            lr=lr,
-            backbone_lr_ratio=backbone_lr_ratio,
-            batch_size=batch_size,
-            block_size=256,
-            max_docs=max_docs,
+            recipe=RetrofitRecipe(
+                corpus="builtin",
+                steps=total,
+                frozen_steps=frozen_steps,
+                unfreeze=unfreeze,
+                prototypes=K,
+                top_k=k,
+                lr=lr,
+                backbone_lr_ratio=backbone_lr_ratio,
+                batch_size=batch_size,
+                block_size=256,
+                max_docs=max_docs,
+            ),
             overrides=[
                 f"data.max_chars_per_doc={max_chars_per_doc}",
                 "data.val_fraction=0.15",
