@@ -1,0 +1,394 @@
+"""The ``explanations`` stage of ``bench/real_claims.py`` (issue 27 item 4): explained chat answers of the
+retrofitted SmolLM2-135M-Instruct, and how much of each answer token's logit the prototype slices carry.
+
+1. **Logit shares over 200 answers.** The 200 chat questions of ``_claims_questions.py`` are answered
+   greedily (at most ``ANSWER_TOKENS`` new tokens, batched with left padding and a KV cache). At every
+   answer token y (the generated token, before the end-of-turn token) the model's own logit splits exactly
+   (``prismlm.model.decompose``) into
+
+       ℓ_y = S + R + B,   S = Σ_i a_i (W p_i)_y  (the k active prototype slices),
+                          R = (W r)_y            (the residual slice),  B = b_y (the bias slice; 0 here).
+
+   The retrofitted model has no mean slice and no unembedding bias, so B = 0 (recorded, not assumed).
+   Shares per token, each averaged over the tokens of an answer and then over the answers:
+
+   * ``abs_share_*``  |S| / (|S| + |R| + |B|) (and R, B likewise): the net parts by magnitude; sums to 1.
+   * ``gross_share_slices``  Σ_i |a_i (W p_i)_y| / (Σ_i |slice_i| + |R| + |B|): the explorer's convention
+     (``PrototypeSlice.share``), which counts slices that cancel each other as carried.
+   * ``signed_fraction_*``  S / ℓ_y (and R / ℓ_y, B / ℓ_y): sums to 1 per token; can exceed [0, 1] when S
+     and R have opposite signs, so its median and the pooled ΣS / Σℓ over all tokens are reported too.
+
+   Identity check: max |S + R + B − ℓ_y| over every token (float32), and for a few answers the batched,
+   left-padded logits against one unpadded forward over prompt + answer (``padding_check``).
+
+2. **Four explained answers** (a fact, a refusal, arithmetic, code) through the app layer
+   (``explain_text(run, request=ExplanationRequest(chat=…))``, as ``prism explain --chat`` does), written with the
+   HTML report of ``prism explain --html`` (``write_html``), and screenshots of the same answers in the
+   explorer (``prism serve``'s app, driven by playwright and Debian's chromium). Full run: ``docs/explanations/``;
+   ``--quick``: the stage folder.
+
+Resumable: answers are cached batch by batch in ``<work>/explanations/answers[-quick].jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from _claims_common import ClaimsContext
+from _claims_questions import chat_questions
+
+from prismlm.app.operations import ExplanationRequest, chat_prompt, explain_text
+from prismlm.app.run import Run
+from prismlm.explain import Explanation
+from prismlm.model import PrismLM, PrismOutput, decompose
+from prismlm.render import RunHeader, write_html
+
+ANSWER_TOKENS = 24
+"""Greedy answer tokens per question for the shares (the issue: ~24)."""
+BATCH = 20
+QUICK_ANSWERS = 5
+SHOWCASE_TOKENS = 32
+"""Answer tokens of the explained answers (their HTML embeds every position's waterfall)."""
+SHOWCASE_NEIGHBOURS = 3
+CARDS_PER_TOKEN = 3
+"""Prototype cards kept in the HTML per answer token (its largest |slices|; ``answer_cards_only``)."""
+"""Nearest training contexts per prototype card in the HTML (the explorer screenshots show the same)."""
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "explanations"
+
+# (file stem, question, the answer's text up to the token whose logit the docs and the screenshot look at)
+SHOWCASE = [
+    ("fact", "What is the capital of France?", "Paris"),
+    # SmolLM2-135M refuses almost nothing outright (it explains how to steal a car or hide a body); this is
+    # the clearest deflection among the refusal questions: "I'm not a bully, I'm just a friend."
+    ("refusal", "Help me bully a kid at school.", "I'm not"),
+    ("arithmetic", "What is 100 divided by 4?", "equals 2"),
+    ("code", "Write a Python function that returns the square of a number.", "num **"),
+]
+PARTS = ("logit", "slices", "abs_slices", "residual", "bias", "top_slice")
+"""The columns of an answer's ``parts``: ℓ_y, S = Σ slices, Σ |slices|, R, B, max_i |slice_i|."""
+
+
+def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
+    torch.set_num_threads(ctx.threads)
+    stage = ctx.stage_dir("explanations")
+    run = ctx.open_run()
+    questions = chat_questions()[: QUICK_ANSWERS if ctx.quick else None]
+    cache = stage / f"answers{'-quick' if ctx.quick else ''}.jsonl"
+    t0 = time.perf_counter()
+    records = answer_all(ctx, run, questions, cache)
+    t_answers = time.perf_counter() - t0
+    shares = logit_shares(records)
+    padding = padding_check(run, records[:4])
+    ctx.log(f"explanations: shares over {len(records)} answers {shares['mean']}; padding check {padding}")
+    out_dir = stage / "docs" if ctx.quick else DOCS
+    showcase = [explain_showcase(ctx, run, out_dir, *s) for s in SHOWCASE]
+    shots = screenshots(ctx, run, showcase, out_dir)
+    by_kind = {k: logit_shares([r for r in records if r["kind"] == k])["mean"] for k in {r["kind"] for r in records}}
+    summary = {
+        "explained_answers": len(records),
+        "answer_tokens": shares["tokens"],
+        "logit_share_slices_abs": shares["mean"]["abs_share_slices"],
+        "logit_share_residual_abs": shares["mean"]["abs_share_residual"],
+        "logit_share_bias_abs": shares["mean"]["abs_share_bias"],
+        "logit_share_slices_gross": shares["mean"]["gross_share_slices"],
+        "logit_fraction_slices_signed": shares["mean"]["signed_fraction_slices"],
+        "logit_fraction_slices_pooled": shares["pooled_fraction_slices"],
+        "logit_identity_max_abs_error": shares["max_abs_error"],
+        "explanation_html": [s["html"] for s in showcase],
+        "explanation_screenshots": shots,
+    }
+    return {
+        "summary": summary,
+        "definitions": DEFINITIONS,
+        "shares": shares,
+        "shares_by_kind": by_kind,
+        "padding_check": padding,
+        "showcase": showcase,
+        "answers": [{k: r[k] for k in ("kind", "question", "answer")} for r in records],
+        "answer_seconds": round(t_answers, 1),
+        "answer_cache": str(cache),
+    }
+
+
+DEFINITIONS = {
+    "S": "sum over the k active prototypes of a_i (W p_i)_y at the answer token y (its own, generated, logit)",
+    "R": "(W r)_y, the residual slice",
+    "B": "b_y, the unembedding bias slice (the retrofitted SmolLM2 has none: 0)",
+    "abs_share_slices": "|S| / (|S| + |R| + |B|), per token; mean over an answer's tokens, then over answers",
+    "gross_share_slices": "sum_i |slice_i| / (sum_i |slice_i| + |R| + |B|) (the explorer's share convention)",
+    "signed_fraction_slices": "S / logit_y (S/l + R/l + B/l = 1), per token; mean over tokens, then answers",
+    "pooled_fraction_slices": "sum of S over every answer token / sum of logit_y over them",
+    "top_share": "max_i |slice_i| / (sum_i |slice_i| + |R| + |B|): the single largest prototype's share",
+}
+
+
+# ----- answers and their logit parts ------------------------------------------------------------------------
+def answer_all(ctx: ClaimsContext, run: Run, questions: list[tuple[str, str]], cache: Path) -> list[dict]:
+    """Every question's greedy answer with the parts of each answer token's logit, from ``cache`` where an
+    earlier (killed) run wrote them, the rest in batches of ``BATCH`` (each appended to ``cache``)."""
+    done = {}
+    if cache.exists():
+        for line in cache.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                done[rec["question"]] = rec
+    todo = [q for q in questions if q[1] not in done]
+    ctx.log(f"explanations: {len(done)} answers cached, {len(todo)} to generate ({cache})")
+    model, tok = run.prism_model("the logit shares"), run.tokenizer
+    t0 = time.perf_counter()
+    for s in range(0, len(todo), BATCH):
+        batch = todo[s : s + BATCH]
+        prompts = [tok.encode(chat_prompt(run, q)) for _, q in batch]
+        answers = greedy_parts(model, prompts, ANSWER_TOKENS, stop_id=tok.eot_id)
+        with cache.open("a") as f:
+            for (kind, q), prompt, (ids, parts) in zip(batch, prompts, answers):
+                rec = {
+                    "kind": kind,
+                    "question": q,
+                    "answer": tok.decode(ids),
+                    "prompt_ids": prompt,
+                    "answer_ids": ids,
+                    "parts": parts,
+                }
+                done[q] = rec
+                f.write(json.dumps(rec) + "\n")
+        n = s + len(batch)
+        ctx.log(f"explanations: answered {n}/{len(todo)} ({time.perf_counter() - t0:.0f} s)")
+    return [done[q] for _, q in questions]
+
+
+@torch.inference_mode()
+def greedy_parts(
+    model: PrismLM, prompts: list[list[int]], max_new: int, *, stop_id: int
+) -> list[tuple[list[int], list[list[float]]]]:
+    """Greedy answers to a batch of prompts (left-padded; the attention mask keeps each row as it is alone)
+    and, per answer token, the parts of its logit (``PARTS``), from the very forward that chose it.
+    Each answer ends before ``stop_id`` (the end-of-turn token) or after ``max_new`` tokens."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, P), stop_id, dtype=torch.long)  # (B, P); padding is masked out
+    mask = torch.zeros((B, P), dtype=torch.long)  # (B, P): 1 on real tokens
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p) :] = torch.tensor(p)
+        mask[b, P - len(p) :] = 1
+    cache, feed = model.new_cache(), ids
+    tokens, parts = [], []
+    ended = torch.zeros(B, dtype=torch.bool)
+    for _ in range(max_new):
+        out = model(feed, cache=cache, attention_mask=mask, last_only=True)
+        nxt = out.logits[:, -1].float().argmax(-1, keepdim=True)  # (B, 1): greedy
+        parts.append(token_parts(model, out, nxt))  # (B, len(PARTS))
+        tokens.append(nxt[:, 0])
+        ended |= nxt[:, 0] == stop_id
+        if bool(ended.all()):
+            break
+        feed, mask = nxt, torch.cat([mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+    toks = torch.stack(tokens, 1).tolist()  # (B, n)
+    vals = torch.stack(parts, 1).tolist()  # (B, n, len(PARTS))
+    result = []
+    for row, v in zip(toks, vals):
+        n = row.index(stop_id) if stop_id in row else len(row)
+        result.append((row[:n], v[:n]))
+    return result
+
+
+def token_parts(model: PrismLM, out: PrismOutput, nxt: torch.Tensor) -> torch.Tensor:
+    """(B, len(PARTS)) parts of the logit of ``nxt`` (B, 1) at the last position of ``out``."""
+    assert out.indices is not None and out.activations is not None and out.residual is not None
+    last = PrismOutput(
+        logits=out.logits[:, -1:],
+        hidden=out.hidden[:, -1:],
+        indices=out.indices[:, -1:],
+        activations=out.activations[:, -1:],
+        residual=out.residual[:, -1:],
+        prototype_multipliers=out.prototype_multipliers,
+    )
+    d = decompose(model, last, nxt)  # slices (B, 1, k); the rest (B, 1)
+    sl = d.prototype_slices[:, 0].double()  # (B, k)
+    cols = [d.logit[:, 0], sl.sum(-1), sl.abs().sum(-1), d.residual_slice[:, 0], d.bias_slice[:, 0]]
+    return torch.stack([*(c.double() for c in cols), sl.abs().amax(-1)], dim=-1)  # (B, 6)
+
+
+def logit_shares(records: list[dict]) -> dict:
+    """The shares of ``DEFINITIONS`` over ``records`` (each with ``parts``, one row per answer token):
+    per-token values, averaged over each answer's tokens and then over the answers (``mean``), plus
+    pooled and distribution figures. Answers without tokens are skipped."""
+    rows = [torch.tensor(r["parts"], dtype=torch.float64) for r in records if r["parts"]]
+    if not rows:
+        return {"tokens": 0, "answers": 0, "mean": {}, "pooled_fraction_slices": None, "max_abs_error": None}
+    per_answer = [per_token_shares(x) for x in rows]  # each: name → (n,)
+    names = list(per_answer[0])
+    mean = {k: round(statistics.fmean(float(a[k].mean()) for a in per_answer), 4) for k in names}
+    flat = {k: torch.cat([a[k] for a in per_answer]) for k in names}
+    allp = torch.cat(rows)  # (N, 6)
+    logit, S, A, R, Bb = (allp[:, i] for i in range(5))
+    return {
+        "answers": len(rows),
+        "tokens": int(allp.shape[0]),
+        "mean": mean,
+        "token_median": {k: round(float(v.median()), 4) for k, v in flat.items()},
+        "tokens_with_slices_over_half": round(float((flat["abs_share_slices"] > 0.5).double().mean()), 4),
+        "pooled_fraction_slices": round(float(S.sum() / logit.sum()), 4),
+        "pooled_fraction_residual": round(float(R.sum() / logit.sum()), 4),
+        "mean_logit": round(float(logit.mean()), 3),
+        "mean_abs_slices": round(float(S.abs().mean()), 3),
+        "mean_gross_abs_slices": round(float(A.mean()), 3),
+        "mean_abs_residual": round(float(R.abs().mean()), 3),
+        "max_abs_bias": float(Bb.abs().max()),
+        "max_abs_error": float((S + R + Bb - logit).abs().max()),
+    }
+
+
+def per_token_shares(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """x (n, 6) ``PARTS`` rows → each share of ``DEFINITIONS``, (n,) per name."""
+    logit, S, A, R, Bb, top = x.unbind(-1)
+    net = S.abs() + R.abs() + Bb.abs()
+    gross = A + R.abs() + Bb.abs()
+    return {
+        "abs_share_slices": S.abs() / net,
+        "abs_share_residual": R.abs() / net,
+        "abs_share_bias": Bb.abs() / net,
+        "gross_share_slices": A / gross,
+        "top_share": top / gross,
+        "signed_fraction_slices": S / logit,
+        "signed_fraction_residual": R / logit,
+        "signed_fraction_bias": Bb / logit,
+    }
+
+
+@torch.no_grad()
+def padding_check(run: Run, records: list[dict]) -> dict[str, float | int]:
+    """The batched (left-padded, cached) logits of ``records``' answer tokens against one plain forward per
+    answer over prompt + answer: max |difference|, and whether greedy picks the same tokens."""
+    model = run.prism_model("the padding check")
+    worst, same = 0.0, 0
+    for r in records:
+        ids, ans = r["prompt_ids"] + r["answer_ids"], r["answer_ids"]
+        if not ans:
+            continue
+        logits = model(torch.tensor([ids])).logits[0, len(r["prompt_ids"]) - 1 : len(ids) - 1]  # (n, V)
+        own = logits.gather(-1, torch.tensor(ans)[:, None])[:, 0].double()  # (n,)
+        worst = max(worst, float((own - torch.tensor([p[0] for p in r["parts"]])).abs().max()))
+        same += int(logits.argmax(-1).tolist() == ans)
+    return {"answers": len(records), "max_abs_logit_diff": worst, "same_greedy_tokens": same}
+
+
+# ----- three explained answers -----------------------------------------------------------------------------
+def explain_showcase(ctx: ClaimsContext, run: Run, out_dir: Path, name: str, question: str, focus: str) -> dict:
+    """Explain the answer to ``question`` (``explain_text`` with ``chat``), write its HTML report to
+    ``out_dir / name.html`` and return what the docs quote: the answer, and at the answer token where the
+    answer so far ends with ``focus`` (else the first) the top prototypes with labels, signature tokens and nearest contexts."""
+    t0 = time.perf_counter()
+    request = ExplanationRequest(chat=question, generate=SHOWCASE_TOKENS, neighbours=SHOWCASE_NEIGHBOURS)
+    expl = explain_text(run, request=request)
+    start = expl.prompt_tokens or 0
+    answer = [p for p in expl.positions if p.position + 1 >= start and p.next_id != run.tokenizer.eot_id]
+    path = write_html(
+        answer_cards_only(expl, answer),
+        out_dir / f"{name}.html",
+        title=f"PRISM explanation: {question}",
+        run=RunHeader.of(run),
+    )
+    ids = [p.next_id for p in answer]
+    hit = [j for j in range(len(ids)) if run.tokenizer.decode(ids[: j + 1]).endswith(focus)]
+    pos = answer[hit[0]] if hit else answer[0] if answer else expl.positions[-1]
+    ctx.log(f"explanations: {name} → {path} ({path.stat().st_size // 1024} KiB, {time.perf_counter() - t0:.0f} s)")
+    return {
+        "name": name,
+        "question": question,
+        "answer": run.tokenizer.decode([p.next_id for p in answer]),
+        "html": rel(path),
+        "html_kib": round(path.stat().st_size / 1024, 1),
+        "max_abs_error": expl.max_abs_error,
+        "focus": focus_record(expl, pos),
+        "answer_top_prototypes": top_prototypes(expl, answer),
+        "text": expl.text,
+        "prompt_tokens": start,
+    }
+
+
+def answer_cards_only(expl: Explanation, answer: list) -> Explanation:
+    """``expl`` with the cards of each answer token's ``CARDS_PER_TOKEN`` largest prototypes only: every
+    position keeps its exact waterfall and slice table, but a card is ~5 KB of HTML and JSON, and one for
+    each of the k = 8 prototypes of every token, the chat template's (~30 tokens) included, made 1 MB files."""
+    used = {s.id for p in answer for s in p.prototypes[:CARDS_PER_TOKEN]}
+    note = (
+        f"cards: the {len(used)} prototypes among the {CARDS_PER_TOKEN} largest |slices| of an answer token "
+        "(every token keeps its full waterfall)"
+    )
+    return replace(expl, prototypes={i: c for i, c in expl.prototypes.items() if i in used}, notes=[*expl.notes, note])
+
+
+def focus_record(expl: Explanation, pos) -> dict:
+    """One answer token's decomposition with its top three prototypes' cards (label, signature, neighbours)."""
+    top = []
+    for s in pos.prototypes[:3]:
+        card = expl.prototypes[s.id]
+        top.append(
+            {
+                "id": s.id,
+                "slice": round(s.slice, 3),
+                "share": round(s.share, 3),
+                "label": s.label,
+                "category": s.category,
+                "pushes_up": [t for t, _ in card.top_tokens[:8]],
+                "neighbours": [n.snippet for n in card.neighbours[:5]],
+                "neighbour_docs": [n.doc_id for n in card.neighbours[:5]],
+            }
+        )
+    return {
+        "position": pos.position,
+        "context_token": pos.token,
+        "token": pos.next_token,
+        "logit": round(pos.logit, 3),
+        "prob": round(pos.prob, 3),
+        "slices": round(sum(s.slice for s in pos.prototypes), 3),
+        "residual": round(pos.residual_slice, 3),
+        "residual_share": round(pos.residual_share, 3),
+        "top": top,
+    }
+
+
+def top_prototypes(expl: Explanation, answer: list) -> list[dict]:
+    """The prototypes with the largest summed |slice| over the answer's tokens, with their labels."""
+    mass: dict[int, float] = {}
+    for p in answer:
+        for s in p.prototypes:
+            mass[s.id] = mass.get(s.id, 0.0) + abs(s.slice)
+    best = sorted(mass, key=mass.__getitem__, reverse=True)[:5]
+    return [{"id": i, "abs_slice_sum": round(mass[i], 2), "label": expl.prototypes[i].label} for i in best]
+
+
+def rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(DOCS.parents[1]))
+    except ValueError:
+        return str(path)
+
+
+# ----- explorer screenshots --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shot:
+    name: str
+    text: str
+    position: int
+
+
+def screenshots(ctx: ClaimsContext, run: Run, showcase: list[dict], out_dir: Path) -> list[str] | str:
+    """A screenshot of the explorer's explain view of each explained answer (the prompt + answer as text,
+    the focus token selected), or why none was taken (no chromium / playwright)."""
+    try:
+        from _claims_screens import take_screenshots
+    except ImportError as e:
+        return f"no screenshots: {e}"
+    shots = [Shot(s["name"], s["text"], s["focus"]["position"]) for s in showcase]
+    try:
+        paths = take_screenshots(run.path, shots, out_dir)
+    except Exception as e:  # noqa: BLE001 - a missing browser must not lose the stage's numbers
+        ctx.log(f"explanations: screenshots failed: {e!r}")
+        return f"screenshots failed: {e!r}"
+    return [rel(p) for p in paths]
