@@ -18,6 +18,11 @@ retrofitted SmolLM2-135M-Instruct, and how much of each answer token's logit the
    * ``signed_fraction_*``  S / ℓ_y (and R / ℓ_y, B / ℓ_y): sums to 1 per token; can exceed [0, 1] when S
      and R have opposite signs, so its median and the pooled ΣS / Σℓ over all tokens are reported too.
 
+   A yardstick for what such a share means (``Reference``): the part of the same logit carried, by the same
+   |·| measure, by the projection of z on the mean anchor hidden state alone, and on a fixed subspace of
+   that mean plus the top k principal directions of the anchor z (1 + k directions for every token, where
+   the prototypes pick k of K per token).
+
    Identity check: max |S + R + B − ℓ_y| over every token (float32), and for a few answers the batched,
    left-padded logits against one unpadded forward over prompt + answer (``padding_check``).
 
@@ -38,6 +43,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from _claims_common import ClaimsContext
 from _claims_questions import chat_questions
@@ -69,8 +75,21 @@ SHOWCASE = [
     ("arithmetic", "What is 100 divided by 4?", "equals 2"),
     ("code", "Write a Python function that returns the square of a number.", "num **"),
 ]
-PARTS = ("logit", "slices", "abs_slices", "residual", "bias", "top_slice")
-"""The columns of an answer's ``parts``: ℓ_y, S = Σ slices, Σ |slices|, R, B, max_i |slice_i|."""
+PARTS = ("logit", "slices", "abs_slices", "residual", "bias", "top_slice", "mean_dir", "subspace")
+"""The columns of an answer's ``parts``: ℓ_y, S = Σ slices, Σ |slices|, R, B, max_i |slice_i|, and the two
+reference parts of ``Reference``: (z·μ̂)(w_y·μ̂) and (Qᵀz)·(Qᵀw_y)."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What a share of the logit means needs a yardstick: the part a fixed, non-sparse summary of the anchor
+    hidden states carries by the same measure. ``mean`` (d,): the unit mean μ̂ of the stored anchor z (the
+    common direction every hidden state shares); ``basis`` (d, 1 + k): an orthonormal basis of μ̂ and the
+    top k principal directions of the centred anchor z — as many directions as active prototypes, plus the
+    mean, but the same for every token."""
+
+    mean: torch.Tensor
+    basis: torch.Tensor
 
 
 def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
@@ -99,6 +118,8 @@ def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
         "logit_fraction_slices_signed": shares["mean"]["signed_fraction_slices"],
         "logit_fraction_slices_pooled": shares["pooled_fraction_slices"],
         "logit_identity_max_abs_error": shares["max_abs_error"],
+        "logit_share_mean_direction_abs": shares["mean"]["ref_abs_share_mean_direction"],
+        "logit_share_pca_subspace_abs": shares["mean"]["ref_abs_share_pca_subspace"],
         "explanation_html": [s["html"] for s in showcase],
         "explanation_screenshots": shots,
     }
@@ -124,6 +145,10 @@ DEFINITIONS = {
     "signed_fraction_slices": "S / logit_y (S/l + R/l + B/l = 1), per token; mean over tokens, then answers",
     "pooled_fraction_slices": "sum of S over every answer token / sum of logit_y over them",
     "top_share": "max_i |slice_i| / (sum_i |slice_i| + |R| + |B|): the single largest prototype's share",
+    "ref_abs_share_mean_direction": "yardstick: |M| / (|M| + |logit - M|), M = (z.mu)(w_y.mu), mu the unit mean of "
+    "the anchor z (the bank's training hidden states)",
+    "ref_abs_share_pca_subspace": "yardstick: the same with M = (Q^T z).(Q^T w_y), Q the mean and the top k "
+    "principal directions of the anchor z (1 + k fixed directions for every token; k = the active prototypes)",
 }
 
 
@@ -140,11 +165,13 @@ def answer_all(ctx: ClaimsContext, run: Run, questions: list[tuple[str, str]], c
     todo = [q for q in questions if q[1] not in done]
     ctx.log(f"explanations: {len(done)} answers cached, {len(todo)} to generate ({cache})")
     model, tok = run.prism_model("the logit shares"), run.tokenizer
+    ref = reference(ctx) if todo else None
     t0 = time.perf_counter()
     for s in range(0, len(todo), BATCH):
         batch = todo[s : s + BATCH]
         prompts = [tok.encode(chat_prompt(run, q)) for _, q in batch]
-        answers = greedy_parts(model, prompts, ANSWER_TOKENS, stop_id=tok.eot_id)
+        assert ref is not None
+        answers = greedy_parts(model, prompts, ANSWER_TOKENS, ref, stop_id=tok.eot_id)
         with cache.open("a") as f:
             for (kind, q), prompt, (ids, parts) in zip(batch, prompts, answers):
                 rec = {
@@ -164,7 +191,7 @@ def answer_all(ctx: ClaimsContext, run: Run, questions: list[tuple[str, str]], c
 
 @torch.inference_mode()
 def greedy_parts(
-    model: PrismLM, prompts: list[list[int]], max_new: int, *, stop_id: int
+    model: PrismLM, prompts: list[list[int]], max_new: int, ref: Reference, *, stop_id: int
 ) -> list[tuple[list[int], list[list[float]]]]:
     """Greedy answers to a batch of prompts (left-padded; the attention mask keeps each row as it is alone)
     and, per answer token, the parts of its logit (``PARTS``), from the very forward that chose it.
@@ -181,7 +208,7 @@ def greedy_parts(
     for _ in range(max_new):
         out = model(feed, cache=cache, attention_mask=mask, last_only=True)
         nxt = out.logits[:, -1].float().argmax(-1, keepdim=True)  # (B, 1): greedy
-        parts.append(token_parts(model, out, nxt))  # (B, len(PARTS))
+        parts.append(token_parts(model, out, nxt, ref))  # (B, len(PARTS))
         tokens.append(nxt[:, 0])
         ended |= nxt[:, 0] == stop_id
         if bool(ended.all()):
@@ -196,7 +223,7 @@ def greedy_parts(
     return result
 
 
-def token_parts(model: PrismLM, out: PrismOutput, nxt: torch.Tensor) -> torch.Tensor:
+def token_parts(model: PrismLM, out: PrismOutput, nxt: torch.Tensor, ref: Reference) -> torch.Tensor:
     """(B, len(PARTS)) parts of the logit of ``nxt`` (B, 1) at the last position of ``out``."""
     assert out.indices is not None and out.activations is not None and out.residual is not None
     last = PrismOutput(
@@ -210,7 +237,31 @@ def token_parts(model: PrismLM, out: PrismOutput, nxt: torch.Tensor) -> torch.Te
     d = decompose(model, last, nxt)  # slices (B, 1, k); the rest (B, 1)
     sl = d.prototype_slices[:, 0].double()  # (B, k)
     cols = [d.logit[:, 0], sl.sum(-1), sl.abs().sum(-1), d.residual_slice[:, 0], d.bias_slice[:, 0]]
-    return torch.stack([*(c.double() for c in cols), sl.abs().amax(-1)], dim=-1)  # (B, 6)
+    z = out.hidden[:, -1].double()  # (B, d)
+    w = model.lm_head.weight[nxt[:, 0]].double()  # (B, d): the chosen tokens' rows of W
+    mean_dir = (z @ ref.mean) * (w @ ref.mean)  # (B,)
+    subspace = ((z @ ref.basis) * (w @ ref.basis)).sum(-1)  # (B,)
+    return torch.stack([*(c.double() for c in cols), sl.abs().amax(-1), mean_dir, subspace], dim=-1)  # (B, 8)
+
+
+def reference(ctx: ClaimsContext, chunk: int = 16384) -> Reference:
+    """The ``Reference`` of the bank's anchor hidden states (the retrofit's stored z, float16 rows of d),
+    mean and covariance accumulated in float64 chunks (the full bank holds ~140k rows)."""
+    folder = ctx.bank_run / "stored-z"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    rows, d, k = int(manifest["rows"]), int(manifest["d"]), ctx.size.top_k
+    z = np.memmap(folder / "z.bin", dtype=np.float16, mode="r", shape=(rows, d))
+    total, outer = torch.zeros(d, dtype=torch.float64), torch.zeros(d, d, dtype=torch.float64)
+    for s in range(0, rows, chunk):
+        x = torch.from_numpy(np.asarray(z[s : s + chunk], dtype=np.float64))  # (chunk, d)
+        total += x.sum(0)
+        outer += x.T @ x
+    mu = total / rows  # (d,)
+    cov = outer / rows - torch.outer(mu, mu)  # (d, d)
+    top = torch.linalg.eigh(cov).eigenvectors[:, -k:]  # (d, k): the k largest principal directions
+    mean = mu / mu.norm()
+    basis = torch.linalg.qr(torch.cat([mean[:, None], top], dim=1)).Q  # (d, 1 + k) orthonormal
+    return Reference(mean=mean, basis=basis)
 
 
 def logit_shares(records: list[dict]) -> dict:
@@ -224,7 +275,7 @@ def logit_shares(records: list[dict]) -> dict:
     names = list(per_answer[0])
     mean = {k: round(statistics.fmean(float(a[k].mean()) for a in per_answer), 4) for k in names}
     flat = {k: torch.cat([a[k] for a in per_answer]) for k in names}
-    allp = torch.cat(rows)  # (N, 6)
+    allp = torch.cat(rows)  # (N, len(PARTS))
     logit, S, A, R, Bb = (allp[:, i] for i in range(5))
     return {
         "answers": len(rows),
@@ -244,8 +295,8 @@ def logit_shares(records: list[dict]) -> dict:
 
 
 def per_token_shares(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """x (n, 6) ``PARTS`` rows → each share of ``DEFINITIONS``, (n,) per name."""
-    logit, S, A, R, Bb, top = x.unbind(-1)
+    """x (n, len(PARTS)) rows → each share of ``DEFINITIONS``, (n,) per name."""
+    logit, S, A, R, Bb, top, M, Q = x.unbind(-1)
     net = S.abs() + R.abs() + Bb.abs()
     gross = A + R.abs() + Bb.abs()
     return {
@@ -257,6 +308,8 @@ def per_token_shares(x: torch.Tensor) -> dict[str, torch.Tensor]:
         "signed_fraction_slices": S / logit,
         "signed_fraction_residual": R / logit,
         "signed_fraction_bias": Bb / logit,
+        "ref_abs_share_mean_direction": M.abs() / (M.abs() + (logit - M).abs()),
+        "ref_abs_share_pca_subspace": Q.abs() / (Q.abs() + (logit - Q).abs()),
     }
 
 
