@@ -18,6 +18,9 @@ retrofitted SmolLM2-135M-Instruct, and how much of each answer token's logit the
    * ``signed_fraction_*``  S / ℓ_y (and R / ℓ_y, B / ℓ_y): sums to 1 per token; can exceed [0, 1] when S
      and R have opposite signs, so its median and the pooled ΣS / Σℓ over all tokens are reported too.
 
+   The same split of the greedy margin ℓ_y − ℓ_y₂ (y₂ the runner-up token): how much of the *choice* of y
+   the slices carry (``margin_*``), as opposed to how much of its logit.
+
    A yardstick for what such a share means (``Reference``): the part of the same logit carried, by the same
    |·| measure, by the projection of z on the mean anchor hidden state alone, and on a fixed subspace of
    that mean plus the top k principal directions of the anchor z (1 + k directions for every token, where
@@ -75,9 +78,13 @@ SHOWCASE = [
     ("arithmetic", "What is 100 divided by 4?", "equals 2"),
     ("code", "Write a Python function that returns the square of a number.", "num **"),
 ]
-PARTS = ("logit", "slices", "abs_slices", "residual", "bias", "top_slice", "mean_dir", "subspace")
-"""The columns of an answer's ``parts``: ℓ_y, S = Σ slices, Σ |slices|, R, B, max_i |slice_i|, and the two
-reference parts of ``Reference``: (z·μ̂)(w_y·μ̂) and (Qᵀz)·(Qᵀw_y)."""
+PARTS = (
+    *("logit", "slices", "abs_slices", "residual", "bias", "top_slice", "mean_dir", "subspace"),
+    *("runner_up_logit", "runner_up_slices", "runner_up_bias"),
+)
+"""The columns of an answer's ``parts``: ℓ_y, S = Σ slices, Σ |slices|, R, B, max_i |slice_i|, the two
+reference parts of ``Reference``: (z·μ̂)(w_y·μ̂) and (Qᵀz)·(Qᵀw_y), and the logit, Σ slices and bias of
+the runner-up token y₂ (the second largest logit: the margin ℓ_y − ℓ_y₂ is what made y the greedy choice)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,8 @@ def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
         "logit_identity_max_abs_error": shares["max_abs_error"],
         "logit_share_mean_direction_abs": shares["mean"]["ref_abs_share_mean_direction"],
         "logit_share_pca_subspace_abs": shares["mean"]["ref_abs_share_pca_subspace"],
+        "margin_share_slices_abs": shares["mean"]["margin_abs_share_slices"],
+        "margin_fraction_slices_pooled": shares["pooled_margin_fraction_slices"],
         "explanation_html": [s["html"] for s in showcase],
         "explanation_screenshots": shots,
     }
@@ -145,6 +154,10 @@ DEFINITIONS = {
     "signed_fraction_slices": "S / logit_y (S/l + R/l + B/l = 1), per token; mean over tokens, then answers",
     "pooled_fraction_slices": "sum of S over every answer token / sum of logit_y over them",
     "top_share": "max_i |slice_i| / (sum_i |slice_i| + |R| + |B|): the single largest prototype's share",
+    "margin_abs_share_slices": "the same |.| share for the greedy margin logit_y - logit_y2 (y2 the runner-up "
+    "token): |dS| / (|dS| + |dR| + |dB|), dS = S_y - S_y2 etc.: how much of the choice the slices carry",
+    "margin_fraction_slices": "dS / (logit_y - logit_y2), signed (unstable where the margin is near 0: see the "
+    "median and the pooled sum dS / sum margin)",
     "ref_abs_share_mean_direction": "yardstick: |M| / (|M| + |logit - M|), M = (z.mu)(w_y.mu), mu the unit mean of "
     "the anchor z (the bank's training hidden states)",
     "ref_abs_share_pca_subspace": "yardstick: the same with M = (Q^T z).(Q^T w_y), Q the mean and the top k "
@@ -207,8 +220,9 @@ def greedy_parts(
     ended = torch.zeros(B, dtype=torch.bool)
     for _ in range(max_new):
         out = model(feed, cache=cache, attention_mask=mask, last_only=True)
-        nxt = out.logits[:, -1].float().argmax(-1, keepdim=True)  # (B, 1): greedy
-        parts.append(token_parts(model, out, nxt, ref))  # (B, len(PARTS))
+        top2 = out.logits[:, -1].float().topk(2, dim=-1).indices  # (B, 2)
+        nxt = top2[:, :1]  # (B, 1): greedy
+        parts.append(token_parts(model, out, top2, ref))  # (B, len(PARTS))
         tokens.append(nxt[:, 0])
         ended |= nxt[:, 0] == stop_id
         if bool(ended.all()):
@@ -223,8 +237,9 @@ def greedy_parts(
     return result
 
 
-def token_parts(model: PrismLM, out: PrismOutput, nxt: torch.Tensor, ref: Reference) -> torch.Tensor:
-    """(B, len(PARTS)) parts of the logit of ``nxt`` (B, 1) at the last position of ``out``."""
+def token_parts(model: PrismLM, out: PrismOutput, top2: torch.Tensor, ref: Reference) -> torch.Tensor:
+    """(B, len(PARTS)) parts of the logits of ``top2`` (B, 2) — the chosen token and the runner-up — at the
+    last position of ``out``."""
     assert out.indices is not None and out.activations is not None and out.residual is not None
     last = PrismOutput(
         logits=out.logits[:, -1:],
@@ -234,14 +249,17 @@ def token_parts(model: PrismLM, out: PrismOutput, nxt: torch.Tensor, ref: Refere
         residual=out.residual[:, -1:],
         prototype_multipliers=out.prototype_multipliers,
     )
-    d = decompose(model, last, nxt)  # slices (B, 1, k); the rest (B, 1)
+    d = decompose(model, last, top2[:, :1])  # slices (B, 1, k); the rest (B, 1)
+    d2 = decompose(model, last, top2[:, 1:])  # the runner-up's
     sl = d.prototype_slices[:, 0].double()  # (B, k)
     cols = [d.logit[:, 0], sl.sum(-1), sl.abs().sum(-1), d.residual_slice[:, 0], d.bias_slice[:, 0]]
     z = out.hidden[:, -1].double()  # (B, d)
-    w = model.lm_head.weight[nxt[:, 0]].double()  # (B, d): the chosen tokens' rows of W
+    w = model.lm_head.weight[top2[:, 0]].double()  # (B, d): the chosen tokens' rows of W
     mean_dir = (z @ ref.mean) * (w @ ref.mean)  # (B,)
     subspace = ((z @ ref.basis) * (w @ ref.basis)).sum(-1)  # (B,)
-    return torch.stack([*(c.double() for c in cols), sl.abs().amax(-1), mean_dir, subspace], dim=-1)  # (B, 8)
+    runner = [d2.logit[:, 0], d2.prototype_slices[:, 0].sum(-1), d2.bias_slice[:, 0]]
+    cols += [sl.abs().amax(-1), mean_dir, subspace, *runner]
+    return torch.stack([c.double() for c in cols], dim=-1)  # (B, len(PARTS))
 
 
 def reference(ctx: ClaimsContext, chunk: int = 16384) -> Reference:
@@ -277,6 +295,7 @@ def logit_shares(records: list[dict]) -> dict:
     flat = {k: torch.cat([a[k] for a in per_answer]) for k in names}
     allp = torch.cat(rows)  # (N, len(PARTS))
     logit, S, A, R, Bb = (allp[:, i] for i in range(5))
+    margin, dS = logit - allp[:, 8], S - allp[:, 9]
     return {
         "answers": len(rows),
         "tokens": int(allp.shape[0]),
@@ -285,6 +304,8 @@ def logit_shares(records: list[dict]) -> dict:
         "tokens_with_slices_over_half": round(float((flat["abs_share_slices"] > 0.5).double().mean()), 4),
         "pooled_fraction_slices": round(float(S.sum() / logit.sum()), 4),
         "pooled_fraction_residual": round(float(R.sum() / logit.sum()), 4),
+        "pooled_margin_fraction_slices": round(float(dS.sum() / margin.sum()), 4),
+        "mean_margin": round(float(margin.mean()), 3),
         "mean_logit": round(float(logit.mean()), 3),
         "mean_abs_slices": round(float(S.abs().mean()), 3),
         "mean_gross_abs_slices": round(float(A.mean()), 3),
@@ -296,7 +317,9 @@ def logit_shares(records: list[dict]) -> dict:
 
 def per_token_shares(x: torch.Tensor) -> dict[str, torch.Tensor]:
     """x (n, len(PARTS)) rows → each share of ``DEFINITIONS``, (n,) per name."""
-    logit, S, A, R, Bb, top, M, Q = x.unbind(-1)
+    logit, S, A, R, Bb, top, M, Q, logit2, S2, B2 = x.unbind(-1)
+    gap, dS, dB = logit - logit2, S - S2, Bb - B2  # the greedy margin and its slices' and bias' parts
+    dR = gap - dS - dB
     net = S.abs() + R.abs() + Bb.abs()
     gross = A + R.abs() + Bb.abs()
     return {
@@ -310,6 +333,8 @@ def per_token_shares(x: torch.Tensor) -> dict[str, torch.Tensor]:
         "signed_fraction_bias": Bb / logit,
         "ref_abs_share_mean_direction": M.abs() / (M.abs() + (logit - M).abs()),
         "ref_abs_share_pca_subspace": Q.abs() / (Q.abs() + (logit - Q).abs()),
+        "margin_abs_share_slices": dS.abs() / (dS.abs() + dR.abs() + dB.abs()),
+        "margin_fraction_slices": dS / gap,
     }
 
 
