@@ -64,7 +64,7 @@ QUICK_ANSWERS = 5
 SHOWCASE_TOKENS = 32
 """Answer tokens of the explained answers (their HTML embeds every position's waterfall)."""
 SHOWCASE_NEIGHBOURS = 3
-CARDS_PER_TOKEN = 3
+CARDS_PER_TOKEN = 2
 """Prototype cards kept in the HTML per answer token (its largest |slices|; ``answer_cards_only``)."""
 """Nearest training contexts per prototype card in the HTML (the explorer screenshots show the same)."""
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "explanations"
