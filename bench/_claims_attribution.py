@@ -72,9 +72,9 @@ SIZES = {
     "quick": PlantSize(3, 2, 12, 400, 60, 8, 4, 4, 64, 64, 8, False, 2),
     # Why this small: on this shared 2-core CPU the 135M model trains at ~50-80 tokens/s (forward of all 30
     # blocks, backward of the last 2) and every attribution pass runs ~60 tokens/s. 12 facts + 24 distractors ×
-    # 3 copies of ~45 tokens among 20 neutral documents ≈ 7k tokens (~115 sequences of 64); stage 2 runs 80 steps
+    # 3 copies of ~45 tokens among 60 neutral documents of ~70 tokens ≈ 9k tokens (~145 sequences of 64); stage 2 runs 80 steps
     # of 8 sequences (≈ 5 epochs) at 3× the usual backbone learning rate so the last 2 blocks learn the facts.
-    "full": PlantSize(12, 3, 20, 500, 70, 120, 40, 8, 64, 256, 16, True, 4),
+    "full": PlantSize(12, 3, 60, 300, 70, 120, 40, 8, 64, 256, 16, True, 4),
 }
 UNFREEZE = "last-2"
 
