@@ -69,12 +69,13 @@ class PlantSize:
 
 
 SIZES = {
-    "quick": PlantSize(3, 2, 12, 400, 60, 8, 4, 4, 64, 64, 8, False, 2),
+    "quick": PlantSize(3, 2, 12, 400, 50, 8, 4, 4, 64, 64, 8, False, 2),
     # Why this small: on this shared 2-core CPU the 135M model trains at ~50-80 tokens/s (forward of all 30
-    # blocks, backward of the last 2) and every attribution pass runs ~60 tokens/s. 12 facts + 24 distractors ×
-    # 3 copies of ~45 tokens among 60 neutral documents of ~70 tokens ≈ 9k tokens (~145 sequences of 64); stage 2 runs 80 steps
-    # of 8 sequences (≈ 5 epochs) at 3× the usual backbone learning rate so the last 2 blocks learn the facts.
-    "full": PlantSize(12, 3, 60, 300, 70, 120, 40, 8, 64, 256, 16, True, 4),
+    # blocks, backward of the last 2), an attribution pass runs ~60 tokens/s and EK-FAC's factors ~10 s per
+    # sequence. 12 facts + 24 distractors × 3 documents (≤ 60 filler characters each side of the sentence)
+    # among 40 neutral documents of ≤ 300 characters ≈ 7k tokens (~110 sequences of 64); stage 2 runs 80 steps
+    # of 8 sequences (≈ 6 epochs) at 3× the usual backbone learning rate so the last 2 blocks learn the facts.
+    "full": PlantSize(12, 3, 40, 300, 60, 120, 40, 8, 64, 256, 16, True, 4),
 }
 UNFREEZE = "last-2"
 
@@ -85,14 +86,18 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     size = SIZES["quick" if ctx.quick else "full"]
     stage = ctx.stage_dir("attribution")
     t0 = time.perf_counter()
-    pc = build_planted_corpus(
+    pc = trimmed(
+        build_planted_corpus(
+            stage / "planted-raw",
+            n_facts=size.facts,
+            copies=size.copies,
+            n_background=size.background,
+            doc_chars=size.doc_chars,
+            filler_chars=size.filler_chars,
+            seed=ctx.seed,
+        ),
         stage / "planted",
-        n_facts=size.facts,
-        copies=size.copies,
-        n_background=size.background,
-        doc_chars=size.doc_chars,
-        filler_chars=size.filler_chars,
-        seed=ctx.seed,
+        size.filler_chars,
     )
     run_dir = finetune(ctx, size, pc, stage / "run")
     t_ft = time.perf_counter() - t0
@@ -137,6 +142,31 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
         "finetune_seconds": round(t_ft, 1),
         "stage_dir": str(stage),
     }
+
+
+def trimmed(raw: PlantedCorpus, out: Path, chars: int) -> PlantedCorpus:
+    """``raw`` with each planted document cut to at most ``chars`` characters of filler (whole words) on each side
+    of its fact's sentence: the filler sentences are drawn whole from the background, some over 1,000
+    characters, and would make the corpus several times the size the fine-tune affords. Line numbers are kept;
+    the file is rewritten only when its content changes (a resumed fine-tune keeps its shards)."""
+    lines = raw.path.read_text().splitlines()
+    for f in raw.facts + raw.distractors:
+        for line in f.lines:
+            text = json.loads(lines[line - 1])["text"]
+            i = text.index(f.sentence)
+            j = i + len(f.sentence)
+            before = text[max(0, i - chars) : i]
+            after = text[j : j + chars]
+            before = before if i <= chars else before.split(" ", 1)[-1]  # drop the cut word
+            after = after if j + chars >= len(text) else after.rsplit(" ", 1)[0]
+            lines[line - 1] = json.dumps({"text": (before + f.sentence + after).strip()})
+    out.mkdir(parents=True, exist_ok=True)
+    body = "".join(x + "\n" for x in lines)
+    pc = PlantedCorpus(out / "corpus.jsonl", raw.facts, raw.distractors)
+    if not pc.path.exists() or pc.path.read_text() != body:
+        pc.path.write_text(body)
+    pc.save_facts()
+    return pc
 
 
 def finetune(ctx: ClaimsContext, size: PlantSize, pc: PlantedCorpus, out: Path) -> Path:
