@@ -25,6 +25,7 @@ single-query call. Each method's scores are saved under the stage folder (a reru
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 import time
@@ -135,6 +136,7 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
         "train_tokens": N * T,
         "queries": {"paraphrase": int((kind == "paraphrase").sum()), "verbatim": int((kind == "verbatim").sum())},
         "relevant_per_fact": [sorted(r) for r in relevant],
+        "chance_recall10": chance_recall(N, [len(relevant[f]) for f in fact_of], 10),
         "learning": learned,
         "planted": planted,
         "costs": methods.costs,
@@ -206,6 +208,11 @@ def planted_queries(pc: PlantedCorpus, tok: Any) -> tuple[list[tuple[list[int], 
         vfact.append(f_i)
     kind = np.array(["paraphrase"] * len(para) + ["verbatim"] * len(verb))
     return para + verb, np.array(fact_of + vfact), kind
+
+
+def chance_recall(n: int, relevant: list[int], k: int) -> float:
+    """Expected recall@k of a random ranking: the mean over queries of 1 − C(n−r, k) / C(n, k) (r relevant)."""
+    return float(np.mean([1 - math.comb(n - r, k) / math.comb(n, k) for r in relevant if r]))
 
 
 def cached_json(path: Path, fn: Any) -> dict[str, Any]:
