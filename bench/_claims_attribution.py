@@ -187,7 +187,10 @@ def finetune(ctx: ClaimsContext, size: PlantSize, pc: PlantedCorpus, out: Path) 
     )
     overrides = ["train.eval_batches=2", "data.val_fraction=0.02", f"train.ckpt_interval={max(size.steps // 8, 1)}"]
     if has_checkpoint(out):
-        ctx.log(f"attribution: resuming the fine-tune in {out} ({find_checkpoint(out).name})")
+        step = json.loads((find_checkpoint(out) / "manifest.json").read_text()).get("step", 0)
+        if step >= size.steps:
+            return out  # finished earlier (the trainer refuses to "extend" a run to the step it is at)
+        ctx.log(f"attribution: resuming the fine-tune in {out} at step {step}")
         retrofit_model(out=out, recipe=recipe, resume=True, device=ctx.device, progress=True)
     else:
         ctx.log(f"attribution: fine-tuning {DEMO_MODEL} ({UNFREEZE}, {size.steps} steps) → {out}")
