@@ -348,6 +348,7 @@ class Methods:
         ):
             if not self.done(name):
                 fn()
+        self.done("bm25-prompt")  # saved by bm25()
         self.hybrid()
         if self.size.ekfac and not self.done("ekfac"):
             self.ekfac()
@@ -500,6 +501,9 @@ def summary(planted: dict[str, Any], costs: dict[str, Any]) -> dict[str, object]
         "recall10_cached_paraphrase": r10("cached", "paraphrase"),
         "recall10_bm25_paraphrase": r10("bm25", "paraphrase"),
         "mrr_cached": planted.get("cached", {}).get("all", {}).get("mrr"),
+        "mrr_cached_paraphrase": planted.get("cached", {}).get("paraphrase", {}).get("mrr"),
+        "mrr_bm25_paraphrase": planted.get("bm25", {}).get("paraphrase", {}).get("mrr"),
+        "recall10_bm25_prompt_paraphrase": r10("bm25-prompt", "paraphrase"),
     }
     hyb = [k for k in planted if k.startswith("hybrid")]
     if hyb:
@@ -507,4 +511,6 @@ def summary(planted: dict[str, Any], costs: dict[str, Any]) -> dict[str, object]
     if "ekfac" in planted:
         out["recall10_ekfac"] = r10("ekfac")
         out["ekfac_cost_over_cached"] = costs["ekfac"]["per_query_s"] / costs["cached"]["per_query_s"]
+        out["ekfac_single_query_cost_over_cached"] = costs["ekfac"]["single_query_s"] / costs["cached"]["per_query_s"]
+        out["mrr_ekfac"] = planted["ekfac"]["all"]["mrr"]
     return {k: v for k, v in out.items() if v is not None}
