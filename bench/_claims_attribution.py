@@ -355,9 +355,10 @@ class Methods:
         elif not self.size.ekfac:
             self.not_run["ekfac"] = "skipped at the smoke size (--quick)"
         self.not_run["trak"] = (
-            "not run: TRAK's dense CPU projector over the fine-tuned parameters (~7.4M) at proj_dim 128 is a "
-            "7.4M × 128 Gaussian matrix per featurised sequence, and traker's IterativeGradientComputer runs one "
-            "backward per token margin; out of reach on this 2-core CPU in the stage's time"
+            "not run: traker's IterativeGradientComputer differentiates every parameter (model.parameters(): "
+            "134.7M, not only the 7.2M fine-tuned ones), so a featurisation batch of 16 sequences is a 16 × 134.7M "
+            "float32 gradient matrix (8.6 GB) projected by a dense 134.7M × proj_dim Gaussian matrix on CPU (the "
+            "CUDA projector needs a GPU): out of reach of this 2-core, 24 GB machine"
         )
         self.not_run["bergson"] = (
             "not run: bergson 2.5.1 needs its own venv (torchvision/torchaudio removed, bench/_bergson_driver.py); "
