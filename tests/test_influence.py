@@ -288,14 +288,19 @@ def test_planted_facts_rank_top10(tmp_path):
     assert retrieval_metrics(cache.scores(q, len(qs)).numpy(), which, rel, k=10)["recall@10"] == 1.0
 
 
-def _linear_grad_dot_products(model, shards, queries, n_train):
+def _linear_grad_dot_products(model, shards, queries, n_train, modules=None):
     """(Q, n_train) Σ over nn.Linear modules of ⟨∇ L_q, ∇ L_j⟩ by torch.autograd: L_j the summed CE of training
     sequence j (all T targets), L_q the summed CE of the query's measured targets ids[measure_from:] only.
     The tied lm_head/wte weight is untied first so that lm_head's gradient is that of its own use only (what
-    kronfluence tracks on the lm_head module)."""
+    kronfluence tracks on the lm_head module). ``modules``: only the Linear modules of those names."""
     net = copy.deepcopy(model).float().eval()
     net.transformer.wte.weight = torch.nn.Parameter(net.lm_head.weight.detach().clone())
-    params = [p for m in net.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()]
+    params = [
+        p
+        for n, m in net.named_modules()
+        if isinstance(m, torch.nn.Linear) and (modules is None or n in modules)
+        for p in m.parameters()
+    ]
     T = net.config.block_size
 
     def grad(ids, measured):
@@ -334,6 +339,32 @@ def test_kronfluence_ekfac_end_to_end(trained, tiny_shards):
     # the caller's model is untouched (kronfluence rewrites modules of a copy)
     assert all(torch.equal(v, ckpt.model.state_dict()[k]) for k, v in before.items())
     assert type(ckpt.model.lm_head) is torch.nn.Linear
+
+
+def test_kronfluence_tracks_only_the_named_modules(trained, tiny_shards):
+    """``modules``: kronfluence tracks exactly those Linear modules, and its identity scores are the gradient dot
+    products over their parameters alone (the last block's, as for a fine-tune of the last blocks)."""
+    pytest.importorskip("kronfluence")
+    from kronfluence.module.tracked_module import TrackedModule
+
+    from prismlm.tda.baselines import KronfluenceBaseline
+
+    ckpt, _ = trained
+    last = ckpt.model.block_prefixes()[-1]
+    mods = tuple(
+        n for n, m in ckpt.model.named_modules() if isinstance(m, torch.nn.Linear) and (n + ".").startswith(last)
+    )
+    assert mods and "lm_head" not in mods
+    qs = _queries(ckpt.tokenizer)
+    kb = KronfluenceBaseline(ckpt.model, tiny_shards, strategy="identity", max_sequences=12, batch_size=6, modules=mods)
+    S = kb.scores(qs, pad_id=ckpt.tokenizer.eot_id)
+    tracked = {n for n, m in kb.net.named_modules() if isinstance(m, TrackedModule)}
+    kb.close()
+    assert tracked == set(mods)
+    ref = _linear_grad_dot_products(ckpt.model, tiny_shards, qs, 12, modules=set(mods))
+    torch.testing.assert_close(S, ref, rtol=2e-4, atol=2e-4 * float(S.abs().max()))
+    full = _linear_grad_dot_products(ckpt.model, tiny_shards, qs, 12)
+    assert not torch.allclose(S, full, rtol=1e-2)  # the restriction changes the scores
 
 
 def _autograd_prototype_grad(net, ids, measured):

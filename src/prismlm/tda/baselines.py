@@ -96,7 +96,7 @@ class QueryDataset(torch.utils.data.Dataset):
         return self.items[i]
 
 
-def _task_class():
+def _task_class(tracked: tuple[str, ...] | None = None):
     from kronfluence.task import Task
 
     class _PrismTask(Task):
@@ -119,12 +119,16 @@ def _task_class():
             ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
             return (ce * batch["mask"].reshape(-1)).sum()
 
+        def get_influence_tracked_modules(self) -> list[str] | None:
+            return None if tracked is None else list(tracked)
+
     return _PrismTask
 
 
-def PrismTask():  # noqa: N802 - a factory so that importing this module does not import kronfluence
-    """The kronfluence ``Task`` for PRISM / dense models of this package."""
-    return _task_class()()
+def PrismTask(tracked: tuple[str, ...] | None = None):  # noqa: N802 - a factory: importing this module does not import kronfluence
+    """The kronfluence ``Task`` for PRISM / dense models of this package; ``tracked``: the names of the
+    ``nn.Linear`` modules it tracks (None: kronfluence's default, every one)."""
+    return _task_class(tracked)()
 
 
 @dataclass
@@ -151,6 +155,9 @@ class KronfluenceBaseline(_Scratch):
     seed: int = 0
     """Seed of the labels the factor fit samples from the model's softmax (true Fisher): without it, two
     fits of one model gave scores up to 14% apart. The caller's RNG state is left as it was."""
+    modules: tuple[str, ...] | None = None
+    """Names (``named_modules``) of the ``nn.Linear`` modules to track, e.g. the fine-tuned blocks' (None:
+    every one, the unembedding included, whose V×V gradient factor is out of reach for a real vocabulary)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds of each stage (factor fit, scoring), filled in as they run."""
 
@@ -165,7 +172,7 @@ class KronfluenceBaseline(_Scratch):
         self.n = n_all if self.max_sequences is None else min(n_all, self.max_sequences)
         self.train_set = TrainDataset(self.shards, self.T, self.n)
         self.out_dir = self._scratch(self.out_dir, "kronfluence-")
-        self.task = PrismTask()
+        self.task = PrismTask(self.modules)
         self.net = prepare_model(net, self.task)
         self.analyzer = Analyzer(
             analysis_name="prism",
