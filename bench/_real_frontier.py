@@ -7,7 +7,7 @@ it on every held-out token of the 40-document anchor set's val split (``coverage
 
     * **init**: ``kpp`` — ``seed_prototypes`` (k-means++ picks in cosine distance among 16·K stored rows,
       one least-squares scale: what a retrofit does today); ``rows`` — K random stored rows, same scale (the
-      naive baseline); ``kmeans`` — ``kpp`` then ``--kmeans-iters`` spherical Lloyd iterations on the same
+      naive baseline); ``kmeans`` — ``kpp`` then ``--kmeans-iters`` spherical Lloyd iterations (float32) on the same
       rows (each prototype the mean direction of its cluster at its cluster's mean norm, then the same scale).
     * **resample** (``rs``): after 1/5, 2/5 and 3/5 of the steps, the prototypes never active on 16,384
       training rows are re-seeded from the rows the bank reconstructs worst (‖r‖/‖z‖), at the median
@@ -41,13 +41,13 @@ from prismlm.model.prototypes import PrototypeLayer, seed_prototypes
 # the order the points run in (cheapest questions first); ``--points`` replaces it
 DEFAULT_POINTS = (
     "K=2048,k=8,init=kpp,steps=300",
-    "K=2048,k=8,init=rows,steps=300",
+    "K=2048,k=32,init=kpp,steps=300",
+    "K=2048,k=8,init=kpp,r=0,steps=300",
     "K=2048,k=8,init=kmeans,steps=300",
     "K=2048,k=8,init=kpp,rs=1,steps=300",
-    "K=2048,k=8,init=kpp,r=0,steps=300",
-    "K=2048,k=16,init=kpp,steps=300",
-    "K=2048,k=32,init=kpp,steps=300",
     "K=2048,k=64,init=kpp,steps=300",
+    "K=2048,k=16,init=kpp,steps=300",
+    "K=2048,k=8,init=rows,steps=300",
 )
 
 
@@ -102,22 +102,22 @@ def seed_rows(rows: torch.Tensor, K: int, k: int, *, generator: torch.Generator 
 
 
 def seed_kmeans(
-    rows: torch.Tensor, K: int, k: int, *, generator: torch.Generator | None = None, iters: int = 10
+    rows: torch.Tensor, K: int, k: int, *, generator: torch.Generator | None = None, iters: int = 5
 ) -> torch.Tensor:
     """Spherical k-means from ``seed_prototypes``'s k-means++ picks: ``iters`` Lloyd steps on the unit rows
     (assign each to its nearest centre by cosine; a centre becomes its cluster's mean direction, an empty
     cluster keeps its centre); each prototype then gets its cluster's mean ‖z‖ and one shared LS scale."""
-    unit = F.normalize(rows.double(), dim=-1)  # (N, d)
-    centres = F.normalize(seed_prototypes(rows, K, k, generator=generator).double(), dim=-1)  # (K, d)
+    unit = F.normalize(rows.float(), dim=-1)  # (N, d): float32, the Lloyd steps are the cost (N·K·d each)
+    centres = F.normalize(seed_prototypes(rows, K, k, generator=generator).float(), dim=-1)  # (K, d)
     for _ in range(iters):
         assign = (unit @ centres.T).argmax(dim=-1)  # (N,)
         sums = torch.zeros_like(centres).index_add_(0, assign, unit)  # (K, d)
         filled = sums.norm(dim=-1) > 0
         centres = torch.where(filled[:, None], F.normalize(sums, dim=-1), centres)
     assign = (unit @ centres.T).argmax(dim=-1)
-    norms = rows.double().norm(dim=-1)  # (N,)
-    count = torch.bincount(assign, minlength=K).double()
-    mean_norm = torch.zeros(K, dtype=torch.float64).index_add_(0, assign, norms) / count.clamp_min(1)
+    norms = rows.float().norm(dim=-1)  # (N,)
+    count = torch.bincount(assign, minlength=K).float()
+    mean_norm = torch.zeros(K).index_add_(0, assign, norms) / count.clamp_min(1)
     mean_norm = torch.where(count > 0, mean_norm, norms.mean())
     return _scaled(rows, (centres * mean_norm[:, None]).to(rows.dtype), k)
 

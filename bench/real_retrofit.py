@@ -629,6 +629,7 @@ def frontier_main(args: argparse.Namespace) -> None:
             train_bank_config=train_bank_config,
         )
         rec["heldout_disjoint"] = anchors[point.docs]["heldout_disjoint"]
+        rec["git_revision"] = env["git_revision"]  # a resumed file gathers points of several runs
         rec["load_average"] = load_average()
         done.append(rec)
         print(f"[bench] {json.dumps(rec)}", file=sys.stderr, flush=True)
@@ -795,7 +796,7 @@ def main() -> None:
         help="frontier: ';'-separated points, e.g. 'K=2048,k=32,init=kmeans,r=0,rs=1,steps=600,docs=120' "
         "(default: bench/_real_frontier.py's DEFAULT_POINTS)",
     )
-    ap.add_argument("--kmeans-iters", type=int, default=10, help="frontier: Lloyd steps of init=kmeans")
+    ap.add_argument("--kmeans-iters", type=int, default=5, help="frontier: Lloyd steps of init=kmeans")
     ap.add_argument("--frontier-json", type=Path, default=RESULTS_DIR / "real-retrofit-frontier.json")
     ap.add_argument("--speed-json", type=Path, default=RESULTS_DIR / "real-retrofit-speed.json")
     ap.add_argument("--stage2-json", type=Path, default=RESULTS_DIR / "real-retrofit-stage2.json")
