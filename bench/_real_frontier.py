@@ -175,6 +175,13 @@ def load_points(path: Path) -> list[dict[str, Any]]:
     return list(json.loads(path.read_text()).get("points", []))
 
 
+def merged(path: Path, mine: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``mine`` and the points another run wrote to ``path`` meanwhile (two runs may share the file: each
+    writes the union, its own record of a point first)."""
+    names = {p["point"] for p in mine}
+    return mine + [p for p in load_points(path) if p["point"] not in names]
+
+
 def run_point(
     point: Point,
     z_train: torch.Tensor,

@@ -599,7 +599,7 @@ def anchor_z(args: argparse.Namespace, model: PrismLM, shards: ShardSet, cache: 
 def frontier_main(args: argparse.Namespace) -> None:
     """Issue item 3's coverage frontier of the frozen bank (``bench/_real_frontier.py``): one bank per
     ``--points`` entry on stored z, measured on the held-out tokens; resumable point by point."""
-    from _real_frontier import DEFAULT_POINTS, Point, best_point, load_points, run_point
+    from _real_frontier import DEFAULT_POINTS, Point, best_point, load_points, merged, run_point
 
     torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
     env = environment("cpu", 0)  # at the start: the revision this run's code came from
@@ -631,9 +631,10 @@ def frontier_main(args: argparse.Namespace) -> None:
         rec["heldout_disjoint"] = anchors[point.docs]["heldout_disjoint"]
         rec["git_revision"] = env["git_revision"]  # a resumed file gathers points of several runs
         rec["load_average"] = load_average()
-        done.append(rec)
+        done = merged(args.out, [*done, rec])
         print(f"[bench] {json.dumps(rec)}", file=sys.stderr, flush=True)
         write_frontier(args, done, logit_diff, int(z_val.shape[0]), env)
+    done = merged(args.out, done)
     write_frontier(args, done, logit_diff, int(z_val.shape[0]), env)
     for label, b in (("buildable", best_point(done, True)), ("any", best_point(done))):
         if b is not None:
