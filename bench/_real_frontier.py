@@ -232,3 +232,21 @@ def best_point(points: list[dict[str, Any]], buildable: bool | None = None) -> d
     """The point of lowest centred residual share (among the buildable ones when asked)."""
     pool = [p for p in points if buildable is None or p["buildable"] == buildable]
     return min(pool, key=lambda p: p["centred_residual_share"], default=None)
+
+
+def dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """``a`` is at least as good as ``b`` on every coverage number (centred residual share and dead lower,
+    R̄1 and R2 higher) and better on one."""
+    ge = (
+        a["centred_residual_share"] <= b["centred_residual_share"]
+        and a["dead"] <= b["dead"]
+        and a["r1_bar"] >= b["r1_bar"]
+        and a["r2"] >= b["r2"]
+    )
+    keys = ("centred_residual_share", "dead", "r1_bar", "r2")
+    return ge and any(a[key] != b[key] for key in keys)
+
+
+def pareto(points: list[dict[str, Any]]) -> list[str]:
+    """The frontier: the points no other point dominates."""
+    return [p["point"] for p in points if not any(dominates(q, p) for q in points)]

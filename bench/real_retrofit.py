@@ -647,7 +647,9 @@ def frontier_main(args: argparse.Namespace) -> None:
 def write_frontier(
     args: argparse.Namespace, points: list[dict[str, Any]], logit_diff: float, heldout: int, env: dict[str, Any]
 ) -> None:
-    from _real_frontier import best_point
+    """The frontier JSON: every point, the Pareto front (centred residual share, R̄1, R2, dead), the lowest
+    centred residual share (of the buildable points and of all) and the goals those meet."""
+    from _real_frontier import best_point, pareto
 
     def goals(b: dict[str, Any] | None) -> dict[str, bool] | None:
         if b is None:
@@ -661,6 +663,7 @@ def write_frontier(
 
     best, best_any = best_point(points, True), best_point(points)
     summary = {
+        "pareto_front": pareto(points),
         "frozen_logit_max_abs_diff": logit_diff,
         "heldout_tokens": heldout,
         "best_buildable": best["point"] if best else None,
@@ -726,19 +729,23 @@ FROZEN_FROM_POINT = {
 
 def fold_frontier(summary: dict[str, Any], sources: dict[str, Any], goals: dict[str, bool], path: Path) -> None:
     """The frontier's best *buildable* point (a bank ``prism retrofit`` makes today: ``kpp`` seeding, no
-    resampling, uncentred) replaces the ``frozen_*`` fields when its centred residual share is lower; the best
-    point of all is recorded beside it (``frontier_best_any``, with ``buildable``) and never folded."""
-    from _real_frontier import best_point
+    resampling, uncentred) that dominates the summary's frozen bank (lower centred residual share, R̄1, R2 and
+    dead no worse) replaces the ``frozen_*`` fields; the lowest centred residual share of all points is
+    recorded beside it (``frontier_best_any``, with ``buildable``) and never folded."""
+    from _real_frontier import best_point, dominates
 
     other = json.loads(path.read_text())
     src = {"file": path.name, "git_revision": other["environment"]["git_revision"]}
-    best, best_any = best_point(other["points"], True), best_point(other["points"])
+    now = {g: summary[f] for f, g in FROZEN_FROM_POINT.items()}
+    best = best_point([p for p in other["points"] if dominates(p, now)], True)
+    best_any = best_point(other["points"])
     keep = ("point", "buildable", "centred_residual_share", "residual_share", "r1_bar", "r2", "dead")
     if best_any is not None:
         summary["frontier_best_any"] = {f: best_any[f] for f in keep}
         sources["frontier_best_any"] = src
     if best is None or best["centred_residual_share"] >= summary["frozen_centred_residual_share"]:
         summary["frontier_folded"] = False
+        sources["frontier_folded"] = src
         return
     for f, g in FROZEN_FROM_POINT.items():
         summary[f] = best[g]
@@ -746,7 +753,8 @@ def fold_frontier(summary: dict[str, Any], sources: dict[str, Any], goals: dict[
     summary["frozen_best_config"] = {**best["config"], "centred": False}
     summary["anchor_train_tokens"] = best["anchor_train_tokens"]
     summary["frontier_folded"] = True
-    for f in ("frozen_best_config", "anchor_train_tokens", "frontier_folded"):
+    summary["frontier_folded_point"] = best["point"]
+    for f in ("frozen_best_config", "anchor_train_tokens", "frontier_folded", "frontier_folded_point"):
         sources[f] = src
     goals["centred_residual_share_le_0.35"] = best["centred_residual_share"] <= 0.35
     goals["r1_bar_and_r2_ge_0.94"] = best["r1_bar"] >= 0.94 and best["r2"] >= 0.94
