@@ -29,8 +29,13 @@ Other stages (``--stage``; each writes its own JSON, resumable where it trains):
     * ``stage2`` (``bench/_real_stage2.py``): ``prism retrofit --unfreeze`` (stage 1 on stored z, then
       last-N/LoRA with CE + REC + R1 + R2), held-out CE and coverage of both checkpoints →
       ``bench/results/real-retrofit-stage2.json``.
-    * ``summary``: merges those two into ``real-retrofit.json``'s ``summary`` (``summary_sources``: the file
-      and revision of every field).
+    * ``frontier`` (``bench/_real_frontier.py``): item 3's coverage frontier of the frozen bank — seeding
+      (k-means++ picks, random rows, spherical k-means, resampling dead prototypes from the worst-reconstructed
+      rows), loss weights, k, K, steps and a larger anchor set, each point measured on the held-out tokens →
+      ``bench/results/real-retrofit-frontier.json`` (resumable point by point).
+    * ``summary``: merges those into ``real-retrofit.json``'s ``summary`` (``summary_sources``: the file
+      and revision of every field); the frontier's best point replaces the ``frozen_*`` fields only when it is
+      better and a bank ``prism retrofit`` builds today (``buildable``), the best of all is kept beside it.
 
 Output: ``bench/results/real-retrofit.json`` (a ``summary`` with the issue's field names) and one summary
 line. Run from a clean tree: the JSON records the git revision.
@@ -44,6 +49,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +67,8 @@ from prismlm.train.retrofit import Pretrained, build_model, load_pretrained, sam
 from prismlm.train.stored_z import StoredZ, build_stored_z
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SeedFn = Callable[..., torch.Tensor]  # (rows (N, d), K, k, *, generator) → (K, d)
+StepHook = Callable[[int, PrototypeLayer, torch.Tensor, torch.optim.Optimizer], None]
 
 
 def smollm2_folder(cache: Path) -> Path:
@@ -129,8 +137,15 @@ def train_bank_config(
     batch_seqs: int,
     lr: float,
     seed: int,
+    seed_fn: SeedFn = seed_prototypes,
+    r_weight: float = 0.5,
+    on_step: StepHook | None = None,
 ) -> dict[str, Any]:
-    """Seed and train one bank on stored rows (sequences of T rows), evaluate it on held-out rows."""
+    """Seed and train one bank on stored rows (sequences of T rows), evaluate it on held-out rows.
+
+    ``seed_fn``: the seeding (rows (N, d), K, k, generator → (K, d)); ``r_weight``: the weight of R1 and of R2
+    beside REC (ramped in with the warm-up); ``on_step(step, bank, x, optimizer)``: called after each step
+    (the frontier's resampling of dead prototypes)."""
     mu = z_train.mean(0)
     x = z_train - mu if centred else z_train
     g = torch.Generator().manual_seed(seed)
@@ -138,7 +153,7 @@ def train_bank_config(
     seed_rows = x[torch.randperm(x.shape[0], generator=g)[: max(16 * K, 8192)]]
     bank = PrototypeLayer(x.shape[1], PrototypeConfig(num_prototypes=K, top_k=k))
     with torch.no_grad():
-        bank.weight.copy_(seed_prototypes(seed_rows, K, k, generator=g))
+        bank.weight.copy_(seed_fn(seed_rows, K, k, generator=g))
     model = _BankOnly(bank)
     opt = torch.optim.AdamW(bank.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     warm = min(20, steps // 10)
@@ -157,11 +172,13 @@ def train_bank_config(
         ids = order[step * batch_seqs : (step + 1) * batch_seqs]
         rows = (ids[:, None] * T + np.arange(T)[None, :]).reshape(-1)
         terms = bank_losses(model, x[torch.from_numpy(rows)])  # type: ignore[arg-type]
-        loss = terms["rec"] + 0.5 * ramp * terms["r1"] + 0.5 * ramp * terms["r2"]
+        loss = terms["rec"] + r_weight * ramp * (terms["r1"] + terms["r2"])
         (loss * 1.0).backward()
         torch.nn.utils.clip_grad_norm_(bank.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(step, bank, x, opt)
     seconds = time.perf_counter() - t0
     res = coverage(bank, z_val, mu, centred)
     out: dict[str, Any] = {
@@ -543,6 +560,127 @@ def stage2_main(args: argparse.Namespace) -> None:
     )
 
 
+def anchor_z(args: argparse.Namespace, model: PrismLM, shards: ShardSet, cache: Path, docs: int) -> dict[str, Any]:
+    """The stored training z of a ``docs``-document anchor set (built once, cached beside the 40-document one)
+    and whether the frozen stage's held-out sequences stay out of it."""
+    if docs == args.max_docs:
+        store = build_stored_z(
+            model, shards, cache / "stored-z-train", split="train", dtype="float32", batch_size=args.batch_size
+        )
+        return {"z": store.rows(0, store.manifest["rows"]), "heldout_disjoint": True}
+    from _real_frontier import heldout_disjoint
+
+    big = prepare_shards(
+        "builtin",
+        str(save_tokenizer(shards.tokenizer, None)),
+        cache / f"shards-docs{docs}",
+        max_docs=docs,
+        max_chars_per_doc=args.max_chars_per_doc,
+        val_fraction=0.15,
+        show_progress=False,
+    )
+    t0 = time.perf_counter()
+    store = build_stored_z(
+        model,
+        big,
+        cache / f"stored-z-train-docs{docs}",
+        split="train",
+        dtype="float32",
+        batch_size=args.batch_size,
+        progress=False,
+    )
+    print(f"[bench] z pass docs={docs}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return {
+        "z": store.rows(0, store.manifest["rows"]),
+        "heldout_disjoint": heldout_disjoint(shards, big, args.block_size),
+    }
+
+
+def frontier_main(args: argparse.Namespace) -> None:
+    """Issue item 3's coverage frontier of the frozen bank (``bench/_real_frontier.py``): one bank per
+    ``--points`` entry on stored z, measured on the held-out tokens; resumable point by point."""
+    from _real_frontier import DEFAULT_POINTS, Point, best_point, load_points, merged, run_point
+
+    torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
+    env = environment("cpu", 0)  # at the start: the revision this run's code came from
+    cache, pre, model, shards, load_s = setup(args, K=512, k=8)
+    logit_diff = frozen_logit_diff(pre, model, shards, args.block_size)
+    pre.reference = None
+    val = build_stored_z(
+        model, shards, cache / "stored-z-val", split="val", dtype="float32", batch_size=args.batch_size, progress=False
+    )
+    z_val = val.rows(0, val.manifest["rows"])
+    points = [Point.parse(p) for p in (args.points.split(";") if args.points else DEFAULT_POINTS)]
+    done = load_points(args.out)
+    anchors: dict[int, dict[str, Any]] = {}
+    for point in points:
+        if any(d["point"] == point.name for d in done):
+            continue
+        if point.docs not in anchors:
+            anchors[point.docs] = anchor_z(args, model, shards, cache, point.docs)
+        rec = run_point(
+            point,
+            anchors[point.docs]["z"],
+            args.block_size,
+            z_val,
+            batch_seqs=args.batch_size,
+            lr=args.lr,
+            kmeans_iters=args.kmeans_iters,
+            train_bank_config=train_bank_config,
+        )
+        rec["heldout_disjoint"] = anchors[point.docs]["heldout_disjoint"]
+        rec["git_revision"] = env["git_revision"]  # a resumed file gathers points of several runs
+        rec["load_average"] = load_average()
+        done = merged(args.out, [*done, rec])
+        print(f"[bench] {json.dumps(rec)}", file=sys.stderr, flush=True)
+        write_frontier(args, done, logit_diff, int(z_val.shape[0]), env)
+    done = merged(args.out, done)
+    write_frontier(args, done, logit_diff, int(z_val.shape[0]), env)
+    for label, b in (("buildable", best_point(done, True)), ("any", best_point(done))):
+        if b is not None:
+            print(
+                f"real-retrofit frontier, best {label}: {b['point']}: centred residual "
+                f"{b['centred_residual_share']:.3f}, R̄1 {b['r1_bar']:.3f}, R2 {b['r2']:.3f}, dead {b['dead']}"
+            )
+
+
+def write_frontier(
+    args: argparse.Namespace, points: list[dict[str, Any]], logit_diff: float, heldout: int, env: dict[str, Any]
+) -> None:
+    """The frontier JSON: every point, the Pareto front (centred residual share, R̄1, R2, dead), the lowest
+    centred residual share (of the buildable points and of all) and the goals those meet."""
+    from _real_frontier import best_point, pareto
+
+    def goals(b: dict[str, Any] | None) -> dict[str, bool] | None:
+        if b is None:
+            return None
+        return {
+            "frozen_logits_identical": logit_diff == 0.0,
+            "centred_residual_share_le_0.35": b["centred_residual_share"] <= 0.35,
+            "r1_bar_and_r2_ge_0.94": b["r1_bar"] >= 0.94 and b["r2"] >= 0.94,
+            "zero_dead": b["dead"] == 0,
+        }
+
+    best, best_any = best_point(points, True), best_point(points)
+    summary = {
+        "pareto_front": pareto(points),
+        "frozen_logit_max_abs_diff": logit_diff,
+        "heldout_tokens": heldout,
+        "best_buildable": best["point"] if best else None,
+        "best_any": best_any["point"] if best_any else None,
+        "goals_met_best_buildable": goals(best),
+        "goals_met_best_any": goals(best_any),
+    }
+    payload = {
+        "stage": "frontier",
+        "summary": summary,
+        "points": points,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "environment": {**env, "load_average_end": load_average()},
+    }
+    write_json(args.out, payload)
+
+
 SUMMARY_FROM = {
     "speed": ("forward_ratio", "explain_ratio", "explained_generation_overhead_pct", "explain_cold_ratio"),
     "stage2": (
@@ -571,6 +709,8 @@ def summary_main(args: argparse.Namespace) -> None:
             summary[f] = other["summary"][f]
             sources[f] = {"file": path.name, "git_revision": other["environment"]["git_revision"]}
         goals.update({f"{stage}_{g}": v for g, v in other["summary"]["goals_met"].items()})
+    if args.frontier_json.exists():
+        fold_frontier(summary, sources, goals, args.frontier_json)
     summary["goals_met"] = goals
     payload["summary_sources"] = sources
     payload["summary_merged"] = {"git_revision": environment("cpu", 0)["git_revision"], "date": time.strftime("%F")}
@@ -578,14 +718,58 @@ def summary_main(args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=1))
 
 
+FROZEN_FROM_POINT = {
+    "frozen_residual_share": "residual_share",
+    "frozen_centred_residual_share": "centred_residual_share",
+    "frozen_r1_bar": "r1_bar",
+    "frozen_r2": "r2",
+    "frozen_dead": "dead",
+}
+
+
+def fold_frontier(summary: dict[str, Any], sources: dict[str, Any], goals: dict[str, bool], path: Path) -> None:
+    """The frontier's best *buildable* point (a bank ``prism retrofit`` makes today: ``kpp`` seeding, no
+    resampling, uncentred) that dominates the summary's frozen bank (lower centred residual share, R̄1, R2 and
+    dead no worse) replaces the ``frozen_*`` fields; the lowest centred residual share of all points is
+    recorded beside it (``frontier_best_any``, with ``buildable``) and never folded."""
+    from _real_frontier import best_point, dominates
+
+    other = json.loads(path.read_text())
+    src = {"file": path.name, "git_revision": other["environment"]["git_revision"]}
+    now = {g: summary[f] for f, g in FROZEN_FROM_POINT.items()}
+    best = best_point([p for p in other["points"] if dominates(p, now)], True)
+    best_any = best_point(other["points"])
+    keep = ("point", "buildable", "centred_residual_share", "residual_share", "r1_bar", "r2", "dead")
+    if best_any is not None:
+        summary["frontier_best_any"] = {f: best_any[f] for f in keep}
+        sources["frontier_best_any"] = src
+    if best is None or best["centred_residual_share"] >= summary["frozen_centred_residual_share"]:
+        summary["frontier_folded"] = False
+        sources["frontier_folded"] = src
+        return
+    for f, g in FROZEN_FROM_POINT.items():
+        summary[f] = best[g]
+        sources[f] = src
+    summary["frozen_best_config"] = {**best["config"], "centred": False}
+    summary["anchor_train_tokens"] = best["anchor_train_tokens"]
+    summary["frontier_folded"] = True
+    summary["frontier_folded_point"] = best["point"]
+    for f in ("frozen_best_config", "anchor_train_tokens", "frontier_folded", "frontier_folded_point"):
+        sources[f] = src
+    goals["centred_residual_share_le_0.35"] = best["centred_residual_share"] <= 0.35
+    goals["r1_bar_and_r2_ge_0.94"] = best["r1_bar"] >= 0.94 and best["r2"] >= 0.94
+    goals["zero_dead"] = best["dead"] == 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--stage",
-        choices=("frozen", "speed", "stage2", "summary"),
+        choices=("frozen", "speed", "stage2", "frontier", "summary"),
         default="frozen",
         help="frozen: stage 1 on stored z; speed: item 5's ratios; stage2: --unfreeze training and "
-        "held-out numbers; summary: merge speed and stage-2 results into --out's summary",
+        "held-out numbers; frontier: item 3's coverage frontier of the frozen bank; summary: merge the "
+        "speed, stage-2 and frontier results into --out's summary",
     )
     ap.add_argument(
         "--source",
@@ -615,6 +799,14 @@ def main() -> None:
     ap.add_argument("--stage2-steps", type=int, default=100, help="stage2: stage-2 steps")
     ap.add_argument("--backbone-lr-ratio", type=float, default=0.1, help="stage2: backbone lr / --lr")
     ap.add_argument("--mu-sequences", type=int, default=32, help="stage2: training sequences for μ")
+    ap.add_argument(
+        "--points",
+        default=None,
+        help="frontier: ';'-separated points, e.g. 'K=2048,k=32,init=kmeans,r=0,rs=1,steps=600,docs=120' "
+        "(default: bench/_real_frontier.py's DEFAULT_POINTS)",
+    )
+    ap.add_argument("--kmeans-iters", type=int, default=5, help="frontier: Lloyd steps of init=kmeans")
+    ap.add_argument("--frontier-json", type=Path, default=RESULTS_DIR / "real-retrofit-frontier.json")
     ap.add_argument("--speed-json", type=Path, default=RESULTS_DIR / "real-retrofit-speed.json")
     ap.add_argument("--stage2-json", type=Path, default=RESULTS_DIR / "real-retrofit-stage2.json")
     ap.add_argument(
@@ -625,10 +817,11 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.out is None:
-        args.out = {"speed": args.speed_json, "stage2": args.stage2_json}.get(
+        args.out = {"speed": args.speed_json, "stage2": args.stage2_json, "frontier": args.frontier_json}.get(
             args.stage, RESULTS_DIR / "real-retrofit.json"
         )
-    {"frozen": frozen_stage, "speed": speed_main, "stage2": stage2_main, "summary": summary_main}[args.stage](args)
+    stages = {"frozen": frozen_stage, "speed": speed_main, "stage2": stage2_main, "frontier": frontier_main}
+    {**stages, "summary": summary_main}[args.stage](args)
 
 
 def _state_seconds(store: StoredZ) -> float:
