@@ -111,7 +111,7 @@ else
           --heldout 100 --index-sequences 2048)
   # limits in seconds; with the default 0.75 quality minutes they add up to 480 s (8 min) with wheels.
   # quality: 2 × (M minutes of steps + ~45 s compile/eval/checkpoint) + ~20 s start-up
-  # the real-model steps (when a model is there) add up to 12 more minutes on the CPU
+  # the real-model steps (when a model is there) add up to 22 more minutes on the CPU
   LIMITS=(wheels=20 data=35 pytest=50 throughput=85 suppression=90 real_speed=300 real_stage2=420 real_claims=600
           "quality=$("${PY}" -c "print(int(120 * $QMIN + 110))")")
 fi
