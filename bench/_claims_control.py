@@ -603,8 +603,9 @@ def task_row(ctx: ClaimsContext, run, task: str, splits: dict, folder: Path, sae
     return row
 
 
-def controller_stage(ctx: ClaimsContext) -> dict[str, object]:
-    """Screen the tasks, train the SAE, fit and test both controllers on each kept task (resumable)."""
+def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> dict[str, object]:
+    """Screen the tasks, train the SAE, fit and test both controllers on each kept task (resumable; each
+    finished task is saved; ``only``: just these of the kept tasks, e.g. from parallel processes)."""
     torch.set_num_threads(ctx.threads)
     t0 = time.perf_counter()
     stage = ctx.stage_dir("controllers")
@@ -625,7 +626,7 @@ def controller_stage(ctx: ClaimsContext) -> dict[str, object]:
     done = stage / f"tasks-{(run.identity or 'run')[:16]}-{'quick' if ctx.quick else 'full'}"
     done.mkdir(exist_ok=True)
     rows = []
-    for task in [r["task"] for r in screened if r["kept"]]:
+    for task in [r["task"] for r in screened if r["kept"] and (only is None or r["task"] in only)]:
         path = done / f"{task}.json"
         if not path.exists():
             row = task_row(ctx, run, task, splits_of[task], folder, sae, index)
