@@ -78,7 +78,7 @@ class SuppSize:
 
 SIZES = {
     "quick": SuppSize(4, 3, 2, 8, 6, 24, 8, 8, 200),
-    "full": SuppSize(20, 13, 4, 20, 8, 100, 48, 100, 2000),
+    "full": SuppSize(20, 13, 4, 20, 8, 60, 40, 60, 2000),
 }
 
 
