@@ -482,7 +482,7 @@ def best_row(rows: list[dict], shown: set[str]) -> dict | None:
         for r in rows
         if not str(r["condition"]).startswith(("random@", "before"))
         and (r["concept"] in shown or not shown)
-        and r["bank_share"] <= MAX_BANK_SHARE + 1e-9
+        and r["prototypes"] <= round(MAX_BANK_SHARE * r["prototypes"] / r["bank_share"])  # the 2% budget
         and r["ce_neutral_rel_increase"] <= MAX_COLLATERAL
     ]
     return max(ok, key=lambda r: r["tfidf_drop"], default=None)
