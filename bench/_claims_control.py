@@ -59,13 +59,12 @@ from prismlm.eval.tasks import (
     SPLITS,
     TASKS,
     MCExample,
-    _h,
-    _mc,
+    TaskSpec,
     _pick,
     _sotu_raw,
+    build_from_spec,
     build_task,
     passages,
-    split_for,
 )
 from prismlm.model import PrismLM
 from prismlm.train.stored_z import backbone_identity, open_stored_z
@@ -106,18 +105,10 @@ def _bible_raw(per_doc: int = 6) -> Iterator[tuple[str, str, str, str]]:
             yield doc.id, f"{doc.id}/p{j}", p, label
 
 
-@dataclass(frozen=True)
-class ExtraTask:
-    raw: Callable[[], Iterator[tuple[str, str, str, str]]]
-    template: str
-    n_choices: int
-    answers_per_example: bool
-
-
 EXTRA_TASKS = {
-    "sotu_ending": ExtraTask(_sotu_ending_raw, "{passage}", 4, True),
-    "gutenberg_bible": ExtraTask(
-        _bible_raw, "Passage: {passage}\nQuestion: Is this passage from the Bible?\nAnswer:", 2, False
+    "sotu_ending": TaskSpec(_sotu_ending_raw, "{passage}", 4, answers_per_example=True),
+    "gutenberg_bible": TaskSpec(
+        _bible_raw, "Passage: {passage}\nQuestion: Is this passage from the Bible?\nAnswer:", 2
     ),
 }
 CANDIDATES = (*TASKS, *EXTRA_TASKS)
@@ -125,19 +116,7 @@ CANDIDATES = (*TASKS, *EXTRA_TASKS)
 
 def build_any_task(name: str, caps: dict[str, int]) -> dict[str, list[MCExample]]:
     """A shipped task (``build_task``) or one of ``EXTRA_TASKS``, split by source document as ``build_task``."""
-    if name in TASKS:
-        return build_task(name, caps)
-    spec = EXTRA_TASKS[name]
-    raw = list(spec.raw())
-    pools = {
-        s: sorted({label for group, *_, label in raw if not spec.answers_per_example or split_for(group) == s})
-        for s in SPLITS
-    }
-    splits: dict[str, list[MCExample]] = {s: [] for s in SPLITS}
-    for group, ex_id, p, label in raw:
-        s = split_for(group)
-        splits[s].append(_mc(ex_id, p, label, pools[s], spec.template, spec.n_choices))
-    return {s: sorted(v, key=lambda d: _h("order:" + d["id"]))[: caps[s]] for s, v in splits.items()}
+    return build_task(name, caps) if name in TASKS else build_from_spec(EXTRA_TASKS[name], caps)
 
 
 # ----- features: the backbone once per query, the choices batched on its cache -------------------------------

@@ -205,8 +205,13 @@ def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[
     """All splits of one task, in memory (deterministic)."""
     if name not in _BUILDERS:
         raise TaskError(f"unknown task {name!r}; choose from {list(TASKS)}")
+    return build_from_spec(_BUILDERS[name], caps)
+
+
+def build_from_spec(spec: TaskSpec, caps: dict[str, int] | None = None) -> dict[str, list[MCExample]]:
+    """All splits of a task described by ``spec`` (a shipped one or one built elsewhere on the same pattern),
+    each capped at ``caps[split]`` examples in a fixed hashed order."""
     caps = {**DEFAULT_CAPS, **(caps or {})}
-    spec = _BUILDERS[name]
     raw = list(spec.raw())
     pools = {
         s: sorted({label for group, *_, label in raw if not spec.answers_per_example or split_for(group) == s})
