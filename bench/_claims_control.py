@@ -74,12 +74,12 @@ CAPS = {"quick": {"train": 16, "validation": 16, "test": 24}, "full": {"train": 
 L1_GRID = (3e-3, 1e-2, 3e-2)  # bench/control.py's grid, steps and learning rate
 CTL_STEPS, CTL_LR = 60, 0.1
 SURROGATE_VOCAB = 2048
-SAE_STEPS = {"quick": 80, "full": 2000}
-"""× ``SAE_BATCH`` hidden states (full: 1M, ~8 passes over the 125k training rows)."""
+SAE_STEPS = {"quick": 80, "full": 800}
+"""× ``SAE_BATCH`` hidden states (full: 410k, ~3 passes over the 125k training rows; the CPU budget of 2026-12-05)."""
 SAE_BATCH = 512  # hidden states per SAE step
 SAE_RECIPE = "data"  # see train_sae_on_stored_z; chosen by held-out FVU (docs/results.md, Controllers)
 SAE_DEAD_STEPS, SAE_RESAMPLE = 50, 250
-SAE_CHECKPOINTS = (400, 800, 1500, 2000)
+SAE_CHECKPOINTS = (200, 400, 600, 800)
 MIN_TASKS = 3  # the tasks built here are screened only when fewer shipped ones pass
 KEEP_P, KEEP_MARGIN = 0.01, 0.05
 FORWARD_CHECK_DOCS = 3
