@@ -80,6 +80,11 @@ SAE_BATCH = 512  # hidden states per SAE step
 SAE_RECIPE = "data"  # see train_sae_on_stored_z; chosen by held-out FVU (docs/results.md, Controllers)
 SAE_DEAD_STEPS, SAE_RESAMPLE = 50, 250
 SAE_CHECKPOINTS = (200, 400, 600, 800)
+SAE_TRIED = (  # the other settings measured on the same held-out rows (2026-12-05), for the reader of the JSON
+    {"recipe": "random", "steps": 300, "fvu": 0.403, "dead_fraction": 0.699, "note": "a short check run"},
+    {"recipe": "random", "steps": 800, "fvu": 0.362, "dead_fraction": 0.708, "note": "the first run (d7bb952)"},
+    {"recipe": "data", "steps": 1500, "fvu": 0.338, "dead_fraction": 0.15, "note": "a 3000-step run stopped for time"},
+)
 MIN_TASKS = 3  # the tasks built here are screened only when fewer shipped ones pass
 KEEP_P, KEEP_MARGIN = 0.01, 0.05
 FORWARD_CHECK_DOCS = 3
@@ -705,7 +710,7 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
         "summary": summarize(rows),
         "screening": screened,
         "tasks": rows,
-        "sae": {"num_latents": K, "k": k, **sae_info},
+        "sae": {"num_latents": K, "k": k, **sae_info, "other_settings_tried": list(SAE_TRIED)},
         "protocol": {
             "caps": caps,
             "l1_grid": list(L1_GRID),
