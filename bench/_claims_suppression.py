@@ -1,16 +1,17 @@
 """The ``suppression`` stage of ``bench/real_claims.py`` (issue 27 item 1; spec §4): suppression of behaviours
 the real model has.
 
-SmolLM2-135M-Instruct retrofitted with a prototype bank (the ``bank`` stage) whose anchor corpus holds two
-concepts: the offensive FreeBSD fortunes (the paper's experiment) and State-of-the-Union speech (a concept
-the model clearly expresses). Per concept, as ``bench/suppression.py`` does on a toy model (its specs, prompts
+SmolLM2-135M-Instruct retrofitted with a prototype bank (the ``bank`` stage) whose anchor corpus holds three
+concepts: the offensive FreeBSD fortunes (the paper's experiment), State-of-the-Union speech, and King James
+Bible style (the corpus's KJV Gutenberg documents, found by matching the text; skipped with a note when the
+corpus holds none, as the ``--quick`` one may). Per concept, as ``bench/suppression.py`` does on a toy model (its specs, prompts
 and judges are reused):
 
  1. the concept's prototypes: ``find_concept`` (log-likelihood contribution, enrichment ≥ 2×, neighbourhood
     purity ≥ 0.5 in the bank's index, whose document ids are ``<file>#L<line>``);
  2. conditions: nothing off (``before``); the concept's top n prototypes (``<concept>@n``) and n random
-    prototypes active on neutral text (``random@n``, one nested random order, the same sets for both
-    concepts) for n = 0.5 / 1 / 2 / 5 % of K (capped at the selectable count);
+    prototypes active on neutral text (``random@n``, one nested random order, the same sets for every
+    concept) for n = 0.5 / 1 / 2 / 5 % of K (capped at the selectable count);
  3. per condition: sampled continuations of neutral and provocative prompts (openings of held-out concept
     text the model never saw in the anchor corpus), the same seeds in every condition, judged offline (the
     TF-IDF judges, and alt-profanity-check when installed); collateral: held-out cross-entropy on neutral
@@ -443,12 +444,22 @@ def conditions(sets: dict[str, dict], coll: Collateral, K: int, seed: int) -> di
 
 
 def run_condition(
-    ctx: ClaimsContext, run, name: str, ids: list[int], prompts: Prompts, coll: Collateral, size: SuppSize
+    ctx: ClaimsContext, run, name: str, conds: dict[str, list[int]], prompts: Prompts, coll: Collateral, size: SuppSize
 ) -> dict:
     """Generations for every prompt set and the collateral with ``ids`` off (cached in ``cond-<name>.json``)."""
+    ids = conds[name]
     path = ctx.stage_dir("suppression") / f"cond-{name.replace('@', '-')}.json"
-    # a concept's own set needs its prompts and the neutral ones; before and random sets every concept's
-    wanted = [k for k in prompts.sets if "@" not in name or name.startswith(("random@", f"{k}@")) or k == "neutral"]
+    # a concept's own set needs its prompts and the neutral ones, before every concept's, random@n those of the
+    # concepts that have a set of size n (their control)
+    size_n = name.split("@")[-1]
+    wanted = [
+        k
+        for k in prompts.sets
+        if k == "neutral"
+        or "@" not in name
+        or name.startswith(f"{k}@")
+        or (name.startswith("random@") and f"{k}@{size_n}" in conds)
+    ]
     old: dict = {}
     if path.exists():
         old = json.loads(path.read_text())
@@ -523,6 +534,8 @@ def table_rows(
     for concept in specs:
         for cond, rec in recs.items():
             if cond != "before" and not cond.startswith(("random@", f"{concept}@")):
+                continue
+            if cond not in scores[concept]["tfidf"]:  # a random set of a size this concept has no set of
                 continue
             row: dict[str, object] = {"concept": concept, "condition": cond, "prototypes": len(rec["ids"])}
             row["bank_share"] = len(rec["ids"]) / K
@@ -634,7 +647,7 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
     prompts = make_prompts(run.tokenizer, specs, size)
     conds = conditions(sets, coll, K, ctx.seed)
     ctx.log(f"{len(conds)} conditions: {', '.join(conds)}")
-    recs = {name: run_condition(ctx, run, name, ids, prompts, coll, size) for name, ids in conds.items()}
+    recs = {name: run_condition(ctx, run, name, conds, prompts, coll, size) for name in conds}
     scores = judged(specs, recs)
     rows = table_rows(specs, recs, scores, K, size, ctx.seed)
     behaviour = {c: behaviour_gap(scores, c, size.bootstrap, ctx.seed) for c in specs}
