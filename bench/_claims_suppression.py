@@ -1,16 +1,17 @@
 """The ``suppression`` stage of ``bench/real_claims.py`` (issue 27 item 1; spec §4): suppression of behaviours
 the real model has.
 
-SmolLM2-135M-Instruct retrofitted with a prototype bank (the ``bank`` stage) whose anchor corpus holds two
-concepts: the offensive FreeBSD fortunes (the paper's experiment) and State-of-the-Union speech (a concept
-the model clearly expresses). Per concept, as ``bench/suppression.py`` does on a toy model (its specs, prompts
+SmolLM2-135M-Instruct retrofitted with a prototype bank (the ``bank`` stage) whose anchor corpus holds three
+concepts: the offensive FreeBSD fortunes (the paper's experiment), State-of-the-Union speech, and King James
+Bible style (the corpus's KJV Gutenberg documents, found by matching the text; skipped with a note when the
+corpus holds none, as the ``--quick`` one may). Per concept, as ``bench/suppression.py`` does on a toy model (its specs, prompts
 and judges are reused):
 
  1. the concept's prototypes: ``find_concept`` (log-likelihood contribution, enrichment ≥ 2×, neighbourhood
     purity ≥ 0.5 in the bank's index, whose document ids are ``<file>#L<line>``);
  2. conditions: nothing off (``before``); the concept's top n prototypes (``<concept>@n``) and n random
-    prototypes active on neutral text (``random@n``, one nested random order, the same sets for both
-    concepts) for n = 0.5 / 1 / 2 / 5 % of K (capped at the selectable count);
+    prototypes active on neutral text (``random@n``, one nested random order, the same sets for every
+    concept) for n = 0.5 / 1 / 2 / 5 % of K (capped at the selectable count);
  3. per condition: sampled continuations of neutral and provocative prompts (openings of held-out concept
     text the model never saw in the anchor corpus), the same seeds in every condition, judged offline (the
     TF-IDF judges, and alt-profanity-check when installed); collateral: held-out cross-entropy on neutral
@@ -32,10 +33,12 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +48,7 @@ from _claims_common import ClaimsContext
 from suppression import BUDGET_SHARES, NEUTRAL_PROMPTS, ConceptSpec, offensive_spec, sotu_spec
 
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept
+from prismlm.control.judges import TfidfJudge
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.corpus import gutenberg_documents, sotu_documents
 from prismlm.eval.scoring import encode_pair, mc_accuracy, text_batches
@@ -114,7 +118,66 @@ def concept_specs(ctx: ClaimsContext, size: SuppSize) -> dict[str, ConceptSpec]:
         fs, train_ids, train_docs, held_ids, held_docs, rng, size.provocative, ctx.seed,
         doc_regex(r"sotu\.jsonl"), size.examples, size.heldout,
     )  # fmt: skip
-    return {"offensive": off, "sotu": sotu}
+    specs = {"offensive": off, "sotu": sotu}
+    kjv = kjv_spec(ctx, fs, rng, size)
+    if kjv is None:
+        ctx.notes.append("suppression: the anchor corpus holds no King James Bible document; kjv skipped")
+        ctx.log(ctx.notes[-1])
+    else:
+        specs["kjv"] = kjv
+    return specs
+
+
+BASE_CONCEPTS = ("offensive", "sotu")
+"""the concepts of the first run: the random order is drawn outside their rankings (``conditions``)"""
+VERSE = re.compile(r"^\d+:\d+\s+")
+
+
+def kjv_lines(ctx: ClaimsContext) -> tuple[list[int], set[str]]:
+    """Lines (1-based) of the anchor corpus's ``gutenberg.jsonl`` that are King James Bible documents, found by
+    matching their text against ``gutenberg_documents()`` (``write_corpus`` kept the text, not the book), and
+    the ids of every KJV document ``write_corpus`` could have drawn (every 7th)."""
+    cut = ctx.size.chars_per_doc
+    pool = {d.text[:cut]: d.id for d in islice(gutenberg_documents(), 0, None, 7)}
+    lines = _jsonl(ctx.corpus_dir / "gutenberg.jsonl")
+    kjv = [j + 1 for j, t in enumerate(lines) if pool.get(t, "").startswith("gutenberg/bible-kjv")]
+    return kjv, {i for i in pool.values() if i.startswith("gutenberg/bible-kjv")}
+
+
+def kjv_spec(ctx: ClaimsContext, fs, rng: random.Random, size: SuppSize) -> ConceptSpec | None:
+    """King James Bible style (a style the model clearly continues): concept examples are paragraphs of the
+    corpus's KJV lines, neutral ones paragraphs of its other Gutenberg lines, its SOTU lines and clean
+    fortunes; the judge (TF-IDF + logistic regression), the held-out text and the prompts (verse openings,
+    verse number stripped) use KJV documents ``write_corpus`` could not draw, against held-out non-KJV
+    Gutenberg, SOTU and judge-split clean fortunes. None when the corpus holds no KJV line."""
+    lines, pool_ids = kjv_lines(ctx)
+    if not lines:
+        return None
+    cut = ctx.size.chars_per_doc
+    guten = _jsonl(ctx.corpus_dir / "gutenberg.jsonl")
+    c_train = [p for j in lines for p in passages(guten[j - 1])]
+    n_train = [p for j, t in enumerate(guten) if j + 1 not in lines for p in passages(t)]
+    n_train += [p for t in _jsonl(ctx.corpus_dir / "sotu.jsonl") for p in passages(t)]
+    docs = list(gutenberg_documents())
+    held = [d for j, d in enumerate(docs) if j % 7 != 0 and d.id not in pool_ids]
+    c_held = [p for d in held if d.id.startswith("gutenberg/bible-kjv") for p in passages(d.text[:cut])]
+    other = [d for d in held if not d.id.startswith("gutenberg/bible-kjv")]
+    other = random.Random(ctx.seed + 5).sample(other, min(len(other), 80))
+    n_held = [p for d in other for p in passages(d.text[:cut])]
+    n_held += [p for d in islice(sotu_documents(), 1, None, 3) for p in passages(d.text[:cut])][:300]
+    c_held = random.Random(ctx.seed + 6).sample(c_held, len(c_held))
+    n_ex = size.examples
+    return ConceptSpec(
+        name="King James Bible",
+        description="KJV paragraphs vs other Gutenberg books, SOTU and clean fortunes",
+        concept_texts=rng.sample(c_train, min(n_ex, len(c_train))),
+        neutral_texts=rng.sample(n_train, min(n_ex, len(n_train))) + rng.sample(fs.lm_clean, n_ex),
+        is_concept_doc=doc_regex(r"gutenberg\.jsonl#L(" + "|".join(map(str, lines)) + r")$"),
+        provocative_prompts=[VERSE.sub("", p) for p in c_held[: size.provocative]],
+        judges={"tfidf": TfidfJudge(n_held + fs.judge_clean[: len(c_held)], c_held, name="tfidf-logreg-kjv")},
+        concept_heldout=c_held[: size.heldout],
+        neutral_heldout=n_held[: size.heldout],
+    )
 
 
 def neutral_texts(ctx: ClaimsContext, size: SuppSize) -> list[str]:
@@ -313,12 +376,15 @@ def collateral(ctx: ClaimsContext, run, specs: dict[str, ConceptSpec], size: Sup
     model, tok, T = run.model, run.tokenizer, run.model.config.block_size
     docs = build_task(TASK, {"test": size.task_examples})["test"]
     path = ctx.stage_dir("suppression") / "heads.pt"
-    if path.exists():
-        return Collateral({k: HeadCache(**v) for k, v in torch.load(path).items()}, docs)
+    caches = {k: HeadCache(**v) for k, v in torch.load(path).items()} if path.exists() else {}
+    if all(k in caches for k in ("neutral", "task", *specs)):
+        return Collateral(caches, docs)
+    # a cache of fewer concepts (a concept added since) is extended, not rebuilt
     t0 = time.perf_counter()
     texts = {"neutral": neutral_texts(ctx, size)} | {k: s.concept_heldout for k, s in specs.items()}
-    caches = {k: head_cache(model, text_rows(tok, v, T), tok.eot_id) for k, v in texts.items()}
-    caches["task"] = head_cache(model, task_rows(tok, docs, T), tok.eot_id)
+    caches |= {k: head_cache(model, text_rows(tok, v, T), tok.eot_id) for k, v in texts.items() if k not in caches}
+    if "task" not in caches:
+        caches["task"] = head_cache(model, task_rows(tok, docs, T), tok.eot_id)
     for c in caches.values():
         c.nll(model, [])  # the base NLL, stored with the cache
     torch.save({k: asdict(c) for k, c in caches.items()}, path)
@@ -360,10 +426,13 @@ def conditions(sets: dict[str, dict], coll: Collateral, K: int, seed: int) -> di
     """before; per budget n: each concept's top n (capped at its selectable count) and n random prototypes
     active on the neutral text (outside every concept's ranking; one nested order, so random@n ⊂ random@2n)."""
     ranked = {name: s["ranked"] for name, s in sets.items()}
+    # the order is drawn outside the first run's concepts' rankings, then later concepts' prototypes are
+    # removed from it: adding a concept keeps the earlier random sets unless its ranking meets them
+    base = {i for c, r in ranked.items() if c in BASE_CONCEPTS for i in r}
     taken = {i for r in ranked.values() for i in r}
     neutral = coll.caches["neutral"]
-    live = sorted(set(neutral.idx[neutral.acts > 0].tolist()) - taken)
-    order = random.Random(seed + 2).sample(live, len(live))
+    live = sorted(set(neutral.idx[neutral.acts > 0].tolist()) - base)
+    order = [i for i in random.Random(seed + 2).sample(live, len(live)) if i not in taken]
     conds: dict[str, list[int]] = {"before": []}
     for n in budget_sizes(K):
         for m in sorted({n} | {min(n, len(r)) for r in ranked.values() if r}):
@@ -375,23 +444,45 @@ def conditions(sets: dict[str, dict], coll: Collateral, K: int, seed: int) -> di
 
 
 def run_condition(
-    ctx: ClaimsContext, run, name: str, ids: list[int], prompts: Prompts, coll: Collateral, size: SuppSize
+    ctx: ClaimsContext, run, name: str, conds: dict[str, list[int]], prompts: Prompts, coll: Collateral, size: SuppSize
 ) -> dict:
     """Generations for every prompt set and the collateral with ``ids`` off (cached in ``cond-<name>.json``)."""
+    ids = conds[name]
     path = ctx.stage_dir("suppression") / f"cond-{name.replace('@', '-')}.json"
+    # a concept's own set needs its prompts and the neutral ones, before every concept's, random@n those of the
+    # concepts that have a set of size n (their control)
+    size_n = name.split("@")[-1]
+    wanted = [
+        k
+        for k in prompts.sets
+        if k == "neutral"
+        or "@" not in name
+        or name.startswith(f"{k}@")
+        or (name.startswith("random@") and f"{k}@{size_n}" in conds)
+    ]
+    old: dict = {}
     if path.exists():
-        rec = json.loads(path.read_text())
-        if rec["ids"] == ids:
-            return rec
+        old = json.loads(path.read_text())
+        if old["ids"] != ids:
+            old = {}
+        elif all(k in old["generations"] for k in wanted) and all(f"ce_{k}" in old for k in coll.caches if k != "task"):
+            return old
+    # a record of fewer concepts (one added since) keeps its generations: the same seeds give the same draws
     t0 = time.perf_counter()
     model = run.model
-    # a concept's own set needs its prompts and the neutral ones; before and random sets every concept's
-    wanted = [k for k in prompts.sets if "@" not in name or name.startswith(("random@", f"{k}@")) or k == "neutral"]
+    gens = dict(old.get("generations", {}))
     with model.suppress(ids):
-        gens = {k: continuations(model, run.tokenizer, prompts.sets[k][1], size, ctx.seed) for k in wanted}
+        for k in wanted:
+            if k not in gens:
+                gens[k] = continuations(model, run.tokenizer, prompts.sets[k][1], size, ctx.seed)
     t1 = time.perf_counter()
     rec = {"ids": ids, "generations": gens, **coll.measure(model, ids)}
+    for k, v in old.items():  # the measures already stored stay as they were computed
+        if k.startswith("ce_") or k in ("acc", "acc_norm"):
+            rec[k] = v
     rec["seconds"] = {"generate": round(t1 - t0, 1), "collateral": round(time.perf_counter() - t1, 1)}
+    if old:
+        rec["seconds"]["earlier"] = old.get("seconds")
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rec))
     tmp.replace(path)
@@ -443,6 +534,8 @@ def table_rows(
     for concept in specs:
         for cond, rec in recs.items():
             if cond != "before" and not cond.startswith(("random@", f"{concept}@")):
+                continue
+            if cond not in scores[concept]["tfidf"]:  # a random set of a size this concept has no set of
                 continue
             row: dict[str, object] = {"concept": concept, "condition": cond, "prototypes": len(rec["ids"])}
             row["bank_share"] = len(rec["ids"]) / K
@@ -554,7 +647,7 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
     prompts = make_prompts(run.tokenizer, specs, size)
     conds = conditions(sets, coll, K, ctx.seed)
     ctx.log(f"{len(conds)} conditions: {', '.join(conds)}")
-    recs = {name: run_condition(ctx, run, name, ids, prompts, coll, size) for name, ids in conds.items()}
+    recs = {name: run_condition(ctx, run, name, conds, prompts, coll, size) for name in conds}
     scores = judged(specs, recs)
     rows = table_rows(specs, recs, scores, K, size, ctx.seed)
     behaviour = {c: behaviour_gap(scores, c, size.bootstrap, ctx.seed) for c in specs}
