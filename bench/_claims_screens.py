@@ -6,20 +6,15 @@ downloads browsers), as ``tests/test_explorer_browser.py`` does.
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlencode
 
-import uvicorn
 from playwright.sync_api import sync_playwright
 
 from prismlm.app.explorer import Explorer
-from prismlm.web.server import create_app
+from prismlm.web.server import serve_in_background
 
 CHROMIUM = Path("/usr/bin/chromium")
 VIEWPORT = {"width": 1280, "height": 1000}
@@ -31,32 +26,6 @@ class ShotLike(Protocol):
     position: int
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def served(run: Path) -> Iterator[str]:
-    """The explorer of ``run`` served on 127.0.0.1 (its base URL) until the block ends."""
-    ex = Explorer.open(run, device="cpu")
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ex), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    t0 = time.time()
-    while not server.started:
-        if not thread.is_alive() or time.time() - t0 > 60:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 def take_screenshots(run: Path, shots: Sequence[ShotLike], out_dir: Path) -> list[Path]:
     """One PNG per shot, ``out_dir / <name>-explorer.png``: the explain view of its text with the token at
     its position selected (waterfall and active prototypes' cards), clipped to the first screens."""
@@ -64,7 +33,7 @@ def take_screenshots(run: Path, shots: Sequence[ShotLike], out_dir: Path) -> lis
         raise FileNotFoundError(f"{CHROMIUM} (apt-get install chromium)")
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    with served(run) as base, sync_playwright() as p:
+    with serve_in_background(Explorer.open(run, device="cpu")) as base, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
         page = browser.new_page(viewport=VIEWPORT)
         page.set_default_timeout(180_000)  # the first explain request loads the index on one thread

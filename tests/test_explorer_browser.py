@@ -11,9 +11,6 @@ never used (it downloads browsers).
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
@@ -23,13 +20,12 @@ import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("playwright")
-import uvicorn  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from playwright.sync_api import Page, sync_playwright  # noqa: E402
 from test_explorer_api import LIMITS, build_explorer_run  # noqa: E402
 
 from prismlm.app.explorer import Explorer  # noqa: E402
-from prismlm.web.server import create_app  # noqa: E402
+from prismlm.web.server import create_app, serve_in_background  # noqa: E402
 
 CHROMIUM = Path("/usr/bin/chromium")
 SHOTS = Path(__file__).resolve().parents[1] / "docs" / "img"
@@ -42,12 +38,6 @@ if not CHROMIUM.exists():  # pragma: no cover - scripts/setup.sh installs it; sa
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def served(tiny_shards, tmp_path_factory) -> Iterator[tuple[str, Explorer]]:
     run, concept = build_explorer_run(tiny_shards, tmp_path_factory.mktemp("explorer"))
@@ -57,17 +47,8 @@ def served(tiny_shards, tmp_path_factory) -> Iterator[tuple[str, Explorer]]:
         if other
         else Explorer.open(run, device="cpu", concepts=[concept], limits=LIMITS)
     )
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ex), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    t0 = time.time()
-    while not server.started:
-        assert thread.is_alive() and time.time() - t0 < 30, "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}/", ex
-    server.should_exit = True
-    thread.join(10)
+    with serve_in_background(ex, timeout=30) as base:
+        yield base, ex
 
 
 @pytest.fixture(scope="module")

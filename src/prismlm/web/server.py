@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import mimetypes
+import socket
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -36,7 +39,7 @@ from prismlm.errors import (
 from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.render.report import SHARED_ASSETS
 
-__all__ = ["STATIC_DIR", "create_app", "serve"]
+__all__ = ["STATIC_DIR", "create_app", "serve", "serve_in_background"]
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 DENIED_QUERY_KEYS = frozenset(
@@ -349,3 +352,31 @@ def serve(
     )
     print(f"prism explorer: http://{host if ':' not in host else f'[{host}]'}:{port}/", file=sys.stderr)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+@contextmanager
+def serve_in_background(explorer: Explorer, *, timeout: float = 60.0) -> Iterator[str]:
+    """Serve an opened explorer on 127.0.0.1 at a free port from a background thread (a notebook, a browser
+    test, a screenshot script); yields its base URL and stops the server when the block ends."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(create_app(explorer), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() - t0 > timeout:
+            server.should_exit = True
+            raise PrismError(
+                f"the explorer server on 127.0.0.1:{port} did not start within {timeout:g} s",
+                fix="see the uvicorn messages above; a larger `timeout` on a loaded machine",
+            )
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        server.should_exit = True
+        thread.join(10)
