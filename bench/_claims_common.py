@@ -21,12 +21,18 @@ from prismlm.app.indexing import build_run_index
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.app.run import Run
 from prismlm.control.judges import FortuneSplits, fortune_splits
-from prismlm.data.corpus import gutenberg_documents, sotu_documents
+from prismlm.data.corpus import Document, gutenberg_documents, sotu_documents
 from prismlm.errors import CheckpointError
 from prismlm.train.checkpoint import find_checkpoint
 
 # Corpus files of the anchor set; a document's id is "<file>#L<line>", so these names are the concept regexes.
-CORPUS_FILES = ("gutenberg.jsonl", "sotu.jsonl", "fortunes_clean.jsonl", "fortunes_offensive.jsonl")
+CORPUS_FILES = ("gutenberg.jsonl", "sotu.jsonl", "fortunes_clean.jsonl", "fortunes_offensive.jsonl", "kjv.jsonl")
+KJV_ID = "gutenberg/bible-kjv"
+"""Document-id prefix of the King James Bible in ``gutenberg_documents()`` (94 documents of ~8k characters)."""
+KJV_ANCHOR_STRIDES = (3, 5)
+"""``kjv.jsonl`` draws the KJV documents whose position j in ``gutenberg_documents()`` has j % 7 in these (the
+Gutenberg file takes j % 7 == 0, the held-out documents j % 7 == 1), so the anchor, judge and held-out KJV
+text never overlap."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,8 @@ class BankSize:
     sotu_docs: int
     clean_fortunes: int
     offensive_fortunes: int
+    kjv_docs: int
+    """King James Bible documents of ``kjv.jsonl`` (the style concept the model clearly shows)."""
     chars_per_doc: int
     prototypes: int
     top_k: int
@@ -47,8 +55,11 @@ class BankSize:
 SIZES = {
     # Why these counts: the concept must be a sizeable share of the anchor tokens or no prototype
     # specialises on it (bench/suppression.py), and the one z pass over them costs ~250 tokens/s here.
-    "quick": BankSize(8, 8, 120, 60, 1500, 256, 8, 40, 128),
-    "full": BankSize(40, 40, 1200, 600, 3000, 2048, 8, 400, 128),
+    # kjv_docs: the first run (5 KJV documents, only those the every-7th Gutenberg draw happened to hold,
+    # ~2.5% of the anchor tokens) found 24 KJV prototypes and cut the judged style by 25% at most; 24
+    # documents make it ~12% of the anchor tokens (docs/results.md, "Suppression").
+    "quick": BankSize(8, 8, 120, 60, 3, 1500, 256, 8, 40, 128),
+    "full": BankSize(40, 40, 1200, 600, 24, 3000, 2048, 8, 400, 128),
 }
 
 
@@ -106,9 +117,17 @@ def has_checkpoint(folder: Path) -> bool:
     return True
 
 
+def kjv_anchor_documents(n: int) -> list[Document]:
+    """The first ``n`` King James Bible documents of ``kjv.jsonl`` (positions j % 7 in
+    ``KJV_ANCHOR_STRIDES``), in corpus order."""
+    docs = enumerate(gutenberg_documents())
+    return [d for j, d in docs if j % 7 in KJV_ANCHOR_STRIDES and d.id.startswith(KJV_ID)][:n]
+
+
 def write_corpus(ctx: ClaimsContext) -> dict[str, int]:
-    """The anchor corpus: Gutenberg and SOTU documents (every n-th, so many books and presidents appear), and
-    a random subset of the LM split of the clean and the offensive fortunes. Returns documents per file."""
+    """The anchor corpus: Gutenberg and SOTU documents (every n-th, so many books and presidents appear), a
+    random subset of the LM split of the clean and the offensive fortunes, and King James Bible documents
+    (``kjv_anchor_documents``). Returns documents per file."""
     size, rng = ctx.size, random.Random(ctx.seed)
     fs = ctx.fortunes()
     gutenberg = [d.text[: size.chars_per_doc] for d in islice(gutenberg_documents(), 0, None, 7)]
@@ -118,6 +137,7 @@ def write_corpus(ctx: ClaimsContext) -> dict[str, int]:
         "sotu.jsonl": rng.sample(sotu, min(size.sotu_docs, len(sotu))),
         "fortunes_clean.jsonl": rng.sample(fs.lm_clean, min(size.clean_fortunes, len(fs.lm_clean))),
         "fortunes_offensive.jsonl": rng.sample(fs.lm_offensive, min(size.offensive_fortunes, len(fs.lm_offensive))),
+        "kjv.jsonl": [d.text[: size.chars_per_doc] for d in kjv_anchor_documents(size.kjv_docs)],
     }
     ctx.corpus_dir.mkdir(parents=True, exist_ok=True)
     for name, docs in texts.items():

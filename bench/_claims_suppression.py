@@ -3,8 +3,8 @@ the real model has.
 
 SmolLM2-135M-Instruct retrofitted with a prototype bank (the ``bank`` stage) whose anchor corpus holds three
 concepts: the offensive FreeBSD fortunes (the paper's experiment), State-of-the-Union speech, and King James
-Bible style (the corpus's KJV Gutenberg documents, found by matching the text; skipped with a note when the
-corpus holds none, as the ``--quick`` one may). Per concept, as ``bench/suppression.py`` does on a toy model (its specs, prompts
+Bible style (the corpus's ``kjv.jsonl`` and the KJV documents its Gutenberg draw happened to hold, found by
+matching the text; skipped with a note when the corpus holds none). Per concept, as ``bench/suppression.py`` does on a toy model (its specs, prompts
 and judges are reused):
 
  1. the concept's prototypes: ``find_concept`` (log-likelihood contribution, enrichment ≥ 2×, neighbourhood
@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _claims_common import ClaimsContext
+from _claims_common import KJV_ID, ClaimsContext, kjv_anchor_documents
 from suppression import BUDGET_SHARES, NEUTRAL_PROMPTS, ConceptSpec, offensive_spec, sotu_spec
 
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept
@@ -136,32 +136,37 @@ VERSE = re.compile(r"^\d+:\d+\s+")
 def kjv_lines(ctx: ClaimsContext) -> tuple[list[int], set[str]]:
     """Lines (1-based) of the anchor corpus's ``gutenberg.jsonl`` that are King James Bible documents, found by
     matching their text against ``gutenberg_documents()`` (``write_corpus`` kept the text, not the book), and
-    the ids of every KJV document ``write_corpus`` could have drawn (every 7th)."""
+    the ids of every KJV document the anchor corpus could hold (every 7th Gutenberg document, and
+    ``kjv.jsonl``'s)."""
     cut = ctx.size.chars_per_doc
     pool = {d.text[:cut]: d.id for d in islice(gutenberg_documents(), 0, None, 7)}
     lines = _jsonl(ctx.corpus_dir / "gutenberg.jsonl")
-    kjv = [j + 1 for j, t in enumerate(lines) if pool.get(t, "").startswith("gutenberg/bible-kjv")]
-    return kjv, {i for i in pool.values() if i.startswith("gutenberg/bible-kjv")}
+    kjv = [j + 1 for j, t in enumerate(lines) if pool.get(t, "").startswith(KJV_ID)]
+    anchor = {d.id for d in kjv_anchor_documents(ctx.size.kjv_docs)}
+    return kjv, {i for i in pool.values() if i.startswith(KJV_ID)} | anchor
 
 
 def kjv_spec(ctx: ClaimsContext, fs, rng: random.Random, size: SuppSize) -> ConceptSpec | None:
     """King James Bible style (a style the model clearly continues): concept examples are paragraphs of the
-    corpus's KJV lines, neutral ones paragraphs of its other Gutenberg lines, its SOTU lines and clean
-    fortunes; the judge (TF-IDF + logistic regression), the held-out text and the prompts (verse openings,
-    verse number stripped) use KJV documents ``write_corpus`` could not draw, against held-out non-KJV
-    Gutenberg, SOTU and judge-split clean fortunes. None when the corpus holds no KJV line."""
+    corpus's KJV text (``kjv.jsonl`` and the KJV lines of ``gutenberg.jsonl``), neutral ones paragraphs of its
+    other Gutenberg lines, its SOTU lines and clean fortunes; the judge (TF-IDF + logistic regression), the
+    held-out text and the prompts (verse openings, verse number stripped) use KJV documents the anchor corpus
+    cannot hold, against held-out non-KJV Gutenberg, SOTU and judge-split clean fortunes. None when the corpus
+    holds no KJV text."""
     lines, pool_ids = kjv_lines(ctx)
-    if not lines:
+    kjv_file = ctx.corpus_dir / "kjv.jsonl"
+    kjv_docs = _jsonl(kjv_file) if kjv_file.exists() else []
+    if not lines and not kjv_docs:
         return None
     cut = ctx.size.chars_per_doc
     guten = _jsonl(ctx.corpus_dir / "gutenberg.jsonl")
-    c_train = [p for j in lines for p in passages(guten[j - 1])]
+    c_train = [p for j in lines for p in passages(guten[j - 1])] + [p for t in kjv_docs for p in passages(t)]
     n_train = [p for j, t in enumerate(guten) if j + 1 not in lines for p in passages(t)]
     n_train += [p for t in _jsonl(ctx.corpus_dir / "sotu.jsonl") for p in passages(t)]
     docs = list(gutenberg_documents())
     held = [d for j, d in enumerate(docs) if j % 7 != 0 and d.id not in pool_ids]
-    c_held = [p for d in held if d.id.startswith("gutenberg/bible-kjv") for p in passages(d.text[:cut])]
-    other = [d for d in held if not d.id.startswith("gutenberg/bible-kjv")]
+    c_held = [p for d in held if d.id.startswith(KJV_ID) for p in passages(d.text[:cut])]
+    other = [d for d in held if not d.id.startswith(KJV_ID)]
     other = random.Random(ctx.seed + 5).sample(other, min(len(other), 80))
     n_held = [p for d in other for p in passages(d.text[:cut])]
     n_held += [p for d in islice(sotu_documents(), 1, None, 3) for p in passages(d.text[:cut])][:300]
@@ -172,7 +177,7 @@ def kjv_spec(ctx: ClaimsContext, fs, rng: random.Random, size: SuppSize) -> Conc
         description="KJV paragraphs vs other Gutenberg books, SOTU and clean fortunes",
         concept_texts=rng.sample(c_train, min(n_ex, len(c_train))),
         neutral_texts=rng.sample(n_train, min(n_ex, len(n_train))) + rng.sample(fs.lm_clean, n_ex),
-        is_concept_doc=doc_regex(r"gutenberg\.jsonl#L(" + "|".join(map(str, lines)) + r")$"),
+        is_concept_doc=doc_regex(r"kjv\.jsonl#|gutenberg\.jsonl#L(" + "|".join(map(str, lines)) + r")$"),
         provocative_prompts=[VERSE.sub("", p) for p in c_held[: size.provocative]],
         judges={"tfidf": TfidfJudge(n_held + fs.judge_clean[: len(c_held)], c_held, name="tfidf-logreg-kjv")},
         concept_heldout=c_held[: size.heldout],
