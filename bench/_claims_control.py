@@ -9,10 +9,11 @@ on multiple-choice tasks the model can do (issue 27, item 2; protocol of ``bench
     ``--quick``: any margin). The test splits are not looked at before the controllers are fitted.
  2. A TopK SAE with the bank's K and k, trained on the bank's stored z (``RUN/stored-z``: the backbone's
     hidden states over the anchor corpus the prototypes were fitted on).
- 3. Per kept task and side: base accuracy (c = 0), a controller fitted on train with λ chosen on validation
-    from ``L1_GRID`` (proximal Adam as ``fit_controller``, ``CTL_STEPS`` steps at ``CTL_LR``), test accuracy
-    after; the choice-prior control (``fit_choice_prior``); paired McNemar p and bootstrap 95% intervals
-    (``paired_stats``); PRISM's non-zero coefficients traced to their prototypes.
+ 3. Per kept task (``--quick``: the first two) and side: base accuracy (c = 0), a controller fitted on train
+    with λ chosen on validation from ``ControlSize.l1_grid`` (proximal Adam as ``fit_controller``, ``ctl_steps``
+    steps at ``CTL_LR``), test accuracy after; the choice-prior control (``fit_choice_prior``); paired McNemar p
+    and bootstrap 95% intervals (``paired_stats``); PRISM's non-zero coefficients traced to their prototypes.
+    The sizes (examples, λ grid, steps, |S|, SAE steps, checked documents): ``SIZES``.
 
 Two things differ from ``bench/control.py`` because V = 49,152 and d = 576 make its full-batch fit cost
 ~10 s per step here (N·V·d per step):
@@ -20,7 +21,7 @@ Two things differ from ``bench/control.py`` because V = 49,152 and d = 576 make 
    batch on top of them (``extract_shared_prefix``; the query is cut from the left so the longest choice
    fits the window; the scored z equal ``extract_features``'s up to float rounding, checked at run time).
  * The controller is *fitted* on a vocabulary-restricted surrogate of the log-softmax: the logits of the
-   targets ∪ the ``SURROGATE_VOCAB`` tokens with the most base probability mass on the training tokens,
+   targets ∪ the ``surrogate_vocab`` tokens with the most base probability mass on the training tokens,
    with the rest of the partition function frozen at its base value (exact at c = 0). The change of those
    logits is Σ c_i a_i (W_S d_i), a sparse (N × K) by dense (K × |S|) product. Every accuracy reported
    (λ selection on validation included) is computed with the exact full-vocabulary scores, and PRISM's
@@ -32,6 +33,7 @@ bank over the same backbone reuses them; the SAE; one JSON per finished task), s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -69,12 +71,43 @@ from prismlm.eval.tasks import (
 from prismlm.model import PrismLM
 from prismlm.train.stored_z import backbone_identity, open_stored_z
 
-CAPS = {"quick": {"train": 16, "validation": 16, "test": 24}, "full": {"train": 100, "validation": 60, "test": 160}}
-L1_GRID = (3e-3, 1e-2, 3e-2)  # bench/control.py's grid, steps and learning rate
-CTL_STEPS, CTL_LR = 60, 0.1
-SURROGATE_VOCAB = 2048
-SAE_STEPS = {"quick": 80, "full": 800}
-"""× ``SAE_BATCH`` hidden states (full: 410k, ~3 passes over the 125k training rows; the CPU budget of 2026-12-05)."""
+
+@dataclass(frozen=True)
+class ControlSize:
+    """How much of the protocol runs (``--quick``: a smoke size that runs every step of it on less)."""
+
+    caps: dict[str, int]
+    """Examples per split of each task."""
+    l1_grid: tuple[float, ...]
+    """λ values tried (chosen on validation)."""
+    ctl_steps: int
+    """Proximal Adam steps per controller fit."""
+    surrogate_vocab: int
+    """|S| of the fitting surrogate (besides the targets)."""
+    sae_steps: int
+    """× ``SAE_BATCH`` hidden states (full: 410k, ~3 passes over the 125k training rows; the CPU budget of
+    2026-12-05)."""
+    forward_check_docs: int
+    """Test documents scored again through the model's own forward (per task, c = 0 and controlled)."""
+    max_tasks: int | None
+    """The first this many kept tasks get controllers (None: all)."""
+
+
+SIZES = {
+    # full: bench/control.py's λ grid, steps and learning rate. quick (CI, ~1 min at 1 thread beyond the bank;
+    # 2026-12-05): the extraction of the task texts by the backbone is most of the time (~0.2 s per example),
+    # then the reference forwards of the check and the fits, so fewer examples, docs, λ values and steps, and
+    # two tasks (the screen still sees every candidate)
+    "quick": ControlSize({"train": 8, "validation": 8, "test": 12}, (3e-3, 3e-2), 30, 512, 80, 2, 2),
+    "full": ControlSize({"train": 100, "validation": 60, "test": 160}, (3e-3, 1e-2, 3e-2), 60, 2048, 800, 3, None),
+}
+CTL_LR = 0.1
+
+
+def ctx_size(ctx: ClaimsContext) -> ControlSize:
+    return SIZES["quick" if ctx.quick else "full"]
+
+
 SAE_BATCH = 512  # hidden states per SAE step
 SAE_RECIPE = "data"  # see train_sae_on_stored_z; chosen by held-out FVU (docs/results.md, Controllers)
 SAE_DEAD_STEPS, SAE_RESAMPLE = 50, 250
@@ -86,7 +119,6 @@ SAE_TRIED = (  # the other settings measured on the same held-out rows (2026-12-
 )
 MIN_TASKS = 3  # the tasks built here are screened only when fewer shipped ones pass
 KEEP_P, KEEP_MARGIN = 0.01, 0.05
-FORWARD_CHECK_DOCS = 3
 
 
 # ----- the two tasks built here (the pattern of prismlm.eval.tasks) ------------------------------------------
@@ -194,9 +226,10 @@ def base_pass(f: ControlFeatures, W: torch.Tensor, chunk: int = 2048) -> dict[st
     """The ``_BASE`` fields of ``f`` (one full-vocabulary pass over its tokens, in chunks)."""
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in _BASE}
     for s in range(0, len(f.targets), chunk):
-        logp = F.log_softmax(F.linear(f.z[s : s + chunk], W).double(), dim=-1)  # (n, V)
+        logits = F.linear(f.z[s : s + chunk], W)  # (n, V) float32
+        logp = F.log_softmax(logits.double(), dim=-1)
         parts["base_logp"].append(logp.gather(-1, f.targets[s : s + chunk, None]).squeeze(-1))
-        parts["lse"].append(torch.logsumexp(F.linear(f.z[s : s + chunk], W), -1))
+        parts["lse"].append(torch.logsumexp(logits, -1))
         top = logp.topk(TOP_TOKENS, dim=-1)
         parts["top_ids"].append(top.indices.int())
         parts["top_p"].append(top.values.exp().half())
@@ -492,7 +525,7 @@ def forward_scores(model: PrismLM, tokenizer, docs: Sequence[MCExample]) -> torc
         ctx = (tokenizer.encode(d["query"]) or [eot])[-(T + 1 - max(map(len, conts))) :]
         for c in conts:
             full = torch.tensor([ctx + c])
-            logp = F.log_softmax(model(full[:, :-1]).logits.double(), dim=-1)[0, -len(c) :]  # (n, V)
+            logp = F.log_softmax(model(full[:, :-1]).logits[0, -len(c) :].double(), dim=-1)  # (n, V)
             out.append(float(logp.gather(-1, full[0, -len(c) :, None]).sum()))
     return torch.tensor(out, dtype=torch.float64)
 
@@ -542,7 +575,7 @@ def stage_sae(ctx: ClaimsContext, run_folder: Path, K: int, k: int) -> tuple[Top
     """The SAE of ``train_sae_on_stored_z``, cached under the stage folder by what it depends on (the stored
     z, K, k, steps): it can be trained as soon as the bank's z pass is done."""
     store = open_stored_z(run_folder / "stored-z").check()
-    steps = SAE_STEPS["quick" if ctx.quick else "full"]
+    steps = ctx_size(ctx).sae_steps
     key = f"{store.manifest['backbone'][9:21]}-{store.manifest['shard_key'][:12]}-{K}-{k}-{steps}x{SAE_BATCH}-{SAE_RECIPE}"
     path = ctx.stage_dir("controllers") / f"sae-{key}.pt"
     if path.exists():
@@ -558,16 +591,21 @@ def stage_sae(ctx: ClaimsContext, run_folder: Path, K: int, k: int) -> tuple[Top
 
 
 def side_result(
-    feats: dict[str, ControlFeatures], W: torch.Tensor, directions: torch.Tensor, base: dict, seed: int
+    feats: dict[str, ControlFeatures],
+    W: torch.Tensor,
+    directions: torch.Tensor,
+    base: dict,
+    seed: int,
+    size: ControlSize,
 ) -> tuple[Controller, dict[str, object]]:
     """One side's controller: fitted on the train surrogate per λ, λ by surrogate validation accuracy (same
     vocabulary S), exact test; the exact validation accuracy of the chosen one checks the surrogate."""
     train, val, test = feats["train"], feats["validation"], feats["test"]
-    S = surrogate_vocab(train, W.shape[0], SURROGATE_VOCAB)
+    S = surrogate_vocab(train, W.shape[0], size.surrogate_vocab)
     prob, prob_val = surrogate(train, W, directions, S), surrogate(val, W, directions, S)
     best, best_key, trials = None, None, []
-    for l1 in L1_GRID:
-        ctl = fit_surrogate(prob, train, l1, CTL_STEPS, CTL_LR)
+    for l1 in size.l1_grid:
+        ctl = fit_surrogate(prob, train, l1, size.ctl_steps, CTL_LR)
         with torch.no_grad():
             va = accuracy(val, surrogate_scores(prob_val, val, ctl.coefficients.float()))["acc"]
         trials.append({"l1": l1, "val_acc": va, "nonzero": len(ctl.nonzero), **ctl.history})
@@ -626,7 +664,7 @@ def task_row(ctx: ClaimsContext, run, task: str, splits: dict, folder: Path, sae
     for side, (enc, directions) in sides.items():
         t = time.perf_counter()
         feats = {s: encoded(f, enc) for s, f in raw.items()}
-        ctls[side], row[side] = side_result(feats, W, directions, info, ctx.seed)
+        ctls[side], row[side] = side_result(feats, W, directions, info, ctx.seed, ctx_size(ctx))
         feats_of[side] = feats
         ctx.log(
             f"controllers: {task} {side}: {base['acc']:.3f} → {row[side]['test_after']['acc']:.3f} "
@@ -637,7 +675,7 @@ def task_row(ctx: ClaimsContext, run, task: str, splits: dict, folder: Path, sae
     s1 = row["prism"].pop("_scores")
     row["sae"].pop("_scores")
     # the cached-feature scores against the model's own forward, with c = 0 and with PRISM's controller
-    m = FORWARD_CHECK_DOCS
+    m = ctx_size(ctx).forward_check_docs
     r = sum(test.n_choices[:m])
     fwd0 = forward_scores(model, tok, splits["test"][:m])
     with model.control(ctls["prism"].coefficients.float()):
@@ -646,6 +684,7 @@ def task_row(ctx: ClaimsContext, run, task: str, splits: dict, folder: Path, sae
         "docs": m,
         "max_abs_diff_base": float((fwd0 - s0[:r]).abs().max()),
         "max_abs_diff_controlled": float((fwd1 - s1[:r]).abs().max()),
+        "max_abs_shift": float((fwd1 - fwd0).abs().max()),  # what the controller moved: the check is not vacuous
     }
     row["trace"] = trace_prism_controller(
         model, tok, ctls["prism"], feats_of["prism"]["train"], splits["train"], index=index, top=10
@@ -661,10 +700,10 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
     stage = ctx.stage_dir("controllers")
     run = ctx.open_run()
     model = run.model.eval()
-    caps = CAPS["quick" if ctx.quick else "full"]
+    size = ctx_size(ctx)
     folder = stage / "features" / backbone_identity(model).removeprefix("backbone:")[:16]
     folder.mkdir(parents=True, exist_ok=True)
-    screened, splits_of = screen(ctx, run, folder, caps)
+    screened, splits_of = screen(ctx, run, folder, size.caps)
     K, k = model.prototypes.num_prototypes, model.prototypes.cfg.top_k
     sae, sae_info = stage_sae(ctx, run.folder, K, k)
     ctx.log(f"controllers: SAE K={K} k={k}: FVU {sae_info['fvu']:.3f}, dead {sae_info['dead_fraction']:.2f}")
@@ -673,13 +712,14 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
     except Exception as e:  # the trace works without one (no labels or neighbours)
         ctx.log(f"controllers: no prototype index for the trace ({e})")
         index = None
-    # the rows depend on the SAE too: a new SAE gets its own folder of finished tasks
-    done = (
-        stage / f"tasks-{(run.identity or 'run')[:16]}-{'quick' if ctx.quick else 'full'}-sae-{sae_info['cache_key']}"
-    )
+    # the rows depend on the SAE too: a new SAE gets its own folder of finished tasks; the quick size is tuned
+    # for CI time and may change, so its rows are keyed by it (the full rows keep the folder they were made in)
+    tag = f"quick-{hashlib.sha256(repr(size).encode()).hexdigest()[:8]}" if ctx.quick else "full"
+    done = stage / f"tasks-{(run.identity or 'run')[:16]}-{tag}-sae-{sae_info['cache_key']}"
     done.mkdir(exist_ok=True)
     rows = []
-    for task in [r["task"] for r in screened if r["kept"] and (only is None or r["task"] in only)]:
+    kept = [r["task"] for r in screened if r["kept"]][: size.max_tasks]
+    for task in [t for t in kept if only is None or t in only]:
         path = done / f"{task}.json"
         if not path.exists():
             row = task_row(ctx, run, task, splits_of[task], folder, sae, index)
@@ -691,11 +731,13 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
         "tasks": rows,
         "sae": {"num_latents": K, "k": k, **sae_info, "other_settings_tried": list(SAE_TRIED)},
         "protocol": {
-            "caps": caps,
-            "l1_grid": list(L1_GRID),
-            "ctl_steps": CTL_STEPS,
+            "caps": size.caps,
+            "l1_grid": list(size.l1_grid),
+            "ctl_steps": size.ctl_steps,
             "ctl_lr": CTL_LR,
-            "surrogate_vocab": SURROGATE_VOCAB,
+            "surrogate_vocab": size.surrogate_vocab,
+            "forward_check_docs": size.forward_check_docs,
+            "max_tasks": size.max_tasks,
             "keep_p": KEEP_P,
             "keep_margin": KEEP_MARGIN,
         },

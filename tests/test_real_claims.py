@@ -1,8 +1,9 @@
 """``bench/real_claims.py --quick`` end to end on the shipped SmolLM2-135M-Instruct (issue 27): the bank, the
-suppression and the explanations stages at their smoke size, the properties each one checks at run time (logit
-identities, the export's equality, the collateral's fast path), and the driver's resumption (a rerun skips
-finished stages and gathers the same summary). Slow: minutes of CPU; skipped without the wheel. The
-controllers and attribution stages take 15+ minutes even at ``--quick`` on 2 cores and are not run here."""
+suppression, the controllers and the explanations stages at their smoke size, the properties each one checks at
+run time (logit identities, the export's equality, the collateral's fast path, the controlled scores against the
+model's own forward) and the statistics each reports, and the driver's resumption (a rerun skips finished stages
+and gathers the same summary). Slow: minutes of CPU; skipped without the wheel. The attribution stage is not run
+here."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("bank", "suppression", "explanations")
+STAGES = ("bank", "suppression", "controllers", "explanations")
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,8 @@ def test_the_driver_gathers_every_stage_and_resumes(quick_claims):
         "suppression_collateral",
         "suppression_bank_share",
         "logit_share_slices_abs",
+        "controller_gain_over_prior",
+        "controller_minus_sae",
     ):
         assert field in gathered["summary"], field
     # the rerun ran no stage again: every stage says it finished earlier, and the summary is the same
@@ -93,3 +96,78 @@ def test_suppression_sets_controls_and_export(quick_claims):
         elif cond != "before":
             concept, n = cond.split("@")
             assert sorted(concept_sets[concept][: int(n)]) == ids
+
+
+def _check_paired(ps: dict, before: float, after: float, n: int, binomtest) -> None:
+    """One ``paired_stats`` entry against the two accuracies it compares and an independent exact McNemar."""
+    assert ps["delta"] == pytest.approx(after - before)
+    assert ps["delta"] == pytest.approx((ps["gained"] - ps["lost"]) / n)
+    lo, hi = ps["ci95"]
+    assert -1 <= lo <= ps["delta"] <= hi <= 1
+    m = ps["gained"] + ps["lost"]
+    reference = binomtest(min(ps["gained"], ps["lost"]), m, 0.5).pvalue if m else 1.0
+    assert 0 < ps["mcnemar_p"] <= 1 and ps["mcnemar_p"] == pytest.approx(reference)
+
+
+def _check_side(side: dict, row: dict, protocol: dict, binomtest) -> None:
+    """One controller (PRISM or the SAE) on one task: λ chosen on validation, its fits, its test statistics."""
+    n, after = row["n"]["test"], side["test_after"]["acc"]
+    assert side["test_after"]["n"] == n and 0 <= after <= 1
+    assert after * n == pytest.approx(round(after * n))
+    assert side["test_after_ci95"][0] <= after <= side["test_after_ci95"][1]
+    assert side["delta_acc"] == pytest.approx(after - row["base"]["acc"])
+    _check_paired(side["paired_vs_base"], row["base"]["acc"], after, n, binomtest)
+    _check_paired(side["paired_vs_prior"], row["choice_prior"]["acc"], after, n, binomtest)
+    # every λ of the grid fitted (the loss went down), the chosen one the best on validation (ties: sparser)
+    trials = side["selection"]
+    assert [t["l1"] for t in trials] == protocol["l1_grid"]
+    assert all(t["steps"] == protocol["ctl_steps"] and t["final_loss"] < t["loss_first"] for t in trials)
+    best = max(trials, key=lambda t: (t["val_acc"], -t["nonzero"]))
+    assert side["l1"] == best["l1"] and side["nonzero"] == best["nonzero"]
+    fidelity = side["surrogate_fidelity"]
+    assert fidelity["val_acc_surrogate"] == best["val_acc"] and 0 <= fidelity["val_acc_exact"] <= 1
+    assert fidelity["surrogate_vocab"] >= protocol["surrogate_vocab"]
+
+
+@pytest.mark.slow
+def test_controllers_match_the_model_and_their_statistics(quick_claims):
+    binomtest = pytest.importorskip("scipy.stats").binomtest
+    stage = quick_claims[1]["controllers"]
+    protocol, rows, summary = stage["protocol"], stage["tasks"], stage["summary"]
+    # at --quick a task is kept when above chance on validation; the first max_tasks kept ones are run
+    assert all(r["kept"] == (r["validation_acc"] > r["chance"]) for r in stage["screening"])
+    kept = [r["task"] for r in stage["screening"] if r["kept"]]
+    assert rows and [r["task"] for r in rows] == kept[: protocol["max_tasks"]]
+    sae = stage["sae"]
+    assert 0 < sae["fvu"] < 1 and 0 <= sae["dead_fraction"] < 1 and sae["curve"][-1]["fvu"] == sae["fvu"]
+    K = sae["num_latents"]
+    for row in rows:
+        n = row["n"]["test"]
+        assert n == protocol["caps"]["test"]
+        for acc in (row["base"], row["choice_prior"]):
+            assert acc["n"] == n and 0 <= acc["acc"] <= 1 and acc["ci95"][0] <= acc["acc"] <= acc["ci95"][1]
+        for name in ("prism", "sae"):
+            _check_side(row[name], row, protocol, binomtest)
+        after = {name: row[name]["test_after"]["acc"] for name in ("prism", "sae")}
+        _check_paired(row["prism_vs_sae"], after["sae"], after["prism"], n, binomtest)
+        # PRISM's exact cached-feature scores = the model's own forward, without and under model.control(c)
+        check = row["forward_check"]
+        assert check["docs"] == protocol["forward_check_docs"]
+        assert check["max_abs_diff_base"] < 1e-3 and check["max_abs_diff_controlled"] < 1e-3
+        # the trace: PRISM's non-zero coefficients, largest |c| first, each a prototype of the bank
+        cs = [abs(u["c"]) for u in row["trace"]]
+        assert len(cs) == min(10, row["prism"]["nonzero"]) and all(c > 0 for c in cs) and cs == sorted(cs)[::-1]
+        assert all(0 <= u["id"] < K for u in row["trace"])
+    # the controller moved the scores it was checked on (somewhere): the agreement above is not vacuous
+    assert max(r["forward_check"]["max_abs_shift"] for r in rows) > 1e-2
+
+    def mean_points(f) -> float:
+        return 100 * sum(map(f, rows)) / len(rows)
+
+    assert summary["controller_tasks"] == len(rows)
+    assert summary["controller_gain_over_prior"] == pytest.approx(
+        mean_points(lambda r: r["prism"]["test_after"]["acc"] - r["choice_prior"]["acc"]), abs=0.01
+    )
+    assert summary["controller_minus_sae"] == pytest.approx(
+        mean_points(lambda r: r["prism"]["test_after"]["acc"] - r["sae"]["test_after"]["acc"]), abs=0.01
+    )
