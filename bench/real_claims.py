@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from _claims_common import ClaimsContext, bank_stage
-from _common import RESULTS_DIR, RUNS_DIR, environment, write_json
+from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, write_json
 
 StageFn = Callable[[ClaimsContext], dict[str, object]]
 
@@ -77,8 +77,11 @@ def main() -> None:
     ctx = ClaimsContext(
         quick=args.quick, threads=args.threads, work=args.work or RUNS_DIR / f"real-claims{tag}", device=args.device
     )
+    # the revision is read once, before any stage writes its JSON into bench/results (a tracked folder): read
+    # per stage, the first stage's output would mark every later stage of the same run "-dirty"
+    env = environment(args.device, 0)
     for name in args.stage or list(STAGES):
-        run_stage(ctx, name, stage_path(out, name), redo=name in args.redo, device=args.device)
+        run_stage(ctx, name, stage_path(out, name), redo=name in args.redo, env=env)
     stages = {name: json.loads(p.read_text()) for name in STAGES if (p := stage_path(out, name)).exists()}
     summary = merged_summary(stages)
     sources = {name: {"file": stage_path(out, name).name, **revision(stage)} for name, stage in stages.items()}
@@ -93,8 +96,9 @@ def stage_path(out: Path, name: str) -> Path:
     return out.with_name(f"{out.stem}-{name}.json")
 
 
-def run_stage(ctx: ClaimsContext, name: str, path: Path, *, redo: bool, device: str) -> None:
-    """Run one stage into ``path`` unless it finished there earlier (``redo``: again)."""
+def run_stage(ctx: ClaimsContext, name: str, path: Path, *, redo: bool, env: dict[str, object]) -> None:
+    """Run one stage into ``path`` unless it finished there earlier (``redo``: again); ``env``: the run's
+    environment record (``_common.environment`` at the start of the run), given the stage's start load."""
     if path.exists() and not redo:
         ctx.log(f"{name}: finished earlier ({path}); --redo {name} runs it again")
         return
@@ -103,7 +107,7 @@ def run_stage(ctx: ClaimsContext, name: str, path: Path, *, redo: bool, device: 
         ctx.log(f"{name}: not written yet, skipped")
         return
     ctx.log(f"{name}: starting")
-    env = environment(device, 0)  # at the start: the revision this stage's code came from
+    env = {**env, "load_average_start": load_average()}
     t0 = time.perf_counter()
     result = fn(ctx)
     write_json(path, {"stage": name, **result, "seconds": round(time.perf_counter() - t0, 1), "environment": env})
