@@ -13,13 +13,18 @@ by the answer, only the answer's tokens measured) and recall@10 / MRR of the pla
     * ``grad-dot``: gradient dot products over the fine-tuned parameters (the hybrid's re-scorer);
     * ``hybrid-grad-m{M}``: the compact cache's top-M re-scored by ``grad-dot`` (``--rescore``);
     * ``ekfac``: kronfluence EK-FAC on the fine-tuned blocks' ``nn.Linear`` modules;
+    * ``trak``: TRAK (traker) on the fine-tuned parameters (``TrakBaseline(parameters=...)``), proj_dim > N with
+      a relative ridge;
+    * ``bergson``: bergson==2.5.1 from its own venv, where ``BERGSON_PYTHON`` names its python (else recorded as
+      not run, saying how to enable it; ``bench/_bergson.py``);
     * ``bm25``: Okapi BM25 over the decoded training sequences (the whole query text; ``bm25-prompt``: the
-      question without its answer);
-    * TRAK and bergson: recorded as not run, with the reason.
+      question without its answer).
 
 Per-query cost at equal work: one thread, the same training sequences and queries; the cache's query is one
-query's block gradients + its scores; EK-FAC's is one batch of all queries ÷ queries (its best case) and one
-single-query call. Each method's scores are saved under the stage folder (a rerun loads them).
+query's block gradients + its scores; EK-FAC's, TRAK's and bergson's are one batch of all queries ÷ queries
+(their best case) and one single-query call. Each method's scores are saved under the stage folder (a rerun
+loads them). ``--quick`` (a smoke size: ~10 sequences, so recall@10 is trivially 1) restricts EK-FAC and TRAK
+to the last block's attention.
 """
 
 from __future__ import annotations
@@ -226,7 +231,10 @@ def planted_queries(pc: PlantedCorpus, tok: Any) -> tuple[list[tuple[list[int], 
 
 
 def chance_recall(n: int, relevant: list[int], k: int) -> float:
-    """Expected recall@k of a random ranking: the mean over queries of 1 − C(n−r, k) / C(n, k) (r relevant)."""
+    """Expected recall@k of a random ranking: the mean over queries of 1 − C(n−r, k) / C(n, k) (r relevant);
+    1 when k ≥ n (the smoke size)."""
+    if k >= n:
+        return 1.0
     return float(np.mean([1 - math.comb(n - r, k) / math.comb(n, k) for r in relevant if r]))
 
 
