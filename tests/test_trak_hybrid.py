@@ -232,6 +232,13 @@ def test_trak_on_named_parameters_projects_only_their_gradients(net, tiny_shards
     assert c > 0
     torch.testing.assert_close(S[0], c * ref, rtol=1e-3, atol=1e-3 * float(S[0].abs().max()))
     tb.close()
+    # a tied weight named under its alias (the unembedding is the token embedding): differentiated once
+    tied = TrakBaseline(net, tiny_shards, proj_dim=128, lambda_reg=1.0, parameters=["lm_head.weight"], max_sequences=4)
+    assert (
+        tied.grad_wrt == ["transformer.wte.weight"]
+        and tied.traker.projector.grad_dim == m.transformer.wte.weight.numel()
+    )
+    tied.close()
 
 
 def test_kronfluence_scores_on_candidates_equal_the_full_matrix(net, tiny_shards):

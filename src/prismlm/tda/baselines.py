@@ -411,14 +411,15 @@ class TrakBaseline(_Scratch):
 
     def _differentiated(self, error: type[Exception]) -> list[str] | None:
         """The names of the parameters to differentiate, in ``named_parameters`` order (None: all), with
-        ``requires_grad`` set on exactly those in the copy (no graph is kept for the others)."""
-        names = dict(self.net.named_parameters())
+        ``requires_grad`` set on exactly those in the copy (no graph is kept for the others). A tied weight may
+        be named under any of its names; it is differentiated once."""
         if self.parameters is None:
-            for p in names.values():
+            for p in self.net.parameters():
                 p.requires_grad_(True)
             return None
+        every = dict(self.net.named_parameters(remove_duplicate=False))  # tied weights under every name
         wanted = set(self.parameters)
-        missing = sorted(wanted - names.keys())
+        missing = sorted(wanted - every.keys())
         if missing or not wanted:
             raise error(
                 f"TRAK: `parameters` names {len(missing)} parameter(s) the model does not have: "
@@ -426,9 +427,10 @@ class TrakBaseline(_Scratch):
                 if missing
                 else "TRAK: `parameters` is empty (None differentiates every parameter)"
             )
-        for n, p in names.items():
-            p.requires_grad_(n in wanted)
-        return [n for n in names if n in wanted]
+        chosen = {id(every[n]) for n in wanted}
+        for p in self.net.parameters():
+            p.requires_grad_(id(p) in chosen)
+        return [n for n, p in self.net.named_parameters() if id(p) in chosen]
 
     def scores(self, queries: list[tuple[list[int], int]], pad_id: int = 0) -> torch.Tensor:
         """(num_queries, num_train) TRAK scores."""
