@@ -197,7 +197,7 @@ def finetune(ctx: ClaimsContext, size: PlantSize, pc: PlantedCorpus, out: Path) 
         backbone_lr_ratio=0.3,
     )
     # the smoke corpus (~700 tokens, 16 documents) needs a larger share to give the validation split a block
-    val = 0.1 if ctx.quick else 0.02
+    val = 0.2 if ctx.quick else 0.02
     overrides = [
         "train.eval_batches=2",
         f"data.val_fraction={val}",
