@@ -23,7 +23,7 @@ by the answer, only the answer's tokens measured) and recall@10 / MRR of the pla
 Per-query cost at equal work: one thread, the same training sequences and queries; the cache's query is one
 query's block gradients + its scores; EK-FAC's, TRAK's and bergson's are one batch of all queries ÷ queries
 (their best case) and one single-query call. Each method's scores are saved under the stage folder (a rerun
-loads them). ``--quick`` (a smoke size: ~10 sequences, so recall@10 is trivially 1) restricts EK-FAC and TRAK
+loads them). ``--quick`` (a smoke size: 8 training sequences, so recall@10 is trivially 1) restricts EK-FAC and TRAK
 to the last block's attention output projection.
 """
 
@@ -79,7 +79,7 @@ class PlantSize:
 
 SIZES = {
     # The smoke size runs every method in a few minutes: 2 facts + 4 distractors × 2 documents among 4 neutral
-    # ones (~10 sequences of 64), 4 steps; EK-FAC and TRAK on the last block's attention output projection.
+    # ones (~700 tokens: 8 training sequences of 64), 4 steps; EK-FAC and TRAK on the last block's attention output projection.
     "quick": PlantSize(2, 2, 4, 300, 40, 4, 2, 4, 64, 64, 4, "layers.29.self_attn.o_proj", 128, 1),
     # Why this small: on this shared 2-core CPU the 135M model trains at ~50-80 tokens/s (forward of all 30
     # blocks, backward of the last 2), an attribution pass runs ~60 tokens/s and EK-FAC's factors ~10 s per
@@ -378,9 +378,11 @@ class Methods:
         if not self.done("trak"):
             self.trak()
         bergson = os.environ.get("BERGSON_PYTHON")
-        if bergson and not self.done("bergson"):
+        if self.done("bergson"):
+            pass
+        elif bergson:
             self.bergson(bergson)
-        elif not bergson and not self.done("bergson"):
+        else:
             self.not_run["bergson"] = (
                 "not run: set BERGSON_PYTHON to a python with bergson==2.5.1 installed (a separate venv; "
                 "bench/_bergson.py says how to make it)"
