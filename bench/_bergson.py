@@ -44,11 +44,21 @@ def write_datasets(folder: Path, shards: Any, queries: list, N: int, T: int) -> 
             f.write(json.dumps({"input_ids": ids, "labels": [-100] * start + ids[start:]}) + "\n")
 
 
-def build_index(python: str, model_dir: Path, dataset: Path, index: Path, T: int, proj_dim: int) -> float:
+def _env(threads: int | None) -> dict[str, str]:
+    """The subprocess's environment: ``src`` importable, no GPU, ``threads`` CPU threads (None: torch's default)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(SRC)}
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
+def build_index(
+    python: str, model_dir: Path, dataset: Path, index: Path, T: int, proj_dim: int, threads: int | None = None
+) -> float:
     """``bergson build index --dataset dataset`` under ``python`` (summed token loss, fp32, ``proj_dim`` per
     module, every module bergson tracks, on CPU); returns its seconds (the subprocess's start and model load
     included)."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(SRC)}
+    env = _env(threads)
     cmd = [python, str(DRIVER), "build", str(index), "--dataset", str(dataset)]
     cmd += ["--model", str(model_dir), "--projection_dim", str(proj_dim), "--precision", "fp32"]
     cmd += ["--token_batch_size", str(T), "--model_kwargs", "trust_remote_code=True"]
@@ -59,7 +69,16 @@ def build_index(python: str, model_dir: Path, dataset: Path, index: Path, T: int
 
 
 def bergson_scores(
-    python: str, run_dir: Path, shards: Any, queries: list, N: int, T: int, work: Path, *, proj_dim: int = 16
+    python: str,
+    run_dir: Path,
+    shards: Any,
+    queries: list,
+    N: int,
+    T: int,
+    work: Path,
+    *,
+    proj_dim: int = 16,
+    threads: int | None = None,
 ) -> tuple[np.ndarray, dict[str, float]]:
     """(Q, N) bergson gradient-similarity scores and the seconds of each step: ``prism export`` of the run
     (into ``work/model``), then ``_bergson_driver.py`` under ``python`` (one with bergson==2.5.1 installed)
@@ -76,12 +95,15 @@ def bergson_scores(
     secs = {"export_s": time.perf_counter() - t0}
     for name in ("train", "query"):
         secs[f"{name}_index_s"] = build_index(
-            python, model_dir, work / f"{name}.jsonl", work / f"{name}-idx", T, proj_dim
+            python, model_dir, work / f"{name}.jsonl", work / f"{name}-idx", T, proj_dim, threads
         )
     out = work / "scores.npy"
     t0 = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    _run([python, str(DRIVER), "scores", str(work / "train-idx"), str(work / "query-idx"), str(out)], env, "scores")
+    _run(
+        [python, str(DRIVER), "scores", str(work / "train-idx"), str(work / "query-idx"), str(out)],
+        _env(threads),
+        "scores",
+    )
     secs["scores_s"] = time.perf_counter() - t0
     S = np.load(out)
     if S.shape != (len(queries), N):

@@ -566,9 +566,13 @@ class Methods:
 
         work = self.folder / "bergson"
         try:
-            S, secs = bergson_scores(python, self.run_dir, self.shards, self.queries, self.N, self.T, work)
+            S, secs = bergson_scores(
+                python, self.run_dir, self.shards, self.queries, self.N, self.T, work, threads=self.ctx.threads
+            )
             (work / "one.jsonl").write_text((work / "query.jsonl").read_text().splitlines()[0] + "\n")
-            one = build_index(python, work / "model", work / "one.jsonl", work / "one-idx", self.T, 16)
+            one = build_index(
+                python, work / "model", work / "one.jsonl", work / "one-idx", self.T, 16, self.ctx.threads
+            )
         except Exception as e:  # recorded: the JSON says why bergson is missing
             self.not_run["bergson"] = f"failed: {type(e).__name__}: {e}"
             self.ctx.log(f"attribution: bergson {self.not_run['bergson']}")
