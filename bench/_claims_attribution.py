@@ -13,19 +13,25 @@ by the answer, only the answer's tokens measured) and recall@10 / MRR of the pla
     * ``grad-dot``: gradient dot products over the fine-tuned parameters (the hybrid's re-scorer);
     * ``hybrid-grad-m{M}``: the compact cache's top-M re-scored by ``grad-dot`` (``--rescore``);
     * ``ekfac``: kronfluence EK-FAC on the fine-tuned blocks' ``nn.Linear`` modules;
+    * ``trak``: TRAK (traker) on the fine-tuned parameters (``TrakBaseline(parameters=...)``), proj_dim > N with
+      a relative ridge;
+    * ``bergson``: bergson==2.5.1 from its own venv, where ``BERGSON_PYTHON`` names its python (else recorded as
+      not run, saying how to enable it; ``bench/_bergson.py``);
     * ``bm25``: Okapi BM25 over the decoded training sequences (the whole query text; ``bm25-prompt``: the
-      question without its answer);
-    * TRAK and bergson: recorded as not run, with the reason.
+      question without its answer).
 
 Per-query cost at equal work: one thread, the same training sequences and queries; the cache's query is one
-query's block gradients + its scores; EK-FAC's is one batch of all queries ÷ queries (its best case) and one
-single-query call. Each method's scores are saved under the stage folder (a rerun loads them).
+query's block gradients + its scores; EK-FAC's, TRAK's and bergson's are one batch of all queries ÷ queries
+(their best case) and one single-query call. Each method's scores are saved under the stage folder (a rerun
+loads them). ``--quick`` (a smoke size: 8 training sequences, so recall@10 is trivially 1) restricts EK-FAC and TRAK
+to the last block's attention output projection.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 import time
@@ -43,7 +49,7 @@ from prismlm.app.demos import DEMO_MODEL
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.app.run import Run
 from prismlm.config import AttributionConfig
-from prismlm.tda.baselines import KronfluenceBaseline, WholeNetworkGradients, hybrid_scores
+from prismlm.tda.baselines import KronfluenceBaseline, TrakBaseline, WholeNetworkGradients, hybrid_scores
 from prismlm.tda.cache import build_cache
 from prismlm.tda.influence import curvature_pass, query_gradients
 from prismlm.tda.planted import PlantedCorpus, build_planted_corpus, relevant_sequences, retrieval_metrics
@@ -65,18 +71,23 @@ class PlantSize:
     block_size: int
     prototypes: int
     hybrid_m: int
-    ekfac: bool
+    scope: str
+    """A substring of the fine-tuned parameter / module names EK-FAC and TRAK are restricted to ("" = all)."""
+    trak_proj_dim: int
     timing_queries: int
 
 
 SIZES = {
-    "quick": PlantSize(3, 2, 12, 400, 50, 8, 4, 4, 64, 64, 8, False, 2),
+    # The smoke size runs every method in a few minutes: 2 facts + 4 distractors × 2 documents among 4 neutral
+    # ones (~700 tokens: 8 training sequences of 64), 4 steps; EK-FAC and TRAK on the last block's attention output projection.
+    "quick": PlantSize(2, 2, 4, 300, 40, 4, 2, 4, 64, 64, 4, "layers.29.self_attn.o_proj", 128, 1),
     # Why this small: on this shared 2-core CPU the 135M model trains at ~50-80 tokens/s (forward of all 30
     # blocks, backward of the last 2), an attribution pass runs ~60 tokens/s and EK-FAC's factors ~10 s per
     # sequence. 12 facts + 24 distractors × 3 documents (≤ 60 filler characters each side of the sentence)
     # among 40 neutral documents of ≤ 300 characters ≈ 7k tokens (~110 sequences of 64); stage 2 runs 80 steps
     # of 8 sequences (≈ 6 epochs) at 3× the usual backbone learning rate so the last 2 blocks learn the facts.
-    "full": PlantSize(12, 3, 40, 300, 60, 120, 40, 8, 64, 256, 16, True, 4),
+    # TRAK: proj_dim 200 > N with the ridge (two of the CPU projector's 100-dimension blocks).
+    "full": PlantSize(12, 3, 40, 300, 60, 120, 40, 8, 64, 256, 16, "", 200, 4),
 }
 UNFREEZE = "last-2"
 
@@ -113,7 +124,7 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     )
     learned = cached_json(stage / "learning.json", lambda: learning(ctx, pc, net, tok, T))
     ctx.log(f"attribution: learning {learned['summary']}")
-    methods = Methods(ctx, size, stage / "methods", net, shards, queries)
+    methods = Methods(ctx, size, stage / "methods", net, shards, queries, run_dir)
     methods.run_all()
     planted = {
         name: {
@@ -185,9 +196,13 @@ def finetune(ctx: ClaimsContext, size: PlantSize, pc: PlantedCorpus, out: Path) 
         block_size=size.block_size,
         backbone_lr_ratio=0.3,
     )
-    # the smoke corpus (~1.8k tokens) needs a larger share to give the validation split one block
+    # the smoke corpus (~700 tokens, 16 documents) needs a larger share to give the validation split a block
     val = 0.2 if ctx.quick else 0.02
-    overrides = ["train.eval_batches=2", f"data.val_fraction={val}", f"train.ckpt_interval={max(size.steps // 8, 1)}"]
+    overrides = [
+        "train.eval_batches=2",
+        f"data.val_fraction={val}",
+        f"train.ckpt_interval={size.steps if ctx.quick else max(size.steps // 8, 1)}",
+    ]
     if has_checkpoint(out):
         step = json.loads((find_checkpoint(out) / "manifest.json").read_text()).get("step", 0)
         if step >= size.steps:
@@ -216,7 +231,10 @@ def planted_queries(pc: PlantedCorpus, tok: Any) -> tuple[list[tuple[list[int], 
 
 
 def chance_recall(n: int, relevant: list[int], k: int) -> float:
-    """Expected recall@k of a random ranking: the mean over queries of 1 − C(n−r, k) / C(n, k) (r relevant)."""
+    """Expected recall@k of a random ranking: the mean over queries of 1 − C(n−r, k) / C(n, k) (r relevant);
+    1 when k ≥ n (the smoke size)."""
+    if k >= n:
+        return 1.0
     return float(np.mean([1 - math.comb(n - r, k) / math.comb(n, k) for r in relevant if r]))
 
 
@@ -317,8 +335,11 @@ class Methods:
     """Every method's (Q, N) scores and costs; each method's result is saved under ``folder`` as it finishes
     (``<name>.npy`` + ``costs.json``), so a rerun skips the finished ones."""
 
-    def __init__(self, ctx: ClaimsContext, size: PlantSize, folder: Path, net: Any, shards: Any, queries: list):
+    def __init__(
+        self, ctx: ClaimsContext, size: PlantSize, folder: Path, net: Any, shards: Any, queries: list, run_dir: Path
+    ):
         self.ctx, self.size, self.folder, self.net, self.shards, self.queries = ctx, size, folder, net, shards, queries
+        self.run_dir = run_dir
         folder.mkdir(parents=True, exist_ok=True)
         self.T = net.config.block_size
         self.N = shards.train.num_sequences(self.T)
@@ -352,20 +373,20 @@ class Methods:
                 fn()
         self.done("bm25-prompt")  # saved by bm25()
         self.hybrid()
-        if self.size.ekfac and not self.done("ekfac"):
+        if not self.done("ekfac"):
             self.ekfac()
-        elif not self.size.ekfac:
-            self.not_run["ekfac"] = "skipped at the smoke size (--quick)"
-        self.not_run["trak"] = (
-            "not run: traker's IterativeGradientComputer differentiates every parameter (model.parameters(): "
-            "134.7M, not only the 7.2M fine-tuned ones), so a featurisation batch of 16 sequences is a 16 × 134.7M "
-            "float32 gradient matrix (8.6 GB) projected by a dense 134.7M × proj_dim Gaussian matrix on CPU (the "
-            "CUDA projector needs a GPU): out of reach of this 2-core, 24 GB machine"
-        )
-        self.not_run["bergson"] = (
-            "not run: bergson 2.5.1 needs its own venv (torchvision/torchaudio removed, bench/_bergson_driver.py); "
-            "none is installed on this machine and the session installs no new packages"
-        )
+        if not self.done("trak"):
+            self.trak()
+        bergson = os.environ.get("BERGSON_PYTHON")
+        if self.done("bergson"):
+            pass
+        elif bergson:
+            self.bergson(bergson)
+        else:
+            self.not_run["bergson"] = (
+                "not run: set BERGSON_PYTHON to a python with bergson==2.5.1 installed (a separate venv; "
+                "bench/_bergson.py says how to make it)"
+            )
 
     def bm25(self) -> None:
         tok = self.shards.tokenizer
@@ -469,7 +490,9 @@ class Methods:
         net = self.finetuned_net()
         prefixes = tuple(net.block_prefixes()[-int(UNFREEZE.removeprefix("last-")) :])
         mods = tuple(
-            n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear) and (n + ".").startswith(prefixes)
+            n
+            for n, m in net.named_modules()
+            if isinstance(m, torch.nn.Linear) and (n + ".").startswith(prefixes) and self.size.scope in n
         )
         self.ctx.log(f"attribution: EK-FAC on {len(mods)} modules; fitting factors")
         kb = KronfluenceBaseline(net, self.shards, strategy="ekfac", batch_size=8, modules=mods, seed=self.ctx.seed)
@@ -491,6 +514,78 @@ class Methods:
         }
         self.save("ekfac", S, cost)
 
+    def trak(self) -> None:
+        """TRAK (traker 0.3.2, TRAK's CPU projector) on the fine-tuned parameters (``size.scope`` of them): one
+        checkpoint, proj_dim ``size.trak_proj_dim`` > N with a ridge of 0.1 × the mean eigenvalue of XᵀX
+        (kronfluence's damping heuristic, EK-FAC's here): TRAK refuses proj_dim ≥ N without one, and with
+        proj_dim > N the ridge solve is kernel ridge regression on the projected gradients' Gram matrix. The
+        per-query cost: all queries in one scoring call ÷ queries, and a single-query call (each call draws the
+        projector's Gaussian blocks again: ~18 s per 100 dimensions for 7.2M parameters on one thread)."""
+        from prismlm.train.state import trainable_names
+
+        net = self.finetuned_net()
+        names = sorted(n for n in trainable_names(net, UNFREEZE) if self.size.scope in n)
+        eot = self.shards.tokenizer.eot_id
+        batch = max(len(self.queries), 64)  # one call per 64 training sequences / for all queries
+        self.ctx.log(f"attribution: TRAK on {len(names)} parameter tensors; featurising {self.N} sequences")
+        tb = TrakBaseline(
+            net,
+            self.shards,
+            proj_dim=self.size.trak_proj_dim,
+            lambda_reg=0.1,
+            lambda_relative=True,
+            parameters=names,
+            batch_size=batch,
+            seed=self.ctx.seed,
+        )
+        t0 = time.perf_counter()
+        S = tb.scores(self.queries, eot).numpy()
+        t_all = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        tb.scores(self.queries[:1], eot)
+        t_one = time.perf_counter() - t0
+        cost = {
+            "per_query_s": t_all / len(self.queries),
+            "single_query_s": t_one,
+            "batch_scores_s": t_all,
+            "oneoff_s": tb.timings["features_seconds"],
+            "parameters": int(tb.traker.num_params_for_grad),
+            "proj_dim": self.size.trak_proj_dim,
+            "lambda_reg": "0.1 x mean eigenvalue of XtX",
+            "lambda_abs": tb.lambda_abs,
+        }
+        tb.close()
+        self.save("trak", S, cost)
+
+    def bergson(self, python: str) -> None:
+        """bergson==2.5.1 from its own venv (``BERGSON_PYTHON``; ``bench/_bergson.py``): every module bergson
+        tracks, 16 dimensions per module. Per-query cost: the query index (all queries, one bergson process) ÷
+        queries + the dot products, and one single-query index build (a process start and model load
+        included, as a user of the CLI pays); one-off: the export and the training index."""
+        from _bergson import bergson_scores, build_index
+
+        work = self.folder / "bergson"
+        try:
+            S, secs = bergson_scores(
+                python, self.run_dir, self.shards, self.queries, self.N, self.T, work, threads=self.ctx.threads
+            )
+            (work / "one.jsonl").write_text((work / "query.jsonl").read_text().splitlines()[0] + "\n")
+            one = build_index(
+                python, work / "model", work / "one.jsonl", work / "one-idx", self.T, 16, self.ctx.threads
+            )
+        except Exception as e:  # recorded: the JSON says why bergson is missing
+            self.not_run["bergson"] = f"failed: {type(e).__name__}: {e}"
+            self.ctx.log(f"attribution: bergson {self.not_run['bergson']}")
+            return
+        cost = {
+            "per_query_s": (secs["query_index_s"] + secs["scores_s"]) / len(self.queries),
+            "single_query_s": one + secs["scores_s"] / len(self.queries),
+            "oneoff_s": secs["export_s"] + secs["train_index_s"],
+            "projection_dim": 16,
+            **secs,
+        }
+        self.save("bergson", S, cost)
+
 
 def summary(planted: dict[str, Any], costs: dict[str, Any]) -> dict[str, object]:
     """The issue's fields (a method not run leaves its fields out), plus the compact store's and the hybrid's."""
@@ -511,6 +606,15 @@ def summary(planted: dict[str, Any], costs: dict[str, Any]) -> dict[str, object]
     hyb = [k for k in planted if k.startswith("hybrid")]
     if hyb:
         out["recall10_hybrid"] = r10(hyb[0])
+    for name in ("trak", "bergson"):
+        if name in planted:
+            out[f"recall10_{name}"] = r10(name)
+            out[f"recall10_{name}_paraphrase"] = r10(name, "paraphrase")
+            out[f"mrr_{name}"] = planted[name]["all"]["mrr"]
+            out[f"{name}_cost_over_cached"] = costs[name]["per_query_s"] / costs["cached"]["per_query_s"]
+            out[f"{name}_single_query_cost_over_cached"] = (
+                costs[name]["single_query_s"] / costs["cached"]["per_query_s"]
+            )
     if "ekfac" in planted:
         out["recall10_ekfac"] = r10("ekfac")
         out["ekfac_cost_over_cached"] = costs["ekfac"]["per_query_s"] / costs["cached"]["per_query_s"]

@@ -458,70 +458,12 @@ def _compression_summary(study: dict[str, Any], out_path: Path) -> str:
 def _bergson_scores(
     args: argparse.Namespace, run_dir: Path, shards: Any, queries: list, N: int, T: int, work: Path
 ) -> np.ndarray:
-    """(Q, N) bergson gradient-similarity scores: ``prism export`` of the attributed run, then
-    ``_bergson_driver.py`` under ``--bergson`` (a python with bergson==2.5.1 installed) builds an index of the
-    training sequences and one of the queries (pre-tokenized, only the measured targets labelled) and dots them."""
-    import os
-    import subprocess
+    """(Q, N) bergson scores under ``--bergson`` (``bench/_bergson.py``)."""
+    from _bergson import bergson_scores
 
-    bw = work / "bergson"
-    bw.mkdir(parents=True, exist_ok=True)
-    model_dir = bw / "model"
-    prism = Path(sys.executable).parent / "prism"
-    subprocess.run(
-        [str(prism), "export", str(run_dir), str(model_dir), "--overwrite"], check=True, capture_output=True, text=True
+    return bergson_scores(
+        args.bergson, run_dir, shards, queries, N, T, work / "bergson", proj_dim=args.bergson_proj_dim
     )
-    with open(bw / "train.jsonl", "w") as f:
-        for j in range(N):
-            ids = shards.train.sequence(j, T).tolist()[:T]  # the model takes at most T tokens
-            f.write(json.dumps({"input_ids": ids, "labels": ids}) + "\n")
-    with open(bw / "query.jsonl", "w") as f:
-        for ids, start in queries:
-            ids = list(ids)
-            cut = max(0, len(ids) - T)
-            ids, start = ids[cut:], max(1, start - cut)
-            f.write(json.dumps({"input_ids": ids, "labels": [-100] * start + ids[start:]}) + "\n")
-    driver = str(Path(__file__).with_name("_bergson_driver.py"))
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
-    common = [
-        "--model",
-        str(model_dir),
-        "--projection_dim",
-        str(args.bergson_proj_dim),
-        "--precision",
-        "fp32",
-        "--token_batch_size",
-        str(T),
-        "--model_kwargs",
-        "trust_remote_code=True",
-        "--loss_reduction",
-        "sum",
-        "--overwrite",
-        "true",
-    ]
-    for name in ("train", "query"):
-        r = subprocess.run(
-            [args.bergson, driver, "build", str(bw / f"{name}-idx"), "--dataset", str(bw / f"{name}.jsonl"), *common],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        if r.returncode != 0:
-            raise RuntimeError(
-                f"bergson build {name}: {r.stderr.strip().splitlines()[-1] if r.stderr else r.returncode}"
-            )
-    r = subprocess.run(
-        [args.bergson, driver, "scores", str(bw / "train-idx"), str(bw / "query-idx"), str(bw / "scores.npy")],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        raise RuntimeError(f"bergson scores: {r.stderr.strip().splitlines()[-1] if r.stderr else r.returncode}")
-    S = np.load(bw / "scores.npy")
-    if S.shape != (len(queries), N):
-        raise RuntimeError(f"bergson returned scores of shape {S.shape}, expected {(len(queries), N)}")
-    return S
 
 
 # ----- summary (issue 13) -------------------------------------------------------------------------------

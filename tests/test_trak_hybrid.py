@@ -178,6 +178,69 @@ def test_trak_scores_match_the_trak_formula(net, tiny_shards):
     tb.close()
 
 
+def test_trak_on_named_parameters_projects_only_their_gradients(net, tiny_shards):
+    """``parameters``: TRAK's stored features are the projection (by TRAK's own projector, normalised by the
+    √size of the named parameters) of per-sequence margin gradients of those parameters only, concatenated in
+    ``named_parameters`` order whatever order they are named in — recomputed here by autograd; the scores are
+    the ridge formula Φ (ΦᵀΦ + λI)⁻¹ φ_q · Q_j with λ the relative ridge × mean eigenvalue of ΦᵀΦ."""
+    pytest.importorskip("trak")
+    import copy
+
+    import torch.nn.functional as F
+
+    from prismlm.errors import ConfigError
+    from prismlm.tda.baselines import TrakBaseline
+
+    with pytest.raises(ConfigError, match="transformer.h.9.mlp.c_fc.weight"):
+        TrakBaseline(net, tiny_shards, proj_dim=128, max_sequences=200, parameters=["transformer.h.9.mlp.c_fc.weight"])
+    m = copy.deepcopy(net).float()
+    names = ["prototypes.weight", "transformer.h.1.mlp.c_fc.weight", "transformer.ln_f.bias", "transformer.wpe.weight"]
+    order = [n for n, _ in m.named_parameters() if n in names]  # wpe, h.1.mlp.c_fc, ln_f.bias, prototypes
+    params = [dict(m.named_parameters())[n] for n in order]
+    size = sum(p.numel() for p in params)
+    n, T = 40, net.config.block_size
+    tb = TrakBaseline(
+        net, tiny_shards, proj_dim=128, lambda_reg=0.1, lambda_relative=True, parameters=names, max_sequences=n
+    )
+
+    def grad_q(ids):
+        x = torch.tensor(ids)[None]
+        logits = m(x[:, :-1]).logits[0]
+        y = x[0, 1:]
+        margin = logits.gather(-1, y[:, None])[:, 0] - logits.scatter(-1, y[:, None], float("-inf")).logsumexp(-1)
+        g = torch.autograd.grad(margin.sum(), params, allow_unused=True)
+        with torch.no_grad():
+            q = (1 - F.softmax(logits, -1).gather(-1, y[:, None])[:, 0]).mean()
+        return torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1) for gi, p in zip(g, params)]), q
+
+    rows = [grad_q(tiny_shards.train.sequence(j, T).tolist()) for j in range(n)]
+    G = torch.stack([r[0] for r in rows])  # (n, size)
+    assert G.shape == (n, size) and float(G[:, -64 * 32 :].abs().max()) == 0.0  # the bank: ∂ℓ/∂P ≡ 0
+    proj = tb.traker.projector
+    assert proj.grad_dim == size
+    Phi = proj.project(G, model_id=0).double() / size**0.5  # (n, k)
+    stored = torch.as_tensor(tb.traker.saver.current_store["grads"]).double()
+    torch.testing.assert_close(stored, Phi, rtol=1e-4, atol=1e-5 * float(Phi.abs().max()))
+    lam = 0.1 * float(Phi.pow(2).sum()) / 128
+    assert tb.lambda_abs == pytest.approx(lam, rel=1e-4)
+    qids = tiny_shards.train.sequence(5, T).tolist()
+    S = tb.scores([(qids, 1)])
+    phi_q = proj.project(grad_q(qids)[0][None], model_id=0).double() / size**0.5  # (1, k)
+    Qw = torch.stack([r[1] for r in rows]).double()
+    ref = (Phi @ torch.linalg.inv(Phi.T @ Phi + lam * torch.eye(128, dtype=torch.float64)) @ phi_q.T)[:, 0] * Qw
+    c = float(S[0] @ ref) / float(ref @ ref)  # TRAK divides (ΦᵀΦ + λI)⁻¹ by its mean |entry|
+    assert c > 0
+    torch.testing.assert_close(S[0], c * ref, rtol=1e-3, atol=1e-3 * float(S[0].abs().max()))
+    tb.close()
+    # a tied weight named under its alias (the unembedding is the token embedding): differentiated once
+    tied = TrakBaseline(net, tiny_shards, proj_dim=128, lambda_reg=1.0, parameters=["lm_head.weight"], max_sequences=4)
+    assert (
+        tied.grad_wrt == ["transformer.wte.weight"]
+        and tied.traker.projector.grad_dim == m.transformer.wte.weight.numel()
+    )
+    tied.close()
+
+
 def test_kronfluence_scores_on_candidates_equal_the_full_matrix(net, tiny_shards):
     """The hybrid's EK-FAC re-scoring of M candidates gives the same numbers as the full pairwise matrix."""
     pytest.importorskip("kronfluence")

@@ -15,6 +15,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -275,17 +276,39 @@ def _trak_output_class():
 
 
 def _trak_gradient_computer():
-    from trak.gradient_computers import IterativeGradientComputer
+    from trak.gradient_computers import AbstractGradientComputer, IterativeGradientComputer
 
     class _Iterative(IterativeGradientComputer):
-        """TRAK's per-sample loop with ``allow_unused``: the logits do not depend on the prototype bank
-        (∂ℓ/∂P ≡ 0, spec §6), so those parameters get zero gradients instead of an autograd error."""
+        """TRAK's per-sample gradients, three changes from ``IterativeGradientComputer``:
+
+        * ``grad_wrt`` is honoured (traker's own iterative computer ignores it, while ``TRAKer`` sizes
+          ``grad_dim``, the projector and the feature normalisation √grad_dim by it): only the named
+          parameters are differentiated, concatenated in ``named_parameters`` order — the order of traker's
+          functional computer — and their total size must be ``grad_dim``;
+        * ``allow_unused``: the logits do not depend on the prototype bank (∂ℓ/∂P ≡ 0, spec §6), so those
+          parameters get zero gradients instead of an autograd error;
+        * one forward per sample: a backward from one sample's margin through a batch's graph costs the whole
+          batch's backward (B× the work); the gradients are the same."""
+
+        def __init__(self, model, task, grad_dim, dtype, device, grad_wrt=None) -> None:
+            AbstractGradientComputer.__init__(self, model, task, grad_dim, dtype, device)
+            self.grad_wrt = None if grad_wrt is None else frozenset(grad_wrt)
+            self.load_model_params(model)
+
+        def load_model_params(self, model) -> None:
+            self.model = model
+            self.model_params = [p for n, p in model.named_parameters() if self.grad_wrt is None or n in self.grad_wrt]
+            size = sum(p.numel() for p in self.model_params)
+            if size != self.grad_dim:  # TRAKer's grad_dim and ours disagree: the features would be misaligned
+                raise RuntimeError(
+                    f"TRAK: the differentiated parameters hold {size} values, grad_dim is {self.grad_dim}"
+                )
 
         def compute_per_sample_grad(self, batch):
-            margin = self.modelout_fn.get_output(self.model, None, None, *batch)
-            grads = torch.zeros(batch[0].shape[0], self.grad_dim, device=batch[0].device)
+            grads = torch.zeros(batch[0].shape[0], self.grad_dim, device=batch[0].device)  # (B, grad_dim)
             for b in range(batch[0].shape[0]):
-                g = torch.autograd.grad(margin[b], self.model_params, retain_graph=True, allow_unused=True)
+                margin = self.modelout_fn.get_output(self.model, None, None, *(x[b : b + 1] for x in batch))
+                g = torch.autograd.grad(margin.sum(), self.model_params, allow_unused=True)
                 grads[b] = torch.cat(
                     [
                         (gi if gi is not None else torch.zeros_like(p)).reshape(-1)
@@ -299,7 +322,7 @@ def _trak_gradient_computer():
 
 @dataclass
 class TrakBaseline(_Scratch):
-    """TRAK (PyPI ``traker``) over every parameter of the network, one checkpoint, on CPU.
+    """TRAK (PyPI ``traker``) over every parameter of the network, or the named ones, one checkpoint, on CPU.
 
     Features: per-sequence gradients of the summed log-odds margin of every token (training) / of the
     measured tokens (queries), computed one sequence at a time (``IterativeGradientComputer``: the PRISM
@@ -307,7 +330,9 @@ class TrakBaseline(_Scratch):
     Gaussian ``BasicProjector`` (the CUDA projector needs a GPU). ``proj_dim`` must be > 100 (smaller: the
     projector's block size) and well below the number of training sequences unless ``lambda_reg > 0`` —
     otherwise (XᵀX)⁻¹ is singular and the scores are silently garbage; ``__post_init__`` refuses that.
-    Score sign: positive = helpful, as the other methods."""
+    Cost on CPU: the projector draws its (grad_dim, 100) Gaussian block again for every 100 dimensions of
+    every featurisation call when ``proj_dim > 100`` (~18 s per block for 7.2M parameters on one thread), so
+    a large ``batch_size`` means fewer draws. Score sign: positive = helpful, as the other methods."""
 
     model: PrismLM
     """The model (PRISM or the dense baseline)."""
@@ -317,10 +342,17 @@ class TrakBaseline(_Scratch):
     """Dimension of the random projection of the per-sequence gradients (> 100)."""
     lambda_reg: float = 0.0
     """Ridge term added to XᵀX (needed when proj_dim is near the number of training sequences)."""
+    lambda_relative: bool = False
+    """Read ``lambda_reg`` as a multiple of the mean eigenvalue of XᵀX (trace / proj_dim, X the projected
+    training features), kronfluence's damping convention: scale-free. The absolute value is
+    ``self.lambda_abs`` once the features are in."""
+    parameters: Sequence[str] | None = None
+    """Names (``named_parameters``) of the parameters to differentiate and project, e.g. a fine-tune's (None:
+    every parameter); the others are held fixed. Every name must be one of the model's."""
     max_sequences: int | None = None
     """The first N training sequences only (None: all)."""
     batch_size: int = 16
-    """Sequences per featurisation batch."""
+    """Sequences per featurisation / scoring call (the projector's unit of work)."""
     seed: int = 0
     """Seed of the projector."""
     out_dir: str | Path | None = None
@@ -331,6 +363,8 @@ class TrakBaseline(_Scratch):
     def __post_init__(self) -> None:
         from trak import TRAKer
 
+        from prismlm.errors import ConfigError
+
         logging.getLogger("TRAK").setLevel(logging.WARNING)
         logging.getLogger("GradientComputer").setLevel(logging.ERROR)
         self.net = copy.deepcopy(self.model).float().eval()
@@ -338,12 +372,11 @@ class TrakBaseline(_Scratch):
         n_all = self.shards.train.num_sequences(self.T)
         self.n = n_all if self.max_sequences is None else min(n_all, self.max_sequences)
         if self.proj_dim <= 100 or (self.lambda_reg <= 0 and self.proj_dim >= self.n):
-            from prismlm.errors import ConfigError
-
             raise ConfigError(
                 f"TRAK needs 100 < proj_dim < training sequences ({self.n}) or lambda_reg > 0; got "
                 f"proj_dim={self.proj_dim}, lambda_reg={self.lambda_reg}"
             )
+        self.grad_wrt = self._differentiated(ConfigError)
         self.out_dir = self._scratch(self.out_dir, "trak-")
         self.traker = TRAKer(
             model=self.net,
@@ -357,6 +390,7 @@ class TrakBaseline(_Scratch):
             use_half_precision=False,
             projector_seed=self.seed,
             lambda_reg=self.lambda_reg,
+            grad_wrt=self.grad_wrt,
             logging_level=logging.WARNING,
         )
         self.train_set = TrainDataset(self.shards, self.T, self.n)
@@ -366,9 +400,37 @@ class TrakBaseline(_Scratch):
             items = [self.train_set[j] for j in range(j0, min(self.n, j0 + self.batch_size))]
             batch = (torch.stack([it["input_ids"] for it in items]), torch.stack([it["mask"] for it in items]).float())
             self.traker.featurize(batch=batch, num_samples=len(items))
+        self.lambda_abs = self.lambda_reg
+        if self.lambda_relative:
+            X = torch.as_tensor(self.traker.saver.current_store["grads"]).double()  # (N, proj_dim)
+            self.lambda_abs = self.lambda_reg * float(X.pow(2).sum()) / self.proj_dim
+            self.traker.score_computer.lambda_reg = self.lambda_abs  # read by finalize_features
         self.traker.finalize_features()
         self.timings["features_seconds"] = time.perf_counter() - t0
         self._calls = 0
+
+    def _differentiated(self, error: type[Exception]) -> list[str] | None:
+        """The names of the parameters to differentiate, in ``named_parameters`` order (None: all), with
+        ``requires_grad`` set on exactly those in the copy (no graph is kept for the others). A tied weight may
+        be named under any of its names; it is differentiated once."""
+        if self.parameters is None:
+            for p in self.net.parameters():
+                p.requires_grad_(True)
+            return None
+        every = dict(self.net.named_parameters(remove_duplicate=False))  # tied weights under every name
+        wanted = set(self.parameters)
+        missing = sorted(wanted - every.keys())
+        if missing or not wanted:
+            raise error(
+                f"TRAK: `parameters` names {len(missing)} parameter(s) the model does not have: "
+                f"{', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}"
+                if missing
+                else "TRAK: `parameters` is empty (None differentiates every parameter)"
+            )
+        chosen = {id(every[n]) for n in wanted}
+        for p in self.net.parameters():
+            p.requires_grad_(id(p) in chosen)
+        return [n for n, p in self.net.named_parameters() if id(p) in chosen]
 
     def scores(self, queries: list[tuple[list[int], int]], pad_id: int = 0) -> torch.Tensor:
         """(num_queries, num_train) TRAK scores."""
