@@ -112,11 +112,12 @@ SAE_BATCH = 512  # hidden states per SAE step
 SAE_RECIPE = "data"  # see train_sae_on_stored_z; chosen by held-out FVU (docs/results.md, Controllers)
 SAE_DEAD_STEPS, SAE_RESAMPLE = 50, 250
 SAE_CHECKPOINTS = (200, 400, 600, 800)
-SAE_TRIED = (  # the other settings measured on the same held-out rows (2026-12-05), for the reader of the JSON
-    {"recipe": "random", "steps": 300, "fvu": 0.403, "dead_fraction": 0.699, "note": "a short check run"},
-    {"recipe": "random", "steps": 800, "fvu": 0.362, "dead_fraction": 0.708, "note": "the first run (d7bb952)"},
-    {"recipe": "data", "steps": 1500, "fvu": 0.338, "dead_fraction": 0.15, "note": "a 3000-step run stopped for time"},
-)
+FIRST_BANK = "the first bank (bf3ef15: 139k anchor tokens, no kjv.jsonl; its data-init 800-step SAE: FVU 0.340)"
+SAE_TRIED = (  # the other settings measured (2026-12-05) on the first bank's held-out rows, for the reader of the JSON
+    {"recipe": "random", "steps": 300, "fvu": 0.403, "dead_fraction": 0.699, "note": "a short check run", "bank": FIRST_BANK},
+    {"recipe": "random", "steps": 800, "fvu": 0.362, "dead_fraction": 0.708, "note": "the first run (d7bb952)", "bank": FIRST_BANK},
+    {"recipe": "data", "steps": 1500, "fvu": 0.338, "dead_fraction": 0.15, "note": "a 3000-step run stopped for time", "bank": FIRST_BANK},
+)  # fmt: skip
 MIN_TASKS = 3  # the tasks built here are screened only when fewer shipped ones pass
 KEEP_P, KEEP_MARGIN = 0.01, 0.05
 
