@@ -141,8 +141,6 @@ def test_trak_scores_match_the_trak_formula(net, tiny_shards):
     pytest.importorskip("trak")
     import copy
 
-    import torch.nn.functional as F
-
     from prismlm.tda.baselines import TrakBaseline
 
     n, T = 160, net.config.block_size
@@ -153,22 +151,12 @@ def test_trak_scores_match_the_trak_formula(net, tiny_shards):
     m = copy.deepcopy(net).float()
     params = list(m.parameters())
 
-    def grad_q(ids):
-        x = torch.tensor(ids)[None]
-        logits = m(x[:, :-1]).logits[0]
-        y = x[0, 1:]
-        margin = logits.gather(-1, y[:, None])[:, 0] - logits.scatter(-1, y[:, None], float("-inf")).logsumexp(-1)
-        g = torch.autograd.grad(margin.sum(), params, allow_unused=True)
-        with torch.no_grad():
-            q = (1 - F.softmax(logits, -1).gather(-1, y[:, None])[:, 0]).mean()
-        return torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1) for gi, p in zip(g, params)]), q
-
-    rows = [grad_q(tiny_shards.train.sequence(j, T).tolist()) for j in range(n)]
+    rows = [_margin_gradient(m, params, tiny_shards.train.sequence(j, T).tolist()) for j in range(n)]
     G = torch.stack([r[0] for r in rows])
     Qw = torch.stack([r[1] for r in rows]).double()
     proj = tb.traker.projector
     Phi = proj.project(G, model_id=0).double()  # (n, k)
-    phi_q = proj.project(grad_q(qids)[0][None], model_id=0).double()  # (1, k)
+    phi_q = proj.project(_margin_gradient(m, params, qids)[0][None], model_id=0).double()  # (1, k)
     ref = (Phi @ torch.linalg.inv(Phi.T @ Phi) @ phi_q.T)[:, 0] * Qw
     # equal up to one positive constant (TRAK rescales its features internally; rankings and LDS ignore it)
     c = float(S[0] @ ref) / float(ref @ ref)
@@ -186,8 +174,6 @@ def test_trak_on_named_parameters_projects_only_their_gradients(net, tiny_shards
     pytest.importorskip("trak")
     import copy
 
-    import torch.nn.functional as F
-
     from prismlm.errors import ConfigError
     from prismlm.tda.baselines import TrakBaseline
 
@@ -203,17 +189,7 @@ def test_trak_on_named_parameters_projects_only_their_gradients(net, tiny_shards
         net, tiny_shards, proj_dim=128, lambda_reg=0.1, lambda_relative=True, parameters=names, max_sequences=n
     )
 
-    def grad_q(ids):
-        x = torch.tensor(ids)[None]
-        logits = m(x[:, :-1]).logits[0]
-        y = x[0, 1:]
-        margin = logits.gather(-1, y[:, None])[:, 0] - logits.scatter(-1, y[:, None], float("-inf")).logsumexp(-1)
-        g = torch.autograd.grad(margin.sum(), params, allow_unused=True)
-        with torch.no_grad():
-            q = (1 - F.softmax(logits, -1).gather(-1, y[:, None])[:, 0]).mean()
-        return torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1) for gi, p in zip(g, params)]), q
-
-    rows = [grad_q(tiny_shards.train.sequence(j, T).tolist()) for j in range(n)]
+    rows = [_margin_gradient(m, params, tiny_shards.train.sequence(j, T).tolist()) for j in range(n)]
     G = torch.stack([r[0] for r in rows])  # (n, size)
     assert G.shape == (n, size) and float(G[:, -64 * 32 :].abs().max()) == 0.0  # the bank: ∂ℓ/∂P ≡ 0
     proj = tb.traker.projector
@@ -225,7 +201,7 @@ def test_trak_on_named_parameters_projects_only_their_gradients(net, tiny_shards
     assert tb.lambda_abs == pytest.approx(lam, rel=1e-4)
     qids = tiny_shards.train.sequence(5, T).tolist()
     S = tb.scores([(qids, 1)])
-    phi_q = proj.project(grad_q(qids)[0][None], model_id=0).double() / size**0.5  # (1, k)
+    phi_q = proj.project(_margin_gradient(m, params, qids)[0][None], model_id=0).double() / size**0.5  # (1, k)
     Qw = torch.stack([r[1] for r in rows]).double()
     ref = (Phi @ torch.linalg.inv(Phi.T @ Phi + lam * torch.eye(128, dtype=torch.float64)) @ phi_q.T)[:, 0] * Qw
     c = float(S[0] @ ref) / float(ref @ ref)  # TRAK divides (ΦᵀΦ + λI)⁻¹ by its mean |entry|
@@ -399,3 +375,19 @@ def test_cli_attribute_rescore(cached_run, tiny_shards):
         ],
     )
     assert res.exit_code == 0 and "cached+gradient" in res.output and "re-ranked" in res.output, res.output
+
+
+def _margin_gradient(model, params, ids):
+    """TRAK's training-side quantities for one sequence, by plain autograd: the gradient of the summed log-odds
+    margin ℓ_y − logsumexp_{v≠y} ℓ_v with respect to ``params`` (flattened, in their order; zeros where unused)
+    and Q = mean_t (1 − p_{t,y_t})."""
+    import torch.nn.functional as F
+
+    x = torch.tensor(ids)[None]
+    logits = model(x[:, :-1]).logits[0]
+    y = x[0, 1:]
+    margin = logits.gather(-1, y[:, None])[:, 0] - logits.scatter(-1, y[:, None], float("-inf")).logsumexp(-1)
+    g = torch.autograd.grad(margin.sum(), params, allow_unused=True)
+    with torch.no_grad():
+        q = (1 - F.softmax(logits, -1).gather(-1, y[:, None])[:, 0]).mean()
+    return torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1) for gi, p in zip(g, params)]), q
