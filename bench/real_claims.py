@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The paper's claims on the real model (issue 27): SmolLM2-135M-Instruct retrofitted on an anchor corpus that
-holds the concepts (offensive FreeBSD fortunes; State-of-the-Union speeches), then
+holds the concepts (offensive FreeBSD fortunes; State-of-the-Union speeches; King James Bible style), then
 
     * ``bank``         the retrofit (stage 1 on stored z; logits unchanged) and its prototype index
                        (``bench/_claims_common.py``);
@@ -16,7 +16,7 @@ holds the concepts (offensive FreeBSD fortunes; State-of-the-Union speeches), th
 Each stage writes its own JSON (``real-claims-<stage>.json``, with the revision it ran at) as soon as it
 finishes, and ``real-claims.json`` gathers them; a rerun skips finished stages (``--redo
 STAGE`` runs one again) and each stage resumes its own partial work after a kill. ``--quick`` is the CI smoke
-size (a 256-prototype bank on ~10k anchor tokens, few prompts). Output: ``bench/results/real-claims[-quick].json``
+size (a 256-prototype bank on 199 anchor documents, few prompts, a 2-fact fine-tune). Output: ``bench/results/real-claims[-quick].json``
 with a ``summary`` (the issue's field names; a stage not run leaves its fields out) and one summary line.
 """
 
