@@ -149,7 +149,10 @@ def test_stage_1_on_stored_z_follows_the_per_step_path_and_keeps_the_logits(dens
 
 def test_stage_2_continues_from_the_stored_z_stage_as_from_the_per_step_one(dense_run, tmp_path):
     kw = dict(steps=4, frozen=2, unfreeze="last-1")
-    stored = _retrofit(dense_run, tmp_path / "stored", "train.stored_z_dtype=float32", **kw)
+    # the trainer's stage 2 after a stored stage 1 (stage 2 on stored boundary activations: tests/test_stage2.py)
+    stored = _retrofit(
+        dense_run, tmp_path / "stored", "train.stored_z_dtype=float32", "train.stage2_from_stored=false", **kw
+    )
     per_step = _retrofit(dense_run, tmp_path / "per-step", "train.frozen_from_stored_z=false", **kw)
     a, b = Run.open(stored.run_dir, device="cpu").model, Run.open(per_step.run_dir, device="cpu").model
     source = Run.open(dense_run, device="cpu").model.state_dict()

@@ -13,7 +13,7 @@ from prismlm.data.shards import prepare_from_config
 from prismlm.errors import CheckpointError, ConfigError
 from prismlm.progress import Progress
 from prismlm.train.checkpoint import find_checkpoint
-from prismlm.train.retrofit import Pretrained, load_pretrained, retrofit, save_tokenizer
+from prismlm.train.retrofit import Pretrained, load_pretrained, resume_stage2_stored, retrofit, save_tokenizer
 from prismlm.train.trainer import TrainResult, check_run_folder, train
 
 
@@ -175,6 +175,9 @@ def resume_retrofit(
         cfg = RunConfig.from_json(find_checkpoint(out) / "config.json")
     except CheckpointError:  # no run or no checkpoint: the trainer refuses it and says how to go on
         cfg = RunConfig()
+    stored = resume_stage2_stored(out, cfg.override({"train.device": device}), extend_to=steps, progress=progress)
+    if stored is not None:  # stage 2 on stored boundary activations
+        return stored
     return train(cfg.override({"train.device": device}), out, resume=True, extend_to=steps, progress=progress)
 
 

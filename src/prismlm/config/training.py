@@ -20,19 +20,28 @@ class LossConfig:
     """Weight of R1 = mean over prototypes of min over batch tokens (1 − cos(p_i, z_t))."""
     lambda_r2: float = 0.1
     """Weight of R2 = mean over tokens of min over prototypes (1 − cos(z_t, p_i))."""
+    lambda_proto_kl: float = 0.0
+    """Weight of KL(p ‖ softmax(W ẑ)): the prototype-only prediction (the logits of the reconstruction ẑ
+    alone, without the residual) distilled toward the model's distribution p (the source model's in
+    stage 2 on stored activations). 0 (default) leaves the paper's objective; > 0 asks the bank (and in
+    stage 2 the unfrozen blocks) to carry the prediction, not only the form of z. Used by the retrofit's
+    bank stage on stored z and stage 2 on stored boundary activations (``prismlm.train.stage2``)."""
     warmup_steps: int = 0
     """The three prototype weights ramp linearly from 0 to their value over this many optimizer
     steps, so the backbone first learns language before it is pulled onto the prototypes."""
 
     def __post_init__(self) -> None:
-        for name in ("lambda_rec", "lambda_r1", "lambda_r2"):
+        for name in ("lambda_rec", "lambda_r1", "lambda_r2", "lambda_proto_kl"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
 
     def weights_at(self, step: int) -> dict[str, float]:
         """Loss weights at an optimizer step (warm-up applied); CE always has weight 1."""
         ramp = 1.0 if self.warmup_steps == 0 else min(1.0, (step + 1) / self.warmup_steps)
-        return {"ce": 1.0, "rec": self.lambda_rec * ramp, "r1": self.lambda_r1 * ramp, "r2": self.lambda_r2 * ramp}
+        weights = {"ce": 1.0, "rec": self.lambda_rec * ramp, "r1": self.lambda_r1 * ramp, "r2": self.lambda_r2 * ramp}
+        if self.lambda_proto_kl:  # absent at 0: the weights of every earlier run stay what they were
+            weights["proto_kl"] = self.lambda_proto_kl * ramp
+        return weights
 
 
 @dataclass
@@ -143,6 +152,13 @@ class TrainConfig:
     bank trains on it in the same batch order, instead of a backbone forward per step (``prismlm.train.
     bank_stage``). Logits are the source model's either way; ``false`` keeps the per-step path (one process
     only uses stored z; under torchrun the per-step path runs)."""
+    stage2_from_stored: bool = True
+    """Retrofit stage 2 with ``trainable=last-N`` (and ``frozen_from_stored_z``) runs on stored boundary
+    activations: the same backbone pass that stores z also stores the residual stream entering block
+    n_layer − N, and stage 2 trains the last N blocks, the final norm and the bank on it — a step runs N
+    blocks instead of all of them (``prismlm.train.stage2``). Its full-model term is KL to the source model's
+    distribution (read from stored z) rather than CE. ``false``: the trainer's per-step path (CE, the whole
+    backbone every step)."""
     stored_z_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     """How stored z is kept: float16 (half the bytes; on SmolLM2-135M a bank trained on it moved the residual
     share by 2e-6 and R̄1 by 2e-5 against float32, bench/real_retrofit.py), bfloat16 (for hidden states past

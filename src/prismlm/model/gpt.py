@@ -395,6 +395,44 @@ class PrismLM(nn.Module):
             z, tuple(hidden) if hidden is not None else None, tuple(weights) if weights is not None else None
         )
 
+    def hidden_from_layer(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """z (B, T, d) from h (B, T, d), the residual stream entering block ``layer`` (what
+        ``backbone_outputs(..., output_hidden_states=True).hidden_states[layer]`` holds) of sequences that start
+        at position 0, with no cache and no padding: blocks ``layer … n_layer − 1`` and the final norm.
+
+        Why: stage 2 on stored boundary activations trains the last N blocks without re-running the first
+        n_layer − N ones. The built-in GPT and transformers models whose positions enter inside attention
+        (rotary: Llama, Mistral, Qwen, SmolLM2 …) are supported; a model that adds learned absolute position
+        embeddings to its input (GPT-2 in transformers) is refused (``ModelError``): its input embeddings
+        cannot be replaced by a mid-stack residual stream."""
+        name, layers = self._layer_list()
+        if not 0 <= layer < len(layers):
+            raise ModelError(
+                f"boundary layer {layer} is outside the model's {len(layers)} blocks",
+                fix=f"unfreeze between 1 and {len(layers)} blocks (last-N)",
+            )
+        if self.config.backbone != "hf":
+            assert isinstance(self.transformer, Backbone)
+            x = h
+            for i in range(layer, len(layers)):
+                x = self.transformer.h[i](x, None, i)  # (B, T, d)
+            return self.transformer.ln_f(x)
+        base = self.transformer
+        if not hasattr(base, "rotary_emb"):
+            raise ModelError(
+                f"{type(base).__name__} adds position embeddings to its input, so it cannot start from a stored "
+                "mid-stack residual stream",
+                fix="set train.stage2_from_stored=false (stage 2 then runs the whole backbone every step)",
+            )
+        # The base model runs ``self.layers[:num_hidden_layers]`` on ``inputs_embeds``: for this call it holds
+        # only the top blocks (positions come from the rotary embedding inside attention, as in a full pass).
+        top = nn.ModuleList(list(layers)[layer:])
+        setattr(base, name, top)
+        try:
+            return cast("PreTrainedModel", base)(inputs_embeds=h, use_cache=False).last_hidden_state
+        finally:
+            setattr(base, name, layers)
+
     def _hf_backbone(
         self,
         idx: torch.Tensor | None,
@@ -485,6 +523,11 @@ class PrismLM(nn.Module):
                 out.losses["rec"] = L.reconstruction_loss(po.residual, z.reshape(B * T, d))
                 out.losses["r1"] = L.r1_loss(po.proto_max_cos)
                 out.losses["r2"] = L.r2_loss(po.token_max_cos)
+                if loss_weights and loss_weights.get("proto_kl", 0.0) and not last_only:
+                    # the prototype-only prediction W ẑ (+ bias) distilled toward the model's own logits
+                    out.losses["proto_kl"] = L.prototype_kl(
+                        logits.reshape(B * T, -1), self.lm_head(po.reconstruction.to(z.dtype))
+                    )
         if targets is not None:
             out.losses["ce"] = L.cross_entropy(logits, targets if not last_only else targets[:, -1:])
             out.loss = L.total_loss(out.losses, loss_weights or {"ce": 1.0})

@@ -32,6 +32,25 @@ def r2_loss(token_max_cos: torch.Tensor) -> torch.Tensor:
     return (1.0 - token_max_cos).mean()
 
 
+def kl_to_reference(reference_log_probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(p_ref ‖ softmax(logits)) = Σ_v p_ref,v (log p_ref,v − log q_v).
+
+    reference_log_probs (N, V): log p_ref, already normalised and detached by the caller (the distribution
+    to match: the source model's, or the model's own); logits (N, V). Used for distillation: the full
+    model toward its source in stage 2, and the prototype-only prediction softmax(W ẑ) toward the model."""
+    log_q = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # (N, V)
+    ref = reference_log_probs.to(log_q.dtype)
+    return (ref.exp() * (ref - log_q)).sum(-1).mean()
+
+
+def prototype_kl(logits: torch.Tensor, prototype_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ p̂) with p = softmax(logits) the model's own prediction (detached: the target, not moved by this
+    term) and p̂ = softmax(prototype_logits), the prediction of the prototypes alone (W ẑ). (N, V) each."""
+    return kl_to_reference(
+        F.log_softmax(logits.detach().to(torch.promote_types(logits.dtype, torch.float32)), -1), prototype_logits
+    )
+
+
 def total_loss(terms: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
     """Weighted sum of the loss terms present in ``terms`` (a dense model only has ``ce``)."""
     total = terms["ce"] * weights.get("ce", 1.0)

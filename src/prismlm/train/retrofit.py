@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from prismlm.artifacts import FileLock
 from prismlm.config import ModelConfig, RunConfig, replace
-from prismlm.data.shards import ShardSet, default_data_dir
+from prismlm.data.shards import ShardSet, default_data_dir, prepare_from_config
 from prismlm.data.tokenizer import Tokenizer, from_transformers, hf_tokenizer
 from prismlm.errors import CheckpointError, ModelError, TokenizerError
 from prismlm.model import PrismLM
@@ -45,6 +45,7 @@ from prismlm.progress import Progress
 from prismlm.train.bank_stage import bank_stage, frozen_stage_steps
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.distributed import resolve_device
+from prismlm.train.stage2 import boundary_layer_for, stage2_plan, train_stage2_stored
 from prismlm.train.stored_z import build_stored_z
 from prismlm.train.trainer import STORED_Z_DIR, TrainResult, check_run_folder, clear_run_folder, train
 
@@ -408,6 +409,7 @@ def _retrofit_on_stored_z(
             batch_size=tc.batch_size,
             device=device,
             progress=progress,
+            boundary_layer=boundary_layer_for(cfg),
         )
         store.check()  # complete
         T = cfg.model.block_size
@@ -421,8 +423,35 @@ def _retrofit_on_stored_z(
         result = bank_stage(
             model, store, cfg, out_dir, shards=shards, device=device, rng_state=rng_state, progress=progress
         )
+        if result.step < tc.max_steps and (plan := stage2_plan(out_dir, cfg)) is not None:
+            return train_stage2_stored(plan, cfg, shards=shards, device=device, progress=progress)
     finally:
         lock.release()
     if result.step >= tc.max_steps:
         return result
     return train(cfg, out_dir, resume=True, shards=shards, progress=progress)
+
+
+def resume_stage2_stored(
+    out_dir: Path, cfg: RunConfig, *, extend_to: int | None = None, progress: Progress = True
+) -> TrainResult | None:
+    """Continue a retrofit whose next steps are stage 2 on stored activations (``prismlm.train.stage2``) from
+    its latest checkpoint, under the run folder's lock; None when they are not (the trainer's resume applies:
+    stage 1 unfinished, another ``train.trainable``, or ``train.stage2_from_stored`` off)."""
+    if boundary_layer_for(cfg) is None:
+        return None
+    if extend_to is not None:
+        cfg = cfg.override({"train.max_steps": extend_to})
+    lock = FileLock(out_dir / ".lock", f"run folder {out_dir}")
+    lock.acquire()
+    try:
+        plan = stage2_plan(out_dir, cfg)
+        if plan is None:
+            return None
+        if cfg.train.num_threads:
+            torch.set_num_threads(cfg.train.num_threads)
+        shards = prepare_from_config(cfg.data, show_progress=progress)
+        device = resolve_device(cfg.train.device)
+        return train_stage2_stored(plan, cfg, shards=shards, device=device, progress=progress)
+    finally:
+        lock.release()

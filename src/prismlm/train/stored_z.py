@@ -1,7 +1,9 @@
 """Stored hidden states: the frozen backbone's z over a shard, computed once and memory-mapped.
 
 ``build_stored_z`` runs the frozen backbone once over the aligned sequences of one split and writes
-``z.bin`` (rows, d), ``targets.bin`` (rows,), ``state.json`` and ``manifest.json`` (what z belongs to).
+``z.bin`` (rows, d), ``targets.bin`` (rows,), ``state.json`` and ``manifest.json`` (what z belongs to); with
+``boundary_layer`` L also ``boundary.bin`` (rows, d), the residual stream entering block L in the same pass
+(what stage 2 on stored activations trains the blocks L… on, ``prismlm.train.stage2``).
 Invariants: row ``r`` is position ``r % T`` of sequence ``r // T`` (the offset the prototype index stores);
 a killed pass resumed with the same arguments ends with files equal byte for byte to an uninterrupted one.
 File layout and resume: docs/modules.md.
@@ -68,6 +70,8 @@ class StoreSettings(TypedDict):
     rows: int
     """num_sequences · block_size."""
     num_batches: int
+    boundary_layer: int | None
+    """The block whose input is stored in ``boundary.bin`` (None: z only)."""
 
 
 class StoreManifest(StoreSettings):
@@ -97,6 +101,8 @@ class StoredZ:
     manifest: StoreManifest
     z: np.ndarray
     targets: np.ndarray
+    boundary: np.ndarray | None = None
+    """(rows, d) the residual stream entering block ``manifest["boundary_layer"]``, or None."""
 
     @property
     def block_size(self) -> int:
@@ -112,12 +118,29 @@ class StoredZ:
 
     def hidden(self, seq_ids: np.ndarray) -> torch.Tensor:
         """z of whole sequences → (len(seq_ids), T, d) float32 (one gather from the map)."""
+        return self._gather(self.z, seq_ids)
+
+    @property
+    def boundary_layer(self) -> int | None:
+        layer = self.manifest.get("boundary_layer")
+        return None if layer is None else int(layer)
+
+    def boundary_hidden(self, seq_ids: np.ndarray) -> torch.Tensor:
+        """The stored boundary activations of whole sequences → (len(seq_ids), T, d) float32."""
+        if self.boundary is None:
+            raise ArtifactError(
+                f"the stored activations at {self.path} hold no boundary layer",
+                fix="rebuild them with a boundary layer (a retrofit with --unfreeze last-N on stored z does)",
+            )
+        return self._gather(self.boundary, seq_ids)
+
+    def _gather(self, source: np.ndarray, seq_ids: np.ndarray) -> torch.Tensor:
         T = self.block_size
         ids = np.asarray(seq_ids, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_sequences):
             raise IndexError(f"sequence ids out of range [0, {self.num_sequences}) of the stored z at {self.path}")
         rows = (ids[:, None] * T + np.arange(T)[None, :]).reshape(-1)
-        return _to_float32(self.z[rows], self.manifest["dtype"]).view(len(ids), T, -1)
+        return _to_float32(source[rows], self.manifest["dtype"]).view(len(ids), T, -1)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """z of rows ``[start, stop)`` → (stop − start, d) float32."""
@@ -185,11 +208,18 @@ def open_stored_z(path: str | Path) -> StoredZ:
     rows, d = int(m["rows"]), int(m["d"])
     z = np.memmap(path / "z.bin", dtype=_NUMPY_DTYPES[m["dtype"]], mode="r", shape=(rows, d))
     targets = np.memmap(path / "targets.bin", dtype=np.int32, mode="r", shape=(rows,))
-    return StoredZ(path=path, manifest=m, z=z, targets=targets)
+    m.setdefault("boundary_layer", None)  # stores written before boundary layers existed
+    boundary = None
+    if m["boundary_layer"] is not None:
+        boundary = np.memmap(path / "boundary.bin", dtype=_NUMPY_DTYPES[m["dtype"]], mode="r", shape=(rows, d))
+    return StoredZ(path=path, manifest=m, z=z, targets=targets, boundary=boundary)
 
 
-def _batch_digest(z: np.ndarray, targets: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(z).tobytes() + np.ascontiguousarray(targets).tobytes()).hexdigest()
+def _batch_digest(z: np.ndarray, targets: np.ndarray, boundary: np.ndarray | None = None) -> str:
+    h = hashlib.sha256(np.ascontiguousarray(z).tobytes() + np.ascontiguousarray(targets).tobytes())
+    if boundary is not None:
+        h.update(np.ascontiguousarray(boundary).tobytes())
+    return h.hexdigest()
 
 
 def build_stored_z(
@@ -204,18 +234,24 @@ def build_stored_z(
     device: str | torch.device | None = None,
     progress: Progress = True,
     stop_after_batches: int | None = None,
+    boundary_layer: int | None = None,
 ) -> StoredZ:
     """Compute (or finish, or reuse) the stored z of ``model``'s backbone over ``shards.<split>``.
 
     ``max_sequences``: only the first N aligned sequences. A complete store
     with the same settings is returned as it is; an unfinished one is resumed (see the module docstring);
     one made with other settings or another backbone is replaced. ``stop_after_batches``: stop early
-    (simulates a kill in tests)."""
+    (simulates a kill in tests). ``boundary_layer`` L: also store the residual stream entering block L."""
     if dtype not in _TORCH_DTYPES:
         raise ConfigError(f"stored z dtype must be float16, bfloat16 or float32, got {dtype!r}")
     out = Path(out)
     shard = getattr(shards, split)
     T, d = model.config.block_size, model.config.n_embd
+    if boundary_layer is not None and not 0 <= boundary_layer < model.config.n_layer:
+        raise ConfigError(
+            f"boundary layer {boundary_layer} is outside the model's {model.config.n_layer} blocks",
+            fix=f"unfreeze between 1 and {model.config.n_layer} blocks (last-N)",
+        )
     n_seq = shard.num_sequences(T) if max_sequences is None else min(shard.num_sequences(T), max_sequences)
     if n_seq < 1:
         raise ArtifactError(f"the {split} split holds no complete sequence of {T + 1} tokens to store z for")
@@ -232,6 +268,7 @@ def build_stored_z(
         "num_sequences": n_seq,
         "rows": n_seq * T,
         "num_batches": -(-n_seq // batch_size),
+        "boundary_layer": boundary_layer,
     }
     resumed = _resume_state(out, want)
     state: FillState
@@ -242,6 +279,8 @@ def build_stored_z(
         out.mkdir(parents=True)
         np.memmap(out / "z.bin", dtype=_NUMPY_DTYPES[dtype], mode="w+", shape=(n_seq * T, d)).flush()
         np.memmap(out / "targets.bin", dtype=np.int32, mode="w+", shape=(n_seq * T,)).flush()
+        if boundary_layer is not None:
+            np.memmap(out / "boundary.bin", dtype=_NUMPY_DTYPES[dtype], mode="w+", shape=(n_seq * T, d)).flush()
         atomic_write_text(
             out / "manifest.json",
             json.dumps({**want, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **provenance()}, indent=1) + "\n",
@@ -260,14 +299,15 @@ def _resume_state(out: Path, want: StoreSettings) -> FillState | None:
         state = json.loads((out / "state.json").read_text())
     except (OSError, ValueError):
         return None
-    if any(m.get(k) != v for k, v in want.items()):
+    if any(m.get(k) != v for k, v in want.items()):  # a missing boundary_layer reads as None
         return None
     store = open_stored_z(out)
     rows_per = want["batch_size"] * want["block_size"]
     good = 0
     for b, digest in enumerate(state["digests"][: state["batches_done"]]):
         sl = slice(b * rows_per, min((b + 1) * rows_per, want["rows"]))
-        if _batch_digest(store.z[sl], store.targets[sl]) != digest:
+        boundary = store.boundary[sl] if store.boundary is not None else None
+        if _batch_digest(store.z[sl], store.targets[sl], boundary) != digest:
             break
         good = b + 1
     state["batches_done"], state["digests"] = good, state["digests"][:good]
@@ -291,6 +331,10 @@ def _fill(
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     z_map = np.memmap(out / "z.bin", dtype=_NUMPY_DTYPES[dtype], mode="r+", shape=(want["rows"], want["d"]))
     t_map = np.memmap(out / "targets.bin", dtype=np.int32, mode="r+", shape=(want["rows"],))
+    layer = want["boundary_layer"]
+    h_map = None
+    if layer is not None:
+        h_map = np.memmap(out / "boundary.bin", dtype=_NUMPY_DTYPES[dtype], mode="r+", shape=(want["rows"], want["d"]))
     done0 = state["batches_done"]
     bar = Reporter(progress, "stored-z", want["rows"], unit="tok", initial=min(done0 * B, n_seq) * T)
     t0, ran, spent = time.perf_counter(), 0, 0.0
@@ -299,13 +343,20 @@ def _fill(
             ids = np.arange(b * B, min((b + 1) * B, n_seq), dtype=np.int64)
             seqs = shard.sequences(ids, T)  # (b, T + 1)
             x = torch.from_numpy(seqs[:, :-1]).to(dev)
-            z = model.backbone(x).reshape(-1, want["d"])  # (b·T, d)
             sl = slice(int(ids[0]) * T, (int(ids[-1]) + 1) * T)
+            if h_map is not None and layer is not None:
+                bo = model.backbone_outputs(x, output_hidden_states=True)
+                assert bo.hidden_states is not None
+                h_map[sl] = _encode(bo.hidden_states[layer].reshape(-1, want["d"]), dtype)  # (b·T, d)
+                h_map.flush()
+                z = bo.z.reshape(-1, want["d"])  # (b·T, d)
+            else:
+                z = model.backbone(x).reshape(-1, want["d"])  # (b·T, d)
             z_map[sl] = _encode(z, dtype)
             t_map[sl] = seqs[:, 1:].reshape(-1).astype(np.int32)
             z_map.flush()
             t_map.flush()
-            state["digests"].append(_batch_digest(z_map[sl], t_map[sl]))
+            state["digests"].append(_batch_digest(z_map[sl], t_map[sl], h_map[sl] if h_map is not None else None))
             state["batches_done"] = b + 1
             now = time.perf_counter()
             state["seconds"] = float(state.get("seconds", 0.0)) + (now - t0)

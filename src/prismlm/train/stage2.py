@@ -1,0 +1,320 @@
+"""Retrofit stage 2 on stored boundary activations: train the last N blocks, the final norm and the bank on
+the residual stream stored at block L = n_layer − N, so a step runs N blocks instead of all of them.
+
+The backbone pass of stage 1 (``build_stored_z(..., boundary_layer=L)``) stores, per training token, the
+source model's z and the residual stream h entering block L. A step reads h and z_src for the trainer's batch
+(same sampler, schedule, optimizer groups and clipping as ``train``), computes z = blocks_L…(h) with the
+current weights, and minimises
+
+    KL(p_src ‖ softmax(W z)) + λ_proto_kl · KL(p_src ‖ softmax(W ẑ)) + λ_rec REC + λ₁ R1 + λ₂ R2,
+
+p_src = softmax(W z_src) the source model's distribution (distillation keeps the model's predictions; the
+prototype term asks the blocks and the bank to write the prediction through ẑ). W stays frozen. Checkpoints
+are ordinary run checkpoints (every consumer reads them as any run); a killed stage continues from the
+latest one with the same command, bit for bit on CPU. Invariant: the blocks read stored activations, so the
+stage's own numbers are those of the stored path; the saved model is evaluated with its full forward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from prismlm.config import RunConfig
+from prismlm.errors import ConfigError, RunError
+from prismlm.eval.metrics import evaluate
+from prismlm.model import PrismLM, eval_mode
+from prismlm.model import losses as L
+from prismlm.progress import Progress, Reporter
+from prismlm.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from prismlm.train.records import format_eval_line
+from prismlm.train.sampler import SequenceSampler
+from prismlm.train.state import TrainResult, autocast_for, build_optimizer, set_trainable, trainable_names
+from prismlm.train.stored_z import StoredZ
+
+if TYPE_CHECKING:
+    from prismlm.data.shards import ShardSet
+
+
+def boundary_layer_for(cfg: RunConfig) -> int | None:
+    """The block whose input stage 2 trains from: n_layer − N for ``train.trainable=last-N`` with stage 2 on
+    stored activations (``train.stage2_from_stored`` and ``frozen_from_stored_z``); None otherwise."""
+    tc = cfg.train
+    if not (tc.stage2_from_stored and tc.frozen_from_stored_z and tc.trainable.startswith("last-")):
+        return None
+    n_last = int(tc.trainable.removeprefix("last-"))
+    if n_last > cfg.model.n_layer:
+        raise ConfigError(
+            f"train.trainable={tc.trainable}: the model has only {cfg.model.n_layer} blocks",
+            fix=f"use last-1 … last-{cfg.model.n_layer}",
+        )
+    return cfg.model.n_layer - n_last
+
+
+def stage2_losses(
+    model: PrismLM, h: torch.Tensor, z_source: torch.Tensor, layer: int, *, proto_kl: bool
+) -> dict[str, torch.Tensor]:
+    """The loss terms of one stored batch. h, z_source: (B, T, d) the stored boundary activations and the
+    source model's z of the same tokens. Returns unweighted scalars ``source_kl``, ``rec``, ``r1``, ``r2``
+    (and ``proto_kl``), plus ``proto_top1`` (no gradient): how often argmax W ẑ is the source's argmax."""
+    B, T, d = h.shape
+    z = model.hidden_from_layer(h, layer).reshape(B * T, d)  # (N, d) with the current top blocks
+    po = model.require_prototypes()(z)
+    with torch.no_grad():
+        source_logits = model.lm_head(z_source.reshape(B * T, d))  # (N, V): W is frozen
+        log_p_source = F.log_softmax(source_logits.float(), dim=-1)
+    terms = {
+        "source_kl": L.kl_to_reference(log_p_source, model.lm_head(z)),
+        "rec": L.reconstruction_loss(po.residual, z),
+        "r1": L.r1_loss(po.proto_max_cos),
+        "r2": L.r2_loss(po.token_max_cos),
+    }
+    proto_logits = model.lm_head(po.reconstruction.to(z.dtype))  # (N, V) the prototypes alone
+    if proto_kl:
+        terms["proto_kl"] = L.kl_to_reference(log_p_source, proto_logits)
+    terms["proto_top1"] = (proto_logits.detach().argmax(-1) == source_logits.argmax(-1)).float().mean()
+    return terms
+
+
+def stage2_plan(out_dir: Path, cfg: RunConfig) -> Stage2Plan | None:
+    """The plan to continue stage 2 on stored activations in ``out_dir`` when its config asks for it, its
+    latest checkpoint is at or past the end of stage 1 and before ``max_steps``, and its stored
+    activations hold the boundary layer; None otherwise (the trainer's per-step path applies)."""
+    from prismlm.train.run_folder import STORED_Z_DIR
+    from prismlm.train.stored_z import open_stored_z
+
+    layer = boundary_layer_for(cfg)
+    if layer is None:
+        return None
+    step = int(find_checkpoint(out_dir).name.removeprefix("step-"))
+    if not cfg.train.frozen_steps <= step < cfg.train.max_steps:
+        return None
+    store = open_stored_z(out_dir / STORED_Z_DIR).check()
+    if store.boundary_layer != layer:
+        raise ConfigError(
+            f"the stored activations at {store.path} hold block {store.boundary_layer}'s input, not block {layer}'s "
+            f"(train.trainable={cfg.train.trainable})",
+            fix="resume with the run's own recipe, or set train.stage2_from_stored=false",
+        )
+    return Stage2Plan(out_dir=out_dir, store=store, layer=layer, start_step=step)
+
+
+@dataclass
+class Stage2Plan:
+    """Where stage 2 on stored activations starts: the run's latest checkpoint (stage 1's last, or a stage-2
+    one after a kill) and the stored activations it trains on."""
+
+    out_dir: Path
+    store: StoredZ
+    layer: int
+    start_step: int
+
+
+def train_stage2_stored(
+    plan: Stage2Plan,
+    cfg: RunConfig,
+    *,
+    shards: ShardSet,
+    device: torch.device,
+    progress: Progress = True,
+    stop_after: int | None = None,
+) -> TrainResult:
+    """Steps ``plan.start_step`` … ``train.max_steps`` of stage 2 on stored activations into ``plan.out_dir``
+    (the caller holds its lock), from the run's latest checkpoint: validation every ``eval_interval`` steps
+    (the full model on the validation split, as ``train``), checkpoints every ``ckpt_interval`` (default:
+    at each validation) and at the end, metrics lines appended to ``metrics.jsonl``. ``stop_after``: stop
+    (with a checkpoint) after this many steps of this call — simulates a kill in tests."""
+    tc = cfg.train
+    ckpt = load_checkpoint(find_checkpoint(plan.out_dir), device="cpu")
+    state = ckpt.trainer_state()
+    if int(state["step"]) != plan.start_step:
+        raise RunError(f"{ckpt.path} is at step {state['step']}, not {plan.start_step}")
+    model = ckpt.model.to(device)
+    optimizer = build_optimizer(model, cfg, device)
+    saved = state["optimizer"]
+    if isinstance(saved, str):  # a sharded (FSDP) optimizer: stage 2 on stored activations runs in one process
+        raise RunError(f"{ckpt.path} holds a sharded optimizer state; stage 2 on stored activations cannot load it")
+    optimizer.load_state_dict(saved)
+    set_trainable(model, trainable_names(model, tc.trainable))
+    torch.set_rng_state(state["rng"]["torch"])
+    sampler = SequenceSampler(plan.store.num_sequences, tc.batch_size, tc.grad_accum, 1, tc.seed)
+    end = tc.max_steps if stop_after is None else min(tc.max_steps, plan.start_step + stop_after)
+    ckpt_every = tc.ckpt_interval if tc.ckpt_interval is not None else tc.eval_interval
+    metrics: dict[str, float] = {}
+    model.train()
+    t_last, tokens_since = time.perf_counter(), 0
+    with Reporter(progress, "stage2", end - plan.start_step, unit="step") as bar:
+        for step in range(plan.start_step, end):
+            sums = _step(model, optimizer, plan, cfg, sampler, step, device)
+            tokens_since += tc.batch_size * tc.grad_accum * plan.store.block_size
+            done = step + 1
+            if done % tc.log_interval == 0 or done == end:
+                now = time.perf_counter()
+                _append_metrics(
+                    plan.out_dir,
+                    {
+                        "step": done,
+                        "lr": tc.lr_at(step),
+                        **{f"train_{k}": v for k, v in sums.items()},
+                        "tokens_per_s": tokens_since / max(now - t_last, 1e-9),
+                        "epoch": sampler.epoch_at(done),
+                        "stage2_stored": 1,
+                    },
+                )
+                t_last, tokens_since = now, 0
+            if done % tc.eval_interval == 0 or done == tc.max_steps:
+                metrics = _validate(model, cfg, shards, device, done)
+                _append_metrics(plan.out_dir, {"step": done, **metrics})
+                bar.message(format_eval_line(done, metrics))
+                model.train()
+            if (ckpt_every and done % ckpt_every == 0) or done == end:
+                _save(plan.out_dir, done, model, cfg, optimizer, sampler, shards, device)
+            bar.update(1, loss=sums["loss"])
+    model.eval()
+    return TrainResult(
+        run_dir=plan.out_dir, checkpoint=find_checkpoint(plan.out_dir), step=end, metrics=metrics, model=model
+    )
+
+
+def _step(
+    model: PrismLM,
+    optimizer: torch.optim.AdamW,
+    plan: Stage2Plan,
+    cfg: RunConfig,
+    sampler: SequenceSampler,
+    step: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """One optimizer step (gradient accumulation, clipping); the micro-batch-averaged terms and loss."""
+    tc = cfg.train
+    lr = tc.lr_at(step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+    weights = {**cfg.loss.weights_at(step), "source_kl": 1.0}
+    sums: dict[str, float] = {}
+    for micro in range(tc.grad_accum):
+        ids = sampler.micro_indices(step, micro, 0)
+        h = plan.store.boundary_hidden(ids).to(device)  # (B, T, d)
+        z_source = plan.store.hidden(ids).to(device)  # (B, T, d)
+        terms = stage2_losses(model, h, z_source, plan.layer, proto_kl=weights.get("proto_kl", 0.0) > 0)
+        loss = sum(
+            (weights[k] * v for k, v in terms.items() if weights.get(k, 0.0) != 0.0), torch.zeros((), device=device)
+        )
+        (loss / tc.grad_accum).backward()
+        for k, v in {**terms, "loss": loss}.items():
+            sums[k] = sums.get(k, 0.0) + float(v.detach()) / tc.grad_accum
+    if not math.isfinite(sums["loss"]):
+        raise RunError(
+            f"stage 2's loss became {sums['loss']} at step {step + 1}",
+            fix="lower train.lr or train.backbone_lr_ratio; resume from the last checkpoint",
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or float("inf")))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return sums
+
+
+def _validate(model: PrismLM, cfg: RunConfig, shards: ShardSet, device: torch.device, step: int) -> dict[str, float]:
+    metrics = evaluate(
+        model,
+        shards.val,
+        seq_len=cfg.model.block_size,
+        batch_size=cfg.train.batch_size,
+        max_batches=cfg.train.eval_batches,
+        device=device,
+        autocast=autocast_for(cfg, device),
+        loss_weights=cfg.loss.weights_at(step - 1),
+    )
+    return metrics
+
+
+def _save(
+    out_dir: Path,
+    step: int,
+    model: PrismLM,
+    cfg: RunConfig,
+    optimizer: torch.optim.AdamW,
+    sampler: SequenceSampler,
+    shards: ShardSet,
+    device: torch.device,
+) -> Path:
+    trainer_state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        },
+        "data": {"sequences_consumed": step * sampler.global_batch, "epoch": sampler.epoch_at(step)},
+        "stage2_stored": True,
+    }
+    return save_checkpoint(
+        out_dir,
+        step,
+        model,
+        cfg,
+        trainer_state=trainer_state,
+        tokenizer=shards.tokenizer,
+        data_manifest=shards.manifest,
+        keep=cfg.train.keep_checkpoints,
+    )
+
+
+def _append_metrics(out_dir: Path, line: dict[str, float]) -> None:
+    with open(out_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+@torch.no_grad()
+def heldout_stage2_metrics(
+    model: PrismLM, store: StoredZ, layer: int, *, max_sequences: int = 64, batch_size: int = 4
+) -> dict[str, float]:
+    """The stored path's numbers on held-out stored activations (a store of the validation split with the
+    same boundary layer): ``source_kl`` KL(p_src ‖ p), ``top1_vs_source`` (the model's argmax is the
+    source's), ``proto_top1`` (argmax W ẑ is the model's argmax), ``proto_kl`` KL(p ‖ p̂), ``ce`` and
+    ``ce_source`` on the stored next tokens, ``residual_share`` mean ‖r‖/‖z‖, over the first
+    ``max_sequences`` sequences. Cheap (N blocks a batch): what the stage-2 curve reports between validations."""
+    n = min(max_sequences, store.num_sequences)
+    T, sums, tokens = (
+        store.block_size,
+        dict.fromkeys(
+            ("source_kl", "top1_vs_source", "proto_top1", "proto_kl", "ce", "ce_source", "residual_share"), 0.0
+        ),
+        0,
+    )
+    device = next(model.parameters()).device
+    with eval_mode(model):
+        for start in range(0, n, batch_size):  # batches of sequences
+            ids = np.arange(start, min(start + batch_size, n))
+            h, z_src = store.boundary_hidden(ids).to(device), store.hidden(ids).to(device)
+            targets = torch.from_numpy(np.asarray(store.targets[ids[0] * T : (ids[-1] + 1) * T], dtype=np.int64))
+            z = model.hidden_from_layer(h, layer).reshape(-1, h.shape[-1])  # (N, d)
+            po = model.require_prototypes()(z)
+            logits, src = model.lm_head(z).float(), model.lm_head(z_src.reshape(z.shape)).float()  # (N, V)
+            proto = model.lm_head(po.reconstruction.to(z.dtype)).float()
+            log_p = F.log_softmax(logits, -1)
+            batch = {
+                "source_kl": L.kl_to_reference(F.log_softmax(src, -1), logits),
+                "top1_vs_source": (logits.argmax(-1) == src.argmax(-1)).float().mean(),
+                "proto_top1": (proto.argmax(-1) == logits.argmax(-1)).float().mean(),
+                "proto_kl": L.kl_to_reference(log_p, proto),
+                "ce": F.cross_entropy(logits, targets.to(device)),
+                "ce_source": F.cross_entropy(src, targets.to(device)),
+                "residual_share": (po.residual.norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-8)).mean(),
+            }
+            for key, value in batch.items():
+                sums[key] += float(value) * z.shape[0]
+            tokens += z.shape[0]
+    return {k: v / tokens for k, v in sums.items()} | {"tokens": float(tokens)}
+
+
+__all__ = ["Stage2Plan", "boundary_layer_for", "heldout_stage2_metrics", "stage2_losses", "train_stage2_stored"]

@@ -1,0 +1,239 @@
+"""Stage 2 on stored boundary activations (``prismlm.train.stage2``): the top blocks from a stored residual
+stream, the stored boundary rows, the loss terms against an independent full forward, a killed stage
+continued bit for bit, and the prototype-only KL term."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prismlm.app import Run
+from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
+from prismlm.config import LossConfig, ModelConfig, PrototypeConfig, RunConfig
+from prismlm.errors import ConfigError, ModelError
+from prismlm.model import PrismLM
+from prismlm.model import losses as L
+from prismlm.train import retrofit as retrofit_module
+from prismlm.train import train
+from prismlm.train.stage2 import boundary_layer_for, heldout_stage2_metrics, stage2_losses, train_stage2_stored
+from prismlm.train.stored_z import build_stored_z, open_stored_z
+
+SMALL = ["data.max_docs=16", "data.max_chars_per_doc=4000", "train.stored_z_dtype=float32"]
+
+
+@pytest.fixture(scope="module")
+def dense_run(tiny_shards, tmp_path_factory):
+    """A dense 3-layer tiny prismlm run (3 steps) to retrofit."""
+    out = tmp_path_factory.mktemp("dense2") / "run"
+    cfg = (
+        RunConfig.from_name("tiny").dense().override({"train.max_steps": 3, "train.batch_size": 4, "model.n_layer": 3})
+    )
+    train(cfg, out, shards=tiny_shards, progress=False)
+    return out
+
+
+def _retrofit(source, out, *extra, steps=6, frozen=2, unfreeze="last-1", resume=False):
+    recipe = RetrofitRecipe(steps=steps, frozen_steps=frozen, unfreeze=unfreeze, prototypes=32, top_k=4, batch_size=4)
+    return retrofit_model(
+        None if resume else str(source),
+        out=out,
+        recipe=recipe,
+        device="cpu",
+        progress=False,
+        resume=resume,
+        overrides=[] if resume else [*SMALL, *extra],
+    )
+
+
+def _hf_llama(n_layer: int = 3, prototypes: PrototypeConfig | None = None) -> PrismLM:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=n_layer,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    cfg = ModelConfig(
+        vocab_size=128, block_size=64, n_layer=n_layer, n_embd=32, n_head=4, dropout=0.0, prototypes=prototypes,
+        backbone="hf", hf_config=hf.to_dict(), tie_weights=False,
+    )  # fmt: skip
+    return PrismLM(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_top_blocks_from_a_stored_layer_give_the_backbones_hidden_states(kind):
+    torch.manual_seed(1)
+    if kind == "gpt":
+        model = PrismLM(
+            RunConfig.from_name("tiny").dense().override({"model.n_layer": 3, "model.dropout": 0.0}).model
+        ).eval()
+    else:
+        model = _hf_llama()
+    x = torch.randint(0, 128, (2, 20))
+    with torch.no_grad():
+        out = model.backbone_outputs(x, output_hidden_states=True)
+        assert out.hidden_states is not None
+        for layer in range(3):
+            z = model.hidden_from_layer(out.hidden_states[layer], layer)
+            assert torch.allclose(z, out.z, rtol=0, atol=1e-5), layer
+        # the wrong layer's input gives another z: the layer index is not ignored
+        assert not torch.allclose(model.hidden_from_layer(out.hidden_states[1], 0), out.z, atol=1e-3)
+    with pytest.raises(ModelError, match="outside the model's 3 blocks"):
+        model.hidden_from_layer(out.hidden_states[0], 3)
+
+
+def test_the_boundary_rows_are_the_backbones_residual_stream_and_resume_identically(tiny_shards, tmp_path):
+    torch.manual_seed(0)
+    model = PrismLM(RunConfig.from_name("tiny").dense().override({"model.n_layer": 3}).model).eval()
+    T = model.config.block_size
+    store = build_stored_z(
+        model,
+        tiny_shards,
+        tmp_path / "a",
+        dtype="float32",
+        batch_size=4,
+        max_sequences=10,
+        boundary_layer=2,
+        progress=False,
+    )
+    ids = np.array([0, 5, 9])
+    with torch.no_grad():
+        out = model.backbone_outputs(
+            torch.from_numpy(tiny_shards.train.sequences(ids, T)[:, :-1]), output_hidden_states=True
+        )
+    assert out.hidden_states is not None and store.boundary_layer == 2
+    assert torch.allclose(store.boundary_hidden(ids), out.hidden_states[2], rtol=0, atol=1e-6)
+    assert torch.allclose(store.hidden(ids), out.z, rtol=0, atol=1e-6)
+    # a pass killed after one batch, resumed: the same bytes as the uninterrupted one
+    kw = dict(dtype="float32", batch_size=4, max_sequences=10, boundary_layer=2, progress=False)
+    build_stored_z(model, tiny_shards, tmp_path / "b", stop_after_batches=1, **kw)
+    assert not open_stored_z(tmp_path / "b").complete
+    build_stored_z(model, tiny_shards, tmp_path / "b", **kw)
+    for name in ("z.bin", "targets.bin", "boundary.bin"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    with pytest.raises(ConfigError, match="boundary layer 3 is outside"):
+        build_stored_z(model, tiny_shards, tmp_path / "c", boundary_layer=3, progress=False)
+
+
+def test_kl_to_reference_matches_torch_distributions():
+    torch.manual_seed(0)
+    ref, logits = torch.randn(7, 11, dtype=torch.float64), torch.randn(7, 11, dtype=torch.float64)
+    want = torch.distributions.kl_divergence(
+        torch.distributions.Categorical(logits=ref), torch.distributions.Categorical(logits=logits)
+    ).mean()
+    got = L.kl_to_reference(F.log_softmax(ref, -1), logits)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert float(L.kl_to_reference(F.log_softmax(ref, -1), ref + 3.0)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_stage2_losses_equal_an_independent_full_forward():
+    """The stored path (top blocks from h) against the whole model run on the tokens, term by term."""
+    model = _hf_llama(prototypes=PrototypeConfig(num_prototypes=16, top_k=4))
+    x = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        out = model.backbone_outputs(x, output_hidden_states=True)
+    assert out.hidden_states is not None
+    z_source = out.z + 0.1 * torch.randn_like(out.z)  # a source distribution that differs from the model's
+    terms = stage2_losses(model, out.hidden_states[1], z_source, 1, proto_kl=True)
+    with torch.no_grad():
+        full = model(x)
+    p_src = torch.softmax(model.lm_head(z_source), -1).reshape(-1, 128)
+    p_model = torch.softmax(full.logits, -1).reshape(-1, 128)
+    assert full.residual is not None
+    z_hat = (full.hidden - full.residual).reshape(-1, 32)
+    p_hat = torch.softmax(model.lm_head(z_hat), -1)
+    want_kl = (p_src * (p_src.log() - p_model.log())).sum(-1).mean()
+    want_proto = (p_src * (p_src.log() - p_hat.log())).sum(-1).mean()
+    assert float(terms["source_kl"].detach()) == pytest.approx(float(want_kl), rel=1e-4)
+    assert float(terms["proto_kl"].detach()) == pytest.approx(float(want_proto), rel=1e-4)
+    assert float(terms["proto_top1"]) == pytest.approx(float((p_hat.argmax(-1) == p_src.argmax(-1)).float().mean()))
+    # gradients reach the top block and the bank, never the frozen-by-construction bottom block's input
+    (terms["source_kl"] + terms["proto_kl"]).backward()
+    names = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert any(".layers.2." in n for n in names) and "prototypes.weight" in names
+    assert not any(".layers.0." in n for n in names)
+
+
+def test_boundary_layer_follows_the_recipe():
+    cfg = RunConfig.from_name("tiny").override({"model.n_layer": 3, "train.trainable": "last-2"})
+    assert boundary_layer_for(cfg) == 1
+    assert boundary_layer_for(cfg.override({"train.stage2_from_stored": False})) is None
+    assert boundary_layer_for(cfg.override({"train.trainable": "lora", "model.lora_rank": 2})) is None
+
+
+def test_a_stage2_on_stored_activations_trains_the_top_block_and_a_kill_resumes_bit_for_bit(
+    dense_run, tmp_path, monkeypatch
+):
+    whole = _retrofit(dense_run, tmp_path / "whole", "loss.lambda_proto_kl=1.0", "train.ckpt_interval=1")
+    source = Run.open(dense_run, device="cpu").model.state_dict()
+    trained = Run.open(whole.run_dir, device="cpu").model.state_dict()
+    moved = [k for k in trained if not k.startswith("prototypes.") and not torch.equal(trained[k], source[k])]
+    assert moved and all(".h.2." in k or "ln_f" in k for k in moved)  # only the last block and the final norm
+    lines = [json.loads(x) for x in (whole.run_dir / "metrics.jsonl").read_text().splitlines()]
+    stage2 = [x for x in lines if x.get("stage2_stored")]
+    assert [x["step"] for x in stage2 if "train_source_kl" in x][-1] == 6
+    assert all(x["train_proto_kl"] > 0 and x["train_source_kl"] >= 0 for x in stage2)
+    assert any("val_loss" in x and x["step"] == 6 for x in lines)  # the full model validated at the end
+    # stopped after step 4 (as a kill after stage 2's checkpoint at 4), then resumed: identical weights
+    part = tmp_path / "part"
+    with monkeypatch.context() as m:
+        m.setattr(retrofit_module, "train_stage2_stored", functools.partial(train_stage2_stored, stop_after=2))
+        _retrofit(dense_run, part, "loss.lambda_proto_kl=1.0", "train.ckpt_interval=1")
+    assert (part / "checkpoints" / "latest").read_text().strip() == "step-000004"
+    resumed = _retrofit(None, part, steps=None, resume=True)
+    assert resumed.step == 6
+    again = Run.open(part, device="cpu").model.state_dict()
+    for k in trained:
+        assert torch.equal(trained[k], again[k]), k
+
+
+def test_the_prototype_kl_term_moves_the_prototype_only_prediction_toward_the_source():
+    """The same 40 Adam steps on one stored batch with and without the prototype term: with it, KL(p_src ‖ p̂)
+    ends lower (top-1 on 32 tokens is too noisy to compare)."""
+    torch.manual_seed(3)
+    h, z_source = torch.randn(2, 16, 32), 3.0 * torch.randn(2, 16, 32)  # a peaked source distribution
+    ended = {}
+    for lam in (0.0, 1.0):
+        model = _hf_llama(prototypes=PrototypeConfig(num_prototypes=16, top_k=4)).train()
+        params = [
+            p
+            for n, p in model.named_parameters()
+            if ".layers.2." in n or n.startswith(("prototypes.", "transformer.norm."))
+        ]
+        opt = torch.optim.Adam(params, lr=1e-2)
+        for _ in range(40):
+            terms = stage2_losses(model, h, z_source, 2, proto_kl=True)
+            loss = terms["source_kl"] + terms["rec"] + lam * terms["proto_kl"]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            ended[lam] = stage2_losses(model, h, z_source, 2, proto_kl=True)
+    assert float(ended[1.0]["proto_kl"]) < 0.95 * float(ended[0.0]["proto_kl"])
+    assert (
+        "proto_kl" not in LossConfig().weights_at(0)
+        and LossConfig(lambda_proto_kl=3.0).weights_at(0)["proto_kl"] == 3.0
+    )
+
+
+def test_heldout_stage2_metrics_of_an_untrained_stage2_match_the_source(dense_run, tmp_path):
+    """Right after stage 1 the top blocks are the source's: the stored path reproduces the source (KL 0,
+    top-1 agreement 1, CE = the source's CE)."""
+    out = tmp_path / "run"
+    _retrofit(dense_run, out, steps=2, frozen=2, unfreeze="none")
+    cfg_model = Run.open(out, device="cpu").model
+    store = build_stored_z(cfg_model, Run.open(out, device="cpu").shards(), tmp_path / "h", dtype="float32",
+                           batch_size=4, max_sequences=8, boundary_layer=1, progress=False)  # fmt: skip
+    got = heldout_stage2_metrics(cfg_model, store, 1, max_sequences=8)
+    assert got["source_kl"] == pytest.approx(0.0, abs=1e-6) and got["top1_vs_source"] == 1.0
+    assert got["ce"] == pytest.approx(got["ce_source"], abs=1e-6) and got["tokens"] == 8 * store.block_size
+    assert 0.0 < got["residual_share"] < 1.5 and 0.0 <= got["proto_top1"] <= 1.0
