@@ -214,6 +214,7 @@ def _usable_stored_z(
         store.check(backbone=backbone_identity(model), shard_key=shards.manifest["key"], block_size=T, split="train")
         if store.num_sequences < universe:
             raise ArtifactMismatch(f"{path} covers {store.num_sequences} sequences, fewer than {universe}")
+        store.verify()  # every batch against its checksum: a damaged store is never read, the model runs
     except ArtifactError as e:
         notes.append(f"the stored z was not used ({e.message}); the index ran the model")
         return None

@@ -43,6 +43,8 @@ from prismlm.model import PrismLM
 from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.train.checkpoint import verify_checkpoint
+from prismlm.train.run_folder import STORED_Z_DIR
+from prismlm.train.stored_z import open_stored_z
 
 MAX_NEW_TOKENS = 65536
 """Most tokens ``generate`` makes per sample: past the context window every new token recomputes a full
@@ -277,8 +279,9 @@ def verify_run(
     run: Run, *, shards: Path | None = None, index: Path | None = None, cache: Path | None = None
 ) -> VerifyReport:
     """Check every artifact of a run against its manifest with full checksums: checkpoint files (weights,
-    trainer state, config, tokenizer), token shards, and every prototype index (with its labels.json),
-    attribution cache and search index in the run folder. A corrupt or foreign one, or one whose
+    trainer state, config, tokenizer), token shards, every prototype index (with its labels.json),
+    attribution cache and search index in the run folder, and a retrofit's stored hidden states (RUN/stored-z:
+    file lengths and each batch's sha256). A corrupt or foreign one, or one whose
     manifest.json is missing, is refused with its file name and the command that rebuilds it.
 
     Args:
@@ -311,6 +314,12 @@ def verify_run(
     ]
     if run.suppression is not None:
         checked.append(str(ckpt.path / "suppression.json"))
+    stored = run.folder / STORED_Z_DIR
+    if run.folder != ckpt.path and stored.is_dir():
+        store = open_stored_z(stored).verify()  # lengths, state.json, every batch's sha256
+        if not store.complete:
+            notes.append(f"the stored z at {stored} is unfinished: a retrofit run again finishes it")
+        checked.append(str(stored))
     return VerifyReport(checked=checked, notes=notes)
 
 
