@@ -4,16 +4,17 @@ hidden states, trained with the backbone frozen (logits exactly unchanged), then
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prismlm.app.run import require, writable_folder
 from prismlm.config import DataConfig, LossConfig, RunConfig, TrainConfig
 from prismlm.data.shards import prepare_from_config
-from prismlm.errors import CheckpointError, ConfigError
+from prismlm.errors import CheckpointError, ConfigError, PrismError
 from prismlm.progress import Progress
 from prismlm.train.checkpoint import find_checkpoint
-from prismlm.train.retrofit import Pretrained, load_pretrained, retrofit, save_tokenizer
+from prismlm.train.retrofit import Pretrained, load_pretrained, resume_on_stored_z, retrofit, save_tokenizer
 from prismlm.train.trainer import TrainResult, check_run_folder, train
 
 
@@ -123,7 +124,15 @@ def retrofit_model(
     pre = load_pretrained(source, block_size=recipe.block_size)
     cfg = retrofit_config(pre, recipe, device=device).override_strings(overrides or [])
     shards = prepare_from_config(cfg.data, show_progress=progress)
-    return retrofit(pre, cfg, writable_folder(out), shards=shards, progress=progress, overwrite=overwrite)
+    new_folder = not out.exists()
+    try:
+        return retrofit(pre, cfg, writable_folder(out), shards=shards, progress=progress, overwrite=overwrite)
+    except PrismError:
+        # refused or failed before its first checkpoint (the retrofit removed what it wrote): no empty folder
+        # left for the same command to trip over
+        if new_folder and out.is_dir() and all(p.name == ".lock" for p in out.iterdir()):
+            shutil.rmtree(out)
+        raise
 
 
 def retrofit_config(pre: Pretrained, recipe: RetrofitRecipe, *, device: str) -> RunConfig:
@@ -171,6 +180,9 @@ def resume_retrofit(
 ) -> TrainResult:
     """Continue the retrofit run in ``out`` from its latest checkpoint: the trainer reads the recipe saved
     there (stages, bank, shards); the pretrained weights are in the checkpoint, so the source is not read."""
+    stored = resume_on_stored_z(out, device=device, extend_to=steps, progress=progress)
+    if stored is not None:  # stopped in stage 1 on stored z: continued on the same z, bit for bit
+        return stored
     try:
         cfg = RunConfig.from_json(find_checkpoint(out) / "config.json")
     except CheckpointError:  # no run or no checkpoint: the trainer refuses it and says how to go on
