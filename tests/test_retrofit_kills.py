@@ -145,3 +145,28 @@ def test_a_late_failure_leaves_nothing_that_the_same_command_refuses(dense_run, 
     monkeypatch.setattr(bank_module, "_save_bank_checkpoint", real)
     _retrofit(dense_run, out)
     _same_run(out, whole)
+
+
+def test_a_validation_split_shorter_than_a_block_is_refused_before_the_z_pass(dense_run, tmp_path):
+    """Issue 34: a demo with too little validation text failed only after the backbone pass, leaving
+    config.json, env.json and stored-z/ that the same command then refused."""
+    from prismlm.errors import DataError
+
+    out = tmp_path / "run"
+    with pytest.raises(DataError, match=r"validation split .* fewer than one block"):
+        _retrofit(dense_run, out, "data.max_chars_per_doc=30", "data.max_docs=40")
+    assert not out.exists()
+
+
+def test_an_unknown_override_is_refused_before_the_model_loads(dense_run, tmp_path, monkeypatch):
+    import prismlm.app.retrofit as app_retrofit
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(app_retrofit, "load_pretrained", no_load)
+    with pytest.raises(ConfigError, match=r"unknown key 'bogus'"):
+        _retrofit(dense_run, tmp_path / "run", "train.bogus=1")
+    with pytest.raises(ConfigError, match=r"train\.lr"):
+        _retrofit(dense_run, tmp_path / "run", "train.lr=fast")
+    assert not (tmp_path / "run").exists()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from prismlm.app.run import require, writable_folder
 from prismlm.config import DataConfig, LossConfig, RunConfig, TrainConfig
+from prismlm.config.overrides import field_type
+from prismlm.config.run import parse_overrides
 from prismlm.data.shards import prepare_from_config
 from prismlm.errors import CheckpointError, ConfigError, PrismError
 from prismlm.progress import Progress
@@ -121,6 +123,7 @@ def retrofit_model(
     recipe.total_steps()
     check_run_folder(out, resume=False, overwrite=overwrite)  # before minutes of loading and seeding
     recipe = recipe.checked()
+    check_override_keys(overrides or [])
     pre = load_pretrained(source, block_size=recipe.block_size)
     cfg = retrofit_config(pre, recipe, device=device).override_strings(overrides or [])
     shards = prepare_from_config(cfg.data, show_progress=progress)
@@ -133,6 +136,15 @@ def retrofit_model(
         if new_folder and out.is_dir() and all(p.name == ".lock" for p in out.iterdir()):
             shutil.rmtree(out)
         raise
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Refuse a malformed ``overrides`` pair, an unknown key or a value of the wrong type before the model
+    loads (the values' ranges are checked with the model's config, after)."""
+    parsed = parse_overrides(overrides)
+    unknown = {k: v for k, v in parsed.items() if field_type(RunConfig, k) is None}
+    if unknown:
+        RunConfig().override(unknown)  # ConfigError naming the valid keys
 
 
 def retrofit_config(pre: Pretrained, recipe: RetrofitRecipe, *, device: str) -> RunConfig:
