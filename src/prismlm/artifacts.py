@@ -43,6 +43,7 @@ __all__ = [
     "merge_ranges",
     "model_identity",
     "output_lock",
+    "save_tensors",
     "overlap",
     "part_range",
     "provenance",
@@ -336,6 +337,21 @@ def writes_folder(param: str = "out") -> Callable[[Callable[_P, _R]], Callable[_
     return decorate
 
 
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str]) -> Path:
+    """``safetensors.torch.save_file`` with a reproducible header: safetensors writes ``metadata`` in hash
+    order, which changes from one call to the next, so identical builds had different bytes (and manifest
+    sha256s). The header is written again with sorted keys (offsets are explicit, the data is unchanged),
+    padded with spaces to 8 bytes as the format asks."""
+    from safetensors.torch import save
+
+    raw = save(tensors, metadata=metadata)
+    n = int.from_bytes(raw[:8], "little")
+    header = json.dumps(json.loads(raw[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    Path(path).write_bytes(len(header).to_bytes(8, "little") + header + raw[8 + n :])
+    return Path(path)
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     """Hex sha256 of a file's bytes, read in chunks of ``chunk`` bytes."""
     h = hashlib.sha256()
@@ -524,7 +540,8 @@ def _describe(kind: str) -> str:
 
 
 def _inside_checkpoints(path: Path) -> bool:
-    return any(folder_kind(a) in (CHECKPOINTS, CHECKPOINT) for a in path.absolute().parents)
+    # abspath, not Path.absolute: RUN/checkpoints/.. is RUN, not a folder inside the checkpoints
+    return any(folder_kind(a) in (CHECKPOINTS, CHECKPOINT) for a in Path(os.path.abspath(path)).parents)
 
 
 def check_out_folder(

@@ -199,8 +199,9 @@ class ExplanationRequest:
     """A chat message instead of a prompt: written with the model's chat template, the assistant's answer is
     generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn token) and its tokens
     are explained."""
-    generate: int = 0
-    """Sample N tokens after the prompt and explain them."""
+    generate: int | None = None
+    """Sample N tokens after the prompt and explain them (default: none; with a chat message, the answer of
+    at most 64 tokens; 0: explain the chat prompt alone, generating nothing)."""
     index: Path | None = None
     """Index folder (default RUN/index if it exists)."""
     use_index: bool = True
@@ -234,10 +235,12 @@ def explain_text(
     chat, generate, neighbours = request.chat, request.generate, request.neighbours
     _check_chat(chat, prompt)
     model = run.prism_model("an explanation")
-    check_sampling(generate, tokens_name="generate")
+    check_sampling(generate or 0, tokens_name="generate")
     if chat is not None:
-        prompt, generate = chat_prompt(run, chat), generate or CHAT_ANSWER_TOKENS
+        # None, not 0, means "not given": an explicit 0 generates nothing (it used to mean the 64-token default)
+        prompt, generate = chat_prompt(run, chat), CHAT_ANSWER_TOKENS if generate is None else generate
         sampling = replace(sampling, temperature=0.0)
+    generate = generate or 0
     require(
         generate <= model.config.block_size,  # one explanation covers one context window
         "generate",
