@@ -41,3 +41,34 @@ def test_out_through_checkpoints_dotdot_is_refused_as_the_run_it_names(tiny_shar
     assert "is a run" in str(e.value) and "inside a run's checkpoints" not in str(e.value), str(e.value)
     with pytest.raises(RunError, match="inside a run's checkpoints"):  # a real one still is
         check_out_folder(run / "checkpoints" / "x", "prototype index", holds="prismlm-prototype-index")
+
+
+def test_labelling_holds_the_index_folder_against_a_second_writer(tiny_shards, tmp_path):
+    """`prism label` read the neighbourhoods and wrote labels.json unlocked: an index rebuilt meanwhile got
+    the old index's labels. Now a writer holding the index folder refuses it by name."""
+    from prismlm.app import Run, build_run_index, label_prototypes
+    from prismlm.artifacts import output_lock
+    from prismlm.errors import ArtifactError
+
+    run = tmp_path / "run"
+    train(RunConfig.from_name("tiny").override({"train.max_steps": 1}), run, shards=tiny_shards, progress=False)
+    opened = Run.open(run, device="cpu")
+    build_run_index(opened, max_sequences=4, progress=False, labels=False, shards=tiny_shards.root)
+    import threading
+
+    seen: list[object] = []
+
+    def other():
+        try:
+            label_prototypes(Run.open(run, device="cpu"), shards=tiny_shards.root)
+            seen.append("wrote")
+        except ArtifactError as e:
+            seen.append(e)
+
+    with output_lock(run / "index"):  # a `prism index --overwrite` at work
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert isinstance(seen[0], ArtifactError) and "being written" in str(seen[0]), seen
+    assert not (run / "index" / "labels.json").exists()
+    assert label_prototypes(opened, shards=tiny_shards.root).path == run / "index" / "labels.json"
