@@ -169,7 +169,14 @@ def real_demo(question: str, options: DemoOptions) -> DemoResult:
             out=out,
             recipe=recipe,
             # one validation batch: the demo's only backbone forward besides the z pass
-            overrides=[f"data.max_chars_per_doc={o.max_chars_per_doc}", "train.eval_batches=1", *o.overrides],
+            # no checkpoints inside the bank stage (100 small steps, well under a minute; each would write the
+            # whole 135M model): a kill there is continued by --resume restarting the stage on the kept z
+            overrides=[
+                f"data.max_chars_per_doc={o.max_chars_per_doc}",
+                "train.eval_batches=1",
+                "train.ckpt_interval=0",
+                *o.overrides,
+            ],
             device="cpu",
             # resumed before the first checkpoint: nothing but the stored z (kept, checked, reused) to continue
             overwrite=overwrite or o.resume,

