@@ -143,7 +143,9 @@ class StoredZ:
 
     def _check_batches(self, batches: np.ndarray) -> None:
         """Digest-check ``batches`` (batch numbers) not checked yet; refuse a damaged or unrecorded one."""
-        todo = batches[~self._checked[batches]] if len(self._checked) else batches
+        if len(self._checked) != int(self.manifest["num_batches"]):  # made without open_stored_z
+            self._checked = np.zeros(int(self.manifest["num_batches"]), dtype=bool)
+        todo = batches[~self._checked[batches]]
         per = int(self.manifest["batch_size"]) * self.block_size
         rows = int(self.manifest["rows"])
         for b in todo.tolist():
