@@ -9,9 +9,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from prismlm.cli import app as cli_app
@@ -92,3 +94,77 @@ def test_cli_real_model_demo_end_to_end(tmp_path):
     assert expl["prompt_tokens"] < len(expl["token_ids"])  # the answer's tokens are the ones explained
     assert expl["index"] is not None  # the index built from the stored z explained it
     assert "the backbone did not run" in proc.stdout + proc.stderr
+
+
+def _toy_demo(out, **kw):
+    from prismlm.app.demos import demo
+
+    return demo(
+        scratch=True,
+        preset="tiny",
+        steps=3,
+        out=out,
+        max_docs=8,
+        max_chars_per_doc=3000,
+        index_sequences=4,
+        progress=False,
+        **kw,
+    )
+
+
+def test_a_second_demo_on_the_same_folder_is_refused_until_the_first_has_written_its_report(tmp_path, monkeypatch):
+    """Issue 34: the demo locked only its training; a second `prism demo --overwrite` got the folder while the
+    first indexed and explained, and wiped it. Now the lock is held through every stage and the report."""
+    from prismlm.errors import RunError
+
+    monkeypatch.setenv("PRISM_DATA", str(tmp_path / "data"))
+    out = tmp_path / "demo"
+    refused: list[str] = []
+
+    def second_demo():  # another writer (a thread here, another process in the field)
+        try:
+            _toy_demo(out, overwrite=True)
+            refused.append("ran")
+        except RunError as e:
+            refused.append(e.message)
+
+    def in_another_thread(*_):
+        t = threading.Thread(target=second_demo)
+        t.start()
+        t.join()
+
+    def on_stage(stage, i, n):
+        if stage.startswith(("index", "explain")):
+            in_another_thread()
+
+    first = _toy_demo(out, on_stage=on_stage, on_done=in_another_thread)
+    assert len(refused) == 3 and all("is being written by" in r for r in refused), refused
+    assert first.index is not None and (out / "index" / "manifest.json").exists()
+    in_another_thread()  # the first demo is done: the lock is free again
+    assert refused[-1] == "ran" and not (tmp_path / "demo.lock").exists()
+
+
+def test_a_killed_demo_is_continued_by_the_command_its_refusal_names(tmp_path, monkeypatch):
+    """Issue 34: a killed demo said "continue it with --resume" and `prism demo` had none. Killed as its index
+    starts, the demo is refused naming --resume, and --resume ends with the uninterrupted demo's index."""
+    monkeypatch.setenv("PRISM_DATA", str(tmp_path / "data"))
+    whole = _toy_demo(tmp_path / "whole")
+    out = tmp_path / "demo"
+
+    def killed(stage, i, n):
+        if stage.startswith("index"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _toy_demo(out, on_stage=killed)
+    res = CliRunner().invoke(
+        cli_app,
+        ["demo", "--scratch", "--preset", "tiny", "--steps", "3", "--out", str(out), "--no-progress"],
+        env={"PRISM_DATA": str(tmp_path / "data")},
+    )
+    assert res.exit_code == 2 and "--resume" in res.output, res.output
+    again = _toy_demo(out, resume=True)
+    for name in ("top_sim", "top_offset", "counts"):
+        assert torch.equal(getattr(again.index.index, name), getattr(whole.index.index, name)), name
+    assert again.explanation.token_ids == whole.explanation.token_ids
+    assert again.train.step == whole.train.step == 3

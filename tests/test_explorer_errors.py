@@ -167,3 +167,26 @@ def test_a_corrupt_labels_file_is_one_line_on_the_command_line(built, tmp_path):
     assert res.exit_code == 2, res.output
     last = res.output.strip().splitlines()[-1]
     assert last.startswith("error:") and "labels.json" in last and "prism label" in last, res.output
+
+
+def test_a_torn_labels_file_is_a_visible_warning_at_start_and_beside_each_explanation(
+    built, tmp_path, monkeypatch, capsys
+):
+    """Issue 34: a torn index/labels.json was served without labels and without a visible warning."""
+    import uvicorn
+
+    from prismlm.web.server import serve
+
+    run, _ = built
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "index" / "labels.json").write_text('{"0": {"label": "trunc')
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # start, print, do not block
+    serve(copy, device="cpu", limits=LIMITS)
+    err = capsys.readouterr().err
+    assert "warning: served without labels: labels file" in err and "labels.json" in err, err
+    client = TestClient(
+        create_app(Explorer.open(copy, device="cpu", limits=LIMITS)), base_url=BASE, raise_server_exceptions=False
+    )
+    res = client.post("/api/explain", json={"text": "The sea was calm"})
+    assert res.status_code == 200 and any("without labels" in n for n in res.json()["notes"]), res.text

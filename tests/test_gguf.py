@@ -475,3 +475,35 @@ def test_explorer_explains_a_chat_answer_and_refuses_chat_without_a_template(tin
         "/api/explain", json={"text": msg, "chat": True}
     )
     assert 400 <= r.status_code < 500 and "no chat template" in r.json()["message"]
+
+
+def test_explain_chat_with_generate_0_generates_nothing(chat_run):
+    """Issue 34: `explain --chat "hi" --generate 0` still generated ~40 tokens (0 meant "the default")."""
+    out = chat_run / "chat0.json"
+    res = CliRunner().invoke(
+        cli_app, ["explain", str(chat_run), "--chat", "hi", "--generate", "0", "--device", "cpu", "--json", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    tok = Run.open(chat_run, device="cpu").tokenizer
+    assert d["token_ids"] == tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))  # prompt alone
+    assert not [p for p in d["positions"] if p["chosen_by"] == "sampled"]
+
+
+def test_a_damaged_copy_of_a_shipped_model_is_refused_by_its_sha256(tiny, tmp_path, monkeypatch):
+    """Issue 34: a shipped .gguf with flipped tensor bytes loaded silently; its wheel's sha256 is known."""
+    import dataclasses
+
+    good = tmp_path / "good.gguf"
+    good.write_bytes(tiny["chat"].read_bytes())
+    ship = dataclasses.replace(
+        gguf_source.SHIPPED["smollm2-135m-instruct"], sha256=hashlib.sha256(good.read_bytes()).hexdigest()
+    )
+    monkeypatch.setitem(gguf_source.SHIPPED, "tiny-shipped", ship)
+    monkeypatch.setattr(gguf_source, "shipped_file", lambda name: good)
+    gguf_source.load_causal_lm("tiny-shipped")  # intact: loads
+    data = bytearray(good.read_bytes())
+    data[-200:-136] = bytes(b ^ 0xFF for b in data[-200:-136])  # 64 bytes of the last tensor
+    good.write_bytes(bytes(data))
+    with pytest.raises(ModelSourceError, match=r"shipped model 'tiny-shipped'.* is damaged.*--force-reinstall"):
+        gguf_source.load_causal_lm("tiny-shipped")

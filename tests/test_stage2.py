@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from prismlm.app import Run
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.config import LossConfig, ModelConfig, PrototypeConfig, RunConfig
-from prismlm.errors import ConfigError, ModelError
+from prismlm.errors import ArtifactCorrupt, ConfigError, ModelError
 from prismlm.model import PrismLM
 from prismlm.model import losses as L
 from prismlm.train import retrofit as retrofit_module
@@ -122,6 +122,15 @@ def test_the_boundary_rows_are_the_backbones_residual_stream_and_resume_identica
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     with pytest.raises(ConfigError, match="boundary layer 3 is outside"):
         build_stored_z(model, tiny_shards, tmp_path / "c", boundary_layer=3, progress=False)
+    # damaged boundary rows are refused by name where they are read; a cut file when the store opens
+    raw = bytearray((tmp_path / "b" / "boundary.bin").read_bytes())
+    raw[100:164] = bytes(64)
+    (tmp_path / "b" / "boundary.bin").write_bytes(bytes(raw))
+    with pytest.raises(ArtifactCorrupt, match="boundary.bin is damaged"):
+        open_stored_z(tmp_path / "b").boundary_hidden(np.array([0]))
+    (tmp_path / "b" / "boundary.bin").write_bytes(bytes(raw[:1000]))
+    with pytest.raises(ArtifactCorrupt, match="boundary.bin is 1,000 bytes"):
+        open_stored_z(tmp_path / "b")
 
 
 def test_kl_to_reference_matches_torch_distributions():

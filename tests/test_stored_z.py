@@ -232,3 +232,72 @@ def test_a_retrofit_killed_in_its_z_pass_continues_when_run_again(dense_run, sto
     _retrofit(dense_run, out, "train.stored_z_dtype=float32")
     got, want = load_checkpoint(out).model.state_dict(), load_checkpoint(stored_run.run_dir).model.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _flip(path, offset, n=64):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_a_damaged_batch_of_stored_z_is_refused_by_name_on_read(tiny_model, tiny_shards, tmp_path):
+    """Issue 34: the per-batch digests are checked where z is read, not only on resume."""
+    from prismlm.errors import ArtifactCorrupt
+
+    T, d = tiny_model.config.block_size, tiny_model.config.n_embd
+    build_stored_z(
+        tiny_model, tiny_shards, tmp_path / "z", dtype="float16", batch_size=3, max_sequences=9, progress=False
+    )
+    _flip(tmp_path / "z" / "z.bin", 4 * T * d * 2 + 100)  # inside sequence 4: batch 1
+    store = open_stored_z(tmp_path / "z")
+    assert store.hidden(np.array([0, 2])).shape == (2, T, d)  # batch 0 is intact and read
+    with pytest.raises(ArtifactCorrupt, match=r"batch 1 .*does not match its checksum"):
+        store.hidden(np.array([4]))
+    with pytest.raises(ArtifactCorrupt, match="batch 1"):
+        store.rows(3 * T, 4 * T)
+    with pytest.raises(ArtifactCorrupt, match="batch 1"):
+        open_stored_z(tmp_path / "z").verify()
+    # cut short, or a file missing: refused by name when opened
+    build_stored_z(
+        tiny_model, tiny_shards, tmp_path / "c", dtype="float16", batch_size=3, max_sequences=9, progress=False
+    )
+    with open(tmp_path / "c" / "z.bin", "r+b") as f:
+        f.truncate(9 * T * d)
+    with pytest.raises(ArtifactCorrupt, match=r"z\.bin is .* bytes, not the"):
+        open_stored_z(tmp_path / "c")
+    (tmp_path / "c" / "z.bin").unlink()
+    with pytest.raises(ArtifactCorrupt, match=r"z\.bin is missing"):
+        open_stored_z(tmp_path / "c")
+    build_stored_z(
+        tiny_model, tiny_shards, tmp_path / "s", dtype="float16", batch_size=3, max_sequences=9, progress=False
+    )
+    (tmp_path / "s" / "state.json").write_text('{"batches_done": 3, "dig')
+    with pytest.raises(ArtifactCorrupt, match="state.json"):
+        open_stored_z(tmp_path / "s")
+
+
+def test_prism_index_never_uses_a_damaged_stored_z_and_verify_refuses_it(stored_run, tmp_path):
+    """Issue 34: 64 flipped bytes of RUN/stored-z/z.bin gave an index that differed from a clean build, and
+    `prism verify` passed; now the index runs the model (saying why) and verify names the store."""
+    import shutil
+
+    from prismlm.app import build_run_index, verify_run
+    from prismlm.errors import ArtifactCorrupt
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(stored_run.run_dir, run_dir)
+    clean = build_run_index(Run.open(run_dir, device="cpu"), out=tmp_path / "clean", progress=False, labels=False)
+    assert verify_run(Run.open(run_dir, device="cpu")).checked[-1].endswith("stored-z")
+    _flip(run_dir / "stored-z" / "z.bin", 1000)
+    res = build_run_index(Run.open(run_dir, device="cpu"), out=tmp_path / "idx", progress=False, labels=False)
+    assert res.index.manifest["hidden_from"] == "model"
+    assert any("not used" in n and "batch 0" in n for n in res.notes)
+    for name in ("top_offset", "counts"):
+        assert torch.equal(getattr(res.index, name), getattr(clean.index, name)), name
+    with pytest.raises(ArtifactCorrupt, match=r"batch 0 .*stored z"):
+        verify_run(Run.open(run_dir, device="cpu"))
+    (run_dir / "stored-z" / "z.bin").unlink()
+    with pytest.raises(ArtifactCorrupt, match=r"z\.bin is missing"):
+        verify_run(Run.open(run_dir, device="cpu"))

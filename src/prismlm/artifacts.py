@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import ParamSpec, TypeAlias, TypedDict, TypeVar
+from typing import ClassVar, ParamSpec, TypeAlias, TypedDict, TypeVar
 
 import torch
 
@@ -43,6 +43,7 @@ __all__ = [
     "merge_ranges",
     "model_identity",
     "output_lock",
+    "save_tensors",
     "overlap",
     "part_range",
     "provenance",
@@ -178,7 +179,13 @@ class FileLock:
     dies — so a crashed writer never leaves a stale lock. The holder writes its pid, host and start time
     into the file so that a refused second writer can say who holds it (``error`` with ``fix``).
     ``remove``: delete the lock file on release (a waiter that then locks the deleted file sees that the
-    path no longer names it and locks the path again)."""
+    path no longer names it and locks the path again). ``stages``: a command of several stages (``prism
+    demo``: retrofit → index → explain → report) holds the lock to its end, and each stage's own lock of the
+    same path in the same thread nests inside it (a second ``flock`` on a new fd would refuse its own holder);
+    any other lock of the path, even in this thread, is refused as a second writer."""
+
+    _held: ClassVar[dict[tuple[str, int], int]] = {}
+    """(absolute path, thread) of a ``stages`` lock → how many acquires of it are open in this process."""
 
     def __init__(
         self,
@@ -189,10 +196,12 @@ class FileLock:
         error: type[PrismError] = RunError,
         fix: str = "wait for it to finish, or use another folder",
         remove: bool = False,
+        stages: bool = False,
     ) -> None:
         self.path, self.what, self.wait = Path(path), what, wait
-        self.error, self.fix, self.remove = error, fix, remove
+        self.error, self.fix, self.remove, self.stages = error, fix, remove, stages
         self._fd: int | None = None
+        self._nested = False
 
     def _lock(self) -> int:
         """An fd of ``path`` locked exclusively (the file the path names once locked)."""
@@ -219,7 +228,15 @@ class FileLock:
                 pass
             os.close(fd)  # the holder removed the file we locked: lock the one the path names now
 
+    def _key(self) -> tuple[str, int]:
+        return (os.path.abspath(self.path), threading.get_ident())
+
     def acquire(self) -> FileLock:
+        key = self._key()
+        if key in FileLock._held:  # this thread holds it already (an outer stage): count, do not lock again
+            FileLock._held[key] += 1
+            self._nested = True
+            return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = self._lock()
         os.ftruncate(fd, 0)
@@ -230,10 +247,18 @@ class FileLock:
             ).encode(),
         )
         self._fd = fd
+        if self.stages:
+            FileLock._held[key] = 1
         return self
 
     def release(self) -> None:
+        if self._nested:
+            FileLock._held[self._key()] -= 1
+            self._nested = False
+            return
         if self._fd is not None:
+            if self.stages:
+                FileLock._held.pop(self._key(), None)
             if self.remove:  # while still held: no one can have locked the path's file in between
                 self.path.unlink(missing_ok=True)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -310,6 +335,21 @@ def writes_folder(param: str = "out") -> Callable[[Callable[_P, _R]], Callable[_
         return locked
 
     return decorate
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str]) -> Path:
+    """``safetensors.torch.save_file`` with a reproducible header: safetensors writes ``metadata`` in hash
+    order, which changes from one call to the next, so identical builds had different bytes (and manifest
+    sha256s). The header is written again with sorted keys (offsets are explicit, the data is unchanged),
+    padded with spaces to 8 bytes as the format asks."""
+    from safetensors.torch import save
+
+    raw = save(tensors, metadata=metadata)
+    n = int.from_bytes(raw[:8], "little")
+    header = json.dumps(json.loads(raw[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    Path(path).write_bytes(len(header).to_bytes(8, "little") + header + raw[8 + n :])
+    return Path(path)
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -500,7 +540,8 @@ def _describe(kind: str) -> str:
 
 
 def _inside_checkpoints(path: Path) -> bool:
-    return any(folder_kind(a) in (CHECKPOINTS, CHECKPOINT) for a in path.absolute().parents)
+    # abspath, not Path.absolute: RUN/checkpoints/.. is RUN, not a folder inside the checkpoints
+    return any(folder_kind(a) in (CHECKPOINTS, CHECKPOINT) for a in Path(os.path.abspath(path)).parents)
 
 
 def check_out_folder(

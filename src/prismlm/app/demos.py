@@ -4,17 +4,21 @@ indexed, and its answer to a chat question explained; ``--scratch``: a toy PRISM
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from prismlm.app.operations import ExplanationRequest, build_run_index, explain_text
-from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
+from prismlm.app.retrofit import RetrofitRecipe, resume_retrofit, retrofit_model
 from prismlm.app.run import Run, StageFn, no_stages, require
-from prismlm.app.training import DemoOptions, DemoResult, scratch_demo
+from prismlm.app.training import DemoOptions, DemoResult, finished_training, has_checkpoint, scratch_demo
+from prismlm.artifacts import FileLock
 from prismlm.errors import ConfigError, DependencyError
 from prismlm.model import gguf
 from prismlm.model.hf_backbone import transformers_module
 from prismlm.progress import Progress
+from prismlm.train.run_folder import check_run_folder
+from prismlm.train.trainer import TrainResult
 
 DEMO_MODEL = "smollm2-135m-instruct"
 DEMO_QUESTION = "What is the capital of France?"
@@ -42,7 +46,9 @@ def demo(
     progress: Progress = True,
     index_sequences: int | None = None,
     overwrite: bool = False,
+    resume: bool = False,
     on_stage: StageFn = no_stages,
+    on_done: Callable[[DemoResult], None] | None = None,
 ) -> DemoResult:
     """The whole pipeline on a real model, offline: retrofit the shipped SmolLM2-135M-Instruct with 512
     prototypes on a small built-in anchor set (one backbone pass, then the bank), index it, and explain its
@@ -62,8 +68,13 @@ def demo(
         index_sequences: Training sequences to index (default: the whole anchor set; with --scratch 1024,
             64 for the tiny preset).
         overwrite: Replace an earlier run in --out (without it, such a folder is refused).
+        resume: Continue a demo in --out that was stopped (killed, Ctrl-C): its retrofit from the last
+            checkpoint (the real-model demo: the stored hidden states are kept), its index after the last saved
+            batch, then the explanation.
         on_stage: Called as ``on_stage(stage, i, n)`` when each of the n stages starts.
+        on_done: Called with the result while the run folder is still locked (the CLI writes its report).
     """
+    require(not (resume and overwrite), "resume", "not together with `overwrite`", resume)
     options = DemoOptions(
         out=out,
         steps=steps,
@@ -72,15 +83,46 @@ def demo(
         overrides=tuple(overrides or ()),
         index_sequences=index_sequences,
         overwrite=overwrite,
+        resume=resume,
         progress=progress,
         on_stage=on_stage,
     )
+    _check_options(scratch=scratch, question=question, preset=preset, steps=steps, index_sequences=index_sequences)
+    check_run_folder(out, resume=resume, overwrite=overwrite)  # all before the lock creates the folder
+    new_folder = not out.exists()
+    # One lock for the whole demo (retrofit → index → explain → report): each stage takes the same lock again
+    # (FileLock is re-entrant), and a second demo on this folder is refused until the report is written.
+    try:
+        with FileLock(out / ".lock", f"run folder {out}", remove=True, stages=True):
+            if scratch:
+                result = scratch_demo(preset or "cpu-small", options)
+            else:
+                real = replace(
+                    options,
+                    steps=steps or DEMO_STEPS,
+                    max_docs=max_docs or DEMO_DOCS,
+                    max_chars_per_doc=max_chars_per_doc or DEMO_CHARS,
+                )
+                result = real_demo(question or DEMO_QUESTION, real)
+            if on_done is not None:
+                on_done(result)
+    finally:
+        if new_folder and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # refused or failed before writing anything: no empty folder left behind
+    return result
+
+
+def _check_options(
+    *, scratch: bool, question: str | None, preset: str | None, steps: int | None, index_sequences: int | None
+) -> None:
+    """Refuse options of the other demo and out-of-range values, and (the real-model demo) a missing model
+    wheel, before anything is written or loaded."""
     if scratch:
         if question is not None:
             raise ConfigError(
                 "`question` applies to the real-model demo, not to `scratch`", fix="drop `question`, or `scratch`"
             )
-        return scratch_demo(preset or "cpu-small", options)
+        return
     if preset is not None:
         raise ConfigError(
             "`preset` sizes the toy model of `prism demo --scratch`; the real-model demo has none",
@@ -89,13 +131,6 @@ def demo(
     require(steps is None or steps >= 1, "steps", ">= 1", steps)
     require(index_sequences is None or index_sequences >= 1, "index_sequences", ">= 1", index_sequences)
     require_demo_model()
-    real = replace(
-        options,
-        steps=steps or DEMO_STEPS,
-        max_docs=max_docs or DEMO_DOCS,
-        max_chars_per_doc=max_chars_per_doc or DEMO_CHARS,
-    )
-    return real_demo(question or DEMO_QUESTION, real)
 
 
 def require_demo_model() -> None:
@@ -127,19 +162,31 @@ def real_demo(question: str, options: DemoOptions) -> DemoResult:
         block_size=DEMO_BLOCK,
         max_docs=o.max_docs,
     )
-    result = retrofit_model(
-        DEMO_MODEL,
-        out=out,
-        recipe=recipe,
-        # one validation batch: the demo's only backbone forward besides the z pass
-        overrides=[f"data.max_chars_per_doc={o.max_chars_per_doc}", "train.eval_batches=1", *o.overrides],
-        device="cpu",
-        overwrite=overwrite,
-        progress=progress,
-    )
+    result = resumed_training(o) if o.resume else None
+    if result is None:
+        result = retrofit_model(
+            DEMO_MODEL,
+            out=out,
+            recipe=recipe,
+            # one validation batch: the demo's only backbone forward besides the z pass
+            # no checkpoints inside the bank stage (100 small steps, well under a minute; each would write the
+            # whole 135M model): a kill there is continued by --resume restarting the stage on the kept z
+            overrides=[
+                f"data.max_chars_per_doc={o.max_chars_per_doc}",
+                "train.eval_batches=1",
+                "train.ckpt_interval=0",
+                *o.overrides,
+            ],
+            device="cpu",
+            # resumed before the first checkpoint: nothing but the stored z (kept, checked, reused) to continue
+            overwrite=overwrite or o.resume,
+            progress=progress,
+        )
     run = Run.open(out, device="cpu")
     on_stage("index (from the stored hidden states)", 1, 3)
-    index = build_run_index(run, max_sequences=o.index_sequences, progress=progress, overwrite=overwrite)
+    index = build_run_index(
+        run, max_sequences=o.index_sequences, progress=progress, overwrite=overwrite, resume=o.resume
+    )
     on_stage(f"explain the answer to {question!r}", 2, 3)
     expl = explain_text(run, request=ExplanationRequest(chat=question))
     answer_ids = expl.token_ids[expl.prompt_tokens or 0 :]
@@ -155,6 +202,14 @@ def real_demo(question: str, options: DemoOptions) -> DemoResult:
         explanation=expl,
         question=question,
     )
+
+
+def resumed_training(o: DemoOptions) -> TrainResult | None:
+    """``resume``: the demo's retrofit continued from its latest checkpoint (or, finished, read back from it);
+    None when it stopped before its first checkpoint (the caller starts it again, reusing the stored z)."""
+    if not has_checkpoint(o.out):
+        return None
+    return finished_training(o.out) or resume_retrofit(o.out, device="cpu", progress=o.progress)
 
 
 __all__ = ["DEMO_MODEL", "DEMO_QUESTION", "demo", "real_demo", "require_demo_model"]

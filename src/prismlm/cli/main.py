@@ -91,6 +91,29 @@ command(
 )
 
 
+def _demo_report_name(res: DemoResult) -> str:
+    return "explain" if res.question is None else "demo"  # the real-model demo's report: RUN/demo.html
+
+
+def write_demo_report(res: DemoResult) -> None:
+    """RUN/demo.html and .json (or explain.*), written while the demo still holds the run folder's lock: a
+    second demo on the same folder cannot swap the weights under the report."""
+    if res.explanation is None:
+        return
+    out = res.run_folder
+    protos = res.train.model.config.prototypes if res.train.model is not None else None
+    header = RunHeader(
+        run=out.name,
+        step=res.train.step,
+        model_sha256=res.explanation.model_sha256,
+        num_prototypes=protos.num_prototypes if protos else None,
+        top_k=protos.top_k if protos else None,
+    )
+    name = _demo_report_name(res)
+    write_html(res.explanation, out / f"{name}.html", run=header)
+    res.explanation.to_json(out / f"{name}.json")
+
+
 def render_demo(res: DemoResult) -> None:
     if res.question is not None:
         stdout.print(f"[bold]user:[/] {escape(res.question)}\n[bold]assistant:[/] {escape(res.samples[0])}")
@@ -104,17 +127,6 @@ def render_demo(res: DemoResult) -> None:
     if res.explanation is not None:
         render_terminal(res.explanation, stdout)
         out = res.run_folder
-        protos = res.train.model.config.prototypes if res.train.model is not None else None
-        header = RunHeader(
-            run=out.name,
-            step=res.train.step,
-            model_sha256=res.explanation.model_sha256,
-            num_prototypes=protos.num_prototypes if protos else None,
-            top_k=protos.top_k if protos else None,
-        )
-        name = "explain" if res.question is None else "demo"  # the real-model demo's report: RUN/demo.html
-        write_html(res.explanation, out / f"{name}.html", run=header)
-        res.explanation.to_json(out / f"{name}.json")
         if res.question is None:
             console.print(f'report → {out / "explain.html"}; next: prism explain {out} "your text" --html report.html')
         else:
@@ -128,7 +140,13 @@ def render_demo(res: DemoResult) -> None:
 
 
 command(
-    app, "demo", ops.demo, render_demo, opens_run=False, decls={"overrides": ["--set"]}, fixed={"on_stage": _on_stage}
+    app,
+    "demo",
+    ops.demo,
+    render_demo,
+    opens_run=False,
+    decls={"overrides": ["--set"]},
+    fixed={"on_stage": _on_stage, "on_done": write_demo_report},
 )
 
 

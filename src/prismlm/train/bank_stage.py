@@ -4,7 +4,9 @@ With the backbone and W frozen a step needs only z: the trainer's frozen stage (
 optimizer groups, schedules, clipping) with the backbone forward replaced by a read of stored rows, and the
 loss REC + R1 + R2 (CE has no gradient into the bank). Invariant: with z stored in float32 the bank is the
 per-step path's bit for bit on CPU. The stage ends with an ordinary checkpoint that ``train(...,
-resume=True)`` continues with stage 2. See docs/modules.md.
+resume=True)`` continues with stage 2. Checkpoints are also written at ``train.ckpt_interval`` during the
+stage; ``resume_bank_stage`` continues one on the same stored z to the same bank, bit for bit, as if never
+stopped. See docs/modules.md.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from prismlm.artifacts import atomic_write_text
 from prismlm.config import RunConfig
 from prismlm.errors import RunError
 from prismlm.eval.metrics import evaluate
@@ -70,6 +75,17 @@ def bank_losses(model: PrismLM, z: torch.Tensor, *, proto_kl: bool = False) -> d
     return terms
 
 
+@dataclass
+class BankStart:
+    """Where a bank stage starts: step 0, or a checkpoint it wrote (``resume_bank_stage``)."""
+
+    step: int = 0
+    optimizer: dict[str, Any] | None = None
+    """The optimizer's state dict at ``step`` (None: a fresh optimizer)."""
+    lines: list[dict[str, float]] = field(default_factory=list)
+    """The metrics lines written up to ``step``."""
+
+
 def train_bank(
     model: PrismLM,
     store: StoredZ,
@@ -79,18 +95,25 @@ def train_bank(
     device: torch.device,
     progress: Progress = True,
     log: list[dict[str, float]] | None = None,
+    start: BankStart | None = None,
+    on_checkpoint: Callable[[int, torch.optim.AdamW], object] | None = None,
 ) -> torch.optim.AdamW:
     """``steps`` optimizer steps of the bank alone on ``store``'s rows, in the trainer's batch order.
     Returns the optimizer (its state is what a stage-2 resume continues). ``log`` receives the metrics lines
-    the trainer would write at ``train.log_interval``."""
+    the trainer would write at ``train.log_interval``. ``start``: continue from a checkpoint's step and
+    optimizer state. ``on_checkpoint(done, optimizer)``: called after each step at ``train.ckpt_interval``
+    (not the last)."""
     tc = cfg.train
+    start = start or BankStart()
     sampler = SequenceSampler(store.num_sequences, tc.batch_size, tc.grad_accum, 1, tc.seed)
     optimizer = build_optimizer(model, cfg, device)
+    if start.optimizer is not None:
+        optimizer.load_state_dict(start.optimizer)
     set_trainable(model, trainable_names(model, "prototypes"))
     bank = model.require_prototypes()
     t_last, tokens_since = time.perf_counter(), 0
-    with Reporter(progress, "bank", steps, unit="step") as bar:
-        for step in range(steps):
+    with Reporter(progress, "bank", steps, unit="step", initial=start.step) as bar:
+        for step in range(start.step, steps):
             lr = tc.lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
@@ -134,6 +157,8 @@ def train_bank(
                 t_last, tokens_since = now, 0
                 shown = {"loss": sums["loss"]}
             bar.update(1, **shown)
+            if on_checkpoint is not None and done < steps and tc.checkpoint_due(done):
+                on_checkpoint(done, optimizer)
     return optimizer
 
 
@@ -147,22 +172,35 @@ def bank_stage(
     device: torch.device,
     rng_state: torch.Tensor,
     progress: Progress = True,
+    start: BankStart | None = None,
 ) -> TrainResult:
-    """Stage 1 on stored z into ``out_dir`` (whose lock the caller holds): config, env, metrics, one validation
-    of the model and a checkpoint at the stage's last step, as ``train`` writes them. ``rng_state``: the torch
-    RNG state the trainer would hold at that step (after the model's initialisation; stage 1 draws nothing),
-    so a stage-2 resume draws its dropout masks as the per-step path would."""
+    """Stage 1 on stored z into ``out_dir`` (whose lock the caller holds): config, env, metrics, checkpoints at
+    ``train.ckpt_interval``, one validation of the model and a checkpoint at the stage's last step, as
+    ``train`` writes them. ``rng_state``: the torch RNG state the trainer would hold at that step (after the
+    model's initialisation; stage 1 draws nothing), so a stage-2 resume draws its dropout masks as the
+    per-step path would. ``start``: continue from one of this stage's checkpoints (``resume_bank_stage``)."""
     tc = cfg.train
     steps = frozen_stage_steps(cfg)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cfg.to_json(out_dir / "config.json")
-    env = environment_info(DistInfo(), device, tc.seed)
-    env["data_manifest"] = shards.manifest
-    env["stored_z"] = {"path": str(store.path), "dtype": store.manifest["dtype"], "rows": store.manifest["rows"]}
-    (out_dir / "env.json").write_text(json.dumps(env, indent=2, default=str) + "\n")
-    lines: list[dict[str, float]] = []
+    start = start or BankStart()
+    if start.step == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        cfg.to_json(out_dir / "config.json")
+        env = environment_info(DistInfo(), device, tc.seed)
+        env["data_manifest"] = shards.manifest
+        env["stored_z"] = {"path": str(store.path), "dtype": store.manifest["dtype"], "rows": store.manifest["rows"]}
+        (out_dir / "env.json").write_text(json.dumps(env, indent=2, default=str) + "\n")
+    lines: list[dict[str, float]] = [dict(x) for x in start.lines]
     model.to(device)
-    optimizer = train_bank(model, store, cfg, steps=steps, device=device, progress=progress, log=lines)
+
+    def save(step: int, optimizer: torch.optim.AdamW, final: list[dict[str, float]] | None = None) -> Path:
+        # metrics first: a checkpoint never lacks the lines up to its step (a resume keeps those, drops later)
+        text = "".join(json.dumps(x) + "\n" for x in [*lines, *(final or [])])
+        atomic_write_text(out_dir / "metrics.jsonl", text)
+        return _save_bank_checkpoint(model, store, cfg, out_dir, step, optimizer, shards, device, rng_state)
+
+    optimizer = train_bank(
+        model, store, cfg, steps=steps, device=device, progress=progress, log=lines, start=start, on_checkpoint=save
+    )
     # one validation of the whole model (the stage's only backbone forward besides the z pass), as the trainer
     # ends a run with one
     metrics = evaluate(
@@ -178,18 +216,36 @@ def bank_stage(
     with Reporter(progress, "validate", 1, unit="eval") as bar:
         bar.update(1)
         bar.message(format_eval_line(steps, metrics))
-    (out_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [*lines, {"step": steps, **metrics}]))
+    path = save(steps, optimizer, [{"step": steps, **metrics}])
+    return TrainResult(run_dir=out_dir, checkpoint=path, step=steps, metrics=metrics, model=model)
+
+
+def _save_bank_checkpoint(
+    model: PrismLM,
+    store: StoredZ,
+    cfg: RunConfig,
+    out_dir: Path,
+    step: int,
+    optimizer: torch.optim.AdamW,
+    shards: ShardSet,
+    device: torch.device,
+    rng_state: torch.Tensor,
+) -> Path:
+    """An ordinary checkpoint at ``step`` of the bank stage (what ``train(..., resume=True)`` and
+    ``resume_bank_stage`` read)."""
+    tc = cfg.train
     sampler = SequenceSampler(store.num_sequences, tc.batch_size, tc.grad_accum, 1, tc.seed)
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     trainer_state = {
-        "step": steps,
+        "step": step,
         "optimizer": optimizer.state_dict(),
         "rng": {"torch": rng_state, "cuda": cuda_rng},
-        "data": {"sequences_consumed": steps * sampler.global_batch, "epoch": sampler.epoch_at(steps)},
+        "data": {"sequences_consumed": step * sampler.global_batch, "epoch": sampler.epoch_at(step)},
+        "bank_stage": {"stored_z": str(store.path)},
     }
-    path = save_checkpoint(
+    return save_checkpoint(
         out_dir,
-        steps,
+        step,
         model,
         cfg,
         trainer_state=trainer_state,
@@ -197,7 +253,6 @@ def bank_stage(
         data_manifest=shards.manifest,
         keep=tc.keep_checkpoints,
     )
-    return TrainResult(run_dir=out_dir, checkpoint=path, step=steps, metrics=metrics, model=model)
 
 
-__all__ = ["bank_losses", "bank_stage", "frozen_stage_steps", "train_bank"]
+__all__ = ["BankStart", "bank_losses", "bank_stage", "frozen_stage_steps", "train_bank"]

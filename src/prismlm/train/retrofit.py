@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -23,11 +24,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from prismlm.artifacts import FileLock
+from prismlm.artifacts import RUN_FILES, FileLock
 from prismlm.config import ModelConfig, RunConfig, replace
 from prismlm.data.shards import ShardSet, default_data_dir, prepare_from_config
 from prismlm.data.tokenizer import Tokenizer, from_transformers, hf_tokenizer
-from prismlm.errors import CheckpointError, ModelError, TokenizerError
+from prismlm.errors import CheckpointError, ModelError, PrismError, TokenizerError
 from prismlm.model import PrismLM
 from prismlm.model.gguf import SourceInfo, gguf_path, load_causal_lm
 from prismlm.model.hf_backbone import (
@@ -42,12 +43,13 @@ from prismlm.model.hf_backbone import (
 )
 from prismlm.model.prototypes import seed_prototypes
 from prismlm.progress import Progress
-from prismlm.train.bank_stage import bank_stage, frozen_stage_steps
+from prismlm.train.bank_stage import BankStart, bank_stage, frozen_stage_steps
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
-from prismlm.train.distributed import resolve_device
+from prismlm.train.distributed import DistInfo, resolve_device
 from prismlm.train.stage2 import boundary_layer_for, stage2_plan, train_stage2_stored
-from prismlm.train.stored_z import build_stored_z
-from prismlm.train.trainer import STORED_Z_DIR, TrainResult, check_run_folder, clear_run_folder, train
+from prismlm.train.state import trainable_names
+from prismlm.train.stored_z import backbone_identity, build_stored_z, open_stored_z
+from prismlm.train.trainer import STORED_Z_DIR, TrainResult, check_data, check_run_folder, clear_run_folder, train
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -340,6 +342,10 @@ def retrofit(
         raise ModelError("retrofit needs a prototype head (model.prototypes is null)")
     torch.manual_seed(cfg.train.seed)
     model = build_model(pre, cfg.model)
+    # refused now, before the backbone pass and before anything is written: last-N past the model's blocks,
+    # splits shorter than one block (each would otherwise fail minutes later, leaving a run that is refused)
+    trainable_names(model, cfg.train.trainable)
+    check_data(cfg, shards, DistInfo(), new_vocab=False)
     rng_state = torch.get_rng_state()  # what the trainer holds after initialising the model (check_same_logits
     # draws from its own generator)
     pre.reference = None  # checked; the original model's weights are not needed during training (a second copy)
@@ -388,12 +394,15 @@ def _retrofit_on_stored_z(
     rng_state: torch.Tensor,
 ) -> TrainResult:
     """Stage 1 on stored z (one backbone pass over the training split, resumable after a kill: run the same
-    command again), seeded from the same rows the per-step path would sample; then stage 2, if any, as a
-    ``train(..., resume=True)`` of the checkpoint stage 1 wrote."""
+    command again; then checkpoints at ``train.ckpt_interval``, continued by ``resume_on_stored_z``), seeded
+    from the same rows the per-step path would sample; then stage 2, if any, as a ``train(..., resume=True)``
+    of the checkpoint stage 1 wrote. The run folder's lock is held from the first write to the end of stage 2.
+    A failure (an error, not a kill) before stage 1's first checkpoint removes what this call created."""
     tc = cfg.train
     device = resolve_device(tc.device)
-    lock = FileLock(out_dir / ".lock", f"run folder {out_dir}")
+    lock = FileLock(out_dir / ".lock", f"run folder {out_dir}", stages=True)  # stage 2 nests in it
     check_run_folder(out_dir, resume=False, overwrite=overwrite)
+    created = _absent(out_dir)
     lock.acquire()
     try:
         if overwrite:
@@ -401,35 +410,120 @@ def _retrofit_on_stored_z(
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
         model.to(device)
-        store = build_stored_z(
-            model,
-            shards,
-            out_dir / STORED_Z_DIR,
-            dtype=tc.stored_z_dtype,
-            batch_size=tc.batch_size,
-            device=device,
-            progress=progress,
-            boundary_layer=boundary_layer_for(cfg),
-        )
-        store.check()  # complete
-        T = cfg.model.block_size
-        _seed_bank(
-            model,
-            store.hidden(seed_sequences(store.num_sequences, T, seed_tokens, tc.seed)).reshape(-1, cfg.model.n_embd)[
-                :seed_tokens
-            ],
-            cfg,
-        )
-        result = bank_stage(
-            model, store, cfg, out_dir, shards=shards, device=device, rng_state=rng_state, progress=progress
-        )
-        if result.step < tc.max_steps and (plan := stage2_plan(out_dir, cfg)) is not None:
-            return train_stage2_stored(plan, cfg, shards=shards, device=device, progress=progress)
+        try:
+            store = build_stored_z(
+                model,
+                shards,
+                out_dir / STORED_Z_DIR,
+                dtype=tc.stored_z_dtype,
+                batch_size=tc.batch_size,
+                device=device,
+                progress=progress,
+                boundary_layer=boundary_layer_for(cfg),
+            )
+            store.check()  # complete
+            T = cfg.model.block_size
+            seeds = store.hidden(seed_sequences(store.num_sequences, T, seed_tokens, tc.seed))
+            _seed_bank(model, seeds.reshape(-1, cfg.model.n_embd)[:seed_tokens], cfg)
+            result = bank_stage(
+                model, store, cfg, out_dir, shards=shards, device=device, rng_state=rng_state, progress=progress
+            )
+        except PrismError:
+            if not _has_checkpoint(out_dir):
+                _remove_created(out_dir, created)
+            raise
+        return _after_bank_stage(result, cfg, out_dir, shards=shards, device=device, progress=progress)
     finally:
         lock.release()
-    if result.step >= tc.max_steps:
+
+
+def _after_bank_stage(
+    result: TrainResult, cfg: RunConfig, out_dir: Path, *, shards: ShardSet, device: torch.device, progress: Progress
+) -> TrainResult:
+    """What follows a finished bank stage (the caller holds the run folder's lock): nothing when the run is
+    done, else stage 2 — on stored boundary activations when the recipe asks for it, else the trainer's."""
+    if result.step >= cfg.train.max_steps:
         return result
+    plan = stage2_plan(out_dir, cfg)
+    if plan is not None:
+        return train_stage2_stored(plan, cfg, shards=shards, device=device, progress=progress)
     return train(cfg, out_dir, resume=True, shards=shards, progress=progress)
+
+
+def _absent(out_dir: Path) -> list[str]:
+    """What of a retrofit's files ``out_dir`` does not hold yet (``""``: the folder itself)."""
+    if not out_dir.exists():
+        return [""]
+    return [name for name in (*RUN_FILES, STORED_Z_DIR) if not (out_dir / name).exists()]
+
+
+def _remove_created(out_dir: Path, created: list[str]) -> None:
+    """Remove the files (and the folder) a failed retrofit created, so that the same command is not refused."""
+    for name in [""] if "" in created else created:
+        p = out_dir / name
+        if name == "":
+            for q in p.iterdir():  # only what this run wrote; the lock file goes with the lock
+                if q.name != ".lock":
+                    shutil.rmtree(q) if q.is_dir() else q.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def _has_checkpoint(out_dir: Path) -> bool:
+    try:
+        find_checkpoint(out_dir)
+    except CheckpointError:
+        return False
+    return True
+
+
+def resume_on_stored_z(
+    out_dir: Path, *, device: str, extend_to: int | None = None, progress: Progress = True
+) -> TrainResult | None:
+    """Continue a retrofit stopped (killed) in its bank stage on stored z, from the stage's latest checkpoint:
+    the rest of the stage on the same stored z (checked batch by batch) ends with the bank an uninterrupted
+    stage ends with, bit for bit; then stage 2 as a resume. None when the latest checkpoint is not one of the
+    bank stage's, or ``extend_to`` changes the schedule (the trainer resumes it per step)."""
+    try:
+        ckpt = load_checkpoint(find_checkpoint(out_dir))
+        state = ckpt.trainer_state()
+    except CheckpointError:
+        return None
+    cfg = ckpt.config.override({"train.device": device})
+    step = int(state["step"])
+    optimizer = state["optimizer"]
+    if "bank_stage" not in state or isinstance(optimizer, str) or extend_to is not None:
+        return None
+    if step >= frozen_stage_steps(cfg):
+        return None
+    with FileLock(out_dir / ".lock", f"run folder {out_dir}", stages=True):
+        if cfg.train.num_threads:
+            torch.set_num_threads(cfg.train.num_threads)
+        shards = prepare_from_config(cfg.data, show_progress=progress)
+        store = open_stored_z(out_dir / STORED_Z_DIR).check(
+            backbone=backbone_identity(ckpt.model),
+            shard_key=shards.manifest["key"],
+            block_size=cfg.model.block_size,
+            split="train",
+        )
+        lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        start = BankStart(step=step, optimizer=dict(optimizer), lines=[x for x in lines if x["step"] <= step])
+        rng_state = state["rng"]["torch"]
+        device_t = resolve_device(cfg.train.device)
+        result = bank_stage(
+            ckpt.model,
+            store,
+            cfg,
+            out_dir,
+            shards=shards,
+            device=device_t,
+            rng_state=rng_state,
+            progress=progress,
+            start=start,
+        )
+        return _after_bank_stage(result, cfg, out_dir, shards=shards, device=device_t, progress=progress)
 
 
 def resume_stage2_stored(
@@ -442,7 +536,7 @@ def resume_stage2_stored(
         return None
     if extend_to is not None:
         cfg = cfg.override({"train.max_steps": extend_to})
-    lock = FileLock(out_dir / ".lock", f"run folder {out_dir}")
+    lock = FileLock(out_dir / ".lock", f"run folder {out_dir}", stages=True)
     lock.acquire()
     try:
         plan = stage2_plan(out_dir, cfg)

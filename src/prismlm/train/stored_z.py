@@ -15,7 +15,7 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypedDict
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from prismlm.artifacts import atomic_write_text, provenance, reading
-from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError
+from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError
 from prismlm.model import PrismLM, eval_mode
 from prismlm.progress import Progress, Reporter
 
@@ -95,7 +95,10 @@ class FillState(TypedDict):
 
 @dataclass
 class StoredZ:
-    """An opened store: memory-mapped ``z`` (rows, d) and ``targets`` (rows,), with its manifest."""
+    """An opened store: memory-mapped ``z`` (rows, d) and ``targets`` (rows,), with its manifest and the
+    sha256 of each batch (``state.json``). Every read (``hidden``, ``rows``) first checks the batches it
+    touches against their digests, once per batch per open store: a damaged batch is never used
+    (``ArtifactCorrupt`` naming it); ``verify`` checks them all."""
 
     path: Path
     manifest: StoreManifest
@@ -103,6 +106,9 @@ class StoredZ:
     targets: np.ndarray
     boundary: np.ndarray | None = None
     """(rows, d) the residual stream entering block ``manifest["boundary_layer"]``, or None."""
+    digests: list[str] = field(default_factory=list)
+    _checked: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), repr=False)
+    """(num_batches,) bool: batches whose digest this store has checked."""
 
     @property
     def block_size(self) -> int:
@@ -140,11 +146,48 @@ class StoredZ:
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_sequences):
             raise IndexError(f"sequence ids out of range [0, {self.num_sequences}) of the stored z at {self.path}")
         rows = (ids[:, None] * T + np.arange(T)[None, :]).reshape(-1)
+        if len(ids):
+            self._check_batches(np.unique(ids // int(self.manifest["batch_size"])))
         return _to_float32(source[rows], self.manifest["dtype"]).view(len(ids), T, -1)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """z of rows ``[start, stop)`` → (stop − start, d) float32."""
+        per = int(self.manifest["batch_size"]) * self.block_size
+        if stop > start:
+            self._check_batches(np.arange(start // per, (stop - 1) // per + 1))
         return _to_float32(self.z[start:stop], self.manifest["dtype"])
+
+    def verify(self) -> StoredZ:
+        """Check every batch done against its sha256 in ``state.json`` (the reads check the batches they touch;
+        this checks all at once, for ``prism verify`` and before a reader commits to the store).
+        ``ArtifactCorrupt`` naming the first damaged batch."""
+        self._check_batches(np.arange(int(self.manifest["batches_done"])))
+        return self
+
+    def _check_batches(self, batches: np.ndarray) -> None:
+        """Digest-check ``batches`` (batch numbers) not checked yet; refuse a damaged or unrecorded one."""
+        if len(self._checked) != int(self.manifest["num_batches"]):  # made without open_stored_z
+            self._checked = np.zeros(int(self.manifest["num_batches"]), dtype=bool)
+        todo = batches[~self._checked[batches]]
+        per = int(self.manifest["batch_size"]) * self.block_size
+        rows = int(self.manifest["rows"])
+        for b in todo.tolist():
+            if b >= len(self.digests):
+                raise ArtifactCorrupt(
+                    f"batch {b} of the stored z at {self.path} has no checksum in state.json (unfinished store)",
+                    fix=f"finish it (run the same command again) or remove {self.path}",
+                    path=self.path / "state.json",
+                )
+            sl = slice(b * per, min((b + 1) * per, rows))
+            boundary = self.boundary[sl] if self.boundary is not None else None
+            if _batch_digest(self.z[sl], self.targets[sl], boundary) != self.digests[b]:
+                raise ArtifactCorrupt(
+                    f"batch {b} (rows {sl.start}–{sl.stop - 1}) of the stored z at {self.path} does not match its "
+                    "checksum in state.json: z.bin, targets.bin or boundary.bin is damaged",
+                    fix=f"remove {self.path}; a retrofit run again recomputes it from the model",
+                    path=self.path / "z.bin",
+                )
+            self._checked[b] = True
 
     def check(
         self,
@@ -200,19 +243,39 @@ def open_stored_z(path: str | Path) -> StoredZ:
     mpath = path / "manifest.json"
     if not mpath.exists():
         raise ArtifactError(f"no stored z at {path}", fix="build it with a retrofit (stage 1) or build_stored_z")
-    with reading(mpath, "stored z manifest", fix=f"remove {path} and build it again"):
+    fix = f"remove {path}; a retrofit run again recomputes it from the model"
+    with reading(mpath, "stored z manifest", fix=fix):
         m: StoreManifest = json.loads(mpath.read_text())
+        rows, d, width = int(m["rows"]), int(m["d"]), np.dtype(_NUMPY_DTYPES[m["dtype"]]).itemsize
+    with reading(path / "state.json", "stored z state", fix=fix):
         state = json.loads((path / "state.json").read_text()) if (path / "state.json").exists() else {}
-    m["batches_done"] = int(state.get("batches_done", 0))
-    m["complete"] = m["batches_done"] == m["num_batches"]
-    rows, d = int(m["rows"]), int(m["d"])
+        done, digests = int(state.get("batches_done", 0)), [str(x) for x in state.get("digests", [])]
+        if not 0 <= done <= len(digests) or done > int(m["num_batches"]):
+            raise ValueError(f"{done} batches done with {len(digests)} checksums")
+    m["batches_done"] = done
+    m["complete"] = done == m["num_batches"]
+    sizes = [("z.bin", rows * d * width), ("targets.bin", rows * 4)]
+    if m.get("boundary_layer") is not None:
+        sizes.append(("boundary.bin", rows * d * width))
+    for name, size in sizes:
+        have = (path / name).stat().st_size if (path / name).exists() else None
+        if have != size:
+            raise ArtifactCorrupt(
+                f"{path / name} is {'missing' if have is None else f'{have:,} bytes'}, not the {size:,} bytes the "
+                "stored z's manifest says",
+                fix=fix,
+                path=path / name,
+            )
     z = np.memmap(path / "z.bin", dtype=_NUMPY_DTYPES[m["dtype"]], mode="r", shape=(rows, d))
     targets = np.memmap(path / "targets.bin", dtype=np.int32, mode="r", shape=(rows,))
     m.setdefault("boundary_layer", None)  # stores written before boundary layers existed
     boundary = None
     if m["boundary_layer"] is not None:
         boundary = np.memmap(path / "boundary.bin", dtype=_NUMPY_DTYPES[m["dtype"]], mode="r", shape=(rows, d))
-    return StoredZ(path=path, manifest=m, z=z, targets=targets, boundary=boundary)
+    checked = np.zeros(int(m["num_batches"]), dtype=bool)
+    return StoredZ(
+        path=path, manifest=m, z=z, targets=targets, boundary=boundary, digests=digests[:done], _checked=checked
+    )
 
 
 def _batch_digest(z: np.ndarray, targets: np.ndarray, boundary: np.ndarray | None = None) -> str:
@@ -301,7 +364,10 @@ def _resume_state(out: Path, want: StoreSettings) -> FillState | None:
         return None
     if any(m.get(k) != v for k, v in want.items()):  # a missing boundary_layer reads as None
         return None
-    store = open_stored_z(out)
+    try:
+        store = open_stored_z(out)
+    except ArtifactError:  # a file of the wrong length or a garbled state.json: start over
+        return None
     rows_per = want["batch_size"] * want["block_size"]
     good = 0
     for b, digest in enumerate(state["digests"][: state["batches_done"]]):

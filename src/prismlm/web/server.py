@@ -350,6 +350,8 @@ def serve(
         concepts=concepts,
         allowed_hosts=allowed,
     )
+    for note in app.state.explorer.info().notes:  # e.g. a torn labels.json: served without labels, said here
+        print(f"warning: {note}", file=sys.stderr)
     print(f"prism explorer: http://{host if ':' not in host else f'[{host}]'}:{port}/", file=sys.stderr)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 

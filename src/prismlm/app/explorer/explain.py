@@ -135,8 +135,13 @@ def explain_view(
         cards={str(k): c.to_dict() for k, c in sorted(expl.prototypes.items())},
         max_abs_error=err,
         steering=steering.to_dict(),
-        notes=list(expl.notes),
+        # a torn labels.json is served without labels: said beside the answer it affects, not only in /api/info
+        notes=list(expl.notes) + ([f"served without labels: {lost}"] if (lost := _labels_error(s)) else []),
     )
+
+
+def _labels_error(s: Session) -> str | None:
+    return s.index.labels_error if s.index is not None else None
 
 
 def _explanation(

@@ -400,6 +400,7 @@ def _check_stored_z(store: StoredZ, net: PrismLM, shards: ShardSet, universe: in
             f"than the {universe} to index",
             fix="index fewer sequences (max_sequences) or index from the model",
         )
+    store.verify()  # each batch against its checksum (cached per open store): damaged z is refused by name
 
 
 def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:

@@ -400,6 +400,8 @@ async function viewDocument(r) {
     state.info = await api("/api/info");
     const i = state.info;
     $("#run-info").textContent = `run ${i.run} · step ${i.step ?? "?"} · K=${i.model.num_prototypes.toLocaleString()}, k=${i.model.top_k} · ${i.has_index ? "index ✓" : "no index"} · ${i.has_cache ? "attribution cache ✓" : "no attribution cache"}`;
+    // what the server works around (a torn labels.json: served without labels) is shown, not only logged
+    if (i.notes && i.notes.length) $("#run-info").insertAdjacentHTML("afterend", `<ul class="notes warning">${i.notes.map(n => `<li>⚠ ${esc(n)}</li>`).join("")}</ul>`);
   } catch (e) { showError(view, e); return; }
   window.addEventListener("hashchange", route);
   route();
