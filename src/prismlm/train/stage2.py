@@ -63,8 +63,9 @@ def stage2_losses(
     model: PrismLM, h: torch.Tensor, z_source: torch.Tensor, layer: int, *, proto_kl: bool
 ) -> dict[str, torch.Tensor]:
     """The loss terms of one stored batch. h, z_source: (B, T, d) the stored boundary activations and the
-    source model's z of the same tokens. Returns unweighted scalars ``source_kl``, ``rec``, ``r1``, ``r2``
-    (and ``proto_kl``), plus ``proto_top1`` (no gradient): how often argmax W ẑ is the source's argmax."""
+    source model's z of the same tokens. Returns unweighted scalars ``source_kl``, ``rec``, ``r1``, ``r2``,
+    and with ``proto_kl`` also ``proto_kl`` and ``proto_top1`` (no gradient: how often argmax W ẑ is the
+    source's argmax on the batch)."""
     B, T, d = h.shape
     z = model.hidden_from_layer(h, layer).reshape(B * T, d)  # (N, d) with the current top blocks
     po = model.require_prototypes()(z)
@@ -77,10 +78,10 @@ def stage2_losses(
         "r1": L.r1_loss(po.proto_max_cos),
         "r2": L.r2_loss(po.token_max_cos),
     }
-    proto_logits = model.lm_head(po.reconstruction.to(z.dtype))  # (N, V) the prototypes alone
-    if proto_kl:
+    if proto_kl:  # a (N, V) product as costly as the model's own logits: only when the term is on
+        proto_logits = model.lm_head(po.reconstruction.to(z.dtype))  # (N, V) the prototypes alone
         terms["proto_kl"] = L.kl_to_reference(log_p_source, proto_logits)
-    terms["proto_top1"] = (proto_logits.detach().argmax(-1) == source_logits.argmax(-1)).float().mean()
+        terms["proto_top1"] = (proto_logits.detach().argmax(-1) == source_logits.argmax(-1)).float().mean()
     return terms
 
 
