@@ -236,3 +236,51 @@ def test_evaluate_reports_faithfulness_and_the_validation_line_shows_it(tiny_sha
     assert 0 <= m["pca_top1_agreement"] <= 1 and m["pca_directions"] == 1 + model.config.prototypes.top_k
     line = format_eval_line(3, m)
     assert f"top1 {m['top1_agreement']:.2f} kl {m['kl']:.2f}" in line and "pca" in line
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_explained_token_carries_the_prototype_only_prediction(bias):
+    from prismlm.explain import explain
+
+    model = tiny_model(bias)
+    ids = torch.randint(0, V, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+    expl = explain(model, None, ids)
+    with torch.no_grad():
+        out = model(torch.tensor([ids]))
+    W, P = model.lm_head.weight.detach().double(), model.prototypes.weight.detach().double()
+    b = model.lm_head.bias.detach().double() if bias else torch.zeros(V, dtype=torch.float64)
+    differ = 0
+    for t, pos in enumerate(expl.positions):
+        zhat = sum(float(a) * P[int(i)] for i, a in zip(out.indices[0, t], out.activations[0, t]))
+        lh = W @ zhat + b
+        assert pos.prototype_top_id == int(lh.argmax()) and pos.prototype_top_token == f"<{int(lh.argmax())}>"
+        assert pos.model_top_id == int(out.logits[0, t].argmax())
+        assert pos.prototype_prob == pytest.approx(float(torch.softmax(lh, 0)[pos.next_id]), rel=1e-9)
+        d = pos.to_dict()
+        assert d["prototype_top_id"] == pos.prototype_top_id and d["model_top_id"] == pos.model_top_id
+        differ += pos.prototype_top_id != pos.model_top_id
+    assert 0 < differ < len(ids)  # both cases occur, so the check above is not vacuous
+
+
+def test_the_reports_show_the_prototype_only_prediction():
+    import io
+
+    from rich.console import Console
+
+    from prismlm.explain import explain
+    from prismlm.render import render_html
+    from prismlm.render.report import render_terminal
+
+    model = tiny_model()
+    ids = torch.randint(0, V, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+    expl = explain(model, None, ids)
+    agree = sum(p.prototype_top_id == p.model_top_id for p in expl.positions)
+    assert 0 < agree < len(ids)
+    buf = io.StringIO()
+    render_terminal(expl, Console(file=buf, width=200))
+    text = buf.getvalue()
+    assert f"the prototypes alone predict the model's own token at {agree} of {len(ids)}" in text
+    assert text.count("≠ '<") == len(ids) - agree  # every disagreeing row is flagged with the prototypes' token
+    page = render_html(expl)
+    assert page.count('class="t pdiff"') + page.count('class="t ghost pdiff"') == len(ids) - agree
+    assert "prototypes alone would predict" in page and '"prototype_top_id"' in page

@@ -50,6 +50,7 @@ __all__ = [
     "fit_yardstick",
     "kl",
     "margins",
+    "prototype_choice",
     "prototype_hidden",
     "prototype_logits",
     "prototype_prediction",
@@ -94,6 +95,18 @@ def prototype_prediction(model: PrismLM, out: PrismOutput, valid: int | None = N
     """(B, T') int64 argmax of ℓ̂ over the first ``valid`` token ids (None: all): what the prototypes alone
     would have predicted at each position of ``out.logits``."""
     return prototype_logits(model, out)[..., :valid].argmax(-1)
+
+
+@torch.no_grad()
+def prototype_choice(
+    model: PrismLM, out: PrismOutput, tokens: torch.Tensor, valid: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an explanation shows per position: ((B, T') int64 argmax of ℓ̂ over the first ``valid`` ids,
+    (B, T') float64 softmax(ℓ̂)[y] of ``tokens`` y (B, T')) — the prototype-only prediction and the
+    probability it gives the chosen token."""
+    approx = prototype_logits(model, out)[..., :valid].double()  # (B, T', V')
+    prob = torch.softmax(approx, dim=-1).gather(-1, tokens[..., None].to(approx.device))[..., 0]
+    return approx.argmax(-1), prob
 
 
 # ----- per-token metrics: logits (N, V) of the model, approx (N, V) of a predictor ------------------------
