@@ -284,3 +284,32 @@ def test_the_reports_show_the_prototype_only_prediction():
     page = render_html(expl)
     assert page.count('class="t pdiff"') + page.count('class="t ghost pdiff"') == len(ids) - agree
     assert "prototypes alone would predict" in page and '"prototype_top_id"' in page
+
+
+def test_the_index_pass_reports_faithfulness_and_parts_merge_to_one_pass(tiny_shards, tmp_path):
+    from prismlm import RunConfig
+    from prismlm.explain import IndexSettings, PrototypeIndex, build_index, merge_indexes
+    from prismlm.train.trainer import round_vocab
+
+    cfg = RunConfig.from_name("tiny").override({"model.vocab_size": round_vocab(tiny_shards.tokenizer.vocab_size)})
+    torch.manual_seed(0)
+    model = PrismLM(cfg.model).eval()
+    kw = dict(progress=False, model_sha256="test")
+    settings = dict(top_n=2, batch_size=3, max_sequences=9, sample_size=0)
+    full = build_index(model, tiny_shards, IndexSettings(**settings), **kw)
+    T = model.config.block_size
+    ref = FaithfulnessAccumulator(yardsticks=False, median_cap=0)  # the same tokens, one forward per sequence
+    with torch.no_grad():
+        for j in range(9):
+            x = torch.from_numpy(tiny_shards.train.sequences(np.array([j]), T)[:, :-1])
+            ref.update(model, model(x))
+    cov, want = full.coverage(), ref.result()
+    assert cov["faithfulness_tokens"] == 9 * T and "centred_residual_share" not in cov
+    for name in ("top1_agreement", "kl", "margin_share", "slice_logit_share"):
+        assert cov[name] == pytest.approx(want[name], rel=1e-6), name
+    parts = [build_index(model, tiny_shards, IndexSettings(**settings, part=(i, 3)), **kw) for i in range(3)]
+    merged = merge_indexes(parts)
+    full.save(tmp_path / "idx")
+    for other in (merged.coverage(), PrototypeIndex.load(tmp_path / "idx").coverage()):
+        for name in ("top1_agreement", "kl", "margin_share", "faithfulness_tokens"):
+            assert other[name] == pytest.approx(cov[name], rel=1e-12), name

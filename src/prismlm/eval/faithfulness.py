@@ -256,10 +256,13 @@ class FaithfulnessAccumulator:
     change the result (given a fixed ``yardstick``).
 
     ``yardstick``: None — fitted on the first ``update``'s tokens (``directions`` principal directions, default
-    k) and kept. ``valid``: score only the first ``valid`` token ids (a padded vocabulary); None: all."""
+    k) and kept. ``yardsticks=False``: the prototype-only metrics alone (no μ: no centred residual share), whose
+    sums (``sums``/``from_sums``) add across parts. ``valid``: score only the first ``valid`` token ids (a padded
+    vocabulary); None: all. ``median_cap`` 0: no median."""
 
     yardstick: Yardstick | None = None
     directions: int | None = None
+    yardsticks: bool = True
     valid: int | None = None
     chunk: int = 256
     median_cap: int = 1_000_000
@@ -279,29 +282,32 @@ class FaithfulnessAccumulator:
         """Add the positions of ``out.logits`` (``out`` from ``model``)."""
         z, r = _aligned(out)
         d = z.shape[-1]
-        if self.yardstick is None:
-            k = out.indices.shape[-1] if out.indices is not None else 0
-            self.yardstick = fit_yardstick(z, self.directions if self.directions is not None else k)
-        ref = self.yardstick
         zhat = prototype_hidden(model, out).reshape(-1, d)  # (N, d)
         logits = out.logits.reshape(-1, out.logits.shape[-1])  # (N, V)
         z, r = z.reshape(-1, d), r.reshape(-1, d)
         W, bias = model.lm_head.weight, model.lm_head.bias
+        for s in range(0, z.shape[0], self.chunk):
+            approx = [F.linear(zhat[s : s + self.chunk].to(W.dtype), W, bias)]  # (n, V) ℓ̂ = lm_head(ẑ)
+            if self.yardsticks:
+                approx += self._yardstick_logits(model, out, z[s : s + self.chunk], r[s : s + self.chunk])
+            self._chunk(logits[s : s + self.chunk], approx, bias)
+        self.tokens += z.shape[0]
+
+    def _yardstick_logits(
+        self, model: PrismLM, out: PrismOutput, z: torch.Tensor, r: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """[(n, V) W ẑ_μ + b, (n, V) W Q Qᵀ z + b] of hidden states z (n, d) (and the centred residual's sum)."""
+        if self.yardstick is None:
+            k = out.indices.shape[-1] if out.indices is not None else 0
+            self.yardstick = fit_yardstick(_aligned(out)[0], self.directions if self.directions is not None else k)
+        ref, W, bias = self.yardstick, model.lm_head.weight, model.lm_head.bias
         if self._heads is None:  # the yardsticks' heads, once (W is fixed while an accumulator lives)
             b64 = bias.double() if bias is not None else W.new_zeros(W.shape[0], dtype=torch.float64)
             self._heads = (W.double() @ ref.direction.to(W.device), W.double() @ ref.basis.to(W.device), b64)
         Wmu, WQ, b64 = self._heads  # (V,), (V, 1 + m), (V,)
-        mu_dir, Q = ref.direction.to(z.device), ref.basis.to(z.device)
-        for s in range(0, z.shape[0], self.chunk):
-            zc = z[s : s + self.chunk].double()  # (n, d)
-            approx = [
-                F.linear(zhat[s : s + self.chunk].to(W.dtype), W, bias),  # (n, V) ℓ̂ = lm_head(ẑ)
-                (zc @ mu_dir)[:, None] * Wmu + b64,  # (n, V) W ẑ_μ + b
-                (zc @ Q) @ WQ.T + b64,  # (n, V) W Q Qᵀ z + b
-            ]
-            self._chunk(logits[s : s + self.chunk], approx, bias)
-            self.centred_sum += float(centred_residual_share(zc, r[s : s + self.chunk], ref.mean.to(z.device)).sum())
-        self.tokens += z.shape[0]
+        zc = z.double()  # (n, d)
+        self.centred_sum += float(centred_residual_share(zc, r, ref.mean.to(z.device)).sum())
+        return [(zc @ ref.direction.to(z.device))[:, None] * Wmu + b64, (zc @ ref.basis.to(z.device)) @ WQ.T + b64]
 
     def _chunk(self, logits: torch.Tensor, approx: list[torch.Tensor], bias: torch.Tensor | None) -> None:
         """The sums of one chunk: ``logits`` (n, V) the model's, ``approx`` one (n, V) per predictor."""
@@ -328,24 +334,49 @@ class FaithfulnessAccumulator:
             self.ratios.append(ratio)
             self.kept += ratio.numel()
 
+    def sums(self) -> dict[str, float]:
+        """The prototype-only sums, which add across parts: tokens, top1, kl, margin_hat, margin, slice_share."""
+        return {
+            "tokens": self.tokens,
+            "top1": self.top1[0],
+            "kl": self.kl_sum[0],
+            "margin_hat": self.margin_hat[0],
+            "margin": self.margin_sum,
+            "slice_share": self.slice_share_sum,
+        }
+
+    @classmethod
+    def from_sums(cls, sums: dict[str, float], *, valid: int | None = None) -> FaithfulnessAccumulator:
+        """A prototype-only accumulator (no yardsticks, no median) continuing from ``sums``."""
+        acc = cls(yardsticks=False, median_cap=0, valid=valid, tokens=int(sums["tokens"]))
+        acc.top1[0], acc.kl_sum[0], acc.margin_hat[0] = (
+            float(sums["top1"]),
+            float(sums["kl"]),
+            float(sums["margin_hat"]),
+        )
+        acc.margin_sum, acc.slice_share_sum = float(sums["margin"]), float(sums["slice_share"])
+        return acc
+
     def result(self) -> dict[str, float]:
         """The metrics (empty before any token): ``top1_agreement``, ``kl``, ``margin_share`` (pooled),
-        ``margin_share_median``, ``slice_logit_share``, ``centred_residual_share``, the yardsticks'
-        ``{mean_dir,pca}_{top1_agreement,kl,margin_share}``, ``pca_directions`` (1 + m) and
-        ``faithfulness_tokens``."""
+        ``margin_share_median`` (with ``median_cap``), ``slice_logit_share``, ``faithfulness_tokens``; with
+        yardsticks also ``centred_residual_share``, ``{mean_dir,pca}_{top1_agreement,kl,margin_share}`` and
+        ``pca_directions`` (1 + m)."""
         n = self.tokens
-        if n == 0 or self.yardstick is None:
+        if n == 0:
             return {}
         m: dict[str, float] = {}
-        for j, name in enumerate(PREDICTORS):
+        for j, name in enumerate(PREDICTORS if self.yardsticks else PREDICTORS[:1]):
             pre = "" if name == "proto" else f"{name}_"
             m[f"{pre}top1_agreement"] = self.top1[j] / n
             m[f"{pre}kl"] = self.kl_sum[j] / n
             m[f"{pre}margin_share"] = self.margin_hat[j] / self.margin_sum if self.margin_sum > 0 else float("nan")
-        ratios = torch.cat(self.ratios) if self.ratios else torch.zeros(0)
-        m["margin_share_median"] = float(ratios.double().quantile(0.5)) if ratios.numel() else float("nan")
+        if self.median_cap:
+            ratios = torch.cat(self.ratios) if self.ratios else torch.zeros(0)
+            m["margin_share_median"] = float(ratios.double().quantile(0.5)) if ratios.numel() else float("nan")
         m["slice_logit_share"] = self.slice_share_sum / n
-        m["centred_residual_share"] = self.centred_sum / n
-        m["pca_directions"] = self.yardstick.directions
+        if self.yardsticks and self.yardstick is not None:
+            m["centred_residual_share"] = self.centred_sum / n
+            m["pca_directions"] = self.yardstick.directions
         m["faithfulness_tokens"] = n
         return m
