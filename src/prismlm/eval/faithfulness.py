@@ -117,8 +117,12 @@ def top1_agreement(logits: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
 
 def kl(logits: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
     """(N,) float64 KL(softmax(logits) ‖ softmax(approx)), computed in float64."""
-    logp = torch.log_softmax(logits.double(), dim=-1)  # (N, V)
-    logq = torch.log_softmax(approx.double(), dim=-1)
+    return _kl_from(torch.log_softmax(logits.double(), dim=-1), approx)
+
+
+def _kl_from(logp: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+    """``kl`` from the model's float64 log-probabilities logp (N, V), computed once for several predictors."""
+    logq = torch.log_softmax(approx.double(), dim=-1)  # (N, V)
     return (logp.exp() * (logp - logq)).sum(-1)
 
 
@@ -312,11 +316,11 @@ class FaithfulnessAccumulator:
     def _chunk(self, logits: torch.Tensor, approx: list[torch.Tensor], bias: torch.Tensor | None) -> None:
         """The sums of one chunk: ``logits`` (n, V) the model's, ``approx`` one (n, V) per predictor."""
         lg = logits[:, : self.valid].double()  # (n, V')
-        y1 = lg.argmax(-1)  # (n,)
+        y1, logp = lg.argmax(-1), torch.log_softmax(lg, dim=-1)  # (n,), (n, V')
         for j, a in enumerate(approx):
             a = a[:, : self.valid].double()
             self.top1[j] += float(top1_agreement(lg, a).double().sum())
-            self.kl_sum[j] += float(kl(lg, a).sum())
+            self.kl_sum[j] += float(_kl_from(logp, a).sum())
             gap, gap_hat = margins(lg, a)
             self.margin_hat[j] += float(gap_hat.sum())
             if j == 0:
@@ -366,17 +370,20 @@ class FaithfulnessAccumulator:
         if n == 0:
             return {}
         m: dict[str, float] = {}
+        share = self.margin_sum > 0
         for j, name in enumerate(PREDICTORS if self.yardsticks else PREDICTORS[:1]):
             pre = "" if name == "proto" else f"{name}_"
             m[f"{pre}top1_agreement"] = self.top1[j] / n
             m[f"{pre}kl"] = self.kl_sum[j] / n
-            m[f"{pre}margin_share"] = self.margin_hat[j] / self.margin_sum if self.margin_sum > 0 else float("nan")
-        if self.median_cap:
-            ratios = torch.cat(self.ratios) if self.ratios else torch.zeros(0)
-            m["margin_share_median"] = float(ratios.double().quantile(0.5)) if ratios.numel() else float("nan")
-        m["slice_logit_share"] = self.slice_share_sum / n
+            m[f"{pre}margin_share"] = self.margin_hat[j] / self.margin_sum if share else float("nan")
+            if j == 0:  # the prototypes' other metrics before the yardsticks'
+                if self.median_cap:
+                    ratios = torch.cat(self.ratios) if self.ratios else torch.zeros(0)
+                    m["margin_share_median"] = float(ratios.double().quantile(0.5)) if ratios.numel() else float("nan")
+                m["slice_logit_share"] = self.slice_share_sum / n
+                if self.yardsticks and self.yardstick is not None:
+                    m["centred_residual_share"] = self.centred_sum / n
         if self.yardsticks and self.yardstick is not None:
-            m["centred_residual_share"] = self.centred_sum / n
             m["pca_directions"] = self.yardstick.directions
         m["faithfulness_tokens"] = n
         return m
