@@ -313,3 +313,18 @@ def test_the_index_pass_reports_faithfulness_and_parts_merge_to_one_pass(tiny_sh
     for other in (merged.coverage(), PrototypeIndex.load(tmp_path / "idx").coverage()):
         for name in ("top1_agreement", "kl", "margin_share", "faithfulness_tokens"):
             assert other[name] == pytest.approx(cov[name], rel=1e-12), name
+
+
+def test_the_pure_functions_against_torch_distributions_and_sorting():
+    from prismlm.eval.faithfulness import kl, margins, top1_agreement
+
+    g = torch.Generator().manual_seed(0)
+    lg, ap = torch.randn(20, V, generator=g) * 3, torch.randn(20, V, generator=g) * 3
+    want = kl_divergence(Categorical(logits=lg.double()), Categorical(logits=ap.double()))
+    assert torch.allclose(kl(lg, ap), want, rtol=1e-10)
+    assert torch.equal(top1_agreement(lg, lg + 1e-3 * ap), lg.argmax(-1) == (lg + 1e-3 * ap).argmax(-1))
+    gap, gap_hat = margins(lg, ap)
+    for t in range(20):
+        order = sorted(range(V), key=lambda v: -float(lg[t, v]))
+        assert float(gap[t]) == pytest.approx(float(lg[t, order[0]] - lg[t, order[1]]))
+        assert float(gap_hat[t]) == pytest.approx(float(ap[t, order[0]] - ap[t, order[1]]))

@@ -117,12 +117,8 @@ def top1_agreement(logits: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
 
 def kl(logits: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
     """(N,) float64 KL(softmax(logits) ‖ softmax(approx)), computed in float64."""
-    return _kl_from(torch.log_softmax(logits.double(), dim=-1), approx)
-
-
-def _kl_from(logp: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
-    """``kl`` from the model's float64 log-probabilities logp (N, V), computed once for several predictors."""
-    logq = torch.log_softmax(approx.double(), dim=-1)  # (N, V)
+    logp = torch.log_softmax(logits.double(), dim=-1)  # (N, V)
+    logq = torch.log_softmax(approx.double(), dim=-1)
     return (logp.exp() * (logp - logq)).sum(-1)
 
 
@@ -255,8 +251,8 @@ PREDICTORS = ("proto", "mean_dir", "pca")
 
 @dataclass
 class FaithfulnessAccumulator:
-    """Streams PRISM forward outputs into the faithfulness metrics of the module docstring: float64 sums,
-    memory O(chunk · V) per step plus the median's ≤ ``median_cap`` float32 ratios. Batch splitting does not
+    """Streams PRISM forward outputs into the faithfulness metrics of the module docstring: per-token values in
+    the logits' precision (at least float32; float64 for a float64 model), float64 sums, memory O(chunk · V) per step plus the median's ≤ ``median_cap`` float32 ratios. Batch splitting does not
     change the result (given a fixed ``yardstick``).
 
     ``yardstick``: None — fitted on the first ``update``'s tokens (``directions`` principal directions, default
@@ -293,43 +289,55 @@ class FaithfulnessAccumulator:
         for s in range(0, z.shape[0], self.chunk):
             approx = [F.linear(zhat[s : s + self.chunk].to(W.dtype), W, bias)]  # (n, V) ℓ̂ = lm_head(ẑ)
             if self.yardsticks:
-                approx += self._yardstick_logits(model, out, z[s : s + self.chunk], r[s : s + self.chunk])
+                zc, rc = z[s : s + self.chunk].double(), r[s : s + self.chunk].double()  # (n, d)
+                approx += self._yardstick_logits(model, out, zc, rc)
             self._chunk(logits[s : s + self.chunk], approx, bias)
         self.tokens += z.shape[0]
 
     def _yardstick_logits(
         self, model: PrismLM, out: PrismOutput, z: torch.Tensor, r: torch.Tensor
     ) -> list[torch.Tensor]:
-        """[(n, V) W ẑ_μ + b, (n, V) W Q Qᵀ z + b] of hidden states z (n, d) (and the centred residual's sum)."""
+        """[(n, V) W ẑ_μ + b, (n, V) W Q Qᵀ z + b] of hidden states z (n, d), in the head's dtype (and the
+        centred residual's sum)."""
         if self.yardstick is None:
             k = out.indices.shape[-1] if out.indices is not None else 0
             self.yardstick = fit_yardstick(_aligned(out)[0], self.directions if self.directions is not None else k)
         ref, W, bias = self.yardstick, model.lm_head.weight, model.lm_head.bias
-        if self._heads is None:  # the yardsticks' heads, once (W is fixed while an accumulator lives)
-            b64 = bias.double() if bias is not None else W.new_zeros(W.shape[0], dtype=torch.float64)
-            self._heads = (W.double() @ ref.direction.to(W.device), W.double() @ ref.basis.to(W.device), b64)
-        Wmu, WQ, b64 = self._heads  # (V,), (V, 1 + m), (V,)
-        zc = z.double()  # (n, d)
-        self.centred_sum += float(centred_residual_share(zc, r, ref.mean.to(z.device)).sum())
-        return [(zc @ ref.direction.to(z.device))[:, None] * Wmu + b64, (zc @ ref.basis.to(z.device)) @ WQ.T + b64]
+        if self._heads is None:  # the yardsticks' heads W [μ̂, Q] (V, 2 + m) and b, once (W is fixed meanwhile)
+            b0 = bias.detach() if bias is not None else W.new_zeros(W.shape[0])
+            basis = torch.cat([ref.direction[:, None], ref.basis], dim=1).to(W.device)  # (d, 2 + m)
+            self._heads = ((W.detach().double() @ basis).to(W.dtype), basis.to(W.dtype), b0)
+        WB, basis, b0 = self._heads
+        self.centred_sum += float(centred_residual_share(z, r, ref.mean.to(z.device)).sum())
+        coef = z.to(W.dtype) @ basis  # (n, 2 + m): z·μ̂, then Qᵀz
+        return [torch.addmm(b0, coef[:, :1], WB[:, :1].T), torch.addmm(b0, coef[:, 1:], WB[:, 1:].T)]
 
     def _chunk(self, logits: torch.Tensor, approx: list[torch.Tensor], bias: torch.Tensor | None) -> None:
-        """The sums of one chunk: ``logits`` (n, V) the model's, ``approx`` one (n, V) per predictor."""
-        lg = logits[:, : self.valid].double()  # (n, V')
-        y1, logp = lg.argmax(-1), torch.log_softmax(lg, dim=-1)  # (n,), (n, V')
+        """The sums of one chunk: ``logits`` (n, V) the model's, ``approx`` one (n, V) per predictor. KL(p ‖ p̂) as
+        Σ p log p − Σ p log p̂ (= ``kl``), the model's side computed once per chunk."""
+        ct = torch.promote_types(logits.dtype, torch.float32)  # per token in the logits' precision (≥ float32)
+        lg = logits[:, : self.valid].to(ct)  # (n, V')
+        y1, top2 = lg.argmax(-1), lg.topk(2, dim=-1).indices  # (n,), (n, 2)
+        logp = torch.log_softmax(lg, dim=-1)  # (n, V')
+        p = logp.exp()
+        plogp = torch.linalg.vecdot(p, logp)  # (n,)
+        l2 = lg.gather(-1, top2)
+        gap = l2[:, 0] - l2[:, 1]  # (n,) the model's margin
+        self.margin_sum += float(gap.double().sum())
         for j, a in enumerate(approx):
-            a = a[:, : self.valid].double()
-            self.top1[j] += float(top1_agreement(lg, a).double().sum())
-            self.kl_sum[j] += float(_kl_from(logp, a).sum())
-            gap, gap_hat = margins(lg, a)
-            self.margin_hat[j] += float(gap_hat.sum())
+            a = a[:, : self.valid].to(ct)
+            self.top1[j] += float((a.argmax(-1) == y1).double().sum())
+            kl_t = plogp - torch.linalg.vecdot(p, torch.log_softmax(a, dim=-1))  # (n,) both terms O(entropy)
+            self.kl_sum[j] += float(kl_t.double().sum())
+            a2 = a.gather(-1, top2)
+            gap_hat = a2[:, 0] - a2[:, 1]  # (n,)
+            self.margin_hat[j] += float(gap_hat.double().sum())
             if j == 0:
-                self.margin_sum += float(gap.sum())
                 self._keep_ratios(gap, gap_hat)
-                b = bias.double()[y1] if bias is not None else torch.zeros_like(gap)  # (n,)
+                b = bias.detach().to(ct)[y1] if bias is not None else torch.zeros_like(gap)  # (n,)
                 s_hat = a.gather(-1, y1[:, None])[:, 0] - b  # (n,) S = (W ẑ)_y1
                 resid = lg.gather(-1, y1[:, None])[:, 0] - s_hat - b  # (n,) R = (W r)_y1
-                self.slice_share_sum += float(slice_logit_share(s_hat, resid, b).sum())
+                self.slice_share_sum += float(slice_logit_share(s_hat, resid, b).sum())  # float64
 
     def _keep_ratios(self, gap: torch.Tensor, gap_hat: torch.Tensor) -> None:
         room = self.median_cap - self.kept

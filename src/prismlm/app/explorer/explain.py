@@ -135,10 +135,7 @@ def explain_view(
         positions, err = waterfalls(s, model, model(x), chosen, [p.chosen_by for p in expl.positions], alternatives)
     for view, pos in zip(positions, expl.positions):  # the prototype-only prediction: the explanation's one value
         view.model_top_id, view.prototype_top_id = pos.model_top_id, pos.prototype_top_id
-        view.prototype_top_token, view.prototype_prob = (
-            s.run.tokenizer.id_to_token(pos.prototype_top_id),
-            pos.prototype_prob,
-        )
+        view.prototype_top_token, view.prototype_prob = pos.prototype_top_token, pos.prototype_prob
     return ExplainView(
         text=expl.text,
         token_ids=expl.token_ids,
