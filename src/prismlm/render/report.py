@@ -189,7 +189,7 @@ function alone(p){
   if (p.prototype_top_id < 0) return '';
   const same = p.prototype_top_id === p.model_top_id;
   return `<div class="alone ${same ? 'agree' : 'differ'}">prototypes alone would predict
-    <b>${esc(JSON.stringify(p.prototype_top_token))}</b>${same ? ' — the model\'s own token' : ' — <b>not</b> the model\'s token'};
+    <b>${esc(JSON.stringify(p.prototype_top_token))}</b>${same ? " — the model's own token" : " — <b>not</b> the model's token"};
     they give ${esc(JSON.stringify(p.next_token))} p̂ ${p.prototype_prob.toFixed(3)}</div>`;
 }
 document.getElementById('convention').textContent = PRISM.CONVENTION;
