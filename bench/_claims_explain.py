@@ -21,7 +21,7 @@ retrofitted SmolLM2-135M-Instruct, and how much of each answer token's logit the
    The same split of the greedy margin ℓ_y − ℓ_y₂ (y₂ the runner-up token): how much of the *choice* of y
    the slices carry (``margin_*``), as opposed to how much of its logit.
 
-   A yardstick for what such a share means (``Reference``): the part of the same logit carried, by the same
+   A yardstick for what such a share means (``prismlm.eval.faithfulness.Yardstick``): the part of the same logit carried, by the same
    |·| measure, by the projection of z on the mean anchor hidden state alone, and on a fixed subspace of
    that mean plus the top k principal directions of the anchor z (1 + k directions for every token, where
    the prototypes pick k of K per token).
@@ -53,8 +53,9 @@ from _claims_questions import chat_questions
 
 from prismlm.app.operations import ExplanationRequest, chat_prompt, explain_text
 from prismlm.app.run import Run
+from prismlm.eval.faithfulness import ChoiceParts, Yardstick, choice_parts, choice_shares, yardstick_from_moments
 from prismlm.explain import Explanation
-from prismlm.model import PrismLM, PrismOutput, decompose
+from prismlm.model import PrismLM, PrismOutput
 from prismlm.render import RunHeader, write_html
 
 ANSWER_TOKENS = 24
@@ -82,21 +83,11 @@ PARTS = (
     *("logit", "slices", "abs_slices", "residual", "bias", "top_slice", "mean_dir", "subspace"),
     *("runner_up_logit", "runner_up_slices", "runner_up_bias"),
 )
-"""The columns of an answer's ``parts``: ℓ_y, S = Σ slices, Σ |slices|, R, B, max_i |slice_i|, the two
-reference parts of ``Reference``: (z·μ̂)(w_y·μ̂) and (Qᵀz)·(Qᵀw_y), and the logit, Σ slices and bias of
-the runner-up token y₂ (the second largest logit: the margin ℓ_y − ℓ_y₂ is what made y the greedy choice)."""
-
-
-@dataclass(frozen=True)
-class Reference:
-    """What a share of the logit means needs a yardstick: the part a fixed, non-sparse summary of the anchor
-    hidden states carries by the same measure. ``mean`` (d,): the unit mean μ̂ of the stored anchor z (the
-    common direction every hidden state shares); ``basis`` (d, 1 + k): an orthonormal basis of μ̂ and the
-    top k principal directions of the centred anchor z — as many directions as active prototypes, plus the
-    mean, but the same for every token."""
-
-    mean: torch.Tensor
-    basis: torch.Tensor
+"""The columns of an answer's ``parts`` (the fields of ``prismlm.eval.faithfulness.ChoiceParts``, in order): ℓ_y,
+S = Σ slices, Σ |slices|, R, B, max_i |slice_i|, the two yardstick parts of a ``Yardstick``: (z·μ̂)(w_y·μ̂) and
+(Qᵀz)·(Qᵀw_y), and the logit, Σ slices and bias of the runner-up token y₂ (the second largest logit: the margin
+ℓ_y − ℓ_y₂ is what made y the greedy choice)."""
+assert PARTS == ChoiceParts._fields
 
 
 def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
@@ -204,7 +195,7 @@ def answer_all(ctx: ClaimsContext, run: Run, questions: list[tuple[str, str]], c
 
 @torch.inference_mode()
 def greedy_parts(
-    model: PrismLM, prompts: list[list[int]], max_new: int, ref: Reference, *, stop_id: int
+    model: PrismLM, prompts: list[list[int]], max_new: int, ref: Yardstick, *, stop_id: int
 ) -> list[tuple[list[int], list[list[float]]]]:
     """Greedy answers to a batch of prompts (left-padded; the attention mask keeps each row as it is alone)
     and, per answer token, the parts of its logit (``PARTS``), from the very forward that chose it.
@@ -237,9 +228,9 @@ def greedy_parts(
     return result
 
 
-def token_parts(model: PrismLM, out: PrismOutput, top2: torch.Tensor, ref: Reference) -> torch.Tensor:
+def token_parts(model: PrismLM, out: PrismOutput, top2: torch.Tensor, ref: Yardstick) -> torch.Tensor:
     """(B, len(PARTS)) parts of the logits of ``top2`` (B, 2) — the chosen token and the runner-up — at the
-    last position of ``out``."""
+    last position of ``out`` (``prismlm.eval.faithfulness.choice_parts``)."""
     assert out.indices is not None and out.activations is not None and out.residual is not None
     last = PrismOutput(
         logits=out.logits[:, -1:],
@@ -249,21 +240,12 @@ def token_parts(model: PrismLM, out: PrismOutput, top2: torch.Tensor, ref: Refer
         residual=out.residual[:, -1:],
         prototype_multipliers=out.prototype_multipliers,
     )
-    d = decompose(model, last, top2[:, :1])  # slices (B, 1, k); the rest (B, 1)
-    d2 = decompose(model, last, top2[:, 1:])  # the runner-up's
-    sl = d.prototype_slices[:, 0].double()  # (B, k)
-    cols = [d.logit[:, 0], sl.sum(-1), sl.abs().sum(-1), d.residual_slice[:, 0], d.bias_slice[:, 0]]
-    z = out.hidden[:, -1].double()  # (B, d)
-    w = model.lm_head.weight[top2[:, 0]].double()  # (B, d): the chosen tokens' rows of W
-    mean_dir = (z @ ref.mean) * (w @ ref.mean)  # (B,)
-    subspace = ((z @ ref.basis) * (w @ ref.basis)).sum(-1)  # (B,)
-    runner = [d2.logit[:, 0], d2.prototype_slices[:, 0].sum(-1), d2.bias_slice[:, 0]]
-    cols += [sl.abs().amax(-1), mean_dir, subspace, *runner]
-    return torch.stack([c.double() for c in cols], dim=-1)  # (B, len(PARTS))
+    parts = choice_parts(model, last, top2[:, None, :], ref)  # each (B, 1)
+    return torch.stack([c[:, 0] for c in parts], dim=-1)  # (B, len(PARTS))
 
 
-def reference(ctx: ClaimsContext, chunk: int = 16384) -> Reference:
-    """The ``Reference`` of the bank's anchor hidden states (the retrofit's stored z, float16 rows of d),
+def reference(ctx: ClaimsContext, chunk: int = 16384) -> Yardstick:
+    """The ``Yardstick`` of the bank's anchor hidden states (the retrofit's stored z, float16 rows of d),
     mean and covariance accumulated in float64 chunks (the full bank holds ~140k rows)."""
     folder = ctx.bank_run / "stored-z"
     manifest = json.loads((folder / "manifest.json").read_text())
@@ -274,12 +256,7 @@ def reference(ctx: ClaimsContext, chunk: int = 16384) -> Reference:
         x = torch.from_numpy(np.asarray(z[s : s + chunk], dtype=np.float64))  # (chunk, d)
         total += x.sum(0)
         outer += x.T @ x
-    mu = total / rows  # (d,)
-    cov = outer / rows - torch.outer(mu, mu)  # (d, d)
-    top = torch.linalg.eigh(cov).eigenvectors[:, -k:]  # (d, k): the k largest principal directions
-    mean = mu / mu.norm()
-    basis = torch.linalg.qr(torch.cat([mean[:, None], top], dim=1)).Q  # (d, 1 + k) orthonormal
-    return Reference(mean=mean, basis=basis)
+    return yardstick_from_moments(total, outer, rows, k)  # μ̂ and the k largest principal directions
 
 
 def logit_shares(records: list[dict]) -> dict:
@@ -316,26 +293,8 @@ def logit_shares(records: list[dict]) -> dict:
 
 
 def per_token_shares(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """x (n, len(PARTS)) rows → each share of ``DEFINITIONS``, (n,) per name."""
-    logit, S, A, R, Bb, top, M, Q, logit2, S2, B2 = x.unbind(-1)
-    gap, dS, dB = logit - logit2, S - S2, Bb - B2  # the greedy margin and its slices' and bias' parts
-    dR = gap - dS - dB
-    net = S.abs() + R.abs() + Bb.abs()
-    gross = A + R.abs() + Bb.abs()
-    return {
-        "abs_share_slices": S.abs() / net,
-        "abs_share_residual": R.abs() / net,
-        "abs_share_bias": Bb.abs() / net,
-        "gross_share_slices": A / gross,
-        "top_share": top / gross,
-        "signed_fraction_slices": S / logit,
-        "signed_fraction_residual": R / logit,
-        "signed_fraction_bias": Bb / logit,
-        "ref_abs_share_mean_direction": M.abs() / (M.abs() + (logit - M).abs()),
-        "ref_abs_share_pca_subspace": Q.abs() / (Q.abs() + (logit - Q).abs()),
-        "margin_abs_share_slices": dS.abs() / (dS.abs() + dR.abs() + dB.abs()),
-        "margin_fraction_slices": dS / gap,
-    }
+    """x (n, len(PARTS)) rows → each share of ``DEFINITIONS``, (n,) per name (``choice_shares``)."""
+    return choice_shares(ChoiceParts(*x.unbind(-1)))
 
 
 @torch.no_grad()

@@ -130,6 +130,27 @@ def test_explain_waterfalls_sum_to_the_plain_forward_logits(client, explorer):
     assert d["max_abs_error"] < 1e-4
 
 
+def test_explain_shows_what_the_prototypes_alone_would_predict(client, explorer):
+    """Per position: argmax W ẑ (the prototype-only prediction, ẑ rebuilt from the bank here) beside the model's
+    argmax; under suppression ẑ loses the suppressed prototypes, as the logits do."""
+    m, valid = explorer.run.model, explorer.run.tokenizer.vocab_size
+    P, W = m.prototypes.weight.detach().double(), m.lm_head.weight.detach().double()
+    for S in ([], [1, 2, 3, 5, 8]):
+        d = client.post("/api/explain", json={"text": TEXT, "alternatives": 1, "steering": {"suppress": S}}).json()
+        ids = d["token_ids"]
+        with torch.no_grad():
+            out = m(torch.tensor([ids]))
+        ref = _plain_logits(explorer, ids, suppress=S)
+        for t, p in enumerate(d["positions"]):
+            zhat = sum(
+                float(a) * P[int(i)] for i, a in zip(out.indices[0, t], out.activations[0, t]) if int(i) not in S
+            )
+            top = int((W @ zhat)[:valid].argmax())
+            assert p["prototype_top_id"] == top and p["prototype_top_token"] == explorer.run.tokenizer.id_to_token(top)
+            assert p["model_top_id"] == int(ref[t, :valid].argmax())
+            assert 0 <= p["prototype_prob"] <= 1
+
+
 def test_explain_a_generation_and_no_alternatives(client, explorer):
     d = client.post("/api/explain", json={"text": "It is a truth", "generate": 6, "alternatives": 0, "seed": 1}).json()
     p = d["prompt_tokens"]

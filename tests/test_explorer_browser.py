@@ -10,6 +10,7 @@ never used (it downloads browsers).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -270,7 +271,8 @@ def test_a_click_means_the_prediction_of_that_token_in_app_and_report(served, br
     ids = ex.run.tokenizer.encode(TEXT)
     tokens = [ex.run.tokenizer.id_to_token(i) for i in ids]
     ref = _reference_logits(ex, ids)
-    report = write_html(explain(ex.run.model, ex.run.tokenizer, TEXT), tmp_path / "report.html")
+    expl = explain(ex.run.model, ex.run.tokenizer, TEXT)
+    report = write_html(expl, tmp_path / "report.html")
     page.goto(base + "#/explain?text=" + quote(TEXT))
     page.wait_for_selector("#explain-tokens span.tok[data-pos]")
     assert "prediction of that token" in page.inner_text("#view .convention")
@@ -280,6 +282,8 @@ def test_a_click_means_the_prediction_of_that_token_in_app_and_report(served, br
         span.click()
         page.wait_for_selector("#wf-chosen svg.wf")
         assert page.locator("#wf-chosen svg.wf text").last.text_content() == f"{float(ref[j - 1, ids[j]]):.3f}"
+        alone = page.inner_text("#explain-detail .alone")  # what the prototypes alone would have predicted
+        assert f"prototypes alone would predict {_vis(expl.positions[j - 1].prototype_top_token)}" in alone
     page.goto(report.as_uri())
     assert "prediction of that token" in page.inner_text("#convention")
     for j in (2, 6):
@@ -288,6 +292,8 @@ def test_a_click_means_the_prediction_of_that_token_in_app_and_report(served, br
         span.click()
         page.wait_for_selector("#detail svg.wf")
         assert page.locator("#detail svg.wf text").last.text_content() == f"{float(ref[j - 1, ids[j]]):.3f}"
+        top = expl.positions[j - 1].prototype_top_token
+        assert f"prototypes alone would predict {json.dumps(top, ensure_ascii=False)}" in page.inner_text("#detail")
     _no_errors(errors)
 
 

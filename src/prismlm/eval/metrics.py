@@ -6,6 +6,10 @@ Coverage, over a sample of tokens:
 - ``dead_prototypes``: prototypes never active (a > 0 in any top-k) over the sample;
 - ``residual_share`` = mean_t ‖r_t‖ / ‖z_t‖: how much of each hidden state the prototypes leave out.
 All accumulate across batches in O(K) memory, so the sample can be as large as wanted.
+
+``evaluate`` adds the faithfulness metrics of ``prismlm.eval.faithfulness`` (top-1 agreement, KL, margin share
+of the prototype-only prediction and of its two yardsticks, the slices' logit share, the centred residual share);
+their mean μ and PCA subspace are fitted on the first validation batch and then fixed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 import torch
 
 from prismlm.errors import DataError, ModelError
+from prismlm.eval.faithfulness import FaithfulnessAccumulator
 from prismlm.model import PrismLM, PrismOutput, eval_mode
 
 if TYPE_CHECKING:
@@ -109,7 +114,8 @@ def evaluate(
     autocast: torch.autocast | None = None,
     loss_weights: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """Validation loss, perplexity and (for PRISM) coverage on a fixed sample of ``shard``'s sequences."""
+    """Validation loss, perplexity and (for PRISM) coverage and faithfulness on a fixed sample of ``shard``'s
+    sequences (faithfulness: ``FaithfulnessAccumulator``, its yardsticks fitted on the first batch)."""
     with eval_mode(model):
         n_seq = shard.num_sequences(seq_len)
         if n_seq < 1:
@@ -118,6 +124,7 @@ def evaluate(
             )
         ids = eval_sequence_ids(n_seq, batch_size * max_batches)
         cov = CoverageAccumulator(model.prototypes.num_prototypes) if model.prototypes is not None else None
+        faith = FaithfulnessAccumulator() if model.prototypes is not None else None
         sums: dict[str, float] = {}
         n_tokens = 0
         for start in range(0, len(ids), batch_size):
@@ -129,14 +136,16 @@ def evaluate(
             n_tokens += ntok
             for name, value in out.losses.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * ntok
-            if cov is not None:
+            if cov is not None and faith is not None:
                 cov.update(out)
+                faith.update(model, out)
     metrics = {f"val_{k}": v / n_tokens for k, v in sums.items()}
     metrics["val_loss"] = metrics["val_ce"]
     metrics["val_ppl"] = math.exp(min(metrics["val_ce"], 50.0))
     metrics["val_tokens"] = n_tokens
-    if cov is not None:
+    if cov is not None and faith is not None:
         metrics.update(cov.result())
+        metrics.update(faith.result())
     return metrics
 
 

@@ -20,6 +20,7 @@ import torch
 
 from prismlm.artifacts import model_identity, write_output
 from prismlm.errors import ArtifactMismatch, ConfigError, ModelError, UnknownPrototypeError
+from prismlm.eval.faithfulness import prototype_choice
 from prismlm.explain.index import Labels, Neighbour, NeighbourDict, PrototypeIndex, PrototypeStats
 from prismlm.model import PrismOutput, decompose
 from prismlm.model.generation import TEXT_SAMPLING, Sampling, decode_steps
@@ -72,6 +73,10 @@ class TokenDict(TypedDict):
     total: float
     error: float
     bias_slice: float
+    model_top_id: int
+    prototype_top_id: int
+    prototype_top_token: str
+    prototype_prob: float
     token_index: int
 
 
@@ -164,6 +169,13 @@ class TokenExplanation:
     """total − logit (float rounding only; ~1e-16 relative in float64)."""
     bias_slice: float = 0.0
     """b_y, the unembedding's bias for the chosen token (0 unless the model's W has a bias, e.g. Phi)."""
+    model_top_id: int = -1
+    """argmax ℓ_t, the model's own prediction (-1: not computed). The prototypes agree with it when equal to:"""
+    prototype_top_id: int = -1
+    """argmax ℓ̂_t, ℓ̂ = W ẑ (+ b) (``prismlm.eval.faithfulness``): what the prototypes alone would predict."""
+    prototype_top_token: str = ""
+    prototype_prob: float = 0.0
+    """softmax(ℓ̂_t) of the chosen token y: the probability the prototypes alone give it."""
 
     def to_dict(self) -> TokenDict:
         return TokenDict(
@@ -181,6 +193,10 @@ class TokenExplanation:
             total=self.total,
             error=self.error,
             bias_slice=self.bias_slice,
+            model_top_id=self.model_top_id,
+            prototype_top_id=self.prototype_top_id,
+            prototype_top_token=self.prototype_top_token,
+            prototype_prob=self.prototype_prob,
             token_index=self.position + 1,  # the explained token's index: the views' one convention
         )
 
@@ -362,9 +378,7 @@ class _SignatureCache:
         self.tops: dict[tuple[int, int, int], dict[int, _TopBottom]] = {}
         """(id(tokenizer), tokens, valid vocabulary) → prototype id → its top and bottom tokens with their
         values."""
-        self.pinned: dict[
-            int, object
-        ] = {}  # the tokenizers keyed by id() (pass-through): their ids stay unique while cached
+        self.pinned: dict[int, object] = {}  # tokenizers by id() (pass-through): ids stay unique while cached
 
     def valid_for(self, tensors: tuple[torch.Tensor, torch.Tensor], state: _WeightsState) -> bool:
         return self.state == state and all(r() is t for r, t in zip(self.refs, tensors))
@@ -424,9 +438,8 @@ def _top_tokens(
 ) -> dict[int, _TopBottom]:
     """The ``m`` largest and the ``m`` most negative entries of the signature W p_i over the real tokens
     (padded ids excluded), as (token string, value), for each prototype id in ``ids``: cached per model
-    state (``_SignatureCache``);
-    the missing ones are computed together, in blocks of at most ``_SIG_BLOCK_ELEMS`` entries, keeping
-    only those 2m per prototype."""
+    state (``_SignatureCache``); the missing ones are computed together, in blocks of at most
+    ``_SIG_BLOCK_ELEMS`` entries, keeping only those 2m per prototype."""
     tensors, state = _weights_state(net)
     V = int(tensors[1].shape[0])
     valid = min(tokenizer.vocab_size, V) if tokenizer is not None else V
@@ -619,8 +632,12 @@ def _explain_output(
     ).tolist()
     acts, slices = torch.stack([out.activations[0].double(), slices_t.double()]).tolist()  # (n, k) each
     pids = out.indices[0].tolist()  # (n, k)
+    valid = tokenizer.vocab_size if tokenizer is not None else net.config.vocab_size
+    p_top, p_prob = prototype_choice(net, out, y, valid)  # (1, n) each: argmax W ẑ (+ b), its p̂ of y
+    p_top_l, m_top, p_prob_l = p_top[0].tolist(), lg[:, :valid].argmax(-1).tolist(), p_prob[0].tolist()
     used = sorted({i for row, a_row in zip(pids, acts) for i, a in zip(row, a_row) if a > 0})
-    tok_strs = dict(zip(set(ids) | set(tgt), _token_strs(tokenizer, list(set(ids) | set(tgt)))))
+    shown = set(ids) | set(tgt) | set(p_top_l)
+    tok_strs = dict(zip(shown, _token_strs(tokenizer, list(shown))))
     lab_of = {i: (lab.get("label"), lab.get("category")) for i in used if (lab := ev.labels.get(i))}
     none = (None, None)
     positions = []
@@ -647,6 +664,10 @@ def _explain_output(
                 total=total[t],
                 error=error[t],
                 bias_slice=bias[t],
+                model_top_id=m_top[t],
+                prototype_top_id=p_top_l[t],
+                prototype_top_token=tok_strs[p_top_l[t]],
+                prototype_prob=p_prob_l[t],
             )
         )
     index = ev.index

@@ -25,7 +25,7 @@ from prismlm.artifacts import write_output
 
 if TYPE_CHECKING:
     from prismlm.app.run import Run
-    from prismlm.explain.explanation import CardDict, Explanation, ExplanationDict
+    from prismlm.explain.explanation import CardDict, Explanation, ExplanationDict, TokenDict, TokenExplanation
     from prismlm.tda.attribute import Attribution, AttributionRecord
 
 __all__ = ["SHARED_ASSETS", "RunHeader", "render_html", "render_terminal", "write_html"]
@@ -87,6 +87,7 @@ def render_terminal(expl: Explanation, console: Console | None = None, *, top: i
     table.add_column("logit", justify="right", no_wrap=True, min_width=6)
     table.add_column("resid", justify="right", no_wrap=True, min_width=5)
     table.add_column("top prototypes: id, share, label", overflow="ellipsis", ratio=1, min_width=16)
+    table.add_column("protos alone", no_wrap=True, overflow="ellipsis", max_width=16, min_width=8)
     for p in rows[-max_rows:]:
         protos = Text()
         for j, s in enumerate(p.prototypes[:top]):
@@ -102,12 +103,28 @@ def render_terminal(expl: Explanation, console: Console | None = None, *, top: i
             f"{p.logit:.2f}",
             f"{p.residual_share:+.0%}",
             protos,
+            _alone(p),
         )
     console.print(table)
     console.print(
         f"[dim]max |Σ slices + residual − logit| = {expl.max_abs_error:.2e} over {len(expl.positions)} "
-        f"positions; {len(expl.prototypes)} prototypes used[/]"
+        f"positions; {len(expl.prototypes)} prototypes used{_agreement(expl)}[/]"
     )
+
+
+def _alone(p: TokenExplanation) -> Text:
+    """The prototype-only prediction argmax W ẑ (+ b): plain where it is the model's own token, flagged ≠."""
+    if p.prototype_top_id < 0:
+        return Text("")
+    same = p.prototype_top_id == p.model_top_id
+    return Text(("" if same else "≠ ") + repr(_vis(p.prototype_top_token)), style="green" if same else "yellow")
+
+
+def _agreement(expl: Explanation) -> str:
+    """The summary clause: the prototypes alone predict the model's own token at a of n positions ("": none known)."""
+    known = [p for p in expl.positions if p.prototype_top_id >= 0]
+    agree = sum(p.prototype_top_id == p.model_top_id for p in known)
+    return f"; the prototypes alone predict the model's own token at {agree} of {len(known)}" if known else ""
 
 
 def _hist_svg(hist: list[int], w: int = 200, h: int = 48) -> str:
@@ -167,6 +184,14 @@ body{max-width:1100px;margin:1.5em auto;padding:0 1.5em}
 _JS = """
 const D = JSON.parse(document.getElementById('data').textContent);
 const esc = PRISM.esc;
+// the prototype-only prediction argmax W ẑ (+ b) (prismlm.eval.faithfulness), flagged when not the model's token
+function alone(p){
+  if (p.prototype_top_id < 0) return '';
+  const same = p.prototype_top_id === p.model_top_id;
+  return `<div class="alone ${same ? 'agree' : 'differ'}">prototypes alone would predict
+    <b>${esc(JSON.stringify(p.prototype_top_token))}</b>${same ? " — the model's own token" : " — <b>not</b> the model's token"};
+    they give ${esc(JSON.stringify(p.next_token))} p̂ ${p.prototype_prob.toFixed(3)}</div>`;
+}
 document.getElementById('convention').textContent = PRISM.CONVENTION;
 function show(i){
   document.querySelectorAll('#text span.t').forEach(s => s.classList.toggle('sel', +s.dataset.i === i));
@@ -176,6 +201,7 @@ function show(i){
   if (p.bias_slice) steps.push({name: 'bias b', value: p.bias_slice, kind: 'b'});
   let h = `${esc(JSON.stringify(p.token))} → <b>${esc(JSON.stringify(p.next_token))}</b> (${p.chosen_by}),
     logit ${p.logit.toFixed(3)}, p ${p.prob.toFixed(3)}; Σ slices + residual = ${p.total.toFixed(4)}
+    ${alone(p)}
     <div>${PRISM.waterfall(steps, p.logit)}</div>
     <table><tr><th>prototype</th><th>label</th><th>activation</th><th>slice</th><th>share</th></tr>`;
   for (const s of p.prototypes) h += `<tr><td><a href="#p${s.id}">#${s.id}</a></td><td>${esc(s.label||'')}</td>
@@ -247,14 +273,23 @@ def _token_spans(d: ExplanationDict) -> list[str]:
             "t"
             + (" gen" if start_gen is not None and p["position"] + 1 >= start_gen else "")
             + (" ghost" if own else "")
+            + (" pdiff" if p["prototype_top_id"] >= 0 and p["prototype_top_id"] != p["model_top_id"] else "")
         )
         spans.append(
             f'<span class="{cls}" data-i="{p["position"]}" style="background:{color}" '
             f'title="{html.escape(repr(p["next_token"]))} ({p["chosen_by"]}) after '
-            f'{html.escape(repr(p["token"]))}: residual {p["residual_share"]:+.0%}">'
+            f'{html.escape(repr(p["token"]))}: residual {p["residual_share"]:+.0%}{_alone_tip(p)}">'
             f"{html.escape(p['next_token'])}</span>"
         )
     return spans
+
+
+def _alone_tip(p: TokenDict) -> str:
+    """The token's tooltip on the prototype-only prediction (empty when not computed)."""
+    if p["prototype_top_id"] < 0:
+        return ""
+    same = p["prototype_top_id"] == p["model_top_id"]
+    return html.escape(f"; prototypes alone: {p['prototype_top_token']!r}" + ("" if same else " (≠ the model's token)"))
 
 
 def render_html(
@@ -278,10 +313,11 @@ def render_html(
 <h1>{html.escape(title)}</h1>
 {_header_html(header, d["model_sha256"])}
 <p>Each next-token logit is an exact sum of prototype slices and one residual slice
-(max error {d["max_abs_error"]:.1e}). Click a token for the waterfall of its logit.</p>
+(max error {d["max_abs_error"]:.1e}){html.escape(_agreement(expl))}. Click a token for the waterfall of its logit.</p>
 <p class="convention" id="convention"></p>
 <div class="legend">shading: the residual's share of the next token's logit <span class="resid-scale"></span> 0 → 100%
-(redder: less explained by prototypes)</div><p class="muted">
+(redder: less explained by prototypes); orange underline: the prototypes alone would have predicted another
+token than the model's</div><p class="muted">
 Index {html.escape(str(d["index"] or "none"))}.</p>
 <ul>{notes}</ul>
 <div id="text">{"".join(spans)}</div>

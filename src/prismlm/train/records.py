@@ -109,4 +109,6 @@ def format_eval_line(step: int, m: dict[str, float], train_ce: float | None = No
         s += f", train CE {train_ce:.4f} (this step's batch)"
     if "r1_bar" in m:
         s += f" | R̄1 {m['r1_bar']:.3f} R2 {m['r2']:.3f} residual {m['residual_share']:.3f} dead {m['dead_prototypes']}"
+    if "top1_agreement" in m:  # faithfulness of the prototype-only prediction (prismlm.eval.faithfulness)
+        s += f" | top1 {m['top1_agreement']:.2f} kl {m['kl']:.2f} margin {m['margin_share']:.2f} (pca {m['pca_margin_share']:.2f})"
     return s

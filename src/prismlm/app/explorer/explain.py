@@ -71,6 +71,14 @@ class PositionView:
     top_share: float
     residual_share: float
     """residual / (Σ|slices| + |residual|) of the chosen token (signed)."""
+    model_top_id: int = -1
+    """argmax of the model's logits here: its own prediction (the library explanation's ``model_top_id``)."""
+    prototype_top_id: int = -1
+    """argmax of the prototype-only logits W ẑ (+ b): what the prototypes alone would have predicted; the
+    view flags it when it is not ``model_top_id`` (``TokenExplanation.prototype_top_id``)."""
+    prototype_top_token: str = ""
+    prototype_prob: float = 0.0
+    """softmax(W ẑ (+ b)) of the chosen token."""
 
 
 @dataclass
@@ -125,6 +133,9 @@ def explain_view(
         x = torch.tensor([expl.token_ids], dtype=torch.long, device=s.run.device)  # (1, n)
         chosen = [p.next_id for p in expl.positions]
         positions, err = waterfalls(s, model, model(x), chosen, [p.chosen_by for p in expl.positions], alternatives)
+    for view, pos in zip(positions, expl.positions):  # the prototype-only prediction: the explanation's one value
+        view.model_top_id, view.prototype_top_id = pos.model_top_id, pos.prototype_top_id
+        view.prototype_top_token, view.prototype_prob = pos.prototype_top_token, pos.prototype_prob
     return ExplainView(
         text=expl.text,
         token_ids=expl.token_ids,

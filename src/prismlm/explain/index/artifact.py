@@ -31,6 +31,7 @@ from prismlm.artifacts import (
     verify_files,
 )
 from prismlm.errors import ArtifactCorrupt, ArtifactError, UnknownPrototypeError
+from prismlm.eval.faithfulness import FaithfulnessAccumulator
 from prismlm.eval.metrics import coverage_metrics
 from prismlm.explain.activation_sample import ActivationSample
 from prismlm.explain.index.snippets import Neighbour, decode_snippets
@@ -178,11 +179,15 @@ class PrototypeIndex:
 
     def coverage(self) -> dict[str, float]:
         """R̄1, R2, dead prototypes and residual share over the indexed tokens (definitions of
-        ``prismlm.eval.metrics.CoverageAccumulator``)."""
+        ``prismlm.eval.metrics.CoverageAccumulator``), and the prototype-only prediction's top-1 agreement, KL,
+        pooled margin share and slice logit share over those of them a model forward scored
+        (``prismlm.eval.faithfulness``; not over stored z; ``faithfulness_tokens``)."""
         n = self.tokens
         metrics = coverage_metrics(
             self.top_sim[:, 0], self.counts, self.manifest["token_max_cos_sum"], self.manifest["residual_share_sum"], n
         )
+        if metrics and "faithfulness_sums" in self.manifest:
+            metrics.update(FaithfulnessAccumulator.from_sums(self.manifest["faithfulness_sums"]).result())
         return {**metrics, "tokens": n} if metrics else {}
 
     def dead_prototypes(self) -> list[int]:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from prismlm.artifacts import merge_ranges, model_identity, overlap, part_range, provenance, writes_folder
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError
+from prismlm.eval.faithfulness import FaithfulnessAccumulator
 from prismlm.eval.metrics import active_prototypes, coverage_sums
 from prismlm.explain.activation_sample import ActivationSample
 from prismlm.explain.index.artifact import FORMAT_VERSION, KIND, NO_OFFSET, IndexManifest, PrototypeIndex
@@ -80,6 +81,10 @@ class _Builder:
         self.token_cos_sum = 0.0
         self.residual_sum = 0.0
         self.tokens = 0
+        # the prototype-only prediction's sums (``FaithfulnessAccumulator`` without yardsticks: a fitted μ would
+        # need a second pass) over the tokens a model forward gave logits for — not stored z, where the logits
+        # would cost two V × d head products per token, ~V/K times the prototype layer's work
+        self.faith = FaithfulnessAccumulator(yardsticks=False, median_cap=0)
 
     @classmethod
     def from_index(cls, idx: PrototypeIndex, device: torch.device) -> _Builder:
@@ -91,11 +96,15 @@ class _Builder:
         b.token_cos_sum = float(idx.manifest["token_max_cos_sum"])
         b.residual_sum = float(idx.manifest["residual_share_sum"])
         b.tokens = int(idx.manifest["tokens"])
+        if "faithfulness_sums" in idx.manifest:
+            b.faith = FaithfulnessAccumulator.from_sums(idx.manifest["faithfulness_sums"])
         return b
 
     @torch.no_grad()
-    def update(self, out: PrismOutput, p_unit: torch.Tensor, base_offsets: torch.Tensor, chunk: int) -> None:
-        """One model output over B aligned sequences; ``base_offsets`` (B,) = j·T of each sequence."""
+    def update(
+        self, net: PrismLM, out: PrismOutput, p_unit: torch.Tensor, base_offsets: torch.Tensor, chunk: int
+    ) -> None:
+        """One output of ``net`` over B aligned sequences; ``base_offsets`` (B,) = j·T of each sequence."""
         z = out.hidden  # (B, T, d)
         B, T, d = z.shape
         offsets = (base_offsets[:, None] + torch.arange(T, device=z.device)[None, :]).reshape(-1)  # (B·T,)
@@ -118,6 +127,8 @@ class _Builder:
         self.token_cos_sum += token_cos
         self.residual_sum += residual
         self.tokens += n
+        if out.logits.numel():  # a forward's logits (not stored z)
+            self.faith.update(net, out)
 
     def to_index(self, manifest: IndexManifest) -> PrototypeIndex:
         manifest = {
@@ -126,6 +137,8 @@ class _Builder:
             "token_max_cos_sum": self.token_cos_sum,
             "residual_share_sum": self.residual_sum,
         }
+        if self.faith.tokens:
+            manifest["faithfulness_sums"] = self.faith.sums()
         return PrototypeIndex(
             top_sim=self.top_sim.cpu(),
             top_offset=self.top_off.cpu(),
@@ -351,7 +364,7 @@ def _index_batches(
                 j1 = min(plan.stop, (j // B + 1) * B)  # fixed grid of batches
                 ids = np.arange(j, j1, dtype=np.int64)
                 fo = _batch_output(net, shards, ids, dev, autocast, stored_z)
-                plan.builder.update(fo, p_unit, torch.from_numpy(ids * T).to(dev), chunk)
+                plan.builder.update(net, fo, p_unit, torch.from_numpy(ids * T).to(dev), chunk)
                 plan.manifest["covered"] = merge_ranges(plan.manifest["covered"] + [[j, j1]])
                 j, batches, tok0 = j1, batches + 1, tok0 + len(ids) * T
                 elapsed = time.perf_counter() - t0
@@ -452,6 +465,10 @@ def merge_indexes(parts: list[PrototypeIndex]) -> PrototypeIndex:
         }
     )
     manifest.pop("tokens_per_s_last_run", None)
+    sums = [p.manifest.get("faithfulness_sums") for p in parts]
+    manifest.pop("faithfulness_sums", None)
+    if all(x is not None for x in sums):  # only over every part's tokens
+        manifest["faithfulness_sums"] = {k: sum(float(x[k]) for x in sums if x is not None) for k in sums[0] or {}}
     samples = [p.sample for p in parts if p.sample is not None]  # a part without one: the union has none
     sample = ActivationSample.merged(samples) if len(samples) == len(parts) else None
     manifest["sample_size"] = sample.size if sample is not None else 0

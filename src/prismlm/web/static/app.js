@@ -96,7 +96,7 @@ async function viewExplain(r) {
 
 function renderTokens(d, mode) {
   const legend = $("#explain-legend");
-  if (mode === "residual") legend.innerHTML = `<span>residual share of the logit: <span class="resid-scale"></span> 0 → 100%</span><span>dotted underline: generated</span>`;
+  if (mode === "residual") legend.innerHTML = `<span>residual share of the logit: <span class="resid-scale"></span> 0 → 100%</span><span>dotted underline: generated</span><span>orange underline: the prototypes alone predict another token</span>`;
   else legend.innerHTML = state.info.categories.map(c => `<span><i style="background:${catColor(c)}"></i>${esc(c)}</span>`).join("") +
     `<span><i style="background:#9aa3b2"></i>unlabelled</span><span>(shade: the top prototype's share; white: residual dominates)</span>`;
   const gen0 = d.prompt_tokens;
@@ -109,13 +109,23 @@ function renderTokens(d, mode) {
       bg = a ? hexA(catColor(a.category), (0.12 + 0.7 * Math.min(1, Math.abs(p.top_share))).toFixed(2)) : "transparent";
     }
     const last = t === d.positions.length - 1 && p.chosen_by !== "text" && p.chosen_by !== "sampled";
-    const cls = ["tok", gen0 !== null && t + 1 >= gen0 ? "gen" : "", last ? "ghost" : ""].join(" ");
-    const tip = `${p.chosen.token} (p=${p.chosen.prob.toFixed(3)}); top: ${p.top_prototype !== null ? "#" + p.top_prototype : "-"} ${(100 * p.top_share).toFixed(0)}%, residual ${(100 * p.residual_share).toFixed(0)}%${last ? " — the model's next token (" + p.chosen_by + ")" : ""}`;
+    const differ = p.prototype_top_id >= 0 && p.prototype_top_id !== p.model_top_id;
+    const cls = ["tok", gen0 !== null && t + 1 >= gen0 ? "gen" : "", last ? "ghost" : "", differ ? "pdiff" : ""].join(" ");
+    const alone = p.prototype_top_id >= 0 ? `; prototypes alone: ${p.prototype_top_token}${differ ? " (≠ the model's token)" : ""}` : "";
+    const tip = `${p.chosen.token} (p=${p.chosen.prob.toFixed(3)}); top: ${p.top_prototype !== null ? "#" + p.top_prototype : "-"} ${(100 * p.top_share).toFixed(0)}%, residual ${(100 * p.residual_share).toFixed(0)}%${alone}${last ? " — the model's next token (" + p.chosen_by + ")" : ""}`;
     h += `<span class="${cls}" data-pos="${t}" style="background:${bg}" title="${esc(tip)}">${esc(vis(p.chosen.token))}</span>`;
   });
   const el = $("#explain-tokens");
   el.innerHTML = h;
   el.querySelectorAll("span.tok[data-pos]").forEach(s => s.onclick = () => showPosition(d, +s.dataset.pos));
+}
+
+// what the prototypes alone would have predicted (argmax W ẑ + b), flagged when it is not the model's own token
+function aloneHtml(p) {
+  if (p.prototype_top_id === undefined || p.prototype_top_id < 0) return "";
+  const same = p.prototype_top_id === p.model_top_id;
+  return `<div class="alone ${same ? "agree" : "differ"}">prototypes alone would predict <code>${esc(vis(p.prototype_top_token))}</code>${same ? " — the model's own token" : " — <b>not</b> the model's token"};
+    they give <code>${esc(vis(p.chosen.token))}</code> p̂ = ${p.prototype_prob.toFixed(3)}</div>`;
 }
 
 function showPosition(d, t, altIndex) {
@@ -126,7 +136,7 @@ function showPosition(d, t, altIndex) {
   const ctx = d.tokens.slice(Math.max(0, t - 8), t + 1).join("");
   let h = `<h2 style="margin-top:0">…${esc(vis(ctx))} → <code>${esc(vis(c.token))}</code></h2>
     <div class="muted">${esc(p.chosen_by)}, logit ${c.logit.toFixed(3)}, p = ${c.prob.toFixed(3)}, rank ${c.rank + 1};
-    Σ slices + residual${c.bias ? " + bias" : ""} = ${c.total.toFixed(4)}</div>
+    Σ slices + residual${c.bias ? " + bias" : ""} = ${c.total.toFixed(4)}</div>${aloneHtml(p)}
     <div class="wfpair"><div id="wf-chosen">${P.waterfall(P.stepsOf(p.active, c.slices, c.residual, c.bias), c.logit, {totalName: "logit " + JSON.stringify(c.token).slice(0, 14)})}</div></div>`;
   if (p.alternatives.length) {
     h += `<h3>Why this token and not another? <span class="muted">(click a row)</span></h3><table class="alts"><tr><th>token</th><th>p</th><th>logit</th><th>gap</th><th>biggest difference</th></tr>`;
