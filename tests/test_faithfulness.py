@@ -12,8 +12,10 @@ import torch
 from torch.distributions import Categorical, kl_divergence
 
 from prismlm.config import ModelConfig, PrototypeConfig
+from prismlm.errors import ModelError
 from prismlm.eval.faithfulness import (
     FaithfulnessAccumulator,
+    answer_faithfulness,
     choice_parts,
     choice_shares,
     fit_yardstick,
@@ -328,3 +330,30 @@ def test_the_pure_functions_against_torch_distributions_and_sorting():
         order = sorted(range(V), key=lambda v: -float(lg[t, v]))
         assert float(gap[t]) == pytest.approx(float(lg[t, order[0]] - lg[t, order[1]]))
         assert float(gap_hat[t]) == pytest.approx(float(ap[t, order[0]] - ap[t, order[1]]))
+
+
+def test_answer_faithfulness_scores_only_the_answer_positions():
+    """Chats of different lengths, one forward each: the same sums as the answer positions picked by hand from
+    a separate forward of each chat, and a changed answer changes the result while prompt-only edits that keep
+    the answer's context do not enter the count."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(5)
+    chats = [(torch.randint(0, V, (n,), generator=g).tolist(), p) for n, p in ((12, 5), (16, 9), (7, 2))]
+    ref = fit_yardstick(forward(model).hidden, k)
+    got = answer_faithfulness(model, chats, FaithfulnessAccumulator(yardstick=ref)).result()
+    want = FaithfulnessAccumulator(yardstick=ref)
+    for ids, p in chats:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]))
+        sl = slice(p - 1, len(ids) - 1)  # the positions whose next token is an answer token
+        want.update(model, dataclasses.replace(
+            out, logits=out.logits[:, sl], hidden=out.hidden[:, sl], residual=out.residual[:, sl],
+            indices=out.indices[:, sl], activations=out.activations[:, sl],
+        ))  # fmt: skip
+    assert got["faithfulness_tokens"] == sum(len(ids) - p for ids, p in chats) == want.tokens
+    for key, value in want.result().items():
+        assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    shifted = answer_faithfulness(model, [(ids, p + 1) for ids, p in chats], FaithfulnessAccumulator(yardstick=ref))
+    assert shifted.tokens == want.tokens - len(chats)
+    with pytest.raises(ModelError, match="cannot have a prompt of 7"):
+        answer_faithfulness(model, [(chats[2][0], 7)], FaithfulnessAccumulator(yardstick=ref))

@@ -16,6 +16,7 @@ from prismlm.app import Run
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.config import LossConfig, ModelConfig, PrototypeConfig, RunConfig
 from prismlm.errors import ArtifactCorrupt, ConfigError, ModelError
+from prismlm.eval.faithfulness import FaithfulnessAccumulator, fit_yardstick
 from prismlm.model import PrismLM
 from prismlm.model import losses as L
 from prismlm.train import retrofit as retrofit_module
@@ -245,4 +246,14 @@ def test_heldout_stage2_metrics_of_an_untrained_stage2_match_the_source(dense_ru
     got = heldout_stage2_metrics(cfg_model, store, 1, max_sequences=8)
     assert got["source_kl"] == pytest.approx(0.0, abs=1e-6) and got["top1_vs_source"] == 1.0
     assert got["ce"] == pytest.approx(got["ce_source"], abs=1e-6) and got["tokens"] == 8 * store.block_size
-    assert 0.0 < got["residual_share"] < 1.5 and 0.0 <= got["proto_top1"] <= 1.0
+    assert 0.0 < got["residual_share"] < 1.5 and 0.0 <= got["top1_agreement"] <= 1.0
+    # the faithfulness numbers are the accumulator's on the model's own full forward (z = the stored z here)
+    run = Run.open(out, device="cpu")
+    seqs = torch.from_numpy(run.shards().train.sequences(np.arange(8), store.block_size)[:, :-1].astype(np.int64))
+    with torch.no_grad():
+        full = run.model(seqs)
+    want = FaithfulnessAccumulator(yardstick=fit_yardstick(full.hidden[:4], 4))
+    want.update(run.model, full)
+    got = heldout_stage2_metrics(run.model, store, None, max_sequences=8, yardstick=want.yardstick)
+    for key in ("top1_agreement", "kl", "margin_share", "pca_margin_share", "centred_residual_share"):
+        assert got[key] == pytest.approx(want.result()[key], rel=1e-3, abs=1e-4), key

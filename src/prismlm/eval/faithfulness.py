@@ -44,12 +44,14 @@ __all__ = [
     "ChoiceParts",
     "FaithfulnessAccumulator",
     "Yardstick",
+    "answer_faithfulness",
     "centred_residual_share",
     "choice_parts",
     "choice_shares",
     "fit_yardstick",
     "kl",
     "margins",
+    "positions",
     "prototype_choice",
     "prototype_hidden",
     "prototype_logits",
@@ -395,3 +397,39 @@ class FaithfulnessAccumulator:
             m["pca_directions"] = self.yardstick.directions
         m["faithfulness_tokens"] = n
         return m
+
+
+def positions(out: PrismOutput, rows: torch.Tensor, cols: torch.Tensor) -> PrismOutput:
+    """The positions (rows[i], cols[i]) of a full forward output as one (1, n, …) output, so an accumulator
+    scores only them (e.g. the answer tokens of chats). rows, cols: (n,) int64."""
+    if out.residual is None or out.indices is None or out.activations is None:
+        raise ModelError("faithfulness needs a PRISM forward output (the dense baseline has no prototypes)")
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t[rows, cols][None]
+
+    return PrismOutput(
+        logits=pick(out.logits),
+        hidden=pick(out.hidden),
+        indices=pick(out.indices),
+        activations=pick(out.activations),
+        residual=pick(out.residual),
+        prototype_multipliers=out.prototype_multipliers,
+    )
+
+
+@torch.no_grad()
+def answer_faithfulness(
+    model: PrismLM, chats: list[tuple[list[int], int]], acc: FaithfulnessAccumulator
+) -> FaithfulnessAccumulator:
+    """Add the answer positions of chats to ``acc``: each chat is (token ids of the whole transcript, the
+    prompt's length P); the positions P − 1 … len − 2 are scored (their next token is an answer token, the
+    end-of-turn included). One forward per chat (transcripts differ in length; no padding to reason about)."""
+    device = next(model.parameters()).device
+    for ids, prompt_len in chats:  # one transcript at a time
+        if not 1 <= prompt_len < len(ids):
+            raise ModelError(f"a chat of {len(ids)} tokens cannot have a prompt of {prompt_len} and an answer")
+        out = model(torch.tensor([ids], device=device))
+        cols = torch.arange(prompt_len - 1, len(ids) - 1, device=device)
+        acc.update(model, positions(out, torch.zeros_like(cols), cols))
+    return acc

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 
 from prismlm.config import RunConfig
 from prismlm.errors import ConfigError, RunError
+from prismlm.eval.faithfulness import FaithfulnessAccumulator, Yardstick
 from prismlm.eval.metrics import evaluate
-from prismlm.model import PrismLM, eval_mode
+from prismlm.model import PrismLM, PrismOutput, eval_mode
 from prismlm.model import losses as L
 from prismlm.progress import Progress, Reporter
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -277,49 +278,54 @@ def _append_metrics(out_dir: Path, line: dict[str, float]) -> None:
 
 @torch.no_grad()
 def heldout_stage2_metrics(
-    model: PrismLM, store: StoredZ, layer: int | None, *, max_sequences: int = 64, batch_size: int = 4
+    model: PrismLM,
+    store: StoredZ,
+    layer: int | None,
+    *,
+    max_sequences: int = 64,
+    batch_size: int = 4,
+    yardstick: Yardstick | None = None,
 ) -> dict[str, float]:
     """The stored path's numbers on held-out stored activations (a store of the validation split made by the
-    source model, with the same boundary layer): ``source_kl`` KL(p_src ‖ p), ``top1_vs_source`` (the
-    model's argmax is the source's), ``proto_top1`` (argmax W ẑ is the model's argmax), ``proto_kl``
-    KL(p ‖ p̂), ``ce`` and ``ce_source`` on the stored next tokens, ``residual_share`` mean ‖r‖/‖z‖, over the
-    first ``max_sequences`` sequences. Cheap (N blocks a batch): what the stage-2 curve reports between
-    validations. ``layer`` None: a frozen model, whose z is the stored source z (no block runs)."""
+    source model, with the same boundary layer), over its first ``max_sequences`` sequences: the faithfulness
+    metrics of ``prismlm.eval.faithfulness`` (``top1_agreement``, ``kl``, ``margin_share``, … with their
+    yardsticks; ``yardstick`` None: fitted on the first batch), and against the source: ``source_kl``
+    KL(p_src ‖ p), ``top1_vs_source``, ``ce`` and ``ce_source`` on the stored next tokens, ``residual_share``
+    mean ‖r‖/‖z‖. Cheap (N blocks a batch): what the stage-2 curve reports between validations. ``layer``
+    None: a frozen model, whose z is the stored source z (no block runs)."""
     n = min(max_sequences, store.num_sequences)
-    T, sums, tokens = (
-        store.block_size,
-        dict.fromkeys(
-            ("source_kl", "top1_vs_source", "proto_top1", "proto_kl", "ce", "ce_source", "residual_share"), 0.0
-        ),
-        0,
-    )
-    device = next(model.parameters()).device
+    T, device = store.block_size, next(model.parameters()).device
+    sums = dict.fromkeys(("source_kl", "top1_vs_source", "ce", "ce_source", "residual_share"), 0.0)
+    acc, tokens = FaithfulnessAccumulator(yardstick=yardstick), 0
     with eval_mode(model):
         for start in range(0, n, batch_size):  # batches of sequences
             ids = np.arange(start, min(start + batch_size, n))
             z_src = store.hidden(ids).to(device)  # (b, T, d)
             targets = torch.from_numpy(np.asarray(store.targets[ids[0] * T : (ids[-1] + 1) * T], dtype=np.int64))
-            if layer is None:
-                z = z_src.reshape(-1, z_src.shape[-1])  # (N, d)
-            else:
-                z = model.hidden_from_layer(store.boundary_hidden(ids).to(device), layer).reshape(-1, z_src.shape[-1])
-            po = model.require_prototypes()(z)
-            logits, src = model.lm_head(z).float(), model.lm_head(z_src.reshape(z.shape)).float()  # (N, V)
-            proto = model.lm_head(po.reconstruction.to(z.dtype)).float()
-            log_p = F.log_softmax(logits, -1)
+            z = z_src if layer is None else model.hidden_from_layer(store.boundary_hidden(ids).to(device), layer)
+            b, d = z.shape[0], z.shape[-1]
+            po = model.require_prototypes()(z.reshape(-1, d))
+            logits, src = model.lm_head(z).float(), model.lm_head(z_src).float()  # (b, T, V)
+            out = PrismOutput(
+                logits=logits,
+                hidden=z,
+                indices=po.indices.view(b, T, -1),
+                activations=po.activations.view(b, T, -1),
+                residual=po.residual.view(b, T, d),
+            )
+            acc.update(model, out)
+            flat, flat_src, y = logits.reshape(b * T, -1), src.reshape(b * T, -1), targets.to(device)
             batch = {
-                "source_kl": L.kl_to_reference(F.log_softmax(src, -1), logits),
-                "top1_vs_source": (logits.argmax(-1) == src.argmax(-1)).float().mean(),
-                "proto_top1": (proto.argmax(-1) == logits.argmax(-1)).float().mean(),
-                "proto_kl": L.kl_to_reference(log_p, proto),
-                "ce": F.cross_entropy(logits, targets.to(device)),
-                "ce_source": F.cross_entropy(src, targets.to(device)),
-                "residual_share": (po.residual.norm(dim=-1) / z.norm(dim=-1).clamp_min(1e-8)).mean(),
+                "source_kl": L.kl_to_reference(F.log_softmax(flat_src, -1), flat),
+                "top1_vs_source": (flat.argmax(-1) == flat_src.argmax(-1)).float().mean(),
+                "ce": F.cross_entropy(flat, y),
+                "ce_source": F.cross_entropy(flat_src, y),
+                "residual_share": (po.residual.norm(dim=-1) / z.reshape(-1, d).norm(dim=-1).clamp_min(1e-8)).mean(),
             }
             for key, value in batch.items():
-                sums[key] += float(value) * z.shape[0]
-            tokens += z.shape[0]
-    return {k: v / tokens for k, v in sums.items()} | {"tokens": float(tokens)}
+                sums[key] += float(value) * b * T
+            tokens += b * T
+    return acc.result() | {k: v / tokens for k, v in sums.items()} | {"tokens": float(tokens)}
 
 
 __all__ = ["Stage2Plan", "boundary_layer_for", "heldout_stage2_metrics", "stage2_losses", "train_stage2_stored"]
