@@ -24,14 +24,22 @@ from _common import RESULTS_DIR, RUNS_DIR, environment, write_json
 
 from prismlm.app import Run
 from prismlm.app.retrofit import RetrofitRecipe, resume_retrofit, retrofit_model
-from prismlm.config import RunConfig
+from prismlm.config import PrototypeConfig, RunConfig, replace
+from prismlm.data.chat_anchor import CHAT_FILE, read_chat_answers
+from prismlm.data.corpus import BUILTIN_DIR
+from prismlm.data.shards import ShardSet
+from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import CheckpointError
+from prismlm.eval.faithfulness import FaithfulnessAccumulator, answer_faithfulness, fit_yardstick
+from prismlm.eval.metrics import evaluate
+from prismlm.model import PrismLM
 from prismlm.model.prototypes import seed_prototypes
 from prismlm.train.bank_stage import train_bank
-from prismlm.train.checkpoint import find_checkpoint
+from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.retrofit import build_model, load_pretrained, seed_sequences
-from prismlm.train.stage2 import heldout_stage2_metrics
-from prismlm.train.stored_z import build_stored_z, open_stored_z
+from prismlm.train.stage2 import heldout_stage2_metrics, stage2_losses
+from prismlm.train.state import set_trainable, trainable_names
+from prismlm.train.stored_z import StoredZ, build_stored_z, open_stored_z
 
 SOURCE = "smollm2-135m-instruct"
 ROOT = RUNS_DIR / "real-faithfulness"  # --root overrides it (the GPU campaign writes under its OUT_DIR)
@@ -123,24 +131,50 @@ def curve_main(args: argparse.Namespace) -> None:
 
 
 def speed_main(args: argparse.Namespace) -> None:
-    """Stage-2 tokens/s at N=args.last: on stored boundary activations vs the per-step path (same recipe,
-    batch, steps, threads), from the runs' own metrics lines (stage-2 lines only; the first dropped)."""
+    """Stage-2 step time at N=args.last, interleaved round by round on one batch (2 × 256 tokens, the same
+    trainable parameters, K=512, k=8): a step on stored boundary activations (``stage2_losses``: N blocks;
+    KL to the source) against today's per-step path (the whole model's forward, CE; backward through the
+    last N blocks), each without and with the prototype-only KL. Forward + backward, no optimizer step."""
     torch.set_num_threads(args.threads)
-    small = ["data.max_docs=6", "data.max_chars_per_doc=4000", "train.log_interval=1", "train.eval_interval=1000"]
-    rates = {}
-    for name, extra in (("stored", []), ("per_step", ["train.stage2_from_stored=false"])):
-        out = args.root / f"speed-{name}"
-        spec = RetrofitRecipe(steps=6 + args.speed_steps, frozen_steps=6, unfreeze=f"last-{args.last}",
-                              prototypes=512, top_k=8, batch_size=2, block_size=256)  # fmt: skip
-        retrofit_model(args.source, out=out, recipe=spec, overrides=[*small, *extra, f"train.num_threads={args.threads}"],
-                       device="cpu", overwrite=out.exists(), progress=False)  # fmt: skip
-        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        stage2 = [x["tokens_per_s"] for x in lines if "tokens_per_s" in x and x["step"] > 7 and "stored_z" not in x]
-        rates[name] = float(np.median(stage2))
-    payload = {"N": args.last, "tokens_per_s": rates, "ratio": rates["stored"] / rates["per_step"],
-               "environment": environment("cpu", 0)}  # fmt: skip
+    pre = load_pretrained(args.source, block_size=256)
+    model = build_model(pre, replace(pre.model, prototypes=PrototypeConfig(num_prototypes=512, top_k=8))).train()
+    set_trainable(model, trainable_names(model, f"last-{args.last}"))
+    layer, x = (
+        30 - args.last,
+        torch.randint(0, pre.model.vocab_size, (2, 257), generator=torch.Generator().manual_seed(0)),
+    )
+    with torch.no_grad():
+        bo = model.backbone_outputs(x[:, :-1], output_hidden_states=True)
+    assert bo.hidden_states is not None
+    h = bo.hidden_states[layer].half().float()  # as read from a float16 store
+    base = {"rec": 1.0, "r1": 0.5, "r2": 0.5}
+
+    def stored(alpha: float) -> None:
+        terms = stage2_losses(model, h, bo.z, layer, proto_kl=alpha > 0)
+        loss = terms["source_kl"] + sum(w * terms[k] for k, w in {**base, "proto_kl": alpha}.items() if k in terms)
+        loss.backward()
+
+    def per_step(alpha: float) -> None:
+        out = model(x[:, :-1], x[:, 1:], loss_weights={"ce": 1.0, **base, "proto_kl": alpha})
+        assert out.loss is not None
+        out.loss.backward()
+
+    times: dict[str, list[float]] = {f"{n}_a{a:g}": [] for n in ("stored", "per_step") for a in (0.0, 1.0)}
+    for r in range(args.speed_steps + 1):  # round 0 warms up
+        for name, fn in (("stored", stored), ("per_step", per_step)):
+            for alpha in (0.0, 1.0):
+                t0 = time.perf_counter()
+                fn(alpha)
+                model.zero_grad(set_to_none=True)
+                if r:
+                    times[f"{name}_a{alpha:g}"].append(time.perf_counter() - t0)
+    rates = {k: 512 / float(np.median(v)) for k, v in times.items()}
+    ratio = {f"a{a:g}": rates[f"stored_a{a:g}"] / rates[f"per_step_a{a:g}"] for a in (0.0, 1.0)}
+    payload = {"N": args.last, "tokens_per_step": 512, "rounds": args.speed_steps, "tokens_per_s": rates,
+               "ratio": ratio, "step_seconds": times, "environment": environment("cpu", 0)}  # fmt: skip
     write_json(RESULTS_DIR / "real-faithfulness-speed.json", payload)
-    print(f"speed: stored {rates['stored']:.0f} tok/s, per-step {rates['per_step']:.0f} tok/s, ×{payload['ratio']:.1f}")
+    print(f"speed N={args.last}: stored/per-step ×{ratio['a0']:.2f} (α=0), ×{ratio['a1']:.2f} (α=1); "
+          + ", ".join(f"{k} {v:.0f} tok/s" for k, v in rates.items()))  # fmt: skip
 
 
 LEVERS: dict[str, dict[str, float]] = {
@@ -191,9 +225,59 @@ def frozen_main(args: argparse.Namespace) -> None:
               f"residual {got['residual_share']:.3f}")  # fmt: skip
 
 
+def chat_sequences(tok: Tokenizer) -> list[tuple[list[int], int]]:
+    """The held-out chat transcripts as (token ids, prompt length): the answers no anchor set saw."""
+    end = tok.backend.id_to_token(tok.eot_id)
+    chats = []
+    for record in read_chat_answers(BUILTIN_DIR / CHAT_FILE, heldout=True):
+        ids, prompt = tok.encode(record["text"]), tok.encode(record["text"][: -len(record["answer"] + end)])
+        if ids[: len(prompt)] == prompt:  # the template's last token ends the prompt: a clean boundary
+            chats.append((ids, len(prompt)))
+    return chats
+
+
+def measure(model: PrismLM, tok: Tokenizer, shards: ShardSet, store: StoredZ, batches: int) -> dict[str, Any]:
+    """Faithfulness and coverage of a model on held-out text (``batches`` × 4 sequences of its validation
+    split: ``evaluate``) and on the held-out chat answers (yardsticks fitted on 16 stored anchor sequences)."""
+    text = evaluate(model, shards.val, seq_len=256, batch_size=4, max_batches=batches)
+    k = model.require_prototypes().cfg.top_k
+    acc = FaithfulnessAccumulator(yardstick=fit_yardstick(store.hidden(np.arange(16)), k))
+    chats = chat_sequences(tok)
+    chat = answer_faithfulness(model, chats, acc).result() | {"chats": len(chats)}
+    return {"heldout_text": text, "chat_answers": chat}
+
+
+def measure_main(args: argparse.Namespace) -> None:
+    """``--checkpoint`` (a checkpoint or run folder) measured by ``measure``; merged into
+    real-faithfulness-measures.json under ``--name``."""
+    torch.set_num_threads(args.threads)
+    ckpt = load_checkpoint(args.checkpoint)
+    run = args.run if args.run is not None else run_dir(args)
+    shards = Run.open(run, device="cpu").shards()
+    store = open_stored_z(run / "stored-z")
+    t0 = time.perf_counter()
+    got = measure(ckpt.model, ckpt.require_tokenizer(), shards, store, args.eval_batches)
+    path = RESULTS_DIR / "real-faithfulness-measures.json"
+    results = json.loads(path.read_text()) if path.exists() else {"models": {}}
+    results["models"][args.name] = {"checkpoint": str(ckpt.path), "step": ckpt.manifest["step"],
+                                    "seconds": time.perf_counter() - t0, **got}  # fmt: skip
+    results["environment"] = environment("cpu", 0)
+    write_json(path, results)
+    t, c = got["heldout_text"], got["chat_answers"]
+    print(f"measure {args.name}: text top1 {t['top1_agreement']:.3f} kl {t['kl']:.2f} margin {t['margin_share']:.3f} "
+          f"(pca {t['pca_margin_share']:.3f}) | chat top1 {c['top1_agreement']:.3f} margin {c['margin_share']:.3f} "
+          f"(pca {c['pca_margin_share']:.3f})")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stage", choices=["stage2", "curve", "speed", "frozen"], required=True)
+    p.add_argument("--stage", choices=["stage2", "curve", "speed", "frozen", "measure"], required=True)
+    p.add_argument("--checkpoint", type=Path, help="measure: the checkpoint (or run) folder to measure")
+    p.add_argument(
+        "--run", type=Path, help="measure: the run whose shards and stored z it uses (default: the long run)"
+    )
+    p.add_argument("--name", default="model", help="measure: its key in real-faithfulness-measures.json")
+    p.add_argument("--eval-batches", type=int, default=8, help="measure: held-out text batches of 4 × 256 tokens")
     p.add_argument("--lever", action="append", choices=sorted(LEVERS), default=[], help="frozen: which heads")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
@@ -214,7 +298,8 @@ def main() -> None:
     p.add_argument("--heldout-sequences", type=int, default=32)
     p.add_argument("--speed-steps", type=int, default=6)
     args = p.parse_args()
-    {"stage2": stage2_main, "curve": curve_main, "speed": speed_main, "frozen": frozen_main}[args.stage](args)
+    stages = {"stage2": stage2_main, "curve": curve_main, "speed": speed_main, "frozen": frozen_main}
+    {**stages, "measure": measure_main}[args.stage](args)
 
 
 if __name__ == "__main__":
