@@ -23,6 +23,7 @@ pytest.importorskip("playwright")
 from fastapi.testclient import TestClient  # noqa: E402
 from playwright.sync_api import Page, sync_playwright  # noqa: E402
 from test_explorer_api import LIMITS, build_explorer_run  # noqa: E402
+from test_explorer_jobs import gate  # noqa: E402, F401  (the fixture)
 
 from prismlm.app.explorer import Explorer  # noqa: E402
 from prismlm.web.server import create_app, serve_in_background  # noqa: E402
@@ -99,7 +100,7 @@ def test_explain_click_a_token_shows_its_waterfall(served, browser_page):
     page.wait_for_selector("#wf-alt svg.wf")
     gap = api.positions[t].chosen.logit - api.positions[t].alternatives[0].logit
     assert page.locator("#wf-alt svg.wf").nth(1).locator("text").last.text_content() == f"{gap:.3f}"
-    assert "pos=5" in page.url  # the selection is part of the shareable URL
+    assert "pos=6" in page.url  # the selection is part of the shareable URL: the index of the token shown
     page.select_option("#explain-color", "residual")
     assert "residual share" in page.inner_text("#explain-legend")
     _shot(page, "explain")
@@ -350,4 +351,44 @@ def test_an_empty_text_explains_the_first_prediction(served, browser_page):
     want = ex.explain("", alternatives=0).positions[0].chosen
     assert page.locator("#wf-chosen svg.wf text").last.text_content() == f"{want.logit:.3f}"
     assert "empty input" in page.inner_text("#explain-out")
+    _no_errors(errors)
+
+
+def test_a_url_position_is_the_index_of_the_token_shown(served, browser_page):
+    """``pos=K`` in the URL selects token K of the text (the K-th after the first, as the tooltips number them)
+    — the prediction of that token — not the token after it."""
+    base, ex = served
+    page, errors = browser_page
+    ids = ex.run.tokenizer.encode(TEXT)
+    k = 7
+    page.goto(base + "#/explain?text=" + quote(TEXT) + f"&pos={k}")
+    page.wait_for_selector("#explain-tokens span.tok.sel")
+    sel = page.locator("#explain-tokens span.tok.sel")
+    assert sel.get_attribute("data-token") == str(k)
+    assert sel.inner_text() == _vis(ex.run.tokenizer.id_to_token(ids[k]))
+    assert f"token {k}" in page.inner_text("#explain-head")
+    _no_errors(errors)
+
+
+@pytest.mark.slow
+def test_explain_answers_while_training_data_is_working(tiny_shards, tmp_path_factory, browser_page, gate):  # noqa: F811
+    """A Training data request without an attribution cache runs as a job (held mid-build by ``gate``); the
+    Explain view, opened meanwhile in another tab, answers; then the training page shows its result."""
+    run, concept = build_explorer_run(tiny_shards, tmp_path_factory.mktemp("explorer"))
+    ex = Explorer.open(run, device="cpu", concepts=[concept], limits=LIMITS)
+    page, errors = browser_page
+    with serve_in_background(ex, timeout=30) as base:
+        page.goto(
+            base + "#/training?prompt=" + quote("It is a truth") + "&completion=" + quote(" universally") + "&top=4"
+        )
+        page.wait_for_selector("#job-status[data-state='running'] progress")
+        assert "prism attribute-cache" in page.inner_text("#job-status")
+        other = page.context.browser.new_page()
+        other.goto(base + "#/explain?text=" + quote(TEXT))
+        other.wait_for_selector("#wf-chosen svg.wf")  # answered while the training job is held
+        assert page.locator("#job-status[data-state='running']").count() == 1
+        other.close()
+        gate.set()
+        page.wait_for_selector("#train-items tr td")
+        assert page.locator("#train-items tr").count() == 4 + 1
     _no_errors(errors)

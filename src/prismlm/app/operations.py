@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 
+from prismlm.app.chat import CHAT_ANSWER_TOKENS as CHAT_ANSWER_TOKENS
+from prismlm.app.chat import chat_prompt as chat_prompt
+from prismlm.app.chat import end_of_turn
 from prismlm.app.indexing import IndexResult as IndexResult  # re-exported: callers import them from here
 from prismlm.app.indexing import LabelResult as LabelResult
 from prismlm.app.indexing import build_run_index as build_run_index
@@ -27,7 +30,6 @@ from prismlm.errors import (
     ArtifactCorrupt,
     ConfigError,
     DataError,
-    ModelError,
 )
 from prismlm.eval.metrics import evaluate as evaluate_model
 from prismlm.explain import (
@@ -40,7 +42,7 @@ from prismlm.explain import (
 from prismlm.explain.index import KIND as INDEX_KIND
 from prismlm.explain.index import LABELS_FILE
 from prismlm.model import PrismLM
-from prismlm.model.generation import TEXT_SAMPLING, Sampling
+from prismlm.model.generation import GREEDY, TEXT_SAMPLING, Sampling
 from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.train.checkpoint import verify_checkpoint
 
@@ -65,28 +67,30 @@ def sample_continuations(
     tokens: int,
     sampling: Sampling,
     generator: torch.Generator | None = None,
-    stop_id: int | None = None,
+    stop_ids: tuple[int, ...] = (),
 ) -> list[str]:
     """``samples`` sampled continuations of ``prompt`` (continuation text only; an empty prompt starts
     from the end-of-text token), one batch through ``model.generate`` at ``sampling`` (``generator``:
-    instead of ``sampling.seed``'s). ``stop_id`` (an end-of-turn token):
-    generation ends once every sample has produced it, and each continuation is cut before it."""
+    instead of ``sampling.seed``'s). ``stop_ids`` (the end-of-turn tokens):
+    generation ends once every sample has produced one, and each continuation is cut before it."""
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     dev = next(model.parameters()).device
     x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)  # (samples, T)
     generator = generator if generator is not None else sampling.generator(dev)
-    if stop_id is None:
+    if not stop_ids:
         y = model.generate(x, tokens, sampling, generator=generator)
         return [tokenizer.decode(row[len(ids) if prompt else 1 :].tolist()) for row in y]
     new: list[torch.Tensor] = []  # (samples, 1) each
     ended = torch.zeros(samples, dtype=torch.bool, device=dev)  # (samples,)
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=dev)  # (S,)
     for _, nxt in model.generate_steps(x, tokens, sampling, generator=generator):
         new.append(nxt)
-        ended |= nxt[:, 0] == stop_id
+        ended |= torch.isin(nxt[:, 0], stops)
         if bool(ended.all()):
             break
     rows = torch.cat(new, dim=1).tolist() if new else [[] for _ in range(samples)]
-    return [tokenizer.decode(row[: row.index(stop_id)] if stop_id in row else row) for row in rows]
+    cut = [next((j for j, t in enumerate(row) if t in stop_ids), len(row)) for row in rows]
+    return [tokenizer.decode(row[:c]) for row, c in zip(rows, cut)]
 
 
 def _check_chat(chat: str | None, prompt: str) -> None:
@@ -94,20 +98,6 @@ def _check_chat(chat: str | None, prompt: str) -> None:
         raise ConfigError(
             "chat and a prompt were both given", fix="give one: the chat message becomes the prompt", option="chat"
         )
-
-
-def chat_prompt(run: Run, message: str) -> str:
-    """The prompt of a one-message chat: ``message`` as the user's turn, written with the run's chat
-    template, the assistant's turn opened. ``ModelError`` naming the run when it has no template."""
-    tok = run.tokenizer
-    if not tok.chat_template:
-        raise ModelError(
-            f"the run {run.path} has no chat template (its tokenizer {tok.name!r} came without "
-            "one), so a chat message cannot be written as a prompt",
-            fix="pass the text itself instead of a chat message, or retrofit a chat model "
-            "(e.g. prism retrofit --from smollm2-135m-instruct)",
-        )
-    return tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
 
 
 def generate(
@@ -147,7 +137,7 @@ def generate(
             tokens=tokens,
             sampling=sampling,
             generator=sampling.generator(run.device),
-            stop_id=run.tokenizer.eot_id if chat is not None else None,
+            stop_ids=end_of_turn(run) if chat is not None else (),
         )
     return conts if chat is not None else [prompt + c for c in conts]
 
@@ -184,8 +174,6 @@ def evaluate(
 
 
 # ----- explanations ----------------------------------------------------------------------------------------
-CHAT_ANSWER_TOKENS = 64
-"""Longest chat answer ``explain_text`` generates for a chat message when ``generate`` is not given."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +185,8 @@ class ExplanationRequest:
     """A chat message instead of a prompt: written with the model's chat template, the assistant's answer is
     generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn token) and its tokens
     are explained."""
+    system: str | None = None
+    """With ``chat``: the system prompt written before the message (default: the template's own, if any)."""
     generate: int = 0
     """Sample N tokens after the prompt and explain them."""
     index: Path | None = None
@@ -219,7 +209,7 @@ def explain_text(
     run: Run,
     prompt: str = "",
     request: ExplanationRequest = DEFAULT_EXPLANATION,
-    sampling: Sampling = TEXT_SAMPLING,
+    sampling: Sampling = GREEDY,
 ) -> Explanation:
     """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly.
 
@@ -227,14 +217,15 @@ def explain_text(
         prompt: Text to explain (empty: the first prediction after end-of-text).
         request: What else is explained and what the cards show (chat, generate, index, shards,
             neighbours): ``ExplanationRequest``, one option per field.
-        sampling: How the ``generate`` tokens are sampled (temperature, top tokens, seed).
+        sampling: How the ``generate`` tokens are sampled (temperature, top tokens, seed); greedy by default,
+            as for a chat answer.
     """
     chat, generate, neighbours = request.chat, request.generate, request.neighbours
     _check_chat(chat, prompt)
     model = run.prism_model("an explanation")
     check_sampling(generate, tokens_name="generate")
     if chat is not None:
-        prompt, generate = chat_prompt(run, chat), generate or CHAT_ANSWER_TOKENS
+        prompt, generate = chat_prompt(run, chat, request.system), generate or CHAT_ANSWER_TOKENS
         sampling = replace(sampling, temperature=0.0)
     require(
         generate <= model.config.block_size,  # one explanation covers one context window
@@ -255,7 +246,7 @@ def explain_text(
                 sampling=sampling,
                 index=idx,
                 neighbours=neighbours,
-                stop_id=tokenizer.eot_id if chat is not None else None,
+                stop_id=end_of_turn(run) if chat is not None else None,
             )
         else:
             expl = explain(model, tokenizer, prompt, model_sha256=run.identity, index=idx, neighbours=neighbours)

@@ -675,11 +675,12 @@ def explain_generation(
     labels: Labels | None = None,
     neighbours: int = 5,
     signature_tokens: int = 10,
-    stop_id: int | None = None,
+    stop_id: int | Sequence[int] | None = None,
 ) -> Explanation:
     """Sample ``n`` tokens after ``prompt`` (as ``model.generate`` does, with the KV cache, at ``sampling``,
     default ``TEXT_SAMPLING``) and explain each sampled token's logit (the sampled tokens are the
-    chosen tokens). ``stop_id``: end the generation once this token (an end-of-turn) is sampled; it is the
+    chosen tokens). ``stop_id``: end the generation once this token (or one of these: the end-of-turn
+    tokens, ``Tokenizer.end_of_turn_ids``) is sampled; it is the
     last token explained. The other keywords are those of ``explain``.
 
     While prompt + n − 1 ≤ block_size the explanation is read off the generation's own forward
@@ -689,6 +690,7 @@ def explain_generation(
     last ``block_size`` tokens.
     """
     s = sampling or TEXT_SAMPLING
+    stops = _stops(stop_id)
     if n < 1:
         raise ConfigError(f"n (tokens to generate) must be >= 1, got {n}", option="n")
     net = _require_prism(model)
@@ -697,7 +699,7 @@ def explain_generation(
     p = len(ids)
     ev, notes = _evidence(net, index, labels, model_sha256, neighbours, signature_tokens)
     if p + n - 1 > net.config.block_size:
-        return _explain_long_generation(net, tokenizer, x, n, s, stop_id, ev)
+        return _explain_long_generation(net, tokenizer, x, n, s, stops, ev)
     outs, new = [], []
     with torch.no_grad():
         # the model's decode loop (what generate runs): its inference-mode tensors are joined by _concat
@@ -705,7 +707,7 @@ def explain_generation(
         for out, nxt in decode_steps(net, x, n, s, use_cache=True, prefill_logits=True):
             outs.append(out)
             new.append(nxt)
-            if stop_id is not None and int(nxt) == stop_id:
+            if int(nxt) in stops:
                 break
         full = ids + torch.cat(new, dim=1)[0].tolist()  # p + n tokens
         how = ["text"] * (p - 1) + ["sampled"] * len(new)  # position t chooses full[t + 1]
@@ -726,15 +728,16 @@ def _explain_long_generation(
     x: torch.Tensor,
     n: int,
     sampling: Sampling,
-    stop_id: int | None,
+    stops: frozenset[int],
     ev: _Evidence,
 ) -> Explanation:
     """``explain_generation`` past the context window: generate x (1, p) on, then one ``explain`` of the
     last window with the sampled tokens as the chosen ones."""
     p = x.shape[1]
     full = net.generate(x, n, sampling)[0].tolist()
-    if stop_id is not None and stop_id in full[p:]:
-        full = full[: full.index(stop_id, p) + 1]
+    end = next((j for j in range(p, len(full)) if full[j] in stops), None)
+    if end is not None:
+        full = full[: end + 1]
     n = len(full) - p
     expl = explain(
         net,
@@ -752,6 +755,13 @@ def _explain_long_generation(
     expl.text = tokenizer.decode(full[expl.truncated_tokens :])
     expl.notes.append(f"generated {n} tokens ({sampling.describe()})")
     return expl
+
+
+def _stops(stop_id: int | Sequence[int] | None) -> frozenset[int]:
+    """The end-of-turn ids of ``explain_generation``'s ``stop_id`` as a set (empty: none)."""
+    if stop_id is None:
+        return frozenset()
+    return frozenset([int(stop_id)] if isinstance(stop_id, int) else [int(i) for i in stop_id])
 
 
 def _concat(outs: list[PrismOutput]) -> PrismOutput:

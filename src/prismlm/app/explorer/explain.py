@@ -12,10 +12,10 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
+from prismlm.app.chat import CHAT_ANSWER_TOKENS, chat_prompt, end_of_turn
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
-from prismlm.app.operations import CHAT_ANSWER_TOKENS, chat_prompt
 from prismlm.explain import Explanation, explain, explain_generation
 from prismlm.explain.explanation import CardDict
 from prismlm.model import PrismLM, PrismOutput, decompose
@@ -108,14 +108,18 @@ def explain_view(
     neighbours: int,
     sampling: Sampling,
     chat: bool,
+    system: str | None = None,
 ) -> ExplainView:
     """``Explorer.explain``: checks the request, explains ``text`` (or ``generate`` tokens sampled after it)
-    under ``steering`` and splits every chosen token's logit and its ``alternatives``."""
+    under ``steering`` and splits every chosen token's logit and its ``alternatives``. ``chat``: ``text`` is a
+    message (after the ``system`` prompt), its answer generated up to the end-of-turn token."""
     s.limits.check_text(text)
-    stop_id: int | None = None
+    s.limits.check_text(system or "", "system")
+    stop_id: tuple[int, ...] | None = None
     if chat:
-        text, stop_id = chat_prompt(s.run, text), s.run.tokenizer.eot_id
-        generate, sampling = generate or CHAT_ANSWER_TOKENS, replace(sampling, temperature=0.0)
+        text, stop_id = chat_prompt(s.run, text, system), end_of_turn(s.run)
+        generate = generate or min(CHAT_ANSWER_TOKENS, s.limits.max_generate)
+        sampling = replace(sampling, temperature=0.0)
     s.limits.check_sampling(generate, sampling, "generate")
     s.limits.check_top(alternatives, "alternatives")
     s.limits.check_top(neighbours, "neighbours")
@@ -147,7 +151,7 @@ def _explanation(
     neighbours: int,
     *,
     sampling: Sampling,
-    stop_id: int | None,
+    stop_id: tuple[int, ...] | None,
 ) -> Explanation:
     """The library's explanation of ``text`` (or of ``generate`` tokens sampled after it)."""
     if not generate:

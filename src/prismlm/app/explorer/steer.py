@@ -13,6 +13,7 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
+from prismlm.app.chat import chat_prompt, end_of_turn
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
@@ -90,21 +91,35 @@ class Changes(NamedTuple):
     notes: list[str]
 
 
-def steer_view(s: Session, prompt: str, *, steering: Steering, tokens: int, sampling: Sampling) -> SteerView:
-    """``Explorer.steer``: both generations, the changes and the steered prototypes that never fire."""
+def steer_view(
+    s: Session,
+    prompt: str,
+    *,
+    steering: Steering,
+    tokens: int,
+    sampling: Sampling,
+    chat: bool = False,
+    system: str | None = None,
+) -> SteerView:
+    """``Explorer.steer``: both generations, the changes and the steered prototypes that never fire. ``chat``:
+    ``prompt`` is a chat message (after ``system``); both generations stop at the end-of-turn token (every
+    generation does once the run has a chat template: a base-model continuation past it is another turn)."""
     s.limits.check_text(prompt, "prompt")
+    s.limits.check_text(system or "", "system")
     s.limits.check_sampling(tokens, sampling)
     ivs = s.interventions(steering)
     tok = s.run.tokenizer
-    ids = tok.encode(prompt) if prompt else [tok.eot_id]
+    text = chat_prompt(s.run, prompt, system) if chat else prompt
+    ids = tok.encode(text) if text else [tok.eot_id]
     p = len(ids)
+    stops = end_of_turn(s.run) if chat or tok.chat_template else ()
     with s.lock, torch.no_grad():
-        sampled = [_generate(s, ids, use, tokens=tokens, sampling=sampling) for use in ((), ivs)]
+        sampled = [_generate(s, ids, use, tokens=tokens, sampling=sampling, stops=stops) for use in ((), ivs)]
         base, steered = sampled
         ch = changes(s, steered, ivs)
     gb, gs = base[p:], steered[p:]
     return SteerView(
-        prompt=prompt,
+        prompt=text,
         base=[tok.id_to_token(t) for t in gb],
         steered=[tok.id_to_token(t) for t in gs],
         base_text=tok.decode(gb),
@@ -125,13 +140,19 @@ def _generate(
     *,
     tokens: int,
     sampling: Sampling,
+    stops: tuple[int, ...] = (),
 ) -> list[int]:
-    """``ids`` and ``tokens`` sampled after them under ``ivs`` (a fresh generator of the sampling's seed)."""
+    """``ids`` and ``tokens`` sampled after them under ``ivs`` (a fresh generator of the sampling's seed),
+    up to and including the first of ``stops`` (the end-of-turn tokens)."""
     dev = s.run.device
     x = torch.tensor([ids], dtype=torch.long, device=dev)  # (1, p)
+    out = list(ids)
     with s.run.intervened(*ivs) as m:
-        out = m.generate(x, tokens, sampling, generator=sampling.generator(dev))
-    return list(out[0].tolist())
+        for _, nxt in m.generate_steps(x, tokens, sampling, generator=sampling.generator(dev)):
+            out.append(int(nxt[0, 0]))
+            if out[-1] in stops:
+                break
+    return out
 
 
 def changes(s: Session, steered: list[int], ivs: tuple[Intervention, ...]) -> Changes:
