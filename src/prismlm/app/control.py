@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from prismlm.app.chat import chat_texts
 from prismlm.app.run import Run, require
 from prismlm.artifacts import check_out_file, check_out_folder
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept, read_texts
@@ -54,6 +55,7 @@ def find_run_concept(
     name: str | None = None,
     out: Path | None = None,
     save: bool = False,
+    chat: bool = False,
 ) -> ConceptResult:
     """Find the prototypes of a concept (log-likelihood contribution, activation enrichment, neighbourhood
     purity) → a suppression set.
@@ -68,6 +70,9 @@ def find_run_concept(
         name: Name of the concept (stored in the set).
         out: Write the suppression set here (default: print only).
         save: Also save it as the checkpoint's suppression.json (applied by default).
+        chat: Every concept and neutral text is a chat message: written with the run's chat template, the
+            model's answer (greedy, up to the end-of-turn token) appended — the prototypes are found on what
+            the model reads and says in a chat.
     """
     require(selection.min_count >= 1, "min_count", ">= 1", selection.min_count)
     if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what `save` writes)
@@ -81,6 +86,8 @@ def find_run_concept(
         ctexts, ntexts = read_texts(concept), read_texts(neutral)
     except FileNotFoundError as e:
         raise DataError(str(e), fix="check the concept / neutral texts' path") from e
+    if chat:
+        ctexts, ntexts = chat_texts(run, ctexts), chat_texts(run, ntexts)
     idx = run.index(index, required=True) if index is not None else None
     try:
         rx = doc_regex(concept_docs) if concept_docs else None
