@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import torch
 from prismlm.app.chat import chat_texts
 from prismlm.app.run import Run, require
 from prismlm.artifacts import check_out_file, check_out_folder
+from prismlm.control.activity import Activity, changed_prototypes, prototype_activity
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept, read_texts
 from prismlm.control.controller import (
     Controller,
@@ -27,7 +28,7 @@ from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ConfigError, DataError, TaskError
 from prismlm.eval.scoring import MCScores, mc_accuracy
 from prismlm.eval.tasks import TASKS, build_tasks, load_split
-from prismlm.model import Control, PrismLM
+from prismlm.model import Control, Intervention, PrismLM
 
 # lm-eval's scorer on task folders (``prismlm.integrations.lm_eval_adapter.evaluate_with_lm_eval``): task → metrics
 TaskScorer = Callable[[PrismLM, Tokenizer, dict[str, str | Path]], dict[str, dict[str, float]]]
@@ -112,6 +113,35 @@ def find_run_concept(
     if save:
         saved.append(sset.save(run.checkpoint.path))
     return ConceptResult(suppression=sset, ranking=ranking, saved=saved)
+
+
+def suppression_targets(*sets: SuppressionSet | None) -> list[int]:
+    """The target tokens recorded by ``prism concept`` in suppression sets (``meta["target_tokens"]``)."""
+    out: list[int] = []
+    for sset in sets:
+        raw = sset.meta.get("target_tokens") if sset is not None else None
+        if isinstance(raw, list):
+            out += [int(t) for t in raw if isinstance(t, int) and int(t) not in out]
+    return out
+
+
+def intervention_activity(
+    run: Run, text: str | Sequence[int], *extra: Intervention, targets: Sequence[int] | None = None
+) -> Activity:
+    """Which of the prototypes the run's interventions (and ``extra``) change are active on ``text`` (a text
+    or token ids), and which where a target token is predicted (``targets``; default: those the run's
+    suppression set records). ``Activity.warning`` says when the interventions can change nothing there."""
+    model = run.prism_model("an intervention report")
+    ids = changed_prototypes((*run.interventions, *extra), model.require_prototypes().num_prototypes)
+    tok = run.tokenizer
+    token_ids = (tok.encode(text) or [tok.eot_id]) if isinstance(text, str) else list(text)
+    return prototype_activity(
+        model,
+        ids,
+        token_ids,
+        targets=suppression_targets(run.suppression) if targets is None else targets,
+        tokenizer=tok,
+    )
 
 
 def is_task_folder(folder: Path) -> bool:

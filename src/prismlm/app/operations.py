@@ -16,6 +16,7 @@ import torch
 from prismlm.app.chat import CHAT_ANSWER_TOKENS as CHAT_ANSWER_TOKENS
 from prismlm.app.chat import chat_prompt as chat_prompt
 from prismlm.app.chat import end_of_turn
+from prismlm.app.control import intervention_activity
 from prismlm.app.indexing import IndexResult as IndexResult  # re-exported: callers import them from here
 from prismlm.app.indexing import LabelResult as LabelResult
 from prismlm.app.indexing import build_run_index as build_run_index
@@ -100,6 +101,27 @@ def _check_chat(chat: str | None, prompt: str) -> None:
         )
 
 
+class Samples(list[str]):
+    """What ``generate`` returns: the texts, and ``notes`` — what the reader should know about them (which of
+    the prototypes the run's interventions change were active on each, and a warning when none was where it
+    mattered)."""
+
+    def __init__(self, texts: list[str], notes: list[str] | None = None) -> None:
+        super().__init__(texts)
+        self.notes: list[str] = list(notes or [])
+
+
+def intervention_notes(run: Run, token_ids: list[int]) -> list[str]:
+    """The summary and, if any, the warning of ``intervention_activity`` on ``token_ids`` — nothing when the run
+    applies no intervention."""
+    if not run.interventions:
+        return []
+    act = intervention_activity(run, token_ids)
+    what = "suppressed" if run.suppression is not None and len(run.interventions) == 1 else "intervened"
+    warning = act.warning(what)
+    return [act.summary(what)] + ([warning] if warning else [])
+
+
 def generate(
     run: Run,
     prompt: str = "",
@@ -108,8 +130,9 @@ def generate(
     tokens: int = 100,
     samples: int = 1,
     sampling: Sampling = TEXT_SAMPLING,
-) -> list[str]:
-    """Sample text from a trained model (with the run's interventions applied).
+) -> Samples:
+    """Sample text from a trained model (with the run's interventions applied; ``Samples.notes`` says which of
+    their prototypes were active on each text, and warns when none was).
 
     Args:
         prompt: Text to continue (empty: start from end-of-text).
@@ -139,7 +162,12 @@ def generate(
             generator=sampling.generator(run.device),
             stop_ids=end_of_turn(run) if chat is not None else (),
         )
-    return conts if chat is not None else [prompt + c for c in conts]
+    notes = [
+        f"sample {j + 1}: {n}"
+        for j, c in enumerate(conts)
+        for n in intervention_notes(run, run.tokenizer.encode(text + c))
+    ]
+    return Samples(conts if chat is not None else [prompt + c for c in conts], notes)
 
 
 def evaluate(
@@ -252,6 +280,7 @@ def explain_text(
             expl = explain(model, tokenizer, prompt, model_sha256=run.identity, index=idx, neighbours=neighbours)
     if idx is None:
         expl.notes.append(f"no prototype index: build one with `prism index {run.path}` for neighbourhoods and labels")
+    expl.notes += intervention_notes(run, [*expl.token_ids, expl.positions[-1].next_id])
     return expl
 
 

@@ -137,6 +137,10 @@ def render_texts(texts: list[str]) -> None:
     for text in texts:
         echo(text)
         echo("-" * 40)
+    for note in getattr(texts, "notes", []):  # which suppressed prototypes were active, and a warning if none
+        console.print(
+            note, markup=False, highlight=False, soft_wrap=True, style="yellow" if "warning" in note else None
+        )
 
 
 def render_eval(metrics: dict, run: Run, *, json_out: Path | None = None) -> None:
@@ -376,12 +380,14 @@ def render_concept(res: ConceptResult, *, top: int = 15) -> None:
         title=f"concept {sset.concept or ''}: {len(sset.ids)} of {len(ranking)} candidates selected "
         f"({100 * sset.share:.2f}% of K={sset.num_prototypes})"
     )
-    for col in ("id", "contribution", "log2 enr.", "concept/neutral rate", "purity", "selected", "top tokens"):
+    cols = ("id", "target effect", "contribution", "log2 enr.", "concept/neutral rate", "purity", "selected")
+    for col in (*cols, "top tokens"):
         t.add_column(col)
     for r in ranking[:top]:
         ev = sset.evidence.get(r["id"], {})
         t.add_row(
             str(r["id"]),
+            f"{r.get('target_effect', 0.0):+.3f}",
             f"{r['contribution_nats_per_token']:.4f}",
             f"{r['log2_enrichment']:.2f}",
             f"{r['concept_rate']:.4f}/{r['neutral_rate']:.4f}",
@@ -390,6 +396,20 @@ def render_concept(res: ConceptResult, *, top: int = 15) -> None:
             " ".join(repr(x) for x in ev.get("signature_top_tokens", [])[:5]),
         )
     stdout.print(t)
+    targets = sset.meta.get("target_strings") or []
+    console.print(
+        f"ranked by {sset.meta.get('rank_by')}; target tokens "
+        + (
+            f"{' '.join(repr(x) for x in targets)} ({sset.meta.get('target_positions')} positions in the concept "
+            "texts; target effect: each prototype's slice on them where they come next, logits per position — "
+            "what suppressing it takes off them)"
+            if isinstance(targets, list) and targets
+            else "none (no token is over-represented in the concept texts)"
+        ),
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     for path in res.saved:
         console.print(f"suppression set: {path}")
 

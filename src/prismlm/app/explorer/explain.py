@@ -16,6 +16,7 @@ from prismlm.app.chat import CHAT_ANSWER_TOKENS, chat_prompt, end_of_turn
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
+from prismlm.control.activity import Activity
 from prismlm.explain import Explanation, explain, explain_generation
 from prismlm.explain.explanation import CardDict
 from prismlm.model import PrismLM, PrismOutput, decompose
@@ -96,6 +97,9 @@ class ExplainView(Plain):
     steering: SteeringDict
     """The request's steering, echoed."""
     notes: list[str]
+    activity: Activity | None = None
+    """With steering: which steered prototypes are active on the text, and where the concept's target tokens
+    are predicted (a warning in ``notes`` when none is)."""
 
 
 def explain_view(
@@ -129,6 +133,8 @@ def explain_view(
         x = torch.tensor([expl.token_ids], dtype=torch.long, device=s.run.device)  # (1, n)
         chosen = [p.next_id for p in expl.positions]
         positions, err = waterfalls(s, model, model(x), chosen, [p.chosen_by for p in expl.positions], alternatives)
+        act = None if steering.empty else s.activity(steering, [*expl.token_ids, chosen[-1]])
+    warning = act.warning("steered") if act is not None else None
     return ExplainView(
         text=expl.text,
         token_ids=expl.token_ids,
@@ -139,7 +145,8 @@ def explain_view(
         cards={str(k): c.to_dict() for k, c in sorted(expl.prototypes.items())},
         max_abs_error=err,
         steering=steering.to_dict(),
-        notes=list(expl.notes),
+        notes=list(expl.notes) + ([act.summary("steered")] if act is not None else []) + ([warning] if warning else []),
+        activity=act,
     )
 
 

@@ -18,6 +18,7 @@ from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
 from prismlm.app.prototype_view import never_active
+from prismlm.control.activity import Activity
 from prismlm.model import Intervention, decompose
 from prismlm.model.generation import Sampling
 from prismlm.model.interventions import combined_multipliers
@@ -71,6 +72,9 @@ class SteerView(Plain):
     inactive: list[int] | None = None
     """Those of them never active on the steered text (prompt + generation): steering them changes none of
     its logits (activations do not depend on the multipliers)."""
+    activity: Activity | None = None
+    """Which steered prototypes are active on the steered text, and where the concept's target tokens are
+    predicted (a warning in ``notes`` when none is)."""
 
 
 class Changes(NamedTuple):
@@ -117,6 +121,8 @@ def steer_view(
         sampled = [_generate(s, ids, use, tokens=tokens, sampling=sampling, stops=stops) for use in ((), ivs)]
         base, steered = sampled
         ch = changes(s, steered, ivs)
+        act = s.activity(steering, steered)
+    warning = act.warning("steered")
     gb, gs = base[p:], steered[p:]
     return SteerView(
         prompt=text,
@@ -127,9 +133,10 @@ def steer_view(
         first_difference=next((j for j, (a, b) in enumerate(zip(gb, gs)) if a != b), None),
         steps=steps(s, ch, base, steered, p),
         steering=steering.to_dict(),
-        notes=ch.notes,
+        notes=ch.notes + ([act.summary("steered")] if act.targets else []) + ([warning] if warning else []),
         steered_ids=ch.steered_ids,
         inactive=ch.inactive,
+        activity=act,
     )
 
 
