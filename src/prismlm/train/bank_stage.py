@@ -165,7 +165,8 @@ def bank_stage(
     )
     with Reporter(progress, "validate", 1, unit="eval") as bar:
         bar.update(1)
-        bar.message(format_eval_line(steps, metrics))
+        protos = cfg.model.prototypes
+        bar.message(format_eval_line(steps, metrics, top_k=protos.top_k if protos else None))
     (out_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [*lines, {"step": steps, **metrics}]))
     sampler = SequenceSampler(store.num_sequences, tc.batch_size, tc.grad_accum, 1, tc.seed)
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
