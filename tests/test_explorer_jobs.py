@@ -148,3 +148,29 @@ def test_the_model_lock_is_granted_in_the_order_asked():
         order.append("job")
     t.join(DEADLINE)
     assert order == ["request", "job"]
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/api/steer?job=true", {"prompt": TEXT, "tokens": 4, "temperature": 0, "steering": {"suppress": [1, 2]}}),
+        ("/api/explain?job=true", {"text": TEXT, "generate": 4, "steering": {"suppress": [3]}}),
+    ],
+)
+def test_a_generation_job_gives_the_model_back_between_tokens(served, gate, path, body):
+    """A generation (Steer, or an explained generation) holds the model one token at a time: held mid-answer,
+    it lets an Explain through, then finishes with the same answer as a direct request."""
+    base, ex = served
+    status, answer = _http(base, path, body)
+    assert status == 202
+    job = answer["job"]
+    _until(base, job["id"], lambda j: j["state"] == "running" and j["stage"] == "generate", "started generating")
+    status, expl = _http(base, "/api/explain", {"text": "The sea was calm", "alternatives": 1})
+    assert status == 200 and expl["positions"]
+    assert _http(base, f"/api/jobs/{job['id']}")[1]["state"] == "running"
+    gate.set()
+    done = _until(base, job["id"], lambda j: j["state"] in ("done", "failed", "cancelled"), "ended")
+    assert done["state"] == "done", done
+    direct = _http(base, path.split("?")[0], body)[1]
+    same = "steered" if "steer" in path else "token_ids"
+    assert done["result"][same] == direct[same]

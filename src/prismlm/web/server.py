@@ -318,6 +318,7 @@ class Routes:
                 sampling=Sampling(body.temperature, body.top_tokens, body.seed),
                 chat=body.chat,
                 system=body.system,
+                progress=progress,
             ).to_dict()
 
         return self.queued("explain", work, "generating and explaining") if job else self.call(work)
@@ -344,6 +345,7 @@ class Routes:
                 sampling=Sampling(body.temperature, body.top_tokens, body.seed),
                 chat=body.chat,
                 system=body.system,
+                progress=progress,
             ).to_dict()
 
         return self.queued("steer", work, "generating with and without the steering") if job else self.call(work)

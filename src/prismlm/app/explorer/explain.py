@@ -7,6 +7,7 @@ own forward output for that token (Σ slices + residual + bias = the logit, to r
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import NamedTuple, TypedDict
 
@@ -18,9 +19,10 @@ from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
 from prismlm.control.activity import Activity
 from prismlm.explain import Explanation, explain, explain_generation
-from prismlm.explain.explanation import CardDict
+from prismlm.explain.explanation import CardDict, StepGuard
 from prismlm.model import PrismLM, PrismOutput, decompose
 from prismlm.model.generation import Sampling
+from prismlm.progress import Progress
 
 __all__ = ["ActivePrototype", "Candidate", "ExplainView", "PositionView", "explain_view"]
 
@@ -113,10 +115,12 @@ def explain_view(
     sampling: Sampling,
     chat: bool,
     system: str | None = None,
+    progress: Progress = False,
 ) -> ExplainView:
     """``Explorer.explain``: checks the request, explains ``text`` (or ``generate`` tokens sampled after it)
     under ``steering`` and splits every chosen token's logit and its ``alternatives``. ``chat``: ``text`` is a
-    message (after the ``system`` prompt), its answer generated up to the end-of-turn token."""
+    message (after the ``system`` prompt), its answer generated up to the end-of-turn token. A generation
+    holds the model lock one token at a time (``progress`` gets each token), so other requests run between."""
     s.limits.check_text(text)
     s.limits.check_text(system or "", "system")
     stop_id: tuple[int, ...] | None = None
@@ -128,8 +132,15 @@ def explain_view(
     s.limits.check_top(alternatives, "alternatives")
     s.limits.check_top(neighbours, "neighbours")
     ivs = s.interventions(steering)
+    expl = None
+    if generate:
+        expl = _explanation(
+            s, s.model, text, generate, neighbours, sampling=sampling, stop_id=stop_id, guard=lambda: s.locked(ivs),
+            progress=progress,
+        )  # fmt: skip
     with s.lock, s.run.intervened(*ivs) as model, torch.no_grad():
-        expl = _explanation(s, model, text, generate, neighbours, sampling=sampling, stop_id=stop_id)
+        if expl is None:
+            expl = _explanation(s, model, text, 0, neighbours, sampling=sampling, stop_id=None)
         x = torch.tensor([expl.token_ids], dtype=torch.long, device=s.run.device)  # (1, n)
         chosen = [p.next_id for p in expl.positions]
         positions, err = waterfalls(s, model, model(x), chosen, [p.chosen_by for p in expl.positions], alternatives)
@@ -159,8 +170,11 @@ def _explanation(
     *,
     sampling: Sampling,
     stop_id: tuple[int, ...] | None,
+    guard: StepGuard = nullcontext,
+    progress: Progress = False,
 ) -> Explanation:
-    """The library's explanation of ``text`` (or of ``generate`` tokens sampled after it)."""
+    """The library's explanation of ``text`` (or of ``generate`` tokens sampled after it, each step inside
+    ``guard``)."""
     if not generate:
         return explain(model, s.run.tokenizer, text, model_sha256=s.run.identity, index=s.index, neighbours=neighbours)
     return explain_generation(
@@ -173,6 +187,8 @@ def _explanation(
         index=s.index,
         neighbours=neighbours,
         stop_id=stop_id,
+        guard=guard,
+        progress=progress,
     )
 
 

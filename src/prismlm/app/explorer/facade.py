@@ -93,6 +93,7 @@ class Explorer(Session):
         sampling: Sampling = GREEDY,
         chat: bool = False,
         system: str | None = None,
+        progress: Progress = False,
     ) -> ExplainView:
         """Every next-token logit of ``text`` (or of ``generate`` tokens sampled after it) as a waterfall of
         prototype slices + residual (+ bias), with the ``alternatives`` most probable other tokens split the
@@ -110,6 +111,7 @@ class Explorer(Session):
             sampling=sampling,
             chat=chat,
             system=system,
+            progress=progress,
         )
 
     def prototype(self, i: int, *, text: str | None = None, neighbours: int = 8, similar: int = 8) -> PrototypeDetail:
@@ -142,12 +144,22 @@ class Explorer(Session):
         sampling: Sampling = TEXT_SAMPLING,
         chat: bool = False,
         system: str | None = None,
+        progress: Progress = False,
     ) -> SteerView:
         """Generate from the base model and from the steered one with the same seed, side by side, and for
         every token of the steered text the exact change of its logit and the slices that explain it.
         ``chat``: ``prompt`` is a chat message (after the ``system`` prompt), written with the run's chat
         template; either generation ends at the end-of-turn token."""
-        return steer_view(self, prompt, steering=steering, tokens=tokens, sampling=sampling, chat=chat, system=system)
+        return steer_view(
+            self,
+            prompt,
+            steering=steering,
+            tokens=tokens,
+            sampling=sampling,
+            chat=chat,
+            system=system,
+            progress=progress,
+        )
 
     def training(
         self,

@@ -10,7 +10,8 @@ lock one batch at a time, from a background job (``Session.jobs``), so it never 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from prismlm.app.bank_search import TokenSearch
@@ -87,6 +88,13 @@ class Session:
     def interventions(self, steering: Steering) -> tuple[Intervention, ...]:
         """The request's steering as checked intervention values (``steering.interventions``)."""
         return interventions(steering, self.num_prototypes, self.limits, self.concepts)
+
+    @contextmanager
+    def locked(self, ivs: tuple[Intervention, ...]) -> Iterator[PrismLM]:
+        """The model lock, then the run's interventions and ``ivs`` applied: one step of a generation that
+        gives the lock back between tokens."""
+        with self.lock, self.run.intervened(*ivs) as model:
+            yield model
 
     def activity(self, steering: Steering, token_ids: list[int]) -> Activity:
         """Which of the prototypes ``steering`` (and the run's own interventions) change are active on

@@ -22,6 +22,7 @@ from prismlm.control.activity import Activity
 from prismlm.model import Intervention, decompose
 from prismlm.model.generation import Sampling
 from prismlm.model.interventions import combined_multipliers
+from prismlm.progress import Progress, Reporter
 
 __all__ = ["ChangedSlice", "SteerStep", "SteerView", "steer_view"]
 
@@ -104,6 +105,7 @@ def steer_view(
     sampling: Sampling,
     chat: bool = False,
     system: str | None = None,
+    progress: Progress = False,
 ) -> SteerView:
     """``Explorer.steer``: both generations, the changes and the steered prototypes that never fire. ``chat``:
     ``prompt`` is a chat message (after ``system``); both generations stop at the end-of-turn token (every
@@ -117,9 +119,11 @@ def steer_view(
     ids = tok.encode(text) if text else [tok.eot_id]
     p = len(ids)
     stops = end_of_turn(s.run) if chat or tok.chat_template else ()
+    with Reporter(progress, "generate", 2 * tokens, unit="tok") as bar:  # the lock is taken per token
+        base, steered = [
+            _generate(s, ids, use, tokens=tokens, sampling=sampling, stops=stops, bar=bar) for use in ((), ivs)
+        ]
     with s.lock, torch.no_grad():
-        sampled = [_generate(s, ids, use, tokens=tokens, sampling=sampling, stops=stops) for use in ((), ivs)]
-        base, steered = sampled
         ch = changes(s, steered, ivs)
         act = s.activity(steering, steered)
     warning = act.warning("steered")
@@ -147,18 +151,25 @@ def _generate(
     *,
     tokens: int,
     sampling: Sampling,
-    stops: tuple[int, ...] = (),
+    stops: tuple[int, ...],
+    bar: Reporter,
 ) -> list[int]:
     """``ids`` and ``tokens`` sampled after them under ``ivs`` (a fresh generator of the sampling's seed),
-    up to and including the first of ``stops`` (the end-of-turn tokens)."""
+    up to and including the first of ``stops`` (the end-of-turn tokens). Each step holds the model lock (with
+    ``ivs`` applied) on its own, so other requests run between tokens; ``bar`` gets each token."""
     dev = s.run.device
     x = torch.tensor([ids], dtype=torch.long, device=dev)  # (1, p)
     out = list(ids)
-    with s.run.intervened(*ivs) as m:
-        for _, nxt in m.generate_steps(x, tokens, sampling, generator=sampling.generator(dev)):
-            out.append(int(nxt[0, 0]))
-            if out[-1] in stops:
-                break
+    steps = s.model.generate_steps(x, tokens, sampling, generator=sampling.generator(dev))
+    while True:
+        with s.locked(ivs), torch.no_grad():
+            step = next(steps, None)
+        if step is None:
+            break
+        out.append(int(step[1][0, 0]))
+        bar.update(1)
+        if out[-1] in stops:
+            break
     return out
 
 
