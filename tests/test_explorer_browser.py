@@ -22,6 +22,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("playwright")
 from fastapi.testclient import TestClient  # noqa: E402
 from playwright.sync_api import Page, sync_playwright  # noqa: E402
+from test_chat import chat  # noqa: E402, F401  (the fixture)
 from test_explorer_api import LIMITS, build_explorer_run  # noqa: E402
 from test_explorer_jobs import gate  # noqa: E402, F401  (the fixture)
 
@@ -391,4 +392,30 @@ def test_explain_answers_while_training_data_is_working(tiny_shards, tmp_path_fa
         gate.set()
         page.wait_for_selector("#train-items tr td")
         assert page.locator("#train-items tr").count() == 4 + 1
+    _no_errors(errors)
+
+
+@pytest.mark.slow
+def test_the_chat_box_answers_and_explains_up_to_the_end_of_turn(chat, browser_page):  # noqa: F811
+    """A run with a chat template gets a chat box: the message (after the system prompt) is answered with the
+    template, greedily, up to its end-of-turn token, and the answer is explained."""
+    from test_chat import MESSAGE
+
+    page, errors = browser_page
+    ex = Explorer(chat.run, limits=LIMITS)
+    with serve_in_background(ex, timeout=30) as base:
+        page.goto(base + "#/explain")
+        page.wait_for_selector("#explain-chat")
+        page.fill("#explain-text", MESSAGE)
+        page.check("#explain-chat")
+        page.fill("#explain-system", "Answer in one word.")
+        page.click("#explain-go")
+        page.wait_for_selector("#wf-chosen svg.wf")
+        assert "chat=1" in page.url and "system=" in page.url
+        view = ex.explain(MESSAGE, chat=True, system="Answer in one word.")
+        shown = page.locator("#explain-tokens span.tok[data-pos]")
+        assert shown.count() == len(view.positions)
+        assert shown.last.inner_text() == _vis(chat.run.tokenizer.id_to_token(chat.end))  # the answer's last token
+        page.goto(base + "#/steer")
+        page.wait_for_selector("#steer-chat")
     _no_errors(errors)
