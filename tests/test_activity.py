@@ -127,3 +127,26 @@ def test_steer_and_explain_report_the_activity_of_their_prototypes(folder, tmp_p
     view = ex.steer(TEXT, steering=Steering(suppress=(0, 1)), tokens=4, sampling=GREEDY)
     assert view.activity is not None and view.activity.ids == [0, 1]
     assert set(view.activity.active) <= {0, 1}
+
+
+def test_a_controller_reports_its_prototypes_on_the_test_examples(folder):
+    from prismlm.app.control import controller_activity
+
+    run = Run.open(folder, device="cpu", suppress="none")
+    docs = [
+        {"id": str(j), "query": q, "choices": [" universally", " never"], "gold": 0, "label": "x"}
+        for j, q in enumerate(["It is a truth", "We the people"])
+    ]
+    fires = set()
+    for d in docs:  # independently: which prototypes are active where the right answer's first token comes next
+        ids = run.tokenizer.encode(d["query"]) + run.tokenizer.encode(d["choices"][0])
+        n = len(run.tokenizer.encode(d["query"]))
+        _, _, on = _forward(run.model, ids)
+        fires |= set(on[n - 1].nonzero().squeeze(1).tolist())
+    some, never = sorted(fires)[:1], [i for i in range(64) if i not in fires][:1]
+    _, _, on_all = _forward(run.model, run.tokenizer.encode("It is a truth universally"))
+    assert not on_all[:, never[0]].any()
+    act = controller_activity(run, some + never, docs)
+    assert act.ids == sorted(some + never) and some[0] in act.active_at_targets and never[0] not in act.active
+    assert act.target_positions >= len(docs) and act.warning("controlled") is None
+    assert "active on this text" in (controller_activity(run, never, docs).warning("controlled") or "")

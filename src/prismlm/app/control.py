@@ -13,7 +13,7 @@ import torch
 from prismlm.app.chat import chat_texts
 from prismlm.app.run import Run, require
 from prismlm.artifacts import check_out_file, check_out_folder
-from prismlm.control.activity import Activity, changed_prototypes, prototype_activity
+from prismlm.control.activity import Activity, changed_prototypes, merged, prototype_activity
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept, read_texts
 from prismlm.control.controller import (
     Controller,
@@ -26,8 +26,8 @@ from prismlm.control.controller import (
 from prismlm.control.suppress import CHECKPOINT_FILE, PrototypeEvidence, SuppressionSet
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ConfigError, DataError, TaskError
-from prismlm.eval.scoring import MCScores, mc_accuracy
-from prismlm.eval.tasks import TASKS, build_tasks, load_split
+from prismlm.eval.scoring import MCScores, encode_pair, mc_accuracy
+from prismlm.eval.tasks import TASKS, MCExample, build_tasks, load_split
 from prismlm.model import Control, Intervention, PrismLM
 
 # lm-eval's scorer on task folders (``prismlm.integrations.lm_eval_adapter.evaluate_with_lm_eval``): task → metrics
@@ -258,6 +258,20 @@ class ControllerResult:
     after: dict[str, float]
     trace: list[TracedUnit]
     path: Path
+    activity: Activity | None = None
+    """Which of its non-zero prototypes are active on the test examples, and where their right answer's first
+    token is predicted (``Activity.warning``: none is)."""
+
+
+def controller_activity(run: Run, ids: list[int], docs: Sequence[MCExample], limit: int = 64) -> Activity:
+    """``Activity`` of the prototypes ``ids`` over the first ``limit`` examples of ``docs``: each query with its
+    right answer, the answer's first token the target."""
+    model, tok = run.prism_model("a controller report"), run.tokenizer
+    parts = []
+    for d in docs[:limit]:
+        full, n = encode_pair(tok, d["query"], d["choices"][d["gold"]], model.config.block_size)
+        parts.append(prototype_activity(model, ids, full, targets=[full[len(full) - n]], tokenizer=tok))
+    return merged(parts)
 
 
 def fit_controller(
@@ -294,7 +308,8 @@ def fit_controller(
     res.controller.save(
         out, task=str(task), model_sha256=run.identity, test_before=res.before, test_after=res.after, trace=trace
     )
-    return ControllerResult(controller=res.controller, before=res.before, after=res.after, trace=trace, path=out)
+    act = controller_activity(run, res.controller.nonzero, splits["test"])
+    return ControllerResult(res.controller, res.before, res.after, trace, out, act)
 
 
 __all__ = [

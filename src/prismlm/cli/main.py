@@ -445,6 +445,10 @@ def render_controller(res: ControllerResult) -> None:
         f"test acc {res.before['acc']:.4f} → {res.after['acc']:.4f} with {len(res.controller.nonzero)} "
         f"non-zero coefficients (λ={res.controller.l1}); controller: {res.path}"
     )
+    if res.activity is not None:  # which of its prototypes fire on the test examples, and a warning if none
+        warning = res.activity.warning("controlled")
+        for line in [res.activity.summary("controlled")] + ([warning] if warning else []):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 command(app, "concept", ops.find_run_concept, render_concept)

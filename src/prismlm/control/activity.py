@@ -18,7 +18,7 @@ from prismlm.data.tokenizer import Tokenizer
 from prismlm.model import Intervention, PrismLM
 from prismlm.model.interventions import combined_multipliers
 
-__all__ = ["Activity", "changed_prototypes", "prototype_activity"]
+__all__ = ["Activity", "changed_prototypes", "merged", "prototype_activity"]
 
 
 @dataclass(frozen=True)
@@ -112,4 +112,20 @@ def prototype_activity(
         targets=names,
         target_positions=int(at.sum()),
         active_at_targets=sorted(set(idx[hit & at[:, None]].tolist())),
+    )
+
+
+def merged(parts: Sequence[Activity]) -> Activity:
+    """One ``Activity`` of many texts (the same prototypes): active on any, active where any target is predicted."""
+    if not parts:
+        return Activity([], [])
+    targets: list[str] = []
+    for a in parts:
+        targets += [t for t in a.targets if t not in targets]
+    return Activity(
+        ids=parts[0].ids,
+        active=sorted({i for a in parts for i in a.active}),
+        targets=targets,
+        target_positions=sum(a.target_positions for a in parts),
+        active_at_targets=sorted({i for a in parts for i in a.active_at_targets}),
     )
