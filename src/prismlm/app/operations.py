@@ -445,6 +445,12 @@ class PrototypeRow:
     """The tokens W p_i pushes most."""
     token_push: float | None = None
     """(W p_i)_tok for the token searched for, if any."""
+    quality: float | None = None
+    """Its label's quality: how often a token the label names is the next token where it fires (rule labels)."""
+
+
+TOKEN_MATCH_TOP = 20
+"""A prototype matches a token search when the token is among the N tokens its signature W p_i raises most."""
 
 
 @dataclass
@@ -453,6 +459,10 @@ class PrototypeListing:
     matched: int
     num_prototypes: int
     has_index: bool
+    token: str | None = None
+    """The token searched for (``matched``: the prototypes that have it among their ``TOKEN_MATCH_TOP`` pushed
+    tokens, strongest push first)."""
+    match_top: int = TOKEN_MATCH_TOP
 
 
 def find_prototypes(
@@ -468,7 +478,8 @@ def find_prototypes(
 
     Args:
         search: Only prototypes whose label or category contains TEXT.
-        token: Prototypes that push this token most (signature W p_i).
+        token: Prototypes that push this token: it is among the 20 tokens their signature W p_i raises most;
+            strongest push first.
         index: Index folder (default RUN/index if it exists).
         shards: Token shard folder (default: the index's / the run's).
         limit: Rows to list.
@@ -489,9 +500,11 @@ def find_prototypes(
                 f"token {token!r} is {len(tid)} tokens {tid}; give a single token (e.g. with its leading space: ' the')"
             )
         with torch.no_grad():
-            col = model.signatures()[:, tid[0]].float()  # (K,)
+            sig = model.signatures().float()[:, : tok.vocab_size]  # (K, V)
+            col = sig[:, tid[0]]  # (K,)
+            rank = (sig > col[:, None]).sum(-1)  # (K,) the token's place among each prototype's pushes
         score = {i: float(col[i]) for i in ids}
-        ids.sort(key=lambda i: -score[i])
+        ids = sorted((i for i in ids if int(rank[i]) < TOKEN_MATCH_TOP), key=lambda i: -score[i])
     elif idx is not None:
         ids.sort(key=lambda i: -int(idx.counts[i]))
     if search:
@@ -517,9 +530,10 @@ def find_prototypes(
                     active_tokens=int(idx.counts[i]) if idx is not None else None,
                     top_tokens=[tok.id_to_token(int(t)) for t in top[row]],
                     token_push=score.get(i) if token is not None else None,
+                    quality=lab.get("quality"),
                 )
             )
-    return PrototypeListing(rows=rows, matched=len(ids), num_prototypes=K, has_index=idx is not None)
+    return PrototypeListing(rows=rows, matched=len(ids), num_prototypes=K, has_index=idx is not None, token=token)
 
 
 @dataclass
@@ -557,7 +571,8 @@ def prototypes(
 
     Args:
         search: Only prototypes whose label or category contains TEXT.
-        token: Prototypes that push this token most (signature W p_i).
+        token: Prototypes that push this token: it is among the 20 tokens their signature W p_i raises most;
+            strongest push first.
         id: Show one prototype's card (neighbours, histogram, tokens).
         index: Index folder (default RUN/index if it exists).
         shards: Token shard folder (default: the index's / the run's).

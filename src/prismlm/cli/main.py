@@ -237,6 +237,9 @@ def render_prototypes(res: PrototypeListing | PrototypeView, run: Run) -> None:
                 f"{s['mean_activation']:.3f}, nearest context cos {s['max_similarity']:.3f}"
             )
             stdout.print("activation histogram [0,1]: " + " ".join(str(c) for c in s["histogram"]), markup=False)
+        quality = (card.evidence or {}).get("quality")
+        if isinstance(quality, float):
+            stdout.print(f"label quality {quality:.2f} (how often a token the label names comes next where it fires)")
         stdout.print("top tokens of W p_i: " + "  ".join(f"{t!r} {v:.2f}" for t, v in card.top_tokens), markup=False)
         stdout.print("pushes down most:   " + "  ".join(f"{t!r} {v:.2f}" for t, v in card.bottom_tokens), markup=False)
         for nb in card.neighbours:
@@ -246,19 +249,33 @@ def render_prototypes(res: PrototypeListing | PrototypeView, run: Run) -> None:
         return
     table = Table(title=f"prototypes of {run.path}")
     token_col = any(row.token_push is not None for row in res.rows)
-    for col_name in ("id", "label", "category", "active", "W p_i top tokens") + (("(W p_i)_tok",) if token_col else ()):
+    cols = ("id", "label", "quality", "category", "active", "W p_i top tokens") + (
+        ("(W p_i)_tok",) if token_col else ()
+    )
+    for col_name in cols:
         table.add_column(col_name)
     for row in res.rows:
         table.add_row(
             str(row.id),
             escape(row.label),
+            f"{row.quality:.2f}" if row.quality is not None else "-",
             escape(row.category),
             f"{row.active_tokens:,}" if row.active_tokens is not None else "-",
             escape(", ".join(repr(t) for t in row.top_tokens)),
             *((f"{row.token_push:.2f}",) if row.token_push is not None else ()),
         )
     stdout.print(table)
-    stdout.print(f"[dim]{res.matched} of {res.num_prototypes} prototypes match[/]")
+    if res.token is not None:
+        stdout.print(
+            f"{res.matched} of {res.num_prototypes} prototypes have {res.token!r} among the {res.match_top} "
+            f"tokens they push most; {min(len(res.rows), res.matched)} shown, strongest push first",
+            markup=False,
+            style="dim",
+        )
+    else:
+        stdout.print(f"[dim]{res.matched} of {res.num_prototypes} prototypes match[/]")
+    if any(row.quality is not None for row in res.rows):
+        stdout.print("[dim]quality: how often a token the label names is the next token where it fires[/]")
 
 
 command(app, "prototypes", ops.prototypes, render_prototypes)

@@ -186,7 +186,9 @@ function cardHtml(c, slice, text) {
   if (!c) return "";
   const st = c.stats;
   const nb = (c.neighbours || []).map(n => `<li>${snippet(n)} ${docLink(n)}</li>`).join("");
+  const q = c.evidence && c.evidence.quality != null ? c.evidence.quality : null;
   return `<div class="card" data-proto="${c.id}"><h3>${protoLink(c.id, text)} <span class="lab">${esc(c.label || "")}</span>
+    ${q !== null ? `<span class="muted quality" title="how often a token the label names is the next token where the prototype fires">quality ${q.toFixed(2)}</span>` : ""}
     ${c.category ? `<span class="cat" style="background:${hexA(catColor(c.category), .2)}">${esc(c.category)}</span>` : ""}
     ${slice !== undefined ? `<span class="${slice >= 0 ? "pos" : "neg"}" style="float:right">${P.fmt(slice)}</span>` : ""}</h3>
     <div class="stats">${st ? `active on ${st.count.toLocaleString()} indexed tokens (${(100 * st.frequency).toFixed(2)}%), mean activation ${st.mean_activation.toFixed(3)}` : "no index: neighbourhood not available"}</div>
@@ -298,7 +300,7 @@ async function viewMap(r) {
   const tip = $("#map-tip");
   cv.onmousemove = e => { const i = nearest(e); if (i < 0) { tip.style.display = "none"; return; }
     tip.style.display = "block"; tip.style.left = (e.offsetX + 12) + "px"; tip.style.top = (e.offsetY + 8) + "px";
-    tip.textContent = `#${i} ${m.label[i] || ""}${m.count ? " · " + m.count[i] + " tokens" : ""}`; };
+    tip.textContent = `#${i} ${m.label[i] || ""}${m.quality && m.quality[i] != null ? " · label quality " + m.quality[i].toFixed(2) : ""}${m.count ? " · " + m.count[i] + " tokens" : ""}`; };
   cv.onmouseleave = () => { tip.style.display = "none"; };
   cv.onclick = e => { const i = nearest(e); if (i >= 0) go("prototype", i, {text: state.explainText}); };
   async function search() {
