@@ -419,3 +419,23 @@ def test_the_chat_box_answers_and_explains_up_to_the_end_of_turn(chat, browser_p
         page.goto(base + "#/steer")
         page.wait_for_selector("#steer-chat")
     _no_errors(errors)
+
+
+def test_type_a_competing_token_and_open_the_residual(served, browser_page):
+    base, ex = served
+    page, errors = browser_page
+    ids = ex.run.tokenizer.encode(TEXT)
+    page.goto(base + "#/explain?text=" + quote(TEXT) + "&pos=6")
+    page.wait_for_selector("#alt-token")
+    page.fill("#alt-token", " the")
+    page.click("#alt-go")
+    page.wait_for_selector("#wf-alt svg.wf")
+    c = ex.contrast(ids, 6, " the").view.chosen
+    chosen = ex.explain(TEXT, alternatives=0).positions[5].chosen
+    gap = page.locator("#wf-alt svg.wf").nth(1).locator("text").last.text_content()
+    assert gap == f"{chosen.logit - c.logit:.3f}"  # the difference waterfall ends at the logit gap
+    page.click("#resid-go")
+    page.wait_for_selector("#resid-anchors li")
+    assert page.locator("#resid-anchors li").count() == 8
+    assert "W r pushes up" in page.inner_text("#resid-up")
+    _no_errors(errors)

@@ -144,6 +144,20 @@ class SteerBody(_Body):
     steering: SteeringBody = Field(default_factory=SteeringBody)
 
 
+class ContrastBody(_Body):
+    token_ids: list[int]
+    token_index: int
+    token: str
+    steering: SteeringBody = Field(default_factory=SteeringBody)
+
+
+class ResidualBody(_Body):
+    token_ids: list[int]
+    token_index: int
+    answer_from: int = 1
+    top: int = 8
+
+
 class TrainingBody(_Body):
     prompt: str
     completion: str = ""
@@ -264,6 +278,8 @@ class Routes:
         api.add_api_route("/api/search", self.search, methods=get)
         api.add_api_route("/api/steer", self.steer, methods=post)
         api.add_api_route("/api/training", self.training, methods=post)
+        api.add_api_route("/api/contrast", self.contrast, methods=post)
+        api.add_api_route("/api/residual", self.residual, methods=post)
         api.add_api_route("/api/document/{doc_index}", self.document, methods=get)
         api.add_api_route("/api/jobs/{job_id}", self.job, methods=get)
         api.add_api_route("/api/jobs/{job_id}", self.cancel, methods=["DELETE"])
@@ -349,6 +365,21 @@ class Routes:
             ).to_dict()
 
         return self.queued("steer", work, "generating with and without the steering") if job else self.call(work)
+
+    def contrast(self, body: ContrastBody) -> Response:
+        body.checked()
+        return self.call(
+            lambda: self.ex.contrast(
+                body.token_ids, body.token_index, body.token, steering=body.steering.value()
+            ).to_dict()
+        )
+
+    def residual(self, body: ResidualBody) -> Response:
+        return self.call(
+            lambda: self.ex.residual(
+                body.token_ids, body.token_index, answer_from=body.answer_from, top=body.top
+            ).to_dict()
+        )
 
     def training(self, body: TrainingBody, job: bool = False) -> Response:
         """The training data of a text; without an attribution cache (gradients not built yet) a job that says

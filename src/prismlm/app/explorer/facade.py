@@ -18,6 +18,7 @@ from prismlm.app.explorer.info import RunInfo, run_info
 from prismlm.app.explorer.jobs import Job, Work
 from prismlm.app.explorer.limits import Limits
 from prismlm.app.explorer.prototype import PrototypeDetail, prototype_view
+from prismlm.app.explorer.residual import ContrastView, ResidualView, contrast_view, residual_view
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steer import SteerView, steer_view
 from prismlm.app.explorer.steering import Steering
@@ -113,6 +114,18 @@ class Explorer(Session):
             system=system,
             progress=progress,
         )
+
+    def contrast(
+        self, token_ids: list[int], token_index: int, token: str, *, steering: Steering = Steering()
+    ) -> ContrastView:
+        """Why the token at ``token_index`` and not ``token`` (any one token, typed): that token's logit at the
+        same position, split into the same active prototypes' slices + residual (``residual.contrast_view``)."""
+        return contrast_view(self, token_ids, token_index, token, steering)
+
+    def residual(self, token_ids: list[int], token_index: int, *, answer_from: int = 1, top: int = 8) -> ResidualView:
+        """The residual slice of the prediction of ``token_ids[token_index]`` as an object: the tokens W r pushes,
+        the prototypes nearest to r with their contexts, and its mean share from ``answer_from`` on."""
+        return residual_view(self, token_ids, token_index, answer_from=answer_from, top=top)
 
     def prototype(self, i: int, *, text: str | None = None, neighbours: int = 8, similar: int = 8) -> PrototypeDetail:
         """Prototype ``i``: label, category, signature tokens, activation histogram, nearest training

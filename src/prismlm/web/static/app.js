@@ -164,22 +164,51 @@ function showPosition(d, t, altIndex) {
       const dr = c.residual - a.residual, big = diffs.length && Math.abs(diffs[0][1]) > Math.abs(dr) ? `#${diffs[0][0]} ${P.fmt(diffs[0][1])}` : `residual ${P.fmt(dr)}`;
       h += `<tr data-alt="${j}" class="${altIndex === j ? "on" : ""}"><td><code>${esc(vis(a.token))}</code></td><td class="num">${a.prob.toFixed(3)}</td><td class="num">${a.logit.toFixed(3)}</td><td class="num">${P.fmt(c.logit - a.logit)}</td><td>${esc(big)}</td></tr>`;
     });
-    h += `</table><div id="wf-alt"></div>`;
+    h += `</table>`;
   }
+  h += `<div class="controls"><label>why not <input id="alt-token" size="14" placeholder='a token, e.g. " Rome"'></label><button id="alt-go">compare</button>
+    ${t + 1 < d.token_ids.length ? `<button id="resid-go" title="what the residual vector pushes, the prototypes nearest to it, its share over the answer">what is in the residual?</button>` : ""}</div>
+    <div id="wf-alt"></div><div id="residual-panel"></div>`;
   const det = $("#explain-detail");
   det.innerHTML = h;
   det.querySelectorAll("tr[data-alt]").forEach(tr => tr.onclick = () => showPosition(d, t, +tr.dataset.alt));
-  if (altIndex !== undefined) {
-    const a = p.alternatives[altIndex];
-    const steps = p.active.map((x, k) => ({name: `#${x.id} ${x.label || ""}`, value: c.slices[k] - a.slices[k], kind: "p"}));
-    steps.push({name: "residual W r", value: c.residual - a.residual, kind: "r"});
-    if (c.bias || a.bias) steps.push({name: "bias b", value: c.bias - a.bias, kind: "b"});
-    $("#wf-alt").innerHTML = `<div class="wfpair"><div><h3>${esc(JSON.stringify(a.token))}: logit ${a.logit.toFixed(3)}</h3>${P.waterfall(P.stepsOf(p.active, a.slices, a.residual, a.bias), a.logit, {width: 460, labelWidth: 170})}</div>
-      <div><h3>difference chosen − alternative</h3>${P.waterfall(steps, c.logit - a.logit, {width: 460, labelWidth: 170, totalName: "logit gap"})}</div></div>`;
-  }
+  if (altIndex !== undefined) drawAlt(p, c, p.alternatives[altIndex]);
+  const typed = async () => {
+    try {
+      const r = await api("/api/contrast", {token_ids: d.token_ids, token_index: t + 1, token: $("#alt-token").value});
+      const by = Object.fromEntries(r.view.active.map((x, k) => [x.id, r.view.chosen.slices[k]]));
+      drawAlt(p, c, {...r.view.chosen, slices: p.active.map(x => by[x.id] ?? 0)});
+    } catch (e) { showError($("#wf-alt"), e); }
+  };
+  $("#alt-go").onclick = typed;
+  $("#alt-token").onkeydown = e => { if (e.key === "Enter") typed(); };
+  if ($("#resid-go")) $("#resid-go").onclick = () => showResidual(d, t);
   // cards of the active prototypes, by contribution to the chosen token
   const cards = p.active.map((a, k) => [a, c.slices[k]]).map(([a, s]) => cardHtml(d.cards[a.id], s, d.text)).join("");
   $("#explain-cards").innerHTML = `<h2 style="margin-top:.3em">Active prototypes</h2>${cards || "<p class='muted'>none</p>"}`;
+}
+
+function drawAlt(p, c, a) {  // the alternative's waterfall and the difference chosen − alternative
+  const steps = p.active.map((x, k) => ({name: `#${x.id} ${x.label || ""}`, value: c.slices[k] - a.slices[k], kind: "p"}));
+  steps.push({name: "residual W r", value: c.residual - a.residual, kind: "r"});
+  if (c.bias || a.bias) steps.push({name: "bias b", value: c.bias - a.bias, kind: "b"});
+  $("#wf-alt").innerHTML = `<div class="wfpair"><div><h3>${esc(JSON.stringify(a.token))}: logit ${a.logit.toFixed(3)}${a.rank !== undefined ? ` <span class="muted">rank ${a.rank + 1}, p = ${a.prob.toFixed(4)}</span>` : ""}</h3>${P.waterfall(P.stepsOf(p.active, a.slices, a.residual, a.bias), a.logit, {width: 460, labelWidth: 170})}</div>
+    <div><h3>difference chosen − alternative</h3>${P.waterfall(steps, c.logit - a.logit, {width: 460, labelWidth: 170, totalName: "logit gap"})}</div></div>`;
+}
+
+async function showResidual(d, t) {
+  const el = $("#residual-panel");
+  busy(el);
+  let r;
+  try { r = await api("/api/residual", {token_ids: d.token_ids, token_index: t + 1, answer_from: d.prompt_tokens ?? 1}); }
+  catch (e) { showError(el, e); return; }
+  const chips = list => list.map(([tk, v]) => `<span title="${v.toFixed(3)}">${esc(vis(tk))}</span>`).join("");
+  el.innerHTML = `<h3>The residual of <code>${esc(vis(r.token))}</code> <span class="muted">token ${r.token_index}</span></h3>
+    <div class="muted" id="resid-share">slice (W r)<sub>y</sub> = ${P.fmt(r.residual_slice)}, ${(100 * r.residual_share).toFixed(0)}% of this logit's |slices|; ‖r‖/‖z‖ = ${r.norm_share.toFixed(2)};
+    over ${r.answer_tokens} tokens from token ${r.answer_from} on, the residual is ${(100 * r.answer_share).toFixed(0)}% on average</div>
+    <div class="chips" id="resid-up">W r pushes up: ${chips(r.pushes_up)}</div><div class="chips down">down: ${chips(r.pushes_down)}</div>
+    <div class="muted">prototypes nearest to r (cosine), with their nearest training context:</div>
+    <ol class="snips" id="resid-anchors">${r.anchors.map(a => `<li>${protoLink(a.id)} ${a.cosine.toFixed(3)} <span class="muted">${esc(a.label || "")}</span> ${a.target || a.before ? snippet(a) : ""}</li>`).join("")}</ol>`;
 }
 
 function cardHtml(c, slice, text) {
