@@ -127,6 +127,8 @@ def test_explanations_are_greedy_by_default(chat):
     ids = run.tokenizer.encode("It is a truth")
     with torch.no_grad():
         greedy = run.model.generate(torch.tensor([ids]), 6, Sampling(temperature=0.0))[0].tolist()
+    stop = next((j for j in range(len(ids), len(greedy)) if greedy[j] in run.tokenizer.end_of_turn_ids), None)
+    greedy = greedy if stop is None else greedy[: stop + 1]  # (on this chat run, up to the end of the turn)
     assert expl.token_ids + [expl.positions[-1].next_id] == greedy
     view = Explorer(run, limits=LIMITS).explain("It is a truth", generate=6)
     assert view.token_ids == expl.token_ids
@@ -143,3 +145,14 @@ def test_concept_finding_reads_the_texts_as_chats(chat, tmp_path):
     assert all(c.endswith(chat.run.tokenizer.decode([chat.end])) for c in chats)  # each answer up to end-of-turn
     tokens = sum(min(len(chat.run.tokenizer.encode(c)), chat.run.model.config.block_size) for c in chats)
     assert res.suppression.meta["concept_tokens"] == tokens
+
+
+def test_a_plain_generation_on_a_chat_run_ends_with_the_turn_too(chat):
+    """The template pasted by hand (or any text) on a run with a chat template: generation still stops at the
+    end-of-turn token — past it the model would write the next turn."""
+    run = chat.run
+    prompt = run.chat_prompt(MESSAGE)
+    want = run.tokenizer.decode(chat.answer[:-1])
+    assert generate(run, prompt, tokens=N, sampling=GREEDY) == [prompt + want]
+    expl = explain_text(run, prompt, ExplanationRequest(generate=N))
+    assert expl.token_ids[expl.prompt_tokens :] + [expl.positions[-1].next_id] == chat.answer

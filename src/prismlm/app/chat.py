@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prismlm.app.run import Run
 
-__all__ = ["CHAT_ANSWER_TOKENS", "chat_prompt", "chat_texts", "end_of_turn"]
+__all__ = ["CHAT_ANSWER_TOKENS", "chat_prompt", "chat_texts", "end_of_turn", "stops_for"]
 
 CHAT_ANSWER_TOKENS = 64
 """Longest chat answer generated for a chat message when no length is given."""
@@ -34,3 +34,10 @@ def chat_texts(run: Run, messages: list[str], tokens: int = CHAT_ANSWER_TOKENS) 
         ids = tok.encode(run.chat_prompt(m))
         out.append(tok.decode(ids + run.chat_ids(ids, tokens)))
     return out
+
+
+def stops_for(run: Run, chat: bool) -> tuple[int, ...]:
+    """The tokens a generation on ``run`` stops at: the end-of-turn tokens for a chat message, and for any
+    text on a run with a chat template (past the end of a turn the model writes the next turn); none
+    otherwise (a plain model's end-of-text starts a new document, which a continuation may run into)."""
+    return end_of_turn(run) if chat or run.tokenizer.chat_template else ()

@@ -15,7 +15,7 @@ import torch
 
 from prismlm.app.chat import CHAT_ANSWER_TOKENS as CHAT_ANSWER_TOKENS
 from prismlm.app.chat import chat_prompt as chat_prompt
-from prismlm.app.chat import end_of_turn
+from prismlm.app.chat import stops_for
 from prismlm.app.control import intervention_activity
 from prismlm.app.indexing import IndexResult as IndexResult  # re-exported: callers import them from here
 from prismlm.app.indexing import LabelResult as LabelResult
@@ -160,7 +160,7 @@ def generate(
             tokens=tokens,
             sampling=sampling,
             generator=sampling.generator(run.device),
-            stop_ids=end_of_turn(run) if chat is not None else (),
+            stop_ids=stops_for(run, chat is not None),
         )
     notes = [
         f"sample {j + 1}: {n}"
@@ -274,7 +274,7 @@ def explain_text(
                 sampling=sampling,
                 index=idx,
                 neighbours=neighbours,
-                stop_id=end_of_turn(run) if chat is not None else None,
+                stop_id=stops_for(run, chat is not None),
             )
         else:
             expl = explain(model, tokenizer, prompt, model_sha256=run.identity, index=idx, neighbours=neighbours)

@@ -13,7 +13,7 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
-from prismlm.app.chat import CHAT_ANSWER_TOKENS, chat_prompt, end_of_turn
+from prismlm.app.chat import CHAT_ANSWER_TOKENS, chat_prompt, stops_for
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
@@ -123,9 +123,9 @@ def explain_view(
     holds the model lock one token at a time (``progress`` gets each token), so other requests run between."""
     s.limits.check_text(text)
     s.limits.check_text(system or "", "system")
-    stop_id: tuple[int, ...] | None = None
+    stop_id = stops_for(s.run, chat)  # on a run with a chat template every generation ends with the turn
     if chat:
-        text, stop_id = chat_prompt(s.run, text, system), end_of_turn(s.run)
+        text = chat_prompt(s.run, text, system)
         generate = generate or min(CHAT_ANSWER_TOKENS, s.limits.max_generate)
         sampling = replace(sampling, temperature=0.0)
     s.limits.check_sampling(generate, sampling, "generate")

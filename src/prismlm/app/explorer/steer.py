@@ -13,7 +13,7 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
-from prismlm.app.chat import chat_prompt, end_of_turn
+from prismlm.app.chat import chat_prompt, stops_for
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
@@ -118,7 +118,7 @@ def steer_view(
     text = chat_prompt(s.run, prompt, system) if chat else prompt
     ids = tok.encode(text) if text else [tok.eot_id]
     p = len(ids)
-    stops = end_of_turn(s.run) if chat or tok.chat_template else ()
+    stops = stops_for(s.run, chat)
     with Reporter(progress, "generate", 2 * tokens, unit="tok") as bar:  # the lock is taken per token
         base, steered = [
             _generate(s, ids, use, tokens=tokens, sampling=sampling, stops=stops, bar=bar) for use in ((), ivs)
