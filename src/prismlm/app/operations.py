@@ -8,6 +8,7 @@ Each ``prism`` command is one of these plain functions (or one in ``app.indexing
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -68,12 +69,13 @@ def sample_continuations(
     tokens: int,
     sampling: Sampling,
     generator: torch.Generator | None = None,
-    stop_ids: tuple[int, ...] = (),
+    stop_id: int | Sequence[int] | None = None,
 ) -> list[str]:
     """``samples`` sampled continuations of ``prompt`` (continuation text only; an empty prompt starts
     from the end-of-text token), one batch through ``model.generate`` at ``sampling`` (``generator``:
-    instead of ``sampling.seed``'s). ``stop_ids`` (the end-of-turn tokens):
+    instead of ``sampling.seed``'s). ``stop_id`` (an end-of-turn token, or several: ``Tokenizer.end_of_turn_ids``):
     generation ends once every sample has produced one, and each continuation is cut before it."""
+    stop_ids = [int(stop_id)] if isinstance(stop_id, int) else [int(i) for i in stop_id or ()]
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     dev = next(model.parameters()).device
     x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)  # (samples, T)
@@ -160,7 +162,7 @@ def generate(
             tokens=tokens,
             sampling=sampling,
             generator=sampling.generator(run.device),
-            stop_ids=stops_for(run, chat is not None),
+            stop_id=stops_for(run, chat is not None),
         )
     notes = [
         f"sample {j + 1}: {n}"

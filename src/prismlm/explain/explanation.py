@@ -699,7 +699,7 @@ def explain_generation(
     last ``block_size`` tokens.
     """
     s = sampling or TEXT_SAMPLING
-    stops = _stops(stop_id)
+    stops = frozenset([int(stop_id)] if isinstance(stop_id, int) else [int(i) for i in stop_id or ()])
     if n < 1:
         raise ConfigError(f"n (tokens to generate) must be >= 1, got {n}", option="n")
     net = _require_prism(model)
@@ -772,13 +772,6 @@ def _explain_long_generation(
     expl.text = tokenizer.decode(full[expl.truncated_tokens :])
     expl.notes.append(f"generated {n} tokens ({sampling.describe()})")
     return expl
-
-
-def _stops(stop_id: int | Sequence[int] | None) -> frozenset[int]:
-    """The end-of-turn ids of ``explain_generation``'s ``stop_id`` as a set (empty: none)."""
-    if stop_id is None:
-        return frozenset()
-    return frozenset([int(stop_id)] if isinstance(stop_id, int) else [int(i) for i in stop_id])
 
 
 def _concat(outs: list[PrismOutput]) -> PrismOutput:

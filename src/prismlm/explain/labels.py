@@ -106,19 +106,14 @@ def rule_labels(
     corpus_counts: np.ndarray | None = None,
     pushes: Sequence[Sequence[int]] | None = None,
 ) -> Labels:
-    """Label every prototype of ``index`` from what it does, then from its neighbourhood (shards attached or
-    given).
+    """Label every prototype of ``index`` from what it does, then its neighbourhood (shards attached or given).
 
-    ``pushes``: per prototype, the tokens its signature W p_i raises most (``pushed_tokens``). With them the
-    label leads with what the prototype pushes (``↑ " Paris"|" Rome"``) — not the token its nearest context
-    happened to predict — and ``quality`` is how often one of those (the label's) tokens is the next token
-    where the prototype fires (its nearest training contexts, the strongest activations): 1.0, the label says
-    what it predicts; 0, it says nothing of it.
-
-    Returns prototype id → {label, category, quality, evidence}; evidence holds the pushed tokens, the
-    next-token and previous-token counts, distinctive context words (log-ratio of the neighbourhood's frequency
-    to the corpus's, add-one smoothed) and whether the prototype is dead.
-    """
+    ``pushes``: per prototype, the tokens W p_i raises most (``pushed_tokens``): the label leads with them
+    (``↑ " Paris"|" Rome"``, not the token its nearest context happened to predict), and ``quality`` is how
+    often one of them is the next token where the prototype fires (its nearest training contexts).
+    Returns prototype id → {label, category, quality, evidence}; evidence: the pushed tokens, next- and
+    previous-token counts, distinctive context words (log-ratio of neighbourhood to corpus frequency,
+    add-one smoothed), whether the prototype is dead."""
     shards = shards if shards is not None else index.shards
     if shards is None:
         raise ArtifactError(
@@ -159,17 +154,8 @@ def rule_labels(
         distinctive = [w for _, w in sorted(scores, reverse=True)[:3]]
         top_next = [(tok.decode([t]), k) for t, k in nexts.most_common(3)]
         top_prev = [(tok.decode([t]), k) for t, k in prevs.most_common(3)]
-        parts = []
         pushed = list(pushes[i][:LABEL_TOKENS]) if pushes is not None else []
-        if pushed:
-            parts.append("↑ " + "|".join(_q(tok.decode([t])) for t in pushed))
-        if top_next:
-            shown = [t for t, k in top_next if k / n >= 0.15] or [top_next[0][0]]
-            parts.append("→ " + "|".join(_q(t) for t in shown[:3]))
-        if top_prev and top_prev[0][1] / n >= 0.5:
-            parts.append(f"after {_q(top_prev[0][0])}")
-        if distinctive and cls in ("content", "mixed", "name"):
-            parts.append("ctx: " + ", ".join(distinctive))
+        parts = _label_parts([tok.decode([t]) for t in pushed], top_next, top_prev, n, distinctive, cls)
         dead = bool(index.counts[i] == 0)
         label = ("(dead) " if dead else "") + " ".join(parts)
         quality = sum(k for t, k in nexts.items() if t in pushed) / n if pushed and nbs else None
@@ -194,6 +180,29 @@ def rule_labels(
 
 LABEL_TOKENS = 3
 """Pushed tokens a label leads with (and its ``quality`` is measured on)."""
+
+
+def _label_parts(
+    pushed: list[str],
+    top_next: list[tuple[str, int]],
+    top_prev: list[tuple[str, int]],
+    n: int,
+    distinctive: list[str],
+    cls: str,
+) -> list[str]:
+    """A rule label's parts: what it pushes (``↑``), its contexts' next tokens (``→``), their previous token
+    (``after``) and, for content, distinctive context words."""
+    parts = []
+    if pushed:
+        parts.append("↑ " + "|".join(_q(t) for t in pushed))
+    if top_next:
+        shown = [t for t, k in top_next if k / n >= 0.15] or [top_next[0][0]]
+        parts.append("→ " + "|".join(_q(t) for t in shown[:3]))
+    if top_prev and top_prev[0][1] / n >= 0.5:
+        parts.append(f"after {_q(top_prev[0][0])}")
+    if distinctive and cls in ("content", "mixed", "name"):
+        parts.append("ctx: " + ", ".join(distinctive))
+    return parts
 
 
 @torch.no_grad()
