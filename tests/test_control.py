@@ -553,13 +553,40 @@ def test_concept_contribution_is_the_exact_derivative_of_the_loglikelihood(tiny_
     torch.testing.assert_close(torch.from_numpy(stats.contribution), grad, rtol=1e-7, atol=1e-10)
 
 
+def test_concept_search_ranks_by_the_effect_on_the_target_tokens(tiny_shards):
+    """By default prototypes are ranked by their slice on the concept's target tokens (the tokens over-represented
+    in the concept texts) where those are predicted: exactly what suppressing one takes off those logits."""
+    from prismlm.control.concept import ConceptSelection, concept_targets, find_concept
+
+    tok, model, concept, neutral = _concept_setup(tiny_shards)
+    targets = concept_targets(tok, concept, neutral)
+    assert targets and all(tok.id_to_token(t).strip() in "zebra quartz" for t in targets)
+    sset, ranking = find_concept(
+        model, tok, concept, neutral, ConceptSelection(budget=None, threshold=0.0, min_count=1)
+    )
+    assert sset.meta["rank_by"] == "target" and sset.meta["target_tokens"] == targets
+    effects = [r["target_effect"] for r in ranking]
+    assert ranking and effects == sorted(effects, reverse=True) and all(e > 0 for e in effects)
+    # the effect, independently: the logit drop of the targets where they come next when the prototype is off
+    x = torch.tensor([tok.encode(concept[0])])
+    y = x[0, 1:]
+    at = torch.isin(y, torch.tensor(targets))
+    top = ranking[0]["id"]
+    with torch.no_grad():
+        base = model(x[:, :-1]).logits[0].gather(-1, y[:, None])[:, 0]
+        with model.suppress([top]):
+            off = model(x[:, :-1]).logits[0].gather(-1, y[:, None])[:, 0]
+    drop = float((base - off)[at].double().mean())
+    assert drop == pytest.approx(ranking[0]["target_effect"], rel=1e-4, abs=1e-6)  # all texts are the same
+
+
 def test_concept_search_rank_by_contribution_and_subset(tiny_shards):
     from prismlm.control.concept import ConceptSelection, find_concept
     from prismlm.errors import SuppressionError
 
     tok, model, concept, neutral = _concept_setup(tiny_shards)
     sset, ranking = find_concept(
-        model, tok, concept, neutral, ConceptSelection(budget=None, threshold=0.0, min_count=1)
+        model, tok, concept, neutral, ConceptSelection(budget=None, rank_by="contribution", threshold=0.0, min_count=1)
     )
     keys = [r["contribution_nats_per_token"] for r in ranking]
     assert keys == sorted(keys, reverse=True) and all(k > 0 for k in keys)  # ranked, positive contribution

@@ -60,6 +60,23 @@ def client(explorer) -> TestClient:
     return TestClient(create_app(explorer), base_url=BASE)
 
 
+def post_training(client: TestClient, body: dict[str, Any]) -> Any:
+    """``POST /api/training``, following the job it answers with while no gradients are built (202: polled
+    until it ends, within a deadline); the answer's JSON."""
+    import time
+
+    res = client.post("/api/training", json=body)
+    if res.status_code != 202:
+        return res.json()
+    job, t0 = res.json()["job"], time.monotonic()
+    while job["state"] in ("queued", "running"):
+        assert time.monotonic() - t0 < 300, f"the training job never ended: {job}"
+        time.sleep(0.05)
+        job = client.get(f"/api/jobs/{job['id']}").json()
+    assert job["state"] == "done", job
+    return job["result"]
+
+
 def _plain_logits(explorer: Explorer, ids: list[int], suppress: list[int] | None = None) -> torch.Tensor:
     """(n, V) logits of a plain forward (optionally with ``model.suppress``) — the independent reference."""
     m = explorer.run.model
@@ -229,7 +246,7 @@ def test_prototype_map_search_training_document(client, explorer):
     assert any(c >= 0 for c in m["category"]) and any(m["label"])
     s = client.get("/api/search", params={"token": " the", "limit": 5}).json()
     assert len(s["hits"]) == 5
-    tr = client.post("/api/training", json={"prompt": "It is a truth", "completion": " universally", "top": 3}).json()
+    tr = post_training(client, {"prompt": "It is a truth", "completion": " universally", "top": 3})
     assert len(tr["items"]) == 3 and max(abs(it["relative"]) for it in tr["items"]) == pytest.approx(1.0)
     one = client.post(
         "/api/training", json={"prompt": "It is a truth", "completion": " universally", "top": 3, "token": 0}
@@ -473,9 +490,7 @@ def test_steer_names_the_steered_prototypes_that_never_fire(client, explorer):
 def test_training_shares_add_up_to_one(client):
     """Each listed prototype's share is its contribution over Σ|listed| + |rest|, rest = score − Σ listed (the
     unlisted prototypes' net): signed, |shares| + |rest share| = 1, none beyond ±100%."""
-    tr = client.post(
-        "/api/training", json={"prompt": "It is a truth universally", "completion": " acknowledged, that", "top": 8}
-    ).json()
+    tr = post_training(client, {"prompt": "It is a truth universally", "completion": " acknowledged, that", "top": 8})
     assert tr["items"] and "+" not in tr["method"]
     for it in tr["items"]:
         cs = [p["contribution"] for p in it["prototypes"]]
@@ -590,7 +605,7 @@ def test_the_result_types_describe_the_json(client, explorer):
     changed = [c for step in st["steps"] for c in step["changed"]]
     assert changed, "suppressing half the bank changes some slice"
     same(changed[0], steer.ChangedSlice)
-    tr = client.post("/api/training", json={"prompt": "It is a truth", "completion": " universally", "top": 2}).json()
+    tr = post_training(client, {"prompt": "It is a truth", "completion": " universally", "top": 2})
     same(tr, training.TrainingView)
     same(tr["measured"][0], training.MeasuredToken)
     same(tr["items"][0], training.TrainingItem)

@@ -23,7 +23,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("playwright")
 from fastapi.testclient import TestClient  # noqa: E402
 from playwright.sync_api import Page, sync_playwright  # noqa: E402
+from test_chat import chat  # noqa: E402, F401  (the fixture)
 from test_explorer_api import LIMITS, build_explorer_run  # noqa: E402
+from test_explorer_jobs import gate  # noqa: E402, F401  (the fixture)
 
 from prismlm.app.explorer import Explorer  # noqa: E402
 from prismlm.web.server import create_app, serve_in_background  # noqa: E402
@@ -100,7 +102,7 @@ def test_explain_click_a_token_shows_its_waterfall(served, browser_page):
     page.wait_for_selector("#wf-alt svg.wf")
     gap = api.positions[t].chosen.logit - api.positions[t].alternatives[0].logit
     assert page.locator("#wf-alt svg.wf").nth(1).locator("text").last.text_content() == f"{gap:.3f}"
-    assert "pos=5" in page.url  # the selection is part of the shareable URL
+    assert "pos=6" in page.url  # the selection is part of the shareable URL: the index of the token shown
     page.select_option("#explain-color", "residual")
     assert "residual share" in page.inner_text("#explain-legend")
     _shot(page, "explain")
@@ -356,4 +358,90 @@ def test_an_empty_text_explains_the_first_prediction(served, browser_page):
     want = ex.explain("", alternatives=0).positions[0].chosen
     assert page.locator("#wf-chosen svg.wf text").last.text_content() == f"{want.logit:.3f}"
     assert "empty input" in page.inner_text("#explain-out")
+    _no_errors(errors)
+
+
+def test_a_url_position_is_the_index_of_the_token_shown(served, browser_page):
+    """``pos=K`` in the URL selects token K of the text (the K-th after the first, as the tooltips number them)
+    — the prediction of that token — not the token after it."""
+    base, ex = served
+    page, errors = browser_page
+    ids = ex.run.tokenizer.encode(TEXT)
+    k = 7
+    page.goto(base + "#/explain?text=" + quote(TEXT) + f"&pos={k}")
+    page.wait_for_selector("#explain-tokens span.tok.sel")
+    sel = page.locator("#explain-tokens span.tok.sel")
+    assert sel.get_attribute("data-token") == str(k)
+    assert sel.inner_text() == _vis(ex.run.tokenizer.id_to_token(ids[k]))
+    assert f"token {k}" in page.inner_text("#explain-head")
+    _no_errors(errors)
+
+
+@pytest.mark.slow
+def test_explain_answers_while_training_data_is_working(tiny_shards, tmp_path_factory, browser_page, gate):  # noqa: F811
+    """A Training data request without an attribution cache runs as a job (held mid-build by ``gate``); the
+    Explain view, opened meanwhile in another tab, answers; then the training page shows its result."""
+    run, concept = build_explorer_run(tiny_shards, tmp_path_factory.mktemp("explorer"))
+    ex = Explorer.open(run, device="cpu", concepts=[concept], limits=LIMITS)
+    page, errors = browser_page
+    with serve_in_background(ex, timeout=30) as base:
+        page.goto(
+            base + "#/training?prompt=" + quote("It is a truth") + "&completion=" + quote(" universally") + "&top=4"
+        )
+        page.wait_for_selector("#job-status[data-state='running'] progress")
+        assert "prism attribute-cache" in page.inner_text("#job-status")
+        other = page.context.browser.new_page()
+        other.goto(base + "#/explain?text=" + quote(TEXT))
+        other.wait_for_selector("#wf-chosen svg.wf")  # answered while the training job is held
+        assert page.locator("#job-status[data-state='running']").count() == 1
+        other.close()
+        gate.set()
+        page.wait_for_selector("#train-items tr td")
+        assert page.locator("#train-items tr").count() == 4 + 1
+    _no_errors(errors)
+
+
+@pytest.mark.slow
+def test_the_chat_box_answers_and_explains_up_to_the_end_of_turn(chat, browser_page):  # noqa: F811
+    """A run with a chat template gets a chat box: the message (after the system prompt) is answered with the
+    template, greedily, up to its end-of-turn token, and the answer is explained."""
+    from test_chat import MESSAGE
+
+    page, errors = browser_page
+    ex = Explorer(chat.run, limits=LIMITS)
+    with serve_in_background(ex, timeout=30) as base:
+        page.goto(base + "#/explain")
+        page.wait_for_selector("#explain-chat")
+        page.fill("#explain-text", MESSAGE)
+        page.check("#explain-chat")
+        page.fill("#explain-system", "Answer in one word.")
+        page.click("#explain-go")
+        page.wait_for_selector("#wf-chosen svg.wf")
+        assert "chat=1" in page.url and "system=" in page.url
+        view = ex.explain(MESSAGE, chat=True, system="Answer in one word.")
+        shown = page.locator("#explain-tokens span.tok[data-pos]")
+        assert shown.count() == len(view.positions)
+        assert shown.last.inner_text() == _vis(chat.run.tokenizer.id_to_token(chat.end))  # the answer's last token
+        page.goto(base + "#/steer")
+        page.wait_for_selector("#steer-chat")
+    _no_errors(errors)
+
+
+def test_type_a_competing_token_and_open_the_residual(served, browser_page):
+    base, ex = served
+    page, errors = browser_page
+    ids = ex.run.tokenizer.encode(TEXT)
+    page.goto(base + "#/explain?text=" + quote(TEXT) + "&pos=6")
+    page.wait_for_selector("#alt-token")
+    page.fill("#alt-token", " the")
+    page.click("#alt-go")
+    page.wait_for_selector("#wf-alt svg.wf")
+    c = ex.contrast(ids, 6, " the").view.chosen
+    chosen = ex.explain(TEXT, alternatives=0).positions[5].chosen
+    gap = page.locator("#wf-alt svg.wf").nth(1).locator("text").last.text_content()
+    assert gap == f"{chosen.logit - c.logit:.3f}"  # the difference waterfall ends at the logit gap
+    page.click("#resid-go")
+    page.wait_for_selector("#resid-anchors li")
+    assert page.locator("#resid-anchors li").count() == 8
+    assert "W r pushes up" in page.inner_text("#resid-up")
     _no_errors(errors)

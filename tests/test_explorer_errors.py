@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
-from test_explorer_api import BASE, LIMITS, build_explorer_run  # noqa: E402
+from test_explorer_api import BASE, LIMITS, build_explorer_run, post_training  # noqa: E402
 
 from prismlm.app.explorer import Explorer  # noqa: E402
 from prismlm.web.server import create_app  # noqa: E402
@@ -119,7 +119,7 @@ def test_a_corrupt_labels_file_is_served_without_labels_and_reported(built, tmp_
     assert res.status_code == 200, res.text
     res = client.get("/api/prototype/0")
     assert res.status_code == 200 and res.json()["card"]["label"] in (None, ""), res.text
-    assert client.post("/api/training", json={"prompt": "The sea", "top": 2}).status_code == 200
+    assert post_training(client, {"prompt": "The sea", "top": 2})["items"]
 
 
 def test_a_cache_rebuilt_while_serving_is_reloaded(built, tiny_shards, tmp_path):

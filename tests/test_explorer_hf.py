@@ -13,6 +13,7 @@ pytest.importorskip("fastapi")
 transformers = pytest.importorskip("transformers")
 
 from fastapi.testclient import TestClient  # noqa: E402
+from test_explorer_api import post_training  # noqa: E402
 
 from prismlm.app.explorer import Explorer, Limits  # noqa: E402
 from prismlm.web.server import create_app  # noqa: E402
@@ -166,9 +167,7 @@ def test_steer_and_training_data_on_the_hf_run(client, explorer):
     assert len(d["steps"]) == 6
     for s in d["steps"]:
         assert s["delta"] == pytest.approx(s["delta_from_slices"], abs=2e-5)
-    tr = client.post("/api/training", json={"prompt": "The people of", "completion": " the", "top": 3})
-    assert tr.status_code == 200, tr.text
-    items = tr.json()["items"]
+    items = post_training(client, {"prompt": "The people of", "completion": " the", "top": 3})["items"]
     assert len(items) == 3 and max(abs(it["relative"]) for it in items) == pytest.approx(1.0)
 
 

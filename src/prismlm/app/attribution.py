@@ -6,6 +6,7 @@ and ``Rescoring``). Method and measurements: docs/attribution.md.
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -281,7 +282,7 @@ def _rescorer(run: Run, rescoring: Rescoring, shard_set: ShardSet, num_train: in
 
 def attribute_text(
     run: Run,
-    text: str,
+    text: str = "",
     query: QuerySpec = DEFAULT_QUERY,
     search: SearchSpec = DEFAULT_SEARCH_SPEC,
     rescoring: Rescoring = NO_RESCORING,
@@ -289,9 +290,10 @@ def attribute_text(
     cache: Path | None = None,
     shards: Path | None = None,
     token_ids: list[int] | None = None,
+    chat: str | None = None,
 ) -> Attribution:
     """The training sequences that most influenced TEXT (or its completion), with the prototypes that
-    connect them and snippets.
+    connect them and snippets. The printed time is the wall time of all of it (a gradient build included).
 
     Args:
         text: Prompt (or prompt + completion, measuring its last tokens).
@@ -305,8 +307,26 @@ def attribute_text(
         cache: Cache folder (default RUN/attribution-cache).
         shards: Token shard folder (default: the cache's / the run's).
         token_ids: Attribute exactly these token ids (library use; the text is then only a label).
+        chat: A chat message instead of a text: written with the run's chat template, the model's answer is
+            generated (greedy, up to the end-of-turn token) and its tokens are measured.
     """
+    t0 = time.perf_counter()
     run.prism_model("prototype-space attribution")
+    if chat is not None:
+        if text or query.answer is not None or query.completion or query.generate:
+            raise ConfigError(
+                "chat was given with a text, an answer, a completion or a generation",
+                fix="give the chat message alone: the model's answer to it is what is measured",
+                option="chat",
+            )
+        prompt_ids = run.tokenizer.encode(run.chat_prompt(chat))
+        answer = run.chat_ids(prompt_ids)
+        if not answer:
+            raise ConfigError("the chat answer is empty: nothing to attribute", option="chat")
+        token_ids = [run.tokenizer.eot_id, *prompt_ids, *answer]
+        query = replace(query, completion=len(answer), answer=None, generate=0)
+        text = run.tokenizer.decode(prompt_ids + answer)
+    built = ""
     if search.method == "cached":
         c = run.cache(cache, shards)
         index = None if search.search == "exact" else run.search(cache, shards, required=search.search == "approximate")
@@ -314,8 +334,10 @@ def attribute_text(
         source: AttributionCache | FullGradients = c
     else:
         shard_set = run.shards(shards)
+        t_build = time.perf_counter()
         source, index = FullGradients.build(run.model, shard_set, max_sequences=search.max_sequences), None
-    return attribute(
+        built = f" ({time.perf_counter() - t_build:.1f} s of it building the full gradients)"
+    att = attribute(
         run.model,
         run.tokenizer,
         text,
@@ -328,6 +350,10 @@ def attribute_text(
         shards=shard_set,
         token_ids=token_ids,
     )
+    att.seconds = time.perf_counter() - t0  # wall time of what the command did, not only the scoring
+    if built:
+        att.notes.append(f"{att.seconds:.1f} s in all{built}")
+    return att
 
 
 def attribute_explanation(run: Run, expl: Explanation, *, shards: Path | None = None) -> Attribution:

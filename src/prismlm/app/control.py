@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from prismlm.app.chat import chat_texts
 from prismlm.app.run import Run, require
 from prismlm.artifacts import check_out_file, check_out_folder
+from prismlm.control.activity import Activity, changed_prototypes, merged, prototype_activity
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept, read_texts
 from prismlm.control.controller import (
     Controller,
@@ -24,9 +26,9 @@ from prismlm.control.controller import (
 from prismlm.control.suppress import CHECKPOINT_FILE, PrototypeEvidence, SuppressionSet
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ConfigError, DataError, TaskError
-from prismlm.eval.scoring import MCScores, mc_accuracy
-from prismlm.eval.tasks import TASKS, build_tasks, load_split
-from prismlm.model import Control, PrismLM
+from prismlm.eval.scoring import MCScores, encode_pair, mc_accuracy
+from prismlm.eval.tasks import TASKS, MCExample, build_tasks, load_split
+from prismlm.model import Control, Intervention, PrismLM
 
 # lm-eval's scorer on task folders (``prismlm.integrations.lm_eval_adapter.evaluate_with_lm_eval``): task → metrics
 TaskScorer = Callable[[PrismLM, Tokenizer, dict[str, str | Path]], dict[str, dict[str, float]]]
@@ -54,6 +56,7 @@ def find_run_concept(
     name: str | None = None,
     out: Path | None = None,
     save: bool = False,
+    chat: bool = False,
 ) -> ConceptResult:
     """Find the prototypes of a concept (log-likelihood contribution, activation enrichment, neighbourhood
     purity) → a suppression set.
@@ -68,6 +71,9 @@ def find_run_concept(
         name: Name of the concept (stored in the set).
         out: Write the suppression set here (default: print only).
         save: Also save it as the checkpoint's suppression.json (applied by default).
+        chat: Every concept and neutral text is a chat message: written with the run's chat template, the
+            model's answer (greedy, up to the end-of-turn token) appended — the prototypes are found on what
+            the model reads and says in a chat.
     """
     require(selection.min_count >= 1, "min_count", ">= 1", selection.min_count)
     if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what `save` writes)
@@ -81,6 +87,8 @@ def find_run_concept(
         ctexts, ntexts = read_texts(concept), read_texts(neutral)
     except FileNotFoundError as e:
         raise DataError(str(e), fix="check the concept / neutral texts' path") from e
+    if chat:
+        ctexts, ntexts = chat_texts(run, ctexts), chat_texts(run, ntexts)
     idx = run.index(index, required=True) if index is not None else None
     try:
         rx = doc_regex(concept_docs) if concept_docs else None
@@ -105,6 +113,35 @@ def find_run_concept(
     if save:
         saved.append(sset.save(run.checkpoint.path))
     return ConceptResult(suppression=sset, ranking=ranking, saved=saved)
+
+
+def suppression_targets(*sets: SuppressionSet | None) -> list[int]:
+    """The target tokens recorded by ``prism concept`` in suppression sets (``meta["target_tokens"]``)."""
+    out: list[int] = []
+    for sset in sets:
+        raw = sset.meta.get("target_tokens") if sset is not None else None
+        if isinstance(raw, list):
+            out += [int(t) for t in raw if isinstance(t, int) and int(t) not in out]
+    return out
+
+
+def intervention_activity(
+    run: Run, text: str | Sequence[int], *extra: Intervention, targets: Sequence[int] | None = None
+) -> Activity:
+    """Which of the prototypes the run's interventions (and ``extra``) change are active on ``text`` (a text
+    or token ids), and which where a target token is predicted (``targets``; default: those the run's
+    suppression set records). ``Activity.warning`` says when the interventions can change nothing there."""
+    model = run.prism_model("an intervention report")
+    ids = changed_prototypes((*run.interventions, *extra), model.require_prototypes().num_prototypes)
+    tok = run.tokenizer
+    token_ids = (tok.encode(text) or [tok.eot_id]) if isinstance(text, str) else list(text)
+    return prototype_activity(
+        model,
+        ids,
+        token_ids,
+        targets=suppression_targets(run.suppression) if targets is None else targets,
+        tokenizer=tok,
+    )
 
 
 def is_task_folder(folder: Path) -> bool:
@@ -221,6 +258,20 @@ class ControllerResult:
     after: dict[str, float]
     trace: list[TracedUnit]
     path: Path
+    activity: Activity | None = None
+    """Which of its non-zero prototypes are active on the test examples, and where their right answer's first
+    token is predicted (``Activity.warning``: none is)."""
+
+
+def controller_activity(run: Run, ids: list[int], docs: Sequence[MCExample], limit: int = 64) -> Activity:
+    """``Activity`` of the prototypes ``ids`` over the first ``limit`` examples of ``docs``: each query with its
+    right answer, the answer's first token the target."""
+    model, tok = run.prism_model("a controller report"), run.tokenizer
+    parts = []
+    for d in docs[:limit]:
+        full, n = encode_pair(tok, d["query"], d["choices"][d["gold"]], model.config.block_size)
+        parts.append(prototype_activity(model, ids, full, targets=[full[len(full) - n]], tokenizer=tok))
+    return merged(parts)
 
 
 def fit_controller(
@@ -257,7 +308,8 @@ def fit_controller(
     res.controller.save(
         out, task=str(task), model_sha256=run.identity, test_before=res.before, test_after=res.after, trace=trace
     )
-    return ControllerResult(controller=res.controller, before=res.before, after=res.after, trace=trace, path=out)
+    act = controller_activity(run, res.controller.nonzero, splits["test"])
+    return ControllerResult(res.controller, res.before, res.after, trace, out, act)
 
 
 __all__ = [

@@ -23,6 +23,7 @@ from prismlm.explain import (
     build_index,
     llm_labels,
     merge_indexes,
+    pushed_tokens,
     rule_labels,
     save_labels,
 )
@@ -104,10 +105,15 @@ def build_run_index(
         with output_lock(out):  # the index and its labels: one writer, a second `prism index` is refused
             result = build_part(out, settings, progress=progress)
             if labels and result.index.covers_all:
-                save_labels(rule_labels(result.index), out)
+                save_labels(rule_labels(result.index, pushes=run_pushes(run)), out)
         return result
     require(pt == (0, 1), "part", "left out under torchrun (each process builds its own part)", part)
     return _build_index_distributed(run, out, settings, info, build_part, labels=labels, progress=progress)
+
+
+def run_pushes(run: Run) -> list[list[int]]:
+    """The tokens each prototype of the run pushes most (``pushed_tokens``): what a rule label leads with."""
+    return pushed_tokens(run.prism_model("labels"), vocab_size=run.tokenizer.vocab_size)
 
 
 def _build_index_distributed(
@@ -293,7 +299,7 @@ def label_prototypes(
     with output_lock(index or run.folder / "index"):
         idx = run.index(index, shards, required=True)
         assert idx is not None and idx.path is not None  # an index opened from a folder knows it
-        labs = rule_labels(idx)
+        labs = rule_labels(idx, pushes=run_pushes(run))
         if labeller == "openai":
             assert endpoint is not None and model is not None
             labs = llm_labels(idx, labs, endpoint=endpoint, model=model, api_key_env=api_key_env, ids=sel)

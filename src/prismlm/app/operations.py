@@ -8,11 +8,16 @@ Each ``prism`` command is one of these plain functions (or one in ``app.indexing
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from prismlm.app.chat import CHAT_ANSWER_TOKENS as CHAT_ANSWER_TOKENS
+from prismlm.app.chat import chat_prompt as chat_prompt
+from prismlm.app.chat import stops_for
+from prismlm.app.control import intervention_activity
 from prismlm.app.indexing import IndexResult as IndexResult  # re-exported: callers import them from here
 from prismlm.app.indexing import LabelResult as LabelResult
 from prismlm.app.indexing import build_run_index as build_run_index
@@ -27,7 +32,6 @@ from prismlm.errors import (
     ArtifactCorrupt,
     ConfigError,
     DataError,
-    ModelError,
 )
 from prismlm.eval.metrics import evaluate as evaluate_model
 from prismlm.explain import (
@@ -40,7 +44,7 @@ from prismlm.explain import (
 from prismlm.explain.index import KIND as INDEX_KIND
 from prismlm.explain.index import LABELS_FILE
 from prismlm.model import PrismLM
-from prismlm.model.generation import TEXT_SAMPLING, Sampling
+from prismlm.model.generation import GREEDY, TEXT_SAMPLING, Sampling
 from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.train.checkpoint import verify_checkpoint
 from prismlm.train.run_folder import STORED_Z_DIR
@@ -67,28 +71,31 @@ def sample_continuations(
     tokens: int,
     sampling: Sampling,
     generator: torch.Generator | None = None,
-    stop_id: int | None = None,
+    stop_id: int | Sequence[int] | None = None,
 ) -> list[str]:
     """``samples`` sampled continuations of ``prompt`` (continuation text only; an empty prompt starts
     from the end-of-text token), one batch through ``model.generate`` at ``sampling`` (``generator``:
-    instead of ``sampling.seed``'s). ``stop_id`` (an end-of-turn token):
-    generation ends once every sample has produced it, and each continuation is cut before it."""
+    instead of ``sampling.seed``'s). ``stop_id`` (an end-of-turn token, or several: ``Tokenizer.end_of_turn_ids``):
+    generation ends once every sample has produced one, and each continuation is cut before it."""
+    stop_ids = [int(stop_id)] if isinstance(stop_id, int) else [int(i) for i in stop_id or ()]
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     dev = next(model.parameters()).device
     x = torch.tensor([ids] * samples, dtype=torch.long, device=dev)  # (samples, T)
     generator = generator if generator is not None else sampling.generator(dev)
-    if stop_id is None:
+    if not stop_ids:
         y = model.generate(x, tokens, sampling, generator=generator)
         return [tokenizer.decode(row[len(ids) if prompt else 1 :].tolist()) for row in y]
     new: list[torch.Tensor] = []  # (samples, 1) each
     ended = torch.zeros(samples, dtype=torch.bool, device=dev)  # (samples,)
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=dev)  # (S,)
     for _, nxt in model.generate_steps(x, tokens, sampling, generator=generator):
         new.append(nxt)
-        ended |= nxt[:, 0] == stop_id
+        ended |= torch.isin(nxt[:, 0], stops)
         if bool(ended.all()):
             break
     rows = torch.cat(new, dim=1).tolist() if new else [[] for _ in range(samples)]
-    return [tokenizer.decode(row[: row.index(stop_id)] if stop_id in row else row) for row in rows]
+    cut = [next((j for j, t in enumerate(row) if t in stop_ids), len(row)) for row in rows]
+    return [tokenizer.decode(row[:c]) for row, c in zip(rows, cut)]
 
 
 def _check_chat(chat: str | None, prompt: str) -> None:
@@ -98,18 +105,25 @@ def _check_chat(chat: str | None, prompt: str) -> None:
         )
 
 
-def chat_prompt(run: Run, message: str) -> str:
-    """The prompt of a one-message chat: ``message`` as the user's turn, written with the run's chat
-    template, the assistant's turn opened. ``ModelError`` naming the run when it has no template."""
-    tok = run.tokenizer
-    if not tok.chat_template:
-        raise ModelError(
-            f"the run {run.path} has no chat template (its tokenizer {tok.name!r} came without "
-            "one), so a chat message cannot be written as a prompt",
-            fix="pass the text itself instead of a chat message, or retrofit a chat model "
-            "(e.g. prism retrofit --from smollm2-135m-instruct)",
-        )
-    return tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
+class Samples(list[str]):
+    """What ``generate`` returns: the texts, and ``notes`` — what the reader should know about them (which of
+    the prototypes the run's interventions change were active on each, and a warning when none was where it
+    mattered)."""
+
+    def __init__(self, texts: list[str], notes: list[str] | None = None) -> None:
+        super().__init__(texts)
+        self.notes: list[str] = list(notes or [])
+
+
+def intervention_notes(run: Run, token_ids: list[int]) -> list[str]:
+    """The summary and, if any, the warning of ``intervention_activity`` on ``token_ids`` — nothing when the run
+    applies no intervention."""
+    if not run.interventions:
+        return []
+    act = intervention_activity(run, token_ids)
+    what = "suppressed" if run.suppression is not None and len(run.interventions) == 1 else "intervened"
+    warning = act.warning(what)
+    return [act.summary(what)] + ([warning] if warning else [])
 
 
 def generate(
@@ -120,8 +134,9 @@ def generate(
     tokens: int = 100,
     samples: int = 1,
     sampling: Sampling = TEXT_SAMPLING,
-) -> list[str]:
-    """Sample text from a trained model (with the run's interventions applied).
+) -> Samples:
+    """Sample text from a trained model (with the run's interventions applied; ``Samples.notes`` says which of
+    their prototypes were active on each text, and warns when none was).
 
     Args:
         prompt: Text to continue (empty: start from end-of-text).
@@ -149,9 +164,14 @@ def generate(
             tokens=tokens,
             sampling=sampling,
             generator=sampling.generator(run.device),
-            stop_id=run.tokenizer.eot_id if chat is not None else None,
+            stop_id=stops_for(run, chat is not None),
         )
-    return conts if chat is not None else [prompt + c for c in conts]
+    notes = [
+        f"sample {j + 1}: {n}"
+        for j, c in enumerate(conts)
+        for n in intervention_notes(run, run.tokenizer.encode(text + c))
+    ]
+    return Samples(conts if chat is not None else [prompt + c for c in conts], notes)
 
 
 def evaluate(
@@ -186,8 +206,6 @@ def evaluate(
 
 
 # ----- explanations ----------------------------------------------------------------------------------------
-CHAT_ANSWER_TOKENS = 64
-"""Longest chat answer ``explain_text`` generates for a chat message when ``generate`` is not given."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +217,8 @@ class ExplanationRequest:
     """A chat message instead of a prompt: written with the model's chat template, the assistant's answer is
     generated greedily (at most ``generate`` tokens, default 64, ending at the end-of-turn token) and its tokens
     are explained."""
+    system: str | None = None
+    """With ``chat``: the system prompt written before the message (default: the template's own, if any)."""
     generate: int | None = None
     """Sample N tokens after the prompt and explain them (default: none; with a chat message, the answer of
     at most 64 tokens; 0: explain the chat prompt alone, generating nothing)."""
@@ -222,7 +242,7 @@ def explain_text(
     run: Run,
     prompt: str = "",
     request: ExplanationRequest = DEFAULT_EXPLANATION,
-    sampling: Sampling = TEXT_SAMPLING,
+    sampling: Sampling = GREEDY,
 ) -> Explanation:
     """Explain each next-token logit: active prototypes with labels and shares, residual share, exactly.
 
@@ -230,7 +250,8 @@ def explain_text(
         prompt: Text to explain (empty: the first prediction after end-of-text).
         request: What else is explained and what the cards show (chat, generate, index, shards,
             neighbours): ``ExplanationRequest``, one option per field.
-        sampling: How the ``generate`` tokens are sampled (temperature, top tokens, seed).
+        sampling: How the ``generate`` tokens are sampled (temperature, top tokens, seed); greedy by default,
+            as for a chat answer.
     """
     chat, generate, neighbours = request.chat, request.generate, request.neighbours
     _check_chat(chat, prompt)
@@ -238,7 +259,7 @@ def explain_text(
     check_sampling(generate or 0, tokens_name="generate")
     if chat is not None:
         # None, not 0, means "not given": an explicit 0 generates nothing (it used to mean the 64-token default)
-        prompt, generate = chat_prompt(run, chat), CHAT_ANSWER_TOKENS if generate is None else generate
+        prompt, generate = chat_prompt(run, chat, request.system), CHAT_ANSWER_TOKENS if generate is None else generate
         sampling = replace(sampling, temperature=0.0)
     generate = generate or 0
     require(
@@ -260,12 +281,13 @@ def explain_text(
                 sampling=sampling,
                 index=idx,
                 neighbours=neighbours,
-                stop_id=tokenizer.eot_id if chat is not None else None,
+                stop_id=stops_for(run, chat is not None),
             )
         else:
             expl = explain(model, tokenizer, prompt, model_sha256=run.identity, index=idx, neighbours=neighbours)
     if idx is None:
         expl.notes.append(f"no prototype index: build one with `prism index {run.path}` for neighbourhoods and labels")
+    expl.notes += intervention_notes(run, [*expl.token_ids, expl.positions[-1].next_id])
     return expl
 
 
@@ -437,6 +459,12 @@ class PrototypeRow:
     """The tokens W p_i pushes most."""
     token_push: float | None = None
     """(W p_i)_tok for the token searched for, if any."""
+    quality: float | None = None
+    """Its label's quality: how often a token the label names is the next token where it fires (rule labels)."""
+
+
+TOKEN_MATCH_TOP = 20
+"""A prototype matches a token search when the token is among the N tokens its signature W p_i raises most."""
 
 
 @dataclass
@@ -445,6 +473,10 @@ class PrototypeListing:
     matched: int
     num_prototypes: int
     has_index: bool
+    token: str | None = None
+    """The token searched for (``matched``: the prototypes that have it among their ``TOKEN_MATCH_TOP`` pushed
+    tokens, strongest push first)."""
+    match_top: int = TOKEN_MATCH_TOP
 
 
 def find_prototypes(
@@ -460,7 +492,8 @@ def find_prototypes(
 
     Args:
         search: Only prototypes whose label or category contains TEXT.
-        token: Prototypes that push this token most (signature W p_i).
+        token: Prototypes that push this token: it is among the 20 tokens their signature W p_i raises most;
+            strongest push first.
         index: Index folder (default RUN/index if it exists).
         shards: Token shard folder (default: the index's / the run's).
         limit: Rows to list.
@@ -481,9 +514,11 @@ def find_prototypes(
                 f"token {token!r} is {len(tid)} tokens {tid}; give a single token (e.g. with its leading space: ' the')"
             )
         with torch.no_grad():
-            col = model.signatures()[:, tid[0]].float()  # (K,)
+            sig = model.signatures().float()[:, : tok.vocab_size]  # (K, V)
+            col = sig[:, tid[0]]  # (K,)
+            rank = (sig > col[:, None]).sum(-1)  # (K,) the token's place among each prototype's pushes
         score = {i: float(col[i]) for i in ids}
-        ids.sort(key=lambda i: -score[i])
+        ids = sorted((i for i in ids if int(rank[i]) < TOKEN_MATCH_TOP), key=lambda i: -score[i])
     elif idx is not None:
         ids.sort(key=lambda i: -int(idx.counts[i]))
     if search:
@@ -509,9 +544,10 @@ def find_prototypes(
                     active_tokens=int(idx.counts[i]) if idx is not None else None,
                     top_tokens=[tok.id_to_token(int(t)) for t in top[row]],
                     token_push=score.get(i) if token is not None else None,
+                    quality=lab.get("quality"),
                 )
             )
-    return PrototypeListing(rows=rows, matched=len(ids), num_prototypes=K, has_index=idx is not None)
+    return PrototypeListing(rows=rows, matched=len(ids), num_prototypes=K, has_index=idx is not None, token=token)
 
 
 @dataclass
@@ -549,7 +585,8 @@ def prototypes(
 
     Args:
         search: Only prototypes whose label or category contains TEXT.
-        token: Prototypes that push this token most (signature W p_i).
+        token: Prototypes that push this token: it is among the 20 tokens their signature W p_i raises most;
+            strongest push first.
         id: Show one prototype's card (neighbours, histogram, tokens).
         index: Index folder (default RUN/index if it exists).
         shards: Token shard folder (default: the index's / the run's).

@@ -77,7 +77,7 @@ def explain_report(
 
 def attribute_report(
     run: Run,
-    text: str,
+    text: str = "",
     query: QuerySpec = DEFAULT_QUERY,
     search: SearchSpec = DEFAULT_SEARCH_SPEC,
     rescoring: Rescoring = NO_RESCORING,
@@ -85,6 +85,7 @@ def attribute_report(
     cache: Path | None = None,
     shards: Path | None = None,
     explain: bool = False,
+    chat: str | None = None,
 ) -> AttributionReport:
     """The training sequences that most influenced TEXT (or its completion), with the prototypes that
     connect them and snippets (``attribute_text``, which takes the same arguments), and on request the
@@ -95,7 +96,9 @@ def attribute_report(
         cache: Cache folder (default RUN/attribution-cache).
         shards: Token shard folder (default: the cache's / the run's).
         explain: Also explain the attributed text (prompt + completion), with the index if there is one.
+        chat: A chat message instead of TEXT: written with the run's chat template; the model's answer
+            (greedy, up to the end-of-turn token) is what is measured.
     """
-    att = attribute_text(run, text, query, search, rescoring, cache=cache, shards=shards)
+    att = attribute_text(run, text, query, search, rescoring, cache=cache, shards=shards, chat=chat)
     expl = explain_text(run, att.prompt + att.completion, ExplanationRequest(shards=shards)) if explain else None
     return AttributionReport(att, expl)

@@ -26,6 +26,7 @@ from prismlm.data.shards import ShardSet, load_shards, prepare_from_config
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ArtifactError, ConfigError, PrismError, ShardError
 from prismlm.model import Intervention, PrismLM
+from prismlm.model.generation import GREEDY, Sampling
 from prismlm.train.checkpoint import Checkpoint, load_checkpoint
 from prismlm.train.distributed import resolve_device
 from prismlm.train.trainer import autocast_for
@@ -206,6 +207,47 @@ class Run:
         ones, e.g. a controller given to one operation) applied; restored on exit."""
         with self.model.intervene(*self.interventions, *extra) as m:
             yield m
+
+    # ----- chat ---------------------------------------------------------------------------------------------
+    def chat_prompt(self, message: str, system: str | None = None) -> str:
+        """The prompt of a one-message chat: ``message`` as the user's turn (after ``system``, the system prompt,
+        when given), written with the run's chat template, the assistant's turn opened. ``ModelError`` naming
+        the run when it has no template."""
+        from prismlm.errors import ModelError
+
+        tok = self.tokenizer
+        if not tok.chat_template:
+            raise ModelError(
+                f"the run {self.path} has no chat template (its tokenizer {tok.name!r} came without "
+                "one), so a chat message cannot be written as a prompt",
+                fix="pass the text itself instead of a chat message, or retrofit a chat model "
+                "(e.g. prism retrofit --from smollm2-135m-instruct)",
+            )
+        turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
+        return tok.apply_chat_template(turns, add_generation_prompt=True)
+
+    @torch.no_grad()
+    def chat_ids(self, prompt_ids: list[int], tokens: int = 64, sampling: Sampling = GREEDY) -> list[int]:
+        """The answer's ids after ``prompt_ids`` (a chat prompt), with the run's interventions: at most
+        ``tokens``, greedy unless told, up to and including the first end-of-turn token
+        (``Tokenizer.end_of_turn_ids``)."""
+        stops = set(self.tokenizer.end_of_turn_ids)
+        x = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # (1, p)
+        out: list[int] = []
+        with self.intervened() as m:
+            for _, nxt in m.generate_steps(x, tokens, sampling, generator=sampling.generator(self.device)):
+                out.append(int(nxt[0, 0]))
+                if out[-1] in stops:
+                    break
+        return out
+
+    def chat(self, message: str, *, system: str | None = None, tokens: int = 64, sampling: Sampling = GREEDY) -> str:
+        """The model's answer to a chat ``message`` (after ``system``): written with the run's chat template,
+        generated greedily (unless ``sampling`` says otherwise) up to the end-of-turn token, which is cut."""
+        ids = self.chat_ids(self.tokenizer.encode(self.chat_prompt(message, system)), tokens, sampling)
+        if ids and ids[-1] in self.tokenizer.end_of_turn_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids)
 
     # ----- derived artifacts, opened lazily and checked against the checkpoint ------------------------------
     def forget(self, path: Path) -> None:

@@ -155,6 +155,10 @@ def render_texts(texts: list[str]) -> None:
     for text in texts:
         echo(text)
         echo("-" * 40)
+    for note in getattr(texts, "notes", []):  # which suppressed prototypes were active, and a warning if none
+        console.print(
+            note, markup=False, highlight=False, soft_wrap=True, style="yellow" if "warning" in note else None
+        )
 
 
 def render_eval(metrics: dict, run: Run, *, json_out: Path | None = None) -> None:
@@ -251,6 +255,9 @@ def render_prototypes(res: PrototypeListing | PrototypeView, run: Run) -> None:
                 f"{s['mean_activation']:.3f}, nearest context cos {s['max_similarity']:.3f}"
             )
             stdout.print("activation histogram [0,1]: " + " ".join(str(c) for c in s["histogram"]), markup=False)
+        quality = (card.evidence or {}).get("quality")
+        if isinstance(quality, float):
+            stdout.print(f"label quality {quality:.2f} (how often a token the label names comes next where it fires)")
         stdout.print("top tokens of W p_i: " + "  ".join(f"{t!r} {v:.2f}" for t, v in card.top_tokens), markup=False)
         stdout.print("pushes down most:   " + "  ".join(f"{t!r} {v:.2f}" for t, v in card.bottom_tokens), markup=False)
         for nb in card.neighbours:
@@ -260,19 +267,33 @@ def render_prototypes(res: PrototypeListing | PrototypeView, run: Run) -> None:
         return
     table = Table(title=f"prototypes of {run.path}")
     token_col = any(row.token_push is not None for row in res.rows)
-    for col_name in ("id", "label", "category", "active", "W p_i top tokens") + (("(W p_i)_tok",) if token_col else ()):
+    cols = ("id", "label", "quality", "category", "active", "W p_i top tokens") + (
+        ("(W p_i)_tok",) if token_col else ()
+    )
+    for col_name in cols:
         table.add_column(col_name)
     for row in res.rows:
         table.add_row(
             str(row.id),
             escape(row.label),
+            f"{row.quality:.2f}" if row.quality is not None else "-",
             escape(row.category),
             f"{row.active_tokens:,}" if row.active_tokens is not None else "-",
             escape(", ".join(repr(t) for t in row.top_tokens)),
             *((f"{row.token_push:.2f}",) if row.token_push is not None else ()),
         )
     stdout.print(table)
-    stdout.print(f"[dim]{res.matched} of {res.num_prototypes} prototypes match[/]")
+    if res.token is not None:
+        stdout.print(
+            f"{res.matched} of {res.num_prototypes} prototypes have {res.token!r} among the {res.match_top} "
+            f"tokens they push most; {min(len(res.rows), res.matched)} shown, strongest push first",
+            markup=False,
+            style="dim",
+        )
+    else:
+        stdout.print(f"[dim]{res.matched} of {res.num_prototypes} prototypes match[/]")
+    if any(row.quality is not None for row in res.rows):
+        stdout.print("[dim]quality: how often a token the label names is the next token where it fires[/]")
 
 
 command(app, "prototypes", ops.prototypes, render_prototypes)
@@ -394,12 +415,14 @@ def render_concept(res: ConceptResult, *, top: int = 15) -> None:
         title=f"concept {sset.concept or ''}: {len(sset.ids)} of {len(ranking)} candidates selected "
         f"({100 * sset.share:.2f}% of K={sset.num_prototypes})"
     )
-    for col in ("id", "contribution", "log2 enr.", "concept/neutral rate", "purity", "selected", "top tokens"):
+    cols = ("id", "target effect", "contribution", "log2 enr.", "concept/neutral rate", "purity", "selected")
+    for col in (*cols, "top tokens"):
         t.add_column(col)
     for r in ranking[:top]:
         ev = sset.evidence.get(r["id"], {})
         t.add_row(
             str(r["id"]),
+            f"{r.get('target_effect', 0.0):+.3f}",
             f"{r['contribution_nats_per_token']:.4f}",
             f"{r['log2_enrichment']:.2f}",
             f"{r['concept_rate']:.4f}/{r['neutral_rate']:.4f}",
@@ -408,6 +431,20 @@ def render_concept(res: ConceptResult, *, top: int = 15) -> None:
             " ".join(repr(x) for x in ev.get("signature_top_tokens", [])[:5]),
         )
     stdout.print(t)
+    targets = sset.meta.get("target_strings") or []
+    console.print(
+        f"ranked by {sset.meta.get('rank_by')}; target tokens "
+        + (
+            f"{' '.join(repr(x) for x in targets)} ({sset.meta.get('target_positions')} positions in the concept "
+            "texts; target effect: each prototype's slice on them where they come next, logits per position — "
+            "what suppressing it takes off them)"
+            if isinstance(targets, list) and targets
+            else "none (no token is over-represented in the concept texts)"
+        ),
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     for path in res.saved:
         console.print(f"suppression set: {path}")
 
@@ -443,6 +480,10 @@ def render_controller(res: ControllerResult) -> None:
         f"test acc {res.before['acc']:.4f} → {res.after['acc']:.4f} with {len(res.controller.nonzero)} "
         f"non-zero coefficients (λ={res.controller.l1}); controller: {res.path}"
     )
+    if res.activity is not None:  # which of its prototypes fire on the test examples, and a warning if none
+        warning = res.activity.warning("controlled")
+        for line in [res.activity.summary("controlled")] + ([warning] if warning else []):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 command(app, "concept", ops.find_run_concept, render_concept)

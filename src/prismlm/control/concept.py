@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -41,6 +41,11 @@ class ActivationStats:
     """Tokens the totals are over (mask-valid positions)."""
     contribution: np.ndarray
     """(K,) Σ over scored positions of c_{t,i}, the slice's first-order effect on log p(next token)."""
+    target_effect: np.ndarray | None = None
+    """(K,) Σ over positions whose next token is a target token of the slice a_{t,i} (W p_i)_y on it: how much
+    prototype i raises the concept's target tokens where they are predicted (None: no targets)."""
+    target_positions: int = 0
+    """Positions whose next token is a target token."""
 
     @property
     def rate(self) -> np.ndarray:
@@ -55,16 +60,20 @@ def activation_stats(
     *,
     batch_size: int = 16,
     max_tokens_per_text: int | None = None,
+    targets: Sequence[int] = (),
 ) -> ActivationStats:
     """Stream ``texts`` through the (frozen) model and total each prototype's activations and its
-    log-likelihood contribution (docs/architecture.md, concepts)."""
+    log-likelihood contribution (docs/architecture.md, concepts); with ``targets`` (token ids), also its
+    slice on them where they are the next token (``ActivationStats.target_effect``)."""
     if model.prototypes is None:
         raise ModelError("concept search needs a PRISM model; this is the dense baseline")
     K = model.prototypes.num_prototypes
     mass = torch.zeros(K, dtype=torch.float64)
     count = torch.zeros(K, dtype=torch.float64)
     contrib = torch.zeros(K, dtype=torch.float64)
-    n = 0
+    effect = torch.zeros(K, dtype=torch.float64)
+    n = n_target = 0
+    tset = torch.tensor(sorted(set(targets)), dtype=torch.long)
     dev = next(model.parameters()).device
     W = model.lm_head.weight  # (V, d)
     P = model.prototypes.weight  # (K, d)
@@ -93,10 +102,42 @@ def activation_stats(
         pm = m & scored[..., None]  # (B, T, k)
         c = (target_slices.to(W.dtype) - expected_slices)[pm]  # (pairs,)
         contrib += torch.bincount(out.indices[pm].cpu(), weights=c.double().cpu(), minlength=K)
-    return ActivationStats(mass=mass.numpy(), count=count.numpy(), tokens=n, contribution=contrib.numpy())
+        if len(tset):
+            at = scored & torch.isin(nxt, tset.to(dev))  # (B, T): a target token comes next
+            n_target += int(at.sum())
+            tm = m & at[..., None]  # (B, T, k)
+            effect += torch.bincount(out.indices[tm].cpu(), weights=target_slices[tm].double().cpu(), minlength=K)
+    return ActivationStats(
+        mass=mass.numpy(),
+        count=count.numpy(),
+        tokens=n,
+        contribution=contrib.numpy(),
+        target_effect=effect.numpy() if len(tset) else None,
+        target_positions=n_target,
+    )
 
 
-RANKINGS = {"contribution": "loglik-contribution", "enrichment": "activation-enrichment"}
+def concept_targets(
+    tokenizer: Tokenizer, concept_texts: Sequence[str], neutral_texts: Sequence[str], n: int = 8, min_count: int = 2
+) -> list[int]:
+    """The concept's target tokens: the ``n`` tokens most over-represented in the concept texts against the
+    neutral ones (log ratio of their add-½ smoothed frequencies > 0), each at least ``min_count`` times —
+    " Paris", " Madrid" for capitals. What suppressing the concept should lower."""
+    from collections import Counter
+
+    c = Counter(t for text in concept_texts for t in tokenizer.encode(text))
+    m = Counter(t for text in neutral_texts for t in tokenizer.encode(text))
+    nc, nm = max(1, sum(c.values())), max(1, sum(m.values()))
+    score = {t: math.log((k + 0.5) / nc) - math.log((m[t] + 0.5) / nm) for t, k in c.items() if k >= min_count}
+    best = sorted(score.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [t for t, v in best if v > 0][:n]
+
+
+RANKINGS = {
+    "target": "target-effect",
+    "contribution": "loglik-contribution",
+    "enrichment": "activation-enrichment",
+}
 
 
 def neighbourhood_purity(
@@ -131,9 +172,11 @@ class ConceptSelection:
 
     budget: int | None = 32
     """At most this many prototypes are selected (None: no cap; 0: none)."""
-    rank_by: str = "contribution"
-    """``contribution`` (log-likelihood contribution; a candidate also needs a positive one) or
-    ``enrichment`` (log2 activation enrichment)."""
+    rank_by: str = "target"
+    """``target`` (the slice on the concept's target tokens where they are predicted, logits per target
+    position: what suppressing the prototype takes off them; a candidate also needs a positive one; without
+    target tokens, ``contribution``), ``contribution`` (log-likelihood contribution; a candidate also needs a
+    positive one) or ``enrichment`` (log2 activation enrichment)."""
     threshold: float = 1.0
     """Minimum log2 enrichment of a candidate."""
     min_count: int = 3
@@ -172,9 +215,12 @@ def find_concept(
     its evidence). ``neighbours``: training snippets recorded per selected prototype."""
     if not concept_texts or not neutral_texts:
         raise DataError("need at least one concept text and one neutral text")
-    c = activation_stats(model, tokenizer, concept_texts, batch_size=batch_size)
+    targets = concept_targets(tokenizer, concept_texts, neutral_texts)
+    c = activation_stats(model, tokenizer, concept_texts, batch_size=batch_size, targets=targets)
     n = activation_stats(model, tokenizer, neutral_texts, batch_size=batch_size)
     scores = _concept_scores(c, n)
+    if selection.rank_by == "target" and not c.target_positions:  # no target token: the likelihood ranks
+        selection = replace(selection, rank_by="contribution")
     cand = _candidates(scores, c, selection)
     purity: dict[int, float] = {}
     if index is not None and is_concept_doc is not None:
@@ -212,6 +258,9 @@ def find_concept(
             "concept_tokens": c.tokens,
             "neutral_tokens": n.tokens,
             "candidates": len(ranking),
+            "target_tokens": list(targets),
+            "target_strings": [tokenizer.id_to_token(t) for t in targets],
+            "target_positions": c.target_positions,
         },
     )
     return sset, ranking
@@ -233,6 +282,8 @@ class _Scores:
     log2_enrichment: np.ndarray
     contribution: np.ndarray
     """Contribution per token on concept text minus on neutral text (nats per token)."""
+    target_effect: np.ndarray
+    """Slice on the target tokens per target position (logits; 0 without targets)."""
 
 
 def _concept_scores(c: ActivationStats, n: ActivationStats) -> _Scores:
@@ -240,7 +291,8 @@ def _concept_scores(c: ActivationStats, n: ActivationStats) -> _Scores:
     alpha = 0.5 * mean_act / max(1, n.tokens)  # pseudo-rate: half an average activation per neutral corpus
     enrich = (c.rate + alpha) / (n.rate + alpha)
     contribution = c.contribution / max(1, c.tokens) - n.contribution / max(1, n.tokens)  # (K,) nats/token
-    return _Scores(enrich, np.log2(enrich), contribution)
+    effect = c.target_effect / max(1, c.target_positions) if c.target_effect is not None else np.zeros_like(enrich)
+    return _Scores(enrich, np.log2(enrich), contribution, effect)
 
 
 def _candidates(s: _Scores, c: ActivationStats, selection: ConceptSelection) -> np.ndarray:
@@ -248,7 +300,9 @@ def _candidates(s: _Scores, c: ActivationStats, selection: ConceptSelection) -> 
     ok = (c.count >= selection.min_count) & (s.log2_enrichment >= selection.threshold)
     if selection.rank_by == "contribution":
         ok &= s.contribution > 0
-    key = s.contribution if selection.rank_by == "contribution" else s.log2_enrichment
+    if selection.rank_by == "target":
+        ok &= s.target_effect > 0
+    key = {"contribution": s.contribution, "target": s.target_effect}.get(selection.rank_by, s.log2_enrichment)
     cand = np.nonzero(ok)[0]
     return cand[np.argsort(-key[cand], kind="stable")]
 
@@ -257,6 +311,7 @@ def _evidence(i: int, s: _Scores, c: ActivationStats, n: ActivationStats) -> Pro
     return {
         "id": i,
         "contribution_nats_per_token": float(s.contribution[i]),
+        "target_effect": float(s.target_effect[i]),
         "log2_enrichment": float(s.log2_enrichment[i]),
         "enrichment": float(s.enrichment[i]),
         "concept_rate": float(c.rate[i]),

@@ -43,6 +43,8 @@ class PrototypeEvidence(TypedDict, total=False):
 
     id: int
     contribution_nats_per_token: float
+    target_effect: float
+    """Its slice on the concept's target tokens where they are predicted, logits per target position."""
     log2_enrichment: float
     enrichment: float
     concept_rate: float

@@ -153,6 +153,28 @@ class Tokenizer:
         except Exception as e:  # jinja2's TemplateError, or the template's own raise_exception
             raise TokenizerError(f"the chat template of tokenizer {self.name!r} failed: {e}") from e
 
+    @property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """The tokens a chat answer ends with: the end-of-text id, and the special token the chat template
+        closes an assistant turn with when that is another one (ChatML's ``<|im_end|>``, Llama 3's
+        ``<|eot_id|>``, Gemma's ``<end_of_turn>``). Read off the template by rendering a one-turn conversation;
+        without a template (or one that refuses it) only the end-of-text id."""
+        ids = [self.eot_id]
+        mark = "PRISMLM-ANSWER-MARK"
+        try:
+            text = self.apply_chat_template(
+                [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": mark}],
+                add_generation_prompt=False,
+            )
+        except TokenizerError:
+            text = ""
+        after = text.split(mark, 1)[1] if mark in text else ""
+        first = self.encode(after)[:1]
+        special = set(self._tok.get_added_tokens_decoder())
+        if first and first[0] in special and first[0] not in ids:
+            ids.append(first[0])
+        return tuple(ids)
+
     def to_str(self) -> str:
         """Canonical JSON of the backend (sorted keys) — what the fingerprint hashes."""
         return json.dumps(json.loads(self._tok.to_str()), sort_keys=True, ensure_ascii=False)

@@ -3,7 +3,9 @@
 Coverage, over a sample of tokens:
 - ``r1_bar`` = mean_i max_t cos(p_i, z_t): does each prototype sit on real data?
 - ``r2``     = mean_t max_i cos(z_t, p_i): is each token covered by some prototype?
-- ``dead_prototypes``: prototypes never active (a > 0 in any top-k) over the sample;
+- ``dead_prototypes``: prototypes never active (a > 0 in any top-k) over the sample of ``coverage_tokens``
+  tokens — the one rule of every dead count (training, retrofit, ``prism eval``, ``prism index``), always
+  said with its token count (``dead_text``): on a small sample most prototypes are "dead" by chance;
 - ``residual_share`` = mean_t ‖r_t‖ / ‖z_t‖: how much of each hidden state the prototypes leave out.
 All accumulate across batches in O(K) memory, so the sample can be as large as wanted.
 
@@ -64,7 +66,24 @@ def coverage_metrics(
         "dead_prototypes": dead,
         "dead_fraction": dead / counts.numel(),
         "residual_share": residual_share_sum / tokens,
+        "coverage_tokens": tokens,
     }
+
+
+DEAD_MIN_ACTIVATIONS = 8
+"""A dead count is meaningful once the sample holds at least this many active slots per prototype on average
+(tokens × top_k ≥ 8 K): fewer, and prototypes go unseen by chance."""
+
+
+def dead_text(metrics: dict[str, float], top_k: int | None = None) -> str:
+    """``dead 3 of 512 on 65,536 tokens``: a dead count with what it was counted on — and, with ``top_k``, a
+    warning when the sample is too small for it to mean anything (``DEAD_MIN_ACTIVATIONS``)."""
+    dead, frac, n = metrics["dead_prototypes"], metrics["dead_fraction"], int(metrics.get("coverage_tokens", 0))
+    K = round(dead / frac) if frac else None
+    out = f"dead {int(dead)}" + (f" of {K}" if K else "") + f" on {n:,} tokens"
+    if top_k and K and n * top_k < DEAD_MIN_ACTIVATIONS * K:
+        out += f" (too few tokens to tell: {-(-DEAD_MIN_ACTIVATIONS * K // top_k):,} needed; `prism index` counts on the training tokens)"
+    return out
 
 
 @dataclass

@@ -13,7 +13,7 @@ from prismlm.explain.explanation import (
     prototype_card,
 )
 from prismlm.explain.index import IndexSettings, Neighbour, PrototypeIndex, build_index, merge_indexes
-from prismlm.explain.labels import llm_labels, load_labels, rule_labels, save_labels
+from prismlm.explain.labels import llm_labels, load_labels, pushed_tokens, rule_labels, save_labels
 
 __all__ = [
     "Explanation",
@@ -31,6 +31,7 @@ __all__ = [
     "merge_indexes",
     "model_identity",
     "prototype_card",
+    "pushed_tokens",
     "rule_labels",
     "save_labels",
 ]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -24,6 +25,10 @@ from prismlm.eval.faithfulness import prototype_choice
 from prismlm.explain.index import Labels, Neighbour, NeighbourDict, PrototypeIndex, PrototypeStats
 from prismlm.model import PrismOutput, decompose
 from prismlm.model.generation import TEXT_SAMPLING, Sampling, decode_steps
+from prismlm.progress import Progress, Reporter
+
+StepGuard = Callable[[], AbstractContextManager[object]]
+"""What each model step of a generation runs inside (``contextlib.nullcontext`` by default)."""
 
 if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer
@@ -696,12 +701,17 @@ def explain_generation(
     labels: Labels | None = None,
     neighbours: int = 5,
     signature_tokens: int = 10,
-    stop_id: int | None = None,
+    stop_id: int | Sequence[int] | None = None,
+    guard: StepGuard = nullcontext,
+    progress: Progress = False,
 ) -> Explanation:
     """Sample ``n`` tokens after ``prompt`` (as ``model.generate`` does, with the KV cache, at ``sampling``,
     default ``TEXT_SAMPLING``) and explain each sampled token's logit (the sampled tokens are the
-    chosen tokens). ``stop_id``: end the generation once this token (an end-of-turn) is sampled; it is the
-    last token explained. The other keywords are those of ``explain``.
+    chosen tokens). ``stop_id``: end the generation once this token (or one of these: the end-of-turn
+    tokens, ``Tokenizer.end_of_turn_ids``) is sampled; it is the
+    last token explained. ``guard``: what each model step runs inside (a server passes its model lock and
+    the request's interventions, so that other requests run between tokens); ``progress`` gets each token
+    (and may raise to stop). The other keywords are those of ``explain``.
 
     While prompt + n − 1 ≤ block_size the explanation is read off the generation's own forward
     outputs — the prompt's prefill (every position) and each cached decode step (one position) — so it
@@ -710,6 +720,7 @@ def explain_generation(
     last ``block_size`` tokens.
     """
     s = sampling or TEXT_SAMPLING
+    stops = frozenset([int(stop_id)] if isinstance(stop_id, int) else [int(i) for i in stop_id or ()])
     if n < 1:
         raise ConfigError(f"n (tokens to generate) must be >= 1, got {n}", option="n")
     net = _require_prism(model)
@@ -718,25 +729,33 @@ def explain_generation(
     p = len(ids)
     ev, notes = _evidence(net, index, labels, model_sha256, neighbours, signature_tokens)
     if p + n - 1 > net.config.block_size:
-        return _explain_long_generation(net, tokenizer, x, n, s, stop_id, ev)
+        with guard():
+            return _explain_long_generation(net, tokenizer, x, n, s, stops, ev)
     outs, new = [], []
-    with torch.no_grad():
+    with torch.no_grad(), Reporter(progress, "generate", n, unit="tok") as bar:
         # the model's decode loop (what generate runs): its inference-mode tensors are joined by _concat
         # outside inference mode, which gives ordinary tensors without generate_steps' per-step copies
-        for out, nxt in decode_steps(net, x, n, s, use_cache=True, prefill_logits=True):
-            outs.append(out)
-            new.append(nxt)
-            if stop_id is not None and int(nxt) == stop_id:
+        steps = decode_steps(net, x, n, s, use_cache=True, prefill_logits=True)
+        while True:
+            with guard():  # one step at a time: the KV cache holds the hidden states, which no multiplier moves
+                step = next(steps, None)
+            if step is None:
                 break
+            outs.append(step[0])
+            new.append(step[1])
+            bar.update(1)
+            if int(step[1]) in stops:
+                break
+    with torch.no_grad(), guard():
         full = ids + torch.cat(new, dim=1)[0].tolist()  # p + n tokens
         how = ["text"] * (p - 1) + ["sampled"] * len(new)  # position t chooses full[t + 1]
         # The steps' outputs cover positions 0 … p − 1 (prefill), then p … p + n − 2 (one per decode step).
         out = _concat(outs)
         if out.indices is None:  # unmodified model: the steps skipped the prototype layer; one call for all
             out = net.add_prototype_fields(out)
-    notes.append(f"generated {len(new)} tokens ({s.describe()})")
-    chosen = _Chosen(full[:-1], full[1:], how, tokenizer.decode(full), 0, notes)
-    expl = _explain_output(net, tokenizer, out, chosen, ev)
+        notes.append(f"generated {len(new)} tokens ({s.describe()})")
+        chosen = _Chosen(full[:-1], full[1:], how, tokenizer.decode(full), 0, notes)
+        expl = _explain_output(net, tokenizer, out, chosen, ev)
     expl.prompt_tokens = p
     return expl
 
@@ -747,15 +766,16 @@ def _explain_long_generation(
     x: torch.Tensor,
     n: int,
     sampling: Sampling,
-    stop_id: int | None,
+    stops: frozenset[int],
     ev: _Evidence,
 ) -> Explanation:
     """``explain_generation`` past the context window: generate x (1, p) on, then one ``explain`` of the
     last window with the sampled tokens as the chosen ones."""
     p = x.shape[1]
     full = net.generate(x, n, sampling)[0].tolist()
-    if stop_id is not None and stop_id in full[p:]:
-        full = full[: full.index(stop_id, p) + 1]
+    end = next((j for j in range(p, len(full)) if full[j] in stops), None)
+    if end is not None:
+        full = full[: end + 1]
     n = len(full) - p
     expl = explain(
         net,

@@ -15,10 +15,12 @@ import string
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from prismlm.artifacts import atomic_write_text
 from prismlm.errors import ArtifactError
@@ -26,6 +28,7 @@ from prismlm.explain.index import LABELS_FILE, Labels, PrototypeIndex
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
+    from prismlm.model import PrismLM
 
 __all__ = [
     "CATEGORIES",
@@ -101,13 +104,16 @@ def rule_labels(
     neighbours: int | None = None,
     context: int = 8,
     corpus_counts: np.ndarray | None = None,
+    pushes: Sequence[Sequence[int]] | None = None,
 ) -> Labels:
-    """Label every prototype of ``index`` from its neighbourhood (shards attached or given).
+    """Label every prototype of ``index`` from what it does, then its neighbourhood (shards attached or given).
 
-    Returns prototype id → {label, category, evidence}; evidence holds the next-token and previous-token
-    counts, distinctive context words (log-ratio of the neighbourhood's frequency to the corpus's,
-    add-one smoothed) and whether the prototype is dead.
-    """
+    ``pushes``: per prototype, the tokens W p_i raises most (``pushed_tokens``): the label leads with them
+    (``↑ " Paris"|" Rome"``, not the token its nearest context happened to predict), and ``quality`` is how
+    often one of them is the next token where the prototype fires (its nearest training contexts).
+    Returns prototype id → {label, category, quality, evidence}; evidence: the pushed tokens, next- and
+    previous-token counts, distinctive context words (log-ratio of neighbourhood to corpus frequency,
+    add-one smoothed), whether the prototype is dead."""
     shards = shards if shards is not None else index.shards
     if shards is None:
         raise ArtifactError(
@@ -148,20 +154,18 @@ def rule_labels(
         distinctive = [w for _, w in sorted(scores, reverse=True)[:3]]
         top_next = [(tok.decode([t]), k) for t, k in nexts.most_common(3)]
         top_prev = [(tok.decode([t]), k) for t, k in prevs.most_common(3)]
-        parts = []
-        if top_next:
-            shown = [t for t, k in top_next if k / n >= 0.15] or [top_next[0][0]]
-            parts.append("→ " + "|".join(_q(t) for t in shown[:3]))
-        if top_prev and top_prev[0][1] / n >= 0.5:
-            parts.append(f"after {_q(top_prev[0][0])}")
-        if distinctive and cls in ("content", "mixed", "name"):
-            parts.append("ctx: " + ", ".join(distinctive))
+        pushed = list(pushes[i][:LABEL_TOKENS]) if pushes is not None else []
+        parts = _label_parts([tok.decode([t]) for t in pushed], top_next, top_prev, n, distinctive, cls)
         dead = bool(index.counts[i] == 0)
         label = ("(dead) " if dead else "") + " ".join(parts)
+        quality = sum(k for t, k in nexts.items() if t in pushed) / n if pushed and nbs else None
         out[i] = {
             "label": label[:80],
             "category": cls,
+            **({"quality": quality} if quality is not None else {}),
             "evidence": {
+                "pushed_tokens": [tok.decode([t]) for t in pushed],
+                "quality": quality,
                 "next_tokens": top_next,
                 "previous_tokens": top_prev,
                 "distinctive_words": distinctive,
@@ -171,6 +175,50 @@ def rule_labels(
                 "labeller": "rules",
             },
         }
+    return out
+
+
+LABEL_TOKENS = 3
+"""Pushed tokens a label leads with (and its ``quality`` is measured on)."""
+
+
+def _label_parts(
+    pushed: list[str],
+    top_next: list[tuple[str, int]],
+    top_prev: list[tuple[str, int]],
+    n: int,
+    distinctive: list[str],
+    cls: str,
+) -> list[str]:
+    """A rule label's parts: what it pushes (``↑``), its contexts' next tokens (``→``), their previous token
+    (``after``) and, for content, distinctive context words."""
+    parts = []
+    if pushed:
+        parts.append("↑ " + "|".join(_q(t) for t in pushed))
+    if top_next:
+        shown = [t for t, k in top_next if k / n >= 0.15] or [top_next[0][0]]
+        parts.append("→ " + "|".join(_q(t) for t in shown[:3]))
+    if top_prev and top_prev[0][1] / n >= 0.5:
+        parts.append(f"after {_q(top_prev[0][0])}")
+    if distinctive and cls in ("content", "mixed", "name"):
+        parts.append("ctx: " + ", ".join(distinctive))
+    return parts
+
+
+@torch.no_grad()
+def pushed_tokens(
+    model: PrismLM, n: int = LABEL_TOKENS, vocab_size: int | None = None, block: int = 256
+) -> list[list[int]]:
+    """Per prototype, the ``n`` tokens (ids below ``vocab_size``) its signature W p_i raises most: what it
+    pushes up, best first. In blocks of ``block`` prototypes (a K × V signature matrix can be large)."""
+    K = model.require_prototypes().num_prototypes
+    dev = next(model.parameters()).device
+    out: list[list[int]] = []
+    for a in range(0, K, block):
+        sig = model.signatures(torch.arange(a, min(K, a + block), device=dev)).float()  # (b, V)
+        if vocab_size is not None:
+            sig = sig[:, :vocab_size]
+        out += sig.topk(min(n, sig.shape[1]), dim=-1).indices.tolist()
     return out
 
 

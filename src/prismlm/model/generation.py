@@ -23,6 +23,7 @@ from prismlm.model.kv_cache import CacheLike
 from prismlm.model.outputs import PrismOutput
 
 __all__ = [
+    "GREEDY",
     "TEXT_SAMPLING",
     "Decoder",
     "Sampling",
@@ -94,7 +95,11 @@ class Sampling:
 
 
 TEXT_SAMPLING = Sampling(temperature=0.8, top_tokens=50, seed=0)
-"""What the CLI, the explorer and ``explain_generation`` sample text with unless told otherwise."""
+"""What the CLI and the explorer sample free text with (``generate``, Steer) unless told otherwise."""
+
+GREEDY = Sampling(temperature=0.0, top_tokens=None, seed=0)
+"""What an explanation generates with unless told otherwise (``explain_text``, the explorer's Explain, chat
+answers): the model's most probable token at every step, so the same question gets the same answer."""
 
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:

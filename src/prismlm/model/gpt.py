@@ -741,9 +741,18 @@ class LogitDecomposition:
 
 
 def decompose(model: PrismLM, out: PrismOutput, tokens: torch.Tensor) -> LogitDecomposition:
-    """Split the logit of ``tokens`` (B, T) at every position into prototype slices plus a residual slice."""
+    """Split the logit of ``tokens`` (B, T) at every position into prototype slices plus a residual slice.
+
+    The slices track gradients exactly when ``out`` does: after a no-grad (or inference-mode) forward they are
+    plain detached values, although they are computed with the weights ``W`` and ``P``, which require grad."""
     if out.indices is None or out.activations is None or out.residual is None:
         raise ModelError("decompose needs a PRISM forward output (the dense baseline has no prototypes)")
+    with torch.set_grad_enabled(torch.is_grad_enabled() and out.logits.requires_grad):
+        return _decompose(model, out, tokens)
+
+
+def _decompose(model: PrismLM, out: PrismOutput, tokens: torch.Tensor) -> LogitDecomposition:
+    assert out.indices is not None and out.activations is not None and out.residual is not None
     W = model.lm_head.weight  # (V, d)
     w_y = W[tokens].to(out.residual.dtype)  # (B, T, d): the output row of each chosen token
     p_sel = model.require_prototypes().weight[out.indices].to(out.residual.dtype)  # (B, T, k, d)

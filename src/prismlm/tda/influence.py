@@ -10,7 +10,8 @@ docs/attribution.md ("Influence and curvature").
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -29,7 +30,13 @@ if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.model import PrismLM, PrismOutput
 
+BatchGuard = Callable[[], AbstractContextManager[object]]
+"""What each batch of a pass over the training shard runs inside (``contextlib.nullcontext`` by default): a
+server passes its model lock, so that a pass of minutes holds the model one batch at a time and other
+requests run between batches."""
+
 __all__ = [
+    "BatchGuard",
     "BlockGradients",
     "Curvature",
     "CurvatureAccumulator",
@@ -302,9 +309,11 @@ def curvature_pass(
     damping: float = 0.1,
     reconstruction: float = 0.0,
     progress: Progress = False,
+    guard: BatchGuard = nullcontext,
 ) -> Curvature:
     """One forward pass over training sequences [start, stop) (default all) → ``Curvature``
-    (``reconstruction``: λ_rec of the REC blocks to add, see ``CurvatureAccumulator.finish``)."""
+    (``reconstruction``: λ_rec of the REC blocks to add, see ``CurvatureAccumulator.finish``; ``guard``: what
+    each batch runs inside, ``BatchGuard``)."""
     net = model
     T = net.config.block_size
     start, stop = sequences or (0, shards.train.num_sequences(T))
@@ -312,25 +321,35 @@ def curvature_pass(
     acc = CurvatureAccumulator(net, exact=exact)
     with eval_mode(net), Reporter(progress, "curvature", stop - start, unit="seq") as bar:
         for j0, j1 in batch_grid(start, stop, batch_size):
-            out, _ = forward_batch(net, shards, j0, j1, T, dev)
-            acc.update(out)
+            with guard():
+                out, _ = forward_batch(net, shards, j0, j1, T, dev)
+                acc.update(out)
             bar.update(j1 - j0)
     return acc.finish(damping=damping, reconstruction=reconstruction)
 
 
 def collect_gradients(
-    model: PrismLM, shards: ShardSet, *, sequences: tuple[int, int] | None = None, batch_size: int = 16
+    model: PrismLM,
+    shards: ShardSet,
+    *,
+    sequences: tuple[int, int] | None = None,
+    batch_size: int = 16,
+    progress: Progress = False,
+    guard: BatchGuard = nullcontext,
 ) -> BlockGradients:
-    """Exact block gradients of training sequences [start, stop) (default all), kept in memory."""
+    """Exact block gradients of training sequences [start, stop) (default all), kept in memory (``guard``:
+    what each batch runs inside, ``BatchGuard``)."""
     net = model
     T = net.config.block_size
     start, stop = sequences or (0, shards.train.num_sequences(T))
     dev = next(net.parameters()).device
     parts = []
-    with eval_mode(net):
+    with eval_mode(net), Reporter(progress, "gradients", stop - start, unit="seq") as bar:
         for j0, j1 in batch_grid(start, stop, batch_size):
-            out, y = forward_batch(net, shards, j0, j1, T, dev)
-            parts.append(block_gradients(net, out, y, seq_ids=torch.arange(j0, j1, device=dev)))
+            with guard():
+                out, y = forward_batch(net, shards, j0, j1, T, dev)
+                parts.append(block_gradients(net, out, y, seq_ids=torch.arange(j0, j1, device=dev)))
+            bar.update(j1 - j0)
     return BlockGradients.cat(parts)
 
 
@@ -419,7 +438,12 @@ class FullGradients:
         mode: Literal["shared", "exact", "identity"] = "shared",
         damping: float = 0.1,
         curvature: Curvature | None = None,
+        progress: Progress = False,
+        guard: BatchGuard = nullcontext,
     ) -> FullGradients:
+        """Block gradients (and, unless ``mode`` is identity, the curvature) of the first ``max_sequences``
+        training sequences: two passes, reported to ``progress`` (stages ``curvature`` and ``gradients``),
+        each batch run inside ``guard`` (``BatchGuard``)."""
         if mode not in ("shared", "exact", "identity"):
             raise ConfigError(f"curvature mode must be shared, exact or identity, got {mode!r}")
         net = model
@@ -427,10 +451,17 @@ class FullGradients:
         n = n if max_sequences is None else min(n, max_sequences)
         if curvature is None and mode != "identity":
             curvature = curvature_pass(
-                net, shards, sequences=(0, n), batch_size=batch_size, exact=mode == "exact", damping=damping
+                net,
+                shards,
+                sequences=(0, n),
+                batch_size=batch_size,
+                exact=mode == "exact",
+                damping=damping,
+                progress=progress,
+                guard=guard,
             )
         return cls(
-            collect_gradients(net, shards, sequences=(0, n), batch_size=batch_size),
+            collect_gradients(net, shards, sequences=(0, n), batch_size=batch_size, progress=progress, guard=guard),
             None if mode == "identity" else curvature,
             n,
         )

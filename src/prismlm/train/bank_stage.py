@@ -215,7 +215,8 @@ def bank_stage(
     )
     with Reporter(progress, "validate", 1, unit="eval") as bar:
         bar.update(1)
-        bar.message(format_eval_line(steps, metrics))
+        protos = cfg.model.prototypes
+        bar.message(format_eval_line(steps, metrics, top_k=protos.top_k if protos else None))
     path = save(steps, optimizer, [{"step": steps, **metrics}])
     return TrainResult(run_dir=out_dir, checkpoint=path, step=steps, metrics=metrics, model=model)
 

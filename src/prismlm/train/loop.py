@@ -244,7 +244,8 @@ class TrainLoop:
         st.train_mode()
         if self.info.is_main:
             self.log.write({"step": done, **self.last_eval})
-            self.bar.message(format_eval_line(done, self.last_eval, train_ce))
+            protos = st.cfg.model.prototypes
+            self.bar.message(format_eval_line(done, self.last_eval, train_ce, protos.top_k if protos else None))
 
     def checkpoint(self, at_step: int, rng: RngState | None = None) -> tuple[Path | None, PrismLM | None]:
         """Save a checkpoint (rank 0 writes it; under FSDP every rank takes part). Returns its folder and the

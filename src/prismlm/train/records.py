@@ -16,6 +16,7 @@ import torch
 
 from prismlm.artifacts import JSON
 from prismlm.errors import RunError
+from prismlm.eval.metrics import dead_text
 from prismlm.train.distributed import DistInfo
 
 
@@ -100,7 +101,7 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
 
-def format_eval_line(step: int, m: dict[str, float], train_ce: float | None = None) -> str:
+def format_eval_line(step: int, m: dict[str, float], train_ce: float | None = None, top_k: int | None = None) -> str:
     """The validation line: val CE (``val_loss`` is the CE alone) beside the train CE of this step's batch
     (not the weighted total loss, which adds REC, R1 and R2); ``None`` when no CE was computed (a bank-only
     stage on stored z, where the logits are the frozen model's)."""
@@ -108,7 +109,7 @@ def format_eval_line(step: int, m: dict[str, float], train_ce: float | None = No
     if train_ce is not None:
         s += f", train CE {train_ce:.4f} (this step's batch)"
     if "r1_bar" in m:
-        s += f" | R̄1 {m['r1_bar']:.3f} R2 {m['r2']:.3f} residual {m['residual_share']:.3f} dead {m['dead_prototypes']}"
+        s += f" | R̄1 {m['r1_bar']:.3f} R2 {m['r2']:.3f} residual {m['residual_share']:.3f} {dead_text(m, top_k)}"
     if "top1_agreement" in m:  # faithfulness of the prototype-only prediction (prismlm.eval.faithfulness)
         s += f" | top1 {m['top1_agreement']:.2f} kl {m['kl']:.2f} margin {m['margin_share']:.2f} (pca {m['pca_margin_share']:.2f})"
     return s

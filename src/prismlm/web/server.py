@@ -18,12 +18,22 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from prismlm.app.explorer import Explorer, Limits, RequestLimitError, Steering, UnknownDocumentError
+from prismlm.app.explorer import (
+    Explorer,
+    JobsFullError,
+    Limits,
+    RequestLimitError,
+    Steering,
+    UnknownDocumentError,
+    UnknownJobError,
+)
+from prismlm.app.explorer.plain import JSONDict
 from prismlm.app.run import check_unicode
 from prismlm.artifacts import encodable
 from prismlm.errors import (
@@ -36,7 +46,8 @@ from prismlm.errors import (
     SuppressionError,
     UnknownPrototypeError,
 )
-from prismlm.model.generation import TEXT_SAMPLING, Sampling
+from prismlm.model.generation import GREEDY, TEXT_SAMPLING, Sampling
+from prismlm.progress import ProgressFn
 from prismlm.render.report import SHARED_ASSETS
 
 __all__ = ["STATIC_DIR", "create_app", "serve", "serve_in_background"]
@@ -51,8 +62,10 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 def _status(e: PrismError) -> int:
     """The HTTP status of a prismlm error: whose fault, in HTTP's words."""
-    if isinstance(e, (UnknownPrototypeError, UnknownDocumentError)):
+    if isinstance(e, (UnknownPrototypeError, UnknownDocumentError, UnknownJobError)):
         return 404
+    if isinstance(e, JobsFullError):
+        return 503
     if isinstance(e, ArtifactMismatch):
         return 409
     if isinstance(e, ArtifactError):
@@ -110,17 +123,20 @@ class SteeringBody(_Body):
 class ExplainBody(_Body):
     text: str = ""
     chat: bool = False  # text is a chat message: its answer is generated (greedy) and explained
+    system: str | None = None  # with chat: the system prompt
     generate: int = 0
     alternatives: int = 5
     neighbours: int = 3
-    temperature: float = TEXT_SAMPLING.temperature
-    top_tokens: int | None = TEXT_SAMPLING.top_tokens  # sample among the N most likely tokens (null: all)
+    temperature: float = GREEDY.temperature  # an explanation's generation is greedy unless asked otherwise
+    top_tokens: int | None = GREEDY.top_tokens  # sample among the N most likely tokens (null: all)
     seed: int = 0
     steering: SteeringBody = Field(default_factory=SteeringBody)
 
 
 class SteerBody(_Body):
     prompt: str = ""
+    chat: bool = False  # prompt is a chat message, written with the run's chat template
+    system: str | None = None
     tokens: int = 30
     temperature: float = TEXT_SAMPLING.temperature
     top_tokens: int | None = TEXT_SAMPLING.top_tokens
@@ -128,11 +144,30 @@ class SteerBody(_Body):
     steering: SteeringBody = Field(default_factory=SteeringBody)
 
 
+class ContrastBody(_Body):
+    token_ids: list[int]
+    token_index: int
+    token: str
+    steering: SteeringBody = Field(default_factory=SteeringBody)
+
+
+class ResidualBody(_Body):
+    token_ids: list[int]
+    token_index: int
+    answer_from: int = 1
+    top: int = 8
+
+
 class TrainingBody(_Body):
     prompt: str
     completion: str = ""
     token: int | None = None
     top: int = 10
+
+
+def encodable_dict(value: Mapping[str, object]) -> JSONDict:
+    """A view's ``to_dict()`` as the job's result (it is JSON-ready already: ``prismlm.app.explorer.plain``)."""
+    return cast(JSONDict, dict(value))
 
 
 def _static_table(*folders: Path) -> dict[str, tuple[bytes, str]]:
@@ -221,7 +256,9 @@ async def prism_error(request: Request, e: PrismError) -> Response:
 class Routes:
     """The app's endpoints over one ``Explorer``: the static front end and the JSON API. Model calls go
     through ``call``: at most ``Limits.max_waiting`` may wait (503 beyond), the explorer's lock runs them
-    one at a time."""
+    one at a time. Slow work is a job (``prismlm.app.explorer.jobs``): a training request without an
+    attribution cache, and explain/steer asked with ``?job=true``, answer 202 with the job at once; the page
+    polls ``GET /api/jobs/ID`` (progress, then the result) and may ``DELETE`` it."""
 
     def __init__(self, ex: Explorer) -> None:
         self.ex = ex
@@ -241,7 +278,22 @@ class Routes:
         api.add_api_route("/api/search", self.search, methods=get)
         api.add_api_route("/api/steer", self.steer, methods=post)
         api.add_api_route("/api/training", self.training, methods=post)
+        api.add_api_route("/api/contrast", self.contrast, methods=post)
+        api.add_api_route("/api/residual", self.residual, methods=post)
         api.add_api_route("/api/document/{doc_index}", self.document, methods=get)
+        api.add_api_route("/api/jobs/{job_id}", self.job, methods=get)
+        api.add_api_route("/api/jobs/{job_id}", self.cancel, methods=["DELETE"])
+
+    def queued(self, kind: str, work: Callable[[ProgressFn], Mapping[str, object]], message: str) -> Response:
+        """``work`` as a background job: 202 with the job (poll ``/api/jobs/ID``), 503 when the queue is full."""
+        job = self.ex.submit(kind, lambda progress: encodable_dict(work(progress)), message)
+        return _json({"job": job.to_dict()}, 202)
+
+    def job(self, job_id: str) -> Response:
+        return _json(self.ex.job(job_id).to_dict())
+
+    def cancel(self, job_id: str) -> Response:
+        return _json(self.ex.cancel(job_id).to_dict())
 
     def call(self, fn: Callable[[], Mapping[str, object]]) -> Response:
         """Run an operation if the queue has room (503 otherwise); the explorer's lock serialises them."""
@@ -268,10 +320,12 @@ class Routes:
     def info(self) -> Response:
         return _json(self.ex.info().to_dict())
 
-    def explain(self, body: ExplainBody) -> Response:
+    def explain(self, body: ExplainBody, job: bool = False) -> Response:
+        """An explanation; ``job``: as a background job (a chat answer takes seconds on a real model)."""
         body.checked()
-        return self.call(
-            lambda: self.ex.explain(
+
+        def work(progress: ProgressFn | None = None) -> Mapping[str, object]:
+            return self.ex.explain(
                 body.text,
                 generate=body.generate,
                 alternatives=body.alternatives,
@@ -279,8 +333,11 @@ class Routes:
                 steering=body.steering.value(),
                 sampling=Sampling(body.temperature, body.top_tokens, body.seed),
                 chat=body.chat,
+                system=body.system,
+                progress=progress,
             ).to_dict()
-        )
+
+        return self.queued("explain", work, "generating and explaining") if job else self.call(work)
 
     def prototype(self, pid: int, text: str | None = None, neighbours: int = 8, similar: int = 8) -> Response:
         return self.call(lambda: self.ex.prototype(pid, text=text, neighbours=neighbours, similar=similar).to_dict())
@@ -293,22 +350,51 @@ class Routes:
     def search(self, q: str = "", token: str | None = None, limit: int = 20) -> Response:
         return self.call(lambda: self.ex.search(q, token=token, limit=limit).to_dict())
 
-    def steer(self, body: SteerBody) -> Response:
+    def steer(self, body: SteerBody, job: bool = False) -> Response:
         body.checked()
-        return self.call(
-            lambda: self.ex.steer(
+
+        def work(progress: ProgressFn | None = None) -> Mapping[str, object]:
+            return self.ex.steer(
                 body.prompt,
                 steering=body.steering.value(),
                 tokens=body.tokens,
                 sampling=Sampling(body.temperature, body.top_tokens, body.seed),
+                chat=body.chat,
+                system=body.system,
+                progress=progress,
+            ).to_dict()
+
+        return self.queued("steer", work, "generating with and without the steering") if job else self.call(work)
+
+    def contrast(self, body: ContrastBody) -> Response:
+        body.checked()
+        return self.call(
+            lambda: self.ex.contrast(
+                body.token_ids, body.token_index, body.token, steering=body.steering.value()
             ).to_dict()
         )
 
-    def training(self, body: TrainingBody) -> Response:
-        body.checked()
+    def residual(self, body: ResidualBody) -> Response:
         return self.call(
-            lambda: self.ex.training(body.prompt, body.completion, token=body.token, top=body.top).to_dict()
+            lambda: self.ex.residual(
+                body.token_ids, body.token_index, answer_from=body.answer_from, top=body.top
+            ).to_dict()
         )
+
+    def training(self, body: TrainingBody, job: bool = False) -> Response:
+        """The training data of a text; without an attribution cache (gradients not built yet) a job that says
+        how long it takes and the fast path, whatever ``job`` says."""
+        body.checked()
+
+        def work(progress: ProgressFn | None = None) -> Mapping[str, object]:
+            return self.ex.training(
+                body.prompt, body.completion, token=body.token, top=body.top, progress=progress
+            ).to_dict()
+
+        self.ex.check_training(body.prompt, body.completion, token=body.token, top=body.top)  # refused at once
+        if self.ex.training_is_slow():
+            return self.queued("training", work, self.ex.slow_training_message())
+        return self.queued("training", work, "attributing") if job else self.call(work)
 
     def document(self, doc_index: int, position: int | None = None) -> Response:
         return self.call(lambda: self.ex.document(doc_index, position=position).to_dict())

@@ -37,6 +37,8 @@ class MapView(Plain):
     """Indexed tokens each prototype is active on (None without an index)."""
     label: list[str]
     """(K,) label ("" unlabelled)."""
+    quality: list[float | None]
+    """(K,) the label's quality: how often a token it names is the next token where the prototype fires."""
     explained_variance: list[float] | None
     """PCA's share of the variance of its two components (None: UMAP)."""
 
@@ -101,6 +103,7 @@ def bank_map(s: Session) -> MapView:
         categories=cats,
         count=s.index.counts.tolist() if s.index is not None else None,
         label=[labs.get(i, {}).get("label", "") for i in range(K)],
+        quality=[labs.get(i, {}).get("quality") for i in range(K)],
         explained_variance=evr,
     )
 

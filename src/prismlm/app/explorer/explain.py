@@ -7,19 +7,22 @@ own forward output for that token (Σ slices + residual + bias = the logit, to r
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import NamedTuple, TypedDict
 
 import torch
 
+from prismlm.app.chat import CHAT_ANSWER_TOKENS, chat_prompt, stops_for
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
-from prismlm.app.operations import CHAT_ANSWER_TOKENS, chat_prompt
+from prismlm.control.activity import Activity
 from prismlm.explain import Explanation, explain, explain_generation
-from prismlm.explain.explanation import CardDict
+from prismlm.explain.explanation import CardDict, StepGuard
 from prismlm.model import PrismLM, PrismOutput, decompose
 from prismlm.model.generation import Sampling
+from prismlm.progress import Progress
 
 __all__ = ["ActivePrototype", "Candidate", "ExplainView", "PositionView", "explain_view"]
 
@@ -104,6 +107,9 @@ class ExplainView(Plain):
     steering: SteeringDict
     """The request's steering, echoed."""
     notes: list[str]
+    activity: Activity | None = None
+    """With steering: which steered prototypes are active on the text, and where the concept's target tokens
+    are predicted (a warning in ``notes`` when none is)."""
 
 
 def explain_view(
@@ -116,23 +122,38 @@ def explain_view(
     neighbours: int,
     sampling: Sampling,
     chat: bool,
+    system: str | None = None,
+    progress: Progress = False,
 ) -> ExplainView:
     """``Explorer.explain``: checks the request, explains ``text`` (or ``generate`` tokens sampled after it)
-    under ``steering`` and splits every chosen token's logit and its ``alternatives``."""
+    under ``steering`` and splits every chosen token's logit and its ``alternatives``. ``chat``: ``text`` is a
+    message (after the ``system`` prompt), its answer generated up to the end-of-turn token. A generation
+    holds the model lock one token at a time (``progress`` gets each token), so other requests run between."""
     s.limits.check_text(text)
-    stop_id: int | None = None
+    s.limits.check_text(system or "", "system")
+    stop_id = stops_for(s.run, chat)  # on a run with a chat template every generation ends with the turn
     if chat:
-        text, stop_id = chat_prompt(s.run, text), s.run.tokenizer.eot_id
-        generate, sampling = generate or CHAT_ANSWER_TOKENS, replace(sampling, temperature=0.0)
+        text = chat_prompt(s.run, text, system)
+        generate = generate or min(CHAT_ANSWER_TOKENS, s.limits.max_generate)
+        sampling = replace(sampling, temperature=0.0)
     s.limits.check_sampling(generate, sampling, "generate")
     s.limits.check_top(alternatives, "alternatives")
     s.limits.check_top(neighbours, "neighbours")
     ivs = s.interventions(steering)
+    expl = None
+    if generate:
+        expl = _explanation(
+            s, s.model, text, generate, neighbours, sampling=sampling, stop_id=stop_id, guard=lambda: s.locked(ivs),
+            progress=progress,
+        )  # fmt: skip
     with s.lock, s.run.intervened(*ivs) as model, torch.no_grad():
-        expl = _explanation(s, model, text, generate, neighbours, sampling=sampling, stop_id=stop_id)
+        if expl is None:
+            expl = _explanation(s, model, text, 0, neighbours, sampling=sampling, stop_id=None)
         x = torch.tensor([expl.token_ids], dtype=torch.long, device=s.run.device)  # (1, n)
         chosen = [p.next_id for p in expl.positions]
         positions, err = waterfalls(s, model, model(x), chosen, [p.chosen_by for p in expl.positions], alternatives)
+        act = None if steering.empty else s.activity(steering, [*expl.token_ids, chosen[-1]])
+    warning = act.warning("steered") if act is not None else None
     for view, pos in zip(positions, expl.positions):  # the prototype-only prediction: the explanation's one value
         view.model_top_id, view.prototype_top_id = pos.model_top_id, pos.prototype_top_id
         view.prototype_top_token, view.prototype_prob = pos.prototype_top_token, pos.prototype_prob
@@ -147,7 +168,11 @@ def explain_view(
         max_abs_error=err,
         steering=steering.to_dict(),
         # a torn labels.json is served without labels: said beside the answer it affects, not only in /api/info
-        notes=list(expl.notes) + ([f"served without labels: {lost}"] if (lost := _labels_error(s)) else []),
+        notes=list(expl.notes)
+        + ([act.summary("steered")] if act is not None else [])
+        + ([warning] if warning else [])
+        + ([f"served without labels: {lost}"] if (lost := _labels_error(s)) else []),
+        activity=act,
     )
 
 
@@ -163,9 +188,12 @@ def _explanation(
     neighbours: int,
     *,
     sampling: Sampling,
-    stop_id: int | None,
+    stop_id: tuple[int, ...] | None,
+    guard: StepGuard = nullcontext,
+    progress: Progress = False,
 ) -> Explanation:
-    """The library's explanation of ``text`` (or of ``generate`` tokens sampled after it)."""
+    """The library's explanation of ``text`` (or of ``generate`` tokens sampled after it, each step inside
+    ``guard``)."""
     if not generate:
         return explain(model, s.run.tokenizer, text, model_sha256=s.run.identity, index=s.index, neighbours=neighbours)
     return explain_generation(
@@ -178,6 +206,8 @@ def _explanation(
         index=s.index,
         neighbours=neighbours,
         stop_id=stop_id,
+        guard=guard,
+        progress=progress,
     )
 
 

@@ -15,15 +15,26 @@ from pathlib import Path
 from prismlm.app.explorer.bank import MapView, SearchView, bank_map, search_view
 from prismlm.app.explorer.explain import ExplainView, explain_view
 from prismlm.app.explorer.info import RunInfo, run_info
+from prismlm.app.explorer.jobs import Job, Work
 from prismlm.app.explorer.limits import Limits
 from prismlm.app.explorer.prototype import PrototypeDetail, prototype_view
+from prismlm.app.explorer.residual import ContrastView, ResidualView, contrast_view, residual_view
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steer import SteerView, steer_view
 from prismlm.app.explorer.steering import Steering
-from prismlm.app.explorer.training import DocumentView, TrainingView, document_view, training_view
+from prismlm.app.explorer.training import (
+    DocumentView,
+    TrainingView,
+    document_view,
+    slow_training_message,
+    training_is_slow,
+    training_query,
+    training_view,
+)
 from prismlm.app.run import Run
 from prismlm.control.suppress import SuppressionSet
-from prismlm.model.generation import TEXT_SAMPLING, Sampling
+from prismlm.model.generation import GREEDY, TEXT_SAMPLING, Sampling
+from prismlm.progress import Progress
 
 __all__ = ["Explorer"]
 
@@ -80,14 +91,17 @@ class Explorer(Session):
         alternatives: int = 5,
         steering: Steering = Steering(),
         neighbours: int = 3,
-        sampling: Sampling = TEXT_SAMPLING,
+        sampling: Sampling = GREEDY,
         chat: bool = False,
+        system: str | None = None,
+        progress: Progress = False,
     ) -> ExplainView:
         """Every next-token logit of ``text`` (or of ``generate`` tokens sampled after it) as a waterfall of
         prototype slices + residual (+ bias), with the ``alternatives`` most probable other tokens split the
-        same way, under the request's ``steering``. ``chat``: ``text`` is a chat message; the assistant's
-        answer to it (written with the run's chat template) is generated greedily, at most ``generate``
-        tokens (default 64) up to the end-of-turn token, and explained."""
+        same way, under the request's ``steering``. ``chat``: ``text`` is a chat message (after the ``system``
+        prompt, if given); the assistant's answer to it (written with the run's chat template) is generated
+        greedily, at most ``generate`` tokens (default 64) up to the end-of-turn token, and explained. Any
+        generation is greedy unless ``sampling`` says otherwise."""
         return explain_view(
             self,
             text,
@@ -97,7 +111,21 @@ class Explorer(Session):
             neighbours=neighbours,
             sampling=sampling,
             chat=chat,
+            system=system,
+            progress=progress,
         )
+
+    def contrast(
+        self, token_ids: list[int], token_index: int, token: str, *, steering: Steering = Steering()
+    ) -> ContrastView:
+        """Why the token at ``token_index`` and not ``token`` (any one token, typed): that token's logit at the
+        same position, split into the same active prototypes' slices + residual (``residual.contrast_view``)."""
+        return contrast_view(self, token_ids, token_index, token, steering)
+
+    def residual(self, token_ids: list[int], token_index: int, *, answer_from: int = 1, top: int = 8) -> ResidualView:
+        """The residual slice of the prediction of ``token_ids[token_index]`` as an object: the tokens W r pushes,
+        the prototypes nearest to r with their contexts, and its mean share from ``answer_from`` on."""
+        return residual_view(self, token_ids, token_index, answer_from=answer_from, top=top)
 
     def prototype(self, i: int, *, text: str | None = None, neighbours: int = 8, similar: int = 8) -> PrototypeDetail:
         """Prototype ``i``: label, category, signature tokens, activation histogram, nearest training
@@ -127,16 +155,63 @@ class Explorer(Session):
         steering: Steering,
         tokens: int = 30,
         sampling: Sampling = TEXT_SAMPLING,
+        chat: bool = False,
+        system: str | None = None,
+        progress: Progress = False,
     ) -> SteerView:
         """Generate from the base model and from the steered one with the same seed, side by side, and for
-        every token of the steered text the exact change of its logit and the slices that explain it."""
-        return steer_view(self, prompt, steering=steering, tokens=tokens, sampling=sampling)
+        every token of the steered text the exact change of its logit and the slices that explain it.
+        ``chat``: ``prompt`` is a chat message (after the ``system`` prompt), written with the run's chat
+        template; either generation ends at the end-of-turn token."""
+        return steer_view(
+            self,
+            prompt,
+            steering=steering,
+            tokens=tokens,
+            sampling=sampling,
+            chat=chat,
+            system=system,
+            progress=progress,
+        )
 
-    def training(self, prompt: str, completion: str = "", *, token: int | None = None, top: int = 10) -> TrainingView:
+    def training(
+        self,
+        prompt: str,
+        completion: str = "",
+        *,
+        token: int | None = None,
+        top: int = 10,
+        progress: Progress = False,
+    ) -> TrainingView:
         """The training sequences that most influenced ``completion`` (every token of ``prompt`` when there
         is none) — or only its ``token``-th measured token — with normalised scores, the connecting
-        prototypes (their share of each score) and a snippet with its document."""
-        return training_view(self, prompt, completion, token=token, top=top)
+        prototypes (their share of each score) and a snippet with its document. Without an attribution
+        cache the first request builds gradients first (``training_is_slow``; ``progress`` gets its batches)."""
+        return training_view(self, prompt, completion, token=token, top=top, progress=progress)
+
+    def check_training(self, prompt: str, completion: str = "", *, token: int | None = None, top: int = 10) -> None:
+        """The checks ``training`` runs first (limits, ``token`` among the measured tokens): a request that
+        would be refused is refused before it is queued as a job."""
+        training_query(self, prompt, completion, token=token, top=top)
+
+    def training_is_slow(self) -> bool:
+        """Whether ``training`` would first build gradients over the training shard (no cache, none built)."""
+        return training_is_slow(self)
+
+    def slow_training_message(self) -> str:
+        """What a slow ``training`` request says before it starts, with the fast path (the cache command)."""
+        return slow_training_message(self)
+
+    def submit(self, kind: str, work: Work, message: str) -> Job:
+        """Run ``work`` as a background job (``jobs.Jobs``): poll ``job(id)`` for progress and the result."""
+        return self.jobs.submit(kind, work, message)
+
+    def job(self, job_id: str) -> Job:
+        return self.jobs.get(job_id)
+
+    def cancel(self, job_id: str) -> Job:
+        """Cancel a job: a queued one never starts, a running one stops at its next batch."""
+        return self.jobs.cancel(job_id)
 
     def document(self, doc_index: int, *, position: int | None = None, window: int = 400) -> DocumentView:
         """A training document of the run's own shard (by index; never by path), around ``position`` (the

@@ -51,6 +51,8 @@ class RunInfo(Plain):
     interventions: list[str]
     """Interventions applied to every request (the checkpoint's suppression set)."""
     limits: JSONDict
+    chat: bool = False
+    """Whether the run has a chat template (the Explain and Steer views then take a chat message)."""
     notes: list[str] = field(default_factory=list)
     """Problems the server works around (e.g. a corrupt labels.json, served without labels), with their fix."""
 
@@ -88,6 +90,7 @@ def run_info(s: Session) -> RunInfo:
         model=model_shape(s),
         has_index=s.index is not None,
         has_cache=s.has_cache,
+        chat=bool(s.run.tokenizer.chat_template),
         index_tokens=s.index.tokens if s.index is not None else None,
         coverage=dict(s.index.coverage()) if s.index is not None else {},
         categories=list(CATEGORIES),

@@ -52,6 +52,9 @@ class Limits(Plain):
     """Bytes of a request body (checked by the server before parsing)."""
     max_waiting: int = 256
     """Requests waiting for the model at once; more are answered 503 (the server's queue bound)."""
+    max_jobs: int = 4
+    """Slow jobs (training data without a cache, generations asked for as jobs) queued or running at once;
+    more are refused (503)."""
     full_attribution_sequences: int = 128
     """Without an attribution cache, exact attribution over the first N training sequences (their block
     gradients are built once, on the first request: ~7 s for 128 at cpu-small on one core)."""

@@ -3,25 +3,31 @@ sets, the limits, one lock, and the tables built once on first use. Every view m
 
 Invariant: every model call happens under ``Session.lock`` — the model's interventions are process-wide
 state (``model.intervene`` sets multipliers on the module), so two requests steering differently must never
-overlap, and queued requests cannot pile up activations.
+overlap, and queued requests cannot pile up activations. Slow work (a pass over the training shard) takes the
+lock one batch at a time, from a background job (``Session.jobs``), so it never holds back a quick request.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from prismlm.app.bank_search import TokenSearch
+from prismlm.app.control import suppression_targets
+from prismlm.app.explorer.jobs import FairLock, Jobs
 from prismlm.app.explorer.limits import Limits
 from prismlm.app.explorer.steering import Steering, interventions
 from prismlm.app.run import Run
+from prismlm.control.activity import Activity, changed_prototypes, prototype_activity
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.shards import ShardSet
 from prismlm.errors import ArtifactError
 from prismlm.explain import PrototypeIndex
 from prismlm.explain.index import LabelEntry, Labels
 from prismlm.model import Intervention, PrismLM
+from prismlm.progress import Progress
 from prismlm.tda.influence import FullGradients
 
 __all__ = ["LabelEntry", "Labels", "Session"]
@@ -42,8 +48,12 @@ class Session:
         self.run = run
         self.model: PrismLM = run.prism_model("the explorer")
         self.limits = limits
-        self.lock = threading.Lock()
-        """Held around every model call (interventions are module state; see the module docstring)."""
+        self.lock = FairLock()
+        """Held around every model call (interventions are module state; see the module docstring); granted
+        first come, first served."""
+        self.jobs = Jobs(max_queued=limits.max_jobs)
+        """The slow work of this run (``jobs.Jobs``): one background thread, a bounded queue."""
+        self._build_lock = threading.Lock()
         self.index: PrototypeIndex | None = run.index(index)
         if self.index is not None:  # a corrupt labels.json: serve without labels and say so in /api/info
             self.index.lenient_labels = True
@@ -79,6 +89,23 @@ class Session:
         """The request's steering as checked intervention values (``steering.interventions``)."""
         return interventions(steering, self.num_prototypes, self.limits, self.concepts)
 
+    @contextmanager
+    def locked(self, ivs: tuple[Intervention, ...]) -> Iterator[PrismLM]:
+        """The model lock, then the run's interventions and ``ivs`` applied: one step of a generation that
+        gives the lock back between tokens."""
+        with self.lock, self.run.intervened(*ivs) as model:
+            yield model
+
+    def activity(self, steering: Steering, token_ids: list[int]) -> Activity:
+        """Which of the prototypes ``steering`` (and the run's own interventions) change are active on
+        ``token_ids``, and where the target tokens of its concept set (or the run's suppression set) are
+        predicted (``prismlm.control.activity``). Call under ``lock``."""
+        ids = changed_prototypes((*self.run.interventions, *self.interventions(steering)), self.num_prototypes)
+        sets = (self.concepts.get(steering.concept) if steering.concept else None, self.run.suppression)
+        return prototype_activity(
+            self.model, ids, token_ids, targets=suppression_targets(*sets), tokenizer=self.run.tokenizer
+        )
+
     def shards_dir(self) -> Path | None:
         """The shards the index points into (the run's own otherwise): attribution reads the same ones."""
         if self.index is not None and self.index.shards is not None:
@@ -112,10 +139,24 @@ class Session:
             self._token_search = TokenSearch(self.model, self.run.tokenizer, self.index)
         return self._token_search
 
-    def full_gradients(self, shards: ShardSet) -> FullGradients:
+    @property
+    def full_gradients_ready(self) -> bool:
+        """Whether ``full_gradients`` is built (a training request without a cache is quick from then on)."""
+        return self._full is not None
+
+    def full_gradients(self, shards: ShardSet, progress: Progress = False) -> FullGradients:
         """Without an attribution cache: the block gradients of the first ``Limits.full_attribution_sequences``
         training sequences, built once (every later request, e.g. a per-token filter, reuses them). Call it
-        under ``lock``."""
+        *without* holding ``lock``: each batch of the two passes takes it, so other requests run between
+        batches; ``progress`` gets each batch (and may raise to stop the build)."""
         if self._full is None:
-            self._full = FullGradients.build(self.model, shards, max_sequences=self.limits.full_attribution_sequences)
+            with self._build_lock:
+                if self._full is None:
+                    self._full = FullGradients.build(
+                        self.model,
+                        shards,
+                        max_sequences=self.limits.full_attribution_sequences,
+                        progress=progress,
+                        guard=lambda: self.lock,
+                    )
         return self._full

@@ -13,13 +13,16 @@ from typing import NamedTuple, TypedDict
 
 import torch
 
+from prismlm.app.chat import chat_prompt, stops_for
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
 from prismlm.app.prototype_view import never_active
+from prismlm.control.activity import Activity
 from prismlm.model import Intervention, decompose
 from prismlm.model.generation import Sampling
 from prismlm.model.interventions import combined_multipliers
+from prismlm.progress import Progress, Reporter
 
 __all__ = ["ChangedSlice", "SteerStep", "SteerView", "steer_view"]
 
@@ -70,6 +73,9 @@ class SteerView(Plain):
     inactive: list[int] | None = None
     """Those of them never active on the steered text (prompt + generation): steering them changes none of
     its logits (activations do not depend on the multipliers)."""
+    activity: Activity | None = None
+    """Which steered prototypes are active on the steered text, and where the concept's target tokens are
+    predicted (a warning in ``notes`` when none is)."""
 
 
 class Changes(NamedTuple):
@@ -90,21 +96,40 @@ class Changes(NamedTuple):
     notes: list[str]
 
 
-def steer_view(s: Session, prompt: str, *, steering: Steering, tokens: int, sampling: Sampling) -> SteerView:
-    """``Explorer.steer``: both generations, the changes and the steered prototypes that never fire."""
+def steer_view(
+    s: Session,
+    prompt: str,
+    *,
+    steering: Steering,
+    tokens: int,
+    sampling: Sampling,
+    chat: bool = False,
+    system: str | None = None,
+    progress: Progress = False,
+) -> SteerView:
+    """``Explorer.steer``: both generations, the changes and the steered prototypes that never fire. ``chat``:
+    ``prompt`` is a chat message (after ``system``); both generations stop at the end-of-turn token (every
+    generation does once the run has a chat template: a base-model continuation past it is another turn)."""
     s.limits.check_text(prompt, "prompt")
+    s.limits.check_text(system or "", "system")
     s.limits.check_sampling(tokens, sampling)
     ivs = s.interventions(steering)
     tok = s.run.tokenizer
-    ids = tok.encode(prompt) if prompt else [tok.eot_id]
+    text = chat_prompt(s.run, prompt, system) if chat else prompt
+    ids = tok.encode(text) if text else [tok.eot_id]
     p = len(ids)
+    stops = stops_for(s.run, chat)
+    with Reporter(progress, "generate", 2 * tokens, unit="tok") as bar:  # the lock is taken per token
+        base, steered = [
+            _generate(s, ids, use, tokens=tokens, sampling=sampling, stops=stops, bar=bar) for use in ((), ivs)
+        ]
     with s.lock, torch.no_grad():
-        sampled = [_generate(s, ids, use, tokens=tokens, sampling=sampling) for use in ((), ivs)]
-        base, steered = sampled
         ch = changes(s, steered, ivs)
+        act = s.activity(steering, steered)
+    warning = act.warning("steered")
     gb, gs = base[p:], steered[p:]
     return SteerView(
-        prompt=prompt,
+        prompt=text,
         base=[tok.id_to_token(t) for t in gb],
         steered=[tok.id_to_token(t) for t in gs],
         base_text=tok.decode(gb),
@@ -112,9 +137,10 @@ def steer_view(s: Session, prompt: str, *, steering: Steering, tokens: int, samp
         first_difference=next((j for j, (a, b) in enumerate(zip(gb, gs)) if a != b), None),
         steps=steps(s, ch, base, steered, p),
         steering=steering.to_dict(),
-        notes=ch.notes,
+        notes=ch.notes + ([act.summary("steered")] if act.targets else []) + ([warning] if warning else []),
         steered_ids=ch.steered_ids,
         inactive=ch.inactive,
+        activity=act,
     )
 
 
@@ -125,13 +151,26 @@ def _generate(
     *,
     tokens: int,
     sampling: Sampling,
+    stops: tuple[int, ...],
+    bar: Reporter,
 ) -> list[int]:
-    """``ids`` and ``tokens`` sampled after them under ``ivs`` (a fresh generator of the sampling's seed)."""
+    """``ids`` and ``tokens`` sampled after them under ``ivs`` (a fresh generator of the sampling's seed),
+    up to and including the first of ``stops`` (the end-of-turn tokens). Each step holds the model lock (with
+    ``ivs`` applied) on its own, so other requests run between tokens; ``bar`` gets each token."""
     dev = s.run.device
     x = torch.tensor([ids], dtype=torch.long, device=dev)  # (1, p)
-    with s.run.intervened(*ivs) as m:
-        out = m.generate(x, tokens, sampling, generator=sampling.generator(dev))
-    return list(out[0].tolist())
+    out = list(ids)
+    steps = s.model.generate_steps(x, tokens, sampling, generator=sampling.generator(dev))
+    while True:
+        with s.locked(ivs), torch.no_grad():
+            step = next(steps, None)
+        if step is None:
+            break
+        out.append(int(step[1][0, 0]))
+        bar.update(1)
+        if out[-1] in stops:
+            break
+    return out
 
 
 def changes(s: Session, steered: list[int], ivs: tuple[Intervention, ...]) -> Changes:

@@ -7,14 +7,16 @@ item's |prototype shares| and |rest_share| add up to 1.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 from prismlm.app.attribution import attribute_text
 from prismlm.app.explorer.limits import UnknownDocumentError
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.errors import ConfigError
+from prismlm.progress import Progress
 from prismlm.tda.attribute import AttributedSequence, Attribution, QuerySpec, SearchSpec, attribute, make_query
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "TrainingItem",
     "TrainingView",
     "document_view",
+    "training_query",
     "training_view",
 ]
 
@@ -80,6 +83,7 @@ class TrainingView(Plain):
     """Summed cross-entropy of the measured tokens."""
     items: list[TrainingItem]
     seconds: float
+    """Wall time of the whole request (a gradient build without a cache included)."""
     notes: list[str]
 
 
@@ -109,9 +113,33 @@ def split_snippet(snippet: str) -> tuple[str, str, str]:
     return snippet, "", ""
 
 
-def training_view(s: Session, prompt: str, completion: str, *, token: int | None, top: int) -> TrainingView:
-    """``Explorer.training``: the ``top`` training sequences that most influenced ``completion`` (every token
-    of ``prompt`` when there is none), or only its ``token``-th measured token."""
+def training_is_slow(s: Session) -> bool:
+    """Whether a training request would first build gradients over the training shard (no attribution cache,
+    and none built yet): minutes on a real model, so the explorer runs it as a job."""
+    return not s.has_cache and not s.full_gradients_ready
+
+
+def slow_training_message(s: Session) -> str:
+    """What a slow training request says before it starts: what it does, that it takes a while, the fast path."""
+    return (
+        f"no attribution cache: building exact gradients of the first {s.limits.full_attribution_sequences:,} "
+        f"training sequences first (two passes over them: seconds on a toy model, minutes on a real one; "
+        f"other views keep answering meanwhile). The fast path: `prism attribute-cache {s.run.path}` "
+        f"(the explorer picks the cache up without a restart)"
+    )
+
+
+class Query(NamedTuple):
+    """A training request's measured tokens, checked: the ids attributed and how many of their last are measured."""
+
+    measured: list[MeasuredToken]
+    sel: list[int]
+    n_measure: int
+
+
+def training_query(s: Session, prompt: str, completion: str, *, token: int | None, top: int) -> Query:
+    """The checks of a training request (its limits, ``token`` among the measured tokens) and what it measures:
+    quick, so a request that would be refused is refused before any job is queued."""
     s.limits.check_text(prompt + completion, "prompt + completion")
     s.limits.check_top(top, "top")
     if top < 1:
@@ -125,10 +153,19 @@ def training_view(s: Session, prompt: str, completion: str, *, token: int | None
     if token is not None:
         if not 0 <= token < len(measured):
             raise ConfigError(f"token must be in [0, {len(measured)}) (the measured tokens), got {token}")
-        sel, n_measure = ids[: start + token + 1], 1
-    else:
-        sel, n_measure = ids, len(ids) - start
-    att, notes = _attribution(s, prompt, sel, n_measure, top)
+        return Query(measured, ids[: start + token + 1], 1)
+    return Query(measured, ids, len(ids) - start)
+
+
+def training_view(
+    s: Session, prompt: str, completion: str, *, token: int | None, top: int, progress: Progress = False
+) -> TrainingView:
+    """``Explorer.training``: the ``top`` training sequences that most influenced ``completion`` (every token
+    of ``prompt`` when there is none), or only its ``token``-th measured token. ``progress``: the gradient
+    build's batches, without a cache."""
+    t0 = time.monotonic()
+    measured, sel, n_measure = training_query(s, prompt, completion, token=token, top=top)
+    att, notes = _attribution(s, prompt, sel, n_measure, top, progress)
     scale = max((abs(it.score) for it in att.top), default=0.0) or 1.0
     labs = s.labelled(sorted({int(pp["id"]) for it in att.top for pp in it.prototypes}))
     summed = "+" not in att.method  # a rescored (hybrid) score is another method's, not Σ contributions
@@ -141,16 +178,19 @@ def training_view(s: Session, prompt: str, completion: str, *, token: int | None
         num_train=att.num_train,
         query_loss=att.query_loss,
         items=[training_item(it, scale, labs, summed) for it in att.top],
-        seconds=att.seconds,
+        seconds=time.monotonic() - t0,
         notes=notes + list(att.notes),
     )
 
 
-def _attribution(s: Session, prompt: str, sel: list[int], n_measure: int, top: int) -> tuple[Attribution, list[str]]:
+def _attribution(
+    s: Session, prompt: str, sel: list[int], n_measure: int, top: int, progress: Progress
+) -> tuple[Attribution, list[str]]:
     """Attribution of the last ``n_measure`` tokens of ``sel``: through the cache, or (without one) exactly
-    over the first ``Limits.full_attribution_sequences`` training sequences, said in a note."""
-    with s.lock:
-        if s.has_cache:
+    over the first ``Limits.full_attribution_sequences`` training sequences, said in a note (their gradients
+    are built batch by batch, each batch under the lock: ``Session.full_gradients``)."""
+    if s.has_cache:
+        with s.lock:
             att = attribute_text(
                 s.run,
                 prompt,
@@ -160,14 +200,16 @@ def _attribution(s: Session, prompt: str, sel: list[int], n_measure: int, top: i
                 shards=s.shards_dir(),
                 token_ids=sel,
             )
-            return att, []
-        shards = s.run.shards(s.shards_dir())
+        return att, []
+    shards = s.run.shards(s.shards_dir())
+    full = s.full_gradients(shards, progress)
+    with s.lock:
         att = attribute(
             s.model,
             s.run.tokenizer,
             prompt,
             QuerySpec(completion=n_measure),
-            source=s.full_gradients(shards),
+            source=full,
             search=SearchSpec(top=top),
             shards=shards,
             token_ids=sel,

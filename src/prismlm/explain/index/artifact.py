@@ -85,6 +85,9 @@ class LabelEntry(TypedDict, total=False):
     label: str
     category: str
     """One of ``prismlm.explain.labels.CATEGORIES``."""
+    quality: float
+    """How often one of the tokens the label names (those the prototype pushes most) is the next token where
+    the prototype fires, in [0, 1] (rule labels with the model's signatures)."""
     evidence: dict[str, object]
     """What the labeller based it on (its own record, passed through: counts, context words, ``labeller``…)."""
 

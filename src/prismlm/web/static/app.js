@@ -8,8 +8,8 @@ const state = {info: null, explainText: "", explainData: null};
 const lim = (name, want) => Math.min(want, state.info ? state.info.limits[name] : want);
 
 /* ----- API and routing ----------------------------------------------------------------------------------- */
-async function api(path, body) {
-  const r = await fetch(path, body === undefined ? {} :
+async function api(path, body, method) {
+  const r = await fetch(path, body === undefined ? (method ? {method} : {}) :
     {method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)});
   const d = await r.json().catch(() => ({message: r.statusText}));
   if (!r.ok) {
@@ -35,6 +35,28 @@ function setHashQuiet(name, arg, params) {  // update the shareable URL without 
   for (const [k, v] of Object.entries(params || {})) if (v !== undefined && v !== null && v !== "") q.set(k, v);
   history.replaceState(null, "", `#/${name}${arg != null ? "/" + encodeURIComponent(arg) : ""}${q.toString() ? "?" + q : ""}`);
 }
+/* Slow work answers 202 with a job: show its message and progress, poll it until it ends, offer Cancel. */
+async function apiJob(path, body, out) {
+  const d = await api(path, body);
+  if (!d.job) return d;
+  let job = d.job;
+  const draw = () => {
+    const pct = job.total ? Math.round(100 * job.done / job.total) : null;
+    out.innerHTML = `<div class="job" id="job-status" data-state="${esc(job.state)}"><p class="busy">${esc(job.message)}</p>
+      <p class="muted">${esc(job.state)}${job.stage ? ` · ${esc(job.stage)} ${job.done}${job.total ? "/" + job.total : ""} ${esc(job.unit)}` : ""} · ${job.seconds.toFixed(0)} s</p>
+      ${pct !== null ? `<progress max="100" value="${pct}"></progress>` : ""} <button id="job-cancel">Cancel</button></div>`;
+    $("#job-cancel").onclick = async () => { job = await api(`/api/jobs/${job.id}`, undefined, "DELETE"); };
+  };
+  while (!["done", "failed", "cancelled"].includes(job.state)) {
+    draw();
+    await new Promise(res => setTimeout(res, 500));
+    if (!document.body.contains(out)) throw new Error("left the view");  // the page moved on: stop polling
+    job = await api(`/api/jobs/${job.id}`);
+  }
+  if (job.state === "failed") throw new Error(job.error.message + (job.error.fix ? ` (fix: ${job.error.fix})` : ""));
+  if (job.state === "cancelled") throw new Error("cancelled");
+  return job.result;
+}
 const showError = (el, e) => { el.innerHTML = `<div class="error">${esc(e.message || e)}</div>`; };
 const busy = el => { el.innerHTML = `<p class="busy">working…</p>`; };
 const protoLink = (id, text) => `<a href="#/prototype/${id}${text ? "?text=" + encodeURIComponent(text) : ""}" class="plink" data-id="${id}">#${id}</a>`;
@@ -55,11 +77,14 @@ async function route() {
 async function viewExplain(r) {
   const text = r.q.get("text") ?? state.explainText ?? "";
   const gen = r.q.get("generate") || "0", alts = r.q.get("alternatives") || "5", mode = r.q.get("color") || "prototype";
+  const chat = state.info.chat && r.q.get("chat") === "1", system = r.q.get("system") || "";
   view.innerHTML = `<h1>Explain</h1>
   <p class="muted">Every next-token logit is an exact sum of prototype slices a<sub>i</sub>·(W p<sub>i</sub>)<sub>y</sub>,
   one residual slice (W r)<sub>y</sub> (and the bias, if the model has one). Type or generate text, then click a token.</p>
   <p class="convention">${esc(P.CONVENTION)}</p>
-  <textarea id="explain-text" placeholder="Text to explain">${esc(text)}</textarea>
+  <textarea id="explain-text" placeholder="${chat ? "Message to the model" : "Text to explain"}">${esc(text)}</textarea>
+  ${state.info.chat ? `<div class="controls"><label title="the text is a message to the model: its answer is generated (greedy, up to the end-of-turn token) with the run's chat template and explained"><input id="explain-chat" type="checkbox" ${chat ? "checked" : ""}> chat</label>
+    <label id="explain-system-label" style="${chat ? "" : "display:none"}">system prompt <input id="explain-system" size="50" placeholder="(the template's default)" value="${esc(system)}"></label></div>` : ""}
   <div class="controls">
     <label>generate <input id="explain-gen" type="number" min="0" value="${esc(gen)}"></label>
     <label>alternatives <input id="explain-alts" type="number" min="0" value="${esc(alts)}"></label>
@@ -69,8 +94,11 @@ async function viewExplain(r) {
   </div>
   <div id="explain-out"></div>`;
   $("#explain-color").value = mode;
+  const chatOn = () => !!($("#explain-chat") && $("#explain-chat").checked);
+  if ($("#explain-chat")) $("#explain-chat").onchange = () => { $("#explain-system-label").style.display = chatOn() ? "" : "none"; };
   const run = () => go("explain", null, {text: $("#explain-text").value, generate: $("#explain-gen").value | 0 || "",
-    alternatives: $("#explain-alts").value, seed: $("#explain-seed").value | 0 || "", color: $("#explain-color").value}, ["text"]);
+    alternatives: $("#explain-alts").value, seed: $("#explain-seed").value | 0 || "", color: $("#explain-color").value,
+    chat: chatOn() ? "1" : "", system: chatOn() ? $("#explain-system").value : ""}, ["text"]);
   $("#explain-go").onclick = run;
   $("#explain-text").onkeydown = e => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) run(); };
   $("#explain-color").onchange = () => { if (state.explainData) renderTokens(state.explainData, $("#explain-color").value); };
@@ -79,9 +107,10 @@ async function viewExplain(r) {
   busy(out);
   let d;
   try {
-    d = await api("/api/explain", {text, generate: +gen, alternatives: +alts, seed: +(r.q.get("seed") || 0)});
+    const body = {text, generate: +gen, alternatives: +alts, seed: +(r.q.get("seed") || 0), chat, system: chat && system ? system : null};
+    d = chat || +gen ? await apiJob("/api/explain?job=true", body, out) : await api("/api/explain", body);
   } catch (e) { showError(out, e); return; }
-  state.explainText = d.text; state.explainData = d;
+  state.explainText = chat ? text : d.text; state.explainData = d;
   out.innerHTML = `${d.notes.length ? `<ul class="notes">${d.notes.map(n => `<li>${esc(n)}</li>`).join("")}</ul>` : ""}
     <div class="legend" id="explain-legend"></div>
     <div class="panel"><div class="tokens" id="explain-tokens"></div></div>
@@ -89,8 +118,8 @@ async function viewExplain(r) {
     <div class="row"><div class="grow panel" id="explain-detail">Click a token to see why the model predicted it.</div>
     <div class="grow" id="explain-cards"></div></div>`;
   renderTokens(d, mode);
-  const sel = r.q.get("pos");
-  const start = sel !== null ? +sel : d.positions.length - 1;
+  const sel = r.q.get("pos");  // the index of the token shown (as in the tooltips): position pos − 1 predicts it
+  const start = sel !== null && +sel >= 1 ? +sel - 1 : d.positions.length - 1;
   if (d.positions[start]) showPosition(d, start);
 }
 
@@ -100,7 +129,7 @@ function renderTokens(d, mode) {
   else legend.innerHTML = state.info.categories.map(c => `<span><i style="background:${catColor(c)}"></i>${esc(c)}</span>`).join("") +
     `<span><i style="background:#9aa3b2"></i>unlabelled</span><span>(shade: the top prototype's share; white: residual dominates)</span>`;
   const gen0 = d.prompt_tokens;
-  let h = `<span class="tok ctx" title="context">${esc(vis(d.tokens[0]))}</span>`;
+  let h = `<span class="tok ctx" title="token 0 (context)">${esc(vis(d.tokens[0]))}</span>`;
   d.positions.forEach((p, t) => {
     let bg;
     if (mode === "residual") bg = `rgba(230,80,60,${(0.06 + 0.62 * Math.min(1, Math.abs(p.residual_share))).toFixed(2)})`;
@@ -112,8 +141,8 @@ function renderTokens(d, mode) {
     const differ = p.prototype_top_id >= 0 && p.prototype_top_id !== p.model_top_id;
     const cls = ["tok", gen0 !== null && t + 1 >= gen0 ? "gen" : "", last ? "ghost" : "", differ ? "pdiff" : ""].join(" ");
     const alone = p.prototype_top_id >= 0 ? `; prototypes alone: ${p.prototype_top_token}${differ ? " (≠ the model's token)" : ""}` : "";
-    const tip = `${p.chosen.token} (p=${p.chosen.prob.toFixed(3)}); top: ${p.top_prototype !== null ? "#" + p.top_prototype : "-"} ${(100 * p.top_share).toFixed(0)}%, residual ${(100 * p.residual_share).toFixed(0)}%${alone}${last ? " — the model's next token (" + p.chosen_by + ")" : ""}`;
-    h += `<span class="${cls}" data-pos="${t}" style="background:${bg}" title="${esc(tip)}">${esc(vis(p.chosen.token))}</span>`;
+    const tip = `token ${t + 1}: ${p.chosen.token} (p=${p.chosen.prob.toFixed(3)}); top: ${p.top_prototype !== null ? "#" + p.top_prototype : "-"} ${(100 * p.top_share).toFixed(0)}%, residual ${(100 * p.residual_share).toFixed(0)}%${alone}${last ? " — the model's next token (" + p.chosen_by + ")" : ""}`;
+    h += `<span class="${cls}" data-pos="${t}" data-token="${t + 1}" style="background:${bg}" title="${esc(tip)}">${esc(vis(p.chosen.token))}</span>`;
   });
   const el = $("#explain-tokens");
   el.innerHTML = h;
@@ -131,10 +160,10 @@ function aloneHtml(p) {
 function showPosition(d, t, altIndex) {
   document.querySelectorAll("#explain-tokens span.tok").forEach(s => s.classList.toggle("sel", s.dataset.pos === String(t)));
   const p = d.positions[t], c = p.chosen;
-  const q = parseHash().q; q.set("pos", t);
+  const q = parseHash().q; q.set("pos", t + 1);  // the URL names the token (its index), not the position before it
   history.replaceState(null, "", "#/explain?" + q.toString());
   const ctx = d.tokens.slice(Math.max(0, t - 8), t + 1).join("");
-  let h = `<h2 style="margin-top:0">…${esc(vis(ctx))} → <code>${esc(vis(c.token))}</code></h2>
+  let h = `<h2 style="margin-top:0" id="explain-head">…${esc(vis(ctx))} → <code>${esc(vis(c.token))}</code> <span class="muted">token ${t + 1}</span></h2>
     <div class="muted">${esc(p.chosen_by)}, logit ${c.logit.toFixed(3)}, p = ${c.prob.toFixed(3)}, rank ${c.rank + 1};
     Σ slices + residual${c.bias ? " + bias" : ""} = ${c.total.toFixed(4)}</div>${aloneHtml(p)}
     <div class="wfpair"><div id="wf-chosen">${P.waterfall(P.stepsOf(p.active, c.slices, c.residual, c.bias), c.logit, {totalName: "logit " + JSON.stringify(c.token).slice(0, 14)})}</div></div>`;
@@ -145,29 +174,60 @@ function showPosition(d, t, altIndex) {
       const dr = c.residual - a.residual, big = diffs.length && Math.abs(diffs[0][1]) > Math.abs(dr) ? `#${diffs[0][0]} ${P.fmt(diffs[0][1])}` : `residual ${P.fmt(dr)}`;
       h += `<tr data-alt="${j}" class="${altIndex === j ? "on" : ""}"><td><code>${esc(vis(a.token))}</code></td><td class="num">${a.prob.toFixed(3)}</td><td class="num">${a.logit.toFixed(3)}</td><td class="num">${P.fmt(c.logit - a.logit)}</td><td>${esc(big)}</td></tr>`;
     });
-    h += `</table><div id="wf-alt"></div>`;
+    h += `</table>`;
   }
+  h += `<div class="controls"><label>why not <input id="alt-token" size="14" placeholder='a token, e.g. " Rome"'></label><button id="alt-go">compare</button>
+    ${t + 1 < d.token_ids.length ? `<button id="resid-go" title="what the residual vector pushes, the prototypes nearest to it, its share over the answer">what is in the residual?</button>` : ""}</div>
+    <div id="wf-alt"></div><div id="residual-panel"></div>`;
   const det = $("#explain-detail");
   det.innerHTML = h;
   det.querySelectorAll("tr[data-alt]").forEach(tr => tr.onclick = () => showPosition(d, t, +tr.dataset.alt));
-  if (altIndex !== undefined) {
-    const a = p.alternatives[altIndex];
-    const steps = p.active.map((x, k) => ({name: `#${x.id} ${x.label || ""}`, value: c.slices[k] - a.slices[k], kind: "p"}));
-    steps.push({name: "residual W r", value: c.residual - a.residual, kind: "r"});
-    if (c.bias || a.bias) steps.push({name: "bias b", value: c.bias - a.bias, kind: "b"});
-    $("#wf-alt").innerHTML = `<div class="wfpair"><div><h3>${esc(JSON.stringify(a.token))}: logit ${a.logit.toFixed(3)}</h3>${P.waterfall(P.stepsOf(p.active, a.slices, a.residual, a.bias), a.logit, {width: 460, labelWidth: 170})}</div>
-      <div><h3>difference chosen − alternative</h3>${P.waterfall(steps, c.logit - a.logit, {width: 460, labelWidth: 170, totalName: "logit gap"})}</div></div>`;
-  }
+  if (altIndex !== undefined) drawAlt(p, c, p.alternatives[altIndex]);
+  const typed = async () => {
+    try {
+      const r = await api("/api/contrast", {token_ids: d.token_ids, token_index: t + 1, token: $("#alt-token").value});
+      const by = Object.fromEntries(r.view.active.map((x, k) => [x.id, r.view.chosen.slices[k]]));
+      drawAlt(p, c, {...r.view.chosen, slices: p.active.map(x => by[x.id] ?? 0)});
+    } catch (e) { showError($("#wf-alt"), e); }
+  };
+  $("#alt-go").onclick = typed;
+  $("#alt-token").onkeydown = e => { if (e.key === "Enter") typed(); };
+  if ($("#resid-go")) $("#resid-go").onclick = () => showResidual(d, t);
   // cards of the active prototypes, by contribution to the chosen token
   const cards = p.active.map((a, k) => [a, c.slices[k]]).map(([a, s]) => cardHtml(d.cards[a.id], s, d.text)).join("");
   $("#explain-cards").innerHTML = `<h2 style="margin-top:.3em">Active prototypes</h2>${cards || "<p class='muted'>none</p>"}`;
+}
+
+function drawAlt(p, c, a) {  // the alternative's waterfall and the difference chosen − alternative
+  const steps = p.active.map((x, k) => ({name: `#${x.id} ${x.label || ""}`, value: c.slices[k] - a.slices[k], kind: "p"}));
+  steps.push({name: "residual W r", value: c.residual - a.residual, kind: "r"});
+  if (c.bias || a.bias) steps.push({name: "bias b", value: c.bias - a.bias, kind: "b"});
+  $("#wf-alt").innerHTML = `<div class="wfpair"><div><h3>${esc(JSON.stringify(a.token))}: logit ${a.logit.toFixed(3)}${a.rank !== undefined ? ` <span class="muted">rank ${a.rank + 1}, p = ${a.prob.toFixed(4)}</span>` : ""}</h3>${P.waterfall(P.stepsOf(p.active, a.slices, a.residual, a.bias), a.logit, {width: 460, labelWidth: 170})}</div>
+    <div><h3>difference chosen − alternative</h3>${P.waterfall(steps, c.logit - a.logit, {width: 460, labelWidth: 170, totalName: "logit gap"})}</div></div>`;
+}
+
+async function showResidual(d, t) {
+  const el = $("#residual-panel");
+  busy(el);
+  let r;
+  try { r = await api("/api/residual", {token_ids: d.token_ids, token_index: t + 1, answer_from: d.prompt_tokens ?? 1}); }
+  catch (e) { showError(el, e); return; }
+  const chips = list => list.map(([tk, v]) => `<span title="${v.toFixed(3)}">${esc(vis(tk))}</span>`).join("");
+  el.innerHTML = `<h3>The residual of <code>${esc(vis(r.token))}</code> <span class="muted">token ${r.token_index}</span></h3>
+    <div class="muted" id="resid-share">slice (W r)<sub>y</sub> = ${P.fmt(r.residual_slice)}, ${(100 * r.residual_share).toFixed(0)}% of this logit's |slices|; ‖r‖/‖z‖ = ${r.norm_share.toFixed(2)};
+    over ${r.answer_tokens} tokens from token ${r.answer_from} on, the residual is ${(100 * r.answer_share).toFixed(0)}% on average</div>
+    <div class="chips" id="resid-up">W r pushes up: ${chips(r.pushes_up)}</div><div class="chips down">down: ${chips(r.pushes_down)}</div>
+    <div class="muted">prototypes nearest to r (cosine), with their nearest training context:</div>
+    <ol class="snips" id="resid-anchors">${r.anchors.map(a => `<li>${protoLink(a.id)} ${a.cosine.toFixed(3)} <span class="muted">${esc(a.label || "")}</span> ${a.target || a.before ? snippet(a) : ""}</li>`).join("")}</ol>`;
 }
 
 function cardHtml(c, slice, text) {
   if (!c) return "";
   const st = c.stats;
   const nb = (c.neighbours || []).map(n => `<li>${snippet(n)} ${docLink(n)}</li>`).join("");
+  const q = c.evidence && c.evidence.quality != null ? c.evidence.quality : null;
   return `<div class="card" data-proto="${c.id}"><h3>${protoLink(c.id, text)} <span class="lab">${esc(c.label || "")}</span>
+    ${q !== null ? `<span class="muted quality" title="how often a token the label names is the next token where the prototype fires">quality ${q.toFixed(2)}</span>` : ""}
     ${c.category ? `<span class="cat" style="background:${hexA(catColor(c.category), .2)}">${esc(c.category)}</span>` : ""}
     ${slice !== undefined ? `<span class="${slice >= 0 ? "pos" : "neg"}" style="float:right">${P.fmt(slice)}</span>` : ""}</h3>
     <div class="stats">${st ? `active on ${st.count.toLocaleString()} indexed tokens (${(100 * st.frequency).toFixed(2)}%), mean activation ${st.mean_activation.toFixed(3)}` : "no index: neighbourhood not available"}</div>
@@ -279,7 +339,7 @@ async function viewMap(r) {
   const tip = $("#map-tip");
   cv.onmousemove = e => { const i = nearest(e); if (i < 0) { tip.style.display = "none"; return; }
     tip.style.display = "block"; tip.style.left = (e.offsetX + 12) + "px"; tip.style.top = (e.offsetY + 8) + "px";
-    tip.textContent = `#${i} ${m.label[i] || ""}${m.count ? " · " + m.count[i] + " tokens" : ""}`; };
+    tip.textContent = `#${i} ${m.label[i] || ""}${m.quality && m.quality[i] != null ? " · label quality " + m.quality[i].toFixed(2) : ""}${m.count ? " · " + m.count[i] + " tokens" : ""}`; };
   cv.onmouseleave = () => { tip.style.display = "none"; };
   cv.onclick = e => { const i = nearest(e); if (i >= 0) go("prototype", i, {text: state.explainText}); };
   async function search() {
@@ -307,6 +367,8 @@ async function viewSteer(r) {
   view.innerHTML = `<h1>Steer</h1>
     <p class="muted">Suppress prototypes (their slices a<sub>i</sub> W p<sub>i</sub> are removed from every logit) or scale them, and compare with the base model: same prompt, same seed.</p>
     <textarea id="steer-prompt" placeholder="Prompt">${esc(r.q.get("prompt") ?? state.explainText ?? "")}</textarea>
+    ${state.info.chat ? `<div class="controls"><label title="the prompt is a message to the model, written with the run's chat template"><input id="steer-chat" type="checkbox" ${r.q.get("chat") === "1" ? "checked" : ""}> chat</label>
+      <label>system prompt <input id="steer-system" size="40" placeholder="(the template's default)" value="${esc(r.q.get("system") || "")}"></label></div>` : ""}
     <div class="controls"><label>add prototypes <input id="steer-add" placeholder="ids, e.g. 12, 40" size="14"></label><button id="steer-add-go">Add</button>
       <label>mode <select id="steer-mode"><option value="suppress">suppress (×0)</option><option value="scale">scale</option></select></label>
       <label>factor <input id="steer-factor" type="number" step="0.1" value="${esc(r.q.get("factor") || "2")}"></label>
@@ -334,14 +396,16 @@ async function viewSteer(r) {
     const mode = $("#steer-mode").value, factor = +$("#steer-factor").value;
     const params = {prompt: $("#steer-prompt").value, suppress: [...chips.keys()].join(","), off: [...chips].filter(([, v]) => !v).map(([i]) => i).join(","),
       mode: mode === "suppress" ? "" : mode, factor: mode === "scale" ? factor : "", concept: $("#steer-concept").value,
-      tokens: $("#steer-tokens").value, temperature: $("#steer-temp").value, seed: $("#steer-seed").value};
+      tokens: $("#steer-tokens").value, temperature: $("#steer-temp").value, seed: $("#steer-seed").value,
+      chat: $("#steer-chat") && $("#steer-chat").checked ? "1" : "", system: $("#steer-system") ? $("#steer-system").value : ""};
     if (updateUrl) setHashQuiet("steer", null, params);
     const steering = {suppress: mode === "suppress" ? on : [], scale: mode === "scale" ? Object.fromEntries(on.map(i => [i, factor])) : {},
       concept: params.concept || null};
     const out = $("#steer-out");
     busy(out);
     let d;
-    try { d = await api("/api/steer", {prompt: params.prompt, tokens: +params.tokens, temperature: +params.temperature, seed: +params.seed, steering}); }
+    try { d = await apiJob("/api/steer?job=true", {prompt: params.prompt, tokens: +params.tokens, temperature: +params.temperature, seed: +params.seed, steering,
+      chat: params.chat === "1", system: params.chat === "1" && params.system ? params.system : null}, out); }
     catch (e) { showError(out, e); return; }
     const toks = (list, other) => list.map((t, j) => `<span class="tok ${other[j] !== t ? "diff" : ""}">${esc(vis(t))}</span>`).join("");
     out.innerHTML = `${d.notes.map(n => `<p class="muted">${esc(n)}</p>`).join("")}
@@ -373,12 +437,12 @@ async function viewTraining(r) {
   const out = $("#train-out");
   busy(out);
   let d;
-  try { d = await api("/api/training", {prompt, completion, top: +(r.q.get("top") || 10), token: token === null || token === "" ? null : +token}); }
+  try { d = await apiJob("/api/training", {prompt, completion, top: +(r.q.get("top") || 10), token: token === null || token === "" ? null : +token}, out); }
   catch (e) { showError(out, e); return; }
   out.innerHTML = `${d.notes.map(n => `<p class="muted">${esc(n)}</p>`).join("")}
     <div class="panel"><span class="muted">measured tokens (click one to attribute it alone):</span>
     <div class="chips" id="train-tokens"><a href="#" class="chip ${d.token === null ? "on" : ""}" data-tok="">all ${d.measured.length}</a>${d.measured.map(m => `<a href="#" class="chip ${d.token === m.index ? "on" : ""}" data-tok="${m.index}">${esc(vis(m.token))}</a>`).join("")}</div></div>
-    <p class="muted">${esc(d.method)} influence over ${d.num_train.toLocaleString()} training sequences, loss ${d.query_loss.toFixed(3)}, ${(1000 * d.seconds).toFixed(0)} ms</p>
+    <p class="muted">${esc(d.method)} influence over ${d.num_train.toLocaleString()} training sequences, loss ${d.query_loss.toFixed(3)}, ${(1000 * d.seconds).toFixed(0)} ms wall</p>
     <table id="train-items"><tr><th>#</th><th>relative score</th><th>document</th><th>snippet (most influential token marked)</th><th title="share = contribution / (Σ |contributions| shown + |other prototypes' net|); the |shares| add up to 100%">connecting prototypes (share of |contributions|; − hurts)</th></tr>
     ${d.items.map(it => `<tr><td class="num">${it.rank}</td>
       <td class="num"><span class="bar ${it.relative >= 0 ? "p" : "n"}" style="width:${(50 * Math.abs(it.relative)).toFixed(0)}px"></span> ${P.fmt(it.relative, 2)}</td>
