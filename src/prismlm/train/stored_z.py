@@ -136,7 +136,7 @@ class StoredZ:
         if self.boundary is None:
             raise ArtifactError(
                 f"the stored activations at {self.path} hold no boundary layer",
-                fix="rebuild them with a boundary layer (a retrofit with --unfreeze last-N on stored z does)",
+                fix="rebuild them with a boundary layer (a retrofit whose stage 2 trains the last N blocks does)",
             )
         return self._gather(self.boundary, seq_ids)
 
