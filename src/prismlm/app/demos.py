@@ -22,15 +22,22 @@ from prismlm.train.trainer import TrainResult
 
 DEMO_MODEL = "smollm2-135m-instruct"
 DEMO_QUESTION = "What is the capital of France?"
-# The anchor set: the first DEMO_DOCS documents of the built-in corpus, each cut to DEMO_CHARS characters —
-# about 33k SmolLM2 tokens, ~130 sequences of DEMO_BLOCK tokens. Why so few: the one backbone pass over them
-# (the stored z) runs at 300–500 tokens/s on 2 cores and is most of the demo's time (2m13s in all, measured).
-DEMO_DOCS = 60
+# The anchor set: the first DEMO_DOCS documents of DEMO_CORPUS — books, speeches and the model's own chat answers
+# (prismlm.data.chat_anchor; all 29 documents of 8 chats each) in turn, each cut to DEMO_CHARS characters —
+# about 43k SmolLM2 tokens, ~170 sequences of DEMO_BLOCK tokens. Why so few: the one backbone pass over them
+# (the stored z) runs at 300–500 tokens/s on 2 cores. Why the chat answers and the prototype-only KL
+# (DEMO_OVERRIDES): on held-out chat answers the prototypes alone pick the model's token 0.15 of the time with
+# the built-in books alone and the paper's objective, 0.27 with the chat answers, 0.39 with both (K=512, 100
+# steps; bench/real_faithfulness.py --stage measure, docs/results.md "Faithfulness").
+DEMO_CORPUS = "builtin:gutenberg+sotu+chat"
+DEMO_DOCS = 87
 DEMO_CHARS = 2500
 DEMO_BLOCK = 256
 DEMO_STEPS = 100
 """Bank steps on the stored z (8 sequences × 256 tokens each: ~6 passes over the anchor set)."""
 DEMO_PROTOTYPES, DEMO_TOP_K = 512, 8
+DEMO_OVERRIDES = ("loss.lambda_proto_kl=1.0",)
+"""The bank also learns the prototype-only prediction: KL(p ‖ softmax(W ẑ)) beside REC, R1 and R2."""
 
 
 def demo(
@@ -61,7 +68,8 @@ def demo(
         preset: --scratch: preset to train: tiny, cpu-small, gpt2-124m, gpt2-medium, gpt2-large, xl-1.6b.
         steps: Optimizer steps (default: 100 bank steps; with --scratch the preset's).
         out: Run folder.
-        max_docs: Use only the first N documents of the built-in corpus (default 60 for the real model).
+        max_docs: Use only the first N documents of the anchor corpus (default 87 for the real model: books,
+            speeches and the shipped chat answers in turn).
         max_chars_per_doc: Truncate each document (default 2500 for the real model).
         overrides: Override a config field (repeatable).
         progress: Show progress bars.
@@ -154,7 +162,7 @@ def real_demo(question: str, options: DemoOptions) -> DemoResult:
     on_stage, out, progress, overwrite = o.on_stage, o.out, o.progress, o.overwrite
     on_stage(f"retrofit {DEMO_MODEL} ({DEMO_PROTOTYPES} prototypes, {o.max_docs} built-in documents)", 0, 3)
     recipe = RetrofitRecipe(
-        corpus="builtin",
+        corpus=DEMO_CORPUS,
         steps=o.steps,
         prototypes=DEMO_PROTOTYPES,
         top_k=DEMO_TOP_K,
@@ -169,12 +177,13 @@ def real_demo(question: str, options: DemoOptions) -> DemoResult:
             out=out,
             recipe=recipe,
             # one validation batch: the demo's only backbone forward besides the z pass
-            # no checkpoints inside the bank stage (100 small steps, well under a minute; each would write the
-            # whole 135M model): a kill there is continued by --resume restarting the stage on the kept z
+            # no checkpoints inside the bank stage (100 steps, ~1–2 minutes; each would write the whole 135M
+            # model): a kill there is continued by --resume restarting the stage on the kept z
             overrides=[
                 f"data.max_chars_per_doc={o.max_chars_per_doc}",
                 "train.eval_batches=1",
                 "train.ckpt_interval=0",
+                *DEMO_OVERRIDES,
                 *o.overrides,
             ],
             device="cpu",
