@@ -115,9 +115,12 @@ def curve_main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     out = run_dir(args)
     store = heldout_store(args, out)
-    run = Run.open(out, device="cpu")
-    step = int(find_checkpoint(out).name.removeprefix("step-"))
-    got = heldout_stage2_metrics(run.model, store, 30 - args.last, max_sequences=args.heldout_sequences)
+    ckpt = load_checkpoint(args.checkpoint if args.checkpoint is not None else out)  # default: the latest
+    step = int(ckpt.manifest["step"])
+    yardstick = fit_yardstick(store.hidden(np.arange(8)), args.top_k)  # the source's z: one for every point
+    got = heldout_stage2_metrics(
+        ckpt.model, store, 30 - args.last, max_sequences=args.heldout_sequences, yardstick=yardstick
+    )
     tokens_per_step = args.batch_size * 256
     point = {"step": step, "stage2_tokens": max(0, step - args.frozen_steps) * tokens_per_step, **got}
     curve = json.loads(args.curve.read_text()) if args.curve.exists() else {"points": []}
@@ -127,8 +130,9 @@ def curve_main(args: argparse.Namespace) -> None:
     curve["run"] = {"folder": str(out), "recipe": recipe_args, "overrides": overrides(args)}
     curve["environment"] = environment("cpu", 0)
     write_json(args.curve, curve)
-    print(f"curve: step {step} proto_top1 {got['proto_top1']:.3f} proto_kl {got['proto_kl']:.3f} "
-          f"CE {got['ce']:.4f} (source {got['ce_source']:.4f}) top1 vs source {got['top1_vs_source']:.3f}")  # fmt: skip
+    print(f"curve: step {step} top1 {got['top1_agreement']:.3f} kl {got['kl']:.3f} margin {got['margin_share']:.3f} "
+          f"(pca {got['pca_margin_share']:.3f}) CE {got['ce']:.4f} (source {got['ce_source']:.4f}) "
+          f"top1 vs source {got['top1_vs_source']:.3f}")  # fmt: skip
 
 
 def speed_main(args: argparse.Namespace) -> None:
@@ -222,7 +226,7 @@ def frozen_main(args: argparse.Namespace) -> None:
         results["levers"][name] = {**lever, "steps": args.frozen_steps, "seconds": time.perf_counter() - t0, **got}
         results["environment"] = environment("cpu", 0)
         write_json(path, results)
-        print(f"frozen {name}: proto_top1 {got['proto_top1']:.3f} proto_kl {got['proto_kl']:.3f} "
+        print(f"frozen {name}: top1 {got['top1_agreement']:.3f} kl {got['kl']:.3f} margin {got['margin_share']:.3f} "
               f"residual {got['residual_share']:.3f}")  # fmt: skip
 
 
@@ -337,7 +341,7 @@ def summary_main(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stage", choices=["stage2", "curve", "speed", "frozen", "measure", "summary"], required=True)
-    p.add_argument("--checkpoint", type=Path, help="measure: the checkpoint (or run) folder to measure")
+    p.add_argument("--checkpoint", type=Path, help="measure, curve: the checkpoint (or run) folder to measure")
     p.add_argument(
         "--run", type=Path, help="measure: the run whose shards and stored z it uses (default: the long run)"
     )
