@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from prismlm.app import Run
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.config import LossConfig, ModelConfig, PrototypeConfig, RunConfig
-from prismlm.errors import ArtifactCorrupt, ConfigError, ModelError
+from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, ConfigError, ModelError
 from prismlm.eval.faithfulness import FaithfulnessAccumulator, fit_yardstick
 from prismlm.model import PrismLM
 from prismlm.model import losses as L
@@ -199,6 +200,14 @@ def test_a_stage2_on_stored_activations_trains_the_top_block_and_a_kill_resumes_
         m.setattr(retrofit_module, "train_stage2_stored", functools.partial(train_stage2_stored, stop_after=2))
         _retrofit(dense_run, part, "loss.lambda_proto_kl=1.0", "train.ckpt_interval=1")
     assert (part / "checkpoints" / "latest").read_text().strip() == "step-000004"
+    # boundary rows of another model (its blocks below the boundary differ) are refused by name, not trained on
+    foreign = tmp_path / "foreign"
+    shutil.copytree(part, foreign)
+    manifest = json.loads((foreign / "stored-z" / "manifest.json").read_text())
+    manifest["boundary_backbone"] = "backbone:" + "0" * 64
+    (foreign / "stored-z" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactMismatch, match="made by another model than the blocks below 2"):
+        _retrofit(None, foreign, steps=None, resume=True)
     resumed = _retrofit(None, part, steps=None, resume=True)
     assert resumed.step == 6
     again = Run.open(part, device="cpu").model.state_dict()
@@ -257,3 +266,27 @@ def test_heldout_stage2_metrics_of_an_untrained_stage2_match_the_source(dense_ru
     got = heldout_stage2_metrics(run.model, store, None, max_sequences=8, yardstick=want.yardstick)
     for key in ("top1_agreement", "kl", "margin_share", "pca_margin_share", "centred_residual_share"):
         assert got[key] == pytest.approx(want.result()[key], rel=1e-3, abs=1e-4), key
+
+
+def test_large_banks_are_seeded_in_rounds_on_real_rows_and_cover_better_than_a_uniform_draw():
+    """Above SEED_EXACT_MAX prototypes k-means++ draws several per round: every prototype is still one shared
+    scale times a distinct real row, the draw is reproducible, and it covers the sample better than the same
+    number of rows drawn uniformly (the point of D² sampling)."""
+    from prismlm.model import prototypes as P
+
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(40, 16, generator=g)
+    z = (centres[torch.randint(0, 40, (3000,), generator=g)] + 0.3 * torch.randn(3000, 16, generator=g)).double()
+    K = P.SEED_EXACT_MAX + 256  # 9 per round
+    bank = P.seed_prototypes(z, K, 4, generator=torch.Generator().manual_seed(1))
+    again = P.seed_prototypes(z, K, 4, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(bank, again)
+    unit_z, unit_p = F.normalize(z, dim=-1), F.normalize(bank, dim=-1)
+    match = (unit_p @ unit_z.T).max(dim=1)  # each prototype's best real row
+    assert bool((match.values > 1 - 1e-9).all()) and match.indices.unique().numel() == K  # distinct real rows
+    ratio = bank.norm(dim=-1) / z[match.indices].norm(dim=-1)
+    assert torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-9)  # one shared scale
+    uniform = unit_z[torch.randperm(3000, generator=torch.Generator().manual_seed(1))[:K]]
+    d2 = (1 - (unit_z @ unit_p.T).max(dim=1).values).mean()
+    d_uniform = (1 - (unit_z @ uniform.T).max(dim=1).values).mean()
+    assert d2 < d_uniform

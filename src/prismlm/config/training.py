@@ -26,6 +26,10 @@ class LossConfig:
     stage 2 on stored activations). 0 (default) leaves the paper's objective; > 0 asks the bank (and in
     stage 2 the unfrozen blocks) to carry the prediction, not only the form of z. Used by the retrofit's
     bank stage on stored z and stage 2 on stored boundary activations (``prismlm.train.stage2``)."""
+    proto_kl_rows: int = 1024
+    """Retrofit bank stage on stored z: the prototype-only KL is computed on at most this many evenly spaced
+    rows of each micro-batch. Why: it costs two (rows × V) vocabulary products and their gradient (a 49k
+    vocabulary: ~0.6 GB and most of a step's time at 1,024 rows); the other terms see every row."""
     warmup_steps: int = 0
     """The three prototype weights ramp linearly from 0 to their value over this many optimizer
     steps, so the backbone first learns language before it is pulled onto the prototypes."""
@@ -34,6 +38,7 @@ class LossConfig:
         for name in ("lambda_rec", "lambda_r1", "lambda_r2", "lambda_proto_kl"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        check(self.proto_kl_rows >= 1, f"proto_kl_rows must be >= 1, got {self.proto_kl_rows}")
 
     def weights_at(self, step: int) -> dict[str, float]:
         """Loss weights at an optimizer step (warm-up applied); CE always has weight 1."""

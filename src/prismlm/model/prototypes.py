@@ -299,6 +299,15 @@ class _SparseHead(torch.autograd.Function):
         return gz, gp, gpn, None, None
 
 
+SEED_EXACT_MAX, SEED_ROUNDS = 2048, 256
+"""k-means++ draws one prototype per round up to SEED_EXACT_MAX prototypes (the exact algorithm, float64), and
+above it K // SEED_ROUNDS per round (float32): each round is then one (N × b) product instead of b (N,) updates.
+Why: exact k-means++ is K sequential passes over the N × d sample — 8,192 prototypes over 41k SmolLM2 states took
+~5 minutes on 2 cores, the batched draw seconds."""
+_SCALE_BLOCK = 2**27
+"""Most (N × K) cosine entries the scale fit forms at once (1 GiB of float64); larger ones go by row blocks."""
+
+
 @torch.no_grad()
 def seed_prototypes(
     hidden: torch.Tensor, num_prototypes: int, top_k: int, *, generator: torch.Generator | None = None
@@ -309,27 +318,49 @@ def seed_prototypes(
     hidden: (N, d) hidden states z of real training tokens, N >= num_prototypes. Returns (K, d): each row is
     s · z_j for a chosen token j (a real context, up to one shared scale s). Why a scale: with a_i = cos ≤ 1
     and k active prototypes, raw z_j would over-reconstruct about k-fold; s = ⟨z, ẑ⟩ / ⟨ẑ, ẑ⟩ over the sample
-    is the least-squares fix and leaves every direction (hence every selection) unchanged.
+    is the least-squares fix and leaves every direction (hence every selection) unchanged. Large banks draw
+    several prototypes per round from the same D² distribution (``SEED_EXACT_MAX``).
     """
     n, _ = hidden.shape
     if n < num_prototypes:
         raise ValueError(f"need at least {num_prototypes} hidden states to seed {num_prototypes} prototypes, got {n}")
     x = hidden.double()
     unit = F.normalize(x, dim=-1)  # (N, d)
-    chosen = torch.empty(num_prototypes, dtype=torch.long)
-    chosen[0] = torch.randint(n, (1,), generator=generator)
-    dist = (1.0 - unit @ unit[chosen[0]]).clamp_min(0.0)  # (N,) cosine distance to the nearest pick so far
-    # k-means++ is sequential by definition (each pick is drawn given all previous ones): K iterations of an
-    # (N,) vector update, never a loop over tokens.
-    for i in range(1, num_prototypes):
-        total = dist.sum()
-        weights = dist / total if total > 0 else torch.full_like(dist, 1.0 / n)
-        chosen[i] = torch.multinomial(weights, 1, generator=generator)
-        dist = torch.minimum(dist, (1.0 - unit @ unit[chosen[i]]).clamp_min(0.0))
+    per_round = 1 if num_prototypes <= SEED_EXACT_MAX else num_prototypes // SEED_ROUNDS
+    chosen = _kmeanspp(unit if per_round == 1 else unit.float(), num_prototypes, per_round, generator)
     protos = x[chosen]  # (K, d)
     p_unit = F.normalize(protos, dim=-1)  # (K, d)
-    cos = unit @ p_unit.T  # (N, K)
-    top = cos.topk(min(top_k, num_prototypes), dim=-1)
-    recon = torch.einsum("nk,nkd->nd", F.relu(top.values), protos[top.indices])  # (N, d)
-    scale = (x * recon).sum() / (recon * recon).sum().clamp_min(1e-30)
+    num = den = torch.zeros((), dtype=x.dtype)
+    step = max(1, _SCALE_BLOCK // num_prototypes)
+    for start in range(0, n, step):  # row blocks of the (N, K) cosines: one block below 2^27 entries
+        cos = unit[start : start + step] @ p_unit.T  # (n_b, K)
+        top = cos.topk(min(top_k, num_prototypes), dim=-1)
+        recon = torch.einsum("nk,nkd->nd", F.relu(top.values), protos[top.indices])  # (n_b, d)
+        num, den = num + (x[start : start + step] * recon).sum(), den + (recon * recon).sum()
+    scale = num / den.clamp_min(1e-30)
     return (scale * protos).to(hidden.dtype)
+
+
+def _kmeanspp(unit: torch.Tensor, k: int, per_round: int, generator: torch.Generator | None) -> torch.Tensor:
+    """(k,) row ids of ``unit`` (N, d) drawn by k-means++ in cosine distance, ``per_round`` at a time (1: the
+    exact sequential algorithm: each pick drawn given all previous ones)."""
+    n = unit.shape[0]
+    chosen = torch.empty(k, dtype=torch.long)
+    chosen[0] = torch.randint(n, (1,), generator=generator)
+    dist = (1.0 - unit @ unit[chosen[0]]).clamp_min(0.0)  # (N,) cosine distance to the nearest pick so far
+    free = torch.ones(n, dtype=torch.bool)  # rows not chosen yet (the batched draw excludes the others)
+    free[chosen[0]] = False
+    i = 1
+    while i < k:  # rounds of picks, each an (N,) or (N, b) update — never a loop over tokens
+        if per_round == 1:
+            total = dist.sum()
+            weights = dist / total if total > 0 else torch.full_like(dist, 1.0 / n)
+            pick = torch.multinomial(weights, 1, generator=generator)
+        else:  # b distinct rows from D² (rows already chosen are excluded)
+            weights = torch.where(free, dist.double().clamp_min(1e-12), 0.0)
+            pick = torch.multinomial(weights, min(per_round, k - i), replacement=False, generator=generator)
+        chosen[i : i + len(pick)] = pick
+        free[pick] = False
+        dist = torch.minimum(dist, (1.0 - unit @ unit[pick].T).clamp_min(0.0).amin(dim=1))
+        i += len(pick)
+    return chosen

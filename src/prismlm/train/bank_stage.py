@@ -53,22 +53,17 @@ def frozen_stage_steps(cfg: RunConfig) -> int:
     return tc.max_steps if tc.trainable == "prototypes" else min(tc.frozen_steps, tc.max_steps)
 
 
-PROTO_KL_ROWS = 1024
-"""Most rows of a stored-z micro-batch that the prototype-only KL is computed on (every n-th row): two
-(rows × V) logit tensors and their gradient per micro-batch (a 49k vocabulary: ~0.6 GB at 1,024 rows)."""
-
-
-def bank_losses(model: PrismLM, z: torch.Tensor, *, proto_kl: bool = False) -> dict[str, torch.Tensor]:
+def bank_losses(model: PrismLM, z: torch.Tensor, *, proto_kl_rows: int = 0) -> dict[str, torch.Tensor]:
     """REC, R1, R2 of the bank on stored hidden states z (N, d) — the prototype terms of ``PrismLM.forward`` —
-    and with ``proto_kl`` KL(softmax(W z) ‖ softmax(W ẑ)) on at most ``PROTO_KL_ROWS`` evenly spaced rows."""
+    and with ``proto_kl_rows`` > 0 KL(softmax(W z) ‖ softmax(W ẑ)) on at most that many evenly spaced rows."""
     po = model.require_prototypes()(z)
     terms = {
         "rec": L.reconstruction_loss(po.residual, z),
         "r1": L.r1_loss(po.proto_max_cos),
         "r2": L.r2_loss(po.token_max_cos),
     }
-    if proto_kl:
-        rows = slice(None, None, max(1, -(-z.shape[0] // PROTO_KL_ROWS)))
+    if proto_kl_rows > 0:
+        rows = slice(None, None, max(1, -(-z.shape[0] // proto_kl_rows)))
         with torch.no_grad():
             logits = model.lm_head(z[rows])  # (n, V) the frozen model's own logits
         terms["proto_kl"] = L.prototype_kl(logits, model.lm_head(po.reconstruction[rows].to(z.dtype)))
@@ -121,7 +116,8 @@ def train_bank(
             sums: dict[str, float] = {}
             for micro in range(tc.grad_accum):
                 z = store.hidden(sampler.micro_indices(step, micro, 0)).to(device).reshape(-1, model.config.n_embd)
-                terms = bank_losses(model, z, proto_kl=weights.get("proto_kl", 0.0) > 0)  # (B·T, d) → scalars
+                kl_rows = cfg.loss.proto_kl_rows if weights.get("proto_kl", 0.0) > 0 else 0
+                terms = bank_losses(model, z, proto_kl_rows=kl_rows)  # (B·T, d) → scalars
                 loss = sum(
                     (weights[k] * v for k, v in terms.items() if weights.get(k, 0.0) != 0.0),
                     torch.zeros((), device=device),

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from prismlm.config import RunConfig
-from prismlm.errors import ConfigError, RunError
+from prismlm.errors import ArtifactMismatch, ConfigError, RunError
 from prismlm.eval.faithfulness import FaithfulnessAccumulator, Yardstick
 from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM, PrismOutput, eval_mode
@@ -39,7 +39,7 @@ from prismlm.train.checkpoint import find_checkpoint, load_checkpoint, save_chec
 from prismlm.train.records import format_eval_line
 from prismlm.train.sampler import SequenceSampler
 from prismlm.train.state import TrainResult, autocast_for, build_optimizer, set_trainable, trainable_names
-from prismlm.train.stored_z import StoredZ
+from prismlm.train.stored_z import StoredZ, backbone_identity
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
@@ -140,6 +140,13 @@ def train_stage2_stored(
     if int(state["step"]) != plan.start_step:
         raise RunError(f"{ckpt.path} is at step {state['step']}, not {plan.start_step}")
     model = ckpt.model.to(device)
+    if plan.store.manifest.get("boundary_backbone") != backbone_identity(model, plan.layer):
+        raise ArtifactMismatch(
+            f"the stored boundary activations at {plan.store.path} were made by another model than the blocks "
+            f"below {plan.layer} of {ckpt.path}",
+            fix=f"remove {plan.store.path} and run the retrofit again (its z pass rebuilds them)",
+        )
+    plan.store.check(shard_key=shards.manifest["key"], block_size=cfg.model.block_size, split="train")
     optimizer = build_optimizer(model, cfg, device)
     saved = state["optimizer"]
     if isinstance(saved, str):  # a sharded (FSDP) optimizer: stage 2 on stored activations runs in one process

@@ -38,12 +38,17 @@ _NUMPY_DTYPES: dict[str, type[np.generic]] = {"float16": np.float16, "bfloat16":
 _FLOAT16_MAX = 65504.0
 
 
-def backbone_identity(model: PrismLM) -> str:
+def backbone_identity(model: PrismLM, below_layer: int | None = None) -> str:
     """``backbone:<sha256>`` of every weight except the prototype bank: what z (and the logits) depend on.
-    Equal for a source model and its frozen retrofit at any step of stage 1."""
+    Equal for a source model and its frozen retrofit at any step of stage 1. ``below_layer`` L: only the
+    weights the residual stream entering block L depends on (embeddings, blocks 0 … L − 1; not the later
+    blocks, the final norm or the head), equal at every step of a stage 2 that trains the last blocks."""
     h = hashlib.sha256()
+    skip: tuple[str, ...] = ("prototypes.",)
+    if below_layer is not None:
+        skip += (*model.block_prefixes()[below_layer:], *model.final_norm_prefixes(), "lm_head.")
     for name, t in sorted(model.state_dict().items()):
-        if name.startswith("prototypes."):
+        if name.startswith(skip):
             continue
         h.update(name.encode())
         h.update(str(t.dtype).encode())
@@ -72,6 +77,8 @@ class StoreSettings(TypedDict):
     num_batches: int
     boundary_layer: int | None
     """The block whose input is stored in ``boundary.bin`` (None: z only)."""
+    boundary_backbone: str | None
+    """``backbone_identity(model, below_layer=boundary_layer)``: what the boundary rows depend on (None: z only)."""
 
 
 class StoreManifest(StoreSettings):
@@ -269,6 +276,7 @@ def open_stored_z(path: str | Path) -> StoredZ:
     z = np.memmap(path / "z.bin", dtype=_NUMPY_DTYPES[m["dtype"]], mode="r", shape=(rows, d))
     targets = np.memmap(path / "targets.bin", dtype=np.int32, mode="r", shape=(rows,))
     m.setdefault("boundary_layer", None)  # stores written before boundary layers existed
+    m.setdefault("boundary_backbone", None)
     boundary = None
     if m["boundary_layer"] is not None:
         boundary = np.memmap(path / "boundary.bin", dtype=_NUMPY_DTYPES[m["dtype"]], mode="r", shape=(rows, d))
@@ -332,6 +340,7 @@ def build_stored_z(
         "rows": n_seq * T,
         "num_batches": -(-n_seq // batch_size),
         "boundary_layer": boundary_layer,
+        "boundary_backbone": None if boundary_layer is None else backbone_identity(model, boundary_layer),
     }
     resumed = _resume_state(out, want)
     state: FillState
