@@ -230,6 +230,25 @@ def _save_bank_checkpoint(
 ) -> Path:
     """An ordinary checkpoint at ``step`` of the bank stage (what ``train(..., resume=True)`` and
     ``resume_bank_stage`` read)."""
+    stage = {"bank_stage": {"stored_z": str(store.path)}}
+    return save_stored_stage_checkpoint(model, store, cfg, out_dir, step, optimizer, shards, device, rng_state, stage)
+
+
+def save_stored_stage_checkpoint(
+    model: PrismLM,
+    store: StoredZ,
+    cfg: RunConfig,
+    out_dir: Path,
+    step: int,
+    optimizer: torch.optim.AdamW,
+    shards: ShardSet,
+    device: torch.device,
+    rng_state: torch.Tensor,
+    stage: dict[str, object],
+) -> Path:
+    """An ordinary run checkpoint at ``step`` of a stage trained on ``store`` (the bank stage, stage 2 on stored
+    activations): the trainer's state (optimizer, RNG, the data position of its sampler) plus ``stage``, the
+    entry saying which stage wrote it."""
     tc = cfg.train
     sampler = SequenceSampler(store.num_sequences, tc.batch_size, tc.grad_accum, 1, tc.seed)
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -238,7 +257,7 @@ def _save_bank_checkpoint(
         "optimizer": optimizer.state_dict(),
         "rng": {"torch": rng_state, "cuda": cuda_rng},
         "data": {"sequences_consumed": step * sampler.global_batch, "epoch": sampler.epoch_at(step)},
-        "bank_stage": {"stored_z": str(store.path)},
+        **stage,
     }
     return save_checkpoint(
         out_dir,

@@ -35,7 +35,8 @@ from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM, PrismOutput, eval_mode
 from prismlm.model import losses as L
 from prismlm.progress import Progress, Reporter
-from prismlm.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from prismlm.train.bank_stage import save_stored_stage_checkpoint
+from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.records import format_eval_line
 from prismlm.train.sampler import SequenceSampler
 from prismlm.train.state import TrainResult, autocast_for, build_optimizer, set_trainable, trainable_names
@@ -185,7 +186,10 @@ def train_stage2_stored(
                 bar.message(format_eval_line(done, metrics))
                 model.train()
             if (ckpt_every and done % ckpt_every == 0) or done == end:
-                _save(plan.out_dir, done, model, cfg, optimizer, sampler, shards, device)
+                save_stored_stage_checkpoint(
+                    model, plan.store, cfg, plan.out_dir, done, optimizer, shards, device, torch.get_rng_state(),
+                    {"stage2_stored": True},
+                )  # fmt: skip
             bar.update(1, loss=sums["loss"])
     model.eval()
     return TrainResult(
@@ -244,38 +248,6 @@ def _validate(model: PrismLM, cfg: RunConfig, shards: ShardSet, device: torch.de
         loss_weights=cfg.loss.weights_at(step - 1),
     )
     return metrics
-
-
-def _save(
-    out_dir: Path,
-    step: int,
-    model: PrismLM,
-    cfg: RunConfig,
-    optimizer: torch.optim.AdamW,
-    sampler: SequenceSampler,
-    shards: ShardSet,
-    device: torch.device,
-) -> Path:
-    trainer_state = {
-        "step": step,
-        "optimizer": optimizer.state_dict(),
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        },
-        "data": {"sequences_consumed": step * sampler.global_batch, "epoch": sampler.epoch_at(step)},
-        "stage2_stored": True,
-    }
-    return save_checkpoint(
-        out_dir,
-        step,
-        model,
-        cfg,
-        trainer_state=trainer_state,
-        tokenizer=shards.tokenizer,
-        data_manifest=shards.manifest,
-        keep=cfg.train.keep_checkpoints,
-    )
 
 
 def _append_metrics(out_dir: Path, line: dict[str, float]) -> None:
