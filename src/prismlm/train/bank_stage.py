@@ -230,7 +230,7 @@ def _save_bank_checkpoint(
 ) -> Path:
     """An ordinary checkpoint at ``step`` of the bank stage (what ``train(..., resume=True)`` and
     ``resume_bank_stage`` read)."""
-    stage = {"bank_stage": {"stored_z": str(store.path)}}
+    stage: dict[str, object] = {"bank_stage": {"stored_z": str(store.path)}}
     return save_stored_stage_checkpoint(model, store, cfg, out_dir, step, optimizer, shards, device, rng_state, stage)
 
 
