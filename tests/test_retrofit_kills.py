@@ -75,7 +75,7 @@ def test_a_kill_in_the_bank_stage_is_continued_by_resume_bit_for_bit(dense_run, 
     resuming ends at the uninterrupted run's weights, optimizer state and metrics (both stages)."""
     import prismlm.train.bank_stage as bank_module
 
-    real = bank_module._save_bank_checkpoint
+    real = bank_module.save_stored_stage_checkpoint
 
     def killed_after_step_4(*args, **kwargs):
         path = real(*args, **kwargs)
@@ -84,10 +84,10 @@ def test_a_kill_in_the_bank_stage_is_continued_by_resume_bit_for_bit(dense_run, 
         return path
 
     out = tmp_path / "run"
-    monkeypatch.setattr(bank_module, "_save_bank_checkpoint", killed_after_step_4)
+    monkeypatch.setattr(bank_module, "save_stored_stage_checkpoint", killed_after_step_4)
     with pytest.raises(KeyboardInterrupt):
         _retrofit(dense_run, out)
-    monkeypatch.setattr(bank_module, "_save_bank_checkpoint", real)
+    monkeypatch.setattr(bank_module, "save_stored_stage_checkpoint", real)
     assert load_checkpoint(out).path.name == "step-000004"
     with pytest.raises(RunError, match=r"continue it with resume=True"):
         _retrofit(dense_run, out)
@@ -134,17 +134,17 @@ def test_a_late_failure_leaves_nothing_that_the_same_command_refuses(dense_run, 
     stored-z/ it created; the same command then runs (to the uninterrupted run's weights)."""
     import prismlm.train.bank_stage as bank_module
 
-    real = bank_module._save_bank_checkpoint
+    real = bank_module.save_stored_stage_checkpoint
 
     def fails(*args, **kwargs):
         raise RunError("the bank's loss became nan at step 2 of stage 1")
 
     out = tmp_path / "run"
-    monkeypatch.setattr(bank_module, "_save_bank_checkpoint", fails)
+    monkeypatch.setattr(bank_module, "save_stored_stage_checkpoint", fails)
     with pytest.raises(PrismError, match="nan"):
         _retrofit(dense_run, out)
     assert not out.exists()
-    monkeypatch.setattr(bank_module, "_save_bank_checkpoint", real)
+    monkeypatch.setattr(bank_module, "save_stored_stage_checkpoint", real)
     _retrofit(dense_run, out)
     _same_run(out, whole)
 

@@ -18,7 +18,7 @@ from prismlm.app.attribution import (
 from prismlm.app.operations import DEFAULT_EXPLANATION, ExplanationRequest, explain_text
 from prismlm.app.run import Run
 from prismlm.explain import Explanation
-from prismlm.explain.explanation import ExplanationDict
+from prismlm.explain.records import ExplanationDict
 from prismlm.model.generation import TEXT_SAMPLING, Sampling
 from prismlm.tda import Attribution
 from prismlm.tda.attribute import AttributionRecord, QuerySpec, Rescoring, SearchSpec

@@ -25,7 +25,8 @@ from prismlm.artifacts import write_output
 
 if TYPE_CHECKING:
     from prismlm.app.run import Run
-    from prismlm.explain.explanation import CardDict, Explanation, ExplanationDict, TokenDict, TokenExplanation
+    from prismlm.explain.explanation import Explanation, TokenExplanation
+    from prismlm.explain.records import CardDict, ExplanationDict, TokenDict
     from prismlm.tda.attribute import Attribution, AttributionRecord
 
 __all__ = ["SHARED_ASSETS", "RunHeader", "render_html", "render_terminal", "write_html"]

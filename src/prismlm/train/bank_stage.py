@@ -192,7 +192,10 @@ def bank_stage(
         # metrics first: a checkpoint never lacks the lines up to its step (a resume keeps those, drops later)
         text = "".join(json.dumps(x) + "\n" for x in [*lines, *(final or [])])
         atomic_write_text(out_dir / "metrics.jsonl", text)
-        return _save_bank_checkpoint(model, store, cfg, out_dir, step, optimizer, shards, device, rng_state)
+        stage: dict[str, object] = {"bank_stage": {"stored_z": str(store.path)}}  # what resume_bank_stage reads
+        return save_stored_stage_checkpoint(
+            model, store, cfg, out_dir, step, optimizer, shards, device, rng_state, stage
+        )
 
     optimizer = train_bank(
         model, store, cfg, steps=steps, device=device, progress=progress, log=lines, start=start, on_checkpoint=save
@@ -215,23 +218,6 @@ def bank_stage(
         bar.message(format_eval_line(steps, metrics, top_k=protos.top_k if protos else None))
     path = save(steps, optimizer, [{"step": steps, **metrics}])
     return TrainResult(run_dir=out_dir, checkpoint=path, step=steps, metrics=metrics, model=model)
-
-
-def _save_bank_checkpoint(
-    model: PrismLM,
-    store: StoredZ,
-    cfg: RunConfig,
-    out_dir: Path,
-    step: int,
-    optimizer: torch.optim.AdamW,
-    shards: ShardSet,
-    device: torch.device,
-    rng_state: torch.Tensor,
-) -> Path:
-    """An ordinary checkpoint at ``step`` of the bank stage (what ``train(..., resume=True)`` and
-    ``resume_bank_stage`` read)."""
-    stage: dict[str, object] = {"bank_stage": {"stored_z": str(store.path)}}
-    return save_stored_stage_checkpoint(model, store, cfg, out_dir, step, optimizer, shards, device, rng_state, stage)
 
 
 def save_stored_stage_checkpoint(

@@ -19,7 +19,8 @@ from prismlm.app.explorer.session import Session
 from prismlm.app.explorer.steering import Steering, SteeringDict
 from prismlm.control.activity import Activity
 from prismlm.explain import Explanation, explain, explain_generation
-from prismlm.explain.explanation import CardDict, StepGuard
+from prismlm.explain.explanation import StepGuard
+from prismlm.explain.records import CardDict
 from prismlm.model import PrismLM, PrismOutput, decompose
 from prismlm.model.generation import Sampling
 from prismlm.progress import Progress

@@ -17,7 +17,7 @@ from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
 from prismlm.app.prototype_view import Band, LogitHistogram, example_bands, logit_histogram
 from prismlm.explain import prototype_card
-from prismlm.explain.explanation import CardDict
+from prismlm.explain.records import CardDict
 from prismlm.model import decompose
 
 __all__ = ["Fire", "PrototypeDetail", "SimilarPrototype", "prototype_view"]
