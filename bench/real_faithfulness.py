@@ -275,13 +275,15 @@ def measure_main(args: argparse.Namespace) -> None:
 
 
 def summary_fields(
-    models: dict[str, Any], speed: dict[str, Any], frozen: str, stage2: str, demo: str
+    models: dict[str, Any], speed: dict[str, Any], *, frozen: str, stage2: str, source: str, demo: str
 ) -> dict[str, Any]:
-    """The issue's summary fields from the measures of three models (keys of ``models``): the frozen head
-    (``frozen``), the stage-2 model (``stage2``: CE against the frozen model's, whose logits are the source's,
-    on the same held-out tokens) and the demo's recipe (``demo``: its held-out chat answers)."""
+    """The issue's summary fields from the measures of four models (keys of ``models``): the kept frozen head
+    (``frozen``), the stage-2 model (``stage2``), the frozen model of the stage-2 run (``source``: its logits are
+    the source model's, so the stage-2 CE is compared with its CE on the same held-out tokens) and the demo's
+    recipe (``demo``: its held-out chat answers)."""
     f, s, d = models[frozen], models[stage2], models[demo]
     ft, fc, st = f["heldout_text"], f["chat_answers"], s["heldout_text"]
+    source_ce = models[source]["heldout_text"]["val_loss"]
     return {
         "frozen_top1_agreement": ft["top1_agreement"],
         "frozen_kl": ft["kl"],
@@ -294,7 +296,7 @@ def summary_fields(
         "chat_top1_agreement": d["chat_answers"]["top1_agreement"],
         "stage2_top1_agreement": st["top1_agreement"],
         "stage2_kl": st["kl"],
-        "stage2_ce_rel_change": st["val_loss"] / ft["val_loss"] - 1.0,
+        "stage2_ce_rel_change": st["val_loss"] / source_ce - 1.0,
         "stage2_centred_residual_share": st["centred_residual_share"],
         "stage2_tokens_per_s_ratio": speed["ratio"]["a1"],
     }
@@ -323,7 +325,8 @@ def summary_main(args: argparse.Namespace) -> None:
     frozen levers (each file's revision kept with it)."""
     sources = {name: json.loads((RESULTS_DIR / f"real-faithfulness-{name}.json").read_text())
                for name in ("measures", "speed", "curve", "frozen") if (RESULTS_DIR / f"real-faithfulness-{name}.json").exists()}  # fmt: skip
-    summary = summary_fields(sources["measures"]["models"], sources["speed"], "frozen", "stage2", "demo")
+    models = sources["measures"]["models"]
+    summary = summary_fields(models, sources["speed"], frozen="demo", stage2="stage2", source="frozen", demo="demo")
     summary["recipe"] = {
         "coefficients": "relu(cos) (the paper's)", "prototypes": args.prototypes, "top_k": args.top_k,
         "objective": f"REC + 0.5 R1 + 0.5 R2 + {args.alpha:g} KL(p || softmax(W z_hat))",

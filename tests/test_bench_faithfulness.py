@@ -22,16 +22,21 @@ def _measures(top1: float, kl: float, margin: float, val: float, chat_top1: floa
 
 def test_summary_fields_read_the_named_models_and_measurements():
     models = {
-        "frozen": _measures(0.4, 1.2, 0.7, 3.0, 0.3),
+        "frozen": _measures(0.4, 1.2, 0.7, 3.5, 0.3),
         "stage2": _measures(0.7, 0.5, 0.9, 3.06, 0.6),
+        "source": _measures(0.2, 2.0, 0.2, 3.0, 0.1),
         "demo": _measures(0.1, 9.0, 0.1, 9.0, 0.45),
     }
-    s = rf.summary_fields(models, {"ratio": {"a0": 2.0, "a1": 1.5}}, "frozen", "stage2", "demo")
+    speed = {"ratio": {"a0": 2.0, "a1": 1.5}}
+    s = rf.summary_fields(models, speed, frozen="frozen", stage2="stage2", source="source", demo="demo")
     assert s["frozen_top1_agreement"] == 0.4 and s["frozen_kl"] == 1.2
     assert s["frozen_margin_share"] == 0.7 and s["frozen_margin_share_pca"] == pytest.approx(0.35)  # chat answers
     assert s["chat_top1_agreement"] == 0.45  # the demo recipe's held-out chat answers
     assert s["stage2_top1_agreement"] == 0.7 and s["stage2_kl"] == 0.5
-    assert s["stage2_ce_rel_change"] == pytest.approx(0.02)  # 3.06 / 3.0 − 1, against the frozen (source) CE
+    assert s["stage2_ce_rel_change"] == pytest.approx(0.02)  # 3.06 / 3.0 − 1: the stage-2 run's source CE
+    models["source"]["heldout_text"]["val_loss"] = 3.06  # type: ignore[index]
+    again = rf.summary_fields(models, speed, frozen="frozen", stage2="stage2", source="source", demo="demo")
+    assert again["stage2_ce_rel_change"] == pytest.approx(0.0)
     assert s["stage2_tokens_per_s_ratio"] == 1.5 and s["frozen_dead"] == 3
     goals = rf.goals_met(s)
     assert goals["frozen_margin_share_ge_pca_plus_0.3"] and not goals["frozen_margin_share_ge_0.8"]
