@@ -177,7 +177,7 @@ def speed_main(args: argparse.Namespace) -> None:
     ratio = {f"a{a:g}": rates[f"stored_a{a:g}"] / rates[f"per_step_a{a:g}"] for a in (0.0, 1.0)}
     payload = {"N": args.last, "tokens_per_step": 512, "rounds": args.speed_steps, "tokens_per_s": rates,
                "ratio": ratio, "step_seconds": times, "environment": environment("cpu", 0)}  # fmt: skip
-    write_json(RESULTS_DIR / "real-faithfulness-speed.json", payload)
+    write_json(args.results / "real-faithfulness-speed.json", payload)
     print(f"speed N={args.last}: stored/per-step ×{ratio['a0']:.2f} (α=0), ×{ratio['a1']:.2f} (α=1); "
           + ", ".join(f"{k} {v:.0f} tok/s" for k, v in rates.items()))  # fmt: skip
 
@@ -200,7 +200,7 @@ def frozen_main(args: argparse.Namespace) -> None:
     store, val = open_stored_z(out / "stored-z").check(), heldout_store(args, out)
     base = RunConfig.from_json(out / "config.json")
     pre = load_pretrained(args.source, block_size=256)
-    path = RESULTS_DIR / "real-faithfulness-frozen.json"
+    path = args.results / "real-faithfulness-frozen.json"
     results = json.loads(path.read_text()) if path.exists() else {"levers": {}}
     for name in args.lever:
         lever = LEVERS[name]
@@ -262,7 +262,7 @@ def measure_main(args: argparse.Namespace) -> None:
     store = open_stored_z(run / "stored-z")
     t0 = time.perf_counter()
     got = measure(ckpt.model, ckpt.require_tokenizer(), shards, store, args.eval_batches)
-    path = RESULTS_DIR / "real-faithfulness-measures.json"
+    path = args.results / "real-faithfulness-measures.json"
     results = json.loads(path.read_text()) if path.exists() else {"models": {}}
     results["models"][args.name] = {"checkpoint": str(ckpt.path), "step": ckpt.manifest["step"],
                                     "seconds": time.perf_counter() - t0, **got}  # fmt: skip
@@ -323,8 +323,8 @@ def goals_met(summary: dict[str, Any]) -> dict[str, bool]:
 def summary_main(args: argparse.Namespace) -> None:
     """bench/results/real-faithfulness.json: the summary over the measures, the speed, the curve and the
     frozen levers (each file's revision kept with it)."""
-    sources = {name: json.loads((RESULTS_DIR / f"real-faithfulness-{name}.json").read_text())
-               for name in ("measures", "speed", "curve", "frozen") if (RESULTS_DIR / f"real-faithfulness-{name}.json").exists()}  # fmt: skip
+    sources = {name: json.loads((args.results / f"real-faithfulness-{name}.json").read_text())
+               for name in ("measures", "speed", "curve", "frozen") if (args.results / f"real-faithfulness-{name}.json").exists()}  # fmt: skip
     models = sources["measures"]["models"]
     summary = summary_fields(models, sources["speed"], frozen="demo", stage2="stage2", source="frozen", demo="demo")
     summary["recipe"] = {
@@ -337,7 +337,7 @@ def summary_main(args: argparse.Namespace) -> None:
                "sources": {k: {"file": f"real-faithfulness-{k}.json", "git_revision": v.get("environment", {}).get("git_revision")}
                            for k, v in sources.items()},  # fmt: skip
                "environment": environment("cpu", 0)}  # fmt: skip
-    write_json(RESULTS_DIR / "real-faithfulness.json", payload)
+    write_json(args.results / "real-faithfulness.json", payload)
     print("faithfulness: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items() if isinstance(v, float)))
 
 
@@ -358,6 +358,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="stage2: cpu or cuda")
     p.add_argument("--root", type=Path, default=ROOT, help="where the runs and stores live")
     p.add_argument("--curve", type=Path, default=CURVE, help="curve: the JSON file the points are merged into")
+    p.add_argument("--results", type=Path, default=RESULTS_DIR, help="where measure/speed/frozen/summary write")
     p.add_argument("--prototypes", type=int, default=2048)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--last", type=int, default=4, help="unfrozen blocks N (the boundary is block 30 − N)")
