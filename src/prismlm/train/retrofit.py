@@ -46,6 +46,7 @@ from prismlm.progress import Progress
 from prismlm.train.bank_stage import BankStart, bank_stage, frozen_stage_steps
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.distributed import DistInfo, resolve_device
+from prismlm.train.run_folder import has_checkpoint
 from prismlm.train.stage2 import boundary_layer_for, stage2_plan, train_stage2_stored
 from prismlm.train.state import trainable_names
 from prismlm.train.stored_z import backbone_identity, build_stored_z, open_stored_z
@@ -429,7 +430,7 @@ def _retrofit_on_stored_z(
                 model, store, cfg, out_dir, shards=shards, device=device, rng_state=rng_state, progress=progress
             )
         except PrismError:
-            if not _has_checkpoint(out_dir):
+            if not has_checkpoint(out_dir):
                 _remove_created(out_dir, created)
             raise
         return _after_bank_stage(result, cfg, out_dir, shards=shards, device=device, progress=progress)
@@ -469,14 +470,6 @@ def _remove_created(out_dir: Path, created: list[str]) -> None:
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
-
-
-def _has_checkpoint(out_dir: Path) -> bool:
-    try:
-        find_checkpoint(out_dir)
-    except CheckpointError:
-        return False
-    return True
 
 
 def resume_on_stored_z(

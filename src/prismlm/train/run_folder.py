@@ -26,7 +26,8 @@ def _holds_run(folder: Path) -> bool:
     return isinstance(cfg, dict) and "model" in cfg and "train" in cfg
 
 
-def _has_checkpoint(out_dir: Path) -> bool:
+def has_checkpoint(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds a complete checkpoint (``find_checkpoint`` finds one)."""
     try:
         find_checkpoint(out_dir)
     except CheckpointError:
@@ -56,7 +57,7 @@ def check_run_folder(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     if resume or overwrite or not out_dir.exists():
         return
     held = [name for name in RUN_FILES if (out_dir / name).exists()]
-    if held and not _has_checkpoint(out_dir):  # stopped before its first checkpoint: nothing to resume
+    if held and not has_checkpoint(out_dir):  # stopped before its first checkpoint: nothing to resume
         raise RunError(
             f"{out_dir} already holds a run stopped before its first checkpoint ({', '.join(held)})",
             fix=restart_fix(out_dir),
