@@ -63,3 +63,25 @@ def attribution_setup(tiny_shards, root, *, steps: int, num_queries: int, curvat
     q = query_gradients(net, [([tok.eot_id] + tok.encode(t), s) for t, s in texts])
     curv = curvature_pass(net, tiny_shards, sequences=(0, curvature_sequences), batch_size=8)
     return SimpleNamespace(net=net, tok=tok, q=q, Q=len(texts), curv=curv, ckpt=ckpt)
+
+
+TINY_CORPUS = ["data.max_docs=16", "data.max_chars_per_doc=4000"]
+"""A tiny retrofit's anchor corpus: ~300 sequences of 64 tokens."""
+
+
+def tiny_retrofit(source, out, overrides=(), *, steps=4, frozen=None, unfreeze="none", resume=False, **kw):
+    """A retrofit of ``source`` into ``out`` at the tests' size (K=32, k=4, 4 sequences a step, CPU, no
+    progress), on ``TINY_CORPUS`` plus ``overrides``; with ``resume`` the run in ``out`` continued instead."""
+    from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
+
+    recipe = RetrofitRecipe(steps=steps, frozen_steps=frozen, unfreeze=unfreeze, prototypes=32, top_k=4, batch_size=4)
+    return retrofit_model(
+        None if resume else str(source),
+        out=out,
+        recipe=recipe,
+        device="cpu",
+        progress=False,
+        resume=resume,
+        overrides=[] if resume else [*TINY_CORPUS, *overrides],
+        **kw,
+    )

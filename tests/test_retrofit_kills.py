@@ -10,14 +10,13 @@ import threading
 
 import pytest
 import torch
+from conftest import tiny_retrofit
 
-from prismlm.app.retrofit import RetrofitRecipe, resume_retrofit, retrofit_model
+from prismlm.app.retrofit import resume_retrofit
 from prismlm.artifacts import FileLock
 from prismlm.config import RunConfig
 from prismlm.errors import ConfigError, PrismError, RunError
 from prismlm.train import load_checkpoint, train
-
-SMALL = ["data.max_docs=16", "data.max_chars_per_doc=4000"]
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +29,8 @@ def dense_run(tiny_shards, tmp_path_factory):
 
 
 def _retrofit(source, out, *extra, unfreeze="last-1", **kw):
-    recipe = RetrofitRecipe(steps=8, frozen_steps=6, unfreeze=unfreeze, prototypes=32, top_k=4, batch_size=4)
-    return retrofit_model(
-        str(source),
-        out=out,
-        recipe=recipe,
-        device="cpu",
-        progress=False,
-        overrides=[*SMALL, "train.ckpt_interval=2", "train.keep_checkpoints=10", *extra],
-        **kw,
-    )
+    extra = ("train.ckpt_interval=2", "train.keep_checkpoints=10", *extra)
+    return tiny_retrofit(source, out, extra, steps=8, frozen=6, unfreeze=unfreeze, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_retrofit
 
 from prismlm.app import Run
-from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.config import LossConfig, ModelConfig, PrototypeConfig, RunConfig
 from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, ConfigError, ModelError
 from prismlm.eval.faithfulness import FaithfulnessAccumulator, fit_yardstick
@@ -24,8 +24,6 @@ from prismlm.train import retrofit as retrofit_module
 from prismlm.train import train
 from prismlm.train.stage2 import boundary_layer_for, heldout_stage2_metrics, stage2_losses, train_stage2_stored
 from prismlm.train.stored_z import build_stored_z, open_stored_z
-
-SMALL = ["data.max_docs=16", "data.max_chars_per_doc=4000", "train.stored_z_dtype=float32"]
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +38,8 @@ def dense_run(tiny_shards, tmp_path_factory):
 
 
 def _retrofit(source, out, *extra, steps=6, frozen=2, unfreeze="last-1", resume=False):
-    recipe = RetrofitRecipe(steps=steps, frozen_steps=frozen, unfreeze=unfreeze, prototypes=32, top_k=4, batch_size=4)
-    return retrofit_model(
-        None if resume else str(source),
-        out=out,
-        recipe=recipe,
-        device="cpu",
-        progress=False,
-        resume=resume,
-        overrides=[] if resume else [*SMALL, *extra],
-    )
+    extra = ("train.stored_z_dtype=float32", *extra)
+    return tiny_retrofit(source, out, extra, steps=steps, frozen=frozen, unfreeze=unfreeze, resume=resume)
 
 
 def _hf_llama(n_layer: int = 3, prototypes: PrototypeConfig | None = None) -> PrismLM:

@@ -7,17 +7,15 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_retrofit
 
 from prismlm.app import Run
-from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.config import RunConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch
 from prismlm.explain.index import IndexSettings, build_index
 from prismlm.model import PrismLM
 from prismlm.train import train
 from prismlm.train.stored_z import backbone_identity, build_stored_z, open_stored_z
-
-SMALL = ["data.max_docs=16", "data.max_chars_per_doc=4000"]  # ~300 sequences of 64
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +38,7 @@ def dense_run(tiny_shards, tmp_path_factory):
 
 
 def _retrofit(source, out, *extra, steps=4, unfreeze="none", frozen=None):
-    recipe = RetrofitRecipe(steps=steps, frozen_steps=frozen, unfreeze=unfreeze, prototypes=32, top_k=4, batch_size=4)
-    return retrofit_model(
-        str(source),
-        out=out,
-        recipe=recipe,
-        device="cpu",
-        progress=False,
-        overrides=[*SMALL, *extra],
-    )
+    return tiny_retrofit(source, out, extra, steps=steps, frozen=frozen, unfreeze=unfreeze)
 
 
 @pytest.fixture(scope="module")

@@ -202,22 +202,28 @@ def bank_stage(
     )
     # one validation of the whole model (the stage's only backbone forward besides the z pass), as the trainer
     # ends a run with one
-    metrics = evaluate(
-        model,
-        shards.val,
-        seq_len=cfg.model.block_size,
-        batch_size=tc.batch_size,
-        max_batches=tc.eval_batches,
-        device=device,
-        autocast=autocast_for(cfg, device),
-        loss_weights=cfg.loss.weights_at(steps - 1),
-    )
+    metrics = validate_run(model, cfg, shards, device, steps)
     with Reporter(progress, "validate", 1, unit="eval") as bar:
         bar.update(1)
         protos = cfg.model.prototypes
         bar.message(format_eval_line(steps, metrics, top_k=protos.top_k if protos else None))
     path = save(steps, optimizer, [{"step": steps, **metrics}])
     return TrainResult(run_dir=out_dir, checkpoint=path, step=steps, metrics=metrics, model=model)
+
+
+def validate_run(model: PrismLM, cfg: RunConfig, shards: ShardSet, device: torch.device, step: int) -> dict[str, float]:
+    """The whole model on the validation split at the end of optimizer step ``step`` (1-based), as the trainer
+    validates: ``train.eval_batches`` batches, the run's autocast and that step's loss weights."""
+    return evaluate(
+        model,
+        shards.val,
+        seq_len=cfg.model.block_size,
+        batch_size=cfg.train.batch_size,
+        max_batches=cfg.train.eval_batches,
+        device=device,
+        autocast=autocast_for(cfg, device),
+        loss_weights=cfg.loss.weights_at(step - 1),
+    )
 
 
 def save_stored_stage_checkpoint(

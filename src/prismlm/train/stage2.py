@@ -31,15 +31,14 @@ import torch.nn.functional as F
 from prismlm.config import RunConfig
 from prismlm.errors import ArtifactMismatch, ConfigError, RunError
 from prismlm.eval.faithfulness import FaithfulnessAccumulator, Yardstick
-from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM, PrismOutput, eval_mode
 from prismlm.model import losses as L
 from prismlm.progress import Progress, Reporter
-from prismlm.train.bank_stage import save_stored_stage_checkpoint
+from prismlm.train.bank_stage import save_stored_stage_checkpoint, validate_run
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.records import format_eval_line
 from prismlm.train.sampler import SequenceSampler
-from prismlm.train.state import TrainResult, autocast_for, build_optimizer, set_trainable, trainable_names
+from prismlm.train.state import TrainResult, build_optimizer, set_trainable, trainable_names
 from prismlm.train.stored_z import StoredZ, backbone_identity
 
 if TYPE_CHECKING:
@@ -181,7 +180,7 @@ def train_stage2_stored(
                 )
                 t_last, tokens_since = now, 0
             if done % tc.eval_interval == 0 or done == tc.max_steps:
-                metrics = _validate(model, cfg, shards, device, done)
+                metrics = validate_run(model, cfg, shards, device, done)
                 _append_metrics(plan.out_dir, {"step": done, **metrics})
                 bar.message(format_eval_line(done, metrics))
                 model.train()
@@ -234,20 +233,6 @@ def _step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return sums
-
-
-def _validate(model: PrismLM, cfg: RunConfig, shards: ShardSet, device: torch.device, step: int) -> dict[str, float]:
-    metrics = evaluate(
-        model,
-        shards.val,
-        seq_len=cfg.model.block_size,
-        batch_size=cfg.train.batch_size,
-        max_batches=cfg.train.eval_batches,
-        device=device,
-        autocast=autocast_for(cfg, device),
-        loss_weights=cfg.loss.weights_at(step - 1),
-    )
-    return metrics
 
 
 def _append_metrics(out_dir: Path, line: dict[str, float]) -> None:
