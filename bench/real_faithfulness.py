@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import time
 from pathlib import Path
 from typing import Any
@@ -135,51 +136,62 @@ def curve_main(args: argparse.Namespace) -> None:
           f"top1 vs source {got['top1_vs_source']:.3f}")  # fmt: skip
 
 
+def speed_batch(batch_size: int, tok: Tokenizer) -> torch.Tensor:
+    """(batch_size, 257) token ids of consecutive windows of a shipped book (real text: how many distinct
+    tokens the source ranks high — the candidate set's size — depends on it)."""
+    text = lzma.decompress((BUILTIN_DIR / "austen-emma.txt.xz").read_bytes()).decode("utf-8")
+    ids = tok.encode(text[20_000:200_000])
+    return torch.tensor(ids[: batch_size * 257]).reshape(batch_size, 257)
+
+
 def speed_main(args: argparse.Namespace) -> None:
-    """Stage-2 step time at N=args.last, interleaved round by round on one batch (2 × 256 tokens, the same
-    trainable parameters, K=512, k=8): a step on stored boundary activations (``stage2_losses``: N blocks;
-    KL to the source) against today's per-step path (the whole model's forward, CE; backward through the
-    last N blocks), each without and with the prototype-only KL. Forward + backward, no optimizer step."""
+    """Stage-2 step time at N=args.last, interleaved round by round on one batch of real text (batch_size ×
+    256 tokens, the same trainable parameters, K=512, k=8): a step on stored boundary activations
+    (``stage2_losses``: N blocks; KL to the source over the whole vocabulary, or over the candidate set of
+    ``loss.kl_candidates`` = c) against today's per-step path (the whole model's forward, CE; backward
+    through the last N blocks), each without and with the prototype-only KL. Forward + backward, no
+    optimizer step."""
     torch.set_num_threads(args.threads)
     pre = load_pretrained(args.source, block_size=256)
     model = build_model(pre, replace(pre.model, prototypes=PrototypeConfig(num_prototypes=512, top_k=8))).train()
     set_trainable(model, trainable_names(model, f"last-{args.last}"))
-    layer, x = (
-        30 - args.last,
-        torch.randint(0, pre.model.vocab_size, (2, 257), generator=torch.Generator().manual_seed(0)),
-    )
+    layer, x = 30 - args.last, speed_batch(args.batch_size, pre.tokenizer)
     with torch.no_grad():
         bo = model.backbone_outputs(x[:, :-1], output_hidden_states=True)
+        union = {c: int(model.lm_head(bo.z).topk(c, -1).indices.unique().numel()) for c in args.candidates}
     assert bo.hidden_states is not None
     h = bo.hidden_states[layer].half().float()  # as read from a float16 store
     base = {"rec": 1.0, "r1": 0.5, "r2": 0.5}
 
-    def stored(alpha: float) -> None:
-        terms = stage2_losses(model, h, bo.z, layer, proto_kl=alpha > 0)
+    def stored(alpha: float, c: int) -> None:
+        terms = stage2_losses(model, h, bo.z, layer, proto_kl=alpha > 0, candidates=c)
         loss = terms["source_kl"] + sum(w * terms[k] for k, w in {**base, "proto_kl": alpha}.items() if k in terms)
         loss.backward()
 
-    def per_step(alpha: float) -> None:
+    def per_step(alpha: float, c: int) -> None:
         out = model(x[:, :-1], x[:, 1:], loss_weights={"ce": 1.0, **base, "proto_kl": alpha})
         assert out.loss is not None
         out.loss.backward()
 
-    times: dict[str, list[float]] = {f"{n}_a{a:g}": [] for n in ("stored", "per_step") for a in (0.0, 1.0)}
-    for r in range(args.speed_steps + 1):  # round 0 warms up
-        for name, fn in (("stored", stored), ("per_step", per_step)):
+    sides = [("per_step", per_step, 0), ("stored", stored, 0)] + [(f"stored_c{c}", stored, c) for c in args.candidates]
+    times: dict[str, list[float]] = {f"{n}_a{a:g}": [] for n, _, _ in sides for a in (0.0, 1.0)}
+    for r in range(args.speed_steps + 1):  # round 0 warms up; odd rounds run the sides in reverse order
+        for name, fn, c in sides if r % 2 == 0 else sides[::-1]:
             for alpha in (0.0, 1.0):
                 t0 = time.perf_counter()
-                fn(alpha)
+                fn(alpha, c)
                 model.zero_grad(set_to_none=True)
                 if r:
                     times[f"{name}_a{alpha:g}"].append(time.perf_counter() - t0)
-    rates = {k: 512 / float(np.median(v)) for k, v in times.items()}
-    ratio = {f"a{a:g}": rates[f"stored_a{a:g}"] / rates[f"per_step_a{a:g}"] for a in (0.0, 1.0)}
-    payload = {"N": args.last, "tokens_per_step": 512, "rounds": args.speed_steps, "tokens_per_s": rates,
-               "ratio": ratio, "step_seconds": times, "environment": environment("cpu", 0)}  # fmt: skip
+    tokens = int(x[:, :-1].numel())
+    rates = {k: tokens / float(np.median(v)) for k, v in times.items()}
+    ratio = {k: rates[k] / rates["per_step_" + k.rsplit("_", 1)[1]] for k in rates if not k.startswith("per_step")}
+    payload = {"N": args.last, "tokens_per_step": tokens, "rounds": args.speed_steps, "tokens_per_s": rates,
+               "ratio": ratio, "candidate_union": union, "vocab": pre.model.vocab_size, "step_seconds": times,
+               "environment": environment("cpu", 0)}  # fmt: skip
     write_json(args.results / "real-faithfulness-speed.json", payload)
-    print(f"speed N={args.last}: stored/per-step ×{ratio['a0']:.2f} (α=0), ×{ratio['a1']:.2f} (α=1); "
-          + ", ".join(f"{k} {v:.0f} tok/s" for k, v in rates.items()))  # fmt: skip
+    print(f"speed N={args.last} ({tokens} tokens/step): "
+          + ", ".join(f"{k} ×{v:.2f}" for k, v in ratio.items()) + f"; union {union}")  # fmt: skip
 
 
 LEVERS: dict[str, dict[str, float]] = {
@@ -370,6 +382,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4000, help="stage-2 steps")
     p.add_argument("--heldout-sequences", type=int, default=32)
     p.add_argument("--speed-steps", type=int, default=6)
+    p.add_argument("--candidates", type=int, nargs="*", default=[64, 16], help="speed: loss.kl_candidates values timed")
     args = p.parse_args()
     stages = {"stage2": stage2_main, "curve": curve_main, "speed": speed_main, "frozen": frozen_main}
     {**stages, "measure": measure_main, "summary": summary_main}[args.stage](args)

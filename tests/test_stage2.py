@@ -164,6 +164,47 @@ def test_stage2_losses_equal_an_independent_full_forward():
     assert not any(".layers.0." in n for n in names)
 
 
+def test_candidate_set_kl_equals_a_masked_full_vocabulary_kl():
+    """``candidates`` = c: both KL terms over the union of every token's c top source tokens, renormalised
+    there — checked against an independent route (the full-vocabulary logits with every other token masked to
+    −inf); c ≥ V is the exact full KL; the candidate terms still train the top block and the bank."""
+    model = _hf_llama(prototypes=PrototypeConfig(num_prototypes=16, top_k=4))
+    torch.manual_seed(1)
+    x = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        out = model.backbone_outputs(x, output_hidden_states=True)
+    assert out.hidden_states is not None
+    h, z_source = out.hidden_states[1], out.z + 0.3 * torch.randn_like(out.z)
+    full = stage2_losses(model, h, z_source, 1, proto_kl=True)
+    everything = stage2_losses(model, h, z_source, 1, proto_kl=True, candidates=128)
+    for k in ("source_kl", "proto_kl", "proto_top1"):
+        assert float(everything[k].detach()) == pytest.approx(float(full[k].detach()), rel=1e-6, abs=1e-7), k
+    terms = stage2_losses(model, h, z_source, 1, proto_kl=True, candidates=3)
+    with torch.no_grad():
+        src = model.lm_head(z_source).reshape(-1, 128)
+        keep = torch.zeros(128, dtype=torch.bool)
+        for row in src:  # the union, token by token (independent of topk(...).unique())
+            keep[row.argsort(descending=True)[:3]] = True
+        assert 3 <= int(keep.sum()) < 128
+        full_out = model(x)
+        assert full_out.residual is not None
+        z_hat = (full_out.hidden - full_out.residual).reshape(-1, 32)
+        masked = lambda logits: torch.log_softmax(logits.masked_fill(~keep, float("-inf")), -1)[:, keep]  # noqa: E731
+        log_p_src = masked(src)
+        want_kl = (log_p_src.exp() * (log_p_src - masked(full_out.logits.reshape(-1, 128)))).sum(-1).mean()
+        want_proto = (log_p_src.exp() * (log_p_src - masked(model.lm_head(z_hat)))).sum(-1).mean()
+    assert float(terms["source_kl"].detach()) == pytest.approx(float(want_kl), rel=1e-4)
+    assert float(terms["proto_kl"].detach()) == pytest.approx(float(want_proto), rel=1e-4)
+    assert float(terms["source_kl"].detach()) != pytest.approx(
+        float(full["source_kl"].detach()), rel=1e-3
+    )  # truly restricted
+    (terms["source_kl"] + terms["proto_kl"]).backward()
+    names = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert any(".layers.2." in n for n in names) and "prototypes.weight" in names
+    with pytest.raises(ConfigError, match="kl_candidates"):
+        RunConfig.from_name("tiny").override({"loss.kl_candidates": -1})
+
+
 def test_boundary_layer_follows_the_recipe():
     cfg = RunConfig.from_name("tiny").override({"model.n_layer": 3, "train.trainable": "last-2"})
     assert boundary_layer_for(cfg) == 1
@@ -280,3 +321,27 @@ def test_large_banks_are_seeded_in_rounds_on_real_rows_and_cover_better_than_a_u
     d2 = (1 - (unit_z @ unit_p.T).max(dim=1).values).mean()
     d_uniform = (1 - (unit_z @ uniform.T).max(dim=1).values).mean()
     assert d2 < d_uniform
+
+
+def test_bank_stage_prototype_kl_on_candidates_equals_a_masked_full_kl():
+    """The bank stage's prototype-only KL with ``candidates`` = c: KL(softmax(W z) ‖ softmax(W ẑ)) renormalised on
+    the union of the rows' c top tokens, against the masked full-vocabulary route; c = V is the exact KL."""
+    from prismlm.train.bank_stage import bank_losses
+
+    model = _hf_llama(prototypes=PrototypeConfig(num_prototypes=16, top_k=4))
+    z = 2.0 * torch.randn(24, 32, generator=torch.Generator().manual_seed(5))
+    exact = bank_losses(model, z, proto_kl_rows=24)
+    assert float(bank_losses(model, z, proto_kl_rows=24, candidates=128)["proto_kl"].detach()) == pytest.approx(
+        float(exact["proto_kl"].detach()), rel=1e-6
+    )
+    got = bank_losses(model, z, proto_kl_rows=24, candidates=4)
+    with torch.no_grad():
+        logits = model.lm_head(z)
+        keep = torch.zeros(128, dtype=torch.bool)
+        keep[logits.argsort(-1, descending=True)[:, :4].reshape(-1)] = True
+        po = model.require_prototypes()(z)
+        log_p = torch.log_softmax(logits.masked_fill(~keep, float("-inf")), -1)[:, keep]
+        log_q = torch.log_softmax(model.lm_head(po.reconstruction).masked_fill(~keep, float("-inf")), -1)[:, keep]
+        want = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    assert float(got["proto_kl"].detach()) == pytest.approx(float(want), rel=1e-4)
+    assert float(got["proto_kl"].detach()) != pytest.approx(float(exact["proto_kl"].detach()), rel=1e-3)

@@ -30,6 +30,13 @@ class LossConfig:
     """Retrofit bank stage on stored z: the prototype-only KL is computed on at most this many evenly spaced
     rows of each micro-batch. Why: it costs two (rows × V) vocabulary products and their gradient (a 49k
     vocabulary: ~0.6 GB and most of a step's time at 1,024 rows); the other terms see every row."""
+    kl_candidates: int = 0
+    """The KL terms of the stages on stored activations (the bank stage's prototype-only KL, stage 2's KL to
+    the source and its prototype-only KL): 0 (default) over the whole vocabulary; c > 0 over the union,
+    within each micro-batch, of every row's c most likely tokens under the reference distribution, both
+    distributions renormalised on that set. Why: with a 49k vocabulary the (rows × V) products dominate a
+    step; on the union they shrink to (rows × |union|). Probability outside the union is not constrained by
+    the loss, so measure held-out CE and KL over the whole vocabulary (the validation lines do)."""
     warmup_steps: int = 0
     """The three prototype weights ramp linearly from 0 to their value over this many optimizer
     steps, so the backbone first learns language before it is pulled onto the prototypes."""
@@ -39,6 +46,9 @@ class LossConfig:
             check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         check(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
         check(self.proto_kl_rows >= 1, f"proto_kl_rows must be >= 1, got {self.proto_kl_rows}")
+        check(
+            self.kl_candidates >= 0, f"kl_candidates must be >= 0 (0: the whole vocabulary), got {self.kl_candidates}"
+        )
 
     def weights_at(self, step: int) -> dict[str, float]:
         """Loss weights at an optimizer step (warm-up applied); CE always has weight 1."""

@@ -6,6 +6,8 @@ prototype layer computes from its single similarity pass, so no second N × K ma
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +43,22 @@ def kl_to_reference(reference_log_probs: torch.Tensor, logits: torch.Tensor) -> 
     log_q = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # (N, V)
     ref = reference_log_probs.to(log_q.dtype)
     return (ref.exp() * (ref - log_q)).sum(-1).mean()
+
+
+def candidate_unembedding(
+    lm_head: torch.nn.Linear, reference_logits: torch.Tensor, candidates: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The unembedding restricted to the union of every row's ``candidates`` most likely tokens under
+    ``reference_logits`` (N, V) — sorted ids, so the restriction is a plain (|U|, d) matrix product and a KL
+    over its outputs is the KL of both distributions renormalised on U — or the whole ``lm_head`` when
+    ``candidates`` is 0 (``loss.kl_candidates``). W is frozen where this is used: no gradient reaches it."""
+    if not candidates:
+        return lm_head
+    k = min(candidates, reference_logits.shape[-1])
+    ids = reference_logits.detach().topk(k, dim=-1).indices.unique()  # (|U|,) sorted
+    weight = lm_head.weight[ids]  # (|U|, d)
+    bias = lm_head.bias[ids] if lm_head.bias is not None else None
+    return lambda x: F.linear(x, weight, bias)
 
 
 def prototype_kl(logits: torch.Tensor, prototype_logits: torch.Tensor) -> torch.Tensor:

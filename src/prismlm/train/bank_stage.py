@@ -53,9 +53,12 @@ def frozen_stage_steps(cfg: RunConfig) -> int:
     return tc.max_steps if tc.trainable == "prototypes" else min(tc.frozen_steps, tc.max_steps)
 
 
-def bank_losses(model: PrismLM, z: torch.Tensor, *, proto_kl_rows: int = 0) -> dict[str, torch.Tensor]:
+def bank_losses(
+    model: PrismLM, z: torch.Tensor, *, proto_kl_rows: int = 0, candidates: int = 0
+) -> dict[str, torch.Tensor]:
     """REC, R1, R2 of the bank on stored hidden states z (N, d) — the prototype terms of ``PrismLM.forward`` —
-    and with ``proto_kl_rows`` > 0 KL(softmax(W z) ‖ softmax(W ẑ)) on at most that many evenly spaced rows."""
+    and with ``proto_kl_rows`` > 0 KL(softmax(W z) ‖ softmax(W ẑ)) on at most that many evenly spaced rows
+    (over the rows' ``candidates`` top tokens' union when > 0: ``loss.kl_candidates``)."""
     po = model.require_prototypes()(z)
     terms = {
         "rec": L.reconstruction_loss(po.residual, z),
@@ -66,7 +69,10 @@ def bank_losses(model: PrismLM, z: torch.Tensor, *, proto_kl_rows: int = 0) -> d
         rows = slice(None, None, max(1, -(-z.shape[0] // proto_kl_rows)))
         with torch.no_grad():
             logits = model.lm_head(z[rows])  # (n, V) the frozen model's own logits
-        terms["proto_kl"] = L.prototype_kl(logits, model.lm_head(po.reconstruction[rows].to(z.dtype)))
+            head = L.candidate_unembedding(model.lm_head, logits, candidates)
+            if candidates:
+                logits = head(z[rows])  # (n, |U|)
+        terms["proto_kl"] = L.prototype_kl(logits, head(po.reconstruction[rows].to(z.dtype)))
     return terms
 
 
@@ -117,7 +123,9 @@ def train_bank(
             for micro in range(tc.grad_accum):
                 z = store.hidden(sampler.micro_indices(step, micro, 0)).to(device).reshape(-1, model.config.n_embd)
                 kl_rows = cfg.loss.proto_kl_rows if weights.get("proto_kl", 0.0) > 0 else 0
-                terms = bank_losses(model, z, proto_kl_rows=kl_rows)  # (B·T, d) → scalars
+                terms = bank_losses(
+                    model, z, proto_kl_rows=kl_rows, candidates=cfg.loss.kl_candidates
+                )  # (B·T, d) → scalars
                 loss = sum(
                     (weights[k] * v for k, v in terms.items() if weights.get(k, 0.0) != 0.0),
                     torch.zeros((), device=device),

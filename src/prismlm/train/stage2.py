@@ -61,26 +61,39 @@ def boundary_layer_for(cfg: RunConfig) -> int | None:
 
 
 def stage2_losses(
-    model: PrismLM, h: torch.Tensor, z_source: torch.Tensor, layer: int, *, proto_kl: bool
+    model: PrismLM,
+    h: torch.Tensor,
+    z_source: torch.Tensor,
+    layer: int,
+    *,
+    proto_kl: bool,
+    candidates: int = 0,
 ) -> dict[str, torch.Tensor]:
     """The loss terms of one stored batch. h, z_source: (B, T, d) the stored boundary activations and the
     source model's z of the same tokens. Returns unweighted scalars ``source_kl``, ``rec``, ``r1``, ``r2``,
     and with ``proto_kl`` also ``proto_kl`` and ``proto_top1`` (no gradient: how often argmax W ẑ is the
-    source's argmax on the batch)."""
+    source's argmax on the batch, over the vocabulary the KL terms see).
+
+    ``candidates`` = c > 0: both KL terms see only the union U, over the batch, of every token's c most likely
+    source tokens, each distribution renormalised on U (``loss.kl_candidates``): the products with W
+    are (N, |U|) instead of (N, V); c = 0 is the exact full-vocabulary KL."""
     B, T, d = h.shape
     z = model.hidden_from_layer(h, layer).reshape(B * T, d)  # (N, d) with the current top blocks
     po = model.require_prototypes()(z)
     with torch.no_grad():
         source_logits = model.lm_head(z_source.reshape(B * T, d))  # (N, V): W is frozen
+        head = L.candidate_unembedding(model.lm_head, source_logits, candidates)
+        if candidates:
+            source_logits = head(z_source.reshape(B * T, d))  # (N, |U|)
         log_p_source = F.log_softmax(source_logits.float(), dim=-1)
     terms = {
-        "source_kl": L.kl_to_reference(log_p_source, model.lm_head(z)),
+        "source_kl": L.kl_to_reference(log_p_source, head(z)),
         "rec": L.reconstruction_loss(po.residual, z),
         "r1": L.r1_loss(po.proto_max_cos),
         "r2": L.r2_loss(po.token_max_cos),
     }
     if proto_kl:  # a (N, V) product as costly as the model's own logits: only when the term is on
-        proto_logits = model.lm_head(po.reconstruction.to(z.dtype))  # (N, V) the prototypes alone
+        proto_logits = head(po.reconstruction.to(z.dtype))  # (N, V) or (N, |U|): the prototypes alone
         terms["proto_kl"] = L.kl_to_reference(log_p_source, proto_logits)
         terms["proto_top1"] = (proto_logits.detach().argmax(-1) == source_logits.argmax(-1)).float().mean()
     return terms
@@ -216,7 +229,9 @@ def _step(
         ids = sampler.micro_indices(step, micro, 0)
         h = plan.store.boundary_hidden(ids).to(device)  # (B, T, d)
         z_source = plan.store.hidden(ids).to(device)  # (B, T, d)
-        terms = stage2_losses(model, h, z_source, plan.layer, proto_kl=weights.get("proto_kl", 0.0) > 0)
+        terms = stage2_losses(
+            model, h, z_source, plan.layer, proto_kl=weights.get("proto_kl", 0.0) > 0, candidates=cfg.loss.kl_candidates
+        )
         loss = sum(
             (weights[k] * v for k, v in terms.items() if weights.get(k, 0.0) != 0.0), torch.zeros((), device=device)
         )
