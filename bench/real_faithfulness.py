@@ -39,8 +39,9 @@ from prismlm.model.prototypes import seed_prototypes
 from prismlm.train.bank_stage import train_bank
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.retrofit import build_model, load_pretrained, seed_sequences
-from prismlm.train.stage2 import heldout_stage2_metrics, stage2_losses
-from prismlm.train.state import set_trainable, trainable_names
+from prismlm.train.sampler import SequenceSampler
+from prismlm.train.stage2 import heldout_stage2_metrics, stage2_losses, stage2_step
+from prismlm.train.state import build_optimizer, set_trainable, trainable_names
 from prismlm.train.stored_z import StoredZ, build_stored_z, open_stored_z
 
 SOURCE = "smollm2-135m-instruct"
@@ -66,13 +67,15 @@ def recipe(args: argparse.Namespace) -> RetrofitRecipe:
 
 
 def run_dir(args: argparse.Namespace) -> Path:
-    return args.root / f"stage2-K{args.prototypes}-k{args.top_k}-N{args.last}-a{args.alpha:g}"
+    cand = f"-c{args.kl_candidates}" if args.kl_candidates else ""
+    return args.root / f"stage2-K{args.prototypes}-k{args.top_k}-N{args.last}-a{args.alpha:g}{cand}"
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
     return [
         *ANCHOR,
         f"loss.lambda_proto_kl={args.alpha}",
+        f"loss.kl_candidates={args.kl_candidates}",
         "train.eval_interval=200",
         "train.ckpt_interval=50",
         "train.log_interval=10",
@@ -194,6 +197,69 @@ def speed_main(args: argparse.Namespace) -> None:
           + ", ".join(f"{k} ×{v:.2f}" for k, v in ratio.items()) + f"; union {union}")  # fmt: skip
 
 
+def parse_variant(spec: str) -> dict[str, float]:
+    """``N2-a1-c16`` → {"N": 2, "alpha": 1.0, "c": 16}: unfrozen blocks, loss.lambda_proto_kl, loss.kl_candidates."""
+    try:
+        parts = {p[0]: p[1:] for p in spec.split("-")}
+        return {"N": int(parts["N"]), "alpha": float(parts["a"]), "c": int(parts["c"])}
+    except (KeyError, ValueError) as e:
+        raise SystemExit(f"--variant {spec!r}: expected N<blocks>-a<alpha>-c<candidates>, e.g. N2-a1-c16") from e
+
+
+def sweep_main(args: argparse.Namespace) -> None:
+    """Stage-2 recipes compared on one store: a retrofit with N = --last (its z pass stores block 30 − N's
+    input; its frozen bank trains ``--frozen-steps``), then per ``--variant`` (N ≤ --last unfrozen blocks, the
+    prototype-only KL weight, the candidate set) ``--steps`` stage-2 steps from that same frozen checkpoint
+    (``stage2_step``: the blocks below 30 − N run frozen), measured on the held-out store every ``--every``
+    steps and on the held-out chat answers at the end; merged into real-faithfulness-sweep.json."""
+    torch.set_num_threads(args.threads)
+    out = run_dir(args).with_name(f"sweep-K{args.prototypes}-N{args.last}")
+    try:
+        ckpt = load_checkpoint(out)
+    except CheckpointError:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        frozen = replace(recipe(args), steps=args.frozen_steps)
+        retrofit_model(args.source, out=out, recipe=frozen, overrides=[*overrides(args), *args.set], device="cpu")
+        ckpt = load_checkpoint(out)
+    store, val, layer = open_stored_z(out / "stored-z").check(), heldout_store(args, out), 30 - args.last
+    yardstick = fit_yardstick(val.hidden(np.arange(8)), args.top_k)
+    path = args.results / "real-faithfulness-sweep.json"
+    results = json.loads(path.read_text()) if path.exists() else {"variants": {}}
+    for spec in args.variant:
+        v = parse_variant(spec)
+        model = load_checkpoint(out).model.train()
+        cfg = RunConfig.from_json(out / "config.json").override(
+            {"train.trainable": f"last-{v['N']}", "loss.lambda_proto_kl": v["alpha"], "loss.kl_candidates": v["c"],
+             "train.max_steps": args.frozen_steps + args.steps}
+        )  # fmt: skip
+        set_trainable(model, trainable_names(model, cfg.train.trainable))
+        optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+        sampler = SequenceSampler(store.num_sequences, cfg.train.batch_size, cfg.train.grad_accum, 1, cfg.train.seed)
+        points, seconds = [], 0.0
+        for step in range(args.frozen_steps, args.frozen_steps + args.steps + 1):
+            done = step - args.frozen_steps
+            if done % args.every == 0 or done == args.steps:
+                got = heldout_stage2_metrics(
+                    model, val, layer, max_sequences=args.heldout_sequences, yardstick=yardstick
+                )
+                points.append({"stage2_steps": done, "seconds": seconds, **got})
+                print(f"sweep {spec} step {done}: top1 {got['top1_agreement']:.3f} kl {got['kl']:.3f} "
+                      f"CE {got['ce']:.4f} (source {got['ce_source']:.4f}) {seconds:.0f} s", flush=True)  # fmt: skip
+                model.train()
+            if done == args.steps:
+                break
+            t0 = time.perf_counter()
+            stage2_step(model, optimizer, store, layer, cfg, sampler, step, torch.device("cpu"))
+            seconds += time.perf_counter() - t0
+        chat = chat_measure(model.eval(), ckpt.require_tokenizer(), store)
+        tokens = args.steps * cfg.train.batch_size * cfg.train.grad_accum * store.block_size
+        results["variants"][spec] = {**v, "steps": args.steps, "tokens": tokens, "tokens_per_s": tokens / seconds,
+                                     "points": points, "chat_answers": chat}  # fmt: skip
+        results["run"] = {"folder": str(out), "frozen_steps": args.frozen_steps, "overrides": overrides(args)}
+        results["environment"] = environment("cpu", 0)
+        write_json(path, results)
+
+
 LEVERS: dict[str, dict[str, float]] = {
     "paper": {"K": 2048, "k": 8, "alpha": 0.0},
     "kl": {"K": 2048, "k": 8, "alpha": 1.0},
@@ -257,11 +323,15 @@ def measure(model: PrismLM, tok: Tokenizer, shards: ShardSet, store: StoredZ, ba
     """Faithfulness and coverage of a model on held-out text (``batches`` × 4 sequences of its validation
     split: ``evaluate``) and on the held-out chat answers (yardsticks fitted on 16 stored anchor sequences)."""
     text = evaluate(model, shards.val, seq_len=256, batch_size=4, max_batches=batches)
+    return {"heldout_text": text, "chat_answers": chat_measure(model, tok, store)}
+
+
+def chat_measure(model: PrismLM, tok: Tokenizer, store: StoredZ) -> dict[str, float]:
+    """Faithfulness on the held-out chat answers (yardsticks fitted on 16 stored anchor sequences)."""
     k = model.require_prototypes().cfg.top_k
     acc = FaithfulnessAccumulator(yardstick=fit_yardstick(store.hidden(np.arange(16)), k))
     chats = chat_sequences(tok)
-    chat = answer_faithfulness(model, chats, acc).result() | {"chats": len(chats)}
-    return {"heldout_text": text, "chat_answers": chat}
+    return answer_faithfulness(model, chats, acc).result() | {"chats": len(chats)}
 
 
 def measure_main(args: argparse.Namespace) -> None:
@@ -355,7 +425,9 @@ def summary_main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stage", choices=["stage2", "curve", "speed", "frozen", "measure", "summary"], required=True)
+    p.add_argument(
+        "--stage", choices=["stage2", "curve", "speed", "frozen", "measure", "summary", "sweep"], required=True
+    )
     p.add_argument("--checkpoint", type=Path, help="measure, curve: the checkpoint (or run) folder to measure")
     p.add_argument(
         "--run", type=Path, help="measure: the run whose shards and stored z it uses (default: the long run)"
@@ -375,6 +447,10 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--last", type=int, default=4, help="unfrozen blocks N (the boundary is block 30 − N)")
     p.add_argument("--alpha", type=float, default=1.0, help="loss.lambda_proto_kl")
+    p.add_argument("--variant", action="append", default=[], help="sweep: N<blocks>-a<alpha>-c<candidates>")
+    p.add_argument("--every", type=int, default=50, help="sweep: held-out points every this many steps")
+    p.add_argument("--set", action="append", default=[], help="sweep: extra retrofit overrides (key=value)")
+    p.add_argument("--kl-candidates", type=int, default=0, help="loss.kl_candidates of the stage-2 run")
     p.add_argument("--lr", type=float, default=3e-3, help="the bank's learning rate")
     p.add_argument("--block-lr", type=float, default=1e-4, help="the unfrozen blocks' learning rate")
     p.add_argument("--batch-size", type=int, default=4)
@@ -384,7 +460,13 @@ def main() -> None:
     p.add_argument("--speed-steps", type=int, default=6)
     p.add_argument("--candidates", type=int, nargs="*", default=[64, 16], help="speed: loss.kl_candidates values timed")
     args = p.parse_args()
-    stages = {"stage2": stage2_main, "curve": curve_main, "speed": speed_main, "frozen": frozen_main}
+    stages = {
+        "stage2": stage2_main,
+        "curve": curve_main,
+        "speed": speed_main,
+        "frozen": frozen_main,
+        "sweep": sweep_main,
+    }
     {**stages, "measure": measure_main, "summary": summary_main}[args.stage](args)
 
 

@@ -175,7 +175,7 @@ def train_stage2_stored(
     t_last, tokens_since = time.perf_counter(), 0
     with Reporter(progress, "stage2", end - plan.start_step, unit="step") as bar:
         for step in range(plan.start_step, end):
-            sums = _step(model, optimizer, plan, cfg, sampler, step, device)
+            sums = stage2_step(model, optimizer, plan.store, plan.layer, cfg, sampler, step, device)
             tokens_since += tc.batch_size * tc.grad_accum * plan.store.block_size
             done = step + 1
             if done % tc.log_interval == 0 or done == end:
@@ -209,16 +209,20 @@ def train_stage2_stored(
     )
 
 
-def _step(
+def stage2_step(
     model: PrismLM,
     optimizer: torch.optim.AdamW,
-    plan: Stage2Plan,
+    store: StoredZ,
+    layer: int,
     cfg: RunConfig,
     sampler: SequenceSampler,
     step: int,
     device: torch.device,
 ) -> dict[str, float]:
-    """One optimizer step (gradient accumulation, clipping); the micro-batch-averaged terms and loss."""
+    """Optimizer step ``step`` of stage 2 on ``store``'s rows from block ``layer`` (gradient accumulation,
+    clipping, the scheduled learning rate); returns the micro-batch-averaged terms and loss. Only the
+    parameters that require grad move: a boundary below n_layer − N with ``last-N`` trainable runs the blocks
+    in between frozen (what ``bench/real_faithfulness.py --stage sweep`` does to compare N on one store)."""
     tc = cfg.train
     lr = tc.lr_at(step)
     for group in optimizer.param_groups:
@@ -227,10 +231,10 @@ def _step(
     sums: dict[str, float] = {}
     for micro in range(tc.grad_accum):
         ids = sampler.micro_indices(step, micro, 0)
-        h = plan.store.boundary_hidden(ids).to(device)  # (B, T, d)
-        z_source = plan.store.hidden(ids).to(device)  # (B, T, d)
+        h = store.boundary_hidden(ids).to(device)  # (B, T, d)
+        z_source = store.hidden(ids).to(device)  # (B, T, d)
         terms = stage2_losses(
-            model, h, z_source, plan.layer, proto_kl=weights.get("proto_kl", 0.0) > 0, candidates=cfg.loss.kl_candidates
+            model, h, z_source, layer, proto_kl=weights.get("proto_kl", 0.0) > 0, candidates=cfg.loss.kl_candidates
         )
         loss = sum(
             (weights[k] * v for k, v in terms.items() if weights.get(k, 0.0) != 0.0), torch.zeros((), device=device)
@@ -307,4 +311,11 @@ def heldout_stage2_metrics(
     return acc.result() | {k: v / tokens for k, v in sums.items()} | {"tokens": float(tokens)}
 
 
-__all__ = ["Stage2Plan", "boundary_layer_for", "heldout_stage2_metrics", "stage2_losses", "train_stage2_stored"]
+__all__ = [
+    "Stage2Plan",
+    "boundary_layer_for",
+    "heldout_stage2_metrics",
+    "stage2_losses",
+    "stage2_step",
+    "train_stage2_stored",
+]
