@@ -37,7 +37,8 @@ from prismlm.model import PrismLM
 from prismlm.model.prototypes import seed_prototypes
 from prismlm.train.bank_stage import train_bank
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
-from prismlm.train.retrofit import build_model, load_pretrained, seed_sequences
+from prismlm.model.pretrained import build_model, load_pretrained
+from prismlm.train.retrofit import seed_sequences
 from prismlm.train.stage2 import heldout_stage2_metrics, stage2_losses
 from prismlm.train.state import set_trainable, trainable_names
 from prismlm.train.stored_z import StoredZ, build_stored_z, open_stored_z

@@ -19,7 +19,7 @@ What is measured (issue 26, items 2–3; the first frontier points)
     mean slice); centring is reported beside it (``centring``: the centred residual share with and without).
 
 The model is loaded with transformers directly (``gguf_file=``), rebuilt without its quantisation config and
-saved once to a cache folder, then read by ``prismlm.train.retrofit.load_pretrained`` (which checks that
+saved once to a cache folder, then read by ``prismlm.model.pretrained.load_pretrained`` (which checks that
 prismlm reproduces its logits). Also: the index pass per token reading stored z vs running the model
 (``index_stored_z_per_token_ratio``; issue item 5 asks ≤ 0.2).
 
@@ -63,7 +63,8 @@ from prismlm.explain.index import IndexSettings, build_index
 from prismlm.model import PrismLM
 from prismlm.model.prototypes import PrototypeLayer, seed_prototypes
 from prismlm.train.bank_stage import bank_losses
-from prismlm.train.retrofit import Pretrained, build_model, load_pretrained, sample_hidden, save_tokenizer
+from prismlm.model.pretrained import Pretrained, build_model, load_pretrained
+from prismlm.train.retrofit import sample_hidden, save_tokenizer
 from prismlm.train.stored_z import StoredZ, build_stored_z
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -2,7 +2,7 @@
 ``if TYPE_CHECKING:`` (ast walk): no import cycle between modules anywhere in src/, and no module imports
 another module's private (``_name``) names.
 
-    config, errors, artifacts, progress, _version  ←  model, data  ←  eval  ←  train  ←  explain, tda  ←  control
+    config, errors, artifacts, progress, _version  ←  data  ←  model  ←  eval  ←  train  ←  explain, tda  ←  control
     ←  app  ←  integrations  ←  render  ←  web  ←  cli
 
 typer and rich (the terminal front end) are imported only by cli/ and render/.
@@ -23,8 +23,8 @@ LAYER = {
     "progress": 0,
     "artifacts": 0.3,
     "config": 0.5,
+    "data": 0.9,  # tokenizers and token shards: a pretrained model is loaded with its tokenizer (model/pretrained)
     "model": 1,
-    "data": 1,
     "eval": 2,
     "train": 2.5,
     "explain": 3,
@@ -267,3 +267,48 @@ def test_the_environment_imports_transformers_model_classes():
     code = "from transformers import GPT2LMHeadModel, LlamaForCausalLM, GPTNeoXForCausalLM; import peft, lm_eval"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def _loader_calls(path: Path, root: Path = SRC) -> list[str]:
+    """``X.from_pretrained(...)`` calls on a transformers model or config class (``AutoModelForCausalLM``,
+    ``tf.AutoConfig``, …) and calls of the GGUF loader, as ``file:line``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        receiver = f.value if isinstance(f, ast.Attribute) else None
+        owner = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", "")
+        weights = isinstance(f, ast.Attribute) and f.attr == "from_pretrained" and not owner.endswith("Tokenizer")
+        gguf = (isinstance(f, ast.Name) and f.id == "load_causal_lm") or (
+            isinstance(f, ast.Attribute) and f.attr == "load_causal_lm"
+        )
+        if weights or gguf:
+            out.append(f"{path.relative_to(root)}:{node.lineno}")
+    return out
+
+
+def test_pretrained_models_load_in_model_or_integrations():
+    """A newcomer finds model loading under ``model/`` (``prismlm.model.pretrained``) or ``integrations/``:
+    no other package reads transformers weights or GGUF files itself."""
+    from prismlm.model import pretrained
+
+    assert pretrained.load_pretrained.__module__ == "prismlm.model.pretrained"
+    elsewhere = [
+        where
+        for f in sorted(SRC.rglob("*.py"))
+        if f.relative_to(SRC).parts[0] not in ("model", "integrations")
+        for where in _loader_calls(f)
+    ]
+    assert elsewhere == [], "pretrained weights loaded outside model/ and integrations/:\n" + "\n".join(elsewhere)
+    inside = [w for f in sorted((SRC / "model").rglob("*.py")) for w in _loader_calls(f)]
+    assert any(w.startswith("model/pretrained.py") for w in inside)  # the check sees the calls it looks for
+
+
+def test_the_loader_check_sees_a_stray_loader(tmp_path):
+    f = tmp_path / "stray.py"
+    f.write_text("def f(tf, s):\n    return tf.AutoModelForCausalLM.from_pretrained(s), load_causal_lm(s)\n")
+    g = tmp_path / "ok.py"
+    g.write_text("def f(tf, s):\n    return tf.AutoTokenizer.from_pretrained(s)\n")
+    assert _loader_calls(f, tmp_path) == ["stray.py:2", "stray.py:2"]
+    assert _loader_calls(g, tmp_path) == []

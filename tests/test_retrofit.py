@@ -259,7 +259,7 @@ def test_a_retrofitted_dense_prismlm_run_keeps_its_logits_bit_for_bit(tiny_shard
 
 
 def test_bad_sources_are_one_line_errors(hf_folders, tmp_path):
-    from prismlm.train.retrofit import load_pretrained
+    from prismlm.model.pretrained import load_pretrained
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelError, match="neither a prismlm run nor a transformers model"):
@@ -438,7 +438,7 @@ def test_a_bert_folder_is_not_a_causal_lm(hf_folders, tmp_path):
     ).save_pretrained(bert)
     hf_tokenizer_from_folder = transformers.AutoTokenizer.from_pretrained(hf_folders["gpt2"])
     hf_tokenizer_from_folder.save_pretrained(bert)
-    from prismlm.train.retrofit import load_pretrained
+    from prismlm.model.pretrained import load_pretrained
 
     with pytest.raises(ModelError, match="not a causal LM"):
         load_pretrained(str(bert))

@@ -158,6 +158,7 @@ def test_an_unknown_override_is_refused_before_the_model_loads(dense_run, tmp_pa
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(app_retrofit, "load_pretrained", no_load)
+    monkeypatch.setattr(app_retrofit, "pretrained_from_run", no_load)  # dense_run is a run folder
     with pytest.raises(ConfigError, match=r"unknown key 'bogus'"):
         _retrofit(dense_run, tmp_path / "run", "train.bogus=1")
     with pytest.raises(ConfigError, match=r"train\.lr"):

@@ -14,16 +14,10 @@ from prismlm.config.overrides import field_type
 from prismlm.config.run import parse_overrides
 from prismlm.data.shards import prepare_from_config
 from prismlm.errors import CheckpointError, ConfigError, PrismError
+from prismlm.model.pretrained import Pretrained, load_pretrained
 from prismlm.progress import Progress
-from prismlm.train.checkpoint import find_checkpoint
-from prismlm.train.retrofit import (
-    Pretrained,
-    load_pretrained,
-    resume_on_stored_z,
-    resume_stage2_stored,
-    retrofit,
-    save_tokenizer,
-)
+from prismlm.train.checkpoint import find_checkpoint, pretrained_from_run
+from prismlm.train.retrofit import resume_on_stored_z, resume_stage2_stored, retrofit, save_tokenizer
 from prismlm.train.trainer import TrainResult, check_run_folder, train
 
 
@@ -136,7 +130,9 @@ def retrofit_model(
     check_run_folder(out, resume=False, overwrite=overwrite)  # before minutes of loading and seeding
     recipe = recipe.checked()
     check_override_keys(overrides or [])
-    pre = load_pretrained(source, block_size=recipe.block_size)
+    pre = pretrained_from_run(source, block_size=recipe.block_size) or load_pretrained(
+        source, block_size=recipe.block_size
+    )
     cfg = retrofit_config(pre, recipe, device=device).override_strings(overrides or [])
     shards = prepare_from_config(cfg.data, show_progress=progress)
     new_folder = not out.exists()
