@@ -312,3 +312,23 @@ def test_the_loader_check_sees_a_stray_loader(tmp_path):
     g.write_text("def f(tf, s):\n    return tf.AutoTokenizer.from_pretrained(s)\n")
     assert _loader_calls(f, tmp_path) == ["stray.py:2", "stray.py:2"]
     assert _loader_calls(g, tmp_path) == []
+
+
+STORED_FILES = ("z.bin", "boundary.bin", "targets.bin")
+
+
+def test_stored_activations_are_read_and_written_in_one_module():
+    """z and stage 2's boundary activations are one artifact with one reader/writer/verifier
+    (``prismlm.model.stored_activations``), read by both the trainer and the index: no other module names its
+    files, and both import it."""
+    named = sorted(
+        str(f.relative_to(SRC))
+        for f in SRC.rglob("*.py")
+        if any(
+            isinstance(n, ast.Constant) and n.value in STORED_FILES for n in ast.walk(ast.parse(f.read_text()))
+        )
+    )
+    assert named == ["model/stored_activations.py"]
+    graph = _module_graph(MODULES)
+    for reader in ("prismlm.train.bank_stage", "prismlm.train.stage2", "prismlm.explain.index.build"):
+        assert "prismlm.model.stored_activations" in graph[reader], reader

@@ -30,10 +30,10 @@ from prismlm.explain import (
 from prismlm.explain.index import KIND as INDEX_KIND
 from prismlm.explain.index import Labels
 from prismlm.model import PrismLM
+from prismlm.model.stored_activations import StoredZ, backbone_identity, open_stored_z
 from prismlm.progress import Progress
 from prismlm.train.distributed import DistInfo, barrier, cleanup, init_distributed
-from prismlm.train.retrofit import STORED_Z_DIR
-from prismlm.train.stored_z import StoredZ, backbone_identity, open_stored_z
+from prismlm.train.run_folder import STORED_Z_DIR
 
 __all__ = ["IndexResult", "LabelResult", "build_run_index", "label_prototypes", "merge_index_parts", "parse_part"]
 

@@ -45,10 +45,10 @@ from prismlm.explain.index import KIND as INDEX_KIND
 from prismlm.explain.index import LABELS_FILE
 from prismlm.model import PrismLM
 from prismlm.model.generation import GREEDY, TEXT_SAMPLING, Sampling
+from prismlm.model.stored_activations import open_stored_z
 from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.train.checkpoint import verify_checkpoint
 from prismlm.train.run_folder import STORED_Z_DIR
-from prismlm.train.stored_z import open_stored_z
 
 MAX_NEW_TOKENS = 65536
 """Most tokens ``generate`` makes per sample: past the context window every new token recomputes a full

@@ -27,11 +27,11 @@ from prismlm.errors import RunError
 from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM
 from prismlm.model import losses as L
+from prismlm.model.stored_activations import StoredZ
 from prismlm.progress import Progress, Reporter
 from prismlm.train.checkpoint import save_checkpoint
 from prismlm.train.distributed import DistInfo
 from prismlm.train.sampler import SequenceSampler
-from prismlm.train.stored_z import StoredZ
 from prismlm.train.trainer import (
     TrainResult,
     autocast_for,

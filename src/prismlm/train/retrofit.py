@@ -1,7 +1,7 @@
 """Retrofit: put a prototype head on a pretrained causal LM (spec §6), then train it.
 
 Stage 1 trains only the bank with the backbone and W frozen, so the logits are exactly the pretrained
-model's (on stored z: ``prismlm.train.stored_z`` then ``prismlm.train.bank_stage``); stage 2 (optional)
+model's (on stored z: ``prismlm.model.stored_activations`` then ``prismlm.train.bank_stage``); stage 2 (optional)
 fine-tunes jointly. The prototypes start as real hidden states of the corpus (``seed_prototypes``), so they
 are data-anchored from step 0. The pretrained model comes from ``prismlm.model.pretrained`` (a transformers
 model or a GGUF file) or ``prismlm.train.checkpoint.pretrained_from_run`` (a prismlm run). See docs/modules.md.
@@ -27,15 +27,15 @@ from prismlm.errors import CheckpointError, ModelError, PrismError
 from prismlm.model import PrismLM
 from prismlm.model.pretrained import Pretrained, build_model
 from prismlm.model.prototypes import seed_prototypes
+from prismlm.model.stored_activations import backbone_identity, build_stored_z, open_stored_z
 from prismlm.progress import Progress
 from prismlm.train.bank_stage import BankStart, bank_stage, frozen_stage_steps
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.distributed import DistInfo, resolve_device
-from prismlm.train.run_folder import has_checkpoint
+from prismlm.train.run_folder import STORED_Z_DIR, has_checkpoint
 from prismlm.train.stage2 import boundary_layer_for, stage2_plan, train_stage2_stored
 from prismlm.train.state import trainable_names
-from prismlm.train.stored_z import backbone_identity, build_stored_z, open_stored_z
-from prismlm.train.trainer import STORED_Z_DIR, TrainResult, check_data, check_run_folder, clear_run_folder, train
+from prismlm.train.trainer import TrainResult, check_data, check_run_folder, clear_run_folder, train
 
 
 def save_tokenizer(tok: Tokenizer, data_dir: str | None) -> Path:

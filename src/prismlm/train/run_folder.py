@@ -11,7 +11,7 @@ from prismlm.errors import CheckpointError, RunError
 from prismlm.train.checkpoint import find_checkpoint
 
 STORED_Z_DIR = "stored-z"
-"""Where a retrofit keeps the frozen backbone's stored z: ``RUN/stored-z`` (``prismlm.train.stored_z``)."""
+"""Where a retrofit keeps the frozen backbone's stored z: ``RUN/stored-z`` (``prismlm.model.stored_activations``)."""
 
 
 def _holds_run(folder: Path) -> bool:

@@ -27,8 +27,8 @@ from prismlm.eval.metrics import active_prototypes, coverage_sums
 from prismlm.explain.activation_sample import ActivationSample
 from prismlm.explain.index.artifact import FORMAT_VERSION, KIND, NO_OFFSET, IndexManifest, PrototypeIndex
 from prismlm.model import PrismOutput, eval_mode
+from prismlm.model.stored_activations import StoredZ, backbone_identity
 from prismlm.progress import Progress, Reporter
-from prismlm.train.stored_z import StoredZ, backbone_identity
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
@@ -231,7 +231,7 @@ def build_index(
     the parts. ``resume_from``: a partial index (or its folder) to continue after its last finished batch.
     ``out`` + ``checkpoint_every``: save there every that many batches (and at the end).
     ``stop_after_batches``: stop early (simulates an interruption in tests).
-    ``stored_z``: read the hidden states from this store (``prismlm.train.stored_z``, e.g. a retrofit's
+    ``stored_z``: read the hidden states from this store (``prismlm.model.stored_activations``, e.g. a retrofit's
     ``RUN/stored-z``) instead of running the backbone: only the prototype layer runs. It must hold z of this
     model's backbone over these shards' training split at this block size, covering the indexed sequences
     (``ArtifactMismatch`` otherwise). From a float32 store made with the same batch grid the index equals the
