@@ -324,9 +324,7 @@ def test_stored_activations_are_read_and_written_in_one_module():
     named = sorted(
         str(f.relative_to(SRC))
         for f in SRC.rglob("*.py")
-        if any(
-            isinstance(n, ast.Constant) and n.value in STORED_FILES for n in ast.walk(ast.parse(f.read_text()))
-        )
+        if any(isinstance(n, ast.Constant) and n.value in STORED_FILES for n in ast.walk(ast.parse(f.read_text())))
     )
     assert named == ["model/stored_activations.py"]
     graph = _module_graph(MODULES)
