@@ -330,3 +330,63 @@ def test_stored_activations_are_read_and_written_in_one_module():
     graph = _module_graph(MODULES)
     for reader in ("prismlm.train.bank_stage", "prismlm.train.stage2", "prismlm.explain.index.build"):
         assert "prismlm.model.stored_activations" in graph[reader], reader
+
+
+def _passed_on(files: dict[str, Path]) -> dict[str, dict[str, str]]:
+    """module → {name it imports from another prismlm module at top level: that module}, for every module
+    but a package's ``__init__`` (a package facade re-exports on purpose)."""
+    out: dict[str, dict[str, str]] = {}
+    for me, f in files.items():
+        if f.name == "__init__.py":
+            continue
+        tree = ast.parse(f.read_text(), str(f))
+        out[me] = {
+            a.asname or a.name: node.module
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("prismlm")
+            for a in node.names
+        }
+    return out
+
+
+def _second_paths(files: dict[str, Path], roots: list[Path]) -> list[str]:
+    """Imports of a name from a module that only imports it itself (a second path to one function), and
+    modules that re-export an imported name (``import x as x`` or in ``__all__``)."""
+    passed = _passed_on(files)
+    bad = []
+    for me, f in files.items():
+        tree = ast.parse(f.read_text(), str(f))
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and f.name != "__init__.py":
+                bad += [f"{me} re-exports {a.name}" for a in node.names if a.asname == a.name]
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+                names = [e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)]
+                bad += [f"{me} re-exports {n} in __all__" for n in names if n in passed.get(me, {})]
+    for f in (p for root in roots for p in sorted(root.rglob("*.py"))):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and node.module in passed:
+                bad += [
+                    f"{f.name}:{node.lineno} imports {a.name} from {node.module}, not {passed[node.module][a.name]}"
+                    for a in node.names
+                    if a.name in passed[node.module]
+                ]
+    return bad
+
+
+def test_each_public_name_has_one_import_path():
+    """A function or class is imported from the module that defines it (or its package's facade): no module
+    re-exports another's names, so ``build_run_index`` is not found in three places."""
+    root = SRC.parents[1]
+    assert _second_paths(MODULES, [SRC, root / "tests", root / "bench"]) == []
+
+
+def test_the_import_path_check_sees_a_re_export(tmp_path):
+    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
+    a.write_text("def f():\n    return 1\n")
+    b.write_text("from prismlm.fake.a import f\n\n__all__ = ['f']\n")
+    c.write_text("from prismlm.fake.b import f\n")
+    files = {"prismlm.fake.a": a, "prismlm.fake.b": b}
+    assert _second_paths(files, [tmp_path]) == [
+        "prismlm.fake.b re-exports f in __all__",
+        "c.py:1 imports f from prismlm.fake.b, not prismlm.fake.a",
+    ]

@@ -15,7 +15,7 @@ from prismlm.explain import IndexSettings, PrototypeIndex, build_index, explain,
 from prismlm.explain.explanation import clear_card_cache
 from prismlm.model import PrismLM
 from prismlm.model.generation import Sampling
-from prismlm.train.trainer import round_vocab
+from prismlm.train.state import round_vocab
 
 
 @pytest.fixture()

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from prismlm.app.operations import ExplanationRequest, build_run_index, explain_text
+from prismlm.app.indexing import build_run_index
+from prismlm.app.operations import ExplanationRequest, explain_text
 from prismlm.app.retrofit import RetrofitRecipe, resume_retrofit, retrofit_model
 from prismlm.app.run import Run, StageFn, no_stages, require
 from prismlm.app.training import DemoOptions, DemoResult, finished_training, has_checkpoint, scratch_demo
@@ -18,7 +19,7 @@ from prismlm.model import gguf
 from prismlm.model.hf_backbone import transformers_module
 from prismlm.progress import Progress
 from prismlm.train.run_folder import check_run_folder
-from prismlm.train.trainer import TrainResult
+from prismlm.train.state import TrainResult
 
 DEMO_MODEL = "smollm2-135m-instruct"
 DEMO_QUESTION = "What is the capital of France?"

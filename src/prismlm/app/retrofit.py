@@ -18,7 +18,9 @@ from prismlm.model.pretrained import Pretrained, load_pretrained
 from prismlm.progress import Progress
 from prismlm.train.checkpoint import find_checkpoint, pretrained_from_run
 from prismlm.train.retrofit import resume_on_stored_z, resume_stage2_stored, retrofit, save_tokenizer
-from prismlm.train.trainer import TrainResult, check_run_folder, train
+from prismlm.train.run_folder import check_run_folder
+from prismlm.train.state import TrainResult
+from prismlm.train.trainer import train
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from prismlm.model import Intervention, PrismLM
 from prismlm.model.generation import GREEDY, Sampling
 from prismlm.train.checkpoint import Checkpoint, load_checkpoint
 from prismlm.train.distributed import resolve_device
-from prismlm.train.trainer import autocast_for
+from prismlm.train.state import autocast_for
 
 if TYPE_CHECKING:
     from prismlm.explain.index import PrototypeIndex

@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prismlm.app.operations import ExplanationRequest, IndexResult, build_run_index, evaluate, explain_text, generate
+from prismlm.app.indexing import IndexResult, build_run_index
+from prismlm.app.operations import ExplanationRequest, evaluate, explain_text, generate
 from prismlm.app.run import Run, StageFn, no_stages, require, writable_folder
 from prismlm.artifacts import check_out_folder
 from prismlm.config import RunConfig
@@ -16,7 +17,7 @@ from prismlm.explain import Explanation
 from prismlm.model.generation import TEXT_SAMPLING
 from prismlm.progress import Progress
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
-from prismlm.train.trainer import TrainResult
+from prismlm.train.state import TrainResult
 from prismlm.train.trainer import train as train_model
 
 

@@ -17,7 +17,8 @@ from rich.table import Table
 
 from prismlm import app as ops
 from prismlm.app.control import ConceptResult, ControllerResult
-from prismlm.app.operations import IndexResult, LabelResult, PrototypeListing, PrototypeView, VerifyReport
+from prismlm.app.indexing import IndexResult, LabelResult
+from prismlm.app.operations import PrototypeListing, PrototypeView, VerifyReport
 from prismlm.app.reports import AttributionReport, ExplanationReport, attribute_report, explain_report
 from prismlm.app.run import Run, require
 from prismlm.app.training import DemoResult
@@ -32,7 +33,7 @@ from prismlm.integrations.export import export_run
 from prismlm.model import PrismLM
 from prismlm.render import RunHeader, render_terminal, write_html
 from prismlm.tda import AttributionCache, SearchIndex
-from prismlm.train.trainer import TrainResult
+from prismlm.train.state import TrainResult
 
 app = typer.Typer(
     add_completion=False,

@@ -32,10 +32,10 @@ from prismlm.progress import Progress
 from prismlm.train.bank_stage import BankStart, bank_stage, frozen_stage_steps
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.distributed import DistInfo, resolve_device
-from prismlm.train.run_folder import STORED_Z_DIR, has_checkpoint
+from prismlm.train.run_folder import STORED_Z_DIR, check_run_folder, clear_run_folder, has_checkpoint
 from prismlm.train.stage2 import boundary_layer_for, stage2_plan, train_stage2_stored
-from prismlm.train.state import trainable_names
-from prismlm.train.trainer import TrainResult, check_data, check_run_folder, clear_run_folder, train
+from prismlm.train.state import TrainResult, trainable_names
+from prismlm.train.trainer import check_data, train
 
 
 def save_tokenizer(tok: Tokenizer, data_dir: str | None) -> Path:

@@ -25,41 +25,23 @@ from prismlm.progress import Progress, Reporter
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.distributed import DistInfo, barrier, cleanup, init_distributed
 from prismlm.train.loop import Interrupts, TrainLoop, Where
-from prismlm.train.records import MetricsLog, environment_info, format_eval_line
-from prismlm.train.run_folder import STORED_Z_DIR, check_run_folder, clear_run_folder, restart_fix
+from prismlm.train.records import MetricsLog, environment_info
+from prismlm.train.run_folder import check_run_folder, clear_run_folder, restart_fix
 from prismlm.train.state import (
     Batches,
     Resumed,
     TrainResult,
     TrainState,
-    autocast_for,
     batches_for,
-    build_optimizer,
     build_state,
     round_vocab,
-    set_trainable,
-    trainable_names,
 )
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.data.stream import StreamingData
 
-__all__ = [  # the trainer's public names, wherever they live in prismlm.train
-    "STORED_Z_DIR",
-    "MetricsLog",
-    "TrainResult",
-    "autocast_for",
-    "build_optimizer",
-    "check_run_folder",
-    "clear_run_folder",
-    "environment_info",
-    "format_eval_line",
-    "round_vocab",
-    "set_trainable",
-    "train",
-    "trainable_names",
-]
+__all__ = ["check_data", "train"]
 
 
 def train(

@@ -22,12 +22,12 @@ from prismlm.control.suppress import SuppressionSet
 from prismlm.data.shards import ShardSet
 from prismlm.errors import ArtifactError
 from prismlm.explain import PrototypeIndex
-from prismlm.explain.index import LabelEntry, Labels
+from prismlm.explain.index import Labels
 from prismlm.model import Intervention, PrismLM
 from prismlm.progress import Progress
 from prismlm.tda.influence import FullGradients
 
-__all__ = ["LabelEntry", "Labels", "Session"]
+__all__ = ["Session"]
 
 
 class Session:
