@@ -344,7 +344,7 @@ def test_sampling_is_one_value_checked_when_made():
     ):
         with pytest.raises(ConfigError, match=field) as e:
             Sampling(**bad)
-        assert e.value.option == field
+        assert e.value.param == field
     model, tok = make_model(), CharTokenizer()
     prompt = torch.tensor([tok.encode("hello")])
     # top_tokens=1 is greedy at any temperature: an independent reference for the cut-off itself

@@ -88,7 +88,7 @@ def demo(
         on_stage: Called as ``on_stage(stage, i, n)`` when each of the n stages starts.
         on_done: Called with the result while the run folder is still locked (the CLI writes its report).
     """
-    require(not (resume and overwrite), "resume", "not together with `overwrite`", resume)
+    require(not (resume and overwrite), "resume", "not together with `overwrite`", resume, also=("overwrite",))
     options = DemoOptions(
         out=out,
         steps=steps,
@@ -134,13 +134,16 @@ def _check_options(
     if scratch:
         if question is not None:
             raise ConfigError(
-                "`question` applies to the real-model demo, not to `scratch`", fix="drop `question`, or `scratch`"
+                "`question` applies to the real-model demo, not to `scratch`",
+                fix="drop `question`, or `scratch`",
+                param=("question", "scratch"),
             )
         return
     if preset is not None:
         raise ConfigError(
             "`preset` sizes the toy model of `prism demo --scratch`; the real-model demo has none",
             fix=f"add `scratch`, or drop `preset` {preset}",
+            param=("preset", "scratch"),
         )
     require(steps is None or steps >= 1, "steps", ">= 1", steps)
     require(index_sequences is None or index_sequences >= 1, "index_sequences", ">= 1", index_sequences)

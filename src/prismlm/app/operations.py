@@ -93,7 +93,7 @@ def sample_continuations(
 def _check_chat(chat: str | None, prompt: str) -> None:
     if chat is not None and prompt:
         raise ConfigError(
-            "chat and a prompt were both given", fix="give one: the chat message becomes the prompt", option="chat"
+            "`chat` and a prompt were both given", fix="give one: the chat message becomes the prompt", param="chat"
         )
 
 

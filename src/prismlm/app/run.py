@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import torch
 
-from prismlm.artifacts import named
 from prismlm.config import RunConfig
 from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
 from prismlm.data.shards import ShardSet, load_shards, prepare_from_config
 from prismlm.data.tokenizer import Tokenizer
-from prismlm.errors import ArtifactError, ConfigError, PrismError, ShardError
+from prismlm.errors import ArtifactError, ConfigError, PrismError, ShardError, named
 from prismlm.model import Intervention, PrismLM
 from prismlm.model.generation import GREEDY, Sampling
 from prismlm.train.checkpoint import Checkpoint, load_checkpoint
@@ -46,12 +45,12 @@ def no_stages(stage: str, i: int, n: int | None) -> None:
     """The default stage callback: report nothing."""
 
 
-def require(ok: bool, name: str, rule: str, value: object) -> None:
-    """``ConfigError`` "NAME must be RULE, got VALUE" unless ``ok``: the range check of every numeric option.
-    ``name`` is the parameter's name (``top_n``), carried as the error's ``option``: a front end spells it
-    its own way (the CLI as ``--top-n``)."""
+def require(ok: bool, name: str, rule: str, value: object, *, also: tuple[str, ...] = ()) -> None:
+    """``ConfigError`` "`NAME` must be RULE, got VALUE" unless ``ok``: the range check of every numeric option.
+    ``name`` is the parameter's name (``top_n``), carried as the error's ``param`` with ``also``, the other
+    parameters ``rule`` names (as ``named(p)``): a front end spells them its own way (the CLI as ``--top-n``)."""
     if not ok:
-        raise ConfigError(f"{name} must be {rule}, got {value!r}", option=None if name.startswith("-") else name)
+        raise ConfigError(f"{named(name)} must be {rule}, got {value!r}", param=(name, *also))
 
 
 Stamp = tuple[int, ...] | None
@@ -121,6 +120,7 @@ def writable_folder(path: Path, option: str = "out") -> Path:
             f"{named(option)} {path}: cannot create this folder ({e.strerror or e})",
             fix=f"give {named(option)} a folder path you can write",
             path=path,
+            param=option,
         ) from None
     return path
 
@@ -132,7 +132,9 @@ def open_device(spec: str) -> torch.device:
         return resolve_device(spec, int(os.environ.get("LOCAL_RANK", "0")))
     except (RuntimeError, ValueError) as e:
         raise PrismError(
-            f"`device` {spec!r}: {e.message if isinstance(e, PrismError) else e}", fix="use `device` cpu or auto"
+            f"`device` {spec!r}: {e.message if isinstance(e, PrismError) else e}",
+            fix="use `device` cpu or auto",
+            param="device",
         ) from e
 
 
@@ -319,6 +321,7 @@ class Run:
                 f"token shards {shards.root} (key {shards.manifest['key'][:16]}…) are not the ones "
                 f"checkpoint {self.checkpoint.path} was trained on (key {want[:16]}…)",
                 fix="pass `shards` with the training shards",
+                param="shards",
             )
         if asked is not None:
             self._shards_at[asked] = shards
@@ -361,7 +364,9 @@ class Run:
             self.forget(path / "search")  # its search sidecar belonged to the old cache
         if not (path / "manifest.json").exists():
             raise ArtifactError(
-                f"no attribution cache at {path}", fix=f"prism attribute-cache {self.path} (or use `method` full)"
+                f"no attribution cache at {path}",
+                fix=f"prism attribute-cache {self.path} (or use `method` full)",
+                param="method",
             )
         cache = AttributionCache.load(path, model_sha256=self.identity)
         cache.check(shards=self.shards(shards_dir, cache.manifest.get("shards_root")))

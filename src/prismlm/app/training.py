@@ -12,7 +12,7 @@ from prismlm.app.run import Run, StageFn, no_stages, require, writable_folder
 from prismlm.artifacts import check_out_folder
 from prismlm.config import RunConfig
 from prismlm.data.shards import ShardSet, is_shard_folder, prepare_shards
-from prismlm.errors import CheckpointError
+from prismlm.errors import CheckpointError, params_renamed
 from prismlm.explain import Explanation
 from prismlm.model.generation import TEXT_SAMPLING
 from prismlm.progress import Progress
@@ -120,14 +120,15 @@ def train_from_options(
         progress: Show a progress bar.
     """
     cfg = build_config(choice, overrides)
-    return train_model(
-        cfg,
-        writable_folder(out or default_run_folder(cfg)),
-        resume=resume,
-        overwrite=overwrite,
-        extend_to=choice.steps if resume else None,
-        progress=progress,
-    )
+    with params_renamed(extend_to="steps"):  # the trainer's extend_to is this command's steps
+        return train_model(
+            cfg,
+            writable_folder(out or default_run_folder(cfg)),
+            resume=resume,
+            overwrite=overwrite,
+            extend_to=choice.steps if resume else None,
+            progress=progress,
+        )
 
 
 @dataclass

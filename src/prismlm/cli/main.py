@@ -25,7 +25,7 @@ from prismlm.app.training import DemoResult
 from prismlm.artifacts import write_output
 from prismlm.cli.console import console, echo, fail, stdout
 from prismlm.cli.context import CONTEXT, HELP, root_options
-from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command, flags_of, with_flags
+from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command, flags_of
 from prismlm.data.shards import ShardSet
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import PrismError
@@ -534,7 +534,7 @@ def serve_command(
             limits=Limits(max_text_chars=max_text_chars, max_generate=max_generate),
         )
     except PrismError as e:  # the library names its parameters (`port`): the user sees this command's flags
-        fail(with_flags(str(e), flags_of(list(inspect.signature(serve_command).parameters.values()))))
+        fail(e.spelled(flags_of(list(inspect.signature(serve_command).parameters.values()))))
 
 
 def _lm_eval_scorer(

@@ -69,9 +69,10 @@ def load_pretrained(source: str, *, block_size: int | None = None) -> Pretrained
     path = Path(source).expanduser()
     if path.is_file():
         raise ModelError(
-            f"source={source} is a file; the source is the folder holding the model (its config.json, "
+            f"`source` {source} is a file; the source is the folder holding the model (its config.json, "
             "weights and tokenizer) or a run folder",
-            fix=f"source={path.parent}",
+            fix=f"`source` {path.parent}",
+            param="source",
             path=path,
         )
     return _from_transformers(source, block_size)
@@ -95,8 +96,9 @@ def from_prism_weights(
     if block_size is not None and block_size != cfg.block_size:
         if cfg.backbone != "gpt" or block_size > cfg.block_size:
             raise ModelError(
-                f"block_size={block_size}: {source} has a context of {cfg.block_size}",
+                f"`block_size` {block_size}: {source} has a context of {cfg.block_size}",
                 fix=f"use a block size <= {cfg.block_size}",
+                param="block_size",
             )
         state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:block_size].clone()
         cfg = replace(cfg, block_size=block_size)
@@ -205,7 +207,9 @@ def _from_causal_lm(
     context = getattr(text, "n_positions", None) or getattr(text, "max_position_embeddings", None) or DEFAULT_MAX_BLOCK
     bs = block_size if block_size is not None else min(int(context), DEFAULT_MAX_BLOCK)
     if bs > context:
-        raise ModelError(f"block_size={bs}: {source} has a context of {context}", fix=f"use <= {context}")
+        raise ModelError(
+            f"`block_size` {bs}: {source} has a context of {context}", fix=f"use <= {context}", param="block_size"
+        )
     base, head = split_causal_lm(hf_lm, source)
     vocab = int(head.weight.shape[0])
     if tokenizer.vocab_size > vocab:

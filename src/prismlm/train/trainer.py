@@ -103,7 +103,8 @@ def train(
         if e.errno in _WRITE_ERRORS:  # read-only folder, no permission, full disk: the user's to fix
             raise RunError(
                 f"cannot write {e.filename or out_dir}: {e.strerror}",
-                fix="free disk space or choose a writable run folder; resume later with resume=True",
+                fix="free disk space or choose a writable run folder; resume later with `resume`",
+                param="resume",
             ) from e
         raise
     finally:
@@ -135,7 +136,7 @@ def restore(out_dir: Path) -> Resumed:
     try:
         ckpt = load_checkpoint(find_checkpoint(out_dir), device="cpu")
     except CheckpointError as e:
-        raise CheckpointError(f"cannot resume {out_dir}: {e}", fix=restart_fix(out_dir)) from e
+        raise CheckpointError(f"cannot resume {out_dir}: {e}", fix=restart_fix(out_dir), param="overwrite") from e
     return Resumed(ckpt, ckpt.trainer_state())
 
 
@@ -146,14 +147,16 @@ def resumed_config(resumed: Resumed, out_dir: Path, extend_to: int | None) -> Ru
     if extend_to is not None:
         if extend_to <= start_step:
             raise RunError(
-                f"{out_dir} is already at step {start_step}; extend_to={extend_to} would not train further",
-                fix=f"pass extend_to greater than {start_step}",
+                f"{out_dir} is already at step {start_step}; `extend_to` {extend_to} would not train further",
+                fix=f"pass `extend_to` greater than {start_step}",
+                param="extend_to",
             )
         return cfg.override({"train.max_steps": extend_to})
     if start_step >= cfg.train.max_steps:
         raise RunError(
             f"{out_dir} already finished its {cfg.train.max_steps} steps; nothing to resume",
-            fix=f"pass resume=True with extend_to=N (> {start_step}) to train further",
+            fix=f"pass `resume` with `extend_to` N (> {start_step}) to train further",
+            param=("resume", "extend_to"),
         )
     return cfg
 

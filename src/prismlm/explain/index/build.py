@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from prismlm.artifacts import merge_ranges, model_identity, overlap, part_range, provenance, writes_folder
-from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError
+from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError, named
 from prismlm.eval.faithfulness import FaithfulnessAccumulator
 from prismlm.eval.metrics import active_prototypes, coverage_sums
 from prismlm.explain.activation_sample import ActivationSample
@@ -177,14 +177,14 @@ class IndexSettings:
         for name, low in (("top_n", 1), ("batch_size", 1), ("bins", 1), ("sample_size", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}", option=name)
+                raise ConfigError(f"{named(name)} must be an integer >= {low}, got {v!r}", param=name)
         for name in ("max_sequences", "chunk_size"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ConfigError(f"{name} must be an integer >= 1 (or None), got {v!r}", option=name)
+                raise ConfigError(f"{named(name)} must be an integer >= 1 (or None), got {v!r}", param=name)
         i, n = self.part
         if not (n >= 1 and 0 <= i < n):
-            raise ConfigError(f"part (i, n) needs 0 <= i < n, got {self.part!r}", option="part")
+            raise ConfigError(f"`part` (i, n) needs 0 <= i < n, got {self.part!r}", param="part")
 
 
 @dataclass
