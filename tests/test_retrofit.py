@@ -291,7 +291,7 @@ def test_bad_sources_are_one_line_errors(hf_folders, tmp_path):
         load_pretrained(str(capped))
     res = CliRunner().invoke(cli_app, ["retrofit", "--from", str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
     assert res.exit_code == 2 and "error:" in res.output and "Traceback" not in res.output
-    with pytest.raises(PrismError, match="^unfreeze must be"):
+    with pytest.raises(PrismError, match="^`unfreeze` must be"):
         from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 
         retrofit_model(str(hf_folders["gpt2"]), out=tmp_path / "x", recipe=RetrofitRecipe(unfreeze="some"))

@@ -80,7 +80,7 @@ def test_a_kill_in_the_bank_stage_is_continued_by_resume_bit_for_bit(dense_run, 
         _retrofit(dense_run, out)
     monkeypatch.setattr(bank_module, "save_stored_stage_checkpoint", real)
     assert load_checkpoint(out).path.name == "step-000004"
-    with pytest.raises(RunError, match=r"continue it with resume=True"):
+    with pytest.raises(RunError, match=r"continue it with `resume`"):
         _retrofit(dense_run, out)
     resume_retrofit(out, device="cpu", progress=False)
     _same_run(out, whole)

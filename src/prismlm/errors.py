@@ -52,9 +52,10 @@ class PrismError(Exception):
         return self.message if not self.fix else f"{self.message} (fix: {self.fix})"
 
     def spelled(self, spelling: Mapping[str, str]) -> str:
-        """``str(self)`` for a front end that names parameters its own way (the CLI: ``top_tokens`` →
-        ``--top-tokens``): each of ``params`` that ``spelling`` has replaces the text's ``named(p)``; the one
-        the error is about goes in front ("--top-n: …") when the text does not name it."""
+        """``str(self)`` for a front end that names parameters its own way (``spelling``: parameter → its
+        name there; the CLI gives each parameter's flag): each of ``params`` that ``spelling`` has replaces
+        the text's ``named(p)``; the one the error is about goes in front ("NAME: …") when the text does not
+        name it."""
         text = str(self)
         for p in self.params:
             if p not in spelling:

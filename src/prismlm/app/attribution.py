@@ -190,8 +190,9 @@ def compress_run_cache(
     out = out or run.folder / "attribution-cache"
     if out.resolve() == Path(source).resolve():
         raise ConfigError(
-            f"``out`` {out} is the cache being compressed (``compress_from``)",
-            fix="write the compressed cache to another ``out``",
+            f"`out` {out} is the cache being compressed (`compress_from`)",
+            fix="write the compressed cache to another `out`",
+            param=("out", "compress_from"),
         )
     check_out_folder(out, "attribution cache", holds=CACHE_KIND, overwrite=overwrite)
     cache = run.cache(source, shards)
