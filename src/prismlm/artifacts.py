@@ -192,8 +192,9 @@ class FileLock:
         fix: str = "wait for it to finish, or use another folder",
         remove: bool = False,
         stages: bool = False,
+        param: str | None = None,
     ) -> None:
-        self.path, self.what, self.wait = Path(path), what, wait
+        self.path, self.what, self.wait, self.param = Path(path), what, wait, param
         self.error, self.fix, self.remove, self.stages = error, fix, remove, stages
         self._fd: int | None = None
         self._nested = False
@@ -214,7 +215,10 @@ class FileLock:
                 except (ValueError, KeyError, TypeError):
                     holder = "another process"
                 raise self.error(
-                    f"{self.what} is being written by {holder} (lock {self.path})", fix=self.fix, path=self.path
+                    f"{self.what} is being written by {holder} (lock {self.path})",
+                    fix=self.fix,
+                    path=self.path,
+                    param=self.param,
                 ) from None
             try:
                 if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
@@ -293,6 +297,7 @@ def output_lock(out: str | Path) -> Iterator[None]:
         error=ArtifactError,
         remove=True,
         fix="wait for it to finish, or choose another `out`",
+        param="out",
     )
     try:
         lock.acquire()
