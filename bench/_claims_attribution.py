@@ -292,7 +292,7 @@ def accuracy(pc: PlantedCorpus, net: Any, tok: Any) -> dict[str, Any]:
 def learning(ctx: ClaimsContext, pc: PlantedCorpus, net: Any, tok: Any, T: int) -> dict[str, Any]:
     """Held-out paraphrase accuracy of the fine-tuned model and of the source (stage 1 leaves its logits
     unchanged, so the source with an untrained bank stands for "before")."""
-    from prismlm.train.retrofit import build_model, load_pretrained
+    from prismlm.model.pretrained import build_model, load_pretrained
 
     after = accuracy(pc, net, tok)
     pre = load_pretrained(DEMO_MODEL, block_size=T)

@@ -69,7 +69,7 @@ from prismlm.eval.tasks import (
     passages,
 )
 from prismlm.model import PrismLM
-from prismlm.train.stored_z import backbone_identity, open_stored_z
+from prismlm.model.stored_activations import backbone_identity, open_stored_z
 
 
 @dataclass(frozen=True)

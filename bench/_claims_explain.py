@@ -51,7 +51,8 @@ import torch
 from _claims_common import ClaimsContext
 from _claims_questions import chat_questions
 
-from prismlm.app.operations import ExplanationRequest, chat_prompt, explain_text
+from prismlm.app.chat import chat_prompt
+from prismlm.app.operations import ExplanationRequest, explain_text
 from prismlm.app.run import Run
 from prismlm.eval.faithfulness import ChoiceParts, Yardstick, choice_parts, choice_shares, yardstick_from_moments
 from prismlm.explain import Explanation

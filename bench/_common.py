@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from prismlm.train.distributed import DistInfo
-from prismlm.train.trainer import environment_info
+from prismlm.train.records import environment_info
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"

@@ -62,8 +62,9 @@ from _common import (
 from prismlm import AttributionConfig
 from prismlm.config import SearchConfig
 from prismlm.tda.cache import AttributionCache, DeltaIds, QuantSketches, build_cache, quantise
+from prismlm.tda.cache.store import exact_top
 from prismlm.tda.influence import query_gradients
-from prismlm.tda.search import build_search_index, exact_top
+from prismlm.tda.search import build_search_index
 
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {"sizes": [1e5, 3e5, 1e6, 3e6, 1e7], "queries": 8, "repeats": 3, "max_sequences": 12288},

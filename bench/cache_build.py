@@ -60,7 +60,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from prismlm.app.attribution import build_run_cache
-    from prismlm.app.operations import build_run_index
+    from prismlm.app.indexing import build_run_index
     from prismlm.app.run import Run
     from prismlm.config import AttributionConfig
 

@@ -19,8 +19,8 @@ from prismlm.app.operations import sample_continuations
 from prismlm.data.chat_anchor import CHAT_FILE, anchor_questions, is_heldout
 from prismlm.data.corpus import BUILTIN_DIR, sotu_documents
 from prismlm.model.generation import Sampling
+from prismlm.model.pretrained import build_model, load_pretrained
 from prismlm.progress import Reporter
-from prismlm.train.retrofit import build_model, load_pretrained
 
 SOURCE = "smollm2-135m-instruct"
 ANSWER_TOKENS = 64

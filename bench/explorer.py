@@ -57,7 +57,7 @@ from prismlm.app.explorer import Explorer, Limits
 from prismlm.config import RunConfig
 from prismlm.data.shards import prepare_shards
 from prismlm.train import train
-from prismlm.train.trainer import round_vocab
+from prismlm.train.state import round_vocab
 from prismlm.web.server import create_app
 
 CHROMIUM = "/usr/bin/chromium"

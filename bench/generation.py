@@ -51,7 +51,7 @@ from prismlm.data.shards import prepare_shards
 from prismlm.explain import explain_generation
 from prismlm.model import PrismLM
 from prismlm.model.generation import TEXT_SAMPLING
-from prismlm.train.trainer import round_vocab
+from prismlm.train.state import round_vocab
 
 PROMPT = "It is a truth universally acknowledged"
 

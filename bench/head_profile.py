@@ -54,7 +54,7 @@ from _common import (
 from prismlm.config import RunConfig
 from prismlm.model import PrismLM
 from prismlm.model import losses as L
-from prismlm.train.trainer import round_vocab
+from prismlm.train.state import round_vocab
 
 # name → (preset, overrides, default repetitions per timed quantity per round)
 SHAPES: dict[str, tuple[str, dict[str, Any], int]] = {

@@ -57,7 +57,7 @@ from prismlm.explain import IndexSettings, build_index, explain_generation
 from prismlm.explain.explanation import clear_card_cache
 from prismlm.model import PrismLM
 from prismlm.model.generation import TEXT_SAMPLING
-from prismlm.train.trainer import round_vocab
+from prismlm.train.state import round_vocab
 
 
 def main() -> None:

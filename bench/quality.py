@@ -58,7 +58,8 @@ from _common import RESULTS_DIR, RUNS_DIR, environment, parse_sets, warn_if_busy
 from prismlm.config import PRESETS, RunConfig
 from prismlm.data.shards import prepare_from_config
 from prismlm.eval.metrics import evaluate
-from prismlm.train.trainer import autocast_for, train
+from prismlm.train.state import autocast_for
+from prismlm.train.trainer import train
 
 COVERAGE_KEYS = ("r1_bar", "r2", "dead_prototypes", "dead_fraction", "residual_share")
 

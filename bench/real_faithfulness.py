@@ -35,14 +35,15 @@ from prismlm.errors import CheckpointError
 from prismlm.eval.faithfulness import FaithfulnessAccumulator, answer_faithfulness, fit_yardstick
 from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM
+from prismlm.model.pretrained import build_model, load_pretrained
 from prismlm.model.prototypes import seed_prototypes
+from prismlm.model.stored_activations import StoredZ, build_stored_z, open_stored_z
 from prismlm.train.bank_stage import train_bank
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
-from prismlm.train.retrofit import build_model, load_pretrained, seed_sequences
+from prismlm.train.retrofit import seed_sequences
 from prismlm.train.sampler import SequenceSampler
 from prismlm.train.stage2 import heldout_stage2_metrics, stage2_losses, stage2_step
 from prismlm.train.state import build_optimizer, set_trainable, trainable_names
-from prismlm.train.stored_z import StoredZ, build_stored_z, open_stored_z
 
 SOURCE = "smollm2-135m-instruct"
 ROOT = RUNS_DIR / "real-faithfulness"  # --root overrides it (the GPU campaign writes under its OUT_DIR)

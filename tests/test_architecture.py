@@ -2,7 +2,7 @@
 ``if TYPE_CHECKING:`` (ast walk): no import cycle between modules anywhere in src/, and no module imports
 another module's private (``_name``) names.
 
-    config, errors, artifacts, progress, _version  ←  model, data  ←  eval  ←  train  ←  explain, tda  ←  control
+    config, errors, artifacts, progress, _version  ←  data  ←  model  ←  eval  ←  train  ←  explain, tda  ←  control
     ←  app  ←  integrations  ←  render  ←  web  ←  cli
 
 typer and rich (the terminal front end) are imported only by cli/ and render/.
@@ -23,8 +23,8 @@ LAYER = {
     "progress": 0,
     "artifacts": 0.3,
     "config": 0.5,
+    "data": 0.9,  # tokenizers and token shards: a pretrained model is loaded with its tokenizer (model/pretrained)
     "model": 1,
-    "data": 1,
     "eval": 2,
     "train": 2.5,
     "explain": 3,
@@ -267,3 +267,126 @@ def test_the_environment_imports_transformers_model_classes():
     code = "from transformers import GPT2LMHeadModel, LlamaForCausalLM, GPTNeoXForCausalLM; import peft, lm_eval"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def _loader_calls(path: Path, root: Path = SRC) -> list[str]:
+    """``X.from_pretrained(...)`` calls on a transformers model or config class (``AutoModelForCausalLM``,
+    ``tf.AutoConfig``, …) and calls of the GGUF loader, as ``file:line``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        receiver = f.value if isinstance(f, ast.Attribute) else None
+        owner = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", "")
+        weights = isinstance(f, ast.Attribute) and f.attr == "from_pretrained" and not owner.endswith("Tokenizer")
+        gguf = (isinstance(f, ast.Name) and f.id == "load_causal_lm") or (
+            isinstance(f, ast.Attribute) and f.attr == "load_causal_lm"
+        )
+        if weights or gguf:
+            out.append(f"{path.relative_to(root)}:{node.lineno}")
+    return out
+
+
+def test_pretrained_models_load_in_model_or_integrations():
+    """A newcomer finds model loading under ``model/`` (``prismlm.model.pretrained``) or ``integrations/``:
+    no other package reads transformers weights or GGUF files itself."""
+    from prismlm.model import pretrained
+
+    assert pretrained.load_pretrained.__module__ == "prismlm.model.pretrained"
+    elsewhere = [
+        where
+        for f in sorted(SRC.rglob("*.py"))
+        if f.relative_to(SRC).parts[0] not in ("model", "integrations")
+        for where in _loader_calls(f)
+    ]
+    assert elsewhere == [], "pretrained weights loaded outside model/ and integrations/:\n" + "\n".join(elsewhere)
+    inside = [w for f in sorted((SRC / "model").rglob("*.py")) for w in _loader_calls(f)]
+    assert any(w.startswith("model/pretrained.py") for w in inside)  # the check sees the calls it looks for
+
+
+def test_the_loader_check_sees_a_stray_loader(tmp_path):
+    f = tmp_path / "stray.py"
+    f.write_text("def f(tf, s):\n    return tf.AutoModelForCausalLM.from_pretrained(s), load_causal_lm(s)\n")
+    g = tmp_path / "ok.py"
+    g.write_text("def f(tf, s):\n    return tf.AutoTokenizer.from_pretrained(s)\n")
+    assert _loader_calls(f, tmp_path) == ["stray.py:2", "stray.py:2"]
+    assert _loader_calls(g, tmp_path) == []
+
+
+STORED_FILES = ("z.bin", "boundary.bin", "targets.bin")
+
+
+def test_stored_activations_are_read_and_written_in_one_module():
+    """z and stage 2's boundary activations are one artifact with one reader/writer/verifier
+    (``prismlm.model.stored_activations``), read by both the trainer and the index: no other module names its
+    files, and both import it."""
+    named = sorted(
+        str(f.relative_to(SRC))
+        for f in SRC.rglob("*.py")
+        if any(isinstance(n, ast.Constant) and n.value in STORED_FILES for n in ast.walk(ast.parse(f.read_text())))
+    )
+    assert named == ["model/stored_activations.py"]
+    graph = _module_graph(MODULES)
+    for reader in ("prismlm.train.bank_stage", "prismlm.train.stage2", "prismlm.explain.index.build"):
+        assert "prismlm.model.stored_activations" in graph[reader], reader
+
+
+def _passed_on(files: dict[str, Path]) -> dict[str, dict[str, str]]:
+    """module → {name it imports from another prismlm module at top level: that module}, for every module
+    but a package's ``__init__`` (a package facade re-exports on purpose)."""
+    out: dict[str, dict[str, str]] = {}
+    for me, f in files.items():
+        if f.name == "__init__.py":
+            continue
+        tree = ast.parse(f.read_text(), str(f))
+        out[me] = {
+            a.asname or a.name: node.module
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("prismlm")
+            for a in node.names
+        }
+    return out
+
+
+def _second_paths(files: dict[str, Path], roots: list[Path]) -> list[str]:
+    """Imports of a name from a module that only imports it itself (a second path to one function), and
+    modules that re-export an imported name (``import x as x`` or in ``__all__``)."""
+    passed = _passed_on(files)
+    bad = []
+    for me, f in files.items():
+        tree = ast.parse(f.read_text(), str(f))
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and f.name != "__init__.py":
+                bad += [f"{me} re-exports {a.name}" for a in node.names if a.asname == a.name]
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+                names = [e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)]
+                bad += [f"{me} re-exports {n} in __all__" for n in names if n in passed.get(me, {})]
+    for f in (p for root in roots for p in sorted(root.rglob("*.py"))):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and node.module in passed:
+                bad += [
+                    f"{f.name}:{node.lineno} imports {a.name} from {node.module}, not {passed[node.module][a.name]}"
+                    for a in node.names
+                    if a.name in passed[node.module]
+                ]
+    return bad
+
+
+def test_each_public_name_has_one_import_path():
+    """A function or class is imported from the module that defines it (or its package's facade): no module
+    re-exports another's names, so ``build_run_index`` is not found in three places."""
+    root = SRC.parents[1]
+    assert _second_paths(MODULES, [SRC, root / "tests", root / "bench"]) == []
+
+
+def test_the_import_path_check_sees_a_re_export(tmp_path):
+    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
+    a.write_text("def f():\n    return 1\n")
+    b.write_text("from prismlm.fake.a import f\n\n__all__ = ['f']\n")
+    c.write_text("from prismlm.fake.b import f\n")
+    files = {"prismlm.fake.a": a, "prismlm.fake.b": b}
+    assert _second_paths(files, [tmp_path]) == [
+        "prismlm.fake.b re-exports f in __all__",
+        "c.py:1 imports f from prismlm.fake.b, not prismlm.fake.a",
+    ]

@@ -92,7 +92,9 @@ def test_cli_maps_a_field_to_its_declared_flag():
         Args:
             config: the options.
         """
-        raise PrismError(f"attribution option `curvature_mode` is {config.curvature_mode}; see `nothing`")
+        raise PrismError(
+            f"attribution option `curvature_mode` is {config.curvature_mode}; see `nothing`", param="curvature_mode"
+        )
 
     toy = typer.Typer()
     command(toy, "op", op, opens_run=False, decls={"curvature_mode": ["--curvature"]})
@@ -123,7 +125,7 @@ def test_base_layers_name_no_prism_flag():
     files = [src / "errors.py", src / "artifacts.py", src / "progress.py"]
     for sub in ("config", "model", "data", "eval"):
         files += sorted((src / sub).rglob("*.py"))
-    files += [src / "train" / f for f in ("checkpoint.py", "stored_z.py", "bank_stage.py", "sampler.py")]
+    files += [src / "train" / f for f in ("checkpoint.py", "bank_stage.py", "sampler.py")]
     found = []
     for f in files:
         if f.name == "vendor_gutenberg.py":

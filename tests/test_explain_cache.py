@@ -15,7 +15,7 @@ from prismlm.explain import IndexSettings, PrototypeIndex, build_index, explain,
 from prismlm.explain.explanation import clear_card_cache
 from prismlm.model import PrismLM
 from prismlm.model.generation import Sampling
-from prismlm.train.trainer import round_vocab
+from prismlm.train.state import round_vocab
 
 
 @pytest.fixture()
@@ -282,7 +282,7 @@ def test_index_top_n_breaks_ties_by_offset():
 
 def test_index_settings_are_checked_when_made():
     """``IndexSettings`` refuses what cannot build an index before any model runs, naming the field (the CLI
-    maps ``ConfigError.option`` to its flag); ``ConceptSelection`` does the same for a concept search."""
+    maps ``ConfigError.param`` to its flag); ``ConceptSelection`` does the same for a concept search."""
     from prismlm.control.concept import ConceptSelection
     from prismlm.errors import ConfigError
 
@@ -301,5 +301,5 @@ def test_index_settings_are_checked_when_made():
     for cls, kw, field in cases:
         with pytest.raises(ConfigError, match=field) as e:
             cls(**kw)
-        assert e.value.option == field
+        assert e.value.param == field
     assert IndexSettings(part=(1, 2)).part == (1, 2) and ConceptSelection(budget=None).budget is None

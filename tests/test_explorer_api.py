@@ -569,7 +569,7 @@ def test_the_result_types_describe_the_json(client, explorer):
     from typing import get_type_hints
 
     from prismlm.app.explorer import bank, explain, info, prototype, steer, training
-    from prismlm.app.explorer.steering import SteeringDict
+    from prismlm.app.explorer.steer import SteeringDict
     from prismlm.app.prototype_view import ActivationBand, LogitHistogram
 
     def keys(t: type) -> list[str]:

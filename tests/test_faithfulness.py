@@ -291,7 +291,7 @@ def test_the_reports_show_the_prototype_only_prediction():
 def test_the_index_pass_reports_faithfulness_and_parts_merge_to_one_pass(tiny_shards, tmp_path):
     from prismlm import RunConfig
     from prismlm.explain import IndexSettings, PrototypeIndex, build_index, merge_indexes
-    from prismlm.train.trainer import round_vocab
+    from prismlm.train.state import round_vocab
 
     cfg = RunConfig.from_name("tiny").override({"model.vocab_size": round_vocab(tiny_shards.tokenizer.vocab_size)})
     torch.manual_seed(0)

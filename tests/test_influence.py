@@ -19,10 +19,9 @@ from prismlm.tda.attribute import QuerySpec as Q
 from prismlm.tda.attribute import SearchSpec as S
 from prismlm.tda.attribute import attribute
 from prismlm.tda.cache import AttributionCache, build_cache, merge_caches
+from prismlm.tda.gradients import BlockGradients, block_gradients
 from prismlm.tda.influence import (
-    BlockGradients,
     FullGradients,
-    block_gradients,
     collect_gradients,
     curvature_pass,
     influence_scores,

@@ -201,7 +201,7 @@ def test_generate_steps_yield_the_sampling_logits():
         hidden = torch.cat([o.hidden for o, _ in steps], dim=1)
     torch.testing.assert_close(joined, full.logits, rtol=0, atol=1e-12)
     assert steps[1][0].indices is None  # lean step
-    from prismlm.model.gpt import PrismOutput
+    from prismlm.model.outputs import PrismOutput
 
     filled = model.add_prototype_fields(PrismOutput(logits=joined, hidden=hidden))
     assert torch.equal(filled.indices, full.indices)
@@ -344,7 +344,7 @@ def test_sampling_is_one_value_checked_when_made():
     ):
         with pytest.raises(ConfigError, match=field) as e:
             Sampling(**bad)
-        assert e.value.option == field
+        assert e.value.param == field
     model, tok = make_model(), CharTokenizer()
     prompt = torch.tensor([tok.encode("hello")])
     # top_tokens=1 is greedy at any temperature: an independent reference for the cut-off itself

@@ -259,7 +259,7 @@ def test_a_retrofitted_dense_prismlm_run_keeps_its_logits_bit_for_bit(tiny_shard
 
 
 def test_bad_sources_are_one_line_errors(hf_folders, tmp_path):
-    from prismlm.train.retrofit import load_pretrained
+    from prismlm.model.pretrained import load_pretrained
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelError, match="neither a prismlm run nor a transformers model"):
@@ -291,7 +291,7 @@ def test_bad_sources_are_one_line_errors(hf_folders, tmp_path):
         load_pretrained(str(capped))
     res = CliRunner().invoke(cli_app, ["retrofit", "--from", str(tmp_path / "empty"), "--out", str(tmp_path / "r")])
     assert res.exit_code == 2 and "error:" in res.output and "Traceback" not in res.output
-    with pytest.raises(PrismError, match="^unfreeze must be"):
+    with pytest.raises(PrismError, match="^`unfreeze` must be"):
         from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 
         retrofit_model(str(hf_folders["gpt2"]), out=tmp_path / "x", recipe=RetrofitRecipe(unfreeze="some"))
@@ -438,7 +438,7 @@ def test_a_bert_folder_is_not_a_causal_lm(hf_folders, tmp_path):
     ).save_pretrained(bert)
     hf_tokenizer_from_folder = transformers.AutoTokenizer.from_pretrained(hf_folders["gpt2"])
     hf_tokenizer_from_folder.save_pretrained(bert)
-    from prismlm.train.retrofit import load_pretrained
+    from prismlm.model.pretrained import load_pretrained
 
     with pytest.raises(ModelError, match="not a causal LM"):
         load_pretrained(str(bert))

@@ -80,7 +80,7 @@ def test_a_kill_in_the_bank_stage_is_continued_by_resume_bit_for_bit(dense_run, 
         _retrofit(dense_run, out)
     monkeypatch.setattr(bank_module, "save_stored_stage_checkpoint", real)
     assert load_checkpoint(out).path.name == "step-000004"
-    with pytest.raises(RunError, match=r"continue it with resume=True"):
+    with pytest.raises(RunError, match=r"continue it with `resume`"):
         _retrofit(dense_run, out)
     resume_retrofit(out, device="cpu", progress=False)
     _same_run(out, whole)
@@ -158,6 +158,7 @@ def test_an_unknown_override_is_refused_before_the_model_loads(dense_run, tmp_pa
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(app_retrofit, "load_pretrained", no_load)
+    monkeypatch.setattr(app_retrofit, "pretrained_from_run", no_load)  # dense_run is a run folder
     with pytest.raises(ConfigError, match=r"unknown key 'bogus'"):
         _retrofit(dense_run, tmp_path / "run", "train.bogus=1")
     with pytest.raises(ConfigError, match=r"train\.lr"):

@@ -40,7 +40,8 @@ def test_a_rerun_is_refused_and_leaves_the_run_untouched(tiny_shards, tmp_path):
     with pytest.raises(RunError, match="already holds a run") as e:
         train(tiny_cfg(**{"train.seed": 7}), run, shards=tiny_shards, progress=False)
     # the library names its own options; the CLI maps them to flags (test_cli_refuses_a_rerun_in_one_line)
-    assert "resume=True" in str(e.value) and "overwrite=True" in str(e.value) and "--" not in str(e.value)
+    assert "`resume`" in str(e.value) and "`overwrite`" in str(e.value) and "--" not in str(e.value)
+    assert e.value.params == ("resume", "overwrite")  # what a front end spells its own way
     assert _snapshot(run) == before
     res = train(
         tiny_cfg(**{"train.seed": 7, "train.max_steps": 2}), run, shards=tiny_shards, progress=False, overwrite=True
@@ -71,9 +72,9 @@ def test_resume_survives_a_torn_metrics_line(tiny_shards, tmp_path):
 def test_resume_extends_or_refuses_never_does_nothing(tiny_shards, tmp_path):
     run = tmp_path / "run"
     train(tiny_cfg(), run, shards=tiny_shards, progress=False)
-    with pytest.raises(RunError, match=r"already finished its 4 steps.*extend_to=N \(> 4\)"):
+    with pytest.raises(RunError, match=r"already finished its 4 steps.*`extend_to` N \(> 4\)"):
         train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True)
-    with pytest.raises(RunError, match="already at step 4; extend_to=3 would not train further"):
+    with pytest.raises(RunError, match="already at step 4; `extend_to` 3 would not train further"):
         train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True, extend_to=3)
     res = train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True, extend_to=6)
     assert res.step == 6 and load_checkpoint(run).config.train.max_steps == 6
@@ -487,7 +488,8 @@ def test_a_run_stopped_before_its_first_checkpoint_is_restarted_with_overwrite(t
     with pytest.raises(CheckpointError, match="cannot resume") as resumed:
         train(tiny_cfg(), run, shards=tiny_shards, progress=False, resume=True)
     for e in (plain.value, resumed.value):
-        assert "overwrite=True" in (e.fix or "") and "resume=True" not in (e.fix or ""), e
+        assert "`overwrite`" in (e.fix or "") and "`resume`" not in (e.fix or ""), e
+        assert e.params == ("overwrite",)
     assert train(tiny_cfg(), run, shards=tiny_shards, progress=False, overwrite=True).step == 4
 
 

@@ -15,7 +15,8 @@ from prismlm import AttributionConfig
 from prismlm.config import SearchConfig
 from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError
 from prismlm.tda.cache import AttributionCache, FloatSketches, PlainIds, QuantSketches, build_cache, quantise
-from prismlm.tda.search import SearchIndex, SearchManifest, build_search_index, exact_top
+from prismlm.tda.cache.store import exact_top
+from prismlm.tda.search import SearchIndex, SearchManifest, build_search_index
 
 N_SEQ = 40
 

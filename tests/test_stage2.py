@@ -20,10 +20,10 @@ from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, ConfigError, Model
 from prismlm.eval.faithfulness import FaithfulnessAccumulator, fit_yardstick
 from prismlm.model import PrismLM
 from prismlm.model import losses as L
+from prismlm.model.stored_activations import build_stored_z, open_stored_z
 from prismlm.train import retrofit as retrofit_module
 from prismlm.train import train
 from prismlm.train.stage2 import boundary_layer_for, heldout_stage2_metrics, stage2_losses, train_stage2_stored
-from prismlm.train.stored_z import build_stored_z, open_stored_z
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Stored hidden states (``prismlm.train.stored_z``) and retrofit stage 1 on them (``prismlm.train.bank_stage``)."""
+"""Stored hidden states (``prismlm.model.stored_activations``) and retrofit stage 1 on them (``prismlm.train.bank_stage``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from prismlm.config import RunConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch
 from prismlm.explain.index import IndexSettings, build_index
 from prismlm.model import PrismLM
+from prismlm.model.stored_activations import backbone_identity, build_stored_z, open_stored_z
 from prismlm.train import train
-from prismlm.train.stored_z import backbone_identity, build_stored_z, open_stored_z
 
 
 @pytest.fixture(scope="module")

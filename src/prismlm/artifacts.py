@@ -28,7 +28,7 @@ from typing import ClassVar, ParamSpec, TypeAlias, TypedDict, TypeVar
 
 import torch
 
-from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError, PrismError, RunError
+from prismlm.errors import ArtifactCorrupt, ArtifactError, ArtifactMismatch, ConfigError, PrismError, RunError, named
 
 __all__ = [
     "FileLock",
@@ -92,12 +92,6 @@ def encodable(text: str) -> str:
     return _SURROGATE.sub("\ufffd", text)
 
 
-def named(option: str) -> str:
-    """How a message names the parameter ``option`` (``out`` → `` `out` ``, which the CLI turns into its flag);
-    a label that is not a parameter name (``OUT``, ``CACHE/search``) is kept as it is."""
-    return f"`{option}`" if option.isidentifier() and option.islower() else option
-
-
 def write_output(path: str | Path, text: str, *, option: str) -> Path:
     """Write a file the user named with ``option`` (e.g. ``json_out``): missing parent folders are
     created, lone surrogates are written as U+FFFD, and the write is atomic (never a 0-byte or torn file).
@@ -113,6 +107,7 @@ def write_output(path: str | Path, text: str, *, option: str) -> Path:
             f"{named(option)} {path}: cannot write it ({e.strerror or e})",
             fix=f"give {named(option)} a file path in a folder you can write",
             path=path,
+            param=option,
         ) from None
 
 
@@ -197,8 +192,9 @@ class FileLock:
         fix: str = "wait for it to finish, or use another folder",
         remove: bool = False,
         stages: bool = False,
+        param: str | None = None,
     ) -> None:
-        self.path, self.what, self.wait = Path(path), what, wait
+        self.path, self.what, self.wait, self.param = Path(path), what, wait, param
         self.error, self.fix, self.remove, self.stages = error, fix, remove, stages
         self._fd: int | None = None
         self._nested = False
@@ -219,7 +215,10 @@ class FileLock:
                 except (ValueError, KeyError, TypeError):
                     holder = "another process"
                 raise self.error(
-                    f"{self.what} is being written by {holder} (lock {self.path})", fix=self.fix, path=self.path
+                    f"{self.what} is being written by {holder} (lock {self.path})",
+                    fix=self.fix,
+                    path=self.path,
+                    param=self.param,
                 ) from None
             try:
                 if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
@@ -298,12 +297,13 @@ def output_lock(out: str | Path) -> Iterator[None]:
         error=ArtifactError,
         remove=True,
         fix="wait for it to finish, or choose another `out`",
+        param="out",
     )
     try:
         lock.acquire()
     except OSError as e:
         raise ArtifactError(
-            f"cannot write {out}: {e.strerror or e} ({lock.path})", fix="choose another `out`", path=out
+            f"cannot write {out}: {e.strerror or e} ({lock.path})", fix="choose another `out`", path=out, param="out"
         ) from None
     _HELD[key] = 1
     try:
@@ -560,15 +560,18 @@ def check_out_folder(
     anything inside them, or a non-empty foreign folder, whatever the flags. ``RunError`` (a one-line
     message naming ``option`` and how to proceed) otherwise; ``can_resume``: the caller takes ``resume``."""
     out = Path(out)
-    option = named(option)
+    shown = named(option)
     same = (lambda p: folder_kind(p) == holds) if isinstance(holds, str) else holds
     if out.exists() and not out.is_dir():
-        raise RunError(f"{option} {out} is an existing file, not a folder", fix=f"choose another {option}", path=out)
+        raise RunError(
+            f"{shown} {out} is an existing file, not a folder", fix=f"choose another {shown}", path=out, param=option
+        )
     if _inside_checkpoints(out):
         raise RunError(
-            f"{option} {out} is inside a run's checkpoints; writing there could replace them",
-            fix=f"choose another {option} (e.g. beside the run's checkpoints/)",
+            f"{shown} {out} is inside a run's checkpoints; writing there could replace them",
+            fix=f"choose another {shown} (e.g. beside the run's checkpoints/)",
             path=out,
+            param=option,
         )
     if not out.exists() or all(p.name in _IGNORED for p in out.iterdir()):
         return
@@ -577,14 +580,18 @@ def check_out_folder(
             return
         how = ["pass `overwrite` to replace it"] + (["`resume` to continue it"] if can_resume else [])
         raise RunError(
-            f"{option} {out} already holds {_a(what)}", fix=f"{', or '.join(how)}, or choose another {option}", path=out
+            f"{shown} {out} already holds {_a(what)}",
+            fix=f"{', or '.join(how)}, or choose another {shown}",
+            path=out,
+            param=(option, "overwrite", "resume"),
         )
     kind = folder_kind(out)
     held = _describe(kind) if kind else "a folder that is not empty"
     raise RunError(
-        f"{option} {out} is {held} and not {_a(what)}; nothing in it is replaced, even with `overwrite`",
-        fix=f"choose a new or empty folder for {option}",
+        f"{shown} {out} is {held} and not {_a(what)}; nothing in it is replaced, even with `overwrite`",
+        fix=f"choose a new or empty folder for {shown}",
         path=out,
+        param=(option, "overwrite"),
     )
 
 
@@ -593,18 +600,22 @@ def check_out_file(path: str | Path, option: str) -> None:
     would replace a file of an artifact (a run's config.json or metrics.jsonl, an index's manifest.json, …).
     ``RunError`` naming ``option`` otherwise; a missing parent folder is left to the writer."""
     path = Path(path)
-    option = named(option)
+    shown = named(option)
     if path.is_dir():
         raise RunError(
-            f"{option} {path} is a folder", fix=f"give {option} a file name (e.g. one inside that folder)", path=path
+            f"{shown} {path} is a folder",
+            fix=f"give {shown} a file name (e.g. one inside that folder)",
+            path=path,
+            param=option,
         )
     kind = folder_kind(path.parent)
     owned = kind is not None and path.exists() and (kind != RUN or path.name in RUN_FILES)
     if _inside_checkpoints(path) or owned:
         raise RunError(
-            f"{option} {path} would write into {_describe(kind or CHECKPOINT)} ({path.parent})",
-            fix=f"write {option} to another file",
+            f"{shown} {path} would write into {_describe(kind or CHECKPOINT)} ({path.parent})",
+            fix=f"write {shown} to another file",
             path=path,
+            param=option,
         )
 
 
@@ -637,9 +648,11 @@ def part_range(num_sequences: int, batch_size: int, part: tuple[int, int]) -> tu
     ``batch_size`` (so parts built separately go through the model in the same batches as one pass)."""
     i, n = part
     if batch_size < 1:
-        raise ConfigError(f"`batch_size` must be >= 1, got {batch_size}")
+        raise ConfigError(f"`batch_size` must be >= 1, got {batch_size}", param="batch_size")
     if not (n >= 1 and 0 <= i < n):
-        raise ConfigError(f"`part` must be i/n with 0 <= i < n, got {i}/{n} (e.g. 0/4 for the first of 4)")
+        raise ConfigError(
+            f"`part` must be i/n with 0 <= i < n, got {i}/{n} (e.g. 0/4 for the first of 4)", param="part"
+        )
     nb = math.ceil(num_sequences / batch_size)
     b0, b1 = (i * nb) // n, ((i + 1) * nb) // n
     return min(b0 * batch_size, num_sequences), min(b1 * batch_size, num_sequences)

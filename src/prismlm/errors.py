@@ -12,26 +12,22 @@ ever catches ``PrismError``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 
+def named(param: str) -> str:
+    """How a message names the parameter ``param`` (``out`` → `` `out` ``); a config field (``train.lr``,
+    ``QuerySpec.top``) or a label that is not a parameter name (``OUT``) is written as it is. A front end
+    finds the parameters an error names in its ``params``, spelled this way."""
+    return f"`{param}`" if param.isidentifier() and param.islower() else param
+
+
 class PrismError(Exception):
-    """A user-facing error: the message says what is wrong and where; ``fix`` says how to repair it."""
-
-    def __init__(self, message: str, *, fix: str | None = None, path: str | Path | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.fix = fix
-        self.path = Path(path) if path is not None else None
-
-    def __str__(self) -> str:
-        return self.message if not self.fix else f"{self.message} (fix: {self.fix})"
-
-
-class ConfigError(PrismError, ValueError):
-    """A configuration value, option or override (``train.lr=…``) is invalid or unknown. ``option``: the name (or
-    names) of the parameter or config field at fault, as the library spells it (``top_tokens``); a front
-    end maps it to its own spelling (the CLI to its flag)."""
+    """A user-facing error: the message says what is wrong and where; ``fix`` says how to repair it;
+    ``param``: the parameter (or config field) it is about, with any others its text names — each written
+    in the text as ``named(p)`` — so that a front end can spell them its own way (``spelled``)."""
 
     def __init__(
         self,
@@ -39,10 +35,57 @@ class ConfigError(PrismError, ValueError):
         *,
         fix: str | None = None,
         path: str | Path | None = None,
-        option: str | tuple[str, ...] | None = None,
+        param: str | tuple[str, ...] | None = None,
     ) -> None:
-        super().__init__(message, fix=fix, path=path)
-        self.option = option
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+        self.path = Path(path) if path is not None else None
+        self.params: tuple[str, ...] = (param,) if isinstance(param, str) else tuple(param or ())
+
+    @property
+    def param(self) -> str | None:
+        """The parameter or config field the error is about, as the library names it (``top_tokens``)."""
+        return self.params[0] if self.params else None
+
+    def __str__(self) -> str:
+        return self.message if not self.fix else f"{self.message} (fix: {self.fix})"
+
+    def spelled(self, spelling: Mapping[str, str]) -> str:
+        """``str(self)`` for a front end that names parameters its own way (``spelling``: parameter → its
+        name there; the CLI gives each parameter's flag): each of ``params`` that ``spelling`` has replaces
+        the text's ``named(p)``; the one the error is about goes in front ("NAME: …") when the text does not
+        name it."""
+        text = str(self)
+        for p in self.params:
+            if p not in spelling:
+                continue
+            if named(p) in text:
+                text = text.replace(named(p), spelling[p])
+            elif p == self.param:
+                text = f"{spelling[p]}: {text}"
+        return text
+
+
+@contextmanager
+def params_renamed(**names: str) -> Iterator[None]:
+    """Errors raised inside name a forwarded parameter as the caller calls it: around
+    ``train(..., extend_to=steps)``, ``params_renamed(extend_to="steps")`` turns an error about `` `extend_to` ``
+    into one about `` `steps` `` (in ``params`` and in the text), which a front end knows."""
+    try:
+        yield
+    except PrismError as e:
+        for old, new in names.items():
+            if old in e.params:
+                e.params = tuple(new if p == old else p for p in e.params)
+                e.message = e.message.replace(named(old), named(new))
+                e.fix = e.fix.replace(named(old), named(new)) if e.fix else e.fix
+        raise
+
+
+class ConfigError(PrismError, ValueError):
+    """A configuration value, option or override (``train.lr=…``) is invalid or unknown; ``param`` names the
+    parameter or config field at fault."""
 
 
 class DataError(PrismError, ValueError):
@@ -130,4 +173,6 @@ __all__ = [
     "TaskError",
     "TokenizerError",
     "UnknownPrototypeError",
+    "named",
+    "params_renamed",
 ]

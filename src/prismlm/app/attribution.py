@@ -190,8 +190,9 @@ def compress_run_cache(
     out = out or run.folder / "attribution-cache"
     if out.resolve() == Path(source).resolve():
         raise ConfigError(
-            f"``out`` {out} is the cache being compressed (``compress_from``)",
-            fix="write the compressed cache to another ``out``",
+            f"`out` {out} is the cache being compressed (`compress_from`)",
+            fix="write the compressed cache to another `out`",
+            param=("out", "compress_from"),
         )
     check_out_folder(out, "attribution cache", holds=CACHE_KIND, overwrite=overwrite)
     cache = run.cache(source, shards)
@@ -244,7 +245,9 @@ class _EkfacRescorer:
             import kronfluence  # noqa: F401
         except ImportError as e:
             raise DependencyError(
-                f"Rescoring.method ekfac needs the kronfluence package ({e})", fix="pip install 'prismlm[attribution]'"
+                f"Rescoring.method ekfac needs the kronfluence package ({e})",
+                fix="pip install 'prismlm[attribution]'",
+                param="Rescoring.method",
             ) from e
         from prismlm.tda.baselines import KronfluenceBaseline
 
@@ -315,14 +318,14 @@ def attribute_text(
     if chat is not None:
         if text or query.answer is not None or query.completion or query.generate:
             raise ConfigError(
-                "chat was given with a text, an answer, a completion or a generation",
+                "`chat` was given with a text, an answer, a completion or a generation",
                 fix="give the chat message alone: the model's answer to it is what is measured",
-                option="chat",
+                param="chat",
             )
         prompt_ids = run.tokenizer.encode(run.chat_prompt(chat))
         answer = run.chat_ids(prompt_ids)
         if not answer:
-            raise ConfigError("the chat answer is empty: nothing to attribute", option="chat")
+            raise ConfigError("the answer to `chat` is empty: nothing to attribute", param="chat")
         token_ids = [run.tokenizer.eot_id, *prompt_ids, *answer]
         query = replace(query, completion=len(answer), answer=None, generate=0)
         text = run.tokenizer.decode(prompt_ids + answer)
@@ -372,9 +375,6 @@ __all__ = [
     "DEFAULT_SEARCH",
     "DEFAULT_SEARCH_SPEC",
     "NO_RESCORING",
-    "QuerySpec",
-    "Rescoring",
-    "SearchSpec",
     "attribute_explanation",
     "attribute_text",
     "build_run_cache",

@@ -82,7 +82,7 @@ def find_run_concept(
             check_out_file(target, "out")
     model = run.prism_model("`prism concept`")
     if (index is None) != (concept_docs is None):
-        raise ConfigError("neighbourhood purity needs both index and concept_docs", option=("index", "concept_docs"))
+        raise ConfigError("neighbourhood purity needs both `index` and `concept_docs`", param=("index", "concept_docs"))
     try:
         ctexts, ntexts = read_texts(concept), read_texts(neutral)
     except FileNotFoundError as e:
@@ -94,7 +94,7 @@ def find_run_concept(
         rx = doc_regex(concept_docs) if concept_docs else None
     except Exception as e:  # re.error
         raise ConfigError(
-            f"concept_docs {concept_docs!r} is not a valid regular expression: {e}", option="concept_docs"
+            f"`concept_docs` {concept_docs!r} is not a valid regular expression: {e}", param="concept_docs"
         ) from e
     sset, ranking = find_concept(
         model,
@@ -173,8 +173,8 @@ def build_task_folders(
     """
     if min(train_cap, val_cap, test_cap) < 1:
         raise ConfigError(
-            f"train_cap, val_cap and test_cap must be >= 1, got {(train_cap, val_cap, test_cap)!r}",
-            option=("train_cap", "val_cap", "test_cap"),
+            f"`train_cap`, `val_cap` and `test_cap` must be >= 1, got {(train_cap, val_cap, test_cap)!r}",
+            param=("train_cap", "val_cap", "test_cap"),
         )
     check_out_folder(out, "task folder", holds=is_task_folder, overwrite=overwrite)
     return build_tasks(out, task or list(TASKS), {"train": train_cap, "validation": val_cap, "test": test_cap})

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from prismlm.app.operations import ExplanationRequest, build_run_index, explain_text
+from prismlm.app.indexing import build_run_index
+from prismlm.app.operations import ExplanationRequest, explain_text
 from prismlm.app.retrofit import RetrofitRecipe, resume_retrofit, retrofit_model
 from prismlm.app.run import Run, StageFn, no_stages, require
 from prismlm.app.training import DemoOptions, DemoResult, finished_training, has_checkpoint, scratch_demo
@@ -18,7 +19,7 @@ from prismlm.model import gguf
 from prismlm.model.hf_backbone import transformers_module
 from prismlm.progress import Progress
 from prismlm.train.run_folder import check_run_folder
-from prismlm.train.trainer import TrainResult
+from prismlm.train.state import TrainResult
 
 DEMO_MODEL = "smollm2-135m-instruct"
 DEMO_QUESTION = "What is the capital of France?"
@@ -87,7 +88,7 @@ def demo(
         on_stage: Called as ``on_stage(stage, i, n)`` when each of the n stages starts.
         on_done: Called with the result while the run folder is still locked (the CLI writes its report).
     """
-    require(not (resume and overwrite), "resume", "not together with `overwrite`", resume)
+    require(not (resume and overwrite), "resume", "not together with `overwrite`", resume, also=("overwrite",))
     options = DemoOptions(
         out=out,
         steps=steps,
@@ -133,13 +134,16 @@ def _check_options(
     if scratch:
         if question is not None:
             raise ConfigError(
-                "`question` applies to the real-model demo, not to `scratch`", fix="drop `question`, or `scratch`"
+                "`question` applies to the real-model demo, not to `scratch`",
+                fix="drop `question`, or `scratch`",
+                param=("question", "scratch"),
             )
         return
     if preset is not None:
         raise ConfigError(
             "`preset` sizes the toy model of `prism demo --scratch`; the real-model demo has none",
             fix=f"add `scratch`, or drop `preset` {preset}",
+            param=("preset", "scratch"),
         )
     require(steps is None or steps >= 1, "steps", ">= 1", steps)
     require(index_sequences is None or index_sequences >= 1, "index_sequences", ">= 1", index_sequences)

@@ -30,10 +30,10 @@ from prismlm.explain import (
 from prismlm.explain.index import KIND as INDEX_KIND
 from prismlm.explain.index import Labels
 from prismlm.model import PrismLM
+from prismlm.model.stored_activations import StoredZ, backbone_identity, open_stored_z
 from prismlm.progress import Progress
 from prismlm.train.distributed import DistInfo, barrier, cleanup, init_distributed
-from prismlm.train.retrofit import STORED_Z_DIR
-from prismlm.train.stored_z import StoredZ, backbone_identity, open_stored_z
+from prismlm.train.run_folder import STORED_Z_DIR
 
 __all__ = ["IndexResult", "LabelResult", "build_run_index", "label_prototypes", "merge_index_parts", "parse_part"]
 
@@ -43,9 +43,9 @@ def parse_part(part: str) -> tuple[int, int]:
     try:
         i, n = (int(x) for x in part.split("/"))
     except ValueError:
-        raise ConfigError(f"part expects i/n (e.g. 0/4), got {part!r}", option="part") from None
+        raise ConfigError(f"`part` expects i/n (e.g. 0/4), got {part!r}", param="part") from None
     if not (n >= 1 and 0 <= i < n):
-        raise ConfigError(f"part i/n needs 0 <= i < n, got {part!r}", option="part")
+        raise ConfigError(f"`part` i/n needs 0 <= i < n, got {part!r}", param="part")
     return i, n
 
 
@@ -287,13 +287,15 @@ def label_prototypes(
         shards: Token shard folder (default: the index's / the run's).
     """
     if labeller not in ("rules", "openai"):
-        raise ConfigError(f"labeller must be 'rules' or 'openai', got {labeller!r}", option="labeller")
+        raise ConfigError(f"`labeller` must be 'rules' or 'openai', got {labeller!r}", param="labeller")
     if labeller == "openai" and (not endpoint or not model):
-        raise ConfigError("labeller openai needs endpoint URL and model NAME", option=("labeller", "endpoint", "model"))
+        raise ConfigError(
+            "`labeller` openai needs `endpoint` URL and `model` NAME", param=("labeller", "endpoint", "model")
+        )
     try:
         sel = [int(x) for x in ids.split(",")] if ids and labeller == "openai" else None
     except ValueError:
-        raise ConfigError(f"ids expects comma-separated integers, got {ids!r}", option="ids") from None
+        raise ConfigError(f"`ids` expects comma-separated integers, got {ids!r}", param="ids") from None
     # the index folder is held from reading the neighbourhoods to writing labels.json: a `prism index
     # --overwrite` meanwhile would leave labels of the old index beside the new one
     with output_lock(index or run.folder / "index"):

@@ -14,16 +14,8 @@ from pathlib import Path
 
 import torch
 
-from prismlm.app.chat import CHAT_ANSWER_TOKENS as CHAT_ANSWER_TOKENS
-from prismlm.app.chat import chat_prompt as chat_prompt
-from prismlm.app.chat import stops_for
+from prismlm.app.chat import CHAT_ANSWER_TOKENS, chat_prompt, stops_for
 from prismlm.app.control import intervention_activity
-from prismlm.app.indexing import IndexResult as IndexResult  # re-exported: callers import them from here
-from prismlm.app.indexing import LabelResult as LabelResult
-from prismlm.app.indexing import build_run_index as build_run_index
-from prismlm.app.indexing import label_prototypes as label_prototypes
-from prismlm.app.indexing import merge_index_parts as merge_index_parts
-from prismlm.app.indexing import parse_part as parse_part
 from prismlm.app.run import Run, require
 from prismlm.artifacts import folder_kind, reading, verify_files
 from prismlm.data.shards import load_shards
@@ -45,10 +37,10 @@ from prismlm.explain.index import KIND as INDEX_KIND
 from prismlm.explain.index import LABELS_FILE
 from prismlm.model import PrismLM
 from prismlm.model.generation import GREEDY, TEXT_SAMPLING, Sampling
+from prismlm.model.stored_activations import open_stored_z
 from prismlm.tda.cache import KIND as CACHE_KIND
 from prismlm.train.checkpoint import verify_checkpoint
 from prismlm.train.run_folder import STORED_Z_DIR
-from prismlm.train.stored_z import open_stored_z
 
 MAX_NEW_TOKENS = 65536
 """Most tokens ``generate`` makes per sample: past the context window every new token recomputes a full
@@ -101,7 +93,7 @@ def sample_continuations(
 def _check_chat(chat: str | None, prompt: str) -> None:
     if chat is not None and prompt:
         raise ConfigError(
-            "chat and a prompt were both given", fix="give one: the chat message becomes the prompt", option="chat"
+            "`chat` and a prompt were both given", fix="give one: the chat message becomes the prompt", param="chat"
         )
 
 
@@ -601,20 +593,14 @@ def prototypes(
 __all__ = [
     "VerifyReport",
     "verify_run",
-    "IndexResult",
-    "LabelResult",
     "PrototypeListing",
     "PrototypeRow",
     "PrototypeView",
     "prototypes",
-    "build_run_index",
     "evaluate",
     "explain_text",
     "find_prototypes",
     "generate",
-    "label_prototypes",
-    "merge_index_parts",
-    "parse_part",
     "sample_continuations",
     "show_prototype",
 ]

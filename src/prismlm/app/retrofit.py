@@ -13,18 +13,14 @@ from prismlm.config import DataConfig, LossConfig, RunConfig, TrainConfig
 from prismlm.config.overrides import field_type
 from prismlm.config.run import parse_overrides
 from prismlm.data.shards import prepare_from_config
-from prismlm.errors import CheckpointError, ConfigError, PrismError
+from prismlm.errors import CheckpointError, ConfigError, PrismError, params_renamed
+from prismlm.model.pretrained import Pretrained, load_pretrained
 from prismlm.progress import Progress
-from prismlm.train.checkpoint import find_checkpoint
-from prismlm.train.retrofit import (
-    Pretrained,
-    load_pretrained,
-    resume_on_stored_z,
-    resume_stage2_stored,
-    retrofit,
-    save_tokenizer,
-)
-from prismlm.train.trainer import TrainResult, check_run_folder, train
+from prismlm.train.checkpoint import find_checkpoint, pretrained_from_run
+from prismlm.train.retrofit import resume_on_stored_z, resume_stage2_stored, retrofit, save_tokenizer
+from prismlm.train.run_folder import check_run_folder
+from prismlm.train.state import TrainResult
+from prismlm.train.trainer import train
 
 
 @dataclass(frozen=True)
@@ -84,9 +80,15 @@ class RetrofitRecipe:
         frozen_steps = self.frozen_steps
         if frozen_steps is None:
             frozen_steps = steps if unfreeze == "none" else steps // 2
-        require(0 <= frozen_steps <= steps, "frozen_steps", f"in [0, `steps`={steps}]", frozen_steps)
+        require(0 <= frozen_steps <= steps, "frozen_steps", f"in [0, `steps`={steps}]", frozen_steps, also=("steps",))
         require(self.prototypes >= 1, "prototypes", ">= 1", self.prototypes)
-        require(1 <= self.top_k <= self.prototypes, "top_k", f"in [1, `prototypes`={self.prototypes}]", self.top_k)
+        require(
+            1 <= self.top_k <= self.prototypes,
+            "top_k",
+            f"in [1, `prototypes`={self.prototypes}]",
+            self.top_k,
+            also=("prototypes",),
+        )
         return replace(self, steps=steps, frozen_steps=frozen_steps)
 
 
@@ -131,12 +133,15 @@ def retrofit_model(
             "`source` is missing: name the pretrained model to retrofit (a transformers folder, a hub "
             "name or a prismlm run)",
             fix="pass `source` MODEL, or `resume` to continue the run in `out`",
+            param=("source", "resume", "out"),
         )
     recipe.total_steps()
     check_run_folder(out, resume=False, overwrite=overwrite)  # before minutes of loading and seeding
     recipe = recipe.checked()
     check_override_keys(overrides or [])
-    pre = load_pretrained(source, block_size=recipe.block_size)
+    pre = pretrained_from_run(source, block_size=recipe.block_size) or load_pretrained(
+        source, block_size=recipe.block_size
+    )
     cfg = retrofit_config(pre, recipe, device=device).override_strings(overrides or [])
     shards = prepare_from_config(cfg.data, show_progress=progress)
     new_folder = not out.exists()
@@ -205,17 +210,18 @@ def resume_retrofit(
 ) -> TrainResult:
     """Continue the retrofit run in ``out`` from its latest checkpoint: the trainer reads the recipe saved
     there (stages, bank, shards); the pretrained weights are in the checkpoint, so the source is not read."""
-    stored = resume_on_stored_z(out, device=device, extend_to=steps, progress=progress)
-    if stored is not None:  # stopped in stage 1 on stored z: continued on the same z, bit for bit
-        return stored
-    try:
-        cfg = RunConfig.from_json(find_checkpoint(out) / "config.json")
-    except CheckpointError:  # no run or no checkpoint: the trainer refuses it and says how to go on
-        cfg = RunConfig()
-    stored = resume_stage2_stored(out, cfg.override({"train.device": device}), extend_to=steps, progress=progress)
-    if stored is not None:  # stage 2 on stored boundary activations
-        return stored
-    return train(cfg.override({"train.device": device}), out, resume=True, extend_to=steps, progress=progress)
+    with params_renamed(extend_to="steps"):  # the trainer's extend_to is this command's steps
+        stored = resume_on_stored_z(out, device=device, extend_to=steps, progress=progress)
+        if stored is not None:  # stopped in stage 1 on stored z: continued on the same z, bit for bit
+            return stored
+        try:
+            cfg = RunConfig.from_json(find_checkpoint(out) / "config.json")
+        except CheckpointError:  # no run or no checkpoint: the trainer refuses it and says how to go on
+            cfg = RunConfig()
+        stored = resume_stage2_stored(out, cfg.override({"train.device": device}), extend_to=steps, progress=progress)
+        if stored is not None:  # stage 2 on stored boundary activations
+            return stored
+        return train(cfg.override({"train.device": device}), out, resume=True, extend_to=steps, progress=progress)
 
 
 __all__ = ["RetrofitRecipe", "resume_retrofit", "retrofit_config", "retrofit_model"]

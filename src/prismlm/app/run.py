@@ -15,21 +15,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import torch
 
-from prismlm.artifacts import named
 from prismlm.config import RunConfig
 from prismlm.control.suppress import CHECKPOINT_FILE, SuppressionSet
 from prismlm.data.shards import ShardSet, load_shards, prepare_from_config
 from prismlm.data.tokenizer import Tokenizer
-from prismlm.errors import ArtifactError, ConfigError, PrismError, ShardError
+from prismlm.errors import ArtifactError, ConfigError, PrismError, ShardError, named
 from prismlm.model import Intervention, PrismLM
 from prismlm.model.generation import GREEDY, Sampling
 from prismlm.train.checkpoint import Checkpoint, load_checkpoint
 from prismlm.train.distributed import resolve_device
-from prismlm.train.trainer import autocast_for
+from prismlm.train.state import autocast_for
 
 if TYPE_CHECKING:
     from prismlm.explain.index import PrototypeIndex
@@ -46,15 +45,19 @@ def no_stages(stage: str, i: int, n: int | None) -> None:
     """The default stage callback: report nothing."""
 
 
-def require(ok: bool, name: str, rule: str, value: object) -> None:
-    """``ConfigError`` "NAME must be RULE, got VALUE" unless ``ok``: the range check of every numeric option.
-    ``name`` is the parameter's name (``top_n``), carried as the error's ``option``: a front end spells it
-    its own way (the CLI as ``--top-n``)."""
+def require(ok: bool, name: str, rule: str, value: object, *, also: tuple[str, ...] = ()) -> None:
+    """``ConfigError`` "`NAME` must be RULE, got VALUE" unless ``ok``: the range check of every numeric option.
+    ``name`` is the parameter's name (``top_n``), carried as the error's ``param`` with ``also``, the other
+    parameters ``rule`` names (as ``named(p)``): a front end spells them its own way (the CLI as ``--top-n``)."""
     if not ok:
-        raise ConfigError(f"{name} must be {rule}, got {value!r}", option=None if name.startswith("-") else name)
+        raise ConfigError(f"{named(name)} must be {rule}, got {value!r}", param=(name, *also))
 
 
-def _stamp(manifest: Path) -> tuple[int, ...] | None:
+Stamp = tuple[int, ...] | None
+"""What ``_stamp`` reads off an artifact's manifest."""
+
+
+def _stamp(manifest: Path) -> Stamp:
     """(inode, size, mtime, ctime) of an artifact's manifest, or None: every build writes a new manifest
     (an atomic rename: a new inode), so a changed stamp means the artifact was rebuilt."""
     try:
@@ -62,6 +65,33 @@ def _stamp(manifest: Path) -> tuple[int, ...] | None:
     except OSError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+A = TypeVar("A")
+
+
+class Opened(NamedTuple, Generic[A]):
+    """An artifact a ``Run`` opened, with its manifest's stamp then (``_stamp``; None where not tracked)."""
+
+    artifact: A
+    stamp: Stamp = None
+
+
+@dataclass
+class OpenedArtifacts(Generic[A]):
+    """The artifacts of one kind (indexes, caches, search sidecars) a ``Run`` has opened, by folder."""
+
+    by_folder: dict[Path, Opened[A]] = field(default_factory=dict)
+
+    def get(self, folder: Path) -> Opened[A] | None:
+        return self.by_folder.get(folder)
+
+    def keep(self, folder: Path, artifact: A, stamp: Stamp = None) -> A:
+        self.by_folder[folder] = Opened(artifact, stamp)
+        return artifact
+
+    def drop(self, folder: Path) -> None:
+        self.by_folder.pop(folder, None)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -90,6 +120,7 @@ def writable_folder(path: Path, option: str = "out") -> Path:
             f"{named(option)} {path}: cannot create this folder ({e.strerror or e})",
             fix=f"give {named(option)} a folder path you can write",
             path=path,
+            param=option,
         ) from None
     return path
 
@@ -101,7 +132,9 @@ def open_device(spec: str) -> torch.device:
         return resolve_device(spec, int(os.environ.get("LOCAL_RANK", "0")))
     except (RuntimeError, ValueError) as e:
         raise PrismError(
-            f"`device` {spec!r}: {e.message if isinstance(e, PrismError) else e}", fix="use `device` cpu or auto"
+            f"`device` {spec!r}: {e.message if isinstance(e, PrismError) else e}",
+            fix="use `device` cpu or auto",
+            param="device",
         ) from e
 
 
@@ -134,12 +167,16 @@ class Run:
     """The suppression set applied by default (the checkpoint's own or ``--suppress FILE``)."""
     interventions: tuple[Intervention, ...] = ()
     """Every intervention applied inside ``intervened()``, the suppression set's first."""
-    _shards: dict[str, ShardSet] = field(default_factory=dict, repr=False)
-    """Opened shards, by how they were asked for and by their resolved root (each is opened once)."""
-    _artifacts: dict[tuple[str, Path], object] = field(default_factory=dict, repr=False)
-    _stamps: dict[tuple[str, Path], tuple[int, ...] | None] = field(default_factory=dict, repr=False)
-    """The manifest stamp (``_stamp``) of each cache opened: a rebuilt cache is re-opened."""
-    """Opened index / cache, by kind and folder."""
+    _shards_at: dict[Path, ShardSet] = field(default_factory=dict, repr=False)
+    """Opened shards by their resolved folder (asked for as ``shards_dir``, or opened another way)."""
+    _shards_recorded: dict[str | None, ShardSet] = field(default_factory=dict, repr=False)
+    """Shards opened for an artifact, by the root it recorded (each is opened once)."""
+    _shards_from_config: ShardSet | None = field(default=None, repr=False)
+    """The shards prepared (reused) from the run's data config, once."""
+    _indexes: OpenedArtifacts[PrototypeIndex] = field(default_factory=OpenedArtifacts, repr=False)
+    _caches: OpenedArtifacts[AttributionCache] = field(default_factory=OpenedArtifacts, repr=False)
+    """With the manifest stamp of each: a cache rebuilt since (a new manifest) is re-opened."""
+    _searches: OpenedArtifacts[SearchIndex] = field(default_factory=OpenedArtifacts, repr=False)
 
     @classmethod
     def open(
@@ -252,18 +289,19 @@ class Run:
     # ----- derived artifacts, opened lazily and checked against the checkpoint ------------------------------
     def forget(self, path: Path) -> None:
         """Drop an opened index or cache at ``path`` (after rebuilding it), so the next call re-reads it."""
-        for kind in ("index", "cache", "search"):
-            self._artifacts.pop((kind, path), None)
+        for opened in (self._indexes, self._caches, self._searches):
+            opened.drop(path)
 
     def shards(self, shards_dir: Path | None = None, recorded_root: str | None = None) -> ShardSet:
         """The token shards the run was trained on: ``shards_dir``, else the folder an artifact recorded
         (``recorded_root``), else prepared (reused) from the run's data config. Refused (``ShardError``)
         if their key differs from the checkpoint's."""
-        key = str(Path(shards_dir).resolve()) if shards_dir is not None else f"recorded:{recorded_root}"
-        if key in self._shards:
-            return self._shards[key]
-        if shards_dir is None and "config" in self._shards:  # already prepared from the data config
-            return self._shards["config"]
+        asked = Path(shards_dir).resolve() if shards_dir is not None else None
+        known = self._shards_at.get(asked) if asked is not None else self._shards_recorded.get(recorded_root)
+        if known is not None:
+            return known
+        if asked is None and self._shards_from_config is not None:  # already prepared from the data config
+            return self._shards_from_config
         recorded = self.checkpoint.manifest.get("data")
         want = recorded.get("key") if recorded else None
         shards: ShardSet | None = None
@@ -277,15 +315,19 @@ class Run:
                     shards = None
             if shards is None:
                 shards = prepare_from_config(self.config.data, show_progress=False)
-                self._shards["config"] = shards
+                self._shards_from_config = shards
         if want is not None and shards.manifest["key"] != want:
             raise ShardError(
                 f"token shards {shards.root} (key {shards.manifest['key'][:16]}…) are not the ones "
                 f"checkpoint {self.checkpoint.path} was trained on (key {want[:16]}…)",
                 fix="pass `shards` with the training shards",
+                param="shards",
             )
-        self._shards[key] = shards
-        self._shards.setdefault(str(Path(shards.root).resolve()), shards)
+        if asked is not None:
+            self._shards_at[asked] = shards
+        else:
+            self._shards_recorded[recorded_root] = shards
+        self._shards_at.setdefault(Path(shards.root).resolve(), shards)
         return shards
 
     def index(
@@ -296,16 +338,16 @@ class Run:
         from prismlm.explain.index import PrototypeIndex
 
         path = index_dir or self.folder / "index"
-        if ("index", path) in self._artifacts:
-            return self._artifacts["index", path]  # type: ignore[return-value]
+        opened = self._indexes.get(path)
+        if opened is not None:
+            return opened.artifact
         if not (path / "manifest.json").exists():
             if required or index_dir is not None:
                 raise ArtifactError(f"no prototype index at {path}", fix=f"prism index {self.path}")
             return None
         idx = PrototypeIndex.load(path, model_sha256=self.identity)
         idx.attach(self.shards(shards_dir, idx.manifest.get("shards_root")))
-        self._artifacts["index", path] = idx
-        return idx
+        return self._indexes.keep(path, idx)
 
     def cache(self, cache_dir: Path | None = None, shards_dir: Path | None = None) -> AttributionCache:
         """The attribution cache (``cache_dir`` or ``RUN/attribution-cache``) checked against the
@@ -314,20 +356,21 @@ class Run:
 
         path = cache_dir or self.folder / "attribution-cache"
         stamp = _stamp(path / "manifest.json")
-        if ("cache", path) in self._artifacts:
-            if self._stamps.get(("cache", path)) == stamp:
-                return self._artifacts["cache", path]  # type: ignore[return-value]
+        opened = self._caches.get(path)
+        if opened is not None:
+            if opened.stamp == stamp:
+                return opened.artifact
             self.forget(path)  # rebuilt (or removed) since it was opened: its manifest is another file now
             self.forget(path / "search")  # its search sidecar belonged to the old cache
         if not (path / "manifest.json").exists():
             raise ArtifactError(
-                f"no attribution cache at {path}", fix=f"prism attribute-cache {self.path} (or use `method` full)"
+                f"no attribution cache at {path}",
+                fix=f"prism attribute-cache {self.path} (or use `method` full)",
+                param="method",
             )
         cache = AttributionCache.load(path, model_sha256=self.identity)
         cache.check(shards=self.shards(shards_dir, cache.manifest.get("shards_root")))
-        self._artifacts["cache", path] = cache
-        self._stamps["cache", path] = stamp
-        return cache
+        return self._caches.keep(path, cache, stamp)
 
     def search(
         self, cache_dir: Path | None = None, shards_dir: Path | None = None, *, required: bool = False
@@ -339,8 +382,9 @@ class Run:
         cache = self.cache(cache_dir, shards_dir)
         assert cache.path is not None  # a loaded cache knows its folder
         path = cache.path / "search"
-        if ("search", path) in self._artifacts:
-            return self._artifacts["search", path]  # type: ignore[return-value]
+        opened = self._searches.get(path)
+        if opened is not None:
+            return opened.artifact
         if not (path / "manifest.json").exists():
             if required:
                 raise ArtifactError(
@@ -350,6 +394,4 @@ class Run:
                     else f"prism attribute-search {self.path} --cache {cache_dir}",
                 )
             return None
-        idx = SearchIndex.load(path, cache)
-        self._artifacts["search", path] = idx
-        return idx
+        return self._searches.keep(path, SearchIndex.load(path, cache))

@@ -6,17 +6,18 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prismlm.app.operations import ExplanationRequest, IndexResult, build_run_index, evaluate, explain_text, generate
+from prismlm.app.indexing import IndexResult, build_run_index
+from prismlm.app.operations import ExplanationRequest, evaluate, explain_text, generate
 from prismlm.app.run import Run, StageFn, no_stages, require, writable_folder
 from prismlm.artifacts import check_out_folder
 from prismlm.config import RunConfig
 from prismlm.data.shards import ShardSet, is_shard_folder, prepare_shards
-from prismlm.errors import CheckpointError
+from prismlm.errors import CheckpointError, params_renamed
 from prismlm.explain import Explanation
 from prismlm.model.generation import TEXT_SAMPLING
 from prismlm.progress import Progress
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
-from prismlm.train.trainer import TrainResult
+from prismlm.train.state import TrainResult
 from prismlm.train.trainer import train as train_model
 
 
@@ -119,14 +120,15 @@ def train_from_options(
         progress: Show a progress bar.
     """
     cfg = build_config(choice, overrides)
-    return train_model(
-        cfg,
-        writable_folder(out or default_run_folder(cfg)),
-        resume=resume,
-        overwrite=overwrite,
-        extend_to=choice.steps if resume else None,
-        progress=progress,
-    )
+    with params_renamed(extend_to="steps"):  # the trainer's extend_to is this command's steps
+        return train_model(
+            cfg,
+            writable_folder(out or default_run_folder(cfg)),
+            resume=resume,
+            overwrite=overwrite,
+            extend_to=choice.steps if resume else None,
+            progress=progress,
+        )
 
 
 @dataclass

@@ -22,7 +22,7 @@ import typer
 from prismlm.app.run import Run
 from prismlm.artifacts import check_out_file
 from prismlm.cli.console import fail, interrupted, is_main_process, progress_for
-from prismlm.errors import ConfigError, PrismError
+from prismlm.errors import PrismError
 from prismlm.progress import Progress
 
 RUN_HELP = "Run folder or checkpoint folder."
@@ -30,32 +30,6 @@ DEVICE_HELP = "auto, cpu, cuda…"
 SUPPRESS_HELP = (
     "Suppression set: a JSON file from `prism concept`, 'auto' (the checkpoint's suppression.json if any) or 'none'."
 )
-
-
-LIBRARY_OPTIONS = {
-    "resume=True": "--resume",
-    "overwrite=True": "--overwrite",
-    "replace=True": "--overwrite",
-    "extend_to=": "--steps ",
-    "extend_to": "--steps",
-    "block_size=": "--block-size ",
-    "source=": "--from ",
-    "val_fraction": "--val-fraction",
-}
-"""How the library's messages name an option (a keyword argument of ``train``, ``prepare_shards``,
-``load_pretrained``; ``name=`` before a value) → the flag that sets it on the command line. Config fields
-(``train.lr``) stay as they are: ``--set`` takes them by that name."""
-_LIBRARY_OPTION = re.compile(
-    r"(?<![\w./-])("
-    + "|".join(re.escape(k) for k in sorted(LIBRARY_OPTIONS, key=len, reverse=True))
-    + r")(?:(?<==)|(?![\w-]))"
-)
-
-
-def cli_message(message: str) -> str:
-    """A library error message in the CLI's terms: each option it names (``resume=True``, ``extend_to``…)
-    becomes its flag (``--resume``, ``--steps``); config fields and paths are left alone."""
-    return _LIBRARY_OPTION.sub(lambda m: LIBRARY_OPTIONS[m.group(1)], message)
 
 
 def arg_help(func: Callable[..., object]) -> dict[str, str]:
@@ -135,27 +109,14 @@ def _config_params(
 
 
 def _field_flags(groups: dict[str, tuple[type, list[str], str]], params: list[inspect.Parameter]) -> dict[str, str]:
-    """{"Class.field": "--flag"} for every option of a config dataclass and {"``name``": "--flag"} for the
-    operation's other options (``params``: the command's typer parameters): library messages name the
-    field or parameter, the CLI shows the flag."""
+    """{"Class.field": "--flag"} for every option of a config dataclass (``params``: the command's typer
+    parameters): an error about a field (its ``param``, e.g. ``QuerySpec.top``) is shown with its flag."""
     decls = {p.name: [d for d in (getattr(p.default, "param_decls", None) or ()) if d.startswith("--")] for p in params}
-    grouped = {n for _, names, _ in groups.values() for n in names}
-    out = {  # an operation's own parameter, named ``name`` in its messages
-        f"``{p.name}``": (decls[p.name] or ["--" + p.name.replace("_", "-")])[0]
-        for p in params
-        if p.name not in grouped and isinstance(p.default, typer.models.OptionInfo)
+    return {
+        f"{cls.__name__}.{n[len(prefix) :]}": (decls.get(n) or ["--" + n.replace("_", "-")])[0]
+        for cls, names, prefix in groups.values()
+        for n in names
     }
-    for cls, names, prefix in groups.values():
-        for n in names:
-            out[f"{cls.__name__}.{n[len(prefix) :]}"] = (decls.get(n) or ["--" + n.replace("_", "-")])[0]
-    return out
-
-
-def _with_flags(msg: str, flags: dict[str, str]) -> str:
-    """``msg`` with each ``Class.field`` (or an operation's ````parameter````) it names replaced by its flag."""
-    for name, flag in flags.items():
-        msg = msg.replace(name, flag) if name.startswith("`") else re.sub(rf"\b{re.escape(name)}\b", flag, msg)
-    return msg
 
 
 def flags_of(params: list[inspect.Parameter]) -> dict[str, str]:
@@ -173,10 +134,11 @@ def flags_of(params: list[inspect.Parameter]) -> dict[str, str]:
     return out
 
 
-def with_flags(message: str, flags: dict[str, str]) -> str:
-    """A library message for the terminal: each backquoted parameter or config field it names
-    (`` `curvature_mode` ``) becomes the command's flag for it (``--curvature``); other text is kept."""
-    return re.sub(r"`(\w+)`", lambda m: flags.get(m.group(1), m.group(0)), message)
+def with_flags(help_text: str, flags: dict[str, str]) -> str:
+    """A field's help (its docstring) for ``--help``: each backquoted field it names (`` `prune_by` ``)
+    becomes the command's flag for it (``--prune-by``). Help text only: errors name their parameters
+    structurally (``PrismError.params``, shown by ``PrismError.spelled``)."""
+    return re.sub(r"`(\w+)`", lambda m: flags.get(m.group(1), m.group(0)), help_text)
 
 
 def _params(
@@ -225,21 +187,6 @@ def _params(
             info = typer.Option(default, *decls.get(p.name, []), help=help_text)
         out.append(inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation))
     return out
-
-
-def flag_message(e: PrismError, flags: dict[str, str], field_flags: dict[str, str] | None = None) -> str:
-    """``str(e)``, with a ``ConfigError``'s ``option`` (the library's parameter or field name, e.g.
-    ``top_tokens``) spelled as this command's flag (``--top-tokens``), and each ``Class.field`` or
-    ````name```` the text names (``field_flags``), and each `name` in single backquotes, replaced by its flag:
-    the library never names flags."""
-    msg = with_flags(_with_flags(str(e), field_flags or {}), flags)
-    if not isinstance(e, ConfigError) or e.option is None:
-        return msg
-    for name in (e.option,) if isinstance(e.option, str) else e.option:
-        if name in flags:
-            named, n = re.subn(rf"(?<![\w-]){re.escape(name)}(?![\w-])", flags[name], msg, count=1)
-            msg = named if n else f"{flags[name]}: {msg}"
-    return msg
 
 
 def os_error_message(e: OSError) -> str:
@@ -322,12 +269,13 @@ class _Invocation:
     progress_names: set[str]
     render_names: set[str]
     flags: dict[str, str]
-    """Parameter or config field name → what the user types, for error messages."""
+    """Parameter or config field name → what the user types."""
     field_flags: dict[str, str]
-    """``Class.field`` / ````name```` in message text → flag."""
+    """``Class.field`` (an error's ``param`` for a field of a config dataclass) → flag."""
 
     def message(self, e: PrismError) -> str:
-        return cli_message(flag_message(e, self.flags, self.field_flags))
+        """The error as one line, each parameter it names (``e.params``) spelled as this command's flag."""
+        return e.spelled({**self.flags, **self.field_flags})
 
     def op_kwargs(self, kwargs: dict[str, object]) -> dict[str, object]:
         """The operation's keyword arguments: its options, ``fixed``, ``computed``, progress callbacks, and

@@ -17,14 +17,15 @@ from rich.table import Table
 
 from prismlm import app as ops
 from prismlm.app.control import ConceptResult, ControllerResult
-from prismlm.app.operations import IndexResult, LabelResult, PrototypeListing, PrototypeView, VerifyReport
+from prismlm.app.indexing import IndexResult, LabelResult
+from prismlm.app.operations import PrototypeListing, PrototypeView, VerifyReport
 from prismlm.app.reports import AttributionReport, ExplanationReport, attribute_report, explain_report
 from prismlm.app.run import Run, require
 from prismlm.app.training import DemoResult
 from prismlm.artifacts import write_output
 from prismlm.cli.console import console, echo, fail, stdout
 from prismlm.cli.context import CONTEXT, HELP, root_options
-from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command, flags_of, with_flags
+from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command, flags_of
 from prismlm.data.shards import ShardSet
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import PrismError
@@ -32,7 +33,7 @@ from prismlm.integrations.export import export_run
 from prismlm.model import PrismLM
 from prismlm.render import RunHeader, render_terminal, write_html
 from prismlm.tda import AttributionCache, SearchIndex
-from prismlm.train.trainer import TrainResult
+from prismlm.train.state import TrainResult
 
 app = typer.Typer(
     add_completion=False,
@@ -533,7 +534,7 @@ def serve_command(
             limits=Limits(max_text_chars=max_text_chars, max_generate=max_generate),
         )
     except PrismError as e:  # the library names its parameters (`port`): the user sees this command's flags
-        fail(with_flags(str(e), flags_of(list(inspect.signature(serve_command).parameters.values()))))
+        fail(e.spelled(flags_of(list(inspect.signature(serve_command).parameters.values()))))
 
 
 def _lm_eval_scorer(

@@ -90,59 +90,82 @@ class AttributionConfig:
         check(
             self.r is None or (isinstance(self.r, int) and self.r >= 1),
             f"attribution option `r` must be a positive integer or None (= d), got {self.r!r}",
+            param="r",
         )
         check(
             self.projection in ("identity", "orthogonal", "gaussian", "pca", "pca-local"),
             f"attribution option `projection` must be identity, orthogonal, gaussian, pca or "
             f"pca-local, got {self.projection!r}",
+            param="projection",
         )
-        check(isinstance(self.seed, int), f"attribution option `seed` must be an integer, got {self.seed!r}")
-        check(self.pca_sequences >= 1, f"attribution option `pca_sequences` must be >= 1, got {self.pca_sequences}")
+        check(
+            isinstance(self.seed, int), f"attribution option `seed` must be an integer, got {self.seed!r}", param="seed"
+        )
+        check(
+            self.pca_sequences >= 1,
+            f"attribution option `pca_sequences` must be >= 1, got {self.pca_sequences}",
+            param="pca_sequences",
+        )
         check(
             self.curvature_mode in ("shared", "exact"),
             f"attribution option `curvature_mode` must be shared or exact, got {self.curvature_mode!r}",
+            param="curvature_mode",
         )
         check(
             math.isfinite(self.damping) and self.damping >= 0,
             f"attribution option `damping` must be a finite number >= 0, got {self.damping!r}",
+            param="damping",
         )
         check(
             self.curvature_sample is None or (isinstance(self.curvature_sample, int) and self.curvature_sample >= 0),
             f"attribution option `curvature_sample` must be an integer >= 0 or None "
             f"(0/None: all), got {self.curvature_sample!r}",
+            param="curvature_sample",
         )
         check(
             self.max_sequences is None or self.max_sequences >= 1,
             f"attribution option `max_sequences` must be >= 1 or None (all), got {self.max_sequences!r}",
+            param="max_sequences",
         )
-        check(self.batch_size >= 1, f"attribution option `batch_size` must be >= 1, got {self.batch_size}")
+        check(
+            self.batch_size >= 1,
+            f"attribution option `batch_size` must be >= 1, got {self.batch_size}",
+            param="batch_size",
+        )
         check(
             self.dtype in ("float16", "float32", "float64", "int8", "int4", "int3", "pq"),
             f"attribution option `dtype` must be float16, float32, float64, int8, int4, int3 or pq, got {self.dtype!r}",
+            param="dtype",
         )
         check(
             isinstance(self.prune, (int, float)) and math.isfinite(self.prune) and 0 <= self.prune < 1,
             f"attribution option `prune` must be a number in [0, 1), got {self.prune!r}",
+            param="prune",
         )
         check(
             isinstance(self.pq_dims, int) and self.pq_dims >= 1,
             f"attribution option `pq_dims` must be a positive integer, got {self.pq_dims!r}",
+            param="pq_dims",
         )
         check(
             isinstance(self.pq_sample, int) and self.pq_sample >= 256,
             f"attribution option `pq_sample` must be an integer >= 256 (one per centroid), got {self.pq_sample!r}",
+            param="pq_sample",
         )
         check(
             self.prune_by in ("list", "unit"),
             f"attribution option `prune_by` must be list or unit, got {self.prune_by!r}",
+            param="prune_by",
         )
         check(
             self.aggregate in ("sequence", "document"),
             f"attribution option `aggregate` must be sequence or document, got {self.aggregate!r}",
+            param="aggregate",
         )
         check(
             self.id_encoding in ("int32", "delta"),
             f"attribution option `id_encoding` must be int32 or delta, got {self.id_encoding!r}",
+            param="id_encoding",
         )
 
     @classmethod
@@ -185,22 +208,28 @@ class SearchConfig:
     """Seed of the k-means training sample."""
 
     def __post_init__(self) -> None:
-        check(self.kind in ("ivf", "hnsw"), f"search option `kind` must be ivf or hnsw, got {self.kind!r}")
+        check(
+            self.kind in ("ivf", "hnsw"), f"search option `kind` must be ivf or hnsw, got {self.kind!r}", param="kind"
+        )
         check(
             isinstance(self.min_list, int) and self.min_list >= 1,
             f"search option `min_list` must be an integer >= 1, got {self.min_list!r}",
+            param="min_list",
         )
         check(
             math.isfinite(self.nlist_factor) and self.nlist_factor > 0,
             f"search option `nlist_factor` must be a finite number > 0, got {self.nlist_factor!r}",
+            param="nlist_factor",
         )
         check(
             self.encoding in ("cache", "flat", "sq8", "sq4"),
             f"search option `encoding` must be cache, flat, sq8 or sq4, got {self.encoding!r}",
+            param="encoding",
         )
         check(
             isinstance(self.hnsw_m, int) and self.hnsw_m >= 2,
             f"search option `hnsw_m` must be an integer >= 2, got {self.hnsw_m!r}",
+            param="hnsw_m",
         )
 
     @classmethod

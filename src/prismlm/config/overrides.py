@@ -42,37 +42,37 @@ def convert(key: str, raw: str, hint: object) -> object:
                 return convert(key, raw, a)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(f"{key}={raw!r} in `overrides`: " + "; ".join(errors))
+        raise ConfigError(f"{key}={raw!r} in `overrides`: " + "; ".join(errors), param="overrides")
     if origin is Literal:
         if raw in [str(a) for a in args]:
             return next(a for a in args if str(a) == raw)
-        raise ConfigError(f"{key}={raw!r} in `overrides`: expected one of {list(args)}")
+        raise ConfigError(f"{key}={raw!r} in `overrides`: expected one of {list(args)}", param="overrides")
     if dataclasses.is_dataclass(hint):
         if raw.strip().lower() in ("null", "none"):
             return None
         try:
             return json.loads(raw)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{key}={raw!r} in `overrides`: expected a JSON object or null") from e
+            raise ConfigError(f"{key}={raw!r} in `overrides`: expected a JSON object or null", param="overrides") from e
     if hint is bool:
         low = raw.strip().lower()
         if low in ("true", "1", "yes", "on"):
             return True
         if low in ("false", "0", "no", "off"):
             return False
-        raise ConfigError(f"{key}={raw!r} in `overrides`: expected true or false")
+        raise ConfigError(f"{key}={raw!r} in `overrides`: expected true or false", param="overrides")
     if hint is int:
         try:
             return int(raw.strip())
         except ValueError:
-            raise ConfigError(f"{key}={raw!r} in `overrides`: expected an integer") from None
+            raise ConfigError(f"{key}={raw!r} in `overrides`: expected an integer", param="overrides") from None
     if hint is float:
         try:
             value = float(raw.strip())
         except ValueError:
-            raise ConfigError(f"{key}={raw!r} in `overrides`: expected a number") from None
+            raise ConfigError(f"{key}={raw!r} in `overrides`: expected a number", param="overrides") from None
         if not math.isfinite(value):
-            raise ConfigError(f"{key}={raw!r} in `overrides`: expected a finite number")
+            raise ConfigError(f"{key}={raw!r} in `overrides`: expected a finite number", param="overrides")
         return value
     if hint is str:
         return raw

@@ -105,7 +105,7 @@ def parse_overrides(pairs: list[str] | tuple[str, ...]) -> dict[str, object]:
     out: dict[str, object] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise ConfigError(f"`overrides` expects KEY=VALUE, got {pair!r}")
+            raise ConfigError(f"`overrides` expects KEY=VALUE, got {pair!r}", param="overrides")
         key, raw = (x.strip() for x in pair.split("=", 1))
         hint = field_type(RunConfig, key)
         if hint is None:  # unknown key: let override() name the valid ones

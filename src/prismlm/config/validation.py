@@ -14,10 +14,11 @@ from prismlm.errors import ConfigError
 T = TypeVar("T")
 
 
-def check(cond: bool, msg: str) -> None:
-    """Raise ``ConfigError(msg)`` unless ``cond``: one line per rule in each config's ``__post_init__``."""
+def check(cond: bool, msg: str, *, param: str | None = None) -> None:
+    """Raise ``ConfigError(msg, param=param)`` unless ``cond``: one line per rule in each config's
+    ``__post_init__`` (``param``: the field, when ``msg`` names it as `` `field` ``)."""
     if not cond:
-        raise ConfigError(msg)
+        raise ConfigError(msg, param=param)
 
 
 def valid_device(spec: str) -> bool:

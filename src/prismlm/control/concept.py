@@ -186,13 +186,13 @@ class ConceptSelection:
 
     def __post_init__(self) -> None:
         if self.rank_by not in RANKINGS:
-            raise ConfigError(f"rank_by must be one of {', '.join(RANKINGS)}, got {self.rank_by!r}", option="rank_by")
+            raise ConfigError(f"`rank_by` must be one of {', '.join(RANKINGS)}, got {self.rank_by!r}", param="rank_by")
         if self.budget is not None and self.budget < 0:
-            raise ConfigError(f"budget must be >= 0, got {self.budget}", option="budget")
+            raise ConfigError(f"`budget` must be >= 0, got {self.budget}", param="budget")
         if not math.isfinite(self.threshold):
-            raise ConfigError(f"threshold must be a finite number, got {self.threshold!r}", option="threshold")
+            raise ConfigError(f"`threshold` must be a finite number, got {self.threshold!r}", param="threshold")
         if not 0.0 <= self.min_purity <= 1.0:
-            raise ConfigError(f"min_purity must be in [0, 1], got {self.min_purity!r}", option="min_purity")
+            raise ConfigError(f"`min_purity` must be in [0, 1], got {self.min_purity!r}", param="min_purity")
 
 
 def find_concept(

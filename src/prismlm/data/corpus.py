@@ -160,7 +160,7 @@ def split_of(doc_id: str, val_fraction: float, seed: int = 0) -> Literal["train"
     changes when files are added, reordered or the corpus is truncated.
     """
     if not 0.0 <= val_fraction <= 1.0:
-        raise ConfigError(f"val_fraction must be in [0, 1], got {val_fraction}")
+        raise ConfigError(f"`val_fraction` must be in [0, 1], got {val_fraction}", param="val_fraction")
     return "val" if split_hash(doc_id, seed) < val_fraction else "train"
 
 

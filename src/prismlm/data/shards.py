@@ -361,7 +361,7 @@ def prepare_shards(
     overwrite it).
     """
     if not 0.0 <= val_fraction <= 1.0:
-        raise ConfigError(f"`val_fraction` must be in [0, 1], got {val_fraction}")
+        raise ConfigError(f"`val_fraction` must be in [0, 1], got {val_fraction}", param="val_fraction")
     recipe = ShardRecipe(corpus, tokenizer, val_fraction, seed, text_field, max_docs, max_chars_per_doc)
     fp = corpus_fingerprint(corpus, text_field=text_field, max_docs=max_docs, max_chars_per_doc=max_chars_per_doc)
     key = recipe.key(fp)
@@ -377,7 +377,9 @@ def prepare_shards(
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ShardError(
-            f"cannot create the shard folder {root}: {e}", fix="give `out` a writable folder or set PRISM_DATA"
+            f"cannot create the shard folder {root}: {e}",
+            fix="give `out` a writable folder or set PRISM_DATA",
+            param="out",
         ) from e
     # One writer per shard folder: a second process preparing the same key waits here, then reuses the
     # shards the first one finished (the manifest is written last, so it marks them complete).
@@ -427,6 +429,7 @@ def _refuse_other_shards(root: Path, key: str) -> None:
             f"{root} holds the shards of another corpus or tokenizer ({spec})",
             fix="pass `overwrite` to replace them, or choose another `out`",
             path=root,
+            param=("overwrite", "out"),
         )
 
 

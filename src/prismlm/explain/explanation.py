@@ -655,7 +655,7 @@ def explain_generation(
     s = sampling or TEXT_SAMPLING
     stops = frozenset([int(stop_id)] if isinstance(stop_id, int) else [int(i) for i in stop_id or ()])
     if n < 1:
-        raise ConfigError(f"n (tokens to generate) must be >= 1, got {n}", option="n")
+        raise ConfigError(f"`n` (tokens to generate) must be >= 1, got {n}", param="n")
     net = _require_prism(model)
     ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
     x = torch.tensor([ids], device=next(net.parameters()).device)  # (1, p)

@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from prismlm.model.generation import Sampling
-    from prismlm.model.gpt import LogitDecomposition, PrismLM, PrismOutput, decompose
+    from prismlm.model.gpt import LogitDecomposition, PrismLM, decompose
     from prismlm.model.interventions import Control, Intervention, Scale, Suppress
     from prismlm.model.kv_cache import KVCache
     from prismlm.model.modes import eval_mode
+    from prismlm.model.outputs import PrismOutput
     from prismlm.model.prototypes import PrototypeLayer, PrototypeOutput
 
 __all__ = [
@@ -32,7 +33,8 @@ __all__ = [
 # Why lazy (PEP 562): `prismlm.integrations.hf_auto` (imported by `import prismlm`) needs only the standard library,
 # and importing this package must not import torch for it; each name is imported on first use.
 _LAZY = {
-    **dict.fromkeys(["LogitDecomposition", "PrismLM", "PrismOutput", "decompose"], "prismlm.model.gpt"),
+    **dict.fromkeys(["LogitDecomposition", "PrismLM", "decompose"], "prismlm.model.gpt"),
+    "PrismOutput": "prismlm.model.outputs",
     **dict.fromkeys(["Control", "Intervention", "Scale", "Suppress"], "prismlm.model.interventions"),
     "KVCache": "prismlm.model.kv_cache",
     "Sampling": "prismlm.model.generation",

@@ -74,16 +74,16 @@ class Sampling:
     def __post_init__(self) -> None:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
-            raise ConfigError(f"temperature must be a finite number >= 0, got {t!r}", option="temperature")
+            raise ConfigError(f"`temperature` must be a finite number >= 0, got {t!r}", param="temperature")
         k = self.top_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
             raise ConfigError(
-                f"top_tokens must be >= 1 (or None for the whole vocabulary), got {k!r}", option="top_tokens"
+                f"`top_tokens` must be >= 1 (or None for the whole vocabulary), got {k!r}", param="top_tokens"
             )
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral) or not -(2**63) <= s < 2**64):
             # the range torch.Generator.manual_seed accepts
-            raise ConfigError(f"seed must be an integer in [-2^63, 2^64), got {s!r}", option="seed")
+            raise ConfigError(f"`seed` must be an integer in [-2^63, 2^64), got {s!r}", param="seed")
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """A generator on ``device`` seeded with ``seed``, or None (the global generator) without one."""

@@ -53,7 +53,7 @@ def _check(ok: bool, name: str, rule: str, value: object) -> None:
     """``ConfigError`` "NAME must be RULE, got VALUE" unless ``ok`` (NAME: ``Class.field``, which a front end
     maps to its own option name)."""
     if not ok:
-        raise ConfigError(f"{name} must be {rule}, got {value!r}")
+        raise ConfigError(f"{name} must be {rule}, got {value!r}", param=name)
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ class QuerySpec:
         if sum(x is not None and x != 0 for x in (self.answer, self.completion, self.generate)) > 1:
             raise ConfigError(
                 "use at most one of QuerySpec.answer, QuerySpec.completion and QuerySpec.generate, "
-                f"got {self.answer!r}, {self.completion!r}, {self.generate!r}"
+                f"got {self.answer!r}, {self.completion!r}, {self.generate!r}",
+                param=("QuerySpec.answer", "QuerySpec.completion", "QuerySpec.generate"),
             )
 
 
@@ -246,7 +247,8 @@ def make_query(
         if completion_tokens >= len(ids):
             raise ConfigError(
                 f"QuerySpec.completion {completion_tokens} is not shorter than the text ({len(ids) - 1} "
-                f"tokens); measure fewer tokens"
+                f"tokens); measure fewer tokens",
+                param="QuerySpec.completion",
             )
         start = len(ids) - completion_tokens
     else:
@@ -362,7 +364,8 @@ def _check_sources(
     if rescorer is not None and isinstance(source, AttributionCache) and source.aggregate == "document":
         raise ConfigError(
             "re-scoring needs training sequences; this cache ranks documents (aggregate=document): "
-            "use a sequence cache (the default) or Rescoring.method none"
+            "use a sequence cache (the default) or Rescoring.method none",
+            param="Rescoring.method",
         )
 
 
@@ -379,7 +382,8 @@ def _query_tokens(
         if completion_tokens and completion_tokens >= len(ids):
             raise ConfigError(
                 f"QuerySpec.completion {completion_tokens} is not shorter than the {len(ids)} tokens; "
-                f"measure fewer tokens"
+                f"measure fewer tokens",
+                param="QuerySpec.completion",
             )
         start = len(ids) - completion_tokens if completion_tokens else 1
         return ids, start, tok.decode(ids[:start]), tok.decode(ids[start:])

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
+    from prismlm.errors import PrismError
     from prismlm.model import PrismLM
 
 __all__ = [
@@ -409,7 +410,7 @@ class TrakBaseline(_Scratch):
         self.timings["features_seconds"] = time.perf_counter() - t0
         self._calls = 0
 
-    def _differentiated(self, error: type[Exception]) -> list[str] | None:
+    def _differentiated(self, error: type[PrismError]) -> list[str] | None:
         """The names of the parameters to differentiate, in ``named_parameters`` order (None: all), with
         ``requires_grad`` set on exactly those in the copy (no graph is kept for the others). A tied weight may
         be named under any of its names; it is differentiated once."""
@@ -425,7 +426,8 @@ class TrakBaseline(_Scratch):
                 f"TRAK: `parameters` names {len(missing)} parameter(s) the model does not have: "
                 f"{', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}"
                 if missing
-                else "TRAK: `parameters` is empty (None differentiates every parameter)"
+                else "TRAK: `parameters` is empty (None differentiates every parameter)",
+                param="parameters",
             )
         chosen = {id(every[n]) for n in wanted}
         for p in self.net.parameters():

@@ -37,12 +37,10 @@ requests run between batches."""
 
 __all__ = [
     "BatchGuard",
-    "BlockGradients",
     "Curvature",
     "CurvatureAccumulator",
     "FullGradients",
     "batch_grid",
-    "block_gradients",
     "collect_gradients",
     "forward_batch",
     "curvature_pass",

@@ -27,13 +27,13 @@ from prismlm.artifacts import JSON, FileRecord, atomic_dir, file_records, proven
 from prismlm.config import SearchConfig
 from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError
 from prismlm.tda.cache import concat_ranges
-from prismlm.tda.cache.store import best_n, exact_top
+from prismlm.tda.cache.store import best_n
 
 if TYPE_CHECKING:
     from prismlm.tda.cache import AttributionCache
     from prismlm.tda.gradients import BlockGradients
 
-__all__ = ["SearchIndex", "SearchManifest", "build_search_index", "cache_fingerprint", "best_n", "exact_top"]
+__all__ = ["SearchIndex", "SearchManifest", "build_search_index", "cache_fingerprint"]
 
 KIND = "prismlm-search-index"
 FORMAT_VERSION = 1

@@ -27,20 +27,13 @@ from prismlm.errors import RunError
 from prismlm.eval.metrics import evaluate
 from prismlm.model import PrismLM
 from prismlm.model import losses as L
+from prismlm.model.stored_activations import StoredZ
 from prismlm.progress import Progress, Reporter
 from prismlm.train.checkpoint import save_checkpoint
 from prismlm.train.distributed import DistInfo
+from prismlm.train.records import environment_info, format_eval_line
 from prismlm.train.sampler import SequenceSampler
-from prismlm.train.stored_z import StoredZ
-from prismlm.train.trainer import (
-    TrainResult,
-    autocast_for,
-    build_optimizer,
-    environment_info,
-    format_eval_line,
-    set_trainable,
-    trainable_names,
-)
+from prismlm.train.state import TrainResult, autocast_for, build_optimizer, set_trainable, trainable_names
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet

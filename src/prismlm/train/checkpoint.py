@@ -33,6 +33,7 @@ from prismlm.artifacts import (
 from prismlm.config import RunConfig
 from prismlm.errors import ArtifactCorrupt, ArtifactMismatch, CheckpointError
 from prismlm.model import PrismLM
+from prismlm.model.pretrained import Pretrained, from_prism_weights, is_transformers_folder
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import StateDict
@@ -229,3 +230,18 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Che
         tokenizer = Tokenizer.load(ckpt / "tokenizer")
     model.tokenizer = tokenizer  # model.generate("text") encodes with it
     return Checkpoint(path=ckpt, model=model, config=cfg, manifest=manifest, tokenizer=tokenizer)
+
+
+def pretrained_from_run(source: str, *, block_size: int | None = None) -> Pretrained | None:
+    """A prismlm run or checkpoint folder (its latest checkpoint) as a ``Pretrained`` backbone for a retrofit;
+    None when ``source`` is no such folder (then it names a model for ``prismlm.model.pretrained.
+    load_pretrained``)."""
+    path = Path(source).expanduser()
+    if not path.is_dir() or is_transformers_folder(path):
+        return None
+    try:
+        ckpt_dir = find_checkpoint(path)
+    except CheckpointError:
+        return None
+    ckpt = load_checkpoint(ckpt_dir)
+    return from_prism_weights(source, ckpt.config.model, ckpt.model.state_dict(), ckpt.require_tokenizer(), block_size)

@@ -75,8 +75,9 @@ def load_sharded_optimizer(model: PrismLM, optimizer: torch.optim.Optimizer, fol
     if not (folder / ".metadata").exists():
         raise CheckpointError(
             f"{folder.parent} was saved by FSDP but its optimizer shards ({folder}) are missing",
-            fix="resume from an earlier checkpoint, or start again with overwrite=True",
+            fix="resume from an earlier checkpoint, or start again with `overwrite`",
             path=folder,
+            param="overwrite",
         )
     state = get_optimizer_state_dict(model, optimizer)  # the template: this rank's shapes and placements
     dcp.load({"optimizer": state}, checkpoint_id=str(folder))

@@ -201,7 +201,8 @@ class TrainLoop:
             f"the training loss became {loss} at step {step + 1} of {self.out_dir}"
             + (f"; the last good checkpoint is {last}" if last else "; no checkpoint was saved"),
             fix="lower train.lr (or raise train.warmup_steps / lower train.grad_clip) and "
-            "resume with resume=True, or start again with overwrite=True",
+            "resume with `resume`, or start again with `overwrite`",
+            param=("resume", "overwrite"),
         )
 
     def log_step(self, done: int, lr: float, grad_norm: torch.Tensor, terms: dict[str, float]) -> dict[str, float]:

@@ -11,7 +11,7 @@ from prismlm.errors import CheckpointError, RunError
 from prismlm.train.checkpoint import find_checkpoint
 
 STORED_Z_DIR = "stored-z"
-"""Where a retrofit keeps the frozen backbone's stored z: ``RUN/stored-z`` (``prismlm.train.stored_z``)."""
+"""Where a retrofit keeps the frozen backbone's stored z: ``RUN/stored-z`` (``prismlm.model.stored_activations``)."""
 
 
 def _holds_run(folder: Path) -> bool:
@@ -41,7 +41,7 @@ def restart_fix(out_dir: Path) -> str:
         return "its z pass was interrupted: run the same retrofit again as a new run (not resumed) to continue it"
     if _holds_run(out_dir):
         return (
-            "nothing to resume: start it again with overwrite=True (a retrofit's stored z is kept and reused), "
+            "nothing to resume: start it again with `overwrite` (a retrofit's stored z is kept and reused), "
             "or choose another run folder"
         )
     return "start it as a new run (not resumed)"
@@ -61,11 +61,13 @@ def check_run_folder(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
         raise RunError(
             f"{out_dir} already holds a run stopped before its first checkpoint ({', '.join(held)})",
             fix=restart_fix(out_dir),
+            param="overwrite",
         )
     if held:
         raise RunError(
             f"{out_dir} already holds a run ({', '.join(held)})",
-            fix="continue it with resume=True, replace it with overwrite=True, or choose another run folder",
+            fix="continue it with `resume`, replace it with `overwrite`, or choose another run folder",
+            param=("resume", "overwrite"),
         )
 
 

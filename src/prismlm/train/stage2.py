@@ -33,13 +33,13 @@ from prismlm.errors import ArtifactMismatch, ConfigError, RunError
 from prismlm.eval.faithfulness import FaithfulnessAccumulator, Yardstick
 from prismlm.model import PrismLM, PrismOutput, eval_mode
 from prismlm.model import losses as L
+from prismlm.model.stored_activations import StoredZ, backbone_identity
 from prismlm.progress import Progress, Reporter
 from prismlm.train.bank_stage import save_stored_stage_checkpoint, validate_run
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.records import format_eval_line
 from prismlm.train.sampler import SequenceSampler
 from prismlm.train.state import TrainResult, build_optimizer, set_trainable, trainable_names
-from prismlm.train.stored_z import StoredZ, backbone_identity
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
@@ -103,8 +103,8 @@ def stage2_plan(out_dir: Path, cfg: RunConfig) -> Stage2Plan | None:
     """The plan to continue stage 2 on stored activations in ``out_dir`` when its config asks for it, its
     latest checkpoint is at or past the end of stage 1 and before ``max_steps``, and its stored
     activations hold the boundary layer; None otherwise (the trainer's per-step path applies)."""
+    from prismlm.model.stored_activations import open_stored_z
     from prismlm.train.run_folder import STORED_Z_DIR
-    from prismlm.train.stored_z import open_stored_z
 
     layer = boundary_layer_for(cfg)
     if layer is None:

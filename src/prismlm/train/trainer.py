@@ -25,41 +25,23 @@ from prismlm.progress import Progress, Reporter
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.distributed import DistInfo, barrier, cleanup, init_distributed
 from prismlm.train.loop import Interrupts, TrainLoop, Where
-from prismlm.train.records import MetricsLog, environment_info, format_eval_line
-from prismlm.train.run_folder import STORED_Z_DIR, check_run_folder, clear_run_folder, restart_fix
+from prismlm.train.records import MetricsLog, environment_info
+from prismlm.train.run_folder import check_run_folder, clear_run_folder, restart_fix
 from prismlm.train.state import (
     Batches,
     Resumed,
     TrainResult,
     TrainState,
-    autocast_for,
     batches_for,
-    build_optimizer,
     build_state,
     round_vocab,
-    set_trainable,
-    trainable_names,
 )
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.data.stream import StreamingData
 
-__all__ = [  # the trainer's public names, wherever they live in prismlm.train
-    "STORED_Z_DIR",
-    "MetricsLog",
-    "TrainResult",
-    "autocast_for",
-    "build_optimizer",
-    "check_run_folder",
-    "clear_run_folder",
-    "environment_info",
-    "format_eval_line",
-    "round_vocab",
-    "set_trainable",
-    "train",
-    "trainable_names",
-]
+__all__ = ["check_data", "train"]
 
 
 def train(
@@ -121,7 +103,8 @@ def train(
         if e.errno in _WRITE_ERRORS:  # read-only folder, no permission, full disk: the user's to fix
             raise RunError(
                 f"cannot write {e.filename or out_dir}: {e.strerror}",
-                fix="free disk space or choose a writable run folder; resume later with resume=True",
+                fix="free disk space or choose a writable run folder; resume later with `resume`",
+                param="resume",
             ) from e
         raise
     finally:
@@ -153,7 +136,7 @@ def restore(out_dir: Path) -> Resumed:
     try:
         ckpt = load_checkpoint(find_checkpoint(out_dir), device="cpu")
     except CheckpointError as e:
-        raise CheckpointError(f"cannot resume {out_dir}: {e}", fix=restart_fix(out_dir)) from e
+        raise CheckpointError(f"cannot resume {out_dir}: {e}", fix=restart_fix(out_dir), param="overwrite") from e
     return Resumed(ckpt, ckpt.trainer_state())
 
 
@@ -164,14 +147,16 @@ def resumed_config(resumed: Resumed, out_dir: Path, extend_to: int | None) -> Ru
     if extend_to is not None:
         if extend_to <= start_step:
             raise RunError(
-                f"{out_dir} is already at step {start_step}; extend_to={extend_to} would not train further",
-                fix=f"pass extend_to greater than {start_step}",
+                f"{out_dir} is already at step {start_step}; `extend_to` {extend_to} would not train further",
+                fix=f"pass `extend_to` greater than {start_step}",
+                param="extend_to",
             )
         return cfg.override({"train.max_steps": extend_to})
     if start_step >= cfg.train.max_steps:
         raise RunError(
             f"{out_dir} already finished its {cfg.train.max_steps} steps; nothing to resume",
-            fix=f"pass resume=True with extend_to=N (> {start_step}) to train further",
+            fix=f"pass `resume` with `extend_to` N (> {start_step}) to train further",
+            param=("resume", "extend_to"),
         )
     return cfg
 

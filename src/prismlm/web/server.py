@@ -418,7 +418,7 @@ def serve(
     import uvicorn
 
     if not 1 <= port <= 65535:  # checked before the run is opened (uvicorn would fail only at bind)
-        raise ConfigError(f"`port` must be in [1, 65535], got {port}", fix="e.g. `port` 8000")
+        raise ConfigError(f"`port` must be in [1, 65535], got {port}", fix="e.g. `port` 8000", param="port")
     if host not in LOCAL_HOSTS and host != "::1":
         print(
             f"warning: serving on {host}: anyone who can reach this address can use the explorer (it has no "
@@ -461,6 +461,7 @@ def serve_in_background(explorer: Explorer, *, timeout: float = 60.0) -> Iterato
             raise PrismError(
                 f"the explorer server on 127.0.0.1:{port} did not start within {timeout:g} s",
                 fix="see the uvicorn messages above; a larger `timeout` on a loaded machine",
+                param="timeout",
             )
         time.sleep(0.02)
     try:

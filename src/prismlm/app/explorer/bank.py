@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from prismlm.app.explorer.plain import Plain
-from prismlm.app.explorer.session import Labels, Session
+from prismlm.app.explorer.session import Session
+from prismlm.explain.index import Labels
 from prismlm.explain.labels import CATEGORIES
 
 __all__ = ["MapView", "SearchHit", "SearchView", "bank_map", "search_view"]

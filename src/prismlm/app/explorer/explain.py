@@ -16,7 +16,7 @@ import torch
 from prismlm.app.chat import CHAT_ANSWER_TOKENS, chat_prompt, stops_for
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
-from prismlm.app.explorer.steering import Steering, SteeringDict
+from prismlm.app.explorer.steer import Steering, SteeringDict, activity, interventions
 from prismlm.control.activity import Activity
 from prismlm.explain import Explanation, explain, explain_generation
 from prismlm.explain.explanation import StepGuard
@@ -140,7 +140,7 @@ def explain_view(
     s.limits.check_sampling(generate, sampling, "generate")
     s.limits.check_top(alternatives, "alternatives")
     s.limits.check_top(neighbours, "neighbours")
-    ivs = s.interventions(steering)
+    ivs = interventions(s, steering)
     expl = None
     if generate:
         expl = _explanation(
@@ -153,7 +153,7 @@ def explain_view(
         x = torch.tensor([expl.token_ids], dtype=torch.long, device=s.run.device)  # (1, n)
         chosen = [p.next_id for p in expl.positions]
         positions, err = waterfalls(s, model, model(x), chosen, [p.chosen_by for p in expl.positions], alternatives)
-        act = None if steering.empty else s.activity(steering, [*expl.token_ids, chosen[-1]])
+        act = None if steering.empty else activity(s, steering, [*expl.token_ids, chosen[-1]])
     warning = act.warning("steered") if act is not None else None
     for view, pos in zip(positions, expl.positions):  # the prototype-only prediction: the explanation's one value
         view.model_top_id, view.prototype_top_id = pos.model_top_id, pos.prototype_top_id

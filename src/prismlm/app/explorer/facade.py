@@ -20,8 +20,7 @@ from prismlm.app.explorer.limits import Limits
 from prismlm.app.explorer.prototype import PrototypeDetail, prototype_view
 from prismlm.app.explorer.residual import ContrastView, ResidualView, contrast_view, residual_view
 from prismlm.app.explorer.session import Session
-from prismlm.app.explorer.steer import SteerView, steer_view
-from prismlm.app.explorer.steering import Steering
+from prismlm.app.explorer.steer import Steering, SteerView, steer_view
 from prismlm.app.explorer.training import (
     DocumentView,
     TrainingView,

@@ -17,7 +17,7 @@ from prismlm.app.explorer.explain import PositionView, waterfalls
 from prismlm.app.explorer.limits import check_limit
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
-from prismlm.app.explorer.steering import Steering
+from prismlm.app.explorer.steer import Steering, interventions
 from prismlm.errors import ConfigError
 from prismlm.model import decompose
 
@@ -92,7 +92,7 @@ def contrast_view(s: Session, token_ids: list[int], token_index: int, token: str
         )
     ctx = token_ids[:token_index]  # position token_index − 1 predicts the token at token_index
     chosen = ctx[1:] + ids
-    ivs = s.interventions(steering)
+    ivs = interventions(s, steering)
     with s.lock, s.run.intervened(*ivs) as model, torch.no_grad():
         out = model(torch.tensor([ctx], dtype=torch.long, device=s.run.device))
         views, _ = waterfalls(s, model, out, chosen, ["text"] * (len(ctx) - 1) + ["typed"], 0)

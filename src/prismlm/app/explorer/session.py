@@ -15,22 +15,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prismlm.app.bank_search import TokenSearch
-from prismlm.app.control import suppression_targets
 from prismlm.app.explorer.jobs import FairLock, Jobs
 from prismlm.app.explorer.limits import Limits
-from prismlm.app.explorer.steering import Steering, interventions
 from prismlm.app.run import Run
-from prismlm.control.activity import Activity, changed_prototypes, prototype_activity
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.shards import ShardSet
 from prismlm.errors import ArtifactError
 from prismlm.explain import PrototypeIndex
-from prismlm.explain.index import LabelEntry, Labels
+from prismlm.explain.index import Labels
 from prismlm.model import Intervention, PrismLM
 from prismlm.progress import Progress
 from prismlm.tda.influence import FullGradients
 
-__all__ = ["LabelEntry", "Labels", "Session"]
+__all__ = ["Session"]
 
 
 class Session:
@@ -85,26 +82,12 @@ class Session:
         labs = self.labels()
         return {i: (labs.get(i, {}).get("label"), labs.get(i, {}).get("category")) for i in ids}
 
-    def interventions(self, steering: Steering) -> tuple[Intervention, ...]:
-        """The request's steering as checked intervention values (``steering.interventions``)."""
-        return interventions(steering, self.num_prototypes, self.limits, self.concepts)
-
     @contextmanager
     def locked(self, ivs: tuple[Intervention, ...]) -> Iterator[PrismLM]:
         """The model lock, then the run's interventions and ``ivs`` applied: one step of a generation that
         gives the lock back between tokens."""
         with self.lock, self.run.intervened(*ivs) as model:
             yield model
-
-    def activity(self, steering: Steering, token_ids: list[int]) -> Activity:
-        """Which of the prototypes ``steering`` (and the run's own interventions) change are active on
-        ``token_ids``, and where the target tokens of its concept set (or the run's suppression set) are
-        predicted (``prismlm.control.activity``). Call under ``lock``."""
-        ids = changed_prototypes((*self.run.interventions, *self.interventions(steering)), self.num_prototypes)
-        sets = (self.concepts.get(steering.concept) if steering.concept else None, self.run.suppression)
-        return prototype_activity(
-            self.model, ids, token_ids, targets=suppression_targets(*sets), tokenizer=self.run.tokenizer
-        )
 
     def shards_dir(self) -> Path | None:
         """The shards the index points into (the run's own otherwise): attribution reads the same ones."""

@@ -1,30 +1,121 @@
-"""The explorer's Steer view: a generation of the base model and one of the steered model with the same seed,
-side by side, and for every token of the steered text the change of its logit and the slices that explain it.
+"""The explorer's steering: what a request changes about the model (``Steering``), its checked translation
+into the model's intervention values (``interventions``), and the Steer view — a generation of the base model
+and one of the steered model with the same seed, side by side, and for every token of the steered text the
+change of its logit and the slices that explain it.
 
-Invariant: ``delta`` is ℓ' − ℓ of that token from two forwards (steered − base), ``delta_from_slices`` is
-Σ_i (m_i − 1) a_i (W p_i)_y from the base forward — equal to rounding, since activations do not depend on
-the multipliers.
+Invariants: ids are in range, factors finite and within ``Limits.max_scale``, a concept one of the server's
+suppression sets — else a ``ConfigError`` (4xx) before any model call. ``delta`` is ℓ' − ℓ of that token from
+two forwards (steered − base), ``delta_from_slices`` is Σ_i (m_i − 1) a_i (W p_i)_y from the base forward —
+equal to rounding, since activations do not depend on the multipliers.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, TypedDict
 
 import torch
 
 from prismlm.app.chat import chat_prompt, stops_for
+from prismlm.app.control import suppression_targets
+from prismlm.app.explorer.limits import Limits, RequestLimitError, check_limit
 from prismlm.app.explorer.plain import Plain
 from prismlm.app.explorer.session import Session
-from prismlm.app.explorer.steering import Steering, SteeringDict
 from prismlm.app.prototype_view import never_active
-from prismlm.control.activity import Activity
-from prismlm.model import Intervention, decompose
+from prismlm.control.activity import Activity, changed_prototypes, prototype_activity
+from prismlm.control.suppress import SuppressionSet
+from prismlm.errors import ConfigError
+from prismlm.model import Intervention, Scale, Suppress, decompose
 from prismlm.model.generation import Sampling
-from prismlm.model.interventions import combined_multipliers
+from prismlm.model.interventions import check_ids, combined_multipliers
 from prismlm.progress import Progress, Reporter
 
-__all__ = ["ChangedSlice", "SteerStep", "SteerView", "steer_view"]
+__all__ = [
+    "ChangedSlice",
+    "SteerStep",
+    "SteerView",
+    "Steering",
+    "SteeringDict",
+    "activity",
+    "checked_interventions",
+    "interventions",
+    "steer_view",
+]
+
+
+class SteeringDict(TypedDict):
+    """A request's steering as the views echo it."""
+
+    suppress: list[int]
+    scale: list[list[int | float]]
+    """[prototype id, factor] pairs."""
+    concept: str | None
+
+
+@dataclass(frozen=True)
+class Steering:
+    """What a request changes about the model: prototypes to suppress, factors to scale by, a concept's
+    suppression set (by name, from the sets the server was started with)."""
+
+    suppress: tuple[int, ...] = ()
+    scale: tuple[tuple[int, float], ...] = ()
+    """(prototype id, factor) pairs; 0 removes the slice, 2 doubles it."""
+    concept: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.suppress and not self.scale and self.concept is None
+
+    def to_dict(self) -> SteeringDict:
+        return {"suppress": list(self.suppress), "scale": [[i, f] for i, f in self.scale], "concept": self.concept}
+
+
+def interventions(s: Session, steering: Steering) -> tuple[Intervention, ...]:
+    """The request's steering as intervention values, checked: ids in range, factors finite and bounded
+    (``s.limits``), the concept one of the server's sets."""
+    return checked_interventions(steering, s.num_prototypes, s.limits, s.concepts)
+
+
+def checked_interventions(
+    steering: Steering, num_prototypes: int, limits: Limits, concepts: Mapping[str, SuppressionSet]
+) -> tuple[Intervention, ...]:
+    """``interventions`` from its parts (``num_prototypes`` K, ``limits``, the server's ``concepts``)."""
+    K = num_prototypes
+    n = len(steering.suppress) + len(steering.scale)
+    check_limit(n <= limits.max_steer_ids, "steered prototypes", limits.max_steer_ids, n)
+    out: list[Intervention] = []
+    if steering.suppress:
+        out.append(Suppress.of(check_ids(list(steering.suppress), K), label="request"))
+    if steering.scale:
+        ids = check_ids([i for i, _ in steering.scale], K)
+        f = torch.ones(K, dtype=torch.float64)  # (K,) multipliers
+        for i, v in zip(ids, (v for _, v in steering.scale)):
+            if not (math.isfinite(v) and abs(v) <= limits.max_scale):
+                raise RequestLimitError(
+                    f"scale factor of prototype {i} must be finite and within ±{limits.max_scale}, got {v!r}"
+                )
+            f[i] = f[i] * float(v)
+        out.append(Scale(f, label="request"))
+    if steering.concept is not None:
+        sset = concepts.get(steering.concept)
+        if sset is None:
+            raise ConfigError(
+                f"unknown concept {steering.concept!r}; the server has "
+                f"{sorted(concepts) or 'none'} (start it with prism serve RUN --concept FILE)"
+            )
+        out.append(Suppress.of(sset.ids, label=steering.concept))
+    return tuple(out)
+
+
+def activity(s: Session, steering: Steering, token_ids: list[int]) -> Activity:
+    """Which of the prototypes ``steering`` (and the run's own interventions) change are active on
+    ``token_ids``, and where the target tokens of its concept set (or the run's suppression set) are
+    predicted (``prismlm.control.activity``). Call under ``s.lock``."""
+    ids = changed_prototypes((*s.run.interventions, *interventions(s, steering)), s.num_prototypes)
+    sets = (s.concepts.get(steering.concept) if steering.concept else None, s.run.suppression)
+    return prototype_activity(s.model, ids, token_ids, targets=suppression_targets(*sets), tokenizer=s.run.tokenizer)
 
 
 class ChangedSlice(TypedDict):
@@ -113,7 +204,7 @@ def steer_view(
     s.limits.check_text(prompt, "prompt")
     s.limits.check_text(system or "", "system")
     s.limits.check_sampling(tokens, sampling)
-    ivs = s.interventions(steering)
+    ivs = interventions(s, steering)
     tok = s.run.tokenizer
     text = chat_prompt(s.run, prompt, system) if chat else prompt
     ids = tok.encode(text) if text else [tok.eot_id]
@@ -125,7 +216,7 @@ def steer_view(
         ]
     with s.lock, torch.no_grad():
         ch = changes(s, steered, ivs)
-        act = s.activity(steering, steered)
+        act = activity(s, steering, steered)
     warning = act.warning("steered")
     gb, gs = base[p:], steered[p:]
     return SteerView(

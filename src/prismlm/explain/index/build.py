@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from prismlm.artifacts import merge_ranges, model_identity, overlap, part_range, provenance, writes_folder
-from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError
+from prismlm.errors import ArtifactError, ArtifactMismatch, ConfigError, ModelError, named
 from prismlm.eval.faithfulness import FaithfulnessAccumulator
 from prismlm.eval.metrics import active_prototypes, coverage_sums
 from prismlm.explain.activation_sample import ActivationSample
 from prismlm.explain.index.artifact import FORMAT_VERSION, KIND, NO_OFFSET, IndexManifest, PrototypeIndex
 from prismlm.model import PrismOutput, eval_mode
+from prismlm.model.stored_activations import StoredZ, backbone_identity
 from prismlm.progress import Progress, Reporter
-from prismlm.train.stored_z import StoredZ, backbone_identity
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
@@ -177,14 +177,14 @@ class IndexSettings:
         for name, low in (("top_n", 1), ("batch_size", 1), ("bins", 1), ("sample_size", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {v!r}", option=name)
+                raise ConfigError(f"{named(name)} must be an integer >= {low}, got {v!r}", param=name)
         for name in ("max_sequences", "chunk_size"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ConfigError(f"{name} must be an integer >= 1 (or None), got {v!r}", option=name)
+                raise ConfigError(f"{named(name)} must be an integer >= 1 (or None), got {v!r}", param=name)
         i, n = self.part
         if not (n >= 1 and 0 <= i < n):
-            raise ConfigError(f"part (i, n) needs 0 <= i < n, got {self.part!r}", option="part")
+            raise ConfigError(f"`part` (i, n) needs 0 <= i < n, got {self.part!r}", param="part")
 
 
 @dataclass
@@ -231,7 +231,7 @@ def build_index(
     the parts. ``resume_from``: a partial index (or its folder) to continue after its last finished batch.
     ``out`` + ``checkpoint_every``: save there every that many batches (and at the end).
     ``stop_after_batches``: stop early (simulates an interruption in tests).
-    ``stored_z``: read the hidden states from this store (``prismlm.train.stored_z``, e.g. a retrofit's
+    ``stored_z``: read the hidden states from this store (``prismlm.model.stored_activations``, e.g. a retrofit's
     ``RUN/stored-z``) instead of running the backbone: only the prototype layer runs. It must hold z of this
     model's backbone over these shards' training split at this block size, covering the indexed sequences
     (``ArtifactMismatch`` otherwise). From a float32 store made with the same batch grid the index equals the

@@ -83,7 +83,10 @@ class PlainIds:
     @classmethod
     def encode(cls, ids: np.ndarray, offsets: np.ndarray) -> PlainIds:
         if len(ids) and int(ids.max()) > np.iinfo(np.int32).max:
-            raise ArtifactError(f"id {int(ids.max())} does not fit int32; use AttributionConfig.id_encoding delta")
+            raise ArtifactError(
+                f"id {int(ids.max())} does not fit int32; use AttributionConfig.id_encoding delta",
+                param="AttributionConfig.id_encoding",
+            )
         return cls(np.asarray(ids, dtype=np.int32))
 
     def gather(self, lo: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -326,7 +329,8 @@ def pq_layout(r: int, pq_dims: int) -> int:
     if pq_dims < 1 or r % pq_dims:
         raise ConfigError(
             f"dtype 'pq' splits the r = {r} sketch dimensions into sub-vectors of pq_dims = "
-            f"{pq_dims}; choose AttributionConfig.pq_dims dividing {r} (or AttributionConfig.r a multiple of {pq_dims})"
+            f"{pq_dims}; choose AttributionConfig.pq_dims dividing {r} (or AttributionConfig.r a multiple of {pq_dims})",
+            param=("AttributionConfig.pq_dims", "AttributionConfig.r"),
         )
     return r // pq_dims
 

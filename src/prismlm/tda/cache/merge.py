@@ -179,7 +179,8 @@ def _check_mergeable(parts: list[AttributionCache]) -> list[list[int]]:
         ):
             raise ArtifactError(
                 "cannot merge caches built with different curvature or projection; pass the same "
-                "`curvature` to every part"
+                "`curvature` to every part",
+                param="curvature",
             )
     covered: list[list[int]] = []
     for p in parts:

@@ -144,7 +144,9 @@ def pca_projection(
     d = net.config.n_embd
     kind = "pca-local" if local else "pca"
     if r > d:
-        raise ConfigError(f"projection {kind!r} needs r <= d = {d}, got r = {r} (AttributionConfig.r)")
+        raise ConfigError(
+            f"projection {kind!r} needs r <= d = {d}, got r = {r} (AttributionConfig.r)", param="AttributionConfig.r"
+        )
     assert net.prototypes is not None
     K = net.prototypes.num_prototypes
     T, dev = net.config.block_size, next(net.parameters()).device

@@ -33,7 +33,8 @@ def make_projection(
         if r != d:
             raise ConfigError(
                 f"projection 'identity' needs r = d = {d}, got r = {r}; leave AttributionConfig.r unset or "
-                f"choose another projection"
+                f"choose another projection",
+                param="AttributionConfig.r",
             )
         return np.eye(d)
     g = torch.Generator().manual_seed(seed)
@@ -41,12 +42,16 @@ def make_projection(
         return (torch.randn(r, d, generator=g, dtype=torch.float64) / math.sqrt(r)).numpy()
     if kind == "orthogonal":
         if r > d:
-            raise ConfigError(f"projection 'orthogonal' needs r <= d = {d}, got r = {r} (AttributionConfig.r)")
+            raise ConfigError(
+                f"projection 'orthogonal' needs r <= d = {d}, got r = {r} (AttributionConfig.r)",
+                param="AttributionConfig.r",
+            )
         q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
         return (q[:, :r].T * math.sqrt(d / r)).numpy()
     raise ConfigError(
         f"projection {kind!r} (AttributionConfig.projection) is fitted to the data, not made here; "
-        f"make_projection knows identity, orthogonal and gaussian"
+        f"make_projection knows identity, orthogonal and gaussian",
+        param="AttributionConfig.projection",
     )
 
 

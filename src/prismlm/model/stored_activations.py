@@ -1,4 +1,7 @@
-"""Stored hidden states: the frozen backbone's z over a shard, computed once and memory-mapped.
+"""Stored activations: the frozen backbone's z (and stage 2's boundary activations) over a shard, computed
+once and memory-mapped. The one reader, writer and verifier of ``RUN/stored-z``: the retrofit's stages
+(``prismlm.train.bank_stage``, ``prismlm.train.stage2``) train on it and the index
+(``prismlm.explain.index.build``) reads z from it.
 
 ``build_stored_z`` runs the frozen backbone once over the aligned sequences of one split and writes
 ``z.bin`` (rows, d), ``targets.bin`` (rows,), ``state.json`` and ``manifest.json`` (what z belongs to); with
