@@ -38,7 +38,7 @@ from prismlm.model import PrismLM
 from prismlm.model.pretrained import build_model, load_pretrained
 from prismlm.model.prototypes import seed_prototypes
 from prismlm.model.stored_activations import StoredZ, build_stored_z, open_stored_z
-from prismlm.train.bank_stage import train_bank
+from prismlm.train.bank_stage import bank_losses, train_bank
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.retrofit import seed_sequences
 from prismlm.train.sampler import SequenceSampler
@@ -196,6 +196,38 @@ def speed_main(args: argparse.Namespace) -> None:
     write_json(args.results / "real-faithfulness-speed.json", payload)
     print(f"speed N={args.last} ({tokens} tokens/step): "
           + ", ".join(f"{k} ×{v:.2f}" for k, v in ratio.items()) + f"; union {union}")  # fmt: skip
+
+
+BANK_SIDES = ((1024, 0), (2048, 0), (1024, 16), (2048, 16))
+"""(``loss.proto_kl_rows``, ``loss.kl_candidates``) of the bank steps timed: today's demo first."""
+
+
+def bank_speed_main(args: argparse.Namespace) -> None:
+    """The bank stage's step time (``bank_losses`` forward + backward, K=8,192, k=8: the demo's bank) on the z
+    of 8 × 256 tokens of real text, per ``BANK_SIDES``, interleaved round by round (odd rounds reversed)."""
+    torch.set_num_threads(args.threads)
+    pre = load_pretrained(args.source, block_size=256)
+    model = build_model(pre, replace(pre.model, prototypes=PrototypeConfig(num_prototypes=8192, top_k=8)))
+    set_trainable(model, trainable_names(model, "prototypes"))
+    with torch.no_grad():
+        z = model.backbone_outputs(speed_batch(8, pre.tokenizer)[:, :-1]).z.reshape(-1, pre.model.n_embd)
+    base = {"rec": 1.0, "r1": 0.5, "r2": 0.5, "proto_kl": 1.0}
+    times: dict[str, list[float]] = {f"rows{r}_c{c}": [] for r, c in BANK_SIDES}
+    for rnd in range(args.speed_steps + 1):  # round 0 warms up
+        for rows, c in BANK_SIDES if rnd % 2 == 0 else BANK_SIDES[::-1]:
+            t0 = time.perf_counter()
+            terms = bank_losses(model, z, proto_kl_rows=rows, candidates=c)
+            sum(w * terms[k] for k, w in base.items()).backward()
+            model.zero_grad(set_to_none=True)
+            if rnd:
+                times[f"rows{rows}_c{c}"].append(time.perf_counter() - t0)
+    seconds = {k: float(np.median(v)) for k, v in times.items()}
+    first = next(iter(seconds))
+    payload = {"rows_per_step": int(z.shape[0]), "rounds": args.speed_steps, "step_seconds_median": seconds,
+               "speedup_vs_" + first: {k: seconds[first] / v for k, v in seconds.items()}, "step_seconds": times,
+               "environment": environment("cpu", 0)}  # fmt: skip
+    write_json(args.results / "real-faithfulness-bank-speed.json", payload)
+    print("bank step: " + ", ".join(f"{k} {v:.2f} s" for k, v in seconds.items()))
 
 
 def parse_variant(spec: str) -> dict[str, float]:
@@ -427,7 +459,9 @@ def summary_main(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--stage", choices=["stage2", "curve", "speed", "frozen", "measure", "summary", "sweep"], required=True
+        "--stage",
+        choices=["stage2", "curve", "speed", "frozen", "measure", "summary", "sweep", "bank-speed"],
+        required=True,
     )
     p.add_argument("--checkpoint", type=Path, help="measure, curve: the checkpoint (or run) folder to measure")
     p.add_argument(
