@@ -74,21 +74,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import (
-    RESULTS_DIR,
-    RUNS_DIR,
-    current_peak_rss_mib,
-    environment,
-    load_average,
-    profile_from_args,
-    reset_peak_rss,
-    warn_if_busy,
-    write_json,
-)
+from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, profile_from_args, warn_if_busy, write_json
 from attribution import MODEL_SETS, overlap
 
 from prismlm.config import AttributionConfig, RunConfig
 from prismlm.data.shards import prepare_shards
+from prismlm.eval.resources import current_peak_rss_mib, reset_peak_rss
 from prismlm.tda.baselines import KronfluenceBaseline
 from prismlm.tda.cache import build_cache
 from prismlm.tda.influence import query_gradients

@@ -42,7 +42,6 @@ from pathlib import Path
 from _common import (
     CPU_SMALL_RUN,
     RESULTS_DIR,
-    current_peak_rss_mib,
     ensure_cpu_small_run,
     environment,
     fmt_rate,
@@ -50,6 +49,8 @@ from _common import (
     warn_if_busy,
     write_json,
 )
+
+from prismlm.eval.resources import current_peak_rss_mib
 
 COMPACT = {"projection": "pca-local", "r": 48, "dtype": "int4", "prune": 0.1, "id_encoding": "delta"}
 KINDS = ("index", "cache-default", "cache-compact")

@@ -41,21 +41,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import (
-    RESULTS_DIR,
-    RUNS_DIR,
-    current_peak_rss_mib,
-    environment,
-    load_average,
-    parse_sets,
-    warn_if_busy,
-    write_json,
-)
+from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, parse_sets, warn_if_busy, write_json
 
 from prismlm.app import ExplanationRequest, Run, build_run_index, explain_text
 from prismlm.app.explorer import Explorer, Limits
 from prismlm.config import RunConfig
 from prismlm.data.shards import prepare_shards
+from prismlm.eval.resources import current_peak_rss_mib
 from prismlm.train import train
 from prismlm.train.trainer import round_vocab
 from prismlm.web.server import create_app

@@ -41,17 +41,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import (
-    RESULTS_DIR,
-    current_peak_rss_mib,
-    environment,
-    load_average,
-    reset_peak_rss,
-    warn_if_busy,
-    write_json,
-)
+from _common import RESULTS_DIR, environment, load_average, warn_if_busy, write_json
 
 from prismlm.config import RunConfig
+from prismlm.eval.resources import current_peak_rss_mib, reset_peak_rss
 from prismlm.model import PrismLM
 from prismlm.model import losses as L
 from prismlm.train.trainer import round_vocab

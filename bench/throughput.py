@@ -57,20 +57,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import (
-    RESULTS_DIR,
-    current_peak_rss_mib,
-    environment,
-    fmt_rate,
-    load_average,
-    parse_sets,
-    peak_rss_mib,
-    reset_peak_rss,
-    warn_if_busy,
-    write_json,
-)
+from _common import RESULTS_DIR, environment, fmt_rate, load_average, parse_sets, warn_if_busy, write_json
 
 from prismlm.config import PRESETS, RunConfig
+from prismlm.eval.resources import current_peak_rss_mib, peak_rss_mib, reset_peak_rss
 from prismlm.model import PrismLM
 from prismlm.train.distributed import resolve_device
 from prismlm.train.trainer import autocast_for, build_optimizer, round_vocab
