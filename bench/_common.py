@@ -156,6 +156,24 @@ def find_key(obj: object, key: str) -> object:
     return None
 
 
+def obj(x: object, *keys: str) -> Json:
+    """The JSON object at ``x[k0][k1]…`` (asserted to be one): typed access into nested results."""
+    for k in keys:
+        assert isinstance(x, dict), x
+        x = x[k]
+    assert isinstance(x, dict), x
+    return x
+
+
+def num(x: object, *keys: str) -> float:
+    """The number at ``x[k0][k1]…`` (asserted to be one)."""
+    for k in keys:
+        assert isinstance(x, dict), x
+        x = x[k]
+    assert isinstance(x, int | float), x
+    return float(x)
+
+
 def results_number(name: str, key: str) -> Json:
     """A headline number from another bench's JSON, with the file and its git revision (and whether the
     working tree differs from it), or null and why."""
