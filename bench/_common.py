@@ -51,21 +51,19 @@ def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def device_timer(device: torch.device) -> Callable[[Callable[[], R]], tuple[float, R]]:
-    """A timer of callables on ``device``: (seconds, result), CUDA synchronised before and after."""
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA); a no-op on CPU. Around every timed region on a GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
-    def timed(f: Callable[[], R]) -> tuple[float, R]:
-        sync()
-        t = time.perf_counter()
-        r = f()
-        sync()
-        return time.perf_counter() - t, r
-
-    return timed
+def timed_on(device: torch.device, f: Callable[[], R]) -> tuple[float, R]:
+    """(seconds, result) of ``f()`` on ``device``, synchronised before and after."""
+    sync(device)
+    t = time.perf_counter()
+    r = f()
+    sync(device)
+    return time.perf_counter() - t, r
 
 
 def parse_sets(items: list[str] | None) -> dict[str, object]:
