@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, write_json
+from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, log, write_json
 
 from prismlm.app.retrofit import RetrofitRecipe, resume_retrofit, retrofit_model
 from prismlm.app.speed import speed_stage
@@ -64,10 +63,6 @@ DEFAULT_POINTS = (
     "K=2048,k=8,init=rows,steps=300",
 )
 Json = dict[str, object]
-
-
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def args_record(args: argparse.Namespace) -> dict[str, str]:
