@@ -25,7 +25,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import torch
@@ -49,6 +49,7 @@ from prismlm.config import SearchConfig
 from prismlm.data.shards import ShardSet, load_shards
 from prismlm.model import PrismLM
 from prismlm.tda.cache import AttributionCache, DeltaIds, QuantSketches, build_cache, quantise
+from prismlm.tda.cache.manifest import CacheManifest
 from prismlm.tda.gradients import BlockGradients
 from prismlm.tda.influence import query_gradients
 from prismlm.tda.search import SearchIndex, build_search_index, exact_top
@@ -126,7 +127,7 @@ def sub_cache(real: AttributionCache, units: int) -> AttributionCache:
         sketches=sks,
         projection=real.projection,
         curvature=real.curvature,
-        manifest=m,
+        manifest=cast(CacheManifest, m),  # the real manifest with this size's counts and a synthetic flag
     )
 
 
@@ -172,7 +173,7 @@ def synthetic_cache(real: AttributionCache, units: int, noise: float, seed: int)
         sketches=QuantSketches(codes, scales, sk.unit, sk.qdtype, sk.r),
         projection=real.projection,
         curvature=real.curvature,
-        manifest=m,
+        manifest=cast(CacheManifest, m),  # the real manifest with this size's counts and a synthetic flag
     )
 
 
@@ -376,7 +377,7 @@ def size_row(
     row: Json = {
         "tokens": units * T,
         "sequences": units,
-        "synthetic": bool(cache.manifest["synthetic"]),
+        "synthetic": bool(dict(cache.manifest)["synthetic"]),
         "postings": cache.num_postings,
         "postings_bytes_per_token": cache.nbytes() / (units * T),
         "make_seconds": t_make,

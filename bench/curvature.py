@@ -48,7 +48,7 @@ from prismlm.train import load_checkpoint, train
 def gauss_newton(net: PrismLM, x: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, PrismOutput]:
     """Exact (Kd × Kd) prototype-space GN of the mean token CE over inputs x (B, T), float64."""
     out = net(x)
-    K, d = net.prototypes.num_prototypes, net.config.n_embd
+    K, d = net.require_prototypes().num_prototypes, net.config.n_embd
     W = net.lm_head.weight.double()  # (V, d)
     N = x.numel()
     pi = torch.softmax(out.logits.double().reshape(N, -1), -1)  # (N, V)
@@ -84,11 +84,12 @@ def _cos_hessian(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def clustering_hessian(net: PrismLM, out: PrismOutput, lam1: float, lam2: float) -> torch.Tensor:
     """Block-diagonal exact Hessian of λ1 R1 + λ2 R2 w.r.t. P at this batch: (K, d, d)."""
-    P = net.prototypes.weight.double()
+    P = net.require_prototypes().weight.double()
     K, d = P.shape
     z = out.hidden.double().reshape(-1, d)  # (N, d)
     N = z.shape[0]
     H = torch.zeros(K, d, d, dtype=torch.float64)
+    assert out.indices is not None  # a PRISM forward
     # R2 = mean_t (1 − cos(z_t, p_{top1(t)}))
     top1 = out.indices.reshape(N, -1)[:, 0]
     H.index_add_(0, top1, -(lam2 / N) * _cos_hessian(z, P[top1]))

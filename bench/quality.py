@@ -23,6 +23,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -62,7 +63,7 @@ def _median_train_tok_s(run_dir: Path) -> float | None:
     return rates[len(rates) // 2]
 
 
-def _same_shapes(a: Json, b: Json) -> bool:
+def _same_shapes(a: Mapping[str, object], b: Mapping[str, object]) -> bool:
     """Do two config dicts describe the same training step (model shape, batch, compile, dtype)?"""
     model_keys = ("n_layer", "n_head", "n_embd", "block_size", "prototypes", "backbone")
     train_keys = ("batch_size", "grad_accum", "compile", "dtype")

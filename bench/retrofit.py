@@ -40,13 +40,15 @@ R = TypeVar("R")
 
 
 def measure(model: PrismLM, shards: ShardSet, eval_batches: int) -> Json:
-    m = evaluate(
-        model,
-        shards.val,
-        seq_len=model.config.block_size,
-        batch_size=16,
-        max_batches=eval_batches,
-        device=torch.device("cpu"),
+    m: Json = dict(
+        evaluate(
+            model,
+            shards.val,
+            seq_len=model.config.block_size,
+            batch_size=16,
+            max_batches=eval_batches,
+            device=torch.device("cpu"),
+        )
     )
     return {k: m[k] for k in METRICS if k in m} | {"val_tokens": m["val_tokens"]}
 
@@ -95,15 +97,17 @@ def train_models(args: argparse.Namespace, work: Path, results: Json) -> tuple[J
     pre_steps = int(pre.manifest["step"])
     total = pre_steps + args.stage1_steps + args.stage2_steps
 
-    def recipe(steps: int, **stage: object) -> RetrofitRecipe:
-        common = dict(corpus=pre.config.data.corpus, lr=args.lr, backbone_lr_ratio=args.backbone_lr_ratio)
+    def recipe(steps: int, frozen_steps: int | None = None, unfreeze: str = "none") -> RetrofitRecipe:
         return RetrofitRecipe(
-            **common,
+            corpus=pre.config.data.corpus,
+            lr=args.lr,
+            backbone_lr_ratio=args.backbone_lr_ratio,
             batch_size=pre.config.train.batch_size,
             prototypes=512,
             top_k=8,
             steps=steps,
-            **stage,
+            frozen_steps=frozen_steps,
+            unfreeze=unfreeze,
         )
 
     def retrofit(out: Path, r: RetrofitRecipe) -> Path:

@@ -178,7 +178,7 @@ def sotu_spec(
 
 
 @torch.no_grad()
-def signature_ranks(model: PrismLM, tok: Tokenizer, judge: Judge, n_words: int = 20) -> dict[str, int]:
+def signature_ranks(model: PrismLM, tok: Tokenizer, judge: TfidfJudge, n_words: int = 20) -> dict[str, int]:
     """Does the model have prototypes *for* the concept's words? For the judge's ``n_words`` most
     concept-indicative single words that are one LM token (" w" or " W"), the best rank of that token in
     any prototype's logit signature W p_i (1 = the top token of some prototype)."""
@@ -694,7 +694,9 @@ def measure(
     gen_s = time.time() - t_gen
     scores, table = judge_table(spec.judges, gens, conds, prompt_sets, samples)
     all_prompts = [q for n in prompt_sets for q in prompt_sets[n]]
-    ranks = signature_ranks(model, tok, spec.judges["tfidf"])
+    tfidf = spec.judges["tfidf"]
+    assert isinstance(tfidf, TfidfJudge)  # both concepts' headline judge
+    ranks = signature_ranks(model, tok, tfidf)
     main = f"concept@{main_budget}"
     ppb = np.concatenate([scores["tfidf"]["before"][n].mean(1) for n in prompt_sets])
     ppa = np.concatenate([scores["tfidf"][main][n].mean(1) for n in prompt_sets])
