@@ -20,6 +20,7 @@ from typing import TypeVar, cast
 
 import torch
 
+from prismlm.tda.planted import PlantedCorpus, build_planted_corpus
 from prismlm.train.distributed import DistInfo
 from prismlm.train.trainer import environment_info
 
@@ -225,6 +226,20 @@ def fmt_rate(x: float) -> str:
 CPU_SMALL_RUN = RUNS_DIR / "cpu-small"
 """The trained cpu-small PRISM run (d=128, 4 layers, K=512, k=8, 600 steps on the built-in corpus: 4.85 M
 training tokens) that the attribution-at-scale benches build caches on."""
+
+
+def planted_corpus(work: Path, prof: Mapping[str, object], seed: int) -> PlantedCorpus:
+    """The attribution benches' planted-fact corpus (``prismlm.tda.planted``), built once under ``work`` in a
+    folder named by ``prof``'s background documents, facts and copies and the seed."""
+    bg, facts, copies, chars = (int(num(prof, k)) for k in ("background", "facts", "copies", "doc_chars"))
+    return build_planted_corpus(
+        work / f"corpus-b{bg}-f{facts}x{copies}-s{seed}",
+        n_facts=facts,
+        copies=copies,
+        n_background=bg,
+        doc_chars=chars,
+        seed=seed,
+    )
 
 
 def ensure_cpu_small_run(path: str | Path = CPU_SMALL_RUN) -> Path:

@@ -38,6 +38,7 @@ from _common import (
     load_average,
     log,
     parse_sets,
+    planted_corpus,
     profile_from_args,
     results_number,
     warn_if_busy,
@@ -52,10 +53,10 @@ from prismlm.model import PrismLM
 from prismlm.tda.baselines import KronfluenceBaseline
 from prismlm.tda.bergson import bergson_scores
 from prismlm.tda.cache import build_cache
-from prismlm.tda.comparison import Attributed, ComparisonSettings, all_scores
+from prismlm.tda.comparison import Attributed, ComparisonSettings, Query, Scores, all_scores
 from prismlm.tda.evaluation import LDS, SubsetShards, lds, topk_overlap
 from prismlm.tda.influence import FullGradients, query_gradients
-from prismlm.tda.planted import PlantedCorpus, build_planted_corpus, relevant_sequences, retrieval_metrics
+from prismlm.tda.planted import PlantedCorpus, relevant_sequences, retrieval_metrics
 from prismlm.tda.storage_study import StorageStudySettings, storage_study
 from prismlm.train import load_checkpoint, train
 
@@ -104,8 +105,6 @@ PROFILES: dict[str, Profile] = {
         fractions=[0.25, 0.5, 1.0],
     ),
 }
-Query = tuple[list[int], int]
-Scores = dict[str, np.ndarray]
 
 
 @dataclass
@@ -142,15 +141,8 @@ def heldout_queries(shards: ShardSet, n: int) -> list[Query]:
 
 def setup(args: argparse.Namespace, prof: Profile, work: Path) -> Setup:
     """The planted corpus, its shards and the trained model (each built once under ``work``), the queries."""
-    corpus_dir = work / f"corpus-b{prof['background']}-f{prof['facts']}x{prof['copies']}-s{args.seed}"
-    pc = build_planted_corpus(
-        corpus_dir,
-        n_facts=prof["facts"],
-        copies=prof["copies"],
-        n_background=prof["background"],
-        doc_chars=prof["doc_chars"],
-        seed=args.seed,
-    )
+    pc = planted_corpus(work, prof, args.seed)
+    corpus_dir = pc.path.parent
     sets = {
         **ATTRIBUTION_MODEL_SETS,
         **parse_sets(args.sets),

@@ -38,6 +38,7 @@ from _common import (
     log,
     num,
     obj,
+    planted_corpus,
     profile_from_args,
     warn_if_busy,
     write_json,
@@ -51,7 +52,6 @@ from prismlm.tda.baselines import KronfluenceBaseline
 from prismlm.tda.cache import AttributionCache, build_cache
 from prismlm.tda.evaluation import topk_overlap
 from prismlm.tda.influence import query_gradients
-from prismlm.tda.planted import build_planted_corpus
 from prismlm.train import load_checkpoint, train
 
 
@@ -443,15 +443,8 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
 def planted_queries(args: argparse.Namespace, prof: Profile, work: Path) -> tuple[ShardSet, list[Query], int]:
     """The planted-fact corpus's shards (``bpe-512``) and the Q queries: the planted paraphrases, then
     held-out windows; the number of planted ones."""
-    corpus_dir = work / f"corpus-b{prof['background']}-f{prof['facts']}x{prof['copies']}-s{args.seed}"
-    pc = build_planted_corpus(
-        corpus_dir,
-        n_facts=prof["facts"],
-        copies=prof["copies"],
-        n_background=prof["background"],
-        doc_chars=prof["doc_chars"],
-        seed=args.seed,
-    )
+    pc = planted_corpus(work, prof, args.seed)
+    corpus_dir = pc.path.parent
     shards = prepare_shards(str(pc.path), "bpe-512", corpus_dir / "shards", val_fraction=0.05, show_progress=False)
     tok = shards.tokenizer
     planted_q, _ = pc.queries(tok)

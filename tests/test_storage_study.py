@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import QUERY_TEXTS, train_tiny_run
+
 from prismlm.tda.bergson import write_datasets
 from prismlm.tda.storage_study import StorageStudySettings, _doc_sum, storage_study
 
