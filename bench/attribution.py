@@ -49,9 +49,9 @@ from prismlm.config import AttributionConfig, RunConfig
 from prismlm.data.shards import ShardSet, load_shards, prepare_shards
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.eval.resources import current_peak_rss_mib, reset_peak_rss, timed_call
+from prismlm.integrations.bergson import bergson_scores
 from prismlm.model import PrismLM
 from prismlm.tda.baselines import KronfluenceBaseline
-from prismlm.tda.bergson import bergson_scores
 from prismlm.tda.cache import build_cache
 from prismlm.tda.comparison import Attributed, ComparisonSettings, Query, Scores, all_scores
 from prismlm.tda.evaluation import LDS, SubsetShards, lds, topk_overlap
@@ -401,7 +401,7 @@ BERGSON_NOT_RUN = (
     "not run (--bergson PYTHON runs it from a separate venv): bergson==2.5.1 works on "
     "CPU on a `prism export`ed model only with torchvision/torchaudio removed (their "
     "wheels do not match torch 2.13 CPU), prismlm importable and PrismLM.device "
-    "patched (prismlm/tda/bergson_driver.py); docs/results.md, issue 13 items 5-6"
+    "patched (prismlm/integrations/bergson_driver.py); docs/results.md, issue 13 items 5-6"
 )
 
 
@@ -541,7 +541,7 @@ def add_method_options(ap: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PYTHON",
         help="also score with bergson==2.5.1 (EleutherAI), run by this python (a separate venv with "
-        "bergson installed; see src/prismlm/tda/bergson_driver.py)",
+        "bergson installed; see src/prismlm/integrations/bergson_driver.py)",
     )
     ap.add_argument("--bergson-proj-dim", type=int, default=16, help="bergson's per-module projection_dim")
     ap.add_argument(

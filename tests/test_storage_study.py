@@ -1,4 +1,4 @@
-"""``prismlm.tda.storage_study`` on a tiny trained model, and bergson's input files (``prismlm.tda.bergson``)."""
+"""``prismlm.tda.storage_study`` on a tiny trained model, and bergson's input files (``prismlm.integrations.bergson``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import QUERY_TEXTS, train_tiny_run
 
-from prismlm.tda.bergson import write_datasets
+from prismlm.integrations.bergson import write_datasets
 from prismlm.tda.storage_study import StorageStudySettings, _doc_sum, storage_study
 
 

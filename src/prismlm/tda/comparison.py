@@ -70,7 +70,7 @@ class ComparisonSettings:
 
 @dataclass
 class Extra:
-    """What the scores come with (saved beside them: ``--reuse-scores`` loads both)."""
+    """What the scores come with (a bench saves it beside them, to reuse both)."""
 
     cache_meta: dict[str, Json]
     method_costs: dict[str, Json]
@@ -86,7 +86,7 @@ def baseline_scores(settings: ComparisonSettings, s: Attributed, scores_at_N: Sc
             if name in scores_at_N and strat != "ekfac":
                 continue
             kb, t_f, _ = timed_call(partial(KronfluenceBaseline, s.net, s.shards, strategy=strat, batch_size=16))
-            if name not in scores_at_N:  # --no-costs: the baselines were not run yet
+            if name not in scores_at_N:  # no costs pass before: the baselines were not run yet
                 t0 = time.perf_counter()
                 scores_at_N[name] = kb.scores(s.queries, s.eot_id, query_batch_size=Q).numpy()
                 ex.method_costs[name] = {"oneoff_s": t_f, "per_query_s_batched": (time.perf_counter() - t0) / Q}

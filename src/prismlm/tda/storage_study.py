@@ -7,8 +7,8 @@ what ``build_cache`` with that projection stores; ``pca``/``pca-local`` fitted o
 ``pca_sequences`` sequences spread over the corpus: ``fit_ranges``), and every storage variant by
 ``compress_cache``. Document-level overlaps compare document scores (sums over the document's sequences) with
 the full method's document scores. Per-query time: ``cache.scores`` of one query (its forward pass excluded:
-common to all variants), median over queries, with the postings it read. Run by ``bench/attribution.py
---compression``.
+common to all variants), median over queries, with the postings it read. Run by ``bench/attribution.py``
+(its ``compression`` mode).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ Variant = tuple[Aggregate, Dtype, float, PruneBy, IdEncoding]
 
 @dataclass
 class StorageStudySettings:
-    """What the study compares (``bench/attribution.py --comp-*`` options)."""
+    """What the study compares (the ``comp_*`` options of ``bench/attribution.py``)."""
 
     max_sequences: int | None = None
     """First N training sequences (None: all)."""

@@ -1,6 +1,6 @@
 """Run bergson (EleutherAI, ``bergson==2.5.1``) on a ``prism export``ed model, from bergson's own venv.
 
-Run by ``prismlm.tda.bergson`` (by its path, outside the package): ``PYTHON bergson_driver.py build ARGS...`` runs
+Run by ``prismlm.integrations.bergson`` (by its path, outside the package): ``PYTHON bergson_driver.py build ARGS...`` runs
 ``bergson build ARGS...``; ``PYTHON bergson_driver.py scores TRAIN_IDX QUERY_IDX OUT.npy`` writes the
 (queries × training sequences) dot products of the two indexes' projected gradients.
 
