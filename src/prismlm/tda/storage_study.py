@@ -291,6 +291,47 @@ def _f(x: object) -> float:
     return float(x)
 
 
+def _variant_rows(
+    s: StorageStudySettings,
+    shards: ShardSet,
+    base: AttributionCache,
+    at: tuple[int, Projection, bool],
+    sc: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    measure: _Measure,
+    P: int,
+    log: Callable[[str], None],
+) -> list[Row]:
+    """Every storage variant of one (r, projection) float32 cache ``base``, compressed and measured; ``sc``: the
+    full method's and the base's sequence scores, then their document scores."""
+    r, proj, main_axis = at
+    rows: list[Row] = []
+    for variant in _variants(s, main_axis):
+        agg, dt, prune, by, ids = variant
+        cfg = AttributionConfig(
+            r=r,
+            projection=proj,
+            dtype=dt,
+            prune=prune,
+            prune_by=by,
+            aggregate=agg,
+            id_encoding=ids,
+        )
+        t = time.perf_counter()
+        c = compress_cache(base, cfg, shards=shards)
+        t_enc = time.perf_counter() - t
+        name = f"r{r}-{proj}-{dt}-p{prune:g}{'' if by == 'list' else '-unit'}-{agg}-{ids}"
+        S, ms, nread = measure(c, name)
+        refs = (sc[2], sc[3]) if agg == "document" else (sc[0], sc[1])
+        row = _variant_row(name, c, variant, r, proj, S, refs, (ms, nread, t_enc), P)
+        rows.append(row)
+        log(
+            f"{name}: {_f(row['bytes_per_token']):.1f} B/token, top-10 vs full {_f(row['top10_vs_full']):.2f}, "
+            f"vs fp32 {_f(row['top10_vs_fp32']):.2f}, {_f(row['per_query_ms_median']):.1f} ms/query"
+        )
+        del c
+    return rows
+
+
 def storage_study(
     net: PrismLM,
     shards: ShardSet,
@@ -330,30 +371,9 @@ def storage_study(
             base = _projected(ref.cache, ref.curvature, R, proto_all, r, proj)
             S_base = base.scores(qg, Q).numpy()
             S_base_doc = _doc_sum(S_base, docs, D)
-            for variant in _variants(s, r == s.main_rank and proj == s.projections[0]):
-                agg, dt, prune, by, ids = variant
-                cfg = AttributionConfig(
-                    r=r,
-                    projection=proj,
-                    dtype=dt,
-                    prune=prune,
-                    prune_by=by,
-                    aggregate=agg,
-                    id_encoding=ids,
-                )
-                t = time.perf_counter()
-                c = compress_cache(base, cfg, shards=shards)
-                t_enc = time.perf_counter() - t
-                name = f"r{r}-{proj}-{dt}-p{prune:g}{'' if by == 'list' else '-unit'}-{agg}-{ids}"
-                S, ms, nread = measure(c, name)
-                refs = (S_full_doc, S_base_doc) if agg == "document" else (S_full, S_base)
-                row = _variant_row(name, c, variant, r, proj, S, refs, (ms, nread, t_enc), P)
-                rows.append(row)
-                log(
-                    f"{name}: {_f(row['bytes_per_token']):.1f} B/token, top-10 vs full {_f(row['top10_vs_full']):.2f}, "
-                    f"vs fp32 {_f(row['top10_vs_fp32']):.2f}, {_f(row['per_query_ms_median']):.1f} ms/query"
-                )
-                del c
+            main_axis = r == s.main_rank and proj == s.projections[0]
+            sc = (S_full, S_base, S_full_doc, S_base_doc)
+            rows += _variant_rows(s, shards, base, (r, proj, main_axis), sc, measure, P, log)
             del base
             gc.collect()
     summary = _summarise(rows, measure.per_query, s.main_rank)
