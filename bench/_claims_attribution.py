@@ -562,7 +562,7 @@ class Methods:
         tracks, 16 dimensions per module. Per-query cost: the query index (all queries, one bergson process) ÷
         queries + the dot products, and one single-query index build (a process start and model load
         included, as a user of the CLI pays); one-off: the export and the training index."""
-        from _bergson import bergson_scores, build_index
+        from prismlm.integrations.bergson import bergson_scores, build_index
 
         work = self.folder / "bergson"
         try:

@@ -1,37 +1,79 @@
-"""Helpers shared by the benchmark scripts: results paths, ``--set`` parsing, environment info, JSON output.
+"""Helpers shared by the benchmark scripts: results paths, the ``--set`` option, profiles, environment info,
+timing and memory readings, JSON output.
 
 Not a public API; the scripts import it as a sibling module (``python bench/x.py`` puts ``bench/`` on
-``sys.path``).
+``sys.path``). The one module a script imports besides ``prismlm`` (tests/test_architecture.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import resource
 import shlex
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypeVar, cast
 
 import torch
 
+from prismlm.tda.planted import PlantedCorpus, build_planted_corpus
 from prismlm.train.distributed import DistInfo
 from prismlm.train.records import environment_info
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 RUNS_DIR = BENCH_DIR / "runs"
+ATTRIBUTION_MODEL_SETS: dict[str, object] = {
+    "model.n_embd": 64,
+    "model.prototypes.num_prototypes": 128,
+    "model.prototypes.top_k": 4,
+    "train.eval_interval": 100000,
+    "train.eval_batches": 1,
+    "train.log_interval": 100000,
+}
+"""The overrides of the attribution benches' model (attribution.py and attribution_costs.py): d=64, K=128."""
+Json = dict[str, object]
+"""A JSON object as the scripts build it (values: numbers, strings, lists and nested objects)."""
+P = TypeVar("P", bound=Mapping[str, object])
+R = TypeVar("R")
 
 
-def parse_sets(items: list[str] | None) -> dict[str, Any]:
+def add_set_option(ap: argparse.ArgumentParser, help: str = "config override, e.g. model.n_embd=128") -> None:
+    """``--set KEY=VALUE`` (repeatable) into ``args.sets``: config overrides (parsed by ``parse_sets``)."""
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr (stdout carries the one summary line)."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA); a no-op on CPU. Around every timed region on a GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_on(device: torch.device, f: Callable[[], R]) -> tuple[float, R]:
+    """(seconds, result) of ``f()`` on ``device``, synchronised before and after."""
+    sync(device)
+    t = time.perf_counter()
+    r = f()
+    sync(device)
+    return time.perf_counter() - t, r
+
+
+def parse_sets(items: list[str] | None) -> dict[str, object]:
     """``["train.lr=1e-3", "model.prototypes.top_k=4"]`` → ``{"train.lr": 0.001, ...}``.
 
     Values are parsed as JSON (numbers, ``true``/``false``, ``null``, lists); anything that is not valid
     JSON is kept as a string, so ``--set data.tokenizer=gpt2`` works without quotes.
     """
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for item in items or []:
         if "=" not in item:
             raise SystemExit(f"--set expects key=value, got {item!r}")
@@ -44,11 +86,11 @@ def parse_sets(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def environment(device: torch.device | str, seed: int) -> dict[str, Any]:
+def environment(device: torch.device | str, seed: int) -> Json:
     """The trainer's environment record (git revision, package versions incl. torch, platform, device,
     threads, command, start date) plus the exact shell command line and the CPU count."""
     device = torch.device(device)
-    env = environment_info(DistInfo(), device, seed)
+    env: Json = dict(environment_info(DistInfo(), device, seed))
     env["command_line"] = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
     env["cpu_count"] = os.cpu_count()
     env["torch_version"] = torch.__version__
@@ -56,7 +98,7 @@ def environment(device: torch.device | str, seed: int) -> dict[str, Any]:
     return env
 
 
-def profile_from_args(profiles: dict[str, dict[str, Any]], args: Any) -> dict[str, Any]:
+def profile_from_args(profiles: Mapping[str, P], args: argparse.Namespace) -> P:
     """The ``quick`` or ``default`` profile (by ``args.quick``), each key overridden by the command-line
     option of the same name when it was given (not None)."""
     prof = dict(profiles["quick" if getattr(args, "quick", False) else "default"])
@@ -64,7 +106,7 @@ def profile_from_args(profiles: dict[str, dict[str, Any]], args: Any) -> dict[st
         value = getattr(args, key, None)
         if value is not None:
             prof[key] = value
-    return prof
+    return cast(P, prof)  # the same keys, each value of its option's type
 
 
 def load_average() -> list[float] | None:
@@ -90,34 +132,7 @@ def warn_if_busy(threads: int) -> None:
         )
 
 
-def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far, MiB (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter (VmHWM) of this process, so the next reading covers only what
-    runs after it. Returns False where not supported (then readings are peaks since process start)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def current_peak_rss_mib() -> float:
-    """VmHWM (peak RSS since the last ``reset_peak_rss``) in MiB; falls back to ru_maxrss."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return peak_rss_mib()
-
-
-def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+def write_json(path: str | Path, payload: Mapping[str, object]) -> Path:
     """Write ``payload`` (with a ``finished`` timestamp added) atomically: to ``path.tmp``, then rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,6 +141,77 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def find_key(obj: object, key: str) -> object:
+    """The first value of ``key`` in nested dicts (depth first), or None."""
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        for v in obj.values():
+            found = find_key(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def obj(x: object, *keys: str) -> Json:
+    """The JSON object at ``x[k0][k1]…`` (asserted to be one): typed access into nested results."""
+    for k in keys:
+        assert isinstance(x, dict), x
+        x = x[k]
+    assert isinstance(x, dict), x
+    return x
+
+
+def num(x: object, *keys: str) -> float:
+    """The number at ``x[k0][k1]…`` (asserted to be one)."""
+    for k in keys:
+        assert isinstance(x, dict), x
+        x = x[k]
+    assert isinstance(x, int | float), x
+    return float(x)
+
+
+def results_number(name: str, key: str) -> Json:
+    """A headline number from another bench's JSON, with the file and its git revision (and whether the
+    working tree differs from it), or null and why."""
+    path = RESULTS_DIR / name
+    rec: Json = {"source": f"bench/results/{name}", "value": None}
+    if not path.exists():
+        rec["note"] = f"{rec['source']} absent when this bench ran"
+        return rec
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        rec["note"] = f"unreadable: {e}"
+        return rec
+    rec["value"], rec["field"] = find_key(data, key), key
+    fit = data.get("fit") if isinstance(data, dict) else None
+    if rec["value"] is None and key == "query_time_exponent" and isinstance(fit, dict) and "approx" in fit:
+        # bench/attribution_scaling.py: time ≈ a · tokens^b fitted for the approximate search and the exact scan
+        approx, exact = fit["approx"], fit.get("exact", {})
+        rec["value"], rec["field"] = approx.get("b") if isinstance(approx, dict) else None, "fit.approx.b"
+        rec["exact_scan_exponent"] = exact.get("b") if isinstance(exact, dict) else None
+    if rec["value"] is None:
+        rec["note"] = f"no {key!r} in {rec['source']}"
+    rec["profile"] = data.get("profile") if isinstance(data, dict) else None
+    env = data.get("environment") if isinstance(data, dict) else None
+    rec["measured_at_revision"] = env.get("git_revision") if isinstance(env, dict) else None  # the code it timed
+    root = RESULTS_DIR.parent.parent
+    try:
+        rev = subprocess.run(
+            ["git", "log", "-1", "--format=%H", "--", str(path)], cwd=root, capture_output=True, text=True, timeout=20
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", str(path)], cwd=root, capture_output=True, text=True, timeout=20
+        ).stdout.strip()
+        rec["git_revision"] = rev or None
+        rec["uncommitted"] = bool(dirty)
+    except (OSError, subprocess.SubprocessError) as e:
+        rec["git_revision"] = None
+        rec["note"] = (str(rec.get("note", "")) + f" git: {e}").strip()
+    return rec
 
 
 def fmt_rate(x: float) -> str:
@@ -140,6 +226,20 @@ def fmt_rate(x: float) -> str:
 CPU_SMALL_RUN = RUNS_DIR / "cpu-small"
 """The trained cpu-small PRISM run (d=128, 4 layers, K=512, k=8, 600 steps on the built-in corpus: 4.85 M
 training tokens) that the attribution-at-scale benches build caches on."""
+
+
+def planted_corpus(work: Path, prof: Mapping[str, object], seed: int) -> PlantedCorpus:
+    """The attribution benches' planted-fact corpus (``prismlm.tda.planted``), built once under ``work`` in a
+    folder named by ``prof``'s background documents, facts and copies and the seed."""
+    bg, facts, copies, chars = (int(num(prof, k)) for k in ("background", "facts", "copies", "doc_chars"))
+    return build_planted_corpus(
+        work / f"corpus-b{bg}-f{facts}x{copies}-s{seed}",
+        n_facts=facts,
+        copies=copies,
+        n_background=bg,
+        doc_chars=chars,
+        seed=seed,
+    )
 
 
 def ensure_cpu_small_run(path: str | Path = CPU_SMALL_RUN) -> Path:

@@ -2,38 +2,17 @@
 """Attribution query time vs corpus size: the exact scan of the active prototypes' postings vs approximate
 top-M search + exact rescoring (``prismlm.tda.search``, issue 13 item 2).
 
-What is measured
-    A compact attribution cache of a real PRISM run (default: the cpu-small run ``bench/runs/cpu-small``,
-    K = 512, trained first if missing by ``prism train --preset cpu-small``; its first 12,288 training
-    sequences = 1.57 M tokens; ``pca-local`` r = 48, int4 sketches, prune 0.1, delta ids; built once under
-    ``--workdir`` and reused) gives the posting statistics. At each corpus size
-    (``--sizes``, training tokens):
+A compact cache of a real PRISM run (default: the cpu-small run, trained first if missing; ``pca-local`` r = 48,
+int4, prune 0.1, delta ids; built once under ``--workdir``) gives the postings. At each corpus size (``--sizes``,
+training tokens): the real postings of its first sequences up to the real cache's size, above it synthetic
+postings (each synthetic sequence copies all postings of a real one drawn with replacement, sketches plus
+Gaussian noise, re-quantised). The same held-out queries at every size: per-query median time of ``exact_top``
+and of ``SearchIndex.top``, their top-k overlap, the search index's build time and bytes per token, and the
+exponent b of time ≈ a · tokens^b for each. Goal: b ≤ 0.5 for the search with top-10 overlap ≥ ~0.95.
 
-    - up to the real cache's size, the real postings of its first N/T sequences (a sub-cache, same
-      storage); ``"synthetic": false``;
-    - above it, **synthetic** postings drawn from the real cache (``"synthetic": true``): each of the N/T
-      sequences copies a real sequence drawn uniformly with replacement — all of its postings, so list
-      lengths scale with the real frequencies and a sequence's postings across prototypes stay jointly
-      real (drawing each list independently, with uniform ids, would make every score a sum of
-      independent terms, unlike real data) — each sketch plus Gaussian noise of ``--noise`` × its rms,
-      re-quantised to int4 with the real cache's scale unit. Copies of one source are near-duplicates:
-      the top-k then holds several of them, ordered by the noise, which makes the overlap a strict test.
-
-    The same real queries at every size: held-out validation windows of the run's shards (block gradients
-    by ``query_gradients``, sketched by the cache). Per query, the median of ``--repeats`` timings of
-    (a) ``exact_top`` (``AttributionCache.scores``: every posting of A_q, then the top-k) and (b)
-    ``SearchIndex.top`` (IVF per list longer than ``--min-list``: by default ``--encoding sq8``, a faiss
-    IVF-SQ8 copy of the list's sketches; ``cache``: cells trained by faiss k-means whose postings are read
-    from the cache itself; nlist = √n, ``--nprobe``
-    cells, top ``--m`` per list, exact rescoring through the forward index). Reported: median per-query
-    ms, top-k overlap of (b) with (a), the sidecar's one-off build seconds and its bytes per training
-    token (apart from the postings' bytes per token), and the exponent b of time ≈ a · tokens^b fitted
-    by least squares in log-log, separately for (a) and (b). One torch/faiss thread.
-
-How to read it
-    The goal of the issue: b ≤ 0.5 for (b) with top-10 overlap ≥ ~0.95. Timings on a shared CPU are
-    noisy; the load average is recorded. Output: JSON at ``--out`` (default
-    ``bench/results/attribution-scaling[-quick].json``) and one summary line on stdout.
+Run: ``PYTHONPATH=src python bench/attribution_scaling.py [--quick]``. Writes
+``bench/results/attribution-scaling[-quick].json`` and one summary line; the sampling in detail and the
+measurements: docs/results.md (attribution at scale).
 """
 
 from __future__ import annotations
@@ -42,8 +21,11 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, TypedDict, cast
 
 import numpy as np
 import torch
@@ -51,22 +33,39 @@ from _common import (
     CPU_SMALL_RUN,
     RESULTS_DIR,
     RUNS_DIR,
+    Json,
     ensure_cpu_small_run,
     environment,
     load_average,
+    num,
     profile_from_args,
     warn_if_busy,
     write_json,
 )
 
 from prismlm import AttributionConfig
+from prismlm.app import Run
 from prismlm.config import SearchConfig
+from prismlm.data.shards import ShardSet, load_shards
+from prismlm.model import PrismLM
 from prismlm.tda.cache import AttributionCache, DeltaIds, QuantSketches, build_cache, quantise
+from prismlm.tda.cache.manifest import CacheManifest
 from prismlm.tda.cache.store import exact_top
+from prismlm.tda.gradients import BlockGradients
 from prismlm.tda.influence import query_gradients
-from prismlm.tda.search import build_search_index
+from prismlm.tda.search import SearchIndex, build_search_index
+from prismlm.train import load_checkpoint
+from prismlm.train.checkpoint import Checkpoint
 
-PROFILES: dict[str, dict[str, Any]] = {
+
+class Profile(TypedDict):
+    sizes: list[float]
+    queries: int
+    repeats: int
+    max_sequences: int
+
+
+PROFILES: dict[str, Profile] = {
     "default": {"sizes": [1e5, 3e5, 1e6, 3e6, 1e7], "queries": 8, "repeats": 3, "max_sequences": 12288},
     "quick": {"sizes": [3e4, 1e5, 3e5], "queries": 3, "repeats": 3, "max_sequences": 256},
 }
@@ -76,12 +75,11 @@ def log(msg: str) -> None:
     print(f"[attribution-scaling] {msg}", file=sys.stderr, flush=True)
 
 
-def real_cache(args: argparse.Namespace, prof: dict[str, Any], work: Path) -> tuple[AttributionCache, Any, Any]:
-    """The real cache (built once under ``work``), the model and the shards."""
-    from prismlm.app import Run
-    from prismlm.data.shards import load_shards
-    from prismlm.train import load_checkpoint
+Index = Any  # an index of faiss, hnswlib or usearch: untyped libraries
 
+
+def real_cache(args: argparse.Namespace, prof: Profile, work: Path) -> tuple[AttributionCache, Checkpoint, ShardSet]:
+    """The real cache (built once under ``work``), the model and the shards."""
     ck = load_checkpoint(ensure_cpu_small_run(args.run))
     sh = load_shards(args.shards) if args.shards else Run.open(args.run, device="cpu").shards()
     cfg = AttributionConfig(
@@ -130,7 +128,7 @@ def sub_cache(real: AttributionCache, units: int) -> AttributionCache:
         sketches=sks,
         projection=real.projection,
         curvature=real.curvature,
-        manifest=m,
+        manifest=cast(CacheManifest, m),  # the real manifest with this size's counts and a synthetic flag
     )
 
 
@@ -176,13 +174,11 @@ def synthetic_cache(real: AttributionCache, units: int, noise: float, seed: int)
         sketches=QuantSketches(codes, scales, sk.unit, sk.qdtype, sk.r),
         projection=real.projection,
         curvature=real.curvature,
-        manifest=m,
+        manifest=cast(CacheManifest, m),  # the real manifest with this size's counts and a synthetic flag
     )
 
 
-def library_comparison(
-    real: AttributionCache, lists: int = 3, queries: int = 20, m: int = 50, seed: int = 0
-) -> dict[str, Any]:
+def library_comparison(real: AttributionCache, lists: int = 3, queries: int = 20, m: int = 50, seed: int = 0) -> Json:
     """The measurement behind the library choice: on the real decoded sketches of the ``lists`` longest
     lists, top-``m`` inner-product recall (vs an exact matvec) and per-query µs (1 thread, one query per
     call, as ``SearchIndex`` searches) of faiss IVF-SQ8 / IVF-Flat / HNSW, hnswlib and usearch (each when
@@ -191,33 +187,34 @@ def library_comparison(
 
     rng = np.random.default_rng(seed)
     n = np.diff(real.offsets)
-    out: dict[str, Any] = {"lists": [], "m": m, "queries_per_list": queries}
+    per_list: list[Json] = []
+    out: Json = {"lists": per_list, "m": m, "queries_per_list": queries}
     for i in np.argsort(-n)[:lists].tolist():
         a, b = int(real.offsets[i]), int(real.offsets[i + 1])
         X = np.ascontiguousarray(real.sketches.gather(np.arange(a, b)), dtype=np.float32)
         Q = np.ascontiguousarray(X[rng.choice(len(X), queries, replace=False)])
-        out["lists"].append({"prototype": i, "postings": len(X), **_compare_on(faiss, X, Q, m)})
+        per_list.append({"prototype": i, "postings": len(X), **_compare_on(faiss, X, Q, m)})
     return out
 
 
-def _compare_on(faiss: Any, X: np.ndarray, Q: np.ndarray, m: int) -> dict[str, Any]:
+def _compare_on(faiss: ModuleType, X: np.ndarray, Q: np.ndarray, m: int) -> Json:
     """Build each library's index over ``X`` (n, r) float32 and search the rows of ``Q`` one at a time."""
     truth = np.argsort(-(Q @ X.T), axis=1)[:, :m]
-    res: dict[str, Any] = {}
+    res: Json = {}
 
-    def run(name: str, build: Any, search: Any) -> None:
+    def run(name: str, build: Callable[[], Index], search: Callable[[Index, np.ndarray], object]) -> None:
         t = time.perf_counter()
         ix = build()
         bt = time.perf_counter() - t
         t = time.perf_counter()
-        got = [search(ix, Q[j : j + 1]) for j in range(len(Q))]
+        got = [np.asarray(search(ix, Q[j : j + 1])) for j in range(len(Q))]
         qt = (time.perf_counter() - t) / len(Q)
-        rec = float(np.mean([len(set(np.asarray(g).tolist()) & set(tr.tolist())) / m for g, tr in zip(got, truth)]))
+        rec = float(np.mean([len(set(g.tolist()) & set(tr.tolist())) / m for g, tr in zip(got, truth)]))
         res[name] = {"build_s": round(bt, 3), "query_us": round(qt * 1e6, 1), "recall": round(rec, 3)}
 
     nl = int(np.ceil(np.sqrt(len(X))))
 
-    def ivf(enc: str) -> Any:
+    def ivf(enc: str) -> Index:
         q = faiss.IndexFlatIP(X.shape[1])
         ix = (
             faiss.IndexIVFScalarQuantizer(q, X.shape[1], nl, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
@@ -233,19 +230,19 @@ def _compare_on(faiss: Any, X: np.ndarray, Q: np.ndarray, m: int) -> dict[str, A
         for npb in (8, 16):
             run(
                 f"faiss-ivf-{enc} nlist={nl} nprobe={npb}",
-                lambda enc=enc: ivf(enc),
-                lambda ix, x, npb=npb: ix.search(x, m, params=faiss.SearchParametersIVF(nprobe=npb))[1][0],
+                partial(ivf, enc),
+                partial(_search_ivf, faiss, m, npb),
             )
     for ef in (64, 128):
         run(
             f"faiss-hnsw M=16 ef={ef}",
             lambda: _hnsw(faiss, X),
-            lambda ix, x, ef=ef: ix.search(x, m, params=faiss.SearchParametersHNSW(efSearch=ef))[1][0],
+            partial(_search_hnsw, faiss, m, ef),
         )
     try:
         import hnswlib
 
-        def hb() -> Any:
+        def hb() -> Index:
             h = hnswlib.Index(space="ip", dim=X.shape[1])
             h.init_index(len(X), M=16, ef_construction=100)
             h.set_num_threads(1)
@@ -259,7 +256,7 @@ def _compare_on(faiss: Any, X: np.ndarray, Q: np.ndarray, m: int) -> dict[str, A
     try:
         from usearch.index import Index as UIndex
 
-        def ub() -> Any:
+        def ub() -> Index:
             u = UIndex(ndim=X.shape[1], metric="ip", dtype="f32", connectivity=16)
             u.add(np.arange(len(X)), X, threads=1)
             return u
@@ -278,7 +275,15 @@ def _compare_on(faiss: Any, X: np.ndarray, Q: np.ndarray, m: int) -> dict[str, A
     return res
 
 
-def _hnsw(faiss: Any, X: np.ndarray) -> Any:
+def _search_ivf(faiss: ModuleType, m: int, nprobe: int, ix: Index, x: np.ndarray) -> object:
+    return ix.search(x, m, params=faiss.SearchParametersIVF(nprobe=nprobe))[1][0]
+
+
+def _search_hnsw(faiss: ModuleType, m: int, ef: int, ix: Index, x: np.ndarray) -> object:
+    return ix.search(x, m, params=faiss.SearchParametersHNSW(efSearch=ef))[1][0]
+
+
+def _hnsw(faiss: ModuleType, X: np.ndarray) -> Index:
     ix = faiss.IndexHNSWFlat(X.shape[1], 16, faiss.METRIC_INNER_PRODUCT)
     ix.add(X)
     return ix
@@ -290,7 +295,7 @@ def fit_exponent(tokens: list[float], times: list[float]) -> dict[str, float]:
     return {"b": float(b), "a": float(np.exp(loga))}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -320,106 +325,99 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None, help="default bench/runs/attribution-scaling")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    prof = profile_from_args(PROFILES, args)
-    tag = "attribution-scaling-quick" if args.quick else "attribution-scaling"
-    work = Path(args.workdir) if args.workdir else RUNS_DIR / "attribution-scaling"
-    out_path = Path(args.out) if args.out else RESULTS_DIR / f"{tag}.json"
-    torch.set_num_threads(args.threads)
-    import faiss
+    return ap.parse_args()
 
-    faiss.omp_set_num_threads(args.threads)
-    warn_if_busy(args.threads)
-    env = environment("cpu", args.seed)
-    t_start = time.perf_counter()
-    real, ck, sh = real_cache(args, prof, work)
-    T = int(real.manifest["block_size"])
-    # queries: held-out validation windows (32 tokens, as bench/attribution.py)
+
+def held_out_queries(net: PrismLM, sh: ShardSet, n: int) -> list[BlockGradients]:
+    """Block gradients of ``n`` held-out validation windows (32 tokens, as bench/attribution.py)."""
     nv = sh.val.num_sequences(32)
-    wins = np.linspace(0, max(0, nv - 1), num=min(prof["queries"], nv), dtype=int).tolist()
-    net = ck.model.eval()
-    qg = [query_gradients(net, [([sh.tokenizer.eot_id] + sh.val.sequence(j, 32).tolist(), 1)]) for j in wins]
-    log(
-        f"real cache: {real.num_postings} postings over {real.num_train} sequences ({real.manifest['tokens']} tokens); "
-        f"{len(qg)} queries, {np.mean([q.rows for q in qg]):.0f} active prototypes each"
-    )
-    lib = None
-    if not (args.quick or args.no_library):
-        lib = library_comparison(real, seed=args.seed)
-        log(
-            "library comparison (top-50 recall, µs/query, build s) on the longest real lists: "
-            + "; ".join(
-                f"{k}: {v['recall']}/{v['query_us']:.0f}/{v['build_s']}"
-                for k, v in lib["lists"][0].items()
-                if isinstance(v, dict)
-            )
-        )
-    scfg = SearchConfig(kind=args.kind, min_list=args.min_list, encoding=args.encoding)
-    rows = []
-    for N in sorted(prof["sizes"]):
-        units = max(1, int(round(N / T)))
-        t0 = time.perf_counter()
-        cache = (
-            sub_cache(real, units) if units <= real.num_train else synthetic_cache(real, units, args.noise, args.seed)
-        )
-        t_make = time.perf_counter() - t0
-        idx = build_search_index(cache, scfg)
-        idx.warm()
-        t_ex, t_ap, ov = [], [], []
-        for q in qg:
-            exact_top(cache, q, 1, args.k)  # warm the pages
-            idx.top(cache, q, 1, args.k, m=args.m, nprobe=args.nprobe, ef=args.ef)
-            te, ta = [], []
-            for _ in range(prof["repeats"]):
-                a = time.perf_counter()
-                _, ei = exact_top(cache, q, 1, args.k)
-                b = time.perf_counter()
-                _, ai = idx.top(cache, q, 1, args.k, m=args.m, nprobe=args.nprobe, ef=args.ef)
-                c = time.perf_counter()
-                te.append(b - a)
-                ta.append(c - b)
-            t_ex.append(statistics.median(te))
-            t_ap.append(statistics.median(ta))
-            ov.append(len(set(ei[0].tolist()) & set(ai[0].tolist())) / args.k)
-        row = {
-            "tokens": units * T,
-            "sequences": units,
-            "synthetic": bool(cache.manifest["synthetic"]),
-            "postings": cache.num_postings,
-            "postings_bytes_per_token": cache.nbytes() / (units * T),
-            "make_seconds": t_make,
-            "index_build_seconds": idx.manifest["build_seconds"],
-            "index_lists": idx.manifest["lists_indexed"],
-            "index_postings": idx.manifest["postings_indexed"],
-            "index_bytes": idx.nbytes(),
-            "index_bytes_per_token": idx.nbytes() / (units * T),
-            "exact_ms": 1e3 * statistics.median(t_ex),
-            "approx_ms": 1e3 * statistics.median(t_ap),
-            "exact_ms_per_query": [1e3 * t for t in t_ex],
-            "approx_ms_per_query": [1e3 * t for t in t_ap],
-            "overlap": float(np.mean(ov)),
-            "overlap_per_query": ov,
-        }
-        rows.append(row)
-        log(
-            f"N={units * T:.2e} ({'synthetic' if row['synthetic'] else 'real'}): {cache.num_postings} postings; "
-            f"exact {row['exact_ms']:.1f} ms, approx {row['approx_ms']:.1f} ms, top-{args.k} overlap "
-            f"{row['overlap']:.3f}; index {row['index_build_seconds']:.1f} s, "
-            f"{row['index_bytes_per_token']:.1f} B/token (postings {row['postings_bytes_per_token']:.1f})"
-        )
-        del cache, idx
-    tok = [r["tokens"] for r in rows]
-    fit = {
-        "exact": fit_exponent(tok, [r["exact_ms"] for r in rows]),
-        "approx": fit_exponent(tok, [r["approx_ms"] for r in rows]),
+    wins = np.linspace(0, max(0, nv - 1), num=min(n, nv), dtype=int).tolist()
+    return [query_gradients(net, [([sh.tokenizer.eot_id] + sh.val.sequence(j, 32).tolist(), 1)]) for j in wins]
+
+
+def time_queries(
+    args: argparse.Namespace, cache: AttributionCache, idx: SearchIndex, qg: list[BlockGradients], repeats: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Per query: the median seconds of the exact scan and of the search, and their top-k overlap."""
+    t_ex, t_ap, ov = [], [], []
+    for q in qg:
+        exact_top(cache, q, 1, args.k)  # warm the pages
+        idx.top(cache, q, 1, args.k, m=args.m, nprobe=args.nprobe, ef=args.ef)
+        te, ta = [], []
+        for _ in range(repeats):
+            a = time.perf_counter()
+            _, ei = exact_top(cache, q, 1, args.k)
+            b = time.perf_counter()
+            _, ai = idx.top(cache, q, 1, args.k, m=args.m, nprobe=args.nprobe, ef=args.ef)
+            c = time.perf_counter()
+            te.append(b - a)
+            ta.append(c - b)
+        t_ex.append(statistics.median(te))
+        t_ap.append(statistics.median(ta))
+        ov.append(len(set(ei[0].tolist()) & set(ai[0].tolist())) / args.k)
+    return t_ex, t_ap, ov
+
+
+def size_row(
+    args: argparse.Namespace,
+    real: AttributionCache,
+    N: float,
+    scfg: SearchConfig,
+    qg: list[BlockGradients],
+    repeats: int,
+) -> Json:
+    """One corpus size: the (sub or synthetic) cache, its search index, both query times and the overlap."""
+    T = int(real.manifest["block_size"])
+    units = max(1, int(round(N / T)))
+    t0 = time.perf_counter()
+    cache = sub_cache(real, units) if units <= real.num_train else synthetic_cache(real, units, args.noise, args.seed)
+    t_make = time.perf_counter() - t0
+    idx = build_search_index(cache, scfg)
+    idx.warm()
+    t_ex, t_ap, ov = time_queries(args, cache, idx, qg, repeats)
+    row: Json = {
+        "tokens": units * T,
+        "sequences": units,
+        "synthetic": bool(dict(cache.manifest)["synthetic"]),
+        "postings": cache.num_postings,
+        "postings_bytes_per_token": cache.nbytes() / (units * T),
+        "make_seconds": t_make,
+        "index_build_seconds": idx.manifest["build_seconds"],
+        "index_lists": idx.manifest["lists_indexed"],
+        "index_postings": idx.manifest["postings_indexed"],
+        "index_bytes": idx.nbytes(),
+        "index_bytes_per_token": idx.nbytes() / (units * T),
+        "exact_ms": 1e3 * statistics.median(t_ex),
+        "approx_ms": 1e3 * statistics.median(t_ap),
+        "exact_ms_per_query": [1e3 * t for t in t_ex],
+        "approx_ms_per_query": [1e3 * t for t in t_ap],
+        "overlap": float(np.mean(ov)),
+        "overlap_per_query": ov,
     }
+    log(
+        f"N={units * T:.2e} ({'synthetic' if row['synthetic'] else 'real'}): {cache.num_postings} postings; "
+        f"exact {num(row, 'exact_ms'):.1f} ms, approx {num(row, 'approx_ms'):.1f} ms, top-{args.k} overlap "
+        f"{num(row, 'overlap'):.3f}; index {num(row, 'index_build_seconds'):.1f} s, "
+        f"{num(row, 'index_bytes_per_token'):.1f} B/token (postings {num(row, 'postings_bytes_per_token'):.1f})"
+    )
+    return row
+
+
+def payload_of(
+    args: argparse.Namespace,
+    prof: Profile,
+    scfg: SearchConfig,
+    real: AttributionCache,
+    rows: list[Json],
+    lib: Json | None,
+) -> Json:
     synth = (
         "each of the N/T synthetic sequences copies a real sequence drawn uniformly with replacement: all of its "
         f"postings (so list lengths scale with the real frequencies and the joint structure across prototypes "
         f"is kept), each sketch + N(0, ({args.noise} x its rms)^2) noise, re-quantised to int4 with the real "
         "scale unit"
     )
-    payload = {
+    return {
         "benchmark": "attribution-scaling",
         "profile": "quick" if args.quick else "default",
         "settings": {**prof, **vars(args)},
@@ -435,21 +433,67 @@ def main() -> None:
         },
         "synthetic": any(r["synthetic"] for r in rows),
         "synthetic_how": synth,
-        "library_choice": f"IVF ({args.encoding}; faiss k-means cells) (prismlm.tda.search; the measurement behind it: library_comparison and "
-        "the module docstring)",
+        "library_choice": f"IVF ({args.encoding}; faiss k-means cells) (prismlm.tda.search; the measurement behind "
+        "it: library_comparison and the module docstring)",
         "library_comparison": lib,
         "sizes": rows,
-        "fit": fit,
-        "environment": env,
-        "load_average_end": load_average(),
-        "total_seconds": time.perf_counter() - t_start,
     }
+
+
+def main() -> None:
+    args = parse_args()
+    prof = profile_from_args(PROFILES, args)
+    tag = "attribution-scaling-quick" if args.quick else "attribution-scaling"
+    work = Path(args.workdir) if args.workdir else RUNS_DIR / "attribution-scaling"
+    out_path = Path(args.out) if args.out else RESULTS_DIR / f"{tag}.json"
+    torch.set_num_threads(args.threads)
+    import faiss
+
+    faiss.omp_set_num_threads(args.threads)
+    warn_if_busy(args.threads)
+    env = environment("cpu", args.seed)
+    t_start = time.perf_counter()
+    real, ck, sh = real_cache(args, prof, work)
+    qg = held_out_queries(ck.model.eval(), sh, prof["queries"])
+    log(
+        f"real cache: {real.num_postings} postings over {real.num_train} sequences ({real.manifest['tokens']} tokens); "
+        f"{len(qg)} queries, {np.mean([q.rows for q in qg]):.0f} active prototypes each"
+    )
+    lib = None
+    if not (args.quick or args.no_library):
+        lib = library_comparison(real, seed=args.seed)
+        first = lib["lists"][0] if isinstance(lib["lists"], list) else {}
+        log(
+            "library comparison (top-50 recall, µs/query, build s) on the longest real lists: "
+            + "; ".join(
+                f"{k}: {v['recall']}/{v['query_us']:.0f}/{v['build_s']}"
+                for k, v in first.items()
+                if isinstance(v, dict)
+            )
+        )
+    scfg = SearchConfig(kind=args.kind, min_list=args.min_list, encoding=args.encoding)
+    rows = [size_row(args, real, N, scfg, qg, prof["repeats"]) for N in sorted(prof["sizes"])]
+    tok = [num(r, "tokens") for r in rows]
+    fit = {
+        "exact": fit_exponent(tok, [num(r, "exact_ms") for r in rows]),
+        "approx": fit_exponent(tok, [num(r, "approx_ms") for r in rows]),
+    }
+    payload = payload_of(args, prof, scfg, real, rows, lib)
+    payload.update(
+        {
+            "fit": fit,
+            "environment": env,
+            "load_average_end": load_average(),
+            "total_seconds": time.perf_counter() - t_start,
+        }
+    )
     write_json(out_path, payload)
     print(
         f"attribution-scaling: exact b={fit['exact']['b']:.2f}, approx b={fit['approx']['b']:.2f} over "
-        f"{tok[0]:.0e}-{tok[-1]:.0e} tokens; top-{args.k} overlap min {min(r['overlap'] for r in rows):.3f}; "
-        f"at {tok[-1]:.0e}: exact {rows[-1]['exact_ms']:.0f} ms vs approx {rows[-1]['approx_ms']:.0f} ms, index "
-        f"{rows[-1]['index_build_seconds']:.0f} s one-off, {rows[-1]['index_bytes_per_token']:.1f} B/token -> {out_path}"
+        f"{tok[0]:.0e}-{tok[-1]:.0e} tokens; top-{args.k} overlap min {min(num(r, 'overlap') for r in rows):.3f}; "
+        f"at {tok[-1]:.0e}: exact {num(rows[-1], 'exact_ms'):.0f} ms vs approx {num(rows[-1], 'approx_ms'):.0f} ms, "
+        f"index {num(rows[-1], 'index_build_seconds'):.0f} s one-off, "
+        f"{num(rows[-1], 'index_bytes_per_token'):.1f} B/token -> {out_path}"
     )
 
 

@@ -2,28 +2,16 @@
 """Cost of building the attribution cache vs the prototype index over the same tokens (issue 13: "cache
 building no slower than 1.5× the index pass").
 
-What is measured
-    On a trained run (default: the cpu-small run ``bench/runs/cpu-small``, K=512, trained first if missing by
-    ``prism train --preset cpu-small``, and its own shards), over the
-    first ``--max-sequences`` training sequences, each in a fresh child process (so every peak RSS is its
-    own; 1 torch thread by default):
+On a trained run (default: the cpu-small run, trained first if missing) over the first ``--max-sequences``
+training sequences, each build in a fresh child process (its own peak RSS; 1 torch thread): the **index**
+(``build_run_index``, no labels), the **default cache** (``build_run_cache`` with ``AttributionConfig()``) and
+the **compact cache** (pca-local r = 48, int4, prune 0.1, delta ids). Each row: wall seconds (model loading
+excluded), tokens/s, peak RSS, and for caches the curvature and postings seconds, postings and bytes per
+token; ``ratio`` = cache seconds ÷ index seconds (goal ≤ 1.5). Rounds alternate the order; medians reported.
 
-    - **index**: ``build_run_index`` (``prism index``: neighbourhoods, statistics; no labels);
-    - **cache default**: ``build_run_cache`` with ``AttributionConfig()`` (curvature statistics over
-      ``curvature_sample`` spread sequences, then one postings pass; r = d orthogonal, float32);
-    - **cache compact**: the compact preset ``--projection pca-local --r 48 --dtype int4 --prune 0.1
-      --id-encoding delta`` (adds the pca-local fit over ``pca_sequences`` sequences and the encoding).
-
-    Each row: wall seconds of the operation (model loading excluded), training tokens/s, peak RSS (MiB) of
-    the child, and for caches the manifest's curvature and postings seconds, postings and bytes/token.
-    ``ratio`` = cache seconds ÷ index seconds (the goal: ≤ 1.5). The order alternates per round
-    (``--rounds``); the medians are reported.
-
-How to read it
-    On a shared CPU timings are noisy: compare the ratios of builds timed back to back; the load average
-    is recorded. A cache's peak RSS counts the pages of its memory-mapped posting files it touched
-    (reclaimable page cache, not allocations; ``tests/test_cache_build.py`` bounds the allocations). Output: JSON at ``--out`` (default ``bench/results/cache_build.json``) and one summary
-    line on stdout.
+Run: ``PYTHONPATH=src python bench/cache_build.py [--run RUN] [--rounds 3]``. Writes
+``bench/results/cache_build.json`` and one summary line. A cache's peak RSS counts the pages of its
+memory-mapped posting files it touched (page cache, not allocations); the measurements: docs/results.md.
 """
 
 from __future__ import annotations
@@ -37,19 +25,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from _common import (
     CPU_SMALL_RUN,
     RESULTS_DIR,
-    current_peak_rss_mib,
+    Json,
     ensure_cpu_small_run,
     environment,
     fmt_rate,
     load_average,
+    num,
     warn_if_busy,
     write_json,
 )
+
+from prismlm.eval.resources import current_peak_rss_mib
 
 COMPACT = {"projection": "pca-local", "r": 48, "dtype": "int4", "prune": 0.1, "id_encoding": "delta"}
 KINDS = ("index", "cache-default", "cache-compact")
@@ -69,7 +61,7 @@ def child(args: argparse.Namespace) -> None:
     shards = Path(args.shards) if args.shards else None
     out = Path(args.work) / args.child
     t = time.perf_counter()
-    row: dict = {"kind": args.child}
+    row: Json = {"kind": args.child}
     if args.child == "index":
         res = build_run_index(
             run,
@@ -83,13 +75,11 @@ def child(args: argparse.Namespace) -> None:
         )
         row["tokens"] = int(res.index.manifest.get("tokens", 0)) or None
     else:
-        extra = COMPACT if args.child == "cache-compact" else {}
         cfg = AttributionConfig(
-            max_sequences=args.max_sequences,
-            batch_size=args.batch_size,
-            curvature_sample=args.curvature_sample,
-            **extra,
-        )  # type: ignore[arg-type]
+            max_sequences=args.max_sequences, batch_size=args.batch_size, curvature_sample=args.curvature_sample
+        )
+        if args.child == "cache-compact":
+            cfg = replace(cfg, projection="pca-local", r=48, dtype="int4", prune=0.1, id_encoding="delta")  # COMPACT
         c = build_run_cache(run, cfg, out=out, shards=shards, progress=False)
         m = c.manifest
         row.update(
@@ -108,7 +98,7 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(row))
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -134,58 +124,35 @@ def main() -> None:
         from prismlm.config import AttributionConfig
 
         args.curvature_sample = AttributionConfig().curvature_sample
-    if args.child:
-        return child(args)
-    if args.run == str(CPU_SMALL_RUN):
-        ensure_cpu_small_run(args.run)
-    warn_if_busy(args.threads)
-    env = environment(args.device, 0)
-    kinds = [k for k in args.kinds.split(",") if k]
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="cache_build_") as work:
-        for r in range(args.rounds):
-            for kind in kinds if r % 2 == 0 else kinds[::-1]:
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--child",
-                    kind,
-                    "--work",
-                    work,
-                    "--run",
-                    args.run,
-                    "--shards",
-                    args.shards,
-                    "--max-sequences",
-                    str(args.max_sequences),
-                    "--batch-size",
-                    str(args.batch_size),
-                    "--curvature-sample",
-                    str(args.curvature_sample),
-                    "--threads",
-                    str(args.threads),
-                    "--device",
-                    args.device,
-                ]
-                proc = subprocess.run(
-                    cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-                )
-                if proc.returncode != 0:
-                    raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
-                row = {**json.loads(proc.stdout.strip().splitlines()[-1]), "round": r}
-                rows.append(row)
-                print(f"[bench] {kind}: {row['seconds']:.1f}s, peak RSS {row['peak_rss_mib']:.0f} MiB", file=sys.stderr)
-    summary: dict[str, dict] = {}
+    return args
+
+
+def run_child(args: argparse.Namespace, kind: str, work: str) -> Json:
+    """One build in a fresh process (``--child KIND``): its JSON line."""
+    cmd = [sys.executable, __file__, "--child", kind, "--work", work, "--run", args.run, "--shards", args.shards]
+    cmd += ["--max-sequences", str(args.max_sequences), "--batch-size", str(args.batch_size)]
+    cmd += ["--curvature-sample", str(args.curvature_sample), "--threads", str(args.threads), "--device", args.device]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} failed:\n{proc.stderr[-3000:]}")
+    row: Json = json.loads(proc.stdout.strip().splitlines()[-1])
+    return row
+
+
+def summarise(rows: list[Json], kinds: list[str]) -> dict[str, Json]:
+    """Per kind: median seconds, tokens/s, the largest peak RSS, the manifest's numbers; caches' ratio to the
+    index."""
+    summary: dict[str, Json] = {}
     for kind in kinds:
         mine = [x for x in rows if x["kind"] == kind]
-        sec = statistics.median(x["seconds"] for x in mine)
-        tokens = next(x["tokens"] for x in rows if x.get("tokens"))  # the index and caches cover the same tokens
+        sec = statistics.median(num(x, "seconds") for x in mine)
+        tokens = next(num(x, "tokens") for x in rows if x.get("tokens"))  # the index and caches cover the same tokens
         summary[kind] = {
             "seconds": sec,
             "tokens_per_s": tokens / sec,
-            "peak_rss_mib": max(x["peak_rss_mib"] for x in mine),
+            "peak_rss_mib": max(num(x, "peak_rss_mib") for x in mine),
             **{
-                k: statistics.median(x[k] for x in mine)
+                k: statistics.median(num(x, k) for x in mine)
                 for k in ("curvature_seconds", "postings_seconds")
                 if k in mine[0]
             },
@@ -194,7 +161,30 @@ def main() -> None:
     if "index" in summary:
         for kind in kinds:
             if kind != "index":
-                summary[kind]["ratio"] = summary[kind]["seconds"] / summary["index"]["seconds"]
+                summary[kind]["ratio"] = num(summary[kind], "seconds") / num(summary["index"], "seconds")
+    return summary
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        return child(args)
+    if args.run == str(CPU_SMALL_RUN):
+        ensure_cpu_small_run(args.run)
+    warn_if_busy(args.threads)
+    env = environment(args.device, 0)
+    kinds = [k for k in args.kinds.split(",") if k]
+    rows: list[Json] = []
+    with tempfile.TemporaryDirectory(prefix="cache_build_") as work:
+        for r in range(args.rounds):
+            for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                row = {**run_child(args, kind, work), "round": r}
+                rows.append(row)
+                print(
+                    f"[bench] {kind}: {num(row, 'seconds'):.1f}s, peak RSS {num(row, 'peak_rss_mib'):.0f} MiB",
+                    file=sys.stderr,
+                )
+    summary = summarise(rows, kinds)
     payload = {
         "benchmark": "cache_build",
         "environment": env,
@@ -206,13 +196,13 @@ def main() -> None:
     }
     path = write_json(args.out, payload)
     parts = [
-        f"{k} {v['seconds']:.1f}s ({fmt_rate(v['tokens_per_s'])} tok/s"
-        + (f", {v['ratio']:.2f}× index" if "ratio" in v else "")
-        + f", {v['peak_rss_mib']:.0f} MiB)"
+        f"{k} {num(v, 'seconds'):.1f}s ({fmt_rate(num(v, 'tokens_per_s'))} tok/s"
+        + (f", {num(v, 'ratio'):.2f}× index" if "ratio" in v else "")
+        + f", {num(v, 'peak_rss_mib'):.0f} MiB)"
         for k, v in summary.items()
     ]
-    tokens = next((x["tokens"] for x in rows if x.get("tokens")), 0)
-    print(f"cache_build over {tokens:,} training tokens: " + "; ".join(parts) + f" → {path}")
+    tokens = next((num(x, "tokens") for x in rows if x.get("tokens")), 0)
+    print(f"cache_build over {tokens:,.0f} training tokens: " + "; ".join(parts) + f" → {path}")
 
 
 if __name__ == "__main__":

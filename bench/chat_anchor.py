@@ -47,6 +47,7 @@ def main() -> None:
     model, tok = build_model(pre, pre.model).eval(), pre.tokenizer
     greedy = Sampling(temperature=0.0)
     end = tok.backend.id_to_token(tok.eot_id)
+    assert end is not None  # the end-of-turn token is in the vocabulary
     env = environment("cpu", 0)
     header = {"model": SOURCE, "sampling": "greedy", "answer_tokens": ANSWER_TOKENS, "questions": len(questions),
               "command": env["command_line"], "git_revision": env.get("git_revision"), "date": time.strftime("%Y-%m-%d")}  # fmt: skip

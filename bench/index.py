@@ -1,42 +1,16 @@
 #!/usr/bin/env python
 """Cost of the prototype index and of explanations (spec §3.1: "one forward pass plus index look-ups").
 
-What is measured
-    1. **Index building** vs a **plain forward pass** over the same tokens: the same model (random init
-       of ``--preset``; speed does not depend on training) and the same training sequences of the
-       built-in corpus. Round r times ``build_index`` over ``--sequences`` sequences and, separately,
-       ``model(x)`` under ``torch.no_grad`` over exactly those batches; the order alternates per round.
-       ``index_ratio`` = median index tokens/s ÷ median forward tokens/s (1.0: the index is free; the
-       extra work is one (tokens × K) cosine matrix in chunks, the column-wise top-N merge and the
-       statistics).
-    2. **Explain latency** vs **plain generation**, per generated token: ``model.generate`` of
-       ``--gen-tokens`` tokens (KV-cached), vs ``explain_generation`` (the same cached generation, whose
-       own step outputs are decomposed — no second forward; one prototype-layer call for all positions,
-       the exact decomposition, and the prototype cards with neighbourhood snippets from the index).
-       The cards' parts are cached (signature top tokens per model state, token strings, the index's
-       decoded snippets), so each explain variant is timed three ways per round:
+1. ``build_index`` vs a plain forward over the same training sequences (random init of ``--preset``; speed
+   does not depend on training), rounds alternating: ``index_ratio`` = median index tokens/s ÷ forward tokens/s.
+2. ``explain_generation`` vs ``model.generate`` of ``--gen-tokens`` tokens per generated token, with and
+   without the index, timed cold (every card cache cleared), warm (the same text again) and varied (another
+   text after the caches were filled): ``explain_overhead_pct`` and its cold/varied/paired/fastest forms,
+   ``explain_one_off_ms`` (cold − warm per call: building the caches once).
 
-       - **cold**: every cache cleared first (``clear_card_cache()``, ``index.clear_cache()``) — the first
-         explanation after loading a model/index, cache building included;
-       - **warm**: the same prompt and seed again — every card part cached (repeated explanations);
-       - **varied**: another text (a new seed each round) right after the caches were filled by the
-         seed-0 text only — explaining different texts, where only prototypes not seen before are
-         computed (a pessimistic steady state: a longer-lived process has seen more prototypes).
-
-       ``explain_overhead_pct`` = (explain − generate) / generate × 100 for the warm calls (and
-       ``…_cold_…``, ``…_varied_…`` for the others); ``explain_one_off_ms`` = median over rounds of cold −
-       warm per call: what building the caches costs once. ``…noindex…``: the same without the index
-       (cards with signature tokens only), which separates the index look-ups from the rest.
-       ``--explain-repeats`` warm triples (generate, explain, explain without the index; the order
-       alternates) are timed per round, the cold and other-text calls once per round.
-       ``overhead_pct_paired``: the median of explain ÷ generate timed next to each other, and
-       ``overhead_pct_from_min``: from the fastest round of each — both less sensitive to a busy neighbour
-       than the ratio of medians on a shared CPU.
-
-How to read it
-    On a shared CPU timings are noisy: compare the ratios, not absolute rates; the load average is
-    recorded before and after. Output: JSON at ``--out`` (default ``bench/results/index.json``) and one
-    summary line on stdout.
+Run: ``PYTHONPATH=src python bench/index.py [--preset cpu-small] [--threads 1]``. Writes
+``bench/results/index.json`` and one summary line; compare ratios, not absolute rates, on a shared CPU.
+What each timing covers and the measurements: docs/results.md ("Prototype index and explanations").
 """
 
 from __future__ import annotations
@@ -45,22 +19,36 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from _common import RESULTS_DIR, environment, fmt_rate, load_average, parse_sets, warn_if_busy, write_json
+from _common import (
+    RESULTS_DIR,
+    Json,
+    add_set_option,
+    environment,
+    fmt_rate,
+    load_average,
+    parse_sets,
+    sync,
+    warn_if_busy,
+    write_json,
+)
 
 from prismlm.config import RunConfig
-from prismlm.data.shards import prepare_shards
+from prismlm.data.shards import ShardSet, prepare_shards
 from prismlm.explain import IndexSettings, build_index, explain_generation
 from prismlm.explain.explanation import clear_card_cache
+from prismlm.explain.index import PrototypeIndex
 from prismlm.model import PrismLM
 from prismlm.model.generation import TEXT_SAMPLING
 from prismlm.train.state import round_vocab
 
+PROMPT = "It is a truth universally acknowledged"
 
-def main() -> None:
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -79,18 +67,49 @@ def main() -> None:
     ap.add_argument("--max-docs", type=int, default=60, help="documents of the built-in corpus to tokenize")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, e.g. --set model.prototypes.num_prototypes=2048",
-    )
+    add_set_option(ap, "config override, e.g. --set model.prototypes.num_prototypes=2048")
     ap.add_argument("--out", default=str(RESULTS_DIR / "index.json"))
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    warn_if_busy(args.threads)
+    return ap.parse_args()
+
+
+@dataclass
+class Bench:
+    """The model (random init), its shards, the indexed batches and the device."""
+
+    args: argparse.Namespace
+    cfg: RunConfig
+    shards: ShardSet
+    model: PrismLM
+    batches: list[torch.Tensor]
+    n_seq: int
+    device: torch.device
+
+    def settings(self) -> IndexSettings:
+        return IndexSettings(top_n=self.args.top_n, batch_size=self.args.batch_size, max_sequences=self.n_seq)
+
+    def time_forward(self) -> float:
+        sync(self.device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            for x in self.batches:
+                self.model(x)
+        sync(self.device)
+        return time.perf_counter() - t
+
+    def build(self) -> PrototypeIndex:
+        return build_index(
+            self.model, self.shards, self.settings(), progress=False, model_sha256="bench", device=self.device
+        )
+
+    def time_index(self) -> float:
+        sync(self.device)
+        t = time.perf_counter()
+        self.build()
+        sync(self.device)
+        return time.perf_counter() - t
+
+
+def setup(args: argparse.Namespace) -> Bench:
     device = torch.device(args.device)
     cfg = RunConfig.from_name(args.preset).override(parse_sets(args.sets))
     shards = prepare_shards("builtin", cfg.data.tokenizer, max_docs=args.max_docs, show_progress=False)
@@ -103,79 +122,44 @@ def main() -> None:
     batches = [
         torch.from_numpy(shards.train.sequences(ids[s : s + B], T)[:, :-1]).to(device) for s in range(0, n_seq, B)
     ]
-    tokens = n_seq * T
-    env = environment(device, 0)
+    return Bench(args, cfg, shards, model, batches, n_seq, device)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
-    def time_forward() -> float:
-        sync()
-        t = time.perf_counter()
-        with torch.no_grad():
-            for x in batches:
-                model(x)
-        sync()
-        return time.perf_counter() - t
-
-    def time_index() -> float:
-        sync()
-        t = time.perf_counter()
-        build_index(
-            model,
-            shards,
-            IndexSettings(top_n=args.top_n, batch_size=B, max_sequences=n_seq),
-            progress=False,
-            model_sha256="bench",
-            device=device,
-        )
-        sync()
-        return time.perf_counter() - t
-
-    time_forward(), time_index()  # warm-up
-    fwd, idx = [], []
-    for r in range(args.rounds):
-        order = (time_forward, time_index) if r % 2 == 0 else (time_index, time_forward)
+def index_vs_forward(b: Bench, rounds: int) -> tuple[list[float], list[float]]:
+    """Tokens/s of the forward and of the index build per round, the order alternating (after a warm-up)."""
+    tokens = b.n_seq * b.cfg.model.block_size
+    b.time_forward(), b.time_index()  # warm-up
+    fwd: list[float] = []
+    idx: list[float] = []
+    for r in range(rounds):
+        order = (b.time_forward, b.time_index) if r % 2 == 0 else (b.time_index, b.time_forward)
         for f in order:
-            (fwd if f is time_forward else idx).append(tokens / f())
-    index = build_index(
-        model,
-        shards,
-        IndexSettings(top_n=args.top_n, batch_size=B, max_sequences=n_seq),
-        progress=False,
-        model_sha256="bench",
-        device=device,
-    )
+            (fwd if f == b.time_forward else idx).append(tokens / f())
+    return fwd, idx
 
-    tok = shards.tokenizer
-    prompt = "It is a truth universally acknowledged"
-    p_ids = torch.tensor([tok.encode(prompt)], device=device)
-    n_gen = min(args.gen_tokens, T - p_ids.shape[1])
+
+def explain_runs(b: Bench, index: PrototypeIndex, n_gen: int) -> dict[str, list[float]]:
+    """Seconds per generated token of generate and of explain (with / without the index; cold, varied, warm)."""
+    args, model, device, tok = b.args, b.model, b.device, b.shards.tokenizer
+    p_ids = torch.tensor([tok.encode(PROMPT)], device=device)
 
     def time_generate() -> float:
         g = torch.Generator(device=device).manual_seed(0)
-        sync()
+        sync(device)
         t = time.perf_counter()
         model.generate(p_ids, n_gen, TEXT_SAMPLING, generator=g)
-        sync()
+        sync(device)
         return time.perf_counter() - t
 
     def time_explain(with_index: bool = True, *, cold: bool = False, seed: int = 0) -> float:
         if cold:
             clear_card_cache()
             index.clear_cache()
-        sync()
+        sync(device)
         t = time.perf_counter()
-        explain_generation(
-            model,
-            tok,
-            prompt,
-            n_gen,
-            sampling=replace(TEXT_SAMPLING, seed=seed),
-            index=index if with_index else None,
-        )
-        sync()
+        sampling = replace(TEXT_SAMPLING, seed=seed)
+        explain_generation(model, tok, PROMPT, n_gen, sampling=sampling, index=index if with_index else None)
+        sync(device)
         return time.perf_counter() - t
 
     time_generate(), time_explain(), time_explain(False)  # warm-up
@@ -195,37 +179,84 @@ def main() -> None:
         for j in range(args.explain_repeats):  # more samples of the small warm difference
             for key, f in order if (r * args.explain_repeats + j) % 2 == 0 else order[::-1]:
                 runs[key].append(f() / n_gen)
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    gen, exp, exp0 = runs["gen"], runs["exp"], runs["exp0"]
+    return runs
+
+
+@dataclass
+class Overheads:
+    """Explain's overhead over generate, from the per-token runs, several ways."""
+
+    runs: dict[str, list[float]]
+    rounds: int
+    n_gen: int
+
+    def med(self, key: str) -> float:
+        return statistics.median(self.runs[key])
+
+    def pct(self, key: str) -> float:
+        return (self.med(key) - self.med("gen")) / self.med("gen") * 100
+
+    def pct_min(self, key: str) -> float:  # from the fastest round of each: less sensitive to a busy neighbour
+        gen = self.runs["gen"]
+        return (min(self.runs[key]) - min(gen)) / min(gen) * 100
+
+    def per_round(self, key: str) -> list[float]:  # one value per round (the median of a round's repeats)
+        k = len(self.runs[key]) // self.rounds
+        return [statistics.median(self.runs[key][r * k : (r + 1) * k]) for r in range(self.rounds)]
+
+    def pct_paired(self, key: str) -> float:  # median of explain / generate timed next to each other
+        gen = self.runs["gen"]
+        g = gen if len(self.runs[key]) == len(gen) else self.per_round("gen")
+        return statistics.median(e / g - 1 for e, g in zip(self.runs[key], g)) * 100
+
+    def one_off_ms(self, cold: str, warm: str) -> float:  # per call: cold − warm of the same round
+        return statistics.median(c - w for c, w in zip(self.runs[cold], self.per_round(warm))) * self.n_gen * 1e3
+
+
+def explain_record(o: Overheads) -> Json:
+    runs = o.runs
+    return {
+        "generate_s_per_token": runs["gen"],
+        "explain_s_per_token": runs["exp"],
+        "explain_overhead_pct": o.pct("exp"),
+        "explain_noindex_s_per_token": runs["exp0"],
+        "explain_noindex_overhead_pct": o.pct("exp0"),
+        "explain_cold_s_per_token": runs["exp_cold"],
+        "explain_cold_overhead_pct": o.pct("exp_cold"),
+        "explain_noindex_cold_s_per_token": runs["exp0_cold"],
+        "explain_noindex_cold_overhead_pct": o.pct("exp0_cold"),
+        "explain_varied_s_per_token": runs["exp_varied"],
+        "explain_varied_overhead_pct": o.pct("exp_varied"),
+        "explain_noindex_varied_s_per_token": runs["exp0_varied"],
+        "explain_noindex_varied_overhead_pct": o.pct("exp0_varied"),
+        "overhead_pct_from_min": {k: o.pct_min(k) for k in runs if k != "gen"},
+        "overhead_pct_paired": {k: o.pct_paired(k) for k in runs if k != "gen"},
+        "explain_one_off_ms": o.one_off_ms("exp_cold", "exp"),
+        "explain_noindex_one_off_ms": o.one_off_ms("exp0_cold", "exp0"),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    warn_if_busy(args.threads)
+    b = setup(args)
+    env = environment(b.device, 0)
+    fwd, idx = index_vs_forward(b, args.rounds)
+    index = b.build()
+    T = b.cfg.model.block_size
+    n_gen = min(args.gen_tokens, T - len(b.shards.tokenizer.encode(PROMPT)))
+    o = Overheads(explain_runs(b, index, n_gen), args.rounds, n_gen)
     ratio = statistics.median(idx) / statistics.median(fwd)
-
-    def pct(key: str) -> float:
-        return (med[key] - med["gen"]) / med["gen"] * 100
-
-    def pct_min(key: str) -> float:  # from the fastest round of each: less sensitive to a busy neighbour
-        return (min(runs[key]) - min(gen)) / min(gen) * 100
-
-    def per_round(key: str) -> list[float]:  # one value per round (the median of a round's repeats)
-        k = len(runs[key]) // args.rounds
-        return [statistics.median(runs[key][r * k : (r + 1) * k]) for r in range(args.rounds)]
-
-    def pct_paired(key: str) -> float:  # median of explain / generate timed next to each other
-        g = gen if len(runs[key]) == len(gen) else per_round("gen")
-        return statistics.median(e / g - 1 for e, g in zip(runs[key], g)) * 100
-
-    def one_off_ms(cold: str, warm: str) -> float:  # per call: cold − warm of the same round
-        return statistics.median(c - w for c, w in zip(runs[cold], per_round(warm))) * n_gen * 1e3
-
-    overhead, overhead0 = pct("exp"), pct("exp0")
     result = {
         "benchmark": "index",
         "preset": args.preset,
-        "config": cfg.to_dict(),
-        "device": str(device),
+        "config": b.cfg.to_dict(),
+        "device": str(b.device),
         "threads": args.threads,
-        "sequences": n_seq,
-        "tokens_per_round": tokens,
-        "batch_size": B,
+        "sequences": b.n_seq,
+        "tokens_per_round": b.n_seq * T,
+        "batch_size": args.batch_size,
         "top_n": args.top_n,
         "rounds": args.rounds,
         "explain_repeats": args.explain_repeats,
@@ -235,37 +266,22 @@ def main() -> None:
         "index_ratio_min": min(i / f for i, f in zip(idx, fwd)),
         "index_ratio_max": max(i / f for i, f in zip(idx, fwd)),
         "gen_tokens": n_gen,
-        "generate_s_per_token": gen,
-        "explain_s_per_token": exp,
-        "explain_overhead_pct": overhead,
-        "explain_noindex_s_per_token": exp0,
-        "explain_noindex_overhead_pct": overhead0,
-        "explain_cold_s_per_token": runs["exp_cold"],
-        "explain_cold_overhead_pct": pct("exp_cold"),
-        "explain_noindex_cold_s_per_token": runs["exp0_cold"],
-        "explain_noindex_cold_overhead_pct": pct("exp0_cold"),
-        "explain_varied_s_per_token": runs["exp_varied"],
-        "explain_varied_overhead_pct": pct("exp_varied"),
-        "explain_noindex_varied_s_per_token": runs["exp0_varied"],
-        "explain_noindex_varied_overhead_pct": pct("exp0_varied"),
-        "overhead_pct_from_min": {k: pct_min(k) for k in runs if k != "gen"},
-        "overhead_pct_paired": {k: pct_paired(k) for k in runs if k != "gen"},
-        "explain_one_off_ms": one_off_ms("exp_cold", "exp"),
-        "explain_noindex_one_off_ms": one_off_ms("exp0_cold", "exp0"),
+        **explain_record(o),
         "coverage_random_init": index.coverage(),
         "environment": env,
         "load_average_end": load_average(),
     }
     path = write_json(args.out, result)
+    protos = b.cfg.model.prototypes
     print(
-        f"[index] {args.preset} K={cfg.model.prototypes.num_prototypes} N={args.top_n}: index "
+        f"[index] {args.preset} K={protos.num_prototypes if protos else None} N={args.top_n}: index "
         f"{fmt_rate(statistics.median(idx))} tok/s vs forward {fmt_rate(statistics.median(fwd))} tok/s "
-        f"(ratio {ratio:.2f}); generate {med['gen'] * 1e3:.2f} ms/token; explain overhead with the index "
-        f"(without) as median / paired / fastest: warm {pct('exp'):+.1f}% / {pct_paired('exp'):+.1f}% / "
-        f"{pct_min('exp'):+.1f}% ({pct('exp0'):+.1f}% / {pct_paired('exp0'):+.1f}% / {pct_min('exp0'):+.1f}%), "
-        f"other texts {pct('exp_varied'):+.1f}% ({pct('exp0_varied'):+.1f}%), cold {pct('exp_cold'):+.1f}% "
-        f"({pct('exp0_cold'):+.1f}%); one-off cache build {one_off_ms('exp_cold', 'exp'):.1f} ms "
-        f"({one_off_ms('exp0_cold', 'exp0'):.1f} ms) → {path}"
+        f"(ratio {ratio:.2f}); generate {o.med('gen') * 1e3:.2f} ms/token; explain overhead with the index "
+        f"(without) as median / paired / fastest: warm {o.pct('exp'):+.1f}% / {o.pct_paired('exp'):+.1f}% / "
+        f"{o.pct_min('exp'):+.1f}% ({o.pct('exp0'):+.1f}% / {o.pct_paired('exp0'):+.1f}% / "
+        f"{o.pct_min('exp0'):+.1f}%), other texts {o.pct('exp_varied'):+.1f}% ({o.pct('exp0_varied'):+.1f}%), "
+        f"cold {o.pct('exp_cold'):+.1f}% ({o.pct('exp0_cold'):+.1f}%); one-off cache build "
+        f"{o.one_off_ms('exp_cold', 'exp'):.1f} ms ({o.one_off_ms('exp0_cold', 'exp0'):.1f} ms) → {path}"
     )
     sys.stdout.flush()
 

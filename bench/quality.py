@@ -1,64 +1,51 @@
 #!/usr/bin/env python
 """Validation-loss gap and prototype coverage of PRISM vs the matched dense baseline at equal budget.
 
-What is measured
-    Two runs of ``prismlm.train.trainer.train`` on the same prepared shards (default: the built-in
-    corpus) from the same config, seed, steps and therefore the same training tokens in the same
-    order: PRISM (the preset's prototype head and loss weights) and ``cfg.dense()`` (same backbone, plain
-    linear head, CE only). Both final models are then evaluated with ``prismlm.eval.metrics.evaluate``
-    on the same fixed, evenly spread sample of validation sequences (``--eval-batches`` × batch size
-    sequences; usually larger than the trainer's own ``train.eval_batches``, whose numbers are also kept).
+Two ``train`` runs on the same shards from the same config, seed, steps and tokens — PRISM and ``cfg.dense()``
+— then ``prismlm.eval.metrics.evaluate`` of both on the same fixed sample of validation sequences
+(``--eval-batches``). ``gap`` = val CE(PRISM) − val CE(dense), read with PRISM's coverage (R̄1, R2, residual
+share, dead prototypes). ``--minutes M``: each model trains for about M minutes of steps instead (step times
+from ``--step-time-from`` a throughput JSON of the same shapes, or calibrated here with
+``prismlm.train.step_timing``); ``--same-steps`` gives both the smaller count.
 
-How to read it
-    ``gap`` = val CE(PRISM) − val CE(dense) (``gap_pct`` relative to dense): the price in loss of routing
-    the prediction through prototypes. Read it together with the coverage of the PRISM model, because
-    the loss weights trade one against the other (shared/notes/objective-tradeoff.md):
-    ``r1_bar`` (mean_i max_t cos(p_i, z_t): do prototypes sit on real data?), ``r2`` (mean_t max_i
-    cos: is every token covered?), ``residual_share`` (mean ‖r‖/‖z‖: how much of each hidden state the
-    prototypes leave unexplained; lower is more interpretable) and ``dead_prototypes`` (never in any
-    top-k over the sample). A good setting has a small gap *and* a small residual *and* high coverage.
-    Training wall time includes the trainer's periodic evaluations and final checkpoint; on a shared
-    machine it is indicative only (the throughput benchmark measures speed properly).
-
-Sweeps: run the script once per setting with ``--set`` overrides (applied to both runs) and a ``--tag``,
-e.g. ``--set loss.lambda_rec=0.1 --set loss.lambda_r1=0.05 --set loss.lambda_r2=0.05 --tag rec0.1``, then
-compare ``bench/results/quality-*.json``.
-
-Time budget (``--minutes M``): instead of a step count, each model trains for about M minutes of
-training steps. The trainer stops only at a step count, so the count is computed beforehand from a
-measured step time: ``--step-time-from`` a ``bench/throughput.py`` JSON of the same shapes (its median
-bare-step time of each model), or else a short in-process calibration (the throughput benchmark's bare
-step: ``--calibration-steps`` timed steps after 3 warm-up steps, which include ``torch.compile`` when on).
-steps = ⌊60·M ÷ step time⌋ per model, so PRISM and dense get equal training time, not equal tokens (the
-JSON and the summary say how many each saw); ``--same-steps`` gives both the smaller count (equal tokens,
-each within M minutes). The learning-rate and loss-weight schedules follow that count, so each run ends
-its schedule, with its final checkpoint, at the time limit. The estimate leaves out compilation, the
-trainer's periodic evaluations, logging syncs and the checkpoint: ``time_budget`` in the JSON compares the
-planned training time with the measured wall time.
-
-Output: runs in ``<workdir>/quality[-TAG]-{prism,dense}`` (default workdir ``bench/runs``; an existing run
-folder of the same name is replaced), JSON at ``bench/results/quality[-TAG].json`` (or ``--out``), and one
-summary line on stdout. Default budget (cpu-small, 600 steps): about 5–6 minutes per model on 2 idle cores.
+Run: ``PYTHONPATH=src python bench/quality.py [--preset cpu-small] [--set KEY=VALUE …] [--tag TAG]`` (sweeps:
+one run per setting, each with a ``--tag``). Runs go to ``<workdir>/quality[-TAG]-{prism,dense}``, the JSON to
+``bench/results/quality[-TAG].json``, one summary line to stdout. How to read it and the measurements:
+docs/results.md ("bench/quality.py").
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
-from _common import RESULTS_DIR, RUNS_DIR, environment, parse_sets, warn_if_busy, write_json
+from _common import (
+    RESULTS_DIR,
+    RUNS_DIR,
+    Json,
+    add_set_option,
+    environment,
+    num,
+    obj,
+    parse_sets,
+    warn_if_busy,
+    write_json,
+)
 
 from prismlm.config import PRESETS, RunConfig
-from prismlm.data.shards import prepare_from_config
+from prismlm.data.shards import ShardSet, prepare_from_config
 from prismlm.eval.metrics import evaluate
+from prismlm.train.distributed import resolve_device
 from prismlm.train.state import autocast_for
+from prismlm.train.step_timing import BatchSource, Runner
 from prismlm.train.trainer import train
 
 COVERAGE_KEYS = ("r1_bar", "r2", "dead_prototypes", "dead_fraction", "residual_share")
@@ -77,12 +64,12 @@ def _median_train_tok_s(run_dir: Path) -> float | None:
     return rates[len(rates) // 2]
 
 
-def _same_shapes(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def _same_shapes(a: Mapping[str, object], b: Mapping[str, object]) -> bool:
     """Do two config dicts describe the same training step (model shape, batch, compile, dtype)?"""
     model_keys = ("n_layer", "n_head", "n_embd", "block_size", "prototypes", "backbone")
     train_keys = ("batch_size", "grad_accum", "compile", "dtype")
-    return all(a["model"].get(k) == b["model"].get(k) for k in model_keys) and all(
-        a["train"].get(k) == b["train"].get(k) for k in train_keys
+    return all(obj(a, "model").get(k) == obj(b, "model").get(k) for k in model_keys) and all(
+        obj(a, "train").get(k) == obj(b, "train").get(k) for k in train_keys
     )
 
 
@@ -95,12 +82,6 @@ def step_seconds(cfg: RunConfig, source: str | None, calibration_steps: int) -> 
             if "step_s_median" in size and _same_shapes(size["config"], want):
                 return dict(size["step_s_median"]), f"{source} (size {size['size']}, median bare step)"
         print(f"[quality] {source} has no size with these shapes; calibrating here", file=sys.stderr)
-    import gc
-
-    from throughput import BatchSource, Runner
-
-    from prismlm.train.distributed import resolve_device
-
     device = resolve_device(cfg.train.device)
     steps = max(1, calibration_steps)
     data = BatchSource(cfg, min(steps, 32) * cfg.train.grad_accum, device, synthetic=False, seed=cfg.train.seed)
@@ -124,7 +105,7 @@ def step_seconds(cfg: RunConfig, source: str | None, calibration_steps: int) -> 
     return out, f"calibrated here ({steps} bare steps after 3 warm-up steps)"
 
 
-def run_one(kind: str, cfg: RunConfig, run_dir: Path, shards, eval_batches: int) -> dict[str, Any]:
+def run_one(kind: str, cfg: RunConfig, run_dir: Path, shards: ShardSet, eval_batches: int) -> Json:
     if run_dir.exists():
         if not (run_dir / "config.json").exists():
             raise SystemExit(f"{run_dir} exists and is not a previous run folder; choose another --workdir/--tag")
@@ -166,7 +147,7 @@ def run_one(kind: str, cfg: RunConfig, run_dir: Path, shards, eval_batches: int)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Train PRISM and the matched dense baseline with the same seed, steps and tokens, then "
         "compare validation loss on the same fixed sample and report PRISM's coverage. Writes JSON "
@@ -175,13 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS), help="starting config for both runs")
     ap.add_argument("--steps", type=int, default=None, help="train.max_steps (default: the preset's)")
-    ap.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override applied to both runs, e.g. --set loss.lambda_rec=0.1 "
+    add_set_option(
+        ap,
+        "config override applied to both runs, e.g. --set loss.lambda_rec=0.1 "
         "--set model.prototypes.top_k=4 (values parsed as JSON); repeatable",
     )
     ap.add_argument(
@@ -238,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.minutes is not None and (args.steps is not None or args.minutes <= 0):
         ap.error("--minutes must be > 0 and excludes --steps")
 
+    return args
+
+
+def config(args: argparse.Namespace) -> tuple[RunConfig, dict[str, object]]:
+    """The PRISM config (the preset with ``--set`` and the options applied) and the overrides."""
     overrides = parse_sets(args.sets)
     if args.steps is not None:
         overrides["train.max_steps"] = args.steps
@@ -250,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides["train.dtype"] = args.dtype
     cfg = RunConfig.from_name(args.preset).override(overrides)
     if cfg.model.prototypes is None:
-        ap.error("the PRISM config has no prototype head (model.prototypes is null); nothing to compare")
+        raise SystemExit("the PRISM config has no prototype head (model.prototypes is null); nothing to compare")
     # A warm-up longer than the run would leave the prototype losses at a fraction of their weight.
     if cfg.loss.warmup_steps > cfg.train.max_steps:
         print(
@@ -258,8 +240,15 @@ def main(argv: list[str] | None = None) -> int:
             f"prototype losses never reach full weight",
             file=sys.stderr,
         )
-    torch.set_num_threads(args.threads)
-    budget: dict[str, Any] | None = None
+    return cfg, overrides
+
+
+def time_budget(
+    args: argparse.Namespace, cfg: RunConfig, overrides: dict[str, object]
+) -> tuple[RunConfig, int, Json | None]:
+    """``--minutes``: each model's step count from its step time (PRISM's into ``cfg`` and ``overrides``),
+    the dense step count and the plan; else the config's steps and no plan."""
+    budget: Json | None = None
     steps_dense = cfg.train.max_steps
     if args.minutes is not None:
         step_s, source = step_seconds(cfg, args.step_time_from, args.calibration_steps)
@@ -285,36 +274,20 @@ def main(argv: list[str] | None = None) -> int:
             f"(step times {step_s['prism'] * 1e3:.1f} / {step_s['dense'] * 1e3:.1f} ms, {source})",
             file=sys.stderr,
         )
-    dense_cfg = cfg.dense().override({"train.max_steps": steps_dense})
+    return cfg, steps_dense, budget
 
-    if (cfg.train.device == "cpu") or (cfg.train.device == "auto" and not torch.cuda.is_available()):
-        warn_if_busy(args.threads)
-    env = environment(
-        cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"),
-        cfg.train.seed,
-    )
-    t0 = time.perf_counter()
-    shards = prepare_from_config(cfg.data, show_progress=False)
-    print(
-        f"[quality] data {cfg.data.corpus}/{cfg.data.tokenizer} ready in {time.perf_counter() - t0:.1f}s",
-        file=sys.stderr,
-    )
 
-    suffix = f"-{args.tag}" if args.tag else ""
-    workdir = Path(args.workdir)
-    prism = run_one("PRISM", cfg, workdir / f"quality{suffix}-prism", shards, args.eval_batches)
-    dense = run_one("dense", dense_cfg, workdir / f"quality{suffix}-dense", shards, args.eval_batches)
-
-    vp, vd = prism["val"], dense["val"]
+def summarise(prism: Json, dense: Json, K: int) -> Json:
+    """The headline: both validation losses, the gap, PRISM's coverage, tokens, steps and wall times."""
+    vp, vd = obj(prism, "val"), obj(dense, "val")
     if vp["val_tokens"] != vd["val_tokens"]:
         raise RuntimeError("PRISM and dense were evaluated on different numbers of validation tokens")
-    gap = vp["val_loss"] - vd["val_loss"]
-    K = cfg.model.prototypes.num_prototypes
-    summary = {
+    gap = num(vp, "val_loss") - num(vd, "val_loss")
+    return {
         "val_loss_prism": vp["val_loss"],
         "val_loss_dense": vd["val_loss"],
         "gap": gap,
-        "gap_pct": 100.0 * gap / vd["val_loss"],
+        "gap_pct": 100.0 * gap / num(vd, "val_loss"),
         "val_ppl_prism": vp["val_ppl"],
         "val_ppl_dense": vd["val_ppl"],
         **{k: vp[k] for k in COVERAGE_KEYS},
@@ -327,6 +300,44 @@ def main(argv: list[str] | None = None) -> int:
         "steps_dense": dense["steps"],
         "tokens_seen_dense": dense["tokens_seen"],
     }
+
+
+def summary_line(s: Json, K: int, tag: str | None) -> str:
+    return (
+        f"quality: val loss PRISM {num(s, 'val_loss_prism'):.2f} vs dense {num(s, 'val_loss_dense'):.2f} "
+        f"({num(s, 'gap_pct'):+.1f}%) | R̄1 {num(s, 'r1_bar'):.2f} R2 {num(s, 'r2'):.2f} residual "
+        f"{num(s, 'residual_share'):.2f} dead {s['dead_prototypes']}/{K} | {num(s, 'tokens_seen') / 1e6:.2f}M tokens"
+        + (f" (dense {num(s, 'tokens_seen_dense') / 1e6:.2f}M)" if s["tokens_seen_dense"] != s["tokens_seen"] else "")
+        + ", train "
+        f"{num(s, 'train_wall_s_prism'):.0f}s vs {num(s, 'train_wall_s_dense'):.0f}s" + (f" | tag {tag}" if tag else "")
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg, overrides = config(args)
+    torch.set_num_threads(args.threads)
+    cfg, steps_dense, budget = time_budget(args, cfg, overrides)
+    dense_cfg = cfg.dense().override({"train.max_steps": steps_dense})
+    if (cfg.train.device == "cpu") or (cfg.train.device == "auto" and not torch.cuda.is_available()):
+        warn_if_busy(args.threads)
+    env = environment(
+        cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"),
+        cfg.train.seed,
+    )
+    t0 = time.perf_counter()
+    shards = prepare_from_config(cfg.data, show_progress=False)
+    print(
+        f"[quality] data {cfg.data.corpus}/{cfg.data.tokenizer} ready in {time.perf_counter() - t0:.1f}s",
+        file=sys.stderr,
+    )
+    suffix = f"-{args.tag}" if args.tag else ""
+    workdir = Path(args.workdir)
+    prism = run_one("PRISM", cfg, workdir / f"quality{suffix}-prism", shards, args.eval_batches)
+    dense = run_one("dense", dense_cfg, workdir / f"quality{suffix}-dense", shards, args.eval_batches)
+    assert cfg.model.prototypes is not None  # checked by config()
+    K = cfg.model.prototypes.num_prototypes
+    summary = summarise(prism, dense, K)
     if budget is not None:
         budget["train_wall_s"] = {"prism": prism["train_wall_s"], "dense": dense["train_wall_s"]}
     payload = {
@@ -354,15 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else RESULTS_DIR / f"quality{suffix}.json"
     write_json(out, payload)
     print(f"[quality] wrote {out}", file=sys.stderr)
-    s = summary
-    print(
-        f"quality: val loss PRISM {s['val_loss_prism']:.2f} vs dense {s['val_loss_dense']:.2f} "
-        f"({s['gap_pct']:+.1f}%) | R̄1 {s['r1_bar']:.2f} R2 {s['r2']:.2f} residual {s['residual_share']:.2f} "
-        f"dead {s['dead_prototypes']}/{K} | {s['tokens_seen'] / 1e6:.2f}M tokens"
-        + (f" (dense {s['tokens_seen_dense'] / 1e6:.2f}M)" if s["tokens_seen_dense"] != s["tokens_seen"] else "")
-        + ", train "
-        f"{s['train_wall_s_prism']:.0f}s vs {s['train_wall_s_dense']:.0f}s" + (f" | tag {args.tag}" if args.tag else "")
-    )
+    print(summary_line(summary, K, args.tag))
     return 0
 
 

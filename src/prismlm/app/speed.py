@@ -1,42 +1,28 @@
-"""``bench/real_retrofit.py --stage speed``: issue 26 item 5's ratios on the real model, in one process.
+"""Speed of a retrofitted model against its source transformers model: forward, ``explain`` and explained
+generation, each a ratio of two callables timed on the same tokens.
 
-Every ratio compares two callables on the same tokens, timed in alternating order (round r runs A then B,
-round r + 1 B then A, so a drift in machine speed hits both) after untimed warm-up calls; each side's time is
-the median of ``repeats`` rounds, and ``paired_median`` is the median of the per-round ratios (less sensitive
-to a busy neighbour). One-off costs (the prototype-signature cache an explanation fills on its first call,
-the index build) are timed apart from the per-call costs.
-
-    forward_ratio       tokens/s of the retrofitted ``PrismLM`` forward (``model(ids)``: logits and every
-                        prototype field, no targets) ÷ tokens/s of the source transformers model's forward
-                        (``LlamaForCausalLM(input_ids).logits``) on the same (B, T) batch. Goal ≥ 0.97.
-                        Beside it: the logits-only path generation runs (``lm_head(backbone(ids))``).
-    explain_ratio       ``prismlm.explain.explain`` (what ``prism explain`` calls) of 128 tokens, with a
-                        prototype index and the model's identity passed (as the CLI passes the run's), ÷ one source-model forward of the same 128 tokens. Warm (the
-                        signature cache filled: the per-call cost; headline) and cold (the first call of a
-                        process, cache cleared) apart. Goal ≤ 1.2.
-    explained_generation_overhead_pct
-                        ``explain_generation`` (KV cache, greedy) of n tokens vs ``PrismLM.generate`` of the
-                        same n tokens (KV cache, greedy: the same decode loop without the explanation;
-                        headline), and vs the source model's transformers ``generate`` (greedy, KV cache,
-                        ``min_new_tokens`` = n). Every side must produce the same tokens. Goal ≤ 5%.
-
-A ratio that misses its goal gets a cProfile of a few calls of its slow side (``profile``: the top entries
-by cumulative time), so the report can say where the time goes.
+The callables run in alternating order (round r runs A then B, round r + 1 B then A, so a drift in machine
+speed hits both) after untimed warm-up calls; each side's time is the median of ``repeats`` rounds, and
+``paired_median`` is the median of the per-round ratios (less sensitive to a busy neighbour). One-off costs
+(the prototype-signature cache an explanation fills on its first call, the index build) are timed apart. A
+ratio that misses its goal (forward ≥ 0.97, explain ≤ 1.2, explained generation ≤ +5%) gets a cProfile of a
+few calls of its slow side, so a report can say where the time goes. Used by ``bench/real_retrofit.py --stage
+speed``; docs/results.md has the measurements.
 """
 
 from __future__ import annotations
 
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict, cast
 
 import numpy as np
 import torch
-from _common import load_average
 
 from prismlm.artifacts import model_identity
 from prismlm.data.shards import ShardSet
@@ -46,12 +32,45 @@ from prismlm.explain.explanation import clear_card_cache
 from prismlm.explain.index import IndexSettings, PrototypeIndex, build_index
 from prismlm.model import PrismLM, Sampling
 
+
+class Timings(TypedDict):
+    """``alternate``'s record: every round's seconds and each callable's median."""
+
+    seconds: dict[str, list[float]]
+    median: dict[str, float]
+
+
+class SpeedHeadline(TypedDict):
+    """``speed_stage``'s headline numbers."""
+
+    forward_ratio: float
+    """tokens/s of the retrofitted forward ÷ tokens/s of the source model's forward (goal ≥ 0.97)."""
+    explain_ratio: float
+    """Seconds of ``explain`` (warm, with an index) ÷ seconds of one source forward (goal ≤ 1.2)."""
+    explained_generation_overhead_pct: float
+    """Extra time of ``explain_generation`` over ``PrismLM.generate`` of the same tokens, % (goal ≤ 5)."""
+    explain_cold_ratio: float
+    """``explain_ratio`` of the first call of a process (signature cache empty)."""
+    logits_only_forward_ratio: float
+    """``forward_ratio`` of the logits-only path that generation runs."""
+    generation_tokens_identical: bool
+    """Explained, plain and source generation produced the same tokens."""
+
+
+def load_average() -> list[float] | None:
+    """1/5/15-minute load averages (None where unsupported): how busy the machine was around a timing."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 GREEDY = Sampling(temperature=0.0)
 
 PROMPT = "The history of the printing press begins"
 
 
-def alternate(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, Any]:
+def alternate(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> Timings:
     """Time each callable ``repeats`` times in alternating order after ``warmup`` untimed calls of each."""
     for _ in range(warmup):
         for f in fns.values():
@@ -66,7 +85,7 @@ def alternate(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) 
     return {"seconds": times, "median": {n: statistics.median(t) for n, t in times.items()}}
 
 
-def ratio(t: dict[str, Any], num: str, den: str) -> dict[str, float]:
+def ratio(t: Timings, num: str, den: str) -> dict[str, float]:
     """Time ratio num ÷ den: of the medians, the median of the per-round ratios, and their extremes."""
     per_round = [a / b for a, b in zip(t["seconds"][num], t["seconds"][den])]
     return {
@@ -77,7 +96,7 @@ def ratio(t: dict[str, Any], num: str, den: str) -> dict[str, float]:
     }
 
 
-def profile_calls(f: Callable[[], Any], calls: int = 3, top: int = 15) -> list[str]:
+def profile_calls(f: Callable[[], object], calls: int = 3, top: int = 15) -> list[str]:
     """cProfile of ``calls`` calls of ``f``: the ``top`` entries by cumulative time, as printed lines."""
     prof = cProfile.Profile()
     prof.enable()
@@ -89,7 +108,7 @@ def profile_calls(f: Callable[[], Any], calls: int = 3, top: int = 15) -> list[s
     return [line.rstrip() for line in buf.getvalue().splitlines() if line.strip()][-(top + 1) :]
 
 
-def forward_speed(model: PrismLM, source: torch.nn.Module, ids: torch.Tensor, repeats: int) -> dict[str, Any]:
+def forward_speed(model: PrismLM, source: torch.nn.Module, ids: torch.Tensor, repeats: int) -> dict[str, object]:
     """Source forward vs retrofitted forward (full, and the logits-only path) on ids (B, T)."""
     with torch.inference_mode():
         want = source(input_ids=ids).logits
@@ -102,7 +121,7 @@ def forward_speed(model: PrismLM, source: torch.nn.Module, ids: torch.Tensor, re
         }
         t = alternate(fns, repeats)
         prism = ratio(t, "prism_forward", "source")
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "batch": list(ids.shape),
             "tokens": ids.numel(),
             "logit_max_abs_diff": diff,
@@ -113,7 +132,7 @@ def forward_speed(model: PrismLM, source: torch.nn.Module, ids: torch.Tensor, re
             "logits_only_ratio": 1.0 / ratio(t, "prism_logits_only", "source")["of_medians"],
             "timings": t,
         }
-        if out["forward_ratio"] < 0.97:
+        if 1.0 / prism["of_medians"] < 0.97:
             out["profile"] = profile_calls(fns["prism_forward"])
     return out
 
@@ -126,15 +145,15 @@ def explain_speed(
     index: PrototypeIndex,
     sha: str,
     repeats: int,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """``explain`` of ids (1, n) with and without the index vs one source forward of the same ids; cold calls
     (signature cache cleared) apart."""
 
-    def plain() -> Any:
+    def plain() -> torch.Tensor:
         with torch.inference_mode():
             return source(input_ids=ids).logits
 
-    def explained(idx: PrototypeIndex | None = index) -> Any:
+    def explained(idx: PrototypeIndex | None = index) -> object:
         return explain(model, tok, ids[0], index=idx, model_sha256=sha)
 
     cold = []
@@ -145,7 +164,7 @@ def explain_speed(
         cold.append(time.perf_counter() - t0)
     t = alternate({"source_forward": plain, "explain": explained, "explain_no_index": lambda: explained(None)}, repeats)
     r = ratio(t, "explain", "source_forward")
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "tokens": ids.shape[1],
         "explain_ratio": r["of_medians"],
         "explain_ratio_paired": r["paired_median"],
@@ -154,20 +173,20 @@ def explain_speed(
         "explain_cold_seconds": cold,
         "timings": t,
     }
-    if out["explain_ratio"] > 1.2:
+    if r["of_medians"] > 1.2:
         out["profile"] = profile_calls(explained)
     return out
 
 
 def generation_speed(
     model: PrismLM,
-    source: Any,
+    source: torch.nn.Module,
     tok: Tokenizer,
     n: int,
     index: PrototypeIndex,
     sha: str,
     repeats: int,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Explained generation of n greedy tokens (KV cache) vs plain cached generation of the same tokens."""
     prompt_ids = tok.encode(PROMPT)
     x = torch.tensor([prompt_ids], dtype=torch.long)  # (1, p)
@@ -178,7 +197,7 @@ def generation_speed(
 
     def hf() -> list[int]:
         with torch.inference_mode():
-            y = source.generate(
+            y = cast(Callable[..., torch.Tensor], source.generate)(
                 x,
                 attention_mask=torch.ones_like(x),
                 max_new_tokens=n,
@@ -196,7 +215,7 @@ def generation_speed(
     same = {"prism_generate": plain(), "source_generate": hf(), "explain_generation": explained()}
     t = alternate({"prism_generate": plain, "source_generate": hf, "explain_generation": explained}, repeats)
     vs_prism = ratio(t, "explain_generation", "prism_generate")
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "prompt_tokens": p,
         "new_tokens": n,
         "tokens_identical": same["prism_generate"] == same["explain_generation"] == same["source_generate"],
@@ -209,7 +228,7 @@ def generation_speed(
         * 100,
         "timings": t,
     }
-    if out["explained_generation_overhead_pct"] > 5:
+    if (vs_prism["of_medians"] - 1) * 100 > 5:
         out["profile"] = profile_calls(explained)
         out["profile_plain"] = profile_calls(plain)
     return out
@@ -217,7 +236,7 @@ def generation_speed(
 
 def speed_stage(
     model: PrismLM,
-    source: Any,
+    source: torch.nn.Module,
     tok: Tokenizer,
     shards: ShardSet,
     *,
@@ -226,8 +245,9 @@ def speed_stage(
     repeats: int,
     new_tokens: int,
     index_sequences: int,
-) -> dict[str, Any]:
-    """All item-5 ratios on held-out tokens; the index (for explanations) over the first training sequences."""
+) -> tuple[dict[str, object], SpeedHeadline]:
+    """All three ratios on held-out tokens, the index (for explanations) over the first ``index_sequences``
+    training sequences: the full record, and its headline numbers."""
     loads = [load_average()]
     ids = torch.from_numpy(shards.val.sequences(np.arange(batch), T)[:, :-1].astype(np.int64))  # (B, T)
     t0 = time.perf_counter()
@@ -249,7 +269,15 @@ def speed_stage(
     loads.append(load_average())
     gen = generation_speed(model, source, tok, new_tokens, index, sha, repeats)
     loads.append(load_average())
-    return {
+    headline: SpeedHeadline = {
+        "forward_ratio": _num(fwd["forward_ratio"]),
+        "explain_ratio": _num(exp["explain_ratio"]),
+        "explained_generation_overhead_pct": _num(gen["explained_generation_overhead_pct"]),
+        "explain_cold_ratio": _num(exp["explain_cold_ratio"]),
+        "logits_only_forward_ratio": _num(fwd["logits_only_ratio"]),
+        "generation_tokens_identical": bool(gen["tokens_identical"]),
+    }
+    record: dict[str, object] = {
         "forward": fwd,
         "explain": exp,
         "generation": gen,
@@ -257,3 +285,9 @@ def speed_stage(
         "load_average_during": loads,
         "repeats": repeats,
     }
+    return record, headline
+
+
+def _num(x: object) -> float:
+    assert isinstance(x, float | int), x
+    return float(x)

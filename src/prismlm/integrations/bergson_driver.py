@@ -1,7 +1,7 @@
 """Run bergson (EleutherAI, ``bergson==2.5.1``) on a ``prism export``ed model, from bergson's own venv.
 
-Used by ``bench/attribution.py --bergson PYTHON``: ``PYTHON _bergson_driver.py build ARGS...`` runs
-``bergson build ARGS...``; ``PYTHON _bergson_driver.py scores TRAIN_IDX QUERY_IDX OUT.npy`` writes the
+Run by ``prismlm.integrations.bergson`` (by its path, outside the package): ``PYTHON bergson_driver.py build ARGS...`` runs
+``bergson build ARGS...``; ``PYTHON bergson_driver.py scores TRAIN_IDX QUERY_IDX OUT.npy`` writes the
 (queries × training sequences) dot products of the two indexes' projected gradients.
 
 Two workarounds, both needed with bergson 2.5.1 and this package's export: ``prismlm`` must be importable
