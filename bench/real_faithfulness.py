@@ -501,6 +501,7 @@ def main() -> None:
         "speed": speed_main,
         "frozen": frozen_main,
         "sweep": sweep_main,
+        "bank-speed": bank_speed_main,
     }
     {**stages, "measure": measure_main, "summary": summary_main}[args.stage](args)
 
