@@ -43,11 +43,11 @@ from _common import (
 
 from prismlm.app.operations import sample_continuations
 from prismlm.config import RunConfig
-from prismlm.control.concept import ConceptSelection, PrototypeEvidence, activation_stats, doc_regex, find_concept
+from prismlm.control.concept import ConceptSelection, activation_stats, doc_regex, find_concept
 from prismlm.control.judges import FortuneSplits, Judge, TfidfJudge, default_judges, fortune_splits
-from prismlm.control.suppress import SuppressionSet
-from prismlm.data.corpus import iter_documents
-from prismlm.data.shards import ShardSet, prepare_from_config, prepare_shards, split_hash
+from prismlm.control.suppress import PrototypeEvidence, SuppressionSet
+from prismlm.data.corpus import iter_documents, split_hash
+from prismlm.data.shards import ShardSet, prepare_from_config, prepare_shards
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import CheckpointError
 from prismlm.eval.metrics import distinct_n
