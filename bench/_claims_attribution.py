@@ -49,6 +49,7 @@ from prismlm.app.demos import DEMO_MODEL
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.app.run import Run
 from prismlm.config import AttributionConfig
+from prismlm.eval.claims import attribution_summary
 from prismlm.tda.baselines import KronfluenceBaseline, TrakBaseline, WholeNetworkGradients, hybrid_scores
 from prismlm.tda.cache import build_cache
 from prismlm.tda.influence import curvature_pass, query_gradients
@@ -137,7 +138,7 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     for name, m in planted.items():
         ctx.log(f"attribution: {name}: R@10 {m['all']['recall@10']:.2f} paraphrase {m['paraphrase']['recall@10']:.2f}")
     return {
-        "summary": summary(planted, methods.costs),
+        "summary": attribution_summary(planted, methods.costs),
         "size": asdict(size),
         "unfreeze": UNFREEZE,
         "source": DEMO_MODEL,
@@ -585,39 +586,3 @@ class Methods:
             **secs,
         }
         self.save("bergson", S, cost)
-
-
-def summary(planted: dict[str, Any], costs: dict[str, Any]) -> dict[str, object]:
-    """The issue's fields (a method not run leaves its fields out), plus the compact store's and the hybrid's."""
-
-    def r10(name: str, part: str = "all") -> float | None:
-        return planted.get(name, {}).get(part, {}).get("recall@10")
-
-    out: dict[str, object] = {
-        "recall10_cached": r10("cached"),
-        "recall10_cached_compact": r10("cached-compact"),
-        "recall10_cached_paraphrase": r10("cached", "paraphrase"),
-        "recall10_bm25_paraphrase": r10("bm25", "paraphrase"),
-        "mrr_cached": planted.get("cached", {}).get("all", {}).get("mrr"),
-        "mrr_cached_paraphrase": planted.get("cached", {}).get("paraphrase", {}).get("mrr"),
-        "mrr_bm25_paraphrase": planted.get("bm25", {}).get("paraphrase", {}).get("mrr"),
-        "recall10_bm25_prompt_paraphrase": r10("bm25-prompt", "paraphrase"),
-    }
-    hyb = [k for k in planted if k.startswith("hybrid")]
-    if hyb:
-        out["recall10_hybrid"] = r10(hyb[0])
-    for name in ("trak", "bergson"):
-        if name in planted:
-            out[f"recall10_{name}"] = r10(name)
-            out[f"recall10_{name}_paraphrase"] = r10(name, "paraphrase")
-            out[f"mrr_{name}"] = planted[name]["all"]["mrr"]
-            out[f"{name}_cost_over_cached"] = costs[name]["per_query_s"] / costs["cached"]["per_query_s"]
-            out[f"{name}_single_query_cost_over_cached"] = (
-                costs[name]["single_query_s"] / costs["cached"]["per_query_s"]
-            )
-    if "ekfac" in planted:
-        out["recall10_ekfac"] = r10("ekfac")
-        out["ekfac_cost_over_cached"] = costs["ekfac"]["per_query_s"] / costs["cached"]["per_query_s"]
-        out["ekfac_single_query_cost_over_cached"] = costs["ekfac"]["single_query_s"] / costs["cached"]["per_query_s"]
-        out["mrr_ekfac"] = planted["ekfac"]["all"]["mrr"]
-    return {k: v for k, v in out.items() if v is not None}

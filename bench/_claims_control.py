@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -52,11 +51,12 @@ from prismlm.control.controller import (
     accuracy,
     correct,
     fit_choice_prior,
-    paired_stats,
     prism_encoder,
     trace_prism_controller,
 )
 from prismlm.control.sae import TopKSAE
+from prismlm.eval.claims import controller_summary
+from prismlm.eval.stats import binomial_p_above, paired_stats, wilson
 from prismlm.eval.tasks import (
     SPLITS,
     TASKS,
@@ -531,20 +531,6 @@ def forward_scores(model: PrismLM, tokenizer, docs: Sequence[MCExample]) -> torc
     return torch.tensor(out, dtype=torch.float64)
 
 
-def wilson(acc: float, n: int, z: float = 1.96) -> list[float]:
-    """95% Wilson interval of an accuracy over n examples."""
-    if n == 0:
-        return [0.0, 1.0]
-    centre = (acc + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(acc * (1 - acc) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return [centre - half, centre + half]
-
-
-def binomial_p_above(k: int, n: int, p: float) -> float:
-    """One-sided P(X ≥ k) for X ~ Binomial(n, p)."""
-    return float(sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
-
-
 def chance(f: ControlFeatures) -> float:
     return float(sum(1 / n for n in f.n_choices) / len(f.n_choices))
 
@@ -727,7 +713,7 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
             path.write_text(json.dumps(row, indent=1, default=float))
         rows.append(json.loads(path.read_text()))
     return {
-        "summary": summarize(rows),
+        "summary": controller_summary(rows),
         "screening": screened,
         "tasks": rows,
         "sae": {"num_latents": K, "k": k, **sae_info, "other_settings_tried": list(SAE_TRIED)},
@@ -743,23 +729,4 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
             "keep_margin": KEEP_MARGIN,
         },
         "stage_seconds": round(time.perf_counter() - t0, 1),
-    }
-
-
-def summarize(rows: list[dict]) -> dict[str, object]:
-    """The issue's fields: mean accuracy points over the kept tasks."""
-    if not rows:
-        return {"controller_tasks": 0}
-
-    def mean(f: Callable[[dict], float]) -> float:
-        return round(100 * sum(f(r) for r in rows) / len(rows), 2)
-
-    return {
-        "controller_tasks": len(rows),
-        "controller_gain_over_prior": mean(lambda r: r["prism"]["test_after"]["acc"] - r["choice_prior"]["acc"]),
-        "controller_minus_sae": mean(lambda r: r["prism"]["test_after"]["acc"] - r["sae"]["test_after"]["acc"]),
-        "controller_gain_over_base": mean(lambda r: r["prism"]["delta_acc"]),
-        "sae_gain_over_base": mean(lambda r: r["sae"]["delta_acc"]),
-        "sae_gain_over_prior": mean(lambda r: r["sae"]["test_after"]["acc"] - r["choice_prior"]["acc"]),
-        "prior_gain_over_base": mean(lambda r: r["choice_prior"]["acc"] - r["base"]["acc"]),
     }

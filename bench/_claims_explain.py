@@ -41,7 +41,6 @@ Resumable: answers are cached batch by batch in ``<work>/explanations/answers[-q
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -53,7 +52,8 @@ from _claims_questions import chat_questions
 
 from prismlm.app.operations import ExplanationRequest, chat_prompt, explain_text
 from prismlm.app.run import Run
-from prismlm.eval.faithfulness import ChoiceParts, Yardstick, choice_parts, choice_shares, yardstick_from_moments
+from prismlm.eval.claims import logit_shares
+from prismlm.eval.faithfulness import Yardstick, choice_parts, yardstick_from_moments
 from prismlm.explain import Explanation
 from prismlm.model import PrismLM, PrismOutput
 from prismlm.render import RunHeader, write_html
@@ -79,15 +79,6 @@ SHOWCASE = [
     ("arithmetic", "What is 100 divided by 4?", "equals 2"),
     ("code", "Write a Python function that returns the square of a number.", "num **"),
 ]
-PARTS = (
-    *("logit", "slices", "abs_slices", "residual", "bias", "top_slice", "mean_dir", "subspace"),
-    *("runner_up_logit", "runner_up_slices", "runner_up_bias"),
-)
-"""The columns of an answer's ``parts`` (the fields of ``prismlm.eval.faithfulness.ChoiceParts``, in order): ℓ_y,
-S = Σ slices, Σ |slices|, R, B, max_i |slice_i|, the two yardstick parts of a ``Yardstick``: (z·μ̂)(w_y·μ̂) and
-(Qᵀz)·(Qᵀw_y), and the logit, Σ slices and bias of the runner-up token y₂ (the second largest logit: the margin
-ℓ_y − ℓ_y₂ is what made y the greedy choice)."""
-assert PARTS == ChoiceParts._fields
 
 
 def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
@@ -99,13 +90,13 @@ def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
     t0 = time.perf_counter()
     records = answer_all(ctx, run, questions, cache)
     t_answers = time.perf_counter() - t0
-    shares = logit_shares(records)
+    shares = logit_shares([r["parts"] for r in records])
     padding = padding_check(run, records[:4])
     ctx.log(f"explanations: shares over {len(records)} answers {shares['mean']}; padding check {padding}")
     out_dir = stage / "docs" if ctx.quick else DOCS
     showcase = [explain_showcase(ctx, run, out_dir, *s) for s in SHOWCASE]
     shots = screenshots(ctx, run, showcase, out_dir)
-    by_kind = {k: logit_shares([r for r in records if r["kind"] == k])["mean"] for k in {r["kind"] for r in records}}
+    by_kind = {k: logit_shares([r["parts"] for r in records if r["kind"] == k])["mean"] for k in {r["kind"] for r in records}}
     summary = {
         "explained_answers": len(records),
         "answer_tokens": shares["tokens"],
@@ -257,44 +248,6 @@ def reference(ctx: ClaimsContext, chunk: int = 16384) -> Yardstick:
         total += x.sum(0)
         outer += x.T @ x
     return yardstick_from_moments(total, outer, rows, k)  # μ̂ and the k largest principal directions
-
-
-def logit_shares(records: list[dict]) -> dict:
-    """The shares of ``DEFINITIONS`` over ``records`` (each with ``parts``, one row per answer token):
-    per-token values, averaged over each answer's tokens and then over the answers (``mean``), plus
-    pooled and distribution figures. Answers without tokens are skipped."""
-    rows = [torch.tensor(r["parts"], dtype=torch.float64) for r in records if r["parts"]]
-    if not rows:
-        return {"tokens": 0, "answers": 0, "mean": {}, "pooled_fraction_slices": None, "max_abs_error": None}
-    per_answer = [per_token_shares(x) for x in rows]  # each: name → (n,)
-    names = list(per_answer[0])
-    mean = {k: round(statistics.fmean(float(a[k].mean()) for a in per_answer), 4) for k in names}
-    flat = {k: torch.cat([a[k] for a in per_answer]) for k in names}
-    allp = torch.cat(rows)  # (N, len(PARTS))
-    logit, S, A, R, Bb = (allp[:, i] for i in range(5))
-    margin, dS = logit - allp[:, 8], S - allp[:, 9]
-    return {
-        "answers": len(rows),
-        "tokens": int(allp.shape[0]),
-        "mean": mean,
-        "token_median": {k: round(float(v.median()), 4) for k, v in flat.items()},
-        "tokens_with_slices_over_half": round(float((flat["abs_share_slices"] > 0.5).double().mean()), 4),
-        "pooled_fraction_slices": round(float(S.sum() / logit.sum()), 4),
-        "pooled_fraction_residual": round(float(R.sum() / logit.sum()), 4),
-        "pooled_margin_fraction_slices": round(float(dS.sum() / margin.sum()), 4),
-        "mean_margin": round(float(margin.mean()), 3),
-        "mean_logit": round(float(logit.mean()), 3),
-        "mean_abs_slices": round(float(S.abs().mean()), 3),
-        "mean_gross_abs_slices": round(float(A.mean()), 3),
-        "mean_abs_residual": round(float(R.abs().mean()), 3),
-        "max_abs_bias": float(Bb.abs().max()),
-        "max_abs_error": float((S + R + Bb - logit).abs().max()),
-    }
-
-
-def per_token_shares(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """x (n, len(PARTS)) rows → each share of ``DEFINITIONS``, (n,) per name (``choice_shares``)."""
-    return choice_shares(ChoiceParts(*x.unbind(-1)))
 
 
 @torch.no_grad()

@@ -37,7 +37,6 @@ from prismlm.control.controller import (
     extract_features,
     fit_and_test,
     fit_choice_prior,
-    paired_stats,
     prism_encoder,
     request_scores,
     trace_prism_controller,
@@ -45,6 +44,7 @@ from prismlm.control.controller import (
 from prismlm.control.sae import train_sae
 from prismlm.data.shards import prepare_shards
 from prismlm.eval.scoring import mc_accuracy
+from prismlm.eval.stats import paired_stats
 from prismlm.eval.tasks import TASKS, build_task
 from prismlm.train.trainer import train
 

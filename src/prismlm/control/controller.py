@@ -8,7 +8,6 @@ cache ``ControlFeatures`` scores as the forward pass does. See docs/architecture
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,41 +150,6 @@ def _choice_matrix(f: ControlFeatures, scores: torch.Tensor) -> torch.Tensor:
 def correct(f: ControlFeatures, scores: torch.Tensor) -> torch.Tensor:
     """(D,) bool: is the highest-scoring choice the gold one (first maximum wins, like ``numpy.argmax``)."""
     return _choice_matrix(f, scores.detach()).argmax(-1) == f.gold
-
-
-class PairedStats(TypedDict):
-    """``paired_stats`` of per-example correctness before and after (D,) each."""
-
-    delta: float
-    """Mean accuracy after − before."""
-    ci95: list[float]
-    """[low, high] bootstrap 95% interval of delta."""
-    gained: int
-    """Examples wrong before and right after."""
-    lost: int
-    """Examples right before and wrong after."""
-    mcnemar_p: float
-    """Exact two-sided McNemar p-value over the discordant pairs."""
-
-
-def paired_stats(before: torch.Tensor, after: torch.Tensor, *, n_boot: int = 2000, seed: int = 0) -> PairedStats:
-    """Paired comparison of per-example correctness: Δ accuracy, a bootstrap 95% interval, and the exact
-    two-sided McNemar p-value over the discordant pairs."""
-    b, a = before.double(), after.double()
-    n = len(b)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, n, (n_boot, n), generator=g)
-    deltas = (a[idx] - b[idx]).mean(1)
-    lo, hi = torch.quantile(deltas, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    gained, lost = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
-    m = gained + lost
-    if m == 0:
-        p = 1.0
-    else:
-        k = min(gained, lost)
-        tail = sum(math.comb(m, i) for i in range(k + 1)) / 2**m
-        p = min(1.0, 2 * tail)
-    return {"delta": float((a - b).mean()), "ci95": [lo, hi], "gained": gained, "lost": lost, "mcnemar_p": p}
 
 
 def accuracy(f: ControlFeatures, scores: torch.Tensor) -> dict[str, float]:
