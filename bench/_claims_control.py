@@ -54,7 +54,7 @@ from prismlm.control.controller import (
     prism_encoder,
     trace_prism_controller,
 )
-from prismlm.control.sae import TopKSAE
+from prismlm.control.sae import SAERecipe, TopKSAE, fit_sae, row_sampler
 from prismlm.eval.claims import controller_summary
 from prismlm.eval.stats import binomial_p_above, paired_stats, wilson
 from prismlm.eval.tasks import (
@@ -400,115 +400,34 @@ def fit_surrogate(p: Surrogate, f: ControlFeatures, l1: float, steps: int, lr: f
 
 
 # ----- the SAE on the stored z ---------------------------------------------------------------------------------
-def _data_init(sae: TopKSAE, z: torch.Tensor, probe: torch.Tensor) -> None:
-    """The data initialisation: each decoder row a random centred training row (unit norm), W_enc = s·W_decᵀ,
-    b_enc = 0, so that every latent starts where the data is (z (K, d) rows; against dead latents). The scale s
-    is the least-squares one of the reconstruction of ``probe`` (N, d) (TopK and ReLU commute with s > 0)."""
-    with torch.no_grad():
-        sae.W_dec.copy_(z - sae.b_dec)
-        sae.normalize_decoder()
-        sae.W_enc.copy_(sae.W_dec)
-        sae.b_enc.zero_()
-        r, x = sae.decode(*sae.encode(probe)), probe - sae.b_dec  # (N, d) each
-        sae.W_enc.mul_((r * x).sum() / (r * r).sum().clamp_min(1e-12))
-
-
-def _resample_dead(sae: TopKSAE, opt: torch.optim.Adam, dead: torch.Tensor, z: torch.Tensor, err: torch.Tensor) -> int:
-    """Dead latents (K,) bool moved to the highest-error rows of a batch (z, err (N, d)): W_dec row = that
-    row's unit error, W_enc row = the same scaled to the live encoder rows' mean norm, b_enc = 0; their Adam
-    moments reset. Returns how many were moved."""
-    ids = dead.nonzero().squeeze(-1)
-    n = min(len(ids), len(z))
-    if n == 0:
-        return 0
-    ids = ids[torch.randperm(len(ids))[:n]]
-    rows = (err**2).sum(-1).topk(n).indices  # the n worst-reconstructed rows of the batch
-    with torch.no_grad():
-        u = err[rows] / err[rows].norm(dim=-1, keepdim=True).clamp_min(1e-8)  # (n, d)
-        sae.W_dec[ids] = u
-        sae.W_enc[ids] = u * sae.W_enc[~dead].norm(dim=-1).mean()
-        sae.b_enc[ids] = 0.0
-        for p in (sae.W_enc, sae.W_dec, sae.b_enc):
-            for m in ("exp_avg", "exp_avg_sq"):
-                if m in opt.state.get(p, {}):
-                    opt.state[p][m][ids] = 0.0
-    return n
-
-
-@torch.no_grad()
-def sae_quality(sae: TopKSAE, z: torch.Tensor, chunk: int = 4096) -> dict[str, float]:
-    """Held-out FVU and the share of latents never active on z (N, d)."""
-    used = torch.zeros(sae.W_dec.shape[0], dtype=torch.bool)
-    sse = 0.0
-    for s in range(0, len(z), chunk):
-        idx, act = sae.encode(z[s : s + chunk])
-        sse += float(((sae.decode(idx, act) + sae.b_dec - z[s : s + chunk]) ** 2).sum())
-        used[idx[act > 0]] = True
-    return {"fvu": sse / float(((z - z.mean(0)) ** 2).sum()), "dead_fraction": float((~used).float().mean())}
-
-
 def train_sae_on_stored_z(
     run_folder: Path, K: int, k: int, steps: int, seed: int, log: Callable[[str], None], *, recipe: str = SAE_RECIPE
 ) -> tuple[TopKSAE, dict[str, object]]:
-    """MSE + AuxK (aux_k = d/2, a latent dead after ``SAE_DEAD_STEPS`` steps without firing), b_dec at the mean,
-    unit decoder rows, on the bank's stored hidden states; ``recipe`` "data" adds the data initialisation
-    (``_data_init``) and moves the dead latents to high-error rows every ``SAE_RESAMPLE`` steps up to 3/4 of
-    the run (``_resample_dead``); "random": random init, AuxK alone (``prismlm.control.sae.train_sae``'s).
-    The last 10% of the stored sequences are held out: FVU and dead fraction at each of ``SAE_CHECKPOINTS``."""
+    """``prismlm.control.sae.fit_sae`` on the bank's stored hidden states (``SAE_BATCH`` rows a step, b_dec at
+    the mean of 8 batches); ``recipe`` "data": the data initialisation and resampling every ``SAE_RESAMPLE``
+    steps, "random": AuxK alone. The last 10% of the stored sequences are held out (FVU, dead fraction)."""
     store = open_stored_z(run_folder / "stored-z").check()
     T, n_seq = store.block_size, store.num_sequences
     n_train = max(1, int(0.9 * n_seq)) if n_seq > 1 else n_seq
     train_rows = n_train * T
     Z = store.rows(0, train_rows)  # (rows, d) float32 in memory: random rows of a memory map cost more
     held = store.rows(train_rows, n_seq * T) if n_seq > n_train else Z[: min(4096, train_rows)]
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    d = Z.shape[1]
-    sae = TopKSAE(d, K, k)
-    opt = torch.optim.Adam(sae.parameters(), lr=1e-3)
-
-    def batch(n: int = SAE_BATCH) -> torch.Tensor:
-        return Z[torch.randint(0, train_rows, (n,), generator=g)]
-
-    with torch.no_grad():
-        sae.b_dec.copy_(batch(8 * SAE_BATCH).mean(0))
-    if recipe == "data":
-        _data_init(sae, batch(K), batch())
-    since = torch.zeros(K, dtype=torch.long)
-    curve, resampled = [], 0
-    for step in range(steps):
-        z = batch()
-        pre = F.relu(F.linear(z - sae.b_dec, sae.W_enc, sae.b_enc))  # (N, K), shared by TopK and AuxK
-        act, idx = pre.topk(k, dim=-1)
-        recon = sae.decode(idx, act) + sae.b_dec
-        since = torch.where(torch.zeros(K, dtype=torch.bool).index_fill(0, idx[act > 0], True), 0, since + 1)
-        dead = since > SAE_DEAD_STEPS
-        loss = F.mse_loss(recon, z)
-        if bool(dead.any()):  # AuxK: the top-d/2 dead latents reconstruct the error
-            a_act, a_idx = pre.masked_fill(~dead, 0.0).topk(min(d // 2, int(dead.sum())), dim=-1)
-            aux = torch.zeros_like(pre).scatter(1, a_idx, a_act) @ sae.W_dec  # dense: (N, d/2, d) costs more
-            loss = loss + F.mse_loss(aux, (z - recon).detach())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sae.normalize_decoder()
-        if recipe == "data" and (step + 1) % SAE_RESAMPLE == 0 and step + 1 <= 3 * steps // 4 and bool(dead.any()):
-            n = _resample_dead(sae, opt, dead, z, (z - recon).detach())
-            since[dead] = 0
-            resampled += n
-        if (step + 1) in SAE_CHECKPOINTS or step + 1 == steps:
-            q = sae_quality(sae, held)
-            curve.append({"steps": step + 1, **q})
-            log(
-                f"controllers: SAE ({recipe}) step {step + 1}/{steps}: held-out FVU {q['fvu']:.3f}, dead {q['dead_fraction']:.2f}"
-            )
-    return sae.eval(), {
-        **curve[-1],
+    data = recipe == "data"
+    plan = SAERecipe(
+        steps=steps, batch=SAE_BATCH, dead_steps=SAE_DEAD_STEPS, data_init=data,
+        resample_every=SAE_RESAMPLE if data else 0, mean_draws=8 * SAE_BATCH,
+    )  # fmt: skip
+    fit = fit_sae(
+        Z.shape[1], K, k, row_sampler(Z, seed), plan, seed=seed, held=held, checkpoints=SAE_CHECKPOINTS,
+        log=lambda m: log(f"controllers: {m} ({recipe})"),
+    )  # fmt: skip
+    return fit.sae, {
+        **fit.curve[-1],
         "recipe": recipe,
         "steps": steps,
         "batch": SAE_BATCH,
-        "curve": curve,
-        "resampled_latents": resampled,
+        "curve": fit.curve,
+        "resampled_latents": fit.resampled,
         "train_hidden_states": train_rows,
         "heldout_hidden_states": len(held),
     }
