@@ -36,18 +36,16 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from _claims_common import ClaimsContext
 
 from prismlm.control.controller import (
     ControlFeatures,
     Controller,
-    Encoder,
     accuracy,
     correct,
     fit_choice_prior,
@@ -55,19 +53,21 @@ from prismlm.control.controller import (
     trace_prism_controller,
 )
 from prismlm.control.sae import SAERecipe, TopKSAE, fit_sae, row_sampler
+from prismlm.control.surrogate import (
+    BASE_FIELDS,
+    FEATURE_FIELDS,
+    TaskFeatures,
+    base_pass,
+    chance,
+    encoded,
+    exact_scores,
+    extract_shared_prefix,
+    fit_surrogate_controller,
+    forward_scores,
+)
 from prismlm.eval.claims import controller_summary
 from prismlm.eval.stats import binomial_p_above, paired_stats, wilson
-from prismlm.eval.tasks import (
-    SPLITS,
-    TASKS,
-    MCExample,
-    TaskSpec,
-    _pick,
-    _sotu_raw,
-    build_from_spec,
-    build_task,
-    passages,
-)
+from prismlm.eval.tasks import EXTRA_TASKS, SPLITS, TASKS, MCExample, build_task
 from prismlm.model import PrismLM
 from prismlm.train.stored_z import backbone_identity, open_stored_z
 
@@ -122,119 +122,7 @@ MIN_TASKS = 3  # the tasks built here are screened only when fewer shipped ones 
 KEEP_P, KEEP_MARGIN = 0.01, 0.05
 
 
-# ----- the two tasks built here (the pattern of prismlm.eval.tasks) ------------------------------------------
-def _sotu_ending_raw(per_doc: int = 6, ending_words: int = 12) -> Iterator[tuple[str, str, str, str]]:
-    """(first half of a SOTU passage, its next ``ending_words`` words), as ``gutenberg_ending``."""
-    for group, ex_id, p, _president in _sotu_raw("president", per_doc):
-        words = p.removesuffix(" …").split()
-        half = len(words) // 2
-        if len(words) - half >= ending_words:
-            yield group, ex_id, " ".join(words[:half]), " ".join(words[half : half + ending_words])
-
-
-def _bible_raw(per_doc: int = 6) -> Iterator[tuple[str, str, str, str]]:
-    """Gutenberg passages labelled Yes (King James Bible) / No (any other book): as many No books as Bible
-    books, spread over the other books (deterministic)."""
-    from prismlm.data.corpus import gutenberg_documents
-
-    docs = [d for d in gutenberg_documents() if d.meta.get("author")]
-    bible = [d for d in docs if d.meta["author"] == "King James Bible"]
-    other = _pick([d for d in docs if d.meta["author"] != "King James Bible"], len(bible))
-    for doc in bible + other:
-        label = "Yes" if doc.meta["author"] == "King James Bible" else "No"
-        for j, p in enumerate(_pick(passages(doc.text), per_doc)):
-            yield doc.id, f"{doc.id}/p{j}", p, label
-
-
-EXTRA_TASKS = {
-    "sotu_ending": TaskSpec(_sotu_ending_raw, "{passage}", 4, answers_per_example=True),
-    "gutenberg_bible": TaskSpec(
-        _bible_raw, "Passage: {passage}\nQuestion: Is this passage from the Bible?\nAnswer:", 2
-    ),
-}
 CANDIDATES = (*TASKS, *EXTRA_TASKS)
-
-
-def build_any_task(name: str, caps: dict[str, int]) -> dict[str, list[MCExample]]:
-    """A shipped task (``build_task``) or one of ``EXTRA_TASKS``, split by source document as ``build_task``."""
-    return build_task(name, caps) if name in TASKS else build_from_spec(EXTRA_TASKS[name], caps)
-
-
-# ----- features: the backbone once per query, the choices batched on its cache -------------------------------
-@torch.no_grad()
-def extract_shared_prefix(model: PrismLM, tokenizer, docs: Sequence[MCExample]) -> ControlFeatures:
-    """``ControlFeatures`` (code fields empty) of every (query, choice) pair: the query's keys/values once,
-    then the C choices as one right-padded batch on the cache repeated C times. The query is cut from the
-    left so that the longest choice fits the window (block_size + 1 tokens with the last target)."""
-    T, eot = model.config.block_size, tokenizer.eot_id
-    Z, Y, R, doc_of, clen, n_choices, texts = [], [], [], [], [], [], []
-    for di, d in enumerate(docs):
-        conts = [tokenizer.encode(ch) for ch in d["choices"]]
-        ctx = (tokenizer.encode(d["query"]) or [eot])[-(T + 1 - max(map(len, conts))) :]
-        C, L = len(conts), max(map(len, conts))
-        cache = None
-        if len(ctx) > 1:
-            cache = model.new_cache()
-            model.backbone(torch.tensor([ctx[:-1]]), cache)
-            cache.batch_repeat_interleave(C)
-        x = torch.full((C, L), eot, dtype=torch.long)
-        for r, c in enumerate(conts):
-            x[r, : len(c)] = torch.tensor([ctx[-1], *c[:-1]])
-        z = model.backbone(x, cache)  # (C, L, d): row r's first len(conts[r]) positions are the scored ones
-        for r, c in enumerate(conts):
-            Z.append(z[r, : len(c)])
-            Y.append(torch.tensor(c))
-            R.append(torch.full((len(c),), len(doc_of)))
-            doc_of.append(di)
-            clen.append(len(d["choices"][r]))
-            texts.append(d["choices"][r])
-        n_choices.append(C)
-    return ControlFeatures(
-        z=torch.cat(Z).float(),
-        indices=torch.empty(0, dtype=torch.long),
-        activations=torch.empty(0),
-        targets=torch.cat(Y),
-        request=torch.cat(R),
-        doc_of_request=torch.tensor(doc_of),
-        gold=torch.tensor([d["gold"] for d in docs]),
-        choice_len=torch.tensor(clen),
-        n_choices=n_choices,
-        choice_text=texts,
-    )
-
-
-_FIELDS = ("z", "targets", "request", "doc_of_request", "gold", "choice_len", "n_choices", "choice_text")
-_BASE = ("base_logp", "lse", "top_ids", "top_p")
-TOP_TOKENS = 64  # per scored token: the base model's most probable tokens (the surrogate's vocabulary)
-
-
-@dataclass
-class TaskFeatures(ControlFeatures):
-    """``ControlFeatures`` with the base model's full-vocabulary pass at every scored token (c = 0)."""
-
-    base_logp: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    """(N,) float64 log p(target) under the base model."""
-    lse: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    """(N,) logsumexp of the base logits."""
-    top_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    """(N, TOP_TOKENS) the base model's most probable tokens."""
-    top_p: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    """(N, TOP_TOKENS) their probabilities."""
-
-
-@torch.no_grad()
-def base_pass(f: ControlFeatures, W: torch.Tensor, chunk: int = 2048) -> dict[str, torch.Tensor]:
-    """The ``_BASE`` fields of ``f`` (one full-vocabulary pass over its tokens, in chunks)."""
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in _BASE}
-    for s in range(0, len(f.targets), chunk):
-        logits = F.linear(f.z[s : s + chunk], W)  # (n, V) float32
-        logp = F.log_softmax(logits.double(), dim=-1)
-        parts["base_logp"].append(logp.gather(-1, f.targets[s : s + chunk, None]).squeeze(-1))
-        parts["lse"].append(torch.logsumexp(logits, -1))
-        top = logp.topk(TOP_TOKENS, dim=-1)
-        parts["top_ids"].append(top.indices.int())
-        parts["top_p"].append(top.values.exp().half())
-    return {k: torch.cat(v) for k, v in parts.items()}
 
 
 def _first_docs(saved: dict, m: int) -> dict:
@@ -244,7 +132,7 @@ def _first_docs(saved: dict, m: int) -> dict:
     out = {"ids": saved["ids"][:m], "gold": saved["gold"][:m], "n_choices": saved["n_choices"][:m]}
     for k in ("doc_of_request", "choice_len", "choice_text"):
         out[k] = saved[k][:R]
-    for k in ("z", "targets", "request", *_BASE):
+    for k in ("z", "targets", "request", *BASE_FIELDS):
         if k in saved:
             out[k] = saved[k][:N]
     return out
@@ -267,136 +155,21 @@ def cached_features(
     if saved is None:
         t = time.perf_counter()
         f = extract_shared_prefix(model, tokenizer, docs)
-        saved = {"ids": ids, **{k: getattr(f, k) for k in _FIELDS}}
+        saved = {"ids": ids, **{k: getattr(f, k) for k in FEATURE_FIELDS}}
         ctx.log(
             f"controllers: {task}/{split}: {len(docs)} examples, {len(f.targets)} scored tokens "
             f"({time.perf_counter() - t:.0f} s)"
         )
-    if any(k not in saved for k in _BASE):
-        f = ControlFeatures(indices=torch.empty(0), activations=torch.empty(0), **{k: saved[k] for k in _FIELDS})
+    if any(k not in saved for k in BASE_FIELDS):
+        f = ControlFeatures(indices=torch.empty(0), activations=torch.empty(0), **{k: saved[k] for k in FEATURE_FIELDS})
         saved.update(base_pass(f, model.lm_head.weight.detach().float()))
     if not path.exists() or "base_logp" not in torch.load(path, weights_only=False):
         tmp = path.with_suffix(".tmp")
         torch.save(saved, tmp)
         tmp.replace(path)
-    return TaskFeatures(indices=torch.empty(0), activations=torch.empty(0), **{k: saved[k] for k in (*_FIELDS, *_BASE)})
-
-
-def encoded(f: TaskFeatures, encoder: Encoder, chunk: int = 4096) -> TaskFeatures:
-    """A copy of ``f`` with the code (indices, activations) of ``encoder`` at every scored token."""
-    with torch.no_grad():
-        parts = [encoder(f.z[i : i + chunk]) for i in range(0, len(f.z), chunk)]
     return TaskFeatures(
-        indices=torch.cat([p[0] for p in parts]),
-        activations=torch.cat([p[1] for p in parts]).detach().float(),
-        **{k: getattr(f, k) for k in (*_FIELDS, *_BASE)},
+        indices=torch.empty(0), activations=torch.empty(0), **{k: saved[k] for k in (*FEATURE_FIELDS, *BASE_FIELDS)}
     )
-
-
-# ----- scoring: exact (full vocabulary, chunked) and the fitting surrogate ----------------------------------
-@torch.no_grad()
-def exact_scores(
-    f: TaskFeatures, W: torch.Tensor, directions: torch.Tensor, c: torch.Tensor | None, chunk: int = 2048
-) -> torch.Tensor:
-    """(R,) float64 Σ log p(continuation) per request under ℓ' = W (z + Σ c_i a_i d_i), as ``request_scores``:
-    the base pass where no unit of non-zero c is active, the full vocabulary (in chunks) where one is."""
-    tok = f.base_logp.clone()  # (N,)
-    if c is not None:
-        touched = (c[f.indices] != 0).any(-1).nonzero().squeeze(-1)  # tokens whose z the controller moves
-        for s in range(0, len(touched), chunk):
-            n = touched[s : s + chunk]
-            idx = f.indices[n]
-            coef = c.float()[idx] * f.activations[n]  # (n, k)
-            z = f.z[n] + torch.einsum("nk,nkd->nd", coef, directions[idx].float())
-            logits = F.linear(z, W)  # (n, V); float32 (float64 over V costs twice the time here)
-            tok[n] = (logits.gather(-1, f.targets[n, None]).squeeze(-1) - logits.logsumexp(-1)).double()
-    return torch.zeros(len(f.doc_of_request), dtype=torch.float64).index_add(0, f.request, tok)
-
-
-@dataclass
-class Surrogate:
-    """The controller's fitting problem on vocabulary S (see the module doc)."""
-
-    base: torch.Tensor
-    """(N, |S|) base logits on S."""
-    tail: torch.Tensor
-    """(N,) log Σ_{v ∉ S} exp(base logit v), frozen."""
-    target: torch.Tensor
-    """(N,) each target's column in S."""
-    A: torch.Tensor
-    """(N, K) sparse: activation of unit i at token n."""
-    WD: torch.Tensor
-    """(K, |S|) logit change on S per unit of c_i·a_i."""
-    slot: torch.Tensor
-    """(R,) position of each request among its doc's choices."""
-
-
-@torch.no_grad()
-def surrogate_vocab(f: TaskFeatures, V: int, vocab: int) -> torch.Tensor:
-    """S (sorted token ids): the targets ∪ the ``vocab`` tokens with the most base probability mass over
-    the stored top tokens of every token of ``f`` (the training split)."""
-    mass = torch.zeros(V).index_add_(0, f.top_ids.reshape(-1).long(), f.top_p.reshape(-1).float())
-    mass[f.targets] = float("inf")  # every target is in S
-    return mass.topk(min(V, vocab + len(f.targets.unique()))).indices.sort().values  # (|S|,)
-
-
-@torch.no_grad()
-def surrogate(f: TaskFeatures, W: torch.Tensor, directions: torch.Tensor, S: torch.Tensor) -> Surrogate:
-    """The fitting problem of ``f`` on vocabulary S (a target outside S, possible on a split other than
-    train, keeps its exact base logit as an extra column)."""
-    V, N = W.shape[0], len(f.targets)
-    S = torch.cat([S, f.targets[~torch.isin(f.targets, S)].unique()]).sort().values
-    WS = W[S]  # (|S|, d)
-    base = F.linear(f.z, WS)  # (N, |S|)
-    frac = (base.logsumexp(-1) - f.lse).clamp(max=-1e-6)  # log of S's share of the base mass (< 0)
-    tail = f.lse + torch.log(-torch.expm1(frac))
-    col = torch.full((V,), -1, dtype=torch.long)
-    col[S] = torch.arange(len(S))
-    K, k = directions.shape[0], f.indices.shape[1]
-    rows = torch.arange(N).repeat_interleave(k)
-    A = torch.sparse_coo_tensor(
-        torch.stack([rows, f.indices.reshape(-1)]), f.activations.reshape(-1), (N, K), check_invariants=True
-    )
-    n_choices = torch.tensor(f.n_choices)
-    first = n_choices.cumsum(0) - n_choices  # (D,) first request of each doc (requests are in doc order)
-    slot = torch.arange(len(f.doc_of_request)) - first[f.doc_of_request]
-    return Surrogate(base, tail, col[f.targets], A.coalesce(), directions.float() @ WS.T, slot)
-
-
-def surrogate_scores(p: Surrogate, f: ControlFeatures, c: torch.Tensor) -> torch.Tensor:
-    """(R,) the surrogate's request scores under coefficients c (K,)."""
-    logits = p.base + torch.sparse.mm(p.A, c[:, None] * p.WD)  # (N, |S|)
-    lse = torch.logaddexp(logits.logsumexp(-1), p.tail)
-    tok = logits.gather(-1, p.target[:, None]).squeeze(-1) - lse  # (N,)
-    return torch.zeros(len(f.doc_of_request), dtype=tok.dtype).index_add(0, f.request, tok)
-
-
-def surrogate_loss(p: Surrogate, f: ControlFeatures, c: torch.Tensor) -> torch.Tensor:
-    """Multiple-choice cross-entropy of the surrogate request scores under coefficients c (K,)."""
-    scores = surrogate_scores(p, f, c)
-    M = torch.full((len(f.gold), max(f.n_choices)), -float("inf")).index_put((f.doc_of_request, p.slot), scores)
-    return F.cross_entropy(M, f.gold)
-
-
-def fit_surrogate(p: Surrogate, f: ControlFeatures, l1: float, steps: int, lr: float) -> Controller:
-    """``fit_controller``'s proximal Adam (soft-threshold in Adam's diagonal metric) on the surrogate."""
-    K = p.WD.shape[0]
-    c = torch.zeros(K, requires_grad=True)
-    m1, m2 = torch.zeros(K), torch.zeros(K)
-    b1, b2, eps = 0.9, 0.999, 1e-8
-    losses = []
-    for t in range(1, steps + 1):
-        loss = surrogate_loss(p, f, c)
-        (g,) = torch.autograd.grad(loss, c)
-        with torch.no_grad():
-            m1.mul_(b1).add_(g, alpha=1 - b1)
-            m2.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (m2 / (1 - b2**t)).sqrt() + eps
-            u = c - lr * (m1 / (1 - b1**t)) / denom
-            c.copy_(torch.sign(u) * torch.clamp(u.abs() - lr * l1 / denom, min=0.0))
-        losses.append(float(loss.detach()))
-    hist = {"final_loss": losses[-1], "loss_first": losses[0], "steps": steps, "lr": lr}
-    return Controller(coefficients=c.detach().double(), l1=l1, history=hist)  # type: ignore[arg-type]
 
 
 # ----- the SAE on the stored z ---------------------------------------------------------------------------------
@@ -434,26 +207,6 @@ def train_sae_on_stored_z(
 
 
 # ----- the stage -----------------------------------------------------------------------------------------------
-@torch.no_grad()
-def forward_scores(model: PrismLM, tokenizer, docs: Sequence[MCExample]) -> torch.Tensor:
-    """(R,) Σ log p(continuation) through the model's own forward (whatever ``control`` is active), with
-    ``extract_shared_prefix``'s cut of the query: the independent reference for the cached-feature scores."""
-    T, eot = model.config.block_size, tokenizer.eot_id
-    out = []
-    for d in docs:
-        conts = [tokenizer.encode(ch) for ch in d["choices"]]
-        ctx = (tokenizer.encode(d["query"]) or [eot])[-(T + 1 - max(map(len, conts))) :]
-        for c in conts:
-            full = torch.tensor([ctx + c])
-            logp = F.log_softmax(model(full[:, :-1]).logits[0, -len(c) :].double(), dim=-1)  # (n, V)
-            out.append(float(logp.gather(-1, full[0, -len(c) :, None]).sum()))
-    return torch.tensor(out, dtype=torch.float64)
-
-
-def chance(f: ControlFeatures) -> float:
-    return float(sum(1 / n for n in f.n_choices) / len(f.n_choices))
-
-
 def screen(ctx: ClaimsContext, run, folder: Path, caps: dict[str, int]) -> tuple[list[dict[str, object]], dict]:
     """Base validation accuracy of every shipped task vs chance, and of the tasks built here when fewer
     than ``MIN_TASKS`` shipped ones are clearly above it; which are kept."""
@@ -462,7 +215,7 @@ def screen(ctx: ClaimsContext, run, folder: Path, caps: dict[str, int]) -> tuple
     for task in CANDIDATES:
         if task in EXTRA_TASKS and sum(bool(r["kept"]) for r in rows) >= MIN_TASKS:
             break
-        splits = build_any_task(task, caps)
+        splits = build_task(task, caps)
         f = cached_features(ctx, run.model, run.tokenizer, folder, task, "validation", splits["validation"])
         acc = accuracy(f, f.base_logp.new_zeros(len(f.doc_of_request)).index_add(0, f.request, f.base_logp))["acc"]
         n, ch = len(f.gold), chance(f)
@@ -507,24 +260,10 @@ def side_result(
     """One side's controller: fitted on the train surrogate per λ, λ by surrogate validation accuracy (same
     vocabulary S), exact test; the exact validation accuracy of the chosen one checks the surrogate."""
     train, val, test = feats["train"], feats["validation"], feats["test"]
-    S = surrogate_vocab(train, W.shape[0], size.surrogate_vocab)
-    prob, prob_val = surrogate(train, W, directions, S), surrogate(val, W, directions, S)
-    best, best_key, trials = None, None, []
-    for l1 in size.l1_grid:
-        ctl = fit_surrogate(prob, train, l1, size.ctl_steps, CTL_LR)
-        with torch.no_grad():
-            va = accuracy(val, surrogate_scores(prob_val, val, ctl.coefficients.float()))["acc"]
-        trials.append({"l1": l1, "val_acc": va, "nonzero": len(ctl.nonzero), **ctl.history})
-        key = (va, -len(ctl.nonzero))
-        if best_key is None or key > best_key:
-            best, best_key = ctl, key
-    assert best is not None
-    with torch.no_grad():  # how faithful the surrogate is on held-out data: validation, exact vs surrogate
-        fidelity = {
-            "surrogate_vocab": len(S),
-            "val_acc_exact": accuracy(val, exact_scores(val, W, directions, best.coefficients))["acc"],
-            "val_acc_surrogate": float(best_key[0]),  # type: ignore[index]
-        }
+    fit = fit_surrogate_controller(
+        train, val, W, directions, l1_grid=size.l1_grid, steps=size.ctl_steps, lr=CTL_LR, vocab=size.surrogate_vocab
+    )
+    best, trials, fidelity = fit.controller, fit.trials, fit.fidelity
     s1 = exact_scores(test, W, directions, best.coefficients)
     after = accuracy(test, s1)
     prior_scores = base["prior_scores"]

@@ -96,7 +96,9 @@ def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
     out_dir = stage / "docs" if ctx.quick else DOCS
     showcase = [explain_showcase(ctx, run, out_dir, *s) for s in SHOWCASE]
     shots = screenshots(ctx, run, showcase, out_dir)
-    by_kind = {k: logit_shares([r["parts"] for r in records if r["kind"] == k])["mean"] for k in {r["kind"] for r in records}}
+    by_kind = {
+        k: logit_shares([r["parts"] for r in records if r["kind"] == k])["mean"] for k in {r["kind"] for r in records}
+    }
     summary = {
         "explained_answers": len(records),
         "answer_tokens": shares["tokens"],

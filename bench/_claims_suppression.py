@@ -591,7 +591,9 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
     scores = judged(specs, recs)
     rows = suppression_rows(specs, recs, scores, K, size.bootstrap, ctx.seed)
     behaviour = {
-        c: behaviour_gap(scores[c]["tfidf"]["before"], scores[c]["tfidf"]["before/neutral"], size.bootstrap, ctx.seed + 7)
+        c: behaviour_gap(
+            scores[c]["tfidf"]["before"], scores[c]["tfidf"]["before/neutral"], size.bootstrap, ctx.seed + 7
+        )
         for c in specs
     }
     best = best_suppression_row(rows, {c for c, b in behaviour.items() if b["shown"]}, MAX_BANK_SHARE, MAX_COLLATERAL)

@@ -277,9 +277,7 @@ def train_sae(
         x = torch.from_numpy(shards.train.sequences(ids.numpy(), T)).to(dev)[:, :-1]
         return model.backbone(x).reshape(-1, model.config.n_embd).float()
 
-    recipe = SAERecipe(
-        steps=steps, batch=batch_size, lr=lr, aux_k=aux_k, aux_weight=aux_weight, dead_steps=dead_steps
-    )
+    recipe = SAERecipe(steps=steps, batch=batch_size, lr=lr, aux_k=aux_k, aux_weight=aux_weight, dead_steps=dead_steps)
     sae = fit_sae(model.config.n_embd, num_latents, k, hidden, recipe, seed=seed, device=dev).sae
     with torch.no_grad():
         vz = torch.from_numpy(
