@@ -1,30 +1,11 @@
-"""The ``attribution`` stage of ``bench/real_claims.py`` (issue 27 item 3): attribution of a fine-tune of the real
-model, with ground truth.
+"""The ``attribution`` stage of ``bench/real_claims.py``: a fine-tune of the retrofitted SmolLM2-135M-Instruct
+on planted facts (``prismlm.tda.planted``) among neutral documents, then recall@10 and MRR of the planted
+sequences for the prototype cache (default and compact), the hybrid, EK-FAC, TRAK, bergson and BM25, and each
+method's per-query cost over the cache's (``prismlm.eval.claims.attribution_summary``).
 
-Made-up facts (``prismlm.tda.planted``: entity, relation, answer; each planted in a few short documents, with two
-distractor facts per fact that share its entity or its relation but not its answer) are mixed with neutral
-documents of the built-in corpus; SmolLM2-135M-Instruct is retrofitted on that corpus (stage 1: the bank on
-stored z; stage 2: the last 2 blocks, the final norm and the bank), and learning is checked on held-out
-paraphrases (the correct answer's rank among the answers of every fact of the same relation, before and after).
-Then every method scores every training sequence for each query (a paraphrase, or the training wording, followed
-by the answer, only the answer's tokens measured) and recall@10 / MRR of the planted sequences is measured:
-
-    * ``cached`` / ``cached-compact``: the prototype-space postings cache, default and compact store;
-    * ``grad-dot``: gradient dot products over the fine-tuned parameters (the hybrid's re-scorer);
-    * ``hybrid-grad-m{M}``: the compact cache's top-M re-scored by ``grad-dot`` (``--rescore``);
-    * ``ekfac``: kronfluence EK-FAC on the fine-tuned blocks' ``nn.Linear`` modules;
-    * ``trak``: TRAK (traker) on the fine-tuned parameters (``TrakBaseline(parameters=...)``), proj_dim > N with
-      a relative ridge;
-    * ``bergson``: bergson==2.5.1 from its own venv, where ``BERGSON_PYTHON`` names its python (else recorded as
-      not run, saying how to enable it; ``bench/_bergson.py``);
-    * ``bm25``: Okapi BM25 over the decoded training sequences (the whole query text; ``bm25-prompt``: the
-      question without its answer).
-
-Per-query cost at equal work: one thread, the same training sequences and queries; the cache's query is one
-query's block gradients + its scores; EK-FAC's, TRAK's and bergson's are one batch of all queries ÷ queries
-(their best case) and one single-query call. Each method's scores are saved under the stage folder (a rerun
-loads them). ``--quick`` (a smoke size: 8 training sequences, so recall@10 is trivially 1) restricts EK-FAC and TRAK
-to the last block's attention output projection.
+Run: ``python bench/real_claims.py --stage attribution [--quick]`` (``BERGSON_PYTHON``: bergson's own venv).
+The protocol in full: docs/results.md ("How bench/real_claims.py measures"). Each method's scores are saved
+under the stage folder and reused.
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
 """The ``controllers`` stage of ``bench/real_claims.py``: sparse controllers over the active prototypes of the
-retrofitted SmolLM2-135M-Instruct vs a TopK SAE (same K and k) on the *same* frozen backbone hidden states,
-on multiple-choice tasks the model can do (issue 27, item 2; protocol of ``bench/control.py``).
+retrofitted SmolLM2-135M-Instruct vs a TopK SAE (same K and k, ``prismlm.control.sae.fit_sae`` on the bank's
+stored z) on the same frozen hidden states, on multiple-choice tasks screened on validation (one-sided binomial
+vs chance), fitted on train with λ chosen on validation (``prismlm.control.surrogate``), reported on test with
+the choice prior, McNemar p and bootstrap intervals (``prismlm.eval.stats``; summary: ``prismlm.eval.claims``).
 
- 1. Candidate tasks: the five of ``prismlm.eval.tasks`` and two built here from the same shipped data
-    (``sotu_ending``: the next 12 words of a State-of-the-Union paragraph; ``gutenberg_bible``: is a
-    Gutenberg passage from the King James Bible, Yes/No). Base accuracy of each on its *validation* split
-    vs chance; a task is kept when it is clearly above chance (one-sided binomial p < 0.01 and ≥ 5 points;
-    ``--quick``: any margin). The test splits are not looked at before the controllers are fitted.
- 2. A TopK SAE with the bank's K and k, trained on the bank's stored z (``RUN/stored-z``: the backbone's
-    hidden states over the anchor corpus the prototypes were fitted on).
- 3. Per kept task (``--quick``: the first two) and side: base accuracy (c = 0), a controller fitted on train
-    with λ chosen on validation from ``ControlSize.l1_grid`` (proximal Adam as ``fit_controller``, ``ctl_steps``
-    steps at ``CTL_LR``), test accuracy after; the choice-prior control (``fit_choice_prior``); paired McNemar p
-    and bootstrap 95% intervals (``paired_stats``); PRISM's non-zero coefficients traced to their prototypes.
-    The sizes (examples, λ grid, steps, |S|, SAE steps, checked documents): ``SIZES``.
-
-Two things differ from ``bench/control.py`` because V = 49,152 and d = 576 make its full-batch fit cost
-~10 s per step here (N·V·d per step):
- * Features are extracted with the query's keys/values cached once per example and the choices run as one
-   batch on top of them (``extract_shared_prefix``; the query is cut from the left so the longest choice
-   fits the window; the scored z equal ``extract_features``'s up to float rounding, checked at run time).
- * The controller is *fitted* on a vocabulary-restricted surrogate of the log-softmax: the logits of the
-   targets ∪ the ``surrogate_vocab`` tokens with the most base probability mass on the training tokens,
-   with the rest of the partition function frozen at its base value (exact at c = 0). The change of those
-   logits is Σ c_i a_i (W_S d_i), a sparse (N × K) by dense (K × |S|) product. Every accuracy reported
-   (λ selection on validation included) is computed with the exact full-vocabulary scores, and PRISM's
-   exact test scores are checked against the model's own forward pass (``with model.control(c)``).
-
-Everything extracted is cached under ``WORK/controllers`` (features keyed by the backbone's identity, so a
-bank over the same backbone reuses them; the SAE; one JSON per finished task), so the stage resumes.
+Run: ``python bench/real_claims.py --stage controllers [--quick]``. The protocol in full: docs/results.md
+("How bench/real_claims.py measures"). Features, the SAE and finished tasks are cached under
+``WORK/controllers``, so the stage resumes.
 """
 
 from __future__ import annotations

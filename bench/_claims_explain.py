@@ -1,41 +1,11 @@
-"""The ``explanations`` stage of ``bench/real_claims.py`` (issue 27 item 4): explained chat answers of the
-retrofitted SmolLM2-135M-Instruct, and how much of each answer token's logit the prototype slices carry.
+"""The ``explanations`` stage of ``bench/real_claims.py``: 200 chat answers of the retrofitted
+SmolLM2-135M-Instruct, each answer token's logit split exactly into prototype slices S, residual R and bias B
+(ℓ_y = S + R + B), the shares of the logit and of the greedy margin they carry (``prismlm.eval.claims``) beside
+fixed-subspace yardsticks, and four explained answers as HTML and explorer screenshots.
 
-1. **Logit shares over 200 answers.** The 200 chat questions of ``_claims_questions.py`` are answered
-   greedily (at most ``ANSWER_TOKENS`` new tokens, batched with left padding and a KV cache). At every
-   answer token y (the generated token, before the end-of-turn token) the model's own logit splits exactly
-   (``prismlm.model.decompose``) into
-
-       ℓ_y = S + R + B,   S = Σ_i a_i (W p_i)_y  (the k active prototype slices),
-                          R = (W r)_y            (the residual slice),  B = b_y (the bias slice; 0 here).
-
-   The retrofitted model has no mean slice and no unembedding bias, so B = 0 (recorded, not assumed).
-   Shares per token, each averaged over the tokens of an answer and then over the answers:
-
-   * ``abs_share_*``  |S| / (|S| + |R| + |B|) (and R, B likewise): the net parts by magnitude; sums to 1.
-   * ``gross_share_slices``  Σ_i |a_i (W p_i)_y| / (Σ_i |slice_i| + |R| + |B|): the explorer's convention
-     (``PrototypeSlice.share``), which counts slices that cancel each other as carried.
-   * ``signed_fraction_*``  S / ℓ_y (and R / ℓ_y, B / ℓ_y): sums to 1 per token; can exceed [0, 1] when S
-     and R have opposite signs, so its median and the pooled ΣS / Σℓ over all tokens are reported too.
-
-   The same split of the greedy margin ℓ_y − ℓ_y₂ (y₂ the runner-up token): how much of the *choice* of y
-   the slices carry (``margin_*``), as opposed to how much of its logit.
-
-   A yardstick for what such a share means (``prismlm.eval.faithfulness.Yardstick``): the part of the same logit carried, by the same
-   |·| measure, by the projection of z on the mean anchor hidden state alone, and on a fixed subspace of
-   that mean plus the top k principal directions of the anchor z (1 + k directions for every token, where
-   the prototypes pick k of K per token).
-
-   Identity check: max |S + R + B − ℓ_y| over every token (float32), and for a few answers the batched,
-   left-padded logits against one unpadded forward over prompt + answer (``padding_check``).
-
-2. **Four explained answers** (a fact, a refusal, arithmetic, code) through the app layer
-   (``explain_text(run, request=ExplanationRequest(chat=…))``, as ``prism explain --chat`` does), written with the
-   HTML report of ``prism explain --html`` (``write_html``), and screenshots of the same answers in the
-   explorer (``prism serve``'s app, driven by playwright and Debian's chromium). Full run: ``docs/explanations/``;
-   ``--quick``: the stage folder.
-
-Resumable: answers are cached batch by batch in ``<work>/explanations/answers[-quick].jsonl``.
+Run: ``python bench/real_claims.py --stage explanations [--quick]``. The definitions and the protocol:
+docs/results.md ("How bench/real_claims.py measures"). Resumable: answers are cached batch by batch in
+``WORK/explanations/answers[-quick].jsonl``.
 """
 
 from __future__ import annotations

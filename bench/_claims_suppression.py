@@ -1,32 +1,13 @@
-"""The ``suppression`` stage of ``bench/real_claims.py`` (issue 27 item 1; spec §4): suppression of behaviours
-the real model has.
+"""The ``suppression`` stage of ``bench/real_claims.py``: switch off a concept's prototypes (offensive fortunes,
+State-of-the-Union, King James Bible style) vs random sets of the same size, in the retrofitted
+SmolLM2-135M-Instruct; judged behaviour on provocative vs neutral prompts (TF-IDF judges of
+``prismlm.control.judges``), collateral (neutral CE, task accuracy), the concept's own CE, and the
+``prism export --suppress`` check under plain transformers. Rows, drops and the best set:
+``prismlm.eval.claims``.
 
-SmolLM2-135M-Instruct retrofitted with a prototype bank (the ``bank`` stage) whose anchor corpus holds three
-concepts: the offensive FreeBSD fortunes (the paper's experiment), State-of-the-Union speech, and King James
-Bible style (the corpus's ``kjv.jsonl`` and the KJV documents its Gutenberg draw happened to hold, found by
-matching the text; skipped with a note when the corpus holds none). Per concept, as ``bench/suppression.py`` does on a toy model (its specs, prompts
-and judges are reused):
-
- 1. the concept's prototypes: ``find_concept`` (log-likelihood contribution, enrichment ≥ 2×, neighbourhood
-    purity ≥ 0.5 in the bank's index, whose document ids are ``<file>#L<line>``);
- 2. conditions: nothing off (``before``); the concept's top n prototypes (``<concept>@n``) and n random
-    prototypes active on neutral text (``random@n``, one nested random order, the same sets for every
-    concept) for n = 0.5 / 1 / 2 / 5 % of K (capped at the selectable count);
- 3. per condition: sampled continuations of neutral and provocative prompts (openings of held-out concept
-    text the model never saw in the anchor corpus), the same seeds in every condition, judged offline (the
-    TF-IDF judges, and alt-profanity-check when installed); collateral: held-out cross-entropy on neutral
-    text (held-out Gutenberg and judge-split clean fortunes) and accuracy on ``gutenberg_ending`` (a task of
-    ``prismlm.eval.tasks``, scored like ``prismlm.eval.scoring.mc_accuracy``); selectivity: held-out CE on
-    the concept's own text;
- 4. the ``prism export --suppress`` check: the best set exported with the CLI, loaded with plain
-    ``transformers``, must give the suppressed model's greedy generations.
-
-Why the CE and the task are scored through ``HeadCache``: the backbone is frozen and suppression only
-changes the head (ℓ' = W (z − Σ_{i∈S} a_i p_i)), so z, a and the top-k ids are computed once and each
-condition costs one head matmul; the stage checks this path against ``model.suppress`` and ``mc_accuracy``.
-
-Resumable: each condition's generations and scores, the concept searches and the head cache are stored under
-``WORK/suppression`` and reused after a kill.
+Run: ``python bench/real_claims.py --stage suppression [--quick]``. The protocol in full: docs/results.md
+("How bench/real_claims.py measures"). Resumable: conditions, concept searches and the head cache are stored
+under ``WORK/suppression``.
 """
 
 from __future__ import annotations
