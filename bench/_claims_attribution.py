@@ -11,12 +11,9 @@ under the stage folder and reused.
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import statistics
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +31,16 @@ from prismlm.eval.claims import attribution_summary
 from prismlm.tda.baselines import KronfluenceBaseline, TrakBaseline, WholeNetworkGradients, hybrid_scores
 from prismlm.tda.cache import build_cache
 from prismlm.tda.influence import curvature_pass, query_gradients
-from prismlm.tda.planted import PlantedCorpus, build_planted_corpus, relevant_sequences, retrieval_metrics
+from prismlm.tda.lexical import bm25_scores
+from prismlm.tda.planted import (
+    PlantedCorpus,
+    build_planted_corpus,
+    chance_recall,
+    planted_queries,
+    relevant_sequences,
+    retrieval_metrics,
+    trim_planted,
+)
 from prismlm.train.checkpoint import find_checkpoint
 
 
@@ -80,7 +86,7 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     size = SIZES["quick" if ctx.quick else "full"]
     stage = ctx.stage_dir("attribution")
     t0 = time.perf_counter()
-    pc = trimmed(
+    pc = trim_planted(
         build_planted_corpus(
             stage / "planted-raw",
             n_facts=size.facts,
@@ -139,31 +145,6 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     }
 
 
-def trimmed(raw: PlantedCorpus, out: Path, chars: int) -> PlantedCorpus:
-    """``raw`` with each planted document cut to at most ``chars`` characters of filler (whole words) on each side
-    of its fact's sentence: the filler sentences are drawn whole from the background, some over 1,000
-    characters, and would make the corpus several times the size the fine-tune affords. Line numbers are kept;
-    the file is rewritten only when its content changes (a resumed fine-tune keeps its shards)."""
-    lines = raw.path.read_text().splitlines()
-    for f in raw.facts + raw.distractors:
-        for line in f.lines:
-            text = json.loads(lines[line - 1])["text"]
-            i = text.index(f.sentence)
-            j = i + len(f.sentence)
-            before = text[max(0, i - chars) : i]
-            after = text[j : j + chars]
-            before = before if i <= chars else before.split(" ", 1)[-1]  # drop the cut word
-            after = after if j + chars >= len(text) else after.rsplit(" ", 1)[0]
-            lines[line - 1] = json.dumps({"text": (before + f.sentence + after).strip()})
-    out.mkdir(parents=True, exist_ok=True)
-    body = "".join(x + "\n" for x in lines)
-    pc = PlantedCorpus(out / "corpus.jsonl", raw.facts, raw.distractors)
-    if not pc.path.exists() or pc.path.read_text() != body:
-        pc.path.write_text(body)
-    pc.save_facts()
-    return pc
-
-
 def finetune(ctx: ClaimsContext, size: PlantSize, pc: PlantedCorpus, out: Path) -> Path:
     """Retrofit the shipped model on the planted corpus: stage 1 the bank on stored z, stage 2 ``UNFREEZE`` + the
     bank. Resumable: a partial z pass continues (same call), a checkpoint short of ``steps`` trains on."""
@@ -195,29 +176,6 @@ def finetune(ctx: ClaimsContext, size: PlantSize, pc: PlantedCorpus, out: Path) 
         ctx.log(f"attribution: fine-tuning {DEMO_MODEL} ({UNFREEZE}, {size.steps} steps) → {out}")
         retrofit_model(DEMO_MODEL, out=out, recipe=recipe, overrides=overrides, device=ctx.device, progress=True)
     return out
-
-
-def planted_queries(pc: PlantedCorpus, tok: Any) -> tuple[list[tuple[list[int], int]], np.ndarray, np.ndarray]:
-    """Queries (token ids, measure_from): each fact's paraphrases (``PlantedCorpus.queries``) and its training
-    wording up to the answer (the verbatim control), the answer's tokens measured. Returns the queries, the fact
-    of each (Q,) and its kind (Q,) ``paraphrase`` / ``verbatim``."""
-    para, fact_of = pc.queries(tok)
-    verb, vfact = [], []
-    for f_i, f in enumerate(pc.facts):
-        prompt = f.sentence[: f.sentence.index(f.answer)].rstrip(" ")
-        pid = [tok.eot_id] + tok.encode(prompt)
-        verb.append((pid + tok.encode(" " + f.answer), len(pid)))
-        vfact.append(f_i)
-    kind = np.array(["paraphrase"] * len(para) + ["verbatim"] * len(verb))
-    return para + verb, np.array(fact_of + vfact), kind
-
-
-def chance_recall(n: int, relevant: list[int], k: int) -> float:
-    """Expected recall@k of a random ranking: the mean over queries of 1 − C(n−r, k) / C(n, k) (r relevant);
-    1 when k ≥ n (the smoke size)."""
-    if k >= n:
-        return 1.0
-    return float(np.mean([1 - math.comb(n - r, k) / math.comb(n, k) for r in relevant if r]))
 
 
 def cached_json(path: Path, fn: Any) -> dict[str, Any]:
@@ -286,30 +244,6 @@ def learning(ctx: ClaimsContext, pc: PlantedCorpus, net: Any, tok: Any, T: int) 
         "summary": f"top-1 {before['top1']:.2f} → {after['top1']:.2f} (chance {after['chance_top1']:.2f}); answer "
         f"NLL/token {before['answer_nll_per_token']:.2f} → {after['answer_nll_per_token']:.2f}",
     }
-
-
-# ----- BM25 ----------------------------------------------------------------------------------------------
-WORD = re.compile(r"[a-z0-9]+")
-
-
-def bm25_scores(docs: list[str], queries: list[str], k1: float = 1.5, b: float = 0.75) -> np.ndarray:
-    """(Q, N) Okapi BM25 of each query against each document (lower-cased alphanumeric words; idf with +1 so it
-    stays positive)."""
-    toks = [WORD.findall(d.lower()) for d in docs]
-    vocab = {w: i for i, w in enumerate(sorted({w for t in toks for w in t}))}
-    tf = np.zeros((len(docs), len(vocab)))  # (N, W) term counts
-    for j, t in enumerate(toks):
-        for w, c in Counter(t).items():
-            tf[j, vocab[w]] = c
-    dl = tf.sum(1, keepdims=True)
-    idf = np.log(1 + (len(docs) - (tf > 0).sum(0) + 0.5) / ((tf > 0).sum(0) + 0.5))  # (W,)
-    w_tf = tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / dl.mean()))  # (N, W)
-    qv = np.zeros((len(queries), len(vocab)))
-    for q, text in enumerate(queries):
-        for w, c in Counter(WORD.findall(text.lower())).items():
-            if w in vocab:
-                qv[q, vocab[w]] = c
-    return qv @ (w_tf * idf).T
 
 
 # ----- the methods ---------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ test is not a lexical match. Design: docs/attribution.md ("Planted facts").
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,7 +22,16 @@ if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.data.tokenizer import Tokenizer
 
-__all__ = ["PlantedCorpus", "PlantedFact", "build_planted_corpus", "relevant_sequences", "retrieval_metrics"]
+__all__ = [
+    "PlantedCorpus",
+    "PlantedFact",
+    "build_planted_corpus",
+    "chance_recall",
+    "planted_queries",
+    "relevant_sequences",
+    "retrieval_metrics",
+    "trim_planted",
+]
 
 # relation → (training sentence, paraphrased query prompts). The answer follows the prompt after a space.
 RELATIONS: dict[str, tuple[str, list[str]]] = {
@@ -218,6 +228,55 @@ def build_planted_corpus(
     pc = PlantedCorpus(out_dir / "corpus.jsonl", facts, dis)
     pc.save_facts()
     return pc
+
+
+def trim_planted(raw: PlantedCorpus, out: Path, chars: int) -> PlantedCorpus:
+    """``raw`` with each planted document cut to at most ``chars`` characters of filler (whole words) on each side
+    of its fact's sentence: the filler sentences are drawn whole from the background, some over 1,000
+    characters, and would make the corpus several times the size the fine-tune affords. Line numbers are kept;
+    the file is rewritten only when its content changes (a resumed fine-tune keeps its shards)."""
+    lines = raw.path.read_text().splitlines()
+    for f in raw.facts + raw.distractors:
+        for line in f.lines:
+            text = json.loads(lines[line - 1])["text"]
+            i = text.index(f.sentence)
+            j = i + len(f.sentence)
+            before = text[max(0, i - chars) : i]
+            after = text[j : j + chars]
+            before = before if i <= chars else before.split(" ", 1)[-1]  # drop the cut word
+            after = after if j + chars >= len(text) else after.rsplit(" ", 1)[0]
+            lines[line - 1] = json.dumps({"text": (before + f.sentence + after).strip()})
+    out.mkdir(parents=True, exist_ok=True)
+    body = "".join(x + "\n" for x in lines)
+    pc = PlantedCorpus(out / "corpus.jsonl", raw.facts, raw.distractors)
+    if not pc.path.exists() or pc.path.read_text() != body:
+        pc.path.write_text(body)
+    pc.save_facts()
+    return pc
+
+
+def planted_queries(pc: PlantedCorpus, tok: Tokenizer) -> tuple[list[tuple[list[int], int]], np.ndarray, np.ndarray]:
+    """Queries (token ids, measure_from): each fact's paraphrases (``PlantedCorpus.queries``) and its training
+    wording up to the answer (the verbatim control), the answer's tokens measured. Returns the queries, the fact
+    of each (Q,) and its kind (Q,) ``paraphrase`` / ``verbatim``."""
+    para, fact_of = pc.queries(tok)
+    verb: list[tuple[list[int], int]] = []
+    vfact: list[int] = []
+    for f_i, f in enumerate(pc.facts):
+        prompt = f.sentence[: f.sentence.index(f.answer)].rstrip(" ")
+        pid = [tok.eot_id] + tok.encode(prompt)
+        verb.append((pid + tok.encode(" " + f.answer), len(pid)))
+        vfact.append(f_i)
+    kind = np.array(["paraphrase"] * len(para) + ["verbatim"] * len(verb))
+    return para + verb, np.array(fact_of + vfact), kind
+
+
+def chance_recall(n: int, relevant: list[int], k: int) -> float:
+    """Expected recall@k of a random ranking: the mean over queries of 1 − C(n−r, k) / C(n, k) (r relevant);
+    1 when k ≥ n (the smoke size)."""
+    if k >= n:
+        return 1.0
+    return float(np.mean([1 - math.comb(n - r, k) / math.comb(n, k) for r in relevant if r]))
 
 
 def relevant_sequences(
