@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from _claims_common import KJV_ID, ClaimsContext, kjv_anchor_documents
-from suppression import BUDGET_SHARES, NEUTRAL_PROMPTS, ConceptSpec, offensive_spec, sotu_spec
 
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept
+from prismlm.control.concept_specs import BUDGET_SHARES, NEUTRAL_PROMPTS, ConceptSpec, offensive_spec, sotu_spec
 from prismlm.control.judges import TfidfJudge
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.corpus import gutenberg_documents, sotu_documents

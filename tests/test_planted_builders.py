@@ -16,7 +16,12 @@ from prismlm.data.tokenizer import train_bpe
 from prismlm.tda.lexical import bm25_scores
 from prismlm.tda.planted import build_planted_corpus, chance_recall, planted_queries, trim_planted
 
-DOCS = ["The capital of Zorbia is Quell.", "quell quell and more", "Nothing here at all, 42 times", "Zorbia's seat: QUELL!"]
+DOCS = [
+    "The capital of Zorbia is Quell.",
+    "quell quell and more",
+    "Nothing here at all, 42 times",
+    "Zorbia's seat: QUELL!",
+]
 QUERIES = ["capital of zorbia", "quell", "unknown words", "42 quell"]
 
 
