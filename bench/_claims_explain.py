@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from _claims_common import ClaimsContext
-from _claims_questions import chat_questions
 
 from prismlm.app.operations import ExplanationRequest, chat_prompt, explain_text
 from prismlm.app.run import Run
+from prismlm.data.chat_questions import chat_questions
 from prismlm.eval.claims import logit_shares
 from prismlm.eval.faithfulness import Yardstick, choice_parts, yardstick_from_moments
 from prismlm.explain import Explanation
