@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +22,13 @@ from _claims_common import ClaimsContext
 from prismlm.app.operations import ExplanationRequest, chat_prompt, explain_text
 from prismlm.app.run import Run
 from prismlm.data.chat_questions import chat_questions
+from prismlm.errors import DependencyError
 from prismlm.eval.claims import logit_shares
 from prismlm.eval.faithfulness import Yardstick, choice_parts, yardstick_from_moments
 from prismlm.explain import Explanation
 from prismlm.model import PrismLM, PrismOutput
 from prismlm.render import RunHeader, write_html
+from prismlm.web.screenshots import Shot, take_screenshots
 
 ANSWER_TOKENS = 24
 """Greedy answer tokens per question for the shares (the issue: ~24)."""
@@ -333,24 +335,15 @@ def rel(path: Path) -> str:
 
 
 # ----- explorer screenshots --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Shot:
-    name: str
-    text: str
-    position: int
-
-
 def screenshots(ctx: ClaimsContext, run: Run, showcase: list[dict], out_dir: Path) -> list[str] | str:
     """A screenshot of the explorer's explain view of each explained answer (the prompt + answer as text,
     the focus token selected), or why none was taken (no chromium / playwright)."""
-    try:
-        from _claims_screens import take_screenshots
-    except ImportError as e:
-        return f"no screenshots: {e}"
     shots = [Shot(s["name"], s["text"], s["focus"]["position"]) for s in showcase]
     try:
         paths = take_screenshots(run.path, shots, out_dir)
-    except Exception as e:  # noqa: BLE001 - a missing browser must not lose the stage's numbers
+    except DependencyError as e:  # no playwright or chromium here
+        return f"no screenshots: {e}"
+    except Exception as e:  # noqa: BLE001 - a failing browser must not lose the stage's numbers
         ctx.log(f"explanations: screenshots failed: {e!r}")
         return f"screenshots failed: {e!r}"
     return [rel(p) for p in paths]
