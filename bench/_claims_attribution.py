@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from _claims_common import ClaimsContext, has_checkpoint
 
 from prismlm.app.demos import DEMO_MODEL
@@ -34,6 +33,7 @@ from prismlm.tda.influence import curvature_pass, query_gradients
 from prismlm.tda.lexical import bm25_scores
 from prismlm.tda.planted import (
     PlantedCorpus,
+    answer_accuracy,
     build_planted_corpus,
     chance_recall,
     planted_queries,
@@ -187,56 +187,14 @@ def cached_json(path: Path, fn: Any) -> dict[str, Any]:
     return out
 
 
-def answer_logprobs(net: Any, prompt: list[int], answers: list[list[int]]) -> torch.Tensor:
-    """(A,) summed log-probabilities of each answer's tokens after ``prompt``, one padded batch."""
-    L = max(len(a) for a in answers)
-    x = torch.zeros(len(answers), len(prompt) + L, dtype=torch.long)
-    mask = torch.zeros(len(answers), len(prompt) + L - 1)
-    for i, a in enumerate(answers):
-        x[i, : len(prompt)] = torch.tensor(prompt)
-        x[i, len(prompt) : len(prompt) + len(a)] = torch.tensor(a)
-        mask[i, len(prompt) - 1 : len(prompt) - 1 + len(a)] = 1.0
-    with torch.no_grad():
-        logp = F.log_softmax(net(x[:, :-1]).logits.float(), -1)  # (A, L-1, V)
-    tgt = logp.gather(-1, x[:, 1:, None])[..., 0]  # (A, L-1)
-    return (tgt * mask).sum(1)
-
-
-def accuracy(pc: PlantedCorpus, net: Any, tok: Any) -> dict[str, Any]:
-    """Per fact and paraphrase: the correct answer's rank among the answers of every planted fact (facts and
-    distractors) of the same relation; top-1 accuracy, mean rank, chance level, and the answer's NLL."""
-    pool: dict[str, list[str]] = {}
-    for f in pc.facts + pc.distractors:
-        pool.setdefault(f.relation, []).append(f.answer)
-    ranks, chance, nll = [], [], []
-    for f in pc.facts:
-        cands = pool[f.relation]
-        ans = [tok.encode(" " + a) for a in cands]
-        for q in f.queries:
-            lp = answer_logprobs(net, [tok.eot_id] + tok.encode(q), ans)
-            c = cands.index(f.answer)
-            ranks.append(int((lp > lp[c]).sum()) + 1)
-            chance.append(1.0 / len(cands))
-            nll.append(float(-lp[c]) / len(ans[c]))
-    r = np.array(ranks)
-    return {
-        "top1": float((r == 1).mean()),
-        "mean_rank": float(r.mean()),
-        "chance_top1": float(np.mean(chance)),
-        "candidates": {k: len(v) for k, v in pool.items()},
-        "answer_nll_per_token": float(np.mean(nll)),
-        "queries": len(r),
-    }
-
-
 def learning(ctx: ClaimsContext, pc: PlantedCorpus, net: Any, tok: Any, T: int) -> dict[str, Any]:
     """Held-out paraphrase accuracy of the fine-tuned model and of the source (stage 1 leaves its logits
     unchanged, so the source with an untrained bank stands for "before")."""
     from prismlm.train.retrofit import build_model, load_pretrained
 
-    after = accuracy(pc, net, tok)
+    after = answer_accuracy(pc, net, tok)
     pre = load_pretrained(DEMO_MODEL, block_size=T)
-    before = accuracy(pc, build_model(pre, net.config).eval(), tok)
+    before = answer_accuracy(pc, build_model(pre, net.config).eval(), tok)
     del pre
     return {
         "before": before,

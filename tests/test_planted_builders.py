@@ -8,13 +8,22 @@ import itertools
 import json
 import math
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from prismlm.data.tokenizer import train_bpe
 from prismlm.tda.lexical import bm25_scores
-from prismlm.tda.planted import build_planted_corpus, chance_recall, planted_queries, trim_planted
+from prismlm.tda.planted import (
+    answer_accuracy,
+    answer_logprobs,
+    build_planted_corpus,
+    chance_recall,
+    planted_queries,
+    trim_planted,
+)
 
 DOCS = [
     "The capital of Zorbia is Quell.",
@@ -99,3 +108,40 @@ def test_queries_measure_the_answer_and_their_prompts_do_not_hold_it(planted):
             assert fact.sentence.startswith(prompt)
         else:
             assert prompt in fact.queries
+
+
+class _Bigram:
+    """A language model that has learned exactly the given token sequences: logit 10 for each of their bigrams."""
+
+    def __init__(self, sequences: list[list[int]], V: int):
+        self.table = torch.zeros(V, V)
+        for s in sequences:
+            for a, b in zip(s[:-1], s[1:], strict=True):
+                self.table[a, b] = 10.0
+
+    def __call__(self, x: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.table[x])  # (B, T, V)
+
+
+def test_answer_accuracy_ranks_the_learned_answer_first(planted):
+    _, pc = planted
+    tok = train_bpe([json.loads(x)["text"] for x in pc.path.read_text().splitlines()], 300, show_progress=False)
+    taught = [[tok.eot_id, *tok.encode(q), *tok.encode(" " + f.answer)] for f in pc.facts for q in f.queries]
+    acc = answer_accuracy(pc, _Bigram(taught, tok.vocab_size), tok)
+    pool = Counter(f.relation for f in pc.facts + pc.distractors)
+    assert acc["candidates"] == dict(pool) and acc["queries"] == sum(len(f.queries) for f in pc.facts)
+    want_chance = np.mean([1 / pool[f.relation] for f in pc.facts for _ in f.queries])
+    assert acc["chance_top1"] == pytest.approx(want_chance)
+    assert acc["top1"] == 1.0 and acc["mean_rank"] == 1.0
+    assert acc["answer_nll_per_token"] < 0.5 * math.log(tok.vocab_size)  # far below the uniform model's
+    blank = answer_accuracy(pc, _Bigram([], tok.vocab_size), tok)  # uniform: every token costs log V
+    assert blank["answer_nll_per_token"] == pytest.approx(math.log(tok.vocab_size), rel=1e-5)
+
+
+def test_answer_logprobs_sum_only_the_answer_tokens():
+    V = 7
+    net = _Bigram([[0, 1, 2], [1, 3]], V)
+    lp = answer_logprobs(net, [0, 1], [[2], [3, 4]])
+    z1 = math.log(2 * math.exp(10) + V - 2)  # log-partition of row 1: two learned bigrams (1 → 2, 1 → 3)
+    assert lp[0] == pytest.approx(10 - z1, rel=1e-5)  # 1 → 2 learned
+    assert lp[1] == pytest.approx((10 - z1) - math.log(V), rel=1e-5)  # 1 → 3 learned, 3 → 4 uniform

@@ -14,17 +14,33 @@ import math
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.data.tokenizer import Tokenizer
 
+
+class _HasLogits(Protocol):
+    @property
+    def logits(self) -> torch.Tensor: ...
+
+
+class LanguageModel(Protocol):
+    """Token ids (B, T) → an output with ``logits`` (B, T, V): a ``PrismLM`` or any causal LM."""
+
+    def __call__(self, x: torch.Tensor, /) -> _HasLogits: ...
+
+
 __all__ = [
     "PlantedCorpus",
     "PlantedFact",
+    "answer_accuracy",
+    "answer_logprobs",
     "build_planted_corpus",
     "chance_recall",
     "planted_queries",
@@ -277,6 +293,50 @@ def chance_recall(n: int, relevant: list[int], k: int) -> float:
     if k >= n:
         return 1.0
     return float(np.mean([1 - math.comb(n - r, k) / math.comb(n, k) for r in relevant if r]))
+
+
+def answer_logprobs(net: LanguageModel, prompt: list[int], answers: list[list[int]]) -> torch.Tensor:
+    """(A,) summed log-probabilities of each answer's tokens after ``prompt``, one padded batch."""
+    L = max(len(a) for a in answers)
+    x = torch.zeros(len(answers), len(prompt) + L, dtype=torch.long)
+    mask = torch.zeros(len(answers), len(prompt) + L - 1)
+    for i, a in enumerate(answers):
+        x[i, : len(prompt)] = torch.tensor(prompt)
+        x[i, len(prompt) : len(prompt) + len(a)] = torch.tensor(a)
+        mask[i, len(prompt) - 1 : len(prompt) - 1 + len(a)] = 1.0
+    with torch.no_grad():
+        logp = F.log_softmax(net(x[:, :-1]).logits.float(), -1)  # (A, L-1, V)
+    tgt = logp.gather(-1, x[:, 1:, None])[..., 0]  # (A, L-1)
+    return (tgt * mask).sum(1)
+
+
+def answer_accuracy(pc: PlantedCorpus, net: LanguageModel, tok: Tokenizer) -> dict[str, object]:
+    """Per fact and paraphrase: the correct answer's rank among the answers of every planted fact (facts and
+    distractors) of the same relation; top-1 accuracy, mean rank, chance level, and the answer's NLL."""
+    pool: dict[str, list[str]] = {}
+    for f in pc.facts + pc.distractors:
+        pool.setdefault(f.relation, []).append(f.answer)
+    ranks: list[int] = []
+    chance: list[float] = []
+    nll: list[float] = []
+    for f in pc.facts:
+        cands = pool[f.relation]
+        ans = [tok.encode(" " + a) for a in cands]
+        for q in f.queries:
+            lp = answer_logprobs(net, [tok.eot_id] + tok.encode(q), ans)
+            c = cands.index(f.answer)
+            ranks.append(int((lp > lp[c]).sum()) + 1)
+            chance.append(1.0 / len(cands))
+            nll.append(float(-lp[c]) / len(ans[c]))
+    r = np.array(ranks)
+    return {
+        "top1": float((r == 1).mean()),
+        "mean_rank": float(r.mean()),
+        "chance_top1": float(np.mean(chance)),
+        "candidates": {k: len(v) for k, v in pool.items()},
+        "answer_nll_per_token": float(np.mean(nll)),
+        "queries": len(r),
+    }
 
 
 def relevant_sequences(
