@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from _claims_common import ClaimsContext
@@ -234,7 +235,7 @@ def side_result(
     base: dict,
     seed: int,
     size: ControlSize,
-) -> tuple[Controller, dict[str, object]]:
+) -> tuple[Controller, dict[str, Any]]:
     """One side's controller: fitted on the train surrogate per λ, λ by surrogate validation accuracy (same
     vocabulary S), exact test; the exact validation accuracy of the chosen one checks the surrogate."""
     train, val, test = feats["train"], feats["validation"], feats["test"]
@@ -283,20 +284,25 @@ def task_row(ctx: ClaimsContext, run, task: str, splits: dict, folder: Path, sae
         "prism": (prism_encoder(model), model.prototypes.weight.detach().float()),
         "sae": (sae.encode, sae.directions.detach().float()),
     }
-    ctls, feats_of = {}, {}
+    ctls: dict[str, Controller] = {}
+    feats_of: dict[str, dict[str, TaskFeatures]] = {}
+    side_rows: dict[str, dict[str, Any]] = {}
     for side, (enc, directions) in sides.items():
         t = time.perf_counter()
         feats = {s: encoded(f, enc) for s, f in raw.items()}
-        ctls[side], row[side] = side_result(feats, W, directions, info, ctx.seed, ctx_size(ctx))
+        ctls[side], side_rows[side] = side_result(feats, W, directions, info, ctx.seed, ctx_size(ctx))
         feats_of[side] = feats
+        r = side_rows[side]
         ctx.log(
-            f"controllers: {task} {side}: {base['acc']:.3f} → {row[side]['test_after']['acc']:.3f} "
-            f"({row[side]['nonzero']} non-zero, λ {row[side]['l1']}; prior {prior['acc']:.3f}) "
+            f"controllers: {task} {side}: {base['acc']:.3f} → {r['test_after']['acc']:.3f} "
+            f"({r['nonzero']} non-zero, λ {r['l1']}; prior {prior['acc']:.3f}) "
             f"[{time.perf_counter() - t:.0f} s]"
         )
-    row["prism_vs_sae"] = paired_stats(row["sae"].pop("_correct"), row["prism"].pop("_correct"), seed=ctx.seed)
-    s1 = row["prism"].pop("_scores")
-    row["sae"].pop("_scores")
+    row.update(side_rows)  # (the key order of the JSON: prism, sae, then their comparison)
+    prism, sae_row = side_rows["prism"], side_rows["sae"]
+    row["prism_vs_sae"] = paired_stats(sae_row.pop("_correct"), prism.pop("_correct"), seed=ctx.seed)
+    s1 = prism.pop("_scores")
+    sae_row.pop("_scores")
     # the cached-feature scores against the model's own forward, with c = 0 and with PRISM's controller
     m = ctx_size(ctx).forward_check_docs
     r = sum(test.n_choices[:m])
@@ -341,7 +347,7 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
     done = stage / f"tasks-{(run.identity or 'run')[:16]}-{tag}-sae-{sae_info['cache_key']}"
     done.mkdir(exist_ok=True)
     rows = []
-    kept = [r["task"] for r in screened if r["kept"]][: size.max_tasks]
+    kept = [str(r["task"]) for r in screened if r["kept"]][: size.max_tasks]
     for task in [t for t in kept if only is None or t in only]:
         path = done / f"{task}.json"
         if not path.exists():

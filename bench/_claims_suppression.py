@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -463,7 +464,7 @@ def run_condition(
             if k not in gens:
                 gens[k] = continuations(model, run.tokenizer, prompts.sets[k][1], size, ctx.seed)
     t1 = time.perf_counter()
-    rec = {"ids": ids, "generations": gens, **coll.measure(model, ids)}
+    rec: dict[str, Any] = {"ids": ids, "generations": gens, **coll.measure(model, ids)}
     for k, v in old.items():  # the measures already stored stay as they were computed
         if k.startswith("ce_") or k in ("acc", "acc_norm"):
             rec[k] = v
@@ -496,7 +497,7 @@ def judged(specs: dict[str, ConceptSpec], recs: dict[str, dict]) -> dict[str, di
                     (cond, rec["generations"][concept]),
                     (f"{cond}/neutral", rec["generations"]["neutral"]),
                 ):
-                    flat = judge.score([t for g in gens for t in g])  # type: ignore[attr-defined]
+                    flat = judge.score([t for g in gens for t in g])
                     per[key] = np.asarray(flat).reshape(len(gens), -1).mean(1)
             out[concept][jn] = per
     return out

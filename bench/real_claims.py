@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -123,4 +122,4 @@ def merged_summary(stages: dict[str, dict[str, object]]) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
