@@ -64,8 +64,7 @@ class ControlSize:
     surrogate_vocab: int
     """|S| of the fitting surrogate (besides the targets)."""
     sae_steps: int
-    """× ``SAE_BATCH`` hidden states (full: 410k, ~3 passes over the 125k training rows; the CPU budget of
-    2026-12-05)."""
+    """× ``SAE_BATCH`` hidden states (full: about 3 passes over the bank's training rows)."""
     forward_check_docs: int
     """Test documents scored again through the model's own forward (per task, c = 0 and controlled)."""
     max_tasks: int | None
@@ -73,10 +72,9 @@ class ControlSize:
 
 
 SIZES = {
-    # full: bench/control.py's λ grid, steps and learning rate. quick (CI, ~1 min at 1 thread beyond the bank;
-    # 2026-12-05): the extraction of the task texts by the backbone is most of the time (~0.2 s per example),
-    # then the reference forwards of the check and the fits, so fewer examples, docs, λ values and steps, and
-    # two tasks (the screen still sees every candidate)
+    # full: bench/control.py's λ grid, steps and learning rate. quick (CI): extracting the task texts is most of
+    # the time, then the reference forwards of the check and the fits, so fewer examples, docs, λ values and
+    # steps, and two tasks (the screen still sees every candidate)
     "quick": ControlSize({"train": 8, "validation": 8, "test": 12}, (3e-3, 3e-2), 30, 512, 80, 2, 2),
     "full": ControlSize({"train": 100, "validation": 60, "test": 160}, (3e-3, 1e-2, 3e-2), 60, 2048, 800, 3, None),
 }
@@ -92,7 +90,7 @@ SAE_RECIPE = "data"  # see train_sae_on_stored_z; chosen by held-out FVU (docs/r
 SAE_DEAD_STEPS, SAE_RESAMPLE = 50, 250
 SAE_CHECKPOINTS = (200, 400, 600, 800)
 FIRST_BANK = "the first bank (bf3ef15: 139k anchor tokens, no kjv.jsonl; its data-init 800-step SAE: FVU 0.340)"
-SAE_TRIED = (  # the other settings measured (2026-12-05) on the first bank's held-out rows, for the reader of the JSON
+SAE_TRIED = (  # other settings measured on the first bank's held-out rows (docs/results.md), kept in the JSON
     {"recipe": "random", "steps": 300, "fvu": 0.403, "dead_fraction": 0.699, "note": "a short check run", "bank": FIRST_BANK},
     {"recipe": "random", "steps": 800, "fvu": 0.362, "dead_fraction": 0.708, "note": "the first run (d7bb952)", "bank": FIRST_BANK},
     {"recipe": "data", "steps": 1500, "fvu": 0.338, "dead_fraction": 0.15, "note": "a 3000-step run stopped for time", "bank": FIRST_BANK},
