@@ -14,6 +14,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,13 @@ from prismlm.app.demos import DEMO_MODEL
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.app.run import Run
 from prismlm.config import AttributionConfig
+from prismlm.data.shards import ShardSet
+from prismlm.data.tokenizer import Tokenizer
 from prismlm.eval.claims import attribution_summary
+from prismlm.model import PrismLM
 from prismlm.tda.baselines import KronfluenceBaseline, TrakBaseline, WholeNetworkGradients, hybrid_scores
 from prismlm.tda.cache import build_cache
-from prismlm.tda.influence import curvature_pass, query_gradients
+from prismlm.tda.influence import Curvature, curvature_pass, query_gradients
 from prismlm.tda.lexical import bm25_scores
 from prismlm.tda.planted import (
     PlantedCorpus,
@@ -178,7 +182,7 @@ def finetune(ctx: ClaimsContext, size: PlantSize, pc: PlantedCorpus, out: Path) 
     return out
 
 
-def cached_json(path: Path, fn: Any) -> dict[str, Any]:
+def cached_json(path: Path, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``fn()``'s dict, saved at ``path`` (a rerun reads it)."""
     if path.exists():
         return json.loads(path.read_text())
@@ -187,7 +191,7 @@ def cached_json(path: Path, fn: Any) -> dict[str, Any]:
     return out
 
 
-def learning(ctx: ClaimsContext, pc: PlantedCorpus, net: Any, tok: Any, T: int) -> dict[str, Any]:
+def learning(ctx: ClaimsContext, pc: PlantedCorpus, net: PrismLM, tok: Tokenizer, T: int) -> dict[str, Any]:
     """Held-out paraphrase accuracy of the fine-tuned model and of the source (stage 1 leaves its logits
     unchanged, so the source with an untrained bank stands for "before")."""
     from prismlm.train.retrofit import build_model, load_pretrained
@@ -210,7 +214,14 @@ class Methods:
     (``<name>.npy`` + ``costs.json``), so a rerun skips the finished ones."""
 
     def __init__(
-        self, ctx: ClaimsContext, size: PlantSize, folder: Path, net: Any, shards: Any, queries: list, run_dir: Path
+        self,
+        ctx: ClaimsContext,
+        size: PlantSize,
+        folder: Path,
+        net: PrismLM,
+        shards: ShardSet,
+        queries: list,
+        run_dir: Path,
     ):
         self.ctx, self.size, self.folder, self.net, self.shards, self.queries = ctx, size, folder, net, shards, queries
         self.run_dir = run_dir
@@ -222,7 +233,7 @@ class Methods:
             json.loads((folder / "costs.json").read_text()) if (folder / "costs.json").exists() else {}
         )
         self.not_run: dict[str, str] = {}
-        self._curv: Any = None
+        self._curv: Curvature | None = None
 
     def done(self, name: str) -> bool:
         if (self.folder / f"{name}.npy").exists() and name in self.costs:
@@ -274,7 +285,7 @@ class Methods:
         self.save("bm25-prompt", bm25_scores(docs, prompts), {"per_query_s": per, "oneoff_s": t1 - t0})
         self.save("bm25", S, {"per_query_s": per, "oneoff_s": t1 - t0, "note": "includes building the term matrix"})
 
-    def curvature(self) -> Any:
+    def curvature(self) -> Curvature:
         if self._curv is None:
             t0 = time.perf_counter()
             self._curv = curvature_pass(self.net, self.shards)
@@ -308,7 +319,7 @@ class Methods:
         cfg = AttributionConfig(projection="pca-local", r=40, dtype="pq", id_encoding="delta", seed=self.ctx.seed)
         self._cache("cached-compact", cfg)
 
-    def finetuned_net(self) -> Any:
+    def finetuned_net(self) -> PrismLM:
         """The model with ``requires_grad`` on the fine-tuned parameters only (the last blocks, final norm, bank):
         what the gradient methods differentiate."""
         from prismlm.train.state import set_trainable, trainable_names
