@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from prismlm.control.controller import ControlFeatures, Controller, Encoder, accuracy, proximal_adam
+from prismlm.control.controller import (
+    ControlFeatures,
+    Controller,
+    ControllerHistory,
+    Encoder,
+    accuracy,
+    proximal_adam,
+)
 from prismlm.errors import ConfigError
 from prismlm.eval.tasks import MCExample
 
@@ -209,8 +216,8 @@ def surrogate_loss(p: Surrogate, f: ControlFeatures, c: torch.Tensor) -> torch.T
 def fit_surrogate(p: Surrogate, f: ControlFeatures, l1: float, steps: int, lr: float) -> Controller:
     """``fit_controller``'s proximal Adam on the surrogate's multiple-choice cross-entropy + λ‖c‖₁."""
     c, losses = proximal_adam(lambda c: surrogate_loss(p, f, c), p.WD.shape[0], l1=l1, steps=steps, lr=lr)
-    hist = {"final_loss": losses[-1], "loss_first": losses[0], "steps": steps, "lr": lr}
-    return Controller(coefficients=c.double(), l1=l1, history=hist)  # type: ignore[arg-type]
+    hist: ControllerHistory = {"final_loss": losses[-1], "loss_first": losses[0], "steps": steps, "lr": lr}
+    return Controller(coefficients=c.double(), l1=l1, history=hist)
 
 
 @dataclass

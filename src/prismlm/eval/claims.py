@@ -9,7 +9,7 @@ few fixed numbers (tests/test_claims_summaries.py).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 
 import numpy as np
 import torch
@@ -53,7 +53,8 @@ def suppression_rows(
                 continue
             if cond not in scores[concept]["tfidf"]:  # a random set of a size this concept has no set of
                 continue
-            n_ids = len(rec["ids"])  # type: ignore[arg-type]
+            ids = rec["ids"]
+            n_ids = len(ids) if isinstance(ids, Sized) else 0
             row: dict[str, object] = {"concept": concept, "condition": cond, "prototypes": n_ids}
             row["bank_share"] = n_ids / K
             for jn, per in scores[concept].items():
