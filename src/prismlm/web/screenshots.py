@@ -41,7 +41,7 @@ def take_screenshots(run: Path, shots: Sequence[Shot], out_dir: Path) -> list[Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     with serve_in_background(Explorer.open(run, device="cpu")) as base, sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), chromium_sandbox=False)  # as root in CI
         page = browser.new_page(viewport={"width": WIDTH, "height": HEIGHT})
         page.set_default_timeout(180_000)  # the first explain request loads the index on one thread
         errors: list[str] = []
