@@ -1,58 +1,50 @@
-"""The ``attribution`` stage of ``bench/real_claims.py`` (issue 27 item 3): attribution of a fine-tune of the real
-model, with ground truth.
+"""The ``attribution`` stage of ``bench/real_claims.py``: a fine-tune of the retrofitted SmolLM2-135M-Instruct
+on planted facts (``prismlm.tda.planted``) among neutral documents, then recall@10 and MRR of the planted
+sequences for the prototype cache (default and compact), the hybrid, EK-FAC, TRAK, bergson and BM25, and each
+method's per-query cost over the cache's (``prismlm.eval.claims.attribution_summary``).
 
-Made-up facts (``prismlm.tda.planted``: entity, relation, answer; each planted in a few short documents, with two
-distractor facts per fact that share its entity or its relation but not its answer) are mixed with neutral
-documents of the built-in corpus; SmolLM2-135M-Instruct is retrofitted on that corpus (stage 1: the bank on
-stored z; stage 2: the last 2 blocks, the final norm and the bank), and learning is checked on held-out
-paraphrases (the correct answer's rank among the answers of every fact of the same relation, before and after).
-Then every method scores every training sequence for each query (a paraphrase, or the training wording, followed
-by the answer, only the answer's tokens measured) and recall@10 / MRR of the planted sequences is measured:
-
-    * ``cached`` / ``cached-compact``: the prototype-space postings cache, default and compact store;
-    * ``grad-dot``: gradient dot products over the fine-tuned parameters (the hybrid's re-scorer);
-    * ``hybrid-grad-m{M}``: the compact cache's top-M re-scored by ``grad-dot`` (``--rescore``);
-    * ``ekfac``: kronfluence EK-FAC on the fine-tuned blocks' ``nn.Linear`` modules;
-    * ``trak``: TRAK (traker) on the fine-tuned parameters (``TrakBaseline(parameters=...)``), proj_dim > N with
-      a relative ridge;
-    * ``bergson``: bergson==2.5.1 from its own venv, where ``BERGSON_PYTHON`` names its python (else recorded as
-      not run, saying how to enable it; ``bench/_bergson.py``);
-    * ``bm25``: Okapi BM25 over the decoded training sequences (the whole query text; ``bm25-prompt``: the
-      question without its answer).
-
-Per-query cost at equal work: one thread, the same training sequences and queries; the cache's query is one
-query's block gradients + its scores; EK-FAC's, TRAK's and bergson's are one batch of all queries ÷ queries
-(their best case) and one single-query call. Each method's scores are saved under the stage folder (a rerun
-loads them). ``--quick`` (a smoke size: 8 training sequences, so recall@10 is trivially 1) restricts EK-FAC and TRAK
-to the last block's attention output projection.
+Run: ``python bench/real_claims.py --stage attribution [--quick]`` (``BERGSON_PYTHON``: bergson's own venv).
+The protocol in full: docs/results.md ("How bench/real_claims.py measures"). Each method's scores are saved
+under the stage folder and reused.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import statistics
 import time
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from _claims_common import ClaimsContext, has_checkpoint
 
 from prismlm.app.demos import DEMO_MODEL
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
 from prismlm.app.run import Run
 from prismlm.config import AttributionConfig
+from prismlm.data.shards import ShardSet
+from prismlm.data.tokenizer import Tokenizer
+from prismlm.eval.claims import attribution_summary
+from prismlm.model import PrismLM
 from prismlm.tda.baselines import KronfluenceBaseline, TrakBaseline, WholeNetworkGradients, hybrid_scores
 from prismlm.tda.cache import build_cache
-from prismlm.tda.influence import curvature_pass, query_gradients
-from prismlm.tda.planted import PlantedCorpus, build_planted_corpus, relevant_sequences, retrieval_metrics
+from prismlm.tda.influence import Curvature, curvature_pass, query_gradients
+from prismlm.tda.lexical import bm25_scores
+from prismlm.tda.planted import (
+    PlantedCorpus,
+    answer_accuracy,
+    build_planted_corpus,
+    chance_recall,
+    planted_queries,
+    relevant_sequences,
+    retrieval_metrics,
+    trim_planted,
+)
 from prismlm.train.checkpoint import find_checkpoint
 
 
@@ -98,7 +90,7 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     size = SIZES["quick" if ctx.quick else "full"]
     stage = ctx.stage_dir("attribution")
     t0 = time.perf_counter()
-    pc = trimmed(
+    pc = trim_planted(
         build_planted_corpus(
             stage / "planted-raw",
             n_facts=size.facts,
@@ -137,7 +129,7 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     for name, m in planted.items():
         ctx.log(f"attribution: {name}: R@10 {m['all']['recall@10']:.2f} paraphrase {m['paraphrase']['recall@10']:.2f}")
     return {
-        "summary": summary(planted, methods.costs),
+        "summary": attribution_summary(planted, methods.costs),
         "size": asdict(size),
         "unfreeze": UNFREEZE,
         "source": DEMO_MODEL,
@@ -155,31 +147,6 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
         "finetune_seconds": round(t_ft, 1),
         "stage_dir": str(stage),
     }
-
-
-def trimmed(raw: PlantedCorpus, out: Path, chars: int) -> PlantedCorpus:
-    """``raw`` with each planted document cut to at most ``chars`` characters of filler (whole words) on each side
-    of its fact's sentence: the filler sentences are drawn whole from the background, some over 1,000
-    characters, and would make the corpus several times the size the fine-tune affords. Line numbers are kept;
-    the file is rewritten only when its content changes (a resumed fine-tune keeps its shards)."""
-    lines = raw.path.read_text().splitlines()
-    for f in raw.facts + raw.distractors:
-        for line in f.lines:
-            text = json.loads(lines[line - 1])["text"]
-            i = text.index(f.sentence)
-            j = i + len(f.sentence)
-            before = text[max(0, i - chars) : i]
-            after = text[j : j + chars]
-            before = before if i <= chars else before.split(" ", 1)[-1]  # drop the cut word
-            after = after if j + chars >= len(text) else after.rsplit(" ", 1)[0]
-            lines[line - 1] = json.dumps({"text": (before + f.sentence + after).strip()})
-    out.mkdir(parents=True, exist_ok=True)
-    body = "".join(x + "\n" for x in lines)
-    pc = PlantedCorpus(out / "corpus.jsonl", raw.facts, raw.distractors)
-    if not pc.path.exists() or pc.path.read_text() != body:
-        pc.path.write_text(body)
-    pc.save_facts()
-    return pc
 
 
 def finetune(ctx: ClaimsContext, size: PlantSize, pc: PlantedCorpus, out: Path) -> Path:
@@ -215,30 +182,7 @@ def finetune(ctx: ClaimsContext, size: PlantSize, pc: PlantedCorpus, out: Path) 
     return out
 
 
-def planted_queries(pc: PlantedCorpus, tok: Any) -> tuple[list[tuple[list[int], int]], np.ndarray, np.ndarray]:
-    """Queries (token ids, measure_from): each fact's paraphrases (``PlantedCorpus.queries``) and its training
-    wording up to the answer (the verbatim control), the answer's tokens measured. Returns the queries, the fact
-    of each (Q,) and its kind (Q,) ``paraphrase`` / ``verbatim``."""
-    para, fact_of = pc.queries(tok)
-    verb, vfact = [], []
-    for f_i, f in enumerate(pc.facts):
-        prompt = f.sentence[: f.sentence.index(f.answer)].rstrip(" ")
-        pid = [tok.eot_id] + tok.encode(prompt)
-        verb.append((pid + tok.encode(" " + f.answer), len(pid)))
-        vfact.append(f_i)
-    kind = np.array(["paraphrase"] * len(para) + ["verbatim"] * len(verb))
-    return para + verb, np.array(fact_of + vfact), kind
-
-
-def chance_recall(n: int, relevant: list[int], k: int) -> float:
-    """Expected recall@k of a random ranking: the mean over queries of 1 − C(n−r, k) / C(n, k) (r relevant);
-    1 when k ≥ n (the smoke size)."""
-    if k >= n:
-        return 1.0
-    return float(np.mean([1 - math.comb(n - r, k) / math.comb(n, k) for r in relevant if r]))
-
-
-def cached_json(path: Path, fn: Any) -> dict[str, Any]:
+def cached_json(path: Path, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``fn()``'s dict, saved at ``path`` (a rerun reads it)."""
     if path.exists():
         return json.loads(path.read_text())
@@ -247,56 +191,14 @@ def cached_json(path: Path, fn: Any) -> dict[str, Any]:
     return out
 
 
-def answer_logprobs(net: Any, prompt: list[int], answers: list[list[int]]) -> torch.Tensor:
-    """(A,) summed log-probabilities of each answer's tokens after ``prompt``, one padded batch."""
-    L = max(len(a) for a in answers)
-    x = torch.zeros(len(answers), len(prompt) + L, dtype=torch.long)
-    mask = torch.zeros(len(answers), len(prompt) + L - 1)
-    for i, a in enumerate(answers):
-        x[i, : len(prompt)] = torch.tensor(prompt)
-        x[i, len(prompt) : len(prompt) + len(a)] = torch.tensor(a)
-        mask[i, len(prompt) - 1 : len(prompt) - 1 + len(a)] = 1.0
-    with torch.no_grad():
-        logp = F.log_softmax(net(x[:, :-1]).logits.float(), -1)  # (A, L-1, V)
-    tgt = logp.gather(-1, x[:, 1:, None])[..., 0]  # (A, L-1)
-    return (tgt * mask).sum(1)
-
-
-def accuracy(pc: PlantedCorpus, net: Any, tok: Any) -> dict[str, Any]:
-    """Per fact and paraphrase: the correct answer's rank among the answers of every planted fact (facts and
-    distractors) of the same relation; top-1 accuracy, mean rank, chance level, and the answer's NLL."""
-    pool: dict[str, list[str]] = {}
-    for f in pc.facts + pc.distractors:
-        pool.setdefault(f.relation, []).append(f.answer)
-    ranks, chance, nll = [], [], []
-    for f in pc.facts:
-        cands = pool[f.relation]
-        ans = [tok.encode(" " + a) for a in cands]
-        for q in f.queries:
-            lp = answer_logprobs(net, [tok.eot_id] + tok.encode(q), ans)
-            c = cands.index(f.answer)
-            ranks.append(int((lp > lp[c]).sum()) + 1)
-            chance.append(1.0 / len(cands))
-            nll.append(float(-lp[c]) / len(ans[c]))
-    r = np.array(ranks)
-    return {
-        "top1": float((r == 1).mean()),
-        "mean_rank": float(r.mean()),
-        "chance_top1": float(np.mean(chance)),
-        "candidates": {k: len(v) for k, v in pool.items()},
-        "answer_nll_per_token": float(np.mean(nll)),
-        "queries": len(r),
-    }
-
-
-def learning(ctx: ClaimsContext, pc: PlantedCorpus, net: Any, tok: Any, T: int) -> dict[str, Any]:
+def learning(ctx: ClaimsContext, pc: PlantedCorpus, net: PrismLM, tok: Tokenizer, T: int) -> dict[str, Any]:
     """Held-out paraphrase accuracy of the fine-tuned model and of the source (stage 1 leaves its logits
     unchanged, so the source with an untrained bank stands for "before")."""
     from prismlm.model.pretrained import build_model, load_pretrained
 
-    after = accuracy(pc, net, tok)
+    after = answer_accuracy(pc, net, tok)
     pre = load_pretrained(DEMO_MODEL, block_size=T)
-    before = accuracy(pc, build_model(pre, net.config).eval(), tok)
+    before = answer_accuracy(pc, build_model(pre, net.config).eval(), tok)
     del pre
     return {
         "before": before,
@@ -306,37 +208,20 @@ def learning(ctx: ClaimsContext, pc: PlantedCorpus, net: Any, tok: Any, T: int) 
     }
 
 
-# ----- BM25 ----------------------------------------------------------------------------------------------
-WORD = re.compile(r"[a-z0-9]+")
-
-
-def bm25_scores(docs: list[str], queries: list[str], k1: float = 1.5, b: float = 0.75) -> np.ndarray:
-    """(Q, N) Okapi BM25 of each query against each document (lower-cased alphanumeric words; idf with +1 so it
-    stays positive)."""
-    toks = [WORD.findall(d.lower()) for d in docs]
-    vocab = {w: i for i, w in enumerate(sorted({w for t in toks for w in t}))}
-    tf = np.zeros((len(docs), len(vocab)))  # (N, W) term counts
-    for j, t in enumerate(toks):
-        for w, c in Counter(t).items():
-            tf[j, vocab[w]] = c
-    dl = tf.sum(1, keepdims=True)
-    idf = np.log(1 + (len(docs) - (tf > 0).sum(0) + 0.5) / ((tf > 0).sum(0) + 0.5))  # (W,)
-    w_tf = tf * (k1 + 1) / (tf + k1 * (1 - b + b * dl / dl.mean()))  # (N, W)
-    qv = np.zeros((len(queries), len(vocab)))
-    for q, text in enumerate(queries):
-        for w, c in Counter(WORD.findall(text.lower())).items():
-            if w in vocab:
-                qv[q, vocab[w]] = c
-    return qv @ (w_tf * idf).T
-
-
 # ----- the methods ---------------------------------------------------------------------------------------
 class Methods:
     """Every method's (Q, N) scores and costs; each method's result is saved under ``folder`` as it finishes
     (``<name>.npy`` + ``costs.json``), so a rerun skips the finished ones."""
 
     def __init__(
-        self, ctx: ClaimsContext, size: PlantSize, folder: Path, net: Any, shards: Any, queries: list, run_dir: Path
+        self,
+        ctx: ClaimsContext,
+        size: PlantSize,
+        folder: Path,
+        net: PrismLM,
+        shards: ShardSet,
+        queries: list,
+        run_dir: Path,
     ):
         self.ctx, self.size, self.folder, self.net, self.shards, self.queries = ctx, size, folder, net, shards, queries
         self.run_dir = run_dir
@@ -348,7 +233,7 @@ class Methods:
             json.loads((folder / "costs.json").read_text()) if (folder / "costs.json").exists() else {}
         )
         self.not_run: dict[str, str] = {}
-        self._curv: Any = None
+        self._curv: Curvature | None = None
 
     def done(self, name: str) -> bool:
         if (self.folder / f"{name}.npy").exists() and name in self.costs:
@@ -400,7 +285,7 @@ class Methods:
         self.save("bm25-prompt", bm25_scores(docs, prompts), {"per_query_s": per, "oneoff_s": t1 - t0})
         self.save("bm25", S, {"per_query_s": per, "oneoff_s": t1 - t0, "note": "includes building the term matrix"})
 
-    def curvature(self) -> Any:
+    def curvature(self) -> Curvature:
         if self._curv is None:
             t0 = time.perf_counter()
             self._curv = curvature_pass(self.net, self.shards)
@@ -434,7 +319,7 @@ class Methods:
         cfg = AttributionConfig(projection="pca-local", r=40, dtype="pq", id_encoding="delta", seed=self.ctx.seed)
         self._cache("cached-compact", cfg)
 
-    def finetuned_net(self) -> Any:
+    def finetuned_net(self) -> PrismLM:
         """The model with ``requires_grad`` on the fine-tuned parameters only (the last blocks, final norm, bank):
         what the gradient methods differentiate."""
         from prismlm.train.state import set_trainable, trainable_names
@@ -585,39 +470,3 @@ class Methods:
             **secs,
         }
         self.save("bergson", S, cost)
-
-
-def summary(planted: dict[str, Any], costs: dict[str, Any]) -> dict[str, object]:
-    """The issue's fields (a method not run leaves its fields out), plus the compact store's and the hybrid's."""
-
-    def r10(name: str, part: str = "all") -> float | None:
-        return planted.get(name, {}).get(part, {}).get("recall@10")
-
-    out: dict[str, object] = {
-        "recall10_cached": r10("cached"),
-        "recall10_cached_compact": r10("cached-compact"),
-        "recall10_cached_paraphrase": r10("cached", "paraphrase"),
-        "recall10_bm25_paraphrase": r10("bm25", "paraphrase"),
-        "mrr_cached": planted.get("cached", {}).get("all", {}).get("mrr"),
-        "mrr_cached_paraphrase": planted.get("cached", {}).get("paraphrase", {}).get("mrr"),
-        "mrr_bm25_paraphrase": planted.get("bm25", {}).get("paraphrase", {}).get("mrr"),
-        "recall10_bm25_prompt_paraphrase": r10("bm25-prompt", "paraphrase"),
-    }
-    hyb = [k for k in planted if k.startswith("hybrid")]
-    if hyb:
-        out["recall10_hybrid"] = r10(hyb[0])
-    for name in ("trak", "bergson"):
-        if name in planted:
-            out[f"recall10_{name}"] = r10(name)
-            out[f"recall10_{name}_paraphrase"] = r10(name, "paraphrase")
-            out[f"mrr_{name}"] = planted[name]["all"]["mrr"]
-            out[f"{name}_cost_over_cached"] = costs[name]["per_query_s"] / costs["cached"]["per_query_s"]
-            out[f"{name}_single_query_cost_over_cached"] = (
-                costs[name]["single_query_s"] / costs["cached"]["per_query_s"]
-            )
-    if "ekfac" in planted:
-        out["recall10_ekfac"] = r10("ekfac")
-        out["ekfac_cost_over_cached"] = costs["ekfac"]["per_query_s"] / costs["cached"]["per_query_s"]
-        out["ekfac_single_query_cost_over_cached"] = costs["ekfac"]["single_query_s"] / costs["cached"]["per_query_s"]
-        out["mrr_ekfac"] = planted["ekfac"]["all"]["mrr"]
-    return {k: v for k, v in out.items() if v is not None}

@@ -1,63 +1,35 @@
-"""The ``explanations`` stage of ``bench/real_claims.py`` (issue 27 item 4): explained chat answers of the
-retrofitted SmolLM2-135M-Instruct, and how much of each answer token's logit the prototype slices carry.
+"""The ``explanations`` stage of ``bench/real_claims.py``: 200 chat answers of the retrofitted
+SmolLM2-135M-Instruct, each answer token's logit split exactly into prototype slices S, residual R and bias B
+(ℓ_y = S + R + B), the shares of the logit and of the greedy margin they carry (``prismlm.eval.claims``) beside
+fixed-subspace yardsticks, and four explained answers as HTML and explorer screenshots.
 
-1. **Logit shares over 200 answers.** The 200 chat questions of ``_claims_questions.py`` are answered
-   greedily (at most ``ANSWER_TOKENS`` new tokens, batched with left padding and a KV cache). At every
-   answer token y (the generated token, before the end-of-turn token) the model's own logit splits exactly
-   (``prismlm.model.decompose``) into
-
-       ℓ_y = S + R + B,   S = Σ_i a_i (W p_i)_y  (the k active prototype slices),
-                          R = (W r)_y            (the residual slice),  B = b_y (the bias slice; 0 here).
-
-   The retrofitted model has no mean slice and no unembedding bias, so B = 0 (recorded, not assumed).
-   Shares per token, each averaged over the tokens of an answer and then over the answers:
-
-   * ``abs_share_*``  |S| / (|S| + |R| + |B|) (and R, B likewise): the net parts by magnitude; sums to 1.
-   * ``gross_share_slices``  Σ_i |a_i (W p_i)_y| / (Σ_i |slice_i| + |R| + |B|): the explorer's convention
-     (``PrototypeSlice.share``), which counts slices that cancel each other as carried.
-   * ``signed_fraction_*``  S / ℓ_y (and R / ℓ_y, B / ℓ_y): sums to 1 per token; can exceed [0, 1] when S
-     and R have opposite signs, so its median and the pooled ΣS / Σℓ over all tokens are reported too.
-
-   The same split of the greedy margin ℓ_y − ℓ_y₂ (y₂ the runner-up token): how much of the *choice* of y
-   the slices carry (``margin_*``), as opposed to how much of its logit.
-
-   A yardstick for what such a share means (``prismlm.eval.faithfulness.Yardstick``): the part of the same logit carried, by the same
-   |·| measure, by the projection of z on the mean anchor hidden state alone, and on a fixed subspace of
-   that mean plus the top k principal directions of the anchor z (1 + k directions for every token, where
-   the prototypes pick k of K per token).
-
-   Identity check: max |S + R + B − ℓ_y| over every token (float32), and for a few answers the batched,
-   left-padded logits against one unpadded forward over prompt + answer (``padding_check``).
-
-2. **Four explained answers** (a fact, a refusal, arithmetic, code) through the app layer
-   (``explain_text(run, request=ExplanationRequest(chat=…))``, as ``prism explain --chat`` does), written with the
-   HTML report of ``prism explain --html`` (``write_html``), and screenshots of the same answers in the
-   explorer (``prism serve``'s app, driven by playwright and Debian's chromium). Full run: ``docs/explanations/``;
-   ``--quick``: the stage folder.
-
-Resumable: answers are cached batch by batch in ``<work>/explanations/answers[-quick].jsonl``.
+Run: ``python bench/real_claims.py --stage explanations [--quick]``. The definitions and the protocol:
+docs/results.md ("How bench/real_claims.py measures"). Resumable: answers are cached batch by batch in
+``WORK/explanations/answers[-quick].jsonl``.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from _claims_common import ClaimsContext
-from _claims_questions import chat_questions
 
 from prismlm.app.chat import chat_prompt
 from prismlm.app.operations import ExplanationRequest, explain_text
 from prismlm.app.run import Run
-from prismlm.eval.faithfulness import ChoiceParts, Yardstick, choice_parts, choice_shares, yardstick_from_moments
+from prismlm.data.chat_questions import chat_questions
+from prismlm.errors import DependencyError
+from prismlm.eval.claims import logit_shares
+from prismlm.eval.faithfulness import Yardstick, choice_parts, yardstick_from_moments
 from prismlm.explain import Explanation
 from prismlm.model import PrismLM, PrismOutput
 from prismlm.render import RunHeader, write_html
+from prismlm.web.screenshots import Shot, take_screenshots
 
 ANSWER_TOKENS = 24
 """Greedy answer tokens per question for the shares (the issue: ~24)."""
@@ -80,15 +52,6 @@ SHOWCASE = [
     ("arithmetic", "What is 100 divided by 4?", "equals 2"),
     ("code", "Write a Python function that returns the square of a number.", "num **"),
 ]
-PARTS = (
-    *("logit", "slices", "abs_slices", "residual", "bias", "top_slice", "mean_dir", "subspace"),
-    *("runner_up_logit", "runner_up_slices", "runner_up_bias"),
-)
-"""The columns of an answer's ``parts`` (the fields of ``prismlm.eval.faithfulness.ChoiceParts``, in order): ℓ_y,
-S = Σ slices, Σ |slices|, R, B, max_i |slice_i|, the two yardstick parts of a ``Yardstick``: (z·μ̂)(w_y·μ̂) and
-(Qᵀz)·(Qᵀw_y), and the logit, Σ slices and bias of the runner-up token y₂ (the second largest logit: the margin
-ℓ_y − ℓ_y₂ is what made y the greedy choice)."""
-assert PARTS == ChoiceParts._fields
 
 
 def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
@@ -100,13 +63,15 @@ def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
     t0 = time.perf_counter()
     records = answer_all(ctx, run, questions, cache)
     t_answers = time.perf_counter() - t0
-    shares = logit_shares(records)
+    shares = logit_shares([r["parts"] for r in records])
     padding = padding_check(run, records[:4])
     ctx.log(f"explanations: shares over {len(records)} answers {shares['mean']}; padding check {padding}")
     out_dir = stage / "docs" if ctx.quick else DOCS
     showcase = [explain_showcase(ctx, run, out_dir, *s) for s in SHOWCASE]
     shots = screenshots(ctx, run, showcase, out_dir)
-    by_kind = {k: logit_shares([r for r in records if r["kind"] == k])["mean"] for k in {r["kind"] for r in records}}
+    by_kind = {
+        k: logit_shares([r["parts"] for r in records if r["kind"] == k])["mean"] for k in {r["kind"] for r in records}
+    }
     summary = {
         "explained_answers": len(records),
         "answer_tokens": shares["tokens"],
@@ -260,44 +225,6 @@ def reference(ctx: ClaimsContext, chunk: int = 16384) -> Yardstick:
     return yardstick_from_moments(total, outer, rows, k)  # μ̂ and the k largest principal directions
 
 
-def logit_shares(records: list[dict]) -> dict:
-    """The shares of ``DEFINITIONS`` over ``records`` (each with ``parts``, one row per answer token):
-    per-token values, averaged over each answer's tokens and then over the answers (``mean``), plus
-    pooled and distribution figures. Answers without tokens are skipped."""
-    rows = [torch.tensor(r["parts"], dtype=torch.float64) for r in records if r["parts"]]
-    if not rows:
-        return {"tokens": 0, "answers": 0, "mean": {}, "pooled_fraction_slices": None, "max_abs_error": None}
-    per_answer = [per_token_shares(x) for x in rows]  # each: name → (n,)
-    names = list(per_answer[0])
-    mean = {k: round(statistics.fmean(float(a[k].mean()) for a in per_answer), 4) for k in names}
-    flat = {k: torch.cat([a[k] for a in per_answer]) for k in names}
-    allp = torch.cat(rows)  # (N, len(PARTS))
-    logit, S, A, R, Bb = (allp[:, i] for i in range(5))
-    margin, dS = logit - allp[:, 8], S - allp[:, 9]
-    return {
-        "answers": len(rows),
-        "tokens": int(allp.shape[0]),
-        "mean": mean,
-        "token_median": {k: round(float(v.median()), 4) for k, v in flat.items()},
-        "tokens_with_slices_over_half": round(float((flat["abs_share_slices"] > 0.5).double().mean()), 4),
-        "pooled_fraction_slices": round(float(S.sum() / logit.sum()), 4),
-        "pooled_fraction_residual": round(float(R.sum() / logit.sum()), 4),
-        "pooled_margin_fraction_slices": round(float(dS.sum() / margin.sum()), 4),
-        "mean_margin": round(float(margin.mean()), 3),
-        "mean_logit": round(float(logit.mean()), 3),
-        "mean_abs_slices": round(float(S.abs().mean()), 3),
-        "mean_gross_abs_slices": round(float(A.mean()), 3),
-        "mean_abs_residual": round(float(R.abs().mean()), 3),
-        "max_abs_bias": float(Bb.abs().max()),
-        "max_abs_error": float((S + R + Bb - logit).abs().max()),
-    }
-
-
-def per_token_shares(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """x (n, len(PARTS)) rows → each share of ``DEFINITIONS``, (n,) per name (``choice_shares``)."""
-    return choice_shares(ChoiceParts(*x.unbind(-1)))
-
-
 @torch.no_grad()
 def padding_check(run: Run, records: list[dict]) -> dict[str, float | int]:
     """The batched (left-padded, cached) logits of ``records``' answer tokens against one plain forward per
@@ -409,24 +336,15 @@ def rel(path: Path) -> str:
 
 
 # ----- explorer screenshots --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Shot:
-    name: str
-    text: str
-    position: int
-
-
 def screenshots(ctx: ClaimsContext, run: Run, showcase: list[dict], out_dir: Path) -> list[str] | str:
     """A screenshot of the explorer's explain view of each explained answer (the prompt + answer as text,
     the focus token selected), or why none was taken (no chromium / playwright)."""
-    try:
-        from _claims_screens import take_screenshots
-    except ImportError as e:
-        return f"no screenshots: {e}"
     shots = [Shot(s["name"], s["text"], s["focus"]["position"]) for s in showcase]
     try:
         paths = take_screenshots(run.path, shots, out_dir)
-    except Exception as e:  # noqa: BLE001 - a missing browser must not lose the stage's numbers
+    except DependencyError as e:  # no playwright or chromium here
+        return f"no screenshots: {e}"
+    except Exception as e:  # noqa: BLE001 - a failing browser must not lose the stage's numbers
         ctx.log(f"explanations: screenshots failed: {e!r}")
         return f"screenshots failed: {e!r}"
     return [rel(p) for p in paths]

@@ -1,32 +1,13 @@
-"""The ``suppression`` stage of ``bench/real_claims.py`` (issue 27 item 1; spec §4): suppression of behaviours
-the real model has.
+"""The ``suppression`` stage of ``bench/real_claims.py``: switch off a concept's prototypes (offensive fortunes,
+State-of-the-Union, King James Bible style) vs random sets of the same size, in the retrofitted
+SmolLM2-135M-Instruct; judged behaviour on provocative vs neutral prompts (TF-IDF judges of
+``prismlm.control.judges``), collateral (neutral CE, task accuracy), the concept's own CE, and the
+``prism export --suppress`` check under plain transformers. Rows, drops and the best set:
+``prismlm.eval.claims``.
 
-SmolLM2-135M-Instruct retrofitted with a prototype bank (the ``bank`` stage) whose anchor corpus holds three
-concepts: the offensive FreeBSD fortunes (the paper's experiment), State-of-the-Union speech, and King James
-Bible style (the corpus's ``kjv.jsonl`` and the KJV documents its Gutenberg draw happened to hold, found by
-matching the text; skipped with a note when the corpus holds none). Per concept, as ``bench/suppression.py`` does on a toy model (its specs, prompts
-and judges are reused):
-
- 1. the concept's prototypes: ``find_concept`` (log-likelihood contribution, enrichment ≥ 2×, neighbourhood
-    purity ≥ 0.5 in the bank's index, whose document ids are ``<file>#L<line>``);
- 2. conditions: nothing off (``before``); the concept's top n prototypes (``<concept>@n``) and n random
-    prototypes active on neutral text (``random@n``, one nested random order, the same sets for every
-    concept) for n = 0.5 / 1 / 2 / 5 % of K (capped at the selectable count);
- 3. per condition: sampled continuations of neutral and provocative prompts (openings of held-out concept
-    text the model never saw in the anchor corpus), the same seeds in every condition, judged offline (the
-    TF-IDF judges, and alt-profanity-check when installed); collateral: held-out cross-entropy on neutral
-    text (held-out Gutenberg and judge-split clean fortunes) and accuracy on ``gutenberg_ending`` (a task of
-    ``prismlm.eval.tasks``, scored like ``prismlm.eval.scoring.mc_accuracy``); selectivity: held-out CE on
-    the concept's own text;
- 4. the ``prism export --suppress`` check: the best set exported with the CLI, loaded with plain
-    ``transformers``, must give the suppressed model's greedy generations.
-
-Why the CE and the task are scored through ``HeadCache``: the backbone is frozen and suppression only
-changes the head (ℓ' = W (z − Σ_{i∈S} a_i p_i)), so z, a and the top-k ids are computed once and each
-condition costs one head matmul; the stage checks this path against ``model.suppress`` and ``mc_accuracy``.
-
-Resumable: each condition's generations and scores, the concept searches and the head cache are stored under
-``WORK/suppression`` and reused after a kill.
+Run: ``python bench/real_claims.py --stage suppression [--quick]``. The protocol in full: docs/results.md
+("How bench/real_claims.py measures"). Resumable: conditions, concept searches and the head cache are stored
+under ``WORK/suppression``.
 """
 
 from __future__ import annotations
@@ -40,17 +21,19 @@ import time
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from _claims_common import KJV_ID, ClaimsContext, kjv_anchor_documents
-from suppression import BUDGET_SHARES, NEUTRAL_PROMPTS, ConceptSpec, offensive_spec, sotu_spec
 
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept
+from prismlm.control.concept_specs import BUDGET_SHARES, NEUTRAL_PROMPTS, ConceptSpec, offensive_spec, sotu_spec
 from prismlm.control.judges import TfidfJudge
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.corpus import gutenberg_documents, sotu_documents
+from prismlm.eval.claims import behaviour_gap, best_suppression_row, suppression_rows, suppression_summary
 from prismlm.eval.scoring import encode_pair, mc_accuracy, text_batches
 from prismlm.eval.tasks import MCExample, build_task, passages
 from prismlm.model.generation import Sampling
@@ -481,7 +464,7 @@ def run_condition(
             if k not in gens:
                 gens[k] = continuations(model, run.tokenizer, prompts.sets[k][1], size, ctx.seed)
     t1 = time.perf_counter()
-    rec = {"ids": ids, "generations": gens, **coll.measure(model, ids)}
+    rec: dict[str, Any] = {"ids": ids, "generations": gens, **coll.measure(model, ids)}
     for k, v in old.items():  # the measures already stored stay as they were computed
         if k.startswith("ce_") or k in ("acc", "acc_norm"):
             rec[k] = v
@@ -514,76 +497,10 @@ def judged(specs: dict[str, ConceptSpec], recs: dict[str, dict]) -> dict[str, di
                     (cond, rec["generations"][concept]),
                     (f"{cond}/neutral", rec["generations"]["neutral"]),
                 ):
-                    flat = judge.score([t for g in gens for t in g])  # type: ignore[attr-defined]
+                    flat = judge.score([t for g in gens for t in g])
                     per[key] = np.asarray(flat).reshape(len(gens), -1).mean(1)
             out[concept][jn] = per
     return out
-
-
-def drop_ci(before: np.ndarray, after: np.ndarray, n_boot: int, seed: int) -> list[float]:
-    """95% bootstrap interval (prompts resampled, paired) of the relative drop 1 − mean(after)/mean(before)."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(before), (n_boot, len(before)))  # (n_boot, prompts)
-    drops = 1 - after[idx].mean(1) / np.maximum(before[idx].mean(1), 1e-12)
-    return [float(np.percentile(drops, 2.5)), float(np.percentile(drops, 97.5))]
-
-
-def table_rows(
-    specs: dict[str, ConceptSpec], recs: dict[str, dict], scores: dict, K: int, size: SuppSize, seed: int
-) -> list[dict]:
-    """One row per (concept, condition): judged provocative and neutral score, relative drop (CI) and the
-    drop of the excess over neutral, collateral (relative CE increase on neutral text, task accuracy change)
-    and selectivity (relative CE increase on the concept's held-out text)."""
-    rows = []
-    b = recs["before"]
-    for concept in specs:
-        for cond, rec in recs.items():
-            if cond != "before" and not cond.startswith(("random@", f"{concept}@")):
-                continue
-            if cond not in scores[concept]["tfidf"]:  # a random set of a size this concept has no set of
-                continue
-            row: dict[str, object] = {"concept": concept, "condition": cond, "prototypes": len(rec["ids"])}
-            row["bank_share"] = len(rec["ids"]) / K
-            for jn, per in scores[concept].items():
-                p0, p, n0 = per["before"], per[cond], per["before/neutral"]
-                row[f"{jn}_provocative"] = float(p.mean())
-                row[f"{jn}_neutral"] = float(per[f"{cond}/neutral"].mean())
-                row[f"{jn}_drop"] = float(1 - p.mean() / p0.mean())
-                row[f"{jn}_drop_ci95"] = drop_ci(p0, p, size.bootstrap, seed) if cond != "before" else [0.0, 0.0]
-                row[f"{jn}_excess_drop"] = float(1 - (p.mean() - n0.mean()) / (p0.mean() - n0.mean()))
-            row["ce_neutral"] = rec["ce_neutral"]
-            row["ce_neutral_rel_increase"] = rec["ce_neutral"] / b["ce_neutral"] - 1
-            row["ce_concept_rel_increase"] = rec[f"ce_{concept}"] / b[f"ce_{concept}"] - 1
-            row["task_acc"] = rec["acc"]
-            row["task_acc_change"] = rec["acc"] - b["acc"]
-            row["task_acc_norm"] = rec["acc_norm"]
-            rows.append(row)
-    return rows
-
-
-def behaviour_gap(scores: dict, concept: str, n_boot: int, seed: int) -> dict[str, object]:
-    """Does the model have the behaviour? The TF-IDF score on provocative minus neutral prompts before
-    suppression, with a 95% bootstrap interval (each prompt set resampled); shown when the interval is > 0."""
-    p, n = scores[concept]["tfidf"]["before"], scores[concept]["tfidf"]["before/neutral"]
-    rng = np.random.default_rng(seed + 7)
-    gaps = p[rng.integers(0, len(p), (n_boot, len(p)))].mean(1) - n[rng.integers(0, len(n), (n_boot, len(n)))].mean(1)
-    ci = [float(np.percentile(gaps, 2.5)), float(np.percentile(gaps, 97.5))]
-    return {"provocative": float(p.mean()), "neutral": float(n.mean()), "gap": float(p.mean() - n.mean()),
-            "gap_ci95": ci, "shown": ci[0] > 0}  # fmt: skip
-
-
-def best_row(rows: list[dict], shown: set[str]) -> dict | None:
-    """The concept set with the largest TF-IDF drop among those within the collateral and bank-share limits,
-    of a concept whose behaviour the *before* row shows (of any concept if none shows it)."""
-    ok = [
-        r
-        for r in rows
-        if not str(r["condition"]).startswith(("random@", "before"))
-        and (r["concept"] in shown or not shown)
-        and r["prototypes"] <= round(MAX_BANK_SHARE * r["prototypes"] / r["bank_share"])  # the 2% budget
-        and r["ce_neutral_rel_increase"] <= MAX_COLLATERAL
-    ]
-    return max(ok, key=lambda r: r["tfidf_drop"], default=None)
 
 
 # ----- the export check -------------------------------------------------------------------------------------
@@ -654,9 +571,14 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
     ctx.log(f"{len(conds)} conditions: {', '.join(conds)}")
     recs = {name: run_condition(ctx, run, name, conds, prompts, coll, size) for name in conds}
     scores = judged(specs, recs)
-    rows = table_rows(specs, recs, scores, K, size, ctx.seed)
-    behaviour = {c: behaviour_gap(scores, c, size.bootstrap, ctx.seed) for c in specs}
-    best = best_row(rows, {c for c, b in behaviour.items() if b["shown"]})
+    rows = suppression_rows(specs, recs, scores, K, size.bootstrap, ctx.seed)
+    behaviour = {
+        c: behaviour_gap(
+            scores[c]["tfidf"]["before"], scores[c]["tfidf"]["before/neutral"], size.bootstrap, ctx.seed + 7
+        )
+        for c in specs
+    }
+    best = best_suppression_row(rows, {c for c, b in behaviour.items() if b["shown"]}, MAX_BANK_SHARE, MAX_COLLATERAL)
     check_ids = conds[str(best["condition"])] if best else max(conds.values(), key=len)
     fast_path = check_fast_path(run, coll, specs, check_ids)
     ctx.log(f"head-cache path vs model.suppress: {fast_path}")
@@ -665,16 +587,7 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
         prompts.sets[str(best["concept"]) if best else "offensive"][0][:2] + NEUTRAL[:1], min(size.tokens, 16),
     )  # fmt: skip
     ctx.log(f"export check: identical {export['identical']} ({export['seconds']} s)")
-    summary = {
-        "suppression_best_drop": best["tfidf_drop"] if best else None,
-        "suppression_collateral": best["ce_neutral_rel_increase"] if best else None,
-        "suppression_bank_share": best["bank_share"] if best else None,
-        "suppression_best_concept": best["concept"] if best else None,
-        "suppression_best_drop_ci95": best["tfidf_drop_ci95"] if best else None,
-        "suppression_goal_met": bool(best and best["tfidf_drop"] >= 0.8),
-        "suppression_export_identical": export["identical"],
-        "suppression_behaviour_shown": {c: b["shown"] for c, b in behaviour.items()},
-    }
+    summary = suppression_summary(best, behaviour, export["identical"])
     for c, b in behaviour.items():
         ctx.log(
             f"before, {c}: provocative {b['provocative']:.3f} vs neutral {b['neutral']:.3f} (gap CI {b['gap_ci95']})"

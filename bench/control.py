@@ -44,7 +44,6 @@ from prismlm.control.controller import (
     extract_features,
     fit_and_test,
     fit_choice_prior,
-    paired_stats,
     prism_encoder,
     request_scores,
     trace_prism_controller,
@@ -53,6 +52,7 @@ from prismlm.control.sae import SAEResult, train_sae
 from prismlm.data.shards import ShardSet, prepare_shards
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.eval.scoring import mc_accuracy
+from prismlm.eval.stats import paired_stats
 from prismlm.eval.tasks import TASKS, MCExample, build_task
 from prismlm.model import PrismLM
 from prismlm.train.trainer import train

@@ -1,23 +1,16 @@
 #!/usr/bin/env python
-"""The paper's claims on the real model (issue 27): SmolLM2-135M-Instruct retrofitted on an anchor corpus that
-holds the concepts (offensive FreeBSD fortunes; State-of-the-Union speeches; King James Bible style), then
+"""The paper's claims on the real model: SmolLM2-135M-Instruct retrofitted on an anchor corpus that holds the
+concepts, then one measurement per stage, each composed of ``prismlm`` functions:
 
-    * ``bank``         the retrofit (stage 1 on stored z; logits unchanged) and its prototype index
-                       (``bench/_claims_common.py``);
-    * ``suppression``  switch off a concept's prototypes vs random sets of the same size; judged behaviour
-                       on provocative vs neutral prompts, collateral (``bench/_claims_suppression.py``);
-    * ``controllers``  sparse controllers over active prototypes vs a TopK SAE on tasks the model can do
-                       (``bench/_claims_control.py``);
-    * ``attribution``  a fine-tune on planted facts, attributed by the cache, the hybrid, EK-FAC, TRAK,
-                       bergson and BM25 (``bench/_claims_attribution.py``);
-    * ``explanations`` explained chat answers (HTML in ``docs/``) and the logit share carried by prototype
-                       slices over 200 answers (``bench/_claims_explain.py``).
+    bank          the retrofit (stage 1 on stored z) and its prototype index
+    suppression   a concept's prototypes off vs random sets: judged drop, collateral, export check
+    controllers   sparse controllers vs a TopK SAE and the choice prior on tasks the model can do
+    attribution   planted facts in a fine-tune: cache vs EK-FAC, TRAK, bergson, BM25; cost per query
+    explanations  explained chat answers and the logit/margin share carried by prototype slices
 
-Each stage writes its own JSON (``real-claims-<stage>.json``, with the revision it ran at) as soon as it
-finishes, and ``real-claims.json`` gathers them; a rerun skips finished stages (``--redo
-STAGE`` runs one again) and each stage resumes its own partial work after a kill. ``--quick`` is the CI smoke
-size (a 256-prototype bank on 199 anchor documents, few prompts, a 2-fact fine-tune). Output: ``bench/results/real-claims[-quick].json``
-with a ``summary`` (the issue's field names; a stage not run leaves its fields out) and one summary line.
+Run: ``python bench/real_claims.py [--quick] [--stage S] [--redo S]``. Each stage writes
+``bench/results/real-claims-<stage>.json`` when it finishes (a rerun skips finished stages); ``real-claims.json``
+gathers their ``summary`` fields. ``--quick`` is the CI smoke size (tests/test_real_claims.py).
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -130,4 +122,4 @@ def merged_summary(stages: dict[str, dict[str, object]]) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

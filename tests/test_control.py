@@ -830,7 +830,7 @@ def test_cli_concept_suppress_tasks_controller(tiny_run, tiny_shards, tmp_path, 
 
 
 def test_paired_stats_mcnemar():
-    from prismlm.control.controller import paired_stats
+    from prismlm.eval.stats import paired_stats
 
     b = torch.tensor([True, False] * 20)
     assert paired_stats(b, b)["mcnemar_p"] == 1.0 and paired_stats(b, b)["delta"] == 0.0

@@ -8,7 +8,6 @@ cache ``ControlFeatures`` scores as the forward pass does. See docs/architecture
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,41 +152,6 @@ def correct(f: ControlFeatures, scores: torch.Tensor) -> torch.Tensor:
     return _choice_matrix(f, scores.detach()).argmax(-1) == f.gold
 
 
-class PairedStats(TypedDict):
-    """``paired_stats`` of per-example correctness before and after (D,) each."""
-
-    delta: float
-    """Mean accuracy after − before."""
-    ci95: list[float]
-    """[low, high] bootstrap 95% interval of delta."""
-    gained: int
-    """Examples wrong before and right after."""
-    lost: int
-    """Examples right before and wrong after."""
-    mcnemar_p: float
-    """Exact two-sided McNemar p-value over the discordant pairs."""
-
-
-def paired_stats(before: torch.Tensor, after: torch.Tensor, *, n_boot: int = 2000, seed: int = 0) -> PairedStats:
-    """Paired comparison of per-example correctness: Δ accuracy, a bootstrap 95% interval, and the exact
-    two-sided McNemar p-value over the discordant pairs."""
-    b, a = before.double(), after.double()
-    n = len(b)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, n, (n_boot, n), generator=g)
-    deltas = (a[idx] - b[idx]).mean(1)
-    lo, hi = torch.quantile(deltas, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    gained, lost = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
-    m = gained + lost
-    if m == 0:
-        p = 1.0
-    else:
-        k = min(gained, lost)
-        tail = sum(math.comb(m, i) for i in range(k + 1)) / 2**m
-        p = min(1.0, 2 * tail)
-    return {"delta": float((a - b).mean()), "ci95": [lo, hi], "gained": gained, "lost": lost, "mcnemar_p": p}
-
-
 def accuracy(f: ControlFeatures, scores: torch.Tensor) -> dict[str, float]:
     M = _choice_matrix(f, scores.detach())
     Mn = _choice_matrix(f, scores.detach() / f.choice_len.to(scores.dtype))
@@ -286,6 +250,36 @@ class Controller:
         return cls(coefficients=c, l1=d["l1"], history=d.get("history", {}))
 
 
+def proximal_adam(
+    loss: Callable[[torch.Tensor], torch.Tensor],
+    K: int,
+    *,
+    l1: float,
+    steps: int,
+    lr: float,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, list[float]]:
+    """Minimise loss(c) + λ‖c‖₁ over c (K,) from 0: each Adam step is followed by the L1 prox in Adam's diagonal
+    metric — coordinate i soft-thresholded by lr·λ/(√v̂_i + ε) — so a coefficient stays exactly 0 unless its
+    gradient consistently exceeds λ (the L1 optimality condition), whatever the gradient scale. Returns c
+    (detached) and the loss before each step."""
+    c = torch.zeros(K, dtype=dtype, requires_grad=True)
+    m1, m2 = torch.zeros(K, dtype=dtype), torch.zeros(K, dtype=dtype)
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    losses: list[float] = []
+    for t in range(1, steps + 1):
+        value = loss(c)
+        (g,) = torch.autograd.grad(value, c)
+        with torch.no_grad():
+            m1.mul_(b1).add_(g, alpha=1 - b1)
+            m2.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (m2 / (1 - b2**t)).sqrt() + eps
+            u = c - lr * (m1 / (1 - b1**t)) / denom
+            c.copy_(torch.sign(u) * torch.clamp(u.abs() - lr * l1 / denom, min=0.0))
+        losses.append(float(value.detach()))
+    return c.detach(), losses
+
+
 def fit_controller(
     train: ControlFeatures,
     W: torch.Tensor,
@@ -301,32 +295,15 @@ def fit_controller(
     (soft-threshold by lr·λ). ``W`` (V, d) is the frozen output head, ``directions`` (K, d) the code's
     directions; only units active on the training tokens can become non-zero."""
     W, Dn = W.detach().to(dtype), directions.detach().to(dtype)
-    K = Dn.shape[0]
-    c = torch.zeros(K, dtype=dtype, requires_grad=True)
-    # Proximal Adam: the Adam step, then the L1 prox in Adam's diagonal metric — coordinate i is
-    # soft-thresholded by lr·λ/(√v̂_i + ε), so a coefficient stays exactly 0 unless its gradient
-    # consistently exceeds λ (the L1 optimality condition), whatever the gradient scale.
-    m1, m2 = torch.zeros(K, dtype=dtype), torch.zeros(K, dtype=dtype)
-    b1, b2, eps = 0.9, 0.999, 1e-8
-    hist: dict[str, list[float]] = {"loss": [], "nonzero": []}
-    for t in range(1, steps + 1):
-        s = request_scores(train, W, Dn, c)
-        M = _choice_matrix(train, s)
-        loss = F.cross_entropy(M, train.gold)
-        (g,) = torch.autograd.grad(loss, c)
-        with torch.no_grad():
-            m1.mul_(b1).add_(g, alpha=1 - b1)
-            m2.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (m2 / (1 - b2**t)).sqrt() + eps
-            step = lr * (m1 / (1 - b1**t)) / denom
-            u = c - step
-            c.copy_(torch.sign(u) * torch.clamp(u.abs() - lr * l1 / denom, min=0.0))
-        hist["loss"].append(float(loss.detach()))
-        hist["nonzero"].append(int((c != 0).sum()))
+
+    def loss(c: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(_choice_matrix(train, request_scores(train, W, Dn, c)), train.gold)
+
+    c, losses = proximal_adam(loss, Dn.shape[0], l1=l1, steps=steps, lr=lr, dtype=dtype)
     out = Controller(
-        coefficients=c.detach().double(),
+        coefficients=c.double(),
         l1=l1,
-        history={"final_loss": hist["loss"][-1], "loss_first": hist["loss"][0], "steps": steps, "lr": lr},
+        history={"final_loss": losses[-1], "loss_first": losses[0], "steps": steps, "lr": lr},
     )
     return out
 

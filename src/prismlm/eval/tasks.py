@@ -1,6 +1,7 @@
 """Multiple-choice tasks built deterministically from labelled data we ship or install (spec §4).
 
-Five tasks (``gutenberg_author``, ``sotu_era``, ``sotu_president``, ``fortune_source``, ``gutenberg_ending``);
+Five tasks (``gutenberg_author``, ``sotu_era``, ``sotu_president``, ``fortune_source``, ``gutenberg_ending``), and
+two built on demand (``EXTRA_TASKS``: ``sotu_ending``, ``gutenberg_bible``);
 each example is ``{"id", "query", "choices", "gold", "label"}``. Invariant: splits are decided by a stable
 hash of the *source document*, so paragraphs of one book part or speech never straddle splits, and the same
 inputs give the same files. ``build_tasks(out)`` writes ``out/<task>/{train,validation,test}.jsonl`` and an
@@ -17,9 +18,11 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
+from typing import TypedDict, TypeVar
 
 from prismlm.errors import TaskError
+
+_T = TypeVar("_T")
 
 
 class MCExample(TypedDict):
@@ -37,6 +40,8 @@ class MCExample(TypedDict):
 
 
 TASKS = ("gutenberg_author", "sotu_era", "sotu_president", "fortune_source", "gutenberg_ending")
+EXTRA_TASKS = ("sotu_ending", "gutenberg_bible")
+"""Built on demand (``build_task``), not by ``build_tasks``: the controllers' extra candidates (bench/real_claims)."""
 SPLITS = ("train", "validation", "test")
 DEFAULT_CAPS = {"train": 400, "validation": 100, "test": 200}
 ERAS = [(1790, 1860, "1790-1860"), (1861, 1932, "1861-1932"), (1933, 1980, "1933-1980"), (1981, 2100, "1981-2026")]
@@ -71,7 +76,7 @@ def passages(text: str, lo: int = 150, hi: int = 400) -> list[str]:
     return out
 
 
-def _pick(items: list[str], n: int) -> list[str]:
+def _pick(items: list[_T], n: int) -> list[_T]:
     """n items evenly spread over the list (deterministic)."""
     if len(items) <= n:
         return items
@@ -169,6 +174,29 @@ def _gutenberg_ending_raw(per_doc: int = 6, ending_words: int = 12) -> Iterator[
             yield group, ex_id, " ".join(words[:half]), " ".join(words[half : half + ending_words])
 
 
+def _sotu_ending_raw(per_doc: int = 6, ending_words: int = 12) -> Iterator[tuple[str, str, str, str]]:
+    """(first half of a SOTU paragraph, its next ``ending_words`` words), as ``gutenberg_ending``."""
+    for group, ex_id, p, _president in _sotu_raw("president", per_doc):
+        words = p.removesuffix(" …").split()
+        half = len(words) // 2
+        if len(words) - half >= ending_words:
+            yield group, ex_id, " ".join(words[:half]), " ".join(words[half : half + ending_words])
+
+
+def _bible_raw(per_doc: int = 6) -> Iterator[tuple[str, str, str, str]]:
+    """Gutenberg passages labelled Yes (King James Bible) / No (any other book): as many No books as Bible
+    books, spread over the other books (deterministic)."""
+    from prismlm.data.corpus import gutenberg_documents
+
+    docs = [d for d in gutenberg_documents() if d.meta.get("author")]
+    bible = [d for d in docs if d.meta["author"] == "King James Bible"]
+    other = _pick([d for d in docs if d.meta["author"] != "King James Bible"], len(bible))
+    for doc in bible + other:
+        label = "Yes" if doc.meta["author"] == "King James Bible" else "No"
+        for j, p in enumerate(_pick(passages(doc.text), per_doc)):
+            yield doc.id, f"{doc.id}/p{j}", p, label
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """How one task is built."""
@@ -198,13 +226,17 @@ _BUILDERS: dict[str, TaskSpec] = {
     ),
     "fortune_source": TaskSpec(_fortune_raw, "Text: {passage}\nQuestion: Where does this text come from?\nAnswer:", 5),
     "gutenberg_ending": TaskSpec(_gutenberg_ending_raw, "{passage}", 4, answers_per_example=True),
+    "sotu_ending": TaskSpec(_sotu_ending_raw, "{passage}", 4, answers_per_example=True),
+    "gutenberg_bible": TaskSpec(
+        _bible_raw, "Passage: {passage}\nQuestion: Is this passage from the Bible?\nAnswer:", 2
+    ),
 }
 
 
 def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[MCExample]]:
     """All splits of one task, in memory (deterministic)."""
     if name not in _BUILDERS:
-        raise TaskError(f"unknown task {name!r}; choose from {list(TASKS)}")
+        raise TaskError(f"unknown task {name!r}; choose from {[*TASKS, *EXTRA_TASKS]}")
     return build_from_spec(_BUILDERS[name], caps)
 
 

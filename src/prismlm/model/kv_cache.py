@@ -26,6 +26,8 @@ class CacheLike(Protocol):
 
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
+    def batch_repeat_interleave(self, repeats: int) -> None: ...
+
 
 class KVCache:
     """Per-layer keys and values of every token processed so far.
@@ -97,6 +99,13 @@ class KVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of cached positions of layer ``layer_idx`` (0 when it holds nothing yet)."""
         return self._lengths[layer_idx] if layer_idx < len(self._lengths) else 0
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each batch row ``repeats`` times in place (as transformers' caches do): one prompt's keys
+        and values shared by ``repeats`` continuations scored as one batch."""
+        for layer, n in enumerate(self._lengths):
+            self._keys[layer] = self._keys[layer][:, :, :n].repeat_interleave(repeats, dim=0)
+            self._values[layer] = self._values[layer][:, :, :n].repeat_interleave(repeats, dim=0)
 
     def reset(self) -> None:
         """Drop every cached key and value (start a new sequence)."""

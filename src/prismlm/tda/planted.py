@@ -10,18 +10,44 @@ test is not a lexical match. Design: docs/attribution.md ("Planted facts").
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.data.tokenizer import Tokenizer
 
-__all__ = ["PlantedCorpus", "PlantedFact", "build_planted_corpus", "relevant_sequences", "retrieval_metrics"]
+
+class _HasLogits(Protocol):
+    @property
+    def logits(self) -> torch.Tensor: ...
+
+
+class LanguageModel(Protocol):
+    """Token ids (B, T) → an output with ``logits`` (B, T, V): a ``PrismLM`` or any causal LM."""
+
+    def __call__(self, x: torch.Tensor, /) -> _HasLogits: ...
+
+
+__all__ = [
+    "PlantedCorpus",
+    "PlantedFact",
+    "answer_accuracy",
+    "answer_logprobs",
+    "build_planted_corpus",
+    "chance_recall",
+    "planted_queries",
+    "relevant_sequences",
+    "retrieval_metrics",
+    "trim_planted",
+]
 
 # relation → (training sentence, paraphrased query prompts). The answer follows the prompt after a space.
 RELATIONS: dict[str, tuple[str, list[str]]] = {
@@ -218,6 +244,99 @@ def build_planted_corpus(
     pc = PlantedCorpus(out_dir / "corpus.jsonl", facts, dis)
     pc.save_facts()
     return pc
+
+
+def trim_planted(raw: PlantedCorpus, out: Path, chars: int) -> PlantedCorpus:
+    """``raw`` with each planted document cut to at most ``chars`` characters of filler (whole words) on each side
+    of its fact's sentence: the filler sentences are drawn whole from the background, some over 1,000
+    characters, and would make the corpus several times the size the fine-tune affords. Line numbers are kept;
+    the file is rewritten only when its content changes (a resumed fine-tune keeps its shards)."""
+    lines = raw.path.read_text().splitlines()
+    for f in raw.facts + raw.distractors:
+        for line in f.lines:
+            text = json.loads(lines[line - 1])["text"]
+            i = text.index(f.sentence)
+            j = i + len(f.sentence)
+            before = text[max(0, i - chars) : i]
+            after = text[j : j + chars]
+            before = before if i <= chars else before.split(" ", 1)[-1]  # drop the cut word
+            after = after if j + chars >= len(text) else after.rsplit(" ", 1)[0]
+            lines[line - 1] = json.dumps({"text": (before + f.sentence + after).strip()})
+    out.mkdir(parents=True, exist_ok=True)
+    body = "".join(x + "\n" for x in lines)
+    pc = PlantedCorpus(out / "corpus.jsonl", raw.facts, raw.distractors)
+    if not pc.path.exists() or pc.path.read_text() != body:
+        pc.path.write_text(body)
+    pc.save_facts()
+    return pc
+
+
+def planted_queries(pc: PlantedCorpus, tok: Tokenizer) -> tuple[list[tuple[list[int], int]], np.ndarray, np.ndarray]:
+    """Queries (token ids, measure_from): each fact's paraphrases (``PlantedCorpus.queries``) and its training
+    wording up to the answer (the verbatim control), the answer's tokens measured. Returns the queries, the fact
+    of each (Q,) and its kind (Q,) ``paraphrase`` / ``verbatim``."""
+    para, fact_of = pc.queries(tok)
+    verb: list[tuple[list[int], int]] = []
+    vfact: list[int] = []
+    for f_i, f in enumerate(pc.facts):
+        prompt = f.sentence[: f.sentence.index(f.answer)].rstrip(" ")
+        pid = [tok.eot_id] + tok.encode(prompt)
+        verb.append((pid + tok.encode(" " + f.answer), len(pid)))
+        vfact.append(f_i)
+    kind = np.array(["paraphrase"] * len(para) + ["verbatim"] * len(verb))
+    return para + verb, np.array(fact_of + vfact), kind
+
+
+def chance_recall(n: int, relevant: list[int], k: int) -> float:
+    """Expected recall@k of a random ranking: the mean over queries of 1 − C(n−r, k) / C(n, k) (r relevant);
+    1 when k ≥ n (the smoke size)."""
+    if k >= n:
+        return 1.0
+    return float(np.mean([1 - math.comb(n - r, k) / math.comb(n, k) for r in relevant if r]))
+
+
+def answer_logprobs(net: LanguageModel, prompt: list[int], answers: list[list[int]]) -> torch.Tensor:
+    """(A,) summed log-probabilities of each answer's tokens after ``prompt``, one padded batch."""
+    L = max(len(a) for a in answers)
+    x = torch.zeros(len(answers), len(prompt) + L, dtype=torch.long)
+    mask = torch.zeros(len(answers), len(prompt) + L - 1)
+    for i, a in enumerate(answers):
+        x[i, : len(prompt)] = torch.tensor(prompt)
+        x[i, len(prompt) : len(prompt) + len(a)] = torch.tensor(a)
+        mask[i, len(prompt) - 1 : len(prompt) - 1 + len(a)] = 1.0
+    with torch.no_grad():
+        logp = F.log_softmax(net(x[:, :-1]).logits.float(), -1)  # (A, L-1, V)
+    tgt = logp.gather(-1, x[:, 1:, None])[..., 0]  # (A, L-1)
+    return (tgt * mask).sum(1)
+
+
+def answer_accuracy(pc: PlantedCorpus, net: LanguageModel, tok: Tokenizer) -> dict[str, object]:
+    """Per fact and paraphrase: the correct answer's rank among the answers of every planted fact (facts and
+    distractors) of the same relation; top-1 accuracy, mean rank, chance level, and the answer's NLL."""
+    pool: dict[str, list[str]] = {}
+    for f in pc.facts + pc.distractors:
+        pool.setdefault(f.relation, []).append(f.answer)
+    ranks: list[int] = []
+    chance: list[float] = []
+    nll: list[float] = []
+    for f in pc.facts:
+        cands = pool[f.relation]
+        ans = [tok.encode(" " + a) for a in cands]
+        for q in f.queries:
+            lp = answer_logprobs(net, [tok.eot_id] + tok.encode(q), ans)
+            c = cands.index(f.answer)
+            ranks.append(int((lp > lp[c]).sum()) + 1)
+            chance.append(1.0 / len(cands))
+            nll.append(float(-lp[c]) / len(ans[c]))
+    r = np.array(ranks)
+    return {
+        "top1": float((r == 1).mean()),
+        "mean_rank": float(r.mean()),
+        "chance_top1": float(np.mean(chance)),
+        "candidates": {k: len(v) for k, v in pool.items()},
+        "answer_nll_per_token": float(np.mean(nll)),
+        "queries": len(r),
+    }
 
 
 def relevant_sequences(

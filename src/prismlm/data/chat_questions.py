@@ -1,7 +1,7 @@
-"""The chat questions of the ``explanations`` stage of ``bench/real_claims.py``: 200 varied one-turn questions
-in five kinds (facts, instructions and style, code, arithmetic, requests a chat model should refuse), 40
-each, fixed (no randomness), so every run asks the same ones. Short, so that the chat template (~30 tokens)
-plus the question plus ~24 answer tokens fit the retrofitted model's 128-token window.
+"""A fixed set of 200 one-turn chat questions in five kinds (facts, instructions and style, code, arithmetic,
+requests a chat model should refuse), 40 each, no randomness, so every run asks the same ones: the questions
+whose answers the explanations claim measures (``bench/real_claims.py --stage explanations``). Short, so that
+the chat template (~30 tokens), the question and ~24 answer tokens fit a 128-token window.
 """
 
 from __future__ import annotations

@@ -1,0 +1,229 @@
+"""The summary arithmetic of the paper's claims (``bench/real_claims.py``): from per-condition, per-task and
+per-method measurements to the published fields — suppression's table and best set, the controllers' mean gains,
+attribution's recall, MRR and cost ratios, and the explanations' logit and margin shares.
+
+Pure functions of JSON-like records (the stage files' own shapes), so each field can be checked by hand on a
+few fixed numbers (tests/test_claims_summaries.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
+
+import numpy as np
+import torch
+
+from prismlm.eval.faithfulness import ChoiceParts, choice_shares
+from prismlm.eval.stats import drop_ci, excess_drop, gap_ci, relative_drop
+
+Record = Mapping[str, object]
+"""One JSON-like record of a stage (a table row, a condition, a task row)."""
+
+
+def _num(v: object) -> float:
+    if not isinstance(v, (int, float)):
+        raise TypeError(f"expected a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _rec(v: object) -> Record:
+    if not isinstance(v, Mapping):
+        raise TypeError(f"expected a mapping, got {type(v).__name__}")
+    return v
+
+
+# ----- suppression ----------------------------------------------------------------------------------------------
+Scores = Mapping[str, Mapping[str, Mapping[str, np.ndarray]]]
+"""concept → judge → condition → (prompts,) mean judged score; ``<cond>/neutral`` on the neutral prompts."""
+
+
+def suppression_rows(
+    concepts: Iterable[str], recs: Mapping[str, Record], scores: Scores, K: int, n_boot: int, seed: int
+) -> list[dict[str, object]]:
+    """One row per (concept, condition) of that concept (its own sets, the random sets, before): per judge the
+    provocative and neutral score, the relative drop (``drop_ci``) and the drop of the excess over neutral; the
+    collateral (relative CE increase on neutral text, task accuracy change) and the relative CE increase on the
+    concept's own text. ``recs``: condition → {ids, ce_neutral, ce_<concept>, acc, acc_norm}, with ``before``."""
+    rows: list[dict[str, object]] = []
+    b = recs["before"]
+    for concept in concepts:
+        for cond, rec in recs.items():
+            if cond != "before" and not cond.startswith(("random@", f"{concept}@")):
+                continue
+            if cond not in scores[concept]["tfidf"]:  # a random set of a size this concept has no set of
+                continue
+            ids = rec["ids"]
+            n_ids = len(ids) if isinstance(ids, Sized) else 0
+            row: dict[str, object] = {"concept": concept, "condition": cond, "prototypes": n_ids}
+            row["bank_share"] = n_ids / K
+            for jn, per in scores[concept].items():
+                p0, p, n0 = per["before"], per[cond], per["before/neutral"]
+                row[f"{jn}_provocative"] = float(p.mean())
+                row[f"{jn}_neutral"] = float(per[f"{cond}/neutral"].mean())
+                row[f"{jn}_drop"] = float(relative_drop(p0.mean(), p.mean()))
+                row[f"{jn}_drop_ci95"] = drop_ci(p0, p, n_boot, seed) if cond != "before" else [0.0, 0.0]
+                row[f"{jn}_excess_drop"] = float(excess_drop(p0.mean(), p.mean(), n0.mean()))
+            row["ce_neutral"] = rec["ce_neutral"]
+            row["ce_neutral_rel_increase"] = _num(rec["ce_neutral"]) / _num(b["ce_neutral"]) - 1
+            row["ce_concept_rel_increase"] = _num(rec[f"ce_{concept}"]) / _num(b[f"ce_{concept}"]) - 1
+            row["task_acc"] = rec["acc"]
+            row["task_acc_change"] = _num(rec["acc"]) - _num(b["acc"])
+            row["task_acc_norm"] = rec["acc_norm"]
+            rows.append(row)
+    return rows
+
+
+def behaviour_gap(provocative: np.ndarray, neutral: np.ndarray, n_boot: int, seed: int) -> dict[str, object]:
+    """Does the model have the behaviour? The judged score on provocative minus neutral prompts (before any
+    suppression), with a 95% bootstrap interval (``gap_ci``); ``shown`` when the interval is above 0."""
+    p, n = provocative, neutral
+    ci = gap_ci(p, n, n_boot, seed)
+    return {"provocative": float(p.mean()), "neutral": float(n.mean()), "gap": float(p.mean() - n.mean()),
+            "gap_ci95": ci, "shown": ci[0] > 0}  # fmt: skip
+
+
+def best_suppression_row(
+    rows: Sequence[Record], shown: set[str], max_bank_share: float, max_collateral: float
+) -> Record | None:
+    """The concept set with the *largest* TF-IDF drop among those within the bank-share and collateral limits,
+    of a concept whose behaviour the model shows (of any concept if none shows it); None when none qualifies."""
+    ok = [
+        r
+        for r in rows
+        if not str(r["condition"]).startswith(("random@", "before"))
+        and (r["concept"] in shown or not shown)
+        and _num(r["prototypes"]) <= round(max_bank_share * _num(r["prototypes"]) / _num(r["bank_share"]))
+        and _num(r["ce_neutral_rel_increase"]) <= max_collateral
+    ]
+    return max(ok, key=lambda r: _num(r["tfidf_drop"]), default=None)
+
+
+def suppression_summary(
+    best: Record | None, behaviour: Mapping[str, Record], export_identical: object, goal_drop: float = 0.8
+) -> dict[str, object]:
+    """The issue's suppression fields from the best row (``best_suppression_row``)."""
+    return {
+        "suppression_best_drop": best["tfidf_drop"] if best else None,
+        "suppression_collateral": best["ce_neutral_rel_increase"] if best else None,
+        "suppression_bank_share": best["bank_share"] if best else None,
+        "suppression_best_concept": best["concept"] if best else None,
+        "suppression_best_drop_ci95": best["tfidf_drop_ci95"] if best else None,
+        "suppression_goal_met": bool(best and _num(best["tfidf_drop"]) >= goal_drop),
+        "suppression_export_identical": export_identical,
+        "suppression_behaviour_shown": {c: b["shown"] for c, b in behaviour.items()},
+    }
+
+
+# ----- controllers ----------------------------------------------------------------------------------------------
+def controller_summary(rows: Sequence[Record]) -> dict[str, object]:
+    """The issue's controller fields: mean accuracy differences over the kept tasks, in points (2 decimals).
+    Each row: ``base``/``choice_prior`` {acc}, ``prism``/``sae`` {test_after: {acc}, delta_acc}."""
+    if not rows:
+        return {"controller_tasks": 0}
+
+    def mean(f: Callable[[Record], float]) -> float:
+        return round(100 * sum(f(r) for r in rows) / len(rows), 2)
+
+    def acc(r: Record, side: str) -> float:
+        return _num(_rec(_rec(r[side])["test_after"])["acc"])
+
+    def plain(r: Record, part: str, key: str = "acc") -> float:
+        return _num(_rec(r[part])[key])
+
+    return {
+        "controller_tasks": len(rows),
+        "controller_gain_over_prior": mean(lambda r: acc(r, "prism") - plain(r, "choice_prior")),
+        "controller_minus_sae": mean(lambda r: acc(r, "prism") - acc(r, "sae")),
+        "controller_gain_over_base": mean(lambda r: plain(r, "prism", "delta_acc")),
+        "sae_gain_over_base": mean(lambda r: plain(r, "sae", "delta_acc")),
+        "sae_gain_over_prior": mean(lambda r: acc(r, "sae") - plain(r, "choice_prior")),
+        "prior_gain_over_base": mean(lambda r: plain(r, "choice_prior") - plain(r, "base")),
+    }
+
+
+# ----- attribution ----------------------------------------------------------------------------------------------
+def attribution_summary(planted: Mapping[str, Record], costs: Mapping[str, Record]) -> dict[str, object]:
+    """The issue's attribution fields: recall@10 and MRR per method and query part (``planted``: method → part →
+    {recall@10, mrr}), and each method's per-query cost over the cache's (``costs``: method → {per_query_s,
+    single_query_s}; > 1 means the method costs more). A method not run leaves its fields out."""
+
+    def metric(name: str, part: str, key: str) -> object:
+        return _rec(_rec(planted.get(name, {})).get(part, {})).get(key)
+
+    def r10(name: str, part: str = "all") -> object:
+        return metric(name, part, "recall@10")
+
+    def cost(name: str, key: str) -> float:
+        return _num(costs[name][key]) / _num(costs["cached"]["per_query_s"])
+
+    out: dict[str, object] = {
+        "recall10_cached": r10("cached"),
+        "recall10_cached_compact": r10("cached-compact"),
+        "recall10_cached_paraphrase": r10("cached", "paraphrase"),
+        "recall10_bm25_paraphrase": r10("bm25", "paraphrase"),
+        "mrr_cached": metric("cached", "all", "mrr"),
+        "mrr_cached_paraphrase": metric("cached", "paraphrase", "mrr"),
+        "mrr_bm25_paraphrase": metric("bm25", "paraphrase", "mrr"),
+        "recall10_bm25_prompt_paraphrase": r10("bm25-prompt", "paraphrase"),
+    }
+    hyb = [k for k in planted if k.startswith("hybrid")]
+    if hyb:
+        out["recall10_hybrid"] = r10(hyb[0])
+    for name in ("trak", "bergson"):
+        if name in planted:
+            out[f"recall10_{name}"] = r10(name)
+            out[f"recall10_{name}_paraphrase"] = r10(name, "paraphrase")
+            out[f"mrr_{name}"] = metric(name, "all", "mrr")
+            out[f"{name}_cost_over_cached"] = cost(name, "per_query_s")
+            out[f"{name}_single_query_cost_over_cached"] = cost(name, "single_query_s")
+    if "ekfac" in planted:
+        out["recall10_ekfac"] = r10("ekfac")
+        out["ekfac_cost_over_cached"] = cost("ekfac", "per_query_s")
+        out["ekfac_single_query_cost_over_cached"] = cost("ekfac", "single_query_s")
+        out["mrr_ekfac"] = metric("ekfac", "all", "mrr")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+# ----- explanations ---------------------------------------------------------------------------------------------
+PARTS = ChoiceParts._fields
+"""The columns of an answer's ``parts`` rows (one row per answer token): the fields of ``ChoiceParts``."""
+
+
+def per_token_shares(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """x (n, len(PARTS)) rows → each share of ``choice_shares``, (n,) per name."""
+    return choice_shares(ChoiceParts(*x.unbind(-1)))
+
+
+def logit_shares(parts: Sequence[Sequence[Sequence[float]]]) -> dict[str, object]:
+    """The logit and margin shares over answers (each a list of ``PARTS`` rows, one per answer token): per-token
+    shares averaged over each answer's tokens and then over the answers (``mean``), plus pooled sums (Σ S / Σ ℓ_y,
+    Σ ΔS / Σ margin: signed, so slices that push against the choice count against it) and distribution figures.
+    Answers without tokens are skipped."""
+    rows = [torch.tensor(p, dtype=torch.float64) for p in parts if p]
+    if not rows:
+        return {"tokens": 0, "answers": 0, "mean": {}, "pooled_fraction_slices": None, "max_abs_error": None}
+    per_answer = [per_token_shares(x) for x in rows]  # each: name → (n,)
+    names = list(per_answer[0])
+    mean = {k: round(statistics.fmean(float(a[k].mean()) for a in per_answer), 4) for k in names}
+    flat = {k: torch.cat([a[k] for a in per_answer]) for k in names}
+    allp = torch.cat(rows)  # (N, len(PARTS))
+    logit, S, A, R, Bb = (allp[:, i] for i in range(5))
+    margin, dS = logit - allp[:, 8], S - allp[:, 9]
+    return {
+        "answers": len(rows),
+        "tokens": int(allp.shape[0]),
+        "mean": mean,
+        "token_median": {k: round(float(v.median()), 4) for k, v in flat.items()},
+        "tokens_with_slices_over_half": round(float((flat["abs_share_slices"] > 0.5).double().mean()), 4),
+        "pooled_fraction_slices": round(float(S.sum() / logit.sum()), 4),
+        "pooled_fraction_residual": round(float(R.sum() / logit.sum()), 4),
+        "pooled_margin_fraction_slices": round(float(dS.sum() / margin.sum()), 4),
+        "mean_margin": round(float(margin.mean()), 3),
+        "mean_logit": round(float(logit.mean()), 3),
+        "mean_abs_slices": round(float(S.abs().mean()), 3),
+        "mean_gross_abs_slices": round(float(A.mean()), 3),
+        "mean_abs_residual": round(float(R.abs().mean()), 3),
+        "max_abs_bias": float(Bb.abs().max()),
+        "max_abs_error": float((S + R + Bb - logit).abs().max()),
+    }

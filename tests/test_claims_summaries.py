@@ -1,0 +1,160 @@
+"""The claims' summary arithmetic (prismlm.eval.claims) on small fixed inputs worked out by hand: the best
+suppression set is the one with the *largest* drop within the limits, cost ratios are method ÷ cache, the pooled
+margin share is signed, the controllers' gains are means in points."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from prismlm.eval.claims import (
+    PARTS,
+    attribution_summary,
+    behaviour_gap,
+    best_suppression_row,
+    controller_summary,
+    logit_shares,
+    suppression_rows,
+    suppression_summary,
+)
+
+
+def _row(concept: str, cond: str, drop: float, collateral: float, n: int = 8, K: int = 400) -> dict[str, object]:
+    return {
+        "concept": concept,
+        "condition": cond,
+        "prototypes": n,
+        "bank_share": n / K,
+        "tfidf_drop": drop,
+        "tfidf_drop_ci95": [drop - 0.1, drop + 0.1],
+        "ce_neutral_rel_increase": collateral,
+    }
+
+
+ROWS = [
+    _row("kjv", "before", 0.0, 0.0, n=0),
+    _row("kjv", "kjv@8", 0.10, 0.001),
+    _row("kjv", "kjv@4", 0.50, 0.002, n=4),
+    _row("kjv", "kjv@6", 0.30, 0.0, n=6),
+    _row("kjv", "kjv@16", 0.90, 0.5, n=16),  # over the 1% collateral limit
+    _row("kjv", "kjv@40", 0.95, 0.0, n=40),  # over 2% of the bank (8 of 400)
+    _row("kjv", "random@8", 0.99, 0.0),  # a control, never the best set
+    _row("sotu", "sotu@8", 0.70, 0.0),  # a concept the model does not show
+]
+
+
+def test_best_suppression_row_is_the_largest_drop_within_the_limits():
+    best = best_suppression_row(ROWS, {"kjv"}, max_bank_share=0.02, max_collateral=0.01)
+    assert best is not None and best["condition"] == "kjv@4"
+    # with no concept shown, any concept's sets compete
+    best = best_suppression_row(ROWS, set(), max_bank_share=0.02, max_collateral=0.01)
+    assert best is not None and best["condition"] == "sotu@8"
+    assert best_suppression_row(ROWS[:1], {"kjv"}, 0.02, 0.01) is None
+
+
+def test_suppression_summary_fields():
+    best = best_suppression_row(ROWS, {"kjv"}, max_bank_share=0.02, max_collateral=0.01)
+    s = suppression_summary(best, {"kjv": {"shown": True}, "sotu": {"shown": False}}, True)
+    assert s["suppression_best_drop"] == 0.50 and s["suppression_collateral"] == 0.002
+    assert s["suppression_bank_share"] == 4 / 400 and s["suppression_best_concept"] == "kjv"
+    assert s["suppression_best_drop_ci95"] == [0.4, 0.6] and s["suppression_goal_met"] is False
+    assert s["suppression_behaviour_shown"] == {"kjv": True, "sotu": False}
+    assert suppression_summary(_row("kjv", "kjv@4", 0.85, 0.0), {}, False)["suppression_goal_met"] is True
+    assert suppression_summary(None, {}, None)["suppression_best_drop"] is None
+
+
+def test_suppression_rows_drops_and_collateral():
+    recs = {
+        "before": {"ids": [], "ce_neutral": 2.0, "ce_kjv": 4.0, "acc": 0.5, "acc_norm": 0.4},
+        "kjv@2": {"ids": [3, 7], "ce_neutral": 2.02, "ce_kjv": 5.0, "acc": 0.45, "acc_norm": 0.4},
+        "random@2": {"ids": [1, 9], "ce_neutral": 2.0, "ce_kjv": 4.0, "acc": 0.5, "acc_norm": 0.4},
+        "random@5": {"ids": [1, 2, 3, 4, 5], "ce_neutral": 2.0, "ce_kjv": 4.0, "acc": 0.5, "acc_norm": 0.4},
+    }
+    per = {
+        "before": np.array([0.4, 0.4]),
+        "before/neutral": np.array([0.1, 0.1]),
+        "kjv@2": np.array([0.3, 0.1]),  # mean 0.2
+        "kjv@2/neutral": np.array([0.1, 0.1]),
+        "random@2": np.array([0.4, 0.4]),
+        "random@2/neutral": np.array([0.1, 0.1]),
+    }  # no random@5 scores: that control has no set of its size here, so it gets no row
+    rows = suppression_rows(["kjv"], recs, {"kjv": {"tfidf": per}}, K=100, n_boot=50, seed=0)
+    by = {r["condition"]: r for r in rows}
+    assert set(by) == {"before", "kjv@2", "random@2"}
+    r = by["kjv@2"]
+    assert r["tfidf_drop"] == pytest.approx(0.5)  # 1 − 0.2 / 0.4
+    assert r["tfidf_excess_drop"] == pytest.approx(1 - (0.2 - 0.1) / (0.4 - 0.1))
+    assert r["tfidf_provocative"] == pytest.approx(0.2) and r["tfidf_neutral"] == pytest.approx(0.1)
+    assert r["ce_neutral_rel_increase"] == pytest.approx(0.01) and r["ce_concept_rel_increase"] == pytest.approx(0.25)
+    assert r["task_acc_change"] == pytest.approx(-0.05) and r["bank_share"] == 0.02 and r["prototypes"] == 2
+    assert by["before"]["tfidf_drop_ci95"] == [0.0, 0.0] and by["random@2"]["tfidf_drop"] == pytest.approx(0.0)
+
+
+def test_behaviour_gap_is_shown_only_when_its_interval_is_above_zero():
+    g = behaviour_gap(np.array([0.5, 0.6, 0.55, 0.5]), np.array([0.1, 0.2, 0.15]), n_boot=200, seed=0)
+    assert g["gap"] == pytest.approx(0.5375 - 0.15) and g["shown"] is True
+    g = behaviour_gap(np.array([0.1, 0.5, 0.1, 0.5]), np.array([0.1, 0.5, 0.3]), n_boot=200, seed=0)
+    assert g["shown"] is False
+
+
+def test_attribution_cost_ratios_are_method_over_cache():
+    planted = {
+        name: {"all": {"recall@10": r, "mrr": m}, "paraphrase": {"recall@10": r / 2, "mrr": m / 2}}
+        for name, r, m in [("cached", 0.9, 0.8), ("bm25", 1.0, 0.7), ("ekfac", 0.8, 0.6), ("trak", 0.7, 0.5)]
+    }
+    costs = {
+        "cached": {"per_query_s": 0.5, "single_query_s": 0.5},
+        "ekfac": {"per_query_s": 3.5, "single_query_s": 64.0},
+        "trak": {"per_query_s": 1.0, "single_query_s": 10.0},
+    }
+    s = attribution_summary(planted, costs)
+    assert s["ekfac_cost_over_cached"] == pytest.approx(7.0)  # EK-FAC costs 7× the cache
+    assert s["ekfac_single_query_cost_over_cached"] == pytest.approx(128.0)
+    assert s["trak_cost_over_cached"] == pytest.approx(2.0) and s["trak_single_query_cost_over_cached"] == 20.0
+    assert s["recall10_cached"] == 0.9 and s["mrr_ekfac"] == 0.6 and s["recall10_bm25_paraphrase"] == 0.5
+    assert s["mrr_cached_paraphrase"] == 0.4 and s["recall10_trak_paraphrase"] == 0.35
+    assert "recall10_bergson" not in s and "recall10_hybrid" not in s and "recall10_cached_compact" not in s
+
+
+def test_controller_summary_means_in_points():
+    rows = [
+        {"base": {"acc": 0.50}, "choice_prior": {"acc": 0.55}, "prism": {"test_after": {"acc": 0.60}, "delta_acc": 0.10},
+         "sae": {"test_after": {"acc": 0.52}, "delta_acc": 0.02}},
+        {"base": {"acc": 0.70}, "choice_prior": {"acc": 0.72}, "prism": {"test_after": {"acc": 0.70}, "delta_acc": 0.0},
+         "sae": {"test_after": {"acc": 0.74}, "delta_acc": 0.04}},
+    ]  # fmt: skip
+    s = controller_summary(rows)
+    assert s["controller_tasks"] == 2
+    assert s["controller_gain_over_prior"] == pytest.approx(100 * (0.05 - 0.02) / 2)
+    assert s["controller_minus_sae"] == pytest.approx(100 * (0.08 - 0.04) / 2)
+    assert s["controller_gain_over_base"] == pytest.approx(5.0) and s["sae_gain_over_base"] == pytest.approx(3.0)
+    assert s["sae_gain_over_prior"] == pytest.approx(100 * (-0.03 + 0.02) / 2)
+    assert s["prior_gain_over_base"] == pytest.approx(100 * (0.05 + 0.02) / 2)
+    assert controller_summary([]) == {"controller_tasks": 0}
+
+
+def _parts(logit, S, R, runner_logit, runner_S, abs_slices=None):
+    """One PARTS row: bias 0, the yardstick parts 0, runner-up bias 0."""
+    vals = dict.fromkeys(PARTS, 0.0)
+    vals.update(logit=logit, slices=S, abs_slices=abs(S) if abs_slices is None else abs_slices, residual=R,
+                top_slice=abs(S), runner_up_logit=runner_logit, runner_up_slices=runner_S)  # fmt: skip
+    return [vals[k] for k in PARTS]
+
+
+def test_logit_shares_pooled_and_signed():
+    answers = [
+        [_parts(5.0, 3.0, 2.0, 2.0, 1.0), _parts(4.0, 1.0, 3.0, 3.0, 2.0)],  # margins 3, 1; ΔS = 2, −1
+        [_parts(2.0, -1.0, 3.0, 1.0, 0.0)],  # margin 1, ΔS = −1
+        [],  # an answer without tokens is skipped
+    ]
+    s = logit_shares(answers)
+    assert s["answers"] == 2 and s["tokens"] == 3
+    assert s["pooled_margin_fraction_slices"] == pytest.approx((2 - 1 - 1) / (3 + 1 + 1))  # signed ΔS
+    assert s["pooled_fraction_slices"] == pytest.approx((3 + 1 - 1) / (5 + 4 + 2), abs=1e-4)
+    assert s["pooled_fraction_residual"] == pytest.approx((2 + 3 + 3) / 11, abs=1e-4)
+    # per answer then over answers: |S| / (|S| + |R|) = (3/5 + 1/4) / 2 for the first, 1/4 for the second
+    assert s["mean"]["abs_share_slices"] == pytest.approx(round(((3 / 5 + 1 / 4) / 2 + 1 / 4) / 2, 4))
+    # margin |ΔS| / (|ΔS| + |ΔR|): ΔR = margin − ΔS → 2/3, 1/3; then 1/3
+    assert s["mean"]["margin_abs_share_slices"] == pytest.approx(round(((2 / 3 + 1 / 3) / 2 + 1 / 3) / 2, 4))
+    assert s["max_abs_error"] == pytest.approx(0.0) and s["mean_margin"] == pytest.approx(5 / 3, abs=1e-3)
+    assert logit_shares([[]])["tokens"] == 0
