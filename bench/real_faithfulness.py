@@ -406,6 +406,7 @@ def summary_main(args: argparse.Namespace) -> None:
     summary["recipe"] = {
         "coefficients": "relu(cos) (the paper's)", "prototypes": args.prototypes, "top_k": args.top_k,
         "objective": f"REC + 0.5 R1 + 0.5 R2 + {args.alpha:g} KL(p || softmax(W z_hat))",
+        "kl_candidates": args.kl_candidates,
         "anchor": f"builtin:gutenberg+sotu+chat, {ANCHOR}", "stage2": f"last-{args.last}, block lr {args.block_lr:g}, "
         f"KL to the source + {args.alpha:g} prototype KL",
     }  # fmt: skip
