@@ -3,9 +3,9 @@ on planted facts (``prismlm.tda.planted``) among neutral documents, then recall@
 sequences for the prototype cache (default and compact), the hybrid, EK-FAC, TRAK, bergson and BM25, and each
 method's per-query cost over the cache's (``prismlm.eval.claims.attribution_summary``).
 
-Run: ``python bench/real_claims.py --stage attribution [--quick]`` (``BERGSON_PYTHON``: bergson's own venv).
-The protocol in full: docs/results.md ("How bench/real_claims.py measures"). Each method's scores are saved
-under the stage folder and reused.
+Run: ``python bench/claims_attribution.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
+attribution``; ``BERGSON_PYTHON``: bergson's own venv). The protocol in full: docs/results.md ("How
+bench/real_claims.py measures"). Each method's scores are saved under the stage folder and reused.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _claims_common import ClaimsContext, has_checkpoint
+from _common import ClaimsContext, has_checkpoint, run_claims_stage
 
 from prismlm.app.demos import DEMO_MODEL
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
@@ -470,3 +470,11 @@ class Methods:
             **secs,
         }
         self.save("bergson", S, cost)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_claims_stage("attribution", attribution_stage, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()

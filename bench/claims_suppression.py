@@ -5,9 +5,9 @@ SmolLM2-135M-Instruct; judged behaviour on provocative vs neutral prompts (TF-ID
 ``prism export --suppress`` check under plain transformers. Rows, drops and the best set:
 ``prismlm.eval.claims``.
 
-Run: ``python bench/real_claims.py --stage suppression [--quick]``. The protocol in full: docs/results.md
-("How bench/real_claims.py measures"). Resumable: conditions, concept searches and the head cache are stored
-under ``WORK/suppression``.
+Run: ``python bench/claims_suppression.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
+suppression``). The protocol in full: docs/results.md ("How bench/real_claims.py measures"). Resumable:
+conditions, concept searches and the head cache are stored under ``WORK/suppression``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _claims_common import KJV_ID, ClaimsContext, kjv_anchor_documents
+from _common import KJV_ID, ClaimsContext, kjv_anchor_documents, run_claims_stage
 
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept
 from prismlm.control.concept_specs import BUDGET_SHARES, NEUTRAL_PROMPTS, ConceptSpec, offensive_spec, sotu_spec
@@ -637,3 +637,11 @@ def examples(recs: dict[str, dict], prompts: Prompts, best: dict | None) -> dict
         for c in conds
         if c in recs
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_claims_stage("suppression", suppression_stage, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,9 +3,9 @@ SmolLM2-135M-Instruct, each answer token's logit split exactly into prototype sl
 (ℓ_y = S + R + B), the shares of the logit and of the greedy margin they carry (``prismlm.eval.claims``) beside
 fixed-subspace yardsticks, and four explained answers as HTML and explorer screenshots.
 
-Run: ``python bench/real_claims.py --stage explanations [--quick]``. The definitions and the protocol:
-docs/results.md ("How bench/real_claims.py measures"). Resumable: answers are cached batch by batch in
-``WORK/explanations/answers[-quick].jsonl``.
+Run: ``python bench/claims_explanations.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
+explanations``). The definitions and the protocol: docs/results.md ("How bench/real_claims.py measures").
+Resumable: answers are cached batch by batch in ``WORK/explanations/answers[-quick].jsonl``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _claims_common import ClaimsContext
+from _common import ClaimsContext, run_claims_stage
 
 from prismlm.app.chat import chat_prompt
 from prismlm.app.operations import ExplanationRequest, explain_text
@@ -348,3 +348,11 @@ def screenshots(ctx: ClaimsContext, run: Run, showcase: list[dict], out_dir: Pat
         ctx.log(f"explanations: screenshots failed: {e!r}")
         return f"screenshots failed: {e!r}"
     return [rel(p) for p in paths]
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_claims_stage("explanations", explanation_stage, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()

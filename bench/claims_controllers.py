@@ -4,9 +4,9 @@ stored z) on the same frozen hidden states, on multiple-choice tasks screened on
 vs chance), fitted on train with λ chosen on validation (``prismlm.control.surrogate``), reported on test with
 the choice prior, McNemar p and bootstrap intervals (``prismlm.eval.stats``; summary: ``prismlm.eval.claims``).
 
-Run: ``python bench/real_claims.py --stage controllers [--quick]``. The protocol in full: docs/results.md
-("How bench/real_claims.py measures"). Features, the SAE and finished tasks are cached under
-``WORK/controllers``, so the stage resumes.
+Run: ``python bench/claims_controllers.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
+controllers``). The protocol in full: docs/results.md ("How bench/real_claims.py measures"). Features, the
+SAE and finished tasks are cached under ``WORK/controllers``, so the stage resumes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _claims_common import ClaimsContext
+from _common import ClaimsContext, run_claims_stage
 
 from prismlm.control.controller import (
     ControlFeatures,
@@ -370,3 +370,11 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
         },
         "stage_seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_claims_stage("controllers", controller_stage, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()
