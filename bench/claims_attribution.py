@@ -120,7 +120,7 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     methods.run_all()
     planted = {
         name: {
-            "all": retrieval_metrics(S, fact_of, relevant, k=10),
+            "all": retrieval_metrics(S, fact_of.tolist(), relevant, k=10),
             "paraphrase": retrieval_metrics(S[kind == "paraphrase"], fact_of[kind == "paraphrase"].tolist(), relevant),
             "verbatim": retrieval_metrics(S[kind == "verbatim"], fact_of[kind == "verbatim"].tolist(), relevant),
         }

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import ClaimsContext, run_claims_stage
+from _common import ClaimsContext, obj, run_claims_stage
 
 from prismlm.app.chat import chat_prompt
 from prismlm.app.operations import ExplanationRequest, explain_text
@@ -72,19 +72,20 @@ def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
     by_kind = {
         k: logit_shares([r["parts"] for r in records if r["kind"] == k])["mean"] for k in {r["kind"] for r in records}
     }
+    mean = obj(shares, "mean")
     summary = {
         "explained_answers": len(records),
         "answer_tokens": shares["tokens"],
-        "logit_share_slices_abs": shares["mean"]["abs_share_slices"],
-        "logit_share_residual_abs": shares["mean"]["abs_share_residual"],
-        "logit_share_bias_abs": shares["mean"]["abs_share_bias"],
-        "logit_share_slices_gross": shares["mean"]["gross_share_slices"],
-        "logit_fraction_slices_signed": shares["mean"]["signed_fraction_slices"],
+        "logit_share_slices_abs": mean["abs_share_slices"],
+        "logit_share_residual_abs": mean["abs_share_residual"],
+        "logit_share_bias_abs": mean["abs_share_bias"],
+        "logit_share_slices_gross": mean["gross_share_slices"],
+        "logit_fraction_slices_signed": mean["signed_fraction_slices"],
         "logit_fraction_slices_pooled": shares["pooled_fraction_slices"],
         "logit_identity_max_abs_error": shares["max_abs_error"],
-        "logit_share_mean_direction_abs": shares["mean"]["ref_abs_share_mean_direction"],
-        "logit_share_pca_subspace_abs": shares["mean"]["ref_abs_share_pca_subspace"],
-        "margin_share_slices_abs": shares["mean"]["margin_abs_share_slices"],
+        "logit_share_mean_direction_abs": mean["ref_abs_share_mean_direction"],
+        "logit_share_pca_subspace_abs": mean["ref_abs_share_pca_subspace"],
+        "margin_share_slices_abs": mean["margin_abs_share_slices"],
         "margin_fraction_slices_pooled": shares["pooled_margin_fraction_slices"],
         "explanation_html": [s["html"] for s in showcase],
         "explanation_screenshots": shots,

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
@@ -562,6 +563,7 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
     size = SIZES["quick" if ctx.quick else "full"]
     t0 = time.perf_counter()
     run = ctx.open_run(suppress="none")
+    assert run.model.prototypes is not None, "the bank's model is retrofitted"
     K = run.model.prototypes.num_prototypes
     specs = concept_specs(ctx, size)
     sets = concept_sets(ctx, run, specs, K)
@@ -624,7 +626,9 @@ def judge_info(spec: ConceptSpec) -> dict[str, dict[str, object]]:
     }
 
 
-def examples(recs: dict[str, dict], prompts: Prompts, best: dict | None) -> dict[str, list[dict[str, str]]]:
+def examples(
+    recs: dict[str, dict], prompts: Prompts, best: Mapping[str, object] | None
+) -> dict[str, list[dict[str, str]]]:
     """The first sample of a few prompts, before and under the best set and its random control."""
     concept = str(best["concept"]) if best else "offensive"
     conds = ["before"] + ([str(best["condition"]), f"random@{best['prototypes']}"] if best else [])
