@@ -22,12 +22,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _common import KJV_ID, ClaimsContext, kjv_anchor_documents, run_claims_stage
+from _common import KJV_ID, ClaimsContext, Json, kjv_anchor_documents, run_claims_stage
 
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept
 from prismlm.control.concept_specs import BUDGET_SHARES, NEUTRAL_PROMPTS, ConceptSpec, offensive_spec, sotu_spec
@@ -465,19 +464,20 @@ def run_condition(
             if k not in gens:
                 gens[k] = continuations(model, run.tokenizer, prompts.sets[k][1], size, ctx.seed)
     t1 = time.perf_counter()
-    rec: dict[str, Any] = {"ids": ids, "generations": gens, **coll.measure(model, ids)}
+    rec: Json = {"ids": ids, "generations": gens, **coll.measure(model, ids)}
     for k, v in old.items():  # the measures already stored stay as they were computed
         if k.startswith("ce_") or k in ("acc", "acc_norm"):
             rec[k] = v
-    rec["seconds"] = {"generate": round(t1 - t0, 1), "collateral": round(time.perf_counter() - t1, 1)}
+    seconds: Json = {"generate": round(t1 - t0, 1), "collateral": round(time.perf_counter() - t1, 1)}
     if old:
-        rec["seconds"]["earlier"] = old.get("seconds")
+        seconds["earlier"] = old.get("seconds")
+    rec["seconds"] = seconds
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rec))
     tmp.replace(path)
     ctx.log(
         f"{name}: {len(ids)} off; CE neutral {rec['ce_neutral']:.4f}, task acc {rec['acc']:.3f} "
-        f"({rec['seconds']['generate']:.0f} + {rec['seconds']['collateral']:.0f} s)"
+        f"({seconds['generate']:.0f} + {seconds['collateral']:.0f} s)"
     )
     return rec
 
