@@ -23,7 +23,6 @@ import torch
 
 from prismlm.app.run import Run
 from prismlm.control.judges import FortuneSplits, fortune_splits
-from prismlm.data.corpus import Document, gutenberg_documents
 from prismlm.errors import CheckpointError
 from prismlm.tda.planted import PlantedCorpus, build_planted_corpus
 from prismlm.train.checkpoint import find_checkpoint
@@ -266,12 +265,6 @@ def ensure_cpu_small_run(path: str | Path = CPU_SMALL_RUN) -> Path:
 # ----- the claims benches (bench/real_claims.py and its stage scripts bench/claims_<stage>.py) --------------
 CLAIMS_STAGES = ("bank", "suppression", "controllers", "attribution", "explanations")
 """The stages of ``real_claims.py``, in dependency order; stage S is the script ``bench/claims_S.py``."""
-KJV_ID = "gutenberg/bible-kjv"
-"""Document-id prefix of the King James Bible in ``gutenberg_documents()`` (94 documents of ~8k characters)."""
-KJV_ANCHOR_STRIDES = (3, 5)
-"""``kjv.jsonl`` draws the KJV documents whose position j in ``gutenberg_documents()`` has j % 7 in these (the
-Gutenberg file takes j % 7 == 0, the held-out documents j % 7 == 1), so the anchor, judge and held-out KJV
-text never overlap."""
 
 
 @dataclass(frozen=True)
@@ -354,13 +347,6 @@ def has_checkpoint(folder: Path) -> bool:
     except CheckpointError:
         return False
     return True
-
-
-def kjv_anchor_documents(n: int) -> list[Document]:
-    """The first ``n`` King James Bible documents of ``kjv.jsonl`` (positions j % 7 in
-    ``KJV_ANCHOR_STRIDES``), in corpus order."""
-    docs = enumerate(gutenberg_documents())
-    return [d for j, d in docs if j % 7 in KJV_ANCHOR_STRIDES and d.id.startswith(KJV_ID)][:n]
 
 
 def claims_args(stage: str, description: str | None, argv: list[str] | None = None) -> argparse.Namespace:

@@ -9,40 +9,32 @@ the retrofit resumes its z pass, the index its parts, under ``WORK/bank``.
 from __future__ import annotations
 
 import json
-import random
 import time
-from itertools import islice
 
 import torch
-from _common import ClaimsContext, Json, has_checkpoint, kjv_anchor_documents, run_claims_stage
+from _common import ClaimsContext, Json, has_checkpoint, run_claims_stage
 
 from prismlm.app.demos import DEMO_MODEL
 from prismlm.app.indexing import build_run_index
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
-from prismlm.data.corpus import gutenberg_documents, sotu_documents
+from prismlm.control.anchor_corpus import anchor_corpus, write_text_files
 
 
 def write_corpus(ctx: ClaimsContext) -> dict[str, int]:
-    """The anchor corpus: Gutenberg and SOTU documents (every n-th, so many books and presidents appear), a
-    random subset of the LM split of the clean and the offensive fortunes, and King James Bible documents
-    (``kjv_anchor_documents``). Returns documents per file."""
-    size, rng = ctx.size, random.Random(ctx.seed)
-    fs = ctx.fortunes()
-    gutenberg = [d.text[: size.chars_per_doc] for d in islice(gutenberg_documents(), 0, None, 7)]
-    sotu = [d.text[: size.chars_per_doc] for d in islice(sotu_documents(), 0, None, 3)]
-    texts = {
-        "gutenberg.jsonl": rng.sample(gutenberg, min(size.gutenberg_docs, len(gutenberg))),
-        "sotu.jsonl": rng.sample(sotu, min(size.sotu_docs, len(sotu))),
-        "fortunes_clean.jsonl": rng.sample(fs.lm_clean, min(size.clean_fortunes, len(fs.lm_clean))),
-        "fortunes_offensive.jsonl": rng.sample(fs.lm_offensive, min(size.offensive_fortunes, len(fs.lm_offensive))),
-        "kjv.jsonl": [d.text[: size.chars_per_doc] for d in kjv_anchor_documents(size.kjv_docs)],
-    }
-    ctx.corpus_dir.mkdir(parents=True, exist_ok=True)
-    for name, docs in texts.items():
-        tmp = ctx.corpus_dir / (name + ".tmp")
-        tmp.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-        tmp.replace(ctx.corpus_dir / name)
-    return {name: len(docs) for name, docs in texts.items()}
+    """The anchor corpus (``prismlm.control.anchor_corpus``) at ``ctx``'s size under ``ctx.corpus_dir``;
+    documents per file."""
+    s = ctx.size
+    texts = anchor_corpus(
+        ctx.fortunes(),
+        gutenberg_docs=s.gutenberg_docs,
+        sotu_docs=s.sotu_docs,
+        clean_fortunes=s.clean_fortunes,
+        offensive_fortunes=s.offensive_fortunes,
+        kjv_docs=s.kjv_docs,
+        chars_per_doc=s.chars_per_doc,
+        seed=ctx.seed,
+    )
+    return write_text_files(ctx.corpus_dir, texts)
 
 
 def bank_stage(ctx: ClaimsContext) -> Json:

@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _common import KJV_ID, ClaimsContext, Json, kjv_anchor_documents, run_claims_stage
+from _common import ClaimsContext, Json, run_claims_stage
 
+from prismlm.control.anchor_corpus import KJV_ID, kjv_anchor_documents
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept
 from prismlm.control.concept_specs import BUDGET_SHARES, NEUTRAL_PROMPTS, ConceptSpec, offensive_spec, sotu_spec
 from prismlm.control.judges import TfidfJudge
