@@ -1,5 +1,5 @@
 """Helpers shared by the benchmark scripts: results paths, the ``--set`` option, profiles, environment info,
-timing and memory readings, JSON output.
+timing and memory readings, JSON output; the claims stages' context and options (``real_claims.py``).
 
 Not a public API; the scripts import it as a sibling module (``python bench/x.py`` puts ``bench/`` on
 ``sys.path``). The one module a script imports besides ``prismlm`` (tests/test_architecture.py).
@@ -15,12 +15,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar, cast
 
 import torch
 
+from prismlm.app.run import Run
+from prismlm.control.judges import FortuneSplits, fortune_splits
+from prismlm.errors import CheckpointError
 from prismlm.tda.planted import PlantedCorpus, build_planted_corpus
+from prismlm.train.checkpoint import find_checkpoint
 from prismlm.train.distributed import DistInfo
 from prismlm.train.records import environment_info
 
@@ -255,3 +260,132 @@ def ensure_cpu_small_run(path: str | Path = CPU_SMALL_RUN) -> Path:
         )
         train_from_options(ConfigChoice(preset="cpu-small"), out=path, progress=False)
     return path
+
+
+# ----- the claims benches (bench/real_claims.py and its stage scripts bench/claims_<stage>.py) --------------
+CLAIMS_STAGES = ("bank", "suppression", "controllers", "attribution", "explanations")
+"""The stages of ``real_claims.py``, in dependency order; stage S is the script ``bench/claims_S.py``."""
+
+
+@dataclass(frozen=True)
+class BankSize:
+    """How big the anchor corpus and the bank are (``--quick``: a smoke size)."""
+
+    gutenberg_docs: int
+    sotu_docs: int
+    clean_fortunes: int
+    offensive_fortunes: int
+    kjv_docs: int
+    """King James Bible documents of ``kjv.jsonl`` (the style concept the model clearly shows)."""
+    chars_per_doc: int
+    prototypes: int
+    top_k: int
+    steps: int
+    block_size: int
+
+
+BANK_SIZES = {
+    # Why these counts: the concept must be a sizeable share of the anchor tokens or no prototype
+    # specialises on it (bench/suppression.py), and the one z pass over them costs ~250 tokens/s here.
+    # kjv_docs: the KJV documents the every-7th Gutenberg draw happens to hold are ~2.5% of the anchor
+    # tokens, too few for a strong cut of the judged style; 24 documents make it ~12% (docs/results.md,
+    # "Suppression").
+    "quick": BankSize(8, 8, 120, 60, 3, 1500, 256, 8, 40, 128),
+    "full": BankSize(40, 40, 1200, 600, 24, 3000, 2048, 8, 400, 128),
+}
+
+
+@dataclass
+class ClaimsContext:
+    """What every stage of ``real_claims.py`` gets."""
+
+    quick: bool
+    threads: int
+    work: Path
+    """``bench/runs/real-claims[-quick]``: each stage writes under ``work / <stage>``; ``work / bank / run``
+    is the retrofitted model (built by the ``bank`` stage)."""
+    seed: int = 0
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def size(self) -> BankSize:
+        return BANK_SIZES["quick" if self.quick else "full"]
+
+    def stage_dir(self, name: str) -> Path:
+        d = self.work / name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    @property
+    def corpus_dir(self) -> Path:
+        """The anchor corpus (one jsonl per source, written by the ``bank`` stage)."""
+        return self.work / "bank" / "corpus"
+
+    @property
+    def bank_run(self) -> Path:
+        """The retrofitted model's run folder."""
+        return self.work / "bank" / "run"
+
+    def open_run(self, suppress: str | Path | None = None) -> Run:
+        """The retrofitted model (``bank`` stage first), on ``device``."""
+        if not has_checkpoint(self.bank_run):
+            sys.exit(f"[real-claims] {self.bank_run} holds no model yet: run the bank stage first (claims_bank.py)")
+        return Run.open(self.bank_run, device=self.device, suppress=suppress)
+
+    def fortunes(self) -> FortuneSplits:
+        """The FreeBSD fortunes, split: the LM split feeds the anchor corpus, the judge split never does."""
+        return fortune_splits()
+
+    def log(self, message: str) -> None:
+        print(f"[real-claims] {message}", file=sys.stderr, flush=True)
+
+
+def has_checkpoint(folder: Path) -> bool:
+    try:
+        find_checkpoint(folder)
+    except CheckpointError:
+        return False
+    return True
+
+
+def claims_args(stage: str, description: str | None, argv: list[str] | None = None) -> argparse.Namespace:
+    """The options every claims stage script takes (``real_claims.py`` passes its own to each)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the CI smoke size")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default bench/runs/real-claims[-quick])")
+    ap.add_argument("--out", type=Path, default=None, help=f"default bench/results/real-claims[-quick]-{stage}.json")
+    ap.add_argument(
+        "--environment",
+        default=None,
+        metavar="JSON",
+        help="the run's environment record (real_claims.py reads it once, before any stage writes into the "
+        "tracked bench/results, so that later stages do not record a '-dirty' revision); default: read now",
+    )
+    return ap.parse_args(argv)
+
+
+def claims_work(quick: bool, work: Path | None) -> Path:
+    """The claims' scratch folder: ``work``, or ``bench/runs/real-claims[-quick]``."""
+    return work or RUNS_DIR / f"real-claims{'-quick' if quick else ''}"
+
+
+def run_claims_stage(
+    stage: str, fn: Callable[[ClaimsContext], Json], description: str | None, argv: list[str] | None = None
+) -> Path:
+    """A stage script's ``main``: parse the options, run ``fn`` and write its JSON (``stage``, the result,
+    ``seconds`` and the environment with this stage's start load) to ``--out``."""
+    args = claims_args(stage, description, argv)
+    torch.set_num_threads(args.threads)
+    out = args.out or RESULTS_DIR / f"real-claims{'-quick' if args.quick else ''}-{stage}.json"
+    ctx = ClaimsContext(args.quick, args.threads, claims_work(args.quick, args.work), device=args.device)
+    env: Json = json.loads(args.environment) if args.environment else environment(args.device, 0)
+    env["load_average_start"] = load_average()
+    ctx.log(f"{stage}: starting")
+    t0 = time.perf_counter()
+    result = fn(ctx)
+    write_json(out, {"stage": stage, **result, "seconds": round(time.perf_counter() - t0, 1), "environment": env})
+    ctx.log(f"{stage}: done in {time.perf_counter() - t0:.0f} s → {out}")
+    return out

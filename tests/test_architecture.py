@@ -398,21 +398,9 @@ BENCH_SHARED = "_common"
 """The one helper module a bench script imports besides ``prismlm`` (argparse, profiles, JSON writing)."""
 BENCH_MAX_FUNCTION_LINES, BENCH_MAX_FILE_LINES, BENCH_MAX_ANY, BENCH_MAX_DOCSTRING_LINES = 80, 800, 20, 15
 
-# TEMPORARY (issue 36, removed at merge): files other helpers bring under these rules on their branches.
-BENCH_OWNED_ELSEWHERE = {
-    "real_claims.py",
-    "_claims_attribution.py",
-    "_claims_common.py",
-    "_claims_control.py",
-    "_claims_explain.py",
-    "_claims_questions.py",
-    "_claims_screens.py",
-    "_claims_suppression.py",
-}
-
 
 def _bench_files() -> list[Path]:
-    return sorted(f for f in BENCH.glob("*.py") if f.name not in BENCH_OWNED_ELSEWHERE)
+    return sorted(BENCH.glob("*.py"))
 
 
 def _bench_edges(files: list[Path]) -> dict[str, dict[str, int]]:

@@ -3,7 +3,8 @@ suppression, the controllers, the attribution and the explanations stages at the
 one checks at run time (logit identities, the export's equality, the collateral's fast path, the controlled scores
 against the model's own forward) and the statistics each reports, and the driver's resumption (a rerun skips
 finished stages and gathers the same summary). Slow: minutes of CPU; skipped without the wheel. One thread: on a
-shared 2-core machine two threads per process run several times slower."""
+shared 2-core machine two threads per process run several times slower. Fast: the driver's gathering and a stage
+script's JSON (the environment record it is given) with stand-ins."""
 
 from __future__ import annotations
 
@@ -204,3 +205,50 @@ def test_attribution_methods_and_their_metrics(quick_claims):
     assert att["learning"]["after"]["answer_nll_per_token"] < att["learning"]["before"]["answer_nll_per_token"]
     for field in ("recall10_cached", "recall10_ekfac", "ekfac_cost_over_cached", "recall10_trak"):
         assert field in att["summary"], field
+
+
+def _bench(args: list[str], **kw) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, **kw)
+
+
+def test_the_driver_gathers_finished_stages_without_running_them(tmp_path):
+    """Fast: every stage's JSON exists, so no stage script runs; the summary merges the stages' summaries in
+    stage order (a later stage's field wins), each source names its file and its own revision."""
+    out = tmp_path / "claims.json"
+    for i, name in enumerate(STAGES):
+        stage = {"stage": name, "summary": {f"{name}_n": i, "shared": name}, "environment": {"git_revision": f"r{i}"}}
+        (tmp_path / f"claims-{name}.json").write_text(json.dumps(stage))
+    res = _bench(["bench/real_claims.py", "--quick", "--threads", "1", "--work", str(tmp_path), "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("finished earlier") == len(STAGES)
+    gathered = json.loads(out.read_text())
+    assert list(gathered["stages"]) == list(STAGES)
+    assert gathered["summary"] == {**{f"{n}_n": i for i, n in enumerate(STAGES)}, "shared": STAGES[-1]}
+    assert list(gathered["summary"]) == ["bank_n", "shared", *(f"{n}_n" for n in STAGES[1:])]  # first seen first
+    assert gathered["summary_sources"] == {
+        n: {"file": f"claims-{n}.json", "git_revision": f"r{i}"} for i, n in enumerate(STAGES)
+    }
+
+
+def test_a_stage_script_records_the_environment_it_is_given(tmp_path):
+    """Fast: a stage (here a stand-in) writes its result with ``stage``, ``seconds`` and the driver's environment
+    record as given (its revision read once, before any stage wrote), with this stage's start load."""
+    out = tmp_path / "x.json"
+    given = {"git_revision": "abc", "command_line": "python bench/real_claims.py", "load_average_start": None}
+    code = (
+        "import sys; sys.path.insert(0, 'bench'); from _common import run_claims_stage; "
+        "run_claims_stage('x', lambda ctx: {'summary': {'quick': ctx.quick, 'work': str(ctx.work)}}, None, "
+        "sys.argv[1:])"
+    )
+    args = ["--quick", "--work", str(tmp_path / "w"), "--out", str(out), "--environment", json.dumps(given)]
+    res = _bench(["-c", code, *args])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["stage"] == "x" and rec["summary"] == {"quick": True, "work": str(tmp_path / "w")}
+    assert rec["seconds"] >= 0 and list(rec)[:2] == ["stage", "summary"]
+    env = rec["environment"]
+    assert {k: env[k] for k in ("git_revision", "command_line")} == {
+        k: given[k] for k in ("git_revision", "command_line")
+    }
+    assert set(env) == set(given)

@@ -3,9 +3,9 @@ SmolLM2-135M-Instruct, each answer token's logit split exactly into prototype sl
 (ℓ_y = S + R + B), the shares of the logit and of the greedy margin they carry (``prismlm.eval.claims``) beside
 fixed-subspace yardsticks, and four explained answers as HTML and explorer screenshots.
 
-Run: ``python bench/real_claims.py --stage explanations [--quick]``. The definitions and the protocol:
-docs/results.md ("How bench/real_claims.py measures"). Resumable: answers are cached batch by batch in
-``WORK/explanations/answers[-quick].jsonl``.
+Run: ``python bench/claims_explanations.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
+explanations``). The definitions and the protocol: docs/results.md ("How bench/real_claims.py measures").
+Resumable: answers are cached batch by batch in ``WORK/explanations/answers[-quick].jsonl``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _claims_common import ClaimsContext
+from _common import ClaimsContext, obj, run_claims_stage
 
 from prismlm.app.chat import chat_prompt
 from prismlm.app.operations import ExplanationRequest, explain_text
@@ -72,19 +72,20 @@ def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
     by_kind = {
         k: logit_shares([r["parts"] for r in records if r["kind"] == k])["mean"] for k in {r["kind"] for r in records}
     }
+    mean = obj(shares, "mean")
     summary = {
         "explained_answers": len(records),
         "answer_tokens": shares["tokens"],
-        "logit_share_slices_abs": shares["mean"]["abs_share_slices"],
-        "logit_share_residual_abs": shares["mean"]["abs_share_residual"],
-        "logit_share_bias_abs": shares["mean"]["abs_share_bias"],
-        "logit_share_slices_gross": shares["mean"]["gross_share_slices"],
-        "logit_fraction_slices_signed": shares["mean"]["signed_fraction_slices"],
+        "logit_share_slices_abs": mean["abs_share_slices"],
+        "logit_share_residual_abs": mean["abs_share_residual"],
+        "logit_share_bias_abs": mean["abs_share_bias"],
+        "logit_share_slices_gross": mean["gross_share_slices"],
+        "logit_fraction_slices_signed": mean["signed_fraction_slices"],
         "logit_fraction_slices_pooled": shares["pooled_fraction_slices"],
         "logit_identity_max_abs_error": shares["max_abs_error"],
-        "logit_share_mean_direction_abs": shares["mean"]["ref_abs_share_mean_direction"],
-        "logit_share_pca_subspace_abs": shares["mean"]["ref_abs_share_pca_subspace"],
-        "margin_share_slices_abs": shares["mean"]["margin_abs_share_slices"],
+        "logit_share_mean_direction_abs": mean["ref_abs_share_mean_direction"],
+        "logit_share_pca_subspace_abs": mean["ref_abs_share_pca_subspace"],
+        "margin_share_slices_abs": mean["margin_abs_share_slices"],
         "margin_fraction_slices_pooled": shares["pooled_margin_fraction_slices"],
         "explanation_html": [s["html"] for s in showcase],
         "explanation_screenshots": shots,
@@ -348,3 +349,11 @@ def screenshots(ctx: ClaimsContext, run: Run, showcase: list[dict], out_dir: Pat
         ctx.log(f"explanations: screenshots failed: {e!r}")
         return f"screenshots failed: {e!r}"
     return [rel(p) for p in paths]
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_claims_stage("explanations", explanation_stage, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()

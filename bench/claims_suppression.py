@@ -5,9 +5,9 @@ SmolLM2-135M-Instruct; judged behaviour on provocative vs neutral prompts (TF-ID
 ``prism export --suppress`` check under plain transformers. Rows, drops and the best set:
 ``prismlm.eval.claims``.
 
-Run: ``python bench/real_claims.py --stage suppression [--quick]``. The protocol in full: docs/results.md
-("How bench/real_claims.py measures"). Resumable: conditions, concept searches and the head cache are stored
-under ``WORK/suppression``.
+Run: ``python bench/claims_suppression.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
+suppression``). The protocol in full: docs/results.md ("How bench/real_claims.py measures"). Resumable:
+conditions, concept searches and the head cache are stored under ``WORK/suppression``.
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _claims_common import KJV_ID, ClaimsContext, kjv_anchor_documents
+from _common import ClaimsContext, Json, run_claims_stage
 
+from prismlm.control.anchor_corpus import KJV_ID, kjv_anchor_documents
 from prismlm.control.concept import ConceptSelection, doc_regex, find_concept
 from prismlm.control.concept_specs import BUDGET_SHARES, NEUTRAL_PROMPTS, ConceptSpec, offensive_spec, sotu_spec
 from prismlm.control.judges import TfidfJudge
@@ -464,19 +465,20 @@ def run_condition(
             if k not in gens:
                 gens[k] = continuations(model, run.tokenizer, prompts.sets[k][1], size, ctx.seed)
     t1 = time.perf_counter()
-    rec: dict[str, Any] = {"ids": ids, "generations": gens, **coll.measure(model, ids)}
+    rec: Json = {"ids": ids, "generations": gens, **coll.measure(model, ids)}
     for k, v in old.items():  # the measures already stored stay as they were computed
         if k.startswith("ce_") or k in ("acc", "acc_norm"):
             rec[k] = v
-    rec["seconds"] = {"generate": round(t1 - t0, 1), "collateral": round(time.perf_counter() - t1, 1)}
+    seconds: Json = {"generate": round(t1 - t0, 1), "collateral": round(time.perf_counter() - t1, 1)}
     if old:
-        rec["seconds"]["earlier"] = old.get("seconds")
+        seconds["earlier"] = old.get("seconds")
+    rec["seconds"] = seconds
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rec))
     tmp.replace(path)
     ctx.log(
         f"{name}: {len(ids)} off; CE neutral {rec['ce_neutral']:.4f}, task acc {rec['acc']:.3f} "
-        f"({rec['seconds']['generate']:.0f} + {rec['seconds']['collateral']:.0f} s)"
+        f"({seconds['generate']:.0f} + {seconds['collateral']:.0f} s)"
     )
     return rec
 
@@ -562,6 +564,7 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
     size = SIZES["quick" if ctx.quick else "full"]
     t0 = time.perf_counter()
     run = ctx.open_run(suppress="none")
+    assert run.model.prototypes is not None, "the bank's model is retrofitted"
     K = run.model.prototypes.num_prototypes
     specs = concept_specs(ctx, size)
     sets = concept_sets(ctx, run, specs, K)
@@ -624,7 +627,9 @@ def judge_info(spec: ConceptSpec) -> dict[str, dict[str, object]]:
     }
 
 
-def examples(recs: dict[str, dict], prompts: Prompts, best: dict | None) -> dict[str, list[dict[str, str]]]:
+def examples(
+    recs: dict[str, dict], prompts: Prompts, best: Mapping[str, object] | None
+) -> dict[str, list[dict[str, str]]]:
     """The first sample of a few prompts, before and under the best set and its random control."""
     concept = str(best["concept"]) if best else "offensive"
     conds = ["before"] + ([str(best["condition"]), f"random@{best['prototypes']}"] if best else [])
@@ -637,3 +642,11 @@ def examples(recs: dict[str, dict], prompts: Prompts, best: dict | None) -> dict
         for c in conds
         if c in recs
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_claims_stage("suppression", suppression_stage, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()

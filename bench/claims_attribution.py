@@ -3,9 +3,9 @@ on planted facts (``prismlm.tda.planted``) among neutral documents, then recall@
 sequences for the prototype cache (default and compact), the hybrid, EK-FAC, TRAK, bergson and BM25, and each
 method's per-query cost over the cache's (``prismlm.eval.claims.attribution_summary``).
 
-Run: ``python bench/real_claims.py --stage attribution [--quick]`` (``BERGSON_PYTHON``: bergson's own venv).
-The protocol in full: docs/results.md ("How bench/real_claims.py measures"). Each method's scores are saved
-under the stage folder and reused.
+Run: ``python bench/claims_attribution.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
+attribution``; ``BERGSON_PYTHON``: bergson's own venv). The protocol in full: docs/results.md ("How
+bench/real_claims.py measures"). Each method's scores are saved under the stage folder and reused.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from _claims_common import ClaimsContext, has_checkpoint
+from _common import ClaimsContext, Json, has_checkpoint, num, run_claims_stage
 
 from prismlm.app.demos import DEMO_MODEL
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
@@ -120,7 +119,7 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     methods.run_all()
     planted = {
         name: {
-            "all": retrieval_metrics(S, fact_of, relevant, k=10),
+            "all": retrieval_metrics(S, fact_of.tolist(), relevant, k=10),
             "paraphrase": retrieval_metrics(S[kind == "paraphrase"], fact_of[kind == "paraphrase"].tolist(), relevant),
             "verbatim": retrieval_metrics(S[kind == "verbatim"], fact_of[kind == "verbatim"].tolist(), relevant),
         }
@@ -182,7 +181,7 @@ def finetune(ctx: ClaimsContext, size: PlantSize, pc: PlantedCorpus, out: Path) 
     return out
 
 
-def cached_json(path: Path, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def cached_json(path: Path, fn: Callable[[], Json]) -> Json:
     """``fn()``'s dict, saved at ``path`` (a rerun reads it)."""
     if path.exists():
         return json.loads(path.read_text())
@@ -191,7 +190,7 @@ def cached_json(path: Path, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def learning(ctx: ClaimsContext, pc: PlantedCorpus, net: PrismLM, tok: Tokenizer, T: int) -> dict[str, Any]:
+def learning(ctx: ClaimsContext, pc: PlantedCorpus, net: PrismLM, tok: Tokenizer, T: int) -> Json:
     """Held-out paraphrase accuracy of the fine-tuned model and of the source (stage 1 leaves its logits
     unchanged, so the source with an untrained bank stands for "before")."""
     from prismlm.model.pretrained import build_model, load_pretrained
@@ -229,7 +228,7 @@ class Methods:
         self.T = net.config.block_size
         self.N = shards.train.num_sequences(self.T)
         self.scores: dict[str, np.ndarray] = {}
-        self.costs: dict[str, dict[str, Any]] = (
+        self.costs: dict[str, Json] = (
             json.loads((folder / "costs.json").read_text()) if (folder / "costs.json").exists() else {}
         )
         self.not_run: dict[str, str] = {}
@@ -241,8 +240,8 @@ class Methods:
             return True
         return False
 
-    def save(self, name: str, S: np.ndarray, cost: dict[str, Any]) -> None:
-        self.scores[name], self.costs[name] = S, cost
+    def save(self, name: str, S: np.ndarray, cost: Mapping[str, object]) -> None:
+        self.scores[name], self.costs[name] = S, dict(cost)
         np.save(self.folder / f"{name}.npy", S)
         (self.folder / "costs.json").write_text(json.dumps(self.costs, indent=1) + "\n")
         self.ctx.log(f"attribution: {name} done ({cost})")
@@ -296,7 +295,7 @@ class Methods:
         curv = self.curvature()
         t0 = time.perf_counter()
         cache = build_cache(self.net, self.shards, cfg, curvature=curv)
-        oneoff = time.perf_counter() - t0 + self.costs["_curvature"]["seconds"]
+        oneoff = time.perf_counter() - t0 + num(self.costs, "_curvature", "seconds")
         S = cache.scores(query_gradients(self.net, self.queries), len(self.queries)).numpy()
         per = []
         for q in self.queries[: max(self.size.timing_queries, 2)]:
@@ -366,7 +365,11 @@ class Methods:
                 wn.dot(wn.query(*self.queries[q]), cands[q].tolist())
                 times.append(time.perf_counter() - t0)
             rescore = statistics.median(times)
-            cost = {"per_query_s": self.costs["cached-compact"]["per_query_s"] + rescore, "rescore_s": rescore, "m": m}
+            cost = {
+                "per_query_s": num(self.costs, "cached-compact", "per_query_s") + rescore,
+                "rescore_s": rescore,
+                "m": m,
+            }
         self.save(name, H.numpy(), cost)
 
     def ekfac(self) -> None:
@@ -470,3 +473,11 @@ class Methods:
             **secs,
         }
         self.save("bergson", S, cost)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_claims_stage("attribution", attribution_stage, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,9 +4,9 @@ stored z) on the same frozen hidden states, on multiple-choice tasks screened on
 vs chance), fitted on train with λ chosen on validation (``prismlm.control.surrogate``), reported on test with
 the choice prior, McNemar p and bootstrap intervals (``prismlm.eval.stats``; summary: ``prismlm.eval.claims``).
 
-Run: ``python bench/real_claims.py --stage controllers [--quick]``. The protocol in full: docs/results.md
-("How bench/real_claims.py measures"). Features, the SAE and finished tasks are cached under
-``WORK/controllers``, so the stage resumes.
+Run: ``python bench/claims_controllers.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
+controllers``). The protocol in full: docs/results.md ("How bench/real_claims.py measures"). Features, the
+SAE and finished tasks are cached under ``WORK/controllers``, so the stage resumes.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from _claims_common import ClaimsContext
+from _common import ClaimsContext, Json, run_claims_stage
 
 from prismlm.control.controller import (
     ControlFeatures,
@@ -226,14 +225,25 @@ def stage_sae(ctx: ClaimsContext, run_folder: Path, K: int, k: int) -> tuple[Top
     return sae, {**info, "cache_key": key}
 
 
+@dataclass
+class Side:
+    """One side's fitted controller, its JSON row, and what the comparison of the two sides needs."""
+
+    controller: Controller
+    row: Json
+    after: dict[str, float]
+    correct: torch.Tensor
+    scores: torch.Tensor
+
+
 def side_result(
-    feats: dict[str, ControlFeatures],
+    feats: dict[str, TaskFeatures],
     W: torch.Tensor,
     directions: torch.Tensor,
-    base: dict,
+    base: BaseInfo,
     seed: int,
     size: ControlSize,
-) -> tuple[Controller, dict[str, Any]]:
+) -> Side:
     """One side's controller: fitted on the train surrogate per λ, λ by surrogate validation accuracy (same
     vocabulary S), exact test; the exact validation accuracy of the chosen one checks the surrogate."""
     train, val, test = feats["train"], feats["validation"], feats["test"]
@@ -243,20 +253,27 @@ def side_result(
     best, trials, fidelity = fit.controller, fit.trials, fit.fidelity
     s1 = exact_scores(test, W, directions, best.coefficients)
     after = accuracy(test, s1)
-    prior_scores = base["prior_scores"]
-    return best, {
+    row: Json = {
         "test_after": after,
-        "test_after_ci95": wilson(after["acc"], after["n"]),
-        "delta_acc": after["acc"] - base["acc"],
-        "paired_vs_base": paired_stats(base["correct"], correct(test, s1), seed=seed),
-        "paired_vs_prior": paired_stats(correct(test, prior_scores), correct(test, s1), seed=seed),
+        "test_after_ci95": wilson(after["acc"], int(after["n"])),
+        "delta_acc": after["acc"] - base.acc,
+        "paired_vs_base": paired_stats(base.correct, correct(test, s1), seed=seed),
+        "paired_vs_prior": paired_stats(correct(test, base.prior_scores), correct(test, s1), seed=seed),
         "nonzero": len(best.nonzero),
         "l1": best.l1,
         "selection": trials,
         "surrogate_fidelity": fidelity,
-        "_correct": correct(test, s1),
-        "_scores": s1,
     }
+    return Side(best, row, after, correct(test, s1), s1)
+
+
+@dataclass(frozen=True)
+class BaseInfo:
+    """The base model on a task's test split: accuracy, per-example correctness, the choice prior's scores."""
+
+    acc: float
+    correct: torch.Tensor
+    prior_scores: torch.Tensor
 
 
 def task_row(ctx: ClaimsContext, run, task: str, splits: dict, folder: Path, sae: TopKSAE, index) -> dict:
@@ -270,42 +287,38 @@ def task_row(ctx: ClaimsContext, run, task: str, splits: dict, folder: Path, sae
     train_base = exact_scores(raw["train"], W, W[:1], None)
     prior_scores = fit_choice_prior(raw["train"], train_base).scores(test, s0)
     prior = accuracy(test, prior_scores)
-    info = {"acc": base["acc"], "correct": correct(test, s0), "prior_scores": prior_scores}
+    info = BaseInfo(base["acc"], correct(test, s0), prior_scores)
     row: dict[str, object] = {
         "task": task,
         "n": {s: len(v) for s, v in splits.items()},
         "chance": chance(test),
-        "base": {**base, "ci95": wilson(base["acc"], base["n"])},
-        "choice_prior": {**prior, "ci95": wilson(prior["acc"], prior["n"])},
+        "base": {**base, "ci95": wilson(base["acc"], int(base["n"]))},
+        "choice_prior": {**prior, "ci95": wilson(prior["acc"], int(prior["n"]))},
     }
     sides = {
         "prism": (prism_encoder(model), model.prototypes.weight.detach().float()),
         "sae": (sae.encode, sae.directions.detach().float()),
     }
-    ctls: dict[str, Controller] = {}
     feats_of: dict[str, dict[str, TaskFeatures]] = {}
-    side_rows: dict[str, dict[str, Any]] = {}
+    done: dict[str, Side] = {}
     for side, (enc, directions) in sides.items():
         t = time.perf_counter()
-        feats = {s: encoded(f, enc) for s, f in raw.items()}
-        ctls[side], side_rows[side] = side_result(feats, W, directions, info, ctx.seed, ctx_size(ctx))
-        feats_of[side] = feats
-        r = side_rows[side]
+        feats_of[side] = {s: encoded(f, enc) for s, f in raw.items()}
+        d = done[side] = side_result(feats_of[side], W, directions, info, ctx.seed, ctx_size(ctx))
         ctx.log(
-            f"controllers: {task} {side}: {base['acc']:.3f} → {r['test_after']['acc']:.3f} "
-            f"({r['nonzero']} non-zero, λ {r['l1']}; prior {prior['acc']:.3f}) "
+            f"controllers: {task} {side}: {base['acc']:.3f} → {d.after['acc']:.3f} "
+            f"({d.row['nonzero']} non-zero, λ {d.row['l1']}; prior {prior['acc']:.3f}) "
             f"[{time.perf_counter() - t:.0f} s]"
         )
-    row.update(side_rows)  # (the key order of the JSON: prism, sae, then their comparison)
-    prism, sae_row = side_rows["prism"], side_rows["sae"]
-    row["prism_vs_sae"] = paired_stats(sae_row.pop("_correct"), prism.pop("_correct"), seed=ctx.seed)
-    s1 = prism.pop("_scores")
-    sae_row.pop("_scores")
+    # the key order of the JSON: prism, sae, then their comparison
+    row.update({side: d.row for side, d in done.items()})
+    row["prism_vs_sae"] = paired_stats(done["sae"].correct, done["prism"].correct, seed=ctx.seed)
+    s1, prism_ctl = done["prism"].scores, done["prism"].controller
     # the cached-feature scores against the model's own forward, with c = 0 and with PRISM's controller
     m = ctx_size(ctx).forward_check_docs
     r = sum(test.n_choices[:m])
     fwd0 = forward_scores(model, tok, splits["test"][:m])
-    with model.control(ctls["prism"].coefficients.float()):
+    with model.control(prism_ctl.coefficients.float()):
         fwd1 = forward_scores(model, tok, splits["test"][:m])
     row["forward_check"] = {
         "docs": m,
@@ -314,7 +327,7 @@ def task_row(ctx: ClaimsContext, run, task: str, splits: dict, folder: Path, sae
         "max_abs_shift": float((fwd1 - fwd0).abs().max()),  # what the controller moved: the check is not vacuous
     }
     row["trace"] = trace_prism_controller(
-        model, tok, ctls["prism"], feats_of["prism"]["train"], splits["train"], index=index, top=10
+        model, tok, prism_ctl, feats_of["prism"]["train"], splits["train"], index=index, top=10
     )
     return row
 
@@ -331,6 +344,7 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
     folder = stage / "features" / backbone_identity(model).removeprefix("backbone:")[:16]
     folder.mkdir(parents=True, exist_ok=True)
     screened, splits_of = screen(ctx, run, folder, size.caps)
+    assert model.prototypes is not None, "the bank's model is retrofitted"
     K, k = model.prototypes.num_prototypes, model.prototypes.cfg.top_k
     sae, sae_info = stage_sae(ctx, run.folder, K, k)
     ctx.log(f"controllers: SAE K={K} k={k}: FVU {sae_info['fvu']:.3f}, dead {sae_info['dead_fraction']:.2f}")
@@ -370,3 +384,11 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
         },
         "stage_seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_claims_stage("controllers", controller_stage, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()
