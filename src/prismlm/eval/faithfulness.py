@@ -21,7 +21,7 @@ logits were computed with. With p = softmax(ℓ), p̂ = softmax(ℓ̂) and y1, y
 **Yardsticks** on the same tokens (``Yardstick``): the same top-1, KL and margin share of two fixed, non-sparse
 summaries of z — (a) the mean direction alone, ẑ_μ = (z·μ̂) μ̂, and (b) a fixed subspace, ẑ_Q = Q Qᵀ z, Q an
 orthonormal basis of μ̂ and the top m principal directions of a sample of z (m = k by default: 1 + k fixed
-directions, where the prototypes pick k of K per token; ``bench/_claims_explain.py``'s 9 for k = 8). Their
+directions, where the prototypes pick k of K per token; ``bench/claims_explanations.py``'s 9 for k = 8). Their
 logits are ℓ̂ = W ẑ_X + b too. A share of the prototypes means something only beside these.
 
 Which μ and Q: ``evaluate`` (``prism eval``, the training validation) fits them on the first validation batch
@@ -179,7 +179,7 @@ def fit_yardstick(hidden: torch.Tensor, directions: int) -> Yardstick:
     return yardstick_from_moments(z.sum(0), z.T @ z, z.shape[0], directions)
 
 
-# ----- the parts of a chosen token's logit (what bench/_claims_explain.py records) ------------------------
+# ----- the parts of a chosen token's logit (what bench/claims_explanations.py records) ------------------------
 class ChoiceParts(NamedTuple):
     """Per position (B, T') float64, for the chosen token y and the runner-up y2 of ``choice_parts``."""
 
@@ -224,7 +224,7 @@ def choice_parts(model: PrismLM, out: PrismOutput, top2: torch.Tensor, ref: Yard
 
 def choice_shares(p: ChoiceParts) -> dict[str, torch.Tensor]:
     """Per-token shares of a chosen token's logit and of its margin over the runner-up (each of p's shape);
-    the definitions are the bench's ``DEFINITIONS`` (``bench/_claims_explain.py``)."""
+    the definitions are the bench's ``DEFINITIONS`` (``bench/claims_explanations.py``)."""
     gap, dS, dB = p.logit - p.runner_up_logit, p.slices - p.runner_up_slices, p.bias - p.runner_up_bias
     dR = gap - dS - dB  # the greedy margin's residual part
     net = p.slices.abs() + p.residual.abs() + p.bias.abs()
