@@ -222,7 +222,7 @@ def stage2_step(
     """Optimizer step ``step`` of stage 2 on ``store``'s rows from block ``layer`` (gradient accumulation,
     clipping, the scheduled learning rate); returns the micro-batch-averaged terms and loss. Only the
     parameters that require grad move: a boundary below n_layer − N with ``last-N`` trainable runs the blocks
-    in between frozen (what ``bench/real_faithfulness.py --stage sweep`` does to compare N on one store)."""
+    in between frozen (the stage-2 sweep of ``bench/real_faithfulness.py`` compares N on one store so)."""
     tc = cfg.train
     lr = tc.lr_at(step)
     for group in optimizer.param_groups:
