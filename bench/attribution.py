@@ -37,6 +37,8 @@ from _common import (
     environment,
     load_average,
     log,
+    num,
+    obj,
     parse_sets,
     planted_corpus,
     profile_from_args,
@@ -221,7 +223,7 @@ def compression_on_run(args: argparse.Namespace, out_path: Path, env: Json, t_st
 
 def compression_summary(study: Json, out_path: Path) -> str:
     rows = _rows(study["compression"])
-    parts = [f"compression n={study['num_train']} ({_n(study['tokens']):,.0f} tokens, {study['queries']} queries)"]
+    parts = [f"compression n={study['num_train']} ({num(study['tokens']):,.0f} tokens, {study['queries']} queries)"]
     main = rows[0]["projection"] if rows else None
     for r in rows:
         if (
@@ -231,12 +233,12 @@ def compression_summary(study: Json, out_path: Path) -> str:
             and r["id_encoding"] == ("int32" if r["dtype"] == "float32" else "delta")
         ):
             parts.append(
-                f"{main} r{r['r']} {r['dtype']} {_n(r['bytes_per_token']):.0f} B/tok top10 full "
-                f"{_n(r['top10_vs_full']):.2f} fp32 {_n(r['top10_vs_fp32']):.2f}"
+                f"{main} r{r['r']} {r['dtype']} {num(r['bytes_per_token']):.0f} B/tok top10 full "
+                f"{num(r['top10_vs_full']):.2f} fp32 {num(r['top10_vs_fp32']):.2f}"
             )
     b = study["best_at_32_bytes"]
     best = (
-        f"{b['name']} {_n(b['bytes_per_token']):.1f} B/tok top10 vs full {_n(b['top10_vs_full']):.2f}"
+        f"{b['name']} {num(b['bytes_per_token']):.1f} B/tok top10 vs full {num(b['top10_vs_full']):.2f}"
         if isinstance(b, dict)
         else "none"
     )
@@ -277,9 +279,9 @@ def kronfluence_costs(s: Setup, n: int, row: Json, last: bool, scores_at_N: Scor
             scores_at_N["ekfac" if strat == "ekfac" else "kf-identity"] = S.numpy()
         kb.close()
         del kb
-    ek, cached = _d(row["ekfac"]), _d(row["cached"])
-    row["speedup_per_query_cached_vs_ekfac"] = _n(ek["per_query_s"]) / _n(cached["per_query_s"])
-    row["speedup_single_query_cached_vs_ekfac"] = _n(ek["single_query_s"]) / _n(cached["per_query_s"])
+    ek, cached = obj(row["ekfac"]), obj(row["cached"])
+    row["speedup_per_query_cached_vs_ekfac"] = num(ek["per_query_s"]) / num(cached["per_query_s"])
+    row["speedup_single_query_cached_vs_ekfac"] = num(ek["single_query_s"]) / num(cached["per_query_s"])
 
 
 def costs_at(
@@ -313,14 +315,14 @@ def costs_at(
     }
     if not args.no_kronfluence:
         kronfluence_costs(s, n, row, last, scores_at_N)
-    f, c = _d(row["full"]), _d(row["cached"])
-    ek = _d(row["ekfac"]) if "ekfac" in row else None
+    f, c = obj(row["full"]), obj(row["cached"])
+    ek = obj(row["ekfac"]) if "ekfac" in row else None
     log(
-        f"n={n}: full {_n(f['oneoff_s']):.1f}s + {_n(f['per_query_s']) * 1e3:.1f} ms/q; cached "
-        f"{_n(c['oneoff_s']):.1f}s + {_n(c['per_query_s']) * 1e3:.1f} ms/q"
+        f"n={n}: full {num(f['oneoff_s']):.1f}s + {num(f['per_query_s']) * 1e3:.1f} ms/q; cached "
+        f"{num(c['oneoff_s']):.1f}s + {num(c['per_query_s']) * 1e3:.1f} ms/q"
         + (
-            f"; ekfac {_n(ek['oneoff_s']):.1f}s + {_n(ek['per_query_s']) * 1e3:.0f} ms/q (batched), "
-            f"{_n(ek['single_query_s']):.1f}s single"
+            f"; ekfac {num(ek['oneoff_s']):.1f}s + {num(ek['per_query_s']) * 1e3:.0f} ms/q (batched), "
+            f"{num(ek['single_query_s']):.1f}s single"
             if ek is not None
             else ""
         )
@@ -484,7 +486,7 @@ def _summary(
     sp = results_number("attribution-costs.json", "speedup_vs_ekfac_equal_work")
 
     def get(table: dict[str, LDS | Json] | dict[str, Json], method: str, key: str) -> object:
-        return _d(table.get(method, {})).get(key)
+        return obj(table.get(method, {})).get(key)
 
     meta_keys = ("projection", "r", "dtype", "prune", "id_encoding")
     return {
@@ -501,7 +503,7 @@ def _summary(
         "lds_cached_default_r_ci95": get(lds, f"cached-r{d}", "ci95"),
         "lds_trak": get(lds, "trak", "mean"),
         "lds_trak_ci95": get(lds, "trak", "ci95"),
-        "lds_hybrid": {k: _d(v)["mean"] for k, v in lds.items() if k.startswith("hybrid")},
+        "lds_hybrid": {k: obj(v)["mean"] for k, v in lds.items() if k.startswith("hybrid")},
         "query_time_exponent": qt["value"],
         "query_time_exponent_source": qt,
         "speedup_vs_ekfac_equal_work": sp["value"],
@@ -648,18 +650,18 @@ def print_summary(payload: Json, r_time: int, out_path: Path) -> None:
         big = costs[-1]
         sp = big.get("speedup_per_query_cached_vs_ekfac")
         parts.append(
-            f"cached r={r_time} {_n(_d(big['cached'])['per_query_s']) * 1e3:.1f} ms/query"
-            + (f", {_n(sp):.0f}× faster than EK-FAC per query (batched)" if sp else "")
+            f"cached r={r_time} {num(obj(big['cached'])['per_query_s']) * 1e3:.1f} ms/query"
+            + (f", {num(sp):.0f}× faster than EK-FAC per query (batched)" if sp else "")
         )
-    parts.append(f"top10 vs full {_n(agreement.get(best_r, {}).get('top10_vs_full', float('nan'))):.2f}")
+    parts.append(f"top10 vs full {num(agreement.get(best_r, {}).get('top10_vs_full', float('nan'))):.2f}")
     shown = ("full", best_r, "ekfac", "kf-identity")
-    parts.append("planted R@10 " + " ".join(f"{k}={_n(v['recall@10']):.2f}" for k, v in planted.items() if k in shown))
+    parts.append("planted R@10 " + " ".join(f"{k}={num(v['recall@10']):.2f}" for k, v in planted.items() if k in shown))
     if lds_:
         names = ("full", "full-rec", best_r, "ekfac", "kf-identity", "trak", "wn-dot")
         parts.append(
             "LDS "
             + " ".join(
-                f"{k}={_n(lds_[k]['mean']):.2f}"
+                f"{k}={num(lds_[k]['mean']):.2f}"
                 for k in lds_
                 if not k.startswith("_") and (k in names or k.startswith(("cached-compact", "hybrid")))
             )
@@ -732,16 +734,6 @@ def main() -> None:
     }
     write_json(out_path, payload)
     print_summary(payload, r_time, out_path)
-
-
-def _n(x: object) -> float:
-    assert isinstance(x, int | float), x
-    return float(x)
-
-
-def _d(x: object) -> Json:
-    assert isinstance(x, dict), x
-    return x
 
 
 def _dd(x: object) -> dict[str, Json]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, log, write_json
+from _common import RESULTS_DIR, RUNS_DIR, environment, load_average, log, num, obj, write_json
 
 from prismlm.app.retrofit import RetrofitRecipe, resume_retrofit, retrofit_model
 from prismlm.app.speed import speed_stage
@@ -257,7 +257,7 @@ def frozen_summary(
     """The frozen stage's summary: the best *uncentred* bank (what a retrofit builds: the model has no mean
     slice) and the goals it meets; centring beside it."""
     best = min((c for c in configs if not c["centred"]), key=lambda c: c["centred_residual_share"])
-    d16 = _num(dtypes[1]["residual_share"]) - _num(dtypes[0]["residual_share"]) if len(dtypes) > 1 else None
+    d16 = num(dtypes[1]["residual_share"]) - num(dtypes[0]["residual_share"]) if len(dtypes) > 1 else None
     return {
         "frozen_logit_max_abs_diff": logit_diff,
         "frozen_residual_share": best["residual_share"],
@@ -319,10 +319,10 @@ def frozen_stage(args: argparse.Namespace) -> None:
     }
     write_json(args.out, payload)
     print(
-        f"real-retrofit: z pass {_num(s['z_pass_tokens_per_s']):.0f} tok/s over {s['anchor_train_tokens']} tokens; "
-        f"logit diff {_num(s['frozen_logit_max_abs_diff']):.2g}; best frozen bank {s['frozen_best_config']}: "
-        f"residual {_num(s['frozen_residual_share']):.3f}, centred {_num(s['frozen_centred_residual_share']):.3f}, "
-        f"R̄1 {_num(s['frozen_r1_bar']):.3f}, R2 {_num(s['frozen_r2']):.3f}, dead {s['frozen_dead']} → {args.out}"
+        f"real-retrofit: z pass {num(s['z_pass_tokens_per_s']):.0f} tok/s over {s['anchor_train_tokens']} tokens; "
+        f"logit diff {num(s['frozen_logit_max_abs_diff']):.2g}; best frozen bank {s['frozen_best_config']}: "
+        f"residual {num(s['frozen_residual_share']):.3f}, centred {num(s['frozen_centred_residual_share']):.3f}, "
+        f"R̄1 {num(s['frozen_r1_bar']):.3f}, R2 {num(s['frozen_r2']):.3f}, dead {s['frozen_dead']} → {args.out}"
     )
 
 
@@ -435,7 +435,7 @@ def measure_stage2(out: Path, frozen_steps: int, shards: ShardSet, T: int, mu_se
         res[name] = {"checkpoint": ckpt.name, **cov}
         res[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"[bench] stage2 {name}: {res[name]}", flush=True)
-    f, s = _num(res["frozen"]["ce"]), _num(res["stage2"]["ce"])
+    f, s = num(res["frozen"]["ce"]), num(res["stage2"]["ce"])
     return {**res, "ce_rel_change": (s - f) / f}
 
 
@@ -446,8 +446,8 @@ def train_log(out: Path) -> list[str]:
 
 
 def stage2_summary(args: argparse.Namespace, res: Json, K: int, k: int) -> Json:
-    s, f = _dict(res["stage2"]), _dict(res["frozen"])
-    ce_rel, share = _num(res["ce_rel_change"]), _num(s["centred_residual_share"])
+    s, f = obj(res["stage2"]), obj(res["frozen"])
+    ce_rel, share = num(res["ce_rel_change"]), num(s["centred_residual_share"])
     return {
         "stage2_ce_rel_change": ce_rel,
         "stage2_centred_residual_share": share,
@@ -502,11 +502,11 @@ def stage2_main(args: argparse.Namespace) -> None:
             "environment": {**env, "load_average_end": load_average()},
         },
     )
-    f, s = _dict(res["frozen"]), _dict(res["stage2"])
+    f, s = obj(res["frozen"]), obj(res["stage2"])
     print(
         f"real-retrofit stage 2 ({args.unfreeze}, {args.stage2_steps} steps): held-out CE "
-        f"{_num(res['ce_rel_change']):+.2%} vs the source model (goal <= +1%), centred residual share "
-        f"{_num(f['centred_residual_share']):.3f} → {_num(s['centred_residual_share']):.3f} (goal <= 0.20) → {args.out}"
+        f"{num(res['ce_rel_change']):+.2%} vs the source model (goal <= +1%), centred residual share "
+        f"{num(f['centred_residual_share']):.3f} → {num(s['centred_residual_share']):.3f} (goal <= 0.20) → {args.out}"
     )
 
 
@@ -687,11 +687,11 @@ def fold_frontier(summary: Json, sources: dict[str, dict[str, str]], goals: dict
     other = json.loads(path.read_text())
     src = {"file": path.name, "git_revision": other["environment"]["git_revision"]}
     now: Coverage = {
-        "residual_share": _num(summary["frozen_residual_share"]),
-        "centred_residual_share": _num(summary["frozen_centred_residual_share"]),
-        "r1_bar": _num(summary["frozen_r1_bar"]),
-        "r2": _num(summary["frozen_r2"]),
-        "dead": int(_num(summary["frozen_dead"])),
+        "residual_share": num(summary["frozen_residual_share"]),
+        "centred_residual_share": num(summary["frozen_centred_residual_share"]),
+        "r1_bar": num(summary["frozen_r1_bar"]),
+        "r2": num(summary["frozen_r2"]),
+        "dead": int(num(summary["frozen_dead"])),
     }
     best = best_point([p for p in other["points"] if dominates(p, now)], True)
     best_any = best_point(other["points"])
@@ -782,16 +782,6 @@ def main() -> None:
 
 def _state_seconds(store: StoredZ) -> float:
     return float(json.loads((store.path / "state.json").read_text()).get("seconds", 0.0))
-
-
-def _num(x: object) -> float:
-    assert isinstance(x, float | int), x
-    return float(x)
-
-
-def _dict(x: object) -> Json:
-    assert isinstance(x, dict), x
-    return x
 
 
 if __name__ == "__main__":
