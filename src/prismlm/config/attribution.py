@@ -127,6 +127,10 @@ class AttributionConfig:
             f"attribution option `max_sequences` must be >= 1 or None (all), got {self.max_sequences!r}",
             param="max_sequences",
         )
+        self._check_storage()
+
+    def _check_storage(self) -> None:
+        """The batch size and how the cache is stored: dtype, pruning, product quantisation, id encoding."""
         check(
             self.batch_size >= 1,
             f"attribution option `batch_size` must be >= 1, got {self.batch_size}",
