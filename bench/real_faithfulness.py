@@ -48,8 +48,12 @@ from prismlm.train.state import build_optimizer, set_trainable, trainable_names
 SOURCE = "smollm2-135m-instruct"
 ROOT = RUNS_DIR / "real-faithfulness"  # --root overrides it (the GPU campaign writes under its OUT_DIR)
 CURVE = RESULTS_DIR / "real-faithfulness-curve.json"
-ANCHOR = ["data.max_chars_per_doc=2000", "data.val_fraction=0.05"]
-"""Every built-in document (books, speeches, the shipped chat answers), cut to its first 2,000 characters."""
+
+
+def anchor(args: argparse.Namespace) -> list[str]:
+    """Every built-in document (books, speeches, the shipped chat answers), cut to its first
+    ``--anchor-chars`` characters (2,000: the sweep's 33k training tokens; the long run reads more)."""
+    return [f"data.max_chars_per_doc={args.anchor_chars}", "data.val_fraction=0.05"]
 
 
 def recipe(args: argparse.Namespace) -> RetrofitRecipe:
@@ -69,12 +73,13 @@ def recipe(args: argparse.Namespace) -> RetrofitRecipe:
 
 def run_dir(args: argparse.Namespace) -> Path:
     cand = f"-c{args.kl_candidates}" if args.kl_candidates else ""
-    return args.root / f"stage2-K{args.prototypes}-k{args.top_k}-N{args.last}-a{args.alpha:g}{cand}"
+    chars = f"-A{args.anchor_chars}" if args.anchor_chars != 2000 else ""
+    return args.root / f"stage2-K{args.prototypes}-k{args.top_k}-N{args.last}-a{args.alpha:g}{cand}{chars}"
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
     return [
-        *ANCHOR,
+        *anchor(args),
         f"loss.lambda_proto_kl={args.alpha}",
         f"loss.kl_candidates={args.kl_candidates}",
         "train.eval_interval=200",
@@ -407,7 +412,7 @@ def summary_main(args: argparse.Namespace) -> None:
         "coefficients": "relu(cos) (the paper's)", "prototypes": args.prototypes, "top_k": args.top_k,
         "objective": f"REC + 0.5 R1 + 0.5 R2 + {args.alpha:g} KL(p || softmax(W z_hat))",
         "kl_candidates": args.kl_candidates,
-        "anchor": f"builtin:gutenberg+sotu+chat, {ANCHOR}", "stage2": f"last-{args.last}, block lr {args.block_lr:g}, "
+        "anchor": f"builtin:gutenberg+sotu+chat, {anchor(args)}", "stage2": f"last-{args.last}, block lr {args.block_lr:g}, "
         f"KL to the source + {args.alpha:g} prototype KL",
     }  # fmt: skip
     payload = {"summary": summary, "goals_met": faithfulness_goals(fields),
@@ -451,6 +456,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="the bank's learning rate")
     p.add_argument("--block-lr", type=float, default=1e-4, help="the unfrozen blocks' learning rate")
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--anchor-chars", type=int, default=2000, help="the first this many characters of each document")
     p.add_argument("--frozen-steps", type=int, default=200)
     p.add_argument("--steps", type=int, default=4000, help="stage-2 steps")
     p.add_argument("--heldout-sequences", type=int, default=32)
