@@ -87,6 +87,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
         "train.log_interval=10",
         "train.eval_batches=4",
         f"train.num_threads={args.threads}",
+        *args.set,
     ]
 
 
@@ -257,7 +258,7 @@ def sweep_main(args: argparse.Namespace) -> None:
     except CheckpointError:
         out.parent.mkdir(parents=True, exist_ok=True)
         frozen = replace(recipe(args), steps=args.frozen_steps)
-        retrofit_model(args.source, out=out, recipe=frozen, overrides=[*overrides(args), *args.set], device="cpu")
+        retrofit_model(args.source, out=out, recipe=frozen, overrides=overrides(args), device="cpu")
         ckpt = load_checkpoint(out)
     store, val, layer = open_stored_z(out / "stored-z").check(), heldout_store(args, out), 30 - args.last
     yardstick = fit_yardstick(val.hidden(np.arange(8)), args.top_k)
@@ -451,7 +452,7 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=1.0, help="loss.lambda_proto_kl")
     p.add_argument("--variant", action="append", default=[], help="sweep: N<blocks>-a<alpha>-c<candidates>")
     p.add_argument("--every", type=int, default=50, help="sweep: held-out points every this many steps")
-    p.add_argument("--set", action="append", default=[], help="sweep: extra retrofit overrides (key=value)")
+    p.add_argument("--set", action="append", default=[], help="stage2, sweep: extra retrofit overrides (key=value)")
     p.add_argument("--kl-candidates", type=int, default=0, help="loss.kl_candidates of the stage-2 run")
     p.add_argument("--lr", type=float, default=3e-3, help="the bank's learning rate")
     p.add_argument("--block-lr", type=float, default=1e-4, help="the unfrozen blocks' learning rate")
