@@ -49,13 +49,22 @@ def candidate_unembedding(
     lm_head: torch.nn.Linear, reference_logits: torch.Tensor, candidates: int
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The unembedding restricted to the union of every row's ``candidates`` most likely tokens under
-    ``reference_logits`` (N, V) — sorted ids, so the restriction is a plain (|U|, d) matrix product and a KL
-    over its outputs is the KL of both distributions renormalised on U — or the whole ``lm_head`` when
-    ``candidates`` is 0 (``loss.kl_candidates``). W is frozen where this is used: no gradient reaches it."""
+    ``reference_logits`` (N, V) — a KL over its outputs is the KL of both distributions renormalised on that
+    union — or the whole ``lm_head`` when ``candidates`` is 0 (``loss.kl_candidates``)."""
     if not candidates:
         return lm_head
     k = min(candidates, reference_logits.shape[-1])
-    ids = reference_logits.detach().topk(k, dim=-1).indices.unique()  # (|U|,) sorted
+    return restricted_unembedding(lm_head, reference_logits.detach().topk(k, dim=-1).indices, k)
+
+
+def restricted_unembedding(
+    lm_head: torch.nn.Linear, top_ids: torch.Tensor, candidates: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The unembedding restricted to U, the union of the first ``candidates`` columns of ``top_ids`` (N, ≥ c)
+    — each row's most likely tokens, most likely first (ranked on the fly, or stored once:
+    ``prismlm.model.stored_activations.build_stored_candidates``). U's ids are sorted, so the restriction
+    is a plain (|U|, d) matrix product. W is frozen where this is used: no gradient reaches it."""
+    ids = top_ids[:, :candidates].reshape(-1).unique()  # (|U|,) sorted
     weight = lm_head.weight[ids]  # (|U|, d)
     bias = lm_head.bias[ids] if lm_head.bias is not None else None
     return lambda x: F.linear(x, weight, bias)

@@ -7,6 +7,9 @@ once and memory-mapped. The one reader, writer and verifier of ``RUN/stored-z``:
 ``z.bin`` (rows, d), ``targets.bin`` (rows,), ``state.json`` and ``manifest.json`` (what z belongs to); with
 ``boundary_layer`` L also ``boundary.bin`` (rows, d), the residual stream entering block L in the same pass
 (what stage 2 on stored activations trains the blocks L… on, ``prismlm.train.stage2``).
+``build_stored_candidates`` adds ``candidates.bin`` (rows, c) int32: each row's c most likely tokens under
+the frozen unembedding, so the KL terms over a candidate set (``loss.kl_candidates``) never need the (rows, V)
+product again (``candidates.json`` names the head, c and the file's sha256).
 Invariants: row ``r`` is position ``r % T`` of sequence ``r // T`` (the offset the prototype index stores);
 a killed pass resumed with the same arguments ends with files equal byte for byte to an uninterrupted one.
 File layout and resume: docs/modules.md.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -35,6 +39,8 @@ if TYPE_CHECKING:
 
 KIND = "prismlm-stored-z"
 FORMAT_VERSION = 1
+CANDIDATES_FILE = "candidates.bin"
+CANDIDATES_MANIFEST = "candidates.json"
 ZDtype = Literal["float16", "bfloat16", "float32"]
 _TORCH_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _NUMPY_DTYPES: dict[str, type[np.generic]] = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
@@ -57,6 +63,30 @@ def backbone_identity(model: PrismLM, below_layer: int | None = None) -> str:
         h.update(str(t.dtype).encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return "backbone:" + h.hexdigest()
+
+
+def head_identity(lm_head: torch.nn.Linear) -> str:
+    """``head:<sha256>`` of the unembedding's weight (and bias): what stored candidates depend on."""
+    h = hashlib.sha256()
+    for t in (lm_head.weight, lm_head.bias):
+        if t is not None:
+            h.update(str(t.dtype).encode())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return "head:" + h.hexdigest()
+
+
+class CandidateManifest(TypedDict):
+    """``candidates.json``: what ``candidates.bin`` (rows, candidates) int32 was made from."""
+
+    candidates: int
+    """c: the most likely tokens kept per row, most likely first."""
+    rows: int
+    head: str
+    """``head_identity`` of the unembedding that ranked them."""
+    store_backbone: str
+    """The store's ``backbone``: the z they were ranked on."""
+    sha256: str
+    """Of ``candidates.bin``, checked before the first read."""
 
 
 class StoreSettings(TypedDict):
@@ -119,6 +149,11 @@ class StoredZ:
     digests: list[str] = field(default_factory=list)
     _checked: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), repr=False)
     """(num_batches,) bool: batches whose digest this store has checked."""
+    candidates: np.ndarray | None = None
+    """(rows, c) int32 each row's c most likely tokens, most likely first (``build_stored_candidates``), or None."""
+    candidate_manifest: CandidateManifest | None = None
+    _candidates_verified: str | None = field(default=None, repr=False)
+    """The head identity the candidates were checked against (file digest and head), once per open store."""
 
     @property
     def block_size(self) -> int:
@@ -159,6 +194,42 @@ class StoredZ:
         if len(ids):
             self._check_batches(np.unique(ids // int(self.manifest["batch_size"])))
         return _to_float32(source[rows], self.manifest["dtype"]).view(len(ids), T, -1)
+
+    def candidates_for(self, candidates: int, lm_head: torch.nn.Linear) -> bool:
+        """Whether stored candidates serve a candidate KL over ``candidates`` tokens per row with ``lm_head``:
+        False when there are none or fewer per row; ``ArtifactMismatch`` when they were ranked by another head,
+        ``ArtifactCorrupt`` when the file does not match its sha256 (both checked once per open store)."""
+        m = self.candidate_manifest
+        if self.candidates is None or m is None or candidates < 1 or candidates > m["candidates"]:
+            return False
+        if self._candidates_verified is None:
+            fix = f"remove {self.path / CANDIDATES_FILE}; the retrofit (or build_stored_candidates) ranks them again"
+            if _file_digest(self.path / CANDIDATES_FILE) != m["sha256"]:
+                raise ArtifactCorrupt(
+                    f"{self.path / CANDIDATES_FILE} does not match its sha256 in {CANDIDATES_MANIFEST}",
+                    fix=fix,
+                    path=self.path / CANDIDATES_FILE,
+                )
+            if m["store_backbone"] != self.manifest["backbone"] or m["head"] != head_identity(lm_head):
+                raise ArtifactMismatch(
+                    f"the stored candidates at {self.path / CANDIDATES_FILE} were ranked by another model's head",
+                    fix=fix,
+                )
+            self._candidates_verified = m["head"]
+        return True
+
+    def candidate_ids(self, seq_ids: np.ndarray, candidates: int) -> torch.Tensor:
+        """The ``candidates`` most likely tokens of every row of whole sequences → (len(seq_ids)·T, c) int64,
+        most likely first; call ``candidates_for`` first (it checks the file and the head)."""
+        if self.candidates is None or self._candidates_verified is None:
+            raise ArtifactError(
+                f"the stored activations at {self.path} hold no checked candidates",
+                fix="call candidates_for(c, lm_head) first; build them with build_stored_candidates",
+            )
+        T = self.block_size
+        ids = np.asarray(seq_ids, dtype=np.int64).reshape(-1)
+        rows = (ids[:, None] * T + np.arange(T)[None, :]).reshape(-1)
+        return torch.from_numpy(self.candidates[rows, :candidates].astype(np.int64))
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """z of rows ``[start, stop)`` → (stop − start, d) float32."""
@@ -284,9 +355,92 @@ def open_stored_z(path: str | Path) -> StoredZ:
     if m["boundary_layer"] is not None:
         boundary = np.memmap(path / "boundary.bin", dtype=_NUMPY_DTYPES[m["dtype"]], mode="r", shape=(rows, d))
     checked = np.zeros(int(m["num_batches"]), dtype=bool)
+    candidates, cm = _open_candidates(path, rows)
     return StoredZ(
-        path=path, manifest=m, z=z, targets=targets, boundary=boundary, digests=digests[:done], _checked=checked
+        path=path,
+        manifest=m,
+        z=z,
+        targets=targets,
+        boundary=boundary,
+        digests=digests[:done],
+        _checked=checked,
+        candidates=candidates,
+        candidate_manifest=cm,
     )
+
+
+def _open_candidates(path: Path, rows: int) -> tuple[np.ndarray | None, CandidateManifest | None]:
+    """The stored candidates' map and manifest, or (None, None) when there are none or the pair is not whole
+    (a pass killed between writing the file and its manifest: ``build_stored_candidates`` makes them again)."""
+    try:
+        cm: CandidateManifest = json.loads((path / CANDIDATES_MANIFEST).read_text())
+        c = int(cm["candidates"])
+        size = (path / CANDIDATES_FILE).stat().st_size
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+    if int(cm["rows"]) != rows or size != rows * c * 4:
+        return None, None
+    return np.memmap(path / CANDIDATES_FILE, dtype=np.int32, mode="r", shape=(rows, c)), cm
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def build_stored_candidates(
+    store: StoredZ,
+    lm_head: torch.nn.Linear,
+    candidates: int,
+    *,
+    batch_rows: int = 2048,
+    progress: Progress = True,
+) -> StoredZ:
+    """Rank, once, every stored row's ``candidates`` most likely tokens under ``lm_head`` (the frozen
+    unembedding: softmax(W z) of the source model) into ``candidates.bin``; returns the store reopened.
+
+    Stored candidates with at least that many per row, from the same head and z, are kept as they are. The
+    pass writes a temporary file and renames it, the manifest last: a killed pass leaves nothing that is read.
+    Cost: one (rows, V) product, as one epoch of the per-step candidate choice it replaces."""
+    if candidates < 1:
+        raise ConfigError(f"`candidates` must be >= 1, got {candidates}", param="candidates")
+    store.check()
+    head = head_identity(lm_head)
+    m = store.candidate_manifest
+    if (
+        m is not None
+        and m["candidates"] >= min(candidates, lm_head.out_features)
+        and m["head"] == head
+        and m["store_backbone"] == store.manifest["backbone"]
+    ):
+        return store
+    rows, c = int(store.manifest["rows"]), min(candidates, lm_head.out_features)
+    tmp = store.path / (CANDIDATES_FILE + ".tmp")
+    out = np.memmap(tmp, dtype=np.int32, mode="w+", shape=(rows, c))
+    dtype = lm_head.weight.dtype
+    with Reporter(progress, "candidates", rows, unit="tok") as bar:
+        for start in range(0, rows, batch_rows):
+            stop = min(start + batch_rows, rows)
+            logits = lm_head(store.rows(start, stop).to(lm_head.weight.device, dtype))  # (n, V)
+            out[start:stop] = logits.topk(c, dim=-1).indices.cpu().numpy().astype(np.int32)  # (n, c)
+            bar.update(stop - start)
+    out.flush()
+    del out
+    (store.path / CANDIDATES_MANIFEST).unlink(missing_ok=True)  # no manifest ever describes a half-made file
+    os.replace(tmp, store.path / CANDIDATES_FILE)
+    manifest: CandidateManifest = {
+        "candidates": c,
+        "rows": rows,
+        "head": head,
+        "store_backbone": store.manifest["backbone"],
+        "sha256": _file_digest(store.path / CANDIDATES_FILE),
+    }
+    atomic_write_text(store.path / CANDIDATES_MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    return open_stored_z(store.path)
 
 
 def _batch_digest(z: np.ndarray, targets: np.ndarray, boundary: np.ndarray | None = None) -> str:
@@ -446,4 +600,13 @@ def _fill(
                 break
 
 
-__all__ = ["StoredZ", "ZDtype", "backbone_identity", "build_stored_z", "open_stored_z"]
+__all__ = [
+    "CandidateManifest",
+    "StoredZ",
+    "ZDtype",
+    "backbone_identity",
+    "build_stored_candidates",
+    "build_stored_z",
+    "head_identity",
+    "open_stored_z",
+]

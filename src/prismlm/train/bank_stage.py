@@ -47,11 +47,17 @@ def frozen_stage_steps(cfg: RunConfig) -> int:
 
 
 def bank_losses(
-    model: PrismLM, z: torch.Tensor, *, proto_kl_rows: int = 0, candidates: int = 0
+    model: PrismLM,
+    z: torch.Tensor,
+    *,
+    proto_kl_rows: int = 0,
+    candidates: int = 0,
+    candidate_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """REC, R1, R2 of the bank on stored hidden states z (N, d) — the prototype terms of ``PrismLM.forward`` —
     and with ``proto_kl_rows`` > 0 KL(softmax(W z) ‖ softmax(W ẑ)) on at most that many evenly spaced rows
-    (over the rows' ``candidates`` top tokens' union when > 0: ``loss.kl_candidates``)."""
+    (over the rows' ``candidates`` top tokens' union when > 0: ``loss.kl_candidates``; ``candidate_ids``
+    (N, ≥ c) those tokens ranked once, ``StoredZ.candidate_ids``, else ranked here from the (n, V) logits)."""
     po = model.require_prototypes()(z)
     terms = {
         "rec": L.reconstruction_loss(po.residual, z),
@@ -61,10 +67,14 @@ def bank_losses(
     if proto_kl_rows > 0:
         rows = slice(None, None, max(1, -(-z.shape[0] // proto_kl_rows)))
         with torch.no_grad():
-            logits = model.lm_head(z[rows])  # (n, V) the frozen model's own logits
-            head = L.candidate_unembedding(model.lm_head, logits, candidates)
-            if candidates:
+            if candidates and candidate_ids is not None:
+                head = L.restricted_unembedding(model.lm_head, candidate_ids[rows], candidates)
                 logits = head(z[rows])  # (n, |U|)
+            else:
+                logits = model.lm_head(z[rows])  # (n, V) the frozen model's own logits
+                head = L.candidate_unembedding(model.lm_head, logits, candidates)
+                if candidates:
+                    logits = head(z[rows])  # (n, |U|)
         terms["proto_kl"] = L.prototype_kl(logits, head(po.reconstruction[rows].to(z.dtype)))
     return terms
 
@@ -105,6 +115,7 @@ def train_bank(
         optimizer.load_state_dict(start.optimizer)
     set_trainable(model, trainable_names(model, "prototypes"))
     bank = model.require_prototypes()
+    c = cfg.loss.kl_candidates
     t_last, tokens_since = time.perf_counter(), 0
     with Reporter(progress, "bank", steps, unit="step", initial=start.step) as bar:
         for step in range(start.step, steps):
@@ -114,11 +125,14 @@ def train_bank(
             weights = cfg.loss.weights_at(step)
             sums: dict[str, float] = {}
             for micro in range(tc.grad_accum):
-                z = store.hidden(sampler.micro_indices(step, micro, 0)).to(device).reshape(-1, model.config.n_embd)
+                seq_ids = sampler.micro_indices(step, micro, 0)
+                z = store.hidden(seq_ids).to(device).reshape(-1, model.config.n_embd)  # (B·T, d)
                 kl_rows = cfg.loss.proto_kl_rows if weights.get("proto_kl", 0.0) > 0 else 0
+                ranked = kl_rows > 0 and store.candidates_for(c, model.lm_head)
                 terms = bank_losses(
-                    model, z, proto_kl_rows=kl_rows, candidates=cfg.loss.kl_candidates
-                )  # (B·T, d) → scalars
+                    model, z, proto_kl_rows=kl_rows, candidates=c,
+                    candidate_ids=store.candidate_ids(seq_ids, c).to(device) if ranked else None,
+                )  # fmt: skip
                 loss = sum(
                     (weights[k] * v for k, v in terms.items() if weights.get(k, 0.0) != 0.0),
                     torch.zeros((), device=device),

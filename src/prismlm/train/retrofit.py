@@ -27,7 +27,12 @@ from prismlm.errors import CheckpointError, ModelError, PrismError
 from prismlm.model import PrismLM
 from prismlm.model.pretrained import Pretrained, build_model
 from prismlm.model.prototypes import seed_prototypes
-from prismlm.model.stored_activations import backbone_identity, build_stored_z, open_stored_z
+from prismlm.model.stored_activations import (
+    backbone_identity,
+    build_stored_candidates,
+    build_stored_z,
+    open_stored_z,
+)
 from prismlm.progress import Progress
 from prismlm.train.bank_stage import BankStart, bank_stage, frozen_stage_steps
 from prismlm.train.checkpoint import find_checkpoint, load_checkpoint
@@ -168,6 +173,8 @@ def _retrofit_on_stored_z(
                 boundary_layer=boundary_layer_for(cfg),
             )
             store.check()  # complete
+            if cfg.loss.kl_candidates:  # ranked once here, read by every step of both stages
+                store = build_stored_candidates(store, model.lm_head, cfg.loss.kl_candidates, progress=progress)
             T = cfg.model.block_size
             seeds = store.hidden(seed_sequences(store.num_sequences, T, seed_tokens, tc.seed))
             _seed_bank(model, seeds.reshape(-1, cfg.model.n_embd)[:seed_tokens], cfg)

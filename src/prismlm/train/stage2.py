@@ -68,6 +68,7 @@ def stage2_losses(
     *,
     proto_kl: bool,
     candidates: int = 0,
+    candidate_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The loss terms of one stored batch. h, z_source: (B, T, d) the stored boundary activations and the
     source model's z of the same tokens. Returns unweighted scalars ``source_kl``, ``rec``, ``r1``, ``r2``,
@@ -76,15 +77,22 @@ def stage2_losses(
 
     ``candidates`` = c > 0: both KL terms see only the union U, over the batch, of every token's c most likely
     source tokens, each distribution renormalised on U (``loss.kl_candidates``): the products with W
-    are (N, |U|) instead of (N, V); c = 0 is the exact full-vocabulary KL."""
+    are (N, |U|) instead of (N, V); c = 0 is the exact full-vocabulary KL. ``candidate_ids`` (B·T, ≥ c): each
+    token's source candidates ranked once (``StoredZ.candidate_ids``), so the source's (N, V) product is
+    never formed; None ranks them here."""
     B, T, d = h.shape
     z = model.hidden_from_layer(h, layer).reshape(B * T, d)  # (N, d) with the current top blocks
     po = model.require_prototypes()(z)
     with torch.no_grad():
-        source_logits = model.lm_head(z_source.reshape(B * T, d))  # (N, V): W is frozen
-        head = L.candidate_unembedding(model.lm_head, source_logits, candidates)
-        if candidates:
-            source_logits = head(z_source.reshape(B * T, d))  # (N, |U|)
+        z_src = z_source.reshape(B * T, d)
+        if candidates and candidate_ids is not None:
+            head = L.restricted_unembedding(model.lm_head, candidate_ids, candidates)
+            source_logits = head(z_src)  # (N, |U|)
+        else:
+            source_logits = model.lm_head(z_src)  # (N, V): W is frozen
+            head = L.candidate_unembedding(model.lm_head, source_logits, candidates)
+            if candidates:
+                source_logits = head(z_src)  # (N, |U|)
         log_p_source = F.log_softmax(source_logits.float(), dim=-1)
     terms = {
         "source_kl": L.kl_to_reference(log_p_source, head(z)),
@@ -220,7 +228,8 @@ def stage2_step(
     device: torch.device,
 ) -> dict[str, float]:
     """Optimizer step ``step`` of stage 2 on ``store``'s rows from block ``layer`` (gradient accumulation,
-    clipping, the scheduled learning rate); returns the micro-batch-averaged terms and loss. Only the
+    clipping, the scheduled learning rate); returns the micro-batch-averaged terms and loss. With
+    ``loss.kl_candidates`` = c and the store's candidates ranked (``build_stored_candidates``), they are read. Only the
     parameters that require grad move: a boundary below n_layer − N with ``last-N`` trainable runs the blocks
     in between frozen (the stage-2 sweep of ``bench/real_faithfulness.py`` compares N on one store so)."""
     tc = cfg.train
@@ -228,14 +237,17 @@ def stage2_step(
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     weights = {**cfg.loss.weights_at(step), "source_kl": 1.0}
+    c = cfg.loss.kl_candidates
+    stored = store.candidates_for(c, model.lm_head)  # ranked once: no (N, V) product of the source per step
     sums: dict[str, float] = {}
     for micro in range(tc.grad_accum):
         ids = sampler.micro_indices(step, micro, 0)
         h = store.boundary_hidden(ids).to(device)  # (B, T, d)
         z_source = store.hidden(ids).to(device)  # (B, T, d)
         terms = stage2_losses(
-            model, h, z_source, layer, proto_kl=weights.get("proto_kl", 0.0) > 0, candidates=cfg.loss.kl_candidates
-        )
+            model, h, z_source, layer, proto_kl=weights.get("proto_kl", 0.0) > 0, candidates=c,
+            candidate_ids=store.candidate_ids(ids, c).to(device) if stored else None,
+        )  # fmt: skip
         loss = sum(
             (weights[k] * v for k, v in terms.items() if weights.get(k, 0.0) != 0.0), torch.zeros((), device=device)
         )
