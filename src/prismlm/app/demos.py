@@ -4,6 +4,7 @@ indexed, and its answer to a chat question explained; ``--scratch``: a toy PRISM
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -14,8 +15,10 @@ from prismlm.app.retrofit import RetrofitRecipe, resume_retrofit, retrofit_model
 from prismlm.app.run import Run, StageFn, no_stages, require
 from prismlm.app.training import DemoOptions, DemoResult, finished_training, has_checkpoint, scratch_demo
 from prismlm.artifacts import FileLock
+from prismlm.data.corpus import BUILTIN_DIR
 from prismlm.errors import ConfigError, DependencyError
 from prismlm.model import gguf
+from prismlm.model.bank_file import load_bank, save_bank
 from prismlm.model.hf_backbone import transformers_module
 from prismlm.progress import Progress
 from prismlm.train.run_folder import check_run_folder
@@ -40,6 +43,12 @@ DEMO_PROTOTYPES, DEMO_TOP_K = 8192, 8
 """One prototype per ~5 anchor tokens, toward the kNN end: on held-out chat answers the prototypes alone pick the
 model's token 0.39 of the time at K=512, 0.46 at 2,048, 0.51 at 8,192 and 0.51 at 16,384, for about the same bank
 time (the prototype-only KL's vocabulary products dominate a step)."""
+DEMO_BANK = BUILTIN_DIR / "banks" / "smollm2-135m-instruct-demo.safetensors"
+"""The bank ``prism demo`` starts from when its anchor set and steps are the defaults: the demo's own recipe (this
+anchor set, K, k, DEMO_OVERRIDES) trained offline for more steps than the demo's time allows
+(``python scripts/make_demo_bank.py``; the file's ``made_by`` says the command, steps and revision), so the demo runs
+the backbone pass, the index and the explanation here but not the bank's training. ``--steps N``, another anchor
+set, or a missing file: the bank is seeded and trained here for N (default DEMO_STEPS) steps."""
 DEMO_OVERRIDES = ("loss.lambda_proto_kl=1.0", "loss.kl_candidates=16", "loss.proto_kl_rows=2048")
 """The bank also learns the prototype-only prediction: KL(p ‖ softmax(W ẑ)) beside REC, R1 and R2, on every row of a
 step, over the union of each row's 16 most likely tokens (``loss.kl_candidates``: ~2k of 49k tokens, so the
@@ -74,7 +83,8 @@ def demo(
         scratch: Train a toy PRISM from scratch instead (no model wheel needed; the --preset sizes it).
         question: The chat question whose answer is explained (default: What is the capital of France?).
         preset: --scratch: preset to train: tiny, cpu-small, gpt2-124m, gpt2-medium, gpt2-large, xl-1.6b.
-        steps: Optimizer steps (default: 100 bank steps; with --scratch the preset's).
+        steps: Bank steps to train here from a seeded bank (default: none — the demo starts from the bank it
+            ships, trained offline with its recipe; with --scratch the preset's).
         out: Run folder.
         max_docs: Use only the first N documents of the anchor corpus (default 87 for the real model: books,
             speeches and the shipped chat answers in turn).
@@ -113,11 +123,13 @@ def demo(
             if scratch:
                 result = scratch_demo(preset or "cpu-small", options)
             else:
+                shipped = steps is None and max_docs is None and max_chars_per_doc is None and DEMO_BANK.is_file()
                 real = replace(
                     options,
-                    steps=steps or DEMO_STEPS,
+                    steps=load_bank(DEMO_BANK).step if shipped else steps or DEMO_STEPS,
                     max_docs=max_docs or DEMO_DOCS,
                     max_chars_per_doc=max_chars_per_doc or DEMO_CHARS,
+                    overrides=(f"train.init_bank={DEMO_BANK}", *options.overrides) if shipped else options.overrides,
                 )
                 result = real_demo(question or DEMO_QUESTION, real)
             if on_done is not None:
@@ -171,7 +183,8 @@ def real_demo(question: str, options: DemoOptions) -> DemoResult:
     (``options``: its steps, anchor documents and their length resolved by ``demo``)."""
     o = options
     on_stage, out, progress, overwrite = o.on_stage, o.out, o.progress, o.overwrite
-    on_stage(f"retrofit {DEMO_MODEL} ({DEMO_PROTOTYPES} prototypes, {o.max_docs} built-in documents)", 0, 3)
+    bank = "the shipped bank" if any(x.startswith("train.init_bank=") for x in o.overrides) else f"{o.steps} bank steps"
+    on_stage(f"retrofit {DEMO_MODEL} ({DEMO_PROTOTYPES} prototypes, {bank}, {o.max_docs} built-in documents)", 0, 3)
     recipe = RetrofitRecipe(
         corpus=DEMO_CORPUS,
         steps=o.steps,
@@ -224,6 +237,31 @@ def real_demo(question: str, options: DemoOptions) -> DemoResult:
     )
 
 
+def save_demo_bank(run_folder: Path, path: Path = DEMO_BANK) -> Path:
+    """The bank of a finished ``prism demo --steps N`` run saved as the bank the demo ships (float16), with how it
+    was made: the run's command, code revision, step, recipe and final validation (``scripts/make_demo_bank.py``)."""
+    run = Run.open(run_folder, device="cpu")
+    env = json.loads((run_folder / "env.json").read_text())
+    step = run.step or 0
+    cfg = run.config
+    protos = cfg.model.prototypes
+    lines = [json.loads(x) for x in (run_folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    final: dict[str, float] = next((x for x in reversed(lines) if "val_loss" in x), {})
+    made_by = {
+        "command": " ".join(str(x) for x in env.get("command", [])),
+        "git_revision": str(env.get("git_revision")),
+        "started": str(env.get("started")),
+        "recipe": f"K={protos.num_prototypes if protos else 0}, k={protos.top_k if protos else 0}, {step} bank steps, "
+        f"{cfg.data.max_docs} documents of {cfg.data.corpus} cut to {cfg.data.max_chars_per_doc} characters, "
+        f"lambda_proto_kl={cfg.loss.lambda_proto_kl}, kl_candidates={cfg.loss.kl_candidates}, "
+        f"proto_kl_rows={cfg.loss.proto_kl_rows}",
+        "validation": json.dumps(
+            {k: final[k] for k in ("top1_agreement", "kl", "margin_share", "r1_bar", "r2") if k in final}
+        ),
+    }
+    return save_bank(path, run.model, step=step, made_by=made_by)
+
+
 def resumed_training(o: DemoOptions) -> TrainResult | None:
     """``resume``: the demo's retrofit continued from its latest checkpoint (or, finished, read back from it);
     None when it stopped before its first checkpoint (the caller starts it again, reusing the stored z)."""
@@ -232,4 +270,4 @@ def resumed_training(o: DemoOptions) -> TrainResult | None:
     return finished_training(o.out) or resume_retrofit(o.out, device="cpu", progress=o.progress)
 
 
-__all__ = ["DEMO_MODEL", "DEMO_QUESTION", "demo", "real_demo", "require_demo_model"]
+__all__ = ["DEMO_BANK", "DEMO_MODEL", "DEMO_QUESTION", "demo", "real_demo", "require_demo_model", "save_demo_bank"]

@@ -174,6 +174,11 @@ class TrainConfig:
     blocks instead of all of them (``prismlm.train.stage2``). Its full-model term is KL to the source model's
     distribution (read from stored z) rather than CE. ``false``: the trainer's per-step path (CE, the whole
     backbone every step)."""
+    init_bank: str | None = None
+    """Retrofit stage 1 on stored z: start the bank from this file (``prismlm.model.bank_file``: a bank saved
+    apart from its model, for the same source model, K and k) instead of seeding it from the stored z; the
+    stage continues from the step the file was saved at, with a fresh optimizer (no steps left: the bank is
+    the file's, bit for bit). ``prism demo`` starts from the bank it ships. None: seed and train here."""
     stored_z_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     """How stored z is kept: float16 (half the bytes; on SmolLM2-135M a bank trained on it moved the residual
     share by 2e-6 and R̄1 by 2e-5 against float32, bench/real_retrofit.py), bfloat16 (for hidden states past

@@ -193,7 +193,7 @@ def bank_stage(
     tc = cfg.train
     steps = frozen_stage_steps(cfg)
     start = start or BankStart()
-    if start.step == 0:
+    if start.optimizer is None:  # a new run folder (seeded, or a bank file's): not a resume
         out_dir.mkdir(parents=True, exist_ok=True)
         cfg.to_json(out_dir / "config.json")
         env = environment_info(DistInfo(), device, tc.seed)

@@ -23,8 +23,9 @@ from prismlm.artifacts import RUN_FILES, FileLock
 from prismlm.config import RunConfig
 from prismlm.data.shards import ShardSet, default_data_dir, prepare_from_config
 from prismlm.data.tokenizer import Tokenizer
-from prismlm.errors import CheckpointError, ModelError, PrismError
+from prismlm.errors import CheckpointError, ConfigError, ModelError, PrismError
 from prismlm.model import PrismLM
+from prismlm.model.bank_file import install_bank, load_bank
 from prismlm.model.pretrained import Pretrained, build_model
 from prismlm.model.prototypes import seed_prototypes
 from prismlm.model.stored_activations import (
@@ -104,6 +105,7 @@ def retrofit(
     if shards.tokenizer.fingerprint == pre.tokenizer.fingerprint:
         # the run saves the shards' tokenizer; shards cached before may hold a copy without the chat template
         shards = dataclasses.replace(shards, tokenizer=pre.tokenizer)
+    start = _initial_bank(model, cfg)  # checked before the backbone pass; None: seeded from the stored z
     if cfg.train.frozen_from_stored_z and frozen_stage_steps(cfg) > 0 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return _retrofit_on_stored_z(
             model,
@@ -114,9 +116,34 @@ def retrofit(
             overwrite=overwrite,
             seed_tokens=n_tokens,
             rng_state=rng_state,
+            start=start,
+        )
+    if start is not None:
+        raise ConfigError(
+            "train.init_bank starts the bank stage on stored z, which this retrofit does not run (no frozen steps, "
+            "train.frozen_from_stored_z=false, or several processes)",
+            fix="retrofit in one process with frozen steps on stored z, or leave train.init_bank unset",
+            param="train.init_bank",
         )
     _seed_bank(model, sample_hidden(model, shards, n_tokens, seed=cfg.train.seed), cfg)
     return train(cfg, out_dir, shards=shards, progress=progress, overwrite=overwrite, initial_state=model.state_dict())
+
+
+def _initial_bank(model: PrismLM, cfg: RunConfig) -> BankStart | None:
+    """``train.init_bank``: the file's bank installed in ``model`` (checked against it) and where stage 1
+    continues from; None when the bank is to be seeded here."""
+    if cfg.train.init_bank is None:
+        return None
+    bank = load_bank(cfg.train.init_bank)
+    install_bank(model, bank)
+    if bank.step > frozen_stage_steps(cfg):
+        raise ConfigError(
+            f"the bank {bank.path} was saved at step {bank.step} of its stage; this retrofit's stage 1 ends at "
+            f"step {frozen_stage_steps(cfg)}",
+            fix=f"set steps >= {bank.step}, or leave train.init_bank unset to train a bank here",
+            param="train.init_bank",
+        )
+    return BankStart(step=bank.step)
 
 
 def _seed_bank(model: PrismLM, hidden: torch.Tensor, cfg: RunConfig) -> None:
@@ -143,6 +170,7 @@ def _retrofit_on_stored_z(
     overwrite: bool,
     seed_tokens: int,
     rng_state: torch.Tensor,
+    start: BankStart | None = None,
 ) -> TrainResult:
     """Stage 1 on stored z (one backbone pass over the training split, resumable after a kill: run the same
     command again; then checkpoints at ``train.ckpt_interval``, continued by ``resume_on_stored_z``), seeded
@@ -173,14 +201,18 @@ def _retrofit_on_stored_z(
                 boundary_layer=boundary_layer_for(cfg),
             )
             store.check()  # complete
-            if cfg.loss.kl_candidates:  # ranked once here, read by every step of both stages
+            if start is None:
+                T = cfg.model.block_size
+                seeds = store.hidden(seed_sequences(store.num_sequences, T, seed_tokens, tc.seed))
+                _seed_bank(model, seeds.reshape(-1, cfg.model.n_embd)[:seed_tokens], cfg)
+                start = BankStart()
+            steps_left = start.step < frozen_stage_steps(cfg) or cfg.train.max_steps > frozen_stage_steps(cfg)
+            if cfg.loss.kl_candidates and steps_left:  # ranked once here, read by every step of both stages
                 store = build_stored_candidates(store, model.lm_head, cfg.loss.kl_candidates, progress=progress)
-            T = cfg.model.block_size
-            seeds = store.hidden(seed_sequences(store.num_sequences, T, seed_tokens, tc.seed))
-            _seed_bank(model, seeds.reshape(-1, cfg.model.n_embd)[:seed_tokens], cfg)
             result = bank_stage(
-                model, store, cfg, out_dir, shards=shards, device=device, rng_state=rng_state, progress=progress
-            )
+                model, store, cfg, out_dir, shards=shards, device=device, rng_state=rng_state, progress=progress,
+                start=start,
+            )  # fmt: skip
         except PrismError:
             if not has_checkpoint(out_dir):
                 _remove_created(out_dir, created)
