@@ -247,12 +247,29 @@ def bank_speed_main(args: argparse.Namespace) -> None:
 
 
 def parse_variant(spec: str) -> dict[str, float]:
-    """``N2-a1-c16`` → {"N": 2, "alpha": 1.0, "c": 16}: unfrozen blocks, loss.lambda_proto_kl, loss.kl_candidates."""
+    """``N2-a1-c16`` → {"N": 2, "alpha": 1.0, "c": 16, "r": 0}: unfrozen blocks, loss.lambda_proto_kl,
+    loss.kl_candidates; ``-r8``: LoRA adapters of rank 8 on those blocks' Linear layers train instead of the
+    blocks themselves (the bank trains either way)."""
     try:
         parts = {p[0]: p[1:] for p in spec.split("-")}
-        return {"N": int(parts["N"]), "alpha": float(parts["a"]), "c": int(parts["c"])}
+        return {"N": int(parts["N"]), "alpha": float(parts["a"]), "c": int(parts["c"]), "r": int(parts.get("r", 0))}
     except (KeyError, ValueError) as e:
-        raise SystemExit(f"--variant {spec!r}: expected N<blocks>-a<alpha>-c<candidates>, e.g. N2-a1-c16") from e
+        raise SystemExit(
+            f"--variant {spec!r}: expected N<blocks>-a<alpha>-c<candidates>[-r<rank>], e.g. N2-a1-c16"
+        ) from e
+
+
+def top_block_lora(model: PrismLM, n_last: int, rank: int) -> None:
+    """LoRA adapters (peft, W x + (α/r) B A x with B = 0 at the start, α = 2r as ``model.lora_rank``) on every
+    Linear of the last ``n_last`` blocks only: what stage 2 on stored boundary activations can train."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    top = tuple(p.removeprefix("transformer.") for p in model.block_prefixes()[-n_last:])
+    targets = [n for n, m in model.transformer.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(top)]
+    inject_adapter_in_model(  # full module names: a name in the list matches only itself
+        LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets),
+        model.transformer,
+    )
 
 
 def sweep_main(args: argparse.Namespace) -> None:
@@ -278,9 +295,12 @@ def sweep_main(args: argparse.Namespace) -> None:
         v = parse_variant(spec)
         model = load_checkpoint(out).model.train()
         cfg = RunConfig.from_json(out / "config.json").override(
-            {"train.trainable": f"last-{v['N']}", "loss.lambda_proto_kl": v["alpha"], "loss.kl_candidates": v["c"],
-             "train.max_steps": args.frozen_steps + args.steps}
+            {"train.trainable": "lora" if v["r"] else f"last-{v['N']}", "loss.lambda_proto_kl": v["alpha"],
+             "loss.kl_candidates": v["c"], "train.max_steps": args.frozen_steps + args.steps}
         )  # fmt: skip
+        if v["r"]:  # adapters at the block lr × args.lora_lr_scale (LoRA wants a larger step than full weights)
+            top_block_lora(model, int(v["N"]), int(v["r"]))
+            cfg = cfg.override({"train.backbone_lr_ratio": cfg.train.backbone_lr_ratio * args.lora_lr_scale})
         set_trainable(model, trainable_names(model, cfg.train.trainable))
         optimizer = build_optimizer(model, cfg, torch.device("cpu"))
         sampler = SequenceSampler(store.num_sequences, cfg.train.batch_size, cfg.train.grad_accum, 1, cfg.train.seed)
@@ -463,6 +483,7 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=1.0, help="loss.lambda_proto_kl")
     p.add_argument("--variant", action="append", default=[], help="sweep: N<blocks>-a<alpha>-c<candidates>")
     p.add_argument("--every", type=int, default=50, help="sweep: held-out points every this many steps")
+    p.add_argument("--lora-lr-scale", type=float, default=10.0, help="sweep: LoRA adapters' lr over the blocks' lr")
     p.add_argument("--set", action="append", default=[], help="stage2, sweep: extra retrofit overrides (key=value)")
     p.add_argument("--kl-candidates", type=int, default=0, help="loss.kl_candidates of the stage-2 run")
     p.add_argument("--lr", type=float, default=3e-3, help="the bank's learning rate")
