@@ -72,11 +72,11 @@ class SuppressionRecord(TypedDict):
     model_sha256: str | None
     concept: str | None
     share: float
-    residual: NotRequired[str]
-    """Version 2 only: ``keep`` or ``project``."""
     evidence: dict[str, PrototypeEvidence]
     meta: dict[str, JSON]
     created: str
+    residual: NotRequired[str]
+    """Version 2 only: ``keep`` or ``project``."""
 
 
 @dataclass

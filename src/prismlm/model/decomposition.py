@@ -7,15 +7,22 @@ the same ``PrismOutput`` (under a residual-projecting suppression its ``residual
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+import torch.nn as nn
 
 from prismlm.errors import ModelError
 from prismlm.model.outputs import PrismOutput
+from prismlm.model.prototypes import PrototypeLayer
 
-if TYPE_CHECKING:
-    from prismlm.model.gpt import PrismLM
+
+class PrototypeHead(Protocol):
+    """What ``decompose`` reads of a ``PrismLM`` (a protocol, so this module does not import the model's)."""
+
+    lm_head: nn.Linear
+
+    def require_prototypes(self, what: str = ...) -> PrototypeLayer: ...
 
 
 @dataclass
@@ -44,7 +51,7 @@ class LogitDecomposition:
     Llama): a constant per token that no prototype or residual carries."""
 
 
-def decompose(model: PrismLM, out: PrismOutput, tokens: torch.Tensor) -> LogitDecomposition:
+def decompose(model: PrototypeHead, out: PrismOutput, tokens: torch.Tensor) -> LogitDecomposition:
     """Split the logit of ``tokens`` (B, T) at every position into prototype slices plus a residual slice.
 
     The slices track gradients exactly when ``out`` does: after a no-grad (or inference-mode) forward they are
@@ -55,7 +62,7 @@ def decompose(model: PrismLM, out: PrismOutput, tokens: torch.Tensor) -> LogitDe
         return _decompose(model, out, tokens)
 
 
-def _decompose(model: PrismLM, out: PrismOutput, tokens: torch.Tensor) -> LogitDecomposition:
+def _decompose(model: PrototypeHead, out: PrismOutput, tokens: torch.Tensor) -> LogitDecomposition:
     assert out.indices is not None and out.activations is not None and out.residual is not None
     W = model.lm_head.weight  # (V, d)
     w_y = W[tokens].to(out.residual.dtype)  # (B, T, d): the output row of each chosen token

@@ -26,7 +26,6 @@ from prismlm.config import ModelConfig
 from prismlm.errors import ModelError
 from prismlm.model import generation
 from prismlm.model import losses as L
-from prismlm.model.decomposition import LogitDecomposition, decompose
 from prismlm.model.generation import Sampling, TextCodec, resolve_sampling
 from prismlm.model.interventions import (
     Intervention,
@@ -43,8 +42,6 @@ from prismlm.model.prototypes import PrototypeLayer, PrototypeOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-__all__ = ["LogitDecomposition", "PrismLM", "decompose"]  # the decomposition lives in its own module
 
 
 class CausalSelfAttention(nn.Module):
