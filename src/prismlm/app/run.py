@@ -146,6 +146,12 @@ def resolve_suppression(
     """``auto``: the checkpoint's own ``suppression.json`` if it has one; ``none``/``None``: nothing; else a
     file. The set is checked against the checkpoint (bank size, model hash). ``residual``: ``auto`` (the
     mode the set records), ``keep`` or ``project`` (overrides it; ``ConfigError`` when there is no set)."""
+    return with_residual_mode(_suppression_set(checkpoint, suppress), residual)
+
+
+def with_residual_mode(sset: SuppressionSet | None, residual: str = "auto") -> SuppressionSet | None:
+    """``sset`` with the residual mode ``residual`` (``auto``: its own; ``keep``; ``project``); ``ConfigError``
+    for another value, or for ``keep``/``project`` without a set (the mode would be silently ignored)."""
     mode = str(residual).lower()
     if mode not in ("auto", *RESIDUAL_MODES):
         raise ConfigError(
@@ -154,7 +160,6 @@ def resolve_suppression(
             "project the residual off the suppressed prototypes)",
             param="suppress_residual",
         )
-    sset = _suppression_set(checkpoint, suppress)
     if sset is None and mode != "auto":
         raise ConfigError(
             f"{named('suppress_residual')} {mode} needs a suppression set, and none is applied",
