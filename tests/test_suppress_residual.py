@@ -314,3 +314,22 @@ def test_cli_suppress_residual_chooses_the_mode_and_export_bakes_it_in(run_folde
     none = cli.invoke(app, [*args[:2], str(tmp_path / "o3"), "--suppress", "none", "--suppress-residual", "project"])
     assert none.exit_code != 0 and "--suppress-residual project needs a suppression set" in none.output
     assert "--suppress FILE" in none.output
+
+
+def test_concept_records_the_residual_mode(run_folder, tmp_path):
+    """``prism concept … --residual project`` writes a set that applies with the projection; a bad mode is
+    refused naming the flag and the fix."""
+    from typer.testing import CliRunner
+
+    from prismlm.cli.main import app
+
+    (tmp_path / "c.txt").write_text("Thou shalt not kill.\n\nAnd the LORD said unto Moses, thou art blessed.\n")
+    (tmp_path / "n.txt").write_text("The report was filed on Monday.\n\nPrices rose by two percent last year.\n")
+    args = ["concept", str(run_folder), "--concept", str(tmp_path / "c.txt"), "--neutral", str(tmp_path / "n.txt")]
+    args += ["--device", "cpu", "--threshold", "0", "--min-count", "1"]
+    res = CliRunner().invoke(app, [*args, "--residual", "project", "--out", str(tmp_path / "s.json")])
+    assert res.exit_code == 0, res.output
+    sset = SuppressionSet.load(tmp_path / "s.json")
+    assert sset.residual == "project" and sset.intervention().residual == "project"
+    bad = CliRunner().invoke(app, [*args, "--residual", "drop"])
+    assert bad.exit_code != 0 and "--residual 'drop' is not a residual mode" in bad.output and "use keep" in bad.output
