@@ -333,3 +333,33 @@ def test_concept_records_the_residual_mode(run_folder, tmp_path):
     assert sset.residual == "project" and sset.intervention().residual == "project"
     bad = CliRunner().invoke(app, [*args, "--residual", "drop"])
     assert bad.exit_code != 0 and "--residual 'drop' is not a residual mode" in bad.output and "use keep" in bad.output
+
+
+def test_explanations_show_the_edited_residual(run_folder):
+    """``explain`` and ``explain_generation`` (cached steps joined) under a projecting suppression: every
+    position sums exactly, its residual slice is the edited residual's, and a note names the prototypes."""
+    from prismlm.app import Run
+    from prismlm.explain.explanation import explain, explain_generation
+
+    run = Run.open(run_folder, device="cpu", suppress="none")
+    model, tok = run.model, run.tokenizer
+    prompt = "It is a truth universally acknowledged"
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        sup = sorted(set(model(torch.tensor([ids])).indices[..., 0].flatten().tolist()))[:4]
+    iv = Suppress.of(sup, residual="project")
+    with torch.no_grad(), model.intervene(iv):
+        gen = explain_generation(model, tok, prompt, 5)
+        one = explain(model, tok, prompt)
+        full = model(torch.tensor([gen.token_ids]))
+        dec = decompose(model, full, torch.tensor([gen.token_ids[1:] + [0]]))
+    with torch.no_grad():
+        plain = decompose(model, model(torch.tensor([gen.token_ids])), torch.tensor([gen.token_ids[1:] + [0]]))
+    for e in (gen, one):
+        assert e.max_abs_error < 1e-4
+        assert any(f"{len(sup)} suppressed prototypes" in n for n in e.notes)
+    # every position but the last (its target, the last generated token, is not in token_ids)
+    got = torch.tensor([p.residual_slice for p in gen.positions[:-1]], dtype=torch.float64)
+    n = len(got)
+    torch.testing.assert_close(got, dec.residual_slice[0, :n].double(), rtol=0, atol=1e-4)
+    assert (got - plain.residual_slice[0, :n].double()).abs().max() > 1e-3  # not the unedited residual's
