@@ -148,7 +148,7 @@ def orthonormal_basis(vectors: torch.Tensor) -> torch.Tensor:
     Why an SVD rather than a plain QR: a bank may hold (near-)parallel prototypes, and QR of a rank-deficient
     matrix returns columns outside the span; singular values below the usual rank tolerance
     (σ_max · max(n, d) · eps, as ``torch.linalg.matrix_rank``) are dropped instead."""
-    a = vectors.detach().to(torch.float64).T  # (d, n)
+    a = vectors.detach().to("cpu", torch.float64).T  # (d, n): on the CPU, so every device gets the same Q
     if a.shape[1] == 0:
         return a.new_zeros(a.shape[0], 0)
     u, s, _ = torch.linalg.svd(a, full_matrices=False)  # u (d, min(d, n)), s descending
