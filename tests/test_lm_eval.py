@@ -396,6 +396,32 @@ def test_suppress_model_arg_applies_to_every_request_type(trained, tmp_path):
     assert model.proto_multipliers is None and lm.model.proto_multipliers is None  # nothing left applied
 
 
+def test_suppress_residual_model_arg_projects_the_residual(trained, tmp_path):
+    """``suppress=FILE,suppress_residual=project``: log-likelihoods are those of the model inside
+    ``intervene(Suppress(ids, residual="project"))``; an unknown mode or a mode without a set is refused."""
+    from prismlm.control.suppress import SuppressionSet
+    from prismlm.eval.scoring import loglikelihoods
+    from prismlm.model import Suppress
+
+    ckpt, run = trained
+    tok, K = ckpt.tokenizer, ckpt.model.prototypes.num_prototypes
+    f = SuppressionSet(ids=list(range(0, K, 4)), num_prototypes=K, model_sha256=ckpt.manifest["model_sha256"])
+    f = f.save(tmp_path / "s.json")
+    extra = {"device": "cpu", "batch_size": 2}
+    lm = PrismEvalLM.create_from_arg_string(f"pretrained={run},suppress={f},suppress_residual=project", extra)
+    assert [iv.residual for iv in lm.interventions] == ["project"]
+    keep = PrismEvalLM.create_from_arg_string(f"pretrained={run},suppress={f}", extra)
+    req = [Instance("loglikelihood", {}, ("It was the best of times", " it was"), 0)]
+    with lm.model.intervene(Suppress.of(range(0, K, 4), residual="project")):
+        want = loglikelihoods(lm.model, tok, [req[0].args])[0]
+    assert lm.loglikelihood(req)[0] == pytest.approx(want)
+    assert keep.loglikelihood(req)[0][0] != pytest.approx(want[0])
+    with pytest.raises(ConfigError, match="'drop' is not a residual mode"):
+        PrismEvalLM.create_from_arg_string(f"pretrained={run},suppress={f},suppress_residual=drop", extra)
+    with pytest.raises(ConfigError, match="project needs a suppression set"):
+        PrismEvalLM.create_from_arg_string(f"pretrained={run},suppress=none,suppress_residual=project", extra)
+
+
 # ----- 4. bad model_args ---------------------------------------------------------------------------------
 def test_bad_model_args_are_prism_errors(trained, tmp_path):
     _, run = trained

@@ -29,6 +29,7 @@ from prismlm.errors import ConfigError, DataError, TaskError
 from prismlm.eval.scoring import MCScores, encode_pair, mc_accuracy
 from prismlm.eval.tasks import TASKS, MCExample, build_tasks, load_split
 from prismlm.model import Control, Intervention, PrismLM
+from prismlm.model.interventions import RESIDUAL_MODES
 
 # lm-eval's scorer on task folders (``prismlm.integrations.lm_eval_adapter.evaluate_with_lm_eval``): task → metrics
 TaskScorer = Callable[[PrismLM, Tokenizer, dict[str, str | Path]], dict[str, dict[str, float]]]
@@ -57,6 +58,7 @@ def find_run_concept(
     out: Path | None = None,
     save: bool = False,
     chat: bool = False,
+    residual: str = "keep",
 ) -> ConceptResult:
     """Find the prototypes of a concept (log-likelihood contribution, activation enrichment, neighbourhood
     purity) → a suppression set.
@@ -74,7 +76,15 @@ def find_run_concept(
         chat: Every concept and neutral text is a chat message: written with the run's chat template, the
             model's answer (greedy, up to the end-of-turn token) appended — the prototypes are found on what
             the model reads and says in a chat.
+        residual: What the set does to the residual, recorded in it: keep (remove the prototypes' slices only)
+            or project (also project the residual off the span of their vectors).
     """
+    if residual not in RESIDUAL_MODES:
+        raise ConfigError(
+            f"`residual` {residual!r} is not a residual mode",
+            fix="use keep (remove the slices only) or project (also project the residual off the prototypes)",
+            param="residual",
+        )
     require(selection.min_count >= 1, "min_count", ">= 1", selection.min_count)
     if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what `save` writes)
         target = out / CHECKPOINT_FILE if out.is_dir() else out
@@ -107,6 +117,7 @@ def find_run_concept(
         concept=name,
         model_sha256=run.identity,
     )
+    sset = replace(sset, residual=residual)
     saved = []
     if out:
         saved.append(sset.save(out))

@@ -207,7 +207,7 @@ def _usable_stored_z(
     """The run's stored z (``RUN/stored-z``) when it holds this checkpoint's backbone over ``shards`` (after a
     stage 2 the backbone moved on: the model runs, and a note says why)."""
     path = run.folder / STORED_Z_DIR
-    if not (path / "manifest.json").exists() or model.proto_multipliers is not None:
+    if not (path / "manifest.json").exists() or model.is_intervened:
         return None
     try:
         store = open_stored_z(path)

@@ -9,6 +9,7 @@ Interventions (suppression sets, controllers, scaling) are values held by the ru
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ArtifactError, ConfigError, PrismError, ShardError, named
 from prismlm.model import Intervention, PrismLM
 from prismlm.model.generation import GREEDY, Sampling
+from prismlm.model.interventions import RESIDUAL_MODES
 from prismlm.train.checkpoint import Checkpoint, load_checkpoint
 from prismlm.train.distributed import resolve_device
 from prismlm.train.state import autocast_for
@@ -138,9 +140,39 @@ def open_device(spec: str) -> torch.device:
         ) from e
 
 
-def resolve_suppression(checkpoint: Checkpoint, suppress: str | Path | None) -> SuppressionSet | None:
+def resolve_suppression(
+    checkpoint: Checkpoint, suppress: str | Path | None, residual: str = "auto"
+) -> SuppressionSet | None:
     """``auto``: the checkpoint's own ``suppression.json`` if it has one; ``none``/``None``: nothing; else a
-    file. The set is checked against the checkpoint (bank size, model hash)."""
+    file. The set is checked against the checkpoint (bank size, model hash). ``residual``: ``auto`` (the
+    mode the set records), ``keep`` or ``project`` (overrides it; ``ConfigError`` when there is no set)."""
+    return with_residual_mode(_suppression_set(checkpoint, suppress), residual)
+
+
+def with_residual_mode(sset: SuppressionSet | None, residual: str = "auto") -> SuppressionSet | None:
+    """``sset`` with the residual mode ``residual`` (``auto``: its own; ``keep``; ``project``); ``ConfigError``
+    for another value, or for ``keep``/``project`` without a set (the mode would be silently ignored)."""
+    mode = str(residual).lower()
+    if mode not in ("auto", *RESIDUAL_MODES):
+        raise ConfigError(
+            f"{named('suppress_residual')} {residual!r} is not a residual mode",
+            fix="use auto (the suppression set's own mode), keep (remove the slices only) or project (also "
+            "project the residual off the suppressed prototypes)",
+            param="suppress_residual",
+        )
+    if sset is None and mode != "auto":
+        raise ConfigError(
+            f"{named('suppress_residual')} {mode} needs a suppression set, and none is applied",
+            fix=f"name one with {named('suppress')} FILE (from `prism concept`), or leave "
+            f"{named('suppress_residual')} at auto",
+            param=("suppress_residual", "suppress"),
+        )
+    if sset is not None and mode != "auto" and mode != sset.residual:
+        sset = dataclasses.replace(sset, residual=mode)
+    return sset
+
+
+def _suppression_set(checkpoint: Checkpoint, suppress: str | Path | None) -> SuppressionSet | None:
     if suppress is None or str(suppress).lower() == "none":
         return None
     if str(suppress).lower() == "auto":
@@ -186,13 +218,15 @@ class Run:
         device: str = "auto",
         suppress: str | Path | None = "auto",
         interventions: tuple[Intervention, ...] = (),
+        suppress_residual: str = "auto",
     ) -> Run:
         """Load the checkpoint of ``path`` on ``device`` with its suppression set (``auto``: the
-        checkpoint's own, ``none``, or a FILE) and any further ``interventions``."""
+        checkpoint's own, ``none``, or a FILE) and any further ``interventions``. ``suppress_residual``:
+        ``auto`` (the set's recorded mode), ``keep`` or ``project`` (see ``resolve_suppression``)."""
         dev = open_device(device)
         ckpt = load_checkpoint(path, device=dev)
         ckpt.model.eval()
-        sset = resolve_suppression(ckpt, suppress)
+        sset = resolve_suppression(ckpt, suppress, suppress_residual)
         ivs = ((sset.intervention(),) if sset is not None else ()) + tuple(interventions)
         return cls(path=Path(path), checkpoint=ckpt, device=dev, suppression=sset, interventions=ivs)
 

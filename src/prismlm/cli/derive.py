@@ -30,6 +30,10 @@ DEVICE_HELP = "auto, cpu, cuda…"
 SUPPRESS_HELP = (
     "Suppression set: a JSON file from `prism concept`, 'auto' (the checkpoint's suppression.json if any) or 'none'."
 )
+SUPPRESS_RESIDUAL_HELP = (
+    "What the suppression set does to the residual: 'auto' (the mode the set records), 'keep' (remove the "
+    "prototypes' slices only) or 'project' (also project the residual off the suppressed prototypes)."
+)
 
 
 def arg_help(func: Callable[..., object]) -> dict[str, str]:
@@ -229,6 +233,14 @@ def _run_options(opens_run: bool, suppressible: bool) -> tuple[list[inspect.Para
                 default=typer.Option("auto", help=SUPPRESS_HELP),
             )
         )
+        tail.append(
+            inspect.Parameter(
+                "suppress_residual",
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=str,
+                default=typer.Option("auto", "--suppress-residual", help=SUPPRESS_RESIDUAL_HELP),
+            )
+        )
     return head, tail
 
 
@@ -248,6 +260,7 @@ def _announce_suppression(run: Run) -> None:
         console.print(
             f"suppressing {len(s.ids)} prototypes ({100 * s.share:.2f}% of the bank)"
             + (f": {s.concept}" if s.concept else "")
+            + ("; the residual projected off their span" if s.residual == "project" else "")
         )
 
 
@@ -301,6 +314,7 @@ class _Invocation:
             Path(str(kwargs["run"])),
             device=str(kwargs["device"]),
             suppress=str(kwargs["suppress"]) if self.suppressible else "none",
+            suppress_residual=str(kwargs["suppress_residual"]) if self.suppressible else "auto",
         )
         _announce_suppression(run)
         return run

@@ -25,7 +25,7 @@ from prismlm.app.training import DemoResult
 from prismlm.artifacts import write_output
 from prismlm.cli.console import console, echo, fail, stdout
 from prismlm.cli.context import CONTEXT, HELP, root_options
-from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, command, flags_of
+from prismlm.cli.derive import DEVICE_HELP, SUPPRESS_HELP, SUPPRESS_RESIDUAL_HELP, command, flags_of
 from prismlm.data.shards import ShardSet
 from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import PrismError
@@ -514,6 +514,7 @@ def serve_command(
     ),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     suppress: str = typer.Option("auto", "--suppress", help=SUPPRESS_HELP),
+    suppress_residual: str = typer.Option("auto", "--suppress-residual", help=SUPPRESS_RESIDUAL_HELP),
     max_text_chars: int = typer.Option(4000, "--max-text-chars", help="Longest text a request may send."),
     max_generate: int = typer.Option(128, "--max-generate", help="Most tokens a request may generate."),
 ) -> None:
@@ -530,6 +531,7 @@ def serve_command(
             port=port,
             device=device,
             suppress=suppress,
+            suppress_residual=suppress_residual,
             concepts=concept,
             limits=Limits(max_text_chars=max_text_chars, max_generate=max_generate),
         )

@@ -21,7 +21,7 @@ import torch
 from prismlm.control.suppress import PrototypeEvidence, SuppressionSet
 from prismlm.errors import ConfigError, DataError, ModelError
 from prismlm.eval.scoring import text_batches
-from prismlm.model.gpt import decompose
+from prismlm.model.decomposition import decompose
 
 if TYPE_CHECKING:
     from prismlm.data.tokenizer import Tokenizer

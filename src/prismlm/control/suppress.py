@@ -1,9 +1,9 @@
 """Suppression sets: which prototypes to switch off, why, and for which model (spec §4).
 
-A ``SuppressionSet`` is a small JSON artifact (ids, bank size, ``model_sha256``, concept, evidence),
-applied with ``with model.suppress(set.ids):``; next to a checkpoint as ``suppression.json`` it applies
-by default. Loading one made for another model (hash or bank size) fails naming both. Format:
-docs/architecture.md (suppression sets).
+A ``SuppressionSet`` is a small JSON artifact (ids, bank size, ``model_sha256``, concept, residual mode,
+evidence), applied with ``with model.intervene(set.intervention()):``; next to a checkpoint as
+``suppression.json`` it applies by default. Loading one made for another model (hash or bank size) fails
+naming both. Format: docs/architecture.md (suppression sets).
 """
 
 from __future__ import annotations
@@ -13,17 +13,21 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 from prismlm.artifacts import JSON, atomic_write_text
 from prismlm.errors import SuppressionError
-from prismlm.model.interventions import Suppress
+from prismlm.model.interventions import RESIDUAL_MODES, Suppress
 
 if TYPE_CHECKING:
     from prismlm.model import PrismLM
 
 KIND = "prismlm-suppression"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 adds ``residual`` (keep/project). A set that keeps the residual is still written as version 1,
+byte for byte the old format, so older prismlm reads it; a projecting set is version 2, which older prismlm
+refuses rather than applying it without the projection. Version 1 files load with ``residual="keep"``."""
+READABLE_VERSIONS = (1, 2)
 CHECKPOINT_FILE = "suppression.json"
 
 
@@ -71,6 +75,8 @@ class SuppressionRecord(TypedDict):
     evidence: dict[str, PrototypeEvidence]
     meta: dict[str, JSON]
     created: str
+    residual: NotRequired[str]
+    """Version 2 only: ``keep`` or ``project``."""
 
 
 @dataclass
@@ -89,8 +95,16 @@ class SuppressionSet:
     """Per-prototype evidence (enrichment, purity, label, neighbour snippets…)."""
     meta: dict[str, JSON] = field(default_factory=dict)
     """How the set was chosen (method, budget/threshold, text counts…)."""
+    residual: str = "keep"
+    """``keep``: remove the prototypes' slices only; ``project``: also project the residual off the span of
+    their vectors (``Suppress(ids, residual="project")``)."""
 
     def __post_init__(self) -> None:
+        if self.residual not in RESIDUAL_MODES:
+            raise SuppressionError(
+                f"suppression set residual mode must be one of {', '.join(RESIDUAL_MODES)}, got {self.residual!r}",
+                fix="use keep (remove the slices) or project (also project the residual off the prototypes)",
+            )
         if not isinstance(self.ids, (list, tuple)) or any(
             isinstance(i, bool) or not isinstance(i, int) for i in self.ids
         ):
@@ -126,12 +140,13 @@ class SuppressionSet:
             concept=self.concept,
             evidence={i: e for i, e in self.evidence.items() if i in keep},
             meta={**self.meta, "subset_of": len(self.ids)},
+            residual=self.residual,
         )
 
     def to_dict(self) -> SuppressionRecord:
-        return {
+        out: SuppressionRecord = {
             "kind": KIND,
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if self.residual != "keep" else 1,
             "ids": self.ids,
             "num_prototypes": self.num_prototypes,
             "model_sha256": self.model_sha256,
@@ -141,6 +156,9 @@ class SuppressionSet:
             "meta": self.meta,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        if self.residual != "keep":
+            out["residual"] = self.residual
+        return out
 
     def save(self, path: str | Path) -> Path:
         """Write JSON to ``path`` (a file, or a checkpoint folder → ``suppression.json`` in it)."""
@@ -167,8 +185,11 @@ class SuppressionSet:
                 f"{path} is not a suppression set (kind {d.get('kind') if isinstance(d, dict) else None!r}, "
                 f"expected {KIND!r}); make one with `prism concept`"
             )
-        if d.get("format_version") != FORMAT_VERSION:
-            raise SuppressionError(f"{path}: format_version {d.get('format_version')!r}, expected {FORMAT_VERSION}")
+        if d.get("format_version") not in READABLE_VERSIONS:
+            raise SuppressionError(
+                f"{path}: format_version {d.get('format_version')!r}, this prismlm reads {READABLE_VERSIONS}",
+                fix="upgrade prismlm, or make the set again with `prism concept`",
+            )
         missing = [k for k in ("ids", "num_prototypes") if k not in d]
         if missing:
             raise SuppressionError(f"{path} lacks {', '.join(missing)}; make the set with `prism concept`")
@@ -179,6 +200,7 @@ class SuppressionSet:
             concept=d.get("concept"),
             evidence=d.get("evidence", {}),
             meta=d.get("meta", {}),
+            residual=d.get("residual", "keep") if d["format_version"] >= 2 else "keep",
         )
 
     def check(self, model: PrismLM, model_sha256: str | None = None) -> None:
@@ -198,4 +220,4 @@ class SuppressionSet:
 
     def intervention(self) -> Suppress:
         """This set as an intervention value: ``with model.intervene(sset.intervention()):``."""
-        return Suppress.of(self.ids, self.concept)
+        return Suppress.of(self.ids, self.concept, residual=self.residual)

@@ -618,8 +618,21 @@ def _explain_output(
         truncated_tokens=chosen.truncated,
         model_sha256=ev.model_sha256,
         index=str(index.path) if index is not None and index.path is not None else None,
-        notes=chosen.notes,
+        notes=chosen.notes + _edit_notes(out),
     )
+
+
+def _edit_notes(out: PrismOutput) -> list[str]:
+    """A note naming the prototypes a residual-projecting suppression took out of the residual (the residual
+    slices shown are those of the edited residual r' = r − Q Qᵀ r), else none."""
+    ids = out.residual_projected_ids
+    if not ids:
+        return []
+    shown = ", ".join(str(i) for i in ids[:10]) + (" …" if len(ids) > 10 else "")
+    return [
+        f"the residual is projected off the span of {len(ids)} suppressed prototypes ({shown}): each residual "
+        "slice is that of the edited residual r' = r − Q Qᵀ r"
+    ]
 
 
 def explain_generation(
@@ -749,4 +762,6 @@ def _concat(outs: list[PrismOutput]) -> PrismOutput:
         token_max_cos=cat([o.token_max_cos for o in outs]),
         proto_max_cos=torch.stack(pmc).amax(0) if pmc else None,
         prototype_multipliers=first.prototype_multipliers,
+        residual_removed=cat([o.residual_removed for o in outs]),
+        residual_projected_ids=first.residual_projected_ids,
     )

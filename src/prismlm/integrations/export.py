@@ -15,6 +15,7 @@ from prismlm._version import __version__
 from prismlm.app.run import Run
 from prismlm.artifacts import JSON, atomic_dir, check_out_folder, writes_folder
 from prismlm.errors import ConfigError, TokenizerError
+from prismlm.model.interventions import Intervention, Suppress
 
 
 def is_export(folder: Path) -> bool:
@@ -33,8 +34,16 @@ def _source(run: Run) -> dict[str, JSON]:
         "step": run.step,
         "tokenizer": run.tokenizer.name,
         "prismlm_version": __version__,
-        "interventions": [{"kind": type(iv).__name__.lower(), "label": iv.label} for iv in run.interventions],
+        "interventions": [_described(iv) for iv in run.interventions],
     }
+
+
+def _described(iv: Intervention) -> dict[str, JSON]:
+    """An intervention as ``prism_source`` records it: its kind and label (and a suppression's residual mode)."""
+    out: dict[str, JSON] = {"kind": type(iv).__name__.lower(), "label": iv.label}
+    if isinstance(iv, Suppress):
+        out["residual"] = iv.residual
+    return out
 
 
 @writes_folder("out")  # one writer per export folder

@@ -24,7 +24,7 @@ from prismlm.artifacts import JSON
 from prismlm.config import ModelConfig, from_dict
 from prismlm.errors import ConfigError, DependencyError, ModelError
 from prismlm.model.gpt import PrismLM
-from prismlm.model.interventions import Intervention, check_ids, combined_multipliers
+from prismlm.model.interventions import Intervention, check_ids, combined_multipliers, projected_ids
 
 try:
     from transformers import (
@@ -100,13 +100,16 @@ class PrismConfig(PretrainedConfig):
         *,
         suppressed_prototypes: Sequence[int] | None = None,
         prototype_multipliers: Sequence[float] | None = None,
+        residual_projected_prototypes: Sequence[int] | None = None,
         prism_source: dict[str, JSON] | None = None,
         **kwargs: Any,  # Any: PretrainedConfig's own fields, each typed by transformers, passed through
     ) -> None:
         """``prism_model``: ``dataclasses.asdict(ModelConfig)`` (default: ``ModelConfig()``).
         ``suppressed_prototypes``: prototype ids whose logit slices are removed in every forward.
         ``prototype_multipliers``: K per-prototype multipliers (controllers, scaling); when given, the
-        suppressed ids are the ones with multiplier 0. ``prism_source``: where the weights came from."""
+        suppressed ids are the ones with multiplier 0. ``residual_projected_prototypes``: ids whose span
+        the residual is projected off in every forward (``Suppress(ids, residual="project")``; the basis is
+        recomputed from the saved bank, as prismlm computes it). ``prism_source``: where the weights came from."""
         cfg = self._model_config(prism_model if prism_model is not None else asdict(ModelConfig()))
         for k in _DERIVED:
             kwargs.pop(k, None)
@@ -131,6 +134,8 @@ class PrismConfig(PretrainedConfig):
         else:
             self.prototype_multipliers = None
             self.suppressed_prototypes = sorted({int(i) for i in suppressed_prototypes or ()})
+        projected = sorted({int(i) for i in residual_projected_prototypes or ()})
+        self.residual_projected_prototypes: list[int] | None = projected or None
         self.prism_source = prism_source
 
     @staticmethod
@@ -166,7 +171,7 @@ class PrismCausalLMOutput(CausalLMOutputWithPast):
     prototype_activations: torch.Tensor | None = None
     """(B, T, k) their non-negative activations a_i."""
     residual: torch.Tensor | None = None
-    """(B, T, d) r = z − Σ a_i p_i."""
+    """(B, T, d) r = z − Σ a_i p_i; with a baked-in residual projection the edited r' = r − Q Qᵀ r."""
 
 
 def _shared_parameters(module: torch.nn.Module) -> dict[str, str]:
@@ -236,6 +241,7 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         config.tie_word_embeddings = bool(tied)
         self._multipliers = self._baked_multipliers(config)
         self._multiplier_tensor: torch.Tensor | None = None
+        self._projected = self._baked_projection(config)
         self.post_init()
 
     def _baked_multipliers(self, config: PrismConfig) -> tuple[float, ...] | None:
@@ -258,6 +264,15 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         for i in check_ids(list(ids), K):
             out[i] = 0.0
         return tuple(out)
+
+    def _baked_projection(self, config: PrismConfig) -> tuple[int, ...]:
+        """The ids whose span the residual is projected off (config.json), checked against the bank."""
+        ids = getattr(config, "residual_projected_prototypes", None) or []  # absent in older exports
+        if not ids:
+            return ()
+        if self.prism.prototypes is None:
+            raise ModelError("config.json projects the residual off prototypes, but the model is a dense baseline")
+        return tuple(check_ids(list(ids), self.prism.prototypes.num_prototypes))
 
     @property
     def prototype_multipliers(self) -> torch.Tensor | None:
@@ -293,11 +308,13 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             m = combined_multipliers(interventions, model.prototypes.num_prototypes)
             assert m is not None
             mult = m.tolist()
+        projected = list(projected_ids(interventions))
         binary = mult is not None and all(v in (0.0, 1.0) for v in mult)
         config = PrismConfig(
             asdict(model.config),
             suppressed_prototypes=[i for i, v in enumerate(mult) if v == 0.0] if binary and mult else None,
             prototype_multipliers=None if binary else mult,
+            residual_projected_prototypes=projected or None,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
@@ -433,10 +450,11 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
     @contextmanager
     def baked_in(self) -> Iterator[PrismLM]:
         """``with model.baked_in() as prism:`` the wrapped ``PrismLM`` with the config's suppression set or
-        multipliers applied (what ``forward`` runs under)."""
+        multipliers and residual projection applied (what ``forward`` runs under)."""
         m = self.prototype_multipliers
         with self.prism.scale_prototypes(m) if m is not None else nullcontext(self.prism) as prism:
-            yield prism
+            with prism.project_residual(self._projected) if self._projected else nullcontext(prism):
+                yield prism
 
     def prepare_inputs_for_generation(
         self,

@@ -32,7 +32,7 @@ from prismlm.model import Intervention, PrismLM
 
 log = logging.getLogger(__name__)
 
-MODEL_ARGS = ("pretrained", "suppress", "batch_size", "device")
+MODEL_ARGS = ("pretrained", "suppress", "suppress_residual", "batch_size", "device")
 """The ``--model_args`` keys of ``--model prism``."""
 PASSED_BY_LM_EVAL = ("max_batch_size", "trust_remote_code")
 """Keys lm-eval's command line adds itself (accepted; ``max_batch_size`` caps ``batch_size=auto``)."""
@@ -121,6 +121,7 @@ class PrismEvalLM(LM):
         model: PrismLM | None = None,
         tokenizer: Tokenizer | None = None,
         suppress: str | None = "auto",
+        suppress_residual: str = "auto",
         batch_size: int | str | None = DEFAULT_BATCH,
         max_batch_size: int | None = None,
         device: str | None = None,
@@ -146,16 +147,19 @@ class PrismEvalLM(LM):
                 Path(str(pretrained)),
                 device=str(device or "auto"),
                 suppress=None if suppress is None else str(suppress),
+                suppress_residual=str(suppress_residual),
             )
             model, tokenizer, interventions = run.model, run.tokenizer, run.interventions
             self.checkpoint_path, self.model_sha256 = run.checkpoint.path, run.identity
         else:
             if tokenizer is None:
                 raise ConfigError("PrismEvalLM(model=...) needs tokenizer= as well")
-            if suppress is not None and str(suppress).lower() not in ("auto", "none"):
-                from prismlm.control.suppress import SuppressionSet
+            from prismlm.app.run import with_residual_mode
+            from prismlm.control.suppress import SuppressionSet
 
-                sset = SuppressionSet.load(str(suppress))
+            named_file = suppress is not None and str(suppress).lower() not in ("auto", "none")
+            sset = with_residual_mode(SuppressionSet.load(str(suppress)) if named_file else None, suppress_residual)
+            if sset is not None:
                 sset.check(model)
                 interventions = (sset.intervention(),)
             dev = next(model.parameters()).device
@@ -424,10 +428,13 @@ HELP_HEADER = """\
 prism-lm-eval: lm-eval's command line with the PRISM model type registered: pass --model prism.
 
   prism-lm-eval --model prism --model_args pretrained=RUN[,suppress=auto|none|FILE][,batch_size=N]
-                [,device=auto|cpu|cuda:1] --tasks TASKS [--include_path FOLDER] [--batch_size N]
+                [,suppress_residual=auto|keep|project][,device=auto|cpu|cuda:1] --tasks TASKS
+                [--include_path FOLDER] [--batch_size N]
 
   pretrained: a run folder or RUN/checkpoints/step-N; suppress: auto (the checkpoint's suppression.json),
-  none or a FILE from `prism concept`. Every other option and model (e.g. --model hf) works as in lm_eval.
+  none or a FILE from `prism concept`; suppress_residual: auto (the set's mode), keep (remove the slices)
+  or project (also project the residual off the set's prototypes). Every other option and model (e.g.
+  --model hf) works as in lm_eval.
   lm_eval's own options:
 """
 

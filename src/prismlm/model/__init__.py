@@ -6,9 +6,10 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from prismlm.model.decomposition import LogitDecomposition, decompose
     from prismlm.model.generation import Sampling
-    from prismlm.model.gpt import LogitDecomposition, PrismLM, decompose
-    from prismlm.model.interventions import Control, Intervention, Scale, Suppress
+    from prismlm.model.gpt import PrismLM
+    from prismlm.model.interventions import Control, Intervention, ResidualProjection, Scale, Suppress
     from prismlm.model.kv_cache import KVCache
     from prismlm.model.modes import eval_mode
     from prismlm.model.outputs import PrismOutput
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Control",
     "Intervention",
+    "ResidualProjection",
     "Scale",
     "Suppress",
     "KVCache",
@@ -33,9 +35,12 @@ __all__ = [
 # Why lazy (PEP 562): `prismlm.integrations.hf_auto` (imported by `import prismlm`) needs only the standard library,
 # and importing this package must not import torch for it; each name is imported on first use.
 _LAZY = {
-    **dict.fromkeys(["LogitDecomposition", "PrismLM", "decompose"], "prismlm.model.gpt"),
+    **dict.fromkeys(["LogitDecomposition", "decompose"], "prismlm.model.decomposition"),
+    "PrismLM": "prismlm.model.gpt",
     "PrismOutput": "prismlm.model.outputs",
-    **dict.fromkeys(["Control", "Intervention", "Scale", "Suppress"], "prismlm.model.interventions"),
+    **dict.fromkeys(
+        ["Control", "Intervention", "ResidualProjection", "Scale", "Suppress"], "prismlm.model.interventions"
+    ),
     "KVCache": "prismlm.model.kv_cache",
     "Sampling": "prismlm.model.generation",
     "eval_mode": "prismlm.model.modes",

@@ -27,7 +27,15 @@ from prismlm.errors import ModelError
 from prismlm.model import generation
 from prismlm.model import losses as L
 from prismlm.model.generation import Sampling, TextCodec, resolve_sampling
-from prismlm.model.interventions import Intervention, Suppress, check_ids, combined_multipliers
+from prismlm.model.interventions import (
+    Intervention,
+    ResidualProjection,
+    Suppress,
+    check_ids,
+    combined_multipliers,
+    edited_hidden,
+    projected_ids,
+)
 from prismlm.model.kv_cache import CacheLike, KVCache
 from prismlm.model.outputs import PrismOutput
 from prismlm.model.prototypes import PrototypeLayer, PrototypeOutput
@@ -242,6 +250,8 @@ class PrismLM(nn.Module):
         # and controllers are their own artifacts), and it follows .to(device). Set it through
         # ``prismlm.control`` (``with model.suppress(ids):`` / ``with model.control(c):``), which restores it.
         self.register_buffer("proto_multipliers", None, persistent=False)
+        # Under Suppress(ids, residual="project"): r' = r − Q Qᵀ r (``project_residual`` sets and restores it).
+        self.residual_projection: ResidualProjection | None = None
         self.tokenizer = None
 
     def _add_lora(self, rank: int) -> None:
@@ -280,6 +290,13 @@ class PrismLM(nn.Module):
     @property
     def is_prism(self) -> bool:
         return self.prototypes is not None
+
+    @property
+    def is_intervened(self) -> bool:
+        """A PRISM model inside ``intervene``/``suppress``/``control``: its logits come from the prototype layer."""
+        return self.prototypes is not None and (
+            self.proto_multipliers is not None or self.residual_projection is not None
+        )
 
     def block_prefixes(self) -> list[str]:
         """Parameter-name prefixes of the transformer blocks, first to last (``transformer.h.0.`` …)."""
@@ -506,19 +523,19 @@ class PrismLM(nn.Module):
         # Unmodified model: logits straight from z (ℓ = W z = W r + Σ a_i W p_i since z = ẑ + r). Why lm_head
         # runs before the prototype layer: the order fixes how autograd sums the two gradients into z, and
         # keeping it keeps training bit-for-bit reproducible across versions (a reordering moved losses by 1e-8).
-        logits = self.lm_head(out_z) if mult is None or self.prototypes is None else None  # (B, T, V)
+        proj = self.residual_projection
+        logits = self.lm_head(out_z) if not self.is_intervened else None  # (B, T, V)
         po = self.prototypes(z.reshape(B * T, d)) if self.prototypes is not None else None
+        removed = None
         if logits is None:
-            assert po is not None and mult is not None
-            # ℓ' = W r + Σ_i m_i a_i W p_i = W (z + Σ_i (m_i − 1) a_i p_i): the slices of prototypes with
-            # m_i = 1 are untouched, a suppressed one (m_i = 0) is removed exactly (spec §4).
-            a = po.activations * (mult[po.indices].to(po.activations.dtype) - 1.0)  # (N, k)
-            delta = torch.einsum("nk,nkd->nd", a, self.require_prototypes().weight[po.indices].to(a.dtype))  # (N, d)
-            z_mod = (z.reshape(B * T, d).to(delta.dtype) + delta).to(z.dtype).view(B, T, d)
+            assert po is not None
+            # ℓ' = W r' + Σ_i m_i a_i W p_i: the slices scaled, r' = r − Q Qᵀ r when the residual is projected
+            z_mod, removed = edited_hidden(z.reshape(B * T, d), po, self.require_prototypes().weight, mult, proj)
+            z_mod = z_mod.view(B, T, d)
             logits = self.lm_head(z_mod[:, -1:, :] if last_only else z_mod)  # (B, T, V)
         out = PrismOutput(logits=logits, hidden=z, hidden_states=bo.hidden_states, attentions=bo.attentions)
         if po is not None:
-            _set_prototype_fields(out, po, mult)
+            _set_prototype_fields(out, po, mult, removed, proj.ids if removed is not None and proj else None)
             if targets is not None:
                 out.losses["rec"] = L.reconstruction_loss(po.residual, z.reshape(B * T, d))
                 out.losses["r1"] = L.r1_loss(po.proto_max_cos)
@@ -537,7 +554,7 @@ class PrismLM(nn.Module):
         """One step of the decode loop over feed (B, T): under an intervention the full ``forward`` (its
         logits come from the prototype layer); otherwise the backbone and ``lm_head`` only, the prototype
         fields left empty (``add_prototype_fields`` fills them later, for all steps at once)."""
-        if self.prototypes is not None and self.proto_multipliers is not None:
+        if self.is_intervened:
             return self(feed, last_only=last_only, cache=cache)
         z = self.backbone(feed, cache)  # (B, T, d)
         return PrismOutput(logits=self.lm_head(z[:, -1:, :] if last_only else z), hidden=z)  # as forward's
@@ -549,7 +566,7 @@ class PrismLM(nn.Module):
         Valid for the unmodified model only: under ``suppress``/``control`` the logits themselves come
         from the prototype layer, and ``generate_steps`` then yields complete forward outputs."""
         prototypes = self.require_prototypes()
-        if self.proto_multipliers is not None:
+        if self.is_intervened:
             raise ModelError("add_prototype_fields is for the unmodified model: an intervention is active")
         B, T, d = out.hidden.shape
         _set_prototype_fields(out, prototypes(out.hidden.reshape(B * T, d)), None)
@@ -573,7 +590,30 @@ class PrismLM(nn.Module):
             raise ModelError("the dense baseline has no prototypes to suppress or control")
         m = combined_multipliers(interventions, self.prototypes.num_prototypes)
         assert m is not None
-        return self.scale_prototypes(m.to(self.prototypes.weight.dtype))
+        ids = projected_ids(interventions)
+        if not ids:
+            return self.scale_prototypes(m.to(self.prototypes.weight.dtype))
+        return self._scaled_and_projected(m.to(self.prototypes.weight.dtype), ids)
+
+    @contextmanager
+    def _scaled_and_projected(self, multipliers: torch.Tensor, ids: tuple[int, ...]) -> Iterator[PrismLM]:
+        with self.scale_prototypes(multipliers), self.project_residual(ids):
+            yield self
+
+    @contextmanager
+    def project_residual(self, ids: Iterable[int]) -> Iterator[PrismLM]:
+        """Within the block, the residual is projected off span{p_i : i ∈ ids}: r' = r − Q Qᵀ r, and the
+        logits use r' (``PrismOutput.residual`` is r'). Nested blocks project off the union of their ids;
+        the previous state is always restored. Alone it leaves the slices; ``Suppress(ids, residual=
+        "project")`` (through ``intervene``) removes both."""
+        bank = self.require_prototypes("prototypes to suppress").weight
+        previous = self.residual_projection
+        union = sorted(set(check_ids(list(ids), bank.shape[0])) | set(previous.ids if previous else ()))
+        self.residual_projection = ResidualProjection.of(union, bank) if union else previous
+        try:
+            yield self
+        finally:
+            self.residual_projection = previous
 
     @contextmanager
     def scale_prototypes(self, multipliers: torch.Tensor) -> Iterator[PrismLM]:
@@ -702,67 +742,23 @@ class PrismLM(nn.Module):
         )
 
 
-def _set_prototype_fields(out: PrismOutput, po: PrototypeOutput, mult: torch.Tensor | None) -> None:
-    """Copy the prototype layer's output for the B·T flattened tokens of ``out.hidden`` into ``out``."""
+def _set_prototype_fields(
+    out: PrismOutput,
+    po: PrototypeOutput,
+    mult: torch.Tensor | None,
+    removed: torch.Tensor | None = None,
+    projected: tuple[int, ...] | None = None,
+) -> None:
+    """Copy the prototype layer's output for the B·T flattened tokens of ``out.hidden`` into ``out``; with
+    ``removed`` (N, d) Q Qᵀ r the residual is the edited one, r' = r − Q Qᵀ r (what the logits were made of)."""
     B, T, d = out.hidden.shape
     k = po.indices.shape[-1]
     out.indices = po.indices.view(B, T, k)
     out.activations = po.activations.view(B, T, k)
     if mult is not None:
         out.prototype_multipliers = mult
-    out.residual = po.residual.view(B, T, d)
+    out.residual = (po.residual if removed is None else po.residual - removed).view(B, T, d)
+    if removed is not None:
+        out.residual_removed, out.residual_projected_ids = removed.view(B, T, d), projected
     out.token_max_cos = po.token_max_cos.view(B, T)
     out.proto_max_cos = po.proto_max_cos
-
-
-@dataclass
-class LogitDecomposition:
-    """The exact additive decomposition of selected logits (spec §1.5): for token t and chosen token y,
-    ``logit = prototype_slices.sum(-1) + residual_slice + bias_slice`` (to float rounding).
-
-    Fields (B batch, T positions, k active prototypes per position):
-        prototype_slices (B, T, k): a_{t,i} (W p_i)_y for each of the k active prototypes of position t, in
-            the order of ``PrismOutput.indices`` (scaled by the multipliers under an intervention).
-        residual_slice (B, T): (W r_t)_y, what no prototype carries.
-        logit (B, T): ℓ_{t,y} as the forward computed it.
-        bias_slice (B, T): b_y, the unembedding's bias (zeros without one).
-    """
-
-    prototype_slices: torch.Tensor
-    """(B, T, k): a_{t,i} (W p_i)_y for each active prototype i of token t and chosen token y."""
-    residual_slice: torch.Tensor
-    """(B, T): (W r_t)_y."""
-    logit: torch.Tensor
-    """(B, T): ℓ_{t,y} from the forward pass; equals slices.sum(-1) + residual_slice + bias_slice to float
-    tolerance."""
-    bias_slice: torch.Tensor
-    """(B, T): b_y, the unembedding's bias for the chosen token (zeros when W has none, as in GPT-2 and
-    Llama): a constant per token that no prototype or residual carries."""
-
-
-def decompose(model: PrismLM, out: PrismOutput, tokens: torch.Tensor) -> LogitDecomposition:
-    """Split the logit of ``tokens`` (B, T) at every position into prototype slices plus a residual slice.
-
-    The slices track gradients exactly when ``out`` does: after a no-grad (or inference-mode) forward they are
-    plain detached values, although they are computed with the weights ``W`` and ``P``, which require grad."""
-    if out.indices is None or out.activations is None or out.residual is None:
-        raise ModelError("decompose needs a PRISM forward output (the dense baseline has no prototypes)")
-    with torch.set_grad_enabled(torch.is_grad_enabled() and out.logits.requires_grad):
-        return _decompose(model, out, tokens)
-
-
-def _decompose(model: PrismLM, out: PrismOutput, tokens: torch.Tensor) -> LogitDecomposition:
-    assert out.indices is not None and out.activations is not None and out.residual is not None
-    W = model.lm_head.weight  # (V, d)
-    w_y = W[tokens].to(out.residual.dtype)  # (B, T, d): the output row of each chosen token
-    p_sel = model.require_prototypes().weight[out.indices].to(out.residual.dtype)  # (B, T, k, d)
-    proto_slices = out.activations * torch.einsum("btkd,btd->btk", p_sel, w_y)  # (B, T, k)
-    residual_slice = (out.residual * w_y).sum(-1)  # (B, T)
-    if out.prototype_multipliers is not None:  # suppressed/controlled forward: slices scaled by m_i, as there
-        proto_slices = proto_slices * out.prototype_multipliers[out.indices].to(proto_slices.dtype)
-    logit = out.logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    bias = model.lm_head.bias
-    bias_slice = bias[tokens].to(residual_slice.dtype) if bias is not None else torch.zeros_like(residual_slice)
-    return LogitDecomposition(
-        prototype_slices=proto_slices, residual_slice=residual_slice, logit=logit, bias_slice=bias_slice
-    )

@@ -1,8 +1,10 @@
 """Interventions as values: suppression, controllers and scaling of prototype slices (spec §4).
 
 Each is a per-prototype multiplier m (K,) on the logit slices, ℓ' = W r + Σ_i m_i a_i W p_i: ``Suppress``
-(m_i = 0), ``Control`` (m_i = 1 + c_i), ``Scale`` (m_i given). Immutable; ``with model.intervene(*ivs):``
-multiplies them and always restores the model. See docs/architecture.md (interventions).
+(m_i = 0), ``Control`` (m_i = 1 + c_i), ``Scale`` (m_i given). ``Suppress(ids, residual="project")`` also
+edits the residual: r' = r − Q Qᵀ r, Q an orthonormal basis of span{p_i : i ∈ ids} (``ResidualProjection``),
+so ℓ' = W r' + Σ_i m_i a_i W p_i. Immutable; ``with model.intervene(*ivs):`` combines them and always
+restores the model. See docs/architecture.md (interventions).
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from prismlm.errors import ModelError, UnknownPrototypeError
+from prismlm.model.prototypes import PrototypeOutput
+
+RESIDUAL_MODES = ("keep", "project")
+"""What ``Suppress`` does to the residual r: ``keep`` it (only the slices go), or ``project`` it off the span
+of the suppressed prototypes."""
 
 
 @dataclass(frozen=True)
@@ -22,14 +29,25 @@ class Suppress:
     """Switch prototypes off: their slices a_i W p_i are removed from every logit.
 
     ``Suppress([3, 7])`` (any iterable of ids, or a tensor of them); the ids are checked to be integers
-    here and against the bank's size when applied."""
+    here and against the bank's size when applied. ``residual="project"`` also takes the prototypes'
+    directions out of the residual (r' = r − Q Qᵀ r, see ``ResidualProjection``): the slices alone leave
+    whatever of the concept the residual writes."""
 
     ids: tuple[int, ...]
     """Prototype ids in [0, K)."""
     label: str | None = None
     """What the set stands for (a concept name, a file), for reports."""
+    residual: str = "keep"
+    """``keep``: the residual is untouched (exact slice removal); ``project``: r is projected off
+    span{p_i : i ∈ ids} as well."""
 
     def __post_init__(self) -> None:
+        if self.residual not in RESIDUAL_MODES:
+            raise ModelError(
+                f"Suppress: residual must be one of {', '.join(RESIDUAL_MODES)}, got {self.residual!r}",
+                fix="use residual='keep' (remove the slices only) or residual='project' (also project the "
+                "residual off the suppressed prototypes)",
+            )
         if isinstance(self.ids, Mapping):
             raise ModelError(
                 "Suppress takes prototype ids (Suppress([3, 7])), not a mapping; for per-prototype "
@@ -39,8 +57,8 @@ class Suppress:
         object.__setattr__(self, "ids", tuple(_proto_id(i, "Suppress") for i in ids))
 
     @classmethod
-    def of(cls, ids: Iterable[int], label: str | None = None) -> Suppress:
-        return cls(tuple(int(i) for i in ids), label)
+    def of(cls, ids: Iterable[int], label: str | None = None, residual: str = "keep") -> Suppress:
+        return cls(tuple(int(i) for i in ids), label, residual)
 
     def multipliers(self, num_prototypes: int) -> torch.Tensor:
         """(K,) float64: 0 at ``ids``, 1 elsewhere."""
@@ -116,6 +134,72 @@ def combined_multipliers(interventions: Iterable[Intervention], num_prototypes: 
         mi = iv.multipliers(num_prototypes)
         m = mi if m is None else m * mi
     return m
+
+
+def projected_ids(interventions: Iterable[Intervention]) -> tuple[int, ...]:
+    """The sorted union of the ids of every ``Suppress(..., residual="project")`` among ``interventions``."""
+    ids = {i for iv in interventions if isinstance(iv, Suppress) and iv.residual == "project" for i in iv.ids}
+    return tuple(sorted(ids))
+
+
+def orthonormal_basis(vectors: torch.Tensor) -> torch.Tensor:
+    """(n, d) vectors → (d, q) float64 Q with orthonormal columns spanning them (q = their rank ≤ min(n, d)).
+
+    Why an SVD rather than a plain QR: a bank may hold (near-)parallel prototypes, and QR of a rank-deficient
+    matrix returns columns outside the span; singular values below the usual rank tolerance
+    (σ_max · max(n, d) · eps, as ``torch.linalg.matrix_rank``) are dropped instead."""
+    a = vectors.detach().to("cpu", torch.float64).T  # (d, n): on the CPU, so every device gets the same Q
+    if a.shape[1] == 0:
+        return a.new_zeros(a.shape[0], 0)
+    u, s, _ = torch.linalg.svd(a, full_matrices=False)  # u (d, min(d, n)), s descending
+    tol = s[0] * max(a.shape) * torch.finfo(torch.float64).eps
+    return u[:, s > tol]  # (d, q)
+
+
+@dataclass(frozen=True)
+class ResidualProjection:
+    """The residual edit of ``Suppress(ids, residual="project")``: r' = r − Q Qᵀ r, Q (d, q) an orthonormal
+    basis of span{p_i : i ∈ ids}, computed once (in float64) when the intervention is entered."""
+
+    ids: tuple[int, ...]
+    """The prototypes whose span is removed from the residual (sorted, unique)."""
+    basis: torch.Tensor
+    """(d, q) Q, on the bank's device and in its dtype."""
+
+    @classmethod
+    def of(cls, ids: Sequence[int], prototypes: torch.Tensor) -> ResidualProjection:
+        """The projection off the span of ``prototypes[ids]`` (prototypes: the (K, d) bank)."""
+        ids = tuple(sorted(set(check_ids(ids, prototypes.shape[0]))))
+        q = orthonormal_basis(prototypes[list(ids)])
+        return cls(ids, q.to(device=prototypes.device, dtype=prototypes.dtype))
+
+    def removed(self, residual: torch.Tensor) -> torch.Tensor:
+        """(N, d) r → (N, d) Q Qᵀ r, the component of r in the span (what the edit takes out)."""
+        q = self.basis.to(residual.dtype)
+        return (residual @ q) @ q.T  # (N, q) → (N, d)
+
+
+def edited_hidden(
+    z: torch.Tensor,
+    po: PrototypeOutput,
+    bank: torch.Tensor,
+    mult: torch.Tensor | None,
+    projection: ResidualProjection | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The hidden states whose logits are the intervened ones, and the part of the residual removed.
+
+    z (N, d), ``po`` the prototype layer's output for z, ``bank`` (K, d) → (z' (N, d), Q Qᵀ r (N, d) or None),
+    with z' = z + Σ_i (m_i − 1) a_i p_i − Q Qᵀ r = Σ_i m_i a_i p_i + r', so ``lm_head(z')`` = W r' + Σ_i m_i a_i
+    W p_i (+ b) exactly: the slices of prototypes with m_i = 1 untouched, a suppressed one (m_i = 0) removed."""
+    z_mod = z
+    if mult is not None:
+        a = po.activations * (mult[po.indices].to(po.activations.dtype) - 1.0)  # (N, k)
+        delta = torch.einsum("nk,nkd->nd", a, bank[po.indices].to(a.dtype))  # (N, d)
+        z_mod = (z.to(delta.dtype) + delta).to(z.dtype)
+    if projection is None:
+        return z_mod, None
+    removed = projection.removed(po.residual)  # (N, d)
+    return (z_mod.to(removed.dtype) - removed).to(z.dtype), removed
 
 
 def _proto_id(i: object, what: str) -> int:

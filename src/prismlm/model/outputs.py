@@ -27,7 +27,10 @@ class PrismOutput:
         hidden (B, T, d): z, the final-norm hidden states the head reads (logits = lm_head(z) unmodified).
         indices (B, T, k) int64: each token's top-k prototype ids, by decreasing cosine.
         activations (B, T, k): their non-negative activations a_i.
-        residual (B, T, d): r = z − Σ_i a_i p_i.
+        residual (B, T, d): r = z − Σ_i a_i p_i; under ``Suppress(ids, residual="project")`` the edited
+            r' = r − Q Qᵀ r the logits were made of.
+        residual_removed (B, T, d): Q Qᵀ r, what that projection took out (r = residual + residual_removed);
+            else None. residual_projected_ids: the prototypes Q spans; else None.
         token_max_cos (B, T): max_i cos(z_t, p_i), how well each token is covered.
         proto_max_cos (K,): max over this batch's tokens of cos(p_i, z_t).
         losses {name: scalar}: unweighted ``ce`` (with targets), ``rec``, ``r1``, ``r2`` (PRISM).
@@ -48,7 +51,8 @@ class PrismOutput:
     activations: torch.Tensor | None = None
     """(B, T, k) non-negative activations of those prototypes."""
     residual: torch.Tensor | None = None
-    """(B, T, d) r = z − Σ a_i p_i."""
+    """(B, T, d) r = z − Σ a_i p_i; under a residual-projecting suppression the edited r' = r − Q Qᵀ r, so
+    logits = W r' + Σ m_i a_i W p_i (+ b) still holds (``decompose`` reads it)."""
     token_max_cos: torch.Tensor | None = None
     """(B, T) max_i cos(z_t, p_i): how well each token is covered by its nearest prototype."""
     proto_max_cos: torch.Tensor | None = None
@@ -67,3 +71,8 @@ class PrismOutput:
     attentions: tuple[torch.Tensor, ...] | None = None
     """With ``output_attentions=True``: n_layer tensors (B, n_head, T, P + T) of attention weights (each
     row sums to 1; P cached positions). Otherwise None."""
+    residual_removed: torch.Tensor | None = None
+    """(B, T, d) Q Qᵀ r: the part of the residual ``Suppress(ids, residual="project")`` took out (Q an
+    orthonormal basis of the suppressed prototypes' span); None without that edit."""
+    residual_projected_ids: tuple[int, ...] | None = None
+    """The prototype ids whose span was projected out of the residual (the edit's provenance); else None."""

@@ -199,6 +199,7 @@ def create_app(
     *,
     device: str = "auto",
     suppress: str | Path | None = "auto",
+    suppress_residual: str = "auto",
     concepts: Sequence[Path] = (),
     allowed_hosts: Sequence[str] | None = LOCAL_HOSTS,
 ) -> FastAPI:
@@ -211,7 +212,14 @@ def create_app(
         run
         if isinstance(run, Explorer)
         else Explorer.open(
-            run, index=index, cache=cache, device=device, suppress=suppress, concepts=concepts, limits=limits
+            run,
+            index=index,
+            cache=cache,
+            device=device,
+            suppress=suppress,
+            suppress_residual=suppress_residual,
+            concepts=concepts,
+            limits=limits,
         )
     )
     api = FastAPI(title="prismlm explorer", docs_url=None, redoc_url=None, openapi_url="/api/openapi.json")
@@ -409,6 +417,7 @@ def serve(
     port: int = 8000,
     device: str = "auto",
     suppress: str | Path | None = "auto",
+    suppress_residual: str = "auto",
     concepts: Sequence[Path] = (),
     limits: Limits = Limits(),
     log_level: str = "info",
@@ -433,6 +442,7 @@ def serve(
         limits=limits,
         device=device,
         suppress=suppress,
+        suppress_residual=suppress_residual,
         concepts=concepts,
         allowed_hosts=allowed,
     )

@@ -63,13 +63,14 @@ class Explorer(Session):
         cache: Path | None = None,
         device: str = "auto",
         suppress: str | Path | None = "auto",
+        suppress_residual: str = "auto",
         concepts: Sequence[Path] = (),
         limits: Limits = Limits(),
     ) -> Explorer:
         """Open ``path`` (a run or checkpoint folder) with its index (default RUN/index if there is one),
         attribution cache (default RUN/attribution-cache), the suppression sets of ``concepts`` (named by
-        their concept, else their file name) and ``limits``."""
-        run = Run.open(path, device=device, suppress=suppress)
+        their concept, else their file name) and ``limits``; ``suppress_residual`` as in ``Run.open``."""
+        run = Run.open(path, device=device, suppress=suppress, suppress_residual=suppress_residual)
         sets: dict[str, SuppressionSet] = {}
         for p in concepts:
             s = SuppressionSet.load(p)
