@@ -6,9 +6,9 @@ all fitted by one path on train with λ chosen on validation, reported on the he
 choice prior, McNemar p and bootstrap intervals (``prismlm.eval.stats``; summary: ``prismlm.eval.claims``).
 
 Run: ``python bench/claims_controllers.py [--quick] [--dense-basis pca|random] [--dense-directions N]
-[--max-prior-gain G] [--max-acc A]`` after ``claims_bank.py`` (or ``real_claims.py --stage controllers``). The
-protocol: docs/results.md ("How bench/real_claims.py measures"). Features, the SAE and finished tasks are cached
-under ``WORK/controllers``, so the stage resumes.
+[--max-prior-gain G] [--max-acc A] [--min-tasks N]`` after ``claims_bank.py`` (or ``real_claims.py --stage
+controllers``). The protocol: docs/results.md ("How bench/real_claims.py measures"). Features, the SAE and
+finished tasks are cached under ``WORK/controllers``, so the stage resumes.
 """
 
 from __future__ import annotations
@@ -116,6 +116,8 @@ class ControlOptions:
     """The screen's limit on the choice prior's validation gain over the base model (``ScreenConfig``)."""
     max_acc: float
     """The screen's ceiling on the base validation accuracy."""
+    min_tasks: int = MIN_TASKS
+    """The tasks built here are screened while fewer than this many are kept (a large value: all of them)."""
 
     def screen(self, quick: bool) -> ScreenConfig:
         """--quick: above chance only (the smoke size's 8 validation examples decide nothing more)."""
@@ -219,15 +221,15 @@ def train_sae_on_stored_z(
 
 # ----- the stage -----------------------------------------------------------------------------------------------
 def screen(
-    ctx: ClaimsContext, run, folder: Path, caps: dict[str, int], cfg: ScreenConfig
+    ctx: ClaimsContext, run, folder: Path, caps: dict[str, int], cfg: ScreenConfig, min_tasks: int
 ) -> tuple[list[ScreenRow], dict]:
-    """``screen_task`` on every shipped task, then on the tasks built here while fewer than ``MIN_TASKS``
+    """``screen_task`` on every shipped task, then on the tasks built here while fewer than ``min_tasks``
     are kept (train fits the choice prior the screen compares with; the verdict is read on validation)."""
     rows: list[ScreenRow] = []
     splits_of = {}
     W = run.model.lm_head.weight.detach().float()
     for task in CANDIDATES:
-        if task not in TASKS and sum(bool(r["kept"]) for r in rows) >= MIN_TASKS:
+        if task not in TASKS and sum(bool(r["kept"]) for r in rows) >= min_tasks:
             break
         splits = build_task(task, caps)
         f = {s: cached_features(ctx, run.model, run.tokenizer, folder, task, s, splits[s]) for s in SPLITS[:2]}
@@ -339,7 +341,7 @@ def controller_stage(
     size = ctx_size(ctx)
     folder = stage / "features" / backbone_identity(model).removeprefix("backbone:")[:16]
     folder.mkdir(parents=True, exist_ok=True)
-    screened, splits_of = screen(ctx, run, folder, size.caps, opts.screen(ctx.quick))
+    screened, splits_of = screen(ctx, run, folder, size.caps, opts.screen(ctx.quick), opts.min_tasks)
     assert model.prototypes is not None, "the bank's model is retrofitted"
     K, k = model.prototypes.num_prototypes, model.prototypes.cfg.top_k
     sae, sae_info = stage_sae(ctx, run.folder, K, k)
@@ -377,6 +379,7 @@ def controller_stage(
             "max_tasks": size.max_tasks,
             "screen": vars(opts.screen(ctx.quick)),
             "dense": vars(opts.dense),
+            "min_tasks": opts.min_tasks,
         },
         "stage_seconds": round(time.perf_counter() - t0, 1),
     }
@@ -388,9 +391,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dense-directions", type=int, default=None, help="K' (default: PRISM's non-zero count)")
     ap.add_argument("--max-prior-gain", type=float, default=0.0, help="screen: the prior's gain allowed (1: off)")
     ap.add_argument("--max-acc", type=float, default=1.0, help="screen: drop tasks above this accuracy")
+    ap.add_argument("--min-tasks", type=int, default=MIN_TASKS, help="screen built tasks while fewer are kept")
     args, rest = ap.parse_known_args(argv)
     opts = ControlOptions(
-        DenseControlConfig(args.dense_basis, args.dense_directions), args.max_prior_gain, args.max_acc
+        DenseControlConfig(args.dense_basis, args.dense_directions), args.max_prior_gain, args.max_acc, args.min_tasks
     )
     run_claims_stage("controllers", lambda ctx: controller_stage(ctx, opts=opts), __doc__, rest)
 
