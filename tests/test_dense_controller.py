@@ -58,7 +58,7 @@ def _features(z: torch.Tensor, gold: torch.Tensor, texts: tuple[str, str] = ("a"
         n_choices=[2] * n,
         choice_text=list(texts) * n,
     )
-    return TaskFeatures(**vars(f) | base_pass(f, _W()))  # type: ignore[arg-type]
+    return TaskFeatures(**vars(f) | base_pass(f, _W()))
 
 
 def _flipped_task(n: int, seed: int) -> TaskFeatures:
@@ -103,11 +103,11 @@ def test_matched_size_and_config_checks():
         matched_directions(1, D, DenseControlConfig(num_directions=D + 1))
     for bad in ({"basis": "ica"}, {"num_directions": 0}, {"min_directions": 0}):
         with pytest.raises(ConfigError):
-            DenseControlConfig(**bad)  # type: ignore[arg-type]
+            DenseControlConfig(**bad)
     assert DenseControlConfig(basis="random", num_directions=8, seed=2).describe() == "random-8-s2"
     for bad_p in ({"l1_grid": ()}, {"steps": 0}, {"lr": 0.0}):
         with pytest.raises(ConfigError):
-            FitProtocol(**{"l1_grid": (1e-3,), "steps": 1, "lr": 0.1, "surrogate_vocab": 4, **bad_p})  # type: ignore[arg-type]
+            FitProtocol(**{"l1_grid": (1e-3,), "steps": 1, "lr": 0.1, "surrogate_vocab": 4, **bad_p})
 
 
 @pytest.mark.parametrize("basis", ["pca", "random"])
@@ -142,9 +142,9 @@ def test_the_dense_controller_fits_a_task_on_a_principal_direction():
     assert fit.after["acc"] == 1.0 and fit.controller.l1 == 1e-4  # λ by validation: the huge one fits nothing
     assert float(fit.controller.coefficients[0]) < -1  # it flips the e0 component
     row = side_row(fit, base, seed=0)
-    n = len(splits["test"].gold)
-    assert row["delta_acc"] == 1.0 and row["paired_vs_base"]["gained"] == n and row["paired_vs_base"]["lost"] == 0
-    assert row["paired_vs_base"]["mcnemar_p"] == pytest.approx(2 / 2**n)
+    n, paired = len(splits["test"].gold), row["paired_vs_base"]
+    assert isinstance(paired, dict) and row["delta_acc"] == 1.0 and paired["gained"] == n and paired["lost"] == 0
+    assert paired["mcnemar_p"] == pytest.approx(2 / 2**n)
     # the same fit path with a random basis of one direction cannot reach e0: it does worse
     weak, _ = fit_dense_side(splits, _W(), 1, DenseControlConfig(basis="random", seed=5), PROTOCOL)
     assert weak.after["acc"] < fit.after["acc"]
@@ -218,7 +218,7 @@ def test_screen_drops_a_task_the_choice_prior_does_better():
 def test_screen_config_checks():
     for bad in ({"min_margin": -0.1}, {"max_p": 0.0}, {"max_prior_gain": 2.0}, {"max_acc": 0.0}):
         with pytest.raises(ConfigError):
-            ScreenConfig(**bad)  # type: ignore[arg-type]
+            ScreenConfig(**bad)
 
 
 # ----- side rows and splits ---------------------------------------------------------------------------------
@@ -232,7 +232,8 @@ def test_side_row_counts_by_hand():
     row = side_row(fit, base, seed=0)
     gained = int((right & ~base_right).sum())
     lost = int((~right & base_right).sum())
-    assert row["paired_vs_base"]["gained"] == gained and row["paired_vs_base"]["lost"] == lost
+    paired = row["paired_vs_base"]
+    assert isinstance(paired, dict) and paired["gained"] == gained and paired["lost"] == lost
     assert row["delta_acc"] == pytest.approx(0.75 - float(base_right.double().mean()))
     assert row["nonzero"] == 1 and row["parameters"] == 2 and row["l1"] == 0.1
 
