@@ -1,16 +1,19 @@
 """The ``controllers`` stage of ``bench/real_claims.py``: sparse controllers over the active prototypes of the
 retrofitted SmolLM2-135M-Instruct vs a TopK SAE (same K and k, ``prismlm.control.sae.fit_sae`` on the bank's
-stored z) on the same frozen hidden states, on multiple-choice tasks screened on validation (one-sided binomial
-vs chance), fitted on train with λ chosen on validation (``prismlm.control.surrogate``), reported on test with
-the choice prior, McNemar p and bootstrap intervals (``prismlm.eval.stats``; summary: ``prismlm.eval.claims``).
+stored z) and a dense-residual controller of the same size (``prismlm.control.dense``) on the same frozen hidden
+states, on tasks screened on validation (above chance, the choice prior not better: ``prismlm.control.compare``),
+all fitted by one path on train with λ chosen on validation, reported on the held-out test split with the
+choice prior, McNemar p and bootstrap intervals (``prismlm.eval.stats``; summary: ``prismlm.eval.claims``).
 
-Run: ``python bench/claims_controllers.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
-controllers``). The protocol in full: docs/results.md ("How bench/real_claims.py measures"). Features, the
-SAE and finished tasks are cached under ``WORK/controllers``, so the stage resumes.
+Run: ``python bench/claims_controllers.py [--quick] [--dense-basis pca|random] [--dense-directions N]
+[--max-prior-gain G] [--max-acc A] [--min-tasks N]`` after ``claims_bank.py`` (or ``real_claims.py --stage
+controllers``). The protocol: docs/results.md ("How bench/real_claims.py measures"). Features, the SAE and
+finished tasks are cached under ``WORK/controllers``, so the stage resumes.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import time
@@ -19,17 +22,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import ClaimsContext, Json, run_claims_stage
+from _common import ClaimsContext, run_claims_stage
 
-from prismlm.control.controller import (
-    ControlFeatures,
-    Controller,
-    accuracy,
-    correct,
-    fit_choice_prior,
-    prism_encoder,
-    trace_prism_controller,
+from prismlm.control.compare import (
+    FitProtocol,
+    ScreenConfig,
+    ScreenRow,
+    SideFit,
+    base_scores,
+    baselines,
+    fit_dense_side,
+    fit_side,
+    screen_task,
+    side_row,
 )
+from prismlm.control.controller import ControlFeatures, prism_encoder, trace_prism_controller
+from prismlm.control.dense import BASES, DenseControlConfig
 from prismlm.control.sae import SAERecipe, TopKSAE, fit_sae, row_sampler
 from prismlm.control.surrogate import (
     BASE_FIELDS,
@@ -37,15 +45,12 @@ from prismlm.control.surrogate import (
     TaskFeatures,
     base_pass,
     chance,
-    encoded,
-    exact_scores,
     extract_shared_prefix,
-    fit_surrogate_controller,
     forward_scores,
 )
 from prismlm.eval.claims import controller_summary
-from prismlm.eval.stats import binomial_p_above, paired_stats, wilson
-from prismlm.eval.tasks import EXTRA_TASKS, SPLITS, TASKS, MCExample, build_task
+from prismlm.eval.stats import paired_stats, wilson
+from prismlm.eval.tasks import ABILITY_TASKS, EXTRA_TASKS, SPLITS, TASKS, MCExample, build_task
 from prismlm.model import PrismLM
 from prismlm.model.stored_activations import backbone_identity, open_stored_z
 
@@ -98,7 +103,40 @@ MIN_TASKS = 3  # the tasks built here are screened only when fewer shipped ones 
 KEEP_P, KEEP_MARGIN = 0.01, 0.05
 
 
-CANDIDATES = (*TASKS, *EXTRA_TASKS)
+CANDIDATES = (*TASKS, *EXTRA_TASKS, *ABILITY_TASKS)
+
+
+@dataclass(frozen=True)
+class ControlOptions:
+    """The stage's own options (``--dense-*``, ``--max-*``); ``real_claims.py`` runs it with the defaults."""
+
+    dense: DenseControlConfig
+    """The dense-residual baseline (K' matched to the prototype controller's support unless given)."""
+    max_prior_gain: float
+    """The screen's limit on the choice prior's validation gain over the base model (``ScreenConfig``)."""
+    max_acc: float
+    """The screen's ceiling on the base validation accuracy."""
+    min_tasks: int = MIN_TASKS
+    """The tasks built here are screened while fewer than this many are kept (a large value: all of them)."""
+
+    def screen(self, quick: bool) -> ScreenConfig:
+        """--quick: above chance only (the smoke size's 8 validation examples decide nothing more)."""
+        if quick:
+            return ScreenConfig(min_margin=0.0, max_p=1.0, max_prior_gain=1.0, max_acc=1.0)
+        return ScreenConfig(KEEP_MARGIN, KEEP_P, self.max_prior_gain, self.max_acc)
+
+    def key(self, quick: bool) -> str:
+        """What the finished task rows depend on besides the SAE and the size (their cache folder)."""
+        sc = self.screen(quick)
+        return f"dense-{self.dense.describe()}-screen-{sc.min_margin}-{sc.max_p}-{sc.max_prior_gain}-{sc.max_acc}"
+
+
+MAX_ACC = 0.95  # chat_ending's base validation accuracy is 100% (34 examples): no room for any controller
+DEFAULT_OPTIONS = ControlOptions(DenseControlConfig(), max_prior_gain=0.0, max_acc=MAX_ACC)
+
+
+def fit_protocol(size: ControlSize) -> FitProtocol:
+    return FitProtocol(size.l1_grid, size.ctl_steps, CTL_LR, size.surrogate_vocab)
 
 
 def _first_docs(saved: dict, m: int) -> dict:
@@ -183,24 +221,25 @@ def train_sae_on_stored_z(
 
 
 # ----- the stage -----------------------------------------------------------------------------------------------
-def screen(ctx: ClaimsContext, run, folder: Path, caps: dict[str, int]) -> tuple[list[dict[str, object]], dict]:
-    """Base validation accuracy of every shipped task vs chance, and of the tasks built here when fewer
-    than ``MIN_TASKS`` shipped ones are clearly above it; which are kept."""
-    rows: list[dict[str, object]] = []
+def screen(
+    ctx: ClaimsContext, run, folder: Path, caps: dict[str, int], cfg: ScreenConfig, min_tasks: int
+) -> tuple[list[ScreenRow], dict]:
+    """``screen_task`` on every shipped task, then on the tasks built here while fewer than ``min_tasks``
+    are kept (train fits the choice prior the screen compares with; the verdict is read on validation)."""
+    rows: list[ScreenRow] = []
     splits_of = {}
+    W = run.model.lm_head.weight.detach().float()
     for task in CANDIDATES:
-        if task in EXTRA_TASKS and sum(bool(r["kept"]) for r in rows) >= MIN_TASKS:
+        if task not in TASKS and sum(bool(r["kept"]) for r in rows) >= min_tasks:
             break
         splits = build_task(task, caps)
-        f = cached_features(ctx, run.model, run.tokenizer, folder, task, "validation", splits["validation"])
-        acc = accuracy(f, f.base_logp.new_zeros(len(f.doc_of_request)).index_add(0, f.request, f.base_logp))["acc"]
-        n, ch = len(f.gold), chance(f)
-        p = binomial_p_above(round(acc * n), n, ch)
-        keep = acc > ch if ctx.quick else (p < KEEP_P and acc - ch >= KEEP_MARGIN)
-        rows.append({"task": task, "validation_acc": acc, "chance": ch, "n": n, "binomial_p": p, "kept": keep})
+        f = {s: cached_features(ctx, run.model, run.tokenizer, folder, task, s, splits[s]) for s in SPLITS[:2]}
+        tr, va = f["train"], f["validation"]
+        row = screen_task(task, tr, base_scores(tr, W), va, base_scores(va, W), cfg)
+        rows.append(row)
         ctx.log(
-            f"controllers: screen {task}: val acc {acc:.3f} vs chance {ch:.3f} (p {p:.2g}) → "
-            f"{'kept' if keep else 'dropped'}"
+            f"controllers: screen {task}: val acc {row['validation_acc']:.3f} vs chance {row['chance']:.3f} "
+            f"(p {row['binomial_p']:.2g}), choice prior {row['prior_validation_acc']:.3f} → {row['reason']}"
         )
         splits_of[task] = splits
     return rows, splits_of
@@ -225,115 +264,75 @@ def stage_sae(ctx: ClaimsContext, run_folder: Path, K: int, k: int) -> tuple[Top
     return sae, {**info, "cache_key": key}
 
 
-@dataclass
-class Side:
-    """One side's fitted controller, its JSON row, and what the comparison of the two sides needs."""
-
-    controller: Controller
-    row: Json
-    after: dict[str, float]
-    correct: torch.Tensor
-    scores: torch.Tensor
-
-
-def side_result(
-    feats: dict[str, TaskFeatures],
-    W: torch.Tensor,
-    directions: torch.Tensor,
-    base: BaseInfo,
-    seed: int,
-    size: ControlSize,
-) -> Side:
-    """One side's controller: fitted on the train surrogate per λ, λ by surrogate validation accuracy (same
-    vocabulary S), exact test; the exact validation accuracy of the chosen one checks the surrogate."""
-    train, val, test = feats["train"], feats["validation"], feats["test"]
-    fit = fit_surrogate_controller(
-        train, val, W, directions, l1_grid=size.l1_grid, steps=size.ctl_steps, lr=CTL_LR, vocab=size.surrogate_vocab
-    )
-    best, trials, fidelity = fit.controller, fit.trials, fit.fidelity
-    s1 = exact_scores(test, W, directions, best.coefficients)
-    after = accuracy(test, s1)
-    row: Json = {
-        "test_after": after,
-        "test_after_ci95": wilson(after["acc"], int(after["n"])),
-        "delta_acc": after["acc"] - base.acc,
-        "paired_vs_base": paired_stats(base.correct, correct(test, s1), seed=seed),
-        "paired_vs_prior": paired_stats(correct(test, base.prior_scores), correct(test, s1), seed=seed),
-        "nonzero": len(best.nonzero),
-        "l1": best.l1,
-        "selection": trials,
-        "surrogate_fidelity": fidelity,
+def forward_check(
+    model: PrismLM, tok, docs: list[MCExample], test: TaskFeatures, s0: torch.Tensor, prism: SideFit, m: int
+) -> dict[str, float]:
+    """The cached-feature scores of the first ``m`` test documents (``s0`` at c = 0, PRISM's) against the
+    model's own forward, with c = 0 and under PRISM's controller (``model.control``)."""
+    r = sum(test.n_choices[:m])
+    fwd0 = forward_scores(model, tok, docs[:m])
+    with model.control(prism.controller.coefficients.float()):
+        fwd1 = forward_scores(model, tok, docs[:m])
+    return {
+        "docs": m,
+        "max_abs_diff_base": float((fwd0 - s0[:r]).abs().max()),
+        "max_abs_diff_controlled": float((fwd1 - prism.test_scores[:r]).abs().max()),
+        "max_abs_shift": float((fwd1 - fwd0).abs().max()),  # what the controller moved: the check is not vacuous
     }
-    return Side(best, row, after, correct(test, s1), s1)
 
 
-@dataclass(frozen=True)
-class BaseInfo:
-    """The base model on a task's test split: accuracy, per-example correctness, the choice prior's scores."""
-
-    acc: float
-    correct: torch.Tensor
-    prior_scores: torch.Tensor
-
-
-def task_row(ctx: ClaimsContext, run, task: str, splits: dict, folder: Path, sae: TopKSAE, index) -> dict:
-    """Both controllers, the choice prior and the paired statistics on one kept task."""
+def task_row(
+    ctx: ClaimsContext, run, task: str, splits: dict, folder: Path, sae: TopKSAE, index, opts: ControlOptions
+) -> dict:
+    """The three controllers (PRISM, the SAE, the dense residual of PRISM's size), fitted and tested by one path
+    (``prismlm.control.compare``), the choice prior and the paired statistics on one kept task."""
     model, tok = run.model, run.tokenizer
     W = model.lm_head.weight.detach().float()
     raw = {s: cached_features(ctx, model, tok, folder, task, s, splits[s]) for s in SPLITS}
     test = raw["test"]
-    s0 = exact_scores(test, W, W[:1], None)
-    base = accuracy(test, s0)
-    train_base = exact_scores(raw["train"], W, W[:1], None)
-    prior_scores = fit_choice_prior(raw["train"], train_base).scores(test, s0)
-    prior = accuracy(test, prior_scores)
-    info = BaseInfo(base["acc"], correct(test, s0), prior_scores)
+    base = baselines(raw, W)
     row: dict[str, object] = {
         "task": task,
         "n": {s: len(v) for s, v in splits.items()},
         "chance": chance(test),
-        "base": {**base, "ci95": wilson(base["acc"], int(base["n"]))},
-        "choice_prior": {**prior, "ci95": wilson(prior["acc"], int(prior["n"]))},
+        "base": {**base.base, "ci95": wilson(base.base["acc"], int(base.base["n"]))},
+        "choice_prior": {**base.prior, "ci95": wilson(base.prior["acc"], int(base.prior["n"]))},
     }
+    protocol = fit_protocol(ctx_size(ctx))
     sides = {
         "prism": (prism_encoder(model), model.prototypes.weight.detach().float()),
         "sae": (sae.encode, sae.directions.detach().float()),
     }
-    feats_of: dict[str, dict[str, TaskFeatures]] = {}
-    done: dict[str, Side] = {}
-    for side, (enc, directions) in sides.items():
+    fits: dict[str, SideFit] = {}
+    for side in (*sides, "dense"):
         t = time.perf_counter()
-        feats_of[side] = {s: encoded(f, enc) for s, f in raw.items()}
-        d = done[side] = side_result(feats_of[side], W, directions, info, ctx.seed, ctx_size(ctx))
+        if side == "dense":  # K' = PRISM's support: the same number of non-zero parameters to spend
+            fits[side], basis = fit_dense_side(raw, W, fits["prism"].support, opts.dense, protocol)
+        else:
+            fits[side] = fit_side(raw, *sides[side], W, protocol)
+        d = fits[side]
         ctx.log(
-            f"controllers: {task} {side}: {base['acc']:.3f} → {d.after['acc']:.3f} "
-            f"({d.row['nonzero']} non-zero, λ {d.row['l1']}; prior {prior['acc']:.3f}) "
-            f"[{time.perf_counter() - t:.0f} s]"
+            f"controllers: {task} {side}: {base.base['acc']:.3f} → {d.after['acc']:.3f} ({d.support} non-zero of "
+            f"{d.num_parameters}, λ {d.controller.l1}; prior {base.prior['acc']:.3f}) [{time.perf_counter() - t:.0f} s]"
         )
-    # the key order of the JSON: prism, sae, then their comparison
-    row.update({side: d.row for side, d in done.items()})
-    row["prism_vs_sae"] = paired_stats(done["sae"].correct, done["prism"].correct, seed=ctx.seed)
-    s1, prism_ctl = done["prism"].scores, done["prism"].controller
-    # the cached-feature scores against the model's own forward, with c = 0 and with PRISM's controller
+    # the key order of the JSON: prism, sae, dense, then their comparisons
+    side_rows = {side: side_row(f, base, ctx.seed) for side, f in fits.items()}
+    side_rows["dense"].update(basis=basis.basis, config=opts.dense.describe())
+    row.update(side_rows)
+    row["prism_vs_sae"] = paired_stats(fits["sae"].test_correct, fits["prism"].test_correct, seed=ctx.seed)
+    row["prism_vs_dense"] = paired_stats(fits["dense"].test_correct, fits["prism"].test_correct, seed=ctx.seed)
     m = ctx_size(ctx).forward_check_docs
-    r = sum(test.n_choices[:m])
-    fwd0 = forward_scores(model, tok, splits["test"][:m])
-    with model.control(prism_ctl.coefficients.float()):
-        fwd1 = forward_scores(model, tok, splits["test"][:m])
-    row["forward_check"] = {
-        "docs": m,
-        "max_abs_diff_base": float((fwd0 - s0[:r]).abs().max()),
-        "max_abs_diff_controlled": float((fwd1 - s1[:r]).abs().max()),
-        "max_abs_shift": float((fwd1 - fwd0).abs().max()),  # what the controller moved: the check is not vacuous
-    }
+    row["forward_check"] = forward_check(model, tok, splits["test"], test, base.base_scores, fits["prism"], m)
     row["trace"] = trace_prism_controller(
-        model, tok, prism_ctl, feats_of["prism"]["train"], splits["train"], index=index, top=10
+        model, tok, fits["prism"].controller, fits["prism"].features["train"], splits["train"], index=index, top=10
     )
     return row
 
 
-def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> dict[str, object]:
-    """Screen the tasks, train the SAE, fit and test both controllers on each kept task (resumable; each
+def controller_stage(
+    ctx: ClaimsContext, only: Sequence[str] | None = None, opts: ControlOptions = DEFAULT_OPTIONS
+) -> dict[str, object]:
+    """Screen the tasks, train the SAE, fit and test the three controllers on each kept task (resumable; each
     finished task is saved; ``only``: just these of the kept tasks, e.g. from parallel processes)."""
     torch.set_num_threads(ctx.threads)
     t0 = time.perf_counter()
@@ -343,7 +342,7 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
     size = ctx_size(ctx)
     folder = stage / "features" / backbone_identity(model).removeprefix("backbone:")[:16]
     folder.mkdir(parents=True, exist_ok=True)
-    screened, splits_of = screen(ctx, run, folder, size.caps)
+    screened, splits_of = screen(ctx, run, folder, size.caps, opts.screen(ctx.quick), opts.min_tasks)
     assert model.prototypes is not None, "the bank's model is retrofitted"
     K, k = model.prototypes.num_prototypes, model.prototypes.cfg.top_k
     sae, sae_info = stage_sae(ctx, run.folder, K, k)
@@ -356,14 +355,14 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
     # the rows depend on the SAE too: a new SAE gets its own folder of finished tasks; the quick size is tuned
     # for CI time and may change, so its rows are keyed by it (the full rows keep the folder they were made in)
     tag = f"quick-{hashlib.sha256(repr(size).encode()).hexdigest()[:8]}" if ctx.quick else "full"
-    done = stage / f"tasks-{(run.identity or 'run')[:16]}-{tag}-sae-{sae_info['cache_key']}"
+    done = stage / f"tasks-{(run.identity or 'run')[:16]}-{tag}-sae-{sae_info['cache_key']}-{opts.key(ctx.quick)}"
     done.mkdir(exist_ok=True)
     rows = []
     kept = [str(r["task"]) for r in screened if r["kept"]][: size.max_tasks]
     for task in [t for t in kept if only is None or t in only]:
         path = done / f"{task}.json"
         if not path.exists():
-            row = task_row(ctx, run, task, splits_of[task], folder, sae, index)
+            row = task_row(ctx, run, task, splits_of[task], folder, sae, index, opts)
             path.write_text(json.dumps(row, indent=1, default=float))
         rows.append(json.loads(path.read_text()))
     return {
@@ -379,15 +378,26 @@ def controller_stage(ctx: ClaimsContext, only: Sequence[str] | None = None) -> d
             "surrogate_vocab": size.surrogate_vocab,
             "forward_check_docs": size.forward_check_docs,
             "max_tasks": size.max_tasks,
-            "keep_p": KEEP_P,
-            "keep_margin": KEEP_MARGIN,
+            "screen": vars(opts.screen(ctx.quick)),
+            "dense": vars(opts.dense),
+            "min_tasks": opts.min_tasks,
         },
         "stage_seconds": round(time.perf_counter() - t0, 1),
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_claims_stage("controllers", controller_stage, __doc__, argv)
+    ap = argparse.ArgumentParser(add_help=False)  # the stage's own options; the rest go to claims_args
+    ap.add_argument("--dense-basis", choices=BASES, default="pca", help="the dense controller's directions")
+    ap.add_argument("--dense-directions", type=int, default=None, help="K' (default: PRISM's non-zero count)")
+    ap.add_argument("--max-prior-gain", type=float, default=0.0, help="screen: the prior's gain allowed (1: off)")
+    ap.add_argument("--max-acc", type=float, default=MAX_ACC, help="screen: drop tasks above this accuracy")
+    ap.add_argument("--min-tasks", type=int, default=MIN_TASKS, help="screen built tasks while fewer are kept")
+    args, rest = ap.parse_known_args(argv)
+    opts = ControlOptions(
+        DenseControlConfig(args.dense_basis, args.dense_directions), args.max_prior_gain, args.max_acc, args.min_tasks
+    )
+    run_claims_stage("controllers", lambda ctx: controller_stage(ctx, opts=opts), __doc__, rest)
 
 
 if __name__ == "__main__":

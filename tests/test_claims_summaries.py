@@ -131,6 +131,33 @@ def test_controller_summary_means_in_points():
     assert s["sae_gain_over_prior"] == pytest.approx(100 * (-0.03 + 0.02) / 2)
     assert s["prior_gain_over_base"] == pytest.approx(100 * (0.05 + 0.02) / 2)
     assert controller_summary([]) == {"controller_tasks": 0}
+    assert "controller_minus_dense" not in s  # rows without the dense baseline (measured before it existed)
+
+
+def _dense_rows(prism: tuple[float, float], dense: tuple[float, float]) -> list[dict[str, object]]:
+    return [
+        {"base": {"acc": 0.60}, "choice_prior": {"acc": 0.60},
+         "prism": {"test_after": {"acc": prism[0]}, "delta_acc": prism[0] - 0.60},
+         "sae": {"test_after": {"acc": 0.60}, "delta_acc": 0.0},
+         "dense": {"test_after": {"acc": dense[0]}, "delta_acc": dense[0] - 0.60}},
+        {"base": {"acc": 0.80}, "choice_prior": {"acc": 0.78},
+         "prism": {"test_after": {"acc": prism[1]}, "delta_acc": prism[1] - 0.80},
+         "sae": {"test_after": {"acc": 0.80}, "delta_acc": 0.0},
+         "dense": {"test_after": {"acc": dense[1]}, "delta_acc": dense[1] - 0.80}},
+    ]  # fmt: skip
+
+
+def test_controller_minus_dense_in_points_and_its_sign():
+    s = controller_summary(_dense_rows(prism=(0.66, 0.81), dense=(0.62, 0.84)))
+    # by hand: ((0.66 − 0.62) + (0.81 − 0.84)) / 2 = +0.005 → +0.5 points: the controller ahead
+    assert s["controller_minus_dense"] == pytest.approx(0.5)
+    assert s["dense_gain_over_base"] == pytest.approx(100 * (0.02 + 0.04) / 2)
+    assert s["dense_gain_over_prior"] == pytest.approx(100 * (0.02 + 0.06) / 2)
+    # a sign flip (dense − controller) would give −0.5: swapping the sides must flip the field
+    swapped = controller_summary(_dense_rows(prism=(0.62, 0.84), dense=(0.66, 0.81)))
+    assert swapped["controller_minus_dense"] == pytest.approx(-0.5)
+    # the other fields do not depend on the dense side
+    assert s["controller_minus_sae"] == pytest.approx(100 * (0.06 + 0.01) / 2)
 
 
 def _parts(logit, S, R, runner_logit, runner_S, abs_slices=None):

@@ -54,6 +54,7 @@ def test_the_driver_gathers_every_stage_and_resumes(quick_claims):
         "logit_share_slices_abs",
         "controller_gain_over_prior",
         "controller_minus_sae",
+        "controller_minus_dense",
     ):
         assert field in gathered["summary"], field
     # the rerun ran no stage again: every stage says it finished earlier, and the summary is the same
@@ -112,7 +113,7 @@ def _check_paired(ps: dict, before: float, after: float, n: int, binomtest) -> N
 
 
 def _check_side(side: dict, row: dict, protocol: dict, binomtest) -> None:
-    """One controller (PRISM or the SAE) on one task: λ chosen on validation, its fits, its test statistics."""
+    """One controller (PRISM, the SAE or the dense one) on one task: λ chosen on validation, its fits, its test statistics."""
     n, after = row["n"]["test"], side["test_after"]["acc"]
     assert side["test_after"]["n"] == n and 0 <= after <= 1
     assert after * n == pytest.approx(round(after * n))
@@ -148,10 +149,14 @@ def test_controllers_match_the_model_and_their_statistics(quick_claims):
         assert n == protocol["caps"]["test"]
         for acc in (row["base"], row["choice_prior"]):
             assert acc["n"] == n and 0 <= acc["acc"] <= 1 and acc["ci95"][0] <= acc["acc"] <= acc["ci95"][1]
-        for name in ("prism", "sae"):
+        for name in ("prism", "sae", "dense"):
             _check_side(row[name], row, protocol, binomtest)
-        after = {name: row[name]["test_after"]["acc"] for name in ("prism", "sae")}
+        after = {name: row[name]["test_after"]["acc"] for name in ("prism", "sae", "dense")}
         _check_paired(row["prism_vs_sae"], after["sae"], after["prism"], n, binomtest)
+        _check_paired(row["prism_vs_dense"], after["dense"], after["prism"], n, binomtest)
+        # the dense controller is PRISM's size: K' = PRISM's non-zero count (at least 1), its support within it
+        assert row["prism"]["parameters"] == K and row["dense"]["parameters"] == max(1, row["prism"]["nonzero"])
+        assert row["dense"]["nonzero"] <= row["dense"]["parameters"]
         # PRISM's exact cached-feature scores = the model's own forward, without and under model.control(c)
         check = row["forward_check"]
         assert check["docs"] == protocol["forward_check_docs"]
@@ -172,6 +177,9 @@ def test_controllers_match_the_model_and_their_statistics(quick_claims):
     )
     assert summary["controller_minus_sae"] == pytest.approx(
         mean_points(lambda r: r["prism"]["test_after"]["acc"] - r["sae"]["test_after"]["acc"]), abs=0.01
+    )
+    assert summary["controller_minus_dense"] == pytest.approx(
+        mean_points(lambda r: r["prism"]["test_after"]["acc"] - r["dense"]["test_after"]["acc"]), abs=0.01
     )
 
 

@@ -87,6 +87,7 @@ def extract_shared_prefix(model: PrismLM, tokenizer: Tokenizer, docs: Sequence[M
 FEATURE_FIELDS = ("z", "targets", "request", "doc_of_request", "gold", "choice_len", "n_choices", "choice_text")
 BASE_FIELDS = ("base_logp", "lse", "top_ids", "top_p")
 TOP_TOKENS = 64  # per scored token: the base model's most probable tokens (the surrogate's vocabulary)
+MAX_GATHER = 2**26  # elements of the gathered directions per chunk of ``exact_scores`` (256 MB of float32)
 
 
 @dataclass
@@ -138,6 +139,8 @@ def exact_scores(
     tok = f.base_logp.clone()  # (N,)
     if c is not None:
         touched = (c[f.indices] != 0).any(-1).nonzero().squeeze(-1)  # tokens whose z the controller moves
+        # directions[idx] is (rows, k, d): a dense code (k = K' of hundreds) needs fewer rows per chunk
+        chunk = max(1, min(chunk, MAX_GATHER // max(1, f.indices.shape[1] * directions.shape[1])))
         for s in range(0, len(touched), chunk):
             n = touched[s : s + chunk]
             idx = f.indices[n]

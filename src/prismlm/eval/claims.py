@@ -118,7 +118,8 @@ def suppression_summary(
 # ----- controllers ----------------------------------------------------------------------------------------------
 def controller_summary(rows: Sequence[Record]) -> dict[str, object]:
     """The issue's controller fields: mean accuracy differences over the kept tasks, in points (2 decimals).
-    Each row: ``base``/``choice_prior`` {acc}, ``prism``/``sae`` {test_after: {acc}, delta_acc}."""
+    Each row: ``base``/``choice_prior`` {acc}, ``prism``/``sae`` {test_after: {acc}, delta_acc}, and, when every
+    row has it, ``dense`` (the dense-residual controller of the same size): then ``controller_minus_dense``."""
     if not rows:
         return {"controller_tasks": 0}
 
@@ -131,7 +132,7 @@ def controller_summary(rows: Sequence[Record]) -> dict[str, object]:
     def plain(r: Record, part: str, key: str = "acc") -> float:
         return _num(_rec(r[part])[key])
 
-    return {
+    out: dict[str, object] = {
         "controller_tasks": len(rows),
         "controller_gain_over_prior": mean(lambda r: acc(r, "prism") - plain(r, "choice_prior")),
         "controller_minus_sae": mean(lambda r: acc(r, "prism") - acc(r, "sae")),
@@ -140,6 +141,11 @@ def controller_summary(rows: Sequence[Record]) -> dict[str, object]:
         "sae_gain_over_prior": mean(lambda r: acc(r, "sae") - plain(r, "choice_prior")),
         "prior_gain_over_base": mean(lambda r: plain(r, "choice_prior") - plain(r, "base")),
     }
+    if all("dense" in r for r in rows):  # rows measured before the dense baseline existed have none
+        out["controller_minus_dense"] = mean(lambda r: acc(r, "prism") - acc(r, "dense"))
+        out["dense_gain_over_base"] = mean(lambda r: plain(r, "dense", "delta_acc"))
+        out["dense_gain_over_prior"] = mean(lambda r: acc(r, "dense") - plain(r, "choice_prior"))
+    return out
 
 
 # ----- attribution ----------------------------------------------------------------------------------------------

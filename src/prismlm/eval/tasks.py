@@ -42,6 +42,10 @@ class MCExample(TypedDict):
 TASKS = ("gutenberg_author", "sotu_era", "sotu_president", "fortune_source", "gutenberg_ending")
 EXTRA_TASKS = ("sotu_ending", "gutenberg_bible")
 """Built on demand (``build_task``), not by ``build_tasks``: the controllers' extra candidates (bench/real_claims)."""
+ABILITY_TASKS = ("kjv_ending", "gutenberg_ending_short", "chat_ending")
+"""Built on demand: more candidates where every example has its own answer (so a context-free choice prior
+adds nothing) for the controllers' screen (``prismlm.control.compare.screen_task``): the King James Bible's
+endings, 4-word Gutenberg endings (harder than 12: room for a controller), the shipped chat answers' endings."""
 SPLITS = ("train", "validation", "test")
 DEFAULT_CAPS = {"train": 400, "validation": 100, "test": 200}
 ERAS = [(1790, 1860, "1790-1860"), (1861, 1932, "1861-1932"), (1933, 1980, "1933-1980"), (1981, 2100, "1981-2026")]
@@ -165,22 +169,62 @@ def _fortune_raw(per_source: int = 500) -> Iterator[tuple[str, str, str, str]]:
             yield ex, ex, f, label
 
 
-def _gutenberg_ending_raw(per_doc: int = 6, ending_words: int = 12) -> Iterator[tuple[str, str, str, str]]:
-    """(first half of a passage, its next ``ending_words`` words) for Gutenberg passages."""
-    for group, ex_id, p, _author in _gutenberg_raw(per_doc):
+def _endings(
+    raw: Iterator[tuple[str, str, str, str]], ending_words: int, prefix: str = ""
+) -> Iterator[tuple[str, str, str, str]]:
+    """(``prefix`` + first half of each passage, its next ``ending_words`` words), for passages with that many
+    words after their half (the passage's own label is dropped: the ending is the answer)."""
+    for group, ex_id, p, _label in raw:
         words = p.removesuffix(" …").split()
         half = len(words) // 2
         if len(words) - half >= ending_words:
-            yield group, ex_id, " ".join(words[:half]), " ".join(words[half : half + ending_words])
+            yield group, ex_id, prefix + " ".join(words[:half]), " ".join(words[half : half + ending_words])
+
+
+def _gutenberg_ending_raw(per_doc: int = 6, ending_words: int = 12) -> Iterator[tuple[str, str, str, str]]:
+    """(first half of a passage, its next ``ending_words`` words) for Gutenberg passages."""
+    return _endings(_gutenberg_raw(per_doc), ending_words)
 
 
 def _sotu_ending_raw(per_doc: int = 6, ending_words: int = 12) -> Iterator[tuple[str, str, str, str]]:
     """(first half of a SOTU paragraph, its next ``ending_words`` words), as ``gutenberg_ending``."""
-    for group, ex_id, p, _president in _sotu_raw("president", per_doc):
-        words = p.removesuffix(" …").split()
-        half = len(words) // 2
-        if len(words) - half >= ending_words:
-            yield group, ex_id, " ".join(words[:half]), " ".join(words[half : half + ending_words])
+    return _endings(_sotu_raw("president", per_doc), ending_words)
+
+
+def _kjv_raw(per_doc: int = 6) -> Iterator[tuple[str, str, str, str]]:
+    """King James Bible passages (which ``gutenberg_ending`` leaves out), grouped by their document."""
+    from prismlm.data.corpus import gutenberg_documents
+
+    for doc in gutenberg_documents():
+        if doc.meta.get("author") == "King James Bible":
+            for j, p in enumerate(_pick(passages(doc.text), per_doc)):
+                yield doc.id, f"{doc.id}/p{j}", p, "King James Bible"
+
+
+def _chat_answers() -> Iterator[tuple[str, str, str, str]]:
+    """(question, example id, the transcript up to the assistant's answer, the answer with whitespace
+    collapsed) of every shipped chat answer (``prismlm.data.chat_anchor``: anchor and held-out questions)."""
+    from prismlm.data.chat_anchor import CHAT_FILE, read_chat_answers
+    from prismlm.data.corpus import BUILTIN_DIR
+
+    path = BUILTIN_DIR / CHAT_FILE
+    if not path.exists():
+        raise TaskError(f"the chat answers {path} are missing (reinstall prismlm)")
+    for held in (False, True):
+        for r in read_chat_answers(path, heldout=held):
+            q, text = r["question"], r["text"]
+            at = text.rfind(r["answer"])
+            if at < 0:  # an answer the transcript does not hold verbatim: no prefix to cut it from
+                continue
+            yield q, "chat/" + hashlib.sha256(q.encode()).hexdigest()[:12], text[:at], " ".join(r["answer"].split())
+
+
+def _chat_ending_raw(ending_words: int = 6) -> Iterator[tuple[str, str, str, str]]:
+    """(the chat template, the question and the first half of an answer; the answer's next ``ending_words``
+    words), grouped by question: the model continuing a chat answer (its own greedy one, so often near its
+    ceiling: the screen decides)."""
+    for q, ex_id, head, answer in _chat_answers():
+        yield from _endings(iter([(q, ex_id, answer, "")]), ending_words, prefix=head)
 
 
 def _bible_raw(per_doc: int = 6) -> Iterator[tuple[str, str, str, str]]:
@@ -230,13 +274,18 @@ _BUILDERS: dict[str, TaskSpec] = {
     "gutenberg_bible": TaskSpec(
         _bible_raw, "Passage: {passage}\nQuestion: Is this passage from the Bible?\nAnswer:", 2
     ),
+    "kjv_ending": TaskSpec(lambda: _endings(_kjv_raw(), 12), "{passage}", 4, answers_per_example=True),
+    "gutenberg_ending_short": TaskSpec(
+        lambda: _gutenberg_ending_raw(ending_words=4), "{passage}", 4, answers_per_example=True
+    ),
+    "chat_ending": TaskSpec(_chat_ending_raw, "{passage}", 4, answers_per_example=True),
 }
 
 
 def build_task(name: str, caps: dict[str, int] | None = None) -> dict[str, list[MCExample]]:
     """All splits of one task, in memory (deterministic)."""
     if name not in _BUILDERS:
-        raise TaskError(f"unknown task {name!r}; choose from {[*TASKS, *EXTRA_TASKS]}")
+        raise TaskError(f"unknown task {name!r}; choose from {[*TASKS, *EXTRA_TASKS, *ABILITY_TASKS]}")
     return build_from_spec(_BUILDERS[name], caps)
 
 
