@@ -223,10 +223,12 @@ def test_answer_accuracy_ranks_a_taught_answer_first(small):
 
 
 def test_per_query_seconds_times_both_ways_and_the_summary_divides_like_by_like():
-    def score(qs: list) -> None:  # a fixed cost per call + a cost per query
+    def score(qs: list) -> int:  # a fixed cost per call + a cost per query
         time.sleep(0.02 + 0.005 * len(qs))
+        return len(qs)
 
-    t = per_query_seconds(score, [([0], 0)] * 4, single=2)
+    t, batched = per_query_seconds(score, [([0], 0)] * 4, single=2)
+    assert batched == 4  # the batched call's result
     assert t["single_queries"] == 2
     assert t["batched_per_query_s"] == pytest.approx((0.02 + 0.02) / 4, rel=0.5)
     assert t["single_query_s"] == pytest.approx(0.025, rel=0.5) and t["single_query_s"] > t["batched_per_query_s"]

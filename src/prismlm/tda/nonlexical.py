@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 Kind = Literal["alias", "two-hop", "paraphrase"]
 KINDS: tuple[Kind, ...] = ("alias", "two-hop", "paraphrase")
 Query = tuple[list[int], int]
+R = TypeVar("R")
 
 STOPWORDS = frozenset(
     "a an the of in on at to from by for with and or but is are was were be been it its it's this that which who "
@@ -549,14 +550,15 @@ def answer_accuracy(nl: NonlexicalCorpus, net: LanguageModel, tok: Tokenizer) ->
 
 
 def per_query_seconds(
-    score: Callable[[list[Query]], object], queries: list[Query], single: int, sync: Callable[[], None] = lambda: None
-) -> dict[str, float]:
+    score: Callable[[list[Query]], R], queries: list[Query], single: int, sync: Callable[[], None] = lambda: None
+) -> tuple[dict[str, float], R]:
     """The cost per query of a scoring call, timed both ways in one place: ``score(queries)`` once ÷ Q
     (``batched_per_query_s``) and ``score([q])`` for each of the first ``single`` queries, the median
-    (``single_query_s``). ``sync``: waits for queued device work, around each timed call."""
+    (``single_query_s``). Returns the timings and the batched call's result. ``sync``: waits for queued device
+    work, around each timed call."""
     sync()
     t0 = time.perf_counter()
-    score(queries)
+    result = score(queries)
     sync()
     batched = (time.perf_counter() - t0) / len(queries)
     per = []
@@ -565,7 +567,8 @@ def per_query_seconds(
         score([q])
         sync()
         per.append(time.perf_counter() - t1)
-    return {"batched_per_query_s": batched, "single_query_s": statistics.median(per), "single_queries": len(per)}
+    timings = {"batched_per_query_s": batched, "single_query_s": statistics.median(per), "single_queries": len(per)}
+    return timings, result
 
 
 def nonlexical_summary(

@@ -47,6 +47,7 @@ __all__ = [
     "made_up_word",
     "planted_queries",
     "relevant_sequences",
+    "retrieval_by_part",
     "retrieval_metrics",
     "trim_planted",
 ]
@@ -409,3 +410,15 @@ def retrieval_metrics(scores: np.ndarray, fact_of_query: list[int], relevant: li
         f"share@{k}": float(np.mean(shares)) if n else None,
         "mrr": float(np.mean(rr)) if n else None,
     }
+
+
+def retrieval_by_part(
+    scores: np.ndarray, fact_of_query: np.ndarray, part: np.ndarray, relevant: list[set[int]], k: int = 10
+) -> dict[str, dict]:
+    """``retrieval_metrics`` over all queries (``all``) and over each part of them (``part``: (Q,) names, e.g.
+    ``paraphrase`` / ``verbatim`` or the non-lexical kinds), parts in order of first appearance."""
+    out = {"all": retrieval_metrics(scores, fact_of_query.tolist(), relevant, k)}
+    for name in dict.fromkeys(part.tolist()):
+        sel = part == name
+        out[str(name)] = retrieval_metrics(scores[sel], fact_of_query[sel].tolist(), relevant, k)
+    return out
