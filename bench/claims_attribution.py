@@ -45,6 +45,7 @@ from prismlm.tda.nonlexical import (
     NonlexicalSize,
     Query,
     build_nonlexical_corpus,
+    content_overlap,
     lexical_report,
     nonlexical_summary,
     per_query_seconds,
@@ -224,11 +225,19 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
         "learning": learned,
         "planted": planted,
         "lexical": lexical_report(nl) if nl else None,
+        "lexical_sequences": sequence_overlap(shards, T, queries, relevant) if nl else None,
         "costs": methods.costs,
         "not_run": methods.not_run,
         "finetune_seconds": round(t_ft, 1),
         "stage_dir": str(stage),
     }
+
+
+def sequence_overlap(shards: ShardSet, T: int, queries: list[Query], relevant: list[set[int]]) -> list[Json]:
+    """``content_overlap`` of each query's text (prompt + answer) with the training sequences, as BM25 sees them."""
+    tok = shards.tokenizer
+    seqs = [tok.decode(shards.train.sequence(j, T).tolist()) for j in range(shards.train.num_sequences(T))]
+    return [dict(content_overlap(seqs, tok.decode(ids[1:]), r)) for (ids, _), r in zip(queries, relevant, strict=True)]
 
 
 def finetune(ctx: ClaimsContext, size: PlantSize, corpus: Path, out: Path) -> Path:

@@ -24,6 +24,7 @@ from prismlm.tda.nonlexical import (
     NonlexicalSize,
     answer_accuracy,
     build_nonlexical_corpus,
+    content_overlap,
     document_metrics,
     lexical_report,
     nonlexical_summary,
@@ -250,4 +251,15 @@ def test_per_query_seconds_times_both_ways_and_the_summary_divides_like_by_like(
         "recall10_nonlexical_bm25": 0.9,
         "ekfac_cost_over_cached_nonlexical": pytest.approx(30.0),
         "ekfac_single_query_cost_over_cached_nonlexical": pytest.approx(200.0),
+    }
+
+
+def test_content_overlap_counts_shared_content_words():
+    texts = ["The ship sailed abroad.", "Merchants of the port", "a ship and a port and merchants", "nothing"]
+    o = content_overlap(texts, "Merchants ship abroad the", {0, 1})  # content words: merchants, ship, abroad
+    assert o == {
+        "overlap_relevant_max": 2,  # ship, abroad
+        "overlap_relevant_mean": 1.5,  # (2 + 1) / 2
+        "overlap_other_max": 2,  # ship, merchants
+        "others_at_least_as_close": 1,
     }

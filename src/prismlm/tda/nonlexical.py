@@ -472,23 +472,33 @@ def document_metrics(scores: np.ndarray, relevant_lines: Sequence[set[int]], k: 
     return retrieval_metrics(scores, list(range(len(relevant_lines))), [{x - 1 for x in r} for r in relevant_lines], k)
 
 
+def content_overlap(texts: Sequence[str], query: str, relevant: set[int]) -> dict[str, float]:
+    """The content words ``query`` shares with its best relevant text (``relevant``: 0-based indices into
+    ``texts``), the mean over its relevant texts, with the best other text, and how many other texts share at
+    least as many as the best relevant one (what BM25 has to tell apart)."""
+    qw = content_words(query)
+    overlap = np.array([len(qw & content_words(t)) for t in texts])
+    is_rel = np.zeros(len(texts), bool)
+    is_rel[sorted(relevant)] = True
+    best = int(overlap[is_rel].max()) if is_rel.any() else 0
+    return {
+        "overlap_relevant_max": best,
+        "overlap_relevant_mean": float(overlap[is_rel].mean()) if is_rel.any() else 0.0,
+        "overlap_other_max": int(overlap[~is_rel].max()) if (~is_rel).any() else 0,
+        "others_at_least_as_close": int((overlap[~is_rel] >= best).sum()),
+    }
+
+
 def lexical_report(nl: NonlexicalCorpus, k: int = 10) -> dict[str, object]:
     """What lexical match can see, per query and in summary, over the documents of the corpus: the content words
     the prompt shares with its answer's sentence and the hidden names it holds (both empty by construction),
-    the content words of the query text (prompt + answer, what the bench's BM25 gets) shared with its best
-    relevant document and with the best other one, how many other documents share at least as many, and BM25's
-    recall@1 / MRR / recall@k on the documents, with and without the answer."""
+    ``content_overlap`` of the query text (prompt + answer, what the bench's BM25 gets) with the documents, and
+    BM25's recall@1 / MRR / recall@k on the documents, with and without the answer."""
     docs = nl.documents()
-    doc_words = [content_words(d) for d in docs]
+    lines = [nl.hop_lines(i) for i in range(len(nl.queries))]
     rows: list[dict[str, object]] = []
-    for i, q in enumerate(nl.queries):
-        rel = nl.hop_lines(i)
-        qw = content_words(f"{q.prompt} {q.answer}")
+    for q, rel in zip(nl.queries, lines, strict=True):
         pw = set(WORD.findall(q.prompt.lower()))
-        overlap = np.array([len(qw & w) for w in doc_words])
-        is_rel = np.zeros(len(docs), bool)
-        is_rel[[x - 1 for x in rel]] = True
-        best_rel = int(overlap[is_rel].max()) if is_rel.any() else 0
         rows.append(
             {
                 "kind": q.kind,
@@ -498,16 +508,13 @@ def lexical_report(nl: NonlexicalCorpus, k: int = 10) -> dict[str, object]:
                     content_words(q.prompt) & content_words(nl.statements[q.hops[-1]].sentence)
                 ),
                 "hidden_in_prompt": sorted(h for h in q.hidden if content_words(h) & pw),
-                "overlap_relevant_max": best_rel,
-                "overlap_relevant_mean": float(overlap[is_rel].mean()) if is_rel.any() else 0.0,
-                "overlap_other_max": int(overlap[~is_rel].max()),
-                "others_at_least_as_close": int((overlap[~is_rel] >= best_rel).sum()),
+                **content_overlap(docs, f"{q.prompt} {q.answer}", {x - 1 for x in rel}),
                 "relevant_documents": len(rel),
             }
         )
-    lines = [nl.hop_lines(i) for i in range(len(nl.queries))]
     with_answer = bm25_scores(docs, [f"{q.prompt} {q.answer}" for q in nl.queries])
     prompt_only = bm25_scores(docs, [q.prompt for q in nl.queries])
+    kinds = nl.kinds()
     return {
         "documents": len(docs),
         "queries": rows,
@@ -515,7 +522,7 @@ def lexical_report(nl: NonlexicalCorpus, k: int = 10) -> dict[str, object]:
         "bm25_prompt": document_metrics(prompt_only, lines, k),
         "bm25_by_kind": {
             kind: document_metrics(
-                with_answer[nl.kinds() == kind], [x for x, r in zip(lines, rows, strict=True) if r["kind"] == kind], k
+                with_answer[kinds == kind], [x for x, c in zip(lines, kinds, strict=True) if c == kind], k
             )
             for kind in KINDS
         },
