@@ -29,6 +29,7 @@ from prismlm.tda.nonlexical import (
     lexical_report,
     nonlexical_summary,
     per_query_seconds,
+    plant_world,
     relevant_sequences,
     template_overlaps,
 )
@@ -92,6 +93,15 @@ def test_every_planted_sentence_sits_in_its_documents_and_shares_answers(small):
             by_answer[st.key] = by_answer.get(st.key, 0) + 1
     assert max(by_answer.values()) == SMALL.answer_share
     assert all(by_answer[q.answer] >= 2 for q in small.queries)
+    # no sentence outside a query's hops holds both a word of its prompt and its answer (a shortcut past the hops);
+    # over many worlds (the shared pools made one now and then before mentions skipped the asked relation)
+    for seed in range(40):
+        statements, queries = plant_world(4, 3, 3, seed)
+        for q in queries:
+            names = _words(q.prompt) - FUNCTION_WORDS
+            for i, st in enumerate(statements):
+                if i not in q.hops:
+                    assert not (q.answer in st.sentence and names & _words(st.sentence)), (seed, q.prompt, st.sentence)
     # each name a query uses is the subject of `mentions` other facts (the mentions hold the name)
     for q in small.queries[:2]:
         name = next(iter(_words(q.prompt) & _words(small.statements[q.hops[0]].sentence) - FUNCTION_WORDS))

@@ -270,7 +270,8 @@ class _World:
         return len(self.statements) - 1
 
     def mention(self, subject: str, skip: str) -> None:
-        """``mentions`` other facts about ``subject`` (relations other than ``skip``)."""
+        """``mentions`` other facts about ``subject`` (relations other than ``skip``, the one its query asks: a
+        mention of it could hold the query's answer word)."""
         others = [r for r in LAND_RELATIONS if r != skip]
         for rel in self.rng.sample(others, min(self.mentions, len(others))):
             self.state(RELATIONS[rel].fact, subject, rel, "mention")
@@ -288,7 +289,9 @@ class _World:
         f = self.state(RELATIONS[rel].fact, city, rel, "fact")
         prompt = _sentence(RELATIONS[rel].via_capital, E=land)
         self.queries.append(NonlexicalQuery("two-hop", prompt, "", rel, [c, f], [city]))
-        self.mention(land, "")
+        # not the asked relation: "<land> was founded by Y" with the capital's founder's Y (the pools are shared)
+        # would answer the question without the hops
+        self.mention(land, rel)
 
     def paraphrase(self, rel: str, place: tuple[str, str]) -> None:
         adj, noun = place
@@ -318,7 +321,9 @@ class _World:
             q.hidden.append(q.answer)
 
 
-def plant_world(n_per_kind: int, mentions: int, answer_share: int, seed: int) -> tuple[list[Statement], list]:
+def plant_world(
+    n_per_kind: int, mentions: int, answer_share: int, seed: int
+) -> tuple[list[Statement], list[NonlexicalQuery]]:
     """The statements and queries (``n_per_kind`` of each kind), no corpus yet; see the module docstring."""
     if n_per_kind < 1 or answer_share < 1 or mentions < 0:
         raise ConfigError("n_per_kind and answer_share must be ≥ 1 and mentions ≥ 0")
