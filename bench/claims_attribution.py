@@ -101,14 +101,14 @@ SIZES = {
 }
 NONLEXICAL = {
     # --planted nonlexical (prismlm.tda.nonlexical): the smoke size is one query of each kind, one other fact per
-    # name, answers not shared; the full size 4 of each kind (12 queries, as many as the named set's facts), 3
-    # documents per sentence, 3 other facts per name, 3 facts per answer word, in ~1,000 training sequences.
+    # name, answers not shared; the full size 8 of each kind (24 queries, as many as the named set's paraphrases),
+    # 3 documents per sentence, 3 other facts per name, 3 facts per answer word, in ~1,000 training sequences.
     "quick": NonlexicalSize(1, 2, 1, 1, train_sequences=24, doc_chars=300, filler_chars=40, val_fraction=0.2),
-    "full": NonlexicalSize(4, 3, 3, 3, train_sequences=1000, doc_chars=300, filler_chars=60, val_fraction=0.02),
+    "full": NonlexicalSize(8, 3, 3, 3, train_sequences=1000, doc_chars=300, filler_chars=60, val_fraction=0.02),
 }
 NONLEXICAL_EPOCHS = 3
 """Fine-tune steps on the non-lexical corpus: this many passes over its training sequences (the named set's
-full size makes ~6 over 114; a tenth of the non-lexical corpus is planted)."""
+full size makes ~6 over 114; about a fifth of the non-lexical corpus is planted)."""
 UNFREEZE = "last-2"
 
 
