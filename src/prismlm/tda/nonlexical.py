@@ -26,7 +26,7 @@ The corpus is mixed with filler documents of the built-in corpus (``prismlm.data
 documents are a hop sentence between two snippets of filler text of at most ``filler_chars``. Everything is a
 function of ``seed``.
 
-Cost model of one query (what ``bench/claims_attribution.py --planted nonlexical`` times, batched and one query
+Cost model of one query (what ``bench/claims_attribution.py`` times on this set, batched and one query
 at a time, in the same run; N training sequences of T tokens, L measured query tokens, K prototypes, k active per
 token, r the sketch size):
 
