@@ -307,6 +307,8 @@ class ClaimsContext:
     seed: int = 0
     device: str = "cpu"
     notes: list[str] = field(default_factory=list)
+    options: argparse.Namespace = field(default_factory=argparse.Namespace)
+    """The parsed command line (a stage's own options, added by ``run_claims_stage``'s ``add_options``)."""
 
     @property
     def size(self) -> BankSize:
@@ -349,9 +351,17 @@ def has_checkpoint(folder: Path) -> bool:
     return True
 
 
-def claims_args(stage: str, description: str | None, argv: list[str] | None = None) -> argparse.Namespace:
-    """The options every claims stage script takes (``real_claims.py`` passes its own to each)."""
+def claims_args(
+    stage: str,
+    description: str | None,
+    argv: list[str] | None = None,
+    add_options: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
+    """The options every claims stage script takes (``real_claims.py`` passes its own to each), plus the stage's
+    own (``add_options``)."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if add_options is not None:
+        add_options(ap)
     ap.add_argument("--quick", action="store_true", help="the CI smoke size")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
@@ -373,14 +383,22 @@ def claims_work(quick: bool, work: Path | None) -> Path:
 
 
 def run_claims_stage(
-    stage: str, fn: Callable[[ClaimsContext], Json], description: str | None, argv: list[str] | None = None
+    stage: str,
+    fn: Callable[[ClaimsContext], Json],
+    description: str | None,
+    argv: list[str] | None = None,
+    add_options: Callable[[argparse.ArgumentParser], None] | None = None,
+    variant: Callable[[argparse.Namespace], str] = lambda _: "",
 ) -> Path:
-    """A stage script's ``main``: parse the options, run ``fn`` and write its JSON (``stage``, the result,
-    ``seconds`` and the environment with this stage's start load) to ``--out``."""
-    args = claims_args(stage, description, argv)
+    """A stage script's ``main``: parse the options (``add_options``: the stage's own), run ``fn`` and write its
+    JSON (``stage``, the result, ``seconds`` and the environment with this stage's start load) to ``--out``,
+    by default ``real-claims[-quick]-<stage><variant(args)>.json`` (a variant does not replace the stage's
+    file)."""
+    args = claims_args(stage, description, argv, add_options)
     torch.set_num_threads(args.threads)
-    out = args.out or RESULTS_DIR / f"real-claims{'-quick' if args.quick else ''}-{stage}.json"
+    out = args.out or RESULTS_DIR / f"real-claims{'-quick' if args.quick else ''}-{stage}{variant(args)}.json"
     ctx = ClaimsContext(args.quick, args.threads, claims_work(args.quick, args.work), device=args.device)
+    ctx.options = args
     env: Json = json.loads(args.environment) if args.environment else environment(args.device, 0)
     env["load_average_start"] = load_average()
     ctx.log(f"{stage}: starting")

@@ -6,21 +6,27 @@ method's per-query cost over the cache's (``prismlm.eval.claims.attribution_summ
 Run: ``python bench/claims_attribution.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
 attribution``; ``BERGSON_PYTHON``: bergson's own venv). The protocol in full: docs/results.md ("How
 bench/real_claims.py measures"). Each method's scores are saved under the stage folder and reused.
+``--planted nonlexical [--train-sequences 1000]``: the set lexical match cannot solve (``prismlm.tda.nonlexical``:
+aliases, two-hop facts, synonym paraphrases among filler), recall@1 / MRR / recall@10 per kind, the cache and
+EK-FAC timed batched and one query at a time (its cost model: that module's docstring), into
+``real-claims[-quick]-attribution-nonlexical.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from _common import ClaimsContext, Json, has_checkpoint, num, run_claims_stage
+from _common import ClaimsContext, Json, has_checkpoint, num, run_claims_stage, sync
 
 from prismlm.app.demos import DEMO_MODEL
 from prismlm.app.retrofit import RetrofitRecipe, retrofit_model
@@ -34,14 +40,27 @@ from prismlm.tda.baselines import KronfluenceBaseline, TrakBaseline, WholeNetwor
 from prismlm.tda.cache import build_cache
 from prismlm.tda.influence import Curvature, curvature_pass, query_gradients
 from prismlm.tda.lexical import bm25_scores
+from prismlm.tda.nonlexical import (
+    NonlexicalCorpus,
+    NonlexicalSize,
+    Query,
+    build_nonlexical_corpus,
+    content_overlap,
+    lexical_report,
+    nonlexical_summary,
+    per_query_seconds,
+)
+from prismlm.tda.nonlexical import answer_accuracy as nonlexical_accuracy
+from prismlm.tda.nonlexical import relevant_sequences as nonlexical_relevant
 from prismlm.tda.planted import (
+    LanguageModel,
     PlantedCorpus,
     answer_accuracy,
     build_planted_corpus,
     chance_recall,
     planted_queries,
     relevant_sequences,
-    retrieval_metrics,
+    retrieval_by_part,
     trim_planted,
 )
 from prismlm.train.checkpoint import find_checkpoint
@@ -80,17 +99,72 @@ SIZES = {
     # TRAK: proj_dim 200 > N with the ridge (two of the CPU projector's 100-dimension blocks).
     "full": PlantSize(12, 3, 40, 300, 60, 120, 40, 8, 64, 256, 16, "", 200, 4),
 }
+NONLEXICAL = {
+    # --planted nonlexical (prismlm.tda.nonlexical): the smoke size is one query of each kind, one other fact per
+    # name, answers not shared; the full size 8 of each kind (24 queries, as many as the named set's paraphrases),
+    # 3 documents per sentence, 3 other facts per name, 3 facts per answer word, in ~1,000 training sequences.
+    "quick": NonlexicalSize(1, 2, 1, 1, train_sequences=24, doc_chars=300, filler_chars=40, val_fraction=0.2),
+    "full": NonlexicalSize(8, 3, 3, 3, train_sequences=1000, doc_chars=300, filler_chars=60, val_fraction=0.02),
+}
+NONLEXICAL_EPOCHS = 3
+"""Fine-tune steps on the non-lexical corpus: this many passes over its training sequences (the named set's
+full size makes ~6 over 114; about a fifth of the non-lexical corpus is planted)."""
 UNFREEZE = "last-2"
 
 
-def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
-    """Plant, fine-tune, check learning, attribute with every method; see the module docstring."""
-    torch.set_num_threads(ctx.threads)
-    size = SIZES["quick" if ctx.quick else "full"]
-    stage = ctx.stage_dir("attribution")
-    t0 = time.perf_counter()
-    pc = trim_planted(
-        build_planted_corpus(
+def add_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--planted",
+        choices=("named", "nonlexical"),
+        default="named",
+        help="named: queries name their entity (prismlm.tda.planted); nonlexical: aliases, two-hop facts and "
+        "synonym paraphrases among filler (prismlm.tda.nonlexical), written to ...-attribution-nonlexical.json",
+    )
+    ap.add_argument(
+        "--train-sequences",
+        type=int,
+        default=None,
+        help="--planted nonlexical: training sequences of 64 tokens (default 1000; --quick 24)",
+    )
+
+
+@dataclass
+class PlantedSet:
+    """The planted set a run attributes: the named one (``prismlm.tda.planted``) or the non-lexical one."""
+
+    named: PlantedCorpus | None = None
+    nonlexical: NonlexicalCorpus | None = None
+
+    @property
+    def corpus(self) -> Path:
+        return self.named.path if self.named else self.nonlexical_set().path
+
+    def nonlexical_set(self) -> NonlexicalCorpus:
+        assert self.nonlexical is not None
+        return self.nonlexical
+
+    def view(self, shards: ShardSet, T: int) -> tuple[list[Query], np.ndarray, np.ndarray, list[set[int]]]:
+        """Queries, the ground-truth set of each (Q,), each query's part (Q,) and the relevant sequences."""
+        tok = shards.tokenizer
+        if self.named is not None:
+            queries, fact_of, part = planted_queries(self.named, tok)
+            return queries, fact_of, part, relevant_sequences(self.named, shards, T)
+        nl = self.nonlexical_set()
+        queries = nl.token_queries(tok)
+        return queries, np.arange(len(queries)), nl.kinds(), nonlexical_relevant(nl, shards, T)
+
+    def accuracy(self, net: LanguageModel, tok: Tokenizer) -> dict[str, object]:
+        if self.named is not None:
+            return answer_accuracy(self.named, net, tok)
+        return nonlexical_accuracy(self.nonlexical_set(), net, tok)
+
+
+def plant(ctx: ClaimsContext, size: PlantSize) -> tuple[PlantedSet, PlantSize, Path]:
+    """The planted set, the size of its fine-tune and the stage folder (a non-lexical set of N sequences: its
+    own folder, ``attribution-nonlexical-N``)."""
+    if getattr(ctx.options, "planted", "named") == "named":
+        stage = ctx.stage_dir("attribution")
+        raw = build_planted_corpus(
             stage / "planted-raw",
             n_facts=size.facts,
             copies=size.copies,
@@ -98,37 +172,46 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
             doc_chars=size.doc_chars,
             filler_chars=size.filler_chars,
             seed=ctx.seed,
-        ),
-        stage / "planted",
-        size.filler_chars,
-    )
-    run_dir = finetune(ctx, size, pc, stage / "run")
+        )
+        return PlantedSet(named=trim_planted(raw, stage / "planted", size.filler_chars)), size, stage
+    nls = NONLEXICAL["quick" if ctx.quick else "full"]
+    n = getattr(ctx.options, "train_sequences", None) or nls.train_sequences
+    nls = replace(nls, train_sequences=n, block_size=size.block_size)
+    stage = ctx.stage_dir(f"attribution-nonlexical-{n}")
+    from prismlm.model.pretrained import load_pretrained
+
+    tok = load_pretrained(DEMO_MODEL).tokenizer  # the corpus is sized with the model's own tokenizer
+    nl = build_nonlexical_corpus(stage / "planted", nls, count_tokens=lambda t: len(tok.encode(t)), seed=ctx.seed)
+    steps = size.steps if ctx.quick else math.ceil(NONLEXICAL_EPOCHS * n / size.batch_size)  # smoke: as named
+    return PlantedSet(nonlexical=nl), replace(size, steps=steps, timing_queries=2), stage
+
+
+def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
+    """Plant, fine-tune, check learning, attribute with every method; see the module docstring."""
+    torch.set_num_threads(ctx.threads)
+    t0 = time.perf_counter()
+    ps, size, stage = plant(ctx, SIZES["quick" if ctx.quick else "full"])
+    run_dir = finetune(ctx, size, ps.corpus, stage / "run")
     t_ft = time.perf_counter() - t0
     run = Run.open(run_dir, device=ctx.device, suppress=None)
     net, shards = run.prism_model("attribution").eval(), run.shards()
     tok, T = shards.tokenizer, net.config.block_size
     N = shards.train.num_sequences(T)
-    queries, fact_of, kind = planted_queries(pc, tok)
-    relevant = relevant_sequences(pc, shards, T)
+    queries, fact_of, part, relevant = ps.view(shards, T)
     ctx.log(
         f"attribution: {N} training sequences of {T}; {len(queries)} queries; relevant {[len(r) for r in relevant]}"
     )
-    learned = cached_json(stage / "learning.json", lambda: learning(ctx, pc, net, tok, T))
+    learned = cached_json(stage / "learning.json", lambda: learning(ps, net, tok, T))
     ctx.log(f"attribution: learning {learned['summary']}")
     methods = Methods(ctx, size, stage / "methods", net, shards, queries, run_dir)
     methods.run_all()
-    planted = {
-        name: {
-            "all": retrieval_metrics(S, fact_of.tolist(), relevant, k=10),
-            "paraphrase": retrieval_metrics(S[kind == "paraphrase"], fact_of[kind == "paraphrase"].tolist(), relevant),
-            "verbatim": retrieval_metrics(S[kind == "verbatim"], fact_of[kind == "verbatim"].tolist(), relevant),
-        }
-        for name, S in methods.scores.items()
-    }
+    planted = {name: retrieval_by_part(S, fact_of, part, relevant) for name, S in methods.scores.items()}
     for name, m in planted.items():
-        ctx.log(f"attribution: {name}: R@10 {m['all']['recall@10']:.2f} paraphrase {m['paraphrase']['recall@10']:.2f}")
+        ctx.log(f"attribution: {name}: R@10 {m['all']['recall@10']:.2f} R@1 {m['all']['recall@1']:.2f}")
+    nl = ps.nonlexical
     return {
-        "summary": attribution_summary(planted, methods.costs),
+        "summary": nonlexical_summary(planted, methods.costs) if nl else attribution_summary(planted, methods.costs),
+        "planted_set": "nonlexical" if nl else "named",
         "size": asdict(size),
         "unfreeze": UNFREEZE,
         "source": DEMO_MODEL,
@@ -136,11 +219,13 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
         "num_train": N,
         "block_size": T,
         "train_tokens": N * T,
-        "queries": {"paraphrase": int((kind == "paraphrase").sum()), "verbatim": int((kind == "verbatim").sum())},
+        "queries": {str(k): int((part == k).sum()) for k in dict.fromkeys(part.tolist())},
         "relevant_per_fact": [sorted(r) for r in relevant],
         "chance_recall10": chance_recall(N, [len(relevant[f]) for f in fact_of], 10),
         "learning": learned,
         "planted": planted,
+        "lexical": lexical_report(nl) if nl else None,
+        "lexical_sequences": sequence_overlap(shards, T, queries, relevant) if nl else None,
         "costs": methods.costs,
         "not_run": methods.not_run,
         "finetune_seconds": round(t_ft, 1),
@@ -148,11 +233,18 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     }
 
 
-def finetune(ctx: ClaimsContext, size: PlantSize, pc: PlantedCorpus, out: Path) -> Path:
+def sequence_overlap(shards: ShardSet, T: int, queries: list[Query], relevant: list[set[int]]) -> list[Json]:
+    """``content_overlap`` of each query's text (prompt + answer) with the training sequences, as BM25 sees them."""
+    tok = shards.tokenizer
+    seqs = [tok.decode(shards.train.sequence(j, T).tolist()) for j in range(shards.train.num_sequences(T))]
+    return [dict(content_overlap(seqs, tok.decode(ids[1:]), r)) for (ids, _), r in zip(queries, relevant, strict=True)]
+
+
+def finetune(ctx: ClaimsContext, size: PlantSize, corpus: Path, out: Path) -> Path:
     """Retrofit the shipped model on the planted corpus: stage 1 the bank on stored z, stage 2 ``UNFREEZE`` + the
     bank. Resumable: a partial z pass continues (same call), a checkpoint short of ``steps`` trains on."""
     recipe = RetrofitRecipe(
-        corpus=str(pc.path),
+        corpus=str(corpus),
         steps=size.steps,
         frozen_steps=size.frozen_steps,
         unfreeze=UNFREEZE,
@@ -190,20 +282,22 @@ def cached_json(path: Path, fn: Callable[[], Json]) -> Json:
     return out
 
 
-def learning(ctx: ClaimsContext, pc: PlantedCorpus, net: PrismLM, tok: Tokenizer, T: int) -> Json:
-    """Held-out paraphrase accuracy of the fine-tuned model and of the source (stage 1 leaves its logits
-    unchanged, so the source with an untrained bank stands for "before")."""
+def learning(ps: PlantedSet, net: PrismLM, tok: Tokenizer, T: int) -> Json:
+    """Held-out accuracy of the fine-tuned model and of the source (stage 1 leaves its logits unchanged, so the
+    source with an untrained bank stands for "before")."""
     from prismlm.model.pretrained import build_model, load_pretrained
 
-    after = answer_accuracy(pc, net, tok)
+    after = ps.accuracy(net, tok)
     pre = load_pretrained(DEMO_MODEL, block_size=T)
-    before = answer_accuracy(pc, build_model(pre, net.config).eval(), tok)
+    before = ps.accuracy(build_model(pre, net.config).eval(), tok)
     del pre
+    nll = ""
+    if "answer_nll_per_token" in after:
+        nll = f"; answer NLL/token {before['answer_nll_per_token']:.2f} → {after['answer_nll_per_token']:.2f}"
     return {
         "before": before,
         "after": after,
-        "summary": f"top-1 {before['top1']:.2f} → {after['top1']:.2f} (chance {after['chance_top1']:.2f}); answer "
-        f"NLL/token {before['answer_nll_per_token']:.2f} → {after['answer_nll_per_token']:.2f}",
+        "summary": f"top-1 {before['top1']:.2f} → {after['top1']:.2f} (chance {after['chance_top1']:.2f}){nll}",
     }
 
 
@@ -233,6 +327,9 @@ class Methods:
         )
         self.not_run: dict[str, str] = {}
         self._curv: Curvature | None = None
+
+    def sync(self) -> None:
+        sync(torch.device(self.ctx.device))
 
     def done(self, name: str) -> bool:
         if (self.folder / f"{name}.npy").exists() and name in self.costs:
@@ -296,14 +393,16 @@ class Methods:
         t0 = time.perf_counter()
         cache = build_cache(self.net, self.shards, cfg, curvature=curv)
         oneoff = time.perf_counter() - t0 + num(self.costs, "_curvature", "seconds")
-        S = cache.scores(query_gradients(self.net, self.queries), len(self.queries)).numpy()
-        per = []
-        for q in self.queries[: max(self.size.timing_queries, 2)]:
-            t1 = time.perf_counter()
-            cache.scores(query_gradients(self.net, [q]), 1)
-            per.append(time.perf_counter() - t1)
+        timing, S_t = per_query_seconds(
+            lambda qs: cache.scores(query_gradients(self.net, qs), len(qs)),
+            self.queries,
+            max(self.size.timing_queries, 2),
+            self.sync,
+        )
+        S = S_t.numpy()
         cost = {
-            "per_query_s": statistics.median(per),
+            "per_query_s": timing["single_query_s"],
+            **timing,
             "oneoff_s": oneoff,
             "bytes_per_token": cache.manifest["bytes_per_token"],
             "r": cache.r,
@@ -386,17 +485,16 @@ class Methods:
         kb = KronfluenceBaseline(net, self.shards, strategy="ekfac", batch_size=8, modules=mods, seed=self.ctx.seed)
         t_f = kb.timings["factors_seconds"]
         eot = self.shards.tokenizer.eot_id
-        t0 = time.perf_counter()
-        S = kb.scores(self.queries, eot, query_batch_size=len(self.queries)).numpy()
-        t_all = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        kb.scores(self.queries[:1], eot)
-        t_one = time.perf_counter() - t0
+        # timed as the cache is (per_query_seconds): all queries in one call ÷ Q, and one query per call
+        timing, S_t = per_query_seconds(
+            lambda qs: kb.scores(qs, eot, query_batch_size=len(qs)), self.queries, self.size.timing_queries, self.sync
+        )
+        S = S_t.numpy()
         kb.close()
         cost = {
-            "per_query_s": t_all / len(self.queries),
-            "single_query_s": t_one,
-            "batch_scores_s": t_all,
+            "per_query_s": timing["batched_per_query_s"],
+            **timing,
+            "batch_scores_s": timing["batched_per_query_s"] * len(self.queries),
             "oneoff_s": t_f,
             "modules": list(mods),
         }
@@ -476,7 +574,8 @@ class Methods:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_claims_stage("attribution", attribution_stage, __doc__, argv)
+    variant = lambda args: "-nonlexical" if args.planted == "nonlexical" else ""  # noqa: E731
+    run_claims_stage("attribution", attribution_stage, __doc__, argv, add_options, variant)
 
 
 if __name__ == "__main__":

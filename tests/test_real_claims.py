@@ -260,3 +260,19 @@ def test_a_stage_script_records_the_environment_it_is_given(tmp_path):
         k: given[k] for k in ("git_revision", "command_line")
     }
     assert set(env) == set(given)
+
+
+def test_a_stage_script_gets_its_own_options(tmp_path):
+    """Fast: ``add_options`` adds a stage's own options and the stage reads them from ``ctx.options``;
+    ``claims_attribution.py --help`` lists ``--planted`` and ``--train-sequences``."""
+    out = tmp_path / "x.json"
+    code = (
+        "import sys; sys.path.insert(0, 'bench'); from _common import run_claims_stage; "
+        "add = lambda ap: ap.add_argument('--planted', default='named'); "
+        "run_claims_stage('x', lambda ctx: {'summary': {'planted': ctx.options.planted}}, None, sys.argv[1:], add)"
+    )
+    res = _bench(["-c", code, "--quick", "--work", str(tmp_path / "w"), "--out", str(out), "--planted", "nonlexical"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(out.read_text())["summary"] == {"planted": "nonlexical"}
+    res = _bench(["bench/claims_attribution.py", "--help"])
+    assert res.returncode == 0 and "--planted {named,nonlexical}" in res.stdout and "--train-sequences" in res.stdout

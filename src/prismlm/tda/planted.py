@@ -43,8 +43,11 @@ __all__ = [
     "answer_logprobs",
     "build_planted_corpus",
     "chance_recall",
+    "key_sequences",
+    "made_up_word",
     "planted_queries",
     "relevant_sequences",
+    "retrieval_by_part",
     "retrieval_metrics",
     "trim_planted",
 ]
@@ -95,7 +98,8 @@ _SYL = [
 ]
 
 
-def _word(rng: random.Random, n: int, used: set[str]) -> str:
+def made_up_word(rng: random.Random, n: int, used: set[str]) -> str:
+    """A capitalised word of ``n`` syllables of ``_SYL`` not in ``used`` (added to it): a made-up name."""
     while True:
         w = "".join(rng.choice(_SYL) for _ in range(n)).capitalize()
         if w not in used:
@@ -202,7 +206,7 @@ def build_planted_corpus(
     rels = list(RELATIONS)
 
     def make(entity: str, rel: str, kind: str) -> PlantedFact:
-        answer = _word(rng, 3, used)
+        answer = made_up_word(rng, 3, used)
         sent, qs = RELATIONS[rel]
         return PlantedFact(
             entity, rel, answer, sent.format(E=entity, A=answer), [q.format(E=entity) for q in qs], [], kind
@@ -210,11 +214,13 @@ def build_planted_corpus(
 
     facts, dis = [], []
     for k in range(n_facts):
-        ent = _word(rng, 3, used)
+        ent = made_up_word(rng, 3, used)
         facts.append(make(ent, rels[k % len(rels)], "fact"))
         if distractors:
             dis.append(make(ent, rels[(k + 1) % len(rels)], "distractor"))  # same entity, other relation
-            dis.append(make(_word(rng, 3, used), rels[k % len(rels)], "distractor"))  # same relation, other entity
+            dis.append(
+                make(made_up_word(rng, 3, used), rels[k % len(rels)], "distractor")
+            )  # same relation, other entity
 
     def filler() -> str:
         s, n = [], 0
@@ -360,23 +366,31 @@ def relevant_sequences(
                 continue
             text = json.loads(texts[line - 1])["text"]
             c = text.index(f.sentence) + f.sentence.index(f.answer)
-            s = len(tok.encode(text[:c].rstrip(" ")))  # the answer's first token (its leading space attaches to it)
-            e = len(tok.encode(text[: c + len(f.answer)]))
-            doc_start = int(tr.doc_offsets[doc])
-            # target token offsets [doc_start+s, doc_start+e); sequence j predicts targets [jT+1, jT+T]
-            for off in range(doc_start + s, doc_start + e):
-                j = (off - 1) // block_size
-                if 0 <= j < n:
-                    rel.add(j)
+            rel |= key_sequences(tok, text, c, c + len(f.answer), int(tr.doc_offsets[doc]), block_size, n)
         out.append(rel)
     return out
 
 
+def key_sequences(tok: Tokenizer, text: str, start: int, end: int, doc_start: int, block_size: int, n: int) -> set[int]:
+    """The training sequences (< ``n``) that predict a token of ``text[start:end]``, ``text`` being the document
+    whose first token is at ``doc_start`` in the training stream (its tokens located by encoding prefixes)."""
+    s = len(tok.encode(text[:start].rstrip(" ")))  # the span's first token (its leading space attaches to it)
+    e = len(tok.encode(text[:end]))
+    out = set()
+    # target token offsets [doc_start+s, doc_start+e); sequence j predicts targets [jT+1, jT+T]
+    for off in range(doc_start + s, doc_start + e):
+        j = (off - 1) // block_size
+        if 0 <= j < n:
+            out.add(j)
+    return out
+
+
 def retrieval_metrics(scores: np.ndarray, fact_of_query: list[int], relevant: list[set[int]], k: int = 10) -> dict:
-    """recall@k (share of queries with at least one relevant sequence in the top k), the mean share of
-    relevant sequences in the top k, and MRR (1 / rank of the first relevant sequence) over queries
-    whose fact has relevant training sequences."""
-    hits, shares, rr = [], [], []
+    """recall@k (share of queries with at least one relevant sequence in the top k), recall@1 (the top one is
+    relevant), the mean share of relevant sequences in the top k, and MRR (1 / rank of the first relevant
+    sequence; ties ranked by the lower index) over queries whose fact has relevant training sequences.
+    Queries with their own relevant sets: ``fact_of_query = range(Q)``, ``relevant`` one set per query."""
+    hits, firsts, shares, rr = [], [], [], []
     for q, f in enumerate(fact_of_query):
         rel = relevant[f]
         if not rel:
@@ -384,6 +398,7 @@ def retrieval_metrics(scores: np.ndarray, fact_of_query: list[int], relevant: li
         order = np.lexsort((np.arange(scores.shape[1]), -scores[q]))
         top = set(order[:k].tolist())
         hits.append(1.0 if rel & top else 0.0)
+        firsts.append(1.0 if int(order[0]) in rel else 0.0)
         shares.append(len(rel & top) / min(k, len(rel)))
         ranks = np.nonzero(np.isin(order, list(rel)))[0]
         rr.append(1.0 / (ranks[0] + 1) if len(ranks) else 0.0)
@@ -391,6 +406,19 @@ def retrieval_metrics(scores: np.ndarray, fact_of_query: list[int], relevant: li
     return {
         "queries": n,
         f"recall@{k}": float(np.mean(hits)) if n else None,
+        "recall@1": float(np.mean(firsts)) if n else None,
         f"share@{k}": float(np.mean(shares)) if n else None,
         "mrr": float(np.mean(rr)) if n else None,
     }
+
+
+def retrieval_by_part(
+    scores: np.ndarray, fact_of_query: np.ndarray, part: np.ndarray, relevant: list[set[int]], k: int = 10
+) -> dict[str, dict]:
+    """``retrieval_metrics`` over all queries (``all``) and over each part of them (``part``: (Q,) names, e.g.
+    ``paraphrase`` / ``verbatim`` or the non-lexical kinds), parts in order of first appearance."""
+    out = {"all": retrieval_metrics(scores, fact_of_query.tolist(), relevant, k)}
+    for name in dict.fromkeys(part.tolist()):
+        sel = part == name
+        out[str(name)] = retrieval_metrics(scores[sel], fact_of_query[sel].tolist(), relevant, k)
+    return out
