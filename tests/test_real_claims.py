@@ -344,3 +344,36 @@ def test_a_stage_script_runs_on_the_head_it_is_given(tmp_path):
     assert _bench(args).returncode == 0
     rec = json.loads(out.read_text())
     assert rec["head"] == "paper" and rec["summary"] == {"work": str(tmp_path / "w"), "o": []}
+
+
+HEAD_CACHE_CHECK = """
+import sys
+sys.path[:0] = ["bench", "tests"]
+import torch, torch.nn.functional as F
+from test_suppress_residual import tiny_model
+from claims_suppression import head_cache, suppressed
+m = tiny_model(dtype=torch.float32)
+torch.manual_seed(1)
+rows = [(torch.randint(0, 97, (n,)).tolist(), n - 1) for n in (20, 15, 9)]
+hc = head_cache(m, rows, pad=0)
+for mode in ("keep", "project"):
+    fast = torch.zeros(3, dtype=torch.float64).index_add_(0, hc.item, hc.nll(m, [3, 5, 17, 40], mode))
+    ref = []
+    with torch.no_grad(), suppressed(m, [3, 5, 17, 40], mode):
+        for toks, _ in rows:
+            lp = F.log_softmax(m(torch.tensor([toks[:-1]])).logits[0].double(), -1)
+            ref.append(-lp[torch.arange(len(toks) - 1), torch.tensor(toks[1:])].sum())
+    base = torch.zeros(3, dtype=torch.float64).index_add_(0, hc.item, hc.base)
+    print(mode, float((fast - torch.stack(ref)).abs().max()), float((fast - base).abs().max()))
+"""
+
+
+@pytest.mark.slow
+def test_the_suppression_head_cache_matches_the_model_in_both_modes():
+    """The suppression stage's per-position NLL from one unsuppressed forward (``HeadCache``) against the model
+    run under ``Suppress(ids, residual=mode)`` (a tiny float32 PRISM): equal, and the edit changes the NLL."""
+    res = _bench(["-c", HEAD_CACHE_CHECK])
+    assert res.returncode == 0, res.stderr[-3000:]
+    for line, mode in zip(res.stdout.split("\n"), ("keep", "project"), strict=False):
+        name, diff, changed = line.split()
+        assert name == mode and float(diff) < 1e-5 and float(changed) > 1e-3
