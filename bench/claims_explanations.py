@@ -72,7 +72,8 @@ def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
     shares = logit_shares([r["parts"] for r in records])
     padding = padding_check(run, records[:4])
     ctx.log(f"explanations: shares over {len(records)} answers {shares['mean']}; padding check {padding}")
-    out_dir = stage / "docs" if ctx.quick else DOCS
+    # the re-run's head (faithful) owns the docs' explanations; the paper head's go beside them
+    out_dir = stage / "docs" if ctx.quick else DOCS if ctx.head == "faithful" else DOCS / "paper-head"
     showcase = [explain_showcase(ctx, run, out_dir, *s) for s in SHOWCASE]
     shots = screenshots(ctx, run, showcase, out_dir)
     by_kind = {
@@ -130,6 +131,9 @@ DEFINITIONS = {
     "the anchor z (the bank's training hidden states)",
     "ref_abs_share_pca_subspace": "yardstick: the same with M = (Q^T z).(Q^T w_y), Q the mean and the top k "
     "principal directions of the anchor z (1 + k fixed directions for every token; k = the active prototypes)",
+    "explanation_margin_share": "sum over answer tokens of (lhat_y1 - lhat_y2) / sum of (logit_y1 - logit_y2), "
+    "lhat = W zhat + b the prototype-only prediction, y1, y2 the model's top two (FaithfulnessAccumulator)",
+    "explanation_margin_share_pca": "the same for the fixed-subspace yardstick W Q Q^T z + b (Q as above)",
 }
 
 

@@ -109,6 +109,10 @@ def test_residual_summary_fields_against_same_size_whole_bank_draws():
     assert low["suppression_residual_goal_met"] is False  # the goal is on the excess drop, not the raw one
     none = residual_suppression_summary(None, ROWS, None)
     assert none["suppression_residual_best_drop"] is None and none["suppression_residual_goal_met"] is False
+    assert set(none["why_null"]) == {"suppression_residual_best_drop", "suppression_residual_collateral"}
+    s = gathered_summary({"suppression": {"summary": none}}, ["suppression"])  # the stage's reason is kept
+    assert s["why_null"]["suppression_residual_best_drop"] == none["why_null"]["suppression_residual_best_drop"]
+    assert "why_null" not in {k for k, v in s.items() if k.startswith("suppression_residual")}
 
 
 def test_explanation_margin_fields():

@@ -156,9 +156,11 @@ def residual_suppression_summary(
     if best is None:
         keys = ("best_drop", "collateral", "raw_drop", "bank_share", "concept", "concept_ce_increase",
                 "task_acc_change", "random_drop", "random_draws")  # fmt: skip
+        why = "no projected concept set within the bank-share and collateral limits (or none measured)"
         return {f"suppression_residual_{k}": None for k in keys} | {
             "suppression_residual_goal_met": False,
             "suppression_residual_export_identical": export_identical,
+            "why_null": {"suppression_residual_best_drop": why, "suppression_residual_collateral": why},
         }
     draws = random_controls(rows, best, "tfidf_excess_drop")
     return {
@@ -379,7 +381,7 @@ def gathered_summary(stages: Mapping[str, Record], order: Sequence[str]) -> dict
         if stage not in stages:
             why[field_] = f"the {stage} stage has not run"
         else:
-            why.setdefault(field_, f"the {stage} stage's record has no {field_} (recorded before it existed)")
+            why.setdefault(field_, f"the {stage} stage's summary has no {field_} (recorded before it existed)")
     head: dict[str, object] = {}
     for name in order:
         head[name] = stages[name].get("head") if name in stages else None
