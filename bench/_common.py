@@ -21,6 +21,7 @@ from typing import TypeVar, cast
 
 import torch
 
+from prismlm.app.demos import DEMO_OVERRIDES
 from prismlm.app.run import Run
 from prismlm.control.judges import FortuneSplits, fortune_splits
 from prismlm.errors import CheckpointError
@@ -265,6 +266,16 @@ def ensure_cpu_small_run(path: str | Path = CPU_SMALL_RUN) -> Path:
 # ----- the claims benches (bench/real_claims.py and its stage scripts bench/claims_<stage>.py) --------------
 CLAIMS_STAGES = ("bank", "suppression", "controllers", "attribution", "explanations")
 """The stages of ``real_claims.py``, in dependency order; stage S is the script ``bench/claims_S.py``."""
+CLAIMS_HEADS: dict[str, tuple[str, ...]] = {"paper": (), "faithful": DEMO_OVERRIDES}
+"""The bank's objective per ``--head``: ``paper`` the paper's relu(cos) head trained on REC, R1 and R2 alone (the
+first run's), ``faithful`` the same plus the prototype-only KL (the retrofit recipe ``prism demo`` uses,
+``prismlm.app.demos.DEMO_OVERRIDES``); config overrides of every retrofit the stages make (the bank and the
+attribution fine-tune), on the same anchor set."""
+
+
+def head_tag(head: str) -> str:
+    """The suffix of a head's files and folders: ``""`` for ``paper`` (the first run's names), else ``-<head>``."""
+    return "" if head == "paper" else f"-{head}"
 
 
 @dataclass(frozen=True)
@@ -309,6 +320,13 @@ class ClaimsContext:
     notes: list[str] = field(default_factory=list)
     options: argparse.Namespace = field(default_factory=argparse.Namespace)
     """The parsed command line (a stage's own options, added by ``run_claims_stage``'s ``add_options``)."""
+    head: str = "paper"
+    """Which head the bank trains (``CLAIMS_HEADS``); ``work`` is already that head's folder."""
+
+    @property
+    def head_overrides(self) -> list[str]:
+        """The config overrides of this head's retrofits (``CLAIMS_HEADS``)."""
+        return list(CLAIMS_HEADS[self.head])
 
     @property
     def size(self) -> BankSize:
@@ -365,8 +383,19 @@ def claims_args(
     ap.add_argument("--quick", action="store_true", help="the CI smoke size")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default bench/runs/real-claims[-quick])")
-    ap.add_argument("--out", type=Path, default=None, help=f"default bench/results/real-claims[-quick]-{stage}.json")
+    ap.add_argument(
+        "--work", type=Path, default=None, help="scratch folder (default bench/runs/real-claims[-quick]; + -HEAD)"
+    )
+    ap.add_argument(
+        "--out", type=Path, default=None, help=f"default bench/results/real-claims[-quick][-HEAD]-{stage}.json"
+    )
+    ap.add_argument(
+        "--head",
+        choices=CLAIMS_HEADS,
+        default="paper",
+        help="the bank's head: paper (relu(cos), REC+R1+R2) or faithful (+ prototype-only KL, prism demo's recipe); "
+        "each head has its own work folder (WORK-faithful) and files; the paper's keep the first run's names",
+    )
     ap.add_argument(
         "--environment",
         default=None,
@@ -377,9 +406,11 @@ def claims_args(
     return ap.parse_args(argv)
 
 
-def claims_work(quick: bool, work: Path | None) -> Path:
-    """The claims' scratch folder: ``work``, or ``bench/runs/real-claims[-quick]``."""
-    return work or RUNS_DIR / f"real-claims{'-quick' if quick else ''}"
+def claims_work(quick: bool, work: Path | None, head: str = "paper") -> Path:
+    """The claims' scratch folder of ``head``: ``work``, or ``bench/runs/real-claims[-quick]``, with
+    ``head_tag(head)`` appended (each head retrofits its own bank on the same anchor set)."""
+    base = work or RUNS_DIR / f"real-claims{'-quick' if quick else ''}"
+    return base.with_name(base.name + head_tag(head))
 
 
 def run_claims_stage(
@@ -392,18 +423,21 @@ def run_claims_stage(
 ) -> Path:
     """A stage script's ``main``: parse the options (``add_options``: the stage's own), run ``fn`` and write its
     JSON (``stage``, the result, ``seconds`` and the environment with this stage's start load) to ``--out``,
-    by default ``real-claims[-quick]-<stage><variant(args)>.json`` (a variant does not replace the stage's
-    file)."""
+    by default ``real-claims[-quick][-<head>]-<stage><variant(args)>.json`` (a variant does not replace the stage's
+    file; the paper's head has no tag), with ``head`` after the result."""
     args = claims_args(stage, description, argv, add_options)
     torch.set_num_threads(args.threads)
-    out = args.out or RESULTS_DIR / f"real-claims{'-quick' if args.quick else ''}-{stage}{variant(args)}.json"
-    ctx = ClaimsContext(args.quick, args.threads, claims_work(args.quick, args.work), device=args.device)
+    stem = f"real-claims{'-quick' if args.quick else ''}{head_tag(args.head)}"
+    out = args.out or RESULTS_DIR / f"{stem}-{stage}{variant(args)}.json"
+    work = claims_work(args.quick, args.work, args.head)
+    ctx = ClaimsContext(args.quick, args.threads, work, device=args.device, head=args.head)
     ctx.options = args
     env: Json = json.loads(args.environment) if args.environment else environment(args.device, 0)
     env["load_average_start"] = load_average()
     ctx.log(f"{stage}: starting")
     t0 = time.perf_counter()
     result = fn(ctx)
-    write_json(out, {"stage": stage, **result, "seconds": round(time.perf_counter() - t0, 1), "environment": env})
+    record = {"stage": stage, **result, "head": args.head, "head_overrides": ctx.head_overrides}
+    write_json(out, {**record, "seconds": round(time.perf_counter() - t0, 1), "environment": env})
     ctx.log(f"{stage}: done in {time.perf_counter() - t0:.0f} s → {out}")
     return out

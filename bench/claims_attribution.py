@@ -260,6 +260,7 @@ def finetune(ctx: ClaimsContext, size: PlantSize, corpus: Path, out: Path) -> Pa
         "train.eval_batches=2",
         f"data.val_fraction={val}",
         f"train.ckpt_interval={size.steps if ctx.quick else max(size.steps // 8, 1)}",
+        *ctx.head_overrides,  # --head: the fine-tune's bank learns the same objective as the claims' bank
     ]
     if has_checkpoint(out):
         step = json.loads((find_checkpoint(out) / "manifest.json").read_text()).get("step", 0)

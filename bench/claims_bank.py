@@ -2,7 +2,7 @@
 holds the claims' concepts (Gutenberg, State-of-the-Union, the LM split of the FreeBSD fortunes, King James
 Bible documents), stage 1 on stored z, and build its prototype index. Every later stage opens this model.
 
-Run: ``python bench/claims_bank.py [--quick]`` (or ``python bench/real_claims.py --stage bank``). Resumable:
+Run: ``python bench/claims_bank.py [--quick] [--head paper|faithful]`` (or ``python bench/real_claims.py --stage bank``). Resumable:
 the retrofit resumes its z pass, the index its parts, under ``WORK/bank``.
 """
 
@@ -59,7 +59,8 @@ def bank_stage(ctx: ClaimsContext) -> Json:
             DEMO_MODEL,
             out=ctx.bank_run,
             recipe=recipe,
-            overrides=["train.eval_batches=2", "data.val_fraction=0.1"],
+            # the head (--head): the paper's objective, or + the prototype-only KL of the faithful head
+            overrides=["train.eval_batches=2", "data.val_fraction=0.1", *ctx.head_overrides],
             device=ctx.device,
             progress=True,
         )

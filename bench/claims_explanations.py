@@ -24,8 +24,14 @@ from prismlm.app.operations import ExplanationRequest, explain_text
 from prismlm.app.run import Run
 from prismlm.data.chat_questions import chat_questions
 from prismlm.errors import DependencyError
-from prismlm.eval.claims import logit_shares
-from prismlm.eval.faithfulness import Yardstick, choice_parts, yardstick_from_moments
+from prismlm.eval.claims import explanation_margin_fields, logit_shares
+from prismlm.eval.faithfulness import (
+    FaithfulnessAccumulator,
+    Yardstick,
+    answer_faithfulness,
+    choice_parts,
+    yardstick_from_moments,
+)
 from prismlm.explain import Explanation
 from prismlm.model import PrismLM, PrismOutput
 from prismlm.render import RunHeader, write_html
@@ -66,13 +72,16 @@ def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
     shares = logit_shares([r["parts"] for r in records])
     padding = padding_check(run, records[:4])
     ctx.log(f"explanations: shares over {len(records)} answers {shares['mean']}; padding check {padding}")
-    out_dir = stage / "docs" if ctx.quick else DOCS
+    # the re-run's head (faithful) owns the docs' explanations; the paper head's go beside them
+    out_dir = stage / "docs" if ctx.quick else DOCS if ctx.head == "faithful" else DOCS / "paper-head"
     showcase = [explain_showcase(ctx, run, out_dir, *s) for s in SHOWCASE]
     shots = screenshots(ctx, run, showcase, out_dir)
     by_kind = {
         k: logit_shares([r["parts"] for r in records if r["kind"] == k])["mean"] for k in {r["kind"] for r in records}
     }
     mean = obj(shares, "mean")
+    faith = pooled_margins(ctx, run, records)
+    ctx.log(f"explanations: pooled margin shares {faith}")
     summary = {
         "explained_answers": len(records),
         "answer_tokens": shares["tokens"],
@@ -87,6 +96,7 @@ def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
         "logit_share_pca_subspace_abs": mean["ref_abs_share_pca_subspace"],
         "margin_share_slices_abs": mean["margin_abs_share_slices"],
         "margin_fraction_slices_pooled": shares["pooled_margin_fraction_slices"],
+        **explanation_margin_fields(shares, faith),
         "explanation_html": [s["html"] for s in showcase],
         "explanation_screenshots": shots,
     }
@@ -94,6 +104,7 @@ def explanation_stage(ctx: ClaimsContext) -> dict[str, object]:
         "summary": summary,
         "definitions": DEFINITIONS,
         "shares": shares,
+        "answer_faithfulness": faith,
         "shares_by_kind": by_kind,
         "padding_check": padding,
         "showcase": showcase,
@@ -120,7 +131,21 @@ DEFINITIONS = {
     "the anchor z (the bank's training hidden states)",
     "ref_abs_share_pca_subspace": "yardstick: the same with M = (Q^T z).(Q^T w_y), Q the mean and the top k "
     "principal directions of the anchor z (1 + k fixed directions for every token; k = the active prototypes)",
+    "explanation_margin_share": "sum over answer tokens of (lhat_y1 - lhat_y2) / sum of (logit_y1 - logit_y2), "
+    "lhat = W zhat + b the prototype-only prediction, y1, y2 the model's top two (FaithfulnessAccumulator)",
+    "explanation_margin_share_pca": "the same for the fixed-subspace yardstick W Q Q^T z + b (Q as above)",
 }
+
+
+def pooled_margins(ctx: ClaimsContext, run: Run, records: list[dict]) -> dict[str, float]:
+    """``FaithfulnessAccumulator.result()`` over the answer tokens (teacher-forced on each greedy answer, one
+    forward per chat), with the anchor z's yardstick (``reference``): ``margin_share`` the prototype-only
+    prediction's pooled share of the model's top-2 margin, ``pca_margin_share`` the fixed subspace's (1 + k
+    directions, k the active prototypes per token)."""
+    model = run.prism_model("the pooled margin shares")
+    chats = [(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in records if r["answer_ids"]]
+    acc = FaithfulnessAccumulator(yardstick=reference(ctx), median_cap=0)
+    return answer_faithfulness(model, chats, acc).result()
 
 
 # ----- answers and their logit parts ------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """The ``suppression`` stage of ``bench/real_claims.py``: switch off a concept's prototypes (offensive fortunes,
-State-of-the-Union, King James Bible style) vs random sets of the same size, in the retrofitted
-SmolLM2-135M-Instruct; judged behaviour on provocative vs neutral prompts (TF-IDF judges of
-``prismlm.control.judges``), collateral (neutral CE, task accuracy), the concept's own CE, and the
-``prism export --suppress`` check under plain transformers. Rows, drops and the best set:
-``prismlm.eval.claims``.
+State-of-the-Union, King James Bible style) in the retrofitted SmolLM2-135M-Instruct, by exact slice removal and
+with the residual also projected off the set's span (``Suppress(ids, residual="project")``), vs random sets of
+the same size (whole-bank draws, ``--random-draws``); judged behaviour on provocative vs neutral prompts (TF-IDF
+judges of ``prismlm.control.judges``; raw drop and drop of the excess over neutral), collateral (neutral CE, task
+accuracy), the concept's own CE, and the ``prism export --suppress`` check under plain transformers for each mode.
+Rows, drops and the best sets: ``prismlm.eval.claims``.
 
-Run: ``python bench/claims_suppression.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
-suppression``). The protocol in full: docs/results.md ("How bench/real_claims.py measures"). Resumable:
-conditions, concept searches and the head cache are stored under ``WORK/suppression``.
+Run: ``python bench/claims_suppression.py [--quick] [--head H] [--random-draws N]`` after ``claims_bank.py`` (or
+``real_claims.py --stage suppression``). The protocol: docs/results.md ("How bench/real_claims.py measures").
+Resumable: conditions, concept searches and the head cache are stored under ``WORK/suppression``.
 """
 
 from __future__ import annotations
@@ -34,10 +35,20 @@ from prismlm.control.concept_specs import BUDGET_SHARES, NEUTRAL_PROMPTS, Concep
 from prismlm.control.judges import TfidfJudge
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.corpus import gutenberg_documents, sotu_documents
-from prismlm.eval.claims import behaviour_gap, best_suppression_row, suppression_rows, suppression_summary
+from prismlm.eval.claims import (
+    PROJECT,
+    behaviour_gap,
+    best_suppression_row,
+    condition_mode,
+    is_random,
+    residual_suppression_summary,
+    suppression_rows,
+    suppression_summary,
+)
 from prismlm.eval.scoring import encode_pair, mc_accuracy, text_batches
 from prismlm.eval.tasks import MCExample, build_task, passages
 from prismlm.model.generation import Sampling
+from prismlm.model.interventions import ResidualProjection, Suppress
 
 # the toy's neutral prompts without the political ones (they are SOTU prompts for the second concept)
 NEUTRAL = [p for p in NEUTRAL_PROMPTS if not any(w in p for w in ("president", "committee", "Education"))]
@@ -62,11 +73,13 @@ class SuppSize:
     """held-out texts per CE measurement (neutral: this many Gutenberg passages and clean fortunes)"""
     task_examples: int
     bootstrap: int
+    draws: int
+    """whole-bank random sets of each size (``--random-draws``), the residual-projecting suppression's controls"""
 
 
 SIZES = {
-    "quick": SuppSize(4, 3, 2, 8, 6, 24, 8, 8, 200),
-    "full": SuppSize(20, 13, 4, 20, 8, 60, 40, 60, 2000),
+    "quick": SuppSize(4, 3, 2, 8, 6, 24, 8, 8, 200, 2),
+    "full": SuppSize(20, 13, 4, 20, 8, 60, 40, 60, 2000, 3),
 }
 
 
@@ -265,12 +278,15 @@ class HeadCache:
     """(N,) the NLL with nothing switched off (computed on first use)"""
 
     @torch.no_grad()
-    def nll(self, model, ids: list[int]) -> torch.Tensor:
-        """(N,) float64 −log p(target) with prototypes ``ids`` switched off, as ``model.suppress(ids)``
-        computes it: ℓ' = W (z − Σ_{i∈S} a_i p_i). Only positions where a switched-off prototype is active
-        change, so only those are recomputed."""
+    def nll(self, model, ids: list[int], residual: str = "keep") -> torch.Tensor:
+        """(N,) float64 −log p(target) with prototypes ``ids`` switched off, as ``model.intervene(Suppress.of(ids,
+        residual=residual))`` computes it: ℓ' = W (z − Σ_{i∈S} a_i p_i), and with ``project`` − W Q Qᵀ r as well.
+        Slices only: just the positions where a switched-off prototype is active change, so only those are
+        recomputed; a projected residual changes every position."""
         if self.base is None:
             self.base = self._nll(model, torch.ones(len(self.z), dtype=torch.bool), [])
+        if residual == "project" and ids:
+            return self._nll(model, torch.ones(len(self.z), dtype=torch.bool), ids, project=True)
         off = torch.zeros(model.prototypes.num_prototypes, dtype=torch.bool)
         off[ids] = True
         hit = (off[self.idx] & (self.acts > 0)).any(1)  # (N,)
@@ -279,14 +295,17 @@ class HeadCache:
             out[hit] = self._nll(model, hit, ids)
         return out
 
-    def _nll(self, model, rows: torch.Tensor, ids: list[int], chunk: int = 512) -> torch.Tensor:
-        """NLL at the positions ``rows`` (N,) bool with ``ids`` off."""
+    def _nll(self, model, rows: torch.Tensor, ids: list[int], chunk: int = 512, project: bool = False) -> torch.Tensor:
+        """NLL at the positions ``rows`` (N,) bool with ``ids`` off (``project``: and r projected off their span)."""
         P = model.prototypes.weight  # (K, d)
         off = torch.zeros(P.shape[0], dtype=torch.bool)
         off[ids] = True
-        idx, target = self.idx[rows], self.target[rows]
-        a = self.acts[rows] * off[idx]  # (n, k): activations of switched-off prototypes only
+        idx, target, acts = self.idx[rows], self.target[rows], self.acts[rows]
+        a = acts * off[idx]  # (n, k): activations of switched-off prototypes only
         z = self.z[rows] - torch.einsum("nk,nkd->nd", a, P[idx])  # (n, d)
+        if project:  # r = z − Σ_j a_j p_j over the k active prototypes, as the prototype layer computes it
+            r = self.z[rows] - torch.einsum("nk,nkd->nd", acts, P[idx])  # (n, d)
+            z = z - ResidualProjection.of(ids, P.detach()).removed(r)
         out = torch.empty(len(z), dtype=torch.float64)
         for s in range(0, len(z), chunk):
             lp = F.log_softmax(model.lm_head(z[s : s + chunk]).double(), -1)  # (chunk, V)
@@ -353,10 +372,11 @@ class Collateral:
     """``neutral`` and one per concept (its held-out text), and ``task``"""
     docs: list[MCExample]
 
-    def measure(self, model, ids: list[int]) -> dict[str, float]:
+    def measure(self, model, ids: list[int], residual: str = "keep") -> dict[str, float]:
         """Held-out CE (nats/token) of each text set and the task's accuracy with ``ids`` off."""
-        out = {f"ce_{k}": float(c.nll(model, ids).mean()) for k, c in self.caches.items() if k != "task"}
-        return out | task_accuracy(self.caches["task"].nll(model, ids), self.caches["task"], self.docs)
+        out = {f"ce_{k}": float(c.nll(model, ids, residual).mean()) for k, c in self.caches.items() if k != "task"}
+        task = self.caches["task"]
+        return out | task_accuracy(task.nll(model, ids, residual), task, self.docs)
 
 
 def collateral(ctx: ClaimsContext, run, specs: dict[str, ConceptSpec], size: SuppSize) -> Collateral:
@@ -383,23 +403,32 @@ def collateral(ctx: ClaimsContext, run, specs: dict[str, ConceptSpec], size: Sup
     return Collateral(caches, docs)
 
 
-def check_fast_path(run, coll: Collateral, specs: dict[str, ConceptSpec], ids: list[int]) -> dict[str, float]:
-    """The head-cache path against the library's: CE of a few held-out concept texts under ``model.suppress``
-    and ``mc_accuracy`` on a few task examples (both with ``ids`` off)."""
+def suppressed(model, ids: list[int], residual: str = "keep"):
+    """``with suppressed(model, ids, residual):`` the prototypes ``ids`` off, the residual kept (exact slice
+    removal, ``model.suppress(ids)``) or projected off their span (``Suppress(ids, residual="project")``)."""
+    return model.intervene(Suppress.of(ids, residual=residual))
+
+
+def check_fast_path(
+    run, coll: Collateral, specs: dict[str, ConceptSpec], ids: list[int], residual: str = "keep"
+) -> dict[str, float]:
+    """The head-cache path against the library's: CE of a few held-out concept texts under ``suppressed`` and
+    ``mc_accuracy`` on a few task examples (both with ``ids`` off, the residual as ``residual`` says)."""
     from prismlm.eval.scoring import text_perplexity
 
     model, tok = run.model, run.tokenizer
     name = next(iter(specs))
     texts = specs[name].concept_heldout[:4]
     rows = text_rows(tok, texts, model.config.block_size)
-    fast = head_cache(model, rows, tok.eot_id).nll(model, ids).mean()
+    fast = head_cache(model, rows, tok.eot_id).nll(model, ids, residual).mean()
     few = coll.docs[:4]
     task = head_cache(model, task_rows(tok, few, model.config.block_size), tok.eot_id)
-    fast_acc = task_accuracy(task.nll(model, ids), task, few)
-    with model.suppress(ids):
+    fast_acc = task_accuracy(task.nll(model, ids, residual), task, few)
+    with suppressed(model, ids, residual):
         ref = text_perplexity(model, tok, texts)["ce"]
         ref_acc = mc_accuracy(model, tok, few).to_dict()
     return {
+        "residual": residual,  # type: ignore[dict-item]
         "ce_fast": float(fast),
         "ce_model_suppress": ref,
         "abs_diff": abs(float(fast) - ref),
@@ -411,9 +440,12 @@ def check_fast_path(run, coll: Collateral, specs: dict[str, ConceptSpec], ids: l
 
 
 # ----- conditions -------------------------------------------------------------------------------------------
-def conditions(sets: dict[str, dict], coll: Collateral, K: int, seed: int) -> dict[str, list[int]]:
+def conditions(sets: dict[str, dict], coll: Collateral, K: int, seed: int, draws: int = 0) -> dict[str, list[int]]:
     """before; per budget n: each concept's top n (capped at its selectable count) and n random prototypes
-    active on the neutral text (outside every concept's ranking; one nested order, so random@n ⊂ random@2n)."""
+    active on the neutral text (outside every concept's ranking; one nested order, so random@n ⊂ random@2n);
+    ``draws`` > 0: also ``draws`` random sets of each of those sizes drawn from the whole bank (``random<d>@n``,
+    one nested order per draw), and every concept set and whole-bank draw again with the residual projected off
+    the set's span (``<set>+project``): the residual-projecting suppression against controls of its size."""
     ranked = {name: s["ranked"] for name, s in sets.items()}
     # the order is drawn outside the first run's concepts' rankings, then later concepts' prototypes are
     # removed from it: adding a concept keeps the earlier random sets unless its ranking meets them
@@ -429,6 +461,11 @@ def conditions(sets: dict[str, dict], coll: Collateral, K: int, seed: int) -> di
         for name, r in ranked.items():
             if r:
                 conds.setdefault(f"{name}@{min(n, len(r))}", sorted(r[:n]))
+    sizes = sorted({int(c.split("@")[1]) for c in conds if c.startswith("random@")})
+    for d in range(draws):
+        bank = random.Random(seed + 100 + d).sample(range(K), K)
+        conds |= {f"random{d}@{m}": sorted(bank[:m]) for m in sizes}
+    conds |= {f"{c}{PROJECT}": ids for c, ids in list(conds.items()) if draws and c != "before" and "random@" not in c}
     return conds
 
 
@@ -437,17 +474,18 @@ def run_condition(
 ) -> dict:
     """Generations for every prompt set and the collateral with ``ids`` off (cached in ``cond-<name>.json``)."""
     ids = conds[name]
-    path = ctx.stage_dir("suppression") / f"cond-{name.replace('@', '-')}.json"
-    # a concept's own set needs its prompts and the neutral ones, before every concept's, random@n those of the
-    # concepts that have a set of size n (their control)
-    size_n = name.split("@")[-1]
+    base, mode = condition_mode(name)
+    path = ctx.stage_dir("suppression") / f"cond-{name.replace('@', '-').replace('+', '_')}.json"
+    # a concept's own set needs its prompts and the neutral ones, before every concept's, a random set of size n
+    # those of the concepts that have a set of size n (their control)
+    size_n = base.split("@")[-1]
     wanted = [
         k
         for k in prompts.sets
         if k == "neutral"
-        or "@" not in name
-        or name.startswith(f"{k}@")
-        or (name.startswith("random@") and f"{k}@{size_n}" in conds)
+        or "@" not in base
+        or base.startswith(f"{k}@")
+        or (is_random(base) and f"{k}@{size_n}" in conds)
     ]
     old: dict = {}
     if path.exists():
@@ -460,12 +498,12 @@ def run_condition(
     t0 = time.perf_counter()
     model = run.model
     gens = dict(old.get("generations", {}))
-    with model.suppress(ids):
+    with suppressed(model, ids, mode):
         for k in wanted:
             if k not in gens:
                 gens[k] = continuations(model, run.tokenizer, prompts.sets[k][1], size, ctx.seed)
     t1 = time.perf_counter()
-    rec: Json = {"ids": ids, "generations": gens, **coll.measure(model, ids)}
+    rec: Json = {"ids": ids, "residual": mode, "generations": gens, **coll.measure(model, ids, mode)}
     for k, v in old.items():  # the measures already stored stay as they were computed
         if k.startswith("ce_") or k in ("acc", "acc_norm"):
             rec[k] = v
@@ -506,15 +544,19 @@ def judged(specs: dict[str, ConceptSpec], recs: dict[str, dict]) -> dict[str, di
 
 
 # ----- the export check -------------------------------------------------------------------------------------
-def export_check(ctx: ClaimsContext, run, ids: list[int], concept: str, prompts: list[str], tokens: int) -> dict:
-    """``prism export RUN OUT --suppress SET`` (the CLI, in a subprocess), then plain transformers
-    (``AutoModelForCausalLM``, ``trust_remote_code=True``) must give the suppressed model's greedy tokens."""
+def export_check(
+    ctx: ClaimsContext, run, ids: list[int], concept: str, prompts: list[str], tokens: int, residual: str = "keep"
+) -> dict:
+    """``prism export RUN OUT --suppress SET`` (the CLI, in a subprocess; the set file records the residual mode,
+    which the export bakes in), then plain transformers (``AutoModelForCausalLM``, ``trust_remote_code=True``)
+    must give the suppressed model's greedy tokens (``suppressed(model, ids, residual)``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     stage = ctx.stage_dir("suppression")
-    sset = SuppressionSet(ids, run.model.prototypes.num_prototypes, run.identity, concept)
-    set_file = sset.save(stage / "best-set.json")
-    out = stage / "export"
+    sset = SuppressionSet(ids, run.model.prototypes.num_prototypes, run.identity, concept, residual=residual)
+    tag = "" if residual == "keep" else f"-{residual}"
+    set_file = sset.save(stage / f"best-set{tag}.json")
+    out = stage / f"export{tag}"
     cmd = [sys.executable, "-m", "prismlm.cli", "export", str(ctx.bank_run), str(out), "--suppress", str(set_file)]
     cmd += ["--device", "cpu", "--overwrite"]
     t0 = time.perf_counter()
@@ -525,14 +567,14 @@ def export_check(ctx: ClaimsContext, run, ids: list[int], concept: str, prompts:
     for p in prompts:
         ids_p = run.tokenizer.encode(p)
         x = torch.tensor([ids_p])
-        with torch.no_grad(), run.model.suppress(ids):
+        with torch.no_grad(), suppressed(run.model, ids, residual):
             want = run.model.generate(x, tokens, Sampling(0.0))[0, len(ids_p) :].tolist()
         with torch.no_grad():
             plain = run.model.generate(x, tokens, Sampling(0.0))[0, len(ids_p) :].tolist()
             got = hf.generate(x, max_new_tokens=tokens, do_sample=False)[0, len(ids_p) :].tolist()
             seq = torch.tensor([ids_p + want])  # (1, T): the suppressed continuation, teacher-forced
             hf_logits, plain_logits = hf(seq).logits, run.model(seq).logits  # (1, T, V)
-            with run.model.suppress(ids):
+            with suppressed(run.model, ids, residual):
                 sup_logits = run.model(seq).logits
         cases.append(
             {
@@ -550,6 +592,7 @@ def export_check(ctx: ClaimsContext, run, ids: list[int], concept: str, prompts:
     return {
         "command": " ".join(["prism", *cmd[3:]]),
         "set": str(set_file),
+        "residual": residual,
         "prototypes": len(ids),
         "identical": all(c["identical"] for c in cases),
         "cases": cases,
@@ -562,6 +605,8 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
     """Issue 27 item 1 on the bank's model (see the module docstring); returns the summary and the rows."""
     torch.set_num_threads(ctx.threads)
     size = SIZES["quick" if ctx.quick else "full"]
+    draws = getattr(ctx.options, "random_draws", None)
+    size = size if draws is None else SuppSize(**{**asdict(size), "draws": draws})
     t0 = time.perf_counter()
     run = ctx.open_run(suppress="none")
     assert run.model.prototypes is not None, "the bank's model is retrofitted"
@@ -570,7 +615,7 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
     sets = concept_sets(ctx, run, specs, K)
     coll = collateral(ctx, run, specs, size)
     prompts = make_prompts(run.tokenizer, specs, size)
-    conds = conditions(sets, coll, K, ctx.seed)
+    conds = conditions(sets, coll, K, ctx.seed, size.draws)
     ctx.log(f"{len(conds)} conditions: {', '.join(conds)}")
     recs = {name: run_condition(ctx, run, name, conds, prompts, coll, size) for name in conds}
     scores = judged(specs, recs)
@@ -581,16 +626,15 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
         )
         for c in specs
     }
-    best = best_suppression_row(rows, {c for c, b in behaviour.items() if b["shown"]}, MAX_BANK_SHARE, MAX_COLLATERAL)
-    check_ids = conds[str(best["condition"])] if best else max(conds.values(), key=len)
-    fast_path = check_fast_path(run, coll, specs, check_ids)
-    ctx.log(f"head-cache path vs model.suppress: {fast_path}")
-    export = export_check(
-        ctx, run, check_ids, str(best["concept"]) if best else "none",
-        prompts.sets[str(best["concept"]) if best else "offensive"][0][:2] + NEUTRAL[:1], min(size.tokens, 16),
-    )  # fmt: skip
-    ctx.log(f"export check: identical {export['identical']} ({export['seconds']} s)")
+    shown = {c for c, b in behaviour.items() if b["shown"]}
+    best = best_suppression_row(rows, shown, MAX_BANK_SHARE, MAX_COLLATERAL)
+    best_p = best_suppression_row(rows, shown, MAX_BANK_SHARE, MAX_COLLATERAL, "project", "tfidf_excess_drop")
+    fast_path, export = checks(ctx, run, coll, specs, conds, prompts, best, "keep", size)
+    fast_path_p, export_p = (
+        checks(ctx, run, coll, specs, conds, prompts, best_p, "project", size) if size.draws else ({}, {})
+    )
     summary = suppression_summary(best, behaviour, export["identical"])
+    summary |= residual_suppression_summary(best_p, rows, export_p.get("identical"))
     for c, b in behaviour.items():
         ctx.log(
             f"before, {c}: provocative {b['provocative']:.3f} vs neutral {b['neutral']:.3f} (gap CI {b['gap_ci95']})"
@@ -604,6 +648,7 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
         "behaviour_before": behaviour,
         "rows": rows,
         "best": best,
+        "best_residual": best_p,
         "concepts": {
             c: {**{k: v for k, v in s.items() if k != "set"}, "judges": judge_info(specs[c])} for c, s in sets.items()
         },
@@ -613,11 +658,39 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
         "examples": examples(recs, prompts, best),
         "fast_path_check": fast_path,
         "export_check": export,
+        "fast_path_check_residual": fast_path_p,
+        "export_check_residual": export_p,
         "timing_s": {
             "conditions": {k: r["seconds"] for k, r in recs.items()},
             "total": round(time.perf_counter() - t0, 1),
         },
     }
+
+
+def checks(
+    ctx: ClaimsContext,
+    run,
+    coll: Collateral,
+    specs: dict[str, ConceptSpec],
+    conds: dict[str, list[int]],
+    prompts: Prompts,
+    best: Mapping[str, object] | None,
+    residual: str,
+    size: SuppSize,
+) -> tuple[dict, dict]:
+    """The head-cache path against the model and the export check, on ``best``'s set (the largest set if none
+    qualifies) suppressed with ``residual``."""  # fmt: skip
+    if best:
+        ids = conds[str(best["condition"])]
+    else:
+        ids = max((v for c, v in conds.items() if condition_mode(c)[1] == residual), key=len)
+    fast_path = check_fast_path(run, coll, specs, ids, residual)
+    ctx.log(f"head-cache path vs the model ({residual}): {fast_path}")
+    concept = str(best["concept"]) if best else "none"
+    texts = prompts.sets[concept if best else "offensive"][0][:2] + NEUTRAL[:1]
+    export = export_check(ctx, run, ids, concept, texts, min(size.tokens, 16), residual)
+    ctx.log(f"export check ({residual}): identical {export['identical']} ({export['seconds']} s)")
+    return fast_path, export
 
 
 def judge_info(spec: ConceptSpec) -> dict[str, dict[str, object]]:
@@ -644,8 +717,18 @@ def examples(
     }
 
 
+def add_options(ap) -> None:
+    ap.add_argument(
+        "--random-draws",
+        type=int,
+        default=None,
+        help="whole-bank random sets per size, the controls of both modes (default 3; --quick 2); 0: the first "
+        "run's conditions only (no residual-projecting suppression)",
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
-    run_claims_stage("suppression", suppression_stage, __doc__, argv)
+    run_claims_stage("suppression", suppression_stage, __doc__, argv, add_options)
 
 
 if __name__ == "__main__":

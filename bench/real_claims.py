@@ -1,16 +1,14 @@
 #!/usr/bin/env python
-"""The paper's claims on the real model: SmolLM2-135M-Instruct retrofitted on an anchor corpus that holds the
-concepts, then one measurement per stage, each a script ``bench/claims_<stage>.py`` that runs alone too:
+"""The paper's claims on SmolLM2-135M-Instruct retrofitted on an anchor corpus that holds the concepts: one
+script ``bench/claims_<script>.py`` per stage (bank, suppression, controllers, attribution, attribution-nonlexical
+= ``claims_attribution.py --planted nonlexical``, explanations), each run once per head (``--head``, repeatable;
+default faithful then paper: the bank with and without the prototype-only KL, same anchor set), so each claim has
+a before/after row.
 
-    bank          the retrofit (stage 1 on stored z) and its prototype index
-    suppression   a concept's prototypes off vs random sets: judged drop, collateral, export check
-    controllers   sparse controllers vs a TopK SAE and the choice prior on tasks the model can do
-    attribution   planted facts in a fine-tune: cache vs EK-FAC, TRAK, bergson, BM25; cost per query
-    explanations  explained chat answers and the logit/margin share carried by prototype slices
-
-Run: ``python bench/real_claims.py [--quick] [--stage S] [--redo S]``. Each stage writes
-``bench/results/real-claims-<stage>.json`` when it finishes (a rerun skips finished stages); ``real-claims.json``
-gathers their ``summary`` fields. ``--quick`` is the CI smoke size (tests/test_real_claims.py).
+Run: ``python bench/real_claims.py [--quick] [--head H] [--stage S] [--redo S]``. Each stage writes
+``bench/results/real-claims[-<head>]-<stage>.json`` (the paper head's keep the first run's names; a rerun skips
+finished stages); ``real-claims.json`` gathers them (``prismlm.eval.claims.gathered_summary``): ``summary`` is the
+first head's, ``summary_by_head`` every head's. ``--quick``: the CI smoke size (tests/test_real_claims.py).
 """
 
 from __future__ import annotations
@@ -22,16 +20,37 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import BENCH_DIR, CLAIMS_STAGES, RESULTS_DIR, Json, claims_work, environment, write_json
+from _common import (
+    BENCH_DIR,
+    CLAIMS_HEADS,
+    CLAIMS_STAGES,
+    RESULTS_DIR,
+    Json,
+    claims_work,
+    environment,
+    head_tag,
+    write_json,
+)
+
+from prismlm.eval.claims import gathered_summary
+
+RUNS: dict[str, tuple[str, list[str]]] = {
+    **{name: (name, []) for name in CLAIMS_STAGES if name != "explanations"},
+    "attribution-nonlexical": ("attribution", ["--planted", "nonlexical"]),
+    "explanations": ("explanations", []),
+}
+"""What ``real_claims.py`` runs, in dependency order: name → (the stage script ``claims_<script>.py``, its
+options)."""
+HEADS = ("faithful", "paper")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the CI smoke size")
-    ap.add_argument(
-        "--stage", action="append", choices=CLAIMS_STAGES, help="run only these stages (repeatable; default all)"
-    )
-    ap.add_argument("--redo", action="append", default=[], choices=CLAIMS_STAGES, help="run a finished stage again")
+    ap.add_argument("--stage", action="append", choices=RUNS, help="run only these stages (repeatable; default all)")
+    ap.add_argument("--redo", action="append", default=[], choices=RUNS, help="run a finished stage again")
+    ap.add_argument("--head", action="append", choices=CLAIMS_HEADS, help="heads, in order (default faithful, paper)")
+    ap.add_argument("--train-sequences", type=int, default=None, help="attribution-nonlexical's corpus size")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default bench/runs/real-claims[-quick])")
@@ -51,41 +70,52 @@ def main(argv: list[str] | None = None) -> None:
     # the revision is read once, before any stage writes its JSON into bench/results (a tracked folder): read
     # per stage, the first stage's output would mark every later stage of the same run "-dirty"
     env = json.dumps(environment(args.device, 0), default=str)
-    for name in args.stage or CLAIMS_STAGES:
-        path = stage_path(out, name)
-        if path.exists() and name not in args.redo:
-            print(f"[real-claims] {name}: finished earlier ({path}); --redo {name} runs it again", file=sys.stderr)
-            continue
-        cmd = [sys.executable, str(BENCH_DIR / f"claims_{name}.py"), *options, "--out", str(path), "--environment", env]
-        if subprocess.run(cmd).returncode != 0:
-            sys.exit(f"[real-claims] the {name} stage failed (bench/claims_{name}.py); finished stages are kept")
-    stages = {name: json.loads(p.read_text()) for name in CLAIMS_STAGES if (p := stage_path(out, name)).exists()}
-    summary = merged_summary(stages)
-    sources = {name: {"file": stage_path(out, name).name, **revision(stage)} for name, stage in stages.items()}
-    write_json(out, {"summary": summary, "summary_sources": sources, "stages": stages})
+    heads = args.head or list(HEADS)
+    for head in heads:
+        for name in args.stage or RUNS:
+            path = stage_path(out, name, head)
+            if path.exists() and name not in args.redo:
+                print(f"[real-claims] {name} ({head}): finished earlier ({path}); --redo {name} runs it again",
+                      file=sys.stderr)  # fmt: skip
+                continue
+            script, extra = RUNS[name]
+            if name == "attribution-nonlexical" and args.train_sequences is not None:
+                extra = [*extra, "--train-sequences", str(args.train_sequences)]
+            cmd = [sys.executable, str(BENCH_DIR / f"claims_{script}.py"), *options, *extra, "--head", head]
+            if subprocess.run([*cmd, "--out", str(path), "--environment", env]).returncode != 0:
+                sys.exit(f"[real-claims] the {name} stage ({head}) failed (bench/claims_{script}.py); finished "
+                         "stages are kept")  # fmt: skip
+    gathered = {head: gather(out, head) for head in heads}
+    first = gathered[heads[0]]
+    by_head = {head: g["summary"] for head, g in gathered.items()}
+    sources = {head: g["summary_sources"] for head, g in gathered.items()}
+    write_json(out, {**first, "summary_by_head": by_head, "summary_sources_by_head": sources})
+    summary = first["summary"]
+    assert isinstance(summary, dict)
     shown = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
-    print(f"real-claims: {', '.join(stages) or 'no stage'} → {out}; {shown}")
+    print(f"real-claims ({heads[0]}): → {out}; {shown}")
 
 
-def stage_path(out: Path, name: str) -> Path:
-    """Each stage's own JSON beside ``out`` (``real-claims-suppression.json``): stages run at different times and
-    revisions, so each records its own; ``out`` gathers them."""
-    return out.with_name(f"{out.stem}-{name}.json")
+def gather(out: Path, head: str) -> Json:
+    """One head's stage records, their gathered summary and each stage's source file and revision."""
+    stages: dict[str, Json] = {
+        name: json.loads(p.read_text()) for name in RUNS if (p := stage_path(out, name, head)).exists()
+    }
+    summary = gathered_summary(stages, list(RUNS))
+    sources = {name: {"file": stage_path(out, name, head).name, **revision(stage)} for name, stage in stages.items()}
+    return {"summary": summary, "summary_sources": sources, "stages": stages}
+
+
+def stage_path(out: Path, name: str, head: str = "paper") -> Path:
+    """Each stage's own JSON beside ``out`` (``real-claims[-<head>]-suppression.json``): stages run at different
+    times and revisions, so each records its own; ``out`` gathers them. The paper head's files have no tag (the
+    first run's names)."""
+    return out.with_name(f"{out.stem}{head_tag(head)}-{name}.json")
 
 
 def revision(stage: Json) -> Json:
     env = stage.get("environment")
     return {"git_revision": env.get("git_revision")} if isinstance(env, dict) else {}
-
-
-def merged_summary(stages: dict[str, Json]) -> Json:
-    """Each stage's ``summary`` fields, in stage order (the issue's field names)."""
-    summary: Json = {}
-    for name in CLAIMS_STAGES:
-        part = stages.get(name, {}).get("summary")
-        if isinstance(part, dict):
-            summary.update(part)
-    return summary
 
 
 if __name__ == "__main__":

@@ -38,25 +38,47 @@ Scores = Mapping[str, Mapping[str, Mapping[str, np.ndarray]]]
 """concept → judge → condition → (prompts,) mean judged score; ``<cond>/neutral`` on the neutral prompts."""
 
 
+PROJECT = "+project"
+"""The suffix of a condition whose set is suppressed with ``residual="project"`` (``kjv@41+project``); a
+condition without it removes the slices only (``residual="keep"``)."""
+
+
+def condition_mode(cond: str) -> tuple[str, str]:
+    """``kjv@41+project`` → (``kjv@41``, ``project``); ``random2@41`` → (``random2@41``, ``keep``). Conditions
+    are ``before``, ``<concept>@n`` (its top n), ``random@n`` (n prototypes active on neutral text, outside every
+    concept's ranking) and ``random<d>@n`` (draw d of n prototypes from the whole bank), each with or without
+    ``PROJECT``."""
+    if cond.endswith(PROJECT):
+        return cond[: -len(PROJECT)], "project"
+    return cond, "keep"
+
+
+def is_random(cond: str) -> bool:
+    """A control set (``random@n``, ``random<d>@n``, with either residual mode)."""
+    return condition_mode(cond)[0].startswith("random")
+
+
 def suppression_rows(
     concepts: Iterable[str], recs: Mapping[str, Record], scores: Scores, K: int, n_boot: int, seed: int
 ) -> list[dict[str, object]]:
     """One row per (concept, condition) of that concept (its own sets, the random sets, before): per judge the
     provocative and neutral score, the relative drop (``drop_ci``) and the drop of the excess over neutral; the
     collateral (relative CE increase on neutral text, task accuracy change) and the relative CE increase on the
-    concept's own text. ``recs``: condition → {ids, ce_neutral, ce_<concept>, acc, acc_norm}, with ``before``."""
+    concept's own text; ``set`` and ``residual`` (``condition_mode``). ``recs``: condition → {ids, ce_neutral,
+    ce_<concept>, acc, acc_norm}, with ``before``."""
     rows: list[dict[str, object]] = []
     b = recs["before"]
     for concept in concepts:
         for cond, rec in recs.items():
-            if cond != "before" and not cond.startswith(("random@", f"{concept}@")):
+            base, mode = condition_mode(cond)
+            if cond != "before" and not (is_random(cond) or base.startswith(f"{concept}@")):
                 continue
             if cond not in scores[concept]["tfidf"]:  # a random set of a size this concept has no set of
                 continue
             ids = rec["ids"]
             n_ids = len(ids) if isinstance(ids, Sized) else 0
             row: dict[str, object] = {"concept": concept, "condition": cond, "prototypes": n_ids}
-            row["bank_share"] = n_ids / K
+            row |= {"set": base, "residual": mode, "bank_share": n_ids / K}
             for jn, per in scores[concept].items():
                 p0, p, n0 = per["before"], per[cond], per["before/neutral"]
                 row[f"{jn}_provocative"] = float(p.mean())
@@ -84,19 +106,76 @@ def behaviour_gap(provocative: np.ndarray, neutral: np.ndarray, n_boot: int, see
 
 
 def best_suppression_row(
-    rows: Sequence[Record], shown: set[str], max_bank_share: float, max_collateral: float
+    rows: Sequence[Record],
+    shown: set[str],
+    max_bank_share: float,
+    max_collateral: float,
+    residual: str = "keep",
+    metric: str = "tfidf_drop",
 ) -> Record | None:
-    """The concept set with the *largest* TF-IDF drop among those within the bank-share and collateral limits,
-    of a concept whose behaviour the model shows (of any concept if none shows it); None when none qualifies."""
+    """The concept set with the *largest* ``metric`` among those of the ``residual`` mode within the bank-share
+    and collateral limits, of a concept whose behaviour the model shows (of any concept if none shows it); None
+    when none qualifies. Exact slice removal is ranked by the raw drop (``tfidf_drop``, the first run's field);
+    the residual-projecting suppression by the drop of the excess over neutral (``tfidf_excess_drop``)."""
     ok = [
         r
         for r in rows
-        if not str(r["condition"]).startswith(("random@", "before"))
+        if r["condition"] != "before"
+        and not is_random(str(r["condition"]))
+        and r.get("residual", "keep") == residual
         and (r["concept"] in shown or not shown)
         and _num(r["prototypes"]) <= round(max_bank_share * _num(r["prototypes"]) / _num(r["bank_share"]))
         and _num(r["ce_neutral_rel_increase"]) <= max_collateral
     ]
-    return max(ok, key=lambda r: _num(r["tfidf_drop"]), default=None)
+    return max(ok, key=lambda r: _num(r[metric]), default=None)
+
+
+def random_controls(rows: Sequence[Record], best: Record, metric: str) -> list[float]:
+    """``metric`` of the whole-bank random draws (``random<d>@n``) of ``best``'s concept, size and residual mode:
+    the sets ``best`` must beat (the older ``random@n``, drawn among prototypes active on neutral text, is not
+    one of them)."""
+    n, mode = best["prototypes"], best.get("residual", "keep")
+    return [
+        _num(r[metric])
+        for r in rows
+        if r["concept"] == best["concept"]
+        and r["prototypes"] == n
+        and r.get("residual", "keep") == mode
+        and condition_mode(str(r["condition"]))[0].startswith("random")
+        and not condition_mode(str(r["condition"]))[0].startswith("random@")
+    ]
+
+
+def residual_suppression_summary(
+    best: Record | None, rows: Sequence[Record], export_identical: object, goal_drop: float = 0.8
+) -> dict[str, object]:
+    """The residual-projecting suppression's fields from its best row (``best_suppression_row(..., "project",
+    "tfidf_excess_drop")``): the drop that counts is the drop of the excess over neutral text (the raw drop
+    beside it), the collateral the relative CE increase on neutral text; the same-size whole-bank random draws'
+    mean excess drop is the control. All None when no set qualifies."""
+    if best is None:
+        keys = ("best_drop", "collateral", "raw_drop", "bank_share", "concept", "concept_ce_increase",
+                "task_acc_change", "random_drop", "random_draws")  # fmt: skip
+        why = "no projected concept set within the bank-share and collateral limits (or none measured)"
+        return {f"suppression_residual_{k}": None for k in keys} | {
+            "suppression_residual_goal_met": False,
+            "suppression_residual_export_identical": export_identical,
+            "why_null": {"suppression_residual_best_drop": why, "suppression_residual_collateral": why},
+        }
+    draws = random_controls(rows, best, "tfidf_excess_drop")
+    return {
+        "suppression_residual_best_drop": best["tfidf_excess_drop"],
+        "suppression_residual_collateral": best["ce_neutral_rel_increase"],
+        "suppression_residual_raw_drop": best["tfidf_drop"],
+        "suppression_residual_bank_share": best["bank_share"],
+        "suppression_residual_concept": best["concept"],
+        "suppression_residual_concept_ce_increase": best["ce_concept_rel_increase"],
+        "suppression_residual_task_acc_change": best["task_acc_change"],
+        "suppression_residual_random_drop": statistics.fmean(draws) if draws else None,
+        "suppression_residual_random_draws": len(draws),
+        "suppression_residual_goal_met": _num(best["tfidf_excess_drop"]) >= goal_drop,
+        "suppression_residual_export_identical": export_identical,
+    }
 
 
 def suppression_summary(
@@ -233,3 +312,86 @@ def logit_shares(parts: Sequence[Sequence[Sequence[float]]]) -> dict[str, object
         "max_abs_bias": float(Bb.abs().max()),
         "max_abs_error": float((S + R + Bb - logit).abs().max()),
     }
+
+
+def explanation_margin_fields(shares: Record, faith: Record | None) -> dict[str, object]:
+    """The explanations' margin fields: ``explanation_margin_share`` Σ(ℓ̂_y1 − ℓ̂_y2) / Σ(ℓ_y1 − ℓ_y2) of the
+    prototype-only prediction ℓ̂ = W ẑ + b, and ``explanation_margin_share_pca`` the same for the fixed-subspace
+    yardstick W Q Qᵀ z + b (Q: the anchor z's mean and top k principal directions), both pooled over the answer
+    tokens (``faith``: ``FaithfulnessAccumulator.result()`` of the answers, keys ``margin_share`` and
+    ``pca_margin_share``); ``explanation_margin_share_parts`` the pooled Σ ΔS / Σ margin of the answers' logit
+    parts (``logit_shares``), the same quantity from the generating forward, as a cross-check. Without ``faith``
+    the first two are None, with the reason in ``why_null``."""
+    out: dict[str, object] = {"explanation_margin_share_parts": shares.get("pooled_margin_fraction_slices")}
+    if faith is None or "margin_share" not in faith:
+        why = "the answers' pooled margins were not measured (explanations stage from before the field existed)"
+        return out | {
+            "explanation_margin_share": None,
+            "explanation_margin_share_pca": None,
+            "why_null": {"explanation_margin_share": why, "explanation_margin_share_pca": why},
+        }
+    pca = faith.get("pca_margin_share")
+    return out | {"explanation_margin_share": _num(faith["margin_share"]),
+                  "explanation_margin_share_pca": None if pca is None else _num(pca)}  # fmt: skip
+
+
+# ----- the gathered summary (bench/real_claims.py) --------------------------------------------------------------
+CLAIMS_FIELDS: dict[str, str] = {
+    "suppression_best_drop": "suppression",
+    "suppression_collateral": "suppression",
+    "suppression_residual_best_drop": "suppression",
+    "suppression_residual_collateral": "suppression",
+    "controller_gain_over_prior": "controllers",
+    "controller_minus_sae": "controllers",
+    "controller_minus_dense": "controllers",
+    "recall10_cached": "attribution",
+    "recall10_ekfac": "attribution",
+    "ekfac_cost_over_cached": "attribution",
+    "mrr_nonlexical_cached": "attribution-nonlexical",
+    "mrr_nonlexical_ekfac": "attribution-nonlexical",
+    "mrr_nonlexical_bm25": "attribution-nonlexical",
+    "ekfac_cost_over_cached_nonlexical": "attribution-nonlexical",
+    "logit_share_slices_abs": "explanations",
+    "margin_fraction_slices_pooled": "explanations",
+    "explanation_margin_share": "explanations",
+    "explanation_margin_share_pca": "explanations",
+}
+"""The fields the gathered summary always has (field → the stage that writes it): null, with the reason in
+``why_null``, where that stage has not run or did not measure it — never filled in from elsewhere."""
+
+
+def gathered_summary(stages: Mapping[str, Record], order: Sequence[str]) -> dict[str, object]:
+    """The summary of ``real-claims.json`` from the stage records (name → the stage's JSON), merged in ``order``
+    (a later stage's field wins): every field of ``CLAIMS_FIELDS`` (None where missing, the reason in
+    ``why_null``: the stage's own reason if it gives one), and ``head``: stage → the head it ran on (None for a
+    stage not run, or recorded before the head was named)."""
+    summary: dict[str, object] = {}
+    why: dict[str, str] = {}
+    for name in order:
+        part = stages.get(name, {}).get("summary")
+        if isinstance(part, Mapping):
+            summary.update({k: v for k, v in part.items() if k != "why_null"})
+            own = part.get("why_null")
+            why.update({str(k): str(v) for k, v in own.items()} if isinstance(own, Mapping) else {})
+    for field_, stage in CLAIMS_FIELDS.items():
+        if summary.get(field_) is not None:
+            why.pop(field_, None)
+            continue
+        summary[field_] = None
+        if stage not in stages:
+            why[field_] = f"the {stage} stage has not run"
+        else:
+            why.setdefault(field_, f"the {stage} stage's summary has no {field_} (recorded before it existed)")
+    head: dict[str, object] = {}
+    for name in order:
+        head[name] = stages[name].get("head") if name in stages else None
+        if head[name] is None:
+            why[f"head.{name}"] = (
+                f"the {name} stage has not run"
+                if name not in stages
+                else f"the {name} stage's record predates --head (the paper's head was the only one then)"
+            )
+    summary["head"] = head
+    if why:
+        summary["why_null"] = why
+    return summary
