@@ -113,7 +113,11 @@ def test_the_default_demo_starts_from_the_shipped_bank_and_its_prototypes_predic
     env = {**os.environ, "PRISM_DATA": str(tmp_path / "data")}
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [PRISM_SCRIPT, "demo", "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=1500, env=env
+        [PRISM_SCRIPT, "demo", "--out", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     assert "the shipped bank" in proc.stdout + proc.stderr
