@@ -39,10 +39,11 @@ DEMO_CHARS = 2500
 DEMO_BLOCK = 256
 DEMO_STEPS = 100
 """Bank steps on the stored z (8 sequences × 256 tokens each: ~6 passes over the anchor set)."""
-DEMO_PROTOTYPES, DEMO_TOP_K = 8192, 8
+DEMO_PROTOTYPES, DEMO_TOP_K = 8192, 32
 """One prototype per ~5 anchor tokens, toward the kNN end: on held-out chat answers the prototypes alone pick the
-model's token 0.39 of the time at K=512, 0.46 at 2,048, 0.51 at 8,192 and 0.51 at 16,384, for about the same bank
-time (the prototype-only KL's vocabulary products dominate a step)."""
+model's token 0.39 of the time at K=512, 0.46 at 2,048, 0.51 at 8,192 and 0.51 at 16,384 (k=8), for about the same
+bank time (the prototype-only KL's vocabulary products dominate a step); k=32 active prototypes instead of 8 took it
+from 0.53 to 0.59 at 100 steps (held-out text 0.57 → 0.63; docs/results.md, 2026-12-07)."""
 DEMO_BANK = BUILTIN_DIR / "banks" / "smollm2-135m-instruct-demo.safetensors"
 """The bank ``prism demo`` starts from when its anchor set and steps are the defaults: the demo's own recipe (this
 anchor set, K, k, DEMO_OVERRIDES) trained offline for more steps than the demo's time allows
