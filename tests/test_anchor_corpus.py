@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from prismlm.control.anchor_corpus import KJV_ID, anchor_corpus, kjv_anchor_documents, write_text_files
 from prismlm.control.judges import FortuneSplits
 from prismlm.data.corpus import gutenberg_documents
@@ -34,6 +36,7 @@ def test_kjv_anchor_documents_are_kjv_and_outside_the_other_draws():
     assert [d.id for d in kjv_anchor_documents(2)] == [d.id for d in got[:2]]
 
 
+@pytest.mark.slow
 def test_anchor_corpus_counts_sources_and_seed():
     texts = anchor_corpus(FORTUNES, seed=1, **SIZES)
     assert {k: len(v) for k, v in texts.items()} == {

@@ -229,6 +229,7 @@ def _cfg(**kw):
     return AttributionConfig(max_sequences=N_SEQ, batch_size=8, r=8, **kw)
 
 
+@pytest.mark.slow
 def test_query_path_equals_format1_and_a_dense_scan(tiny, tiny_shards, tmp_path, monkeypatch):
     """float32, no pruning: the new query path gives the format-1 path's scores bit for bit, with int32
     or delta ids, from memory and from disk; both equal a scan of every posting."""

@@ -335,6 +335,7 @@ def test_numeric_options_are_range_checked(tiny_run, args, expected):
     assert res.exit_code == 2 and expected in res.output and "Traceback" not in res.output, res.output
 
 
+@pytest.mark.slow
 def test_fuzzed_text_never_crashes_explain_or_generate(tiny_run):
     """300 random strings from a seeded generator over odd code points (lone surrogates, controls, combining
     marks, emoji, private use, NUL) through explain and generate: every one answered."""

@@ -31,6 +31,7 @@ def test_prompt_openings_are_the_first_words_of_long_enough_texts():
     assert prompt_openings(texts, 4, seed=0) == got and prompt_openings(texts, 100, seed=0).__len__() == 7
 
 
+@pytest.mark.slow
 def test_offensive_spec_draws_prompts_and_held_out_text_from_the_judge_split():
     from prismlm.control.concept_specs import offensive_spec
     from prismlm.control.judges import fortune_splits

@@ -422,6 +422,7 @@ def test_tasks_deterministic_and_well_formed():
             assert d["choices"][d["gold"]] == " " + d["label"]
 
 
+@pytest.mark.slow
 def test_gutenberg_ending_task_choices_are_passage_continuations():
     from prismlm.data.corpus import gutenberg_documents
     from prismlm.eval.tasks import build_task
@@ -441,6 +442,7 @@ def test_gutenberg_ending_task_choices_are_passage_continuations():
     assert not answers["train"] & answers["test"]  # no answer string crosses splits (a prior cannot leak)
 
 
+@pytest.mark.slow
 def test_scorer_and_lm_eval_adapter_agree(tiny_shards, tmp_path, monkeypatch):
     pytest.importorskip("lm_eval")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
@@ -621,6 +623,7 @@ def tiny_run(tiny_shards, tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_cli_concept_suppress_tasks_controller(tiny_run, tiny_shards, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

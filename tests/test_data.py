@@ -327,6 +327,7 @@ def test_shard_round_trip_and_reuse(txt_corpus: Path, tmp_path: Path) -> None:
         load_shards(out)
 
 
+@pytest.mark.slow
 def test_shard_tokenizer_mismatch(txt_corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "s"
     prepare_shards(str(txt_corpus), "gpt2", out, show_progress=False)
@@ -337,6 +338,7 @@ def test_shard_tokenizer_mismatch(txt_corpus: Path, tmp_path: Path) -> None:
         load_shards(out)
 
 
+@pytest.mark.slow
 def test_tiny_corpus_gets_val_doc_and_default_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PRISM_DATA", str(tmp_path / "cache"))
     d = tmp_path / "tiny"

@@ -147,6 +147,7 @@ def _toy_demo(out, **kw):
     )
 
 
+@pytest.mark.slow
 def test_a_second_demo_on_the_same_folder_is_refused_until_the_first_has_written_its_report(tmp_path, monkeypatch):
     """Issue 34: the demo locked only its training; a second `prism demo --overwrite` got the folder while the
     first indexed and explained, and wiped it. Now the lock is held through every stage and the report."""
@@ -179,6 +180,7 @@ def test_a_second_demo_on_the_same_folder_is_refused_until_the_first_has_written
     assert refused[-1] == "ran" and not (tmp_path / "demo.lock").exists()
 
 
+@pytest.mark.slow
 def test_a_killed_demo_is_continued_by_the_command_its_refusal_names(tmp_path, monkeypatch):
     """Issue 34: a killed demo said "continue it with --resume" and `prism demo` had none. Killed as its index
     starts, the demo is refused naming --resume, and --resume ends with the uninterrupted demo's index."""

@@ -58,6 +58,7 @@ def _forward(explorer: Explorer, ids: list[int], suppress: list[int] | None = No
         return m(x)
 
 
+@pytest.mark.slow
 def test_info_names_the_hf_backbone(client, explorer):
     info = client.get("/api/info").json()
     assert info["model"]["backbone"] == "hf" and info["model"]["bias"] is True

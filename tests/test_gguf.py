@@ -205,6 +205,7 @@ def test_f16_gguf_is_recorded_as_f16_and_dequantised_exactly(tiny, tmp_path):
         assert torch.equal(model(input_ids=ids).logits, rounded(input_ids=ids).logits)
 
 
+@pytest.mark.slow
 def test_retrofit_from_gguf_keeps_the_logits_and_records_the_source(tiny, chat_run):
     run = Run.open(chat_run, device="cpu")
     ids = torch.randint(0, tiny["V"], (2, 40), generator=torch.Generator().manual_seed(3))
@@ -325,6 +326,7 @@ def test_generation_stops_at_the_end_of_turn_token(chat_run):
     assert texts == [tok.decode(answer[:cut])]
 
 
+@pytest.mark.slow
 def test_chat_on_a_model_without_a_chat_template_is_one_clear_line(chat_run, plain_run):
     out = plain_run  # (after chat_run: the shards it cached hold the tokenizer with the template)
     for cmd in (["generate", str(out), "--chat", "Hi"], ["explain", str(out), "--chat", "Hi"]):

@@ -312,6 +312,7 @@ def _linear_grad_dot_products(model, shards, queries, n_train, modules=None):
     return gq @ gj.T
 
 
+@pytest.mark.slow
 def test_kronfluence_ekfac_end_to_end(trained, tiny_shards):
     pytest.importorskip("kronfluence")
     from prismlm.tda.baselines import KronfluenceBaseline

@@ -138,6 +138,7 @@ def retrofitted(hf_folders, tmp_path_factory):
     return {arch: retrofit_cli(path, root / arch, "--steps", "6") for arch, path in hf_folders.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "neox", "phi"])
 def test_frozen_retrofit_keeps_the_models_logits_and_decomposes_them(arch, hf_folders, retrofitted):
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_folders[arch]).double().eval()
@@ -178,6 +179,7 @@ def test_retrofit_trains_only_the_bank_in_stage_1_and_anchors_it_to_data(hf_fold
     assert cfg["train"]["trainable"] == "prototypes" and cfg["model"]["hf_config"]["model_type"] == "llama"
 
 
+@pytest.mark.slow
 def test_stage_2_unfreezes_only_the_last_blocks(hf_folders, tmp_path):
     out = retrofit_cli(
         hf_folders["gpt2"], tmp_path / "joint", "--steps", "4", "--frozen-steps", "2", "--unfreeze", "last-1"
@@ -191,6 +193,7 @@ def test_stage_2_unfreezes_only_the_last_blocks(hf_folders, tmp_path):
     assert not torch.equal(ours["transformer.ln_f.weight"], ref["transformer.ln_f.weight"])
 
 
+@pytest.mark.slow
 def test_stage_2_with_lora_trains_only_the_adapters_and_the_bank(hf_folders, tmp_path):
     pytest.importorskip("peft")
     out = retrofit_cli(
@@ -359,6 +362,7 @@ def test_downstream_operations_work_on_a_retrofitted_hf_backbone(retrofitted):
     assert abs(float(removed)) > 0
 
 
+@pytest.mark.slow
 def test_a_frozen_backbone_trains_the_bank_without_dropout(tiny_shards, tmp_path):
     """Stage 1 runs the frozen backbone in eval mode: with attention dropout 0.9 in the model's config the bank
     learns exactly what it learns without dropout (train mode would feed it noised hidden states)."""

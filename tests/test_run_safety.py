@@ -69,6 +69,7 @@ def test_resume_survives_a_torn_metrics_line(tiny_shards, tmp_path):
     assert steps == [1, 2, 3, 4, 4]
 
 
+@pytest.mark.slow
 def test_resume_extends_or_refuses_never_does_nothing(tiny_shards, tmp_path):
     run = tmp_path / "run"
     train(tiny_cfg(), run, shards=tiny_shards, progress=False)
@@ -330,6 +331,7 @@ def test_shard_bytes_overwritten_with_valid_tokens_are_refused(tmp_path):
         load_shards(s.root)
 
 
+@pytest.mark.slow
 def test_index_resume_refuses_another_models_index(tiny_shards, tmp_path):
     from prismlm.app import Run, build_run_index
     from prismlm.errors import ArtifactMismatch
@@ -436,6 +438,7 @@ def _retrofit_cli(*args, per_step: bool = False):
     )
 
 
+@pytest.mark.slow
 def test_retrofit_resume_continues_an_interrupted_retrofit_bit_for_bit(tiny_shards, tmp_path, monkeypatch):
     """Old main refused a second `prism retrofit` into the run with "continue it with --resume", but retrofit
     had no --resume. Now an interrupted retrofit resumed ends with the weights of an uninterrupted one."""
@@ -466,6 +469,7 @@ def test_retrofit_resume_continues_an_interrupted_retrofit_bit_for_bit(tiny_shar
     assert res.exit_code == 0 and load_checkpoint(tmp_path / "resumed").manifest["step"] == 6, res.output
 
 
+@pytest.mark.slow
 def test_a_run_stopped_before_its_first_checkpoint_is_restarted_with_overwrite(tiny_shards, tmp_path, monkeypatch):
     """Old main sent users in circles: a plain start said "continue it with --resume", --resume said "start
     it without --resume". Both now name --overwrite, which starts it again."""

@@ -57,6 +57,7 @@ def test_auxk_revives_a_dead_latent(aux_weight):
         torch.testing.assert_close(fit.sae.W_dec[7].detach(), w_dec7)  # renormalised only
 
 
+@pytest.mark.slow
 def test_training_lowers_the_held_out_error_and_the_curve_reports_it():
     g = torch.Generator().manual_seed(0)
     atoms = torch.randn(32, 16, generator=g)

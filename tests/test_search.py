@@ -75,6 +75,7 @@ def _synthetic(template: AttributionCache, U: int, seed: int = 0, quant: bool = 
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "int4", "pq"])
 @pytest.mark.parametrize("kind", ["ivf", "ivf-sq8", "hnsw"])
 def test_exhaustive_settings_equal_the_exact_scan(tiny, tiny_shards, dtype, kind):
@@ -119,6 +120,7 @@ def test_ivf_probing_every_cell_is_an_exact_per_list_search(tiny, tiny_shards, e
     assert np.array_equal(a[1], b[1]) and np.allclose(a[0], b[0], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ivf", "ivf-sq8", "hnsw"])
 def test_approximate_search_recalls_the_exact_top10(tiny, tiny_shards, kind):
     """On a larger synthetic cache (lists of 300–2500 postings over 4000 units), a moderate effort (m = 40

@@ -212,6 +212,7 @@ def test_boundary_layer_follows_the_recipe():
     assert boundary_layer_for(cfg.override({"train.trainable": "lora", "model.lora_rank": 2})) is None
 
 
+@pytest.mark.slow
 def test_a_stage2_on_stored_activations_trains_the_top_block_and_a_kill_resumes_bit_for_bit(
     dense_run, tmp_path, monkeypatch
 ):

@@ -114,6 +114,7 @@ def test_an_interrupted_z_pass_resumes_to_identical_files(tiny_model, tiny_shard
     assert _files(part) != _files(tmp_path / "whole")
 
 
+@pytest.mark.slow
 def test_stage_1_on_stored_z_follows_the_per_step_path_and_keeps_the_logits(dense_run, stored_run, tmp_path):
     stored = stored_run
     per_step = _retrofit(dense_run, tmp_path / "per-step", "train.frozen_from_stored_z=false")
@@ -137,6 +138,7 @@ def test_stage_1_on_stored_z_follows_the_per_step_path_and_keeps_the_logits(dens
     assert [x["step"] for x in lines if "train_rec" in x] and lines[-1]["step"] == 4 and "val_loss" in lines[-1]
 
 
+@pytest.mark.slow
 def test_stage_2_continues_from_the_stored_z_stage_as_from_the_per_step_one(dense_run, tmp_path):
     kw = dict(steps=4, frozen=2, unfreeze="last-1")
     # the trainer's stage 2 after a stored stage 1 (stage 2 on stored boundary activations: tests/test_stage2.py)

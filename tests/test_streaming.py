@@ -91,6 +91,7 @@ def test_training_streams_without_tokenising_the_corpus(saved_tok, tmp_path, mon
     assert ckpt.manifest is not None
 
 
+@pytest.mark.slow
 def test_stream_resume_is_exact(saved_tok, tmp_path):
     # 12 short documents: 12 steps × 4 sequences × 64 tokens wrap the corpus several times
     corpus = _write_parquet(tmp_path / "pq", _texts(14, 500), files=3)

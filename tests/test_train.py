@@ -72,6 +72,7 @@ def _metrics(run: Path) -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_saves_a_checkpoint_and_resumes_exactly(tiny_shards, tmp_path, monkeypatch):
     """Ctrl-C (a real SIGINT to this process) and an interrupt raised in the middle of a step both leave a
     checkpoint at the last completed step, although periodic checkpoints are off; --resume from it reaches
