@@ -76,8 +76,9 @@ def demo(
     on_done: Callable[[DemoResult], None] | None = None,
 ) -> DemoResult:
     """The whole pipeline on a real model, offline: retrofit the shipped SmolLM2-135M-Instruct with 8,192
-    prototypes on a small built-in anchor set (one backbone pass, then the bank), index it, and explain its
-    answer to a chat question token by token (~7.5 minutes on 2 idle cores). With --scratch: train a toy PRISM
+    prototypes on a small built-in anchor set (one backbone pass; the bank the package ships, or one trained here
+    with ``steps``), index it, and explain its answer to a chat question token by token (~3.2 minutes on 2 idle
+    cores). With --scratch: train a toy PRISM
     from scratch on the built-in corpus instead, sample, evaluate, index and explain one generation.
 
     Args:
