@@ -24,7 +24,7 @@ def main() -> None:
     if run is None:
         demo(steps=args.steps, out=args.out)
         run = args.out
-    path = save_demo_bank(run, args.bank)
+    path = save_demo_bank(run, args.bank, reproduce=f"python scripts/make_demo_bank.py --steps {args.steps}")
     print(f"demo bank: {path} ({path.stat().st_size / 1e6:.1f} MB) from {run}")
 
 

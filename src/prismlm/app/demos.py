@@ -48,7 +48,7 @@ DEMO_BANK = BUILTIN_DIR / "banks" / "smollm2-135m-instruct-demo.safetensors"
 """The bank ``prism demo`` starts from when its anchor set and steps are the defaults: the demo's own recipe (this
 anchor set, K, k, DEMO_OVERRIDES) trained offline for more steps than the demo's time allows
 (``python scripts/make_demo_bank.py``; the file's ``made_by`` says the command, steps and revision), so the demo runs
-the backbone pass, the index and the explanation here but not the bank's training. ``--steps N``, another anchor
+the backbone pass, the index and the explanation here but not the bank's training. ``steps`` = N, another anchor
 set, or a missing file: the bank is seeded and trained here for N (default DEMO_STEPS) steps."""
 DEMO_OVERRIDES = ("loss.lambda_proto_kl=1.0", "loss.kl_candidates=16", "loss.proto_kl_rows=2048")
 """The bank also learns the prototype-only prediction: KL(p ‖ softmax(W ẑ)) beside REC, R1 and R2, on every row of a
@@ -239,9 +239,10 @@ def real_demo(question: str, options: DemoOptions) -> DemoResult:
     )
 
 
-def save_demo_bank(run_folder: Path, path: Path = DEMO_BANK) -> Path:
-    """The bank of a finished ``prism demo --steps N`` run saved as the bank the demo ships (float16), with how it
-    was made: the run's command, code revision, step, recipe and final validation (``scripts/make_demo_bank.py``)."""
+def save_demo_bank(run_folder: Path, path: Path = DEMO_BANK, *, reproduce: str = "") -> Path:
+    """The bank of a finished demo run that trained its own bank (``steps`` = N) saved as the bank the demo ships
+    (float16), with how it was made: the run's command, code revision, step, recipe, final validation and
+    ``reproduce``, the command that makes it again (``scripts/make_demo_bank.py`` passes its own)."""
     run = Run.open(run_folder, device="cpu")
     env = json.loads((run_folder / "env.json").read_text())
     step = run.step or 0
@@ -251,7 +252,7 @@ def save_demo_bank(run_folder: Path, path: Path = DEMO_BANK) -> Path:
     final: dict[str, float] = next((x for x in reversed(lines) if "val_loss" in x), {})
     made_by = {
         "command": " ".join(str(x) for x in env.get("command", [])),
-        "reproduce": f"python scripts/make_demo_bank.py --steps {step}",
+        "reproduce": reproduce,
         "git_revision": str(env.get("git_revision")),
         "started": str(env.get("started")),
         "recipe": f"K={protos.num_prototypes if protos else 0}, k={protos.top_k if protos else 0}, {step} bank steps, "
