@@ -162,8 +162,10 @@ fi
 # until its limit and is killed there (its checkpoints every 50 steps remain); the curve step then measures
 # the latest checkpoint on held-out text. A second campaign call continues it (--stage stage2 resumes).
 if [[ -n $REAL_SRC ]]; then
+  # the kept recipe (docs/results.md, 2026-12-07): the last 2 blocks, the prototype KL over 16 candidates ranked
+  # once, the long run's 400-document anchor set
   FAITH=(--source "$REAL_SRC" --root "$OUT/runs/real-faithfulness" --device "$DEVICE" --batch-size 16
-         --frozen-steps 200 --steps 20000 --threads "$("$PY" -c 'import os; print(os.cpu_count() or 1)')")
+         --last 2 --alpha 1 --kl-candidates 16 --set data.max_docs=400 --frozen-steps 200 --steps 20000 --threads "$("$PY" -c 'import os; print(os.cpu_count() or 1)')")
   run_step real_faithful "$(limit real_faithful)" "$PY" bench/real_faithfulness.py --stage stage2 "${FAITH[@]}"
   run_step real_faithful_curve "$(limit real_faithful_curve)" "$PY" bench/real_faithfulness.py --stage curve \
     "${FAITH[@]}" --curve "$OUT/real-faithfulness-curve.json"

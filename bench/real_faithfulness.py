@@ -438,7 +438,9 @@ def summary_main(args: argparse.Namespace) -> None:
     speed = sources["speed"]["ratio"]
     ratio = next(speed[k] for k in (f"ranked_c{args.kl_candidates}_a1", f"stored_c{args.kl_candidates}_a1",
                                     "stored_a1", "a1") if k in speed)  # fmt: skip
-    fields = faithfulness_summary(models, ratio, frozen="demo", stage2="stage2", source="frozen", demo="demo")
+    fields = faithfulness_summary(
+        models, ratio, frozen=args.frozen_name, stage2=args.stage2_name, source=args.source_name, demo=args.frozen_name
+    )
     summary: dict[str, object] = {**fields}
     summary["recipe"] = {
         "coefficients": "relu(cos) (the paper's)", "prototypes": args.prototypes, "top_k": args.top_k,
@@ -467,6 +469,13 @@ def main() -> None:
         "--run", type=Path, help="measure: the run whose shards and stored z it uses (default: the long run)"
     )
     p.add_argument("--name", default="model", help="measure: its key in real-faithfulness-measures.json")
+    p.add_argument(
+        "--frozen-name", default="demo", help="summary: the measured key of the kept frozen head (the demo's)"
+    )
+    p.add_argument("--stage2-name", default="stage2", help="summary: the measured key of the stage-2 model")
+    p.add_argument(
+        "--source-name", default="frozen", help="summary: the source model on the stage-2 run's held-out text"
+    )
     p.add_argument("--eval-batches", type=int, default=8, help="measure: held-out text batches of 4 × 256 tokens")
     p.add_argument("--lever", action="append", choices=sorted(LEVERS), default=[], help="frozen: which heads")
     p.add_argument("--threads", type=int, default=1)
