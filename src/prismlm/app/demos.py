@@ -186,7 +186,7 @@ def real_demo(question: str, options: DemoOptions) -> DemoResult:
     o = options
     on_stage, out, progress, overwrite = o.on_stage, o.out, o.progress, o.overwrite
     bank = "the shipped bank" if any(x.startswith("train.init_bank=") for x in o.overrides) else f"{o.steps} bank steps"
-    on_stage(f"retrofit {DEMO_MODEL} ({DEMO_PROTOTYPES} prototypes, {bank}, {o.max_docs} built-in documents)", 0, 3)
+    on_stage(f"retrofit {DEMO_MODEL} ({bank}, {DEMO_PROTOTYPES} prototypes, {o.max_docs} built-in documents)", 0, 3)
     recipe = RetrofitRecipe(
         corpus=DEMO_CORPUS,
         steps=o.steps,
