@@ -125,21 +125,26 @@ def demo(
             if scratch:
                 result = scratch_demo(preset or "cpu-small", options)
             else:
-                shipped = steps is None and max_docs is None and max_chars_per_doc is None and DEMO_BANK.is_file()
-                real = replace(
-                    options,
-                    steps=load_bank(DEMO_BANK).step if shipped else steps or DEMO_STEPS,
-                    max_docs=max_docs or DEMO_DOCS,
-                    max_chars_per_doc=max_chars_per_doc or DEMO_CHARS,
-                    overrides=(f"train.init_bank={DEMO_BANK}", *options.overrides) if shipped else options.overrides,
-                )
-                result = real_demo(question or DEMO_QUESTION, real)
+                result = real_demo(question or DEMO_QUESTION, _real_options(options))
             if on_done is not None:
                 on_done(result)
     finally:
         if new_folder and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # refused or failed before writing anything: no empty folder left behind
     return result
+
+
+def _real_options(o: DemoOptions) -> DemoOptions:
+    """The real-model demo's options with its defaults: the shipped bank (and its step) when the anchor set and
+    the steps are the defaults and the file is there, else ``steps`` (DEMO_STEPS) bank steps trained here."""
+    shipped = o.steps is None and o.max_docs is None and o.max_chars_per_doc is None and DEMO_BANK.is_file()
+    return replace(
+        o,
+        steps=load_bank(DEMO_BANK).step if shipped else o.steps or DEMO_STEPS,
+        max_docs=o.max_docs or DEMO_DOCS,
+        max_chars_per_doc=o.max_chars_per_doc or DEMO_CHARS,
+        overrides=(f"train.init_bank={DEMO_BANK}", *o.overrides) if shipped else o.overrides,
+    )
 
 
 def _check_options(

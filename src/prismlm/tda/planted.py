@@ -168,6 +168,23 @@ class PlantedCorpus:
         )
 
 
+def _background_chunks(n_background: int, doc_chars: int) -> list[str]:
+    """The first ``n_background`` pieces of ``doc_chars`` characters (over 200 each) of the built-in corpus, in
+    order: long books become several documents."""
+    from prismlm.data.corpus import iter_documents
+
+    background: list[str] = []
+    for doc in iter_documents("builtin"):
+        t = doc.text.strip()
+        for s in range(0, len(t), doc_chars):
+            if len(background) >= n_background:
+                return background
+            chunk = t[s : s + doc_chars].strip()
+            if len(chunk) > 200:
+                background.append(chunk)
+    return background
+
+
 def build_planted_corpus(
     out_dir: str | Path,
     *,
@@ -185,22 +202,10 @@ def build_planted_corpus(
     (and, with ``distractors``, two distractors per fact: same entity/other relation, same relation/other
     entity) planted in ``copies`` short documents, shuffled among the background.
     """
-    from prismlm.data.corpus import iter_documents
-
     rng = random.Random(seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    background: list[str] = []
-    for doc in iter_documents("builtin"):
-        t = doc.text.strip()
-        for s in range(0, len(t), doc_chars):  # long books become several documents
-            if len(background) >= n_background:
-                break
-            chunk = t[s : s + doc_chars].strip()
-            if len(chunk) > 200:
-                background.append(chunk)
-        if len(background) >= n_background:
-            break
+    background = _background_chunks(n_background, doc_chars)
     pool = " ".join(background[: max(1, len(background))]).split(". ")
     used: set[str] = set()
     rels = list(RELATIONS)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from prismlm.artifacts import atomic_write_text
@@ -125,14 +126,8 @@ def train_bank(
             weights = cfg.loss.weights_at(step)
             sums: dict[str, float] = {}
             for micro in range(tc.grad_accum):
-                seq_ids = sampler.micro_indices(step, micro, 0)
-                z = store.hidden(seq_ids).to(device).reshape(-1, model.config.n_embd)  # (B·T, d)
                 kl_rows = cfg.loss.proto_kl_rows if weights.get("proto_kl", 0.0) > 0 else 0
-                ranked = kl_rows > 0 and store.candidates_for(c, model.lm_head)
-                terms = bank_losses(
-                    model, z, proto_kl_rows=kl_rows, candidates=c,
-                    candidate_ids=store.candidate_ids(seq_ids, c).to(device) if ranked else None,
-                )  # fmt: skip
+                z, terms = _micro_batch_terms(model, store, sampler.micro_indices(step, micro, 0), kl_rows, c, device)
                 loss = sum(
                     (weights[k] * v for k, v in terms.items() if weights.get(k, 0.0) != 0.0),
                     torch.zeros((), device=device),
@@ -171,6 +166,17 @@ def train_bank(
             if on_checkpoint is not None and done < steps and tc.checkpoint_due(done):
                 on_checkpoint(done, optimizer)
     return optimizer
+
+
+def _micro_batch_terms(
+    model: PrismLM, store: StoredZ, seq_ids: np.ndarray, kl_rows: int, candidates: int, device: torch.device
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """z (B·T, d) of ``seq_ids`` read from the store, and the bank's loss terms on it (``bank_losses``), with the
+    store's ranked candidates when the prototype KL runs over candidates and the store has them."""
+    z = store.hidden(seq_ids).to(device).reshape(-1, model.config.n_embd)
+    ranked = kl_rows > 0 and store.candidates_for(candidates, model.lm_head)
+    ids = store.candidate_ids(seq_ids, candidates).to(device) if ranked else None
+    return z, bank_losses(model, z, proto_kl_rows=kl_rows, candidates=candidates, candidate_ids=ids)
 
 
 def bank_stage(
