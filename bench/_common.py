@@ -21,7 +21,7 @@ from typing import TypeVar, cast
 
 import torch
 
-from prismlm.app.demos import DEMO_OVERRIDES
+from prismlm.app.demos import DEMO_OVERRIDES, DEMO_PROTOTYPES, DEMO_TOP_K
 from prismlm.app.run import Run
 from prismlm.control.judges import FortuneSplits, fortune_splits
 from prismlm.errors import CheckpointError
@@ -303,6 +303,10 @@ BANK_SIZES = {
     # "Suppression").
     "quick": BankSize(8, 8, 120, 60, 3, 1500, 256, 8, 40, 128),
     "full": BankSize(40, 40, 1200, 600, 24, 3000, 2048, 8, 400, 128),
+    # the faithful head at full size is the kept recipe of the faithful-head issue (prism demo's K=8,192 and
+    # k=32, DEMO_PROTOTYPES / DEMO_TOP_K) on the same anchor set; the paper head keeps the first run's K=2,048,
+    # k=8, so its rows are the "before" the earlier files measured
+    "full-faithful": BankSize(40, 40, 1200, 600, 24, 3000, DEMO_PROTOTYPES, DEMO_TOP_K, 400, 128),
 }
 
 
@@ -330,7 +334,9 @@ class ClaimsContext:
 
     @property
     def size(self) -> BankSize:
-        return BANK_SIZES["quick" if self.quick else "full"]
+        if self.quick:
+            return BANK_SIZES["quick"]
+        return BANK_SIZES["full-faithful" if self.head == "faithful" else "full"]
 
     def stage_dir(self, name: str) -> Path:
         d = self.work / name
