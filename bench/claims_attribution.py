@@ -85,6 +85,8 @@ class PlantSize:
     """A substring of the fine-tuned parameter / module names EK-FAC and TRAK are restricted to ("" = all)."""
     trak_proj_dim: int
     timing_queries: int
+    factor_examples: int | None = None
+    """EK-FAC's factors are fitted on the first this many training sequences (None: all; its scores cover all)."""
 
 
 SIZES = {
@@ -106,6 +108,11 @@ NONLEXICAL = {
     "quick": NonlexicalSize(1, 2, 1, 1, train_sequences=24, doc_chars=300, filler_chars=40, val_fraction=0.2),
     "full": NonlexicalSize(8, 3, 3, 3, train_sequences=1000, doc_chars=300, filler_chars=60, val_fraction=0.02),
 }
+NONLEXICAL_FACTOR_EXAMPLES = 256
+"""EK-FAC's factors on the non-lexical corpus come from its first 256 training sequences (kronfluence's
+``covariance_max_examples``): fitted on all 1,000 they cost ~10 s a sequence here, hours, and a factor fit
+on a subset is how kronfluence is used on large corpora; the scores still cover every sequence, so the
+per-query cost grows with the corpus as it should."""
 NONLEXICAL_EPOCHS = 3
 """Fine-tune steps on the non-lexical corpus: this many passes over its training sequences (the named set's
 full size makes ~6 over 114; about a fifth of the non-lexical corpus is planted)."""
@@ -183,7 +190,8 @@ def plant(ctx: ClaimsContext, size: PlantSize) -> tuple[PlantedSet, PlantSize, P
     tok = load_pretrained(DEMO_MODEL).tokenizer  # the corpus is sized with the model's own tokenizer
     nl = build_nonlexical_corpus(stage / "planted", nls, count_tokens=lambda t: len(tok.encode(t)), seed=ctx.seed)
     steps = size.steps if ctx.quick else math.ceil(NONLEXICAL_EPOCHS * n / size.batch_size)  # smoke: as named
-    return PlantedSet(nonlexical=nl), replace(size, steps=steps, timing_queries=2), stage
+    fit = None if ctx.quick else NONLEXICAL_FACTOR_EXAMPLES
+    return PlantedSet(nonlexical=nl), replace(size, steps=steps, timing_queries=2, factor_examples=fit), stage
 
 
 def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
@@ -260,6 +268,9 @@ def finetune(ctx: ClaimsContext, size: PlantSize, corpus: Path, out: Path) -> Pa
         "train.eval_batches=2",
         f"data.val_fraction={val}",
         f"train.ckpt_interval={size.steps if ctx.quick else max(size.steps // 8, 1)}",
+        # stage 2 learns the planted facts: CE on the corpus (not distillation to the source model, which would
+        # keep the model from learning them), on stored boundary activations (2 blocks a step, not 30)
+        "train.stage2_target=data",
         *ctx.head_overrides,  # --head: the fine-tune's bank learns the same objective as the claims' bank
     ]
     if has_checkpoint(out):
@@ -483,7 +494,10 @@ class Methods:
             if isinstance(m, torch.nn.Linear) and (n + ".").startswith(prefixes) and self.size.scope in n
         )
         self.ctx.log(f"attribution: EK-FAC on {len(mods)} modules; fitting factors")
-        kb = KronfluenceBaseline(net, self.shards, strategy="ekfac", batch_size=8, modules=mods, seed=self.ctx.seed)
+        kb = KronfluenceBaseline(
+            net, self.shards, strategy="ekfac", batch_size=8, modules=mods, seed=self.ctx.seed,
+            factor_examples=self.size.factor_examples,
+        )  # fmt: skip
         t_f = kb.timings["factors_seconds"]
         eot = self.shards.tokenizer.eot_id
         # timed as the cache is (per_query_seconds): all queries in one call ÷ Q, and one query per call
@@ -497,6 +511,7 @@ class Methods:
             **timing,
             "batch_scores_s": timing["batched_per_query_s"] * len(self.queries),
             "oneoff_s": t_f,
+            "factor_examples": self.size.factor_examples or self.N,
             "modules": list(mods),
         }
         self.save("ekfac", S, cost)

@@ -23,7 +23,15 @@ from prismlm.model import losses as L
 from prismlm.model.stored_activations import build_stored_z, open_stored_z
 from prismlm.train import retrofit as retrofit_module
 from prismlm.train import train
-from prismlm.train.stage2 import boundary_layer_for, heldout_stage2_metrics, stage2_losses, train_stage2_stored
+from prismlm.train.sampler import SequenceSampler
+from prismlm.train.stage2 import (
+    boundary_layer_for,
+    heldout_stage2_metrics,
+    stage2_losses,
+    stage2_step,
+    train_stage2_stored,
+)
+from prismlm.train.state import build_optimizer
 
 
 @pytest.fixture(scope="module")
@@ -346,3 +354,99 @@ def test_bank_stage_prototype_kl_on_candidates_equals_a_masked_full_kl():
         want = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
     assert float(got["proto_kl"].detach()) == pytest.approx(float(want), rel=1e-4)
     assert float(got["proto_kl"].detach()) != pytest.approx(float(exact["proto_kl"].detach()), rel=1e-3)
+
+
+def test_stage2_data_losses_equal_an_independent_full_forward():
+    """``train.stage2_target=data``: the stored path's CE on the next tokens and its prototype term (toward the
+    model's own prediction) against the whole model run on the tokens; the source's z is not read."""
+    model = _hf_llama(prototypes=PrototypeConfig(num_prototypes=16, top_k=4))
+    x, y = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        out = model.backbone_outputs(x, output_hidden_states=True)
+        full = model(x)
+    assert out.hidden_states is not None and full.residual is not None
+    garbage = torch.full_like(out.z, float("nan"))  # any use of z_source would poison the terms
+    terms = stage2_losses(model, out.hidden_states[1], garbage, 1, proto_kl=True, targets=y)
+    assert "source_kl" not in terms
+    want_ce = F.cross_entropy(full.logits.reshape(-1, 128), y.reshape(-1))
+    p_model = torch.softmax(full.logits, -1).reshape(-1, 128)
+    p_hat = torch.softmax(model.lm_head((full.hidden - full.residual).reshape(-1, 32)), -1)
+    want_proto = (p_model * (p_model.log() - p_hat.log())).sum(-1).mean()
+    assert float(terms["ce"].detach()) == pytest.approx(float(want_ce), rel=1e-5)
+    assert float(terms["proto_kl"].detach()) == pytest.approx(float(want_proto), rel=1e-4)
+    assert float(terms["proto_top1"]) == pytest.approx(float((p_hat.argmax(-1) == p_model.argmax(-1)).float().mean()))
+    # on candidates: both distributions renormalised on the union of every row's 4 most likely tokens
+    on_c = stage2_losses(model, out.hidden_states[1], garbage, 1, proto_kl=True, targets=y, candidates=4)
+    union = full.logits.reshape(-1, 128).topk(4, -1).indices.unique()
+    q = torch.softmax(full.logits.reshape(-1, 128)[:, union], -1)
+    q_hat = torch.softmax(model.lm_head((full.hidden - full.residual).reshape(-1, 32))[:, union], -1)
+    want_c = (q * (q.log() - q_hat.log())).sum(-1).mean()
+    assert float(on_c["proto_kl"].detach()) == pytest.approx(float(want_c), rel=1e-4)
+
+    # the prototype term's target is detached: its gradient is that of KL(sg(p) ‖ p̂) on the full forward
+    def grads(loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    got = grads(stage2_losses(model, out.hidden_states[1], garbage, 1, proto_kl=True, targets=y)["proto_kl"])
+    full = model(x)
+    log_p = torch.log_softmax(full.logits.detach(), -1).reshape(-1, 128)
+    log_hat = torch.log_softmax(model.lm_head((full.hidden - full.residual).reshape(-1, 32)), -1)
+    want = grads((log_p.exp() * (log_p - log_hat)).sum(-1).mean())
+    assert got.keys() <= want.keys() and "prototypes.weight" in got  # the stored path starts at block 1
+    for name in got:
+        assert torch.allclose(got[name], want[name], rtol=1e-3, atol=1e-6), name
+
+
+def test_a_data_target_stage2_fine_tunes_the_top_block_on_the_corpus(tiny_shards, tmp_path):
+    """The same retrofit with stage 2 toward the source and toward the data: the fine-tune logs CE (not the
+    source KL) and its model fits the training text better than the source does; the distilled one does not
+    move away from the source by as much."""
+    dense_run = tmp_path / "dense"  # trained past the unigram stage, so that distilling it keeps something
+    cfg = (
+        RunConfig.from_name("tiny").dense().override({"train.max_steps": 40, "train.batch_size": 4, "model.n_layer": 3})
+    )
+    train(cfg, dense_run, shards=tiny_shards, progress=False)
+    runs = {}
+    for target in ("source", "data"):
+        out = tmp_path / target
+        _retrofit(
+            dense_run,
+            out,
+            f"train.stage2_target={target}",
+            "train.lr=1e-2",
+            "train.backbone_lr_ratio=1.0",
+            steps=22,
+            frozen=2,
+        )
+        runs[target] = out
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        logged = {k for x in lines if x.get("stage2_stored") for k in x}
+        assert ("train_ce" in logged) == (target == "data") and ("train_source_kl" in logged) == (target == "source")
+    shards = Run.open(runs["data"], device="cpu").shards()  # the text both retrofits trained on
+    seqs = torch.from_numpy(shards.train.sequences(np.arange(16), 64).astype(np.int64))
+
+    def train_ce(folder) -> float:
+        model = Run.open(folder, device="cpu").model
+        with torch.no_grad():
+            logits = model(seqs[:, :-1]).logits
+        return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1)))
+
+    before, tuned, distilled = train_ce(dense_run), train_ce(runs["data"]), train_ce(runs["source"])
+    assert tuned < min(before, distilled) - 0.01, (before, distilled, tuned)
+    # one step's CE is the full model's CE on the step's sequences and their next tokens (a target shifted by
+    # one position, or read from other sequences, fails here)
+    run = Run.open(runs["data"], device="cpu")
+    store = open_stored_z(runs["data"] / "stored-z")
+    cfg = run.config
+    sampler = SequenceSampler(store.num_sequences, cfg.train.batch_size, 1, 1, cfg.train.seed)
+    seqs = torch.from_numpy(shards.train.sequences(sampler.micro_indices(5, 0, 0), 64).astype(np.int64))
+    with torch.no_grad():  # before the step moves the weights
+        logits = run.model(seqs[:, :-1]).logits
+    want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1))
+    cpu = torch.device("cpu")
+    step_terms = stage2_step(run.model, build_optimizer(run.model, cfg, cpu), store, 2, cfg, sampler, 5, cpu)
+    assert step_terms["ce"] == pytest.approx(float(want), rel=1e-4)
+    with pytest.raises(ConfigError, match="stage2_target"):
+        RunConfig().override({"train.stage2_target": "labels"})

@@ -231,6 +231,24 @@ def test_kronfluence_scores_on_candidates_equal_the_full_matrix(net, tiny_shards
     kb.close()
 
 
+def test_ekfac_factors_on_the_first_sequences_score_the_whole_corpus(net, tiny_shards):
+    """``factor_examples=8``: the factors are those of a fit on the first 8 sequences alone (their scores on
+    those 8 are equal), and the scores still cover all 24; the full fit's differ."""
+    pytest.importorskip("kronfluence")
+    from prismlm.tda.baselines import KronfluenceBaseline
+
+    T = net.config.block_size
+    q = [(tiny_shards.train.sequence(30, T).tolist(), 5)]
+    scores = {}
+    for name, n, fit in (("limited", 24, 8), ("first8", 8, None), ("full", 24, None)):
+        kb = KronfluenceBaseline(net, tiny_shards, strategy="ekfac", max_sequences=n, batch_size=8, factor_examples=fit)
+        scores[name] = kb.scores(q)
+        kb.close()
+    assert scores["limited"].shape == (1, 24)
+    torch.testing.assert_close(scores["limited"][:, :8], scores["first8"], rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(scores["full"][:, :8], scores["first8"], rtol=1e-3)
+
+
 @pytest.mark.slow  # over 10 s: .ci/run's `-m slow` pass
 def test_ekfac_fits_are_seeded_so_repeated_runs_give_the_same_scores(net, tiny_shards):
     """EK-FAC's factor fit samples labels from the model's softmax: two fits (from different global RNG

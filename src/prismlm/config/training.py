@@ -172,8 +172,14 @@ class TrainConfig:
     activations: the same backbone pass that stores z also stores the residual stream entering block
     n_layer − N, and stage 2 trains the last N blocks, the final norm and the bank on it — a step runs N
     blocks instead of all of them (``prismlm.train.stage2``). Its full-model term is KL to the source model's
-    distribution (read from stored z) rather than CE. ``false``: the trainer's per-step path (CE, the whole
-    backbone every step)."""
+    distribution (read from stored z) rather than CE (``stage2_target``). ``false``: the trainer's per-step path
+    (CE, the whole backbone every step)."""
+    stage2_target: Literal["source", "data"] = "source"
+    """What stage 2 on stored activations fits: ``source`` KL(p_src ‖ p) to the source model's distribution
+    (a retrofit that keeps the model's predictions and moves the top blocks toward the bank), ``data`` CE on the
+    stored next tokens (a fine-tune that learns the corpus, as the per-step path's CE does, at the cost of N
+    blocks a step); with ``loss.lambda_proto_kl`` the prototype term's target is then the model's own detached
+    prediction, as in the trainer."""
     init_bank: str | None = None
     """Retrofit stage 1 on stored z: start the bank from this file (``prismlm.model.bank_file``: a bank saved
     apart from its model, for the same source model, K and k) instead of seeding it from the stored z; the
@@ -236,6 +242,10 @@ class TrainConfig:
         check(
             self.stored_z_dtype in ("float16", "bfloat16", "float32"),
             f"stored_z_dtype must be float16, bfloat16 or float32, got {self.stored_z_dtype!r}",
+        )
+        check(
+            self.stage2_target in ("source", "data"),
+            f"stage2_target must be 'source' or 'data', got {self.stage2_target!r}",
         )
 
     def checkpoint_due(self, done: int) -> bool:

@@ -171,6 +171,11 @@ class StoredZ:
         """z of whole sequences → (len(seq_ids), T, d) float32 (one gather from the map)."""
         return self._gather(self.z, seq_ids)
 
+    def next_tokens(self, seq_ids: np.ndarray) -> torch.Tensor:
+        """The stored next token of every position of whole sequences → (len(seq_ids), T) int64."""
+        rows = self._rows(seq_ids)
+        return torch.from_numpy(np.asarray(self.targets[rows], dtype=np.int64)).view(-1, self.block_size)
+
     @property
     def boundary_layer(self) -> int | None:
         layer = self.manifest.get("boundary_layer")
@@ -186,14 +191,18 @@ class StoredZ:
         return self._gather(self.boundary, seq_ids)
 
     def _gather(self, source: np.ndarray, seq_ids: np.ndarray) -> torch.Tensor:
+        rows = self._rows(seq_ids)
+        return _to_float32(source[rows], self.manifest["dtype"]).view(-1, self.block_size, source.shape[-1])
+
+    def _rows(self, seq_ids: np.ndarray) -> np.ndarray:
+        """The stored rows of whole sequences, in order (len(seq_ids)·T,), their batches' checksums checked."""
         T = self.block_size
         ids = np.asarray(seq_ids, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_sequences):
             raise IndexError(f"sequence ids out of range [0, {self.num_sequences}) of the stored z at {self.path}")
-        rows = (ids[:, None] * T + np.arange(T)[None, :]).reshape(-1)
         if len(ids):
             self._check_batches(np.unique(ids // int(self.manifest["batch_size"])))
-        return _to_float32(source[rows], self.manifest["dtype"]).view(len(ids), T, -1)
+        return (ids[:, None] * T + np.arange(T)[None, :]).reshape(-1)
 
     def candidates_for(self, candidates: int, lm_head: torch.nn.Linear) -> bool:
         """Whether stored candidates serve a candidate KL over ``candidates`` tokens per row with ``lm_head``:

@@ -160,6 +160,10 @@ class KronfluenceBaseline(_Scratch):
     modules: tuple[str, ...] | None = None
     """Names (``named_modules``) of the ``nn.Linear`` modules to track, e.g. the fine-tuned blocks' (None:
     every one, the unembedding included, whose V×V gradient factor is out of reach for a real vocabulary)."""
+    factor_examples: int | None = None
+    """Fit the factors (covariances and eigenvalue corrections) on at most this many training sequences, the
+    first ones (kronfluence's ``covariance_max_examples`` / ``lambda_max_examples``); scores still cover every
+    training sequence. None: all. The factors' cost is then fixed as the corpus grows; the scores' is not."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds of each stage (factor fit, scoring), filled in as they run."""
 
@@ -185,7 +189,10 @@ class KronfluenceBaseline(_Scratch):
             output_dir=str(self.out_dir),
             disable_model_save=True,
         )
-        self.factor_args = FactorArguments(strategy=self.strategy)
+        limit = {} if self.factor_examples is None else {
+            "covariance_max_examples": self.factor_examples, "lambda_max_examples": self.factor_examples,
+        }  # fmt: skip
+        self.factor_args = FactorArguments(strategy=self.strategy, **limit)
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # CPU: the sampled labels (torch.multinomial) draw from it
             torch.manual_seed(self.seed)

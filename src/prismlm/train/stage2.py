@@ -9,7 +9,9 @@ current weights, and minimises
     KL(p_src ‖ softmax(W z)) + λ_proto_kl · KL(p_src ‖ softmax(W ẑ)) + λ_rec REC + λ₁ R1 + λ₂ R2,
 
 p_src = softmax(W z_src) the source model's distribution (distillation keeps the model's predictions; the
-prototype term asks the blocks and the bank to write the prediction through ẑ). W stays frozen. Checkpoints
+prototype term asks the blocks and the bank to write the prediction through ẑ). With ``train.stage2_target=data``
+the stage is a fine-tune instead: CE(W z, next token) + λ_proto_kl · KL(sg(softmax(W z)) ‖ softmax(W ẑ)) + the
+same REC, R1, R2 (the trainer's objective on N blocks a step). W stays frozen. Checkpoints
 are ordinary run checkpoints (every consumer reads them as any run); a killed stage continues from the
 latest one with the same command, bit for bit on CPU. Invariant: the blocks read stored activations, so the
 stage's own numbers are those of the stored path; the saved model is evaluated with its full forward.
@@ -33,6 +35,7 @@ from prismlm.errors import ArtifactMismatch, ConfigError, RunError
 from prismlm.eval.faithfulness import FaithfulnessAccumulator, Yardstick
 from prismlm.model import PrismLM, PrismOutput, eval_mode
 from prismlm.model import losses as L
+from prismlm.model.prototypes import PrototypeOutput
 from prismlm.model.stored_activations import StoredZ, backbone_identity
 from prismlm.progress import Progress, Reporter
 from prismlm.train.bank_stage import save_stored_stage_checkpoint, validate_run
@@ -69,11 +72,17 @@ def stage2_losses(
     proto_kl: bool,
     candidates: int = 0,
     candidate_ids: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The loss terms of one stored batch. h, z_source: (B, T, d) the stored boundary activations and the
     source model's z of the same tokens. Returns unweighted scalars ``source_kl``, ``rec``, ``r1``, ``r2``,
     and with ``proto_kl`` also ``proto_kl`` and ``proto_top1`` (no gradient: how often argmax W ẑ is the
     source's argmax on the batch, over the vocabulary the KL terms see).
+
+    ``targets`` (B, T) the stored next tokens (``train.stage2_target=data``): the full-model term is ``ce``
+    (over the whole vocabulary) instead of ``source_kl``, and the prototype term's reference is the model's
+    own detached prediction, on the union of every row's c most likely tokens under it (``proto_top1`` then
+    counts agreement with the model's own argmax); z_source is not read.
 
     ``candidates`` = c > 0: both KL terms see only the union U, over the batch, of every token's c most likely
     source tokens, each distribution renormalised on U (``loss.kl_candidates``): the products with W
@@ -83,6 +92,8 @@ def stage2_losses(
     B, T, d = h.shape
     z = model.hidden_from_layer(h, layer).reshape(B * T, d)  # (N, d) with the current top blocks
     po = model.require_prototypes()(z)
+    if targets is not None:
+        return _data_losses(model, z, po, targets.reshape(B * T), proto_kl=proto_kl, candidates=candidates)
     with torch.no_grad():
         z_src = z_source.reshape(B * T, d)
         if candidates and candidate_ids is not None:
@@ -104,6 +115,27 @@ def stage2_losses(
         proto_logits = head(po.reconstruction.to(z.dtype))  # (N, V) or (N, |U|): the prototypes alone
         terms["proto_kl"] = L.kl_to_reference(log_p_source, proto_logits)
         terms["proto_top1"] = (proto_logits.detach().argmax(-1) == source_logits.argmax(-1)).float().mean()
+    return terms
+
+
+def _data_losses(
+    model: PrismLM, z: torch.Tensor, po: PrototypeOutput, targets: torch.Tensor, *, proto_kl: bool, candidates: int
+) -> dict[str, torch.Tensor]:
+    """``stage2_losses`` of a fine-tune (``train.stage2_target=data``): z (N, d) the top blocks' output, po the
+    bank's output on it, targets (N,) the next tokens."""
+    logits = model.lm_head(z)  # (N, V)
+    terms = {
+        "ce": F.cross_entropy(logits.float(), targets),
+        "rec": L.reconstruction_loss(po.residual, z),
+        "r1": L.r1_loss(po.proto_max_cos),
+        "r2": L.r2_loss(po.token_max_cos),
+    }
+    if proto_kl:
+        head = L.candidate_unembedding(model.lm_head, logits, candidates)  # the model's own top-c, detached
+        own = head(z).detach() if candidates else logits
+        proto_logits = head(po.reconstruction.to(z.dtype))  # (N, V) or (N, |U|): the prototypes alone
+        terms["proto_kl"] = L.prototype_kl(own, proto_logits)
+        terms["proto_top1"] = (proto_logits.detach().argmax(-1) == own.detach().argmax(-1)).float().mean()
     return terms
 
 
@@ -236,9 +268,11 @@ def stage2_step(
     lr = tc.lr_at(step)
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
-    weights = {**cfg.loss.weights_at(step), "source_kl": 1.0}
+    data = tc.stage2_target == "data"  # a fine-tune on the stored next tokens, else distillation to the source
+    weights = {**cfg.loss.weights_at(step), "ce" if data else "source_kl": 1.0}
     c = cfg.loss.kl_candidates
-    stored = store.candidates_for(c, model.lm_head)  # ranked once: no (N, V) product of the source per step
+    # ranked once: no (N, V) product of the source per step (a fine-tune ranks the model's own, which moves)
+    stored = not data and store.candidates_for(c, model.lm_head)
     sums: dict[str, float] = {}
     for micro in range(tc.grad_accum):
         ids = sampler.micro_indices(step, micro, 0)
@@ -247,6 +281,7 @@ def stage2_step(
         terms = stage2_losses(
             model, h, z_source, layer, proto_kl=weights.get("proto_kl", 0.0) > 0, candidates=c,
             candidate_ids=store.candidate_ids(ids, c).to(device) if stored else None,
+            targets=store.next_tokens(ids).to(device) if data else None,
         )  # fmt: skip
         loss = sum(
             (weights[k] * v for k, v in terms.items() if weights.get(k, 0.0) != 0.0), torch.zeros((), device=device)
