@@ -32,7 +32,7 @@ from _common import (
     write_json,
 )
 
-from prismlm.eval.claims import gathered_summary
+from prismlm.eval.claims import claims_goals, gathered_summary
 
 RUNS: dict[str, tuple[str, list[str]]] = {
     **{name: (name, []) for name in CLAIMS_STAGES if name != "explanations"},
@@ -89,11 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     first = gathered[heads[0]]
     by_head = {head: g["summary"] for head, g in gathered.items()}
     sources = {head: g["summary_sources"] for head, g in gathered.items()}
-    write_json(out, {**first, "summary_by_head": by_head, "summary_sources_by_head": sources})
+    goals = {head: claims_goals(summary) for head, summary in by_head.items() if isinstance(summary, dict)}
+    write_json(out, {**first, "summary_by_head": by_head, "summary_sources_by_head": sources, "goals_by_head": goals})
     summary = first["summary"]
     assert isinstance(summary, dict)
     shown = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
-    print(f"real-claims ({heads[0]}): → {out}; {shown}")
+    met = ", ".join(f"{g} {'met' if r['met'] else 'unmeasured' if r['met'] is None else 'not met'}"
+                    for g, r in goals[heads[0]].items())  # fmt: skip
+    print(f"real-claims ({heads[0]}): → {out}; goals: {met}; {shown}")
 
 
 def gather(out: Path, head: str) -> Json:

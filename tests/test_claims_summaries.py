@@ -12,6 +12,7 @@ from prismlm.eval.claims import (
     attribution_summary,
     behaviour_gap,
     best_suppression_row,
+    claims_goals,
     controller_summary,
     logit_shares,
     suppression_rows,
@@ -185,3 +186,30 @@ def test_logit_shares_pooled_and_signed():
     assert s["mean"]["margin_abs_share_slices"] == pytest.approx(round(((2 / 3 + 1 / 3) / 2 + 1 / 3) / 2, 4))
     assert s["max_abs_error"] == pytest.approx(0.0) and s["mean_margin"] == pytest.approx(5 / 3, abs=1e-3)
     assert logit_shares([[]])["tokens"] == 0
+
+
+def test_claims_goals_are_met_only_at_their_thresholds_and_unmeasured_when_a_field_is_null():
+    summary = {
+        "suppression_residual_best_drop": 0.8,
+        "controller_gain_over_prior": 0.5,
+        "controller_minus_sae": 2.0,
+        "controller_minus_dense": 1.99,
+        "mrr_nonlexical_cached": 0.65,
+        "mrr_nonlexical_ekfac": 0.6,
+        "mrr_nonlexical_bm25": 0.4,
+        "ekfac_cost_over_cached_nonlexical": 100.0,
+        "explanation_margin_share": None,
+    }
+    goals = claims_goals(summary)
+    assert goals["suppression"]["met"] is True  # 0.8 is the goal itself
+    assert goals["controllers"]["met"] is False  # 1.99 points over the dense controller: short of 2
+    assert goals["attribution"]["met"] is True
+    assert goals["explanations"]["met"] is None and goals["explanations"]["values"] == {
+        "explanation_margin_share": None
+    }
+    assert claims_goals({**summary, "mrr_nonlexical_bm25": 0.46})["attribution"]["met"] is False  # BM25 + 0.2 > MRR
+    assert claims_goals({**summary, "ekfac_cost_over_cached_nonlexical": 99.0})["attribution"]["met"] is False
+    assert claims_goals({**summary, "controller_gain_over_prior": 0.0})["controllers"]["met"] is False
+    assert claims_goals({**summary, "suppression_residual_best_drop": 0.79})["suppression"]["met"] is False
+    assert claims_goals({**summary, "explanation_margin_share": 0.85})["explanations"]["met"] is True
+    assert claims_goals({})["suppression"]["met"] is None

@@ -395,3 +395,45 @@ def gathered_summary(stages: Mapping[str, Record], order: Sequence[str]) -> dict
     if why:
         summary["why_null"] = why
     return summary
+
+
+# ----- the goals of the claims issue, read off a gathered summary ------------------------------------------------
+def claims_goals(summary: Mapping[str, object]) -> dict[str, dict[str, object]]:
+    """Each goal of the claims (the paper's numbers in the issue) read off a ``gathered_summary``: goal →
+    ``{"met": bool | None, "values": {field: value}, "target": str}``; ``met`` is None when a field it needs is
+    null (the stage has not run), never guessed. Suppression counts the residual-projecting mode's drop of the
+    excess over neutral text (the best row already obeys ≤ 1% neutral CE and ≤ 2% of the bank); controllers are
+    in accuracy points."""
+
+    def get(*names: str) -> tuple[dict[str, object], list[float] | None]:
+        vals = {n: summary.get(n) for n in names}
+        nums = [float(v) for v in vals.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return vals, nums if len(nums) == len(names) else None
+
+    goals: dict[str, dict[str, object]] = {}
+
+    def goal(name: str, target: str, names: tuple[str, ...], test: Callable[[list[float]], bool]) -> None:
+        vals, nums = get(*names)
+        goals[name] = {"met": None if nums is None else bool(test(nums)), "values": vals, "target": target}
+
+    goal(
+        "suppression",
+        "excess drop >= 0.8 at <= 1% neutral CE and <= 2% of the bank",
+        ("suppression_residual_best_drop",),
+        lambda v: v[0] >= 0.8,
+    )
+    goal(
+        "controllers",
+        "> the choice prior, and >= the SAE and the dense controller by 2 points",
+        ("controller_gain_over_prior", "controller_minus_sae", "controller_minus_dense"),
+        lambda v: v[0] > 0 and v[1] >= 2 and v[2] >= 2,
+    )
+    goal(
+        "attribution",
+        "non-lexical MRR >= EK-FAC's and >= BM25's + 0.2, at >= 100x less per-query cost batched",
+        ("mrr_nonlexical_cached", "mrr_nonlexical_ekfac", "mrr_nonlexical_bm25", "ekfac_cost_over_cached_nonlexical"),
+        lambda v: v[0] >= v[1] and v[0] >= v[2] + 0.2 and v[3] >= 100,
+    )
+    goal("explanations", "slices carry >= 0.8 of the answer token's margin", ("explanation_margin_share",),
+         lambda v: v[0] >= 0.8)  # fmt: skip
+    return goals
