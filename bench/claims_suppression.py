@@ -75,11 +75,17 @@ class SuppSize:
     bootstrap: int
     draws: int
     """whole-bank random sets of each size (``--random-draws``), the residual-projecting suppression's controls"""
+    budget_shares: tuple[float, ...] = BUDGET_SHARES
+    """the set sizes measured, as shares of the bank (the concepts are ranked up to the largest of
+    ``BUDGET_SHARES`` whatever this says)"""
 
 
 SIZES = {
     "quick": SuppSize(4, 3, 2, 8, 6, 24, 8, 8, 200, 2),
-    "full": SuppSize(20, 13, 4, 20, 8, 60, 40, 60, 2000, 3),
+    # the goals' sizes (≤ 2% of the bank) only: with 3 whole-bank draws in both modes a condition is ~2 min of
+    # generation on one core, and the 5% rows (13 of 60 conditions) were measured on the first run
+    # (bench/results/real-claims-suppression.json at revision 6547f6b3)
+    "full": SuppSize(20, 13, 4, 20, 8, 60, 40, 60, 2000, 3, (0.005, 0.01, 0.02)),
 }
 
 
@@ -222,8 +228,8 @@ def concept_sets(ctx: ClaimsContext, run, specs: dict[str, ConceptSpec], K: int)
     return out
 
 
-def budget_sizes(K: int) -> list[int]:
-    return sorted({max(1, round(f * K)) for f in BUDGET_SHARES})
+def budget_sizes(K: int, shares: tuple[float, ...] = BUDGET_SHARES) -> list[int]:
+    return sorted({max(1, round(f * K)) for f in shares})
 
 
 # ----- generation -------------------------------------------------------------------------------------------
@@ -440,7 +446,9 @@ def check_fast_path(
 
 
 # ----- conditions -------------------------------------------------------------------------------------------
-def conditions(sets: dict[str, dict], coll: Collateral, K: int, seed: int, draws: int = 0) -> dict[str, list[int]]:
+def conditions(
+    sets: dict[str, dict], coll: Collateral, budgets: list[int], seed: int, K: int, draws: int = 0
+) -> dict[str, list[int]]:
     """before; per budget n: each concept's top n (capped at its selectable count) and n random prototypes
     active on the neutral text (outside every concept's ranking; one nested order, so random@n ⊂ random@2n);
     ``draws`` > 0: also ``draws`` random sets of each of those sizes drawn from the whole bank (``random<d>@n``,
@@ -455,7 +463,7 @@ def conditions(sets: dict[str, dict], coll: Collateral, K: int, seed: int, draws
     live = sorted(set(neutral.idx[neutral.acts > 0].tolist()) - base)
     order = [i for i in random.Random(seed + 2).sample(live, len(live)) if i not in taken]
     conds: dict[str, list[int]] = {"before": []}
-    for n in budget_sizes(K):
+    for n in budgets:
         for m in sorted({n} | {min(n, len(r)) for r in ranked.values() if r}):
             conds.setdefault(f"random@{m}", sorted(order[:m]))
         for name, r in ranked.items():
@@ -615,7 +623,8 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
     sets = concept_sets(ctx, run, specs, K)
     coll = collateral(ctx, run, specs, size)
     prompts = make_prompts(run.tokenizer, specs, size)
-    conds = conditions(sets, coll, K, ctx.seed, size.draws)
+    budgets = budget_sizes(K, size.budget_shares)
+    conds = conditions(sets, coll, budgets, ctx.seed, K, size.draws)
     ctx.log(f"{len(conds)} conditions: {', '.join(conds)}")
     recs = {name: run_condition(ctx, run, name, conds, prompts, coll, size) for name in conds}
     scores = judged(specs, recs)
@@ -643,7 +652,7 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
         "summary": summary,
         "size": asdict(size),
         "num_prototypes": K,
-        "budgets": budget_sizes(K),
+        "budgets": budgets,
         "limits": {"bank_share": MAX_BANK_SHARE, "ce_rel_increase": MAX_COLLATERAL, "goal_drop": 0.8},
         "behaviour_before": behaviour,
         "rows": rows,
