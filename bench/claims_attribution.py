@@ -371,14 +371,15 @@ class Methods:
         if not self.done("trak"):
             self.trak()
         bergson = os.environ.get("BERGSON_PYTHON")
-        if self.done("bergson"):
-            pass
+        if self.done("bergson") and self.costs["bergson"].get("modules") == list(self.finetuned_modules()):
+            pass  # scores saved on other modules (before bergson was given EK-FAC's) are not reused
         elif bergson:
             self.bergson(bergson)
         else:
+            self.scores.pop("bergson", None)
             self.not_run["bergson"] = (
                 "not run: set BERGSON_PYTHON to a python with bergson==2.5.1 installed (a separate venv; "
-                "bench/_bergson.py says how to make it)"
+                "prismlm.integrations.bergson says how to make it)"
             )
 
     def bm25(self) -> None:
@@ -483,16 +484,22 @@ class Methods:
             }
         self.save(name, H.numpy(), cost)
 
-    def ekfac(self) -> None:
-        """kronfluence EK-FAC on the fine-tuned blocks' ``nn.Linear`` modules (the unembedding's V×V factor is
-        out of reach; the bank is not a Linear)."""
+    def finetuned_modules(self) -> tuple[str, ...]:
+        """The fine-tuned blocks' ``nn.Linear`` modules (``size.scope`` of them), in ``named_modules`` order: what
+        EK-FAC and bergson are given (the unembedding's V×V factor is out of EK-FAC's reach; the bank is not a
+        Linear)."""
         net = self.finetuned_net()
         prefixes = tuple(net.block_prefixes()[-int(UNFREEZE.removeprefix("last-")) :])
-        mods = tuple(
+        return tuple(
             n
             for n, m in net.named_modules()
             if isinstance(m, torch.nn.Linear) and (n + ".").startswith(prefixes) and self.size.scope in n
         )
+
+    def ekfac(self) -> None:
+        """kronfluence EK-FAC on the fine-tuned blocks' ``nn.Linear`` modules (``finetuned_modules``)."""
+        net = self.finetuned_net()
+        mods = self.finetuned_modules()
         self.ctx.log(f"attribution: EK-FAC on {len(mods)} modules; fitting factors")
         kb = KronfluenceBaseline(
             net, self.shards, strategy="ekfac", batch_size=8, modules=mods, seed=self.ctx.seed,
@@ -560,20 +567,24 @@ class Methods:
         self.save("trak", S, cost)
 
     def bergson(self, python: str) -> None:
-        """bergson==2.5.1 from its own venv (``BERGSON_PYTHON``; ``bench/_bergson.py``): every module bergson
-        tracks, 16 dimensions per module. Per-query cost: the query index (all queries, one bergson process) ÷
-        queries + the dot products, and one single-query index build (a process start and model load
-        included, as a user of the CLI pays); one-off: the export and the training index."""
+        """bergson==2.5.1 from its own venv (``BERGSON_PYTHON``; ``prismlm.integrations.bergson`` says how to make
+        it) on EK-FAC's modules (``finetuned_modules``), 16 dimensions per module. Per-query cost: the query index
+        (all queries, one bergson process) ÷ queries + the dot products, and one single-query index build (a
+        process start and model load included, as a user of the CLI pays); one-off: the export and the training
+        index."""
         from prismlm.integrations.bergson import bergson_scores, build_index
 
         work = self.folder / "bergson"
+        mods = self.finetuned_modules()
+        self.ctx.log(f"attribution: bergson on {len(mods)} modules")
         try:
             S, secs = bergson_scores(
-                python, self.run_dir, self.shards, self.queries, self.N, self.T, work, threads=self.ctx.threads
-            )
+                python, self.run_dir, self.shards, self.queries, self.N, self.T, work, threads=self.ctx.threads,
+                modules=mods,
+            )  # fmt: skip
             (work / "one.jsonl").write_text((work / "query.jsonl").read_text().splitlines()[0] + "\n")
             one = build_index(
-                python, work / "model", work / "one.jsonl", work / "one-idx", self.T, 16, self.ctx.threads
+                python, work / "model", work / "one.jsonl", work / "one-idx", self.T, 16, self.ctx.threads, mods
             )
         except Exception as e:  # recorded: the JSON says why bergson is missing
             self.not_run["bergson"] = f"failed: {type(e).__name__}: {e}"
@@ -584,6 +595,7 @@ class Methods:
             "single_query_s": one + secs["scores_s"] / len(self.queries),
             "oneoff_s": secs["export_s"] + secs["train_index_s"],
             "projection_dim": 16,
+            "modules": list(mods),
             **secs,
         }
         self.save("bergson", S, cost)
