@@ -1,6 +1,7 @@
 """The ``suppression`` stage of ``bench/real_claims.py``: switch off a concept's prototypes (offensive fortunes,
 State-of-the-Union, King James Bible style) in the retrofitted SmolLM2-135M-Instruct, by exact slice removal and
-with the residual also projected off the set's span (``Suppress(ids, residual="project")``), vs random sets of
+with the residual also projected off the set's span (``Suppress(ids, residual="project")``) or off its unit mean
+direction only (``Suppress(ids, residual="mean")``), vs random sets of
 the same size (whole-bank draws, ``--random-draws``); judged behaviour on provocative vs neutral prompts (TF-IDF
 judges of ``prismlm.control.judges``; raw drop and drop of the excess over neutral), collateral (neutral CE, task
 accuracy), the concept's own CE, and the ``prism export --suppress`` check under plain transformers for each mode.
@@ -36,7 +37,7 @@ from prismlm.control.judges import TfidfJudge
 from prismlm.control.suppress import SuppressionSet
 from prismlm.data.corpus import gutenberg_documents, sotu_documents
 from prismlm.eval.claims import (
-    PROJECT,
+    MODE_SUFFIXES,
     behaviour_gap,
     best_suppression_row,
     condition_mode,
@@ -74,7 +75,7 @@ class SuppSize:
     task_examples: int
     bootstrap: int
     draws: int
-    """whole-bank random sets of each size (``--random-draws``), the residual-projecting suppression's controls"""
+    """whole-bank random sets of each size (``--random-draws``), the residual-editing suppressions' controls"""
     budget_shares: tuple[float, ...] = BUDGET_SHARES
     """the set sizes measured, as shares of the bank (the concepts are ranked up to the largest of
     ``BUDGET_SHARES`` whatever this says)"""
@@ -286,13 +287,13 @@ class HeadCache:
     @torch.no_grad()
     def nll(self, model, ids: list[int], residual: str = "keep") -> torch.Tensor:
         """(N,) float64 −log p(target) with prototypes ``ids`` switched off, as ``model.intervene(Suppress.of(ids,
-        residual=residual))`` computes it: ℓ' = W (z − Σ_{i∈S} a_i p_i), and with ``project`` − W Q Qᵀ r as well.
-        Slices only: just the positions where a switched-off prototype is active change, so only those are
-        recomputed; a projected residual changes every position."""
+        residual=residual))`` computes it: ℓ' = W (z − Σ_{i∈S} a_i p_i), and with ``project``/``mean`` − W Q Qᵀ r
+        as well. Slices only: just the positions where a switched-off prototype is active change, so only those
+        are recomputed; a projected residual changes every position."""
         if self.base is None:
             self.base = self._nll(model, torch.ones(len(self.z), dtype=torch.bool), [])
-        if residual == "project" and ids:
-            return self._nll(model, torch.ones(len(self.z), dtype=torch.bool), ids, project=True)
+        if residual in MODE_SUFFIXES and ids:
+            return self._nll(model, torch.ones(len(self.z), dtype=torch.bool), ids, project=residual)
         off = torch.zeros(model.prototypes.num_prototypes, dtype=torch.bool)
         off[ids] = True
         hit = (off[self.idx] & (self.acts > 0)).any(1)  # (N,)
@@ -301,8 +302,11 @@ class HeadCache:
             out[hit] = self._nll(model, hit, ids)
         return out
 
-    def _nll(self, model, rows: torch.Tensor, ids: list[int], chunk: int = 512, project: bool = False) -> torch.Tensor:
-        """NLL at the positions ``rows`` (N,) bool with ``ids`` off (``project``: and r projected off their span)."""
+    def _nll(
+        self, model, rows: torch.Tensor, ids: list[int], chunk: int = 512, project: str | None = None
+    ) -> torch.Tensor:
+        """NLL at the positions ``rows`` (N,) bool with ``ids`` off (``project``: and r projected off their span,
+        or ``mean``: off their unit mean direction)."""
         P = model.prototypes.weight  # (K, d)
         off = torch.zeros(P.shape[0], dtype=torch.bool)
         off[ids] = True
@@ -311,7 +315,7 @@ class HeadCache:
         z = self.z[rows] - torch.einsum("nk,nkd->nd", a, P[idx])  # (n, d)
         if project:  # r = z − Σ_j a_j p_j over the k active prototypes, as the prototype layer computes it
             r = self.z[rows] - torch.einsum("nk,nkd->nd", acts, P[idx])  # (n, d)
-            z = z - ResidualProjection.of(ids, P.detach()).removed(r)
+            z = z - ResidualProjection.of(ids, P.detach(), project).removed(r)
         out = torch.empty(len(z), dtype=torch.float64)
         for s in range(0, len(z), chunk):
             lp = F.log_softmax(model.lm_head(z[s : s + chunk]).double(), -1)  # (chunk, V)
@@ -411,7 +415,8 @@ def collateral(ctx: ClaimsContext, run, specs: dict[str, ConceptSpec], size: Sup
 
 def suppressed(model, ids: list[int], residual: str = "keep"):
     """``with suppressed(model, ids, residual):`` the prototypes ``ids`` off, the residual kept (exact slice
-    removal, ``model.suppress(ids)``) or projected off their span (``Suppress(ids, residual="project")``)."""
+    removal, ``model.suppress(ids)``) or projected off their span (``Suppress(ids, residual="project")``) or
+    their unit mean direction (``residual="mean"``)."""
     return model.intervene(Suppress.of(ids, residual=residual))
 
 
@@ -453,7 +458,8 @@ def conditions(
     active on the neutral text (outside every concept's ranking; one nested order, so random@n ⊂ random@2n);
     ``draws`` > 0: also ``draws`` random sets of each of those sizes drawn from the whole bank (``random<d>@n``,
     one nested order per draw), and every concept set and whole-bank draw again with the residual projected off
-    the set's span (``<set>+project``): the residual-projecting suppression against controls of its size."""
+    the set's span (``<set>+project``) and again off its unit mean direction (``<set>+mean``): each
+    residual-editing suppression against controls of its size and mode (the same draws)."""
     ranked = {name: s["ranked"] for name, s in sets.items()}
     # the order is drawn outside the first run's concepts' rankings, then later concepts' prototypes are
     # removed from it: adding a concept keeps the earlier random sets unless its ranking meets them
@@ -473,7 +479,9 @@ def conditions(
     for d in range(draws):
         bank = random.Random(seed + 100 + d).sample(range(K), K)
         conds |= {f"random{d}@{m}": sorted(bank[:m]) for m in sizes}
-    conds |= {f"{c}{PROJECT}": ids for c, ids in list(conds.items()) if draws and c != "before" and "random@" not in c}
+    edited = [(c, ids) for c, ids in conds.items() if draws and c != "before" and "random@" not in c]
+    for suffix in MODE_SUFFIXES.values():  # project first, then mean: the project conditions keep their order
+        conds |= {f"{c}{suffix}": ids for c, ids in edited}
     return conds
 
 
@@ -637,13 +645,20 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
     }
     shown = {c for c, b in behaviour.items() if b["shown"]}
     best = best_suppression_row(rows, shown, MAX_BANK_SHARE, MAX_COLLATERAL)
-    best_p = best_suppression_row(rows, shown, MAX_BANK_SHARE, MAX_COLLATERAL, "project", "tfidf_excess_drop")
     fast_path, export = checks(ctx, run, coll, specs, conds, prompts, best, "keep", size)
-    fast_path_p, export_p = (
-        checks(ctx, run, coll, specs, conds, prompts, best_p, "project", size) if size.draws else ({}, {})
-    )
     summary = suppression_summary(best, behaviour, export["identical"])
-    summary |= residual_suppression_summary(best_p, rows, export_p.get("identical"))
+    edited: dict[str, dict[str, object]] = {}  # mode → its best row and checks
+    why: dict[str, object] = {}  # every mode's reasons (each summary has its own why_null)
+    for mode in MODE_SUFFIXES:
+        best_m = best_suppression_row(rows, shown, MAX_BANK_SHARE, MAX_COLLATERAL, mode, "tfidf_excess_drop")
+        fp, ex = checks(ctx, run, coll, specs, conds, prompts, best_m, mode, size) if size.draws else ({}, {})
+        part = residual_suppression_summary(best_m, rows, ex.get("identical"), mode=mode)
+        reasons = part.pop("why_null", None)
+        why |= reasons if isinstance(reasons, dict) else {}
+        summary |= part
+        edited[mode] = {"best": best_m, "fast_path": fp, "export": ex}
+    if why:
+        summary["why_null"] = why
     for c, b in behaviour.items():
         ctx.log(
             f"before, {c}: provocative {b['provocative']:.3f} vs neutral {b['neutral']:.3f} (gap CI {b['gap_ci95']})"
@@ -657,7 +672,8 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
         "behaviour_before": behaviour,
         "rows": rows,
         "best": best,
-        "best_residual": best_p,
+        "best_residual": edited["project"]["best"],
+        "best_mean": edited["mean"]["best"],
         "concepts": {
             c: {**{k: v for k, v in s.items() if k != "set"}, "judges": judge_info(specs[c])} for c, s in sets.items()
         },
@@ -667,8 +683,10 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
         "examples": examples(recs, prompts, best),
         "fast_path_check": fast_path,
         "export_check": export,
-        "fast_path_check_residual": fast_path_p,
-        "export_check_residual": export_p,
+        "fast_path_check_residual": edited["project"]["fast_path"],
+        "export_check_residual": edited["project"]["export"],
+        "fast_path_check_mean": edited["mean"]["fast_path"],
+        "export_check_mean": edited["mean"]["export"],
         "timing_s": {
             "conditions": {k: r["seconds"] for k, r in recs.items()},
             "total": round(time.perf_counter() - t0, 1),
@@ -731,8 +749,8 @@ def add_options(ap) -> None:
         "--random-draws",
         type=int,
         default=None,
-        help="whole-bank random sets per size, the controls of both modes (default 3; --quick 2); 0: the first "
-        "run's conditions only (no residual-projecting suppression)",
+        help="whole-bank random sets per size, the controls of every mode (default 3; --quick 2); 0: the first "
+        "run's conditions only (no residual-editing suppression, project or mean)",
     )
 
 

@@ -77,12 +77,14 @@ def find_run_concept(
             model's answer (greedy, up to the end-of-turn token) appended — the prototypes are found on what
             the model reads and says in a chat.
         residual: What the set does to the residual, recorded in it: keep (remove the prototypes' slices only)
-            or project (also project the residual off the span of their vectors).
+            project (also project the residual off the span of their vectors) or mean (off their unit mean
+            direction only, one dimension).
     """
     if residual not in RESIDUAL_MODES:
         raise ConfigError(
             f"`residual` {residual!r} is not a residual mode",
-            fix="use keep (remove the slices only) or project (also project the residual off the prototypes)",
+            fix="use keep (remove the slices only), project (also project the residual off the prototypes' "
+            "span) or mean (off their unit mean direction)",
             param="residual",
         )
     require(selection.min_count >= 1, "min_count", ">= 1", selection.min_count)

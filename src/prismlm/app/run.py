@@ -145,19 +145,19 @@ def resolve_suppression(
 ) -> SuppressionSet | None:
     """``auto``: the checkpoint's own ``suppression.json`` if it has one; ``none``/``None``: nothing; else a
     file. The set is checked against the checkpoint (bank size, model hash). ``residual``: ``auto`` (the
-    mode the set records), ``keep`` or ``project`` (overrides it; ``ConfigError`` when there is no set)."""
+    mode the set records), ``keep``, ``project`` or ``mean`` (overrides it; ``ConfigError`` when there is no set)."""
     return with_residual_mode(_suppression_set(checkpoint, suppress), residual)
 
 
 def with_residual_mode(sset: SuppressionSet | None, residual: str = "auto") -> SuppressionSet | None:
-    """``sset`` with the residual mode ``residual`` (``auto``: its own; ``keep``; ``project``); ``ConfigError``
-    for another value, or for ``keep``/``project`` without a set (the mode would be silently ignored)."""
+    """``sset`` with the residual mode ``residual`` (``auto``: its own; ``keep``; ``project``; ``mean``);
+    ``ConfigError`` for another value, or for an explicit mode without a set (the mode would be silently ignored)."""
     mode = str(residual).lower()
     if mode not in ("auto", *RESIDUAL_MODES):
         raise ConfigError(
             f"{named('suppress_residual')} {residual!r} is not a residual mode",
-            fix="use auto (the suppression set's own mode), keep (remove the slices only) or project (also "
-            "project the residual off the suppressed prototypes)",
+            fix="use auto (the suppression set's own mode), keep (remove the slices only), project (also "
+            "project the residual off the suppressed prototypes' span) or mean (off their unit mean direction)",
             param="suppress_residual",
         )
     if sset is None and mode != "auto":

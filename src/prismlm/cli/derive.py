@@ -32,8 +32,15 @@ SUPPRESS_HELP = (
 )
 SUPPRESS_RESIDUAL_HELP = (
     "What the suppression set does to the residual: 'auto' (the mode the set records), 'keep' (remove the "
-    "prototypes' slices only) or 'project' (also project the residual off the suppressed prototypes)."
+    "prototypes' slices only), 'project' (also project the residual off the suppressed prototypes' span) or "
+    "'mean' (off their unit mean direction only)."
 )
+
+_RESIDUAL_NOTE = {
+    "project": "; the residual projected off their span",
+    "mean": "; the residual projected off their unit mean direction",
+}
+"""What the line naming the applied suppression set adds for each residual-editing mode."""
 
 
 def arg_help(func: Callable[..., object]) -> dict[str, str]:
@@ -260,7 +267,7 @@ def _announce_suppression(run: Run) -> None:
         console.print(
             f"suppressing {len(s.ids)} prototypes ({100 * s.share:.2f}% of the bank)"
             + (f": {s.concept}" if s.concept else "")
-            + ("; the residual projected off their span" if s.residual == "project" else "")
+            + _RESIDUAL_NOTE.get(s.residual, "")
         )
 
 

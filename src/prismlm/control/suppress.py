@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 
 KIND = "prismlm-suppression"
 FORMAT_VERSION = 2
-"""Version 2 adds ``residual`` (keep/project). A set that keeps the residual is still written as version 1,
-byte for byte the old format, so older prismlm reads it; a projecting set is version 2, which older prismlm
-refuses rather than applying it without the projection. Version 1 files load with ``residual="keep"``."""
+"""Version 2 adds ``residual`` (keep/project/mean). A set that keeps the residual is still written as version 1,
+byte for byte the old format, so older prismlm reads it; a projecting set (``project`` or ``mean``) is version
+2, which older prismlm refuses rather than applying it without the projection (one that knows version 2 but
+not ``mean`` refuses the unknown mode by name). Version 1 files load with ``residual="keep"``."""
 READABLE_VERSIONS = (1, 2)
 CHECKPOINT_FILE = "suppression.json"
 
@@ -97,13 +98,15 @@ class SuppressionSet:
     """How the set was chosen (method, budget/threshold, text counts…)."""
     residual: str = "keep"
     """``keep``: remove the prototypes' slices only; ``project``: also project the residual off the span of
-    their vectors (``Suppress(ids, residual="project")``)."""
+    their vectors (``Suppress(ids, residual="project")``); ``mean``: off their unit mean direction only
+    (``Suppress(ids, residual="mean")``)."""
 
     def __post_init__(self) -> None:
         if self.residual not in RESIDUAL_MODES:
             raise SuppressionError(
                 f"suppression set residual mode must be one of {', '.join(RESIDUAL_MODES)}, got {self.residual!r}",
-                fix="use keep (remove the slices) or project (also project the residual off the prototypes)",
+                fix="use keep (remove the slices), project (also project the residual off the prototypes' span) "
+                "or mean (off their unit mean direction)",
             )
         if not isinstance(self.ids, (list, tuple)) or any(
             isinstance(i, bool) or not isinstance(i, int) for i in self.ids

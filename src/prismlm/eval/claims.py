@@ -40,16 +40,25 @@ Scores = Mapping[str, Mapping[str, Mapping[str, np.ndarray]]]
 
 PROJECT = "+project"
 """The suffix of a condition whose set is suppressed with ``residual="project"`` (``kjv@41+project``); a
-condition without it removes the slices only (``residual="keep"``)."""
+condition without a suffix removes the slices only (``residual="keep"``)."""
+MEAN = "+mean"
+"""The suffix of a condition whose set is suppressed with ``residual="mean"`` (``kjv@41+mean``): the residual
+projected off the set's unit mean direction only."""
+MODE_SUFFIXES = {"project": PROJECT, "mean": MEAN}
+"""Residual-editing mode → its condition suffix."""
+SUMMARY_PREFIXES = {"project": "suppression_residual_", "mean": "suppression_mean_"}
+"""Residual-editing mode → the prefix of its summary fields (``residual_suppression_summary``); ``project``
+keeps the first run's ``suppression_residual_`` names."""
 
 
 def condition_mode(cond: str) -> tuple[str, str]:
-    """``kjv@41+project`` → (``kjv@41``, ``project``); ``random2@41`` → (``random2@41``, ``keep``). Conditions
-    are ``before``, ``<concept>@n`` (its top n), ``random@n`` (n prototypes active on neutral text, outside every
-    concept's ranking) and ``random<d>@n`` (draw d of n prototypes from the whole bank), each with or without
-    ``PROJECT``."""
-    if cond.endswith(PROJECT):
-        return cond[: -len(PROJECT)], "project"
+    """``kjv@41+project`` → (``kjv@41``, ``project``); ``kjv@41+mean`` → (``kjv@41``, ``mean``); ``random2@41``
+    → (``random2@41``, ``keep``). Conditions are ``before``, ``<concept>@n`` (its top n), ``random@n`` (n
+    prototypes active on neutral text, outside every concept's ranking) and ``random<d>@n`` (draw d of n
+    prototypes from the whole bank), each with or without a suffix of ``MODE_SUFFIXES``."""
+    for mode, suffix in MODE_SUFFIXES.items():
+        if cond.endswith(suffix):
+            return cond[: -len(suffix)], mode
     return cond, "keep"
 
 
@@ -147,34 +156,41 @@ def random_controls(rows: Sequence[Record], best: Record, metric: str) -> list[f
 
 
 def residual_suppression_summary(
-    best: Record | None, rows: Sequence[Record], export_identical: object, goal_drop: float = 0.8
+    best: Record | None,
+    rows: Sequence[Record],
+    export_identical: object,
+    goal_drop: float = 0.8,
+    mode: str = "project",
 ) -> dict[str, object]:
-    """The residual-projecting suppression's fields from its best row (``best_suppression_row(..., "project",
-    "tfidf_excess_drop")``): the drop that counts is the drop of the excess over neutral text (the raw drop
-    beside it), the collateral the relative CE increase on neutral text; the same-size whole-bank random draws'
-    mean excess drop is the control. All None when no set qualifies."""
+    """A residual-editing suppression's fields from its best row (``best_suppression_row(..., mode,
+    "tfidf_excess_drop")``), named with ``SUMMARY_PREFIXES[mode]`` (``suppression_residual_…`` for ``project``,
+    ``suppression_mean_…`` for ``mean``): the drop that counts is the drop of the excess over neutral text (the
+    raw drop beside it), the collateral the relative CE increase on neutral text; the same-size, same-mode
+    whole-bank random draws' mean excess drop is the control. All None when no set qualifies."""
+    pre = SUMMARY_PREFIXES[mode]
     if best is None:
         keys = ("best_drop", "collateral", "raw_drop", "bank_share", "concept", "concept_ce_increase",
                 "task_acc_change", "random_drop", "random_draws")  # fmt: skip
-        why = "no projected concept set within the bank-share and collateral limits (or none measured)"
-        return {f"suppression_residual_{k}": None for k in keys} | {
-            "suppression_residual_goal_met": False,
-            "suppression_residual_export_identical": export_identical,
-            "why_null": {"suppression_residual_best_drop": why, "suppression_residual_collateral": why},
+        what = "projected" if mode == "project" else f"{mode}-projected"
+        why = f"no {what} concept set within the bank-share and collateral limits (or none measured)"
+        return {f"{pre}{k}": None for k in keys} | {
+            f"{pre}goal_met": False,
+            f"{pre}export_identical": export_identical,
+            "why_null": {f"{pre}best_drop": why, f"{pre}collateral": why},
         }
     draws = random_controls(rows, best, "tfidf_excess_drop")
     return {
-        "suppression_residual_best_drop": best["tfidf_excess_drop"],
-        "suppression_residual_collateral": best["ce_neutral_rel_increase"],
-        "suppression_residual_raw_drop": best["tfidf_drop"],
-        "suppression_residual_bank_share": best["bank_share"],
-        "suppression_residual_concept": best["concept"],
-        "suppression_residual_concept_ce_increase": best["ce_concept_rel_increase"],
-        "suppression_residual_task_acc_change": best["task_acc_change"],
-        "suppression_residual_random_drop": statistics.fmean(draws) if draws else None,
-        "suppression_residual_random_draws": len(draws),
-        "suppression_residual_goal_met": _num(best["tfidf_excess_drop"]) >= goal_drop,
-        "suppression_residual_export_identical": export_identical,
+        f"{pre}best_drop": best["tfidf_excess_drop"],
+        f"{pre}collateral": best["ce_neutral_rel_increase"],
+        f"{pre}raw_drop": best["tfidf_drop"],
+        f"{pre}bank_share": best["bank_share"],
+        f"{pre}concept": best["concept"],
+        f"{pre}concept_ce_increase": best["ce_concept_rel_increase"],
+        f"{pre}task_acc_change": best["task_acc_change"],
+        f"{pre}random_drop": statistics.fmean(draws) if draws else None,
+        f"{pre}random_draws": len(draws),
+        f"{pre}goal_met": _num(best["tfidf_excess_drop"]) >= goal_drop,
+        f"{pre}export_identical": export_identical,
     }
 
 
@@ -341,6 +357,8 @@ CLAIMS_FIELDS: dict[str, str] = {
     "suppression_collateral": "suppression",
     "suppression_residual_best_drop": "suppression",
     "suppression_residual_collateral": "suppression",
+    "suppression_mean_best_drop": "suppression",
+    "suppression_mean_collateral": "suppression",
     "controller_gain_over_prior": "controllers",
     "controller_minus_sae": "controllers",
     "controller_minus_dense": "controllers",

@@ -629,8 +629,9 @@ def _edit_notes(out: PrismOutput) -> list[str]:
     if not ids:
         return []
     shown = ", ".join(str(i) for i in ids[:10]) + (" …" if len(ids) > 10 else "")
+    what = "the unit mean direction (Q = u)" if out.residual_projection_mode == "mean" else "the span"
     return [
-        f"the residual is projected off the span of {len(ids)} suppressed prototypes ({shown}): each residual "
+        f"the residual is projected off {what} of {len(ids)} suppressed prototypes ({shown}): each residual "
         "slice is that of the edited residual r' = r − Q Qᵀ r"
     ]
 
@@ -764,4 +765,5 @@ def _concat(outs: list[PrismOutput]) -> PrismOutput:
         prototype_multipliers=first.prototype_multipliers,
         residual_removed=cat([o.residual_removed for o in outs]),
         residual_projected_ids=first.residual_projected_ids,
+        residual_projection_mode=first.residual_projection_mode,
     )

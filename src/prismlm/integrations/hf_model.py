@@ -24,7 +24,14 @@ from prismlm.artifacts import JSON
 from prismlm.config import ModelConfig, from_dict
 from prismlm.errors import ConfigError, DependencyError, ModelError
 from prismlm.model.gpt import PrismLM
-from prismlm.model.interventions import Intervention, check_ids, combined_multipliers, projected_ids
+from prismlm.model.interventions import (
+    PROJECTING_MODES,
+    Intervention,
+    check_ids,
+    combined_multipliers,
+    projected_ids,
+    projection_mode,
+)
 
 try:
     from transformers import (
@@ -101,6 +108,7 @@ class PrismConfig(PretrainedConfig):
         suppressed_prototypes: Sequence[int] | None = None,
         prototype_multipliers: Sequence[float] | None = None,
         residual_projected_prototypes: Sequence[int] | None = None,
+        residual_projection_mode: str | None = None,
         prism_source: dict[str, JSON] | None = None,
         **kwargs: Any,  # Any: PretrainedConfig's own fields, each typed by transformers, passed through
     ) -> None:
@@ -109,7 +117,9 @@ class PrismConfig(PretrainedConfig):
         ``prototype_multipliers``: K per-prototype multipliers (controllers, scaling); when given, the
         suppressed ids are the ones with multiplier 0. ``residual_projected_prototypes``: ids whose span
         the residual is projected off in every forward (``Suppress(ids, residual="project")``; the basis is
-        recomputed from the saved bank, as prismlm computes it). ``prism_source``: where the weights came from."""
+        recomputed from the saved bank, as prismlm computes it). ``residual_projection_mode``: ``project``
+        (their span; the default, and what exports without the field meant) or ``mean`` (their unit mean
+        direction, ``Suppress(ids, residual="mean")``). ``prism_source``: where the weights came from."""
         cfg = self._model_config(prism_model if prism_model is not None else asdict(ModelConfig()))
         for k in _DERIVED:
             kwargs.pop(k, None)
@@ -136,6 +146,8 @@ class PrismConfig(PretrainedConfig):
             self.suppressed_prototypes = sorted({int(i) for i in suppressed_prototypes or ()})
         projected = sorted({int(i) for i in residual_projected_prototypes or ()})
         self.residual_projected_prototypes: list[int] | None = projected or None
+        # None without a projection; exports from before the mean mode recorded ids only, all of them "project"
+        self.residual_projection_mode: str | None = (residual_projection_mode or "project") if projected else None
         self.prism_source = prism_source
 
     @staticmethod
@@ -265,14 +277,21 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             out[i] = 0.0
         return tuple(out)
 
-    def _baked_projection(self, config: PrismConfig) -> tuple[int, ...]:
-        """The ids whose span the residual is projected off (config.json), checked against the bank."""
+    def _baked_projection(self, config: PrismConfig) -> tuple[tuple[int, ...], str]:
+        """The ids whose span (or mean) the residual is projected off and the mode (config.json), checked
+        against the bank; ((), "project") when there is no projection."""
         ids = getattr(config, "residual_projected_prototypes", None) or []  # absent in older exports
+        mode = getattr(config, "residual_projection_mode", None) or "project"  # absent before the mean mode
         if not ids:
-            return ()
+            return (), mode
         if self.prism.prototypes is None:
             raise ModelError("config.json projects the residual off prototypes, but the model is a dense baseline")
-        return tuple(check_ids(list(ids), self.prism.prototypes.num_prototypes))
+        if mode not in PROJECTING_MODES:
+            raise ModelError(
+                f"config.json: residual_projection_mode must be one of {', '.join(PROJECTING_MODES)}, got {mode!r}",
+                fix="export the model again with this prismlm (prism export --suppress … --suppress-residual …)",
+            )
+        return tuple(check_ids(list(ids), self.prism.prototypes.num_prototypes)), mode
 
     @property
     def prototype_multipliers(self) -> torch.Tensor | None:
@@ -308,13 +327,14 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             m = combined_multipliers(interventions, model.prototypes.num_prototypes)
             assert m is not None
             mult = m.tolist()
-        projected = list(projected_ids(interventions))
+        projected, mode = list(projected_ids(interventions)), projection_mode(interventions)
         binary = mult is not None and all(v in (0.0, 1.0) for v in mult)
         config = PrismConfig(
             asdict(model.config),
             suppressed_prototypes=[i for i, v in enumerate(mult) if v == 0.0] if binary and mult else None,
             prototype_multipliers=None if binary else mult,
             residual_projected_prototypes=projected or None,
+            residual_projection_mode=mode if projected else None,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
@@ -453,7 +473,8 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         multipliers and residual projection applied (what ``forward`` runs under)."""
         m = self.prototype_multipliers
         with self.prism.scale_prototypes(m) if m is not None else nullcontext(self.prism) as prism:
-            with prism.project_residual(self._projected) if self._projected else nullcontext(prism):
+            ids, mode = self._projected
+            with prism.project_residual(ids, mode) if ids else nullcontext(prism):
                 yield prism
 
     def prepare_inputs_for_generation(

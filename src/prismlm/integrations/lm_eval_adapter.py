@@ -428,13 +428,13 @@ HELP_HEADER = """\
 prism-lm-eval: lm-eval's command line with the PRISM model type registered: pass --model prism.
 
   prism-lm-eval --model prism --model_args pretrained=RUN[,suppress=auto|none|FILE][,batch_size=N]
-                [,suppress_residual=auto|keep|project][,device=auto|cpu|cuda:1] --tasks TASKS
+                [,suppress_residual=auto|keep|project|mean][,device=auto|cpu|cuda:1] --tasks TASKS
                 [--include_path FOLDER] [--batch_size N]
 
   pretrained: a run folder or RUN/checkpoints/step-N; suppress: auto (the checkpoint's suppression.json),
-  none or a FILE from `prism concept`; suppress_residual: auto (the set's mode), keep (remove the slices)
-  or project (also project the residual off the set's prototypes). Every other option and model (e.g.
-  --model hf) works as in lm_eval.
+  none or a FILE from `prism concept`; suppress_residual: auto (the set's mode), keep (remove the slices),
+  project (also project the residual off the span of the set's prototypes) or mean (off their unit mean
+  direction). Every other option and model (e.g. --model hf) works as in lm_eval.
   lm_eval's own options:
 """
 

@@ -32,9 +32,11 @@ from prismlm.model.interventions import (
     ResidualProjection,
     Suppress,
     check_ids,
+    check_one_mode,
     combined_multipliers,
     edited_hidden,
     projected_ids,
+    projection_mode,
 )
 from prismlm.model.kv_cache import CacheLike, KVCache
 from prismlm.model.outputs import PrismOutput
@@ -250,7 +252,7 @@ class PrismLM(nn.Module):
         # and controllers are their own artifacts), and it follows .to(device). Set it through
         # ``prismlm.control`` (``with model.suppress(ids):`` / ``with model.control(c):``), which restores it.
         self.register_buffer("proto_multipliers", None, persistent=False)
-        # Under Suppress(ids, residual="project"): r' = r − Q Qᵀ r (``project_residual`` sets and restores it).
+        # Under Suppress(ids, residual="project"|"mean"): r' = r − Q Qᵀ r (``project_residual`` sets and restores it).
         self.residual_projection: ResidualProjection | None = None
         self.tokenizer = None
 
@@ -535,7 +537,7 @@ class PrismLM(nn.Module):
             logits = self.lm_head(z_mod[:, -1:, :] if last_only else z_mod)  # (B, T, V)
         out = PrismOutput(logits=logits, hidden=z, hidden_states=bo.hidden_states, attentions=bo.attentions)
         if po is not None:
-            _set_prototype_fields(out, po, mult, removed, proj.ids if removed is not None and proj else None)
+            _set_prototype_fields(out, po, mult, removed, proj if removed is not None else None)
             if targets is not None:
                 out.losses["rec"] = L.reconstruction_loss(po.residual, z.reshape(B * T, d))
                 out.losses["r1"] = L.r1_loss(po.proto_max_cos)
@@ -590,26 +592,29 @@ class PrismLM(nn.Module):
             raise ModelError("the dense baseline has no prototypes to suppress or control")
         m = combined_multipliers(interventions, self.prototypes.num_prototypes)
         assert m is not None
-        ids = projected_ids(interventions)
-        if not ids:
+        ids, mode = projected_ids(interventions), projection_mode(interventions)
+        if not ids or mode is None:
             return self.scale_prototypes(m.to(self.prototypes.weight.dtype))
-        return self._scaled_and_projected(m.to(self.prototypes.weight.dtype), ids)
+        return self._scaled_and_projected(m.to(self.prototypes.weight.dtype), ids, mode)
 
     @contextmanager
-    def _scaled_and_projected(self, multipliers: torch.Tensor, ids: tuple[int, ...]) -> Iterator[PrismLM]:
-        with self.scale_prototypes(multipliers), self.project_residual(ids):
+    def _scaled_and_projected(self, multipliers: torch.Tensor, ids: tuple[int, ...], mode: str) -> Iterator[PrismLM]:
+        with self.scale_prototypes(multipliers), self.project_residual(ids, mode):
             yield self
 
     @contextmanager
-    def project_residual(self, ids: Iterable[int]) -> Iterator[PrismLM]:
-        """Within the block, the residual is projected off span{p_i : i ∈ ids}: r' = r − Q Qᵀ r, and the
-        logits use r' (``PrismOutput.residual`` is r'). Nested blocks project off the union of their ids;
-        the previous state is always restored. Alone it leaves the slices; ``Suppress(ids, residual=
-        "project")`` (through ``intervene``) removes both."""
+    def project_residual(self, ids: Iterable[int], mode: str = "project") -> Iterator[PrismLM]:
+        """Within the block, the residual is projected off span{p_i : i ∈ ids} (``mode="project"``) or off
+        their unit mean u = Σ p_i / ‖Σ p_i‖ (``mode="mean"``): r' = r − Q Qᵀ r, and the logits use r'
+        (``PrismOutput.residual`` is r'). Nested blocks project off the union of their ids (in one mode:
+        nesting the other mode is refused, ``ModelError``); the previous state is always restored. Alone it
+        leaves the slices; ``Suppress(ids, residual=mode)`` (through ``intervene``) removes both."""
         bank = self.require_prototypes("prototypes to suppress").weight
         previous = self.residual_projection
+        if previous is not None:
+            check_one_mode((previous.mode, mode))
         union = sorted(set(check_ids(list(ids), bank.shape[0])) | set(previous.ids if previous else ()))
-        self.residual_projection = ResidualProjection.of(union, bank) if union else previous
+        self.residual_projection = ResidualProjection.of(union, bank, mode) if union else previous
         try:
             yield self
         finally:
@@ -747,7 +752,7 @@ def _set_prototype_fields(
     po: PrototypeOutput,
     mult: torch.Tensor | None,
     removed: torch.Tensor | None = None,
-    projected: tuple[int, ...] | None = None,
+    projection: ResidualProjection | None = None,
 ) -> None:
     """Copy the prototype layer's output for the B·T flattened tokens of ``out.hidden`` into ``out``; with
     ``removed`` (N, d) Q Qᵀ r the residual is the edited one, r' = r − Q Qᵀ r (what the logits were made of)."""
@@ -759,6 +764,8 @@ def _set_prototype_fields(
         out.prototype_multipliers = mult
     out.residual = (po.residual if removed is None else po.residual - removed).view(B, T, d)
     if removed is not None:
-        out.residual_removed, out.residual_projected_ids = removed.view(B, T, d), projected
+        out.residual_removed = removed.view(B, T, d)
+        if projection is not None:
+            out.residual_projected_ids, out.residual_projection_mode = projection.ids, projection.mode
     out.token_max_cos = po.token_max_cos.view(B, T)
     out.proto_max_cos = po.proto_max_cos

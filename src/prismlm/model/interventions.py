@@ -2,8 +2,9 @@
 
 Each is a per-prototype multiplier m (K,) on the logit slices, ℓ' = W r + Σ_i m_i a_i W p_i: ``Suppress``
 (m_i = 0), ``Control`` (m_i = 1 + c_i), ``Scale`` (m_i given). ``Suppress(ids, residual="project")`` also
-edits the residual: r' = r − Q Qᵀ r, Q an orthonormal basis of span{p_i : i ∈ ids} (``ResidualProjection``),
-so ℓ' = W r' + Σ_i m_i a_i W p_i. Immutable; ``with model.intervene(*ivs):`` combines them and always
+edits the residual: r' = r − Q Qᵀ r, Q an orthonormal basis of span{p_i : i ∈ ids} (``ResidualProjection``);
+``residual="mean"`` takes out one direction only, Q = u = Σ_{i∈ids} p_i / ‖Σ_{i∈ids} p_i‖. Either way
+ℓ' = W r' + Σ_i m_i a_i W p_i. Immutable; ``with model.intervene(*ivs):`` combines them and always
 restores the model. See docs/architecture.md (interventions).
 """
 
@@ -19,9 +20,13 @@ import torch
 from prismlm.errors import ModelError, UnknownPrototypeError
 from prismlm.model.prototypes import PrototypeOutput
 
-RESIDUAL_MODES = ("keep", "project")
-"""What ``Suppress`` does to the residual r: ``keep`` it (only the slices go), or ``project`` it off the span
-of the suppressed prototypes."""
+RESIDUAL_MODES = ("keep", "project", "mean")
+"""What ``Suppress`` does to the residual r: ``keep`` it (only the slices go), ``project`` it off the span
+of the suppressed prototypes, or off their unit ``mean`` direction u = Σ p_i / ‖Σ p_i‖ (one dimension, not
+|ids|: the span of a large set takes too much of a small residual with it)."""
+
+PROJECTING_MODES = ("project", "mean")
+"""The residual modes that edit the residual (``ResidualProjection`` computes each one's basis)."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,8 @@ class Suppress:
     ``Suppress([3, 7])`` (any iterable of ids, or a tensor of them); the ids are checked to be integers
     here and against the bank's size when applied. ``residual="project"`` also takes the prototypes'
     directions out of the residual (r' = r − Q Qᵀ r, see ``ResidualProjection``): the slices alone leave
-    whatever of the concept the residual writes."""
+    whatever of the concept the residual writes. ``residual="mean"`` takes out a single direction,
+    u = Σ_{i∈ids} p_i / ‖Σ_{i∈ids} p_i‖ (r' = r − u uᵀ r)."""
 
     ids: tuple[int, ...]
     """Prototype ids in [0, K)."""
@@ -39,14 +45,14 @@ class Suppress:
     """What the set stands for (a concept name, a file), for reports."""
     residual: str = "keep"
     """``keep``: the residual is untouched (exact slice removal); ``project``: r is projected off
-    span{p_i : i ∈ ids} as well."""
+    span{p_i : i ∈ ids} as well; ``mean``: r is projected off the unit mean u of {p_i : i ∈ ids}."""
 
     def __post_init__(self) -> None:
         if self.residual not in RESIDUAL_MODES:
             raise ModelError(
                 f"Suppress: residual must be one of {', '.join(RESIDUAL_MODES)}, got {self.residual!r}",
-                fix="use residual='keep' (remove the slices only) or residual='project' (also project the "
-                "residual off the suppressed prototypes)",
+                fix="use residual='keep' (remove the slices only), residual='project' (also project the "
+                "residual off the suppressed prototypes' span) or residual='mean' (off their unit mean direction)",
             )
         if isinstance(self.ids, Mapping):
             raise ModelError(
@@ -137,9 +143,35 @@ def combined_multipliers(interventions: Iterable[Intervention], num_prototypes: 
 
 
 def projected_ids(interventions: Iterable[Intervention]) -> tuple[int, ...]:
-    """The sorted union of the ids of every ``Suppress(..., residual="project")`` among ``interventions``."""
-    ids = {i for iv in interventions if isinstance(iv, Suppress) and iv.residual == "project" for i in iv.ids}
+    """The sorted union of the ids of every residual-editing ``Suppress`` (``residual="project"`` or
+    ``"mean"``) among ``interventions``."""
+    ids = {i for iv in interventions if isinstance(iv, Suppress) and iv.residual in PROJECTING_MODES for i in iv.ids}
     return tuple(sorted(ids))
+
+
+def projection_mode(interventions: Iterable[Intervention]) -> str | None:
+    """The residual mode shared by every residual-editing ``Suppress`` among ``interventions`` (``project``
+    or ``mean``), or ``None`` when none edits the residual.
+
+    Several suppressions of one mode combine as one over the union of their ids (``project``: the span of
+    the union, which is also the span of their spans; ``mean``: the unit mean of the union's prototypes, each
+    counted once, i.e. ``Suppress(A ∪ B, residual="mean")``). Mixing the two modes has no such single edit,
+    so it is refused (``ModelError``) rather than silently picking one."""
+    modes = {iv.residual for iv in interventions if isinstance(iv, Suppress) and iv.residual in PROJECTING_MODES}
+    return check_one_mode(modes)
+
+
+def check_one_mode(modes: Iterable[str]) -> str | None:
+    """The one residual mode in ``modes`` (``None`` if empty); ``ModelError`` naming the fix for two."""
+    distinct = sorted(set(modes))
+    if len(distinct) > 1:
+        raise ModelError(
+            f"cannot combine residual modes {' and '.join(repr(m) for m in distinct)} in one intervention: "
+            "a projection off a span and off a mean direction have no single combined edit",
+            fix="give every Suppress the same residual mode (e.g. all residual='mean'), or suppress the "
+            "others with residual='keep'",
+        )
+    return distinct[0] if distinct else None
 
 
 def orthonormal_basis(vectors: torch.Tensor) -> torch.Tensor:
@@ -156,22 +188,44 @@ def orthonormal_basis(vectors: torch.Tensor) -> torch.Tensor:
     return u[:, s > tol]  # (d, q)
 
 
+def mean_direction(vectors: torch.Tensor) -> torch.Tensor:
+    """(n, d) vectors → (d, 1) float64 u = Σ_i v_i / ‖Σ_i v_i‖, or (d, 0) when the sum vanishes (below
+    Σ_i ‖v_i‖ · n · eps: cancelling vectors have no mean direction, so nothing is taken out)."""
+    v = vectors.detach().to("cpu", torch.float64)  # on the CPU, so every device gets the same u
+    total = v.sum(dim=0)  # (d,)
+    norm = torch.linalg.vector_norm(total)
+    tol = torch.linalg.vector_norm(v, dim=1).sum() * max(v.shape[0], 1) * torch.finfo(torch.float64).eps
+    if v.shape[0] == 0 or not norm > tol:
+        return v.new_zeros(v.shape[1], 0)
+    return (total / norm)[:, None]
+
+
 @dataclass(frozen=True)
 class ResidualProjection:
-    """The residual edit of ``Suppress(ids, residual="project")``: r' = r − Q Qᵀ r, Q (d, q) an orthonormal
-    basis of span{p_i : i ∈ ids}, computed once (in float64) when the intervention is entered."""
+    """The residual edit of ``Suppress(ids, residual="project"|"mean")``: r' = r − Q Qᵀ r, computed once (in
+    float64) when the intervention is entered. ``project``: Q (d, q) an orthonormal basis of
+    span{p_i : i ∈ ids}; ``mean``: Q = u (d, 1), u = Σ_{i∈ids} p_i / ‖Σ_{i∈ids} p_i‖."""
 
     ids: tuple[int, ...]
-    """The prototypes whose span is removed from the residual (sorted, unique)."""
+    """The prototypes the removed direction(s) come from (sorted, unique)."""
     basis: torch.Tensor
-    """(d, q) Q, on the bank's device and in its dtype."""
+    """(d, q) Q, on the bank's device and in its dtype (q = 1 for ``mean``, q ≤ |ids| for ``project``)."""
+    mode: str = "project"
+    """``project`` (the span) or ``mean`` (the unit mean direction)."""
 
     @classmethod
-    def of(cls, ids: Sequence[int], prototypes: torch.Tensor) -> ResidualProjection:
-        """The projection off the span of ``prototypes[ids]`` (prototypes: the (K, d) bank)."""
+    def of(cls, ids: Sequence[int], prototypes: torch.Tensor, mode: str = "project") -> ResidualProjection:
+        """The projection off the span (``project``) or the unit mean (``mean``) of ``prototypes[ids]``
+        (prototypes: the (K, d) bank)."""
+        if mode not in PROJECTING_MODES:
+            raise ModelError(
+                f"ResidualProjection: mode must be one of {', '.join(PROJECTING_MODES)}, got {mode!r}",
+                fix="use mode='project' (the span of the prototypes) or mode='mean' (their unit mean direction)",
+            )
         ids = tuple(sorted(set(check_ids(ids, prototypes.shape[0]))))
-        q = orthonormal_basis(prototypes[list(ids)])
-        return cls(ids, q.to(device=prototypes.device, dtype=prototypes.dtype))
+        rows = prototypes[list(ids)]
+        q = orthonormal_basis(rows) if mode == "project" else mean_direction(rows)
+        return cls(ids, q.to(device=prototypes.device, dtype=prototypes.dtype), mode)
 
     def removed(self, residual: torch.Tensor) -> torch.Tensor:
         """(N, d) r → (N, d) Q Qᵀ r, the component of r in the span (what the edit takes out)."""
