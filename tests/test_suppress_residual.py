@@ -15,7 +15,7 @@ from prismlm import ModelConfig, PrismLM, PrototypeConfig, decompose
 from prismlm.control.suppress import SuppressionRecord, SuppressionSet
 from prismlm.errors import ModelError, SuppressionError
 from prismlm.model import Suppress
-from prismlm.model.interventions import ResidualProjection, orthonormal_basis
+from prismlm.model.interventions import ResidualProjection, mean_direction, orthonormal_basis
 
 K, V, D = 64, 97, 32
 
@@ -363,3 +363,226 @@ def test_explanations_show_the_edited_residual(run_folder):
     n = len(got)
     torch.testing.assert_close(got, dec.residual_slice[0, :n].double(), rtol=0, atol=1e-4)
     assert (got - plain.residual_slice[0, :n].double()).abs().max() > 1e-3  # not the unedited residual's
+
+
+# ----- residual="mean": one direction, u = Σ_{i∈S} p_i / ‖Σ_{i∈S} p_i‖ -------------------------------------------
+def mean_unit(p: torch.Tensor) -> torch.Tensor:
+    """(n, d) prototype rows → (d,) float64 u = Σ p_i / ‖Σ p_i‖, by hand (no library code)."""
+    s = p.double().sum(0)
+    return s / s.norm()
+
+
+def mean_residual(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """r (N, d) minus its component along the unit mean of the rows of p: the reference r' (float64)."""
+    u = mean_unit(p)
+    return r.double() - (r.double() @ u)[:, None] * u[None, :]
+
+
+def test_mean_suppression_is_the_exact_sum_of_remaining_slices_and_edited_residual():
+    """ℓ' = Σ_i m_i a_i W p_i + W r' + b with r' = r − u uᵀ r, u the unit mean of the suppressed prototypes
+    (computed by hand here); the output records r', u uᵀ r, the ids and the mode; ``decompose`` stays exact."""
+    model, x, base, ids = _setup(7)
+    with torch.no_grad(), model.intervene(Suppress.of(ids, residual="mean")):
+        out = model(x)
+    W, b = model.lm_head.weight, model.lm_head.bias
+    m = torch.ones(K, dtype=torch.float64)
+    m[ids] = 0.0
+    p = model.prototypes.weight
+    kept = (m[base.indices] * base.activations).unsqueeze(-1).mul(p[base.indices]).sum(-2)  # (B, T, d)
+    r = base.residual.reshape(-1, D)
+    r_ref = mean_residual(r, p[ids]).view_as(base.residual)
+    torch.testing.assert_close(out.logits, (kept + r_ref) @ W.T + b, rtol=0, atol=1e-10)
+    torch.testing.assert_close(out.residual, r_ref, rtol=0, atol=1e-12)
+    u = mean_unit(p[ids])
+    removed_ref = ((r.double() @ u)[:, None] * u[None, :]).view_as(base.residual)
+    torch.testing.assert_close(out.residual_removed, removed_ref, rtol=0, atol=1e-12)
+    assert out.residual_projected_ids == tuple(sorted(ids)) and out.residual_projection_mode == "mean"
+    dec = decompose(model, out, x)
+    torch.testing.assert_close(
+        dec.prototype_slices.sum(-1) + dec.residual_slice + dec.bias_slice, dec.logit, rtol=0, atol=1e-10
+    )
+    assert model.residual_projection is None and model.proto_multipliers is None  # restored
+
+
+def test_mean_removes_one_direction_not_the_span():
+    """r' ⟂ u, but not ⟂ each suppressed prototype (that is ``project``); what was removed is parallel to u,
+    and ``mean`` differs from ``project`` and from ``keep`` by exactly −W u uᵀ r and −W Q Qᵀ r."""
+    model, x, base, ids = _setup(8)
+    with torch.no_grad(), model.intervene(Suppress.of(ids, residual="mean")):
+        mean = model(x)
+    with torch.no_grad(), model.intervene(Suppress.of(ids, residual="project")):
+        proj = model(x)
+    with torch.no_grad(), model.intervene(Suppress.of(ids)):
+        keep = model(x)
+    p = model.prototypes.weight[ids]
+    u = mean_unit(p)
+    r = base.residual.reshape(-1, D)
+    rp = mean.residual.reshape(-1, D)
+    assert ((rp @ u).abs() / r.norm(dim=-1)).max() < 1e-12
+    assert ((r @ u).abs() / r.norm(dim=-1)).max() > 1e-2  # before the edit it was not orthogonal
+    assert ((rp @ p.T).abs() / (r.norm(dim=-1, keepdim=True) * p.norm(dim=-1))).max() > 1e-2  # only u went
+    removed = mean.residual_removed.reshape(-1, D)
+    torch.testing.assert_close(removed - (removed @ u)[:, None] * u, torch.zeros_like(removed), rtol=0, atol=1e-12)
+    # one direction takes out less of the residual than the span of the same prototypes
+    assert (removed.norm(dim=-1) <= proj.residual_removed.reshape(-1, D).norm(dim=-1) + 1e-12).all()
+    assert (mean.logits - proj.logits).abs().max() > 1e-3
+    along_u = ((r.double() @ u)[:, None] * u).view_as(base.residual)
+    torch.testing.assert_close(mean.logits, keep.logits - along_u @ model.lm_head.weight.T, rtol=0, atol=1e-10)
+
+
+def test_mean_basis_is_the_unit_sum_of_the_prototype_rows():
+    model = tiny_model()
+    P = model.prototypes.weight
+    proj = ResidualProjection.of([9, 3, 3, 20], P, "mean")
+    assert proj.ids == (3, 9, 20) and proj.mode == "mean" and proj.basis.shape == (D, 1)
+    torch.testing.assert_close(proj.basis[:, 0], mean_unit(P[[3, 9, 20]]), rtol=0, atol=1e-12)
+    # not the span's basis, not the unnormalised sum; the default stays the span
+    assert ResidualProjection.of([3, 9, 20], P).basis.shape == (D, 3)
+    assert ResidualProjection.of([3, 9, 20], P).mode == "project"
+    one = ResidualProjection.of([5], P, "mean")  # a single prototype: its own direction, as project gives
+    torch.testing.assert_close(one.basis[:, 0], P[5] / P[5].norm(), rtol=0, atol=1e-12)
+    # prototypes that cancel have no mean direction: nothing is taken out (not a division by ~0)
+    v = torch.randn(2, D, dtype=torch.float64)
+    assert mean_direction(torch.cat([v, -v])).shape == (D, 0)
+    with pytest.raises(ModelError, match="mode must be one of project, mean.*'span'"):
+        ResidualProjection.of([3], P, "span")
+
+
+def test_mean_suppressions_combine_over_the_union_and_mixing_modes_is_refused():
+    """Two ``mean`` suppressions (together or nested) are ``Suppress(A ∪ B, residual="mean")`` — the mean of
+    the union's prototypes, not of the two means; with ``project`` in the same intervention they are refused
+    naming the fix, and the model is restored."""
+    model, x, base, ids = _setup(9)
+    a, b = ids[:2], ids[1:]  # overlapping: a shared prototype counts once
+    union = sorted(set(a) | set(b))
+    with torch.no_grad(), model.intervene(Suppress.of(union, residual="mean")):
+        want = model(x)
+    with torch.no_grad(), model.intervene(Suppress.of(a, residual="mean"), Suppress.of(b, residual="mean")):
+        split = model(x)
+    with torch.no_grad(), model.intervene(Suppress.of(a, residual="mean")):
+        with model.intervene(Suppress.of(b, residual="mean")):
+            nested = model(x)
+            assert model.residual_projection.ids == tuple(union) and model.residual_projection.mode == "mean"
+        assert model.residual_projection.ids == tuple(sorted(a))
+    torch.testing.assert_close(split.logits, want.logits, rtol=0, atol=1e-10)
+    torch.testing.assert_close(nested.logits, want.logits, rtol=0, atol=1e-10)
+    p = model.prototypes.weight
+    r_ref = mean_residual(base.residual.reshape(-1, D), p[union]).view_as(base.residual)
+    torch.testing.assert_close(split.residual, r_ref, rtol=0, atol=1e-12)
+    # keep alongside mean adds no direction of its own
+    with torch.no_grad(), model.intervene(Suppress.of(a, residual="mean"), Suppress.of(b)):
+        mixed = model(x)
+    assert mixed.residual_projected_ids == tuple(sorted(a)) and mixed.residual_projection_mode == "mean"
+    with pytest.raises(ModelError, match="cannot combine residual modes 'mean' and 'project'") as e:
+        with model.intervene(Suppress.of(a, residual="mean"), Suppress.of(b, residual="project")):
+            pass
+    assert "same residual mode" in str(e.value)
+    with pytest.raises(ModelError, match="cannot combine residual modes"):
+        with model.intervene(Suppress.of(a, residual="project")):
+            with model.intervene(Suppress.of(b, residual="mean")):
+                pass
+    assert model.residual_projection is None and model.proto_multipliers is None
+
+
+def test_kv_cache_steps_equal_the_full_forward_under_the_mean_projection():
+    model, x, _, ids = _setup(10)
+    prompt = x[:1, :5]
+    for ctx in (
+        lambda: model.intervene(Suppress.of(ids, residual="mean")),
+        lambda: model.project_residual(ids, "mean"),
+    ):
+        with torch.no_grad(), ctx():
+            assert model.residual_projection.mode == "mean"
+            steps = list(model.generate_steps(prompt, 8, temperature=0))
+            seq = torch.cat([prompt] + [t for _, t in steps], dim=1)
+            for n, (out, _) in enumerate(steps):
+                full = model(seq[:, : 5 + n]).logits[:, -1]
+                torch.testing.assert_close(out.logits[:, -1], full, rtol=0, atol=1e-10)
+            assert torch.equal(model.generate(prompt, 8, temperature=0, use_cache=False), seq)
+
+
+def test_suppression_set_round_trips_the_mean_mode(tmp_path):
+    model, x, _, ids = _setup(11)
+    s = SuppressionSet(ids=ids, num_prototypes=K, concept="c", residual="mean")
+    d = json.loads(s.save(tmp_path / "m.json").read_text())
+    assert d["format_version"] == 2 and d["residual"] == "mean"
+    assert list(d) == list(SuppressionRecord.__annotations__)
+    loaded = SuppressionSet.load(tmp_path / "m.json")
+    assert loaded.residual == "mean" and loaded.subset(ids[:2]).residual == "mean"
+    iv = loaded.intervention()
+    assert iv.residual == "mean" and iv.ids == tuple(sorted(ids))
+    with torch.no_grad(), model.intervene(iv):
+        got = model(x).logits
+    with torch.no_grad(), model.intervene(Suppress.of(ids, residual="mean")):
+        want = model(x).logits
+    with torch.no_grad(), model.intervene(Suppress.of(ids, residual="project")):
+        other = model(x).logits
+    assert torch.equal(got, want) and (got - other).abs().max() > 1e-3
+
+
+def test_export_bakes_the_mean_projection_in(tmp_path):
+    """A float32 model exported with ``Suppress(ids, residual="mean")``: config.json records the ids and the
+    mode, and the transformers model's logits, residual and greedy tokens are prismlm's under it; an export
+    that records ids without a mode (written before the mode existed) projects off the span, as it did."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from prismlm.integrations.hf_model import PrismConfig, PrismForCausalLM
+
+    model, x, _, ids = _setup(12)
+    model = model.float()
+    iv = Suppress.of(ids, residual="mean")
+    hf = PrismForCausalLM.from_prism(model, interventions=(iv,), eos_token_id=0, pad_token_id=0)
+    hf.save_pretrained(tmp_path / "out")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["residual_projected_prototypes"] == sorted(ids) and cfg["residual_projection_mode"] == "mean"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad(), model.intervene(iv):
+        want = model(x)
+        want_tokens = model.generate(x[:1, :6], 10, temperature=0)
+    with torch.no_grad(), model.intervene(Suppress.of(ids, residual="project")):
+        span = model(x).logits
+    with torch.no_grad():
+        got = loaded(x)
+        tokens = loaded.generate(x[:1, :6], max_new_tokens=10, do_sample=False)
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.residual, want.residual)
+    assert torch.equal(tokens, want_tokens)
+    assert (got.logits - span).abs().max() > 1e-3  # the mean, not the span
+    old = {k: v for k, v in cfg.items() if k != "residual_projection_mode"}
+    assert PrismConfig(**old).residual_projection_mode == "project"
+    assert PrismConfig(cfg["prism_model"]).residual_projection_mode is None
+    (tmp_path / "out" / "config.json").write_text(json.dumps(old))
+    with torch.no_grad():
+        legacy = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()(x).logits
+    assert torch.equal(legacy, span)
+
+
+def test_cli_export_with_suppress_residual_mean(run_folder, tmp_path):
+    """``prism export RUN OUT --suppress FILE --suppress-residual mean``: the export records the mode, says so,
+    and its logits are the run's under the set with ``mean``."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from prismlm.app import Run
+    from prismlm.cli.main import app
+
+    run = Run.open(run_folder, device="cpu")
+    x = torch.tensor([run.tokenizer.encode("It is a truth universally acknowledged, that a single man")])
+    with torch.no_grad():
+        ids = sorted(set(run.model(x).indices[..., 0].flatten().tolist()))[:4]
+    sfile = SuppressionSet(ids=ids, num_prototypes=run.model.prototypes.num_prototypes).save(tmp_path / "s.json")
+    out = tmp_path / "exported"
+    args = ["export", str(run_folder), str(out), "--suppress", str(sfile), "--device", "cpu"]
+    res = CliRunner().invoke(app, [*args, "--suppress-residual", "mean"])
+    assert res.exit_code == 0, res.output
+    assert "unit mean direction" in res.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["residual_projected_prototypes"] == ids and cfg["residual_projection_mode"] == "mean"
+    meaned = Run.open(run_folder, device="cpu", suppress=sfile, suppress_residual="mean")
+    assert meaned.interventions[0].residual == "mean"
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad(), meaned.intervened() as m:
+        want = m(x).logits
+    with torch.no_grad():
+        assert (loaded(x).logits - want).abs().max().item() <= 1e-5
