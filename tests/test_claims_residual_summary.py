@@ -155,3 +155,69 @@ def test_gathered_summary_new_fields_heads_and_reasons():
     full = {k: {"head": "paper", "summary": {f: 1.0 for f, st in CLAIMS_FIELDS.items() if st == k}} for k in ORDER}
     done = gathered_summary(full, ORDER)
     assert "why_null" not in done and set(done["head"].values()) == {"paper"}
+
+
+# ----- the mean mode (residual="mean"): its own conditions, rows, controls and summary fields -----------------
+MEAN_ROWS = [
+    _row("kjv@4+mean", 0.40, 0.60, 0.002, n=4),  # the best mean set: largest excess drop within the limits
+    _row("kjv@8+mean", 0.45, 0.55, 0.003),
+    _row("kjv@6+mean", 0.90, 0.97, 0.03, n=6),  # over the collateral limit
+    _row("random0@4+mean", 0.05, 0.2, n=4),  # its controls: same size, same mode
+    _row("random1@4+mean", 0.15, 0.4, n=4),
+    _row("random0@8+mean", 0.3, 0.9),  # another size
+]
+
+
+def test_mean_conditions_are_their_own_mode():
+    assert condition_mode("kjv@41+mean") == ("kjv@41", "mean")
+    assert condition_mode("random2@41+mean") == ("random2@41", "mean")
+    assert is_random("random0@8+mean") and not is_random("kjv@8+mean")
+
+
+def test_mean_summary_beside_the_project_one():
+    """With rows of both modes, the ``mean`` summary (``suppression_mean_…``) is built from the mean rows and
+    mean draws only, and the ``project`` summary keeps its names and values (those of ``ROWS`` alone)."""
+    rows = ROWS + MEAN_ROWS
+    best = best_suppression_row(rows, {"kjv"}, 0.02, 0.01, "mean", "tfidf_excess_drop")
+    assert best is not None and best["condition"] == "kjv@4+mean"
+    assert random_controls(rows, best, "tfidf_excess_drop") == [0.2, 0.4]
+    s = residual_suppression_summary(best, rows, True, mode="mean")
+    assert s == {
+        "suppression_mean_best_drop": 0.60,
+        "suppression_mean_collateral": 0.002,
+        "suppression_mean_raw_drop": 0.40,
+        "suppression_mean_bank_share": 4 / 400,
+        "suppression_mean_concept": "kjv",
+        "suppression_mean_concept_ce_increase": 0.3,
+        "suppression_mean_task_acc_change": -0.01,
+        "suppression_mean_random_drop": pytest.approx(0.3),
+        "suppression_mean_random_draws": 2,
+        "suppression_mean_goal_met": False,
+        "suppression_mean_export_identical": True,
+    }
+    bp = best_suppression_row(rows, {"kjv"}, 0.02, 0.01, "project", "tfidf_excess_drop")
+    assert bp is not None and bp["condition"] == "kjv@4+project"  # the mean rows change nothing for project
+    assert residual_suppression_summary(bp, rows, True) == residual_suppression_summary(bp, ROWS, True)
+    assert all(k.startswith("suppression_residual_") for k in residual_suppression_summary(bp, rows, True))
+    none = residual_suppression_summary(None, rows, None, mode="mean")
+    assert none["suppression_mean_best_drop"] is None and none["suppression_mean_goal_met"] is False
+    assert set(none["why_null"]) == {"suppression_mean_best_drop", "suppression_mean_collateral"}
+    assert "mean-projected" in none["why_null"]["suppression_mean_best_drop"]
+    old = residual_suppression_summary(None, ROWS, None)["why_null"]["suppression_residual_best_drop"]
+    assert old == "no projected concept set within the bank-share and collateral limits (or none measured)"
+    g = gathered_summary({"suppression": {"summary": s}}, ["suppression"])
+    assert g["suppression_mean_best_drop"] == 0.60 and g["suppression_mean_collateral"] == 0.002
+    assert g["suppression_residual_best_drop"] is None  # a stage without project rows says why
+    assert "has no suppression_residual_best_drop" in g["why_null"]["suppression_residual_best_drop"]
+
+
+def test_mean_rows_have_the_mode():
+    recs = _recs() | {"kjv@2+mean": {"ids": [3, 7], "ce_neutral": 2.004, "ce_kjv": 4.2, "acc": 0.5, "acc_norm": 0.5}}
+    scores = _scores()
+    per = scores["kjv"]["tfidf"]
+    per |= {"kjv@2+mean": np.array([0.4, 0.4]), "kjv@2+mean/neutral": np.array([0.2, 0.2])}
+    by = {r["condition"]: r for r in suppression_rows(["kjv"], recs, scores, K=100, n_boot=50, seed=0)}
+    r = by["kjv@2+mean"]
+    assert r["residual"] == "mean" and r["set"] == "kjv@2"
+    assert r["tfidf_excess_drop"] == pytest.approx(0.5)  # 1 − (0.4 − 0.2) / (0.6 − 0.2)
+    assert r["ce_neutral_rel_increase"] == pytest.approx(0.002)

@@ -61,6 +61,8 @@ def test_the_driver_gathers_every_stage_and_resumes(quick_claims):
         "controller_minus_sae",
         "controller_minus_dense",
         "suppression_residual_best_drop",
+        "suppression_mean_best_drop",
+        "suppression_mean_collateral",
         "explanation_margin_share",
         "explanation_margin_share_pca",
     ):
@@ -93,7 +95,12 @@ def test_suppression_sets_controls_and_export(quick_claims):
     # and with the residual projected: against the model under Suppress(ids, residual="project")
     assert all(c["identical"] for c in stage["export_check_residual"]["cases"])
     assert stage["export_check_residual"]["residual"] == "project"
-    for check in (stage["fast_path_check"], stage["fast_path_check_residual"]):
+    # and with the residual projected off the set's unit mean direction (Suppress(ids, residual="mean"))
+    assert all(c["identical"] for c in stage["export_check_mean"]["cases"])
+    assert stage["export_check_mean"]["residual"] == "mean"
+    assert gathered["summary"]["suppression_mean_export_identical"] is True
+    checks = (stage["fast_path_check"], stage["fast_path_check_residual"], stage["fast_path_check_mean"])
+    for check in checks:
         assert check["abs_diff"] < 1e-5 and check["acc_fast"] == check["acc_mc_accuracy"]
         assert check["acc_norm_fast"] == check["acc_norm_mc_accuracy"]
     K, draws = stage["num_prototypes"], stage["size"]["draws"]
@@ -104,11 +111,11 @@ def test_suppression_sets_controls_and_export(quick_claims):
             assert row["tfidf_drop"] == 0.0 and row["ce_neutral_rel_increase"] == 0.0
         elif not row["set"].startswith("random"):  # every concept set has its controls of the same size
             assert f"random@{row['prototypes']}" in stage["conditions"]
-            tag = "+project" if row["residual"] == "project" else ""
+            tag = {"project": "+project", "mean": "+mean"}.get(row["residual"], "")
             assert all(f"random{d}@{row['prototypes']}{tag}" in stage["conditions"] for d in range(draws))
     concept_sets = {c: s["ranked"] for c, s in stage["concepts"].items()}
     for cond, ids in stage["conditions"].items():
-        base = cond.removesuffix("+project")
+        base = cond.removesuffix("+project").removesuffix("+mean")
         if base.startswith("random@"):
             assert not set(ids) & {i for r in concept_sets.values() for i in r}
         elif base.startswith("random"):
@@ -356,7 +363,7 @@ m = tiny_model(dtype=torch.float32)
 torch.manual_seed(1)
 rows = [(torch.randint(0, 97, (n,)).tolist(), n - 1) for n in (20, 15, 9)]
 hc = head_cache(m, rows, pad=0)
-for mode in ("keep", "project"):
+for mode in ("keep", "project", "mean"):
     fast = torch.zeros(3, dtype=torch.float64).index_add_(0, hc.item, hc.nll(m, [3, 5, 17, 40], mode))
     ref = []
     with torch.no_grad(), suppressed(m, [3, 5, 17, 40], mode):
@@ -369,11 +376,43 @@ for mode in ("keep", "project"):
 
 
 @pytest.mark.slow
-def test_the_suppression_head_cache_matches_the_model_in_both_modes():
+def test_the_suppression_head_cache_matches_the_model_in_every_mode():
     """The suppression stage's per-position NLL from one unsuppressed forward (``HeadCache``) against the model
     run under ``Suppress(ids, residual=mode)`` (a tiny float32 PRISM): equal, and the edit changes the NLL."""
     res = _bench(["-c", HEAD_CACHE_CHECK])
     assert res.returncode == 0, res.stderr[-3000:]
-    for line, mode in zip(res.stdout.split("\n"), ("keep", "project"), strict=False):
+    for line, mode in zip(res.stdout.strip().split("\n"), ("keep", "project", "mean"), strict=True):
         name, diff, changed = line.split()
         assert name == mode and float(diff) < 1e-5 and float(changed) > 1e-3
+
+
+CONDITIONS_CHECK = """
+import json, sys
+from types import SimpleNamespace
+sys.path[:0] = ["bench"]
+import torch
+from claims_suppression import SIZES, conditions
+neutral = SimpleNamespace(idx=torch.arange(40).view(20, 2), acts=torch.ones(20, 2))
+sets = {"kjv": {"ranked": [50, 51, 52, 53, 54, 55]}, "sotu": {"ranked": [60, 61]}}
+draws = SIZES["quick"].draws
+print(json.dumps(conditions(sets, SimpleNamespace(caches={"neutral": neutral}), [2, 4], 0, 100, draws)))
+"""
+
+
+def test_every_mode_is_measured_on_the_same_sets_and_draws():
+    """The suppression stage's conditions at the quick size: every concept set and whole-bank draw once with
+    the slices removed, once ``+project`` and once ``+mean`` (the same ids); the neutral-active ``random@n`` and
+    ``before`` only without a suffix; the project conditions listed before the mean ones."""
+    res = _bench(["-c", CONDITIONS_CHECK])
+    assert res.returncode == 0, res.stderr[-3000:]
+    conds = json.loads(res.stdout.strip().splitlines()[-1])
+    plain = [c for c in conds if "+" not in c]
+    edited = [c for c in plain if c != "before" and not c.startswith("random@")]
+    assert any(c.startswith("random0@") for c in edited) and any(c.startswith("kjv@") for c in edited)
+    assert [c for c in conds if c.endswith("+project")] == [f"{c}+project" for c in edited]
+    assert [c for c in conds if c.endswith("+mean")] == [f"{c}+mean" for c in edited]
+    assert len(conds) == len(plain) + 2 * len(edited)
+    assert all(conds[f"{c}+project"] == conds[f"{c}+mean"] == conds[c] for c in edited)
+    assert max(i for i, c in enumerate(conds) if c.endswith("+project")) < min(
+        i for i, c in enumerate(conds) if c.endswith("+mean")
+    )
