@@ -416,6 +416,12 @@ def test_suppress_residual_model_arg_projects_the_residual(trained, tmp_path):
         want = loglikelihoods(lm.model, tok, [req[0].args])[0]
     assert lm.loglikelihood(req)[0] == pytest.approx(want)
     assert keep.loglikelihood(req)[0][0] != pytest.approx(want[0])
+    mean = PrismEvalLM.create_from_arg_string(f"pretrained={run},suppress={f},suppress_residual=mean", extra)
+    assert [iv.residual for iv in mean.interventions] == ["mean"]
+    with mean.model.intervene(Suppress.of(range(0, K, 4), residual="mean")):
+        want_mean = loglikelihoods(mean.model, tok, [req[0].args])[0]
+    assert mean.loglikelihood(req)[0] == pytest.approx(want_mean)
+    assert want_mean[0] != pytest.approx(want[0])  # one direction, not the span
     with pytest.raises(ConfigError, match="'drop' is not a residual mode"):
         PrismEvalLM.create_from_arg_string(f"pretrained={run},suppress={f},suppress_residual=drop", extra)
     with pytest.raises(ConfigError, match="project needs a suppression set"):

@@ -586,3 +586,18 @@ def test_cli_export_with_suppress_residual_mean(run_folder, tmp_path):
         want = m(x).logits
     with torch.no_grad():
         assert (loaded(x).logits - want).abs().max().item() <= 1e-5
+
+
+def test_explanations_under_the_mean_projection_sum_exactly_and_say_so(run_folder):
+    from prismlm.app import Run
+    from prismlm.explain.explanation import explain
+
+    run = Run.open(run_folder, device="cpu", suppress="none")
+    model, tok = run.model, run.tokenizer
+    prompt = "It is a truth universally acknowledged"
+    with torch.no_grad():
+        sup = sorted(set(model(torch.tensor([tok.encode(prompt)])).indices[..., 0].flatten().tolist()))[:4]
+    with torch.no_grad(), model.intervene(Suppress.of(sup, residual="mean")):
+        e = explain(model, tok, prompt)
+    assert e.max_abs_error < 1e-4
+    assert any("unit mean direction" in n and f"{len(sup)} suppressed prototypes" in n for n in e.notes)
