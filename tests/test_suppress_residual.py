@@ -275,6 +275,18 @@ def run_folder(tiny_shards, tmp_path_factory):
     return train_tiny_run(tiny_shards, tmp_path_factory.mktemp("resid_run"), steps=2, batch_size=2, warmup_steps=1)[1]
 
 
+def _run_and_set(run_folder, tmp_path):
+    """The tiny run, a prompt (1, T), and a suppression file of 4 prototypes active on it."""
+    from prismlm.app import Run
+
+    run = Run.open(run_folder, device="cpu")
+    x = torch.tensor([run.tokenizer.encode("It is a truth universally acknowledged, that a single man")])
+    with torch.no_grad():
+        ids = sorted(set(run.model(x).indices[..., 0].flatten().tolist()))[:4]
+    sfile = SuppressionSet(ids=ids, num_prototypes=run.model.prototypes.num_prototypes).save(tmp_path / "s.json")
+    return run, x, ids, sfile
+
+
 def test_cli_suppress_residual_chooses_the_mode_and_export_bakes_it_in(run_folder, tmp_path):
     """``prism export RUN OUT --suppress FILE --suppress-residual project``: the export projects the residual
     (its logits and greedy tokens are the run's under the set with ``project``); bad values fail naming the fix."""
@@ -285,11 +297,7 @@ def test_cli_suppress_residual_chooses_the_mode_and_export_bakes_it_in(run_folde
     from prismlm.app import Run
     from prismlm.cli.main import app
 
-    run = Run.open(run_folder, device="cpu")
-    x = torch.tensor([run.tokenizer.encode("It is a truth universally acknowledged, that a single man")])
-    with torch.no_grad():
-        ids = sorted(set(run.model(x).indices[..., 0].flatten().tolist()))[:4]
-    sfile = SuppressionSet(ids=ids, num_prototypes=run.model.prototypes.num_prototypes).save(tmp_path / "s.json")
+    run, x, ids, sfile = _run_and_set(run_folder, tmp_path)
     out = tmp_path / "exported"
     cli = CliRunner()
     args = ["export", str(run_folder), str(out), "--suppress", str(sfile), "--device", "cpu"]
@@ -567,11 +575,7 @@ def test_cli_export_with_suppress_residual_mean(run_folder, tmp_path):
     from prismlm.app import Run
     from prismlm.cli.main import app
 
-    run = Run.open(run_folder, device="cpu")
-    x = torch.tensor([run.tokenizer.encode("It is a truth universally acknowledged, that a single man")])
-    with torch.no_grad():
-        ids = sorted(set(run.model(x).indices[..., 0].flatten().tolist()))[:4]
-    sfile = SuppressionSet(ids=ids, num_prototypes=run.model.prototypes.num_prototypes).save(tmp_path / "s.json")
+    run, x, ids, sfile = _run_and_set(run_folder, tmp_path)
     out = tmp_path / "exported"
     args = ["export", str(run_folder), str(out), "--suppress", str(sfile), "--device", "cpu"]
     res = CliRunner().invoke(app, [*args, "--suppress-residual", "mean"])

@@ -45,6 +45,16 @@ class ConceptResult:
     """Where the set was written (``out``, and the checkpoint with ``save``)."""
 
 
+def _check_residual_mode(residual: str) -> None:
+    if residual not in RESIDUAL_MODES:
+        raise ConfigError(
+            f"`residual` {residual!r} is not a residual mode",
+            fix="use keep (remove the slices only), project (also project the residual off the prototypes' "
+            "span) or mean (off their unit mean direction)",
+            param="residual",
+        )
+
+
 def find_run_concept(
     run: Run,
     concept: Path,
@@ -80,13 +90,7 @@ def find_run_concept(
             project (also project the residual off the span of their vectors) or mean (off their unit mean
             direction only, one dimension).
     """
-    if residual not in RESIDUAL_MODES:
-        raise ConfigError(
-            f"`residual` {residual!r} is not a residual mode",
-            fix="use keep (remove the slices only), project (also project the residual off the prototypes' "
-            "span) or mean (off their unit mean direction)",
-            param="residual",
-        )
+    _check_residual_mode(residual)
     require(selection.min_count >= 1, "min_count", ">= 1", selection.min_count)
     if out is not None:  # a folder gets suppression.json (a checkpoint's own set: also what `save` writes)
         target = out / CHECKPOINT_FILE if out.is_dir() else out
