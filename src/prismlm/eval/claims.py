@@ -419,9 +419,9 @@ def gathered_summary(stages: Mapping[str, Record], order: Sequence[str]) -> dict
 def claims_goals(summary: Mapping[str, object]) -> dict[str, dict[str, object]]:
     """Each goal of the claims (the paper's numbers in the issue) read off a ``gathered_summary``: goal →
     ``{"met": bool | None, "values": {field: value}, "target": str}``; ``met`` is None when a field it needs is
-    null (the stage has not run), never guessed. Suppression counts the residual-projecting mode's drop of the
-    excess over neutral text (the best row already obeys ≤ 1% neutral CE and ≤ 2% of the bank); controllers are
-    in accuracy points."""
+    null (the stage has not run), never guessed. Suppression is met by any of its modes (slices only, the span
+    projection, the mean direction), each judged by its own ``goal_met`` (its best row already obeys ≤ 1% neutral
+    CE and ≤ 2% of the bank); controllers are in accuracy points."""
 
     def get(*names: str) -> tuple[dict[str, object], list[float] | None]:
         vals = {n: summary.get(n) for n in names}
@@ -434,12 +434,20 @@ def claims_goals(summary: Mapping[str, object]) -> dict[str, dict[str, object]]:
         vals, nums = get(*names)
         goals[name] = {"met": None if nums is None else bool(test(nums)), "values": vals, "target": target}
 
-    goal(
-        "suppression",
-        "excess drop >= 0.8 at <= 1% neutral CE and <= 2% of the bank",
-        ("suppression_residual_best_drop",),
-        lambda v: v[0] >= 0.8,
-    )
+    # suppression: met by any mode whose best set (already within <= 1% neutral CE and <= 2% of the bank) reaches
+    # the drop; a mode with no set inside the limits has a null drop and goal_met False — measured, not met
+    flags = {
+        f: summary.get(f)
+        for f in ("suppression_goal_met", "suppression_residual_goal_met", "suppression_mean_goal_met")
+    }
+    ran = [v for v in flags.values() if isinstance(v, bool)]
+    drops = ("suppression_best_drop", "suppression_residual_best_drop", "suppression_mean_best_drop")
+    goals["suppression"] = {
+        "met": any(ran) if ran else None,
+        "values": {f: summary.get(f) for f in drops},
+        "target": "drop >= 0.8 (of the excess over neutral text with the residual edited; raw with slices only) at "
+        "<= 1% neutral CE and <= 2% of the bank, in any mode",
+    }
     goal(
         "controllers",
         "> the choice prior, and >= the SAE and the dense controller by 2 points",
