@@ -235,20 +235,29 @@ def test_suppression_set_records_the_mode_and_old_files_load(tmp_path):
 
 
 # ----- export to transformers ------------------------------------------------------------------------------
+
+
+def _exported(seed: int, mode: str, out):
+    """A float32 model (``_setup(seed)``) exported to ``out`` with ``Suppress(ids, residual=mode)``: the model,
+    its input, the ids, the intervention and the export's config.json."""
+    from prismlm.integrations.hf_model import PrismForCausalLM
+
+    model, x, _, ids = _setup(seed)
+    model = model.float()
+    iv = Suppress.of(ids, residual=mode)
+    PrismForCausalLM.from_prism(model, interventions=(iv,), eos_token_id=0, pad_token_id=0).save_pretrained(out)
+    return model, x, ids, iv, json.loads((out / "config.json").read_text())
+
+
 def test_export_bakes_the_projection_in(tmp_path):
     """A float32 model exported with ``Suppress(ids, residual="project")``: config.json lists the ids, and
     the transformers model's logits and greedy tokens are prismlm's under the same suppression."""
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from prismlm.integrations.hf_model import PrismConfig, PrismForCausalLM
+    from prismlm.integrations.hf_model import PrismConfig
 
-    model, x, _, ids = _setup(6)
-    model = model.float()
-    iv = Suppress.of(ids, residual="project")
-    hf = PrismForCausalLM.from_prism(model, interventions=(iv,), eos_token_id=0, pad_token_id=0)
-    hf.save_pretrained(tmp_path / "out")
-    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    model, x, ids, iv, cfg = _exported(6, "project", tmp_path / "out")
     assert cfg["residual_projected_prototypes"] == sorted(ids) and cfg["suppressed_prototypes"] == sorted(ids)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad(), model.intervene(iv):
@@ -535,14 +544,9 @@ def test_export_bakes_the_mean_projection_in(tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from prismlm.integrations.hf_model import PrismConfig, PrismForCausalLM
+    from prismlm.integrations.hf_model import PrismConfig
 
-    model, x, _, ids = _setup(12)
-    model = model.float()
-    iv = Suppress.of(ids, residual="mean")
-    hf = PrismForCausalLM.from_prism(model, interventions=(iv,), eos_token_id=0, pad_token_id=0)
-    hf.save_pretrained(tmp_path / "out")
-    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    model, x, ids, iv, cfg = _exported(12, "mean", tmp_path / "out")
     assert cfg["residual_projected_prototypes"] == sorted(ids) and cfg["residual_projection_mode"] == "mean"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad(), model.intervene(iv):
