@@ -86,3 +86,40 @@ def test_a_bank_that_does_not_serve_the_model_is_refused_before_the_backbone_pas
         assert not (tmp_path / name / "stored-z").exists(), name  # refused before the z pass
     with pytest.raises(ConfigError, match="does not run"):  # the per-step path has no bank stage to start
         tiny_retrofit(tiny_run, tmp_path / "perstep", ["train.frozen_from_stored_z=false", f"train.init_bank={path}"])
+
+
+def test_an_int8_bank_file_dequantizes_to_torchs_per_row_quantizer(seeded, dense_run, tmp_path):  # noqa: F811
+    """``dtype=torch.int8``: each column divided by its absmax, then one scale per row (absmax / 127); the bank
+    read back is what torch's own per-channel fake quantizer gives with those scales (an independent rounding)
+    times the column scales, each divided entry within half a row scale; an all-zero row stays zero; the file
+    is about a quarter of float32's; a retrofit from it holds the dequantized bank bit for bit."""
+    from prismlm.model.bank_file import write_bank
+
+    out, path = seeded
+    full = load_bank(path)
+    weight = full.prototypes.clone()
+    weight[1] = 0.0  # an all-zero row: no division by zero, read back as zeros
+    small = write_bank(tmp_path / "int8.safetensors", weight, backbone=full.backbone, top_k=full.top_k, step=3,
+                       made_by={"how": "int8"}, dtype=torch.int8)  # fmt: skip
+    read = load_bank(small)
+    assert read.prototypes.dtype == torch.float32 and read.made_by == {"how": "int8"} and read.step == 3
+    columns = weight.abs().amax(dim=0)
+    divided = weight / columns
+    scales = divided.abs().amax(dim=1) / 127
+    scales[1] = 1.0
+    zero = torch.zeros(len(scales), dtype=torch.int32)
+    reference = torch.fake_quantize_per_channel_affine(divided, scales, zero, 0, -127, 127) * columns
+    assert torch.allclose(read.prototypes, reference, rtol=1e-6, atol=1e-7)
+    assert bool(((read.prototypes / columns - divided).abs() <= scales[:, None] / 2 + 1e-6).all())
+    assert torch.equal(read.prototypes[1], torch.zeros_like(weight[1]))
+    assert small.stat().st_size < 0.3 * path.stat().st_size + 4096  # int8 + a scale per row vs float32
+    again = tiny_retrofit(dense_run, tmp_path / "again", ["train.stored_z_dtype=float32", f"train.init_bank={small}"],
+                          steps=3)  # fmt: skip
+    assert torch.equal(_bank(again.run_dir), read.prototypes)
+    # int8 rows without their scales, and a dtype a bank file does not store, are refused
+    save_file({"prototypes": torch.zeros(4, 8, dtype=torch.int8)}, str(tmp_path / "noscale.safetensors"),
+              metadata={"kind": "prismlm-bank", "backbone": full.backbone, "top_k": "4", "step": "3"})  # fmt: skip
+    with pytest.raises(ArtifactCorrupt, match="prototype_column_scales"):
+        load_bank(tmp_path / "noscale.safetensors")
+    with pytest.raises(ArtifactError, match="not torch.bfloat16"):
+        write_bank(tmp_path / "bf.safetensors", weight, backbone="", top_k=4, step=3, made_by={}, dtype=torch.bfloat16)
