@@ -9,7 +9,8 @@ bench/real_claims.py measures"). Each method's scores are saved under the stage 
 ``--planted nonlexical [--train-sequences 1000]``: the set lexical match cannot solve (``prismlm.tda.nonlexical``:
 aliases, two-hop facts, synonym paraphrases among filler), recall@1 / MRR / recall@10 per kind, the cache and
 EK-FAC timed batched and one query at a time (its cost model: that module's docstring), into
-``real-claims[-quick]-attribution-nonlexical.json``.
+``real-claims[-quick]-attribution-nonlexical.json``. ``--finished-only``: run no method, record the ones finished
+so far and name the rest in ``not_run`` (``...-partial.json``): the record of a long run that resumes later.
 """
 
 from __future__ import annotations
@@ -133,6 +134,12 @@ def add_options(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="--planted nonlexical: training sequences of 64 tokens (default 1000; --quick 24)",
     )
+    ap.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="record the methods finished so far and run none (written to ...-partial.json; the stage resumes "
+        "the rest when run without it)",
+    )
 
 
 @dataclass
@@ -212,7 +219,8 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     learned = cached_json(stage / "learning.json", lambda: learning(ps, net, tok, T))
     ctx.log(f"attribution: learning {learned['summary']}")
     methods = Methods(ctx, size, stage / "methods", net, shards, queries, run_dir)
-    methods.run_all()
+    finished_only = bool(getattr(ctx.options, "finished_only", False))
+    methods.run_all(finished_only)
     planted = {name: retrieval_by_part(S, fact_of, part, relevant) for name, S in methods.scores.items()}
     for name, m in planted.items():
         ctx.log(f"attribution: {name}: R@10 {m['all']['recall@10']:.2f} R@1 {m['all']['recall@1']:.2f}")
@@ -220,6 +228,7 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     return {
         "summary": nonlexical_summary(planted, methods.costs) if nl else attribution_summary(planted, methods.costs),
         "planted_set": "nonlexical" if nl else "named",
+        "partial": finished_only,
         "size": asdict(size),
         "unfreeze": UNFREEZE,
         "source": DEMO_MODEL,
@@ -355,30 +364,41 @@ class Methods:
         (self.folder / "costs.json").write_text(json.dumps(self.costs, indent=1) + "\n")
         self.ctx.log(f"attribution: {name} done ({cost})")
 
-    def run_all(self) -> None:
+    def run_all(self, finished_only: bool = False) -> None:
+        """Run each method not finished yet, in order. ``finished_only``: run none; the finished ones' scores are
+        read back and the rest named in ``not_run`` (a partial record of a run that resumes later)."""
+
+        def run(name: str, fn: Callable[[], None]) -> None:
+            if self.done(name):
+                return
+            if finished_only:
+                self.not_run[name] = "not finished yet: the stage resumes it when run without --finished-only"
+            else:
+                fn()
+
         for name, fn in (
             ("bm25", self.bm25),
             ("cached", self.cached),
             ("cached-compact", self.cached_compact),
             ("grad-dot", self.grad_dot),
         ):
-            if not self.done(name):
-                fn()
+            run(name, fn)
         self.done("bm25-prompt")  # saved by bm25()
-        self.hybrid()
-        if not self.done("ekfac"):
-            self.ekfac()
-        if not self.done("trak"):
-            self.trak()
+        if "cached-compact" in self.scores and "grad-dot" in self.scores:
+            self.hybrid()
+        run("ekfac", self.ekfac)
+        run("trak", self.trak)
         bergson = os.environ.get("BERGSON_PYTHON")
         if self.done("bergson") and self.costs["bergson"].get("modules") == list(self.finetuned_modules()):
             pass  # scores saved on other modules (before bergson was given EK-FAC's) are not reused
-        elif bergson:
+        elif bergson and not finished_only:
             self.bergson(bergson)
         else:
             self.scores.pop("bergson", None)
             self.not_run["bergson"] = (
-                "not run: set BERGSON_PYTHON to a python with bergson==2.5.1 installed (a separate venv; "
+                "not finished yet: the stage resumes it when run without --finished-only"
+                if finished_only
+                else "not run: set BERGSON_PYTHON to a python with bergson==2.5.1 installed (a separate venv; "
                 "prismlm.integrations.bergson says how to make it)"
             )
 
@@ -602,7 +622,9 @@ class Methods:
 
 
 def main(argv: list[str] | None = None) -> None:
-    variant = lambda args: "-nonlexical" if args.planted == "nonlexical" else ""  # noqa: E731
+    def variant(args: argparse.Namespace) -> str:
+        return ("-nonlexical" if args.planted == "nonlexical" else "") + ("-partial" if args.finished_only else "")
+
     run_claims_stage("attribution", attribution_stage, __doc__, argv, add_options, variant)
 
 

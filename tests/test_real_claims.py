@@ -239,6 +239,36 @@ def test_attribution_methods_and_their_metrics(quick_claims):
         assert field in att["summary"], field
 
 
+@pytest.mark.slow
+def test_a_partial_attribution_record_holds_the_finished_methods_and_names_the_rest(quick_claims, tmp_path):
+    """``--finished-only``: no method runs; the finished ones' metrics are the full record's, a method whose scores
+    are not saved yet is named in ``not_run`` (and absent from ``planted``), and the record says it is partial."""
+    _, stages, _, _, _ = quick_claims
+    att = stages["attribution"]
+    methods = Path(att["stage_dir"]) / "methods"
+    work = Path(att["stage_dir"]).parent
+    work = work.with_name(work.name.removesuffix("-faithful"))  # the --work the driver was given
+    out = tmp_path / "partial.json"
+    aside = methods / "trak.npy.aside"
+    (methods / "trak.npy").rename(aside)
+    try:
+        res = _bench(["bench/claims_attribution.py", "--quick", "--threads", "1", "--work", str(work), "--head",
+                      "faithful", "--finished-only", "--out", str(out)])  # fmt: skip
+    finally:
+        aside.rename(methods / "trak.npy")
+    assert res.returncode == 0, res.stderr[-3000:]
+    partial = json.loads(out.read_text())
+    assert partial["partial"] is True and att["partial"] is False
+    assert "trak" not in partial["planted"] and "not finished" in partial["not_run"]["trak"]
+    assert "not finished" in partial["not_run"]["bergson"]
+    for method in ("bm25", "cached", "cached-compact", "grad-dot", "hybrid-grad-m4", "ekfac"):
+        assert partial["planted"][method] == att["planted"][method], method
+    assert (
+        "recall10_trak" not in partial["summary"]
+        and partial["summary"]["recall10_ekfac"] == att["summary"]["recall10_ekfac"]
+    )
+
+
 def _bench(args: list[str], **kw) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, **kw)
