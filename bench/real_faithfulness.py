@@ -419,9 +419,11 @@ def measure_main(args: argparse.Namespace) -> None:
     got = measure(ckpt.model, ckpt.require_tokenizer(), shards, store, args.eval_batches)
     path = args.results / "real-faithfulness-measures.json"
     results = json.loads(path.read_text()) if path.exists() else {"models": {}}
+    # each model keeps its own environment: models are measured at different revisions, one at a time
+    env = environment("cpu", 0)
     results["models"][args.name] = {"checkpoint": str(ckpt.path), "step": ckpt.manifest["step"],
-                                    "seconds": time.perf_counter() - t0, **got}  # fmt: skip
-    results["environment"] = environment("cpu", 0)
+                                    "seconds": time.perf_counter() - t0, **got, "environment": env}  # fmt: skip
+    results["environment"] = env
     write_json(path, results)
     t, c = got["heldout_text"], got["chat_answers"]
     print(f"measure {args.name}: text top1 {t['top1_agreement']:.3f} kl {t['kl']:.2f} margin {t['margin_share']:.3f} "
