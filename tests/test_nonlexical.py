@@ -31,6 +31,7 @@ from prismlm.tda.nonlexical import (
     per_query_seconds,
     plant_world,
     relevant_sequences,
+    statement_prompts,
     template_overlaps,
 )
 from prismlm.tda.planted import build_planted_corpus, retrieval_metrics
@@ -231,6 +232,17 @@ def test_answer_accuracy_ranks_a_taught_answer_first(small):
     assert acc["chance_top1"] == pytest.approx(np.mean([1 / len(pools[q.relation]) for q in small.queries]))
     for (ids, start), q in zip(small.token_queries(tok), small.queries, strict=True):
         assert tok.decode(ids[start:]) == " " + q.answer and re.sub(r"\s+", " ", tok.decode(ids[1:start])) == q.prompt
+    # the answer's NLL per token: logit 10 on the taught token over V=400 is ~0.04 nats; an untaught one ~10
+    assert acc["answer_nll_per_token"] < 0.1 and miss["answer_nll_per_token"] > 5
+    # the statements completed verbatim: untaught by the query-taught model (uniform over V=400: ~6 nats a
+    # token; its top-1 is not 0, summed log-probabilities favour shorter keys); taught, every one ranks first
+    assert acc["statement_nll_per_token"] > 5 and acc["statements"] == len(statement_prompts(small)) > 0
+    said = [[tok.eot_id, *tok.encode(prompt), *tok.encode(" " + st.key)] for st, prompt in statement_prompts(small)]
+    learned = answer_accuracy(small, _Memo(said, tok.vocab_size), tok)
+    assert learned["statement_top1"] == 1.0 and learned["statement_nll_per_token"] < 0.1
+    assert learned["answer_nll_per_token"] > 5  # the queries stay untaught
+    for st, prompt in statement_prompts(small):  # the text before the key, from the statement's own sentence
+        assert st.sentence.startswith(prompt) and st.sentence[len(prompt) :].lstrip().startswith(st.key)
 
 
 def test_per_query_seconds_times_both_ways_and_the_summary_divides_like_by_like():

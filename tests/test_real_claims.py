@@ -446,3 +446,34 @@ def test_every_mode_is_measured_on_the_same_sets_and_draws():
     assert max(i for i, c in enumerate(conds) if c.endswith("+project")) < min(
         i for i, c in enumerate(conds) if c.endswith("+mean")
     )
+
+
+RETIRE = """
+import json, sys
+from pathlib import Path
+sys.path[:0] = ["bench"]
+from claims_attribution import retire_stale
+stage = Path(sys.argv[1])
+(stage / "methods").mkdir(parents=True)
+(stage / "methods" / "cached.npy").write_text("x")
+(stage / "learning.json").write_text("{}")
+logs = []
+retire_stale(stage, 375, logs.append)  # a folder of the only fine-tune there was: kept, and marked
+kept = sorted(p.name for p in stage.iterdir())
+retire_stale(stage, 1125, logs.append)  # the fine-tune trained on: its earlier results set aside
+moved = sorted(p.name for p in stage.iterdir())
+retire_stale(stage, 1125, logs.append)  # same step again: nothing moves
+print(json.dumps({"kept": kept, "moved": moved, "again": sorted(p.name for p in stage.iterdir()), "logs": logs,
+                  "marker": json.loads((stage / "fine_tune_step.json").read_text())}))
+"""
+
+
+def test_an_attribution_stage_sets_aside_the_results_of_a_shorter_fine_tune(tmp_path):
+    """``retire_stale`` (bench/claims_attribution.py): learning and method scores belong to the fine-tune step they
+    were computed at; when the fine-tune trains on, they are renamed aside, not reused."""
+    res = _bench(["-c", RETIRE, str(tmp_path / "stage")])
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["kept"] == ["fine_tune_step.json", "learning.json", "methods"]
+    assert got["moved"] == ["fine_tune_step.json", "learning.json-step375", "methods-step375"]
+    assert got["again"] == got["moved"] and got["marker"] == {"step": 1125} and len(got["logs"]) == 1

@@ -536,29 +536,60 @@ def lexical_report(nl: NonlexicalCorpus, k: int = 10) -> dict[str, object]:
     }
 
 
+def statement_prompts(nl: NonlexicalCorpus) -> list[tuple[Statement, str]]:
+    """Each planted statement with the text before its key ("The chief export of Oondimwel is" for "... is
+    Mirfenqua."): what the model must complete to show it learned the statement itself, verbatim. A statement
+    whose key opens its sentence has no such prompt and is left out."""
+    out = []
+    for st in nl.statements:
+        prompt = st.sentence[: st.sentence.index(st.key)].rstrip()
+        if prompt:
+            out.append((st, prompt))
+    return out
+
+
 def answer_accuracy(nl: NonlexicalCorpus, net: LanguageModel, tok: Tokenizer) -> dict[str, object]:
     """Per query, whether its answer has the highest log-probability after its prompt among every planted object
-    of the same relation (strictly: ties miss): top-1 accuracy per kind and in all, and the chance level
-    (1 / candidates)."""
+    of the same relation (strictly: ties miss): top-1 accuracy per kind and in all, the chance level
+    (1 / candidates) and the answer's NLL per token. The same of each statement completed verbatim
+    (``statement_prompts``: its key among its relation's keys): a model can learn the statements and still not
+    answer the queries, which need an alias, a second hop or a synonym (and a lower NLL alone can come from
+    learning the answer's word, not the fact: the answer words are shared by several facts)."""
     pool: dict[str, list[str]] = {}
     for st in nl.statements:
         if st.key not in pool.setdefault(st.relation, []):
             pool[st.relation].append(st.key)
-    top1: dict[str, list[float]] = {k: [] for k in KINDS}
-    chance = []
-    for q in nl.queries:
-        cands = pool[q.relation]
-        lp = answer_logprobs(net, [tok.eot_id] + tok.encode(q.prompt), [tok.encode(" " + a) for a in cands])
-        c = cands.index(q.answer)
+
+    def rank_first(prompt: str, relation: str, answer: str) -> tuple[float, float]:
+        """(1.0 when ``answer`` is strictly above every other candidate else 0.0, its NLL per token)."""
+        cands = pool[relation]
+        tokens = [tok.encode(" " + a) for a in cands]
+        lp = answer_logprobs(net, [tok.eot_id] + tok.encode(prompt), tokens)
+        c = cands.index(answer)
         # strictly above every other candidate: a tie (a model that has learned nothing) is not a hit
-        top1[q.kind].append(float(bool((lp[c] > torch.cat([lp[:c], lp[c + 1 :]])).all())))
-        chance.append(1 / len(cands))
+        return float(bool((lp[c] > torch.cat([lp[:c], lp[c + 1 :]])).all())), -float(lp[c]) / len(tokens[c])
+
+    top1: dict[str, list[float]] = {k: [] for k in KINDS}
+    nll, chance = [], []
+    for q in nl.queries:
+        hit, q_nll = rank_first(q.prompt, q.relation, q.answer)
+        top1[q.kind].append(hit)
+        nll.append(q_nll)
+        chance.append(1 / len(pool[q.relation]))
+    statements = [rank_first(prompt, st.relation, st.key) for st, prompt in statement_prompts(nl)]
     every = [x for v in top1.values() for x in v]
     return {
         "top1": float(np.mean(every)),
         "top1_by_kind": {k: float(np.mean(v)) for k, v in top1.items() if v},
         "chance_top1": float(np.mean(chance)),
+        "answer_nll_per_token": float(np.mean(nll)),
         "queries": len(every),
+        "statement_top1": float(np.mean([h for h, _ in statements])) if statements else None,
+        "statement_chance_top1": float(np.mean([1 / len(pool[st.relation]) for st, _ in statement_prompts(nl)]))
+        if statements
+        else None,
+        "statement_nll_per_token": float(np.mean([n for _, n in statements])) if statements else None,
+        "statements": len(statements),
     }
 
 
