@@ -98,6 +98,7 @@ print(json.dumps({"calls": calls, "modules": m.costs["bergson"]["modules"], "ekf
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_claims_attribution_gives_bergson_ekfacs_modules(tmp_path):
     """``Methods.bergson`` (bench/claims_attribution.py) passes the fine-tuned blocks' Linear modules — the last
     2 of 3 blocks, not the unembedding — to both bergson calls and records them (bergson's runner faked)."""

@@ -274,6 +274,7 @@ def _bench(args: list[str], **kw) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, **kw)
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_driver_gathers_finished_stages_without_running_them(tmp_path):
     """Fast: every stage's JSON exists, so no stage script runs; the summary merges the stages' summaries in
     stage order (a later stage's field wins), each source names its file and its own revision."""
@@ -303,6 +304,7 @@ def test_the_driver_gathers_finished_stages_without_running_them(tmp_path):
     assert gathered["summary_by_head"] == {"paper": summary}
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_driver_gathers_each_head_beside_the_first(tmp_path):
     """Fast: with both heads' files there, ``summary`` is the first head's, ``summary_by_head`` has both (the
     before/after rows), and the faithful head's files carry its tag."""
@@ -325,6 +327,7 @@ def test_the_driver_gathers_each_head_beside_the_first(tmp_path):
     assert gathered["summary_sources_by_head"]["faithful"]["bank"]["file"] == "claims-faithful-bank.json"
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_stage_script_records_the_environment_it_is_given(tmp_path):
     """Fast: a stage (here a stand-in) writes its result with ``stage``, ``seconds`` and the driver's environment
     record as given (its revision read once, before any stage wrote), with this stage's start load."""
@@ -348,6 +351,7 @@ def test_a_stage_script_records_the_environment_it_is_given(tmp_path):
     assert set(env) == set(given)
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_stage_script_gets_its_own_options(tmp_path):
     """Fast: ``add_options`` adds a stage's own options and the stage reads them from ``ctx.options``;
     ``claims_attribution.py --help`` lists ``--planted`` and ``--train-sequences``."""
@@ -364,6 +368,7 @@ def test_a_stage_script_gets_its_own_options(tmp_path):
     assert res.returncode == 0 and "--planted {named,nonlexical}" in res.stdout and "--train-sequences" in res.stdout
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_stage_script_runs_on_the_head_it_is_given(tmp_path):
     """Fast: ``--head faithful`` gives the stage that head's work folder (WORK-faithful: its own bank on the same
     anchor set) and the faithful recipe's overrides, and the record names the head; the default is the paper's."""
@@ -468,6 +473,7 @@ print(json.dumps({"kept": kept, "moved": moved, "again": sorted(p.name for p in 
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_an_attribution_stage_sets_aside_the_results_of_a_shorter_fine_tune(tmp_path):
     """``retire_stale`` (bench/claims_attribution.py): learning and method scores belong to the fine-tune step they
     were computed at; when the fine-tune trains on, they are renamed aside, not reused."""
