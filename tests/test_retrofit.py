@@ -131,11 +131,22 @@ def retrofit_cli(source, out, *extra):
     return out
 
 
+class _Retrofits(dict):
+    """arch → run folder retrofitted with a frozen backbone (stage 1 only, 6 steps), made when first asked for:
+    the fast test reads one architecture, the slow ones all four."""
+
+    def __init__(self, sources, root):
+        super().__init__()
+        self.sources, self.root = sources, root
+
+    def __missing__(self, arch):
+        self[arch] = retrofit_cli(self.sources[arch], self.root / arch, "--steps", "6")
+        return self[arch]
+
+
 @pytest.fixture(scope="module")
 def retrofitted(hf_folders, tmp_path_factory):
-    """arch → run folder retrofitted with a frozen backbone (stage 1 only, 6 steps)."""
-    root = tmp_path_factory.mktemp("retrofits")
-    return {arch: retrofit_cli(path, root / arch, "--steps", "6") for arch, path in hf_folders.items()}
+    return _Retrofits(hf_folders, tmp_path_factory.mktemp("retrofits"))
 
 
 @pytest.mark.slow
