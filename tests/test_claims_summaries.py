@@ -159,6 +159,26 @@ def test_controller_minus_dense_in_points_and_its_sign():
     assert swapped["controller_minus_dense"] == pytest.approx(-0.5)
     # the other fields do not depend on the dense side
     assert s["controller_minus_sae"] == pytest.approx(100 * (0.06 + 0.01) / 2)
+    assert "controller_vs_dense_mcnemar_p" not in s  # rows without paired counts
+
+
+def test_controller_summary_pools_each_tasks_paired_counts_into_one_mcnemar_p():
+    rows = _dense_rows(prism=(0.66, 0.81), dense=(0.62, 0.84))
+    for row, (g_prior, l_prior), (g_sae, l_sae), (g_dense, l_dense) in zip(
+        rows, [(6, 1), (4, 1)], [(3, 3), (2, 0)], [(5, 2), (1, 4)], strict=True
+    ):
+        row["prism"]["paired_vs_prior"] = {"gained": g_prior, "lost": l_prior}  # type: ignore[index]
+        row["prism_vs_sae"] = {"gained": g_sae, "lost": l_sae}
+        row["prism_vs_dense"] = {"gained": g_dense, "lost": l_dense}
+    s = controller_summary(rows)
+    # by hand, pooled over both tasks: prior 10 gained / 2 lost → 2·(1 + 12 + 66)/2¹² = 158/4096;
+    # SAE 5 / 3 → 2·(1 + 8 + 28 + 56)/2⁸ = 186/256; dense 6 / 6 → capped at 1
+    assert s["controller_vs_prior_gained_lost"] == [10, 2]
+    assert s["controller_vs_prior_mcnemar_p"] == pytest.approx(158 / 4096)
+    assert s["controller_vs_sae_mcnemar_p"] == pytest.approx(186 / 256)
+    assert s["controller_vs_dense_gained_lost"] == [6, 6] and s["controller_vs_dense_mcnemar_p"] == 1.0
+    del rows[1]["prism_vs_sae"]  # a task without the SAE's counts: no pooled p for the SAE
+    assert "controller_vs_sae_mcnemar_p" not in controller_summary(rows)
 
 
 def _parts(logit, S, R, runner_logit, runner_S, abs_slices=None):
@@ -219,3 +239,7 @@ def test_claims_goals_are_met_only_at_their_thresholds_and_unmeasured_when_a_fie
     assert claims_goals({**no_set, "suppression_mean_goal_met": True})["suppression"]["met"] is True
     assert claims_goals({**summary, "explanation_margin_share": 0.85})["explanations"]["met"] is True
     assert claims_goals({})["suppression"]["met"] is None
+    # the pooled McNemar p-values sit beside the controllers' values; they do not change the verdict
+    noisy = claims_goals({**summary, "controller_minus_dense": 2.5, "controller_vs_sae_mcnemar_p": 0.6})
+    assert noisy["controllers"]["met"] is True and noisy["controllers"]["values"]["controller_vs_sae_mcnemar_p"] == 0.6
+    assert noisy["controllers"]["values"]["controller_vs_dense_mcnemar_p"] is None
