@@ -157,6 +157,18 @@ def test_gathered_summary_new_fields_heads_and_reasons():
     assert "why_null" not in done and set(done["head"].values()) == {"paper"}
 
 
+def test_gathered_controllers_fields_are_derived_again_from_the_recorded_task_rows():
+    """A controllers record from before the pooled McNemar p existed: its summary lacks it, its task rows have
+    the paired counts, and the gathered summary has the p (and the recorded means, unchanged)."""
+    row = {"base": {"acc": 0.6}, "choice_prior": {"acc": 0.6},
+           "prism": {"test_after": {"acc": 0.7}, "delta_acc": 0.1, "paired_vs_prior": {"gained": 9, "lost": 1}},
+           "sae": {"test_after": {"acc": 0.6}, "delta_acc": 0.0}}  # fmt: skip
+    old = {"controller_tasks": 1, "controller_gain_over_prior": 10.0}
+    s = gathered_summary({"controllers": {"summary": old, "tasks": [row]}}, ORDER)
+    assert s["controller_gain_over_prior"] == 10.0 and s["controller_vs_prior_gained_lost"] == [9, 1]
+    assert s["controller_vs_prior_mcnemar_p"] == pytest.approx(2 * 11 / 2**10)  # 2·(1 + 10)/2¹⁰
+
+
 # ----- the mean mode (residual="mean"): its own conditions, rows, controls and summary fields -----------------
 MEAN_ROWS = [
     _row("kjv@4+mean", 0.40, 0.60, 0.002, n=4),  # the best mean set: largest excess drop within the limits

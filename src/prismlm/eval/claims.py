@@ -402,11 +402,17 @@ def gathered_summary(stages: Mapping[str, Record], order: Sequence[str]) -> dict
     """The summary of ``real-claims.json`` from the stage records (name → the stage's JSON), merged in ``order``
     (a later stage's field wins): every field of ``CLAIMS_FIELDS`` (None where missing, the reason in
     ``why_null``: the stage's own reason if it gives one), and ``head``: stage → the head it ran on (None for a
-    stage not run, or recorded before the head was named)."""
+    stage not run, or recorded before the head was named). The controllers' summary is derived again from the
+    stage's recorded task rows (``controller_summary``)."""
     summary: dict[str, object] = {}
     why: dict[str, str] = {}
     for name in order:
         part = stages.get(name, {}).get("summary")
+        rows = stages.get(name, {}).get("tasks")
+        if name == "controllers" and isinstance(part, Mapping) and isinstance(rows, list) and rows:
+            # a pure function of the recorded task rows: derived again, so fields added since the stage ran
+            # (the pooled McNemar p) are there
+            part = {**part, **controller_summary(rows)}
         if isinstance(part, Mapping):
             summary.update({k: v for k, v in part.items() if k != "why_null"})
             own = part.get("why_null")
