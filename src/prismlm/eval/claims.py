@@ -242,12 +242,13 @@ def controller_summary(rows: Sequence[Record]) -> dict[str, object]:
         out["dense_gain_over_prior"] = mean(lambda r: acc(r, "dense") - plain(r, "choice_prior"))
     # the noise around those means: the exact McNemar p of the test examples of every task pooled (each row's
     # paired counts: examples the controller gets right and the other side wrong, and the reverse)
-    for field, pair in (("prior", ("prism", "paired_vs_prior")), ("sae", ("prism_vs_sae",)), ("dense", ("prism_vs_dense",))):  # fmt: skip
-        counts = [_paired_counts(r, pair) for r in rows]
-        if all(c is not None for c in counts):
-            gained, lost = sum(c[0] for c in counts if c), sum(c[1] for c in counts if c)
-            out[f"controller_vs_{field}_gained_lost"] = [gained, lost]
-            out[f"controller_vs_{field}_mcnemar_p"] = mcnemar_exact_p(gained, lost)
+    paths = {"prior": ("prism", "paired_vs_prior"), "sae": ("prism_vs_sae",), "dense": ("prism_vs_dense",)}
+    for side, path in paths.items():
+        known = [c for r in rows if (c := _paired_counts(r, path)) is not None]
+        if len(known) == len(rows):
+            gained, lost = sum(g for g, _ in known), sum(x for _, x in known)
+            out[f"controller_vs_{side}_gained_lost"] = [gained, lost]
+            out[f"controller_vs_{side}_mcnemar_p"] = mcnemar_exact_p(gained, lost)
     return out
 
 
