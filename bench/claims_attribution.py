@@ -119,6 +119,7 @@ NONLEXICAL_EPOCHS = 9
 full size makes ~8 over 114; about a fifth of the non-lexical corpus is planted). 3 passes (2026-12-07) left the
 statements half learned (verbatim top-1 0.42, chance 0.14) and the queries at chance (0.17, chance 0.19)."""
 UNFREEZE = "last-2"
+NOT_FINISHED = "not finished yet: the stage resumes it when run without --finished-only"
 
 
 def add_options(ap: argparse.ArgumentParser) -> None:
@@ -391,7 +392,7 @@ class Methods:
             if self.done(name):
                 return
             if finished_only:
-                self.not_run[name] = "not finished yet: the stage resumes it when run without --finished-only"
+                self.not_run[name] = NOT_FINISHED
             else:
                 fn()
 
@@ -415,7 +416,7 @@ class Methods:
         else:
             self.scores.pop("bergson", None)
             self.not_run["bergson"] = (
-                "not finished yet: the stage resumes it when run without --finished-only"
+                NOT_FINISHED
                 if finished_only
                 else "not run: set BERGSON_PYTHON to a python with bergson==2.5.1 installed (a separate venv; "
                 "prismlm.integrations.bergson says how to make it)"
