@@ -248,7 +248,7 @@ def real_demo(question: str, options: DemoOptions) -> DemoResult:
 
 def save_demo_bank(run_folder: Path, path: Path = DEMO_BANK, *, reproduce: str = "") -> Path:
     """The bank of a finished demo run that trained its own bank (``steps`` = N) saved as the bank the demo ships
-    (int8 with a scale per row: 4.7 MB for K=8,192, under the repository's 5 MiB limit for a tracked file), with how it was made: the run's command, code revision, step, recipe, final validation and
+    (int8 with a scale per row: 4.8 MB for K=8,192, under the repository's 5 MiB limit for a tracked file), with how it was made: the run's command, code revision, step, recipe, final validation and
     ``reproduce``, the command that makes it again (``scripts/make_demo_bank.py`` passes its own)."""
     run = Run.open(run_folder, device="cpu")
     env = json.loads((run_folder / "env.json").read_text())

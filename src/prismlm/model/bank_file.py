@@ -3,7 +3,7 @@ trained on, so that a retrofit can start from it instead of seeding and training
 
 The file is safetensors: one tensor ``prototypes`` (K, d) — float16/float32, or int8 with float32
 ``prototype_scales`` (K,) and ``prototype_column_scales`` (d,) beside it (entry = int8 × its row's scale × its
-column's scale, ``quantize_rows``; the demo's K=8,192 bank so fits in 4.7 MB, under the repository's 5 MiB
+column's scale, ``quantize_rows``; the demo's K=8,192 bank so fits in 4.8 MB, under the repository's 5 MiB
 limit for a tracked file) — and string metadata — ``kind``, ``backbone`` (the
 ``backbone_identity`` of the model whose z the bank was trained on: it serves that model only), ``top_k``,
 ``step`` (the bank-stage step it was saved at: where a retrofit starting from it continues), and ``made_by``

@@ -576,7 +576,10 @@ def answer_accuracy(nl: NonlexicalCorpus, net: LanguageModel, tok: Tokenizer) ->
         top1[q.kind].append(hit)
         nll.append(q_nll)
         chance.append(1 / len(pool[q.relation]))
-    statements = [rank_first(prompt, st.relation, st.key) for st, prompt in statement_prompts(nl)]
+    # per statement (hit, NLL per token, chance), then their means
+    said = [(*rank_first(p, st.relation, st.key), 1 / len(pool[st.relation])) for st, p in statement_prompts(nl)]
+    means: list[float | None] = [float(np.mean(c)) for c in zip(*said, strict=True)] if said else [None] * 3
+    top1_said, nll_said, chance_said = means
     every = [x for v in top1.values() for x in v]
     return {
         "top1": float(np.mean(every)),
@@ -584,12 +587,10 @@ def answer_accuracy(nl: NonlexicalCorpus, net: LanguageModel, tok: Tokenizer) ->
         "chance_top1": float(np.mean(chance)),
         "answer_nll_per_token": float(np.mean(nll)),
         "queries": len(every),
-        "statement_top1": float(np.mean([h for h, _ in statements])) if statements else None,
-        "statement_chance_top1": float(np.mean([1 / len(pool[st.relation]) for st, _ in statement_prompts(nl)]))
-        if statements
-        else None,
-        "statement_nll_per_token": float(np.mean([n for _, n in statements])) if statements else None,
-        "statements": len(statements),
+        "statement_top1": top1_said,
+        "statement_chance_top1": chance_said,
+        "statement_nll_per_token": nll_said,
+        "statements": len(said),
     }
 
 
