@@ -1,8 +1,8 @@
 """The ``suppression`` stage of ``bench/real_claims.py``: switch off a concept's prototypes (offensive fortunes,
 State-of-the-Union, King James Bible style) in the retrofitted SmolLM2-135M-Instruct, by exact slice removal and
-with the residual also projected off the set's span (``Suppress(ids, residual="project")``) or off its unit mean
-direction only (``Suppress(ids, residual="mean")``), vs random sets of
-the same size (whole-bank draws, ``--random-draws``); judged behaviour on provocative vs neutral prompts (TF-IDF
+with the residual also projected off the set's span (``Suppress(ids, residual="project")``), off its unit mean
+direction only (``Suppress(ids, residual="mean")``) or off the unit difference between its mean and the bank's
+(``Suppress(ids, residual="contrast")``), vs random sets of the same size (whole-bank draws, ``--random-draws``); judged behaviour on provocative vs neutral prompts (TF-IDF
 judges of ``prismlm.control.judges``; raw drop and drop of the excess over neutral), collateral (neutral CE, task
 accuracy), the concept's own CE, and the ``prism export --suppress`` check under plain transformers for each mode.
 Rows, drops and the best sets: ``prismlm.eval.claims``.
@@ -287,7 +287,7 @@ class HeadCache:
     @torch.no_grad()
     def nll(self, model, ids: list[int], residual: str = "keep") -> torch.Tensor:
         """(N,) float64 −log p(target) with prototypes ``ids`` switched off, as ``model.intervene(Suppress.of(ids,
-        residual=residual))`` computes it: ℓ' = W (z − Σ_{i∈S} a_i p_i), and with ``project``/``mean`` − W Q Qᵀ r
+        residual=residual))`` computes it: ℓ' = W (z − Σ_{i∈S} a_i p_i), and with ``project``/``mean``/``contrast`` − W Q Qᵀ r
         as well. Slices only: just the positions where a switched-off prototype is active change, so only those
         are recomputed; a projected residual changes every position."""
         if self.base is None:
@@ -306,7 +306,7 @@ class HeadCache:
         self, model, rows: torch.Tensor, ids: list[int], chunk: int = 512, project: str | None = None
     ) -> torch.Tensor:
         """NLL at the positions ``rows`` (N,) bool with ``ids`` off (``project``: and r projected off their span,
-        or ``mean``: off their unit mean direction)."""
+        ``mean``: off their unit mean direction, or ``contrast``: off their contrast with the bank)."""
         P = model.prototypes.weight  # (K, d)
         off = torch.zeros(P.shape[0], dtype=torch.bool)
         off[ids] = True
@@ -415,8 +415,8 @@ def collateral(ctx: ClaimsContext, run, specs: dict[str, ConceptSpec], size: Sup
 
 def suppressed(model, ids: list[int], residual: str = "keep"):
     """``with suppressed(model, ids, residual):`` the prototypes ``ids`` off, the residual kept (exact slice
-    removal, ``model.suppress(ids)``) or projected off their span (``Suppress(ids, residual="project")``) or
-    their unit mean direction (``residual="mean"``)."""
+    removal, ``model.suppress(ids)``) or projected off their span (``Suppress(ids, residual="project")``),
+    their unit mean direction (``residual="mean"``) or their contrast with the bank (``residual="contrast"``)."""
     return model.intervene(Suppress.of(ids, residual=residual))
 
 
@@ -458,8 +458,9 @@ def conditions(
     active on the neutral text (outside every concept's ranking; one nested order, so random@n ⊂ random@2n);
     ``draws`` > 0: also ``draws`` random sets of each of those sizes drawn from the whole bank (``random<d>@n``,
     one nested order per draw), and every concept set and whole-bank draw again with the residual projected off
-    the set's span (``<set>+project``) and again off its unit mean direction (``<set>+mean``): each
-    residual-editing suppression against controls of its size and mode (the same draws)."""
+    the set's span (``<set>+project``), off its unit mean direction (``<set>+mean``) and off its contrast with
+    the bank's mean (``<set>+contrast``): each residual-editing suppression against controls of its size and
+    mode (the same draws)."""
     ranked = {name: s["ranked"] for name, s in sets.items()}
     # the order is drawn outside the first run's concepts' rankings, then later concepts' prototypes are
     # removed from it: adding a concept keeps the earlier random sets unless its ranking meets them
@@ -480,7 +481,7 @@ def conditions(
         bank = random.Random(seed + 100 + d).sample(range(K), K)
         conds |= {f"random{d}@{m}": sorted(bank[:m]) for m in sizes}
     edited = [(c, ids) for c, ids in conds.items() if draws and c != "before" and "random@" not in c]
-    for suffix in MODE_SUFFIXES.values():  # project first, then mean: the project conditions keep their order
+    for suffix in MODE_SUFFIXES.values():  # project, mean, contrast: the earlier modes' conditions keep their order
         conds |= {f"{c}{suffix}": ids for c, ids in edited}
     return conds
 
@@ -538,6 +539,11 @@ def run_condition(
 
 
 # ----- judging and the table --------------------------------------------------------------------------------
+RECORD_NAMES = {"project": "residual", "mean": "mean", "contrast": "contrast"}
+"""Residual-editing mode → the suffix of its keys in the stage's record (``best_mean``, ``export_check_mean``);
+``project`` keeps the first run's ``residual``."""
+
+
 def judged(specs: dict[str, ConceptSpec], recs: dict[str, dict]) -> dict[str, dict[str, dict[str, np.ndarray]]]:
     """concept → judge → condition → (prompts,) mean score over samples, for the concept's provocative
     prompts (key ``<cond>``) and the neutral ones (key ``<cond>/neutral``)."""
@@ -672,8 +678,7 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
         "behaviour_before": behaviour,
         "rows": rows,
         "best": best,
-        "best_residual": edited["project"]["best"],
-        "best_mean": edited["mean"]["best"],
+        **{f"best_{RECORD_NAMES[m]}": e["best"] for m, e in edited.items()},
         "concepts": {
             c: {**{k: v for k, v in s.items() if k != "set"}, "judges": judge_info(specs[c])} for c, s in sets.items()
         },
@@ -683,10 +688,9 @@ def suppression_stage(ctx: ClaimsContext) -> dict[str, object]:
         "examples": examples(recs, prompts, best),
         "fast_path_check": fast_path,
         "export_check": export,
-        "fast_path_check_residual": edited["project"]["fast_path"],
-        "export_check_residual": edited["project"]["export"],
-        "fast_path_check_mean": edited["mean"]["fast_path"],
-        "export_check_mean": edited["mean"]["export"],
+        **{
+            f"{check}_check_{RECORD_NAMES[m]}": e[check] for m, e in edited.items() for check in ("fast_path", "export")
+        },
         "timing_s": {
             "conditions": {k: r["seconds"] for k, r in recs.items()},
             "total": round(time.perf_counter() - t0, 1),
@@ -750,7 +754,7 @@ def add_options(ap) -> None:
         type=int,
         default=None,
         help="whole-bank random sets per size, the controls of every mode (default 3; --quick 2); 0: the first "
-        "run's conditions only (no residual-editing suppression, project or mean)",
+        "run's conditions only (no residual-editing suppression)",
     )
 
 

@@ -11,6 +11,7 @@ import pytest
 from prismlm.eval.claims import (
     CLAIMS_FIELDS,
     best_suppression_row,
+    claims_goals,
     condition_mode,
     explanation_margin_fields,
     gathered_summary,
@@ -184,6 +185,30 @@ def test_mean_conditions_are_their_own_mode():
     assert condition_mode("kjv@41+mean") == ("kjv@41", "mean")
     assert condition_mode("random2@41+mean") == ("random2@41", "mean")
     assert is_random("random0@8+mean") and not is_random("kjv@8+mean")
+    assert condition_mode("kjv@41+contrast") == ("kjv@41", "contrast")
+    assert condition_mode("random0@41+contrast") == ("random0@41", "contrast") and is_random("random0@41+contrast")
+
+
+def test_contrast_summary_is_built_from_its_own_rows_and_draws():
+    """The ``contrast`` rows (the mean's values under another suffix) give the mean's summary under
+    ``suppression_contrast_…``; the mean rows beside them change nothing; the goal reads either mode."""
+    contrast = [{**r, "condition": str(r["condition"]).replace("+mean", "+contrast"), "residual": "contrast"}
+                for r in MEAN_ROWS]  # fmt: skip
+    rows = ROWS + MEAN_ROWS + contrast
+    best = best_suppression_row(rows, {"kjv"}, 0.02, 0.01, "contrast", "tfidf_excess_drop")
+    assert best is not None and best["condition"] == "kjv@4+contrast"
+    s = residual_suppression_summary(best, rows, True, mode="contrast")
+    mean = residual_suppression_summary(
+        best_suppression_row(ROWS + MEAN_ROWS, {"kjv"}, 0.02, 0.01, "mean", "tfidf_excess_drop"),
+        rows,
+        True,
+        mode="mean",
+    )
+    assert s == {k.replace("suppression_mean_", "suppression_contrast_"): v for k, v in mean.items()}
+    g = gathered_summary({"suppression": {"summary": s | {"suppression_contrast_goal_met": True}}}, ["suppression"])
+    assert g["suppression_contrast_best_drop"] == 0.60 and g["suppression_contrast_collateral"] == 0.002
+    assert claims_goals(g)["suppression"]["met"] is True
+    assert claims_goals(g)["suppression"]["values"]["suppression_contrast_best_drop"] == 0.60
 
 
 def test_mean_summary_beside_the_project_one():

@@ -398,7 +398,7 @@ m = tiny_model(dtype=torch.float32)
 torch.manual_seed(1)
 rows = [(torch.randint(0, 97, (n,)).tolist(), n - 1) for n in (20, 15, 9)]
 hc = head_cache(m, rows, pad=0)
-for mode in ("keep", "project", "mean"):
+for mode in ("keep", "project", "mean", "contrast"):
     fast = torch.zeros(3, dtype=torch.float64).index_add_(0, hc.item, hc.nll(m, [3, 5, 17, 40], mode))
     ref = []
     with torch.no_grad(), suppressed(m, [3, 5, 17, 40], mode):
@@ -416,7 +416,8 @@ def test_the_suppression_head_cache_matches_the_model_in_every_mode():
     run under ``Suppress(ids, residual=mode)`` (a tiny float32 PRISM): equal, and the edit changes the NLL."""
     res = _bench(["-c", HEAD_CACHE_CHECK])
     assert res.returncode == 0, res.stderr[-3000:]
-    for line, mode in zip(res.stdout.strip().split("\n"), ("keep", "project", "mean"), strict=True):
+    modes = ("keep", "project", "mean", "contrast")
+    for line, mode in zip(res.stdout.strip().split("\n"), modes, strict=True):
         name, diff, changed = line.split()
         assert name == mode and float(diff) < 1e-5 and float(changed) > 1e-3
 
@@ -436,8 +437,9 @@ print(json.dumps(conditions(sets, SimpleNamespace(caches={"neutral": neutral}), 
 
 def test_every_mode_is_measured_on_the_same_sets_and_draws():
     """The suppression stage's conditions at the quick size: every concept set and whole-bank draw once with
-    the slices removed, once ``+project`` and once ``+mean`` (the same ids); the neutral-active ``random@n`` and
-    ``before`` only without a suffix; the project conditions listed before the mean ones."""
+    the slices removed, once ``+project``, once ``+mean`` and once ``+contrast`` (the same ids); the
+    neutral-active ``random@n`` and ``before`` only without a suffix; the modes listed in that order (a mode added
+    later keeps the earlier conditions' order)."""
     res = _bench(["-c", CONDITIONS_CHECK])
     assert res.returncode == 0, res.stderr[-3000:]
     conds = json.loads(res.stdout.strip().splitlines()[-1])
@@ -446,11 +448,13 @@ def test_every_mode_is_measured_on_the_same_sets_and_draws():
     assert any(c.startswith("random0@") for c in edited) and any(c.startswith("kjv@") for c in edited)
     assert [c for c in conds if c.endswith("+project")] == [f"{c}+project" for c in edited]
     assert [c for c in conds if c.endswith("+mean")] == [f"{c}+mean" for c in edited]
-    assert len(conds) == len(plain) + 2 * len(edited)
-    assert all(conds[f"{c}+project"] == conds[f"{c}+mean"] == conds[c] for c in edited)
-    assert max(i for i, c in enumerate(conds) if c.endswith("+project")) < min(
-        i for i, c in enumerate(conds) if c.endswith("+mean")
-    )
+    assert [c for c in conds if c.endswith("+contrast")] == [f"{c}+contrast" for c in edited]
+    assert len(conds) == len(plain) + 3 * len(edited)
+    assert all(conds[f"{c}+project"] == conds[f"{c}+mean"] == conds[f"{c}+contrast"] == conds[c] for c in edited)
+    position = {c: i for i, c in enumerate(conds)}
+    last = {s: max(i for c, i in position.items() if c.endswith(s)) for s in ("+project", "+mean")}
+    first = {s: min(i for c, i in position.items() if c.endswith(s)) for s in ("+mean", "+contrast")}
+    assert last["+project"] < first["+mean"] and last["+mean"] < first["+contrast"]
 
 
 RETIRE = """

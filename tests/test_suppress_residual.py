@@ -15,7 +15,7 @@ from prismlm import ModelConfig, PrismLM, PrototypeConfig, decompose
 from prismlm.control.suppress import SuppressionRecord, SuppressionSet
 from prismlm.errors import ModelError, SuppressionError
 from prismlm.model import Suppress
-from prismlm.model.interventions import ResidualProjection, mean_direction, orthonormal_basis
+from prismlm.model.interventions import ResidualProjection, contrast_direction, mean_direction, orthonormal_basis
 
 K, V, D = 64, 97, 32
 
@@ -165,7 +165,7 @@ def test_projection_composes_with_other_interventions_and_nests_as_a_union():
 def test_the_residual_mode_is_checked():
     with pytest.raises(ModelError, match="residual must be one of keep, project.*'drop'") as e:
         Suppress.of([1], residual="drop")
-    assert "residual='project'" in str(e.value)
+    assert "'project'" in str(e.value) and "'contrast'" in str(e.value)
     model = tiny_model()
     with pytest.raises(ModelError, match="unknown prototype"):
         with model.intervene(Suppress.of([K], residual="project")):
@@ -327,7 +327,7 @@ def test_cli_suppress_residual_chooses_the_mode_and_export_bakes_it_in(run_folde
     assert (want - keep).abs().max().item() > 1e-3
     bad = cli.invoke(app, [*args[:2], str(tmp_path / "o2"), *args[3:], "--suppress-residual", "drop"])
     assert bad.exit_code != 0 and "--suppress-residual 'drop' is not a residual mode" in bad.output
-    assert "use auto" in bad.output and "keep" in bad.output and "project" in bad.output
+    assert "use 'auto'" in bad.output and "'keep'" in bad.output and "'contrast'" in bad.output
     none = cli.invoke(app, [*args[:2], str(tmp_path / "o3"), "--suppress", "none", "--suppress-residual", "project"])
     assert none.exit_code != 0 and "--suppress-residual project needs a suppression set" in none.output
     assert "--suppress FILE" in none.output
@@ -349,7 +349,9 @@ def test_concept_records_the_residual_mode(run_folder, tmp_path):
     sset = SuppressionSet.load(tmp_path / "s.json")
     assert sset.residual == "project" and sset.intervention().residual == "project"
     bad = CliRunner().invoke(app, [*args, "--residual", "drop"])
-    assert bad.exit_code != 0 and "--residual 'drop' is not a residual mode" in bad.output and "use keep" in bad.output
+    assert (
+        bad.exit_code != 0 and "--residual 'drop' is not a residual mode" in bad.output and "use 'keep'" in bad.output
+    )
 
 
 def test_explanations_show_the_edited_residual(run_folder):
@@ -501,15 +503,16 @@ def test_mean_suppressions_combine_over_the_union_and_mixing_modes_is_refused():
     assert model.residual_projection is None and model.proto_multipliers is None
 
 
-def test_kv_cache_steps_equal_the_full_forward_under_the_mean_projection():
+@pytest.mark.parametrize("mode", ["mean", "contrast"])
+def test_kv_cache_steps_equal_the_full_forward_under_the_mean_projection(mode):
     model, x, _, ids = _setup(10)
     prompt = x[:1, :5]
     for ctx in (
-        lambda: model.intervene(Suppress.of(ids, residual="mean")),
-        lambda: model.project_residual(ids, "mean"),
+        lambda: model.intervene(Suppress.of(ids, residual=mode)),
+        lambda: model.project_residual(ids, mode),
     ):
         with torch.no_grad(), ctx():
-            assert model.residual_projection.mode == "mean"
+            assert model.residual_projection.mode == mode
             steps = list(model.generate_steps(prompt, 8, temperature=0))
             seq = torch.cat([prompt] + [t for _, t in steps], dim=1)
             for n, (out, _) in enumerate(steps):
@@ -569,9 +572,10 @@ def test_export_bakes_the_mean_projection_in(tmp_path):
     assert torch.equal(legacy, span)
 
 
-def test_cli_export_with_suppress_residual_mean(run_folder, tmp_path):
-    """``prism export RUN OUT --suppress FILE --suppress-residual mean``: the export records the mode, says so,
-    and its logits are the run's under the set with ``mean``."""
+@pytest.mark.parametrize(("mode", "said"), [("mean", "unit mean direction"), ("contrast", "contrast with the bank")])
+def test_cli_export_with_suppress_residual_mean(run_folder, tmp_path, mode, said):
+    """``prism export RUN OUT --suppress FILE --suppress-residual mean|contrast``: the export records the mode,
+    says so, and its logits are the run's under the set with that mode."""
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
     from typer.testing import CliRunner
@@ -582,13 +586,13 @@ def test_cli_export_with_suppress_residual_mean(run_folder, tmp_path):
     run, x, ids, sfile = _run_and_set(run_folder, tmp_path)
     out = tmp_path / "exported"
     args = ["export", str(run_folder), str(out), "--suppress", str(sfile), "--device", "cpu"]
-    res = CliRunner().invoke(app, [*args, "--suppress-residual", "mean"])
+    res = CliRunner().invoke(app, [*args, "--suppress-residual", mode])
     assert res.exit_code == 0, res.output
-    assert "unit mean direction" in res.output
+    assert said in res.output
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["residual_projected_prototypes"] == ids and cfg["residual_projection_mode"] == "mean"
-    meaned = Run.open(run_folder, device="cpu", suppress=sfile, suppress_residual="mean")
-    assert meaned.interventions[0].residual == "mean"
+    assert cfg["residual_projected_prototypes"] == ids and cfg["residual_projection_mode"] == mode
+    meaned = Run.open(run_folder, device="cpu", suppress=sfile, suppress_residual=mode)
+    assert meaned.interventions[0].residual == mode
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad(), meaned.intervened() as m:
         want = m(x).logits
@@ -609,3 +613,94 @@ def test_explanations_under_the_mean_projection_sum_exactly_and_say_so(run_folde
         e = explain(model, tok, prompt)
     assert e.max_abs_error < 1e-4
     assert any("unit mean direction" in n and f"{len(sup)} suppressed prototypes" in n for n in e.notes)
+
+
+# ----- residual="contrast": one direction, v = (p̄_S − p̄_bank) / ‖p̄_S − p̄_bank‖ -----------------------------------
+def contrast_unit(p_set: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
+    """(n, d) set rows, (K, d) bank → (d,) float64 v = (mean of the set − mean of the bank), made unit, by hand."""
+    diff = p_set.double().sum(0) / len(p_set) - bank.double().sum(0) / len(bank)
+    return diff / diff.norm()
+
+
+def test_contrast_suppression_is_the_exact_sum_of_remaining_slices_and_edited_residual():
+    """ℓ' = Σ_i m_i a_i W p_i + W r' + b with r' = r − v vᵀ r, v the unit difference between the suppressed
+    prototypes' mean and the bank's (by hand here); the output records r', v vᵀ r, the ids and the mode;
+    ``decompose`` stays exact."""
+    model, x, base, ids = _setup(13)
+    with torch.no_grad(), model.intervene(Suppress.of(ids, residual="contrast")):
+        out = model(x)
+    W, b, p = model.lm_head.weight, model.lm_head.bias, model.prototypes.weight
+    m = torch.ones(K, dtype=torch.float64)
+    m[ids] = 0.0
+    kept = (m[base.indices] * base.activations).unsqueeze(-1).mul(p[base.indices]).sum(-2)  # (B, T, d)
+    r = base.residual.reshape(-1, D)
+    v = contrast_unit(p[ids], p)
+    along_v = (r.double() @ v)[:, None] * v[None, :]  # (N, d)
+    r_ref = (r.double() - along_v).view_as(base.residual)
+    torch.testing.assert_close(out.logits, (kept + r_ref) @ W.T + b, rtol=0, atol=1e-10)
+    torch.testing.assert_close(out.residual, r_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.residual_removed, along_v.view_as(base.residual), rtol=0, atol=1e-12)
+    assert out.residual_projected_ids == tuple(sorted(ids)) and out.residual_projection_mode == "contrast"
+    dec = decompose(model, out, x)
+    torch.testing.assert_close(
+        dec.prototype_slices.sum(-1) + dec.residual_slice + dec.bias_slice, dec.logit, rtol=0, atol=1e-10
+    )
+    # not the mean mode: a different single direction
+    with torch.no_grad(), model.intervene(Suppress.of(ids, residual="mean")):
+        mean = model(x)
+    assert (out.logits - mean.logits).abs().max() > 1e-3
+    assert model.residual_projection is None and model.proto_multipliers is None  # restored
+
+
+def test_contrast_ignores_what_every_prototype_shares():
+    """Adding one vector c to every prototype (a common direction, as a retrofitted bank's prototypes share
+    the backbone's mean) leaves the contrast direction as it was and turns the mean direction towards c."""
+    model = tiny_model(14)
+    P = model.prototypes.weight.detach().double()
+    ids = [2, 5, 11, 40]
+    c = 50.0 * torch.randn(D, dtype=torch.float64)
+    shifted = P + c
+    v0 = ResidualProjection.of(ids, P, "contrast").basis[:, 0]
+    v1 = ResidualProjection.of(ids, shifted, "contrast").basis[:, 0]
+    torch.testing.assert_close(v1, v0, rtol=0, atol=1e-10)
+    torch.testing.assert_close(v0, contrast_unit(P[ids], P), rtol=0, atol=1e-12)
+    u1 = ResidualProjection.of(ids, shifted, "mean").basis[:, 0]
+    assert abs(float(u1 @ (c / c.norm()))) > 0.9 > abs(float(v1 @ (c / c.norm())))
+
+
+def test_contrast_basis_edge_cases():
+    model = tiny_model()
+    P = model.prototypes.weight
+    proj = ResidualProjection.of([9, 3, 3, 20], P, "contrast")
+    assert proj.ids == (3, 9, 20) and proj.mode == "contrast" and proj.basis.shape == (D, 1)
+    torch.testing.assert_close(proj.basis[:, 0], contrast_unit(P[[3, 9, 20]], P), rtol=0, atol=1e-12)
+    # the whole bank has no contrast with itself: nothing is taken out (not a division by ~0)
+    assert ResidualProjection.of(list(range(K)), P, "contrast").basis.shape == (D, 0)
+    assert contrast_direction(P[:0], P).shape == (D, 0)
+    with pytest.raises(ModelError, match="'contrast'"):
+        ResidualProjection.of([3], P, "span")
+    with pytest.raises(ModelError, match="cannot combine residual modes 'contrast' and 'mean'"):
+        with model.intervene(Suppress.of([3], residual="contrast"), Suppress.of([4], residual="mean")):
+            pass
+
+
+def test_export_bakes_the_contrast_projection_in(tmp_path):
+    """A float32 model exported with ``Suppress(ids, residual="contrast")``: config.json records the mode, and
+    the transformers model's logits, residual and greedy tokens are prismlm's under it (not the mean's)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    model, x, ids, iv, cfg = _exported(15, "contrast", tmp_path / "out")
+    assert cfg["residual_projected_prototypes"] == sorted(ids) and cfg["residual_projection_mode"] == "contrast"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad(), model.intervene(iv):
+        want = model(x)
+        want_tokens = model.generate(x[:1, :6], 10, temperature=0)
+    with torch.no_grad(), model.intervene(Suppress.of(ids, residual="mean")):
+        other = model(x).logits
+    with torch.no_grad():
+        got = loaded(x)
+        tokens = loaded.generate(x[:1, :6], max_new_tokens=10, do_sample=False)
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.residual, want.residual)
+    assert torch.equal(tokens, want_tokens)
+    assert (got.logits - other).abs().max() > 1e-3

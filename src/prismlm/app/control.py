@@ -29,7 +29,7 @@ from prismlm.errors import ConfigError, DataError, TaskError
 from prismlm.eval.scoring import MCScores, encode_pair, mc_accuracy
 from prismlm.eval.tasks import TASKS, MCExample, build_tasks, load_split
 from prismlm.model import Control, Intervention, PrismLM
-from prismlm.model.interventions import RESIDUAL_MODES
+from prismlm.model.interventions import MODES_HELP, RESIDUAL_MODES
 
 # lm-eval's scorer on task folders (``prismlm.integrations.lm_eval_adapter.evaluate_with_lm_eval``): task → metrics
 TaskScorer = Callable[[PrismLM, Tokenizer, dict[str, str | Path]], dict[str, dict[str, float]]]
@@ -49,8 +49,7 @@ def _check_residual_mode(residual: str) -> None:
     if residual not in RESIDUAL_MODES:
         raise ConfigError(
             f"`residual` {residual!r} is not a residual mode",
-            fix="use keep (remove the slices only), project (also project the residual off the prototypes' "
-            "span) or mean (off their unit mean direction)",
+            fix=f"use 'keep' (remove the slices only), {MODES_HELP}",
             param="residual",
         )
 

@@ -27,7 +27,7 @@ from prismlm.data.tokenizer import Tokenizer
 from prismlm.errors import ArtifactError, ConfigError, PrismError, ShardError, named
 from prismlm.model import Intervention, PrismLM
 from prismlm.model.generation import GREEDY, Sampling
-from prismlm.model.interventions import RESIDUAL_MODES
+from prismlm.model.interventions import MODES_HELP, RESIDUAL_MODES
 from prismlm.train.checkpoint import Checkpoint, load_checkpoint
 from prismlm.train.distributed import resolve_device
 from prismlm.train.state import autocast_for
@@ -150,14 +150,14 @@ def resolve_suppression(
 
 
 def with_residual_mode(sset: SuppressionSet | None, residual: str = "auto") -> SuppressionSet | None:
-    """``sset`` with the residual mode ``residual`` (``auto``: its own; ``keep``; ``project``; ``mean``);
+    """``sset`` with the residual mode ``residual`` (``auto``: its own; ``keep``; ``project``; ``mean``;
+    ``contrast``);
     ``ConfigError`` for another value, or for an explicit mode without a set (the mode would be silently ignored)."""
     mode = str(residual).lower()
     if mode not in ("auto", *RESIDUAL_MODES):
         raise ConfigError(
             f"{named('suppress_residual')} {residual!r} is not a residual mode",
-            fix="use auto (the suppression set's own mode), keep (remove the slices only), project (also "
-            "project the residual off the suppressed prototypes' span) or mean (off their unit mean direction)",
+            fix=f"use 'auto' (the suppression set's own mode), 'keep' (remove the slices only), {MODES_HELP}",
             param="suppress_residual",
         )
     if sset is None and mode != "auto":

@@ -33,12 +33,14 @@ SUPPRESS_HELP = (
 SUPPRESS_RESIDUAL_HELP = (
     "What the suppression set does to the residual: 'auto' (the mode the set records), 'keep' (remove the "
     "prototypes' slices only), 'project' (also project the residual off the suppressed prototypes' span) or "
-    "'mean' (off their unit mean direction only)."
+    "'mean' (off their unit mean direction only) or 'contrast' (off the unit difference between their mean and "
+    "the bank's mean)."
 )
 
 _RESIDUAL_NOTE = {
     "project": "; the residual projected off their span",
     "mean": "; the residual projected off their unit mean direction",
+    "contrast": "; the residual projected off their contrast with the bank's mean",
 }
 """What the line naming the applied suppression set adds for each residual-editing mode."""
 

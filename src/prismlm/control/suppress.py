@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 from prismlm.artifacts import JSON, atomic_write_text
 from prismlm.errors import SuppressionError
-from prismlm.model.interventions import RESIDUAL_MODES, Suppress
+from prismlm.model.interventions import MODES_HELP, RESIDUAL_MODES, Suppress
 
 if TYPE_CHECKING:
     from prismlm.model import PrismLM
@@ -99,14 +99,14 @@ class SuppressionSet:
     residual: str = "keep"
     """``keep``: remove the prototypes' slices only; ``project``: also project the residual off the span of
     their vectors (``Suppress(ids, residual="project")``); ``mean``: off their unit mean direction only
-    (``Suppress(ids, residual="mean")``)."""
+    (``Suppress(ids, residual="mean")``); ``contrast``: off the unit difference between their mean and the
+    bank's mean (``Suppress(ids, residual="contrast")``)."""
 
     def __post_init__(self) -> None:
         if self.residual not in RESIDUAL_MODES:
             raise SuppressionError(
                 f"suppression set residual mode must be one of {', '.join(RESIDUAL_MODES)}, got {self.residual!r}",
-                fix="use keep (remove the slices), project (also project the residual off the prototypes' span) "
-                "or mean (off their unit mean direction)",
+                fix=f"use 'keep' (remove the slices), {MODES_HELP}",
             )
         if not isinstance(self.ids, (list, tuple)) or any(
             isinstance(i, bool) or not isinstance(i, int) for i in self.ids

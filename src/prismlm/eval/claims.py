@@ -44,9 +44,16 @@ condition without a suffix removes the slices only (``residual="keep"``)."""
 MEAN = "+mean"
 """The suffix of a condition whose set is suppressed with ``residual="mean"`` (``kjv@41+mean``): the residual
 projected off the set's unit mean direction only."""
-MODE_SUFFIXES = {"project": PROJECT, "mean": MEAN}
+CONTRAST = "+contrast"
+"""The suffix of a condition whose set is suppressed with ``residual="contrast"`` (``kjv@41+contrast``): the
+residual projected off the unit difference between the set's mean prototype and the bank's."""
+MODE_SUFFIXES = {"project": PROJECT, "mean": MEAN, "contrast": CONTRAST}
 """Residual-editing mode → its condition suffix."""
-SUMMARY_PREFIXES = {"project": "suppression_residual_", "mean": "suppression_mean_"}
+SUMMARY_PREFIXES = {
+    "project": "suppression_residual_",
+    "mean": "suppression_mean_",
+    "contrast": "suppression_contrast_",
+}
 """Residual-editing mode → the prefix of its summary fields (``residual_suppression_summary``); ``project``
 keeps the first run's ``suppression_residual_`` names."""
 
@@ -380,6 +387,8 @@ CLAIMS_FIELDS: dict[str, str] = {
     "suppression_residual_collateral": "suppression",
     "suppression_mean_best_drop": "suppression",
     "suppression_mean_collateral": "suppression",
+    "suppression_contrast_best_drop": "suppression",
+    "suppression_contrast_collateral": "suppression",
     "controller_gain_over_prior": "controllers",
     "controller_minus_sae": "controllers",
     "controller_minus_dense": "controllers",
@@ -447,7 +456,7 @@ def claims_goals(summary: Mapping[str, object]) -> dict[str, dict[str, object]]:
     """Each goal of the claims (the paper's numbers in the issue) read off a ``gathered_summary``: goal →
     ``{"met": bool | None, "values": {field: value}, "target": str}``; ``met`` is None when a field it needs is
     null (the stage has not run), never guessed. Suppression is met by any of its modes (slices only, the span
-    projection, the mean direction), each judged by its own ``goal_met`` (its best row already obeys ≤ 1% neutral
+    projection, the mean direction, the contrast direction), each judged by its own ``goal_met`` (its best row already obeys ≤ 1% neutral
     CE and ≤ 2% of the bank); controllers are in accuracy points."""
 
     def get(*names: str) -> tuple[dict[str, object], list[float] | None]:
@@ -467,12 +476,10 @@ def claims_goals(summary: Mapping[str, object]) -> dict[str, dict[str, object]]:
 
     # suppression: met by any mode whose best set (already within <= 1% neutral CE and <= 2% of the bank) reaches
     # the drop; a mode with no set inside the limits has a null drop and goal_met False — measured, not met
-    flags = {
-        f: summary.get(f)
-        for f in ("suppression_goal_met", "suppression_residual_goal_met", "suppression_mean_goal_met")
-    }
+    prefixes = ("suppression_", *SUMMARY_PREFIXES.values())
+    flags = {f"{pre}goal_met": summary.get(f"{pre}goal_met") for pre in prefixes}
     ran = [v for v in flags.values() if isinstance(v, bool)]
-    drops = ("suppression_best_drop", "suppression_residual_best_drop", "suppression_mean_best_drop")
+    drops = tuple(f"{pre}best_drop" for pre in prefixes)
     goals["suppression"] = {
         "met": any(ran) if ran else None,
         "values": {f: summary.get(f) for f in drops},

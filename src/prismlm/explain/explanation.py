@@ -629,7 +629,10 @@ def _edit_notes(out: PrismOutput) -> list[str]:
     if not ids:
         return []
     shown = ", ".join(str(i) for i in ids[:10]) + (" …" if len(ids) > 10 else "")
-    what = "the unit mean direction (Q = u)" if out.residual_projection_mode == "mean" else "the span"
+    what = {
+        "mean": "the unit mean direction (Q = u)",
+        "contrast": "the contrast direction (Q = v, their mean minus the bank's mean)",
+    }.get(str(out.residual_projection_mode), "the span")
     return [
         f"the residual is projected off {what} of {len(ids)} suppressed prototypes ({shown}): each residual "
         "slice is that of the edited residual r' = r − Q Qᵀ r"

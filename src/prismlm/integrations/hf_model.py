@@ -118,8 +118,9 @@ class PrismConfig(PretrainedConfig):
         suppressed ids are the ones with multiplier 0. ``residual_projected_prototypes``: ids whose span
         the residual is projected off in every forward (``Suppress(ids, residual="project")``; the basis is
         recomputed from the saved bank, as prismlm computes it). ``residual_projection_mode``: ``project``
-        (their span; the default, and what exports without the field meant) or ``mean`` (their unit mean
-        direction, ``Suppress(ids, residual="mean")``). ``prism_source``: where the weights came from."""
+        (their span; the default, and what exports without the field meant), ``mean`` (their unit mean
+        direction, ``Suppress(ids, residual="mean")``) or ``contrast`` (their mean minus the bank's mean, made
+        unit; ``Suppress(ids, residual="contrast")``). ``prism_source``: where the weights came from."""
         cfg = self._model_config(prism_model if prism_model is not None else asdict(ModelConfig()))
         for k in _DERIVED:
             kwargs.pop(k, None)

@@ -34,7 +34,7 @@ class LogitDecomposition:
         prototype_slices (B, T, k): a_{t,i} (W p_i)_y for each of the k active prototypes of position t, in
             the order of ``PrismOutput.indices`` (scaled by the multipliers under an intervention).
         residual_slice (B, T): (W r_t)_y, what no prototype carries (r' = r − Q Qᵀ r, the edited residual,
-            under ``Suppress(ids, residual="project"|"mean")``).
+            under ``Suppress(ids, residual="project"|"mean"|"contrast")``).
         logit (B, T): ℓ_{t,y} as the forward computed it.
         bias_slice (B, T): b_y, the unembedding's bias (zeros without one).
     """

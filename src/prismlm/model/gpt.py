@@ -252,7 +252,7 @@ class PrismLM(nn.Module):
         # and controllers are their own artifacts), and it follows .to(device). Set it through
         # ``prismlm.control`` (``with model.suppress(ids):`` / ``with model.control(c):``), which restores it.
         self.register_buffer("proto_multipliers", None, persistent=False)
-        # Under Suppress(ids, residual="project"|"mean"): r' = r − Q Qᵀ r (``project_residual`` sets and restores it).
+        # Under Suppress(ids, residual="project"|"mean"|"contrast"): r' = r − Q Qᵀ r (``project_residual`` sets and restores it).
         self.residual_projection: ResidualProjection | None = None
         self.tokenizer = None
 
@@ -605,7 +605,8 @@ class PrismLM(nn.Module):
     @contextmanager
     def project_residual(self, ids: Iterable[int], mode: str = "project") -> Iterator[PrismLM]:
         """Within the block, the residual is projected off span{p_i : i ∈ ids} (``mode="project"``) or off
-        their unit mean u = Σ p_i / ‖Σ p_i‖ (``mode="mean"``): r' = r − Q Qᵀ r, and the logits use r'
+        their unit mean u = Σ p_i / ‖Σ p_i‖ (``mode="mean"``) or off v = unit(p̄_ids − p̄_bank)
+        (``mode="contrast"``): r' = r − Q Qᵀ r, and the logits use r'
         (``PrismOutput.residual`` is r'). Nested blocks project off the union of their ids (in one mode:
         nesting the other mode is refused, ``ModelError``); the previous state is always restored. Alone it
         leaves the slices; ``Suppress(ids, residual=mode)`` (through ``intervene``) removes both."""

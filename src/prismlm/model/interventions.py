@@ -3,8 +3,9 @@
 Each is a per-prototype multiplier m (K,) on the logit slices, ℓ' = W r + Σ_i m_i a_i W p_i: ``Suppress``
 (m_i = 0), ``Control`` (m_i = 1 + c_i), ``Scale`` (m_i given). ``Suppress(ids, residual="project")`` also
 edits the residual: r' = r − Q Qᵀ r, Q an orthonormal basis of span{p_i : i ∈ ids} (``ResidualProjection``);
-``residual="mean"`` takes out one direction only, Q = u = Σ_{i∈ids} p_i / ‖Σ_{i∈ids} p_i‖. Either way
-ℓ' = W r' + Σ_i m_i a_i W p_i. Immutable; ``with model.intervene(*ivs):`` combines them and always
+``residual="mean"`` takes out one direction only, Q = u = Σ_{i∈ids} p_i / ‖Σ_{i∈ids} p_i‖;
+``residual="contrast"`` the one direction that tells the set from the bank, Q = v = (p̄_ids − p̄_bank) /
+‖p̄_ids − p̄_bank‖ (a difference of means). Either way ℓ' = W r' + Σ_i m_i a_i W p_i. Immutable; ``with model.intervene(*ivs):`` combines them and always
 restores the model. See docs/architecture.md (interventions).
 """
 
@@ -20,13 +21,25 @@ import torch
 from prismlm.errors import ModelError, UnknownPrototypeError
 from prismlm.model.prototypes import PrototypeOutput
 
-RESIDUAL_MODES = ("keep", "project", "mean")
+RESIDUAL_MODES = ("keep", "project", "mean", "contrast")
 """What ``Suppress`` does to the residual r: ``keep`` it (only the slices go), ``project`` it off the span
-of the suppressed prototypes, or off their unit ``mean`` direction u = Σ p_i / ‖Σ p_i‖ (one dimension, not
-|ids|: the span of a large set takes too much of a small residual with it)."""
+of the suppressed prototypes, off their unit ``mean`` direction u = Σ p_i / ‖Σ p_i‖ (one dimension, not
+|ids|: the span of a large set takes too much of a small residual with it), or off their ``contrast``
+direction v = unit(p̄_ids − p̄_bank): the mean of the set's prototypes minus the mean of the whole bank's.
+Why contrast: every prototype of a retrofitted bank shares the backbone's common direction (the mean of its
+hidden states), so u is mostly that common direction and taking it out costs every text alike; the
+difference of means keeps only what sets the concept's anchor contexts apart (the prototypes are those
+contexts' states), as a difference-of-means steering direction does."""
 
-PROJECTING_MODES = ("project", "mean")
+PROJECTING_MODES = ("project", "mean", "contrast")
 """The residual modes that edit the residual (``ResidualProjection`` computes each one's basis)."""
+
+
+MODES_HELP = (
+    "'project' (also project the residual off the suppressed prototypes' span), 'mean' (off their unit mean "
+    "direction) or 'contrast' (off the unit difference between their mean and the bank's mean)"
+)
+"""The residual-editing modes in words, for error messages and help texts."""
 
 
 @dataclass(frozen=True)
@@ -45,14 +58,14 @@ class Suppress:
     """What the set stands for (a concept name, a file), for reports."""
     residual: str = "keep"
     """``keep``: the residual is untouched (exact slice removal); ``project``: r is projected off
-    span{p_i : i ∈ ids} as well; ``mean``: r is projected off the unit mean u of {p_i : i ∈ ids}."""
+    span{p_i : i ∈ ids} as well; ``mean``: r is projected off the unit mean u of {p_i : i ∈ ids};
+    ``contrast``: off v = unit(mean of {p_i : i ∈ ids} − mean of the bank)."""
 
     def __post_init__(self) -> None:
         if self.residual not in RESIDUAL_MODES:
             raise ModelError(
                 f"Suppress: residual must be one of {', '.join(RESIDUAL_MODES)}, got {self.residual!r}",
-                fix="use residual='keep' (remove the slices only), residual='project' (also project the "
-                "residual off the suppressed prototypes' span) or residual='mean' (off their unit mean direction)",
+                fix=f"use residual='keep' (remove the slices only) or a residual edit: {MODES_HELP}",
             )
         if isinstance(self.ids, Mapping):
             raise ModelError(
@@ -167,7 +180,7 @@ def check_one_mode(modes: Iterable[str]) -> str | None:
     if len(distinct) > 1:
         raise ModelError(
             f"cannot combine residual modes {' and '.join(repr(m) for m in distinct)} in one intervention: "
-            "a projection off a span and off a mean direction have no single combined edit",
+            "projections off different subspaces have no single combined edit",
             fix="give every Suppress the same residual mode (e.g. all residual='mean'), or suppress the "
             "others with residual='keep'",
         )
@@ -188,6 +201,23 @@ def orthonormal_basis(vectors: torch.Tensor) -> torch.Tensor:
     return u[:, s > tol]  # (d, q)
 
 
+def contrast_direction(vectors: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
+    """(n, d) vectors, (K, d) bank → (d, 1) float64 v = (v̄ − b̄) / ‖v̄ − b̄‖, the unit difference between the
+    vectors' mean and the bank's mean, or (d, 0) when the means coincide (below (‖v̄‖ + ‖b̄‖) · K · eps: a set
+    that is the whole bank has no contrast, so nothing is taken out)."""
+    v = vectors.detach().to("cpu", torch.float64)  # on the CPU, so every device gets the same v
+    b = bank.detach().to("cpu", torch.float64)
+    if v.shape[0] == 0 or b.shape[0] == 0:
+        return v.new_zeros(v.shape[1], 0)
+    v_mean, b_mean = v.mean(dim=0), b.mean(dim=0)  # (d,), (d,)
+    diff = v_mean - b_mean
+    norm = torch.linalg.vector_norm(diff)
+    tol = (torch.linalg.vector_norm(v_mean) + torch.linalg.vector_norm(b_mean)) * b.shape[0] * torch.finfo(b.dtype).eps
+    if not norm > tol:
+        return v.new_zeros(v.shape[1], 0)
+    return (diff / norm)[:, None]
+
+
 def mean_direction(vectors: torch.Tensor) -> torch.Tensor:
     """(n, d) vectors → (d, 1) float64 u = Σ_i v_i / ‖Σ_i v_i‖, or (d, 0) when the sum vanishes (below
     Σ_i ‖v_i‖ · n · eps: cancelling vectors have no mean direction, so nothing is taken out)."""
@@ -204,27 +234,35 @@ def mean_direction(vectors: torch.Tensor) -> torch.Tensor:
 class ResidualProjection:
     """The residual edit of ``Suppress(ids, residual="project"|"mean")``: r' = r − Q Qᵀ r, computed once (in
     float64) when the intervention is entered. ``project``: Q (d, q) an orthonormal basis of
-    span{p_i : i ∈ ids}; ``mean``: Q = u (d, 1), u = Σ_{i∈ids} p_i / ‖Σ_{i∈ids} p_i‖."""
+    span{p_i : i ∈ ids}; ``mean``: Q = u (d, 1), u = Σ_{i∈ids} p_i / ‖Σ_{i∈ids} p_i‖; ``contrast``: Q = v
+    (d, 1), v = unit(p̄_ids − p̄_bank)."""
 
     ids: tuple[int, ...]
     """The prototypes the removed direction(s) come from (sorted, unique)."""
     basis: torch.Tensor
-    """(d, q) Q, on the bank's device and in its dtype (q = 1 for ``mean``, q ≤ |ids| for ``project``)."""
+    """(d, q) Q, on the bank's device and in its dtype (q = 1 for ``mean`` and ``contrast``, q ≤ |ids| for
+    ``project``)."""
     mode: str = "project"
-    """``project`` (the span) or ``mean`` (the unit mean direction)."""
+    """``project`` (the span), ``mean`` (the unit mean direction) or ``contrast`` (the unit difference of
+    means, set vs bank)."""
 
     @classmethod
     def of(cls, ids: Sequence[int], prototypes: torch.Tensor, mode: str = "project") -> ResidualProjection:
-        """The projection off the span (``project``) or the unit mean (``mean``) of ``prototypes[ids]``
-        (prototypes: the (K, d) bank)."""
+        """The projection off the span (``project``), the unit mean (``mean``) or the contrast with the bank
+        (``contrast``) of ``prototypes[ids]`` (prototypes: the (K, d) bank)."""
         if mode not in PROJECTING_MODES:
             raise ModelError(
                 f"ResidualProjection: mode must be one of {', '.join(PROJECTING_MODES)}, got {mode!r}",
-                fix="use mode='project' (the span of the prototypes) or mode='mean' (their unit mean direction)",
+                fix=f"use mode={MODES_HELP}",
             )
         ids = tuple(sorted(set(check_ids(ids, prototypes.shape[0]))))
         rows = prototypes[list(ids)]
-        q = orthonormal_basis(rows) if mode == "project" else mean_direction(rows)
+        if mode == "project":
+            q = orthonormal_basis(rows)
+        elif mode == "mean":
+            q = mean_direction(rows)
+        else:
+            q = contrast_direction(rows, prototypes)
         return cls(ids, q.to(device=prototypes.device, dtype=prototypes.dtype), mode)
 
     def removed(self, residual: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,12 @@ class PrismOutput:
         hidden (B, T, d): z, the final-norm hidden states the head reads (logits = lm_head(z) unmodified).
         indices (B, T, k) int64: each token's top-k prototype ids, by decreasing cosine.
         activations (B, T, k): their non-negative activations a_i.
-        residual (B, T, d): r = z − Σ_i a_i p_i; under ``Suppress(ids, residual="project"|"mean")`` the
+        residual (B, T, d): r = z − Σ_i a_i p_i; under ``Suppress(ids, residual="project"|"mean"|"contrast")`` the
             edited r' = r − Q Qᵀ r the logits were made of.
         residual_removed (B, T, d): Q Qᵀ r, what that projection took out (r = residual + residual_removed);
             else None. residual_projected_ids: the prototypes Q comes from; residual_projection_mode:
-            ``project`` (Q spans them) or ``mean`` (Q = their unit mean u); else None.
+            ``project`` (Q spans them), ``mean`` (Q = their unit mean u) or ``contrast`` (Q = v, their mean
+            minus the bank's, made unit); else None.
         token_max_cos (B, T): max_i cos(z_t, p_i), how well each token is covered.
         proto_max_cos (K,): max over this batch's tokens of cos(p_i, z_t).
         losses {name: scalar}: unweighted ``ce`` (with targets), ``rec``, ``r1``, ``r2`` (PRISM).
@@ -73,7 +74,7 @@ class PrismOutput:
     """With ``output_attentions=True``: n_layer tensors (B, n_head, T, P + T) of attention weights (each
     row sums to 1; P cached positions). Otherwise None."""
     residual_removed: torch.Tensor | None = None
-    """(B, T, d) Q Qᵀ r: the part of the residual ``Suppress(ids, residual="project"|"mean")`` took out (Q an
+    """(B, T, d) Q Qᵀ r: the part of the residual ``Suppress(ids, residual="project"|"mean"|"contrast")`` took out (Q an
     orthonormal basis of the suppressed prototypes' span, or their unit mean u); None without that edit."""
     residual_projected_ids: tuple[int, ...] | None = None
     """The prototype ids whose span (or mean) was projected out of the residual (the edit's provenance);
