@@ -348,6 +348,9 @@ def test_concept_records_the_residual_mode(run_folder, tmp_path):
     assert res.exit_code == 0, res.output
     sset = SuppressionSet.load(tmp_path / "s.json")
     assert sset.residual == "project" and sset.intervention().residual == "project"
+    res = CliRunner().invoke(app, [*args, "--residual", "contrast", "--out", str(tmp_path / "c.json")])
+    assert res.exit_code == 0, res.output
+    assert SuppressionSet.load(tmp_path / "c.json").intervention().residual == "contrast"
     bad = CliRunner().invoke(app, [*args, "--residual", "drop"])
     assert (
         bad.exit_code != 0 and "--residual 'drop' is not a residual mode" in bad.output and "use 'keep'" in bad.output

@@ -86,8 +86,9 @@ def find_run_concept(
             model's answer (greedy, up to the end-of-turn token) appended — the prototypes are found on what
             the model reads and says in a chat.
         residual: What the set does to the residual, recorded in it: keep (remove the prototypes' slices only)
-            project (also project the residual off the span of their vectors) or mean (off their unit mean
-            direction only, one dimension).
+            project (also project the residual off the span of their vectors), mean (off their unit mean
+            direction only, one dimension) or contrast (off the unit difference between their mean and the
+            bank's mean, one dimension).
     """
     _check_residual_mode(residual)
     require(selection.min_count >= 1, "min_count", ">= 1", selection.min_count)

@@ -32,7 +32,7 @@ SUPPRESS_HELP = (
 )
 SUPPRESS_RESIDUAL_HELP = (
     "What the suppression set does to the residual: 'auto' (the mode the set records), 'keep' (remove the "
-    "prototypes' slices only), 'project' (also project the residual off the suppressed prototypes' span) or "
+    "prototypes' slices only), 'project' (also project the residual off the suppressed prototypes' span), "
     "'mean' (off their unit mean direction only) or 'contrast' (off the unit difference between their mean and "
     "the bank's mean)."
 )

@@ -428,7 +428,7 @@ HELP_HEADER = """\
 prism-lm-eval: lm-eval's command line with the PRISM model type registered: pass --model prism.
 
   prism-lm-eval --model prism --model_args pretrained=RUN[,suppress=auto|none|FILE][,batch_size=N]
-                [,suppress_residual=auto|keep|project|mean][,device=auto|cpu|cuda:1] --tasks TASKS
+                [,suppress_residual=auto|keep|project|mean|contrast][,device=auto|cpu|cuda:1] --tasks TASKS
                 [--include_path FOLDER] [--batch_size N]
 
   pretrained: a run folder or RUN/checkpoints/step-N; suppress: auto (the checkpoint's suppression.json),
