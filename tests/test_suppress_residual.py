@@ -543,6 +543,29 @@ def test_suppression_set_round_trips_the_mean_mode(tmp_path):
     assert torch.equal(got, want) and (got - other).abs().max() > 1e-3
 
 
+def _export_matches_prismlm(seed: int, mode: str, other: str, out):
+    """Export ``_setup(seed)``'s model with ``Suppress(ids, residual=mode)`` and check it under transformers:
+    config.json records the ids and the mode; logits, residual and greedy tokens equal prismlm's under the
+    suppression, and the logits differ from those under the ``other`` mode. → (config, input, other's logits)."""
+    from transformers import AutoModelForCausalLM
+
+    model, x, ids, iv, cfg = _exported(seed, mode, out)
+    assert cfg["residual_projected_prototypes"] == sorted(ids) and cfg["residual_projection_mode"] == mode
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad(), model.intervene(iv):
+        want = model(x)
+        want_tokens = model.generate(x[:1, :6], 10, temperature=0)
+    with torch.no_grad(), model.intervene(Suppress.of(ids, residual=other)):
+        other_logits = model(x).logits
+    with torch.no_grad():
+        got = loaded(x)
+        tokens = loaded.generate(x[:1, :6], max_new_tokens=10, do_sample=False)
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.residual, want.residual)
+    assert torch.equal(tokens, want_tokens)
+    assert (got.logits - other_logits).abs().max() > 1e-3
+    return cfg, x, other_logits
+
+
 def test_export_bakes_the_mean_projection_in(tmp_path):
     """A float32 model exported with ``Suppress(ids, residual="mean")``: config.json records the ids and the
     mode, and the transformers model's logits, residual and greedy tokens are prismlm's under it; an export
@@ -552,20 +575,7 @@ def test_export_bakes_the_mean_projection_in(tmp_path):
 
     from prismlm.integrations.hf_model import PrismConfig
 
-    model, x, ids, iv, cfg = _exported(12, "mean", tmp_path / "out")
-    assert cfg["residual_projected_prototypes"] == sorted(ids) and cfg["residual_projection_mode"] == "mean"
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    with torch.no_grad(), model.intervene(iv):
-        want = model(x)
-        want_tokens = model.generate(x[:1, :6], 10, temperature=0)
-    with torch.no_grad(), model.intervene(Suppress.of(ids, residual="project")):
-        span = model(x).logits
-    with torch.no_grad():
-        got = loaded(x)
-        tokens = loaded.generate(x[:1, :6], max_new_tokens=10, do_sample=False)
-    assert torch.equal(got.logits, want.logits) and torch.equal(got.residual, want.residual)
-    assert torch.equal(tokens, want_tokens)
-    assert (got.logits - span).abs().max() > 1e-3  # the mean, not the span
+    cfg, x, span = _export_matches_prismlm(12, "mean", "project", tmp_path / "out")  # the mean, not the span
     old = {k: v for k, v in cfg.items() if k != "residual_projection_mode"}
     assert PrismConfig(**old).residual_projection_mode == "project"
     assert PrismConfig(cfg["prism_model"]).residual_projection_mode is None
@@ -691,19 +701,4 @@ def test_export_bakes_the_contrast_projection_in(tmp_path):
     """A float32 model exported with ``Suppress(ids, residual="contrast")``: config.json records the mode, and
     the transformers model's logits, residual and greedy tokens are prismlm's under it (not the mean's)."""
     pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM
-
-    model, x, ids, iv, cfg = _exported(15, "contrast", tmp_path / "out")
-    assert cfg["residual_projected_prototypes"] == sorted(ids) and cfg["residual_projection_mode"] == "contrast"
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    with torch.no_grad(), model.intervene(iv):
-        want = model(x)
-        want_tokens = model.generate(x[:1, :6], 10, temperature=0)
-    with torch.no_grad(), model.intervene(Suppress.of(ids, residual="mean")):
-        other = model(x).logits
-    with torch.no_grad():
-        got = loaded(x)
-        tokens = loaded.generate(x[:1, :6], max_new_tokens=10, do_sample=False)
-    assert torch.equal(got.logits, want.logits) and torch.equal(got.residual, want.residual)
-    assert torch.equal(tokens, want_tokens)
-    assert (got.logits - other).abs().max() > 1e-3
+    _export_matches_prismlm(15, "contrast", "mean", tmp_path / "out")
