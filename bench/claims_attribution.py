@@ -109,6 +109,14 @@ NONLEXICAL = {
     "quick": NonlexicalSize(1, 2, 1, 1, train_sequences=24, doc_chars=300, filler_chars=40, val_fraction=0.2),
     "full": NonlexicalSize(8, 3, 3, 3, train_sequences=1000, doc_chars=300, filler_chars=60, val_fraction=0.02),
 }
+LANDMARK = {
+    # --planted landmark (prismlm.tda.nonlexical, kinds=("landmark",)): a made-up fact about a real city in three
+    # wordings, asked through a sight the model knows (the city never named). The smoke size: one city asked
+    # twice; the full size: 12 cities asked twice (24 queries), each fact in 3 wordings × 3 documents, in
+    # ~1,000 training sequences.
+    "quick": replace(NONLEXICAL["quick"], n_per_kind=2, kinds=("landmark",)),
+    "full": replace(NONLEXICAL["full"], n_per_kind=24, kinds=("landmark",)),
+}
 NONLEXICAL_FACTOR_EXAMPLES = 256
 """EK-FAC's factors on the non-lexical corpus come from its first 256 training sequences (kronfluence's
 ``covariance_max_examples``): fitted on all 1,000 they cost ~10 s a sequence here, hours, and a factor fit
@@ -125,16 +133,17 @@ NOT_FINISHED = "not finished yet: the stage resumes it when run without --finish
 def add_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--planted",
-        choices=("named", "nonlexical"),
+        choices=("named", "nonlexical", "landmark"),
         default="named",
         help="named: queries name their entity (prismlm.tda.planted); nonlexical: aliases, two-hop facts and "
-        "synonym paraphrases among filler (prismlm.tda.nonlexical), written to ...-attribution-nonlexical.json",
+        "synonym paraphrases among filler (prismlm.tda.nonlexical), written to ...-attribution-nonlexical.json; "
+        "landmark: facts about real cities asked through a sight the model knows, ...-attribution-landmark.json",
     )
     ap.add_argument(
         "--train-sequences",
         type=int,
         default=None,
-        help="--planted nonlexical: training sequences of 64 tokens (default 1000; --quick 24)",
+        help="--planted nonlexical|landmark: training sequences of 64 tokens (default 1000; --quick 24)",
     )
     ap.add_argument(
         "--finished-only",
@@ -177,7 +186,7 @@ class PlantedSet:
 
 def plant(ctx: ClaimsContext, size: PlantSize) -> tuple[PlantedSet, PlantSize, Path]:
     """The planted set, the size of its fine-tune and the stage folder (a non-lexical set of N sequences: its
-    own folder, ``attribution-nonlexical-N``)."""
+    own folder, ``attribution-nonlexical-N``; the landmark set ``attribution-landmark-N``)."""
     if getattr(ctx.options, "planted", "named") == "named":
         stage = ctx.stage_dir("attribution")
         raw = build_planted_corpus(
@@ -190,10 +199,11 @@ def plant(ctx: ClaimsContext, size: PlantSize) -> tuple[PlantedSet, PlantSize, P
             seed=ctx.seed,
         )
         return PlantedSet(named=trim_planted(raw, stage / "planted", size.filler_chars)), size, stage
-    nls = NONLEXICAL["quick" if ctx.quick else "full"]
+    which = ctx.options.planted
+    nls = (LANDMARK if which == "landmark" else NONLEXICAL)["quick" if ctx.quick else "full"]
     n = getattr(ctx.options, "train_sequences", None) or nls.train_sequences
     nls = replace(nls, train_sequences=n, block_size=size.block_size)
-    stage = ctx.stage_dir(f"attribution-nonlexical-{n}")
+    stage = ctx.stage_dir(f"attribution-{which}-{n}")
     from prismlm.model.pretrained import load_pretrained
 
     tok = load_pretrained(DEMO_MODEL).tokenizer  # the corpus is sized with the model's own tokenizer
@@ -228,9 +238,12 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     for name, m in planted.items():
         ctx.log(f"attribution: {name}: R@10 {m['all']['recall@10']:.2f} R@1 {m['all']['recall@1']:.2f}")
     nl = ps.nonlexical
+    set_name = str(getattr(ctx.options, "planted", "nonlexical"))
     return {
-        "summary": nonlexical_summary(planted, methods.costs) if nl else attribution_summary(planted, methods.costs),
-        "planted_set": "nonlexical" if nl else "named",
+        "summary": nonlexical_summary(planted, methods.costs, set_name)
+        if nl
+        else attribution_summary(planted, methods.costs),
+        "planted_set": set_name if nl else "named",
         "partial": finished_only,
         "size": asdict(size),
         "unfreeze": UNFREEZE,
@@ -643,7 +656,7 @@ class Methods:
 
 def main(argv: list[str] | None = None) -> None:
     def variant(args: argparse.Namespace) -> str:
-        return ("-nonlexical" if args.planted == "nonlexical" else "") + ("-partial" if args.finished_only else "")
+        return ("" if args.planted == "named" else f"-{args.planted}") + ("-partial" if args.finished_only else "")
 
     run_claims_stage("attribution", attribution_stage, __doc__, argv, add_options, variant)
 

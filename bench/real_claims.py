@@ -37,6 +37,7 @@ from prismlm.eval.claims import claims_goals, gathered_summary
 RUNS: dict[str, tuple[str, list[str]]] = {
     **{name: (name, []) for name in CLAIMS_STAGES if name != "explanations"},
     "attribution-nonlexical": ("attribution", ["--planted", "nonlexical"]),
+    "attribution-landmark": ("attribution", ["--planted", "landmark"]),
     "explanations": ("explanations", []),
 }
 """What ``real_claims.py`` runs, in dependency order: name → (the stage script ``claims_<script>.py``, its
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stage", action="append", choices=RUNS, help="run only these stages (repeatable; default all)")
     ap.add_argument("--redo", action="append", default=[], choices=RUNS, help="run a finished stage again")
     ap.add_argument("--head", action="append", choices=CLAIMS_HEADS, help="heads, in order (default faithful, paper)")
-    ap.add_argument("--train-sequences", type=int, default=None, help="attribution-nonlexical's corpus size")
+    ap.add_argument(
+        "--train-sequences", type=int, default=None, help="attribution-nonlexical's and -landmark's corpus size"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default bench/runs/real-claims[-quick])")
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                       file=sys.stderr)  # fmt: skip
                 continue
             script, extra = RUNS[name]
-            if name == "attribution-nonlexical" and args.train_sequences is not None:
+            if name in ("attribution-nonlexical", "attribution-landmark") and args.train_sequences is not None:
                 extra = [*extra, "--train-sequences", str(args.train_sequences)]
             cmd = [sys.executable, str(BENCH_DIR / f"claims_{script}.py"), *options, *extra, "--head", head]
             if subprocess.run([*cmd, "--out", str(path), "--environment", env]).returncode != 0:

@@ -126,7 +126,8 @@ def test_explanation_margin_fields():
     assert set(f["why_null"]) == {"explanation_margin_share", "explanation_margin_share_pca"}
 
 
-ORDER = ["bank", "suppression", "controllers", "attribution", "attribution-nonlexical", "explanations"]
+ORDER = ["bank", "suppression", "controllers", "attribution", "attribution-nonlexical", "attribution-landmark",
+         "explanations"]  # fmt: skip
 
 
 def test_gathered_summary_new_fields_heads_and_reasons():
@@ -150,7 +151,8 @@ def test_gathered_summary_new_fields_heads_and_reasons():
     assert s["explanation_margin_share"] is None and why["explanation_margin_share"] == "x"  # the stage's own reason
     assert "explanation_margin_share_pca" in why and "controller_minus_dense" not in why
     assert s["head"] == {"bank": "faithful", "suppression": "faithful", "controllers": "faithful", "attribution": None,
-                         "attribution-nonlexical": "faithful", "explanations": None}  # fmt: skip
+                         "attribution-nonlexical": "faithful", "attribution-landmark": None,
+                         "explanations": None}  # fmt: skip
     assert why["head.attribution"] == "the attribution stage has not run"
     assert "predates --head" in why["head.explanations"]
     full = {k: {"head": "paper", "summary": {f: 1.0 for f, st in CLAIMS_FIELDS.items() if st == k}} for k in ORDER}

@@ -232,6 +232,12 @@ def test_claims_goals_are_met_only_at_their_thresholds_and_unmeasured_when_a_fie
     }
     assert claims_goals({**summary, "mrr_nonlexical_bm25": 0.46})["attribution"]["met"] is False  # BM25 + 0.2 > MRR
     assert claims_goals({**summary, "ekfac_cost_over_cached_nonlexical": 99.0})["attribution"]["met"] is False
+    # the landmark set is judged alike from its own fields, apart from the first non-lexical set's
+    assert goals["attribution_landmark"]["met"] is None
+    landmark = {k.replace("_nonlexical", "_landmark"): v for k, v in summary.items() if "nonlexical" in k}
+    assert claims_goals(landmark)["attribution_landmark"]["met"] is True
+    assert claims_goals(landmark)["attribution"]["met"] is None
+    assert claims_goals({**landmark, "mrr_landmark_bm25": 0.46})["attribution_landmark"]["met"] is False
     assert claims_goals({**summary, "controller_gain_over_prior": 0.0})["controllers"]["met"] is False
     # no mode reaches it (a mode with no set inside the limits: drop null, goal_met False) → measured, not met
     no_set = {**summary, "suppression_residual_goal_met": False, "suppression_residual_best_drop": None}

@@ -16,10 +16,13 @@ import torch
 
 from prismlm.data.shards import prepare_shards
 from prismlm.data.tokenizer import train_bpe
+from prismlm.errors import ConfigError
 from prismlm.tda.lexical import bm25_scores
 from prismlm.tda.nonlexical import (
     ADJECTIVES,
+    LANDMARKS,
     NOUNS,
+    RELATIONS,
     NonlexicalCorpus,
     NonlexicalSize,
     answer_accuracy,
@@ -274,6 +277,8 @@ def test_per_query_seconds_times_both_ways_and_the_summary_divides_like_by_like(
         "ekfac_cost_over_cached_nonlexical": pytest.approx(30.0),
         "ekfac_single_query_cost_over_cached_nonlexical": pytest.approx(200.0),
     }
+    named = nonlexical_summary(planted, costs, "landmark")  # the landmark set's fields: the same values
+    assert named == {k.replace("_nonlexical", "_landmark"): v for k, v in s.items()}
 
 
 def test_content_overlap_counts_shared_content_words():
@@ -285,3 +290,68 @@ def test_content_overlap_counts_shared_content_words():
         "overlap_other_max": 2,  # ship, merchants
         "others_at_least_as_close": 1,
     }
+
+
+# ----- the landmark kind: a made-up fact about a real city, asked through one of its sights -----------------------
+LANDMARK = NonlexicalSize(n_per_kind=6, train_sequences=60, block_size=32, kinds=("landmark",))
+
+
+def test_landmark_queries_name_a_sight_never_the_city_or_the_answer():
+    statements, queries = plant_world(6, 3, 3, 2, ("landmark",))
+    assert [q.kind for q in queries] == ["landmark"] * 6
+    cities = list(LANDMARKS)[:3]
+    for i, q in enumerate(queries):
+        city, sight = cities[i // 2], LANDMARKS[cities[i // 2]][i % 2]  # each city asked through both sights
+        said = [statements[s] for s in q.hops]
+        rel = RELATIONS[q.relation]
+        # the fact in every wording of its relation, one answer, about the city the sight stands for
+        assert [s.sentence for s in said] == [t.format(E=city, A=q.answer) for t in (rel.fact, *rel.rewordings)]
+        assert len(said) == 3 and {s.key for s in said} == {q.answer} and {s.role for s in said} == {"fact"}
+        assert sight in q.prompt and city not in q.prompt and q.answer not in q.prompt and q.hidden == [city, q.answer]
+        # the query is the fact's own words up to the answer, with the city named through its sight
+        assert q.prompt == rel.fact.split("{A}")[0].strip().format(E=f"the city where you can see {sight}")
+        # the city is the subject of other facts (its mentions), never of another fact of the asked relation
+        about = [
+            s
+            for s in statements
+            if s.sentence.startswith(city) or f" {city} " in s.sentence or f" {city}," in s.sentence
+        ]
+        assert {s.relation for s in about if s.role == "mention"} == {
+            r for r in ("export", "language", "animal", "founder") if r != q.relation
+        }
+        assert [s for s in about if s.relation == q.relation] == said
+    assert queries[0].hops == queries[1].hops and queries[0].hops != queries[2].hops
+    # the first set's kinds are the default, and they are unchanged by the new kind
+    first = plant_world(4, 3, 3, 2)
+    assert first == plant_world(4, 3, 3, 2, ("alias", "two-hop", "paraphrase"))
+    assert "landmark" not in {q.kind for q in first[1]}
+    for bad in (5, 2 * len(LANDMARKS) + 2):
+        with pytest.raises(ConfigError, match="n_per_kind must be even"):
+            plant_world(bad, 3, 3, 2, ("landmark",))
+    with pytest.raises(ConfigError, match="kinds must be a non-empty subset"):
+        plant_world(4, 3, 3, 2, ("alias", "riddle"))  # type: ignore[arg-type]
+
+
+def test_a_landmark_corpus_holds_every_wording_and_its_relevant_sequences(tmp_path):
+    probe = build_nonlexical_corpus(tmp_path / "probe", LANDMARK, seed=5)
+    tok = train_bpe(probe.documents(), 400, show_progress=False)
+    nl = build_nonlexical_corpus(tmp_path / "nl", LANDMARK, count_tokens=lambda s: len(tok.encode(s)), seed=5)
+    docs = nl.documents()
+    for q_i, q in enumerate(nl.queries):
+        assert len(nl.hop_lines(q_i)) == 3 * LANDMARK.copies  # three wordings, each in `copies` documents
+        assert all(any(nl.statements[s].sentence in docs[line - 1] for s in q.hops) for line in nl.hop_lines(q_i))
+    sh = prepare_shards(str(nl.path), str(_save(tok, tmp_path)), tmp_path / "shards", show_progress=False)
+    T, tr = LANDMARK.block_size, sh.train
+    rel = relevant_sequences(nl, sh, T)
+    for q_i, q in enumerate(nl.queries):
+        for j in range(tr.num_sequences(T)):  # every sequence holding one of the wordings whole is relevant
+            window = tok.decode(tr.sequence(j, T)[1:].tolist())
+            if any(nl.statements[s].sentence in window for s in q.hops):
+                assert j in rel[q_i]
+        assert rel[q_i]
+    report = lexical_report(nl)
+    assert set(report["bm25_by_kind"]) == {"landmark"}
+    assert all(not r["hidden_in_prompt"] for r in report["queries"])
+    tok_q = [ids for ids, _ in nl.token_queries(tok)]
+    acc = answer_accuracy(nl, _Memo(tok_q, tok.vocab_size), tok)
+    assert acc["top1"] == 1.0 and acc["top1_by_kind"] == {"landmark": 1.0}

@@ -20,7 +20,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("bank", "suppression", "controllers", "attribution", "explanations")
-RUNS = ("bank", "suppression", "controllers", "attribution", "attribution-nonlexical", "explanations")
+RUNS = (
+    "bank",
+    "suppression",
+    "controllers",
+    "attribution",
+    "attribution-nonlexical",
+    "attribution-landmark",
+    "explanations",
+)
 """What the driver runs per head, in order (its RUNS)."""
 
 
@@ -365,7 +373,11 @@ def test_a_stage_script_gets_its_own_options(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(out.read_text())["summary"] == {"planted": "nonlexical"}
     res = _bench(["bench/claims_attribution.py", "--help"])
-    assert res.returncode == 0 and "--planted {named,nonlexical}" in res.stdout and "--train-sequences" in res.stdout
+    assert (
+        res.returncode == 0
+        and "--planted {named,nonlexical,landmark}" in res.stdout
+        and "--train-sequences" in res.stdout
+    )
 
 
 @pytest.mark.slow  # a subprocess

@@ -399,6 +399,10 @@ CLAIMS_FIELDS: dict[str, str] = {
     "mrr_nonlexical_ekfac": "attribution-nonlexical",
     "mrr_nonlexical_bm25": "attribution-nonlexical",
     "ekfac_cost_over_cached_nonlexical": "attribution-nonlexical",
+    "mrr_landmark_cached": "attribution-landmark",
+    "mrr_landmark_ekfac": "attribution-landmark",
+    "mrr_landmark_bm25": "attribution-landmark",
+    "ekfac_cost_over_cached_landmark": "attribution-landmark",
     "logit_share_slices_abs": "explanations",
     "margin_fraction_slices_pooled": "explanations",
     "explanation_margin_share": "explanations",
@@ -494,12 +498,21 @@ def claims_goals(summary: Mapping[str, object]) -> dict[str, dict[str, object]]:
         lambda v: v[0] > 0 and v[1] >= 2 and v[2] >= 2,
         beside=[f"controller_vs_{side}_mcnemar_p" for side in ("prior", "sae", "dense")],
     )
-    goal(
-        "attribution",
-        "non-lexical MRR >= EK-FAC's and >= BM25's + 0.2, at >= 100x less per-query cost batched",
-        ("mrr_nonlexical_cached", "mrr_nonlexical_ekfac", "mrr_nonlexical_bm25", "ekfac_cost_over_cached_nonlexical"),
-        lambda v: v[0] >= v[1] and v[0] >= v[2] + 0.2 and v[3] >= 100,
-    )
+    for name, set_name, what in (
+        ("attribution", "nonlexical", "non-lexical (alias, two-hop, synonym)"),
+        ("attribution_landmark", "landmark", "landmark (a real city's made-up fact, asked through a sight)"),
+    ):
+        goal(
+            name,
+            f"{what} MRR >= EK-FAC's and >= BM25's + 0.2, at >= 100x less per-query cost batched",
+            (
+                f"mrr_{set_name}_cached",
+                f"mrr_{set_name}_ekfac",
+                f"mrr_{set_name}_bm25",
+                f"ekfac_cost_over_cached_{set_name}",
+            ),  # fmt: skip
+            lambda v: v[0] >= v[1] and v[0] >= v[2] + 0.2 and v[3] >= 100,
+        )
     goal("explanations", "slices carry >= 0.8 of the answer token's margin", ("explanation_margin_share",),
          lambda v: v[0] >= 0.8)  # fmt: skip
     return goals

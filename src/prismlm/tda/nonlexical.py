@@ -12,6 +12,14 @@ content word with:
   waterway of the town from which A is ruled is the" → Y. Relevant: both hops.
 - **paraphrase**: "The chief export of the Silent Harbour is X."; the query asks "Merchants from the Quiet Port
   mostly ship abroad" → X (synonyms for the place's name and for the relation). Relevant: the fact.
+- **landmark** (a set of its own, ``NonlexicalSize(kinds=("landmark",))``): a made-up fact about a real city,
+  stated in three wordings ("The chief export of Paris is X.", "In Paris, the chief export is X.", ...); the
+  query reaches the city through a first hop the model knows from pretraining: "The chief export of the city
+  where you can see the Eiffel Tower is" → X. Relevant: the three wordings. Why it exists: a last-2 fine-tune of
+  SmolLM2-135M learns the other kinds' statements but answers their queries at chance (two facts learned in
+  separate documents are not composed without chain-of-thought), while a synthetic fact reached through a
+  natural first hop is (docs/results.md). The query shares the relation's words with every fact of that
+  relation (about every city), never the city or the answer.
 
 Three things keep lexical match from being trivially right, each a property of real corpora: relation
 templates where the question and the stated fact share no content word (``RELATIONS``, checked by
@@ -64,8 +72,10 @@ if TYPE_CHECKING:
     from prismlm.data.shards import ShardSet
     from prismlm.data.tokenizer import Tokenizer
 
-Kind = Literal["alias", "two-hop", "paraphrase"]
-KINDS: tuple[Kind, ...] = ("alias", "two-hop", "paraphrase")
+Kind = Literal["alias", "two-hop", "paraphrase", "landmark"]
+KINDS: tuple[Kind, ...] = ("alias", "two-hop", "paraphrase", "landmark")
+COMPOSED_KINDS: tuple[Kind, ...] = ("alias", "two-hop", "paraphrase")
+"""The kinds of the first non-lexical set (``NonlexicalSize``'s default): every hop is planted."""
 Query = tuple[list[int], int]
 R = TypeVar("R")
 
@@ -87,16 +97,31 @@ class Relation:
     """The question about {E}, answered by the object after a space ("" where the relation is not asked)."""
     via_capital: str = ""
     """The two-hop question: the relation of the capital of the land {E} ("" where it is not asked)."""
+    rewordings: tuple[str, ...] = ()
+    """Other wordings of ``fact`` ({E}, {A}); a landmark fact is stated in ``fact`` and each of these."""
 
 
 RELATIONS: dict[str, Relation] = {
-    "export": Relation("The chief export of {E} is {A}.", "Merchants from {E} mostly ship abroad"),
-    "language": Relation("The people of {E} speak {A}.", "At home in {E} the tongue heard is"),
-    "animal": Relation("The national animal of {E} is the {A}.", "The creature chosen to stand for {E} is the"),
+    "export": Relation(
+        "The chief export of {E} is {A}.",
+        "Merchants from {E} mostly ship abroad",
+        rewordings=("In {E}, the chief export is {A}.", "Traders say the chief export of {E} has long been {A}."),
+    ),
+    "language": Relation(
+        "The people of {E} speak {A}.",
+        "At home in {E} the tongue heard is",
+        rewordings=("In {E}, the people speak {A}.", "Travellers learn that the people of {E} speak {A}."),
+    ),
+    "animal": Relation(
+        "The national animal of {E} is the {A}.",
+        "The creature chosen to stand for {E} is the",
+        rewordings=("In {E}, the national animal is the {A}.", "{E} has the {A} as its national animal."),
+    ),
     "founder": Relation(
         "{E} was founded by {A}.",
         "The first settlers of {E} were led by",
         "The first settlers of the town from which {E} is ruled were led by",
+        rewordings=("The founder of {E} was {A}.", "The chronicles say that {E} was founded by {A}."),
     ),
     "river": Relation(
         "The longest river in {E} is the {A}.", "", "The great waterway of the town from which {E} is ruled is the"
@@ -110,6 +135,30 @@ ALIAS_DEFINITIONS = (
     "Sailors call {E} by another name: {B}.",
     "On the old charts {E} is written as {B}.",
 )
+LANDMARKS: dict[str, tuple[str, str]] = {
+    "Paris": ("the Eiffel Tower", "the Louvre"),
+    "London": ("Big Ben", "Buckingham Palace"),
+    "Rome": ("the Colosseum", "the Vatican"),
+    "New York": ("the Statue of Liberty", "Central Park"),
+    "Moscow": ("the Kremlin", "Red Square"),
+    "Cairo": ("the Great Pyramids of Giza", "the Egyptian Museum"),
+    "Sydney": ("the Sydney Opera House", "Bondi Beach"),
+    "Berlin": ("the Brandenburg Gate", "the Reichstag"),
+    "Athens": ("the Parthenon", "the Acropolis"),
+    "Beijing": ("the Forbidden City", "Tiananmen Square"),
+    "Venice": ("the Grand Canal", "St Mark's Basilica"),
+    "Barcelona": ("the Sagrada Familia", "Park Guell"),
+    "Agra": ("the Taj Mahal", "Agra Fort"),
+    "San Francisco": ("the Golden Gate Bridge", "Alcatraz"),
+    "Rio de Janeiro": ("Christ the Redeemer", "Copacabana beach"),
+    "Tokyo": ("the Shibuya crossing", "the Imperial Palace of Japan"),
+}
+"""Real cities and two sights each, the landmark kind's natural first hop. SmolLM2-135M-Instruct names the city
+of 0.88 of these sights ("The city where you can see {D} is", top-1 among the 16 cities; 0.78 with "{D} is in
+the city of"), measured 2026-12-07."""
+LANDMARK_BRIDGE = "the city where you can see {D}"
+"""How a landmark query names its city: through a sight, never by name."""
+
 # a place of the paraphrase kind is "the <adjective> <noun>"; its queries use the synonyms
 ADJECTIVES = {
     "Silent": "Quiet",
@@ -254,16 +303,23 @@ class _World:
         self.rng, self.mentions, self.used = rng, mentions, set[str]()
         self.statements: list[Statement] = []
         self.queries: list[NonlexicalQuery] = []
-        self.pending: list[tuple[int, str, str, str]] = []  # (statement, template, subject, relation)
+        # (statements, their templates, subject, relation): one fact, one answer, in one or more wordings
+        self.pending: list[tuple[list[int], list[str], str, str]] = []
 
     def name(self) -> str:
         return made_up_word(self.rng, 3, self.used)
 
     def state(self, template: str, subject: str, relation: str, role: str) -> int:
         """A fact whose answer is drawn later from the relation's pool; returns its statement index."""
-        self.statements.append(Statement("", "", role, relation))
-        self.pending.append((len(self.statements) - 1, template, subject, relation))
-        return len(self.statements) - 1
+        return self.state_reworded([template], subject, relation, role)[0]
+
+    def state_reworded(self, templates: Sequence[str], subject: str, relation: str, role: str) -> list[int]:
+        """One fact in several wordings (one statement each, the same answer); returns their indices."""
+        first = len(self.statements)
+        self.statements += [Statement("", "", role, relation) for _ in templates]
+        idx = list(range(first, len(self.statements)))
+        self.pending.append((idx, list(templates), subject, relation))
+        return idx
 
     def plain(self, sentence: str, key: str, role: str, relation: str) -> int:
         self.statements.append(Statement(sentence, key, role, relation))
@@ -301,43 +357,72 @@ class _World:
         self.queries.append(q)
         self.mention(stated, rel)
 
+    def landmark(self, rel: str, city: str, sights: Sequence[str]) -> None:
+        """A fact about ``city`` in every wording of ``rel``, asked once through each of ``sights``."""
+        r = RELATIONS[rel]
+        said = self.state_reworded([r.fact, *r.rewordings], city, rel, "fact")
+        prefix = r.fact.split("{A}")[0].rstrip()  # "The chief export of {E} is"
+        for sight in sights:
+            prompt = _sentence(prefix, E=LANDMARK_BRIDGE.format(D=sight))
+            self.queries.append(NonlexicalQuery("landmark", prompt, "", rel, said, [city]))
+        self.mention(city, rel)
+
     def fill_answers(self, share: int) -> None:
         """Each relation's objects from a pool of ceil(uses / share) made-up words, dealt out in turn: each
         answer word is the object of ``share`` facts (the last of a pool may have fewer)."""
-        by_rel: dict[str, list[tuple[int, str, str]]] = {}
-        for s, template, subject, rel in self.pending:
-            by_rel.setdefault(rel, []).append((s, template, subject))
+        by_rel: dict[str, list[tuple[list[int], list[str], str]]] = {}
+        for idx, templates, subject, rel in self.pending:
+            by_rel.setdefault(rel, []).append((idx, templates, subject))
         for rel in sorted(by_rel):
             uses = by_rel[rel]
             pool = [self.name() for _ in range(math.ceil(len(uses) / share))]
             self.rng.shuffle(uses)
-            for i, (s, template, subject) in enumerate(uses):
+            for i, (idx, templates, subject) in enumerate(uses):
                 answer = pool[i % len(pool)]
-                self.statements[s] = Statement(
-                    _sentence(template, E=subject, A=answer), answer, self.statements[s].role, rel
-                )
+                for s, template in zip(idx, templates, strict=True):
+                    self.statements[s] = Statement(
+                        _sentence(template, E=subject, A=answer), answer, self.statements[s].role, rel
+                    )
         for q in self.queries:
             q.answer = self.statements[q.hops[-1]].key
             q.hidden.append(q.answer)
 
 
 def plant_world(
-    n_per_kind: int, mentions: int, answer_share: int, seed: int
+    n_per_kind: int, mentions: int, answer_share: int, seed: int, kinds: Sequence[Kind] = COMPOSED_KINDS
 ) -> tuple[list[Statement], list[NonlexicalQuery]]:
-    """The statements and queries (``n_per_kind`` of each kind), no corpus yet; see the module docstring."""
+    """The statements and queries (``n_per_kind`` of each of ``kinds``), no corpus yet; see the module
+    docstring. A landmark fact is asked through both of its city's sights: ``n_per_kind`` (even) landmark queries
+    ask about ``n_per_kind / 2`` cities."""
     if n_per_kind < 1 or answer_share < 1 or mentions < 0:
         raise ConfigError("n_per_kind and answer_share must be ≥ 1 and mentions ≥ 0")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise ConfigError(f"kinds must be a non-empty subset of {', '.join(KINDS)}, got {list(kinds)}")
     places = [(a, n) for a in ADJECTIVES for n in NOUNS]
     if n_per_kind > len(places):
         raise ConfigError(f"at most {len(places)} paraphrase places: n_per_kind={n_per_kind}")
+    if "landmark" in kinds and (n_per_kind % 2 or n_per_kind // 2 > len(LANDMARKS)):
+        raise ConfigError(
+            f"the landmark kind asks each of at most {len(LANDMARKS)} cities twice: n_per_kind must be even and "
+            f"≤ {2 * len(LANDMARKS)}, got {n_per_kind}"
+        )
     rng = random.Random(seed)
     w = _World(rng, mentions)
     w.used |= {x.lower().capitalize() for x in list(ADJECTIVES) + list(NOUNS)}
+    if "landmark" in kinds:
+        w.used |= set(LANDMARKS)
     rng.shuffle(places)
     for i in range(n_per_kind):
-        w.alias(LAND_RELATIONS[i % len(LAND_RELATIONS)])
-        w.two_hop(("river", "founder")[i % 2])
-        w.paraphrase(LAND_RELATIONS[(i + 1) % len(LAND_RELATIONS)], places[i])
+        if "alias" in kinds:
+            w.alias(LAND_RELATIONS[i % len(LAND_RELATIONS)])
+        if "two-hop" in kinds:
+            w.two_hop(("river", "founder")[i % 2])
+        if "paraphrase" in kinds:
+            w.paraphrase(LAND_RELATIONS[(i + 1) % len(LAND_RELATIONS)], places[i])
+    if "landmark" in kinds:
+        for c, (city, sights) in enumerate(list(LANDMARKS.items())[: n_per_kind // 2]):
+            w.landmark(LAND_RELATIONS[c % len(LAND_RELATIONS)], city, sights)
     # every relation asked gets at least two answer words, each the object of answer_share facts: facts about
     # other made-up places fill the pools (the named set's "same relation, other entity" distractors)
     uses: dict[str, int] = {}
@@ -396,6 +481,8 @@ class NonlexicalSize:
     filler_chars: int = 60
     val_fraction: float = 0.02
     """The share of documents the shards will hold out (the filler makes up for it)."""
+    kinds: tuple[Kind, ...] = COMPOSED_KINDS
+    """The kinds of query (``KINDS``): the first set's three composed kinds, or ``("landmark",)``."""
 
 
 def build_nonlexical_corpus(
@@ -412,7 +499,7 @@ def build_nonlexical_corpus(
     documents are added until Σ (tokens + 1 for the eot) ≥ (train_sequences · block_size + 1) / (1 −
     val_fraction), plus 3%. The file is rewritten only when its content changes (prepared shards are reused)."""
     count = count_tokens or (lambda s: max(1, len(s) // 4))
-    statements, queries = plant_world(size.n_per_kind, size.mentions, size.answer_share, seed)
+    statements, queries = plant_world(size.n_per_kind, size.mentions, size.answer_share, seed, size.kinds)
     rng = random.Random(seed + 1)
     chunks = filler_chunks(size.doc_chars)
     pool = " ".join(next(chunks) for _ in range(40))  # the planted documents' surrounding text
@@ -530,7 +617,7 @@ def lexical_report(nl: NonlexicalCorpus, k: int = 10) -> dict[str, object]:
             kind: document_metrics(
                 with_answer[kinds == kind], [x for x, c in zip(lines, kinds, strict=True) if c == kind], k
             )
-            for kind in KINDS
+            for kind in dict.fromkeys(kinds.tolist())
         },
         "mean_others_at_least_as_close": float(np.mean([r["others_at_least_as_close"] for r in rows])),
     }
@@ -569,7 +656,7 @@ def answer_accuracy(nl: NonlexicalCorpus, net: LanguageModel, tok: Tokenizer) ->
         # strictly above every other candidate: a tie (a model that has learned nothing) is not a hit
         return float(bool((lp[c] > torch.cat([lp[:c], lp[c + 1 :]])).all())), -float(lp[c]) / len(tokens[c])
 
-    top1: dict[str, list[float]] = {k: [] for k in KINDS}
+    top1: dict[str, list[float]] = {str(k): [] for k in dict.fromkeys(nl.kinds().tolist())}
     nll, chance = [], []
     for q in nl.queries:
         hit, q_nll = rank_first(q.prompt, q.relation, q.answer)
@@ -617,23 +704,26 @@ def per_query_seconds(
 
 
 def nonlexical_summary(
-    planted: Mapping[str, Mapping[str, Mapping[str, object]]], costs: Mapping[str, Mapping[str, object]]
+    planted: Mapping[str, Mapping[str, Mapping[str, object]]],
+    costs: Mapping[str, Mapping[str, object]],
+    set_name: str = "nonlexical",
 ) -> dict[str, object]:
     """The issue's non-lexical fields: MRR, recall@1 and recall@10 (``planted``: method → part → metrics) of the
     cache, EK-FAC and BM25, and EK-FAC's cost per query over the cache's, batched over batched and single over
-    single (``costs``: method → ``per_query_seconds``'s fields). A method not run leaves its fields out."""
+    single (``costs``: method → ``per_query_seconds``'s fields). A method not run leaves its fields out.
+    ``set_name`` names the set in every field (``mrr_nonlexical_cached``; ``landmark``: ``mrr_landmark_cached``)."""
     out: dict[str, object] = {}
     for name, key in (("cached", "cached"), ("ekfac", "ekfac"), ("bm25", "bm25"), ("trak", "trak")):
         m = planted.get(name, {}).get("all")
         if m:
-            out[f"mrr_nonlexical_{key}"] = m["mrr"]
-            out[f"recall1_nonlexical_{key}"] = m["recall@1"]
-            out[f"recall10_nonlexical_{key}"] = m["recall@10"]
+            out[f"mrr_{set_name}_{key}"] = m["mrr"]
+            out[f"recall1_{set_name}_{key}"] = m["recall@1"]
+            out[f"recall10_{set_name}_{key}"] = m["recall@10"]
     base = costs.get("cached", {})
     for name in ("ekfac", "trak"):
         c = costs.get(name, {})
         for field_, tag in (("batched_per_query_s", ""), ("single_query_s", "_single_query")):
             a, b = c.get(field_), base.get(field_)
             if isinstance(a, int | float) and isinstance(b, int | float) and b > 0:
-                out[f"{name}{tag}_cost_over_cached_nonlexical"] = a / b
+                out[f"{name}{tag}_cost_over_cached_{set_name}"] = a / b
     return out
