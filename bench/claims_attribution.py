@@ -9,7 +9,9 @@ bench/real_claims.py measures"). Each method's scores are saved under the stage 
 ``--planted nonlexical [--train-sequences 1000]``: the set lexical match cannot solve (``prismlm.tda.nonlexical``:
 aliases, two-hop facts, synonym paraphrases among filler), recall@1 / MRR / recall@10 per kind, the cache and
 EK-FAC timed batched and one query at a time (its cost model: that module's docstring), into
-``real-claims[-quick]-attribution-nonlexical.json``. ``--finished-only``: run no method, record the ones finished
+``real-claims[-quick]-attribution-nonlexical.json``. ``--planted landmark``: the same with the landmark kind
+(made-up facts about real cities, each in three wordings, asked through a sight the model knows), into
+``...-attribution-landmark.json``. ``--finished-only``: run no method, record the ones finished
 so far and name the rest in ``not_run`` (``...-partial.json``): the record of a long run that resumes later.
 """
 
