@@ -161,6 +161,8 @@ class PlantedSet:
 
     named: PlantedCorpus | None = None
     nonlexical: NonlexicalCorpus | None = None
+    name: str = "named"
+    """``--planted``: named, nonlexical or landmark (the record's ``planted_set`` and its summary's field names)."""
 
     @property
     def corpus(self) -> Path:
@@ -212,7 +214,11 @@ def plant(ctx: ClaimsContext, size: PlantSize) -> tuple[PlantedSet, PlantSize, P
     nl = build_nonlexical_corpus(stage / "planted", nls, count_tokens=lambda t: len(tok.encode(t)), seed=ctx.seed)
     steps = size.steps if ctx.quick else math.ceil(NONLEXICAL_EPOCHS * n / size.batch_size)  # smoke: as named
     fit = None if ctx.quick else NONLEXICAL_FACTOR_EXAMPLES
-    return PlantedSet(nonlexical=nl), replace(size, steps=steps, timing_queries=2, factor_examples=fit), stage
+    return (
+        PlantedSet(nonlexical=nl, name=which),
+        replace(size, steps=steps, timing_queries=2, factor_examples=fit),
+        stage,
+    )
 
 
 def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
@@ -240,12 +246,11 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     for name, m in planted.items():
         ctx.log(f"attribution: {name}: R@10 {m['all']['recall@10']:.2f} R@1 {m['all']['recall@1']:.2f}")
     nl = ps.nonlexical
-    set_name = str(getattr(ctx.options, "planted", "nonlexical"))
     return {
-        "summary": nonlexical_summary(planted, methods.costs, set_name)
+        "summary": nonlexical_summary(planted, methods.costs, ps.name)
         if nl
         else attribution_summary(planted, methods.costs),
-        "planted_set": set_name if nl else "named",
+        "planted_set": ps.name,
         "partial": finished_only,
         "size": asdict(size),
         "unfreeze": UNFREEZE,

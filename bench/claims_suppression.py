@@ -38,6 +38,7 @@ from prismlm.control.suppress import SuppressionSet
 from prismlm.data.corpus import gutenberg_documents, sotu_documents
 from prismlm.eval.claims import (
     MODE_SUFFIXES,
+    SUMMARY_PREFIXES,
     behaviour_gap,
     best_suppression_row,
     condition_mode,
@@ -539,9 +540,9 @@ def run_condition(
 
 
 # ----- judging and the table --------------------------------------------------------------------------------
-RECORD_NAMES = {"project": "residual", "mean": "mean", "contrast": "contrast"}
-"""Residual-editing mode → the suffix of its keys in the stage's record (``best_mean``, ``export_check_mean``);
-``project`` keeps the first run's ``residual``."""
+RECORD_NAMES = {mode: pre.removeprefix("suppression_").rstrip("_") for mode, pre in SUMMARY_PREFIXES.items()}
+"""Residual-editing mode → the suffix of its keys in the stage's record (``best_mean``, ``export_check_mean``),
+named as its summary fields are: ``project`` keeps the first run's ``residual``."""
 
 
 def judged(specs: dict[str, ConceptSpec], recs: dict[str, dict]) -> dict[str, dict[str, dict[str, np.ndarray]]]:

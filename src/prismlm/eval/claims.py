@@ -510,7 +510,7 @@ def claims_goals(summary: Mapping[str, object]) -> dict[str, dict[str, object]]:
                 f"mrr_{set_name}_ekfac",
                 f"mrr_{set_name}_bm25",
                 f"ekfac_cost_over_cached_{set_name}",
-            ),  # fmt: skip
+            ),
             lambda v: v[0] >= v[1] and v[0] >= v[2] + 0.2 and v[3] >= 100,
         )
     goal("explanations", "slices carry >= 0.8 of the answer token's margin", ("explanation_margin_share",),
