@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prismlm.eval.claims import MODE_SUFFIXES, condition_mode
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("bank", "suppression", "controllers", "attribution", "explanations")
 RUNS = (
@@ -99,15 +101,16 @@ def test_suppression_sets_controls_and_export(quick_claims):
         c["identical"] and c["max_abs_logit_diff_transformers_vs_suppressed"] < 1e-4
         for c in stage["export_check"]["cases"]
     )
-    # the collateral's head-only fast path against model.suppress + text_perplexity / mc_accuracy
-    # and with the residual projected: against the model under Suppress(ids, residual="project")
-    assert all(c["identical"] for c in stage["export_check_residual"]["cases"])
-    assert stage["export_check_residual"]["residual"] == "project"
-    # and with the residual projected off the set's unit mean direction (Suppress(ids, residual="mean"))
-    assert all(c["identical"] for c in stage["export_check_mean"]["cases"])
-    assert stage["export_check_mean"]["residual"] == "mean"
-    assert gathered["summary"]["suppression_mean_export_identical"] is True
-    checks = (stage["fast_path_check"], stage["fast_path_check_residual"], stage["fast_path_check_mean"])
+    # every residual-editing mode (project: off the set's span; mean: off its unit mean direction; contrast: off
+    # the unit difference of its mean and the bank's): the export and the collateral's head-only fast path
+    # against the model under Suppress(ids, residual=mode) + text_perplexity / mc_accuracy
+    record_keys = {"project": "residual", "mean": "mean", "contrast": "contrast"}
+    assert set(record_keys) == set(MODE_SUFFIXES)
+    for mode, key in record_keys.items():
+        assert all(c["identical"] for c in stage[f"export_check_{key}"]["cases"]), mode
+        assert stage[f"export_check_{key}"]["residual"] == mode
+        assert gathered["summary"][f"suppression_{key}_export_identical"] is True, mode
+    checks = [stage["fast_path_check"], *(stage[f"fast_path_check_{key}"] for key in record_keys.values())]
     for check in checks:
         assert check["abs_diff"] < 1e-5 and check["acc_fast"] == check["acc_mc_accuracy"]
         assert check["acc_norm_fast"] == check["acc_norm_mc_accuracy"]
@@ -119,11 +122,11 @@ def test_suppression_sets_controls_and_export(quick_claims):
             assert row["tfidf_drop"] == 0.0 and row["ce_neutral_rel_increase"] == 0.0
         elif not row["set"].startswith("random"):  # every concept set has its controls of the same size
             assert f"random@{row['prototypes']}" in stage["conditions"]
-            tag = {"project": "+project", "mean": "+mean"}.get(row["residual"], "")
+            tag = MODE_SUFFIXES.get(row["residual"], "")
             assert all(f"random{d}@{row['prototypes']}{tag}" in stage["conditions"] for d in range(draws))
     concept_sets = {c: s["ranked"] for c, s in stage["concepts"].items()}
     for cond, ids in stage["conditions"].items():
-        base = cond.removesuffix("+project").removesuffix("+mean")
+        base = condition_mode(cond)[0]
         if base.startswith("random@"):
             assert not set(ids) & {i for r in concept_sets.values() for i in r}
         elif base.startswith("random"):
