@@ -1,6 +1,6 @@
 """The ``attribution`` stage of ``bench/real_claims.py``: a fine-tune of the retrofitted SmolLM2-135M-Instruct
 on planted facts (``prismlm.tda.planted``) among neutral documents, then recall@10 and MRR of the planted
-sequences for the prototype cache (default and compact), the hybrid, EK-FAC, TRAK, bergson and BM25, and each
+sequences for the prototype cache (default and compact), the hybrids (the compact cache's top M re-scored by the gradient dot product or by EK-FAC), EK-FAC, TRAK, bergson and BM25, and each
 method's per-query cost over the cache's (``prismlm.eval.claims.attribution_summary``).
 
 Run: ``python bench/claims_attribution.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
@@ -388,6 +388,7 @@ class Methods:
         )
         self.not_run: dict[str, str] = {}
         self._curv: Curvature | None = None
+        self._kb: KronfluenceBaseline | None = None
 
     def sync(self) -> None:
         sync(torch.device(self.ctx.device))
@@ -427,6 +428,11 @@ class Methods:
         if "cached-compact" in self.scores and "grad-dot" in self.scores:
             self.hybrid()
         run("ekfac", self.ekfac)
+        if "cached-compact" in self.scores:
+            run(f"hybrid-ekfac-m{self.size.hybrid_m}", self.hybrid_ekfac)
+        if self._kb is not None:
+            self._kb.close()
+            self._kb = None
         run("trak", self.trak)
         bergson = os.environ.get("BERGSON_PYTHON")
         if self.done("bergson") and self.costs["bergson"].get("modules") == list(self.finetuned_modules()):
@@ -558,13 +564,7 @@ class Methods:
 
     def ekfac(self) -> None:
         """kronfluence EK-FAC on the fine-tuned blocks' ``nn.Linear`` modules (``finetuned_modules``)."""
-        net = self.finetuned_net()
-        mods = self.finetuned_modules()
-        self.ctx.log(f"attribution: EK-FAC on {len(mods)} modules; fitting factors")
-        kb = KronfluenceBaseline(
-            net, self.shards, strategy="ekfac", batch_size=8, modules=mods, seed=self.ctx.seed,
-            factor_examples=self.size.factor_examples,
-        )  # fmt: skip
+        kb = self.kronfluence()
         t_f = kb.timings["factors_seconds"]
         eot = self.shards.tokenizer.eot_id
         # timed as the cache is (per_query_seconds): all queries in one call ÷ Q, and one query per call
@@ -572,16 +572,56 @@ class Methods:
             lambda qs: kb.scores(qs, eot, query_batch_size=len(qs)), self.queries, self.size.timing_queries, self.sync
         )
         S = S_t.numpy()
-        kb.close()
         cost = {
             "per_query_s": timing["batched_per_query_s"],
             **timing,
             "batch_scores_s": timing["batched_per_query_s"] * len(self.queries),
             "oneoff_s": t_f,
             "factor_examples": self.size.factor_examples or self.N,
-            "modules": list(mods),
+            "modules": list(self.finetuned_modules()),
         }
         self.save("ekfac", S, cost)
+
+    def kronfluence(self) -> KronfluenceBaseline:
+        """kronfluence's EK-FAC factors on the fine-tuned blocks' ``nn.Linear`` modules (``finetuned_modules``),
+        fitted once a run and shared by ``ekfac`` and ``hybrid_ekfac`` (seeded: a second fit gives the same
+        factors); ``run_all`` closes it."""
+        if self._kb is None:
+            mods = self.finetuned_modules()
+            self.ctx.log(f"attribution: EK-FAC on {len(mods)} modules; fitting factors")
+            self._kb = KronfluenceBaseline(
+                self.finetuned_net(), self.shards, strategy="ekfac", batch_size=8, modules=mods,
+                seed=self.ctx.seed, factor_examples=self.size.factor_examples,
+            )  # fmt: skip
+        return self._kb
+
+    def hybrid_ekfac(self) -> None:
+        """The compact cache's top-M re-scored by EK-FAC: each query's M candidates scored by kronfluence
+        against those M sequences only (``KronfluenceBaseline.scores_on``, with the factors ``ekfac`` uses),
+        one query per call, each call timed. Cost model: per query, the compact cache's + that re-scoring;
+        one-off, the cache's build + the factors' fit."""
+        m = self.size.hybrid_m
+        kb = self.kronfluence()
+        eot = self.shards.tokenizer.eot_id
+        times: list[float] = []
+
+        def rescore(q: int, ids: list[int]) -> torch.Tensor:
+            t0 = time.perf_counter()
+            s = kb.scores_on([self.queries[q]], ids, eot)[0]  # (M,)
+            self.sync()
+            times.append(time.perf_counter() - t0)
+            return s
+
+        H, _ = hybrid_scores(torch.from_numpy(self.scores["cached-compact"]), rescore, m)
+        rescore_s = statistics.median(times)
+        cost = {
+            "per_query_s": num(self.costs, "cached-compact", "per_query_s") + rescore_s,
+            "rescore_s": rescore_s,
+            "m": m,
+            "oneoff_s": num(self.costs, "cached-compact", "oneoff_s") + kb.timings["factors_seconds"],
+            "note": "per query: the compact cache's + EK-FAC on its top M (median of one call per query)",
+        }
+        self.save(f"hybrid-ekfac-m{m}", H.numpy(), cost)
 
     def trak(self) -> None:
         """TRAK (traker 0.3.2, TRAK's CPU projector) on the fine-tuned parameters (``size.scope`` of them): one

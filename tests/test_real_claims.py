@@ -272,12 +272,35 @@ def test_a_partial_attribution_record_holds_the_finished_methods_and_names_the_r
     assert partial["partial"] is True and att["partial"] is False
     assert "trak" not in partial["planted"] and "not finished" in partial["not_run"]["trak"]
     assert "not finished" in partial["not_run"]["bergson"]
-    for method in ("bm25", "cached", "cached-compact", "grad-dot", "hybrid-grad-m4", "ekfac"):
+    for method in ("bm25", "cached", "cached-compact", "grad-dot", "hybrid-grad-m4", "ekfac", "hybrid-ekfac-m4"):
         assert partial["planted"][method] == att["planted"][method], method
     assert (
         "recall10_trak" not in partial["summary"]
         and partial["summary"]["recall10_ekfac"] == att["summary"]["recall10_ekfac"]
     )
+
+
+@pytest.mark.slow
+def test_the_ekfac_hybrid_reranks_the_compact_candidates_by_ekfac(quick_claims):
+    """``hybrid-ekfac-m<M>``: each query's top M by the compact cache, scored by EK-FAC against those M sequences
+    alone, carry the full EK-FAC matrix's scores (computed in another call, against every sequence), rank above
+    every other sequence, and the rest keep the compact cache's order; its cost adds the re-scoring."""
+    att = quick_claims[1]["attribution"]
+    methods = Path(att["stage_dir"]) / "methods"
+    (path,) = methods.glob("hybrid-ekfac-m*.npy")
+    m = int(path.stem.removeprefix("hybrid-ekfac-m"))
+    compact, ekfac, hybrid = (np.load(methods / f"{n}.npy") for n in ("cached-compact", "ekfac", path.stem))
+    assert hybrid.shape == ekfac.shape and 0 < m < hybrid.shape[1]
+    for q in range(len(hybrid)):
+        order = np.argsort(-compact[q], kind="stable")
+        cands, rest = order[:m], order[m:]
+        # float32 sums in another order (one query per call vs all in one batch): agree to ~1e-4 relative
+        np.testing.assert_allclose(hybrid[q, cands], ekfac[q, cands], rtol=1e-3, atol=1e-4)
+        assert hybrid[q, cands].min() > hybrid[q, rest].max()
+        assert (np.diff(hybrid[q, rest]) <= 0).all()  # the compact cache's order below the candidates
+    cost = json.loads((methods / "costs.json").read_text())[path.stem]
+    assert cost["m"] == m and cost["per_query_s"] > cost["rescore_s"] > 0
+    assert att["planted"][path.stem]["all"]["queries"] == att["planted"]["ekfac"]["all"]["queries"]
 
 
 def _bench(args: list[str], **kw) -> subprocess.CompletedProcess[str]:
