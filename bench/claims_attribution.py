@@ -1,7 +1,8 @@
 """The ``attribution`` stage of ``bench/real_claims.py``: a fine-tune of the retrofitted SmolLM2-135M-Instruct
 on planted facts (``prismlm.tda.planted``) among neutral documents, then recall@10 and MRR of the planted
-sequences for the prototype cache (default and compact), the hybrids (the compact cache's top M re-scored by the gradient dot product or by EK-FAC), EK-FAC, TRAK, bergson and BM25, and each
-method's per-query cost over the cache's (``prismlm.eval.claims.attribution_summary``).
+sequences for the prototype cache (default and compact), the hybrids (the compact cache's top M re-scored by
+the gradient dot product or by EK-FAC), EK-FAC, TRAK, bergson and BM25, and each method's per-query cost over
+the cache's (``prismlm.eval.claims.attribution_summary``).
 
 Run: ``python bench/claims_attribution.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
 attribution``; ``BERGSON_PYTHON``: bergson's own venv). The protocol in full: docs/results.md ("How
