@@ -428,12 +428,14 @@ class Methods:
         self.done("bm25-prompt")  # saved by bm25()
         if "cached-compact" in self.scores and "grad-dot" in self.scores:
             self.hybrid()
-        run("ekfac", self.ekfac)
-        if "cached-compact" in self.scores:
-            run(f"hybrid-ekfac-m{self.size.hybrid_m}", self.hybrid_ekfac)
-        if self._kb is not None:
-            self._kb.close()
-            self._kb = None
+        try:  # the two share one factor fit (``kronfluence``), whose scratch folder goes even if one fails
+            run("ekfac", self.ekfac)
+            if "cached-compact" in self.scores:
+                run(f"hybrid-ekfac-m{self.size.hybrid_m}", self.hybrid_ekfac)
+        finally:
+            if self._kb is not None:
+                self._kb.close()
+                self._kb = None
         run("trak", self.trak)
         bergson = os.environ.get("BERGSON_PYTHON")
         if self.done("bergson") and self.costs["bergson"].get("modules") == list(self.finetuned_modules()):
