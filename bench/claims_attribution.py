@@ -5,15 +5,14 @@ the gradient dot product or by EK-FAC), EK-FAC, TRAK, bergson and BM25, and each
 the cache's (``prismlm.eval.claims.attribution_summary``).
 
 Run: ``python bench/claims_attribution.py [--quick]`` after ``claims_bank.py`` (or ``real_claims.py --stage
-attribution``; ``BERGSON_PYTHON``: bergson's own venv). The protocol in full: docs/results.md ("How
-bench/real_claims.py measures"). Each method's scores are saved under the stage folder and reused.
-``--planted nonlexical [--train-sequences 1000]``: the set lexical match cannot solve (``prismlm.tda.nonlexical``:
-aliases, two-hop facts, synonym paraphrases among filler), recall@1 / MRR / recall@10 per kind, the cache and
-EK-FAC timed batched and one query at a time (its cost model: that module's docstring), into
-``real-claims[-quick]-attribution-nonlexical.json``. ``--planted landmark``: the same with the landmark kind
-(made-up facts about real cities, each in three wordings, asked through a sight the model knows), into
-``...-attribution-landmark.json``. ``--finished-only``: run no method, record the ones finished
-so far and name the rest in ``not_run`` (``...-partial.json``): the record of a long run that resumes later.
+attribution``; ``BERGSON_PYTHON``: bergson's own venv). The protocol: docs/results.md ("How bench/real_claims.py
+measures"). Each method's scores are saved under the stage folder and reused. ``--planted nonlexical
+[--train-sequences 1000]``: the set lexical match cannot solve (``prismlm.tda.nonlexical``: aliases, two-hop
+facts, synonym paraphrases among filler), recall@1 / MRR / recall@10 per kind, the cache and EK-FAC timed batched
+and one query at a time (cost model: that module's docstring), into ``real-claims[-quick]-attribution-nonlexical
+.json``. ``--planted landmark``: the same with made-up facts about real cities, each in three wordings, asked
+through a sight the model knows (``...-attribution-landmark.json``). ``--finished-only``: run no method, record
+the finished ones and name the rest in ``not_run`` (``...-partial.json``), the record of a run that resumes later.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from prismlm.app.run import Run
 from prismlm.config import AttributionConfig
 from prismlm.data.shards import ShardSet
 from prismlm.data.tokenizer import Tokenizer
-from prismlm.eval.claims import attribution_summary
+from prismlm.eval.claims import attribution_summary, earlier_method_rows
 from prismlm.model import PrismLM
 from prismlm.tda.baselines import KronfluenceBaseline, TrakBaseline, WholeNetworkGradients, hybrid_scores
 from prismlm.tda.cache import build_cache
@@ -131,6 +130,10 @@ full size makes ~8 over 114; about a fifth of the non-lexical corpus is planted)
 statements half learned (verbatim top-1 0.42, chance 0.14) and the queries at chance (0.17, chance 0.19)."""
 UNFREEZE = "last-2"
 NOT_FINISHED = "not finished yet: the stage resumes it when run without --finished-only"
+NOT_SELECTED = "not selected (--methods)"
+METHODS = ("bm25", "cached", "cached-compact", "grad-dot", "ekfac", "hybrid-ekfac", "trak", "bergson")
+"""``--methods`` names, in the order ``run_all`` runs them (``hybrid-grad`` runs whenever its two inputs exist;
+``hybrid-ekfac`` stands for ``hybrid-ekfac-m<M>``)."""
 
 
 def add_options(ap: argparse.ArgumentParser) -> None:
@@ -147,6 +150,21 @@ def add_options(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="--planted nonlexical|landmark: training sequences of 64 tokens (default 1000; --quick 24)",
+    )
+    ap.add_argument(
+        "--methods",
+        default=None,
+        metavar="NAME[,NAME]",
+        help=f"run only these methods ({', '.join(METHODS)}); finished ones are still read back, the rest named "
+        "in not_run",
+    )
+    ap.add_argument(
+        "--merge-from",
+        type=Path,
+        default=None,
+        metavar="RECORD",
+        help="an earlier record of this stage (e.g. a partial one): its rows of the methods this run has not, "
+        "kept only if its fine-tune learned exactly what this run's did (prismlm.eval.claims.earlier_method_rows)",
     )
     ap.add_argument(
         "--finished-only",
@@ -242,10 +260,14 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
     ctx.log(f"attribution: learning {learned['summary']}")
     methods = Methods(ctx, size, stage / "methods", net, shards, queries, run_dir)
     finished_only = bool(getattr(ctx.options, "finished_only", False))
-    methods.run_all(finished_only)
-    planted = {name: retrieval_by_part(S, fact_of, part, relevant) for name, S in methods.scores.items()}
+    methods.run_all(finished_only, selected_methods(getattr(ctx.options, "methods", None)))
+    planted: dict[str, Mapping[str, Mapping[str, object]]] = {
+        name: retrieval_by_part(S, fact_of, part, relevant) for name, S in methods.scores.items()
+    }
     for name, m in planted.items():
         ctx.log(f"attribution: {name}: R@10 {m['all']['recall@10']:.2f} R@1 {m['all']['recall@1']:.2f}")
+    matched = {"num_train": N, "block_size": T, "relevant_per_fact": [sorted(r) for r in relevant], "learning": learned}
+    merged = merge_earlier(getattr(ctx.options, "merge_from", None), matched, planted, methods)
     nl = ps.nonlexical
     return {
         "summary": nonlexical_summary(planted, methods.costs, ps.name)
@@ -257,13 +279,11 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
         "unfreeze": UNFREEZE,
         "source": DEMO_MODEL,
         "run": str(run_dir),
-        "num_train": N,
-        "block_size": T,
+        **matched,
         "train_tokens": N * T,
         "queries": {str(k): int((part == k).sum()) for k in dict.fromkeys(part.tolist())},
-        "relevant_per_fact": [sorted(r) for r in relevant],
         "chance_recall10": chance_recall(N, [len(relevant[f]) for f in fact_of], 10),
-        "learning": learned,
+        "merged_from": merged,
         "planted": planted,
         "lexical": lexical_report(nl) if nl else None,
         "lexical_sequences": sequence_overlap(shards, T, queries, relevant) if nl else None,
@@ -272,6 +292,33 @@ def attribution_stage(ctx: ClaimsContext) -> dict[str, object]:
         "finetune_seconds": round(t_ft, 1),
         "stage_dir": str(stage),
     }
+
+
+def selected_methods(option: str | None) -> set[str] | None:
+    """``--methods a,b``: the names, checked against ``METHODS``; None runs every method."""
+    if option is None:
+        return None
+    names = {n.strip() for n in option.split(",") if n.strip()}
+    if unknown := names - set(METHODS):
+        raise SystemExit(f"[real-claims] --methods: unknown {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    return names
+
+
+def merge_earlier(
+    path: Path | None, matched: Json, planted: dict[str, Mapping[str, Mapping[str, object]]], methods: Methods
+) -> Json | None:
+    """``--merge-from``: the earlier record's rows of the methods this run has not, added to ``planted`` and the
+    costs, and dropped from ``not_run``; what came from where is returned for the record (None: no merge)."""
+    if path is None:
+        return None
+    earlier = json.loads(path.read_text())
+    rows, costs = earlier_method_rows(earlier, matched, {*methods.scores, *methods.costs}, source=str(path))
+    planted.update(rows)
+    methods.costs.update(costs)
+    for name in rows:
+        methods.not_run.pop(name, None)
+    env = earlier.get("environment", {})
+    return {"file": path.name, "git_revision": env.get("git_revision"), "methods": sorted(rows)}
 
 
 def sequence_overlap(shards: ShardSet, T: int, queries: list[Query], relevant: list[set[int]]) -> list[Json]:
@@ -406,15 +453,22 @@ class Methods:
         (self.folder / "costs.json").write_text(json.dumps(self.costs, indent=1) + "\n")
         self.ctx.log(f"attribution: {name} done ({cost})")
 
-    def run_all(self, finished_only: bool = False) -> None:
+    def run_all(self, finished_only: bool = False, selected: set[str] | None = None) -> None:
         """Run each method not finished yet, in order. ``finished_only``: run none; the finished ones' scores are
-        read back and the rest named in ``not_run`` (a partial record of a run that resumes later)."""
+        read back and the rest named in ``not_run`` (a partial record of a run that resumes later). ``selected``
+        (``--methods``): run only these; the others are read back where finished, else named in ``not_run``."""
+
+        def skipped(name: str) -> str | None:
+            if finished_only:
+                return NOT_FINISHED
+            key = "hybrid-ekfac" if name.startswith("hybrid-ekfac") else name
+            return NOT_SELECTED if selected is not None and key not in selected else None
 
         def run(name: str, fn: Callable[[], None]) -> None:
             if self.done(name):
                 return
-            if finished_only:
-                self.not_run[name] = NOT_FINISHED
+            if why := skipped(name):
+                self.not_run[name] = why
             else:
                 fn()
 
@@ -440,14 +494,13 @@ class Methods:
         bergson = os.environ.get("BERGSON_PYTHON")
         if self.done("bergson") and self.costs["bergson"].get("modules") == list(self.finetuned_modules()):
             pass  # scores saved on other modules (before bergson was given EK-FAC's) are not reused
-        elif bergson and not finished_only:
+        elif bergson and not skipped("bergson"):
             self.bergson(bergson)
         else:
             self.scores.pop("bergson", None)
             self.not_run["bergson"] = (
-                NOT_FINISHED
-                if finished_only
-                else "not run: set BERGSON_PYTHON to a python with bergson==2.5.1 installed (a separate venv; "
+                skipped("bergson")
+                or "not run: set BERGSON_PYTHON to a python with bergson==2.5.1 installed (a separate venv; "
                 "prismlm.integrations.bergson says how to make it)"
             )
 

@@ -314,6 +314,37 @@ def attribution_summary(planted: Mapping[str, Record], costs: Mapping[str, Recor
     return {k: v for k, v in out.items() if v is not None}
 
 
+MATCHED_FIELDS = ("num_train", "block_size", "relevant_per_fact", "learning")
+"""What two attribution records of one stage must share for their method rows to stand side by side: the same
+training sequences, the same ground truth, and a fine-tune that learned the same to the last digit (its held-out
+accuracies and NLLs, which any change to the seeded fine-tune moves)."""
+
+
+def earlier_method_rows(
+    earlier: Record, now: Record, have: Iterable[str], source: str = "the earlier record"
+) -> tuple[dict[str, dict[str, Record]], dict[str, dict[str, object]]]:
+    """The ``planted`` rows and ``costs`` of the methods in ``earlier`` (an attribution record of the same stage,
+    e.g. a partial one from another revision) that ``have`` (this run's methods and cost entries) lacks, to
+    complete a run that ran only some methods.
+    ``now`` holds this run's ``MATCHED_FIELDS``; where one differs from ``earlier``'s the two runs did not
+    fine-tune the same model and ``ArtifactMismatch`` names ``source`` and the field. Cost entries that belong to a
+    method (``_curvature``: the cache's one-off curvature pass) come along when ``have`` lacks them."""
+    from prismlm.errors import ArtifactMismatch
+
+    for field in MATCHED_FIELDS:
+        if earlier.get(field) != now.get(field):
+            raise ArtifactMismatch(
+                f"{source}: its {field} differs from this run's, so its methods did not score the same fine-tune; "
+                "rerun those methods here instead of merging"
+            )
+    have = set(have)
+    planted, costs = _rec(earlier["planted"]), _rec(earlier["costs"])
+    rows = {name: {part: _rec(m) for part, m in _rec(row).items()} for name, row in planted.items() if name not in have}
+    merged_costs = {name: dict(_rec(costs[name])) for name in rows if name in costs}
+    merged_costs |= {k: dict(_rec(v)) for k, v in costs.items() if k.startswith("_") and k not in have}
+    return rows, merged_costs
+
+
 # ----- explanations ---------------------------------------------------------------------------------------------
 PARTS = ChoiceParts._fields
 """The columns of an answer's ``parts`` rows (one row per answer token): the fields of ``ChoiceParts``."""
