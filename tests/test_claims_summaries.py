@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from prismlm.errors import ArtifactMismatch
 from prismlm.eval.claims import (
     PARTS,
     attribution_summary,
@@ -14,6 +15,7 @@ from prismlm.eval.claims import (
     best_suppression_row,
     claims_goals,
     controller_summary,
+    earlier_method_rows,
     logit_shares,
     suppression_rows,
     suppression_summary,
@@ -249,3 +251,32 @@ def test_claims_goals_are_met_only_at_their_thresholds_and_unmeasured_when_a_fie
     noisy = claims_goals({**summary, "controller_minus_dense": 2.5, "controller_vs_sae_mcnemar_p": 0.6})
     assert noisy["controllers"]["met"] is True and noisy["controllers"]["values"]["controller_vs_sae_mcnemar_p"] == 0.6
     assert noisy["controllers"]["values"]["controller_vs_dense_mcnemar_p"] is None
+
+
+def _record(methods: dict[str, float], learning_top1: float = 0.7) -> dict[str, object]:
+    return {
+        "num_train": 100,
+        "block_size": 64,
+        "relevant_per_fact": [[1, 2], [3]],
+        "learning": {"after": {"top1": learning_top1}},
+        "planted": {m: {"all": {"mrr": v}} for m, v in methods.items()},
+        "costs": {"_curvature": {"seconds": 9.0}, **{m: {"per_query_s": v} for m, v in methods.items()}},
+    }
+
+
+def test_earlier_method_rows_adds_only_the_missing_methods_of_a_record_that_learned_the_same():
+    earlier = _record({"cached": 0.5, "ekfac": 0.8})
+    now = _record({"trak": 0.3})
+    rows, costs = earlier_method_rows(earlier, now, ["trak", "bm25"])
+    assert rows == {"cached": {"all": {"mrr": 0.5}}, "ekfac": {"all": {"mrr": 0.8}}}
+    assert costs == {"cached": {"per_query_s": 0.5}, "ekfac": {"per_query_s": 0.8}, "_curvature": {"seconds": 9.0}}
+    rows, costs = earlier_method_rows(earlier, now, ["cached", "_curvature"])  # this run has both: not replaced
+    assert list(rows) == ["ekfac"] and list(costs) == ["ekfac"]
+
+
+@pytest.mark.parametrize("field", ["learning", "relevant_per_fact", "num_train"])
+def test_earlier_method_rows_refuses_a_record_of_another_fine_tune(field):
+    earlier, now = _record({"cached": 0.5}), _record({})
+    now[field] = {"learning": {"after": {"top1": 0.71}}, "relevant_per_fact": [[1], [3]], "num_train": 101}[field]
+    with pytest.raises(ArtifactMismatch, match=f"old.json: its {field} differs"):
+        earlier_method_rows(earlier, now, [], source="old.json")

@@ -281,6 +281,40 @@ def test_a_partial_attribution_record_holds_the_finished_methods_and_names_the_r
 
 
 @pytest.mark.slow
+def test_methods_runs_only_the_named_and_merge_from_restores_the_rest_from_an_earlier_record(quick_claims, tmp_path):
+    """``--methods bm25``: a method whose scores are not saved is not run but named "not selected" in ``not_run``;
+    with ``--merge-from`` the full record, its row and its summary fields come back as the full record had them,
+    it leaves ``not_run``, and ``merged_from`` names it and the record's revision."""
+    _, stages, _, _, _ = quick_claims
+    att = stages["attribution"]
+    methods = Path(att["stage_dir"]) / "methods"
+    work = Path(att["stage_dir"]).parent
+    work = work.with_name(work.name.removesuffix("-faithful"))
+    full = tmp_path / "full.json"
+    full.write_text(json.dumps(att))
+    base = ["bench/claims_attribution.py", "--quick", "--threads", "1", "--work", str(work), "--head", "faithful"]
+    aside = methods / "trak.npy.aside"
+    (methods / "trak.npy").rename(aside)
+    try:
+        only = _bench([*base, "--methods", "bm25", "--out", str(tmp_path / "only.json")])
+        merged = _bench([*base, "--methods", "bm25", "--merge-from", str(full), "--out", str(tmp_path / "m.json")])
+    finally:
+        aside.rename(methods / "trak.npy")
+    assert only.returncode == 0, only.stderr[-3000:]
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    rec, rec_merged = (json.loads((tmp_path / f).read_text()) for f in ("only.json", "m.json"))
+    assert "trak" not in rec["planted"] and rec["not_run"]["trak"] == "not selected (--methods)"
+    assert rec["planted"]["ekfac"] == att["planted"]["ekfac"]  # finished, so read back though not selected
+    assert rec_merged["planted"]["trak"] == att["planted"]["trak"] and "trak" not in rec_merged["not_run"]
+    assert rec_merged["summary"]["recall10_trak"] == att["summary"]["recall10_trak"]
+    assert rec_merged["merged_from"] == {
+        "file": "full.json",
+        "git_revision": att["environment"]["git_revision"],
+        "methods": ["trak"],
+    }
+
+
+@pytest.mark.slow
 def test_the_ekfac_hybrid_reranks_the_compact_candidates_by_ekfac(quick_claims):
     """``hybrid-ekfac-m<M>``: each query's top M by the compact cache, scored by EK-FAC against those M sequences
     alone, carry the full EK-FAC matrix's scores (computed in another call, against every sequence), rank above
