@@ -8,6 +8,7 @@ few fixed numbers (tests/test_claims_summaries.py).
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 
@@ -320,6 +321,12 @@ training sequences, the same ground truth, and a fine-tune that learned the same
 accuracies and NLLs, which any change to the seeded fine-tune moves)."""
 
 
+def _as_json(v: object) -> object:
+    """``v`` as it reads back from a JSON file (tuples as lists, NumPy scalars as numbers), so that a record computed
+    now compares equal to the same record read from disk."""
+    return json.loads(json.dumps(v, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
 def earlier_method_rows(
     earlier: Record, now: Record, have: Iterable[str], source: str = "the earlier record"
 ) -> tuple[dict[str, dict[str, Record]], dict[str, dict[str, object]]]:
@@ -332,7 +339,7 @@ def earlier_method_rows(
     from prismlm.errors import ArtifactMismatch
 
     for field in MATCHED_FIELDS:
-        if earlier.get(field) != now.get(field):
+        if _as_json(earlier.get(field)) != _as_json(now.get(field)):
             raise ArtifactMismatch(
                 f"{source}: its {field} differs from this run's, so its methods did not score the same fine-tune; "
                 "rerun those methods here instead of merging"
