@@ -312,7 +312,10 @@ def merge_earlier(
     if path is None:
         return None
     earlier = json.loads(path.read_text())
-    rows, costs = earlier_method_rows(earlier, matched, {*methods.scores, *methods.costs}, source=str(path))
+    # this run's methods are those with scores (costs.json may name one whose scores were set aside) and its own
+    # cost entries (``_curvature``)
+    have = {*methods.scores, *(k for k in methods.costs if k.startswith("_"))}
+    rows, costs = earlier_method_rows(earlier, matched, have, source=str(path))
     planted.update(rows)
     methods.costs.update(costs)
     for name in rows:
