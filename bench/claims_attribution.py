@@ -321,7 +321,9 @@ def merge_earlier(
     for name in rows:
         methods.not_run.pop(name, None)
     env = earlier.get("environment", {})
-    return {"file": path.name, "git_revision": env.get("git_revision"), "methods": sorted(rows)}
+    merged = {"file": path.name, "git_revision": env.get("git_revision"), "methods": sorted(rows)}
+    # a record that was itself completed from another keeps that provenance one level down
+    return merged | ({"earlier": earlier["merged_from"]} if earlier.get("merged_from") else {})
 
 
 def sequence_overlap(shards: ShardSet, T: int, queries: list[Query], relevant: list[set[int]]) -> list[Json]:
