@@ -332,6 +332,12 @@ def test_the_ekfac_hybrid_reranks_the_compact_candidates_by_ekfac(quick_claims):
         np.testing.assert_allclose(hybrid[q, cands], ekfac[q, cands], rtol=1e-3, atol=1e-4)
         assert hybrid[q, cands].min() > hybrid[q, rest].max()
         assert (np.diff(hybrid[q, rest]) <= 0).all()  # the compact cache's order below the candidates
+    cost = att["costs"][path.stem]
+    # batched against the union of the candidates, each query's own candidates score as in its one-query call
+    assert cost["batched_max_abs_diff"] <= 1e-3 * max(1.0, float(np.abs(ekfac).max()))
+    assert m <= cost["union"] <= min(len(hybrid) * m, hybrid.shape[1])
+    assert cost["batched_per_query_s"] > cost["batch_rescore_s"] / len(hybrid) > 0
+    assert cost["per_query_s"] == cost["single_query_s"]
     cost = json.loads((methods / "costs.json").read_text())[path.stem]
     assert cost["m"] == m and cost["per_query_s"] > cost["rescore_s"] > 0
     assert att["planted"][path.stem]["all"]["queries"] == att["planted"]["ekfac"]["all"]["queries"]
