@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 import numpy as np
 import torch
 
+from prismlm.errors import ArtifactMismatch
 from prismlm.eval.faithfulness import ChoiceParts, choice_shares
 from prismlm.eval.stats import drop_ci, excess_drop, gap_ci, mcnemar_exact_p, relative_drop
 
@@ -336,8 +337,6 @@ def earlier_method_rows(
     ``now`` holds this run's ``MATCHED_FIELDS``; where one differs from ``earlier``'s the two runs did not
     fine-tune the same model and ``ArtifactMismatch`` names ``source`` and the field. Cost entries that belong to a
     method (``_curvature``: the cache's one-off curvature pass) come along when ``have`` lacks them."""
-    from prismlm.errors import ArtifactMismatch
-
     for field in MATCHED_FIELDS:
         if _as_json(earlier.get(field)) != _as_json(now.get(field)):
             raise ArtifactMismatch(
